@@ -1,0 +1,216 @@
+//! `opservant doctor`: what this host supports, what is missing, and — in plain words — what
+//! will be degraded. Read-only: it changes nothing on the host.
+
+use std::path::PathBuf;
+
+use sandbox::probe::HostProbe;
+use serde::Serialize;
+
+/// One finding.
+#[derive(Debug, Clone, Serialize)]
+pub struct Finding {
+    pub feature: &'static str,
+    pub ok: bool,
+    /// A missing required feature stops sandboxes from running.
+    pub required: bool,
+    pub detail: String,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct DoctorReport {
+    pub kernel: String,
+    pub findings: Vec<Finding>,
+    /// Plain-language consequences of what is missing.
+    pub degraded: Vec<String>,
+    pub probe: HostProbe,
+}
+
+impl DoctorReport {
+    /// A required feature is missing.
+    pub fn failed(&self) -> bool {
+        self.findings.iter().any(|f| f.required && !f.ok)
+    }
+}
+
+fn find_in_path(name: &str) -> Option<PathBuf> {
+    let path = std::env::var("PATH").unwrap_or_default();
+    let found = path
+        .split(':')
+        .chain(["/usr/sbin", "/sbin", "/usr/bin", "/bin"])
+        .map(|d| PathBuf::from(d).join(name))
+        .find(|p| p.is_file());
+    found
+}
+
+/// Examine the host. `landlock_min_abi` and `allow_degraded` come from the agent policy.
+pub fn examine(landlock_min_abi: u32, allow_degraded: bool) -> DoctorReport {
+    let p = sandbox::probe::probe();
+    let mut findings = Vec::new();
+    let mut degraded = Vec::new();
+
+    let missing_ns: Vec<&str> = p.namespaces.iter().filter(|(n, ok)| !ok && *n != "time").map(|(n, _)| *n).collect();
+    findings.push(Finding {
+        feature: "namespaces",
+        ok: missing_ns.is_empty(),
+        required: true,
+        detail: if missing_ns.is_empty() {
+            format!(
+                "{} available",
+                p.namespaces.iter().filter(|(_, ok)| *ok).map(|(n, _)| *n).collect::<Vec<_>>().join(" ")
+            )
+        } else {
+            format!("missing: {}", missing_ns.join(" "))
+        },
+    });
+
+    let u = &p.user_namespaces;
+    let mut notes = Vec::new();
+    if let Some(m) = u.max_user_namespaces {
+        notes.push(format!("user.max_user_namespaces={m}"));
+    }
+    if let Some(v) = u.unprivileged_userns_clone {
+        notes.push(format!("kernel.unprivileged_userns_clone={}", u8::from(v)));
+    }
+    match u.apparmor_restrict_unprivileged_userns {
+        Some(true) => notes.push("AppArmor restricts unprivileged user namespaces (root is not affected)".into()),
+        Some(false) => notes.push("AppArmor does not restrict user namespaces".into()),
+        None => notes.push("no AppArmor user-namespace restriction on this kernel".into()),
+    }
+    findings.push(Finding {
+        feature: "user namespaces",
+        ok: u.can_create.is_ok(),
+        required: true,
+        detail: match &u.can_create {
+            Ok(()) => format!("can create all seven namespace types; {}", notes.join("; ")),
+            Err(e) => format!("cannot create: {e}; {}", notes.join("; ")),
+        },
+    });
+
+    let ll = &p.landlock;
+    let ll_ok = ll.abi >= landlock_min_abi && ll.abi > 0;
+    findings.push(Finding {
+        feature: "landlock",
+        ok: ll_ok,
+        required: landlock_min_abi > 0,
+        detail: if ll.abi == 0 {
+            "not available (not built or not enabled: add landlock to the lsm= boot parameter)".into()
+        } else {
+            format!(
+                "ABI {} ({}); enforced rights: {}; scopes: {}",
+                ll.abi,
+                serde_json::to_value(ll.status).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default(),
+                ll.fs_enforced.join(","),
+                if ll.scopes_enforced.is_empty() { "none".into() } else { ll.scopes_enforced.join(",") }
+            )
+        },
+    });
+    if !ll.fs_unsupported.is_empty() {
+        degraded.push(format!(
+            "Landlock ABI {} cannot enforce: {}{}",
+            ll.abi,
+            ll.fs_unsupported.join(", "),
+            if ll.fs_unsupported.iter().any(|r| r == "resolve_unix") {
+                " (connecting to path-named Unix sockets is not mediated by Landlock; the sandbox's allowlisted mount view is what hides host sockets)"
+            } else {
+                ""
+            }
+        ));
+    }
+    if !ll.scopes_unsupported.is_empty() {
+        degraded.push(format!(
+            "Landlock ABI {} has no {} scoping (the sandbox's own network and PID namespaces still separate abstract sockets and signals)",
+            ll.abi,
+            ll.scopes_unsupported.join(" / ")
+        ));
+    }
+
+    findings.push(Finding {
+        feature: "seccomp",
+        ok: p.seccomp,
+        required: true,
+        detail: if p.seccomp { "filter mode available".into() } else { "seccomp filters unavailable".into() },
+    });
+
+    for (name, c) in
+        [("cgroup memory", &p.cgroup.memory), ("cgroup cpu", &p.cgroup.cpu), ("cgroup pids", &p.cgroup.pids)]
+    {
+        let ok = c.version.is_some();
+        findings.push(Finding {
+            feature: name,
+            ok,
+            required: !allow_degraded,
+            detail: match c.version {
+                Some(v) => format!("{v}, sandbox cgroups under {}", c.detail),
+                None => c.detail.clone(),
+            },
+        });
+        if !ok {
+            degraded.push(format!("{name} limits cannot be enforced: {}", c.detail));
+        }
+    }
+    let versions: Vec<&str> =
+        [&p.cgroup.memory, &p.cgroup.cpu, &p.cgroup.pids].iter().filter_map(|c| c.version).collect();
+    if versions.contains(&"v1") {
+        degraded.push(
+            "cgroup v1 hierarchy in use: no cgroup.kill (teardown sweeps processes with SIGKILL) and no memory.oom.group (an OOM kills one process, not the whole tree)".into(),
+        );
+    }
+
+    findings.push(Finding {
+        feature: "mount_setattr",
+        ok: p.mount_setattr,
+        required: false,
+        detail: if p.mount_setattr {
+            "available".into()
+        } else {
+            "missing: read-only binds fall back to per-mount remounts".into()
+        },
+    });
+    findings.push(Finding {
+        feature: "openat2",
+        ok: p.openat2,
+        required: false,
+        detail: if p.openat2 {
+            "available (host paths resolved with RESOLVE_IN_ROOT)".into()
+        } else {
+            "missing: host paths resolved without RESOLVE_IN_ROOT".into()
+        },
+    });
+    let nft = find_in_path("nft");
+    findings.push(Finding {
+        feature: "nft",
+        ok: nft.is_some(),
+        required: false,
+        detail: match &nft {
+            Some(p) => format!("{} (network egress policy)", p.display()),
+            None => "not found: network egress policy will be unavailable".into(),
+        },
+    });
+
+    DoctorReport { kernel: p.kernel.clone(), findings, degraded, probe: p }
+}
+
+/// Human-readable rendering.
+pub fn render(r: &DoctorReport) -> String {
+    let mut s = format!("opservant doctor — {}\n\n", r.kernel);
+    for f in &r.findings {
+        let mark = match (f.ok, f.required) {
+            (true, _) => "ok     ",
+            (false, true) => "MISSING",
+            (false, false) => "absent ",
+        };
+        s.push_str(&format!("{mark}  {:<16} {}\n", f.feature, f.detail));
+    }
+    if !r.degraded.is_empty() {
+        s.push_str("\nWhat will be degraded on this host:\n");
+        for d in &r.degraded {
+            s.push_str(&format!("  - {d}\n"));
+        }
+    }
+    s.push_str(if r.failed() {
+        "\nA required feature is missing: sandboxes will not start on this host.\n"
+    } else {
+        "\nEvery required feature is present.\n"
+    });
+    s
+}

@@ -1,0 +1,133 @@
+//! The `opservant` binary. Exit status (DESIGN.md §5): 0 completed, 1 ran but did not
+//! complete (the JSON says why), 2 could not run — with a one-line reason on stderr.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+use agent::policy::AgentPolicy;
+use agent::result::{RunResult, Status};
+
+/// Hidden sub-command that turns this process into a sandbox init.
+const SANDBOX_INIT: &str = "__sandbox-init";
+
+#[derive(Parser)]
+#[command(name = "opservant", version, about = "Runs executor plugins inside a native Linux sandbox")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run any program inside the sandbox built from a manifest's permissions and limits
+    /// (defaults without one). Prints the program's output, then the result JSON as the last
+    /// line of stdout.
+    Sandbox {
+        /// Manifest whose permissions and resource_limits shape the sandbox.
+        #[arg(long)]
+        manifest: Option<PathBuf>,
+        /// Print only the result JSON (the program's output is inside it).
+        #[arg(long)]
+        json: bool,
+        /// Program and arguments.
+        #[arg(required = true, last = true, value_name = "PROGRAM")]
+        argv: Vec<String>,
+    },
+    /// Describe what this host supports and what will be degraded. Exit 1 when a required
+    /// feature is missing.
+    Doctor {
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// A failure to run: exit status 2 with a one-line reason.
+struct CannotRun(String);
+
+impl<E: std::fmt::Display> From<E> for CannotRun {
+    fn from(e: E) -> Self {
+        CannotRun(e.to_string())
+    }
+}
+
+fn main() -> ExitCode {
+    // The sandbox init must run before anything else (no threads, no logging setup).
+    if std::env::args_os().nth(1).is_some_and(|a| a == SANDBOX_INIT) {
+        sandbox::init::main();
+    }
+    let log = tracing_subscriber::fmt().with_writer(std::io::stderr);
+    match tracing_subscriber::EnvFilter::try_from_env("OPSERVANT_LOG") {
+        Ok(filter) => log.with_env_filter(filter).init(),
+        // Without OPSERVANT_LOG a plain level filter: parsing directives costs start-up time.
+        Err(_) => log.with_max_level(tracing::Level::WARN).init(),
+    }
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Sandbox { manifest, json, argv } => run_sandbox(manifest, json, argv),
+        Command::Doctor { json } => doctor(json),
+    };
+    match result {
+        Ok(code) => code,
+        Err(CannotRun(reason)) => {
+            let line = reason.replace('\n', " ");
+            eprintln!("opservant: {line}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn run_sandbox(manifest: Option<PathBuf>, json_only: bool, argv: Vec<String>) -> Result<ExitCode, CannotRun> {
+    let manifest = match manifest {
+        Some(path) => {
+            let (m, warnings) = agent::manifest::Manifest::load(&path)?;
+            for w in warnings {
+                tracing::warn!(manifest = %path.display(), "{w}");
+            }
+            Some(m)
+        }
+        None => None,
+    };
+    let policy = AgentPolicy::builtin()?;
+    let (program, args) = argv.split_first().ok_or_else(|| CannotRun("no program given".into()))?;
+    let (spec, limits) = policy.spec_for(manifest.as_ref(), program, args.to_vec())?;
+
+    let stdout = std::io::stdout();
+    let stderr = std::io::stderr();
+    let mut last_stdout_byte = b'\n';
+    let mut tee = |stream: sandbox::Stream, data: &[u8]| {
+        // A closed terminal or pipe must not stop the sandbox; the JSON still captures it.
+        let _ = match stream {
+            sandbox::Stream::Stdout => {
+                if let Some(b) = data.last() {
+                    last_stdout_byte = *b;
+                }
+                stdout.lock().write_all(data)
+            }
+            sandbox::Stream::Stderr => stderr.lock().write_all(data),
+        };
+    };
+    let out = sandbox::OutputOptions { tee: if json_only { None } else { Some(&mut tee) }, ..Default::default() };
+    let outcome = sandbox::run(&spec, &sandbox::Launcher::fork_or_reexec(SANDBOX_INIT), out)?;
+    let result = RunResult::for_program(&outcome, &limits);
+    let mut lock = std::io::stdout().lock();
+    if !json_only && last_stdout_byte != b'\n' {
+        let _ = lock.write_all(b"\n");
+    }
+    let text = serde_json::to_string(&result)?;
+    let _ = writeln!(lock, "{text}");
+    Ok(if result.status == Status::Completed { ExitCode::SUCCESS } else { ExitCode::from(1) })
+}
+
+fn doctor(json: bool) -> Result<ExitCode, CannotRun> {
+    let policy_min_abi = 1;
+    let report = agent::doctor::examine(policy_min_abi, false);
+    if json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", agent::doctor::render(&report));
+    }
+    Ok(if report.failed() { ExitCode::from(1) } else { ExitCode::SUCCESS })
+}

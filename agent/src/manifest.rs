@@ -1,0 +1,358 @@
+//! Executor manifests (`manifest.json`): seed 000/001 fields plus the DESIGN.md §3 extensions.
+//!
+//! Guarantees: a manifest either loads into a [`Manifest`] whose every field passed its rule,
+//! or yields a [`ManifestError`] naming the field path (`permissions.network.allowed_ports[2]`)
+//! and the rule broken. Unknown keys under `permissions` (and in every nested permission or
+//! limit object) are errors — a misspelt restriction must never be silently ignored; unknown
+//! top-level keys are warnings.
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+use thiserror::Error;
+
+/// A field that breaks a rule.
+#[derive(Debug, Clone, Error, PartialEq, Eq)]
+#[error("{path}: {message}")]
+pub struct ManifestError {
+    pub path: String,
+    pub message: String,
+}
+
+impl ManifestError {
+    pub fn new(path: impl Into<String>, message: impl Into<String>) -> Self {
+        Self { path: path.into(), message: message.into() }
+    }
+}
+
+/// A finding that does not make the manifest invalid.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Warning {
+    pub path: String,
+    pub message: String,
+}
+
+impl std::fmt::Display for Warning {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.path, self.message)
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+pub struct Manifest {
+    pub name: String,
+    pub version: String,
+    pub description: String,
+    #[serde(default)]
+    pub author: Option<String>,
+    pub supported_actions: Vec<String>,
+    pub entry_point: String,
+    #[serde(default)]
+    pub requirements: Requirements,
+    pub permissions: Permissions,
+    #[serde(default)]
+    pub resource_limits: ResourceLimits,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Requirements {
+    #[serde(default)]
+    pub python: Option<String>,
+    #[serde(default)]
+    pub packages: Vec<String>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Permissions {
+    #[serde(default)]
+    pub network: NetworkPermissions,
+    #[serde(default)]
+    pub filesystem: FilesystemPermissions,
+    #[serde(default)]
+    pub secrets: Vec<String>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct NetworkPermissions {
+    #[serde(default)]
+    pub outbound: bool,
+    #[serde(default)]
+    pub allowed_hosts: Option<Vec<String>>,
+    #[serde(default)]
+    pub allowed_ports: Vec<PortEntry>,
+    #[serde(default)]
+    pub denied_hosts: Vec<String>,
+    #[serde(default)]
+    pub dns_allowed: Option<bool>,
+}
+
+/// One entry of `allowed_ports`: a port, a `"low-high"` string, or a `[low, high]` pair.
+/// A bare list of two numbers (`[1, 65535]`, as in seed 000) is two single ports.
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(untagged)]
+pub enum PortEntry {
+    Port(u64),
+    Text(String),
+    Pair(Vec<u64>),
+}
+
+impl PortEntry {
+    /// The inclusive range this entry allows.
+    pub fn range(&self) -> Result<(u16, u16), String> {
+        let port =
+            |v: u64| u16::try_from(v).ok().filter(|p| *p >= 1).ok_or_else(|| format!("{v} is not a port (1-65535)"));
+        match self {
+            PortEntry::Port(p) => port(*p).map(|p| (p, p)),
+            PortEntry::Text(s) => {
+                let (lo, hi) = match s.split_once('-') {
+                    Some((a, b)) => (a.trim(), b.trim()),
+                    None => (s.trim(), s.trim()),
+                };
+                let parse = |x: &str| {
+                    x.parse::<u64>().map_err(|_| format!("'{s}' is not a port or \"low-high\" range")).and_then(port)
+                };
+                let (lo, hi) = (parse(lo)?, parse(hi)?);
+                if lo > hi {
+                    return Err(format!("'{s}': low end above high end"));
+                }
+                Ok((lo, hi))
+            }
+            PortEntry::Pair(v) => match v.as_slice() {
+                [a, b] => {
+                    let (lo, hi) = (port(*a)?, port(*b)?);
+                    if lo > hi {
+                        return Err(format!("[{a}, {b}]: low end above high end"));
+                    }
+                    Ok((lo, hi))
+                }
+                _ => Err("a range must be [low, high]".into()),
+            },
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct FilesystemPermissions {
+    #[serde(default)]
+    pub read: Vec<PathBuf>,
+    #[serde(default)]
+    pub write: Vec<PathBuf>,
+}
+
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct ResourceLimits {
+    pub max_memory_mb: Option<u64>,
+    pub max_cpu_percent: Option<u64>,
+    pub timeout_seconds: Option<u64>,
+    pub max_disk_mb: Option<u64>,
+    pub max_bandwidth_mbps: Option<u64>,
+    pub max_pids: Option<u64>,
+}
+
+const TOP_LEVEL: &[&str] = &[
+    "name",
+    "version",
+    "description",
+    "author",
+    "supported_actions",
+    "entry_point",
+    "requirements",
+    "permissions",
+    "resource_limits",
+];
+
+impl Manifest {
+    /// Read, parse and validate `path`.
+    pub fn load(path: &Path) -> Result<(Manifest, Vec<Warning>), ManifestError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| ManifestError::new(path.display().to_string(), format!("cannot read: {e}")))?;
+        Self::parse(&text)
+    }
+
+    /// Parse and validate manifest text.
+    pub fn parse(text: &str) -> Result<(Manifest, Vec<Warning>), ManifestError> {
+        let value: serde_json::Value =
+            serde_json::from_str(text).map_err(|e| ManifestError::new("manifest", format!("not valid JSON: {e}")))?;
+        let obj = value.as_object().ok_or_else(|| ManifestError::new("manifest", "must be a JSON object"))?;
+        let mut warnings: Vec<Warning> = obj
+            .keys()
+            .filter(|k| !TOP_LEVEL.contains(&k.as_str()))
+            .map(|k| Warning { path: k.clone(), message: "unknown top-level key (ignored)".into() })
+            .collect();
+        let manifest: Manifest = serde_path_to_error::deserialize(&value).map_err(|e| {
+            let path = e.path().to_string();
+            let path = if path == "." { "manifest".to_string() } else { path };
+            ManifestError::new(path, e.into_inner().to_string())
+        })?;
+        manifest.validate(&mut warnings)?;
+        Ok((manifest, warnings))
+    }
+
+    fn validate(&self, warnings: &mut Vec<Warning>) -> Result<(), ManifestError> {
+        let name_ok = !self.name.is_empty()
+            && self.name.len() <= 64
+            && self.name.bytes().next().is_some_and(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
+            && self.name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+        if !name_ok {
+            return Err(ManifestError::new("name", "must match [a-z0-9][a-z0-9-]* (at most 64 characters)"));
+        }
+        semver::Version::parse(&self.version)
+            .map_err(|e| ManifestError::new("version", format!("'{}' is not a semantic version: {e}", self.version)))?;
+        if self.description.trim().is_empty() {
+            return Err(ManifestError::new("description", "must not be empty"));
+        }
+        if self.supported_actions.is_empty() {
+            return Err(ManifestError::new("supported_actions", "must list at least one action"));
+        }
+        for (i, a) in self.supported_actions.iter().enumerate() {
+            if a.trim().is_empty() || a.chars().any(char::is_whitespace) {
+                return Err(ManifestError::new(
+                    format!("supported_actions[{i}]"),
+                    "must be a non-empty id without spaces",
+                ));
+            }
+        }
+        let ident = |s: &str| {
+            !s.is_empty()
+                && s.chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+                && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+        };
+        let parts: Vec<&str> = self.entry_point.split('.').collect();
+        if parts.len() < 2 || !parts.iter().all(|p| ident(p)) {
+            return Err(ManifestError::new(
+                "entry_point",
+                format!("'{}' is not of the form module.Class", self.entry_point),
+            ));
+        }
+        if let Some(req) = &self.requirements.python {
+            if req.trim().is_empty() {
+                return Err(ManifestError::new("requirements.python", "must not be empty"));
+            }
+        }
+        let net = &self.permissions.network;
+        for (i, p) in net.allowed_ports.iter().enumerate() {
+            p.range().map_err(|m| ManifestError::new(format!("permissions.network.allowed_ports[{i}]"), m))?;
+        }
+        if net.allowed_ports.len() == 2 && net.allowed_ports.iter().all(|p| matches!(p, PortEntry::Port(_))) {
+            warnings.push(Warning {
+                path: "permissions.network.allowed_ports".into(),
+                message: "two bare numbers are two single ports, not a range; write [[low, high]] or \"low-high\" for a range".into(),
+            });
+        }
+        for (field, list) in
+            [("read", &self.permissions.filesystem.read), ("write", &self.permissions.filesystem.write)]
+        {
+            for (i, p) in list.iter().enumerate() {
+                let path = format!("permissions.filesystem.{field}[{i}]");
+                if !p.is_absolute() {
+                    return Err(ManifestError::new(path, format!("{} is not an absolute path", p.display())));
+                }
+                if p.components().any(|c| matches!(c, std::path::Component::ParentDir | std::path::Component::CurDir)) {
+                    return Err(ManifestError::new(path, format!("{} contains '.' or '..'", p.display())));
+                }
+            }
+        }
+        for (i, s) in self.permissions.secrets.iter().enumerate() {
+            if s.is_empty() || !s.chars().all(|c| c.is_ascii_alphanumeric() || "_-./".contains(c)) {
+                return Err(ManifestError::new(
+                    format!("permissions.secrets[{i}]"),
+                    "must be a name of [A-Za-z0-9_./-]",
+                ));
+            }
+        }
+        let l = &self.resource_limits;
+        for (field, v) in [
+            ("max_memory_mb", l.max_memory_mb),
+            ("max_cpu_percent", l.max_cpu_percent),
+            ("timeout_seconds", l.timeout_seconds),
+            ("max_disk_mb", l.max_disk_mb),
+            ("max_bandwidth_mbps", l.max_bandwidth_mbps),
+            ("max_pids", l.max_pids),
+        ] {
+            if v == Some(0) {
+                return Err(ManifestError::new(format!("resource_limits.{field}"), "must be positive"));
+            }
+        }
+        if l.max_cpu_percent.is_some_and(|p| p > 100) {
+            return Err(ManifestError::new("resource_limits.max_cpu_percent", "is a percentage of one CPU (1-100)"));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SEED: &str = r#"{
+        "name": "port-scanner", "version": "1.0.0", "description": "Scans TCP ports on target hosts.",
+        "author": "security-team", "supported_actions": ["act-port-scan", "act-service-discovery"],
+        "entry_point": "port_scanner.PortScanExecutor",
+        "requirements": {"python": ">=3.9", "packages": []},
+        "permissions": {"network": {"outbound": true, "allowed_ports": [1, 65535]},
+                        "filesystem": {"read": ["/etc/opservant/config.yaml"], "write": ["/tmp/opservant/"]}},
+        "resource_limits": {"max_memory_mb": 256, "max_cpu_percent": 25, "timeout_seconds": 300}
+    }"#;
+
+    #[test]
+    fn seed_manifest_loads_with_port_warning() {
+        let (m, w) = Manifest::parse(SEED).unwrap();
+        assert_eq!(m.name, "port-scanner");
+        assert_eq!(m.permissions.network.allowed_ports[0].range().unwrap(), (1, 1));
+        assert_eq!(w.len(), 1);
+        assert!(w[0].message.contains("two single ports"));
+    }
+
+    #[test]
+    fn misspelt_permission_is_an_error_naming_the_path() {
+        let bad = SEED.replace("\"outbound\"", "\"outbond\"");
+        let e = Manifest::parse(&bad).unwrap_err();
+        assert!(e.path.starts_with("permissions.network"), "{e}");
+        assert!(e.message.contains("outbond"), "{e}");
+    }
+
+    #[test]
+    fn unknown_top_level_is_a_warning() {
+        let extra = SEED.replacen('{', "{\"homepage\": \"x\",", 1);
+        let (_, w) = Manifest::parse(&extra).unwrap();
+        assert!(w.iter().any(|w| w.path == "homepage"));
+    }
+
+    #[test]
+    fn field_rules() {
+        for (from, to, path) in [
+            ("\"port-scanner\"", "\"Port_Scanner\"", "name"),
+            ("\"1.0.0\"", "\"1.0\"", "version"),
+            ("\"port_scanner.PortScanExecutor\"", "\"port_scanner\"", "entry_point"),
+            ("\"max_memory_mb\": 256", "\"max_memory_mb\": 0", "resource_limits.max_memory_mb"),
+            ("[1, 65535]", "[\"80-20\"]", "permissions.network.allowed_ports[0]"),
+            ("[1, 65535]", "[70000]", "permissions.network.allowed_ports[0]"),
+            ("\"/tmp/opservant/\"", "\"tmp\"", "permissions.filesystem.write[0]"),
+            ("\"max_memory_mb\": 256", "\"max_memory_mb\": \"lots\"", "resource_limits.max_memory_mb"),
+        ] {
+            let e = Manifest::parse(&SEED.replace(from, to)).unwrap_err();
+            assert_eq!(e.path, path, "{from} -> {to}: {e}");
+        }
+    }
+
+    #[test]
+    fn port_forms() {
+        assert_eq!(PortEntry::Text("8000-8100".into()).range().unwrap(), (8000, 8100));
+        assert_eq!(PortEntry::Text("443".into()).range().unwrap(), (443, 443));
+        assert_eq!(PortEntry::Pair(vec![1, 1024]).range().unwrap(), (1, 1024));
+        assert!(PortEntry::Pair(vec![1, 2, 3]).range().is_err());
+        assert!(PortEntry::Port(0).range().is_err());
+    }
+
+    #[test]
+    fn garbage_is_an_error() {
+        assert!(Manifest::parse("[]").is_err());
+        assert!(Manifest::parse("{").is_err());
+        assert_eq!(Manifest::parse("{}").unwrap_err().path, "manifest");
+    }
+}

@@ -1,0 +1,244 @@
+//! opservant's sandbox policy: how a manifest's permissions and limits become a
+//! [`SandboxSpec`]. This is where the agent's own rules live (the `sandbox` crate has none):
+//! what is always masked, which declarations are refused, which limits apply.
+//!
+//! Guarantees: write access to system directories, the agent binary, its configuration and
+//! its state is refused even when declared (naming the manifest field); declared paths must
+//! exist; host credentials stay masked.
+
+use std::path::{Path, PathBuf};
+
+use sandbox::{Access, Identity, Limits, PathRule, SandboxSpec, SeccompPolicy, SyntheticFile};
+use thiserror::Error;
+
+use crate::limits::{EffectiveLimits, LimitPolicy};
+use crate::manifest::Manifest;
+
+/// The agent's configuration directory.
+pub const CONFIG_DIR: &str = "/etc/opservant";
+/// The agent's state directories.
+pub const STATE_DIRS: &[&str] = &["/var/lib/opservant", "/var/log/opservant", "/run/opservant"];
+
+/// Directories no executor may write to, at or beneath.
+const SYSTEM_DIRS: &[&str] = &[
+    "/bin",
+    "/boot",
+    "/dev",
+    "/etc",
+    "/lib",
+    "/lib32",
+    "/lib64",
+    "/libx32",
+    "/proc",
+    "/root",
+    "/run",
+    "/sbin",
+    "/sys",
+    "/usr",
+    "/var/lib",
+    "/var/log",
+    "/var/cache",
+    "/var/spool",
+    "/var/mail",
+    "/var/backups",
+];
+
+/// Files no executor may read even when declared.
+const NEVER_READABLE: &[&str] = &["/etc/shadow", "/etc/shadow-", "/etc/gshadow", "/etc/gshadow-"];
+
+#[derive(Debug, Error, PartialEq, Eq)]
+#[error("{field}: {message}")]
+pub struct PolicyError {
+    pub field: String,
+    pub message: String,
+}
+
+impl PolicyError {
+    fn new(field: impl Into<String>, message: impl Into<String>) -> Self {
+        Self { field: field.into(), message: message.into() }
+    }
+}
+
+/// Agent-wide settings that shape every sandbox.
+#[derive(Debug, Clone)]
+pub struct AgentPolicy {
+    pub limits: LimitPolicy,
+    pub landlock_min_abi: u32,
+    pub allow_degraded: bool,
+    pub seccomp: SeccompPolicy,
+    pub identity: Identity,
+    /// Paths protected from writes besides the system directories (binary, config, state).
+    pub protected: Vec<PathBuf>,
+}
+
+impl AgentPolicy {
+    /// Built-in defaults: the shipped limit policy, Landlock required (ABI ≥ 1), no degraded
+    /// mode, the default seccomp profile, the `opservant-executor` (or `nobody`) identity.
+    pub fn builtin() -> Result<Self, String> {
+        let identity = Identity::default_executor().map_err(|e| e.to_string())?;
+        let mut protected: Vec<PathBuf> = vec![PathBuf::from(CONFIG_DIR)];
+        protected.extend(STATE_DIRS.iter().map(PathBuf::from));
+        if let Ok(exe) = std::env::current_exe() {
+            protected.push(exe);
+        }
+        Ok(Self {
+            limits: LimitPolicy::builtin(),
+            landlock_min_abi: 1,
+            allow_degraded: false,
+            seccomp: sandbox::seccomp::default_policy()?,
+            identity,
+            protected,
+        })
+    }
+
+    /// Build the spec for `program args…` under `manifest`'s permissions and limits (or the
+    /// defaults). Refuses network egress, which this build cannot enforce yet.
+    pub fn spec_for(
+        &self,
+        manifest: Option<&Manifest>,
+        program: &str,
+        args: Vec<String>,
+    ) -> Result<(SandboxSpec, EffectiveLimits), PolicyError> {
+        let default_manifest_limits = Default::default();
+        let requested = manifest.map(|m| &m.resource_limits).unwrap_or(&default_manifest_limits);
+        let limits = self.limits.resolve(requested);
+        let mut spec = SandboxSpec::new(program, args, self.identity);
+        spec.seccomp = self.seccomp.clone();
+        spec.landlock.min_abi = self.landlock_min_abi;
+        spec.filesystem.scratch_bytes = limits.max_disk_mb * 1024 * 1024;
+        spec.filesystem.masked.push(PathBuf::from(CONFIG_DIR));
+        spec.filesystem.masked.extend(STATE_DIRS.iter().map(PathBuf::from));
+        spec.filesystem.synthetic.push(SyntheticFile {
+            path: "/etc/hosts".into(),
+            content: format!(
+                "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n127.0.1.1\t{}\n",
+                spec.hostname
+            ),
+        });
+        spec.limits = Limits {
+            memory_bytes: Some(limits.max_memory_mb * 1024 * 1024),
+            cpu_percent: Some(limits.max_cpu_percent as u32),
+            pids: Some(limits.max_pids as u32),
+            timeout_ms: Some(limits.timeout_seconds * 1000),
+            allow_degraded: self.allow_degraded,
+            ..Limits::default()
+        };
+        if let Some(m) = manifest {
+            if m.permissions.network.outbound {
+                return Err(PolicyError::new(
+                    "permissions.network.outbound",
+                    "network egress is not supported by this build of the agent; refusing to run rather than run without the declared network",
+                ));
+            }
+            for (i, p) in m.permissions.filesystem.read.iter().enumerate() {
+                let field = format!("permissions.filesystem.read[{i}]");
+                self.check_read(&field, p)?;
+                spec.filesystem.paths.push(PathRule { path: p.clone(), access: Access::Read, optional: false });
+            }
+            for (i, p) in m.permissions.filesystem.write.iter().enumerate() {
+                let field = format!("permissions.filesystem.write[{i}]");
+                self.check_write(&field, p)?;
+                spec.filesystem.paths.push(PathRule { path: p.clone(), access: Access::ReadWrite, optional: false });
+            }
+        }
+        spec.validate().map_err(|e| PolicyError::new(e.field, e.message))?;
+        Ok((spec, limits))
+    }
+
+    fn check_read(&self, field: &str, p: &Path) -> Result<(), PolicyError> {
+        if NEVER_READABLE.iter().any(|n| p == Path::new(n)) {
+            return Err(PolicyError::new(
+                field,
+                format!("{} holds host credentials and is never readable", p.display()),
+            ));
+        }
+        if !p.starts_with("/tmp") && std::fs::symlink_metadata(p).is_err() {
+            return Err(PolicyError::new(field, format!("{} does not exist on this host", p.display())));
+        }
+        Ok(())
+    }
+
+    fn check_write(&self, field: &str, p: &Path) -> Result<(), PolicyError> {
+        // Writes under /tmp land in the sandbox's private scratch tmpfs.
+        if p.starts_with("/tmp") {
+            return Ok(());
+        }
+        if p == Path::new("/") || p == Path::new("/var") || SYSTEM_DIRS.iter().any(|d| p.starts_with(d)) {
+            return Err(PolicyError::new(
+                field,
+                format!("{}: writing to system directories is never granted", p.display()),
+            ));
+        }
+        if let Some(hit) = self.protected.iter().find(|x| x.starts_with(p) || p.starts_with(x)) {
+            return Err(PolicyError::new(
+                field,
+                format!("{}: overlaps the agent's own files ({}); never granted", p.display(), hit.display()),
+            ));
+        }
+        match std::fs::symlink_metadata(p) {
+            Ok(_) => Ok(()),
+            Err(_) => Err(PolicyError::new(field, format!("{} does not exist on this host", p.display()))),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn policy() -> AgentPolicy {
+        AgentPolicy {
+            limits: LimitPolicy::builtin(),
+            landlock_min_abi: 1,
+            allow_degraded: false,
+            seccomp: SeccompPolicy::Disabled,
+            identity: Identity::same_inside(65534, 65534),
+            protected: vec![PathBuf::from(CONFIG_DIR), PathBuf::from("/opt/opservant/bin/opservant")],
+        }
+    }
+
+    fn manifest(fs: &str) -> Manifest {
+        let text = format!(
+            r#"{{"name":"x","version":"1.0.0","description":"d","supported_actions":["a"],"entry_point":"m.C",
+                "permissions":{{"filesystem":{fs}}}}}"#
+        );
+        Manifest::parse(&text).unwrap().0
+    }
+
+    #[test]
+    fn system_and_agent_writes_are_refused() {
+        let p = policy();
+        for path in ["/etc", "/etc/opservant", "/usr/local/bin", "/", "/var", "/var/lib/x", "/opt/opservant", "/opt"] {
+            let m = manifest(&format!(r#"{{"write":["{path}"]}}"#));
+            let e = p.spec_for(Some(&m), "/bin/true", vec![]).unwrap_err();
+            assert_eq!(e.field, "permissions.filesystem.write[0]", "{path}: {e}");
+        }
+    }
+
+    #[test]
+    fn scratch_writes_are_fine_and_credentials_unreadable() {
+        let p = policy();
+        let m = manifest(r#"{"write":["/tmp/opservant/"]}"#);
+        p.spec_for(Some(&m), "/bin/true", vec![]).unwrap();
+        let m = manifest(r#"{"read":["/etc/shadow"]}"#);
+        assert!(p.spec_for(Some(&m), "/bin/true", vec![]).unwrap_err().message.contains("credentials"));
+    }
+
+    #[test]
+    fn missing_read_path_is_an_error() {
+        let p = policy();
+        let m = manifest(r#"{"read":["/definitely/not/here"]}"#);
+        assert!(p.spec_for(Some(&m), "/bin/true", vec![]).unwrap_err().message.contains("does not exist"));
+    }
+
+    #[test]
+    fn limits_flow_into_the_spec() {
+        let p = policy();
+        let (spec, lim) = p.spec_for(None, "/bin/true", vec![]).unwrap();
+        assert_eq!(spec.limits.memory_bytes, Some(128 << 20));
+        assert_eq!(spec.limits.cpu_percent, Some(10));
+        assert_eq!(spec.limits.timeout_ms, Some(60_000));
+        assert_eq!(spec.filesystem.scratch_bytes, 100 << 20);
+        assert_eq!(lim.max_pids, 64);
+    }
+}

@@ -1,0 +1,186 @@
+//! The result JSON (DESIGN.md §4), one object per run.
+
+use serde::Serialize;
+
+use crate::limits::{Clamp, EffectiveLimits};
+
+#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Status {
+    Completed,
+    Failed,
+    Partial,
+    Timeout,
+    Rejected,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ExecutorRef {
+    pub name: String,
+    pub version: String,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct LimitsReport {
+    pub max_memory_mb: u64,
+    pub max_cpu_percent: u64,
+    pub timeout_seconds: u64,
+    pub max_disk_mb: u64,
+    pub max_pids: u64,
+    /// `null` when the sandbox has no network.
+    pub max_bandwidth_mbps: Option<u64>,
+    pub clamped: Vec<Clamp>,
+    /// Which limits the kernel is enforcing.
+    pub enforced: EnforcedLimits,
+    /// Limits requested but not enforced (degraded mode only).
+    pub degraded: Vec<String>,
+}
+
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct EnforcedLimits {
+    pub memory: bool,
+    pub cpu: bool,
+    pub pids: bool,
+    pub disk: bool,
+    pub timeout: bool,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Usage {
+    pub wall_ms: u64,
+    pub cpu_ms: u64,
+    pub peak_memory_bytes: Option<u64>,
+    pub oom_kills: u64,
+    pub pids_limit_hits: u64,
+    pub cpu_throttled_periods: u64,
+    pub cpu_throttled_ms: u64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct LandlockSummary {
+    pub abi: u32,
+    pub status: sandbox::LandlockStatus,
+    pub fs_enforced: Vec<String>,
+    pub fs_unsupported: Vec<String>,
+    pub scopes_enforced: Vec<String>,
+    pub scopes_unsupported: Vec<String>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct SandboxSummary {
+    pub namespaces: Vec<String>,
+    pub landlock: LandlockSummary,
+    pub seccomp: String,
+    pub seccomp_profile: Option<String>,
+    pub cgroup: String,
+    pub cgroup_paths: Vec<String>,
+    pub network: String,
+    pub capabilities: String,
+    pub no_new_privs: bool,
+    pub sysfs: String,
+    pub uid: u32,
+    pub gid: u32,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct RunResult {
+    pub status: Status,
+    pub output: serde_json::Value,
+    pub error: Option<String>,
+    pub artifacts: Vec<serde_json::Value>,
+    pub executor: Option<ExecutorRef>,
+    pub action: Option<String>,
+    pub command_id: Option<String>,
+    pub stdout: String,
+    pub stderr: String,
+    pub stdout_truncated: bool,
+    pub stderr_truncated: bool,
+    pub exit_code: Option<i32>,
+    pub killed_by: Option<String>,
+    pub limits: LimitsReport,
+    pub usage: Usage,
+    pub sandbox: SandboxSummary,
+}
+
+impl RunResult {
+    /// The result of running a plain program (`opservant sandbox`): `completed` when it exits
+    /// 0, `timeout` when the wall-clock limit fired, `failed` otherwise.
+    pub fn for_program(outcome: &sandbox::Outcome, limits: &EffectiveLimits) -> RunResult {
+        let status = if outcome.timed_out {
+            Status::Timeout
+        } else if outcome.success() {
+            Status::Completed
+        } else {
+            Status::Failed
+        };
+        let error = match (status, outcome.killed_by, outcome.exit) {
+            (Status::Completed, _, _) => None,
+            (_, Some(k), _) => Some(match k {
+                sandbox::KilledBy::Oom => format!("killed: out of memory (limit {} MB)", limits.max_memory_mb),
+                sandbox::KilledBy::Timeout => format!("timed out after {} s", limits.timeout_seconds),
+                sandbox::KilledBy::Pids => format!("failed after hitting the process limit ({})", limits.max_pids),
+                sandbox::KilledBy::Signal(n) => format!("killed by signal {n}"),
+            }),
+            (_, None, Some(x)) => Some(format!("exited with status {}", x.shell_code())),
+            (_, None, None) => Some("ended without an exit status".into()),
+        };
+        let e = &outcome.enforcement;
+        let cg = &outcome.cgroup;
+        RunResult {
+            status,
+            output: serde_json::json!({}),
+            error,
+            artifacts: vec![],
+            executor: None,
+            action: None,
+            command_id: None,
+            stdout: String::from_utf8_lossy(&outcome.stdout.bytes).into_owned(),
+            stderr: String::from_utf8_lossy(&outcome.stderr.bytes).into_owned(),
+            stdout_truncated: outcome.stdout.truncated(),
+            stderr_truncated: outcome.stderr.truncated(),
+            exit_code: outcome.exit.and_then(|x| x.code),
+            killed_by: outcome.killed_by.map(|k| k.to_string()),
+            limits: LimitsReport {
+                max_memory_mb: limits.max_memory_mb,
+                max_cpu_percent: limits.max_cpu_percent,
+                timeout_seconds: limits.timeout_seconds,
+                max_disk_mb: limits.max_disk_mb,
+                max_pids: limits.max_pids,
+                max_bandwidth_mbps: None,
+                clamped: limits.clamped.clone(),
+                enforced: EnforcedLimits { memory: cg.memory, cpu: cg.cpu, pids: cg.pids, disk: true, timeout: true },
+                degraded: cg.degraded.clone(),
+            },
+            usage: Usage {
+                wall_ms: outcome.usage.wall_ms,
+                cpu_ms: outcome.usage.cpu_ms,
+                peak_memory_bytes: outcome.usage.peak_memory_bytes,
+                oom_kills: outcome.usage.oom_kills,
+                pids_limit_hits: outcome.usage.pids_limit_hits,
+                cpu_throttled_periods: outcome.usage.cpu_throttled_periods,
+                cpu_throttled_ms: outcome.usage.cpu_throttled_ms,
+            },
+            sandbox: SandboxSummary {
+                namespaces: e.namespaces.clone(),
+                landlock: LandlockSummary {
+                    abi: e.landlock.abi,
+                    status: e.landlock.status,
+                    fs_enforced: e.landlock.fs_enforced.clone(),
+                    fs_unsupported: e.landlock.fs_unsupported.clone(),
+                    scopes_enforced: e.landlock.scopes_enforced.clone(),
+                    scopes_unsupported: e.landlock.scopes_unsupported.clone(),
+                },
+                seccomp: e.seccomp.status.clone(),
+                seccomp_profile: e.seccomp.profile.clone(),
+                cgroup: cg.version.clone(),
+                cgroup_paths: cg.paths.clone(),
+                network: if e.namespaces.iter().any(|n| n == "net") { "none".into() } else { "host".into() },
+                capabilities: if e.capabilities_dropped { "none".into() } else { "retained".into() },
+                no_new_privs: e.no_new_privs,
+                sysfs: e.sysfs.clone(),
+                uid: e.uid,
+                gid: e.gid,
+            },
+        }
+    }
+}

@@ -1,0 +1,735 @@
+//! Per-sandbox cgroups on cgroup v2 (primary) and v1/hybrid hosts.
+//!
+//! Guarantees:
+//! - Sandbox cgroups are only ever created beneath the cgroup this process is in, for each
+//!   hierarchy — never at a hierarchy root we were not placed at. On v2 this process first
+//!   moves itself into a leaf `opservant-agent` (the no-internal-process rule) and creates
+//!   sandbox cgroups beside it, `opservant-sb-<creator pid>-<seq>`.
+//! - A requested limit that cannot be applied is an error, unless the caller allowed degraded
+//!   mode; then it is listed in [`CgroupReport::degraded`]. Enabling a controller is verified
+//!   by reading `cgroup.subtree_control` back.
+//! - Teardown kills everything left (`cgroup.kill` on v2 when the kernel has it, a SIGKILL
+//!   sweep otherwise) and removes the directories; cgroups of crashed creators are reaped.
+//!
+//! Written in-house rather than with `cgroups-rs` 0.5: that crate ignores failures when
+//! enabling controllers, does not read `oom_kill` from v2 `memory.events`, and pulls in zbus.
+
+use std::fs;
+use std::io::{ErrorKind, Read};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use crate::error::CgroupError;
+use crate::report::CgroupReport;
+use crate::spec::Limits;
+
+/// CFS period used for `cpu.max` / `cpu.cfs_period_us`.
+const CPU_PERIOD_US: u64 = 100_000;
+/// The sandbox's own monitor and init processes, added on top of the payload's pids budget.
+pub const HELPER_TASKS: u32 = 2;
+const SANDBOX_PREFIX: &str = "opservant-sb-";
+const AGENT_LEAF: &str = "opservant-agent";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Controller {
+    Memory,
+    Cpu,
+    Pids,
+}
+
+impl Controller {
+    const ALL: [Controller; 3] = [Controller::Memory, Controller::Cpu, Controller::Pids];
+
+    fn name(self) -> &'static str {
+        match self {
+            Controller::Memory => "memory",
+            Controller::Cpu => "cpu",
+            Controller::Pids => "pids",
+        }
+    }
+}
+
+/// Where a controller can be used from this process.
+#[derive(Debug, Clone)]
+enum Place {
+    /// v1 hierarchy: the directory of this process's own cgroup in it.
+    V1(PathBuf),
+    /// The v2 base directory (sandbox cgroups are created in it).
+    V2(PathBuf),
+    Missing(String),
+}
+
+/// The cgroup layout seen by this process, discovered (and on v2 prepared) once.
+#[derive(Debug)]
+struct Layout {
+    places: [Place; 3],
+    has_cgroup_kill: bool,
+    swap_active: bool,
+}
+
+impl Layout {
+    fn place(&self, c: Controller) -> &Place {
+        &self.places[c as usize]
+    }
+}
+
+static LAYOUT: OnceLock<Layout> = OnceLock::new();
+static SEQ: AtomicU64 = AtomicU64::new(0);
+
+fn layout() -> &'static Layout {
+    LAYOUT.get_or_init(|| {
+        let layout = discover(true);
+        reap_stale(&layout);
+        layout
+    })
+}
+
+/// One line of `/proc/self/mountinfo` reduced to what we need.
+struct CgroupMount {
+    root: String,
+    mount_point: PathBuf,
+    fstype: String,
+    super_opts: Vec<String>,
+}
+
+fn cgroup_mounts() -> Vec<CgroupMount> {
+    let text = fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    text.lines()
+        .filter_map(|line| {
+            let (pre, post) = line.split_once(" - ")?;
+            let pre: Vec<&str> = pre.split(' ').collect();
+            let post: Vec<&str> = post.split(' ').collect();
+            let fstype = *post.first()?;
+            if fstype != "cgroup" && fstype != "cgroup2" {
+                return None;
+            }
+            Some(CgroupMount {
+                root: unescape_mountinfo(pre.get(3)?),
+                mount_point: PathBuf::from(unescape_mountinfo(pre.get(4)?)),
+                fstype: fstype.to_string(),
+                super_opts: post.get(2).map(|o| o.split(',').map(str::to_owned).collect()).unwrap_or_default(),
+            })
+        })
+        .collect()
+}
+
+/// mountinfo escapes space, tab, newline and backslash as `\ooo`.
+fn unescape_mountinfo(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\' && i + 4 <= b.len() {
+            if let Ok(v) = u8::from_str_radix(std::str::from_utf8(&b[i + 1..i + 4]).unwrap_or(""), 8) {
+                out.push(v);
+                i += 4;
+                continue;
+            }
+        }
+        out.push(b[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Resolve `own` (a path from /proc/self/cgroup) inside a mount of that hierarchy.
+fn dir_in_mount(m: &CgroupMount, own: &str) -> Option<PathBuf> {
+    let rel = if m.root == "/" { own } else { own.strip_prefix(m.root.as_str())? };
+    Some(m.mount_point.join(rel.trim_start_matches('/')))
+}
+
+/// Find where each controller can be used. With `prepare`, a v2 base is made usable (this
+/// process may move into its leaf and controllers get enabled); without, nothing is changed
+/// and the answer says what preparing would give.
+fn discover(prepare: bool) -> Layout {
+    let mut places = [
+        Place::Missing("no cgroup hierarchy offers it".into()),
+        Place::Missing("no cgroup hierarchy offers it".into()),
+        Place::Missing("no cgroup hierarchy offers it".into()),
+    ];
+    let own_text = fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+    let mounts = cgroup_mounts();
+    let mut v2_own: Option<String> = None;
+
+    for line in own_text.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (Some(_id), Some(ctrls), Some(path)) = (parts.next(), parts.next(), parts.next()) else {
+            continue;
+        };
+        if ctrls.is_empty() {
+            v2_own = Some(path.to_string());
+            continue;
+        }
+        for c in Controller::ALL {
+            if !ctrls.split(',').any(|x| x == c.name()) {
+                continue;
+            }
+            let mount = mounts.iter().find(|m| m.fstype == "cgroup" && m.super_opts.iter().any(|o| o == c.name()));
+            places[c as usize] = match mount.and_then(|m| dir_in_mount(m, path)) {
+                Some(dir) if dir.is_dir() => Place::V1(dir),
+                Some(dir) => Place::Missing(format!("v1 {} cgroup {} does not exist", c.name(), dir.display())),
+                None => {
+                    Place::Missing(format!("v1 {} hierarchy is not mounted where this process can reach it", c.name()))
+                }
+            };
+        }
+    }
+
+    let mut has_cgroup_kill = false;
+    if let Some(own) = v2_own {
+        let wanted: Vec<Controller> =
+            Controller::ALL.into_iter().filter(|c| matches!(places[*c as usize], Place::Missing(_))).collect();
+        if let Some(m) = mounts.iter().find(|m| m.fstype == "cgroup2") {
+            if !wanted.is_empty() {
+                match dir_in_mount(m, &own) {
+                    Some(dir) => {
+                        let root = m.mount_point.clone();
+                        match prepare_v2(&root, &dir, &wanted, prepare) {
+                            Ok((base, enabled)) => {
+                                has_cgroup_kill = base.join("cgroup.kill").exists()
+                                    || base.join(AGENT_LEAF).join("cgroup.kill").exists();
+                                for c in wanted {
+                                    places[c as usize] = if enabled.contains(&c) {
+                                        Place::V2(base.clone())
+                                    } else {
+                                        Place::Missing(format!(
+                                            "v2 controller '{}' is not available in {}",
+                                            c.name(),
+                                            base.display()
+                                        ))
+                                    };
+                                }
+                            }
+                            Err(reason) => {
+                                for c in wanted {
+                                    places[c as usize] = Place::Missing(reason.clone());
+                                }
+                            }
+                        }
+                    }
+                    None => {
+                        for c in wanted {
+                            places[c as usize] = Place::Missing("own v2 cgroup is outside the cgroup2 mount".into());
+                        }
+                    }
+                }
+            }
+        }
+    }
+    let swap_active = fs::read_to_string("/proc/swaps").map(|s| s.lines().count() > 1).unwrap_or(false);
+    Layout { places, has_cgroup_kill, swap_active }
+}
+
+/// Make `own` usable as a v2 delegation base: when it is not the root and holds this
+/// process, move this process into the leaf `own/opservant-agent` and enable the wanted
+/// controllers in `own`. When this process already sits in such a leaf, its parent is the
+/// base. Returns the base and the controllers enabled in it (verified by reading back).
+fn prepare_v2(
+    root: &Path,
+    own: &Path,
+    wanted: &[Controller],
+    prepare: bool,
+) -> Result<(PathBuf, Vec<Controller>), String> {
+    let base = if own.file_name().is_some_and(|n| n == AGENT_LEAF) {
+        own.parent().map(Path::to_path_buf).unwrap_or_else(|| own.to_path_buf())
+    } else if own == root {
+        own.to_path_buf()
+    } else {
+        let me = std::process::id().to_string();
+        let procs = fs::read_to_string(own.join("cgroup.procs"))
+            .map_err(|e| format!("cannot read {}/cgroup.procs: {e}", own.display()))?;
+        let others: Vec<&str> = procs.lines().filter(|p| *p != me).collect();
+        if !others.is_empty() {
+            return Err(format!(
+                "v2 cgroup {} also holds processes {} — run opservant in its own delegated cgroup \
+                 (systemd Delegate=yes, or systemd-run --scope -p Delegate=yes)",
+                own.display(),
+                others.join(",")
+            ));
+        }
+        if prepare {
+            let leaf = own.join(AGENT_LEAF);
+            mkdir_ok_if_exists(&leaf).map_err(|e| format!("cannot create {}: {e}", leaf.display()))?;
+            fs::write(leaf.join("cgroup.procs"), &me)
+                .map_err(|e| format!("cannot move into {}: {e}", leaf.display()))?;
+        }
+        own.to_path_buf()
+    };
+    let available = fs::read_to_string(base.join("cgroup.controllers")).unwrap_or_default();
+    if !prepare {
+        let enabled = wanted.iter().copied().filter(|c| available.split_whitespace().any(|a| a == c.name())).collect();
+        return Ok((base, enabled));
+    }
+    let request: Vec<String> = wanted
+        .iter()
+        .filter(|c| available.split_whitespace().any(|a| a == c.name()))
+        .map(|c| format!("+{}", c.name()))
+        .collect();
+    if !request.is_empty() {
+        // Each controller separately so that one refusal does not hide the others.
+        for r in &request {
+            let _ = fs::write(base.join("cgroup.subtree_control"), r);
+        }
+    }
+    let enabled_text = fs::read_to_string(base.join("cgroup.subtree_control")).unwrap_or_default();
+    let enabled = wanted.iter().copied().filter(|c| enabled_text.split_whitespace().any(|e| e == c.name())).collect();
+    Ok((base, enabled))
+}
+
+fn mkdir_ok_if_exists(p: &Path) -> std::io::Result<()> {
+    match fs::create_dir(p) {
+        Err(e) if e.kind() == ErrorKind::AlreadyExists => Ok(()),
+        r => r,
+    }
+}
+
+/// Remove sandbox cgroups whose creating process no longer exists.
+fn reap_stale(layout: &Layout) {
+    let mut seen = Vec::new();
+    for p in &layout.places {
+        let base = match p {
+            Place::V1(d) | Place::V2(d) => d,
+            Place::Missing(_) => continue,
+        };
+        if seen.contains(base) {
+            continue;
+        }
+        seen.push(base.clone());
+        let Ok(entries) = fs::read_dir(base) else { continue };
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let Some(rest) = name.strip_prefix(SANDBOX_PREFIX) else { continue };
+            let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<i32>().ok()) else { continue };
+            if Path::new(&format!("/proc/{pid}")).exists() {
+                continue;
+            }
+            tracing::warn!(cgroup = %e.path().display(), "removing stale sandbox cgroup");
+            kill_sweep(&e.path());
+            let _ = remove_when_empty(&e.path(), Duration::from_millis(500));
+        }
+    }
+}
+
+/// Usage figures read from the sandbox cgroup.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CgroupUsage {
+    pub peak_memory_bytes: Option<u64>,
+    pub oom_kills: u64,
+    pub pids_limit_hits: u64,
+    pub cpu_throttled_periods: u64,
+    pub cpu_throttled_ms: u64,
+}
+
+/// The cgroup(s) of one sandbox. Dropping it kills what is left and removes the directories.
+#[derive(Debug)]
+pub struct SandboxCgroup {
+    dirs: [Option<PathBuf>; 3],
+    report: CgroupReport,
+    v2: bool,
+    has_cgroup_kill: bool,
+    removed: bool,
+    /// CPU percent still to be written (see `apply_cpu_limit`).
+    cpu_pending: Option<u32>,
+}
+
+impl SandboxCgroup {
+    /// Create the sandbox cgroup(s) and write the limits.
+    pub fn create(limits: &Limits) -> Result<SandboxCgroup, CgroupError> {
+        let layout = layout();
+        let name = format!("{SANDBOX_PREFIX}{}-{}", std::process::id(), SEQ.fetch_add(1, Ordering::Relaxed));
+        let requested = [limits.memory_bytes.is_some(), limits.cpu_percent.is_some(), limits.pids.is_some()];
+        let mut cg = SandboxCgroup {
+            dirs: [None, None, None],
+            report: CgroupReport {
+                version: "none".into(),
+                paths: Vec::new(),
+                memory: false,
+                cpu: false,
+                pids: false,
+                degraded: Vec::new(),
+            },
+            v2: false,
+            has_cgroup_kill: layout.has_cgroup_kill,
+            removed: false,
+            cpu_pending: None,
+        };
+        let (mut any_v1, mut any_v2) = (false, false);
+        for c in Controller::ALL {
+            let parent = match layout.place(c) {
+                Place::V1(d) => {
+                    any_v1 = true;
+                    d
+                }
+                Place::V2(d) => {
+                    any_v2 = true;
+                    d
+                }
+                Place::Missing(reason) => {
+                    if requested[c as usize] {
+                        cg.degrade(limits, format!("{} limit not enforced: {reason}", c.name()))?;
+                    }
+                    continue;
+                }
+            };
+            let dir = parent.join(&name);
+            if !cg.dirs.iter().flatten().any(|d| d == &dir) {
+                fs::create_dir(&dir).map_err(|e| CgroupError::Io {
+                    action: "create",
+                    path: dir.display().to_string(),
+                    source: e,
+                })?;
+                cg.report.paths.push(dir.display().to_string());
+            }
+            cg.dirs[c as usize] = Some(dir);
+        }
+        cg.v2 = any_v2;
+        cg.report.version = match (any_v1, any_v2) {
+            (true, false) => "v1",
+            (false, true) => "v2",
+            (true, true) => "hybrid",
+            (false, false) => "none",
+        }
+        .into();
+        cg.apply_limits(limits, layout.swap_active)?;
+        Ok(cg)
+    }
+
+    fn degrade(&mut self, limits: &Limits, what: String) -> Result<(), CgroupError> {
+        if limits.allow_degraded {
+            tracing::warn!(reason = %what, "running with a degraded limit");
+            self.report.degraded.push(what);
+            Ok(())
+        } else {
+            Err(CgroupError::Unavailable(what))
+        }
+    }
+
+    fn dir(&self, c: Controller) -> Option<&PathBuf> {
+        self.dirs[c as usize].as_ref()
+    }
+
+    fn apply_limits(&mut self, limits: &Limits, swap_active: bool) -> Result<(), CgroupError> {
+        if let (Some(bytes), Some(dir)) = (limits.memory_bytes, self.dir(Controller::Memory).cloned()) {
+            if self.v2_for(Controller::Memory) {
+                write(&dir.join("memory.max"), &bytes.to_string())?;
+                if !write_optional(&dir.join("memory.swap.max"), "0")? && swap_active {
+                    self.degrade(
+                        limits,
+                        "memory: swap is active but memory.swap.max is missing (swap accounting off)".into(),
+                    )?;
+                }
+                // Kill the whole payload tree on OOM (processes with oom_score_adj -1000 are
+                // exempt, which the monitor and init get where the host allows).
+                write_optional(&dir.join("memory.oom.group"), "1")?;
+            } else {
+                write(&dir.join("memory.limit_in_bytes"), &bytes.to_string())?;
+                if !write_optional(&dir.join("memory.memsw.limit_in_bytes"), &bytes.to_string())? && swap_active {
+                    self.degrade(limits, "memory: swap is active but memory.memsw is missing (swapaccount=0)".into())?;
+                }
+            }
+            self.report.memory = true;
+        }
+        if limits.cpu_percent.is_some() && self.dir(Controller::Cpu).is_some() {
+            // Written by `apply_cpu_limit` when the payload is about to start.
+            self.cpu_pending = limits.cpu_percent;
+        }
+        if let (Some(n), Some(dir)) = (limits.pids, self.dir(Controller::Pids).cloned()) {
+            write(&dir.join("pids.max"), &(n.saturating_add(HELPER_TASKS)).to_string())?;
+            self.report.pids = true;
+        }
+        Ok(())
+    }
+
+    fn v2_for(&self, c: Controller) -> bool {
+        matches!(layout().place(c), Place::V2(_))
+    }
+
+    /// Apply the CPU quota. Called when the payload reports it is about to `execve`, so that
+    /// the sandbox's own setup is not throttled by the payload's budget; memory and pids
+    /// limits are in force from creation.
+    pub fn apply_cpu_limit(&mut self) -> Result<(), CgroupError> {
+        let (Some(pct), Some(dir)) = (self.cpu_pending.take(), self.dir(Controller::Cpu).cloned()) else {
+            return Ok(());
+        };
+        let quota = (u64::from(pct) * CPU_PERIOD_US / 100).max(1000);
+        if self.v2_for(Controller::Cpu) {
+            write(&dir.join("cpu.max"), &format!("{quota} {CPU_PERIOD_US}"))?;
+        } else {
+            write(&dir.join("cpu.cfs_period_us"), &CPU_PERIOD_US.to_string())?;
+            write(&dir.join("cpu.cfs_quota_us"), &quota.to_string())?;
+        }
+        self.report.cpu = true;
+        Ok(())
+    }
+
+    /// Files the sandbox's monitor writes `0` to, joining every sandbox cgroup itself.
+    ///
+    /// On v1 this is each hierarchy's `tasks` file: a single-threaded process moving itself
+    /// that way skips the global `cgroup_threadgroup_rwsem` write lock, whose RCU grace
+    /// period otherwise costs ~10 ms per sandbox. On v2 (threads cannot cross domains) it
+    /// is `cgroup.procs`.
+    pub fn join_files(&self) -> Vec<PathBuf> {
+        let mut files: Vec<PathBuf> = Vec::new();
+        for (i, dir) in self.dirs.iter().enumerate() {
+            let Some(dir) = dir else { continue };
+            let file =
+                if matches!(layout().places[i], Place::V2(_)) { dir.join("cgroup.procs") } else { dir.join("tasks") };
+            if !files.contains(&file) {
+                files.push(file);
+            }
+        }
+        files
+    }
+
+    pub fn report(&self) -> &CgroupReport {
+        &self.report
+    }
+
+    /// Read the accounting files. Missing files leave the figure at its default.
+    pub fn usage(&self) -> CgroupUsage {
+        let mut u = CgroupUsage::default();
+        if let Some(dir) = self.dir(Controller::Memory) {
+            if self.v2_for(Controller::Memory) {
+                u.peak_memory_bytes = read_u64(&dir.join("memory.peak"));
+                u.oom_kills = read_keyed(&dir.join("memory.events"), "oom_kill").unwrap_or(0);
+            } else {
+                u.peak_memory_bytes = read_u64(&dir.join("memory.max_usage_in_bytes"));
+                u.oom_kills = read_keyed(&dir.join("memory.oom_control"), "oom_kill").unwrap_or(0);
+            }
+        }
+        if let Some(dir) = self.dir(Controller::Pids) {
+            u.pids_limit_hits = read_keyed(&dir.join("pids.events"), "max").unwrap_or(0);
+        }
+        if let Some(stat) = self.dir(Controller::Cpu).and_then(|d| read_small(&d.join("cpu.stat"))) {
+            u.cpu_throttled_periods = keyed(&stat, "nr_throttled").unwrap_or(0);
+            u.cpu_throttled_ms = if self.v2_for(Controller::Cpu) {
+                keyed(&stat, "throttled_usec").unwrap_or(0) / 1000
+            } else {
+                keyed(&stat, "throttled_time").unwrap_or(0) / 1_000_000
+            };
+        }
+        u
+    }
+
+    /// SIGKILL everything still in the sandbox cgroups.
+    pub fn kill_all(&self) {
+        for dir in self.dirs.iter().flatten() {
+            if self.v2 && self.has_cgroup_kill && write_raw(&dir.join("cgroup.kill"), "1").is_ok() {
+                continue;
+            }
+            kill_sweep(dir);
+        }
+    }
+
+    /// Kill what is left, wait for the cgroups to empty, and remove them.
+    pub fn remove(mut self) -> Result<(), CgroupError> {
+        self.remove_inner()
+    }
+
+    fn remove_inner(&mut self) -> Result<(), CgroupError> {
+        if self.removed {
+            return Ok(());
+        }
+        self.removed = true;
+        let mut first_err = None;
+        let dirs: Vec<PathBuf> = {
+            let mut v: Vec<PathBuf> = Vec::new();
+            for d in self.dirs.iter().flatten() {
+                if !v.contains(d) {
+                    v.push(d.clone());
+                }
+            }
+            v
+        };
+        for dir in &dirs {
+            // Normally empty by now: try at once, and sweep only if something is left.
+            match fs::remove_dir(dir) {
+                Ok(()) => continue,
+                Err(e) if e.kind() == ErrorKind::NotFound => continue,
+                Err(_) => {}
+            }
+            self.kill_all();
+            if let Err(e) = remove_when_empty(dir, Duration::from_secs(5)) {
+                first_err.get_or_insert(e);
+            }
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+}
+
+impl Drop for SandboxCgroup {
+    fn drop(&mut self) {
+        if let Err(e) = self.remove_inner() {
+            tracing::error!(error = %e, "sandbox cgroup left behind");
+        }
+    }
+}
+
+fn kill_sweep(dir: &Path) {
+    for _ in 0..200 {
+        let Some(text) = read_small(&dir.join("cgroup.procs")) else { return };
+        let pids: Vec<i32> = text.lines().filter_map(|l| l.trim().parse().ok()).collect();
+        if pids.is_empty() {
+            return;
+        }
+        for pid in pids {
+            // SAFETY: kill(2) has no memory-safety preconditions.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+fn remove_when_empty(dir: &Path, patience: Duration) -> Result<(), CgroupError> {
+    let start = Instant::now();
+    let mut pause = Duration::from_micros(200);
+    loop {
+        match fs::remove_dir(dir) {
+            Ok(()) => return Ok(()),
+            Err(e) if e.kind() == ErrorKind::NotFound => return Ok(()),
+            Err(e) if start.elapsed() < patience && e.raw_os_error() == Some(libc::EBUSY) => {
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_millis(20));
+            }
+            Err(e) => return Err(CgroupError::Io { action: "remove", path: dir.display().to_string(), source: e }),
+        }
+    }
+}
+
+/// Write a control file (cgroupfs files exist or not; no create, no truncate, no stat).
+fn write_raw(path: &Path, value: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    fs::OpenOptions::new().write(true).open(path)?.write_all(value.as_bytes())
+}
+
+fn write(path: &Path, value: &str) -> Result<(), CgroupError> {
+    write_raw(path, value).map_err(|e| CgroupError::Io {
+        action: "write",
+        path: format!("{} ({value})", path.display()),
+        source: e,
+    })
+}
+
+/// Write when the file exists; `Ok(false)` when it does not.
+fn write_optional(path: &Path, value: &str) -> Result<bool, CgroupError> {
+    match write_raw(path, value) {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(CgroupError::Io { action: "write", path: format!("{} ({value})", path.display()), source: e }),
+    }
+}
+
+/// Read a small control file into a fixed buffer (no stat, one read).
+fn read_small(path: &Path) -> Option<String> {
+    let mut f = fs::File::open(path).ok()?;
+    let mut buf = [0u8; 4096];
+    let mut len = 0;
+    loop {
+        match f.read(&mut buf[len..]) {
+            Ok(0) => break,
+            Ok(n) => {
+                len += n;
+                if len == buf.len() {
+                    break;
+                }
+            }
+            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+            Err(_) => return None,
+        }
+    }
+    String::from_utf8(buf[..len].to_vec()).ok()
+}
+
+fn read_u64(path: &Path) -> Option<u64> {
+    read_small(path)?.trim().parse().ok()
+}
+
+/// Value of `key N` in a flat-keyed cgroup file.
+fn read_keyed(path: &Path, key: &str) -> Option<u64> {
+    keyed(&read_small(path)?, key)
+}
+
+fn keyed(text: &str, key: &str) -> Option<u64> {
+    text.lines().find_map(|l| {
+        let (k, v) = l.split_once(' ')?;
+        (k == key).then(|| v.trim().parse().ok()).flatten()
+    })
+}
+
+/// Where one controller comes from, for `doctor`.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ControllerProbe {
+    /// `v1`, `v2`, or `None` when unusable.
+    pub version: Option<&'static str>,
+    /// The cgroup under which sandbox cgroups would be created, or why none can be.
+    pub detail: String,
+}
+
+/// What the host offers, for `doctor`.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct CgroupProbe {
+    pub memory: ControllerProbe,
+    pub cpu: ControllerProbe,
+    pub pids: ControllerProbe,
+    pub cgroup_kill: bool,
+}
+
+/// Describe where each controller would come from, without changing anything.
+pub fn probe() -> CgroupProbe {
+    let owned;
+    let l = match LAYOUT.get() {
+        Some(l) => l,
+        None => {
+            owned = discover(false);
+            &owned
+        }
+    };
+    let describe = |c: Controller| match l.place(c) {
+        Place::V1(d) => ControllerProbe { version: Some("v1"), detail: d.display().to_string() },
+        Place::V2(d) => ControllerProbe { version: Some("v2"), detail: d.display().to_string() },
+        Place::Missing(r) => ControllerProbe { version: None, detail: r.clone() },
+    };
+    CgroupProbe {
+        memory: describe(Controller::Memory),
+        cpu: describe(Controller::Cpu),
+        pids: describe(Controller::Pids),
+        cgroup_kill: l.has_cgroup_kill,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mountinfo_unescape() {
+        assert_eq!(unescape_mountinfo("/a\\040b"), "/a b");
+        assert_eq!(unescape_mountinfo("/plain"), "/plain");
+        assert_eq!(unescape_mountinfo("/x\\"), "/x\\");
+    }
+
+    #[test]
+    fn dir_in_mount_respects_root() {
+        let m = CgroupMount {
+            root: "/a".into(),
+            mount_point: "/sys/fs/cgroup".into(),
+            fstype: "cgroup2".into(),
+            super_opts: vec![],
+        };
+        assert_eq!(dir_in_mount(&m, "/a/b"), Some(PathBuf::from("/sys/fs/cgroup/b")));
+        assert_eq!(dir_in_mount(&m, "/c"), None);
+    }
+
+    #[test]
+    fn keyed_files() {
+        let dir = std::env::temp_dir().join(format!("opservant-keyed-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("events");
+        fs::write(&f, "low 0\nhigh 3\noom_kill 2\n").unwrap();
+        assert_eq!(read_keyed(&f, "oom_kill"), Some(2));
+        assert_eq!(read_keyed(&f, "oom"), None);
+        fs::remove_dir_all(&dir).unwrap();
+    }
+}

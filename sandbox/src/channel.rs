@@ -1,0 +1,151 @@
+//! The parent ⇄ sandbox channel: a `SOCK_SEQPACKET` socketpair carrying one JSON message per
+//! packet. Message boundaries are preserved by the kernel, so a message is never split or
+//! merged; end-of-file means every process holding the sandbox end has exited (the payload's
+//! copy is close-on-exec), which is how the parent learns that the sandbox is gone.
+
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::path::PathBuf;
+
+use nix::errno::Errno;
+use nix::sys::socket::{self, AddressFamily, MsgFlags, SockFlag, SockType};
+use serde::{de::DeserializeOwned, Deserialize, Serialize};
+
+use crate::error::StepError;
+use crate::report::{EnforcementReport, ExitInfo, ResourceUsage};
+use crate::spec::SandboxSpec;
+
+/// The fd number the channel has in the sandbox init process.
+pub const CHILD_FD: RawFd = 3;
+
+/// Largest message accepted (a spec with many paths and three seccomp filters is ~40 KiB).
+const MAX_MESSAGE: usize = 4 * 1024 * 1024;
+
+/// Parent → sandbox.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ToSandbox {
+    /// The sandbox to build (first message; a forked monitor already has it).
+    Spec(Box<SandboxSpec>),
+    /// The cgroup files the monitor writes `0` to, joining the sandbox cgroups before it
+    /// creates the cgroup namespace.
+    Cgroups { join: Vec<PathBuf> },
+    /// Id maps are written and the namespaces are wired: go on.
+    Proceed,
+}
+
+/// Sandbox → parent.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum FromSandbox {
+    /// Monitor: namespaces exist; write the id maps now.
+    Unshared,
+    /// Monitor: host pid of the sandbox init (PID 1 inside).
+    InitForked { pid: i32 },
+    /// Payload: every restriction is in place; `execve` follows.
+    Started(Box<EnforcementReport>),
+    /// Any process: a step failed; the sandbox is being torn down.
+    Failed(StepError),
+    /// Init: the payload ended.
+    PayloadExited(ExitInfo),
+    /// Monitor: the init process ended (last message).
+    MonitorDone { init: ExitInfo, usage: ResourceUsage },
+}
+
+/// One end of the channel.
+#[derive(Debug)]
+pub struct Channel {
+    fd: OwnedFd,
+}
+
+impl Channel {
+    /// A connected pair, both ends close-on-exec.
+    pub fn pair() -> Result<(Channel, Channel), Errno> {
+        let (a, b) = socket::socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)?;
+        Ok((Channel { fd: a }, Channel { fd: b }))
+    }
+
+    /// Adopt an inherited descriptor.
+    ///
+    /// # Safety
+    /// `fd` must be an open descriptor owned by nobody else in this process.
+    pub unsafe fn from_raw(fd: RawFd) -> Channel {
+        // SAFETY: guaranteed by the caller.
+        Channel { fd: unsafe { OwnedFd::from_raw_fd(fd) } }
+    }
+
+    pub fn send<T: Serialize>(&self, msg: &T) -> Result<(), Errno> {
+        let bytes = serde_json::to_vec(msg).map_err(|_| Errno::EINVAL)?;
+        loop {
+            match socket::send(self.fd.as_raw_fd(), &bytes, MsgFlags::MSG_NOSIGNAL) {
+                Err(Errno::EINTR) => continue,
+                Err(e) => return Err(e),
+                Ok(_) => return Ok(()),
+            }
+        }
+    }
+
+    /// Receive one message; `Ok(None)` on end-of-file.
+    pub fn recv<T: DeserializeOwned>(&self) -> Result<Option<T>, String> {
+        let len = loop {
+            let mut probe = [0u8; 1];
+            match socket::recv(self.fd.as_raw_fd(), &mut probe, MsgFlags::MSG_PEEK | MsgFlags::MSG_TRUNC) {
+                Err(Errno::EINTR) => continue,
+                Err(e) => return Err(format!("recv: {}", e.desc())),
+                Ok(0) => return Ok(None),
+                Ok(n) => break n,
+            }
+        };
+        if len > MAX_MESSAGE {
+            return Err(format!("message of {len} bytes exceeds {MAX_MESSAGE}"));
+        }
+        let mut buf = vec![0u8; len];
+        let n = loop {
+            match socket::recv(self.fd.as_raw_fd(), &mut buf, MsgFlags::empty()) {
+                Err(Errno::EINTR) => continue,
+                Err(e) => return Err(format!("recv: {}", e.desc())),
+                Ok(n) => break n,
+            }
+        };
+        serde_json::from_slice(&buf[..n]).map(Some).map_err(|e| format!("malformed message: {e}"))
+    }
+
+    pub fn raw_fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+
+    pub fn into_owned_fd(self) -> OwnedFd {
+        self.fd
+    }
+}
+
+impl AsFd for Channel {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn roundtrip_and_eof() {
+        let (a, b) = Channel::pair().unwrap();
+        a.send(&FromSandbox::InitForked { pid: 42 }).unwrap();
+        a.send(&FromSandbox::Unshared).unwrap();
+        match b.recv::<FromSandbox>().unwrap() {
+            Some(FromSandbox::InitForked { pid }) => assert_eq!(pid, 42),
+            other => panic!("unexpected {other:?}"),
+        }
+        assert!(matches!(b.recv::<FromSandbox>().unwrap(), Some(FromSandbox::Unshared)));
+        drop(a);
+        assert!(b.recv::<FromSandbox>().unwrap().is_none());
+    }
+
+    #[test]
+    fn garbage_is_an_error_not_a_panic() {
+        let (a, b) = Channel::pair().unwrap();
+        socket::send(a.raw_fd(), b"{not json", MsgFlags::empty()).unwrap();
+        assert!(b.recv::<FromSandbox>().is_err());
+    }
+}

@@ -1,0 +1,364 @@
+//! The inside of a sandbox, step by step. This file is the one place that lists the order of
+//! the isolation steps; each step lives in its own module.
+//!
+//! Three processes, all of this binary, none multi-threaded:
+//!
+//! ```text
+//! monitor  (re-exec'd or forked by the parent; host root until step 4)
+//!   1. close every inherited fd but stdio and the channel
+//!   2. read the spec
+//!   3. shield itself (and so init) from the OOM killer where allowed; clear supplementary groups
+//!   4. unshare user, mount, pid, net, ipc, uts — meanwhile the parent creates the cgroups
+//!   5. join the sandbox cgroups (still host uid 0, so the cgroupfs permission check passes),
+//!      then unshare the cgroup namespace, which is thereby rooted at the sandbox cgroup
+//!   6. "unshared" → parent writes the uid/gid maps, wires the namespaces → "proceed"
+//!   7. fork the init (PID 1 of the new PID namespace); report its host pid
+//!   8. wait for init; kill it if the parent goes away; report rusage
+//! init     (PID 1)
+//!   1. die with the monitor
+//!   2. become the sandbox uid/gid, keeping capabilities in the user namespace
+//!   3. build the filesystem view and pivot_root into it          (mounts)
+//!   4. hostname, loopback                                          (namespaces)
+//!   5. open every Landlock path handle, build the ruleset         (landlock)
+//!   6. drop every capability, lock securebits, no_new_privs       (privileges)
+//!   7. fork the payload; reap every process; forward SIGTERM to all; report the payload's end
+//! payload
+//!   1. default signals, new session, OOM score to the maximum (first victim), rlimits
+//!   2. enforce Landlock                                            (landlock)
+//!   3. close every fd but stdio and the (close-on-exec) channel
+//!   4. install seccomp — last                                      (seccomp)
+//!   5. report what is enforced, execve
+//! ```
+//!
+//! Every step either succeeds or reports a [`StepError`] over the channel and the sandbox is
+//! torn down; nothing continues past a failed step. The monitor/init/payload functions only
+//! need a single-threaded caller and the channel, so a zygote can run them after `fork`.
+
+use std::os::fd::AsFd;
+
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+use nix::sys::signal::{kill, SigSet, Signal};
+use nix::sys::signalfd::SignalFd;
+use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
+use nix::unistd::{fork, ForkResult, Pid};
+
+use crate::channel::{Channel, FromSandbox, ToSandbox, CHILD_FD};
+use crate::error::{Stage, StepError};
+use crate::landlock::{self, Grant};
+use crate::report::{EnforcementReport, ExitInfo, ResourceUsage, SeccompReport};
+use crate::spec::{Access, Namespaces, SandboxSpec, SeccompPolicy};
+use crate::{mounts, namespaces, privileges, process, seccomp};
+
+/// Entry point of the re-exec'd sandbox init (`opservant __sandbox-init`): the channel is
+/// fd 3. Call before anything else in `main` — no threads may exist.
+pub fn main() -> ! {
+    run_monitor(None)
+}
+
+/// Run the monitor with the channel on fd 3; `spec` is given when the monitor was forked
+/// (it is otherwise read from the channel). Never returns.
+pub(crate) fn run_monitor(spec: Option<&SandboxSpec>) -> ! {
+    // SAFETY: the parent placed the channel at CHILD_FD and nothing else in this process
+    // owns that descriptor.
+    let chan = unsafe { Channel::from_raw(CHILD_FD) };
+    match monitor(&chan, spec) {
+        Ok(()) => exit(0),
+        Err(e) => {
+            let _ = chan.send(&FromSandbox::Failed(e));
+            exit(1)
+        }
+    }
+}
+
+fn exit(code: i32) -> ! {
+    // SAFETY: _exit skips atexit handlers and stdio flushing, which a forked sandbox process
+    // must not run twice.
+    unsafe { libc::_exit(code) }
+}
+
+fn protocol(msg: impl Into<String>) -> StepError {
+    StepError::new(Stage::Protocol, msg)
+}
+
+/// The monitor (see the module documentation for the steps).
+pub fn monitor(chan: &Channel, given: Option<&SandboxSpec>) -> Result<(), StepError> {
+    // 1.
+    process::close_fds_from(CHILD_FD + 1)?;
+    // 2.
+    let received;
+    let spec = match given {
+        Some(s) => s,
+        None => match chan.recv::<ToSandbox>().map_err(protocol)? {
+            Some(ToSandbox::Spec(s)) => {
+                received = s;
+                &*received
+            }
+            other => return Err(protocol(format!("expected the spec, got {other:?}"))),
+        },
+    };
+    spec.validate().map_err(|e| protocol(e.to_string()))?;
+    // 3.
+    // Best effort: lowering needs CAP_SYS_RESOURCE, which some hosts withhold even from
+    // root. The payload raises its own score to the maximum below, so it is the OOM killer's
+    // first victim either way.
+    let _ = std::fs::write("/proc/self/oom_score_adj", "-1000");
+    nix::unistd::setgroups(&[]).map_err(|e| StepError::errno(Stage::Groups, "setgroups", e))?;
+    // 4.
+    namespaces::unshare(&Namespaces { cgroup: false, ..spec.namespaces })?;
+    // 5.
+    let join = match chan.recv::<ToSandbox>().map_err(protocol)? {
+        Some(ToSandbox::Cgroups { join }) => join,
+        None => return Err(protocol("parent went away")),
+        other => return Err(protocol(format!("expected the cgroups, got {other:?}"))),
+    };
+    for file in &join {
+        // Writing "0" to a v1 `tasks` file moves this (single-threaded) process without the
+        // global threadgroup lock (see `cgroup::SandboxCgroup::join_files`).
+        std::fs::write(file, "0").map_err(|e| StepError::io(Stage::Cgroup, format!("join {}", file.display()), e))?;
+    }
+    if spec.namespaces.cgroup {
+        nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWCGROUP)
+            .map_err(|e| StepError::errno(Stage::Unshare, "unshare cgroup namespace", e))?;
+    }
+    // 6.
+    chan.send(&FromSandbox::Unshared).map_err(|e| StepError::errno(Stage::Protocol, "send", e))?;
+    match chan.recv::<ToSandbox>().map_err(protocol)? {
+        Some(ToSandbox::Proceed) => {}
+        None => return Err(protocol("parent went away")),
+        other => return Err(protocol(format!("expected proceed, got {other:?}"))),
+    }
+    // 7.
+    // Block SIGCHLD before forking so its arrival is seen through the signalfd.
+    let mut mask = SigSet::empty();
+    mask.add(Signal::SIGCHLD);
+    mask.thread_block().map_err(|e| StepError::errno(Stage::Fork, "block SIGCHLD", e))?;
+    let sfd = SignalFd::new(&mask).map_err(|e| StepError::errno(Stage::Fork, "signalfd", e))?;
+    // SAFETY: the monitor is single-threaded (a fresh exec, or forked from a single-threaded
+    // caller).
+    let init_pid = match unsafe { fork() }.map_err(|e| StepError::errno(Stage::Fork, "fork init", e))? {
+        ForkResult::Child => {
+            drop(sfd);
+            let _ = mask.thread_unblock();
+            match init(chan, spec) {
+                Ok(code) => exit(code),
+                Err(e) => {
+                    let _ = chan.send(&FromSandbox::Failed(e));
+                    exit(126)
+                }
+            }
+        }
+        ForkResult::Parent { child } => child,
+    };
+    chan.send(&FromSandbox::InitForked { pid: init_pid.as_raw() })
+        .map_err(|e| StepError::errno(Stage::Protocol, "send", e))?;
+    // 8.
+    let status = wait_for_init(chan, &sfd, init_pid)?;
+    let mut ru: libc::rusage = unsafe_zeroed_rusage();
+    // SAFETY: getrusage writes into the rusage we own.
+    unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut ru) };
+    let cpu_ms = tv_ms(ru.ru_utime) + tv_ms(ru.ru_stime);
+    let usage = ResourceUsage { cpu_ms, peak_memory_bytes: Some(ru.ru_maxrss as u64 * 1024), ..Default::default() };
+    let _ = chan.send(&FromSandbox::MonitorDone { init: status, usage });
+    Ok(())
+}
+
+fn unsafe_zeroed_rusage() -> libc::rusage {
+    // SAFETY: rusage is plain old data; all-zero is valid.
+    unsafe { std::mem::zeroed() }
+}
+
+fn tv_ms(t: libc::timeval) -> u64 {
+    (t.tv_sec as u64) * 1000 + (t.tv_usec as u64) / 1000
+}
+
+/// Wait for init to end; if the parent goes away (channel readable or hung up), kill it.
+fn wait_for_init(chan: &Channel, sfd: &SignalFd, init: Pid) -> Result<ExitInfo, StepError> {
+    loop {
+        match waitpid(init, Some(WaitPidFlag::WNOHANG)) {
+            Ok(WaitStatus::Exited(_, code)) => return Ok(ExitInfo { code: Some(code), signal: None }),
+            Ok(WaitStatus::Signaled(_, sig, _)) => return Ok(ExitInfo { code: None, signal: Some(sig as i32) }),
+            Ok(_) => {}
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(e) => return Err(StepError::errno(Stage::Fork, "waitpid init", e)),
+        }
+        let mut fds = [PollFd::new(sfd.as_fd(), PollFlags::POLLIN), PollFd::new(chan.as_fd(), PollFlags::POLLIN)];
+        match poll(&mut fds, PollTimeout::NONE) {
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(e) => return Err(StepError::errno(Stage::Fork, "poll", e)),
+            Ok(_) => {}
+        }
+        if fds[0].any().unwrap_or(false) {
+            let _ = sfd.read_signal();
+        }
+        if fds[1].any().unwrap_or(false) {
+            // The parent never writes after "proceed": readable means it is gone.
+            let _ = kill(init, Signal::SIGKILL);
+        }
+    }
+}
+
+/// The sandbox init, PID 1 of the new PID namespace. Returns its exit code.
+fn init(chan: &Channel, spec: &SandboxSpec) -> Result<i32, StepError> {
+    // 1.
+    // SAFETY: PR_SET_PDEATHSIG takes an integer signal number.
+    unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) };
+    // 2.
+    privileges::switch_identity(spec.identity.inside_uid, spec.identity.inside_gid)?;
+    // 3.
+    let view = mounts::build(&spec.filesystem, spec.namespaces.net, &spec.command.cwd)?;
+    // 4.
+    if spec.namespaces.uts {
+        namespaces::set_hostname(&spec.hostname)?;
+    }
+    if spec.namespaces.net {
+        namespaces::loopback_up()?;
+    }
+    // 5.
+    let ruleset = landlock::prepare(&landlock_rules(spec, &view.system_bound), spec.landlock.min_abi)?;
+    // 6.
+    privileges::drop_all()?;
+    // 7.
+    let mut forwarded = SigSet::empty();
+    for s in [
+        Signal::SIGCHLD,
+        Signal::SIGTERM,
+        Signal::SIGINT,
+        Signal::SIGHUP,
+        Signal::SIGQUIT,
+        Signal::SIGUSR1,
+        Signal::SIGUSR2,
+    ] {
+        forwarded.add(s);
+    }
+    forwarded.thread_block().map_err(|e| StepError::errno(Stage::Fork, "block signals", e))?;
+    // SAFETY: init is single-threaded (forked from the single-threaded monitor).
+    let payload_pid = match unsafe { fork() }.map_err(|e| StepError::errno(Stage::Fork, "fork payload", e))? {
+        ForkResult::Child => {
+            let err = payload(chan, spec, ruleset, view.sysfs);
+            let _ = chan.send(&FromSandbox::Failed(err));
+            exit(127)
+        }
+        ForkResult::Parent { child } => {
+            // The payload owns its copy of the ruleset; init keeps no Landlock fd.
+            drop(ruleset);
+            child
+        }
+    };
+    let status = reap_until(payload_pid, &forwarded);
+    let _ = chan.send(&FromSandbox::PayloadExited(status));
+    Ok(status.shell_code())
+}
+
+/// Reap every child; forward termination signals to the whole namespace; return when the
+/// payload ends (the kernel then kills whatever is left when PID 1 exits).
+fn reap_until(payload: Pid, signals: &SigSet) -> ExitInfo {
+    loop {
+        let sig = match signals.wait() {
+            Ok(s) => s,
+            Err(_) => continue,
+        };
+        if sig == Signal::SIGCHLD {
+            loop {
+                match waitpid(Pid::from_raw(-1), Some(WaitPidFlag::WNOHANG)) {
+                    Ok(WaitStatus::Exited(pid, code)) if pid == payload => {
+                        return ExitInfo { code: Some(code), signal: None }
+                    }
+                    Ok(WaitStatus::Signaled(pid, s, _)) if pid == payload => {
+                        return ExitInfo { code: None, signal: Some(s as i32) }
+                    }
+                    Ok(WaitStatus::StillAlive) | Err(_) => break,
+                    Ok(_) => continue,
+                }
+            }
+        } else {
+            // kill(-1) from PID 1 reaches every other process of the namespace.
+            let _ = kill(Pid::from_raw(-1), sig);
+        }
+    }
+}
+
+/// Landlock rules mirroring the view built by `mounts`.
+fn landlock_rules(spec: &SandboxSpec, system_bound: &[std::path::PathBuf]) -> Vec<(std::path::PathBuf, Grant, bool)> {
+    // Listing any directory of the view is harmless: the view itself is an allowlist.
+    let mut rules = vec![(std::path::PathBuf::from("/"), Grant::ListDir, false)];
+    for p in system_bound {
+        rules.push((p.clone(), Grant::ReadExec, false));
+    }
+    for r in &spec.filesystem.paths {
+        let grant = match r.access {
+            Access::Read => Grant::ReadExec,
+            Access::ReadWrite => Grant::Full,
+        };
+        rules.push((r.path.clone(), grant, r.optional));
+    }
+    for s in &spec.filesystem.synthetic {
+        rules.push((s.path.clone(), Grant::ReadExec, false));
+    }
+    for (p, g) in [
+        ("/proc", Grant::ReadExec),
+        ("/sys", Grant::ReadExec),
+        ("/dev", Grant::ReadExec),
+        ("/dev/shm", Grant::Full),
+        ("/tmp", Grant::Full),
+    ] {
+        rules.push((p.into(), g, false));
+    }
+    for d in ["null", "zero", "full", "random", "urandom"] {
+        rules.push((format!("/dev/{d}").into(), Grant::DeviceRw, false));
+    }
+    rules
+}
+
+/// The payload: final restrictions, then `execve`. Only returns the error that stopped it.
+fn payload(chan: &Channel, spec: &SandboxSpec, ruleset: landlock::Prepared, sysfs: &str) -> StepError {
+    match payload_steps(chan, spec, ruleset, sysfs) {
+        Ok(e) | Err(e) => e,
+    }
+}
+
+fn payload_steps(
+    chan: &Channel,
+    spec: &SandboxSpec,
+    ruleset: landlock::Prepared,
+    sysfs: &str,
+) -> Result<StepError, StepError> {
+    // 1.
+    process::reset_signals();
+    nix::unistd::setsid().map_err(|e| StepError::errno(Stage::Exec, "setsid", e))?;
+    // After the identity switch the process is non-dumpable, so its /proc files belong to
+    // (unmapped) root. It becomes dumpable at execve anyway; ptrace and core dumps stay
+    // impossible (seccomp, RLIMIT_CORE 0).
+    // SAFETY: PR_SET_DUMPABLE takes an integer.
+    unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 1 as libc::c_ulong, 0, 0, 0) };
+    std::fs::write("/proc/self/oom_score_adj", "1000")
+        .map_err(|e| StepError::io(Stage::Rlimits, "oom_score_adj", e))?;
+    process::set_rlimits(spec.limits.nofile)?;
+    nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o022));
+    let path_var = spec.command.env.iter().find(|(k, _)| k == "PATH").map(|(_, v)| v.as_str());
+    let program = process::find_program(&spec.command.program, path_var)?;
+    // 2.
+    let landlock = landlock::enforce(ruleset)?;
+    // 3.
+    process::close_fds_from(CHILD_FD + 1)?;
+    // 4.
+    let filters = seccomp::install(&spec.seccomp)?;
+    // 5.
+    let report = EnforcementReport {
+        namespaces: spec.namespaces.enabled().into_iter().map(String::from).collect(),
+        landlock,
+        seccomp: match &spec.seccomp {
+            SeccompPolicy::Disabled => SeccompReport { status: "disabled".into(), profile: None, filters: 0 },
+            SeccompPolicy::Enforced { profile, .. } => {
+                SeccompReport { status: "enforced".into(), profile: Some(profile.clone()), filters }
+            }
+        },
+        // Verified by init (`privileges::drop_all`); fork copies credentials exactly.
+        capabilities_dropped: true,
+        no_new_privs: privileges::no_new_privs(),
+        sysfs: sysfs.to_string(),
+        uid: nix::unistd::getuid().as_raw(),
+        gid: nix::unistd::getgid().as_raw(),
+    };
+    chan.send(&FromSandbox::Started(Box::new(report))).map_err(|e| StepError::errno(Stage::Protocol, "send", e))?;
+    Ok(process::exec(&program, &spec.command.program, &spec.command.args, &spec.command.env))
+}

@@ -1,0 +1,477 @@
+//! The filesystem view, built inside the sandbox's own mount namespace.
+//!
+//! Guarantees (for the payload):
+//! - `/` is a read-only tmpfs that holds only: the system paths, each a read-only, nosuid,
+//!   nodev bind of the host path (or the same symlink, on merged-/usr hosts); declared paths,
+//!   bound read-only or read-write (always nosuid, nodev); a fresh `/proc`; a read-only `/dev`
+//!   with only null, zero, full, random, urandom and a private `/dev/shm`; a fresh read-only
+//!   sysfs (or an empty `/sys`); an empty `/run`; and a size-limited scratch tmpfs on `/tmp`
+//!   containing `/tmp/opservant/scratch`. Nothing else of the host is reachable: the old root
+//!   is detached before the payload starts (`pivot_root`, never chroot).
+//! - Masked paths inside the view are covered by an inaccessible (mode 000, read-only) file
+//!   or directory, unless a declared path names them exactly.
+//! - Host paths are resolved with `openat2(RESOLVE_IN_ROOT)` against the old root, so a host
+//!   symlink cannot redirect a bind mount into the half-built new root.
+//! - No host file is ever created or written: every mount point that does not exist is
+//!   created in a tmpfs owned by the sandbox.
+//!
+//! Precondition: called by the sandbox init, in fresh user + mount namespaces, already
+//! switched to the sandbox identity with capabilities retained (see `privileges`).
+
+use std::ffi::CString;
+use std::fs;
+use std::io::ErrorKind;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+use nix::errno::Errno;
+use nix::mount::{mount, umount2, MntFlags, MsFlags};
+
+use crate::error::{Stage, StepError};
+use crate::spec::{Access, Filesystem, PathRule, SCRATCH_DIR};
+
+/// Host directory used only as the mount point of the new root while it is built.
+const STAGE: &str = "/tmp";
+const OLD_ROOT: &str = "/.oldroot";
+const DEVICES: &[&str] = &["null", "zero", "full", "random", "urandom"];
+
+/// What the view builder could provide.
+#[derive(Debug, Clone)]
+pub struct ViewReport {
+    /// `fresh` or `none`.
+    pub sysfs: &'static str,
+    /// System paths bound into the view (those recreated as symlinks are covered by their
+    /// targets and not listed).
+    pub system_bound: Vec<PathBuf>,
+}
+
+fn fail(what: impl std::fmt::Display, e: Errno) -> StepError {
+    StepError::errno(Stage::Mounts, what, e)
+}
+
+fn fail_io(what: impl std::fmt::Display, e: std::io::Error) -> StepError {
+    StepError::io(Stage::Mounts, what, e)
+}
+
+fn do_mount(
+    src: Option<&str>,
+    dst: &Path,
+    fstype: Option<&str>,
+    flags: MsFlags,
+    data: Option<&str>,
+) -> Result<(), StepError> {
+    mount(src, dst, fstype, flags, data)
+        .map_err(|e| fail(format!("mount {} on {}", src.unwrap_or("none"), dst.display()), e))
+}
+
+/// Build the view and `pivot_root` into it. `net_ns`: a private network namespace exists
+/// (required for a fresh sysfs).
+pub fn build(fs_spec: &Filesystem, net_ns: bool, cwd: &Path) -> Result<ViewReport, StepError> {
+    // Modes below are exact; the payload gets the usual 022 back before execve.
+    nix::sys::stat::umask(nix::sys::stat::Mode::empty());
+    // 1. Nothing we do propagates back to the host.
+    do_mount(None, Path::new("/"), None, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None)?;
+
+    // 2. The new root: a small tmpfs, pivoted into with the host root kept at OLD_ROOT.
+    let synthetic_bytes: usize = fs_spec.synthetic.iter().map(|s| s.content.len() + 4096).sum();
+    let root_size = 1024 * 1024 + synthetic_bytes;
+    do_mount(
+        Some("opservant-root"),
+        Path::new(STAGE),
+        Some("tmpfs"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+        Some(&format!("mode=0755,size={root_size},nr_inodes=4096")),
+    )?;
+    mkdir(&Path::new(STAGE).join(OLD_ROOT.trim_start_matches('/')), 0o700)?;
+    nix::unistd::pivot_root(STAGE, &*format!("{STAGE}{OLD_ROOT}")).map_err(|e| fail("pivot_root", e))?;
+    nix::unistd::chdir("/").map_err(|e| fail("chdir /", e))?;
+    let old_root = open_path(Path::new(OLD_ROOT)).map_err(|e| fail(OLD_ROOT, e))?;
+
+    // 3. A fresh /proc for our PID namespace (first: later binds go through /proc/self/fd).
+    mkdir(Path::new("/proc"), 0o555)?;
+    do_mount(
+        Some("proc"),
+        Path::new("/proc"),
+        Some("proc"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+        None,
+    )?;
+
+    // 4. System paths, read-only.
+    let mut system_bound = Vec::new();
+    for rule in sorted(&fs_spec.system) {
+        if bind_host(&old_root, rule, true)? {
+            system_bound.push(rule.path.clone());
+        }
+    }
+
+    // 5. Masks (before declared paths, so a declared path beneath a mask is shown on top).
+    let mut masks_to_seal = Vec::new();
+    let inaccessible = Path::new("/.inaccessible");
+    create_file(inaccessible, 0o000, b"")?;
+    for m in &fs_spec.masked {
+        if fs_spec.paths.iter().any(|p| &p.path == m) {
+            continue;
+        }
+        let Ok(meta) = fs::symlink_metadata(m) else { continue };
+        if meta.is_dir() {
+            do_mount(
+                Some("opservant-mask"),
+                m,
+                Some("tmpfs"),
+                MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+                Some("mode=000,size=4096,nr_inodes=64"),
+            )?;
+            masks_to_seal.push(m.clone());
+        } else {
+            do_mount(Some(inaccessible.to_str().unwrap_or_default()), m, None, MsFlags::MS_BIND, None)?;
+            seal(m, true, false)?;
+        }
+    }
+
+    // 6. /dev, /sys, /tmp, /run.
+    build_dev(&old_root, fs_spec.scratch_bytes)?;
+    let sysfs = build_sys(net_ns)?;
+    build_tmp(fs_spec.scratch_bytes)?;
+    mkdir(Path::new("/run"), 0o755)?;
+
+    // 7. Declared paths.
+    for rule in sorted(&fs_spec.paths) {
+        if rule.path.starts_with("/tmp") && rule.access == Access::ReadWrite {
+            fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(&rule.path)
+                .map_err(|e| fail_io(format!("create {}", rule.path.display()), e))?;
+        } else {
+            bind_host(&old_root, rule, false)?;
+        }
+    }
+
+    // 8. Synthetic files.
+    for (i, s) in fs_spec.synthetic.iter().enumerate() {
+        let src = PathBuf::from(format!("/.synthetic-{i}"));
+        create_file(&src, 0o444, s.content.as_bytes())?;
+        mount_point(&s.path, false)?;
+        do_mount(src.to_str(), &s.path, None, MsFlags::MS_BIND, None)?;
+        seal(&s.path, true, false)?;
+        fs::remove_file(&src).map_err(|e| fail_io(format!("remove {}", src.display()), e))?;
+    }
+    fs::remove_file(inaccessible).map_err(|e| fail_io("remove /.inaccessible", e))?;
+
+    // 9. Detach the host root.
+    drop(old_root);
+    umount2(OLD_ROOT, MntFlags::MNT_DETACH).map_err(|e| fail("detach old root", e))?;
+    fs::remove_dir(OLD_ROOT).map_err(|e| fail_io("remove old root mount point", e))?;
+
+    // 10. Seal: masks and the root become read-only.
+    for m in &masks_to_seal {
+        seal(m, true, false)?;
+    }
+    seal(Path::new("/"), true, false)?;
+
+    nix::unistd::chdir(cwd).map_err(|e| fail(format!("chdir {}", cwd.display()), e))?;
+    Ok(ViewReport { sysfs, system_bound })
+}
+
+/// Parents before children so nested binds land on top.
+fn sorted(rules: &[PathRule]) -> Vec<&PathRule> {
+    let mut v: Vec<&PathRule> = rules.iter().collect();
+    v.sort_by_key(|r| r.path.components().count());
+    v
+}
+
+/// Bind the host's `rule.path` at the same path in the new root. Returns whether a bind
+/// mount was made (false: an optional path is absent, or a system symlink was recreated).
+fn bind_host(old_root: &OwnedFd, rule: &PathRule, system: bool) -> Result<bool, StepError> {
+    let rel = rule.path.strip_prefix("/").unwrap_or(&rule.path);
+    // A system path that is a symlink on the host (merged /usr) is recreated as the same
+    // symlink; its target is bound on its own.
+    if system {
+        let host = Path::new(OLD_ROOT).join(rel);
+        match fs::symlink_metadata(&host) {
+            Ok(m) if m.file_type().is_symlink() => {
+                let target = fs::read_link(&host).map_err(|e| fail_io(format!("readlink {}", host.display()), e))?;
+                ensure_parent(&rule.path)?;
+                std::os::unix::fs::symlink(&target, &rule.path)
+                    .map_err(|e| fail_io(format!("symlink {}", rule.path.display()), e))?;
+                return Ok(false);
+            }
+            Err(e) if e.kind() == ErrorKind::NotFound && rule.optional => return Ok(false),
+            _ => {}
+        }
+    }
+    let src = match open_in_root(old_root, rel) {
+        Ok(fd) => fd,
+        Err(Errno::ENOENT) if rule.optional => return Ok(false),
+        Err(e) => return Err(fail(format!("host path {}", rule.path.display()), e)),
+    };
+    let is_dir = fstat_is_dir(&src).map_err(|e| fail(format!("stat {}", rule.path.display()), e))?;
+    mount_point(&rule.path, is_dir)?;
+    let src_name = format!("/proc/self/fd/{}", src.as_raw_fd());
+    do_mount(Some(&src_name), &rule.path, None, MsFlags::MS_BIND | MsFlags::MS_REC, None)
+        .map_err(|e| StepError::new(Stage::Mounts, format!("bind {}: {}", rule.path.display(), e.message)))?;
+    seal(&rule.path, rule.access == Access::Read, true)?;
+    Ok(true)
+}
+
+fn build_dev(old_root: &OwnedFd, scratch_bytes: u64) -> Result<(), StepError> {
+    let dev = Path::new("/dev");
+    mkdir(dev, 0o755)?;
+    do_mount(
+        Some("opservant-dev"),
+        dev,
+        Some("tmpfs"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC,
+        Some("mode=0755,size=65536,nr_inodes=64"),
+    )?;
+    for name in DEVICES {
+        let dst = dev.join(name);
+        create_file(&dst, 0o666, b"")?;
+        let src =
+            open_in_root(old_root, &Path::new("dev").join(name)).map_err(|e| fail(format!("host /dev/{name}"), e))?;
+        let src_name = format!("/proc/self/fd/{}", src.as_raw_fd());
+        do_mount(Some(&src_name), &dst, None, MsFlags::MS_BIND, None)?;
+        // Device nodes need a mount without nodev; nosuid and noexec still apply.
+        setattr(&dst, libc::MOUNT_ATTR_NOSUID | libc::MOUNT_ATTR_NOEXEC, false)?;
+    }
+    for (name, target) in [
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ] {
+        std::os::unix::fs::symlink(target, dev.join(name)).map_err(|e| fail_io(format!("symlink /dev/{name}"), e))?;
+    }
+    let shm = dev.join("shm");
+    mkdir(&shm, 0o1777)?;
+    do_mount(
+        Some("opservant-shm"),
+        &shm,
+        Some("tmpfs"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+        Some(&format!("mode=1777,size={scratch_bytes},nr_inodes={}", inodes_for(scratch_bytes))),
+    )?;
+    // The /dev tmpfs itself becomes read-only; the bound nodes and /dev/shm keep their own flags.
+    setattr(dev, libc::MOUNT_ATTR_RDONLY | libc::MOUNT_ATTR_NOSUID | libc::MOUNT_ATTR_NOEXEC, false)
+}
+
+fn build_sys(net_ns: bool) -> Result<&'static str, StepError> {
+    let sys = Path::new("/sys");
+    mkdir(sys, 0o555)?;
+    if !net_ns {
+        return Ok("none");
+    }
+    let flags = MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
+    match mount(Some("sysfs"), sys, Some("sysfs"), flags, None::<&str>) {
+        Ok(()) => Ok("fresh"),
+        // The kernel refuses a fresh sysfs when the host's is partly hidden; an empty /sys is
+        // strictly less than the payload could otherwise see, and is reported.
+        Err(Errno::EPERM | Errno::EACCES) => Ok("none"),
+        Err(e) => Err(fail("mount sysfs", e)),
+    }
+}
+
+fn build_tmp(scratch_bytes: u64) -> Result<(), StepError> {
+    let tmp = Path::new("/tmp");
+    mkdir(tmp, 0o1777)?;
+    do_mount(
+        Some("opservant-scratch"),
+        tmp,
+        Some("tmpfs"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+        Some(&format!("mode=1777,size={scratch_bytes},nr_inodes={}", inodes_for(scratch_bytes))),
+    )?;
+    mkdir(Path::new("/tmp/opservant"), 0o755)?;
+    mkdir(Path::new(SCRATCH_DIR), 0o700)
+}
+
+/// One inode per 4 KiB of scratch, at least 1024: bounds the kernel memory small files cost.
+fn inodes_for(bytes: u64) -> u64 {
+    (bytes / 4096).max(1024)
+}
+
+/// Apply read-only (optionally) + nosuid + nodev to the mount at `path` (and, when
+/// `recursive`, every mount beneath it).
+fn seal(path: &Path, read_only: bool, recursive: bool) -> Result<(), StepError> {
+    let mut attrs = libc::MOUNT_ATTR_NOSUID | libc::MOUNT_ATTR_NODEV;
+    if read_only {
+        attrs |= libc::MOUNT_ATTR_RDONLY;
+    }
+    setattr(path, attrs, recursive)
+}
+
+/// `mount_setattr(2)`, falling back to bind-remounts on kernels older than 5.12.
+fn setattr(path: &Path, attrs: u64, recursive: bool) -> Result<(), StepError> {
+    let c = cstr(path)?;
+    let attr = libc::mount_attr { attr_set: attrs, attr_clr: 0, propagation: 0, userns_fd: 0 };
+    let flags = if recursive { libc::AT_RECURSIVE as libc::c_uint } else { 0 };
+    // SAFETY: `c` is a valid NUL-terminated path and `attr` a properly sized mount_attr that
+    // outlives the call.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_mount_setattr,
+            libc::AT_FDCWD,
+            c.as_ptr(),
+            flags,
+            &attr as *const libc::mount_attr,
+            std::mem::size_of::<libc::mount_attr>(),
+        )
+    };
+    if rc == 0 {
+        return Ok(());
+    }
+    match Errno::last() {
+        Errno::ENOSYS => remount_fallback(path, attrs, recursive),
+        e => Err(fail(format!("mount_setattr {}", path.display()), e)),
+    }
+}
+
+fn remount_fallback(path: &Path, attrs: u64, recursive: bool) -> Result<(), StepError> {
+    let mut targets = vec![path.to_path_buf()];
+    if recursive {
+        let info = fs::read_to_string("/proc/self/mountinfo").map_err(|e| fail_io("read mountinfo", e))?;
+        for line in info.lines() {
+            if let Some(mp) = line.split(' ').nth(4) {
+                let mp = PathBuf::from(mp);
+                if mp != path && mp.starts_with(path) {
+                    targets.push(mp);
+                }
+            }
+        }
+    }
+    for t in targets {
+        // Locked flags (inherited from a more privileged namespace) must be kept on remount.
+        let st = nix::sys::statvfs::statvfs(&t).map_err(|e| fail(format!("statvfs {}", t.display()), e))?;
+        use nix::sys::statvfs::FsFlags;
+        let mut flags = MsFlags::MS_REMOUNT | MsFlags::MS_BIND;
+        let f = st.flags();
+        for (have, ms) in [
+            (FsFlags::ST_RDONLY, MsFlags::MS_RDONLY),
+            (FsFlags::ST_NOSUID, MsFlags::MS_NOSUID),
+            (FsFlags::ST_NODEV, MsFlags::MS_NODEV),
+            (FsFlags::ST_NOEXEC, MsFlags::MS_NOEXEC),
+            (FsFlags::ST_NOATIME, MsFlags::MS_NOATIME),
+            (FsFlags::ST_NODIRATIME, MsFlags::MS_NODIRATIME),
+            (FsFlags::ST_RELATIME, MsFlags::MS_RELATIME),
+        ] {
+            if f.contains(have) {
+                flags |= ms;
+            }
+        }
+        for (attr, ms) in [
+            (libc::MOUNT_ATTR_RDONLY, MsFlags::MS_RDONLY),
+            (libc::MOUNT_ATTR_NOSUID, MsFlags::MS_NOSUID),
+            (libc::MOUNT_ATTR_NODEV, MsFlags::MS_NODEV),
+            (libc::MOUNT_ATTR_NOEXEC, MsFlags::MS_NOEXEC),
+        ] {
+            if attrs & attr != 0 {
+                flags |= ms;
+            }
+        }
+        do_mount(None, &t, None, flags, None)?;
+    }
+    Ok(())
+}
+
+/// Resolve `rel` beneath `root` as if `root` were `/` (symlinks cannot escape it).
+fn open_in_root(root: &OwnedFd, rel: &Path) -> Result<OwnedFd, Errno> {
+    let c = CString::new(rel.as_os_str().as_encoded_bytes()).map_err(|_| Errno::EINVAL)?;
+    // SAFETY: open_how is plain old data; all-zero is valid (and required for unused fields).
+    let mut how: libc::open_how = unsafe { std::mem::zeroed() };
+    how.flags = (libc::O_PATH | libc::O_CLOEXEC) as u64;
+    how.resolve = libc::RESOLVE_IN_ROOT | libc::RESOLVE_NO_MAGICLINKS;
+    // SAFETY: valid dirfd, NUL-terminated path, and an open_how of the size passed.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_openat2,
+            root.as_raw_fd(),
+            c.as_ptr(),
+            &how as *const libc::open_how,
+            std::mem::size_of::<libc::open_how>(),
+        )
+    };
+    if fd >= 0 {
+        // SAFETY: openat2 returned a fresh descriptor that nothing else owns.
+        return Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) });
+    }
+    match Errno::last() {
+        // Kernels before 5.6: resolve normally (absolute symlinks then resolve in the new
+        // root, which only ever holds what the sandbox may see anyway).
+        Errno::ENOSYS => open_path(&Path::new(OLD_ROOT).join(rel)),
+        e => Err(e),
+    }
+}
+
+fn open_path(p: &Path) -> Result<OwnedFd, Errno> {
+    let fd =
+        nix::fcntl::open(p, nix::fcntl::OFlag::O_PATH | nix::fcntl::OFlag::O_CLOEXEC, nix::sys::stat::Mode::empty())?;
+    Ok(fd)
+}
+
+fn fstat_is_dir(fd: &OwnedFd) -> Result<bool, Errno> {
+    let st = nix::sys::stat::fstat(fd)?;
+    Ok(st.st_mode & libc::S_IFMT == libc::S_IFDIR)
+}
+
+/// Make sure `path` exists to be mounted on (created in a sandbox-owned tmpfs if needed).
+fn mount_point(path: &Path, is_dir: bool) -> Result<(), StepError> {
+    match fs::symlink_metadata(path) {
+        Ok(m) if m.is_dir() == is_dir => Ok(()),
+        Ok(_) => Err(StepError::new(
+            Stage::Mounts,
+            format!("{}: host path and sandbox view disagree on file vs directory", path.display()),
+        )),
+        Err(e) if e.kind() == ErrorKind::NotFound => {
+            ensure_parent(path)?;
+            if is_dir {
+                mkdir(path, 0o755)
+            } else {
+                create_file(path, 0o644, b"")
+            }
+        }
+        Err(e) => Err(fail_io(format!("stat {}", path.display()), e)),
+    }
+}
+
+fn ensure_parent(path: &Path) -> Result<(), StepError> {
+    match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o755)
+            .create(p)
+            .map_err(|e| fail_io(format!("create {}", p.display()), e)),
+        _ => Ok(()),
+    }
+}
+
+fn mkdir(path: &Path, mode: u32) -> Result<(), StepError> {
+    // The umask is 0 while the view is built, so `mode` is exact.
+    match fs::DirBuilder::new().mode(mode).create(path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == ErrorKind::AlreadyExists && path.is_dir() => Ok(()),
+        Err(e) => Err(fail_io(format!("create {}", path.display()), e)),
+    }
+}
+
+fn create_file(path: &Path, mode: u32, content: &[u8]) -> Result<(), StepError> {
+    use std::io::Write;
+    // The umask is 0 while the view is built, so `mode` is exact. Content is written
+    // through the descriptor, which keeps write access even for mode 000.
+    let mut f = fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(mode)
+        .open(path)
+        .map_err(|e| fail_io(format!("create {}", path.display()), e))?;
+    if !content.is_empty() {
+        f.write_all(content).map_err(|e| fail_io(format!("write {}", path.display()), e))?;
+    }
+    Ok(())
+}
+
+fn cstr(p: &Path) -> Result<CString, StepError> {
+    CString::new(p.as_os_str().as_encoded_bytes())
+        .map_err(|_| StepError::new(Stage::Mounts, format!("{}: contains NUL", p.display())))
+}

@@ -1,0 +1,104 @@
+//! Namespaces: creation, the single-id uid/gid maps (written by the privileged parent), the
+//! UTS hostname and the loopback interface of a private network namespace.
+
+use std::path::PathBuf;
+
+use nix::sched::CloneFlags;
+
+use crate::error::{SandboxError, Stage, StepError};
+use crate::spec::{Identity, Namespaces};
+
+/// `unshare(2)` flags for the selected namespaces. The PID namespace applies to children
+/// created afterwards (the sandbox init).
+pub fn clone_flags(ns: &Namespaces) -> CloneFlags {
+    let mut f = CloneFlags::empty();
+    for (on, flag) in [
+        (ns.user, CloneFlags::CLONE_NEWUSER),
+        (ns.mount, CloneFlags::CLONE_NEWNS),
+        (ns.pid, CloneFlags::CLONE_NEWPID),
+        (ns.net, CloneFlags::CLONE_NEWNET),
+        (ns.ipc, CloneFlags::CLONE_NEWIPC),
+        (ns.uts, CloneFlags::CLONE_NEWUTS),
+        (ns.cgroup, CloneFlags::CLONE_NEWCGROUP),
+    ] {
+        if on {
+            f |= flag;
+        }
+    }
+    f
+}
+
+/// Create the namespaces for the calling (single-threaded) process.
+pub fn unshare(ns: &Namespaces) -> Result<(), StepError> {
+    nix::sched::unshare(clone_flags(ns)).map_err(|e| {
+        let hint = if e == nix::errno::Errno::EPERM || e == nix::errno::Errno::ENOSPC {
+            " (user namespaces disabled or exhausted? see `opservant doctor`)"
+        } else {
+            ""
+        };
+        StepError::errno(Stage::Unshare, format!("unshare{hint}"), e)
+    })
+}
+
+/// Parent side: write the single-id maps of `pid`'s user namespace. `setgroups` is denied
+/// first, so the payload can never drop into a supplementary group it was not given.
+pub fn write_id_maps(pid: i32, id: &Identity) -> Result<(), SandboxError> {
+    let base = PathBuf::from(format!("/proc/{pid}"));
+    let w = |what: &'static str, content: String| {
+        std::fs::write(base.join(what), content).map_err(|source| SandboxError::IdMap { what, pid, source })
+    };
+    w("setgroups", "deny".into())?;
+    w("uid_map", format!("{} {} 1\n", id.inside_uid, id.host_uid))?;
+    w("gid_map", format!("{} {} 1\n", id.inside_gid, id.host_gid))?;
+    Ok(())
+}
+
+pub fn set_hostname(name: &str) -> Result<(), StepError> {
+    nix::unistd::sethostname(name).map_err(|e| StepError::errno(Stage::Hostname, "sethostname", e))
+}
+
+/// Bring `lo` up in the (private) network namespace of the caller.
+pub fn loopback_up() -> Result<(), StepError> {
+    let err = |what: &str, e| StepError::errno(Stage::Loopback, what, e);
+    let sock = nix::sys::socket::socket(
+        nix::sys::socket::AddressFamily::Inet,
+        nix::sys::socket::SockType::Datagram,
+        nix::sys::socket::SockFlag::SOCK_CLOEXEC,
+        None,
+    )
+    .map_err(|e| err("socket", e))?;
+    // SAFETY: ifreq is plain old data; all-zero is a valid value.
+    let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (dst, src) in ifr.ifr_name.iter_mut().zip(b"lo\0") {
+        *dst = *src as libc::c_char;
+    }
+    use std::os::fd::AsRawFd;
+    // SAFETY: SIOCGIFFLAGS/SIOCSIFFLAGS read and write the ifreq we own.
+    unsafe {
+        if libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS, &mut ifr) < 0 {
+            return Err(err("SIOCGIFFLAGS lo", nix::errno::Errno::last()));
+        }
+        ifr.ifr_ifru.ifru_flags |= libc::IFF_UP as libc::c_short;
+        if libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS, &ifr) < 0 {
+            return Err(err("SIOCSIFFLAGS lo", nix::errno::Errno::last()));
+        }
+    }
+    Ok(())
+}
+
+/// Namespace types this kernel offers (`/proc/self/ns/*`), for `doctor`.
+pub fn available() -> Vec<(&'static str, bool)> {
+    [
+        ("user", "user"),
+        ("mount", "mnt"),
+        ("pid", "pid"),
+        ("net", "net"),
+        ("ipc", "ipc"),
+        ("uts", "uts"),
+        ("cgroup", "cgroup"),
+        ("time", "time"),
+    ]
+    .into_iter()
+    .map(|(name, file)| (name, std::path::Path::new("/proc/self/ns").join(file).exists()))
+    .collect()
+}

@@ -1,0 +1,493 @@
+//! The parent side: start a sandbox, complete the namespace handshake, supervise it to the end.
+//!
+//! Safe to call from a multi-threaded program: the sandbox starts with `posix_spawn` (no
+//! `fork` of the caller), as a fresh exec of the init program, configured over a socketpair.
+//! Blocking; an async caller runs it on a blocking thread.
+//!
+//! Guarantees: a started sandbox is always fully torn down — on success, on error and when a
+//! [`Sandbox`] is dropped — with its cgroups removed; the timeout sends SIGTERM to every
+//! process in the sandbox, then SIGKILL after the grace period; output is captured up to the
+//! caller's caps while the rest is drained and counted, so a runaway writer cannot block the
+//! sandbox or grow the parent.
+
+use std::ffi::{CStr, CString, OsStr};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
+use std::time::{Duration, Instant};
+
+use nix::errno::Errno;
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+use nix::sys::signal::{kill, SigSet, Signal};
+use nix::sys::wait::waitpid;
+use nix::unistd::Pid;
+
+use crate::cgroup::SandboxCgroup;
+use crate::channel::{Channel, FromSandbox, ToSandbox, CHILD_FD};
+use crate::error::{SandboxError, Stage, StepError};
+use crate::report::{Captured, EnforcementReport, ExitInfo, KilledBy, Outcome, ResourceUsage};
+use crate::spec::SandboxSpec;
+use crate::{landlock, namespaces};
+
+/// How to start the sandbox's monitor process.
+#[derive(Debug, Clone)]
+pub enum Launcher {
+    /// `posix_spawn` a program (normally this binary) whose arguments make it call
+    /// [`crate::init::main`] first thing. Safe from multi-threaded callers.
+    Exec { program: CString, args: Vec<CString> },
+    /// `fork` the caller and run the monitor in the child. Only for single-threaded callers
+    /// (a CLI, a zygote): it saves one `execve` of this binary per sandbox.
+    Fork,
+}
+
+impl Launcher {
+    pub fn new(program: impl AsRef<OsStr>, args: &[&OsStr]) -> Result<Self, SandboxError> {
+        let c = |s: &OsStr| {
+            CString::new(s.as_bytes()).map_err(|_| SandboxError::Spawn {
+                program: s.to_string_lossy().into_owned(),
+                source: std::io::Error::from(std::io::ErrorKind::InvalidInput),
+            })
+        };
+        let program = c(program.as_ref())?;
+        let mut argv = vec![program.clone()];
+        for a in args {
+            argv.push(c(a)?);
+        }
+        Ok(Self::Exec { program, args: argv })
+    }
+
+    /// Re-execute the running binary (`/proc/self/exe`, immune to the file being replaced)
+    /// with a hidden sub-command.
+    pub fn reexec(subcommand: &str) -> Self {
+        let program = c"/proc/self/exe".to_owned();
+        // A sub-command name with NUL is a programming error; fall back to no argument,
+        // which makes the init fail loudly rather than run something else.
+        let sub = CString::new(subcommand).unwrap_or_default();
+        Self::Exec { args: vec![program.clone(), sub], program }
+    }
+
+    /// [`Launcher::Fork`] when the calling process has exactly one thread right now,
+    /// otherwise [`Launcher::reexec`]. (The check cannot race with thread creation by the
+    /// caller itself; callers that start threads concurrently must use `reexec`.)
+    pub fn fork_or_reexec(subcommand: &str) -> Self {
+        let threads = std::fs::read_dir("/proc/self/task").map(|d| d.count()).unwrap_or(0);
+        if threads == 1 {
+            Self::Fork
+        } else {
+            Self::reexec(subcommand)
+        }
+    }
+
+    fn describe(&self) -> String {
+        match self {
+            Launcher::Exec { program, .. } => program.to_string_lossy().into_owned(),
+            Launcher::Fork => "fork".into(),
+        }
+    }
+}
+
+/// Called once the namespaces exist and the id maps are written, with the monitor's host
+/// pid (its `/proc/PID/ns/*` are the sandbox's namespaces). An error aborts the sandbox.
+pub type NamespaceHook<'a> = &'a mut dyn FnMut(i32) -> Result<(), String>;
+
+/// Which stream a chunk of output came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stream {
+    Stdout,
+    Stderr,
+}
+
+/// Receives output chunks as they arrive.
+pub type Tee<'a> = &'a mut dyn FnMut(Stream, &[u8]);
+
+/// Output handling while the sandbox runs.
+pub struct OutputOptions<'a> {
+    pub stdout_cap: usize,
+    pub stderr_cap: usize,
+    /// Receives every chunk as it arrives (e.g. to stream it to a terminal).
+    pub tee: Option<Tee<'a>>,
+}
+
+impl Default for OutputOptions<'_> {
+    fn default() -> Self {
+        Self { stdout_cap: 1 << 20, stderr_cap: 1 << 20, tee: None }
+    }
+}
+
+/// A running sandbox.
+pub struct Sandbox {
+    monitor: Pid,
+    init: Option<Pid>,
+    chan: Channel,
+    stdout: Option<OwnedFd>,
+    stderr: Option<OwnedFd>,
+    cgroup: Option<SandboxCgroup>,
+    started: Instant,
+    timeout: Option<Duration>,
+    grace: Duration,
+    reaped: bool,
+}
+
+impl Sandbox {
+    /// Create the cgroup, start the init, and complete the handshake. On return the payload
+    /// is being set up; call [`Sandbox::wait`].
+    pub fn spawn(
+        spec: &SandboxSpec,
+        launcher: &Launcher,
+        hook: Option<NamespaceHook>,
+    ) -> Result<Sandbox, SandboxError> {
+        spec.validate()?;
+        let abi = landlock::kernel_abi();
+        if abi < spec.landlock.min_abi {
+            return Err(SandboxError::LandlockTooOld { found: abi, required: spec.landlock.min_abi });
+        }
+        let started = Instant::now();
+
+        let (chan, chan_child) = Channel::pair().map_err(|e| SandboxError::io("socketpair", e.into()))?;
+        let (out_r, out_w) = pipe()?;
+        let (err_r, err_w) = pipe()?;
+        let null = nix::fcntl::open(
+            "/dev/null",
+            nix::fcntl::OFlag::O_RDWR | nix::fcntl::OFlag::O_CLOEXEC,
+            nix::sys::stat::Mode::empty(),
+        )
+        .map_err(|e| SandboxError::io("open /dev/null", e.into()))?;
+        // Move the child's ends above the stdio range so dup2 onto 0..=3 cannot clobber one
+        // with another.
+        let high = |fd: &dyn AsFd| -> Result<OwnedFd, SandboxError> {
+            nix::fcntl::fcntl(fd.as_fd(), nix::fcntl::FcntlArg::F_DUPFD_CLOEXEC(10))
+                .map_err(|e| SandboxError::io("dup", e.into()))
+                // SAFETY: F_DUPFD_CLOEXEC returned a new descriptor we now own.
+                .map(|raw| unsafe { OwnedFd::from_raw_fd(raw) })
+        };
+        let fds = [high(&null)?, high(&out_w)?, high(&err_w)?, high(&chan_child)?];
+        drop((null, out_w, err_w, chan_child));
+
+        let monitor = spawn_monitor(launcher, &fds, spec)?;
+        drop(fds);
+        let mut sb = Sandbox {
+            monitor,
+            init: None,
+            chan,
+            stdout: Some(out_r),
+            stderr: Some(err_r),
+            cgroup: None,
+            started,
+            timeout: spec.limits.timeout_ms.map(Duration::from_millis),
+            grace: Duration::from_millis(spec.limits.kill_grace_ms),
+            reaped: false,
+        };
+        sb.handshake(spec, matches!(launcher, Launcher::Exec { .. }), hook)?;
+        Ok(sb)
+    }
+
+    fn handshake(
+        &mut self,
+        spec: &SandboxSpec,
+        send_spec: bool,
+        hook: Option<NamespaceHook>,
+    ) -> Result<(), SandboxError> {
+        if send_spec {
+            self.chan
+                .send(&ToSandbox::Spec(Box::new(spec.clone())))
+                .map_err(|e| SandboxError::Channel(format!("send spec: {}", e.desc())))?;
+        }
+        // The cgroups are created while the monitor creates the namespaces (the two are the
+        // slowest setup steps and run on different CPUs).
+        let cgroup = SandboxCgroup::create(&spec.limits)?;
+        let join = cgroup.join_files();
+        self.cgroup = Some(cgroup);
+        self.chan
+            .send(&ToSandbox::Cgroups { join })
+            .map_err(|e| SandboxError::Channel(format!("send cgroups: {}", e.desc())))?;
+        match self.chan.recv::<FromSandbox>().map_err(SandboxError::Channel)? {
+            Some(FromSandbox::Unshared) => {}
+            Some(FromSandbox::Failed(e)) => return Err(e.into()),
+            None => return Err(SandboxError::Channel("sandbox init exited during setup".into())),
+            Some(other) => return Err(SandboxError::Channel(format!("unexpected {other:?}"))),
+        }
+        namespaces::write_id_maps(self.monitor.as_raw(), &spec.identity)?;
+        if let Some(hook) = hook {
+            hook(self.monitor.as_raw()).map_err(SandboxError::Hook)?;
+        }
+        self.chan.send(&ToSandbox::Proceed).map_err(|e| SandboxError::Channel(format!("send proceed: {}", e.desc())))
+    }
+
+    /// Host pid of the monitor process (its namespaces are the sandbox's).
+    pub fn monitor_pid(&self) -> i32 {
+        self.monitor.as_raw()
+    }
+
+    /// Supervise to the end and tear everything down.
+    pub fn wait(mut self, mut out: OutputOptions) -> Result<Outcome, SandboxError> {
+        let mut stdout = Captured::default();
+        let mut stderr = Captured::default();
+        let mut report: Option<EnforcementReport> = None;
+        let mut failure: Option<StepError> = None;
+        let mut payload_exit: Option<ExitInfo> = None;
+        let mut monitor_usage: Option<ResourceUsage> = None;
+        let mut chan_open = true;
+        let deadline = self.timeout.map(|t| self.started + t);
+        let mut kill_at: Option<Instant> = None;
+        let mut timed_out = false;
+        let mut buf = vec![0u8; 64 * 1024];
+
+        while chan_open || self.stdout.is_some() || self.stderr.is_some() {
+            let now = Instant::now();
+            if let Some(d) = deadline {
+                if !timed_out && now >= d {
+                    timed_out = true;
+                    self.terminate();
+                    kill_at = Some(now + self.grace);
+                }
+            }
+            if let Some(k) = kill_at {
+                if now >= k {
+                    self.kill();
+                    kill_at = None;
+                }
+            }
+            let wake = [if timed_out { None } else { deadline }, kill_at].into_iter().flatten().min();
+            let timeout = match wake {
+                None => PollTimeout::NONE,
+                Some(w) => {
+                    let ms = w.saturating_duration_since(Instant::now()).as_millis().min(60_000) as u16;
+                    PollTimeout::from(ms.max(1))
+                }
+            };
+            let mut pfds = Vec::with_capacity(3);
+            let mut slots = Vec::with_capacity(3);
+            if chan_open {
+                pfds.push(PollFd::new(self.chan.as_fd(), PollFlags::POLLIN));
+                slots.push(0);
+            }
+            if let Some(fd) = &self.stdout {
+                pfds.push(PollFd::new(fd.as_fd(), PollFlags::POLLIN));
+                slots.push(1);
+            }
+            if let Some(fd) = &self.stderr {
+                pfds.push(PollFd::new(fd.as_fd(), PollFlags::POLLIN));
+                slots.push(2);
+            }
+            match poll(&mut pfds, timeout) {
+                Err(Errno::EINTR) | Ok(0) => continue,
+                Err(e) => return Err(SandboxError::io("poll", e.into())),
+                Ok(_) => {}
+            }
+            let ready: Vec<usize> =
+                pfds.iter().zip(&slots).filter(|(p, _)| p.any().unwrap_or(true)).map(|(_, s)| *s).collect();
+            drop(pfds);
+            for slot in ready {
+                match slot {
+                    0 => match self.chan.recv::<FromSandbox>() {
+                        Ok(None) => chan_open = false,
+                        Ok(Some(msg)) => match msg {
+                            FromSandbox::InitForked { pid } => self.init = Some(Pid::from_raw(pid)),
+                            FromSandbox::Started(r) => {
+                                report = Some(*r);
+                                if let Some(cg) = self.cgroup.as_mut() {
+                                    if let Err(e) = cg.apply_cpu_limit() {
+                                        // Fail closed: a limit that did not apply stops the run.
+                                        self.kill();
+                                        failure.get_or_insert(StepError::new(Stage::Protocol, e.to_string()));
+                                    }
+                                }
+                            }
+                            FromSandbox::Failed(e) => {
+                                failure.get_or_insert(e);
+                            }
+                            FromSandbox::PayloadExited(x) => payload_exit = Some(x),
+                            FromSandbox::MonitorDone { usage, .. } => monitor_usage = Some(usage),
+                            FromSandbox::Unshared => {}
+                        },
+                        Err(e) => {
+                            failure.get_or_insert(StepError::new(Stage::Protocol, e));
+                            self.kill();
+                            chan_open = false;
+                        }
+                    },
+                    1 => Self::drain(
+                        &mut self.stdout,
+                        &mut stdout,
+                        out.stdout_cap,
+                        Stream::Stdout,
+                        &mut buf,
+                        &mut out.tee,
+                    ),
+                    _ => Self::drain(
+                        &mut self.stderr,
+                        &mut stderr,
+                        out.stderr_cap,
+                        Stream::Stderr,
+                        &mut buf,
+                        &mut out.tee,
+                    ),
+                }
+            }
+        }
+        let wall = self.started.elapsed();
+        self.reap();
+        let cgroup = self.cgroup.take();
+        let cg_usage = cgroup.as_ref().map(|c| c.usage()).unwrap_or_default();
+        let cg_report = cgroup.as_ref().map(|c| c.report().clone());
+        if let Some(cg) = cgroup {
+            cg.remove()?;
+        }
+
+        let report = match (report, failure) {
+            (_, Some(e)) => return Err(e.into()),
+            (Some(r), None) => r,
+            (None, None) if timed_out => {
+                return Err(StepError::new(Stage::Protocol, "the timeout expired before the payload started").into())
+            }
+            (None, None) => return Err(SandboxError::Channel("the sandbox ended before the payload started".into())),
+        };
+        let rusage = monitor_usage.unwrap_or_default();
+        let usage = ResourceUsage {
+            wall_ms: wall.as_millis() as u64,
+            cpu_ms: rusage.cpu_ms,
+            peak_memory_bytes: cg_usage.peak_memory_bytes.or(rusage.peak_memory_bytes),
+            oom_kills: cg_usage.oom_kills,
+            pids_limit_hits: cg_usage.pids_limit_hits,
+            cpu_throttled_periods: cg_usage.cpu_throttled_periods,
+            cpu_throttled_ms: cg_usage.cpu_throttled_ms,
+        };
+        let exited_cleanly = payload_exit.is_some_and(|e| e.code == Some(0));
+        let killed_by = if usage.oom_kills > 0 && !exited_cleanly {
+            Some(KilledBy::Oom)
+        } else if timed_out {
+            Some(KilledBy::Timeout)
+        } else if usage.pids_limit_hits > 0 && !exited_cleanly {
+            Some(KilledBy::Pids)
+        } else {
+            payload_exit.and_then(|e| e.signal).map(KilledBy::Signal)
+        };
+        Ok(Outcome {
+            exit: payload_exit,
+            timed_out,
+            killed_by,
+            stdout,
+            stderr,
+            usage,
+            enforcement: report,
+            cgroup: cg_report.unwrap_or_else(|| crate::report::CgroupReport {
+                version: "none".into(),
+                paths: vec![],
+                memory: false,
+                cpu: false,
+                pids: false,
+                degraded: vec![],
+            }),
+        })
+    }
+
+    fn drain(
+        fd: &mut Option<OwnedFd>,
+        cap: &mut Captured,
+        limit: usize,
+        stream: Stream,
+        buf: &mut [u8],
+        tee: &mut Option<Tee<'_>>,
+    ) {
+        let Some(f) = fd else { return };
+        match nix::unistd::read(f.as_fd(), buf) {
+            Ok(0) => *fd = None,
+            Ok(n) => {
+                let chunk = &buf[..n];
+                cap.total += n as u64;
+                let room = limit.saturating_sub(cap.bytes.len());
+                cap.bytes.extend_from_slice(&chunk[..room.min(n)]);
+                if let Some(t) = tee {
+                    t(stream, chunk);
+                }
+            }
+            Err(Errno::EINTR | Errno::EAGAIN) => {}
+            Err(_) => *fd = None,
+        }
+    }
+
+    /// SIGTERM to the sandbox init, which forwards it to every process inside.
+    fn terminate(&self) {
+        match self.init {
+            Some(init) => {
+                let _ = kill(init, Signal::SIGTERM);
+            }
+            None => self.kill(),
+        }
+    }
+
+    /// SIGKILL the init (the kernel then kills the whole PID namespace), the monitor and
+    /// anything left in the cgroup.
+    fn kill(&self) {
+        if let Some(init) = self.init {
+            let _ = kill(init, Signal::SIGKILL);
+        }
+        let _ = kill(self.monitor, Signal::SIGKILL);
+        if let Some(cg) = &self.cgroup {
+            cg.kill_all();
+        }
+    }
+
+    fn reap(&mut self) {
+        if !self.reaped {
+            let _ = waitpid(self.monitor, None);
+            self.reaped = true;
+        }
+    }
+}
+
+impl Drop for Sandbox {
+    fn drop(&mut self) {
+        if !self.reaped {
+            self.kill();
+            self.reap();
+        }
+        // The cgroup (if still held) removes itself on drop.
+    }
+}
+
+/// Spawn + supervise in one call.
+pub fn run(spec: &SandboxSpec, launcher: &Launcher, out: OutputOptions) -> Result<Outcome, SandboxError> {
+    Sandbox::spawn(spec, launcher, None)?.wait(out)
+}
+
+fn pipe() -> Result<(OwnedFd, OwnedFd), SandboxError> {
+    nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| SandboxError::io("pipe", e.into()))
+}
+
+/// Start the monitor with stdio and the channel in place: `posix_spawn` with an empty
+/// environment, or `fork` (single-threaded callers).
+fn spawn_monitor(launcher: &Launcher, fds: &[OwnedFd; 4], spec: &SandboxSpec) -> Result<Pid, SandboxError> {
+    use nix::spawn::{posix_spawn, PosixSpawnAttr, PosixSpawnFileActions, PosixSpawnFlags};
+    let err = |e: Errno| SandboxError::Spawn { program: launcher.describe(), source: e.into() };
+    let (program, args) = match launcher {
+        Launcher::Exec { program, args } => (program, args),
+        Launcher::Fork => {
+            // SAFETY: `Launcher::Fork` is only chosen for single-threaded callers, so the
+            // child is a complete copy of the only thread and may run arbitrary code.
+            return match unsafe { nix::unistd::fork() }.map_err(err)? {
+                nix::unistd::ForkResult::Child => {
+                    for (fd, target) in fds.iter().zip([0, 1, 2, CHILD_FD]) {
+                        // SAFETY: dup2 onto the stdio/channel numbers; the sources are open.
+                        if unsafe { libc::dup2(fd.as_raw_fd(), target) } < 0 {
+                            // SAFETY: _exit is always sound; the parent sees the channel close.
+                            unsafe { libc::_exit(125) };
+                        }
+                    }
+                    crate::init::run_monitor(Some(spec))
+                }
+                nix::unistd::ForkResult::Parent { child } => Ok(child),
+            };
+        }
+    };
+    let mut actions = PosixSpawnFileActions::init().map_err(err)?;
+    let targets: [RawFd; 4] = [0, 1, 2, CHILD_FD];
+    for (fd, target) in fds.iter().zip(targets) {
+        actions.add_dup2(fd.as_raw_fd(), target).map_err(err)?;
+    }
+    let mut attr = PosixSpawnAttr::init().map_err(err)?;
+    attr.set_flags(PosixSpawnFlags::POSIX_SPAWN_SETSIGMASK | PosixSpawnFlags::POSIX_SPAWN_SETSIGDEF).map_err(err)?;
+    attr.set_sigmask(&SigSet::empty()).map_err(err)?;
+    attr.set_sigdefault(&SigSet::all()).map_err(err)?;
+    let env: [&CStr; 0] = [];
+    posix_spawn(program.as_c_str(), &actions, &attr, args, &env).map_err(err)
+}

@@ -1,0 +1,108 @@
+//! What the running host offers the sandbox, for `doctor` and for operators. Probes are
+//! read-only except the user-namespace check, which creates (and immediately discards) one
+//! namespace in a short-lived child.
+
+use serde::Serialize;
+
+use crate::cgroup::{self, CgroupProbe};
+use crate::landlock;
+use crate::report::LandlockReport;
+
+#[derive(Debug, Clone, Serialize)]
+pub struct UserNsProbe {
+    /// `user.max_user_namespaces`.
+    pub max_user_namespaces: Option<u64>,
+    /// Debian/Ubuntu `kernel.unprivileged_userns_clone`, when present.
+    pub unprivileged_userns_clone: Option<bool>,
+    /// Ubuntu AppArmor `kernel.apparmor_restrict_unprivileged_userns`, when present.
+    pub apparmor_restrict_unprivileged_userns: Option<bool>,
+    /// A child could create a user namespace together with all the others.
+    pub can_create: Result<(), String>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct HostProbe {
+    pub kernel: String,
+    pub namespaces: Vec<(&'static str, bool)>,
+    pub user_namespaces: UserNsProbe,
+    pub landlock: LandlockReport,
+    /// Seccomp filter mode is available.
+    pub seccomp: bool,
+    pub cgroup: CgroupProbe,
+    /// `mount_setattr(2)` (Linux 5.12): recursive read-only binds in one call.
+    pub mount_setattr: bool,
+    /// `openat2(2)` with `RESOLVE_IN_ROOT` (Linux 5.6).
+    pub openat2: bool,
+}
+
+fn read_sysctl(path: &str) -> Option<u64> {
+    std::fs::read_to_string(path).ok()?.trim().parse().ok()
+}
+
+/// Can a child create user + mount + pid + net + ipc + uts + cgroup namespaces?
+fn try_unshare() -> Result<(), String> {
+    use nix::sys::wait::{waitpid, WaitStatus};
+    use nix::unistd::{fork, ForkResult};
+    let flags = nix::sched::CloneFlags::CLONE_NEWUSER
+        | nix::sched::CloneFlags::CLONE_NEWNS
+        | nix::sched::CloneFlags::CLONE_NEWPID
+        | nix::sched::CloneFlags::CLONE_NEWNET
+        | nix::sched::CloneFlags::CLONE_NEWIPC
+        | nix::sched::CloneFlags::CLONE_NEWUTS
+        | nix::sched::CloneFlags::CLONE_NEWCGROUP;
+    // SAFETY: the child only calls unshare(2) and _exit(2), both async-signal-safe, so this
+    // is sound even in a multi-threaded caller.
+    match unsafe { fork() }.map_err(|e| e.to_string())? {
+        ForkResult::Child => {
+            let code = match nix::sched::unshare(flags) {
+                Ok(()) => 0,
+                Err(e) => e as i32,
+            };
+            // SAFETY: _exit is async-signal-safe.
+            unsafe { libc::_exit(code) }
+        }
+        ForkResult::Parent { child } => match waitpid(child, None) {
+            Ok(WaitStatus::Exited(_, 0)) => Ok(()),
+            Ok(WaitStatus::Exited(_, e)) => Err(format!("unshare: {}", nix::errno::Errno::from_raw(e).desc())),
+            other => Err(format!("probe child ended unexpectedly: {other:?}")),
+        },
+    }
+}
+
+fn syscall_exists(nr: libc::c_long) -> bool {
+    // Calling with invalid arguments: ENOSYS means the kernel lacks the call, anything else
+    // (EBADF, EFAULT, EINVAL) means it exists. No side effects with these arguments.
+    // SAFETY: fd -1 and null pointers make every probed call fail before touching memory.
+    let rc = unsafe { libc::syscall(nr, -1, std::ptr::null::<u8>(), 0, std::ptr::null::<u8>(), 0) };
+    !(rc < 0 && nix::errno::Errno::last() == nix::errno::Errno::ENOSYS)
+}
+
+pub fn probe() -> HostProbe {
+    let uname = nix::sys::utsname::uname().ok();
+    let kernel = uname
+        .map(|u| format!("{} {}", u.sysname().to_string_lossy(), u.release().to_string_lossy()))
+        .unwrap_or_default();
+    // SAFETY: PR_GET_SECCOMP takes no arguments.
+    let seccomp_mode = unsafe { libc::prctl(libc::PR_GET_SECCOMP, 0, 0, 0, 0) };
+    let filter_avail = std::fs::read_to_string("/proc/sys/kernel/seccomp/actions_avail")
+        .map(|s| s.split_whitespace().any(|a| a == "errno"))
+        .unwrap_or(false);
+    HostProbe {
+        kernel,
+        namespaces: crate::namespaces::available(),
+        user_namespaces: UserNsProbe {
+            max_user_namespaces: read_sysctl("/proc/sys/user/max_user_namespaces"),
+            unprivileged_userns_clone: read_sysctl("/proc/sys/kernel/unprivileged_userns_clone").map(|v| v != 0),
+            apparmor_restrict_unprivileged_userns: read_sysctl(
+                "/proc/sys/kernel/apparmor_restrict_unprivileged_userns",
+            )
+            .map(|v| v != 0),
+            can_create: try_unshare(),
+        },
+        landlock: landlock::probe(),
+        seccomp: seccomp_mode >= 0 && filter_avail,
+        cgroup: cgroup::probe(),
+        mount_setattr: syscall_exists(libc::SYS_mount_setattr),
+        openat2: syscall_exists(libc::SYS_openat2),
+    }
+}

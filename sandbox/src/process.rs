@@ -1,0 +1,90 @@
+//! Process hygiene for the payload: descriptors, rlimits, signals, program lookup, `execve`.
+//! Everything here is called in a single-threaded child just before `execve`.
+
+use std::ffi::CString;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+
+use nix::errno::Errno;
+use nix::sys::resource::{setrlimit, Resource};
+use nix::sys::signal::{sigprocmask, SigSet, SigmaskHow};
+
+use crate::error::{Stage, StepError};
+
+/// Close every descriptor `>= from` (`close_range(2)`, or a `/proc/self/fd` sweep).
+pub fn close_fds_from(from: i32) -> Result<(), StepError> {
+    // SAFETY: close_range only closes descriptors; callers own every fd in the range.
+    let rc =
+        unsafe { libc::syscall(libc::SYS_close_range, from as libc::c_uint, libc::c_uint::MAX, 0 as libc::c_uint) };
+    if rc == 0 {
+        return Ok(());
+    }
+    let fds: Vec<i32> = std::fs::read_dir("/proc/self/fd")
+        .map_err(|e| StepError::io(Stage::Exec, "list /proc/self/fd", e))?
+        .flatten()
+        .filter_map(|e| e.file_name().to_str().and_then(|n| n.parse().ok()))
+        .filter(|fd| *fd >= from)
+        .collect();
+    for fd in fds {
+        // SAFETY: see above; EBADF for the directory fd itself is harmless.
+        unsafe { libc::close(fd) };
+    }
+    Ok(())
+}
+
+/// `RLIMIT_CORE` 0 (no core dumps of sandboxed memory), `RLIMIT_NOFILE` `nofile`.
+pub fn set_rlimits(nofile: u64) -> Result<(), StepError> {
+    let err = |what: &str, e| StepError::errno(Stage::Rlimits, what, e);
+    setrlimit(Resource::RLIMIT_CORE, 0, 0).map_err(|e| err("RLIMIT_CORE", e))?;
+    setrlimit(Resource::RLIMIT_NOFILE, nofile, nofile).map_err(|e| err("RLIMIT_NOFILE", e))?;
+    Ok(())
+}
+
+/// Default dispositions and an empty signal mask, as a freshly started program expects.
+pub fn reset_signals() {
+    for sig in 1..=libc::SIGRTMAX() {
+        if sig == libc::SIGKILL || sig == libc::SIGSTOP {
+            continue;
+        }
+        // SAFETY: installing SIG_DFL is always sound.
+        unsafe { libc::signal(sig, libc::SIG_DFL) };
+    }
+    let _ = sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None);
+}
+
+/// Resolve `program` like `execvp`: a name with a slash is used as is, otherwise the first
+/// executable match in `path_var`.
+pub fn find_program(program: &str, path_var: Option<&str>) -> Result<PathBuf, StepError> {
+    if program.contains('/') {
+        return Ok(PathBuf::from(program));
+    }
+    let search = path_var.unwrap_or("/usr/local/bin:/usr/bin:/bin");
+    for dir in search.split(':').filter(|d| !d.is_empty()) {
+        let candidate = Path::new(dir).join(program);
+        if nix::unistd::access(&candidate, nix::unistd::AccessFlags::X_OK).is_ok() && candidate.is_file() {
+            return Ok(candidate);
+        }
+    }
+    Err(StepError::new(Stage::Exec, format!("{program}: command not found in PATH {search}")))
+}
+
+/// `execve`; only returns on failure.
+pub fn exec(path: &Path, argv0: &str, args: &[String], env: &[(String, String)]) -> StepError {
+    let to_c = |s: &[u8]| CString::new(s).map_err(|_| Errno::EINVAL);
+    let build = || -> Result<(CString, Vec<CString>, Vec<CString>), Errno> {
+        let p = to_c(path.as_os_str().as_bytes())?;
+        let mut a = vec![to_c(argv0.as_bytes())?];
+        for x in args {
+            a.push(to_c(x.as_bytes())?);
+        }
+        let e = env.iter().map(|(k, v)| to_c(format!("{k}={v}").as_bytes())).collect::<Result<_, _>>()?;
+        Ok((p, a, e))
+    };
+    match build() {
+        Err(e) => StepError::errno(Stage::Exec, "argument encoding", e),
+        Ok((p, a, e)) => match nix::unistd::execve(&p, &a, &e) {
+            Err(err) => StepError::errno(Stage::Exec, format!("execve {}", path.display()), err),
+            Ok(never) => match never {},
+        },
+    }
+}

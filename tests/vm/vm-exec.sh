@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Run a command as root inside a throw-away QEMU VM that boots the host's Debian
+# kernel with a pure cgroup-v2 hierarchy (the host itself is cgroup v1 hybrid).
+#
+#   tests/vm/vm-exec.sh CMD [ARGS...]      e.g.  tests/vm/vm-exec.sh sh -c 'cat /proc/self/cgroup'
+#
+# CMD and ARGS are passed exec-style (each one shell-quoted), so use `sh -c '...'`
+# for pipes/redirections. stdout and stderr are streamed separately; the exit
+# status is CMD's own (124 = timed out, 255 = VM died without reporting a status,
+# e.g. kernel panic).
+#
+# The guest is virtme-ng (vng) over the host root filesystem (9p, read-only, with
+# tmpfs overlays on /etc /usr /var /tmp /home ...). The repo is overlaid too:
+# the guest may write into it (e.g. target/), the host never sees those writes
+# unless VM_REPO_RW=1 (then guest writes go straight to the host repo). Overlay
+# upper layers live in guest tmpfs, i.e. count against VM_MEMORY.
+# KVM does not work here, so the VM runs under QEMU TCG (--disable-kvm); a boot
+# takes ~15-20 s. Nothing is installed by this script; needed:
+#   apt-get install -y qemu-system-x86 linux-image-amd64 busybox-static
+#   python3 -m pip install virtme-ng        (tested with virtme-ng 1.42)
+#
+# Environment knobs (all optional):
+#   VM_KERNEL=/boot/vmlinuz-...   kernel to boot (default: newest /boot/vmlinuz-6.1*, else newest vmlinuz-*)
+#   VM_TIMEOUT=600                seconds before the whole VM is killed
+#   VM_MEMORY=1G VM_CPUS=2        guest size
+#   VM_REPO_RW=1                  let guest writes to the repo reach the host
+#   VM_APPEND='...'               extra kernel command-line options
+#   VM_VERBOSE=1                  print the vng command line to stderr
+#   VM_PASS_ENV='RUST_LOG ...'    extra host variables to forward (RUST_BACKTRACE, RUST_LOG are always forwarded if set)
+set -euo pipefail
+
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+die() { echo "vm-exec: error: $*" >&2; exit 2; }
+
+[ $# -ge 1 ] || die "usage: $0 CMD [ARGS...]"
+
+# --- prerequisites (report, never install) ----------------------------------
+command -v vng >/dev/null || die "vng not found on PATH (install: python3 -m pip install virtme-ng)"
+command -v qemu-system-x86_64 >/dev/null || die "qemu-system-x86_64 not found (install: apt-get install -y qemu-system-x86)"
+command -v busybox >/dev/null || die "busybox not found (install: apt-get install -y busybox-static)"
+command -v timeout >/dev/null || die "timeout (coreutils) not found"
+if [ -z "${VM_KERNEL:-}" ]; then
+    VM_KERNEL=$(ls -1 /boot/vmlinuz-6.1* 2>/dev/null | sort -V | tail -n1 || true)
+    [ -n "$VM_KERNEL" ] || VM_KERNEL=$(ls -1 /boot/vmlinuz-* 2>/dev/null | sort -V | tail -n1 || true)
+fi
+[ -n "$VM_KERNEL" ] || die "no /boot/vmlinuz-* kernel (install: apt-get install -y linux-image-amd64) and VM_KERNEL unset"
+[ -r "$VM_KERNEL" ] || die "kernel $VM_KERNEL not readable"
+kver=${VM_KERNEL##*/vmlinuz-}
+[ -d "/lib/modules/$kver" ] || die "/lib/modules/$kver missing (the kernel's modules, e.g. 9p/virtio, are needed)"
+
+# --- build the guest command --------------------------------------------------
+# The guest starts with a minimal environment (PATH=/sbin:/usr/sbin:/bin:/usr/bin:...,
+# so `python3` is Debian's /usr/bin/python3); forward a few variables explicitly and
+# put the host's cargo/rustc directory (if any) in front of PATH.
+envs=()
+for v in RUST_BACKTRACE RUST_LOG ${VM_PASS_ENV:-}; do
+    if [ -n "${!v+x}" ]; then envs+=("$v=${!v}"); fi
+done
+guest_cmd=$(printf '%q ' env "${envs[@]}" "$@")
+if cargo_bin=$(command -v cargo); then
+    guest_cmd="export PATH=$(printf '%q' "${cargo_bin%/*}"):\$PATH; $guest_cmd"
+fi
+
+if [ "${VM_REPO_RW:-0}" = 1 ]; then repo_opt=(--rwdir "$repo"); else repo_opt=(--overlay-rwdir "$repo"); fi
+append=()
+[ -n "${VM_APPEND:-}" ] && append=(--append "$VM_APPEND")
+
+vng_cmd=(vng --run "$VM_KERNEL" --disable-kvm
+    --memory "${VM_MEMORY:-1G}" --cpus "${VM_CPUS:-2}"
+    "${repo_opt[@]}" --cwd "$PWD" "${append[@]}"
+    -- "$guest_cmd")
+[ "${VM_VERBOSE:-0}" = 1 ] && echo "vm-exec: timeout ${VM_TIMEOUT:-600} ${vng_cmd[*]@Q}" >&2
+
+# --- run ------------------------------------------------------------------------
+# QEMU opens /proc/self/fd/1 and /proc/self/fd/2 itself (O_TRUNC, separate file
+# offsets): if they are regular files the two streams overwrite each other and the
+# caller's log gets truncated. Feeding them through pipes (cat) avoids that.
+# stdin is /dev/null so nothing depends on a TTY. `timeout` puts vng and its qemu
+# child in their own process group and signals the whole group on expiry;
+# the trap does the same if this script is interrupted, so no qemu is left behind.
+timeout --kill-after=15 "${VM_TIMEOUT:-600}" "${vng_cmd[@]}" </dev/null \
+    > >(cat) 2> >(cat >&2) &
+vm_pid=$!
+trap 'kill -TERM "$vm_pid" 2>/dev/null || true' INT TERM HUP
+rc=0
+while :; do
+    wait "$vm_pid" && rc=0 || rc=$?
+    kill -0 "$vm_pid" 2>/dev/null || break    # wait was only interrupted by a trapped signal
+done
+wait || true    # let the cat relays flush before returning
+[ "$rc" = 124 ] && echo "vm-exec: timed out after ${VM_TIMEOUT:-600}s" >&2
+exit "$rc"
