@@ -131,6 +131,17 @@ pub fn examine(landlock_min_abi: u32, allow_degraded: bool) -> DoctorReport {
         detail: if p.seccomp { "filter mode available".into() } else { "seccomp filters unavailable".into() },
     });
 
+    findings.push(Finding {
+        feature: "cgroups",
+        ok: p.cgroup_mode != "none",
+        required: !allow_degraded,
+        detail: match p.cgroup_mode.as_str() {
+            "unified" => "cgroup v2 (unified hierarchy)".into(),
+            "hybrid" => "cgroup v1 hybrid: v1 controller hierarchies plus a cgroup2 mount; limits use the v1 hierarchies below".into(),
+            "legacy" => "cgroup v1 (legacy hierarchies only)".into(),
+            _ => "no cgroup filesystem mounted".into(),
+        },
+    });
     for (name, c) in
         [("cgroup memory", &p.cgroup.memory), ("cgroup cpu", &p.cgroup.cpu), ("cgroup pids", &p.cgroup.pids)]
     {

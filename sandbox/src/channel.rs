@@ -64,13 +64,27 @@ impl Channel {
         Ok((Channel { fd: a }, Channel { fd: b }))
     }
 
-    /// Adopt an inherited descriptor.
+    /// Adopt an inherited descriptor and make it close-on-exec (`dup2` onto the inherited
+    /// number cleared the flag; without it the payload would inherit the channel).
     ///
     /// # Safety
     /// `fd` must be an open descriptor owned by nobody else in this process.
-    pub unsafe fn from_raw(fd: RawFd) -> Channel {
+    pub unsafe fn from_raw(fd: RawFd) -> Result<Channel, Errno> {
         // SAFETY: guaranteed by the caller.
-        Channel { fd: unsafe { OwnedFd::from_raw_fd(fd) } }
+        let chan = Channel { fd: unsafe { OwnedFd::from_raw_fd(fd) } };
+        chan.set_cloexec()?;
+        Ok(chan)
+    }
+
+    fn set_cloexec(&self) -> Result<(), Errno> {
+        use nix::fcntl::{fcntl, FcntlArg, FdFlag};
+        fcntl(&self.fd, FcntlArg::F_SETFD(FdFlag::FD_CLOEXEC)).map(drop)
+    }
+
+    /// The descriptor will be closed by `execve`.
+    pub fn is_cloexec(&self) -> bool {
+        use nix::fcntl::{fcntl, FcntlArg, FdFlag};
+        fcntl(&self.fd, FcntlArg::F_GETFD).is_ok_and(|f| FdFlag::from_bits_truncate(f).contains(FdFlag::FD_CLOEXEC))
     }
 
     pub fn send<T: Serialize>(&self, msg: &T) -> Result<(), Errno> {
@@ -140,6 +154,18 @@ mod tests {
         assert!(matches!(b.recv::<FromSandbox>().unwrap(), Some(FromSandbox::Unshared)));
         drop(a);
         assert!(b.recv::<FromSandbox>().unwrap().is_none());
+    }
+
+    #[test]
+    fn adopted_channel_is_close_on_exec() {
+        let (a, b) = Channel::pair().unwrap();
+        let raw = nix::unistd::dup(&b).unwrap();
+        use std::os::fd::IntoRawFd;
+        let raw = raw.into_raw_fd();
+        // SAFETY: `raw` is a fresh duplicate owned by nobody else.
+        let adopted = unsafe { Channel::from_raw(raw) }.unwrap();
+        assert!(adopted.is_cloexec());
+        drop((a, b));
     }
 
     #[test]

@@ -25,7 +25,7 @@
 //! payload
 //!   1. default signals, new session, OOM score to the maximum (first victim), rlimits
 //!   2. enforce Landlock                                            (landlock)
-//!   3. close every fd but stdio and the (close-on-exec) channel
+//!   3. close every fd but stdio and the channel; verify the channel is close-on-exec
 //!   4. install seccomp — last                                      (seccomp)
 //!   5. report what is enforced, execve
 //! ```
@@ -60,7 +60,11 @@ pub fn main() -> ! {
 pub(crate) fn run_monitor(spec: Option<&SandboxSpec>) -> ! {
     // SAFETY: the parent placed the channel at CHILD_FD and nothing else in this process
     // owns that descriptor.
-    let chan = unsafe { Channel::from_raw(CHILD_FD) };
+    let chan = match unsafe { Channel::from_raw(CHILD_FD) } {
+        Ok(c) => c,
+        // Without close-on-exec the payload would inherit the channel: refuse to go on.
+        Err(_) => exit(125),
+    };
     match monitor(&chan, spec) {
         Ok(()) => exit(0),
         Err(e) => {
@@ -340,6 +344,9 @@ fn payload_steps(
     let landlock = landlock::enforce(ruleset)?;
     // 3.
     process::close_fds_from(CHILD_FD + 1)?;
+    if !chan.is_cloexec() {
+        return Err(StepError::new(Stage::Exec, "the sandbox channel is not close-on-exec; refusing to exec"));
+    }
     // 4.
     let filters = seccomp::install(&spec.seccomp)?;
     // 5.

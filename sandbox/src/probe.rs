@@ -28,6 +28,8 @@ pub struct HostProbe {
     pub landlock: LandlockReport,
     /// Seccomp filter mode is available.
     pub seccomp: bool,
+    /// `unified` (v2 only), `hybrid` (v1 controllers plus a v2 mount), `legacy` (v1 only).
+    pub cgroup_mode: String,
     pub cgroup: CgroupProbe,
     /// `mount_setattr(2)` (Linux 5.12): recursive read-only binds in one call.
     pub mount_setattr: bool,
@@ -69,6 +71,21 @@ fn try_unshare() -> Result<(), String> {
     }
 }
 
+/// How cgroups are mounted on this host.
+fn cgroup_mode() -> String {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let types: Vec<&str> =
+        info.lines().filter_map(|l| l.split_once(" - ").and_then(|(_, post)| post.split(' ').next())).collect();
+    let v1 = types.iter().any(|t| *t == "cgroup");
+    let v2 = types.iter().any(|t| *t == "cgroup2");
+    match (v1, v2) {
+        (false, true) => "unified".into(),
+        (true, true) => "hybrid".into(),
+        (true, false) => "legacy".into(),
+        (false, false) => "none".into(),
+    }
+}
+
 fn syscall_exists(nr: libc::c_long) -> bool {
     // Calling with invalid arguments: ENOSYS means the kernel lacks the call, anything else
     // (EBADF, EFAULT, EINVAL) means it exists. No side effects with these arguments.
@@ -101,6 +118,7 @@ pub fn probe() -> HostProbe {
         },
         landlock: landlock::probe(),
         seccomp: seccomp_mode >= 0 && filter_avail,
+        cgroup_mode: cgroup_mode(),
         cgroup: cgroup::probe(),
         mount_setattr: syscall_exists(libc::SYS_mount_setattr),
         openat2: syscall_exists(libc::SYS_openat2),

@@ -1,0 +1,227 @@
+//! Shared helpers for the integration tests: they run the real `opservant` binary as root
+//! against the real kernel. Under `CI=true` a missing privilege or feature is a failure,
+//! never a silent skip.
+#![allow(dead_code)]
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use serde_json::Value;
+
+pub fn opservant() -> &'static str {
+    env!("CARGO_BIN_EXE_opservant")
+}
+
+pub fn in_ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
+}
+
+/// True when the test may run. Not root: a failure under CI, a visible skip otherwise.
+#[must_use]
+pub fn require_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        return true;
+    }
+    if in_ci() {
+        panic!("this test needs root (CAP_SYS_ADMIN, CAP_SETUID, cgroup writes); CI must run it as root");
+    }
+    eprintln!("SKIPPED: needs root");
+    false
+}
+
+/// Fail under CI, skip visibly otherwise, when a host feature is missing.
+#[must_use]
+pub fn require(feature: &str, present: bool) -> bool {
+    if present {
+        return true;
+    }
+    if in_ci() {
+        panic!("required host feature missing under CI: {feature}");
+    }
+    eprintln!("SKIPPED: host lacks {feature}");
+    false
+}
+
+/// One `opservant sandbox --json` run.
+#[derive(Debug)]
+pub struct Run {
+    pub code: i32,
+    pub json: Value,
+    pub stderr: String,
+}
+
+impl Run {
+    pub fn status(&self) -> &str {
+        self.json["status"].as_str().unwrap_or("")
+    }
+    pub fn stdout(&self) -> &str {
+        self.json["stdout"].as_str().unwrap_or("")
+    }
+    pub fn err(&self) -> &str {
+        self.json["stderr"].as_str().unwrap_or("")
+    }
+    pub fn exit_code(&self) -> Option<i64> {
+        self.json["exit_code"].as_i64()
+    }
+    pub fn killed_by(&self) -> Option<&str> {
+        self.json["killed_by"].as_str()
+    }
+    pub fn usage(&self, key: &str) -> u64 {
+        self.json["usage"][key].as_u64().unwrap_or(0)
+    }
+}
+
+/// `opservant sandbox [--manifest M] --json -- argv…`; panics with everything printed when
+/// the output is not a result object (exit status 2).
+pub fn sandbox(manifest: Option<&Path>, argv: &[&str]) -> Run {
+    try_sandbox(manifest, argv).unwrap_or_else(|(code, err)| panic!("opservant sandbox could not run (exit {code}): {err}"))
+}
+
+/// Like [`sandbox`] but returns `Err((exit code, stderr))` when no result JSON was printed.
+pub fn try_sandbox(manifest: Option<&Path>, argv: &[&str]) -> Result<Run, (i32, String)> {
+    let mut cmd = Command::new(opservant());
+    cmd.arg("sandbox");
+    if let Some(m) = manifest {
+        cmd.arg("--manifest").arg(m);
+    }
+    cmd.arg("--json").arg("--").args(argv);
+    let out = cmd.stdin(Stdio::null()).output().expect("spawn opservant");
+    let code = out.status.code().unwrap_or(-1);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    match serde_json::from_str::<Value>(stdout.trim()) {
+        Ok(json) => Ok(Run { code, json, stderr }),
+        Err(_) => Err((code, format!("{stderr}\nstdout: {stdout}"))),
+    }
+}
+
+/// `/bin/sh -c script` in the sandbox.
+pub fn sh(manifest: Option<&Path>, script: &str) -> Run {
+    sandbox(manifest, &["/bin/sh", "-c", script])
+}
+
+/// `python3 -c code` in the sandbox (Debian's interpreter; it lives under /usr).
+pub fn python(manifest: Option<&Path>, code: &str) -> Run {
+    sandbox(manifest, &["/usr/bin/python3", "-I", "-S", "-c", code])
+}
+
+static SEQ: AtomicU32 = AtomicU32::new(0);
+
+/// A directory on the host, removed on drop.
+pub struct HostDir {
+    pub path: PathBuf,
+}
+
+impl HostDir {
+    /// A fresh directory below `parent` (created if needed), mode 0755.
+    pub fn new_in(parent: &str) -> HostDir {
+        let path = PathBuf::from(parent).join(format!(
+            "opservant-test-{}-{}",
+            std::process::id(),
+            SEQ.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&path).expect("create test dir");
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod test dir");
+        HostDir { path }
+    }
+
+    /// A fresh directory below /var/tmp (outside every default sandbox view).
+    pub fn new() -> HostDir {
+        Self::new_in("/var/tmp")
+    }
+
+    /// Write `name` (mode `mode`) and return its path.
+    pub fn file(&self, name: &str, content: &str, mode: u32) -> PathBuf {
+        let p = self.path.join(name);
+        std::fs::write(&p, content).expect("write test file");
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).expect("chmod test file");
+        p
+    }
+
+    /// Make the directory owned by the executor identity (so the sandbox can write into it).
+    pub fn chown_to_executor(&self) {
+        let id = sandbox::Identity::default_executor().expect("executor identity");
+        std::os::unix::fs::chown(&self.path, Some(id.host_uid), Some(id.host_gid)).expect("chown test dir");
+    }
+
+    pub fn str(&self) -> &str {
+        self.path.to_str().expect("utf-8 test path")
+    }
+}
+
+impl Drop for HostDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.path);
+    }
+}
+
+/// Write a manifest with the given `permissions` and `resource_limits` JSON objects.
+pub fn manifest(dir: &HostDir, permissions: &str, resource_limits: &str) -> PathBuf {
+    let text = format!(
+        r#"{{"name":"test-executor","version":"1.0.0","description":"integration test","supported_actions":["act-test"],
+            "entry_point":"test_executor.TestExecutor","permissions":{permissions},"resource_limits":{resource_limits}}}"#
+    );
+    let p = dir.path.join("manifest.json");
+    std::fs::write(&p, text).expect("write manifest");
+    p
+}
+
+/// Manifest with default permissions and these limits, in a fresh directory.
+pub fn limits_manifest(resource_limits: &str) -> (HostDir, PathBuf) {
+    let d = HostDir::new();
+    let m = manifest(&d, "{}", resource_limits);
+    (d, m)
+}
+
+/// The executor uid/gid on this host.
+pub fn executor_ids() -> (u32, u32) {
+    let id = sandbox::Identity::default_executor().expect("executor identity");
+    (id.host_uid, id.host_gid)
+}
+
+/// Sandbox cgroups currently present under this machine's hierarchies (leak checks).
+pub fn sandbox_cgroups() -> Vec<PathBuf> {
+    let mut found = Vec::new();
+    let mut stack = vec![PathBuf::from("/sys/fs/cgroup")];
+    while let Some(dir) = stack.pop() {
+        let Ok(rd) = std::fs::read_dir(&dir) else { continue };
+        for e in rd.flatten() {
+            let Ok(ft) = e.file_type() else { continue };
+            if !ft.is_dir() {
+                continue;
+            }
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name.starts_with("opservant-sb-") {
+                found.push(e.path());
+            } else if stack.len() < 10_000 {
+                stack.push(e.path());
+            }
+        }
+    }
+    found
+}
+
+/// Sandbox cgroups created by a given opservant process (pid in the name).
+pub fn cgroups_of(pid: u32) -> Vec<PathBuf> {
+    sandbox_cgroups()
+        .into_iter()
+        .filter(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with(&format!("opservant-sb-{pid}-"))))
+        .collect()
+}
+
+/// Host processes whose command line contains `marker`.
+pub fn host_processes_with(marker: &str) -> Vec<i32> {
+    let mut pids = Vec::new();
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else { continue };
+        if let Ok(cmd) = std::fs::read(format!("/proc/{pid}/cmdline")) {
+            if String::from_utf8_lossy(&cmd).contains(marker) {
+                pids.push(pid);
+            }
+        }
+    }
+    pids
+}

@@ -1,0 +1,425 @@
+//! Hostile tests: every isolation promise of the sandbox, attacked from inside. Each test
+//! also checks, where it can, that the host itself would have allowed the access (a
+//! control), so a pass means the sandbox stopped it — not that the test could not succeed.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::CommandExt;
+use std::process::{Command, Stdio};
+
+use common::{executor_ids, manifest, python, require_root, sandbox, sh, HostDir};
+
+/// Generous CPU so the Python-based probes are not slowed by the 10 % default.
+fn fast() -> (HostDir, std::path::PathBuf) {
+    common::limits_manifest(r#"{"max_cpu_percent": 50}"#)
+}
+
+/// True when uid `uid` could read `path` on the host by plain DAC (no capabilities).
+fn host_readable_by(path: &std::path::Path, uid: u32) -> bool {
+    let out = Command::new("setpriv")
+        .args(["--reuid", &uid.to_string(), "--regid", &uid.to_string(), "--clear-groups", "cat"])
+        .arg(path)
+        .output()
+        .expect("setpriv");
+    out.status.success()
+}
+
+#[test]
+fn host_secrets_are_unreadable() {
+    if !require_root() {
+        return;
+    }
+    let (uid, _) = executor_ids();
+    // Secrets in places a plain unprivileged user could read on the host.
+    let tmp = HostDir::new_in("/tmp");
+    let in_tmp = tmp.file("secret", "TOPSECRET-tmp", 0o644);
+    let var = HostDir::new();
+    let in_var = var.file("secret", "TOPSECRET-var", 0o644);
+    let home = HostDir::new_in("/home");
+    let in_home = home.file("secret", "TOPSECRET-home", 0o644);
+    let root_file = std::path::PathBuf::from(format!("/root/opservant-test-{}", std::process::id()));
+    std::fs::write(&root_file, "TOPSECRET-root").unwrap();
+    std::fs::set_permissions(&root_file, std::fs::Permissions::from_mode(0o644)).unwrap();
+    // The agent's own configuration directory is masked even though /etc is visible.
+    let created_etc = !std::path::Path::new("/etc/opservant").exists();
+    std::fs::create_dir_all("/etc/opservant").unwrap();
+    let cfg = std::path::PathBuf::from(format!("/etc/opservant/test-secret-{}", std::process::id()));
+    std::fs::write(&cfg, "TOPSECRET-config").unwrap();
+    std::fs::set_permissions(&cfg, std::fs::Permissions::from_mode(0o644)).unwrap();
+    std::fs::set_permissions("/etc/opservant", std::fs::Permissions::from_mode(0o755)).unwrap();
+
+    for p in [&in_tmp, &in_var, &in_home, &cfg] {
+        assert!(host_readable_by(p, uid), "control: {} must be readable by uid {uid} on the host", p.display());
+    }
+    let script = [&in_tmp, &in_var, &in_home, &root_file, &cfg]
+        .iter()
+        .map(|p| format!("cat {} 2>&1 || true;", p.display()))
+        .collect::<String>()
+        + "cat /etc/shadow /etc/gshadow 2>&1 || true; ls /etc/opservant 2>&1 || true";
+    let r = sh(None, &script);
+    let _ = std::fs::remove_file(&root_file);
+    let _ = std::fs::remove_file(&cfg);
+    if created_etc {
+        let _ = std::fs::remove_dir("/etc/opservant");
+    }
+    assert!(!r.stdout().contains("TOPSECRET"), "a host secret leaked: {}", r.stdout());
+    assert!(r.stdout().contains("/etc/shadow: Permission denied"), "{}", r.stdout());
+    assert!(r.stdout().contains("cannot open directory '/etc/opservant': Permission denied"), "{}", r.stdout());
+}
+
+#[test]
+fn declared_paths_get_exactly_the_declared_access() {
+    if !require_root() {
+        return;
+    }
+    let ro = HostDir::new();
+    ro.file("in.txt", "readable", 0o666);
+    let rw = HostDir::new();
+    rw.chown_to_executor();
+    let m = manifest(&rw, &format!(r#"{{"filesystem": {{"read": ["{}"], "write": ["{}"]}}}}"#, ro.str(), rw.str()), "{}");
+    let r = sh(
+        Some(&m),
+        &format!(
+            "cat {ro}/in.txt; echo; echo x > {ro}/in.txt 2>&1 || echo ro-write-refused; \
+             touch {ro}/new 2>&1 || echo ro-create-refused; echo written > {rw}/out.txt && echo rw-ok",
+            ro = ro.str(),
+            rw = rw.str()
+        ),
+    );
+    assert!(r.stdout().starts_with("readable\n"), "{}", r.stdout());
+    assert!(r.stdout().contains("ro-write-refused") && r.stdout().contains("ro-create-refused"), "{}", r.stdout());
+    assert!(r.stdout().contains("rw-ok"), "{} {}", r.stdout(), r.err());
+    assert_eq!(std::fs::read_to_string(rw.path.join("out.txt")).unwrap(), "written\n");
+    assert_eq!(std::fs::read_to_string(ro.path.join("in.txt")).unwrap(), "readable");
+    assert!(!ro.path.join("new").exists());
+}
+
+#[test]
+fn system_directories_are_not_writable() {
+    if !require_root() {
+        return;
+    }
+    let targets = [
+        "/etc/opservant-test",
+        "/usr/opservant-test",
+        "/usr/local/opservant-test",
+        "/bin/opservant-test",
+        "/opservant-test",
+        "/run/opservant-test",
+        "/proc/sys/kernel/hostname",
+        "/proc/self/oom_score_adj",
+        "/sys/kernel/opservant-test",
+        "/dev/opservant-test",
+        "/etc/passwd",
+    ];
+    let script: String =
+        targets.iter().map(|t| format!("if echo x > {t} 2>/dev/null; then echo WROTE {t}; fi;")).collect();
+    let r = sh(None, &script);
+    assert_eq!(r.status(), "completed", "{}", r.err());
+    assert!(!r.stdout().contains("WROTE"), "{}", r.stdout());
+    assert!(!std::path::Path::new("/etc/opservant-test").exists() && !std::path::Path::new("/opservant-test").exists());
+    // The agent binary is not even visible.
+    let r = sh(None, &format!("ls {} 2>&1", common::opservant()));
+    assert!(r.stdout().contains("No such file"), "{}", r.stdout());
+}
+
+#[test]
+fn host_loopback_tcp_is_unreachable() {
+    if !require_root() {
+        return;
+    }
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    // Control: reachable from the host.
+    std::net::TcpStream::connect(("127.0.0.1", port)).expect("control connect");
+    let (_d, m) = fast();
+    let r = python(
+        Some(&m),
+        &format!(
+            "import socket\ns=socket.socket()\ntry:\n s.connect(('127.0.0.1',{port})); print('CONNECTED')\n\
+             except OSError as e: print('refused', e.errno)\n\
+             import os; print(sorted(os.listdir('/sys/class/net')))"
+        ),
+    );
+    assert!(r.stdout().contains("refused 111"), "ECONNREFUSED expected: {} {}", r.stdout(), r.err());
+    assert!(r.stdout().contains("['lo']"), "only loopback exists: {}", r.stdout());
+}
+
+#[test]
+fn host_unix_sockets_are_unreachable() {
+    if !require_root() {
+        return;
+    }
+    let name = format!("opservant-test-{}", std::process::id());
+    let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
+    let _abstract = std::os::unix::net::UnixListener::bind_addr(&addr).unwrap();
+    std::os::unix::net::UnixStream::connect_addr(&addr).expect("control: abstract socket reachable on the host");
+    let dir = HostDir::new();
+    let path = dir.path.join("sock");
+    let _named = std::os::unix::net::UnixListener::bind(&path).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let run_sock = format!("/run/{name}.sock");
+    let _run = std::os::unix::net::UnixListener::bind(&run_sock).unwrap();
+    std::fs::set_permissions(&run_sock, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let (_d, m) = fast();
+    let r = python(
+        Some(&m),
+        &format!(
+            "import socket\nfor a in ['\\0{name}', '{}', '{run_sock}']:\n s=socket.socket(socket.AF_UNIX)\n \
+             try:\n  s.connect(a); print('CONNECTED', repr(a))\n except OSError as e: print('refused', e.errno)",
+            path.display()
+        ),
+    );
+    let _ = std::fs::remove_file(&run_sock);
+    assert!(!r.stdout().contains("CONNECTED"), "{}", r.stdout());
+    assert_eq!(r.stdout().matches("refused").count(), 3, "{} {}", r.stdout(), r.err());
+}
+
+#[test]
+fn inherited_descriptors_are_closed() {
+    if !require_root() {
+        return;
+    }
+    let d = HostDir::new();
+    let secret = d.file("fd-secret", "TOPSECRET-fd", 0o600);
+    let file = std::fs::File::open(&secret).unwrap();
+    use std::os::fd::AsRawFd;
+    let raw = file.as_raw_fd();
+    let mut cmd = Command::new(common::opservant());
+    cmd.args(["sandbox", "--json", "--", "/bin/sh", "-c", "ls -l /proc/self/fd; cat /proc/self/fd/7 2>&1; cat <&7 2>&1"]);
+    // SAFETY: dup2 is async-signal-safe; it puts the secret on fd 7 (without close-on-exec)
+    // in the child only.
+    unsafe {
+        cmd.pre_exec(move || if libc::dup2(raw, 7) < 0 { Err(std::io::Error::last_os_error()) } else { Ok(()) });
+    }
+    let out = cmd.stdin(Stdio::null()).output().unwrap();
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let stdout = j["stdout"].as_str().unwrap();
+    assert!(!stdout.contains("TOPSECRET"), "{stdout}");
+    // `ls -l` lines end in "N -> target"; the sandbox's own channel (a socket) must not be
+    // there either: a payload holding it could forge the sandbox's reports.
+    let fds: Vec<(&str, &str)> =
+        stdout.lines().filter_map(|l| l.split_once(" -> ")).map(|(a, t)| (a.rsplit(' ').next().unwrap(), t)).collect();
+    let numbers: Vec<&str> = fds.iter().map(|(n, _)| *n).collect();
+    assert_eq!(numbers, ["0", "1", "2", "3"], "stdio plus ls's own directory fd only: {stdout}");
+    assert!(fds.iter().all(|(_, t)| !t.starts_with("socket:")), "no socket may be inherited: {stdout}");
+    assert!(fds[3].1.ends_with("/fd"), "fd 3 is ls reading /proc/self/fd: {stdout}");
+}
+
+#[test]
+fn host_processes_are_invisible() {
+    if !require_root() {
+        return;
+    }
+    // The probe assembles the marker at run time so its own command line does not contain it.
+    let marker = format!("opservant-marker-{}", std::process::id());
+    let (head, tail) = marker.split_at(10);
+    let mut host = Command::new("/bin/sh").args(["-c", "sleep 30", &marker]).spawn().unwrap();
+    assert!(!common::host_processes_with(&marker).is_empty(), "control: visible on the host");
+    let (_d, m) = fast();
+    let r = python(
+        Some(&m),
+        &format!(
+            "import os\npids=[p for p in os.listdir('/proc') if p.isdigit()]\nprint(len(pids))\n\
+             m='{head}'+'{tail}'\nseen=[p for p in pids if m in open('/proc/'+p+'/cmdline').read()]\nprint('seen', seen)\n\
+             try:\n os.kill({host}, 0); print('SIGNALLED')\nexcept OSError as e: print('kill', e.errno)\n\
+             for f in ('/proc/1/environ', '/proc/1/mem', '/proc/1/root/etc/hostname'):\n try:\n  open(f,'rb').read(1); print('READ', f)\n except OSError as e: print(f, e.errno)",
+            host = host.id()
+        ),
+    );
+    let _ = host.kill();
+    let _ = host.wait();
+    let lines: Vec<&str> = r.stdout().lines().collect();
+    assert!(lines[0].parse::<u32>().unwrap() <= 3, "only init, the payload and its own processes: {}", r.stdout());
+    assert_eq!(lines[1], "seen []");
+    assert_eq!(lines[2], "kill 3", "ESRCH: the host pid does not exist inside");
+    // The sandbox init (forked from opservant) is not readable by the payload.
+    assert_eq!(&lines[3..], ["/proc/1/environ 13", "/proc/1/mem 13", "/proc/1/root/etc/hostname 13"], "{}", r.stdout());
+}
+
+#[test]
+fn privileges_are_gone() {
+    if !require_root() {
+        return;
+    }
+    let r = sh(None, "cat /proc/self/status; cat /proc/self/uid_map /proc/self/gid_map; cat /proc/self/setgroups");
+    let s = r.stdout();
+    for key in ["CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"] {
+        let line = s.lines().find(|l| l.starts_with(key)).unwrap();
+        assert!(line.ends_with("0000000000000000"), "{line}");
+    }
+    assert!(s.contains("NoNewPrivs:\t1"));
+    assert!(s.contains("Seccomp:\t2"));
+    let (uid, gid) = executor_ids();
+    assert!(s.contains(&format!("Uid:\t{uid}\t{uid}\t{uid}\t{uid}")), "{s}");
+    assert!(s.contains(&format!("Gid:\t{gid}\t{gid}\t{gid}\t{gid}")), "{s}");
+    let groups = s.lines().find(|l| l.starts_with("Groups:")).unwrap();
+    assert_eq!(groups.trim_start_matches("Groups:").trim(), "", "no supplementary groups: {s}");
+    let maps: Vec<String> =
+        s.lines().filter(|l| l.trim().split_whitespace().count() == 3).map(|l| l.split_whitespace().collect::<Vec<_>>().join(" ")).collect();
+    assert!(maps.contains(&format!("{uid} {uid} 1")) && maps.contains(&format!("{gid} {gid} 1")), "single-id maps: {maps:?}");
+    assert!(s.trim_end().ends_with("deny"), "setgroups denied");
+}
+
+#[test]
+fn setuid_binaries_and_setuid_calls_gain_nothing() {
+    if !require_root() {
+        return;
+    }
+    let d = HostDir::new();
+    let id = d.path.join("suid-id");
+    std::fs::copy("/usr/bin/id", &id).unwrap();
+    std::fs::set_permissions(&id, std::fs::Permissions::from_mode(0o4755)).unwrap();
+    let (uid, _) = executor_ids();
+    // Control: on the host the setuid bit makes an unprivileged user root.
+    let out = Command::new("setpriv")
+        .args(["--reuid", &uid.to_string(), "--regid", &uid.to_string(), "--clear-groups"])
+        .arg(&id)
+        .arg("-u")
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "0", "control: setuid works on the host");
+    let m = manifest(&d, &format!(r#"{{"filesystem": {{"read": ["{}"]}}}}"#, d.str()), r#"{"max_cpu_percent": 50}"#);
+    let r = sandbox(Some(&m), &[id.to_str().unwrap(), "-u"]);
+    assert_eq!(r.stdout().trim(), uid.to_string(), "setuid bit ignored inside");
+    let r = python(
+        Some(&m),
+        "import os\nfor f,a in [(os.setuid,0),(os.setgid,0),(os.setgroups,[0]),(os.seteuid,0)]:\n try:\n  f(a); print('GAINED')\n except OSError as e: print(e.errno)",
+    );
+    assert!(!r.stdout().contains("GAINED"), "{}", r.stdout());
+    // uid/gid 0 are not mapped in the user namespace (EINVAL); setgroups is denied (EPERM).
+    assert_eq!(r.stdout().lines().collect::<Vec<_>>(), ["22", "22", "1", "22"], "{} {}", r.stdout(), r.err());
+}
+
+#[test]
+fn only_harmless_device_nodes_exist() {
+    if !require_root() {
+        return;
+    }
+    let (_d, m) = fast();
+    let r = python(
+        Some(&m),
+        "import os, stat\nprint(sorted(os.listdir('/dev')))\n\
+         for kind in (stat.S_IFCHR, stat.S_IFBLK):\n try:\n  os.mknod('/tmp/opservant/scratch/dev', kind|0o666, os.makedev(1, 1)); print('MADE')\n except OSError as e: print(e.errno)\n\
+         print(open('/dev/zero','rb').read(4), open('/dev/null','w').write('x'))",
+    );
+    let mut lines = r.stdout().lines();
+    assert_eq!(
+        lines.next().unwrap(),
+        "['fd', 'full', 'null', 'random', 'shm', 'stderr', 'stdin', 'stdout', 'urandom', 'zero']",
+        "{}",
+        r.err()
+    );
+    assert_eq!(lines.next(), Some("1"), "mknod char: EPERM");
+    assert_eq!(lines.next(), Some("1"), "mknod block: EPERM");
+    assert_eq!(lines.next(), Some("b'\\x00\\x00\\x00\\x00' 1"), "the allowed devices work");
+}
+
+#[test]
+fn hostname_is_private_and_fixed() {
+    if !require_root() {
+        return;
+    }
+    let before = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap();
+    let (_d, m) = fast();
+    let r = python(
+        Some(&m),
+        "import socket\nprint(socket.gethostname())\ntry:\n socket.sethostname('pwned'); print('SET')\nexcept OSError as e: print(e.errno)",
+    );
+    assert_eq!(r.stdout(), "opservant\n1\n", "{}", r.err());
+    assert_eq!(std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap(), before);
+}
+
+#[test]
+fn environment_is_an_explicit_allowlist() {
+    if !require_root() {
+        return;
+    }
+    let out = Command::new(common::opservant())
+        .args(["sandbox", "--json", "--", "/usr/bin/env"])
+        .env("OPSERVANT_TEST_SECRET", "TOPSECRET-env")
+        .env("AWS_SECRET_ACCESS_KEY", "TOPSECRET-aws")
+        .output()
+        .unwrap();
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let mut keys: Vec<&str> = j["stdout"].as_str().unwrap().lines().map(|l| l.split('=').next().unwrap()).collect();
+    keys.sort();
+    assert_eq!(keys, ["HOME", "LANG", "PATH", "TMPDIR"]);
+}
+
+#[test]
+fn landlock_refuses_what_the_mount_view_alone_would_allow() {
+    if !require_root() {
+        return;
+    }
+    // Control: an unprivileged process may rename itself through /proc/self/comm and signal
+    // another process of its own uid.
+    let (uid, _) = executor_ids();
+    let out = Command::new("setpriv")
+        .args(["--reuid", &uid.to_string(), "--regid", &uid.to_string(), "--clear-groups", "/bin/sh", "-c"])
+        .arg("echo renamed > /proc/self/comm && echo comm-ok; sleep 5 & kill -0 $! && echo signal-ok; kill $!")
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "comm-ok\nsignal-ok\n", "control");
+    let (_d, m) = fast();
+    let r = python(
+        Some(&m),
+        "import os\ntry:\n open('/proc/self/comm','w').write('renamed'); print('WROTE')\nexcept OSError as e: print('comm', e.errno)\n\
+         try:\n os.kill(1, 0); print('SIGNALLED')\nexcept OSError as e: print('init', e.errno)",
+    );
+    let ll = &r.json["sandbox"]["landlock"];
+    assert_eq!(r.stdout().lines().next(), Some("comm 13"), "EACCES from Landlock: {}", r.stdout());
+    if ll["scopes_enforced"].as_array().unwrap().iter().any(|s| s == "signal") {
+        assert_eq!(r.stdout().lines().nth(1), Some("init 1"), "signal scoping: EPERM on the sandbox init");
+    }
+}
+
+#[test]
+fn ipc_objects_of_the_host_are_invisible() {
+    if !require_root() {
+        return;
+    }
+    let out = Command::new("ipcmk").args(["-Q"]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let qid = text.split_whitespace().last().unwrap().to_string();
+    let host = Command::new("ipcs").arg("-q").output().unwrap();
+    assert!(String::from_utf8_lossy(&host.stdout).contains(&format!(" {qid} ")), "control: the queue exists");
+    let r = sh(None, "ipcs -q");
+    let _ = Command::new("ipcrm").args(["-q", &qid]).output();
+    assert!(!r.stdout().contains(&format!(" {qid} ")), "{}", r.stdout());
+}
+
+#[test]
+fn scratch_is_private_per_run_and_destroyed() {
+    if !require_root() {
+        return;
+    }
+    let r = sh(None, "echo leftover > /tmp/opservant/scratch/file; echo shm > /dev/shm/x; pwd; echo $HOME");
+    assert_eq!(r.stdout(), "/tmp/opservant/scratch\n/tmp/opservant/scratch\n");
+    let r = sh(None, "ls -A /tmp/opservant/scratch /dev/shm");
+    assert_eq!(r.stdout(), "/dev/shm:\n\n/tmp/opservant/scratch:\n", "nothing survives between runs");
+}
+
+#[test]
+fn stdin_is_empty_and_no_terminal_is_reachable() {
+    if !require_root() {
+        return;
+    }
+    let mut child = Command::new(common::opservant())
+        .args(["sandbox", "--json", "--", "/bin/sh", "-c", "cat; ls /dev/tty /dev/pts 2>&1 | head -2"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(b"SHOULD-NOT-ARRIVE").unwrap();
+    let mut out = String::new();
+    child.stdout.take().unwrap().read_to_string(&mut out).unwrap();
+    child.wait().unwrap();
+    let j: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    let s = j["stdout"].as_str().unwrap();
+    assert!(!s.contains("SHOULD-NOT-ARRIVE"), "{s}");
+    assert!(s.contains("No such file"), "{s}");
+}

@@ -1,0 +1,230 @@
+//! `opservant sandbox` and `opservant doctor`: the command-line contract of DESIGN.md §4–§5
+//! (exit status, output layout, result shape, errors on bad input).
+
+mod common;
+
+use std::process::{Command, Stdio};
+
+use common::{manifest, require_root, sandbox, sh, try_sandbox, HostDir};
+
+fn run_cli(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(common::opservant()).args(args).stdin(Stdio::null()).output().expect("spawn opservant");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn reading_shadow_fails_and_the_json_says_so() {
+    if !require_root() {
+        return;
+    }
+    let (code, stdout, _) = run_cli(&["sandbox", "--", "/bin/sh", "-c", "cat /etc/shadow"]);
+    assert_eq!(code, 1, "ran but did not complete → exit 1");
+    let last = stdout.lines().last().expect("result line");
+    let json: serde_json::Value = serde_json::from_str(last).expect("last line is the result JSON");
+    assert_eq!(json["status"], "failed");
+    assert_eq!(json["exit_code"], 1);
+    assert!(json["stderr"].as_str().unwrap().contains("/etc/shadow: Permission denied"), "{json}");
+    assert!(json["error"].as_str().unwrap().contains("status 1"));
+}
+
+#[test]
+fn program_output_then_json_on_the_last_line() {
+    if !require_root() {
+        return;
+    }
+    // No trailing newline from the program: the JSON must still be a line of its own.
+    let (code, stdout, _) = run_cli(&["sandbox", "--", "/bin/sh", "-c", "echo first; printf partial"]);
+    assert_eq!(code, 0);
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines[0], "first");
+    assert_eq!(lines[1], "partial");
+    let json: serde_json::Value = serde_json::from_str(lines[2]).expect("JSON line");
+    assert_eq!(json["status"], "completed");
+    assert_eq!(json["stdout"], "first\npartial");
+    assert_eq!(lines.len(), 3);
+}
+
+#[test]
+fn json_flag_prints_only_the_result() {
+    if !require_root() {
+        return;
+    }
+    let (code, stdout, _) = run_cli(&["sandbox", "--json", "--", "/bin/echo", "hello"]);
+    assert_eq!(code, 0);
+    let json: serde_json::Value = serde_json::from_str(stdout.trim()).expect("stdout is exactly one JSON object");
+    assert_eq!(json["stdout"], "hello\n");
+}
+
+#[test]
+fn result_has_the_design_shape() {
+    if !require_root() {
+        return;
+    }
+    let r = sandbox(None, &["/bin/true"]);
+    assert_eq!(r.code, 0);
+    let j = &r.json;
+    for key in [
+        "status",
+        "output",
+        "error",
+        "artifacts",
+        "executor",
+        "action",
+        "command_id",
+        "stdout",
+        "stderr",
+        "exit_code",
+        "killed_by",
+        "limits",
+        "usage",
+        "sandbox",
+    ] {
+        assert!(j.get(key).is_some(), "missing {key}: {j}");
+    }
+    assert_eq!(j["status"], "completed");
+    assert!(j["output"].is_object() && j["output"].as_object().unwrap().is_empty());
+    assert!(j["error"].is_null() && j["killed_by"].is_null());
+    assert!(j["limits"]["clamped"].is_array());
+    for key in ["wall_ms", "cpu_ms", "peak_memory_bytes"] {
+        assert!(j["usage"].get(key).is_some(), "usage.{key}");
+    }
+    let s = &j["sandbox"];
+    let ns: Vec<&str> = s["namespaces"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
+    assert_eq!(ns, ["user", "mount", "pid", "net", "ipc", "uts", "cgroup"]);
+    assert!(s["landlock"]["abi"].as_u64().unwrap() >= 1);
+    assert_eq!(s["seccomp"], "enforced");
+    assert!(s["cgroup"] == "v1" || s["cgroup"] == "v2", "{s}");
+    assert_eq!(s["network"], "none");
+    assert_eq!(s["capabilities"], "none");
+    assert_eq!(s["no_new_privs"], true);
+}
+
+#[test]
+fn clamped_limits_are_reported() {
+    if !require_root() {
+        return;
+    }
+    let d = HostDir::new();
+    let m = manifest(&d, "{}", r#"{"max_memory_mb": 4096, "max_cpu_percent": 50, "timeout_seconds": 30}"#);
+    let r = sandbox(Some(&m), &["/bin/true"]);
+    assert_eq!(r.json["limits"]["max_memory_mb"], 512, "clamped to the ceiling");
+    let clamped = r.json["limits"]["clamped"].as_array().unwrap();
+    let c = clamped.iter().find(|c| c["field"] == "max_memory_mb").expect("clamp recorded");
+    assert_eq!(c["requested"], 4096);
+    assert_eq!(c["applied"], 512);
+    assert_eq!(r.json["limits"]["timeout_seconds"], 30);
+}
+
+#[test]
+fn bad_input_exits_2_with_one_line_naming_the_problem() {
+    if !require_root() {
+        return;
+    }
+    let d = HostDir::new();
+    // A misspelt restriction must not be ignored.
+    let m = manifest(&d, r#"{"filesystem": {"reed": ["/etc"]}}"#, "{}");
+    let (code, stdout, stderr) = run_cli(&["sandbox", "--manifest", m.to_str().unwrap(), "--", "/bin/true"]);
+    assert_eq!(code, 2);
+    assert!(stdout.is_empty(), "nothing on stdout: {stdout}");
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    assert!(stderr.contains("permissions.filesystem") && stderr.contains("reed"), "{stderr}");
+
+    let (code, _, stderr) = run_cli(&["sandbox", "--manifest", "/nonexistent/manifest.json", "--", "/bin/true"]);
+    assert_eq!(code, 2);
+    assert!(stderr.contains("cannot read"), "{stderr}");
+
+    std::fs::write(&m, "{ not json").unwrap();
+    let (code, _, stderr) = run_cli(&["sandbox", "--manifest", m.to_str().unwrap(), "--", "/bin/true"]);
+    assert_eq!(code, 2);
+    assert!(stderr.contains("not valid JSON"), "{stderr}");
+
+    let m = manifest(&d, r#"{"filesystem": {"write": ["/etc/cron.d"]}}"#, "{}");
+    let (code, _, stderr) = run_cli(&["sandbox", "--manifest", m.to_str().unwrap(), "--", "/bin/true"]);
+    assert_eq!(code, 2);
+    assert!(stderr.contains("permissions.filesystem.write[0]") && stderr.contains("system directories"), "{stderr}");
+
+    let m = manifest(&d, r#"{"network": {"outbound": true}}"#, "{}");
+    let (code, _, stderr) = run_cli(&["sandbox", "--manifest", m.to_str().unwrap(), "--", "/bin/true"]);
+    assert_eq!(code, 2, "egress is refused, never silently dropped: {stderr}");
+    assert!(stderr.contains("permissions.network.outbound"), "{stderr}");
+
+    let (code, _, stderr) = run_cli(&["sandbox", "--"]);
+    assert_eq!(code, 2, "{stderr}");
+    let (code, _, _) = run_cli(&["sandbox", "--no-such-flag", "--", "/bin/true"]);
+    assert_eq!(code, 2);
+}
+
+#[test]
+fn a_missing_program_cannot_run() {
+    if !require_root() {
+        return;
+    }
+    let err = try_sandbox(None, &["/no/such/program"]).expect_err("exit 2, no result");
+    assert_eq!(err.0, 2);
+    assert!(err.1.contains("/no/such/program") && err.1.contains("No such file"), "{}", err.1);
+    let err = try_sandbox(None, &["no-such-command-anywhere"]).expect_err("exit 2");
+    assert!(err.1.contains("not found in PATH"), "{}", err.1);
+}
+
+#[test]
+fn runaway_output_is_capped_and_marked() {
+    if !require_root() {
+        return;
+    }
+    let r = sh(None, "head -c 3000000 /dev/zero | tr '\\0' x; echo done >&2");
+    assert_eq!(r.status(), "completed");
+    assert_eq!(r.stdout().len(), 1 << 20, "stdout capped at 1 MiB");
+    assert_eq!(r.json["stdout_truncated"], true);
+    assert_eq!(r.json["stderr_truncated"], false);
+    assert_eq!(r.err(), "done\n");
+}
+
+#[test]
+fn works_without_a_config_file_and_with_a_declared_path() {
+    if !require_root() {
+        return;
+    }
+    let d = HostDir::new();
+    d.file("data.txt", "declared-data", 0o644);
+    let m = manifest(&d, &format!(r#"{{"filesystem": {{"read": ["{}"]}}}}"#, d.str()), "{}");
+    let r = sh(Some(&m), &format!("cat {}/data.txt", d.str()));
+    assert_eq!(r.status(), "completed", "{}", r.err());
+    assert_eq!(r.stdout(), "declared-data");
+}
+
+#[test]
+fn doctor_describes_this_host() {
+    if !require_root() {
+        return;
+    }
+    let (code, stdout, _) = run_cli(&["doctor", "--json"]);
+    let j: serde_json::Value = serde_json::from_str(&stdout).expect("doctor --json");
+    // Independent probes of the same facts.
+    // SAFETY: landlock_create_ruleset(NULL, 0, VERSION) only returns the ABI.
+    let abi = unsafe { libc::syscall(libc::SYS_landlock_create_ruleset, std::ptr::null::<u8>(), 0usize, 1u32) };
+    assert_eq!(j["probe"]["landlock"]["abi"].as_i64().unwrap(), abi.max(0));
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let has_v1 = mountinfo.contains(" - cgroup ");
+    let has_v2 = mountinfo.contains(" - cgroup2 ");
+    let mode = match (has_v1, has_v2) {
+        (true, true) => "hybrid",
+        (false, true) => "unified",
+        (true, false) => "legacy",
+        _ => "none",
+    };
+    assert_eq!(j["probe"]["cgroup_mode"], mode);
+    let own = std::fs::read_to_string("/proc/self/cgroup").unwrap();
+    let memory_v1 = own.lines().any(|l| l.split(':').nth(1).is_some_and(|c| c.split(',').any(|c| c == "memory")));
+    assert_eq!(j["probe"]["cgroup"]["memory"]["version"], if memory_v1 { "v1" } else { "v2" });
+    assert_eq!(code, if j["findings"].as_array().unwrap().iter().any(|f| f["required"] == true && f["ok"] == false) { 1 } else { 0 });
+
+    let (_, text, _) = run_cli(&["doctor"]);
+    assert!(text.contains(&format!("ABI {}", abi.max(0))), "{text}");
+    if mode == "hybrid" {
+        assert!(text.contains("cgroup v1 hybrid"), "{text}");
+    }
+}

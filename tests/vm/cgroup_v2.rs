@@ -1,0 +1,605 @@
+//! The cgroup-v2 kernel suite (see `tests/vm/README.md`).
+//!
+//! This development host is cgroup v1 hybrid, so real cgroup v2 enforcement is tested in a VM:
+//! on the host this binary checks the prerequisites and re-runs itself inside one throw-away
+//! QEMU guest (`tests/vm/vm-exec.sh`, booted once for the whole suite); inside the guest
+//! (`OPSERVANT_IN_VM=1`) it runs every check in sequence against the real `opservant` binary.
+//!
+//! Without the prerequisites (virtme-ng, QEMU, a 6.1 kernel image) the suite prints
+//! `SKIPPED: ...` and succeeds — unless `CI=true`, where a missing prerequisite is a failure.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+const OPSERVANT: &str = env!("CARGO_BIN_EXE_opservant");
+const PYTHON: &str = "/usr/bin/python3";
+const CGROUP_ROOT: &str = "/sys/fs/cgroup";
+const DELEG: &str = "/sys/fs/cgroup/opservant-test-deleg";
+
+fn main() -> ExitCode {
+    if std::env::var_os("OPSERVANT_IN_VM").is_some() {
+        in_vm()
+    } else {
+        on_host()
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// Host side: prerequisites, then one VM for the whole suite.
+// ------------------------------------------------------------------------------------------
+
+fn in_ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
+}
+
+/// An executable named `name` in a directory of `PATH`.
+fn on_path(name: &str) -> Option<PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|d| d.join(name))
+        .find(|p| p.metadata().is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0))
+}
+
+/// The kernel `vm-exec.sh` will boot: `VM_KERNEL`, else the newest `/boot/vmlinuz-6.1*`.
+fn vm_kernel() -> Option<PathBuf> {
+    if let Some(k) = std::env::var_os("VM_KERNEL") {
+        return Some(PathBuf::from(k));
+    }
+    let mut kernels: Vec<PathBuf> = std::fs::read_dir("/boot")
+        .ok()?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("vmlinuz-6.1")))
+        .collect();
+    kernels.sort();
+    kernels.pop()
+}
+
+/// What is missing to boot the VM (empty when everything is there).
+fn missing_prerequisites() -> Vec<String> {
+    let mut missing = Vec::new();
+    // vng is installed with pip (into the pyenv Python here); a pyenv shim exists on PATH
+    // even when the active Python lacks the package, so ask it to run.
+    let vng_runs = on_path("vng").is_some_and(|vng| {
+        Command::new(vng)
+            .arg("--version")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    });
+    if !vng_runs {
+        missing.push("vng (virtme-ng) on PATH: python3 -m pip install virtme-ng".to_string());
+    }
+    for (tool, package) in [("qemu-system-x86_64", "qemu-system-x86"), ("busybox", "busybox-static")] {
+        if on_path(tool).is_none() {
+            missing.push(format!("{tool} on PATH: apt-get install -y {package}"));
+        }
+    }
+    match vm_kernel() {
+        None => missing.push("a /boot/vmlinuz-6.1* kernel: apt-get install -y linux-image-amd64".to_string()),
+        Some(k) if std::fs::File::open(&k).is_err() => missing.push(format!("a readable kernel image {}", k.display())),
+        Some(k) => {
+            let release = k.file_name().map(|n| n.to_string_lossy().trim_start_matches("vmlinuz-").to_string());
+            if let Some(r) = release {
+                if !Path::new("/lib/modules").join(&r).is_dir() {
+                    missing.push(format!("/lib/modules/{r} (the modules of {})", k.display()));
+                }
+            }
+        }
+    }
+    missing
+}
+
+fn on_host() -> ExitCode {
+    let missing = missing_prerequisites();
+    if !missing.is_empty() {
+        let list = missing.join("; ");
+        if in_ci() {
+            eprintln!("vm_cgroup_v2: FAILED: CI=true but the cgroup-v2 VM suite cannot run; missing: {list}");
+            return ExitCode::FAILURE;
+        }
+        println!("SKIPPED: cgroup-v2 VM suite needs {list}");
+        return ExitCode::SUCCESS;
+    }
+    let repo = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/.."));
+    let script = repo.join("tests/vm/vm-exec.sh");
+    let me = match std::env::current_exe() {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("vm_cgroup_v2: cannot locate this test binary: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    println!("vm_cgroup_v2: booting the cgroup-v2 VM (QEMU/TCG, ~15-35 s) and running the suite inside");
+    let _ = std::io::stdout().flush();
+    let start = Instant::now();
+    // stdout/stderr are inherited: the guest's output streams through as it comes.
+    let status = Command::new(&script).arg("env").arg("OPSERVANT_IN_VM=1").arg(&me).stdin(Stdio::null()).status();
+    let secs = start.elapsed().as_secs_f64();
+    match status {
+        Ok(s) if s.success() => {
+            println!("vm_cgroup_v2: VM suite passed ({secs:.1}s including boot)");
+            ExitCode::SUCCESS
+        }
+        Ok(s) => {
+            let why = match s.code() {
+                Some(124) => "the VM timed out".to_string(),
+                Some(255) => "the VM died without reporting a status".to_string(),
+                Some(2) => "vm-exec.sh could not start the VM (or the suite could not start)".to_string(),
+                Some(c) => format!("exit status {c}"),
+                None => format!("{s}"),
+            };
+            eprintln!("vm_cgroup_v2: FAILED after {secs:.1}s: {why}");
+            ExitCode::FAILURE
+        }
+        Err(e) => {
+            eprintln!("vm_cgroup_v2: cannot run {}: {e}", script.display());
+            ExitCode::FAILURE
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// Guest side: a minimal test runner.
+// ------------------------------------------------------------------------------------------
+
+type Check = fn(&Ctx) -> Result<(), String>;
+
+/// Shared state of the checks: a fresh scratch directory for manifests.
+struct Ctx {
+    dir: PathBuf,
+}
+
+macro_rules! ensure {
+    ($cond:expr, $($fmt:tt)+) => {
+        if !$cond {
+            return Err(format!($($fmt)+));
+        }
+    };
+}
+
+fn in_vm() -> ExitCode {
+    let checks: [(&str, Check); 8] = [
+        ("cgroup_v2_reported", cgroup_v2_reported),
+        ("memory_oom", memory_oom),
+        ("cpu_throttled", cpu_throttled),
+        ("pids_limit", pids_limit),
+        ("cgroup_kill_daemon", cgroup_kill_daemon),
+        ("delegated_subtree", delegated_subtree),
+        ("landlock_abi2_partial", landlock_abi2_partial),
+        ("no_leaks", no_leaks),
+    ];
+    let dir = std::env::temp_dir().join(format!("opservant-vm-{}", std::process::id()));
+    if let Err(e) = std::fs::create_dir(&dir) {
+        eprintln!("cannot create {}: {e}", dir.display());
+        return ExitCode::FAILURE;
+    }
+    let ctx = Ctx { dir };
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    println!("\nrunning {} cgroup-v2 checks in the VM (kernel {})", checks.len(), kernel.trim());
+    let start = Instant::now();
+    let mut failed = Vec::new();
+    for (name, check) in checks {
+        print!("test {name} ... ");
+        let _ = std::io::stdout().flush();
+        let t = Instant::now();
+        let result = match std::panic::catch_unwind(|| check(&ctx)) {
+            Ok(r) => r,
+            Err(p) => Err(format!(
+                "panicked: {}",
+                p.downcast_ref::<String>().map(String::as_str).or(p.downcast_ref::<&str>().copied()).unwrap_or("?")
+            )),
+        };
+        let secs = t.elapsed().as_secs_f64();
+        match result {
+            Ok(()) => println!("ok ({secs:.1}s)"),
+            Err(msg) => {
+                println!("FAILED ({secs:.1}s)");
+                failed.push((name, msg));
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&ctx.dir);
+    for (name, msg) in &failed {
+        println!("\n---- {name} ----\n{msg}");
+    }
+    println!(
+        "\ntest result: {}. {} passed; {} failed; finished in {:.1}s",
+        if failed.is_empty() { "ok" } else { "FAILED" },
+        checks.len() - failed.len(),
+        failed.len(),
+        start.elapsed().as_secs_f64()
+    );
+    if failed.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// Helpers
+// ------------------------------------------------------------------------------------------
+
+/// One `opservant sandbox --json` run.
+struct Run {
+    code: i32,
+    json: Value,
+    stderr: String,
+}
+
+impl Run {
+    /// The field at a dotted path (`usage.oom_kills`), or an error naming it.
+    fn get(&self, path: &str) -> Result<&Value, String> {
+        let mut v = &self.json;
+        for key in path.split('.') {
+            v = v.get(key).ok_or_else(|| format!("result has no `{path}`\n{}", self.dump()))?;
+        }
+        Ok(v)
+    }
+
+    fn u64(&self, path: &str) -> Result<u64, String> {
+        self.get(path)?.as_u64().ok_or_else(|| format!("`{path}` is not a number\n{}", self.dump()))
+    }
+
+    fn str(&self, path: &str) -> Result<&str, String> {
+        self.get(path)?.as_str().ok_or_else(|| format!("`{path}` is not a string\n{}", self.dump()))
+    }
+
+    fn strings(&self, path: &str) -> Result<Vec<&str>, String> {
+        self.get(path)?
+            .as_array()
+            .ok_or_else(|| format!("`{path}` is not an array\n{}", self.dump()))?
+            .iter()
+            .map(|v| v.as_str().ok_or_else(|| format!("`{path}` holds a non-string\n{}", self.dump())))
+            .collect()
+    }
+
+    /// Everything about the run, for failure messages.
+    fn dump(&self) -> String {
+        format!("exit code {}\nresult: {}\nstderr: {}", self.code, self.json, self.stderr.trim_end())
+    }
+}
+
+fn parse_run(out: std::process::Output, what: &str) -> Result<Run, String> {
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    let code = out.status.code().unwrap_or(-1);
+    let last = stdout.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("");
+    let json = serde_json::from_str(last).map_err(|e| {
+        format!(
+            "{what}: no result JSON on stdout ({e}); exit status {}\nstdout: {stdout}\nstderr: {stderr}",
+            out.status
+        )
+    })?;
+    Ok(Run { code, json, stderr })
+}
+
+/// `opservant sandbox [--manifest M] --json -- PROG...`
+fn sandbox(manifest: Option<&Path>, prog: &[&str]) -> Result<Run, String> {
+    let mut cmd = Command::new(OPSERVANT);
+    cmd.arg("sandbox");
+    if let Some(m) = manifest {
+        cmd.arg("--manifest").arg(m);
+    }
+    let out = cmd
+        .arg("--json")
+        .arg("--")
+        .args(prog)
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("cannot run {OPSERVANT}: {e}"))?;
+    parse_run(out, &format!("opservant sandbox -- {}", prog.join(" ")))
+}
+
+/// Write a manifest with these resource limits; returns its path.
+fn manifest(ctx: &Ctx, name: &str, limits: Value) -> Result<PathBuf, String> {
+    let m = json!({
+        "name": "t",
+        "version": "1.0.0",
+        "description": "d",
+        "supported_actions": ["a"],
+        "entry_point": "m.C",
+        "permissions": {},
+        "resource_limits": limits,
+    });
+    let path = ctx.dir.join(format!("{name}.json"));
+    std::fs::write(&path, m.to_string()).map_err(|e| format!("write {}: {e}", path.display()))?;
+    Ok(path)
+}
+
+fn python(script: &str) -> Vec<&str> {
+    vec![PYTHON, "-I", "-S", "-c", script]
+}
+
+/// Every directory named `opservant-sb-*` anywhere under /sys/fs/cgroup.
+fn sandbox_cgroups() -> Vec<PathBuf> {
+    fn walk(dir: &Path, found: &mut Vec<PathBuf>) {
+        let Ok(entries) = std::fs::read_dir(dir) else { return };
+        for e in entries.flatten() {
+            if !e.file_type().is_ok_and(|t| t.is_dir()) {
+                continue;
+            }
+            let p = e.path();
+            if e.file_name().to_string_lossy().starts_with("opservant-sb-") {
+                found.push(p.clone());
+            }
+            walk(&p, found);
+        }
+    }
+    let mut found = Vec::new();
+    walk(Path::new(CGROUP_ROOT), &mut found);
+    found
+}
+
+/// Pids (other than this process) whose command line contains `marker`.
+fn processes_with(marker: &str) -> Vec<(u32, String)> {
+    let me = std::process::id();
+    let mut found = Vec::new();
+    let Ok(entries) = std::fs::read_dir("/proc") else { return found };
+    for e in entries.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else { continue };
+        if pid == me {
+            continue;
+        }
+        let Ok(raw) = std::fs::read(e.path().join("cmdline")) else { continue };
+        let cmdline = String::from_utf8_lossy(&raw).replace('\0', " ");
+        if cmdline.contains(marker) {
+            found.push((pid, cmdline.trim_end().to_string()));
+        }
+    }
+    found
+}
+
+fn no_sandbox_cgroups() -> Result<(), String> {
+    let left = sandbox_cgroups();
+    ensure!(left.is_empty(), "sandbox cgroups left behind: {left:?}");
+    Ok(())
+}
+
+// ------------------------------------------------------------------------------------------
+// The checks
+// ------------------------------------------------------------------------------------------
+
+/// A trivial run reports cgroup v2 with every limit enforced, in cgroups under /sys/fs/cgroup.
+fn cgroup_v2_reported(_: &Ctx) -> Result<(), String> {
+    let r = sandbox(None, &["true"])?;
+    ensure!(r.code == 0 && r.str("status")? == "completed", "trivial run did not complete\n{}", r.dump());
+    ensure!(r.str("sandbox.cgroup")? == "v2", "sandbox.cgroup is not v2\n{}", r.dump());
+    for c in ["memory", "cpu", "pids"] {
+        let v = r.get(&format!("limits.enforced.{c}"))?;
+        ensure!(v == &Value::Bool(true), "limits.enforced.{c} is {v}, not true\n{}", r.dump());
+    }
+    let paths = r.strings("sandbox.cgroup_paths")?;
+    ensure!(!paths.is_empty(), "no sandbox.cgroup_paths\n{}", r.dump());
+    for p in &paths {
+        ensure!(p.starts_with("/sys/fs/cgroup/"), "cgroup path {p} is not under /sys/fs/cgroup\n{}", r.dump());
+        ensure!(
+            Path::new(p).file_name().is_some_and(|n| n.to_string_lossy().starts_with("opservant-sb-")),
+            "cgroup path {p} is not an opservant-sb-* cgroup\n{}",
+            r.dump()
+        );
+        ensure!(!Path::new(p).exists(), "sandbox cgroup {p} still exists after the run");
+    }
+    ensure!(r.get("sandbox.cgroup_paths")?.as_array().is_some_and(|a| a.len() == 1), "v2 uses exactly one cgroup");
+    Ok(())
+}
+
+/// A memory bomb is OOM-killed inside a 32 MB cgroup.
+fn memory_oom(ctx: &Ctx) -> Result<(), String> {
+    let m = manifest(
+        ctx,
+        "oom",
+        json!({"max_memory_mb": 32, "max_cpu_percent": 50, "timeout_seconds": 120, "max_disk_mb": 16, "max_pids": 16}),
+    )?;
+    // b'\x01' * n touches every page (a zero-filled bytearray might not).
+    let script = "import sys\na = []\nfor i in range(200):\n    a.append(b'\\x01' * (1 << 20))\n\
+                  print('survived', len(a), flush=True)\n";
+    let r = sandbox(Some(&m), &python(script))?;
+    ensure!(r.str("status")? == "failed", "status is not failed\n{}", r.dump());
+    ensure!(r.code == 1, "exit code is not 1\n{}", r.dump());
+    ensure!(r.get("killed_by")? == "oom", "killed_by is not oom\n{}", r.dump());
+    ensure!(r.u64("usage.oom_kills")? >= 1, "usage.oom_kills < 1\n{}", r.dump());
+    ensure!(!r.str("stdout")?.contains("survived"), "the payload survived the memory bomb\n{}", r.dump());
+    no_sandbox_cgroups()
+}
+
+/// A busy loop at 10 % CPU is throttled: the kernel's CPU accounting stays near the quota.
+fn cpu_throttled(ctx: &Ctx) -> Result<(), String> {
+    let m = manifest(
+        ctx,
+        "cpu",
+        json!({"max_memory_mb": 128, "max_cpu_percent": 10, "timeout_seconds": 120, "max_disk_mb": 16, "max_pids": 16}),
+    )?;
+    let script = "import time\nt = time.monotonic()\nn = 0\nwhile time.monotonic() - t < 2.0:\n    n += 1\nprint(n)\n";
+    let r = sandbox(Some(&m), &python(script))?;
+    ensure!(r.code == 0 && r.str("status")? == "completed", "busy loop did not complete\n{}", r.dump());
+    let throttled = r.u64("usage.cpu_throttled_periods")?;
+    let cpu = r.u64("usage.cpu_ms")? as f64;
+    let wall = r.u64("usage.wall_ms")? as f64;
+    ensure!(throttled > 0, "usage.cpu_throttled_periods is 0\n{}", r.dump());
+    let bound = wall * 0.10 * 1.5 + 50.0;
+    ensure!(cpu <= bound, "cpu_ms {cpu} > wall_ms {wall} * 0.10 * 1.5 + 50 = {bound:.0}\n{}", r.dump());
+    no_sandbox_cgroups()
+}
+
+/// A fork bomb stops at max_pids: fork fails with EAGAIN and pids.events counts it.
+fn pids_limit(ctx: &Ctx) -> Result<(), String> {
+    let m = manifest(
+        ctx,
+        "pids",
+        json!({"max_memory_mb": 128, "max_cpu_percent": 50, "timeout_seconds": 120, "max_disk_mb": 16, "max_pids": 8}),
+    )?;
+    let script = "import os, time\nn = 0\nerr = None\nwhile n < 100:\n    try:\n        pid = os.fork()\n    \
+                  except OSError as e:\n        err = e.errno\n        break\n    if pid == 0:\n        \
+                  time.sleep(60)\n        os._exit(0)\n    n += 1\nprint('forked', n, 'errno', err, flush=True)\n";
+    let r = sandbox(Some(&m), &python(script))?;
+    let out = r.str("stdout")?;
+    let line =
+        out.lines().find(|l| l.starts_with("forked ")).ok_or_else(|| format!("no count printed\n{}", r.dump()))?;
+    let words: Vec<&str> = line.split_whitespace().collect();
+    let count: u64 = words.get(1).and_then(|w| w.parse().ok()).ok_or_else(|| format!("bad line {line:?}"))?;
+    let errno = words.get(3).copied().unwrap_or("?");
+    ensure!(count >= 1, "no fork succeeded at all\n{}", r.dump());
+    ensure!(count <= 8, "forked {count} children with max_pids 8\n{}", r.dump());
+    ensure!(errno == libc::EAGAIN.to_string(), "fork failed with errno {errno}, not EAGAIN\n{}", r.dump());
+    ensure!(r.u64("usage.pids_limit_hits")? > 0, "usage.pids_limit_hits is 0\n{}", r.dump());
+    no_sandbox_cgroups()
+}
+
+/// A SIGTERM-ignoring payload with a double-forked, setsid'd, SIGTERM-ignoring daemon is
+/// killed at the timeout, daemon included, and its cgroup is removed.
+fn cgroup_kill_daemon(ctx: &Ctx) -> Result<(), String> {
+    let m = manifest(
+        ctx,
+        "daemon",
+        json!({"max_memory_mb": 64, "max_cpu_percent": 50, "timeout_seconds": 2, "max_disk_mb": 16, "max_pids": 16}),
+    )?;
+    let marker = format!("opservant-vm-daemon-{}", std::process::id());
+    // The daemon: a shell (argv[0] = the marker) that ignores SIGTERM and waits on a sleep
+    // that inherits the ignored SIGTERM; `; true` keeps the shell from exec'ing the sleep.
+    // The ( ... & ) subshell exits at once, so the daemon is re-parented (double fork).
+    let script =
+        format!("trap '' TERM; ( setsid sh -c 'trap \"\" TERM; sleep 1000; true' {marker} & ); sleep 1000; true");
+    let child = Command::new(OPSERVANT)
+        .args(["sandbox", "--manifest"])
+        .arg(&m)
+        .args(["--json", "--", "sh", "-c", &script])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("cannot run {OPSERVANT}: {e}"))?;
+    // Positive control: the daemon must really run before the timeout hits, or this check
+    // would prove nothing. Only the daemon's own argv is "... {marker}" at its end.
+    let daemon_tail = format!("true {marker}");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut seen = Vec::new();
+    while Instant::now() < deadline && seen.is_empty() {
+        seen = processes_with(&daemon_tail);
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().map_err(|e| format!("wait for opservant: {e}"))?;
+    let r = parse_run(out, "daemon run")?;
+    ensure!(!seen.is_empty(), "the daemon was never seen running; the check proves nothing\n{}", r.dump());
+    ensure!(r.str("status")? == "timeout", "status is not timeout\n{}", r.dump());
+    ensure!(r.code == 1, "exit code is not 1\n{}", r.dump());
+    ensure!(r.get("killed_by")? == "timeout", "killed_by is not timeout\n{}", r.dump());
+    let left = processes_with(&marker);
+    ensure!(left.is_empty(), "processes survived the sandbox: {left:?} (daemon was {seen:?})\n{}", r.dump());
+    no_sandbox_cgroups()
+}
+
+/// Run opservant inside a delegated subtree: it moves itself into a leaf and creates the
+/// sandbox cgroup beside it, never above; the sandbox sees its cgroup as the root.
+fn delegated_subtree(_: &Ctx) -> Result<(), String> {
+    let result = delegated_subtree_inner();
+    // Clean up even on failure; report the cleanup failure only if the check passed.
+    let leaf = Path::new(DELEG).join("opservant-agent");
+    let mut cleanup = Ok(());
+    for d in [leaf.as_path(), Path::new(DELEG)] {
+        if d.exists() {
+            if let Err(e) = std::fs::remove_dir(d) {
+                cleanup = Err(format!("cannot remove {}: {e}", d.display()));
+            }
+        }
+    }
+    result.and(cleanup)
+}
+
+fn delegated_subtree_inner() -> Result<(), String> {
+    let root_ctl = Path::new(CGROUP_ROOT).join("cgroup.subtree_control");
+    let enabled = std::fs::read_to_string(&root_ctl).map_err(|e| format!("read {}: {e}", root_ctl.display()))?;
+    for c in ["memory", "cpu", "pids"] {
+        if !enabled.split_whitespace().any(|e| e == c) {
+            std::fs::write(&root_ctl, format!("+{c}")).map_err(|e| format!("enable +{c} at the root: {e}"))?;
+        }
+    }
+    if !Path::new(DELEG).exists() {
+        std::fs::create_dir(DELEG).map_err(|e| format!("mkdir {DELEG}: {e}"))?;
+    }
+    let script = format!("echo $$ > {DELEG}/cgroup.procs && exec {OPSERVANT} sandbox --json -- cat /proc/self/cgroup");
+    let out = Command::new("sh")
+        .args(["-c", &script])
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("cannot run sh: {e}"))?;
+    let r = parse_run(out, "delegated run")?;
+    ensure!(r.code == 0 && r.str("status")? == "completed", "delegated run did not complete\n{}", r.dump());
+    ensure!(r.str("stdout")? == "0::/\n", "the sandbox does not see its cgroup as the root\n{}", r.dump());
+    let paths = r.strings("sandbox.cgroup_paths")?;
+    let prefix = format!("{DELEG}/opservant-sb-");
+    ensure!(
+        paths.first().is_some_and(|p| p.starts_with(&prefix)),
+        "sandbox.cgroup_paths[0] does not start with {prefix}\n{}",
+        r.dump()
+    );
+    ensure!(r.str("sandbox.cgroup")? == "v2", "sandbox.cgroup is not v2\n{}", r.dump());
+    let leaf = Path::new(DELEG).join("opservant-agent");
+    ensure!(leaf.is_dir(), "{} does not exist: opservant did not move into its leaf\n{}", leaf.display(), r.dump());
+    for p in &paths {
+        ensure!(!Path::new(p).exists(), "sandbox cgroup {p} still exists after the run");
+    }
+    // The controllers were enabled in the delegated cgroup, not only inherited.
+    let ctl = std::fs::read_to_string(Path::new(DELEG).join("cgroup.subtree_control")).unwrap_or_default();
+    for c in ["memory", "cpu", "pids"] {
+        ensure!(
+            ctl.split_whitespace().any(|e| e == c),
+            "{c} is not enabled in {DELEG}/cgroup.subtree_control: {ctl:?}"
+        );
+    }
+    no_sandbox_cgroups()
+}
+
+/// Landlock ABI 2: enforced rights are reported, newer ones listed as unsupported; doctor
+/// agrees, and reports the v2 controllers.
+fn landlock_abi2_partial(_: &Ctx) -> Result<(), String> {
+    let r = sandbox(None, &["true"])?;
+    ensure!(r.code == 0, "trivial run failed\n{}", r.dump());
+    ensure!(r.u64("sandbox.landlock.abi")? == 2, "landlock abi is not 2\n{}", r.dump());
+    ensure!(r.str("sandbox.landlock.status")? == "partially_enforced", "landlock not partially_enforced\n{}", r.dump());
+    let fs_unsupported = r.strings("sandbox.landlock.fs_unsupported")?;
+    for right in ["truncate", "ioctl_dev", "resolve_unix"] {
+        ensure!(fs_unsupported.contains(&right), "fs_unsupported lacks {right}\n{}", r.dump());
+    }
+    let scopes = r.strings("sandbox.landlock.scopes_unsupported")?;
+    for scope in ["signal", "abstract_unix_socket"] {
+        ensure!(scopes.contains(&scope), "scopes_unsupported lacks {scope}\n{}", r.dump());
+    }
+    let fs_enforced = r.strings("sandbox.landlock.fs_enforced")?;
+    ensure!(fs_enforced.contains(&"refer"), "fs_enforced lacks refer (ABI 2)\n{}", r.dump());
+    for right in ["truncate", "ioctl_dev", "resolve_unix"] {
+        ensure!(!fs_enforced.contains(&right), "fs_enforced claims {right} on ABI 2\n{}", r.dump());
+    }
+
+    let out = Command::new(OPSERVANT)
+        .args(["doctor", "--json"])
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("cannot run doctor: {e}"))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let doc: Value = serde_json::from_str(text.trim()).map_err(|e| {
+        format!("doctor --json is not JSON ({e}); {}\n{text}\n{}", out.status, String::from_utf8_lossy(&out.stderr))
+    })?;
+    let abi = doc.pointer("/probe/landlock/abi").and_then(Value::as_u64);
+    ensure!(abi == Some(2), "doctor: probe.landlock.abi is {abi:?}, not 2\n{doc}");
+    for c in ["memory", "cpu", "pids"] {
+        let v = doc.pointer(&format!("/probe/cgroup/{c}/version")).and_then(Value::as_str);
+        ensure!(v == Some("v2"), "doctor: probe.cgroup.{c}.version is {v:?}, not v2\n{doc}");
+    }
+    Ok(())
+}
+
+/// Nothing the suite ran left a sandbox cgroup behind.
+fn no_leaks(_: &Ctx) -> Result<(), String> {
+    no_sandbox_cgroups()?;
+    ensure!(!Path::new(DELEG).exists(), "{DELEG} was not cleaned up");
+    Ok(())
+}
