@@ -103,7 +103,9 @@ fn run() -> Result<(), String> {
     if smoke {
         println!("smoke run (no --bench argument, as under `cargo test --benches`): one round, no JSON written");
     }
-    println!("sandbox start-up: {rounds} rounds after {warmup} warm-up, round-robin interleaved, kernel {kernel}");
+    println!(
+        "sandbox start-up, kernel {kernel}; rounds: {rounds} measured after {warmup} warm-up, interleaved round-robin"
+    );
     println!("percentiles are nearest-rank; ratio = command median / bwrap median");
     println!("{:<10} {:>10} {:>10} {:>10} {:>8}", "command", "median ms", "p90 ms", "p99 ms", "/ bwrap");
     for (b, s) in benches.iter().zip(&summaries) {

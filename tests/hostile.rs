@@ -43,7 +43,9 @@ fn host_secrets_are_unreadable() {
     let root_file = std::path::PathBuf::from(format!("/root/opservant-test-{}", std::process::id()));
     std::fs::write(&root_file, "TOPSECRET-root").unwrap();
     std::fs::set_permissions(&root_file, std::fs::Permissions::from_mode(0o644)).unwrap();
-    // The agent's own configuration directory is masked even though /etc is visible.
+    // The agent's own configuration directory is masked even though /etc is visible. Other
+    // tests' sandboxes must not start while /etc/opservant comes and goes.
+    let view = common::HOST_VIEW.write().unwrap_or_else(|e| e.into_inner());
     let created_etc = !std::path::Path::new("/etc/opservant").exists();
     std::fs::create_dir_all("/etc/opservant").unwrap();
     let cfg = std::path::PathBuf::from(format!("/etc/opservant/test-secret-{}", std::process::id()));
@@ -59,12 +61,15 @@ fn host_secrets_are_unreadable() {
         .map(|p| format!("cat {} 2>&1 || true;", p.display()))
         .collect::<String>()
         + "cat /etc/shadow /etc/gshadow 2>&1 || true; ls /etc/opservant 2>&1 || true";
+    drop(view);
     let r = sh(None, &script);
+    let view = common::HOST_VIEW.write().unwrap_or_else(|e| e.into_inner());
     let _ = std::fs::remove_file(&root_file);
     let _ = std::fs::remove_file(&cfg);
     if created_etc {
         let _ = std::fs::remove_dir("/etc/opservant");
     }
+    drop(view);
     assert!(!r.stdout().contains("TOPSECRET"), "a host secret leaked: {}", r.stdout());
     assert!(r.stdout().contains("/etc/shadow: Permission denied"), "{}", r.stdout());
     assert!(r.stdout().contains("cannot open directory '/etc/opservant': Permission denied"), "{}", r.stdout());
@@ -79,7 +84,8 @@ fn declared_paths_get_exactly_the_declared_access() {
     ro.file("in.txt", "readable", 0o666);
     let rw = HostDir::new();
     rw.chown_to_executor();
-    let m = manifest(&rw, &format!(r#"{{"filesystem": {{"read": ["{}"], "write": ["{}"]}}}}"#, ro.str(), rw.str()), "{}");
+    let m =
+        manifest(&rw, &format!(r#"{{"filesystem": {{"read": ["{}"], "write": ["{}"]}}}}"#, ro.str(), rw.str()), "{}");
     let r = sh(
         Some(&m),
         &format!(
@@ -95,6 +101,20 @@ fn declared_paths_get_exactly_the_declared_access() {
     assert_eq!(std::fs::read_to_string(rw.path.join("out.txt")).unwrap(), "written\n");
     assert_eq!(std::fs::read_to_string(ro.path.join("in.txt")).unwrap(), "readable");
     assert!(!ro.path.join("new").exists());
+}
+
+#[test]
+fn home_is_hidden_unless_declared() {
+    if !require_root() {
+        return;
+    }
+    let home = HostDir::new_in("/home");
+    home.file("notes.txt", "declared-home", 0o644);
+    let r = sh(None, &format!("cat {}/notes.txt 2>&1; ls /home 2>&1", home.str()));
+    assert!(!r.stdout().contains("declared-home"), "{}", r.stdout());
+    let m = manifest(&home, &format!(r#"{{"filesystem": {{"read": ["{}"]}}}}"#, home.str()), "{}");
+    let r = sh(Some(&m), &format!("cat {}/notes.txt", home.str()));
+    assert_eq!(r.stdout(), "declared-home", "{}", r.err());
 }
 
 #[test]
@@ -183,13 +203,21 @@ fn inherited_descriptors_are_closed() {
     if !require_root() {
         return;
     }
+    let _view = common::host_view();
     let d = HostDir::new();
     let secret = d.file("fd-secret", "TOPSECRET-fd", 0o600);
     let file = std::fs::File::open(&secret).unwrap();
     use std::os::fd::AsRawFd;
     let raw = file.as_raw_fd();
     let mut cmd = Command::new(common::opservant());
-    cmd.args(["sandbox", "--json", "--", "/bin/sh", "-c", "ls -l /proc/self/fd; cat /proc/self/fd/7 2>&1; cat <&7 2>&1"]);
+    cmd.args([
+        "sandbox",
+        "--json",
+        "--",
+        "/bin/sh",
+        "-c",
+        "ls -l /proc/self/fd; cat /proc/self/fd/7 2>&1; cat <&7 2>&1",
+    ]);
     // SAFETY: dup2 is async-signal-safe; it puts the secret on fd 7 (without close-on-exec)
     // in the child only.
     unsafe {
@@ -218,7 +246,12 @@ fn host_processes_are_invisible() {
     let marker = format!("opservant-marker-{}", std::process::id());
     let (head, tail) = marker.split_at(10);
     let mut host = Command::new("/bin/sh").args(["-c", "sleep 30", &marker]).spawn().unwrap();
-    assert!(!common::host_processes_with(&marker).is_empty(), "control: visible on the host");
+    // Control: visible on the host (once the child has exec'd).
+    let visible = (0..200).any(|_| {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        !common::host_processes_with(&marker).is_empty()
+    });
+    assert!(visible, "control: visible on the host");
     let (_d, m) = fast();
     let r = python(
         Some(&m),
@@ -245,8 +278,9 @@ fn privileges_are_gone() {
     if !require_root() {
         return;
     }
-    let r = sh(None, "cat /proc/self/status; cat /proc/self/uid_map /proc/self/gid_map; cat /proc/self/setgroups");
+    let r = sh(None, "ulimit -c; ulimit -n; cat /proc/self/status; cat /proc/self/uid_map /proc/self/gid_map; cat /proc/self/setgroups");
     let s = r.stdout();
+    assert!(s.starts_with("0\n1024\n"), "no core dumps, bounded descriptors: {s}");
     for key in ["CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"] {
         let line = s.lines().find(|l| l.starts_with(key)).unwrap();
         assert!(line.ends_with("0000000000000000"), "{line}");
@@ -258,9 +292,15 @@ fn privileges_are_gone() {
     assert!(s.contains(&format!("Gid:\t{gid}\t{gid}\t{gid}\t{gid}")), "{s}");
     let groups = s.lines().find(|l| l.starts_with("Groups:")).unwrap();
     assert_eq!(groups.trim_start_matches("Groups:").trim(), "", "no supplementary groups: {s}");
-    let maps: Vec<String> =
-        s.lines().filter(|l| l.trim().split_whitespace().count() == 3).map(|l| l.split_whitespace().collect::<Vec<_>>().join(" ")).collect();
-    assert!(maps.contains(&format!("{uid} {uid} 1")) && maps.contains(&format!("{gid} {gid} 1")), "single-id maps: {maps:?}");
+    let maps: Vec<String> = s
+        .lines()
+        .filter(|l| l.split_whitespace().count() == 3)
+        .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
+        .collect();
+    assert!(
+        maps.contains(&format!("{uid} {uid} 1")) && maps.contains(&format!("{gid} {gid} 1")),
+        "single-id maps: {maps:?}"
+    );
     assert!(s.trim_end().ends_with("deny"), "setgroups denied");
 }
 
@@ -338,6 +378,7 @@ fn environment_is_an_explicit_allowlist() {
     if !require_root() {
         return;
     }
+    let _view = common::host_view();
     let out = Command::new(common::opservant())
         .args(["sandbox", "--json", "--", "/usr/bin/env"])
         .env("OPSERVANT_TEST_SECRET", "TOPSECRET-env")
@@ -408,6 +449,7 @@ fn stdin_is_empty_and_no_terminal_is_reachable() {
     if !require_root() {
         return;
     }
+    let _view = common::host_view();
     let mut child = Command::new(common::opservant())
         .args(["sandbox", "--json", "--", "/bin/sh", "-c", "cat; ls /dev/tty /dev/pts 2>&1 | head -2"])
         .stdin(Stdio::piped())

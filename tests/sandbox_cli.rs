@@ -220,7 +220,10 @@ fn doctor_describes_this_host() {
     let own = std::fs::read_to_string("/proc/self/cgroup").unwrap();
     let memory_v1 = own.lines().any(|l| l.split(':').nth(1).is_some_and(|c| c.split(',').any(|c| c == "memory")));
     assert_eq!(j["probe"]["cgroup"]["memory"]["version"], if memory_v1 { "v1" } else { "v2" });
-    assert_eq!(code, if j["findings"].as_array().unwrap().iter().any(|f| f["required"] == true && f["ok"] == false) { 1 } else { 0 });
+    assert_eq!(
+        code,
+        if j["findings"].as_array().unwrap().iter().any(|f| f["required"] == true && f["ok"] == false) { 1 } else { 0 }
+    );
 
     let (_, text, _) = run_cli(&["doctor"]);
     assert!(text.contains(&format!("ABI {}", abi.max(0))), "{text}");

@@ -137,7 +137,10 @@ pub fn examine(landlock_min_abi: u32, allow_degraded: bool) -> DoctorReport {
         required: !allow_degraded,
         detail: match p.cgroup_mode.as_str() {
             "unified" => "cgroup v2 (unified hierarchy)".into(),
-            "hybrid" => "cgroup v1 hybrid: v1 controller hierarchies plus a cgroup2 mount; limits use the v1 hierarchies below".into(),
+            "hybrid" => {
+                "cgroup v1 hybrid: v1 controller hierarchies plus a cgroup2 mount; limits use the v1 hierarchies below"
+                    .into()
+            }
             "legacy" => "cgroup v1 (legacy hierarchies only)".into(),
             _ => "no cgroup filesystem mounted".into(),
         },

@@ -3,8 +3,9 @@
 //! Guarantees:
 //! - Sandbox cgroups are only ever created beneath the cgroup this process is in, for each
 //!   hierarchy — never at a hierarchy root we were not placed at. On v2 this process first
-//!   moves itself into a leaf `opservant-agent` (the no-internal-process rule) and creates
-//!   sandbox cgroups beside it, `opservant-sb-<creator pid>-<seq>`.
+//!   moves itself (with any of its descendants already there) into a leaf `opservant-agent`
+//!   (the no-internal-process rule) and creates sandbox cgroups beside it,
+//!   `opservant-sb-<creator pid>-<seq>`; a process there that is not ours is an error.
 //! - A requested limit that cannot be applied is an error, unless the caller allowed degraded
 //!   mode; then it is listed in [`CgroupReport::degraded`]. Enabling a controller is verified
 //!   by reading `cgroup.subtree_control` back.
@@ -189,7 +190,8 @@ fn discover(prepare: bool) -> Layout {
                         match prepare_v2(&root, &dir, &wanted, prepare) {
                             Ok((base, enabled)) => {
                                 has_cgroup_kill = base.join("cgroup.kill").exists()
-                                    || base.join(AGENT_LEAF).join("cgroup.kill").exists();
+                                    || base.join(AGENT_LEAF).join("cgroup.kill").exists()
+                                    || (base == root && kernel_has_cgroup_kill());
                                 for c in wanted {
                                     places[c as usize] = if enabled.contains(&c) {
                                         Place::V2(base.clone())
@@ -237,23 +239,32 @@ fn prepare_v2(
     } else if own == root {
         own.to_path_buf()
     } else {
-        let me = std::process::id().to_string();
-        let procs = fs::read_to_string(own.join("cgroup.procs"))
-            .map_err(|e| format!("cannot read {}/cgroup.procs: {e}", own.display()))?;
-        let others: Vec<&str> = procs.lines().filter(|p| *p != me).collect();
-        if !others.is_empty() {
-            return Err(format!(
-                "v2 cgroup {} also holds processes {} — run opservant in its own delegated cgroup \
-                 (systemd Delegate=yes, or systemd-run --scope -p Delegate=yes)",
-                own.display(),
-                others.join(",")
-            ));
-        }
+        // Our own descendants may already be here: the layout is discovered on first use,
+        // which is after the monitor of the first sandbox was started (and a program using
+        // this crate may have other children). They move into the leaf with us — where they
+        // would be had we moved before starting them; anyone else makes the cgroup unusable.
+        let me = std::process::id();
+        let ours = own_processes(own, me)?;
         if prepare {
             let leaf = own.join(AGENT_LEAF);
             mkdir_ok_if_exists(&leaf).map_err(|e| format!("cannot create {}: {e}", leaf.display()))?;
-            fs::write(leaf.join("cgroup.procs"), &me)
-                .map_err(|e| format!("cannot move into {}: {e}", leaf.display()))?;
+            // This process first; then re-list, since a child may fork while we move.
+            let mut batch = vec![me];
+            batch.extend(ours.into_iter().filter(|p| *p != me));
+            for _ in 0..5 {
+                if batch.is_empty() {
+                    break;
+                }
+                for pid in &batch {
+                    match write_raw(&leaf.join("cgroup.procs"), &pid.to_string()) {
+                        Ok(()) => {}
+                        // Exited meanwhile.
+                        Err(e) if *pid != me && e.raw_os_error() == Some(libc::ESRCH) => {}
+                        Err(e) => return Err(format!("cannot move pid {pid} into {}: {e}", leaf.display())),
+                    }
+                }
+                batch = own_processes(own, me)?;
+            }
         }
         own.to_path_buf()
     };
@@ -276,6 +287,58 @@ fn prepare_v2(
     let enabled_text = fs::read_to_string(base.join("cgroup.subtree_control")).unwrap_or_default();
     let enabled = wanted.iter().copied().filter(|c| enabled_text.split_whitespace().any(|e| e == c.name())).collect();
     Ok((base, enabled))
+}
+
+/// The processes in v2 cgroup `dir`, all of which must be `me` or its descendants.
+fn own_processes(dir: &Path, me: u32) -> Result<Vec<u32>, String> {
+    let procs = fs::read_to_string(dir.join("cgroup.procs"))
+        .map_err(|e| format!("cannot read {}/cgroup.procs: {e}", dir.display()))?;
+    let pids: Vec<u32> = procs.lines().filter_map(|l| l.trim().parse().ok()).collect();
+    let others: Vec<String> = pids.iter().filter(|p| !descends_from(**p, me)).map(u32::to_string).collect();
+    if !others.is_empty() {
+        return Err(format!(
+            "v2 cgroup {} also holds processes {} — run opservant in its own delegated cgroup \
+             (systemd Delegate=yes, or systemd-run --scope -p Delegate=yes)",
+            dir.display(),
+            others.join(",")
+        ));
+    }
+    Ok(pids)
+}
+
+/// `pid` is `ancestor` or a descendant of it (following the parent pids in /proc). A
+/// process that is gone counts as not ours.
+fn descends_from(pid: u32, ancestor: u32) -> bool {
+    let mut p = pid;
+    for _ in 0..1024 {
+        if p == ancestor {
+            return true;
+        }
+        if p <= 1 {
+            return false;
+        }
+        match parent_pid(p) {
+            Some(pp) => p = pp,
+            None => return false,
+        }
+    }
+    false
+}
+
+fn parent_pid(pid: u32) -> Option<u32> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // `pid (comm) state ppid ...`; comm may hold spaces and parentheses.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// cgroup.kill exists in every non-root v2 cgroup since Linux 5.14. The root has none, so
+/// when this process sits at the root the kernel version has to tell.
+fn kernel_has_cgroup_kill() -> bool {
+    let release = fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let mut nums = release.trim().split(|c: char| !c.is_ascii_digit()).map(|n| n.parse::<u32>().unwrap_or(0));
+    let (major, minor) = (nums.next().unwrap_or(0), nums.next().unwrap_or(0));
+    (major, minor) >= (5, 14)
 }
 
 fn mkdir_ok_if_exists(p: &Path) -> std::io::Result<()> {
@@ -315,6 +378,8 @@ fn reap_stale(layout: &Layout) {
 /// Usage figures read from the sandbox cgroup.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct CgroupUsage {
+    /// CPU time of everything in the sandbox (v2 `cpu.stat` `usage_usec`).
+    pub cpu_ms: Option<u64>,
     pub peak_memory_bytes: Option<u64>,
     pub oom_kills: u64,
     pub pids_limit_hits: u64,
@@ -505,6 +570,7 @@ impl SandboxCgroup {
         if let Some(stat) = self.dir(Controller::Cpu).and_then(|d| read_small(&d.join("cpu.stat"))) {
             u.cpu_throttled_periods = keyed(&stat, "nr_throttled").unwrap_or(0);
             u.cpu_throttled_ms = if self.v2_for(Controller::Cpu) {
+                u.cpu_ms = keyed(&stat, "usage_usec").map(|us| us / 1000);
                 keyed(&stat, "throttled_usec").unwrap_or(0) / 1000
             } else {
                 keyed(&stat, "throttled_time").unwrap_or(0) / 1_000_000
@@ -676,6 +742,13 @@ pub struct CgroupProbe {
     pub cgroup_kill: bool,
 }
 
+/// Discover (and on v2 prepare) the cgroup layout now. Sandbox creation does this on first
+/// use; calling it before any sandbox process exists keeps this process's own cgroup free
+/// of children when it moves into its leaf.
+pub fn prepare() {
+    let _ = layout();
+}
+
 /// Describe where each controller would come from, without changing anything.
 pub fn probe() -> CgroupProbe {
     let owned;
@@ -720,6 +793,19 @@ mod tests {
         };
         assert_eq!(dir_in_mount(&m, "/a/b"), Some(PathBuf::from("/sys/fs/cgroup/b")));
         assert_eq!(dir_in_mount(&m, "/c"), None);
+    }
+
+    #[test]
+    fn descendants() {
+        let me = std::process::id();
+        assert!(descends_from(me, me));
+        let mut child = std::process::Command::new("sleep").arg("5").spawn().unwrap();
+        assert_eq!(parent_pid(child.id()), Some(me));
+        assert!(descends_from(child.id(), me));
+        assert!(!descends_from(me, child.id()));
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(!descends_from(u32::MAX, me));
     }
 
     #[test]

@@ -11,7 +11,7 @@ use nix::sys::socket::{self, AddressFamily, MsgFlags, SockFlag, SockType};
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 
 use crate::error::StepError;
-use crate::report::{EnforcementReport, ExitInfo, ResourceUsage};
+use crate::report::{EnforcementReport, ExitInfo};
 use crate::spec::SandboxSpec;
 
 /// The fd number the channel has in the sandbox init process.
@@ -47,8 +47,6 @@ pub enum FromSandbox {
     Failed(StepError),
     /// Init: the payload ended.
     PayloadExited(ExitInfo),
-    /// Monitor: the init process ended (last message).
-    MonitorDone { init: ExitInfo, usage: ResourceUsage },
 }
 
 /// One end of the channel.

@@ -13,7 +13,8 @@
 //!      then unshare the cgroup namespace, which is thereby rooted at the sandbox cgroup
 //!   6. "unshared" → parent writes the uid/gid maps, wires the namespaces → "proceed"
 //!   7. fork the init (PID 1 of the new PID namespace); report its host pid
-//!   8. wait for init; kill it if the parent goes away; report rusage
+//!   8. wait for init; kill it if the parent goes away (the parent's wait4 on the monitor
+//!      collects the rusage of the whole tree)
 //! init     (PID 1)
 //!   1. die with the monitor
 //!   2. become the sandbox uid/gid, keeping capabilities in the user namespace
@@ -21,7 +22,8 @@
 //!   4. hostname, loopback                                          (namespaces)
 //!   5. open every Landlock path handle, build the ruleset         (landlock)
 //!   6. drop every capability, lock securebits, no_new_privs       (privileges)
-//!   7. fork the payload; reap every process; forward SIGTERM to all; report the payload's end
+//!   7. fork the payload; reap every process; forward SIGTERM to all, SIGKILL all on request;
+//!      when the payload ends, kill and reap every other process; report the payload's end
 //! payload
 //!   1. default signals, new session, OOM score to the maximum (first victim), rlimits
 //!   2. enforce Landlock                                            (landlock)
@@ -45,7 +47,7 @@ use nix::unistd::{fork, ForkResult, Pid};
 use crate::channel::{Channel, FromSandbox, ToSandbox, CHILD_FD};
 use crate::error::{Stage, StepError};
 use crate::landlock::{self, Grant};
-use crate::report::{EnforcementReport, ExitInfo, ResourceUsage, SeccompReport};
+use crate::report::{EnforcementReport, ExitInfo, SeccompReport};
 use crate::spec::{Access, Namespaces, SandboxSpec, SeccompPolicy};
 use crate::{mounts, namespaces, privileges, process, seccomp};
 
@@ -156,23 +158,8 @@ pub fn monitor(chan: &Channel, given: Option<&SandboxSpec>) -> Result<(), StepEr
     chan.send(&FromSandbox::InitForked { pid: init_pid.as_raw() })
         .map_err(|e| StepError::errno(Stage::Protocol, "send", e))?;
     // 8.
-    let status = wait_for_init(chan, &sfd, init_pid)?;
-    let mut ru: libc::rusage = unsafe_zeroed_rusage();
-    // SAFETY: getrusage writes into the rusage we own.
-    unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut ru) };
-    let cpu_ms = tv_ms(ru.ru_utime) + tv_ms(ru.ru_stime);
-    let usage = ResourceUsage { cpu_ms, peak_memory_bytes: Some(ru.ru_maxrss as u64 * 1024), ..Default::default() };
-    let _ = chan.send(&FromSandbox::MonitorDone { init: status, usage });
+    wait_for_init(chan, &sfd, init_pid)?;
     Ok(())
-}
-
-fn unsafe_zeroed_rusage() -> libc::rusage {
-    // SAFETY: rusage is plain old data; all-zero is valid.
-    unsafe { std::mem::zeroed() }
-}
-
-fn tv_ms(t: libc::timeval) -> u64 {
-    (t.tv_sec as u64) * 1000 + (t.tv_usec as u64) / 1000
 }
 
 /// Wait for init to end; if the parent goes away (channel readable or hung up), kill it.
@@ -222,19 +209,11 @@ fn init(chan: &Channel, spec: &SandboxSpec) -> Result<i32, StepError> {
     // 6.
     privileges::drop_all()?;
     // 7.
-    let mut forwarded = SigSet::empty();
-    for s in [
-        Signal::SIGCHLD,
-        Signal::SIGTERM,
-        Signal::SIGINT,
-        Signal::SIGHUP,
-        Signal::SIGQUIT,
-        Signal::SIGUSR1,
-        Signal::SIGUSR2,
-    ] {
-        forwarded.add(s);
+    let mut handled = SigSet::empty();
+    for s in [Signal::SIGCHLD, Signal::SIGTERM, Signal::SIGINT, Signal::SIGHUP, Signal::SIGQUIT, KILL_ALL] {
+        handled.add(s);
     }
-    forwarded.thread_block().map_err(|e| StepError::errno(Stage::Fork, "block signals", e))?;
+    handled.thread_block().map_err(|e| StepError::errno(Stage::Fork, "block signals", e))?;
     // SAFETY: init is single-threaded (forked from the single-threaded monitor).
     let payload_pid = match unsafe { fork() }.map_err(|e| StepError::errno(Stage::Fork, "fork payload", e))? {
         ForkResult::Child => {
@@ -248,37 +227,68 @@ fn init(chan: &Channel, spec: &SandboxSpec) -> Result<i32, StepError> {
             child
         }
     };
-    let status = reap_until(payload_pid, &forwarded);
+    let status = reap_until(payload_pid, &handled);
     let _ = chan.send(&FromSandbox::PayloadExited(status));
     Ok(status.shell_code())
 }
 
-/// Reap every child; forward termination signals to the whole namespace; return when the
-/// payload ends (the kernel then kills whatever is left when PID 1 exits).
-fn reap_until(payload: Pid, signals: &SigSet) -> ExitInfo {
+/// Sent by the parent to the sandbox init: SIGKILL every process of the sandbox now.
+pub const KILL_ALL: Signal = Signal::SIGUSR1;
+
+/// SIGKILL every other process of the PID namespace and reap all of them. Reaping them
+/// here, rather than letting the kernel do it when PID 1 exits, is what keeps their CPU
+/// time in the sandbox's accounting (the kernel autoreaps them then).
+fn kill_and_reap_all() {
+    // kill(-1) from PID 1 reaches every other process of the namespace.
+    let _ = kill(Pid::from_raw(-1), Signal::SIGKILL);
     loop {
+        match waitpid(Pid::from_raw(-1), Some(WaitPidFlag::__WALL)) {
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(_) => break,
+            Ok(_) => {}
+        }
+    }
+}
+
+/// Reap every child; forward termination signals to the whole namespace; on [`KILL_ALL`]
+/// kill everything. When the payload ends, nothing else may outlive it: kill and reap the
+/// rest, then return the payload's status.
+fn reap_until(payload: Pid, signals: &SigSet) -> ExitInfo {
+    let status = loop {
         let sig = match signals.wait() {
             Ok(s) => s,
             Err(_) => continue,
         };
-        if sig == Signal::SIGCHLD {
-            loop {
-                match waitpid(Pid::from_raw(-1), Some(WaitPidFlag::WNOHANG)) {
-                    Ok(WaitStatus::Exited(pid, code)) if pid == payload => {
-                        return ExitInfo { code: Some(code), signal: None }
+        match sig {
+            Signal::SIGCHLD => {
+                let mut found = None;
+                loop {
+                    match waitpid(Pid::from_raw(-1), Some(WaitPidFlag::WNOHANG)) {
+                        Ok(WaitStatus::Exited(pid, code)) if pid == payload => {
+                            found = Some(ExitInfo { code: Some(code), signal: None })
+                        }
+                        Ok(WaitStatus::Signaled(pid, s, _)) if pid == payload => {
+                            found = Some(ExitInfo { code: None, signal: Some(s as i32) })
+                        }
+                        Ok(WaitStatus::StillAlive) | Err(_) => break,
+                        Ok(_) => continue,
                     }
-                    Ok(WaitStatus::Signaled(pid, s, _)) if pid == payload => {
-                        return ExitInfo { code: None, signal: Some(s as i32) }
-                    }
-                    Ok(WaitStatus::StillAlive) | Err(_) => break,
-                    Ok(_) => continue,
+                }
+                if let Some(s) = found {
+                    break s;
                 }
             }
-        } else {
-            // kill(-1) from PID 1 reaches every other process of the namespace.
-            let _ = kill(Pid::from_raw(-1), sig);
+            s if s == KILL_ALL => {
+                let _ = kill(Pid::from_raw(-1), Signal::SIGKILL);
+            }
+            other => {
+                // kill(-1) from PID 1 reaches every other process of the namespace.
+                let _ = kill(Pid::from_raw(-1), other);
+            }
         }
-    }
+    };
+    kill_and_reap_all();
+    status
 }
 
 /// Landlock rules mirroring the view built by `mounts`.

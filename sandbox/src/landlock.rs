@@ -204,6 +204,13 @@ mod tests {
     }
 
     #[test]
+    fn below_the_minimum_abi_is_refused() {
+        let e = prepare(&[], 99).err().expect("ABI 99 does not exist yet");
+        assert_eq!(e.stage, Stage::Landlock);
+        assert!(e.message.contains("below the required minimum 99"), "{e}");
+    }
+
+    #[test]
     fn report_newest_is_full() {
         let r = report_for(9);
         assert_eq!(r.status, LandlockStatus::FullyEnforced);

@@ -18,7 +18,6 @@ use std::time::{Duration, Instant};
 use nix::errno::Errno;
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::signal::{kill, SigSet, Signal};
-use nix::sys::wait::waitpid;
 use nix::unistd::Pid;
 
 use crate::cgroup::SandboxCgroup;
@@ -96,6 +95,10 @@ pub enum Stream {
     Stderr,
 }
 
+/// How long after SIGKILL of the sandbox init the monitor may take to exit on its own
+/// before it and everything in the cgroup are killed too.
+const BACKSTOP: Duration = Duration::from_secs(1);
+
 /// Receives output chunks as they arrive.
 pub type Tee<'a> = &'a mut dyn FnMut(Stream, &[u8]);
 
@@ -141,6 +144,9 @@ impl Sandbox {
             return Err(SandboxError::LandlockTooOld { found: abi, required: spec.landlock.min_abi });
         }
         let started = Instant::now();
+        // Discover the cgroup layout before this process has sandbox children: on a
+        // delegated v2 host it moves itself into its leaf cgroup on first use.
+        crate::cgroup::prepare();
 
         let (chan, chan_child) = Channel::pair().map_err(|e| SandboxError::io("socketpair", e.into()))?;
         let (out_r, out_w) = pipe()?;
@@ -224,10 +230,10 @@ impl Sandbox {
         let mut report: Option<EnforcementReport> = None;
         let mut failure: Option<StepError> = None;
         let mut payload_exit: Option<ExitInfo> = None;
-        let mut monitor_usage: Option<ResourceUsage> = None;
         let mut chan_open = true;
         let deadline = self.timeout.map(|t| self.started + t);
         let mut kill_at: Option<Instant> = None;
+        let mut backstop_at: Option<Instant> = None;
         let mut timed_out = false;
         let mut buf = vec![0u8; 64 * 1024];
 
@@ -244,9 +250,16 @@ impl Sandbox {
                 if now >= k {
                     self.kill();
                     kill_at = None;
+                    backstop_at = Some(now + BACKSTOP);
                 }
             }
-            let wake = [if timed_out { None } else { deadline }, kill_at].into_iter().flatten().min();
+            if let Some(b) = backstop_at {
+                if now >= b {
+                    self.kill_everything();
+                    backstop_at = None;
+                }
+            }
+            let wake = [if timed_out { None } else { deadline }, kill_at, backstop_at].into_iter().flatten().min();
             let timeout = match wake {
                 None => PollTimeout::NONE,
                 Some(w) => {
@@ -295,13 +308,17 @@ impl Sandbox {
                             FromSandbox::Failed(e) => {
                                 failure.get_or_insert(e);
                             }
-                            FromSandbox::PayloadExited(x) => payload_exit = Some(x),
-                            FromSandbox::MonitorDone { usage, .. } => monitor_usage = Some(usage),
+                            FromSandbox::PayloadExited(x) => {
+                                payload_exit = Some(x);
+                                // Init now kills and reaps the rest; a process stuck in the
+                                // kernel must not keep the sandbox alive.
+                                backstop_at.get_or_insert(Instant::now() + BACKSTOP);
+                            }
                             FromSandbox::Unshared => {}
                         },
                         Err(e) => {
                             failure.get_or_insert(StepError::new(Stage::Protocol, e));
-                            self.kill();
+                            self.kill_everything();
                             chan_open = false;
                         }
                     },
@@ -325,7 +342,7 @@ impl Sandbox {
             }
         }
         let wall = self.started.elapsed();
-        self.reap();
+        let tree = self.reap();
         let cgroup = self.cgroup.take();
         let cg_usage = cgroup.as_ref().map(|c| c.usage()).unwrap_or_default();
         let cg_report = cgroup.as_ref().map(|c| c.report().clone());
@@ -341,11 +358,11 @@ impl Sandbox {
             }
             (None, None) => return Err(SandboxError::Channel("the sandbox ended before the payload started".into())),
         };
-        let rusage = monitor_usage.unwrap_or_default();
         let usage = ResourceUsage {
             wall_ms: wall.as_millis() as u64,
-            cpu_ms: rusage.cpu_ms,
-            peak_memory_bytes: cg_usage.peak_memory_bytes.or(rusage.peak_memory_bytes),
+            // The cgroup counts everything; rusage covers what the monitor reaped.
+            cpu_ms: cg_usage.cpu_ms.unwrap_or_else(|| tree.map_or(0, |ru| tv_ms(ru.ru_utime) + tv_ms(ru.ru_stime))),
+            peak_memory_bytes: cg_usage.peak_memory_bytes.or(tree.map(|ru| ru.ru_maxrss.max(0) as u64 * 1024)),
             oom_kills: cg_usage.oom_kills,
             pids_limit_hits: cg_usage.pids_limit_hits,
             cpu_throttled_periods: cg_usage.cpu_throttled_periods,
@@ -415,9 +432,20 @@ impl Sandbox {
         }
     }
 
-    /// SIGKILL the init (the kernel then kills the whole PID namespace), the monitor and
-    /// anything left in the cgroup.
+    /// Ask the sandbox init to SIGKILL and reap every process (which keeps their accounting);
+    /// init, then the monitor, exit on their own. Before init exists, or as a backstop,
+    /// [`Sandbox::kill_everything`].
     fn kill(&self) {
+        match self.init {
+            Some(init) => {
+                let _ = kill(init, crate::init::KILL_ALL);
+            }
+            None => self.kill_everything(),
+        }
+    }
+
+    /// SIGKILL init, the monitor and anything left in the cgroup.
+    fn kill_everything(&self) {
         if let Some(init) = self.init {
             let _ = kill(init, Signal::SIGKILL);
         }
@@ -427,10 +455,25 @@ impl Sandbox {
         }
     }
 
-    fn reap(&mut self) {
-        if !self.reaped {
-            let _ = waitpid(self.monitor, None);
-            self.reaped = true;
+    /// Reap the monitor; returns the resource usage of the whole sandbox tree (the monitor
+    /// waited for init, init for every process of the PID namespace).
+    fn reap(&mut self) -> Option<libc::rusage> {
+        if self.reaped {
+            return None;
+        }
+        self.reaped = true;
+        // SAFETY: rusage is plain old data; all-zero is valid.
+        let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+        let mut status = 0;
+        loop {
+            // SAFETY: wait4 writes into the status and rusage we own.
+            let rc = unsafe { libc::wait4(self.monitor.as_raw(), &mut status, 0, &mut ru) };
+            if rc >= 0 {
+                return Some(ru);
+            }
+            if Errno::last() != Errno::EINTR {
+                return None;
+            }
         }
     }
 }
@@ -438,7 +481,7 @@ impl Sandbox {
 impl Drop for Sandbox {
     fn drop(&mut self) {
         if !self.reaped {
-            self.kill();
+            self.kill_everything();
             self.reap();
         }
         // The cgroup (if still held) removes itself on drop.
@@ -448,6 +491,10 @@ impl Drop for Sandbox {
 /// Spawn + supervise in one call.
 pub fn run(spec: &SandboxSpec, launcher: &Launcher, out: OutputOptions) -> Result<Outcome, SandboxError> {
     Sandbox::spawn(spec, launcher, None)?.wait(out)
+}
+
+fn tv_ms(t: libc::timeval) -> u64 {
+    (t.tv_sec.max(0) as u64) * 1000 + (t.tv_usec.max(0) as u64) / 1000
 }
 
 fn pipe() -> Result<(OwnedFd, OwnedFd), SandboxError> {
@@ -490,4 +537,31 @@ fn spawn_monitor(launcher: &Launcher, fds: &[OwnedFd; 4], spec: &SandboxSpec) ->
     attr.set_sigdefault(&SigSet::all()).map_err(err)?;
     let env: [&CStr; 0] = [];
     posix_spawn(program.as_c_str(), &actions, &attr, args, &env).map_err(err)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spec::{Identity, SandboxSpec};
+
+    #[test]
+    fn landlock_minimum_is_checked_before_anything_starts() {
+        let mut spec = SandboxSpec::new("/bin/true", vec![], Identity::same_inside(65534, 65534));
+        spec.landlock.min_abi = 60;
+        // A launcher that cannot work proves nothing was started: the check comes first.
+        let launcher = Launcher::new("/nonexistent/init", &[]).unwrap();
+        match Sandbox::spawn(&spec, &launcher, None) {
+            Err(SandboxError::LandlockTooOld { required: 60, found }) => assert!(found < 60),
+            Err(e) => panic!("wrong error: {e}"),
+            Ok(_) => panic!("started despite an unmet Landlock minimum"),
+        }
+    }
+
+    #[test]
+    fn invalid_specs_are_refused_before_anything_starts() {
+        let mut spec = SandboxSpec::new("/bin/true", vec![], Identity::same_inside(0, 0));
+        spec.landlock.min_abi = 0;
+        let launcher = Launcher::new("/nonexistent/init", &[]).unwrap();
+        assert!(matches!(Sandbox::spawn(&spec, &launcher, None), Err(SandboxError::Spec(_))));
+    }
 }

@@ -76,8 +76,8 @@ fn cgroup_mode() -> String {
     let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
     let types: Vec<&str> =
         info.lines().filter_map(|l| l.split_once(" - ").and_then(|(_, post)| post.split(' ').next())).collect();
-    let v1 = types.iter().any(|t| *t == "cgroup");
-    let v2 = types.iter().any(|t| *t == "cgroup2");
+    let v1 = types.contains(&"cgroup");
+    let v2 = types.contains(&"cgroup2");
     match (v1, v2) {
         (false, true) => "unified".into(),
         (true, true) => "hybrid".into(),

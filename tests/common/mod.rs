@@ -77,11 +77,22 @@ impl Run {
 /// `opservant sandbox [--manifest M] --json -- argv…`; panics with everything printed when
 /// the output is not a result object (exit status 2).
 pub fn sandbox(manifest: Option<&Path>, argv: &[&str]) -> Run {
-    try_sandbox(manifest, argv).unwrap_or_else(|(code, err)| panic!("opservant sandbox could not run (exit {code}): {err}"))
+    try_sandbox(manifest, argv)
+        .unwrap_or_else(|(code, err)| panic!("opservant sandbox could not run (exit {code}): {err}"))
+}
+
+/// Tests that change host paths every sandbox sees (e.g. create /etc/opservant) hold this
+/// for writing; every sandbox run holds it for reading, so runs never see a half-made host.
+pub static HOST_VIEW: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
+/// Hold while starting `opservant` directly (see [`HOST_VIEW`]).
+pub fn host_view() -> std::sync::RwLockReadGuard<'static, ()> {
+    HOST_VIEW.read().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Like [`sandbox`] but returns `Err((exit code, stderr))` when no result JSON was printed.
 pub fn try_sandbox(manifest: Option<&Path>, argv: &[&str]) -> Result<Run, (i32, String)> {
+    let _view = host_view();
     let mut cmd = Command::new(opservant());
     cmd.arg("sandbox");
     if let Some(m) = manifest {
