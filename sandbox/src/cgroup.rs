@@ -28,8 +28,9 @@ use crate::spec::Limits;
 
 /// CFS period used for `cpu.max` / `cpu.cfs_period_us`.
 const CPU_PERIOD_US: u64 = 100_000;
-/// The sandbox's own monitor and init processes, added on top of the payload's pids budget.
-pub const HELPER_TASKS: u32 = 2;
+/// The sandbox init (PID 1 inside), added on top of the payload's pids budget (the monitor
+/// stays outside the sandbox cgroup).
+pub const HELPER_TASKS: u32 = 1;
 const SANDBOX_PREFIX: &str = "opservant-sb-";
 const AGENT_LEAF: &str = "opservant-agent";
 

@@ -47,6 +47,9 @@ pub enum FromSandbox {
     Failed(StepError),
     /// Init: the payload ended.
     PayloadExited(ExitInfo),
+    /// Monitor: init has been reaped (every sandbox process is gone); resource usage of the
+    /// whole tree. The monitor exits right after (tearing down the namespaces).
+    InitExited { cpu_ms: u64, peak_rss_bytes: u64 },
 }
 
 /// One end of the channel.

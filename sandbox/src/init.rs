@@ -9,20 +9,23 @@
 //!   2. read the spec
 //!   3. shield itself (and so init) from the OOM killer where allowed; clear supplementary groups
 //!   4. unshare user, mount, pid, net, ipc, uts — meanwhile the parent creates the cgroups
-//!   5. join the sandbox cgroups (still host uid 0, so the cgroupfs permission check passes),
-//!      then unshare the cgroup namespace, which is thereby rooted at the sandbox cgroup
-//!   6. "unshared" → parent writes the uid/gid maps, wires the namespaces → "proceed"
-//!   7. fork the init (PID 1 of the new PID namespace); report its host pid
-//!   8. wait for init; kill it if the parent goes away (the parent's wait4 on the monitor
-//!      collects the rusage of the whole tree)
+//!      and then names the files to join them by
+//!   5. "unshared" → parent writes the uid/gid maps, wires the namespaces → "proceed"
+//!   6. fork the init (PID 1 of the new PID namespace); report its host pid; close its own
+//!      stdio (only sandbox processes hold the output pipes)
+//!   7. wait for init; kill it if the parent goes away; report the tree's resource usage,
+//!      then exit (the monitor is outside the sandbox cgroup, so the parent can remove the
+//!      cgroups while the monitor's exit tears the namespaces down)
 //! init     (PID 1)
 //!   1. die with the monitor
-//!   2. become the sandbox uid/gid, keeping capabilities in the user namespace
-//!   3. build the filesystem view and pivot_root into it          (mounts)
-//!   4. hostname, loopback                                          (namespaces)
-//!   5. open every Landlock path handle, build the ruleset         (landlock)
-//!   6. drop every capability, lock securebits, no_new_privs       (privileges)
-//!   7. fork the payload; reap every process; forward SIGTERM to all, SIGKILL all on request;
+//!   2. join the sandbox cgroups (still host uid 0, so the cgroupfs permission check
+//!      passes), then unshare the cgroup namespace, which is thereby rooted there
+//!   3. become the sandbox uid/gid, keeping capabilities in the user namespace
+//!   4. build the filesystem view and pivot_root into it          (mounts)
+//!   5. hostname, loopback                                          (namespaces)
+//!   6. open every Landlock path handle, build the ruleset         (landlock)
+//!   7. drop every capability, lock securebits, no_new_privs       (privileges)
+//!   8. fork the payload; reap every process; forward SIGTERM to all, SIGKILL all on request;
 //!      when the payload ends, kill and reap every other process; report the payload's end
 //! payload
 //!   1. default signals, new session, OOM score to the maximum (first victim), rlimits
@@ -111,29 +114,19 @@ pub fn monitor(chan: &Channel, given: Option<&SandboxSpec>) -> Result<(), StepEr
     nix::unistd::setgroups(&[]).map_err(|e| StepError::errno(Stage::Groups, "setgroups", e))?;
     // 4.
     namespaces::unshare(&Namespaces { cgroup: false, ..spec.namespaces })?;
-    // 5.
     let join = match chan.recv::<ToSandbox>().map_err(protocol)? {
         Some(ToSandbox::Cgroups { join }) => join,
         None => return Err(protocol("parent went away")),
         other => return Err(protocol(format!("expected the cgroups, got {other:?}"))),
     };
-    for file in &join {
-        // Writing "0" to a v1 `tasks` file moves this (single-threaded) process without the
-        // global threadgroup lock (see `cgroup::SandboxCgroup::join_files`).
-        std::fs::write(file, "0").map_err(|e| StepError::io(Stage::Cgroup, format!("join {}", file.display()), e))?;
-    }
-    if spec.namespaces.cgroup {
-        nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWCGROUP)
-            .map_err(|e| StepError::errno(Stage::Unshare, "unshare cgroup namespace", e))?;
-    }
-    // 6.
+    // 5.
     chan.send(&FromSandbox::Unshared).map_err(|e| StepError::errno(Stage::Protocol, "send", e))?;
     match chan.recv::<ToSandbox>().map_err(protocol)? {
         Some(ToSandbox::Proceed) => {}
         None => return Err(protocol("parent went away")),
         other => return Err(protocol(format!("expected proceed, got {other:?}"))),
     }
-    // 7.
+    // 6.
     // Block SIGCHLD before forking so its arrival is seen through the signalfd.
     let mut mask = SigSet::empty();
     mask.add(Signal::SIGCHLD);
@@ -145,7 +138,7 @@ pub fn monitor(chan: &Channel, given: Option<&SandboxSpec>) -> Result<(), StepEr
         ForkResult::Child => {
             drop(sfd);
             let _ = mask.thread_unblock();
-            match init(chan, spec) {
+            match init(chan, spec, &join) {
                 Ok(code) => exit(code),
                 Err(e) => {
                     let _ = chan.send(&FromSandbox::Failed(e));
@@ -157,20 +150,36 @@ pub fn monitor(chan: &Channel, given: Option<&SandboxSpec>) -> Result<(), StepEr
     };
     chan.send(&FromSandbox::InitForked { pid: init_pid.as_raw() })
         .map_err(|e| StepError::errno(Stage::Protocol, "send", e))?;
-    // 8.
-    wait_for_init(chan, &sfd, init_pid)?;
+    for fd in 0..=2 {
+        // SAFETY: the monitor never uses its stdio again; closing lets the output pipes reach
+        // end-of-file as soon as the sandbox's own processes are gone.
+        unsafe { libc::close(fd) };
+    }
+    // 7.
+    let ru = wait_for_init(chan, &sfd, init_pid)?;
+    let tv_ms = |t: libc::timeval| (t.tv_sec.max(0) as u64) * 1000 + (t.tv_usec.max(0) as u64) / 1000;
+    let _ = chan.send(&FromSandbox::InitExited {
+        cpu_ms: tv_ms(ru.ru_utime) + tv_ms(ru.ru_stime),
+        peak_rss_bytes: ru.ru_maxrss.max(0) as u64 * 1024,
+    });
     Ok(())
 }
 
-/// Wait for init to end; if the parent goes away (channel readable or hung up), kill it.
-fn wait_for_init(chan: &Channel, sfd: &SignalFd, init: Pid) -> Result<ExitInfo, StepError> {
+/// Wait for init to end and return the resource usage of the tree (init waited for every
+/// process of the namespace); if the parent goes away (channel readable or hung up), kill it.
+fn wait_for_init(chan: &Channel, sfd: &SignalFd, init: Pid) -> Result<libc::rusage, StepError> {
     loop {
-        match waitpid(init, Some(WaitPidFlag::WNOHANG)) {
-            Ok(WaitStatus::Exited(_, code)) => return Ok(ExitInfo { code: Some(code), signal: None }),
-            Ok(WaitStatus::Signaled(_, sig, _)) => return Ok(ExitInfo { code: None, signal: Some(sig as i32) }),
-            Ok(_) => {}
-            Err(nix::errno::Errno::EINTR) => continue,
-            Err(e) => return Err(StepError::errno(Stage::Fork, "waitpid init", e)),
+        // SAFETY: rusage is plain old data; all-zero is valid.
+        let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+        let mut status = 0;
+        // SAFETY: wait4 writes into the status and rusage we own.
+        match unsafe { libc::wait4(init.as_raw(), &mut status, libc::WNOHANG, &mut ru) } {
+            0 => {}
+            pid if pid == init.as_raw() => return Ok(ru),
+            _ => match nix::errno::Errno::last() {
+                nix::errno::Errno::EINTR => continue,
+                e => return Err(StepError::errno(Stage::Fork, "wait for init", e)),
+            },
         }
         let mut fds = [PollFd::new(sfd.as_fd(), PollFlags::POLLIN), PollFd::new(chan.as_fd(), PollFlags::POLLIN)];
         match poll(&mut fds, PollTimeout::NONE) {
@@ -189,26 +198,36 @@ fn wait_for_init(chan: &Channel, sfd: &SignalFd, init: Pid) -> Result<ExitInfo, 
 }
 
 /// The sandbox init, PID 1 of the new PID namespace. Returns its exit code.
-fn init(chan: &Channel, spec: &SandboxSpec) -> Result<i32, StepError> {
+fn init(chan: &Channel, spec: &SandboxSpec, cgroup_join: &[std::path::PathBuf]) -> Result<i32, StepError> {
     // 1.
     // SAFETY: PR_SET_PDEATHSIG takes an integer signal number.
     unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) };
     // 2.
-    privileges::switch_identity(spec.identity.inside_uid, spec.identity.inside_gid)?;
+    for file in cgroup_join {
+        // Writing "0" to a v1 `tasks` file moves this (single-threaded) process without the
+        // global threadgroup lock (see `cgroup::SandboxCgroup::join_files`).
+        std::fs::write(file, "0").map_err(|e| StepError::io(Stage::Cgroup, format!("join {}", file.display()), e))?;
+    }
+    if spec.namespaces.cgroup {
+        nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWCGROUP)
+            .map_err(|e| StepError::errno(Stage::Unshare, "unshare cgroup namespace", e))?;
+    }
     // 3.
-    let view = mounts::build(&spec.filesystem, spec.namespaces.net, &spec.command.cwd)?;
+    privileges::switch_identity(spec.identity.inside_uid, spec.identity.inside_gid)?;
     // 4.
+    let view = mounts::build(&spec.filesystem, spec.namespaces.net, &spec.command.cwd)?;
+    // 5.
     if spec.namespaces.uts {
         namespaces::set_hostname(&spec.hostname)?;
     }
     if spec.namespaces.net {
         namespaces::loopback_up()?;
     }
-    // 5.
-    let ruleset = landlock::prepare(&landlock_rules(spec, &view.system_bound), spec.landlock.min_abi)?;
     // 6.
-    privileges::drop_all()?;
+    let ruleset = landlock::prepare(&landlock_rules(spec, &view.system_bound), spec.landlock.min_abi)?;
     // 7.
+    privileges::drop_all()?;
+    // 8.
     let mut handled = SigSet::empty();
     for s in [Signal::SIGCHLD, Signal::SIGTERM, Signal::SIGINT, Signal::SIGHUP, Signal::SIGQUIT, KILL_ALL] {
         handled.add(s);
@@ -311,14 +330,12 @@ fn landlock_rules(spec: &SandboxSpec, system_bound: &[std::path::PathBuf]) -> Ve
     for (p, g) in [
         ("/proc", Grant::ReadExec),
         ("/sys", Grant::ReadExec),
-        ("/dev", Grant::ReadExec),
+        // Only the five harmless devices exist in /dev (read-only tmpfs).
+        ("/dev", Grant::Devices),
         ("/dev/shm", Grant::Full),
         ("/tmp", Grant::Full),
     ] {
         rules.push((p.into(), g, false));
-    }
-    for d in ["null", "zero", "full", "random", "urandom"] {
-        rules.push((format!("/dev/{d}").into(), Grant::DeviceRw, false));
     }
     rules
 }

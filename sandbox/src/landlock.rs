@@ -26,8 +26,8 @@ pub enum Grant {
     ListDir,
     /// Execute, read files, list directories.
     ReadExec,
-    /// Read, write, truncate and ioctl on (device) files, nothing else.
-    DeviceRw,
+    /// List, read, write, truncate and ioctl on (device) files; no creation, no exec.
+    Devices,
     /// Everything.
     Full,
 }
@@ -37,7 +37,7 @@ impl Grant {
         match self {
             Grant::ListDir => make_bitflags!(AccessFs::{ReadDir}),
             Grant::ReadExec => AccessFs::from_read(REQUESTED_ABI),
-            Grant::DeviceRw => make_bitflags!(AccessFs::{ReadFile | WriteFile | Truncate | IoctlDev}),
+            Grant::Devices => make_bitflags!(AccessFs::{ReadDir | ReadFile | WriteFile | Truncate | IoctlDev}),
             Grant::Full => AccessFs::from_all(REQUESTED_ABI),
         }
     }

@@ -4,8 +4,8 @@
 //! - `/` is a read-only tmpfs that holds only: the system paths, each a read-only, nosuid,
 //!   nodev bind of the host path (or the same symlink, on merged-/usr hosts); declared paths,
 //!   bound read-only or read-write (always nosuid, nodev); a fresh `/proc`; a read-only `/dev`
-//!   with only null, zero, full, random, urandom and a private `/dev/shm`; a fresh read-only
-//!   sysfs (or an empty `/sys`); an empty `/run`; and a size-limited scratch tmpfs on `/tmp`
+//!   with only null, zero, full, random, urandom and a private `/dev/shm`; an empty `/sys`, or
+//!   a fresh read-only sysfs when asked for; an empty `/run`; and a size-limited scratch tmpfs on `/tmp`
 //!   containing `/tmp/opservant/scratch`. Nothing else of the host is reachable: the old root
 //!   is detached before the payload starts (`pivot_root`, never chroot).
 //! - Masked paths inside the view are covered by an inaccessible (mode 000, read-only) file
@@ -132,7 +132,7 @@ pub fn build(fs_spec: &Filesystem, net_ns: bool, cwd: &Path) -> Result<ViewRepor
 
     // 6. /dev, /sys, /tmp, /run.
     build_dev(&old_root, fs_spec.scratch_bytes)?;
-    let sysfs = build_sys(net_ns)?;
+    let sysfs = build_sys(fs_spec.sysfs && net_ns)?;
     build_tmp(fs_spec.scratch_bytes)?;
     mkdir(Path::new("/run"), 0o755)?;
 
@@ -232,9 +232,9 @@ fn build_dev(old_root: &OwnedFd, scratch_bytes: u64) -> Result<(), StepError> {
         let src =
             open_in_root(old_root, &Path::new("dev").join(name)).map_err(|e| fail(format!("host /dev/{name}"), e))?;
         let src_name = format!("/proc/self/fd/{}", src.as_raw_fd());
+        // Device nodes need a mount without nodev (nosuid and noexec mean nothing for a
+        // character device; /dev itself is sealed read-only, nosuid, noexec below).
         do_mount(Some(&src_name), &dst, None, MsFlags::MS_BIND, None)?;
-        // Device nodes need a mount without nodev; nosuid and noexec still apply.
-        setattr(&dst, libc::MOUNT_ATTR_NOSUID | libc::MOUNT_ATTR_NOEXEC, false)?;
     }
     for (name, target) in [
         ("fd", "/proc/self/fd"),
@@ -257,10 +257,10 @@ fn build_dev(old_root: &OwnedFd, scratch_bytes: u64) -> Result<(), StepError> {
     setattr(dev, libc::MOUNT_ATTR_RDONLY | libc::MOUNT_ATTR_NOSUID | libc::MOUNT_ATTR_NOEXEC, false)
 }
 
-fn build_sys(net_ns: bool) -> Result<&'static str, StepError> {
+fn build_sys(fresh: bool) -> Result<&'static str, StepError> {
     let sys = Path::new("/sys");
     mkdir(sys, 0o555)?;
-    if !net_ns {
+    if !fresh {
         return Ok("none");
     }
     let flags = MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;

@@ -231,13 +231,17 @@ impl Sandbox {
         let mut failure: Option<StepError> = None;
         let mut payload_exit: Option<ExitInfo> = None;
         let mut chan_open = true;
+        // (cpu ms, peak rss bytes) of the tree, from the monitor once init is reaped.
+        let mut tree: Option<(u64, u64)> = None;
         let deadline = self.timeout.map(|t| self.started + t);
         let mut kill_at: Option<Instant> = None;
         let mut backstop_at: Option<Instant> = None;
         let mut timed_out = false;
         let mut buf = vec![0u8; 64 * 1024];
 
-        while chan_open || self.stdout.is_some() || self.stderr.is_some() {
+        // Done when init is gone (or the monitor is) and the output pipes are drained; the
+        // monitor's own exit (namespace teardown) overlaps with the cleanup below.
+        while (chan_open && tree.is_none()) || self.stdout.is_some() || self.stderr.is_some() {
             let now = Instant::now();
             if let Some(d) = deadline {
                 if !timed_out && now >= d {
@@ -269,7 +273,7 @@ impl Sandbox {
             };
             let mut pfds = Vec::with_capacity(3);
             let mut slots = Vec::with_capacity(3);
-            if chan_open {
+            if chan_open && tree.is_none() {
                 pfds.push(PollFd::new(self.chan.as_fd(), PollFlags::POLLIN));
                 slots.push(0);
             }
@@ -314,6 +318,7 @@ impl Sandbox {
                                 // kernel must not keep the sandbox alive.
                                 backstop_at.get_or_insert(Instant::now() + BACKSTOP);
                             }
+                            FromSandbox::InitExited { cpu_ms, peak_rss_bytes } => tree = Some((cpu_ms, peak_rss_bytes)),
                             FromSandbox::Unshared => {}
                         },
                         Err(e) => {
@@ -342,13 +347,12 @@ impl Sandbox {
             }
         }
         let wall = self.started.elapsed();
-        let tree = self.reap();
         let cgroup = self.cgroup.take();
         let cg_usage = cgroup.as_ref().map(|c| c.usage()).unwrap_or_default();
         let cg_report = cgroup.as_ref().map(|c| c.report().clone());
-        if let Some(cg) = cgroup {
-            cg.remove()?;
-        }
+        let removed = cgroup.map_or(Ok(()), |cg| cg.remove());
+        let monitor = self.reap();
+        removed?;
 
         let report = match (report, failure) {
             (_, Some(e)) => return Err(e.into()),
@@ -360,9 +364,16 @@ impl Sandbox {
         };
         let usage = ResourceUsage {
             wall_ms: wall.as_millis() as u64,
-            // The cgroup counts everything; rusage covers what the monitor reaped.
-            cpu_ms: cg_usage.cpu_ms.unwrap_or_else(|| tree.map_or(0, |ru| tv_ms(ru.ru_utime) + tv_ms(ru.ru_stime))),
-            peak_memory_bytes: cg_usage.peak_memory_bytes.or(tree.map(|ru| ru.ru_maxrss.max(0) as u64 * 1024)),
+            // The cgroup counts everything; otherwise the rusage of the tree init reaped (or of
+            // the monitor, which includes it, if the monitor could not report).
+            cpu_ms: cg_usage
+                .cpu_ms
+                .or(tree.map(|t| t.0))
+                .unwrap_or_else(|| monitor.map_or(0, |ru| tv_ms(ru.ru_utime) + tv_ms(ru.ru_stime))),
+            peak_memory_bytes: cg_usage
+                .peak_memory_bytes
+                .or(tree.map(|t| t.1))
+                .or(monitor.map(|ru| ru.ru_maxrss.max(0) as u64 * 1024)),
             oom_kills: cg_usage.oom_kills,
             pids_limit_hits: cg_usage.pids_limit_hits,
             cpu_throttled_periods: cg_usage.cpu_throttled_periods,

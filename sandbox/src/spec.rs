@@ -220,6 +220,10 @@ pub struct Filesystem {
     pub synthetic: Vec<SyntheticFile>,
     /// Size of the scratch tmpfs mounted on `/tmp` (and of `/dev/shm`).
     pub scratch_bytes: u64,
+    /// Mount a fresh read-only sysfs on `/sys` (needs the network namespace). Off by
+    /// default: it exposes host hardware detail most payloads never read, and costs a mount.
+    #[serde(default)]
+    pub sysfs: bool,
 }
 
 impl Default for Filesystem {
@@ -233,6 +237,7 @@ impl Default for Filesystem {
             masked: DEFAULT_MASKED_PATHS.iter().map(PathBuf::from).collect(),
             synthetic: Vec::new(),
             scratch_bytes: 100 * 1024 * 1024,
+            sysfs: false,
         }
     }
 }
@@ -274,7 +279,7 @@ pub struct Limits {
     pub memory_bytes: Option<u64>,
     /// Percent of one CPU (1–100 per CPU; values above 100 allow several CPUs).
     pub cpu_percent: Option<u32>,
-    /// Tasks the payload may run (the sandbox's own two helper processes are added on top).
+    /// Tasks the payload may run (the sandbox init, PID 1 inside, is added on top).
     pub pids: Option<u32>,
     /// Wall-clock limit, from spawn.
     pub timeout_ms: Option<u64>,

@@ -1,0 +1,128 @@
+//! The `sandbox` library as a multi-threaded program (the agent) uses it: the monitor is a
+//! fresh `execve` of the opservant binary (`Launcher::Exec`), not a fork of the caller.
+//! Covers what the CLI does not: the exec launcher, the namespace hook, an opt-in fresh
+//! sysfs, and teardown when a running sandbox is dropped.
+
+mod common;
+
+use std::ffi::OsStr;
+use std::time::{Duration, Instant};
+
+use common::require_root;
+use sandbox::{Identity, Launcher, OutputOptions, Sandbox, SandboxSpec};
+
+fn launcher() -> Launcher {
+    Launcher::new(common::opservant(), &[OsStr::new("__sandbox-init")]).unwrap()
+}
+
+fn spec(argv: &[&str]) -> SandboxSpec {
+    let mut s = SandboxSpec::new(
+        argv[0],
+        argv[1..].iter().map(|a| a.to_string()).collect(),
+        Identity::default_executor().unwrap(),
+    );
+    s.seccomp = sandbox::seccomp::default_policy().unwrap();
+    s.limits.memory_bytes = Some(128 << 20);
+    s.limits.pids = Some(64);
+    s.limits.cpu_percent = Some(50);
+    s.limits.timeout_ms = Some(30_000);
+    s
+}
+
+fn stdout(o: &sandbox::Outcome) -> String {
+    String::from_utf8_lossy(&o.stdout.bytes).into_owned()
+}
+
+#[test]
+fn exec_launcher_runs_a_fully_isolated_payload() {
+    if !require_root() {
+        return;
+    }
+    let _view = common::host_view();
+    let o = sandbox::run(
+        &spec(&["/bin/sh", "-c", "id -u; cat /proc/self/status | grep -E '^(Seccomp|NoNewPrivs):'; ls /proc/self/fd"]),
+        &launcher(),
+        OutputOptions::default(),
+    )
+    .unwrap();
+    assert!(o.success(), "{o:?}");
+    let (uid, _) = common::executor_ids();
+    assert_eq!(stdout(&o), format!("{uid}\nNoNewPrivs:\t1\nSeccomp:\t2\n0\n1\n2\n3\n"));
+    assert_eq!(o.enforcement.namespaces.len(), 7);
+    assert!(o.enforcement.capabilities_dropped && o.enforcement.no_new_privs);
+    assert_eq!(o.enforcement.sysfs, "none");
+}
+
+#[test]
+fn namespace_hook_sees_the_sandbox_namespaces() {
+    if !require_root() {
+        return;
+    }
+    let _view = common::host_view();
+    let own_net = std::fs::read_link("/proc/self/ns/net").unwrap();
+    let mut seen = None;
+    let mut hook = |pid: i32| -> Result<(), String> {
+        let net = std::fs::read_link(format!("/proc/{pid}/ns/net")).map_err(|e| e.to_string())?;
+        let uid_map = std::fs::read_to_string(format!("/proc/{pid}/uid_map")).map_err(|e| e.to_string())?;
+        seen = Some((net, uid_map));
+        Ok(())
+    };
+    let sb = Sandbox::spawn(&spec(&["/bin/true"]), &launcher(), Some(&mut hook)).unwrap();
+    let o = sb.wait(OutputOptions::default()).unwrap();
+    assert!(o.success());
+    let (net, uid_map) = seen.expect("hook called");
+    assert_ne!(net, own_net, "the hook runs with the sandbox's own network namespace in place");
+    let (uid, _) = common::executor_ids();
+    assert_eq!(
+        uid_map.split_whitespace().collect::<Vec<_>>(),
+        [uid.to_string(), uid.to_string(), "1".into()],
+        "maps are written before the hook"
+    );
+}
+
+#[test]
+fn a_failing_hook_aborts_the_sandbox() {
+    if !require_root() {
+        return;
+    }
+    let _view = common::host_view();
+    let mut hook = |_pid: i32| -> Result<(), String> { Err("wiring failed".into()) };
+    match Sandbox::spawn(&spec(&["/bin/true"]), &launcher(), Some(&mut hook)) {
+        Err(sandbox::SandboxError::Hook(m)) => assert_eq!(m, "wiring failed"),
+        Err(e) => panic!("wrong error {e}"),
+        Ok(_) => panic!("a failed hook must stop the sandbox"),
+    }
+}
+
+#[test]
+fn fresh_sysfs_on_request_is_private_and_read_only() {
+    if !require_root() {
+        return;
+    }
+    let _view = common::host_view();
+    let mut s = spec(&["/bin/sh", "-c", "ls /sys/class/net; echo x > /sys/kernel/uevent_helper 2>&1 || echo refused"]);
+    s.filesystem.sysfs = true;
+    let o = sandbox::run(&s, &launcher(), OutputOptions::default()).unwrap();
+    assert_eq!(o.enforcement.sysfs, "fresh");
+    assert_eq!(stdout(&o).lines().next(), Some("lo"), "only the sandbox's own interfaces: {}", stdout(&o));
+    assert!(stdout(&o).contains("refused"), "{}", stdout(&o));
+}
+
+#[test]
+fn dropping_a_running_sandbox_tears_it_down() {
+    if !require_root() {
+        return;
+    }
+    let _view = common::host_view();
+    let marker = format!("opservant-drop-{}", std::process::id());
+    let sb = Sandbox::spawn(&spec(&["/bin/sh", "-c", "sleep 1000; :", &marker]), &launcher(), None).unwrap();
+    let monitor = sb.monitor_pid();
+    let start = Instant::now();
+    while common::host_processes_with(&marker).is_empty() && start.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(!common::host_processes_with(&marker).is_empty(), "payload started");
+    drop(sb);
+    assert!(common::host_processes_with(&marker).is_empty(), "payload killed on drop");
+    assert!(!std::path::Path::new(&format!("/proc/{monitor}")).exists(), "monitor reaped, no zombie");
+}
