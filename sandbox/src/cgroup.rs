@@ -391,6 +391,7 @@ pub struct CgroupUsage {
 /// The cgroup(s) of one sandbox. Dropping it kills what is left and removes the directories.
 #[derive(Debug)]
 pub struct SandboxCgroup {
+    layout: &'static Layout,
     dirs: [Option<PathBuf>; 3],
     report: CgroupReport,
     v2: bool,
@@ -403,10 +404,14 @@ pub struct SandboxCgroup {
 impl SandboxCgroup {
     /// Create the sandbox cgroup(s) and write the limits.
     pub fn create(limits: &Limits) -> Result<SandboxCgroup, CgroupError> {
-        let layout = layout();
+        Self::create_in(layout(), limits)
+    }
+
+    fn create_in(layout: &'static Layout, limits: &Limits) -> Result<SandboxCgroup, CgroupError> {
         let name = format!("{SANDBOX_PREFIX}{}-{}", std::process::id(), SEQ.fetch_add(1, Ordering::Relaxed));
         let requested = [limits.memory_bytes.is_some(), limits.cpu_percent.is_some(), limits.pids.is_some()];
         let mut cg = SandboxCgroup {
+            layout,
             dirs: [None, None, None],
             report: CgroupReport {
                 version: "none".into(),
@@ -509,7 +514,7 @@ impl SandboxCgroup {
     }
 
     fn v2_for(&self, c: Controller) -> bool {
-        matches!(layout().place(c), Place::V2(_))
+        matches!(self.layout.place(c), Place::V2(_))
     }
 
     /// Apply the CPU quota. Called when the payload reports it is about to `execve`, so that
@@ -540,8 +545,11 @@ impl SandboxCgroup {
         let mut files: Vec<PathBuf> = Vec::new();
         for (i, dir) in self.dirs.iter().enumerate() {
             let Some(dir) = dir else { continue };
-            let file =
-                if matches!(layout().places[i], Place::V2(_)) { dir.join("cgroup.procs") } else { dir.join("tasks") };
+            let file = if matches!(self.layout.places[i], Place::V2(_)) {
+                dir.join("cgroup.procs")
+            } else {
+                dir.join("tasks")
+            };
             if !files.contains(&file) {
                 files.push(file);
             }
@@ -776,6 +784,59 @@ pub fn probe() -> CgroupProbe {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A v1-style layout over plain directories: memory and pids "hierarchies" exist, cpu is
+    /// missing. Plain directories have no control files, so writing a limit fails.
+    fn fake_layout(root: &Path) -> &'static Layout {
+        let (mem, pids) = (root.join("memory"), root.join("pids"));
+        fs::create_dir_all(&mem).unwrap();
+        fs::create_dir_all(&pids).unwrap();
+        Box::leak(Box::new(Layout {
+            places: [Place::V1(mem), Place::Missing("no cpu controller (test)".into()), Place::V1(pids)],
+            has_cgroup_kill: false,
+            swap_active: false,
+        }))
+    }
+
+    fn scratch_root(tag: &str) -> PathBuf {
+        let root = std::env::temp_dir().join(format!("opservant-cgtest-{tag}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&root);
+        root
+    }
+
+    #[test]
+    fn a_missing_controller_is_an_error_unless_degraded_mode_is_allowed() {
+        let root = scratch_root("degrade");
+        let layout = fake_layout(&root);
+        let limits = Limits { cpu_percent: Some(10), ..Limits::default() };
+        let err = SandboxCgroup::create_in(layout, &limits).expect_err("fail closed");
+        assert!(err.to_string().contains("cpu limit not enforced: no cpu controller (test)"), "{err}");
+        assert_eq!(fs::read_dir(root.join("memory")).unwrap().count(), 0, "nothing left behind");
+
+        let degraded = Limits { allow_degraded: true, ..limits };
+        let cg = SandboxCgroup::create_in(layout, &degraded).expect("degraded mode runs");
+        let r = cg.report().clone();
+        assert!(!r.cpu, "the CPU limit is not reported as enforced");
+        assert_eq!(r.degraded.len(), 1);
+        assert!(r.degraded[0].starts_with("cpu limit not enforced"));
+        assert_eq!(r.version, "v1");
+        cg.remove().unwrap();
+        assert_eq!(fs::read_dir(root.join("memory")).unwrap().count(), 0);
+        fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn a_limit_that_cannot_be_written_is_an_error_and_cleans_up() {
+        let root = scratch_root("write");
+        let layout = fake_layout(&root);
+        // memory.limit_in_bytes does not exist in a plain directory: the write fails.
+        let limits = Limits { memory_bytes: Some(1 << 20), allow_degraded: true, ..Limits::default() };
+        let err = SandboxCgroup::create_in(layout, &limits).expect_err("a failed write is never degraded");
+        assert!(err.to_string().contains("memory.limit_in_bytes"), "{err}");
+        assert_eq!(fs::read_dir(root.join("memory")).unwrap().count(), 0, "created cgroups removed again");
+        assert_eq!(fs::read_dir(root.join("pids")).unwrap().count(), 0);
+        fs::remove_dir_all(&root).unwrap();
+    }
 
     #[test]
     fn mountinfo_unescape() {

@@ -35,7 +35,7 @@ die() { echo "vm-exec: error: $*" >&2; exit 2; }
 [ $# -ge 1 ] || die "usage: $0 CMD [ARGS...]"
 
 # --- prerequisites (report, never install) ----------------------------------
-command -v vng >/dev/null || die "vng not found on PATH (install: python3 -m pip install virtme-ng)"
+command -v vng >/dev/null || die "vng not found on PATH (.ci/run installs virtme-ng into .ci/venv; tests/run puts it on PATH)"
 command -v qemu-system-x86_64 >/dev/null || die "qemu-system-x86_64 not found (install: apt-get install -y qemu-system-x86)"
 command -v busybox >/dev/null || die "busybox not found (install: apt-get install -y busybox-static)"
 command -v timeout >/dev/null || die "timeout (coreutils) not found"
