@@ -46,30 +46,9 @@ pub struct EnforcedLimits {
 }
 
 #[derive(Debug, Clone, Serialize)]
-pub struct Usage {
-    pub wall_ms: u64,
-    pub cpu_ms: u64,
-    pub peak_memory_bytes: Option<u64>,
-    pub oom_kills: u64,
-    pub pids_limit_hits: u64,
-    pub cpu_throttled_periods: u64,
-    pub cpu_throttled_ms: u64,
-}
-
-#[derive(Debug, Clone, Serialize)]
-pub struct LandlockSummary {
-    pub abi: u32,
-    pub status: sandbox::LandlockStatus,
-    pub fs_enforced: Vec<String>,
-    pub fs_unsupported: Vec<String>,
-    pub scopes_enforced: Vec<String>,
-    pub scopes_unsupported: Vec<String>,
-}
-
-#[derive(Debug, Clone, Serialize)]
 pub struct SandboxSummary {
     pub namespaces: Vec<String>,
-    pub landlock: LandlockSummary,
+    pub landlock: sandbox::LandlockReport,
     pub seccomp: String,
     pub seccomp_profile: Option<String>,
     pub cgroup: String,
@@ -98,7 +77,7 @@ pub struct RunResult {
     pub exit_code: Option<i32>,
     pub killed_by: Option<String>,
     pub limits: LimitsReport,
-    pub usage: Usage,
+    pub usage: sandbox::ResourceUsage,
     pub sandbox: SandboxSummary,
 }
 
@@ -151,25 +130,10 @@ impl RunResult {
                 enforced: EnforcedLimits { memory: cg.memory, cpu: cg.cpu, pids: cg.pids, disk: true, timeout: true },
                 degraded: cg.degraded.clone(),
             },
-            usage: Usage {
-                wall_ms: outcome.usage.wall_ms,
-                cpu_ms: outcome.usage.cpu_ms,
-                peak_memory_bytes: outcome.usage.peak_memory_bytes,
-                oom_kills: outcome.usage.oom_kills,
-                pids_limit_hits: outcome.usage.pids_limit_hits,
-                cpu_throttled_periods: outcome.usage.cpu_throttled_periods,
-                cpu_throttled_ms: outcome.usage.cpu_throttled_ms,
-            },
+            usage: outcome.usage,
             sandbox: SandboxSummary {
                 namespaces: e.namespaces.clone(),
-                landlock: LandlockSummary {
-                    abi: e.landlock.abi,
-                    status: e.landlock.status,
-                    fs_enforced: e.landlock.fs_enforced.clone(),
-                    fs_unsupported: e.landlock.fs_unsupported.clone(),
-                    scopes_enforced: e.landlock.scopes_enforced.clone(),
-                    scopes_unsupported: e.landlock.scopes_unsupported.clone(),
-                },
+                landlock: e.landlock.clone(),
                 seccomp: e.seccomp.status.clone(),
                 seccomp_profile: e.seccomp.profile.clone(),
                 cgroup: cg.version.clone(),

@@ -35,6 +35,8 @@ use crate::spec::{Access, Filesystem, PathRule, SCRATCH_DIR};
 const STAGE: &str = "/tmp";
 const OLD_ROOT: &str = "/.oldroot";
 const DEVICES: &[&str] = &["null", "zero", "full", "random", "urandom"];
+/// Mode-000 file bound over masked files (removed from the root before the payload runs).
+const INACCESSIBLE: &str = "/.inaccessible";
 
 /// What the view builder could provide.
 #[derive(Debug, Clone)]
@@ -108,7 +110,7 @@ pub fn build(fs_spec: &Filesystem, net_ns: bool, cwd: &Path) -> Result<ViewRepor
 
     // 5. Masks (before declared paths, so a declared path beneath a mask is shown on top).
     let mut masks_to_seal = Vec::new();
-    let inaccessible = Path::new("/.inaccessible");
+    let inaccessible = Path::new(INACCESSIBLE);
     create_file(inaccessible, 0o000, b"")?;
     for m in &fs_spec.masked {
         if fs_spec.paths.iter().any(|p| &p.path == m) {
@@ -125,7 +127,7 @@ pub fn build(fs_spec: &Filesystem, net_ns: bool, cwd: &Path) -> Result<ViewRepor
             )?;
             masks_to_seal.push(m.clone());
         } else {
-            do_mount(Some(inaccessible.to_str().unwrap_or_default()), m, None, MsFlags::MS_BIND, None)?;
+            do_mount(Some(INACCESSIBLE), m, None, MsFlags::MS_BIND, None)?;
             seal(m, true, false)?;
         }
     }
