@@ -1,8 +1,13 @@
 //! The opservant agent library: manifests, limit and sandbox policy, result reporting and
 //! host diagnostics. The isolation engine itself is the `sandbox` crate.
 
+pub mod app;
+pub mod audit;
+pub mod config;
 pub mod doctor;
+pub mod executor_run;
 pub mod limits;
 pub mod manifest;
 pub mod policy;
 pub mod result;
+pub mod secrets;

@@ -36,6 +36,21 @@ enum Command {
         #[arg(required = true, last = true, value_name = "PROGRAM")]
         argv: Vec<String>,
     },
+    /// Run an executor (a directory with manifest.json and a Python package) in a fresh
+    /// sandbox; prints the result JSON.
+    Run {
+        /// The executor directory.
+        dir: PathBuf,
+        /// Parameters: a JSON object, or @FILE.
+        #[arg(long, default_value = "{}")]
+        params: String,
+        /// The action (one of the manifest's supported_actions).
+        #[arg(long)]
+        action: Option<String>,
+        /// Agent configuration (default /etc/opservant/config.yaml when it exists).
+        #[arg(long)]
+        config: Option<PathBuf>,
+    },
     /// Describe what this host supports and what will be degraded. Exit 1 when a required
     /// feature is missing.
     Doctor {
@@ -58,15 +73,18 @@ fn main() -> ExitCode {
     if std::env::args_os().nth(1).is_some_and(|a| a == SANDBOX_INIT) {
         sandbox::init::main();
     }
-    let log = tracing_subscriber::fmt().with_writer(std::io::stderr);
+    let log = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     match tracing_subscriber::EnvFilter::try_from_env("OPSERVANT_LOG") {
         Ok(filter) => log.with_env_filter(filter).init(),
-        // Without OPSERVANT_LOG a plain level filter: parsing directives costs start-up time.
-        Err(_) => log.with_max_level(tracing::Level::WARN).init(),
+        // Without OPSERVANT_LOG: warnings, and the audit events (always).
+        Err(_) => log.with_env_filter(tracing_subscriber::EnvFilter::new("warn,opservant::audit=info")).init(),
     }
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Sandbox { manifest, json, argv } => run_sandbox(manifest, json, argv),
+        Command::Run { dir, params, action, config } => run_executor(dir, params, action, config),
         Command::Doctor { json } => doctor(json),
     };
     match result {
@@ -118,6 +136,45 @@ fn run_sandbox(manifest: Option<PathBuf>, json_only: bool, argv: Vec<String>) ->
     }
     let text = serde_json::to_string(&result)?;
     let _ = writeln!(lock, "{text}");
+    Ok(if result.status == Status::Completed { ExitCode::SUCCESS } else { ExitCode::from(1) })
+}
+
+/// `--params`: inline JSON or `@FILE`.
+fn read_params(arg: &str) -> Result<serde_json::Value, CannotRun> {
+    let text = match arg.strip_prefix('@') {
+        Some(path) => std::fs::read_to_string(path).map_err(|e| CannotRun(format!("--params @{path}: {e}")))?,
+        None => arg.to_string(),
+    };
+    serde_json::from_str(&text).map_err(|e| CannotRun(format!("--params: not valid JSON: {e}")))
+}
+
+fn run_executor(
+    dir: PathBuf,
+    params: String,
+    action: Option<String>,
+    config: Option<PathBuf>,
+) -> Result<ExitCode, CannotRun> {
+    let config = agent::config::Config::load(config.as_deref())?;
+    let policy = AgentPolicy::from_config(&config)?;
+    let params = read_params(&params)?;
+    let executor = agent::executor_run::Executor::load(&dir).map_err(|e| CannotRun(e.0))?;
+    for w in &executor.warnings {
+        tracing::warn!(executor = %executor.manifest.name, "{w}");
+    }
+    let result = agent::executor_run::run(agent::executor_run::RunRequest {
+        executor: &executor,
+        params,
+        action,
+        command_id: None,
+        config: &config,
+        policy: &policy,
+        // The payload is a fresh execve of opservant-runtime: a forked monitor carries nothing
+        // of this process into the executor's reach.
+        launcher: sandbox::Launcher::fork_or_reexec(SANDBOX_INIT),
+        runtime: agent::executor_run::runtime_binary().map_err(|e| CannotRun(e.0))?,
+    })
+    .map_err(|e| CannotRun(e.0))?;
+    println!("{}", serde_json::to_string(&result)?);
     Ok(if result.status == Status::Completed { ExitCode::SUCCESS } else { ExitCode::from(1) })
 }
 

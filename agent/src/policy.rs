@@ -91,6 +91,18 @@ impl AgentPolicy {
         })
     }
 
+    /// The built-in policy adjusted by the agent configuration (limits, Landlock minimum,
+    /// degraded mode).
+    pub fn from_config(config: &crate::config::Config) -> Result<Self, String> {
+        let mut p = Self::builtin()?;
+        p.limits = config.limit_policy(p.limits).map_err(|e| e.to_string())?;
+        if let Some(abi) = config.sandbox.landlock_min_abi {
+            p.landlock_min_abi = abi;
+        }
+        p.allow_degraded = config.sandbox.allow_degraded;
+        Ok(p)
+    }
+
     /// Build the spec for `program args…` under `manifest`'s permissions and limits (or the
     /// defaults). Refuses network egress, which this build cannot enforce yet.
     pub fn spec_for(

@@ -76,6 +76,8 @@ pub struct RunResult {
     pub stderr_truncated: bool,
     pub exit_code: Option<i32>,
     pub killed_by: Option<String>,
+    /// Records from `context["logger"]` (executor runs).
+    pub logs: Vec<serde_json::Value>,
     pub limits: LimitsReport,
     pub usage: sandbox::ResourceUsage,
     pub sandbox: SandboxSummary,
@@ -119,6 +121,7 @@ impl RunResult {
             stderr_truncated: outcome.stderr.truncated(),
             exit_code: outcome.exit.and_then(|x| x.code),
             killed_by: outcome.killed_by.map(|k| k.to_string()),
+            logs: Vec::new(),
             limits: LimitsReport {
                 max_memory_mb: limits.max_memory_mb,
                 max_cpu_percent: limits.max_cpu_percent,

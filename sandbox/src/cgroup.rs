@@ -517,22 +517,31 @@ impl SandboxCgroup {
         matches!(self.layout.place(c), Place::V2(_))
     }
 
-    /// Apply the CPU quota. Called when the payload reports it is about to `execve`, so that
-    /// the sandbox's own setup is not throttled by the payload's budget; memory and pids
-    /// limits are in force from creation.
-    pub fn apply_cpu_limit(&mut self) -> Result<(), CgroupError> {
-        let (Some(pct), Some(dir)) = (self.cpu_pending.take(), self.dir(Controller::Cpu).cloned()) else {
-            return Ok(());
-        };
+    /// The control-file writes that apply the CPU quota (empty when none was requested or
+    /// the controller is missing). They are made when the payload starts (see
+    /// `parent::CpuLimiter`), so that the sandbox's own setup is not throttled by the
+    /// payload's budget; memory and pids limits are in force from creation.
+    pub fn cpu_writes(&self) -> Vec<(PathBuf, String)> {
+        let (Some(pct), Some(dir)) = (self.cpu_pending, self.dir(Controller::Cpu)) else { return Vec::new() };
         let quota = (u64::from(pct) * CPU_PERIOD_US / 100).max(1000);
         if self.v2_for(Controller::Cpu) {
-            write(&dir.join("cpu.max"), &format!("{quota} {CPU_PERIOD_US}"))?;
+            vec![(dir.join("cpu.max"), format!("{quota} {CPU_PERIOD_US}"))]
         } else {
-            write(&dir.join("cpu.cfs_period_us"), &CPU_PERIOD_US.to_string())?;
-            write(&dir.join("cpu.cfs_quota_us"), &quota.to_string())?;
+            vec![
+                (dir.join("cpu.cfs_period_us"), CPU_PERIOD_US.to_string()),
+                (dir.join("cpu.cfs_quota_us"), quota.to_string()),
+            ]
         }
+    }
+
+    /// Record that the CPU quota is in force.
+    pub(crate) fn mark_cpu_enforced(&mut self) {
         self.report.cpu = true;
-        Ok(())
+    }
+
+    /// Write one control file (for `parent::CpuLimiter`).
+    pub(crate) fn write_control(path: &Path, value: &str) -> Result<(), CgroupError> {
+        write(path, value)
     }
 
     /// Files the sandbox's monitor writes `0` to, joining every sandbox cgroup itself.

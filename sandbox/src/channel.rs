@@ -16,6 +16,8 @@ use crate::spec::SandboxSpec;
 
 /// The fd number the channel has in the sandbox init process.
 pub const CHILD_FD: RawFd = 3;
+/// The fd number of the application channel in the sandbox processes and the payload.
+pub const APP_FD: RawFd = 4;
 
 /// Largest message accepted (a spec with many paths and three seccomp filters is ~40 KiB).
 const MAX_MESSAGE: usize = 4 * 1024 * 1024;
@@ -82,6 +84,12 @@ impl Channel {
         fcntl(&self.fd, FcntlArg::F_SETFD(FdFlag::FD_CLOEXEC)).map(drop)
     }
 
+    /// Let an `execve`d program inherit this descriptor.
+    pub fn set_inheritable(&self) -> Result<(), Errno> {
+        use nix::fcntl::{fcntl, FcntlArg, FdFlag};
+        fcntl(&self.fd, FcntlArg::F_SETFD(FdFlag::empty())).map(drop)
+    }
+
     /// The descriptor will be closed by `execve`.
     pub fn is_cloexec(&self) -> bool {
         use nix::fcntl::{fcntl, FcntlArg, FdFlag};
@@ -124,6 +132,58 @@ impl Channel {
         serde_json::from_slice(&buf[..n]).map(Some).map_err(|e| format!("malformed message: {e}"))
     }
 
+    /// Send `data` of any size as a sequence of packets (one SEQPACKET message is bounded by
+    /// the socket buffer): each packet starts with a flag byte, 1 = more follow, 0 = last.
+    pub fn send_bytes(&self, data: &[u8]) -> Result<(), Errno> {
+        const PACKET: usize = 32 * 1024;
+        let mut chunks = data.chunks(PACKET).peekable();
+        let mut packet = Vec::with_capacity(PACKET + 1);
+        loop {
+            let chunk = chunks.next().unwrap_or(&[]);
+            packet.clear();
+            packet.push(u8::from(chunks.peek().is_some()));
+            packet.extend_from_slice(chunk);
+            loop {
+                match socket::send(self.fd.as_raw_fd(), &packet, MsgFlags::MSG_NOSIGNAL) {
+                    Err(Errno::EINTR) => continue,
+                    Err(e) => return Err(e),
+                    Ok(_) => break,
+                }
+            }
+            if chunks.peek().is_none() {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Receive one [`Channel::send_bytes`] message of at most `max` bytes; `Ok(None)` on
+    /// end-of-file. A longer or malformed message is an error (the peer may be hostile).
+    pub fn recv_bytes(&self, max: usize) -> Result<Option<Vec<u8>>, String> {
+        let mut out = Vec::new();
+        let mut buf = vec![0u8; 32 * 1024 + 1];
+        loop {
+            let n = loop {
+                match socket::recv(self.fd.as_raw_fd(), &mut buf, MsgFlags::empty()) {
+                    Err(Errno::EINTR) => continue,
+                    Err(e) => return Err(format!("recv: {}", e.desc())),
+                    Ok(n) => break n,
+                }
+            };
+            if n == 0 {
+                return if out.is_empty() { Ok(None) } else { Err("end of file inside a message".into()) };
+            }
+            if out.len() + n - 1 > max {
+                return Err(format!("message exceeds {max} bytes"));
+            }
+            out.extend_from_slice(&buf[1..n]);
+            match buf[0] {
+                0 => return Ok(Some(out)),
+                1 => continue,
+                f => return Err(format!("bad packet flag {f}")),
+            }
+        }
+    }
+
     pub fn raw_fd(&self) -> RawFd {
         self.fd.as_raw_fd()
     }
@@ -155,6 +215,23 @@ mod tests {
         assert!(matches!(b.recv::<FromSandbox>().unwrap(), Some(FromSandbox::Unshared)));
         drop(a);
         assert!(b.recv::<FromSandbox>().unwrap().is_none());
+    }
+
+    #[test]
+    fn large_messages_are_framed_and_bounded() {
+        let (a, b) = Channel::pair().unwrap();
+        let big: Vec<u8> = (0..300_000u32).map(|i| i as u8).collect();
+        let writer = std::thread::spawn(move || {
+            a.send_bytes(&big).unwrap();
+            a.send_bytes(b"").unwrap();
+            a.send_bytes(&[7u8; 100]).unwrap();
+            big
+        });
+        let got = b.recv_bytes(1 << 20).unwrap().unwrap();
+        let big = writer.join().unwrap();
+        assert_eq!(got, big);
+        assert_eq!(b.recv_bytes(10).unwrap().unwrap(), b"");
+        assert!(b.recv_bytes(10).unwrap_err().contains("exceeds"));
     }
 
     #[test]

@@ -32,7 +32,7 @@
 //!   2. enforce Landlock                                            (landlock)
 //!   3. close every fd but stdio and the channel; verify the channel is close-on-exec
 //!   4. install seccomp — last                                      (seccomp)
-//!   5. report what is enforced, execve
+//!   5. report what is enforced; execve (with the application channel, if any, as fd 4)
 //! ```
 //!
 //! Every step either succeeds or reports a [`StepError`] over the channel and the sandbox is
@@ -47,7 +47,7 @@ use nix::sys::signalfd::SignalFd;
 use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::{fork, ForkResult, Pid};
 
-use crate::channel::{Channel, FromSandbox, ToSandbox, CHILD_FD};
+use crate::channel::{Channel, FromSandbox, ToSandbox, APP_FD, CHILD_FD};
 use crate::error::{Stage, StepError};
 use crate::landlock::{self, Grant};
 use crate::report::{EnforcementReport, ExitInfo, SeccompReport};
@@ -91,8 +91,8 @@ fn protocol(msg: impl Into<String>) -> StepError {
 
 /// The monitor (see the module documentation for the steps).
 pub fn monitor(chan: &Channel, given: Option<&SandboxSpec>) -> Result<(), StepError> {
-    // 1.
-    process::close_fds_from(CHILD_FD + 1)?;
+    // 1. (fd 4 may be the application channel; decided once the spec is in)
+    process::close_fds_from(APP_FD + 1)?;
     // 2.
     let received;
     let spec = match given {
@@ -106,6 +106,14 @@ pub fn monitor(chan: &Channel, given: Option<&SandboxSpec>) -> Result<(), StepEr
         },
     };
     spec.validate().map_err(|e| protocol(e.to_string()))?;
+    let app = if spec.command.app_channel {
+        // SAFETY: the parent placed the application channel at APP_FD; nothing else in this
+        // process owns it.
+        Some(unsafe { Channel::from_raw(APP_FD) }.map_err(|e| StepError::errno(Stage::Protocol, "app channel", e))?)
+    } else {
+        process::close_fds_from(APP_FD)?;
+        None
+    };
     // 3.
     // Best effort: lowering needs CAP_SYS_RESOURCE, which some hosts withhold even from
     // root. The payload raises its own score to the maximum below, so it is the OOM killer's
@@ -138,7 +146,7 @@ pub fn monitor(chan: &Channel, given: Option<&SandboxSpec>) -> Result<(), StepEr
         ForkResult::Child => {
             drop(sfd);
             let _ = mask.thread_unblock();
-            match init(chan, spec, &join) {
+            match init(chan, app, spec, &join) {
                 Ok(code) => exit(code),
                 Err(e) => {
                     let _ = chan.send(&FromSandbox::Failed(e));
@@ -146,7 +154,11 @@ pub fn monitor(chan: &Channel, given: Option<&SandboxSpec>) -> Result<(), StepEr
                 }
             }
         }
-        ForkResult::Parent { child } => child,
+        ForkResult::Parent { child } => {
+            // Only init and the payload hold the application channel.
+            drop(app);
+            child
+        }
     };
     chan.send(&FromSandbox::InitForked { pid: init_pid.as_raw() })
         .map_err(|e| StepError::errno(Stage::Protocol, "send", e))?;
@@ -198,7 +210,12 @@ fn wait_for_init(chan: &Channel, sfd: &SignalFd, init: Pid) -> Result<libc::rusa
 }
 
 /// The sandbox init, PID 1 of the new PID namespace. Returns its exit code.
-fn init(chan: &Channel, spec: &SandboxSpec, cgroup_join: &[std::path::PathBuf]) -> Result<i32, StepError> {
+fn init(
+    chan: &Channel,
+    app: Option<Channel>,
+    spec: &SandboxSpec,
+    cgroup_join: &[std::path::PathBuf],
+) -> Result<i32, StepError> {
     // 1.
     // SAFETY: PR_SET_PDEATHSIG takes an integer signal number.
     unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) };
@@ -236,13 +253,14 @@ fn init(chan: &Channel, spec: &SandboxSpec, cgroup_join: &[std::path::PathBuf]) 
     // SAFETY: init is single-threaded (forked from the single-threaded monitor).
     let payload_pid = match unsafe { fork() }.map_err(|e| StepError::errno(Stage::Fork, "fork payload", e))? {
         ForkResult::Child => {
-            let err = payload(chan, spec, ruleset, view.sysfs);
+            let err = payload(chan, app, spec, ruleset, view.sysfs);
             let _ = chan.send(&FromSandbox::Failed(err));
             exit(127)
         }
         ForkResult::Parent { child } => {
-            // The payload owns its copy of the ruleset; init keeps no Landlock fd.
+            // The payload owns its copies of the ruleset and of the application channel.
             drop(ruleset);
+            drop(app);
             child
         }
     };
@@ -341,14 +359,21 @@ fn landlock_rules(spec: &SandboxSpec, system_bound: &[std::path::PathBuf]) -> Ve
 }
 
 /// The payload: final restrictions, then `execve`. Only returns the error that stopped it.
-fn payload(chan: &Channel, spec: &SandboxSpec, ruleset: landlock::Prepared, sysfs: &str) -> StepError {
-    match payload_steps(chan, spec, ruleset, sysfs) {
+fn payload(
+    chan: &Channel,
+    app: Option<Channel>,
+    spec: &SandboxSpec,
+    ruleset: landlock::Prepared,
+    sysfs: &str,
+) -> StepError {
+    match payload_steps(chan, app, spec, ruleset, sysfs) {
         Ok(e) | Err(e) => e,
     }
 }
 
 fn payload_steps(
     chan: &Channel,
+    app: Option<Channel>,
     spec: &SandboxSpec,
     ruleset: landlock::Prepared,
     sysfs: &str,
@@ -370,9 +395,9 @@ fn payload_steps(
     // 2.
     let landlock = landlock::enforce(ruleset)?;
     // 3.
-    process::close_fds_from(CHILD_FD + 1)?;
-    if !chan.is_cloexec() {
-        return Err(StepError::new(Stage::Exec, "the sandbox channel is not close-on-exec; refusing to exec"));
+    process::close_fds_from(if app.is_some() { APP_FD + 1 } else { CHILD_FD + 1 })?;
+    if !chan.is_cloexec() || app.as_ref().is_some_and(|a| !a.is_cloexec()) {
+        return Err(StepError::new(Stage::Exec, "a sandbox channel is not close-on-exec; refusing to go on"));
     }
     // 4.
     let filters = seccomp::install(&spec.seccomp)?;
@@ -394,5 +419,11 @@ fn payload_steps(
         gid: nix::unistd::getgid().as_raw(),
     };
     chan.send(&FromSandbox::Started(Box::new(report))).map_err(|e| StepError::errno(Stage::Protocol, "send", e))?;
+    if let Some(app) = app {
+        // The program inherits the application channel (and only it: the control channel is
+        // close-on-exec, so the program cannot forge the sandbox's reports).
+        app.set_inheritable().map_err(|e| StepError::errno(Stage::Exec, "app channel", e))?;
+        std::mem::forget(app);
+    }
     Ok(process::exec(&program, &spec.command.program, &spec.command.args, &spec.command.env))
 }

@@ -21,7 +21,7 @@ use nix::sys::signal::{kill, SigSet, Signal};
 use nix::unistd::Pid;
 
 use crate::cgroup::SandboxCgroup;
-use crate::channel::{Channel, FromSandbox, ToSandbox, CHILD_FD};
+use crate::channel::{Channel, FromSandbox, ToSandbox, APP_FD, CHILD_FD};
 use crate::error::{SandboxError, Stage, StepError};
 use crate::report::{Captured, EnforcementReport, ExitInfo, KilledBy, Outcome, ResourceUsage};
 use crate::spec::SandboxSpec;
@@ -95,6 +95,48 @@ pub enum Stream {
     Stderr,
 }
 
+/// The longest a deferred CPU quota waits after the payload started.
+pub const CPU_DEFER_MAX: Duration = Duration::from_secs(1);
+
+/// Applies a sandbox's CPU quota once, from any thread. With `limits.cpu_deferred` the
+/// caller applies it when the payload's trusted start-up is over (e.g. an interpreter's
+/// initialisation); the sandbox applies it itself at the latest [`CPU_DEFER_MAX`] after the
+/// payload started. A failed write stops the run (fail closed).
+#[derive(Debug, Default)]
+pub struct CpuLimiter {
+    writes: Vec<(std::path::PathBuf, String)>,
+    state: std::sync::Mutex<CpuState>,
+}
+
+#[derive(Debug, Default)]
+struct CpuState {
+    applied: bool,
+    error: Option<String>,
+}
+
+impl CpuLimiter {
+    /// Write the quota (once; later calls return the first outcome).
+    pub fn apply(&self) -> Result<(), String> {
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if st.applied {
+            return st.error.clone().map_or(Ok(()), Err);
+        }
+        st.applied = true;
+        for (path, value) in &self.writes {
+            if let Err(e) = SandboxCgroup::write_control(path, value) {
+                st.error = Some(e.to_string());
+                return Err(e.to_string());
+            }
+        }
+        Ok(())
+    }
+
+    fn outcome(&self) -> (bool, Option<String>) {
+        let st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        (st.applied && st.error.is_none() && !self.writes.is_empty(), st.error.clone())
+    }
+}
+
 /// How long after SIGKILL of the sandbox init the monitor may take to exit on its own
 /// before it and everything in the cgroup are killed too.
 const BACKSTOP: Duration = Duration::from_secs(1);
@@ -128,6 +170,10 @@ pub struct Sandbox {
     timeout: Option<Duration>,
     grace: Duration,
     reaped: bool,
+    /// The parent's end of the application channel, if the spec asks for one.
+    app: Option<Channel>,
+    cpu: std::sync::Arc<CpuLimiter>,
+    cpu_deferred: bool,
 }
 
 impl Sandbox {
@@ -165,8 +211,15 @@ impl Sandbox {
                 // SAFETY: F_DUPFD_CLOEXEC returned a new descriptor we now own.
                 .map(|raw| unsafe { OwnedFd::from_raw_fd(raw) })
         };
-        let fds = [high(&null)?, high(&out_w)?, high(&err_w)?, high(&chan_child)?];
+        let mut fds = vec![(high(&null)?, 0), (high(&out_w)?, 1), (high(&err_w)?, 2), (high(&chan_child)?, CHILD_FD)];
         drop((null, out_w, err_w, chan_child));
+        let app = if spec.command.app_channel {
+            let (app, app_child) = Channel::pair().map_err(|e| SandboxError::io("socketpair", e.into()))?;
+            fds.push((high(&app_child)?, APP_FD));
+            Some(app)
+        } else {
+            None
+        };
 
         let monitor = spawn_monitor(launcher, &fds, spec)?;
         drop(fds);
@@ -181,6 +234,9 @@ impl Sandbox {
             timeout: spec.limits.timeout_ms.map(Duration::from_millis),
             grace: Duration::from_millis(spec.limits.kill_grace_ms),
             reaped: false,
+            app,
+            cpu: Default::default(),
+            cpu_deferred: spec.limits.cpu_deferred,
         };
         sb.handshake(spec, matches!(launcher, Launcher::Exec { .. }), hook)?;
         Ok(sb)
@@ -200,6 +256,7 @@ impl Sandbox {
         // The cgroups are created while the monitor creates the namespaces (the two are the
         // slowest setup steps and run on different CPUs).
         let cgroup = SandboxCgroup::create(&spec.limits)?;
+        self.cpu = std::sync::Arc::new(CpuLimiter { writes: cgroup.cpu_writes(), ..Default::default() });
         let join = cgroup.join_files();
         self.cgroup = Some(cgroup);
         self.chan
@@ -216,6 +273,17 @@ impl Sandbox {
             hook(self.monitor.as_raw()).map_err(SandboxError::Hook)?;
         }
         self.chan.send(&ToSandbox::Proceed).map_err(|e| SandboxError::Channel(format!("send proceed: {}", e.desc())))
+    }
+
+    /// The parent's end of the application channel (once). Its protocol is the caller's;
+    /// everything read from it comes from code running in the sandbox.
+    pub fn take_app_channel(&mut self) -> Option<Channel> {
+        self.app.take()
+    }
+
+    /// The CPU quota's handle (see [`CpuLimiter`]).
+    pub fn cpu_limiter(&self) -> std::sync::Arc<CpuLimiter> {
+        self.cpu.clone()
     }
 
     /// Host pid of the monitor process (its namespaces are the sandbox's).
@@ -236,6 +304,8 @@ impl Sandbox {
         let deadline = self.timeout.map(|t| self.started + t);
         let mut kill_at: Option<Instant> = None;
         let mut backstop_at: Option<Instant> = None;
+        // When a deferred CPU quota is applied at the latest.
+        let mut cpu_at: Option<Instant> = None;
         let mut timed_out = false;
         let mut buf = vec![0u8; 64 * 1024];
 
@@ -263,7 +333,21 @@ impl Sandbox {
                     backstop_at = None;
                 }
             }
-            let wake = [if timed_out { None } else { deadline }, kill_at, backstop_at].into_iter().flatten().min();
+            if let Some(c) = cpu_at {
+                if now >= c {
+                    cpu_at = None;
+                    let _ = self.cpu.apply();
+                }
+            }
+            if let (_, Some(e)) = self.cpu.outcome() {
+                if failure.is_none() {
+                    // Fail closed: a CPU quota that could not be written stops the run.
+                    self.kill();
+                    failure = Some(StepError::new(Stage::Protocol, e));
+                }
+            }
+            let wake =
+                [if timed_out { None } else { deadline }, kill_at, backstop_at, cpu_at].into_iter().flatten().min();
             let timeout = match wake {
                 None => PollTimeout::NONE,
                 Some(w) => {
@@ -301,12 +385,12 @@ impl Sandbox {
                             FromSandbox::InitForked { pid } => self.init = Some(Pid::from_raw(pid)),
                             FromSandbox::Started(r) => {
                                 report = Some(*r);
-                                if let Some(cg) = self.cgroup.as_mut() {
-                                    if let Err(e) = cg.apply_cpu_limit() {
-                                        // Fail closed: a limit that did not apply stops the run.
-                                        self.kill();
-                                        failure.get_or_insert(StepError::new(Stage::Protocol, e.to_string()));
-                                    }
+                                if self.cpu_deferred {
+                                    cpu_at = Some(Instant::now() + CPU_DEFER_MAX);
+                                } else if let Err(e) = self.cpu.apply() {
+                                    // Fail closed: a limit that did not apply stops the run.
+                                    self.kill();
+                                    failure.get_or_insert(StepError::new(Stage::Protocol, e));
                                 }
                             }
                             FromSandbox::Failed(e) => {
@@ -347,7 +431,10 @@ impl Sandbox {
             }
         }
         let wall = self.started.elapsed();
-        let cgroup = self.cgroup.take();
+        let mut cgroup = self.cgroup.take();
+        if let (Some(cg), (true, _)) = (cgroup.as_mut(), self.cpu.outcome()) {
+            cg.mark_cpu_enforced();
+        }
         let cg_usage = cgroup.as_ref().map(|c| c.usage()).unwrap_or_default();
         let cg_report = cgroup.as_ref().map(|c| c.report().clone());
         let removed = cgroup.map_or(Ok(()), |cg| cg.remove());
@@ -514,7 +601,7 @@ fn pipe() -> Result<(OwnedFd, OwnedFd), SandboxError> {
 
 /// Start the monitor with stdio and the channel in place: `posix_spawn` with an empty
 /// environment, or `fork` (single-threaded callers).
-fn spawn_monitor(launcher: &Launcher, fds: &[OwnedFd; 4], spec: &SandboxSpec) -> Result<Pid, SandboxError> {
+fn spawn_monitor(launcher: &Launcher, fds: &[(OwnedFd, RawFd)], spec: &SandboxSpec) -> Result<Pid, SandboxError> {
     use nix::spawn::{posix_spawn, PosixSpawnAttr, PosixSpawnFileActions, PosixSpawnFlags};
     let err = |e: Errno| SandboxError::Spawn { program: launcher.describe(), source: e.into() };
     let (program, args) = match launcher {
@@ -524,7 +611,7 @@ fn spawn_monitor(launcher: &Launcher, fds: &[OwnedFd; 4], spec: &SandboxSpec) ->
             // child is a complete copy of the only thread and may run arbitrary code.
             return match unsafe { nix::unistd::fork() }.map_err(err)? {
                 nix::unistd::ForkResult::Child => {
-                    for (fd, target) in fds.iter().zip([0, 1, 2, CHILD_FD]) {
+                    for (fd, target) in fds.iter().map(|(fd, t)| (fd, *t)) {
                         // SAFETY: dup2 onto the stdio/channel numbers; the sources are open.
                         if unsafe { libc::dup2(fd.as_raw_fd(), target) } < 0 {
                             // SAFETY: _exit is always sound; the parent sees the channel close.
@@ -538,8 +625,7 @@ fn spawn_monitor(launcher: &Launcher, fds: &[OwnedFd; 4], spec: &SandboxSpec) ->
         }
     };
     let mut actions = PosixSpawnFileActions::init().map_err(err)?;
-    let targets: [RawFd; 4] = [0, 1, 2, CHILD_FD];
-    for (fd, target) in fds.iter().zip(targets) {
+    for (fd, target) in fds.iter().map(|(fd, t)| (fd, *t)) {
         actions.add_dup2(fd.as_raw_fd(), target).map_err(err)?;
     }
     let mut attr = PosixSpawnAttr::init().map_err(err)?;

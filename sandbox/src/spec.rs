@@ -80,6 +80,12 @@ pub struct CommandSpec {
     /// Working directory inside the sandbox.
     #[serde(default = "default_cwd")]
     pub cwd: PathBuf,
+    /// Give the program an *application channel*: a socketpair to the caller, inherited as
+    /// fd 4 ([`crate::channel::APP_FD`]), whose protocol is the caller's (see
+    /// [`crate::Sandbox::take_app_channel`]). The sandbox's own control channel is never
+    /// inherited.
+    #[serde(default)]
+    pub app_channel: bool,
 }
 
 fn default_cwd() -> PathBuf {
@@ -279,6 +285,11 @@ pub struct Limits {
     pub memory_bytes: Option<u64>,
     /// Percent of one CPU (1–100 per CPU; values above 100 allow several CPUs).
     pub cpu_percent: Option<u32>,
+    /// Apply the CPU quota when the caller says the payload's trusted start-up is over
+    /// ([`crate::parent::CpuLimiter`]), at the latest [`crate::parent::CPU_DEFER_MAX`] after
+    /// the payload started, instead of when it starts.
+    #[serde(default)]
+    pub cpu_deferred: bool,
     /// Tasks the payload may run (the sandbox init, PID 1 inside, is added on top).
     pub pids: Option<u32>,
     /// Wall-clock limit, from spawn.
@@ -296,6 +307,7 @@ impl Default for Limits {
         Self {
             memory_bytes: None,
             cpu_percent: None,
+            cpu_deferred: false,
             pids: None,
             timeout_ms: None,
             kill_grace_ms: 2000,
@@ -319,6 +331,7 @@ impl SandboxSpec {
                     ("LANG".into(), "C.UTF-8".into()),
                 ],
                 cwd: default_cwd(),
+                app_channel: false,
             },
             namespaces: Namespaces::default(),
             identity,

@@ -1,0 +1,114 @@
+//! The application protocol between the agent and its sandboxed runtime (the payload of an
+//! entry sandbox), carried as JSON over the sandbox's application channel.
+//!
+//! Everything the agent receives here comes from the payload process, where executor code
+//! runs: it is untrusted. Messages are size-bounded by the channel (`MAX_MESSAGE`), parsed
+//! strictly, and never decide anything about isolation (the sandbox's own reports travel on
+//! the separate control channel, which the payload no longer holds).
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// Largest message the agent accepts from a payload (the result carries output, capped at
+/// 4 MiB, and artifacts, capped at 8 MiB before base64).
+pub const MAX_MESSAGE: usize = 16 * 1024 * 1024;
+/// `output` cap (bytes of its JSON encoding).
+pub const MAX_OUTPUT: usize = 4 * 1024 * 1024;
+/// Artifact caps: each file, and all of a run's files together.
+pub const MAX_ARTIFACT: u64 = 4 * 1024 * 1024;
+pub const MAX_ARTIFACTS_TOTAL: u64 = 8 * 1024 * 1024;
+/// Log records kept per run.
+pub const MAX_LOGS: usize = 1000;
+
+/// Payload → agent.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+pub enum FromPayload {
+    /// A structured log record from `context["logger"]`.
+    Log {
+        level: String,
+        msg: String,
+        #[serde(default)]
+        fields: serde_json::Map<String, Value>,
+    },
+    /// `context["vault"].get_secret(name)`.
+    SecretRequest { name: String },
+    /// The executor's result, after the lifecycle.
+    Result {
+        status: String,
+        #[serde(default)]
+        output: Option<Value>,
+        #[serde(default)]
+        error: Option<String>,
+        #[serde(default)]
+        artifacts: Vec<Value>,
+    },
+    /// A script did not pass validation (nothing was run).
+    ValidationError { error: String },
+    /// A session call finished.
+    SessionReply {
+        success: bool,
+        #[serde(default)]
+        error: Option<String>,
+        #[serde(default)]
+        stdout: String,
+        #[serde(default)]
+        stderr: String,
+        #[serde(default)]
+        globals: serde_json::Map<String, Value>,
+    },
+    /// The runtime's trusted start-up is over; executor code comes next (the agent applies
+    /// the CPU quota).
+    Ready,
+}
+
+/// Agent → payload.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+pub enum ToPayload {
+    Secret {
+        value: String,
+    },
+    SecretDenied {
+        reason: String,
+    },
+    /// Run `code` in the session's persistent globals.
+    SessionExec {
+        code: String,
+        #[serde(default)]
+        globals: serde_json::Map<String, Value>,
+        #[serde(default)]
+        r#return: Vec<String>,
+    },
+}
+
+/// What the agent hands the sandboxed runtime (the entry argument).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(tag = "mode", rename_all = "snake_case", deny_unknown_fields)]
+pub enum RuntimeArgs {
+    Executor {
+        package_dir: String,
+        entry_point: String,
+        /// Extra `sys.path` entries (the executor's installed requirements).
+        paths: Vec<String>,
+        params: Value,
+        agent_id: String,
+        action: Option<String>,
+        command_id: Option<String>,
+        config: Value,
+    },
+    Script {
+        language: String,
+        path: String,
+    },
+    Session {
+        allow_imports: Vec<String>,
+        default_imports: Vec<(String, String)>,
+    },
+}
+
+/// Encode for the channel.
+pub fn encode<T: Serialize>(msg: &T) -> Vec<u8> {
+    // Serializing these plain data types cannot fail (no maps with non-string keys).
+    serde_json::to_vec(msg).unwrap_or_default()
+}

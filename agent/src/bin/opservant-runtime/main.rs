@@ -1,0 +1,108 @@
+//! `opservant-runtime`: the executor runtime, `execve`d as the payload of an executor sandbox.
+//!
+//! It runs with every restriction of the sandbox already in place. It starts CPython (linked
+//! statically into this binary only) from an *isolated* configuration — no `PYTHON*`
+//! environment, no user site, no current directory on `sys.path`, no `site` import, no
+//! bytecode writes — so the interpreter sees its standard library, the opservant package
+//! embedded here, the executor's package and its installed requirements, and nothing else.
+//! It talks to the agent only over the application channel (fd 4): the first message is its
+//! arguments; it reports "ready" once the interpreter is up and before any executor code is
+//! importable, which is when the agent applies the CPU quota.
+
+mod native;
+
+use std::ffi::CString;
+use std::process::ExitCode;
+use std::sync::{Mutex, OnceLock};
+
+use agent::app::{self, FromPayload, RuntimeArgs};
+use pyo3::prelude::*;
+use sandbox::channel::{Channel, APP_FD};
+
+static APP: OnceLock<Mutex<Channel>> = OnceLock::new();
+static ARGS: OnceLock<RuntimeArgs> = OnceLock::new();
+
+const BOOTSTRAP: &str = include_str!("bootstrap.py");
+
+/// The interpreter the binary embeds; its standard library is found from this path.
+const PYTHON_PROGRAM: &str = match option_env!("PYO3_PYTHON") {
+    Some(p) => p,
+    None => "/usr/bin/python3",
+};
+
+/// Exit status when the runtime itself cannot start (an executor failure is reported
+/// through the result instead).
+const RUNTIME_FAILED: u8 = 70;
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(code) => ExitCode::from(code),
+        Err(e) => {
+            eprintln!("opservant-runtime: {e}");
+            ExitCode::from(RUNTIME_FAILED)
+        }
+    }
+}
+
+fn run() -> Result<u8, String> {
+    // SAFETY: the sandbox passes the application channel as fd 4 and nothing else in this
+    // fresh process owns it.
+    let chan =
+        unsafe { Channel::from_raw(APP_FD) }.map_err(|e| format!("no application channel on fd 4: {}", e.desc()))?;
+    let bytes = chan.recv_bytes(app::MAX_MESSAGE)?.ok_or("the agent closed the channel before sending arguments")?;
+    let args: RuntimeArgs = serde_json::from_slice(&bytes).map_err(|e| format!("malformed arguments: {e}"))?;
+    let _ = APP.set(Mutex::new(chan));
+    let _ = ARGS.set(args);
+    start_interpreter()?;
+    Python::attach(|py| {
+        let code = CString::new(BOOTSTRAP).map_err(|e| e.to_string())?;
+        match py.run(&code, None, None) {
+            Ok(()) => Ok(0),
+            Err(e) => {
+                e.print(py);
+                Ok(1)
+            }
+        }
+    })
+}
+
+/// Tell the agent the trusted start-up is over (called by the bootstrap).
+fn send(msg: &FromPayload) -> Result<(), String> {
+    let chan = APP.get().ok_or("no application channel")?;
+    let chan = chan.lock().map_err(|_| "application channel poisoned")?;
+    chan.send_bytes(&app::encode(msg)).map_err(|e| format!("agent channel: {}", e.desc()))
+}
+
+/// Start CPython from an isolated configuration.
+fn start_interpreter() -> Result<(), String> {
+    pyo3::append_to_inittab!(_opservant);
+    let program = CString::new(PYTHON_PROGRAM).map_err(|e| e.to_string())?;
+    // SAFETY: single-threaded process, interpreter not yet initialised; `config` is
+    // initialised by PyConfig_InitIsolatedConfig before any field is read, cleared after
+    // use, and `program` outlives the call that copies it.
+    unsafe {
+        use pyo3::ffi;
+        let mut config = std::mem::MaybeUninit::<ffi::PyConfig>::zeroed();
+        ffi::PyConfig_InitIsolatedConfig(config.as_mut_ptr());
+        let c = config.assume_init_mut();
+        c.site_import = 0;
+        c.write_bytecode = 0;
+        c.safe_path = 1;
+        c.user_site_directory = 0;
+        c.use_environment = 0;
+        let status = ffi::PyConfig_SetBytesString(c, &mut c.program_name, program.as_ptr());
+        let status = if ffi::PyStatus_Exception(status) == 0 { ffi::Py_InitializeFromConfig(c) } else { status };
+        ffi::PyConfig_Clear(c);
+        if ffi::PyStatus_Exception(status) != 0 {
+            let msg = if status.err_msg.is_null() {
+                "unknown error".to_string()
+            } else {
+                std::ffi::CStr::from_ptr(status.err_msg).to_string_lossy().into_owned()
+            };
+            return Err(format!("cannot start the embedded Python: {msg}"));
+        }
+    }
+    Ok(())
+}
+
+use native::_opservant;

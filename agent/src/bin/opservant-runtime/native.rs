@@ -1,0 +1,253 @@
+//! `_opservant`: the native module of the embedded runtime. It owns the application channel;
+//! Python code in the sandbox reaches the agent only through these functions.
+
+use std::os::fd::{AsFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use pyo3::exceptions::{PyOSError, PyPermissionError, PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyTuple};
+use serde_json::Value;
+
+use super::{APP, ARGS};
+use agent::app::{self, FromPayload, RuntimeArgs, ToPayload};
+
+// The package embedded in the binary, precompiled by build.rs.
+include!(concat!(env!("OUT_DIR"), "/embedded_python.rs"));
+
+/// Where executors put artifacts (the sandbox's scratch directory).
+const SCRATCH: &str = sandbox::spec::SCRATCH_DIR;
+
+static ARTIFACT_BYTES: AtomicU64 = AtomicU64::new(0);
+
+fn runtime_args() -> PyResult<&'static RuntimeArgs> {
+    ARGS.get().ok_or_else(|| PyRuntimeError::new_err("runtime arguments missing"))
+}
+
+fn send(msg: &FromPayload) -> PyResult<()> {
+    let chan = APP.get().ok_or_else(|| PyRuntimeError::new_err("no application channel"))?;
+    let chan = chan.lock().map_err(|_| PyRuntimeError::new_err("application channel poisoned"))?;
+    chan.send_bytes(&app::encode(msg)).map_err(|e| PyOSError::new_err(format!("agent channel: {}", e.desc())))
+}
+
+#[pymodule]
+pub mod _opservant {
+    use super::*;
+
+    /// The runtime mode: "executor", "script" or "session".
+    #[pyfunction]
+    fn mode() -> PyResult<&'static str> {
+        Ok(match runtime_args()? {
+            RuntimeArgs::Executor { .. } => "executor",
+            RuntimeArgs::Script { .. } => "script",
+            RuntimeArgs::Session { .. } => "session",
+        })
+    }
+
+    /// The arguments of this run, as Python objects.
+    #[pyfunction]
+    fn args<'py>(py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let value = serde_json::to_value(super::runtime_args()?).map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
+        Ok(pythonize::pythonize(py, &value)?)
+    }
+
+    /// `{module name: (marshalled code, is_package)}` of the embedded package.
+    #[pyfunction]
+    fn sources<'py>(py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        for (name, code, pkg) in EMBEDDED {
+            let code = pyo3::types::PyBytes::new(py, code).into_any();
+            d.set_item(name, PyTuple::new(py, [code, pkg.into_pyobject(py)?.to_owned().into_any()])?)?;
+        }
+        Ok(d)
+    }
+
+    /// The interpreter is up and the runtime imported; executor code comes next.
+    #[pyfunction]
+    fn ready() -> PyResult<()> {
+        super::super::send(&FromPayload::Ready).map_err(PyOSError::new_err)
+    }
+
+    /// Entries to put in front of `sys.path`.
+    #[pyfunction]
+    fn paths() -> PyResult<Vec<String>> {
+        Ok(match super::runtime_args()? {
+            RuntimeArgs::Executor { package_dir, paths, .. } => {
+                let mut v = vec![package_dir.clone()];
+                v.extend(paths.iter().cloned());
+                v
+            }
+            _ => Vec::new(),
+        })
+    }
+
+    /// Forward a log record to the agent.
+    #[pyfunction]
+    fn log(level: String, msg: String, fields: &Bound<'_, PyDict>) -> PyResult<()> {
+        let fields: serde_json::Map<String, Value> = pythonize::depythonize(fields.as_any())?;
+        send(&FromPayload::Log { level, msg, fields })
+    }
+
+    /// Ask the agent for a secret; `PermissionError` when it is not granted.
+    #[pyfunction]
+    fn secret(py: Python<'_>, name: String) -> PyResult<String> {
+        let reply = py.detach(|| -> Result<ToPayload, String> {
+            let chan = APP.get().ok_or("no application channel")?;
+            let chan = chan.lock().map_err(|_| "application channel poisoned")?;
+            chan.send_bytes(&app::encode(&FromPayload::SecretRequest { name: name.clone() }))
+                .map_err(|e| e.desc().to_string())?;
+            let bytes = chan.recv_bytes(1 << 20)?.ok_or("the agent closed the channel")?;
+            serde_json::from_slice(&bytes).map_err(|e| e.to_string())
+        });
+        match reply {
+            Ok(ToPayload::Secret { value }) => Ok(value),
+            Ok(ToPayload::SecretDenied { reason }) => Err(PyPermissionError::new_err(reason)),
+            Ok(other) => Err(PyRuntimeError::new_err(format!("unexpected reply {other:?}"))),
+            Err(e) => Err(PyRuntimeError::new_err(format!("secret '{name}': {e}"))),
+        }
+    }
+
+    /// The network as seen inside the sandbox: interfaces, their IPv4/IPv6 addresses, and
+    /// the first non-loopback IPv4 address (or 127.0.0.1) with its subnet.
+    #[pyfunction]
+    fn network<'py>(py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        Ok(pythonize::pythonize(py, &super::network_info())?)
+    }
+
+    /// Read an artifact from the scratch directory without following any symlink, with the
+    /// per-file and per-run size caps; returns `{path, size, sha256, content_base64}`.
+    #[pyfunction]
+    fn artifact<'py>(py: Python<'py>, path: String) -> PyResult<Bound<'py, PyAny>> {
+        let value = super::read_artifact(&path).map_err(PyOSError::new_err)?;
+        Ok(pythonize::pythonize(py, &value)?)
+    }
+
+    /// Send the lifecycle result (a dict: status, output, error, artifacts).
+    #[pyfunction]
+    fn send_result(result: &Bound<'_, PyAny>) -> PyResult<()> {
+        #[derive(serde::Deserialize)]
+        struct R {
+            status: String,
+            #[serde(default)]
+            output: Option<Value>,
+            #[serde(default)]
+            error: Option<String>,
+            #[serde(default)]
+            artifacts: Vec<Value>,
+        }
+        let r: R = pythonize::depythonize(result).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let output_size = r.output.as_ref().map(|o| serde_json::to_vec(o).map(|v| v.len()).unwrap_or(0)).unwrap_or(0);
+        let msg = if output_size > app::MAX_OUTPUT {
+            FromPayload::Result {
+                status: "failed".into(),
+                output: None,
+                error: Some(format!("output is {output_size} bytes of JSON, over the {} byte cap", app::MAX_OUTPUT)),
+                artifacts: r.artifacts,
+            }
+        } else {
+            FromPayload::Result { status: r.status, output: r.output, error: r.error, artifacts: r.artifacts }
+        };
+        send(&msg)
+    }
+}
+
+/// Network information for `context["network"]`.
+fn network_info() -> Value {
+    use std::collections::BTreeMap;
+    let mut ifaces: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    let mut local: Option<(std::net::Ipv4Addr, u32)> = None;
+    if let Ok(addrs) = nix::ifaddrs::getifaddrs() {
+        for a in addrs {
+            let entry = ifaces.entry(a.interface_name.clone()).or_default();
+            let Some(addr) = a.address else { continue };
+            if let Some(v4) = addr.as_sockaddr_in() {
+                let ip = v4.ip();
+                let prefix =
+                    a.netmask.and_then(|m| m.as_sockaddr_in().map(|m| u32::from(m.ip()).count_ones())).unwrap_or(32);
+                entry.push(format!("{ip}/{prefix}"));
+                if !ip.is_loopback() && local.is_none() {
+                    local = Some((ip, prefix));
+                }
+            } else if let Some(v6) = addr.as_sockaddr_in6() {
+                entry.push(v6.ip().to_string());
+            }
+        }
+    }
+    let (ip, prefix) = local.unwrap_or((std::net::Ipv4Addr::LOCALHOST, 8));
+    let mask = if prefix == 0 { 0 } else { u32::MAX << (32 - prefix) };
+    let subnet = std::net::Ipv4Addr::from(u32::from(ip) & mask);
+    serde_json::json!({
+        "local_ip": ip.to_string(),
+        "subnet": format!("{subnet}/{prefix}"),
+        "interfaces": ifaces.iter().map(|(name, addrs)| serde_json::json!({"name": name, "addresses": addrs})).collect::<Vec<_>>(),
+    })
+}
+
+/// Open `rel` beneath `dir` one component at a time, refusing symlinks anywhere.
+fn open_beneath(dir: &OwnedFd, rel: &str) -> Result<OwnedFd, String> {
+    use nix::fcntl::{openat, OFlag};
+    use nix::sys::stat::Mode;
+    let parts: Vec<&str> = rel.split('/').filter(|p| !p.is_empty() && *p != ".").collect();
+    if parts.is_empty() || parts.contains(&"..") {
+        return Err(format!("{rel}: not a path beneath the scratch directory"));
+    }
+    let mut current: Option<OwnedFd> = None;
+    for (i, part) in parts.iter().enumerate() {
+        let last = i + 1 == parts.len();
+        let flags = OFlag::O_NOFOLLOW
+            | OFlag::O_CLOEXEC
+            | if last { OFlag::O_RDONLY } else { OFlag::O_PATH | OFlag::O_DIRECTORY };
+        let base = current.as_ref().unwrap_or(dir);
+        let fd = openat(base.as_fd(), *part, flags, Mode::empty()).map_err(|e| match e {
+            nix::errno::Errno::ELOOP | nix::errno::Errno::ENOTDIR => format!("{rel}: symbolic links are not followed"),
+            e => format!("{rel}: {}", e.desc()),
+        })?;
+        current = Some(fd);
+    }
+    current.ok_or_else(|| format!("{rel}: empty path"))
+}
+
+fn read_artifact(path: &str) -> Result<Value, String> {
+    use sha2::Digest;
+    use std::io::Read;
+    let rel = match path.strip_prefix(SCRATCH) {
+        Some(r) if r.is_empty() || r.starts_with('/') => r.trim_start_matches('/').to_string(),
+        _ if path.starts_with('/') => return Err(format!("{path}: artifacts must be in {SCRATCH}")),
+        _ => path.to_string(),
+    };
+    let dir = nix::fcntl::open(
+        SCRATCH,
+        nix::fcntl::OFlag::O_PATH | nix::fcntl::OFlag::O_DIRECTORY,
+        nix::sys::stat::Mode::empty(),
+    )
+    .map_err(|e| format!("{SCRATCH}: {}", e.desc()))?;
+    let fd = open_beneath(&dir, &rel)?;
+    let st = nix::sys::stat::fstat(&fd).map_err(|e| e.desc().to_string())?;
+    if st.st_mode & libc::S_IFMT != libc::S_IFREG {
+        return Err(format!("{rel}: not a regular file"));
+    }
+    let size = st.st_size.max(0) as u64;
+    if size > app::MAX_ARTIFACT {
+        return Err(format!("{rel}: {size} bytes, over the {} byte cap per artifact", app::MAX_ARTIFACT));
+    }
+    let total = ARTIFACT_BYTES.fetch_add(size, Ordering::Relaxed) + size;
+    if total > app::MAX_ARTIFACTS_TOTAL {
+        return Err(format!("{rel}: the run's artifacts exceed {} bytes", app::MAX_ARTIFACTS_TOTAL));
+    }
+    // SAFETY: `fd` is an open descriptor we own; File takes it over.
+    let mut file = unsafe { std::fs::File::from_raw_fd(std::os::fd::IntoRawFd::into_raw_fd(fd)) };
+    let mut content = Vec::with_capacity(size as usize);
+    (&mut file).take(app::MAX_ARTIFACT + 1).read_to_end(&mut content).map_err(|e| e.to_string())?;
+    if content.len() as u64 > app::MAX_ARTIFACT {
+        return Err(format!("{rel}: grew over the per-artifact cap while being read"));
+    }
+    let digest = sha2::Sha256::digest(&content);
+    let sha256: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+    use base64::Engine;
+    Ok(serde_json::json!({
+        "path": rel,
+        "size": content.len(),
+        "sha256": sha256,
+        "content_base64": base64::engine::general_purpose::STANDARD.encode(&content),
+    }))
+}

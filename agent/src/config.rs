@@ -1,0 +1,240 @@
+//! Agent configuration (`/etc/opservant/config.yaml`), the parts the executor runtime uses:
+//! agent identity, limit defaults and ceilings, sandbox strictness, the secrets provider.
+//! Keys of seed 001 that later features consume (`network`) are accepted and kept opaque.
+//!
+//! Guarantees: unknown keys are errors naming the key path (a misspelt setting is never
+//! silently ignored); `run`, `script` and `session` work without any file; nothing secret is
+//! kept in [`Config::public_view`], which is what executors may see as `context["config"]`.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+use crate::limits::LimitPolicy;
+
+pub const DEFAULT_PATH: &str = "/etc/opservant/config.yaml";
+
+#[derive(Debug, Error)]
+#[error("{path}: {message}")]
+pub struct ConfigError {
+    pub path: String,
+    pub message: String,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    #[serde(default)]
+    pub agent: AgentSection,
+    #[serde(default)]
+    pub resource_limits: LimitsSection,
+    #[serde(default)]
+    pub sandbox: SandboxSection,
+    #[serde(default)]
+    pub secrets: SecretsSection,
+    /// Seed 001's `network` block (egress defaults, platform, proxy): used by later features.
+    #[serde(default)]
+    pub network: Option<serde_json::Value>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct AgentSection {
+    /// The agent's identifier (`context["agent_id"]`); default `local-<hostname>`.
+    pub id: Option<String>,
+}
+
+/// Seed 001: `default_timeout_seconds` sets a default, `max_*` set ceilings; `default_*`
+/// for the other limits too. The shipped ceilings (`policies/limits.json`) may be lowered or
+/// raised here; a default above its ceiling is an error.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitsSection {
+    pub default_timeout_seconds: Option<u64>,
+    pub default_memory_mb: Option<u64>,
+    pub default_cpu_percent: Option<u64>,
+    pub default_disk_mb: Option<u64>,
+    pub default_pids: Option<u64>,
+    pub max_timeout_seconds: Option<u64>,
+    pub max_memory_mb: Option<u64>,
+    pub max_cpu_percent: Option<u64>,
+    pub max_disk_mb: Option<u64>,
+    pub max_pids: Option<u64>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct SandboxSection {
+    /// Refuse to run below this Landlock ABI (default 1).
+    pub landlock_min_abi: Option<u32>,
+    /// Run with missing cgroup controllers, reporting what is not enforced.
+    #[serde(default)]
+    pub allow_degraded: bool,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct SecretsSection {
+    /// `file` (a local development secrets file); `vault` and the encrypted store come later.
+    pub provider: Option<String>,
+    /// For `provider: file`: a YAML map of name → value, root-owned, mode 0600.
+    pub file: Option<PathBuf>,
+    // Seed 001's Vault keys, accepted so its example parses.
+    pub vault_address: Option<String>,
+    pub vault_path: Option<String>,
+    pub auth_method: Option<String>,
+    pub role_id: Option<String>,
+    pub secret_id_file: Option<PathBuf>,
+}
+
+impl Config {
+    /// `path` if given (must exist), else the default path if it exists, else built-in
+    /// defaults.
+    pub fn load(path: Option<&Path>) -> Result<Config, ConfigError> {
+        let (path, required) = match path {
+            Some(p) => (p.to_path_buf(), true),
+            None => (PathBuf::from(DEFAULT_PATH), false),
+        };
+        match std::fs::read_to_string(&path) {
+            Ok(text) => Self::parse(&text).map_err(|mut e| {
+                e.path = format!("{}: {}", path.display(), e.path);
+                e
+            }),
+            Err(e) if !required && e.kind() == std::io::ErrorKind::NotFound => Ok(Config::default()),
+            Err(e) => Err(ConfigError { path: path.display().to_string(), message: format!("cannot read: {e}") }),
+        }
+    }
+
+    pub fn parse(text: &str) -> Result<Config, ConfigError> {
+        if text.trim().is_empty() {
+            return Ok(Config::default());
+        }
+        let c: Config =
+            serde_saphyr::from_str(text).map_err(|e| ConfigError { path: "config".into(), message: e.to_string() })?;
+        c.validate()?;
+        Ok(c)
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let err = |path: &str, message: &str| ConfigError { path: path.into(), message: message.into() };
+        if let Some(id) = &self.agent.id {
+            if id.is_empty() || id.len() > 128 || id.chars().any(|c| c.is_control()) {
+                return Err(err("agent.id", "must be 1-128 printable characters"));
+            }
+        }
+        match self.secrets.provider.as_deref() {
+            None => {}
+            Some("file") if self.secrets.file.is_some() => {}
+            Some("file") => return Err(err("secrets.file", "is required with provider: file")),
+            Some(other) => {
+                return Err(err(
+                    "secrets.provider",
+                    &format!("'{other}' is not available in this build (use 'file'; Vault and the encrypted store come with the agent daemon)"),
+                ))
+            }
+        }
+        self.limit_policy(LimitPolicy::builtin())?;
+        Ok(())
+    }
+
+    /// The shipped limit policy with this configuration's defaults and ceilings applied.
+    pub fn limit_policy(&self, mut p: LimitPolicy) -> Result<LimitPolicy, ConfigError> {
+        let l = &self.resource_limits;
+        for (value, slot) in [
+            (l.max_timeout_seconds, &mut p.ceilings.timeout_seconds),
+            (l.max_memory_mb, &mut p.ceilings.max_memory_mb),
+            (l.max_cpu_percent, &mut p.ceilings.max_cpu_percent),
+            (l.max_disk_mb, &mut p.ceilings.max_disk_mb),
+            (l.max_pids, &mut p.ceilings.max_pids),
+            (l.default_timeout_seconds, &mut p.defaults.timeout_seconds),
+            (l.default_memory_mb, &mut p.defaults.max_memory_mb),
+            (l.default_cpu_percent, &mut p.defaults.max_cpu_percent),
+            (l.default_disk_mb, &mut p.defaults.max_disk_mb),
+            (l.default_pids, &mut p.defaults.max_pids),
+        ] {
+            if let Some(v) = value {
+                *slot = v;
+            }
+        }
+        let pairs = [
+            ("timeout_seconds", p.defaults.timeout_seconds, p.ceilings.timeout_seconds),
+            ("memory_mb", p.defaults.max_memory_mb, p.ceilings.max_memory_mb),
+            ("cpu_percent", p.defaults.max_cpu_percent, p.ceilings.max_cpu_percent),
+            ("disk_mb", p.defaults.max_disk_mb, p.ceilings.max_disk_mb),
+            ("pids", p.defaults.max_pids, p.ceilings.max_pids),
+        ];
+        for (name, default, ceiling) in pairs {
+            if default == 0 || ceiling == 0 {
+                return Err(ConfigError {
+                    path: format!("resource_limits.*{name}"),
+                    message: "must be positive".into(),
+                });
+            }
+            if default > ceiling {
+                return Err(ConfigError {
+                    path: format!("resource_limits.default_{name}"),
+                    message: format!("default {default} is above the ceiling {ceiling}"),
+                });
+            }
+        }
+        if p.ceilings.max_cpu_percent > 100 {
+            return Err(ConfigError { path: "resource_limits.max_cpu_percent".into(), message: "at most 100".into() });
+        }
+        Ok(p)
+    }
+
+    /// `context["agent_id"]`.
+    pub fn agent_id(&self) -> String {
+        self.agent.id.clone().unwrap_or_else(|| {
+            let host = nix::unistd::gethostname().ok().and_then(|h| h.into_string().ok()).unwrap_or_default();
+            format!("local-{host}")
+        })
+    }
+
+    /// `context["config"]`: the non-secret part of the configuration.
+    pub fn public_view(&self) -> serde_json::Value {
+        serde_json::json!({
+            "agent": {"id": self.agent_id()},
+            "resource_limits": self.resource_limits,
+            "sandbox": self.sandbox,
+            "secrets": {"provider": self.secrets.provider},
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn seed_001_example_parses() {
+        let text = "resource_limits:\n  default_timeout_seconds: 120\n  max_memory_mb: 256\n  max_cpu_percent: 25\n\
+                    network:\n  executor_defaults:\n    outbound: false\n    dns_allowed: true\n";
+        let c = Config::parse(text).unwrap();
+        let p = c.limit_policy(LimitPolicy::builtin()).unwrap();
+        assert_eq!(p.defaults.timeout_seconds, 120);
+        assert_eq!(p.ceilings.max_memory_mb, 256);
+        assert_eq!(p.ceilings.max_cpu_percent, 25);
+    }
+
+    #[test]
+    fn unknown_keys_and_bad_values_name_the_key() {
+        let e = Config::parse("agent:\n  idd: x\n").unwrap_err();
+        assert!(e.to_string().contains("idd"), "{e}");
+        let e = Config::parse("resource_limits:\n  default_memory_mb: 600\n").unwrap_err();
+        assert_eq!(e.path, "resource_limits.default_memory_mb", "{e}");
+        let e = Config::parse("secrets:\n  provider: vault\n").unwrap_err();
+        assert_eq!(e.path, "secrets.provider");
+        let e = Config::parse("secrets:\n  provider: file\n").unwrap_err();
+        assert_eq!(e.path, "secrets.file");
+    }
+
+    #[test]
+    fn no_file_means_defaults() {
+        let c = Config::load(None).unwrap_or_default();
+        assert!(c.agent_id().starts_with("local-") || c.agent.id.is_some());
+        assert!(Config::load(Some(Path::new("/nonexistent/config.yaml"))).is_err());
+        assert!(c.public_view()["secrets"].get("file").is_none(), "no secret paths in the public view");
+    }
+}

@@ -1,0 +1,480 @@
+//! `opservant run`: one executor execution in a fresh sandbox, with the embedded runtime as
+//! its payload, and the agent's side of the application protocol (logs, secrets, result).
+//!
+//! Guarantees: an invalid manifest, an entry point outside the package, an unsupported
+//! action or Python requirement stop the run before any sandbox exists (exit status 2);
+//! secrets are delivered only for names the manifest declares, each grant and refusal is
+//! audited, and every delivered value is redacted from everything the result carries;
+//! the result's status follows the lifecycle (completed/failed/partial/rejected), the
+//! limits (OOM → failed + `killed_by: "oom"`; wall time → timeout), or the sandbox.
+
+use std::path::{Path, PathBuf};
+use std::thread;
+
+use serde_json::Value;
+
+use crate::app::{self, FromPayload, RuntimeArgs, ToPayload};
+use crate::audit;
+use crate::config::Config;
+use crate::limits::EffectiveLimits;
+use crate::manifest::Manifest;
+use crate::policy::AgentPolicy;
+use crate::result::{ExecutorRef, RunResult, Status};
+use crate::secrets::{Provider, Redactor, REDACTED};
+
+/// The interpreter embedded in this binary (major, minor, patch).
+pub fn embedded_python() -> (u32, u32, u32) {
+    let v: Vec<u32> = env!("OPSERVANT_EMBEDDED_PYTHON").split('.').filter_map(|p| p.parse().ok()).collect();
+    (v.first().copied().unwrap_or(3), v.get(1).copied().unwrap_or(0), v.get(2).copied().unwrap_or(0))
+}
+
+/// Does `version` satisfy a PEP 440-style specifier list such as `">=3.9, <3.13"`?
+pub fn python_requirement_ok(spec: &str, version: (u32, u32, u32)) -> Result<bool, String> {
+    let mut ok = true;
+    for clause in spec.split(',').map(str::trim).filter(|c| !c.is_empty()) {
+        let op_len = clause.find(|c: char| c.is_ascii_digit()).ok_or_else(|| format!("'{clause}' has no version"))?;
+        let (op, ver) = clause.split_at(op_len);
+        let parts: Vec<u32> = ver
+            .trim()
+            .split('.')
+            .map(|p| if p == "*" { Ok(u32::MAX) } else { p.parse().map_err(|_| format!("'{clause}': bad version")) })
+            .collect::<Result<_, _>>()?;
+        if parts.is_empty() || parts.len() > 3 {
+            return Err(format!("'{clause}': bad version"));
+        }
+        let have = [version.0, version.1, version.2];
+        // Compare only as many components as the clause names ("3.9" means 3.9.*).
+        let cmp = |n: usize| -> std::cmp::Ordering {
+            for i in 0..n {
+                if parts[i] == u32::MAX {
+                    return std::cmp::Ordering::Equal;
+                }
+                match have[i].cmp(&parts[i]) {
+                    std::cmp::Ordering::Equal => continue,
+                    o => return o,
+                }
+            }
+            std::cmp::Ordering::Equal
+        };
+        let o = cmp(parts.len());
+        use std::cmp::Ordering::*;
+        ok &= match op.trim() {
+            ">=" => o != Less,
+            ">" => o == Greater,
+            "<=" => o != Greater,
+            "<" => o == Less,
+            "==" | "" => o == Equal,
+            "!=" => o != Equal,
+            "~=" if parts.len() >= 2 => o != Less && cmp(parts.len() - 1) == Equal,
+            other => return Err(format!("'{clause}': unsupported operator '{other}'")),
+        };
+    }
+    Ok(ok)
+}
+
+/// Name of the runtime binary, installed beside `opservant`.
+pub const RUNTIME_BINARY: &str = "opservant-runtime";
+
+/// Where the runtime binary is: beside the running `opservant`, else `/usr/lib/opservant`.
+pub fn runtime_binary() -> Result<PathBuf, CannotRun> {
+    let beside = std::env::current_exe().ok().and_then(|e| e.parent().map(|d| d.join(RUNTIME_BINARY)));
+    beside
+        .into_iter()
+        .chain([PathBuf::from("/usr/lib/opservant").join(RUNTIME_BINARY)])
+        .find(|p| p.is_file())
+        .ok_or_else(|| CannotRun(format!("{RUNTIME_BINARY} not found beside opservant or in /usr/lib/opservant")))
+}
+
+/// What goes wrong before anything runs (exit status 2).
+#[derive(Debug)]
+pub struct CannotRun(pub String);
+
+impl<E: std::fmt::Display> From<E> for CannotRun {
+    fn from(e: E) -> Self {
+        CannotRun(e.to_string())
+    }
+}
+
+/// A validated executor directory.
+pub struct Executor {
+    pub dir: PathBuf,
+    pub manifest: Manifest,
+    pub warnings: Vec<String>,
+    /// Installed requirements (`<dir>/.deps`), when present.
+    pub deps: Option<PathBuf>,
+}
+
+impl Executor {
+    /// Load and check everything that can be checked without running it.
+    pub fn load(dir: &Path) -> Result<Executor, CannotRun> {
+        let dir = dir.canonicalize().map_err(|e| CannotRun(format!("{}: {e}", dir.display())))?;
+        let (manifest, warnings) = Manifest::load(&dir.join("manifest.json"))?;
+        let module = manifest.entry_point.rsplit_once('.').map(|(m, _)| m).unwrap_or_default();
+        let rel = PathBuf::from(module.replace('.', "/"));
+        let found = dir.join(&rel).with_extension("py").is_file() || dir.join(&rel).join("__init__.py").is_file();
+        if !found {
+            return Err(CannotRun(format!(
+                "entry_point: module '{module}' is not in the executor package {} (looked for {}.py and {}/__init__.py)",
+                dir.display(),
+                rel.display(),
+                rel.display()
+            )));
+        }
+        if let Some(req) = &manifest.requirements.python {
+            let v = embedded_python();
+            match python_requirement_ok(req, v) {
+                Ok(true) => {}
+                Ok(false) => {
+                    return Err(CannotRun(format!(
+                        "requirements.python: '{req}' is not satisfied by the embedded Python {}.{}.{}",
+                        v.0, v.1, v.2
+                    )))
+                }
+                Err(e) => return Err(CannotRun(format!("requirements.python: {e}"))),
+            }
+        }
+        let deps = Some(dir.join(".deps")).filter(|d| d.is_dir());
+        if !manifest.requirements.packages.is_empty() && deps.is_none() {
+            return Err(CannotRun(format!(
+                "requirements.packages: {} declared but not installed (expected them in {}/.deps)",
+                manifest.requirements.packages.join(", "),
+                dir.display()
+            )));
+        }
+        Ok(Executor { warnings: warnings.iter().map(|w| w.to_string()).collect(), dir, manifest, deps })
+    }
+}
+
+/// A request to run an executor.
+pub struct RunRequest<'a> {
+    pub executor: &'a Executor,
+    pub params: Value,
+    pub action: Option<String>,
+    pub command_id: Option<String>,
+    pub config: &'a Config,
+    pub policy: &'a AgentPolicy,
+    /// How to start the sandbox's monitor.
+    pub launcher: sandbox::Launcher,
+    /// The runtime binary (see [`runtime_binary`]).
+    pub runtime: PathBuf,
+}
+
+/// The runtime's `result` message: status, output, error, artifacts.
+type ReportedResult = (String, Option<Value>, Option<String>, Vec<Value>);
+
+/// Everything the application channel delivered.
+#[derive(Default)]
+struct AppOutcome {
+    result: Option<ReportedResult>,
+    logs: Vec<Value>,
+    logs_dropped: u64,
+    redactor: Redactor,
+    protocol_error: Option<String>,
+}
+
+/// Run one executor. `Err` means it could not run at all (exit status 2).
+pub fn run(req: RunRequest) -> Result<RunResult, CannotRun> {
+    let m = &req.executor.manifest;
+    if let Some(a) = &req.action {
+        if !m.supported_actions.iter().any(|s| s == a) {
+            return Err(CannotRun(format!(
+                "--action {a}: not in the executor's supported_actions ({})",
+                m.supported_actions.join(", ")
+            )));
+        }
+    }
+    if !req.params.is_object() {
+        return Err(CannotRun("--params: must be a JSON object".into()));
+    }
+    let runtime = req.runtime.to_string_lossy().into_owned();
+    let (mut spec, limits) = req.policy.spec_for(Some(m), &runtime, vec![])?;
+    spec.command.app_channel = true;
+    // The interpreter's own start-up is trusted and not throttled; the quota applies when
+    // the runtime reports ready (at the latest a second after it started).
+    spec.limits.cpu_deferred = true;
+    spec.filesystem.paths.push(sandbox::PathRule {
+        path: req.runtime.clone(),
+        access: sandbox::Access::Read,
+        optional: false,
+    });
+    let dir = req.executor.dir.to_string_lossy().into_owned();
+    spec.filesystem.paths.push(sandbox::PathRule {
+        path: req.executor.dir.clone(),
+        access: sandbox::Access::Read,
+        optional: false,
+    });
+    if let Some(d) = &req.executor.deps {
+        spec.filesystem.paths.push(sandbox::PathRule {
+            path: d.clone(),
+            access: sandbox::Access::Read,
+            optional: false,
+        });
+    }
+    let args = RuntimeArgs::Executor {
+        package_dir: dir,
+        entry_point: m.entry_point.clone(),
+        paths: req.executor.deps.iter().map(|d| d.to_string_lossy().into_owned()).collect(),
+        params: req.params.clone(),
+        agent_id: req.config.agent_id(),
+        action: req.action.clone(),
+        command_id: req.command_id.clone(),
+        config: req.config.public_view(),
+    };
+    spec.validate()?;
+    // Fail early on an unusable secrets file, but read the values only once the sandbox
+    // processes exist, so no copy of them is forked into the sandbox's monitor or init.
+    Provider::check_config(req.config).map_err(CannotRun)?;
+
+    audit::record(
+        "executor_start",
+        &[("executor", &m.name), ("version", &m.version), ("action", req.action.as_deref().unwrap_or(""))],
+    );
+    let mut sb = sandbox::Sandbox::spawn(&spec, &req.launcher, None)?;
+    let provider = Provider::from_config(req.config).map_err(CannotRun)?;
+    let app_chan = sb.take_app_channel().ok_or_else(|| CannotRun("no application channel".into()))?;
+    app_chan
+        .send_bytes(&serde_json::to_vec(&args)?)
+        .map_err(|e| CannotRun(format!("runtime arguments: {}", e.desc())))?;
+    let declared: Vec<String> = m.permissions.secrets.clone();
+    let executor_name = m.name.clone();
+    let cpu = sb.cpu_limiter();
+    let server = thread::spawn(move || serve(app_chan, &declared, &provider, &executor_name, &cpu));
+    let outcome = sb.wait(sandbox::OutputOptions::default());
+    // The channel reaches end-of-file once the payload is gone, which ends the server.
+    let app = server.join().map_err(|_| CannotRun("application channel server panicked".into()))?;
+    let outcome = outcome?;
+    let result = assemble(&outcome, &limits, app, req.executor, req.action.clone(), req.command_id.clone());
+    audit::record(
+        match result.status {
+            Status::Completed => "executor_complete",
+            _ => "executor_fail",
+        },
+        &[
+            ("executor", &m.name),
+            ("status", status_str(result.status)),
+            ("killed_by", result.killed_by.as_deref().unwrap_or("")),
+        ],
+    );
+    Ok(result)
+}
+
+fn status_str(s: Status) -> &'static str {
+    match s {
+        Status::Completed => "completed",
+        Status::Failed => "failed",
+        Status::Partial => "partial",
+        Status::Timeout => "timeout",
+        Status::Rejected => "rejected",
+    }
+}
+
+/// Serve the application channel until end-of-file.
+fn serve(
+    chan: sandbox::channel::Channel,
+    declared: &[String],
+    provider: &Provider,
+    executor: &str,
+    cpu: &sandbox::CpuLimiter,
+) -> AppOutcome {
+    let mut out = AppOutcome::default();
+    loop {
+        let bytes = match chan.recv_bytes(app::MAX_MESSAGE) {
+            Ok(Some(b)) => b,
+            Ok(None) => return out,
+            Err(e) => {
+                out.protocol_error.get_or_insert(e);
+                return out;
+            }
+        };
+        let msg: FromPayload = match serde_json::from_slice(&bytes) {
+            Ok(m) => m,
+            Err(e) => {
+                out.protocol_error.get_or_insert(format!("malformed message from the runtime: {e}"));
+                return out;
+            }
+        };
+        match msg {
+            FromPayload::Log { level, msg, fields } => {
+                let fields_text = serde_json::Value::Object(fields.clone()).to_string();
+                tracing::info!(target: "opservant::executor", executor, level = %level, fields = %fields_text, "{msg}");
+                if out.logs.len() < app::MAX_LOGS {
+                    out.logs.push(serde_json::json!({"level": level, "msg": msg, "fields": fields}));
+                } else {
+                    out.logs_dropped += 1;
+                }
+            }
+            FromPayload::SecretRequest { name } => {
+                let reply = if !declared.iter().any(|d| d == &name) {
+                    audit::record(
+                        "secret_denied",
+                        &[("executor", executor), ("secret", &name), ("reason", "not declared")],
+                    );
+                    ToPayload::SecretDenied {
+                        reason: format!("secret '{name}' is not declared in permissions.secrets"),
+                    }
+                } else {
+                    match provider.get(&name) {
+                        Some(value) => {
+                            audit::record("secret_access", &[("executor", executor), ("secret", &name)]);
+                            out.redactor.add(value);
+                            ToPayload::Secret { value: value.to_string() }
+                        }
+                        None => {
+                            audit::record(
+                                "secret_denied",
+                                &[("executor", executor), ("secret", &name), ("reason", "unknown")],
+                            );
+                            ToPayload::SecretDenied {
+                                reason: format!("secret '{name}' is not available from the configured provider"),
+                            }
+                        }
+                    }
+                };
+                if chan.send_bytes(&app::encode(&reply)).is_err() {
+                    return out;
+                }
+            }
+            FromPayload::Ready => {
+                // A failed write is seen by the sandbox, which then stops the run.
+                let _ = cpu.apply();
+            }
+            FromPayload::Result { status, output, error, artifacts } => {
+                if out.result.is_none() {
+                    out.result = Some((status, output, error, artifacts));
+                }
+            }
+            other => {
+                out.protocol_error.get_or_insert(format!("unexpected message for an executor run: {other:?}"));
+            }
+        }
+    }
+}
+
+fn assemble(
+    outcome: &sandbox::Outcome,
+    limits: &EffectiveLimits,
+    app: AppOutcome,
+    executor: &Executor,
+    action: Option<String>,
+    command_id: Option<String>,
+) -> RunResult {
+    let mut r = RunResult::for_program(outcome, limits);
+    r.executor = Some(ExecutorRef { name: executor.manifest.name.clone(), version: executor.manifest.version.clone() });
+    r.action = action;
+    r.command_id = command_id;
+    r.logs = app.logs;
+    if app.logs_dropped > 0 {
+        r.logs.push(serde_json::json!({"level": "warning", "msg": format!("{} more log records dropped (cap {})", app.logs_dropped, app::MAX_LOGS), "fields": {}}));
+    }
+    // The sandbox's verdict comes first: a timeout or an OOM kill is what happened, whatever
+    // the runtime said before.
+    if outcome.timed_out || outcome.killed_by.is_some() {
+        r.output = Value::Object(Default::default());
+    } else if let Some((status, output, error, artifacts)) = app.result {
+        let status = match status.as_str() {
+            "completed" => Status::Completed,
+            "failed" => Status::Failed,
+            "partial" => Status::Partial,
+            "rejected" => Status::Rejected,
+            _ => {
+                r.status = Status::Failed;
+                r.error = Some(format!("the runtime reported an unknown status '{status}'"));
+                return finish(r, &app.redactor);
+            }
+        };
+        r.status = status;
+        r.error = error;
+        r.output = match (status, output) {
+            (Status::Failed | Status::Rejected, _) => Value::Null,
+            (_, Some(Value::Object(o))) => Value::Object(o),
+            (_, None | Some(Value::Null)) => Value::Object(Default::default()),
+            (_, Some(other)) => {
+                r.status = Status::Failed;
+                r.error = Some(format!("output must be a JSON object, got {}", kind(&other)));
+                Value::Null
+            }
+        };
+        r.artifacts = artifacts
+            .into_iter()
+            .map(|a| {
+                let content = a.get("content_base64").and_then(Value::as_str).unwrap_or("");
+                if !app.redactor.is_empty() && !content.is_empty() {
+                    use base64::Engine;
+                    let raw = base64::engine::general_purpose::STANDARD.decode(content).unwrap_or_default();
+                    if app.redactor.contains_secret(&raw) {
+                        return serde_json::json!({"path": a.get("path"), "error": "withheld: the artifact contains a secret value"});
+                    }
+                }
+                a
+            })
+            .collect();
+    } else {
+        r.status = Status::Failed;
+        r.output = Value::Null;
+        r.error = Some(match (&app.protocol_error, outcome.exit) {
+            (Some(e), _) => format!("the executor runtime misbehaved: {e}"),
+            (None, Some(x)) if x.code == Some(70) => format!(
+                "the executor runtime could not start: {}",
+                String::from_utf8_lossy(&outcome.stderr.bytes).lines().last().unwrap_or("see stderr")
+            ),
+            (None, Some(x)) => format!("the executor runtime ended without a result (exit status {})", x.shell_code()),
+            (None, None) => "the executor runtime ended without a result".to_string(),
+        });
+    }
+    finish(r, &app.redactor)
+}
+
+fn kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// Redact every delivered secret from everything the result carries.
+fn finish(mut r: RunResult, redactor: &Redactor) -> RunResult {
+    if redactor.is_empty() {
+        return r;
+    }
+    r.stdout = redactor.text(&r.stdout);
+    r.stderr = redactor.text(&r.stderr);
+    r.error = r.error.map(|e| redactor.text(&e));
+    r.output = redactor.json(&r.output);
+    r.logs = r.logs.iter().map(|l| redactor.json(l)).collect();
+    debug_assert!(!r.stdout.contains(REDACTED) || !redactor.is_empty());
+    r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn python_specifiers() {
+        let v = (3, 11, 2);
+        for (spec, want) in [
+            (">=3.9", true),
+            (">=3.12", false),
+            ("<3.11", false),
+            ("<=3.11", true),
+            ("==3.11", true),
+            ("==3.11.2", true),
+            ("==3.11.3", false),
+            ("!=3.11", false),
+            ("~=3.10", true),
+            ("~=3.11.1", true),
+            ("~=3.12.0", false),
+            (">=3.8, <3.13", true),
+            ("==3.*", true),
+            ("", true),
+        ] {
+            assert_eq!(python_requirement_ok(spec, v).unwrap(), want, "{spec}");
+        }
+        assert!(python_requirement_ok(">= three", v).is_err());
+        assert!(python_requirement_ok("=>3.9", v).is_err());
+    }
+}
