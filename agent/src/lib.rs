@@ -7,6 +7,7 @@ pub mod config;
 pub mod doctor;
 pub mod executor_run;
 pub mod limits;
+pub mod lint;
 pub mod manifest;
 pub mod policy;
 pub mod result;

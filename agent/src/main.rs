@@ -51,11 +51,29 @@ enum Command {
         #[arg(long)]
         config: Option<PathBuf>,
     },
+    /// Manage executors.
+    Executor {
+        #[command(subcommand)]
+        command: ExecutorCommand,
+    },
     /// Describe what this host supports and what will be degraded. Exit 1 when a required
     /// feature is missing.
     Doctor {
         #[arg(long)]
         json: bool,
+    },
+}
+
+#[derive(Subcommand)]
+enum ExecutorCommand {
+    /// Check an executor directory without running it: the errors `opservant run` would stop
+    /// on and its warnings. Exit 0 when there are no errors, 1 when there are.
+    Lint {
+        dir: PathBuf,
+        #[arg(long)]
+        json: bool,
+        #[arg(long)]
+        config: Option<PathBuf>,
     },
 }
 
@@ -85,6 +103,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Sandbox { manifest, json, argv } => run_sandbox(manifest, json, argv),
         Command::Run { dir, params, action, config } => run_executor(dir, params, action, config),
+        Command::Executor { command: ExecutorCommand::Lint { dir, json, config } } => lint(dir, json, config),
         Command::Doctor { json } => doctor(json),
     };
     match result {
@@ -176,6 +195,21 @@ fn run_executor(
     .map_err(|e| CannotRun(e.0))?;
     println!("{}", serde_json::to_string(&result)?);
     Ok(if result.status == Status::Completed { ExitCode::SUCCESS } else { ExitCode::from(1) })
+}
+
+fn lint(dir: PathBuf, json: bool, config: Option<PathBuf>) -> Result<ExitCode, CannotRun> {
+    let config = agent::config::Config::load(config.as_deref())?;
+    let policy = AgentPolicy::from_config(&config)?;
+    if !dir.is_dir() {
+        return Err(CannotRun(format!("{}: not a directory", dir.display())));
+    }
+    let report = agent::lint::lint(&dir, &policy);
+    if json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", report.render(&dir));
+    }
+    Ok(if report.errors.is_empty() { ExitCode::SUCCESS } else { ExitCode::from(1) })
 }
 
 fn doctor(json: bool) -> Result<ExitCode, CannotRun> {

@@ -1,0 +1,62 @@
+//! `opservant executor lint DIR`: every finding `opservant run` would stop on (errors) or
+//! warn about (warnings), without running anything. It uses exactly the checks `run` uses —
+//! manifest rules, entry point inside the package, Python requirement, installed packages,
+//! and the agent's sandbox policy — so lint and run cannot disagree.
+
+use std::path::Path;
+
+use serde::Serialize;
+
+use crate::executor_run::Executor;
+use crate::policy::AgentPolicy;
+
+#[derive(Debug, Default, Serialize)]
+pub struct LintReport {
+    pub errors: Vec<String>,
+    pub warnings: Vec<String>,
+}
+
+pub fn lint(dir: &Path, policy: &AgentPolicy) -> LintReport {
+    let mut r = LintReport::default();
+    match Executor::load(dir) {
+        Err(e) => r.errors.push(e.0),
+        Ok(ex) => {
+            r.warnings.extend(ex.warnings.iter().cloned());
+            if let Err(e) = policy.spec_for(Some(&ex.manifest), "/bin/true", vec![]) {
+                r.errors.push(e.to_string());
+            }
+            let limits = policy.limits.resolve(&ex.manifest.resource_limits);
+            for c in &limits.clamped {
+                r.warnings.push(format!(
+                    "resource_limits.{}: {} will be clamped to {} ({})",
+                    c.field, c.requested, c.applied, c.reason
+                ));
+            }
+            if ex.manifest.author.is_none() {
+                r.warnings.push("author: not set (recommended)".into());
+            }
+        }
+    }
+    r
+}
+
+impl LintReport {
+    pub fn render(&self, dir: &Path) -> String {
+        let mut s = String::new();
+        for e in &self.errors {
+            s.push_str(&format!("{}: error: {e}\n", dir.display()));
+        }
+        for w in &self.warnings {
+            s.push_str(&format!("{}: warning: {w}\n", dir.display()));
+        }
+        if self.errors.is_empty() {
+            s.push_str(&format!(
+                "{}: ok ({} warning{})\n",
+                dir.display(),
+                self.warnings.len(),
+                if self.warnings.len() == 1 { "" } else { "s" }
+            ));
+        }
+        s
+    }
+}
