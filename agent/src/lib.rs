@@ -11,4 +11,6 @@ pub mod lint;
 pub mod manifest;
 pub mod policy;
 pub mod result;
+pub mod script_run;
+pub mod session;
 pub mod secrets;

@@ -51,6 +51,31 @@ enum Command {
         #[arg(long)]
         config: Option<PathBuf>,
     },
+    /// Run a Python or Bash script in a fresh sandbox (validated first, inside the sandbox);
+    /// prints the script result JSON.
+    Script {
+        language: agent::script_run::Language,
+        file: PathBuf,
+        /// Wall-clock limit in seconds (default 60, at most 300).
+        #[arg(long)]
+        timeout: Option<u64>,
+        /// Manifest whose permissions and resource_limits shape the sandbox (default: no
+        /// network, scratch only, default limits).
+        #[arg(long)]
+        manifest: Option<PathBuf>,
+        /// Agent configuration (default /etc/opservant/config.yaml when it exists).
+        #[arg(long)]
+        config: Option<PathBuf>,
+    },
+    /// Stateful Python sessions: one long-lived sandboxed interpreter per session whose
+    /// globals persist between calls.
+    Session {
+        #[command(subcommand)]
+        command: SessionCommand,
+    },
+    /// The session daemon (started by `session start`; settings on stdin).
+    #[command(name = "__session-serve", hide = true)]
+    SessionServe,
     /// Manage executors.
     Executor {
         #[command(subcommand)]
@@ -75,6 +100,57 @@ enum ExecutorCommand {
         #[arg(long)]
         config: Option<PathBuf>,
     },
+}
+
+#[derive(Subcommand)]
+enum SessionCommand {
+    /// Start a session; prints its settings as JSON once it is ready.
+    Start {
+        name: String,
+        /// Modules code may import (comma-separated, repeatable; submodules included). None
+        /// given: every import is refused.
+        #[arg(long = "allow-import", value_name = "MODULES")]
+        allow_import: Vec<String>,
+        /// Pre-import ALIAS=MODULE into the session's globals (repeatable), e.g. np=numpy.
+        #[arg(long = "default-import", value_name = "ALIAS=MODULE")]
+        default_import: Vec<String>,
+        /// Per-call timeout in seconds (default 60, at most 300); a call that exceeds it
+        /// ends the session.
+        #[arg(long)]
+        timeout: Option<u64>,
+        /// End the session after this many seconds without a call (default 600).
+        #[arg(long)]
+        idle_timeout: Option<u64>,
+        /// End the session after this many seconds in any case (default 86400).
+        #[arg(long)]
+        max_lifetime: Option<u64>,
+        /// Manifest whose permissions and resource_limits shape the sandbox.
+        #[arg(long)]
+        manifest: Option<PathBuf>,
+        /// Agent configuration (default /etc/opservant/config.yaml when it exists).
+        #[arg(long)]
+        config: Option<PathBuf>,
+    },
+    /// Run code in a session; prints {success, error, stdout, stderr, globals}.
+    Exec {
+        name: String,
+        /// The code: inline, or @FILE.
+        #[arg(long)]
+        code: String,
+        /// Variables to set before the code runs: a JSON object, or @FILE.
+        #[arg(long)]
+        globals: Option<String>,
+        /// Names of globals to return after the code ran (comma-separated).
+        #[arg(long = "return", value_name = "NAMES")]
+        return_names: Option<String>,
+        /// Timeout for this call in seconds (at most the session's).
+        #[arg(long)]
+        timeout: Option<u64>,
+    },
+    /// Stop a session.
+    Stop { name: String },
+    /// List running sessions.
+    List,
 }
 
 /// A failure to run: exit status 2 with a one-line reason.
@@ -103,6 +179,21 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Sandbox { manifest, json, argv } => run_sandbox(manifest, json, argv),
         Command::Run { dir, params, action, config } => run_executor(dir, params, action, config),
+        Command::Script { language, file, timeout, manifest, config } => {
+            run_script(language, file, timeout, manifest, config)
+        }
+        Command::Session { command } => session(command),
+        Command::SessionServe => {
+            let runtime = match agent::executor_run::runtime_binary() {
+                Ok(r) => r,
+                Err(e) => {
+                    println!("{}", serde_json::json!({"status": "failed", "error": e.0}));
+                    return ExitCode::from(2);
+                }
+            };
+            let code = agent::session::serve(sandbox::Launcher::fork_or_reexec(SANDBOX_INIT), runtime);
+            return ExitCode::from(code as u8);
+        }
         Command::Executor { command: ExecutorCommand::Lint { dir, json, config } } => lint(dir, json, config),
         Command::Doctor { json } => doctor(json),
     };
@@ -117,16 +208,7 @@ fn main() -> ExitCode {
 }
 
 fn run_sandbox(manifest: Option<PathBuf>, json_only: bool, argv: Vec<String>) -> Result<ExitCode, CannotRun> {
-    let manifest = match manifest {
-        Some(path) => {
-            let (m, warnings) = agent::manifest::Manifest::load(&path)?;
-            for w in warnings {
-                tracing::warn!(manifest = %path.display(), "{w}");
-            }
-            Some(m)
-        }
-        None => None,
-    };
+    let manifest = manifest.as_deref().map(load_manifest).transpose()?;
     let policy = AgentPolicy::builtin()?;
     let (program, args) = argv.split_first().ok_or_else(|| CannotRun("no program given".into()))?;
     let (spec, limits) = policy.spec_for(manifest.as_ref(), program, args.to_vec())?;
@@ -195,6 +277,122 @@ fn run_executor(
     .map_err(|e| CannotRun(e.0))?;
     println!("{}", serde_json::to_string(&result)?);
     Ok(if result.status == Status::Completed { ExitCode::SUCCESS } else { ExitCode::from(1) })
+}
+
+fn load_manifest(path: &std::path::Path) -> Result<agent::manifest::Manifest, CannotRun> {
+    let (m, warnings) = agent::manifest::Manifest::load(path)?;
+    for w in warnings {
+        tracing::warn!(manifest = %path.display(), "{w}");
+    }
+    Ok(m)
+}
+
+fn run_script(
+    language: agent::script_run::Language,
+    file: PathBuf,
+    timeout: Option<u64>,
+    manifest: Option<PathBuf>,
+    config: Option<PathBuf>,
+) -> Result<ExitCode, CannotRun> {
+    let config = agent::config::Config::load(config.as_deref())?;
+    let policy = AgentPolicy::from_config(&config)?;
+    let manifest = manifest.as_deref().map(load_manifest).transpose()?;
+    let result = agent::script_run::run(agent::script_run::ScriptRequest {
+        language,
+        file: &file,
+        timeout_s: timeout,
+        manifest: manifest.as_ref(),
+        policy: &policy,
+        launcher: sandbox::Launcher::fork_or_reexec(SANDBOX_INIT),
+        runtime: agent::executor_run::runtime_binary().map_err(|e| CannotRun(e.0))?,
+    })
+    .map_err(|e| CannotRun(e.0))?;
+    println!("{}", serde_json::to_string(&result)?);
+    Ok(if result.success { ExitCode::SUCCESS } else { ExitCode::from(1) })
+}
+
+/// `@FILE` or the text itself.
+fn inline_or_file(flag: &str, arg: &str) -> Result<String, CannotRun> {
+    match arg.strip_prefix('@') {
+        Some(path) => std::fs::read_to_string(path).map_err(|e| CannotRun(format!("{flag} @{path}: {e}"))),
+        None => Ok(arg.to_string()),
+    }
+}
+
+fn session(command: SessionCommand) -> Result<ExitCode, CannotRun> {
+    use agent::session;
+    match command {
+        SessionCommand::Start {
+            name,
+            allow_import,
+            default_import,
+            timeout,
+            idle_timeout,
+            max_lifetime,
+            manifest,
+            config,
+        } => {
+            // Check the configuration and manifest here, so bad input fails fast with exit 2.
+            let cfg = agent::config::Config::load(config.as_deref())?;
+            let policy = AgentPolicy::from_config(&cfg)?;
+            if let Some(m) = &manifest {
+                let m = load_manifest(m)?;
+                policy.spec_for(Some(&m), "/bin/true", vec![])?;
+            }
+            agent::executor_run::runtime_binary().map_err(|e| CannotRun(e.0))?;
+            let settings = session::Settings::new(
+                &name,
+                &allow_import,
+                &default_import,
+                timeout,
+                idle_timeout,
+                max_lifetime,
+                manifest,
+                config,
+            )
+            .map_err(|e| CannotRun(e.0))?;
+            let exe = std::env::current_exe()?;
+            let reply = session::start(&settings, &exe, "__session-serve").map_err(|e| CannotRun(e.0))?;
+            println!("{reply}");
+            Ok(ExitCode::SUCCESS)
+        }
+        SessionCommand::Exec { name, code, globals, return_names, timeout } => {
+            let code = inline_or_file("--code", &code)?;
+            let globals: serde_json::Value = match globals {
+                Some(g) => serde_json::from_str(&inline_or_file("--globals", &g)?)
+                    .map_err(|e| CannotRun(format!("--globals: not valid JSON: {e}")))?,
+                None => serde_json::json!({}),
+            };
+            if !globals.is_object() {
+                return Err(CannotRun("--globals: must be a JSON object".into()));
+            }
+            let names: Vec<String> = return_names
+                .iter()
+                .flat_map(|r| r.split(','))
+                .map(str::trim)
+                .filter(|n| !n.is_empty())
+                .map(str::to_string)
+                .collect();
+            if timeout == Some(0) {
+                return Err(CannotRun("--timeout: must be at least 1 second".into()));
+            }
+            let req = serde_json::json!({"op": "exec", "code": code, "globals": globals, "return": names, "timeout_s": timeout});
+            let wait = std::time::Duration::from_secs(session::MAX_CALL_TIMEOUT_S + 60);
+            let reply = session::request(&name, &req, wait).map_err(|e| CannotRun(e.0))?;
+            println!("{reply}");
+            Ok(if reply["success"] == serde_json::Value::Bool(true) { ExitCode::SUCCESS } else { ExitCode::from(1) })
+        }
+        SessionCommand::Stop { name } => {
+            let reply = session::request(&name, &serde_json::json!({"op": "stop"}), std::time::Duration::from_secs(30))
+                .map_err(|e| CannotRun(e.0))?;
+            println!("{reply}");
+            Ok(ExitCode::SUCCESS)
+        }
+        SessionCommand::List => {
+            println!("{}", session::list().map_err(|e| CannotRun(e.0))?);
+            Ok(ExitCode::SUCCESS)
+        }
+    }
 }
 
 fn lint(dir: PathBuf, json: bool, config: Option<PathBuf>) -> Result<ExitCode, CannotRun> {

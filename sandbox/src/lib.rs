@@ -33,7 +33,7 @@ pub mod seccomp;
 pub mod spec;
 
 pub use error::{CgroupError, SandboxError, SpecError, Stage, StepError};
-pub use parent::{run, CpuLimiter, Launcher, NamespaceHook, OutputOptions, Sandbox, Stream};
+pub use parent::{run, CpuLimiter, Launcher, NamespaceHook, OutputOptions, Sandbox, StopHandle, Stream};
 pub use report::{
     Captured, CgroupReport, EnforcementReport, ExitInfo, KilledBy, LandlockReport, LandlockStatus, Outcome,
     ResourceUsage,

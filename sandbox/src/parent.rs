@@ -137,6 +137,22 @@ impl CpuLimiter {
     }
 }
 
+/// Stops a running sandbox from any thread: everything in it is killed and [`Sandbox::wait`]
+/// returns with [`Outcome::stopped`] set. Stopping twice, or after the end, does nothing.
+#[derive(Debug, Clone)]
+pub struct StopHandle {
+    wake: std::sync::Arc<OwnedFd>,
+}
+
+impl StopHandle {
+    pub fn stop(&self) {
+        use nix::sys::socket::{send, MsgFlags};
+        // A full buffer already holds a pending stop; a closed peer means the wait is over
+        // (MSG_NOSIGNAL: no SIGPIPE for a caller that did not ignore it).
+        let _ = send(self.wake.as_raw_fd(), &[1u8], MsgFlags::MSG_NOSIGNAL | MsgFlags::MSG_DONTWAIT);
+    }
+}
+
 /// How long after SIGKILL of the sandbox init the monitor may take to exit on its own
 /// before it and everything in the cgroup are killed too.
 const BACKSTOP: Duration = Duration::from_secs(1);
@@ -174,6 +190,9 @@ pub struct Sandbox {
     app: Option<Channel>,
     cpu: std::sync::Arc<CpuLimiter>,
     cpu_deferred: bool,
+    /// Receiving end of the stop socket pair, and the handle that writes to it.
+    stop_rx: OwnedFd,
+    stop: StopHandle,
 }
 
 impl Sandbox {
@@ -221,6 +240,13 @@ impl Sandbox {
             None
         };
 
+        let (stop_rx, stop_tx) = nix::sys::socket::socketpair(
+            nix::sys::socket::AddressFamily::Unix,
+            nix::sys::socket::SockType::Stream,
+            None,
+            nix::sys::socket::SockFlag::SOCK_CLOEXEC | nix::sys::socket::SockFlag::SOCK_NONBLOCK,
+        )
+        .map_err(|e| SandboxError::io("socketpair", e.into()))?;
         let monitor = spawn_monitor(launcher, &fds, spec)?;
         drop(fds);
         let mut sb = Sandbox {
@@ -237,6 +263,8 @@ impl Sandbox {
             app,
             cpu: Default::default(),
             cpu_deferred: spec.limits.cpu_deferred,
+            stop_rx,
+            stop: StopHandle { wake: std::sync::Arc::new(stop_tx) },
         };
         sb.handshake(spec, matches!(launcher, Launcher::Exec { .. }), hook)?;
         Ok(sb)
@@ -286,6 +314,11 @@ impl Sandbox {
         self.cpu.clone()
     }
 
+    /// A handle that stops this sandbox from another thread (see [`StopHandle`]).
+    pub fn stop_handle(&self) -> StopHandle {
+        self.stop.clone()
+    }
+
     /// Host pid of the monitor process (its namespaces are the sandbox's).
     pub fn monitor_pid(&self) -> i32 {
         self.monitor.as_raw()
@@ -307,6 +340,7 @@ impl Sandbox {
         // When a deferred CPU quota is applied at the latest.
         let mut cpu_at: Option<Instant> = None;
         let mut timed_out = false;
+        let mut stopped = false;
         let mut buf = vec![0u8; 64 * 1024];
 
         // Done when init is gone (or the monitor is) and the output pipes are drained; the
@@ -355,8 +389,12 @@ impl Sandbox {
                     PollTimeout::from(ms.max(1))
                 }
             };
-            let mut pfds = Vec::with_capacity(3);
-            let mut slots = Vec::with_capacity(3);
+            let mut pfds = Vec::with_capacity(4);
+            let mut slots = Vec::with_capacity(4);
+            if !stopped {
+                pfds.push(PollFd::new(self.stop_rx.as_fd(), PollFlags::POLLIN));
+                slots.push(3);
+            }
             if chan_open && tree.is_none() {
                 pfds.push(PollFd::new(self.chan.as_fd(), PollFlags::POLLIN));
                 slots.push(0);
@@ -411,6 +449,11 @@ impl Sandbox {
                             chan_open = false;
                         }
                     },
+                    3 => {
+                        stopped = true;
+                        self.kill();
+                        backstop_at.get_or_insert(Instant::now() + BACKSTOP);
+                    }
                     1 => Self::drain(
                         &mut self.stdout,
                         &mut stdout,
@@ -447,6 +490,9 @@ impl Sandbox {
             (None, None) if timed_out => {
                 return Err(StepError::new(Stage::Protocol, "the timeout expired before the payload started").into())
             }
+            (None, None) if stopped => {
+                return Err(StepError::new(Stage::Protocol, "the sandbox was stopped before the payload started").into())
+            }
             (None, None) => return Err(SandboxError::Channel("the sandbox ended before the payload started".into())),
         };
         let usage = ResourceUsage {
@@ -479,6 +525,7 @@ impl Sandbox {
         Ok(Outcome {
             exit: payload_exit,
             timed_out,
+            stopped,
             killed_by,
             stdout,
             stderr,

@@ -159,6 +159,8 @@ pub struct Outcome {
     /// How the payload ended; `None` when it was killed together with the sandbox init.
     pub exit: Option<ExitInfo>,
     pub timed_out: bool,
+    /// Ended by [`crate::StopHandle::stop`].
+    pub stopped: bool,
     pub killed_by: Option<KilledBy>,
     pub stdout: Captured,
     pub stderr: Captured,
@@ -170,6 +172,6 @@ pub struct Outcome {
 impl Outcome {
     /// The payload exited on its own with status 0.
     pub fn success(&self) -> bool {
-        !self.timed_out && self.killed_by.is_none() && self.exit.is_some_and(|e| e.code == Some(0))
+        !self.timed_out && !self.stopped && self.killed_by.is_none() && self.exit.is_some_and(|e| e.code == Some(0))
     }
 }

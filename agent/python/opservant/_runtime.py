@@ -113,13 +113,220 @@ def run_executor():
         _opservant.send_result(_failed("the result cannot be represented as JSON: %s" % e))
 
 
+def _exit_status(code):
+    """The process exit status for ``SystemExit(code)``, as the ``python`` command does it."""
+    if code is None:
+        return 0
+    if isinstance(code, bool):
+        return int(code)
+    if isinstance(code, int):
+        return code & 0xFF
+    try:
+        print(code, file=sys.stderr)
+    except Exception:
+        pass
+    return 1
+
+
+def run_script():
+    """Seed 003: compile the script (a failure is a validation error and nothing runs), then
+    run it as ``__main__`` the way ``python FILE`` would. Returns the exit status."""
+    path = _opservant.args()["path"]
+    try:
+        with open(path, "rb") as f:
+            source = f.read()
+        code = compile(source, path, "exec", dont_inherit=True)
+    except Exception as e:
+        import traceback
+
+        _opservant.validation_error("".join(traceback.format_exception_only(type(e), e)).rstrip())
+        return 65
+
+    import builtins
+    import types
+
+    main = types.ModuleType("__main__")
+    main.__file__ = path
+    main.__builtins__ = builtins
+    sys.modules["__main__"] = main
+    sys.argv[:] = [path]
+    try:
+        exec(code, main.__dict__)
+        status = 0
+    except SystemExit as e:
+        status = _exit_status(e.code)
+    except BaseException as e:
+        # As `python FILE` would print it, without the runtime's own frames.
+        try:
+            print(_format_user_exception(e), file=sys.stderr)
+        except Exception:
+            pass
+        status = 1
+    try:
+        import atexit
+
+        atexit._run_exitfuncs()
+    except BaseException:
+        pass
+    return status
+
+
+# Session output kept per stream and call (the rest is counted and dropped).
+_SESSION_OUTPUT_CAP = 1 << 20
+# Builtins a session's code does not get: files, the debugger, the console, help.
+_SESSION_REMOVED_BUILTINS = ("open", "breakpoint", "input", "help", "exit", "quit", "copyright", "credits", "license")
+
+
+class _Capture:
+    """A text stream keeping the first ``_SESSION_OUTPUT_CAP`` characters written."""
+
+    def __init__(self):
+        self._parts = []
+        self._size = 0
+        self.dropped = 0
+
+    def write(self, text):
+        text = str(text)
+        room = _SESSION_OUTPUT_CAP - self._size
+        if room > 0:
+            kept = text[:room]
+            self._parts.append(kept)
+            self._size += len(kept)
+        self.dropped += max(0, len(text) - max(room, 0))
+        return len(text)
+
+    def flush(self):
+        pass
+
+    def isatty(self):
+        return False
+
+    def value(self):
+        text = "".join(self._parts)
+        if self.dropped:
+            text += "\n[opservant: %d more characters dropped]" % self.dropped
+        return text
+
+
+def _jsonable(value, depth=0):
+    """``value`` as JSON data; anything else (or too deep) as its ``repr()``."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if value == value and value not in (float("inf"), float("-inf")) else repr(value)
+    if depth < 64:
+        if isinstance(value, (list, tuple)):
+            return [_jsonable(v, depth + 1) for v in value]
+        if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+            return {k: _jsonable(v, depth + 1) for k, v in value.items()}
+    try:
+        return repr(value)
+    except Exception as e:
+        return "<unrepresentable %s: %s>" % (type(value).__name__, e)
+
+
+def _session_namespace(allowed):
+    """Globals for session code: builtins without files or the console, and an
+    ``__import__`` that refuses every module outside the allowlist."""
+    import builtins
+
+    real_import = builtins.__import__
+    allowed = tuple(allowed)
+
+    def permitted(name):
+        return any(name == a or name.startswith(a + ".") for a in allowed)
+
+    def guarded_import(name, globals=None, locals=None, fromlist=(), level=0):
+        if level:
+            raise ImportError("relative imports are not available in a session")
+        if not permitted(name):
+            raise ImportError(
+                "import of %r is not allowed in this session (allowed: %s)" % (name, ", ".join(allowed) or "none"),
+                name=name,
+            )
+        module = real_import(name, globals, locals, fromlist, level)
+        for item in fromlist or ():
+            sub = getattr(module, item, None)
+            if type(sub) is type(sys) and not permitted(getattr(sub, "__name__", "")):
+                raise ImportError("import of %r is not allowed in this session" % sub.__name__, name=sub.__name__)
+        return module
+
+    safe = {k: v for k, v in vars(builtins).items() if k not in _SESSION_REMOVED_BUILTINS}
+    safe["__import__"] = guarded_import
+    return {"__name__": "__session__", "__builtins__": safe}, guarded_import
+
+
+def _format_user_exception(e):
+    """The traceback of user code's exception without the runtime's own frames."""
+    import traceback
+
+    te = traceback.TracebackException(type(e), e, e.__traceback__)
+    te.stack = traceback.StackSummary.from_list([f for f in te.stack if not f.filename.startswith("<opservant>")])
+    return "".join(te.format()).rstrip()
+
+
+def _session_call(namespace, request, number):
+    import linecache
+
+    out, err = _Capture(), _Capture()
+    saved = sys.stdout, sys.stderr
+    filename = "<session call %d>" % number
+    success, error = True, None
+    try:
+        sys.stdout, sys.stderr = out, err
+        namespace.update(request.get("globals") or {})
+        source = request["code"]
+        code = compile(source, filename, "exec", dont_inherit=True)
+        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+        exec(code, namespace)
+    except BaseException as e:  # SystemExit and KeyboardInterrupt too: the session goes on
+        success = False
+        error = _format_user_exception(e)
+    finally:
+        sys.stdout, sys.stderr = saved
+    values = {}
+    for name in request.get("return") or ():
+        if name in namespace:
+            values[name] = _jsonable(namespace[name])
+    return {"success": success, "error": error, "stdout": out.value(), "stderr": err.value(), "globals": values}
+
+
+def run_session():
+    """Seed 002: one interpreter, globals kept between calls, imports allowlisted."""
+    args = _opservant.args()
+    namespace, guarded_import = _session_namespace(args["allow_imports"])
+    error = None
+    for alias, module in args["default_imports"]:
+        try:
+            guarded_import(module)
+            namespace[alias] = sys.modules[module]
+        except BaseException as e:
+            error = "default import %s=%s failed: %s: %s" % (alias, module, type(e).__name__, e)
+            break
+    _opservant.session_reply({"success": error is None, "error": error})
+    if error is not None:
+        return 1
+    number = 0
+    while True:
+        request = _opservant.session_next()
+        if request is None:
+            return 0
+        number += 1
+        _opservant.session_reply(_session_call(namespace, request, number))
+
+
 def main():
+    """Run the mode the agent asked for; returns the process exit status."""
     mode = _opservant.mode()
     try:
         if mode == "executor":
             run_executor()
-        else:
-            raise RuntimeError("unknown runtime mode %r" % mode)
+            return 0
+        if mode == "script":
+            return run_script()
+        if mode == "session":
+            return run_session()
+        raise RuntimeError("unknown runtime mode %r" % mode)
     finally:
         for stream in (sys.stdout, sys.stderr):
             try:

@@ -39,4 +39,4 @@ import opservant._runtime  # noqa: E402
 
 _opservant.ready()
 sys.path[0:0] = _opservant.paths()
-opservant._runtime.main()
+_opservant.exit(opservant._runtime.main())

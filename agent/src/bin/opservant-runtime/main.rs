@@ -51,6 +51,12 @@ fn run() -> Result<u8, String> {
         unsafe { Channel::from_raw(APP_FD) }.map_err(|e| format!("no application channel on fd 4: {}", e.desc()))?;
     let bytes = chan.recv_bytes(app::MAX_MESSAGE)?.ok_or("the agent closed the channel before sending arguments")?;
     let args: RuntimeArgs = serde_json::from_slice(&bytes).map_err(|e| format!("malformed arguments: {e}"))?;
+    if let RuntimeArgs::Script { language, path } = &args {
+        if language == "bash" {
+            // Bash needs no interpreter of ours: check, report, then become bash.
+            return run_bash(chan, path);
+        }
+    }
     let _ = APP.set(Mutex::new(chan));
     let _ = ARGS.set(args);
     start_interpreter()?;
@@ -65,6 +71,43 @@ fn run() -> Result<u8, String> {
         }
     })
 }
+
+/// Check a Bash script with `bash -n`; on success report ready and `execve` bash on it (the
+/// channel is closed first: the script never holds it). A syntax error is reported as a
+/// validation error and nothing of the script runs.
+fn run_bash(chan: Channel, path: &str) -> Result<u8, String> {
+    use std::os::unix::process::CommandExt;
+    use std::process::{Command, Stdio};
+    let check = Command::new(BASH)
+        .arg("-n")
+        .arg(path)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .output()
+        .map_err(|e| format!("cannot run {BASH} -n: {e}"))?;
+    if !check.status.success() {
+        let text = String::from_utf8_lossy(&check.stderr);
+        let mut error: String = text.trim_end().chars().take(64 * 1024).collect();
+        if error.is_empty() {
+            error = format!("bash -n failed ({})", check.status);
+        }
+        chan.send_bytes(&app::encode(&FromPayload::ValidationError { error }))
+            .map_err(|e| format!("agent channel: {}", e.desc()))?;
+        return Ok(VALIDATION_FAILED);
+    }
+    chan.send_bytes(&app::encode(&FromPayload::Ready)).map_err(|e| format!("agent channel: {}", e.desc()))?;
+    drop(chan);
+    let err = Command::new(BASH).arg(path).arg0("bash").exec();
+    Err(format!("cannot execute {BASH}: {err}"))
+}
+
+/// The shell scripts run with.
+const BASH: &str = "/bin/bash";
+
+/// Exit status after a validation failure (EX_DATAERR); the agent reports the validation
+/// error, not this status.
+const VALIDATION_FAILED: u8 = 65;
 
 /// Tell the agent the trusted start-up is over (called by the bootstrap).
 fn send(msg: &FromPayload) -> Result<(), String> {

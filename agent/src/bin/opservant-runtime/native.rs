@@ -68,6 +68,83 @@ pub mod _opservant {
         super::super::send(&FromPayload::Ready).map_err(PyOSError::new_err)
     }
 
+    /// Wait for the next session call: `{"code", "globals", "return"}`, or None when the
+    /// agent closed the channel (the session is over).
+    #[pyfunction]
+    fn session_next<'py>(py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let msg = py.detach(|| -> Result<Option<ToPayload>, String> {
+            let chan = APP.get().ok_or("no application channel")?;
+            let chan = chan.lock().map_err(|_| "application channel poisoned")?;
+            match chan.recv_bytes(app::MAX_MESSAGE)? {
+                None => Ok(None),
+                Some(bytes) => serde_json::from_slice(&bytes).map(Some).map_err(|e| e.to_string()),
+            }
+        });
+        match msg {
+            Ok(None) => Ok(None),
+            Ok(Some(ToPayload::SessionExec { code, globals, r#return })) => {
+                let value = serde_json::json!({"code": code, "globals": globals, "return": r#return});
+                Ok(Some(pythonize::pythonize(py, &value)?))
+            }
+            Ok(Some(other)) => Err(PyRuntimeError::new_err(format!("unexpected message {other:?}"))),
+            Err(e) => Err(PyRuntimeError::new_err(format!("agent channel: {e}"))),
+        }
+    }
+
+    /// Send a session reply (a dict: success, error, stdout, stderr, globals). A reply too
+    /// large for the channel is replaced by an error reply.
+    #[pyfunction]
+    fn session_reply(reply: &Bound<'_, PyAny>) -> PyResult<()> {
+        #[derive(serde::Deserialize)]
+        struct R {
+            success: bool,
+            #[serde(default)]
+            error: Option<String>,
+            #[serde(default)]
+            stdout: String,
+            #[serde(default)]
+            stderr: String,
+            #[serde(default)]
+            globals: serde_json::Map<String, Value>,
+        }
+        let r: R = pythonize::depythonize(reply).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let globals_size = serde_json::to_vec(&r.globals).map(|v| v.len()).unwrap_or(0);
+        let msg = if globals_size > app::MAX_OUTPUT {
+            FromPayload::SessionReply {
+                success: false,
+                error: Some(format!(
+                    "the returned globals are {globals_size} bytes of JSON, over the {} byte cap",
+                    app::MAX_OUTPUT
+                )),
+                stdout: r.stdout,
+                stderr: r.stderr,
+                globals: Default::default(),
+            }
+        } else {
+            FromPayload::SessionReply {
+                success: r.success,
+                error: r.error,
+                stdout: r.stdout,
+                stderr: r.stderr,
+                globals: r.globals,
+            }
+        };
+        send(&msg)
+    }
+
+    /// A script did not pass validation; nothing of it ran.
+    #[pyfunction]
+    fn validation_error(error: String) -> PyResult<()> {
+        send(&FromPayload::ValidationError { error })
+    }
+
+    /// End the process with `status` at once (streams are flushed by the caller; the
+    /// interpreter is not finalised — nothing of it outlives the sandbox).
+    #[pyfunction]
+    fn exit(status: i32) -> PyResult<()> {
+        std::process::exit(status)
+    }
+
     /// Entries to put in front of `sys.path`.
     #[pyfunction]
     fn paths() -> PyResult<Vec<String>> {

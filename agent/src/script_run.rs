@@ -1,0 +1,310 @@
+//! `opservant script {python|bash} FILE`: one script in a fresh sandbox (seed 003), with the
+//! embedded runtime as its payload.
+//!
+//! Guarantees: the script is validated inside the sandbox before anything of it runs —
+//! Python is compiled by the embedded interpreter, Bash is checked with `bash -n` — and a
+//! validation failure yields `validation_error` with nothing executed; the timeout defaults
+//! to 60 s and is clamped to 300 s (and to the agent's ceiling), the clamp reported in
+//! `limits.clamped`; without a manifest the script gets no network, only its scratch
+//! directory and the default limits.
+
+use std::path::{Path, PathBuf};
+use std::thread;
+
+use serde::Serialize;
+
+use crate::app::{self, FromPayload, RuntimeArgs};
+use crate::audit;
+use crate::executor_run::CannotRun;
+use crate::limits::Clamp;
+use crate::manifest::Manifest;
+use crate::policy::AgentPolicy;
+use crate::result::{LimitsReport, RunResult, SandboxSummary};
+
+/// Default wall-clock limit of a script (seed 003).
+pub const DEFAULT_TIMEOUT_S: u64 = 60;
+/// Longest a script may run (seed 003's `MAX_TIMEOUT`).
+pub const MAX_TIMEOUT_S: u64 = 300;
+/// Largest script accepted.
+pub const MAX_SCRIPT_BYTES: usize = 1 << 20;
+/// Where the script is shown, read-only, inside the sandbox.
+pub const SCRIPT_DIR: &str = "/run/script";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum Language {
+    Python,
+    Bash,
+}
+
+impl Language {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Language::Python => "python",
+            Language::Bash => "bash",
+        }
+    }
+}
+
+/// A request to run a script.
+pub struct ScriptRequest<'a> {
+    pub language: Language,
+    pub file: &'a Path,
+    /// `--timeout` (seconds).
+    pub timeout_s: Option<u64>,
+    pub manifest: Option<&'a Manifest>,
+    pub policy: &'a AgentPolicy,
+    pub launcher: sandbox::Launcher,
+    /// The runtime binary (see [`crate::executor_run::runtime_binary`]).
+    pub runtime: PathBuf,
+}
+
+/// The script result: seed 003's fields first, then what the sandbox enforced and measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct ScriptResult {
+    pub success: bool,
+    pub timeout: bool,
+    pub validation_error: Option<String>,
+    pub exit_code: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+    pub duration_ms: u64,
+    pub language: Language,
+    pub script: String,
+    pub stdout_truncated: bool,
+    pub stderr_truncated: bool,
+    pub killed_by: Option<String>,
+    /// Why the script did not succeed, in words (null on success).
+    pub error: Option<String>,
+    pub limits: LimitsReport,
+    pub usage: sandbox::ResourceUsage,
+    pub sandbox: SandboxSummary,
+}
+
+/// The timeout a script gets: `--timeout`, else the manifest's, else 60 s; at most 300 s
+/// and the agent's ceiling. The clamp, if any, is returned for the report.
+pub fn script_timeout(requested: Option<u64>, manifest: Option<u64>, ceiling: u64) -> (u64, Option<Clamp>) {
+    let want = requested.or(manifest).unwrap_or(DEFAULT_TIMEOUT_S);
+    let (cap, reason) = if ceiling < MAX_TIMEOUT_S {
+        (ceiling, "above the agent's ceiling")
+    } else {
+        (MAX_TIMEOUT_S, "scripts run at most 300 s")
+    };
+    if want > cap {
+        (cap, Some(Clamp { field: "timeout_seconds", requested: want, applied: cap, reason: reason.into() }))
+    } else {
+        (want, None)
+    }
+}
+
+/// The file name the script gets inside the sandbox: its own, when that is a plain name.
+fn inside_name(file: &Path, language: Language) -> String {
+    let fallback = match language {
+        Language::Python => "script.py",
+        Language::Bash => "script.sh",
+    };
+    file.file_name()
+        .and_then(|n| n.to_str())
+        .filter(|n| {
+            !n.starts_with('.') && n.len() <= 128 && n.chars().all(|c| c.is_ascii_alphanumeric() || "._-+".contains(c))
+        })
+        .unwrap_or(fallback)
+        .to_string()
+}
+
+/// Run one script. `Err` means it could not run at all (exit status 2).
+pub fn run(req: ScriptRequest) -> Result<ScriptResult, CannotRun> {
+    if req.timeout_s == Some(0) {
+        return Err(CannotRun("--timeout: must be at least 1 second".into()));
+    }
+    let bytes = read_script(req.file)?;
+    let runtime = req.runtime.to_string_lossy().into_owned();
+    let (mut spec, mut limits) = req.policy.spec_for(req.manifest, &runtime, vec![])?;
+
+    let manifest_timeout = req.manifest.and_then(|m| m.resource_limits.timeout_seconds);
+    let (timeout_s, clamp) =
+        script_timeout(req.timeout_s, manifest_timeout, req.policy.limits.ceilings.timeout_seconds);
+    limits.clamped.retain(|c| c.field != "timeout_seconds");
+    limits.clamped.extend(clamp);
+    limits.timeout_seconds = timeout_s;
+    spec.limits.timeout_ms = Some(timeout_s * 1000);
+
+    let inside = PathBuf::from(SCRIPT_DIR).join(inside_name(req.file, req.language));
+    let source = String::from_utf8(bytes).map_err(|e| {
+        CannotRun(format!(
+            "{}: not UTF-8 text (invalid byte at offset {}); scripts must be UTF-8",
+            req.file.display(),
+            e.utf8_error().valid_up_to()
+        ))
+    })?;
+    spec.filesystem.synthetic.push(sandbox::SyntheticFile { path: inside.clone(), content: source });
+    spec.command.app_channel = true;
+    spec.limits.cpu_deferred = true;
+    spec.filesystem.paths.push(sandbox::PathRule {
+        path: req.runtime.clone(),
+        access: sandbox::Access::Read,
+        optional: false,
+    });
+    spec.validate()?;
+
+    let args =
+        RuntimeArgs::Script { language: req.language.as_str().into(), path: inside.to_string_lossy().into_owned() };
+    let script = req.file.display().to_string();
+    audit::record("script_start", &[("language", req.language.as_str()), ("script", &script)]);
+    for c in &limits.clamped {
+        let (requested, applied) = (c.requested.to_string(), c.applied.to_string());
+        audit::record(
+            "limit_clamped",
+            &[
+                ("script", &script),
+                ("field", c.field),
+                ("requested", &requested),
+                ("applied", &applied),
+                ("reason", &c.reason),
+            ],
+        );
+    }
+    let mut sb = sandbox::Sandbox::spawn(&spec, &req.launcher, None)?;
+    let chan = sb.take_app_channel().ok_or_else(|| CannotRun("no application channel".into()))?;
+    chan.send_bytes(&app::encode(&args)).map_err(|e| CannotRun(format!("runtime arguments: {}", e.desc())))?;
+    let cpu = sb.cpu_limiter();
+    let server = thread::spawn(move || serve(chan, &cpu));
+    let outcome = sb.wait(sandbox::OutputOptions::default());
+    let served = server.join().map_err(|_| CannotRun("application channel server panicked".into()))?;
+    let outcome = outcome?;
+    let result = assemble(&outcome, &limits, served, &req);
+    audit::record(
+        "script_end",
+        &[
+            ("language", req.language.as_str()),
+            ("script", &script),
+            ("success", if result.success { "true" } else { "false" }),
+            ("killed_by", result.killed_by.as_deref().unwrap_or("")),
+        ],
+    );
+    Ok(result)
+}
+
+fn read_script(file: &Path) -> Result<Vec<u8>, CannotRun> {
+    use std::io::Read;
+    let f = std::fs::File::open(file).map_err(|e| CannotRun(format!("{}: {e}", file.display())))?;
+    if !f.metadata().map_err(|e| CannotRun(format!("{}: {e}", file.display())))?.is_file() {
+        return Err(CannotRun(format!("{}: not a regular file", file.display())));
+    }
+    let mut bytes = Vec::new();
+    f.take(MAX_SCRIPT_BYTES as u64 + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| CannotRun(format!("{}: {e}", file.display())))?;
+    if bytes.len() > MAX_SCRIPT_BYTES {
+        return Err(CannotRun(format!("{}: larger than {} bytes", file.display(), MAX_SCRIPT_BYTES)));
+    }
+    Ok(bytes)
+}
+
+/// What the application channel delivered.
+#[derive(Default)]
+struct Served {
+    /// The runtime started (validation, then the script, come after).
+    ready: bool,
+    validation_error: Option<String>,
+    protocol_error: Option<String>,
+}
+
+fn serve(chan: sandbox::channel::Channel, cpu: &sandbox::CpuLimiter) -> Served {
+    let mut out = Served::default();
+    loop {
+        let bytes = match chan.recv_bytes(app::MAX_MESSAGE) {
+            Ok(Some(b)) => b,
+            Ok(None) => return out,
+            Err(e) => {
+                out.protocol_error.get_or_insert(e);
+                return out;
+            }
+        };
+        match serde_json::from_slice::<FromPayload>(&bytes) {
+            Ok(FromPayload::Ready) => {
+                out.ready = true;
+                // A failed write is seen by the sandbox, which then stops the run.
+                let _ = cpu.apply();
+            }
+            Ok(FromPayload::ValidationError { error }) => {
+                out.validation_error.get_or_insert(error);
+            }
+            Ok(other) => {
+                out.protocol_error.get_or_insert(format!("unexpected message for a script: {other:?}"));
+            }
+            Err(e) => {
+                out.protocol_error.get_or_insert(format!("malformed message from the runtime: {e}"));
+                return out;
+            }
+        }
+    }
+}
+
+fn assemble(
+    outcome: &sandbox::Outcome,
+    limits: &crate::limits::EffectiveLimits,
+    served: Served,
+    req: &ScriptRequest,
+) -> ScriptResult {
+    let base = RunResult::for_program(outcome, limits);
+    let timeout = outcome.timed_out;
+    let validation_error = if timeout || outcome.killed_by.is_some() { None } else { served.validation_error };
+    let validated = validation_error.is_none();
+    let success = validated && served.protocol_error.is_none() && outcome.success();
+    let error = if success {
+        None
+    } else if let Some(v) = &validation_error {
+        Some(format!("validation failed, nothing was run: {v}"))
+    } else if let Some(p) = &served.protocol_error {
+        Some(format!("the script runtime misbehaved: {p}"))
+    } else if !served.ready && !timeout && outcome.killed_by.is_none() {
+        let stderr = String::from_utf8_lossy(&outcome.stderr.bytes);
+        Some(format!("the script runtime could not start: {}", stderr.lines().last().unwrap_or("")))
+    } else {
+        base.error.clone()
+    };
+    ScriptResult {
+        success,
+        timeout,
+        exit_code: if validated { base.exit_code } else { None },
+        validation_error,
+        stdout: base.stdout,
+        stderr: base.stderr,
+        duration_ms: outcome.usage.wall_ms,
+        language: req.language,
+        script: req.file.display().to_string(),
+        stdout_truncated: base.stdout_truncated,
+        stderr_truncated: base.stderr_truncated,
+        killed_by: base.killed_by,
+        error,
+        limits: base.limits,
+        usage: base.usage,
+        sandbox: base.sandbox,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timeout_default_and_clamp() {
+        assert_eq!(script_timeout(None, None, 3600), (60, None));
+        assert_eq!(script_timeout(Some(5), Some(100), 3600), (5, None));
+        assert_eq!(script_timeout(None, Some(100), 3600), (100, None));
+        let (t, c) = script_timeout(Some(900), None, 3600);
+        assert_eq!(t, 300);
+        let c = c.unwrap();
+        assert_eq!((c.requested, c.applied), (900, 300));
+        let (t, c) = script_timeout(Some(200), None, 120);
+        assert_eq!((t, c.unwrap().reason.as_str()), (120, "above the agent's ceiling"));
+    }
+
+    #[test]
+    fn inside_names() {
+        assert_eq!(inside_name(Path::new("/x/check.py"), Language::Python), "check.py");
+        assert_eq!(inside_name(Path::new("/x/.hidden"), Language::Bash), "script.sh");
+        assert_eq!(inside_name(Path::new("/x/we ird.sh"), Language::Bash), "script.sh");
+    }
+}

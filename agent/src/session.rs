@@ -1,0 +1,882 @@
+//! Stateful Python sessions (seed 002): `opservant session start|exec|stop|list`.
+//!
+//! A session is one long-lived sandbox whose payload is the embedded runtime in session
+//! mode: one interpreter whose globals persist between calls. A small daemon (this binary,
+//! detached) owns the sandbox and serves a Unix socket in [`SESSION_DIR`]; `exec` and `stop`
+//! are clients of that socket.
+//!
+//! Guarantees:
+//! - each session is its own sandbox (namespaces, cgroups, Landlock, seccomp): sessions share
+//!   nothing with each other or the host beyond what the manifest (or the defaults: no
+//!   network, scratch only) allows;
+//! - imports are refused inside the interpreter unless allowlisted (none by default); `os`,
+//!   `subprocess`, `ctypes` and `socket` are never implied by a default import — only an
+//!   explicit `--allow-import` grants them. This is defence in depth on top of the OS sandbox,
+//!   not a boundary by itself: Python code can reach modules through the object graph;
+//! - every call has a timeout; a call that times out or exhausts the memory limit ends the
+//!   session (the whole sandbox is killed) and its reply says so;
+//! - an idle session expires, and every session ends after its maximum lifetime;
+//! - only root, or the user the daemon runs as, can reach a session: the directory is 0700,
+//!   the socket 0600, and the daemon checks each client's credentials (`SO_PEERCRED`).
+
+use std::io::{Read, Write};
+use std::os::fd::{AsFd, AsRawFd};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+use crate::app::{self, FromPayload, RuntimeArgs, ToPayload};
+use crate::audit;
+use crate::executor_run::CannotRun;
+use crate::limits::EffectiveLimits;
+use crate::policy::AgentPolicy;
+
+/// Where session sockets, locks and logs live (root-only).
+pub const SESSION_DIR: &str = "/run/opservant/sessions";
+/// Per-call timeout: default and maximum (seconds).
+pub const DEFAULT_CALL_TIMEOUT_S: u64 = 60;
+pub const MAX_CALL_TIMEOUT_S: u64 = 300;
+/// Idle expiry: default and maximum (seconds).
+pub const DEFAULT_IDLE_TIMEOUT_S: u64 = 600;
+pub const MAX_IDLE_TIMEOUT_S: u64 = 86_400;
+/// Longest a session lives, busy or not: default and maximum (seconds).
+pub const DEFAULT_MAX_LIFETIME_S: u64 = 86_400;
+pub const MAX_MAX_LIFETIME_S: u64 = 7 * 86_400;
+/// Largest request a client may send (code plus globals).
+const MAX_REQUEST: usize = 8 << 20;
+/// How long the daemon waits for the interpreter to come up.
+const START_TIMEOUT: Duration = Duration::from_secs(30);
+/// Modules a default import never implies: only an explicit `--allow-import` grants them.
+pub const NEVER_IMPLIED: &[&str] = &["os", "subprocess", "ctypes", "socket"];
+
+/// Everything `session start` decides; handed to the daemon on its stdin.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Settings {
+    pub name: String,
+    pub allow_imports: Vec<String>,
+    /// (alias, module), e.g. ("np", "numpy").
+    pub default_imports: Vec<(String, String)>,
+    pub call_timeout_s: u64,
+    pub idle_timeout_s: u64,
+    pub max_lifetime_s: u64,
+    pub manifest: Option<PathBuf>,
+    pub config: Option<PathBuf>,
+}
+
+fn is_identifier(s: &str) -> bool {
+    s.chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+}
+
+fn is_module_name(s: &str) -> bool {
+    !s.is_empty() && s.split('.').all(is_identifier)
+}
+
+/// A session name: `[A-Za-z0-9_-]`, 1–64 characters (it names files in [`SESSION_DIR`]).
+pub fn check_name(name: &str) -> Result<(), CannotRun> {
+    let ok = !name.is_empty()
+        && name.len() <= 64
+        && !name.starts_with('-')
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+    if ok {
+        Ok(())
+    } else {
+        Err(CannotRun(format!("session name '{name}': use 1-64 characters of [A-Za-z0-9_-]")))
+    }
+}
+
+impl Settings {
+    /// Parse `--allow-import` lists and `--default-import alias=module` pairs and check
+    /// every value. Default imports extend the allowlist, except [`NEVER_IMPLIED`] modules.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        name: &str,
+        allow: &[String],
+        defaults: &[String],
+        call_timeout_s: Option<u64>,
+        idle_timeout_s: Option<u64>,
+        max_lifetime_s: Option<u64>,
+        manifest: Option<PathBuf>,
+        config: Option<PathBuf>,
+    ) -> Result<Settings, CannotRun> {
+        check_name(name)?;
+        let mut allow_imports: Vec<String> = Vec::new();
+        for item in allow.iter().flat_map(|a| a.split(',')).map(str::trim).filter(|s| !s.is_empty()) {
+            if !is_module_name(item) {
+                return Err(CannotRun(format!("--allow-import: '{item}' is not a module name")));
+            }
+            if !allow_imports.iter().any(|a| a == item) {
+                allow_imports.push(item.to_string());
+            }
+        }
+        let mut default_imports = Vec::new();
+        for item in defaults.iter().flat_map(|a| a.split(',')).map(str::trim).filter(|s| !s.is_empty()) {
+            let (alias, module) = match item.split_once('=') {
+                Some((a, m)) => (a.trim(), m.trim()),
+                None => (item.rsplit('.').next().unwrap_or(item), item),
+            };
+            if !is_identifier(alias) || !is_module_name(module) {
+                return Err(CannotRun(format!("--default-import: '{item}' is not ALIAS=MODULE")));
+            }
+            let covered = |m: &str| allow_imports.iter().any(|a| m == a || m.starts_with(&format!("{a}.")));
+            if !covered(module) {
+                let top = module.split('.').next().unwrap_or(module);
+                if NEVER_IMPLIED.contains(&top) {
+                    return Err(CannotRun(format!(
+                        "--default-import {item}: '{top}' is never implied by a default import; allow it explicitly with --allow-import {top} if you really mean it"
+                    )));
+                }
+                allow_imports.push(module.to_string());
+            }
+            default_imports.push((alias.to_string(), module.to_string()));
+        }
+        let bounded = |flag: &str, v: Option<u64>, default: u64, max: u64| -> Result<u64, CannotRun> {
+            match v {
+                None => Ok(default),
+                Some(0) => Err(CannotRun(format!("{flag}: must be at least 1 second"))),
+                Some(v) if v > max => Err(CannotRun(format!("{flag}: at most {max} seconds"))),
+                Some(v) => Ok(v),
+            }
+        };
+        Ok(Settings {
+            name: name.to_string(),
+            allow_imports,
+            default_imports,
+            call_timeout_s: bounded("--timeout", call_timeout_s, DEFAULT_CALL_TIMEOUT_S, MAX_CALL_TIMEOUT_S)?,
+            idle_timeout_s: bounded("--idle-timeout", idle_timeout_s, DEFAULT_IDLE_TIMEOUT_S, MAX_IDLE_TIMEOUT_S)?,
+            max_lifetime_s: bounded("--max-lifetime", max_lifetime_s, DEFAULT_MAX_LIFETIME_S, MAX_MAX_LIFETIME_S)?,
+            manifest: manifest.map(|m| std::path::absolute(&m).unwrap_or(m)),
+            config: config.map(|c| std::path::absolute(&c).unwrap_or(c)),
+        })
+    }
+}
+
+fn socket_path(name: &str) -> PathBuf {
+    Path::new(SESSION_DIR).join(format!("{name}.sock"))
+}
+
+fn lock_path(name: &str) -> PathBuf {
+    Path::new(SESSION_DIR).join(format!("{name}.lock"))
+}
+
+fn log_path(name: &str) -> PathBuf {
+    Path::new(SESSION_DIR).join(format!("{name}.log"))
+}
+
+/// Create [`SESSION_DIR`] (0700) and its parent if needed; refuse one others could enter.
+fn ensure_dir() -> Result<(), CannotRun> {
+    let dir = Path::new(SESSION_DIR);
+    if let Some(parent) = dir.parent() {
+        if !parent.exists() {
+            std::fs::create_dir_all(parent).map_err(|e| CannotRun(format!("{}: {e}", parent.display())))?;
+            let _ = std::fs::set_permissions(parent, std::fs::Permissions::from_mode(0o755));
+        }
+    }
+    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(CannotRun(format!("{SESSION_DIR}: {e}"))),
+    }
+    let meta = std::fs::symlink_metadata(dir).map_err(|e| CannotRun(format!("{SESSION_DIR}: {e}")))?;
+    use std::os::unix::fs::MetadataExt;
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    if !meta.is_dir() || meta.uid() != me || meta.mode() & 0o077 != 0 {
+        return Err(CannotRun(format!(
+            "{SESSION_DIR}: must be a directory owned by uid {me} with mode 0700 (is uid {}, mode {:o})",
+            meta.uid(),
+            meta.mode() & 0o7777
+        )));
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// Clients
+
+/// `session start`: launch the daemon and wait until the session is ready (or failed).
+pub fn start(settings: &Settings, exe: &Path, serve_subcommand: &str) -> Result<Value, CannotRun> {
+    use std::os::unix::process::CommandExt;
+    use std::process::{Command, Stdio};
+    ensure_dir()?;
+    if UnixStream::connect(socket_path(&settings.name)).is_ok() {
+        return Err(CannotRun(format!("session '{}' is already running", settings.name)));
+    }
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .mode(0o600)
+        .open(log_path(&settings.name))
+        .map_err(|e| CannotRun(format!("{}: {e}", log_path(&settings.name).display())))?;
+    let mut cmd = Command::new(exe);
+    cmd.arg(serve_subcommand).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(log);
+    // SAFETY: setsid is async-signal-safe and touches no memory of the parent.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::setsid() < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().map_err(|e| CannotRun(format!("cannot start the session daemon: {e}")))?;
+    let settings_json = serde_json::to_vec(settings)?;
+    if let Some(mut stdin) = child.stdin.take() {
+        stdin.write_all(&settings_json).map_err(|e| CannotRun(format!("session daemon: {e}")))?;
+    }
+    let mut status = String::new();
+    if let Some(out) = child.stdout.take() {
+        let _ = out.take(1 << 20).read_to_string(&mut status);
+    }
+    let reply: Value = match serde_json::from_str(status.trim()) {
+        Ok(v) => v,
+        Err(_) => {
+            let _ = child.wait();
+            return Err(CannotRun(format!(
+                "the session daemon did not start (see {})",
+                log_path(&settings.name).display()
+            )));
+        }
+    };
+    if reply.get("error").and_then(Value::as_str).is_some() && reply.get("status") != Some(&json!("started")) {
+        let _ = child.wait();
+        return Err(CannotRun(format!(
+            "session '{}': {}",
+            settings.name,
+            reply["error"].as_str().unwrap_or("failed to start")
+        )));
+    }
+    // The daemon lives on in its own session; this process does not wait for it.
+    drop(child);
+    Ok(reply)
+}
+
+/// Send one request to a session's daemon and return its reply.
+pub fn request(name: &str, req: &Value, timeout: Duration) -> Result<Value, CannotRun> {
+    check_name(name)?;
+    let path = socket_path(name);
+    let mut stream = UnixStream::connect(&path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused => {
+            CannotRun(format!("no session '{name}' is running"))
+        }
+        std::io::ErrorKind::PermissionDenied => {
+            CannotRun(format!("session '{name}': permission denied (only root or the session's owner may use it)"))
+        }
+        _ => CannotRun(format!("session '{name}': {e}")),
+    })?;
+    stream.set_read_timeout(Some(timeout)).map_err(|e| CannotRun(e.to_string()))?;
+    stream.write_all(&serde_json::to_vec(req)?).map_err(|e| CannotRun(format!("session '{name}': {e}")))?;
+    stream.shutdown(std::net::Shutdown::Write).map_err(|e| CannotRun(format!("session '{name}': {e}")))?;
+    let mut buf = Vec::new();
+    stream.take(64 << 20).read_to_end(&mut buf).map_err(|e| CannotRun(format!("session '{name}': no reply: {e}")))?;
+    let reply: Value =
+        serde_json::from_slice(&buf).map_err(|_| CannotRun(format!("session '{name}': the daemon sent no reply")))?;
+    if let Some(refused) = reply.get("refused").and_then(Value::as_str) {
+        return Err(CannotRun(format!("session '{name}': {refused}")));
+    }
+    Ok(reply)
+}
+
+/// `session list`: the running sessions and their status.
+pub fn list() -> Result<Value, CannotRun> {
+    let mut sessions = Vec::new();
+    let entries = match std::fs::read_dir(SESSION_DIR) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(json!({"sessions": []})),
+        Err(e) => return Err(CannotRun(format!("{SESSION_DIR}: {e}"))),
+    };
+    let mut names: Vec<String> = entries
+        .filter_map(|e| e.ok())
+        .filter_map(|e| e.file_name().to_str().and_then(|n| n.strip_suffix(".sock")).map(str::to_string))
+        .collect();
+    names.sort();
+    for name in names {
+        if let Ok(status) = request(&name, &json!({"op": "status"}), Duration::from_secs(5)) {
+            sessions.push(status);
+        }
+    }
+    Ok(json!({ "sessions": sessions }))
+}
+
+// ---------------------------------------------------------------------------------------
+// The daemon
+
+/// A client request.
+#[derive(Debug, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
+enum Request {
+    Exec {
+        code: String,
+        #[serde(default)]
+        globals: serde_json::Map<String, Value>,
+        #[serde(default)]
+        r#return: Vec<String>,
+        #[serde(default)]
+        timeout_s: Option<u64>,
+    },
+    Stop,
+    Status,
+}
+
+/// Why the session ended.
+enum End {
+    Stopped,
+    Idle,
+    CallTimeout(u64),
+    /// The sandbox ended on its own (OOM, lifetime, crash).
+    Died,
+    Signal,
+}
+
+struct Daemon {
+    settings: Settings,
+    limits: EffectiveLimits,
+    chan: sandbox::channel::Channel,
+    stop: sandbox::StopHandle,
+    /// Becomes readable (end of file) when the sandbox has ended.
+    done: std::os::fd::OwnedFd,
+    waiter: Option<std::thread::JoinHandle<Result<sandbox::Outcome, sandbox::SandboxError>>>,
+    outcome: Option<Result<sandbox::Outcome, String>>,
+    started: Instant,
+    started_unix: u64,
+    calls: u64,
+    last_active: Instant,
+    signals: nix::sys::signalfd::SignalFd,
+}
+
+/// `__session-serve`: the daemon. Reads [`Settings`] from stdin, reports one JSON line on
+/// stdout (started, or the error), then serves the socket until the session ends.
+pub fn serve(launcher: sandbox::Launcher, runtime: PathBuf) -> i32 {
+    let mut input = Vec::new();
+    let settings: Settings = match std::io::stdin().take(1 << 20).read_to_end(&mut input) {
+        Ok(_) => match serde_json::from_slice(&input) {
+            Ok(s) => s,
+            Err(e) => return report_failure(&format!("bad settings: {e}")),
+        },
+        Err(e) => return report_failure(&format!("cannot read settings: {e}")),
+    };
+    match Daemon::start(settings, launcher, runtime) {
+        Ok((mut daemon, listener, lock)) => {
+            let end = daemon.run(&listener);
+            daemon.finish(end, &listener, lock);
+            0
+        }
+        Err(e) => report_failure(&e.0),
+    }
+}
+
+fn report_failure(error: &str) -> i32 {
+    tracing::error!(target: "opservant::session", "{error}");
+    println!("{}", json!({ "status": "failed", "error": error }));
+    1
+}
+
+/// Hold `NAME.lock` for the daemon's life; a second daemon for the same name fails here.
+fn take_lock(name: &str) -> Result<std::fs::File, CannotRun> {
+    use std::os::unix::fs::MetadataExt;
+    let path = lock_path(name);
+    for _ in 0..3 {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .mode(0o600)
+            .open(&path)
+            .map_err(|e| CannotRun(format!("{}: {e}", path.display())))?;
+        // SAFETY: flock on a descriptor we own.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            return Err(CannotRun(format!("session '{name}' is already running")));
+        }
+        // The previous holder may have removed the path after we opened it: the lock is only
+        // ours if the path still names the file we locked.
+        let ours = file.metadata().map(|m| m.ino()).ok();
+        let current = std::fs::metadata(&path).map(|m| m.ino()).ok();
+        if ours.is_some() && ours == current {
+            return Ok(file);
+        }
+    }
+    Err(CannotRun(format!("{}: could not be locked", path.display())))
+}
+
+impl Daemon {
+    fn start(
+        settings: Settings,
+        launcher: sandbox::Launcher,
+        runtime: PathBuf,
+    ) -> Result<(Daemon, UnixListener, std::fs::File), CannotRun> {
+        ensure_dir()?;
+        let lock = take_lock(&settings.name)?;
+        let config = crate::config::Config::load(settings.config.as_deref())?;
+        let policy = AgentPolicy::from_config(&config)?;
+        let manifest = match &settings.manifest {
+            Some(p) => Some(crate::manifest::Manifest::load(p)?.0),
+            None => None,
+        };
+        let runtime_str = runtime.to_string_lossy().into_owned();
+        let (mut spec, mut limits) = policy.spec_for(manifest.as_ref(), &runtime_str, vec![])?;
+        spec.command.app_channel = true;
+        spec.limits.cpu_deferred = true;
+        spec.limits.timeout_ms = Some(settings.max_lifetime_s * 1000);
+        limits.timeout_seconds = settings.max_lifetime_s;
+        limits.clamped.retain(|c| c.field != "timeout_seconds");
+        spec.filesystem.paths.push(sandbox::PathRule { path: runtime, access: sandbox::Access::Read, optional: false });
+        spec.hostname = format!("session-{}", settings.name).chars().take(63).collect();
+        spec.validate()?;
+
+        let path = socket_path(&settings.name);
+        // Only a stale socket can be here: the lock is ours.
+        let _ = std::fs::remove_file(&path);
+
+        let mut sb = sandbox::Sandbox::spawn(&spec, &launcher, None)?;
+        // Signals that end the daemon are read from a signalfd, so the sandbox is always
+        // torn down (blocked only now: the sandbox's processes must not inherit the mask).
+        let mut mask = nix::sys::signal::SigSet::empty();
+        for s in [nix::sys::signal::SIGTERM, nix::sys::signal::SIGINT, nix::sys::signal::SIGHUP] {
+            mask.add(s);
+        }
+        mask.thread_block().map_err(|e| CannotRun(format!("sigprocmask: {e}")))?;
+        let signals = nix::sys::signalfd::SignalFd::with_flags(
+            &mask,
+            nix::sys::signalfd::SfdFlags::SFD_CLOEXEC | nix::sys::signalfd::SfdFlags::SFD_NONBLOCK,
+        )
+        .map_err(|e| CannotRun(format!("signalfd: {e}")))?;
+
+        let chan = sb.take_app_channel().ok_or_else(|| CannotRun("no application channel".into()))?;
+        let args = RuntimeArgs::Session {
+            allow_imports: settings.allow_imports.clone(),
+            default_imports: settings.default_imports.clone(),
+        };
+        chan.send_bytes(&app::encode(&args)).map_err(|e| CannotRun(format!("runtime arguments: {}", e.desc())))?;
+        let stop = sb.stop_handle();
+        let cpu = sb.cpu_limiter();
+        let (done, done_tx) =
+            nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| CannotRun(format!("pipe: {e}")))?;
+        let waiter = std::thread::spawn(move || {
+            // Small caps: the runtime's own stdout/stderr carry nothing of the calls (each
+            // call's output is captured inside and returned in its reply).
+            let out = sandbox::OutputOptions { stdout_cap: 64 << 10, stderr_cap: 64 << 10, tee: None };
+            let outcome = sb.wait(out);
+            drop(done_tx);
+            outcome
+        });
+        let now = Instant::now();
+        let mut daemon = Daemon {
+            settings,
+            limits,
+            chan,
+            stop,
+            done,
+            waiter: Some(waiter),
+            outcome: None,
+            started: now,
+            started_unix: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
+            calls: 0,
+            last_active: now,
+            signals,
+        };
+
+        // Start-up: the runtime reports ready (the CPU quota applies from here), then the
+        // outcome of the default imports.
+        let deadline = Instant::now() + START_TIMEOUT;
+        let started = loop {
+            match daemon.next_message(deadline) {
+                Ok(FromPayload::Ready) => {
+                    let _ = cpu.apply();
+                }
+                Ok(FromPayload::SessionReply { success: true, .. }) => break Ok(()),
+                Ok(FromPayload::SessionReply { error, .. }) => {
+                    break Err(error.unwrap_or_else(|| "the session could not start".into()))
+                }
+                Ok(other) => break Err(format!("unexpected message from the runtime: {other:?}")),
+                Err(e) => break Err(e),
+            }
+        };
+        if let Err(e) = started {
+            daemon.stop.stop();
+            let detail = daemon.ended_because();
+            let _ = std::fs::remove_file(lock_path(&daemon.settings.name));
+            drop(lock);
+            return Err(CannotRun(if detail.is_empty() { e } else { format!("{e} ({detail})") }));
+        }
+
+        let listener = UnixListener::bind(&path).map_err(|e| CannotRun(format!("{}: {e}", path.display())))?;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
+            .map_err(|e| CannotRun(format!("{}: {e}", path.display())))?;
+        listener.set_nonblocking(true).map_err(|e| CannotRun(e.to_string()))?;
+        audit::record(
+            "session_start",
+            &[
+                ("session", &daemon.settings.name),
+                ("allow_imports", &daemon.settings.allow_imports.join(",")),
+                ("pid", &std::process::id().to_string()),
+            ],
+        );
+        let warnings: Vec<String> = daemon
+            .settings
+            .allow_imports
+            .iter()
+            .filter(|m| NEVER_IMPLIED.contains(&m.split('.').next().unwrap_or(m)))
+            .map(|m| format!("'{m}' is allowlisted: session code can use it (seed 002 advises against it)"))
+            .collect();
+        let report = json!({
+            "session": daemon.settings.name,
+            "status": "started",
+            "pid": std::process::id(),
+            "socket": path,
+            "allow_imports": daemon.settings.allow_imports,
+            "default_imports": daemon.settings.default_imports.iter().map(|(a, m)| json!({"alias": a, "module": m})).collect::<Vec<_>>(),
+            "call_timeout_seconds": daemon.settings.call_timeout_s,
+            "idle_timeout_seconds": daemon.settings.idle_timeout_s,
+            "max_lifetime_seconds": daemon.settings.max_lifetime_s,
+            "limits": daemon.limits,
+            "warnings": warnings,
+        });
+        println!("{report}");
+        // From here on the daemon's stdout is not read by anyone.
+        let _ = std::io::stdout().flush();
+        if let Ok(null) = std::fs::OpenOptions::new().write(true).open("/dev/null") {
+            // SAFETY: dup2 onto fd 1 replaces our own stdout; `null` stays valid for the call.
+            unsafe { libc::dup2(null.as_raw_fd(), 1) };
+        }
+        Ok((daemon, listener, lock))
+    }
+
+    /// The next message from the runtime, or why there is none before `deadline`.
+    fn next_message(&mut self, deadline: Instant) -> Result<FromPayload, String> {
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err("timed out".into());
+            }
+            let ms = left.as_millis().min(60_000) as u16;
+            let mut fds =
+                [PollFd::new(self.chan.as_fd(), PollFlags::POLLIN), PollFd::new(self.done.as_fd(), PollFlags::POLLIN)];
+            match poll(&mut fds, PollTimeout::from(ms.max(1))) {
+                Err(nix::errno::Errno::EINTR) | Ok(0) => continue,
+                Err(e) => return Err(format!("poll: {e}")),
+                Ok(_) => {}
+            }
+            if fds[0].any().unwrap_or(false) {
+                return match self.chan.recv_bytes(app::MAX_MESSAGE) {
+                    Ok(Some(bytes)) => {
+                        serde_json::from_slice(&bytes).map_err(|e| format!("malformed message from the runtime: {e}"))
+                    }
+                    Ok(None) => Err("the session's interpreter ended".into()),
+                    Err(e) => Err(e),
+                };
+            }
+            if fds[1].any().unwrap_or(false) {
+                return Err("the session's interpreter ended".into());
+            }
+        }
+    }
+
+    /// Wait for the sandbox to end (after a stop, or on its own) and describe how it ended.
+    fn ended_because(&mut self) -> String {
+        if let Some(waiter) = self.waiter.take() {
+            self.outcome = Some(match waiter.join() {
+                Ok(Ok(o)) => Ok(o),
+                Ok(Err(e)) => Err(e.to_string()),
+                Err(_) => Err("the sandbox supervisor panicked".into()),
+            });
+        }
+        match &self.outcome {
+            Some(Ok(o)) => match o.killed_by {
+                Some(sandbox::KilledBy::Oom) => {
+                    format!("it ran out of memory (limit {} MB)", self.limits.max_memory_mb)
+                }
+                Some(sandbox::KilledBy::Timeout) => {
+                    format!("it reached its maximum lifetime ({} s)", self.settings.max_lifetime_s)
+                }
+                Some(sandbox::KilledBy::Pids) => format!("it hit the process limit ({})", self.limits.max_pids),
+                Some(sandbox::KilledBy::Signal(n)) if !o.stopped => format!("its interpreter was killed by signal {n}"),
+                _ if o.stopped => String::new(),
+                _ => match o.exit {
+                    Some(x) => {
+                        let stderr = String::from_utf8_lossy(&o.stderr.bytes);
+                        let last = stderr.lines().last().unwrap_or("").to_string();
+                        format!(
+                            "its interpreter exited with status {}{}",
+                            x.shell_code(),
+                            if last.is_empty() { String::new() } else { format!(": {last}") }
+                        )
+                    }
+                    None => "its interpreter ended".into(),
+                },
+            },
+            Some(Err(e)) => e.clone(),
+            None => String::new(),
+        }
+    }
+
+    /// Serve clients until the session ends.
+    fn run(&mut self, listener: &UnixListener) -> End {
+        loop {
+            let idle_deadline = self.last_active + Duration::from_secs(self.settings.idle_timeout_s);
+            let left = idle_deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return End::Idle;
+            }
+            let ms = left.as_millis().min(60_000) as u16;
+            let mut fds = [
+                PollFd::new(listener.as_fd(), PollFlags::POLLIN),
+                PollFd::new(self.done.as_fd(), PollFlags::POLLIN),
+                PollFd::new(self.signals.as_fd(), PollFlags::POLLIN),
+            ];
+            match poll(&mut fds, PollTimeout::from(ms.max(1))) {
+                Err(nix::errno::Errno::EINTR) | Ok(0) => continue,
+                Err(e) => {
+                    tracing::error!(target: "opservant::session", "poll: {e}");
+                    return End::Died;
+                }
+                Ok(_) => {}
+            }
+            let (listen_ready, done_ready, signal_ready) =
+                (fds[0].any().unwrap_or(false), fds[1].any().unwrap_or(false), fds[2].any().unwrap_or(false));
+            if signal_ready {
+                return End::Signal;
+            }
+            if done_ready {
+                return End::Died;
+            }
+            if listen_ready {
+                let stream = match listener.accept() {
+                    Ok((s, _)) => s,
+                    Err(_) => continue,
+                };
+                if let Some(end) = self.client(stream) {
+                    return end;
+                }
+            }
+        }
+    }
+
+    /// Handle one client connection; `Some` when the session ends with it.
+    fn client(&mut self, mut stream: UnixStream) -> Option<End> {
+        let _ = stream.set_nonblocking(false);
+        // SAFETY: geteuid has no preconditions.
+        let me = unsafe { libc::geteuid() };
+        let peer = nix::sys::socket::getsockopt(&stream, nix::sys::socket::sockopt::PeerCredentials);
+        let allowed = matches!(&peer, Ok(c) if c.uid() == 0 || c.uid() == me);
+        if !allowed {
+            let uid = peer.map(|c| c.uid().to_string()).unwrap_or_else(|_| "?".into());
+            audit::record("session_refused", &[("session", &self.settings.name), ("uid", &uid)]);
+            let _ = stream.write_all(json!({"refused": "permission denied"}).to_string().as_bytes());
+            return None;
+        }
+        let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
+        let mut buf = Vec::new();
+        if let Err(e) = (&mut stream).take(MAX_REQUEST as u64 + 1).read_to_end(&mut buf) {
+            let _ =
+                stream.write_all(json!({"refused": format!("cannot read the request: {e}")}).to_string().as_bytes());
+            return None;
+        }
+        if buf.len() > MAX_REQUEST {
+            let _ = stream.write_all(
+                json!({"refused": format!("request larger than {MAX_REQUEST} bytes")}).to_string().as_bytes(),
+            );
+            return None;
+        }
+        let req: Request = match serde_json::from_slice(&buf) {
+            Ok(r) => r,
+            Err(e) => {
+                let _ = stream.write_all(json!({"refused": format!("bad request: {e}")}).to_string().as_bytes());
+                return None;
+            }
+        };
+        let (reply, end) = match req {
+            Request::Status => (self.status(), None),
+            Request::Stop => {
+                self.stop.stop();
+                let _ = self.ended_because();
+                let usage = self.outcome.as_ref().and_then(|o| o.as_ref().ok()).map(|o| o.usage);
+                (
+                    json!({"session": self.settings.name, "status": "stopped", "calls": self.calls, "usage": usage}),
+                    Some(End::Stopped),
+                )
+            }
+            Request::Exec { code, globals, r#return, timeout_s } => self.exec(code, globals, r#return, timeout_s),
+        };
+        let _ = stream.write_all(reply.to_string().as_bytes());
+        self.last_active = Instant::now();
+        end
+    }
+
+    fn status(&self) -> Value {
+        json!({
+            "session": self.settings.name,
+            "status": "running",
+            "pid": std::process::id(),
+            "started_at": self.started_unix,
+            "uptime_seconds": self.started.elapsed().as_secs(),
+            "idle_seconds": self.last_active.elapsed().as_secs(),
+            "calls": self.calls,
+            "allow_imports": self.settings.allow_imports,
+            "call_timeout_seconds": self.settings.call_timeout_s,
+            "idle_timeout_seconds": self.settings.idle_timeout_s,
+            "limits": self.limits,
+        })
+    }
+
+    fn exec(
+        &mut self,
+        code: String,
+        globals: serde_json::Map<String, Value>,
+        names: Vec<String>,
+        timeout_s: Option<u64>,
+    ) -> (Value, Option<End>) {
+        let timeout_s = timeout_s.unwrap_or(self.settings.call_timeout_s).clamp(1, self.settings.call_timeout_s);
+        let started = Instant::now();
+        self.calls += 1;
+        let digest = {
+            use sha2::Digest;
+            let d = sha2::Sha256::digest(code.as_bytes());
+            d.iter().take(8).map(|b| format!("{b:02x}")).collect::<String>()
+        };
+        let msg = ToPayload::SessionExec { code, globals, r#return: names };
+        if let Err(e) = self.chan.send_bytes(&app::encode(&msg)) {
+            tracing::warn!(target: "opservant::session", "send to the runtime: {}", e.desc());
+        }
+        let deadline = started + Duration::from_secs(timeout_s);
+        let ended = |d: &mut Daemon, why: String, killed_by: Option<&str>| -> (Value, Option<End>) {
+            let reply = json!({
+                "success": false,
+                "error": why,
+                "stdout": "", "stderr": "", "globals": {},
+                "session_ended": true,
+                "killed_by": killed_by,
+                "duration_ms": started.elapsed().as_millis() as u64,
+            });
+            audit::record(
+                "session_exec",
+                &[("session", &d.settings.name), ("code_sha256", &digest), ("success", "false"), ("ended", &why)],
+            );
+            (reply, None)
+        };
+        loop {
+            match self.next_message(deadline) {
+                Ok(FromPayload::SessionReply { success, error, stdout, stderr, globals }) => {
+                    audit::record(
+                        "session_exec",
+                        &[
+                            ("session", &self.settings.name),
+                            ("code_sha256", &digest),
+                            ("success", if success { "true" } else { "false" }),
+                        ],
+                    );
+                    let reply = json!({
+                        "success": success, "error": error, "stdout": stdout, "stderr": stderr, "globals": globals,
+                        "session_ended": false,
+                        "duration_ms": started.elapsed().as_millis() as u64,
+                    });
+                    return (reply, None);
+                }
+                Ok(FromPayload::Ready) => continue,
+                Ok(other) => {
+                    tracing::warn!(target: "opservant::session", "unexpected message from the runtime: {other:?}");
+                    continue;
+                }
+                Err(e) if e == "timed out" => {
+                    self.stop.stop();
+                    let _ = self.ended_because();
+                    let why = format!("the call timed out after {timeout_s} s; the session has ended");
+                    let (reply, _) = ended(self, why, Some("timeout"));
+                    return (reply, Some(End::CallTimeout(timeout_s)));
+                }
+                Err(_) => {
+                    let why = self.ended_because();
+                    let killed_by = match self.outcome.as_ref().and_then(|o| o.as_ref().ok()).and_then(|o| o.killed_by)
+                    {
+                        Some(sandbox::KilledBy::Oom) => Some("oom"),
+                        Some(sandbox::KilledBy::Timeout) => Some("timeout"),
+                        Some(sandbox::KilledBy::Pids) => Some("pids"),
+                        _ => None,
+                    };
+                    let why = if why.is_empty() {
+                        "the session has ended: its interpreter ended".to_string()
+                    } else {
+                        format!("the session has ended: {why}")
+                    };
+                    let (reply, _) = ended(self, why, killed_by);
+                    return (reply, Some(End::Died));
+                }
+            }
+        }
+    }
+
+    /// Tear down: stop the sandbox, remove the socket and lock, audit the end.
+    fn finish(&mut self, end: End, listener: &UnixListener, lock: std::fs::File) {
+        self.stop.stop();
+        let detail = self.ended_because();
+        let reason = match end {
+            End::Stopped => "stopped".to_string(),
+            End::Idle => format!("idle for {} s", self.settings.idle_timeout_s),
+            End::CallTimeout(s) => format!("a call timed out after {s} s"),
+            End::Died => {
+                if detail.is_empty() {
+                    "the interpreter ended".into()
+                } else {
+                    detail
+                }
+            }
+            End::Signal => "the daemon was signalled".into(),
+        };
+        let _ = listener;
+        let _ = std::fs::remove_file(socket_path(&self.settings.name));
+        let _ = std::fs::remove_file(lock_path(&self.settings.name));
+        drop(lock);
+        audit::record(
+            "session_end",
+            &[("session", &self.settings.name), ("reason", &reason), ("calls", &self.calls.to_string())],
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings(allow: &[&str], defaults: &[&str]) -> Result<Settings, CannotRun> {
+        let allow: Vec<String> = allow.iter().map(|s| s.to_string()).collect();
+        let defaults: Vec<String> = defaults.iter().map(|s| s.to_string()).collect();
+        Settings::new("s1", &allow, &defaults, None, None, None, None, None)
+    }
+
+    #[test]
+    fn allowlist_and_defaults() {
+        let s = settings(&["json,math", "re"], &["np=numpy", "m=math"]).unwrap();
+        assert_eq!(s.allow_imports, ["json", "math", "re", "numpy"]);
+        assert_eq!(s.default_imports, [("np".to_string(), "numpy".to_string()), ("m".to_string(), "math".to_string())]);
+        assert_eq!(s.call_timeout_s, DEFAULT_CALL_TIMEOUT_S);
+        // A default import never implies os, subprocess, ctypes or socket...
+        assert!(settings(&[], &["o=os"]).is_err());
+        assert!(settings(&[], &["p=os.path"]).is_err());
+        assert!(settings(&[], &["s=socket"]).is_err());
+        // ...but an explicit allow does.
+        assert!(settings(&["os"], &["p=os.path"]).is_ok());
+        // No allowlist: nothing allowed.
+        assert!(settings(&[], &[]).unwrap().allow_imports.is_empty());
+    }
+
+    #[test]
+    fn names_and_values_are_checked() {
+        assert!(settings(&["json;rm"], &[]).is_err());
+        assert!(settings(&[], &["1x=json"]).is_err());
+        assert!(check_name("../x").is_err());
+        assert!(check_name("").is_err());
+        assert!(check_name("-x").is_err());
+        assert!(check_name("analysis_1").is_ok());
+        let allow: Vec<String> = vec![];
+        assert!(Settings::new("s", &allow, &allow, Some(0), None, None, None, None).is_err());
+        assert!(Settings::new("s", &allow, &allow, Some(301), None, None, None, None).is_err());
+    }
+}

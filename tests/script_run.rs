@@ -1,0 +1,259 @@
+//! `opservant script {python|bash} FILE`: validation inside the sandbox before anything
+//! runs, seed 003's result fields, the timeout default and clamp, and the same sandbox as
+//! every other payload (no network, scratch only, no host files).
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+
+use common::{opservant, require_root, HostDir};
+use serde_json::Value;
+
+struct Out {
+    code: i32,
+    json: Value,
+    stderr: String,
+}
+
+fn script(language: &str, file: &Path, extra: &[&str]) -> Out {
+    let out = Command::new(opservant())
+        .arg("script")
+        .arg(language)
+        .arg(file)
+        .args(extra)
+        .output()
+        .expect("run opservant script");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    let json = if out.status.code() == Some(2) {
+        assert!(stdout.trim().is_empty(), "exit 2 must print nothing on stdout: {stdout}");
+        Value::Null
+    } else {
+        serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("result JSON: {e}\n{stdout}\n{stderr}"))
+    };
+    Out { code: out.status.code().unwrap_or(-1), json, stderr }
+}
+
+fn write(dir: &HostDir, name: &str, text: &str) -> std::path::PathBuf {
+    dir.file(name, text, 0o644)
+}
+
+#[test]
+fn python_runs_with_seed_fields() {
+    if !require_root() {
+        return;
+    }
+    let d = HostDir::new();
+    let f = write(&d, "hello.py", "import sys, json\nprint(json.dumps({'argv': sys.argv, 'name': __name__}))\nprint('to stderr', file=sys.stderr)\n");
+    let r = script("python", &f, &[]);
+    assert_eq!(r.code, 0, "{:?} {}", r.json, r.stderr);
+    let j = &r.json;
+    assert_eq!(j["success"], true);
+    assert_eq!(j["timeout"], false);
+    assert_eq!(j["validation_error"], Value::Null);
+    assert_eq!(j["exit_code"], 0);
+    let printed: Value = serde_json::from_str(j["stdout"].as_str().unwrap().trim()).unwrap();
+    assert_eq!(printed["name"], "__main__");
+    assert_eq!(printed["argv"][0], "/run/script/hello.py");
+    assert_eq!(j["stderr"], "to stderr\n");
+    assert!(j["duration_ms"].as_u64().is_some());
+    assert_eq!(j["language"], "python");
+    assert_eq!(j["sandbox"]["network"], "none");
+    assert_eq!(j["sandbox"]["seccomp"], "enforced");
+    assert_eq!(j["limits"]["timeout_seconds"], 60, "the default timeout is 60 s");
+}
+
+#[test]
+fn python_exit_status_and_exception() {
+    if !require_root() {
+        return;
+    }
+    let d = HostDir::new();
+    let r = script("python", &write(&d, "exit.py", "import sys\nsys.exit(7)\n"), &[]);
+    assert_eq!((r.code, r.json["success"].clone(), r.json["exit_code"].clone()), (1, Value::Bool(false), 7.into()));
+    assert_eq!(r.json["validation_error"], Value::Null);
+
+    let r = script("python", &write(&d, "boom.py", "def f():\n    raise RuntimeError('boom')\nf()\n"), &[]);
+    assert_eq!(r.json["exit_code"], 1);
+    let stderr = r.json["stderr"].as_str().unwrap();
+    assert!(stderr.contains("RuntimeError: boom"), "{stderr}");
+    assert!(stderr.contains("/run/script/boom.py"), "traceback names the script: {stderr}");
+    assert!(!stderr.contains("_runtime.py"), "the runtime's own frames are not shown: {stderr}");
+}
+
+#[test]
+fn python_validation_runs_nothing() {
+    if !require_root() {
+        return;
+    }
+    let d = HostDir::new();
+    // A side effect before the syntax error would be visible on stdout if anything ran.
+    let f = write(&d, "bad.py", "print('ran')\ndef broken(:\n    pass\n");
+    let r = script("python", &f, &[]);
+    assert_eq!(r.code, 1);
+    let j = &r.json;
+    assert_eq!(j["success"], false);
+    let v = j["validation_error"].as_str().expect("validation_error set");
+    assert!(v.contains("SyntaxError") && v.contains("line 2"), "{v}");
+    assert_eq!(j["stdout"], "", "nothing ran");
+    assert_eq!(j["exit_code"], Value::Null);
+}
+
+#[test]
+fn bash_runs_and_validates_inside_the_sandbox() {
+    if !require_root() {
+        return;
+    }
+    let d = HostDir::new();
+    let f = write(
+        &d,
+        "ok.sh",
+        "echo \"uid=$(id -u) host=$(hostname)\"\nls /run/script\ntest -e /root/.bashrc && echo SEES-ROOT\nexit 3\n",
+    );
+    let r = script("bash", &f, &[]);
+    assert_eq!(r.code, 1);
+    let j = &r.json;
+    assert_eq!(j["exit_code"], 3);
+    assert_eq!(j["validation_error"], Value::Null);
+    let out = j["stdout"].as_str().unwrap();
+    assert!(out.contains("host=opservant"), "{out}");
+    assert!(out.contains("ok.sh"), "{out}");
+    assert!(!out.contains("SEES-ROOT"), "{out}");
+    assert!(!out.contains("uid=0"), "runs unprivileged: {out}");
+
+    // A syntax error: bash -n rejects it, and the line before it never runs.
+    let f = write(&d, "bad.sh", "touch /tmp/opservant/scratch/ran; echo ran\nif then fi\n");
+    let r = script("bash", &f, &[]);
+    assert_eq!(r.code, 1);
+    let v = r.json["validation_error"].as_str().expect("validation_error");
+    assert!(v.contains("syntax error"), "{v}");
+    assert_eq!(r.json["stdout"], "");
+    assert_eq!(r.json["exit_code"], Value::Null);
+    assert_eq!(r.json["success"], false);
+}
+
+#[test]
+fn bash_check_is_bash_n_in_the_sandbox_not_on_the_host() {
+    if !require_root() {
+        return;
+    }
+    // `bash -n` inside the sandbox sees the sandbox's view: the validation error names the
+    // path the script has in there.
+    let d = HostDir::new();
+    let f = write(&d, "where.sh", "case x in\n");
+    let r = script("bash", &f, &[]);
+    let v = r.json["validation_error"].as_str().expect("validation_error");
+    assert!(v.contains("/run/script/where.sh"), "{v}");
+}
+
+#[test]
+fn timeout_default_clamp_and_enforcement() {
+    if !require_root() {
+        return;
+    }
+    let d = HostDir::new();
+    let f = write(&d, "sleep.sh", "echo start; sleep 30; echo never\n");
+    let r = script("bash", &f, &["--timeout", "1"]);
+    assert_eq!(r.code, 1);
+    let j = &r.json;
+    assert_eq!(j["timeout"], true);
+    assert_eq!(j["success"], false);
+    assert_eq!(j["killed_by"], "timeout");
+    assert_eq!(j["stdout"], "start\n");
+    assert!(j["duration_ms"].as_u64().unwrap() < 20_000);
+
+    // Above 300 s: clamped, and the clamp is reported.
+    let f = write(&d, "quick.py", "print('ok')\n");
+    let r = script("python", &f, &["--timeout", "900"]);
+    assert_eq!(r.code, 0);
+    assert_eq!(r.json["limits"]["timeout_seconds"], 300);
+    let clamp = &r.json["limits"]["clamped"][0];
+    assert_eq!(
+        (clamp["field"].as_str(), clamp["requested"].as_u64(), clamp["applied"].as_u64()),
+        (Some("timeout_seconds"), Some(900), Some(300))
+    );
+}
+
+#[test]
+fn no_network_and_scratch_only_without_a_manifest() {
+    if !require_root() {
+        return;
+    }
+    let d = HostDir::new();
+    let code = r#"
+import socket, os
+try:
+    socket.create_connection(("1.1.1.1", 53), timeout=2)
+    print("NET-OK")
+except OSError as e:
+    print("net:", e.errno)
+open("/tmp/opservant/scratch/x", "w").write("fine")
+print("scratch ok")
+for p in ("/usr/x", "/etc/x", "/x"):
+    try:
+        open(p, "w")
+        print("WROTE", p)
+    except OSError:
+        pass
+print("home" if os.path.exists("/home") and os.listdir("/home") else "no-home")
+"#;
+    let r = script("python", &write(&d, "net.py", code), &[]);
+    let out = r.json["stdout"].as_str().unwrap();
+    assert!(!out.contains("NET-OK"), "{out}");
+    assert!(out.contains("scratch ok"), "{out}");
+    assert!(!out.contains("WROTE"), "{out}");
+    assert!(out.contains("no-home"), "{out}");
+}
+
+#[test]
+fn manifest_shapes_the_sandbox() {
+    if !require_root() {
+        return;
+    }
+    let data = HostDir::new();
+    data.file("data.txt", "declared\n", 0o644);
+    let mdir = HostDir::new();
+    let m = common::manifest(
+        &mdir,
+        &format!(r#"{{"filesystem": {{"read": ["{}"]}}}}"#, data.str()),
+        r#"{"max_memory_mb": 64, "timeout_seconds": 10}"#,
+    );
+    let f = write(&mdir, "read.sh", &format!("cat {}/data.txt\n", data.str()));
+    let r = script("bash", &f, &["--manifest", m.to_str().unwrap()]);
+    assert_eq!(r.code, 0, "{:?}", r.json);
+    assert_eq!(r.json["stdout"], "declared\n");
+    assert_eq!(r.json["limits"]["max_memory_mb"], 64);
+    assert_eq!(r.json["limits"]["timeout_seconds"], 10, "the manifest's timeout applies without --timeout");
+    // Without the manifest the same path is invisible.
+    let r = script("bash", &f, &[]);
+    assert_eq!(r.json["success"], false);
+    assert!(r.json["stderr"].as_str().unwrap().contains("No such file"), "{:?}", r.json);
+}
+
+#[test]
+fn bad_input_is_exit_2() {
+    if !require_root() {
+        return;
+    }
+    let d = HostDir::new();
+    let f = write(&d, "x.py", "print(1)\n");
+    for (args, needle) in [
+        (vec!["python", "/nonexistent/x.py"], "/nonexistent/x.py"),
+        (vec!["python", f.to_str().unwrap(), "--timeout", "0"], "--timeout"),
+        (vec!["python", f.to_str().unwrap(), "--manifest", "/nonexistent/manifest.json"], "manifest"),
+        (vec!["ruby", f.to_str().unwrap()], "ruby"),
+    ] {
+        let out = Command::new(opservant()).arg("script").args(&args).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        assert!(out.stdout.is_empty(), "{args:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(needle), "{args:?}: {stderr}");
+    }
+    // Not UTF-8.
+    let p = d.path.join("latin1.sh");
+    std::fs::write(&p, b"echo caf\xe9\n").unwrap();
+    let r = script("bash", &p, &[]);
+    assert_eq!(r.code, 2);
+    assert!(r.stderr.contains("UTF-8"), "{}", r.stderr);
+}

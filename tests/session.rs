@@ -1,0 +1,323 @@
+//! `opservant session start|exec|stop|list` (seed 002): globals kept between calls, sessions
+//! isolated from each other, the import allowlist, per-call timeout and memory exhaustion
+//! ending the session, idle expiry, and access limited to root.
+
+mod common;
+
+use std::process::Command;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use common::{opservant, require_root};
+use serde_json::Value;
+
+static SEQ: AtomicU32 = AtomicU32::new(0);
+
+/// A session that is stopped (if still running) when the test ends.
+struct Session {
+    name: String,
+}
+
+impl Session {
+    fn start(args: &[&str]) -> (Session, Value) {
+        let name = format!("t{}-{}", std::process::id(), SEQ.fetch_add(1, Ordering::Relaxed));
+        let out = Command::new(opservant()).args(["session", "start", &name]).args(args).output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(out.status.code(), Some(0), "start: {stdout} {}", String::from_utf8_lossy(&out.stderr));
+        let json: Value = serde_json::from_str(stdout.trim()).unwrap();
+        (Session { name }, json)
+    }
+
+    fn exec(&self, code: &str, extra: &[&str]) -> (i32, Value) {
+        let out = Command::new(opservant())
+            .args(["session", "exec", &self.name, "--code", code])
+            .args(extra)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let code = out.status.code().unwrap_or(-1);
+        if code == 2 {
+            return (2, Value::String(String::from_utf8_lossy(&out.stderr).into_owned()));
+        }
+        (code, serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{e}: {stdout}")))
+    }
+
+    fn stop(&self) -> (i32, String) {
+        let out = Command::new(opservant()).args(["session", "stop", &self.name]).output().unwrap();
+        (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    fn socket(&self) -> String {
+        format!("/run/opservant/sessions/{}.sock", self.name)
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        let _ = self.stop();
+    }
+}
+
+#[test]
+fn state_persists_between_calls() {
+    if !require_root() {
+        return;
+    }
+    let (s, started) = Session::start(&["--allow-import", "json", "--default-import", "m=math"]);
+    assert_eq!(started["status"], "started");
+    assert_eq!(started["allow_imports"], serde_json::json!(["json", "math"]));
+
+    let (code, r) = s.exec("counter = 1\ndef bump(n):\n    return n + 1\nclass Box:\n    pass\nprint('first')", &[]);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!((r["success"].clone(), r["stdout"].clone()), (Value::Bool(true), "first\n".into()));
+
+    let (code, r) = s.exec(
+        "counter = bump(counter) + offset\nimport json\nout = json.dumps({'c': counter})\nroot = m.sqrt(81)",
+        &["--globals", r#"{"offset": 40}"#, "--return", "counter,out,root,missing,Box"],
+    );
+    assert_eq!(code, 0, "{r}");
+    let g = &r["globals"];
+    assert_eq!(g["counter"], 42);
+    assert_eq!(g["out"], r#"{"c": 42}"#);
+    assert_eq!(g["root"], 9.0);
+    assert!(g.get("missing").is_none(), "undefined names are left out: {g}");
+    assert!(g["Box"].as_str().unwrap().contains("class"), "non-JSON values come back as repr: {g}");
+
+    // An error does not end the session, and earlier state survives it.
+    let (code, r) = s.exec("counter += 1\n1/0", &[]);
+    assert_eq!(code, 1);
+    assert!(r["error"].as_str().unwrap().contains("ZeroDivisionError"), "{r}");
+    assert_eq!(r["session_ended"], false);
+    let (_, r) = s.exec("pass", &["--return", "counter"]);
+    assert_eq!(r["globals"]["counter"], 43);
+
+    // Stop: the socket goes away and later calls cannot run (exit 2).
+    let (code, out) = s.stop();
+    assert_eq!(code, 0, "{out}");
+    assert!(!std::path::Path::new(&s.socket()).exists());
+    let (code, msg) = s.exec("counter", &[]);
+    assert_eq!(code, 2);
+    assert!(msg.as_str().unwrap().contains("no session"), "{msg}");
+}
+
+#[test]
+fn imports_are_allowlisted() {
+    if !require_root() {
+        return;
+    }
+    // No allowlist: every import is refused.
+    let (s, _) = Session::start(&[]);
+    let (code, r) = s.exec("import json", &[]);
+    assert_eq!(code, 1);
+    assert!(r["error"].as_str().unwrap().contains("not allowed"), "{r}");
+    drop(s);
+
+    let (s, _) = Session::start(&["--allow-import", "json,collections"]);
+    for code in [
+        "import os",
+        "import subprocess",
+        "import ctypes",
+        "import socket",
+        "from os import path",
+        "import importlib",
+        "__import__('os')",
+        "open('/etc/passwd')",
+        "import jsonx",
+    ] {
+        let (status, r) = s.exec(code, &[]);
+        assert_eq!(status, 1, "{code}: {r}");
+        let err = r["error"].as_str().unwrap();
+        assert!(err.contains("not allowed") || err.contains("NameError"), "{code}: {err}");
+    }
+    // Allowed modules and their submodules work.
+    let (status, r) =
+        s.exec("import json.decoder\nfrom collections import OrderedDict\nx = json.loads('[1]')", &["--return", "x"]);
+    assert_eq!(status, 0, "{r}");
+    assert_eq!(r["globals"]["x"], serde_json::json!([1]));
+    // exec() of a fresh namespace gets the restricted builtins too.
+    let (status, r) = s.exec("exec('import os', {})", &[]);
+    assert_eq!(status, 1, "{r}");
+    assert!(r["error"].as_str().unwrap().contains("not allowed"), "{r}");
+}
+
+#[test]
+fn a_default_import_never_implies_os() {
+    if !require_root() {
+        return;
+    }
+    for flag in ["o=os", "p=os.path", "sp=subprocess", "c=ctypes", "s=socket"] {
+        let out = Command::new(opservant())
+            .args(["session", "start", "never-implied", "--default-import", flag])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{flag}");
+        assert!(String::from_utf8_lossy(&out.stderr).contains("never implied"), "{flag}");
+    }
+}
+
+#[test]
+fn sessions_are_isolated_from_each_other() {
+    if !require_root() {
+        return;
+    }
+    let (a, _) = Session::start(&[]);
+    let (b, _) = Session::start(&[]);
+    let (_, r) = a.exec("secret = 'only-in-a'", &[]);
+    assert_eq!(r["success"], true);
+    let (_, r) = b.exec("x = secret", &[]);
+    assert!(r["error"].as_str().unwrap().contains("NameError"), "{r}");
+    // Different sandboxes: each interpreter is PID 2 of its own PID namespace, in its own
+    // sandbox cgroup.
+    let daemon_of = |s: &Session| -> u64 {
+        let out = Command::new(opservant()).args(["session", "list"]).output().unwrap();
+        let list: Value = serde_json::from_slice(&out.stdout).unwrap();
+        list["sessions"].as_array().unwrap().iter().find(|x| x["session"] == s.name.as_str()).unwrap()["pid"]
+            .as_u64()
+            .unwrap()
+    };
+    assert_ne!(daemon_of(&a), daemon_of(&b));
+}
+
+#[test]
+fn a_call_that_times_out_ends_the_session() {
+    if !require_root() {
+        return;
+    }
+    let (s, started) = Session::start(&["--timeout", "2"]);
+    let marker = format!("opservant-sb-{}-", started["pid"]);
+    let mine = || -> Vec<std::path::PathBuf> {
+        common::sandbox_cgroups().into_iter().filter(|p| p.to_string_lossy().contains(&marker)).collect()
+    };
+    assert!(!mine().is_empty(), "the session's cgroups exist while it runs");
+    let (_, r) = s.exec("x = 1", &[]);
+    assert_eq!(r["success"], true);
+    let (code, r) = s.exec("while True:\n    pass", &[]);
+    assert_eq!(code, 1);
+    assert_eq!(r["success"], false);
+    assert_eq!(r["session_ended"], true);
+    assert_eq!(r["killed_by"], "timeout");
+    assert!(r["error"].as_str().unwrap().contains("timed out after 2 s"), "{r}");
+    // The session is gone: its socket, its processes and its cgroups.
+    let (code, _) = s.exec("x", &[]);
+    assert_eq!(code, 2);
+    assert!(!std::path::Path::new(&s.socket()).exists());
+    assert!(mine().is_empty(), "cgroups left behind: {:?}", mine());
+}
+
+#[test]
+fn a_per_call_timeout_cannot_exceed_the_sessions() {
+    if !require_root() {
+        return;
+    }
+    let (s, _) = Session::start(&["--timeout", "1"]);
+    let (_, r) = s.exec("while True:\n    pass", &["--timeout", "100"]);
+    assert_eq!(r["killed_by"], "timeout");
+    assert!(r["error"].as_str().unwrap().contains("after 1 s"), "{r}");
+}
+
+#[test]
+fn memory_exhaustion_ends_the_session() {
+    if !require_root() {
+        return;
+    }
+    let dir = common::HostDir::new();
+    let m = common::manifest(&dir, "{}", r#"{"max_memory_mb": 64}"#);
+    let (s, _) = Session::start(&["--manifest", m.to_str().unwrap()]);
+    let (code, r) = s.exec("blocks = []\nwhile True:\n    blocks.append(bytearray(8 << 20))", &[]);
+    assert_eq!(code, 1);
+    assert_eq!(r["session_ended"], true, "{r}");
+    assert_eq!(r["killed_by"], "oom", "{r}");
+    assert!(r["error"].as_str().unwrap().contains("out of memory (limit 64 MB)"), "{r}");
+    assert_eq!(s.exec("1", &[]).0, 2);
+}
+
+#[test]
+fn idle_sessions_expire() {
+    if !require_root() {
+        return;
+    }
+    let (s, _) = Session::start(&["--idle-timeout", "1"]);
+    std::thread::sleep(std::time::Duration::from_millis(2500));
+    let (code, msg) = s.exec("1", &[]);
+    assert_eq!(code, 2, "{msg}");
+    assert!(!std::path::Path::new(&s.socket()).exists());
+}
+
+#[test]
+fn only_root_reaches_a_session() {
+    if !require_root() {
+        return;
+    }
+    let (s, _) = Session::start(&[]);
+    let meta = std::fs::metadata(s.socket()).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+    let dir = std::fs::metadata("/run/opservant/sessions").unwrap();
+    assert_eq!(dir.permissions().mode() & 0o777, 0o700);
+    // An unprivileged user is turned away (exit 2), and the session is unaffected.
+    let out = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+        .arg(opservant())
+        .args(["session", "exec", &s.name, "--code", "x = 1"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("permission denied"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (code, r) = s.exec("y = 2", &[]);
+    assert_eq!(code, 0, "{r}");
+}
+
+#[test]
+fn the_sandbox_holds_inside_a_session() {
+    if !require_root() {
+        return;
+    }
+    // Even with os explicitly allowed (defence in depth is the OS sandbox), the session
+    // cannot see host files, reach the network or write outside its scratch.
+    let (s, started) = Session::start(&["--allow-import", "os,socket"]);
+    assert!(!started["warnings"].as_array().unwrap().is_empty(), "allowing os is warned about: {started}");
+    let code = r#"
+import os, socket
+res = {"uid": os.getuid(), "root": os.path.exists("/root/.bashrc"), "home": os.listdir("/home") if os.path.exists("/home") else []}
+try:
+    socket.create_connection(("1.1.1.1", 53), timeout=2); res["net"] = True
+except OSError:
+    res["net"] = False
+try:
+    os.open("/usr/x", os.O_CREAT | os.O_WRONLY); res["usr_write"] = True
+except OSError:
+    res["usr_write"] = False
+"#;
+    let (status, r) = s.exec(code, &["--return", "res"]);
+    assert_eq!(status, 0, "{r}");
+    let res = &r["globals"]["res"];
+    assert_ne!(res["uid"], 0);
+    assert_eq!(res["root"], false);
+    assert_eq!(res["home"], serde_json::json!([]));
+    assert_eq!(res["net"], false);
+    assert_eq!(res["usr_write"], false);
+}
+
+#[test]
+fn bad_input_is_exit_2() {
+    if !require_root() {
+        return;
+    }
+    for args in [
+        vec!["session", "start", "../escape"],
+        vec!["session", "start", "ok-name", "--allow-import", "json;os"],
+        vec!["session", "start", "ok-name", "--timeout", "0"],
+        vec!["session", "start", "ok-name", "--timeout", "301"],
+        vec!["session", "exec", "no-such-session", "--code", "1"],
+        vec!["session", "exec", "no-such-session", "--code", "1", "--globals", "[1]"],
+        vec!["session", "stop", "no-such-session"],
+    ] {
+        let out = Command::new(opservant()).args(&args).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        assert!(out.stdout.is_empty(), "{args:?}");
+        assert!(!out.stderr.is_empty(), "{args:?}");
+    }
+}
