@@ -18,12 +18,23 @@ fn main() {
     println!("cargo:rerun-if-env-changed=PYO3_PYTHON");
     let python = std::env::var("PYO3_PYTHON").unwrap_or_else(|_| "python3".into());
     let out = std::process::Command::new(&python)
-        .args(["-c", "import sys; print('%d.%d.%d' % sys.version_info[:3])"])
+        .args([
+            "-I",
+            "-c",
+            "import sys, sysconfig; print('%d.%d.%d' % sys.version_info[:3]); print(sysconfig.get_path('stdlib'))",
+        ])
         .output()
         .unwrap_or_else(|e| panic!("cannot run {python}: {e}"));
     assert!(out.status.success(), "{python} failed");
-    let version = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let mut lines = text.lines();
+    let version = lines.next().unwrap_or_default().trim().to_string();
+    let stdlib = lines.next().unwrap_or_default().trim().to_string();
+    assert!(stdlib.starts_with('/'), "{python}: no standard library path");
     println!("cargo:rustc-env=OPSERVANT_EMBEDDED_PYTHON={version}");
+    // The embedded interpreter's standard library: the only Python files an executor
+    // sandbox shows besides the executor's own.
+    println!("cargo:rustc-env=OPSERVANT_PYTHON_STDLIB={stdlib}");
 
     // Compile the embedded package to marshalled code objects with the very interpreter the
     // runtime embeds (same bytecode magic by construction): no compile() at every run.

@@ -111,8 +111,17 @@ impl Executor {
         let (manifest, warnings) = Manifest::load(&dir.join("manifest.json"))?;
         let module = manifest.entry_point.rsplit_once('.').map(|(m, _)| m).unwrap_or_default();
         let rel = PathBuf::from(module.replace('.', "/"));
-        let found = dir.join(&rel).with_extension("py").is_file() || dir.join(&rel).join("__init__.py").is_file();
-        if !found {
+        let candidates = [dir.join(&rel).with_extension("py"), dir.join(&rel).join("__init__.py")];
+        let found = candidates.iter().find(|p| p.is_file());
+        if let Some(real) = found.and_then(|p| p.canonicalize().ok()).filter(|r| !r.starts_with(&dir)) {
+            // A symlink out of the package (e.g. to the standard library) is not "inside it".
+            return Err(CannotRun(format!(
+                "entry_point: module '{module}' resolves to {}, outside the executor package {}",
+                real.display(),
+                dir.display()
+            )));
+        }
+        if found.is_none() {
             return Err(CannotRun(format!(
                 "entry_point: module '{module}' is not in the executor package {} (looked for {}.py and {}/__init__.py)",
                 dir.display(),
@@ -162,12 +171,19 @@ pub struct RunRequest<'a> {
 /// The runtime's `result` message: status, output, error, artifacts.
 type ReportedResult = (String, Option<Value>, Option<String>, Vec<Value>);
 
+/// Log records kept per run, in bytes of their JSON (besides the `app::MAX_LOGS` count): a
+/// payload's records are each up to `app::MAX_MESSAGE`, and the agent must not hold (or print)
+/// an unbounded amount of them.
+pub const MAX_LOG_BYTES: usize = 1024 * 1024;
+
 /// Everything the application channel delivered.
 #[derive(Default)]
 struct AppOutcome {
     result: Option<ReportedResult>,
     logs: Vec<Value>,
     logs_dropped: u64,
+    /// Bytes of the records kept in `logs` (JSON), bounded by [`MAX_LOG_BYTES`].
+    log_bytes: usize,
     redactor: Redactor,
     protocol_error: Option<String>,
 }
@@ -189,6 +205,7 @@ pub fn run(req: RunRequest) -> Result<RunResult, CannotRun> {
     let runtime = req.runtime.to_string_lossy().into_owned();
     let (mut spec, limits) = req.policy.spec_for(Some(m), &runtime, vec![])?;
     spec.command.app_channel = true;
+    crate::policy::interpreter_view(&mut spec);
     // The interpreter's own start-up is trusted and not throttled; the quota applies when
     // the runtime reports ready (at the latest a second after it started).
     spec.limits.cpu_deferred = true;
@@ -225,12 +242,26 @@ pub fn run(req: RunRequest) -> Result<RunResult, CannotRun> {
     // processes exist, so no copy of them is forked into the sandbox's monitor or init.
     Provider::check_config(req.config).map_err(CannotRun)?;
 
+    let mut sb = sandbox::Sandbox::spawn(&spec, &req.launcher, None)?;
+    let provider = Provider::from_config(req.config).map_err(CannotRun)?;
+    // Audited only now: a run refused before this point (exit status 2) never started.
+    for c in &limits.clamped {
+        let (requested, applied) = (c.requested.to_string(), c.applied.to_string());
+        audit::record(
+            "limit_clamped",
+            &[
+                ("executor", &m.name),
+                ("field", c.field),
+                ("requested", &requested),
+                ("applied", &applied),
+                ("reason", &c.reason),
+            ],
+        );
+    }
     audit::record(
         "executor_start",
         &[("executor", &m.name), ("version", &m.version), ("action", req.action.as_deref().unwrap_or(""))],
     );
-    let mut sb = sandbox::Sandbox::spawn(&spec, &req.launcher, None)?;
-    let provider = Provider::from_config(req.config).map_err(CannotRun)?;
     let app_chan = sb.take_app_channel().ok_or_else(|| CannotRun("no application channel".into()))?;
     app_chan
         .send_bytes(&serde_json::to_vec(&args)?)
@@ -295,13 +326,19 @@ fn serve(
         };
         match msg {
             FromPayload::Log { level, msg, fields } => {
-                let fields_text = serde_json::Value::Object(fields.clone()).to_string();
-                tracing::info!(target: "opservant::executor", executor, level = %level, fields = %fields_text, "{msg}");
-                if out.logs.len() < app::MAX_LOGS {
-                    out.logs.push(serde_json::json!({"level": level, "msg": msg, "fields": fields}));
-                } else {
+                let record = serde_json::json!({"level": level, "msg": msg, "fields": fields});
+                let size = record.to_string().len();
+                if out.logs.len() >= app::MAX_LOGS || out.log_bytes + size > MAX_LOG_BYTES {
                     out.logs_dropped += 1;
+                    continue;
                 }
+                out.log_bytes += size;
+                // Into the agent's own log: secrets delivered so far redacted, and escaped so
+                // a record cannot forge lines (audit events) of the agent's log.
+                let fields_text = out.redactor.json(&record["fields"]).to_string();
+                let msg = out.redactor.text(&msg);
+                tracing::info!(target: "opservant::executor", executor, level = ?level, fields = %fields_text, "{}", msg.escape_debug());
+                out.logs.push(record);
             }
             FromPayload::SecretRequest { name } => {
                 let reply = if !declared.iter().any(|d| d == &name) {
@@ -364,7 +401,7 @@ fn assemble(
     r.command_id = command_id;
     r.logs = app.logs;
     if app.logs_dropped > 0 {
-        r.logs.push(serde_json::json!({"level": "warning", "msg": format!("{} more log records dropped (cap {})", app.logs_dropped, app::MAX_LOGS), "fields": {}}));
+        r.logs.push(serde_json::json!({"level": "warning", "msg": format!("{} more log records dropped (cap {} records, {} bytes)", app.logs_dropped, app::MAX_LOGS, MAX_LOG_BYTES), "fields": {}}));
     }
     // The sandbox's verdict comes first: a timeout or an OOM kill is what happened, whatever
     // the runtime said before.
@@ -385,7 +422,9 @@ fn assemble(
         r.status = status;
         r.error = error;
         r.output = match (status, output) {
-            (Status::Failed | Status::Rejected, _) => Value::Null,
+            // An unhandled exception or a refusal has no output; a failure the executor
+            // returned keeps the partial results it chose to report (seed 000).
+            (Status::Rejected, _) | (Status::Failed, None | Some(Value::Null)) => Value::Null,
             (_, Some(Value::Object(o))) => Value::Object(o),
             (_, None | Some(Value::Null)) => Value::Object(Default::default()),
             (_, Some(other)) => {

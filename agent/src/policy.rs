@@ -46,6 +46,89 @@ const SYSTEM_DIRS: &[&str] = &[
 /// Files no executor may read even when declared.
 const NEVER_READABLE: &[&str] = &["/etc/shadow", "/etc/shadow-", "/etc/gshadow", "/etc/gshadow-"];
 
+/// The embedded interpreter's standard library (recorded at build time).
+pub const PYTHON_STDLIB: &str = env!("OPSERVANT_PYTHON_STDLIB");
+
+/// Loader and merged-/usr paths of an interpreter view (symlinks on merged-/usr hosts,
+/// recreated as such; library directories elsewhere).
+const LOADER_PATHS: &[&str] = &["/lib", "/lib64", "/lib32", "/libx32", "/usr/lib64"];
+
+/// Host files an interpreter view shows besides the interpreter and its libraries: the
+/// loader's cache, name resolution, time zones, MIME types and the TLS trust store. Missing
+/// ones are skipped; `/etc/hosts`, `/etc/passwd` and `/etc/group` are synthetic.
+const INTERPRETER_HOST_FILES: &[&str] = &[
+    "/etc/ld.so.cache",
+    "/etc/nsswitch.conf",
+    "/etc/resolv.conf",
+    "/etc/host.conf",
+    "/etc/gai.conf",
+    "/etc/services",
+    "/etc/protocols",
+    "/etc/localtime",
+    "/etc/mime.types",
+    "/etc/ssl/certs",
+    "/usr/share/zoneinfo",
+    "/usr/lib/ssl",
+    "/usr/share/ca-certificates",
+];
+
+/// Directories holding the shared libraries this process has loaded (the runtime binary
+/// is built by the same toolchain against the same libraries); from `/proc/self/maps`.
+fn loaded_library_dirs() -> Vec<PathBuf> {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+    let mut dirs: Vec<PathBuf> = Vec::new();
+    for line in maps.lines() {
+        let Some(path) = line.split_whitespace().nth(5) else { continue };
+        let p = Path::new(path);
+        let is_lib = p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.contains(".so"));
+        if let (true, Some(dir)) = (is_lib && p.is_absolute(), p.parent()) {
+            if !dirs.iter().any(|d| d == dir) {
+                dirs.push(dir.to_path_buf());
+            }
+        }
+    }
+    dirs
+}
+
+/// Replace the system part of `spec`'s view with an *interpreter view*: the embedded
+/// interpreter's standard library, the shared libraries, and the few host files listed in
+/// [`INTERPRETER_HOST_FILES`] — not `/usr` and `/etc` as a whole. Everything else an
+/// executor reads must be declared in its manifest. The Landlock rules follow the view.
+pub fn interpreter_view(spec: &mut SandboxSpec) {
+    let mut system: Vec<PathRule> = Vec::new();
+    let mut add = |path: PathBuf, optional: bool| {
+        if !system.iter().any(|r| r.path == path) {
+            system.push(PathRule { path, access: Access::Read, optional });
+        }
+    };
+    for p in LOADER_PATHS {
+        add(PathBuf::from(p), true);
+    }
+    for d in loaded_library_dirs() {
+        add(d, true);
+    }
+    // The standard library is not optional: without it the runtime cannot start.
+    add(PathBuf::from(PYTHON_STDLIB), false);
+    for p in INTERPRETER_HOST_FILES {
+        add(PathBuf::from(p), true);
+    }
+    spec.filesystem.system = system;
+    let inside = spec.identity.inside_uid;
+    let inside_gid = spec.identity.inside_gid;
+    let mut passwd = String::from("root:x:0:0:root:/root:/usr/sbin/nologin\n");
+    let mut group = String::from("root:x:0:\n");
+    if inside != 0 && inside != 65534 {
+        passwd.push_str(&format!(
+            "executor:x:{inside}:{inside_gid}:opservant executor:/tmp/opservant/scratch:/usr/sbin/nologin\n"
+        ));
+        group.push_str(&format!("executor:x:{inside_gid}:\n"));
+    }
+    passwd.push_str("nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n");
+    group.push_str("nogroup:x:65534:\n");
+    spec.filesystem.synthetic.push(SyntheticFile { path: "/etc/passwd".into(), content: passwd });
+    spec.filesystem.synthetic.push(SyntheticFile { path: "/etc/group".into(), content: group });
+}
+
 #[derive(Debug, Error, PartialEq, Eq)]
 #[error("{field}: {message}")]
 pub struct PolicyError {
@@ -80,6 +163,10 @@ impl AgentPolicy {
         protected.extend(STATE_DIRS.iter().map(PathBuf::from));
         if let Ok(exe) = std::env::current_exe() {
             protected.push(exe);
+        }
+        // The executor runtime binary is the payload of every executor sandbox.
+        if let Ok(runtime) = crate::executor_run::runtime_binary() {
+            protected.push(runtime);
         }
         Ok(Self {
             limits: LimitPolicy::builtin(),

@@ -84,7 +84,23 @@ def _collect_artifacts(items):
     return out
 
 
+class TimeLimitReached(BaseException):
+    """Raised in the executor when the agent ends the run (its wall-clock limit): SIGTERM,
+    then a grace period before SIGKILL, which ``cleanup(context)`` gets to run in."""
+
+
+def _on_sigterm(signum, frame):
+    import _signal
+
+    # One notice only: a second SIGTERM must not interrupt cleanup().
+    _signal.signal(signum, _signal.SIG_IGN)
+    raise TimeLimitReached("the run was terminated (time limit reached)")
+
+
 def run_executor():
+    import _signal  # the C module: `signal` would import enum on every run
+
+    _signal.signal(_signal.SIGTERM, _on_sigterm)
     args = _opservant.args()
     context = {
         "agent_id": args["agent_id"],

@@ -1,0 +1,1750 @@
+//! `opservant run` end to end: the real binary, as root, on the real kernel. Each test builds
+//! an executor package in a host directory (below /var/tmp: the host's /tmp is invisible in
+//! the sandbox), runs it, and checks the exit status (0 completed, 1 ran but did not
+//! complete, 2 could not run: one line on stderr, nothing on stdout) and the result JSON.
+//!
+//! Covers the seed 000 executor unmodified, every lifecycle branch, every manifest error
+//! class, `executor lint`, secrets (denied + audited, delivered + redacted everywhere),
+//! output caps, artifacts (sha256, symlinks never followed, size caps), limits (OOM,
+//! timeout, clamps), the context, and the interpreter's isolation.
+
+mod common;
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use common::{require_root, HostDir};
+use serde_json::{json, Value};
+
+// ---------------------------------------------------------------------------------------
+// Helpers
+// ---------------------------------------------------------------------------------------
+
+/// One `opservant` invocation.
+#[derive(Debug)]
+struct Out {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+impl Out {
+    /// The result JSON (the whole of stdout, one line); panics with everything otherwise.
+    fn json(&self) -> Value {
+        let text = self.stdout.trim_end_matches('\n');
+        assert!(!text.contains('\n'), "stdout must be exactly one JSON line: {self:?}");
+        serde_json::from_str(text).unwrap_or_else(|e| panic!("stdout is not JSON ({e}): {self:?}"))
+    }
+
+    /// Ran to a result: exit status 0 exactly when the status is "completed".
+    fn result(&self) -> Value {
+        let j = self.json();
+        let want = if j["status"] == "completed" { 0 } else { 1 };
+        assert_eq!(self.code, want, "exit status for status {}: {}\nstderr: {}", j["status"], j, self.stderr);
+        j
+    }
+
+    /// Could not run: exit 2, nothing on stdout, exactly one stderr line naming `needles`.
+    fn cannot_run(&self, needles: &[&str]) {
+        assert_eq!(self.code, 2, "{self:?}");
+        assert!(self.stdout.is_empty(), "nothing on stdout when the run cannot start: {self:?}");
+        let lines: Vec<&str> = self.stderr.lines().collect();
+        assert_eq!(lines.len(), 1, "one line on stderr: {self:?}");
+        assert!(lines[0].starts_with("opservant: "), "{self:?}");
+        for n in needles {
+            assert!(lines[0].contains(n), "stderr should mention {n:?}: {}", lines[0]);
+        }
+    }
+}
+
+fn invoke(args: &[&std::ffi::OsStr], env: &[(&str, &str)]) -> Out {
+    let _view = common::host_view();
+    let out = Command::new(common::opservant())
+        .args(args)
+        .env_remove("OPSERVANT_LOG")
+        .envs(env.iter().copied())
+        .stdin(Stdio::null())
+        .output()
+        .expect("spawn opservant");
+    Out {
+        code: out.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+/// `opservant run DIR args…` with extra environment variables.
+fn run_env(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Out {
+    let mut all: Vec<&std::ffi::OsStr> = vec!["run".as_ref(), dir.as_os_str()];
+    all.extend(args.iter().map(|a| std::ffi::OsStr::new(*a)));
+    invoke(&all, env)
+}
+
+fn run(dir: &Path, args: &[&str]) -> Out {
+    run_env(dir, args, &[])
+}
+
+/// `opservant run DIR --params PARAMS` (no action).
+fn run_params(dir: &Path, params: &Value) -> Out {
+    run(dir, &["--params", &params.to_string()])
+}
+
+fn lint(dir: &Path, json: bool) -> Out {
+    let mut all: Vec<&std::ffi::OsStr> = vec!["executor".as_ref(), "lint".as_ref(), dir.as_os_str()];
+    if json {
+        all.push("--json".as_ref());
+    }
+    invoke(&all, &[])
+}
+
+/// Write `rel` below `root` readable by everyone (the sandbox runs as an unprivileged uid).
+fn put(root: &Path, rel: &str, content: &[u8]) -> PathBuf {
+    let p = root.join(rel);
+    let parent = p.parent().expect("parent");
+    std::fs::create_dir_all(parent).expect("mkdir");
+    let mut d = parent;
+    while d.starts_with(root) {
+        std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o755)).expect("chmod dir");
+        match d.parent() {
+            Some(up) => d = up,
+            None => break,
+        }
+    }
+    std::fs::write(&p, content).expect("write");
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o644)).expect("chmod file");
+    p
+}
+
+/// A valid manifest for the `test_executor.TestExecutor` entry point.
+fn base_manifest() -> Value {
+    json!({
+        "name": "test-executor",
+        "version": "1.0.0",
+        "description": "integration test executor",
+        "author": "tests",
+        "supported_actions": ["act-test", "act-other"],
+        "entry_point": "test_executor.TestExecutor",
+        "requirements": {"python": ">=3.9", "packages": []},
+        "permissions": {},
+        "resource_limits": {"max_cpu_percent": 50, "timeout_seconds": 60}
+    })
+}
+
+/// Merge `patch` into `base` (objects recursively; `null` deletes a key).
+fn merge(base: &mut Value, patch: &Value) {
+    match (base, patch) {
+        (Value::Object(b), Value::Object(p)) => {
+            for (k, v) in p {
+                if v.is_null() {
+                    b.remove(k);
+                } else if v.is_object() && b.get(k).is_some_and(Value::is_object) {
+                    merge(b.get_mut(k).expect("key"), v);
+                } else {
+                    b.insert(k.clone(), v.clone());
+                }
+            }
+        }
+        (b, p) => *b = p.clone(),
+    }
+}
+
+/// An executor package: base manifest patched with `patch`, `test_executor/__init__.py` = `code`.
+fn executor(patch: Value, code: &str) -> HostDir {
+    let d = HostDir::new();
+    let mut m = base_manifest();
+    merge(&mut m, &patch);
+    put(&d.path, "manifest.json", m.to_string().as_bytes());
+    put(&d.path, "test_executor/__init__.py", code.as_bytes());
+    d
+}
+
+/// An executor package with a raw manifest text.
+fn executor_text(manifest: &str, code: &str) -> HostDir {
+    let d = HostDir::new();
+    put(&d.path, "manifest.json", manifest.as_bytes());
+    put(&d.path, "test_executor/__init__.py", code.as_bytes());
+    d
+}
+
+fn sha256_hex(data: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(data).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn b64(data: &str) -> Vec<u8> {
+    use base64::Engine;
+    base64::engine::general_purpose::STANDARD.decode(data).expect("base64")
+}
+
+fn log_msgs(r: &Value) -> Vec<String> {
+    r["logs"].as_array().expect("logs").iter().map(|l| l["msg"].as_str().unwrap_or("").to_string()).collect()
+}
+
+/// A config file (and optionally a secrets file) in their own host directory, which the
+/// sandbox cannot see.
+struct Conf {
+    dir: HostDir,
+    config: PathBuf,
+    secrets: Option<PathBuf>,
+}
+
+fn config(yaml: &str, secrets: Option<&str>) -> Conf {
+    let dir = HostDir::new();
+    let secrets = secrets.map(|s| {
+        let p = dir.path.join("secrets.yaml");
+        std::fs::write(&p, s).expect("write secrets");
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).expect("chmod secrets");
+        p
+    });
+    let mut text = yaml.to_string();
+    if let Some(p) = &secrets {
+        text.push_str(&format!("secrets:\n  provider: file\n  file: {}\n", p.display()));
+    }
+    let config = dir.path.join("config.yaml");
+    std::fs::write(&config, text).expect("write config");
+    Conf { dir, config, secrets }
+}
+
+impl Conf {
+    fn arg(&self) -> &str {
+        self.config.to_str().expect("utf-8")
+    }
+}
+
+/// One executor whose behaviour the `mode` parameter picks, covering every lifecycle branch.
+/// `execute` leaves a log record and a stdout marker; `cleanup` leaves a log record.
+const LIFECYCLE: &str = r#"
+import os
+import sys
+
+from opservant.executor import BaseExecutor, ExecutorResult
+
+
+class TestExecutor(BaseExecutor):
+    name = "test-executor"
+    version = "1.0.0"
+
+    def validate(self, params):
+        self.mode = params.get("mode", "ok")
+        if self.mode == "reject":
+            raise ValueError("Missing required parameter: target_host")
+        if self.mode == "validate_false":
+            return False
+        if self.mode == "validate_none":
+            return None
+        if self.mode == "validate_typeerror":
+            raise TypeError("validate is broken")
+        return True
+
+    def execute(self, params, context):
+        context["logger"].info("execute called", mode=self.mode)
+        print("EXECUTE-MARKER")
+        sys.stdout.flush()
+        mode = self.mode
+        if mode == "raise":
+            raise RuntimeError("boom from execute")
+        if mode == "dict":
+            return {"status": "completed", "output": {}}
+        if mode == "none":
+            return None
+        if mode == "partial":
+            return ExecutorResult(status="partial", output={"scanned": 2, "unreachable": ["10.0.0.3"]},
+                                  error="1 of 3 hosts unreachable")
+        if mode == "failed_with_output":
+            return ExecutorResult(status="failed", output={"partial_results": [22]},
+                                  error="Connection refused: 10.0.0.1")
+        if mode == "sys_exit":
+            sys.exit(3)
+        if mode == "system_exit_zero":
+            raise SystemExit(0)
+        if mode == "os_exit":
+            os._exit(0)
+        if mode == "int_key":
+            return ExecutorResult(output={1: "a"})
+        if mode == "bytes":
+            return ExecutorResult(output={"b": b"\\x00"})
+        if mode == "object":
+            return ExecutorResult(output={"o": object()})
+        if mode == "mutated":
+            r = ExecutorResult(output={"a": 1})
+            r.status = "done"
+            return r
+        return ExecutorResult(status="completed", output={"answer": 42, "params": params})
+
+    def cleanup(self, context):
+        context["logger"].info("cleanup ran", mode=self.mode)
+        if self.mode in ("cleanup_raises", "raise"):
+            raise RuntimeError("cleanup exploded")
+"#;
+
+fn lifecycle(mode: &str) -> (HostDir, Value) {
+    let d = executor(json!({}), LIFECYCLE);
+    let out = run_params(&d.path, &json!({"mode": mode}));
+    let r = out.result();
+    (d, r)
+}
+
+fn assert_execute_not_called(r: &Value) {
+    assert!(!log_msgs(r).iter().any(|m| m == "execute called"), "execute must not run: {r}");
+    assert!(!r["stdout"].as_str().unwrap().contains("EXECUTE-MARKER"), "execute must not run: {r}");
+}
+
+fn assert_cleanup_ran(r: &Value) {
+    let n = log_msgs(r).iter().filter(|m| *m == "cleanup ran").count();
+    assert_eq!(n, 1, "cleanup runs exactly once: {}", r["logs"]);
+}
+
+// ---------------------------------------------------------------------------------------
+// Seed 000
+// ---------------------------------------------------------------------------------------
+
+fn port_scanner_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../executors/port-scanner")
+}
+
+#[test]
+fn seed_000_port_scanner_runs_unmodified() {
+    if !require_root() {
+        return;
+    }
+    let dir = port_scanner_dir();
+    let src = std::fs::read_to_string(dir.join("port_scanner/__init__.py")).unwrap();
+    // The seed's text: the s4e_agent import and the class exactly as written there.
+    assert!(src.starts_with("from s4e_agent.executor import BaseExecutor, ExecutorResult\n"), "{src}");
+    assert!(src.contains("status = \"open\" if sock.connect_ex((target, port)) == 0 else \"closed\""));
+    let out =
+        run(&dir, &["--params", r#"{"target_host": "127.0.0.1", "ports": [22, 80]}"#, "--action", "act-port-scan"]);
+    let r = out.result();
+    assert_eq!(r["status"], "completed", "{r}");
+    // The sandbox has a private loopback: nothing listens there, whatever the host runs.
+    assert_eq!(
+        r["output"],
+        json!({"host": "127.0.0.1", "ports": [{"port": 22, "status": "closed"}, {"port": 80, "status": "closed"}]})
+    );
+    assert_eq!(r["error"], Value::Null);
+    assert_eq!(r["executor"], json!({"name": "port-scanner", "version": "1.0.0"}));
+    assert_eq!(r["action"], "act-port-scan");
+    assert_eq!(r["exit_code"], 0);
+    assert_eq!(r["killed_by"], Value::Null);
+    assert_eq!(r["sandbox"]["network"], "none");
+    assert_eq!(r["limits"]["max_memory_mb"], 256);
+    assert!(out.stderr.contains("event=\"executor_start\""), "{}", out.stderr);
+    assert!(out.stderr.contains("event=\"executor_complete\""), "{}", out.stderr);
+
+    // Its own validate() rejects missing parameters.
+    let r = run(&dir, &["--params", r#"{"target_host": "127.0.0.1"}"#, "--action", "act-service-discovery"]).result();
+    assert_eq!(r["status"], "rejected");
+    assert_eq!(r["error"], "Missing required parameter: ports");
+    assert_eq!(r["output"], Value::Null);
+}
+
+// ---------------------------------------------------------------------------------------
+// Lifecycle
+// ---------------------------------------------------------------------------------------
+
+#[test]
+fn completed_run_passes_params_and_output_through() {
+    if !require_root() {
+        return;
+    }
+    let d = executor(json!({}), LIFECYCLE);
+    let pfile = put(&d.path, "params.json", br#"{"mode": "ok", "list": [1, "two", null], "nested": {"k": true}}"#);
+    let out = run(&d.path, &["--params", &format!("@{}", pfile.display()), "--action", "act-other"]);
+    let r = out.result();
+    assert_eq!(r["status"], "completed");
+    assert_eq!(
+        r["output"],
+        json!({"answer": 42, "params": {"mode": "ok", "list": [1, "two", null], "nested": {"k": true}}})
+    );
+    assert_eq!(r["action"], "act-other");
+    assert_eq!(r["stdout"], "EXECUTE-MARKER\n");
+    assert_eq!(r["artifacts"], json!([]));
+    assert_cleanup_ran(&r);
+    assert_eq!(log_msgs(&r), vec!["execute called", "cleanup ran"], "order: execute, then cleanup");
+
+    // No --params and no --action: {} and null.
+    let r = run(&d.path, &[]).result();
+    assert_eq!(r["status"], "completed");
+    assert_eq!(r["output"]["params"], json!({}));
+    assert_eq!(r["action"], Value::Null);
+}
+
+#[test]
+fn validate_value_error_rejects_without_execute() {
+    if !require_root() {
+        return;
+    }
+    let (_d, r) = lifecycle("reject");
+    assert_eq!(r["status"], "rejected");
+    assert_eq!(r["error"], "Missing required parameter: target_host", "the message, not a traceback");
+    assert_eq!(r["output"], Value::Null);
+    assert_execute_not_called(&r);
+    assert_cleanup_ran(&r);
+}
+
+#[test]
+fn validate_returning_false_rejects_without_execute() {
+    if !require_root() {
+        return;
+    }
+    // Seed 000: validate() returns a bool. False refuses the parameters like a ValueError.
+    let (_d, r) = lifecycle("validate_false");
+    assert_eq!(r["status"], "rejected");
+    assert_eq!(r["error"], "validate() returned False");
+    assert_execute_not_called(&r);
+    assert_cleanup_ran(&r);
+    // A validate() that forgets to return anything is refused too (falsy), with a hint.
+    let (_d, r) = lifecycle("validate_none");
+    assert_eq!(r["status"], "rejected");
+    assert!(r["error"].as_str().unwrap().contains("falsy NoneType"), "{r}");
+    assert_execute_not_called(&r);
+}
+
+#[test]
+fn validate_raising_another_exception_fails() {
+    if !require_root() {
+        return;
+    }
+    let (_d, r) = lifecycle("validate_typeerror");
+    assert_eq!(r["status"], "failed");
+    let err = r["error"].as_str().unwrap();
+    assert!(err.starts_with("Traceback (most recent call last):"), "{err}");
+    assert!(err.contains("TypeError: validate is broken"), "{err}");
+    assert_execute_not_called(&r);
+    assert_cleanup_ran(&r);
+}
+
+#[test]
+fn execute_raising_fails_with_traceback_and_no_output() {
+    if !require_root() {
+        return;
+    }
+    let (_d, r) = lifecycle("raise");
+    assert_eq!(r["status"], "failed");
+    assert_eq!(r["output"], Value::Null, "no structured output from an unhandled exception");
+    let err = r["error"].as_str().unwrap();
+    assert!(err.starts_with("Traceback (most recent call last):"), "{err}");
+    assert!(err.contains("in execute"), "{err}");
+    assert!(err.contains("RuntimeError: boom from execute"), "{err}");
+    // cleanup ran even though execute raised, and its own exception did not mask the result.
+    assert_cleanup_ran(&r);
+    assert!(!err.contains("cleanup exploded"), "{err}");
+    let cleanup_failed: Vec<&Value> =
+        r["logs"].as_array().unwrap().iter().filter(|l| l["msg"] == "cleanup failed").collect();
+    assert_eq!(cleanup_failed.len(), 1, "{}", r["logs"]);
+}
+
+#[test]
+fn execute_returning_a_non_result_fails_clearly() {
+    if !require_root() {
+        return;
+    }
+    let (_d, r) = lifecycle("dict");
+    assert_eq!(r["status"], "failed");
+    assert_eq!(r["error"], "execute() returned dict, not an ExecutorResult");
+    assert_eq!(r["output"], Value::Null);
+    assert_cleanup_ran(&r);
+    let (_d, r) = lifecycle("none");
+    assert_eq!(r["error"], "execute() returned NoneType, not an ExecutorResult");
+    // A result whose status was changed after construction is checked again.
+    let (_d, r) = lifecycle("mutated");
+    assert_eq!(r["status"], "failed");
+    assert!(r["error"].as_str().unwrap().contains("invalid ExecutorResult"), "{r}");
+    assert!(r["error"].as_str().unwrap().contains("'done'"), "{r}");
+}
+
+#[test]
+fn output_that_is_not_json_fails_clearly() {
+    if !require_root() {
+        return;
+    }
+    for (mode, needle) in [
+        ("int_key", "'int' object is not an instance of 'str'"),
+        ("bytes", "byte array"),
+        ("object", "unsupported type object"),
+    ] {
+        let (_d, r) = lifecycle(mode);
+        assert_eq!(r["status"], "failed", "{mode}: {r}");
+        assert_eq!(r["output"], Value::Null);
+        let err = r["error"].as_str().unwrap();
+        assert!(err.starts_with("the result cannot be represented as JSON: "), "{mode}: {err}");
+        assert!(err.contains(needle), "{mode}: {err}");
+        assert_cleanup_ran(&r);
+    }
+}
+
+#[test]
+fn cleanup_runs_on_success_and_its_exception_does_not_mask_the_result() {
+    if !require_root() {
+        return;
+    }
+    let (_d, r) = lifecycle("ok");
+    assert_eq!(r["status"], "completed");
+    assert_cleanup_ran(&r);
+    assert!(!log_msgs(&r).iter().any(|m| m == "cleanup failed"));
+
+    let (_d, r) = lifecycle("cleanup_raises");
+    assert_eq!(r["status"], "completed", "a failing cleanup does not change the result: {r}");
+    assert_eq!(r["output"]["answer"], 42);
+    assert_eq!(r["error"], Value::Null);
+    assert_cleanup_ran(&r);
+    let rec =
+        r["logs"].as_array().unwrap().iter().find(|l| l["msg"] == "cleanup failed").expect("cleanup failure logged");
+    assert_eq!(rec["level"], "error");
+    let tb = rec["fields"]["error"].as_str().unwrap();
+    assert!(tb.contains("RuntimeError: cleanup exploded"), "{tb}");
+}
+
+#[test]
+fn partial_status_passes_through_with_output() {
+    if !require_root() {
+        return;
+    }
+    let (_d, r) = lifecycle("partial");
+    assert_eq!(r["status"], "partial");
+    assert_eq!(r["output"], json!({"scanned": 2, "unreachable": ["10.0.0.3"]}));
+    assert_eq!(r["error"], "1 of 3 hosts unreachable");
+    assert_cleanup_ran(&r);
+}
+
+#[test]
+fn a_returned_failure_keeps_its_partial_output() {
+    if !require_root() {
+        return;
+    }
+    // Seed 000 "Error Handling": return failures gracefully, with the partial results.
+    let (_d, r) = lifecycle("failed_with_output");
+    assert_eq!(r["status"], "failed");
+    assert_eq!(r["error"], "Connection refused: 10.0.0.1");
+    assert_eq!(r["output"], json!({"partial_results": [22]}));
+}
+
+#[test]
+fn system_exit_and_hard_exit_are_failures() {
+    if !require_root() {
+        return;
+    }
+    for mode in ["sys_exit", "system_exit_zero"] {
+        let (_d, r) = lifecycle(mode);
+        assert_eq!(r["status"], "failed", "{mode}: {r}");
+        assert_eq!(r["output"], Value::Null);
+        let err = r["error"].as_str().unwrap();
+        assert!(err.contains("SystemExit"), "{mode}: {err}");
+        assert_cleanup_ran(&r);
+    }
+    // os._exit skips everything: no result reached the agent, whatever the exit status.
+    let (_d, r) = lifecycle("os_exit");
+    assert_eq!(r["status"], "failed");
+    assert_eq!(r["error"], "the executor runtime ended without a result (exit status 0)");
+    assert!(!log_msgs(&r).iter().any(|m| m == "cleanup ran"));
+}
+
+#[test]
+fn unimportable_executor_fails_clearly() {
+    if !require_root() {
+        return;
+    }
+    let d = executor(
+        json!({}),
+        "from opservant.executor import BaseExecutor\n\nclass TestExecutor(BaseExecutor:\n    pass\n",
+    );
+    let r = run(&d.path, &[]).result();
+    assert_eq!(r["status"], "failed");
+    assert_eq!(r["output"], Value::Null);
+    let err = r["error"].as_str().unwrap();
+    assert!(err.starts_with("cannot load entry point 'test_executor.TestExecutor'"), "{err}");
+    assert!(err.contains("SyntaxError"), "{err}");
+    assert!(err.contains("test_executor/__init__.py"), "names the file: {err}");
+
+    // A missing dependency of the module.
+    let d = executor(json!({}), "import requests_that_do_not_exist\n");
+    let r = run(&d.path, &[]).result();
+    assert_eq!(r["status"], "failed");
+    assert!(r["error"].as_str().unwrap().contains("No module named 'requests_that_do_not_exist'"), "{r}");
+
+    // The class is not in the module.
+    let d = executor(json!({"entry_point": "test_executor.Missing"}), LIFECYCLE);
+    let r = run(&d.path, &[]).result();
+    assert_eq!(r["status"], "failed");
+    assert!(r["error"].as_str().unwrap().contains("has no attribute 'Missing'"), "{r}");
+
+    // The entry point names something that is not a class.
+    let d = executor(json!({"entry_point": "test_executor.helper"}), "def helper():\n    pass\n");
+    let r = run(&d.path, &[]).result();
+    assert_eq!(r["status"], "failed");
+    assert!(r["error"].as_str().unwrap().contains("is a function, not a class"), "{r}");
+}
+
+// ---------------------------------------------------------------------------------------
+// Manifest errors: exit 2, one line naming the field, nothing on stdout
+// ---------------------------------------------------------------------------------------
+
+/// Run an executor whose manifest is the base manifest patched with `patch`.
+fn run_patched(patch: Value) -> Out {
+    let d = executor(patch, LIFECYCLE);
+    run(&d.path, &[])
+}
+
+#[test]
+fn missing_required_fields_are_refused() {
+    if !require_root() {
+        return;
+    }
+    for field in ["name", "version", "description", "supported_actions", "entry_point", "permissions"] {
+        let mut patch = json!({});
+        patch[field] = Value::Null;
+        run_patched(patch).cannot_run(&["missing field", field]);
+    }
+}
+
+#[test]
+fn bad_field_values_are_refused_naming_the_field() {
+    if !require_root() {
+        return;
+    }
+    for (patch, needles) in [
+        (json!({"version": "1.0"}), vec!["version:", "semantic version"]),
+        (json!({"version": "latest"}), vec!["version:"]),
+        (json!({"name": "Port_Scanner"}), vec!["name:", "[a-z0-9]"]),
+        (json!({"name": "-leading-dash"}), vec!["name:"]),
+        (json!({"entry_point": "test_executor"}), vec!["entry_point:", "module.Class"]),
+        (json!({"entry_point": "test_executor.Test-Executor"}), vec!["entry_point:", "module.Class"]),
+        (json!({"entry_point": "..test_executor.TestExecutor"}), vec!["entry_point:", "module.Class"]),
+        (json!({"supported_actions": []}), vec!["supported_actions:"]),
+        (json!({"supported_actions": "act-test"}), vec!["supported_actions:", "sequence"]),
+        (json!({"description": "  "}), vec!["description:"]),
+        (json!({"permissions": {"secrets": ["bad name!"]}}), vec!["permissions.secrets[0]:"]),
+        (
+            json!({"permissions": {"network": {"allowed_ports": ["80-20"]}}}),
+            vec!["permissions.network.allowed_ports[0]:"],
+        ),
+        (
+            json!({"permissions": {"network": {"allowed_ports": [70000]}}}),
+            vec!["permissions.network.allowed_ports[0]:"],
+        ),
+        (json!({"permissions": {"filesystem": {"read": ["relative/path"]}}}), vec!["permissions.filesystem.read[0]:"]),
+        (
+            json!({"permissions": {"filesystem": {"read": ["/definitely/not/here"]}}}),
+            vec!["permissions.filesystem.read[0]:", "does not exist"],
+        ),
+        (
+            json!({"permissions": {"filesystem": {"read": ["/etc/shadow"]}}}),
+            vec!["permissions.filesystem.read[0]:", "never readable"],
+        ),
+    ] {
+        run_patched(patch).cannot_run(&needles);
+    }
+}
+
+#[test]
+fn entry_point_module_must_be_in_the_package() {
+    if !require_root() {
+        return;
+    }
+    // Not there at all.
+    run_patched(json!({"entry_point": "nothere.Executor"}))
+        .cannot_run(&["entry_point:", "module 'nothere' is not in the executor package"]);
+    // Standard-library modules are never looked up: the package directory is the only place.
+    for ep in ["os.system", "json.JSONDecoder", "subprocess.Popen", "opservant.executor.BaseExecutor"] {
+        let module = ep.rsplit_once('.').unwrap().0;
+        run_patched(json!({"entry_point": ep}))
+            .cannot_run(&["entry_point:", &format!("module '{module}' is not in the executor package")]);
+    }
+    // A module file inside the package that is a symlink to the standard library.
+    let d = executor(json!({"entry_point": "shadow.JSONDecoder"}), LIFECYCLE);
+    let json_init = std::fs::read_dir("/usr/lib")
+        .unwrap()
+        .flatten()
+        .map(|e| e.path().join("json/decoder.py"))
+        .find(|p| p.is_file())
+        .expect("a python3 json/decoder.py under /usr/lib");
+    std::os::unix::fs::symlink(&json_init, d.path.join("shadow.py")).unwrap();
+    run(&d.path, &[]).cannot_run(&["entry_point:", "shadow"]);
+    // A package directory that is a symlink out of the package.
+    let d = executor(json!({"entry_point": "jsonpkg.JSONDecoder"}), LIFECYCLE);
+    std::os::unix::fs::symlink(json_init.parent().unwrap(), d.path.join("jsonpkg")).unwrap();
+    run(&d.path, &[]).cannot_run(&["entry_point:", "jsonpkg"]);
+}
+
+#[test]
+fn a_package_module_named_like_the_stdlib_is_the_one_loaded() {
+    if !require_root() {
+        return;
+    }
+    // entry point `json.Executor` with json.py in the package: resolved inside the package.
+    let code = "from opservant.executor import BaseExecutor, ExecutorResult\n\
+                class Executor(BaseExecutor):\n    \
+                    def validate(self, p):\n        return True\n    \
+                    def execute(self, p, c):\n        return ExecutorResult(output={'file': __file__})\n";
+    let d = executor(json!({"entry_point": "json.Executor"}), LIFECYCLE);
+    put(&d.path, "json.py", code.as_bytes());
+    let r = run(&d.path, &[]).result();
+    assert_eq!(r["status"], "completed", "{r}");
+    let real = d.path.canonicalize().unwrap().join("json.py");
+    assert_eq!(r["output"]["file"], real.to_str().unwrap());
+}
+
+#[test]
+fn unknown_permission_keys_are_errors() {
+    if !require_root() {
+        return;
+    }
+    for (patch, path, key) in [
+        (json!({"permissions": {"filesytem": {"read": []}}}), "permissions.filesytem:", "filesytem"),
+        (json!({"permissions": {"network": {"outbond": false}}}), "permissions.network.outbond:", "outbond"),
+        (json!({"permissions": {"filesystem": {"wirte": ["/tmp/x"]}}}), "permissions.filesystem.wirte:", "wirte"),
+        (json!({"permissions": {"secret": ["api_key"]}}), "permissions.secret:", "secret"),
+        (json!({"resource_limits": {"max_memroy_mb": 64}}), "resource_limits.max_memroy_mb:", "max_memroy_mb"),
+        (json!({"requirements": {"pyhton": ">=3.9"}}), "requirements.pyhton:", "pyhton"),
+    ] {
+        run_patched(patch).cannot_run(&[path, &format!("unknown field `{key}`")]);
+    }
+}
+
+#[test]
+fn unknown_top_level_key_is_only_a_warning() {
+    if !require_root() {
+        return;
+    }
+    let out = run_patched(json!({"homepage": "https://example.com"}));
+    let r = out.result();
+    assert_eq!(r["status"], "completed");
+    let warn = out.stderr.lines().find(|l| l.contains("WARN")).unwrap_or_else(|| panic!("{}", out.stderr));
+    assert!(warn.contains("homepage") && warn.contains("unknown top-level key"), "{warn}");
+}
+
+#[test]
+fn limit_types_and_ranges_are_checked() {
+    if !require_root() {
+        return;
+    }
+    for (limits, needles) in [
+        (json!({"max_memory_mb": "lots"}), vec!["resource_limits.max_memory_mb:", "invalid type"]),
+        (json!({"timeout_seconds": 1.5}), vec!["resource_limits.timeout_seconds:", "invalid type"]),
+        (json!({"max_pids": -1}), vec!["resource_limits.max_pids:"]),
+        (json!({"max_memory_mb": 0}), vec!["resource_limits.max_memory_mb:", "positive"]),
+        (json!({"timeout_seconds": 0}), vec!["resource_limits.timeout_seconds:", "positive"]),
+        (json!({"max_cpu_percent": 0}), vec!["resource_limits.max_cpu_percent:", "positive"]),
+        (json!({"max_cpu_percent": 150}), vec!["resource_limits.max_cpu_percent:", "1-100"]),
+        (json!({"max_cpu_percent": 101}), vec!["resource_limits.max_cpu_percent:"]),
+    ] {
+        run_patched(json!({"resource_limits": limits})).cannot_run(&needles);
+    }
+}
+
+#[test]
+fn limits_above_the_ceiling_are_clamped_and_reported() {
+    if !require_root() {
+        return;
+    }
+    let out =
+        run_patched(json!({"resource_limits": {"max_memory_mb": 4096, "max_cpu_percent": 90, "timeout_seconds": 30}}));
+    let r = out.result();
+    assert_eq!(r["status"], "completed", "a clamp is not an error: {r}");
+    let l = &r["limits"];
+    assert_eq!(l["max_memory_mb"], 512);
+    assert_eq!(l["max_cpu_percent"], 50);
+    assert_eq!(l["timeout_seconds"], 30);
+    let clamped = l["clamped"].as_array().unwrap();
+    assert_eq!(clamped.len(), 2, "{l}");
+    assert_eq!(clamped[0]["field"], "max_memory_mb");
+    assert_eq!(clamped[0]["requested"], 4096);
+    assert_eq!(clamped[0]["applied"], 512);
+    assert_eq!(clamped[1]["field"], "max_cpu_percent");
+    assert_eq!(clamped[1]["applied"], 50);
+    // ... and audited (DESIGN.md §3: "in the result and the audit log — never silent").
+    let audits: Vec<&str> = out.stderr.lines().filter(|l| l.contains("event=\"limit_clamped\"")).collect();
+    assert_eq!(audits.len(), 2, "{}", out.stderr);
+    assert!(
+        audits[0].contains("max_memory_mb") && audits[0].contains("4096") && audits[0].contains("512"),
+        "{}",
+        audits[0]
+    );
+
+    // A configuration can lower the ceiling.
+    let c = config("resource_limits:\n  max_memory_mb: 200\n", None);
+    let d = executor(json!({"resource_limits": {"max_memory_mb": 256}}), LIFECYCLE);
+    let r = run(&d.path, &["--config", c.arg()]).result();
+    assert_eq!(r["limits"]["max_memory_mb"], 200);
+    assert_eq!(r["limits"]["clamped"][0]["requested"], 256);
+}
+
+#[test]
+fn writes_to_system_and_agent_paths_are_refused() {
+    if !require_root() {
+        return;
+    }
+    let bin_dir = Path::new(common::opservant()).parent().unwrap().to_str().unwrap().to_string();
+    let runtime = format!("{bin_dir}/opservant-runtime");
+    for path in
+        ["/etc", "/etc/opservant", "/etc/opservant/", "/usr", "/usr/local/bin", "/var/lib/opservant", "/", "/root"]
+    {
+        run_patched(json!({"permissions": {"filesystem": {"write": [path]}}}))
+            .cannot_run(&["permissions.filesystem.write[0]:", "never granted"]);
+    }
+    // The agent binary's directory, and the runtime binary beside it.
+    for path in [bin_dir.as_str(), common::opservant(), runtime.as_str()] {
+        run_patched(json!({"permissions": {"filesystem": {"write": ["/tmp/opservant/", path]}}}))
+            .cannot_run(&["permissions.filesystem.write[1]:", "agent's own files"]);
+    }
+    // lint agrees with run.
+    let d = executor(json!({"permissions": {"filesystem": {"write": ["/usr/local"]}}}), LIFECYCLE);
+    let out = lint(&d.path, false);
+    assert_eq!(out.code, 1, "{out:?}");
+    assert!(out.stdout.contains("error: permissions.filesystem.write[0]: /usr/local"), "{out:?}");
+}
+
+#[test]
+fn command_line_errors_are_refused() {
+    if !require_root() {
+        return;
+    }
+    let d = executor(json!({}), LIFECYCLE);
+    run(&d.path, &["--action", "act-nope"]).cannot_run(&["--action act-nope", "act-test, act-other"]);
+    run(&d.path, &["--params", "[1, 2]"]).cannot_run(&["--params", "JSON object"]);
+    run(&d.path, &["--params", "\"text\""]).cannot_run(&["--params", "JSON object"]);
+    run(&d.path, &["--params", "{\"a\": "]).cannot_run(&["--params", "not valid JSON"]);
+    run(&d.path, &["--params", "@/nonexistent/params.json"]).cannot_run(&["--params @/nonexistent/params.json"]);
+    let missing = d.path.join("no-such-executor");
+    run(&missing, &[]).cannot_run(&["no-such-executor"]);
+    // A directory without a manifest, or with a broken one.
+    let empty = HostDir::new();
+    run(&empty.path, &[]).cannot_run(&["manifest.json", "cannot read"]);
+    let bad = executor_text("{\"name\": ", LIFECYCLE);
+    run(&bad.path, &[]).cannot_run(&["manifest: not valid JSON"]);
+    let arr = executor_text("[]", LIFECYCLE);
+    run(&arr.path, &[]).cannot_run(&["manifest: must be a JSON object"]);
+}
+
+#[test]
+fn unsatisfied_requirements_are_refused() {
+    if !require_root() {
+        return;
+    }
+    run_patched(json!({"requirements": {"python": ">=4"}}))
+        .cannot_run(&["requirements.python:", "'>=4' is not satisfied by the embedded Python 3."]);
+    run_patched(json!({"requirements": {"python": "<3.0"}})).cannot_run(&["requirements.python:"]);
+    run_patched(json!({"requirements": {"python": "=>3.9"}})).cannot_run(&["requirements.python:", "operator"]);
+    run_patched(json!({"requirements": {"packages": ["requests==2.31"]}})).cannot_run(&[
+        "requirements.packages:",
+        "requests==2.31",
+        "not installed",
+    ]);
+}
+
+#[test]
+fn invalid_config_is_refused() {
+    if !require_root() {
+        return;
+    }
+    let d = executor(json!({}), LIFECYCLE);
+    let c = config("agent:\n  idd: typo\n", None);
+    run(&d.path, &["--config", c.arg()]).cannot_run(&["idd"]);
+    let c = config("resource_limits:\n  default_memory_mb: 600\n", None);
+    run(&d.path, &["--config", c.arg()]).cannot_run(&["resource_limits.default_memory_mb", "ceiling"]);
+    let c = config("agent: [unclosed\n", None);
+    run(&d.path, &["--config", c.arg()]).cannot_run(&[c.arg()]);
+    let c = config("secrets:\n  provider: vault\n", None);
+    run(&d.path, &["--config", c.arg()]).cannot_run(&["secrets.provider"]);
+    run(&d.path, &["--config", "/nonexistent/config.yaml"]).cannot_run(&["/nonexistent/config.yaml", "cannot read"]);
+    // A secrets file others can read is refused (fail closed).
+    let c = config("", Some("api_key: abc\n"));
+    std::fs::set_permissions(c.secrets.as_ref().unwrap(), std::fs::Permissions::from_mode(0o644)).unwrap();
+    run(&d.path, &["--config", c.arg()]).cannot_run(&["secrets.file", "mode 0600"]);
+    let c = config("", Some("- not\n- a map\n"));
+    let d2 = executor(json!({"permissions": {"secrets": ["api_key"]}}), LIFECYCLE);
+    run(&d2.path, &["--config", c.arg()]).cannot_run(&["secrets.file", "not a map"]);
+}
+
+// ---------------------------------------------------------------------------------------
+// executor lint
+// ---------------------------------------------------------------------------------------
+
+#[test]
+fn lint_reports_ok_errors_and_warnings() {
+    if !require_root() {
+        return;
+    }
+    let good = executor(json!({}), LIFECYCLE);
+    let out = lint(&good.path, false);
+    assert_eq!(out.code, 0, "{out:?}");
+    assert_eq!(out.stdout, format!("{}: ok (0 warnings)\n", good.path.display()));
+
+    let bad = executor(json!({"version": "one"}), LIFECYCLE);
+    let out = lint(&bad.path, false);
+    assert_eq!(out.code, 1, "{out:?}");
+    assert!(
+        out.stdout.contains(&format!("{}: error: version: 'one' is not a semantic version", bad.path.display())),
+        "{out:?}"
+    );
+    assert!(!out.stdout.contains(": ok"), "{out:?}");
+
+    let warn = executor(
+        json!({"homepage": "x", "permissions": {"network": {"outbound": false, "allowed_ports": [1, 65535]}},
+               "resource_limits": {"max_memory_mb": 1024}}),
+        LIFECYCLE,
+    );
+    let out = lint(&warn.path, false);
+    assert_eq!(out.code, 0, "warnings only: {out:?}");
+    assert!(out.stdout.contains("warning: homepage: unknown top-level key"), "{out:?}");
+    assert!(
+        out.stdout.contains("warning: permissions.network.allowed_ports: two bare numbers are two single ports"),
+        "{out:?}"
+    );
+    assert!(out.stdout.contains("warning: resource_limits.max_memory_mb: 1024 will be clamped to 512"), "{out:?}");
+    assert!(out.stdout.ends_with("ok (3 warnings)\n"), "{out:?}");
+
+    let out = lint(&warn.path, true);
+    assert_eq!(out.code, 0);
+    let j: Value = serde_json::from_str(&out.stdout).unwrap();
+    assert_eq!(j["errors"], json!([]));
+    assert_eq!(j["warnings"].as_array().unwrap().len(), 3);
+
+    let out = lint(&bad.path, true);
+    assert_eq!(out.code, 1);
+    let j: Value = serde_json::from_str(&out.stdout).unwrap();
+    assert_eq!(j["errors"].as_array().unwrap().len(), 1);
+
+    // The seed executor lints clean.
+    let out = lint(&port_scanner_dir(), false);
+    assert_eq!(out.code, 0, "{out:?}");
+    assert!(out.stdout.contains(": ok ("), "{out:?}");
+}
+
+// ---------------------------------------------------------------------------------------
+// Secrets
+// ---------------------------------------------------------------------------------------
+
+const SECRETS: &str = r#"
+import hashlib
+import os
+import sys
+
+from opservant.executor import BaseExecutor, ExecutorResult
+
+SCRATCH = "/tmp/opservant/scratch"
+
+
+def proc_hits(value):
+    # Every environment and command line this sandbox can see.
+    hits = []
+    for pid in os.listdir("/proc"):
+        if not (pid.isdigit() or pid in ("self", "thread-self")):
+            continue
+        for f in ("environ", "cmdline"):
+            try:
+                with open("/proc/%s/%s" % (pid, f), "rb") as fh:
+                    if value.encode() in fh.read():
+                        hits.append("/proc/%s/%s" % (pid, f))
+            except OSError:
+                pass
+    return hits
+
+
+def file_hits(value, roots):
+    hits, scanned = [], 0
+    for root in roots:
+        for dirpath, dirnames, filenames in os.walk(root):
+            for name in filenames:
+                p = os.path.join(dirpath, name)
+                try:
+                    if os.path.islink(p) or os.path.getsize(p) > (1 << 20):
+                        continue
+                    with open(p, "rb") as fh:
+                        data = fh.read()
+                    scanned += 1
+                    if value.encode() in data:
+                        hits.append(p)
+                except OSError:
+                    pass
+    return hits, scanned
+
+
+class TestExecutor(BaseExecutor):
+    def validate(self, params):
+        return True
+
+    def execute(self, params, context):
+        vault, log, mode = context["vault"], context["logger"], params["mode"]
+        if mode == "ask":
+            out = {}
+            for name in params["names"]:
+                try:
+                    vault.get_secret(name)
+                    out[name] = "granted"
+                except PermissionError as e:
+                    out[name] = "PermissionError: %s" % e
+            return ExecutorResult(output=out)
+        value = vault.get_secret("api_key")
+        digest = hashlib.sha256(value.encode()).hexdigest()
+        if mode == "raise":
+            raise RuntimeError("upstream refused key " + value)
+        if mode == "scan":
+            files, scanned = file_hits(value, ["/tmp", "/etc", "/run", "/var", "/home", "/dev/shm",
+                                               os.path.dirname(os.path.dirname(__file__))])
+            fds = []
+            for fd in os.listdir("/proc/self/fd"):
+                try:
+                    fds.append(os.readlink("/proc/self/fd/" + fd))
+                except OSError:  # the descriptor listdir itself used
+                    pass
+            return ExecutorResult(output={
+                "sha256": digest,
+                "proc_hits": proc_hits(value),
+                "file_hits": files,
+                "scanned": scanned,
+                "fds": fds,
+                "secrets_file_visible": os.path.exists(params["secrets_file"]),
+                "config_dir_visible": os.path.exists(params["config_file"]),
+                "in_os_environ": any(value in v for v in os.environ.values()),
+            })
+        # mode == "leak": put the value everywhere the result carries.
+        print("stdout leak:", value)
+        sys.stderr.write("stderr leak: %s\n" % value)
+        log.info("log leak " + value, token=value, nested={"k": [value]})
+        with open(os.path.join(SCRATCH, "clean.txt"), "w") as f:
+            f.write("nothing to see")
+        with open(os.path.join(SCRATCH, "leak.txt"), "w") as f:
+            f.write("key=" + value)
+        return ExecutorResult(
+            status="partial",
+            output={"sha256": digest, "echo": "value=" + value, value: "as a key"},
+            error="error leak " + value,
+            artifacts=[SCRATCH + "/clean.txt", SCRATCH + "/leak.txt"],
+        )
+"#;
+
+fn secret_value() -> String {
+    format!("s3cr3t-VALUE-{}-zq", std::process::id())
+}
+
+fn secrets_setup(declared: Value) -> (HostDir, Conf) {
+    let d = executor(json!({"permissions": {"secrets": declared}}), SECRETS);
+    let c = config(
+        "agent:\n  id: ag-secrets\n",
+        Some(&format!("api_key: {}\nother_key: other-{}\n", secret_value(), std::process::id())),
+    );
+    (d, c)
+}
+
+#[test]
+fn undeclared_secret_is_denied_inside_and_audited() {
+    if !require_root() {
+        return;
+    }
+    let (d, c) = secrets_setup(json!(["api_key", "not_in_store"]));
+    let out = run(
+        &d.path,
+        &["--config", c.arg(), "--params", r#"{"mode": "ask", "names": ["other_key", "not_in_store", "api_key"]}"#],
+    );
+    let r = out.result();
+    assert_eq!(r["status"], "completed", "{r}");
+    assert_eq!(r["output"]["other_key"], "PermissionError: secret 'other_key' is not declared in permissions.secrets");
+    assert_eq!(
+        r["output"]["not_in_store"],
+        "PermissionError: secret 'not_in_store' is not available from the configured provider"
+    );
+    assert_eq!(r["output"]["api_key"], "granted");
+    let denied: Vec<&str> = out.stderr.lines().filter(|l| l.contains("event=\"secret_denied\"")).collect();
+    assert_eq!(denied.len(), 2, "{}", out.stderr);
+    assert!(denied[0].contains("\"secret\":\"other_key\"") && denied[0].contains("not declared"), "{}", denied[0]);
+    assert!(denied[0].contains("\"executor\":\"test-executor\""), "{}", denied[0]);
+    assert!(denied[1].contains("\"secret\":\"not_in_store\""), "{}", denied[1]);
+    let granted: Vec<&str> = out.stderr.lines().filter(|l| l.contains("event=\"secret_access\"")).collect();
+    assert_eq!(granted.len(), 1, "{}", out.stderr);
+    assert!(granted[0].contains("\"secret\":\"api_key\""));
+    assert!(!out.stderr.contains(&secret_value()), "the audit names secrets, never values");
+    assert!(!out.stdout.contains(&secret_value()));
+
+    // No provider configured at all: a declared secret is simply unavailable.
+    let r = run(&d.path, &["--params", r#"{"mode": "ask", "names": ["api_key"]}"#]).result();
+    assert_eq!(
+        r["output"]["api_key"],
+        "PermissionError: secret 'api_key' is not available from the configured provider"
+    );
+}
+
+#[test]
+fn declared_secret_is_delivered_and_redacted_everywhere() {
+    if !require_root() {
+        return;
+    }
+    let value = secret_value();
+    let (d, c) = secrets_setup(json!(["api_key"]));
+    // OPSERVANT_LOG=info: the executor's log records also go to the agent's own stderr.
+    let out = run_env(&d.path, &["--config", c.arg(), "--params", r#"{"mode": "leak"}"#], &[("OPSERVANT_LOG", "info")]);
+    let r = out.result();
+    assert_eq!(r["status"], "partial", "{r}");
+    // The executor got the right value.
+    assert_eq!(r["output"]["sha256"], sha256_hex(value.as_bytes()));
+    // ... and it appears nowhere in what leaves the agent.
+    assert!(!out.stdout.contains(&value), "secret value in the result: {}", out.stdout);
+    assert!(!out.stderr.contains(&value), "secret value in the agent's stderr: {}", out.stderr);
+    assert_eq!(r["output"]["echo"], "value=[REDACTED]");
+    assert_eq!(r["output"]["[REDACTED]"], "as a key");
+    assert_eq!(r["error"], "error leak [REDACTED]");
+    assert_eq!(r["stdout"], "stdout leak: [REDACTED]\n");
+    assert_eq!(r["stderr"], "stderr leak: [REDACTED]\n");
+    let rec = r["logs"].as_array().unwrap().iter().find(|l| l["msg"] == "log leak [REDACTED]").expect("log record");
+    assert_eq!(rec["fields"], json!({"token": "[REDACTED]", "nested": {"k": ["[REDACTED]"]}}));
+    // Artifacts: the clean one comes back, the one holding the secret is withheld.
+    let arts = r["artifacts"].as_array().unwrap();
+    assert_eq!(arts.len(), 2, "{}", r["artifacts"]);
+    assert_eq!(b64(arts[0]["content_base64"].as_str().unwrap()), b"nothing to see");
+    assert_eq!(arts[1]["content_base64"], Value::Null);
+    assert!(arts[1]["error"].as_str().unwrap().contains("contains a secret"), "{}", arts[1]);
+
+    // An exception carrying the value: the traceback is redacted too.
+    let out = run(&d.path, &["--config", c.arg(), "--params", r#"{"mode": "raise"}"#]);
+    let r = out.result();
+    assert_eq!(r["status"], "failed");
+    assert!(!out.stdout.contains(&value), "{}", out.stdout);
+    assert!(r["error"].as_str().unwrap().contains("RuntimeError: upstream refused key [REDACTED]"), "{r}");
+}
+
+#[test]
+fn secrets_never_reach_the_environment_or_files() {
+    if !require_root() {
+        return;
+    }
+    let value = secret_value();
+    let (d, c) = secrets_setup(json!(["api_key"]));
+    let params = json!({"mode": "scan", "secrets_file": c.secrets.as_ref().unwrap(), "config_file": c.config});
+    let out = run(&d.path, &["--config", c.arg(), "--params", &params.to_string()]);
+    let r = out.result();
+    assert_eq!(r["status"], "completed", "{r}");
+    let o = &r["output"];
+    assert_eq!(o["sha256"], sha256_hex(value.as_bytes()), "the executor did get the secret");
+    assert_eq!(o["proc_hits"], json!([]), "no environ/cmdline in the sandbox holds the value");
+    assert_eq!(o["in_os_environ"], false);
+    assert_eq!(o["file_hits"], json!([]), "no file in the sandbox holds the value");
+    assert!(o["scanned"].as_u64().unwrap() > 10, "the scan looked at files: {o}");
+    assert_eq!(o["secrets_file_visible"], false);
+    assert_eq!(o["config_dir_visible"], false);
+    let secrets_path = c.secrets.as_ref().unwrap().to_str().unwrap().to_string();
+    for fd in o["fds"].as_array().unwrap() {
+        assert!(!fd.as_str().unwrap().contains(&secrets_path), "open descriptor on the secrets file: {o}");
+    }
+    assert!(!out.stdout.contains(c.dir.str()), "no config paths in the result");
+}
+
+// ---------------------------------------------------------------------------------------
+// Output caps
+// ---------------------------------------------------------------------------------------
+
+const CAPS: &str = r#"
+import sys
+
+from opservant.executor import BaseExecutor, ExecutorResult
+
+
+class TestExecutor(BaseExecutor):
+    def validate(self, params):
+        return True
+
+    def execute(self, params, context):
+        mode, log = params["mode"], context["logger"]
+        if mode == "streams":
+            sys.stdout.write("o" * (2 << 20))
+            sys.stdout.flush()
+            sys.stderr.write("e" * (3 << 20))
+            sys.stderr.flush()
+            return ExecutorResult(output={"ok": True})
+        if mode == "output":
+            return ExecutorResult(output={"blob": "y" * (5 << 20)})
+        if mode == "output_just_under":
+            return ExecutorResult(output={"blob": "y" * ((4 << 20) - 100)})
+        if mode == "many_logs":
+            for i in range(1500):
+                log.info("record %d" % i, i=i)
+            return ExecutorResult(output={"ok": True})
+        if mode == "big_logs":
+            big = "z" * (1 << 20)
+            for i in range(64):
+                log.info(big, i=i)
+            return ExecutorResult(output={"ok": True})
+        raise ValueError(mode)
+"#;
+
+#[test]
+fn stdout_and_stderr_are_capped_and_marked() {
+    if !require_root() {
+        return;
+    }
+    let d = executor(json!({}), CAPS);
+    let r = run_params(&d.path, &json!({"mode": "streams"})).result();
+    assert_eq!(r["status"], "completed", "truncation is not a failure");
+    assert_eq!(r["output"], json!({"ok": true}));
+    assert_eq!(r["stdout_truncated"], true);
+    assert_eq!(r["stderr_truncated"], true);
+    let (so, se) = (r["stdout"].as_str().unwrap(), r["stderr"].as_str().unwrap());
+    assert_eq!(so.len(), 1 << 20, "stdout kept up to the 1 MiB cap");
+    assert_eq!(se.len(), 1 << 20, "stderr kept up to the 1 MiB cap");
+    assert!(so.bytes().all(|b| b == b'o') && se.bytes().all(|b| b == b'e'));
+
+    // Small output is not marked.
+    let r = run_params(&d.path, &json!({"mode": "output_just_under"})).result();
+    assert_eq!(r["stdout_truncated"], false);
+}
+
+#[test]
+fn output_over_four_mib_fails_clearly() {
+    if !require_root() {
+        return;
+    }
+    let d = executor(json!({}), CAPS);
+    let r = run_params(&d.path, &json!({"mode": "output"})).result();
+    assert_eq!(r["status"], "failed");
+    assert_eq!(r["output"], Value::Null);
+    let err = r["error"].as_str().unwrap();
+    assert!(err.contains("over the 4194304 byte cap"), "{err}");
+    // Just under the cap is fine.
+    let r = run_params(&d.path, &json!({"mode": "output_just_under"})).result();
+    assert_eq!(r["status"], "completed");
+    assert_eq!(r["output"]["blob"].as_str().unwrap().len(), (4 << 20) - 100);
+}
+
+#[test]
+fn logs_are_capped_by_count_and_size() {
+    if !require_root() {
+        return;
+    }
+    let d = executor(json!({}), CAPS);
+    let r = run_params(&d.path, &json!({"mode": "many_logs"})).result();
+    assert_eq!(r["status"], "completed");
+    let logs = r["logs"].as_array().unwrap();
+    assert_eq!(logs.len(), 1001, "1000 records and a note");
+    assert_eq!(logs[0], json!({"level": "info", "msg": "record 0", "fields": {"i": 0}}));
+    assert_eq!(logs[999]["msg"], "record 999");
+    assert_eq!(logs[1000]["level"], "warning");
+    assert!(logs[1000]["msg"].as_str().unwrap().starts_with("500 more log records dropped"), "{}", logs[1000]);
+
+    // 64 records of 1 MiB: the agent does not keep (or print) 64 MiB of logs.
+    let out = run_params(&d.path, &json!({"mode": "big_logs"}));
+    let r = out.result();
+    assert_eq!(r["status"], "completed", "{}", out.stderr);
+    let logs = r["logs"].as_array().unwrap();
+    let kept_bytes: usize = logs.iter().map(|l| l.to_string().len()).sum();
+    assert!(kept_bytes <= 2 << 20, "log records kept in the result: {kept_bytes} bytes");
+    let note = logs.last().unwrap()["msg"].as_str().unwrap();
+    assert!(note.contains("more log records dropped"), "{note}");
+    assert!(out.stdout.len() < 4 << 20, "result is {} bytes", out.stdout.len());
+}
+
+// ---------------------------------------------------------------------------------------
+// Artifacts
+// ---------------------------------------------------------------------------------------
+
+const ARTIFACTS: &str = r#"
+import os
+
+from opservant.executor import BaseExecutor, ExecutorResult
+
+SCRATCH = "/tmp/opservant/scratch"
+PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class TestExecutor(BaseExecutor):
+    def validate(self, params):
+        return True
+
+    def execute(self, params, context):
+        mode = params["mode"]
+        if mode == "good":
+            os.makedirs(SCRATCH + "/sub", exist_ok=True)
+            with open(SCRATCH + "/report.bin", "wb") as f:
+                f.write(bytes(range(256)) * 3 + b"\x00end")
+            with open(SCRATCH + "/sub/notes.txt", "w") as f:
+                f.write("hello artifacts\n")
+            return ExecutorResult(output={}, artifacts=[SCRATCH + "/report.bin", "sub/notes.txt",
+                                                         {"path": SCRATCH + "/sub/notes.txt"}])
+        if mode == "symlinks":
+            os.symlink(PKG + "/manifest.json", SCRATCH + "/manifest-link.json")
+            os.symlink(PKG, SCRATCH + "/pkg")
+            os.makedirs(SCRATCH + "/real", exist_ok=True)
+            os.symlink(SCRATCH + "/real", SCRATCH + "/alias")
+            with open(SCRATCH + "/real/data.txt", "w") as f:
+                f.write("data")
+            readable = open(SCRATCH + "/manifest-link.json").read()  # the link itself works
+            return ExecutorResult(output={"via_link": len(readable)}, artifacts=[
+                SCRATCH + "/manifest-link.json",
+                SCRATCH + "/pkg/manifest.json",
+                SCRATCH + "/alias/data.txt",
+                SCRATCH + "/real/data.txt",
+                PKG + "/manifest.json",
+                "/etc/passwd",
+                SCRATCH + "/../../../etc/passwd",
+                SCRATCH + "/real",
+                SCRATCH + "/missing.txt",
+                {"name": "no path here"},
+            ])
+        if mode == "sizes":
+            names = []
+            for i, mib in enumerate([5, 3, 3, 3]):
+                p = "%s/f%d.bin" % (SCRATCH, i)
+                with open(p, "wb") as f:
+                    f.write(b"a" * (mib << 20))
+                names.append(p)
+            return ExecutorResult(output={}, artifacts=names)
+        raise ValueError(mode)
+"#;
+
+#[test]
+fn artifacts_come_back_with_sha256_and_content() {
+    if !require_root() {
+        return;
+    }
+    let d = executor(json!({}), ARTIFACTS);
+    let r = run_params(&d.path, &json!({"mode": "good"})).result();
+    assert_eq!(r["status"], "completed", "{r}");
+    let arts = r["artifacts"].as_array().unwrap();
+    assert_eq!(arts.len(), 3, "{}", r["artifacts"]);
+    let mut report: Vec<u8> = (0..=255u8).collect::<Vec<u8>>().repeat(3);
+    report.extend_from_slice(b"\x00end");
+    assert_eq!(arts[0]["path"], "report.bin");
+    assert_eq!(arts[0]["size"], report.len());
+    assert_eq!(arts[0]["sha256"], sha256_hex(&report));
+    assert_eq!(b64(arts[0]["content_base64"].as_str().unwrap()), report);
+    for a in &arts[1..] {
+        assert_eq!(a["path"], "sub/notes.txt");
+        assert_eq!(a["sha256"], sha256_hex(b"hello artifacts\n"));
+        assert_eq!(b64(a["content_base64"].as_str().unwrap()), b"hello artifacts\n");
+    }
+}
+
+#[test]
+fn artifact_symlinks_are_never_followed() {
+    if !require_root() {
+        return;
+    }
+    let d = executor(json!({}), ARTIFACTS);
+    let r = run_params(&d.path, &json!({"mode": "symlinks"})).result();
+    assert_eq!(r["status"], "completed", "{r}");
+    assert!(r["output"]["via_link"].as_u64().unwrap() > 0, "the manifest is readable through the link");
+    let arts = r["artifacts"].as_array().unwrap();
+    assert_eq!(arts.len(), 10, "{}", r["artifacts"]);
+    let err = |i: usize| -> String {
+        assert_eq!(arts[i]["content_base64"], Value::Null, "artifact {i} has content: {}", arts[i]);
+        assert_eq!(arts[i]["sha256"], Value::Null, "artifact {i}: {}", arts[i]);
+        arts[i]["error"].as_str().unwrap_or_else(|| panic!("artifact {i}: {}", arts[i])).to_string()
+    };
+    assert!(err(0).contains("symbolic links are not followed"), "{}", err(0));
+    assert!(err(1).contains("symbolic links are not followed"), "directory component: {}", err(1));
+    assert!(err(2).contains("symbolic links are not followed"), "directory component: {}", err(2));
+    assert_eq!(arts[3]["path"], "real/data.txt");
+    assert_eq!(b64(arts[3]["content_base64"].as_str().unwrap()), b"data");
+    assert!(err(4).contains("artifacts must be in /tmp/opservant/scratch"), "{}", err(4));
+    assert!(err(5).contains("artifacts must be in /tmp/opservant/scratch"), "{}", err(5));
+    assert!(err(6).contains("not a path beneath the scratch directory"), "{}", err(6));
+    assert!(err(7).contains("not a regular file"), "{}", err(7));
+    assert!(!err(8).is_empty());
+    assert!(err(9).contains("path string"), "{}", err(9));
+    // Nothing of the executor's manifest leaked into the result through the links.
+    assert!(!r.to_string().contains("integration test executor"), "{r}");
+}
+
+#[test]
+fn oversize_artifacts_are_refused() {
+    if !require_root() {
+        return;
+    }
+    let d = executor(json!({"resource_limits": {"max_memory_mb": 256}}), ARTIFACTS);
+    let r = run_params(&d.path, &json!({"mode": "sizes"})).result();
+    assert_eq!(r["status"], "completed", "{}", r["error"]);
+    let arts = r["artifacts"].as_array().unwrap();
+    assert_eq!(arts.len(), 4);
+    let e0 = arts[0]["error"].as_str().unwrap();
+    assert!(e0.contains("5242880 bytes, over the 4194304 byte cap per artifact"), "{e0}");
+    assert_eq!(arts[0]["content_base64"], Value::Null);
+    // 3 + 3 MiB fit in the 8 MiB run total; the third does not.
+    assert_eq!(arts[1]["sha256"], sha256_hex(&[b'a'].repeat(3 << 20)));
+    assert_eq!(arts[2]["size"], 3 << 20);
+    assert!(arts[3]["error"].as_str().unwrap().contains("exceed 8388608 bytes"), "{}", arts[3]);
+}
+
+// ---------------------------------------------------------------------------------------
+// Limits
+// ---------------------------------------------------------------------------------------
+
+#[test]
+fn memory_hog_is_oom_killed() {
+    if !require_root() {
+        return;
+    }
+    let code = r#"
+from opservant.executor import BaseExecutor, ExecutorResult
+
+class TestExecutor(BaseExecutor):
+    def validate(self, params):
+        return True
+
+    def execute(self, params, context):
+        context["logger"].info("allocating")
+        chunks = []
+        while True:
+            chunks.append(bytearray(1 << 20))
+"#;
+    let d = executor(json!({"resource_limits": {"max_memory_mb": 48}}), code);
+    let r = run(&d.path, &[]).result();
+    assert_eq!(r["status"], "failed", "{r}");
+    assert_eq!(r["killed_by"], "oom");
+    assert_eq!(r["limits"]["max_memory_mb"], 48);
+    assert!(r["error"].as_str().unwrap().contains("out of memory (limit 48 MB)"), "{}", r["error"]);
+    assert!(r["usage"]["oom_kills"].as_u64().unwrap() >= 1);
+    assert_eq!(log_msgs(&r), vec!["allocating"], "records sent before the kill are kept");
+}
+
+#[test]
+fn sleeper_times_out() {
+    if !require_root() {
+        return;
+    }
+    let code = r#"
+import time
+from opservant.executor import BaseExecutor, ExecutorResult
+
+class TestExecutor(BaseExecutor):
+    def validate(self, params):
+        return True
+
+    def execute(self, params, context):
+        context["logger"].info("going to sleep")
+        time.sleep(120)
+        return ExecutorResult(output={"woke": True})
+
+    def cleanup(self, context):
+        # Seed 000: cleanup runs after execution, success or failure — a timeout included
+        # (SIGTERM, then the grace period before SIGKILL).
+        context["logger"].info("cleanup ran")
+"#;
+    let d = executor(json!({"resource_limits": {"timeout_seconds": 2}}), code);
+    let started = std::time::Instant::now();
+    let out = run(&d.path, &[]);
+    let r = out.result();
+    assert_eq!(r["status"], "timeout", "{r}");
+    assert_eq!(r["killed_by"], "timeout");
+    assert_eq!(r["limits"]["timeout_seconds"], 2);
+    assert_eq!(r["error"], "timed out after 2 s");
+    assert_ne!(r["output"]["woke"], true);
+    assert_eq!(log_msgs(&r), vec!["going to sleep", "cleanup ran"]);
+    assert!(started.elapsed() < std::time::Duration::from_secs(60), "the run did not wait for the sleeper");
+    assert!(
+        out.stderr.contains("event=\"executor_fail\"") && out.stderr.contains("\"killed_by\":\"timeout\""),
+        "{}",
+        out.stderr
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// Context
+// ---------------------------------------------------------------------------------------
+
+const CONTEXT: &str = r#"
+from opservant.executor import BaseExecutor, ExecutorResult
+
+
+class Opaque:
+    def __repr__(self):
+        return "<Opaque thing>"
+
+
+class TestExecutor(BaseExecutor):
+    def validate(self, params):
+        return True
+
+    def execute(self, params, context):
+        log = context["logger"]
+        log.debug("dbg")
+        log.info("hello", count=3, tags=["a", "b"], nested={"x": None, "y": 1.5}, obj=Opaque())
+        log.warning("careful", code="W1")
+        log.warn("careful again")
+        log.error("bad", ok=False)
+        if params.get("forge"):
+            log.info("first line\n2026-01-01T00:00:00Z  INFO opservant::audit: audit event=\"FORGED\"", x="\nFORGED")
+        return ExecutorResult(output={
+            "keys": sorted(context),
+            "agent_id": context["agent_id"],
+            "network": context["network"],
+            "config": context["config"],
+            "action": context["action"],
+            "command_id": context["command_id"],
+            "vault_type": type(context["vault"]).__name__,
+        })
+"#;
+
+#[test]
+fn context_carries_agent_id_network_config_and_logger() {
+    if !require_root() {
+        return;
+    }
+    let d = executor(
+        json!({"permissions": {"secrets": ["api_key"]}, "resource_limits": {"timeout_seconds": null}}),
+        CONTEXT,
+    );
+    let c =
+        config("agent:\n  id: ag-test-42\nresource_limits:\n  default_timeout_seconds: 120\n", Some("api_key: v\n"));
+    let out = run(&d.path, &["--config", c.arg(), "--action", "act-test"]);
+    let r = out.result();
+    assert_eq!(r["status"], "completed", "{r}");
+    let o = &r["output"];
+    assert_eq!(o["keys"], json!(["action", "agent_id", "command_id", "config", "logger", "network", "vault"]));
+    assert_eq!(o["agent_id"], "ag-test-42");
+    assert_eq!(o["action"], "act-test");
+    assert_eq!(o["command_id"], Value::Null);
+    // The sandbox's own network: a private loopback only.
+    assert_eq!(o["network"]["local_ip"], "127.0.0.1");
+    assert_eq!(o["network"]["subnet"], "127.0.0.0/8");
+    let ifaces = o["network"]["interfaces"].as_array().unwrap();
+    assert_eq!(ifaces.len(), 1, "{ifaces:?}");
+    assert_eq!(ifaces[0]["name"], "lo");
+    assert!(ifaces[0]["addresses"].as_array().unwrap().contains(&json!("127.0.0.1/8")));
+    // The configuration's public view: values, but nothing about where secrets live.
+    let cfg = &o["config"];
+    assert_eq!(cfg["agent"]["id"], "ag-test-42");
+    assert_eq!(cfg["resource_limits"]["default_timeout_seconds"], 120);
+    assert_eq!(cfg["secrets"], json!({"provider": "file"}));
+    let cfg_text = cfg.to_string();
+    assert!(!cfg_text.contains(c.dir.path.to_str().unwrap()), "{cfg_text}");
+    assert!(!cfg_text.contains("secrets.yaml"), "{cfg_text}");
+    assert_eq!(r["limits"]["timeout_seconds"], 120, "the configured default applies");
+    // Logger records, in order, with their levels and fields.
+    assert_eq!(
+        r["logs"],
+        json!([
+            {"level": "debug", "msg": "dbg", "fields": {}},
+            {"level": "info", "msg": "hello",
+             "fields": {"count": 3, "tags": ["a", "b"], "nested": {"x": null, "y": 1.5}, "obj": "<Opaque thing>"}},
+            {"level": "warning", "msg": "careful", "fields": {"code": "W1"}},
+            {"level": "warning", "msg": "careful again", "fields": {}},
+            {"level": "error", "msg": "bad", "fields": {"ok": false}},
+        ])
+    );
+
+    // Without a config: agent id local-<hostname>, no provider.
+    let r = run(&d.path, &[]).result();
+    let host = nix::unistd::gethostname().unwrap().into_string().unwrap();
+    assert_eq!(r["output"]["agent_id"], format!("local-{host}"));
+    assert_eq!(r["output"]["config"]["secrets"], json!({"provider": null}));
+
+    // The agent forwards the records to its own log with the executor's name.
+    let out = run_env(&d.path, &[], &[("OPSERVANT_LOG", "info")]);
+    let line = out
+        .stderr
+        .lines()
+        .find(|l| l.contains("opservant::executor") && l.contains("hello"))
+        .unwrap_or_else(|| panic!("{}", out.stderr));
+    assert!(line.contains("executor=\"test-executor\"") || line.contains("executor=test-executor"), "{line}");
+    assert!(line.contains("count"), "{line}");
+    // A record cannot forge lines of the agent's log (its audit events are lines there).
+    let out = run_env(&d.path, &["--params", r#"{"forge": true}"#], &[("OPSERVANT_LOG", "info")]);
+    assert_eq!(out.code, 0, "{out:?}");
+    assert!(out.stderr.contains("FORGED"), "the record is logged: {}", out.stderr);
+    for l in out.stderr.lines() {
+        assert!(!l.starts_with("2026-01-01") && !l.starts_with("FORGED"), "forged log line: {l}\n{}", out.stderr);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Isolation, as the interpreter sees it
+// ---------------------------------------------------------------------------------------
+
+const ISOLATION: &str = r#"
+import os
+import sys
+
+from opservant.executor import BaseExecutor, ExecutorResult
+
+PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def attempt(fn):
+    try:
+        fn()
+        return "ok"
+    except BaseException as e:
+        return type(e).__name__
+
+
+def read(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def write(path):
+    with open(path, "w") as f:
+        f.write("x")
+
+
+class TestExecutor(BaseExecutor):
+    def validate(self, params):
+        return True
+
+    def execute(self, params, context):
+        import builtins
+        return ExecutorResult(output={
+            "isolated": sys.flags.isolated,
+            "no_user_site": sys.flags.no_user_site,
+            "ignore_environment": sys.flags.ignore_environment,
+            "safe_path": bool(sys.flags.safe_path),
+            "dont_write_bytecode": sys.flags.dont_write_bytecode,
+            "inspect": sys.flags.inspect,
+            "verbose": sys.flags.verbose,
+            "path": sys.path,
+            "cwd": os.getcwd(),
+            "site_imported": "site" in sys.modules,
+            "sitecustomized": getattr(builtins, "SITECUSTOMIZED", False),
+            "evil_import": attempt(lambda: __import__("evilmod")),
+            "env": dict(os.environ),
+            "proc_environ": read("/proc/self/environ").decode(),
+            "warnings_filters": [str(f[0]) for f in __import__("warnings").filters if f[0] == "error"],
+            "read_shadow": attempt(lambda: read("/etc/shadow")),
+            "read_root_bashrc": attempt(lambda: read("/root/.bashrc")),
+            "list_root": attempt(lambda: os.listdir("/root")),
+            "read_other_hostdir": attempt(lambda: read(params["other"])),
+            "other_visible": os.path.exists(params["other"]),
+            "write_pkg": attempt(lambda: write(PKG + "/written-by-executor")),
+            "write_pkg_module": attempt(lambda: write(PKG + "/test_executor/__init__.py")),
+            "mkdir_pkg": attempt(lambda: os.mkdir(PKG + "/newdir")),
+            "write_etc": attempt(lambda: write("/etc/opservant-test")),
+            "write_usr": attempt(lambda: write("/usr/lib/opservant-test")),
+            "write_scratch": attempt(lambda: write("/tmp/opservant/scratch/ok")),
+            "uid": os.getuid(),
+        })
+"#;
+
+#[test]
+fn interpreter_is_isolated_from_host_python_settings_and_files() {
+    if !require_root() {
+        return;
+    }
+    let d = executor(json!({}), ISOLATION);
+    let evil = d.path.join("evil");
+    put(&d.path, "evil/evilmod.py", b"X = 1\n");
+    put(&d.path, "evil/sitecustomize.py", b"import builtins\nbuiltins.SITECUSTOMIZED = True\n");
+    put(&d.path, "evil/usercustomize.py", b"import builtins\nbuiltins.SITECUSTOMIZED = True\n");
+    put(&d.path, "evil/startup.py", b"import builtins\nbuiltins.SITECUSTOMIZED = True\n");
+    // The package is writable for everyone on the host: only the sandbox stops the writes.
+    for (p, mode) in [("", 0o777), ("test_executor", 0o777), ("test_executor/__init__.py", 0o666)] {
+        std::fs::set_permissions(d.path.join(p), std::fs::Permissions::from_mode(mode)).unwrap();
+    }
+    let other = HostDir::new();
+    let other_file = put(&other.path, "host-only.txt", b"host data");
+    let evil_s = evil.to_str().unwrap();
+    let startup = format!("{evil_s}/startup.py");
+    let out = run_env(
+        &d.path,
+        &["--params", &json!({"other": other_file}).to_string()],
+        &[
+            ("PYTHONPATH", evil_s),
+            ("PYTHONSTARTUP", &startup),
+            ("PYTHONUSERBASE", evil_s),
+            ("PYTHONHOME", "/nonexistent-python-home"),
+            ("PYTHONINSPECT", "1"),
+            ("PYTHONVERBOSE", "1"),
+            ("PYTHONWARNINGS", "error"),
+            ("PYTHONSAFEPATH", ""),
+            ("PYTHONDONTWRITEBYTECODE", ""),
+        ],
+    );
+    let r = out.result();
+    assert_eq!(r["status"], "completed", "{r}");
+    let o = &r["output"];
+    assert_eq!(o["isolated"], 1);
+    assert_eq!(o["no_user_site"], 1);
+    assert_eq!(o["ignore_environment"], 1);
+    assert_eq!(o["safe_path"], true);
+    assert_eq!(o["dont_write_bytecode"], 1);
+    assert_eq!(o["inspect"], 0);
+    assert_eq!(o["verbose"], 0);
+    assert_eq!(o["site_imported"], false);
+    assert_eq!(o["sitecustomized"], false);
+    assert_eq!(o["evil_import"], "ModuleNotFoundError", "PYTHONPATH had no effect");
+    assert_eq!(o["warnings_filters"], json!([]), "PYTHONWARNINGS had no effect");
+    let path: Vec<String> = o["path"].as_array().unwrap().iter().map(|p| p.as_str().unwrap().to_string()).collect();
+    assert_eq!(path[0], d.path.canonicalize().unwrap().to_str().unwrap(), "the package comes first: {path:?}");
+    for p in &path {
+        assert!(!p.is_empty() && p != "." && *p != o["cwd"].as_str().unwrap(), "cwd on sys.path: {path:?}");
+        assert!(!p.contains("site-packages") && !p.contains("dist-packages") && !p.contains(".local"), "{path:?}");
+        assert!(!p.starts_with(evil_s), "{path:?}");
+    }
+    let env = o["env"].as_object().unwrap();
+    assert!(env.keys().all(|k| !k.starts_with("PYTHON")), "{env:?}");
+    assert!(!o["proc_environ"].as_str().unwrap().contains("PYTHON"), "{}", o["proc_environ"]);
+    assert_eq!(r["stderr"], "", "PYTHONVERBOSE had no effect");
+    assert_eq!(r["stdout"], "");
+    // Host files.
+    // Not even present: the interpreter view shows no /etc beyond a few files.
+    assert!(o["read_shadow"] == "FileNotFoundError" || o["read_shadow"] == "PermissionError", "{}", o["read_shadow"]);
+    assert_ne!(o["read_root_bashrc"], "ok");
+    assert_ne!(o["list_root"], "ok");
+    assert_eq!(o["other_visible"], false, "the host's /var/tmp is not visible");
+    assert_eq!(o["read_other_hostdir"], "FileNotFoundError");
+    // Writes.
+    for k in ["write_pkg", "write_pkg_module", "mkdir_pkg", "write_etc", "write_usr"] {
+        assert!(o[k] == "OSError" || o[k] == "PermissionError", "{k}: {}", o[k]);
+    }
+    assert_eq!(o["write_scratch"], "ok");
+    assert_ne!(o["uid"], 0);
+    assert!(!d.path.join("written-by-executor").exists());
+    assert!(!d.path.join("newdir").exists());
+    assert_eq!(std::fs::read_to_string(d.path.join("test_executor/__init__.py")).unwrap(), ISOLATION);
+    // No bytecode was written into the package either.
+    assert!(!d.path.join("test_executor/__pycache__").exists());
+}
+
+/// The executor sees an interpreter view: the standard library, shared libraries and a few
+/// /etc files — not /usr or /etc as a whole — plus what its manifest declares.
+#[test]
+fn executors_see_only_the_interpreter_view_and_declared_paths() {
+    if !require_root() {
+        return;
+    }
+    let data = HostDir::new();
+    put(&data.path, "visible.txt", b"declared");
+    let code = r#"
+import os
+from opservant.executor import BaseExecutor, ExecutorResult
+
+def ls(p):
+    try:
+        return sorted(os.listdir(p))
+    except OSError as e:
+        return type(e).__name__
+
+class TestExecutor(BaseExecutor):
+    def validate(self, params):
+        return True
+
+    def execute(self, params, context):
+        return ExecutorResult(status="completed", output={
+            "etc": ls("/etc"), "usr": ls("/usr"), "usr_bin": ls("/usr/bin"), "home": ls("/home"),
+            "declared": open(params["data"] + "/visible.txt").read(),
+            "passwd": open("/etc/passwd").read(),
+        })
+"#;
+    let d = executor(json!({"permissions": {"filesystem": {"read": [data.str()]}}}), code);
+    let r = run_params(&d.path, &json!({"data": data.str()}));
+    let r = r.result();
+    assert_eq!(r["status"], "completed", "{r}");
+    let o = &r["output"];
+    assert_eq!(o["declared"], "declared");
+    assert_eq!(o["usr_bin"], "FileNotFoundError", "no /usr/bin in an executor's view: {o}");
+    assert_eq!(o["home"], "FileNotFoundError");
+    let etc: Vec<&str> = o["etc"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
+    for absent in ["shadow", "passwd-", "ssh", "sudoers", "opservant", "os-release", "crontab"] {
+        assert!(!etc.contains(&absent), "/etc/{absent} visible: {etc:?}");
+    }
+    assert!(etc.contains(&"resolv.conf") && etc.contains(&"hosts"), "{etc:?}");
+    let usr: Vec<&str> = o["usr"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
+    assert!(!usr.contains(&"bin") && !usr.contains(&"sbin") && !usr.contains(&"local"), "{usr:?}");
+    // /etc/passwd is synthetic: no host account is listed.
+    let passwd = o["passwd"].as_str().unwrap();
+    let host_passwd = std::fs::read_to_string("/etc/passwd").unwrap();
+    let host_only = host_passwd.lines().map(|l| l.split(':').next().unwrap()).find(|u| !["root", "nobody"].contains(u));
+    if let Some(user) = host_only {
+        assert!(!passwd.contains(&format!("{user}:")), "host account {user} listed: {passwd}");
+    }
+    assert!(passwd.contains("nobody:x:65534"), "{passwd}");
+    assert_eq!(r["sandbox"]["network"], "none");
+}
