@@ -65,6 +65,23 @@ fn python_runs_with_seed_fields() {
 }
 
 #[test]
+fn python_text_is_utf8() {
+    if !require_root() {
+        return;
+    }
+    // The sandbox's environment has no locale: the interpreter still speaks UTF-8 (PEP 540).
+    let d = HostDir::new();
+    let f = write(
+        &d,
+        "utf8.py",
+        "import sys\nprint(sys.stdout.encoding, sys.getfilesystemencoding())\nprint('caf\u{e9} \u{2713}')\n",
+    );
+    let r = script("python", &f, &[]);
+    assert_eq!(r.code, 0, "{:?}", r.json);
+    assert_eq!(r.json["stdout"], "utf-8 utf-8\ncaf\u{e9} \u{2713}\n");
+}
+
+#[test]
 fn python_exit_status_and_exception() {
     if !require_root() {
         return;

@@ -12,5 +12,5 @@ pub mod manifest;
 pub mod policy;
 pub mod result;
 pub mod script_run;
-pub mod session;
 pub mod secrets;
+pub mod session;

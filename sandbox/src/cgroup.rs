@@ -26,8 +26,12 @@ use crate::error::CgroupError;
 use crate::report::CgroupReport;
 use crate::spec::Limits;
 
-/// CFS period used for `cpu.max` / `cpu.cfs_period_us`.
-const CPU_PERIOD_US: u64 = 100_000;
+/// CFS period used for `cpu.max` / `cpu.cfs_period_us`: the window over which the CPU
+/// percentage is enforced. 500 ms instead of the usual 100 ms: the average rate is the
+/// same, but a short task (an executor's import and result, a session call) that fits in
+/// one window's quota — 50 ms at 10 % — is not stalled until the next window for a few
+/// milliseconds over it. A CPU-bound payload gets exactly its share per window.
+pub const CPU_PERIOD_US: u64 = 500_000;
 /// The sandbox init (PID 1 inside), added on top of the payload's pids budget (the monitor
 /// stays outside the sandbox cgroup).
 pub const HELPER_TASKS: u32 = 1;

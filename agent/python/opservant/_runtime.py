@@ -113,6 +113,11 @@ def run_executor():
     }
     from opservant._lifecycle import load_executor_class, run_lifecycle
 
+    # Everything above is the runtime's own (trusted) start-up, done before the executor's
+    # package is on sys.path (nothing of it can be shadowed); the executor's module comes
+    # next, so the CPU quota applies from here.
+    sys.path[0:0] = _opservant.paths()
+    _ready()
     try:
         cls = load_executor_class(args["entry_point"], args["package_dir"])
     except Exception:
@@ -148,6 +153,7 @@ def run_script():
     """Seed 003: compile the script (a failure is a validation error and nothing runs), then
     run it as ``__main__`` the way ``python FILE`` would. Returns the exit status."""
     path = _opservant.args()["path"]
+    _ready()
     try:
         with open(path, "rb") as f:
             source = f.read()
@@ -319,6 +325,8 @@ def run_session():
         except BaseException as e:
             error = "default import %s=%s failed: %s: %s" % (alias, module, type(e).__name__, e)
             break
+    # The default imports are the operator's choice (trusted start-up); session code is not.
+    _ready()
     _opservant.session_reply({"success": error is None, "error": error})
     if error is not None:
         return 1
@@ -329,6 +337,16 @@ def run_session():
             return 0
         number += 1
         _opservant.session_reply(_session_call(namespace, request, number))
+
+
+def _ready():
+    """The runtime's start-up is over: turn the garbage collector back on (the start-up's
+    objects frozen out of it) and tell the agent, which applies the CPU quota."""
+    import gc
+
+    gc.freeze()
+    gc.enable()
+    _opservant.ready()
 
 
 def main():

@@ -1,11 +1,18 @@
 # Runs first in the sandbox's embedded interpreter: makes the opservant package (embedded in
 # the binary, precompiled) importable ahead of anything on sys.path — an executor cannot
-# shadow it — reports ready (the agent then applies the CPU quota), puts the executor's
-# package and requirements on sys.path, and hands over to the runtime.
+# shadow it — and hands over to the runtime, which puts the executor's package and
+# requirements on sys.path and reports ready (the agent then applies the CPU quota) just before the
+# first untrusted code runs.
+import gc
 import marshal
 import sys
 
 import _opservant
+
+# No collections during the runtime's own start-up (its objects live as long as the
+# process); the runtime re-enables the collector, with these objects frozen out of it,
+# before executor code runs.
+gc.disable()
 
 
 class _EmbeddedLoader:
@@ -28,7 +35,7 @@ class _EmbeddedFinder:
         entry = cls.sources.get(name)
         if entry is None:
             return None
-        from importlib.machinery import ModuleSpec
+        from _frozen_importlib import ModuleSpec  # already loaded; `importlib` is not
 
         return ModuleSpec(name, _EmbeddedLoader(name, entry[0]), is_package=entry[1])
 
@@ -37,6 +44,4 @@ sys.meta_path.insert(0, _EmbeddedFinder)
 
 import opservant._runtime  # noqa: E402
 
-_opservant.ready()
-sys.path[0:0] = _opservant.paths()
 _opservant.exit(opservant._runtime.main())

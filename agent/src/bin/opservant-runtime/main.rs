@@ -120,11 +120,21 @@ fn send(msg: &FromPayload) -> Result<(), String> {
 fn start_interpreter() -> Result<(), String> {
     pyo3::append_to_inittab!(_opservant);
     let program = CString::new(PYTHON_PROGRAM).map_err(|e| e.to_string())?;
-    // SAFETY: single-threaded process, interpreter not yet initialised; `config` is
-    // initialised by PyConfig_InitIsolatedConfig before any field is read, cleared after
-    // use, and `program` outlives the call that copies it.
+    // SAFETY: single-threaded process, interpreter not yet initialised; `pre` and `config`
+    // are initialised by their Init*IsolatedConfig functions before any field is read,
+    // `config` is cleared after use, and `program` outlives the call that copies it.
     unsafe {
         use pyo3::ffi;
+        // UTF-8 mode (PEP 540): stdio and file names are UTF-8 whatever the (cleared)
+        // environment's locale, as `python3 -X utf8` would have them.
+        let mut pre = std::mem::MaybeUninit::<ffi::PyPreConfig>::zeroed();
+        ffi::PyPreConfig_InitIsolatedConfig(pre.as_mut_ptr());
+        let pre = pre.assume_init_mut();
+        pre.utf8_mode = 1;
+        let status = ffi::Py_PreInitialize(pre);
+        if ffi::PyStatus_Exception(status) != 0 {
+            return Err("cannot pre-initialise the embedded Python".into());
+        }
         let mut config = std::mem::MaybeUninit::<ffi::PyConfig>::zeroed();
         ffi::PyConfig_InitIsolatedConfig(config.as_mut_ptr());
         let c = config.assume_init_mut();
