@@ -204,16 +204,8 @@ pub fn run(req: RunRequest) -> Result<RunResult, CannotRun> {
     }
     let runtime = req.runtime.to_string_lossy().into_owned();
     let (mut spec, limits) = req.policy.spec_for(Some(m), &runtime, vec![])?;
-    spec.command.app_channel = true;
+    crate::policy::runtime_payload(&mut spec, &req.runtime);
     crate::policy::interpreter_view(&mut spec);
-    // The interpreter's own start-up is trusted and not throttled; the quota applies when
-    // the runtime reports ready (at the latest a second after it started).
-    spec.limits.cpu_deferred = true;
-    spec.filesystem.paths.push(sandbox::PathRule {
-        path: req.runtime.clone(),
-        access: sandbox::Access::Read,
-        optional: false,
-    });
     let dir = req.executor.dir.to_string_lossy().into_owned();
     spec.filesystem.paths.push(sandbox::PathRule {
         path: req.executor.dir.clone(),

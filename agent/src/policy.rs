@@ -129,6 +129,23 @@ pub fn interpreter_view(spec: &mut SandboxSpec) {
     spec.filesystem.synthetic.push(SyntheticFile { path: "/etc/group".into(), content: group });
 }
 
+/// The window over which a runtime payload's CPU percentage is enforced (see
+/// `sandbox::Limits::cpu_period_us`): at the default 10 %, 50 ms of CPU per 500 ms, so an
+/// executor's import-and-return or a session call is not stalled for crossing a 100 ms
+/// window's 10 ms; the average rate is the same.
+pub const RUNTIME_CPU_PERIOD_US: u64 = 500_000;
+
+/// Make `spec` run the executor runtime (`runtime`, an `execve`d payload): the application
+/// channel, the runtime binary readable, and the CPU quota applied when the runtime reports
+/// that its own (trusted) start-up is over — at the latest a second after it started — over
+/// a [`RUNTIME_CPU_PERIOD_US`] window.
+pub fn runtime_payload(spec: &mut SandboxSpec, runtime: &Path) {
+    spec.command.app_channel = true;
+    spec.limits.cpu_deferred = true;
+    spec.limits.cpu_period_us = Some(RUNTIME_CPU_PERIOD_US);
+    spec.filesystem.paths.push(PathRule { path: runtime.to_path_buf(), access: Access::Read, optional: false });
+}
+
 #[derive(Debug, Error, PartialEq, Eq)]
 #[error("{field}: {message}")]
 pub struct PolicyError {

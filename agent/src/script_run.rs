@@ -138,13 +138,7 @@ pub fn run(req: ScriptRequest) -> Result<ScriptResult, CannotRun> {
         ))
     })?;
     spec.filesystem.synthetic.push(sandbox::SyntheticFile { path: inside.clone(), content: source });
-    spec.command.app_channel = true;
-    spec.limits.cpu_deferred = true;
-    spec.filesystem.paths.push(sandbox::PathRule {
-        path: req.runtime.clone(),
-        access: sandbox::Access::Read,
-        optional: false,
-    });
+    crate::policy::runtime_payload(&mut spec, &req.runtime);
     spec.validate()?;
 
     let args =

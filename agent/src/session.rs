@@ -420,13 +420,11 @@ impl Daemon {
         };
         let runtime_str = runtime.to_string_lossy().into_owned();
         let (mut spec, mut limits) = policy.spec_for(manifest.as_ref(), &runtime_str, vec![])?;
-        spec.command.app_channel = true;
+        crate::policy::runtime_payload(&mut spec, &runtime);
         crate::policy::interpreter_view(&mut spec);
-        spec.limits.cpu_deferred = true;
         spec.limits.timeout_ms = Some(settings.max_lifetime_s * 1000);
         limits.timeout_seconds = settings.max_lifetime_s;
         limits.clamped.retain(|c| c.field != "timeout_seconds");
-        spec.filesystem.paths.push(sandbox::PathRule { path: runtime, access: sandbox::Access::Read, optional: false });
         spec.hostname = format!("session-{}", settings.name).chars().take(63).collect();
         spec.validate()?;
 

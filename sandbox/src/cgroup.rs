@@ -26,12 +26,9 @@ use crate::error::CgroupError;
 use crate::report::CgroupReport;
 use crate::spec::Limits;
 
-/// CFS period used for `cpu.max` / `cpu.cfs_period_us`: the window over which the CPU
-/// percentage is enforced. 500 ms instead of the usual 100 ms: the average rate is the
-/// same, but a short task (an executor's import and result, a session call) that fits in
-/// one window's quota — 50 ms at 10 % — is not stalled until the next window for a few
-/// milliseconds over it. A CPU-bound payload gets exactly its share per window.
-pub const CPU_PERIOD_US: u64 = 500_000;
+/// The kernel's default CFS period (`cpu.cfs_period_us` of a fresh v1 cgroup; the period
+/// `cpu.max` assumes on v2), used unless `Limits::cpu_period_us` asks for another window.
+pub const DEFAULT_CPU_PERIOD_US: u64 = 100_000;
 /// The sandbox init (PID 1 inside), added on top of the payload's pids budget (the monitor
 /// stays outside the sandbox cgroup).
 pub const HELPER_TASKS: u32 = 1;
@@ -402,7 +399,8 @@ pub struct SandboxCgroup {
     has_cgroup_kill: bool,
     removed: bool,
     /// CPU percent still to be written (see `apply_cpu_limit`).
-    cpu_pending: Option<u32>,
+    /// (percent, period in µs) of the CPU quota still to be written.
+    cpu_pending: Option<(u32, Option<u64>)>,
 }
 
 impl SandboxCgroup {
@@ -508,7 +506,7 @@ impl SandboxCgroup {
         }
         if limits.cpu_percent.is_some() && self.dir(Controller::Cpu).is_some() {
             // Written by `apply_cpu_limit` when the payload is about to start.
-            self.cpu_pending = limits.cpu_percent;
+            self.cpu_pending = limits.cpu_percent.map(|p| (p, limits.cpu_period_us));
         }
         if let (Some(n), Some(dir)) = (limits.pids, self.dir(Controller::Pids).cloned()) {
             write(&dir.join("pids.max"), &(n.saturating_add(HELPER_TASKS)).to_string())?;
@@ -526,15 +524,21 @@ impl SandboxCgroup {
     /// `parent::CpuLimiter`), so that the sandbox's own setup is not throttled by the
     /// payload's budget; memory and pids limits are in force from creation.
     pub fn cpu_writes(&self) -> Vec<(PathBuf, String)> {
-        let (Some(pct), Some(dir)) = (self.cpu_pending, self.dir(Controller::Cpu)) else { return Vec::new() };
-        let quota = (u64::from(pct) * CPU_PERIOD_US / 100).max(1000);
+        let (Some((pct, period)), Some(dir)) = (self.cpu_pending, self.dir(Controller::Cpu)) else {
+            return Vec::new();
+        };
+        let period_us = period.unwrap_or(DEFAULT_CPU_PERIOD_US);
+        let quota = (u64::from(pct) * period_us / 100).max(1000);
         if self.v2_for(Controller::Cpu) {
-            vec![(dir.join("cpu.max"), format!("{quota} {CPU_PERIOD_US}"))]
+            vec![(dir.join("cpu.max"), format!("{quota} {period_us}"))]
         } else {
-            vec![
-                (dir.join("cpu.cfs_period_us"), CPU_PERIOD_US.to_string()),
-                (dir.join("cpu.cfs_quota_us"), quota.to_string()),
-            ]
+            let mut writes = Vec::with_capacity(2);
+            // A fresh v1 cgroup already has the default period: one write fewer.
+            if period_us != DEFAULT_CPU_PERIOD_US {
+                writes.push((dir.join("cpu.cfs_period_us"), period_us.to_string()));
+            }
+            writes.push((dir.join("cpu.cfs_quota_us"), quota.to_string()));
+            writes
         }
     }
 
@@ -815,6 +819,42 @@ mod tests {
         let root = std::env::temp_dir().join(format!("opservant-cgtest-{tag}-{}", std::process::id()));
         let _ = fs::remove_dir_all(&root);
         root
+    }
+
+    #[test]
+    fn cpu_quota_writes_follow_the_requested_window() {
+        let root = scratch_root("cpuwin");
+        let (mem, cpu, pids) = (root.join("memory"), root.join("cpu"), root.join("pids"));
+        for d in [&mem, &cpu, &pids] {
+            fs::create_dir_all(d).unwrap();
+        }
+        let layout: &'static Layout = Box::leak(Box::new(Layout {
+            places: [Place::V1(mem), Place::V1(cpu), Place::V1(pids)],
+            has_cgroup_kill: false,
+            swap_active: false,
+        }));
+        let names = |cg: &SandboxCgroup| -> Vec<(String, String)> {
+            cg.cpu_writes()
+                .into_iter()
+                .map(|(p, v)| (p.file_name().unwrap().to_string_lossy().into_owned(), v))
+                .collect()
+        };
+        // The kernel's default window: only the quota is written (10 % of 100 ms).
+        let cg = SandboxCgroup::create_in(layout, &Limits { cpu_percent: Some(10), ..Limits::default() }).unwrap();
+        assert_eq!(names(&cg), [("cpu.cfs_quota_us".to_string(), "10000".to_string())]);
+        cg.remove().unwrap();
+        // A 500 ms window: the period, then 10 % of it.
+        let limits = Limits { cpu_percent: Some(10), cpu_period_us: Some(500_000), ..Limits::default() };
+        let cg = SandboxCgroup::create_in(layout, &limits).unwrap();
+        assert_eq!(
+            names(&cg),
+            [
+                ("cpu.cfs_period_us".to_string(), "500000".to_string()),
+                ("cpu.cfs_quota_us".to_string(), "50000".to_string())
+            ]
+        );
+        cg.remove().unwrap();
+        fs::remove_dir_all(&root).unwrap();
     }
 
     #[test]

@@ -290,6 +290,12 @@ pub struct Limits {
     /// the payload started, instead of when it starts.
     #[serde(default)]
     pub cpu_deferred: bool,
+    /// The window (CFS period, µs) over which `cpu_percent` is enforced; `None`: the
+    /// kernel's 100 ms. A longer window keeps the same average rate but lets a short burst —
+    /// an interpreter importing a module, a session call — finish within one window's quota
+    /// instead of stalling until the next window for a few milliseconds over it.
+    #[serde(default)]
+    pub cpu_period_us: Option<u64>,
     /// Tasks the payload may run (the sandbox init, PID 1 inside, is added on top).
     pub pids: Option<u32>,
     /// Wall-clock limit, from spawn.
@@ -307,6 +313,7 @@ impl Default for Limits {
         Self {
             memory_bytes: None,
             cpu_percent: None,
+            cpu_period_us: None,
             cpu_deferred: false,
             pids: None,
             timeout_ms: None,
@@ -431,6 +438,9 @@ impl SandboxSpec {
         }
         if matches!(l.cpu_percent, Some(0)) || l.cpu_percent.is_some_and(|p| p > 100 * 1024) {
             return Err(SpecError::new("limits.cpu_percent", "must be between 1 and 102400"));
+        }
+        if l.cpu_period_us.is_some_and(|p| !(1_000..=1_000_000).contains(&p)) {
+            return Err(SpecError::new("limits.cpu_period_us", "must be between 1000 and 1000000 (1 ms to 1 s)"));
         }
         if l.pids == Some(0) {
             return Err(SpecError::new("limits.pids", "must be positive"));
