@@ -129,7 +129,20 @@ fn run() -> Result<(), String> {
     let scratch = make_scratch()?;
     let dir = |sub: &str| scratch.0.join(sub).to_string_lossy().into_owned();
     let script = scratch.0.join("script").join("noop.py").to_string_lossy().into_owned();
-    let op = opservant.to_string_lossy().into_owned();
+    // Measure the binaries as a package installs them (copied), like bwrap and python3; see
+    // benches/README.md ("Installed copies").
+    let installed = if std::env::var_os("OPSERVANT_BENCH_IN_PLACE").is_some() {
+        None
+    } else {
+        let root = scratch.0.join("bin");
+        for src in [&opservant, &runtime] {
+            let name = src.file_name().ok_or("binary without a name")?;
+            std::fs::create_dir_all(&root).map_err(|e| format!("{}: {e}", root.display()))?;
+            std::fs::copy(src, root.join(name)).map_err(|e| format!("install {}: {e}", src.display()))?;
+        }
+        Some(root.join(opservant.file_name().ok_or("binary without a name")?))
+    };
+    let op = installed.as_ref().unwrap_or(&opservant).to_string_lossy().into_owned();
 
     let mut benches = vec![bench("python3", &[PYTHON, "-I", "-S", &script], Expect::EmptyObject)];
     match which("bwrap") {

@@ -81,7 +81,11 @@ fn run() -> Result<(), String> {
     if !Path::new(OPSERVANT).exists() {
         return Err(format!("{OPSERVANT} does not exist; build it with `cargo build --release`"));
     }
-    benches.push(bench("opservant", &[OPSERVANT, "sandbox", "--json", "--", "/bin/true"]));
+    // Measure the binary as a package installs it (copied), like bwrap and unshare; see
+    // benches/README.md ("Installed copies").
+    let installed = Installed::new(Path::new(OPSERVANT))?;
+    let op = installed.path().to_string_lossy().into_owned();
+    benches.push(bench("opservant", &[&op, "sandbox", "--json", "--", "/bin/true"]));
 
     let n = benches.len();
     for round in 0..warmup + rounds {
@@ -212,6 +216,38 @@ fn rounds() -> Result<usize, String> {
             Ok(n) if n > 0 => Ok(n),
             _ => Err(format!("OPSERVANT_BENCH_ROUNDS must be a positive integer, got {v:?}")),
         },
+    }
+}
+
+/// A copy of the binary under test in a fresh directory, removed on drop (or the binary
+/// itself with `OPSERVANT_BENCH_IN_PLACE`).
+struct Installed {
+    dir: Option<PathBuf>,
+    path: PathBuf,
+}
+
+impl Installed {
+    fn new(binary: &Path) -> Result<Installed, String> {
+        if std::env::var_os("OPSERVANT_BENCH_IN_PLACE").is_some() {
+            return Ok(Installed { dir: None, path: binary.to_path_buf() });
+        }
+        let dir = std::env::temp_dir().join(format!("opservant-bench-install-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let path = dir.join("opservant");
+        std::fs::copy(binary, &path).map_err(|e| format!("install {}: {e}", binary.display()))?;
+        Ok(Installed { dir: Some(dir), path })
+    }
+
+    fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for Installed {
+    fn drop(&mut self) {
+        if let Some(d) = &self.dir {
+            let _ = std::fs::remove_dir_all(d);
+        }
     }
 }
 
