@@ -371,6 +371,16 @@ pub fn serve(launcher: sandbox::Launcher, runtime: PathBuf) -> i32 {
     }
 }
 
+/// The limits as reported: bandwidth is not enforced (sessions have no network), so null,
+/// as in a run's result.
+fn limits_json(limits: &EffectiveLimits) -> Value {
+    let mut v = serde_json::to_value(limits).unwrap_or(Value::Null);
+    if let Some(o) = v.as_object_mut() {
+        o.insert("max_bandwidth_mbps".into(), Value::Null);
+    }
+    v
+}
+
 fn report_failure(error: &str) -> i32 {
     tracing::error!(target: "opservant::session", "{error}");
     println!("{}", json!({ "status": "failed", "error": error }));
@@ -536,7 +546,7 @@ impl Daemon {
             "call_timeout_seconds": daemon.settings.call_timeout_s,
             "idle_timeout_seconds": daemon.settings.idle_timeout_s,
             "max_lifetime_seconds": daemon.settings.max_lifetime_s,
-            "limits": daemon.limits,
+            "limits": limits_json(&daemon.limits),
             "warnings": warnings,
         });
         println!("{report}");
@@ -722,7 +732,7 @@ impl Daemon {
             "allow_imports": self.settings.allow_imports,
             "call_timeout_seconds": self.settings.call_timeout_s,
             "idle_timeout_seconds": self.settings.idle_timeout_s,
-            "limits": self.limits,
+            "limits": limits_json(&self.limits),
         })
     }
 
