@@ -880,6 +880,17 @@ fn lint_reports_ok_errors_and_warnings() {
     );
     assert!(!out.stdout.contains(": ok"), "{out:?}");
 
+    // Every broken rule is listed at once (run stops at the first).
+    let many = executor(
+        json!({"name": "Bad_Name", "version": "one", "resource_limits": {"max_cpu_percent": 500, "timeout_seconds": 0}}),
+        LIFECYCLE,
+    );
+    let out = lint(&many.path, false);
+    assert_eq!(out.code, 1, "{out:?}");
+    for field in ["name", "version", "resource_limits.max_cpu_percent", "resource_limits.timeout_seconds"] {
+        assert!(out.stdout.contains(&format!("error: {field}: ")), "{field}: {out:?}");
+    }
+
     let warn = executor(
         json!({"homepage": "x", "permissions": {"network": {"outbound": false, "allowed_ports": [1, 65535]}},
                "resource_limits": {"max_memory_mb": 1024}}),

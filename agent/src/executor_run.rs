@@ -261,7 +261,8 @@ pub fn run(req: RunRequest) -> Result<RunResult, CannotRun> {
     let declared: Vec<String> = m.permissions.secrets.clone();
     let executor_name = m.name.clone();
     let cpu = sb.cpu_limiter();
-    let server = thread::spawn(move || serve(app_chan, &declared, &provider, &executor_name, &cpu));
+    let command_id = req.command_id.clone().unwrap_or_default();
+    let server = thread::spawn(move || serve(app_chan, &declared, &provider, &executor_name, &command_id, &cpu));
     let outcome = sb.wait(sandbox::OutputOptions::default());
     // The channel reaches end-of-file once the payload is gone, which ends the server.
     let app = server.join().map_err(|_| CannotRun("application channel server panicked".into()))?;
@@ -297,6 +298,7 @@ fn serve(
     declared: &[String],
     provider: &Provider,
     executor: &str,
+    command_id: &str,
     cpu: &sandbox::CpuLimiter,
 ) -> AppOutcome {
     let mut out = AppOutcome::default();
@@ -329,7 +331,7 @@ fn serve(
                 // a record cannot forge lines (audit events) of the agent's log.
                 let fields_text = out.redactor.json(&record["fields"]).to_string();
                 let msg = out.redactor.text(&msg);
-                tracing::info!(target: "opservant::executor", executor, level = ?level, fields = %fields_text, "{}", msg.escape_debug());
+                tracing::info!(target: "opservant::executor", executor, command_id, level = ?level, fields = %fields_text, "{}", msg.escape_debug());
                 out.logs.push(record);
             }
             FromPayload::SecretRequest { name } => {

@@ -1,5 +1,5 @@
 //! `opservant executor lint DIR`: every finding `opservant run` would stop on (errors) or
-//! warn about (warnings), without running anything. It uses exactly the checks `run` uses —
+//! warn about (warnings), without running anything — all broken manifest rules at once. It uses exactly the checks `run` uses —
 //! manifest rules, entry point inside the package, Python requirement, installed packages,
 //! and the agent's sandbox policy — so lint and run cannot disagree.
 
@@ -8,6 +8,7 @@ use std::path::Path;
 use serde::Serialize;
 
 use crate::executor_run::Executor;
+use crate::manifest::Manifest;
 use crate::policy::AgentPolicy;
 
 #[derive(Debug, Default, Serialize)]
@@ -18,6 +19,16 @@ pub struct LintReport {
 
 pub fn lint(dir: &Path, policy: &AgentPolicy) -> LintReport {
     let mut r = LintReport::default();
+    // Every manifest rule broken, not only the first `run` would stop on.
+    let manifest_path = dir.join("manifest.json");
+    if let Ok(text) = std::fs::read_to_string(&manifest_path) {
+        let (_, errors, warnings) = Manifest::check(&text);
+        if !errors.is_empty() {
+            r.errors.extend(errors.iter().map(|e| e.to_string()));
+            r.warnings.extend(warnings.iter().map(|w| w.to_string()));
+            return r;
+        }
+    }
     match Executor::load(dir) {
         Err(e) => r.errors.push(e.0),
         Ok(ex) => {

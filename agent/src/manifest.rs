@@ -174,12 +174,36 @@ impl Manifest {
         Self::parse(&text)
     }
 
+    /// Every finding in manifest text: the manifest (when it parses), all rule violations
+    /// (not only the first) and the warnings. For `executor lint`.
+    pub fn check(text: &str) -> (Option<Manifest>, Vec<ManifestError>, Vec<Warning>) {
+        match Self::parse_unchecked(text) {
+            Err(e) => (None, vec![e], Vec::new()),
+            Ok((manifest, mut warnings)) => {
+                let mut errors = Vec::new();
+                manifest.validate(&mut warnings, &mut errors);
+                (Some(manifest), errors, warnings)
+            }
+        }
+    }
+
     /// Parse and validate manifest text.
     pub fn parse(text: &str) -> Result<(Manifest, Vec<Warning>), ManifestError> {
+        let (manifest, mut warnings) = Self::parse_unchecked(text)?;
+        let mut errors = Vec::new();
+        manifest.validate(&mut warnings, &mut errors);
+        match errors.into_iter().next() {
+            Some(e) => Err(e),
+            None => Ok((manifest, warnings)),
+        }
+    }
+
+    /// JSON and types only (serde); the rules come in `validate`.
+    fn parse_unchecked(text: &str) -> Result<(Manifest, Vec<Warning>), ManifestError> {
         let value: serde_json::Value =
             serde_json::from_str(text).map_err(|e| ManifestError::new("manifest", format!("not valid JSON: {e}")))?;
         let obj = value.as_object().ok_or_else(|| ManifestError::new("manifest", "must be a JSON object"))?;
-        let mut warnings: Vec<Warning> = obj
+        let warnings: Vec<Warning> = obj
             .keys()
             .filter(|k| !TOP_LEVEL.contains(&k.as_str()))
             .map(|k| Warning { path: k.clone(), message: "unknown top-level key (ignored)".into() })
@@ -189,29 +213,29 @@ impl Manifest {
             let path = if path == "." { "manifest".to_string() } else { path };
             ManifestError::new(path, e.into_inner().to_string())
         })?;
-        manifest.validate(&mut warnings)?;
         Ok((manifest, warnings))
     }
 
-    fn validate(&self, warnings: &mut Vec<Warning>) -> Result<(), ManifestError> {
+    fn validate(&self, warnings: &mut Vec<Warning>, errors: &mut Vec<ManifestError>) {
         let name_ok = !self.name.is_empty()
             && self.name.len() <= 64
             && self.name.bytes().next().is_some_and(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
             && self.name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
         if !name_ok {
-            return Err(ManifestError::new("name", "must match [a-z0-9][a-z0-9-]* (at most 64 characters)"));
+            errors.push(ManifestError::new("name", "must match [a-z0-9][a-z0-9-]* (at most 64 characters)"));
         }
-        semver::Version::parse(&self.version)
-            .map_err(|e| ManifestError::new("version", format!("'{}' is not a semantic version: {e}", self.version)))?;
+        if let Err(e) = semver::Version::parse(&self.version) {
+            errors.push(ManifestError::new("version", format!("'{}' is not a semantic version: {e}", self.version)));
+        }
         if self.description.trim().is_empty() {
-            return Err(ManifestError::new("description", "must not be empty"));
+            errors.push(ManifestError::new("description", "must not be empty"));
         }
         if self.supported_actions.is_empty() {
-            return Err(ManifestError::new("supported_actions", "must list at least one action"));
+            errors.push(ManifestError::new("supported_actions", "must list at least one action"));
         }
         for (i, a) in self.supported_actions.iter().enumerate() {
             if a.trim().is_empty() || a.chars().any(char::is_whitespace) {
-                return Err(ManifestError::new(
+                errors.push(ManifestError::new(
                     format!("supported_actions[{i}]"),
                     "must be a non-empty id without spaces",
                 ));
@@ -224,19 +248,21 @@ impl Manifest {
         };
         let parts: Vec<&str> = self.entry_point.split('.').collect();
         if parts.len() < 2 || !parts.iter().all(|p| ident(p)) {
-            return Err(ManifestError::new(
+            errors.push(ManifestError::new(
                 "entry_point",
                 format!("'{}' is not of the form module.Class", self.entry_point),
             ));
         }
         if let Some(req) = &self.requirements.python {
             if req.trim().is_empty() {
-                return Err(ManifestError::new("requirements.python", "must not be empty"));
+                errors.push(ManifestError::new("requirements.python", "must not be empty"));
             }
         }
         let net = &self.permissions.network;
         for (i, p) in net.allowed_ports.iter().enumerate() {
-            p.range().map_err(|m| ManifestError::new(format!("permissions.network.allowed_ports[{i}]"), m))?;
+            if let Err(m) = p.range() {
+                errors.push(ManifestError::new(format!("permissions.network.allowed_ports[{i}]"), m));
+            }
         }
         if net.allowed_ports.len() == 2 && net.allowed_ports.iter().all(|p| matches!(p, PortEntry::Port(_))) {
             warnings.push(Warning {
@@ -250,19 +276,19 @@ impl Manifest {
             for (i, p) in list.iter().enumerate() {
                 let path = format!("permissions.filesystem.{field}[{i}]");
                 if !p.is_absolute() {
-                    return Err(ManifestError::new(path, format!("{} is not an absolute path", p.display())));
-                }
-                if p.components().any(|c| matches!(c, std::path::Component::ParentDir | std::path::Component::CurDir)) {
-                    return Err(ManifestError::new(path, format!("{} contains '.' or '..'", p.display())));
+                    errors.push(ManifestError::new(path, format!("{} is not an absolute path", p.display())));
+                } else if p
+                    .components()
+                    .any(|c| matches!(c, std::path::Component::ParentDir | std::path::Component::CurDir))
+                {
+                    errors.push(ManifestError::new(path, format!("{} contains '.' or '..'", p.display())));
                 }
             }
         }
         for (i, s) in self.permissions.secrets.iter().enumerate() {
             if s.is_empty() || !s.chars().all(|c| c.is_ascii_alphanumeric() || "_-./".contains(c)) {
-                return Err(ManifestError::new(
-                    format!("permissions.secrets[{i}]"),
-                    "must be a name of [A-Za-z0-9_./-]",
-                ));
+                errors
+                    .push(ManifestError::new(format!("permissions.secrets[{i}]"), "must be a name of [A-Za-z0-9_./-]"));
             }
         }
         let l = &self.resource_limits;
@@ -275,13 +301,12 @@ impl Manifest {
             ("max_pids", l.max_pids),
         ] {
             if v == Some(0) {
-                return Err(ManifestError::new(format!("resource_limits.{field}"), "must be positive"));
+                errors.push(ManifestError::new(format!("resource_limits.{field}"), "must be positive"));
             }
         }
         if l.max_cpu_percent.is_some_and(|p| p > 100) {
-            return Err(ManifestError::new("resource_limits.max_cpu_percent", "is a percentage of one CPU (1-100)"));
+            errors.push(ManifestError::new("resource_limits.max_cpu_percent", "is a percentage of one CPU (1-100)"));
         }
-        Ok(())
     }
 }
 
@@ -338,6 +363,19 @@ mod tests {
             let e = Manifest::parse(&SEED.replace(from, to)).unwrap_err();
             assert_eq!(e.path, path, "{from} -> {to}: {e}");
         }
+    }
+
+    #[test]
+    fn check_reports_every_violation() {
+        let bad = SEED.replace("\"1.0.0\"", "\"1.0\"").replace("\"max_memory_mb\": 256", "\"max_memory_mb\": 0");
+        let (m, errors, warnings) = Manifest::check(&bad);
+        assert!(m.is_some());
+        let paths: Vec<&str> = errors.iter().map(|e| e.path.as_str()).collect();
+        assert_eq!(paths, ["version", "resource_limits.max_memory_mb"]);
+        assert_eq!(warnings.len(), 1);
+        assert_eq!(Manifest::parse(&bad).unwrap_err().path, "version", "parse stops at the first");
+        let (m, errors, _) = Manifest::check("{");
+        assert!(m.is_none() && errors.len() == 1);
     }
 
     #[test]
