@@ -61,13 +61,37 @@ if cargo_bin=$(command -v cargo); then
     guest_cmd="export PATH=$(printf '%q' "${cargo_bin%/*}"):\$PATH; $guest_cmd"
 fi
 
-if [ "${VM_REPO_RW:-0}" = 1 ]; then repo_opt=(--rwdir "$repo"); else repo_opt=(--overlay-rwdir "$repo"); fi
+# virtme-ng's guest init mounts fresh tmpfs on a few host directories (/var/tmp, /var/log,
+# /var/cache, /var/lib/apt, /var/lib/private) after it has set up the shared directories,
+# so a repository below one of them would be hidden in the guest. There it is shared
+# read-only at a neutral guest path instead and overlaid back at its own path (writable in
+# the guest, as --overlay-rwdir would make it) before the command runs.
+cwd_opt=(--cwd "$PWD")
+case "$repo/" in
+    /var/tmp/*|/var/log/*|/var/cache/*|/var/lib/apt/*|/var/lib/private/*)
+        lower=/run/opservant-vm-repo
+        if [ "${VM_REPO_RW:-0}" = 1 ]; then
+            repo_opt=(--rwdir "$lower=$repo")
+            remount="mkdir -p $(printf '%q' "$repo") && mount --bind $lower $(printf '%q' "$repo")"
+        else
+            repo_opt=(--rodir "$lower=$repo")
+            remount="mkdir -p /run/opservant-vm-ovl $(printf '%q' "$repo") && mount -t tmpfs opservant-vm-ovl /run/opservant-vm-ovl \
+                && mkdir /run/opservant-vm-ovl/upper /run/opservant-vm-ovl/work \
+                && mount -t overlay opservant-vm-repo -o lowerdir=$lower,upperdir=/run/opservant-vm-ovl/upper,workdir=/run/opservant-vm-ovl/work $(printf '%q' "$repo")"
+        fi
+        guest_cmd="$remount && cd $(printf '%q' "$PWD") && $guest_cmd"
+        cwd_opt=(--cwd /)
+        ;;
+    *)
+        if [ "${VM_REPO_RW:-0}" = 1 ]; then repo_opt=(--rwdir "$repo"); else repo_opt=(--overlay-rwdir "$repo"); fi
+        ;;
+esac
 append=()
 [ -n "${VM_APPEND:-}" ] && append=(--append "$VM_APPEND")
 
 vng_cmd=(vng --run "$VM_KERNEL" --disable-kvm
     --memory "${VM_MEMORY:-1G}" --cpus "${VM_CPUS:-2}"
-    "${repo_opt[@]}" --cwd "$PWD" "${append[@]}"
+    "${repo_opt[@]}" "${cwd_opt[@]}" "${append[@]}"
     -- "$guest_cmd")
 [ "${VM_VERBOSE:-0}" = 1 ] && echo "vm-exec: timeout ${VM_TIMEOUT:-600} ${vng_cmd[*]@Q}" >&2
 
