@@ -15,7 +15,6 @@
 //! `target/bench/executor_run.json`. Without `--bench` on the command line (as under
 //! `cargo test --benches`) it is a smoke test: one round, no JSON.
 
-use std::ffi::CStr;
 use std::fs::Permissions;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -23,6 +22,9 @@ use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::{json, Value};
+
+mod common;
+use common::{in_ci, kernel_release, ms3, round2, utc_iso8601, which};
 
 const WARMUP_ROUNDS: usize = 5;
 const DEFAULT_ROUNDS: usize = 60;
@@ -422,44 +424,4 @@ fn python_version() -> Result<String, String> {
         return Err(format!("{PYTHON} failed ({})", out.status));
     }
     Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
-}
-
-fn in_ci() -> bool {
-    std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
-}
-
-fn which(name: &str) -> Option<PathBuf> {
-    let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path)
-        .map(|dir| dir.join(name))
-        .find(|p| p.metadata().is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0))
-}
-
-fn kernel_release() -> String {
-    // SAFETY: utsname is plain data; uname fills it with NUL-terminated fields.
-    let mut uts: libc::utsname = unsafe { std::mem::zeroed() };
-    if unsafe { libc::uname(&mut uts) } != 0 {
-        return "unknown".into();
-    }
-    // SAFETY: uname succeeded, so `release` is NUL-terminated within the array.
-    unsafe { CStr::from_ptr(uts.release.as_ptr()) }.to_string_lossy().into_owned()
-}
-
-fn utc_iso8601(secs: u64) -> String {
-    let t = secs as libc::time_t;
-    // SAFETY: tm is plain data; gmtime_r only writes through the pointers it is given.
-    let mut tm: libc::tm = unsafe { std::mem::zeroed() };
-    if unsafe { libc::gmtime_r(&t, &mut tm) }.is_null() {
-        return String::new();
-    }
-    let (y, mo, d, h, mi, s) = (tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec);
-    format!("{y:04}-{mo:02}-{d:02}T{h:02}:{mi:02}:{s:02}Z")
-}
-
-fn ms3(x: f64) -> f64 {
-    (x * 1e3).round() / 1e3
-}
-
-fn round2(x: f64) -> f64 {
-    (x * 1e2).round() / 1e2
 }
