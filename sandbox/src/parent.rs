@@ -106,6 +106,9 @@ pub const CPU_DEFER_MAX: Duration = Duration::from_secs(1);
 pub struct CpuLimiter {
     writes: Vec<(std::path::PathBuf, String)>,
     state: std::sync::Mutex<CpuState>,
+    /// Wakes the supervising [`Sandbox::wait`] at once when a write fails, so the run stops
+    /// now rather than at the loop's next wake-up.
+    stop: Option<StopHandle>,
 }
 
 #[derive(Debug, Default)]
@@ -125,6 +128,9 @@ impl CpuLimiter {
         for (path, value) in &self.writes {
             if let Err(e) = SandboxCgroup::write_control(path, value) {
                 st.error = Some(e.to_string());
+                if let Some(stop) = &self.stop {
+                    stop.stop();
+                }
                 return Err(e.to_string());
             }
         }
@@ -284,7 +290,11 @@ impl Sandbox {
         // The cgroups are created while the monitor creates the namespaces (the two are the
         // slowest setup steps and run on different CPUs).
         let cgroup = SandboxCgroup::create(&spec.limits)?;
-        self.cpu = std::sync::Arc::new(CpuLimiter { writes: cgroup.cpu_writes(), ..Default::default() });
+        self.cpu = std::sync::Arc::new(CpuLimiter {
+            writes: cgroup.cpu_writes(),
+            stop: Some(self.stop.clone()),
+            ..Default::default()
+        });
         let join = cgroup.join_files();
         self.cgroup = Some(cgroup);
         self.chan
