@@ -322,3 +322,22 @@ fn bad_input_is_exit_2() {
         assert!(!out.stderr.is_empty(), "{args:?}");
     }
 }
+
+#[test]
+fn third_party_packages_come_from_python_path() {
+    if !require_root() {
+        return;
+    }
+    let lib = common::HostDir::new();
+    lib.file("mylib.py", "def answer():\n    return 42\n", 0o644);
+    let (s, _) =
+        Session::start(&["--python-path", lib.str(), "--allow-import", "mylib", "--default-import", "ml=mylib"]);
+    let (code, r) = s.exec("import mylib\nx = mylib.answer() + ml.answer()", &["--return", "x"]);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["globals"]["x"], 84);
+    // On sys.path, but still behind the allowlist.
+    let (t, _) = Session::start(&["--python-path", lib.str()]);
+    let (code, r) = t.exec("import mylib", &[]);
+    assert_eq!(code, 1);
+    assert!(r["error"].as_str().unwrap().contains("not allowed"), "{r}");
+}

@@ -104,6 +104,9 @@ pub enum RuntimeArgs {
     Session {
         allow_imports: Vec<String>,
         default_imports: Vec<(String, String)>,
+        /// Extra `sys.path` entries (directories of third-party packages).
+        #[serde(default)]
+        paths: Vec<String>,
     },
 }
 

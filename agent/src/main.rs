@@ -124,6 +124,10 @@ enum SessionCommand {
         /// End the session after this many seconds in any case (default 86400).
         #[arg(long)]
         max_lifetime: Option<u64>,
+        /// A directory of third-party packages to put on sys.path (repeatable; shown
+        /// read-only in the sandbox). Importing from it still needs --allow-import.
+        #[arg(long = "python-path", value_name = "DIR")]
+        python_path: Vec<PathBuf>,
         /// Manifest whose permissions and resource_limits shape the sandbox.
         #[arg(long)]
         manifest: Option<PathBuf>,
@@ -329,6 +333,7 @@ fn session(command: SessionCommand) -> Result<ExitCode, CannotRun> {
             timeout,
             idle_timeout,
             max_lifetime,
+            python_path,
             manifest,
             config,
         } => {
@@ -347,6 +352,7 @@ fn session(command: SessionCommand) -> Result<ExitCode, CannotRun> {
                 timeout,
                 idle_timeout,
                 max_lifetime,
+                &python_path,
                 manifest,
                 config,
             )

@@ -65,6 +65,9 @@ pub struct Settings {
     pub call_timeout_s: u64,
     pub idle_timeout_s: u64,
     pub max_lifetime_s: u64,
+    /// Directories of third-party packages (read-only in the sandbox, on `sys.path`).
+    #[serde(default)]
+    pub python_paths: Vec<PathBuf>,
     pub manifest: Option<PathBuf>,
     pub config: Option<PathBuf>,
 }
@@ -102,10 +105,19 @@ impl Settings {
         call_timeout_s: Option<u64>,
         idle_timeout_s: Option<u64>,
         max_lifetime_s: Option<u64>,
+        python_paths: &[PathBuf],
         manifest: Option<PathBuf>,
         config: Option<PathBuf>,
     ) -> Result<Settings, CannotRun> {
         check_name(name)?;
+        let mut paths = Vec::new();
+        for p in python_paths {
+            let abs = p.canonicalize().map_err(|e| CannotRun(format!("--python-path {}: {e}", p.display())))?;
+            if !abs.is_dir() {
+                return Err(CannotRun(format!("--python-path {}: not a directory", p.display())));
+            }
+            paths.push(abs);
+        }
         let mut allow_imports: Vec<String> = Vec::new();
         for item in allow.iter().flat_map(|a| a.split(',')).map(str::trim).filter(|s| !s.is_empty()) {
             if !is_module_name(item) {
@@ -151,6 +163,7 @@ impl Settings {
             call_timeout_s: bounded("--timeout", call_timeout_s, DEFAULT_CALL_TIMEOUT_S, MAX_CALL_TIMEOUT_S)?,
             idle_timeout_s: bounded("--idle-timeout", idle_timeout_s, DEFAULT_IDLE_TIMEOUT_S, MAX_IDLE_TIMEOUT_S)?,
             max_lifetime_s: bounded("--max-lifetime", max_lifetime_s, DEFAULT_MAX_LIFETIME_S, MAX_MAX_LIFETIME_S)?,
+            python_paths: paths,
             manifest: manifest.map(|m| std::path::absolute(&m).unwrap_or(m)),
             config: config.map(|c| std::path::absolute(&c).unwrap_or(c)),
         })
@@ -432,6 +445,13 @@ impl Daemon {
         let (mut spec, mut limits) = policy.spec_for(manifest.as_ref(), &runtime_str, vec![])?;
         crate::policy::runtime_payload(&mut spec, &runtime);
         crate::policy::interpreter_view(&mut spec);
+        for p in &settings.python_paths {
+            spec.filesystem.paths.push(sandbox::PathRule {
+                path: p.clone(),
+                access: sandbox::Access::Read,
+                optional: false,
+            });
+        }
         spec.limits.timeout_ms = Some(settings.max_lifetime_s * 1000);
         limits.timeout_seconds = settings.max_lifetime_s;
         limits.clamped.retain(|c| c.field != "timeout_seconds");
@@ -460,6 +480,7 @@ impl Daemon {
         let args = RuntimeArgs::Session {
             allow_imports: settings.allow_imports.clone(),
             default_imports: settings.default_imports.clone(),
+            paths: settings.python_paths.iter().map(|p| p.to_string_lossy().into_owned()).collect(),
         };
         chan.send_bytes(&app::encode(&args)).map_err(|e| CannotRun(format!("runtime arguments: {}", e.desc())))?;
         let stop = sb.stop_handle();
@@ -857,7 +878,7 @@ mod tests {
     fn settings(allow: &[&str], defaults: &[&str]) -> Result<Settings, CannotRun> {
         let allow: Vec<String> = allow.iter().map(|s| s.to_string()).collect();
         let defaults: Vec<String> = defaults.iter().map(|s| s.to_string()).collect();
-        Settings::new("s1", &allow, &defaults, None, None, None, None, None)
+        Settings::new("s1", &allow, &defaults, None, None, None, &[], None, None)
     }
 
     #[test]
@@ -885,7 +906,7 @@ mod tests {
         assert!(check_name("-x").is_err());
         assert!(check_name("analysis_1").is_ok());
         let allow: Vec<String> = vec![];
-        assert!(Settings::new("s", &allow, &allow, Some(0), None, None, None, None).is_err());
-        assert!(Settings::new("s", &allow, &allow, Some(301), None, None, None, None).is_err());
+        assert!(Settings::new("s", &allow, &allow, Some(0), None, None, &[], None, None).is_err());
+        assert!(Settings::new("s", &allow, &allow, Some(301), None, None, &[], None, None).is_err());
     }
 }

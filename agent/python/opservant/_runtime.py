@@ -316,6 +316,7 @@ def _session_call(namespace, request, number):
 def run_session():
     """Seed 002: one interpreter, globals kept between calls, imports allowlisted."""
     args = _opservant.args()
+    sys.path[0:0] = _opservant.paths()
     namespace, guarded_import = _session_namespace(args["allow_imports"])
     error = None
     for alias, module in args["default_imports"]:

@@ -154,7 +154,8 @@ pub mod _opservant {
                 v.extend(paths.iter().cloned());
                 v
             }
-            _ => Vec::new(),
+            RuntimeArgs::Session { paths, .. } => paths.clone(),
+            RuntimeArgs::Script { .. } => Vec::new(),
         })
     }
 
