@@ -110,6 +110,17 @@ pub enum RuntimeArgs {
     },
 }
 
+/// The next message from the payload: `Ok(None)` at end of file (the payload is gone), `Err`
+/// for a channel error or a message that is not valid protocol.
+pub fn recv(chan: &sandbox::channel::Channel) -> Result<Option<FromPayload>, String> {
+    match chan.recv_bytes(MAX_MESSAGE)? {
+        None => Ok(None),
+        Some(bytes) => {
+            serde_json::from_slice(&bytes).map(Some).map_err(|e| format!("malformed message from the runtime: {e}"))
+        }
+    }
+}
+
 /// Encode for the channel.
 pub fn encode<T: Serialize>(msg: &T) -> Vec<u8> {
     // Serializing these plain data types cannot fail (no maps with non-string keys).

@@ -303,18 +303,11 @@ fn serve(
 ) -> AppOutcome {
     let mut out = AppOutcome::default();
     loop {
-        let bytes = match chan.recv_bytes(app::MAX_MESSAGE) {
-            Ok(Some(b)) => b,
+        let msg = match app::recv(&chan) {
+            Ok(Some(m)) => m,
             Ok(None) => return out,
             Err(e) => {
                 out.protocol_error.get_or_insert(e);
-                return out;
-            }
-        };
-        let msg: FromPayload = match serde_json::from_slice(&bytes) {
-            Ok(m) => m,
-            Err(e) => {
-                out.protocol_error.get_or_insert(format!("malformed message from the runtime: {e}"));
                 return out;
             }
         };

@@ -207,28 +207,21 @@ struct Served {
 fn serve(chan: sandbox::channel::Channel, cpu: &sandbox::CpuLimiter) -> Served {
     let mut out = Served::default();
     loop {
-        let bytes = match chan.recv_bytes(app::MAX_MESSAGE) {
-            Ok(Some(b)) => b,
+        match app::recv(&chan) {
             Ok(None) => return out,
-            Err(e) => {
-                out.protocol_error.get_or_insert(e);
-                return out;
-            }
-        };
-        match serde_json::from_slice::<FromPayload>(&bytes) {
-            Ok(FromPayload::Ready) => {
+            Ok(Some(FromPayload::Ready)) => {
                 out.ready = true;
-                // A failed write is seen by the sandbox, which then stops the run.
+                // A failed write stops the sandbox at once (fail closed).
                 let _ = cpu.apply();
             }
-            Ok(FromPayload::ValidationError { error }) => {
+            Ok(Some(FromPayload::ValidationError { error })) => {
                 out.validation_error.get_or_insert(error);
             }
-            Ok(other) => {
+            Ok(Some(other)) => {
                 out.protocol_error.get_or_insert(format!("unexpected message for a script: {other:?}"));
             }
             Err(e) => {
-                out.protocol_error.get_or_insert(format!("malformed message from the runtime: {e}"));
+                out.protocol_error.get_or_insert(e);
                 return out;
             }
         }

@@ -596,13 +596,7 @@ impl Daemon {
                 Ok(_) => {}
             }
             if fds[0].any().unwrap_or(false) {
-                return match self.chan.recv_bytes(app::MAX_MESSAGE) {
-                    Ok(Some(bytes)) => {
-                        serde_json::from_slice(&bytes).map_err(|e| format!("malformed message from the runtime: {e}"))
-                    }
-                    Ok(None) => Err("the session's interpreter ended".into()),
-                    Err(e) => Err(e),
-                };
+                return app::recv(&self.chan)?.ok_or_else(|| "the session's interpreter ended".into());
             }
             if fds[1].any().unwrap_or(false) {
                 return Err("the session's interpreter ended".into());

@@ -91,43 +91,28 @@ pub mod _opservant {
         }
     }
 
-    /// Send a session reply (a dict: success, error, stdout, stderr, globals). A reply too
-    /// large for the channel is replaced by an error reply.
+    /// Send a session reply (a dict: success, error, stdout, stderr, globals). Globals over
+    /// the output cap are replaced by an error reply.
     #[pyfunction]
     fn session_reply(reply: &Bound<'_, PyAny>) -> PyResult<()> {
-        #[derive(serde::Deserialize)]
-        struct R {
-            success: bool,
-            #[serde(default)]
-            error: Option<String>,
-            #[serde(default)]
-            stdout: String,
-            #[serde(default)]
-            stderr: String,
-            #[serde(default)]
-            globals: serde_json::Map<String, Value>,
-        }
-        let r: R = pythonize::depythonize(reply).map_err(|e| PyValueError::new_err(e.to_string()))?;
-        let globals_size = serde_json::to_vec(&r.globals).map(|v| v.len()).unwrap_or(0);
+        let FromPayload::SessionReply { success, error, stdout, stderr, globals } =
+            super::message("session_reply", reply)?
+        else {
+            return Err(PyRuntimeError::new_err("session_reply: not a session reply"));
+        };
+        let globals_size = json_size(&Value::Object(globals.clone()));
         let msg = if globals_size > app::MAX_OUTPUT {
+            let error =
+                format!("the returned globals are {globals_size} bytes of JSON, over the {} byte cap", app::MAX_OUTPUT);
             FromPayload::SessionReply {
                 success: false,
-                error: Some(format!(
-                    "the returned globals are {globals_size} bytes of JSON, over the {} byte cap",
-                    app::MAX_OUTPUT
-                )),
-                stdout: r.stdout,
-                stderr: r.stderr,
+                error: Some(error),
+                stdout,
+                stderr,
                 globals: Default::default(),
             }
         } else {
-            FromPayload::SessionReply {
-                success: r.success,
-                error: r.error,
-                stdout: r.stdout,
-                stderr: r.stderr,
-                globals: r.globals,
-            }
+            FromPayload::SessionReply { success, error, stdout, stderr, globals }
         };
         send(&msg)
     }
@@ -200,33 +185,36 @@ pub mod _opservant {
         Ok(pythonize::pythonize(py, &value)?)
     }
 
-    /// Send the lifecycle result (a dict: status, output, error, artifacts).
+    /// Send the lifecycle result (a dict: status, output, error, artifacts). An output over
+    /// the cap is replaced by a failure saying so.
     #[pyfunction]
     fn send_result(result: &Bound<'_, PyAny>) -> PyResult<()> {
-        #[derive(serde::Deserialize)]
-        struct R {
-            status: String,
-            #[serde(default)]
-            output: Option<Value>,
-            #[serde(default)]
-            error: Option<String>,
-            #[serde(default)]
-            artifacts: Vec<Value>,
-        }
-        let r: R = pythonize::depythonize(result).map_err(|e| PyValueError::new_err(e.to_string()))?;
-        let output_size = r.output.as_ref().map(|o| serde_json::to_vec(o).map(|v| v.len()).unwrap_or(0)).unwrap_or(0);
+        let FromPayload::Result { status, output, error, artifacts } = super::message("result", result)? else {
+            return Err(PyRuntimeError::new_err("send_result: not a result"));
+        };
+        let output_size = output.as_ref().map_or(0, json_size);
         let msg = if output_size > app::MAX_OUTPUT {
-            FromPayload::Result {
-                status: "failed".into(),
-                output: None,
-                error: Some(format!("output is {output_size} bytes of JSON, over the {} byte cap", app::MAX_OUTPUT)),
-                artifacts: r.artifacts,
-            }
+            let error = format!("output is {output_size} bytes of JSON, over the {} byte cap", app::MAX_OUTPUT);
+            FromPayload::Result { status: "failed".into(), output: None, error: Some(error), artifacts }
         } else {
-            FromPayload::Result { status: r.status, output: r.output, error: r.error, artifacts: r.artifacts }
+            FromPayload::Result { status, output, error, artifacts }
         };
         send(&msg)
     }
+}
+
+/// A protocol message from a Python dict holding the fields of variant `kind` (the
+/// variant's `type` tag is added here).
+fn message(kind: &str, obj: &Bound<'_, PyAny>) -> PyResult<FromPayload> {
+    let mut value: Value = pythonize::depythonize(obj).map_err(|e| PyValueError::new_err(e.to_string()))?;
+    let fields = value.as_object_mut().ok_or_else(|| PyValueError::new_err(format!("{kind}: expected a dict")))?;
+    fields.insert("type".into(), Value::String(kind.into()));
+    serde_json::from_value(value).map_err(|e| PyValueError::new_err(format!("{kind}: {e}")))
+}
+
+/// Bytes of `v`'s JSON encoding.
+fn json_size(v: &Value) -> usize {
+    serde_json::to_vec(v).map_or(0, |b| b.len())
 }
 
 /// Network information for `context["network"]`.
