@@ -341,3 +341,26 @@ fn third_party_packages_come_from_python_path() {
     assert_eq!(code, 1);
     assert!(r["error"].as_str().unwrap().contains("not allowed"), "{r}");
 }
+
+#[test]
+fn a_failed_start_leaves_nothing_behind() {
+    if !require_root() {
+        return;
+    }
+    let name = format!("t{}-failed", std::process::id());
+    let out = Command::new(opservant())
+        .args(["session", "start", &name, "--default-import", "x=no_such_module_here"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no_such_module_here"));
+    for ext in ["sock", "lock"] {
+        assert!(!std::path::Path::new(&format!("/run/opservant/sessions/{name}.{ext}")).exists(), "{ext} left behind");
+    }
+    // The name is free again: a valid start succeeds.
+    let out = Command::new(opservant()).args(["session", "start", &name]).output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = Command::new(opservant()).args(["session", "stop", &name]).output().unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    let _ = std::fs::remove_file(format!("/run/opservant/sessions/{name}.log"));
+}

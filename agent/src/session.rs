@@ -377,7 +377,8 @@ pub fn serve(launcher: sandbox::Launcher, runtime: PathBuf) -> i32 {
     match Daemon::start(settings, launcher, runtime) {
         Ok((mut daemon, listener, lock)) => {
             let end = daemon.run(&listener);
-            daemon.finish(end, &listener, lock);
+            drop(listener);
+            daemon.finish(end, lock);
             0
         }
         Err(e) => report_failure(&e.0),
@@ -519,29 +520,38 @@ impl Daemon {
         let deadline = Instant::now() + START_TIMEOUT;
         let started = loop {
             match daemon.next_message(deadline) {
-                Ok(FromPayload::Ready) => {
+                Ok(Some(FromPayload::Ready)) => {
+                    // A failed write stops the sandbox at once (fail closed).
                     let _ = cpu.apply();
                 }
-                Ok(FromPayload::SessionReply { success: true, .. }) => break Ok(()),
-                Ok(FromPayload::SessionReply { error, .. }) => {
+                Ok(Some(FromPayload::SessionReply { success: true, .. })) => break Ok(()),
+                Ok(Some(FromPayload::SessionReply { error, .. })) => {
                     break Err(error.unwrap_or_else(|| "the session could not start".into()))
                 }
-                Ok(other) => break Err(format!("unexpected message from the runtime: {other:?}")),
+                Ok(Some(other)) => break Err(format!("unexpected message from the runtime: {other:?}")),
+                Ok(None) => break Err(format!("the interpreter did not start within {} s", START_TIMEOUT.as_secs())),
                 Err(e) => break Err(e),
             }
         };
-        if let Err(e) = started {
-            daemon.stop.stop();
-            let detail = daemon.ended_because();
-            let _ = std::fs::remove_file(lock_path(&daemon.settings.name));
-            drop(lock);
-            return Err(CannotRun(if detail.is_empty() { e } else { format!("{e} ({detail})") }));
-        }
-
-        let listener = UnixListener::bind(&path).map_err(|e| CannotRun(format!("{}: {e}", path.display())))?;
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
-            .map_err(|e| CannotRun(format!("{}: {e}", path.display())))?;
-        listener.set_nonblocking(true).map_err(|e| CannotRun(e.to_string()))?;
+        let listener = started.and_then(|()| {
+            let listener = UnixListener::bind(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
+                .and_then(|()| listener.set_nonblocking(true))
+                .map_err(|e| format!("{}: {e}", path.display()))?;
+            Ok(listener)
+        });
+        let listener = match listener {
+            Ok(l) => l,
+            Err(e) => {
+                // Nothing of the session may outlive a failed start: sandbox, socket, lock.
+                daemon.stop.stop();
+                let detail = daemon.ended_because();
+                let _ = std::fs::remove_file(&path);
+                let _ = std::fs::remove_file(lock_path(&daemon.settings.name));
+                drop(lock);
+                return Err(CannotRun(if detail.is_empty() { e } else { format!("{e} ({detail})") }));
+            }
+        };
         audit::record(
             "session_start",
             &[
@@ -580,12 +590,13 @@ impl Daemon {
         Ok((daemon, listener, lock))
     }
 
-    /// The next message from the runtime, or why there is none before `deadline`.
-    fn next_message(&mut self, deadline: Instant) -> Result<FromPayload, String> {
+    /// The next message from the runtime; `Ok(None)` when `deadline` passed first, `Err`
+    /// when the runtime is gone or broke the protocol.
+    fn next_message(&mut self, deadline: Instant) -> Result<Option<FromPayload>, String> {
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return Err("timed out".into());
+                return Ok(None);
             }
             let ms = left.as_millis().min(60_000) as u16;
             let mut fds =
@@ -596,7 +607,7 @@ impl Daemon {
                 Ok(_) => {}
             }
             if fds[0].any().unwrap_or(false) {
-                return app::recv(&self.chan)?.ok_or_else(|| "the session's interpreter ended".into());
+                return app::recv(&self.chan)?.map(Some).ok_or_else(|| "the session's interpreter ended".into());
             }
             if fds[1].any().unwrap_or(false) {
                 return Err("the session's interpreter ended".into());
@@ -771,7 +782,7 @@ impl Daemon {
             tracing::warn!(target: "opservant::session", "send to the runtime: {}", e.desc());
         }
         let deadline = started + Duration::from_secs(timeout_s);
-        let ended = |d: &mut Daemon, why: String, killed_by: Option<&str>| -> (Value, Option<End>) {
+        let ended = |d: &Daemon, why: String, killed_by: Option<&str>| -> Value {
             let reply = json!({
                 "success": false,
                 "error": why,
@@ -784,11 +795,11 @@ impl Daemon {
                 "session_exec",
                 &[("session", &d.settings.name), ("code_sha256", &digest), ("success", "false"), ("ended", &why)],
             );
-            (reply, None)
+            reply
         };
         loop {
             match self.next_message(deadline) {
-                Ok(FromPayload::SessionReply { success, error, stdout, stderr, globals }) => {
+                Ok(Some(FromPayload::SessionReply { success, error, stdout, stderr, globals })) => {
                     audit::record(
                         "session_exec",
                         &[
@@ -804,17 +815,16 @@ impl Daemon {
                     });
                     return (reply, None);
                 }
-                Ok(FromPayload::Ready) => continue,
-                Ok(other) => {
+                Ok(Some(FromPayload::Ready)) => continue,
+                Ok(Some(other)) => {
                     tracing::warn!(target: "opservant::session", "unexpected message from the runtime: {other:?}");
                     continue;
                 }
-                Err(e) if e == "timed out" => {
+                Ok(None) => {
                     self.stop.stop();
                     let _ = self.ended_because();
                     let why = format!("the call timed out after {timeout_s} s; the session has ended");
-                    let (reply, _) = ended(self, why, Some("timeout"));
-                    return (reply, Some(End::CallTimeout(timeout_s)));
+                    return (ended(self, why, Some("timeout")), Some(End::CallTimeout(timeout_s)));
                 }
                 Err(_) => {
                     let why = self.ended_because();
@@ -830,15 +840,14 @@ impl Daemon {
                     } else {
                         format!("the session has ended: {why}")
                     };
-                    let (reply, _) = ended(self, why, killed_by);
-                    return (reply, Some(End::Died));
+                    return (ended(self, why, killed_by), Some(End::Died));
                 }
             }
         }
     }
 
     /// Tear down: stop the sandbox, remove the socket and lock, audit the end.
-    fn finish(&mut self, end: End, listener: &UnixListener, lock: std::fs::File) {
+    fn finish(&mut self, end: End, lock: std::fs::File) {
         self.stop.stop();
         let detail = self.ended_because();
         let reason = match end {
@@ -854,7 +863,6 @@ impl Daemon {
             }
             End::Signal => "the daemon was signalled".into(),
         };
-        let _ = listener;
         let _ = std::fs::remove_file(socket_path(&self.settings.name));
         let _ = std::fs::remove_file(lock_path(&self.settings.name));
         drop(lock);
