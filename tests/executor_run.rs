@@ -904,13 +904,17 @@ fn lint_reports_ok_errors_and_warnings() {
         "{out:?}"
     );
     assert!(out.stdout.contains("warning: resource_limits.max_memory_mb: 1024 will be clamped to 512"), "{out:?}");
-    assert!(out.stdout.ends_with("ok (3 warnings)\n"), "{out:?}");
+    assert!(
+        out.stdout.contains("warning: permissions.network: hosts and ports are declared but outbound is false"),
+        "{out:?}"
+    );
+    assert!(out.stdout.ends_with("ok (4 warnings)\n"), "{out:?}");
 
     let out = lint(&warn.path, true);
     assert_eq!(out.code, 0);
     let j: Value = serde_json::from_str(&out.stdout).unwrap();
     assert_eq!(j["errors"], json!([]));
-    assert_eq!(j["warnings"].as_array().unwrap().len(), 3);
+    assert_eq!(j["warnings"].as_array().unwrap().len(), 4);
 
     let out = lint(&bad.path, true);
     assert_eq!(out.code, 1);

@@ -1,6 +1,7 @@
 //! Agent configuration (`/etc/opservant/config.yaml`), the parts the executor runtime uses:
 //! agent identity, limit defaults and ceilings, sandbox strictness, the secrets provider.
-//! Keys of seed 001 that later features consume (`network`) are accepted and kept opaque.
+//! `network`: seed 001's executor defaults and proxy, plus the egress pool and DNS upstreams
+//! (`network.egress`); `agent_to_platform` is accepted and kept for the agent daemon.
 //!
 //! Guarantees: unknown keys are errors naming the key path (a misspelt setting is never
 //! silently ignored); `run`, `script` and `session` work without any file; nothing secret is
@@ -33,9 +34,62 @@ pub struct Config {
     pub sandbox: SandboxSection,
     #[serde(default)]
     pub secrets: SecretsSection,
-    /// Seed 001's `network` block (egress defaults, platform, proxy): used by later features.
     #[serde(default)]
-    pub network: Option<serde_json::Value>,
+    pub network: NetworkSection,
+}
+
+/// Seed 001's `network` block plus `egress` (how sandboxes reach the network).
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct NetworkSection {
+    /// The platform endpoint (used by the agent daemon).
+    #[serde(default)]
+    pub agent_to_platform: Option<serde_json::Value>,
+    #[serde(default)]
+    pub executor_defaults: ExecutorNetworkDefaults,
+    #[serde(default)]
+    pub proxy: Option<ProxySection>,
+    #[serde(default)]
+    pub egress: EgressSection,
+}
+
+/// Defaults for manifest fields an executor leaves out.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExecutorNetworkDefaults {
+    /// Accepted for seed 001's example; `outbound` must be declared by each manifest, and
+    /// `true` here is refused (egress is never granted by default).
+    pub outbound: Option<bool>,
+    /// `dns_allowed` for manifests that do not say (default true).
+    pub dns_allowed: Option<bool>,
+}
+
+/// Seed 001's HTTP proxy: executors with egress get `HTTP_PROXY`/`HTTPS_PROXY`/`NO_PROXY`
+/// and may reach the proxy's address and port.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProxySection {
+    pub http: Option<String>,
+    pub https: Option<String>,
+    #[serde(default)]
+    pub no_proxy: Vec<String>,
+}
+
+/// Where sandbox links come from and where the agent's DNS forwarder asks.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct EgressSection {
+    /// IPv4 pool carved into /30 links (default 10.213.0.0/16).
+    pub pool_v4: Option<String>,
+    /// IPv6 pool carved into /126 links (default fd6f:7073:7276::/48; `none` disables IPv6).
+    pub pool_v6: Option<String>,
+    /// Switch forwarding on when it is off, instead of refusing to run with egress.
+    #[serde(default)]
+    pub manage_forwarding: bool,
+    /// Upstream resolvers, `ADDR` or `ADDR:PORT` (`[V6]:PORT`); default: the nameservers of
+    /// /etc/resolv.conf.
+    #[serde(default)]
+    pub dns_upstream: Vec<String>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize, Serialize)]
@@ -135,6 +189,13 @@ impl Config {
             }
         }
         self.limit_policy(LimitPolicy::builtin())?;
+        if self.network.executor_defaults.outbound == Some(true) {
+            return Err(err(
+                "network.executor_defaults.outbound",
+                "egress is granted per executor (permissions.network.outbound), never by default",
+            ));
+        }
+        crate::egress::EgressSettings::from_config(self)?;
         Ok(())
     }
 

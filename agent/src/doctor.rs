@@ -1,8 +1,6 @@
 //! `opservant doctor`: what this host supports, what is missing, and — in plain words — what
 //! will be degraded. Read-only: it changes nothing on the host.
 
-use std::path::PathBuf;
-
 use sandbox::probe::HostProbe;
 use serde::Serialize;
 
@@ -30,16 +28,6 @@ impl DoctorReport {
     pub fn failed(&self) -> bool {
         self.findings.iter().any(|f| f.required && !f.ok)
     }
-}
-
-fn find_in_path(name: &str) -> Option<PathBuf> {
-    let path = std::env::var("PATH").unwrap_or_default();
-    let found = path
-        .split(':')
-        .chain(["/usr/sbin", "/sbin", "/usr/bin", "/bin"])
-        .map(|d| PathBuf::from(d).join(name))
-        .find(|p| p.is_file());
-    found
 }
 
 /// Examine the host. `landlock_min_abi` and `allow_degraded` come from the agent policy.
@@ -190,18 +178,39 @@ pub fn examine(landlock_min_abi: u32, allow_degraded: bool) -> DoctorReport {
             "missing: host paths resolved without RESOLVE_IN_ROOT".into()
         },
     });
-    let nft = find_in_path("nft");
-    findings.push(Finding {
-        feature: "nft",
-        ok: nft.is_some(),
-        required: false,
-        detail: match &nft {
-            Some(p) => format!("{} (network egress policy)", p.display()),
-            None => "not found: network egress policy will be unavailable".into(),
-        },
-    });
+    let (egress_ok, egress_detail) = egress_readiness();
+    if !egress_ok {
+        degraded.push(format!("executors with outbound: true cannot run: {egress_detail}"));
+    }
+    findings.push(Finding { feature: "network egress", ok: egress_ok, required: false, detail: egress_detail });
 
     DoctorReport { kernel: p.kernel.clone(), findings, degraded, probe: p }
+}
+
+/// Whether `outbound: true` can be honoured here (read-only: nothing is created).
+fn egress_readiness() -> (bool, String) {
+    let read = |p: &str| std::fs::read_to_string(p).ok().map(|s| s.trim().to_string());
+    let mut missing = Vec::new();
+    if let Err(e) = sandbox::net::nftables_available() {
+        missing.push(format!("nftables ({e})"));
+    }
+    let v4 = read("/proc/sys/net/ipv4/ip_forward");
+    let v6 = read("/proc/sys/net/ipv6/conf/all/forwarding");
+    let mut notes = Vec::new();
+    match v4.as_deref() {
+        Some("1") => notes.push("IPv4 forwarding on".to_string()),
+        _ => missing.push("IPv4 forwarding (net.ipv4.ip_forward=1: systemd/sysctl.d/60-opservant.conf, or network.egress.manage_forwarding)".into()),
+    }
+    notes.push(match v6.as_deref() {
+        Some("1") => "IPv6 egress available".into(),
+        Some(_) => "IPv6 egress off (net.ipv6.conf.all.forwarding=0): IPv4 only".into(),
+        None => "IPv6 disabled: IPv4 only".into(),
+    });
+    if missing.is_empty() {
+        (true, notes.join("; "))
+    } else {
+        (false, format!("missing: {}", missing.join(", ")))
+    }
 }
 
 /// Human-readable rendering.

@@ -234,7 +234,21 @@ pub fn run(req: RunRequest) -> Result<RunResult, CannotRun> {
     // processes exist, so no copy of them is forked into the sandbox's monitor or init.
     Provider::check_config(req.config).map_err(CannotRun)?;
 
-    let mut sb = sandbox::Sandbox::spawn(&spec, &req.launcher, None)?;
+    // Network egress: a slot reserved now (the sandbox's resolv.conf names its gateway),
+    // wired from the namespace hook, before anything of the executor runs.
+    let net_policy =
+        crate::egress::NetworkPolicy::from_manifest(&m.permissions.network, req.config, limits.max_bandwidth_mbps)?;
+    let mut net = match &net_policy {
+        None => None,
+        Some(np) => Some(crate::egress::EgressRun::prepare(np, req.config, &mut spec)?),
+    };
+    let mut hook = |pid: i32| -> Result<(), String> {
+        match net.as_mut() {
+            Some(n) => n.attach(pid, &m.name),
+            None => Ok(()),
+        }
+    };
+    let mut sb = sandbox::Sandbox::spawn(&spec, &req.launcher, Some(&mut hook))?;
     let provider = Provider::from_config(req.config).map_err(CannotRun)?;
     // Audited only now: a run refused before this point (exit status 2) never started.
     for c in &limits.clamped {
@@ -267,7 +281,10 @@ pub fn run(req: RunRequest) -> Result<RunResult, CannotRun> {
     // The channel reaches end-of-file once the payload is gone, which ends the server.
     let app = server.join().map_err(|_| CannotRun("application channel server panicked".into()))?;
     let outcome = outcome?;
-    let result = assemble(&outcome, &limits, app, req.executor, req.action.clone(), req.command_id.clone());
+    let mut result = assemble(&outcome, &limits, app, req.executor, req.action.clone(), req.command_id.clone());
+    if let Some(n) = net.take() {
+        n.finish(&mut result, &m.name);
+    }
     audit::record(
         match result.status {
             Status::Completed => "executor_complete",

@@ -4,7 +4,9 @@
 pub mod app;
 pub mod audit;
 pub mod config;
+pub mod dns;
 pub mod doctor;
+pub mod egress;
 pub mod executor_run;
 pub mod limits;
 pub mod lint;

@@ -43,6 +43,18 @@ pub fn lint(dir: &Path, policy: &AgentPolicy) -> LintReport {
                     c.field, c.requested, c.applied, c.reason
                 ));
             }
+            let net = &ex.manifest.permissions.network;
+            if net.outbound && net.allowed_hosts.is_none() {
+                r.warnings.push(
+                    "permissions.network: outbound without allowed_hosts reaches any host not denied (specify allowed_hosts)"
+                        .into(),
+                );
+            }
+            if !net.outbound
+                && (net.allowed_hosts.is_some() || !net.allowed_ports.is_empty() || !net.denied_hosts.is_empty())
+            {
+                r.warnings.push("permissions.network: hosts and ports are declared but outbound is false, so the executor has no network".into());
+            }
             if ex.manifest.author.is_none() {
                 r.warnings.push("author: not set (recommended)".into());
             }

@@ -76,6 +76,10 @@ enum Command {
     /// The session daemon (started by `session start`; settings on stdin).
     #[command(name = "__session-serve", hide = true)]
     SessionServe,
+    /// Remove the egress host table after DELAY_MS if no sandbox uses it (started by the
+    /// last run with egress to end).
+    #[command(name = "__net-gc", hide = true)]
+    NetGc { delay_ms: u64 },
     /// Manage executors.
     Executor {
         #[command(subcommand)]
@@ -187,6 +191,15 @@ fn main() -> ExitCode {
             run_script(language, file, timeout, manifest, config)
         }
         Command::Session { command } => session(command),
+        Command::NetGc { delay_ms } => {
+            return match agent::egress::collect_host_table(delay_ms.min(60_000)) {
+                Ok(_) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("opservant: {e}");
+                    ExitCode::from(1)
+                }
+            };
+        }
         Command::SessionServe => {
             let runtime = match agent::executor_run::runtime_binary() {
                 Ok(r) => r,
@@ -215,6 +228,7 @@ fn run_sandbox(manifest: Option<PathBuf>, json_only: bool, argv: Vec<String>) ->
     let manifest = manifest.as_deref().map(load_manifest).transpose()?;
     let policy = AgentPolicy::builtin()?;
     let (program, args) = argv.split_first().ok_or_else(|| CannotRun("no program given".into()))?;
+    agent::policy::refuse_egress(manifest.as_ref(), "opservant sandbox")?;
     let (spec, limits) = policy.spec_for(manifest.as_ref(), program, args.to_vec())?;
 
     let stdout = std::io::stdout();
@@ -342,6 +356,7 @@ fn session(command: SessionCommand) -> Result<ExitCode, CannotRun> {
             let policy = AgentPolicy::from_config(&cfg)?;
             if let Some(m) = &manifest {
                 let m = load_manifest(m)?;
+                agent::policy::refuse_egress(Some(&m), "a session")?;
                 policy.spec_for(Some(&m), "/bin/true", vec![])?;
             }
             agent::executor_run::runtime_binary().map_err(|e| CannotRun(e.0))?;

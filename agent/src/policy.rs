@@ -154,8 +154,20 @@ pub struct PolicyError {
 }
 
 impl PolicyError {
-    fn new(field: impl Into<String>, message: impl Into<String>) -> Self {
+    pub fn new(field: impl Into<String>, message: impl Into<String>) -> Self {
         Self { field: field.into(), message: message.into() }
+    }
+}
+
+/// For commands that run without egress: a manifest asking for it is refused, never run
+/// with less network than it declares.
+pub fn refuse_egress(manifest: Option<&Manifest>, command: &str) -> Result<(), PolicyError> {
+    match manifest {
+        Some(m) if m.permissions.network.outbound => Err(PolicyError::new(
+            "permissions.network.outbound",
+            format!("{command} runs without network egress; refusing to run rather than run without the declared network (executors get egress through `opservant run`)"),
+        )),
+        _ => Ok(()),
     }
 }
 
@@ -208,7 +220,8 @@ impl AgentPolicy {
     }
 
     /// Build the spec for `program args…` under `manifest`'s permissions and limits (or the
-    /// defaults). Refuses network egress, which this build cannot enforce yet.
+    /// defaults). Network egress is not part of the spec: callers that support it wire it
+    /// (`crate::egress`), the others call [`refuse_egress`].
     pub fn spec_for(
         &self,
         manifest: Option<&Manifest>,
@@ -240,12 +253,9 @@ impl AgentPolicy {
             ..Limits::default()
         };
         if let Some(m) = manifest {
-            if m.permissions.network.outbound {
-                return Err(PolicyError::new(
-                    "permissions.network.outbound",
-                    "network egress is not supported by this build of the agent; refusing to run rather than run without the declared network",
-                ));
-            }
+            // The network entries are checked here (so lint reports them); egress itself is
+            // wired by the caller that supports it (see `refuse_egress`).
+            crate::egress::NetworkPolicy::from_manifest(&m.permissions.network, &crate::config::Config::default(), 0)?;
             for (i, p) in m.permissions.filesystem.read.iter().enumerate() {
                 let field = format!("permissions.filesystem.read[{i}]");
                 self.check_read(&field, p)?;

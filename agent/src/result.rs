@@ -54,6 +54,9 @@ pub struct SandboxSummary {
     pub cgroup: String,
     pub cgroup_paths: Vec<String>,
     pub network: String,
+    /// With egress: addresses, bandwidth, blocked attempts, the DNS forwarder's counts.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub egress: Option<serde_json::Value>,
     pub capabilities: String,
     pub no_new_privs: bool,
     pub sysfs: String,
@@ -142,6 +145,7 @@ impl RunResult {
                 cgroup: cg.version.clone(),
                 cgroup_paths: cg.paths.clone(),
                 network: if e.namespaces.iter().any(|n| n == "net") { "none".into() } else { "host".into() },
+                egress: None,
                 capabilities: if e.capabilities_dropped { "none".into() } else { "retained".into() },
                 no_new_privs: e.no_new_privs,
                 sysfs: e.sysfs.clone(),

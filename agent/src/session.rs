@@ -443,6 +443,7 @@ impl Daemon {
             None => None,
         };
         let runtime_str = runtime.to_string_lossy().into_owned();
+        crate::policy::refuse_egress(manifest.as_ref(), "a session")?;
         let (mut spec, mut limits) = policy.spec_for(manifest.as_ref(), &runtime_str, vec![])?;
         crate::policy::runtime_payload(&mut spec, &runtime);
         crate::policy::interpreter_view(&mut spec);

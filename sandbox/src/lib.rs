@@ -15,7 +15,9 @@
 //! # Ok(()) }
 //! ```
 //!
-//! The isolation steps and their order are listed in one place: [`init`].
+//! The isolation steps and their order are listed in one place: [`init`]. Network egress
+//! (a veth pair, NAT and an nftables ruleset inside the sandbox's namespace) is [`net`],
+//! wired from the parent's namespace hook.
 
 pub mod cgroup;
 pub mod channel;
@@ -24,6 +26,7 @@ pub mod init;
 pub mod landlock;
 pub mod mounts;
 pub mod namespaces;
+pub mod net;
 pub mod parent;
 pub mod privileges;
 pub mod probe;

@@ -3,6 +3,8 @@
 //! never a silent skip.
 #![allow(dead_code)]
 
+pub mod netlab;
+
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};

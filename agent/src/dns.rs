@@ -1,0 +1,250 @@
+//! The sandbox's resolver: a DNS forwarder on the host end of its veth that enforces the
+//! executor's hostname policy, and a small stub resolver for the agent's own lookups.
+//!
+//! Guarantees, per query (UDP; one forwarder thread per sandbox):
+//! - a denied name, or a name outside a hostname allow list, gets REFUSED and is audited;
+//! - anything but a single standard query gets REFUSED;
+//! - a permitted name is forwarded to the configured upstream resolvers; an answer carrying
+//!   an address in a special range (loopback, private, link-local, …) that the allow list
+//!   does not cover explicitly is refused as DNS rebinding;
+//! - the answer's addresses are added to the sandbox's allow set *before* the answer is
+//!   returned, so the connection that follows the lookup is already permitted; if that
+//!   fails the client gets SERVFAIL, never an address it cannot use.
+
+use std::net::{IpAddr, SocketAddr, UdpSocket};
+use std::os::fd::AsFd;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use hickory_proto::op::{Message, MessageType, OpCode, Query, ResponseCode};
+use hickory_proto::rr::{Name, RData, RecordType};
+use serde::Serialize;
+
+use crate::egress::{NameVerdict, NetworkPolicy, MAX_TTL_S, MIN_TTL_S};
+
+const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(2);
+/// Names kept in the report (the counts are complete).
+const MAX_REPORTED_NAMES: usize = 20;
+
+/// What the forwarder did, for the result and the audit log.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct DnsReport {
+    pub queries: u64,
+    pub answered: u64,
+    pub refused: u64,
+    /// Refused names: reason (`denied`, `not_allowed`, `rebinding`, `malformed`) and how
+    /// often (resolvers retry, so one lookup is often several queries).
+    pub refused_names: Vec<RefusedName>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct RefusedName {
+    pub name: String,
+    pub reason: String,
+    pub count: u64,
+}
+
+/// A running forwarder; [`Forwarder::stop`] ends it and returns its report.
+pub struct Forwarder {
+    stop_tx: std::os::fd::OwnedFd,
+    thread: JoinHandle<DnsReport>,
+}
+
+impl Forwarder {
+    /// Bind `listen` (the gateway address, port 53) and serve until stopped.
+    pub fn spawn(
+        listen: SocketAddr,
+        policy: Arc<NetworkPolicy>,
+        upstreams: Vec<SocketAddr>,
+        allow: Option<sandbox::net::DynamicAllow>,
+        executor: String,
+    ) -> std::io::Result<Forwarder> {
+        let sock = UdpSocket::bind(listen)?;
+        let (stop_rx, stop_tx) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(std::io::Error::from)?;
+        let thread = std::thread::Builder::new().name("dns-forwarder".into()).spawn(move || {
+            let mut report = DnsReport::default();
+            let mut buf = [0u8; 4096];
+            loop {
+                let mut fds = [
+                    nix::poll::PollFd::new(sock.as_fd(), nix::poll::PollFlags::POLLIN),
+                    nix::poll::PollFd::new(stop_rx.as_fd(), nix::poll::PollFlags::POLLIN),
+                ];
+                match nix::poll::poll(&mut fds, nix::poll::PollTimeout::NONE) {
+                    Ok(_) => {}
+                    Err(nix::errno::Errno::EINTR) => continue,
+                    Err(_) => return report,
+                }
+                if fds[1].revents().is_some_and(|r| !r.is_empty()) {
+                    return report;
+                }
+                let Ok((n, peer)) = sock.recv_from(&mut buf) else { continue };
+                report.queries += 1;
+                let reply = answer(&buf[..n], &policy, &upstreams, allow.as_ref(), &mut report, &executor);
+                if let Some(reply) = reply {
+                    let _ = sock.send_to(&reply, peer);
+                }
+            }
+        })?;
+        Ok(Forwarder { stop_tx, thread })
+    }
+
+    pub fn stop(self) -> DnsReport {
+        let _ = nix::unistd::write(&self.stop_tx, b"x");
+        self.thread.join().unwrap_or_default()
+    }
+}
+
+fn refuse(report: &mut DnsReport, executor: &str, name: &str, reason: &str) {
+    report.refused += 1;
+    if let Some(r) = report.refused_names.iter_mut().find(|r| r.name == name && r.reason == reason) {
+        r.count += 1;
+        return;
+    }
+    if report.refused_names.len() < MAX_REPORTED_NAMES {
+        report.refused_names.push(RefusedName { name: name.into(), reason: reason.into(), count: 1 });
+    }
+    // Audited once per name and reason, not per retry.
+    crate::audit::record("dns_refused", &[("executor", executor), ("name", name), ("reason", reason)]);
+}
+
+fn error_reply(query: &Message, code: ResponseCode) -> Option<Vec<u8>> {
+    let mut m = Message::error_msg(query.metadata.id, query.metadata.op_code, code);
+    m.metadata.recursion_desired = query.metadata.recursion_desired;
+    m.metadata.recursion_available = true;
+    for q in &query.queries {
+        m.add_query(q.clone());
+    }
+    m.to_vec().ok()
+}
+
+/// The reply to one query from the sandbox (`None`: drop it).
+fn answer(
+    raw: &[u8],
+    policy: &NetworkPolicy,
+    upstreams: &[SocketAddr],
+    allow: Option<&sandbox::net::DynamicAllow>,
+    report: &mut DnsReport,
+    executor: &str,
+) -> Option<Vec<u8>> {
+    let query = Message::from_vec(raw).ok()?;
+    if query.metadata.message_type != MessageType::Query {
+        return None;
+    }
+    if query.metadata.op_code != OpCode::Query || query.queries.len() != 1 {
+        refuse(report, executor, "", "malformed");
+        return error_reply(&query, ResponseCode::Refused);
+    }
+    let name = query.queries[0].name().to_ascii().trim_end_matches('.').to_ascii_lowercase();
+    match policy.name_verdict(&name) {
+        NameVerdict::Allowed => {}
+        NameVerdict::Denied => {
+            refuse(report, executor, &name, "denied");
+            return error_reply(&query, ResponseCode::Refused);
+        }
+        NameVerdict::NotAllowed => {
+            refuse(report, executor, &name, "not_allowed");
+            return error_reply(&query, ResponseCode::Refused);
+        }
+    }
+    let Some(reply_raw) = forward(raw, query.metadata.id, upstreams) else {
+        return error_reply(&query, ResponseCode::ServFail);
+    };
+    let Ok(reply) = Message::from_vec(&reply_raw) else {
+        return error_reply(&query, ResponseCode::ServFail);
+    };
+    let mut found: Vec<(IpAddr, u64)> = Vec::new();
+    for r in &reply.answers {
+        let addr = match &r.data {
+            RData::A(a) => IpAddr::V4(a.0),
+            RData::AAAA(a) => IpAddr::V6(a.0),
+            _ => continue,
+        };
+        let special = crate::egress::special_ranges().iter().any(|n| n.contains(addr));
+        if special && !policy.explicitly_allows(addr) {
+            refuse(report, executor, &name, "rebinding");
+            crate::audit::record(
+                "dns_rebinding_refused",
+                &[("executor", executor), ("name", &name), ("address", &addr.to_string())],
+            );
+            return error_reply(&query, ResponseCode::Refused);
+        }
+        found.push((addr, u64::from(r.ttl).clamp(MIN_TTL_S, MAX_TTL_S) * 1000));
+    }
+    if let Some(allow) = allow {
+        if !found.is_empty() {
+            if let Err(e) = allow.allow(&found) {
+                tracing::warn!(error = %e, name, "could not allow resolved addresses");
+                return error_reply(&query, ResponseCode::ServFail);
+            }
+        }
+    }
+    report.answered += 1;
+    Some(reply_raw)
+}
+
+/// Send `raw` to each upstream in turn; the first reply with the same id wins.
+fn forward(raw: &[u8], id: u16, upstreams: &[SocketAddr]) -> Option<Vec<u8>> {
+    for up in upstreams {
+        let bind: SocketAddr = if up.is_ipv4() { "0.0.0.0:0".parse().ok()? } else { "[::]:0".parse().ok()? };
+        let Ok(sock) = UdpSocket::bind(bind) else { continue };
+        if sock.connect(up).is_err() || sock.send(raw).is_err() {
+            continue;
+        }
+        let deadline = Instant::now() + UPSTREAM_TIMEOUT;
+        let mut buf = vec![0u8; 4096];
+        while let Some(left) = deadline.checked_duration_since(Instant::now()).filter(|d| !d.is_zero()) {
+            let _ = sock.set_read_timeout(Some(left));
+            match sock.recv(&mut buf) {
+                Ok(n) if n >= 2 && u16::from_be_bytes([buf[0], buf[1]]) == id => {
+                    buf.truncate(n);
+                    return Some(buf);
+                }
+                Ok(_) => continue,
+                Err(_) => break,
+            }
+        }
+    }
+    None
+}
+
+/// Resolve `name` (A and AAAA) through `upstreams` — for the agent's own lookups (the proxy
+/// host, denied names). An error when no upstream answered.
+pub fn resolve(name: &str, upstreams: &[SocketAddr]) -> Result<Vec<IpAddr>, String> {
+    let fqdn = Name::from_ascii(format!("{}.", name.trim_end_matches('.'))).map_err(|e| format!("{name}: {e}"))?;
+    let mut out = Vec::new();
+    let mut answered = false;
+    for rtype in [RecordType::A, RecordType::AAAA] {
+        let id: u16 = rand_id();
+        let mut q = Message::new(id, MessageType::Query, OpCode::Query);
+        q.metadata.recursion_desired = true;
+        q.add_query(Query::query(fqdn.clone(), rtype));
+        let raw = q.to_vec().map_err(|e| e.to_string())?;
+        let Some(reply) = forward(&raw, id, upstreams) else { continue };
+        answered = true;
+        if let Ok(m) = Message::from_vec(&reply) {
+            for r in &m.answers {
+                match &r.data {
+                    RData::A(a) => out.push(IpAddr::V4(a.0)),
+                    RData::AAAA(a) => out.push(IpAddr::V6(a.0)),
+                    _ => {}
+                }
+            }
+        }
+    }
+    if !answered {
+        return Err(format!("no answer from {upstreams:?}"));
+    }
+    Ok(out)
+}
+
+fn rand_id() -> u16 {
+    let mut b = [0u8; 2];
+    // SAFETY: getrandom writes at most b.len() bytes into the buffer it is given.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+    if n != 2 {
+        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        return t.subsec_nanos() as u16;
+    }
+    u16::from_ne_bytes(b)
+}

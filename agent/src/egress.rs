@@ -1,0 +1,557 @@
+//! Network egress policy: from a manifest's `permissions.network` and the agent's
+//! configuration to the sandbox's firewall ([`sandbox::net::Firewall`]), its DNS forwarder
+//! ([`crate::dns`]) and the proxy environment.
+//!
+//! Rules (seed 001, DESIGN.md §3):
+//! - `outbound: false` (the default): no egress at all — the sandbox keeps loopback only;
+//! - `allowed_hosts` entries are IPv4/IPv6 addresses, CIDRs, hostnames (`api.example.com`)
+//!   or wildcards (`*.example.com`: any name below example.com, not example.com itself);
+//!   without `allowed_hosts`, any host that is not denied;
+//! - `denied_hosts` (same forms) always wins: denied names are refused by the forwarder,
+//!   denied networks are dropped first, and literal denied names are resolved when the
+//!   sandbox starts so their addresses are dropped too;
+//! - hostnames are enforced through DNS: the forwarder resolves only permitted names and adds
+//!   their addresses to the sandbox's allow set for the record's TTL (at least
+//!   [`MIN_TTL_S`], at most [`MAX_TTL_S`]); with only hostnames allowed, an address not
+//!   obtained that way is unreachable;
+//! - answers pointing at loopback, private, link-local, CGNAT, multicast or reserved ranges
+//!   are refused (DNS rebinding) unless an `allowed_hosts` entry covers them;
+//! - link-local (cloud metadata), loopback, multicast, reserved and the agent's own pool are
+//!   unreachable unless an `allowed_hosts` entry covers them;
+//! - `allowed_ports` apply to TCP and UDP; empty means every port;
+//! - `dns_allowed` (default from `network.executor_defaults`, else true): DNS only to the
+//!   agent's forwarder, never to another resolver;
+//! - the bandwidth cap (`resource_limits.max_bandwidth_mbps`) shapes each direction.
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+
+use sandbox::net::{EgressPlan, Firewall, IpNet, Pool};
+
+use crate::config::{Config, ConfigError};
+use crate::manifest::NetworkPermissions;
+use crate::policy::PolicyError;
+
+pub const DEFAULT_POOL_V4: &str = "10.213.0.0/16";
+pub const DEFAULT_POOL_V6: &str = "fd6f:7073:7276::/48";
+/// Where the slot and host-table locks live.
+pub const LOCK_DIR: &str = "/run/opservant/net";
+/// Floor and ceiling of the time an address obtained through DNS stays allowed.
+pub const MIN_TTL_S: u64 = 10;
+pub const MAX_TTL_S: u64 = 3600;
+
+/// One `allowed_hosts` / `denied_hosts` entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HostPattern {
+    Net(IpNet),
+    /// A lower-case name without the trailing dot.
+    Name(String),
+    /// `*.suffix`: any name strictly below `suffix`.
+    Below(String),
+}
+
+impl HostPattern {
+    pub fn parse(s: &str) -> Result<HostPattern, String> {
+        let t = s.trim();
+        if t.is_empty() {
+            return Err("empty host".into());
+        }
+        if t.contains(':') || t.contains('/') || t.parse::<IpAddr>().is_ok() {
+            return t.parse::<IpNet>().map(HostPattern::Net);
+        }
+        if t.chars().all(|c| c.is_ascii_digit() || c == '.') {
+            return Err(format!("'{s}' is not an IPv4 address"));
+        }
+        let lower = t.trim_end_matches('.').to_ascii_lowercase();
+        let (wild, name) = match lower.strip_prefix("*.") {
+            Some(rest) => (true, rest.to_string()),
+            None => (false, lower.clone()),
+        };
+        valid_hostname(&name).map_err(|why| format!("'{s}': {why}"))?;
+        Ok(if wild { HostPattern::Below(name) } else { HostPattern::Name(name) })
+    }
+
+    /// Whether the (lower-case, dotless) `name` matches.
+    pub fn matches_name(&self, name: &str) -> bool {
+        match self {
+            HostPattern::Net(_) => false,
+            HostPattern::Name(n) => n == name,
+            HostPattern::Below(suffix) => {
+                name.len() > suffix.len() + 1 && name.ends_with(suffix.as_str()) && {
+                    let cut = name.len() - suffix.len();
+                    name.as_bytes()[cut - 1] == b'.'
+                }
+            }
+        }
+    }
+}
+
+fn valid_hostname(name: &str) -> Result<(), &'static str> {
+    if name.is_empty() || name.len() > 253 {
+        return Err("not a hostname (1-253 characters)");
+    }
+    for label in name.split('.') {
+        if label.is_empty() || label.len() > 63 {
+            return Err("not a hostname (empty or over-long label)");
+        }
+        if !label.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') {
+            return Err("not a hostname (letters, digits, '-' and '_' only; use *.domain for a wildcard)");
+        }
+        if label.starts_with('-') || label.ends_with('-') {
+            return Err("not a hostname (a label starts or ends with '-')");
+        }
+    }
+    Ok(())
+}
+
+/// The network policy of one executor with `outbound: true`.
+#[derive(Debug, Clone)]
+pub struct NetworkPolicy {
+    /// `None`: any host not denied.
+    pub allow: Option<Vec<HostPattern>>,
+    pub deny: Vec<HostPattern>,
+    pub ports: Vec<(u16, u16)>,
+    pub dns: bool,
+    pub bandwidth_mbps: u64,
+}
+
+/// Why the forwarder refuses a name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NameVerdict {
+    Allowed,
+    Denied,
+    NotAllowed,
+}
+
+impl NetworkPolicy {
+    /// `Ok(None)` for `outbound: false`. Errors name the manifest field.
+    pub fn from_manifest(
+        net: &NetworkPermissions,
+        config: &Config,
+        bandwidth_mbps: u64,
+    ) -> Result<Option<NetworkPolicy>, PolicyError> {
+        let parse = |field: &str, list: &[String]| -> Result<Vec<HostPattern>, PolicyError> {
+            list.iter()
+                .enumerate()
+                .map(|(i, h)| HostPattern::parse(h).map_err(|e| PolicyError::new(format!("{field}[{i}]"), e)))
+                .collect()
+        };
+        let allow = net.allowed_hosts.as_deref().map(|l| parse("permissions.network.allowed_hosts", l)).transpose()?;
+        let deny = parse("permissions.network.denied_hosts", &net.denied_hosts)?;
+        let mut ports = Vec::new();
+        for (i, p) in net.allowed_ports.iter().enumerate() {
+            ports.push(p.range().map_err(|e| PolicyError::new(format!("permissions.network.allowed_ports[{i}]"), e))?);
+        }
+        if !net.outbound {
+            return Ok(None);
+        }
+        let dns = net.dns_allowed.or(config.network.executor_defaults.dns_allowed).unwrap_or(true);
+        Ok(Some(NetworkPolicy { allow, deny, ports, dns, bandwidth_mbps }))
+    }
+
+    pub fn name_verdict(&self, name: &str) -> NameVerdict {
+        if self.deny.iter().any(|p| p.matches_name(name)) {
+            return NameVerdict::Denied;
+        }
+        match &self.allow {
+            None => NameVerdict::Allowed,
+            Some(list) if list.iter().any(|p| p.matches_name(name)) => NameVerdict::Allowed,
+            Some(_) => NameVerdict::NotAllowed,
+        }
+    }
+
+    /// An `allowed_hosts` network covers `addr`.
+    pub fn explicitly_allows(&self, addr: IpAddr) -> bool {
+        self.allow.iter().flatten().any(|p| matches!(p, HostPattern::Net(n) if n.contains(addr)))
+    }
+
+    /// Hostnames are in the allow list (or there is no list): the forwarder feeds the
+    /// dynamic sets only when there is a list with names.
+    pub fn has_allowed_names(&self) -> bool {
+        self.allow.iter().flatten().any(|p| !matches!(p, HostPattern::Net(_)))
+    }
+
+    /// Literal denied names (resolved at start so their addresses are dropped too).
+    pub fn denied_names(&self) -> Vec<String> {
+        self.deny
+            .iter()
+            .filter_map(|p| match p {
+                HostPattern::Name(n) => Some(n.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+}
+
+/// Address ranges a DNS answer may not point into, and the sandbox may not reach, unless an
+/// allow entry covers them.
+pub fn special_ranges() -> Vec<IpNet> {
+    [
+        "0.0.0.0/8",
+        "10.0.0.0/8",
+        "100.64.0.0/10",
+        "127.0.0.0/8",
+        "169.254.0.0/16",
+        "172.16.0.0/12",
+        "192.168.0.0/16",
+        "224.0.0.0/4",
+        "240.0.0.0/4",
+        "::/128",
+        "::1/128",
+        "::ffff:0:0/96",
+        "fc00::/7",
+        "fe80::/10",
+        "ff00::/8",
+    ]
+    .iter()
+    .filter_map(|s| s.parse().ok())
+    .collect()
+}
+
+/// Ranges never reachable by IP unless allowed explicitly (private ranges are reachable in
+/// allow-any mode; only DNS answers into them are refused).
+fn unreachable_ranges(pool: &Pool) -> Vec<IpNet> {
+    let mut v: Vec<IpNet> = [
+        "0.0.0.0/8",
+        "127.0.0.0/8",
+        "169.254.0.0/16",
+        "224.0.0.0/4",
+        "240.0.0.0/4",
+        "::/128",
+        "::1/128",
+        "::ffff:0:0/96",
+        "fe80::/10",
+        "ff00::/8",
+    ]
+    .iter()
+    .filter_map(|s| s.parse().ok())
+    .collect();
+    v.push(pool.v4);
+    v.extend(pool.v6);
+    v
+}
+
+/// The proxy of seed 001, resolved: environment for the sandbox and endpoints to allow.
+#[derive(Debug, Clone, Default)]
+pub struct ProxySettings {
+    pub env: Vec<(String, String)>,
+    /// (host, port) of each proxy URL.
+    pub endpoints: Vec<(String, u16)>,
+}
+
+/// The agent-wide egress settings (`network.egress`, `network.proxy`).
+#[derive(Debug, Clone)]
+pub struct EgressSettings {
+    pub pool: Pool,
+    pub manage_forwarding: bool,
+    pub upstream: Vec<SocketAddr>,
+    pub proxy: ProxySettings,
+}
+
+impl EgressSettings {
+    pub fn from_config(c: &Config) -> Result<EgressSettings, ConfigError> {
+        let err = |path: &str, message: String| ConfigError { path: path.into(), message };
+        let e = &c.network.egress;
+        let v4: IpNet =
+            e.pool_v4.as_deref().unwrap_or(DEFAULT_POOL_V4).parse().map_err(|m| err("network.egress.pool_v4", m))?;
+        let v6: Option<IpNet> = match e.pool_v6.as_deref() {
+            Some("none") => None,
+            other => Some(other.unwrap_or(DEFAULT_POOL_V6).parse().map_err(|m| err("network.egress.pool_v6", m))?),
+        };
+        let pool = Pool { v4, v6, lock_dir: PathBuf::from(LOCK_DIR) };
+        pool.validate().map_err(|m| err("network.egress.pool", m))?;
+        let mut upstream = Vec::new();
+        for (i, u) in e.dns_upstream.iter().enumerate() {
+            upstream.push(parse_endpoint(u, 53).map_err(|m| err(&format!("network.egress.dns_upstream[{i}]"), m))?);
+        }
+        let mut proxy = ProxySettings::default();
+        if let Some(p) = &c.network.proxy {
+            for (key, url) in [("http", &p.http), ("https", &p.https)] {
+                let Some(url) = url else { continue };
+                let (host, port) = parse_proxy_url(url).map_err(|m| err(&format!("network.proxy.{key}"), m))?;
+                if !proxy.endpoints.contains(&(host.clone(), port)) {
+                    proxy.endpoints.push((host, port));
+                }
+                for var in [format!("{}_PROXY", key.to_uppercase()), format!("{key}_proxy")] {
+                    proxy.env.push((var, url.clone()));
+                }
+            }
+            if !p.no_proxy.is_empty() {
+                let list = p.no_proxy.join(",");
+                proxy.env.push(("NO_PROXY".into(), list.clone()));
+                proxy.env.push(("no_proxy".into(), list));
+            }
+        }
+        Ok(EgressSettings { pool, manage_forwarding: e.manage_forwarding, upstream, proxy })
+    }
+
+    /// The configured upstreams, or the nameservers of /etc/resolv.conf.
+    pub fn upstreams(&self) -> Vec<SocketAddr> {
+        if !self.upstream.is_empty() {
+            return self.upstream.clone();
+        }
+        std::fs::read_to_string("/etc/resolv.conf")
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix("nameserver"))
+            .filter_map(|a| a.trim().split('%').next()?.parse::<IpAddr>().ok())
+            .map(|ip| SocketAddr::new(ip, 53))
+            .collect()
+    }
+}
+
+fn parse_endpoint(s: &str, default_port: u16) -> Result<SocketAddr, String> {
+    if let Ok(sa) = s.parse::<SocketAddr>() {
+        return Ok(sa);
+    }
+    s.parse::<IpAddr>()
+        .map(|ip| SocketAddr::new(ip, default_port))
+        .map_err(|_| format!("'{s}' is not ADDR, ADDR:PORT or [V6]:PORT"))
+}
+
+/// `http://host:port[/]` → (host, port).
+fn parse_proxy_url(url: &str) -> Result<(String, u16), String> {
+    let (scheme, rest) = url.split_once("://").ok_or_else(|| format!("'{url}' is not a URL (scheme://host:port)"))?;
+    let default_port = match scheme {
+        "http" => 80,
+        "https" => 443,
+        _ => return Err(format!("'{url}': scheme must be http or https")),
+    };
+    let authority = rest.split('/').next().unwrap_or_default();
+    let authority = authority.rsplit('@').next().unwrap_or_default();
+    let (host, port) = if let Some(v6) = authority.strip_prefix('[') {
+        let (h, after) = v6.split_once(']').ok_or_else(|| format!("'{url}': unclosed ["))?;
+        (h.to_string(), after.strip_prefix(':'))
+    } else {
+        match authority.rsplit_once(':') {
+            Some((h, p)) => (h.to_string(), Some(p)),
+            None => (authority.to_string(), None),
+        }
+    };
+    if host.is_empty() {
+        return Err(format!("'{url}': no host"));
+    }
+    let port = match port {
+        Some(p) => p.parse::<u16>().map_err(|_| format!("'{url}': bad port"))?,
+        None => default_port,
+    };
+    Ok((host.to_ascii_lowercase(), port))
+}
+
+/// How long an idle host table outlives the last `opservant run` that used it.
+pub const HOST_TABLE_LINGER_MS: u64 = 2000;
+
+/// One-shot commands leave the host table to a collector (`opservant __net-gc`) that removes
+/// it [`HOST_TABLE_LINGER_MS`] after the last sandbox with egress ended, unless another has
+/// started meanwhile: deleting it costs 10–15 ms, which a burst of runs then pays once.
+fn release_for_cli() -> sandbox::net::HostTableRelease {
+    match std::env::current_exe() {
+        Ok(program) => sandbox::net::HostTableRelease::Deferred {
+            program,
+            args: vec!["__net-gc".into(), HOST_TABLE_LINGER_MS.to_string()],
+        },
+        Err(_) => sandbox::net::HostTableRelease::DeleteNow,
+    }
+}
+
+/// `opservant __net-gc DELAY_MS`: every DELAY_MS, delete the host table once nothing uses it.
+pub fn collect_host_table(delay_ms: u64) -> Result<bool, String> {
+    sandbox::net::collect_idle_host_table(std::path::Path::new(LOCK_DIR), std::time::Duration::from_millis(delay_ms))
+        .map_err(|e| e.to_string())
+}
+
+/// Build the egress plan for `policy`: resolves the proxy host and literal denied names
+/// through the upstream resolvers (only when there are any).
+pub fn plan(policy: &NetworkPolicy, settings: &EgressSettings) -> Result<EgressPlan, String> {
+    let mut allow = Vec::new();
+    let mut deny = Vec::new();
+    for p in policy.allow.iter().flatten() {
+        if let HostPattern::Net(n) = p {
+            allow.push(*n);
+        }
+    }
+    for p in &policy.deny {
+        if let HostPattern::Net(n) = p {
+            deny.push(*n);
+        }
+    }
+    let upstreams = settings.upstreams();
+    for name in policy.denied_names() {
+        // Best effort: a name that does not resolve now cannot be reached through the
+        // forwarder either.
+        for a in crate::dns::resolve(&name, &upstreams).unwrap_or_default() {
+            deny.push(IpNet::host(a));
+        }
+    }
+    let mut endpoints = Vec::new();
+    for (host, port) in &settings.proxy.endpoints {
+        let addrs = match host.trim_matches(['[', ']']).parse::<IpAddr>() {
+            Ok(a) => vec![a],
+            Err(_) => crate::dns::resolve(host, &upstreams)
+                .map_err(|e| format!("network.proxy: cannot resolve {host}: {e}"))?,
+        };
+        if addrs.is_empty() {
+            return Err(format!("network.proxy: {host} has no address"));
+        }
+        endpoints.extend(addrs.into_iter().map(|a| (a, *port)));
+    }
+    let always_denied: Vec<IpNet> =
+        unreachable_ranges(&settings.pool).into_iter().filter(|r| !allow.iter().any(|a| a.covers(r))).collect();
+    Ok(EgressPlan {
+        pool: settings.pool.clone(),
+        firewall: Firewall {
+            dns: policy.dns,
+            deny,
+            allow,
+            dynamic: policy.has_allowed_names(),
+            always_denied,
+            allow_any: policy.allow.is_none(),
+            ports: policy.ports.clone(),
+            endpoints,
+        },
+        bandwidth_bytes: Some(policy.bandwidth_mbps * 1_000_000 / 8),
+        manage_forwarding: settings.manage_forwarding,
+        release: release_for_cli(),
+    })
+}
+
+/// The egress of one executor run: reserved before the spawn, attached from the namespace
+/// hook, reported after the run.
+pub struct EgressRun {
+    policy: std::sync::Arc<crate::egress::NetworkPolicy>,
+    upstreams: Vec<std::net::SocketAddr>,
+    reservation: Option<sandbox::net::Reservation>,
+    egress: Option<sandbox::net::Egress>,
+    forwarder: Option<crate::dns::Forwarder>,
+}
+
+impl EgressRun {
+    /// Reserve a slot and add the sandbox's resolver configuration and proxy environment to
+    /// `spec`.
+    pub(crate) fn prepare(
+        policy: &crate::egress::NetworkPolicy,
+        config: &Config,
+        spec: &mut sandbox::SandboxSpec,
+    ) -> Result<EgressRun, crate::executor_run::CannotRun> {
+        let settings = crate::egress::EgressSettings::from_config(config)
+            .map_err(|e| crate::executor_run::CannotRun(e.to_string()))?;
+        let upstreams = settings.upstreams();
+        if policy.dns && upstreams.is_empty() {
+            return Err(crate::executor_run::CannotRun(
+                "network: dns_allowed needs an upstream resolver (network.egress.dns_upstream or a nameserver in /etc/resolv.conf)".into(),
+            ));
+        }
+        let plan = crate::egress::plan(policy, &settings).map_err(crate::executor_run::CannotRun)?;
+        let reservation =
+            sandbox::net::reserve(&plan).map_err(|e| crate::executor_run::CannotRun(format!("network egress: {e}")))?;
+        spec.filesystem.synthetic.push(sandbox::SyntheticFile {
+            path: "/etc/resolv.conf".into(),
+            content: format!("nameserver {}\noptions timeout:2 attempts:2\n", reservation.gateway4),
+        });
+        spec.command.env.extend(settings.proxy.env.iter().cloned());
+        Ok(EgressRun {
+            policy: std::sync::Arc::new(policy.clone()),
+            upstreams,
+            reservation: Some(reservation),
+            egress: None,
+            forwarder: None,
+        })
+    }
+
+    pub(crate) fn attach(&mut self, pid: i32, executor: &str) -> Result<(), String> {
+        let r = self.reservation.take().ok_or("network egress: attached twice")?;
+        let gateway = r.gateway4;
+        let egress = r.attach(pid).map_err(|e| format!("network egress: {e}"))?;
+        if self.policy.dns {
+            let allow = self.policy.has_allowed_names().then(|| egress.dynamic_allow());
+            let fwd = crate::dns::Forwarder::spawn(
+                std::net::SocketAddr::new(gateway.into(), 53),
+                self.policy.clone(),
+                self.upstreams.clone(),
+                allow,
+                executor.to_string(),
+            )
+            .map_err(|e| format!("network egress: DNS forwarder on {gateway}:53: {e}"))?;
+            self.forwarder = Some(fwd);
+        }
+        self.egress = Some(egress);
+        Ok(())
+    }
+
+    /// Stop the forwarder, read the blocked counter, report, and let the network go.
+    pub(crate) fn finish(mut self, result: &mut crate::result::RunResult, executor: &str) {
+        let dns = self.forwarder.take().map(|f| f.stop()).unwrap_or_default();
+        let Some(egress) = self.egress.take() else { return };
+        let blocked = egress.blocked();
+        if let Ok(n) = &blocked {
+            if *n > 0 {
+                crate::audit::record("network_blocked", &[("executor", executor), ("attempts", &n.to_string())]);
+            }
+        }
+        result.limits.max_bandwidth_mbps = Some(self.policy.bandwidth_mbps);
+        result.sandbox.network = "egress".into();
+        result.sandbox.egress = Some(serde_json::json!({
+            "interface": "eth0",
+            "address": egress.address4.to_string(),
+            "gateway": egress.gateway4.to_string(),
+            "address6": egress.address6.map(|a| a.to_string()),
+            "ipv6_unavailable": egress.ipv6_unavailable,
+            "bandwidth_mbps": self.policy.bandwidth_mbps,
+            "dns_allowed": self.policy.dns,
+            "blocked": blocked.as_ref().ok(),
+            "blocked_error": blocked.as_ref().err().map(|e| e.to_string()),
+            "dns": dns,
+        }));
+        drop(egress);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_patterns() {
+        assert_eq!(HostPattern::parse("10.0.0.0/8").unwrap(), HostPattern::Net("10.0.0.0/8".parse().unwrap()));
+        assert_eq!(HostPattern::parse("2001:db8::1").unwrap(), HostPattern::Net("2001:db8::1".parse().unwrap()));
+        assert_eq!(HostPattern::parse("API.Example.com.").unwrap(), HostPattern::Name("api.example.com".into()));
+        let w = HostPattern::parse("*.external.com").unwrap();
+        assert!(w.matches_name("a.external.com") && w.matches_name("a.b.external.com"));
+        assert!(!w.matches_name("external.com") && !w.matches_name("evilexternal.com"));
+        for bad in ["", "a..b", "*", "ex ample.com", "-a.com", "1.2.3", "10.0.0.0/40", "a*.b.com"] {
+            assert!(HostPattern::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn deny_wins_and_lists_restrict_names() {
+        let policy = NetworkPolicy {
+            allow: Some(vec![
+                HostPattern::parse("*.example.test").unwrap(),
+                HostPattern::parse("10.1.0.0/16").unwrap(),
+            ]),
+            deny: vec![HostPattern::parse("bad.example.test").unwrap()],
+            ports: vec![],
+            dns: true,
+            bandwidth_mbps: 10,
+        };
+        assert_eq!(policy.name_verdict("good.example.test"), NameVerdict::Allowed);
+        assert_eq!(policy.name_verdict("bad.example.test"), NameVerdict::Denied);
+        assert_eq!(policy.name_verdict("other.test"), NameVerdict::NotAllowed);
+        assert!(policy.explicitly_allows("10.1.2.3".parse().unwrap()));
+        assert!(!policy.explicitly_allows("10.2.0.1".parse().unwrap()));
+        assert!(policy.has_allowed_names());
+    }
+
+    #[test]
+    fn proxy_urls() {
+        assert_eq!(
+            parse_proxy_url("http://proxy.internal.example.com:3128").unwrap(),
+            ("proxy.internal.example.com".into(), 3128)
+        );
+        assert_eq!(parse_proxy_url("http://user:pw@[2001:db8::1]:8080/").unwrap(), ("2001:db8::1".into(), 8080));
+        assert_eq!(parse_proxy_url("https://p.example").unwrap(), ("p.example".into(), 443));
+        assert!(parse_proxy_url("socks5://p:1").is_err());
+        assert!(parse_proxy_url("p:1").is_err());
+    }
+}

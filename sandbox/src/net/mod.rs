@@ -1,0 +1,644 @@
+//! Network egress for a sandbox: a veth pair, addresses from a pool, NAT through the
+//! agent's own nftables table, and an egress ruleset inside the sandbox's namespace.
+//!
+//! Without egress a sandbox's network namespace holds only loopback (see [`crate::init`]);
+//! nothing here runs. With egress, [`attach`] wires a sandbox whose namespaces exist but
+//! whose payload has not started, in this order — [`reserve`] before the sandbox is
+//! spawned (steps 1–3), [`Reservation::attach`] from the parent's namespace hook (4–5):
+//!
+//! 1. forwarding: IPv4 forwarding must be on in the agent's namespace (or the plan may
+//!    switch it on); IPv6 is used only where IPv6 forwarding is on — otherwise the sandbox
+//!    gets no IPv6 address and the report says why;
+//! 2. a shared lease on the host table (`table inet opservant`), created if absent; the last
+//!    lease holder to leave deletes it, at once or through a deferred collector
+//!    ([`HostTableRelease`]);
+//! 3. a pool slot: an exclusive lock file per slot, and a host interface `opsv<slot>` that
+//!    must not exist yet (a pair of an ended sandbox may still be being reclaimed by the
+//!    kernel; such a slot is skipped, never waited for); only a holder of the slot's lock
+//!    creates that interface, so the name stays free until `attach`;
+//! 4. the veth pair: the host end `opsv<slot>` here, the peer `eth0` created directly inside
+//!    the sandbox's namespace; addresses (IPv6 without DAD), link up, default routes, a
+//!    token-bucket qdisc on both ends when a bandwidth cap is set;
+//! 5. the sandbox's egress ruleset ([`nft`]), one atomic batch.
+//!
+//! Any failure is an error: the sandbox does not start with less network isolation than
+//! asked. Teardown never deletes the veth (that costs 12–60 ms): dropping [`Egress`] closes
+//! the sockets that keep the sandbox's namespace alive, and the kernel reclaims the pair
+//! with the namespace.
+
+mod link;
+mod netlink;
+pub mod nft;
+
+use std::fs::File;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::sync::{Arc, Mutex};
+
+use thiserror::Error;
+
+use netlink::Netlink;
+
+/// A network failure, naming the operation and the kernel's answer.
+#[derive(Debug, Error)]
+pub enum NetError {
+    #[error("{what} {op}: {source}")]
+    Io { what: &'static str, op: String, source: std::io::Error },
+    #[error("{what} {op}: {}{}", std::io::Error::from_raw_os_error(*errno), if detail.is_empty() { String::new() } else { format!(" ({detail})") })]
+    Kernel { what: &'static str, op: String, errno: i32, detail: String },
+    #[error("{what} {op}: {message}")]
+    Protocol { what: &'static str, op: String, message: String },
+    #[error("{0}")]
+    Forwarding(String),
+    #[error("the address pool {0} has no free slot")]
+    PoolExhausted(String),
+}
+
+impl NetError {
+    pub(crate) fn io(what: &'static str, op: &str, source: std::io::Error) -> Self {
+        NetError::Io { what, op: op.into(), source }
+    }
+}
+
+/// An IPv4 or IPv6 network: an address and a prefix length (a host has the full length).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct IpNet {
+    pub addr: IpAddr,
+    pub prefix: u8,
+}
+
+impl IpNet {
+    pub fn host(addr: IpAddr) -> Self {
+        Self { addr, prefix: if addr.is_ipv4() { 32 } else { 128 } }
+    }
+
+    fn bits(&self) -> u8 {
+        if self.addr.is_ipv4() {
+            32
+        } else {
+            128
+        }
+    }
+
+    fn as_u128(a: IpAddr) -> u128 {
+        match a {
+            IpAddr::V4(a) => u128::from(u32::from(a)),
+            IpAddr::V6(a) => u128::from(a),
+        }
+    }
+
+    fn mask(&self) -> u128 {
+        let bits = u32::from(self.bits());
+        let host_bits = bits - u32::from(self.prefix);
+        let all = if bits == 128 { u128::MAX } else { (1u128 << bits) - 1 };
+        if host_bits == 0 {
+            all
+        } else if host_bits >= 128 {
+            0
+        } else {
+            all & !((1u128 << host_bits) - 1)
+        }
+    }
+
+    pub(crate) fn mask_bytes(&self) -> Vec<u8> {
+        self.bytes_of(self.mask())
+    }
+
+    pub(crate) fn network_bytes(&self) -> Vec<u8> {
+        self.bytes_of(Self::as_u128(self.addr) & self.mask())
+    }
+
+    fn bytes_of(&self, v: u128) -> Vec<u8> {
+        if self.addr.is_ipv4() {
+            (v as u32).to_be_bytes().to_vec()
+        } else {
+            v.to_be_bytes().to_vec()
+        }
+    }
+
+    /// Whether `a` lies within this network.
+    pub fn contains(&self, a: IpAddr) -> bool {
+        a.is_ipv4() == self.addr.is_ipv4()
+            && (Self::as_u128(a) & self.mask()) == (Self::as_u128(self.addr) & self.mask())
+    }
+
+    /// Whether all of `other` lies within this network.
+    pub fn covers(&self, other: &IpNet) -> bool {
+        other.prefix >= self.prefix && self.contains(other.addr)
+    }
+
+    /// The `n`-th address of this network (0 is the network address).
+    fn nth(&self, n: u128) -> IpAddr {
+        let v = (Self::as_u128(self.addr) & self.mask()) + n;
+        match self.addr {
+            IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::from(v as u32)),
+            IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::from(v)),
+        }
+    }
+}
+
+impl FromStr for IpNet {
+    type Err = String;
+
+    /// `ADDR` or `ADDR/PREFIX`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (a, p) = match s.split_once('/') {
+            Some((a, p)) => (a, Some(p)),
+            None => (s, None),
+        };
+        let addr: IpAddr = a.parse().map_err(|_| format!("'{s}' is not an IP address or CIDR"))?;
+        let mut net = IpNet::host(addr);
+        if let Some(p) = p {
+            let prefix: u8 = p.parse().map_err(|_| format!("'{s}': prefix length is not a number"))?;
+            if prefix > net.bits() {
+                return Err(format!("'{s}': prefix length above {}", net.bits()));
+            }
+            net.prefix = prefix;
+        }
+        Ok(net)
+    }
+}
+
+impl std::fmt::Display for IpNet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.addr, self.prefix)
+    }
+}
+
+/// What the sandbox may reach (see [`nft`] for the chain it becomes).
+#[derive(Debug, Clone, Default)]
+pub struct Firewall {
+    /// DNS (udp/tcp 53) to the gateway, where the agent's forwarder answers.
+    pub dns: bool,
+    /// Always blocked (the manifest's deny list); checked first.
+    pub deny: Vec<IpNet>,
+    /// Reachable on the allowed ports.
+    pub allow: Vec<IpNet>,
+    /// Dynamic allow sets exist: addresses obtained through allowed names ([`DynamicAllow`]).
+    pub dynamic: bool,
+    /// Blocked unless covered by `allow` or the dynamic sets (link-local, metadata, …).
+    pub always_denied: Vec<IpNet>,
+    /// Without an allow list: any other address on the allowed ports.
+    pub allow_any: bool,
+    /// Allowed destination port ranges for TCP and UDP; empty means every port.
+    pub ports: Vec<(u16, u16)>,
+    /// Extra TCP endpoints reachable regardless of the allow list and ports (a proxy).
+    pub endpoints: Vec<(IpAddr, u16)>,
+}
+
+/// The address pool sandboxes take their point-to-point links from.
+#[derive(Debug, Clone)]
+pub struct Pool {
+    /// Carved into /30s: `.1` the host end (gateway), `.2` the sandbox.
+    pub v4: IpNet,
+    /// Carved into /126s the same way, when IPv6 forwarding is on.
+    pub v6: Option<IpNet>,
+    /// Where slot and host-table lock files live (root-only).
+    pub lock_dir: PathBuf,
+}
+
+impl Pool {
+    fn slots(&self) -> u32 {
+        let n = 1u64 << (30u32.saturating_sub(u32::from(self.v4.prefix))).min(16);
+        let n6 = self.v6.map_or(u64::MAX, |v6| 1u64 << (126u32.saturating_sub(u32::from(v6.prefix))).min(16));
+        n.min(n6) as u32
+    }
+
+    /// Check the pool's shape: IPv4 prefix ≤ 30, IPv6 prefix ≤ 126.
+    pub fn validate(&self) -> Result<(), String> {
+        if !self.v4.addr.is_ipv4() || self.v4.prefix > 30 {
+            return Err(format!("{}: needs an IPv4 network of /30 or larger", self.v4));
+        }
+        if let Some(v6) = self.v6 {
+            if !v6.addr.is_ipv6() || v6.prefix > 126 {
+                return Err(format!("{v6}: needs an IPv6 network of /126 or larger"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Everything [`attach`] needs.
+#[derive(Debug, Clone)]
+pub struct EgressPlan {
+    pub pool: Pool,
+    pub firewall: Firewall,
+    /// Shape traffic in each direction to this many bytes per second.
+    pub bandwidth_bytes: Option<u64>,
+    /// Switch IPv4 (and IPv6) forwarding on if it is off, instead of refusing.
+    pub manage_forwarding: bool,
+    /// What the last sandbox to leave does with the host table.
+    pub release: HostTableRelease,
+}
+
+/// A wired sandbox network. Dropping it lets the kernel reclaim the pair with the namespace.
+pub struct Egress {
+    pub host_if: String,
+    pub address4: Ipv4Addr,
+    pub gateway4: Ipv4Addr,
+    pub prefix4: u8,
+    pub address6: Option<Ipv6Addr>,
+    pub gateway6: Option<Ipv6Addr>,
+    /// Why there is no IPv6, when there is none.
+    pub ipv6_unavailable: Option<String>,
+    nf: Arc<Mutex<Netlink>>,
+    // Field order is drop order: the sockets first (the namespace may go), then the slot,
+    // then the lease (whose last holder deletes the host table).
+    _slot: File,
+    _lease: HostLease,
+}
+
+/// Adds addresses to a sandbox's dynamic allow sets (the DNS forwarder holds one).
+#[derive(Clone)]
+pub struct DynamicAllow {
+    nf: Arc<Mutex<Netlink>>,
+}
+
+impl DynamicAllow {
+    /// Allow each address for its time in milliseconds (connections already established
+    /// outlive it).
+    pub fn allow(&self, addrs: &[(IpAddr, u64)]) -> Result<(), NetError> {
+        if addrs.is_empty() {
+            return Ok(());
+        }
+        let mut nl = self.nf.lock().unwrap_or_else(|p| p.into_inner());
+        nft::add_dynamic(&mut nl, addrs)
+    }
+}
+
+impl Egress {
+    pub fn dynamic_allow(&self) -> DynamicAllow {
+        DynamicAllow { nf: self.nf.clone() }
+    }
+
+    /// Packets the ruleset rejected so far (each refused connection attempt counts once).
+    pub fn blocked(&self) -> Result<u64, NetError> {
+        let mut nl = self.nf.lock().unwrap_or_else(|p| p.into_inner());
+        nft::blocked_packets(&mut nl)
+    }
+}
+
+/// What the last sandbox to leave does with the host table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HostTableRelease {
+    /// Leave it (a long-running agent deletes it at shutdown: [`delete_host_table`]).
+    Keep,
+    /// Delete it at once (costs 10–15 ms: the kernel waits for an RCU grace period).
+    DeleteNow,
+    /// Start `program args…` detached unless such a collector is already pending — it
+    /// should call [`collect_idle_host_table`], so a burst of short runs reuses one table
+    /// instead of paying for it each time.
+    Deferred { program: PathBuf, args: Vec<String> },
+}
+
+/// A shared lease on the host table of this network namespace: present while any sandbox
+/// with egress runs.
+struct HostLease {
+    lock: File,
+    release: HostTableRelease,
+    lock_dir_for_gc: PathBuf,
+}
+
+/// The lease lock of the current network namespace (keyed by the namespace's inode, so
+/// agents in different namespaces never share one).
+fn host_lock_path(lock_dir: &Path) -> Result<PathBuf, NetError> {
+    use std::os::unix::fs::MetadataExt;
+    let ino = std::fs::metadata("/proc/thread-self/ns/net")
+        .map_err(|e| NetError::io("netns", "stat /proc/thread-self/ns/net", e))?
+        .ino();
+    Ok(lock_dir.join(format!("host-table-{ino}.lock")))
+}
+
+impl HostLease {
+    fn acquire(pool: &Pool, release: HostTableRelease, host: &mut Netlink) -> Result<Self, NetError> {
+        let lock = open_lock(&host_lock_path(&pool.lock_dir)?)?;
+        flock(&lock, libc::LOCK_SH).map_err(|e| NetError::io("lock", "host table lease", e))?;
+        if !nft::host_table_exists(host)? {
+            nft::create_host_table(host, &pool.v4, pool.v6.as_ref())?;
+        }
+        Ok(Self { lock, release, lock_dir_for_gc: pool.lock_dir.clone() })
+    }
+}
+
+impl Drop for HostLease {
+    fn drop(&mut self) {
+        if self.release == HostTableRelease::Keep {
+            return;
+        }
+        // Only the last holder acts. Converting to exclusive is not atomic, but a newcomer
+        // only checks for the table after its shared lock is granted, which cannot happen
+        // while this exclusive lock is held.
+        if flock(&self.lock, libc::LOCK_EX | libc::LOCK_NB).is_err() {
+            return;
+        }
+        match &self.release {
+            HostTableRelease::Keep => {}
+            HostTableRelease::DeleteNow => {
+                if let Err(e) = Netlink::netfilter().and_then(|mut nl| nft::delete_host_table(&mut nl)) {
+                    tracing::warn!(error = %e, "could not remove the host nftables table");
+                }
+            }
+            HostTableRelease::Deferred { program, args } => {
+                // One collector per namespace at a time: it holds the pending lock until it
+                // has deleted the table, so a burst of runs starts one collector, not one each.
+                let Ok(pending) =
+                    host_lock_path(&self.lock_dir_for_gc).map(|p| p.with_extension("gc")).and_then(|p| open_lock(&p))
+                else {
+                    return;
+                };
+                if flock(&pending, libc::LOCK_EX | libc::LOCK_NB).is_err() {
+                    return;
+                }
+                drop(pending);
+                use std::os::unix::process::CommandExt;
+                let spawned = std::process::Command::new(program)
+                    .args(args)
+                    .stdin(std::process::Stdio::null())
+                    .stdout(std::process::Stdio::null())
+                    .stderr(std::process::Stdio::null())
+                    .process_group(0)
+                    .spawn();
+                if let Err(e) = spawned {
+                    tracing::warn!(error = %e, "could not start the host table collector; removing it now");
+                    if let Err(e) = Netlink::netfilter().and_then(|mut nl| nft::delete_host_table(&mut nl)) {
+                        tracing::warn!(error = %e, "could not remove the host nftables table");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The deferred collector: take the pending lock (or leave it to the collector that holds
+/// it), then every `interval` try to delete this namespace's host table while no sandbox
+/// holds a lease on it. Returns once it is deleted (`true`) or another collector is pending
+/// (`false`).
+///
+/// Ordering: the pending lock is released *before* the lease lock, so a sandbox that ends
+/// after the deletion always finds no collector pending and starts a new one.
+pub fn collect_idle_host_table(lock_dir: &Path, interval: std::time::Duration) -> Result<bool, NetError> {
+    let lease_path = host_lock_path(lock_dir)?;
+    let pending = open_lock(&lease_path.with_extension("gc"))?;
+    if flock(&pending, libc::LOCK_EX | libc::LOCK_NB).is_err() {
+        return Ok(false);
+    }
+    let lease = open_lock(&lease_path)?;
+    loop {
+        std::thread::sleep(interval);
+        if flock(&lease, libc::LOCK_EX | libc::LOCK_NB).is_ok() {
+            let mut nl = Netlink::netfilter()?;
+            let deleted = nft::delete_host_table(&mut nl);
+            drop(pending);
+            drop(lease);
+            return deleted.map(|()| true);
+        }
+    }
+}
+
+/// Whether the kernel answers nftables requests (a read-only query of the ruleset's
+/// generation; nothing is created).
+pub fn nftables_available() -> Result<(), NetError> {
+    let mut nl = Netlink::netfilter()?;
+    nft::generation(&mut nl).map(|_| ())
+}
+
+/// Delete this namespace's host table regardless of leases (agent shutdown).
+pub fn delete_host_table() -> Result<(), NetError> {
+    let mut nl = Netlink::netfilter()?;
+    nft::delete_host_table(&mut nl)
+}
+
+fn open_lock(path: &Path) -> Result<File, NetError> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| NetError::io("lock", &format!("create {}", dir.display()), e))?;
+        use std::os::unix::fs::PermissionsExt;
+        let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700));
+    }
+    std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(path)
+        .map_err(|e| NetError::io("lock", &format!("open {}", path.display()), e))
+}
+
+fn flock(f: &File, op: libc::c_int) -> std::io::Result<()> {
+    loop {
+        // SAFETY: flock on a descriptor this File owns; no memory is passed.
+        let rc = unsafe { libc::flock(f.as_raw_fd(), op) };
+        if rc == 0 {
+            return Ok(());
+        }
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+fn read_sysctl(path: &str) -> Option<String> {
+    std::fs::read_to_string(path).ok().map(|s| s.trim().to_string())
+}
+
+/// IPv4 forwarding on (or switched on), and whether IPv6 can be used (or why not).
+fn check_forwarding(manage: bool) -> Result<Option<String>, NetError> {
+    const V4: &str = "/proc/sys/net/ipv4/ip_forward";
+    const V6: &str = "/proc/sys/net/ipv6/conf/all/forwarding";
+    if read_sysctl(V4).as_deref() != Some("1") {
+        if !manage {
+            return Err(NetError::Forwarding(
+                "IPv4 forwarding is off (net.ipv4.ip_forward=0): install the shipped sysctl drop-in (systemd/sysctl.d/60-opservant.conf) or set network.egress.manage_forwarding".into(),
+            ));
+        }
+        std::fs::write(V4, "1").map_err(|e| NetError::io("sysctl", "switch on net.ipv4.ip_forward", e))?;
+    }
+    match read_sysctl(V6).as_deref() {
+        None => Ok(Some("IPv6 is disabled on this host".into())),
+        Some("1") => Ok(None),
+        Some(_) if manage => {
+            std::fs::write(V6, "1").map_err(|e| NetError::io("sysctl", "switch on IPv6 forwarding", e))?;
+            Ok(None)
+        }
+        Some(_) => Ok(Some("IPv6 forwarding is off (net.ipv6.conf.all.forwarding=0)".into())),
+    }
+}
+
+/// Netlink sockets bound inside the network namespace `ns` (made on a short-lived thread
+/// that joins it; the sockets stay in that namespace and keep it alive).
+fn sockets_in(ns: &OwnedFd) -> Result<(Netlink, Netlink), NetError> {
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            nix::sched::setns(ns.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET)
+                .map_err(|e| NetError::io("setns", "join the sandbox's network namespace", e.into()))?;
+            Ok((Netlink::route()?, Netlink::netfilter()?))
+        })
+        .join()
+        .unwrap_or_else(|_| {
+            Err(NetError::Protocol { what: "setns", op: "join".into(), message: "helper thread panicked".into() })
+        })
+    })
+}
+
+/// A pool slot reserved for one sandbox, before the sandbox exists: its addresses are known
+/// (for the sandbox's `/etc/resolv.conf`), its lock is held and its host interface name is
+/// free. [`Reservation::attach`] wires it once the sandbox's namespaces exist.
+pub struct Reservation {
+    pub host_if: String,
+    pub address4: Ipv4Addr,
+    pub gateway4: Ipv4Addr,
+    pub address6: Option<Ipv6Addr>,
+    pub gateway6: Option<Ipv6Addr>,
+    /// Why there is no IPv6, when there is none.
+    pub ipv6_unavailable: Option<String>,
+    plan: EgressPlan,
+    slot: File,
+    lease: HostLease,
+}
+
+/// Check forwarding, take the host-table lease and reserve a slot (steps 1–3).
+pub fn reserve(plan: &EgressPlan) -> Result<Reservation, NetError> {
+    plan.pool.validate().map_err(NetError::Forwarding)?;
+    let v6_unavailable = check_forwarding(plan.manage_forwarding)?;
+    let pool6 = if v6_unavailable.is_none() { plan.pool.v6 } else { None };
+    let ipv6_unavailable = match (&v6_unavailable, plan.pool.v6) {
+        (_, None) => Some("no IPv6 pool is configured".into()),
+        (Some(why), _) => Some(why.clone()),
+        (None, Some(_)) => None,
+    };
+    let pool = Pool { v6: pool6, ..plan.pool.clone() };
+    let mut host_nf = Netlink::netfilter()?;
+    let lease = HostLease::acquire(&pool, plan.release.clone(), &mut host_nf)?;
+    drop(host_nf);
+
+    for slot in 0..pool.slots() {
+        let lock = open_lock(&pool.lock_dir.join(format!("slot-{slot}")))?;
+        if flock(&lock, libc::LOCK_EX | libc::LOCK_NB).is_err() {
+            continue;
+        }
+        let host_if = format!("{}{slot}", nft::HOST_IF_PREFIX);
+        // The pair of a sandbox that just ended may still be being reclaimed; skip it.
+        if nix::net::if_::if_nametoindex(host_if.as_str()).is_ok() {
+            continue;
+        }
+        let base4 = IpNet { addr: pool.v4.nth(u128::from(slot) * 4), prefix: 30 };
+        let (IpAddr::V4(gateway4), IpAddr::V4(address4)) = (base4.nth(1), base4.nth(2)) else {
+            unreachable!("an IPv4 pool yields IPv4 addresses")
+        };
+        let v6 = pool6.map(|p| {
+            let base = IpNet { addr: p.nth(u128::from(slot) * 4), prefix: 126 };
+            match (base.nth(1), base.nth(2)) {
+                (IpAddr::V6(g), IpAddr::V6(a)) => (g, a),
+                _ => unreachable!("an IPv6 pool yields IPv6 addresses"),
+            }
+        });
+        return Ok(Reservation {
+            host_if,
+            address4,
+            gateway4,
+            address6: v6.map(|(_, a)| a),
+            gateway6: v6.map(|(g, _)| g),
+            ipv6_unavailable,
+            plan: EgressPlan { pool, ..plan.clone() },
+            slot: lock,
+            lease,
+        });
+    }
+    Err(NetError::PoolExhausted(pool.v4.to_string()))
+}
+
+impl Reservation {
+    /// Wire the network of the sandbox whose namespaces process `pid` holds (steps 4–5).
+    /// Call from the parent's namespace hook, before the payload starts.
+    pub fn attach(self, pid: i32) -> Result<Egress, NetError> {
+        let ns: OwnedFd = File::open(format!("/proc/{pid}/ns/net"))
+            .map_err(|e| NetError::io("netns", "open the sandbox's network namespace", e))?
+            .into();
+        let (mut inner_route, mut inner_nf) = sockets_in(&ns)?;
+        let mut host = Netlink::route()?;
+        let plan = &self.plan;
+        let v6 = self.gateway6.zip(self.address6);
+
+        // Host end.
+        link::add_veth(&mut host, &self.host_if, "eth0", ns.as_fd())?;
+        let host_index = link::index_of(&mut host, &self.host_if)?;
+        let mut ops = vec![link::add_address(host_index, IpAddr::V4(self.gateway4), 30)];
+        if let Some((g, _)) = v6 {
+            ops.push(link::add_address(host_index, IpAddr::V6(g), 126));
+        }
+        if let Some(rate) = plan.bandwidth_bytes {
+            ops.push(link::add_tbf(host_index, rate));
+        }
+        ops.push(link::set_up(host_index));
+        link::apply(&mut host, ops, "configure the host end")?;
+
+        // Sandbox end (the order matters: routes need the link up).
+        let inner_index = link::index_of(&mut inner_route, "eth0")?;
+        let mut ops = vec![link::add_address(inner_index, IpAddr::V4(self.address4), 30)];
+        if let Some((_, a)) = v6 {
+            ops.push(link::add_address(inner_index, IpAddr::V6(a), 126));
+        }
+        if let Some(rate) = plan.bandwidth_bytes {
+            ops.push(link::add_tbf(inner_index, rate));
+        }
+        ops.push(link::set_up(inner_index));
+        ops.push(link::add_default_route(inner_index, IpAddr::V4(self.gateway4)));
+        if let Some((g, _)) = v6 {
+            ops.push(link::add_default_route(inner_index, IpAddr::V6(g)));
+        }
+        link::apply(&mut inner_route, ops, "configure the sandbox end")?;
+        nft::load_sandbox_ruleset(&mut inner_nf, &plan.firewall, self.gateway4, self.gateway6)?;
+        tracing::debug!(host_if = self.host_if, address = %self.address4, "egress attached");
+        Ok(Egress {
+            host_if: self.host_if,
+            address4: self.address4,
+            gateway4: self.gateway4,
+            prefix4: 30,
+            address6: self.address6,
+            gateway6: self.gateway6,
+            ipv6_unavailable: self.ipv6_unavailable,
+            nf: Arc::new(Mutex::new(inner_nf)),
+            _slot: self.slot,
+            _lease: self.lease,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nets_parse_and_match() {
+        let n: IpNet = "10.1.2.0/24".parse().unwrap();
+        assert!(n.contains("10.1.2.200".parse().unwrap()));
+        assert!(!n.contains("10.1.3.1".parse().unwrap()));
+        assert_eq!(n.mask_bytes(), vec![255, 255, 255, 0]);
+        assert_eq!("10.1.2.3/8".parse::<IpNet>().unwrap().network_bytes(), vec![10, 0, 0, 0]);
+        let h: IpNet = "192.0.2.7".parse().unwrap();
+        assert_eq!(h.prefix, 32);
+        assert_eq!(h.mask_bytes(), vec![255; 4]);
+        let z: IpNet = "0.0.0.0/0".parse().unwrap();
+        assert!(z.contains("8.8.8.8".parse().unwrap()));
+        assert!(!z.contains("::1".parse().unwrap()));
+        let v6: IpNet = "fd00:1::/32".parse().unwrap();
+        assert!(v6.contains("fd00:1:ffff::1".parse().unwrap()));
+        assert_eq!(v6.mask_bytes()[..5], [255, 255, 255, 255, 0]);
+        assert!("10.0.0.0/33".parse::<IpNet>().is_err());
+        assert!("host.example".parse::<IpNet>().is_err());
+        assert!(v6.covers(&"fd00:1:2::/48".parse().unwrap()));
+        assert!(!v6.covers(&"fd00::/16".parse().unwrap()));
+    }
+
+    #[test]
+    fn pool_slots_are_point_to_point_links() {
+        let p = Pool { v4: "10.213.0.0/16".parse().unwrap(), v6: None, lock_dir: "/nonexistent".into() };
+        assert_eq!(p.slots(), 16384);
+        let base = IpNet { addr: p.v4.nth(3 * 4), prefix: 30 };
+        assert_eq!(base.nth(1).to_string(), "10.213.0.13");
+        assert_eq!(base.nth(2).to_string(), "10.213.0.14");
+        assert!(Pool { v4: "10.0.0.0/31".parse().unwrap(), ..p.clone() }.validate().is_err());
+    }
+}

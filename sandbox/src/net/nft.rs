@@ -1,0 +1,590 @@
+//! nftables over nfnetlink: the sandbox's egress ruleset, the host's NAT table, the dynamic
+//! allow sets and the blocked-attempt counter. No `nft` process runs.
+//!
+//! Every ruleset is loaded as one nfnetlink batch, which the kernel applies atomically: it
+//! is either wholly in place or not at all.
+//!
+//! The sandbox ruleset (`table inet opservant` inside the sandbox's own network namespace,
+//! which only the agent can change — the sandbox has no capabilities):
+//!
+//! ```text
+//! chain output  (hook output, policy drop)
+//!     oif lo accept · ct state established,related accept
+//!     meta nfproto ipv4 goto out4 · meta nfproto ipv6 goto out6 · goto blocked
+//! chain out4 / out6 — first match wins
+//!     daddr in a denied net                         goto blocked   (deny always wins)
+//!     (v6) ICMPv6 neighbour discovery, MLD          accept
+//!     daddr == gateway, udp|tcp dport 53            accept         (dns_allowed only)
+//!     daddr == endpoint, tcp dport == its port      accept         (the configured proxy)
+//!     daddr == gateway                              goto blocked   (never the host)
+//!     udp|tcp dport 53                              goto blocked   (no other resolver)
+//!     daddr in an allowed net                       goto ports
+//!     daddr @dyn4 / @dyn6 (from allowed names)      goto ports
+//!     daddr in an always-denied range               goto blocked
+//!     (allow list absent) any                       goto ports
+//!     goto blocked
+//! chain ports   meta l4proto tcp|udp, dport in an allowed range → accept · goto blocked
+//! chain blocked counter · tcp → reject with tcp reset · other → reject with icmpx admin-prohibited
+//! ```
+//!
+//! The host table (`table inet opservant` in the agent's namespace) masquerades the pool's
+//! traffic, rejects sandbox-to-sandbox forwarding, drops unsolicited traffic towards
+//! sandboxes, and lets sandboxes reach the host itself only for DNS on port 53 (anything
+//! else is rejected, so it fails at once).
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
+use netlink_packet_core::{DefaultNla, Nla, NLM_F_ACK, NLM_F_APPEND, NLM_F_CREATE, NLM_F_EXCL};
+use netlink_packet_netfilter::nftables::{
+    Bitwise, ChainAttribute, ChainMessage, Cmp, DataAttribute, ExpressionAttribute, Expressions, Hook, HookNumber,
+    Immediate, InetHookNumber, ListAttribute, Lookup, Meta, MetaKey, NfTablesMessage, Operator, Payload, Register,
+    RuleAttribute, RuleMessage, SetAttribute, SetElementAttribute, SetElementList, SetElementMessage, SetFlags,
+    SetMessage, TableAttribute, TableFlags, TableMessage, Verdict, VerdictAttribute,
+};
+use netlink_packet_netfilter::none::ControlMessage;
+use netlink_packet_netfilter::{NetfilterHeader, NetfilterMessage, NetfilterProtoFamily};
+
+use super::netlink::Netlink;
+use super::{Firewall, IpNet, NetError};
+
+/// The one table name the agent owns, in the host namespace and in every sandbox's.
+pub const TABLE: &str = "opservant";
+/// Host-side interface names start with this; the host table matches on it.
+pub const HOST_IF_PREFIX: &str = "opsv";
+
+const NFNL_SUBSYS_NFTABLES: u16 = 10;
+const NF_DROP: u32 = 0;
+const NF_ACCEPT: u32 = 1;
+const NFT_PAYLOAD_NETWORK_HEADER: u32 = 1;
+const NFT_PAYLOAD_TRANSPORT_HEADER: u32 = 2;
+const NFPROTO_IPV4: u8 = 2;
+const NFPROTO_IPV6: u8 = 10;
+const IPPROTO_TCP: u8 = 6;
+const IPPROTO_UDP: u8 = 17;
+const IPPROTO_ICMPV6: u8 = 58;
+const NFT_DATATYPE_IPADDR: u32 = 7;
+const NFT_DATATYPE_IP6ADDR: u32 = 8;
+/// Set ids of the dynamic sets within the ruleset's batch.
+const DYN4_ID: u32 = 1;
+const DYN6_ID: u32 = 2;
+pub(crate) const DYN4: &str = "dyn4";
+pub(crate) const DYN6: &str = "dyn6";
+
+type Expr = ListAttribute<ExpressionAttribute>;
+
+// ---------------------------------------------------------------------------------------
+// Expressions
+// ---------------------------------------------------------------------------------------
+
+fn meta(key: MetaKey) -> Expr {
+    Expressions::Meta(vec![Meta::DestinationRegister(Register::Reg1), Meta::Key(key)]).into()
+}
+
+fn cmp(op: Operator, data: Vec<u8>) -> Expr {
+    Expressions::Cmp(vec![Cmp::SourceRegister(Register::Reg1), Cmp::Op(op), Cmp::Data(DataAttribute::Value(data))])
+        .into()
+}
+
+fn payload(base: u32, offset: u32, len: u32) -> Expr {
+    Expressions::Payload(vec![
+        Payload::DestinationRegister(Register::Reg1),
+        Payload::Base(base),
+        Payload::Offset(offset),
+        Payload::Len(len),
+    ])
+    .into()
+}
+
+fn mask(len: u32, mask: Vec<u8>) -> Expr {
+    Expressions::Bitwise(vec![
+        Bitwise::SourceRegister(Register::Reg1),
+        Bitwise::DestinationRegister(Register::Reg1),
+        Bitwise::Length(len),
+        Bitwise::Mask(DataAttribute::Value(mask)),
+        Bitwise::Xor(DataAttribute::Value(vec![0; len as usize])),
+    ])
+    .into()
+}
+
+fn lookup(set: &str, id: u32) -> Expr {
+    Expressions::Lookup(vec![Lookup::Set(set.into()), Lookup::SetId(id), Lookup::SourceRegister(Register::Reg1)]).into()
+}
+
+fn verdict(code: Verdict, chain: Option<&str>) -> Expr {
+    let mut v = vec![VerdictAttribute::Code(code)];
+    if let Some(c) = chain {
+        v.push(VerdictAttribute::Chain(c.into()));
+    }
+    Expressions::Immediate(vec![
+        Immediate::DestinationRegister(Register::Verdict),
+        Immediate::Data(DataAttribute::Verdict(v)),
+    ])
+    .into()
+}
+
+fn accept() -> Expr {
+    verdict(Verdict::Other(NF_ACCEPT), None)
+}
+
+fn drop_() -> Expr {
+    verdict(Verdict::Other(NF_DROP), None)
+}
+
+fn goto(chain: &str) -> Expr {
+    verdict(Verdict::Goto, Some(chain))
+}
+
+fn other(name: &str, attributes: Vec<DefaultNla>) -> Expr {
+    Expressions::Other { expression_type: name.into(), attributes }.into()
+}
+
+fn counter() -> Expr {
+    other("counter", vec![])
+}
+
+fn masquerade() -> Expr {
+    other("masq", vec![])
+}
+
+/// `reject with tcp reset` (type 1) or `reject with icmpx admin-prohibited` (type 2, code 3).
+fn reject(tcp_reset: bool) -> Expr {
+    const NFTA_REJECT_TYPE: u16 = 1;
+    const NFTA_REJECT_ICMP_CODE: u16 = 2;
+    if tcp_reset {
+        other("reject", vec![DefaultNla::new(NFTA_REJECT_TYPE, 1u32.to_be_bytes().to_vec())])
+    } else {
+        other(
+            "reject",
+            vec![
+                DefaultNla::new(NFTA_REJECT_TYPE, 2u32.to_be_bytes().to_vec()),
+                DefaultNla::new(NFTA_REJECT_ICMP_CODE, vec![3]),
+            ],
+        )
+    }
+}
+
+/// `ct state established,related` → register 1 holds a non-zero value.
+fn ct_established() -> Vec<Expr> {
+    const NFTA_CT_DREG: u16 = 1;
+    const NFTA_CT_KEY: u16 = 2;
+    const NFT_CT_STATE: u32 = 0;
+    const ESTABLISHED_RELATED: u32 = (1 << 1) | (1 << 2);
+    vec![
+        other(
+            "ct",
+            vec![
+                DefaultNla::new(
+                    NFTA_CT_DREG,
+                    1u32.to_be_bytes() /* NFT_REG_1 */
+                        .to_vec(),
+                ),
+                DefaultNla::new(NFTA_CT_KEY, NFT_CT_STATE.to_be_bytes().to_vec()),
+            ],
+        ),
+        mask(4, ESTABLISHED_RELATED.to_ne_bytes().to_vec()),
+        cmp(Operator::NotEqual, vec![0; 4]),
+    ]
+}
+
+fn nfproto(p: u8) -> Vec<Expr> {
+    vec![meta(MetaKey::Nfproto), cmp(Operator::Equal, vec![p])]
+}
+
+fn l4proto(p: u8) -> Vec<Expr> {
+    vec![meta(MetaKey::L4Proto), cmp(Operator::Equal, vec![p])]
+}
+
+/// `ip daddr` / `ip6 daddr` (or saddr) within `net`.
+fn addr_in(net: &IpNet, source: bool) -> Vec<Expr> {
+    let (offset, len, bytes) = match net.addr {
+        IpAddr::V4(a) => (if source { 12 } else { 16 }, 4, a.octets().to_vec()),
+        IpAddr::V6(a) => (if source { 8 } else { 24 }, 16, a.octets().to_vec()),
+    };
+    let mut v = vec![payload(NFT_PAYLOAD_NETWORK_HEADER, offset, len)];
+    if usize::from(net.prefix) < bytes.len() * 8 {
+        v.push(mask(len, net.mask_bytes()));
+    }
+    v.push(cmp(Operator::Equal, net.network_bytes()));
+    v
+}
+
+fn dport_range(lo: u16, hi: u16) -> Vec<Expr> {
+    let mut v = vec![payload(NFT_PAYLOAD_TRANSPORT_HEADER, 2, 2)];
+    if lo == hi {
+        v.push(cmp(Operator::Equal, lo.to_be_bytes().to_vec()));
+    } else {
+        v.push(cmp(Operator::GreatherThanEqual, lo.to_be_bytes().to_vec()));
+        v.push(cmp(Operator::LessThanEqual, hi.to_be_bytes().to_vec()));
+    }
+    v
+}
+
+/// `iifname`/`oifname` starting with the host interface prefix.
+fn ifname_prefix(out: bool) -> Vec<Expr> {
+    vec![
+        meta(if out { MetaKey::Oifname } else { MetaKey::Iifname }),
+        cmp(Operator::Equal, HOST_IF_PREFIX.as_bytes().to_vec()),
+    ]
+}
+
+/// `MATCH reject`: a TCP reset for TCP (a connect fails at once), ICMP admin-prohibited
+/// for the rest — two rules.
+fn rejecting(matcher: Vec<Expr>) -> Vec<Vec<Expr>> {
+    vec![
+        join(vec![matcher.clone(), l4proto(IPPROTO_TCP), vec![reject(true)]]),
+        join(vec![matcher, vec![reject(false)]]),
+    ]
+}
+
+// ---------------------------------------------------------------------------------------
+// Batches
+// ---------------------------------------------------------------------------------------
+
+/// One nfnetlink transaction being assembled.
+struct Batch {
+    msgs: Vec<(NetfilterMessage, u16)>,
+}
+
+impl Batch {
+    fn new() -> Self {
+        Self { msgs: vec![(control(ControlMessage::BatchBegin), 0)] }
+    }
+
+    fn push(&mut self, m: NfTablesMessage, flags: u16) {
+        self.msgs.push((
+            NetfilterMessage::new(NetfilterHeader::new(NetfilterProtoFamily::Inet, 0, 0), m),
+            flags | NLM_F_ACK,
+        ));
+    }
+
+    fn table(&mut self, exclusive: bool) {
+        let flags = if exclusive { NLM_F_CREATE | NLM_F_EXCL } else { NLM_F_CREATE };
+        self.push(
+            NfTablesMessage::NewTable(TableMessage {
+                attributes: vec![TableAttribute::Name(TABLE.into()), TableAttribute::Flags(TableFlags::default())],
+            }),
+            flags,
+        );
+    }
+
+    fn chain(&mut self, name: &str, hook: Option<(InetHookNumber, i32, &str, u32)>) {
+        let mut attributes = vec![ChainAttribute::Table(TABLE.into()), ChainAttribute::Name(name.into())];
+        if let Some((number, priority, kind, policy)) = hook {
+            attributes.push(ChainAttribute::Hook(vec![
+                Hook::Number(HookNumber::Inet(number)),
+                Hook::Priority(priority as u32),
+            ]));
+            attributes.push(ChainAttribute::Policy(policy));
+            attributes.push(ChainAttribute::Type(kind.into()));
+        }
+        self.push(NfTablesMessage::NewChain(ChainMessage { attributes }), NLM_F_CREATE);
+    }
+
+    fn rule(&mut self, chain: &str, exprs: Vec<Expr>) {
+        self.push(
+            NfTablesMessage::NewRule(RuleMessage {
+                attributes: vec![
+                    RuleAttribute::Table(TABLE.into()),
+                    RuleAttribute::Chain(chain.into()),
+                    RuleAttribute::Expressions(exprs),
+                ],
+            }),
+            NLM_F_CREATE | NLM_F_APPEND,
+        );
+    }
+
+    fn timeout_set(&mut self, name: &str, id: u32, v6: bool) {
+        self.push(
+            NfTablesMessage::NewSet(SetMessage {
+                attributes: vec![
+                    SetAttribute::Table(TABLE.into()),
+                    SetAttribute::Name(name.into()),
+                    SetAttribute::Flags(SetFlags::Timeout),
+                    SetAttribute::KeyType(if v6 { NFT_DATATYPE_IP6ADDR } else { NFT_DATATYPE_IPADDR }),
+                    SetAttribute::KeyLen(if v6 { 16 } else { 4 }),
+                    SetAttribute::Id(id),
+                ],
+            }),
+            NLM_F_CREATE,
+        );
+    }
+
+    fn commit(mut self, nl: &mut Netlink, op: &str) -> Result<(), NetError> {
+        self.msgs.push((control(ControlMessage::BatchEnd), 0));
+        nl.transact(self.msgs, op)
+    }
+}
+
+fn control(c: ControlMessage) -> NetfilterMessage {
+    NetfilterMessage::new(NetfilterHeader::new(NetfilterProtoFamily::Unspec, 0, NFNL_SUBSYS_NFTABLES), c)
+}
+
+fn join(parts: Vec<Vec<Expr>>) -> Vec<Expr> {
+    parts.into_iter().flatten().collect()
+}
+
+/// Load the sandbox's egress ruleset (through a socket in the sandbox's namespace).
+pub(crate) fn load_sandbox_ruleset(
+    nl: &mut Netlink,
+    fw: &Firewall,
+    gateway4: Ipv4Addr,
+    gateway6: Option<Ipv6Addr>,
+) -> Result<(), NetError> {
+    let mut b = Batch::new();
+    b.table(true);
+    b.chain("output", Some((InetHookNumber::LocalOut, 0, "filter", NF_DROP)));
+    for c in ["out4", "out6", "ports", "blocked"] {
+        b.chain(c, None);
+    }
+    if fw.dynamic {
+        b.timeout_set(DYN4, DYN4_ID, false);
+        b.timeout_set(DYN6, DYN6_ID, true);
+    }
+    b.rule("output", vec![meta(MetaKey::Oif), cmp(Operator::Equal, 1u32.to_ne_bytes().to_vec()), accept()]);
+    b.rule("output", join(vec![ct_established(), vec![accept()]]));
+    b.rule("output", join(vec![nfproto(NFPROTO_IPV4), vec![goto("out4")]]));
+    b.rule("output", join(vec![nfproto(NFPROTO_IPV6), vec![goto("out6")]]));
+    b.rule("output", vec![goto("blocked")]);
+
+    for v6 in [false, true] {
+        let chain = if v6 { "out6" } else { "out4" };
+        let family = |n: &&IpNet| n.addr.is_ipv6() == v6;
+        for net in fw.deny.iter().filter(family) {
+            b.rule(chain, join(vec![addr_in(net, false), vec![goto("blocked")]]));
+        }
+        if v6 {
+            // Multicast listener reports (130-132, 143) and neighbour discovery (133-137)
+            // are the link's own housekeeping: without ND nothing on the link resolves,
+            // and neither may count as a blocked attempt.
+            for (lo, hi) in [(130u8, 137u8), (143, 143)] {
+                b.rule(
+                    chain,
+                    join(vec![
+                        l4proto(IPPROTO_ICMPV6),
+                        vec![
+                            payload(NFT_PAYLOAD_TRANSPORT_HEADER, 0, 1),
+                            cmp(Operator::GreatherThanEqual, vec![lo]),
+                            cmp(Operator::LessThanEqual, vec![hi]),
+                            accept(),
+                        ],
+                    ]),
+                );
+            }
+        }
+        let gateway: Option<IpAddr> = if v6 { gateway6.map(IpAddr::V6) } else { Some(IpAddr::V4(gateway4)) };
+        if let Some(gw) = gateway {
+            let gw_net = IpNet::host(gw);
+            if fw.dns {
+                for proto in [IPPROTO_UDP, IPPROTO_TCP] {
+                    b.rule(
+                        chain,
+                        join(vec![addr_in(&gw_net, false), l4proto(proto), dport_range(53, 53), vec![accept()]]),
+                    );
+                }
+            }
+            for (addr, port) in fw.endpoints.iter().filter(|(a, _)| a.is_ipv6() == v6) {
+                b.rule(
+                    chain,
+                    join(vec![
+                        addr_in(&IpNet::host(*addr), false),
+                        l4proto(IPPROTO_TCP),
+                        dport_range(*port, *port),
+                        vec![accept()],
+                    ]),
+                );
+            }
+            b.rule(chain, join(vec![addr_in(&gw_net, false), vec![goto("blocked")]]));
+        }
+        // DNS goes to the agent's forwarder only, never straight to another resolver.
+        for proto in [IPPROTO_UDP, IPPROTO_TCP] {
+            b.rule(chain, join(vec![l4proto(proto), dport_range(53, 53), vec![goto("blocked")]]));
+        }
+        for net in fw.allow.iter().filter(family) {
+            b.rule(chain, join(vec![addr_in(net, false), vec![goto("ports")]]));
+        }
+        if fw.dynamic {
+            let (set, id, offset, len) = if v6 { (DYN6, DYN6_ID, 24, 16) } else { (DYN4, DYN4_ID, 16, 4) };
+            b.rule(chain, vec![payload(NFT_PAYLOAD_NETWORK_HEADER, offset, len), lookup(set, id), goto("ports")]);
+        }
+        for net in fw.always_denied.iter().filter(family) {
+            b.rule(chain, join(vec![addr_in(net, false), vec![goto("blocked")]]));
+        }
+        if fw.allow_any {
+            b.rule(chain, vec![goto("ports")]);
+        }
+        b.rule(chain, vec![goto("blocked")]);
+    }
+
+    for proto in [IPPROTO_TCP, IPPROTO_UDP] {
+        if fw.ports.is_empty() {
+            b.rule("ports", join(vec![l4proto(proto), vec![accept()]]));
+        }
+        for (lo, hi) in &fw.ports {
+            b.rule("ports", join(vec![l4proto(proto), dport_range(*lo, *hi), vec![accept()]]));
+        }
+    }
+    b.rule("ports", vec![goto("blocked")]);
+
+    b.rule("blocked", vec![counter()]);
+    b.rule("blocked", join(vec![l4proto(IPPROTO_TCP), vec![reject(true)]]));
+    b.rule("blocked", vec![reject(false)]);
+    b.commit(nl, "load sandbox ruleset")
+}
+
+/// Create the host table for `pool4`/`pool6` unless it exists. `Ok(false)` when another
+/// process created it first (the batch is exclusive, so rules are never doubled).
+pub(crate) fn create_host_table(nl: &mut Netlink, pool4: &IpNet, pool6: Option<&IpNet>) -> Result<bool, NetError> {
+    let mut b = Batch::new();
+    b.table(true);
+    b.chain("postrouting", Some((InetHookNumber::PostRouting, 100, "nat", NF_ACCEPT)));
+    b.chain("forward", Some((InetHookNumber::Forward, 0, "filter", NF_ACCEPT)));
+    b.chain("input", Some((InetHookNumber::LocalIn, 0, "filter", NF_ACCEPT)));
+    let pools: Vec<(&IpNet, u8)> =
+        std::iter::once((pool4, NFPROTO_IPV4)).chain(pool6.map(|p| (p, NFPROTO_IPV6))).collect();
+    for (pool, proto) in &pools {
+        // Sandbox to sandbox: never.
+        for rule in rejecting(join(vec![ifname_prefix(false), nfproto(*proto), addr_in(pool, false)])) {
+            b.rule("forward", rule);
+        }
+        b.rule(
+            "postrouting",
+            join(vec![nfproto(*proto), addr_in(pool, true), ifname_prefix(true), vec![verdict(Verdict::Return, None)]]),
+        );
+        b.rule("postrouting", join(vec![nfproto(*proto), addr_in(pool, true), vec![masquerade()]]));
+    }
+    // Towards sandboxes only replies; nothing unsolicited.
+    b.rule("forward", join(vec![ifname_prefix(true), ct_established(), vec![accept()]]));
+    b.rule("forward", join(vec![ifname_prefix(true), vec![drop_()]]));
+    // The host itself: replies, and DNS to the agent's forwarder; nothing else.
+    b.rule("input", join(vec![ifname_prefix(false), ct_established(), vec![accept()]]));
+    for proto in [IPPROTO_UDP, IPPROTO_TCP] {
+        b.rule("input", join(vec![ifname_prefix(false), l4proto(proto), dport_range(53, 53), vec![accept()]]));
+    }
+    // ICMPv6 neighbour discovery towards the host end.
+    b.rule(
+        "input",
+        join(vec![
+            ifname_prefix(false),
+            l4proto(IPPROTO_ICMPV6),
+            vec![
+                payload(NFT_PAYLOAD_TRANSPORT_HEADER, 0, 1),
+                cmp(Operator::GreatherThanEqual, vec![133]),
+                cmp(Operator::LessThanEqual, vec![137]),
+                accept(),
+            ],
+        ]),
+    );
+    for rule in rejecting(ifname_prefix(false)) {
+        b.rule("input", rule);
+    }
+    match b.commit(nl, "create host table") {
+        Ok(()) => Ok(true),
+        Err(NetError::Kernel { errno, .. }) if errno == libc::EEXIST => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// The ruleset generation (any answer proves nf_tables is there).
+pub(crate) fn generation(nl: &mut Netlink) -> Result<(), NetError> {
+    let msg = NetfilterMessage::new(
+        NetfilterHeader::new(NetfilterProtoFamily::Unspec, 0, 0),
+        NfTablesMessage::GetGen(netlink_packet_netfilter::nftables::GenMessage { attributes: vec![] }),
+    );
+    nl.get(msg, 0, "get ruleset generation").map(|_| ())
+}
+
+/// Does the host table exist in `nl`'s namespace?
+pub(crate) fn host_table_exists(nl: &mut Netlink) -> Result<bool, NetError> {
+    let msg = NetfilterMessage::new(
+        NetfilterHeader::new(NetfilterProtoFamily::Inet, 0, 0),
+        NfTablesMessage::GetTable(TableMessage { attributes: vec![TableAttribute::Name(TABLE.into())] }),
+    );
+    match nl.get(msg, 0, "get host table") {
+        Ok(_) => Ok(true),
+        Err(NetError::Kernel { errno, .. }) if errno == libc::ENOENT => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+pub(crate) fn delete_host_table(nl: &mut Netlink) -> Result<(), NetError> {
+    let mut b = Batch::new();
+    b.push(NfTablesMessage::DeleteTable(TableMessage { attributes: vec![TableAttribute::Name(TABLE.into())] }), 0);
+    match b.commit(nl, "delete host table") {
+        Err(NetError::Kernel { errno, .. }) if errno == libc::ENOENT => Ok(()),
+        other => other,
+    }
+}
+
+/// Add addresses to the sandbox's dynamic allow sets, each expiring after its milliseconds.
+pub(crate) fn add_dynamic(nl: &mut Netlink, addrs: &[(IpAddr, u64)]) -> Result<(), NetError> {
+    let mut b = Batch::new();
+    for (set, v6) in [(DYN4, false), (DYN6, true)] {
+        let elements: Vec<ListAttribute<SetElementAttribute>> = addrs
+            .iter()
+            .filter(|(a, _)| a.is_ipv6() == v6)
+            .map(|(a, timeout_ms)| {
+                let key = match a {
+                    IpAddr::V4(x) => x.octets().to_vec(),
+                    IpAddr::V6(x) => x.octets().to_vec(),
+                };
+                ListAttribute::Element(vec![
+                    SetElementAttribute::Key(DataAttribute::Value(key)),
+                    SetElementAttribute::Timeout((*timeout_ms).max(1)),
+                ])
+            })
+            .collect();
+        if elements.is_empty() {
+            continue;
+        }
+        b.push(
+            NfTablesMessage::NewSetElement(SetElementMessage {
+                attributes: vec![
+                    SetElementList::Table(TABLE.into()),
+                    SetElementList::Set(set.into()),
+                    SetElementList::Elements(elements),
+                ],
+            }),
+            // Without EXCL, an element already present is not an error (its timeout stays).
+            NLM_F_CREATE,
+        );
+    }
+    b.commit(nl, "add allowed addresses")
+}
+
+/// Packets that reached the `blocked` chain so far.
+pub(crate) fn blocked_packets(nl: &mut Netlink) -> Result<u64, NetError> {
+    const NFTA_COUNTER_PACKETS: u16 = 2;
+    let msg = NetfilterMessage::new(
+        NetfilterHeader::new(NetfilterProtoFamily::Inet, 0, 0),
+        NfTablesMessage::GetRule(RuleMessage {
+            attributes: vec![RuleAttribute::Table(TABLE.into()), RuleAttribute::Chain("blocked".into())],
+        }),
+    );
+    let replies = nl.dump(msg, "read blocked counter")?;
+    for reply in replies {
+        let netlink_packet_netfilter::NetfilterMessageInner::NfTables(NfTablesMessage::NewRule(rule)) = reply.inner
+        else {
+            continue;
+        };
+        for attr in rule.attributes {
+            let RuleAttribute::Expressions(exprs) = attr else { continue };
+            for e in exprs {
+                let ListAttribute::Element(parts) = e else { continue };
+                for p in parts {
+                    if let ExpressionAttribute::Data(Expressions::Other { expression_type, attributes }) = p {
+                        if expression_type == "counter" {
+                            for a in attributes {
+                                if a.kind() & 0x3fff == NFTA_COUNTER_PACKETS && a.value_len() == 8 {
+                                    let mut b = [0u8; 8];
+                                    a.emit_value(&mut b);
+                                    return Ok(u64::from_be_bytes(b));
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Err(NetError::Protocol { what: "nfnetlink", op: "read blocked counter".into(), message: "no counter found".into() })
+}

@@ -1,0 +1,1301 @@
+//! Network egress end to end: the real `opservant run`, as root, inside a private network
+//! laboratory (tests/common/netlab.rs): opservant runs in the lab's HOST namespace, whose only
+//! uplink leads to the lab's OUTSIDE namespace, where the test's own TCP and DNS servers run.
+//! No packet ever leaves the namespaces the tests create; each test builds and removes its own
+//! lab, so the tests can run in parallel.
+//!
+//! One probe executor ([`PROBE`]) does whatever its `steps` parameter lists (connect, resolve,
+//! raw DNS over UDP, download, read a file, list interfaces, read the environment) and returns
+//! one outcome per step; the manifests vary. Every test ends by checking that the agent left
+//! nothing behind in HOST (interfaces, pool addresses and routes, nft tables, processes).
+
+mod common;
+
+use std::net::Ipv4Addr;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use common::netlab::{self, Lab, DNS_SERVER, HOST_V4, HOST_V6};
+use common::{require_root, HostDir};
+use serde_json::{json, Value};
+
+/// The agent's default address pools (agent config `network.egress.pool_v4`/`pool_v6`).
+const POOL_PREFIXES: [&str; 2] = ["10.213.", "fd6f:7073:7276:"];
+
+/// A blocked connection must be rejected well under this (never left to time out).
+const FAST_FAIL_MS: f64 = 1000.0;
+
+/// Root, `ip` and `nft`: skip visibly without them, fail under CI.
+fn prerequisites() -> bool {
+    require_root() && netlab::require_lab_tools()
+}
+
+// ---------------------------------------------------------------------------------------
+// Running opservant inside the lab
+// ---------------------------------------------------------------------------------------
+
+#[derive(Debug)]
+struct Out {
+    pid: u32,
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+impl Out {
+    /// The result JSON (the whole of stdout, one line); panics with everything otherwise.
+    fn json(&self) -> Value {
+        let text = self.stdout.trim_end_matches('\n');
+        assert!(!text.is_empty() && !text.contains('\n'), "stdout must be exactly one JSON line: {self:#?}");
+        serde_json::from_str(text).unwrap_or_else(|e| panic!("stdout is not JSON ({e}): {self:#?}"))
+    }
+
+    /// Ran to a result: exit status 0 exactly when the status is "completed".
+    fn result(&self) -> Value {
+        let j = self.json();
+        let want = if j["status"] == "completed" { 0 } else { 1 };
+        assert_eq!(self.code, want, "exit status for status {}: {}\nstderr: {}", j["status"], j, self.stderr);
+        j
+    }
+
+    /// A completed run's result.
+    fn completed(&self) -> Value {
+        let r = self.result();
+        assert_eq!(r["status"], "completed", "{r}\nstderr: {}", self.stderr);
+        r
+    }
+}
+
+/// `opservant ARGS…` started inside the lab's HOST namespace (setns before exec, nothing
+/// else changes); killed and reported if it has not finished after three minutes.
+fn opservant_in(lab: &Lab, args: &[&std::ffi::OsStr]) -> Out {
+    let _view = common::host_view();
+    let mut child = lab
+        .host_command(common::opservant())
+        .args(args)
+        .env_remove("OPSERVANT_LOG")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn opservant in HOST");
+    let pid = child.id();
+    let mut so = child.stdout.take().expect("stdout");
+    let mut se = child.stderr.take().expect("stderr");
+    let t_out = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = std::io::Read::read_to_string(&mut so, &mut s);
+        s
+    });
+    let t_err = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = std::io::Read::read_to_string(&mut se, &mut s);
+        s
+    });
+    let deadline = Instant::now() + Duration::from_secs(180);
+    let status = loop {
+        if let Some(st) = child.try_wait().expect("wait opservant") {
+            break st;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            let (o, e) = (t_out.join().unwrap_or_default(), t_err.join().unwrap_or_default());
+            panic!("opservant (pid {pid}) still running after 180 s; killed.\nstdout: {o}\nstderr: {e}");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    Out {
+        pid,
+        code: status.code().unwrap_or(-1),
+        stdout: t_out.join().unwrap_or_default(),
+        stderr: t_err.join().unwrap_or_default(),
+    }
+}
+
+/// `opservant run DIR ARGS…` inside HOST.
+fn run_in(lab: &Lab, dir: &Path, args: &[&str]) -> Out {
+    let mut all: Vec<&std::ffi::OsStr> = vec!["run".as_ref(), dir.as_os_str()];
+    all.extend(args.iter().map(|a| std::ffi::OsStr::new(*a)));
+    opservant_in(lab, &all)
+}
+
+/// Write `rel` below `root` readable by everyone (the sandbox runs as an unprivileged uid).
+fn put(root: &Path, rel: &str, content: &[u8]) -> PathBuf {
+    let p = root.join(rel);
+    let parent = p.parent().expect("parent");
+    std::fs::create_dir_all(parent).expect("mkdir");
+    let mut d = parent;
+    while d.starts_with(root) {
+        std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o755)).expect("chmod dir");
+        match d.parent() {
+            Some(up) => d = up,
+            None => break,
+        }
+    }
+    std::fs::write(&p, content).expect("write");
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o644)).expect("chmod file");
+    p
+}
+
+/// An agent config file (in a host directory the sandbox cannot see) pointing the egress
+/// DNS forwarder at the lab's DNS server; `extra` is YAML indented under `network:`.
+struct Conf {
+    _dir: HostDir,
+    path: PathBuf,
+}
+
+impl Conf {
+    fn new(extra_network: &str) -> Conf {
+        let dir = HostDir::new();
+        let text = format!("network:\n  egress:\n    dns_upstream: [\"{DNS_SERVER}\"]\n{extra_network}");
+        let path = dir.path.join("config.yaml");
+        std::fs::write(&path, text).expect("write config");
+        Conf { _dir: dir, path }
+    }
+
+    fn arg(&self) -> &str {
+        self.path.to_str().expect("utf-8")
+    }
+}
+
+/// The probe executor: `params["steps"]` is a list of `[op, args…]`; the output is
+/// `{"steps": [outcome…], "network": context["network"]}`. Every failing outcome is
+/// `{"ok": false, "error": class name, "errno": …, "msg": …, "ms": elapsed}`.
+///
+/// - `["connect", host, port, timeout?]`: `socket.create_connection`, then read to EOF:
+///   `{"ok": true, "banner", "peer", "local", "ms"}` (ms = connect time)
+/// - `["connect_gw", port]`: the same to the default gateway (from /proc/net/route)
+/// - `["resolve", name]`: `socket.getaddrinfo`: `{"ok": true, "addrs": [...]}`
+/// - `["udp_dns", server, port, name, timeout]`: one raw A query: `{"ok": true, "rcode", "answers"}`
+/// - `["download", host, port, seconds]`: bytes received in `seconds` from the first byte on
+/// - `["read", path]`: `{"ok": true, "text"}`
+/// - `["ifaces"]`: `{"ok": true, "if_nameindex": [...], "proc_net_dev": [...]}`
+/// - `["env", [names]]`: `{"ok": true, "env": {name: value or null}}`
+const PROBE: &str = r#"
+import os
+import socket
+import struct
+import time
+
+from opservant.executor import BaseExecutor, ExecutorResult
+
+
+def _ms(t0):
+    return round((time.monotonic() - t0) * 1000, 1)
+
+
+def _fail(e, t0, **extra):
+    r = {"ok": False, "error": type(e).__name__, "errno": getattr(e, "errno", None), "msg": str(e), "ms": _ms(t0)}
+    r.update(extra)
+    return r
+
+
+def _connect(host, port, timeout=3):
+    t0 = time.monotonic()
+    try:
+        s = socket.create_connection((host, port), timeout=timeout)
+    except Exception as e:
+        return _fail(e, t0)
+    ms = _ms(t0)
+    try:
+        peer, local = s.getpeername()[0], s.getsockname()[0]
+        data = b""
+        while len(data) < 4096:
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            data += chunk
+        return {"ok": True, "banner": data.decode("utf-8", "replace"), "peer": peer, "local": local, "ms": ms}
+    except Exception as e:
+        return _fail(e, t0, connected=True)
+    finally:
+        s.close()
+
+
+def _gateway():
+    with open("/proc/net/route") as f:
+        for line in f.read().splitlines()[1:]:
+            fields = line.split()
+            if fields[1] == "00000000" and int(fields[3], 16) & 2:
+                return socket.inet_ntoa(struct.pack("<I", int(fields[2], 16)))
+    raise OSError("no default gateway in /proc/net/route")
+
+
+def _resolve(name):
+    t0 = time.monotonic()
+    try:
+        infos = socket.getaddrinfo(name, None, 0, socket.SOCK_STREAM)
+    except Exception as e:
+        return _fail(e, t0)
+    addrs = []
+    for info in infos:
+        if info[4][0] not in addrs:
+            addrs.append(info[4][0])
+    return {"ok": True, "addrs": addrs, "ms": _ms(t0)}
+
+
+def _udp_dns(server, port, name, timeout):
+    t0 = time.monotonic()
+    q = struct.pack(">HHHHHH", 0x5151, 0x0100, 1, 0, 0, 0)
+    for label in name.split("."):
+        q += bytes([len(label)]) + label.encode()
+    q += b"\x00" + struct.pack(">HH", 1, 1)
+    s = socket.socket(socket.AF_INET6 if ":" in server else socket.AF_INET, socket.SOCK_DGRAM)
+    s.settimeout(timeout)
+    try:
+        s.connect((server, port))
+        s.send(q)
+        data = s.recv(4096)
+        return {"ok": True, "rcode": data[3] & 0x0F, "answers": struct.unpack(">H", data[6:8])[0], "ms": _ms(t0)}
+    except Exception as e:
+        return _fail(e, t0)
+    finally:
+        s.close()
+
+
+def _download(host, port, seconds):
+    t0 = time.monotonic()
+    try:
+        s = socket.create_connection((host, port), timeout=3)
+    except Exception as e:
+        return _fail(e, t0)
+    try:
+        s.settimeout(5)
+        s.recv(65536)
+        start = time.monotonic()
+        end = start + seconds
+        total, halves = 0, [0, 0]
+        while True:
+            now = time.monotonic()
+            if now >= end:
+                break
+            s.settimeout(max(end - now, 0.01))
+            try:
+                chunk = s.recv(65536)
+            except socket.timeout:
+                break
+            if not chunk:
+                break
+            total += len(chunk)
+            halves[0 if now - start < seconds / 2 else 1] += len(chunk)
+        elapsed = time.monotonic() - start
+        return {"ok": True, "bytes": total, "seconds": elapsed, "bytes_per_second": total / elapsed,
+                "halves_bytes": halves}
+    except Exception as e:
+        return _fail(e, t0, connected=True)
+    finally:
+        s.close()
+
+
+def _step(step):
+    op, args = step[0], step[1:]
+    t0 = time.monotonic()
+    if op == "connect":
+        return _connect(*args)
+    if op == "connect_gw":
+        try:
+            gw = _gateway()
+        except Exception as e:
+            return _fail(e, t0)
+        r = _connect(gw, *args)
+        r["host"] = gw
+        return r
+    if op == "resolve":
+        return _resolve(*args)
+    if op == "udp_dns":
+        return _udp_dns(*args)
+    if op == "download":
+        return _download(*args)
+    if op == "read":
+        try:
+            with open(args[0]) as f:
+                return {"ok": True, "text": f.read()}
+        except Exception as e:
+            return _fail(e, t0)
+    if op == "ifaces":
+        try:
+            names = [n for _, n in socket.if_nameindex()]
+        except Exception as e:
+            names = [repr(e)]
+        try:
+            with open("/proc/net/dev") as f:
+                dev = [l.split(":")[0].strip() for l in f.read().splitlines()[2:]]
+        except Exception as e:
+            dev = [repr(e)]
+        return {"ok": True, "if_nameindex": names, "proc_net_dev": dev}
+    if op == "env":
+        return {"ok": True, "env": {k: os.environ.get(k) for k in args[0]}}
+    return {"ok": False, "error": "unknown op " + repr(op)}
+
+
+class TestExecutor(BaseExecutor):
+    name = "egress-probe"
+    version = "1.0.0"
+
+    def validate(self, params):
+        return True
+
+    def execute(self, params, context):
+        out = [_step(s) for s in params.get("steps", [])]
+        return ExecutorResult(status="completed", output={"steps": out, "network": context["network"]})
+"#;
+
+/// A probe package whose manifest has these `permissions.network` and `resource_limits`.
+fn probe_package(network: &Value, limits: &Value) -> HostDir {
+    let d = HostDir::new();
+    let m = json!({
+        "name": "egress-probe",
+        "version": "1.0.0",
+        "description": "egress integration test probe",
+        "author": "tests",
+        "supported_actions": ["act-test"],
+        "entry_point": "test_executor.TestExecutor",
+        "requirements": {"python": ">=3.9", "packages": []},
+        "permissions": {"network": network},
+        "resource_limits": limits,
+    });
+    put(&d.path, "manifest.json", m.to_string().as_bytes());
+    put(&d.path, "test_executor/__init__.py", PROBE.as_bytes());
+    d
+}
+
+/// One completed probe run.
+struct Probe {
+    r: Value,
+}
+
+impl Probe {
+    fn steps(&self) -> &Vec<Value> {
+        self.r["output"]["steps"].as_array().unwrap_or_else(|| panic!("no steps in output: {}", self.r))
+    }
+    fn step(&self, i: usize) -> &Value {
+        &self.steps()[i]
+    }
+    fn egress(&self) -> &Value {
+        &self.r["sandbox"]["egress"]
+    }
+    fn blocked(&self) -> u64 {
+        self.egress()["blocked"].as_u64().unwrap_or_else(|| panic!("sandbox.egress.blocked: {}", self.r["sandbox"]))
+    }
+}
+
+/// Run the probe with `network` permissions, `limits`, agent config `conf`, and `steps`;
+/// it must complete and report the expected `sandbox.network`.
+fn probe(lab: &Lab, conf: &Conf, network: Value, limits: Value, steps: Value) -> Probe {
+    let pkg = probe_package(&network, &limits);
+    let params = json!({ "steps": steps }).to_string();
+    let out = run_in(lab, &pkg.path, &["--config", conf.arg(), "--params", &params]);
+    let r = out.completed();
+    let want = if network["outbound"] == true { "egress" } else { "none" };
+    assert_eq!(r["sandbox"]["network"], want, "{}", r["sandbox"]);
+    let n = steps.as_array().map_or(0, Vec::len);
+    assert_eq!(r["output"]["steps"].as_array().map(Vec::len), Some(n), "one outcome per step: {r}");
+    if want == "egress" {
+        let e = &r["sandbox"]["egress"];
+        assert!(e["blocked"].is_u64(), "sandbox.egress.blocked must be a count: {}", r["sandbox"]);
+        // Always an object with counts (zero when DNS is off and no forwarder runs).
+        {
+            assert!(e["dns"]["queries"].is_u64(), "sandbox.egress.dns.queries must be a count: {}", r["sandbox"]);
+            assert!(e["dns"]["refused"].is_u64(), "sandbox.egress.dns.refused must be a count: {}", r["sandbox"]);
+        }
+    }
+    Probe { r }
+}
+
+fn limits() -> Value {
+    json!({"max_cpu_percent": 50, "timeout_seconds": 60})
+}
+
+// ---------------------------------------------------------------------------------------
+// Assertions on step outcomes
+// ---------------------------------------------------------------------------------------
+
+/// The connection reached the lab server at `addr` ("198.51.100.10:80", "[2001:db8:2::10]:80").
+fn assert_connected(step: &Value, addr: &str) {
+    assert_eq!(step["ok"], true, "connecting to {addr} should work: {step}");
+    assert_eq!(step["banner"], format!("hello {addr}\n"), "banner from {addr}: {step}");
+}
+
+/// The connection was refused by policy: an error that is not a timeout, and fast.
+fn assert_blocked(step: &Value, what: &str) {
+    if let Some(problem) = not_blocked(step, what) {
+        panic!("{problem}");
+    }
+}
+
+/// Why `step` is not a fast policy rejection, if it is not.
+fn not_blocked(step: &Value, what: &str) -> Option<String> {
+    if step["ok"] != false {
+        return Some(format!("{what} should be blocked: {step}"));
+    }
+    if !step["connected"].is_null() {
+        return Some(format!("{what}: the connection was established before failing: {step}"));
+    }
+    let err = step["error"].as_str().unwrap_or("");
+    if matches!(err, "TimeoutError" | "timeout" | "gaierror") {
+        return Some(format!("{what}: a blocked connection must be rejected at once (RST / ICMP), not {err}: {step}"));
+    }
+    let ms = step["ms"].as_f64().unwrap_or(f64::MAX);
+    if ms >= FAST_FAIL_MS {
+        return Some(format!("{what}: rejected after {ms} ms; blocked connections must fail fast: {step}"));
+    }
+    None
+}
+
+/// [`assert_blocked`] for several steps, reporting every one that is not.
+fn assert_all_blocked(cases: &[(&Value, &str)]) {
+    let problems: Vec<String> = cases.iter().filter_map(|(s, w)| not_blocked(s, w)).collect();
+    assert!(
+        problems.is_empty(),
+        "{} of {} not blocked as they should be:\n{}",
+        problems.len(),
+        cases.len(),
+        problems.join("\n")
+    );
+}
+
+/// Name resolution failed (socket.gaierror: NXDOMAIN / REFUSED / no DNS).
+fn assert_unresolved(step: &Value, name: &str) {
+    assert_eq!(step["ok"], false, "{name} must not resolve: {step}");
+    assert_eq!(step["error"], "gaierror", "{name}: {step}");
+}
+
+fn assert_resolved(step: &Value, name: &str, addrs: &[&str]) {
+    assert_eq!(step["ok"], true, "{name} should resolve: {step}");
+    let mut got: Vec<&str> = step["addrs"].as_array().unwrap().iter().map(|a| a.as_str().unwrap()).collect();
+    got.sort_unstable();
+    let mut want = addrs.to_vec();
+    want.sort_unstable();
+    assert_eq!(got, want, "{name} resolves to: {step}");
+}
+
+/// Every connection the server saw came from HOST's uplink address (masquerade).
+fn assert_masqueraded(stats: &netlab::ServerStats) {
+    for ip in stats.peer_ips() {
+        let s = ip.to_string();
+        assert!(s == HOST_V4 || s == HOST_V6, "OUTSIDE saw source {s}; sandbox traffic must be masqueraded");
+    }
+}
+
+/// How long a leftover may take to go after opservant exits: the kernel destroys a dead
+/// sandbox's network namespace (and with it the host end of its veth) asynchronously.
+const SETTLE: Duration = Duration::from_secs(5);
+
+/// The agent left nothing behind in HOST (allowing [`SETTLE`] for the kernel's asynchronous
+/// namespace teardown). Returns how long it took to be clean.
+fn assert_host_clean(lab: &Lab) -> Duration {
+    let t0 = Instant::now();
+    let mut first: Option<Vec<String>> = None;
+    loop {
+        let left = lab.host_leftovers(&POOL_PREFIXES);
+        if left.is_empty() {
+            let waited = t0.elapsed();
+            if let Some(first) = first.filter(|_| waited > Duration::from_millis(100)) {
+                eprintln!(
+                    "note: HOST became clean only {} ms after the run ended; left at first:\n  {}",
+                    waited.as_millis(),
+                    first.join("\n  ")
+                );
+            }
+            return waited;
+        }
+        first.get_or_insert_with(|| left.clone());
+        assert!(
+            t0.elapsed() < SETTLE,
+            "left behind in the agent's network namespace {} s after the runs:\n{}",
+            SETTLE.as_secs(),
+            left.join("\n")
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Run [`PROBE`]'s `execute` directly (root, no sandbox) with the host's Python in namespace
+/// `ns`, importing `opservant.executor` from the source tree: checks the probe and the
+/// assertion helpers against the lab without the product.
+fn run_probe_directly(ns: &netlab::Netns, steps: &Value) -> Value {
+    let pkg = probe_package(&json!({}), &json!({}));
+    let driver = "import json, sys\nsys.path.insert(0, sys.argv[1])\nfrom test_executor import TestExecutor\n\
+                  r = TestExecutor().execute({'steps': json.loads(sys.argv[2])}, {'network': None})\n\
+                  print(json.dumps(r.output))\n";
+    let pypath = Path::new(env!("CARGO_MANIFEST_DIR")).join("python");
+    let out = ns
+        .command("/usr/bin/python3")
+        .args(["-c", driver, pkg.str(), &steps.to_string()])
+        .env("PYTHONPATH", pypath)
+        .env("OSVT_PROBE", "yes")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run python3");
+    assert!(out.status.success(), "probe: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("probe output ({e}): {}", String::from_utf8_lossy(&out.stdout)))
+}
+
+// ---------------------------------------------------------------------------------------
+// The lab itself
+// ---------------------------------------------------------------------------------------
+
+/// The laboratory works without opservant: from HOST every server answers, DNS answers per
+/// its table (UDP and TCP) and counts queries; and a fake sandbox namespace behind HOST,
+/// masqueraded by a test-made nft table, reaches OUTSIDE over IPv4 and IPv6 (so HOST
+/// forwards), with OUTSIDE seeing only HOST's uplink addresses.
+#[test]
+fn lab_self_test() {
+    if !prerequisites() {
+        return;
+    }
+    let lab = Lab::new();
+    assert_eq!(lab.host.links(), vec!["lo".to_string(), netlab::HOST_IF.to_string()]);
+    let addrs = [
+        "198.51.100.10:80",
+        "198.51.100.11:3128",
+        "198.51.100.12:80",
+        "203.0.113.5:80",
+        "[2001:db8:2::10]:80",
+        "[2001:db8:2::11]:80",
+    ];
+    let stats = lab.banners(&addrs);
+    let source = lab.source("198.51.100.10:9000", 10);
+    let sink = lab.sink("198.51.100.10:9001");
+
+    let read_banner = |addr: &str| -> String {
+        let sa: std::net::SocketAddr = addr.parse().unwrap();
+        let mut s = std::net::TcpStream::connect_timeout(&sa, Duration::from_secs(2))
+            .unwrap_or_else(|e| panic!("connect {addr}: {e}"));
+        s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        let mut text = String::new();
+        std::io::Read::read_to_string(&mut s, &mut text).unwrap();
+        text
+    };
+
+    lab.in_host(|| {
+        for a in addrs {
+            assert_eq!(read_banner(a), format!("hello {a}\n"));
+        }
+        // Nothing listens on 198.51.100.10:81: refused at once.
+        let e = std::net::TcpStream::connect_timeout(&"198.51.100.10:81".parse().unwrap(), Duration::from_secs(2))
+            .unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::ConnectionRefused, "{e}");
+        // DNS over UDP and TCP.
+        let q = |name, ty| netlab::dns_query_udp(DNS_SERVER, name, ty).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(q("allowed.test", netlab::QTYPE_A), (0, vec!["198.51.100.10".parse().unwrap()]));
+        assert_eq!(q("ALLOWED.test", netlab::QTYPE_A), (0, vec!["198.51.100.10".parse().unwrap()]));
+        assert_eq!(q("v6.test", netlab::QTYPE_AAAA), (0, vec!["2001:db8:2::10".parse().unwrap()]));
+        assert_eq!(q("v6.test", netlab::QTYPE_A), (0, vec![]), "NOERROR, no data");
+        assert_eq!(q("rebind.test", netlab::QTYPE_A), (0, vec!["127.0.0.1".parse().unwrap()]));
+        assert_eq!(q("nothing.test", netlab::QTYPE_A), (netlab::RCODE_NXDOMAIN, vec![]));
+        let t = netlab::dns_query_tcp(DNS_SERVER, "bad.example.test", netlab::QTYPE_A).unwrap();
+        assert_eq!(t, (0, vec!["198.51.100.12".parse().unwrap()]));
+        // Bandwidth source and sink.
+        let mut s = std::net::TcpStream::connect("198.51.100.10:9000").unwrap();
+        let mut buf = vec![0u8; 1 << 20];
+        std::io::Read::read_exact(&mut s, &mut buf).unwrap();
+        drop(s);
+        let mut s = std::net::TcpStream::connect("198.51.100.10:9001").unwrap();
+        std::io::Write::write_all(&mut s, &buf).unwrap();
+    });
+    assert_eq!(lab.dns.queries(), 7);
+    assert!(lab.dns.asked("bad.example.test") && !lab.dns.asked("other.test"));
+    lab.dns.set("late.test", &["203.0.113.5"]);
+    let late = lab.in_host(|| netlab::dns_query_udp(DNS_SERVER, "late.test", netlab::QTYPE_A).unwrap());
+    assert_eq!(late, (0, vec!["203.0.113.5".parse().unwrap()]));
+    assert!(source.bytes() >= 1 << 20);
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while sink.bytes() < 1 << 20 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(sink.bytes(), 1 << 20);
+    for s in &stats {
+        assert_eq!(s.accepted(), 1);
+        assert_masqueraded(s);
+    }
+
+    // A fake sandbox behind HOST, like the agent will make: veth, private addresses,
+    // masquerade out of the uplink.
+    let base = lab.host.name.trim_end_matches("-h").to_string();
+    let sb = netlab::Netns::new(&base, "s");
+    lab.host.ip(&["link", "add", "sbx0", "type", "veth", "peer", "name", "eth0", "netns", &sb.name]);
+    lab.host.ip(&["addr", "add", "10.99.0.1/30", "dev", "sbx0"]);
+    lab.host.ip(&["-6", "addr", "add", "fd00:99::1/64", "dev", "sbx0", "nodad"]);
+    lab.host.ip(&["link", "set", "sbx0", "up"]);
+    sb.ip(&["addr", "add", "10.99.0.2/30", "dev", "eth0"]);
+    sb.ip(&["-6", "addr", "add", "fd00:99::2/64", "dev", "eth0", "nodad"]);
+    sb.ip(&["link", "set", "eth0", "up"]);
+    sb.ip(&["route", "add", "default", "via", "10.99.0.1"]);
+    sb.ip(&["-6", "route", "add", "default", "via", "fd00:99::1"]);
+    // Masquerade out of the uplink; and the ways a policy can answer: RST, ICMP
+    // admin-prohibited, silent drop (which the tests must never accept as "blocked").
+    let ruleset = "table inet osvt_selftest {
+ chain post { type nat hook postrouting priority srcnat; policy accept; oifname \"labup\" masquerade; }
+ chain filter_fw {
+  type filter hook forward priority filter; policy accept;
+  iifname \"sbx0\" ip daddr 203.0.113.5 meta l4proto tcp reject with tcp reset
+  iifname \"sbx0\" ip daddr 198.51.100.12 reject with icmpx type admin-prohibited
+  iifname \"sbx0\" ip6 daddr 2001:db8:2::11 meta l4proto tcp reject with tcp reset
+  iifname \"sbx0\" ip daddr 198.51.100.11 drop
+ }
+}
+";
+    lab.host.nft_apply(ruleset);
+    sb.run(|| {
+        assert_eq!(read_banner("198.51.100.10:80"), "hello 198.51.100.10:80\n");
+        assert_eq!(read_banner("[2001:db8:2::10]:80"), "hello [2001:db8:2::10]:80\n");
+        let a = netlab::dns_query_udp(DNS_SERVER, "other.test", netlab::QTYPE_A).unwrap();
+        assert_eq!(a, (0, vec!["198.51.100.11".parse().unwrap()]));
+    });
+
+    // The probe executor's code, run directly (no opservant) in the fake sandbox, against the
+    // assertion helpers the product tests use. Only IP literals: no name is ever resolved here.
+    let steps = json!([
+        ["connect", "198.51.100.10", 80],
+        ["connect", "203.0.113.5", 80],
+        ["connect", "198.51.100.12", 80],
+        ["connect", "2001:db8:2::11", 80],
+        ["connect", "198.51.100.11", 80, 1],
+        ["connect", "198.51.100.10", 81],
+        ["udp_dns", "198.51.100.53", 53, "allowed.test", 2],
+        ["udp_dns", "198.51.100.53", 53, "nothing.test", 2],
+        ["download", "198.51.100.10", 9000, 1],
+        ["ifaces"],
+        ["env", ["OSVT_PROBE"]],
+        ["read", "/proc/net/route"],
+        ["connect_gw", 2222],
+    ]);
+    let o = run_probe_directly(&sb, &steps);
+    let st = o["steps"].as_array().unwrap();
+    assert_connected(&st[0], "198.51.100.10:80");
+    assert_blocked(&st[1], "TCP reset");
+    assert_eq!(st[1]["error"], "ConnectionRefusedError", "{}", st[1]);
+    assert_blocked(&st[2], "ICMP admin-prohibited");
+    // (Over veth, an ICMPv6 admin-prohibited answer to a SYN takes ~1 s to fail connect():
+    // the first one arrives while connect() still holds the socket and is only a soft error.)
+    assert_blocked(&st[3], "TCP reset over IPv6");
+    assert_eq!(st[4]["ok"], false, "{}", st[4]);
+    assert!(not_blocked(&st[4], "drop").is_some(), "a timeout is not 'blocked': {}", st[4]);
+    assert_eq!(st[5]["error"], "ConnectionRefusedError", "nothing listens on :81: {}", st[5]);
+    assert_eq!(
+        (st[6]["ok"].clone(), st[6]["rcode"].clone(), st[6]["answers"].clone()),
+        (json!(true), json!(0), json!(1))
+    );
+    assert_eq!((st[7]["rcode"].clone(), st[7]["answers"].clone()), (json!(3), json!(0)), "{}", st[7]);
+    assert_eq!(st[8]["ok"], true, "{}", st[8]);
+    assert!(st[8]["bytes"].as_u64().unwrap() > 1 << 20, "unshaped download: {}", st[8]);
+    assert_eq!(st[9]["if_nameindex"], json!(["lo", "eth0"]), "{}", st[9]);
+    assert_eq!(st[9]["proc_net_dev"], json!(["lo", "eth0"]), "{}", st[9]);
+    assert_eq!(st[10]["env"]["OSVT_PROBE"], "yes");
+    assert!(st[11]["text"].as_str().unwrap().contains("eth0\t00000000\t0100630A"), "{}", st[11]);
+    assert_eq!(st[12]["host"], "10.99.0.1");
+    assert_eq!(st[12]["error"], "ConnectionRefusedError", "{}", st[12]);
+    // Rejected connections never reached their servers (each still has HOST's one).
+    assert_eq!((stats[2].accepted(), stats[3].accepted(), stats[5].accepted()), (1, 1, 1));
+    assert_eq!(stats[0].accepted(), 3);
+    assert_eq!(stats[4].accepted(), 2);
+    assert_masqueraded(&stats[0]);
+    assert_masqueraded(&stats[4]);
+    assert_masqueraded(&source);
+    assert_eq!(lab.dns.queries(), 11);
+    // The leak check sees what the fake sandbox left until it is removed.
+    let left = lab.host_leftovers(&["10.99.", "fd00:99:"]);
+    assert!(left.iter().any(|l| l == "interface sbx0"), "{left:?}");
+    assert!(left.iter().any(|l| l == "nft table inet osvt_selftest"), "{left:?}");
+    assert!(left.iter().any(|l| l.starts_with("address:") && l.contains("10.99.0.1/30")), "{left:?}");
+    lab.host.output("nft", &["delete", "table", "inet", "osvt_selftest"]);
+    drop(sb); // removes eth0, and with it sbx0
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while lab.host.links().len() > 2 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_host_clean(&lab);
+    let (h, o) = (lab.host.name.clone(), lab.outside.name.clone());
+    drop(lab);
+    assert!(!Path::new(&format!("/run/netns/{h}")).exists() && !Path::new(&format!("/run/netns/{o}")).exists());
+}
+
+// ---------------------------------------------------------------------------------------
+// Egress policy
+// ---------------------------------------------------------------------------------------
+
+/// (1) An allowed IP literal and port are reachable; the sandbox has eth0 with a pool address,
+/// a default route via the host end, and resolv.conf naming that host end (the forwarder).
+#[test]
+fn allowed_host_and_port_are_reachable() {
+    if !prerequisites() {
+        return;
+    }
+    let lab = Lab::new();
+    let srv = lab.banner("198.51.100.10:80");
+    let conf = Conf::new("");
+    let p = probe(
+        &lab,
+        &conf,
+        json!({"outbound": true, "allowed_hosts": ["198.51.100.10"], "allowed_ports": [80]}),
+        limits(),
+        json!([
+            ["connect", "198.51.100.10", 80],
+            ["read", "/etc/resolv.conf"],
+            ["read", "/proc/net/route"],
+            ["ifaces"]
+        ]),
+    );
+    assert_connected(p.step(0), "198.51.100.10:80");
+    assert_eq!(srv.accepted(), 1);
+    assert_masqueraded(&srv);
+
+    let net = &p.r["output"]["network"];
+    let local_ip = net["local_ip"].as_str().unwrap_or_else(|| panic!("context network.local_ip: {net}"));
+    assert!(local_ip.starts_with(POOL_PREFIXES[0]), "local_ip {local_ip} from pool 10.213.0.0/16: {net}");
+    assert_eq!(p.step(0)["local"], local_ip, "connections leave from eth0's address: {}", p.step(0));
+    let ifaces = &p.step(3);
+    let names: Vec<&str> = ifaces["if_nameindex"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
+    assert!(names.contains(&"eth0") && names.contains(&"lo"), "{ifaces}");
+
+    let route = p.step(2)["text"].as_str().unwrap_or_else(|| panic!("/proc/net/route: {}", p.step(2)));
+    let gw = route
+        .lines()
+        .skip(1)
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .find(|f| f.len() > 3 && f[1] == "00000000")
+        .map(|f| {
+            assert_eq!(f[0], "eth0", "default route via eth0: {route}");
+            Ipv4Addr::from(u32::from_str_radix(f[2], 16).unwrap().to_le_bytes())
+        })
+        .unwrap_or_else(|| panic!("no default route in the sandbox: {route}"));
+    let resolv = p.step(1)["text"].as_str().unwrap_or_else(|| panic!("/etc/resolv.conf: {}", p.step(1)));
+    let servers: Vec<&str> =
+        resolv.lines().filter_map(|l| l.trim().strip_prefix("nameserver")).map(str::trim).collect();
+    assert_eq!(servers, vec![gw.to_string()], "resolv.conf names the host end ({gw}) only: {resolv}");
+    assert_eq!(p.r["limits"]["max_bandwidth_mbps"], 10, "default bandwidth: {}", p.r["limits"]);
+    assert_host_clean(&lab);
+}
+
+/// (2) Another port on the allowed host, and other hosts, are refused at once (and never
+/// reach the servers); port ranges in both notations.
+#[test]
+fn other_ports_and_hosts_are_refused_fast() {
+    if !prerequisites() {
+        return;
+    }
+    let lab = Lab::new();
+    let s = lab.banners(&[
+        "198.51.100.10:80",
+        "198.51.100.10:8080",
+        "198.51.100.10:443",
+        "203.0.113.5:80",
+        "198.51.100.11:80",
+    ]);
+    let conf = Conf::new("");
+    let p = probe(
+        &lab,
+        &conf,
+        json!({"outbound": true, "allowed_hosts": ["198.51.100.10"], "allowed_ports": [80]}),
+        limits(),
+        json!([
+            ["connect", "198.51.100.10", 8080],
+            ["connect", "203.0.113.5", 80],
+            ["connect", "198.51.100.11", 80],
+            ["connect", "198.51.100.10", 80],
+        ]),
+    );
+    assert_blocked(p.step(0), "198.51.100.10:8080 (port not allowed)");
+    assert_blocked(p.step(1), "203.0.113.5:80 (host not allowed)");
+    assert_blocked(p.step(2), "198.51.100.11:80 (host not allowed)");
+    assert_connected(p.step(3), "198.51.100.10:80");
+    assert_eq!((s[1].accepted(), s[3].accepted(), s[4].accepted()), (0, 0, 0), "blocked traffic reached a server");
+    assert!(p.blocked() >= 3, "3 blocked connections, egress.blocked = {}", p.egress());
+
+    // Ranges: "low-high" and [low, high].
+    let p = probe(
+        &lab,
+        &conf,
+        json!({"outbound": true, "allowed_hosts": ["198.51.100.10"], "allowed_ports": ["8000-8100", [79, 81]]}),
+        limits(),
+        json!([
+            ["connect", "198.51.100.10", 80],
+            ["connect", "198.51.100.10", 8080],
+            ["connect", "198.51.100.10", 443]
+        ]),
+    );
+    assert_connected(p.step(0), "198.51.100.10:80");
+    assert_connected(p.step(1), "198.51.100.10:8080");
+    assert_blocked(p.step(2), "198.51.100.10:443 (outside the ranges)");
+    assert_eq!(s[2].accepted(), 0);
+    assert_host_clean(&lab);
+}
+
+/// CIDR entries: allow a /24, deny one /32 inside it.
+#[test]
+fn cidr_allow_with_cidr_deny() {
+    if !prerequisites() {
+        return;
+    }
+    let lab = Lab::new();
+    let s = lab.banners(&["198.51.100.10:80", "198.51.100.11:80", "198.51.100.12:80", "203.0.113.5:80"]);
+    let conf = Conf::new("");
+    let p = probe(
+        &lab,
+        &conf,
+        json!({"outbound": true, "allowed_hosts": ["198.51.100.0/24"], "denied_hosts": ["198.51.100.12/32"]}),
+        limits(),
+        json!([
+            ["connect", "198.51.100.10", 80],
+            ["connect", "198.51.100.11", 80],
+            ["connect", "198.51.100.12", 80],
+            ["connect", "203.0.113.5", 80],
+        ]),
+    );
+    assert_connected(p.step(0), "198.51.100.10:80");
+    assert_connected(p.step(1), "198.51.100.11:80");
+    assert_blocked(p.step(2), "198.51.100.12 (denied CIDR)");
+    assert_blocked(p.step(3), "203.0.113.5 (outside the allowed CIDR)");
+    assert_eq!((s[2].accepted(), s[3].accepted()), (0, 0));
+    assert_host_clean(&lab);
+}
+
+/// (3) Deny wins over a wildcard allow: bad.example.test neither resolves nor is reachable by
+/// its address; good.example.test resolves and connects.
+#[test]
+fn denied_host_wins_over_wildcard_allow() {
+    if !prerequisites() {
+        return;
+    }
+    let lab = Lab::new();
+    lab.dns.set("evilexample.test", &["198.51.100.11"]);
+    let s = lab.banners(&["198.51.100.10:80", "198.51.100.11:80", "198.51.100.12:80"]);
+    let conf = Conf::new("");
+    let p = probe(
+        &lab,
+        &conf,
+        json!({"outbound": true, "allowed_hosts": ["*.example.test"], "denied_hosts": ["bad.example.test"]}),
+        limits(),
+        json!([
+            ["resolve", "good.example.test"],
+            ["connect", "good.example.test", 80],
+            ["resolve", "bad.example.test"],
+            ["connect", "bad.example.test", 80],
+            ["connect", "198.51.100.12", 80],
+            ["connect", "evilexample.test", 80],
+        ]),
+    );
+    assert_resolved(p.step(0), "good.example.test", &["198.51.100.10"]);
+    assert_connected(p.step(1), "198.51.100.10:80");
+    assert_unresolved(p.step(2), "bad.example.test");
+    assert_unresolved(p.step(3), "bad.example.test");
+    assert_blocked(p.step(4), "198.51.100.12 (bad.example.test's address)");
+    // "*.example.test" is a label wildcard, not a suffix match on "example.test".
+    assert_eq!(p.step(5)["ok"], false, "evilexample.test must not match *.example.test: {}", p.step(5));
+    assert_eq!((s[1].accepted(), s[2].accepted()), (0, 0));
+    assert!(p.egress()["dns"]["refused"].as_u64().unwrap() >= 1, "bad.example.test refused: {}", p.egress());
+    assert!(p.egress()["dns"]["queries"].as_u64().unwrap() >= 2, "{}", p.egress());
+    assert_host_clean(&lab);
+}
+
+/// (4) A hostname allow list works through DNS: the name connects; an address never obtained
+/// through an allowed name does not (even after resolving a non-allowed name to it); the
+/// allowed name's address works by IP once resolved.
+#[test]
+fn hostname_allow_list_follows_dns() {
+    if !prerequisites() {
+        return;
+    }
+    let lab = Lab::new();
+    let s = lab.banners(&["198.51.100.10:80", "198.51.100.11:80"]);
+    let conf = Conf::new("");
+    let p = probe(
+        &lab,
+        &conf,
+        json!({"outbound": true, "allowed_hosts": ["allowed.test"]}),
+        limits(),
+        json!([
+            ["connect", "198.51.100.11", 80],
+            ["connect", "allowed.test", 80],
+            ["connect", "198.51.100.10", 80],
+            ["resolve", "other.test"],
+            ["connect", "198.51.100.11", 80],
+            ["connect", "other.test", 80],
+        ]),
+    );
+    assert_blocked(p.step(0), "198.51.100.11 (never resolved through an allowed name)");
+    assert_connected(p.step(1), "198.51.100.10:80");
+    assert_connected(p.step(2), "198.51.100.10:80");
+    assert_blocked(p.step(4), "198.51.100.11 after resolving the non-allowed other.test");
+    assert_eq!(p.step(5)["ok"], false, "other.test is not allowed: {}", p.step(5));
+    assert_eq!(s[1].accepted(), 0, "198.51.100.11 was reached");
+    assert_eq!(s[0].accepted(), 2);
+    assert!(lab.dns.asked("allowed.test"), "the forwarder asks the configured upstream: {:?}", lab.dns.log());
+    assert_host_clean(&lab);
+}
+
+/// (5a) dns_allowed: false: getaddrinfo fails and nothing reaches the lab's DNS server;
+/// egress itself still works.
+#[test]
+fn dns_disallowed_blocks_resolution() {
+    if !prerequisites() {
+        return;
+    }
+    let lab = Lab::new();
+    let _s = lab.banner("198.51.100.10:80");
+    let conf = Conf::new("");
+    let steps = json!([["resolve", "allowed.test"], ["connect", "allowed.test", 80], ["connect", "198.51.100.10", 80]]);
+    let p = probe(&lab, &conf, json!({"outbound": true, "dns_allowed": false}), limits(), steps);
+    assert_unresolved(p.step(0), "allowed.test");
+    assert_unresolved(p.step(1), "allowed.test");
+    assert_connected(p.step(2), "198.51.100.10:80");
+    assert_eq!(lab.dns.queries(), 0, "the lab DNS server was asked: {:?}", lab.dns.log());
+
+    // Control: the same probe with DNS allowed resolves through the forwarder.
+    let p = probe(
+        &lab,
+        &conf,
+        json!({"outbound": true, "dns_allowed": true}),
+        limits(),
+        json!([["resolve", "allowed.test"]]),
+    );
+    assert_resolved(p.step(0), "allowed.test", &["198.51.100.10"]);
+    assert!(lab.dns.asked("allowed.test"), "{:?}", lab.dns.log());
+    assert!(p.egress()["dns"]["queries"].as_u64().unwrap() >= 1, "{}", p.egress());
+    assert_host_clean(&lab);
+}
+
+/// (5b) dns_allowed: false also blocks DNS sent straight to a server (UDP and TCP port 53),
+/// even when any host is allowed.
+#[test]
+fn dns_disallowed_blocks_direct_queries() {
+    if !prerequisites() {
+        return;
+    }
+    let lab = Lab::new();
+    let _s = lab.banner("198.51.100.10:80");
+    let conf = Conf::new("");
+    let steps = json!([
+        ["udp_dns", "198.51.100.53", 53, "allowed.test", 1],
+        ["connect", "198.51.100.53", 53],
+        ["connect", "198.51.100.10", 80],
+    ]);
+    let p = probe(&lab, &conf, json!({"outbound": true, "dns_allowed": false}), limits(), steps);
+    assert_connected(p.step(2), "198.51.100.10:80");
+    assert!(
+        p.step(0)["ok"] == false && p.step(1)["ok"] == false && lab.dns.queries() == 0,
+        "DNS straight to a server must fail with dns_allowed: false:\nUDP query: {}\nTCP connect to :53: {}\nlab DNS server log: {:?}",
+        p.step(0),
+        p.step(1),
+        lab.dns.log()
+    );
+    assert_host_clean(&lab);
+}
+
+/// (5c) The agent config's `network.executor_defaults.dns_allowed: false` applies when the
+/// manifest does not say.
+#[test]
+fn dns_allowed_default_comes_from_the_agent_config() {
+    if !prerequisites() {
+        return;
+    }
+    let lab = Lab::new();
+    let conf_off = Conf::new("  executor_defaults:\n    dns_allowed: false\n");
+    let p = probe(&lab, &conf_off, json!({"outbound": true}), limits(), json!([["resolve", "allowed.test"]]));
+    assert_unresolved(p.step(0), "allowed.test");
+    assert_eq!(lab.dns.queries(), 0, "the lab DNS server was asked: {:?}", lab.dns.log());
+    // The manifest's own dns_allowed: true wins over the default.
+    let p = probe(
+        &lab,
+        &conf_off,
+        json!({"outbound": true, "dns_allowed": true}),
+        limits(),
+        json!([["resolve", "allowed.test"]]),
+    );
+    assert_resolved(p.step(0), "allowed.test", &["198.51.100.10"]);
+    assert_host_clean(&lab);
+}
+
+/// (6) DNS rebinding: names answering with loopback addresses are refused, whether the name
+/// is explicitly allowed or any host is.
+#[test]
+fn dns_rebinding_to_loopback_is_refused() {
+    if !prerequisites() {
+        return;
+    }
+    let lab = Lab::new();
+    let conf = Conf::new("");
+    let steps = json!([["resolve", "rebind.test"], ["resolve", "rebind6.test"], ["resolve", "allowed.test"]]);
+    let p = probe(
+        &lab,
+        &conf,
+        json!({"outbound": true, "allowed_hosts": ["rebind.test", "rebind6.test", "allowed.test"]}),
+        limits(),
+        steps.clone(),
+    );
+    assert_unresolved(p.step(0), "rebind.test (-> 127.0.0.1)");
+    assert_unresolved(p.step(1), "rebind6.test (-> ::1)");
+    assert_resolved(p.step(2), "allowed.test", &["198.51.100.10"]);
+    let p = probe(&lab, &conf, json!({"outbound": true}), limits(), steps);
+    assert_unresolved(p.step(0), "rebind.test (-> 127.0.0.1), any host allowed");
+    assert_unresolved(p.step(1), "rebind6.test (-> ::1), any host allowed");
+    assert_resolved(p.step(2), "allowed.test", &["198.51.100.10"]);
+    assert_host_clean(&lab);
+}
+
+/// (7) max_bandwidth_mbps: a 2-second download runs at 10 Mbit/s ± 20 %.
+#[test]
+fn bandwidth_is_limited() {
+    if !prerequisites() {
+        return;
+    }
+    let lab = Lab::new();
+    let src = lab.source("198.51.100.10:9000", 30);
+    let conf = Conf::new("");
+    let p = probe(
+        &lab,
+        &conf,
+        json!({"outbound": true, "allowed_hosts": ["198.51.100.10"], "allowed_ports": [9000]}),
+        json!({"max_cpu_percent": 50, "timeout_seconds": 60, "max_bandwidth_mbps": 10}),
+        json!([["download", "198.51.100.10", 9000, 2]]),
+    );
+    let d = p.step(0);
+    assert_eq!(d["ok"], true, "{d}");
+    assert_eq!(p.r["limits"]["max_bandwidth_mbps"], 10, "{}", p.r["limits"]);
+    let bps = d["bytes_per_second"].as_f64().unwrap();
+    let want = 10.0 * 1_000_000.0 / 8.0;
+    assert!(
+        (bps - want).abs() <= want * 0.2,
+        "download at {:.2} Mbit/s, want 10 ± 20 %: {d} (source sent {} bytes)",
+        bps * 8.0 / 1e6,
+        src.bytes()
+    );
+    assert_masqueraded(&src);
+    assert_host_clean(&lab);
+}
+
+/// (8) IPv6: an allowed v6 address connects, another is refused; an allowed name with an
+/// AAAA record connects over IPv6.
+#[test]
+fn ipv6_egress() {
+    if !prerequisites() {
+        return;
+    }
+    let lab = Lab::new();
+    let s = lab.banners(&["[2001:db8:2::10]:80", "[2001:db8:2::11]:80"]);
+    let conf = Conf::new("");
+    let p = probe(
+        &lab,
+        &conf,
+        json!({"outbound": true, "allowed_hosts": ["2001:db8:2::10"]}),
+        limits(),
+        json!([["connect", "2001:db8:2::10", 80], ["connect", "2001:db8:2::11", 80]]),
+    );
+    assert_connected(p.step(0), "[2001:db8:2::10]:80");
+    let local = p.step(0)["local"].as_str().unwrap();
+    assert!(local.starts_with(POOL_PREFIXES[1]), "IPv6 source {local} from pool fd6f:7073:7276::/48");
+    assert_blocked(p.step(1), "2001:db8:2::11 (not allowed)");
+    assert_eq!(s[1].accepted(), 0);
+    assert_masqueraded(&s[0]);
+
+    let p = probe(
+        &lab,
+        &conf,
+        json!({"outbound": true, "allowed_hosts": ["v6.test"]}),
+        limits(),
+        json!([["resolve", "v6.test"], ["connect", "v6.test", 80], ["connect", "2001:db8:2::11", 80]]),
+    );
+    assert_resolved(p.step(0), "v6.test", &["2001:db8:2::10"]);
+    assert_connected(p.step(1), "[2001:db8:2::10]:80");
+    assert_blocked(p.step(2), "2001:db8:2::11 (not obtained through v6.test)");
+    assert_eq!(s[1].accepted(), 0);
+    assert_host_clean(&lab);
+}
+
+/// (9) The seed's port scanner with a real allow list: only allowed ports that listen are open.
+#[test]
+fn seed_port_scanner_reports_only_allowed_open_ports() {
+    if !prerequisites() {
+        return;
+    }
+    let lab = Lab::new();
+    let s = lab.banners(&["198.51.100.10:22", "198.51.100.10:80", "198.51.100.10:8080", "198.51.100.10:9000"]);
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../executors/port-scanner");
+    let pkg = HostDir::new();
+    let code = std::fs::read(src.join("port_scanner/__init__.py")).expect("read port scanner");
+    put(&pkg.path, "port_scanner/__init__.py", &code);
+    let mut m: Value = serde_json::from_slice(&std::fs::read(src.join("manifest.json")).unwrap()).unwrap();
+    m["permissions"]["network"] =
+        json!({"outbound": true, "allowed_hosts": ["198.51.100.10"], "allowed_ports": [22, 80, 443]});
+    put(&pkg.path, "manifest.json", m.to_string().as_bytes());
+    let conf = Conf::new("");
+    let params = json!({"target_host": "198.51.100.10", "ports": [22, 80, 443, 8080, 9000]}).to_string();
+    let out = run_in(&lab, &pkg.path, &["--config", conf.arg(), "--params", &params, "--action", "act-port-scan"]);
+    let r = out.completed();
+    assert_eq!(r["sandbox"]["network"], "egress", "{}", r["sandbox"]);
+    let ports = &r["output"]["ports"];
+    let open: Vec<u64> = ports
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| p["status"] == "open")
+        .map(|p| p["port"].as_u64().unwrap())
+        .collect();
+    assert_eq!(open, vec![22, 80], "{}", r["output"]);
+    assert_eq!(ports.as_array().unwrap().len(), 5, "{}", r["output"]);
+    assert_eq!((s[2].accepted(), s[3].accepted()), (0, 0), "8080/9000 are not allowed: never reached");
+    assert_host_clean(&lab);
+}
+
+/// (10) outbound: false: only a loopback, nothing outside is reachable.
+#[test]
+fn outbound_false_has_only_loopback() {
+    if !prerequisites() {
+        return;
+    }
+    let lab = Lab::new();
+    let s = lab.banner("198.51.100.10:80");
+    let conf = Conf::new("");
+    let p = probe(
+        &lab,
+        &conf,
+        json!({"outbound": false}),
+        limits(),
+        json!([["ifaces"], ["connect", "198.51.100.10", 80], ["resolve", "allowed.test"]]),
+    );
+    assert_eq!(p.step(0)["if_nameindex"], json!(["lo"]), "{}", p.step(0));
+    assert_eq!(p.step(0)["proc_net_dev"], json!(["lo"]), "{}", p.step(0));
+    assert_eq!(p.step(1)["ok"], false, "{}", p.step(1));
+    assert!(p.step(1)["ms"].as_f64().unwrap() < FAST_FAIL_MS, "{}", p.step(1));
+    assert_unresolved(p.step(2), "allowed.test");
+    assert_eq!(s.accepted(), 0);
+    assert_eq!(lab.dns.queries(), 0);
+    assert!(p.r["sandbox"]["egress"].is_null() || p.r["sandbox"]["egress"].is_object(), "{}", p.r["sandbox"]);
+    assert_eq!(p.r["output"]["network"]["local_ip"], "127.0.0.1");
+    assert_host_clean(&lab);
+}
+
+/// The agent's host itself is not "the internet": with any host allowed, the sandbox still
+/// cannot open connections to services of the agent's host (neither the host end of its
+/// link nor the host's uplink address); the DNS forwarder on the host end still answers.
+#[test]
+fn sandbox_cannot_reach_the_agent_host() {
+    if !prerequisites() {
+        return;
+    }
+    let lab = Lab::new();
+    // A service on the agent's host, on every address.
+    let l = lab.in_host(|| std::net::TcpListener::bind("0.0.0.0:2222")).expect("bind in HOST");
+    let l6 = lab.in_host(|| std::net::TcpListener::bind("[::]:2223")).expect("bind v6 in HOST");
+    l.set_nonblocking(true).unwrap();
+    l6.set_nonblocking(true).unwrap();
+    let conf = Conf::new("");
+    let p = probe(
+        &lab,
+        &conf,
+        json!({"outbound": true}),
+        limits(),
+        json!([
+            ["connect_gw", 2222],
+            ["connect", HOST_V4, 2222],
+            ["connect", HOST_V6, 2223],
+            ["resolve", "allowed.test"],
+        ]),
+    );
+    assert!(l.accept().is_err() && l6.accept().is_err(), "a connection reached the host's service");
+    assert_resolved(p.step(3), "allowed.test", &["198.51.100.10"]);
+    assert_all_blocked(&[
+        (p.step(0), "the host end of the sandbox link, port 2222"),
+        (p.step(1), "the host's uplink address 192.0.2.1:2222"),
+        (p.step(2), "the host's uplink address [2001:db8:1::1]:2223"),
+    ]);
+    drop((l, l6));
+    assert_host_clean(&lab);
+}
+
+/// Proxy settings from the agent config reach the executor's environment, and the proxy is
+/// reachable though it is not in the executor's allow list (only the proxy's port).
+#[test]
+fn proxy_settings_reach_the_executor() {
+    if !prerequisites() {
+        return;
+    }
+    let lab = Lab::new();
+    let s = lab.banners(&["198.51.100.10:80", "198.51.100.11:3128", "198.51.100.11:80"]);
+    let conf = Conf::new(
+        "  proxy:\n    http: \"http://198.51.100.11:3128\"\n    https: \"http://198.51.100.11:3128\"\n    no_proxy: [\"10.0.0.0/8\"]\n",
+    );
+    let names = ["HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy"];
+    let p = probe(
+        &lab,
+        &conf,
+        json!({"outbound": true, "allowed_hosts": ["198.51.100.10"]}),
+        limits(),
+        json!([
+            ["env", names],
+            ["connect", "198.51.100.11", 3128],
+            ["connect", "198.51.100.10", 80],
+            ["connect", "198.51.100.11", 80]
+        ]),
+    );
+    let env = &p.step(0)["env"];
+    for n in ["HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"] {
+        assert_eq!(env[n], "http://198.51.100.11:3128", "{n}: {env}");
+    }
+    for n in ["NO_PROXY", "no_proxy"] {
+        let v = env[n].as_str().unwrap_or_else(|| panic!("{n} unset: {env}"));
+        assert!(v.split(',').any(|e| e.trim() == "10.0.0.0/8"), "{n}={v}");
+    }
+    assert_connected(p.step(1), "198.51.100.11:3128");
+    assert_connected(p.step(2), "198.51.100.10:80");
+    assert_blocked(p.step(3), "198.51.100.11:80 (the proxy host, but not the proxy port)");
+    assert_eq!(s[2].accepted(), 0);
+    assert_host_clean(&lab);
+}
+
+// ---------------------------------------------------------------------------------------
+// Leaks
+// ---------------------------------------------------------------------------------------
+
+/// Many sequential egress runs leave nothing behind: no interfaces, pool addresses or routes,
+/// nft tables, processes or cgroups. 1000 runs (`OPSERVANT_LEAK_RUNS` lowers it locally; under
+/// CI the full count always runs).
+#[test]
+fn no_leaks_after_many_egress_runs() {
+    if !prerequisites() {
+        return;
+    }
+    let runs: usize = match std::env::var("OPSERVANT_LEAK_RUNS").ok().and_then(|v| v.parse().ok()) {
+        Some(n) if !common::in_ci() => n,
+        Some(_) => {
+            eprintln!("CI=true: OPSERVANT_LEAK_RUNS ignored, running 1000");
+            1000
+        }
+        None => 1000,
+    };
+    let lab = Lab::new();
+    let srv = lab.banner("198.51.100.10:80");
+    let conf = Conf::new("");
+    let pkg =
+        probe_package(&json!({"outbound": true, "allowed_hosts": ["allowed.test"], "allowed_ports": [80]}), &limits());
+    let params = json!({"steps": [["connect", "allowed.test", 80]]}).to_string();
+    let mut pids = Vec::with_capacity(runs);
+    let started = Instant::now();
+    for i in 0..runs {
+        let out = run_in(&lab, &pkg.path, &["--config", conf.arg(), "--params", &params]);
+        let r = out.completed();
+        assert_eq!(r["sandbox"]["network"], "egress", "run {i}: {}", r["sandbox"]);
+        assert_connected(&r["output"]["steps"][0], "198.51.100.10:80");
+        pids.push(out.pid);
+        if (i + 1) % 100 == 0 || i + 1 == runs {
+            let waited = assert_host_clean(&lab);
+            eprintln!(
+                "leak check: {} runs, {:.1} s (clean after {} ms)",
+                i + 1,
+                started.elapsed().as_secs_f64(),
+                waited.as_millis()
+            );
+        }
+    }
+    assert_eq!(srv.accepted(), runs as u64);
+    assert_host_clean(&lab);
+    let cgroups: Vec<PathBuf> = pids.iter().flat_map(|p| common::cgroups_of(*p)).collect();
+    assert!(cgroups.is_empty(), "sandbox cgroups left: {cgroups:?}");
+    let procs = common::host_processes_with(pkg.str());
+    assert!(procs.is_empty(), "processes of the runs left: {procs:?}");
+}
