@@ -51,7 +51,7 @@ pub enum NetError {
     #[error("{what} {op}: {message}")]
     Protocol { what: &'static str, op: String, message: String },
     #[error("{0}")]
-    Forwarding(String),
+    Unavailable(String),
     #[error("the address pool {0} has no free slot")]
     PoolExhausted(String),
 }
@@ -315,8 +315,18 @@ impl HostLease {
     fn acquire(pool: &Pool, release: HostTableRelease, host: &mut Netlink) -> Result<Self, NetError> {
         let lock = open_lock(&host_lock_path(&pool.lock_dir)?)?;
         flock(&lock, libc::LOCK_SH).map_err(|e| NetError::io("lock", "host table lease", e))?;
-        if !nft::host_table_exists(host)? {
-            nft::create_host_table(host, &pool.v4, pool.v6.as_ref())?;
+        let want = nft::host_table_tag(&pool.v4, pool.v6.as_ref());
+        let found = match nft::host_table(host)? {
+            Some(tag) => Some(tag),
+            None if nft::create_host_table(host, &pool.v4, pool.v6.as_ref())? => None,
+            None => nft::host_table(host)?,
+        };
+        // A table made for other pools would not masquerade this sandbox's traffic: refuse.
+        if let Some(tag) = found.filter(|t| *t != want) {
+            return Err(NetError::Unavailable(format!(
+                "the host table `inet {}` in use here serves other pools ({tag}); this configuration needs {want}",
+                nft::TABLE
+            )));
         }
         Ok(Self { lock, release, lock_dir_for_gc: pool.lock_dir.clone() })
     }
@@ -449,7 +459,7 @@ fn check_forwarding(manage: bool) -> Result<Option<String>, NetError> {
     const V6: &str = "/proc/sys/net/ipv6/conf/all/forwarding";
     if read_sysctl(V4).as_deref() != Some("1") {
         if !manage {
-            return Err(NetError::Forwarding(
+            return Err(NetError::Unavailable(
                 "IPv4 forwarding is off (net.ipv4.ip_forward=0): install the shipped sysctl drop-in (systemd/sysctl.d/60-opservant.conf) or set network.egress.manage_forwarding".into(),
             ));
         }
@@ -500,7 +510,7 @@ pub struct Reservation {
 
 /// Check forwarding, take the host-table lease and reserve a slot (steps 1–3).
 pub fn reserve(plan: &EgressPlan) -> Result<Reservation, NetError> {
-    plan.pool.validate().map_err(NetError::Forwarding)?;
+    plan.pool.validate().map_err(NetError::Unavailable)?;
     let v6_unavailable = check_forwarding(plan.manage_forwarding)?;
     let pool6 = if v6_unavailable.is_none() { plan.pool.v6 } else { None };
     let ipv6_unavailable = match (&v6_unavailable, plan.pool.v6) {

@@ -5,8 +5,6 @@
 //! request is therefore one `sendmsg` followed by draining the replies; a failed message's
 //! error is returned, never dropped. Dumps are read until `NLMSG_DONE`.
 
-use std::os::fd::{AsRawFd, BorrowedFd};
-
 use netlink_packet_core::{
     NetlinkDeserializable, NetlinkHeader, NetlinkMessage, NetlinkPayload, NetlinkSerializable, NLM_F_ACK, NLM_F_DUMP,
     NLM_F_REQUEST,
@@ -31,16 +29,12 @@ impl Netlink {
         Self::open(netlink_sys::constants::NETLINK_NETFILTER, "nfnetlink")
     }
 
+    /// A socket of `protocol` (netlink-sys creates it close-on-exec).
     fn open(protocol: isize, what: &'static str) -> Result<Self, NetError> {
         let mut sock = Socket::new(protocol).map_err(|e| NetError::io(what, "socket", e))?;
         sock.bind_auto().map_err(|e| NetError::io(what, "bind", e))?;
         // Extended acks carry the kernel's reason string; best effort (old kernels lack it).
         let _ = sock.set_ext_ack(true);
-        // SAFETY: netlink-sys sockets are created close-on-exec? Not guaranteed, so set it:
-        // the fd is owned by `sock` for the duration of the call.
-        let fd = unsafe { BorrowedFd::borrow_raw(sock.as_raw_fd()) };
-        nix::fcntl::fcntl(fd, nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC))
-            .map_err(|e| NetError::io(what, "fcntl", e.into()))?;
         Ok(Self { sock, seq: 1, what })
     }
 
@@ -50,7 +44,9 @@ impl Netlink {
     }
 
     /// Serialise `msgs` into one buffer (each with `flags | NLM_F_REQUEST`), send it in one
-    /// `sendmsg`, and check every reply. `acked` says which messages request an ACK.
+    /// `sendmsg`, and wait for the reply to every message whose flags ask for an ACK; the
+    /// first error wins. After an error the remaining replies are read without blocking (a
+    /// failed nfnetlink batch is aborted, so fewer may come).
     pub(crate) fn transact<I>(&mut self, msgs: Vec<(I, u16)>, op: &str) -> Result<(), NetError>
     where
         I: NetlinkSerializable + NetlinkDeserializable + std::fmt::Debug,
@@ -74,7 +70,7 @@ impl Netlink {
         self.sock.send(&buf, 0).map_err(|e| NetError::io(self.what, op, e))?;
         let mut first_error: Option<NetError> = None;
         while !pending.is_empty() {
-            let data = self.recv(op, !pending.is_empty() && first_error.is_none())?;
+            let data = self.recv(op, first_error.is_none())?;
             let Some(data) = data else { break };
             for (seq, result) in parse_acks(&data, op, self.what)? {
                 pending.retain(|s| *s != seq);

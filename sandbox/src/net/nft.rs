@@ -257,14 +257,13 @@ impl Batch {
         ));
     }
 
-    fn table(&mut self, exclusive: bool) {
-        let flags = if exclusive { NLM_F_CREATE | NLM_F_EXCL } else { NLM_F_CREATE };
-        self.push(
-            NfTablesMessage::NewTable(TableMessage {
-                attributes: vec![TableAttribute::Name(TABLE.into()), TableAttribute::Flags(TableFlags::default())],
-            }),
-            flags,
-        );
+    /// The table, created exclusively; `tag` is kept as its user data.
+    fn table(&mut self, tag: Option<&str>) {
+        let mut attributes = vec![TableAttribute::Name(TABLE.into()), TableAttribute::Flags(TableFlags::default())];
+        if let Some(t) = tag {
+            attributes.push(TableAttribute::UserData(t.as_bytes().to_vec()));
+        }
+        self.push(NfTablesMessage::NewTable(TableMessage { attributes }), NLM_F_CREATE | NLM_F_EXCL);
     }
 
     fn chain(&mut self, name: &str, hook: Option<(InetHookNumber, i32, &str, u32)>) {
@@ -331,7 +330,7 @@ pub(crate) fn load_sandbox_ruleset(
     gateway6: Option<Ipv6Addr>,
 ) -> Result<(), NetError> {
     let mut b = Batch::new();
-    b.table(true);
+    b.table(None);
     b.chain("output", Some((InetHookNumber::LocalOut, 0, "filter", NF_DROP)));
     for c in ["out4", "out6", "ports", "blocked"] {
         b.chain(c, None);
@@ -431,11 +430,19 @@ pub(crate) fn load_sandbox_ruleset(
     b.commit(nl, "load sandbox ruleset")
 }
 
+/// What the host table records about the pools it serves (its user data).
+pub(crate) fn host_table_tag(pool4: &IpNet, pool6: Option<&IpNet>) -> String {
+    match pool6 {
+        Some(p6) => format!("opservant pools {pool4} {p6}"),
+        None => format!("opservant pools {pool4}"),
+    }
+}
+
 /// Create the host table for `pool4`/`pool6` unless it exists. `Ok(false)` when another
 /// process created it first (the batch is exclusive, so rules are never doubled).
 pub(crate) fn create_host_table(nl: &mut Netlink, pool4: &IpNet, pool6: Option<&IpNet>) -> Result<bool, NetError> {
     let mut b = Batch::new();
-    b.table(true);
+    b.table(Some(&host_table_tag(pool4, pool6)));
     b.chain("postrouting", Some((InetHookNumber::PostRouting, 100, "nat", NF_ACCEPT)));
     b.chain("forward", Some((InetHookNumber::Forward, 0, "filter", NF_ACCEPT)));
     b.chain("input", Some((InetHookNumber::LocalIn, 0, "filter", NF_ACCEPT)));
@@ -493,15 +500,26 @@ pub(crate) fn generation(nl: &mut Netlink) -> Result<(), NetError> {
     nl.get(msg, 0, "get ruleset generation").map(|_| ())
 }
 
-/// Does the host table exist in `nl`'s namespace?
-pub(crate) fn host_table_exists(nl: &mut Netlink) -> Result<bool, NetError> {
+/// The host table's tag ([`host_table_tag`]) if it exists in `nl`'s namespace.
+pub(crate) fn host_table(nl: &mut Netlink) -> Result<Option<String>, NetError> {
     let msg = NetfilterMessage::new(
         NetfilterHeader::new(NetfilterProtoFamily::Inet, 0, 0),
         NfTablesMessage::GetTable(TableMessage { attributes: vec![TableAttribute::Name(TABLE.into())] }),
     );
     match nl.get(msg, 0, "get host table") {
-        Ok(_) => Ok(true),
-        Err(NetError::Kernel { errno, .. }) if errno == libc::ENOENT => Ok(false),
+        Ok(replies) => {
+            let tag = replies.into_iter().find_map(|r| match r.inner {
+                netlink_packet_netfilter::NetfilterMessageInner::NfTables(NfTablesMessage::NewTable(t)) => {
+                    t.attributes.into_iter().find_map(|a| match a {
+                        TableAttribute::UserData(d) => Some(String::from_utf8_lossy(&d).into_owned()),
+                        _ => None,
+                    })
+                }
+                _ => None,
+            });
+            Ok(Some(tag.unwrap_or_default()))
+        }
+        Err(NetError::Kernel { errno, .. }) if errno == libc::ENOENT => Ok(None),
         Err(e) => Err(e),
     }
 }
