@@ -36,6 +36,22 @@ pub struct Config {
     pub secrets: SecretsSection,
     #[serde(default)]
     pub network: NetworkSection,
+    #[serde(default)]
+    pub executors: ExecutorsSection,
+}
+
+/// Installed executors (`opservant executor install`).
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExecutorsSection {
+    /// Where installed executors live (default /var/lib/opservant/executors).
+    pub dir: Option<std::path::PathBuf>,
+}
+
+impl ExecutorsSection {
+    pub fn root(&self) -> std::path::PathBuf {
+        self.dir.clone().unwrap_or_else(|| crate::executor_install::DEFAULT_ROOT.into())
+    }
 }
 
 /// Seed 001's `network` block plus `egress` (how sandboxes reach the network).

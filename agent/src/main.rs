@@ -85,6 +85,28 @@ enum Command {
         #[command(subcommand)]
         command: ExecutorCommand,
     },
+    /// Create an Ed25519 key pair for signing commands: DIR/signing.key (PKCS#8 PEM, mode
+    /// 0600) and DIR/signing.pub (PEM). Never overwrites.
+    Keygen {
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Sign a command: add `timestamp` when absent and `signature` (Ed25519 over the RFC 8785
+    /// canonical JSON without `signature`); print the signed command.
+    Sign {
+        #[arg(long)]
+        key: PathBuf,
+        /// The command JSON (`-` for stdin).
+        command: PathBuf,
+    },
+    /// Verify a signed command: signature and clock skew. Exit 0 when both pass, 1 when not.
+    Verify {
+        #[arg(long = "pub")]
+        public_key: PathBuf,
+        signed: PathBuf,
+        #[arg(long)]
+        json: bool,
+    },
     /// Describe what this host supports and what will be degraded. Exit 1 when a required
     /// feature is missing.
     Doctor {
@@ -101,6 +123,37 @@ enum ExecutorCommand {
         dir: PathBuf,
         #[arg(long)]
         json: bool,
+        #[arg(long)]
+        config: Option<PathBuf>,
+    },
+    /// Install an executor from a directory or a .tar.gz/.tgz/.tar package into the executors
+    /// directory (`executors.dir`); it must lint clean. Requirements are installed from wheels.
+    Install {
+        package: PathBuf,
+        /// Install again a version that is already installed.
+        #[arg(long)]
+        force: bool,
+        /// More wheels for `requirements.packages` (repeatable).
+        #[arg(long = "find-links", value_name = "DIR")]
+        find_links: Vec<PathBuf>,
+        /// A package index for `requirements.packages`.
+        #[arg(long = "index-url", value_name = "URL")]
+        index_url: Option<String>,
+        #[arg(long)]
+        json: bool,
+        #[arg(long)]
+        config: Option<PathBuf>,
+    },
+    /// List the installed executors.
+    List {
+        #[arg(long)]
+        json: bool,
+        #[arg(long)]
+        config: Option<PathBuf>,
+    },
+    /// Remove an installed executor. Exit 1 when it is not installed.
+    Remove {
+        name: String,
         #[arg(long)]
         config: Option<PathBuf>,
     },
@@ -212,7 +265,20 @@ fn main() -> ExitCode {
             return ExitCode::from(code as u8);
         }
         Command::Executor { command: ExecutorCommand::Lint { dir, json, config } } => lint(dir, json, config),
+        Command::Executor {
+            command: ExecutorCommand::Install { package, force, find_links, index_url, json, config },
+        } => executor_install(
+            &package,
+            agent::executor_install::InstallOptions { force, find_links, index_url },
+            json,
+            config,
+        ),
+        Command::Executor { command: ExecutorCommand::List { json, config } } => executor_list(json, config),
+        Command::Executor { command: ExecutorCommand::Remove { name, config } } => executor_remove(&name, config),
         Command::Doctor { json } => doctor(json),
+        Command::Keygen { out } => keygen(&out),
+        Command::Sign { key, command } => sign_command(&key, &command),
+        Command::Verify { public_key, signed, json } => verify_command(&public_key, &signed, json),
     };
     match result {
         Ok(code) => code,
@@ -276,6 +342,18 @@ fn run_executor(
     let config = agent::config::Config::load(config.as_deref())?;
     let policy = AgentPolicy::from_config(&config)?;
     let params = read_params(&params)?;
+    // A directory, or the name of an installed executor.
+    let dir = if dir.exists() {
+        dir
+    } else {
+        let name = dir.to_string_lossy();
+        agent::executor_install::resolve(&config.executors.root(), &name).ok_or_else(|| {
+            CannotRun(format!(
+                "{name}: not a directory, nor an executor installed in {}",
+                config.executors.root().display()
+            ))
+        })?
+    };
     let executor = agent::executor_run::Executor::load(&dir).map_err(|e| CannotRun(e.0))?;
     for w in &executor.warnings {
         tracing::warn!(executor = %executor.manifest.name, "{w}");
@@ -295,6 +373,66 @@ fn run_executor(
     .map_err(|e| CannotRun(e.0))?;
     println!("{}", serde_json::to_string(&result)?);
     Ok(if result.status == Status::Completed { ExitCode::SUCCESS } else { ExitCode::from(1) })
+}
+
+fn read_input(path: &std::path::Path) -> Result<Vec<u8>, CannotRun> {
+    use std::io::Read;
+    let mut buf = Vec::new();
+    let limit = agent::signing::MAX_COMMAND_BYTES as u64 + 1;
+    let read = if path == std::path::Path::new("-") {
+        std::io::stdin().take(limit).read_to_end(&mut buf)
+    } else {
+        std::fs::File::open(path).and_then(|f| f.take(limit).read_to_end(&mut buf))
+    };
+    read.map_err(|e| CannotRun(format!("{}: {e}", path.display())))?;
+    Ok(buf)
+}
+
+fn keygen(out: &std::path::Path) -> Result<ExitCode, CannotRun> {
+    let (key, public) = agent::signing::keygen(out).map_err(|e| CannotRun(e.to_string()))?;
+    println!("{}\n{}", key.display(), public.display());
+    Ok(ExitCode::SUCCESS)
+}
+
+fn sign_command(key: &std::path::Path, command: &std::path::Path) -> Result<ExitCode, CannotRun> {
+    use agent::signing;
+    let key = signing::load_signing_key(key).map_err(|e| CannotRun(e.to_string()))?;
+    let mut cmd =
+        signing::parse_command(&read_input(command)?).map_err(|e| CannotRun(format!("{}: {e}", command.display())))?;
+    signing::sign(&mut cmd, &key, signing::now()).map_err(|e| CannotRun(e.to_string()))?;
+    let text =
+        serde_json_canonicalizer::to_string(&serde_json::Value::Object(cmd)).map_err(|e| CannotRun(e.to_string()))?;
+    println!("{text}");
+    Ok(ExitCode::SUCCESS)
+}
+
+fn verify_command(public: &std::path::Path, signed: &std::path::Path, json: bool) -> Result<ExitCode, CannotRun> {
+    use agent::signing;
+    let key = signing::load_verifying_key(public).map_err(|e| CannotRun(e.to_string()))?;
+    let cmd =
+        signing::parse_command(&read_input(signed)?).map_err(|e| CannotRun(format!("{}: {e}", signed.display())))?;
+    let v = signing::verify(&cmd, &key, signing::now()).map_err(|e| CannotRun(e.to_string()))?;
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "valid": v.valid(),
+                "signature": match &v.signature { Ok(()) => "valid".to_string(), Err(e) => e.clone() },
+                "timestamp": match &v.timestamp { Ok(_) => "within window".to_string(), Err(e) => e.clone() },
+                "skew_seconds": v.timestamp.as_ref().ok(),
+            })
+        );
+    } else {
+        match &v.signature {
+            Ok(()) => println!("signature: valid"),
+            Err(e) => println!("signature: INVALID ({e})"),
+        }
+        match &v.timestamp {
+            Ok(skew) => println!("timestamp: within {}s of this clock (skew {skew:+}s)", signing::MAX_SKEW_S),
+            Err(e) => println!("timestamp: REJECTED ({e})"),
+        }
+    }
+    Ok(if v.valid() { ExitCode::SUCCESS } else { ExitCode::from(1) })
 }
 
 fn load_manifest(path: &std::path::Path) -> Result<agent::manifest::Manifest, CannotRun> {
@@ -412,6 +550,59 @@ fn session(command: SessionCommand) -> Result<ExitCode, CannotRun> {
         SessionCommand::List => {
             println!("{}", session::list().map_err(|e| CannotRun(e.0))?);
             Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+fn executor_install(
+    package: &std::path::Path,
+    opts: agent::executor_install::InstallOptions,
+    json: bool,
+    config: Option<PathBuf>,
+) -> Result<ExitCode, CannotRun> {
+    let config = agent::config::Config::load(config.as_deref())?;
+    let policy = AgentPolicy::from_config(&config)?;
+    let root = config.executors.root();
+    let installed = agent::executor_install::install(package, &root, &policy, &opts)
+        .map_err(|e| CannotRun(format!("{}: {e}", package.display())))?;
+    agent::audit::record(
+        "executor_installed",
+        &[("executor", &installed.name), ("version", &installed.version), ("source", &package.to_string_lossy())],
+    );
+    if json {
+        println!("{}", serde_json::to_string(&installed)?);
+    } else {
+        for w in &installed.warnings {
+            eprintln!("opservant: warning: {w}");
+        }
+        println!("installed {} {} in {}", installed.name, installed.version, installed.path.display());
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn executor_list(json: bool, config: Option<PathBuf>) -> Result<ExitCode, CannotRun> {
+    let config = agent::config::Config::load(config.as_deref())?;
+    let list = agent::executor_install::list(&config.executors.root()).map_err(|e| CannotRun(e.to_string()))?;
+    if json {
+        println!("{}", serde_json::to_string(&list)?);
+    } else {
+        for e in &list {
+            println!("{}\t{}\t{}", e.name, e.version, e.supported_actions.join(","));
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn executor_remove(name: &str, config: Option<PathBuf>) -> Result<ExitCode, CannotRun> {
+    let config = agent::config::Config::load(config.as_deref())?;
+    match agent::executor_install::remove(&config.executors.root(), name).map_err(|e| CannotRun(e.to_string()))? {
+        true => {
+            agent::audit::record("executor_removed", &[("executor", name)]);
+            Ok(ExitCode::SUCCESS)
+        }
+        false => {
+            eprintln!("opservant: {name}: not installed");
+            Ok(ExitCode::from(1))
         }
     }
 }

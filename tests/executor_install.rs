@@ -1,0 +1,255 @@
+//! `opservant executor install | list | remove` and `opservant run NAME`: the real binary,
+//! as root, with the executors directory in a host scratch directory (never
+//! /var/lib/opservant). Packages come as directories and as archives, including hostile
+//! archives built here with Python's `tarfile` (a path escaping with `..`, an absolute path,
+//! a symbolic link, a hard link, a device): each is refused as a whole and leaves nothing.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use common::HostDir;
+use serde_json::Value;
+
+struct Out {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+struct Env {
+    dir: HostDir,
+    root: PathBuf,
+    config: PathBuf,
+}
+
+impl Env {
+    fn new() -> Env {
+        let dir = HostDir::new();
+        let root = dir.path.join("executors");
+        let config = dir.path.join("config.yaml");
+        std::fs::write(&config, format!("executors:\n  dir: {}\n", root.display())).unwrap();
+        Env { dir, root, config }
+    }
+
+    fn op(&self, args: &[&str]) -> Out {
+        let mut all: Vec<&str> = args.to_vec();
+        all.extend(["--config", self.config.to_str().unwrap()]);
+        let out = Command::new(common::opservant()).args(&all).stdin(Stdio::null()).output().expect("spawn opservant");
+        Out {
+            code: out.status.code().unwrap_or(-1),
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        }
+    }
+
+    /// Nothing but installed executors below the root: no staging or removal leftovers.
+    fn entries(&self) -> Vec<String> {
+        let mut v: Vec<String> = match std::fs::read_dir(&self.root) {
+            Ok(rd) => rd.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect(),
+            Err(_) => vec![],
+        };
+        v.sort();
+        v
+    }
+}
+
+const EXECUTOR_PY: &str = r#"from opservant.executor import BaseExecutor, ExecutorResult
+
+
+class Hello(BaseExecutor):
+    def validate(self, params):
+        return True
+
+    def execute(self, params, context):
+        out = {"version": VERSION}
+        try:
+            import tinydep
+            out["dep"] = tinydep.VALUE
+        except ImportError:
+            pass
+        return ExecutorResult(status="completed", output=out)
+"#;
+
+/// A package directory `hello` of `version`, optionally requiring `tinydep`.
+fn package(parent: &Path, version: &str, requires: bool) -> PathBuf {
+    let dir = parent.join(format!("hello-{version}"));
+    std::fs::create_dir_all(dir.join("hello")).unwrap();
+    std::fs::write(dir.join("hello/__init__.py"), "").unwrap();
+    std::fs::write(dir.join("hello/main.py"), format!("VERSION = {version:?}\n{EXECUTOR_PY}")).unwrap();
+    let packages = if requires { r#"["tinydep"]"# } else { "[]" };
+    std::fs::write(
+        dir.join("manifest.json"),
+        format!(
+            r#"{{"name": "hello", "version": "{version}", "description": "test", "author": "t",
+                 "supported_actions": ["act-hello"], "entry_point": "hello.main.Hello",
+                 "requirements": {{"packages": {packages}}}, "permissions": {{}}}}"#
+        ),
+    )
+    .unwrap();
+    dir
+}
+
+fn python(script: &str) {
+    let st = Command::new("/usr/bin/python3").args(["-c", script]).status().expect("python3");
+    assert!(st.success(), "python3 failed: {script}");
+}
+
+/// `tinydep-1.0-py3-none-any.whl` (a minimal pure-Python wheel) in `dir`.
+fn wheel(dir: &Path) {
+    std::fs::create_dir_all(dir).unwrap();
+    python(&format!(
+        r#"
+import zipfile
+with zipfile.ZipFile({:?} + "/tinydep-1.0-py3-none-any.whl", "w") as z:
+    z.writestr("tinydep/__init__.py", "VALUE = 42\n")
+    z.writestr("tinydep-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: tinydep\nVersion: 1.0\n")
+    z.writestr("tinydep-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+    z.writestr("tinydep-1.0.dist-info/RECORD", "tinydep/__init__.py,,\ntinydep-1.0.dist-info/METADATA,,\ntinydep-1.0.dist-info/WHEEL,,\ntinydep-1.0.dist-info/RECORD,,\n")
+"#,
+        dir.to_str().unwrap()
+    ));
+}
+
+fn run_output(env: &Env, name: &str) -> Value {
+    let out = env.op(&["run", name]);
+    assert_eq!(out.code, 0, "{} {}", out.stdout, out.stderr);
+    let r: Value = serde_json::from_str(out.stdout.trim()).unwrap();
+    r["output"].clone()
+}
+
+#[test]
+fn install_list_run_upgrade_and_remove() {
+    if !common::require_root() {
+        return;
+    }
+    let env = Env::new();
+    let v1 = package(&env.dir.path, "1.0.0", false);
+    let out = env.op(&["executor", "install", v1.to_str().unwrap()]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert_eq!(run_output(&env, "hello")["version"], "1.0.0");
+
+    let out = env.op(&["executor", "list", "--json"]);
+    let list: Value = serde_json::from_str(out.stdout.trim()).unwrap();
+    assert_eq!(list[0]["name"], "hello");
+    assert_eq!(list[0]["version"], "1.0.0");
+    assert_eq!(list[0]["supported_actions"][0], "act-hello");
+
+    // The same version again: refused unless forced.
+    let out = env.op(&["executor", "install", v1.to_str().unwrap()]);
+    assert_eq!(out.code, 2);
+    assert!(out.stderr.contains("already installed"), "{}", out.stderr);
+    assert_eq!(env.op(&["executor", "install", "--force", v1.to_str().unwrap()]).code, 0);
+
+    // Upgrades switch `current`; the previous version stays, older ones go.
+    for v in ["1.1.0", "1.2.0"] {
+        let p = package(&env.dir.path, v, false);
+        assert_eq!(env.op(&["executor", "install", p.to_str().unwrap()]).code, 0);
+        assert_eq!(run_output(&env, "hello")["version"], v);
+    }
+    let mut versions: Vec<String> = std::fs::read_dir(env.root.join("hello"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    versions.sort();
+    assert_eq!(versions, ["1.1.0", "1.2.0", "current"]);
+    assert_eq!(std::fs::read_link(env.root.join("hello/current")).unwrap(), PathBuf::from("1.2.0"));
+
+    assert_eq!(env.op(&["executor", "remove", "hello"]).code, 0);
+    assert_eq!(env.entries(), Vec::<String>::new(), "nothing left after remove");
+    assert_eq!(env.op(&["executor", "remove", "hello"]).code, 1);
+    let out = env.op(&["run", "hello"]);
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(out.stderr.contains("not a directory, nor an executor installed"), "{}", out.stderr);
+}
+
+#[test]
+fn archives_install_and_hostile_archives_are_refused_whole() {
+    if !common::require_root() {
+        return;
+    }
+    let env = Env::new();
+    let src = package(&env.dir.path, "2.0.0", false);
+    let good = env.dir.path.join("hello.tar.gz");
+    let st = Command::new("tar")
+        .args(["czf", good.to_str().unwrap(), "-C", env.dir.path.to_str().unwrap(), "hello-2.0.0"])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let out = env.op(&["executor", "install", good.to_str().unwrap()]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert_eq!(run_output(&env, "hello")["version"], "2.0.0");
+    assert_eq!(env.op(&["executor", "remove", "hello"]).code, 0);
+
+    let base = env.dir.path.to_str().unwrap().to_string();
+    let src = src.to_str().unwrap().to_string();
+    for (name, member, needle) in [
+        ("dotdot", "i = tarfile.TarInfo('hello/../../escape.py'); i.size = 1; t.addfile(i, io.BytesIO(b'x'))", "'..'"),
+        ("absolute", "i = tarfile.TarInfo('/tmp/opservant-escape.py'); i.size = 1; t.addfile(i, io.BytesIO(b'x'))", "absolute"),
+        ("symlink", "i = tarfile.TarInfo('hello/hello/shadow'); i.type = tarfile.SYMTYPE; i.linkname = '/etc/shadow'; t.addfile(i)", "symbolic link"),
+        ("hardlink", "i = tarfile.TarInfo('hello/hello/hard'); i.type = tarfile.LNKTYPE; i.linkname = 'hello/manifest.json'; t.addfile(i)", "hard link"),
+        ("device", "i = tarfile.TarInfo('hello/hello/null'); i.type = tarfile.CHRTYPE; i.devmajor = 1; i.devminor = 3; t.addfile(i)", "device"),
+        ("fifo", "i = tarfile.TarInfo('hello/hello/fifo'); i.type = tarfile.FIFOTYPE; t.addfile(i)", "FIFO"),
+    ] {
+        let archive = format!("{base}/{name}.tar.gz");
+        // A valid package plus one hostile member: the whole archive must be refused.
+        python(&format!(
+            "import tarfile, io\nwith tarfile.open({archive:?}, 'w:gz') as t:\n    t.add({src:?}, arcname='hello')\n    {member}\n"
+        ));
+        let out = env.op(&["executor", "install", &archive]);
+        assert_eq!(out.code, 2, "{name}: {} {}", out.stdout, out.stderr);
+        assert!(out.stderr.contains(needle), "{name}: {}", out.stderr);
+        assert_eq!(env.entries(), Vec::<String>::new(), "{name}: nothing left behind");
+    }
+    assert!(!Path::new("/tmp/opservant-escape.py").exists());
+    assert!(!env.dir.path.join("escape.py").exists());
+
+    // Not an archive, a broken archive, an invalid manifest.
+    std::fs::write(env.dir.path.join("junk.tar.gz"), b"not gzip").unwrap();
+    let out = env.op(&["executor", "install", &format!("{base}/junk.tar.gz")]);
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    let bad = package(&env.dir.path, "3.0.0", false);
+    std::fs::write(bad.join("manifest.json"), r#"{"name": "Bad Name", "version": "x"}"#).unwrap();
+    let out = env.op(&["executor", "install", bad.to_str().unwrap()]);
+    assert_eq!(out.code, 2);
+    assert!(out.stderr.contains("manifest.json"), "{}", out.stderr);
+    assert_eq!(env.entries(), Vec::<String>::new());
+}
+
+#[test]
+fn requirements_come_from_wheels_only() {
+    if !common::require_root() {
+        return;
+    }
+    let env = Env::new();
+    let p = package(&env.dir.path, "1.0.0", true);
+    // No wheels anywhere: refused, with the remedy.
+    let out = env.op(&["executor", "install", p.to_str().unwrap()]);
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(out.stderr.contains("no wheels"), "{}", out.stderr);
+    assert_eq!(env.entries(), Vec::<String>::new());
+    // With the wheel in the package's wheels/ directory.
+    wheel(&p.join("wheels"));
+    let out = env.op(&["executor", "install", p.to_str().unwrap()]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert_eq!(run_output(&env, "hello")["dep"], 42);
+    // From --find-links, for a package without its own wheels.
+    let q = package(&env.dir.path.join("q"), "1.1.0", true);
+    let links = env.dir.path.join("links");
+    wheel(&links);
+    let out = env.op(&["executor", "install", q.to_str().unwrap(), "--find-links", links.to_str().unwrap()]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert_eq!(run_output(&env, "hello")["dep"], 42);
+    // A requirement no wheel satisfies.
+    let r = package(&env.dir.path.join("r"), "1.2.0", true);
+    std::fs::write(
+        r.join("manifest.json"),
+        std::fs::read_to_string(r.join("manifest.json")).unwrap().replace("tinydep", "nosuchdep"),
+    )
+    .unwrap();
+    let out = env.op(&["executor", "install", r.to_str().unwrap(), "--find-links", links.to_str().unwrap()]);
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(out.stderr.contains("pip could not install nosuchdep"), "{}", out.stderr);
+}

@@ -1,0 +1,206 @@
+//! `opservant keygen | sign | verify` end to end: the real binary, real key files, OpenSSL
+//! interoperability, and every rejection the command line promises (exit 1 for a command
+//! that does not verify, exit 2 for input that cannot be read as a command).
+
+mod common;
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+use common::HostDir;
+use serde_json::{json, Value};
+
+struct Out {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+fn op(args: &[&str], stdin: Option<&[u8]>) -> Out {
+    use std::io::Write;
+    let mut child = Command::new(common::opservant())
+        .args(args)
+        .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn opservant");
+    if let Some(data) = stdin {
+        // A writer that is refused early (oversize input) may see EPIPE: that is fine.
+        let _ = child.stdin.take().expect("stdin").write_all(data);
+    }
+    let out = child.wait_with_output().expect("wait");
+    Out {
+        code: out.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().expect("utf-8 path")
+}
+
+fn keys(dir: &HostDir) -> (String, String) {
+    let out = op(&["keygen", "--out", s(&dir.path.join("keys"))], None);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    (s(&dir.path.join("keys/signing.key")).to_string(), s(&dir.path.join("keys/signing.pub")).to_string())
+}
+
+fn command() -> Value {
+    json!({"command_id": "cmd-8821", "action": "execute", "executor": "port-scanner",
+           "parameters": {"target_host": "10.0.1.5", "ports": [22, 80]}})
+}
+
+fn sign(key: &str, cmd: &Value) -> Value {
+    let out = op(&["sign", "--key", key, "-"], Some(cmd.to_string().as_bytes()));
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    serde_json::from_str(out.stdout.trim()).expect("signed command is JSON")
+}
+
+fn verify(public: &str, signed: &[u8]) -> Out {
+    op(&["verify", "--pub", public, "--json", "-"], Some(signed))
+}
+
+fn timestamp(offset_s: i64) -> String {
+    agent::signing::format_rfc3339(agent::signing::now() + offset_s)
+}
+
+#[test]
+fn keygen_writes_a_private_key_only_root_can_read_and_never_overwrites() {
+    let dir = HostDir::new();
+    let (key, public) = keys(&dir);
+    let mode = std::fs::metadata(&key).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600, "private key mode");
+    assert!(std::fs::read_to_string(&key).unwrap().starts_with("-----BEGIN PRIVATE KEY-----"));
+    assert!(std::fs::read_to_string(&public).unwrap().starts_with("-----BEGIN PUBLIC KEY-----"));
+    let before = std::fs::read(&key).unwrap();
+    let again = op(&["keygen", "--out", s(&dir.path.join("keys"))], None);
+    assert_eq!(again.code, 2, "{}", again.stderr);
+    assert!(again.stderr.contains("refusing to overwrite"), "{}", again.stderr);
+    assert_eq!(std::fs::read(&key).unwrap(), before, "the old key is untouched");
+
+    // A private key readable by others is refused.
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let out = op(&["sign", "--key", &key, "-"], Some(command().to_string().as_bytes()));
+    assert_eq!(out.code, 2);
+    assert!(out.stderr.contains("chmod 600"), "{}", out.stderr);
+}
+
+#[test]
+fn sign_adds_timestamp_and_verify_accepts_then_rejects_tampering() {
+    let dir = HostDir::new();
+    let (key, public) = keys(&dir);
+    let signed = sign(&key, &command());
+    assert!(signed["timestamp"].is_string() && signed["signature"].is_string(), "{signed}");
+    let out = verify(&public, signed.to_string().as_bytes());
+    assert_eq!(out.code, 0, "{} {}", out.stdout, out.stderr);
+    let v: Value = serde_json::from_str(&out.stdout).unwrap();
+    assert_eq!(v["valid"], true);
+
+    // Tampered parameters, action, executor: each breaks the signature.
+    for (path, value) in [
+        ("/parameters/ports", json!([22, 80, 443])),
+        ("/action", json!("remove_executor")),
+        ("/executor", json!("other")),
+    ] {
+        let mut bad = signed.clone();
+        *bad.pointer_mut(path).unwrap() = value;
+        let out = verify(&public, bad.to_string().as_bytes());
+        assert_eq!(out.code, 1, "{path}: {}", out.stdout);
+        let v: Value = serde_json::from_str(&out.stdout).unwrap();
+        assert_eq!(v["signature"], "bad signature", "{path}");
+    }
+    // Unsigned.
+    let out = verify(&public, command().to_string().as_bytes());
+    assert_eq!(out.code, 1);
+    assert!(out.stdout.contains("missing signature"), "{}", out.stdout);
+    // Signed by another key.
+    let other = HostDir::new();
+    let (other_key, _) = keys(&other);
+    let out = verify(&public, sign(&other_key, &command()).to_string().as_bytes());
+    assert_eq!(out.code, 1);
+    // Re-serialised with other key order and whitespace: still valid (canonical form).
+    let pretty = serde_json::to_string_pretty(&signed).unwrap();
+    assert_eq!(verify(&public, pretty.as_bytes()).code, 0);
+}
+
+#[test]
+fn timestamps_six_minutes_old_or_ahead_are_rejected() {
+    let dir = HostDir::new();
+    let (key, public) = keys(&dir);
+    for (offset, word) in [(-360, "behind"), (360, "ahead")] {
+        let mut cmd = command();
+        cmd["timestamp"] = json!(timestamp(offset));
+        let signed = sign(&key, &cmd);
+        assert_eq!(signed["timestamp"], cmd["timestamp"], "sign keeps an existing timestamp");
+        let out = verify(&public, signed.to_string().as_bytes());
+        assert_eq!(out.code, 1, "{offset}: {}", out.stdout);
+        let v: Value = serde_json::from_str(&out.stdout).unwrap();
+        assert_eq!(v["signature"], "valid");
+        assert!(v["timestamp"].as_str().unwrap().contains(word), "{v}");
+    }
+    let mut cmd = command();
+    cmd["timestamp"] = json!(timestamp(-120));
+    assert_eq!(verify(&public, sign(&key, &cmd).to_string().as_bytes()).code, 0, "2 minutes is within the window");
+}
+
+#[test]
+fn malformed_commands_are_refused_cleanly() {
+    let dir = HostDir::new();
+    let (key, public) = keys(&dir);
+    let deep = format!("{{\"a\":{}1{}}}", "[".repeat(100), "]".repeat(100));
+    let cases: Vec<(Vec<u8>, &str)> = vec![
+        (br#"{"command_id":"a","command_id":"b"}"#.to_vec(), "duplicate key"),
+        (br#"{"parameters":{"x":1,"x":2},"signature":"AA=="}"#.to_vec(), "duplicate key"),
+        (vec![b'{', 0xc3, 0x28, b'}'], "UTF-8"),
+        (deep.into_bytes(), "deep"),
+        (b"[1, 2]".to_vec(), "JSON object"),
+        (b"{\"a\": }".to_vec(), "not valid JSON"),
+        (vec![b' '; agent::signing::MAX_COMMAND_BYTES + 10], "bytes"),
+    ];
+    for (input, needle) in cases {
+        for out in [op(&["sign", "--key", &key, "-"], Some(&input)), verify(&public, &input)] {
+            assert_eq!(out.code, 2, "{needle}: {} {}", out.stdout, out.stderr);
+            assert!(out.stdout.is_empty());
+            assert_eq!(out.stderr.lines().count(), 1, "{}", out.stderr);
+            assert!(out.stderr.contains(needle), "{needle}: {}", out.stderr);
+        }
+    }
+    // A public key that is not one.
+    let bogus = dir.path.join("bogus.pub");
+    std::fs::write(&bogus, "not a key\n").unwrap();
+    let out = verify(s(&bogus), b"{}");
+    assert_eq!(out.code, 2);
+    assert!(out.stderr.contains("not an Ed25519 public key"), "{}", out.stderr);
+}
+
+#[test]
+fn openssl_keys_interoperate() {
+    if !common::require("openssl binary", Command::new("openssl").arg("version").output().is_ok()) {
+        return;
+    }
+    let dir = HostDir::new();
+    let (key, public) = keys(&dir);
+    // OpenSSL derives the same public key from our private key…
+    let derived = Command::new("openssl").args(["pkey", "-in", &key, "-pubout"]).output().unwrap();
+    assert!(derived.status.success(), "{}", String::from_utf8_lossy(&derived.stderr));
+    assert_eq!(String::from_utf8_lossy(&derived.stdout), std::fs::read_to_string(&public).unwrap());
+    // …and a key OpenSSL generates signs commands we verify.
+    let okey = dir.path.join("openssl.key");
+    let opub = dir.path.join("openssl.pub");
+    assert!(Command::new("openssl")
+        .args(["genpkey", "-algorithm", "ed25519", "-out", s(&okey)])
+        .status()
+        .unwrap()
+        .success());
+    std::fs::set_permissions(&okey, std::fs::Permissions::from_mode(0o600)).unwrap();
+    assert!(Command::new("openssl")
+        .args(["pkey", "-in", s(&okey), "-pubout", "-out", s(&opub)])
+        .status()
+        .unwrap()
+        .success());
+    let signed = sign(s(&okey), &command());
+    assert_eq!(verify(s(&opub), signed.to_string().as_bytes()).code, 0);
+}
