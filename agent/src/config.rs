@@ -38,6 +38,9 @@ pub struct Config {
     pub network: NetworkSection,
     #[serde(default)]
     pub executors: ExecutorsSection,
+    /// The hash-chained audit log (validated on parse; see [`crate::audit`]).
+    #[serde(default)]
+    pub audit: crate::audit::AuditSection,
 }
 
 /// Installed executors (`opservant executor install`).
@@ -146,10 +149,17 @@ pub struct SandboxSection {
 #[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct SecretsSection {
-    /// `file` (a local development secrets file); `vault` and the encrypted store come later.
+    /// `builtin` (the AES-256-GCM store) or `file` (a local development secrets file);
+    /// `vault` comes later.
     pub provider: Option<String>,
     /// For `provider: file`: a YAML map of name → value, root-owned, mode 0600.
     pub file: Option<PathBuf>,
+    /// The built-in store (`provider: builtin` and `opservant secrets`); default
+    /// /etc/opservant/secrets.enc.
+    pub store: Option<PathBuf>,
+    /// The built-in store's key, root-owned, mode 0600; default /etc/opservant/secrets.key.
+    /// The systemd credential `opservant-secrets-key` in $CREDENTIALS_DIRECTORY wins over it.
+    pub key_file: Option<PathBuf>,
     // Seed 001's Vault keys, accepted so its example parses.
     pub vault_address: Option<String>,
     pub vault_path: Option<String>,
@@ -197,11 +207,17 @@ impl Config {
             None => {}
             Some("file") if self.secrets.file.is_some() => {}
             Some("file") => return Err(err("secrets.file", "is required with provider: file")),
+            Some("builtin") => {}
             Some(other) => {
                 return Err(err(
                     "secrets.provider",
-                    &format!("'{other}' is not available in this build (use 'file'; Vault and the encrypted store come with the agent daemon)"),
+                    &format!("'{other}' is not available in this build (use 'builtin' or 'file'; Vault comes with the agent daemon)"),
                 ))
+            }
+        }
+        for (key, path) in [("secrets.store", &self.secrets.store), ("secrets.key_file", &self.secrets.key_file)] {
+            if path.as_ref().is_some_and(|p| !p.is_absolute()) {
+                return Err(err(key, "must be an absolute path"));
             }
         }
         self.limit_policy(LimitPolicy::builtin())?;

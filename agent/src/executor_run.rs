@@ -4,7 +4,8 @@
 //! Guarantees: an invalid manifest, an entry point outside the package, an unsupported
 //! action or Python requirement stop the run before any sandbox exists (exit status 2);
 //! secrets are delivered only for names the manifest declares, each grant and refusal is
-//! audited, and every delivered value is redacted from everything the result carries;
+//! audited, and every delivered value (and every common credential pattern, see
+//! [`crate::redact`]) is redacted from everything the result carries and from the log;
 //! the result's status follows the lifecycle (completed/failed/partial/rejected), the
 //! limits (OOM → failed + `killed_by: "oom"`; wall time → timeout), or the sandbox.
 
@@ -20,7 +21,7 @@ use crate::limits::EffectiveLimits;
 use crate::manifest::Manifest;
 use crate::policy::AgentPolicy;
 use crate::result::{ExecutorRef, RunResult, Status};
-use crate::secrets::{Provider, Redactor, REDACTED};
+use crate::secrets::{Provider, Redactor};
 
 /// The interpreter embedded in this binary (major, minor, patch).
 pub fn embedded_python() -> (u32, u32, u32) {
@@ -264,10 +265,18 @@ pub fn run(req: RunRequest) -> Result<RunResult, CannotRun> {
             ],
         );
     }
-    audit::record(
+    // Fail closed: the payload waits for its arguments, so nothing of the executor has run
+    // yet, and nothing will when its start cannot be audited (dropping `sb` kills the sandbox).
+    let command_id = req.command_id.clone().unwrap_or_default();
+    audit::try_record(
         "executor_start",
-        &[("executor", &m.name), ("version", &m.version), ("action", req.action.as_deref().unwrap_or(""))],
-    );
+        &[
+            ("executor", &m.name),
+            ("version", &m.version),
+            ("action", req.action.as_deref().unwrap_or("")),
+            ("command_id", &command_id),
+        ],
+    )?;
     let app_chan = sb.take_app_channel().ok_or_else(|| CannotRun("no application channel".into()))?;
     app_chan
         .send_bytes(&serde_json::to_vec(&args)?)
@@ -275,8 +284,8 @@ pub fn run(req: RunRequest) -> Result<RunResult, CannotRun> {
     let declared: Vec<String> = m.permissions.secrets.clone();
     let executor_name = m.name.clone();
     let cpu = sb.cpu_limiter();
-    let command_id = req.command_id.clone().unwrap_or_default();
-    let server = thread::spawn(move || serve(app_chan, &declared, &provider, &executor_name, &command_id, &cpu));
+    let cid = command_id.clone();
+    let server = thread::spawn(move || serve(app_chan, &declared, &provider, &executor_name, &cid, &cpu));
     let outcome = sb.wait(sandbox::OutputOptions::default());
     // The channel reaches end-of-file once the payload is gone, which ends the server.
     let app = server.join().map_err(|_| CannotRun("application channel server panicked".into()))?;
@@ -284,6 +293,10 @@ pub fn run(req: RunRequest) -> Result<RunResult, CannotRun> {
     let mut result = assemble(&outcome, &limits, app, req.executor, req.action.clone(), req.command_id.clone());
     if let Some(n) = net.take() {
         n.finish(&mut result, &m.name);
+    }
+    let killed_by = result.killed_by.as_deref().unwrap_or("");
+    if matches!(killed_by, "oom" | "timeout" | "pids") {
+        audit::record("limit_enforced", &[("executor", &m.name), ("limit", killed_by), ("command_id", &command_id)]);
     }
     audit::record(
         match result.status {
@@ -293,7 +306,8 @@ pub fn run(req: RunRequest) -> Result<RunResult, CannotRun> {
         &[
             ("executor", &m.name),
             ("status", status_str(result.status)),
-            ("killed_by", result.killed_by.as_deref().unwrap_or("")),
+            ("killed_by", killed_by),
+            ("command_id", &command_id),
         ],
     );
     Ok(result)
@@ -345,7 +359,7 @@ fn serve(
                 out.logs.push(record);
             }
             FromPayload::SecretRequest { name } => {
-                let reply = if !declared.iter().any(|d| d == &name) {
+                let mut reply = if !declared.iter().any(|d| d == &name) {
                     audit::record(
                         "secret_denied",
                         &[("executor", executor), ("secret", &name), ("reason", "not declared")],
@@ -355,12 +369,24 @@ fn serve(
                     }
                 } else {
                     match provider.get(&name) {
-                        Some(value) => {
-                            audit::record("secret_access", &[("executor", executor), ("secret", &name)]);
-                            out.redactor.add(value);
-                            ToPayload::Secret { value: value.to_string() }
+                        Ok(Some(value)) => {
+                            let fields =
+                                [("executor", executor), ("secret", name.as_str()), ("command_id", command_id)];
+                            // A grant that cannot be audited is refused (fail closed).
+                            match audit::try_record("secret_access", &fields) {
+                                Ok(()) => {
+                                    out.redactor.add(&value);
+                                    ToPayload::Secret { value: value.to_string() }
+                                }
+                                Err(e) => {
+                                    tracing::error!(executor, secret = %name, "secret refused: {e}");
+                                    ToPayload::SecretDenied {
+                                        reason: format!("secret '{name}' refused: its access could not be audited"),
+                                    }
+                                }
+                            }
                         }
-                        None => {
+                        Ok(None) => {
                             audit::record(
                                 "secret_denied",
                                 &[("executor", executor), ("secret", &name), ("reason", "unknown")],
@@ -369,9 +395,24 @@ fn serve(
                                 reason: format!("secret '{name}' is not available from the configured provider"),
                             }
                         }
+                        Err(e) => {
+                            tracing::error!(executor, secret = %name, "{e}");
+                            audit::record(
+                                "secret_denied",
+                                &[("executor", executor), ("secret", &name), ("reason", "provider error")],
+                            );
+                            ToPayload::SecretDenied {
+                                reason: format!("secret '{name}' could not be read from the configured provider"),
+                            }
+                        }
                     }
                 };
-                if chan.send_bytes(&app::encode(&reply)).is_err() {
+                // The copies of a delivered value made for the channel are wiped once sent.
+                let bytes = zeroize::Zeroizing::new(app::encode(&reply));
+                if let ToPayload::Secret { value } = &mut reply {
+                    zeroize::Zeroize::zeroize(value);
+                }
+                if chan.send_bytes(&bytes).is_err() {
                     return out;
                 }
             }
@@ -478,17 +519,14 @@ fn kind(v: &Value) -> &'static str {
     }
 }
 
-/// Redact every delivered secret from everything the result carries.
+/// Redact every delivered secret, and every common credential pattern, from everything the
+/// result carries.
 fn finish(mut r: RunResult, redactor: &Redactor) -> RunResult {
-    if redactor.is_empty() {
-        return r;
-    }
     r.stdout = redactor.text(&r.stdout);
     r.stderr = redactor.text(&r.stderr);
     r.error = r.error.map(|e| redactor.text(&e));
     r.output = redactor.json(&r.output);
     r.logs = r.logs.iter().map(|l| redactor.json(l)).collect();
-    debug_assert!(!r.stdout.contains(REDACTED) || !redactor.is_empty());
     r
 }
 

@@ -107,11 +107,23 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// The hash-chained audit log: verify the chain, show the last records.
+    Audit {
+        #[command(subcommand)]
+        command: agent::audit::cli::AuditCommand,
+    },
     /// Describe what this host supports and what will be degraded. Exit 1 when a required
     /// feature is missing.
     Doctor {
         #[arg(long)]
         json: bool,
+    },
+    /// The built-in encrypted secrets store (secrets.store, default /etc/opservant/secrets.enc).
+    /// Exit 1 when the named secret does not exist (get, rm), 2 when the store or key cannot
+    /// be used.
+    Secrets {
+        #[command(subcommand)]
+        command: agent::secrets_cli::SecretsCommand,
     },
 }
 
@@ -275,7 +287,11 @@ fn main() -> ExitCode {
         ),
         Command::Executor { command: ExecutorCommand::List { json, config } } => executor_list(json, config),
         Command::Executor { command: ExecutorCommand::Remove { name, config } } => executor_remove(&name, config),
+        Command::Audit { command } => agent::audit::cli::main(command).map_err(|e| CannotRun(e.to_string())),
         Command::Doctor { json } => doctor(json),
+        Command::Secrets { command } => {
+            agent::secrets_cli::run(command).map(ExitCode::from).map_err(|e| CannotRun(e.to_string()))
+        }
         Command::Keygen { out } => keygen(&out),
         Command::Sign { key, command } => sign_command(&key, &command),
         Command::Verify { public_key, signed, json } => verify_command(&public_key, &signed, json),
@@ -358,6 +374,7 @@ fn run_executor(
     for w in &executor.warnings {
         tracing::warn!(executor = %executor.manifest.name, "{w}");
     }
+    agent::audit::init(&config)?;
     let result = agent::executor_run::run(agent::executor_run::RunRequest {
         executor: &executor,
         params,
@@ -453,6 +470,7 @@ fn run_script(
     let config = agent::config::Config::load(config.as_deref())?;
     let policy = AgentPolicy::from_config(&config)?;
     let manifest = manifest.as_deref().map(load_manifest).transpose()?;
+    agent::audit::init(&config)?;
     let result = agent::script_run::run(agent::script_run::ScriptRequest {
         language,
         file: &file,
@@ -492,6 +510,8 @@ fn session(command: SessionCommand) -> Result<ExitCode, CannotRun> {
             // Check the configuration and manifest here, so bad input fails fast with exit 2.
             let cfg = agent::config::Config::load(config.as_deref())?;
             let policy = AgentPolicy::from_config(&cfg)?;
+            // The daemon appends to the log; an unwritable one fails here, with exit 2.
+            agent::audit::init(&cfg)?;
             if let Some(m) = &manifest {
                 let m = load_manifest(m)?;
                 agent::policy::refuse_egress(Some(&m), "a session")?;

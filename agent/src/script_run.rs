@@ -145,7 +145,8 @@ pub fn run(req: ScriptRequest) -> Result<ScriptResult, CannotRun> {
     let args =
         RuntimeArgs::Script { language: req.language.as_str().into(), path: inside.to_string_lossy().into_owned() };
     let script = req.file.display().to_string();
-    audit::record("script_start", &[("language", req.language.as_str()), ("script", &script)]);
+    // Fail closed: a script whose start cannot be audited does not start.
+    audit::try_record("script_start", &[("language", req.language.as_str()), ("script", &script)])?;
     for c in &limits.clamped {
         let (requested, applied) = (c.requested.to_string(), c.applied.to_string());
         audit::record(

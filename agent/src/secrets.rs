@@ -3,35 +3,60 @@
 //! Executors reach secrets only through `context["vault"].get_secret(name)`, an RPC over the
 //! sandbox's application channel answered here: granted only for names the manifest declares
 //! under `permissions.secrets`, every grant and refusal audited, never placed in the
-//! environment or a file. This build has the development `file` provider (a root-owned,
-//! mode-0600 YAML map); the encrypted store and Vault come with the agent daemon.
+//! environment or a file. Providers: `builtin`, the AES-256-GCM store of
+//! [`crate::secrets_store`] (a value is decrypted only when a run asks for it), and `file`, a
+//! development file (a root-owned, mode-0600 YAML map); Vault comes with the agent daemon.
+//!
+//! Guarantees: values held here (a delivered value, the development file's map) are wiped
+//! from memory when dropped; [`Redactor`] replaces every value a run obtained, and the common
+//! credential patterns of [`crate::redact`], with `[REDACTED]`.
 
 use std::collections::BTreeMap;
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
+use zeroize::{Zeroize, Zeroizing};
+
 use crate::config::Config;
+use crate::secrets_store::{Location, Store};
 
 /// Where secrets come from.
 pub enum Provider {
     None,
     File(BTreeMap<String, String>),
+    /// The built-in store; `None` when its file does not exist yet (no secrets).
+    Builtin(Option<Store>),
+}
+
+impl Drop for Provider {
+    fn drop(&mut self) {
+        if let Provider::File(map) = self {
+            map.values_mut().for_each(Zeroize::zeroize);
+        }
+    }
 }
 
 impl Provider {
     /// The provider the configuration names. A development file that others could read is
-    /// refused (fail closed), as is one that is not a flat map of strings.
+    /// refused (fail closed), as is one that is not a flat map of strings; a built-in store
+    /// that is exposed, altered or sealed with another key is refused.
     pub fn from_config(config: &Config) -> Result<Provider, String> {
         match (config.secrets.provider.as_deref(), &config.secrets.file) {
             (Some("file"), Some(path)) => Self::load_file(path).map(Provider::File),
+            (Some("builtin"), _) => Location::from_config(&config.secrets)
+                .open_existing()
+                .map(Provider::Builtin)
+                .map_err(|e| format!("secrets.provider builtin: {e}")),
             _ => Ok(Provider::None),
         }
     }
 
-    /// Check the configured provider without reading any secret value.
+    /// Check the configured provider without reading any secret value (the built-in store is
+    /// opened and verified with its key, and nothing is decrypted).
     pub fn check_config(config: &Config) -> Result<(), String> {
         match (config.secrets.provider.as_deref(), &config.secrets.file) {
             (Some("file"), Some(path)) => Self::check_file(path),
+            (Some("builtin"), _) => Self::from_config(config).map(drop),
             _ => Ok(()),
         }
     }
@@ -51,41 +76,54 @@ impl Provider {
 
     fn load_file(path: &Path) -> Result<BTreeMap<String, String>, String> {
         Self::check_file(path)?;
-        let text = std::fs::read_to_string(path).map_err(|e| format!("secrets.file {}: {e}", path.display()))?;
+        let text =
+            Zeroizing::new(std::fs::read_to_string(path).map_err(|e| format!("secrets.file {}: {e}", path.display()))?);
         serde_saphyr::from_str(&text)
             .map_err(|e| format!("secrets.file {}: not a map of names to strings: {e}", path.display()))
     }
 
-    pub fn get(&self, name: &str) -> Option<&str> {
+    /// The value of `name`: `Ok(None)` when the provider has no such secret, `Err` when it
+    /// cannot say (e.g. a store entry that does not authenticate).
+    pub fn get(&self, name: &str) -> Result<Option<Zeroizing<String>>, String> {
         match self {
-            Provider::None => None,
-            Provider::File(map) => map.get(name).map(String::as_str),
+            Provider::None | Provider::Builtin(None) => Ok(None),
+            Provider::File(map) => Ok(map.get(name).map(|v| Zeroizing::new(v.clone()))),
+            Provider::Builtin(Some(store)) => store.get(name).map_err(|e| e.to_string()),
         }
     }
 }
 
 /// The secret values delivered during one run, replaced by `[REDACTED]` in everything the
-/// result carries.
-#[derive(Default, Debug, Clone)]
+/// result carries — together with the common credential patterns of [`crate::redact`].
+/// The values are wiped from memory when the redactor is dropped.
+#[derive(Default, Clone)]
 pub struct Redactor {
-    values: Vec<String>,
+    values: Vec<Zeroizing<String>>,
+}
+
+impl std::fmt::Debug for Redactor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Redactor({} values)", self.values.len())
+    }
 }
 
 pub const REDACTED: &str = "[REDACTED]";
 
 impl Redactor {
     pub fn add(&mut self, value: &str) {
-        if !value.is_empty() && !self.values.iter().any(|v| v == value) {
-            self.values.push(value.to_string());
+        if !value.is_empty() && !self.values.iter().any(|v| v.as_str() == value) {
+            self.values.push(Zeroizing::new(value.to_string()));
             // Longest first, so a secret containing another is replaced whole.
             self.values.sort_by_key(|v| std::cmp::Reverse(v.len()));
         }
     }
 
+    /// No value was delivered (the credential patterns still apply to [`Redactor::text`]).
     pub fn is_empty(&self) -> bool {
         self.values.is_empty()
     }
 
+    /// `s` with every delivered value, then every recognised credential pattern, redacted.
     pub fn text(&self, s: &str) -> String {
         let mut out = s.to_string();
         for v in &self.values {
@@ -93,7 +131,10 @@ impl Redactor {
                 out = out.replace(v.as_str(), REDACTED);
             }
         }
-        out
+        match crate::redact::credentials(&out) {
+            std::borrow::Cow::Borrowed(_) => out,
+            std::borrow::Cow::Owned(o) => o,
+        }
     }
 
     pub fn contains_secret(&self, bytes: &[u8]) -> bool {
@@ -127,6 +168,11 @@ mod tests {
         assert_eq!(r.json(&v), serde_json::json!({"k": ["x [REDACTED]", {"[REDACTED]": 1}], "n": 2}));
         assert!(r.contains_secret(b"..s3cr3t.."));
         assert!(!r.contains_secret(b"secret"));
+        // Credential patterns too, with or without delivered values.
+        let aws = "key AKIAIOSFODNN7EXAMPLE";
+        assert_eq!(r.text(aws), "key [REDACTED]");
+        assert_eq!(Redactor::default().text(aws), "key [REDACTED]");
+        assert!(!format!("{r:?}").contains("s3cr3t"), "Debug never shows values");
     }
 
     #[test]
@@ -142,6 +188,9 @@ mod tests {
         // SAFETY: geteuid has no preconditions.
         if unsafe { libc::geteuid() } == 0 {
             assert_eq!(Provider::load_file(&f).unwrap().get("api_key").map(String::as_str), Some("abc"));
+            let p = Provider::File(Provider::load_file(&f).unwrap());
+            assert_eq!(p.get("api_key").unwrap().as_deref().map(String::as_str), Some("abc"));
+            assert!(p.get("other").unwrap().is_none());
         }
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -438,6 +438,7 @@ impl Daemon {
         let lock = take_lock(&settings.name)?;
         let config = crate::config::Config::load(settings.config.as_deref())?;
         let policy = AgentPolicy::from_config(&config)?;
+        audit::init(&config)?;
         let manifest = match &settings.manifest {
             Some(p) => Some(crate::manifest::Manifest::load(p)?.0),
             None => None,
@@ -541,6 +542,14 @@ impl Daemon {
                 .map_err(|e| format!("{}: {e}", path.display()))?;
             Ok(listener)
         });
+        // A start that cannot be audited fails like any other (DESIGN.md §6: fail closed).
+        let listener = listener.and_then(|l| {
+            let (name, pid) = (&daemon.settings.name, std::process::id().to_string());
+            let imports = daemon.settings.allow_imports.join(",");
+            audit::try_record("session_start", &[("session", name), ("allow_imports", &imports), ("pid", &pid)])
+                .map(|()| l)
+                .map_err(|e| e.to_string())
+        });
         let listener = match listener {
             Ok(l) => l,
             Err(e) => {
@@ -553,14 +562,6 @@ impl Daemon {
                 return Err(CannotRun(if detail.is_empty() { e } else { format!("{e} ({detail})") }));
             }
         };
-        audit::record(
-            "session_start",
-            &[
-                ("session", &daemon.settings.name),
-                ("allow_imports", &daemon.settings.allow_imports.join(",")),
-                ("pid", &std::process::id().to_string()),
-            ],
-        );
         let warnings: Vec<String> = daemon
             .settings
             .allow_imports

@@ -1,0 +1,230 @@
+//! `opservant audit verify [FILE…] [--json]` and `opservant audit tail [-n N] [--follow]
+//! [--json]`: the operator's view of the log. Both only read it, without a lock, so neither
+//! delays an append — except that `verify` confirms a problem it found by a second pass under
+//! a shared lock (an append or rotation running meanwhile must not be reported as tampering);
+//! `--config` (default `/etc/opservant/config.yaml` when it exists) says where the log is.
+//!
+//! Guarantees: `verify` exits 0 only when every given file verifies as one chain, 1 with the
+//! first problem as `FILE:LINE: KIND …` on stdout's first line (or in the JSON's `problem`),
+//! and 2 (an error returned to the caller) when a file cannot be read. `tail` prints only
+//! complete lines; an unfinished last line waits for its `\n` under `--follow`.
+
+use std::io::Write;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use serde_json::Value;
+use thiserror::Error;
+
+use super::verify::{chain_files, split, verify};
+use super::{summary, AuditError, AuditSettings};
+use crate::config::{Config, ConfigError};
+
+#[derive(Debug, clap::Subcommand)]
+pub enum AuditCommand {
+    /// Check the hash chain of the audit log. Exit 0 when intact, 1 with the first broken,
+    /// removed or reordered record (FILE:LINE: KIND), 2 when a file cannot be read.
+    Verify {
+        /// Log files in chain order, oldest first (default: the configured log and its rotated
+        /// files, e.g. audit.jsonl.2 audit.jsonl.1 audit.jsonl).
+        files: Vec<PathBuf>,
+        /// Print the report as one JSON object.
+        #[arg(long)]
+        json: bool,
+        /// Agent configuration naming the log (default /etc/opservant/config.yaml when it exists).
+        #[arg(long)]
+        config: Option<PathBuf>,
+    },
+    /// Print the last records of the audit log.
+    Tail {
+        /// How many records.
+        #[arg(short = 'n', long = "lines", default_value_t = 10)]
+        lines: usize,
+        /// Keep printing records as they are appended (across rotations).
+        #[arg(short = 'f', long)]
+        follow: bool,
+        /// Print the stored JSON lines as they are.
+        #[arg(long)]
+        json: bool,
+        /// Agent configuration naming the log (default /etc/opservant/config.yaml when it exists).
+        #[arg(long)]
+        config: Option<PathBuf>,
+    },
+}
+
+#[derive(Debug, Error)]
+pub enum CliError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Audit(#[from] AuditError),
+    #[error("{0}")]
+    Output(String),
+}
+
+pub fn main(command: AuditCommand) -> Result<ExitCode, CliError> {
+    match command {
+        AuditCommand::Verify { files, json, config } => {
+            let configured = if files.is_empty() { Some(settings(config.as_deref())?.path) } else { None };
+            let list = |c: &Option<PathBuf>| match c {
+                Some(path) => chain_files(path),
+                None => Ok(files.clone()),
+            };
+            let first = list(&configured).and_then(|f| verify(&f));
+            // Verification takes no lock, so an append or a rotation running meanwhile can
+            // look like a torn line, a missing record or a vanished file. A problem is
+            // therefore confirmed by a second pass under a shared lock (appenders wait for
+            // it; only a broken or unreadable log costs it).
+            let live = configured.clone().or_else(|| files.last().cloned()).map(|p| super::lock_path(&p));
+            let report = match (first, live.filter(|l| l.exists())) {
+                (Ok(r), _) if r.intact => r,
+                (first, None) => first?,
+                (_, Some(lock)) => {
+                    let f = std::fs::File::open(&lock).map_err(|e| AuditError::new(&lock, e))?;
+                    let _shared = nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockShared)
+                        .map_err(|(_, e)| AuditError::new(&lock, format!("flock: {e}")))?;
+                    verify(&list(&configured)?)?
+                }
+            };
+            let text = if json {
+                serde_json::to_string(&report).map_err(|e| CliError::Output(e.to_string()))? + "\n"
+            } else {
+                report.render()
+            };
+            // A closed stdout does not change the verdict.
+            let _ = std::io::stdout().lock().write_all(text.as_bytes());
+            Ok(if report.intact { ExitCode::SUCCESS } else { ExitCode::from(1) })
+        }
+        AuditCommand::Tail { lines, follow, json, config } => {
+            tail(&settings(config.as_deref())?.path, lines, follow, json)?;
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+fn settings(config: Option<&Path>) -> Result<AuditSettings, CliError> {
+    Ok(AuditSettings::from_config(&Config::load(config)?))
+}
+
+/// One stored line for a reader: as is (`--json`) or `TS  #SEQ  EVENT k=v…`.
+fn render(line: &[u8], json: bool) -> String {
+    if json {
+        return String::from_utf8_lossy(line).into_owned();
+    }
+    let v: Value = serde_json::from_slice(line).unwrap_or(Value::Null);
+    let (Some(ts), Some(seq), Some(event), Some(fields)) =
+        (v["ts"].as_str(), v["seq"].as_u64(), v["event"].as_str(), v["fields"].as_object())
+    else {
+        return format!("(not an audit record: {} bytes)", line.len());
+    };
+    let mut s = format!("{ts}  #{seq}  {}", summary(event, fields));
+    if let (Some(f), Some(n)) = (v["continues"]["file"].as_str(), v["continues"]["seq"].as_u64()) {
+        s.push_str(&format!("  [continues {f} #{n}]"));
+    }
+    if let Some(n) = v["repaired"]["bytes"].as_u64() {
+        s.push_str(&format!("  [repaired a torn line of {n} bytes]"));
+    }
+    s
+}
+
+/// `Ok(false)` when stdout is gone (a closed pipe ends `tail` quietly).
+fn emit(out: &mut impl Write, lines: &[&[u8]], json: bool) -> bool {
+    for l in lines {
+        if writeln!(out, "{}", render(l, json)).is_err() {
+            return false;
+        }
+    }
+    out.flush().is_ok()
+}
+
+fn io_at(p: &Path) -> impl FnOnce(std::io::Error) -> AuditError + '_ {
+    move |e| AuditError::new(p, e)
+}
+
+/// Append what `f` holds past `offset` to `pending`.
+fn read_more(f: &mut std::fs::File, offset: &mut u64, pending: &mut Vec<u8>) -> std::io::Result<()> {
+    use std::io::{Read, Seek, SeekFrom};
+    f.seek(SeekFrom::Start(*offset))?;
+    let n = f.read_to_end(pending)?;
+    *offset += n as u64;
+    Ok(())
+}
+
+/// The complete lines at the front of `pending` (removed from it).
+fn take_complete(pending: &mut Vec<u8>) -> Vec<Vec<u8>> {
+    match pending.iter().rposition(|b| *b == b'\n') {
+        Some(end) => {
+            let done: Vec<u8> = pending.drain(..=end).collect();
+            done[..done.len() - 1].split(|b| *b == b'\n').map(<[u8]>::to_vec).collect()
+        }
+        None => vec![],
+    }
+}
+
+fn tail(path: &Path, n: usize, follow: bool, json: bool) -> Result<(), CliError> {
+    let mut stdout = std::io::stdout().lock();
+    let files = chain_files(path)?;
+    // The current file through one handle, so --follow goes on exactly where this read ended.
+    let mut current: Option<(std::fs::File, u64)> = None;
+    let mut pending = Vec::new();
+    let mut picked: Vec<Vec<u8>> = Vec::new();
+    if let Ok(mut f) = std::fs::File::open(path) {
+        let mut offset = 0;
+        read_more(&mut f, &mut offset, &mut pending).map_err(io_at(path))?;
+        picked = take_complete(&mut pending);
+        current = Some((f, offset));
+    }
+    picked.drain(..picked.len().saturating_sub(n));
+    // Older files for the rest.
+    for f in files.iter().rev().filter(|f| f.as_path() != path) {
+        if picked.len() >= n {
+            break;
+        }
+        let bytes = std::fs::read(f).map_err(io_at(f))?;
+        let (lines, terminated) = split(&bytes);
+        let complete = if terminated { lines.len() } else { lines.len().saturating_sub(1) };
+        let take = (n - picked.len()).min(complete);
+        let mut older: Vec<Vec<u8>> = lines[complete - take..complete].iter().map(|l| l.to_vec()).collect();
+        older.append(&mut picked);
+        picked = older;
+    }
+    let refs: Vec<&[u8]> = picked.iter().map(Vec::as_slice).collect();
+    if !emit(&mut stdout, &refs, json) || !follow {
+        return Ok(());
+    }
+    // Follow: print complete lines as they arrive; when the path names a new file (a
+    // rotation), finish the old file first, then read the new one from its beginning.
+    loop {
+        if let Some((f, offset)) = current.as_mut() {
+            read_more(f, offset, &mut pending).map_err(io_at(path))?;
+            let lines = take_complete(&mut pending);
+            let refs: Vec<&[u8]> = lines.iter().map(Vec::as_slice).collect();
+            if !emit(&mut stdout, &refs, json) {
+                return Ok(());
+            }
+        }
+        let replaced = match (&current, std::fs::metadata(path)) {
+            (Some((f, _)), Ok(m)) => f.metadata().is_ok_and(|o| o.ino() != m.ino() || o.dev() != m.dev()),
+            (None, Ok(_)) => true,
+            // Mid-rotation (renamed, not yet recreated): keep reading the old file.
+            (_, Err(_)) => false,
+        };
+        if replaced {
+            if let Some((mut f, mut offset)) = current.take() {
+                // Anything written to the old file after the read above.
+                let _ = read_more(&mut f, &mut offset, &mut pending);
+                pending.push(b'\n');
+                let lines: Vec<Vec<u8>> = take_complete(&mut pending).into_iter().filter(|l| !l.is_empty()).collect();
+                let refs: Vec<&[u8]> = lines.iter().map(Vec::as_slice).collect();
+                if !emit(&mut stdout, &refs, json) {
+                    return Ok(());
+                }
+            }
+            current = std::fs::File::open(path).ok().map(|f| (f, 0));
+            continue;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}

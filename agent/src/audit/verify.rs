@@ -1,0 +1,586 @@
+//! `opservant audit verify`: walk the hash chain of one or more log files given in chain order
+//! (oldest first) and report the *first* problem — its file, line and kind — or a summary
+//! when the chain is intact.
+//!
+//! Guarantees: every rule of the parent module's chain is checked (seq steps of exactly 1,
+//! each `prev` equal to the SHA-256 of the previous record's stored line, a file's first
+//! record is the genesis or a continuation, a non-record line is accepted only as a torn line
+//! the next record repairs, exactly); nothing is skipped silently — continuations of files not
+//! given and repairs are notes in the report. Files are read one at a time, so memory is
+//! bounded by the largest file, not the whole log.
+
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+
+use super::{parse_record, rotated_path, sha256_hex, AuditError, Record, GENESIS_PREV};
+
+/// What is wrong, in the order of the issue's vocabulary.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Kind {
+    /// A record's bytes changed after it was written: its SHA-256 no longer matches the
+    /// `prev` of the record after it (reported at the changed record).
+    Edited,
+    /// Records are missing: a seq gap, or a file's first record that is neither the genesis
+    /// nor a rotation continuation (reported at the first record after the gap).
+    Removed,
+    /// Records are out of order: seq goes backwards or repeats, or a missing seq appears
+    /// later (reported at the first record out of place).
+    Reordered,
+    /// The last line of a file is incomplete (no `\n`): an interrupted write not yet
+    /// repaired, or a cut.
+    Truncated,
+    /// A line that is not JSON.
+    NotJson,
+    /// JSON, but not an audit record (a required key is missing or has the wrong type).
+    Malformed,
+}
+
+impl Kind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::Edited => "edited",
+            Kind::Removed => "removed",
+            Kind::Reordered => "reordered",
+            Kind::Truncated => "truncated",
+            Kind::NotJson => "not_json",
+            Kind::Malformed => "malformed",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Problem {
+    pub file: String,
+    pub line: usize,
+    /// The seq of the record at that line, when it has one.
+    pub seq: Option<u64>,
+    pub kind: Kind,
+    pub detail: String,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Note {
+    pub file: String,
+    pub line: usize,
+    pub message: String,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct FileSummary {
+    pub path: String,
+    pub lines: usize,
+    pub records: u64,
+    pub first_seq: Option<u64>,
+    pub last_seq: Option<u64>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct VerifyReport {
+    pub intact: bool,
+    /// Records checked (up to the problem, when there is one).
+    pub records: u64,
+    pub first_seq: Option<u64>,
+    pub last_seq: Option<u64>,
+    /// SHA-256 of the last record's line: compare with `OPSERVANT_AUDIT_SHA256` in journald
+    /// (or any other copy) to see that nothing was cut off the end.
+    pub head: Option<String>,
+    pub files: Vec<FileSummary>,
+    pub notes: Vec<Note>,
+    pub problem: Option<Problem>,
+}
+
+impl VerifyReport {
+    /// The text `opservant audit verify` prints: the problem first when there is one.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        let range = match (self.first_seq, self.last_seq) {
+            (Some(a), Some(b)) => format!(" (seq {a}..{b})"),
+            _ => String::new(),
+        };
+        match &self.problem {
+            Some(p) => {
+                let seq = p.seq.map(|s| format!(" (seq {s})")).unwrap_or_default();
+                out.push_str(&format!("{}:{}: {}{seq}: {}\n", p.file, p.line, p.kind.as_str(), p.detail));
+                out.push_str(&format!("chain BROKEN; {} verified before it{range}\n", records(self.records)));
+            }
+            None => {
+                let files = self.files.len();
+                let s = if files == 1 { "" } else { "s" };
+                out.push_str(&format!("chain intact: {} in {files} file{s}{range}\n", records(self.records)));
+            }
+        }
+        for f in &self.files {
+            let seqs = match (f.first_seq, f.last_seq) {
+                (Some(a), Some(b)) => format!("seq {a}..{b}"),
+                _ => "no records".into(),
+            };
+            out.push_str(&format!("  {}: {}, {seqs}\n", f.path, records(f.records)));
+        }
+        for n in &self.notes {
+            out.push_str(&format!("note: {}:{}: {}\n", n.file, n.line, n.message));
+        }
+        if let Some(h) = &self.head {
+            out.push_str(&format!("head: {h}\n"));
+        }
+        out
+    }
+}
+
+fn records(n: u64) -> String {
+    format!("{n} record{}", if n == 1 { "" } else { "s" })
+}
+
+/// The configured log and its rotated files, oldest first: every `NAME.<digits>` beside it
+/// (a missing number in between is left for the chain check to report), then the log.
+pub fn chain_files(path: &Path) -> Result<Vec<PathBuf>, AuditError> {
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let mut numbered: Vec<u32> = Vec::new();
+    let rd = match std::fs::read_dir(dir) {
+        Ok(rd) => rd,
+        Err(e) => return Err(AuditError::new(path, format!("cannot list {}: {e}", dir.display()))),
+    };
+    for e in rd.flatten() {
+        let f = e.file_name().to_string_lossy().into_owned();
+        if let Some(n) = f.strip_prefix(&name).and_then(|r| r.strip_prefix('.')) {
+            if !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()) {
+                if let Ok(n) = n.parse::<u32>() {
+                    numbered.push(n);
+                }
+            }
+        }
+    }
+    numbered.sort_unstable_by(|a, b| b.cmp(a));
+    let mut files: Vec<PathBuf> = numbered.into_iter().map(|n| rotated_path(path, n)).collect();
+    if path.exists() {
+        files.push(path.to_path_buf());
+    }
+    if files.is_empty() {
+        return Err(AuditError::new(path, "no audit log (nor rotated files) here"));
+    }
+    Ok(files)
+}
+
+/// One file split into lines as the writer sees it: pieces between `\n`; a last piece without
+/// `\n` is unterminated.
+pub(super) fn split(bytes: &[u8]) -> (Vec<&[u8]>, bool) {
+    if bytes.is_empty() {
+        return (vec![], true);
+    }
+    let terminated = bytes.last() == Some(&b'\n');
+    let body = if terminated { &bytes[..bytes.len() - 1] } else { bytes };
+    (body.split(|b| *b == b'\n').collect(), terminated)
+}
+
+/// The last record accepted.
+struct Last {
+    seq: u64,
+    hash: String,
+    file: String,
+    line: usize,
+}
+
+/// Verify `files`, oldest first. `Err` only when a file cannot be read.
+pub fn verify(files: &[PathBuf]) -> Result<VerifyReport, AuditError> {
+    if files.is_empty() {
+        return Err(AuditError { path: "-".into(), message: "no files to verify".into() });
+    }
+    for f in files {
+        std::fs::metadata(f).map_err(|e| AuditError::new(f, e))?;
+    }
+    let mut report = VerifyReport {
+        intact: true,
+        records: 0,
+        first_seq: None,
+        last_seq: None,
+        head: None,
+        files: vec![],
+        notes: vec![],
+        problem: None,
+    };
+    let mut last: Option<Last> = None;
+    for (fi, path) in files.iter().enumerate() {
+        let bytes = std::fs::read(path).map_err(|e| AuditError::new(path, e))?;
+        let name = path.display().to_string();
+        let (lines, terminated) = split(&bytes);
+        let mut summary =
+            FileSummary { path: name.clone(), lines: lines.len(), records: 0, first_seq: None, last_seq: None };
+        if lines.is_empty() {
+            report.notes.push(Note { file: name.clone(), line: 0, message: "empty file".into() });
+        }
+        let complete = |i: usize| i + 1 < lines.len() || terminated;
+        // The torn line just before the current one, which the current record must repair.
+        let mut torn: Option<(usize, &[u8])> = None;
+        let mut first_in_file = true;
+        let mut i = 0;
+        while i < lines.len() {
+            let line = lines[i];
+            let ln = i + 1;
+            let problem = |kind: Kind, seq: Option<u64>, detail: String| Problem {
+                file: name.clone(),
+                line: ln,
+                seq,
+                kind,
+                detail,
+            };
+            // A line the next line repairs is a torn write: skipped, noted.
+            if i + 1 < lines.len() && complete(i + 1) {
+                if let Ok(next) = parse_record(lines[i + 1]) {
+                    if next.repaired.as_ref().is_some_and(|(n, h)| *n == line.len() as u64 && *h == sha256_hex(line)) {
+                        torn = Some((ln, line));
+                        i += 1;
+                        continue;
+                    }
+                }
+            }
+            let parsed = parse_record(line);
+            let rec: Record = match parsed {
+                Ok(r) if complete(i) => r,
+                other => {
+                    let p = if !complete(i) {
+                        problem(
+                            Kind::Truncated,
+                            other.ok().map(|r| r.seq),
+                            format!(
+                                "the last line has no newline ({} bytes): an interrupted write (the next append repairs it) or a cut",
+                                line.len()
+                            ),
+                        )
+                    } else {
+                        let why = other.err().unwrap_or_default();
+                        let kind = if serde_json::from_slice::<serde_json::Value>(line).is_err() {
+                            Kind::NotJson
+                        } else {
+                            Kind::Malformed
+                        };
+                        problem(kind, None, format!("not an audit record: {why}"))
+                    };
+                    return Ok(fail(report, summary, p));
+                }
+            };
+            let seq = Some(rec.seq);
+            if let Some((n, h)) = &rec.repaired {
+                match torn.take() {
+                    Some((tl, _)) => report.notes.push(Note {
+                        file: name.clone(),
+                        line: tl,
+                        message: format!(
+                            "torn line ({n} bytes, an interrupted write) repaired by line {ln}; sha256 {h}"
+                        ),
+                    }),
+                    None => {
+                        let p = problem(
+                            Kind::Edited,
+                            seq,
+                            "the record claims to repair a torn line, but the line before it is not that line".into(),
+                        );
+                        return Ok(fail(report, summary, p));
+                    }
+                }
+            }
+            match &last {
+                None => {
+                    let genesis = rec.seq == 1 && rec.prev == GENESIS_PREV && rec.continues.is_none();
+                    match &rec.continues {
+                        _ if genesis => {}
+                        Some((file, cseq)) if cseq + 1 == rec.seq => report.notes.push(Note {
+                            file: name.clone(),
+                            line: ln,
+                            message: format!(
+                                "continues seq {cseq}, the last record of the file rotated before it (named {file} \
+                                 then), which was not given: verify the files together to check that link"
+                            ),
+                        }),
+                        Some((file, cseq)) => {
+                            let p = problem(
+                                Kind::Edited,
+                                seq,
+                                format!("claims to continue seq {cseq} of {file}, yet is seq {}", rec.seq),
+                            );
+                            return Ok(fail(report, summary, p));
+                        }
+                        None => {
+                            let p = problem(
+                                Kind::Removed,
+                                seq,
+                                "the first record is neither the genesis (seq 1) nor the first record of a rotated \
+                                 file: the records before it were removed"
+                                    .into(),
+                            );
+                            return Ok(fail(report, summary, p));
+                        }
+                    }
+                }
+                Some(p) => {
+                    let at = format!("{}:{}", p.file, p.line);
+                    if rec.seq <= p.seq {
+                        let d = format!("seq {} comes after seq {} ({at}): seq must go up by 1", rec.seq, p.seq);
+                        return Ok(fail(report, summary, problem(Kind::Reordered, seq, d)));
+                    }
+                    if rec.seq > p.seq + 1 {
+                        let (lo, hi) = (p.seq + 1, rec.seq - 1);
+                        let gap = if lo == hi { format!("seq {lo}") } else { format!("seq {lo}..{hi}") };
+                        let (kind, d) = match seq_later(&lines[i + 1..], &files[fi + 1..], lo, hi) {
+                            Some(s) => (
+                                Kind::Reordered,
+                                format!(
+                                    "seq {} follows seq {} ({at}), but seq {s} comes later in the log",
+                                    rec.seq, p.seq
+                                ),
+                            ),
+                            None => {
+                                let rotated =
+                                    if first_in_file && fi > 0 { " (a whole file may be missing)" } else { "" };
+                                (Kind::Removed, format!("{gap} missing between {at} and this record{rotated}"))
+                            }
+                        };
+                        return Ok(fail(report, summary, problem(kind, seq, d)));
+                    }
+                    if rec.prev != p.hash {
+                        let d = format!(
+                            "its SHA-256 does not match the prev of the next record ({name}:{ln}): the record (or that \
+                             prev) was changed after it was written"
+                        );
+                        let edited = Problem {
+                            file: p.file.clone(),
+                            line: p.line,
+                            seq: Some(p.seq),
+                            kind: Kind::Edited,
+                            detail: d,
+                        };
+                        return Ok(fail(report, summary, edited));
+                    }
+                }
+            }
+            first_in_file = false;
+            report.records += 1;
+            report.first_seq.get_or_insert(rec.seq);
+            report.last_seq = Some(rec.seq);
+            summary.records += 1;
+            summary.first_seq.get_or_insert(rec.seq);
+            summary.last_seq = Some(rec.seq);
+            let hash = sha256_hex(line);
+            report.head = Some(hash.clone());
+            last = Some(Last { seq: rec.seq, hash, file: name.clone(), line: ln });
+            i += 1;
+        }
+        report.files.push(summary);
+    }
+    Ok(report)
+}
+
+fn fail(mut report: VerifyReport, summary: FileSummary, problem: Problem) -> VerifyReport {
+    report.files.push(summary);
+    report.intact = false;
+    report.problem = Some(problem);
+    report
+}
+
+/// A seq in `lo..=hi` among the rest of this file's lines or in the later files.
+fn seq_later(rest: &[&[u8]], later: &[PathBuf], lo: u64, hi: u64) -> Option<u64> {
+    let find = |lines: &mut dyn Iterator<Item = &[u8]>| {
+        lines.filter_map(|l| parse_record(l).ok()).map(|r| r.seq).find(|s| (lo..=hi).contains(s))
+    };
+    if let Some(s) = find(&mut rest.iter().copied()) {
+        return Some(s);
+    }
+    for f in later {
+        let Ok(bytes) = std::fs::read(f) else { continue };
+        if let Some(s) = find(&mut split(&bytes).0.into_iter()) {
+            return Some(s);
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::{append, Scratch};
+    use super::super::{AuditLog, AuditSettings};
+    use super::*;
+
+    fn log_with(n: usize) -> (Scratch, PathBuf) {
+        let s = Scratch::new("verify");
+        let log = AuditLog::open(AuditSettings::at(&s.log())).unwrap();
+        append(&log, n);
+        let p = s.log();
+        (s, p)
+    }
+
+    fn lines(p: &Path) -> Vec<String> {
+        std::fs::read_to_string(p).unwrap().lines().map(str::to_string).collect()
+    }
+
+    fn write(p: &Path, lines: &[String]) {
+        std::fs::write(p, lines.iter().map(|l| format!("{l}\n")).collect::<String>()).unwrap();
+    }
+
+    fn problem(p: &Path) -> Problem {
+        let r = verify(&[p.to_path_buf()]).unwrap();
+        assert!(!r.intact);
+        r.problem.unwrap()
+    }
+
+    #[test]
+    fn intact_log_verifies() {
+        let (_s, p) = log_with(5);
+        let r = verify(std::slice::from_ref(&p)).unwrap();
+        assert!(r.intact, "{}", r.render());
+        assert_eq!((r.records, r.first_seq, r.last_seq), (5, Some(1), Some(5)));
+        assert_eq!(r.head.as_deref(), Some(sha256_hex(lines(&p)[4].as_bytes()).as_str()));
+        assert!(r.render().starts_with("chain intact: 5 records in 1 file (seq 1..5)"), "{}", r.render());
+    }
+
+    #[test]
+    fn an_edited_field_is_reported_at_the_edited_line() {
+        let (_s, p) = log_with(5);
+        let mut l = lines(&p);
+        l[2] = l[2].replace("\"i\":\"2\"", "\"i\":\"9\"");
+        write(&p, &l);
+        let pr = problem(&p);
+        assert_eq!((pr.kind, pr.line, pr.seq), (Kind::Edited, 3, Some(3)), "{pr:?}");
+    }
+
+    #[test]
+    fn a_deleted_record_is_reported_where_it_was() {
+        let (_s, p) = log_with(5);
+        let mut l = lines(&p);
+        l.remove(1);
+        write(&p, &l);
+        let pr = problem(&p);
+        assert_eq!((pr.kind, pr.line, pr.seq), (Kind::Removed, 2, Some(3)), "{pr:?}");
+        assert!(pr.detail.contains("seq 2 missing"), "{}", pr.detail);
+    }
+
+    #[test]
+    fn swapped_records_are_reordered() {
+        let (_s, p) = log_with(5);
+        let mut l = lines(&p);
+        l.swap(2, 3);
+        write(&p, &l);
+        let pr = problem(&p);
+        assert_eq!((pr.kind, pr.line, pr.seq), (Kind::Reordered, 3, Some(4)), "{pr:?}");
+        // The last two swapped: seq goes backwards at the last line.
+        let (_s, p) = log_with(5);
+        let mut l = lines(&p);
+        l.swap(3, 4);
+        write(&p, &l);
+        let pr = problem(&p);
+        assert_eq!((pr.kind, pr.line), (Kind::Reordered, 4), "{pr:?}");
+    }
+
+    #[test]
+    fn truncated_and_garbage_lines() {
+        let (_s, p) = log_with(3);
+        let text = std::fs::read_to_string(&p).unwrap();
+        std::fs::write(&p, &text[..text.len() - 20]).unwrap();
+        let pr = problem(&p);
+        assert_eq!((pr.kind, pr.line), (Kind::Truncated, 3), "{pr:?}");
+        // Only the newline gone: still an unacknowledged write.
+        std::fs::write(&p, &text[..text.len() - 1]).unwrap();
+        assert_eq!(problem(&p).kind, Kind::Truncated);
+        let mut l = lines(&p);
+        l.insert(1, "hello".into());
+        write(&p, &l);
+        assert_eq!((problem(&p).kind, problem(&p).line), (Kind::NotJson, 2));
+        let mut l = lines(&p);
+        l[1] = "{\"seq\":2}".into();
+        write(&p, &l);
+        assert_eq!((problem(&p).kind, problem(&p).line), (Kind::Malformed, 2));
+    }
+
+    #[test]
+    fn a_removed_head_is_reported() {
+        let (_s, p) = log_with(4);
+        let mut l = lines(&p);
+        l.remove(0);
+        write(&p, &l);
+        let pr = problem(&p);
+        assert_eq!((pr.kind, pr.line, pr.seq), (Kind::Removed, 1, Some(2)), "{pr:?}");
+    }
+
+    #[test]
+    fn a_repair_verifies_and_is_noted_but_cannot_hide_a_deletion() {
+        let s = Scratch::new("repair");
+        let log = AuditLog::open(AuditSettings::at(&s.log())).unwrap();
+        append(&log, 3);
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(s.log())
+            .and_then(|mut f| std::io::Write::write_all(&mut f, b"{\"seq\":4,\"ts"))
+            .unwrap();
+        assert_eq!(problem(&s.log()).kind, Kind::Truncated);
+        append(&log, 2);
+        let r = verify(&[s.log()]).unwrap();
+        assert!(r.intact, "{}", r.render());
+        assert_eq!((r.records, r.last_seq), (5, Some(5)));
+        assert!(r.notes.iter().any(|n| n.line == 4 && n.message.contains("torn line")), "{:?}", r.notes);
+
+        // Turning a complete middle record into a "torn" one needs the next record rewritten
+        // as its repair, which breaks the record after that.
+        let mut l = lines(&s.log());
+        let victim = l[1].clone(); // seq 2
+        let rec3 = parse_record(l[2].as_bytes()).unwrap();
+        let forged = l[2]
+            .replace(&format!("\"prev\":\"{}\"", rec3.prev), &format!("\"prev\":\"{}\"", sha256_hex(l[0].as_bytes())))
+            .replace("\"seq\":3,", "\"seq\":2,")
+            .replace(
+                ",\"prev\"",
+                &format!(
+                    ",\"repaired\":{{\"bytes\":{},\"sha256\":\"{}\"}},\"prev\"",
+                    victim.len(),
+                    sha256_hex(victim.as_bytes())
+                ),
+            );
+        l[2] = forged;
+        write(&s.log(), &l);
+        let pr = problem(&s.log());
+        assert!(matches!(pr.kind, Kind::Edited | Kind::Reordered | Kind::Removed), "{pr:?}");
+        assert!(pr.line >= 3, "{pr:?}");
+
+        // A repair marker with no torn line before it is an edit.
+        let (_s2, p) = log_with(3);
+        let mut l = lines(&p);
+        l[2] = l[2].replace(
+            ",\"prev\"",
+            &format!(",\"repaired\":{{\"bytes\":3,\"sha256\":\"{}\"}},\"prev\"", "ab".repeat(32)),
+        );
+        write(&p, &l);
+        let pr = problem(&p);
+        assert_eq!((pr.kind, pr.line), (Kind::Edited, 3), "{pr:?}");
+    }
+
+    #[test]
+    fn rotated_files_verify_together_and_alone_with_a_note() {
+        let s = Scratch::new("rot");
+        let mut settings = AuditSettings::at(&s.log());
+        settings.max_bytes = 1024;
+        settings.keep = 10;
+        let log = AuditLog::open(settings.clone()).unwrap();
+        append(&log, 30);
+        let files = chain_files(&s.log()).unwrap();
+        assert!(files.len() >= 4, "{files:?}");
+        assert_eq!(files.last(), Some(&s.log()));
+        let r = verify(&files).unwrap();
+        assert!(r.intact, "{}", r.render());
+        assert_eq!((r.records, r.first_seq, r.last_seq), (30, Some(1), Some(30)));
+        // One rotated file alone: a note, not an error.
+        let r = verify(&[s.log()]).unwrap();
+        assert!(r.intact, "{}", r.render());
+        assert!(r.notes[0].message.contains("continues seq"), "{:?}", r.notes);
+        // A middle file removed: its records are missing at the next file's first line.
+        std::fs::remove_file(settings.rotated(2)).unwrap();
+        let files = chain_files(&s.log()).unwrap();
+        let r = verify(&files).unwrap();
+        let pr = r.problem.unwrap();
+        assert_eq!((pr.kind, pr.line), (Kind::Removed, 1), "{pr:?}");
+        assert_eq!(pr.file, settings.rotated(1).display().to_string());
+        // Files given out of order: reordered.
+        let mut files = chain_files(&s.log()).unwrap();
+        files.swap(0, 1);
+        let pr = verify(&files).unwrap().problem.unwrap();
+        assert!(matches!(pr.kind, Kind::Reordered | Kind::Removed), "{pr:?}");
+    }
+}

@@ -1,0 +1,515 @@
+//! The hash-chained audit log end to end, with the real binary as root: `opservant run`,
+//! `script` and `session` append their records to the log named by `--config` (`audit:
+//! {path: …}` in a temporary directory — never the real /var/log); `opservant audit verify`
+//! passes an intact chain and reports the first edited, removed, reordered or truncated
+//! record by file, line and kind (exit 1), across rotated files too; concurrent writers
+//! (8 `opservant run`s and in-process appenders at once) keep one chain; a log that cannot
+//! be written stops a run before anything of it executes (exit 2); `audit tail` shows the last
+//! records and follows new ones.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{require_root, HostDir};
+use serde_json::{json, Value};
+
+#[derive(Debug)]
+struct Out {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+fn opservant(args: &[&str]) -> Out {
+    let _view = common::host_view();
+    let out = Command::new(common::opservant())
+        .args(args)
+        .env_remove("OPSERVANT_LOG")
+        .stdin(Stdio::null())
+        .output()
+        .expect("spawn opservant");
+    Out {
+        code: out.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+/// Write `rel` below `root`, readable by everyone (the sandbox runs as an unprivileged uid).
+fn put(root: &Path, rel: &str, content: &str) -> PathBuf {
+    let p = root.join(rel);
+    let parent = p.parent().expect("parent");
+    std::fs::create_dir_all(parent).expect("mkdir");
+    std::fs::set_permissions(parent, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    std::fs::write(&p, content).expect("write");
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+    p
+}
+
+const EXECUTOR: &str = r#"
+from opservant.executor import BaseExecutor, ExecutorResult
+
+
+class TestExecutor(BaseExecutor):
+    name = "audit-test"
+    version = "1.0.0"
+
+    def validate(self, params):
+        return True
+
+    def execute(self, params, context):
+        return ExecutorResult(status="completed", output={"ok": True})
+"#;
+
+/// An executor package (completes) in a fresh host directory.
+fn executor() -> HostDir {
+    let d = HostDir::new();
+    let manifest = json!({
+        "name": "audit-test", "version": "1.0.0", "description": "audit log test", "author": "tests",
+        "supported_actions": ["act-test"], "entry_point": "test_executor.TestExecutor",
+        "requirements": {"python": ">=3.9", "packages": []},
+        "permissions": {}, "resource_limits": {"max_cpu_percent": 50, "timeout_seconds": 60}
+    });
+    put(&d.path, "manifest.json", &manifest.to_string());
+    put(&d.path, "test_executor/__init__.py", EXECUTOR);
+    d
+}
+
+/// A configuration whose audit log lives in its own temporary directory.
+struct Log {
+    _dir: HostDir,
+    config: PathBuf,
+    path: PathBuf,
+}
+
+impl Log {
+    fn new(extra: &str) -> Log {
+        let dir = HostDir::new();
+        let path = dir.path.join("log/audit.jsonl");
+        let config = dir.path.join("config.yaml");
+        std::fs::write(&config, format!("audit:\n  path: {}\n  journald: false\n{extra}", path.display())).unwrap();
+        Log { _dir: dir, config, path }
+    }
+
+    fn conf(&self) -> &str {
+        self.config.to_str().unwrap()
+    }
+
+    fn run(&self, exec: &HostDir) -> Out {
+        let out = opservant(&["run", exec.str(), "--config", self.conf()]);
+        assert_eq!(out.code, 0, "{out:?}");
+        out
+    }
+
+    fn lines(&self) -> Vec<String> {
+        read_lines(&self.path)
+    }
+
+    fn records(&self) -> Vec<Value> {
+        self.lines().iter().map(|l| serde_json::from_str(l).unwrap()).collect()
+    }
+
+    fn verify(&self, files: &[&Path]) -> Out {
+        let mut args = vec!["audit", "verify", "--config", self.conf()];
+        args.extend(files.iter().map(|f| f.to_str().unwrap()));
+        opservant(&args)
+    }
+
+    fn rotated(&self, n: u32) -> PathBuf {
+        PathBuf::from(format!("{}.{n}", self.path.display()))
+    }
+}
+
+fn read_lines(p: &Path) -> Vec<String> {
+    std::fs::read_to_string(p).unwrap().lines().map(str::to_string).collect()
+}
+
+fn write_lines(p: &Path, lines: &[String]) {
+    std::fs::write(p, lines.iter().map(|l| format!("{l}\n")).collect::<String>()).unwrap();
+}
+
+fn sha256_hex(data: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(data).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// `audit verify` found a problem: exit 1, its first line `FILE:LINE: KIND …`.
+fn assert_problem(out: &Out, file: &Path, line: usize, kind: &str) {
+    assert_eq!(out.code, 1, "{out:?}");
+    let first = out.stdout.lines().next().unwrap_or("");
+    let want = format!("{}:{line}: {kind}", file.display());
+    assert!(first.starts_with(&want), "want {want:?}, got {first:?}\n{}", out.stdout);
+}
+
+#[test]
+fn a_run_appends_chained_start_and_complete_records() {
+    if !require_root() {
+        return;
+    }
+    let log = Log::new("");
+    let exec = executor();
+    let out = log.run(&exec);
+    // The tracing line on stderr names the record's seq.
+    assert!(out.stderr.contains("event=\"executor_start\"") && out.stderr.contains("seq=1"), "{}", out.stderr);
+
+    let lines = log.lines();
+    let recs = log.records();
+    let events: Vec<&str> = recs.iter().map(|r| r["event"].as_str().unwrap()).collect();
+    assert_eq!(events, ["executor_start", "executor_complete"], "{lines:?}");
+    assert_eq!(recs[0]["seq"], 1);
+    assert_eq!(recs[0]["prev"], "0".repeat(64), "the genesis");
+    assert_eq!(recs[1]["seq"], 2);
+    assert_eq!(recs[1]["prev"], sha256_hex(lines[0].as_bytes()), "prev = SHA-256 of the previous line");
+    assert_eq!(recs[0]["fields"]["executor"], "audit-test");
+    assert_eq!(recs[1]["fields"]["status"], "completed");
+    let host = nix::unistd::gethostname().unwrap().into_string().unwrap();
+    assert_eq!(recs[0]["host"], host.as_str());
+    assert!(recs[0]["pid"].as_u64().is_some_and(|p| p > 1));
+    let ts = recs[0]["ts"].as_str().unwrap();
+    assert!(ts.len() == 27 && ts.ends_with('Z') && ts.as_bytes()[10] == b'T', "{ts}");
+    // Root-only: directory 0700, file 0600.
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(log.path.parent().unwrap()), 0o700);
+    assert_eq!(mode(&log.path), 0o600);
+
+    let v = log.verify(&[]);
+    assert_eq!(v.code, 0, "{v:?}");
+    assert!(v.stdout.starts_with("chain intact: 2 records in 1 file (seq 1..2)"), "{}", v.stdout);
+    assert!(v.stdout.contains(&format!("head: {}", sha256_hex(lines[1].as_bytes()))), "{}", v.stdout);
+    let v = log.verify(&[&log.path]);
+    assert_eq!(v.code, 0, "{v:?}");
+    let out = opservant(&["audit", "verify", "--json", "--config", log.conf()]);
+    let j: Value = serde_json::from_str(out.stdout.trim()).unwrap();
+    assert_eq!((j["intact"].clone(), j["records"].clone(), j["problem"].clone()), (json!(true), json!(2), Value::Null));
+}
+
+#[test]
+fn script_and_session_are_audited_in_the_same_chain() {
+    if !require_root() {
+        return;
+    }
+    let log = Log::new("");
+    let dir = HostDir::new();
+    let script = put(&dir.path, "hello.py", "print('hi')\n");
+    let out = opservant(&["script", "python", script.to_str().unwrap(), "--config", log.conf()]);
+    assert_eq!(out.code, 0, "{out:?}");
+    let name = format!("audit{}", std::process::id());
+    let out = opservant(&["session", "start", &name, "--config", log.conf()]);
+    assert_eq!(out.code, 0, "{out:?}");
+    let exec = opservant(&["session", "exec", &name, "--code", "x = 1"]);
+    let stop = opservant(&["session", "stop", &name]);
+    let _ = std::fs::remove_file(format!("/run/opservant/sessions/{name}.log"));
+    assert_eq!((exec.code, stop.code), (0, 0), "{exec:?} {stop:?}");
+    // The daemon writes session_end as it exits, just after answering `stop`.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !log.records().iter().any(|r| r["event"] == "session_end") && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let events: Vec<String> = log.records().iter().map(|r| r["event"].as_str().unwrap().to_string()).collect();
+    assert_eq!(events, ["script_start", "script_end", "session_start", "session_exec", "session_end"]);
+    assert_eq!(log.verify(&[]).code, 0);
+}
+
+/// A log of `runs` × 2 records.
+fn log_with_runs(runs: usize) -> (Log, HostDir) {
+    let log = Log::new("");
+    let exec = executor();
+    for _ in 0..runs {
+        log.run(&exec);
+    }
+    (log, exec)
+}
+
+#[test]
+fn tampering_is_reported_at_the_first_broken_record() {
+    if !require_root() {
+        return;
+    }
+    let (log, exec) = log_with_runs(3);
+    let orig = log.lines();
+    assert_eq!(orig.len(), 6);
+    let copy = log.path.with_file_name("copy.jsonl");
+
+    // An edited field: reported at the edited record.
+    let mut l = orig.clone();
+    l[2] = l[2].replace("\"executor\":\"audit-test\"", "\"executor\":\"innocent\"");
+    assert_ne!(l[2], orig[2]);
+    write_lines(&copy, &l);
+    assert_problem(&log.verify(&[&copy]), &copy, 3, "edited (seq 3)");
+    let out = opservant(&["audit", "verify", "--json", copy.to_str().unwrap()]);
+    let j: Value = serde_json::from_str(out.stdout.trim()).unwrap();
+    assert_eq!(j["intact"], false);
+    assert_eq!(j["problem"]["kind"], "edited");
+    assert_eq!(j["problem"]["line"], 3);
+    assert_eq!(j["problem"]["seq"], 3);
+    assert_eq!(j["problem"]["file"], copy.to_str().unwrap());
+
+    // A deleted record: reported where it was, as removed.
+    let mut l = orig.clone();
+    l.remove(2);
+    write_lines(&copy, &l);
+    let out = log.verify(&[&copy]);
+    assert_problem(&out, &copy, 3, "removed (seq 4)");
+    assert!(out.stdout.contains("seq 3 missing"), "{}", out.stdout);
+
+    // Two records swapped: reordered, at the first one out of place.
+    let mut l = orig.clone();
+    l.swap(2, 3);
+    write_lines(&copy, &l);
+    assert_problem(&log.verify(&[&copy]), &copy, 3, "reordered (seq 4)");
+
+    // The first record removed: the file no longer starts at the genesis.
+    write_lines(&copy, &orig[1..]);
+    assert_problem(&log.verify(&[&copy]), &copy, 1, "removed (seq 2)");
+
+    // A line that is not JSON.
+    let mut l = orig.clone();
+    l.insert(4, "not json".into());
+    write_lines(&copy, &l);
+    assert_problem(&log.verify(&[&copy]), &copy, 5, "not_json");
+
+    // The last line truncated (a crash mid-write): reported, exit 1 ...
+    let text = std::fs::read_to_string(&log.path).unwrap();
+    std::fs::write(&log.path, &text[..text.len() - 30]).unwrap();
+    assert_problem(&log.verify(&[]), &log.path, 6, "truncated");
+    // ... and the next append repairs it: the chain continues from the last complete
+    // record with the same seq, the torn line stays, bound by its hash, and verify notes it.
+    log.run(&exec);
+    let l = log.lines();
+    assert_eq!(l.len(), 8);
+    let repair: Value = serde_json::from_str(&l[6]).unwrap();
+    assert_eq!(repair["seq"], 6);
+    assert_eq!(repair["prev"], sha256_hex(l[4].as_bytes()));
+    assert_eq!(repair["repaired"]["bytes"], l[5].len());
+    assert_eq!(repair["repaired"]["sha256"], sha256_hex(l[5].as_bytes()));
+    let out = log.verify(&[]);
+    assert_eq!(out.code, 0, "{out:?}");
+    assert!(out.stdout.contains(&format!("note: {}:6: torn line", log.path.display())), "{}", out.stdout);
+
+    // Unreadable input and bad arguments: exit 2 with one line.
+    let out = opservant(&["audit", "verify", "/nonexistent/audit.jsonl"]);
+    assert_eq!(out.code, 2, "{out:?}");
+    assert!(
+        out.stdout.is_empty() && out.stderr.lines().count() == 1 && out.stderr.starts_with("opservant: "),
+        "{out:?}"
+    );
+    assert_eq!(opservant(&["audit", "verify", "--bogus"]).code, 2);
+}
+
+#[test]
+fn rotation_carries_the_chain_across_files() {
+    if !require_root() {
+        return;
+    }
+    let log = Log::new("  max_bytes: 1024\n  keep: 20\n");
+    let exec = executor();
+    for _ in 0..6 {
+        log.run(&exec);
+    }
+    let (r1, r2, r3) = (log.rotated(1), log.rotated(2), log.rotated(3));
+    assert!(r3.exists(), "at least 4 files from 12 records at 1024 bytes a file");
+    for p in [&r1, &r2, &r3, &log.path] {
+        assert!(std::fs::metadata(p).unwrap().len() <= 1024, "{}", p.display());
+    }
+    // The first record of a file continues the last one of the file rotated before it.
+    let first: Value = serde_json::from_str(&log.lines()[0]).unwrap();
+    let last_of_1 = read_lines(&r1).pop().unwrap();
+    let prev: Value = serde_json::from_str(&last_of_1).unwrap();
+    assert_eq!(first["prev"], sha256_hex(last_of_1.as_bytes()));
+    assert_eq!(first["continues"], json!({"file": "audit.jsonl.1", "seq": prev["seq"]}));
+
+    // All files, found from the configuration, oldest first.
+    let out = log.verify(&[]);
+    assert_eq!(out.code, 0, "{out:?}");
+    assert!(out.stdout.starts_with("chain intact: 12 records in"), "{}", out.stdout);
+    // Given explicitly, in chain order.
+    let out = log.verify(&[&r3, &r2, &r1, &log.path]);
+    assert_eq!(out.code, 0, "{out:?}");
+    // One file alone: intact, with a note that its first record continues an unseen file.
+    let out = log.verify(&[&r1]);
+    assert_eq!(out.code, 0, "{out:?}");
+    assert!(out.stdout.contains("note:") && out.stdout.contains("continues seq"), "{}", out.stdout);
+    // Out of chain order: reported.
+    assert_eq!(log.verify(&[&r1, &r2]).code, 1);
+
+    // A middle file removed: its records are missing where the next file starts.
+    std::fs::remove_file(&r2).unwrap();
+    let out = log.verify(&[]);
+    assert_problem(&out, &r1, 1, "removed");
+    assert!(out.stdout.contains("missing"), "{}", out.stdout);
+}
+
+#[test]
+fn concurrent_writers_keep_one_chain() {
+    if !require_root() {
+        return;
+    }
+    let log = Log::new("");
+    let exec = executor();
+    let started = Instant::now();
+    // 8 runs at once, and 4 appenders in this process (each its own lock description, as
+    // separate processes have) appending to the same log until the runs are done.
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let appenders: Vec<_> = (0..4)
+        .map(|t| {
+            let (path, done) = (log.path.clone(), done.clone());
+            std::thread::spawn(move || {
+                let l = agent::audit::AuditLog::open(agent::audit::AuditSettings::at(&path)).unwrap();
+                let mut n = 0u64;
+                while n < 20 || !done.load(std::sync::atomic::Ordering::Relaxed) {
+                    let f = agent::audit::fields_object(&[("thread", &t.to_string()), ("i", &n.to_string())]);
+                    l.append("test_append", &f).unwrap();
+                    n += 1;
+                }
+                n
+            })
+        })
+        .collect();
+    let runs: Vec<_> = (0..8)
+        .map(|_| {
+            let (exec, conf) = (exec.str().to_string(), log.conf().to_string());
+            std::thread::spawn(move || opservant(&["run", &exec, "--config", &conf]))
+        })
+        .collect();
+    for r in runs {
+        let out = r.join().unwrap();
+        assert_eq!(out.code, 0, "{out:?}");
+    }
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    let appended: u64 = appenders.into_iter().map(|a| a.join().unwrap()).sum();
+    eprintln!("8 runs + {appended} appends in {:?}", started.elapsed());
+    let recs = log.records();
+    assert_eq!(recs.len() as u64, 8 * 2 + appended);
+    let seqs: Vec<u64> = recs.iter().map(|r| r["seq"].as_u64().unwrap()).collect();
+    assert_eq!(seqs, (1..=recs.len() as u64).collect::<Vec<u64>>());
+    let pids: std::collections::HashSet<u64> =
+        recs.iter().filter(|r| r["event"] == "executor_complete").map(|r| r["pid"].as_u64().unwrap()).collect();
+    assert_eq!(pids.len(), 8, "one complete record from each run");
+    // The writers really interleaved: appends landed between some run's start and end.
+    let first_start = recs.iter().position(|r| r["event"] == "executor_start").unwrap();
+    let last_end = recs.iter().rposition(|r| r["event"] == "executor_complete").unwrap();
+    assert!(recs[first_start..last_end].iter().any(|r| r["event"] == "test_append"), "no interleaving");
+    let out = log.verify(&[]);
+    assert_eq!(out.code, 0, "{out:?}");
+}
+
+#[test]
+fn verify_during_appends_and_rotations_reports_no_false_problem() {
+    if !require_root() {
+        return;
+    }
+    let log = Log::new("  max_bytes: 2048\n  keep: 3\n");
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = {
+        let (path, done) = (log.path.clone(), done.clone());
+        std::thread::spawn(move || {
+            let mut s = agent::audit::AuditSettings::at(&path);
+            (s.max_bytes, s.keep) = (2048, 3);
+            let l = agent::audit::AuditLog::open(s).unwrap();
+            let mut n = 0;
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                l.append("busy", &agent::audit::fields_object(&[("n", &n.to_string())])).unwrap();
+                n += 1;
+            }
+            n
+        })
+    };
+    let mut rotated_under_us = 0;
+    for _ in 0..30 {
+        let before = log.rotated(1).metadata().map(|m| m.ino()).ok();
+        let out = log.verify(&[]);
+        assert_eq!(out.code, 0, "{out:?}");
+        rotated_under_us += usize::from(log.rotated(1).metadata().map(|m| m.ino()).ok() != before);
+    }
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    let n = writer.join().unwrap();
+    eprintln!("{n} appends; rotations during a verify: {rotated_under_us}/30");
+    assert!(rotated_under_us > 0, "the log rotated while verify ran");
+}
+
+#[test]
+fn an_unwritable_log_stops_the_run_before_it_starts() {
+    if !require_root() {
+        return;
+    }
+    let exec = executor();
+    let cannot_run = |out: &Out, needle: &str| {
+        assert_eq!(out.code, 2, "{out:?}");
+        assert!(out.stdout.is_empty(), "no result: {out:?}");
+        let last = out.stderr.lines().last().unwrap_or("");
+        assert!(last.starts_with("opservant: ") && last.contains(needle), "{out:?}");
+    };
+    // The log's directory cannot be created (a file is in the way).
+    let dir = HostDir::new();
+    std::fs::write(dir.path.join("blocker"), "").unwrap();
+    let conf = dir.path.join("config.yaml");
+    std::fs::write(&conf, format!("audit:\n  path: {}/blocker/audit.jsonl\n", dir.str())).unwrap();
+    let out = opservant(&["run", exec.str(), "--config", conf.to_str().unwrap()]);
+    cannot_run(&out, "audit log");
+    assert_eq!(out.stderr.lines().count(), 1, "{out:?}");
+
+    // A log whose end is damaged beyond repair: the log opens, but executor_start cannot be
+    // appended — the run stops at that gate (its sandbox is torn down; nothing of the
+    // executor ran) and the same goes for a script.
+    let log = Log::new("");
+    log.run(&exec);
+    let mut f = std::fs::OpenOptions::new().append(true).open(&log.path).unwrap();
+    std::io::Write::write_all(&mut f, b"garbage\nmore garbage\n").unwrap();
+    let before = std::fs::read(&log.path).unwrap();
+    let out = opservant(&["run", exec.str(), "--config", log.conf()]);
+    cannot_run(&out, "not audit records");
+    assert!(!out.stderr.contains("executor_complete"), "{out:?}");
+    let script = put(&log._dir.path, "s.py", "print(1)\n");
+    cannot_run(&opservant(&["script", "python", script.to_str().unwrap(), "--config", log.conf()]), "audit log");
+    assert_eq!(std::fs::read(&log.path).unwrap(), before, "nothing appended to a damaged log");
+    assert_problem(&log.verify(&[]), &log.path, 3, "not_json");
+}
+
+#[test]
+fn tail_shows_the_last_records_and_follows() {
+    if !require_root() {
+        return;
+    }
+    let (log, _exec) = log_with_runs(3);
+    let lines = log.lines();
+    let out = opservant(&["audit", "tail", "-n", "3", "--json", "--config", log.conf()]);
+    assert_eq!(out.code, 0, "{out:?}");
+    assert_eq!(out.stdout.lines().collect::<Vec<_>>(), lines[3..].iter().map(String::as_str).collect::<Vec<_>>());
+    let out = opservant(&["audit", "tail", "-n", "2", "--config", log.conf()]);
+    let shown: Vec<&str> = out.stdout.lines().collect();
+    assert_eq!(shown.len(), 2, "{}", out.stdout);
+    assert!(shown[0].contains("Z  #5  executor_start ") && shown[0].contains(" executor=audit-test"), "{}", out.stdout);
+    assert!(shown[1].contains("#6  executor_complete"), "{}", out.stdout);
+    // More than there are: all of them.
+    let out = opservant(&["audit", "tail", "-n", "100", "--json", "--config", log.conf()]);
+    assert_eq!(out.stdout.lines().count(), 6);
+
+    // --follow prints records appended after it started.
+    let mut child = Command::new(common::opservant())
+        .args(["audit", "tail", "-n", "1", "--follow", "--json", "--config", log.conf()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut reader = BufReader::new(child.stdout.take().unwrap());
+    let mut first = String::new();
+    reader.read_line(&mut first).unwrap();
+    assert_eq!(first.trim_end(), lines[5]);
+    let appender = agent::audit::AuditLog::open(agent::audit::AuditSettings::at(&log.path)).unwrap();
+    let a = appender.append("followed", &agent::audit::fields_object(&[("k", "v")])).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut next = String::new();
+        let _ = reader.read_line(&mut next);
+        let _ = tx.send(next);
+    });
+    let next = rx.recv_timeout(Duration::from_secs(10));
+    let _ = child.kill();
+    let _ = child.wait();
+    assert_eq!(next.expect("tail --follow printed the new record").trim_end(), a.line);
+}
