@@ -86,7 +86,7 @@ use std::os::unix::fs::{DirBuilderExt, FileExt, OpenOptionsExt};
 use std::os::unix::net::UnixDatagram;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::SystemTime;
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
@@ -289,25 +289,7 @@ pub fn sha256_hex(data: &[u8]) -> String {
 
 /// `2026-11-22T13:45:01.123456Z` (UTC, microseconds).
 pub fn timestamp(t: SystemTime) -> String {
-    let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
-    let secs = d.as_secs();
-    let (y, m, day) = civil_from_days((secs / 86_400) as i64);
-    let rem = secs % 86_400;
-    format!("{y:04}-{m:02}-{day:02}T{:02}:{:02}:{:02}.{:06}Z", rem / 3600, rem % 3600 / 60, rem % 60, d.subsec_micros())
-}
-
-/// Days since 1970-01-01 → (year, month, day), proleptic Gregorian (H. Hinnant's algorithm).
-fn civil_from_days(z: i64) -> (i64, u32, u32) {
-    let z = z + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    (year, month, day)
+    crate::rfc3339::format_micros(t)
 }
 
 /// `fields` as the JSON object stored, each value cut to [`MAX_FIELD_BYTES`].
@@ -737,10 +719,10 @@ mod tests {
 
     #[test]
     fn timestamps_are_rfc3339_utc_micros() {
-        assert_eq!(timestamp(UNIX_EPOCH), "1970-01-01T00:00:00.000000Z");
-        let t = UNIX_EPOCH + std::time::Duration::from_micros(1_795_355_101_123_456);
+        assert_eq!(timestamp(std::time::UNIX_EPOCH), "1970-01-01T00:00:00.000000Z");
+        let t = std::time::UNIX_EPOCH + std::time::Duration::from_micros(1_795_355_101_123_456);
         assert_eq!(timestamp(t), "2026-11-22T13:45:01.123456Z");
-        let leap = UNIX_EPOCH + std::time::Duration::from_secs(951_782_400); // 2000-02-29
+        let leap = std::time::UNIX_EPOCH + std::time::Duration::from_secs(951_782_400); // 2000-02-29
         assert_eq!(timestamp(leap), "2000-02-29T00:00:00.000000Z");
     }
 

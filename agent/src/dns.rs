@@ -240,9 +240,8 @@ pub fn resolve(name: &str, upstreams: &[SocketAddr]) -> Result<Vec<IpAddr>, Stri
 
 fn rand_id() -> u16 {
     let mut b = [0u8; 2];
-    // SAFETY: getrandom writes at most b.len() bytes into the buffer it is given.
-    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
-    if n != 2 {
+    if crate::random::fill(&mut b).is_err() {
+        // Only predictability of the id is lost (the upstream answer is still matched by id).
         let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
         return t.subsec_nanos() as u16;
     }

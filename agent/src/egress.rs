@@ -184,28 +184,31 @@ impl NetworkPolicy {
 }
 
 /// Address ranges a DNS answer may not point into, and the sandbox may not reach, unless an
-/// allow entry covers them.
-pub fn special_ranges() -> Vec<IpNet> {
-    [
-        "0.0.0.0/8",
-        "10.0.0.0/8",
-        "100.64.0.0/10",
-        "127.0.0.0/8",
-        "169.254.0.0/16",
-        "172.16.0.0/12",
-        "192.168.0.0/16",
-        "224.0.0.0/4",
-        "240.0.0.0/4",
-        "::/128",
-        "::1/128",
-        "::ffff:0:0/96",
-        "fc00::/7",
-        "fe80::/10",
-        "ff00::/8",
-    ]
-    .iter()
-    .filter_map(|s| s.parse().ok())
-    .collect()
+/// allow entry covers them (parsed once).
+pub fn special_ranges() -> &'static [IpNet] {
+    static RANGES: std::sync::OnceLock<Vec<IpNet>> = std::sync::OnceLock::new();
+    RANGES.get_or_init(|| {
+        [
+            "0.0.0.0/8",
+            "10.0.0.0/8",
+            "100.64.0.0/10",
+            "127.0.0.0/8",
+            "169.254.0.0/16",
+            "172.16.0.0/12",
+            "192.168.0.0/16",
+            "224.0.0.0/4",
+            "240.0.0.0/4",
+            "::/128",
+            "::1/128",
+            "::ffff:0:0/96",
+            "fc00::/7",
+            "fe80::/10",
+            "ff00::/8",
+        ]
+        .iter()
+        .filter_map(|s| s.parse().ok())
+        .collect()
+    })
 }
 
 /// Ranges never reachable by IP unless allowed explicitly (private ranges are reachable in

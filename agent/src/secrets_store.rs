@@ -286,7 +286,7 @@ impl SecretKey {
     /// file.
     pub fn create(path: &Path) -> Result<SecretKey, StoreError> {
         let mut bytes = Zeroizing::new([0u8; 32]);
-        fill_random(&mut bytes[..]).map_err(StoreError::Random)?;
+        crate::random::fill(&mut bytes[..]).map_err(StoreError::Random)?;
         let mut text = Zeroizing::new(String::with_capacity(65));
         for b in bytes.iter() {
             text.push(char::from(HEX[usize::from(b >> 4)]));
@@ -529,7 +529,7 @@ impl Store {
         check_name(name)?;
         check_value(value.as_bytes())?;
         let mut nonce = [0u8; NONCE_LEN];
-        fill_random(&mut nonce).map_err(StoreError::Random)?;
+        crate::random::fill(&mut nonce).map_err(StoreError::Random)?;
         // Room for the tag up front, so the plaintext copy is never reallocated (and left
         // behind unwiped); it is encrypted in place and wiped if anything fails.
         let mut buf = Zeroizing::new(Vec::with_capacity(value.len() + TAG_LEN));
@@ -551,7 +551,7 @@ impl Store {
     fn render(&self) -> Result<Vec<u8>, StoreError> {
         let key_id = self.key.id();
         let mut seal_nonce = [0u8; NONCE_LEN];
-        fill_random(&mut seal_nonce).map_err(StoreError::Random)?;
+        crate::random::fill(&mut seal_nonce).map_err(StoreError::Random)?;
         let mut tag = Vec::with_capacity(TAG_LEN);
         self.key
             .cipher()
@@ -631,30 +631,10 @@ fn parent_dir(path: &Path) -> &Path {
     }
 }
 
-/// Fill `buf` from the kernel's random generator.
-fn fill_random(buf: &mut [u8]) -> std::io::Result<()> {
-    let mut done = 0;
-    while done < buf.len() {
-        let rest = &mut buf[done..];
-        // SAFETY: `rest` is a live, exclusively borrowed byte slice; getrandom writes at most
-        // `rest.len()` bytes starting at its pointer.
-        let n = unsafe { libc::getrandom(rest.as_mut_ptr().cast(), rest.len(), 0) };
-        if n < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() == std::io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        done += n.unsigned_abs();
-    }
-    Ok(())
-}
-
 /// Write `bytes` to a new temporary file (mode 0600) beside `path`, fsynced.
 fn write_temp(path: &Path, bytes: &[u8]) -> std::io::Result<PathBuf> {
     let mut r = [0u8; 8];
-    fill_random(&mut r)?;
+    crate::random::fill(&mut r)?;
     let suffix: String = r.iter().map(|b| format!("{b:02x}")).collect();
     let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     let tmp = parent_dir(path).join(format!(".{name}.tmp-{}-{suffix}", std::process::id()));

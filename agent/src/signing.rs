@@ -28,6 +28,8 @@ use serde::de::{self, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_json::{Map, Value};
 use thiserror::Error;
 
+pub use crate::rfc3339::{format as format_rfc3339, now, parse as parse_rfc3339};
+
 /// The largest command accepted, in bytes.
 pub const MAX_COMMAND_BYTES: usize = 1024 * 1024;
 /// The deepest nesting accepted.
@@ -151,87 +153,6 @@ pub fn signed_bytes(cmd: &Map<String, Value>) -> Result<Vec<u8>, SigningError> {
     let mut unsigned = cmd.clone();
     unsigned.remove("signature");
     serde_json_canonicalizer::to_vec(&Value::Object(unsigned)).map_err(|e| SigningError::Canonical(e.to_string()))
-}
-
-// ---------------------------------------------------------------------------------------
-// Time
-// ---------------------------------------------------------------------------------------
-
-/// Days since 1970-01-01 of a proleptic Gregorian date (H. Hinnant's algorithm).
-fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
-    let y = if m <= 2 { y - 1 } else { y };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let mp = (m + 9) % 12;
-    let doy = (153 * mp + 2) / 5 + d - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    era * 146_097 + doe - 719_468
-}
-
-/// Seconds since the epoch of an RFC 3339 date-time (`2026-04-28T12:00:00Z`, optional
-/// fraction, `Z` or `±HH:MM`).
-pub fn parse_rfc3339(s: &str) -> Option<i64> {
-    let b = s.as_bytes();
-    if b.len() < 20
-        || b[4] != b'-'
-        || b[7] != b'-'
-        || !matches!(b[10], b'T' | b't' | b' ')
-        || b[13] != b':'
-        || b[16] != b':'
-    {
-        return None;
-    }
-    let num = |r: std::ops::Range<usize>| -> Option<i64> {
-        let t = s.get(r)?;
-        t.bytes().all(|c| c.is_ascii_digit()).then(|| t.parse().ok()).flatten()
-    };
-    let (y, mo, d, h, mi, se) = (num(0..4)?, num(5..7)?, num(8..10)?, num(11..13)?, num(14..16)?, num(17..19)?);
-    if !(1..=12).contains(&mo) || !(1..=31).contains(&d) || h > 23 || mi > 59 || se > 60 {
-        return None;
-    }
-    let mut rest = &s[19..];
-    if let Some(frac) = rest.strip_prefix('.') {
-        let n = frac.bytes().take_while(u8::is_ascii_digit).count();
-        if n == 0 {
-            return None;
-        }
-        rest = &frac[n..];
-    }
-    let offset = match rest {
-        "Z" | "z" => 0,
-        _ => {
-            let rb = rest.as_bytes();
-            if rb.len() != 6 || !matches!(rb[0], b'+' | b'-') || rb[3] != b':' {
-                return None;
-            }
-            let oh: i64 = rest.get(1..3)?.parse().ok()?;
-            let om: i64 = rest.get(4..6)?.parse().ok()?;
-            let sign = if rb[0] == b'-' { -1 } else { 1 };
-            sign * (oh * 3600 + om * 60)
-        }
-    };
-    Some(days_from_civil(y, mo, d) * 86_400 + h * 3600 + mi * 60 + se - offset)
-}
-
-/// `2026-04-28T12:00:00Z` for seconds since the epoch.
-pub fn format_rfc3339(t: i64) -> String {
-    let days = t.div_euclid(86_400);
-    let secs = t.rem_euclid(86_400);
-    // Inverse of days_from_civil.
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", secs / 3600, secs % 3600 / 60, secs % 60)
-}
-
-pub fn now() -> i64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64)
 }
 
 // ---------------------------------------------------------------------------------------
@@ -359,7 +280,7 @@ pub fn keygen(dir: &Path) -> Result<(PathBuf, PathBuf), SigningError> {
         }
     }
     let mut seed = zeroize::Zeroizing::new([0u8; 32]);
-    fill_random(&mut seed[..]).map_err(|e| SigningError::Key(format!("random bytes: {e}")))?;
+    crate::random::fill(&mut seed[..]).map_err(|e| SigningError::Key(format!("random bytes: {e}")))?;
     let key = SigningKey::from_bytes(&seed);
     // PKCS#8 v1 (no embedded public key): the form OpenSSL writes and reads.
     let pem = ed25519_dalek::pkcs8::KeypairBytes { secret_key: *seed, public_key: None }
@@ -380,23 +301,6 @@ pub fn keygen(dir: &Path) -> Result<(PathBuf, PathBuf), SigningError> {
         return Err(e);
     }
     Ok((key_path, pub_path))
-}
-
-fn fill_random(buf: &mut [u8]) -> std::io::Result<()> {
-    let mut filled = 0;
-    while filled < buf.len() {
-        // SAFETY: getrandom writes at most `len` bytes into the buffer slice it is given.
-        let n = unsafe { libc::getrandom(buf[filled..].as_mut_ptr().cast(), buf.len() - filled, 0) };
-        if n < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() == std::io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        filled += n as usize;
-    }
-    Ok(())
 }
 
 #[cfg(test)]
@@ -496,23 +400,5 @@ mod tests {
         assert_eq!(verify(&none, &vk, now).unwrap().signature, Err("missing signature".into()));
         none.insert("signature".into(), Value::from("!!"));
         assert_eq!(verify(&none, &vk, now).unwrap().signature, Err("signature is not base64".into()));
-    }
-
-    #[test]
-    fn rfc3339_round_trip() {
-        for t in [0i64, 951_782_400, 1_777_377_600, 4_102_444_799, -1] {
-            assert_eq!(parse_rfc3339(&format_rfc3339(t)), Some(t), "{t}");
-        }
-        assert_eq!(parse_rfc3339("2026-04-28T14:00:00+02:00"), parse_rfc3339("2026-04-28T12:00:00Z"));
-        assert_eq!(parse_rfc3339("2026-04-28T12:00:00.123Z"), parse_rfc3339("2026-04-28T12:00:00Z"));
-        for bad in [
-            "2026-04-28",
-            "2026-13-01T00:00:00Z",
-            "2026-04-28T12:00:00",
-            "x026-04-28T12:00:00Z",
-            "2026-04-28T12:00:00+2:00",
-        ] {
-            assert_eq!(parse_rfc3339(bad), None, "{bad}");
-        }
     }
 }
