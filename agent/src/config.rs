@@ -116,6 +116,14 @@ pub struct EgressSection {
 pub struct AgentSection {
     /// The agent's identifier (`context["agent_id"]`); default `local-<hostname>`.
     pub id: Option<String>,
+    /// The platform's Ed25519 public key (PEM or base64): commands must be signed with it.
+    pub platform_public_key: Option<PathBuf>,
+    /// Where the agent keeps its state (the replay store); default /var/lib/opservant.
+    pub state_dir: Option<PathBuf>,
+    /// The root-only socket `opservant submit` talks to; default /run/opservant/agent.sock.
+    pub socket: Option<PathBuf>,
+    /// Commands run at once (1-256, default 4); one more is rejected as overloaded.
+    pub max_concurrent: Option<usize>,
 }
 
 /// Seed 001: `default_timeout_seconds` sets a default, `max_*` set ceilings; `default_*`
@@ -201,6 +209,18 @@ impl Config {
         if let Some(id) = &self.agent.id {
             if id.is_empty() || id.len() > 128 || id.chars().any(|c| c.is_control()) {
                 return Err(err("agent.id", "must be 1-128 printable characters"));
+            }
+        }
+        if self.agent.max_concurrent.is_some_and(|n| n == 0 || n > 256) {
+            return Err(err("agent.max_concurrent", "must be 1-256"));
+        }
+        for (key, p) in [
+            ("agent.platform_public_key", &self.agent.platform_public_key),
+            ("agent.state_dir", &self.agent.state_dir),
+            ("agent.socket", &self.agent.socket),
+        ] {
+            if p.as_ref().is_some_and(|p| !p.is_absolute()) {
+                return Err(err(key, "must be an absolute path"));
             }
         }
         match self.secrets.provider.as_deref() {

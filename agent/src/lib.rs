@@ -3,7 +3,9 @@
 
 pub mod app;
 pub mod audit;
+pub mod command;
 pub mod config;
+pub mod daemon;
 pub mod dns;
 pub mod doctor;
 pub mod egress;
@@ -15,6 +17,7 @@ pub mod manifest;
 pub mod policy;
 pub mod random;
 pub mod redact;
+pub mod replay;
 pub mod result;
 pub mod rfc3339;
 pub mod script_run;

@@ -85,6 +85,26 @@ enum Command {
         #[command(subcommand)]
         command: ExecutorCommand,
     },
+    /// The agent daemon: verifies and runs signed commands from the root-only socket
+    /// (`agent.socket`) until SIGTERM.
+    Agent {
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Check the configuration (and the keys and directories it names), then exit:
+        /// 0 when it is usable, 2 with the reason when not.
+        #[arg(long = "check-config")]
+        check_config: bool,
+    },
+    /// Send a signed command to the running agent and print its reply. Exit 0 when the
+    /// command completed, 1 when it did not (rejected included), 2 when it could not be sent.
+    Submit {
+        /// The signed command (`-` for stdin).
+        signed: PathBuf,
+        #[arg(long)]
+        socket: Option<PathBuf>,
+        #[arg(long)]
+        config: Option<PathBuf>,
+    },
     /// Create an Ed25519 key pair for signing commands: DIR/signing.key (PKCS#8 PEM, mode
     /// 0600) and DIR/signing.pub (PEM). Never overwrites.
     Keygen {
@@ -293,6 +313,8 @@ fn main() -> ExitCode {
             agent::secrets_cli::run(command).map(ExitCode::from).map_err(|e| CannotRun(e.to_string()))
         }
         Command::Keygen { out } => keygen(&out),
+        Command::Agent { config, check_config } => agent_daemon(config, check_config),
+        Command::Submit { signed, socket, config } => submit(&signed, socket, config),
         Command::Sign { key, command } => sign_command(&key, &command),
         Command::Verify { public_key, signed, json } => verify_command(&public_key, &signed, json),
     };
@@ -403,6 +425,47 @@ fn read_input(path: &std::path::Path) -> Result<Vec<u8>, CannotRun> {
     };
     read.map_err(|e| CannotRun(format!("{}: {e}", path.display())))?;
     Ok(buf)
+}
+
+fn agent_daemon(config: Option<PathBuf>, check_only: bool) -> Result<ExitCode, CannotRun> {
+    let cfg = agent::config::Config::load(config.as_deref())?;
+    let policy = AgentPolicy::from_config(&cfg)?;
+    let settings = agent::daemon::DaemonSettings::from_config(&cfg).map_err(|e| CannotRun(e.0))?;
+    let platform_key =
+        agent::signing::load_verifying_key(&settings.platform_key).map_err(|e| CannotRun(e.to_string()))?;
+    agent::secrets::Provider::check_config(&cfg).map_err(CannotRun)?;
+    agent::egress::EgressSettings::from_config(&cfg).map_err(|e| CannotRun(e.to_string()))?;
+    let runtime = agent::executor_run::runtime_binary().map_err(|e| CannotRun(e.0))?;
+    if check_only {
+        println!("configuration ok");
+        return Ok(ExitCode::SUCCESS);
+    }
+    agent::audit::init(&cfg)?;
+    let pipeline = agent::command::Pipeline {
+        seen: agent::replay::SeenCommands::new(&settings.state_dir.join("commands-seen")),
+        executors: cfg.executors.root(),
+        config: cfg,
+        policy,
+        platform_key,
+        runtime,
+        // The daemon is multi-threaded: sandboxes start from a fresh exec of this binary.
+        launcher: sandbox::Launcher::reexec(SANDBOX_INIT),
+    };
+    agent::daemon::serve(pipeline, &settings.socket, settings.max_concurrent).map_err(|e| CannotRun(e.0))?;
+    Ok(ExitCode::SUCCESS)
+}
+
+fn submit(signed: &std::path::Path, socket: Option<PathBuf>, config: Option<PathBuf>) -> Result<ExitCode, CannotRun> {
+    let socket = match socket {
+        Some(s) => s,
+        None => agent::config::Config::load(config.as_deref())?
+            .agent
+            .socket
+            .unwrap_or_else(|| agent::daemon::DEFAULT_SOCKET.into()),
+    };
+    let reply = agent::daemon::submit(&socket, &read_input(signed)?).map_err(|e| CannotRun(e.0))?;
+    println!("{reply}");
+    Ok(if reply["status"] == "completed" { ExitCode::SUCCESS } else { ExitCode::from(1) })
 }
 
 fn keygen(out: &std::path::Path) -> Result<ExitCode, CannotRun> {

@@ -1,0 +1,220 @@
+//! `opservant agent`: the long-running agent, and `opservant submit`, its on-host client.
+//!
+//! This part of the daemon accepts signed commands on a root-only Unix socket (default
+//! [`DEFAULT_SOCKET`]): a client connects, writes one command, shuts its write side, and reads
+//! one reply (JSON, one line). Every command goes through [`crate::command::Pipeline`].
+//!
+//! Guarantees:
+//! - only clients running as root (uid 0, checked with `SO_PEERCRED`) are served; the socket
+//!   is created mode 0600 inside a 0700 directory;
+//! - at most `agent.max_concurrent` commands run at once; one more is answered at once with
+//!   `status: "rejected"`, `reason: "overloaded"` (audited), never queued without bound;
+//! - SIGTERM or SIGINT: the socket is closed and removed (no new work), the commands already
+//!   running finish (their limits bound how long) and get their replies, then the process
+//!   exits 0; systemd is told `READY=1`, `STOPPING=1` and, with `WatchdogSec`, `WATCHDOG=1`;
+//! - a second agent on the same socket is refused (exit 2), a stale socket file is replaced.
+//!
+//! The platform connection (mutual TLS, long polling, heartbeats) is not built yet.
+
+use std::io::{Read, Write};
+use std::os::fd::AsFd;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use crate::command::Pipeline;
+use crate::executor_run::CannotRun;
+
+pub const DEFAULT_SOCKET: &str = "/run/opservant/agent.sock";
+pub const DEFAULT_STATE_DIR: &str = "/var/lib/opservant";
+pub const DEFAULT_MAX_CONCURRENT: usize = 4;
+/// How long a client may take to send its command.
+const READ_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// `sd_notify(3)` without libsystemd: one datagram to `$NOTIFY_SOCKET`, when set.
+pub fn sd_notify(state: &str) {
+    let Some(path) = std::env::var_os("NOTIFY_SOCKET") else { return };
+    let Ok(sock) = std::os::unix::net::UnixDatagram::unbound() else { return };
+    let bytes = path.as_encoded_bytes();
+    let sent = if let Some(abstract_name) = bytes.strip_prefix(b"@") {
+        use std::os::linux::net::SocketAddrExt;
+        std::os::unix::net::SocketAddr::from_abstract_name(abstract_name)
+            .and_then(|addr| sock.send_to_addr(state.as_bytes(), &addr))
+    } else {
+        sock.send_to(state.as_bytes(), Path::new(&path))
+    };
+    if let Err(e) = sent {
+        tracing::warn!(error = %e, state, "sd_notify failed");
+    }
+}
+
+/// Bind the socket: refuse if an agent answers on it, replace a stale file.
+fn bind(path: &Path) -> Result<UnixListener, CannotRun> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| CannotRun(format!("{}: {e}", dir.display())))?;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+            .map_err(|e| CannotRun(format!("{}: {e}", dir.display())))?;
+    }
+    if path.exists() {
+        if UnixStream::connect(path).is_ok() {
+            return Err(CannotRun(format!("{}: another agent is already listening", path.display())));
+        }
+        std::fs::remove_file(path).map_err(|e| CannotRun(format!("{}: {e}", path.display())))?;
+    }
+    // Created 0600 from the start: the umask covers the window before chmod.
+    let old = nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o177));
+    let listener = UnixListener::bind(path);
+    nix::sys::stat::umask(old);
+    let listener = listener.map_err(|e| CannotRun(format!("{}: {e}", path.display())))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+        .map_err(|e| CannotRun(format!("{}: {e}", path.display())))?;
+    Ok(listener)
+}
+
+/// Serve until SIGTERM/SIGINT.
+pub fn serve(pipeline: Pipeline, socket: &Path, max_concurrent: usize) -> Result<(), CannotRun> {
+    use nix::sys::signal::{SigSet, Signal};
+    // Block the stop signals in every thread (spawned threads inherit the mask) and read
+    // them from a signalfd in the accept loop.
+    let mut mask = SigSet::empty();
+    mask.add(Signal::SIGTERM);
+    mask.add(Signal::SIGINT);
+    mask.thread_block().map_err(|e| CannotRun(format!("block signals: {e}")))?;
+    let signals = nix::sys::signalfd::SignalFd::with_flags(&mask, nix::sys::signalfd::SfdFlags::SFD_CLOEXEC)
+        .map_err(|e| CannotRun(format!("signalfd: {e}")))?;
+
+    let listener = bind(socket)?;
+    let pipeline = Arc::new(pipeline);
+    let running = Arc::new(AtomicUsize::new(0));
+    let mut workers: Vec<std::thread::JoinHandle<()>> = Vec::new();
+    crate::audit::record(
+        "agent_start",
+        &[("socket", &socket.to_string_lossy()), ("pid", &std::process::id().to_string())],
+    );
+    sd_notify("READY=1");
+    let watchdog = watchdog_interval();
+    loop {
+        workers.retain(|w| !w.is_finished());
+        let mut fds = [
+            nix::poll::PollFd::new(listener.as_fd(), nix::poll::PollFlags::POLLIN),
+            nix::poll::PollFd::new(signals.as_fd(), nix::poll::PollFlags::POLLIN),
+        ];
+        let timeout = watchdog.map_or(nix::poll::PollTimeout::NONE, |w| {
+            nix::poll::PollTimeout::try_from(w).unwrap_or(nix::poll::PollTimeout::MAX)
+        });
+        match nix::poll::poll(&mut fds, timeout) {
+            Ok(0) => {
+                sd_notify("WATCHDOG=1");
+                continue;
+            }
+            Ok(_) => {}
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(e) => return Err(CannotRun(format!("poll: {e}"))),
+        }
+        if watchdog.is_some() {
+            sd_notify("WATCHDOG=1");
+        }
+        if fds[1].revents().is_some_and(|r| !r.is_empty()) {
+            break;
+        }
+        let Ok((stream, _)) = listener.accept() else { continue };
+        let (pipeline, running) = (pipeline.clone(), running.clone());
+        workers.push(std::thread::spawn(move || serve_client(stream, &pipeline, &running, max_concurrent)));
+    }
+    // Stop taking work, let what runs finish and reply.
+    sd_notify("STOPPING=1");
+    drop(listener);
+    let _ = std::fs::remove_file(socket);
+    crate::audit::record("agent_stop", &[("running", &running.load(Ordering::SeqCst).to_string())]);
+    for w in workers {
+        let _ = w.join();
+    }
+    Ok(())
+}
+
+/// Half the systemd watchdog interval, when one is set for this process.
+fn watchdog_interval() -> Option<Duration> {
+    let usec: u64 = std::env::var("WATCHDOG_USEC").ok()?.parse().ok()?;
+    if let Some(pid) = std::env::var("WATCHDOG_PID").ok().and_then(|p| p.parse::<u32>().ok()) {
+        if pid != std::process::id() {
+            return None;
+        }
+    }
+    Some(Duration::from_micros(usec / 2))
+}
+
+fn serve_client(mut stream: UnixStream, pipeline: &Pipeline, running: &AtomicUsize, max_concurrent: usize) {
+    let root =
+        nix::sys::socket::getsockopt(&stream, nix::sys::socket::sockopt::PeerCredentials).is_ok_and(|c| c.uid() == 0);
+    if !root {
+        crate::audit::record("security_event", &[("reason", "non_root_client"), ("detail", "agent socket")]);
+        return;
+    }
+    let _ = stream.set_read_timeout(Some(READ_TIMEOUT));
+    let mut buf = Vec::new();
+    let limit = crate::signing::MAX_COMMAND_BYTES as u64 + 1;
+    if (&mut stream).take(limit).read_to_end(&mut buf).is_err() {
+        return;
+    }
+    let reply = if running.fetch_add(1, Ordering::SeqCst) >= max_concurrent {
+        crate::audit::record(
+            "security_event",
+            &[("reason", "overloaded"), ("max_concurrent", &max_concurrent.to_string())],
+        );
+        json!({"status": "rejected", "reason": "overloaded", "command_id": command_id_of(&buf),
+               "error": format!("{max_concurrent} commands are running; try again later")})
+    } else {
+        pipeline.handle(&buf, crate::signing::now())
+    };
+    running.fetch_sub(1, Ordering::SeqCst);
+    let mut line = reply.to_string();
+    line.push('\n');
+    let _ = stream.write_all(line.as_bytes());
+}
+
+/// The `command_id` of an unverified command, for the overload reply only.
+fn command_id_of(buf: &[u8]) -> Value {
+    crate::signing::parse_command(buf).ok().and_then(|c| c.get("command_id").cloned()).unwrap_or(Value::Null)
+}
+
+/// `opservant submit`: send one signed command, return the reply.
+pub fn submit(socket: &Path, command: &[u8]) -> Result<Value, CannotRun> {
+    let mut stream = UnixStream::connect(socket)
+        .map_err(|e| CannotRun(format!("{}: cannot reach the agent: {e}", socket.display())))?;
+    stream.write_all(command).map_err(|e| CannotRun(format!("send: {e}")))?;
+    stream.shutdown(std::net::Shutdown::Write).map_err(|e| CannotRun(format!("send: {e}")))?;
+    let mut reply = String::new();
+    stream.read_to_string(&mut reply).map_err(|e| CannotRun(format!("reply: {e}")))?;
+    if reply.trim().is_empty() {
+        return Err(CannotRun(format!("{}: the agent closed the connection without a reply", socket.display())));
+    }
+    serde_json::from_str(reply.trim()).map_err(|e| CannotRun(format!("reply is not JSON: {e}")))
+}
+
+/// Paths and limits of the daemon from the configuration.
+pub struct DaemonSettings {
+    pub socket: PathBuf,
+    pub state_dir: PathBuf,
+    pub max_concurrent: usize,
+    pub platform_key: PathBuf,
+}
+
+impl DaemonSettings {
+    pub fn from_config(c: &crate::config::Config) -> Result<DaemonSettings, CannotRun> {
+        let a = &c.agent;
+        let platform_key = a.platform_public_key.clone().ok_or_else(|| {
+            CannotRun("agent.platform_public_key: required (the Ed25519 key commands are verified with)".into())
+        })?;
+        Ok(DaemonSettings {
+            socket: a.socket.clone().unwrap_or_else(|| DEFAULT_SOCKET.into()),
+            state_dir: a.state_dir.clone().unwrap_or_else(|| DEFAULT_STATE_DIR.into()),
+            max_concurrent: a.max_concurrent.unwrap_or(DEFAULT_MAX_CONCURRENT),
+            platform_key,
+        })
+    }
+}

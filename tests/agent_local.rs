@@ -1,0 +1,362 @@
+//! `opservant agent` and `opservant submit` end to end, as root: a real daemon on a socket in
+//! a scratch directory, real signed commands, real sandboxes. Every rejection of the
+//! verification pipeline (unsigned, bad signature, tampered parameters, a timestamp six
+//! minutes old or ahead, a replayed `command_id` — also after a restart —, an unknown
+//! executor, a request beyond the manifest), overload, a graceful SIGTERM that lets a running
+//! command finish, root-only access, and an audit chain that verifies afterwards.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::HostDir;
+use serde_json::{json, Value};
+
+struct Agent {
+    dir: HostDir,
+    config: PathBuf,
+    socket: PathBuf,
+    key: PathBuf,
+    child: Option<Child>,
+}
+
+const SLOW_PY: &str = r#"import time
+from opservant.executor import BaseExecutor, ExecutorResult
+
+
+class Slow(BaseExecutor):
+    def validate(self, params):
+        return True
+
+    def execute(self, params, context):
+        time.sleep(params.get("seconds", 1))
+        return ExecutorResult(status="completed", output={"slept": params.get("seconds", 1)})
+"#;
+
+fn op(args: &[&str]) -> std::process::Output {
+    Command::new(common::opservant()).args(args).stdin(Stdio::null()).output().expect("spawn opservant")
+}
+
+impl Agent {
+    /// Keys, config, the seed's port scanner and a slow executor installed; not started.
+    fn new(max_concurrent: usize) -> Agent {
+        let dir = HostDir::new();
+        let p = |s: &str| dir.path.join(s);
+        assert!(op(&["keygen", "--out", p("keys").to_str().unwrap()]).status.success());
+        let socket = p("run/agent.sock");
+        let config = p("config.yaml");
+        std::fs::write(
+            &config,
+            format!(
+                "agent:\n  platform_public_key: {}\n  state_dir: {}\n  socket: {}\n  max_concurrent: {max_concurrent}\n\
+                 executors:\n  dir: {}\naudit:\n  path: {}\n",
+                p("keys/signing.pub").display(),
+                p("state").display(),
+                socket.display(),
+                p("executors").display(),
+                p("audit/audit.jsonl").display()
+            ),
+        )
+        .unwrap();
+        let slow = p("slow");
+        std::fs::create_dir_all(slow.join("slow")).unwrap();
+        std::fs::write(slow.join("slow/__init__.py"), "").unwrap();
+        std::fs::write(slow.join("slow/main.py"), SLOW_PY).unwrap();
+        std::fs::write(
+            slow.join("manifest.json"),
+            r#"{"name": "slow", "version": "1.0.0", "description": "sleeps", "author": "t",
+                "supported_actions": ["act-sleep"], "entry_point": "slow.main.Slow", "permissions": {},
+                "resource_limits": {"timeout_seconds": 30}}"#,
+        )
+        .unwrap();
+        let scanner = Path::new(env!("CARGO_MANIFEST_DIR")).join("../executors/port-scanner");
+        let c = config.to_str().unwrap();
+        for pkg in [scanner.as_path(), slow.as_path()] {
+            let out = op(&["executor", "install", pkg.to_str().unwrap(), "--config", c]);
+            assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        }
+        let key = p("keys/signing.key");
+        Agent { dir, config, socket, key, child: None }
+    }
+
+    fn start(&mut self) {
+        let child = Command::new(common::opservant())
+            .args(["agent", "--config", self.config.to_str().unwrap()])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start the agent");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::os::unix::net::UnixStream::connect(&self.socket).is_err() {
+            assert!(Instant::now() < deadline, "the agent did not start listening");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn stop(&mut self) -> std::process::ExitStatus {
+        let mut child = self.child.take().expect("running");
+        // SAFETY: kill(2) on the pid of our own child.
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        child.wait().expect("wait for the agent")
+    }
+
+    fn sign(&self, cmd: &Value) -> Vec<u8> {
+        let mut c = Command::new(common::opservant())
+            .args(["sign", "--key", self.key.to_str().unwrap(), "-"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        use std::io::Write;
+        c.stdin.take().unwrap().write_all(cmd.to_string().as_bytes()).unwrap();
+        let out = c.wait_with_output().unwrap();
+        assert!(out.status.success());
+        out.stdout
+    }
+
+    /// `opservant submit -` with these bytes: (exit code, reply).
+    fn submit(&self, bytes: &[u8]) -> (i32, Value) {
+        let mut c = Command::new(common::opservant())
+            .args(["submit", "-", "--socket", self.socket.to_str().unwrap()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        use std::io::Write;
+        let _ = c.stdin.take().unwrap().write_all(bytes);
+        let out = c.wait_with_output().unwrap();
+        let code = out.status.code().unwrap_or(-1);
+        let reply = serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|_| json!({"stderr": String::from_utf8_lossy(&out.stderr)}));
+        (code, reply)
+    }
+
+    fn audit_verify(&self) {
+        let out = op(&["audit", "verify", "--config", self.config.to_str().unwrap()]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
+    }
+
+    fn audit_events(&self) -> Vec<Value> {
+        std::fs::read_to_string(self.dir.path.join("audit/audit.jsonl"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect()
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Submit and expect a rejection with `reason` (exit status 1).
+fn rejected(a: &Agent, bytes: Vec<u8>, reason: &str) {
+    let (code, r) = a.submit(&bytes);
+    assert_eq!(code, 1, "{reason}: {r}");
+    assert_eq!(r["status"], "rejected", "{reason}: {r}");
+    assert_eq!(r["reason"], reason, "{r}");
+}
+
+fn scan(id: &str) -> Value {
+    json!({"command_id": id, "action": "execute", "executor": "port-scanner",
+           "parameters": {"target_host": "127.0.0.1", "ports": [22]}})
+}
+
+fn ts(offset: i64) -> String {
+    agent::signing::format_rfc3339(agent::signing::now() + offset)
+}
+
+#[test]
+fn signed_commands_run_and_every_rejection_is_audited() {
+    if !common::require_root() {
+        return;
+    }
+    let mut a = Agent::new(4);
+    let out = op(&["agent", "--config", a.config.to_str().unwrap(), "--check-config"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    a.start();
+
+    // Runs: by name, and by action ID.
+    let (code, r) = a.submit(&a.sign(&scan("cmd-1")));
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["status"], "completed");
+    assert_eq!(r["command_id"], "cmd-1");
+    assert_eq!(r["output"]["ports"][0]["status"], "closed", "{r}");
+    let mut by_action = scan("cmd-2");
+    by_action.as_object_mut().unwrap().remove("executor");
+    by_action["action_id"] = json!("act-port-scan");
+    let (code, r) = a.submit(&a.sign(&by_action));
+    assert_eq!((code, r["executor"]["name"].clone()), (0, json!("port-scanner")), "{r}");
+    let (code, r) = a.submit(&a.sign(&json!({"command_id": "cmd-ping", "action": "ping"})));
+    assert_eq!(code, 0);
+    assert!(r["output"]["executors"].as_array().unwrap().iter().any(|e| e == "port-scanner@1.0.0"), "{r}");
+
+    // Unsigned; signed by another key; tampered parameters.
+    rejected(&a, scan("cmd-3").to_string().into_bytes(), "unsigned");
+    let other = HostDir::new();
+    assert!(op(&["keygen", "--out", other.path.join("k").to_str().unwrap()]).status.success());
+    let forged = Command::new(common::opservant())
+        .args(["sign", "--key", other.path.join("k/signing.key").to_str().unwrap(), "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .and_then(|mut c| {
+            use std::io::Write;
+            c.stdin.take().unwrap().write_all(scan("cmd-4").to_string().as_bytes())?;
+            c.wait_with_output()
+        })
+        .unwrap()
+        .stdout;
+    rejected(&a, forged, "bad_signature");
+    let mut tampered: Value = serde_json::from_slice(&a.sign(&scan("cmd-5"))).unwrap();
+    tampered["parameters"]["ports"] = json!([22, 80]);
+    rejected(&a, tampered.to_string().into_bytes(), "bad_signature");
+    // Six minutes old, six minutes ahead.
+    for (i, off) in [(6, -360), (7, 360)] {
+        let mut c = scan(&format!("cmd-{i}"));
+        c["timestamp"] = json!(ts(off));
+        rejected(&a, a.sign(&c), "clock_skew");
+    }
+    // Replay of an accepted command.
+    rejected(&a, a.sign(&scan("cmd-1")), "replay");
+    // Unknown executor; request beyond the manifest; malformed and duplicate keys.
+    let mut unknown = scan("cmd-8");
+    unknown["executor"] = json!("no-such-executor");
+    rejected(&a, a.sign(&unknown), "unknown_executor");
+    let mut beyond = scan("cmd-9");
+    beyond["resource_limits"] = json!({"timeout_seconds": 3600});
+    rejected(&a, a.sign(&beyond), "permission_denied");
+    let mut wrong_action = scan("cmd-10");
+    wrong_action["action_id"] = json!("act-sleep");
+    rejected(&a, a.sign(&wrong_action), "permission_denied");
+    rejected(&a, br#"{"command_id":"x","command_id":"y"}"#.to_vec(), "malformed");
+    rejected(&a, b"not json".to_vec(), "malformed");
+    // A tighter limit is fine.
+    let mut tighter = scan("cmd-11");
+    tighter["resource_limits"] = json!({"timeout_seconds": 10});
+    let (code, r) = a.submit(&a.sign(&tighter));
+    assert_eq!((code, r["limits"]["timeout_seconds"].clone()), (0, json!(10)), "{r}");
+
+    // Replays are still refused after a restart.
+    assert!(a.stop().success());
+    assert!(!a.socket.exists(), "the socket is removed on stop");
+    a.start();
+    rejected(&a, a.sign(&scan("cmd-1")), "replay");
+    assert!(a.stop().success());
+
+    a.audit_verify();
+    let events = a.audit_events();
+    let reasons: Vec<&str> = events.iter().filter_map(|e| e["fields"]["reason"].as_str()).collect();
+    for want in ["unsigned", "bad_signature", "clock_skew", "replay", "unknown_executor", "malformed"] {
+        assert!(reasons.contains(&want), "{want} audited: {reasons:?}");
+    }
+    assert!(events.iter().any(|e| e["event"] == "permission_denied"));
+    assert!(events.iter().any(|e| e["event"] == "command_received" && e["fields"]["signature"] == "valid"));
+    assert!(events.iter().any(|e| e["event"] == "executor_complete" && e["fields"]["command_id"] == "cmd-1"));
+}
+
+#[test]
+fn overload_is_rejected_and_sigterm_lets_running_commands_finish() {
+    if !common::require_root() {
+        return;
+    }
+    let mut a = Agent::new(1);
+    a.start();
+    let slow =
+        a.sign(&json!({"command_id": "slow-1", "action": "execute", "executor": "slow", "parameters": {"seconds": 3}}));
+    let socket = a.socket.clone();
+    let first = std::thread::spawn(move || {
+        let out = Command::new(common::opservant())
+            .args(["submit", "-", "--socket", socket.to_str().unwrap()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .and_then(|mut c| {
+                use std::io::Write;
+                c.stdin.take().unwrap().write_all(&slow)?;
+                c.wait_with_output()
+            })
+            .unwrap();
+        serde_json::from_slice::<Value>(&out.stdout).unwrap()
+    });
+    // Wait until the slow command is running (its executor_start is audited).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !a.audit_events().iter().any(|e| e["event"] == "executor_start") {
+        assert!(Instant::now() < deadline, "the slow command did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (code, r) = a.submit(&a.sign(&scan("while-busy")));
+    assert_eq!(code, 1);
+    assert_eq!((r["status"].clone(), r["reason"].clone()), (json!("rejected"), json!("overloaded")), "{r}");
+    // SIGTERM now: the running command still completes and gets its reply.
+    let status = a.stop();
+    let r = first.join().unwrap();
+    assert_eq!(r["status"], "completed", "{r}");
+    assert_eq!(r["output"]["slept"], 3);
+    assert!(status.success(), "{status:?}");
+    assert!(a.audit_events().iter().any(|e| e["event"] == "security_event" && e["fields"]["reason"] == "overloaded"));
+    a.audit_verify();
+}
+
+#[test]
+fn only_root_may_talk_to_the_agent_and_one_agent_per_socket() {
+    if !common::require_root() {
+        return;
+    }
+    let mut a = Agent::new(2);
+    a.start();
+    // A second agent on the same socket is refused.
+    let out = op(&["agent", "--config", a.config.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("already listening"));
+    // The socket is root-only.
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(std::fs::metadata(&a.socket).unwrap().permissions().mode() & 0o777, 0o600);
+    let bytes = a.sign(&json!({"command_id": "nobody-1", "action": "ping"}));
+    let as_nobody = || {
+        use std::os::unix::process::CommandExt;
+        let mut cmd = Command::new("/usr/bin/python3");
+        cmd.args([
+            "-c",
+            &format!(
+                "import socket, sys\ns = socket.socket(socket.AF_UNIX)\ntry:\n    s.connect({:?})\nexcept OSError as e:\n    print('refused', e.errno); sys.exit(0)\n\
+                 try:\n    s.sendall(sys.stdin.buffer.read()); s.shutdown(socket.SHUT_WR); n = len(s.recv(65536))\nexcept OSError:\n    n = 0\nprint('reply', n)",
+                a.socket.to_str().unwrap()
+            ),
+        ]);
+        // SAFETY: setgid/setuid are async-signal-safe and affect only this child.
+        unsafe {
+            cmd.pre_exec(|| {
+                if libc::setgid(65534) != 0 || libc::setuid(65534) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        cmd.stdin(Stdio::piped()).stdout(Stdio::piped());
+        let mut c = cmd.spawn().unwrap();
+        use std::io::Write;
+        c.stdin.take().unwrap().write_all(&bytes).unwrap();
+        String::from_utf8_lossy(&c.wait_with_output().unwrap().stdout).into_owned()
+    };
+    // The 0700 directory stops nobody at connect() …
+    assert!(as_nobody().starts_with("refused 13"), "permission denied at connect");
+    // … and were the socket reachable, the peer credentials would: no reply, audited.
+    let dir = a.socket.parent().unwrap().to_path_buf();
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::set_permissions(&a.socket, std::fs::Permissions::from_mode(0o666)).unwrap();
+    assert_eq!(as_nobody().trim(), "reply 0");
+    assert!(a.audit_events().iter().any(|e| e["fields"]["reason"] == "non_root_client"));
+    assert!(a.audit_events().iter().all(|e| e["fields"]["command_id"] != "nobody-1"), "never handled");
+    assert!(a.stop().success());
+}
