@@ -256,6 +256,33 @@ def _udp_dns(server, port, name, timeout):
         s.close()
 
 
+def _tcp_dns(name):
+    """A DNS query over TCP to the sandbox's resolver (the gateway)."""
+    t0 = time.monotonic()
+    q = struct.pack(">HHHHHH", 0x5252, 0x0100, 1, 0, 0, 0)
+    for label in name.split("."):
+        q += bytes([len(label)]) + label.encode()
+    q += b"\x00" + struct.pack(">HH", 1, 1)
+    try:
+        s = socket.create_connection((_gateway(), 53), timeout=3)
+    except Exception as e:
+        return _fail(e, t0)
+    try:
+        s.sendall(struct.pack(">H", len(q)) + q)
+        data = b""
+        while len(data) < 2 or len(data) < 2 + struct.unpack(">H", data[:2])[0]:
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            data += chunk
+        msg = data[2:]
+        return {"ok": True, "rcode": msg[3] & 0x0F, "answers": struct.unpack(">H", msg[6:8])[0], "ms": _ms(t0)}
+    except Exception as e:
+        return _fail(e, t0)
+    finally:
+        s.close()
+
+
 def _download(host, port, seconds):
     t0 = time.monotonic()
     try:
@@ -307,6 +334,8 @@ def _step(step):
         return _resolve(*args)
     if op == "udp_dns":
         return _udp_dns(*args)
+    if op == "tcp_dns":
+        return _tcp_dns(*args)
     if op == "download":
         return _download(*args)
     if op == "read":
@@ -926,6 +955,47 @@ fn hostname_allow_list_follows_dns() {
     assert_eq!(s[1].accepted(), 0, "198.51.100.11 was reached");
     assert_eq!(s[0].accepted(), 2);
     assert!(lab.dns.asked("allowed.test"), "the forwarder asks the configured upstream: {:?}", lab.dns.log());
+    assert_host_clean(&lab);
+}
+
+/// DNS over TCP (what resolvers fall back to for large answers) follows the same policy: an
+/// allowed name is answered (through the upstream over TCP), a denied one is refused.
+#[test]
+fn dns_over_tcp_follows_the_same_policy() {
+    if !prerequisites() {
+        return;
+    }
+    let lab = Lab::new();
+    let s = lab.banners(&["198.51.100.10:80"]);
+    let conf = Conf::new("");
+    let p = probe(
+        &lab,
+        &conf,
+        json!({"outbound": true, "allowed_hosts": ["*.example.test"], "denied_hosts": ["bad.example.test"]}),
+        limits(),
+        json!([
+            ["tcp_dns", "good.example.test"],
+            ["tcp_dns", "bad.example.test"],
+            ["tcp_dns", "other.test"],
+            ["connect", "198.51.100.10", 80],
+        ]),
+    );
+    assert_eq!(
+        (p.step(0)["ok"].clone(), p.step(0)["rcode"].clone(), p.step(0)["answers"].clone()),
+        (json!(true), json!(0), json!(1)),
+        "{}",
+        p.step(0)
+    );
+    assert_eq!(p.step(1)["rcode"], 5, "bad.example.test REFUSED over TCP: {}", p.step(1));
+    assert_eq!(p.step(2)["rcode"], 5, "other.test REFUSED over TCP: {}", p.step(2));
+    // The address came through an allowed name over TCP, so it is reachable.
+    assert_connected(p.step(3), "198.51.100.10:80");
+    assert_eq!(s[0].accepted(), 1);
+    assert!(
+        !lab.dns.asked("other.test"),
+        "a name outside the allow list never reaches the upstream: {:?}",
+        lab.dns.log()
+    );
     assert_host_clean(&lab);
 }
 

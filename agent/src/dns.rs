@@ -1,7 +1,8 @@
 //! The sandbox's resolver: a DNS forwarder on the host end of its veth that enforces the
 //! executor's hostname policy, and a small stub resolver for the agent's own lookups.
 //!
-//! Guarantees, per query (UDP; one forwarder thread per sandbox):
+//! Guarantees, per query (UDP, and TCP for answers too large for a datagram — the policy is
+//! the same; one forwarder thread per sandbox):
 //! - a denied name, or a name outside a hostname allow list, gets REFUSED and is audited;
 //! - anything but a single standard query gets REFUSED;
 //! - a permitted name is forwarded to the configured upstream resolvers; an answer carrying
@@ -61,6 +62,8 @@ impl Forwarder {
         executor: String,
     ) -> std::io::Result<Forwarder> {
         let sock = UdpSocket::bind(listen)?;
+        let tcp = std::net::TcpListener::bind(listen)?;
+        tcp.set_nonblocking(true)?;
         let (stop_rx, stop_tx) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(std::io::Error::from)?;
         let thread = std::thread::Builder::new().name("dns-forwarder".into()).spawn(move || {
             let mut report = DnsReport::default();
@@ -69,18 +72,28 @@ impl Forwarder {
                 let mut fds = [
                     nix::poll::PollFd::new(sock.as_fd(), nix::poll::PollFlags::POLLIN),
                     nix::poll::PollFd::new(stop_rx.as_fd(), nix::poll::PollFlags::POLLIN),
+                    nix::poll::PollFd::new(tcp.as_fd(), nix::poll::PollFlags::POLLIN),
                 ];
                 match nix::poll::poll(&mut fds, nix::poll::PollTimeout::NONE) {
                     Ok(_) => {}
                     Err(nix::errno::Errno::EINTR) => continue,
                     Err(_) => return report,
                 }
-                if fds[1].revents().is_some_and(|r| !r.is_empty()) {
+                let ready = |i: usize| fds[i].revents().is_some_and(|r| !r.is_empty());
+                if ready(1) {
                     return report;
+                }
+                if ready(2) {
+                    if let Ok((stream, _)) = tcp.accept() {
+                        serve_tcp(stream, &policy, &upstreams, allow.as_ref(), &mut report, &executor);
+                    }
+                }
+                if !ready(0) {
+                    continue;
                 }
                 let Ok((n, peer)) = sock.recv_from(&mut buf) else { continue };
                 report.queries += 1;
-                let reply = answer(&buf[..n], &policy, &upstreams, allow.as_ref(), &mut report, &executor);
+                let reply = answer(&buf[..n], &policy, &upstreams, allow.as_ref(), &mut report, &executor, false);
                 if let Some(reply) = reply {
                     let _ = sock.send_to(&reply, peer);
                 }
@@ -94,6 +107,43 @@ impl Forwarder {
         self.thread.join().unwrap_or_default()
     }
 }
+
+/// DNS over TCP (RFC 7766): length-prefixed queries on one connection, answered in order;
+/// at most [`TCP_QUERIES`] per connection, each read within [`TCP_IDLE`].
+fn serve_tcp(
+    mut stream: std::net::TcpStream,
+    policy: &NetworkPolicy,
+    upstreams: &[SocketAddr],
+    allow: Option<&sandbox::net::DynamicAllow>,
+    report: &mut DnsReport,
+    executor: &str,
+) {
+    use std::io::{Read, Write};
+    if stream.set_nonblocking(false).is_err() || stream.set_read_timeout(Some(TCP_IDLE)).is_err() {
+        return;
+    }
+    for _ in 0..TCP_QUERIES {
+        let mut len = [0u8; 2];
+        if stream.read_exact(&mut len).is_err() {
+            return;
+        }
+        let mut msg = vec![0u8; usize::from(u16::from_be_bytes(len))];
+        if stream.read_exact(&mut msg).is_err() {
+            return;
+        }
+        report.queries += 1;
+        let Some(reply) = answer(&msg, policy, upstreams, allow, report, executor, true) else { return };
+        let Ok(n) = u16::try_from(reply.len()) else { return };
+        let mut out = n.to_be_bytes().to_vec();
+        out.extend_from_slice(&reply);
+        if stream.write_all(&out).is_err() {
+            return;
+        }
+    }
+}
+
+const TCP_QUERIES: usize = 16;
+const TCP_IDLE: Duration = Duration::from_secs(2);
 
 fn refuse(report: &mut DnsReport, executor: &str, name: &str, reason: &str) {
     report.refused += 1;
@@ -126,6 +176,7 @@ fn answer(
     allow: Option<&sandbox::net::DynamicAllow>,
     report: &mut DnsReport,
     executor: &str,
+    tcp: bool,
 ) -> Option<Vec<u8>> {
     let query = Message::from_vec(raw).ok()?;
     if query.metadata.message_type != MessageType::Query {
@@ -147,7 +198,7 @@ fn answer(
             return error_reply(&query, ResponseCode::Refused);
         }
     }
-    let Some(reply_raw) = forward(raw, query.metadata.id, upstreams) else {
+    let Some(reply_raw) = forward(raw, query.metadata.id, upstreams, tcp) else {
         return error_reply(&query, ResponseCode::ServFail);
     };
     let Ok(reply) = Message::from_vec(&reply_raw) else {
@@ -183,29 +234,51 @@ fn answer(
     Some(reply_raw)
 }
 
-/// Send `raw` to each upstream in turn; the first reply with the same id wins.
-fn forward(raw: &[u8], id: u16, upstreams: &[SocketAddr]) -> Option<Vec<u8>> {
+/// Send `raw` to each upstream in turn (over TCP when `tcp`); the first reply with the same
+/// id wins.
+fn forward(raw: &[u8], id: u16, upstreams: &[SocketAddr], tcp: bool) -> Option<Vec<u8>> {
     for up in upstreams {
-        let bind: SocketAddr = if up.is_ipv4() { "0.0.0.0:0".parse().ok()? } else { "[::]:0".parse().ok()? };
-        let Ok(sock) = UdpSocket::bind(bind) else { continue };
-        if sock.connect(up).is_err() || sock.send(raw).is_err() {
-            continue;
-        }
-        let deadline = Instant::now() + UPSTREAM_TIMEOUT;
-        let mut buf = vec![0u8; 4096];
-        while let Some(left) = deadline.checked_duration_since(Instant::now()).filter(|d| !d.is_zero()) {
-            let _ = sock.set_read_timeout(Some(left));
-            match sock.recv(&mut buf) {
-                Ok(n) if n >= 2 && u16::from_be_bytes([buf[0], buf[1]]) == id => {
-                    buf.truncate(n);
-                    return Some(buf);
-                }
-                Ok(_) => continue,
-                Err(_) => break,
-            }
+        let reply = if tcp { forward_tcp(raw, up) } else { forward_udp(raw, id, up) };
+        if let Some(r) = reply.filter(|r| r.len() >= 2 && u16::from_be_bytes([r[0], r[1]]) == id) {
+            return Some(r);
         }
     }
     None
+}
+
+fn forward_udp(raw: &[u8], id: u16, up: &SocketAddr) -> Option<Vec<u8>> {
+    let bind: SocketAddr = if up.is_ipv4() { "0.0.0.0:0".parse().ok()? } else { "[::]:0".parse().ok()? };
+    let sock = UdpSocket::bind(bind).ok()?;
+    sock.connect(up).ok()?;
+    sock.send(raw).ok()?;
+    let deadline = Instant::now() + UPSTREAM_TIMEOUT;
+    let mut buf = vec![0u8; 4096];
+    while let Some(left) = deadline.checked_duration_since(Instant::now()).filter(|d| !d.is_zero()) {
+        sock.set_read_timeout(Some(left)).ok()?;
+        match sock.recv(&mut buf) {
+            Ok(n) if n >= 2 && u16::from_be_bytes([buf[0], buf[1]]) == id => {
+                buf.truncate(n);
+                return Some(buf);
+            }
+            Ok(_) => continue,
+            Err(_) => return None,
+        }
+    }
+    None
+}
+
+fn forward_tcp(raw: &[u8], up: &SocketAddr) -> Option<Vec<u8>> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect_timeout(up, UPSTREAM_TIMEOUT).ok()?;
+    s.set_read_timeout(Some(UPSTREAM_TIMEOUT)).ok()?;
+    let mut out = u16::try_from(raw.len()).ok()?.to_be_bytes().to_vec();
+    out.extend_from_slice(raw);
+    s.write_all(&out).ok()?;
+    let mut len = [0u8; 2];
+    s.read_exact(&mut len).ok()?;
+    let mut reply = vec![0u8; usize::from(u16::from_be_bytes(len))];
+    s.read_exact(&mut reply).ok()?;
+    Some(reply)
 }
 
 /// Resolve `name` (A and AAAA) through `upstreams` — for the agent's own lookups (the proxy
@@ -220,7 +293,7 @@ pub fn resolve(name: &str, upstreams: &[SocketAddr]) -> Result<Vec<IpAddr>, Stri
         q.metadata.recursion_desired = true;
         q.add_query(Query::query(fqdn.clone(), rtype));
         let raw = q.to_vec().map_err(|e| e.to_string())?;
-        let Some(reply) = forward(&raw, id, upstreams) else { continue };
+        let Some(reply) = forward(&raw, id, upstreams, false) else { continue };
         answered = true;
         if let Ok(m) = Message::from_vec(&reply) {
             for r in &m.answers {
