@@ -3,9 +3,14 @@
 //! verification pipeline (unsigned, bad signature, tampered parameters, a timestamp six
 //! minutes old or ahead, a replayed `command_id` — also after a restart —, an unknown
 //! executor, a request beyond the manifest), overload, a graceful SIGTERM that lets a running
-//! command finish, root-only access, and an audit chain that verifies afterwards.
+//! command finish, root-only access, and an audit chain that verifies afterwards. Then the
+//! platform side against a test HTTPS platform (tests/common/platform.rs): commands pulled
+//! over mutual TLS and results posted; a client certificate from another CA refused by the
+//! server; a server certificate from another CA refused by the agent.
 
 mod common;
+#[path = "common/platform.rs"]
+mod platform;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -42,6 +47,11 @@ fn op(args: &[&str]) -> std::process::Output {
 impl Agent {
     /// Keys, config, the seed's port scanner and a slow executor installed; not started.
     fn new(max_concurrent: usize) -> Agent {
+        Self::with_network(max_concurrent, "")
+    }
+
+    /// As [`Agent::new`], with `network` (YAML, indented under `network:`) in the config.
+    fn with_network(max_concurrent: usize, network: &str) -> Agent {
         let dir = HostDir::new();
         let p = |s: &str| dir.path.join(s);
         assert!(op(&["keygen", "--out", p("keys").to_str().unwrap()]).status.success());
@@ -51,7 +61,7 @@ impl Agent {
             &config,
             format!(
                 "agent:\n  platform_public_key: {}\n  state_dir: {}\n  socket: {}\n  max_concurrent: {max_concurrent}\n\
-                 executors:\n  dir: {}\naudit:\n  path: {}\n",
+                 executors:\n  dir: {}\naudit:\n  path: {}\n{network}",
                 p("keys/signing.pub").display(),
                 p("state").display(),
                 socket.display(),
@@ -359,4 +369,127 @@ fn only_root_may_talk_to_the_agent_and_one_agent_per_socket() {
     assert!(a.audit_events().iter().any(|e| e["fields"]["reason"] == "non_root_client"));
     assert!(a.audit_events().iter().all(|e| e["fields"]["command_id"] != "nobody-1"), "never handled");
     assert!(a.stop().success());
+}
+
+/// The agent's `network:` section for `platform`, with its TLS files (from `agent_pki` for
+/// the client certificate and `ca_pki` for the CA it trusts) in `dir`.
+fn platform_network(
+    dir: &Path,
+    addr: std::net::SocketAddr,
+    ca_pki: &platform::Pki,
+    agent_pki: &platform::Pki,
+) -> String {
+    std::fs::create_dir_all(dir).unwrap();
+    agent_pki.write_agent_files(dir);
+    std::fs::write(dir.join("ca.pem"), &ca_pki.ca).unwrap();
+    format!(
+        "network:\n  agent_to_platform:\n    protocol: https\n    host: 127.0.0.1\n    port: {}\n    ca: {}\n    cert: {}\n    key: {}\n    poll_seconds: 1\n    heartbeat_seconds: 1\n",
+        addr.port(),
+        dir.join("ca.pem").display(),
+        dir.join("agent.crt").display(),
+        dir.join("agent.key").display()
+    )
+}
+
+#[test]
+fn commands_pulled_from_the_platform_over_mutual_tls() {
+    if !common::require_root() {
+        return;
+    }
+    let pki = platform::Pki::new("good");
+    let p = platform::TestPlatform::start(&pki, &pki);
+    let tls = HostDir::new();
+    let mut a = Agent::with_network(4, &platform_network(&tls.path, p.addr, &pki, &pki));
+    let good = a.sign(&scan("plat-1"));
+    let mut tampered: Value = serde_json::from_slice(&a.sign(&scan("plat-2"))).unwrap();
+    tampered["parameters"]["ports"] = json!([22, 23]);
+    p.queue(serde_json::from_slice(&good).unwrap());
+    p.queue(tampered);
+    a.start();
+    p.wait_for(60, "two results", |s| s.results.len() >= 2);
+    p.wait_for(10, "a heartbeat", |s| !s.heartbeats.is_empty());
+    assert!(a.stop().success());
+    let st = p.state.lock().unwrap();
+    let by_id = |id: &str| st.results.iter().find(|r| r["command_id"] == id).cloned().unwrap_or(Value::Null);
+    let r1 = by_id("plat-1");
+    assert_eq!(r1["result"]["status"], "completed", "{r1}");
+    assert_eq!(r1["result"]["output"]["ports"][0]["status"], "closed");
+    let r2 = by_id("plat-2");
+    assert_eq!(
+        (r2["result"]["status"].clone(), r2["result"]["reason"].clone()),
+        (json!("rejected"), json!("bad_signature")),
+        "{r2}"
+    );
+    let hb = &st.heartbeats[0];
+    assert_eq!(hb["version"], env!("CARGO_PKG_VERSION"));
+    assert!(hb["executors"].as_array().unwrap().iter().any(|e| e == "port-scanner@1.0.0"), "{hb}");
+    assert!(st.requests.iter().all(|r| r.contains("/v1/agents/")), "{:?}", st.requests);
+    drop(st);
+    a.audit_verify();
+}
+
+#[test]
+fn the_platform_refuses_a_client_certificate_from_another_ca() {
+    if !common::require_root() {
+        return;
+    }
+    let (pki, stranger) = (platform::Pki::new("good"), platform::Pki::new("stranger"));
+    let p = platform::TestPlatform::start(&pki, &pki);
+    p.queue(json!({"command_id": "never", "action": "ping"}));
+    let tls = HostDir::new();
+    // The agent trusts the right CA but presents a certificate the platform did not issue.
+    let mut a = Agent::with_network(4, &platform_network(&tls.path, p.addr, &pki, &stranger));
+    a.start();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while p.handshake_failures.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+        assert!(Instant::now() < deadline, "no refused handshake seen");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(a.stop().success());
+    let st = p.state.lock().unwrap();
+    assert!(st.requests.is_empty(), "no request got through: {:?}", st.requests);
+    assert_eq!(st.queue.len(), 1, "the command was not handed out");
+    drop(st);
+    assert!(a.audit_events().iter().any(|e| e["event"] == "platform_error"));
+    // And a client without any certificate (openssl s_client) is refused too.
+    if common::require("openssl binary", Command::new("openssl").arg("version").output().is_ok()) {
+        let before = p.handshake_failures.load(std::sync::atomic::Ordering::SeqCst);
+        let out = Command::new("openssl")
+            .args(["s_client", "-connect", &p.addr.to_string(), "-tls1_3", "-quiet"])
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        let _ = out;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while p.handshake_failures.load(std::sync::atomic::Ordering::SeqCst) == before {
+            assert!(Instant::now() < deadline, "a client without a certificate was not refused");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        assert!(p.state.lock().unwrap().requests.is_empty());
+    }
+}
+
+#[test]
+fn the_agent_refuses_a_server_certificate_from_another_ca() {
+    if !common::require_root() {
+        return;
+    }
+    let (pki, impostor) = (platform::Pki::new("good"), platform::Pki::new("impostor"));
+    // The server presents the impostor's certificate; it would accept the agent's.
+    let p = platform::TestPlatform::start(&impostor, &pki);
+    p.queue(json!({"command_id": "never", "action": "ping"}));
+    let tls = HostDir::new();
+    let mut a = Agent::with_network(4, &platform_network(&tls.path, p.addr, &pki, &pki));
+    a.start();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !a.audit_events().iter().any(|e| e["event"] == "platform_error") {
+        assert!(Instant::now() < deadline, "the agent did not report the bad certificate");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(a.stop().success());
+    let st = p.state.lock().unwrap();
+    assert!(st.requests.is_empty(), "the agent sent nothing to an unverified server: {:?}", st.requests);
+    assert_eq!(st.queue.len(), 1);
+    let detail = a.audit_events().into_iter().find(|e| e["event"] == "platform_error").unwrap();
+    assert!(detail.to_string().to_lowercase().contains("certificate"), "{detail}");
 }

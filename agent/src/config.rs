@@ -1,7 +1,7 @@
 //! Agent configuration (`/etc/opservant/config.yaml`), the parts the executor runtime uses:
 //! agent identity, limit defaults and ceilings, sandbox strictness, the secrets provider.
 //! `network`: seed 001's executor defaults and proxy, plus the egress pool and DNS upstreams
-//! (`network.egress`); `agent_to_platform` is accepted and kept for the agent daemon.
+//! (`network.egress`); `agent_to_platform` (the platform the agent daemon polls).
 //!
 //! Guarantees: unknown keys are errors naming the key path (a misspelt setting is never
 //! silently ignored); `run`, `script` and `session` work without any file; nothing secret is
@@ -63,7 +63,7 @@ impl ExecutorsSection {
 pub struct NetworkSection {
     /// The platform endpoint (used by the agent daemon).
     #[serde(default)]
-    pub agent_to_platform: Option<serde_json::Value>,
+    pub agent_to_platform: Option<crate::platform::PlatformSection>,
     #[serde(default)]
     pub executor_defaults: ExecutorNetworkDefaults,
     #[serde(default)]

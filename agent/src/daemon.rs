@@ -14,7 +14,8 @@
 //!   exits 0; systemd is told `READY=1`, `STOPPING=1` and, with `WatchdogSec`, `WATCHDOG=1`;
 //! - a second agent on the same socket is refused (exit 2), a stale socket file is replaced.
 //!
-//! The platform connection (mutual TLS, long polling, heartbeats) is not built yet.
+//! With `network.agent_to_platform` configured it also polls the platform over mutual TLS
+//! ([`crate::platform`]); those commands share the concurrency limit and the drain.
 
 use std::io::{Read, Write};
 use std::os::fd::AsFd;
@@ -77,7 +78,12 @@ fn bind(path: &Path) -> Result<UnixListener, CannotRun> {
 }
 
 /// Serve until SIGTERM/SIGINT.
-pub fn serve(pipeline: Pipeline, socket: &Path, max_concurrent: usize) -> Result<(), CannotRun> {
+pub fn serve(
+    pipeline: Pipeline,
+    socket: &Path,
+    max_concurrent: usize,
+    platform: Option<crate::platform::Platform>,
+) -> Result<(), CannotRun> {
     use nix::sys::signal::{SigSet, Signal};
     // Block the stop signals in every thread (spawned threads inherit the mask) and read
     // them from a signalfd in the accept loop.
@@ -96,6 +102,11 @@ pub fn serve(pipeline: Pipeline, socket: &Path, max_concurrent: usize) -> Result
         "agent_start",
         &[("socket", &socket.to_string_lossy()), ("pid", &std::process::id().to_string())],
     );
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    if let Some(p) = platform {
+        // Its threads are not joined: a long poll in flight may take its full timeout.
+        drop(crate::platform::run(p, pipeline.clone(), running.clone(), max_concurrent, stop.clone()));
+    }
     sd_notify("READY=1");
     let watchdog = watchdog_interval();
     loop {
@@ -131,8 +142,13 @@ pub fn serve(pipeline: Pipeline, socket: &Path, max_concurrent: usize) -> Result
     drop(listener);
     let _ = std::fs::remove_file(socket);
     crate::audit::record("agent_stop", &[("running", &running.load(Ordering::SeqCst).to_string())]);
+    stop.store(true, Ordering::SeqCst);
     for w in workers {
         let _ = w.join();
+    }
+    // Commands from the platform run on their own threads: wait for them too.
+    while running.load(Ordering::SeqCst) > 0 {
+        std::thread::sleep(Duration::from_millis(50));
     }
     Ok(())
 }

@@ -14,6 +14,7 @@ pub mod executor_run;
 pub mod limits;
 pub mod lint;
 pub mod manifest;
+pub mod platform;
 pub mod policy;
 pub mod random;
 pub mod redact;

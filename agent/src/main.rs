@@ -436,6 +436,7 @@ fn agent_daemon(config: Option<PathBuf>, check_only: bool) -> Result<ExitCode, C
     agent::secrets::Provider::check_config(&cfg).map_err(CannotRun)?;
     agent::egress::EgressSettings::from_config(&cfg).map_err(|e| CannotRun(e.to_string()))?;
     let runtime = agent::executor_run::runtime_binary().map_err(|e| CannotRun(e.0))?;
+    let platform = agent::platform::Platform::from_config(&cfg).map_err(CannotRun)?;
     if check_only {
         println!("configuration ok");
         return Ok(ExitCode::SUCCESS);
@@ -451,7 +452,7 @@ fn agent_daemon(config: Option<PathBuf>, check_only: bool) -> Result<ExitCode, C
         // The daemon is multi-threaded: sandboxes start from a fresh exec of this binary.
         launcher: sandbox::Launcher::reexec(SANDBOX_INIT),
     };
-    agent::daemon::serve(pipeline, &settings.socket, settings.max_concurrent).map_err(|e| CannotRun(e.0))?;
+    agent::daemon::serve(pipeline, &settings.socket, settings.max_concurrent, platform).map_err(|e| CannotRun(e.0))?;
     Ok(ExitCode::SUCCESS)
 }
 

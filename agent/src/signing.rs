@@ -148,6 +148,15 @@ pub fn parse_command(bytes: &[u8]) -> Result<Map<String, Value>, SigningError> {
     }
 }
 
+/// Parse any JSON value strictly (the same rules as [`parse_command`], any top level).
+pub fn parse_strict(bytes: &[u8]) -> Result<Value, SigningError> {
+    let text = std::str::from_utf8(bytes).map_err(|e| SigningError::Parse(format!("not UTF-8 ({e})")))?;
+    let mut de = serde_json::Deserializer::from_str(text);
+    let Strict(v) = de::Deserialize::deserialize(&mut de).map_err(|e| SigningError::Parse(e.to_string()))?;
+    de.end().map_err(|e| SigningError::Parse(e.to_string()))?;
+    Ok(v)
+}
+
 /// The bytes that are signed: the RFC 8785 canonical form of `cmd` without `signature`.
 pub fn signed_bytes(cmd: &Map<String, Value>) -> Result<Vec<u8>, SigningError> {
     let mut unsigned = cmd.clone();

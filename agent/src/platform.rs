@@ -1,0 +1,294 @@
+//! The agent's connection to the platform (seed 001 `network.agent_to_platform`): outbound
+//! only, HTTPS with a client certificate, TLS 1.3 only, the server verified against the
+//! platform CA from the configuration (the system trust store is never consulted).
+//!
+//! - `GET /v1/agents/{id}/commands` long-polls for `{"commands": [signed command, …]}`; the
+//!   body is parsed strictly (a duplicate key anywhere refuses the whole batch), and each
+//!   command goes through [`crate::command::Pipeline`] like one from the socket;
+//! - `POST /v1/agents/{id}/results` carries each reply (`{"agent_id", "command_id",
+//!   "result"}`), rejections included;
+//! - `POST /v1/agents/{id}/heartbeat` every `heartbeat_seconds` with the version, the
+//!   installed executors, the number of running commands and `doctor`'s findings;
+//! - failures back off exponentially (1 s doubling to 60 s, ±50 % jitter) and are logged;
+//!   a TLS failure (wrong CA, no certificate) never falls back to anything weaker;
+//! - with `network.proxy.https` set, platform traffic goes through that proxy.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+use crate::command::Pipeline;
+
+/// `network.agent_to_platform`.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct PlatformSection {
+    /// `https` (the only protocol accepted).
+    pub protocol: Option<String>,
+    pub host: Option<String>,
+    pub port: Option<u16>,
+    /// The CA (PEM) the platform's server certificate must chain to.
+    pub ca: Option<PathBuf>,
+    /// This agent's client certificate chain (PEM) and private key (PEM, root-only).
+    pub cert: Option<PathBuf>,
+    pub key: Option<PathBuf>,
+    /// Long-poll wait the agent asks for (default 25 s).
+    pub poll_seconds: Option<u64>,
+    /// Heartbeat period (default 60 s).
+    pub heartbeat_seconds: Option<u64>,
+}
+
+/// A usable platform connection: endpoint and the TLS agent.
+pub struct Platform {
+    base: String,
+    agent_id: String,
+    http: ureq::Agent,
+    poll: Duration,
+    heartbeat: Duration,
+}
+
+fn read(p: &std::path::Path, what: &str) -> Result<Vec<u8>, String> {
+    std::fs::read(p).map_err(|e| format!("network.agent_to_platform.{what}: {}: {e}", p.display()))
+}
+
+impl Platform {
+    /// `Ok(None)` when no platform is configured.
+    pub fn from_config(c: &crate::config::Config) -> Result<Option<Platform>, String> {
+        let Some(p) = &c.network.agent_to_platform else { return Ok(None) };
+        let field = |name: &str| format!("network.agent_to_platform.{name}: required");
+        if p.protocol.as_deref().is_some_and(|v| v != "https") {
+            return Err("network.agent_to_platform.protocol: only https".into());
+        }
+        let host = p.host.clone().ok_or_else(|| field("host"))?;
+        let (ca, cert, key) = (
+            p.ca.clone().ok_or_else(|| field("ca"))?,
+            p.cert.clone().ok_or_else(|| field("cert"))?,
+            p.key.clone().ok_or_else(|| field("key"))?,
+        );
+        {
+            use std::os::unix::fs::MetadataExt;
+            let meta = std::fs::metadata(&key)
+                .map_err(|e| format!("network.agent_to_platform.key: {}: {e}", key.display()))?;
+            if meta.mode() & 0o077 != 0 {
+                return Err(format!(
+                    "network.agent_to_platform.key: {}: must not be readable by group or others (chmod 600)",
+                    key.display()
+                ));
+            }
+        }
+        let roots: Vec<ureq::tls::Certificate<'static>> = ureq::tls::parse_pem(&read(&ca, "ca")?)
+            .filter_map(|i| match i {
+                Ok(ureq::tls::PemItem::Certificate(c)) => Some(c),
+                _ => None,
+            })
+            .collect();
+        if roots.is_empty() {
+            return Err(format!("network.agent_to_platform.ca: {}: no certificate in it", ca.display()));
+        }
+        let chain: Vec<ureq::tls::Certificate<'static>> = ureq::tls::parse_pem(&read(&cert, "cert")?)
+            .filter_map(|i| match i {
+                Ok(ureq::tls::PemItem::Certificate(c)) => Some(c),
+                _ => None,
+            })
+            .collect();
+        if chain.is_empty() {
+            return Err(format!("network.agent_to_platform.cert: {}: no certificate in it", cert.display()));
+        }
+        let key_pem = zeroize::Zeroizing::new(read(&key, "key")?);
+        let private = ureq::tls::PrivateKey::from_pem(&key_pem)
+            .map_err(|e| format!("network.agent_to_platform.key: {}: {e}", key.display()))?;
+        // TLS 1.3 only: a provider that offers nothing but TLS 1.3 suites.
+        let mut provider = rustls::crypto::ring::default_provider();
+        provider.cipher_suites.retain(|s| matches!(s, rustls::SupportedCipherSuite::Tls13(_)));
+        let tls = ureq::tls::TlsConfig::builder()
+            .provider(ureq::tls::TlsProvider::Rustls)
+            .unversioned_rustls_crypto_provider(Arc::new(provider))
+            .root_certs(ureq::tls::RootCerts::new_with_certs(&roots))
+            .client_cert(Some(ureq::tls::ClientCert::new_with_certs(&chain, private)))
+            .build();
+        let poll = Duration::from_secs(p.poll_seconds.unwrap_or(25).clamp(1, 300));
+        let proxy = match c.network.proxy.as_ref().and_then(|x| x.https.clone()) {
+            Some(url) => Some(ureq::Proxy::new(&url).map_err(|e| format!("network.proxy.https: {e}"))?),
+            None => None,
+        };
+        let http: ureq::Agent = ureq::Agent::config_builder()
+            .tls_config(tls)
+            .https_only(true)
+            .proxy(proxy)
+            .http_status_as_error(false)
+            .timeout_connect(Some(Duration::from_secs(10)))
+            .timeout_global(Some(poll + Duration::from_secs(15)))
+            .build()
+            .into();
+        let base = format!("https://{}:{}", bracket(&host), p.port.unwrap_or(443));
+        Ok(Some(Platform {
+            base,
+            agent_id: c.agent_id(),
+            http,
+            poll,
+            heartbeat: Duration::from_secs(p.heartbeat_seconds.unwrap_or(60).clamp(1, 3600)),
+        }))
+    }
+
+    fn url(&self, what: &str) -> String {
+        format!("{}/v1/agents/{}/{what}", self.base, self.agent_id)
+    }
+
+    /// One long poll: the commands' raw bytes.
+    fn poll_once(&self) -> Result<Vec<Vec<u8>>, String> {
+        let mut resp = self
+            .http
+            .get(&self.url("commands"))
+            .query("wait", self.poll.as_secs().to_string())
+            .call()
+            .map_err(|e| format!("GET commands: {e}"))?;
+        let status = resp.status().as_u16();
+        if status == 204 {
+            return Ok(vec![]);
+        }
+        if status != 200 {
+            return Err(format!("GET commands: HTTP {status}"));
+        }
+        let body = resp
+            .body_mut()
+            .with_config()
+            .limit(16 * crate::signing::MAX_COMMAND_BYTES as u64)
+            .read_to_vec()
+            .map_err(|e| format!("GET commands: {e}"))?;
+        let v = crate::signing::parse_strict(&body).map_err(|e| format!("GET commands: {e}"))?;
+        let Some(list) = v.get("commands").and_then(Value::as_array) else {
+            return Err("GET commands: no \"commands\" array".into());
+        };
+        Ok(list.iter().map(|c| c.to_string().into_bytes()).collect())
+    }
+
+    fn post(&self, what: &str, body: &Value) -> Result<(), String> {
+        let resp = self
+            .http
+            .post(&self.url(what))
+            .header("content-type", "application/json")
+            .send(body.to_string())
+            .map_err(|e| format!("POST {what}: {e}"))?;
+        match resp.status().as_u16() {
+            200..=299 => Ok(()),
+            s => Err(format!("POST {what}: HTTP {s}")),
+        }
+    }
+}
+
+fn bracket(host: &str) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]")
+    } else {
+        host.to_string()
+    }
+}
+
+/// 1 s doubling to 60 s, with ±50 % jitter.
+fn backoff(failures: u32) -> Duration {
+    let base = 1u64 << failures.min(6);
+    let mut r = [0u8; 2];
+    let _ = crate::random::fill(&mut r);
+    let jitter = 0.5 + f64::from(u16::from_ne_bytes(r)) / f64::from(u16::MAX);
+    Duration::from_secs_f64((base.min(60) as f64) * jitter)
+}
+
+/// Run the poller and the heartbeat until `stop`; commands run on their own threads, bounded
+/// like the socket's (one more than `max_concurrent` is answered `overloaded`).
+pub fn run(
+    platform: Platform,
+    pipeline: Arc<Pipeline>,
+    running: Arc<AtomicUsize>,
+    max_concurrent: usize,
+    stop: Arc<AtomicBool>,
+) -> Vec<std::thread::JoinHandle<()>> {
+    let platform = Arc::new(platform);
+    let mut threads = Vec::new();
+    {
+        let (platform, stop, running) = (platform.clone(), stop.clone(), running.clone());
+        let pipeline = pipeline.clone();
+        threads.push(std::thread::spawn(move || {
+            let mut failures = 0u32;
+            while !stop.load(Ordering::SeqCst) {
+                let commands = match platform.poll_once() {
+                    Ok(c) => {
+                        failures = 0;
+                        c
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "platform poll failed");
+                        crate::audit::record("platform_error", &[("detail", &e)]);
+                        failures += 1;
+                        sleep_unless(&stop, backoff(failures));
+                        continue;
+                    }
+                };
+                for bytes in commands {
+                    let (platform, pipeline, running) = (platform.clone(), pipeline.clone(), running.clone());
+                    std::thread::spawn(move || {
+                        let reply = if running.fetch_add(1, Ordering::SeqCst) >= max_concurrent {
+                            crate::audit::record("security_event", &[("reason", "overloaded"), ("source", "platform")]);
+                            let id =
+                                crate::signing::parse_command(&bytes).ok().and_then(|c| c.get("command_id").cloned());
+                            json!({"status": "rejected", "reason": "overloaded", "command_id": id,
+                                   "error": format!("{max_concurrent} commands are running; try again later")})
+                        } else {
+                            pipeline.handle(&bytes, crate::signing::now())
+                        };
+                        running.fetch_sub(1, Ordering::SeqCst);
+                        let body =
+                            json!({"agent_id": platform.agent_id, "command_id": reply["command_id"], "result": reply});
+                        // Results are retried a few times; the audit log holds them regardless.
+                        for attempt in 0..5 {
+                            match platform.post("results", &body) {
+                                Ok(()) => break,
+                                Err(e) => {
+                                    tracing::warn!(error = %e, attempt, "posting a result failed");
+                                    std::thread::sleep(backoff(attempt));
+                                }
+                            }
+                        }
+                    });
+                }
+            }
+        }));
+    }
+    {
+        let (platform, stop) = (platform.clone(), stop.clone());
+        threads.push(std::thread::spawn(move || {
+            while !stop.load(Ordering::SeqCst) {
+                let executors: Vec<String> = crate::executor_install::list(&pipeline.executors)
+                    .map(|l| l.into_iter().map(|e| format!("{}@{}", e.name, e.version)).collect())
+                    .unwrap_or_default();
+                let doctor = crate::doctor::examine(pipeline.policy.landlock_min_abi, pipeline.policy.allow_degraded);
+                let body = json!({
+                    "agent_id": platform.agent_id,
+                    "version": env!("CARGO_PKG_VERSION"),
+                    "time": crate::rfc3339::format(crate::signing::now()),
+                    "executors": executors,
+                    "running": running.load(Ordering::SeqCst),
+                    "doctor": {"ok": !doctor.failed(), "degraded": doctor.degraded},
+                });
+                if let Err(e) = platform.post("heartbeat", &body) {
+                    tracing::warn!(error = %e, "heartbeat failed");
+                }
+                sleep_unless(&stop, platform.heartbeat);
+            }
+        }));
+    }
+    threads
+}
+
+fn sleep_unless(stop: &AtomicBool, d: Duration) {
+    let step = Duration::from_millis(100);
+    let mut left = d;
+    while !left.is_zero() && !stop.load(Ordering::SeqCst) {
+        let s = left.min(step);
+        std::thread::sleep(s);
+        left -= s;
+    }
+}

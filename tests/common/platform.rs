@@ -1,0 +1,220 @@
+//! A test platform: an HTTPS server on 127.0.0.1 that requires client certificates (rustls,
+//! TLS 1.3), serves queued signed commands on `GET /v1/agents/{id}/commands` and collects
+//! `POST …/results` and `…/heartbeat`. Certificates come from [`Pki`] (rcgen): a CA, a server
+//! certificate for 127.0.0.1 and a client certificate, all signed by that CA.
+#![allow(dead_code)]
+
+use std::collections::VecDeque;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+/// A CA and the server and client certificates it signed (PEM).
+pub struct Pki {
+    pub ca: String,
+    pub server_cert: String,
+    pub server_key: String,
+    pub client_cert: String,
+    pub client_key: String,
+}
+
+impl Pki {
+    pub fn new(name: &str) -> Pki {
+        use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, SanType};
+        let ca_key = KeyPair::generate().expect("CA key");
+        let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("CA params");
+        ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca_params.distinguished_name.push(DnType::CommonName, format!("{name} test CA"));
+        let ca = ca_params.self_signed(&ca_key).expect("CA certificate");
+        let issuer = Issuer::new(ca_params, ca_key);
+        let leaf = |cn: &str, san: Option<SanType>| {
+            let key = KeyPair::generate().expect("key");
+            let mut p = CertificateParams::new(Vec::<String>::new()).expect("params");
+            p.distinguished_name.push(DnType::CommonName, cn);
+            p.subject_alt_names = san.into_iter().collect();
+            let cert = p.signed_by(&key, &issuer).expect("certificate");
+            (cert.pem(), key.serialize_pem())
+        };
+        let (server_cert, server_key) = leaf("platform", Some(SanType::IpAddress("127.0.0.1".parse().unwrap())));
+        let (client_cert, client_key) = leaf("agent", None);
+        Pki { ca: ca.pem(), server_cert, server_key, client_cert, client_key }
+    }
+
+    /// Write the agent's side (CA, client certificate, client key 0600) into `dir`.
+    pub fn write_agent_files(&self, dir: &Path) {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::create_dir_all(dir).unwrap();
+        std::fs::write(dir.join("ca.pem"), &self.ca).unwrap();
+        std::fs::write(dir.join("agent.crt"), &self.client_cert).unwrap();
+        std::fs::write(dir.join("agent.key"), &self.client_key).unwrap();
+        std::fs::set_permissions(dir.join("agent.key"), std::fs::Permissions::from_mode(0o600)).unwrap();
+    }
+}
+
+#[derive(Default)]
+pub struct State {
+    pub queue: VecDeque<Value>,
+    pub results: Vec<Value>,
+    pub heartbeats: Vec<Value>,
+    /// "METHOD path" of every request that completed a TLS handshake.
+    pub requests: Vec<String>,
+}
+
+pub struct TestPlatform {
+    pub addr: SocketAddr,
+    pub state: Arc<Mutex<State>>,
+    /// Connections whose TLS handshake failed (no or wrong client certificate, …).
+    pub handshake_failures: Arc<AtomicUsize>,
+    stop: Arc<AtomicBool>,
+}
+
+fn certs(pem: &str) -> Vec<rustls::pki_types::CertificateDer<'static>> {
+    use rustls::pki_types::pem::PemObject;
+    rustls::pki_types::CertificateDer::pem_slice_iter(pem.as_bytes()).map(|c| c.expect("PEM certificate")).collect()
+}
+
+impl TestPlatform {
+    /// Serve with `server` (certificate and key) and require client certificates signed by
+    /// `client_ca`.
+    pub fn start(server: &Pki, client_ca: &Pki) -> TestPlatform {
+        use rustls::pki_types::pem::PemObject;
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut roots = rustls::RootCertStore::empty();
+        for c in certs(&client_ca.ca) {
+            roots.add(c).unwrap();
+        }
+        let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone())
+            .build()
+            .unwrap();
+        let key = rustls::pki_types::PrivateKeyDer::from_pem_slice(server.server_key.as_bytes()).unwrap();
+        let config = rustls::ServerConfig::builder_with_provider(provider)
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .unwrap()
+            .with_client_cert_verifier(verifier)
+            .with_single_cert(certs(&server.server_cert), key)
+            .unwrap();
+        let config = Arc::new(config);
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let state = Arc::new(Mutex::new(State::default()));
+        let failures = Arc::new(AtomicUsize::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        {
+            let (state, failures, stop) = (state.clone(), failures.clone(), stop.clone());
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::SeqCst) {
+                    match listener.accept() {
+                        Ok((tcp, _)) => {
+                            let (config, state, failures) = (config.clone(), state.clone(), failures.clone());
+                            std::thread::spawn(move || handle(tcp, config, &state, &failures));
+                        }
+                        Err(_) => std::thread::sleep(Duration::from_millis(10)),
+                    }
+                }
+            });
+        }
+        TestPlatform { addr, state, handshake_failures: failures, stop }
+    }
+
+    pub fn queue(&self, cmd: Value) {
+        self.state.lock().unwrap().queue.push_back(cmd);
+    }
+
+    /// Wait until `pred` holds on the state (or panic after `secs`).
+    pub fn wait_for(&self, secs: u64, what: &str, pred: impl Fn(&State) -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(secs);
+        loop {
+            if pred(&self.state.lock().unwrap()) {
+                return;
+            }
+            assert!(Instant::now() < deadline, "timed out waiting for {what}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for TestPlatform {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+    }
+}
+
+fn handle(tcp: std::net::TcpStream, config: Arc<rustls::ServerConfig>, state: &Mutex<State>, failures: &AtomicUsize) {
+    let _ = tcp.set_nonblocking(false);
+    let _ = tcp.set_read_timeout(Some(Duration::from_secs(10)));
+    let conn = rustls::ServerConnection::new(config).unwrap();
+    let mut tls = rustls::StreamOwned::new(conn, tcp);
+    // The request head, then the body by Content-Length.
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    let head_end = loop {
+        match tls.read(&mut chunk) {
+            Ok(0) => return,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            Err(_) => {
+                if tls.conn.is_handshaking() || tls.conn.peer_certificates().is_none() {
+                    failures.fetch_add(1, Ordering::SeqCst);
+                }
+                return;
+            }
+        }
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
+    let mut lines = head.lines();
+    let first = lines.next().unwrap_or_default().to_string();
+    let len: usize = lines
+        .filter_map(|l| l.split_once(':'))
+        .find(|(k, _)| k.eq_ignore_ascii_case("content-length"))
+        .and_then(|(_, v)| v.trim().parse().ok())
+        .unwrap_or(0);
+    while buf.len() < head_end + len {
+        match tls.read(&mut chunk) {
+            Ok(0) | Err(_) => return,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
+    let body = &buf[head_end..head_end + len];
+    let mut parts = first.split_whitespace();
+    let (method, target) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+    let path = target.split('?').next().unwrap_or("");
+    state.lock().unwrap().requests.push(format!("{method} {path}"));
+    let reply = match (method, path.rsplit('/').next().unwrap_or("")) {
+        ("GET", "commands") => {
+            // A short long-poll: up to 500 ms for something to be queued.
+            let deadline = Instant::now() + Duration::from_millis(500);
+            loop {
+                let batch: Vec<Value> = state.lock().unwrap().queue.drain(..).collect();
+                if !batch.is_empty() || Instant::now() >= deadline {
+                    break json!({ "commands": batch });
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        ("POST", "results") => {
+            state.lock().unwrap().results.push(serde_json::from_slice(body).unwrap_or(Value::Null));
+            json!({"ok": true})
+        }
+        ("POST", "heartbeat") => {
+            state.lock().unwrap().heartbeats.push(serde_json::from_slice(body).unwrap_or(Value::Null));
+            json!({"ok": true})
+        }
+        _ => json!({"error": "not found"}),
+    };
+    let text = reply.to_string();
+    let resp = format!(
+        "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{text}",
+        text.len()
+    );
+    let _ = tls.write_all(resp.as_bytes());
+    tls.conn.send_close_notify();
+    let _ = tls.flush();
+}
