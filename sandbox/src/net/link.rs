@@ -59,6 +59,19 @@ pub(crate) fn apply(nl: &mut Netlink, ops: Vec<Op>, what: &str) -> Result<(), Ne
     nl.transact(ops.into_iter().map(|(m, f)| (m, f | NLM_F_ACK)).collect(), what)
 }
 
+/// No IPv6 link-local address for this link (`addr_gen_mode none`): the pair only needs the
+/// addresses we give it, and the kernel then skips the per-link address generation and
+/// duplicate-address detection work. Set while the link is down.
+pub(crate) fn no_ipv6_autoconf(index: u32) -> Op {
+    use netlink_packet_route::link::{AfSpecInet6, AfSpecUnspec, In6AddrGenMode};
+    let mut msg = LinkMessage::default();
+    msg.header.index = index;
+    msg.attributes.push(LinkAttribute::AfSpecUnspec(vec![AfSpecUnspec::Inet6(vec![AfSpecInet6::AddrGenMode(
+        In6AddrGenMode::None,
+    )])]));
+    (RouteNetlinkMessage::SetLink(msg), 0)
+}
+
 pub(crate) fn set_up(index: u32) -> Op {
     let mut msg = LinkMessage::default();
     msg.header.index = index;

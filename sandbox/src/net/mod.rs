@@ -574,7 +574,8 @@ impl Reservation {
         // Host end.
         link::add_veth(&mut host, &self.host_if, "eth0", ns.as_fd())?;
         let host_index = link::index_of(&mut host, &self.host_if)?;
-        let mut ops = vec![link::add_address(host_index, IpAddr::V4(self.gateway4), 30)];
+        let mut ops =
+            vec![link::no_ipv6_autoconf(host_index), link::add_address(host_index, IpAddr::V4(self.gateway4), 30)];
         if let Some((g, _)) = v6 {
             ops.push(link::add_address(host_index, IpAddr::V6(g), 126));
         }
@@ -586,7 +587,8 @@ impl Reservation {
 
         // Sandbox end (the order matters: routes need the link up).
         let inner_index = link::index_of(&mut inner_route, "eth0")?;
-        let mut ops = vec![link::add_address(inner_index, IpAddr::V4(self.address4), 30)];
+        let mut ops =
+            vec![link::no_ipv6_autoconf(inner_index), link::add_address(inner_index, IpAddr::V4(self.address4), 30)];
         if let Some((_, a)) = v6 {
             ops.push(link::add_address(inner_index, IpAddr::V6(a), 126));
         }
