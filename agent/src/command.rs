@@ -18,6 +18,7 @@
 //! unsigned or stale traffic cannot fill the replay store or burn a future command's id.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use ed25519_dalek::VerifyingKey;
 use serde_json::{json, Map, Value};
@@ -38,6 +39,10 @@ pub struct Pipeline {
     pub executors: PathBuf,
     pub runtime: PathBuf,
     pub launcher: sandbox::Launcher,
+    /// Commands allowed to run at once (see [`Pipeline::submit`]).
+    pub max_concurrent: usize,
+    /// Commands running now; maintained by [`Pipeline::submit`] (start it at zero).
+    pub running: AtomicUsize,
 }
 
 /// A rejection: the reason code (stable, for the platform) and a sentence.
@@ -55,6 +60,37 @@ fn reject(command_id: Option<&str>, reason: &str, message: &str, security: bool)
 }
 
 impl Pipeline {
+    /// [`Pipeline::handle`] under the concurrency limit, for every source of commands (the
+    /// socket, the platform): one more than `max_concurrent` is rejected as `overloaded` at
+    /// once (audited), never queued.
+    pub fn submit(&self, bytes: &[u8], source: &str) -> Value {
+        let reply = if self.running.fetch_add(1, Ordering::SeqCst) >= self.max_concurrent {
+            let id = signing::parse_command(bytes)
+                .ok()
+                .and_then(|c| c.get("command_id").and_then(Value::as_str).map(str::to_string));
+            let max = self.max_concurrent.to_string();
+            audit::record(
+                "security_event",
+                &[
+                    ("reason", "overloaded"),
+                    ("source", source),
+                    ("max_concurrent", &max),
+                    ("command_id", id.as_deref().unwrap_or("")),
+                ],
+            );
+            rejected(id.as_deref(), "overloaded", &format!("{max} commands are running; try again later"))
+        } else {
+            self.handle(bytes, signing::now())
+        };
+        self.running.fetch_sub(1, Ordering::SeqCst);
+        reply
+    }
+
+    /// Commands running now.
+    pub fn running(&self) -> usize {
+        self.running.load(Ordering::SeqCst)
+    }
+
     /// Steps 1–9 for one command as received; the reply JSON.
     pub fn handle(&self, bytes: &[u8], now: i64) -> Value {
         if bytes.len() > signing::MAX_COMMAND_BYTES {

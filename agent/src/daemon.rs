@@ -22,11 +22,11 @@ use std::os::fd::AsFd;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use serde_json::{json, Value};
+use serde_json::Value;
 
 use crate::command::Pipeline;
 use crate::executor_run::CannotRun;
@@ -78,12 +78,7 @@ fn bind(path: &Path) -> Result<UnixListener, CannotRun> {
 }
 
 /// Serve until SIGTERM/SIGINT.
-pub fn serve(
-    pipeline: Pipeline,
-    socket: &Path,
-    max_concurrent: usize,
-    platform: Option<crate::platform::Platform>,
-) -> Result<(), CannotRun> {
+pub fn serve(pipeline: Pipeline, socket: &Path, platform: Option<crate::platform::Platform>) -> Result<(), CannotRun> {
     use nix::sys::signal::{SigSet, Signal};
     // Block the stop signals in every thread (spawned threads inherit the mask) and read
     // them from a signalfd in the accept loop.
@@ -96,7 +91,6 @@ pub fn serve(
 
     let listener = bind(socket)?;
     let pipeline = Arc::new(pipeline);
-    let running = Arc::new(AtomicUsize::new(0));
     let mut workers: Vec<std::thread::JoinHandle<()>> = Vec::new();
     crate::audit::record(
         "agent_start",
@@ -105,7 +99,7 @@ pub fn serve(
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     if let Some(p) = platform {
         // Its threads are not joined: a long poll in flight may take its full timeout.
-        drop(crate::platform::run(p, pipeline.clone(), running.clone(), max_concurrent, stop.clone()));
+        drop(crate::platform::run(p, pipeline.clone(), stop.clone()));
     }
     sd_notify("READY=1");
     let watchdog = watchdog_interval();
@@ -134,20 +128,20 @@ pub fn serve(
             break;
         }
         let Ok((stream, _)) = listener.accept() else { continue };
-        let (pipeline, running) = (pipeline.clone(), running.clone());
-        workers.push(std::thread::spawn(move || serve_client(stream, &pipeline, &running, max_concurrent)));
+        let pipeline = pipeline.clone();
+        workers.push(std::thread::spawn(move || serve_client(stream, &pipeline)));
     }
     // Stop taking work, let what runs finish and reply.
     sd_notify("STOPPING=1");
     drop(listener);
     let _ = std::fs::remove_file(socket);
-    crate::audit::record("agent_stop", &[("running", &running.load(Ordering::SeqCst).to_string())]);
+    crate::audit::record("agent_stop", &[("running", &pipeline.running().to_string())]);
     stop.store(true, Ordering::SeqCst);
     for w in workers {
         let _ = w.join();
     }
     // Commands from the platform run on their own threads: wait for them too.
-    while running.load(Ordering::SeqCst) > 0 {
+    while pipeline.running() > 0 {
         std::thread::sleep(Duration::from_millis(50));
     }
     Ok(())
@@ -164,7 +158,7 @@ fn watchdog_interval() -> Option<Duration> {
     Some(Duration::from_micros(usec / 2))
 }
 
-fn serve_client(mut stream: UnixStream, pipeline: &Pipeline, running: &AtomicUsize, max_concurrent: usize) {
+fn serve_client(mut stream: UnixStream, pipeline: &Pipeline) {
     let root =
         nix::sys::socket::getsockopt(&stream, nix::sys::socket::sockopt::PeerCredentials).is_ok_and(|c| c.uid() == 0);
     if !root {
@@ -177,25 +171,10 @@ fn serve_client(mut stream: UnixStream, pipeline: &Pipeline, running: &AtomicUsi
     if (&mut stream).take(limit).read_to_end(&mut buf).is_err() {
         return;
     }
-    let reply = if running.fetch_add(1, Ordering::SeqCst) >= max_concurrent {
-        crate::audit::record(
-            "security_event",
-            &[("reason", "overloaded"), ("max_concurrent", &max_concurrent.to_string())],
-        );
-        json!({"status": "rejected", "reason": "overloaded", "command_id": command_id_of(&buf),
-               "error": format!("{max_concurrent} commands are running; try again later")})
-    } else {
-        pipeline.handle(&buf, crate::signing::now())
-    };
-    running.fetch_sub(1, Ordering::SeqCst);
+    let reply = pipeline.submit(&buf, "socket");
     let mut line = reply.to_string();
     line.push('\n');
     let _ = stream.write_all(line.as_bytes());
-}
-
-/// The `command_id` of an unverified command, for the overload reply only.
-fn command_id_of(buf: &[u8]) -> Value {
-    crate::signing::parse_command(buf).ok().and_then(|c| c.get("command_id").cloned()).unwrap_or(Value::Null)
 }
 
 /// `opservant submit`: send one signed command, return the reply.

@@ -443,7 +443,7 @@ pub fn list(root: &Path) -> Result<Vec<ListEntry>, InstallError> {
 
 /// The directory `opservant run NAME` uses: `<root>/<name>/current`, resolved.
 pub fn resolve(root: &Path, name: &str) -> Option<PathBuf> {
-    if name.is_empty() || !name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-') {
+    if !crate::manifest::valid_name(name) {
         return None;
     }
     root.join(name).join("current").canonicalize().ok().filter(|p| p.starts_with(root) && p.is_dir())
@@ -451,11 +451,11 @@ pub fn resolve(root: &Path, name: &str) -> Option<PathBuf> {
 
 /// Remove an installed executor. `Ok(false)` when it is not installed.
 pub fn remove(root: &Path, name: &str) -> Result<bool, InstallError> {
-    if resolve(root, name).is_none() && !root.join(name).is_dir() {
-        return Ok(false);
-    }
-    if name.is_empty() || name.starts_with('.') || name.contains('/') {
+    if !crate::manifest::valid_name(name) {
         return Err(InstallError::Invalid(format!("'{name}' is not an executor name")));
+    }
+    if !root.join(name).is_dir() {
+        return Ok(false);
     }
     let doomed = unique(root, ".removing")?;
     let target = doomed.join(name);

@@ -451,8 +451,10 @@ fn agent_daemon(config: Option<PathBuf>, check_only: bool) -> Result<ExitCode, C
         runtime,
         // The daemon is multi-threaded: sandboxes start from a fresh exec of this binary.
         launcher: sandbox::Launcher::reexec(SANDBOX_INIT),
+        max_concurrent: settings.max_concurrent,
+        running: Default::default(),
     };
-    agent::daemon::serve(pipeline, &settings.socket, settings.max_concurrent, platform).map_err(|e| CannotRun(e.0))?;
+    agent::daemon::serve(pipeline, &settings.socket, platform).map_err(|e| CannotRun(e.0))?;
     Ok(ExitCode::SUCCESS)
 }
 

@@ -89,6 +89,14 @@ pub struct NetworkPermissions {
     pub dns_allowed: Option<bool>,
 }
 
+/// An executor name: `[a-z0-9][a-z0-9-]*`, at most 64 characters (also what may name an
+/// installed executor's directory).
+pub fn valid_name(name: &str) -> bool {
+    name.len() <= 64
+        && name.bytes().next().is_some_and(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
+        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+}
+
 /// One entry of `allowed_ports`: a port, a `"low-high"` string, or a `[low, high]` pair.
 /// A bare list of two numbers (`[1, 65535]`, as in seed 000) is two single ports.
 #[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
@@ -217,11 +225,7 @@ impl Manifest {
     }
 
     fn validate(&self, warnings: &mut Vec<Warning>, errors: &mut Vec<ManifestError>) {
-        let name_ok = !self.name.is_empty()
-            && self.name.len() <= 64
-            && self.name.bytes().next().is_some_and(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
-            && self.name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
-        if !name_ok {
+        if !valid_name(&self.name) {
             errors.push(ManifestError::new("name", "must match [a-z0-9][a-z0-9-]* (at most 64 characters)"));
         }
         if let Err(e) = semver::Version::parse(&self.version) {

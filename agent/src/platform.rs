@@ -14,7 +14,7 @@
 //! - with `network.proxy.https` set, platform traffic goes through that proxy.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -199,17 +199,11 @@ fn backoff(failures: u32) -> Duration {
 
 /// Run the poller and the heartbeat until `stop`; commands run on their own threads, bounded
 /// like the socket's (one more than `max_concurrent` is answered `overloaded`).
-pub fn run(
-    platform: Platform,
-    pipeline: Arc<Pipeline>,
-    running: Arc<AtomicUsize>,
-    max_concurrent: usize,
-    stop: Arc<AtomicBool>,
-) -> Vec<std::thread::JoinHandle<()>> {
+pub fn run(platform: Platform, pipeline: Arc<Pipeline>, stop: Arc<AtomicBool>) -> Vec<std::thread::JoinHandle<()>> {
     let platform = Arc::new(platform);
     let mut threads = Vec::new();
     {
-        let (platform, stop, running) = (platform.clone(), stop.clone(), running.clone());
+        let (platform, stop) = (platform.clone(), stop.clone());
         let pipeline = pipeline.clone();
         threads.push(std::thread::spawn(move || {
             let mut failures = 0u32;
@@ -228,18 +222,9 @@ pub fn run(
                     }
                 };
                 for bytes in commands {
-                    let (platform, pipeline, running) = (platform.clone(), pipeline.clone(), running.clone());
+                    let (platform, pipeline) = (platform.clone(), pipeline.clone());
                     std::thread::spawn(move || {
-                        let reply = if running.fetch_add(1, Ordering::SeqCst) >= max_concurrent {
-                            crate::audit::record("security_event", &[("reason", "overloaded"), ("source", "platform")]);
-                            let id =
-                                crate::signing::parse_command(&bytes).ok().and_then(|c| c.get("command_id").cloned());
-                            json!({"status": "rejected", "reason": "overloaded", "command_id": id,
-                                   "error": format!("{max_concurrent} commands are running; try again later")})
-                        } else {
-                            pipeline.handle(&bytes, crate::signing::now())
-                        };
-                        running.fetch_sub(1, Ordering::SeqCst);
+                        let reply = pipeline.submit(&bytes, "platform");
                         let body =
                             json!({"agent_id": platform.agent_id, "command_id": reply["command_id"], "result": reply});
                         // Results are retried a few times; the audit log holds them regardless.
@@ -270,7 +255,7 @@ pub fn run(
                     "version": env!("CARGO_PKG_VERSION"),
                     "time": crate::rfc3339::format(crate::signing::now()),
                     "executors": executors,
-                    "running": running.load(Ordering::SeqCst),
+                    "running": pipeline.running(),
                     "doctor": {"ok": !doctor.failed(), "degraded": doctor.degraded},
                 });
                 if let Err(e) = platform.post("heartbeat", &body) {

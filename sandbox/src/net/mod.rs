@@ -238,7 +238,6 @@ pub struct Egress {
     pub host_if: String,
     pub address4: Ipv4Addr,
     pub gateway4: Ipv4Addr,
-    pub prefix4: u8,
     pub address6: Option<Ipv6Addr>,
     pub gateway6: Option<Ipv6Addr>,
     /// Why there is no IPv6, when there is none.
@@ -607,7 +606,6 @@ impl Reservation {
             host_if: self.host_if,
             address4: self.address4,
             gateway4: self.gateway4,
-            prefix4: 30,
             address6: self.address6,
             gateway6: self.gateway6,
             ipv6_unavailable: self.ipv6_unavailable,
