@@ -40,6 +40,7 @@ impl Out {
     /// Ran to a result: exit status 0 exactly when the status is "completed".
     fn result(&self) -> Value {
         let j = self.json();
+        common::assert_launch(&j);
         let want = if j["status"] == "completed" { 0 } else { 1 };
         assert_eq!(self.code, want, "exit status for status {}: {}\nstderr: {}", j["status"], j, self.stderr);
         j
@@ -76,7 +77,9 @@ fn invoke(args: &[&std::ffi::OsStr], env: &[(&str, &str)]) -> Out {
 
 /// `opservant run DIR args…` with extra environment variables.
 fn run_env(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Out {
+    let launch = common::launch_args();
     let mut all: Vec<&std::ffi::OsStr> = vec!["run".as_ref(), dir.as_os_str()];
+    all.extend(launch.iter().map(std::ffi::OsStr::new));
     all.extend(args.iter().map(|a| std::ffi::OsStr::new(*a)));
     invoke(&all, env)
 }

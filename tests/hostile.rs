@@ -210,8 +210,7 @@ fn inherited_descriptors_are_closed() {
     use std::os::fd::AsRawFd;
     let raw = file.as_raw_fd();
     let mut cmd = Command::new(common::opservant());
-    cmd.args([
-        "sandbox",
+    cmd.arg("sandbox").args(common::launch_args()).args([
         "--json",
         "--",
         "/bin/sh",
@@ -380,7 +379,9 @@ fn environment_is_an_explicit_allowlist() {
     }
     let _view = common::host_view();
     let out = Command::new(common::opservant())
-        .args(["sandbox", "--json", "--", "/usr/bin/env"])
+        .arg("sandbox")
+        .args(common::launch_args())
+        .args(["--json", "--", "/usr/bin/env"])
         .env("OPSERVANT_TEST_SECRET", "TOPSECRET-env")
         .env("AWS_SECRET_ACCESS_KEY", "TOPSECRET-aws")
         .output()
@@ -451,7 +452,9 @@ fn stdin_is_empty_and_no_terminal_is_reachable() {
     }
     let _view = common::host_view();
     let mut child = Command::new(common::opservant())
-        .args(["sandbox", "--json", "--", "/bin/sh", "-c", "cat; ls /dev/tty /dev/pts 2>&1 | head -2"])
+        .arg("sandbox")
+        .args(common::launch_args())
+        .args(["--json", "--", "/bin/sh", "-c", "cat; ls /dev/tty /dev/pts 2>&1 | head -2"])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()

@@ -249,7 +249,7 @@ pub fn run(req: RunRequest) -> Result<RunResult, CannotRun> {
             None => Ok(()),
         }
     };
-    let mut sb = sandbox::Sandbox::spawn(&spec, &req.launcher, Some(&mut hook))?;
+    let mut sb = crate::launch::spawn_with_fallback(&spec, &req.launcher, Some(&mut hook))?;
     let provider = Provider::from_config(req.config).map_err(CannotRun)?;
     // Audited only now: a run refused before this point (exit status 2) never started.
     for c in &limits.clamped {

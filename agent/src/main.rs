@@ -11,7 +11,7 @@ use agent::policy::AgentPolicy;
 use agent::result::{RunResult, Status};
 
 /// Hidden sub-command that turns this process into a sandbox init.
-const SANDBOX_INIT: &str = "__sandbox-init";
+use agent::launch::{LaunchMode, SANDBOX_INIT};
 
 #[derive(Parser)]
 #[command(name = "opservant", version, about = "Runs executor plugins inside a native Linux sandbox")]
@@ -32,6 +32,9 @@ enum Command {
         /// Print only the result JSON (the program's output is inside it).
         #[arg(long)]
         json: bool,
+        /// How to start the sandbox: a fresh process (cold) or a fork of a zygote.
+        #[arg(long, value_enum, default_value_t)]
+        launch: LaunchMode,
         /// Program and arguments.
         #[arg(required = true, last = true, value_name = "PROGRAM")]
         argv: Vec<String>,
@@ -50,6 +53,10 @@ enum Command {
         /// Agent configuration (default /etc/opservant/config.yaml when it exists).
         #[arg(long)]
         config: Option<PathBuf>,
+        /// How to start the sandbox: a fresh process (cold) or a fork of a zygote with the
+        /// runtime already initialised (the agent daemon's way).
+        #[arg(long, value_enum, default_value_t)]
+        launch: LaunchMode,
     },
     /// Run a Python or Bash script in a fresh sandbox (validated first, inside the sandbox);
     /// prints the script result JSON.
@@ -270,8 +277,8 @@ fn main() -> ExitCode {
     }
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Sandbox { manifest, json, argv } => run_sandbox(manifest, json, argv),
-        Command::Run { dir, params, action, config } => run_executor(dir, params, action, config),
+        Command::Sandbox { manifest, json, launch, argv } => run_sandbox(manifest, json, launch, argv),
+        Command::Run { dir, params, action, config, launch } => run_executor(dir, params, action, config, launch),
         Command::Script { language, file, timeout, manifest, config } => {
             run_script(language, file, timeout, manifest, config)
         }
@@ -328,7 +335,12 @@ fn main() -> ExitCode {
     }
 }
 
-fn run_sandbox(manifest: Option<PathBuf>, json_only: bool, argv: Vec<String>) -> Result<ExitCode, CannotRun> {
+fn run_sandbox(
+    manifest: Option<PathBuf>,
+    json_only: bool,
+    launch: LaunchMode,
+    argv: Vec<String>,
+) -> Result<ExitCode, CannotRun> {
     let manifest = manifest.as_deref().map(load_manifest).transpose()?;
     let policy = AgentPolicy::builtin()?;
     let (program, args) = argv.split_first().ok_or_else(|| CannotRun("no program given".into()))?;
@@ -351,7 +363,13 @@ fn run_sandbox(manifest: Option<PathBuf>, json_only: bool, argv: Vec<String>) ->
         };
     };
     let out = sandbox::OutputOptions { tee: if json_only { None } else { Some(&mut tee) }, ..Default::default() };
-    let outcome = sandbox::run(&spec, &sandbox::Launcher::fork_or_reexec(SANDBOX_INIT), out)?;
+    let launcher = match launch {
+        LaunchMode::Cold => sandbox::Launcher::fork_or_reexec(SANDBOX_INIT),
+        LaunchMode::Zygote => agent::launch::for_program(&agent::launch::zygote(
+            &agent::executor_run::runtime_binary().map_err(|e| CannotRun(e.0))?,
+        )),
+    };
+    let outcome = agent::launch::spawn_with_fallback(&spec, &launcher, None)?.wait(out)?;
     let result = RunResult::for_program(&outcome, &limits);
     let mut lock = std::io::stdout().lock();
     if !json_only && last_stdout_byte != b'\n' {
@@ -376,6 +394,7 @@ fn run_executor(
     params: String,
     action: Option<String>,
     config: Option<PathBuf>,
+    launch: LaunchMode,
 ) -> Result<ExitCode, CannotRun> {
     let config = agent::config::Config::load(config.as_deref())?;
     let policy = AgentPolicy::from_config(&config)?;
@@ -397,6 +416,7 @@ fn run_executor(
         tracing::warn!(executor = %executor.manifest.name, "{w}");
     }
     agent::audit::init(&config)?;
+    let runtime = agent::executor_run::runtime_binary().map_err(|e| CannotRun(e.0))?;
     let result = agent::executor_run::run(agent::executor_run::RunRequest {
         executor: &executor,
         params,
@@ -404,10 +424,14 @@ fn run_executor(
         command_id: None,
         config: &config,
         policy: &policy,
-        // The payload is a fresh execve of opservant-runtime: a forked monitor carries nothing
-        // of this process into the executor's reach.
-        launcher: sandbox::Launcher::fork_or_reexec(SANDBOX_INIT),
-        runtime: agent::executor_run::runtime_binary().map_err(|e| CannotRun(e.0))?,
+        // Cold: the payload is a fresh execve of opservant-runtime, and a forked monitor
+        // carries nothing of this process into the executor's reach. Zygote: the payload is
+        // a fork of a runtime that holds only the interpreter and the embedded runtime.
+        launcher: match launch {
+            LaunchMode::Cold => sandbox::Launcher::fork_or_reexec(SANDBOX_INIT),
+            LaunchMode::Zygote => agent::launch::for_runtime(&agent::launch::zygote(&runtime)),
+        },
+        runtime,
     })
     .map_err(|e| CannotRun(e.0))?;
     println!("{}", serde_json::to_string(&result)?);

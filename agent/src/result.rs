@@ -62,6 +62,8 @@ pub struct SandboxSummary {
     pub sysfs: String,
     pub uid: u32,
     pub gid: u32,
+    /// `cold` (a fresh process) or `zygote` (a fork of the pre-initialised runtime).
+    pub launch: &'static str,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -151,6 +153,7 @@ impl RunResult {
                 sysfs: e.sysfs.clone(),
                 uid: e.uid,
                 gid: e.gid,
+                launch: if outcome.launch == "zygote" { "zygote" } else { "cold" },
             },
         }
     }

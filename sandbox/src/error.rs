@@ -95,6 +95,10 @@ pub enum SandboxError {
     IdMap { what: &'static str, pid: i32, source: std::io::Error },
     #[error("namespace hook failed: {0}")]
     Hook(String),
+    /// The zygote could not start the sandbox (it is gone or refused the request); nothing
+    /// of the sandbox ran, so the caller may start it another way.
+    #[error("zygote: {0}")]
+    Zygote(String),
     #[error("{context}: {source}")]
     Io { context: String, source: std::io::Error },
 }

@@ -37,7 +37,11 @@
 //!
 //! Every step either succeeds or reports a [`StepError`] over the channel and the sandbox is
 //! torn down; nothing continues past a failed step. The monitor/init/payload functions only
-//! need a single-threaded caller and the channel, so a zygote can run them after `fork`.
+//! need a single-threaded caller and the channel, so a zygote runs exactly these steps after
+//! `fork` ([`crate::zygote`]). The one difference is the payload's last step: with
+//! [`PayloadEnd::Return`] it does not `execve` but returns to its caller (an interpreter
+//! that was initialised before the fork) after every restriction above is in place, the
+//! environment is the spec's and the control channel is closed.
 
 use std::os::fd::AsFd;
 
@@ -60,9 +64,46 @@ pub fn main() -> ! {
     run_monitor(None)
 }
 
+/// What the payload process does once every restriction is in place.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PayloadEnd {
+    /// `execve` the spec's program.
+    Exec,
+    /// Return to the caller (a zygote child whose interpreter was initialised before the
+    /// fork): the caller's code is then the payload.
+    Return,
+}
+
+/// What a payload process started with [`PayloadEnd::Return`] receives: every restriction
+/// is in place, the control channel is closed, the environment is the spec's.
+#[derive(Debug)]
+pub struct Handoff {
+    /// The application channel (fd 4), if the spec asks for one.
+    pub app: Option<Channel>,
+    /// The spec's environment (already installed as the process environment).
+    pub env: Vec<(String, String)>,
+}
+
 /// Run the monitor with the channel on fd 3; `spec` is given when the monitor was forked
 /// (it is otherwise read from the channel). Never returns.
 pub(crate) fn run_monitor(spec: Option<&SandboxSpec>) -> ! {
+    // Exec mode only returns from the payload process if `execve` was skipped, which
+    // `payload_steps` never does in this mode; exit rather than run anything else.
+    let _ = run_monitor_until(spec, PayloadEnd::Exec);
+    exit(127)
+}
+
+/// Like [`run_monitor`], but with [`PayloadEnd::Return`]: returns only in the payload
+/// process, with every restriction in place and the control channel closed; every other
+/// process of the sandbox exits here.
+pub(crate) fn run_monitor_returning() -> Handoff {
+    match run_monitor_until(None, PayloadEnd::Return) {
+        Some(h) => h,
+        None => exit(127),
+    }
+}
+
+fn run_monitor_until(spec: Option<&SandboxSpec>, end: PayloadEnd) -> Option<Handoff> {
     // SAFETY: the parent placed the channel at CHILD_FD and nothing else in this process
     // owns that descriptor.
     let chan = match unsafe { Channel::from_raw(CHILD_FD) } {
@@ -70,8 +111,14 @@ pub(crate) fn run_monitor(spec: Option<&SandboxSpec>) -> ! {
         // Without close-on-exec the payload would inherit the channel: refuse to go on.
         Err(_) => exit(125),
     };
-    match monitor(&chan, spec) {
-        Ok(()) => exit(0),
+    match monitor_until(&chan, spec, end) {
+        Ok(None) => exit(0),
+        Ok(Some(handoff)) => {
+            // The payload's own code must not hold the control channel (it could forge the
+            // sandbox's reports): it is closed here, before the caller runs anything.
+            drop(chan);
+            Some(handoff)
+        }
         Err(e) => {
             let _ = chan.send(&FromSandbox::Failed(e));
             exit(1)
@@ -89,8 +136,14 @@ fn protocol(msg: impl Into<String>) -> StepError {
     StepError::new(Stage::Protocol, msg)
 }
 
-/// The monitor (see the module documentation for the steps).
+/// The monitor (see the module documentation for the steps), ending in `execve`.
 pub fn monitor(chan: &Channel, given: Option<&SandboxSpec>) -> Result<(), StepError> {
+    monitor_until(chan, given, PayloadEnd::Exec).map(drop)
+}
+
+/// The monitor; `Ok(Some(_))` is returned only in the payload process, with
+/// [`PayloadEnd::Return`].
+fn monitor_until(chan: &Channel, given: Option<&SandboxSpec>, end: PayloadEnd) -> Result<Option<Handoff>, StepError> {
     // 1. (fd 4 may be the application channel; decided once the spec is in)
     process::close_fds_from(APP_FD + 1)?;
     // 2.
@@ -146,8 +199,9 @@ pub fn monitor(chan: &Channel, given: Option<&SandboxSpec>) -> Result<(), StepEr
         ForkResult::Child => {
             drop(sfd);
             let _ = mask.thread_unblock();
-            match init(chan, app, spec, &join) {
-                Ok(code) => exit(code),
+            match init(chan, app, spec, &join, end) {
+                Ok(InitEnd::Exit(code)) => exit(code),
+                Ok(InitEnd::Payload(handoff)) => return Ok(Some(handoff)),
                 Err(e) => {
                     let _ = chan.send(&FromSandbox::Failed(e));
                     exit(126)
@@ -174,7 +228,13 @@ pub fn monitor(chan: &Channel, given: Option<&SandboxSpec>) -> Result<(), StepEr
         cpu_ms: tv_ms(ru.ru_utime) + tv_ms(ru.ru_stime),
         peak_rss_bytes: ru.ru_maxrss.max(0) as u64 * 1024,
     });
-    Ok(())
+    Ok(None)
+}
+
+/// How `init` returns: as init (its exit code), or in the payload process (return mode).
+enum InitEnd {
+    Exit(i32),
+    Payload(Handoff),
 }
 
 /// Wait for init to end and return the resource usage of the tree (init waited for every
@@ -215,7 +275,8 @@ fn init(
     app: Option<Channel>,
     spec: &SandboxSpec,
     cgroup_join: &[std::path::PathBuf],
-) -> Result<i32, StepError> {
+    end: PayloadEnd,
+) -> Result<InitEnd, StepError> {
     // 1.
     // SAFETY: PR_SET_PDEATHSIG takes an integer signal number.
     unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) };
@@ -253,7 +314,10 @@ fn init(
     // SAFETY: init is single-threaded (forked from the single-threaded monitor).
     let payload_pid = match unsafe { fork() }.map_err(|e| StepError::errno(Stage::Fork, "fork payload", e))? {
         ForkResult::Child => {
-            let err = payload(chan, app, spec, ruleset, view.sysfs);
+            let err = match payload_steps(chan, app, spec, ruleset, view.sysfs, end) {
+                Ok(Ok(handoff)) => return Ok(InitEnd::Payload(handoff)),
+                Ok(Err(e)) | Err(e) => e,
+            };
             let _ = chan.send(&FromSandbox::Failed(err));
             exit(127)
         }
@@ -266,7 +330,7 @@ fn init(
     };
     let status = reap_until(payload_pid, &handled);
     let _ = chan.send(&FromSandbox::PayloadExited(status));
-    Ok(status.shell_code())
+    Ok(InitEnd::Exit(status.shell_code()))
 }
 
 /// Sent by the parent to the sandbox init: SIGKILL every process of the sandbox now.
@@ -358,26 +422,16 @@ fn landlock_rules(spec: &SandboxSpec, system_bound: &[std::path::PathBuf]) -> Ve
     rules
 }
 
-/// The payload: final restrictions, then `execve`. Only returns the error that stopped it.
-fn payload(
-    chan: &Channel,
-    app: Option<Channel>,
-    spec: &SandboxSpec,
-    ruleset: landlock::Prepared,
-    sysfs: &str,
-) -> StepError {
-    match payload_steps(chan, app, spec, ruleset, sysfs) {
-        Ok(e) | Err(e) => e,
-    }
-}
-
+/// The payload: final restrictions, then `execve` — which only returns the error that
+/// stopped it, `Ok(Err(_))` — or, with [`PayloadEnd::Return`], `Ok(Ok(handoff))`.
 fn payload_steps(
     chan: &Channel,
     app: Option<Channel>,
     spec: &SandboxSpec,
     ruleset: landlock::Prepared,
     sysfs: &str,
-) -> Result<StepError, StepError> {
+    end: PayloadEnd,
+) -> Result<Result<Handoff, StepError>, StepError> {
     // 1.
     process::reset_signals();
     nix::unistd::setsid().map_err(|e| StepError::errno(Stage::Exec, "setsid", e))?;
@@ -391,7 +445,13 @@ fn payload_steps(
     process::set_rlimits(spec.limits.nofile)?;
     nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o022));
     let path_var = spec.command.env.iter().find(|(k, _)| k == "PATH").map(|(_, v)| v.as_str());
-    let program = process::find_program(&spec.command.program, path_var)?;
+    let program = match end {
+        PayloadEnd::Exec => Some(process::find_program(&spec.command.program, path_var)?),
+        PayloadEnd::Return => {
+            process::replace_environment(&spec.command.env)?;
+            None
+        }
+    };
     // 2.
     let landlock = landlock::enforce(ruleset)?;
     // 3.
@@ -419,11 +479,15 @@ fn payload_steps(
         gid: nix::unistd::getgid().as_raw(),
     };
     chan.send(&FromSandbox::Started(Box::new(report))).map_err(|e| StepError::errno(Stage::Protocol, "send", e))?;
+    let Some(program) = program else {
+        // Return mode: the caller closes the control channel before running anything else.
+        return Ok(Ok(Handoff { app, env: spec.command.env.clone() }));
+    };
     if let Some(app) = app {
         // The program inherits the application channel (and only it: the control channel is
         // close-on-exec, so the program cannot forge the sandbox's reports).
         app.set_inheritable().map_err(|e| StepError::errno(Stage::Exec, "app channel", e))?;
         std::mem::forget(app);
     }
-    Ok(process::exec(&program, &spec.command.program, &spec.command.args, &spec.command.env))
+    Ok(Err(process::exec(&program, &spec.command.program, &spec.command.args, &spec.command.env)))
 }

@@ -34,8 +34,10 @@ pub mod process;
 pub mod report;
 pub mod seccomp;
 pub mod spec;
+pub mod zygote;
 
 pub use error::{CgroupError, SandboxError, SpecError, Stage, StepError};
+pub use init::{Handoff, PayloadEnd};
 pub use parent::{run, CpuLimiter, Launcher, NamespaceHook, OutputOptions, Sandbox, StopHandle, Stream};
 pub use report::{
     Captured, CgroupReport, EnforcementReport, ExitInfo, KilledBy, LandlockReport, LandlockStatus, Outcome,

@@ -23,6 +23,7 @@ use nix::unistd::Pid;
 use crate::cgroup::SandboxCgroup;
 use crate::channel::{Channel, FromSandbox, ToSandbox, APP_FD, CHILD_FD};
 use crate::error::{SandboxError, Stage, StepError};
+use crate::init::PayloadEnd;
 use crate::report::{Captured, EnforcementReport, ExitInfo, KilledBy, Outcome, ResourceUsage};
 use crate::spec::SandboxSpec;
 use crate::{landlock, namespaces};
@@ -36,6 +37,9 @@ pub enum Launcher {
     /// `fork` the caller and run the monitor in the child. Only for single-threaded callers
     /// (a CLI, a zygote): it saves one `execve` of this binary per sandbox.
     Fork,
+    /// Ask a [`crate::zygote::Zygote`] to fork the monitor; the payload `execve`s the spec's
+    /// program or, with [`PayloadEnd::Return`], continues in the zygote's own code.
+    Zygote { zygote: std::sync::Arc<crate::zygote::Zygote>, end: PayloadEnd },
 }
 
 impl Launcher {
@@ -80,6 +84,7 @@ impl Launcher {
         match self {
             Launcher::Exec { program, .. } => program.to_string_lossy().into_owned(),
             Launcher::Fork => "fork".into(),
+            Launcher::Zygote { .. } => "zygote".into(),
         }
     }
 }
@@ -183,6 +188,10 @@ impl Default for OutputOptions<'_> {
 /// A running sandbox.
 pub struct Sandbox {
     monitor: Pid,
+    /// A pidfd for the monitor when it is not our child (a zygote forked it).
+    monitor_pidfd: Option<OwnedFd>,
+    /// How the monitor was started (reported in the [`Outcome`]).
+    launch: &'static str,
     init: Option<Pid>,
     chan: Channel,
     stdout: Option<OwnedFd>,
@@ -253,10 +262,16 @@ impl Sandbox {
             nix::sys::socket::SockFlag::SOCK_CLOEXEC | nix::sys::socket::SockFlag::SOCK_NONBLOCK,
         )
         .map_err(|e| SandboxError::io("socketpair", e.into()))?;
-        let monitor = spawn_monitor(launcher, &fds, spec)?;
+        let (monitor, monitor_pidfd) = spawn_monitor(launcher, &fds, spec)?;
         drop(fds);
         let mut sb = Sandbox {
             monitor,
+            monitor_pidfd,
+            launch: match launcher {
+                Launcher::Exec { .. } => "exec",
+                Launcher::Fork => "fork",
+                Launcher::Zygote { .. } => "zygote",
+            },
             init: None,
             chan,
             stdout: Some(out_r),
@@ -272,7 +287,7 @@ impl Sandbox {
             stop_rx,
             stop: StopHandle { wake: std::sync::Arc::new(stop_tx) },
         };
-        sb.handshake(spec, matches!(launcher, Launcher::Exec { .. }), hook)?;
+        sb.handshake(spec, !matches!(launcher, Launcher::Fork), hook)?;
         Ok(sb)
     }
 
@@ -549,6 +564,7 @@ impl Sandbox {
                 pids: false,
                 degraded: vec![],
             }),
+            launch: self.launch,
         })
     }
 
@@ -604,7 +620,12 @@ impl Sandbox {
         if let Some(init) = self.init {
             let _ = kill(init, Signal::SIGKILL);
         }
-        let _ = kill(self.monitor, Signal::SIGKILL);
+        match &self.monitor_pidfd {
+            Some(pidfd) => crate::zygote::pidfd_signal(pidfd, Signal::SIGKILL),
+            None => {
+                let _ = kill(self.monitor, Signal::SIGKILL);
+            }
+        }
         if let Some(cg) = &self.cgroup {
             cg.kill_all();
         }
@@ -617,6 +638,11 @@ impl Sandbox {
             return None;
         }
         self.reaped = true;
+        if let Some(pidfd) = &self.monitor_pidfd {
+            // Not our child: its parent (the zygote) reaps it; wait until it is gone.
+            crate::zygote::pidfd_wait(pidfd);
+            return None;
+        }
         // SAFETY: rusage is plain old data; all-zero is valid.
         let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
         let mut status = 0;
@@ -658,11 +684,18 @@ fn pipe() -> Result<(OwnedFd, OwnedFd), SandboxError> {
 
 /// Start the monitor with stdio and the channel in place: `posix_spawn` with an empty
 /// environment, or `fork` (single-threaded callers).
-fn spawn_monitor(launcher: &Launcher, fds: &[(OwnedFd, RawFd)], spec: &SandboxSpec) -> Result<Pid, SandboxError> {
+fn spawn_monitor(
+    launcher: &Launcher,
+    fds: &[(OwnedFd, RawFd)],
+    spec: &SandboxSpec,
+) -> Result<(Pid, Option<OwnedFd>), SandboxError> {
     use nix::spawn::{posix_spawn, PosixSpawnAttr, PosixSpawnFileActions, PosixSpawnFlags};
     let err = |e: Errno| SandboxError::Spawn { program: launcher.describe(), source: e.into() };
     let (program, args) = match launcher {
         Launcher::Exec { program, args } => (program, args),
+        Launcher::Zygote { zygote, end } => {
+            return zygote.spawn(fds, *end).map(|(pid, pidfd)| (pid, Some(pidfd)));
+        }
         Launcher::Fork => {
             // SAFETY: `Launcher::Fork` is only chosen for single-threaded callers, so the
             // child is a complete copy of the only thread and may run arbitrary code.
@@ -677,7 +710,7 @@ fn spawn_monitor(launcher: &Launcher, fds: &[(OwnedFd, RawFd)], spec: &SandboxSp
                     }
                     crate::init::run_monitor(Some(spec))
                 }
-                nix::unistd::ForkResult::Parent { child } => Ok(child),
+                nix::unistd::ForkResult::Parent { child } => Ok((child, None)),
             };
         }
     };
@@ -690,7 +723,7 @@ fn spawn_monitor(launcher: &Launcher, fds: &[(OwnedFd, RawFd)], spec: &SandboxSp
     attr.set_sigmask(&SigSet::empty()).map_err(err)?;
     attr.set_sigdefault(&SigSet::all()).map_err(err)?;
     let env: [&CStr; 0] = [];
-    posix_spawn(program.as_c_str(), &actions, &attr, args, &env).map_err(err)
+    posix_spawn(program.as_c_str(), &actions, &attr, args, &env).map_err(err).map(|pid| (pid, None))
 }
 
 #[cfg(test)]

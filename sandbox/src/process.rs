@@ -88,3 +88,24 @@ pub fn exec(path: &Path, argv0: &str, args: &[String], env: &[(String, String)])
         },
     }
 }
+
+/// Make `env` the whole process environment (what `execve` with `env` would give a program),
+/// for a payload that continues in-process instead of `execve`.
+pub fn replace_environment(env: &[(String, String)]) -> Result<(), StepError> {
+    let to_c = |s: &str| CString::new(s).map_err(|_| StepError::new(Stage::Exec, "environment entry with NUL"));
+    let entries: Vec<(CString, CString)> =
+        env.iter().map(|(k, v)| Ok((to_c(k)?, to_c(v)?))).collect::<Result<_, StepError>>()?;
+    // SAFETY: the caller is single-threaded (a forked sandbox process), so nothing reads the
+    // environment concurrently; the strings are NUL-terminated and copied by setenv.
+    unsafe {
+        if libc::clearenv() != 0 {
+            return Err(StepError::new(Stage::Exec, "clearenv failed"));
+        }
+        for (k, v) in &entries {
+            if libc::setenv(k.as_ptr(), v.as_ptr(), 1) != 0 {
+                return Err(StepError::errno(Stage::Exec, "setenv", Errno::last()));
+            }
+        }
+    }
+    Ok(())
+}

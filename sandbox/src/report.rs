@@ -167,6 +167,8 @@ pub struct Outcome {
     pub usage: ResourceUsage,
     pub enforcement: EnforcementReport,
     pub cgroup: CgroupReport,
+    /// How the sandbox was started: `"exec"`, `"fork"` or `"zygote"`.
+    pub launch: &'static str,
 }
 
 impl Outcome {

@@ -47,6 +47,25 @@ pub fn require(feature: &str, present: bool) -> bool {
     false
 }
 
+/// `--launch MODE` for `opservant sandbox` and `run`, from `OPSERVANT_TEST_LAUNCH`
+/// (`cold`, the default, or `zygote`): `tests/run` runs the hostile, limit and executor
+/// suites in both modes.
+pub fn launch_mode() -> String {
+    std::env::var("OPSERVANT_TEST_LAUNCH").unwrap_or_else(|_| "cold".into())
+}
+
+pub fn launch_args() -> [String; 2] {
+    ["--launch".into(), launch_mode()]
+}
+
+/// Panic unless a result object says it was started the way the suite asked (a zygote
+/// that silently fell back to the cold path would prove nothing about zygote mode).
+pub fn assert_launch(result: &Value) {
+    if let Some(launch) = result["sandbox"]["launch"].as_str() {
+        assert_eq!(launch, launch_mode(), "started {launch}, expected {}: {result}", launch_mode());
+    }
+}
+
 /// One `opservant sandbox --json` run.
 #[derive(Debug)]
 pub struct Run {
@@ -100,13 +119,16 @@ pub fn try_sandbox(manifest: Option<&Path>, argv: &[&str]) -> Result<Run, (i32, 
     if let Some(m) = manifest {
         cmd.arg("--manifest").arg(m);
     }
-    cmd.arg("--json").arg("--").args(argv);
+    cmd.args(launch_args()).arg("--json").arg("--").args(argv);
     let out = cmd.stdin(Stdio::null()).output().expect("spawn opservant");
     let code = out.status.code().unwrap_or(-1);
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
     let stdout = String::from_utf8_lossy(&out.stdout);
     match serde_json::from_str::<Value>(stdout.trim()) {
-        Ok(json) => Ok(Run { code, json, stderr }),
+        Ok(json) => {
+            assert_launch(&json);
+            Ok(Run { code, json, stderr })
+        }
         Err(_) => Err((code, format!("{stderr}\nstdout: {stdout}"))),
     }
 }

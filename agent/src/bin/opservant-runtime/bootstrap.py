@@ -44,4 +44,24 @@ sys.meta_path.insert(0, _EmbeddedFinder)
 
 import opservant._runtime  # noqa: E402
 
+if _opservant.zygote():
+    # Everything above ran once; each sandbox is a fork of this process that returns from
+    # zygote_serve with every restriction in place. Nothing here may hold a secret or
+    # executor code: only the standard library and the embedded runtime are loaded.
+    gc.freeze()
+    env = _opservant.zygote_serve()
+    if env is None:
+        _opservant.exit(0)
+    import os
+    import signal
+
+    # What a freshly started interpreter has: the run's environment, Ctrl-C as
+    # KeyboardInterrupt, SIGPIPE and SIGXFSZ ignored (errors instead of death).
+    os.environ.clear()
+    os.environ.update(env)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    del env, os, signal
+
 _opservant.exit(opservant._runtime.main())

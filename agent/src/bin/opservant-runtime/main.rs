@@ -44,7 +44,17 @@ fn main() -> ExitCode {
     }
 }
 
+/// Set in zygote mode (`opservant-runtime --zygote`, started by the agent with its control
+/// socket on fd 3): the interpreter and the runtime are initialised once, and every sandbox
+/// is a fork of this process (see `sandbox::zygote`).
+static ZYGOTE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 fn run() -> Result<u8, String> {
+    if std::env::args_os().nth(1).is_some_and(|a| a == "--zygote") {
+        ZYGOTE.store(true, std::sync::atomic::Ordering::Relaxed);
+        start_interpreter()?;
+        return run_bootstrap();
+    }
     // SAFETY: the sandbox passes the application channel as fd 4 and nothing else in this
     // fresh process owns it.
     let chan =
@@ -60,6 +70,10 @@ fn run() -> Result<u8, String> {
     let _ = APP.set(Mutex::new(chan));
     let _ = ARGS.set(args);
     start_interpreter()?;
+    run_bootstrap()
+}
+
+fn run_bootstrap() -> Result<u8, String> {
     Python::attach(|py| {
         let code = CString::new(BOOTSTRAP).map_err(|e| e.to_string())?;
         match py.run(&code, None, None) {
@@ -75,7 +89,7 @@ fn run() -> Result<u8, String> {
 /// Check a Bash script with `bash -n`; on success report ready and `execve` bash on it (the
 /// channel is closed first: the script never holds it). A syntax error is reported as a
 /// validation error and nothing of the script runs.
-fn run_bash(chan: Channel, path: &str) -> Result<u8, String> {
+pub(crate) fn run_bash(chan: Channel, path: &str) -> Result<u8, String> {
     use std::os::unix::process::CommandExt;
     use std::process::{Command, Stdio};
     let check = Command::new(BASH)

@@ -20,6 +20,24 @@ const SCRATCH: &str = sandbox::spec::SCRATCH_DIR;
 
 static ARTIFACT_BYTES: AtomicU64 = AtomicU64::new(0);
 
+extern "C" {
+    /// glibc's `srandom(3)` (not bound by the libc crate).
+    fn srandom(seed: libc::c_uint);
+}
+
+/// Reseed the C library's `random()`/`rand()` state (a zygote's children would otherwise
+/// share it).
+fn reseed_libc_random() {
+    let mut seed = [0u8; 4];
+    // SAFETY: getrandom writes at most `seed.len()` bytes into the buffer we own.
+    unsafe { libc::getrandom(seed.as_mut_ptr().cast(), seed.len(), 0) };
+    // SAFETY: srandom/srand only set the generators' state; glibc exports both.
+    unsafe {
+        srandom(u32::from_ne_bytes(seed));
+        libc::srand(u32::from_ne_bytes(seed).rotate_left(16));
+    }
+}
+
 fn runtime_args() -> PyResult<&'static RuntimeArgs> {
     ARGS.get().ok_or_else(|| PyRuntimeError::new_err("runtime arguments missing"))
 }
@@ -60,6 +78,58 @@ pub mod _opservant {
             d.set_item(name, PyTuple::new(py, [code, pkg.into_pyobject(py)?.to_owned().into_any()])?)?;
         }
         Ok(d)
+    }
+
+    /// Whether this process was started as a zygote.
+    #[pyfunction]
+    fn zygote() -> bool {
+        super::super::ZYGOTE.load(Ordering::Relaxed)
+    }
+
+    /// Zygote mode: serve sandbox requests (`sandbox::zygote::serve`). Returns None in the
+    /// zygote when the agent closes its control socket; in each sandbox's payload process it
+    /// returns the run's environment (already the process environment) once every
+    /// restriction is in place, the interpreter's fork bookkeeping is done (which reseeds
+    /// `random` if imported), the C library's generator is reseeded and the run's arguments
+    /// are read from the application channel.
+    #[pyfunction]
+    fn zygote_serve<'py>(py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        use sandbox::zygote::Served;
+        let handoff = match sandbox::zygote::serve() {
+            Err(e) => return Err(PyRuntimeError::new_err(e.to_string())),
+            Ok(Served::Shutdown) => return Ok(None),
+            Ok(Served::Payload(h)) => h,
+        };
+        // SAFETY: called with the GIL held, in the single-threaded child of a fork, as the
+        // C API requires.
+        unsafe { pyo3::ffi::PyOS_AfterFork_Child() };
+        super::reseed_libc_random();
+        let chan = handoff.app.ok_or_else(|| PyRuntimeError::new_err("no application channel"))?;
+        let bytes = chan
+            .recv_bytes(app::MAX_MESSAGE)
+            .map_err(PyOSError::new_err)?
+            .ok_or_else(|| PyRuntimeError::new_err("the agent closed the channel before sending arguments"))?;
+        let args: RuntimeArgs =
+            serde_json::from_slice(&bytes).map_err(|e| PyValueError::new_err(format!("malformed arguments: {e}")))?;
+        if let RuntimeArgs::Script { language, path } = &args {
+            if language == "bash" {
+                let code = match super::super::run_bash(chan, &path.clone()) {
+                    Ok(code) => code as i32,
+                    Err(e) => {
+                        eprintln!("opservant-runtime: {e}");
+                        70
+                    }
+                };
+                std::process::exit(code)
+            }
+        }
+        let _ = APP.set(std::sync::Mutex::new(chan));
+        let _ = ARGS.set(args);
+        let env = PyDict::new(py);
+        for (k, v) in &handoff.env {
+            env.set_item(k, v)?;
+        }
+        Ok(Some(env))
     }
 
     /// The interpreter is up and the runtime imported; executor code comes next.

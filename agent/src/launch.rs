@@ -1,0 +1,73 @@
+//! How the agent starts sandboxes: cold (a fresh `execve` of the sandbox init, then of the
+//! runtime) or through a zygote (`opservant-runtime --zygote`: CPython initialised and the
+//! runtime imported once; each sandbox is a fork of it that runs the same isolation steps —
+//! see `sandbox::zygote`).
+//!
+//! Guarantees: a zygote failure never fails a run — the run falls back to the cold path
+//! (audited as `zygote_fallback`) and the next run starts a new zygote; the zygote holds no
+//! secrets and no executor code (it is started with an empty environment and only the
+//! standard library and the embedded runtime loaded).
+
+use std::ffi::CString;
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+use std::sync::Arc;
+
+use sandbox::zygote::Zygote;
+use sandbox::{Launcher, PayloadEnd};
+
+/// The hidden sub-command that makes this binary a sandbox init.
+pub const SANDBOX_INIT: &str = "__sandbox-init";
+
+/// `--launch` of the CLI.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum LaunchMode {
+    /// A fresh process per sandbox (the default for one-shot commands).
+    #[default]
+    Cold,
+    /// Fork a pre-initialised runtime (what the agent daemon uses).
+    Zygote,
+}
+
+/// A zygote running `runtime --zygote` (started on first use).
+pub fn zygote(runtime: &Path) -> Arc<Zygote> {
+    // A path from `runtime_binary` never contains NUL; an empty program fails to start and
+    // every run then falls back to the cold path.
+    let program = CString::new(runtime.as_os_str().as_bytes()).unwrap_or_default();
+    let flag = CString::from(c"--zygote");
+    Arc::new(Zygote::new(program, vec![flag]))
+}
+
+/// The launcher for an executor (or Python script) run through `zygote`: the payload
+/// continues in the zygote's interpreter.
+pub fn for_runtime(zygote: &Arc<Zygote>) -> Launcher {
+    Launcher::Zygote { zygote: zygote.clone(), end: PayloadEnd::Return }
+}
+
+/// The launcher for a plain program through `zygote` (the monitor is forked from the
+/// zygote; the payload `execve`s the program).
+pub fn for_program(zygote: &Arc<Zygote>) -> Launcher {
+    Launcher::Zygote { zygote: zygote.clone(), end: PayloadEnd::Exec }
+}
+
+/// The cold launcher for a caller that may be multi-threaded.
+pub fn cold() -> Launcher {
+    Launcher::reexec(SANDBOX_INIT)
+}
+
+/// Start a sandbox with `launcher`; if a zygote could not start it (nothing of the sandbox
+/// ran), audit that and start it cold instead.
+pub fn spawn_with_fallback(
+    spec: &sandbox::SandboxSpec,
+    launcher: &Launcher,
+    mut hook: Option<sandbox::NamespaceHook>,
+) -> Result<sandbox::Sandbox, sandbox::SandboxError> {
+    match sandbox::Sandbox::spawn(spec, launcher, hook.as_mut().map(|h| &mut **h as sandbox::NamespaceHook)) {
+        Err(sandbox::SandboxError::Zygote(e)) => {
+            tracing::warn!(error = %e, "zygote unavailable; starting the sandbox cold");
+            crate::audit::record("zygote_fallback", &[("error", &e)]);
+            sandbox::Sandbox::spawn(spec, &cold(), hook)
+        }
+        other => other,
+    }
+}

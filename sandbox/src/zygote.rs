@@ -1,0 +1,433 @@
+//! A zygote: a long-lived, single-threaded process that starts sandboxes by `fork`ing
+//! itself, so whatever it initialised once (an interpreter, imported modules) is already
+//! there in every sandbox, without an `execve` or a start-up per run.
+//!
+//! The zygote runs exactly the isolation steps of [`crate::init`] in each forked child —
+//! the same code as the cold path, not a second implementation — and the parent drives the
+//! sandbox exactly as in the cold path (spec, cgroups, id maps, namespace hook, output,
+//! timeout) over the same channel. The only differences:
+//!
+//! - the monitor is the zygote's child, not the parent's: the zygote hands the parent a
+//!   pidfd for it (opened before the zygote can reap it, so it names that process and no
+//!   other), and the parent signals and waits through the pidfd;
+//! - with [`PayloadEnd::Return`] the payload process returns into the zygote's code (its
+//!   interpreter) instead of `execve`, after every restriction is in place.
+//!
+//! Guarantees: the zygote receives nothing but descriptors and a mode byte — no spec, no
+//! secrets, no executor code; the forked child reads its spec from the channel like a cold
+//! monitor. A child starts with default signal dispositions, an empty signal mask and only
+//! stdio, the channel and (optionally) the application channel open. The zygote dies with
+//! the process that started it (`PR_SET_PDEATHSIG`) and exits when its control socket
+//! closes. A request the zygote cannot serve is an error ([`SandboxError::Zygote`]) before
+//! anything of the sandbox ran, so the caller may fall back to the cold path.
+//!
+//! Known limits of any fork-based zygote (documented for operators): every child shares the
+//! zygote's address-space layout (ASLR), stack-protector canary and the interpreter's
+//! string-hash secret; the caller reseeds the user-space random generators it knows of.
+
+use std::ffi::CString;
+use std::io::{IoSlice, IoSliceMut};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::Mutex;
+
+use nix::errno::Errno;
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+use nix::sys::signal::{SigSet, Signal};
+use nix::sys::signalfd::SignalFd;
+use nix::sys::socket::{recvmsg, sendmsg, ControlMessage, ControlMessageOwned, MsgFlags};
+use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
+use nix::unistd::{ForkResult, Pid};
+
+use crate::channel::CHILD_FD;
+use crate::error::SandboxError;
+use crate::init::{Handoff, PayloadEnd};
+
+/// The zygote's control socket, as the zygote program finds it.
+pub const CONTROL_FD: RawFd = 3;
+
+/// Descriptors of one request: stdin, stdout, stderr, the channel and, optionally, the
+/// application channel — placed at 0, 1, 2, 3, 4 in the child.
+const MIN_FDS: usize = CHILD_FD as usize + 1;
+const MAX_FDS: usize = MIN_FDS + 1;
+
+const MODE_EXEC: u8 = b'e';
+const MODE_RETURN: u8 = b'r';
+
+/// How [`serve`] ended in this process.
+pub enum Served {
+    /// The zygote's control socket closed: the zygote should exit.
+    Shutdown,
+    /// This process is a sandbox's payload, every restriction in place
+    /// ([`PayloadEnd::Return`] requests only).
+    Payload(Handoff),
+}
+
+fn zerr(msg: impl Into<String>) -> SandboxError {
+    SandboxError::Zygote(msg.into())
+}
+
+/// The zygote's loop, on the control socket at [`CONTROL_FD`]. Call from a single-threaded
+/// process. Returns in the zygote when its control socket closes, and in every payload
+/// process started with [`PayloadEnd::Return`]; other processes of a sandbox exit inside.
+pub fn serve() -> Result<Served, SandboxError> {
+    // SAFETY: the zygote's parent placed the control socket at CONTROL_FD; nothing else in
+    // this process owns it.
+    let control = unsafe { OwnedFd::from_raw_fd(CONTROL_FD) };
+    nix::fcntl::fcntl(&control, nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC))
+        .map_err(|e| zerr(format!("control socket on fd {CONTROL_FD}: {}", e.desc())))?;
+    // SAFETY: PR_SET_PDEATHSIG takes an integer signal number.
+    unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) };
+    let mut mask = SigSet::empty();
+    mask.add(Signal::SIGCHLD);
+    mask.thread_block().map_err(|e| zerr(format!("block SIGCHLD: {}", e.desc())))?;
+    let sfd = SignalFd::new(&mask).map_err(|e| zerr(format!("signalfd: {}", e.desc())))?;
+    loop {
+        let mut fds = [PollFd::new(control.as_fd(), PollFlags::POLLIN), PollFd::new(sfd.as_fd(), PollFlags::POLLIN)];
+        match poll(&mut fds, PollTimeout::NONE) {
+            Err(Errno::EINTR) => continue,
+            Err(e) => return Err(zerr(format!("poll: {}", e.desc()))),
+            Ok(_) => {}
+        }
+        let (request, children) = (fds[0].any().unwrap_or(true), fds[1].any().unwrap_or(false));
+        if children {
+            let _ = sfd.read_signal();
+            reap_children();
+        }
+        if !request {
+            continue;
+        }
+        let (mode, received) = match receive(&control)? {
+            None => return Ok(Served::Shutdown),
+            Some(r) => r,
+        };
+        let end = match (mode, received.len()) {
+            (MODE_EXEC, MIN_FDS..=MAX_FDS) => PayloadEnd::Exec,
+            (MODE_RETURN, MIN_FDS..=MAX_FDS) => PayloadEnd::Return,
+            _ => {
+                reply_error(&control, "malformed request");
+                continue;
+            }
+        };
+        // SAFETY: this process is single-threaded (the caller's contract), so the child is a
+        // complete copy of the only thread.
+        match unsafe { nix::unistd::fork() } {
+            Err(e) => reply_error(&control, &format!("fork: {}", e.desc())),
+            Ok(ForkResult::Child) => {
+                drop(control);
+                drop(sfd);
+                return Ok(Served::Payload(become_monitor(received, end)));
+            }
+            Ok(ForkResult::Parent { child }) => {
+                drop(received);
+                // The child cannot have been reaped yet (only this loop reaps), so the pidfd
+                // names it.
+                match pidfd_open(child) {
+                    Ok(pidfd) => reply_started(&control, child, &pidfd),
+                    Err(e) => {
+                        let _ = nix::sys::signal::kill(child, Signal::SIGKILL);
+                        reply_error(&control, &format!("pidfd_open: {}", e.desc()));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// In the forked child: put the received descriptors in place, restore a fresh process's
+/// signal state, and run the monitor (see [`crate::init`]).
+fn become_monitor(received: Vec<OwnedFd>, end: PayloadEnd) -> Handoff {
+    crate::process::reset_signals();
+    // Move the received descriptors above the target range, then dup2 each onto its slot
+    // (dup2 clears close-on-exec on the copy).
+    let high: Vec<OwnedFd> = received
+        .into_iter()
+        .filter_map(|fd| {
+            nix::fcntl::fcntl(&fd, nix::fcntl::FcntlArg::F_DUPFD_CLOEXEC(10))
+                .ok()
+                // SAFETY: F_DUPFD_CLOEXEC returned a new descriptor we now own.
+                .map(|raw| unsafe { OwnedFd::from_raw_fd(raw) })
+        })
+        .collect();
+    if high.len() < MIN_FDS {
+        // SAFETY: _exit is always sound; the parent sees the channel close.
+        unsafe { libc::_exit(125) };
+    }
+    for (target, fd) in high.iter().enumerate() {
+        // SAFETY: dup2 onto the stdio/channel numbers; the source is open and above them.
+        if unsafe { libc::dup2(fd.as_raw_fd(), target as RawFd) } < 0 {
+            // SAFETY: as above.
+            unsafe { libc::_exit(125) };
+        }
+    }
+    drop(high);
+    match end {
+        PayloadEnd::Exec => crate::init::run_monitor(None),
+        PayloadEnd::Return => crate::init::run_monitor_returning(),
+    }
+}
+
+fn reap_children() {
+    loop {
+        match waitpid(Pid::from_raw(-1), Some(WaitPidFlag::WNOHANG)) {
+            Ok(WaitStatus::StillAlive) | Err(Errno::ECHILD) => break,
+            Err(Errno::EINTR) | Ok(_) => continue,
+            Err(_) => break,
+        }
+    }
+}
+
+/// One request: the mode byte and the descriptors; `None` when the socket closed.
+fn receive(control: &OwnedFd) -> Result<Option<(u8, Vec<OwnedFd>)>, SandboxError> {
+    let mut byte = [0u8; 16];
+    let mut cmsg = nix::cmsg_space!([RawFd; MAX_FDS]);
+    loop {
+        let mut iov = [IoSliceMut::new(&mut byte)];
+        match recvmsg::<()>(control.as_raw_fd(), &mut iov, Some(&mut cmsg), MsgFlags::MSG_CMSG_CLOEXEC) {
+            Err(Errno::EINTR | Errno::EAGAIN) => continue,
+            Err(e) => return Err(zerr(format!("receive: {}", e.desc()))),
+            Ok(msg) => {
+                let mut fds = Vec::new();
+                for c in msg.cmsgs().map_err(|e| zerr(format!("control message: {}", e.desc())))? {
+                    if let ControlMessageOwned::ScmRights(raw) = c {
+                        // SAFETY: SCM_RIGHTS installed these descriptors in this process
+                        // for us alone.
+                        fds.extend(raw.into_iter().map(|r| unsafe { OwnedFd::from_raw_fd(r) }));
+                    }
+                }
+                let truncated = msg.flags.intersects(MsgFlags::MSG_CTRUNC | MsgFlags::MSG_TRUNC);
+                if msg.bytes == 0 && fds.is_empty() {
+                    return Ok(None);
+                }
+                let mode = if truncated || msg.bytes != 1 { 0 } else { byte[0] };
+                return Ok(Some((mode, fds)));
+            }
+        }
+    }
+}
+
+fn reply_started(control: &OwnedFd, pid: Pid, pidfd: &OwnedFd) {
+    let body = pid.as_raw().to_le_bytes();
+    let fds = [pidfd.as_raw_fd()];
+    let _ = sendmsg::<()>(
+        control.as_raw_fd(),
+        &[IoSlice::new(&body)],
+        &[ControlMessage::ScmRights(&fds)],
+        MsgFlags::MSG_NOSIGNAL,
+        None,
+    );
+}
+
+fn reply_error(control: &OwnedFd, message: &str) {
+    let mut body = vec![b'!'];
+    body.extend_from_slice(message.as_bytes());
+    let _ = sendmsg::<()>(control.as_raw_fd(), &[IoSlice::new(&body)], &[], MsgFlags::MSG_NOSIGNAL, None);
+}
+
+pub(crate) fn pidfd_open(pid: Pid) -> Result<OwnedFd, Errno> {
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+    let rc = unsafe { libc::syscall(libc::SYS_pidfd_open, pid.as_raw(), 0 as libc::c_uint) };
+    if rc < 0 {
+        return Err(Errno::last());
+    }
+    // SAFETY: a new close-on-exec descriptor (pidfds always are) that we own.
+    Ok(unsafe { OwnedFd::from_raw_fd(rc as RawFd) })
+}
+
+pub(crate) fn pidfd_signal(pidfd: &OwnedFd, sig: Signal) {
+    // SAFETY: pidfd_send_signal with no siginfo and no flags.
+    unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            pidfd.as_raw_fd(),
+            sig as libc::c_int,
+            std::ptr::null::<libc::siginfo_t>(),
+            0 as libc::c_uint,
+        )
+    };
+}
+
+/// Block until the process behind `pidfd` has exited.
+pub(crate) fn pidfd_wait(pidfd: &OwnedFd) {
+    loop {
+        let mut fds = [PollFd::new(pidfd.as_fd(), PollFlags::POLLIN)];
+        match poll(&mut fds, PollTimeout::NONE) {
+            Err(Errno::EINTR) => continue,
+            _ => return,
+        }
+    }
+}
+
+/// The parent's handle on a zygote: starts it on first use, sends it requests, restarts it
+/// after it died. Safe to share between threads (requests are serialised).
+pub struct Zygote {
+    program: CString,
+    args: Vec<CString>,
+    running: Mutex<Option<Running>>,
+}
+
+struct Running {
+    control: OwnedFd,
+    pid: Pid,
+}
+
+impl std::fmt::Debug for Zygote {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Zygote").field("program", &self.program).finish_non_exhaustive()
+    }
+}
+
+impl Zygote {
+    /// A zygote that runs `program args…` (which must call [`serve`] with the control socket
+    /// at [`CONTROL_FD`]). Nothing starts until [`Zygote::start`] or the first sandbox.
+    pub fn new(program: CString, args: Vec<CString>) -> Zygote {
+        Zygote { program, args, running: Mutex::new(None) }
+    }
+
+    /// Start the zygote now, if it is not running.
+    pub fn start(&self) -> Result<(), SandboxError> {
+        let mut running = self.running.lock().unwrap_or_else(|e| e.into_inner());
+        if running.is_none() {
+            *running = Some(self.launch()?);
+        }
+        Ok(())
+    }
+
+    /// The zygote's pid while it runs.
+    pub fn pid(&self) -> Option<i32> {
+        self.running.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(|r| r.pid.as_raw())
+    }
+
+    fn launch(&self) -> Result<Running, SandboxError> {
+        use nix::spawn::{posix_spawn, PosixSpawnAttr, PosixSpawnFileActions, PosixSpawnFlags};
+        use nix::sys::socket::{socketpair, AddressFamily, SockFlag, SockType};
+        let (control, child) = socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)
+            .map_err(|e| zerr(format!("socketpair: {}", e.desc())))?;
+        let err = |e: Errno| zerr(format!("cannot start {}: {}", self.program.to_string_lossy(), e.desc()));
+        let null = nix::fcntl::open(
+            "/dev/null",
+            nix::fcntl::OFlag::O_RDWR | nix::fcntl::OFlag::O_CLOEXEC,
+            nix::sys::stat::Mode::empty(),
+        )
+        .map_err(err)?;
+        let mut actions = PosixSpawnFileActions::init().map_err(err)?;
+        for target in 0..=2 {
+            actions.add_dup2(null.as_raw_fd(), target).map_err(err)?;
+        }
+        actions.add_dup2(child.as_raw_fd(), CONTROL_FD).map_err(err)?;
+        let mut attr = PosixSpawnAttr::init().map_err(err)?;
+        attr.set_flags(PosixSpawnFlags::POSIX_SPAWN_SETSIGMASK | PosixSpawnFlags::POSIX_SPAWN_SETSIGDEF)
+            .map_err(err)?;
+        attr.set_sigmask(&SigSet::empty()).map_err(err)?;
+        attr.set_sigdefault(&SigSet::all()).map_err(err)?;
+        let mut argv = vec![self.program.clone()];
+        argv.extend(self.args.iter().cloned());
+        let env: [&std::ffi::CStr; 0] = [];
+        let pid = posix_spawn(self.program.as_c_str(), &actions, &attr, &argv, &env).map_err(err)?;
+        tracing::debug!(pid = pid.as_raw(), program = %self.program.to_string_lossy(), "zygote started");
+        Ok(Running { control, pid })
+    }
+
+    /// Ask the zygote for a sandbox monitor with `fds` at 0, 1, 2, 3 (and 4). Returns the
+    /// monitor's pid and a pidfd for it. On any failure the zygote is stopped (the next
+    /// request starts a new one) and [`SandboxError::Zygote`] says why.
+    pub(crate) fn spawn(&self, fds: &[(OwnedFd, RawFd)], end: PayloadEnd) -> Result<(Pid, OwnedFd), SandboxError> {
+        let mut guard = self.running.lock().unwrap_or_else(|e| e.into_inner());
+        if guard.is_none() {
+            *guard = Some(self.launch()?);
+        }
+        let running = guard.as_ref().ok_or_else(|| zerr("not running"))?;
+        match request(&running.control, fds, end) {
+            Ok(r) => Ok(r),
+            Err(Failure::Refused(m)) => Err(zerr(m)),
+            Err(Failure::Transport(m)) => {
+                if let Some(r) = guard.take() {
+                    r.stop();
+                }
+                Err(zerr(m))
+            }
+        }
+    }
+}
+
+enum Failure {
+    /// The zygote answered with an error (it still runs).
+    Refused(String),
+    /// The zygote is gone or the exchange broke.
+    Transport(String),
+}
+
+fn request(control: &OwnedFd, fds: &[(OwnedFd, RawFd)], end: PayloadEnd) -> Result<(Pid, OwnedFd), Failure> {
+    let mut ordered: Vec<&(OwnedFd, RawFd)> = fds.iter().collect();
+    ordered.sort_by_key(|(_, t)| *t);
+    if ordered.iter().enumerate().any(|(i, (_, t))| *t != i as RawFd) || !(MIN_FDS..=MAX_FDS).contains(&ordered.len()) {
+        return Err(Failure::Refused("descriptors must be exactly 0..=3 or 0..=4".into()));
+    }
+    let raw: Vec<RawFd> = ordered.iter().map(|(fd, _)| fd.as_raw_fd()).collect();
+    let mode = [if end == PayloadEnd::Exec { MODE_EXEC } else { MODE_RETURN }];
+    loop {
+        match sendmsg::<()>(
+            control.as_raw_fd(),
+            &[IoSlice::new(&mode)],
+            &[ControlMessage::ScmRights(&raw)],
+            MsgFlags::MSG_NOSIGNAL,
+            None,
+        ) {
+            Err(Errno::EINTR) => continue,
+            Err(e) => return Err(Failure::Transport(format!("send request: {}", e.desc()))),
+            Ok(_) => break,
+        }
+    }
+    let mut body = [0u8; 512];
+    let mut cmsg = nix::cmsg_space!([RawFd; 1]);
+    loop {
+        let mut iov = [IoSliceMut::new(&mut body)];
+        match recvmsg::<()>(control.as_raw_fd(), &mut iov, Some(&mut cmsg), MsgFlags::MSG_CMSG_CLOEXEC) {
+            Err(Errno::EINTR) => continue,
+            Err(e) => return Err(Failure::Transport(format!("receive reply: {}", e.desc()))),
+            Ok(msg) => {
+                let mut pidfd = None;
+                if let Ok(cmsgs) = msg.cmsgs() {
+                    for c in cmsgs {
+                        if let ControlMessageOwned::ScmRights(raw) = c {
+                            for r in raw {
+                                // SAFETY: SCM_RIGHTS installed this descriptor for us alone.
+                                let fd = unsafe { OwnedFd::from_raw_fd(r) };
+                                pidfd.get_or_insert(fd);
+                            }
+                        }
+                    }
+                }
+                let n = msg.bytes;
+                let data = &body[..n];
+                return match (data.first(), pidfd) {
+                    (None, _) => Err(Failure::Transport("the zygote exited".into())),
+                    (Some(b'!'), _) => Err(Failure::Refused(String::from_utf8_lossy(&data[1..]).into_owned())),
+                    (Some(_), Some(fd)) if n == 4 => {
+                        let pid = i32::from_le_bytes([data[0], data[1], data[2], data[3]]);
+                        Ok((Pid::from_raw(pid), fd))
+                    }
+                    _ => Err(Failure::Transport("malformed reply".into())),
+                };
+            }
+        }
+    }
+}
+
+impl Running {
+    /// Close the control socket (the zygote exits), SIGKILL as a backstop, reap it.
+    fn stop(self) {
+        let Running { control, pid } = self;
+        drop(control);
+        let _ = nix::sys::signal::kill(pid, Signal::SIGKILL);
+        let _ = waitpid(pid, None);
+    }
+}
+
+impl Drop for Zygote {
+    fn drop(&mut self) {
+        let running = self.running.get_mut().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(r) = running {
+            r.stop();
+        }
+    }
+}
