@@ -221,9 +221,14 @@ pub fn find_python(requested: Option<&Path>, identity: sandbox::Identity) -> Res
         }
         Some(name) => on_path(name).into_iter().take(1).collect(),
         None => {
+            // The same interpreter twice (e.g. /usr/bin and /bin on merged-/usr hosts) is
+            // probed once.
             let mut v: Vec<PathBuf> = Vec::new();
+            let mut seen: Vec<PathBuf> = Vec::new();
             for p in on_path(Path::new("python3")) {
-                if !v.contains(&p) {
+                let real = p.canonicalize().unwrap_or_else(|_| p.clone());
+                if !seen.contains(&real) {
+                    seen.push(real);
                     v.push(p);
                 }
             }
