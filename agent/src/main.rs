@@ -437,7 +437,10 @@ fn executor_dir(dir: PathBuf, config: &agent::config::Config) -> Result<PathBuf,
     }
     let name = dir.to_string_lossy();
     agent::executor_install::resolve(&config.executors.root(), &name).ok_or_else(|| {
-        CannotRun(format!("{name}: not a directory, nor an executor installed in {}", config.executors.root().display()))
+        CannotRun(format!(
+            "{name}: not a directory, nor an executor installed in {}",
+            config.executors.root().display()
+        ))
     })
 }
 

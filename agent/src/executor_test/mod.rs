@@ -254,6 +254,9 @@ pub fn find_python(requested: Option<&Path>, identity: sandbox::Identity) -> Res
     }))
 }
 
+/// Receives the session's output as it arrives (stream, bytes).
+pub type Tee<'a> = &'a mut dyn FnMut(sandbox::Stream, &[u8]);
+
 /// A request to test an executor.
 pub struct TestRequest<'a> {
     pub executor: &'a Executor,
@@ -366,7 +369,7 @@ fn interpreter_rules(py: &PythonInfo, masked: &[PathBuf]) -> Vec<sandbox::PathRu
 }
 
 /// Run the executor's tests. `Err` means they could not run at all (exit status 2).
-pub fn run(req: TestRequest, tee: Option<&mut dyn FnMut(sandbox::Stream, &[u8])>) -> Result<TestResult, CannotRun> {
+pub fn run(req: TestRequest, tee: Option<Tee>) -> Result<TestResult, CannotRun> {
     let ex = req.executor;
     let tests = tests_dir(ex)?;
     // The session's manifest: the executor's filesystem permissions, no network, test limits.
@@ -404,7 +407,11 @@ pub fn run(req: TestRequest, tee: Option<&mut dyn FnMut(sandbox::Stream, &[u8])>
         optional: false,
     });
     if let Some(d) = &ex.deps {
-        spec.filesystem.paths.push(sandbox::PathRule { path: d.clone(), access: sandbox::Access::Read, optional: false });
+        spec.filesystem.paths.push(sandbox::PathRule {
+            path: d.clone(),
+            access: sandbox::Access::Read,
+            optional: false,
+        });
     }
     for (rel, content) in FILES {
         spec.filesystem
@@ -572,7 +579,8 @@ mod tests {
     #[test]
     fn protected_paths_stay_hidden() {
         let masked = vec![PathBuf::from("/etc/opservant"), PathBuf::from("/etc/shadow")];
-        let rules = interpreter_rules(&info(&["/", "/etc", "/etc/opservant/py", "/proc/x", "/usr/lib/python3.11"]), &masked);
+        let rules =
+            interpreter_rules(&info(&["/", "/etc", "/etc/opservant/py", "/proc/x", "/usr/lib/python3.11"]), &masked);
         let paths: Vec<&Path> = rules.iter().map(|r| r.path.as_path()).collect();
         assert!(paths.contains(&Path::new("/usr/lib/python3.11")), "{paths:?}");
         assert!(paths.contains(&Path::new("/usr/bin/python3")), "{paths:?}");
