@@ -11,6 +11,7 @@ pub mod doctor;
 pub mod egress;
 pub mod executor_install;
 pub mod executor_run;
+pub mod executor_test;
 pub mod launch;
 pub mod limits;
 pub mod lint;

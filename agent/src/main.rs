@@ -196,6 +196,30 @@ enum ExecutorCommand {
         #[arg(long)]
         config: Option<PathBuf>,
     },
+    /// Run an executor package's own tests (tests/, pytest with ExecutorTestHarness) inside
+    /// the sandbox: no network, the package read-only, a scratch /tmp, the executor user.
+    /// pytest's output goes to stderr; stdout gets one result JSON line with the counts.
+    /// Harness runs with sandboxed=True are skipped (no sandbox can be built inside one).
+    /// Exit 0 when every test passed (or was skipped), 1 when some failed or the session did
+    /// not complete, 2 when the tests could not run (bad manifest, no tests/, no pytest).
+    Test {
+        /// The executor directory, or the name of an installed executor.
+        executor: PathBuf,
+        /// The Python interpreter whose pytest runs the tests (default: the first python3 on
+        /// PATH that can import pytest). Its standard library and site-packages are shown
+        /// read-only in the sandbox; it must be readable by the executor user.
+        #[arg(long, value_name = "PATH")]
+        python: Option<PathBuf>,
+        /// Wall-clock limit of the whole session in seconds (default 600, at most the
+        /// agent's ceiling).
+        #[arg(long)]
+        timeout: Option<u64>,
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// More pytest arguments, e.g. -- -k scan -x
+        #[arg(last = true, value_name = "PYTEST_ARGS")]
+        pytest_args: Vec<String>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -314,6 +338,9 @@ fn main() -> ExitCode {
         ),
         Command::Executor { command: ExecutorCommand::List { json, config } } => executor_list(json, config),
         Command::Executor { command: ExecutorCommand::Remove { name, config } } => executor_remove(&name, config),
+        Command::Executor { command: ExecutorCommand::Test { executor, python, timeout, config, pytest_args } } => {
+            executor_test(executor, python, timeout, config, pytest_args)
+        }
         Command::Audit { command } => agent::audit::cli::main(command).map_err(|e| CannotRun(e.to_string())),
         Command::Doctor { json } => doctor(json),
         Command::Secrets { command } => {
@@ -399,18 +426,7 @@ fn run_executor(
     let config = agent::config::Config::load(config.as_deref())?;
     let policy = AgentPolicy::from_config(&config)?;
     let params = read_params(&params)?;
-    // A directory, or the name of an installed executor.
-    let dir = if dir.exists() {
-        dir
-    } else {
-        let name = dir.to_string_lossy();
-        agent::executor_install::resolve(&config.executors.root(), &name).ok_or_else(|| {
-            CannotRun(format!(
-                "{name}: not a directory, nor an executor installed in {}",
-                config.executors.root().display()
-            ))
-        })?
-    };
+    let dir = executor_dir(dir, &config)?;
     let executor = agent::executor_run::Executor::load(&dir).map_err(|e| CannotRun(e.0))?;
     for w in &executor.warnings {
         tracing::warn!(executor = %executor.manifest.name, "{w}");
@@ -433,6 +449,67 @@ fn run_executor(
         },
         runtime,
     })
+    .map_err(|e| CannotRun(e.0))?;
+    println!("{}", serde_json::to_string(&result)?);
+    Ok(if result.status == Status::Completed { ExitCode::SUCCESS } else { ExitCode::from(1) })
+}
+
+/// A directory, or the name of an installed executor.
+fn executor_dir(dir: PathBuf, config: &agent::config::Config) -> Result<PathBuf, CannotRun> {
+    if dir.exists() {
+        return Ok(dir);
+    }
+    let name = dir.to_string_lossy();
+    agent::executor_install::resolve(&config.executors.root(), &name).ok_or_else(|| {
+        CannotRun(format!(
+            "{name}: not a directory, nor an executor installed in {}",
+            config.executors.root().display()
+        ))
+    })
+}
+
+fn executor_test(
+    dir: PathBuf,
+    python: Option<PathBuf>,
+    timeout: Option<u64>,
+    config: Option<PathBuf>,
+    pytest_args: Vec<String>,
+) -> Result<ExitCode, CannotRun> {
+    let config = agent::config::Config::load(config.as_deref())?;
+    let policy = AgentPolicy::from_config(&config)?;
+    let dir = executor_dir(dir, &config)?;
+    let executor = agent::executor_run::Executor::load(&dir).map_err(|e| CannotRun(e.0))?;
+    for w in &executor.warnings {
+        tracing::warn!(executor = %executor.manifest.name, "{w}");
+    }
+    // Before looking for pytest: a package without tests is bad input whatever the host has.
+    agent::executor_test::tests_dir(&executor).map_err(|e| CannotRun(e.0))?;
+    let python = agent::executor_test::find_python(python.as_deref(), policy.identity).map_err(|e| CannotRun(e.0))?;
+    let (major, minor, _) = agent::executor_run::embedded_python();
+    if !python.version.starts_with(&format!("{major}.{minor}.")) {
+        tracing::warn!(
+            "the tests run under Python {} ({}), executors under the embedded Python {major}.{minor}",
+            python.version,
+            python.executable.display()
+        );
+    }
+    agent::audit::init(&config)?;
+    let stderr = std::io::stderr();
+    // pytest's stdout and stderr both go to stderr: stdout carries only the result line.
+    let mut tee = |_: sandbox::Stream, data: &[u8]| {
+        let _ = stderr.lock().write_all(data);
+    };
+    let result = agent::executor_test::run(
+        agent::executor_test::TestRequest {
+            executor: &executor,
+            python: &python,
+            timeout_s: timeout,
+            pytest_args,
+            policy: &policy,
+            launcher: sandbox::Launcher::fork_or_reexec(SANDBOX_INIT),
+        },
+        Some(&mut tee),
+    )
     .map_err(|e| CannotRun(e.0))?;
     println!("{}", serde_json::to_string(&result)?);
     Ok(if result.status == Status::Completed { ExitCode::SUCCESS } else { ExitCode::from(1) })

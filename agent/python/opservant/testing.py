@@ -141,7 +141,9 @@ class ExecutorTestHarness:
         from ``$OPSERVANT_BIN`` or ``opservant`` on PATH) with the real sandbox, limits and
         context; ``mock_context`` is ignored; ``timeout`` (seconds) bounds the whole command
         (``subprocess.TimeoutExpired``).  Raises RuntimeError when the binary is missing or
-        could not run the executor (exit status 2).
+        could not run the executor (exit status 2).  With ``OPSERVANT_SANDBOXED_SKIP`` set (as
+        ``opservant executor test`` does: its tests already run in a sandbox) the calling test
+        is skipped with that reason (``pytest.skip``).
         """
         if sandboxed:
             return self._run_sandboxed(params, action, timeout)
@@ -203,6 +205,13 @@ class ExecutorTestHarness:
         import shutil
         import subprocess
 
+        # Under `opservant executor test` the tests already run inside a sandbox, which
+        # cannot build another one: the test is skipped, with the reason the agent gives.
+        skip_reason = os.environ.get("OPSERVANT_SANDBOXED_SKIP")
+        if skip_reason:
+            import pytest
+
+            pytest.skip(skip_reason)
         binary = os.environ.get("OPSERVANT_BIN") or shutil.which("opservant")
         if not binary:
             raise RuntimeError(
