@@ -411,3 +411,41 @@ fn sha256_file(p: &Path) -> std::io::Result<String> {
     }
     Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ed25519_dalek::SigningKey;
+
+    #[test]
+    fn verify_command_gives_a_reason_for_every_rejection() {
+        let key = SigningKey::from_bytes(&[7u8; 32]);
+        let now = signing::parse_rfc3339("2026-04-28T12:00:00Z").unwrap();
+        let signed = |text: &str| {
+            let mut cmd = signing::parse_command(text.as_bytes()).unwrap();
+            signing::sign(&mut cmd, &key, now).unwrap();
+            serde_json::to_vec(&Value::Object(cmd)).unwrap()
+        };
+        let vk = key.verifying_key();
+        let reason = |bytes: &[u8]| match verify_command(bytes, &vk, now) {
+            Verification::Unreadable(r) => Err(r.reason),
+            Verification::Checked { outcome, .. } => outcome.map_err(|r| r.reason),
+        };
+        assert_eq!(reason(&signed(r#"{"command_id":"c1","action":"ping"}"#)), Ok("c1".to_string()));
+        assert_eq!(reason(&vec![b' '; signing::MAX_COMMAND_BYTES + 1]), Err(Reason::TooLarge));
+        assert_eq!(reason(b"{\"a\":1,\"a\":2}"), Err(Reason::Malformed));
+        assert_eq!(reason(br#"{"command_id":"c1"}"#), Err(Reason::Unsigned));
+        let mut tampered = signed(r#"{"command_id":"c1","action":"ping"}"#);
+        let at = tampered.iter().position(|b| *b == b'p').unwrap();
+        tampered[at] = b'q';
+        assert_eq!(reason(&tampered), Err(Reason::BadSignature));
+        assert_eq!(
+            reason(&signed(r#"{"command_id":"c1","timestamp":"2026-04-28T11:00:00Z"}"#)),
+            Err(Reason::ClockSkew)
+        );
+        assert_eq!(reason(&signed(r#"{"action":"ping"}"#)), Err(Reason::Malformed));
+        assert_eq!(reason(&signed(&format!(r#"{{"command_id":"{}"}}"#, "x".repeat(257)))), Err(Reason::Malformed));
+        let codes: std::collections::HashSet<&str> = Reason::ALL.iter().map(|r| r.as_str()).collect();
+        assert_eq!(codes.len(), Reason::ALL.len(), "reason codes are distinct");
+    }
+}

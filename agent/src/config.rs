@@ -406,4 +406,38 @@ mod tests {
         assert!(Config::load(Some(Path::new("/nonexistent/config.yaml"))).is_err());
         assert!(c.public_view()["secrets"].get("file").is_none(), "no secret paths in the public view");
     }
+
+    #[test]
+    fn hostile_text_is_refused_with_a_reason() {
+        let cases: Vec<(Vec<u8>, &str)> = vec![
+            // Flow nesting 100 000 deep, and block nesting past the depth limit.
+            (format!("agent: {}{}\n", "[".repeat(100_000), "]".repeat(100_000)).into_bytes(), "line 1"),
+            (format!("{}{}\n", "[".repeat(100_000), "]".repeat(100_000)).into_bytes(), "line 1"),
+            ((0..40).map(|i| format!("{}k{i}:\n", "  ".repeat(i))).collect::<String>().into_bytes(), "line 1"),
+            // A billion laughs: 9 levels of 9 aliases (refused before anything expands).
+            (
+                {
+                    let mut y = String::from("a0: &a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n");
+                    for i in 1..10 {
+                        let p = format!("*a{}", i - 1);
+                        y.push_str(&format!("a{i}: &a{i} [{}]\n", vec![p.as_str(); 9].join(", ")));
+                    }
+                    y.into_bytes()
+                },
+                "unknown field",
+            ),
+            // Aliases where a list of strings is welcome: the alias budget stops them.
+            (format!("network:\n  proxy:\n    no_proxy: [&a x{}]\n", ", *a".repeat(5_000)).into_bytes(), "alias"),
+            (vec![b'#'; MAX_CONFIG_BYTES + 1], "larger than"),
+            (b"agent:\n  id: \xff\xfe\n".to_vec(), "not UTF-8"),
+            (b"agent:\n  id: a\n  id: b\n".to_vec(), "duplicate"),
+            (b"---\nagent: {}\n---\nagent: {}\n".to_vec(), ""),
+        ];
+        for (text, needle) in cases {
+            let started = std::time::Instant::now();
+            let e = Config::parse_bytes(&text).unwrap_err();
+            assert!(started.elapsed() < std::time::Duration::from_secs(5), "{e}");
+            assert!(e.to_string().contains(needle), "{needle}: {e}");
+        }
+    }
 }

@@ -471,4 +471,27 @@ mod tests {
         assert!(Manifest::parse("{").is_err());
         assert_eq!(Manifest::parse("{}").unwrap_err().path, "manifest");
     }
+
+    #[test]
+    fn hostile_input_is_refused_before_parsing_with_a_reason() {
+        let deep = format!("{{\"name\": {}{}}}", "[".repeat(100_000), "]".repeat(100_000));
+        let big = format!("{}{}", SEED, " ".repeat(5 << 20));
+        for (bytes, needle) in [
+            (deep.as_bytes(), "nested more than 32 deep"),
+            (big.as_bytes(), "more than the 1048576 a manifest may have"),
+            (&b"{\"name\": \"\xc3\x28\"}"[..], "not UTF-8 (invalid bytes at offset 10)"),
+        ] {
+            let e = text_of(bytes).unwrap_err();
+            assert_eq!(e.path, "manifest");
+            assert!(e.message.contains(needle), "{needle}: {e}");
+        }
+        // parse and check apply the same bounds to text.
+        assert!(Manifest::parse(&deep).unwrap_err().message.contains("deep"));
+        assert!(Manifest::check(&big).1[0].message.contains("more than"));
+        // Brackets inside strings do not count; the nesting the rules need does.
+        let brackets = SEED.replace("security-team", &format!("{}\\\"{}", "[".repeat(100), "{".repeat(100)));
+        assert!(Manifest::parse(&brackets).is_ok());
+        assert!(!nested_deeper_than(br#"[[["]]]]]]]]"]]]"#, 3));
+        assert!(nested_deeper_than(b"[[[[", 3));
+    }
 }

@@ -636,4 +636,38 @@ mod tests {
         let pr = verify(&files).unwrap().problem.unwrap();
         assert!(matches!(pr.kind, Kind::Reordered | Kind::Removed), "{pr:?}");
     }
+
+    #[test]
+    fn bytes_and_files_verify_alike() {
+        let (_s, p) = log_with(4);
+        let bytes = std::fs::read(&p).unwrap();
+        let from_file = verify(std::slice::from_ref(&p)).unwrap();
+        let name = p.display().to_string();
+        let from_bytes = verify_bytes(&[(&name, &bytes)]);
+        assert!(from_bytes.intact, "{}", from_bytes.render());
+        assert_eq!(from_bytes.render(), from_file.render());
+        // Split into a rotated file and the live one, as the records go.
+        let cut = bytes.iter().enumerate().filter(|(_, b)| **b == b'\n').nth(1).unwrap().0 + 1;
+        let two = verify_bytes(&[("a.1", &bytes[..cut]), ("a", &bytes[cut..])]);
+        assert!(two.intact && two.records == 4, "{}", two.render());
+        // Hostile lines are problems at their line, not crashes.
+        let deep = format!("{}{}", "[".repeat(100_000), "]".repeat(100_000));
+        for line in [deep.as_bytes(), &b"\xff\xfe{}"[..]] {
+            let mut b = bytes.clone();
+            b.extend_from_slice(line);
+            b.push(b'\n');
+            let r = verify_bytes(&[("a", &b)]);
+            let pr = r.problem.unwrap();
+            assert_eq!((pr.kind, pr.line), (Kind::NotJson, 5), "{pr:?}");
+        }
+    }
+
+    #[test]
+    fn a_file_larger_than_any_log_is_refused_unread() {
+        let s = Scratch::new("huge");
+        let f = std::fs::File::create(s.log()).unwrap();
+        f.set_len(MAX_FILE_BYTES + 1).unwrap(); // sparse: nothing is written
+        let e = verify(&[s.log()]).unwrap_err();
+        assert!(e.message.contains("more than the"), "{e}");
+    }
 }
