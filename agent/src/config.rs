@@ -420,7 +420,7 @@ mod tests {
                     let mut y = String::from("a0: &a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n");
                     for i in 1..10 {
                         let p = format!("*a{}", i - 1);
-                        y.push_str(&format!("a{i}: &a{i} [{}]\n", vec![p.as_str(); 9].join(", ")));
+                        y.push_str(&format!("a{i}: &a{i} [{}]\n", [p.as_str(); 9].join(", ")));
                     }
                     y.into_bytes()
                 },
