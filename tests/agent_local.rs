@@ -187,6 +187,30 @@ fn ts(offset: i64) -> String {
 }
 
 #[test]
+fn hostile_configs_are_refused_cleanly_by_check_config() {
+    let dir = common::HostDir::new();
+    let aliases = format!("network:\n  proxy:\n    no_proxy: [&a x{}]\n", ", *a".repeat(5_000));
+    let cases: Vec<(Vec<u8>, &str)> = vec![
+        (format!("{}{}\n", "[".repeat(100_000), "]".repeat(100_000)).into_bytes(), "recursion limit exceeded"),
+        (format!("agent: {}{}\n", "{a: ".repeat(100_000), "}".repeat(100_000)).into_bytes(), "line 1"),
+        (format!("agent:\n  id: x\n{}", "#".repeat(5 << 20)).into_bytes(), "larger than the 1048576 bytes"),
+        (b"agent:\n  id: \xff\xfe\n".to_vec(), "not UTF-8"),
+        (aliases.into_bytes(), "alias"),
+        (b"agent:\n  id: a\n  id: b\n".to_vec(), "duplicate"),
+    ];
+    for (text, needle) in cases {
+        let path = dir.path.join("config.yaml");
+        std::fs::write(&path, &text).unwrap();
+        let out = op(&["agent", "--check-config", "--config", path.to_str().unwrap()]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{needle}: {stderr}");
+        assert!(out.stdout.is_empty());
+        assert_eq!(stderr.lines().count(), 1, "{stderr}");
+        assert!(stderr.contains(needle) && stderr.contains("config.yaml"), "{needle}: {stderr}");
+    }
+}
+
+#[test]
 fn signed_commands_run_and_every_rejection_is_audited() {
     if !common::require_root() {
         return;

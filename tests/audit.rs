@@ -215,6 +215,37 @@ fn script_and_session_are_audited_in_the_same_chain() {
     assert_eq!(log.verify(&[]).code, 0);
 }
 
+#[test]
+fn hostile_audit_files_are_reported_not_crashed() {
+    let dir = HostDir::new();
+    let path = dir.path.join("audit.jsonl");
+    let log = agent::audit::AuditLog::open(agent::audit::AuditSettings::at(&path)).unwrap();
+    for i in 0..3 {
+        let fields = serde_json::Map::from_iter([("i".to_string(), json!(i.to_string()))]);
+        log.append("test", &fields).unwrap();
+    }
+    drop(log);
+    let good = std::fs::read(&path).unwrap();
+    let p = path.to_str().unwrap();
+    assert_eq!(opservant(&["audit", "verify", p]).code, 0);
+    // A line of invalid UTF-8 and one nested 100 000 deep: the chain is broken at that line
+    // (exit 1, FILE:LINE: not_json), no crash.
+    let deep = format!("{}{}", "[".repeat(100_000), "]".repeat(100_000));
+    for line in [&b"\xff\xfe{\"seq\":4}"[..], deep.as_bytes()] {
+        std::fs::write(&path, [&good[..], line, b"\n"].concat()).unwrap();
+        let out = opservant(&["audit", "verify", p]);
+        assert_problem(&out, &path, 4, "not_json");
+        assert!(out.stderr.is_empty(), "{out:?}");
+    }
+    // A file larger than any the agent writes is refused unread (exit 2, one line).
+    let f = std::fs::OpenOptions::new().write(true).truncate(true).open(&path).unwrap();
+    f.set_len(agent::audit::verify::MAX_FILE_BYTES + 1).unwrap(); // sparse
+    let out = opservant(&["audit", "verify", p]);
+    assert_eq!(out.code, 2, "{out:?}");
+    assert_eq!(out.stderr.lines().count(), 1, "{out:?}");
+    assert!(out.stderr.contains("more than the") && out.stderr.contains("audit.jsonl"), "{out:?}");
+}
+
 /// A log of `runs` × 2 records.
 fn log_with_runs(runs: usize) -> (Log, HostDir) {
     let log = Log::new("");

@@ -930,6 +930,34 @@ fn lint_reports_ok_errors_and_warnings() {
     assert!(out.stdout.contains(": ok ("), "{out:?}");
 }
 
+#[test]
+fn hostile_manifests_are_refused_cleanly_by_lint_and_run() {
+    let good = base_manifest().to_string();
+    let cases: Vec<(Vec<u8>, &str)> = vec![
+        // 5 MiB (valid JSON padded with spaces): refused unread past the limit.
+        (format!("{good}{}", " ".repeat(5 << 20)).into_bytes(), "larger than the 1048576 bytes a manifest may have"),
+        (
+            [&good.as_bytes()[..good.len() - 1], &b",\"author\": \"\xc3\x28\"}"[..]].concat(),
+            "not UTF-8 (invalid bytes at offset",
+        ),
+        (
+            format!("{{\"name\": {}{}}}", "[".repeat(100_000), "]".repeat(100_000)).into_bytes(),
+            "nested more than 32 deep",
+        ),
+    ];
+    for (manifest, needle) in cases {
+        let d = HostDir::new();
+        put(&d.path, "manifest.json", &manifest);
+        put(&d.path, "test_executor/__init__.py", LIFECYCLE.as_bytes());
+        for out in [lint(&d.path, false), run(&d.path, &[])] {
+            assert_eq!(out.code, 2, "{needle}: {out:?}");
+            assert!(out.stdout.is_empty(), "{out:?}");
+            assert_eq!(out.stderr.lines().count(), 1, "{}", out.stderr);
+            assert!(out.stderr.contains(needle) && out.stderr.contains("manifest.json"), "{needle}: {}", out.stderr);
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // Secrets
 // ---------------------------------------------------------------------------------------

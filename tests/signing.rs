@@ -159,6 +159,10 @@ fn malformed_commands_are_refused_cleanly() {
         (b"[1, 2]".to_vec(), "JSON object"),
         (b"{\"a\": }".to_vec(), "not valid JSON"),
         (vec![b' '; agent::signing::MAX_COMMAND_BYTES + 10], "bytes"),
+        // 100 000 deep: refused at the depth limit, no stack overflow.
+        (format!("{{\"a\":{}1{}}}", "[".repeat(100_000), "]".repeat(100_000)).into_bytes(), "deep"),
+        // An integer a double cannot hold: the signature would cover a different number.
+        (br#"{"command_id":"c","n":9007199254740993}"#.to_vec(), "not exactly representable"),
     ];
     for (input, needle) in cases {
         for out in [op(&["sign", "--key", &key, "-"], Some(&input)), verify(&public, &input)] {

@@ -100,6 +100,8 @@ pub const DEFAULT_MAX_BYTES: u64 = 16 << 20;
 pub const DEFAULT_KEEP: u32 = 8;
 /// Smallest `audit.max_bytes` accepted (a record is a few hundred bytes).
 pub const MIN_MAX_BYTES: u64 = 1024;
+/// Largest `audit.max_bytes` accepted (1 GiB): `audit verify` reads one file at a time whole.
+pub const MAX_MAX_BYTES: u64 = 1 << 30;
 pub const MAX_KEEP: u32 = 1000;
 /// `prev` of the genesis record.
 pub const GENESIS_PREV: &str = "0000000000000000000000000000000000000000000000000000000000000000";
@@ -152,8 +154,8 @@ impl TryFrom<AuditSectionRaw> for AuditSection {
                 return Err(format!("audit.path: '{}' must be an absolute file path", p.display()));
             }
         }
-        if r.max_bytes.is_some_and(|m| m < MIN_MAX_BYTES) {
-            return Err(format!("audit.max_bytes: at least {MIN_MAX_BYTES}"));
+        if r.max_bytes.is_some_and(|m| !(MIN_MAX_BYTES..=MAX_MAX_BYTES).contains(&m)) {
+            return Err(format!("audit.max_bytes: {MIN_MAX_BYTES} to {MAX_MAX_BYTES}"));
         }
         if r.keep.is_some_and(|k| k == 0 || k > MAX_KEEP) {
             return Err(format!("audit.keep: 1 to {MAX_KEEP} (rotation needs somewhere to carry the chain)"));

@@ -45,16 +45,124 @@ pub struct Pipeline {
     pub running: AtomicUsize,
 }
 
-/// A rejection: the reason code (stable, for the platform) and a sentence.
-fn rejected(command_id: Option<&str>, reason: &str, message: &str) -> Value {
-    json!({"status": "rejected", "command_id": command_id, "reason": reason, "error": message})
+/// Why a command was rejected: the stable reason codes the platform sees (`reason`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Reason {
+    TooLarge,
+    Malformed,
+    Unsigned,
+    BadSignature,
+    ClockSkew,
+    Replay,
+    UnknownAction,
+    UnknownExecutor,
+    PermissionDenied,
+    Checksum,
+    CannotRun,
+    Internal,
+    Overloaded,
 }
 
-fn reject(command_id: Option<&str>, reason: &str, message: &str, security: bool) -> Value {
+impl Reason {
+    /// Every reason code, for checks that a reply carries one of them.
+    pub const ALL: [Reason; 13] = [
+        Reason::TooLarge,
+        Reason::Malformed,
+        Reason::Unsigned,
+        Reason::BadSignature,
+        Reason::ClockSkew,
+        Reason::Replay,
+        Reason::UnknownAction,
+        Reason::UnknownExecutor,
+        Reason::PermissionDenied,
+        Reason::Checksum,
+        Reason::CannotRun,
+        Reason::Internal,
+        Reason::Overloaded,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::TooLarge => "too_large",
+            Reason::Malformed => "malformed",
+            Reason::Unsigned => "unsigned",
+            Reason::BadSignature => "bad_signature",
+            Reason::ClockSkew => "clock_skew",
+            Reason::Replay => "replay",
+            Reason::UnknownAction => "unknown_action",
+            Reason::UnknownExecutor => "unknown_executor",
+            Reason::PermissionDenied => "permission_denied",
+            Reason::Checksum => "checksum",
+            Reason::CannotRun => "cannot_run",
+            Reason::Internal => "internal",
+            Reason::Overloaded => "overloaded",
+        }
+    }
+}
+
+/// A rejection by [`verify_command`]: the reason, the command's id when it has one, a sentence.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rejection {
+    pub reason: Reason,
+    pub command_id: Option<String>,
+    pub message: String,
+}
+
+/// What [`verify_command`] found (steps 1–4 and the `command_id` rule).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Verification {
+    /// Steps 1–2 failed: the bytes are not a command at all (`too_large` or `malformed`).
+    Unreadable(Rejection),
+    /// A command was parsed and its signature and clock checked: `verdict` is what the
+    /// `command_received` audit record reports; `outcome` is the `command_id` when the command
+    /// may go on to the replay check, else why not.
+    Checked { cmd: Map<String, Value>, verdict: signing::Verdict, outcome: Result<String, Rejection> },
+}
+
+/// Steps 1–4 and the `command_id` rule for one command as received, with `key` and the clock
+/// `now`: pure (no audit record, no replay store, nothing run), so it can be fuzzed — and
+/// [`Pipeline::handle`] uses exactly this function.
+pub fn verify_command(bytes: &[u8], key: &VerifyingKey, now: i64) -> Verification {
+    let unreadable = |reason: Reason, command_id: Option<String>, message: String| {
+        Verification::Unreadable(Rejection { reason, command_id, message })
+    };
+    if bytes.len() > signing::MAX_COMMAND_BYTES {
+        return unreadable(Reason::TooLarge, None, signing::SigningError::TooLarge(bytes.len()).to_string());
+    }
+    let cmd = match signing::parse_command(bytes) {
+        Ok(c) => c,
+        Err(e) => return unreadable(Reason::Malformed, None, e.to_string()),
+    };
+    let id = cmd.get("command_id").and_then(Value::as_str).map(str::to_string);
+    let verdict = match signing::verify(&cmd, key, now) {
+        Ok(v) => v,
+        Err(e) => return unreadable(Reason::Malformed, id, e.to_string()),
+    };
+    let reject =
+        |reason: Reason, message: &str| Err(Rejection { reason, command_id: id.clone(), message: message.into() });
+    let outcome = if let Err(e) = &verdict.signature {
+        reject(if e == "missing signature" { Reason::Unsigned } else { Reason::BadSignature }, e)
+    } else if let Err(e) = &verdict.timestamp {
+        reject(Reason::ClockSkew, e)
+    } else {
+        match id.as_deref().filter(|i| !i.is_empty() && i.len() <= crate::replay::MAX_ID_BYTES) {
+            Some(i) => Ok(i.to_string()),
+            None => reject(Reason::Malformed, "command_id must be a string of 1-256 bytes"),
+        }
+    };
+    Verification::Checked { cmd, verdict, outcome }
+}
+
+/// A rejection: the reason code (stable, for the platform) and a sentence.
+fn rejected(command_id: Option<&str>, reason: Reason, message: &str) -> Value {
+    json!({"status": "rejected", "command_id": command_id, "reason": reason.as_str(), "error": message})
+}
+
+fn reject(command_id: Option<&str>, reason: Reason, message: &str, security: bool) -> Value {
     let id = command_id.unwrap_or("");
     audit::record(
         if security { "security_event" } else { "command_rejected" },
-        &[("command_id", id), ("reason", reason), ("detail", message)],
+        &[("command_id", id), ("reason", reason.as_str()), ("detail", message)],
     );
     rejected(command_id, reason, message)
 }
@@ -78,7 +186,7 @@ impl Pipeline {
                     ("command_id", id.as_deref().unwrap_or("")),
                 ],
             );
-            rejected(id.as_deref(), "overloaded", &format!("{max} commands are running; try again later"))
+            rejected(id.as_deref(), Reason::Overloaded, &format!("{max} commands are running; try again later"))
         } else {
             self.handle(bytes, signing::now())
         };
@@ -93,24 +201,15 @@ impl Pipeline {
 
     /// Steps 1–9 for one command as received; the reply JSON.
     pub fn handle(&self, bytes: &[u8], now: i64) -> Value {
-        if bytes.len() > signing::MAX_COMMAND_BYTES {
-            return reject(None, "too_large", &signing::SigningError::TooLarge(bytes.len()).to_string(), true);
-        }
-        let cmd = match signing::parse_command(bytes) {
-            Ok(c) => c,
-            Err(e) => return reject(None, "malformed", &e.to_string(), true),
+        let (cmd, verdict, outcome) = match verify_command(bytes, &self.platform_key, now) {
+            Verification::Unreadable(r) => return reject(r.command_id.as_deref(), r.reason, &r.message, true),
+            Verification::Checked { cmd, verdict, outcome } => (cmd, verdict, outcome),
         };
-        let id = cmd.get("command_id").and_then(Value::as_str).map(str::to_string);
-        let id_ref = id.as_deref();
         let action = cmd.get("action").and_then(Value::as_str).unwrap_or("");
-        let verdict = match signing::verify(&cmd, &self.platform_key, now) {
-            Ok(v) => v,
-            Err(e) => return reject(id_ref, "malformed", &e.to_string(), true),
-        };
         audit::record(
             "command_received",
             &[
-                ("command_id", id_ref.unwrap_or("")),
+                ("command_id", cmd.get("command_id").and_then(Value::as_str).unwrap_or("")),
                 ("action", action),
                 ("executor", cmd.get("executor").and_then(Value::as_str).unwrap_or("")),
                 (
@@ -122,28 +221,22 @@ impl Pipeline {
                 ),
             ],
         );
-        if let Err(e) = &verdict.signature {
-            let reason = if e == "missing signature" { "unsigned" } else { "bad_signature" };
-            return reject(id_ref, reason, e, true);
-        }
-        if let Err(e) = &verdict.timestamp {
-            return reject(id_ref, "clock_skew", e, true);
-        }
-        let Some(id) = id.as_deref().filter(|i| !i.is_empty() && i.len() <= crate::replay::MAX_ID_BYTES) else {
-            return reject(id_ref, "malformed", "command_id must be a string of 1-256 bytes", true);
+        let id = match &outcome {
+            Ok(id) => id.as_str(),
+            Err(r) => return reject(r.command_id.as_deref(), r.reason, &r.message, true),
         };
         match self.seen.check_and_insert(id, now) {
             Ok(Seen::New) => {}
-            Ok(Seen::Replayed) => return reject(Some(id), "replay", "command_id was already received", true),
+            Ok(Seen::Replayed) => return reject(Some(id), Reason::Replay, "command_id was already received", true),
             // Fail closed: without the replay store no command is accepted.
-            Err(e) => return reject(Some(id), "internal", &format!("replay store: {e}"), false),
+            Err(e) => return reject(Some(id), Reason::Internal, &format!("replay store: {e}"), false),
         }
         match action {
             "ping" => self.ping(id),
             "execute" => self.execute(id, &cmd),
             "install_executor" => self.install(id, &cmd),
             "remove_executor" => self.remove(id, &cmd),
-            other => reject(Some(id), "unknown_action", &format!("unknown action {other:?}"), false),
+            other => reject(Some(id), Reason::UnknownAction, &format!("unknown action {other:?}"), false),
         }
     }
 
@@ -180,13 +273,13 @@ impl Pipeline {
     fn execute(&self, id: &str, cmd: &Map<String, Value>) -> Value {
         let (mut executor, action_id) = match self.lookup(cmd) {
             Ok(x) => x,
-            Err(e) => return reject(Some(id), "unknown_executor", &e, false),
+            Err(e) => return reject(Some(id), Reason::UnknownExecutor, &e, false),
         };
         let name = executor.manifest.name.clone();
         // Step 8: the permission check.
         let denied = |why: String| {
             audit::record("permission_denied", &[("command_id", id), ("executor", &name), ("reason", &why)]);
-            rejected(Some(id), "permission_denied", &why)
+            rejected(Some(id), Reason::PermissionDenied, &why)
         };
         if let Some(a) = &action_id {
             if !executor.manifest.supported_actions.contains(a) {
@@ -217,7 +310,7 @@ impl Pipeline {
             Ok(result) => {
                 serde_json::to_value(&result).unwrap_or_else(|e| json!({"status": "failed", "error": e.to_string()}))
             }
-            Err(e) => reject(Some(id), "cannot_run", &e.0, false),
+            Err(e) => reject(Some(id), Reason::CannotRun, &e.0, false),
         }
     }
 
@@ -228,7 +321,7 @@ impl Pipeline {
         else {
             return reject(
                 Some(id),
-                "malformed",
+                Reason::Malformed,
                 "install_executor needs parameters.package and parameters.sha256",
                 false,
             );
@@ -239,12 +332,12 @@ impl Pipeline {
             Ok(got) => {
                 return reject(
                     Some(id),
-                    "checksum",
+                    Reason::Checksum,
                     &format!("{package}: sha256 is {got}, the command says {sha}"),
                     true,
                 )
             }
-            Err(e) => return reject(Some(id), "cannot_run", &format!("{package}: {e}"), false),
+            Err(e) => return reject(Some(id), Reason::CannotRun, &format!("{package}: {e}"), false),
         }
         match crate::executor_install::install(path, &self.executors, &self.policy, &Default::default()) {
             Ok(i) => {
@@ -254,7 +347,7 @@ impl Pipeline {
                 );
                 json!({"status": "completed", "command_id": id, "output": {"name": i.name, "version": i.version}})
             }
-            Err(e) => reject(Some(id), "cannot_run", &e.to_string(), false),
+            Err(e) => reject(Some(id), Reason::CannotRun, &e.to_string(), false),
         }
     }
 
@@ -269,8 +362,8 @@ impl Pipeline {
                 audit::record("executor_removed", &[("command_id", id), ("executor", name)]);
                 json!({"status": "completed", "command_id": id, "output": {"removed": name}})
             }
-            Ok(false) => reject(Some(id), "unknown_executor", &format!("{name:?} is not installed"), false),
-            Err(e) => reject(Some(id), "cannot_run", &e.to_string(), false),
+            Ok(false) => reject(Some(id), Reason::UnknownExecutor, &format!("{name:?} is not installed"), false),
+            Err(e) => reject(Some(id), Reason::CannotRun, &e.to_string(), false),
         }
     }
 }
@@ -317,4 +410,42 @@ fn sha256_file(p: &Path) -> std::io::Result<String> {
         h.update(&buf[..n]);
     }
     Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ed25519_dalek::SigningKey;
+
+    #[test]
+    fn verify_command_gives_a_reason_for_every_rejection() {
+        let key = SigningKey::from_bytes(&[7u8; 32]);
+        let now = signing::parse_rfc3339("2026-04-28T12:00:00Z").unwrap();
+        let signed = |text: &str| {
+            let mut cmd = signing::parse_command(text.as_bytes()).unwrap();
+            signing::sign(&mut cmd, &key, now).unwrap();
+            serde_json::to_vec(&Value::Object(cmd)).unwrap()
+        };
+        let vk = key.verifying_key();
+        let reason = |bytes: &[u8]| match verify_command(bytes, &vk, now) {
+            Verification::Unreadable(r) => Err(r.reason),
+            Verification::Checked { outcome, .. } => outcome.map_err(|r| r.reason),
+        };
+        assert_eq!(reason(&signed(r#"{"command_id":"c1","action":"ping"}"#)), Ok("c1".to_string()));
+        assert_eq!(reason(&vec![b' '; signing::MAX_COMMAND_BYTES + 1]), Err(Reason::TooLarge));
+        assert_eq!(reason(b"{\"a\":1,\"a\":2}"), Err(Reason::Malformed));
+        assert_eq!(reason(br#"{"command_id":"c1"}"#), Err(Reason::Unsigned));
+        let mut tampered = signed(r#"{"command_id":"c1","action":"ping"}"#);
+        let at = tampered.iter().position(|b| *b == b'p').unwrap();
+        tampered[at] = b'q';
+        assert_eq!(reason(&tampered), Err(Reason::BadSignature));
+        assert_eq!(
+            reason(&signed(r#"{"command_id":"c1","timestamp":"2026-04-28T11:00:00Z"}"#)),
+            Err(Reason::ClockSkew)
+        );
+        assert_eq!(reason(&signed(r#"{"action":"ping"}"#)), Err(Reason::Malformed));
+        assert_eq!(reason(&signed(&format!(r#"{{"command_id":"{}"}}"#, "x".repeat(257)))), Err(Reason::Malformed));
+        let codes: std::collections::HashSet<&str> = Reason::ALL.iter().map(|r| r.as_str()).collect();
+        assert_eq!(codes.len(), Reason::ALL.len(), "reason codes are distinct");
+    }
 }

@@ -6,6 +6,10 @@
 //! Guarantees: unknown keys are errors naming the key path (a misspelt setting is never
 //! silently ignored); `run`, `script` and `session` work without any file; nothing secret is
 //! kept in [`Config::public_view`], which is what executors may see as `context["config"]`.
+//! Hostile text is refused with an error saying why, never a panic: more than
+//! [`MAX_CONFIG_BYTES`], not UTF-8, nested more than [`MAX_DEPTH`] deep, or beyond the YAML
+//! budget of [`yaml_options`] (anchors and aliases — a "billion laughs" expands to nothing
+//! like a billion —, nodes, scalar bytes, documents); duplicate keys are errors.
 
 use std::path::{Path, PathBuf};
 
@@ -15,6 +19,10 @@ use thiserror::Error;
 use crate::limits::LimitPolicy;
 
 pub const DEFAULT_PATH: &str = "/etc/opservant/config.yaml";
+/// The largest configuration file accepted, in bytes (real ones are a few KiB).
+pub const MAX_CONFIG_BYTES: usize = 1 << 20;
+/// The deepest nesting of mappings and sequences accepted (the configuration needs 4).
+pub const MAX_DEPTH: usize = 32;
 
 #[derive(Debug, Error)]
 #[error("{path}: {message}")]
@@ -184,22 +192,42 @@ impl Config {
             Some(p) => (p.to_path_buf(), true),
             None => (PathBuf::from(DEFAULT_PATH), false),
         };
-        match std::fs::read_to_string(&path) {
-            Ok(text) => Self::parse(&text).map_err(|mut e| {
+        let file_err = |message: String| ConfigError { path: path.display().to_string(), message };
+        let mut bytes = Vec::new();
+        let read = std::fs::File::open(&path).and_then(|f| {
+            std::io::Read::read_to_end(&mut std::io::Read::take(f, MAX_CONFIG_BYTES as u64 + 1), &mut bytes)
+        });
+        match read {
+            Ok(_) => Self::parse_bytes(&bytes).map_err(|mut e| {
                 e.path = format!("{}: {}", path.display(), e.path);
                 e
             }),
             Err(e) if !required && e.kind() == std::io::ErrorKind::NotFound => Ok(Config::default()),
-            Err(e) => Err(ConfigError { path: path.display().to_string(), message: format!("cannot read: {e}") }),
+            Err(e) => Err(file_err(format!("cannot read: {e}"))),
         }
     }
 
+    /// [`Config::parse`] of raw bytes: more than [`MAX_CONFIG_BYTES`] or not UTF-8 is an error.
+    pub fn parse_bytes(bytes: &[u8]) -> Result<Config, ConfigError> {
+        if bytes.len() > MAX_CONFIG_BYTES {
+            return Err(too_large());
+        }
+        let text = std::str::from_utf8(bytes).map_err(|e| ConfigError {
+            path: "config".into(),
+            message: format!("not UTF-8 (invalid bytes at offset {})", e.valid_up_to()),
+        })?;
+        Self::parse(text)
+    }
+
     pub fn parse(text: &str) -> Result<Config, ConfigError> {
+        if text.len() > MAX_CONFIG_BYTES {
+            return Err(too_large());
+        }
         if text.trim().is_empty() {
             return Ok(Config::default());
         }
-        let c: Config =
-            serde_saphyr::from_str(text).map_err(|e| ConfigError { path: "config".into(), message: e.to_string() })?;
+        let c: Config = serde_saphyr::from_str_with_options(text, yaml_options())
+            .map_err(|e| ConfigError { path: "config".into(), message: e.to_string() })?;
         c.validate()?;
         Ok(c)
     }
@@ -316,6 +344,34 @@ impl Config {
     }
 }
 
+fn too_large() -> ConfigError {
+    ConfigError { path: "config".into(), message: format!("larger than the {MAX_CONFIG_BYTES} bytes accepted") }
+}
+
+/// The YAML parser's budget for a configuration: generous for any real file, small enough that
+/// no text within [`MAX_CONFIG_BYTES`] costs much memory or time (alias expansion included).
+pub fn yaml_options() -> serde_saphyr::Options {
+    let mut budget = serde_saphyr::Budget::default();
+    budget.max_depth = MAX_DEPTH;
+    budget.flow_nesting_limit = MAX_DEPTH;
+    budget.max_documents = 1;
+    budget.max_events = 100_000;
+    budget.max_nodes = 50_000;
+    budget.max_aliases = 1_000;
+    budget.max_anchors = 1_000;
+    budget.max_merge_keys = 1_000;
+    budget.max_recorded_anchor_events = 100_000;
+    budget.max_recorded_anchor_bytes = MAX_CONFIG_BYTES;
+    budget.max_total_scalar_bytes = MAX_CONFIG_BYTES;
+    budget.max_inclusion_depth = 0;
+    let mut options = serde_saphyr::Options::default();
+    options.budget = Some(budget);
+    options.duplicate_keys = serde_saphyr::DuplicateKeyPolicy::Error;
+    options.alias_limits.max_total_replayed_events = 100_000;
+    options.alias_limits.max_replay_stack_depth = MAX_DEPTH;
+    options
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -349,5 +405,39 @@ mod tests {
         assert!(c.agent_id().starts_with("local-") || c.agent.id.is_some());
         assert!(Config::load(Some(Path::new("/nonexistent/config.yaml"))).is_err());
         assert!(c.public_view()["secrets"].get("file").is_none(), "no secret paths in the public view");
+    }
+
+    #[test]
+    fn hostile_text_is_refused_with_a_reason() {
+        let cases: Vec<(Vec<u8>, &str)> = vec![
+            // Flow nesting 100 000 deep, and block nesting past the depth limit.
+            (format!("agent: {}{}\n", "[".repeat(100_000), "]".repeat(100_000)).into_bytes(), "line 1"),
+            (format!("{}{}\n", "[".repeat(100_000), "]".repeat(100_000)).into_bytes(), "line 1"),
+            ((0..40).map(|i| format!("{}k{i}:\n", "  ".repeat(i))).collect::<String>().into_bytes(), "line 1"),
+            // A billion laughs: 9 levels of 9 aliases (refused before anything expands).
+            (
+                {
+                    let mut y = String::from("a0: &a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n");
+                    for i in 1..10 {
+                        let p = format!("*a{}", i - 1);
+                        y.push_str(&format!("a{i}: &a{i} [{}]\n", [p.as_str(); 9].join(", ")));
+                    }
+                    y.into_bytes()
+                },
+                "unknown field",
+            ),
+            // Aliases where a list of strings is welcome: the alias budget stops them.
+            (format!("network:\n  proxy:\n    no_proxy: [&a x{}]\n", ", *a".repeat(5_000)).into_bytes(), "alias"),
+            (vec![b'#'; MAX_CONFIG_BYTES + 1], "larger than"),
+            (b"agent:\n  id: \xff\xfe\n".to_vec(), "not UTF-8"),
+            (b"agent:\n  id: a\n  id: b\n".to_vec(), "duplicate"),
+            (b"---\nagent: {}\n---\nagent: {}\n".to_vec(), ""),
+        ];
+        for (text, needle) in cases {
+            let started = std::time::Instant::now();
+            let e = Config::parse_bytes(&text).unwrap_err();
+            assert!(started.elapsed() < std::time::Duration::from_secs(5), "{e}");
+            assert!(e.to_string().contains(needle), "{needle}: {e}");
+        }
     }
 }

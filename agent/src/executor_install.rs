@@ -113,7 +113,8 @@ pub fn install(
         return Err(InstallError::Invalid(format!("{}: not a directory or an archive", src.display())));
     }
     let pkg = package_root(&unpacked)?;
-    let text = std::fs::read_to_string(pkg.join("manifest.json")).map_err(|e| io(&pkg.join("manifest.json"), e))?;
+    let text = crate::manifest::read(&pkg.join("manifest.json"))
+        .map_err(|e| InstallError::Invalid(format!("manifest.json: {}", e.message)))?;
     let (manifest, errors, _) = crate::manifest::Manifest::check(&text);
     let Some(manifest) = manifest.filter(|_| errors.is_empty()) else {
         let list: Vec<String> = errors.iter().map(|e| e.to_string()).collect();
@@ -127,7 +128,7 @@ pub fn install(
     if !manifest.requirements.packages.is_empty() {
         install_requirements(&pkg, &manifest.requirements.packages, opts)?;
     }
-    let report = crate::lint::lint(&pkg, policy);
+    let report = crate::lint::lint(&pkg, policy).map_err(|e| InstallError::Invalid(e.to_string()))?;
     if !report.errors.is_empty() {
         return Err(InstallError::Invalid(report.errors.join("; ")));
     }

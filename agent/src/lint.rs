@@ -8,7 +8,7 @@ use std::path::Path;
 use serde::Serialize;
 
 use crate::executor_run::Executor;
-use crate::manifest::Manifest;
+use crate::manifest::{Manifest, ManifestError};
 use crate::policy::AgentPolicy;
 
 #[derive(Debug, Default, Serialize)]
@@ -17,16 +17,19 @@ pub struct LintReport {
     pub warnings: Vec<String>,
 }
 
-pub fn lint(dir: &Path, policy: &AgentPolicy) -> LintReport {
+/// `Err` when `DIR/manifest.json` exists but cannot be read as manifest text at all (too
+/// large, not UTF-8, nested too deep, unreadable): there is nothing to lint (exit 2).
+pub fn lint(dir: &Path, policy: &AgentPolicy) -> Result<LintReport, ManifestError> {
     let mut r = LintReport::default();
     // Every manifest rule broken, not only the first `run` would stop on.
     let manifest_path = dir.join("manifest.json");
-    if let Ok(text) = std::fs::read_to_string(&manifest_path) {
+    if manifest_path.exists() {
+        let text = crate::manifest::read(&manifest_path)?;
         let (_, errors, warnings) = Manifest::check(&text);
         if !errors.is_empty() {
             r.errors.extend(errors.iter().map(|e| e.to_string()));
             r.warnings.extend(warnings.iter().map(|w| w.to_string()));
-            return r;
+            return Ok(r);
         }
     }
     match Executor::load(dir) {
@@ -60,7 +63,7 @@ pub fn lint(dir: &Path, policy: &AgentPolicy) -> LintReport {
             }
         }
     }
-    r
+    Ok(r)
 }
 
 impl LintReport {

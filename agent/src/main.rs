@@ -800,7 +800,7 @@ fn lint(dir: PathBuf, json: bool, config: Option<PathBuf>) -> Result<ExitCode, C
     if !dir.is_dir() {
         return Err(CannotRun(format!("{}: not a directory", dir.display())));
     }
-    let report = agent::lint::lint(&dir, &policy);
+    let report = agent::lint::lint(&dir, &policy)?;
     if json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {

@@ -4,12 +4,19 @@
 //! or yields a [`ManifestError`] naming the field path (`permissions.network.allowed_ports[2]`)
 //! and the rule broken. Unknown keys under `permissions` (and in every nested permission or
 //! limit object) are errors — a misspelt restriction must never be silently ignored; unknown
-//! top-level keys are warnings.
+//! top-level keys are warnings. Input that cannot be a manifest at all — more than
+//! [`MAX_MANIFEST_BYTES`], not UTF-8, nested more than [`MAX_DEPTH`] deep — is refused before
+//! it is parsed, with an error that says which (never a panic or a deep recursion).
 
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 use thiserror::Error;
+
+/// The largest manifest accepted, in bytes (real ones are a few hundred).
+pub const MAX_MANIFEST_BYTES: usize = 1 << 20;
+/// The deepest nesting of arrays and objects accepted (a manifest needs 4).
+pub const MAX_DEPTH: usize = 32;
 
 /// A field that breaks a rule.
 #[derive(Debug, Clone, Error, PartialEq, Eq)]
@@ -174,12 +181,78 @@ const TOP_LEVEL: &[&str] = &[
     "resource_limits",
 ];
 
+/// Whether arrays and objects in `bytes` (JSON) nest more than `max` deep, found without
+/// recursion (brackets inside strings do not count).
+fn nested_deeper_than(bytes: &[u8], max: usize) -> bool {
+    let (mut depth, mut in_string, mut escaped) = (0usize, false, false);
+    for &b in bytes {
+        if in_string {
+            if escaped {
+                escaped = false;
+            } else if b == b'\\' {
+                escaped = true;
+            } else if b == b'"' {
+                in_string = false;
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_string = true,
+            b'[' | b'{' => {
+                depth += 1;
+                if depth > max {
+                    return true;
+                }
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    false
+}
+
+/// The size and nesting bounds every manifest text must keep.
+fn check_bounds(text: &[u8]) -> Result<(), ManifestError> {
+    if text.len() > MAX_MANIFEST_BYTES {
+        return Err(ManifestError::new(
+            "manifest",
+            format!("{} bytes, more than the {MAX_MANIFEST_BYTES} a manifest may have", text.len()),
+        ));
+    }
+    if nested_deeper_than(text, MAX_DEPTH) {
+        return Err(ManifestError::new("manifest", format!("nested more than {MAX_DEPTH} deep")));
+    }
+    Ok(())
+}
+
+/// Manifest bytes as text: at most [`MAX_MANIFEST_BYTES`], UTF-8, nested at most [`MAX_DEPTH`]
+/// deep; else an error saying which.
+pub fn text_of(bytes: &[u8]) -> Result<&str, ManifestError> {
+    check_bounds(bytes)?;
+    std::str::from_utf8(bytes)
+        .map_err(|e| ManifestError::new("manifest", format!("not UTF-8 (invalid bytes at offset {})", e.valid_up_to())))
+}
+
+/// Read a manifest file's text ([`text_of`]'s rules), never more than
+/// [`MAX_MANIFEST_BYTES`] + 1 bytes of it. The error's path is the file.
+pub fn read(path: &Path) -> Result<String, ManifestError> {
+    use std::io::Read;
+    let file_err = |message: String| ManifestError::new(path.display().to_string(), message);
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)
+        .and_then(|f| f.take(MAX_MANIFEST_BYTES as u64 + 1).read_to_end(&mut bytes))
+        .map_err(|e| file_err(format!("cannot read: {e}")))?;
+    if bytes.len() > MAX_MANIFEST_BYTES {
+        return Err(file_err(format!("larger than the {MAX_MANIFEST_BYTES} bytes a manifest may have")));
+    }
+    text_of(&bytes).map_err(|e| file_err(e.message))?;
+    String::from_utf8(bytes).map_err(|e| file_err(format!("not UTF-8: {e}")))
+}
+
 impl Manifest {
     /// Read, parse and validate `path`.
     pub fn load(path: &Path) -> Result<(Manifest, Vec<Warning>), ManifestError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| ManifestError::new(path.display().to_string(), format!("cannot read: {e}")))?;
-        Self::parse(&text)
+        Self::parse(&read(path)?)
     }
 
     /// Every finding in manifest text: the manifest (when it parses), all rule violations
@@ -208,6 +281,7 @@ impl Manifest {
 
     /// JSON and types only (serde); the rules come in `validate`.
     fn parse_unchecked(text: &str) -> Result<(Manifest, Vec<Warning>), ManifestError> {
+        check_bounds(text.as_bytes())?;
         let value: serde_json::Value =
             serde_json::from_str(text).map_err(|e| ManifestError::new("manifest", format!("not valid JSON: {e}")))?;
         let obj = value.as_object().ok_or_else(|| ManifestError::new("manifest", "must be a JSON object"))?;
@@ -396,5 +470,28 @@ mod tests {
         assert!(Manifest::parse("[]").is_err());
         assert!(Manifest::parse("{").is_err());
         assert_eq!(Manifest::parse("{}").unwrap_err().path, "manifest");
+    }
+
+    #[test]
+    fn hostile_input_is_refused_before_parsing_with_a_reason() {
+        let deep = format!("{{\"name\": {}{}}}", "[".repeat(100_000), "]".repeat(100_000));
+        let big = format!("{}{}", SEED, " ".repeat(5 << 20));
+        for (bytes, needle) in [
+            (deep.as_bytes(), "nested more than 32 deep"),
+            (big.as_bytes(), "more than the 1048576 a manifest may have"),
+            (&b"{\"name\": \"\xc3\x28\"}"[..], "not UTF-8 (invalid bytes at offset 10)"),
+        ] {
+            let e = text_of(bytes).unwrap_err();
+            assert_eq!(e.path, "manifest");
+            assert!(e.message.contains(needle), "{needle}: {e}");
+        }
+        // parse and check apply the same bounds to text.
+        assert!(Manifest::parse(&deep).unwrap_err().message.contains("deep"));
+        assert!(Manifest::check(&big).1[0].message.contains("more than"));
+        // Brackets inside strings do not count; the nesting the rules need does.
+        let brackets = SEED.replace("security-team", &format!("{}\\\"{}", "[".repeat(100), "{".repeat(100)));
+        assert!(Manifest::parse(&brackets).is_ok());
+        assert!(!nested_deeper_than(br#"[[["]]]]]]]]"]]]"#, 3));
+        assert!(nested_deeper_than(b"[[[[", 3));
     }
 }

@@ -5,7 +5,8 @@
 //! - a command is parsed strictly before anything else: at most [`MAX_COMMAND_BYTES`],
 //!   UTF-8, a JSON object, nesting at most [`MAX_DEPTH`] deep, and **no duplicate keys at any
 //!   depth** — a duplicate is an error, never resolved (two parsers picking different values
-//!   is how signed-JSON checks get bypassed);
+//!   is how signed-JSON checks get bypassed) —, and every number exactly what its canonical
+//!   form says (no integer a double cannot hold: see [`MAX_EXACT_INTEGER`]);
 //! - verification is strict Ed25519 (`verify_strict`: no small-order keys, canonical `S`);
 //! - the verdict has two independent parts, the signature and the clock skew (the
 //!   `timestamp` must be within [`MAX_SKEW_S`] of the verifier's clock); a command is
@@ -55,7 +56,23 @@ pub enum SigningError {
 // Strict parsing
 // ---------------------------------------------------------------------------------------
 
+/// 2^53 − 1: every integer up to this is exact as an IEEE 754 double (I-JSON, RFC 7493 §2.2).
+pub const MAX_EXACT_INTEGER: u64 = (1 << 53) - 1;
+
+fn inexact(v: impl fmt::Display) -> String {
+    format!(
+        "the number {v} is not exactly representable as an IEEE 754 double \
+         (RFC 8785 signs numbers as doubles: write it as a string)"
+    )
+}
+
 /// A JSON value parsed with duplicate keys rejected and nesting bounded.
+///
+/// Numbers are held as RFC 8785 signs them, as IEEE 754 doubles: an integer that a double
+/// cannot hold exactly (e.g. 9007199254740993) is refused — the signature would cover a
+/// different number than the one acted on —, integral values up to 2^53 − 1 are integers
+/// (`1.0` is `1`, as canonicalised) and larger ones doubles. So a parsed command is exactly
+/// the command its canonical form (the signed bytes) parses to.
 struct Strict(Value);
 
 struct StrictVisitor {
@@ -79,13 +96,31 @@ impl<'de> Visitor<'de> for StrictVisitor {
     fn visit_bool<E>(self, v: bool) -> Result<Value, E> {
         Ok(Value::Bool(v))
     }
-    fn visit_i64<E>(self, v: i64) -> Result<Value, E> {
-        Ok(Value::from(v))
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<Value, E> {
+        if v.unsigned_abs() <= MAX_EXACT_INTEGER {
+            return Ok(Value::from(v));
+        }
+        let f = v as f64;
+        if (-9_223_372_036_854_775_808.0..9_223_372_036_854_775_808.0).contains(&f) && f as i64 == v {
+            return self.visit_f64(f);
+        }
+        Err(E::custom(inexact(v)))
     }
-    fn visit_u64<E>(self, v: u64) -> Result<Value, E> {
-        Ok(Value::from(v))
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<Value, E> {
+        if v <= MAX_EXACT_INTEGER {
+            return Ok(Value::from(v));
+        }
+        let f = v as f64;
+        if f < 18_446_744_073_709_551_616.0 && f as u64 == v {
+            return self.visit_f64(f);
+        }
+        Err(E::custom(inexact(v)))
     }
     fn visit_f64<E: de::Error>(self, v: f64) -> Result<Value, E> {
+        // An integral value within the exact range is the integer RFC 8785 writes for it.
+        if v.fract() == 0.0 && v.abs() <= MAX_EXACT_INTEGER as f64 {
+            return Ok(Value::from(v as i64));
+        }
         serde_json::Number::from_f64(v).map(Value::Number).ok_or_else(|| E::custom("number out of range"))
     }
     fn visit_str<E>(self, v: &str) -> Result<Value, E> {
@@ -373,6 +408,35 @@ mod tests {
         assert!(matches!(parse_command(b"{} {}").unwrap_err(), SigningError::Parse(_)));
         let big = vec![b' '; MAX_COMMAND_BYTES + 1];
         assert!(matches!(parse_command(&big).unwrap_err(), SigningError::TooLarge(_)));
+    }
+
+    /// Found by the `command` fuzz target: 9007199254740993 parsed as that integer, but the
+    /// canonical form (what is signed) wrote the nearest double, 9007199254740992 — the
+    /// signature covered a different number than the one the executor would get. And `1.0`
+    /// parsed as a double whose canonical form `1` parses back as an integer.
+    #[test]
+    fn numbers_are_what_the_canonical_form_says() {
+        for n in ["9007199254740993", "-9007199254740993", "18446744073709551615", "-9223372036854775807"] {
+            let e = parse_command(format!("{{\"n\":{n}}}").as_bytes()).unwrap_err();
+            assert!(e.to_string().contains("not exactly representable"), "{n}: {e}");
+        }
+        for (n, canonical) in [
+            ("9007199254740991", "9007199254740991"),
+            ("-9007199254740991", "-9007199254740991"),
+            ("9007199254740992", "9007199254740992"),
+            ("10000000000000000000", "10000000000000000000"),
+            ("-9223372036854775808", "-9223372036854776000"),
+            ("1.0", "1"),
+            ("-0.0", "0"),
+            ("1e2", "100"),
+            ("1.5", "1.5"),
+            ("1e300", "1e+300"),
+        ] {
+            let cmd = parse_command(format!("{{\"n\":{n}}}").as_bytes()).unwrap();
+            let bytes = signed_bytes(&cmd).unwrap();
+            assert_eq!(String::from_utf8_lossy(&bytes), format!("{{\"n\":{canonical}}}"), "{n}");
+            assert_eq!(parse_command(&bytes).unwrap(), cmd, "{n}: the canonical form is the same command");
+        }
     }
 
     #[test]

@@ -182,14 +182,61 @@ struct Last {
     line: usize,
 }
 
-/// Verify `files`, oldest first. `Err` only when a file cannot be read.
+/// The largest file `verify` reads: a log rotates before it grows past `audit.max_bytes`
+/// (at most [`super::MAX_MAX_BYTES`]), plus room for one record. Anything larger is not a
+/// file the agent wrote, and is refused before it is read (memory is bounded by this).
+pub const MAX_FILE_BYTES: u64 = super::MAX_MAX_BYTES + (1 << 20);
+
+/// Verify `files`, oldest first. `Err` only when a file cannot be read (or is larger than
+/// [`MAX_FILE_BYTES`]).
 pub fn verify(files: &[PathBuf]) -> Result<VerifyReport, AuditError> {
     if files.is_empty() {
         return Err(AuditError { path: "-".into(), message: "no files to verify".into() });
     }
     for f in files {
-        std::fs::metadata(f).map_err(|e| AuditError::new(f, e))?;
+        let meta = std::fs::metadata(f).map_err(|e| AuditError::new(f, e))?;
+        if meta.len() > MAX_FILE_BYTES {
+            return Err(AuditError::new(
+                f,
+                format!(
+                    "{} bytes, more than the {MAX_FILE_BYTES} an audit log file can hold (audit.max_bytes is at most {})",
+                    meta.len(),
+                    super::MAX_MAX_BYTES
+                ),
+            ));
+        }
     }
+    let names: Vec<String> = files.iter().map(|f| f.display().to_string()).collect();
+    verify_with(&names, |i| {
+        let f = &files[i];
+        let mut buf = Vec::new();
+        std::io::Read::read_to_end(
+            &mut std::io::Read::take(std::fs::File::open(f).map_err(|e| AuditError::new(f, e))?, MAX_FILE_BYTES + 1),
+            &mut buf,
+        )
+        .map_err(|e| AuditError::new(f, e))?;
+        if buf.len() as u64 > MAX_FILE_BYTES {
+            return Err(AuditError::new(f, format!("more than the {MAX_FILE_BYTES} bytes an audit log file can hold")));
+        }
+        Ok(std::borrow::Cow::Owned(buf))
+    })
+}
+
+/// Verify the contents of log files held in memory, `(name, bytes)`, oldest first: the same
+/// checks as [`verify`] (which reads files and calls the same code), for any bytes.
+pub fn verify_bytes(files: &[(&str, &[u8])]) -> VerifyReport {
+    let names: Vec<String> = files.iter().map(|(n, _)| n.to_string()).collect();
+    match verify_with(&names, |i| Ok::<_, std::convert::Infallible>(std::borrow::Cow::Borrowed(files[i].1))) {
+        Ok(r) => r,
+        Err(never) => match never {},
+    }
+}
+
+/// The chain check over `names.len()` files whose contents `read(i)` gives, oldest first.
+fn verify_with<'a, E>(
+    names: &[String],
+    read: impl Fn(usize) -> Result<std::borrow::Cow<'a, [u8]>, E>,
+) -> Result<VerifyReport, E> {
     let mut report = VerifyReport {
         intact: true,
         records: 0,
@@ -201,9 +248,9 @@ pub fn verify(files: &[PathBuf]) -> Result<VerifyReport, AuditError> {
         problem: None,
     };
     let mut last: Option<Last> = None;
-    for (fi, path) in files.iter().enumerate() {
-        let bytes = std::fs::read(path).map_err(|e| AuditError::new(path, e))?;
-        let name = path.display().to_string();
+    for (fi, name) in names.iter().enumerate() {
+        let bytes = read(fi)?;
+        let name = name.clone();
         let (lines, terminated) = split(&bytes);
         let mut summary =
             FileSummary { path: name.clone(), lines: lines.len(), records: 0, first_seq: None, last_seq: None };
@@ -322,7 +369,7 @@ pub fn verify(files: &[PathBuf]) -> Result<VerifyReport, AuditError> {
                     if rec.seq > p.seq + 1 {
                         let (lo, hi) = (p.seq + 1, rec.seq - 1);
                         let gap = if lo == hi { format!("seq {lo}") } else { format!("seq {lo}..{hi}") };
-                        let (kind, d) = match seq_later(&lines[i + 1..], &files[fi + 1..], lo, hi) {
+                        let (kind, d) = match seq_later(&lines[i + 1..], fi + 1..names.len(), &read, lo, hi) {
                             Some(s) => (
                                 Kind::Reordered,
                                 format!(
@@ -379,7 +426,13 @@ fn fail(mut report: VerifyReport, summary: FileSummary, problem: Problem) -> Ver
 }
 
 /// A seq in `lo..=hi` among the rest of this file's lines or in the later files.
-fn seq_later(rest: &[&[u8]], later: &[PathBuf], lo: u64, hi: u64) -> Option<u64> {
+fn seq_later<'a, E>(
+    rest: &[&[u8]],
+    later: std::ops::Range<usize>,
+    read: &impl Fn(usize) -> Result<std::borrow::Cow<'a, [u8]>, E>,
+    lo: u64,
+    hi: u64,
+) -> Option<u64> {
     let find = |lines: &mut dyn Iterator<Item = &[u8]>| {
         lines.filter_map(|l| parse_record(l).ok()).map(|r| r.seq).find(|s| (lo..=hi).contains(s))
     };
@@ -387,7 +440,7 @@ fn seq_later(rest: &[&[u8]], later: &[PathBuf], lo: u64, hi: u64) -> Option<u64>
         return Some(s);
     }
     for f in later {
-        let Ok(bytes) = std::fs::read(f) else { continue };
+        let Ok(bytes) = read(f) else { continue };
         if let Some(s) = find(&mut split(&bytes).0.into_iter()) {
             return Some(s);
         }
@@ -582,5 +635,39 @@ mod tests {
         files.swap(0, 1);
         let pr = verify(&files).unwrap().problem.unwrap();
         assert!(matches!(pr.kind, Kind::Reordered | Kind::Removed), "{pr:?}");
+    }
+
+    #[test]
+    fn bytes_and_files_verify_alike() {
+        let (_s, p) = log_with(4);
+        let bytes = std::fs::read(&p).unwrap();
+        let from_file = verify(std::slice::from_ref(&p)).unwrap();
+        let name = p.display().to_string();
+        let from_bytes = verify_bytes(&[(&name, &bytes)]);
+        assert!(from_bytes.intact, "{}", from_bytes.render());
+        assert_eq!(from_bytes.render(), from_file.render());
+        // Split into a rotated file and the live one, as the records go.
+        let cut = bytes.iter().enumerate().filter(|(_, b)| **b == b'\n').nth(1).unwrap().0 + 1;
+        let two = verify_bytes(&[("a.1", &bytes[..cut]), ("a", &bytes[cut..])]);
+        assert!(two.intact && two.records == 4, "{}", two.render());
+        // Hostile lines are problems at their line, not crashes.
+        let deep = format!("{}{}", "[".repeat(100_000), "]".repeat(100_000));
+        for line in [deep.as_bytes(), &b"\xff\xfe{}"[..]] {
+            let mut b = bytes.clone();
+            b.extend_from_slice(line);
+            b.push(b'\n');
+            let r = verify_bytes(&[("a", &b)]);
+            let pr = r.problem.unwrap();
+            assert_eq!((pr.kind, pr.line), (Kind::NotJson, 5), "{pr:?}");
+        }
+    }
+
+    #[test]
+    fn a_file_larger_than_any_log_is_refused_unread() {
+        let s = Scratch::new("huge");
+        let f = std::fs::File::create(s.log()).unwrap();
+        f.set_len(MAX_FILE_BYTES + 1).unwrap(); // sparse: nothing is written
+        let e = verify(&[s.log()]).unwrap_err();
+        assert!(e.message.contains("more than the"), "{e}");
     }
 }
