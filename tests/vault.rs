@@ -456,29 +456,21 @@ fn bad_configurations_are_refused_naming_the_key() {
         dir.path.join("state").display(),
         dir.path.join("run/agent.sock").display()
     );
-    // (edit of the good config, the key the error must name, another word it must contain)
-    let cases: Vec<(Box<dyn Fn(&str) -> String>, &str, &str)> = vec![
-        (Box::new(|t: &str| t.replace("https://", "http://")), "secrets.vault_address", "http"),
-        (
-            Box::new(|t: &str| t.replace("auth_method: approle", "auth_method: userpass")),
-            "secrets.auth_method",
-            "userpass",
-        ),
-        (Box::new(|t: &str| t.replace("  vault_ca:", "  #vault_ca:")), "secrets.vault_ca", "required"),
-        (
-            Box::new(|t: &str| t.replace("vault_path: secret/data/opservant", "vault_path: secret/../x")),
-            "secrets.vault_path",
-            "..",
-        ),
-        (Box::new(|t: &str| t.replace("  role_id:", "  #role_id:")), "secrets.role_id", "required"),
+    // (text of the good config, its replacement, the key the error must name, a word it must contain)
+    let cases = [
+        ("https://", "http://", "secrets.vault_address", "http"),
+        ("auth_method: approle", "auth_method: userpass", "secrets.auth_method", "userpass"),
+        ("  vault_ca:", "  #vault_ca:", "secrets.vault_ca", "required"),
+        ("vault_path: secret/data/opservant", "vault_path: secret/../x", "secrets.vault_path", ".."),
+        ("  role_id:", "  #role_id:", "secrets.role_id", "required"),
     ];
-    for (edit, key, word) in &cases {
+    for (from, to, key, word) in cases {
         let sub = HostDir::new();
         let conf = config(&sub, &v.address(), &pki.ca, &secret_id(), "");
         let text = std::fs::read_to_string(&conf)
             .unwrap()
             .replace("agent:\n  id: ag-vault\n", &format!("agent:\n  id: ag-vault\n{daemon_keys}"));
-        std::fs::write(&conf, edit(&text)).unwrap();
+        std::fs::write(&conf, text.replace(from, to)).unwrap();
         run(&pkg, &conf, json!({"names": []})).cannot_run(&[key, word]);
         op(&["agent", "--check-config", "--config", conf.to_str().unwrap()], &[]).cannot_run(&[key, word]);
     }
