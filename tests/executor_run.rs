@@ -848,7 +848,7 @@ fn invalid_config_is_refused() {
     run(&d.path, &["--config", c.arg()]).cannot_run(&["resource_limits.default_memory_mb", "ceiling"]);
     let c = config("agent: [unclosed\n", None);
     run(&d.path, &["--config", c.arg()]).cannot_run(&[c.arg()]);
-    let c = config("secrets:\n  provider: vault\n", None);
+    let c = config("secrets:\n  provider: hsm\n", None);
     run(&d.path, &["--config", c.arg()]).cannot_run(&["secrets.provider"]);
     run(&d.path, &["--config", "/nonexistent/config.yaml"]).cannot_run(&["/nonexistent/config.yaml", "cannot read"]);
     // A secrets file others can read is refused (fail closed).

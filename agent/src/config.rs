@@ -165,8 +165,8 @@ pub struct SandboxSection {
 #[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct SecretsSection {
-    /// `builtin` (the AES-256-GCM store) or `file` (a local development secrets file);
-    /// `vault` comes later.
+    /// `builtin` (the AES-256-GCM store), `vault` (HashiCorp Vault, see
+    /// [`crate::secrets_vault`]) or `file` (a local development secrets file).
     pub provider: Option<String>,
     /// For `provider: file`: a YAML map of name → value, root-owned, mode 0600.
     pub file: Option<PathBuf>,
@@ -176,12 +176,22 @@ pub struct SecretsSection {
     /// The built-in store's key, root-owned, mode 0600; default /etc/opservant/secrets.key.
     /// The systemd credential `opservant-secrets-key` in $CREDENTIALS_DIRECTORY wins over it.
     pub key_file: Option<PathBuf>,
-    // Seed 001's Vault keys, accepted so its example parses.
+    // `provider: vault` (seed 001's keys, plus `vault_ca` and `vault_namespace`); checked by
+    // `crate::secrets_vault::VaultSettings::from_config`.
+    /// `https://HOST[:PORT]` of the Vault server.
     pub vault_address: Option<String>,
+    /// The CA (PEM) the Vault server's certificate must chain to (required).
+    pub vault_ca: Option<PathBuf>,
+    /// KV v2 `MOUNT/data/PREFIX` (e.g. `secret/data/opservant`).
     pub vault_path: Option<String>,
+    /// `approle` (the only method, and the default).
     pub auth_method: Option<String>,
     pub role_id: Option<String>,
+    /// The AppRole secret_id, root-owned, mode 0600; the systemd credential
+    /// `opservant-vault-secret-id` in $CREDENTIALS_DIRECTORY wins over it.
     pub secret_id_file: Option<PathBuf>,
+    /// Vault Enterprise namespace (`X-Vault-Namespace`).
+    pub vault_namespace: Option<String>,
 }
 
 impl Config {
@@ -256,10 +266,13 @@ impl Config {
             Some("file") if self.secrets.file.is_some() => {}
             Some("file") => return Err(err("secrets.file", "is required with provider: file")),
             Some("builtin") => {}
+            Some("vault") => {
+                crate::secrets_vault::VaultSettings::from_config(&self.secrets)?;
+            }
             Some(other) => {
                 return Err(err(
                     "secrets.provider",
-                    &format!("'{other}' is not available in this build (use 'builtin' or 'file'; Vault comes with the agent daemon)"),
+                    &format!("'{}' is not a provider (use 'builtin', 'vault' or 'file')", other.escape_debug()),
                 ))
             }
         }
@@ -393,8 +406,10 @@ mod tests {
         assert!(e.to_string().contains("idd"), "{e}");
         let e = Config::parse("resource_limits:\n  default_memory_mb: 600\n").unwrap_err();
         assert_eq!(e.path, "resource_limits.default_memory_mb", "{e}");
-        let e = Config::parse("secrets:\n  provider: vault\n").unwrap_err();
+        let e = Config::parse("secrets:\n  provider: hsm\n").unwrap_err();
         assert_eq!(e.path, "secrets.provider");
+        let e = Config::parse("secrets:\n  provider: vault\n").unwrap_err();
+        assert_eq!(e.path, "secrets.vault_address");
         let e = Config::parse("secrets:\n  provider: file\n").unwrap_err();
         assert_eq!(e.path, "secrets.file");
     }

@@ -396,10 +396,17 @@ fn serve(
                             }
                         }
                         Err(e) => {
+                            // Provider errors never carry values, tokens or credentials.
                             tracing::error!(executor, secret = %name, "{e}");
                             audit::record(
                                 "secret_denied",
-                                &[("executor", executor), ("secret", &name), ("reason", "provider error")],
+                                &[
+                                    ("executor", executor),
+                                    ("secret", &name),
+                                    ("reason", "provider error"),
+                                    ("detail", &e),
+                                    ("command_id", command_id),
+                                ],
                             );
                             ToPayload::SecretDenied {
                                 reason: format!("secret '{name}' could not be read from the configured provider"),

@@ -27,5 +27,7 @@ pub mod script_run;
 pub mod secrets;
 pub mod secrets_cli;
 pub mod secrets_store;
+pub mod secrets_vault;
 pub mod session;
 pub mod signing;
+pub mod tls;

@@ -80,36 +80,16 @@ impl Platform {
                 ));
             }
         }
-        let roots: Vec<ureq::tls::Certificate<'static>> = ureq::tls::parse_pem(&read(&ca, "ca")?)
-            .filter_map(|i| match i {
-                Ok(ureq::tls::PemItem::Certificate(c)) => Some(c),
-                _ => None,
-            })
-            .collect();
-        if roots.is_empty() {
-            return Err(format!("network.agent_to_platform.ca: {}: no certificate in it", ca.display()));
-        }
-        let chain: Vec<ureq::tls::Certificate<'static>> = ureq::tls::parse_pem(&read(&cert, "cert")?)
-            .filter_map(|i| match i {
-                Ok(ureq::tls::PemItem::Certificate(c)) => Some(c),
-                _ => None,
-            })
-            .collect();
+        let roots = crate::tls::read_ca(&ca, "network.agent_to_platform.ca")?;
+        let chain = crate::tls::pem_certificates(&read(&cert, "cert")?);
         if chain.is_empty() {
             return Err(format!("network.agent_to_platform.cert: {}: no certificate in it", cert.display()));
         }
         let key_pem = zeroize::Zeroizing::new(read(&key, "key")?);
         let private = ureq::tls::PrivateKey::from_pem(&key_pem)
             .map_err(|e| format!("network.agent_to_platform.key: {}: {e}", key.display()))?;
-        // TLS 1.3 only: a provider that offers nothing but TLS 1.3 suites.
-        let mut provider = rustls::crypto::ring::default_provider();
-        provider.cipher_suites.retain(|s| matches!(s, rustls::SupportedCipherSuite::Tls13(_)));
-        let tls = ureq::tls::TlsConfig::builder()
-            .provider(ureq::tls::TlsProvider::Rustls)
-            .unversioned_rustls_crypto_provider(Arc::new(provider))
-            .root_certs(ureq::tls::RootCerts::new_with_certs(&roots))
-            .client_cert(Some(ureq::tls::ClientCert::new_with_certs(&chain, private)))
-            .build();
+        // TLS 1.3 only, the platform CA only.
+        let tls = crate::tls::client_config(&roots, Some(ureq::tls::ClientCert::new_with_certs(&chain, private)));
         let poll = Duration::from_secs(p.poll_seconds.unwrap_or(25).clamp(1, 300));
         let proxy = match c.network.proxy.as_ref().and_then(|x| x.https.clone()) {
             Some(url) => Some(ureq::Proxy::new(&url).map_err(|e| format!("network.proxy.https: {e}"))?),

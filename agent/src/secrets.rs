@@ -4,8 +4,10 @@
 //! sandbox's application channel answered here: granted only for names the manifest declares
 //! under `permissions.secrets`, every grant and refusal audited, never placed in the
 //! environment or a file. Providers: `builtin`, the AES-256-GCM store of
-//! [`crate::secrets_store`] (a value is decrypted only when a run asks for it), and `file`, a
-//! development file (a root-owned, mode-0600 YAML map); Vault comes with the agent daemon.
+//! [`crate::secrets_store`] (a value is decrypted only when a run asks for it); `vault`,
+//! HashiCorp Vault's KV v2 with an AppRole login ([`crate::secrets_vault`]: one client per
+//! process, its token renewed while in use, nothing contacted until a run asks for a secret);
+//! and `file`, a development file (a root-owned, mode-0600 YAML map).
 //!
 //! Guarantees: values held here (a delivered value, the development file's map) are wiped
 //! from memory when dropped; [`Redactor`] replaces every value a run obtained, and the common
@@ -19,6 +21,7 @@ use zeroize::{Zeroize, Zeroizing};
 
 use crate::config::Config;
 use crate::secrets_store::{Location, Store};
+use crate::secrets_vault::{VaultClient, VaultSettings};
 
 /// Where secrets come from.
 pub enum Provider {
@@ -26,6 +29,8 @@ pub enum Provider {
     File(BTreeMap<String, String>),
     /// The built-in store; `None` when its file does not exist yet (no secrets).
     Builtin(Option<Store>),
+    /// HashiCorp Vault: the process's shared client.
+    Vault(std::sync::Arc<VaultClient>),
 }
 
 impl Drop for Provider {
@@ -47,16 +52,25 @@ impl Provider {
                 .open_existing()
                 .map(Provider::Builtin)
                 .map_err(|e| format!("secrets.provider builtin: {e}")),
+            (Some("vault"), _) => {
+                let settings = VaultSettings::from_config(&config.secrets).map_err(|e| e.to_string())?;
+                crate::secrets_vault::shared(&settings).map(Provider::Vault)
+            }
             _ => Ok(Provider::None),
         }
     }
 
     /// Check the configured provider without reading any secret value (the built-in store is
-    /// opened and verified with its key, and nothing is decrypted).
+    /// opened and verified with its key, and nothing is decrypted; for Vault the settings, the
+    /// CA file and the secret_id file are checked and Vault is not contacted).
     pub fn check_config(config: &Config) -> Result<(), String> {
         match (config.secrets.provider.as_deref(), &config.secrets.file) {
             (Some("file"), Some(path)) => Self::check_file(path),
             (Some("builtin"), _) => Self::from_config(config).map(drop),
+            (Some("vault"), _) => {
+                let settings = VaultSettings::from_config(&config.secrets).map_err(|e| e.to_string())?;
+                crate::secrets_vault::check(&settings)
+            }
             _ => Ok(()),
         }
     }
@@ -89,6 +103,7 @@ impl Provider {
             Provider::None | Provider::Builtin(None) => Ok(None),
             Provider::File(map) => Ok(map.get(name).map(|v| Zeroizing::new(v.clone()))),
             Provider::Builtin(Some(store)) => store.get(name).map_err(|e| e.to_string()),
+            Provider::Vault(client) => client.get(name).map_err(|e| e.to_string()),
         }
     }
 }

@@ -605,7 +605,7 @@ fn decode_exact<const N: usize>(b64: &str) -> Option<[u8; N]> {
 
 /// Open for reading a file that must be private: a regular file, owned by root or the running
 /// user, no group or other access. Checked on the open descriptor (no check-then-open race).
-fn open_private(what: &'static str, path: &Path) -> Result<File, StoreError> {
+pub(crate) fn open_private(what: &'static str, path: &Path) -> Result<File, StoreError> {
     let f = OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_CLOEXEC | libc::O_NOCTTY | libc::O_NONBLOCK)

@@ -1,0 +1,43 @@
+//! TLS client settings shared by the agent's outbound HTTPS connections (the platform
+//! connection of [`crate::platform`] and the Vault client of [`crate::secrets_vault`]).
+//!
+//! Guarantees: rustls with the ring provider offering TLS 1.3 cipher suites only (so nothing
+//! older can be negotiated), and the CA the configuration names as the only trust anchor —
+//! the system trust store is never consulted.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use ureq::tls::{Certificate, ClientCert, PemItem, RootCerts, TlsConfig, TlsProvider};
+
+/// The certificates in a PEM text (other items, and unparsable ones, are skipped).
+pub fn pem_certificates(pem: &[u8]) -> Vec<Certificate<'static>> {
+    ureq::tls::parse_pem(pem)
+        .filter_map(|i| match i {
+            Ok(PemItem::Certificate(c)) => Some(c),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The CA certificates of the PEM file at `path`; errors name the configuration `key`.
+pub fn read_ca(path: &Path, key: &str) -> Result<Vec<Certificate<'static>>, String> {
+    let pem = std::fs::read(path).map_err(|e| format!("{key}: {}: {e}", path.display()))?;
+    let roots = pem_certificates(&pem);
+    if roots.is_empty() {
+        return Err(format!("{key}: {}: no certificate in it", path.display()));
+    }
+    Ok(roots)
+}
+
+/// TLS 1.3 only, `roots` as the only trust anchors, with an optional client certificate.
+pub fn client_config(roots: &[Certificate<'static>], client: Option<ClientCert>) -> TlsConfig {
+    let mut provider = rustls::crypto::ring::default_provider();
+    provider.cipher_suites.retain(|s| matches!(s, rustls::SupportedCipherSuite::Tls13(_)));
+    TlsConfig::builder()
+        .provider(TlsProvider::Rustls)
+        .unversioned_rustls_crypto_provider(Arc::new(provider))
+        .root_certs(RootCerts::new_with_certs(roots))
+        .client_cert(client)
+        .build()
+}
