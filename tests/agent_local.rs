@@ -226,6 +226,7 @@ fn signed_commands_run_and_every_rejection_is_audited() {
     assert_eq!(r["status"], "completed");
     assert_eq!(r["command_id"], "cmd-1");
     assert_eq!(r["output"]["ports"][0]["status"], "closed", "{r}");
+    assert_eq!(r["sandbox"]["launch"], "zygote", "the daemon starts sandboxes from its zygote: {r}");
     let mut by_action = scan("cmd-2");
     by_action.as_object_mut().unwrap().remove("executor");
     by_action["action_id"] = json!("act-port-scan");
@@ -297,6 +298,54 @@ fn signed_commands_run_and_every_rejection_is_audited() {
     assert!(events.iter().any(|e| e["event"] == "permission_denied"));
     assert!(events.iter().any(|e| e["event"] == "command_received" && e["fields"]["signature"] == "valid"));
     assert!(events.iter().any(|e| e["event"] == "executor_complete" && e["fields"]["command_id"] == "cmd-1"));
+}
+
+/// The agent's zygote: its child running `opservant-runtime --zygote`.
+fn zygote_pid(agent: u32) -> Option<i32> {
+    let tasks = std::fs::read_dir(format!("/proc/{agent}/task")).ok()?;
+    let children: Vec<i32> = tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("children")).ok())
+        .flat_map(|c| c.split_whitespace().filter_map(|p| p.parse().ok()).collect::<Vec<i32>>())
+        .collect();
+    children.into_iter().find(|pid| {
+        std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| c.split(|b| *b == 0).any(|a| a == b"--zygote"))
+    })
+}
+
+#[test]
+fn a_dead_zygote_costs_one_cold_start_and_is_replaced() {
+    if !common::require_root() {
+        return;
+    }
+    let mut a = Agent::new(2);
+    a.start();
+    let agent = a.child.as_ref().unwrap().id();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let first = loop {
+        if let Some(pid) = zygote_pid(agent) {
+            break pid;
+        }
+        assert!(Instant::now() < deadline, "the agent starts its zygote at start-up");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let (code, r) = a.submit(&a.sign(&scan("z-1")));
+    assert_eq!((code, r["sandbox"]["launch"].clone()), (0, json!("zygote")), "{r}");
+
+    // SAFETY: kill(2) on a pid we just read as our agent's child.
+    unsafe { libc::kill(first, libc::SIGKILL) };
+    std::thread::sleep(Duration::from_millis(200));
+    let (code, r) = a.submit(&a.sign(&scan("z-2")));
+    assert_eq!((code, r["sandbox"]["launch"].clone()), (0, json!("cold")), "falls back to the cold path: {r}");
+    let (code, r) = a.submit(&a.sign(&scan("z-3")));
+    assert_eq!((code, r["sandbox"]["launch"].clone()), (0, json!("zygote")), "a new zygote: {r}");
+    let second = zygote_pid(agent).expect("a new zygote runs");
+    assert_ne!(first, second);
+    assert!(a.stop().success());
+    assert!(std::fs::metadata(format!("/proc/{second}")).is_err(), "the zygote ends with the agent");
+    a.audit_verify();
+    let fallbacks: Vec<Value> = a.audit_events().into_iter().filter(|e| e["event"] == "zygote_fallback").collect();
+    assert_eq!(fallbacks.len(), 1, "{fallbacks:?}");
 }
 
 #[test]

@@ -132,6 +132,9 @@ pub struct AgentSection {
     pub socket: Option<PathBuf>,
     /// Commands run at once (1-256, default 4); one more is rejected as overloaded.
     pub max_concurrent: Option<usize>,
+    /// How the daemon starts sandboxes: `zygote` (default: fork a pre-initialised runtime,
+    /// falling back to `cold` when it is unavailable) or `cold` (a fresh process each time).
+    pub launch: Option<crate::launch::LaunchMode>,
 }
 
 /// Seed 001: `default_timeout_seconds` sets a default, `max_*` set ceilings; `default_*`

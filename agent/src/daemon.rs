@@ -197,6 +197,8 @@ pub struct DaemonSettings {
     pub state_dir: PathBuf,
     pub max_concurrent: usize,
     pub platform_key: PathBuf,
+    /// `agent.launch`; the daemon defaults to the zygote.
+    pub launch: crate::launch::LaunchMode,
 }
 
 impl DaemonSettings {
@@ -210,6 +212,7 @@ impl DaemonSettings {
             state_dir: a.state_dir.clone().unwrap_or_else(|| DEFAULT_STATE_DIR.into()),
             max_concurrent: a.max_concurrent.unwrap_or(DEFAULT_MAX_CONCURRENT),
             platform_key,
+            launch: a.launch.unwrap_or(crate::launch::LaunchMode::Zygote),
         })
     }
 }

@@ -20,7 +20,8 @@ use sandbox::{Launcher, PayloadEnd};
 pub const SANDBOX_INIT: &str = "__sandbox-init";
 
 /// `--launch` of the CLI.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
 pub enum LaunchMode {
     /// A fresh process per sandbox (the default for one-shot commands).
     #[default]

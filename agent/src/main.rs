@@ -543,6 +543,19 @@ fn agent_daemon(config: Option<PathBuf>, check_only: bool) -> Result<ExitCode, C
         return Ok(ExitCode::SUCCESS);
     }
     agent::audit::init(&cfg)?;
+    // The daemon is multi-threaded: sandboxes start from its zygote (a process of their own,
+    // started now so the first command does not wait for it) or from a fresh exec.
+    let launcher = match settings.launch {
+        LaunchMode::Cold => sandbox::Launcher::reexec(SANDBOX_INIT),
+        LaunchMode::Zygote => {
+            let zygote = agent::launch::zygote(&runtime);
+            if let Err(e) = zygote.start() {
+                tracing::warn!(error = %e, "zygote did not start; sandboxes start cold until it does");
+                agent::audit::record("zygote_fallback", &[("error", &e.to_string())]);
+            }
+            agent::launch::for_runtime(&zygote)
+        }
+    };
     let pipeline = agent::command::Pipeline {
         seen: agent::replay::SeenCommands::new(&settings.state_dir.join("commands-seen")),
         executors: cfg.executors.root(),
@@ -550,8 +563,7 @@ fn agent_daemon(config: Option<PathBuf>, check_only: bool) -> Result<ExitCode, C
         policy,
         platform_key,
         runtime,
-        // The daemon is multi-threaded: sandboxes start from a fresh exec of this binary.
-        launcher: sandbox::Launcher::reexec(SANDBOX_INIT),
+        launcher,
         max_concurrent: settings.max_concurrent,
         running: Default::default(),
     };

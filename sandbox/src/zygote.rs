@@ -16,9 +16,11 @@
 //! Guarantees: the zygote receives nothing but descriptors and a mode byte — no spec, no
 //! secrets, no executor code; the forked child reads its spec from the channel like a cold
 //! monitor. A child starts with default signal dispositions, an empty signal mask and only
-//! stdio, the channel and (optionally) the application channel open. The zygote dies with
-//! the process that started it (`PR_SET_PDEATHSIG`) and exits when its control socket
-//! closes. A request the zygote cannot serve is an error ([`SandboxError::Zygote`]) before
+//! stdio, the channel and (optionally) the application channel open. The zygote exits when
+//! its control socket closes — when the [`Zygote`] is dropped or its process dies, since
+//! only that process holds the other end (close-on-exec). Not `PR_SET_PDEATHSIG`: that
+//! follows the *thread* that spawned the zygote, and a multi-threaded agent starts it from
+//! whichever thread needs it first. A request the zygote cannot serve is an error ([`SandboxError::Zygote`]) before
 //! anything of the sandbox ran, so the caller may fall back to the cold path.
 //!
 //! Known limits of any fork-based zygote (documented for operators): every child shares the
@@ -75,8 +77,8 @@ pub fn serve() -> Result<Served, SandboxError> {
     let control = unsafe { OwnedFd::from_raw_fd(CONTROL_FD) };
     nix::fcntl::fcntl(&control, nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC))
         .map_err(|e| zerr(format!("control socket on fd {CONTROL_FD}: {}", e.desc())))?;
-    // SAFETY: PR_SET_PDEATHSIG takes an integer signal number.
-    unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) };
+    // No PR_SET_PDEATHSIG (it would follow the spawning thread, see the module doc): the
+    // control socket's end of file is the parent's death.
     let mut mask = SigSet::empty();
     mask.add(Signal::SIGCHLD);
     mask.thread_block().map_err(|e| zerr(format!("block SIGCHLD: {}", e.desc())))?;
