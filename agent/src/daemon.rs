@@ -171,6 +171,11 @@ fn serve_client(mut stream: UnixStream, pipeline: &Pipeline) {
     if (&mut stream).take(limit).read_to_end(&mut buf).is_err() {
         return;
     }
+    if buf.is_empty() {
+        // Connected and closed without a byte (a liveness probe): no command, no reply,
+        // and no place in the concurrency limit.
+        return;
+    }
     let reply = pipeline.submit(&buf, "socket");
     let mut line = reply.to_string();
     line.push('\n');

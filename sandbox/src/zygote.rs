@@ -207,8 +207,28 @@ fn receive(control: &OwnedFd) -> Result<Option<(u8, Vec<OwnedFd>)>, SandboxError
     }
 }
 
+/// First byte of a reply: the sandbox started (then the pid, little-endian, and a pidfd)…
+const REPLY_STARTED: u8 = b'+';
+/// … or the request was refused (then a message).
+const REPLY_REFUSED: u8 = b'!';
+
+fn started_body(pid: Pid) -> [u8; 5] {
+    let [a, b, c, d] = pid.as_raw().to_le_bytes();
+    [REPLY_STARTED, a, b, c, d]
+}
+
+/// A reply's meaning; `pidfd` is the descriptor that came with it, if any.
+fn decode_reply(data: &[u8], pidfd: Option<OwnedFd>) -> Result<(Pid, OwnedFd), Failure> {
+    match (data, pidfd) {
+        ([], _) => Err(Failure::Transport("the zygote exited".into())),
+        ([REPLY_REFUSED, message @ ..], _) => Err(Failure::Refused(String::from_utf8_lossy(message).into_owned())),
+        ([REPLY_STARTED, a, b, c, d], Some(fd)) => Ok((Pid::from_raw(i32::from_le_bytes([*a, *b, *c, *d])), fd)),
+        _ => Err(Failure::Transport("malformed reply".into())),
+    }
+}
+
 fn reply_started(control: &OwnedFd, pid: Pid, pidfd: &OwnedFd) {
-    let body = pid.as_raw().to_le_bytes();
+    let body = started_body(pid);
     let fds = [pidfd.as_raw_fd()];
     let _ = sendmsg::<()>(
         control.as_raw_fd(),
@@ -220,7 +240,7 @@ fn reply_started(control: &OwnedFd, pid: Pid, pidfd: &OwnedFd) {
 }
 
 fn reply_error(control: &OwnedFd, message: &str) {
-    let mut body = vec![b'!'];
+    let mut body = vec![REPLY_REFUSED];
     body.extend_from_slice(message.as_bytes());
     let _ = sendmsg::<()>(control.as_raw_fd(), &[IoSlice::new(&body)], &[], MsgFlags::MSG_NOSIGNAL, None);
 }
@@ -400,16 +420,7 @@ fn request(control: &OwnedFd, fds: &[(OwnedFd, RawFd)], end: PayloadEnd) -> Resu
                     }
                 }
                 let n = msg.bytes;
-                let data = &body[..n];
-                return match (data.first(), pidfd) {
-                    (None, _) => Err(Failure::Transport("the zygote exited".into())),
-                    (Some(b'!'), _) => Err(Failure::Refused(String::from_utf8_lossy(&data[1..]).into_owned())),
-                    (Some(_), Some(fd)) if n == 4 => {
-                        let pid = i32::from_le_bytes([data[0], data[1], data[2], data[3]]);
-                        Ok((Pid::from_raw(pid), fd))
-                    }
-                    _ => Err(Failure::Transport("malformed reply".into())),
-                };
+                return decode_reply(&body[..n], pidfd);
             }
         }
     }
@@ -431,5 +442,32 @@ impl Drop for Zygote {
         if let Some(r) = running {
             r.stop();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn some_fd() -> OwnedFd {
+        std::fs::File::open("/dev/null").unwrap().into()
+    }
+
+    #[test]
+    fn every_pid_decodes_as_started_even_one_whose_first_byte_is_the_refusal_marker() {
+        // 0x6e21 = 28193: little-endian it starts with b'!' (an untagged reply was read as
+        // a refusal, and the run fell back to the cold path).
+        for raw in [0x6e21, 1, 0x2b, 0x7fff_ffff, 4_194_304] {
+            let (pid, _) = decode_reply(&started_body(Pid::from_raw(raw)), Some(some_fd())).ok().unwrap();
+            assert_eq!(pid.as_raw(), raw);
+        }
+    }
+
+    #[test]
+    fn refusals_empty_and_malformed_replies_are_told_apart() {
+        assert!(matches!(decode_reply(b"!no fork", None), Err(Failure::Refused(m)) if m == "no fork"));
+        assert!(matches!(decode_reply(b"", None), Err(Failure::Transport(_))));
+        assert!(matches!(decode_reply(&started_body(Pid::from_raw(7)), None), Err(Failure::Transport(_))));
+        assert!(matches!(decode_reply(b"+\x01\x00\x00", Some(some_fd())), Err(Failure::Transport(_))));
     }
 }

@@ -1,0 +1,173 @@
+//! A real `opservant agent` for the tests: keys, a configuration, installed executors and
+//! the daemon on a socket in a scratch directory (tests/agent_local.rs, tests/load_soak.rs).
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::common::{self, HostDir};
+use serde_json::{json, Value};
+
+pub struct Agent {
+    pub dir: HostDir,
+    pub config: PathBuf,
+    pub socket: PathBuf,
+    pub key: PathBuf,
+    pub child: Option<Child>,
+}
+
+const SLOW_PY: &str = r#"import time
+from opservant.executor import BaseExecutor, ExecutorResult
+
+
+class Slow(BaseExecutor):
+    def validate(self, params):
+        return True
+
+    def execute(self, params, context):
+        time.sleep(params.get("seconds", 1))
+        return ExecutorResult(status="completed", output={"slept": params.get("seconds", 1)})
+"#;
+
+pub fn op(args: &[&str]) -> std::process::Output {
+    Command::new(common::opservant()).args(args).stdin(Stdio::null()).output().expect("spawn opservant")
+}
+
+#[allow(dead_code)] // each test file uses its part
+impl Agent {
+    /// Keys, config, the seed's port scanner and a slow executor installed; not started.
+    pub fn new(max_concurrent: usize) -> Agent {
+        Self::with_network(max_concurrent, "")
+    }
+
+    /// As [`Agent::new`], with `network` (YAML, indented under `network:`) in the config.
+    pub fn with_network(max_concurrent: usize, network: &str) -> Agent {
+        let dir = HostDir::new();
+        let p = |s: &str| dir.path.join(s);
+        assert!(op(&["keygen", "--out", p("keys").to_str().unwrap()]).status.success());
+        let socket = p("run/agent.sock");
+        let config = p("config.yaml");
+        std::fs::write(
+            &config,
+            format!(
+                "agent:\n  platform_public_key: {}\n  state_dir: {}\n  socket: {}\n  max_concurrent: {max_concurrent}\n\
+                 executors:\n  dir: {}\naudit:\n  path: {}\n{network}",
+                p("keys/signing.pub").display(),
+                p("state").display(),
+                socket.display(),
+                p("executors").display(),
+                p("audit/audit.jsonl").display()
+            ),
+        )
+        .unwrap();
+        let slow = p("slow");
+        std::fs::create_dir_all(slow.join("slow")).unwrap();
+        std::fs::write(slow.join("slow/__init__.py"), "").unwrap();
+        std::fs::write(slow.join("slow/main.py"), SLOW_PY).unwrap();
+        std::fs::write(
+            slow.join("manifest.json"),
+            r#"{"name": "slow", "version": "1.0.0", "description": "sleeps", "author": "t",
+                "supported_actions": ["act-sleep"], "entry_point": "slow.main.Slow", "permissions": {},
+                "resource_limits": {"timeout_seconds": 30}}"#,
+        )
+        .unwrap();
+        let scanner = Path::new(env!("CARGO_MANIFEST_DIR")).join("../executors/port-scanner");
+        let c = config.to_str().unwrap();
+        for pkg in [scanner.as_path(), slow.as_path()] {
+            let out = op(&["executor", "install", pkg.to_str().unwrap(), "--config", c]);
+            assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        }
+        let key = p("keys/signing.key");
+        Agent { dir, config, socket, key, child: None }
+    }
+
+    pub fn start(&mut self) {
+        let child = Command::new(common::opservant())
+            .args(["agent", "--config", self.config.to_str().unwrap()])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start the agent");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::os::unix::net::UnixStream::connect(&self.socket).is_err() {
+            assert!(Instant::now() < deadline, "the agent did not start listening");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn stop(&mut self) -> std::process::ExitStatus {
+        let mut child = self.child.take().expect("running");
+        // SAFETY: kill(2) on the pid of our own child.
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        child.wait().expect("wait for the agent")
+    }
+
+    pub fn sign(&self, cmd: &Value) -> Vec<u8> {
+        let mut c = Command::new(common::opservant())
+            .args(["sign", "--key", self.key.to_str().unwrap(), "-"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        use std::io::Write;
+        c.stdin.take().unwrap().write_all(cmd.to_string().as_bytes()).unwrap();
+        let out = c.wait_with_output().unwrap();
+        assert!(out.status.success());
+        out.stdout
+    }
+
+    /// `opservant submit -` with these bytes: (exit code, reply).
+    pub fn submit(&self, bytes: &[u8]) -> (i32, Value) {
+        let mut c = Command::new(common::opservant())
+            .args(["submit", "-", "--socket", self.socket.to_str().unwrap()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        use std::io::Write;
+        let _ = c.stdin.take().unwrap().write_all(bytes);
+        let out = c.wait_with_output().unwrap();
+        let code = out.status.code().unwrap_or(-1);
+        let reply = serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|_| json!({"stderr": String::from_utf8_lossy(&out.stderr)}));
+        (code, reply)
+    }
+
+    pub fn audit_verify(&self) {
+        let out = op(&["audit", "verify", "--config", self.config.to_str().unwrap()]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
+    }
+
+    pub fn audit_events(&self) -> Vec<Value> {
+        std::fs::read_to_string(self.dir.path.join("audit/audit.jsonl"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect()
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// The agent's zygote: its child running `opservant-runtime --zygote`.
+pub fn zygote_pid(agent: u32) -> Option<i32> {
+    let tasks = std::fs::read_dir(format!("/proc/{agent}/task")).ok()?;
+    let children: Vec<i32> = tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("children")).ok())
+        .flat_map(|c| c.split_whitespace().filter_map(|p| p.parse().ok()).collect::<Vec<i32>>())
+        .collect();
+    children.into_iter().find(|pid| {
+        std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| c.split(|b| *b == 0).any(|a| a == b"--zygote"))
+    })
+}
