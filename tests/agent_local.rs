@@ -189,6 +189,44 @@ fn a_dead_zygote_costs_one_cold_start_and_is_replaced() {
 }
 
 #[test]
+fn the_warm_pool_serves_repeat_runs_and_leaves_nothing_behind() {
+    if !common::require_root() {
+        return;
+    }
+    let mut a = Agent::with_agent_keys(2, "  warm_pool: 2\n");
+    a.start();
+    let agent = a.child.as_ref().unwrap().id();
+    // The first run of an executor starts its own sandbox (and one for the pool).
+    let (code, r) = a.submit(&a.sign(&scan("pool-1")));
+    assert_eq!((code, r["sandbox"]["launch"].clone()), (0, json!("zygote")), "{r}");
+    let mut launches = vec![];
+    for i in 2..6 {
+        // A refill may still be on its way; a run that misses starts its own sandbox.
+        std::thread::sleep(Duration::from_millis(300));
+        let (code, r) = a.submit(&a.sign(&scan(&format!("pool-{i}"))));
+        assert_eq!((code, r["status"].clone()), (0, json!("completed")), "{r}");
+        assert_eq!(r["output"]["ports"][0]["status"], "closed", "{r}");
+        assert_eq!(r["sandbox"]["namespaces"].as_array().unwrap().len(), 7, "{r}");
+        assert_eq!(r["sandbox"]["seccomp"], "enforced", "{r}");
+        launches.push(r["sandbox"]["launch"].as_str().unwrap().to_string());
+    }
+    assert!(launches.iter().all(|l| l == "pool"), "repeat runs take pooled sandboxes: {launches:?}");
+    // Tighter limits are another spec: not from the pool.
+    let mut tighter = scan("pool-tight");
+    tighter["resource_limits"] = json!({"timeout_seconds": 10});
+    let (code, r) = a.submit(&a.sign(&tighter));
+    assert_eq!((code, r["sandbox"]["launch"].clone()), (0, json!("zygote")), "{r}");
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(!common::cgroups_of(agent).is_empty(), "pooled sandboxes wait in their cgroups");
+    assert!(a.stop().success());
+    assert!(common::cgroups_of(agent).is_empty(), "the pool's cgroups are removed when the agent stops");
+    assert!(common::host_processes_with("opservant-runtime").iter().all(|p| {
+        std::fs::read_to_string(format!("/proc/{p}/status")).map_or(true, |s| !s.contains(&format!("PPid:\t{agent}")))
+    }));
+    a.audit_verify();
+}
+
+#[test]
 fn overload_is_rejected_and_sigterm_lets_running_commands_finish() {
     if !common::require_root() {
         return;

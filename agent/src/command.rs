@@ -39,6 +39,8 @@ pub struct Pipeline {
     pub executors: PathBuf,
     pub runtime: PathBuf,
     pub launcher: sandbox::Launcher,
+    /// The warm pool (`agent.warm_pool` > 0).
+    pub pool: Option<std::sync::Arc<crate::warm_pool::WarmPool>>,
     /// Commands allowed to run at once (see [`Pipeline::submit`]).
     pub max_concurrent: usize,
     /// Commands running now; maintained by [`Pipeline::submit`] (start it at zero).
@@ -305,6 +307,7 @@ impl Pipeline {
             policy: &self.policy,
             launcher: self.launcher.clone(),
             runtime: self.runtime.clone(),
+            pool: self.pool.clone(),
         };
         match crate::executor_run::run(req) {
             Ok(result) => {

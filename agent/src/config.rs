@@ -135,6 +135,9 @@ pub struct AgentSection {
     /// How the daemon starts sandboxes: `zygote` (default: fork a pre-initialised runtime,
     /// falling back to `cold` when it is unavailable) or `cold` (a fresh process each time).
     pub launch: Option<crate::launch::LaunchMode>,
+    /// Executor sandboxes kept started ahead of their runs (0-64, default 0: off); see
+    /// [`crate::warm_pool`].
+    pub warm_pool: Option<usize>,
 }
 
 /// Seed 001: `default_timeout_seconds` sets a default, `max_*` set ceilings; `default_*`
@@ -251,6 +254,12 @@ impl Config {
             if id.is_empty() || id.len() > 128 || id.chars().any(|c| c.is_control()) {
                 return Err(err("agent.id", "must be 1-128 printable characters"));
             }
+        }
+        if self.agent.launch == Some(crate::launch::LaunchMode::Pool) {
+            return Err(err("agent.launch", "must be zygote or cold (agent.warm_pool sizes the warm pool)"));
+        }
+        if self.agent.warm_pool.is_some_and(|n| n > crate::warm_pool::MAX_SIZE) {
+            return Err(err("agent.warm_pool", &format!("must be 0-{}", crate::warm_pool::MAX_SIZE)));
         }
         if self.agent.max_concurrent.is_some_and(|n| n == 0 || n > 256) {
             return Err(err("agent.max_concurrent", "must be 1-256"));

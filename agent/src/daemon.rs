@@ -204,6 +204,8 @@ pub struct DaemonSettings {
     pub platform_key: PathBuf,
     /// `agent.launch`; the daemon defaults to the zygote.
     pub launch: crate::launch::LaunchMode,
+    /// `agent.warm_pool` (0: off).
+    pub warm_pool: usize,
 }
 
 impl DaemonSettings {
@@ -218,6 +220,7 @@ impl DaemonSettings {
             max_concurrent: a.max_concurrent.unwrap_or(DEFAULT_MAX_CONCURRENT),
             platform_key,
             launch: a.launch.unwrap_or(crate::launch::LaunchMode::Zygote),
+            warm_pool: a.warm_pool.unwrap_or(0),
         })
     }
 }

@@ -167,6 +167,8 @@ pub struct RunRequest<'a> {
     pub launcher: sandbox::Launcher,
     /// The runtime binary (see [`runtime_binary`]).
     pub runtime: PathBuf,
+    /// A warm pool to take the sandbox from (and refill) when it holds one for this spec.
+    pub pool: Option<std::sync::Arc<crate::warm_pool::WarmPool>>,
 }
 
 /// The runtime's `result` message: status, output, error, artifacts.
@@ -203,23 +205,8 @@ pub fn run(req: RunRequest) -> Result<RunResult, CannotRun> {
     if !req.params.is_object() {
         return Err(CannotRun("--params: must be a JSON object".into()));
     }
-    let runtime = req.runtime.to_string_lossy().into_owned();
-    let (mut spec, limits) = req.policy.spec_for(Some(m), &runtime, vec![])?;
-    crate::policy::runtime_payload(&mut spec, &req.runtime);
-    crate::policy::interpreter_view(&mut spec);
+    let (mut spec, limits) = executor_spec(&req)?;
     let dir = req.executor.dir.to_string_lossy().into_owned();
-    spec.filesystem.paths.push(sandbox::PathRule {
-        path: req.executor.dir.clone(),
-        access: sandbox::Access::Read,
-        optional: false,
-    });
-    if let Some(d) = &req.executor.deps {
-        spec.filesystem.paths.push(sandbox::PathRule {
-            path: d.clone(),
-            access: sandbox::Access::Read,
-            optional: false,
-        });
-    }
     let args = RuntimeArgs::Executor {
         package_dir: dir,
         entry_point: m.entry_point.clone(),
@@ -249,7 +236,15 @@ pub fn run(req: RunRequest) -> Result<RunResult, CannotRun> {
             None => Ok(()),
         }
     };
-    let mut sb = crate::launch::spawn_with_fallback(&spec, &req.launcher, Some(&mut hook))?;
+    // The pool only for runs without egress (their network is wired per run, by the hook).
+    let pool = req.pool.as_ref().filter(|_| net_policy.is_none());
+    let mut sb = match pool.and_then(|p| p.take(&spec)) {
+        Some(sb) => sb,
+        None => crate::launch::spawn_with_fallback(&spec, &req.launcher, Some(&mut hook))?,
+    };
+    if let Some(p) = pool {
+        p.refill(spec.clone());
+    }
     let provider = Provider::from_config(req.config).map_err(CannotRun)?;
     // Audited only now: a run refused before this point (exit status 2) never started.
     for c in &limits.clamped {
@@ -311,6 +306,39 @@ pub fn run(req: RunRequest) -> Result<RunResult, CannotRun> {
         ],
     );
     Ok(result)
+}
+
+/// The sandbox spec of an executor run (before egress adds its part).
+fn executor_spec(req: &RunRequest) -> Result<(sandbox::SandboxSpec, crate::limits::EffectiveLimits), CannotRun> {
+    let runtime = req.runtime.to_string_lossy().into_owned();
+    let (mut spec, limits) = req.policy.spec_for(Some(&req.executor.manifest), &runtime, vec![])?;
+    crate::policy::runtime_payload(&mut spec, &req.runtime);
+    crate::policy::interpreter_view(&mut spec);
+    spec.filesystem.paths.push(sandbox::PathRule {
+        path: req.executor.dir.clone(),
+        access: sandbox::Access::Read,
+        optional: false,
+    });
+    if let Some(d) = &req.executor.deps {
+        spec.filesystem.paths.push(sandbox::PathRule {
+            path: d.clone(),
+            access: sandbox::Access::Read,
+            optional: false,
+        });
+    }
+    Ok((spec, limits))
+}
+
+/// Start, in `req.pool`, a sandbox for exactly the run `req` describes (so that the run
+/// takes it). Runs with network egress do not use the pool.
+pub fn warm(req: &RunRequest) -> Result<(), CannotRun> {
+    let Some(pool) = &req.pool else { return Ok(()) };
+    if req.executor.manifest.permissions.network.outbound {
+        return Err(CannotRun("runs with network egress do not use the warm pool".into()));
+    }
+    let (spec, _) = executor_spec(req)?;
+    spec.validate()?;
+    pool.fill(spec).map_err(|e| CannotRun(e.to_string()))
 }
 
 fn status_str(s: Status) -> &'static str {

@@ -28,6 +28,9 @@ pub enum LaunchMode {
     Cold,
     /// Fork a pre-initialised runtime (what the agent daemon uses).
     Zygote,
+    /// `run` only, for tests: take a sandbox started beforehand through the zygote, as the
+    /// daemon's warm pool (`agent.warm_pool`) does.
+    Pool,
 }
 
 /// A zygote running `runtime --zygote` (started on first use).

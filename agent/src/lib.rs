@@ -31,3 +31,4 @@ pub mod secrets_vault;
 pub mod session;
 pub mod signing;
 pub mod tls;
+pub mod warm_pool;

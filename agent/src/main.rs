@@ -395,6 +395,7 @@ fn run_sandbox(
         LaunchMode::Zygote => agent::launch::for_program(&agent::launch::zygote(
             &agent::executor_run::runtime_binary().map_err(|e| CannotRun(e.0))?,
         )),
+        LaunchMode::Pool => return Err(CannotRun("--launch pool: for executor runs (opservant run) only".into())),
     };
     let outcome = agent::launch::spawn_with_fallback(&spec, &launcher, None)?.wait(out)?;
     let result = RunResult::for_program(&outcome, &limits);
@@ -433,23 +434,28 @@ fn run_executor(
     }
     agent::audit::init(&config)?;
     let runtime = agent::executor_run::runtime_binary().map_err(|e| CannotRun(e.0))?;
-    let result = agent::executor_run::run(agent::executor_run::RunRequest {
+    // Cold: the payload is a fresh execve of opservant-runtime, and a forked monitor carries
+    // nothing of this process into the executor's reach. Zygote: the payload is a fork of a
+    // runtime that holds only the interpreter and the embedded runtime. Pool: the same, started
+    // before the run (the sandbox waits for its arguments) and taken by it.
+    let launcher = match launch {
+        LaunchMode::Cold => sandbox::Launcher::fork_or_reexec(SANDBOX_INIT),
+        LaunchMode::Zygote | LaunchMode::Pool => agent::launch::for_runtime(&agent::launch::zygote(&runtime)),
+    };
+    let pool = (launch == LaunchMode::Pool).then(|| agent::warm_pool::WarmPool::single_use(launcher.clone()));
+    let req = agent::executor_run::RunRequest {
         executor: &executor,
         params,
         action,
         command_id: None,
         config: &config,
         policy: &policy,
-        // Cold: the payload is a fresh execve of opservant-runtime, and a forked monitor
-        // carries nothing of this process into the executor's reach. Zygote: the payload is
-        // a fork of a runtime that holds only the interpreter and the embedded runtime.
-        launcher: match launch {
-            LaunchMode::Cold => sandbox::Launcher::fork_or_reexec(SANDBOX_INIT),
-            LaunchMode::Zygote => agent::launch::for_runtime(&agent::launch::zygote(&runtime)),
-        },
+        launcher,
         runtime,
-    })
-    .map_err(|e| CannotRun(e.0))?;
+        pool,
+    };
+    agent::executor_run::warm(&req).map_err(|e| CannotRun(format!("--launch pool: {}", e.0)))?;
+    let result = agent::executor_run::run(req).map_err(|e| CannotRun(e.0))?;
     println!("{}", serde_json::to_string(&result)?);
     Ok(if result.status == Status::Completed { ExitCode::SUCCESS } else { ExitCode::from(1) })
 }
@@ -547,6 +553,10 @@ fn agent_daemon(config: Option<PathBuf>, check_only: bool) -> Result<ExitCode, C
     // started now so the first command does not wait for it) or from a fresh exec.
     let launcher = match settings.launch {
         LaunchMode::Cold => sandbox::Launcher::reexec(SANDBOX_INIT),
+        // Refused by the configuration check (`agent.warm_pool` sizes the daemon's pool).
+        LaunchMode::Pool => {
+            return Err(CannotRun("agent.launch: pool is not a launch mode; set agent.warm_pool".into()))
+        }
         LaunchMode::Zygote => {
             let zygote = agent::launch::zygote(&runtime);
             if let Err(e) = zygote.start() {
@@ -556,6 +566,7 @@ fn agent_daemon(config: Option<PathBuf>, check_only: bool) -> Result<ExitCode, C
             agent::launch::for_runtime(&zygote)
         }
     };
+    let pool = (settings.warm_pool > 0).then(|| agent::warm_pool::WarmPool::new(settings.warm_pool, launcher.clone()));
     let pipeline = agent::command::Pipeline {
         seen: agent::replay::SeenCommands::new(&settings.state_dir.join("commands-seen")),
         executors: cfg.executors.root(),
@@ -563,11 +574,17 @@ fn agent_daemon(config: Option<PathBuf>, check_only: bool) -> Result<ExitCode, C
         policy,
         platform_key,
         runtime,
+        pool: pool.clone(),
         launcher,
         max_concurrent: settings.max_concurrent,
         running: Default::default(),
     };
-    agent::daemon::serve(pipeline, &settings.socket, platform).map_err(|e| CannotRun(e.0))?;
+    let served = agent::daemon::serve(pipeline, &settings.socket, platform).map_err(|e| CannotRun(e.0));
+    // Pooled sandboxes die with the agent, their cgroups removed.
+    if let Some(p) = pool {
+        p.shutdown();
+    }
+    served?;
     Ok(ExitCode::SUCCESS)
 }
 

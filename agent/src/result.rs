@@ -153,7 +153,11 @@ impl RunResult {
                 sysfs: e.sysfs.clone(),
                 uid: e.uid,
                 gid: e.gid,
-                launch: if outcome.launch == "zygote" { "zygote" } else { "cold" },
+                launch: match outcome.launch {
+                    "zygote" => "zygote",
+                    "pool" => "pool",
+                    _ => "cold",
+                },
             },
         }
     }

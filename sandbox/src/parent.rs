@@ -291,6 +291,14 @@ impl Sandbox {
         Ok(sb)
     }
 
+    /// A sandbox started ahead of its work (a warm pool) is put to work now: its clock — the
+    /// timeout and the reported wall time — starts here, and the outcome reports `pool`.
+    /// Only sound while nothing of the payload's work has been handed to it yet.
+    pub fn start_pooled(&mut self) {
+        self.started = Instant::now();
+        self.launch = "pool";
+    }
+
     fn handshake(
         &mut self,
         spec: &SandboxSpec,

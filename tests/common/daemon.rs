@@ -42,6 +42,15 @@ impl Agent {
 
     /// As [`Agent::new`], with `network` (YAML, indented under `network:`) in the config.
     pub fn with_network(max_concurrent: usize, network: &str) -> Agent {
+        Self::configured(max_concurrent, "", network)
+    }
+
+    /// As [`Agent::new`], with more keys (YAML lines indented by two) in the `agent:` section.
+    pub fn with_agent_keys(max_concurrent: usize, agent_keys: &str) -> Agent {
+        Self::configured(max_concurrent, agent_keys, "")
+    }
+
+    fn configured(max_concurrent: usize, agent_keys: &str, network: &str) -> Agent {
         let dir = HostDir::new();
         let p = |s: &str| dir.path.join(s);
         assert!(op(&["keygen", "--out", p("keys").to_str().unwrap()]).status.success());
@@ -50,7 +59,7 @@ impl Agent {
         std::fs::write(
             &config,
             format!(
-                "agent:\n  platform_public_key: {}\n  state_dir: {}\n  socket: {}\n  max_concurrent: {max_concurrent}\n\
+                "agent:\n  platform_public_key: {}\n  state_dir: {}\n  socket: {}\n  max_concurrent: {max_concurrent}\n{agent_keys}\
                  executors:\n  dir: {}\naudit:\n  path: {}\n{network}",
                 p("keys/signing.pub").display(),
                 p("state").display(),

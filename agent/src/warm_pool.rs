@@ -1,0 +1,162 @@
+//! A warm pool (off by default; `agent.warm_pool: N`): executor sandboxes started ahead of
+//! their work, each waiting for its runtime arguments, so that a run finds its sandbox
+//! already isolated.
+//!
+//! Guarantees:
+//! - A pooled sandbox serves only a run whose complete sandbox spec — namespaces, view,
+//!   Landlock rules, seccomp profile, limits, identity, environment and the executor's
+//!   resolved package directory — equals the spec it was started with: the pool changes when
+//!   the isolation is built, never what it is. A run that differs in anything (another
+//!   executor or version, tightened limits) starts its own sandbox.
+//! - Nothing of an executor runs before its sandbox is taken: the payload blocks reading its
+//!   arguments, which only the run sends. The run's clock (timeout, wall time) starts when it
+//!   takes the sandbox ([`sandbox::Sandbox::start_pooled`]).
+//! - Runs with network egress never use the pool (their network is wired per run).
+//! - The pool holds at most its size; a sandbox idle for [`MAX_IDLE`] is discarded; dropping
+//!   a pooled sandbox kills it and removes its cgroups. Refills run on a background thread,
+//!   one at a time per spec.
+//!
+//! The pool learns from the runs: after a run of spec S it starts a sandbox for S, evicting
+//! the longest-idle one when full.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use sandbox::{Launcher, Sandbox, SandboxSpec};
+
+/// A pooled sandbox older than this is discarded rather than used.
+pub const MAX_IDLE: Duration = Duration::from_secs(600);
+
+/// The largest `agent.warm_pool`.
+pub const MAX_SIZE: usize = 64;
+
+struct Warm {
+    spec: SandboxSpec,
+    sandbox: Sandbox,
+    since: Instant,
+}
+
+#[derive(Default)]
+struct State {
+    ready: VecDeque<Warm>,
+    /// Specs being started now.
+    filling: Vec<SandboxSpec>,
+    /// After [`WarmPool::shutdown`]: nothing is started or kept any more.
+    closed: bool,
+}
+
+pub struct WarmPool {
+    size: usize,
+    launcher: Launcher,
+    /// Whether runs refill the pool (not for a one-shot command, which would exit with a
+    /// sandbox half-started).
+    refills: bool,
+    state: Mutex<State>,
+}
+
+impl WarmPool {
+    /// A pool of at most `size` sandboxes, started with `launcher`.
+    pub fn new(size: usize, launcher: Launcher) -> Arc<WarmPool> {
+        Arc::new(WarmPool { size: size.min(MAX_SIZE), launcher, refills: true, state: Mutex::default() })
+    }
+
+    /// A pool of one sandbox that [`WarmPool::fill`] starts and one run takes; never refilled.
+    pub fn single_use(launcher: Launcher) -> Arc<WarmPool> {
+        Arc::new(WarmPool { size: 1, launcher, refills: false, state: Mutex::default() })
+    }
+
+    /// Stop refilling, kill and remove every ready sandbox, and wait (up to 10 s) for the
+    /// ones being started, which are then discarded too.
+    pub fn shutdown(&self) {
+        let ready: Vec<Warm> = {
+            let mut st = self.state();
+            st.closed = true;
+            st.ready.drain(..).collect()
+        };
+        drop(ready);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !self.state().filling.is_empty() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        // A panic while holding the lock leaves the queue consistent (every change is one
+        // push or remove), so a poisoned lock is still usable.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A ready sandbox started with exactly `spec`, if there is one.
+    pub fn take(&self, spec: &SandboxSpec) -> Option<Sandbox> {
+        let (found, expired) = {
+            let mut st = self.state();
+            let expired: Vec<Warm> = {
+                let (old, fresh): (Vec<Warm>, Vec<Warm>) =
+                    st.ready.drain(..).partition(|w| w.since.elapsed() > MAX_IDLE);
+                st.ready = fresh.into();
+                old
+            };
+            let found = st.ready.iter().position(|w| w.spec == *spec).and_then(|i| st.ready.remove(i));
+            (found, expired)
+        };
+        // Killed and reaped outside the lock.
+        drop(expired);
+        found.map(|w| {
+            let mut sb = w.sandbox;
+            sb.start_pooled();
+            sb
+        })
+    }
+
+    /// Start a sandbox for `spec` on a background thread (unless one is being started).
+    pub fn refill(self: &Arc<Self>, spec: SandboxSpec) {
+        if self.size == 0 || !self.refills {
+            return;
+        }
+        {
+            let mut st = self.state();
+            if st.closed || st.filling.contains(&spec) {
+                return;
+            }
+            st.filling.push(spec.clone());
+        }
+        let pool = Arc::clone(self);
+        let spawned = std::thread::Builder::new().name("warm-pool".into()).spawn(move || {
+            let result = pool.fill(spec.clone());
+            pool.state().filling.retain(|s| *s != spec);
+            if let Err(e) = result {
+                tracing::warn!(error = %e, "warm pool: could not start a sandbox");
+            }
+        });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "warm pool: no refill thread");
+        }
+    }
+
+    /// Start a sandbox for `spec` now and add it to the pool.
+    pub fn fill(&self, spec: SandboxSpec) -> Result<(), sandbox::SandboxError> {
+        if self.size == 0 {
+            return Ok(());
+        }
+        let sandbox = crate::launch::spawn_with_fallback(&spec, &self.launcher, None)?;
+        let evicted = {
+            let mut st = self.state();
+            if st.closed {
+                Some(Warm { spec, sandbox, since: Instant::now() })
+            } else {
+                let evicted = if st.ready.len() >= self.size { st.ready.pop_front() } else { None };
+                st.ready.push_back(Warm { spec, sandbox, since: Instant::now() });
+                evicted
+            }
+        };
+        // Killed, reaped and its cgroups removed outside the lock.
+        drop(evicted);
+        Ok(())
+    }
+
+    /// Sandboxes ready now.
+    pub fn ready(&self) -> usize {
+        self.state().ready.len()
+    }
+}
