@@ -408,6 +408,7 @@ impl Pipeline {
             command_id: Some(id),
             kind: None,
             max_bytes,
+            label: None,
         };
         let installed = crate::executor_install::install_download(
             &mut body,

@@ -27,7 +27,11 @@
 //!   its detached signature ([`crate::package_signing`]) are checked in the same pass; only
 //!   that copy is unpacked, and only after both checks passed ([`PackageCheck`]; the verdict is
 //!   audited as `package_signature`). With `executors.require_signature` an unsigned archive
-//!   and any directory are refused; a signature that is present is never ignored;
+//!   and any directory are refused; a signature that is present is never ignored; an archive
+//!   larger than `executors.max_package_mb` is refused while it is copied;
+//! - [`install_download`] (the `install_executor` command) first writes the download into a
+//!   root-only staging file, bounded by the cap and the declared size, then installs that file
+//!   exactly as above — the SHA-256 from the signed command is checked before unpacking;
 //! - [`install_configured`] installs `executors.install` when the agent starts: a version
 //!   already installed with the same content (the same files, contents and executable bits)
 //!   is skipped, the same version with other content is refused (bump the version), and a
@@ -165,6 +169,8 @@ pub struct PackageCheck<'a> {
     pub kind: Option<ArchiveKind>,
     /// The largest archive accepted (`executors.max_package_mb`).
     pub max_bytes: u64,
+    /// What the audit record calls the package (default: its path; a download: its name).
+    pub label: Option<&'a str>,
 }
 
 /// The signature for `package`: the file `explicit` (which must exist), else `PACKAGE.sig`
@@ -184,7 +190,7 @@ fn audit_verdict(check: &PackageCheck, package: &Path, sha: &str, verdict: &str,
     crate::audit::record(
         "package_signature",
         &[
-            ("package", &package.to_string_lossy()),
+            ("package", &check.label.map_or_else(|| package.to_string_lossy(), std::borrow::Cow::from)),
             ("source", check.source),
             ("command_id", check.command_id.unwrap_or("")),
             ("sha256", sha),
@@ -476,14 +482,14 @@ pub fn install(
 /// ([`install`]: SHA-256 and signature checked on a private copy before anything is
 /// unpacked). The format is told by the content, not the name. Nothing is left behind on
 /// failure.
-pub fn install_download(
+pub fn install_download<'a>(
     body: &mut dyn Read,
-    name: &str,
+    name: &'a str,
     size: Option<u64>,
     root: &Path,
     policy: &AgentPolicy,
     opts: &InstallOptions,
-    mut check: PackageCheck,
+    mut check: PackageCheck<'a>,
 ) -> Result<Installed, InstallError> {
     if name.is_empty() || name.starts_with('.') || name.contains('/') {
         return Err(InstallError::Invalid(format!("{name:?}: not a valid package name")));
@@ -513,6 +519,7 @@ pub fn install_download(
     out.sync_all().map_err(|e| io(&file, e))?;
     drop(out);
     check.kind = Some(ArchiveKind::sniff(&file)?);
+    check.label = check.label.or(Some(name));
     install(&file, root, policy, opts, &check)
 }
 
@@ -626,6 +633,7 @@ pub fn install_configured(config: &crate::config::Config, policy: &AgentPolicy, 
                 command_id: None,
                 kind: None,
                 max_bytes: config.executors.max_package_bytes(),
+                label: None,
             };
             install(p, &root, policy, &opts, &check)
         });

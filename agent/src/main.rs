@@ -894,6 +894,7 @@ fn executor_install(
             command_id: None,
             kind: None,
             max_bytes: config.executors.max_package_bytes(),
+            label: None,
         };
         ei::install(package, &root, &policy, &opts, &check)
     });
