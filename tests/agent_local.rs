@@ -6,7 +6,11 @@
 //! command finish, root-only access, and an audit chain that verifies afterwards. Then the
 //! platform side against a test HTTPS platform (tests/common/platform.rs): commands pulled
 //! over mutual TLS and results posted; a client certificate from another CA refused by the
-//! server; a server certificate from another CA refused by the agent.
+//! server; a server certificate from another CA refused by the agent. Executor packages:
+//! `install_executor` downloads over the same mutual TLS, refused (and audited) on a SHA-256
+//! mismatch, an oversize package (by `Content-Length`, by the declared size, and by the read
+//! bound when the server sends no length), a missing or untrusted signature; and
+//! `executors.install` installed at start, once, with failing entries skipped and audited.
 
 mod common;
 #[path = "common/daemon.rs"]
@@ -14,7 +18,7 @@ mod daemon;
 #[path = "common/platform.rs"]
 mod platform;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -396,6 +400,11 @@ fn the_platform_refuses_a_client_certificate_from_another_ca() {
         assert!(Instant::now() < deadline, "no refused handshake seen");
         std::thread::sleep(Duration::from_millis(50));
     }
+    // The server sees the refusal before the agent has audited its side of it.
+    while !a.audit_events().iter().any(|e| e["event"] == "platform_error") {
+        assert!(Instant::now() < deadline, "the agent did not audit the refused handshake");
+        std::thread::sleep(Duration::from_millis(50));
+    }
     assert!(a.stop().success());
     let st = p.state.lock().unwrap();
     assert!(st.requests.is_empty(), "no request got through: {:?}", st.requests);
@@ -443,4 +452,257 @@ fn the_agent_refuses_a_server_certificate_from_another_ca() {
     assert_eq!(st.queue.len(), 1);
     let detail = a.audit_events().into_iter().find(|e| e["event"] == "platform_error").unwrap();
     assert!(detail.to_string().to_lowercase().contains("certificate"), "{detail}");
+}
+
+const HELLO_PY: &str = r#"from opservant.executor import BaseExecutor, ExecutorResult
+
+
+class Hello(BaseExecutor):
+    def validate(self, params):
+        return True
+
+    def execute(self, params, context):
+        return ExecutorResult(status="completed", output={"version": VERSION})
+"#;
+
+/// A `hello` package of `version` packed as `parent/name` (tar.gz); its path.
+fn hello_archive(parent: &Path, version: &str, name: &str) -> PathBuf {
+    let dir = parent.join(format!("src-{name}"));
+    std::fs::create_dir_all(dir.join("hello/hello")).unwrap();
+    std::fs::write(dir.join("hello/hello/__init__.py"), "").unwrap();
+    std::fs::write(dir.join("hello/hello/main.py"), format!("VERSION = {version:?}\n{HELLO_PY}")).unwrap();
+    std::fs::write(
+        dir.join("hello/manifest.json"),
+        format!(
+            r#"{{"name": "hello", "version": "{version}", "description": "test", "author": "t",
+                 "supported_actions": ["act-hello"], "entry_point": "hello.main.Hello", "permissions": {{}}}}"#
+        ),
+    )
+    .unwrap();
+    let out = parent.join(name);
+    let st = Command::new("tar")
+        .args(["czf", out.to_str().unwrap(), "-C", dir.to_str().unwrap(), "hello"])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    out
+}
+
+/// `opservant sign --key KEY --package PKG` (writes PKG.sig).
+fn sign_package(key: &Path, pkg: &Path) {
+    let out = op(&["sign", "--key", key.to_str().unwrap(), "--package", pkg.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn install_cmd(id: &str, parameters: Value) -> Value {
+    json!({"command_id": id, "action": "install_executor", "parameters": parameters})
+}
+
+#[test]
+fn install_executor_downloads_over_mutual_tls_and_checks_before_unpacking() {
+    if !common::require_root() {
+        return;
+    }
+    let pki = platform::Pki::new("good");
+    let p = platform::TestPlatform::start(&pki, &pki);
+    let tls = HostDir::new();
+    // Signatures required; the trusted key defaults to the platform key.
+    let mut a = Agent::build(4, "", &platform_network(&tls.path, p.addr, &pki, &pki), |_| {
+        "  require_signature: true\n  max_package_mb: 1\n".into()
+    });
+    let work = HostDir::new();
+    let good = hello_archive(&work.path, "2.0.0", "hello-2.0.0.tar.gz");
+    sign_package(&a.key, &good);
+    let good_bytes = std::fs::read(&good).unwrap();
+    let good_sha = sha256_hex(&good_bytes);
+    p.serve_package("hello-2.0.0.tar.gz", good_bytes.clone());
+    p.serve_package("hello-2.0.0.tar.gz.sig", std::fs::read(work.path.join("hello-2.0.0.tar.gz.sig")).unwrap());
+    // Unsigned; signed by a key the agent does not trust; 2 MiB with max_package_mb: 1.
+    let unsigned = std::fs::read(hello_archive(&work.path, "3.0.0", "unsigned.tar.gz")).unwrap();
+    p.serve_package("unsigned.tar.gz", unsigned.clone());
+    let stranger_keys = HostDir::new();
+    assert!(op(&["keygen", "--out", stranger_keys.path.to_str().unwrap()]).status.success());
+    let stranger = hello_archive(&work.path, "3.0.0", "stranger.tar.gz");
+    sign_package(&stranger_keys.path.join("signing.key"), &stranger);
+    let stranger_bytes = std::fs::read(&stranger).unwrap();
+    p.serve_package("stranger.tar.gz", stranger_bytes.clone());
+    p.serve_package("stranger.tar.gz.sig", std::fs::read(work.path.join("stranger.tar.gz.sig")).unwrap());
+    let big: Vec<u8> = (0..2u32 << 20).map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8).collect();
+    p.serve_package("big.tar.gz", big.clone());
+    a.start();
+
+    // The genuine package, by a command pulled from the platform.
+    p.queue(
+        serde_json::from_slice(&a.sign(&install_cmd(
+            "inst-1",
+            json!({"name": "hello-2.0.0.tar.gz", "sha256": good_sha, "size": good_bytes.len()}),
+        )))
+        .unwrap(),
+    );
+    p.wait_for(60, "the install result", |s| s.results.iter().any(|r| r["command_id"] == "inst-1"));
+    let r = p.state.lock().unwrap().results.iter().find(|r| r["command_id"] == "inst-1").cloned().unwrap();
+    assert_eq!(r["result"]["status"], "completed", "{r}");
+    assert_eq!(r["result"]["output"]["name"], "hello", "{r}");
+    assert_eq!(r["result"]["output"]["version"], "2.0.0", "{r}");
+    assert!(r["result"]["output"]["signed_by"].as_str().unwrap().ends_with("keys/signing.pub"), "{r}");
+    let (code, run) = a.submit(&a.sign(&json!({"command_id": "run-1", "action": "execute", "executor": "hello"})));
+    assert_eq!(code, 0, "{run}");
+    assert_eq!(run["output"]["version"], "2.0.0", "{run}");
+
+    // Refusals (through the socket; the download is the same mutual-TLS one).
+    let refused = |id: &str, params: Value, reason: &str| {
+        let (code, r) = a.submit(&a.sign(&install_cmd(id, params)));
+        assert_eq!(code, 1, "{id}: {r}");
+        assert_eq!((r["status"].as_str(), r["reason"].as_str()), (Some("rejected"), Some(reason)), "{id}: {r}");
+        assert!(!r["error"].as_str().unwrap_or("").is_empty(), "{id}: a reason is given: {r}");
+    };
+    let zeros = "0".repeat(64);
+    refused("bad-sha", json!({"name": "hello-2.0.0.tar.gz", "sha256": zeros}), "checksum");
+    refused("big", json!({"name": "big.tar.gz", "sha256": sha256_hex(&big)}), "too_large");
+    refused("declared-smaller", json!({"name": "hello-2.0.0.tar.gz", "sha256": good_sha, "size": 100}), "too_large");
+    refused(
+        "declared-larger",
+        json!({"name": "hello-2.0.0.tar.gz", "sha256": good_sha, "size": good_bytes.len() + 1}),
+        "invalid_package",
+    );
+    refused("unsigned", json!({"name": "unsigned.tar.gz", "sha256": sha256_hex(&unsigned)}), "unsigned_package");
+    refused(
+        "stranger",
+        json!({"name": "stranger.tar.gz", "sha256": sha256_hex(&stranger_bytes)}),
+        "bad_package_signature",
+    );
+    refused("absent", json!({"name": "absent.tar.gz", "sha256": zeros}), "download");
+    refused("traversal", json!({"name": "../commands", "sha256": zeros}), "malformed");
+    refused("no-sha", json!({"name": "hello-2.0.0.tar.gz"}), "malformed");
+    refused("extra", json!({"name": "hello-2.0.0.tar.gz", "sha256": good_sha, "path": "/tmp/x"}), "malformed");
+    // Without Content-Length only the agent's read bound stops an oversize body.
+    p.state.lock().unwrap().packages_without_length = true;
+    refused("unbounded", json!({"name": "big.tar.gz", "sha256": sha256_hex(&big)}), "too_large");
+    refused("unbounded-declared", json!({"name": "hello-2.0.0.tar.gz", "sha256": good_sha, "size": 100}), "too_large");
+    assert!(a.stop().success());
+
+    // Nothing of the refused ones installed or left behind; 2.0.0 still current.
+    let mut entries: Vec<String> = std::fs::read_dir(a.dir.path.join("executors"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    entries.sort();
+    assert_eq!(entries, ["hello", "port-scanner", "slow"]);
+    assert_eq!(std::fs::read_link(a.dir.path.join("executors/hello/current")).unwrap(), PathBuf::from("2.0.0"));
+    let requests = p.state.lock().unwrap().requests.clone();
+    assert!(requests.iter().any(|r| r.starts_with("GET /v1/agents/") && r.ends_with("/packages/hello-2.0.0.tar.gz")));
+    assert!(!requests.iter().any(|r| r.contains("commands/packages") || r.contains("..")), "{requests:?}");
+
+    // Each refusal audited with its reason; the chain verifies.
+    let events = a.audit_events();
+    let failed: Vec<(String, String)> = events
+        .iter()
+        .filter(|e| e["event"] == "executor_install_failed")
+        .map(|e| (e["fields"]["command_id"].as_str().unwrap().into(), e["fields"]["reason"].as_str().unwrap().into()))
+        .collect();
+    for (id, reason) in [
+        ("bad-sha", "checksum"),
+        ("big", "too_large"),
+        ("declared-smaller", "too_large"),
+        ("unsigned", "unsigned_package"),
+        ("stranger", "bad_package_signature"),
+        ("absent", "download"),
+        ("traversal", "malformed"),
+        ("unbounded", "too_large"),
+    ] {
+        assert!(failed.contains(&(id.into(), reason.into())), "{id}: {failed:?}");
+    }
+    assert!(events.iter().any(|e| e["event"] == "executor_installed"
+        && e["fields"]["command_id"] == "inst-1"
+        && e["fields"]["source"] == "command"));
+    assert!(events.iter().any(|e| e["event"] == "package_signature"
+        && e["fields"]["command_id"] == "stranger"
+        && e["fields"]["signature"] == "bad"));
+    a.audit_verify();
+}
+
+#[test]
+fn install_executor_without_a_platform_is_refused() {
+    if !common::require_root() {
+        return;
+    }
+    let mut a = Agent::new(2);
+    a.start();
+    let (code, r) = a.submit(&a.sign(&install_cmd("np", json!({"name": "x.tar.gz", "sha256": "a".repeat(64)}))));
+    assert_eq!((code, r["reason"].as_str()), (1, Some("no_platform")), "{r}");
+    assert!(a.stop().success());
+}
+
+#[test]
+fn executors_listed_in_the_config_are_installed_at_start_once() {
+    if !common::require_root() {
+        return;
+    }
+    let mut a = Agent::build(2, "", "", |dir| {
+        let pkgs = dir.join("pkgs");
+        std::fs::create_dir_all(&pkgs).unwrap();
+        let signed = hello_archive(&pkgs, "1.0.0", "hello-1.0.0.tar.gz");
+        sign_package(&dir.join("keys/signing.key"), &signed);
+        // A directory (cannot be signed) and a missing archive: both refused, audited, skipped.
+        std::fs::create_dir_all(pkgs.join("plain")).unwrap();
+        format!(
+            "  require_signature: true\n  install:\n    - {}\n    - {}\n    - {}\n",
+            signed.display(),
+            pkgs.join("plain").display(),
+            pkgs.join("absent.tar.gz").display()
+        )
+    });
+    let c = a.config.to_str().unwrap().to_string();
+    // --check-config: usable (exit 0), the two bad entries named as warnings.
+    let out = op(&["agent", "--check-config", "--config", &c]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("executors.install[1]") && stderr.contains("a directory cannot be signed"), "{stderr}");
+    assert!(stderr.contains("executors.install[2]"), "{stderr}");
+    assert!(!stderr.contains("executors.install[0]"), "{stderr}");
+
+    let count = |a: &Agent, event: &str| a.audit_events().iter().filter(|e| e["event"] == event).count();
+    a.start();
+    let (code, pong) = a.submit(&a.sign(&json!({"command_id": "p1", "action": "ping"})));
+    assert_eq!(code, 0, "{pong}");
+    assert!(pong["output"]["executors"].as_array().unwrap().iter().any(|e| e == "hello@1.0.0"), "{pong}");
+    assert_eq!(count(&a, "executor_installed"), 3, "two by hand, one from the config");
+    let failed: Vec<Value> = a.audit_events().into_iter().filter(|e| e["event"] == "executor_install_failed").collect();
+    assert_eq!(failed.len(), 2, "{failed:?}");
+    assert_eq!(failed[0]["fields"]["entry"], "executors.install[1]");
+    assert_eq!(failed[1]["fields"]["entry"], "executors.install[2]");
+    assert!(a.stop().success());
+
+    // Started again: the same version with the same content is left alone.
+    a.start();
+    assert!(a.stop().success());
+    assert_eq!(count(&a, "executor_installed"), 3, "nothing reinstalled");
+    assert_eq!(count(&a, "executor_install_failed"), 4);
+    let versions = || {
+        let mut v: Vec<String> = std::fs::read_dir(a.dir.path.join("executors/hello"))
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    };
+    assert_eq!(versions(), ["1.0.0", "current"]);
+
+    // A newer version installed since (by hand here) is never downgraded by the config.
+    let v2 = hello_archive(&a.dir.path.join("pkgs"), "2.0.0", "hello-2.0.0.tar.gz");
+    sign_package(&a.key, &v2);
+    let out = op(&["executor", "install", v2.to_str().unwrap(), "--config", &c]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    a.start();
+    assert!(a.stop().success());
+    assert_eq!(std::fs::read_link(a.dir.path.join("executors/hello/current")).unwrap(), PathBuf::from("2.0.0"));
+    assert_eq!(count(&a, "executor_installed"), 4, "only the one by hand");
+    a.audit_verify();
 }

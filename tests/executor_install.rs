@@ -3,6 +3,9 @@
 //! /var/lib/opservant). Packages come as directories and as archives, including hostile
 //! archives built here with Python's `tarfile` (a path escaping with `..`, an absolute path,
 //! a symbolic link, a hard link, a device): each is refused as a whole and leaves nothing.
+//! Package signatures (`executors.require_signature`): signed archives install; unsigned,
+//! untrusted, tampered or garbled signatures and directories are refused, audited, and leave
+//! nothing; a signature that is present is checked even when not required.
 
 mod common;
 
@@ -26,11 +29,32 @@ struct Env {
 
 impl Env {
     fn new() -> Env {
+        Env::with_executors("")
+    }
+
+    /// With more `executors:` keys (YAML, each line indented two spaces).
+    fn with_executors(extra: &str) -> Env {
         let dir = HostDir::new();
         let root = dir.path.join("executors");
         let config = dir.path.join("config.yaml");
-        std::fs::write(&config, format!("executors:\n  dir: {}\n", root.display())).unwrap();
+        std::fs::write(
+            &config,
+            format!(
+                "executors:\n  dir: {}\n{extra}audit:\n  path: {}\n  journald: false\n",
+                root.display(),
+                dir.path.join("audit/audit.jsonl").display()
+            ),
+        )
+        .unwrap();
         Env { dir, root, config }
+    }
+
+    fn audit_events(&self) -> Vec<Value> {
+        std::fs::read_to_string(self.dir.path.join("audit/audit.jsonl"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect()
     }
 
     fn op(&self, args: &[&str]) -> Out {
@@ -252,4 +276,156 @@ fn requirements_come_from_wheels_only() {
     let out = env.op(&["executor", "install", r.to_str().unwrap(), "--find-links", links.to_str().unwrap()]);
     assert_eq!(out.code, 2, "{}", out.stderr);
     assert!(out.stderr.contains("pip could not install nosuchdep"), "{}", out.stderr);
+}
+
+/// `opservant keygen --out DIR`: (private, public) key paths.
+fn keygen(dir: &Path) -> (String, String) {
+    let out = Command::new(common::opservant()).args(["keygen", "--out", dir.to_str().unwrap()]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    (dir.join("signing.key").to_str().unwrap().into(), dir.join("signing.pub").to_str().unwrap().into())
+}
+
+/// `tar czf PARENT/NAME -C PARENT DIR` for a package directory.
+fn tar_gz(pkg: &Path, name: &str) -> String {
+    let parent = pkg.parent().unwrap();
+    let out = parent.join(name);
+    let st = Command::new("tar")
+        .args([
+            "czf",
+            out.to_str().unwrap(),
+            "-C",
+            parent.to_str().unwrap(),
+            pkg.file_name().unwrap().to_str().unwrap(),
+        ])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    out.to_str().unwrap().into()
+}
+
+fn sign_package(key: &str, pkg: &str, out: Option<&str>) {
+    let mut args = vec!["sign", "--key", key, "--package", pkg];
+    if let Some(o) = out {
+        args.extend(["--out", o]);
+    }
+    let out = Command::new(common::opservant()).args(&args).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+#[test]
+fn with_require_signature_only_archives_signed_by_a_trusted_key_install() {
+    if !common::require_root() {
+        return;
+    }
+    let keys = HostDir::new();
+    let (key, public) = keygen(&keys.path.join("trusted"));
+    let (stranger, _) = keygen(&keys.path.join("stranger"));
+    let env = Env::with_executors(&format!("  require_signature: true\n  trusted_keys: [{public}]\n"));
+    let src = package(&env.dir.path, "1.0.0", false);
+    let pkg = tar_gz(&src, "hello.tar.gz");
+
+    let refused = |args: &[&str], needle: &str| {
+        let out = env.op(args);
+        assert_eq!(out.code, 2, "{args:?}: {} {}", out.stdout, out.stderr);
+        // One line of reason (audit records are mirrored to stderr as log lines too).
+        let reasons: Vec<&str> = out.stderr.lines().filter(|l| l.starts_with("opservant: ")).collect();
+        assert_eq!(reasons.len(), 1, "one reason: {}", out.stderr);
+        assert!(reasons[0].contains(needle), "{args:?}: {}", out.stderr);
+        assert_eq!(env.entries(), Vec::<String>::new(), "{args:?}: nothing installed, nothing left");
+    };
+    // No signature; a directory; a signature by a key that is not trusted.
+    refused(&["executor", "install", &pkg], "no signature");
+    refused(&["executor", "install", src.to_str().unwrap()], "a directory cannot be signed");
+    sign_package(&stranger, &pkg, None);
+    refused(&["executor", "install", &pkg], "bad signature");
+    // A garbled signature file.
+    std::fs::write(format!("{pkg}.sig"), "not a signature\n").unwrap();
+    refused(&["executor", "install", &pkg], "signature");
+    // Signed by the trusted key, then tampered with (the same signature beside it).
+    sign_package(&key, &pkg, None);
+    let tampered = env.dir.path.join("tampered.tar.gz");
+    let mut bytes = std::fs::read(&pkg).unwrap();
+    bytes.extend_from_slice(&[0; 512]);
+    std::fs::write(&tampered, &bytes).unwrap();
+    std::fs::copy(format!("{pkg}.sig"), format!("{}.sig", tampered.display())).unwrap();
+    refused(&["executor", "install", tampered.to_str().unwrap()], "bad signature");
+    // An explicit signature file that does not exist.
+    refused(&["executor", "install", &pkg, "--signature", "/nonexistent/x.sig"], "/nonexistent/x.sig");
+
+    // The genuine one installs and runs; the JSON names the key.
+    let out = env.op(&["executor", "install", &pkg, "--json"]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let installed: Value = serde_json::from_str(out.stdout.trim()).unwrap();
+    assert_eq!(installed["signed_by"], public.as_str(), "{installed}");
+    assert_eq!(run_output(&env, "hello")["version"], "1.0.0");
+    // A signature kept elsewhere, given with --signature.
+    let v2 = tar_gz(&package(&env.dir.path.join("v2"), "2.0.0", false), "hello2.tar.gz");
+    let elsewhere = env.dir.path.join("elsewhere.sig");
+    sign_package(&key, &v2, Some(elsewhere.to_str().unwrap()));
+    assert!(!Path::new(&format!("{v2}.sig")).exists());
+    let out = env.op(&["executor", "install", &v2, "--signature", elsewhere.to_str().unwrap()]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert_eq!(run_output(&env, "hello")["version"], "2.0.0");
+
+    // Every verdict is audited, every refusal too, and the chain holds.
+    let events = env.audit_events();
+    let verdicts: Vec<&str> = events
+        .iter()
+        .filter(|e| e["event"] == "package_signature")
+        .map(|e| e["fields"]["signature"].as_str().unwrap_or(""))
+        .collect();
+    assert_eq!(verdicts, ["missing", "missing", "bad", "bad", "bad", "valid", "valid"], "{events:?}");
+    let failures: Vec<&str> = events
+        .iter()
+        .filter(|e| e["event"] == "executor_install_failed")
+        .map(|e| e["fields"]["reason"].as_str().unwrap_or(""))
+        .collect();
+    assert_eq!(
+        failures,
+        [
+            "unsigned_package",
+            "unsigned_package",
+            "bad_package_signature",
+            "bad_package_signature",
+            "bad_package_signature",
+            "bad_package_signature"
+        ],
+        "{events:?}"
+    );
+    let out = env.op(&["audit", "verify"]);
+    assert_eq!(out.code, 0, "{} {}", out.stdout, out.stderr);
+}
+
+#[test]
+fn a_signature_that_is_present_is_checked_even_when_not_required() {
+    if !common::require_root() {
+        return;
+    }
+    let keys = HostDir::new();
+    let (key, public) = keygen(&keys.path.join("k"));
+    let env = Env::with_executors(&format!("  trusted_keys: [{public}]\n"));
+    let pkg = tar_gz(&package(&env.dir.path, "1.0.0", false), "hello.tar.gz");
+    // Unsigned: fine without require_signature (audited as missing).
+    let out = env.op(&["executor", "install", &pkg]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    // A bad signature beside it: refused all the same.
+    let v2 = tar_gz(&package(&env.dir.path.join("v2"), "2.0.0", false), "hello2.tar.gz");
+    std::fs::write(format!("{v2}.sig"), "AAAA\n").unwrap();
+    let out = env.op(&["executor", "install", &v2]);
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert_eq!(run_output(&env, "hello")["version"], "1.0.0", "still the first");
+    sign_package(&key, &v2, None);
+    let out = env.op(&["executor", "install", &v2]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert_eq!(run_output(&env, "hello")["version"], "2.0.0");
+    // require_signature without any key is a configuration error naming the key.
+    let bad = Env::with_executors("  require_signature: true\n");
+    let out = bad.op(&["executor", "install", &pkg]);
+    assert_eq!(out.code, 2);
+    assert!(out.stderr.contains("executors.require_signature"), "{}", out.stderr);
+    // An unreadable trusted key, too.
+    let bad = Env::with_executors("  trusted_keys: [/nonexistent/k.pub]\n");
+    let out = bad.op(&["executor", "install", &pkg]);
+    assert_eq!(out.code, 2);
+    assert!(out.stderr.contains("executors.trusted_keys[0]"), "{}", out.stderr);
 }

@@ -300,7 +300,12 @@ fn installed_executor_by_name() {
     let dir = HostDir::new();
     let root = dir.path.join("executors");
     let config = dir.path.join("config.yaml");
-    std::fs::write(&config, format!("executors:\n  dir: {}\n", root.display())).unwrap();
+    // `executor install` appends to the audit log: keep it in the scratch directory.
+    std::fs::write(
+        &config,
+        format!("executors:\n  dir: {}\naudit:\n  path: {}\n", root.display(), dir.path.join("audit.jsonl").display()),
+    )
+    .unwrap();
     let src = repo().join("executors/port-scanner");
     let st = Command::new(common::opservant())
         .args(["executor", "install"])

@@ -208,3 +208,120 @@ fn openssl_keys_interoperate() {
     let signed = sign(s(&okey), &command());
     assert_eq!(verify(s(&opub), signed.to_string().as_bytes()).code, 0);
 }
+
+/// A small gzip archive (its content does not matter for signing).
+fn archive(dir: &HostDir, name: &str) -> String {
+    let src = dir.path.join("pkgsrc");
+    std::fs::create_dir_all(&src).unwrap();
+    std::fs::write(src.join("manifest.json"), "{}").unwrap();
+    let path = dir.path.join(name);
+    let st = Command::new("tar").args(["czf", s(&path), "-C", s(&dir.path), "pkgsrc"]).status().unwrap();
+    assert!(st.success());
+    s(&path).to_string()
+}
+
+#[test]
+fn packages_are_signed_into_a_sig_file_and_verified() {
+    let dir = HostDir::new();
+    let (key, public) = keys(&dir);
+    let pkg = archive(&dir, "pkg.tar.gz");
+    let out = op(&["sign", "--key", &key, "--package", &pkg], None);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let sig = format!("{pkg}.sig");
+    assert_eq!(out.stdout.trim(), sig);
+    // One line of base64: 64 bytes of signature.
+    let text = std::fs::read_to_string(&sig).unwrap();
+    assert_eq!(text.trim().len(), 88, "{text:?}");
+    let out = op(&["verify", "--pub", &public, "--package", &pkg], None);
+    assert_eq!(out.code, 0, "{} {}", out.stdout, out.stderr);
+    assert!(out.stdout.contains("signature: valid"), "{}", out.stdout);
+    let out = op(&["verify", "--pub", &public, "--package", &pkg, "--json"], None);
+    let v: Value = serde_json::from_str(out.stdout.trim()).unwrap();
+    assert_eq!((v["valid"].clone(), v["signature"].clone()), (json!(true), json!("valid")), "{v}");
+
+    // Tampered archive (one byte more): exit 1.
+    let tampered = format!("{pkg}.tampered.tar.gz");
+    let mut bytes = std::fs::read(&pkg).unwrap();
+    bytes.push(0);
+    std::fs::write(&tampered, &bytes).unwrap();
+    let out = op(&["verify", "--pub", &public, "--package", &tampered, "--signature", &sig], None);
+    assert_eq!(out.code, 1, "{}", out.stdout);
+    assert!(out.stdout.contains("INVALID"), "{}", out.stdout);
+    // No signature file: exit 1, saying so.
+    let out = op(&["verify", "--pub", &public, "--package", &tampered], None);
+    assert_eq!(out.code, 1, "{}", out.stdout);
+    assert!(out.stdout.contains("MISSING"), "{}", out.stdout);
+    // Another key: exit 1.
+    let other = HostDir::new();
+    let (_, other_pub) = keys(&other);
+    let out = op(&["verify", "--pub", &other_pub, "--package", &pkg], None);
+    assert_eq!(out.code, 1, "{}", out.stdout);
+    // A signature file that is not one: exit 1 with the reason.
+    let junk = dir.path.join("junk.sig");
+    std::fs::write(&junk, "not base64 at all!\n").unwrap();
+    let out = op(&["verify", "--pub", &public, "--package", &pkg, "--signature", s(&junk)], None);
+    assert_eq!(out.code, 1, "{}", out.stdout);
+    assert!(out.stdout.contains("base64"), "{}", out.stdout);
+
+    // Re-signing replaces the file atomically; nothing else is left beside it.
+    assert_eq!(op(&["sign", "--key", &key, "--package", &pkg], None).code, 0);
+    let left: Vec<String> = std::fs::read_dir(&dir.path)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains(".tmp-"))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+
+    // Bad input: exit 2 and a reason naming it; no signature written.
+    let out = op(&["sign", "--key", &key, "--package", s(&dir.path.join("pkgsrc"))], None);
+    assert_eq!(out.code, 2);
+    assert!(out.stderr.contains("a directory cannot be signed"), "{}", out.stderr);
+    assert!(!dir.path.join("pkgsrc.sig").exists());
+    let notes = dir.path.join("notes.txt");
+    std::fs::write(&notes, "x").unwrap();
+    let out = op(&["sign", "--key", &key, "--package", s(&notes)], None);
+    assert_eq!(out.code, 2);
+    assert!(out.stderr.contains(".tar.gz"), "{}", out.stderr);
+    assert!(!dir.path.join("notes.txt.sig").exists());
+    let out = op(&["sign", "--key", &public, "--package", &pkg], None);
+    assert_eq!(out.code, 2, "a public key does not sign: {}", out.stderr);
+    let out = op(&["verify", "--pub", &public, "--package", s(&dir.path.join("absent.tar.gz"))], None);
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(out.stderr.contains("absent.tar.gz"), "{}", out.stderr);
+    let out = op(&["sign", "--key", &key], None);
+    assert_eq!(out.code, 2, "neither a command nor --package: {}", out.stderr);
+}
+
+#[test]
+fn package_signatures_are_plain_ed25519_as_openssl_makes_them() {
+    if !common::require("openssl binary", Command::new("openssl").arg("version").output().is_ok()) {
+        return;
+    }
+    let dir = HostDir::new();
+    let (key, public) = keys(&dir);
+    let pkg = archive(&dir, "pkg.tar.gz");
+    // OpenSSL signs the archive's bytes (pure Ed25519) — and we accept that signature…
+    let raw = dir.path.join("raw.sig");
+    let st = Command::new("openssl")
+        .args(["pkeyutl", "-sign", "-rawin", "-inkey", &key, "-in", &pkg, "-out", s(&raw)])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    use base64::Engine;
+    let b64 = base64::engine::general_purpose::STANDARD.encode(std::fs::read(&raw).unwrap());
+    std::fs::write(format!("{pkg}.sig"), format!("{b64}\n")).unwrap();
+    let out = op(&["verify", "--pub", &public, "--package", &pkg], None);
+    assert_eq!(out.code, 0, "{}", out.stdout);
+    // …and OpenSSL verifies ours.
+    assert_eq!(op(&["sign", "--key", &key, "--package", &pkg], None).code, 0);
+    let ours = base64::engine::general_purpose::STANDARD
+        .decode(std::fs::read_to_string(format!("{pkg}.sig")).unwrap().trim())
+        .unwrap();
+    std::fs::write(&raw, ours).unwrap();
+    let st = Command::new("openssl")
+        .args(["pkeyutl", "-verify", "-rawin", "-pubin", "-inkey", &public, "-in", &pkg, "-sigfile", s(&raw)])
+        .output()
+        .unwrap();
+    assert!(st.status.success(), "{}", String::from_utf8_lossy(&st.stdout));
+}

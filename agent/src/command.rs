@@ -6,7 +6,9 @@
 //! 3. Ed25519 signature (strict) with the platform's key
 //! 4. `timestamp` within [`signing::MAX_SKEW_S`] of the agent's clock
 //! 5. `command_id` never seen before (persisted across restarts: [`crate::replay`])
-//! 6. the action: `execute`, `install_executor`, `remove_executor`, `ping`
+//! 6. the action: `execute`, `install_executor` (see [`Pipeline::install`]: downloaded over
+//!    the platform connection, size-capped, SHA-256 and package signature checked before
+//!    anything is unpacked), `remove_executor`, `ping`
 //! 7. `execute`: the executor, by name (`executor`) or by action ID (`action_id` among the
 //!    installed executors' `supported_actions`)
 //! 8. the permission check: the action ID must be supported, `parameters` an object, and a
@@ -17,7 +19,7 @@
 //! Nothing is recorded as seen before the signature and the clock have been checked, so
 //! unsigned or stale traffic cannot fill the replay store or burn a future command's id.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use ed25519_dalek::VerifyingKey;
@@ -45,6 +47,10 @@ pub struct Pipeline {
     pub max_concurrent: usize,
     /// Commands running now; maintained by [`Pipeline::submit`] (start it at zero).
     pub running: AtomicUsize,
+    /// Where `install_executor` downloads packages (none: no platform configured).
+    pub packages: Option<crate::platform::Packages>,
+    /// The package signature rules (`executors.require_signature`, `trusted_keys`).
+    pub trust: crate::package_signing::Trust,
 }
 
 /// Why a command was rejected: the stable reason codes the platform sees (`reason`).
@@ -63,11 +69,25 @@ pub enum Reason {
     CannotRun,
     Internal,
     Overloaded,
+    /// `install_executor` without a platform connection to download from.
+    NoPlatform,
+    /// The package could not be downloaded (network, HTTP status).
+    Download,
+    /// No package signature where `executors.require_signature` asks for one.
+    UnsignedPackage,
+    /// A package signature that does not verify with a trusted key.
+    BadPackageSignature,
+    /// The package is not a valid archive or executor (traversal, manifest, lint, size).
+    InvalidPackage,
+    /// That version is installed already.
+    AlreadyInstalled,
+    /// That version is installed with other content.
+    VersionConflict,
 }
 
 impl Reason {
     /// Every reason code, for checks that a reply carries one of them.
-    pub const ALL: [Reason; 13] = [
+    pub const ALL: [Reason; 20] = [
         Reason::TooLarge,
         Reason::Malformed,
         Reason::Unsigned,
@@ -81,6 +101,13 @@ impl Reason {
         Reason::CannotRun,
         Reason::Internal,
         Reason::Overloaded,
+        Reason::NoPlatform,
+        Reason::Download,
+        Reason::UnsignedPackage,
+        Reason::BadPackageSignature,
+        Reason::InvalidPackage,
+        Reason::AlreadyInstalled,
+        Reason::VersionConflict,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -98,6 +125,28 @@ impl Reason {
             Reason::CannotRun => "cannot_run",
             Reason::Internal => "internal",
             Reason::Overloaded => "overloaded",
+            Reason::NoPlatform => "no_platform",
+            Reason::Download => "download",
+            Reason::UnsignedPackage => "unsigned_package",
+            Reason::BadPackageSignature => "bad_package_signature",
+            Reason::InvalidPackage => "invalid_package",
+            Reason::AlreadyInstalled => "already_installed",
+            Reason::VersionConflict => "version_conflict",
+        }
+    }
+
+    /// The reason for a failed install.
+    pub fn of_install(e: &crate::executor_install::InstallError) -> Reason {
+        use crate::executor_install::InstallError as E;
+        match e {
+            E::Invalid(_) => Reason::InvalidPackage,
+            E::Io { .. } => Reason::CannotRun,
+            E::AlreadyInstalled { .. } => Reason::AlreadyInstalled,
+            E::Unsigned(_) => Reason::UnsignedPackage,
+            E::BadSignature(_) => Reason::BadPackageSignature,
+            E::Checksum(_) => Reason::Checksum,
+            E::Conflict(_) => Reason::VersionConflict,
+            E::TooLarge(_) => Reason::TooLarge,
         }
     }
 }
@@ -317,40 +366,82 @@ impl Pipeline {
         }
     }
 
+    /// `install_executor`: `parameters` = `{"name", "sha256", "size"?, "signature"?}`. The
+    /// package is downloaded from the platform (`GET …/packages/{name}`, mutual TLS) into a
+    /// root-only staging file, bounded by `executors.max_package_mb` (and exactly `size`
+    /// when given); its SHA-256 must be `sha256` and, per `executors.require_signature`, its
+    /// detached signature (`signature`, else `GET …/packages/{name}.sig`) must verify with a
+    /// trusted key — all before anything is unpacked; then the normal install (lint, wheels,
+    /// atomic switch). Every failure is audited (`executor_install_failed`) with its reason.
     fn install(&self, id: &str, cmd: &Map<String, Value>) -> Value {
         let p = cmd.get("parameters").cloned().unwrap_or_default();
-        let (Some(package), Some(sha)) =
-            (p.get("package").and_then(Value::as_str), p.get("sha256").and_then(Value::as_str))
-        else {
-            return reject(
-                Some(id),
-                Reason::Malformed,
-                "install_executor needs parameters.package and parameters.sha256",
-                false,
+        let params = match InstallParams::parse(&p) {
+            Ok(x) => x,
+            Err(e) => return install_failed(id, "", Reason::Malformed, &e),
+        };
+        let name = params.name.as_str();
+        let Some(packages) = &self.packages else {
+            return install_failed(
+                id,
+                name,
+                Reason::NoPlatform,
+                "install_executor downloads from the platform, and network.agent_to_platform is not configured",
             );
         };
-        let path = Path::new(package);
-        match sha256_file(path) {
-            Ok(got) if got.eq_ignore_ascii_case(sha) => {}
-            Ok(got) => {
-                return reject(
-                    Some(id),
-                    Reason::Checksum,
-                    &format!("{package}: sha256 is {got}, the command says {sha}"),
-                    true,
-                )
+        let signature = match params.signature {
+            Some(s) => Some(s),
+            None => match packages.signature(name) {
+                Ok(s) => s,
+                Err(e) => return install_failed(id, name, Reason::Download, &e),
+            },
+        };
+        let max_bytes = self.config.executors.max_package_bytes();
+        let mut body = match packages.open(name, params.size.map_or(max_bytes, |s| s.min(max_bytes))) {
+            Ok(b) => b,
+            Err(e @ crate::platform::PackageError::TooLarge(_)) => {
+                return install_failed(id, name, Reason::TooLarge, &e.to_string())
             }
-            Err(e) => return reject(Some(id), Reason::CannotRun, &format!("{package}: {e}"), false),
-        }
-        match crate::executor_install::install(path, &self.executors, &self.policy, &Default::default()) {
+            Err(e) => return install_failed(id, name, Reason::Download, &e.to_string()),
+        };
+        let check = crate::executor_install::PackageCheck {
+            trust: &self.trust,
+            signature,
+            sha256: Some(params.sha256.clone()),
+            source: "command",
+            command_id: Some(id),
+            kind: None,
+            max_bytes,
+            label: None,
+        };
+        let installed = crate::executor_install::install_download(
+            &mut body,
+            name,
+            params.size,
+            &self.executors,
+            &self.policy,
+            &Default::default(),
+            check,
+        );
+        match installed {
             Ok(i) => {
                 audit::record(
                     "executor_installed",
-                    &[("command_id", id), ("executor", &i.name), ("version", &i.version)],
+                    &[
+                        ("command_id", id),
+                        ("source", "command"),
+                        ("package", name),
+                        ("executor", &i.name),
+                        ("version", &i.version),
+                        ("sha256", &params.sha256),
+                        ("signed_by", i.signed_by.as_deref().unwrap_or("")),
+                    ],
                 );
-                json!({"status": "completed", "command_id": id, "output": {"name": i.name, "version": i.version}})
+                json!({"status": "completed", "command_id": id, "output": {
+                    "name": i.name, "version": i.version, "previous": i.previous, "package": name,
+                    "sha256": params.sha256, "signed_by": i.signed_by, "warnings": i.warnings,
+                }})
             }
-            Err(e) => reject(Some(id), Reason::CannotRun, &e.to_string(), false),
+            Err(e) => install_failed(id, name, Reason::of_install(&e), &e.to_string()),
         }
     }
 
@@ -399,20 +490,64 @@ fn tighten(executor: &mut Executor, req: &Value, policy: &AgentPolicy) -> Result
     Ok(())
 }
 
-fn sha256_file(p: &Path) -> std::io::Result<String> {
-    use sha2::Digest;
-    use std::io::Read;
-    let mut h = sha2::Sha256::new();
-    let mut f = std::fs::File::open(p)?;
-    let mut buf = vec![0u8; 64 * 1024];
-    loop {
-        let n = f.read(&mut buf)?;
-        if n == 0 {
-            break;
+/// An `install_executor` failure: audited (`executor_install_failed`, with the reason) and
+/// answered as a rejection.
+fn install_failed(id: &str, package: &str, reason: Reason, message: &str) -> Value {
+    audit::record(
+        "executor_install_failed",
+        &[
+            ("command_id", id),
+            ("source", "command"),
+            ("package", package),
+            ("reason", reason.as_str()),
+            ("error", message),
+        ],
+    );
+    rejected(Some(id), reason, message)
+}
+
+/// The `parameters` of `install_executor`, checked strictly (unknown keys refused).
+#[derive(Debug)]
+struct InstallParams {
+    name: String,
+    sha256: String,
+    size: Option<u64>,
+    signature: Option<String>,
+}
+
+impl InstallParams {
+    fn parse(p: &Value) -> Result<InstallParams, String> {
+        let Value::Object(m) = p else {
+            return Err("install_executor: parameters must be an object with name and sha256".into());
+        };
+        if let Some(k) = m.keys().find(|k| !matches!(k.as_str(), "name" | "sha256" | "size" | "signature")) {
+            return Err(format!("install_executor: parameters.{k}: unknown (name, sha256, size, signature)"));
         }
-        h.update(&buf[..n]);
+        let name = m.get("name").and_then(Value::as_str).unwrap_or("");
+        if !crate::platform::valid_package_name(name) {
+            return Err(format!(
+                "install_executor: parameters.name {name:?}: required, 1-128 of A-Z a-z 0-9 . _ - not starting with a dot"
+            ));
+        }
+        let sha256 = m.get("sha256").and_then(Value::as_str).unwrap_or("");
+        if sha256.len() != 64 || !sha256.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err("install_executor: parameters.sha256: required, 64 hex digits".into());
+        }
+        let size = match m.get("size") {
+            None => None,
+            Some(v) => Some(
+                v.as_u64()
+                    .filter(|s| *s > 0)
+                    .ok_or("install_executor: parameters.size: a positive integer (bytes)".to_string())?,
+            ),
+        };
+        let signature = match m.get("signature") {
+            None => None,
+            Some(Value::String(s)) => Some(s.clone()),
+            Some(_) => return Err("install_executor: parameters.signature: base64 text".into()),
+        };
+        Ok(InstallParams { name: name.to_string(), sha256: sha256.to_ascii_lowercase(), size, signature })
     }
-    Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
 }
 
 #[cfg(test)]

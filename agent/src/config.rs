@@ -51,17 +51,38 @@ pub struct Config {
     pub audit: crate::audit::AuditSection,
 }
 
-/// Installed executors (`opservant executor install`).
+/// Installed executors (`opservant executor install`, `install_executor` commands, and
+/// `install:` at agent start), and the package signature rules ([`crate::package_signing`]).
 #[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ExecutorsSection {
     /// Where installed executors live (default /var/lib/opservant/executors).
     pub dir: Option<std::path::PathBuf>,
+    /// Install only archives with a valid signature from a trusted key (directories are
+    /// refused: they cannot be signed). Default false; a signature that is present is
+    /// checked either way.
+    #[serde(default)]
+    pub require_signature: bool,
+    /// Public keys (PEM or base64, absolute paths) package signatures are checked with;
+    /// default: `agent.platform_public_key`, when set.
+    pub trusted_keys: Option<Vec<PathBuf>>,
+    /// Packages (directories or archives, absolute paths) `opservant agent` installs when it
+    /// starts; one already installed with the same content is skipped.
+    #[serde(default)]
+    pub install: Vec<PathBuf>,
+    /// The largest package archive accepted, in MiB (1-256, default 256): a local
+    /// archive, and a download for an `install_executor` command, are refused beyond it.
+    pub max_package_mb: Option<u64>,
 }
 
 impl ExecutorsSection {
     pub fn root(&self) -> std::path::PathBuf {
         self.dir.clone().unwrap_or_else(|| crate::executor_install::DEFAULT_ROOT.into())
+    }
+
+    /// `max_package_mb` in bytes.
+    pub fn max_package_bytes(&self) -> u64 {
+        self.max_package_mb.map_or(crate::package_signing::MAX_ARCHIVE_BYTES, |mb| mb << 20)
     }
 }
 
@@ -273,6 +294,32 @@ impl Config {
                 return Err(err(key, "must be an absolute path"));
             }
         }
+        for (i, p) in self.executors.trusted_keys.iter().flatten().enumerate() {
+            if !p.is_absolute() {
+                return Err(err(&format!("executors.trusted_keys[{i}]"), "must be an absolute path"));
+            }
+        }
+        for (i, p) in self.executors.install.iter().enumerate() {
+            if !p.is_absolute() {
+                return Err(err(&format!("executors.install[{i}]"), "must be an absolute path"));
+            }
+        }
+        if self.executors.dir.as_ref().is_some_and(|p| !p.is_absolute()) {
+            return Err(err("executors.dir", "must be an absolute path"));
+        }
+        if self.executors.max_package_mb.is_some_and(|n| n == 0 || n > 256) {
+            return Err(err("executors.max_package_mb", "must be 1-256"));
+        }
+        let no_keys = match &self.executors.trusted_keys {
+            Some(list) => list.is_empty(),
+            None => self.agent.platform_public_key.is_none(),
+        };
+        if self.executors.require_signature && no_keys {
+            return Err(err(
+                "executors.require_signature",
+                "no trusted key to check signatures with (set executors.trusted_keys or agent.platform_public_key)",
+            ));
+        }
         match self.secrets.provider.as_deref() {
             None => {}
             Some("file") if self.secrets.file.is_some() => {}
@@ -424,6 +471,18 @@ mod tests {
         assert_eq!(e.path, "secrets.vault_address");
         let e = Config::parse("secrets:\n  provider: file\n").unwrap_err();
         assert_eq!(e.path, "secrets.file");
+        let e = Config::parse("executors:\n  require_signature: true\n").unwrap_err();
+        assert_eq!(e.path, "executors.require_signature", "{e}");
+        let e = Config::parse("executors:\n  install: [relative.tar.gz]\n").unwrap_err();
+        assert_eq!(e.path, "executors.install[0]", "{e}");
+        let e = Config::parse("executors:\n  max_package_mb: 0\n").unwrap_err();
+        assert_eq!(e.path, "executors.max_package_mb", "{e}");
+        let e = Config::parse("executors:\n  trusted_keys: [k.pub]\n").unwrap_err();
+        assert_eq!(e.path, "executors.trusted_keys[0]", "{e}");
+        let c =
+            Config::parse("executors:\n  require_signature: true\n  trusted_keys: [/k.pub]\n  install: [/p.tar.gz]\n")
+                .unwrap();
+        assert!(c.executors.require_signature);
     }
 
     #[test]

@@ -22,7 +22,21 @@
 //!   a run that started before keeps the directory it resolved; the previous version is kept
 //!   for one more install (rollback by hand), older ones are removed;
 //! - removal first renames the executor out of the way, so a half-deleted executor is never
-//!   visible under its name.
+//!   visible under its name;
+//! - an archive is first copied into the root-only staging directory while its SHA-256 and
+//!   its detached signature ([`crate::package_signing`]) are checked in the same pass; only
+//!   that copy is unpacked, and only after both checks passed ([`PackageCheck`]; the verdict is
+//!   audited as `package_signature`). With `executors.require_signature` an unsigned archive
+//!   and any directory are refused; a signature that is present is never ignored; an archive
+//!   larger than `executors.max_package_mb` is refused while it is copied;
+//! - [`install_download`] (the `install_executor` command) first writes the download into a
+//!   root-only staging file, bounded by the cap and the declared size, then installs that file
+//!   exactly as above — the SHA-256 from the signed command is checked before unpacking;
+//! - [`install_configured`] installs `executors.install` when the agent starts: a version
+//!   already installed with the same content (the same files, contents and executable bits)
+//!   is skipped, the same version with other content is refused (bump the version), and a
+//!   failing entry is logged and audited (`executor_install_failed`) and skipped — the agent
+//!   still starts. `agent --check-config` reports such entries as warnings.
 
 use std::io::Read;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
@@ -32,6 +46,7 @@ use serde::Serialize;
 use thiserror::Error;
 
 use crate::executor_run::Executor;
+use crate::package_signing::{Checker, Trust, Verdict};
 use crate::policy::AgentPolicy;
 
 pub const DEFAULT_ROOT: &str = "/var/lib/opservant/executors";
@@ -48,6 +63,37 @@ pub enum InstallError {
     Io { path: String, source: std::io::Error },
     #[error("{name} {version} is already installed (use --force to install it again)")]
     AlreadyInstalled { name: String, version: String },
+    /// No signature where one is required (or a directory, which cannot be signed).
+    #[error("{0}")]
+    Unsigned(String),
+    /// A signature that does not verify with a trusted key, or cannot be checked.
+    #[error("{0}")]
+    BadSignature(String),
+    /// The archive's SHA-256 is not the one expected.
+    #[error("{0}")]
+    Checksum(String),
+    /// The same version is installed with other content (installs from the configuration).
+    #[error("{0}")]
+    Conflict(String),
+    /// The archive is larger than allowed (`executors.max_package_mb`, or a declared size).
+    #[error("{0}")]
+    TooLarge(String),
+}
+
+impl InstallError {
+    /// A stable reason code for audit records (the same as `command::Reason::of_install`).
+    pub fn reason(&self) -> &'static str {
+        match self {
+            InstallError::Invalid(_) => "invalid_package",
+            InstallError::Io { .. } => "cannot_run",
+            InstallError::AlreadyInstalled { .. } => "already_installed",
+            InstallError::Unsigned(_) => "unsigned_package",
+            InstallError::BadSignature(_) => "bad_package_signature",
+            InstallError::Checksum(_) => "checksum",
+            InstallError::Conflict(_) => "version_conflict",
+            InstallError::TooLarge(_) => "too_large",
+        }
+    }
 }
 
 fn io(path: &Path, source: std::io::Error) -> InstallError {
@@ -60,6 +106,160 @@ pub struct InstallOptions {
     pub force: bool,
     pub find_links: Vec<PathBuf>,
     pub index_url: Option<String>,
+    /// Skip a version already installed with the same content (and refuse the same version
+    /// with other content) instead of [`InstallError::AlreadyInstalled`].
+    pub skip_identical: bool,
+}
+
+/// The two archive formats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ArchiveKind {
+    TarGz,
+    Tar,
+}
+
+impl ArchiveKind {
+    /// By the name: `.tar.gz`, `.tgz`, `.tar`.
+    pub fn from_name(p: &Path) -> Result<ArchiveKind, InstallError> {
+        let name = p.to_string_lossy();
+        if name.ends_with(".tar.gz") || name.ends_with(".tgz") {
+            Ok(ArchiveKind::TarGz)
+        } else if name.ends_with(".tar") {
+            Ok(ArchiveKind::Tar)
+        } else {
+            Err(InstallError::Invalid(format!(
+                "{}: expected a .tar.gz, .tgz or .tar archive, or a directory",
+                p.display()
+            )))
+        }
+    }
+
+    /// By the content (a download whose name does not tell): gzip magic, or a ustar header.
+    pub fn sniff(p: &Path) -> Result<ArchiveKind, InstallError> {
+        let mut head = [0u8; 262];
+        let mut f = std::fs::File::open(p).map_err(|e| io(p, e))?;
+        let mut n = 0;
+        while n < head.len() {
+            match f.read(&mut head[n..]).map_err(|e| io(p, e))? {
+                0 => break,
+                k => n += k,
+            }
+        }
+        if n >= 2 && head[..2] == [0x1f, 0x8b] {
+            Ok(ArchiveKind::TarGz)
+        } else if n >= 262 && &head[257..262] == b"ustar" {
+            Ok(ArchiveKind::Tar)
+        } else {
+            Err(InstallError::Invalid("the package is neither a gzip-compressed nor a plain tar archive".into()))
+        }
+    }
+}
+
+/// What an archive must satisfy before anything of it is unpacked.
+pub struct PackageCheck<'a> {
+    pub trust: &'a Trust,
+    /// The detached signature (base64 text), when there is one ([`signature_for`]).
+    pub signature: Option<String>,
+    /// The SHA-256 (hex) the archive must have.
+    pub sha256: Option<String>,
+    /// Who asked — `cli`, `config`, `command` — for the audit record.
+    pub source: &'a str,
+    pub command_id: Option<&'a str>,
+    /// The format, when the archive's name does not tell (default: by the name).
+    pub kind: Option<ArchiveKind>,
+    /// The largest archive accepted (`executors.max_package_mb`).
+    pub max_bytes: u64,
+    /// What the audit record calls the package (default: its path; a download: its name).
+    pub label: Option<&'a str>,
+}
+
+/// The signature for `package`: the file `explicit` (which must exist), else `PACKAGE.sig`
+/// beside an archive when it exists, else none.
+pub fn signature_for(package: &Path, explicit: Option<&Path>) -> Result<Option<String>, InstallError> {
+    if let Some(f) = explicit {
+        return crate::package_signing::read_signature_file(f).map(Some).map_err(InstallError::BadSignature);
+    }
+    let beside = crate::package_signing::sig_path(package);
+    if std::fs::symlink_metadata(package).is_ok_and(|m| m.is_file()) && std::fs::symlink_metadata(&beside).is_ok() {
+        return crate::package_signing::read_signature_file(&beside).map(Some).map_err(InstallError::BadSignature);
+    }
+    Ok(None)
+}
+
+fn audit_verdict(check: &PackageCheck, package: &Path, sha: &str, verdict: &str, key: &str, detail: &str) {
+    crate::audit::record(
+        "package_signature",
+        &[
+            ("package", &check.label.map_or_else(|| package.to_string_lossy(), std::borrow::Cow::from)),
+            ("source", check.source),
+            ("command_id", check.command_id.unwrap_or("")),
+            ("sha256", sha),
+            ("signature", verdict),
+            ("key", key),
+            ("detail", detail),
+        ],
+    );
+}
+
+/// Copy `src` to the new file `dest` (0600) while hashing and verifying it; `Ok` only when
+/// the SHA-256 matches (if one is expected) and the signature verdict allows installing.
+/// Returns the SHA-256 and the trusted key the signature verified with (none: unsigned and
+/// not required).
+fn checked_copy(src: &Path, dest: &Path, check: &PackageCheck) -> Result<(String, Option<String>), InstallError> {
+    let mut input =
+        std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(src).map_err(|e| io(src, e))?;
+    let mut out =
+        std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(dest).map_err(|e| io(dest, e))?;
+    let mut checker = Checker::new(check.signature.as_deref(), check.trust);
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = input.read(&mut buf).map_err(|e| io(src, e))?;
+        if n == 0 {
+            break;
+        }
+        checker.update(&buf[..n]);
+        if checker.bytes > check.max_bytes {
+            return Err(InstallError::TooLarge(format!(
+                "larger than {} bytes (executors.max_package_mb)",
+                check.max_bytes
+            )));
+        }
+        std::io::Write::write_all(&mut out, &buf[..n]).map_err(|e| io(dest, e))?;
+    }
+    out.sync_all().map_err(|e| io(dest, e))?;
+    let (sha, verdict) = checker.finish();
+    if let Some(want) = &check.sha256 {
+        if !sha.eq_ignore_ascii_case(want.trim()) {
+            let msg = format!("sha256 is {sha}, expected {want}");
+            audit_verdict(check, src, &sha, "not_checked", "", &format!("checksum mismatch: {msg}"));
+            return Err(InstallError::Checksum(msg));
+        }
+    }
+    match verdict {
+        Verdict::Valid(key) => {
+            audit_verdict(check, src, &sha, "valid", &key, "");
+            Ok((sha, Some(key)))
+        }
+        Verdict::Missing if check.trust.required => {
+            let msg = match check.source {
+                "cli" => format!(
+                    "no signature, and executors.require_signature is on (give --signature FILE or put {} beside it)",
+                    crate::package_signing::sig_path(src).display()
+                ),
+                _ => "no signature, and executors.require_signature is on".to_string(),
+            };
+            audit_verdict(check, src, &sha, "missing", "", "refused: a signature is required");
+            Err(InstallError::Unsigned(msg))
+        }
+        Verdict::Missing => {
+            audit_verdict(check, src, &sha, "missing", "", "accepted: signatures are not required");
+            Ok((sha, None))
+        }
+        Verdict::Bad(why) => {
+            audit_verdict(check, src, &sha, "bad", "", &why);
+            Err(InstallError::BadSignature(why))
+        }
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -69,6 +269,13 @@ pub struct Installed {
     pub path: PathBuf,
     pub previous: Option<String>,
     pub warnings: Vec<String>,
+    /// Already installed with the same content, or a newer version is; nothing was changed
+    /// ([`InstallOptions::skip_identical`]).
+    pub unchanged: bool,
+    /// The archive's SHA-256 (none for a directory).
+    pub sha256: Option<String>,
+    /// The trusted key its signature verified with (none: unsigned, or a directory).
+    pub signed_by: Option<String>,
 }
 
 #[derive(Debug, Serialize)]
@@ -93,25 +300,54 @@ fn mkdir(p: &Path) -> Result<(), InstallError> {
     std::fs::DirBuilder::new().mode(0o755).create(p).map_err(|e| io(p, e))
 }
 
-/// Install from a package directory or archive.
+/// Install from a package directory or archive, after `check` ([`PackageCheck`]) passed.
 pub fn install(
     src: &Path,
     root: &Path,
     policy: &AgentPolicy,
     opts: &InstallOptions,
+    check: &PackageCheck,
 ) -> Result<Installed, InstallError> {
+    let meta = std::fs::symlink_metadata(src).map_err(|e| io(src, e))?;
+    let kind = if meta.is_dir() {
+        if check.trust.required {
+            audit_verdict(check, src, "", "missing", "", "refused: a directory cannot be signed");
+            return Err(InstallError::Unsigned(
+                "a directory cannot be signed, and executors.require_signature is on: install a signed archive (tar czf PKG.tar.gz …; opservant sign --key KEY --package PKG.tar.gz)".into(),
+            ));
+        }
+        if check.signature.is_some() || check.sha256.is_some() {
+            return Err(InstallError::Invalid(
+                "a signature or sha256 applies to an archive, not to a directory".into(),
+            ));
+        }
+        None
+    } else if meta.is_file() {
+        Some(match check.kind {
+            Some(k) => k,
+            None => ArchiveKind::from_name(src)?,
+        })
+    } else {
+        return Err(InstallError::Invalid(format!("{}: not a directory or an archive", src.display())));
+    };
     std::fs::DirBuilder::new().mode(0o755).recursive(true).create(root).map_err(|e| io(root, e))?;
     let staging = Staging(unique(root, ".staging")?);
     let unpacked = staging.0.join("pkg");
-    let meta = std::fs::symlink_metadata(src).map_err(|e| io(src, e))?;
-    if meta.is_dir() {
-        let mut budget = Budget::default();
-        copy_tree(src, &unpacked, &mut budget)?;
-    } else if meta.is_file() {
-        unpack(src, &unpacked)?;
-    } else {
-        return Err(InstallError::Invalid(format!("{}: not a directory or an archive", src.display())));
-    }
+    let (sha256, signed_by) = match kind {
+        None => {
+            let mut budget = Budget::default();
+            copy_tree(src, &unpacked, &mut budget)?;
+            (None, None)
+        }
+        Some(kind) => {
+            // Verified and unpacked from the same private copy.
+            let archive = staging.0.join("archive");
+            let (sha, key) = checked_copy(src, &archive, check)?;
+            unpack(&archive, kind, src, &unpacked)?;
+            std::fs::remove_file(&archive).map_err(|e| io(&archive, e))?;
+            (Some(sha), key)
+        }
+    };
     let pkg = package_root(&unpacked)?;
     let text = crate::manifest::read(&pkg.join("manifest.json"))
         .map_err(|e| InstallError::Invalid(format!("manifest.json: {}", e.message)))?;
@@ -120,6 +356,64 @@ pub fn install(
         let list: Vec<String> = errors.iter().map(|e| e.to_string()).collect();
         return Err(InstallError::Invalid(format!("manifest.json: {}", list.join("; "))));
     };
+    if opts.skip_identical {
+        let name_dir = root.join(&manifest.name);
+        // A newer version is current (installed later, e.g. by a command): never downgrade.
+        let current = std::fs::read_link(name_dir.join("current")).ok();
+        let current_version = current
+            .as_ref()
+            .and_then(|c| crate::executor_run::Executor::load(&name_dir.join(c)).ok())
+            .map(|e| e.manifest.version);
+        if let (Some(cur), Ok(new)) = (&current_version, semver::Version::parse(&manifest.version)) {
+            if semver::Version::parse(cur).is_ok_and(|cur| cur > new) {
+                return Ok(Installed {
+                    warnings: vec![format!(
+                        "{} {cur} is installed, newer than {}: left as it is",
+                        manifest.name, manifest.version
+                    )],
+                    path: name_dir.join("current"),
+                    name: manifest.name,
+                    version: cur.clone(),
+                    previous: None,
+                    unchanged: true,
+                    sha256,
+                    signed_by,
+                });
+            }
+        }
+        let digest = tree_digest(&pkg)?;
+        let mut same_version = false;
+        if let Ok(entries) = std::fs::read_dir(&name_dir) {
+            for e in entries.flatten() {
+                let n = e.file_name().to_string_lossy().into_owned();
+                let is_version = n == manifest.version
+                    || n.strip_prefix(&format!("{}.", manifest.version))
+                        .is_some_and(|k| !k.is_empty() && k.bytes().all(|b| b.is_ascii_digit()));
+                if !is_version || !e.path().is_dir() {
+                    continue;
+                }
+                same_version = true;
+                if tree_digest(&e.path())? == digest {
+                    return Ok(Installed {
+                        name: manifest.name,
+                        version: manifest.version,
+                        path: e.path(),
+                        previous: None,
+                        warnings: vec![],
+                        unchanged: true,
+                        sha256,
+                        signed_by,
+                    });
+                }
+            }
+        }
+        if same_version {
+            return Err(InstallError::Conflict(format!(
+                "{} {} is already installed with different content (bump the version, or remove it first)",
+                manifest.name, manifest.version
+            )));
+        }
+    }
     if pkg.join(".deps").exists() {
         return Err(InstallError::Invalid(
             ".deps: a package must not bring its own .deps (requirements are installed from wheels)".into(),
@@ -170,7 +464,202 @@ pub fn install(
             let _ = std::fs::remove_dir_all(e.path());
         }
     }
-    Ok(Installed { name: manifest.name, version: manifest.version, path: dest, previous, warnings: report.warnings })
+    Ok(Installed {
+        name: manifest.name,
+        version: manifest.version,
+        path: dest,
+        previous,
+        warnings: report.warnings,
+        unchanged: false,
+        sha256,
+        signed_by,
+    })
+}
+
+/// Install a package downloaded for an `install_executor` command: the body is written into
+/// a root-only staging file named after the package — at most `check.max_bytes` bytes, and
+/// exactly `size` when the command declared one — and then installed like a local archive
+/// ([`install`]: SHA-256 and signature checked on a private copy before anything is
+/// unpacked). The format is told by the content, not the name. Nothing is left behind on
+/// failure.
+pub fn install_download<'a>(
+    body: &mut dyn Read,
+    name: &'a str,
+    size: Option<u64>,
+    root: &Path,
+    policy: &AgentPolicy,
+    opts: &InstallOptions,
+    mut check: PackageCheck<'a>,
+) -> Result<Installed, InstallError> {
+    if name.is_empty() || name.starts_with('.') || name.contains('/') {
+        return Err(InstallError::Invalid(format!("{name:?}: not a valid package name")));
+    }
+    if let Some(size) = size.filter(|s| *s > check.max_bytes) {
+        return Err(InstallError::TooLarge(format!(
+            "{name}: the declared size {size} is more than the {} bytes allowed (executors.max_package_mb)",
+            check.max_bytes
+        )));
+    }
+    let cap = size.unwrap_or(check.max_bytes);
+    std::fs::DirBuilder::new().mode(0o755).recursive(true).create(root).map_err(|e| io(root, e))?;
+    let staging = Staging(unique(root, ".download")?);
+    let file = staging.0.join(name);
+    let mut out =
+        std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&file).map_err(|e| io(&file, e))?;
+    let n = std::io::copy(&mut body.take(cap + 1), &mut out).map_err(|e| io(&file, e))?;
+    if n > cap {
+        return Err(InstallError::TooLarge(match size {
+            Some(s) => format!("{name}: the download is larger than the {s} bytes the command declared"),
+            None => format!("{name}: the download is larger than {cap} bytes (executors.max_package_mb)"),
+        }));
+    }
+    if let Some(s) = size.filter(|s| *s != n) {
+        return Err(InstallError::Invalid(format!("{name}: downloaded {n} bytes, the command declared {s}")));
+    }
+    out.sync_all().map_err(|e| io(&file, e))?;
+    drop(out);
+    check.kind = Some(ArchiveKind::sniff(&file)?);
+    check.label = check.label.or(Some(name));
+    install(&file, root, policy, opts, &check)
+}
+
+/// A digest of a package tree: relative paths, kinds, executable bits and file contents,
+/// in name order; `__pycache__` anywhere and the top-level `.deps` are left out.
+fn tree_digest(dir: &Path) -> Result<String, InstallError> {
+    fn walk(base: &Path, rel: &Path, h: &mut sha2::Sha256) -> Result<(), InstallError> {
+        use sha2::Digest;
+        let here = base.join(rel);
+        let mut entries: Vec<_> =
+            std::fs::read_dir(&here).map_err(|e| io(&here, e))?.collect::<Result<_, _>>().map_err(|e| io(&here, e))?;
+        entries.sort_by_key(|e| e.file_name());
+        for e in entries {
+            let name = e.file_name();
+            if name == "__pycache__" || (rel.as_os_str().is_empty() && name == ".deps") {
+                continue;
+            }
+            let r = rel.join(&name);
+            let meta = std::fs::symlink_metadata(e.path()).map_err(|err| io(&e.path(), err))?;
+            h.update(r.as_os_str().as_encoded_bytes());
+            h.update([0]);
+            if meta.is_dir() {
+                h.update(b"D");
+                walk(base, &r, h)?;
+            } else if meta.is_file() {
+                h.update(if meta.permissions().mode() & 0o111 != 0 { b"X" } else { b"F" });
+                let mut f = std::fs::File::open(e.path()).map_err(|err| io(&e.path(), err))?;
+                let mut fh = sha2::Sha256::new();
+                let mut buf = vec![0u8; 64 * 1024];
+                loop {
+                    match f.read(&mut buf).map_err(|err| io(&e.path(), err))? {
+                        0 => break,
+                        n => fh.update(&buf[..n]),
+                    }
+                }
+                h.update(fh.finalize());
+            } else {
+                h.update(b"O");
+            }
+        }
+        Ok(())
+    }
+    use sha2::Digest;
+    let mut h = sha2::Sha256::new();
+    walk(dir, Path::new(""), &mut h)?;
+    Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// `executors.install` problems found without installing (`agent --check-config`): missing
+/// entries, directories or unsigned archives under `require_signature`, bad signatures.
+pub fn check_configured(config: &crate::config::Config, trust: &Trust) -> Vec<String> {
+    let mut problems = Vec::new();
+    for (i, p) in config.executors.install.iter().enumerate() {
+        let at = format!("executors.install[{i}]: {}", p.display());
+        let meta = match std::fs::symlink_metadata(p) {
+            Ok(m) => m,
+            Err(e) => {
+                problems.push(format!("{at}: {e}"));
+                continue;
+            }
+        };
+        if meta.is_dir() {
+            if trust.required {
+                problems.push(format!("{at}: a directory cannot be signed, and executors.require_signature is on"));
+            }
+            continue;
+        }
+        if !meta.is_file() {
+            problems.push(format!("{at}: not a directory or an archive"));
+            continue;
+        }
+        if let Err(e) = ArchiveKind::from_name(p) {
+            problems.push(format!("{at}: {e}"));
+            continue;
+        }
+        let sig = match signature_for(p, None) {
+            Ok(s) => s,
+            Err(e) => {
+                problems.push(format!("{at}: {e}"));
+                continue;
+            }
+        };
+        match crate::package_signing::check_file(p, sig.as_deref(), trust, config.executors.max_package_bytes()) {
+            Err(e) => problems.push(format!("{at}: {e}")),
+            Ok((_, Verdict::Bad(why))) => problems.push(format!("{at}: {why}")),
+            Ok((_, Verdict::Missing)) if trust.required => {
+                problems.push(format!("{at}: no signature, and executors.require_signature is on"))
+            }
+            Ok(_) => {}
+        }
+    }
+    problems
+}
+
+/// Install `executors.install` (at agent start): each entry checked like `executor install`
+/// (signature rules included), an identical version skipped; a failure is logged and audited
+/// (`executor_install_failed`) and that entry skipped. Returns how many entries failed.
+pub fn install_configured(config: &crate::config::Config, policy: &AgentPolicy, trust: &Trust) -> usize {
+    let root = config.executors.root();
+    let opts = InstallOptions { skip_identical: true, ..Default::default() };
+    let mut failed = 0;
+    for (i, p) in config.executors.install.iter().enumerate() {
+        let entry = format!("executors.install[{i}]");
+        let package = p.to_string_lossy();
+        let result = signature_for(p, None).and_then(|signature| {
+            let check = PackageCheck {
+                trust,
+                signature,
+                sha256: None,
+                source: "config",
+                command_id: None,
+                kind: None,
+                max_bytes: config.executors.max_package_bytes(),
+                label: None,
+            };
+            install(p, &root, policy, &opts, &check)
+        });
+        match result {
+            Ok(i) if i.unchanged => {
+                tracing::info!(entry, package = %package, executor = %i.name, version = %i.version, "already installed, unchanged");
+            }
+            Ok(i) => {
+                tracing::info!(entry, package = %package, executor = %i.name, version = %i.version, "installed");
+                crate::audit::record(
+                    "executor_installed",
+                    &[("executor", &i.name), ("version", &i.version), ("source", "config"), ("package", &package)],
+                );
+            }
+            Err(e) => {
+                failed += 1;
+                let error = e.to_string();
+                tracing::error!(entry, package = %package, error = %error, "not installed; the agent starts without it");
+                crate::audit::record(
+                    "executor_install_failed",
+                    &[("source", "config"), ("entry", &entry), ("package", &package), ("error", &error)],
+                );
+            }
+        }
+    }
+    failed
 }
 
 /// A fresh directory `<root>/<prefix>-<pid>-<n>`.
@@ -241,18 +730,12 @@ fn safe_relative(p: &Path) -> Result<PathBuf, InstallError> {
     Ok(out)
 }
 
-fn unpack(archive: &Path, dest: &Path) -> Result<(), InstallError> {
-    let file = std::fs::File::open(archive).map_err(|e| io(archive, e))?;
-    let name = archive.to_string_lossy();
-    let reader: Box<dyn Read> = if name.ends_with(".tar.gz") || name.ends_with(".tgz") {
-        Box::new(flate2::read::GzDecoder::new(file))
-    } else if name.ends_with(".tar") {
-        Box::new(file)
-    } else {
-        return Err(InstallError::Invalid(format!(
-            "{}: expected a .tar.gz, .tgz or .tar archive, or a directory",
-            archive.display()
-        )));
+/// Unpack `file` (of `kind`) into `dest`; messages name `archive` (where it came from).
+fn unpack(file: &Path, kind: ArchiveKind, archive: &Path, dest: &Path) -> Result<(), InstallError> {
+    let f = std::fs::File::open(file).map_err(|e| io(file, e))?;
+    let reader: Box<dyn Read> = match kind {
+        ArchiveKind::TarGz => Box::new(flate2::read::GzDecoder::new(f)),
+        ArchiveKind::Tar => Box::new(f),
     };
     mkdir(dest)?;
     let mut budget = Budget::default();

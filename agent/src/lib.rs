@@ -16,6 +16,7 @@ pub mod launch;
 pub mod limits;
 pub mod lint;
 pub mod manifest;
+pub mod package_signing;
 pub mod platform;
 pub mod policy;
 pub mod random;

@@ -119,18 +119,36 @@ enum Command {
         out: PathBuf,
     },
     /// Sign a command: add `timestamp` when absent and `signature` (Ed25519 over the RFC 8785
-    /// canonical JSON without `signature`); print the signed command.
+    /// canonical JSON without `signature`); print the signed command. With `--package`: sign
+    /// an executor archive — write PKG.sig, the base64 Ed25519 signature of the archive's
+    /// bytes (replaced atomically when it exists).
     Sign {
         #[arg(long)]
         key: PathBuf,
         /// The command JSON (`-` for stdin).
-        command: PathBuf,
+        #[arg(required_unless_present = "package", conflicts_with = "package")]
+        command: Option<PathBuf>,
+        /// An executor archive (.tar.gz, .tgz, .tar) to sign instead of a command.
+        #[arg(long)]
+        package: Option<PathBuf>,
+        /// With --package: where to write the signature (default PKG.sig).
+        #[arg(long, requires = "package")]
+        out: Option<PathBuf>,
     },
     /// Verify a signed command: signature and clock skew. Exit 0 when both pass, 1 when not.
+    /// With `--package`: verify an archive's detached signature (PKG.sig, or --signature):
+    /// exit 0 when it verifies with the key, 1 when it is bad or missing.
     Verify {
         #[arg(long = "pub")]
         public_key: PathBuf,
-        signed: PathBuf,
+        #[arg(required_unless_present = "package", conflicts_with = "package")]
+        signed: Option<PathBuf>,
+        /// An executor archive to verify instead of a command.
+        #[arg(long)]
+        package: Option<PathBuf>,
+        /// With --package: the signature file (default PKG.sig).
+        #[arg(long, requires = "package")]
+        signature: Option<PathBuf>,
         #[arg(long)]
         json: bool,
     },
@@ -167,8 +185,13 @@ enum ExecutorCommand {
     },
     /// Install an executor from a directory or a .tar.gz/.tgz/.tar package into the executors
     /// directory (`executors.dir`); it must lint clean. Requirements are installed from wheels.
+    /// An archive's signature (PKG.sig beside it, or --signature) is checked when present and
+    /// required with `executors.require_signature` (which refuses directories).
     Install {
         package: PathBuf,
+        /// The archive's detached signature (default: PKG.sig beside it, when it exists).
+        #[arg(long, value_name = "FILE")]
+        signature: Option<PathBuf>,
         /// Install again a version that is already installed.
         #[arg(long)]
         force: bool,
@@ -329,10 +352,11 @@ fn main() -> ExitCode {
         }
         Command::Executor { command: ExecutorCommand::Lint { dir, json, config } } => lint(dir, json, config),
         Command::Executor {
-            command: ExecutorCommand::Install { package, force, find_links, index_url, json, config },
+            command: ExecutorCommand::Install { package, signature, force, find_links, index_url, json, config },
         } => executor_install(
             &package,
-            agent::executor_install::InstallOptions { force, find_links, index_url },
+            signature.as_deref(),
+            agent::executor_install::InstallOptions { force, find_links, index_url, skip_identical: false },
             json,
             config,
         ),
@@ -349,8 +373,13 @@ fn main() -> ExitCode {
         Command::Keygen { out } => keygen(&out),
         Command::Agent { config, check_config } => agent_daemon(config, check_config),
         Command::Submit { signed, socket, config } => submit(&signed, socket, config),
-        Command::Sign { key, command } => sign_command(&key, &command),
-        Command::Verify { public_key, signed, json } => verify_command(&public_key, &signed, json),
+        Command::Sign { key, package: Some(package), out, .. } => sign_package(&key, &package, out),
+        Command::Sign { key, command: Some(command), .. } => sign_command(&key, &command),
+        Command::Verify { public_key, package: Some(package), signature, json, .. } => {
+            verify_package(&public_key, &package, signature.as_deref(), json)
+        }
+        Command::Verify { public_key, signed: Some(signed), json, .. } => verify_command(&public_key, &signed, json),
+        Command::Sign { .. } | Command::Verify { .. } => Err(CannotRun("give a command file or --package".into())),
     };
     match result {
         Ok(code) => code,
@@ -544,11 +573,20 @@ fn agent_daemon(config: Option<PathBuf>, check_only: bool) -> Result<ExitCode, C
     agent::egress::EgressSettings::from_config(&cfg).map_err(|e| CannotRun(e.to_string()))?;
     let runtime = agent::executor_run::runtime_binary().map_err(|e| CannotRun(e.0))?;
     let platform = agent::platform::Platform::from_config(&cfg).map_err(CannotRun)?;
+    let trust = agent::package_signing::Trust::from_config(&cfg).map_err(CannotRun)?;
     if check_only {
+        // Entries of executors.install that would not install: the agent still starts
+        // without them, so they are warnings, not errors.
+        for w in agent::executor_install::check_configured(&cfg, &trust) {
+            eprintln!("opservant: warning: {w}");
+        }
         println!("configuration ok");
         return Ok(ExitCode::SUCCESS);
     }
     agent::audit::init(&cfg)?;
+    // executors.install, before any command is taken: failures are logged and audited, and
+    // the agent starts without those packages (it can still be told to install them).
+    agent::executor_install::install_configured(&cfg, &policy, &trust);
     // The daemon is multi-threaded: sandboxes start from its zygote (a process of their own,
     // started now so the first command does not wait for it) or from a fresh exec.
     let launcher = match settings.launch {
@@ -578,6 +616,8 @@ fn agent_daemon(config: Option<PathBuf>, check_only: bool) -> Result<ExitCode, C
         launcher,
         max_concurrent: settings.max_concurrent,
         running: Default::default(),
+        packages: platform.as_ref().map(|p| p.packages()),
+        trust,
     };
     let served = agent::daemon::serve(pipeline, &settings.socket, platform).map_err(|e| CannotRun(e.0));
     // Pooled sandboxes die with the agent, their cgroups removed.
@@ -617,6 +657,84 @@ fn sign_command(key: &std::path::Path, command: &std::path::Path) -> Result<Exit
         serde_json_canonicalizer::to_string(&serde_json::Value::Object(cmd)).map_err(|e| CannotRun(e.to_string()))?;
     println!("{text}");
     Ok(ExitCode::SUCCESS)
+}
+
+fn sign_package(key: &std::path::Path, package: &std::path::Path, out: Option<PathBuf>) -> Result<ExitCode, CannotRun> {
+    use agent::package_signing;
+    let key = agent::signing::load_signing_key(key).map_err(|e| CannotRun(e.to_string()))?;
+    let meta = std::fs::metadata(package).map_err(|e| CannotRun(format!("{}: {e}", package.display())))?;
+    if meta.is_dir() {
+        return Err(CannotRun(format!(
+            "{}: a directory cannot be signed; pack it first (tar czf PKG.tar.gz -C PARENT DIR) and sign the archive",
+            package.display()
+        )));
+    }
+    agent::executor_install::ArchiveKind::from_name(package).map_err(|e| CannotRun(e.to_string()))?;
+    let sig = package_signing::sign_file(package, &key).map_err(CannotRun)?;
+    let out = out.unwrap_or_else(|| package_signing::sig_path(package));
+    // Written beside, then renamed over: never a half-written signature file.
+    let mut tmp = out.clone().into_os_string();
+    tmp.push(format!(".tmp-{}", std::process::id()));
+    let tmp = PathBuf::from(tmp);
+    let written = std::fs::write(&tmp, format!("{}\n", package_signing::encode(&sig)))
+        .and_then(|()| std::fs::File::open(&tmp).and_then(|f| f.sync_all()))
+        .and_then(|()| std::fs::rename(&tmp, &out));
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(CannotRun(format!("{}: {e}", out.display())));
+    }
+    println!("{}", out.display());
+    Ok(ExitCode::SUCCESS)
+}
+
+fn verify_package(
+    public: &std::path::Path,
+    package: &std::path::Path,
+    signature: Option<&std::path::Path>,
+    json: bool,
+) -> Result<ExitCode, CannotRun> {
+    use agent::package_signing::{self, Trust, TrustedKey, Verdict};
+    let key = agent::signing::load_verifying_key(public).map_err(|e| CannotRun(e.to_string()))?;
+    if key.is_weak() {
+        return Err(CannotRun(format!("{}: a small-order (weak) key is refused", public.display())));
+    }
+    let trust = Trust { required: true, keys: vec![TrustedKey { label: public.display().to_string(), key }] };
+    let sig_file = signature.map_or_else(|| package_signing::sig_path(package), std::path::Path::to_path_buf);
+    if !std::fs::metadata(package).map_err(|e| CannotRun(format!("{}: {e}", package.display())))?.is_file() {
+        return Err(CannotRun(format!("{}: not a file (only archives are signed)", package.display())));
+    }
+    let text = match std::fs::symlink_metadata(&sig_file) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        _ => Some(package_signing::read_signature_file(&sig_file).map_err(CannotRun)?),
+    };
+    let (sha, verdict) =
+        package_signing::check_file(package, text.as_deref(), &trust, package_signing::MAX_ARCHIVE_BYTES)
+            .map_err(CannotRun)?;
+    let detail = match &verdict {
+        Verdict::Valid(_) => String::new(),
+        Verdict::Missing => format!("no signature file {}", sig_file.display()),
+        Verdict::Bad(why) => why.clone(),
+    };
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "valid": matches!(verdict, Verdict::Valid(_)),
+                "signature": verdict.as_str(),
+                "detail": detail,
+                "sha256": sha,
+                "signature_file": sig_file,
+            })
+        );
+    } else {
+        match &verdict {
+            Verdict::Valid(_) => println!("signature: valid ({})", sig_file.display()),
+            Verdict::Missing => println!("signature: MISSING ({detail})"),
+            Verdict::Bad(_) => println!("signature: INVALID ({detail})"),
+        }
+        println!("sha256: {sha}");
+    }
+    Ok(if matches!(verdict, Verdict::Valid(_)) { ExitCode::SUCCESS } else { ExitCode::from(1) })
 }
 
 fn verify_command(public: &std::path::Path, signed: &std::path::Path, json: bool) -> Result<ExitCode, CannotRun> {
@@ -772,18 +890,51 @@ fn session(command: SessionCommand) -> Result<ExitCode, CannotRun> {
 
 fn executor_install(
     package: &std::path::Path,
+    signature: Option<&std::path::Path>,
     opts: agent::executor_install::InstallOptions,
     json: bool,
     config: Option<PathBuf>,
 ) -> Result<ExitCode, CannotRun> {
+    use agent::executor_install as ei;
     let config = agent::config::Config::load(config.as_deref())?;
     let policy = AgentPolicy::from_config(&config)?;
+    let trust = agent::package_signing::Trust::from_config(&config).map_err(CannotRun)?;
+    agent::audit::init(&config)?;
     let root = config.executors.root();
-    let installed = agent::executor_install::install(package, &root, &policy, &opts)
-        .map_err(|e| CannotRun(format!("{}: {e}", package.display())))?;
+    let package_text = package.to_string_lossy();
+    let installed = ei::signature_for(package, signature).and_then(|signature| {
+        let check = ei::PackageCheck {
+            trust: &trust,
+            signature,
+            sha256: None,
+            source: "cli",
+            command_id: None,
+            kind: None,
+            max_bytes: config.executors.max_package_bytes(),
+            label: None,
+        };
+        ei::install(package, &root, &policy, &opts, &check)
+    });
+    let installed = match installed {
+        Ok(i) => i,
+        Err(e) => {
+            let error = e.to_string();
+            agent::audit::record(
+                "executor_install_failed",
+                &[("source", "cli"), ("package", &package_text), ("reason", e.reason()), ("error", &error)],
+            );
+            return Err(CannotRun(format!("{}: {error}", package.display())));
+        }
+    };
     agent::audit::record(
         "executor_installed",
-        &[("executor", &installed.name), ("version", &installed.version), ("source", &package.to_string_lossy())],
+        &[
+            ("executor", &installed.name),
+            ("version", &installed.version),
+            ("source", "cli"),
+            ("package", &package_text),
+            ("signed_by", installed.signed_by.as_deref().unwrap_or("")),
+        ],
     );
     if json {
         println!("{}", serde_json::to_string(&installed)?);

@@ -11,7 +11,12 @@
 //!   installed executors, the number of running commands and `doctor`'s findings;
 //! - failures back off exponentially (1 s doubling to 60 s, ±50 % jitter) and are logged;
 //!   a TLS failure (wrong CA, no certificate) never falls back to anything weaker;
-//! - with `network.proxy.https` set, platform traffic goes through that proxy.
+//! - with `network.proxy.https` set, platform traffic goes through that proxy;
+//! - `GET /v1/agents/{id}/packages/{name}` (and `{name}.sig`) downloads an executor package
+//!   for an `install_executor` command over the same mutual-TLS connection ([`Packages`]);
+//!   anything but `200` is an error (`404` on the `.sig` means "no signature"), a
+//!   `Content-Length` above the cap is refused before the body is read, and the body is read
+//!   through a bound one byte past the cap, so an oversize package is never taken whole.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -118,6 +123,11 @@ impl Platform {
         format!("{}/v1/agents/{}/{what}", self.base, self.agent_id)
     }
 
+    /// The package downloads of `install_executor`, over this connection.
+    pub fn packages(&self) -> Packages {
+        Packages { base: self.base.clone(), agent_id: self.agent_id.clone(), http: self.http.clone() }
+    }
+
     /// One long poll: the commands' raw bytes.
     fn poll_once(&self) -> Result<Vec<Vec<u8>>, String> {
         let mut resp = self
@@ -158,6 +168,92 @@ impl Platform {
             s => Err(format!("POST {what}: HTTP {s}")),
         }
     }
+}
+
+/// How long one package download may take in all.
+const DOWNLOAD_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// Downloads of executor packages from the platform (mutual TLS, like the rest).
+#[derive(Clone)]
+pub struct Packages {
+    base: String,
+    agent_id: String,
+    http: ureq::Agent,
+}
+
+/// A package name as it may appear in the URL: 1-128 of `A-Z a-z 0-9 . _ -`, not starting
+/// with a dot (no `/`, no `..`, nothing to escape).
+pub fn valid_package_name(name: &str) -> bool {
+    (1..=128).contains(&name.len())
+        && !name.starts_with('.')
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+}
+
+impl Packages {
+    fn get(&self, file: &str) -> Result<ureq::http::Response<ureq::Body>, String> {
+        if !valid_package_name(file.trim_end_matches(".sig")) {
+            return Err(format!("{file:?}: not a valid package name"));
+        }
+        let url = format!("{}/v1/agents/{}/packages/{file}", self.base, self.agent_id);
+        self.http
+            .get(&url)
+            .config()
+            .timeout_global(Some(DOWNLOAD_TIMEOUT))
+            .build()
+            .call()
+            .map_err(|e| format!("GET packages/{file}: {e}"))
+    }
+
+    /// `GET …/packages/{name}`: the body, to be read at most `max` bytes (plus one, to tell
+    /// an oversize package). A `Content-Length` above `max` is refused here.
+    pub fn open(&self, name: &str, max: u64) -> Result<PackageBody, PackageError> {
+        let resp = self.get(name).map_err(PackageError::Download)?;
+        let status = resp.status().as_u16();
+        if status != 200 {
+            return Err(PackageError::Download(format!("GET packages/{name}: HTTP {status}")));
+        }
+        if let Some(len) = resp.body().content_length().filter(|l| *l > max) {
+            return Err(PackageError::TooLarge(format!(
+                "{name}: the platform announces {len} bytes, more than the {max} allowed"
+            )));
+        }
+        Ok(PackageBody(Box::new(std::io::Read::take(resp.into_body().into_reader(), max + 1))))
+    }
+
+    /// `GET …/packages/{name}.sig`: the detached signature's text; `None` on `404`.
+    pub fn signature(&self, name: &str) -> Result<Option<String>, String> {
+        let file = format!("{name}.sig");
+        let mut resp = self.get(&file)?;
+        match resp.status().as_u16() {
+            200 => resp
+                .body_mut()
+                .with_config()
+                .limit(4096)
+                .read_to_string()
+                .map(Some)
+                .map_err(|e| format!("GET packages/{file}: {e}")),
+            404 => Ok(None),
+            s => Err(format!("GET packages/{file}: HTTP {s}")),
+        }
+    }
+}
+
+/// A package download's body (already bounded).
+pub struct PackageBody(Box<dyn std::io::Read + Send>);
+
+impl std::io::Read for PackageBody {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.0.read(buf)
+    }
+}
+
+/// Why a package could not be downloaded.
+#[derive(Debug, thiserror::Error)]
+pub enum PackageError {
+    #[error("{0}")]
+    Download(String),
+    #[error("{0}")]
+    TooLarge(String),
 }
 
 fn bracket(host: &str) -> String {

@@ -42,33 +42,39 @@ impl Agent {
 
     /// As [`Agent::new`], with `network` (YAML, indented under `network:`) in the config.
     pub fn with_network(max_concurrent: usize, network: &str) -> Agent {
-        Self::configured(max_concurrent, "", network)
+        Self::build(max_concurrent, "", network, |_| String::new())
     }
 
     /// As [`Agent::new`], with more keys (YAML lines indented by two) in the `agent:` section.
     pub fn with_agent_keys(max_concurrent: usize, agent_keys: &str) -> Agent {
-        Self::configured(max_concurrent, agent_keys, "")
+        Self::build(max_concurrent, agent_keys, "", |_| String::new())
     }
 
-    fn configured(max_concurrent: usize, agent_keys: &str, network: &str) -> Agent {
+    /// As [`Agent::with_network`], with `agent_keys` in the `agent:` section; `executors(dir)`
+    /// gives more `executors:` keys (YAML lines indented two spaces), in force after the port
+    /// scanner and the slow executor were installed.
+    pub fn build(max_concurrent: usize, agent_keys: &str, network: &str, executors: impl Fn(&Path) -> String) -> Agent {
         let dir = HostDir::new();
         let p = |s: &str| dir.path.join(s);
         assert!(op(&["keygen", "--out", p("keys").to_str().unwrap()]).status.success());
         let socket = p("run/agent.sock");
         let config = p("config.yaml");
-        std::fs::write(
-            &config,
-            format!(
-                "agent:\n  platform_public_key: {}\n  state_dir: {}\n  socket: {}\n  max_concurrent: {max_concurrent}\n{agent_keys}\
-                 executors:\n  dir: {}\naudit:\n  path: {}\n{network}",
-                p("keys/signing.pub").display(),
-                p("state").display(),
-                socket.display(),
-                p("executors").display(),
-                p("audit/audit.jsonl").display()
-            ),
-        )
-        .unwrap();
+        let write_config = |extra: &str| {
+            std::fs::write(
+                &config,
+                format!(
+                    "agent:\n  platform_public_key: {}\n  state_dir: {}\n  socket: {}\n  max_concurrent: {max_concurrent}\n{agent_keys}\
+                     executors:\n  dir: {}\n{extra}audit:\n  path: {}\n{network}",
+                    p("keys/signing.pub").display(),
+                    p("state").display(),
+                    socket.display(),
+                    p("executors").display(),
+                    p("audit/audit.jsonl").display()
+                ),
+            )
+            .unwrap()
+        };
+        write_config("");
         let slow = p("slow");
         std::fs::create_dir_all(slow.join("slow")).unwrap();
         std::fs::write(slow.join("slow/__init__.py"), "").unwrap();
@@ -86,6 +92,7 @@ impl Agent {
             let out = op(&["executor", "install", pkg.to_str().unwrap(), "--config", c]);
             assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         }
+        write_config(&executors(&dir.path));
         let key = p("keys/signing.key");
         Agent { dir, config, socket, key, child: None }
     }

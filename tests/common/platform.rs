@@ -1,6 +1,7 @@
 //! A test platform: an HTTPS server on 127.0.0.1 that requires client certificates (rustls,
 //! TLS 1.3), serves queued signed commands on `GET /v1/agents/{id}/commands` and collects
-//! `POST …/results` and `…/heartbeat`. Certificates come from [`Pki`] (rcgen): a CA, a server
+//! `POST …/results` and `…/heartbeat`, and serves executor packages on
+//! `GET …/packages/{name}` (404 for an unknown name). Certificates come from [`Pki`] (rcgen): a CA, a server
 //! certificate for 127.0.0.1 and a client certificate, all signed by that CA.
 #![allow(dead_code)]
 
@@ -63,6 +64,11 @@ pub struct State {
     pub heartbeats: Vec<Value>,
     /// "METHOD path" of every request that completed a TLS handshake.
     pub requests: Vec<String>,
+    /// Files served on `GET /v1/agents/{id}/packages/{name}` (packages and `.sig` files).
+    pub packages: std::collections::HashMap<String, Vec<u8>>,
+    /// Send packages without `Content-Length` (the body ends when the connection closes), so
+    /// only the agent's own read bound can stop an oversize one.
+    pub packages_without_length: bool,
 }
 
 pub struct TestPlatform {
@@ -120,6 +126,11 @@ impl TestPlatform {
             });
         }
         TestPlatform { addr, state, handshake_failures: failures, stop }
+    }
+
+    /// Serve `bytes` as `GET …/packages/{name}`.
+    pub fn serve_package(&self, name: &str, bytes: Vec<u8>) {
+        self.state.lock().unwrap().packages.insert(name.to_string(), bytes);
     }
 
     pub fn queue(&self, cmd: Value) {
@@ -187,6 +198,23 @@ fn handle(tcp: std::net::TcpStream, config: Arc<rustls::ServerConfig>, state: &M
     let (method, target) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
     let path = target.split('?').next().unwrap_or("");
     state.lock().unwrap().requests.push(format!("{method} {path}"));
+    if let (Some(name), "GET") = (path.split("/packages/").nth(1), method) {
+        let (status, bytes, no_length) = {
+            let st = state.lock().unwrap();
+            match st.packages.get(name) {
+                Some(b) => ("200 OK", b.clone(), st.packages_without_length),
+                None => ("404 Not Found", b"no such package".to_vec(), false),
+            }
+        };
+        let length = if no_length { String::new() } else { format!("Content-Length: {}\r\n", bytes.len()) };
+        let head =
+            format!("HTTP/1.1 {status}\r\nContent-Type: application/octet-stream\r\n{length}Connection: close\r\n\r\n");
+        let _ = tls.write_all(head.as_bytes());
+        let _ = tls.write_all(&bytes);
+        tls.conn.send_close_notify();
+        let _ = tls.flush();
+        return;
+    }
     let reply = match (method, path.rsplit('/').next().unwrap_or("")) {
         ("GET", "commands") => {
             // A short long-poll: up to 500 ms for something to be queued.
