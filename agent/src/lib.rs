@@ -3,6 +3,7 @@
 
 pub mod app;
 pub mod audit;
+pub mod bench;
 pub mod command;
 pub mod config;
 pub mod daemon;

@@ -163,6 +163,35 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Sandbox overhead report: bare, unshare, bubblewrap, opservant cold and zygote rows,
+    /// interleaved in one process; median/p90/p99 and ratios against bubblewrap, throughput,
+    /// memory, the issue-6 targets. Needs root.
+    Bench {
+        /// Measured rounds (each runs every row once).
+        #[arg(long, default_value_t = 100)]
+        rounds: usize,
+        /// Warm-up rounds, discarded.
+        #[arg(long, default_value_t = 5)]
+        warmup: usize,
+        /// Only these rows (comma-separated; see the table for names).
+        #[arg(long, value_delimiter = ',', value_name = "ROW,...")]
+        only: Option<Vec<String>>,
+        /// Threads of the throughput test (default: the number of CPUs).
+        #[arg(long)]
+        threads: Option<usize>,
+        /// Seconds the throughput test runs.
+        #[arg(long, default_value_t = 5.0)]
+        duration: f64,
+        /// Only the timing rows: no throughput and memory sections.
+        #[arg(long = "timings-only")]
+        timings_only: bool,
+        /// Write every figure as JSON to FILE.
+        #[arg(long, value_name = "FILE")]
+        json: Option<PathBuf>,
+        /// Render the chart (SVG) to FILE.
+        #[arg(long, value_name = "FILE")]
+        svg: Option<PathBuf>,
+    },
     /// The built-in encrypted secrets store (secrets.store, default /etc/opservant/secrets.enc).
     /// Exit 1 when the named secret does not exist (get, rm), 2 when the store or key cannot
     /// be used.
@@ -314,15 +343,19 @@ fn main() -> ExitCode {
     if std::env::args_os().nth(1).is_some_and(|a| a == SANDBOX_INIT) {
         sandbox::init::main();
     }
+    let cli = Cli::parse();
     let log = tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     match tracing_subscriber::EnvFilter::try_from_env("OPSERVANT_LOG") {
         Ok(filter) => log.with_env_filter(filter).init(),
+        // `bench` runs thousands of executions whose audit events go to its own scratch log.
+        Err(_) if matches!(cli.command, Command::Bench { .. }) => {
+            log.with_env_filter(tracing_subscriber::EnvFilter::new("warn")).init()
+        }
         // Without OPSERVANT_LOG: warnings, and the audit events (always).
         Err(_) => log.with_env_filter(tracing_subscriber::EnvFilter::new("warn,opservant::audit=info")).init(),
     }
-    let cli = Cli::parse();
     let result = match cli.command {
         Command::Sandbox { manifest, json, launch, argv } => run_sandbox(manifest, json, launch, argv),
         Command::Run { dir, params, action, config, launch } => run_executor(dir, params, action, config, launch),
@@ -371,6 +404,9 @@ fn main() -> ExitCode {
             agent::secrets_cli::run(command).map(ExitCode::from).map_err(|e| CannotRun(e.to_string()))
         }
         Command::Keygen { out } => keygen(&out),
+        Command::Bench { rounds, warmup, only, threads, duration, timings_only, json, svg } => {
+            bench(rounds, warmup, only, threads, duration, timings_only, json, svg)
+        }
         Command::Agent { config, check_config } => agent_daemon(config, check_config),
         Command::Submit { signed, socket, config } => submit(&signed, socket, config),
         Command::Sign { key, package: Some(package), out, .. } => sign_package(&key, &package, out),
@@ -639,6 +675,50 @@ fn submit(signed: &std::path::Path, socket: Option<PathBuf>, config: Option<Path
     let reply = agent::daemon::submit(&socket, &read_input(signed)?).map_err(|e| CannotRun(e.0))?;
     println!("{reply}");
     Ok(if reply["status"] == "completed" { ExitCode::SUCCESS } else { ExitCode::from(1) })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn bench(
+    rounds: usize,
+    warmup: usize,
+    only: Option<Vec<String>>,
+    threads: Option<usize>,
+    duration: f64,
+    timings_only: bool,
+    json: Option<PathBuf>,
+    svg: Option<PathBuf>,
+) -> Result<ExitCode, CannotRun> {
+    use agent::bench::{self, BenchError};
+    if !(duration.is_finite() && duration > 0.0 && duration <= 3600.0) {
+        return Err(CannotRun("--duration: must be more than 0 and at most 3600 seconds".into()));
+    }
+    let opts = bench::Options {
+        rounds,
+        warmup,
+        only,
+        threads: threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())),
+        duration: std::time::Duration::from_secs_f64(duration),
+        timings_only,
+    };
+    let report = match bench::run(&opts, &mut |line| println!("{line}")) {
+        Ok(r) => r,
+        Err(BenchError::Usage(m)) => return Err(CannotRun(m)),
+        Err(BenchError::Failed(m)) => {
+            eprintln!("opservant: bench: {m}");
+            return Ok(ExitCode::from(1));
+        }
+    };
+    print!("{}", bench::render_table(&report));
+    if let Some(path) = &json {
+        let text = serde_json::to_string_pretty(&report)? + "\n";
+        std::fs::write(path, text).map_err(|e| CannotRun(format!("--json {}: {e}", path.display())))?;
+        println!("wrote {}", path.display());
+    }
+    if let Some(path) = &svg {
+        bench::render_svg(&report, path).map_err(|e| CannotRun(e.to_string()))?;
+        println!("wrote {}", path.display());
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 fn keygen(out: &std::path::Path) -> Result<ExitCode, CannotRun> {

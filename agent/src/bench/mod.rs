@@ -1,0 +1,968 @@
+//! `opservant bench`: the sandbox overhead report (issue 6, item 3).
+//!
+//! Every row runs in this one process, interleaved round-robin — each round runs each row
+//! once and the row that starts a round rotates — so drift of a shared, noisy machine hits
+//! every row alike; ratios are against bubblewrap measured in the same run. Percentiles are
+//! nearest-rank ([`stats::percentile`]).
+//!
+//! Rows that start a command measure the wall time from spawning it (stdin on `/dev/null`,
+//! stdout and stderr captured) to having reaped it; the binaries under test are installed
+//! copies (benches/README.md, "Installed copies"). The `*-zygote` rows run in this process
+//! through the library, with a zygote this process holds — what a daemon holding a zygote
+//! does per execution. Every sample is checked (exit status, result JSON, the launch mode: a
+//! zygote row that fell back to the cold path aborts the benchmark).
+//!
+//! Guarantees: nothing outside a scratch directory in `/var/tmp` and (for the egress rows) a
+//! network namespace of its own is touched, and both are removed at the end; a failure of
+//! any measured command aborts with the reason — a timing never does.
+
+pub mod chart;
+pub mod memory;
+pub mod stats;
+
+use std::ffi::CStr;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use serde_json::{json, Value};
+
+use crate::config::Config;
+use crate::executor_run::{Executor, RunRequest};
+use crate::policy::AgentPolicy;
+use crate::result::Status;
+use stats::{round2, round3, Summary};
+
+/// Why the benchmark stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    /// Bad options (exit status 2).
+    #[error("{0}")]
+    Usage(String),
+    /// Something could not be set up or a measured command failed.
+    #[error("{0}")]
+    Failed(String),
+}
+
+fn failed(e: impl std::fmt::Display) -> BenchError {
+    BenchError::Failed(e.to_string())
+}
+
+/// Debian's interpreter, the one `opservant-runtime` embeds (not whatever is first in PATH).
+pub const PYTHON: &str = "/usr/bin/python3";
+
+/// Which bubblewrap row a row's ratio is against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Family {
+    /// `/bin/true` rows, against `bwrap-true`.
+    True,
+    /// Python rows (an interpreter or the runtime starts), against `bwrap-python3`.
+    Python,
+}
+
+/// Every row: name, family, what it measures.
+pub const ROWS: &[(&str, Family, &str)] = &[
+    ("true", Family::True, "/bin/true, bare"),
+    ("python3", Family::Python, "/usr/bin/python3 -I -S -c pass, bare"),
+    ("unshare", Family::True, "unshare of the 7 namespaces (user, mount, pid, net, ipc, uts, cgroup) /bin/true"),
+    ("bwrap-true", Family::True, "bwrap --unshare-all --die-with-parent --ro-bind / / /bin/true (reference)"),
+    (
+        "bwrap-python3",
+        Family::Python,
+        "bwrap --unshare-all --die-with-parent --ro-bind / / python3 -I -S -c pass (reference)",
+    ),
+    ("sandbox-cold", Family::True, "opservant sandbox --json -- /bin/true (subprocess)"),
+    ("sandbox-zygote", Family::True, "sandbox /bin/true through a zygote held by this process (library)"),
+    ("run-cold", Family::Python, "opservant run NOOP (subprocess, cold)"),
+    ("run-zygote", Family::Python, "no-op executor through a zygote held by this process (library)"),
+    ("run-cold-egress", Family::Python, "opservant run NOOP-EGRESS (subprocess, cold, outbound allowed)"),
+    ("run-zygote-egress", Family::Python, "no-op executor with egress through the held zygote (library)"),
+];
+
+/// Reference rows.
+const BWRAP_TRUE: &str = "bwrap-true";
+const BWRAP_PYTHON: &str = "bwrap-python3";
+
+/// Targets of issue 6.
+pub const TARGET_COLD_RATIO: f64 = 1.2;
+pub const TARGET_ZYGOTE_MS: f64 = 2.0;
+pub const TARGET_POOL_MS: f64 = 0.3;
+pub const TARGET_THROUGHPUT: f64 = 300.0;
+pub const TARGET_AGENT_RSS_MIB: f64 = 30.0;
+pub const TARGET_SANDBOX_MIB: f64 = 5.0;
+
+/// Options of `opservant bench`.
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub rounds: usize,
+    pub warmup: usize,
+    /// Rows to run (all when `None`); validated by [`Options::rows`].
+    pub only: Option<Vec<String>>,
+    /// Threads of the throughput test.
+    pub threads: usize,
+    /// How long the throughput test runs.
+    pub duration: Duration,
+    /// Skip the throughput and memory sections.
+    pub timings_only: bool,
+}
+
+impl Options {
+    /// The selected rows, in table order; an unknown name or an empty selection is a usage
+    /// error.
+    pub fn rows(&self) -> Result<Vec<&'static str>, BenchError> {
+        if self.rounds == 0 {
+            return Err(BenchError::Usage("--rounds: must be at least 1".into()));
+        }
+        if self.threads == 0 {
+            return Err(BenchError::Usage("--threads: must be at least 1".into()));
+        }
+        let Some(only) = &self.only else { return Ok(ROWS.iter().map(|r| r.0).collect()) };
+        let names: Vec<&str> = ROWS.iter().map(|r| r.0).collect();
+        for o in only {
+            if o == "pool" {
+                return Err(BenchError::Usage("--only pool: the warm pool is not built yet".into()));
+            }
+            if !names.contains(&o.as_str()) {
+                return Err(BenchError::Usage(format!("--only: unknown row '{o}' (rows: {})", names.join(", "))));
+            }
+        }
+        if only.is_empty() {
+            return Err(BenchError::Usage("--only: no rows given".into()));
+        }
+        Ok(names.into_iter().filter(|n| only.iter().any(|o| o == n)).collect())
+    }
+}
+
+fn in_ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
+}
+
+fn which(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|dir| dir.join(name))
+        .find(|p| p.metadata().is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0))
+}
+
+pub fn kernel_release() -> String {
+    // SAFETY: utsname is plain data; uname fills it with NUL-terminated fields.
+    let mut uts: libc::utsname = unsafe { std::mem::zeroed() };
+    // SAFETY: uname only writes into the struct it is given.
+    if unsafe { libc::uname(&mut uts) } != 0 {
+        return "unknown".into();
+    }
+    // SAFETY: uname succeeded, so `release` is NUL-terminated within the array.
+    unsafe { CStr::from_ptr(uts.release.as_ptr()) }.to_string_lossy().into_owned()
+}
+
+fn git_rev() -> Option<String> {
+    if let Ok(r) = std::env::var("OPSERVANT_GIT_REV") {
+        return Some(r);
+    }
+    let out = Command::new("git").args(["rev-parse", "--short=12", "HEAD"]).stderr(Stdio::null()).output().ok()?;
+    let rev = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    (out.status.success() && !rev.is_empty()).then_some(rev)
+}
+
+fn python_version() -> Option<String> {
+    let out = Command::new(PYTHON).arg("--version").output().ok()?;
+    Some(String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+const NOOP_PY: &str = r#"from opservant.executor import BaseExecutor, ExecutorResult
+
+
+class NoopExecutor(BaseExecutor):
+    def validate(self, params):
+        return True
+
+    def execute(self, params, context):
+        return ExecutorResult(status="completed", output={})
+"#;
+
+const SLEEP_PY: &str = r#"import time
+from opservant.executor import BaseExecutor, ExecutorResult
+
+
+class SleepExecutor(BaseExecutor):
+    def validate(self, params):
+        return True
+
+    def execute(self, params, context):
+        time.sleep(params.get("seconds", 1))
+        return ExecutorResult(status="completed", output={})
+"#;
+
+/// The benchmark's scratch directory (`/var/tmp`: host `/tmp` is not in a sandbox's view)
+/// and network namespace; both removed on drop.
+struct Scratch {
+    dir: PathBuf,
+    netns: Option<String>,
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if let Some(ns) = &self.netns {
+            let _ = Command::new("ip").args(["netns", "del", ns]).stderr(Stdio::null()).status();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn write(path: &Path, text: &str) -> Result<(), BenchError> {
+    std::fs::write(path, text).map_err(|e| failed(format!("{}: {e}", path.display())))
+}
+
+/// An executor package in `dir`: manifest with `network`, class `Class` in `pkg/main.py`.
+fn write_executor(dir: &Path, name: &str, class: &str, source: &str, network: Value) -> Result<(), BenchError> {
+    let pkg = dir.join(name);
+    std::fs::create_dir_all(&pkg).map_err(|e| failed(format!("{}: {e}", pkg.display())))?;
+    write(&pkg.join("__init__.py"), "")?;
+    write(&pkg.join("main.py"), source)?;
+    let manifest = json!({
+        "name": name, "version": "1.0.0", "description": "benchmark executor", "author": "opservant bench",
+        "supported_actions": [format!("act-{name}")], "entry_point": format!("{name}.main.{class}"),
+        "permissions": {"network": network},
+    });
+    write(&dir.join("manifest.json"), &manifest.to_string())
+}
+
+fn make_scratch() -> Result<Scratch, BenchError> {
+    let dir = PathBuf::from(format!("/var/tmp/opservant-bench-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).map_err(|e| failed(format!("{}: {e}", dir.display())))?;
+    let scratch = Scratch { dir: dir.clone(), netns: None };
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).map_err(failed)?;
+    write_executor(&dir.join("noop"), "noop", "NoopExecutor", NOOP_PY, json!({"outbound": false}))?;
+    write_executor(
+        &dir.join("noop-egress"),
+        "noop",
+        "NoopExecutor",
+        NOOP_PY,
+        json!({"outbound": true, "allowed_hosts": ["192.0.2.10"], "allowed_ports": [443]}),
+    )?;
+    write_executor(&dir.join("sleep"), "sleep", "SleepExecutor", SLEEP_PY, json!({"outbound": false}))?;
+    // An upstream resolver is required with DNS allowed; none is ever asked here. The audit
+    // log goes to the scratch directory.
+    write(
+        &dir.join("config.yaml"),
+        &format!(
+            "network:\n  egress:\n    dns_upstream: [\"192.0.2.53\"]\naudit:\n  path: {}\n",
+            dir.join("audit/audit.jsonl").display()
+        ),
+    )?;
+    Ok(scratch)
+}
+
+/// A network namespace for the egress rows (their "host"), joined by this thread, so the
+/// machine's own network configuration is never touched; no packet leaves it.
+fn enter_netns(scratch: &mut Scratch) -> Result<(), BenchError> {
+    let ns = format!("opsvbench-{}", std::process::id());
+    let sh = |args: &[&str]| -> Result<(), BenchError> {
+        let st = Command::new(args[0]).args(&args[1..]).status().map_err(|e| failed(format!("{}: {e}", args[0])))?;
+        if st.success() {
+            Ok(())
+        } else {
+            Err(failed(format!("`{}` failed ({st})", args.join(" "))))
+        }
+    };
+    sh(&["ip", "netns", "add", &ns])?;
+    scratch.netns = Some(ns.clone());
+    sh(&["ip", "-n", &ns, "link", "set", "lo", "up"])?;
+    sh(&["ip", "netns", "exec", &ns, "sysctl", "-qw", "net.ipv4.ip_forward=1", "net.ipv6.conf.all.forwarding=1"])?;
+    let f = std::fs::File::open(format!("/run/netns/{ns}")).map_err(failed)?;
+    // SAFETY: setns on an open namespace file; it changes this thread's network namespace
+    // only, and every thread and process this benchmark starts afterwards inherits it.
+    if unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+        return Err(failed(format!("setns {ns}: {}", std::io::Error::last_os_error())));
+    }
+    Ok(())
+}
+
+/// Copies of `opservant` and `opservant-runtime` in `dir/bin`, as a package installs them.
+fn install(dir: &Path) -> Result<(PathBuf, PathBuf), BenchError> {
+    let exe = std::env::current_exe().map_err(failed)?;
+    let runtime = crate::executor_run::runtime_binary().map_err(|e| failed(e.0))?;
+    let bin = dir.join("bin");
+    std::fs::create_dir_all(&bin).map_err(failed)?;
+    let (op, rt) = (bin.join("opservant"), bin.join(crate::executor_run::RUNTIME_BINARY));
+    std::fs::copy(&exe, &op).map_err(|e| failed(format!("install {}: {e}", exe.display())))?;
+    std::fs::copy(&runtime, &rt).map_err(|e| failed(format!("install {}: {e}", runtime.display())))?;
+    Ok((op, rt))
+}
+
+/// How a row runs one sample.
+enum Kind {
+    /// Spawn `argv`, wait; exit status 0 required, and with `expect_completed` a result JSON
+    /// with `"status": "completed"` as the last line of stdout.
+    Command { argv: Vec<String>, expect_completed: bool },
+    /// `/bin/true` in a sandbox through the held zygote.
+    SandboxZygote,
+    /// The executor in `dir` through the held zygote.
+    RunZygote { dir: PathBuf },
+}
+
+struct Row {
+    name: &'static str,
+    family: Family,
+    description: &'static str,
+    kind: Kind,
+    samples: Vec<Duration>,
+}
+
+/// What the in-process rows share.
+struct Env {
+    config: Config,
+    policy: AgentPolicy,
+    runtime: PathBuf,
+    zygote: Arc<sandbox::zygote::Zygote>,
+    program_spec: sandbox::SandboxSpec,
+}
+
+impl Env {
+    fn run_executor(&self, dir: &Path, params: Value) -> Result<(), BenchError> {
+        let executor = Executor::load(dir).map_err(|e| failed(format!("{}: {}", dir.display(), e.0)))?;
+        let result = crate::executor_run::run(RunRequest {
+            executor: &executor,
+            params,
+            action: None,
+            command_id: None,
+            config: &self.config,
+            policy: &self.policy,
+            launcher: crate::launch::for_runtime(&self.zygote),
+            runtime: self.runtime.clone(),
+            pool: None,
+        })
+        .map_err(|e| failed(format!("run {}: {}", dir.display(), e.0)))?;
+        if result.status != Status::Completed || result.sandbox.launch != "zygote" {
+            return Err(failed(format!(
+                "run {} through the zygote: status {:?}, launch {}, error {}",
+                dir.display(),
+                result.status,
+                result.sandbox.launch,
+                result.error.as_deref().unwrap_or("-")
+            )));
+        }
+        Ok(())
+    }
+
+    fn sandbox_true(&self) -> Result<(), BenchError> {
+        let launcher = crate::launch::for_program(&self.zygote);
+        let outcome = crate::launch::spawn_with_fallback(&self.program_spec, &launcher, None)
+            .and_then(|sb| sb.wait(sandbox::OutputOptions::default()))
+            .map_err(|e| failed(format!("sandbox /bin/true through the zygote: {e}")))?;
+        if !outcome.success() || outcome.launch != "zygote" {
+            return Err(failed(format!(
+                "sandbox /bin/true through the zygote: exit {:?}, launch {}, stderr {}",
+                outcome.exit,
+                outcome.launch,
+                String::from_utf8_lossy(&outcome.stderr.bytes).trim()
+            )));
+        }
+        Ok(())
+    }
+}
+
+fn time_command(argv: &[String], expect_completed: bool) -> Result<Duration, BenchError> {
+    let mut cmd = Command::new(&argv[0]);
+    cmd.args(&argv[1..]).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let start = Instant::now();
+    let out = cmd.output().map_err(|e| failed(format!("cannot start `{}`: {e}", argv.join(" "))))?;
+    let elapsed = start.elapsed();
+    let completed = || {
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let last = stdout.trim_end().lines().last().unwrap_or("");
+        serde_json::from_str::<Value>(last).is_ok_and(|v| v["status"] == "completed")
+    };
+    if !out.status.success() || (expect_completed && !completed()) {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        return Err(failed(format!(
+            "`{}` failed ({}); aborting the benchmark. stderr: {}",
+            argv.join(" "),
+            out.status,
+            stderr.trim().lines().last().unwrap_or("")
+        )));
+    }
+    Ok(elapsed)
+}
+
+impl Row {
+    fn once(&self, env: &Env) -> Result<Duration, BenchError> {
+        match &self.kind {
+            Kind::Command { argv, expect_completed } => time_command(argv, *expect_completed),
+            Kind::SandboxZygote => {
+                let start = Instant::now();
+                env.sandbox_true()?;
+                Ok(start.elapsed())
+            }
+            Kind::RunZygote { dir } => {
+                let start = Instant::now();
+                env.run_executor(dir, json!({}))?;
+                Ok(start.elapsed())
+            }
+        }
+    }
+}
+
+fn strings(a: &[&str]) -> Vec<String> {
+    a.iter().map(|s| s.to_string()).collect()
+}
+
+/// Run the benchmark; `progress` gets the lines printed while it runs (SKIPPED lines, the
+/// header). The report holds every figure; [`render_table`] prints it.
+pub fn run(opts: &Options, progress: &mut dyn FnMut(&str)) -> Result<Value, BenchError> {
+    let selected = opts.rows()?;
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return Err(BenchError::Usage("opservant bench needs root (cgroups, namespaces)".into()));
+    }
+    let mut scratch = make_scratch()?;
+    let dir = scratch.dir.clone();
+    let (op, runtime) = install(&dir)?;
+    let op_s = op.to_string_lossy().into_owned();
+    let wants_egress = selected.iter().any(|r| r.ends_with("-egress"));
+    if wants_egress {
+        enter_netns(&mut scratch)?;
+    }
+    let config = Config::load(Some(&dir.join("config.yaml"))).map_err(failed)?;
+    crate::audit::init(&config).map_err(failed)?;
+    let policy = AgentPolicy::from_config(&config).map_err(failed)?;
+    let (program_spec, _) = policy.spec_for(None, "/bin/true", vec![]).map_err(failed)?;
+    let zygote = crate::launch::zygote(&runtime);
+    zygote.start().map_err(|e| failed(format!("zygote: {e}")))?;
+    let env = Env { config, policy, runtime: runtime.clone(), zygote, program_spec };
+
+    let bwrap_args = ["--unshare-all", "--die-with-parent", "--ro-bind", "/", "/"];
+    let mut skipped: Vec<Value> = Vec::new();
+    let mut rows: Vec<Row> = Vec::new();
+    let python_ok = Path::new(PYTHON).is_file();
+    for &(name, family, description) in ROWS {
+        if !selected.contains(&name) {
+            continue;
+        }
+        let mut skip = |reason: String| {
+            progress(&format!("SKIPPED {name}: {reason}"));
+            skipped.push(json!({"name": name, "reason": reason}));
+        };
+        let py = strings(&[PYTHON, "-I", "-S", "-c", "pass"]);
+        let cmd = |argv: Vec<String>| Kind::Command { argv, expect_completed: false };
+        let cfg = dir.join("config.yaml").to_string_lossy().into_owned();
+        let kind = match name {
+            "true" => cmd(strings(&["/bin/true"])),
+            "python3" | "bwrap-python3" if !python_ok => {
+                skip(format!("{PYTHON} not found"));
+                continue;
+            }
+            "python3" => cmd(py),
+            "unshare" => match which("unshare") {
+                Some(p) => {
+                    let mut argv = vec![p.to_string_lossy().into_owned()];
+                    argv.extend(strings(&[
+                        "--user",
+                        "--map-root-user",
+                        "--mount",
+                        "--pid",
+                        "--fork",
+                        "--net",
+                        "--ipc",
+                        "--uts",
+                        "--cgroup",
+                        "/bin/true",
+                    ]));
+                    cmd(argv)
+                }
+                None => {
+                    skip("unshare not found in PATH".into());
+                    continue;
+                }
+            },
+            "bwrap-true" | "bwrap-python3" => match which("bwrap") {
+                Some(p) => {
+                    let mut argv = vec![p.to_string_lossy().into_owned()];
+                    argv.extend(strings(&bwrap_args));
+                    if name == "bwrap-true" {
+                        argv.push("/bin/true".into());
+                    } else {
+                        argv.extend(py);
+                    }
+                    cmd(argv)
+                }
+                None if in_ci() => {
+                    return Err(failed(
+                        "bwrap not found in PATH; the ratios against bubblewrap are the headline and CI must \
+                         measure them (apt-get install bubblewrap)",
+                    ))
+                }
+                None => {
+                    skip("bwrap not found in PATH".into());
+                    continue;
+                }
+            },
+            "sandbox-cold" => Kind::Command {
+                argv: strings(&[&op_s, "sandbox", "--json", "--", "/bin/true"]),
+                expect_completed: true,
+            },
+            "sandbox-zygote" => Kind::SandboxZygote,
+            "run-cold" | "run-cold-egress" => {
+                let sub = if name == "run-cold" { "noop" } else { "noop-egress" };
+                let d = dir.join(sub).to_string_lossy().into_owned();
+                Kind::Command { argv: strings(&[&op_s, "run", &d, "--config", &cfg]), expect_completed: true }
+            }
+            "run-zygote" => Kind::RunZygote { dir: dir.join("noop") },
+            "run-zygote-egress" => Kind::RunZygote { dir: dir.join("noop-egress") },
+            _ => continue,
+        };
+        rows.push(Row { name, family, description, kind, samples: Vec::new() });
+    }
+    progress(&format!(
+        "opservant bench: kernel {}, {} CPUs, {} measured rounds after {} warm-up, interleaved round-robin; {}",
+        kernel_release(),
+        cpus(),
+        opts.rounds,
+        opts.warmup,
+        python_version().map_or("python3 missing".into(), |v| format!(
+            "python3 = {PYTHON} ({v}), the interpreter opservant-runtime embeds"
+        )),
+    ));
+
+    let n = rows.len();
+    for round in 0..opts.warmup + opts.rounds {
+        for i in 0..n {
+            let row = &rows[(round + i) % n];
+            let d = row.once(&env)?;
+            if round >= opts.warmup {
+                rows[(round + i) % n].samples.push(d);
+            }
+        }
+    }
+
+    let summaries: Vec<Option<Summary>> = rows.iter().map(|r| stats::summarize(&r.samples)).collect();
+    let median = |name: &str| {
+        rows.iter().zip(&summaries).find(|(r, _)| r.name == name).and_then(|(_, s)| s.map(|s| s.median_ms))
+    };
+    let (bw_true, bw_py) = (median(BWRAP_TRUE), median(BWRAP_PYTHON));
+    let row_json: Vec<Value> = rows
+        .iter()
+        .zip(&summaries)
+        .map(|(r, s)| {
+            let reference = match r.family {
+                Family::True => (BWRAP_TRUE, bw_true),
+                Family::Python => (BWRAP_PYTHON, bw_py),
+            };
+            let argv = match &r.kind {
+                Kind::Command { argv, .. } => json!(argv),
+                _ => Value::Null,
+            };
+            json!({
+                "name": r.name, "family": r.family, "description": r.description, "argv": argv,
+                "summary": s, "reference": reference.0,
+                "median_ratio_to_reference": reference.1.zip(s.map(|s| s.median_ms)).map(|(b, m)| round2(m / b)),
+            })
+        })
+        .collect();
+
+    let throughput = if opts.timings_only || !selected.contains(&"run-zygote") {
+        Value::Null
+    } else {
+        throughput(&env, &dir.join("noop"), opts.threads, opts.duration)?
+    };
+    let memory = if opts.timings_only { Value::Null } else { memory(&env, &dir, &op)? };
+
+    let now = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let mut report = json!({
+        "benchmark": "opservant bench",
+        "timestamp_unix": now,
+        "timestamp_utc": crate::rfc3339::format(now as i64),
+        "kernel": kernel_release(),
+        "cpus": cpus(),
+        "rounds": opts.rounds,
+        "warmup_rounds": opts.warmup,
+        "git_rev": git_rev(),
+        "python": {"path": PYTHON, "version": python_version()},
+        "percentile_method": "nearest-rank: sorted[ceil(p/100 * n) - 1]",
+        "rows": row_json,
+        "skipped": skipped,
+        "pool": {"built": false, "note": "the warm pool (issue 6, item 2) is not built; no pool row is measured"},
+        "throughput": throughput,
+        "memory": memory,
+    });
+    let targets = targets(&report);
+    report["targets"] = targets;
+    Ok(report)
+}
+
+fn cpus() -> usize {
+    std::thread::available_parallelism().map_or(0, |n| n.get())
+}
+
+/// `threads` threads running the no-op executor through the one shared zygote for
+/// `duration`. [`sandbox::zygote::Zygote`] serialises its requests internally (a mutex held
+/// for the fork request and reply), so one zygote is safe to share.
+fn throughput(env: &Env, noop: &Path, threads: usize, duration: Duration) -> Result<Value, BenchError> {
+    let done = AtomicU64::new(0);
+    let stop = AtomicBool::new(false);
+    let start = Instant::now();
+    let deadline = start + duration;
+    let results: Vec<Result<(), BenchError>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|_| {
+                s.spawn(|| {
+                    while Instant::now() < deadline && !stop.load(Ordering::Relaxed) {
+                        if let Err(e) = env.run_executor(noop, json!({})) {
+                            stop.store(true, Ordering::Relaxed);
+                            return Err(e);
+                        }
+                        done.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(failed("throughput thread panicked")))).collect()
+    });
+    let elapsed = start.elapsed().as_secs_f64();
+    for r in results {
+        r?;
+    }
+    let n = done.load(Ordering::Relaxed);
+    Ok(json!({
+        "threads": threads, "zygotes": 1, "seconds": round3(elapsed), "executions": n,
+        "per_second": round2(n as f64 / elapsed),
+        "executor": "no-op, no egress, default limits, through one shared zygote (library)",
+        "zygote_spawn_concurrency": "Zygote::spawn serialises requests with a mutex (fork request and reply only); one zygote is shared",
+    }))
+}
+
+fn mib(kib: u64) -> f64 {
+    round2(kib as f64 / 1024.0)
+}
+
+fn mem_json(m: memory::Mem) -> Value {
+    json!({"rss_mib": mib(m.rss_kib), "pss_mib": mib(m.pss_kib)})
+}
+
+fn sum(pids: &[i32]) -> memory::Mem {
+    pids.iter().filter_map(|&p| memory::of_process(p)).fold(memory::Mem::default(), |a, b| a + b)
+}
+
+/// Zygote, per-sandbox and idle-agent memory.
+fn memory(env: &Env, dir: &Path, op: &Path) -> Result<Value, BenchError> {
+    let zpid = env.zygote.pid().ok_or_else(|| failed("the zygote is not running"))?;
+    let zygote = memory::of_process(zpid).ok_or_else(|| failed("cannot read the zygote's memory"))?;
+    let wait = Duration::from_secs(20);
+
+    // A plain program (`sleep`) through the zygote: monitor + init are the overhead.
+    let (spec, _) = env.policy.spec_for(None, "/bin/sleep", vec!["30".into()]).map_err(failed)?;
+    let sb = crate::launch::spawn_with_fallback(&spec, &crate::launch::for_program(&env.zygote), None)
+        .map_err(|e| failed(format!("sandbox sleep: {e}")))?;
+    let monitor = sb.monitor_pid();
+    let found = memory::wait_for_sleeper(monitor, wait);
+    let program = found.map(|(payload, rest)| {
+        let machinery: Vec<i32> = std::iter::once(monitor).chain(rest.into_iter().filter(|&p| p != payload)).collect();
+        (sum(&machinery), machinery.len(), sum(&[payload]))
+    });
+    sb.stop_handle().stop();
+    let _ = sb.wait(sandbox::OutputOptions::default());
+    let (prog_machinery, prog_procs, prog_payload) =
+        program.ok_or_else(|| failed("sandboxed sleep never reached its sleep"))?;
+
+    // The sleeping executor through the zygote (in a thread): every process the zygote
+    // forked for it.
+    let sleep_dir = dir.join("sleep");
+    let executor = std::thread::scope(|s| {
+        let h = s.spawn(|| env.run_executor(&sleep_dir, json!({"seconds": 2})));
+        let found = memory::wait_for_sleeper(zpid, wait);
+        let m = found.map(|(payload, all)| {
+            let machinery: Vec<i32> = all.iter().copied().filter(|&p| p != payload).collect();
+            (sum(&machinery), machinery.len(), sum(&[payload]))
+        });
+        let joined = h.join().unwrap_or_else(|_| Err(failed("executor thread panicked")));
+        joined.map(|()| m)
+    })?;
+    let (ex_machinery, ex_procs, ex_payload) =
+        executor.ok_or_else(|| failed("the sleeping executor never reached its sleep"))?;
+
+    let agent = idle_agent(dir, op)?;
+    Ok(json!({
+        "method": "VmRSS of /proc/PID/status and Pss of /proc/PID/smaps_rollup; kernel memory (namespaces, page tables, cgroups) is not included",
+        "zygote_idle": mem_json(zygote),
+        "sandbox_program": {
+            "payload": "/bin/sleep through the zygote",
+            "machinery_processes": prog_procs, "machinery": mem_json(prog_machinery), "payload_mem": mem_json(prog_payload),
+        },
+        "sandbox_executor": {
+            "payload": "a sleeping executor through the zygote",
+            "machinery_processes": ex_procs, "machinery": mem_json(ex_machinery), "payload_mem": mem_json(ex_payload),
+            "total": mem_json(ex_machinery + ex_payload),
+        },
+        "agent_idle": agent,
+    }))
+}
+
+/// `opservant agent` with a minimal local-socket configuration, idle for a second: its
+/// memory. `Value::Null` fields when it could not start (reported, not fatal).
+fn idle_agent(dir: &Path, op: &Path) -> Result<Value, BenchError> {
+    let a = dir.join("agent");
+    crate::signing::keygen(&a.join("keys")).map_err(failed)?;
+    let socket = a.join("run/agent.sock");
+    let config = a.join("config.yaml");
+    write(
+        &config,
+        &format!(
+            "agent:\n  platform_public_key: {}\n  state_dir: {}\n  socket: {}\n  max_concurrent: 4\n\
+             executors:\n  dir: {}\naudit:\n  path: {}\n",
+            a.join("keys/signing.pub").display(),
+            a.join("state").display(),
+            socket.display(),
+            a.join("executors").display(),
+            a.join("audit/audit.jsonl").display()
+        ),
+    )?;
+    let mut child = Command::new(op)
+        .arg("agent")
+        .arg("--config")
+        .arg(&config)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| failed(format!("start opservant agent: {e}")))?;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !socket.exists() && Instant::now() < deadline && matches!(child.try_wait(), Ok(None)) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let ready = socket.exists();
+    if ready {
+        std::thread::sleep(Duration::from_secs(1));
+    }
+    let m = memory::of_process(child.id() as i32);
+    // SAFETY: kill with a pid we spawned and have not reaped.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    let stopped = Instant::now();
+    while matches!(child.try_wait(), Ok(None)) && stopped.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let out = child.wait_with_output().map_err(failed)?;
+    match (ready, m) {
+        (true, Some(m)) => Ok(
+            json!({"config": "local socket only, no platform", "rss_mib": mib(m.rss_kib), "pss_mib": mib(m.pss_kib)}),
+        ),
+        _ => Err(failed(format!(
+            "opservant agent did not come up: {}",
+            String::from_utf8_lossy(&out.stderr).trim().lines().last().unwrap_or("")
+        ))),
+    }
+}
+
+fn row_median(report: &Value, name: &str) -> Option<f64> {
+    report["rows"].as_array()?.iter().find(|r| r["name"] == name)?["summary"]["median_ms"].as_f64()
+}
+
+fn target(name: &str, goal: String, measured: Option<f64>, unit: &str, met: Option<bool>, note: &str) -> Value {
+    json!({"target": name, "goal": goal, "measured": measured.map(round3), "unit": unit, "met": met, "note": note})
+}
+
+/// The issue's targets, each met (true), missed (false) or not measured (null).
+fn targets(report: &Value) -> Value {
+    let cold = row_median(report, "run-cold").zip(row_median(report, BWRAP_PYTHON)).map(|(c, b)| c / b);
+    let zyg = row_median(report, "run-zygote");
+    let tput = report["throughput"]["per_second"].as_f64();
+    let agent = report["memory"]["agent_idle"]["rss_mib"].as_f64();
+    let per_sb = report["memory"]["sandbox_executor"]["machinery"]["pss_mib"].as_f64();
+    json!([
+        target(
+            "cold run",
+            format!("run-cold median <= {TARGET_COLD_RATIO} x bwrap-python3 median"),
+            cold,
+            "x",
+            cold.map(|r| r <= TARGET_COLD_RATIO),
+            ""
+        ),
+        target(
+            "zygote, full isolation, fresh netns",
+            format!("run-zygote median <= {TARGET_ZYGOTE_MS} ms"),
+            zyg,
+            "ms",
+            zyg.map(|m| m <= TARGET_ZYGOTE_MS),
+            "every sandbox has a fresh network namespace (no egress)"
+        ),
+        target("warm pool", format!("<= {TARGET_POOL_MS} ms per execution"), None, "ms", None, "not built"),
+        target(
+            "throughput",
+            format!(">= {TARGET_THROUGHPUT} no-op executions/s"),
+            tput,
+            "1/s",
+            tput.map(|t| t >= TARGET_THROUGHPUT),
+            ""
+        ),
+        target(
+            "idle agent RSS",
+            format!("<= {TARGET_AGENT_RSS_MIB} MiB"),
+            agent,
+            "MiB",
+            agent.map(|m| m <= TARGET_AGENT_RSS_MIB),
+            "VmRSS of `opservant agent`, local socket, no zygote"
+        ),
+        target(
+            "per-sandbox overhead",
+            format!("<= {TARGET_SANDBOX_MIB} MiB"),
+            per_sb,
+            "MiB",
+            per_sb.map(|m| m <= TARGET_SANDBOX_MIB),
+            "Pss of a zygote-started executor sandbox's monitor and init (the payload interpreter is reported apart)"
+        ),
+    ])
+}
+
+/// The human-readable report.
+pub fn render_table(report: &Value) -> String {
+    let mut s = String::new();
+    let f = |v: &Value| v.as_f64().map_or("-".to_string(), |x| format!("{x:.3}"));
+    s.push_str(&format!(
+        "{:<18} {:>10} {:>10} {:>10} {:>8}  {}\n",
+        "row", "median ms", "p90 ms", "p99 ms", "/ bwrap", "reference"
+    ));
+    for r in report["rows"].as_array().into_iter().flatten() {
+        let sm = &r["summary"];
+        let ratio = r["median_ratio_to_reference"].as_f64().map_or("n/a".into(), |x| format!("{x:.2}"));
+        s.push_str(&format!(
+            "{:<18} {:>10} {:>10} {:>10} {:>8}  {}\n",
+            r["name"].as_str().unwrap_or(""),
+            f(&sm["median_ms"]),
+            f(&sm["p90_ms"]),
+            f(&sm["p99_ms"]),
+            ratio,
+            r["reference"].as_str().unwrap_or("")
+        ));
+    }
+    for sk in report["skipped"].as_array().into_iter().flatten() {
+        s.push_str(&format!(
+            "SKIPPED {}: {}\n",
+            sk["name"].as_str().unwrap_or(""),
+            sk["reason"].as_str().unwrap_or("")
+        ));
+    }
+    s.push_str("pool: not built (issue 6, item 2); no pool row\n");
+    let t = &report["throughput"];
+    if !t.is_null() {
+        s.push_str(&format!(
+            "throughput: {} executions in {:.1} s on {} threads through one zygote = {:.1}/s\n",
+            t["executions"],
+            t["seconds"].as_f64().unwrap_or(0.0),
+            t["threads"],
+            t["per_second"].as_f64().unwrap_or(0.0)
+        ));
+    }
+    let m = &report["memory"];
+    if !m.is_null() {
+        let pair = |v: &Value| {
+            format!(
+                "RSS {:.2} MiB, Pss {:.2} MiB",
+                v["rss_mib"].as_f64().unwrap_or(0.0),
+                v["pss_mib"].as_f64().unwrap_or(0.0)
+            )
+        };
+        s.push_str(&format!("memory: zygote idle {}\n", pair(&m["zygote_idle"])));
+        s.push_str(&format!(
+            "memory: executor sandbox via zygote: monitor+init ({} processes) {}; payload {}\n",
+            m["sandbox_executor"]["machinery_processes"],
+            pair(&m["sandbox_executor"]["machinery"]),
+            pair(&m["sandbox_executor"]["payload_mem"])
+        ));
+        s.push_str(&format!(
+            "memory: /bin/sleep sandbox via zygote: monitor+init ({} processes) {}; payload {}\n",
+            m["sandbox_program"]["machinery_processes"],
+            pair(&m["sandbox_program"]["machinery"]),
+            pair(&m["sandbox_program"]["payload_mem"])
+        ));
+        s.push_str(&format!("memory: idle opservant agent {}\n", pair(&m["agent_idle"])));
+    }
+    for t in report["targets"].as_array().into_iter().flatten() {
+        let verdict = match t["met"].as_bool() {
+            Some(true) => "PASS",
+            Some(false) => "FAIL",
+            None if t["note"] == "not built" => "NOT BUILT",
+            None => "NOT MEASURED",
+        };
+        let measured =
+            t["measured"].as_f64().map_or("-".into(), |x| format!("{x} {}", t["unit"].as_str().unwrap_or("")));
+        s.push_str(&format!(
+            "target {}: {verdict} — {} (measured {measured})\n",
+            t["target"].as_str().unwrap_or(""),
+            t["goal"].as_str().unwrap_or("")
+        ));
+    }
+    s
+}
+
+/// The chart of `report`'s rows.
+pub fn render_svg(report: &Value, path: &Path) -> Result<(), BenchError> {
+    let rows: Vec<&Value> = report["rows"].as_array().into_iter().flatten().collect();
+    let bars: Vec<chart::Bar> = rows
+        .iter()
+        .map(|r| chart::Bar {
+            name: r["name"].as_str().unwrap_or(""),
+            median_ms: r["summary"]["median_ms"].as_f64().unwrap_or(0.0),
+            p90_ms: r["summary"]["p90_ms"].as_f64().unwrap_or(0.0),
+            reference: r["name"] == BWRAP_TRUE || r["name"] == BWRAP_PYTHON,
+        })
+        .collect();
+    let title = format!(
+        "opservant bench: {} rounds, kernel {}, {} CPUs, {}",
+        report["rounds"],
+        report["kernel"].as_str().unwrap_or(""),
+        report["cpus"],
+        report["timestamp_utc"].as_str().unwrap_or("")
+    );
+    chart::render(path, &title, &bars)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts(only: Option<&[&str]>) -> Options {
+        Options {
+            rounds: 1,
+            warmup: 0,
+            only: only.map(strings),
+            threads: 1,
+            duration: Duration::from_secs(1),
+            timings_only: true,
+        }
+    }
+
+    #[test]
+    fn row_selection() {
+        assert_eq!(opts(None).rows().unwrap().len(), ROWS.len());
+        assert_eq!(opts(Some(&["run-zygote", "true"])).rows().unwrap(), vec!["true", "run-zygote"]);
+        assert!(matches!(opts(Some(&["nope"])).rows(), Err(BenchError::Usage(_))));
+        assert!(matches!(opts(Some(&["pool"])).rows(), Err(BenchError::Usage(_))));
+        assert!(matches!(opts(Some(&[])).rows(), Err(BenchError::Usage(_))));
+        let mut o = opts(None);
+        o.rounds = 0;
+        assert!(matches!(o.rows(), Err(BenchError::Usage(_))));
+    }
+
+    #[test]
+    fn targets_follow_the_figures() {
+        let report = json!({
+            "rows": [
+                {"name": "run-cold", "summary": {"median_ms": 24.0}},
+                {"name": "bwrap-python3", "summary": {"median_ms": 20.0}},
+                {"name": "run-zygote", "summary": {"median_ms": 3.0}},
+            ],
+            "throughput": {"per_second": 350.0},
+            "memory": {"agent_idle": {"rss_mib": 12.0}, "sandbox_executor": {"machinery": {"pss_mib": 1.5}}},
+        });
+        let t = targets(&report);
+        let met: Vec<Value> = t.as_array().unwrap().iter().map(|t| t["met"].clone()).collect();
+        assert_eq!(met, vec![json!(true), json!(false), Value::Null, json!(true), json!(true), json!(true)]);
+    }
+}

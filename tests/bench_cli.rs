@@ -1,0 +1,183 @@
+//! `opservant bench` end to end, as root: one round of every row, the throughput and memory
+//! sections, the JSON report and the SVG chart. Structure only — every row present or
+//! explicitly skipped, every figure positive, the chart well-formed — never a timing.
+
+mod common;
+
+use std::process::{Command, Stdio};
+
+use common::HostDir;
+use serde_json::Value;
+
+/// Every row `opservant bench` knows (agent::bench::ROWS).
+const ROWS: &[&str] = &[
+    "true",
+    "python3",
+    "unshare",
+    "bwrap-true",
+    "bwrap-python3",
+    "sandbox-cold",
+    "sandbox-zygote",
+    "run-cold",
+    "run-zygote",
+    "run-cold-egress",
+    "run-zygote-egress",
+];
+
+fn bench(args: &[&str]) -> std::process::Output {
+    Command::new(common::opservant()).arg("bench").args(args).stdin(Stdio::null()).output().expect("spawn opservant")
+}
+
+fn positive(v: &Value) -> bool {
+    v.as_f64().is_some_and(|x| x > 0.0)
+}
+
+/// A minimal well-formedness check: every element closed in order; comments, the XML
+/// declaration and self-closing elements allowed.
+fn well_formed(svg: &str) -> Result<(), String> {
+    let mut stack: Vec<String> = Vec::new();
+    let mut rest = svg;
+    while let Some(i) = rest.find('<') {
+        rest = &rest[i..];
+        if rest.starts_with("<!--") {
+            let end = rest.find("-->").ok_or("unterminated comment")?;
+            rest = &rest[end + 3..];
+            continue;
+        }
+        let end = rest.find('>').ok_or("unterminated tag")?;
+        let tag = &rest[1..end];
+        rest = &rest[end + 1..];
+        if tag.starts_with('?') || tag.starts_with('!') || tag.ends_with('/') {
+            continue;
+        }
+        if let Some(name) = tag.strip_prefix('/') {
+            let open = stack.pop().ok_or_else(|| format!("</{name}> closes nothing"))?;
+            if open != name.trim() {
+                return Err(format!("</{name}> closes <{open}>"));
+            }
+        } else {
+            stack.push(tag.split_whitespace().next().unwrap_or("").to_string());
+        }
+    }
+    if stack.is_empty() {
+        Ok(())
+    } else {
+        Err(format!("unclosed: {stack:?}"))
+    }
+}
+
+#[test]
+fn one_round_writes_a_complete_report_and_chart() {
+    if !common::require_root() {
+        return;
+    }
+    let dir = HostDir::new();
+    let (json_path, svg_path) = (dir.path.join("bench.json"), dir.path.join("bench.svg"));
+    let out = bench(&[
+        "--rounds",
+        "1",
+        "--warmup",
+        "0",
+        "--duration",
+        "1",
+        "--json",
+        json_path.to_str().unwrap(),
+        "--svg",
+        svg_path.to_str().unwrap(),
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{:?}\nstdout:\n{stdout}\nstderr:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let report: Value = serde_json::from_slice(&std::fs::read(&json_path).unwrap()).unwrap();
+    assert_eq!(report["rounds"], 1);
+    assert!(positive(&report["cpus"]) && report["kernel"].as_str().is_some_and(|k| !k.is_empty()));
+    assert!(report["timestamp_utc"].as_str().is_some_and(|t| t.ends_with('Z')));
+    assert_eq!(report["python"]["path"], "/usr/bin/python3");
+
+    let rows = report["rows"].as_array().unwrap();
+    let skipped = report["skipped"].as_array().unwrap();
+    for name in ROWS {
+        let row = rows.iter().find(|r| r["name"] == *name);
+        let skip = skipped.iter().find(|s| s["name"] == *name);
+        match (row, skip) {
+            (Some(r), None) => {
+                let s = &r["summary"];
+                assert_eq!(s["samples"], 1, "{name}");
+                for k in ["min_ms", "median_ms", "p90_ms", "p99_ms", "max_ms"] {
+                    assert!(positive(&s[k]), "{name}: {k} = {}", s[k]);
+                }
+                assert!(r["reference"].as_str().is_some_and(|b| b.starts_with("bwrap-")), "{name}");
+                assert!(stdout.lines().any(|l| l.split_whitespace().next() == Some(name)), "{name} not in the table");
+            }
+            (None, Some(s)) => {
+                assert!(s["reason"].as_str().is_some_and(|r| !r.is_empty()), "{name}");
+                assert!(stdout.contains(&format!("SKIPPED {name}:")), "{name}: no SKIPPED line");
+                assert!(!common::in_ci() || !name.starts_with("bwrap"), "bwrap is required under CI");
+            }
+            _ => panic!("{name}: neither measured nor skipped exactly once"),
+        }
+    }
+    assert_eq!(rows.len() + skipped.len(), ROWS.len());
+
+    assert_eq!(report["pool"]["built"], false);
+    assert!(stdout.contains("pool: not built"));
+    let t = &report["throughput"];
+    assert!(positive(&t["executions"]) && positive(&t["per_second"]) && positive(&t["threads"]), "{t}");
+    let m = &report["memory"];
+    for path in [
+        &m["zygote_idle"],
+        &m["sandbox_program"]["machinery"],
+        &m["sandbox_executor"]["machinery"],
+        &m["sandbox_executor"]["payload_mem"],
+        &m["agent_idle"],
+    ] {
+        assert!(positive(&path["rss_mib"]) && positive(&path["pss_mib"]), "{m}");
+    }
+
+    let targets = report["targets"].as_array().unwrap();
+    assert_eq!(targets.len(), 6);
+    for t in targets {
+        if t["target"] == "warm pool" {
+            assert_eq!((t["met"].clone(), t["note"].clone()), (Value::Null, Value::from("not built")));
+        } else {
+            assert!(t["met"].is_boolean() && positive(&t["measured"]), "{t}");
+        }
+    }
+    assert_eq!(stdout.lines().filter(|l| l.starts_with("target ")).count(), 6);
+
+    let svg = std::fs::read_to_string(&svg_path).unwrap();
+    assert!(svg.trim_start().starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+    well_formed(&svg).unwrap();
+    for r in rows {
+        assert!(svg.contains(r["name"].as_str().unwrap()), "{} not in the chart", r["name"]);
+    }
+}
+
+#[test]
+fn bad_options_exit_2() {
+    for args in [
+        &["--rounds", "0"][..],
+        &["--rounds", "x"],
+        &["--only", "nope"],
+        &["--only", "pool"],
+        &["--duration", "0"],
+        &["--threads", "0"],
+        &["--frobnicate"],
+    ] {
+        let out = bench(args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(!out.stderr.is_empty(), "{args:?}: no reason given");
+    }
+}
+
+#[test]
+fn svg_check_catches_broken_documents() {
+    assert!(well_formed("<?xml v?><svg a='1'><g><rect/></g><!-- x --><text>t</text></svg>").is_ok());
+    assert!(well_formed("<svg><g></svg>").is_err());
+    assert!(well_formed("<svg>").is_err());
+}
