@@ -17,8 +17,14 @@ pub struct Bar<'a> {
     pub reference: bool,
 }
 
+/// A vertical marker (a target) at `ms`, labelled.
+pub struct Mark<'a> {
+    pub ms: f64,
+    pub label: &'a str,
+}
+
 /// Write the chart to `path`.
-pub fn render(path: &Path, title: &str, bars: &[Bar]) -> Result<(), BenchError> {
+pub fn render(path: &Path, title: &str, bars: &[Bar], marks: &[Mark]) -> Result<(), BenchError> {
     let err = |e: &dyn std::fmt::Display| BenchError::Failed(format!("chart {}: {e}", path.display()));
     if bars.is_empty() {
         return Err(err(&"no rows to draw"));
@@ -89,6 +95,20 @@ pub fn render(path: &Path, title: &str, bars: &[Bar]) -> Result<(), BenchError> 
             )))
             .map_err(|e| err(&e))?;
     }
+    let red = RGBColor(190, 30, 30);
+    for m in marks.iter().filter(|m| m.ms > x0 && m.ms < x1) {
+        let top = n as f64 - 0.5;
+        chart
+            .draw_series([PathElement::new(vec![(m.ms, -0.5), (m.ms, top)], red.stroke_width(1))])
+            .map_err(|e| err(&e))?;
+        chart
+            .draw_series(std::iter::once(Text::new(
+                m.label.to_string(),
+                (m.ms * 1.04, top - 0.1),
+                ("sans-serif", 11).into_font().color(&red),
+            )))
+            .map_err(|e| err(&e))?;
+    }
     root.present().map_err(|e| err(&e))?;
     Ok(())
 }
@@ -107,7 +127,7 @@ mod tests {
             Bar { name: "bwrap-true", median_ms: 3.9, p90_ms: 4.5, reference: true },
             Bar { name: "run-cold", median_ms: 21.0, p90_ms: 30.0, reference: false },
         ];
-        render(&path, "t", &bars).unwrap();
+        render(&path, "t", &bars, &[Mark { ms: 2.0, label: "target" }]).unwrap();
         let text = std::fs::read_to_string(&path).unwrap();
         std::fs::remove_dir_all(&dir).unwrap();
         assert!(text.trim_start().starts_with("<svg") && text.trim_end().ends_with("</svg>"));
@@ -117,8 +137,8 @@ mod tests {
     #[test]
     fn refuses_nothing_to_draw() {
         let path = std::env::temp_dir().join("never-written.svg");
-        assert!(render(&path, "t", &[]).is_err());
+        assert!(render(&path, "t", &[], &[]).is_err());
         let bars = [Bar { name: "x", median_ms: 0.0, p90_ms: 0.0, reference: false }];
-        assert!(render(&path, "t", &bars).is_err());
+        assert!(render(&path, "t", &bars, &[]).is_err());
     }
 }

@@ -920,7 +920,8 @@ pub fn render_svg(report: &Value, path: &Path) -> Result<(), BenchError> {
         report["cpus"],
         report["timestamp_utc"].as_str().unwrap_or("")
     );
-    chart::render(path, &title, &bars)
+    let marks = [chart::Mark { ms: TARGET_ZYGOTE_MS, label: "target: zygote run <= 2 ms" }];
+    chart::render(path, &title, &bars, &marks)
 }
 
 #[cfg(test)]
