@@ -64,6 +64,24 @@ pub fn descendants(root: i32) -> Vec<i32> {
     out
 }
 
+/// `root`'s descendants exactly `depth` generations below it (1: its children).
+pub fn descendants_at_depth(root: i32, depth: usize) -> Vec<i32> {
+    let map = parents();
+    let mut level = vec![root];
+    for _ in 0..depth {
+        level = map.iter().filter(|(_, pp)| level.contains(pp)).map(|(&c, _)| c).collect();
+    }
+    level
+}
+
+/// Is the process blocked receiving (`read`, `recvfrom`, `recvmsg`)? From
+/// `/proc/PID/syscall` (root).
+pub fn receiving(pid: i32) -> bool {
+    let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/syscall")) else { return false };
+    let nr = text.split_whitespace().next().and_then(|n| n.parse::<i64>().ok());
+    nr.is_some_and(|n| n == libc::SYS_read || n == libc::SYS_recvfrom || n == libc::SYS_recvmsg)
+}
+
 /// Is the process blocked in a sleep system call (`nanosleep` or `clock_nanosleep`)? Read
 /// from `/proc/PID/syscall` (root).
 pub fn sleeping(pid: i32) -> bool {
