@@ -279,6 +279,7 @@ pub fn run(req: RunRequest) -> Result<RunResult, CannotRun> {
     let declared: Vec<String> = m.permissions.secrets.clone();
     let executor_name = m.name.clone();
     let cpu = sb.cpu_limiter();
+    let cpu_limiter = cpu.clone();
     let cid = command_id.clone();
     let server = thread::spawn(move || serve(app_chan, &declared, &provider, &executor_name, &cid, &cpu));
     let outcome = sb.wait(sandbox::OutputOptions::default());
@@ -286,6 +287,10 @@ pub fn run(req: RunRequest) -> Result<RunResult, CannotRun> {
     let app = server.join().map_err(|_| CannotRun("application channel server panicked".into()))?;
     let outcome = outcome?;
     let mut result = assemble(&outcome, &limits, app, req.executor, req.action.clone(), req.command_id.clone());
+    // A deferred quota is applied by the channel server on the payload's `ready`, which comes
+    // before its exit; on a loaded host the server may get to it after the sandbox's end was
+    // seen — the server has now handled every message.
+    result.limits.enforced.cpu |= cpu_limiter.enforced();
     if let Some(n) = net.take() {
         n.finish(&mut result, &m.name);
     }

@@ -735,6 +735,8 @@ impl Daemon {
             Request::Stop => {
                 self.stop.stop();
                 let _ = self.ended_because();
+                // The socket goes before the reply: a client told "stopped" never finds it.
+                let _ = std::fs::remove_file(socket_path(&self.settings.name));
                 let usage = self.outcome.as_ref().and_then(|o| o.as_ref().ok()).map(|o| o.usage);
                 (
                     json!({"session": self.settings.name, "status": "stopped", "calls": self.calls, "usage": usage}),

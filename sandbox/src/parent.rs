@@ -142,6 +142,11 @@ impl CpuLimiter {
         Ok(())
     }
 
+    /// Whether the quota is in place (written without error, with a CPU controller).
+    pub fn enforced(&self) -> bool {
+        self.outcome().0
+    }
+
     fn outcome(&self) -> (bool, Option<String>) {
         let st = self.state.lock().unwrap_or_else(|e| e.into_inner());
         (st.applied && st.error.is_none() && !self.writes.is_empty(), st.error.clone())
