@@ -432,6 +432,8 @@ fn port_scan_fully_isolated(_: &Ctx) -> Result<(), String> {
     ensure!(sb["no_new_privs"] == true, "no_new_privs: {sb}");
     ensure!(sb["capabilities"] == "none", "capabilities: {sb}");
     ensure!(sb["cgroup"] == "v2", "cgroup: {sb}");
+    // The daemon's default: the sandbox came from its zygote, itself running under the unit.
+    ensure!(sb["launch"] == "zygote", "launch: {sb}");
     ensure!(
         ["enforced", "partially_enforced"].contains(&sb["landlock"]["status"].as_str().unwrap_or("")),
         "landlock: {sb}"
