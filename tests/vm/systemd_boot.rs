@@ -343,8 +343,8 @@ fn pid1_is_systemd(_: &Ctx) -> Result<(), String> {
     Ok(())
 }
 
-/// What a package would do: binaries, unit, sysusers, tmpfiles, sysctl; then a config, keys
-/// and executors. A drop-in shortens the watchdog. The binaries are linked, not copied: debug
+/// What a package would do: binaries, unit, sysusers, tmpfiles, sysctl; then keys and a
+/// config naming the executors the agent installs at start. A drop-in shortens the watchdog. The binaries are linked, not copied: debug
 /// builds are large and the guest's /usr is an overlay in RAM (the runtime is found beside
 /// the resolved /proc/self/exe either way). virtme-ng binds its own /etc/shadow over the
 /// guest's, which systemd-sysusers cannot replace: that bind goes first.
@@ -365,9 +365,6 @@ fn install(ctx: &Ctx) -> Result<(), String> {
     ))?;
     ensure!(sh("getent passwd opservant-executor").0 == 0, "systemd-sysusers did not create opservant-executor");
     run(&format!("/usr/bin/opservant keygen --out {KEYS}"))?;
-    std::fs::write(CONFIG, format!("agent:\n  platform_public_key: {KEYS}/signing.pub\n  max_concurrent: 2\n"))
-        .map_err(|e| format!("write {CONFIG}: {e}"))?;
-    run(&format!("/usr/bin/opservant agent --config {CONFIG} --check-config"))?;
 
     let slow = executor(
         ctx,
@@ -392,10 +389,22 @@ fn install(ctx: &Ctx) -> Result<(), String> {
         json!({"timeout_seconds": 30}),
         "        return ExecutorResult(status=\"completed\", output={\"ok\": True})\n",
     )?;
+    // The agent installs the executors itself when it starts (`executors.install`), under the
+    // unit's UMask=0077: the sandboxes must still be able to read them.
     let scanner = Path::new(REPO).join("executors/port-scanner");
-    for pkg in [scanner.as_path(), &slow, &hog, &net] {
-        run(&format!("/usr/bin/opservant executor install {} --config {CONFIG}", pkg.display()))?;
-    }
+    let install: String = [scanner.as_path(), &slow, &hog, &net]
+        .iter()
+        .map(|p| format!("  - {}\n", std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf()).display()))
+        .collect();
+    std::fs::write(
+        CONFIG,
+        format!(
+            "agent:\n  platform_public_key: {KEYS}/signing.pub\n  max_concurrent: 2\nexecutors:\n  install:\n{install}"
+        ),
+    )
+    .map_err(|e| format!("write {CONFIG}: {e}"))?;
+    run(&format!("/usr/bin/opservant agent --config {CONFIG} --check-config"))?;
+    ensure!(!Path::new("/var/lib/opservant/executors").exists(), "executors installed before the agent ran");
     std::fs::create_dir_all("/etc/systemd/system/opservant.service.d").map_err(|e| e.to_string())?;
     std::fs::write(
         "/etc/systemd/system/opservant.service.d/10-vm-test.conf",
