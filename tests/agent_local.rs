@@ -273,6 +273,71 @@ fn overload_is_rejected_and_sigterm_lets_running_commands_finish() {
     a.audit_verify();
 }
 
+/// systemd keeps the watchdog armed while a unit stops: a drain that stopped pinging was
+/// killed with SIGABRT after `WatchdogSec` (found by the boot test, tests/vm/systemd_boot.rs).
+#[test]
+fn the_watchdog_is_fed_while_draining() {
+    if !common::require_root() {
+        return;
+    }
+    let mut a = Agent::new(1);
+    let notify_path = a.dir.path.join("notify.sock");
+    let notify = std::os::unix::net::UnixDatagram::bind(&notify_path).unwrap();
+    notify.set_read_timeout(Some(Duration::from_millis(100))).unwrap();
+    // WATCHDOG_USEC 400 ms: the agent pings every 200 ms.
+    a.start_with_env(&[("NOTIFY_SOCKET", notify_path.to_str().unwrap()), ("WATCHDOG_USEC", "400000")]);
+    let slow =
+        a.sign(&json!({"command_id": "wd-1", "action": "execute", "executor": "slow", "parameters": {"seconds": 3}}));
+    let socket = a.socket.clone();
+    let running = std::thread::spawn(move || {
+        let out = Command::new(common::opservant())
+            .args(["submit", "-", "--socket", socket.to_str().unwrap()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .and_then(|mut c| {
+                use std::io::Write;
+                c.stdin.take().unwrap().write_all(&slow)?;
+                c.wait_with_output()
+            })
+            .unwrap();
+        serde_json::from_slice::<Value>(&out.stdout).unwrap()
+    });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !a.audit_events().iter().any(|e| e["event"] == "executor_start") {
+        assert!(Instant::now() < deadline, "the slow command did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut child = a.child.take().unwrap();
+    // SAFETY: kill(2) on the pid of our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    // Every notification until the agent has exited, with the time it arrived.
+    let sent = Instant::now();
+    let mut after_stopping = Vec::new();
+    let mut stopping = false;
+    let mut buf = [0u8; 256];
+    let status = loop {
+        if let Ok(n) = notify.recv(&mut buf) {
+            let msg = String::from_utf8_lossy(&buf[..n]).into_owned();
+            if msg == "STOPPING=1" {
+                stopping = true;
+            } else if stopping && msg == "WATCHDOG=1" {
+                after_stopping.push(sent.elapsed());
+            }
+        }
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(sent.elapsed() < Duration::from_secs(20), "the agent did not exit after SIGTERM");
+    };
+    assert!(status.success(), "{status:?}");
+    let r = running.join().unwrap();
+    assert_eq!(r["status"], "completed", "{r}");
+    assert!(stopping, "no STOPPING=1");
+    // The drain lasted about 2 s or more; pings every 200 ms, so well over 4 of them.
+    assert!(after_stopping.len() >= 4, "watchdog pings while draining: {after_stopping:?}");
+}
+
 #[test]
 fn only_root_may_talk_to_the_agent_and_one_agent_per_socket() {
     if !common::require_root() {

@@ -137,12 +137,19 @@ pub fn serve(pipeline: Pipeline, socket: &Path, platform: Option<crate::platform
     let _ = std::fs::remove_file(socket);
     crate::audit::record("agent_stop", &[("running", &pipeline.running().to_string())]);
     stop.store(true, Ordering::SeqCst);
+    // Wait for the socket's workers and for commands from the platform (on their own
+    // threads), feeding the watchdog all along: systemd keeps it armed while the unit stops,
+    // and a drain may last as long as the longest wall-time ceiling.
+    let mut pinged = std::time::Instant::now();
+    while workers.iter().any(|w| !w.is_finished()) || pipeline.running() > 0 {
+        if watchdog.is_some_and(|w| pinged.elapsed() >= w) {
+            sd_notify("WATCHDOG=1");
+            pinged = std::time::Instant::now();
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
     for w in workers {
         let _ = w.join();
-    }
-    // Commands from the platform run on their own threads: wait for them too.
-    while pipeline.running() > 0 {
-        std::thread::sleep(Duration::from_millis(50));
     }
     Ok(())
 }

@@ -300,6 +300,14 @@ fn mkdir(p: &Path) -> Result<(), InstallError> {
     std::fs::DirBuilder::new().mode(0o755).create(p).map_err(|e| io(p, e))
 }
 
+/// The executors root or a package's name directory, created if missing: mode 0755 whatever
+/// the umask (the systemd unit's is 0077), because sandboxes read packages as the executor
+/// user and must traverse both.
+fn traversable_dir(p: &Path) -> Result<(), InstallError> {
+    std::fs::DirBuilder::new().mode(0o755).recursive(true).create(p).map_err(|e| io(p, e))?;
+    std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o755)).map_err(|e| io(p, e))
+}
+
 /// Install from a package directory or archive, after `check` ([`PackageCheck`]) passed.
 pub fn install(
     src: &Path,
@@ -330,7 +338,7 @@ pub fn install(
     } else {
         return Err(InstallError::Invalid(format!("{}: not a directory or an archive", src.display())));
     };
-    std::fs::DirBuilder::new().mode(0o755).recursive(true).create(root).map_err(|e| io(root, e))?;
+    traversable_dir(root)?;
     let staging = Staging(unique(root, ".staging")?);
     let unpacked = staging.0.join("pkg");
     let (sha256, signed_by) = match kind {
@@ -430,11 +438,7 @@ pub fn install(
     normalise_modes(&pkg)?;
 
     let name_dir = root.join(&manifest.name);
-    match std::fs::DirBuilder::new().mode(0o755).create(&name_dir) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-        Err(e) => return Err(io(&name_dir, e)),
-    }
+    traversable_dir(&name_dir)?;
     let mut dir_name = manifest.version.clone();
     if name_dir.join(&dir_name).exists() {
         if !opts.force {
@@ -501,7 +505,7 @@ pub fn install_download<'a>(
         )));
     }
     let cap = size.unwrap_or(check.max_bytes);
-    std::fs::DirBuilder::new().mode(0o755).recursive(true).create(root).map_err(|e| io(root, e))?;
+    traversable_dir(root)?;
     let staging = Staging(unique(root, ".download")?);
     let file = staging.0.join(name);
     let mut out =

@@ -98,8 +98,14 @@ impl Agent {
     }
 
     pub fn start(&mut self) {
+        self.start_with_env(&[]);
+    }
+
+    /// As [`Agent::start`], with these variables added to the agent's environment.
+    pub fn start_with_env(&mut self, env: &[(&str, &str)]) {
         let child = Command::new(common::opservant())
             .args(["agent", "--config", self.config.to_str().unwrap()])
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())

@@ -27,6 +27,10 @@
 #   VM_APPEND='...'               extra kernel command-line options
 #   VM_VERBOSE=1                  print the vng command line to stderr
 #   VM_PASS_ENV='RUST_LOG ...'    extra host variables to forward (RUST_BACKTRACE, RUST_LOG are always forwarded if set)
+#   VM_SYSTEMD=1                  boot with systemd as PID 1 (vng --systemd); CMD runs once the
+#                                 system is up, as root, from virtme-ng's serial-getty hook (see below)
+#   VM_STATE_DIR=DIR              host directory for the VM_SYSTEMD helper files (default: target/vm-exec
+#                                 in the repo); must be visible in the guest, so not below /tmp or /var/tmp
 set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -89,9 +93,41 @@ esac
 append=()
 [ -n "${VM_APPEND:-}" ] && append=(--append "$VM_APPEND")
 
-vng_cmd=(vng --run "$VM_KERNEL" --disable-kvm
+# VM_SYSTEMD=1: systemd as PID 1. virtme-ng 1.42's --systemd boots /sbin/init over the host
+# root and runs CMD from a drop-in for serial-getty@.service. Three things get in its way on
+# a host like this one, each worked around here without touching the host:
+# - /.dockerenv exists on the host root, so systemd believes it runs in a Docker container:
+#   it then reads its kernel options from /proc/1/cmdline (ignoring every systemd.* option)
+#   and its getty generator starts console-getty instead of serial-getty@ttyS0. `container=`
+#   (empty) in PID 1's environment makes PID 1 itself detect no container; the generators
+#   still say "container-other", so
+# - systemd.unit=serial-getty@ttyS0.service makes the getty that runs CMD the boot target
+#   (PID 1 parses that option itself): sysinit and basic units, then CMD — no host services.
+# - systemd-tmpfiles-setup.service would walk the host's /tmp and /var/tmp over 9p trying to
+#   clean them (read-only, but minutes of EROFS); virtme-ng's configurable fstab (bound over
+#   /etc/fstab before PID 1 starts) mounts tmpfs on both first. virtme-ng reads its config
+#   from $HOME, so vng runs with HOME pointing at a scratch directory holding that config.
+vng_env=()
+systemd_opt=()
+if [ "${VM_SYSTEMD:-0}" = 1 ]; then
+    [ -x /lib/systemd/systemd ] || die "VM_SYSTEMD=1 needs systemd on the host root (/lib/systemd/systemd)"
+    state=${VM_STATE_DIR:-$repo/target/vm-exec}
+    mkdir -p "$state/home/.config/virtme-ng"
+    state=$(cd "$state" && pwd)
+    case "$state/" in
+        /tmp/*|/var/tmp/*) die "VM_STATE_DIR=$state is hidden in the guest (tmpfs on /tmp and /var/tmp)";;
+    esac
+    printf '%s\n' 'tmpfs /tmp tmpfs mode=1777,nosuid,nodev 0 0' 'tmpfs /var/tmp tmpfs mode=1777,nosuid,nodev 0 0' \
+        > "$state/fstab"
+    printf '{"default_opts": {}, "clean_exclude": [], "systemd": {"masks": [], "fstab": "%s"}}\n' "$state/fstab" \
+        > "$state/home/.config/virtme-ng/virtme-ng.conf"
+    vng_env=(env "HOME=$state/home")
+    systemd_opt=(--systemd --append "container= systemd.unit=serial-getty@ttyS0.service")
+fi
+
+vng_cmd=("${vng_env[@]}" vng --run "$VM_KERNEL" --disable-kvm
     --memory "${VM_MEMORY:-1G}" --cpus "${VM_CPUS:-2}"
-    "${repo_opt[@]}" "${cwd_opt[@]}" "${append[@]}"
+    "${repo_opt[@]}" "${cwd_opt[@]}" "${append[@]}" "${systemd_opt[@]}"
     -- "$guest_cmd")
 [ "${VM_VERBOSE:-0}" = 1 ] && echo "vm-exec: timeout ${VM_TIMEOUT:-600} ${vng_cmd[*]@Q}" >&2
 

@@ -1,0 +1,551 @@
+//! The boot test of the shipped systemd unit (see `tests/vm/README.md`).
+//!
+//! On the host this binary checks the prerequisites and re-runs itself inside one QEMU guest
+//! booted with systemd as PID 1 (`VM_SYSTEMD=1 tests/vm/vm-exec.sh`, virtme-ng `--systemd`,
+//! one boot). Inside the guest (`OPSERVANT_IN_VM=1`) it installs what a package would —
+//! the built binaries linked into /usr/bin, `systemd/opservant.service`, the sysusers.d, tmpfiles.d and
+//! sysctl.d files —, writes a minimal config (the platform key, nothing else: the agent runs
+//! with its local socket only), starts the unit and drives it through `opservant submit`:
+//! READY, a signed port scan with the full isolation report, network egress, an OOM kill and
+//! a timeout under the unit's restrictions, watchdog pings, then `systemctl stop` while a
+//! command runs (it must finish, and the agent exit cleanly).
+//!
+//! Without the prerequisites the test prints `SKIPPED: ...` and succeeds — unless `CI=true`,
+//! where a missing prerequisite is a failure.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+const OPSERVANT: &str = env!("CARGO_BIN_EXE_opservant");
+const REPO: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
+const CONFIG: &str = "/etc/opservant/config.yaml";
+const KEYS: &str = "/etc/opservant/keys";
+/// The agent's own cgroup: the unit's, in system.slice (the unit's ReadWritePaths= name it).
+const UNIT_CGROUP: &str = "/sys/fs/cgroup/system.slice/opservant.service";
+/// A drop-in shortens the watchdog so that a missing ping kills the agent during the test.
+const WATCHDOG_SEC: u64 = 4;
+
+fn main() -> ExitCode {
+    if std::env::var_os("OPSERVANT_IN_VM").is_some() {
+        in_vm()
+    } else {
+        on_host()
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// Host side: prerequisites, then one VM.
+// ------------------------------------------------------------------------------------------
+
+fn in_ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
+}
+
+fn on_path(name: &str) -> Option<PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|d| d.join(name))
+        .find(|p| p.metadata().is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0))
+}
+
+/// The kernel `vm-exec.sh` boots: `VM_KERNEL`, else the newest `/boot/vmlinuz-6.1*`.
+fn vm_kernel() -> Option<PathBuf> {
+    if let Some(k) = std::env::var_os("VM_KERNEL") {
+        return Some(PathBuf::from(k));
+    }
+    let mut kernels: Vec<PathBuf> = std::fs::read_dir("/boot")
+        .ok()?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("vmlinuz-6.1")))
+        .collect();
+    kernels.sort();
+    kernels.pop()
+}
+
+fn missing_prerequisites() -> Vec<String> {
+    let mut missing = Vec::new();
+    let vng_runs = on_path("vng").is_some_and(|vng| {
+        Command::new(vng)
+            .arg("--version")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    });
+    if !vng_runs {
+        missing.push("vng (virtme-ng) on PATH: python3 -m pip install virtme-ng".to_string());
+    }
+    for (tool, package) in [("qemu-system-x86_64", "qemu-system-x86"), ("busybox", "busybox-static")] {
+        if on_path(tool).is_none() {
+            missing.push(format!("{tool} on PATH: apt-get install -y {package}"));
+        }
+    }
+    if !Path::new("/lib/systemd/systemd").is_file() {
+        missing.push("systemd on the host root (the guest boots it): apt-get install -y systemd".to_string());
+    }
+    match vm_kernel() {
+        None => missing.push("a /boot/vmlinuz-6.1* kernel: apt-get install -y linux-image-amd64".to_string()),
+        Some(k) if std::fs::File::open(&k).is_err() => missing.push(format!("a readable kernel image {}", k.display())),
+        Some(k) => {
+            let release = k.file_name().map(|n| n.to_string_lossy().trim_start_matches("vmlinuz-").to_string());
+            if let Some(r) = release {
+                if !Path::new("/lib/modules").join(&r).is_dir() {
+                    missing.push(format!("/lib/modules/{r} (the modules of {})", k.display()));
+                }
+            }
+        }
+    }
+    missing
+}
+
+fn on_host() -> ExitCode {
+    let missing = missing_prerequisites();
+    if !missing.is_empty() {
+        let list = missing.join("; ");
+        if in_ci() {
+            eprintln!("vm_systemd: FAILED: CI=true but the systemd boot test cannot run; missing: {list}");
+            return ExitCode::FAILURE;
+        }
+        println!("SKIPPED: systemd boot test needs {list}");
+        return ExitCode::SUCCESS;
+    }
+    let script = Path::new(REPO).join("tests/vm/vm-exec.sh");
+    let me = match std::env::current_exe() {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("vm_systemd: cannot locate this test binary: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    println!("vm_systemd: booting a VM with systemd as PID 1 (QEMU/TCG, ~80-120 s) and testing the unit inside");
+    let _ = std::io::stdout().flush();
+    let start = Instant::now();
+    let status = Command::new(&script)
+        .env("VM_SYSTEMD", "1")
+        .env("VM_TIMEOUT", std::env::var("VM_TIMEOUT").unwrap_or_else(|_| "900".into()))
+        .args(["env", "OPSERVANT_IN_VM=1"])
+        .arg(&me)
+        .stdin(Stdio::null())
+        .status();
+    let secs = start.elapsed().as_secs_f64();
+    match status {
+        Ok(s) if s.success() => {
+            println!("vm_systemd: passed ({secs:.1}s including boot)");
+            ExitCode::SUCCESS
+        }
+        Ok(s) => {
+            let why = match s.code() {
+                Some(124) => "the VM timed out".to_string(),
+                Some(255) => "the VM died without reporting a status".to_string(),
+                Some(2) => "vm-exec.sh could not start the VM (or the test could not start)".to_string(),
+                Some(c) => format!("exit status {c}"),
+                None => format!("{s}"),
+            };
+            eprintln!("vm_systemd: FAILED after {secs:.1}s: {why}");
+            ExitCode::FAILURE
+        }
+        Err(e) => {
+            eprintln!("vm_systemd: cannot run {}: {e}", script.display());
+            ExitCode::FAILURE
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// Guest side: the checks run in order and stop at the first failure (each builds on the last).
+// ------------------------------------------------------------------------------------------
+
+type Check = fn(&Ctx) -> Result<(), String>;
+
+struct Ctx {
+    /// Scratch directory for the test executors.
+    dir: PathBuf,
+}
+
+macro_rules! ensure {
+    ($cond:expr, $($fmt:tt)+) => {
+        if !$cond {
+            return Err(format!($($fmt)+));
+        }
+    };
+}
+
+fn in_vm() -> ExitCode {
+    let checks: [(&str, Check); 9] = [
+        ("pid1_is_systemd", pid1_is_systemd),
+        ("install", install),
+        ("start_reaches_ready", start_reaches_ready),
+        ("port_scan_fully_isolated", port_scan_fully_isolated),
+        ("egress_wired", egress_wired),
+        ("oom_and_timeout_enforced", oom_and_timeout_enforced),
+        ("watchdog_pinged", watchdog_pinged),
+        ("stop_drains_and_exits_cleanly", stop_drains_and_exits_cleanly),
+        ("audit_chain_verifies", audit_chain_verifies),
+    ];
+    let dir = PathBuf::from(format!("/var/lib/opservant-vm-test-{}", std::process::id()));
+    if let Err(e) = std::fs::create_dir_all(&dir) {
+        eprintln!("cannot create {}: {e}", dir.display());
+        return ExitCode::FAILURE;
+    }
+    let ctx = Ctx { dir };
+    println!("\nrunning {} checks of systemd/opservant.service in the VM", checks.len());
+    let start = Instant::now();
+    let mut failure = None;
+    let mut passed = 0;
+    for (name, check) in checks {
+        print!("test {name} ... ");
+        let _ = std::io::stdout().flush();
+        let t = Instant::now();
+        let result = match std::panic::catch_unwind(|| check(&ctx)) {
+            Ok(r) => r,
+            Err(p) => Err(format!(
+                "panicked: {}",
+                p.downcast_ref::<String>().map(String::as_str).or(p.downcast_ref::<&str>().copied()).unwrap_or("?")
+            )),
+        };
+        let secs = t.elapsed().as_secs_f64();
+        match result {
+            Ok(()) => {
+                println!("ok ({secs:.1}s)");
+                passed += 1;
+            }
+            Err(msg) => {
+                println!("FAILED ({secs:.1}s)");
+                failure = Some((name, msg));
+                break;
+            }
+        }
+    }
+    if let Some((name, msg)) = &failure {
+        println!("\n---- {name} ----\n{msg}");
+        println!(
+            "\n---- journalctl -u opservant ----\n{}",
+            sh("journalctl -u opservant --no-pager -o cat | tail -n 40").1
+        );
+    }
+    println!(
+        "\ntest result: {}. {} passed; {} failed; {} not run; finished in {:.1}s",
+        if failure.is_none() { "ok" } else { "FAILED" },
+        passed,
+        failure.is_some() as usize,
+        checks.len() - passed - failure.is_some() as usize,
+        start.elapsed().as_secs_f64()
+    );
+    if failure.is_none() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// Helpers
+// ------------------------------------------------------------------------------------------
+
+/// `sh -c CMD`: (exit code, stdout, stderr).
+fn sh(cmd: &str) -> (i32, String, String) {
+    match Command::new("sh").args(["-c", cmd]).stdin(Stdio::null()).output() {
+        Ok(o) => (
+            o.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&o.stdout).into_owned(),
+            String::from_utf8_lossy(&o.stderr).into_owned(),
+        ),
+        Err(e) => (-1, String::new(), format!("cannot run sh: {e}")),
+    }
+}
+
+/// `sh -c CMD`, which must succeed; its stdout.
+fn run(cmd: &str) -> Result<String, String> {
+    let (code, out, err) = sh(cmd);
+    ensure!(code == 0, "`{cmd}` exited {code}\nstdout: {out}\nstderr: {err}");
+    Ok(out)
+}
+
+/// One property of a unit (`systemctl show -P`).
+fn prop(unit: &str, name: &str) -> Result<String, String> {
+    Ok(run(&format!("systemctl show -P {name} {unit}"))?.trim().to_string())
+}
+
+/// Sign `cmd` with the platform key and submit it to the agent's socket: (exit code, result).
+fn submit(cmd: &Value) -> Result<(i32, Value), String> {
+    let signed = pipe(&[OPSERVANT, "sign", "--key", &format!("{KEYS}/signing.key"), "-"], cmd.to_string().as_bytes())?;
+    ensure!(signed.0 == 0, "opservant sign failed: {}", signed.2);
+    let (code, out, err) = pipe(&["/usr/bin/opservant", "submit", "-"], signed.1.as_bytes())?;
+    let reply = serde_json::from_str(out.trim()).map_err(|e| format!("submit: no JSON reply ({e}): {out}\n{err}"))?;
+    Ok((code, reply))
+}
+
+fn pipe(argv: &[&str], input: &[u8]) -> Result<(i32, String, String), String> {
+    let mut child = Command::new(argv[0])
+        .args(&argv[1..])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("cannot run {}: {e}", argv[0]))?;
+    child.stdin.take().expect("piped").write_all(input).map_err(|e| format!("write to {}: {e}", argv[0]))?;
+    let o = child.wait_with_output().map_err(|e| format!("wait for {}: {e}", argv[0]))?;
+    Ok((
+        o.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    ))
+}
+
+fn field<'a>(r: &'a Value, path: &str) -> &'a Value {
+    path.split('.').fold(r, |v, k| &v[k])
+}
+
+/// A Python executor package `name` in the scratch directory (class `Exec` in `pkg/main.py`).
+fn executor(ctx: &Ctx, name: &str, permissions: Value, limits: Value, body: &str) -> Result<PathBuf, String> {
+    let dir = ctx.dir.join(name);
+    let pkg = dir.join(name.replace('-', "_"));
+    let io = |e: std::io::Error| format!("write executor {name}: {e}");
+    std::fs::create_dir_all(&pkg).map_err(io)?;
+    std::fs::write(pkg.join("__init__.py"), "").map_err(io)?;
+    let code = format!(
+        "from opservant.executor import BaseExecutor, ExecutorResult\n\n\nclass Exec(BaseExecutor):\n    \
+         def validate(self, params):\n        return True\n\n    def execute(self, params, context):\n{body}"
+    );
+    std::fs::write(pkg.join("main.py"), code).map_err(io)?;
+    let manifest = json!({
+        "name": name, "version": "1.0.0", "description": "boot test", "author": "tests",
+        "supported_actions": [format!("act-{name}")],
+        "entry_point": format!("{}.main.Exec", name.replace('-', "_")),
+        "permissions": permissions, "resource_limits": limits,
+    });
+    std::fs::write(dir.join("manifest.json"), manifest.to_string()).map_err(io)?;
+    Ok(dir)
+}
+
+fn execute(id: &str, executor: &str, parameters: Value) -> Value {
+    json!({"command_id": id, "action": "execute", "executor": executor, "parameters": parameters})
+}
+
+// ------------------------------------------------------------------------------------------
+// Checks
+// ------------------------------------------------------------------------------------------
+
+fn pid1_is_systemd(_: &Ctx) -> Result<(), String> {
+    let comm = std::fs::read_to_string("/proc/1/comm").unwrap_or_default();
+    ensure!(comm.trim() == "systemd", "PID 1 is {comm:?}, not systemd");
+    let state = sh("systemctl is-system-running").1;
+    ensure!(["running", "degraded", "starting"].contains(&state.trim()), "systemctl is-system-running: {state:?}");
+    let fs = run("stat -f -c %T /sys/fs/cgroup")?;
+    ensure!(fs.trim() == "cgroup2fs", "/sys/fs/cgroup is {fs:?}, not the unified hierarchy");
+    Ok(())
+}
+
+/// What a package would do: binaries, unit, sysusers, tmpfiles, sysctl; then keys and a
+/// config naming the executors the agent installs at start. A drop-in shortens the watchdog. The binaries are linked, not copied: debug
+/// builds are large and the guest's /usr is an overlay in RAM (the runtime is found beside
+/// the resolved /proc/self/exe either way). virtme-ng binds its own /etc/shadow over the
+/// guest's, which systemd-sysusers cannot replace: that bind goes first.
+fn install(ctx: &Ctx) -> Result<(), String> {
+    let bin = Path::new(OPSERVANT).parent().ok_or("no binary directory")?;
+    run(&format!(
+        "ln -sf {b}/opservant {b}/opservant-runtime /usr/bin/ \
+         && install -m 0644 {r}/systemd/opservant.service /etc/systemd/system/ \
+         && install -D -m 0644 {r}/systemd/sysusers.d/opservant.conf /etc/sysusers.d/opservant.conf \
+         && install -D -m 0644 {r}/systemd/tmpfiles.d/opservant.conf /etc/tmpfiles.d/opservant.conf \
+         && install -D -m 0644 {r}/systemd/sysctl.d/60-opservant.conf /etc/sysctl.d/60-opservant.conf \
+         && {{ ! mountpoint -q /etc/shadow || umount /etc/shadow; }} \
+         && systemd-sysusers /etc/sysusers.d/opservant.conf \
+         && systemd-tmpfiles --create /etc/tmpfiles.d/opservant.conf \
+         && /lib/systemd/systemd-sysctl /etc/sysctl.d/60-opservant.conf",
+        b = bin.display(),
+        r = REPO
+    ))?;
+    ensure!(sh("getent passwd opservant-executor").0 == 0, "systemd-sysusers did not create opservant-executor");
+    run(&format!("/usr/bin/opservant keygen --out {KEYS}"))?;
+
+    let slow = executor(
+        ctx,
+        "slow",
+        json!({}),
+        json!({"timeout_seconds": 30}),
+        "        import time\n        time.sleep(params.get(\"seconds\", 1))\n        \
+         return ExecutorResult(status=\"completed\", output={\"slept\": params.get(\"seconds\", 1)})\n",
+    )?;
+    let hog = executor(
+        ctx,
+        "memhog",
+        json!({}),
+        json!({"max_memory_mb": 32, "timeout_seconds": 60}),
+        "        blocks = []\n        for _ in range(200):\n            blocks.append(bytearray(1 << 20))\n        \
+         return ExecutorResult(status=\"completed\", output={\"allocated_mb\": len(blocks)})\n",
+    )?;
+    let net = executor(
+        ctx,
+        "egress-probe",
+        json!({"network": {"outbound": true, "allowed_hosts": ["192.0.2.10"], "allowed_ports": [80]}}),
+        json!({"timeout_seconds": 30}),
+        "        return ExecutorResult(status=\"completed\", output={\"ok\": True})\n",
+    )?;
+    // The agent installs the executors itself when it starts (`executors.install`), under the
+    // unit's UMask=0077: the sandboxes must still be able to read them.
+    let scanner = Path::new(REPO).join("executors/port-scanner");
+    let install: String = [scanner.as_path(), &slow, &hog, &net]
+        .iter()
+        .map(|p| format!("  - {}\n", std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf()).display()))
+        .collect();
+    std::fs::write(
+        CONFIG,
+        format!(
+            "agent:\n  platform_public_key: {KEYS}/signing.pub\n  max_concurrent: 2\nexecutors:\n  install:\n{install}"
+        ),
+    )
+    .map_err(|e| format!("write {CONFIG}: {e}"))?;
+    run(&format!("/usr/bin/opservant agent --config {CONFIG} --check-config"))?;
+    ensure!(!Path::new("/var/lib/opservant/executors").exists(), "executors installed before the agent ran");
+    std::fs::create_dir_all("/etc/systemd/system/opservant.service.d").map_err(|e| e.to_string())?;
+    std::fs::write(
+        "/etc/systemd/system/opservant.service.d/10-vm-test.conf",
+        format!("[Service]\nWatchdogSec={WATCHDOG_SEC}s\n"),
+    )
+    .map_err(|e| e.to_string())?;
+    run("systemctl daemon-reload")?;
+    Ok(())
+}
+
+fn start_reaches_ready(_: &Ctx) -> Result<(), String> {
+    // Type=notify: `systemctl start` returns once the agent has sent READY=1 (or failed).
+    run("systemctl start opservant.service")?;
+    let state = sh("systemctl is-active opservant.service").1;
+    ensure!(state.trim() == "active", "is-active: {state:?}");
+    ensure!(prop("opservant.service", "Type")? == "notify", "Type is not notify");
+    ensure!(prop("opservant.service", "NotifyAccess")? == "main", "NotifyAccess is not main");
+    ensure!(Path::new("/run/opservant/agent.sock").exists(), "no /run/opservant/agent.sock");
+    Ok(())
+}
+
+fn port_scan_fully_isolated(_: &Ctx) -> Result<(), String> {
+    let (code, r) = submit(&json!({"command_id": "boot-scan-1", "action": "execute", "executor": "port-scanner",
+                                   "parameters": {"target_host": "127.0.0.1", "ports": [22]}}))?;
+    ensure!(code == 0 && r["status"] == "completed", "port scan: exit {code}: {r}");
+    ensure!(r["output"]["ports"][0]["status"] == "closed", "port scan output: {r}");
+    let sb = &r["sandbox"];
+    let ns: Vec<&str> =
+        sb["namespaces"].as_array().map(|a| a.iter().filter_map(Value::as_str).collect()).unwrap_or_default();
+    for want in ["user", "mount", "pid", "net", "ipc", "uts", "cgroup"] {
+        ensure!(ns.contains(&want), "namespace {want} missing: {sb}");
+    }
+    ensure!(sb["seccomp"] == "enforced", "seccomp: {sb}");
+    ensure!(sb["no_new_privs"] == true, "no_new_privs: {sb}");
+    ensure!(sb["capabilities"] == "none", "capabilities: {sb}");
+    ensure!(sb["cgroup"] == "v2", "cgroup: {sb}");
+    // The daemon's default: the sandbox came from its zygote, itself running under the unit.
+    ensure!(sb["launch"] == "zygote", "launch: {sb}");
+    ensure!(
+        ["enforced", "partially_enforced"].contains(&sb["landlock"]["status"].as_str().unwrap_or("")),
+        "landlock: {sb}"
+    );
+    let paths = sb["cgroup_paths"].as_array().cloned().unwrap_or_default();
+    ensure!(
+        !paths.is_empty()
+            && paths.iter().all(|p| p.as_str().is_some_and(|p| p.starts_with(&format!("{UNIT_CGROUP}/opservant-sb-")))),
+        "sandbox cgroups not below the unit's delegated cgroup: {sb}"
+    );
+    // The agent moved itself into the leaf of its delegated (and, despite
+    // ProtectControlGroups=, writable) cgroup to create the sandbox's beside it.
+    let pid = prop("opservant.service", "MainPID")?;
+    let cgroup = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
+    ensure!(
+        cgroup.trim() == "0::/system.slice/opservant.service/opservant-agent",
+        "the agent is not in the leaf of its delegated cgroup: {cgroup:?}"
+    );
+    let uid = run("id -u opservant-executor")?;
+    ensure!(
+        sb["uid"].as_u64().map(|u| u.to_string()) == Some(uid.trim().to_string()),
+        "uid is not opservant-executor's: {sb}"
+    );
+    Ok(())
+}
+
+fn egress_wired(_: &Ctx) -> Result<(), String> {
+    // Veth, addresses and nftables over netlink, the DNS forwarder on port 53: the run only
+    // starts when all of that worked.
+    let (code, r) = submit(&execute("boot-egress-1", "egress-probe", json!({})))?;
+    ensure!(code == 0 && r["status"] == "completed", "egress run: exit {code}: {r}");
+    ensure!(field(&r, "sandbox.network") == "egress", "network: {}", r["sandbox"]);
+    Ok(())
+}
+
+fn oom_and_timeout_enforced(_: &Ctx) -> Result<(), String> {
+    let (_, r) = submit(&execute("boot-oom-1", "memhog", json!({})))?;
+    ensure!(r["status"] == "failed" && r["killed_by"] == "oom", "memory hog: {r}");
+    let (_, r) = submit(&json!({"command_id": "boot-timeout-1", "action": "execute", "executor": "slow",
+                                "parameters": {"seconds": 20}, "resource_limits": {"timeout_seconds": 2}}))?;
+    ensure!(r["status"] == "timeout" && r["killed_by"] == "timeout", "timeout: {r}");
+    // Nothing of either is left in the unit's cgroup.
+    let left = run(&format!("ls -d {UNIT_CGROUP}/opservant-sb-* 2>/dev/null || true"))?;
+    ensure!(left.trim().is_empty(), "sandbox cgroups left behind: {left}");
+    Ok(())
+}
+
+fn watchdog_pinged(_: &Ctx) -> Result<(), String> {
+    ensure!(prop("opservant.service", "WatchdogUSec")? == format!("{WATCHDOG_SEC}s"), "watchdog not configured");
+    // By now the agent has lived for several watchdog periods: a missed ping would have
+    // killed it (SIGABRT) and Restart=on-failure would show.
+    let first = prop("opservant.service", "WatchdogTimestampMonotonic")?;
+    std::thread::sleep(Duration::from_secs(WATCHDOG_SEC));
+    let second = prop("opservant.service", "WatchdogTimestampMonotonic")?;
+    ensure!(first != "0" && second != first, "no watchdog pings seen ({first} then {second})");
+    ensure!(prop("opservant.service", "NRestarts")? == "0", "the agent was restarted");
+    ensure!(sh("systemctl is-active opservant.service").1.trim() == "active", "the agent is no longer active");
+    Ok(())
+}
+
+fn stop_drains_and_exits_cleanly(_: &Ctx) -> Result<(), String> {
+    let running = std::thread::spawn(|| submit(&execute("boot-drain-1", "slow", json!({"seconds": 4}))));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let audit = std::fs::read_to_string("/var/log/opservant/audit.jsonl").unwrap_or_default();
+        if audit.lines().any(|l| l.contains("executor_start") && l.contains("boot-drain-1")) {
+            break;
+        }
+        ensure!(Instant::now() < deadline, "the slow command did not start");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let t = Instant::now();
+    run("systemctl stop opservant.service")?;
+    let stop_secs = t.elapsed().as_secs_f64();
+    let (code, r) = running.join().map_err(|_| "submit thread panicked")??;
+    ensure!(code == 0 && r["status"] == "completed" && r["output"]["slept"] == 4, "drained command: exit {code}: {r}");
+    let waited = stop_secs >= 1.0;
+    ensure!(waited, "systemctl stop returned after {stop_secs:.1}s: it did not wait for the command");
+    ensure!(prop("opservant.service", "Result")? == "success", "Result: {}", prop("opservant.service", "Result")?);
+    ensure!(
+        prop("opservant.service", "ExecMainStatus")? == "0",
+        "exit status {}",
+        prop("opservant.service", "ExecMainStatus")?
+    );
+    ensure!(prop("opservant.service", "ActiveState")? == "inactive", "not inactive after stop");
+    ensure!(!Path::new("/run/opservant/agent.sock").exists(), "the socket outlived the agent");
+    Ok(())
+}
+
+fn audit_chain_verifies(_: &Ctx) -> Result<(), String> {
+    let out = run(&format!("/usr/bin/opservant audit verify --config {CONFIG}"))?;
+    let audit = std::fs::read_to_string("/var/log/opservant/audit.jsonl").unwrap_or_default();
+    for id in ["boot-scan-1", "boot-egress-1", "boot-oom-1", "boot-timeout-1", "boot-drain-1"] {
+        ensure!(audit.contains(id), "{id} not audited\n{out}");
+    }
+    // The online assessment of the running system agrees with the offline one.
+    let (_, text, _) = sh("systemd-analyze security opservant.service --no-pager");
+    let score = text
+        .lines()
+        .find_map(|l| l.split("exposure level for opservant.service:").nth(1))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.parse::<f64>().ok());
+    println!("\n  online exposure: {score:?}");
+    ensure!(score.is_some_and(|s| s <= 4.0), "online exposure {score:?} above 4.0:\n{text}");
+    Ok(())
+}
