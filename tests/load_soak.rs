@@ -138,10 +138,14 @@ fn namespaces(pid: i32) -> BTreeSet<String> {
 }
 
 fn rss_kb(pid: i32) -> u64 {
+    status_kb(pid, "VmRSS:")
+}
+
+fn status_kb(pid: i32, field: &str) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
     status
         .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .find_map(|l| l.strip_prefix(field))
         .and_then(|v| v.split_whitespace().next())
         .and_then(|v| v.parse().ok())
         .unwrap()
@@ -255,6 +259,8 @@ fn load_and_soak_leave_nothing_behind() {
     };
     assert!(before.stray_processes.is_empty() && before.sandbox_cgroups == 0, "{before:#?}");
     let (rss_agent, rss_zygote) = (rss_kb(agent), rss_kb(zygote));
+    let (anon0, file0, thr0) =
+        (status_kb(agent, "RssAnon:"), status_kb(agent, "RssFile:"), status_kb(agent, "Threads:"));
 
     // Load: 8 clients for the given time.
     let seconds = env_number("OPSERVANT_LOAD_SECONDS", 60);
@@ -318,6 +324,12 @@ fn load_and_soak_leave_nothing_behind() {
     assert!(after == before, "after the soak:\n{}", changes(&before, &after));
     let (end_agent, end_zygote) = (rss_kb(agent), rss_kb(zygote));
     println!("memory: agent VmRSS {rss_agent} → {end_agent} kB, zygote {rss_zygote} → {end_zygote} kB");
+    println!(
+        "memory detail: agent RssAnon {anon0} → {} kB, RssFile {file0} → {} kB, threads {thr0} → {}",
+        status_kb(agent, "RssAnon:"),
+        status_kb(agent, "RssFile:"),
+        status_kb(agent, "Threads:")
+    );
     assert!(end_agent * 10 <= rss_agent * 11, "agent RSS {rss_agent} → {end_agent} kB");
     assert!(end_zygote * 10 <= rss_zygote * 11, "zygote RSS {rss_zygote} → {end_zygote} kB");
 

@@ -620,6 +620,11 @@ fn agent_daemon(config: Option<PathBuf>, check_only: bool) -> Result<ExitCode, C
         return Ok(ExitCode::SUCCESS);
     }
     agent::audit::init(&cfg)?;
+    // One connection thread per command, up to `agent.max_concurrent`: glibc would give each
+    // its own malloc arena (up to 8 per core), each holding its high-water mark for good.
+    // Two arenas are plenty for threads that mostly wait on their sandbox.
+    // SAFETY: mallopt only sets an allocator tunable; called before the daemon's threads start.
+    unsafe { libc::mallopt(libc::M_ARENA_MAX, 2) };
     // executors.install, before any command is taken: failures are logged and audited, and
     // the agent starts without those packages (it can still be told to install them).
     agent::executor_install::install_configured(&cfg, &policy, &trust);

@@ -76,27 +76,35 @@ impl SeenCommands {
                 _ => continue,
             }
         };
-        let entries = self.read(&mut f)?;
-        if entries.iter().any(|(seen, _)| seen == id) {
+        let scan = self.scan(&mut f, id, now)?;
+        if scan.found {
             return Ok(Seen::Replayed);
         }
         let line = format!("{now} {}\n", escape(id));
-        if entries.len() >= self.compact_after {
+        // Compact only when there is something to drop — at least a quarter of the lines
+        // expired — so a busy agent whose entries are all within the window does not rewrite
+        // the file on every command.
+        if scan.lines >= self.compact_after && scan.expired * 4 >= scan.lines {
             // Rewrite without the expired entries: a new file renamed over the old one, under
             // the same lock (the lock is on the old inode; writers re-check after locking).
-            let keep: Vec<&(String, i64)> = entries.iter().filter(|(_, t)| now - t <= RETENTION_S).collect();
             let tmp = self.path.with_extension("tmp");
-            let mut out = std::fs::OpenOptions::new()
+            let out = std::fs::OpenOptions::new()
                 .write(true)
                 .create(true)
                 .truncate(true)
                 .mode(0o600)
                 .open(&tmp)
                 .map_err(|e| self.io(e))?;
-            for (id, t) in keep {
-                writeln!(out, "{t} {}", escape(id)).map_err(|e| self.io(e))?;
-            }
-            out.write_all(line.as_bytes()).and_then(|()| out.sync_data()).map_err(|e| self.io(e))?;
+            let mut out = std::io::BufWriter::new(out);
+            self.for_each(&mut f, |t, raw| {
+                if now - t <= RETENTION_S {
+                    writeln!(out, "{t} {raw}")?;
+                }
+                Ok(())
+            })?;
+            out.write_all(line.as_bytes()).map_err(|e| self.io(e))?;
+            let out = out.into_inner().map_err(|e| self.io(e.into_error()))?;
+            out.sync_data().map_err(|e| self.io(e))?;
             std::fs::rename(&tmp, &self.path).map_err(|e| self.io(e))?;
             return Ok(Seen::New);
         }
@@ -104,18 +112,55 @@ impl SeenCommands {
         Ok(Seen::New)
     }
 
-    fn read(&self, f: &mut std::fs::File) -> Result<Vec<(String, i64)>, ReplayError> {
-        f.rewind().map_err(|e| self.io(e))?;
-        let mut out = Vec::new();
-        for (i, line) in std::io::BufReader::new(&*f).lines().enumerate() {
-            let line = line.map_err(|e| self.io(e))?;
-            let malformed = || ReplayError::Malformed { path: self.path.display().to_string(), line: i + 1 };
-            let (t, id) = line.split_once(' ').ok_or_else(malformed)?;
-            let t: i64 = t.parse().map_err(|_| malformed())?;
-            out.push((unescape(id).ok_or_else(malformed)?, t));
-        }
-        Ok(out)
+    /// One pass over the file, holding one line at a time (the file may hold tens of
+    /// thousands of ids; collecting them on every command grew the agent's heap).
+    fn scan(&self, f: &mut std::fs::File, id: &str, now: i64) -> Result<Scan, ReplayError> {
+        let mut scan = Scan { found: false, lines: 0, expired: 0 };
+        self.for_each(f, |t, raw| {
+            scan.lines += 1;
+            if now - t > RETENTION_S {
+                scan.expired += 1;
+            }
+            if !scan.found && unescape(raw).as_deref() == Some(id) {
+                scan.found = true;
+            }
+            Ok(())
+        })?;
+        Ok(scan)
     }
+
+    /// Call `each(timestamp, escaped id)` for every line; a malformed line is an error.
+    fn for_each(
+        &self,
+        f: &mut std::fs::File,
+        mut each: impl FnMut(i64, &str) -> std::io::Result<()>,
+    ) -> Result<(), ReplayError> {
+        f.rewind().map_err(|e| self.io(e))?;
+        let mut reader = std::io::BufReader::new(&*f);
+        let mut line = String::new();
+        let mut n = 0;
+        loop {
+            line.clear();
+            if reader.read_line(&mut line).map_err(|e| self.io(e))? == 0 {
+                return Ok(());
+            }
+            n += 1;
+            let malformed = || ReplayError::Malformed { path: self.path.display().to_string(), line: n };
+            let (t, raw) = line.trim_end_matches('\n').split_once(' ').ok_or_else(malformed)?;
+            let t: i64 = t.parse().map_err(|_| malformed())?;
+            if unescape(raw).is_none() {
+                return Err(malformed());
+            }
+            each(t, raw).map_err(|e| self.io(e))?;
+        }
+    }
+}
+
+/// What one pass over the file found.
+struct Scan {
+    found: bool,
+    lines: usize,
+    expired: usize,
 }
 
 /// Ids are stored JSON-escaped so any string fits on one line.
@@ -168,8 +213,12 @@ mod tests {
             s.check_and_insert(&format!("old-{i}"), 0).unwrap();
         }
         s.check_and_insert("recent", 10).unwrap();
-        // Compaction happened at the last insert: old entries (t=0) are within 600 s of 10.
+        // Nothing has expired (t=0 is within 600 s of 10): the file is not rewritten.
+        use std::os::unix::fs::MetadataExt;
+        let inode = std::fs::metadata(dir.join("seen")).unwrap().ino();
         assert_eq!(s.check_and_insert("old-5", 20).unwrap(), Seen::Replayed);
+        s.check_and_insert("recent-2", 20).unwrap();
+        assert_eq!(std::fs::metadata(dir.join("seen")).unwrap().ino(), inode);
         // Much later, a compaction drops them.
         for i in 0..32 {
             s.check_and_insert(&format!("new-{i}"), 10_000).unwrap();
