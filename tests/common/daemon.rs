@@ -183,13 +183,18 @@ impl Drop for Agent {
 
 /// The agent's zygote: its child running `opservant-runtime --zygote`.
 pub fn zygote_pid(agent: u32) -> Option<i32> {
-    let tasks = std::fs::read_dir(format!("/proc/{agent}/task")).ok()?;
-    let children: Vec<i32> = tasks
-        .flatten()
-        .filter_map(|t| std::fs::read_to_string(t.path().join("children")).ok())
-        .flat_map(|c| c.split_whitespace().filter_map(|p| p.parse().ok()).collect::<Vec<i32>>())
-        .collect();
-    children.into_iter().find(|pid| {
-        std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| c.split(|b| *b == 0).any(|a| a == b"--zygote"))
-    })
+    // By PPid (the parent's thread-group id), not /proc/AGENT/task/*/children: a child
+    // started by a connection thread moves to another thread's list when that thread ends,
+    // and a reader walking the lists can miss it in between.
+    let ppid = |pid: i32| -> Option<u32> {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+        status.lines().find_map(|l| l.strip_prefix("PPid:")).and_then(|v| v.trim().parse().ok())
+    };
+    std::fs::read_dir("/proc").ok()?.flatten().filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok()).find(
+        |&pid| {
+            ppid(pid) == Some(agent)
+                && std::fs::read(format!("/proc/{pid}/cmdline"))
+                    .is_ok_and(|c| c.split(|b| *b == 0).any(|a| a == b"--zygote"))
+        },
+    )
 }
