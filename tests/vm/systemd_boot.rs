@@ -116,6 +116,23 @@ fn on_host() -> ExitCode {
         println!("SKIPPED: systemd boot test needs {list}");
         return ExitCode::SUCCESS;
     }
+    // virtme-ng's systemd mode cannot reach a checkout below a directory its guest covers with
+    // tmpfs (vm-exec.sh re-shares such a checkout for the cgroup-v2 suite, but that way does
+    // not come up under systemd as PID 1: the guest command never runs). Said loudly, with
+    // the reason, also under CI — the host tests of the unit (systemd_unit) still run.
+    let repo = std::fs::canonicalize(REPO).unwrap_or_else(|_| PathBuf::from(REPO));
+    if let Some(dir) = ["/tmp/", "/var/tmp/", "/var/log/", "/var/cache/", "/var/lib/apt/", "/var/lib/private/"]
+        .into_iter()
+        .find(|d| repo.starts_with(d))
+    {
+        println!(
+            "NOT RUN: vm_systemd: the checkout {} is below {dir}, which virtme-ng's guest covers with tmpfs; \
+             under systemd as PID 1 it cannot be re-shared (known limitation, tests/vm/README.md) — \
+             run the boot test from a checkout elsewhere",
+            repo.display()
+        );
+        return ExitCode::SUCCESS;
+    }
     let script = Path::new(REPO).join("tests/vm/vm-exec.sh");
     let me = match std::env::current_exe() {
         Ok(p) => p,
