@@ -126,3 +126,41 @@ fn dropping_a_running_sandbox_tears_it_down() {
     assert!(common::host_processes_with(&marker).is_empty(), "payload killed on drop");
     assert!(!std::path::Path::new(&format!("/proc/{monitor}")).exists(), "monitor reaped, no zombie");
 }
+
+#[test]
+fn a_held_payload_runs_only_after_the_go() {
+    if !require_root() {
+        return;
+    }
+    let _view = common::host_view();
+    let mut s = spec(&["/bin/sh", "-c", "echo ran; ls /proc/self/fd"]);
+    s.command.held = true;
+    let mut sb = Sandbox::spawn(&s, &launcher(), None).unwrap();
+    // The hold channel is not the caller's to take (the spec asks for no application channel).
+    assert!(sb.take_app_channel().is_none());
+    sb.start_pooled().unwrap();
+    let o = sb.wait(OutputOptions::default()).unwrap();
+    assert!(o.success(), "{o:?}");
+    assert_eq!(o.launch, "pool");
+    // Released, it runs with every restriction, and the hold channel (fd 4) is closed.
+    assert_eq!(stdout(&o), "ran\n0\n1\n2\n3\n");
+    assert!(o.enforcement.no_new_privs && o.enforcement.capabilities_dropped);
+}
+
+#[test]
+fn a_held_payload_refuses_anything_but_the_go() {
+    if !require_root() {
+        return;
+    }
+    let _view = common::host_view();
+    let mut s = spec(&["/bin/sh", "-c", "echo ran"]);
+    s.command.held = true;
+    s.command.app_channel = true;
+    let mut sb = Sandbox::spawn(&s, &launcher(), None).unwrap();
+    // With an application channel the hold channel is that channel: its first message must
+    // be the go, and anything else ends the payload before the program runs.
+    let chan = sb.take_app_channel().expect("application channel");
+    chan.send_bytes(b"run it").unwrap();
+    let err = sb.wait(OutputOptions::default()).unwrap_err();
+    assert!(err.to_string().contains("held: expected the go"), "{err}");
+}

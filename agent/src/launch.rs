@@ -28,8 +28,9 @@ pub enum LaunchMode {
     Cold,
     /// Fork a pre-initialised runtime (what the agent daemon uses).
     Zygote,
-    /// `run` only, for tests: take a sandbox started beforehand through the zygote, as the
-    /// daemon's warm pool (`agent.warm_pool`) does.
+    /// `run` and `sandbox`, for tests: take a sandbox started beforehand through the zygote,
+    /// as the daemon's warm pool (`agent.warm_pool`) does (a program's sandbox started held,
+    /// its payload waiting with every restriction in place until it is taken).
     Pool,
 }
 

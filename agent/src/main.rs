@@ -455,14 +455,26 @@ fn run_sandbox(
         };
     };
     let out = sandbox::OutputOptions { tee: if json_only { None } else { Some(&mut tee) }, ..Default::default() };
-    let launcher = match launch {
-        LaunchMode::Cold => sandbox::Launcher::fork_or_reexec(SANDBOX_INIT),
-        LaunchMode::Zygote => agent::launch::for_program(&agent::launch::zygote(
-            &agent::executor_run::runtime_binary().map_err(|e| CannotRun(e.0))?,
-        )),
-        LaunchMode::Pool => return Err(CannotRun("--launch pool: for executor runs (opservant run) only".into())),
+    let zygote = || -> Result<sandbox::Launcher, CannotRun> {
+        let runtime = agent::executor_run::runtime_binary().map_err(|e| CannotRun(e.0))?;
+        Ok(agent::launch::for_program(&agent::launch::zygote(&runtime)))
     };
-    let outcome = agent::launch::spawn_with_fallback(&spec, &launcher, None)?.wait(out)?;
+    let sb = match launch {
+        LaunchMode::Cold => {
+            agent::launch::spawn_with_fallback(&spec, &sandbox::Launcher::fork_or_reexec(SANDBOX_INIT), None)?
+        }
+        LaunchMode::Zygote => agent::launch::spawn_with_fallback(&spec, &zygote()?, None)?,
+        // As a warm pool does it: the sandbox is started through the zygote, held (its payload
+        // waits, every restriction in place, for the go) and then taken, which releases it.
+        LaunchMode::Pool => {
+            let mut spec = spec.clone();
+            spec.command.held = true;
+            let pool = agent::warm_pool::WarmPool::single_use(zygote()?);
+            pool.fill(spec.clone())?;
+            pool.take(&spec).ok_or_else(|| CannotRun("--launch pool: the pooled sandbox could not be taken".into()))?
+        }
+    };
+    let outcome = sb.wait(out)?;
     let result = RunResult::for_program(&outcome, &limits);
     let mut lock = std::io::stdout().lock();
     if !json_only && last_stdout_byte != b'\n' {

@@ -102,11 +102,15 @@ impl WarmPool {
         };
         // Killed and reaped outside the lock.
         drop(expired);
-        found.map(|w| {
-            let mut sb = w.sandbox;
-            sb.start_pooled();
-            sb
-        })
+        let mut sb = found?.sandbox;
+        match sb.start_pooled() {
+            Ok(()) => Some(sb),
+            Err(e) => {
+                // Dropped (killed and removed); the run starts a sandbox of its own.
+                tracing::warn!(error = %e, "warm pool: a ready sandbox could not be released");
+                None
+            }
+        }
     }
 
     /// Start a sandbox for `spec` on a background thread (unless one is being started).

@@ -18,6 +18,8 @@ use crate::spec::SandboxSpec;
 pub const CHILD_FD: RawFd = 3;
 /// The fd number of the application channel in the sandbox processes and the payload.
 pub const APP_FD: RawFd = 4;
+/// The message that releases a held payload ([`crate::spec::CommandSpec::held`]).
+pub const GO: &[u8] = b"go";
 
 /// Largest message accepted (a spec with many paths and three seccomp filters is ~40 KiB).
 const MAX_MESSAGE: usize = 4 * 1024 * 1024;

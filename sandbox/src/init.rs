@@ -32,7 +32,10 @@
 //!   2. enforce Landlock                                            (landlock)
 //!   3. close every fd but stdio and the channel; verify the channel is close-on-exec
 //!   4. install seccomp — last                                      (seccomp)
-//!   5. report what is enforced; execve (with the application channel, if any, as fd 4)
+//!   5. report what is enforced
+//!   6. held (a warm pool's sandbox, `command.held`): wait for the go on fd 4, then close it
+//!      unless it is the application channel
+//!   7. execve (with the application channel, if any, as fd 4)
 //! ```
 //!
 //! Every step either succeeds or reports a [`StepError`] over the channel and the sandbox is
@@ -51,7 +54,7 @@ use nix::sys::signalfd::SignalFd;
 use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::{fork, ForkResult, Pid};
 
-use crate::channel::{Channel, FromSandbox, ToSandbox, APP_FD, CHILD_FD};
+use crate::channel::{Channel, FromSandbox, ToSandbox, APP_FD, CHILD_FD, GO};
 use crate::error::{Stage, StepError};
 use crate::landlock::{self, Grant};
 use crate::report::{EnforcementReport, ExitInfo, SeccompReport};
@@ -159,7 +162,7 @@ fn monitor_until(chan: &Channel, given: Option<&SandboxSpec>, end: PayloadEnd) -
         },
     };
     spec.validate().map_err(|e| protocol(e.to_string()))?;
-    let app = if spec.command.app_channel {
+    let app = if spec.command.app_channel || spec.command.held {
         // SAFETY: the parent placed the application channel at APP_FD; nothing else in this
         // process owns it.
         Some(unsafe { Channel::from_raw(APP_FD) }.map_err(|e| StepError::errno(Stage::Protocol, "app channel", e))?)
@@ -422,6 +425,19 @@ fn landlock_rules(spec: &SandboxSpec, system_bound: &[std::path::PathBuf]) -> Ve
     rules
 }
 
+/// A held payload waits for the go on its hold channel; any other message, or the caller
+/// going away, ends it before anything runs. Returns the hold channel (the application
+/// channel, when the spec asks for one; dropping it closes it).
+fn await_go(hold: Option<Channel>) -> Result<Channel, StepError> {
+    let chan = hold.ok_or_else(|| StepError::new(Stage::Protocol, "held, but no hold channel"))?;
+    match chan.recv_bytes(64) {
+        Ok(Some(m)) if m == GO => Ok(chan),
+        Ok(Some(_)) => Err(StepError::new(Stage::Protocol, "held: expected the go")),
+        Ok(None) => Err(StepError::new(Stage::Protocol, "held: the caller went away before the go")),
+        Err(e) => Err(StepError::new(Stage::Protocol, format!("held: {e}"))),
+    }
+}
+
 /// The payload: final restrictions, then `execve` — which only returns the error that
 /// stopped it, `Ok(Err(_))` — or, with [`PayloadEnd::Return`], `Ok(Ok(handoff))`.
 fn payload_steps(
@@ -479,6 +495,12 @@ fn payload_steps(
         gid: nix::unistd::getgid().as_raw(),
     };
     chan.send(&FromSandbox::Started(Box::new(report))).map_err(|e| StepError::errno(Stage::Protocol, "send", e))?;
+    // 6. (held: a warm pool's sandbox; every restriction is in place, nothing of the work
+    // has been handed over yet)
+    let app = match (spec.command.held, app) {
+        (true, hold) => spec.command.app_channel.then_some(await_go(hold)?),
+        (false, app) => app,
+    };
     let Some(program) = program else {
         // Return mode: the caller closes the control channel before running anything else.
         return Ok(Ok(Handoff { app, env: spec.command.env.clone() }));
@@ -489,5 +511,6 @@ fn payload_steps(
         app.set_inheritable().map_err(|e| StepError::errno(Stage::Exec, "app channel", e))?;
         std::mem::forget(app);
     }
+    // 7.
     Ok(Err(process::exec(&program, &spec.command.program, &spec.command.args, &spec.command.env)))
 }

@@ -21,7 +21,7 @@ use nix::sys::signal::{kill, SigSet, Signal};
 use nix::unistd::Pid;
 
 use crate::cgroup::SandboxCgroup;
-use crate::channel::{Channel, FromSandbox, ToSandbox, APP_FD, CHILD_FD};
+use crate::channel::{Channel, FromSandbox, ToSandbox, APP_FD, CHILD_FD, GO};
 use crate::error::{SandboxError, Stage, StepError};
 use crate::init::PayloadEnd;
 use crate::report::{Captured, EnforcementReport, ExitInfo, KilledBy, Outcome, ResourceUsage};
@@ -206,8 +206,13 @@ pub struct Sandbox {
     timeout: Option<Duration>,
     grace: Duration,
     reaped: bool,
-    /// The parent's end of the application channel, if the spec asks for one.
+    /// The parent's end of the application channel, if the spec asks for one, or of the
+    /// hold channel of a held sandbox until [`Sandbox::start_pooled`] releases it.
     app: Option<Channel>,
+    /// Whether the spec asks for an application channel (`app` may be only a hold channel).
+    app_requested: bool,
+    /// Started held and not yet released.
+    held: bool,
     cpu: std::sync::Arc<CpuLimiter>,
     cpu_deferred: bool,
     /// Receiving end of the stop socket pair, and the handle that writes to it.
@@ -252,7 +257,7 @@ impl Sandbox {
         };
         let mut fds = vec![(high(&null)?, 0), (high(&out_w)?, 1), (high(&err_w)?, 2), (high(&chan_child)?, CHILD_FD)];
         drop((null, out_w, err_w, chan_child));
-        let app = if spec.command.app_channel {
+        let app = if spec.command.app_channel || spec.command.held {
             let (app, app_child) = Channel::pair().map_err(|e| SandboxError::io("socketpair", e.into()))?;
             fds.push((high(&app_child)?, APP_FD));
             Some(app)
@@ -287,6 +292,8 @@ impl Sandbox {
             grace: Duration::from_millis(spec.limits.kill_grace_ms),
             reaped: false,
             app,
+            app_requested: spec.command.app_channel,
+            held: spec.command.held,
             cpu: Default::default(),
             cpu_deferred: spec.limits.cpu_deferred,
             stop_rx,
@@ -298,10 +305,20 @@ impl Sandbox {
 
     /// A sandbox started ahead of its work (a warm pool) is put to work now: its clock — the
     /// timeout and the reported wall time — starts here, and the outcome reports `pool`.
-    /// Only sound while nothing of the payload's work has been handed to it yet.
-    pub fn start_pooled(&mut self) {
+    /// Only sound while nothing of the payload's work has been handed to it yet. A held
+    /// sandbox ([`crate::spec::CommandSpec::held`]) is released: its payload gets the go.
+    pub fn start_pooled(&mut self) -> Result<(), SandboxError> {
+        if self.held {
+            let hold = self.app.as_ref().ok_or_else(|| SandboxError::Channel("held, but no hold channel".into()))?;
+            hold.send_bytes(GO).map_err(|e| SandboxError::Channel(format!("send the go: {}", e.desc())))?;
+            self.held = false;
+            if !self.app_requested {
+                self.app = None;
+            }
+        }
         self.started = Instant::now();
         self.launch = "pool";
+        Ok(())
     }
 
     fn handshake(
@@ -344,6 +361,9 @@ impl Sandbox {
     /// The parent's end of the application channel (once). Its protocol is the caller's;
     /// everything read from it comes from code running in the sandbox.
     pub fn take_app_channel(&mut self) -> Option<Channel> {
+        if !self.app_requested {
+            return None;
+        }
         self.app.take()
     }
 

@@ -86,6 +86,15 @@ pub struct CommandSpec {
     /// inherited.
     #[serde(default)]
     pub app_channel: bool,
+    /// Start *held*: the payload, with every restriction in place (its `started` report
+    /// sent), waits for [`crate::Sandbox::start_pooled`]'s go — one message on a hold
+    /// channel at fd 4 — before it `execve`s (or returns, [`crate::PayloadEnd::Return`]).
+    /// How a warm pool starts a program's sandbox ahead of its work. The hold channel is the
+    /// application channel when the spec asks for one, and is closed before `execve`
+    /// otherwise. A payload whose caller goes away without the go exits without running
+    /// anything.
+    #[serde(default)]
+    pub held: bool,
 }
 
 fn default_cwd() -> PathBuf {
@@ -339,6 +348,7 @@ impl SandboxSpec {
                 ],
                 cwd: default_cwd(),
                 app_channel: false,
+                held: false,
             },
             namespaces: Namespaces::default(),
             identity,

@@ -10,6 +10,10 @@ import sys
 
 import _opservant
 
+# Imported here, not per run: in a zygote this runs once, before the fork (each run then
+# finds the module loaded instead of executing it again in every sandbox).
+from opservant._lifecycle import load_executor_class, run_lifecycle
+
 
 class _Vault:
     """`context["vault"]`: secrets by name, granted by the agent only for declared names."""
@@ -111,8 +115,6 @@ def run_executor():
         "action": args["action"],
         "command_id": args["command_id"],
     }
-    from opservant._lifecycle import load_executor_class, run_lifecycle
-
     # Everything above is the runtime's own (trusted) start-up, done before the executor's
     # package is on sys.path (nothing of it can be shadowed); the executor's module comes
     # next, so the CPU quota applies from here.
