@@ -200,9 +200,18 @@ fn the_warm_pool_serves_repeat_runs_and_leaves_nothing_behind() {
     let mut a = Agent::with_agent_keys(2, "  warm_pool: 2\n");
     a.start();
     let agent = a.child.as_ref().unwrap().id();
-    // The first run of an executor starts its own sandbox (and one for the pool).
+    // Pre-warmed at start: one sandbox for each installed executor (port-scanner and slow),
+    // their payloads forked from the zygote's sandbox processes (zygote → monitor → init →
+    // payload).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let payloads = || daemon::zygote_pid(agent).map_or(0, |z| daemon::descendants_at_depth(z, 3).len());
+    while payloads() < 2 {
+        assert!(Instant::now() < deadline, "the warm pool was not pre-warmed: {} payloads", payloads());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // So the very first run takes a pooled sandbox.
     let (code, r) = a.submit(&a.sign(&scan("pool-1")));
-    assert_eq!((code, r["sandbox"]["launch"].clone()), (0, json!("zygote")), "{r}");
+    assert_eq!((code, r["sandbox"]["launch"].clone()), (0, json!("pool")), "{r}");
     let mut launches = vec![];
     for i in 2..6 {
         // A refill may still be on its way; a run that misses starts its own sandbox.

@@ -219,6 +219,42 @@ fn reject(command_id: Option<&str>, reason: Reason, message: &str, security: boo
 }
 
 impl Pipeline {
+    /// The warm pool, warm before the first command: a sandbox for a plain run (no tightened
+    /// limits) of each installed executor without network egress, by name, up to the pool's
+    /// size, started in the background. An executor that does not load is left out (its
+    /// commands report why).
+    pub fn prewarm_pool(&self) {
+        let Some(pool) = &self.pool else { return };
+        let installed = match crate::executor_install::list(&self.executors) {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::warn!(error = %e, "warm pool: cannot list the installed executors");
+                return;
+            }
+        };
+        let executors = installed
+            .iter()
+            .filter_map(|entry| Executor::load(&entry.path).ok())
+            .filter(|ex| !ex.manifest.permissions.network.outbound)
+            .take(pool.size());
+        for executor in executors {
+            let req = crate::executor_run::RunRequest {
+                executor: &executor,
+                params: json!({}),
+                action: None,
+                command_id: None,
+                config: &self.config,
+                policy: &self.policy,
+                launcher: self.launcher.clone(),
+                runtime: self.runtime.clone(),
+                pool: self.pool.clone(),
+            };
+            if let Err(e) = crate::executor_run::prewarm(&req) {
+                tracing::warn!(executor = %executor.manifest.name, error = %e.0, "warm pool: not pre-warmed");
+            }
+        }
+    }
+
     /// [`Pipeline::handle`] under the concurrency limit, for every source of commands (the
     /// socket, the platform): one more than `max_concurrent` is rejected as `overloaded` at
     /// once (audited), never queued.

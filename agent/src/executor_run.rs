@@ -346,6 +346,19 @@ pub fn warm(req: &RunRequest) -> Result<(), CannotRun> {
     pool.fill(spec).map_err(|e| CannotRun(e.to_string()))
 }
 
+/// As [`warm`], in the background (a refill of `req.pool`); a run with network egress starts
+/// nothing. The daemon pre-warms its pool with it at start.
+pub fn prewarm(req: &RunRequest) -> Result<(), CannotRun> {
+    let Some(pool) = &req.pool else { return Ok(()) };
+    if req.executor.manifest.permissions.network.outbound {
+        return Ok(());
+    }
+    let (spec, _) = executor_spec(req)?;
+    spec.validate()?;
+    pool.refill(spec);
+    Ok(())
+}
+
 fn status_str(s: Status) -> &'static str {
     match s {
         Status::Completed => "completed",

@@ -672,6 +672,7 @@ fn agent_daemon(config: Option<PathBuf>, check_only: bool) -> Result<ExitCode, C
         packages: platform.as_ref().map(|p| p.packages()),
         trust,
     };
+    pipeline.prewarm_pool();
     let served = agent::daemon::serve(pipeline, &settings.socket, platform).map_err(|e| CannotRun(e.0));
     // Pooled sandboxes die with the agent, their cgroups removed.
     if let Some(p) = pool {

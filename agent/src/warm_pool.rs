@@ -17,7 +17,9 @@
 //!   one at a time per spec.
 //!
 //! The pool learns from the runs: after a run of spec S it starts a sandbox for S, evicting
-//! the longest-idle one when full.
+//! the longest-idle one when full. The daemon pre-warms it at start with one sandbox for each
+//! installed executor without egress (by name, up to the pool's size), each for a run
+//! without tightened limits ([`crate::command::Pipeline::prewarm_pool`]).
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -157,6 +159,11 @@ impl WarmPool {
         // Killed, reaped and its cgroups removed outside the lock.
         drop(evicted);
         Ok(())
+    }
+
+    /// The most sandboxes the pool holds.
+    pub fn size(&self) -> usize {
+        self.size
     }
 
     /// Sandboxes ready now.
