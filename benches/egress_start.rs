@@ -28,16 +28,7 @@ const DEFAULT_ROUNDS: usize = 60;
 const TARGET_MS: f64 = 3.0;
 const OPSERVANT: &str = env!("CARGO_BIN_EXE_opservant");
 
-const EXECUTOR_PY: &str = r#"from opservant.executor import BaseExecutor, ExecutorResult
-
-
-class NoopExecutor(BaseExecutor):
-    def validate(self, params):
-        return True
-
-    def execute(self, params, context):
-        return ExecutorResult(status="completed", output={})
-"#;
+use agent::bench::NOOP_PY as EXECUTOR_PY;
 
 /// The scratch directory and the benchmark's network namespace; both removed on drop.
 struct Scratch {

@@ -18,16 +18,7 @@ use std::time::{Duration, Instant};
 use daemon::{op, Agent};
 use serde_json::{json, Value};
 
-const NOOP_PY: &str = r#"from opservant.executor import BaseExecutor, ExecutorResult
-
-
-class Noop(BaseExecutor):
-    def validate(self, params):
-        return True
-
-    def execute(self, params, context):
-        return ExecutorResult(status="completed", output={})
-"#;
+use agent::bench::NOOP_PY;
 
 /// `kind`: `memory` allocates until the OOM killer stops it; `fork` forks sleeping children
 /// until the pids limit refuses (and reports how many it got).
@@ -215,7 +206,7 @@ fn load_and_soak_leave_nothing_behind() {
         return;
     }
     let mut a = Agent::new(8);
-    install(&a, "noop", "Noop", NOOP_PY, json!({"timeout_seconds": 30}));
+    install(&a, "noop", "NoopExecutor", NOOP_PY, json!({"timeout_seconds": 30}));
     install(&a, "bomb", "Bomb", BOMB_PY, json!({"timeout_seconds": 30, "max_memory_mb": 48, "max_pids": 8}));
     a.start();
     let agent = a.child.as_ref().unwrap().id() as i32;

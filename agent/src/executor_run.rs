@@ -247,19 +247,7 @@ pub fn run(req: RunRequest) -> Result<RunResult, CannotRun> {
     }
     let provider = Provider::from_config(req.config).map_err(CannotRun)?;
     // Audited only now: a run refused before this point (exit status 2) never started.
-    for c in &limits.clamped {
-        let (requested, applied) = (c.requested.to_string(), c.applied.to_string());
-        audit::record(
-            "limit_clamped",
-            &[
-                ("executor", &m.name),
-                ("field", c.field),
-                ("requested", &requested),
-                ("applied", &applied),
-                ("reason", &c.reason),
-            ],
-        );
-    }
+    limits.audit_clamps(("executor", &m.name));
     // Fail closed: the payload waits for its arguments, so nothing of the executor has run
     // yet, and nothing will when its start cannot be audited (dropping `sb` kills the sandbox).
     let command_id = req.command_id.clone().unwrap_or_default();

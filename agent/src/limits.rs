@@ -48,6 +48,20 @@ pub struct EffectiveLimits {
     pub clamped: Vec<Clamp>,
 }
 
+impl EffectiveLimits {
+    /// Audit each clamp (`limit_clamped`), naming what ran by `subject` (`("executor",
+    /// name)`, `("script", path)`).
+    pub fn audit_clamps(&self, subject: (&str, &str)) {
+        for c in &self.clamped {
+            let (requested, applied) = (c.requested.to_string(), c.applied.to_string());
+            crate::audit::record(
+                "limit_clamped",
+                &[subject, ("field", c.field), ("requested", &requested), ("applied", &applied), ("reason", &c.reason)],
+            );
+        }
+    }
+}
+
 impl LimitPolicy {
     /// The policy shipped in `policies/limits.json`.
     pub fn builtin() -> Self {

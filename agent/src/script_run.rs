@@ -147,19 +147,7 @@ pub fn run(req: ScriptRequest) -> Result<ScriptResult, CannotRun> {
     let script = req.file.display().to_string();
     // Fail closed: a script whose start cannot be audited does not start.
     audit::try_record("script_start", &[("language", req.language.as_str()), ("script", &script)])?;
-    for c in &limits.clamped {
-        let (requested, applied) = (c.requested.to_string(), c.applied.to_string());
-        audit::record(
-            "limit_clamped",
-            &[
-                ("script", &script),
-                ("field", c.field),
-                ("requested", &requested),
-                ("applied", &applied),
-                ("reason", &c.reason),
-            ],
-        );
-    }
+    limits.audit_clamps(("script", &script));
     let mut sb = sandbox::Sandbox::spawn(&spec, &req.launcher, None)?;
     let chan = sb.take_app_channel().ok_or_else(|| CannotRun("no application channel".into()))?;
     chan.send_bytes(&app::encode(&args)).map_err(|e| CannotRun(format!("runtime arguments: {}", e.desc())))?;

@@ -6,14 +6,16 @@
 #![allow(dead_code)]
 
 use std::collections::VecDeque;
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
+
+#[path = "https.rs"]
+pub mod https;
 
 /// A CA and the server and client certificates it signed (PEM).
 pub struct Pki {
@@ -76,7 +78,8 @@ pub struct TestPlatform {
     pub state: Arc<Mutex<State>>,
     /// Connections whose TLS handshake failed (no or wrong client certificate, …).
     pub handshake_failures: Arc<AtomicUsize>,
-    stop: Arc<AtomicBool>,
+    /// Stops accepting when dropped.
+    _server: https::Server,
 }
 
 fn certs(pem: &str) -> Vec<rustls::pki_types::CertificateDer<'static>> {
@@ -104,28 +107,15 @@ impl TestPlatform {
             .with_client_cert_verifier(verifier)
             .with_single_cert(certs(&server.server_cert), key)
             .unwrap();
-        let config = Arc::new(config);
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        listener.set_nonblocking(true).unwrap();
-        let addr = listener.local_addr().unwrap();
         let state = Arc::new(Mutex::new(State::default()));
-        let failures = Arc::new(AtomicUsize::new(0));
-        let stop = Arc::new(AtomicBool::new(false));
-        {
-            let (state, failures, stop) = (state.clone(), failures.clone(), stop.clone());
-            std::thread::spawn(move || {
-                while !stop.load(Ordering::SeqCst) {
-                    match listener.accept() {
-                        Ok((tcp, _)) => {
-                            let (config, state, failures) = (config.clone(), state.clone(), failures.clone());
-                            std::thread::spawn(move || handle(tcp, config, &state, &failures));
-                        }
-                        Err(_) => std::thread::sleep(Duration::from_millis(10)),
-                    }
-                }
-            });
+        let handler_state = state.clone();
+        let server = https::Server::start(config, true, move |req| handle(req, &handler_state));
+        TestPlatform {
+            addr: server.addr,
+            state,
+            handshake_failures: server.handshake_failures.clone(),
+            _server: server,
         }
-        TestPlatform { addr, state, handshake_failures: failures, stop }
     }
 
     /// Serve `bytes` as `GET …/packages/{name}`.
@@ -150,70 +140,17 @@ impl TestPlatform {
     }
 }
 
-impl Drop for TestPlatform {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
-    }
-}
-
-fn handle(tcp: std::net::TcpStream, config: Arc<rustls::ServerConfig>, state: &Mutex<State>, failures: &AtomicUsize) {
-    let _ = tcp.set_nonblocking(false);
-    let _ = tcp.set_read_timeout(Some(Duration::from_secs(10)));
-    let conn = rustls::ServerConnection::new(config).unwrap();
-    let mut tls = rustls::StreamOwned::new(conn, tcp);
-    // The request head, then the body by Content-Length.
-    let mut buf = Vec::new();
-    let mut chunk = [0u8; 4096];
-    let head_end = loop {
-        match tls.read(&mut chunk) {
-            Ok(0) => return,
-            Ok(n) => buf.extend_from_slice(&chunk[..n]),
-            Err(_) => {
-                if tls.conn.is_handshaking() || tls.conn.peer_certificates().is_none() {
-                    failures.fetch_add(1, Ordering::SeqCst);
-                }
-                return;
-            }
-        }
-        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            break i + 4;
-        }
-    };
-    let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
-    let mut lines = head.lines();
-    let first = lines.next().unwrap_or_default().to_string();
-    let len: usize = lines
-        .filter_map(|l| l.split_once(':'))
-        .find(|(k, _)| k.eq_ignore_ascii_case("content-length"))
-        .and_then(|(_, v)| v.trim().parse().ok())
-        .unwrap_or(0);
-    while buf.len() < head_end + len {
-        match tls.read(&mut chunk) {
-            Ok(0) | Err(_) => return,
-            Ok(n) => buf.extend_from_slice(&chunk[..n]),
-        }
-    }
-    let body = &buf[head_end..head_end + len];
-    let mut parts = first.split_whitespace();
-    let (method, target) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-    let path = target.split('?').next().unwrap_or("");
+fn handle(req: https::Request, state: &Mutex<State>) -> https::Response {
+    let (method, path) = (req.method.as_str(), req.path());
     state.lock().unwrap().requests.push(format!("{method} {path}"));
     if let (Some(name), "GET") = (path.split("/packages/").nth(1), method) {
-        let (status, bytes, no_length) = {
-            let st = state.lock().unwrap();
-            match st.packages.get(name) {
-                Some(b) => ("200 OK", b.clone(), st.packages_without_length),
-                None => ("404 Not Found", b"no such package".to_vec(), false),
-            }
+        let st = state.lock().unwrap();
+        let (status, body) = match st.packages.get(name) {
+            Some(b) => ("200 OK", b.clone()),
+            None => ("404 Not Found", b"no such package".to_vec()),
         };
-        let length = if no_length { String::new() } else { format!("Content-Length: {}\r\n", bytes.len()) };
-        let head =
-            format!("HTTP/1.1 {status}\r\nContent-Type: application/octet-stream\r\n{length}Connection: close\r\n\r\n");
-        let _ = tls.write_all(head.as_bytes());
-        let _ = tls.write_all(&bytes);
-        tls.conn.send_close_notify();
-        let _ = tls.flush();
-        return;
+        let length = !(status == "200 OK" && st.packages_without_length);
+        return https::Response { status: status.into(), content_type: "application/octet-stream", body, length };
     }
     let reply = match (method, path.rsplit('/').next().unwrap_or("")) {
         ("GET", "commands") => {
@@ -228,21 +165,14 @@ fn handle(tcp: std::net::TcpStream, config: Arc<rustls::ServerConfig>, state: &M
             }
         }
         ("POST", "results") => {
-            state.lock().unwrap().results.push(serde_json::from_slice(body).unwrap_or(Value::Null));
+            state.lock().unwrap().results.push(serde_json::from_slice(&req.body).unwrap_or(Value::Null));
             json!({"ok": true})
         }
         ("POST", "heartbeat") => {
-            state.lock().unwrap().heartbeats.push(serde_json::from_slice(body).unwrap_or(Value::Null));
+            state.lock().unwrap().heartbeats.push(serde_json::from_slice(&req.body).unwrap_or(Value::Null));
             json!({"ok": true})
         }
         _ => json!({"error": "not found"}),
     };
-    let text = reply.to_string();
-    let resp = format!(
-        "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{text}",
-        text.len()
-    );
-    let _ = tls.write_all(resp.as_bytes());
-    tls.conn.send_close_notify();
-    let _ = tls.flush();
+    https::Response::json("200 OK", &reply)
 }

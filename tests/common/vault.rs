@@ -14,15 +14,14 @@
 #![allow(dead_code)]
 
 use std::collections::HashMap;
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use crate::platform::Pki;
+use crate::platform::{https, Pki};
 
 /// One logged request.
 #[derive(Debug, Clone)]
@@ -69,7 +68,8 @@ pub struct TestVault {
     pub state: Arc<Mutex<State>>,
     /// Connections whose TLS handshake failed.
     pub handshake_failures: Arc<AtomicUsize>,
-    stop: Arc<AtomicBool>,
+    /// Stops accepting when dropped.
+    _server: https::Server,
 }
 
 static TOKENS: AtomicUsize = AtomicUsize::new(0);
@@ -89,10 +89,6 @@ impl TestVault {
             .with_no_client_auth()
             .with_single_cert(chain, key)
             .unwrap();
-        let config = Arc::new(config);
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        listener.set_nonblocking(true).unwrap();
-        let addr = listener.local_addr().unwrap();
         let state = Arc::new(Mutex::new(State {
             role_id: role_id.into(),
             secret_id: secret_id.into(),
@@ -103,23 +99,9 @@ impl TestVault {
             log: Vec::new(),
             deny_reads: 0,
         }));
-        let failures = Arc::new(AtomicUsize::new(0));
-        let stop = Arc::new(AtomicBool::new(false));
-        {
-            let (state, failures, stop) = (state.clone(), failures.clone(), stop.clone());
-            std::thread::spawn(move || {
-                while !stop.load(Ordering::SeqCst) {
-                    match listener.accept() {
-                        Ok((tcp, _)) => {
-                            let (config, state, failures) = (config.clone(), state.clone(), failures.clone());
-                            std::thread::spawn(move || handle(tcp, config, &state, &failures));
-                        }
-                        Err(_) => std::thread::sleep(Duration::from_millis(10)),
-                    }
-                }
-            });
-        }
-        TestVault { addr, state, handshake_failures: failures, stop }
+        let handler_state = state.clone();
+        let server = https::Server::start(config, false, move |req| handle(req, &handler_state));
+        TestVault { addr: server.addr, state, handshake_failures: server.handshake_failures.clone(), _server: server }
     }
 
     pub fn address(&self) -> String {
@@ -133,12 +115,6 @@ impl TestVault {
 
     pub fn with<T>(&self, f: impl FnOnce(&mut State) -> T) -> T {
         f(&mut self.state.lock().unwrap())
-    }
-}
-
-impl Drop for TestVault {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
     }
 }
 
@@ -190,70 +166,23 @@ fn route(method: &str, path: &str, token: Option<&str>, body: &[u8], st: &mut St
     }
 }
 
-fn handle(tcp: std::net::TcpStream, config: Arc<rustls::ServerConfig>, state: &Mutex<State>, failures: &AtomicUsize) {
-    let _ = tcp.set_nonblocking(false);
-    let _ = tcp.set_read_timeout(Some(Duration::from_secs(10)));
-    let conn = rustls::ServerConnection::new(config).unwrap();
-    let mut tls = rustls::StreamOwned::new(conn, tcp);
-    let mut buf = Vec::new();
-    let mut chunk = [0u8; 4096];
-    let head_end = loop {
-        match tls.read(&mut chunk) {
-            Ok(0) => return,
-            Ok(n) => buf.extend_from_slice(&chunk[..n]),
-            Err(_) => {
-                if tls.conn.is_handshaking() {
-                    failures.fetch_add(1, Ordering::SeqCst);
-                }
-                return;
-            }
-        }
-        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            break i + 4;
-        }
-    };
-    let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
-    let mut lines = head.lines();
-    let first = lines.next().unwrap_or_default().to_string();
-    let headers: Vec<(String, String)> = lines
-        .filter_map(|l| l.split_once(':'))
-        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
-        .collect();
-    let header = |name: &str| headers.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone());
-    let len: usize = header("content-length").and_then(|v| v.parse().ok()).unwrap_or(0);
-    while buf.len() < head_end + len {
-        match tls.read(&mut chunk) {
-            Ok(0) | Err(_) => return,
-            Ok(n) => buf.extend_from_slice(&chunk[..n]),
-        }
-    }
-    let body = &buf[head_end..head_end + len];
-    let mut parts = first.split_whitespace();
-    let (method, target) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-    let token = header("x-vault-token");
+fn handle(req: https::Request, state: &Mutex<State>) -> https::Response {
     let (status, reply) = {
         let mut st = state.lock().unwrap();
-        let (status, reply) = route(method, target, token.as_deref(), body, &mut st);
+        let (status, reply) = route(&req.method, &req.target, req.header("x-vault-token"), &req.body, &mut st);
         st.log.push(Logged {
-            method: method.into(),
-            path: target.into(),
+            method: req.method.clone(),
+            path: req.target.clone(),
             status,
-            namespace: header("x-vault-namespace"),
+            namespace: req.header("x-vault-namespace").map(str::to_string),
         });
         (status, reply)
     };
-    let text = reply.to_string();
-    let resp = format!(
-        "HTTP/1.1 {status} {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{text}",
-        match status {
-            200 => "OK",
-            400 => "Bad Request",
-            403 => "Forbidden",
-            _ => "Not Found",
-        },
-        text.len()
-    );
-    let _ = tls.write_all(resp.as_bytes());
-    tls.conn.send_close_notify();
-    let _ = tls.flush();
+    let reason = match status {
+        200 => "OK",
+        400 => "Bad Request",
+        403 => "Forbidden",
+        _ => "Not Found",
+    };
+    https::Response::json(&format!("{status} {reason}"), &reply)
 }

@@ -15,6 +15,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
+#[path = "host.rs"]
+mod host;
+
 const OPSERVANT: &str = env!("CARGO_BIN_EXE_opservant");
 const PYTHON: &str = "/usr/bin/python3";
 const CGROUP_ROOT: &str = "/sys/fs/cgroup";
@@ -37,123 +40,17 @@ fn verbose() -> bool {
     std::env::var_os("VM_SUITE_VERBOSE").is_some_and(|v| !v.is_empty() && v != "0")
 }
 
-fn in_ci() -> bool {
-    std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
-}
-
-/// An executable named `name` in a directory of `PATH`.
-fn on_path(name: &str) -> Option<PathBuf> {
-    use std::os::unix::fs::PermissionsExt;
-    let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path)
-        .map(|d| d.join(name))
-        .find(|p| p.metadata().is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0))
-}
-
-/// The kernel `vm-exec.sh` will boot: `VM_KERNEL`, else the newest `/boot/vmlinuz-6.1*`.
-fn vm_kernel() -> Option<PathBuf> {
-    if let Some(k) = std::env::var_os("VM_KERNEL") {
-        return Some(PathBuf::from(k));
-    }
-    let mut kernels: Vec<PathBuf> = std::fs::read_dir("/boot")
-        .ok()?
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("vmlinuz-6.1")))
-        .collect();
-    kernels.sort();
-    kernels.pop()
-}
-
-/// What is missing to boot the VM (empty when everything is there).
-fn missing_prerequisites() -> Vec<String> {
-    let mut missing = Vec::new();
-    // vng is installed with pip (into the pyenv Python here); a pyenv shim exists on PATH
-    // even when the active Python lacks the package, so ask it to run.
-    let vng_runs = on_path("vng").is_some_and(|vng| {
-        Command::new(vng)
-            .arg("--version")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success())
-    });
-    if !vng_runs {
-        missing.push("vng (virtme-ng) on PATH: python3 -m pip install virtme-ng".to_string());
-    }
-    for (tool, package) in [("qemu-system-x86_64", "qemu-system-x86"), ("busybox", "busybox-static")] {
-        if on_path(tool).is_none() {
-            missing.push(format!("{tool} on PATH: apt-get install -y {package}"));
-        }
-    }
-    match vm_kernel() {
-        None => missing.push("a /boot/vmlinuz-6.1* kernel: apt-get install -y linux-image-amd64".to_string()),
-        Some(k) if std::fs::File::open(&k).is_err() => missing.push(format!("a readable kernel image {}", k.display())),
-        Some(k) => {
-            let release = k.file_name().map(|n| n.to_string_lossy().trim_start_matches("vmlinuz-").to_string());
-            if let Some(r) = release {
-                if !Path::new("/lib/modules").join(&r).is_dir() {
-                    missing.push(format!("/lib/modules/{r} (the modules of {})", k.display()));
-                }
-            }
-        }
-    }
-    missing
-}
-
 fn on_host() -> ExitCode {
-    let missing = missing_prerequisites();
-    if !missing.is_empty() {
-        let list = missing.join("; ");
-        if in_ci() {
-            eprintln!("vm_cgroup_v2: FAILED: CI=true but the cgroup-v2 VM suite cannot run; missing: {list}");
-            return ExitCode::FAILURE;
-        }
-        println!("SKIPPED: cgroup-v2 VM suite needs {list}");
-        return ExitCode::SUCCESS;
+    if let Some(exit) = host::unless_ready("vm_cgroup_v2", "cgroup-v2 VM suite", &host::missing_prerequisites(false)) {
+        return exit;
     }
-    let repo = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/.."));
-    let script = repo.join("tests/vm/vm-exec.sh");
-    let me = match std::env::current_exe() {
-        Ok(p) => p,
-        Err(e) => {
-            eprintln!("vm_cgroup_v2: cannot locate this test binary: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    println!("vm_cgroup_v2: booting the cgroup-v2 VM (QEMU/TCG, ~15-35 s) and running the suite inside");
-    let _ = std::io::stdout().flush();
-    let start = Instant::now();
-    // stdout/stderr are inherited: the guest's output streams through as it comes.
-    let mut cmd = Command::new(&script);
-    cmd.arg("env").arg("OPSERVANT_IN_VM=1");
-    if verbose() {
-        cmd.arg("VM_SUITE_VERBOSE=1");
-    }
-    let status = cmd.arg(&me).stdin(Stdio::null()).status();
-    let secs = start.elapsed().as_secs_f64();
-    match status {
-        Ok(s) if s.success() => {
-            println!("vm_cgroup_v2: VM suite passed ({secs:.1}s including boot)");
-            ExitCode::SUCCESS
-        }
-        Ok(s) => {
-            let why = match s.code() {
-                Some(124) => "the VM timed out".to_string(),
-                Some(255) => "the VM died without reporting a status".to_string(),
-                Some(2) => "vm-exec.sh could not start the VM (or the suite could not start)".to_string(),
-                Some(c) => format!("exit status {c}"),
-                None => format!("{s}"),
-            };
-            eprintln!("vm_cgroup_v2: FAILED after {secs:.1}s: {why}");
-            ExitCode::FAILURE
-        }
-        Err(e) => {
-            eprintln!("vm_cgroup_v2: cannot run {}: {e}", script.display());
-            ExitCode::FAILURE
-        }
-    }
+    let guest_env: &[&str] = if verbose() { &["VM_SUITE_VERBOSE=1"] } else { &[] };
+    host::boot_and_run(
+        "vm_cgroup_v2",
+        "booting the cgroup-v2 VM (QEMU/TCG, ~15-35 s) and running the suite inside",
+        &[],
+        guest_env,
+    )
 }
 
 // ------------------------------------------------------------------------------------------

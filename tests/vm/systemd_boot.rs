@@ -20,6 +20,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
+#[path = "host.rs"]
+mod host;
+
 const OPSERVANT: &str = env!("CARGO_BIN_EXE_opservant");
 const REPO: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
 const CONFIG: &str = "/etc/opservant/config.yaml";
@@ -41,80 +44,9 @@ fn main() -> ExitCode {
 // Host side: prerequisites, then one VM.
 // ------------------------------------------------------------------------------------------
 
-fn in_ci() -> bool {
-    std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
-}
-
-fn on_path(name: &str) -> Option<PathBuf> {
-    use std::os::unix::fs::PermissionsExt;
-    let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path)
-        .map(|d| d.join(name))
-        .find(|p| p.metadata().is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0))
-}
-
-/// The kernel `vm-exec.sh` boots: `VM_KERNEL`, else the newest `/boot/vmlinuz-6.1*`.
-fn vm_kernel() -> Option<PathBuf> {
-    if let Some(k) = std::env::var_os("VM_KERNEL") {
-        return Some(PathBuf::from(k));
-    }
-    let mut kernels: Vec<PathBuf> = std::fs::read_dir("/boot")
-        .ok()?
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("vmlinuz-6.1")))
-        .collect();
-    kernels.sort();
-    kernels.pop()
-}
-
-fn missing_prerequisites() -> Vec<String> {
-    let mut missing = Vec::new();
-    let vng_runs = on_path("vng").is_some_and(|vng| {
-        Command::new(vng)
-            .arg("--version")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success())
-    });
-    if !vng_runs {
-        missing.push("vng (virtme-ng) on PATH: python3 -m pip install virtme-ng".to_string());
-    }
-    for (tool, package) in [("qemu-system-x86_64", "qemu-system-x86"), ("busybox", "busybox-static")] {
-        if on_path(tool).is_none() {
-            missing.push(format!("{tool} on PATH: apt-get install -y {package}"));
-        }
-    }
-    if !Path::new("/lib/systemd/systemd").is_file() {
-        missing.push("systemd on the host root (the guest boots it): apt-get install -y systemd".to_string());
-    }
-    match vm_kernel() {
-        None => missing.push("a /boot/vmlinuz-6.1* kernel: apt-get install -y linux-image-amd64".to_string()),
-        Some(k) if std::fs::File::open(&k).is_err() => missing.push(format!("a readable kernel image {}", k.display())),
-        Some(k) => {
-            let release = k.file_name().map(|n| n.to_string_lossy().trim_start_matches("vmlinuz-").to_string());
-            if let Some(r) = release {
-                if !Path::new("/lib/modules").join(&r).is_dir() {
-                    missing.push(format!("/lib/modules/{r} (the modules of {})", k.display()));
-                }
-            }
-        }
-    }
-    missing
-}
-
 fn on_host() -> ExitCode {
-    let missing = missing_prerequisites();
-    if !missing.is_empty() {
-        let list = missing.join("; ");
-        if in_ci() {
-            eprintln!("vm_systemd: FAILED: CI=true but the systemd boot test cannot run; missing: {list}");
-            return ExitCode::FAILURE;
-        }
-        println!("SKIPPED: systemd boot test needs {list}");
-        return ExitCode::SUCCESS;
+    if let Some(exit) = host::unless_ready("vm_systemd", "systemd boot test", &host::missing_prerequisites(true)) {
+        return exit;
     }
     // virtme-ng's systemd mode cannot reach a checkout below a directory its guest covers with
     // tmpfs (vm-exec.sh re-shares such a checkout for the cgroup-v2 suite, but that way does
@@ -133,46 +65,12 @@ fn on_host() -> ExitCode {
         );
         return ExitCode::SUCCESS;
     }
-    let script = Path::new(REPO).join("tests/vm/vm-exec.sh");
-    let me = match std::env::current_exe() {
-        Ok(p) => p,
-        Err(e) => {
-            eprintln!("vm_systemd: cannot locate this test binary: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    println!("vm_systemd: booting a VM with systemd as PID 1 (QEMU/TCG, ~80-120 s) and testing the unit inside");
-    let _ = std::io::stdout().flush();
-    let start = Instant::now();
-    let status = Command::new(&script)
-        .env("VM_SYSTEMD", "1")
-        .env("VM_TIMEOUT", std::env::var("VM_TIMEOUT").unwrap_or_else(|_| "900".into()))
-        .args(["env", "OPSERVANT_IN_VM=1"])
-        .arg(&me)
-        .stdin(Stdio::null())
-        .status();
-    let secs = start.elapsed().as_secs_f64();
-    match status {
-        Ok(s) if s.success() => {
-            println!("vm_systemd: passed ({secs:.1}s including boot)");
-            ExitCode::SUCCESS
-        }
-        Ok(s) => {
-            let why = match s.code() {
-                Some(124) => "the VM timed out".to_string(),
-                Some(255) => "the VM died without reporting a status".to_string(),
-                Some(2) => "vm-exec.sh could not start the VM (or the test could not start)".to_string(),
-                Some(c) => format!("exit status {c}"),
-                None => format!("{s}"),
-            };
-            eprintln!("vm_systemd: FAILED after {secs:.1}s: {why}");
-            ExitCode::FAILURE
-        }
-        Err(e) => {
-            eprintln!("vm_systemd: cannot run {}: {e}", script.display());
-            ExitCode::FAILURE
-        }
-    }
+    host::boot_and_run(
+        "vm_systemd",
+        "booting a VM with systemd as PID 1 (QEMU/TCG, ~80-120 s) and testing the unit inside",
+        &[("VM_SYSTEMD", "1".into()), ("VM_TIMEOUT", std::env::var("VM_TIMEOUT").unwrap_or_else(|_| "900".into()))],
+        &[],
+    )
 }
 
 // ------------------------------------------------------------------------------------------

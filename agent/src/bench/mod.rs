@@ -140,17 +140,20 @@ impl Options {
     }
 }
 
-fn in_ci() -> bool {
+/// Whether this runs under CI (`CI=true` or `1`), where a missing reference tool is an error.
+pub fn in_ci() -> bool {
     std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
 }
 
-fn which(name: &str) -> Option<PathBuf> {
+/// The first executable file `name` in `PATH`.
+pub fn which(name: &str) -> Option<PathBuf> {
     let path = std::env::var_os("PATH")?;
     std::env::split_paths(&path)
         .map(|dir| dir.join(name))
         .find(|p| p.metadata().is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0))
 }
 
+/// `uname -r`.
 pub fn kernel_release() -> String {
     // SAFETY: utsname is plain data; uname fills it with NUL-terminated fields.
     let mut uts: libc::utsname = unsafe { std::mem::zeroed() };
@@ -176,7 +179,9 @@ fn python_version() -> Option<String> {
     Some(String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
 
-const NOOP_PY: &str = r#"from opservant.executor import BaseExecutor, ExecutorResult
+/// The no-op executor's module: class `NoopExecutor`, `validate` returns True, `execute` an
+/// empty completed result (also used by the benchmarks in `benches/` and the load test).
+pub const NOOP_PY: &str = r#"from opservant.executor import BaseExecutor, ExecutorResult
 
 
 class NoopExecutor(BaseExecutor):

@@ -432,19 +432,7 @@ pub fn run(req: TestRequest, tee: Option<Tee>) -> Result<TestResult, CannotRun> 
         "executor_test_start",
         &[("executor", &ex.manifest.name), ("version", &ex.manifest.version), ("python", &python)],
     )?;
-    for c in &limits.clamped {
-        let (requested, applied) = (c.requested.to_string(), c.applied.to_string());
-        audit::record(
-            "limit_clamped",
-            &[
-                ("executor", &ex.manifest.name),
-                ("field", c.field),
-                ("requested", &requested),
-                ("applied", &applied),
-                ("reason", &c.reason),
-            ],
-        );
-    }
+    limits.audit_clamps(("executor", &ex.manifest.name));
     let mut sb = sandbox::Sandbox::spawn(&spec, &req.launcher, None)?;
     let chan = sb.take_app_channel().ok_or_else(|| CannotRun("no application channel".into()))?;
     let server = thread::spawn(move || serve(&chan));

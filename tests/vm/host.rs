@@ -1,0 +1,137 @@
+//! The host side shared by the VM tests (`vm_cgroup_v2`, `vm_systemd`): their prerequisites,
+//! and one boot through `tests/vm/vm-exec.sh` that runs this same test binary in the guest
+//! (with `OPSERVANT_IN_VM=1`). Included with `#[path = "host.rs"] mod host;`.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode, Stdio};
+use std::time::Instant;
+
+pub fn in_ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
+}
+
+fn on_path(name: &str) -> Option<PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|d| d.join(name))
+        .find(|p| p.metadata().is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0))
+}
+
+/// The kernel `vm-exec.sh` boots: `VM_KERNEL`, else the newest `/boot/vmlinuz-6.1*`.
+fn vm_kernel() -> Option<PathBuf> {
+    if let Some(k) = std::env::var_os("VM_KERNEL") {
+        return Some(PathBuf::from(k));
+    }
+    let mut kernels: Vec<PathBuf> = std::fs::read_dir("/boot")
+        .ok()?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("vmlinuz-6.1")))
+        .collect();
+    kernels.sort();
+    kernels.pop()
+}
+
+/// What is missing to boot the VM (each with how to get it); `systemd`: the guest boots the
+/// host's systemd as PID 1.
+pub fn missing_prerequisites(systemd: bool) -> Vec<String> {
+    let mut missing = Vec::new();
+    // vng is installed with pip; a pyenv shim may exist on PATH even when the active Python
+    // lacks the package, so ask it to run.
+    let vng_runs = on_path("vng").is_some_and(|vng| {
+        Command::new(vng)
+            .arg("--version")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    });
+    if !vng_runs {
+        missing.push("vng (virtme-ng) on PATH: python3 -m pip install virtme-ng".to_string());
+    }
+    for (tool, package) in [("qemu-system-x86_64", "qemu-system-x86"), ("busybox", "busybox-static")] {
+        if on_path(tool).is_none() {
+            missing.push(format!("{tool} on PATH: apt-get install -y {package}"));
+        }
+    }
+    if systemd && !Path::new("/lib/systemd/systemd").is_file() {
+        missing.push("systemd on the host root (the guest boots it): apt-get install -y systemd".to_string());
+    }
+    match vm_kernel() {
+        None => missing.push("a /boot/vmlinuz-6.1* kernel: apt-get install -y linux-image-amd64".to_string()),
+        Some(k) if std::fs::File::open(&k).is_err() => missing.push(format!("a readable kernel image {}", k.display())),
+        Some(k) => {
+            let release = k.file_name().map(|n| n.to_string_lossy().trim_start_matches("vmlinuz-").to_string());
+            if let Some(r) = release {
+                if !Path::new("/lib/modules").join(&r).is_dir() {
+                    missing.push(format!("/lib/modules/{r} (the modules of {})", k.display()));
+                }
+            }
+        }
+    }
+    missing
+}
+
+/// `None` when nothing is missing; else the test's exit: a failure under CI (naming what is
+/// missing), a visible skip otherwise.
+pub fn unless_ready(test: &str, what: &str, missing: &[String]) -> Option<ExitCode> {
+    if missing.is_empty() {
+        return None;
+    }
+    let list = missing.join("; ");
+    if in_ci() {
+        eprintln!("{test}: FAILED: CI=true but the {what} cannot run; missing: {list}");
+        return Some(ExitCode::FAILURE);
+    }
+    println!("SKIPPED: {what} needs {list}");
+    Some(ExitCode::SUCCESS)
+}
+
+/// Boot the VM with `vm-exec.sh` (its variables `env`), run this test binary inside with
+/// `OPSERVANT_IN_VM=1` and `guest_env`, and report: the guest's output streams through as it
+/// comes; the exit status of `vm-exec.sh` is the test's.
+pub fn boot_and_run(test: &str, announce: &str, env: &[(&str, String)], guest_env: &[&str]) -> ExitCode {
+    let script = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/..")).join("tests/vm/vm-exec.sh");
+    let me = match std::env::current_exe() {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("{test}: cannot locate this test binary: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    println!("{test}: {announce}");
+    let _ = std::io::stdout().flush();
+    let start = Instant::now();
+    let status = Command::new(&script)
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+        .args(["env", "OPSERVANT_IN_VM=1"])
+        .args(guest_env)
+        .arg(&me)
+        .stdin(Stdio::null())
+        .status();
+    let secs = start.elapsed().as_secs_f64();
+    match status {
+        Ok(s) if s.success() => {
+            println!("{test}: passed ({secs:.1}s including boot)");
+            ExitCode::SUCCESS
+        }
+        Ok(s) => {
+            let why = match s.code() {
+                Some(124) => "the VM timed out".to_string(),
+                Some(255) => "the VM died without reporting a status".to_string(),
+                Some(2) => "vm-exec.sh could not start the VM (or the test could not start)".to_string(),
+                Some(c) => format!("exit status {c}"),
+                None => format!("{s}"),
+            };
+            eprintln!("{test}: FAILED after {secs:.1}s: {why}");
+            ExitCode::FAILURE
+        }
+        Err(e) => {
+            eprintln!("{test}: cannot run {}: {e}", script.display());
+            ExitCode::FAILURE
+        }
+    }
+}
