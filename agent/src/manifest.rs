@@ -282,8 +282,15 @@ impl Manifest {
     /// JSON and types only (serde); the rules come in `validate`.
     fn parse_unchecked(text: &str) -> Result<(Manifest, Vec<Warning>), ManifestError> {
         check_bounds(text.as_bytes())?;
-        let value: serde_json::Value =
-            serde_json::from_str(text).map_err(|e| ManifestError::new("manifest", format!("not valid JSON: {e}")))?;
+        // Strict, as commands are: a key given twice is an error, never resolved (which of the
+        // two would the platform, a linter or a reviewer take for the manifest's?).
+        let value = crate::signing::parse_strict(text.as_bytes()).map_err(|e| {
+            let why = match e {
+                crate::signing::SigningError::Parse(why) => why,
+                other => other.to_string(),
+            };
+            ManifestError::new("manifest", format!("not valid JSON: {why}"))
+        })?;
         let obj = value.as_object().ok_or_else(|| ManifestError::new("manifest", "must be a JSON object"))?;
         let warnings: Vec<Warning> = obj
             .keys()
@@ -463,6 +470,19 @@ mod tests {
         assert_eq!(PortEntry::Pair(vec![1, 1024]).range().unwrap(), (1, 1024));
         assert!(PortEntry::Pair(vec![1, 2, 3]).range().is_err());
         assert!(PortEntry::Port(0).range().is_err());
+    }
+
+    #[test]
+    fn a_key_given_twice_is_an_error_not_resolved() {
+        let twice = SEED.replacen("{", "{\"name\": \"other\", ", 1);
+        let e = Manifest::parse(&twice).unwrap_err();
+        assert_eq!(e.path, "manifest");
+        assert!(e.message.contains("duplicate key \"name\""), "{}", e.message);
+        // At any depth: here the network permission's `outbound`, given false and then true.
+        let nested = SEED.replacen("{\"outbound\": true", "{\"outbound\": false, \"outbound\": true", 1);
+        assert_ne!(nested, SEED);
+        let e = Manifest::parse(&nested).unwrap_err();
+        assert!(e.message.contains("duplicate key \"outbound\""), "{}", e.message);
     }
 
     #[test]

@@ -115,8 +115,17 @@ class ExecutorTestHarness:
         path = os.fspath(manifest_path)
         if os.path.isdir(path):
             path = os.path.join(path, "manifest.json")
+        def no_duplicates(pairs):
+            # As the agent: a key given twice is an error, never resolved.
+            seen = {}
+            for key, value in pairs:
+                if key in seen:
+                    raise ValueError("%s: duplicate key %r in the manifest" % (path, key))
+                seen[key] = value
+            return seen
+
         with open(path, encoding="utf-8") as f:
-            manifest = json.load(f)
+            manifest = json.load(f, object_pairs_hook=no_duplicates)
         if not isinstance(manifest, dict):
             raise ValueError("%s: the manifest must be a JSON object" % path)
         entry_point = manifest.get("entry_point")

@@ -273,6 +273,10 @@ def test_harness_manifest_errors(tmp_path):
     (tmp_path / "manifest.json").write_text("[]")
     with pytest.raises(ValueError, match="JSON object"):
         ExecutorTestHarness(str(tmp_path))
+    # A key given twice, at any depth, is refused as the agent refuses it.
+    (tmp_path / "manifest.json").write_text('{"entry_point": "a.B", "permissions": {"secrets": [], "secrets": ["x"]}}')
+    with pytest.raises(ValueError, match="duplicate key 'secrets'"):
+        ExecutorTestHarness(str(tmp_path))
 
 
 def test_harness_relative_manifest_path(make_executor, monkeypatch):
