@@ -452,6 +452,7 @@ fn commands_pulled_from_the_platform_over_mutual_tls() {
     let hb = &st.heartbeats[0];
     assert_eq!(hb["version"], env!("CARGO_PKG_VERSION"));
     assert!(hb["executors"].as_array().unwrap().iter().any(|e| e == "port-scanner@1.0.0"), "{hb}");
+    assert_eq!(hb["install_failures"], json!([]), "{hb}");
     assert!(st.requests.iter().all(|r| r.contains("/v1/agents/")), "{:?}", st.requests);
     drop(st);
     a.audit_verify();
@@ -746,6 +747,14 @@ fn executors_listed_in_the_config_are_installed_at_start_once() {
     let (code, pong) = a.submit(&a.sign(&json!({"command_id": "p1", "action": "ping"})));
     assert_eq!(code, 0, "{pong}");
     assert!(pong["output"]["executors"].as_array().unwrap().iter().any(|e| e == "hello@1.0.0"), "{pong}");
+    // The entries that failed are reported (in heartbeats too), not only logged and audited.
+    let failures = pong["output"]["install_failures"].as_array().unwrap();
+    assert_eq!(failures.len(), 2, "{pong}");
+    assert_eq!(
+        (failures[0]["entry"].as_str(), failures[1]["entry"].as_str()),
+        (Some("executors.install[1]"), Some("executors.install[2]"))
+    );
+    assert!(failures[0]["error"].as_str().unwrap().contains("a directory cannot be signed"), "{pong}");
     assert_eq!(count(&a, "executor_installed"), 3, "two by hand, one from the config");
     let failed: Vec<Value> = a.audit_events().into_iter().filter(|e| e["event"] == "executor_install_failed").collect();
     assert_eq!(failed.len(), 2, "{failed:?}");

@@ -51,6 +51,8 @@ pub struct Pipeline {
     pub packages: Option<crate::platform::Packages>,
     /// The package signature rules (`executors.require_signature`, `trusted_keys`).
     pub trust: crate::package_signing::Trust,
+    /// `executors.install` entries that failed at start (heartbeats and `ping` report them).
+    pub install_failures: Vec<crate::executor_install::InstallFailure>,
 }
 
 /// Why a command was rejected: the stable reason codes the platform sees (`reason`).
@@ -333,6 +335,7 @@ impl Pipeline {
             .unwrap_or_default();
         json!({"status": "completed", "command_id": id, "output": {
             "pong": true, "agent_id": self.config.agent_id(), "version": env!("CARGO_PKG_VERSION"), "executors": executors,
+            "install_failures": self.install_failures,
         }})
     }
 

@@ -618,13 +618,23 @@ pub fn check_configured(config: &crate::config::Config, trust: &Trust) -> Vec<St
     problems
 }
 
+/// An `executors.install` entry that did not install at agent start (reported in heartbeats
+/// and `ping` replies until the agent restarts).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct InstallFailure {
+    /// `executors.install[N]`.
+    pub entry: String,
+    pub package: String,
+    pub error: String,
+}
+
 /// Install `executors.install` (at agent start): each entry checked like `executor install`
 /// (signature rules included), an identical version skipped; a failure is logged and audited
-/// (`executor_install_failed`) and that entry skipped. Returns how many entries failed.
-pub fn install_configured(config: &crate::config::Config, policy: &AgentPolicy, trust: &Trust) -> usize {
+/// (`executor_install_failed`) and that entry skipped. Returns the entries that failed.
+pub fn install_configured(config: &crate::config::Config, policy: &AgentPolicy, trust: &Trust) -> Vec<InstallFailure> {
     let root = config.executors.root();
     let opts = InstallOptions { skip_identical: true, ..Default::default() };
-    let mut failed = 0;
+    let mut failed = Vec::new();
     for (i, p) in config.executors.install.iter().enumerate() {
         let entry = format!("executors.install[{i}]");
         let package = p.to_string_lossy();
@@ -653,13 +663,13 @@ pub fn install_configured(config: &crate::config::Config, policy: &AgentPolicy, 
                 );
             }
             Err(e) => {
-                failed += 1;
                 let error = e.to_string();
                 tracing::error!(entry, package = %package, error = %error, "not installed; the agent starts without it");
                 crate::audit::record(
                     "executor_install_failed",
                     &[("source", "config"), ("entry", &entry), ("package", &package), ("error", &error)],
                 );
+                failed.push(InstallFailure { entry, package: package.into_owned(), error });
             }
         }
     }

@@ -639,7 +639,7 @@ fn agent_daemon(config: Option<PathBuf>, check_only: bool) -> Result<ExitCode, C
     unsafe { libc::mallopt(libc::M_ARENA_MAX, 2) };
     // executors.install, before any command is taken: failures are logged and audited, and
     // the agent starts without those packages (it can still be told to install them).
-    agent::executor_install::install_configured(&cfg, &policy, &trust);
+    let install_failures = agent::executor_install::install_configured(&cfg, &policy, &trust);
     // The daemon is multi-threaded: sandboxes start from its zygote (a process of their own,
     // started now so the first command does not wait for it) or from a fresh exec.
     let launcher = match settings.launch {
@@ -671,6 +671,7 @@ fn agent_daemon(config: Option<PathBuf>, check_only: bool) -> Result<ExitCode, C
         running: Default::default(),
         packages: platform.as_ref().map(|p| p.packages()),
         trust,
+        install_failures,
     };
     pipeline.prewarm_pool();
     let served = agent::daemon::serve(pipeline, &settings.socket, platform).map_err(|e| CannotRun(e.0));
