@@ -655,13 +655,26 @@ fn install_executor_downloads_over_mutual_tls_and_checks_before_unpacking() {
     refused("traversal", json!({"name": "../commands", "sha256": zeros}), "malformed");
     refused("no-sha", json!({"name": "hello-2.0.0.tar.gz"}), "malformed");
     refused("extra", json!({"name": "hello-2.0.0.tar.gz", "sha256": good_sha, "path": "/tmp/x"}), "malformed");
+    // The same version again: refused, unless the command says `force` (a boolean).
+    refused("again", json!({"name": "hello-2.0.0.tar.gz", "sha256": good_sha}), "already_installed");
+    refused("force-text", json!({"name": "hello-2.0.0.tar.gz", "sha256": good_sha, "force": "yes"}), "malformed");
+    let (code, r) = a.submit(
+        &a.sign(&install_cmd("force", json!({"name": "hello-2.0.0.tar.gz", "sha256": good_sha, "force": true}))),
+    );
+    assert_eq!((code, r["status"].as_str()), (0, Some("completed")), "{r}");
+    assert_eq!(
+        (r["output"]["version"].as_str(), r["output"]["previous"].as_str()),
+        (Some("2.0.0"), Some("2.0.0")),
+        "{r}"
+    );
     // Without Content-Length only the agent's read bound stops an oversize body.
     p.state.lock().unwrap().packages_without_length = true;
     refused("unbounded", json!({"name": "big.tar.gz", "sha256": sha256_hex(&big)}), "too_large");
     refused("unbounded-declared", json!({"name": "hello-2.0.0.tar.gz", "sha256": good_sha, "size": 100}), "too_large");
     assert!(a.stop().success());
 
-    // Nothing of the refused ones installed or left behind; 2.0.0 still current.
+    // Nothing of the refused ones installed or left behind; 2.0.0 current (installed again
+    // by `force`, beside the first copy).
     let mut entries: Vec<String> = std::fs::read_dir(a.dir.path.join("executors"))
         .unwrap()
         .flatten()
@@ -669,7 +682,7 @@ fn install_executor_downloads_over_mutual_tls_and_checks_before_unpacking() {
         .collect();
     entries.sort();
     assert_eq!(entries, ["hello", "port-scanner", "slow"]);
-    assert_eq!(std::fs::read_link(a.dir.path.join("executors/hello/current")).unwrap(), PathBuf::from("2.0.0"));
+    assert_eq!(std::fs::read_link(a.dir.path.join("executors/hello/current")).unwrap(), PathBuf::from("2.0.0.1"));
     let requests = p.state.lock().unwrap().requests.clone();
     assert!(requests.iter().any(|r| r.starts_with("GET /v1/agents/") && r.ends_with("/packages/hello-2.0.0.tar.gz")));
     assert!(!requests.iter().any(|r| r.contains("commands/packages") || r.contains("..")), "{requests:?}");

@@ -458,7 +458,7 @@ impl Pipeline {
             params.size,
             &self.executors,
             &self.policy,
-            &Default::default(),
+            &crate::executor_install::InstallOptions { force: params.force, ..Default::default() },
             check,
         );
         match installed {
@@ -552,6 +552,8 @@ struct InstallParams {
     sha256: String,
     size: Option<u64>,
     signature: Option<String>,
+    /// Install again a version that is already installed (as `executor install --force`).
+    force: bool,
 }
 
 impl InstallParams {
@@ -559,8 +561,8 @@ impl InstallParams {
         let Value::Object(m) = p else {
             return Err("install_executor: parameters must be an object with name and sha256".into());
         };
-        if let Some(k) = m.keys().find(|k| !matches!(k.as_str(), "name" | "sha256" | "size" | "signature")) {
-            return Err(format!("install_executor: parameters.{k}: unknown (name, sha256, size, signature)"));
+        if let Some(k) = m.keys().find(|k| !matches!(k.as_str(), "name" | "sha256" | "size" | "signature" | "force")) {
+            return Err(format!("install_executor: parameters.{k}: unknown (name, sha256, size, signature, force)"));
         }
         let name = m.get("name").and_then(Value::as_str).unwrap_or("");
         if !crate::platform::valid_package_name(name) {
@@ -585,7 +587,12 @@ impl InstallParams {
             Some(Value::String(s)) => Some(s.clone()),
             Some(_) => return Err("install_executor: parameters.signature: base64 text".into()),
         };
-        Ok(InstallParams { name: name.to_string(), sha256: sha256.to_ascii_lowercase(), size, signature })
+        let force = match m.get("force") {
+            None => false,
+            Some(Value::Bool(b)) => *b,
+            Some(_) => return Err("install_executor: parameters.force: true or false".into()),
+        };
+        Ok(InstallParams { name: name.to_string(), sha256: sha256.to_ascii_lowercase(), size, signature, force })
     }
 }
 

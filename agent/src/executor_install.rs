@@ -61,7 +61,7 @@ pub enum InstallError {
     Invalid(String),
     #[error("{path}: {source}")]
     Io { path: String, source: std::io::Error },
-    #[error("{name} {version} is already installed (use --force to install it again)")]
+    #[error("{name} {version} is already installed (install it with force to replace it: `--force`, or \"force\": true in install_executor)")]
     AlreadyInstalled { name: String, version: String },
     /// No signature where one is required (or a directory, which cannot be signed).
     #[error("{0}")]
