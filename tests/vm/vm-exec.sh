@@ -30,7 +30,8 @@
 #   VM_SYSTEMD=1                  boot with systemd as PID 1 (vng --systemd); CMD runs once the
 #                                 system is up, as root, from virtme-ng's serial-getty hook (see below)
 #   VM_STATE_DIR=DIR              host directory for the VM_SYSTEMD helper files (default: target/vm-exec
-#                                 in the repo); must be visible in the guest, so not below /tmp or /var/tmp
+#                                 in the repo, or a temporary /var/lib/opservant-vm-exec.* directory when the
+#                                 repo is below /tmp or /var/tmp); must be visible in the guest
 set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -70,26 +71,35 @@ fi
 # so a repository below one of them would be hidden in the guest. There it is shared
 # read-only at a neutral guest path instead and overlaid back at its own path (writable in
 # the guest, as --overlay-rwdir would make it) before the command runs.
+# With VM_SYSTEMD=1 the guest's /tmp is a fresh tmpfs as well (see below), so a repository
+# below /tmp is re-shared the same way; there the neutral path is /mnt (an existing directory
+# of the read-only root: a share on a path the guest must create first never came up under
+# systemd as PID 1).
 cwd_opt=(--cwd "$PWD")
-case "$repo/" in
-    /var/tmp/*|/var/log/*|/var/cache/*|/var/lib/apt/*|/var/lib/private/*)
-        lower=/run/opservant-vm-repo
-        if [ "${VM_REPO_RW:-0}" = 1 ]; then
-            repo_opt=(--rwdir "$lower=$repo")
-            remount="mkdir -p $(printf '%q' "$repo") && mount --bind $lower $(printf '%q' "$repo")"
-        else
-            repo_opt=(--rodir "$lower=$repo")
-            remount="mkdir -p /run/opservant-vm-ovl $(printf '%q' "$repo") && mount -t tmpfs opservant-vm-ovl /run/opservant-vm-ovl \
-                && mkdir /run/opservant-vm-ovl/upper /run/opservant-vm-ovl/work \
-                && mount -t overlay opservant-vm-repo -o lowerdir=$lower,upperdir=/run/opservant-vm-ovl/upper,workdir=/run/opservant-vm-ovl/work $(printf '%q' "$repo")"
-        fi
-        guest_cmd="$remount && cd $(printf '%q' "$PWD") && $guest_cmd"
-        cwd_opt=(--cwd /)
-        ;;
-    *)
-        if [ "${VM_REPO_RW:-0}" = 1 ]; then repo_opt=(--rwdir "$repo"); else repo_opt=(--overlay-rwdir "$repo"); fi
-        ;;
-esac
+hidden_in_guest() {
+    case "$1/" in
+        /var/tmp/*|/var/log/*|/var/cache/*|/var/lib/apt/*|/var/lib/private/*) return 0;;
+        /tmp/*) [ "${VM_SYSTEMD:-0}" = 1 ];;
+        *) return 1;;
+    esac
+}
+if hidden_in_guest "$repo"; then
+    lower=/run/opservant-vm-repo
+    [ "${VM_SYSTEMD:-0}" = 1 ] && lower=/mnt
+    if [ "${VM_REPO_RW:-0}" = 1 ]; then
+        repo_opt=(--rwdir "$lower=$repo")
+        remount="mkdir -p $(printf '%q' "$repo") && mount --bind $lower $(printf '%q' "$repo")"
+    else
+        repo_opt=(--rodir "$lower=$repo")
+        remount="mkdir -p /run/opservant-vm-ovl $(printf '%q' "$repo") && mount -t tmpfs opservant-vm-ovl /run/opservant-vm-ovl \
+            && mkdir /run/opservant-vm-ovl/upper /run/opservant-vm-ovl/work \
+            && mount -t overlay opservant-vm-repo -o lowerdir=$lower,upperdir=/run/opservant-vm-ovl/upper,workdir=/run/opservant-vm-ovl/work $(printf '%q' "$repo")"
+    fi
+    guest_cmd="$remount && cd $(printf '%q' "$PWD") && $guest_cmd"
+    cwd_opt=(--cwd /)
+else
+    if [ "${VM_REPO_RW:-0}" = 1 ]; then repo_opt=(--rwdir "$repo"); else repo_opt=(--overlay-rwdir "$repo"); fi
+fi
 append=()
 [ -n "${VM_APPEND:-}" ] && append=(--append "$VM_APPEND")
 
@@ -112,6 +122,18 @@ systemd_opt=()
 if [ "${VM_SYSTEMD:-0}" = 1 ]; then
     [ -x /lib/systemd/systemd ] || die "VM_SYSTEMD=1 needs systemd on the host root (/lib/systemd/systemd)"
     state=${VM_STATE_DIR:-$repo/target/vm-exec}
+    # A repository below /tmp or /var/tmp: its target/ is hidden in the guest, so the helper
+    # files go to a directory of their own below /var/lib (the guest sees the host's /var
+    # through an overlay), removed again when the VM is gone.
+    state_tmp=
+    if [ -z "${VM_STATE_DIR:-}" ]; then
+        case "$state/" in
+            /tmp/*|/var/tmp/*)
+                state=$(mktemp -d /var/lib/opservant-vm-exec.XXXXXX)
+                state_tmp=$state
+                ;;
+        esac
+    fi
     mkdir -p "$state/home/.config/virtme-ng"
     state=$(cd "$state" && pwd)
     case "$state/" in
@@ -148,5 +170,6 @@ while :; do
     kill -0 "$vm_pid" 2>/dev/null || break    # wait was only interrupted by a trapped signal
 done
 wait || true    # let the cat relays flush before returning
+[ -n "${state_tmp:-}" ] && rm -rf "$state_tmp"
 [ "$rc" = 124 ] && echo "vm-exec: timed out after ${VM_TIMEOUT:-600}s" >&2
 exit "$rc"
