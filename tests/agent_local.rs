@@ -453,6 +453,7 @@ fn commands_pulled_from_the_platform_over_mutual_tls() {
     assert_eq!(hb["version"], env!("CARGO_PKG_VERSION"));
     assert!(hb["executors"].as_array().unwrap().iter().any(|e| e == "port-scanner@1.0.0"), "{hb}");
     assert_eq!(hb["install_failures"], json!([]), "{hb}");
+    assert_eq!(hb["sandboxes"], json!({"launch": "zygote", "zygote_running": true, "warm_pool": null}), "{hb}");
     assert!(st.requests.iter().all(|r| r.contains("/v1/agents/")), "{:?}", st.requests);
     drop(st);
     a.audit_verify();

@@ -221,6 +221,21 @@ fn reject(command_id: Option<&str>, reason: Reason, message: &str, security: boo
 }
 
 impl Pipeline {
+    /// How sandboxes start now, for heartbeats: `launch` (`zygote` or `cold`), whether the
+    /// zygote runs (it is restarted on the next run after it dies), and the warm pool's size
+    /// and ready sandboxes.
+    pub fn launch_status(&self) -> Value {
+        let (launch, zygote_running) = match &self.launcher {
+            sandbox::Launcher::Zygote { zygote, .. } => ("zygote", Some(zygote.pid().is_some())),
+            _ => ("cold", None),
+        };
+        json!({
+            "launch": launch,
+            "zygote_running": zygote_running,
+            "warm_pool": self.pool.as_ref().map(|p| json!({"size": p.size(), "ready": p.ready()})),
+        })
+    }
+
     /// The warm pool, warm before the first command: a sandbox for a plain run (no tightened
     /// limits) of each installed executor without network egress, by name, up to the pool's
     /// size, started in the background. An executor that does not load is left out (its

@@ -9,7 +9,9 @@
 //!   "result"}`), rejections included;
 //! - `POST /v1/agents/{id}/heartbeat` every `heartbeat_seconds` with the version, the
 //!   installed executors, the number of running commands, the `executors.install` entries
-//!   that failed at start (`install_failures`: entry, package, error) and `doctor`'s findings;
+//!   that failed at start (`install_failures`: entry, package, error), how sandboxes start
+//!   (`sandboxes`: launch mode, whether the zygote runs, the warm pool's size and ready
+//!   sandboxes) and `doctor`'s findings;
 //! - failures back off exponentially (1 s doubling to 60 s, ±50 % jitter) and are logged;
 //!   a TLS failure (wrong CA, no certificate) never falls back to anything weaker;
 //! - with `network.proxy.https` set, platform traffic goes through that proxy;
@@ -334,6 +336,7 @@ pub fn run(platform: Platform, pipeline: Arc<Pipeline>, stop: Arc<AtomicBool>) -
                     "executors": executors,
                     "running": pipeline.running(),
                     "install_failures": pipeline.install_failures,
+                    "sandboxes": pipeline.launch_status(),
                     "doctor": {"ok": !doctor.failed(), "degraded": doctor.degraded},
                 });
                 if let Err(e) = platform.post("heartbeat", &body) {
