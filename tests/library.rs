@@ -164,3 +164,59 @@ fn a_held_payload_refuses_anything_but_the_go() {
     let err = sb.wait(OutputOptions::default()).unwrap_err();
     assert!(err.to_string().contains("held: expected the go"), "{err}");
 }
+
+#[test]
+fn a_setup_that_overruns_its_limit_fails_and_leaves_nothing() {
+    if !require_root() {
+        return;
+    }
+    let _view = common::host_view();
+    let marker = format!("opservant-setup-{}", std::process::id());
+    let mut s = spec(&["/bin/sh", "-c", "sleep 1000; :", &marker]);
+    s.limits.setup_timeout_ms = Some(500);
+    // The hook stands in for a setup step stuck in the kernel: the payload cannot have
+    // started when the limit expires.
+    let mut hook = |_pid: i32| -> Result<(), String> {
+        std::thread::sleep(Duration::from_millis(700));
+        Ok(())
+    };
+    let sb = Sandbox::spawn(&s, &launcher(), Some(&mut hook)).unwrap();
+    let monitor = sb.monitor_pid();
+    let err = sb.wait(OutputOptions::default()).unwrap_err();
+    assert!(
+        err.to_string().contains("sandbox setup did not finish within 500 ms (waiting for the payload's start report)"),
+        "{err}"
+    );
+    assert!(common::host_processes_with(&marker).is_empty(), "nothing of the sandbox survives");
+    assert!(!std::path::Path::new(&format!("/proc/{monitor}")).exists(), "monitor reaped, no zombie");
+}
+
+#[test]
+fn a_monitor_that_never_unshares_fails_the_spawn_at_the_limit() {
+    if !require_root() {
+        return;
+    }
+    let _view = common::host_view();
+    // A monitor that takes a second to start stands in for one stuck before it reports its
+    // namespaces; the channel (fd 3) and stdio survive the shell's exec.
+    let script = format!("sleep 1; exec {} __sandbox-init", common::opservant());
+    let slow = Launcher::new("/bin/sh", &[OsStr::new("-c"), OsStr::new(&script)]).unwrap();
+    let mut s = spec(&["/bin/true"]);
+    s.limits.setup_timeout_ms = Some(300);
+    match Sandbox::spawn(&s, &slow, None) {
+        Err(e) => assert!(
+            e.to_string().contains("sandbox setup did not finish within 300 ms (waiting for the namespaces)"),
+            "{e}"
+        ),
+        // (Had the spawn waited for the monitor, its setup would have succeeded.)
+        Ok(_) => panic!("a setup past its limit must fail"),
+    }
+}
+
+#[test]
+fn a_zero_setup_limit_is_refused() {
+    let mut s = spec(&["/bin/true"]);
+    s.limits.setup_timeout_ms = Some(0);
+    let err = s.validate().unwrap_err();
+    assert!(err.to_string().contains("limits.setup_timeout_ms"), "{err}");
+}

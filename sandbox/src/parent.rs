@@ -169,6 +169,12 @@ impl StopHandle {
     }
 }
 
+/// The longest sandbox setup may take, from spawn to the payload's `started` report (it takes
+/// milliseconds; seconds on an overloaded or emulated machine). A setup step stuck in the
+/// kernel fails the run, naming what it waited for, instead of hanging its caller.
+/// (The default of [`crate::spec::Limits::setup_timeout_ms`].)
+pub const SETUP_LIMIT: Duration = Duration::from_secs(30);
+
 /// How long after SIGKILL of the sandbox init the monitor may take to exit on its own
 /// before it and everything in the cgroup are killed too.
 const BACKSTOP: Duration = Duration::from_secs(1);
@@ -204,6 +210,8 @@ pub struct Sandbox {
     cgroup: Option<SandboxCgroup>,
     started: Instant,
     timeout: Option<Duration>,
+    /// The setup limit ([`SETUP_LIMIT`] unless the spec sets one).
+    setup_limit: Duration,
     grace: Duration,
     reaped: bool,
     /// The parent's end of the application channel, if the spec asks for one, or of the
@@ -289,6 +297,7 @@ impl Sandbox {
             cgroup: None,
             started,
             timeout: spec.limits.timeout_ms.map(Duration::from_millis),
+            setup_limit: spec.limits.setup_timeout_ms.map_or(SETUP_LIMIT, Duration::from_millis),
             grace: Duration::from_millis(spec.limits.kill_grace_ms),
             reaped: false,
             app,
@@ -345,6 +354,7 @@ impl Sandbox {
         self.chan
             .send(&ToSandbox::Cgroups { join })
             .map_err(|e| SandboxError::Channel(format!("send cgroups: {}", e.desc())))?;
+        self.await_setup("the namespaces")?;
         match self.chan.recv::<FromSandbox>().map_err(SandboxError::Channel)? {
             Some(FromSandbox::Unshared) => {}
             Some(FromSandbox::Failed(e)) => return Err(e.into()),
@@ -356,6 +366,24 @@ impl Sandbox {
             hook(self.monitor.as_raw()).map_err(SandboxError::Hook)?;
         }
         self.chan.send(&ToSandbox::Proceed).map_err(|e| SandboxError::Channel(format!("send proceed: {}", e.desc())))
+    }
+
+    /// Wait until the channel has a message, or fail once the setup limit has passed since
+    /// the spawn (the caller's drop of `self` then kills and reaps everything).
+    fn await_setup(&self, waiting_for: &str) -> Result<(), SandboxError> {
+        loop {
+            let left = self.setup_limit.saturating_sub(self.started.elapsed());
+            if left.is_zero() {
+                return Err(setup_overdue(self.setup_limit, waiting_for).into());
+            }
+            let ms = u16::try_from(left.as_millis()).unwrap_or(u16::MAX).max(1);
+            let mut pfd = [PollFd::new(self.chan.as_fd(), PollFlags::POLLIN)];
+            match poll(&mut pfd, PollTimeout::from(ms)) {
+                Ok(0) | Err(Errno::EINTR) => continue,
+                Ok(_) => return Ok(()),
+                Err(e) => return Err(SandboxError::io("poll", e.into())),
+            }
+        }
     }
 
     /// The parent's end of the application channel (once). Its protocol is the caller's;
@@ -399,6 +427,9 @@ impl Sandbox {
         let mut cpu_at: Option<Instant> = None;
         let mut timed_out = false;
         let mut stopped = false;
+        // Setup is bounded too (a pooled sandbox's report is already waiting when it is
+        // taken, and its clock restarts then).
+        let mut setup_at = Some(self.started + self.setup_limit);
         let mut buf = vec![0u8; 64 * 1024];
 
         // Done when init is gone (or the monitor is) and the output pipes are drained; the
@@ -425,6 +456,17 @@ impl Sandbox {
                     backstop_at = None;
                 }
             }
+            if report.is_some() || failure.is_some() || timed_out || stopped || !chan_open {
+                setup_at = None;
+            }
+            if let Some(s) = setup_at {
+                if now >= s {
+                    setup_at = None;
+                    failure = Some(setup_overdue(self.setup_limit, "the payload's start report"));
+                    self.kill_everything();
+                    backstop_at.get_or_insert(now + BACKSTOP);
+                }
+            }
             if let Some(c) = cpu_at {
                 if now >= c {
                     cpu_at = None;
@@ -438,8 +480,10 @@ impl Sandbox {
                     failure = Some(StepError::new(Stage::Protocol, e));
                 }
             }
-            let wake =
-                [if timed_out { None } else { deadline }, kill_at, backstop_at, cpu_at].into_iter().flatten().min();
+            let wake = [if timed_out { None } else { deadline }, kill_at, backstop_at, cpu_at, setup_at]
+                .into_iter()
+                .flatten()
+                .min();
             let timeout = match wake {
                 None => PollTimeout::NONE,
                 Some(w) => {
@@ -705,6 +749,14 @@ impl Drop for Sandbox {
 /// Spawn + supervise in one call.
 pub fn run(spec: &SandboxSpec, launcher: &Launcher, out: OutputOptions) -> Result<Outcome, SandboxError> {
     Sandbox::spawn(spec, launcher, None)?.wait(out)
+}
+
+/// The error of a setup that exceeded its limit.
+fn setup_overdue(limit: Duration, waiting_for: &str) -> StepError {
+    StepError::new(
+        Stage::Protocol,
+        format!("sandbox setup did not finish within {} ms (waiting for {waiting_for})", limit.as_millis()),
+    )
 }
 
 fn tv_ms(t: libc::timeval) -> u64 {

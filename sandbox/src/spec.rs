@@ -309,6 +309,10 @@ pub struct Limits {
     pub pids: Option<u32>,
     /// Wall-clock limit, from spawn.
     pub timeout_ms: Option<u64>,
+    /// The longest setup may take, from spawn to the payload's start report; `None`:
+    /// [`crate::parent::SETUP_LIMIT`]. Past it the run fails and everything is killed.
+    #[serde(default)]
+    pub setup_timeout_ms: Option<u64>,
     /// Time between SIGTERM and SIGKILL when the timeout fires.
     pub kill_grace_ms: u64,
     /// `RLIMIT_NOFILE` for the payload.
@@ -326,6 +330,7 @@ impl Default for Limits {
             cpu_deferred: false,
             pids: None,
             timeout_ms: None,
+            setup_timeout_ms: None,
             kill_grace_ms: 2000,
             nofile: 1024,
             allow_degraded: false,
@@ -454,6 +459,9 @@ impl SandboxSpec {
         }
         if l.pids == Some(0) {
             return Err(SpecError::new("limits.pids", "must be positive"));
+        }
+        if l.setup_timeout_ms == Some(0) {
+            return Err(SpecError::new("limits.setup_timeout_ms", "must be positive"));
         }
         if l.timeout_ms == Some(0) {
             return Err(SpecError::new("limits.timeout_ms", "must be positive"));
