@@ -87,7 +87,16 @@ pub const ROWS: &[(&str, Family, &str)] = &[
     ),
     ("run-cold-egress", Family::Python, "opservant run NOOP-EGRESS (subprocess, cold, outbound allowed)"),
     ("run-zygote-egress", Family::Python, "no-op executor with egress through the held zygote (library)"),
+    (
+        "run-pool-egress",
+        Family::Python,
+        "no-op executor with egress from the warm pool: never measured, such runs never use the pool",
+    ),
 ];
+
+/// Why `run-pool-egress` is always reported skipped ([`crate::warm_pool`]'s guarantees).
+pub const POOL_EGRESS_SKIP: &str =
+    "not applicable: runs with network egress never use the warm pool (their network is wired per run)";
 
 /// Reference rows.
 const BWRAP_TRUE: &str = "bwrap-true";
@@ -561,6 +570,10 @@ pub fn run(opts: &Options, progress: &mut dyn FnMut(&str)) -> Result<Value, Benc
             "run-zygote" => Kind::RunZygote { dir: dir.join("noop") },
             "run-pool" => Kind::RunPool { dir: dir.join("noop") },
             "run-zygote-egress" => Kind::RunZygote { dir: dir.join("noop-egress") },
+            "run-pool-egress" => {
+                skip(POOL_EGRESS_SKIP.into());
+                continue;
+            }
             _ => continue,
         };
         rows.push(Row { name, family, description, kind, samples: Vec::new() });
