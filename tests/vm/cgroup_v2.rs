@@ -10,13 +10,17 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitCode, Stdio};
+use std::process::{Command, ExitCode};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
+#[path = "guest.rs"]
+mod guest;
 #[path = "host.rs"]
 mod host;
+
+use guest::{output_within, spawn};
 
 const OPSERVANT: &str = env!("CARGO_BIN_EXE_opservant");
 const PYTHON: &str = "/usr/bin/python3";
@@ -44,19 +48,12 @@ fn on_host() -> ExitCode {
     if let Some(exit) = host::unless_ready("vm_cgroup_v2", "cgroup-v2 VM suite", &host::missing_prerequisites(false)) {
         return exit;
     }
-    let mut guest_env = Vec::new();
-    if verbose() {
-        guest_env.push("VM_SUITE_VERBOSE=1".to_string());
-    }
-    if let Ok(secs) = std::env::var("VM_COMMAND_DEADLINE") {
-        guest_env.push(format!("VM_COMMAND_DEADLINE={secs}"));
-    }
-    let guest_env: Vec<&str> = guest_env.iter().map(String::as_str).collect();
+    let guest_env: &[&str] = if verbose() { &["VM_SUITE_VERBOSE=1"] } else { &[] };
     host::boot_and_run(
         "vm_cgroup_v2",
         "booting the cgroup-v2 VM (QEMU/TCG, ~15-35 s) and running the suite inside",
         &[],
-        &guest_env,
+        guest_env,
     )
 }
 
@@ -210,123 +207,6 @@ fn sandbox(manifest: Option<&Path>, prog: &[&str]) -> Result<Run, String> {
     let what = format!("opservant sandbox -- {}", prog.join(" "));
     let out = output_within(spawn(cmd, OPSERVANT)?, &what)?;
     parse_run(out, &what)
-}
-
-/// How long one command of a check may take (TCG is slow, but no check needs a minute): a
-/// hang becomes a failure that shows where every process waits, not a silent VM timeout.
-/// `VM_COMMAND_DEADLINE=SECS` (passed on to the guest) changes it.
-fn command_deadline() -> Duration {
-    let secs = std::env::var("VM_COMMAND_DEADLINE").ok().and_then(|s| s.parse().ok()).unwrap_or(150);
-    Duration::from_secs(secs)
-}
-
-/// Start `cmd` with stdin from /dev/null and stdout/stderr captured.
-fn spawn(mut cmd: Command, name: &str) -> Result<std::process::Child, String> {
-    cmd.stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|e| format!("cannot run {name}: {e}"))
-}
-
-/// Wait for `child` and collect its output, or, past [`command_deadline`], report where every
-/// process of the guest waits (state, wchan, syscall, kernel stack), kill the child and its
-/// descendants, and fail.
-fn output_within(mut child: std::process::Child, what: &str) -> Result<std::process::Output, String> {
-    use std::io::Read;
-    fn drain(pipe: Option<impl Read + Send + 'static>) -> std::thread::JoinHandle<Vec<u8>> {
-        std::thread::spawn(move || {
-            let mut buf = Vec::new();
-            if let Some(mut p) = pipe {
-                let _ = p.read_to_end(&mut buf);
-            }
-            buf
-        })
-    }
-    let out = drain(child.stdout.take());
-    let err = drain(child.stderr.take());
-    let limit = command_deadline();
-    let deadline = Instant::now() + limit;
-    let status = loop {
-        match child.try_wait() {
-            Ok(Some(status)) => break status,
-            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
-            Ok(None) => {
-                let diagnosis = where_processes_wait();
-                for pid in descendants(child.id()) {
-                    // SAFETY: kill(2) with a pid read from /proc; a pid reused meanwhile by
-                    // another guest process would be killed too, which the throw-away VM allows.
-                    unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
-                }
-                let _ = child.kill();
-                let _ = child.wait();
-                let stderr = String::from_utf8_lossy(&err.join().unwrap_or_default()).into_owned();
-                return Err(format!(
-                    "{what}: still running after {}s; killed\nstderr: {stderr}\n{diagnosis}",
-                    limit.as_secs()
-                ));
-            }
-            Err(e) => return Err(format!("{what}: wait: {e}")),
-        }
-    };
-    Ok(std::process::Output {
-        status,
-        stdout: out.join().map_err(|_| format!("{what}: stdout reader panicked"))?,
-        stderr: err.join().map_err(|_| format!("{what}: stderr reader panicked"))?,
-    })
-}
-
-/// `(pid, ppid)` of every process.
-fn process_table() -> Vec<(u32, u32)> {
-    let mut table = Vec::new();
-    let Ok(entries) = std::fs::read_dir("/proc") else { return table };
-    for e in entries.flatten() {
-        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else { continue };
-        let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else { continue };
-        // The fields after the last ')' (the command name may hold anything): state, ppid, ...
-        let ppid = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse().ok());
-        if let Some(ppid) = ppid {
-            table.push((pid, ppid));
-        }
-    }
-    table
-}
-
-/// Every descendant of `root`, deepest last.
-fn descendants(root: u32) -> Vec<u32> {
-    let table = process_table();
-    let mut found = vec![root];
-    let mut i = 0;
-    while i < found.len() {
-        let parent = found[i];
-        found.extend(table.iter().filter(|(_, pp)| *pp == parent).map(|(p, _)| *p));
-        i += 1;
-    }
-    found.remove(0);
-    found
-}
-
-/// For every user-space process: pid, ppid, state, wchan, current syscall and kernel stack.
-fn where_processes_wait() -> String {
-    let mut text = String::from("processes of the guest (pid ppid state wchan | cmdline | syscall | stack):\n");
-    for (pid, ppid) in process_table() {
-        let dir = PathBuf::from(format!("/proc/{pid}"));
-        let cmdline = std::fs::read(dir.join("cmdline")).unwrap_or_default();
-        if cmdline.is_empty() {
-            continue; // a kernel thread
-        }
-        let read = |f: &str| std::fs::read_to_string(dir.join(f)).unwrap_or_default().trim().to_string();
-        let state = read("stat").rsplit_once(')').and_then(|(_, r)| r.split_whitespace().next().map(String::from));
-        text.push_str(&format!(
-            "{pid} {ppid} {} {} | {} | {}\n{}\n",
-            state.unwrap_or_default(),
-            read("wchan"),
-            String::from_utf8_lossy(&cmdline).replace('\0', " ").trim_end(),
-            read("syscall"),
-            read("stack")
-        ));
-    }
-    text
 }
 
 /// Write a manifest with these resource limits; returns its path.

@@ -105,10 +105,13 @@ pub fn boot_and_run(test: &str, announce: &str, env: &[(&str, String)], guest_en
     println!("{test}: {announce}");
     let _ = std::io::stdout().flush();
     let start = Instant::now();
+    // The guest's per-command deadline (tests/vm/guest.rs), when set here.
+    let deadline = std::env::var("VM_COMMAND_DEADLINE").ok().map(|s| format!("VM_COMMAND_DEADLINE={s}"));
     let status = Command::new(&script)
         .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
         .args(["env", "OPSERVANT_IN_VM=1"])
         .args(guest_env)
+        .args(deadline)
         .arg(&me)
         .stdin(Stdio::null())
         .status();

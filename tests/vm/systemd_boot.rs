@@ -20,6 +20,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
+#[path = "guest.rs"]
+mod guest;
 #[path = "host.rs"]
 mod host;
 
@@ -149,13 +151,15 @@ fn in_vm() -> ExitCode {
 
 /// `sh -c CMD`: (exit code, stdout, stderr).
 fn sh(cmd: &str) -> (i32, String, String) {
-    match Command::new("sh").args(["-c", cmd]).stdin(Stdio::null()).output() {
+    let mut command = Command::new("sh");
+    command.args(["-c", cmd]);
+    match guest::spawn(command, "sh").and_then(|child| guest::output_within(child, &format!("`{cmd}`"))) {
         Ok(o) => (
             o.status.code().unwrap_or(-1),
             String::from_utf8_lossy(&o.stdout).into_owned(),
             String::from_utf8_lossy(&o.stderr).into_owned(),
         ),
-        Err(e) => (-1, String::new(), format!("cannot run sh: {e}")),
+        Err(e) => (-1, String::new(), e),
     }
 }
 
@@ -189,7 +193,7 @@ fn pipe(argv: &[&str], input: &[u8]) -> Result<(i32, String, String), String> {
         .spawn()
         .map_err(|e| format!("cannot run {}: {e}", argv[0]))?;
     child.stdin.take().expect("piped").write_all(input).map_err(|e| format!("write to {}: {e}", argv[0]))?;
-    let o = child.wait_with_output().map_err(|e| format!("wait for {}: {e}", argv[0]))?;
+    let o = guest::output_within(child, &argv.join(" "))?;
     Ok((
         o.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&o.stdout).into_owned(),
