@@ -8,7 +8,6 @@
 //! Without the prerequisites (virtme-ng, QEMU, a 6.1 kernel image) the suite prints
 //! `SKIPPED: ...` and succeeds — unless `CI=true`, where a missing prerequisite is a failure.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 use std::time::{Duration, Instant};
@@ -16,6 +15,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 #[path = "guest.rs"]
+#[macro_use]
 mod guest;
 #[path = "host.rs"]
 mod host;
@@ -61,23 +61,13 @@ fn on_host() -> ExitCode {
 // Guest side: a minimal test runner.
 // ------------------------------------------------------------------------------------------
 
-type Check = fn(&Ctx) -> Result<(), String>;
-
 /// Shared state of the checks: a fresh scratch directory for manifests.
 struct Ctx {
     dir: PathBuf,
 }
 
-macro_rules! ensure {
-    ($cond:expr, $($fmt:tt)+) => {
-        if !$cond {
-            return Err(format!($($fmt)+));
-        }
-    };
-}
-
 fn in_vm() -> ExitCode {
-    let checks: [(&str, Check); 8] = [
+    let checks: [(&str, guest::Check<Ctx>); 8] = [
         ("cgroup_v2_reported", cgroup_v2_reported),
         ("memory_oom", memory_oom),
         ("cpu_throttled", cpu_throttled),
@@ -95,44 +85,9 @@ fn in_vm() -> ExitCode {
     let ctx = Ctx { dir };
     let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
     println!("\nrunning {} cgroup-v2 checks in the VM (kernel {})", checks.len(), kernel.trim());
-    let start = Instant::now();
-    let mut failed = Vec::new();
-    for (name, check) in checks {
-        print!("test {name} ... ");
-        let _ = std::io::stdout().flush();
-        let t = Instant::now();
-        let result = match std::panic::catch_unwind(|| check(&ctx)) {
-            Ok(r) => r,
-            Err(p) => Err(format!(
-                "panicked: {}",
-                p.downcast_ref::<String>().map(String::as_str).or(p.downcast_ref::<&str>().copied()).unwrap_or("?")
-            )),
-        };
-        let secs = t.elapsed().as_secs_f64();
-        match result {
-            Ok(()) => println!("ok ({secs:.1}s)"),
-            Err(msg) => {
-                println!("FAILED ({secs:.1}s)");
-                failed.push((name, msg));
-            }
-        }
-    }
+    let exit = guest::run_checks(&checks, &ctx, false, String::new);
     let _ = std::fs::remove_dir_all(&ctx.dir);
-    for (name, msg) in &failed {
-        println!("\n---- {name} ----\n{msg}");
-    }
-    println!(
-        "\ntest result: {}. {} passed; {} failed; finished in {:.1}s",
-        if failed.is_empty() { "ok" } else { "FAILED" },
-        checks.len() - failed.len(),
-        failed.len(),
-        start.elapsed().as_secs_f64()
-    );
-    if failed.is_empty() {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    }
+    exit
 }
 
 // ------------------------------------------------------------------------------------------

@@ -6,6 +6,15 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// `ensure!(condition, "message {}", args)`: fail the check with the message unless it holds.
+macro_rules! ensure {
+    ($cond:expr, $($fmt:tt)+) => {
+        if !$cond {
+            return Err(format!($($fmt)+));
+        }
+    };
+}
+
 /// How long one command of a check may take (TCG is slow, but no check needs a minute): a
 /// hang becomes a failure that shows where every process waits, not a silent VM timeout.
 /// `VM_COMMAND_DEADLINE=SECS` (passed on to the guest) changes it.
@@ -121,4 +130,65 @@ pub fn where_processes_wait() -> String {
         ));
     }
     text
+}
+
+/// A check of a suite: it passes, or says why not.
+pub type Check<C> = fn(&C) -> Result<(), String>;
+
+/// Run the checks in order (`test NAME ... ok|FAILED (secs)`), a panic counting as a failure;
+/// with `stop_at_first_failure` the rest are not run (each builds on the last). Then print
+/// each failure, whatever `on_failure` adds (logs of the unit under test), and a summary.
+pub fn run_checks<C: std::panic::RefUnwindSafe>(
+    checks: &[(&str, Check<C>)],
+    ctx: &C,
+    stop_at_first_failure: bool,
+    on_failure: impl Fn() -> String,
+) -> std::process::ExitCode {
+    use std::io::Write;
+    let start = Instant::now();
+    let mut failed: Vec<(&str, String)> = Vec::new();
+    let mut passed = 0;
+    for (name, check) in checks {
+        if stop_at_first_failure && !failed.is_empty() {
+            break;
+        }
+        print!("test {name} ... ");
+        let _ = std::io::stdout().flush();
+        let t = Instant::now();
+        let result = std::panic::catch_unwind(|| check(ctx)).unwrap_or_else(|p| {
+            Err(format!(
+                "panicked: {}",
+                p.downcast_ref::<String>().map(String::as_str).or(p.downcast_ref::<&str>().copied()).unwrap_or("?")
+            ))
+        });
+        let secs = t.elapsed().as_secs_f64();
+        match result {
+            Ok(()) => {
+                println!("ok ({secs:.1}s)");
+                passed += 1;
+            }
+            Err(msg) => {
+                println!("FAILED ({secs:.1}s)");
+                failed.push((name, msg));
+            }
+        }
+    }
+    for (name, msg) in &failed {
+        println!("\n---- {name} ----\n{msg}");
+    }
+    if !failed.is_empty() {
+        println!("{}", on_failure());
+    }
+    println!(
+        "\ntest result: {}. {passed} passed; {} failed; {} not run; finished in {:.1}s",
+        if failed.is_empty() { "ok" } else { "FAILED" },
+        failed.len(),
+        checks.len() - passed - failed.len(),
+        start.elapsed().as_secs_f64()
+    );
+    if failed.is_empty() {
+        std::process::ExitCode::SUCCESS
+    } else {
+        std::process::ExitCode::FAILURE
+    }
 }

@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 #[path = "guest.rs"]
+#[macro_use]
 mod guest;
 #[path = "host.rs"]
 mod host;
@@ -62,23 +63,13 @@ fn on_host() -> ExitCode {
 // Guest side: the checks run in order and stop at the first failure (each builds on the last).
 // ------------------------------------------------------------------------------------------
 
-type Check = fn(&Ctx) -> Result<(), String>;
-
 struct Ctx {
     /// Scratch directory for the test executors.
     dir: PathBuf,
 }
 
-macro_rules! ensure {
-    ($cond:expr, $($fmt:tt)+) => {
-        if !$cond {
-            return Err(format!($($fmt)+));
-        }
-    };
-}
-
 fn in_vm() -> ExitCode {
-    let checks: [(&str, Check); 9] = [
+    let checks: [(&str, guest::Check<Ctx>); 9] = [
         ("pid1_is_systemd", pid1_is_systemd),
         ("install", install),
         ("start_reaches_ready", start_reaches_ready),
@@ -96,53 +87,12 @@ fn in_vm() -> ExitCode {
     }
     let ctx = Ctx { dir };
     println!("\nrunning {} checks of systemd/opservant.service in the VM", checks.len());
-    let start = Instant::now();
-    let mut failure = None;
-    let mut passed = 0;
-    for (name, check) in checks {
-        print!("test {name} ... ");
-        let _ = std::io::stdout().flush();
-        let t = Instant::now();
-        let result = match std::panic::catch_unwind(|| check(&ctx)) {
-            Ok(r) => r,
-            Err(p) => Err(format!(
-                "panicked: {}",
-                p.downcast_ref::<String>().map(String::as_str).or(p.downcast_ref::<&str>().copied()).unwrap_or("?")
-            )),
-        };
-        let secs = t.elapsed().as_secs_f64();
-        match result {
-            Ok(()) => {
-                println!("ok ({secs:.1}s)");
-                passed += 1;
-            }
-            Err(msg) => {
-                println!("FAILED ({secs:.1}s)");
-                failure = Some((name, msg));
-                break;
-            }
-        }
-    }
-    if let Some((name, msg)) = &failure {
-        println!("\n---- {name} ----\n{msg}");
-        println!(
+    guest::run_checks(&checks, &ctx, true, || {
+        format!(
             "\n---- journalctl -u opservant ----\n{}",
             sh("journalctl -u opservant --no-pager -o cat | tail -n 40").1
-        );
-    }
-    println!(
-        "\ntest result: {}. {} passed; {} failed; {} not run; finished in {:.1}s",
-        if failure.is_none() { "ok" } else { "FAILED" },
-        passed,
-        failure.is_some() as usize,
-        checks.len() - passed - failure.is_some() as usize,
-        start.elapsed().as_secs_f64()
-    );
-    if failure.is_none() {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    }
+        )
+    })
 }
 
 // ------------------------------------------------------------------------------------------
