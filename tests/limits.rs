@@ -57,9 +57,11 @@ fn shell_fork_bomb_is_contained_and_cleaned_up() {
         return;
     }
     let (_d, m) = limits_manifest(r#"{"max_pids": 16, "timeout_seconds": 2}"#);
-    // The shell then spins in a builtin loop: with `sleep 100` it would itself need a fork,
-    // which the bomb may already have used up ("Cannot fork", exit 2 before the timeout).
-    let r = sh(Some(&m), "bomb() { bomb | bomb & }; bomb; while :; do :; done");
+    // The shell forks once, before the bomb exists — `bomb` called directly would fork each
+    // side of the pipeline from the shell itself, and the left side may have used up the
+    // pids limit before the right one is forked ("Cannot fork", exit 2 before the timeout) —
+    // and then spins in a builtin loop (`sleep 100` would need a fork as well).
+    let r = sh(Some(&m), "bomb() { bomb | bomb & }; (bomb) & while :; do :; done");
     assert_eq!(r.status(), "timeout", "{}", r.json);
     assert_eq!(r.killed_by(), Some("timeout"));
     assert!(r.usage("pids_limit_hits") > 0, "{}", r.json);
