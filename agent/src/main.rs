@@ -176,7 +176,8 @@ enum Command {
         /// Only these rows (comma-separated; see the table for names).
         #[arg(long, value_delimiter = ',', value_name = "ROW,...")]
         only: Option<Vec<String>>,
-        /// Threads of the throughput test (default: the number of CPUs).
+        /// Threads of the throughput test (default: the agent's default `agent.max_concurrent`,
+        /// the commands it runs at once).
         #[arg(long)]
         threads: Option<usize>,
         /// Seconds the throughput test runs.
@@ -715,7 +716,7 @@ fn bench(
         rounds,
         warmup,
         only,
-        threads: threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())),
+        threads: threads.unwrap_or(agent::daemon::DEFAULT_MAX_CONCURRENT),
         duration: std::time::Duration::from_secs_f64(duration),
         timings_only,
     };
