@@ -242,7 +242,7 @@ impl Pipeline {
     /// commands report why).
     pub fn prewarm_pool(&self) {
         let Some(pool) = &self.pool else { return };
-        let installed = match crate::executor_install::list(&self.executors) {
+        let installed = match crate::executor_install::loaded(&self.executors) {
             Ok(l) => l,
             Err(e) => {
                 tracing::warn!(error = %e, "warm pool: cannot list the installed executors");
@@ -250,8 +250,8 @@ impl Pipeline {
             }
         };
         let executors = installed
-            .iter()
-            .filter_map(|entry| Executor::load(&entry.path).ok())
+            .into_iter()
+            .map(|(_, executor)| executor)
             .filter(|ex| !ex.manifest.permissions.network.outbound)
             .take(pool.size());
         for executor in executors {

@@ -912,6 +912,21 @@ fn install_requirements(pkg: &Path, packages: &[String], opts: &InstallOptions) 
 
 /// The installed executors, by name.
 pub fn list(root: &Path) -> Result<Vec<ListEntry>, InstallError> {
+    Ok(loaded(root)?
+        .into_iter()
+        .map(|(path, ex)| ListEntry {
+            name: ex.manifest.name.clone(),
+            version: ex.manifest.version.clone(),
+            path,
+            supported_actions: ex.manifest.supported_actions.clone(),
+            description: ex.manifest.description.clone(),
+        })
+        .collect())
+}
+
+/// Every installed executor that loads, with its resolved directory, by name; one that does
+/// not load is logged and left out.
+pub fn loaded(root: &Path) -> Result<Vec<(PathBuf, Executor)>, InstallError> {
     let mut out = Vec::new();
     let entries = match std::fs::read_dir(root) {
         Ok(e) => e,
@@ -925,17 +940,11 @@ pub fn list(root: &Path) -> Result<Vec<ListEntry>, InstallError> {
         }
         let Some(dir) = resolve(root, &name) else { continue };
         match Executor::load(&dir) {
-            Ok(ex) => out.push(ListEntry {
-                name: ex.manifest.name.clone(),
-                version: ex.manifest.version.clone(),
-                path: dir,
-                supported_actions: ex.manifest.supported_actions.clone(),
-                description: ex.manifest.description.clone(),
-            }),
+            Ok(ex) => out.push((dir, ex)),
             Err(err) => tracing::warn!(executor = name, error = %err.0, "installed executor does not load"),
         }
     }
-    out.sort_by(|a, b| a.name.cmp(&b.name));
+    out.sort_by(|a, b| a.1.manifest.name.cmp(&b.1.manifest.name));
     Ok(out)
 }
 
