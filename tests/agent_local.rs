@@ -204,7 +204,7 @@ fn the_warm_pool_serves_repeat_runs_and_leaves_nothing_behind() {
     // their payloads forked from the zygote's sandbox processes (zygote → monitor → init →
     // payload).
     let deadline = Instant::now() + Duration::from_secs(20);
-    let payloads = || daemon::zygote_pid(agent).map_or(0, |z| daemon::descendants_at_depth(z, 3).len());
+    let payloads = || daemon::zygote_pid(agent).map_or(0, |z| common::procs::at_depth(z, 3).len());
     while payloads() < 2 {
         assert!(Instant::now() < deadline, "the warm pool was not pre-warmed: {} payloads", payloads());
         std::thread::sleep(Duration::from_millis(20));

@@ -84,28 +84,6 @@ impl Client {
     }
 }
 
-/// Every process below `root` (not `root` itself).
-fn descendants(root: i32) -> Vec<i32> {
-    let mut parent_of = Vec::new();
-    for e in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else { continue };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
-        // Fields after the command name, which may contain spaces and parentheses.
-        let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r.to_string()) else { continue };
-        let ppid: i32 = rest.split_whitespace().nth(1).and_then(|p| p.parse().ok()).unwrap_or(0);
-        parent_of.push((pid, ppid));
-    }
-    let mut found = vec![root];
-    let mut i = 0;
-    while i < found.len() {
-        let p = found[i];
-        found.extend(parent_of.iter().filter(|(_, pp)| *pp == p).map(|(c, _)| *c));
-        i += 1;
-    }
-    found.remove(0);
-    found
-}
-
 fn entries(dir: &str, prefix: &str) -> BTreeSet<String> {
     std::fs::read_dir(dir)
         .into_iter()
@@ -160,7 +138,7 @@ struct Footprint {
 }
 
 fn footprint(agent: i32, zygote: i32) -> Footprint {
-    let stray_processes = descendants(agent)
+    let stray_processes = common::procs::descendants(agent)
         .into_iter()
         .filter(|p| *p != zygote)
         .map(|p| std::fs::read_to_string(format!("/proc/{p}/stat")).unwrap_or_default())

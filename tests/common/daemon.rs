@@ -181,28 +181,6 @@ impl Drop for Agent {
     }
 }
 
-/// The processes `depth` generations below `pid` (by PPid).
-#[allow(dead_code)] // not every test binary that includes this module uses it
-pub fn descendants_at_depth(pid: i32, depth: usize) -> Vec<i32> {
-    let parents: Vec<(i32, i32)> = std::fs::read_dir("/proc")
-        .map(|d| {
-            d.flatten()
-                .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-                .filter_map(|p| {
-                    let status = std::fs::read_to_string(format!("/proc/{p}/status")).ok()?;
-                    let ppid = status.lines().find_map(|l| l.strip_prefix("PPid:"))?.trim().parse().ok()?;
-                    Some((p, ppid))
-                })
-                .collect()
-        })
-        .unwrap_or_default();
-    let mut level = vec![pid];
-    for _ in 0..depth {
-        level = parents.iter().filter(|(_, pp)| level.contains(pp)).map(|(p, _)| *p).collect();
-    }
-    level
-}
-
 /// The agent's zygote: its child running `opservant-runtime --zygote`.
 pub fn zygote_pid(agent: u32) -> Option<i32> {
     // By PPid (the parent's thread-group id), not /proc/AGENT/task/*/children: a child

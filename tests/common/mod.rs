@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod netlab;
+pub mod procs;
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};

@@ -6,6 +6,9 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+#[path = "../common/procs.rs"]
+mod procs;
+
 /// `ensure!(condition, "message {}", args)`: fail the check with the message unless it holds.
 macro_rules! ensure {
     ($cond:expr, $($fmt:tt)+) => {
@@ -56,10 +59,10 @@ pub fn output_within(mut child: std::process::Child, what: &str) -> Result<std::
             Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
             Ok(None) => {
                 let diagnosis = where_processes_wait();
-                for pid in descendants(child.id()) {
+                for pid in procs::descendants(child.id() as i32) {
                     // SAFETY: kill(2) with a pid read from /proc; a pid reused meanwhile by
                     // another guest process would be killed too, which the throw-away VM allows.
-                    unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+                    unsafe { libc::kill(pid, libc::SIGKILL) };
                 }
                 let _ = child.kill();
                 let _ = child.wait();
@@ -79,40 +82,10 @@ pub fn output_within(mut child: std::process::Child, what: &str) -> Result<std::
     })
 }
 
-/// `(pid, ppid)` of every process.
-pub fn process_table() -> Vec<(u32, u32)> {
-    let mut table = Vec::new();
-    let Ok(entries) = std::fs::read_dir("/proc") else { return table };
-    for e in entries.flatten() {
-        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else { continue };
-        let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else { continue };
-        // The fields after the last ')' (the command name may hold anything): state, ppid, ...
-        let ppid = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse().ok());
-        if let Some(ppid) = ppid {
-            table.push((pid, ppid));
-        }
-    }
-    table
-}
-
-/// Every descendant of `root`, deepest last.
-pub fn descendants(root: u32) -> Vec<u32> {
-    let table = process_table();
-    let mut found = vec![root];
-    let mut i = 0;
-    while i < found.len() {
-        let parent = found[i];
-        found.extend(table.iter().filter(|(_, pp)| *pp == parent).map(|(p, _)| *p));
-        i += 1;
-    }
-    found.remove(0);
-    found
-}
-
 /// For every user-space process: pid, ppid, state, wchan, current syscall and kernel stack.
 pub fn where_processes_wait() -> String {
     let mut text = String::from("processes of the guest (pid ppid state wchan | cmdline | syscall | stack):\n");
-    for (pid, ppid) in process_table() {
+    for (pid, ppid) in procs::table() {
         let dir = PathBuf::from(format!("/proc/{pid}"));
         let cmdline = std::fs::read(dir.join("cmdline")).unwrap_or_default();
         if cmdline.is_empty() {

@@ -1,0 +1,43 @@
+//! The host's process table, read from `/proc`, for tests that look for what a run left
+//! behind. A process that exits while the table is read is simply missing from it.
+#![allow(dead_code)] // not every test binary that includes this module uses all of it
+
+/// `(pid, ppid)` of every process.
+pub fn table() -> Vec<(i32, i32)> {
+    let mut table = Vec::new();
+    let Ok(entries) = std::fs::read_dir("/proc") else { return table };
+    for e in entries.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else { continue };
+        let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else { continue };
+        // The fields after the last ')' (the command name may hold anything): state, ppid, ...
+        let ppid = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse().ok());
+        if let Some(ppid) = ppid {
+            table.push((pid, ppid));
+        }
+    }
+    table
+}
+
+/// Every process below `root` (not `root` itself), parents before their children.
+pub fn descendants(root: i32) -> Vec<i32> {
+    let table = table();
+    let mut found = vec![root];
+    let mut i = 0;
+    while i < found.len() {
+        let parent = found[i];
+        found.extend(table.iter().filter(|(_, pp)| *pp == parent).map(|(p, _)| *p));
+        i += 1;
+    }
+    found.remove(0);
+    found
+}
+
+/// The processes exactly `depth` generations below `pid`.
+pub fn at_depth(pid: i32, depth: usize) -> Vec<i32> {
+    let table = table();
+    let mut level = vec![pid];
+    for _ in 0..depth {
+        level = table.iter().filter(|(_, pp)| level.contains(pp)).map(|(p, _)| *p).collect();
+    }
+    level
+}
