@@ -35,9 +35,10 @@ pub fn spawn(mut cmd: Command, name: &str) -> Result<std::process::Child, String
         .map_err(|e| format!("cannot run {name}: {e}"))
 }
 
-/// Wait for `child` and collect its output, or, past [`command_deadline`], report where every
-/// process of the guest waits (state, wchan, syscall, kernel stack), kill the child and its
-/// descendants, and fail.
+/// Wait for `child` to exit and its output pipes to close, or, past [`command_deadline`],
+/// report where every process of the guest waits (state, wchan, syscall, kernel stack), kill
+/// the child and its descendants, and fail. (A process left holding a pipe after the child
+/// exited counts as a hang too: `Command::output` would wait for it forever.)
 pub fn output_within(mut child: std::process::Child, what: &str) -> Result<std::process::Output, String> {
     use std::io::Read;
     fn drain(pipe: Option<impl Read + Send + 'static>) -> std::thread::JoinHandle<Vec<u8>> {
@@ -53,28 +54,37 @@ pub fn output_within(mut child: std::process::Child, what: &str) -> Result<std::
     let err = drain(child.stderr.take());
     let limit = command_deadline();
     let deadline = Instant::now() + limit;
-    let status = loop {
-        match child.try_wait() {
-            Ok(Some(status)) => break status,
-            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
-            Ok(None) => {
-                let diagnosis = where_processes_wait();
-                for pid in procs::descendants(child.id() as i32) {
-                    // SAFETY: kill(2) with a pid read from /proc; a pid reused meanwhile by
-                    // another guest process would be killed too, which the throw-away VM allows.
-                    unsafe { libc::kill(pid, libc::SIGKILL) };
-                }
-                let _ = child.kill();
-                let _ = child.wait();
-                let stderr = String::from_utf8_lossy(&err.join().unwrap_or_default()).into_owned();
-                return Err(format!(
-                    "{what}: still running after {}s; killed\nstderr: {stderr}\n{diagnosis}",
-                    limit.as_secs()
-                ));
-            }
-            Err(e) => return Err(format!("{what}: wait: {e}")),
+    let mut status = None;
+    loop {
+        if status.is_none() {
+            status = child.try_wait().map_err(|e| format!("{what}: wait: {e}"))?;
         }
-    };
+        if status.is_some() && out.is_finished() && err.is_finished() {
+            break;
+        }
+        if Instant::now() >= deadline {
+            let diagnosis = where_processes_wait();
+            let state = match status {
+                None => "still running".to_string(),
+                Some(s) => format!("exited ({s}), but its output pipes are still held open"),
+            };
+            for pid in procs::descendants(child.id() as i32) {
+                // SAFETY: kill(2) with a pid read from /proc; a pid reused meanwhile by
+                // another guest process would be killed too, which the throw-away VM allows.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+            // The readers are left behind if something still holds a pipe.
+            let stderr = match err.is_finished() {
+                true => String::from_utf8_lossy(&err.join().unwrap_or_default()).into_owned(),
+                false => "(not closed)".into(),
+            };
+            return Err(format!("{what}: {state} after {}s; killed\nstderr: {stderr}\n{diagnosis}", limit.as_secs()));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let status = status.ok_or_else(|| format!("{what}: no exit status"))?;
     Ok(std::process::Output {
         status,
         stdout: out.join().map_err(|_| format!("{what}: stdout reader panicked"))?,
