@@ -220,3 +220,19 @@ fn a_zero_setup_limit_is_refused() {
     let err = s.validate().unwrap_err();
     assert!(err.to_string().contains("limits.setup_timeout_ms"), "{err}");
 }
+
+#[test]
+fn a_start_report_waiting_for_a_late_caller_is_not_overdue() {
+    if !require_root() {
+        return;
+    }
+    let _view = common::host_view();
+    let mut s = spec(&["/bin/true"]);
+    s.limits.setup_timeout_ms = Some(2000);
+    let sb = Sandbox::spawn(&s, &launcher(), None).unwrap();
+    // The payload starts (and reports) within milliseconds; the caller comes to `wait` only
+    // after the setup limit: the report already waiting counts.
+    std::thread::sleep(Duration::from_millis(2500));
+    let o = sb.wait(OutputOptions::default()).unwrap();
+    assert!(o.success(), "{o:?}");
+}
