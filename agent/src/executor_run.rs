@@ -325,26 +325,29 @@ fn executor_spec(req: &RunRequest) -> Result<(sandbox::SandboxSpec, crate::limit
 /// Start, in `req.pool`, a sandbox for exactly the run `req` describes (so that the run
 /// takes it). Runs with network egress do not use the pool.
 pub fn warm(req: &RunRequest) -> Result<(), CannotRun> {
-    let Some(pool) = &req.pool else { return Ok(()) };
+    let Some((pool, spec)) = pooled_spec(req)? else { return Ok(()) };
+    pool.fill(spec).map_err(|e| CannotRun(e.to_string()))
+}
+
+/// As [`warm`], in the background (a refill of `req.pool`). The daemon pre-warms its pool
+/// with it at start.
+pub fn prewarm(req: &RunRequest) -> Result<(), CannotRun> {
+    let Some((pool, spec)) = pooled_spec(req)? else { return Ok(()) };
+    pool.refill(spec);
+    Ok(())
+}
+
+/// The pool and the validated spec of a pooled sandbox for `req`; `None` without a pool.
+fn pooled_spec<'a>(
+    req: &'a RunRequest,
+) -> Result<Option<(&'a std::sync::Arc<crate::warm_pool::WarmPool>, sandbox::SandboxSpec)>, CannotRun> {
+    let Some(pool) = req.pool.as_ref() else { return Ok(None) };
     if req.executor.manifest.permissions.network.outbound {
         return Err(CannotRun("runs with network egress do not use the warm pool".into()));
     }
     let (spec, _) = executor_spec(req)?;
     spec.validate()?;
-    pool.fill(spec).map_err(|e| CannotRun(e.to_string()))
-}
-
-/// As [`warm`], in the background (a refill of `req.pool`); a run with network egress starts
-/// nothing. The daemon pre-warms its pool with it at start.
-pub fn prewarm(req: &RunRequest) -> Result<(), CannotRun> {
-    let Some(pool) = &req.pool else { return Ok(()) };
-    if req.executor.manifest.permissions.network.outbound {
-        return Ok(());
-    }
-    let (spec, _) = executor_spec(req)?;
-    spec.validate()?;
-    pool.refill(spec);
-    Ok(())
+    Ok(Some((pool, spec)))
 }
 
 fn status_str(s: Status) -> &'static str {

@@ -162,7 +162,7 @@ fn monitor_until(chan: &Channel, given: Option<&SandboxSpec>, end: PayloadEnd) -
         },
     };
     spec.validate().map_err(|e| protocol(e.to_string()))?;
-    let app = if spec.command.app_channel || spec.command.held {
+    let app = if spec.command.uses_app_fd() {
         // SAFETY: the parent placed the application channel at APP_FD; nothing else in this
         // process owns it.
         Some(unsafe { Channel::from_raw(APP_FD) }.map_err(|e| StepError::errno(Stage::Protocol, "app channel", e))?)

@@ -265,7 +265,7 @@ impl Sandbox {
         };
         let mut fds = vec![(high(&null)?, 0), (high(&out_w)?, 1), (high(&err_w)?, 2), (high(&chan_child)?, CHILD_FD)];
         drop((null, out_w, err_w, chan_child));
-        let app = if spec.command.app_channel || spec.command.held {
+        let app = if spec.command.uses_app_fd() {
             let (app, app_child) = Channel::pair().map_err(|e| SandboxError::io("socketpair", e.into()))?;
             fds.push((high(&app_child)?, APP_FD));
             Some(app)

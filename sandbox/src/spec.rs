@@ -97,6 +97,14 @@ pub struct CommandSpec {
     pub held: bool,
 }
 
+impl CommandSpec {
+    /// Whether the sandbox processes get fd 4 ([`crate::channel::APP_FD`]): as the
+    /// application channel, or as a held payload's hold channel.
+    pub fn uses_app_fd(&self) -> bool {
+        self.app_channel || self.held
+    }
+}
+
 fn default_cwd() -> PathBuf {
     PathBuf::from(SCRATCH_DIR)
 }
