@@ -115,11 +115,18 @@ fn opservant_in(lab: &Lab, args: &[&std::ffi::OsStr]) -> Out {
     }
 }
 
-/// `opservant run DIR ARGS…` inside HOST.
+/// `opservant run DIR ARGS…` inside HOST, launched as `OPSERVANT_TEST_LAUNCH` says (through
+/// a zygote, a run with egress is wired into a network namespace the zygote prepared).
 fn run_in(lab: &Lab, dir: &Path, args: &[&str]) -> Out {
+    let launch = common::launch_args();
     let mut all: Vec<&std::ffi::OsStr> = vec!["run".as_ref(), dir.as_os_str()];
+    all.extend(launch.iter().map(std::ffi::OsStr::new));
     all.extend(args.iter().map(|a| std::ffi::OsStr::new(*a)));
-    opservant_in(lab, &all)
+    let out = opservant_in(lab, &all);
+    if let Ok(r) = serde_json::from_str::<Value>(out.stdout.lines().last().unwrap_or_default()) {
+        common::assert_launch(&r);
+    }
+    out
 }
 
 /// Write `rel` below `root` readable by everyone (the sandbox runs as an unprivileged uid).

@@ -169,6 +169,45 @@ fn host_loopback_tcp_is_unreachable() {
 }
 
 #[test]
+fn network_namespace_is_fresh_with_only_a_working_loopback_and_not_the_sandboxs_to_configure() {
+    if !require_root() {
+        return;
+    }
+    let host_netns = std::fs::read_link("/proc/self/ns/net").unwrap();
+    let (_d, m) = fast();
+    // NS_GET_USERNS: the user namespace that owns the network namespace. A namespace the
+    // sandbox created is its own user namespace's; one a zygote prepared is the host's, which
+    // is outside the sandbox's scope (EPERM) — the sandbox never held a capability over it.
+    let r = python(
+        Some(&m),
+        "import fcntl, os, socket\n\
+         print('netns', os.readlink('/proc/self/ns/net'))\n\
+         fd = os.open('/proc/self/ns/net', os.O_RDONLY)\n\
+         try:\n owner = fcntl.ioctl(fd, 0xb701); print('owner', os.readlink('/proc/self/fd/%d' % owner) == os.readlink('/proc/self/ns/user'))\n\
+         except OSError as e: print('owner-errno', e.errno)\n\
+         print('ifaces', sorted(l.split(':')[0].strip() for l in open('/proc/net/dev').readlines()[2:]))\n\
+         srv = socket.socket(); srv.bind(('127.0.0.1', 0)); srv.listen(1)\n\
+         c = socket.create_connection(srv.getsockname()); a, _ = srv.accept(); c.sendall(b'ping'); print('loopback', a.recv(4).decode())\n\
+         s6 = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n\
+         try:\n s6.connect(('192.0.2.1', 9)); print('ROUTED')\n\
+         except OSError as e: print('unroutable', e.errno)",
+    );
+    let out = r.stdout();
+    assert_eq!(r.status(), "completed", "{out} {}", r.err());
+    let netns = out.lines().find_map(|l| l.strip_prefix("netns ")).unwrap_or_default();
+    assert!(netns.starts_with("net:[") && netns != host_netns.to_string_lossy(), "{netns} vs host {host_netns:?}");
+    assert!(out.contains("ifaces ['lo']\n"), "only loopback: {out}");
+    assert!(out.contains("loopback ping\n"), "loopback is up and carries traffic: {out}");
+    assert!(out.contains("unroutable 101\n"), "no route anywhere but loopback (ENETUNREACH): {out}");
+    let expected = match r.json["sandbox"]["netns"].as_str() {
+        Some("created") => "owner True\n",
+        Some("prepared") => "owner-errno 1\n",
+        other => panic!("a private network namespace is expected, got {other:?}: {}", r.json),
+    };
+    assert!(out.contains(expected), "owner of the network namespace: expected {expected:?} in {out}");
+}
+
+#[test]
 fn host_unix_sockets_are_unreachable() {
     if !require_root() {
         return;

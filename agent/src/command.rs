@@ -222,16 +222,20 @@ fn reject(command_id: Option<&str>, reason: Reason, message: &str, security: boo
 
 impl Pipeline {
     /// How sandboxes start now, for heartbeats: `launch` (`zygote` or `cold`), whether the
-    /// zygote runs (it is restarted on the next run after it dies), and the warm pool's size
-    /// and ready sandboxes.
+    /// zygote runs (it is restarted on the next run after it dies), its network namespace
+    /// stash (target, ready, made, taken, and why it stopped if it did), and the warm pool's
+    /// size and ready sandboxes.
     pub fn launch_status(&self) -> Value {
-        let (launch, zygote_running) = match &self.launcher {
-            sandbox::Launcher::Zygote { zygote, .. } => ("zygote", Some(zygote.pid().is_some())),
-            _ => ("cold", None),
+        let (launch, zygote_running, netns_stash) = match &self.launcher {
+            sandbox::Launcher::Zygote { zygote, .. } => {
+                ("zygote", Some(zygote.pid().is_some()), zygote.netns_stash().map(|s| s.status()))
+            }
+            _ => ("cold", None, None),
         };
         json!({
             "launch": launch,
             "zygote_running": zygote_running,
+            "netns_stash": netns_stash,
             "warm_pool": self.pool.as_ref().map(|p| json!({"size": p.size(), "ready": p.ready()})),
         })
     }

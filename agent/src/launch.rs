@@ -34,13 +34,26 @@ pub enum LaunchMode {
     Pool,
 }
 
-/// A zygote running `runtime --zygote` (started on first use).
-pub fn zygote(runtime: &Path) -> Arc<Zygote> {
+/// A zygote running `runtime --zygote` (started on first use), with up to `netns_stash`
+/// fresh network namespaces made ahead of time for its sandboxes (`sandbox::netns_stash`;
+/// 0: each sandbox creates its own).
+pub fn zygote(runtime: &Path, netns_stash: usize) -> Arc<Zygote> {
     // A path from `runtime_binary` never contains NUL; an empty program fails to start and
     // every run then falls back to the cold path.
     let program = CString::new(runtime.as_os_str().as_bytes()).unwrap_or_default();
     let flag = CString::from(c"--zygote");
-    Arc::new(Zygote::new(program, vec![flag]))
+    Arc::new(Zygote::new(program, vec![flag]).with_netns_stash(netns_stash))
+}
+
+/// A zygote for one command-line run, with one prepared network namespace, ready before
+/// the sandbox starts (so a one-shot `--launch zygote|pool` always takes the path the
+/// daemon takes when its stash is not empty).
+pub fn one_shot_zygote(runtime: &Path) -> Arc<Zygote> {
+    let z = zygote(runtime, 1);
+    if let Some(stash) = z.netns_stash() {
+        stash.wait_full();
+    }
+    z
 }
 
 /// The launcher for an executor (or Python script) run through `zygote`: the payload

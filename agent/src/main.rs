@@ -458,7 +458,7 @@ fn run_sandbox(
     let out = sandbox::OutputOptions { tee: if json_only { None } else { Some(&mut tee) }, ..Default::default() };
     let zygote = || -> Result<sandbox::Launcher, CannotRun> {
         let runtime = agent::executor_run::runtime_binary().map_err(|e| CannotRun(e.0))?;
-        Ok(agent::launch::for_program(&agent::launch::zygote(&runtime)))
+        Ok(agent::launch::for_program(&agent::launch::one_shot_zygote(&runtime)))
     };
     let sb = match launch {
         LaunchMode::Cold => {
@@ -518,7 +518,7 @@ fn run_executor(
     // before the run (the sandbox waits for its arguments) and taken by it.
     let launcher = match launch {
         LaunchMode::Cold => sandbox::Launcher::fork_or_reexec(SANDBOX_INIT),
-        LaunchMode::Zygote | LaunchMode::Pool => agent::launch::for_runtime(&agent::launch::zygote(&runtime)),
+        LaunchMode::Zygote | LaunchMode::Pool => agent::launch::for_runtime(&agent::launch::one_shot_zygote(&runtime)),
     };
     let pool = (launch == LaunchMode::Pool).then(|| agent::warm_pool::WarmPool::single_use(launcher.clone()));
     let req = agent::executor_run::RunRequest {
@@ -650,7 +650,8 @@ fn agent_daemon(config: Option<PathBuf>, check_only: bool) -> Result<ExitCode, C
             return Err(CannotRun("agent.launch: pool is not a launch mode; set agent.warm_pool".into()))
         }
         LaunchMode::Zygote => {
-            let zygote = agent::launch::zygote(&runtime);
+            // One prepared network namespace per command that may run at once.
+            let zygote = agent::launch::zygote(&runtime, settings.max_concurrent);
             if let Err(e) = zygote.start() {
                 tracing::warn!(error = %e, "zygote did not start; sandboxes start cold until it does");
                 agent::audit::record("zygote_fallback", &[("error", &e.to_string())]);

@@ -54,6 +54,10 @@ pub struct SandboxSummary {
     pub cgroup: String,
     pub cgroup_paths: Vec<String>,
     pub network: String,
+    /// The sandbox's network namespace: `created` by the sandbox (owned by its user
+    /// namespace), `prepared` (made beforehand by the agent's zygote and joined — owned by
+    /// the agent's user namespace, so the sandbox holds no capability over it), or `host`.
+    pub netns: &'static str,
     /// With egress: addresses, bandwidth, blocked attempts, the DNS forwarder's counts.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub egress: Option<serde_json::Value>,
@@ -147,6 +151,11 @@ impl RunResult {
                 cgroup: cg.version.clone(),
                 cgroup_paths: cg.paths.clone(),
                 network: if e.namespaces.iter().any(|n| n == "net") { "none".into() } else { "host".into() },
+                netns: match (e.namespaces.iter().any(|n| n == "net"), e.net_prepared) {
+                    (false, _) => "host",
+                    (true, false) => "created",
+                    (true, true) => "prepared",
+                },
                 egress: None,
                 capabilities: if e.capabilities_dropped { "none".into() } else { "retained".into() },
                 no_new_privs: e.no_new_privs,

@@ -5,11 +5,12 @@
 //!
 //! ```text
 //! monitor  (re-exec'd or forked by the parent; host root until step 4)
-//!   1. close every inherited fd but stdio and the channel
+//!   1. close every inherited fd but stdio, the channel (and a prepared network namespace)
 //!   2. read the spec
 //!   3. shield itself (and so init) from the OOM killer where allowed; clear supplementary groups
-//!   4. unshare user, mount, pid, net, ipc, uts — meanwhile the parent creates the cgroups
-//!      and then names the files to join them by
+//!   4. join the prepared network namespace if one was handed over (a zygote's stash, see
+//!      [`crate::netns_stash`]); unshare user, mount, pid, net (unless joined), ipc, uts —
+//!      meanwhile the parent creates the cgroups and then names the files to join them by
 //!   5. "unshared" → parent writes the uid/gid maps, wires the namespaces → "proceed"
 //!   6. fork the init (PID 1 of the new PID namespace); report its host pid; close its own
 //!      stdio (only sandbox processes hold the output pipes)
@@ -22,7 +23,7 @@
 //!      passes), then unshare the cgroup namespace, which is thereby rooted there
 //!   3. become the sandbox uid/gid, keeping capabilities in the user namespace
 //!   4. build the filesystem view and pivot_root into it          (mounts)
-//!   5. hostname, loopback                                          (namespaces)
+//!   5. hostname, loopback (a prepared namespace's is already up)  (namespaces)
 //!   6. open every Landlock path handle, build the ruleset         (landlock)
 //!   7. drop every capability, lock securebits, no_new_privs       (privileges)
 //!   8. fork the payload; reap every process; forward SIGTERM to all, SIGKILL all on request;
@@ -46,7 +47,7 @@
 //! that was initialised before the fork) after every restriction above is in place, the
 //! environment is the spec's and the control channel is closed.
 
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, FromRawFd};
 
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::signal::{kill, SigSet, Signal};
@@ -55,6 +56,10 @@ use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::{fork, ForkResult, Pid};
 
 use crate::channel::{Channel, FromSandbox, ToSandbox, APP_FD, CHILD_FD, GO};
+
+/// Where a monitor started with a prepared network namespace finds it (a zygote places it
+/// there, see [`crate::zygote`]); the monitor joins it and closes it before unsharing.
+pub(crate) const NET_FD: std::os::fd::RawFd = APP_FD + 1;
 use crate::error::{Stage, StepError};
 use crate::landlock::{self, Grant};
 use crate::report::{EnforcementReport, ExitInfo, SeccompReport};
@@ -64,7 +69,7 @@ use crate::{mounts, namespaces, privileges, process, seccomp};
 /// Entry point of the re-exec'd sandbox init (`opservant __sandbox-init`): the channel is
 /// fd 3. Call before anything else in `main` — no threads may exist.
 pub fn main() -> ! {
-    run_monitor(None)
+    run_monitor(None, false)
 }
 
 /// What the payload process does once every restriction is in place.
@@ -88,25 +93,26 @@ pub struct Handoff {
 }
 
 /// Run the monitor with the channel on fd 3; `spec` is given when the monitor was forked
-/// (it is otherwise read from the channel). Never returns.
-pub(crate) fn run_monitor(spec: Option<&SandboxSpec>) -> ! {
+/// (it is otherwise read from the channel); `prepared_net`: a network namespace to join is
+/// at [`NET_FD`]. Never returns.
+pub(crate) fn run_monitor(spec: Option<&SandboxSpec>, prepared_net: bool) -> ! {
     // Exec mode only returns from the payload process if `execve` was skipped, which
     // `payload_steps` never does in this mode; exit rather than run anything else.
-    let _ = run_monitor_until(spec, PayloadEnd::Exec);
+    let _ = run_monitor_until(spec, PayloadEnd::Exec, prepared_net);
     exit(127)
 }
 
 /// Like [`run_monitor`], but with [`PayloadEnd::Return`]: returns only in the payload
 /// process, with every restriction in place and the control channel closed; every other
 /// process of the sandbox exits here.
-pub(crate) fn run_monitor_returning() -> Handoff {
-    match run_monitor_until(None, PayloadEnd::Return) {
+pub(crate) fn run_monitor_returning(prepared_net: bool) -> Handoff {
+    match run_monitor_until(None, PayloadEnd::Return, prepared_net) {
         Some(h) => h,
         None => exit(127),
     }
 }
 
-fn run_monitor_until(spec: Option<&SandboxSpec>, end: PayloadEnd) -> Option<Handoff> {
+fn run_monitor_until(spec: Option<&SandboxSpec>, end: PayloadEnd, prepared_net: bool) -> Option<Handoff> {
     // SAFETY: the parent placed the channel at CHILD_FD and nothing else in this process
     // owns that descriptor.
     let chan = match unsafe { Channel::from_raw(CHILD_FD) } {
@@ -114,7 +120,7 @@ fn run_monitor_until(spec: Option<&SandboxSpec>, end: PayloadEnd) -> Option<Hand
         // Without close-on-exec the payload would inherit the channel: refuse to go on.
         Err(_) => exit(125),
     };
-    match monitor_until(&chan, spec, end) {
+    match monitor_until(&chan, spec, end, prepared_net) {
         Ok(None) => exit(0),
         Ok(Some(handoff)) => {
             // The payload's own code must not hold the control channel (it could forge the
@@ -141,14 +147,19 @@ fn protocol(msg: impl Into<String>) -> StepError {
 
 /// The monitor (see the module documentation for the steps), ending in `execve`.
 pub fn monitor(chan: &Channel, given: Option<&SandboxSpec>) -> Result<(), StepError> {
-    monitor_until(chan, given, PayloadEnd::Exec).map(drop)
+    monitor_until(chan, given, PayloadEnd::Exec, false).map(drop)
 }
 
 /// The monitor; `Ok(Some(_))` is returned only in the payload process, with
 /// [`PayloadEnd::Return`].
-fn monitor_until(chan: &Channel, given: Option<&SandboxSpec>, end: PayloadEnd) -> Result<Option<Handoff>, StepError> {
+fn monitor_until(
+    chan: &Channel,
+    given: Option<&SandboxSpec>,
+    end: PayloadEnd,
+    prepared_net: bool,
+) -> Result<Option<Handoff>, StepError> {
     // 1. (fd 4 may be the application channel; decided once the spec is in)
-    process::close_fds_from(APP_FD + 1)?;
+    process::close_fds_from(if prepared_net { NET_FD + 1 } else { APP_FD + 1 })?;
     // 2.
     let received;
     let spec = match given {
@@ -167,9 +178,14 @@ fn monitor_until(chan: &Channel, given: Option<&SandboxSpec>, end: PayloadEnd) -
         // process owns it.
         Some(unsafe { Channel::from_raw(APP_FD) }.map_err(|e| StepError::errno(Stage::Protocol, "app channel", e))?)
     } else {
-        process::close_fds_from(APP_FD)?;
+        // SAFETY: fd 4 is unused in this sandbox (nothing here owns it); EBADF when it was
+        // never open is harmless.
+        unsafe { libc::close(APP_FD) };
         None
     };
+    if prepared_net && !spec.can_join_prepared_net() {
+        return Err(protocol("a prepared network namespace was handed over for a spec that cannot use one"));
+    }
     // 3.
     // Best effort: lowering needs CAP_SYS_RESOURCE, which some hosts withhold even from
     // root. The payload raises its own score to the maximum below, so it is the OOM killer's
@@ -177,7 +193,12 @@ fn monitor_until(chan: &Channel, given: Option<&SandboxSpec>, end: PayloadEnd) -
     let _ = std::fs::write("/proc/self/oom_score_adj", "-1000");
     nix::unistd::setgroups(&[]).map_err(|e| StepError::errno(Stage::Groups, "setgroups", e))?;
     // 4.
-    namespaces::unshare(&Namespaces { cgroup: false, ..spec.namespaces })?;
+    if prepared_net {
+        // SAFETY: the zygote placed the prepared namespace at NET_FD (step 1 kept it open);
+        // nothing else in this process owns that descriptor.
+        namespaces::join_prepared_net(unsafe { std::os::fd::OwnedFd::from_raw_fd(NET_FD) })?;
+    }
+    namespaces::unshare(&Namespaces { cgroup: false, net: spec.namespaces.net && !prepared_net, ..spec.namespaces })?;
     let join = match chan.recv::<ToSandbox>().map_err(protocol)? {
         Some(ToSandbox::Cgroups { join }) => join,
         None => return Err(protocol("parent went away")),
@@ -202,7 +223,7 @@ fn monitor_until(chan: &Channel, given: Option<&SandboxSpec>, end: PayloadEnd) -
         ForkResult::Child => {
             drop(sfd);
             let _ = mask.thread_unblock();
-            match init(chan, app, spec, &join, end) {
+            match init(chan, app, spec, &join, end, prepared_net) {
                 Ok(InitEnd::Exit(code)) => exit(code),
                 Ok(InitEnd::Payload(handoff)) => return Ok(Some(handoff)),
                 Err(e) => {
@@ -279,6 +300,7 @@ fn init(
     spec: &SandboxSpec,
     cgroup_join: &[std::path::PathBuf],
     end: PayloadEnd,
+    prepared_net: bool,
 ) -> Result<InitEnd, StepError> {
     // 1.
     // SAFETY: PR_SET_PDEATHSIG takes an integer signal number.
@@ -301,7 +323,7 @@ fn init(
     if spec.namespaces.uts {
         namespaces::set_hostname(&spec.hostname)?;
     }
-    if spec.namespaces.net {
+    if spec.namespaces.net && !prepared_net {
         namespaces::loopback_up()?;
     }
     // 6.
@@ -317,7 +339,7 @@ fn init(
     // SAFETY: init is single-threaded (forked from the single-threaded monitor).
     let payload_pid = match unsafe { fork() }.map_err(|e| StepError::errno(Stage::Fork, "fork payload", e))? {
         ForkResult::Child => {
-            let err = match payload_steps(chan, app, spec, ruleset, view.sysfs, end) {
+            let err = match payload_steps(chan, app, spec, ruleset, view.sysfs, end, prepared_net) {
                 Ok(Ok(handoff)) => return Ok(InitEnd::Payload(handoff)),
                 Ok(Err(e)) | Err(e) => e,
             };
@@ -447,6 +469,7 @@ fn payload_steps(
     ruleset: landlock::Prepared,
     sysfs: &str,
     end: PayloadEnd,
+    prepared_net: bool,
 ) -> Result<Result<Handoff, StepError>, StepError> {
     // 1.
     process::reset_signals();
@@ -493,6 +516,7 @@ fn payload_steps(
         sysfs: sysfs.to_string(),
         uid: nix::unistd::getuid().as_raw(),
         gid: nix::unistd::getgid().as_raw(),
+        net_prepared: prepared_net,
     };
     chan.send(&FromSandbox::Started(Box::new(report))).map_err(|e| StepError::errno(Stage::Protocol, "send", e))?;
     // 6. (held: a warm pool's sandbox; every restriction is in place, nothing of the work

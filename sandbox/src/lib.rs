@@ -27,6 +27,7 @@ pub mod landlock;
 pub mod mounts;
 pub mod namespaces;
 pub mod net;
+pub mod netns_stash;
 pub mod parent;
 pub mod privileges;
 pub mod probe;

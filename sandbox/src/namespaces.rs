@@ -40,6 +40,14 @@ pub fn unshare(ns: &Namespaces) -> Result<(), StepError> {
     })
 }
 
+/// Join a network namespace made beforehand ([`crate::netns_stash`]) instead of creating one;
+/// `setns` checks that `ns` is a network namespace. Call before unsharing the user namespace
+/// (joining needs `CAP_SYS_ADMIN` over the namespace's owner). The descriptor is closed.
+pub fn join_prepared_net(ns: std::os::fd::OwnedFd) -> Result<(), StepError> {
+    nix::sched::setns(&ns, CloneFlags::CLONE_NEWNET)
+        .map_err(|e| StepError::errno(Stage::Unshare, "setns: join the prepared network namespace", e))
+}
+
 /// Parent side: write the single-id maps of `pid`'s user namespace. `setgroups` is denied
 /// first, so the payload can never drop into a supplementary group it was not given.
 pub fn write_id_maps(pid: i32, id: &Identity) -> Result<(), SandboxError> {

@@ -786,7 +786,7 @@ fn spawn_monitor(
     let (program, args) = match launcher {
         Launcher::Exec { program, args } => (program, args),
         Launcher::Zygote { zygote, end } => {
-            return zygote.spawn(fds, *end).map(|(pid, pidfd)| (pid, Some(pidfd)));
+            return zygote.spawn(fds, *end, spec.can_join_prepared_net()).map(|(pid, pidfd)| (pid, Some(pidfd)));
         }
         Launcher::Fork => {
             // SAFETY: `Launcher::Fork` is only chosen for single-threaded callers, so the
@@ -800,7 +800,7 @@ fn spawn_monitor(
                             unsafe { libc::_exit(125) };
                         }
                     }
-                    crate::init::run_monitor(Some(spec))
+                    crate::init::run_monitor(Some(spec), false)
                 }
                 nix::unistd::ForkResult::Parent { child } => Ok((child, None)),
             };

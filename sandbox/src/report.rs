@@ -80,6 +80,10 @@ pub struct EnforcementReport {
     pub sysfs: String,
     pub uid: u32,
     pub gid: u32,
+    /// The private network namespace was made beforehand ([`crate::netns_stash`]) and
+    /// joined, rather than created by the sandbox.
+    #[serde(default)]
+    pub net_prepared: bool,
 }
 
 /// Resource usage of the whole sandbox.

@@ -373,6 +373,14 @@ impl SandboxSpec {
         }
     }
 
+    /// Whether the sandbox may join a network namespace made beforehand (a
+    /// [`crate::netns_stash::NetnsStash`]'s) instead of creating one: it wants a private
+    /// network namespace and no fresh sysfs (mounting one needs `CAP_SYS_ADMIN` over the
+    /// network namespace's owner, which a prepared namespace's is not).
+    pub fn can_join_prepared_net(&self) -> bool {
+        self.namespaces.net && !self.filesystem.sysfs
+    }
+
     /// Check everything that can be checked before a process exists.
     pub fn validate(&self) -> Result<(), SpecError> {
         let ns = &self.namespaces;

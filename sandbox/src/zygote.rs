@@ -16,7 +16,9 @@
 //! Guarantees: the zygote receives nothing but descriptors and a mode byte — no spec, no
 //! secrets, no executor code; the forked child reads its spec from the channel like a cold
 //! monitor. A child starts with default signal dispositions, an empty signal mask and only
-//! stdio, the channel and (optionally) the application channel open. The zygote exits when
+//! stdio, the channel and (optionally) the application channel and a fresh network
+//! namespace from the zygote's [`NetnsStash`] open (the monitor joins that namespace instead
+//! of creating one). The zygote exits when
 //! its control socket closes — when the [`Zygote`] is dropped or its process dies, since
 //! only that process holds the other end (close-on-exec). Not `PR_SET_PDEATHSIG`: that
 //! follows the *thread* that spawned the zygote, and a multi-threaded agent starts it from
@@ -43,6 +45,7 @@ use nix::unistd::{ForkResult, Pid};
 use crate::channel::CHILD_FD;
 use crate::error::SandboxError;
 use crate::init::{Handoff, PayloadEnd};
+use crate::netns_stash::NetnsStash;
 
 /// The zygote's control socket, as the zygote program finds it.
 pub const CONTROL_FD: RawFd = 3;
@@ -54,6 +57,10 @@ const MAX_FDS: usize = MIN_FDS + 1;
 
 const MODE_EXEC: u8 = b'e';
 const MODE_RETURN: u8 = b'r';
+/// The same modes with one more descriptor after the others: a prepared network namespace
+/// for the sandbox to join (placed at [`crate::init::NET_FD`] in the child).
+const MODE_EXEC_NET: u8 = b'E';
+const MODE_RETURN_NET: u8 = b'R';
 
 /// How [`serve`] ended in this process.
 pub enum Served {
@@ -102,14 +109,20 @@ pub fn serve() -> Result<Served, SandboxError> {
             None => return Ok(Served::Shutdown),
             Some(r) => r,
         };
-        let end = match (mode, received.len()) {
-            (MODE_EXEC, MIN_FDS..=MAX_FDS) => PayloadEnd::Exec,
-            (MODE_RETURN, MIN_FDS..=MAX_FDS) => PayloadEnd::Return,
+        let (end, net) = match mode {
+            MODE_EXEC => (PayloadEnd::Exec, false),
+            MODE_RETURN => (PayloadEnd::Return, false),
+            MODE_EXEC_NET => (PayloadEnd::Exec, true),
+            MODE_RETURN_NET => (PayloadEnd::Return, true),
             _ => {
                 reply_error(&control, "malformed request");
                 continue;
             }
         };
+        if !(MIN_FDS..=MAX_FDS).contains(&received.len().saturating_sub(usize::from(net))) {
+            reply_error(&control, "malformed request");
+            continue;
+        }
         // SAFETY: this process is single-threaded (the caller's contract), so the child is a
         // complete copy of the only thread.
         match unsafe { nix::unistd::fork() } {
@@ -117,7 +130,7 @@ pub fn serve() -> Result<Served, SandboxError> {
             Ok(ForkResult::Child) => {
                 drop(control);
                 drop(sfd);
-                return Ok(Served::Payload(become_monitor(received, end)));
+                return Ok(Served::Payload(become_monitor(received, end, net)));
             }
             Ok(ForkResult::Parent { child }) => {
                 drop(received);
@@ -135,9 +148,10 @@ pub fn serve() -> Result<Served, SandboxError> {
     }
 }
 
-/// In the forked child: put the received descriptors in place, restore a fresh process's
-/// signal state, and run the monitor (see [`crate::init`]).
-fn become_monitor(received: Vec<OwnedFd>, end: PayloadEnd) -> Handoff {
+/// In the forked child: put the received descriptors in place (with `net`, the last one is
+/// a prepared network namespace, placed at [`crate::init::NET_FD`]), restore a fresh
+/// process's signal state, and run the monitor (see [`crate::init`]).
+fn become_monitor(received: Vec<OwnedFd>, end: PayloadEnd, net: bool) -> Handoff {
     crate::process::reset_signals();
     // Move the received descriptors above the target range, then dup2 each onto its slot
     // (dup2 clears close-on-exec on the copy).
@@ -150,21 +164,25 @@ fn become_monitor(received: Vec<OwnedFd>, end: PayloadEnd) -> Handoff {
                 .map(|raw| unsafe { OwnedFd::from_raw_fd(raw) })
         })
         .collect();
-    if high.len() < MIN_FDS {
+    let mut high = high;
+    let netns = if net { high.pop() } else { None };
+    if high.len() < MIN_FDS || net != netns.is_some() {
         // SAFETY: _exit is always sound; the parent sees the channel close.
         unsafe { libc::_exit(125) };
     }
-    for (target, fd) in high.iter().enumerate() {
+    let slots = high.iter().enumerate().map(|(target, fd)| (target as RawFd, fd));
+    for (target, fd) in slots.chain(netns.iter().map(|fd| (crate::init::NET_FD, fd))) {
         // SAFETY: dup2 onto the stdio/channel numbers; the source is open and above them.
-        if unsafe { libc::dup2(fd.as_raw_fd(), target as RawFd) } < 0 {
+        if unsafe { libc::dup2(fd.as_raw_fd(), target) } < 0 {
             // SAFETY: as above.
             unsafe { libc::_exit(125) };
         }
     }
     drop(high);
+    drop(netns);
     match end {
-        PayloadEnd::Exec => crate::init::run_monitor(None),
-        PayloadEnd::Return => crate::init::run_monitor_returning(),
+        PayloadEnd::Exec => crate::init::run_monitor(None, net),
+        PayloadEnd::Return => crate::init::run_monitor_returning(net),
     }
 }
 
@@ -181,7 +199,7 @@ fn reap_children() {
 /// One request: the mode byte and the descriptors; `None` when the socket closed.
 fn receive(control: &OwnedFd) -> Result<Option<(u8, Vec<OwnedFd>)>, SandboxError> {
     let mut byte = [0u8; 16];
-    let mut cmsg = nix::cmsg_space!([RawFd; MAX_FDS]);
+    let mut cmsg = nix::cmsg_space!([RawFd; MAX_FDS + 1]);
     loop {
         let mut iov = [IoSliceMut::new(&mut byte)];
         match recvmsg::<()>(control.as_raw_fd(), &mut iov, Some(&mut cmsg), MsgFlags::MSG_CMSG_CLOEXEC) {
@@ -285,6 +303,7 @@ pub struct Zygote {
     program: CString,
     args: Vec<CString>,
     running: Mutex<Option<Running>>,
+    netns: Option<NetnsStash>,
 }
 
 struct Running {
@@ -294,7 +313,7 @@ struct Running {
 
 impl std::fmt::Debug for Zygote {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Zygote").field("program", &self.program).finish_non_exhaustive()
+        f.debug_struct("Zygote").field("program", &self.program).field("netns", &self.netns).finish_non_exhaustive()
     }
 }
 
@@ -302,7 +321,26 @@ impl Zygote {
     /// A zygote that runs `program args…` (which must call [`serve`] with the control socket
     /// at [`CONTROL_FD`]). Nothing starts until [`Zygote::start`] or the first sandbox.
     pub fn new(program: CString, args: Vec<CString>) -> Zygote {
-        Zygote { program, args, running: Mutex::new(None) }
+        Zygote { program, args, running: Mutex::new(None), netns: None }
+    }
+
+    /// Keep up to `target` fresh network namespaces ready ([`NetnsStash`]) for the sandboxes
+    /// this zygote starts whose spec allows it ([`crate::SandboxSpec::can_join_prepared_net`]);
+    /// the others, and any that finds the stash empty, create their own. A stash that cannot
+    /// start is logged and left out (the sandboxes then create their own namespaces).
+    pub fn with_netns_stash(mut self, target: usize) -> Zygote {
+        if target > 0 {
+            match NetnsStash::start(target) {
+                Ok(stash) => self.netns = Some(stash),
+                Err(e) => tracing::warn!(error = %e, "cannot start the network namespace stash"),
+            }
+        }
+        self
+    }
+
+    /// The network namespace stash, if this zygote has one.
+    pub fn netns_stash(&self) -> Option<&NetnsStash> {
+        self.netns.as_ref()
     }
 
     /// Start the zygote now, if it is not running.
@@ -349,16 +387,24 @@ impl Zygote {
         Ok(Running { control, pid })
     }
 
-    /// Ask the zygote for a sandbox monitor with `fds` at 0, 1, 2, 3 (and 4). Returns the
-    /// monitor's pid and a pidfd for it. On any failure the zygote is stopped (the next
-    /// request starts a new one) and [`SandboxError::Zygote`] says why.
-    pub(crate) fn spawn(&self, fds: &[(OwnedFd, RawFd)], end: PayloadEnd) -> Result<(Pid, OwnedFd), SandboxError> {
+    /// Ask the zygote for a sandbox monitor with `fds` at 0, 1, 2, 3 (and 4) and, when
+    /// `prepared_net` allows it and the stash has one, a prepared network namespace to join.
+    /// Returns the monitor's pid and a pidfd for it. On any failure the zygote is stopped
+    /// (the next request starts a new one) and [`SandboxError::Zygote`] says why.
+    pub(crate) fn spawn(
+        &self,
+        fds: &[(OwnedFd, RawFd)],
+        end: PayloadEnd,
+        prepared_net: bool,
+    ) -> Result<(Pid, OwnedFd), SandboxError> {
         let mut guard = self.running.lock().unwrap_or_else(|e| e.into_inner());
         if guard.is_none() {
             *guard = Some(self.launch()?);
         }
+        let netns = self.netns.as_ref().filter(|_| prepared_net).and_then(NetnsStash::take);
+        tracing::debug!(prepared_net = netns.is_some(), "zygote request");
         let running = guard.as_ref().ok_or_else(|| zerr("not running"))?;
-        match request(&running.control, fds, end) {
+        match request(&running.control, fds, end, netns.as_ref()) {
             Ok(r) => Ok(r),
             Err(Failure::Refused(m)) => Err(zerr(m)),
             Err(Failure::Transport(m)) => {
@@ -378,14 +424,25 @@ enum Failure {
     Transport(String),
 }
 
-fn request(control: &OwnedFd, fds: &[(OwnedFd, RawFd)], end: PayloadEnd) -> Result<(Pid, OwnedFd), Failure> {
+fn request(
+    control: &OwnedFd,
+    fds: &[(OwnedFd, RawFd)],
+    end: PayloadEnd,
+    netns: Option<&OwnedFd>,
+) -> Result<(Pid, OwnedFd), Failure> {
     let mut ordered: Vec<&(OwnedFd, RawFd)> = fds.iter().collect();
     ordered.sort_by_key(|(_, t)| *t);
     if ordered.iter().enumerate().any(|(i, (_, t))| *t != i as RawFd) || !(MIN_FDS..=MAX_FDS).contains(&ordered.len()) {
         return Err(Failure::Refused("descriptors must be exactly 0..=3 or 0..=4".into()));
     }
-    let raw: Vec<RawFd> = ordered.iter().map(|(fd, _)| fd.as_raw_fd()).collect();
-    let mode = [if end == PayloadEnd::Exec { MODE_EXEC } else { MODE_RETURN }];
+    let mut raw: Vec<RawFd> = ordered.iter().map(|(fd, _)| fd.as_raw_fd()).collect();
+    raw.extend(netns.map(|fd| fd.as_raw_fd()));
+    let mode = [match (end, netns.is_some()) {
+        (PayloadEnd::Exec, false) => MODE_EXEC,
+        (PayloadEnd::Return, false) => MODE_RETURN,
+        (PayloadEnd::Exec, true) => MODE_EXEC_NET,
+        (PayloadEnd::Return, true) => MODE_RETURN_NET,
+    }];
     loop {
         match sendmsg::<()>(
             control.as_raw_fd(),

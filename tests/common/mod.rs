@@ -61,9 +61,23 @@ pub fn launch_args() -> [String; 2] {
 
 /// Panic unless a result object says it was started the way the suite asked (a zygote
 /// that silently fell back to the cold path would prove nothing about zygote mode).
+/// Likewise its network namespace: through a zygote (or a pool, which starts sandboxes
+/// through one), a sandbox with a private network namespace and no fresh sysfs joins one
+/// the zygote's stash made beforehand — the command line waits for the stash — so the
+/// suites run every isolation test against that namespace too.
 pub fn assert_launch(result: &Value) {
     if let Some(launch) = result["sandbox"]["launch"].as_str() {
         assert_eq!(launch, launch_mode(), "started {launch}, expected {}: {result}", launch_mode());
+    }
+    if let Some(netns) = result["sandbox"]["netns"].as_str() {
+        let sandbox = &result["sandbox"];
+        let private = sandbox["namespaces"].as_array().is_some_and(|n| n.iter().any(|n| n == "net"));
+        let expected = match (private, sandbox["sysfs"] == "fresh", launch_mode().as_str()) {
+            (false, _, _) => "host",
+            (true, true, _) | (true, false, "cold") => "created",
+            (true, false, _) => "prepared",
+        };
+        assert_eq!(netns, expected, "network namespace {netns}, expected {expected}: {result}");
     }
 }
 

@@ -486,7 +486,8 @@ pub fn run(opts: &Options, progress: &mut dyn FnMut(&str)) -> Result<Value, Benc
     crate::audit::init(&config).map_err(failed)?;
     let policy = AgentPolicy::from_config(&config).map_err(failed)?;
     let (program_spec, _) = policy.spec_for(None, "/bin/true", vec![]).map_err(failed)?;
-    let zygote = crate::launch::zygote(&runtime);
+    // As the agent's daemon: one prepared network namespace per command it runs at once.
+    let zygote = crate::launch::zygote(&runtime, crate::daemon::DEFAULT_MAX_CONCURRENT);
     zygote.start().map_err(|e| failed(format!("zygote: {e}")))?;
     let pool = crate::warm_pool::WarmPool::single_use(crate::launch::for_runtime(&zygote));
     let env = Env { config, policy, runtime: runtime.clone(), zygote, pool, program_spec };
@@ -649,6 +650,7 @@ pub fn run(opts: &Options, progress: &mut dyn FnMut(&str)) -> Result<Value, Benc
         "pool": {"built": true, "method": "run-pool: before each sample (untimed) the warm pool starts a sandbox for the run through the zygote and the bench waits until its payload waits for arguments; the sample is the run that takes it (sandbox.launch pool)"},
         "throughput": throughput,
         "memory": memory,
+        "netns_stash": env.zygote.netns_stash().map(|s| s.status()),
     });
     let targets = targets(&report);
     report["targets"] = targets;
@@ -918,6 +920,15 @@ pub fn render_table(report: &Value) -> String {
             "SKIPPED {}: {}\n",
             sk["name"].as_str().unwrap_or(""),
             sk["reason"].as_str().unwrap_or("")
+        ));
+    }
+    let n = &report["netns_stash"];
+    if !n.is_null() {
+        s.push_str(&format!(
+            "network namespace stash (zygote rows): {} made ahead, {} taken by sandboxes{}\n",
+            n["made"],
+            n["taken"],
+            n["broken"].as_str().map(|b| format!("; stopped: {b}")).unwrap_or_default()
         ));
     }
     let t = &report["throughput"];
