@@ -155,16 +155,17 @@ fn become_monitor(received: Vec<OwnedFd>, end: PayloadEnd, net: bool) -> Handoff
     crate::process::reset_signals();
     // Move the received descriptors above the target range, then dup2 each onto its slot
     // (dup2 clears close-on-exec on the copy).
-    let high: Vec<OwnedFd> = received
+    // Every one or none: a descriptor left out would shift the others into the wrong slots.
+    let high: Option<Vec<OwnedFd>> = received
         .into_iter()
-        .filter_map(|fd| {
+        .map(|fd| {
             nix::fcntl::fcntl(&fd, nix::fcntl::FcntlArg::F_DUPFD_CLOEXEC(10))
                 .ok()
                 // SAFETY: F_DUPFD_CLOEXEC returned a new descriptor we now own.
                 .map(|raw| unsafe { OwnedFd::from_raw_fd(raw) })
         })
         .collect();
-    let mut high = high;
+    let mut high = high.unwrap_or_default();
     let netns = if net { high.pop() } else { None };
     if high.len() < MIN_FDS || net != netns.is_some() {
         // SAFETY: _exit is always sound; the parent sees the channel close.
