@@ -56,15 +56,15 @@ use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::{fork, ForkResult, Pid};
 
 use crate::channel::{Channel, FromSandbox, ToSandbox, APP_FD, CHILD_FD, GO};
-
-/// Where a monitor started with a prepared network namespace finds it (a zygote places it
-/// there, see [`crate::zygote`]); the monitor joins it and closes it before unsharing.
-pub(crate) const NET_FD: std::os::fd::RawFd = APP_FD + 1;
 use crate::error::{Stage, StepError};
 use crate::landlock::{self, Grant};
 use crate::report::{EnforcementReport, ExitInfo, SeccompReport};
 use crate::spec::{Access, Namespaces, SandboxSpec, SeccompPolicy};
 use crate::{mounts, namespaces, privileges, process, seccomp};
+
+/// Where a monitor started with a prepared network namespace finds it (a zygote places it
+/// there, see [`crate::zygote`]); the monitor joins it and closes it before unsharing.
+pub(crate) const NET_FD: std::os::fd::RawFd = APP_FD + 1;
 
 /// Entry point of the re-exec'd sandbox init (`opservant __sandbox-init`): the channel is
 /// fd 3. Call before anything else in `main` — no threads may exist.

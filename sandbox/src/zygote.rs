@@ -18,8 +18,8 @@
 //! monitor. A child starts with default signal dispositions, an empty signal mask and only
 //! stdio, the channel and (optionally) the application channel and a fresh network
 //! namespace from the zygote's [`NetnsStash`] open (the monitor joins that namespace instead
-//! of creating one). The zygote exits when
-//! its control socket closes — when the [`Zygote`] is dropped or its process dies, since
+//! of creating one). The zygote exits when its control socket closes — when the [`Zygote`]
+//! is dropped or its process dies, since
 //! only that process holds the other end (close-on-exec). Not `PR_SET_PDEATHSIG`: that
 //! follows the *thread* that spawned the zygote, and a multi-threaded agent starts it from
 //! whichever thread needs it first. A request the zygote cannot serve is an error ([`SandboxError::Zygote`]) before
