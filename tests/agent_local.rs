@@ -209,6 +209,21 @@ fn the_warm_pool_serves_repeat_runs_and_leaves_nothing_behind() {
         assert!(Instant::now() < deadline, "the warm pool was not pre-warmed: {} payloads", payloads());
         std::thread::sleep(Duration::from_millis(20));
     }
+    // Every thread of the agent blocks the stop signals (they are read from a signalfd): one
+    // that did not would take SIGTERM with its default action and kill the agent undrained.
+    for task in std::fs::read_dir(format!("/proc/{agent}/task")).unwrap().flatten() {
+        let status = std::fs::read_to_string(task.path().join("status")).unwrap_or_default();
+        let Some(blocked) = status.lines().find_map(|l| l.strip_prefix("SigBlk:")) else { continue };
+        let blocked = u64::from_str_radix(blocked.trim(), 16).unwrap();
+        for sig in [libc::SIGTERM, libc::SIGINT] {
+            assert_ne!(
+                blocked & (1 << (sig - 1)),
+                0,
+                "thread {:?} leaves signal {sig} unblocked: {status}",
+                task.path()
+            );
+        }
+    }
     // So the very first run takes a pooled sandbox.
     let (code, r) = a.submit(&a.sign(&scan("pool-1")));
     assert_eq!((code, r["sandbox"]["launch"].clone()), (0, json!("pool")), "{r}");

@@ -77,15 +77,24 @@ fn bind(path: &Path) -> Result<UnixListener, CannotRun> {
     Ok(listener)
 }
 
-/// Serve until SIGTERM/SIGINT.
-pub fn serve(pipeline: Pipeline, socket: &Path, platform: Option<crate::platform::Platform>) -> Result<(), CannotRun> {
+/// Block the stop signals (SIGTERM, SIGINT) in the calling thread and so in every thread it
+/// starts afterwards; [`serve`] reads them from a signalfd. Call before the daemon starts
+/// any thread (the zygote's network namespace stash, the warm pool's pre-warm): a thread
+/// that leaves them unblocked would take a stop signal with its default action, killing the
+/// agent instead of draining it. A stop signal that arrives before `serve` stays pending
+/// and stops the agent as soon as it serves.
+pub fn block_stop_signals() -> Result<nix::sys::signal::SigSet, CannotRun> {
     use nix::sys::signal::{SigSet, Signal};
-    // Block the stop signals in every thread (spawned threads inherit the mask) and read
-    // them from a signalfd in the accept loop.
     let mut mask = SigSet::empty();
     mask.add(Signal::SIGTERM);
     mask.add(Signal::SIGINT);
     mask.thread_block().map_err(|e| CannotRun(format!("block signals: {e}")))?;
+    Ok(mask)
+}
+
+/// Serve until SIGTERM/SIGINT.
+pub fn serve(pipeline: Pipeline, socket: &Path, platform: Option<crate::platform::Platform>) -> Result<(), CannotRun> {
+    let mask = block_stop_signals()?;
     let signals = nix::sys::signalfd::SignalFd::with_flags(&mask, nix::sys::signalfd::SfdFlags::SFD_CLOEXEC)
         .map_err(|e| CannotRun(format!("signalfd: {e}")))?;
 

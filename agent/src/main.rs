@@ -633,6 +633,8 @@ fn agent_daemon(config: Option<PathBuf>, check_only: bool) -> Result<ExitCode, C
         return Ok(ExitCode::SUCCESS);
     }
     agent::audit::init(&cfg)?;
+    // Before any thread starts (see the function).
+    agent::daemon::block_stop_signals().map_err(|e| CannotRun(e.0))?;
     // One connection thread per command, up to `agent.max_concurrent`: glibc would give each
     // its own malloc arena (up to 8 per core), each holding its high-water mark for good.
     // Two arenas are plenty for threads that mostly wait on their sandbox.
