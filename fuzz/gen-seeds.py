@@ -38,6 +38,8 @@ put("command", "duplicate-key.json", b'{"command_id":"a","command_id":"b","actio
 put("command", "not-utf8.json", b'{"command_id":"\xc3\x28"}')
 put("command", "deep.json", b'{"a":' + b"[" * 70 + b"]" * 70 + b"}")
 put("command", "big-int.json", canon(signed({**ping, "n": 9007199254740993})))
+# Found by the fuzzer: an exact double whose canonical form has rounded digits.
+put("command", "rounded-big-int.json", b'{"a":[33333336303333208]}')
 
 def chain(n, first_seq=1, prev="0" * 64, continues=None):
     lines = []

@@ -66,6 +66,17 @@ fn inexact(v: impl fmt::Display) -> String {
     )
 }
 
+/// Whether the integer literal `literal` is exactly how RFC 8785 writes the double `f` (its
+/// nearest double): the shortest digits that round-trip, e.g. `33333336303333210` for the
+/// double 33333336303333208. Such a literal is what a canonical form itself contains, so it
+/// denotes that double and nothing else — unlike `9007199254740993`, which RFC 8785 would
+/// sign as `9007199254740992`.
+fn is_canonical_text(f: f64, literal: impl fmt::Display) -> bool {
+    serde_json::Number::from_f64(f)
+        .and_then(|n| serde_json_canonicalizer::to_string(&Value::Number(n)).ok())
+        .is_some_and(|text| text == literal.to_string())
+}
+
 /// A JSON value parsed with duplicate keys rejected and nesting bounded.
 ///
 /// Numbers are held as RFC 8785 signs them, as IEEE 754 doubles: an integer that a double
@@ -101,7 +112,8 @@ impl<'de> Visitor<'de> for StrictVisitor {
             return Ok(Value::from(v));
         }
         let f = v as f64;
-        if (-9_223_372_036_854_775_808.0..9_223_372_036_854_775_808.0).contains(&f) && f as i64 == v {
+        let exact = (-9_223_372_036_854_775_808.0..9_223_372_036_854_775_808.0).contains(&f) && f as i64 == v;
+        if exact || is_canonical_text(f, v) {
             return self.visit_f64(f);
         }
         Err(E::custom(inexact(v)))
@@ -111,7 +123,7 @@ impl<'de> Visitor<'de> for StrictVisitor {
             return Ok(Value::from(v));
         }
         let f = v as f64;
-        if f < 18_446_744_073_709_551_616.0 && f as u64 == v {
+        if (f < 18_446_744_073_709_551_616.0 && f as u64 == v) || is_canonical_text(f, v) {
             return self.visit_f64(f);
         }
         Err(E::custom(inexact(v)))
@@ -408,6 +420,29 @@ mod tests {
         assert!(matches!(parse_command(b"{} {}").unwrap_err(), SigningError::Parse(_)));
         let big = vec![b' '; MAX_COMMAND_BYTES + 1];
         assert!(matches!(parse_command(&big).unwrap_err(), SigningError::TooLarge(_)));
+    }
+
+    /// Found by the `command` fuzz target (2026-11-23): 33333336303333208 is an exact double,
+    /// whose canonical form is `33333336303333210` — a literal that is not itself an exact
+    /// double, and was refused, so the canonical form of an accepted command did not parse.
+    #[test]
+    fn a_canonical_form_with_rounded_digits_parses_back() {
+        for (n, canonical) in [
+            ("33333336303333208", "33333336303333210"),
+            ("33333336303333210", "33333336303333210"),
+            ("-33333336303333210", "-33333336303333210"),
+            ("18014398509481988", "18014398509481988"),
+        ] {
+            let cmd = parse_command(format!("{{\"n\":{n}}}").as_bytes()).unwrap();
+            let bytes = signed_bytes(&cmd).unwrap();
+            assert_eq!(String::from_utf8_lossy(&bytes), format!("{{\"n\":{canonical}}}"), "{n}");
+            assert_eq!(parse_command(&bytes).unwrap(), cmd, "{n}: the canonical form is the same command");
+        }
+        // Still refused: digits that are neither the double's exact value nor its canonical text.
+        for n in ["33333336303333209", "33333336303333211", "9007199254740993"] {
+            let e = parse_command(format!("{{\"n\":{n}}}").as_bytes()).unwrap_err();
+            assert!(e.to_string().contains("not exactly representable"), "{n}: {e}");
+        }
     }
 
     /// Found by the `command` fuzz target: 9007199254740993 parsed as that integer, but the
