@@ -209,6 +209,17 @@ fn the_warm_pool_serves_repeat_runs_and_leaves_nothing_behind() {
         assert!(Instant::now() < deadline, "the warm pool was not pre-warmed: {} payloads", payloads());
         std::thread::sleep(Duration::from_millis(20));
     }
+    // Each waiting payload is warmed up: its resident writable memory is its own, no longer
+    // shared copy-on-write with the zygote (a payload just forked shares megabytes of it).
+    let shared = || -> Vec<u64> {
+        let zygote = daemon::zygote_pid(agent).unwrap();
+        let payloads = common::procs::at_depth(zygote, 3);
+        payloads.iter().filter_map(|&p| common::procs::shared_writable_kib(p)).collect()
+    };
+    while shared().len() < 2 || shared().iter().any(|&kib| kib > 256) {
+        assert!(Instant::now() < deadline, "pooled payloads not warmed up: shared writable KiB {:?}", shared());
+        std::thread::sleep(Duration::from_millis(20));
+    }
     // Every thread of the agent blocks the stop signals (they are read from a signalfd): one
     // that did not would take SIGTERM with its default action and kill the agent undrained.
     for task in std::fs::read_dir(format!("/proc/{agent}/task")).unwrap().flatten() {

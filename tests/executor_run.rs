@@ -1825,3 +1825,40 @@ class TestExecutor(BaseExecutor):
     assert_eq!(r["usage"]["cpu_throttled_periods"], 0, "{}", r["usage"]);
     assert_eq!(r["limits"]["enforced"]["cpu"], true);
 }
+
+/// The runtime's warm-up (a warm pool's sandbox is asked for it while it waits for a run):
+/// answered once with what it populated, refused the second time before any run exists.
+/// Driven directly, outside a sandbox, over the application channel on fd 4.
+#[test]
+fn the_runtime_warms_up_once_and_only_before_its_arguments() {
+    use std::os::unix::process::CommandExt;
+    let (agent_end, runtime_end) = sandbox::channel::Channel::pair().unwrap();
+    let fd = runtime_end.raw_fd();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_opservant-runtime"));
+    cmd.env_clear().stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped());
+    // SAFETY: only dup2 and fcntl (async-signal-safe) between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            // dup2 onto itself would leave close-on-exec set.
+            let r = if fd == 4 { libc::fcntl(4, libc::F_SETFD, 0) } else { libc::dup2(fd, 4) };
+            if r < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let child = cmd.spawn().unwrap();
+    drop(runtime_end);
+    let warm = serde_json::to_vec(&json!({"mode": "warm"})).unwrap();
+    agent_end.send_bytes(&warm).unwrap();
+    let reply: Value = serde_json::from_slice(&agent_end.recv_bytes(1 << 20).unwrap().unwrap()).unwrap();
+    assert_eq!(reply["type"], "warmed", "{reply}");
+    // A process of its own shares nothing, but its resident writable pages are populated
+    // all the same: zero would mean the mechanism does not work here (maps, mincore, madvise).
+    assert!(reply["prefaulted_kib"].as_u64().unwrap() > 0, "{reply}");
+    agent_end.send_bytes(&warm).unwrap();
+    assert_eq!(agent_end.recv_bytes(1 << 20).unwrap(), None, "the runtime ends");
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(70), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("a second warm-up request"), "{out:?}");
+}

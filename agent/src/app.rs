@@ -60,6 +60,9 @@ pub enum FromPayload {
     /// The runtime's trusted start-up is over; executor code comes next (the agent applies
     /// the CPU quota).
     Ready,
+    /// Reply to [`RuntimeArgs::Warm`]: the warm-up is done and the runtime waits for the
+    /// run's arguments. `prefaulted_kib`: memory it made its own (copy-on-write broken).
+    Warmed { prefaulted_kib: u64 },
 }
 
 /// Agent → payload.
@@ -108,6 +111,13 @@ pub enum RuntimeArgs {
         #[serde(default)]
         paths: Vec<String>,
     },
+    /// Not a run: a warm pool's sandbox is asked, while it waits for a run, to do now the
+    /// runtime's own work that does not depend on the run — break copy-on-write sharing
+    /// with the zygote (its first writes would otherwise fault page by page during the run)
+    /// and read the network facts — then reply [`FromPayload::Warmed`] and wait for the
+    /// run's arguments. Only the runtime's trusted code runs; allowed once, before the
+    /// arguments.
+    Warm,
 }
 
 /// The next message from the payload: `Ok(None)` at end of file (the payload is gone), `Err`

@@ -15,6 +15,14 @@
 //! - The pool holds at most its size; a sandbox idle for [`MAX_IDLE`] is discarded; dropping
 //!   a pooled sandbox kills it and removes its cgroups. Refills run on a background thread,
 //!   one at a time per spec.
+//! - A pooled sandbox with an application channel is a runtime waiting for its arguments:
+//!   the pool asks it to warm up ([`crate::app::RuntimeArgs::Warm`]: break copy-on-write
+//!   sharing with the zygote, read the network facts — the runtime's own code only) and
+//!   offers it only once it has replied; one that does not reply within [`WARM_LIMIT`], or
+//!   replies anything else, is discarded. This moves ~470 page faults per run (the
+//!   interpreter's first writes to pages it shares with the zygote) off the run's path, for
+//!   about the zygote's resident writable memory (~3 MiB) held privately by each waiting
+//!   payload.
 //!
 //! The pool learns from the runs: after a run of spec S it starts a sandbox for S, evicting
 //! the longest-idle one when full. The daemon pre-warms it at start with one sandbox for each
@@ -32,6 +40,9 @@ pub const MAX_IDLE: Duration = Duration::from_secs(600);
 
 /// The largest `agent.warm_pool`.
 pub const MAX_SIZE: usize = 64;
+
+/// How long a pooled runtime may take to warm up before its sandbox is discarded.
+pub const WARM_LIMIT: Duration = Duration::from_secs(10);
 
 struct Warm {
     spec: SandboxSpec,
@@ -146,6 +157,12 @@ impl WarmPool {
             return Ok(());
         }
         let sandbox = crate::launch::spawn_with_fallback(&spec, &self.launcher, None)?;
+        if sandbox.app_channel().is_some() {
+            // Dropped (killed and removed) on failure: the pool offers only warmed runtimes.
+            let prefaulted_kib =
+                warm_up(&sandbox).map_err(|e| sandbox::SandboxError::Channel(format!("warm-up: {e}")))?;
+            tracing::debug!(prefaulted_kib, "warm pool: a sandbox is warmed up");
+        }
         let evicted = {
             let mut st = self.state();
             if st.closed {
@@ -169,5 +186,31 @@ impl WarmPool {
     /// Sandboxes ready now.
     pub fn ready(&self) -> usize {
         self.state().ready.len()
+    }
+}
+
+/// Ask the runtime waiting in `sandbox` to warm up and wait (up to [`WARM_LIMIT`]) for its
+/// reply; returns the KiB it populated. Everything read comes from the sandbox.
+fn warm_up(sandbox: &Sandbox) -> Result<u64, String> {
+    use crate::app::{self, FromPayload, RuntimeArgs};
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    use std::os::fd::AsFd;
+    let chan = sandbox.app_channel().ok_or("no application channel")?;
+    chan.send_bytes(&app::encode(&RuntimeArgs::Warm)).map_err(|e| format!("send: {}", e.desc()))?;
+    let deadline = Instant::now() + WARM_LIMIT;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let mut pfd = [PollFd::new(chan.as_fd(), PollFlags::POLLIN)];
+        match poll(&mut pfd, PollTimeout::try_from(left).unwrap_or(PollTimeout::MAX)) {
+            Ok(0) => return Err(format!("no reply within {} s", WARM_LIMIT.as_secs())),
+            Ok(_) => break,
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(e) => return Err(format!("poll: {}", e.desc())),
+        }
+    }
+    match app::recv(chan)? {
+        Some(FromPayload::Warmed { prefaulted_kib }) => Ok(prefaulted_kib),
+        Some(other) => Err(format!("unexpected reply {other:?}")),
+        None => Err("the runtime ended".into()),
     }
 }

@@ -392,6 +392,17 @@ impl Sandbox {
         poll(&mut pfd, PollTimeout::ZERO).is_ok_and(|n| n > 0)
     }
 
+    /// The parent's end of the application channel, borrowed while the caller has not taken
+    /// it — for a caller that talks to the payload before handing it its work, as a warm
+    /// pool's warm-up does. `None` without an application channel, and while the sandbox is
+    /// held (the channel's first message is then the go).
+    pub fn app_channel(&self) -> Option<&Channel> {
+        if !self.app_requested || self.held {
+            return None;
+        }
+        self.app.as_ref()
+    }
+
     /// The parent's end of the application channel (once). Its protocol is the caller's;
     /// everything read from it comes from code running in the sandbox.
     pub fn take_app_channel(&mut self) -> Option<Channel> {

@@ -41,3 +41,23 @@ pub fn at_depth(pid: i32, depth: usize) -> Vec<i32> {
     }
     level
 }
+
+/// KiB of `pid`'s private writable mappings (`rw-p`) that are resident and still shared
+/// with another process (`Shared_Clean` + `Shared_Dirty` in `/proc/PID/smaps`): for a
+/// zygote's child, the pages its first writes would copy. `None` if the process is gone.
+pub fn shared_writable_kib(pid: i32) -> Option<u64> {
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).ok()?;
+    let mut writable = false;
+    let mut kib = 0;
+    for line in smaps.lines() {
+        let mut fields = line.split_ascii_whitespace();
+        let Some(first) = fields.next() else { continue };
+        if first.contains('-') && !first.ends_with(':') {
+            // A mapping's header: "start-end perms offset dev inode [path]".
+            writable = fields.next() == Some("rw-p");
+        } else if writable && (first == "Shared_Clean:" || first == "Shared_Dirty:") {
+            kib += fields.next().and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+        }
+    }
+    Some(kib)
+}

@@ -6,10 +6,11 @@
 //! bytecode writes — so the interpreter sees its standard library, the opservant package
 //! embedded here, the executor's package and its installed requirements, and nothing else.
 //! It talks to the agent only over the application channel (fd 4): the first message is its
-//! arguments; it reports "ready" once the interpreter is up and before any executor code is
+//! arguments (a warm pool's sandbox may be asked to warm up first, see `warm`); it reports "ready" once the interpreter is up and before any executor code is
 //! importable, which is when the agent applies the CPU quota.
 
 mod native;
+mod warm;
 
 use std::ffi::CString;
 use std::process::ExitCode;
@@ -59,8 +60,7 @@ fn run() -> Result<u8, String> {
     // fresh process owns it.
     let chan =
         unsafe { Channel::from_raw(APP_FD) }.map_err(|e| format!("no application channel on fd 4: {}", e.desc()))?;
-    let bytes = chan.recv_bytes(app::MAX_MESSAGE)?.ok_or("the agent closed the channel before sending arguments")?;
-    let args: RuntimeArgs = serde_json::from_slice(&bytes).map_err(|e| format!("malformed arguments: {e}"))?;
+    let args = warm::read_args(&chan)?;
     if let RuntimeArgs::Script { language, path } = &args {
         if language == "bash" {
             // Bash needs no interpreter of ours: check, report, then become bash.

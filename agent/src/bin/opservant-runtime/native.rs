@@ -59,6 +59,7 @@ pub mod _opservant {
             RuntimeArgs::Executor { .. } => "executor",
             RuntimeArgs::Script { .. } => "script",
             RuntimeArgs::Session { .. } => "session",
+            RuntimeArgs::Warm => "warm",
         })
     }
 
@@ -105,12 +106,7 @@ pub mod _opservant {
         unsafe { pyo3::ffi::PyOS_AfterFork_Child() };
         super::reseed_libc_random();
         let chan = handoff.app.ok_or_else(|| PyRuntimeError::new_err("no application channel"))?;
-        let bytes = chan
-            .recv_bytes(app::MAX_MESSAGE)
-            .map_err(PyOSError::new_err)?
-            .ok_or_else(|| PyRuntimeError::new_err("the agent closed the channel before sending arguments"))?;
-        let args: RuntimeArgs =
-            serde_json::from_slice(&bytes).map_err(|e| PyValueError::new_err(format!("malformed arguments: {e}")))?;
+        let args = super::super::warm::read_args(&chan).map_err(PyRuntimeError::new_err)?;
         if let RuntimeArgs::Script { language, path } = &args {
             if language == "bash" {
                 let code = match super::super::run_bash(chan, &path.clone()) {
@@ -210,7 +206,7 @@ pub mod _opservant {
                 v
             }
             RuntimeArgs::Session { paths, .. } => paths.clone(),
-            RuntimeArgs::Script { .. } => Vec::new(),
+            RuntimeArgs::Script { .. } | RuntimeArgs::Warm => Vec::new(),
         })
     }
 
@@ -244,7 +240,7 @@ pub mod _opservant {
     /// the first non-loopback IPv4 address (or 127.0.0.1) with its subnet.
     #[pyfunction]
     fn network<'py>(py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        Ok(pythonize::pythonize(py, &super::network_info())?)
+        Ok(pythonize::pythonize(py, network_facts())?)
     }
 
     /// Read an artifact from the scratch directory without following any symlink, with the
@@ -287,7 +283,14 @@ fn json_size(v: &Value) -> usize {
     serde_json::to_vec(v).map_or(0, |b| b.len())
 }
 
-/// Network information for `context["network"]`.
+/// Network information for `context["network"]`, read once: the sandbox's network is
+/// complete before the payload starts (egress wires it from the namespace hook) and nothing
+/// of the runtime changes it.
+pub(crate) fn network_facts() -> &'static Value {
+    static FACTS: std::sync::OnceLock<Value> = std::sync::OnceLock::new();
+    FACTS.get_or_init(network_info)
+}
+
 fn network_info() -> Value {
     use std::collections::BTreeMap;
     let mut ifaces: BTreeMap<String, Vec<String>> = BTreeMap::new();
