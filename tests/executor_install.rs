@@ -429,3 +429,79 @@ fn a_signature_that_is_present_is_checked_even_when_not_required() {
     assert_eq!(out.code, 2);
     assert!(out.stderr.contains("executors.trusted_keys[0]"), "{}", out.stderr);
 }
+
+/// The installed package carries bytecode compiled in a sandbox: one timestamp-checked
+/// `.pyc` per source (the requirements' included), which runs use — and a source changed
+/// afterwards is compiled again, not shadowed; a source that does not compile is a warning
+/// naming it; bytecode shipped in an archive is never installed.
+#[test]
+fn installed_packages_carry_bytecode_the_runs_use() {
+    if !common::require_root() {
+        return;
+    }
+    let env = Env::new();
+    let src = HostDir::new();
+    let links = src.path.join("links");
+    wheel(&links);
+    let pkg = package(&src.path, "1.0.0", true);
+    std::fs::write(pkg.join("hello/broken.py"), "def f(:\n").unwrap();
+    // Compiled, never run: its top level would leave a file on the host.
+    let marker = src.path.join("imported-at-install");
+    std::fs::write(pkg.join("hello/side_effect.py"), format!("open({:?}, 'w').close()\n", marker.to_str().unwrap()))
+        .unwrap();
+    // Bytecode in the archive: dropped at unpacking, whatever it holds.
+    std::fs::create_dir_all(pkg.join("hello/__pycache__")).unwrap();
+    std::fs::write(pkg.join("hello/__pycache__/shipped.cpython-311.pyc"), b"not bytecode").unwrap();
+    let archive = src.path.join("hello.tar.gz");
+    python(&format!(
+        "import tarfile\nwith tarfile.open({:?}, 'w:gz') as t: t.add({:?}, arcname='hello-1.0.0')",
+        archive.to_str().unwrap(),
+        pkg.to_str().unwrap()
+    ));
+    let out = env.op(&["executor", "install", archive.to_str().unwrap(), "--find-links", links.to_str().unwrap()]);
+    assert_eq!(out.code, 0, "{} {}", out.stdout, out.stderr);
+    assert!(
+        out.stderr.contains("bytecode not precompiled") && out.stderr.contains("broken.py: SyntaxError"),
+        "{}",
+        out.stderr
+    );
+    let installed = env.root.join("hello/1.0.0");
+    assert!(!installed.join("hello/__pycache__/shipped.cpython-311.pyc").exists(), "shipped bytecode installed");
+    assert!(!installed.join("hello/__pycache__/broken.cpython-311.pyc").exists());
+    assert!(installed.join("hello/__pycache__/side_effect.cpython-311.pyc").exists());
+    assert!(!marker.exists(), "a module ran at installation");
+    // The runtime embeds Debian's 3.11 (the build pins it): cache tag cpython-311.
+    for source in ["hello/__init__.py", "hello/main.py", ".deps/tinydep/__init__.py"] {
+        let source = installed.join(source);
+        let stem = source.file_stem().unwrap().to_str().unwrap();
+        let pyc = source.parent().unwrap().join(format!("__pycache__/{stem}.cpython-311.pyc"));
+        let bytes = std::fs::read(&pyc).unwrap_or_else(|e| panic!("{}: {e}", pyc.display()));
+        let meta = std::fs::metadata(&source).unwrap();
+        use std::os::unix::fs::MetadataExt;
+        let word = |i: usize| u32::from_le_bytes(bytes[i..i + 4].try_into().unwrap());
+        assert_eq!(&bytes[2..4], b"\r\n", "{}: magic", pyc.display());
+        assert_eq!(word(4), 0, "{}: timestamp-checked", pyc.display());
+        assert_eq!(word(8), meta.mtime() as u32, "{}: the source's mtime", pyc.display());
+        assert_eq!(word(12), meta.size() as u32, "{}: the source's size", pyc.display());
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(std::fs::metadata(&pyc).unwrap().permissions().mode() & 0o777, 0o644);
+    }
+    assert_eq!(run_output(&env, "hello")["version"], "1.0.0");
+
+    // Runs import the bytecode: replaced by code compiled from another source (the header,
+    // which matches the installed source, kept), the run reports that code's version.
+    let main = installed.join("hello/main.py");
+    let main_pyc = installed.join("hello/__pycache__/main.cpython-311.pyc");
+    python(&format!(
+        "import marshal\nsrc = open({main:?}).read().replace('VERSION = \"1.0.0\"', 'VERSION = \"from-bytecode\"')\n\
+         head = open({pyc:?}, 'rb').read()[:16]\n\
+         open({pyc:?}, 'wb').write(head + marshal.dumps(compile(src, {main:?}, 'exec')))",
+        main = main.to_str().unwrap(),
+        pyc = main_pyc.to_str().unwrap()
+    ));
+    assert_eq!(run_output(&env, "hello")["version"], "from-bytecode");
+    // A source changed after installation is compiled again (its size differs from the header's).
+    let text = std::fs::read_to_string(&main).unwrap().replace("VERSION = \"1.0.0\"", "VERSION = \"edited-source\"");
+    std::fs::write(&main, text).unwrap();
+    assert_eq!(run_output(&env, "hello")["version"], "edited-source");
+}

@@ -63,6 +63,15 @@ pub enum FromPayload {
     /// Reply to [`RuntimeArgs::Warm`]: the warm-up is done and the runtime waits for the
     /// run's arguments. `prefaulted_kib`: memory it made its own (copy-on-write broken).
     Warmed { prefaulted_kib: u64 },
+    /// One file of [`RuntimeArgs::Compile`], in order: its timestamp-checked `.pyc` (header
+    /// and marshalled code), or why it does not compile.
+    Compiled {
+        path: String,
+        #[serde(default)]
+        pyc_base64: Option<String>,
+        #[serde(default)]
+        error: Option<String>,
+    },
 }
 
 /// Agent → payload.
@@ -118,6 +127,13 @@ pub enum RuntimeArgs {
     /// run's arguments. Only the runtime's trusted code runs; allowed once, before the
     /// arguments.
     Warm,
+    /// Not a run: compile each source file (absolute paths in the sandbox's view) to the
+    /// bytecode its import would produce, without running any of it, and reply one
+    /// [`FromPayload::Compiled`] per file, in order (executor installation, see
+    /// `crate::bytecode`).
+    Compile {
+        files: Vec<String>,
+    },
 }
 
 /// The next message from the payload: `Ok(None)` at end of file (the payload is gone), `Err`

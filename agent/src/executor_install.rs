@@ -436,6 +436,19 @@ pub fn install(
     }
     // Normalise permissions: the sandbox reads the package as an unprivileged user.
     normalise_modes(&pkg)?;
+    let mut warnings = report.warnings;
+    // Bytecode caches, compiled in a sandbox; best effort (see `crate::bytecode`). The
+    // sandbox's unprivileged user must reach the package: the staging directory becomes
+    // traversable (not listable); everything in it is world-readable from here on, as the
+    // installed package is.
+    std::fs::set_permissions(&staging.0, std::fs::Permissions::from_mode(0o711)).map_err(|e| io(&staging.0, e))?;
+    match crate::bytecode::precompile(&pkg, policy) {
+        Ok(p) => {
+            tracing::info!(executor = %manifest.name, written = p.written, failed = p.failed.len(), "bytecode precompiled");
+            warnings.extend(p.failed.iter().map(|f| format!("bytecode not precompiled: {f}")));
+        }
+        Err(e) => warnings.push(format!("bytecode not precompiled: {e}")),
+    }
 
     let name_dir = root.join(&manifest.name);
     traversable_dir(&name_dir)?;
@@ -473,7 +486,7 @@ pub fn install(
         version: manifest.version,
         path: dest,
         previous,
-        warnings: report.warnings,
+        warnings,
         unchanged: false,
         sha256,
         signed_by,
@@ -770,6 +783,11 @@ fn unpack(file: &Path, kind: ArchiveKind, archive: &Path, dest: &Path) -> Result
                 continue;
             }
             return Err(InstallError::Invalid(format!("{}: an entry without a name", archive.display())));
+        }
+        // Bytecode caches are not part of a package (as for a directory, see `copy_tree`):
+        // the agent writes its own, compiled from the package's sources.
+        if rel.components().any(|c| c.as_os_str() == "__pycache__") {
+            continue;
         }
         let target = dest.join(&rel);
         if kind.is_dir() {

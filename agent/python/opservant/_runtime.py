@@ -352,6 +352,29 @@ def _ready():
     _opservant.ready()
 
 
+def run_compile():
+    """Installation: compile each file to the timestamp-checked bytecode its import would
+    produce (``compile`` runs none of it) and report it; a file that does not compile is
+    reported with its error. Returns the exit status."""
+    import os
+
+    import _frozen_importlib_external as bootstrap
+
+    for path in _opservant.compile_files():
+        try:
+            with open(path, "rb") as f:
+                stat = os.fstat(f.fileno())
+                source = f.read()
+            # As the import system's source_to_code does it.
+            code = compile(source, path, "exec", dont_inherit=True)
+            pyc = bytes(bootstrap._code_to_timestamp_pyc(code, stat.st_mtime, stat.st_size))
+        except Exception as e:  # SyntaxError, RecursionError, MemoryError, OSError...
+            _opservant.compiled(path, None, "%s: %s" % (type(e).__name__, e))
+            continue
+        _opservant.compiled(path, pyc)
+    return 0
+
+
 def main():
     """Run the mode the agent asked for; returns the process exit status."""
     mode = _opservant.mode()
@@ -359,6 +382,8 @@ def main():
         if mode == "executor":
             run_executor()
             return 0
+        if mode == "compile":
+            return run_compile()
         if mode == "script":
             return run_script()
         if mode == "session":

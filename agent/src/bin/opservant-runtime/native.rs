@@ -60,6 +60,7 @@ pub mod _opservant {
             RuntimeArgs::Script { .. } => "script",
             RuntimeArgs::Session { .. } => "session",
             RuntimeArgs::Warm => "warm",
+            RuntimeArgs::Compile { .. } => "compile",
         })
     }
 
@@ -206,7 +207,7 @@ pub mod _opservant {
                 v
             }
             RuntimeArgs::Session { paths, .. } => paths.clone(),
-            RuntimeArgs::Script { .. } | RuntimeArgs::Warm => Vec::new(),
+            RuntimeArgs::Script { .. } | RuntimeArgs::Warm | RuntimeArgs::Compile { .. } => Vec::new(),
         })
     }
 
@@ -249,6 +250,24 @@ pub mod _opservant {
     fn artifact<'py>(py: Python<'py>, path: String) -> PyResult<Bound<'py, PyAny>> {
         let value = super::read_artifact(&path).map_err(PyOSError::new_err)?;
         Ok(pythonize::pythonize(py, &value)?)
+    }
+
+    /// The files to compile (`compile` mode).
+    #[pyfunction]
+    fn compile_files() -> PyResult<Vec<String>> {
+        match super::runtime_args()? {
+            RuntimeArgs::Compile { files } => Ok(files.clone()),
+            _ => Err(PyRuntimeError::new_err("not in compile mode")),
+        }
+    }
+
+    /// Report one compiled file: its `.pyc` bytes, or the error.
+    #[pyfunction]
+    #[pyo3(signature = (path, pyc=None, error=None))]
+    fn compiled(path: String, pyc: Option<Vec<u8>>, error: Option<String>) -> PyResult<()> {
+        use base64::Engine;
+        let pyc_base64 = pyc.map(|b| base64::engine::general_purpose::STANDARD.encode(b));
+        send(&FromPayload::Compiled { path, pyc_base64, error })
     }
 
     /// Send the lifecycle result (a dict: status, output, error, artifacts). An output over
