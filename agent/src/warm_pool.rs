@@ -210,7 +210,11 @@ fn warm_up(sandbox: &Sandbox) -> Result<u64, String> {
     }
     match app::recv(chan)? {
         Some(FromPayload::Warmed { prefaulted_kib }) => Ok(prefaulted_kib),
-        Some(other) => Err(format!("unexpected reply {other:?}")),
+        Some(other) => {
+            // Untrusted and up to 16 MiB: named, not printed.
+            let text = format!("{other:?}");
+            Err(format!("unexpected reply {}", text.split(['{', ' ']).next().unwrap_or("")))
+        }
         None => Err("the runtime ended".into()),
     }
 }
