@@ -811,9 +811,15 @@ fn executors_listed_in_the_config_are_installed_at_start_once() {
     assert_eq!(failed[1]["fields"]["entry"], "executors.install[2]");
     assert!(a.stop().success());
 
+    // Installed with its bytecode; one installed by an older agent, without it, gets it at
+    // the next start, in place.
+    let pyc = a.dir.path.join("executors/hello/1.0.0/hello/__pycache__/main.cpython-311.pyc");
+    assert!(pyc.is_file());
+    std::fs::remove_dir_all(pyc.parent().unwrap()).unwrap();
     // Started again: the same version with the same content is left alone.
     a.start();
     assert!(a.stop().success());
+    assert!(pyc.is_file(), "bytecode not precompiled at start");
     assert_eq!(count(&a, "executor_installed"), 3, "nothing reinstalled");
     assert_eq!(count(&a, "executor_install_failed"), 4);
     let versions = || {

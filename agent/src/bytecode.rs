@@ -4,7 +4,8 @@
 //! the interpreter compiles every module from source on every import of every run — ~2.6 ms
 //! for each of the shipped 200–300 line executors' modules (`compile()` in Debian's 3.11).
 //! At installation [`precompile`] compiles the package's modules (its `.deps` included)
-//! once and writes `__pycache__/NAME.cpython-XY.pyc` beside each source.
+//! once and writes `__pycache__/NAME.cpython-XY.pyc` beside each source; at agent start
+//! [`precompile_installed`] does the same, in place, for installed executors without any.
 //!
 //! Guarantees:
 //! - Untrusted source is parsed only inside a sandbox: the embedded runtime compiles it in
@@ -153,8 +154,9 @@ fn receive(chan: sandbox::channel::Channel, sources: Vec<PathBuf>) -> (usize, Ve
     (written, failed, None)
 }
 
-/// Write `bytes` as the cache file of `source` (mode 0644, its directory 0755), replacing
-/// nothing that is not a regular file.
+/// Write `bytes` as the cache file of `source` (mode 0644, its directory 0755): a new file
+/// renamed into place, so an import running meanwhile (in place, at agent start) reads the
+/// old state or the whole new file, never a part.
 fn write_pyc(source: &Path, bytes: &[u8]) -> Result<(), String> {
     use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
     let target = cache_path(source).ok_or("no cache path")?;
@@ -164,12 +166,46 @@ fn write_pyc(source: &Path, bytes: &[u8]) -> Result<(), String> {
         Ok(_) => return Err(format!("{}: not a directory", dir.display())),
         Err(_) => std::fs::DirBuilder::new().mode(0o755).create(dir).map_err(|e| format!("{}: {e}", dir.display()))?,
     }
-    let mut f = std::fs::OpenOptions::new()
+    let name = target.file_name().and_then(|n| n.to_str()).ok_or("no cache file name")?;
+    let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
+    let _ = std::fs::remove_file(&tmp);
+    let written = std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
         .mode(0o644)
         .custom_flags(libc::O_NOFOLLOW)
-        .open(&target)
-        .map_err(|e| format!("{}: {e}", target.display()))?;
-    std::io::Write::write_all(&mut f, bytes).map_err(|e| format!("{}: {e}", target.display()))
+        .open(&tmp)
+        .and_then(|mut f| std::io::Write::write_all(&mut f, bytes))
+        .and_then(|()| std::fs::rename(&tmp, &target));
+    written.map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        format!("{}: {e}", target.display())
+    })
+}
+
+/// At agent start: installed executors without any bytecode (installed by an agent before
+/// this one) get it, in place. One with some (a source that does not compile has none) is
+/// left alone, so a broken file is not retried at every start. Failures are logged; runs
+/// compile from source as before.
+pub fn precompile_installed(root: &Path, policy: &AgentPolicy) {
+    let installed = match crate::executor_install::loaded(root) {
+        Ok(i) => i,
+        Err(e) => return tracing::warn!(error = %e, "bytecode: cannot list the installed executors"),
+    };
+    for (dir, executor) in installed {
+        let mut sources = Vec::new();
+        if collect(&dir, &mut sources).is_err() || sources.iter().any(|s| cache_path(s).is_some_and(|c| c.is_file())) {
+            continue;
+        }
+        let name = &executor.manifest.name;
+        match precompile(&dir, policy) {
+            Ok(p) => {
+                tracing::info!(executor = %name, written = p.written, failed = p.failed.len(), "bytecode precompiled in place");
+                for f in &p.failed {
+                    tracing::warn!(executor = %name, "bytecode not precompiled: {f}");
+                }
+            }
+            Err(e) => tracing::warn!(executor = %name, error = %e, "bytecode not precompiled"),
+        }
+    }
 }

@@ -643,6 +643,8 @@ fn agent_daemon(config: Option<PathBuf>, check_only: bool) -> Result<ExitCode, C
     // executors.install, before any command is taken: failures are logged and audited, and
     // the agent starts without those packages (it can still be told to install them).
     let install_failures = agent::executor_install::install_configured(&cfg, &policy, &trust);
+    // Executors installed by an older agent get their bytecode once (a sandbox each).
+    agent::bytecode::precompile_installed(&cfg.executors.root(), &policy);
     // The daemon is multi-threaded: sandboxes start from its zygote (a process of their own,
     // started now so the first command does not wait for it) or from a fresh exec.
     let launcher = match settings.launch {
