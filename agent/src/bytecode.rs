@@ -85,7 +85,8 @@ pub fn precompile(pkg: &Path, policy: &AgentPolicy) -> Result<Precompiled, Strin
     let outcome = outcome.map_err(|e| e.to_string())?;
     if let Some(e) = protocol {
         done.failed.push(e);
-    } else if !outcome.success() {
+    }
+    if !outcome.success() {
         let how = match (&outcome.killed_by, outcome.timed_out, &outcome.exit) {
             (_, true, _) => format!("timed out after {} s", COMPILE_TIMEOUT.as_secs()),
             (Some(k), _, _) => format!("killed ({k})"),
@@ -128,11 +129,14 @@ pub fn cache_path(source: &Path) -> Option<PathBuf> {
 fn receive(chan: sandbox::channel::Channel, sources: Vec<PathBuf>) -> (usize, Vec<String>, Option<String>) {
     use base64::Engine;
     let (mut written, mut failed) = (0, Vec::new());
-    for source in &sources {
+    for (i, source) in sources.iter().enumerate() {
         let (path, pyc, error) = match app::recv(&chan) {
             Ok(Some(FromPayload::Compiled { path, pyc_base64, error })) => (path, pyc_base64, error),
             Ok(Some(_)) => return (written, failed, Some("unexpected message from the compiler".into())),
-            Ok(None) => return (written, failed, None),
+            Ok(None) => {
+                let why = format!("the compiler stopped after {i} of {} files", sources.len());
+                return (written, failed, Some(why));
+            }
             Err(e) => return (written, failed, Some(e)),
         };
         if Path::new(&path) != source.as_path() {
