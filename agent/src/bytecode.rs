@@ -49,6 +49,11 @@ pub struct Precompiled {
 pub fn precompile(pkg: &Path, policy: &AgentPolicy) -> Result<Precompiled, String> {
     let mut sources = Vec::new();
     collect(pkg, &mut sources)?;
+    compile_sources(pkg, sources, policy)
+}
+
+/// [`precompile`] of `sources`, the `.py` files under `pkg`.
+fn compile_sources(pkg: &Path, mut sources: Vec<PathBuf>, policy: &AgentPolicy) -> Result<Precompiled, String> {
     let mut done = Precompiled::default();
     if sources.len() > MAX_FILES {
         done.failed.push(format!("{} more source files than {MAX_FILES} not precompiled", sources.len() - MAX_FILES));
@@ -140,14 +145,15 @@ fn receive(chan: sandbox::channel::Channel, sources: Vec<PathBuf>) -> (usize, Ve
             Err(e) => return (written, failed, Some(e)),
         };
         if Path::new(&path) != source.as_path() {
-            return (written, failed, Some(format!("the compiler answered for {path}, not {}", source.display())));
+            let why = format!("the compiler answered for {}, not {}", shown(&path), source.display());
+            return (written, failed, Some(why));
         }
         let result = match (pyc, error) {
             (Some(b64), None) => base64::engine::general_purpose::STANDARD
                 .decode(b64)
                 .map_err(|e| format!("not base64: {e}"))
                 .and_then(|bytes| write_pyc(source, &bytes)),
-            (_, Some(error)) => Err(error),
+            (_, Some(error)) => Err(shown(&error)),
             (None, None) => Err("no bytecode".into()),
         };
         match result {
@@ -156,6 +162,16 @@ fn receive(chan: sandbox::channel::Channel, sources: Vec<PathBuf>) -> (usize, Ve
         }
     }
     (written, failed, None)
+}
+
+/// Text from the sandbox as the install's warnings show it: at most 300 characters, control
+/// characters escaped (it reaches terminals and logs).
+fn shown(text: &str) -> String {
+    let mut out: String = text.chars().take(300).collect::<String>().escape_debug().collect();
+    if text.chars().nth(300).is_some() {
+        out.push('…');
+    }
+    out
 }
 
 /// Write `bytes` as the cache file of `source` (mode 0644, its directory 0755): a new file
@@ -202,7 +218,7 @@ pub fn precompile_installed(root: &Path, policy: &AgentPolicy) {
             continue;
         }
         let name = &executor.manifest.name;
-        match precompile(&dir, policy) {
+        match compile_sources(&dir, sources, policy) {
             Ok(p) => {
                 tracing::info!(executor = %name, written = p.written, failed = p.failed.len(), "bytecode precompiled in place");
                 for f in &p.failed {
@@ -211,5 +227,18 @@ pub fn precompile_installed(root: &Path, policy: &AgentPolicy) {
             }
             Err(e) => tracing::warn!(executor = %name, error = %e, "bytecode not precompiled"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn text_from_the_sandbox_is_bounded_and_escaped() {
+        assert_eq!(shown("SyntaxError: invalid syntax"), "SyntaxError: invalid syntax");
+        assert_eq!(shown("a\u{1b}[2Jb\n"), "a\\u{1b}[2Jb\\n");
+        let long = "x".repeat(10_000);
+        assert_eq!(shown(&long), format!("{}…", "x".repeat(300)));
     }
 }

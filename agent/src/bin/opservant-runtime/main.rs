@@ -6,8 +6,9 @@
 //! bytecode writes — so the interpreter sees its standard library, the opservant package
 //! embedded here, the executor's package and its installed requirements, and nothing else.
 //! It talks to the agent only over the application channel (fd 4): the first message is its
-//! arguments (a warm pool's sandbox may be asked to warm up first, see `warm`); it reports "ready" once the interpreter is up and before any executor code is
-//! importable, which is when the agent applies the CPU quota.
+//! arguments (a warm pool's sandbox may be asked to warm up first, see `warm`); it reports
+//! "ready" once the interpreter is up and before any executor code is importable, which is
+//! when the agent applies the CPU quota.
 
 mod native;
 mod warm;
