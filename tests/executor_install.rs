@@ -505,3 +505,33 @@ fn installed_packages_carry_bytecode_the_runs_use() {
     std::fs::write(&main, text).unwrap();
     assert_eq!(run_output(&env, "hello")["version"], "edited-source");
 }
+
+#[test]
+fn a_source_that_kills_the_compiler_is_skipped_and_the_rest_compiled() {
+    if !common::require_root() {
+        return;
+    }
+    let env = Env::new();
+    let pkg = package(&env.dir.path, "1.0.0", false);
+    // ~3 MB of source whose syntax tree needs ~1 GB: over the compiling sandbox's memory
+    // limit (the default 128 MiB). Were it compiled outside a limited sandbox, it would
+    // get bytecode.
+    std::fs::write(pkg.join("hello/big.py"), format!("x = [{}]\n", "0,".repeat(1_500_000))).unwrap();
+    std::fs::write(pkg.join("hello/zz_after.py"), "VALUE = 1\n").unwrap();
+    let out = env.op(&["executor", "install", pkg.to_str().unwrap()]);
+    assert_eq!(out.code, 0, "{} {}", out.stdout, out.stderr);
+    assert!(
+        out.stderr
+            .contains("bytecode not precompiled: hello/big.py: the compiling sandbox was killed (oom) compiling it"),
+        "{}",
+        out.stderr
+    );
+    let installed = env.root.join("hello/1.0.0/hello");
+    assert!(!installed.join("__pycache__/big.cpython-311.pyc").exists());
+    // The files after it were compiled by a fresh sandbox.
+    for stem in ["__init__", "main", "zz_after"] {
+        let pyc = installed.join(format!("__pycache__/{stem}.cpython-311.pyc"));
+        assert!(pyc.is_file(), "{} missing: {}", pyc.display(), out.stderr);
+    }
+    assert_eq!(run_output(&env, "hello")["version"], "1.0.0");
+}

@@ -21,7 +21,9 @@
 //!   again, as before.
 //! - Best effort: a source that does not compile, or a compilation that cannot run, leaves
 //!   the package without (some) bytecode and is reported as a warning; the installation
-//!   goes on, and the import reports the same error when a run reaches it.
+//!   goes on, and the import reports the same error when a run reaches it. A source whose
+//!   compilation gets the sandbox killed (memory, tasks, a crash) is named and skipped;
+//!   the files after it are compiled in a fresh sandbox ([`MAX_COMPILERS`] at most).
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -34,6 +36,10 @@ pub const COMPILE_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// Most source files compiled per package (more are left to be compiled at import).
 pub const MAX_FILES: usize = 20_000;
+
+/// Most compiling sandboxes per package: each after the first resumes after a source that
+/// got the previous one killed.
+pub const MAX_COMPILERS: usize = 4;
 
 /// What [`precompile`] did.
 #[derive(Debug, Default)]
@@ -52,16 +58,56 @@ pub fn precompile(pkg: &Path, policy: &AgentPolicy) -> Result<Precompiled, Strin
     compile_sources(pkg, sources, policy)
 }
 
-/// [`precompile`] of `sources`, the `.py` files under `pkg`.
+/// [`precompile`] of `sources`, the `.py` files under `pkg`. A source that kills the
+/// compiler (memory, tasks, a crash) is reported and skipped, and the files after it are
+/// compiled in a fresh sandbox — at most [`MAX_COMPILERS`] per package.
 fn compile_sources(pkg: &Path, mut sources: Vec<PathBuf>, policy: &AgentPolicy) -> Result<Precompiled, String> {
     let mut done = Precompiled::default();
     if sources.len() > MAX_FILES {
         done.failed.push(format!("{} more source files than {MAX_FILES} not precompiled", sources.len() - MAX_FILES));
         sources.truncate(MAX_FILES);
     }
-    if sources.is_empty() {
-        return Ok(done);
+    let mut rest: &[PathBuf] = &sources;
+    let mut compilers = 0;
+    while !rest.is_empty() {
+        if compilers == MAX_COMPILERS {
+            done.failed.push(format!(
+                "{} more files not precompiled: {MAX_COMPILERS} compiling sandboxes were killed",
+                rest.len()
+            ));
+            break;
+        }
+        compilers += 1;
+        let batch = match compile_batch(pkg, rest, policy) {
+            Ok(b) => b,
+            // Nothing compiled yet: the compilation could not run at all.
+            Err(e) if compilers == 1 => return Err(e),
+            Err(e) => {
+                done.failed.push(format!("{} more files not precompiled: {e}", rest.len()));
+                break;
+            }
+        };
+        done.written += batch.written;
+        done.failed.extend(batch.failed);
+        match batch.killed_at {
+            Some(i) => rest = &rest[i + 1..],
+            None => break,
+        }
     }
+    Ok(done)
+}
+
+/// What one compiling sandbox did.
+struct Batch {
+    written: usize,
+    failed: Vec<String>,
+    /// The sandbox was killed while compiling `sources[i]` (reported in `failed`): the
+    /// files after it may be compiled in another.
+    killed_at: Option<usize>,
+}
+
+/// Compile `sources` in one sandbox. `Err` when it could not start.
+fn compile_batch(pkg: &Path, sources: &[PathBuf], policy: &AgentPolicy) -> Result<Batch, String> {
     let runtime = crate::executor_run::runtime_binary().map_err(|e| e.0)?;
     let (mut spec, _) = policy.spec_for(None, &runtime.to_string_lossy(), vec![]).map_err(|e| e.to_string())?;
     crate::policy::runtime_payload(&mut spec, &runtime);
@@ -82,27 +128,43 @@ fn compile_sources(pkg: &Path, mut sources: Vec<PathBuf>, policy: &AgentPolicy) 
     let files: Vec<String> = sources.iter().map(|p| p.to_string_lossy().into_owned()).collect();
     chan.send_bytes(&app::encode(&RuntimeArgs::Compile { files }))
         .map_err(|e| format!("runtime arguments: {}", e.desc()))?;
-    let writer = std::thread::spawn(move || receive(chan, sources));
+    let (owned, root) = (sources.to_vec(), pkg.to_path_buf());
+    let writer = std::thread::spawn(move || receive(chan, &root, owned));
     let outcome = sb.wait(sandbox::OutputOptions::default());
-    let (written, mut failed, protocol) = writer.join().map_err(|_| "the bytecode writer panicked".to_string())?;
-    done.written = written;
-    done.failed.append(&mut failed);
+    let received = writer.join().map_err(|_| "the bytecode writer panicked".to_string())?;
+    let mut batch = Batch { written: received.written, failed: received.failed, killed_at: None };
     let outcome = outcome.map_err(|e| e.to_string())?;
-    if let Some(e) = protocol {
-        done.failed.push(e);
+    if outcome.success() {
+        batch.failed.extend(received.protocol);
+        return Ok(batch);
     }
-    if !outcome.success() {
-        let how = match (&outcome.killed_by, outcome.timed_out, &outcome.exit) {
-            (_, true, _) => format!("timed out after {} s", COMPILE_TIMEOUT.as_secs()),
-            (Some(k), _, _) => format!("killed ({k})"),
-            (None, _, Some(e)) => format!("exit status {:?}", e.code),
-            (None, _, None) => "ended".into(),
-        };
-        let stderr = String::from_utf8_lossy(&outcome.stderr.bytes);
-        let last = stderr.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("");
-        done.failed.push(format!("the compiling sandbox {how}: {last}"));
+    let how = match (&outcome.killed_by, outcome.timed_out, &outcome.exit) {
+        (_, true, _) => format!("timed out after {} s", COMPILE_TIMEOUT.as_secs()),
+        (Some(k), _, _) => format!("killed ({k})"),
+        (None, _, Some(sandbox::ExitInfo { signal: Some(n), .. })) => format!("killed (signal:{n})"),
+        (None, _, Some(e)) => format!("exit status {:?}", e.code),
+        (None, _, None) => "ended".into(),
+    };
+    let stderr = String::from_utf8_lossy(&outcome.stderr.bytes);
+    let last = stderr.lines().rev().find(|l| !l.trim().is_empty()).map(|l| format!(": {}", shown(l)));
+    let last = last.unwrap_or_default();
+    // Killed (not timed out, not failed by itself) while a file was being compiled: that
+    // file is the likely cause; it is named, and the files after it may be retried.
+    let killed = !outcome.timed_out
+        && (matches!(outcome.killed_by, Some(k) if k != sandbox::KilledBy::Timeout)
+            || outcome.exit.as_ref().is_some_and(|e| e.signal.is_some()));
+    match (killed, received.stopped_at) {
+        (true, Some(i)) => {
+            let name = in_package(pkg, &sources[i]);
+            batch.failed.push(format!("{name}: the compiling sandbox was {how} compiling it{last}"));
+            batch.killed_at = Some(i);
+        }
+        _ => {
+            batch.failed.extend(received.protocol);
+            batch.failed.push(format!("the compiling sandbox {how}{last}"));
+        }
     }
-    Ok(done)
+    Ok(batch)
 }
 
 /// Every regular `.py` file under `dir`, in name order, outside `__pycache__`.
@@ -129,24 +191,46 @@ pub fn cache_path(source: &Path) -> Option<PathBuf> {
     Some(source.parent()?.join("__pycache__").join(format!("{stem}.cpython-{major}{minor}.pyc")))
 }
 
-/// Read one reply per source, in order, and write each `.pyc`: (written, failed sources,
-/// a protocol error that ended the reading).
-fn receive(chan: sandbox::channel::Channel, sources: Vec<PathBuf>) -> (usize, Vec<String>, Option<String>) {
+/// What [`receive`] read from one compiler.
+struct Received {
+    written: usize,
+    /// Sources without bytecode, each with the reason.
+    failed: Vec<String>,
+    /// A protocol error, or the compiler's early stop, that ended the reading.
+    protocol: Option<String>,
+    /// The compiler's channel closed before it answered for `sources[i]`.
+    stopped_at: Option<usize>,
+}
+
+/// `source` as the warnings name it: its path in the package (not the staging directory's).
+fn in_package(pkg: &Path, source: &Path) -> String {
+    source.strip_prefix(pkg).unwrap_or(source).display().to_string()
+}
+
+/// Read one reply per source, in order, and write each `.pyc`.
+fn receive(chan: sandbox::channel::Channel, pkg: &Path, sources: Vec<PathBuf>) -> Received {
     use base64::Engine;
-    let (mut written, mut failed) = (0, Vec::new());
+    let mut r = Received { written: 0, failed: Vec::new(), protocol: None, stopped_at: None };
     for (i, source) in sources.iter().enumerate() {
         let (path, pyc, error) = match app::recv(&chan) {
             Ok(Some(FromPayload::Compiled { path, pyc_base64, error })) => (path, pyc_base64, error),
-            Ok(Some(_)) => return (written, failed, Some("unexpected message from the compiler".into())),
-            Ok(None) => {
-                let why = format!("the compiler stopped after {i} of {} files", sources.len());
-                return (written, failed, Some(why));
+            Ok(Some(_)) => {
+                r.protocol = Some("unexpected message from the compiler".into());
+                return r;
             }
-            Err(e) => return (written, failed, Some(e)),
+            Ok(None) => {
+                r.protocol = Some(format!("the compiler stopped after {i} of {} files", sources.len()));
+                r.stopped_at = Some(i);
+                return r;
+            }
+            Err(e) => {
+                r.protocol = Some(e);
+                return r;
+            }
         };
         if Path::new(&path) != source.as_path() {
-            let why = format!("the compiler answered for {}, not {}", shown(&path), source.display());
-            return (written, failed, Some(why));
+            r.protocol = Some(format!("the compiler answered for {}, not {}", shown(&path), in_package(pkg, source)));
+            return r;
         }
         let result = match (pyc, error) {
             (Some(b64), None) => base64::engine::general_purpose::STANDARD
@@ -157,11 +241,11 @@ fn receive(chan: sandbox::channel::Channel, sources: Vec<PathBuf>) -> (usize, Ve
             (None, None) => Err("no bytecode".into()),
         };
         match result {
-            Ok(()) => written += 1,
-            Err(e) => failed.push(format!("{}: {e}", source.display())),
+            Ok(()) => r.written += 1,
+            Err(e) => r.failed.push(format!("{}: {e}", in_package(pkg, source))),
         }
     }
-    (written, failed, None)
+    r
 }
 
 /// Text from the sandbox as the install's warnings show it: at most 300 characters, control
