@@ -75,6 +75,11 @@ fn one_round_writes_a_complete_report_and_chart() {
     }
     let dir = HostDir::new();
     let (json_path, svg_path) = (dir.path.join("bench.json"), dir.path.join("bench.svg"));
+    // The scratch directory of a benchmark that was killed: its pid is not running.
+    let pid_max: u32 = std::fs::read_to_string("/proc/sys/kernel/pid_max").unwrap().trim().parse().unwrap();
+    let dead = (2..pid_max).rev().find(|p| !std::path::Path::new(&format!("/proc/{p}")).exists()).unwrap();
+    let stale = std::path::PathBuf::from(format!("/var/tmp/opservant-bench-{dead}"));
+    std::fs::create_dir_all(stale.join("noop")).unwrap();
     let out = bench(&[
         "--rounds",
         "1",
@@ -95,6 +100,7 @@ fn one_round_writes_a_complete_report_and_chart() {
         String::from_utf8_lossy(&out.stderr)
     );
 
+    assert!(!stale.exists(), "a dead benchmark's scratch directory was left");
     let report: Value = serde_json::from_slice(&std::fs::read(&json_path).unwrap()).unwrap();
     assert_eq!(report["rounds"], 1);
     assert!(positive(&report["cpus"]) && report["kernel"].as_str().is_some_and(|k| !k.is_empty()));

@@ -248,7 +248,25 @@ fn write_executor(dir: &Path, name: &str, class: &str, source: &str, network: Va
     write(&dir.join("manifest.json"), &manifest.to_string())
 }
 
+/// The executor packages [`make_scratch`] writes.
+const EXECUTOR_DIRS: [&str; 3] = ["noop", "noop-egress", "sleep"];
+
+/// Remove the scratch directories of benchmarks that were killed before they could (their
+/// process is gone; a directory whose pid is alive again is left alone).
+fn remove_stale_scratch() {
+    let Ok(entries) = std::fs::read_dir("/var/tmp") else { return };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name.to_str().and_then(|n| n.strip_prefix("opservant-bench-")) else { continue };
+        let Ok(pid) = pid.parse::<u32>() else { continue };
+        if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+}
+
 fn make_scratch() -> Result<Scratch, BenchError> {
+    remove_stale_scratch();
     let dir = PathBuf::from(format!("/var/tmp/opservant-bench-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).map_err(|e| failed(format!("{}: {e}", dir.display())))?;
@@ -485,6 +503,15 @@ pub fn run(opts: &Options, progress: &mut dyn FnMut(&str)) -> Result<Value, Benc
     let config = Config::load(Some(&dir.join("config.yaml"))).map_err(failed)?;
     crate::audit::init(&config).map_err(failed)?;
     let policy = AgentPolicy::from_config(&config).map_err(failed)?;
+    // As installed executors are: their bytecode precompiled in a sandbox, as `executor
+    // install` does, so the run rows import it instead of compiling the module every run.
+    for pkg in EXECUTOR_DIRS {
+        let done = crate::bytecode::precompile(&dir.join(pkg), &policy)
+            .map_err(|e| failed(format!("precompile {pkg}: {e}")))?;
+        if let Some(f) = done.failed.first() {
+            return Err(failed(format!("precompile {pkg}: {f}")));
+        }
+    }
     let (program_spec, _) = policy.spec_for(None, "/bin/true", vec![]).map_err(failed)?;
     // As the agent's daemon: one prepared network namespace per command it runs at once.
     let zygote = crate::launch::zygote(&runtime, crate::daemon::DEFAULT_MAX_CONCURRENT);
@@ -647,6 +674,7 @@ pub fn run(opts: &Options, progress: &mut dyn FnMut(&str)) -> Result<Value, Benc
         "percentile_method": "nearest-rank: sorted[ceil(p/100 * n) - 1]",
         "rows": row_json,
         "skipped": skipped,
+        "executors": "written to the scratch directory, their bytecode precompiled (in a sandbox) as `opservant executor install` does",
         "pool": {"built": true, "method": "run-pool: before each sample (untimed) the warm pool starts a sandbox for the run through the zygote and the bench waits until its payload waits for arguments; the sample is the run that takes it (sandbox.launch pool)"},
         "throughput": throughput,
         "memory": memory,
