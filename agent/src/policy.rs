@@ -77,8 +77,9 @@ const INTERPRETER_HOST_FILES: &[&str] = &[
 /// read once per process: the runtime's libraries sit beside those the agent loaded at
 /// start (a library loaded later could only add a directory), and the map of a busy
 /// multi-threaded agent is long (reading it per sandbox cost ~60 µs of CPU, measured under
-/// `opservant bench`'s throughput test). A failed read is not cached (the next sandbox tries again); meanwhile the list is empty
-/// and the runtime cannot start — a failed start, not a wider view.
+/// `opservant bench`'s throughput test). A failed read is not cached (the next sandbox
+/// tries again); meanwhile the list is empty and the runtime cannot start — a failed
+/// start, not a wider view.
 fn loaded_library_dirs() -> Vec<PathBuf> {
     static DIRS: std::sync::OnceLock<Vec<PathBuf>> = std::sync::OnceLock::new();
     if let Some(dirs) = DIRS.get() {

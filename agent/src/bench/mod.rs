@@ -269,7 +269,10 @@ fn make_scratch() -> Result<Scratch, BenchError> {
     remove_stale_scratch();
     let dir = PathBuf::from(format!("/var/tmp/opservant-bench-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).map_err(|e| failed(format!("{}: {e}", dir.display())))?;
+    // `create_dir`, not `create_dir_all`: `/var/tmp` is world-writable, and a directory
+    // someone else made there (between the removal and now) must not be used — the
+    // benchmark runs as root from a configuration it writes into this directory.
+    std::fs::create_dir(&dir).map_err(|e| failed(format!("{}: {e}", dir.display())))?;
     let scratch = Scratch { dir: dir.clone(), netns: None };
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).map_err(failed)?;
     write_executor(&dir.join("noop"), "noop", "NoopExecutor", NOOP_PY, json!({"outbound": false}))?;
