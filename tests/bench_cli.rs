@@ -190,3 +190,68 @@ fn svg_check_catches_broken_documents() {
     assert!(well_formed("<svg><g></svg>").is_err());
     assert!(well_formed("<svg>").is_err());
 }
+
+#[test]
+fn a_stop_signal_ends_the_run_and_removes_what_it_made() {
+    use std::io::BufRead;
+    if !common::require_root() {
+        return;
+    }
+    let mut child = Command::new(common::opservant())
+        .args(["bench", "--only", "run-zygote-egress,run-pool", "--rounds", "100000", "--timings-only"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn opservant");
+    let pid = child.id();
+    // The header comes when everything is set up (scratch directory, network namespace,
+    // zygote, pool) and the samples start.
+    let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    loop {
+        line.clear();
+        assert!(stdout.read_line(&mut line).unwrap() > 0, "the benchmark ended before its first sample");
+        if line.starts_with("opservant bench:") {
+            break;
+        }
+    }
+    let scratch = std::path::PathBuf::from(format!("/var/tmp/opservant-bench-{pid}"));
+    let netns = std::path::PathBuf::from(format!("/run/netns/opsvbench-{pid}"));
+    assert!(scratch.is_dir() && netns.exists(), "nothing to clean up: {} {}", scratch.display(), netns.display());
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    // SAFETY: kill(2) on the child this test spawned and has not reaped.
+    assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGTERM) }, 0);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        assert!(std::time::Instant::now() < deadline, "still running 60 s after SIGTERM");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    assert_eq!(status.code(), Some(128 + libc::SIGTERM), "{stderr}");
+    assert!(stderr.contains("interrupted by signal 15"), "{stderr}");
+    assert!(!scratch.exists(), "scratch directory left");
+    assert!(!netns.exists(), "network namespace left");
+    // The zygote (started from the scratch directory's copy of the runtime) ends when its
+    // control socket closes with the benchmark.
+    let marker = format!("opservant-bench-{pid}/");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let left: Vec<String> = std::fs::read_dir("/proc")
+            .unwrap()
+            .flatten()
+            .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
+            .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
+            .filter(|c| c.contains(&marker))
+            .collect();
+        if left.is_empty() {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "processes left: {left:?}");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}

@@ -732,6 +732,10 @@ fn bench(
             eprintln!("opservant: bench: {m}");
             return Ok(ExitCode::from(1));
         }
+        Err(e @ BenchError::Interrupted(signal)) => {
+            eprintln!("opservant: bench: {e}");
+            return Ok(ExitCode::from(128u8.saturating_add(signal.clamp(0, 127) as u8)));
+        }
     };
     print!("{}", bench::render_table(&report));
     if let Some(path) = &json {

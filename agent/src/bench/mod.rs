@@ -25,7 +25,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -46,6 +46,46 @@ pub enum BenchError {
     /// Something could not be set up or a measured command failed.
     #[error("{0}")]
     Failed(String),
+    /// Stopped by this signal (SIGINT, SIGTERM or SIGHUP) after the sample in progress;
+    /// everything the benchmark made was removed (exit status 128 + the signal's number).
+    #[error("interrupted by signal {0}; stopped and cleaned up")]
+    Interrupted(i32),
+}
+
+/// The stop signal a running benchmark received (0: none). Caught rather than left to kill
+/// the process, so that the scratch directory, the network namespace and the zygote are
+/// removed as on a normal end.
+static STOP_SIGNAL: AtomicI32 = AtomicI32::new(0);
+
+extern "C" fn on_stop_signal(signal: libc::c_int) {
+    // Async-signal-safe: a store to a lock-free atomic.
+    STOP_SIGNAL.store(signal, Ordering::Relaxed);
+}
+
+/// Catch SIGINT, SIGTERM and SIGHUP for the rest of the process (see [`STOP_SIGNAL`]).
+fn catch_stop_signals() -> Result<(), BenchError> {
+    use nix::sys::signal::{sigaction, SaFlags, SigAction, SigHandler, SigSet, Signal};
+    let action = SigAction::new(SigHandler::Handler(on_stop_signal), SaFlags::SA_RESTART, SigSet::empty());
+    for signal in [Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP] {
+        // SAFETY: the handler only stores to a lock-free atomic, which is async-signal-safe;
+        // no other handler of these signals exists in this process to be replaced.
+        unsafe { sigaction(signal, &action) }.map_err(|e| failed(format!("sigaction {signal}: {e}")))?;
+    }
+    Ok(())
+}
+
+/// `Err(Interrupted)` once a stop signal arrived.
+fn check_stop() -> Result<(), BenchError> {
+    match STOP_SIGNAL.load(Ordering::Relaxed) {
+        0 => Ok(()),
+        signal => Err(BenchError::Interrupted(signal)),
+    }
+}
+
+/// `e`, or `Interrupted` when a stop signal arrived meanwhile (a measured command that the
+/// terminal's Ctrl-C also reached fails because of it, not on its own).
+fn or_stopped(e: BenchError) -> BenchError {
+    check_stop().err().unwrap_or(e)
 }
 
 fn failed(e: impl std::fmt::Display) -> BenchError {
@@ -495,6 +535,7 @@ pub fn run(opts: &Options, progress: &mut dyn FnMut(&str)) -> Result<Value, Benc
     if unsafe { libc::geteuid() } != 0 {
         return Err(BenchError::Usage("opservant bench needs root (cgroups, namespaces)".into()));
     }
+    catch_stop_signals()?;
     let mut scratch = make_scratch()?;
     let dir = scratch.dir.clone();
     let (op, runtime) = install(&dir)?;
@@ -509,6 +550,7 @@ pub fn run(opts: &Options, progress: &mut dyn FnMut(&str)) -> Result<Value, Benc
     // As installed executors are: their bytecode precompiled in a sandbox, as `executor
     // install` does, so the run rows import it instead of compiling the module every run.
     for pkg in EXECUTOR_DIRS {
+        check_stop()?;
         let done = crate::bytecode::precompile(&dir.join(pkg), &policy)
             .map_err(|e| failed(format!("precompile {pkg}: {e}")))?;
         if let Some(f) = done.failed.first() {
@@ -623,8 +665,9 @@ pub fn run(opts: &Options, progress: &mut dyn FnMut(&str)) -> Result<Value, Benc
     let n = rows.len();
     for round in 0..opts.warmup + opts.rounds {
         for i in 0..n {
+            check_stop()?;
             let row = &rows[(round + i) % n];
-            let d = row.once(&env)?;
+            let d = row.once(&env).map_err(or_stopped)?;
             if round >= opts.warmup {
                 rows[(round + i) % n].samples.push(d);
             }
@@ -661,7 +704,9 @@ pub fn run(opts: &Options, progress: &mut dyn FnMut(&str)) -> Result<Value, Benc
     } else {
         throughput(&env, &dir.join("noop"), opts.threads, opts.duration)?
     };
-    let memory = if opts.timings_only { Value::Null } else { memory(&env, &dir, &op)? };
+    check_stop()?;
+    let memory = if opts.timings_only { Value::Null } else { memory(&env, &dir, &op).map_err(or_stopped)? };
+    check_stop()?;
 
     let now = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
     let mut report = json!({
@@ -705,9 +750,9 @@ fn throughput(env: &Env, noop: &Path, threads: usize, duration: Duration) -> Res
             .map(|_| {
                 s.spawn(|| {
                     while Instant::now() < deadline && !stop.load(Ordering::Relaxed) {
-                        if let Err(e) = env.run_executor(noop, json!({})) {
+                        if let Err(e) = check_stop().and_then(|()| env.run_executor(noop, json!({}))) {
                             stop.store(true, Ordering::Relaxed);
-                            return Err(e);
+                            return Err(or_stopped(e));
                         }
                         done.fetch_add(1, Ordering::Relaxed);
                     }
