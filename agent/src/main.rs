@@ -732,9 +732,10 @@ fn bench(
             eprintln!("opservant: bench: {m}");
             return Ok(ExitCode::from(1));
         }
-        Err(e @ BenchError::Interrupted(signal)) => {
+        // Ran but did not complete: 1, as the command line's contract has it (DESIGN.md §5).
+        Err(e @ BenchError::Interrupted(_)) => {
             eprintln!("opservant: bench: {e}");
-            return Ok(ExitCode::from(128u8.saturating_add(signal.clamp(0, 127) as u8)));
+            return Ok(ExitCode::from(1));
         }
     };
     print!("{}", bench::render_table(&report));

@@ -47,7 +47,7 @@ pub enum BenchError {
     #[error("{0}")]
     Failed(String),
     /// Stopped by this signal (SIGINT, SIGTERM or SIGHUP) after the sample in progress;
-    /// everything the benchmark made was removed (exit status 128 + the signal's number).
+    /// everything the benchmark made was removed (exit status 1: ran, did not complete).
     #[error("interrupted by signal {0}; stopped and cleaned up")]
     Interrupted(i32),
 }
