@@ -82,6 +82,20 @@ fn python_text_is_utf8() {
 }
 
 #[test]
+fn output_of_c_code_is_not_lost_at_exit() {
+    if !require_root() {
+        return;
+    }
+    // C stdio buffers a pipe fully; the runtime's exit must flush it (it skips C atexit).
+    let d = HostDir::new();
+    let f =
+        write(&d, "cprint.py", "import ctypes\nctypes.CDLL(None).printf(b'from C stdio\\n')\nprint('from Python')\n");
+    let r = script("python", &f, &[]);
+    assert_eq!(r.code, 0, "{:?} {}", r.json, r.stderr);
+    assert_eq!(r.json["stdout"], "from Python\nfrom C stdio\n");
+}
+
+#[test]
 fn python_exit_status_and_exception() {
     if !require_root() {
         return;
