@@ -190,23 +190,13 @@ pub mod _opservant {
         send(&FromPayload::ValidationError { error })
     }
 
-    /// End the process with `status` at once (Python's streams are flushed by the caller;
-    /// the interpreter is not finalised — nothing of it outlives the sandbox). `_exit`, not
-    /// `exit`: no C `atexit` handlers or shared-library destructors run — this process may
-    /// be a fork of a zygote, whose handlers are not its own — and the exit costs less. What
-    /// `exit` would have written still is: Rust's stdout buffer and every C stdio stream
-    /// (output of C code an executor called, `printf` through `ctypes` say).
+    /// End the process with `status` at once (streams are flushed by the caller; the
+    /// interpreter is not finalised — nothing of it outlives the sandbox). `exit`, not
+    /// `_exit`: C stdio buffers are flushed and the `atexit` handlers of C libraries an
+    /// executor loaded run, as in any process that ends this way.
     #[pyfunction]
     fn exit(status: i32) -> PyResult<()> {
-        use std::io::Write;
-        let _ = std::io::stdout().flush();
-        // SAFETY: fflush(NULL) flushes every open C output stream; no other thread runs C
-        // stdio here (the runtime's own code is done, and a stream's lock serialises anyway).
-        unsafe { libc::fflush(std::ptr::null_mut()) };
-        // SAFETY: `_exit` ends the process without running anything of it; nothing after
-        // this point is relied upon (every message was written to the channel, a blocking
-        // socket, before this call returns to the kernel).
-        unsafe { libc::_exit(status) }
+        std::process::exit(status)
     }
 
     /// Entries to put in front of `sys.path`.
