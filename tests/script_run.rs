@@ -86,7 +86,7 @@ fn output_of_c_code_is_not_lost_at_exit() {
     if !require_root() {
         return;
     }
-    // C stdio buffers a pipe fully; the runtime's exit must flush it (it skips C atexit).
+    // C stdio buffers a pipe fully: the runtime must end in a way that flushes it (`exit`).
     let d = HostDir::new();
     let f =
         write(&d, "cprint.py", "import ctypes\nctypes.CDLL(None).printf(b'from C stdio\\n')\nprint('from Python')\n");
