@@ -528,7 +528,9 @@ fn strings(a: &[&str]) -> Vec<String> {
 }
 
 /// Run the benchmark; `progress` gets the lines printed while it runs (SKIPPED lines, the
-/// header). The report holds every figure; [`render_table`] prints it.
+/// header). The report holds every figure; [`render_table`] prints it. Installs handlers
+/// for SIGINT, SIGTERM and SIGHUP for the rest of the process (a CLI's: see
+/// [`BenchError::Interrupted`]).
 pub fn run(opts: &Options, progress: &mut dyn FnMut(&str)) -> Result<Value, BenchError> {
     let selected = opts.rows()?;
     // SAFETY: geteuid has no preconditions.
