@@ -543,6 +543,60 @@ fn system_exit_and_hard_exit_are_failures() {
     assert!(!log_msgs(&r).iter().any(|m| m == "cleanup ran"));
 }
 
+/// What `signal` reports for every signal, beside what the kernel says (`/proc/self/status`).
+const SIGNAL_VIEW: &str = r#"
+import signal
+from opservant.executor import BaseExecutor, ExecutorResult
+
+
+class TestExecutor(BaseExecutor):
+    def validate(self, params):
+        return True
+
+    def execute(self, params, context):
+        masks = {}
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("SigIgn", "SigCgt"):
+                    masks[key] = int(value.strip(), 16)
+        wrong = []
+        for signum in range(1, signal.NSIG):
+            bit = 1 << (signum - 1)
+            kernel = "ignored" if masks["SigIgn"] & bit else "caught" if masks["SigCgt"] & bit else "default"
+            h = signal.getsignal(signum)
+            python = "ignored" if h == signal.SIG_IGN else "default" if h == signal.SIG_DFL else "caught"
+            if h is None:
+                python = "none"
+            if python != kernel and not (python == "none" and signum in (32, 33)):
+                wrong.append("%d: python %s, kernel %s" % (signum, python, kernel))
+        named = {
+            "SIGINT": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+            "SIGPIPE": signal.getsignal(signal.SIGPIPE) == signal.SIG_IGN,
+            "SIGXFSZ": signal.getsignal(signal.SIGXFSZ) == signal.SIG_IGN,
+            "SIGHUP": signal.getsignal(signal.SIGHUP) == signal.SIG_DFL,
+            "SIGCHLD": signal.getsignal(signal.SIGCHLD) == signal.SIG_DFL,
+        }
+        return ExecutorResult(status="completed", output={"wrong": wrong, "named": named})
+"#;
+
+#[test]
+fn the_interpreter_sees_the_signal_dispositions_the_process_has() {
+    if !require_root() {
+        return;
+    }
+    // Through a zygote the `signal` module is imported before the fork, so what it read is
+    // the zygote's; each sandbox must see its own (a fresh interpreter's) instead.
+    let d = executor(json!({}), SIGNAL_VIEW);
+    let r = run(&d.path, &[]).result();
+    assert_eq!(r["status"], "completed", "{r}");
+    assert_eq!(r["output"]["wrong"], json!([]), "signal's view differs from the process: {r}");
+    let named = r["output"]["named"].as_object().unwrap();
+    for (name, ok) in named {
+        assert_eq!(ok, &json!(true), "{name} is not as a fresh interpreter has it: {r}");
+    }
+}
+
 #[test]
 fn unimportable_executor_fails_clearly() {
     if !require_root() {

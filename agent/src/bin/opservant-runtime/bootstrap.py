@@ -57,22 +57,38 @@ if _opservant.zygote():
     # executor's module from source.
     compile("pass", "<opservant warm-up>", "exec")
 
+    # The C module (`signal` imports enum, functools and collections — ~4.6 ms in every
+    # child, measured with `opservant bench`, issue 6), imported here: importing it reads
+    # every signal's disposition (64 sigaction calls, ~0.3 ms in a sandbox child). What it
+    # read is the zygote's; each child corrects it below.
+    import _signal as signal
+
     gc.freeze()
     env = _opservant.zygote_serve()
     if env is None:
         _opservant.exit(0)
 
-    # The C module: `signal` imports enum, functools and collections — ~4.6 ms in every
-    # child (measured with `opservant bench`, issue 6).
-    import _signal as signal
-
-    # What a freshly started interpreter has: the run's environment, Ctrl-C as
-    # KeyboardInterrupt, SIGPIPE and SIGXFSZ ignored (errors instead of death).
+    # The run's environment, as a freshly started interpreter has it.
     os.environ.clear()
     os.environ.update(env)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    del env, os, signal
+    del env, os
+else:
+    import _signal as signal
+
+# The signal dispositions a freshly started `python3` has, and `signal`'s view of them in
+# line with the process: Ctrl-C as KeyboardInterrupt, SIGPIPE and SIGXFSZ ignored (errors
+# instead of death), everything else at its default. Not what this program's start left
+# (Rust's stack-overflow handlers on SIGSEGV and SIGBUS, SIGPIPE ignored), nor, through a
+# zygote, what `signal` read in the zygote (a child starts with every signal at its default).
+for signum in range(1, signal.NSIG):
+    if signal.getsignal(signum) is not signal.SIG_DFL:
+        try:
+            signal.signal(signum, signal.SIG_DFL)
+        except OSError:
+            pass  # 32 and 33, the C library's own: shown as None, as in any interpreter
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+del signal
 
 _opservant.exit(opservant._runtime.main())
