@@ -128,37 +128,6 @@ fn dropping_a_running_sandbox_tears_it_down() {
 }
 
 #[test]
-fn a_deferred_teardown_leaves_nothing_running_and_finishes_the_rest() {
-    if !require_root() {
-        return;
-    }
-    let _view = common::host_view();
-    for finish in [true, false] {
-        let marker = format!("opservant-deferred-{}-{finish}", std::process::id());
-        // The payload leaves a process behind it: gone with the init, before the outcome.
-        let script = format!("sleep 1000 & echo started; : {marker}");
-        let sb = Sandbox::spawn(&spec(&["/bin/sh", "-c", &script]), &launcher(), None).unwrap();
-        let monitor = sb.monitor_pid();
-        let (o, teardown) = sb.wait_deferred(OutputOptions::default()).unwrap();
-        assert!(o.success(), "{o:?}");
-        assert_eq!(stdout(&o), "started\n");
-        assert!(common::host_processes_with(&marker).is_empty(), "nothing of the sandbox runs with its outcome");
-        assert!(!o.cgroup.paths.is_empty(), "{o:?}");
-        for p in &o.cgroup.paths {
-            assert!(std::path::Path::new(p).exists(), "{p}: removed by the teardown, not before");
-        }
-        if finish {
-            teardown.finish().unwrap();
-        } else {
-            drop(teardown);
-        }
-        for p in &o.cgroup.paths {
-            assert!(!std::path::Path::new(p).exists(), "{p} left behind");
-        }
-        assert!(!std::path::Path::new(&format!("/proc/{monitor}")).exists(), "monitor reaped, no zombie");
-    }
-}
-#[test]
 fn a_held_payload_runs_only_after_the_go() {
     if !require_root() {
         return;

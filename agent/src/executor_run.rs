@@ -270,20 +270,10 @@ pub fn run(req: RunRequest) -> Result<RunResult, CannotRun> {
     let cpu_limiter = cpu.clone();
     let cid = command_id.clone();
     let server = thread::spawn(move || serve(app_chan, &declared, &provider, &executor_name, &cid, &cpu));
-    let waited = sb.wait_deferred(sandbox::OutputOptions::default());
+    let outcome = sb.wait(sandbox::OutputOptions::default());
     // The channel reaches end-of-file once the payload is gone, which ends the server.
     let app = server.join().map_err(|_| CannotRun("application channel server panicked".into()))?;
-    let (outcome, teardown) = waited?;
-    // Nothing of the sandbox runs any more. Its teardown (the cgroups' removal, the
-    // monitor's exit taking the namespaces down) overlaps with the result's assembly and
-    // its audit record; an egress run's network is unwired only once the namespace is gone.
-    let teardown = match net {
-        Some(_) => {
-            teardown.finish()?;
-            None
-        }
-        None => Some(thread::spawn(move || teardown.finish())),
-    };
+    let outcome = outcome?;
     let mut result = assemble(&outcome, &limits, app, req.executor, req.action.clone(), req.command_id.clone());
     // A deferred quota is applied by the channel server on the payload's `ready`, which comes
     // before its exit; on a loaded host the server may get to it after the sandbox's end was
@@ -308,18 +298,6 @@ pub fn run(req: RunRequest) -> Result<RunResult, CannotRun> {
             ("command_id", &command_id),
         ],
     );
-    if let Some(t) = teardown {
-        let finished = t.join().map_err(|_| CannotRun("sandbox teardown panicked".into()))?;
-        if let Err(e) = finished {
-            // The executor's end is on record; a sandbox that could not be cleaned up (a
-            // process left in its cgroup) still fails the run, recorded after it.
-            audit::record(
-                "sandbox_cleanup_failed",
-                &[("executor", &m.name), ("error", &e.to_string()), ("command_id", &command_id)],
-            );
-            return Err(e.into());
-        }
-    }
     Ok(result)
 }
 

@@ -39,7 +39,7 @@ pub mod zygote;
 
 pub use error::{CgroupError, SandboxError, SpecError, Stage, StepError};
 pub use init::{Handoff, PayloadEnd};
-pub use parent::{run, CpuLimiter, Launcher, NamespaceHook, OutputOptions, Sandbox, StopHandle, Stream, Teardown};
+pub use parent::{run, CpuLimiter, Launcher, NamespaceHook, OutputOptions, Sandbox, StopHandle, Stream};
 pub use report::{
     Captured, CgroupReport, EnforcementReport, ExitInfo, KilledBy, LandlockReport, LandlockStatus, Outcome,
     ResourceUsage,

@@ -428,19 +428,7 @@ impl Sandbox {
     }
 
     /// Supervise to the end and tear everything down.
-    pub fn wait(self, out: OutputOptions) -> Result<Outcome, SandboxError> {
-        let (outcome, teardown) = self.wait_deferred(out)?;
-        teardown.finish()?;
-        Ok(outcome)
-    }
-
-    /// As [`Sandbox::wait`], but once the outcome is complete — the payload and the init
-    /// gone, every process of the sandbox reaped, the output drained, the cgroups' counters
-    /// read — hand back what is left to tear down (the cgroups, and the monitor, whose exit
-    /// takes the namespaces down) as a [`Teardown`], so the caller can overlap that with its
-    /// own work. Nothing of the sandbox runs any more by then. When the init's end was not
-    /// reported (the monitor died), everything is torn down before this returns.
-    pub fn wait_deferred(mut self, mut out: OutputOptions) -> Result<(Outcome, Teardown), SandboxError> {
+    pub fn wait(mut self, mut out: OutputOptions) -> Result<Outcome, SandboxError> {
         let mut stdout = Captured::default();
         let mut stderr = Captured::default();
         let mut report: Option<EnforcementReport> = None;
@@ -606,21 +594,15 @@ impl Sandbox {
             }
         }
         let wall = self.started.elapsed();
-        if let (Some(cg), (true, _)) = (self.cgroup.as_mut(), self.cpu.outcome()) {
+        let mut cgroup = self.cgroup.take();
+        if let (Some(cg), (true, _)) = (cgroup.as_mut(), self.cpu.outcome()) {
             cg.mark_cpu_enforced();
         }
-        let cg_usage = self.cgroup.as_ref().map(|c| c.usage()).unwrap_or_default();
-        let cg_report = self.cgroup.as_ref().map(|c| c.report().clone());
-        // Without the init's own account of the tree, the monitor's rusage (its wait status)
-        // is the last source of usage: reap it now.
-        let monitor = if tree.is_none() {
-            let removed = self.cgroup.take().map_or(Ok(()), |cg| cg.remove());
-            let monitor = self.reap();
-            removed?;
-            monitor
-        } else {
-            None
-        };
+        let cg_usage = cgroup.as_ref().map(|c| c.usage()).unwrap_or_default();
+        let cg_report = cgroup.as_ref().map(|c| c.report().clone());
+        let removed = cgroup.map_or(Ok(()), |cg| cg.remove());
+        let monitor = self.reap();
+        removed?;
 
         let report = match (report, failure) {
             (_, Some(e)) => return Err(e.into()),
@@ -660,7 +642,7 @@ impl Sandbox {
         } else {
             payload_exit.and_then(|e| e.signal).map(KilledBy::Signal)
         };
-        let outcome = Outcome {
+        Ok(Outcome {
             exit: payload_exit,
             timed_out,
             stopped,
@@ -678,9 +660,7 @@ impl Sandbox {
                 degraded: vec![],
             }),
             launch: self.launch,
-        };
-        let teardown = Teardown(if self.reaped { None } else { Some(self) });
-        Ok((outcome, teardown))
+        })
     }
 
     fn drain(
@@ -770,35 +750,6 @@ impl Sandbox {
             if Errno::last() != Errno::EINTR {
                 return None;
             }
-        }
-    }
-}
-
-/// What is left of a sandbox whose outcome is known ([`Sandbox::wait_deferred`]): its
-/// cgroups to remove and its exiting monitor to reap. [`Teardown::finish`] does both and
-/// reports a cgroup that could not be removed; dropping it does the same, logging the error.
-/// Either blocks until the monitor is gone.
-#[must_use = "dropping a Teardown blocks until the sandbox is torn down; call finish() to see its errors"]
-pub struct Teardown(Option<Sandbox>);
-
-impl Teardown {
-    /// Remove the cgroups and wait for the monitor's exit.
-    pub fn finish(mut self) -> Result<(), SandboxError> {
-        self.finish_inner()
-    }
-
-    fn finish_inner(&mut self) -> Result<(), SandboxError> {
-        let Some(mut sb) = self.0.take() else { return Ok(()) };
-        let removed = sb.cgroup.take().map_or(Ok(()), |cg| cg.remove());
-        sb.reap();
-        removed.map_err(Into::into)
-    }
-}
-
-impl Drop for Teardown {
-    fn drop(&mut self) {
-        if let Err(e) = self.finish_inner() {
-            tracing::error!(error = %e, "sandbox teardown");
         }
     }
 }
