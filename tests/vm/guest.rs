@@ -63,7 +63,10 @@ pub fn output_within(mut child: std::process::Child, what: &str) -> Result<std::
             break;
         }
         if Instant::now() >= deadline {
-            let diagnosis = where_processes_wait();
+            // Say so at once: if gathering the diagnosis blocks too, this line is all there is.
+            println!("\n[{what}: past the {}s deadline; gathering where the guest's processes wait]", limit.as_secs());
+            let _ = std::io::Write::flush(&mut std::io::stdout());
+            let diagnosis = where_processes_wait_within(Duration::from_secs(30));
             let state = match status {
                 None => "still running".to_string(),
                 Some(s) => format!("exited ({s}), but its output pipes are still held open"),
@@ -74,7 +77,11 @@ pub fn output_within(mut child: std::process::Child, what: &str) -> Result<std::
                 unsafe { libc::kill(pid, libc::SIGKILL) };
             }
             let _ = child.kill();
-            let _ = child.wait();
+            // A process stuck in the kernel may not die: wait for it a while, not forever.
+            let reaped = Instant::now() + Duration::from_secs(10);
+            while matches!(child.try_wait(), Ok(None)) && Instant::now() < reaped {
+                std::thread::sleep(Duration::from_millis(20));
+            }
             // The readers are left behind if something still holds a pipe.
             let stderr = match err.is_finished() {
                 true => String::from_utf8_lossy(&err.join().unwrap_or_default()).into_owned(),
@@ -92,27 +99,102 @@ pub fn output_within(mut child: std::process::Child, what: &str) -> Result<std::
     })
 }
 
-/// For every user-space process: pid, ppid, state, wchan, current syscall and kernel stack.
-pub fn where_processes_wait() -> String {
-    let mut text = String::from("processes of the guest (pid ppid state wchan | cmdline | syscall | stack):\n");
+/// Where every process of the guest waits, gathered on a thread, for at most `limit`: reading a process's `/proc`
+/// files can itself block (its `cmdline` needs the address space's lock, which a process
+/// stuck in the kernel may hold), so what was gathered by then is returned, naming the file
+/// being read.
+pub fn where_processes_wait_within(limit: Duration) -> String {
+    use std::sync::{Arc, Mutex};
+    let text = Arc::new(Mutex::new(String::new()));
+    let writer = Arc::clone(&text);
+    let gatherer = std::thread::spawn(move || where_processes_wait_into(&writer));
+    let until = Instant::now() + limit;
+    while !gatherer.is_finished() && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut gathered = text.lock().map(|t| t.clone()).unwrap_or_default();
+    if !gatherer.is_finished() {
+        gathered.push_str(&format!("\n(incomplete: still reading after {}s, see the last line)\n", limit.as_secs()));
+    }
+    gathered
+}
+
+/// For every user-space process: pid, ppid, state, wchan, current syscall and kernel stack;
+/// then the kernel's list of blocked tasks (sysrq `w`) from its log.
+fn where_processes_wait_into(text: &std::sync::Mutex<String>) {
+    let push = |s: &str| {
+        if let Ok(mut t) = text.lock() {
+            t.push_str(s);
+        }
+    };
+    push("processes of the guest (pid ppid state wchan | cmdline | syscall | stack):\n");
     for (pid, ppid) in procs::table() {
         let dir = PathBuf::from(format!("/proc/{pid}"));
-        let cmdline = std::fs::read(dir.join("cmdline")).unwrap_or_default();
+        // While a file is read, the text ends with its name: if the read blocks, the
+        // text returned names it.
+        let read = |f: &str| {
+            let mark = text.lock().map(|mut t| {
+                let mark = t.len();
+                t.push_str(&format!("[blocked reading /proc/{pid}/{f}]"));
+                mark
+            });
+            let content = std::fs::read(dir.join(f)).unwrap_or_default();
+            if let (Ok(mark), Ok(mut t)) = (mark, text.lock()) {
+                t.truncate(mark);
+            }
+            content
+        };
+        let as_text = |b: Vec<u8>| String::from_utf8_lossy(&b).trim().to_string();
+        let stat = as_text(read("stat"));
+        let state = stat.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().next().map(String::from));
+        let cmdline = read("cmdline");
         if cmdline.is_empty() {
             continue; // a kernel thread
         }
-        let read = |f: &str| std::fs::read_to_string(dir.join(f)).unwrap_or_default().trim().to_string();
-        let state = read("stat").rsplit_once(')').and_then(|(_, r)| r.split_whitespace().next().map(String::from));
-        text.push_str(&format!(
-            "{pid} {ppid} {} {} | {} | {}\n{}\n",
+        let (wchan, syscall, stack) = (as_text(read("wchan")), as_text(read("syscall")), as_text(read("stack")));
+        push(&format!(
+            "{pid} {ppid} {} {wchan} | {} | {syscall}\n{stack}\n",
             state.unwrap_or_default(),
-            read("wchan"),
             String::from_utf8_lossy(&cmdline).replace('\0', " ").trim_end(),
-            read("syscall"),
-            read("stack")
         ));
     }
-    text
+    push(&format!("kernel log after sysrq w (blocked tasks):\n{}", blocked_tasks_from_kernel_log()));
+}
+
+/// Ask the kernel to log every task in uninterruptible sleep (sysrq `w`) and return what it
+/// logged from then on (`/dev/kmsg`, read without blocking; at most the last 300 lines).
+fn blocked_tasks_from_kernel_log() -> String {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut kmsg = match std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open("/dev/kmsg") {
+        Ok(f) => f,
+        Err(e) => return format!("(/dev/kmsg: {e})\n"),
+    };
+    // Only what the kernel logs from now on: the blocked tasks.
+    // SAFETY: lseek on a descriptor we own; SEEK_END on /dev/kmsg skips the logged records.
+    unsafe { libc::lseek(std::os::fd::AsRawFd::as_raw_fd(&kmsg), 0, libc::SEEK_END) };
+    if let Err(e) = std::fs::write("/proc/sysrq-trigger", "w") {
+        return format!("(sysrq-trigger: {e})\n");
+    }
+    let mut lines = std::collections::VecDeque::new();
+    let mut record = [0u8; 8192];
+    // Each read returns one record; EAGAIN at the end, EPIPE for a record overwritten meanwhile.
+    loop {
+        match kmsg.read(&mut record) {
+            Ok(0) => break,
+            Ok(n) => {
+                let line = String::from_utf8_lossy(&record[..n]);
+                let message = line.split_once(';').map_or(&*line, |(_, m)| m).trim_end().to_string();
+                lines.push_back(message);
+                if lines.len() > 300 {
+                    lines.pop_front();
+                }
+            }
+            Err(e) if e.raw_os_error() == Some(libc::EPIPE) => continue,
+            Err(_) => break,
+        }
+    }
+    lines.into_iter().map(|l| l + "\n").collect()
 }
 
 /// A check of a suite: it passes, or says why not.

@@ -26,6 +26,7 @@
 #   VM_REPO_RW=1                  let guest writes to the repo reach the host
 #   VM_APPEND='...'               extra kernel command-line options
 #   VM_VERBOSE=1                  print the vng command line to stderr
+#   VM_CONSOLE=1                  show the guest kernel's console (boot log, hung-task and lockup reports)
 #   VM_PASS_ENV='RUST_LOG ...'    extra host variables to forward (RUST_BACKTRACE, RUST_LOG are always forwarded if set)
 #   VM_SYSTEMD=1                  boot with systemd as PID 1 (vng --systemd); CMD runs once the
 #                                 system is up, as root, from virtme-ng's serial-getty hook (see below)
@@ -102,6 +103,8 @@ else
 fi
 append=()
 [ -n "${VM_APPEND:-}" ] && append=(--append "$VM_APPEND")
+console=()
+[ "${VM_CONSOLE:-0}" = 1 ] && console=(--verbose)
 
 # VM_SYSTEMD=1: systemd as PID 1. virtme-ng 1.42's --systemd boots /sbin/init over the host
 # root and runs CMD from a drop-in for serial-getty@.service. Three things get in its way on
@@ -149,7 +152,7 @@ fi
 
 vng_cmd=("${vng_env[@]}" vng --run "$VM_KERNEL" --disable-kvm
     --memory "${VM_MEMORY:-1G}" --cpus "${VM_CPUS:-2}"
-    "${repo_opt[@]}" "${cwd_opt[@]}" "${append[@]}" "${systemd_opt[@]}"
+    "${repo_opt[@]}" "${cwd_opt[@]}" "${append[@]}" "${console[@]}" "${systemd_opt[@]}"
     -- "$guest_cmd")
 [ "${VM_VERBOSE:-0}" = 1 ] && echo "vm-exec: timeout ${VM_TIMEOUT:-600} ${vng_cmd[*]@Q}" >&2
 
