@@ -1,7 +1,8 @@
 //! The `sandbox` library as a multi-threaded program (the agent) uses it: the monitor is a
 //! fresh `execve` of the opservant binary (`Launcher::Exec`), not a fork of the caller.
 //! Covers what the CLI does not: the exec launcher, the namespace hook, an opt-in fresh
-//! sysfs, and teardown when a running sandbox is dropped.
+//! sysfs, and teardown when a running sandbox is dropped; and, through a zygote, who holds
+//! the sandbox's mount namespace at its end.
 
 mod common;
 
@@ -235,4 +236,46 @@ fn a_start_report_waiting_for_a_late_caller_is_not_overdue() {
     std::thread::sleep(Duration::from_millis(2500));
     let o = sb.wait(OutputOptions::default()).unwrap();
     assert!(o.success(), "{o:?}");
+}
+
+/// The namespace links (`mnt:[N]`) among this process's descriptors.
+fn held_mount_namespaces() -> Vec<String> {
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| std::fs::read_link(e.path()).ok())
+        .map(|l| l.to_string_lossy().into_owned())
+        .filter(|l| l.starts_with("mnt:["))
+        .collect()
+}
+
+#[test]
+fn a_zygote_sandbox_s_mount_namespace_is_held_by_the_parent_and_released_after_the_run() {
+    if !require_root() {
+        return;
+    }
+    let _view = common::host_view();
+    let runtime = std::path::Path::new(common::opservant()).with_file_name("opservant-runtime");
+    let zygote = std::sync::Arc::new(sandbox::zygote::Zygote::new(
+        std::ffi::CString::new(runtime.as_os_str().as_encoded_bytes()).unwrap(),
+        vec![std::ffi::CString::new("--zygote").unwrap()],
+    ));
+    let launcher = Launcher::Zygote { zygote, end: sandbox::PayloadEnd::Exec };
+    for round in 0..3 {
+        let sb = Sandbox::spawn(&spec(&["/bin/true"]), &launcher, None).unwrap();
+        // From the handshake on the parent holds the sandbox's mount namespace, so that the
+        // monitor's exit is not where the namespace (its mounts) is destroyed.
+        let sandbox_ns = std::fs::read_link(format!("/proc/{}/ns/mnt", sb.monitor_pid())).unwrap();
+        let sandbox_ns = sandbox_ns.to_string_lossy().into_owned();
+        assert_ne!(sandbox_ns, std::fs::read_link("/proc/self/ns/mnt").unwrap().to_string_lossy());
+        assert!(held_mount_namespaces().contains(&sandbox_ns), "round {round}: {:?}", held_mount_namespaces());
+        let o = sb.wait(OutputOptions::default()).unwrap();
+        assert!(o.success() && o.launch == "zygote", "{o:?}");
+        // … and lets go of it once the sandbox is gone (on a background thread: not at once).
+        let start = Instant::now();
+        while held_mount_namespaces().contains(&sandbox_ns) && start.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(!held_mount_namespaces().contains(&sandbox_ns), "round {round}: {sandbox_ns} still held");
+    }
 }

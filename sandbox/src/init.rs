@@ -16,7 +16,8 @@
 //!      stdio (only sandbox processes hold the output pipes)
 //!   7. wait for init; kill it if the parent goes away; report the tree's resource usage,
 //!      then exit (the monitor is outside the sandbox cgroup, so the parent can remove the
-//!      cgroups while the monitor's exit tears the namespaces down)
+//!      cgroups while the monitor's exit tears the namespaces down — except a zygote
+//!      sandbox's mount namespace, which its parent holds and releases in the background)
 //! init     (PID 1)
 //!   1. die with the monitor
 //!   2. join the sandbox cgroups (still host uid 0, so the cgroupfs permission check

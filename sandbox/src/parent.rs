@@ -226,6 +226,9 @@ pub struct Sandbox {
     /// Receiving end of the stop socket pair, and the handle that writes to it.
     stop_rx: OwnedFd,
     stop: StopHandle,
+    /// The sandbox's mount namespace, held from the handshake on by a zygote-launched
+    /// sandbox so that its destruction is not the monitor's (see [`release_later`]).
+    mount_ns: Option<OwnedFd>,
 }
 
 impl Sandbox {
@@ -307,6 +310,7 @@ impl Sandbox {
             cpu_deferred: spec.limits.cpu_deferred,
             stop_rx,
             stop: StopHandle { wake: std::sync::Arc::new(stop_tx) },
+            mount_ns: None,
         };
         sb.handshake(spec, !matches!(launcher, Launcher::Fork), hook)?;
         Ok(sb)
@@ -362,6 +366,14 @@ impl Sandbox {
             Some(other) => return Err(SandboxError::Channel(format!("unexpected {other:?}"))),
         }
         namespaces::write_id_maps(self.monitor.as_raw(), &spec.identity)?;
+        // Only for a zygote's sandboxes: their caller is a long-lived, multi-threaded program
+        // (the agent, the bench) that gains from the background release. A cold caller is a
+        // one-shot process whose exit would pay for the namespace instead of its monitor, or
+        // a forking one that must stay single-threaded (`Launcher::Fork`).
+        if self.monitor_pidfd.is_some() && spec.namespaces.mount {
+            // The monitor has unshared and waits for "proceed": this names its namespace.
+            self.mount_ns = open_namespace(self.monitor, "mnt");
+        }
         if let Some(hook) = hook {
             hook(self.monitor.as_raw()).map_err(SandboxError::Hook)?;
         }
@@ -736,6 +748,10 @@ impl Sandbox {
         if let Some(pidfd) = &self.monitor_pidfd {
             // Not our child: its parent (the zygote) reaps it; wait until it is gone.
             crate::zygote::pidfd_wait(pidfd);
+            // Every process of the sandbox is gone: nothing uses its mounts any more.
+            if let Some(ns) = self.mount_ns.take() {
+                release_later(ns);
+            }
             return None;
         }
         // SAFETY: rusage is plain old data; all-zero is valid.
@@ -761,6 +777,52 @@ impl Drop for Sandbox {
             self.reap();
         }
         // The cgroup (if still held) removes itself on drop.
+    }
+}
+
+/// `/proc/PID/ns/NAME` of a live process we hold (our child, or one a pidfd names that
+/// cannot exit before we let it), or `None` (logged): holding it is an optimisation only.
+fn open_namespace(pid: Pid, name: &str) -> Option<OwnedFd> {
+    let path = format!("/proc/{}/ns/{name}", pid.as_raw());
+    match nix::fcntl::open(
+        path.as_str(),
+        nix::fcntl::OFlag::O_RDONLY | nix::fcntl::OFlag::O_CLOEXEC,
+        nix::sys::stat::Mode::empty(),
+    ) {
+        Ok(fd) => Some(fd),
+        Err(e) => {
+            tracing::debug!(path, error = %e.desc(), "cannot hold the sandbox's namespace");
+            None
+        }
+    }
+}
+
+/// Drop the last reference to an emptied sandbox's mount namespace on a background thread.
+///
+/// Destroying a mount namespace unmounts its tree and then waits for an RCU grace period
+/// (`namespace_unlock` → `synchronize_rcu_expedited`, ~0.4 ms here) in whichever task drops
+/// the last reference. Without this that task is the monitor, in its exit, and the run waits
+/// for it; held here, the wait is a background thread's. Nothing of the sandbox runs by then
+/// (every process of it has exited), so no isolation depends on when the mounts go. The
+/// thread starts on first use and lives as long as the process; should it be gone, the
+/// namespace is dropped here.
+fn release_later(ns: OwnedFd) {
+    use std::sync::mpsc::{channel, Sender};
+    use std::sync::{Mutex, OnceLock};
+    static RELEASER: OnceLock<Option<Mutex<Sender<OwnedFd>>>> = OnceLock::new();
+    let releaser = RELEASER.get_or_init(|| {
+        let (tx, rx) = channel::<OwnedFd>();
+        std::thread::Builder::new()
+            .name("opservant-ns-release".into())
+            .spawn(move || rx.into_iter().for_each(drop))
+            .map_err(|e| tracing::debug!(error = %e, "no namespace release thread"))
+            .ok()
+            .map(|_| Mutex::new(tx))
+    });
+    if let Some(tx) = releaser {
+        // A poisoned lock still holds a usable sender; a send fails only without the thread,
+        // and then the namespace comes back in the error and is dropped here.
+        let _ = tx.lock().unwrap_or_else(|e| e.into_inner()).send(ns);
     }
 }
 
