@@ -808,8 +808,8 @@ fn open_namespace(pid: Pid, name: &str) -> Option<OwnedFd> {
 /// namespace is dropped here.
 fn release_later(ns: OwnedFd) {
     use std::sync::mpsc::{channel, Sender};
-    use std::sync::{Mutex, OnceLock};
-    static RELEASER: OnceLock<Option<Mutex<Sender<OwnedFd>>>> = OnceLock::new();
+    use std::sync::OnceLock;
+    static RELEASER: OnceLock<Option<Sender<OwnedFd>>> = OnceLock::new();
     let releaser = RELEASER.get_or_init(|| {
         let (tx, rx) = channel::<OwnedFd>();
         std::thread::Builder::new()
@@ -817,12 +817,12 @@ fn release_later(ns: OwnedFd) {
             .spawn(move || rx.into_iter().for_each(drop))
             .map_err(|e| tracing::debug!(error = %e, "no namespace release thread"))
             .ok()
-            .map(|_| Mutex::new(tx))
+            .map(|_| tx)
     });
     if let Some(tx) = releaser {
-        // A poisoned lock still holds a usable sender; a send fails only without the thread,
-        // and then the namespace comes back in the error and is dropped here.
-        let _ = tx.lock().unwrap_or_else(|e| e.into_inner()).send(ns);
+        // A send fails only without the thread; the namespace then comes back in the error
+        // and is dropped here.
+        let _ = tx.send(ns);
     }
 }
 
