@@ -780,8 +780,10 @@ impl Drop for Sandbox {
     }
 }
 
-/// `/proc/PID/ns/NAME` of a live process we hold (our child, or one a pidfd names that
-/// cannot exit before we let it), or `None` (logged): holding it is an optimisation only.
+/// `/proc/PID/ns/NAME` of the monitor, which waits for "proceed" and is not reaped before we
+/// wait for it, or `None` (logged): holding it is an optimisation only. Should the monitor
+/// have been killed meanwhile and its pid reused, the handshake fails and the descriptor,
+/// some other namespace's, is only released again: nothing is done with it.
 fn open_namespace(pid: Pid, name: &str) -> Option<OwnedFd> {
     let path = format!("/proc/{}/ns/{name}", pid.as_raw());
     match nix::fcntl::open(
