@@ -265,6 +265,67 @@ fn the_warm_pool_serves_repeat_runs_and_leaves_nothing_behind() {
     a.audit_verify();
 }
 
+/// Reads the random generators a sandbox inherits: the C library's (`rand`, `random`) and
+/// Python's `random`, as an executor would use them.
+const ENTROPY_PY: &str = r#"import ctypes
+import random
+
+from opservant.executor import BaseExecutor, ExecutorResult
+
+
+class Entropy(BaseExecutor):
+    def validate(self, params):
+        return True
+
+    def execute(self, params, context):
+        libc = ctypes.CDLL(None)
+        return ExecutorResult(status="completed", output={
+            "rand": libc.rand(), "random": libc.random(), "python": random.getrandbits(64)})
+"#;
+
+#[test]
+fn sandboxes_forked_from_one_zygote_do_not_share_random_state() {
+    if !common::require_root() {
+        return;
+    }
+    // Every sandbox of the daemon is a fork of one zygote: without a reseed in each child,
+    // all would draw the same numbers from the generator state they inherit.
+    let mut a = Agent::with_agent_keys(2, "  warm_pool: 4\n");
+    a.install("entropy", "Entropy", ENTROPY_PY, json!({"timeout_seconds": 30}));
+    a.start();
+    let agent = a.child.as_ref().unwrap().id();
+    // Pre-warmed at start, one sandbox per installed executor: the first run is pooled.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while daemon::zygote_pid(agent).map_or(0, |z| common::procs::at_depth(z, 3).len()) < 3 {
+        assert!(Instant::now() < deadline, "the warm pool was not pre-warmed");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut draws: Vec<(String, Value)> = Vec::new();
+    for i in 0..6 {
+        let mut cmd = json!({"command_id": format!("entropy-{i}"), "action": "execute", "executor": "entropy",
+                             "parameters": {}});
+        if i % 2 == 1 {
+            // Tighter limits are another spec, not pre-warmed.
+            cmd["resource_limits"] = json!({"timeout_seconds": 10});
+        }
+        let (code, r) = a.submit(&a.sign(&cmd));
+        assert_eq!((code, r["status"].clone()), (0, json!("completed")), "{r}");
+        draws.push((r["sandbox"]["launch"].as_str().unwrap().to_string(), r["output"].clone()));
+        // The pool's refill for the next pooled run.
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    let launches: Vec<&str> = draws.iter().map(|(l, _)| l.as_str()).collect();
+    // The first run of the tighter spec finds no pooled sandbox for it (the pool learns it
+    // from that run and serves the next ones).
+    assert_eq!(&launches[..2], ["pool", "zygote"], "{draws:?}");
+    for generator in ["rand", "random", "python"] {
+        let values: std::collections::BTreeSet<String> =
+            draws.iter().map(|(_, out)| out[generator].to_string()).collect();
+        assert_eq!(values.len(), draws.len(), "{generator}: sandboxes drew the same numbers: {draws:?}");
+    }
+    assert!(a.stop().success());
+}
+
 #[test]
 fn overload_is_rejected_and_sigterm_lets_running_commands_finish() {
     if !common::require_root() {

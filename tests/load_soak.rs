@@ -15,7 +15,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use daemon::{op, Agent};
+use daemon::Agent;
 use serde_json::{json, Value};
 
 use agent::bench::NOOP_PY;
@@ -49,20 +49,6 @@ class Bomb(BaseExecutor):
 
 fn env_number(name: &str, default: u64) -> u64 {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
-}
-
-fn install(a: &Agent, name: &str, class: &str, code: &str, limits: Value) {
-    let pkg = a.dir.path.join(format!("pkg-{name}"));
-    let module = name.replace('-', "_");
-    std::fs::create_dir_all(pkg.join(&module)).unwrap();
-    std::fs::write(pkg.join(&module).join("__init__.py"), "").unwrap();
-    std::fs::write(pkg.join(&module).join("main.py"), code).unwrap();
-    let manifest = json!({"name": name, "version": "1.0.0", "description": "load test", "author": "t",
-        "supported_actions": [format!("act-{name}")], "entry_point": format!("{module}.main.{class}"), "permissions": {},
-        "resource_limits": limits});
-    std::fs::write(pkg.join("manifest.json"), manifest.to_string()).unwrap();
-    let out = op(&["executor", "install", pkg.to_str().unwrap(), "--config", a.config.to_str().unwrap()]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
 /// Signs in this process (the load must not be the cost of spawning `opservant sign`) and
@@ -184,8 +170,8 @@ fn load_and_soak_leave_nothing_behind() {
         return;
     }
     let mut a = Agent::new(8);
-    install(&a, "noop", "NoopExecutor", NOOP_PY, json!({"timeout_seconds": 30}));
-    install(&a, "bomb", "Bomb", BOMB_PY, json!({"timeout_seconds": 30, "max_memory_mb": 48, "max_pids": 8}));
+    a.install("noop", "NoopExecutor", NOOP_PY, json!({"timeout_seconds": 30}));
+    a.install("bomb", "Bomb", BOMB_PY, json!({"timeout_seconds": 30, "max_memory_mb": 48, "max_pids": 8}));
     a.start();
     let agent = a.child.as_ref().unwrap().id() as i32;
     let client = Client { key: agent::signing::load_signing_key(&a.key).unwrap(), socket: a.socket.clone() };

@@ -97,6 +97,22 @@ impl Agent {
         Agent { dir, config, socket, key, child: None }
     }
 
+    /// Install an executor `name` whose `main.py` is `code` with class `class` (action
+    /// `act-NAME`, no permissions, these `resource_limits`), as an operator would.
+    pub fn install(&self, name: &str, class: &str, code: &str, limits: Value) {
+        let pkg = self.dir.path.join(format!("pkg-{name}"));
+        let module = name.replace('-', "_");
+        std::fs::create_dir_all(pkg.join(&module)).unwrap();
+        std::fs::write(pkg.join(&module).join("__init__.py"), "").unwrap();
+        std::fs::write(pkg.join(&module).join("main.py"), code).unwrap();
+        let manifest = json!({"name": name, "version": "1.0.0", "description": "test executor", "author": "t",
+            "supported_actions": [format!("act-{name}")], "entry_point": format!("{module}.main.{class}"),
+            "permissions": {}, "resource_limits": limits});
+        std::fs::write(pkg.join("manifest.json"), manifest.to_string()).unwrap();
+        let out = op(&["executor", "install", pkg.to_str().unwrap(), "--config", self.config.to_str().unwrap()]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    }
+
     pub fn start(&mut self) {
         self.start_with_env(&[]);
     }

@@ -26,16 +26,20 @@ extern "C" {
 }
 
 /// Reseed the C library's `random()`/`rand()` state (a zygote's children would otherwise
-/// share it).
-fn reseed_libc_random() {
+/// share it). Fails rather than seed from anything but the kernel's generator.
+fn reseed_libc_random() -> Result<(), String> {
     let mut seed = [0u8; 4];
     // SAFETY: getrandom writes at most `seed.len()` bytes into the buffer we own.
-    unsafe { libc::getrandom(seed.as_mut_ptr().cast(), seed.len(), 0) };
+    let got = unsafe { libc::getrandom(seed.as_mut_ptr().cast(), seed.len(), 0) };
+    if got != seed.len() as isize {
+        return Err(format!("reseed the C library's generator: getrandom: {}", std::io::Error::last_os_error()));
+    }
     // SAFETY: srandom/srand only set the generators' state; glibc exports both.
     unsafe {
         srandom(u32::from_ne_bytes(seed));
         libc::srand(u32::from_ne_bytes(seed).rotate_left(16));
     }
+    Ok(())
 }
 
 fn runtime_args() -> PyResult<&'static RuntimeArgs> {
@@ -105,7 +109,7 @@ pub mod _opservant {
         // SAFETY: called with the GIL held, in the single-threaded child of a fork, as the
         // C API requires.
         unsafe { pyo3::ffi::PyOS_AfterFork_Child() };
-        super::reseed_libc_random();
+        super::reseed_libc_random().map_err(PyRuntimeError::new_err)?;
         let chan = handoff.app.ok_or_else(|| PyRuntimeError::new_err("no application channel"))?;
         let args = super::super::warm::read_args(&chan).map_err(PyRuntimeError::new_err)?;
         if let RuntimeArgs::Script { language, path } = &args {
