@@ -3,7 +3,9 @@
 //! verification pipeline (unsigned, bad signature, tampered parameters, a timestamp six
 //! minutes old or ahead, a replayed `command_id` — also after a restart —, an unknown
 //! executor, a request beyond the manifest), overload, a graceful SIGTERM that lets a running
-//! command finish, root-only access, and an audit chain that verifies afterwards. Then the
+//! command finish, root-only access, and an audit chain that verifies afterwards; a dead
+//! zygote replaced, the warm pool, and sandboxes forked from one zygote drawing different
+//! random numbers (the C library's and Python's generators reseeded in each). Then the
 //! platform side against a test HTTPS platform (tests/common/platform.rs): commands pulled
 //! over mutual TLS and results posted; a client certificate from another CA refused by the
 //! server; a server certificate from another CA refused by the agent. Executor packages:
