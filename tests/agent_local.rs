@@ -296,7 +296,7 @@ fn sandboxes_forked_from_one_zygote_do_not_share_random_state() {
     a.install("entropy", "Entropy", ENTROPY_PY, json!({"timeout_seconds": 30}));
     a.start();
     let agent = a.child.as_ref().unwrap().id();
-    // Pre-warmed at start, one sandbox per installed executor: the first run is pooled.
+    // Pre-warmed at start, one sandbox per installed executor.
     let deadline = Instant::now() + Duration::from_secs(20);
     while daemon::zygote_pid(agent).map_or(0, |z| common::procs::at_depth(z, 3).len()) < 3 {
         assert!(Instant::now() < deadline, "the warm pool was not pre-warmed");
@@ -317,9 +317,10 @@ fn sandboxes_forked_from_one_zygote_do_not_share_random_state() {
         std::thread::sleep(Duration::from_millis(300));
     }
     let launches: Vec<&str> = draws.iter().map(|(l, _)| l.as_str()).collect();
-    // The first run of the tighter spec finds no pooled sandbox for it (the pool learns it
-    // from that run and serves the next ones).
-    assert_eq!(&launches[..2], ["pool", "zygote"], "{draws:?}");
+    // Both kinds of child: the first run of the tighter spec finds no pooled sandbox for it
+    // (the pool learns it from that run and serves the next ones).
+    assert_eq!(launches[1], "zygote", "{draws:?}");
+    assert!(launches.contains(&"pool"), "{draws:?}");
     for generator in ["rand", "random", "python"] {
         let values: std::collections::BTreeSet<String> =
             draws.iter().map(|(_, out)| out[generator].to_string()).collect();
