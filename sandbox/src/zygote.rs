@@ -22,8 +22,13 @@
 //! is dropped or its process dies, since
 //! only that process holds the other end (close-on-exec). Not `PR_SET_PDEATHSIG`: that
 //! follows the *thread* that spawned the zygote, and a multi-threaded agent starts it from
-//! whichever thread needs it first. A request the zygote cannot serve is an error ([`SandboxError::Zygote`]) before
-//! anything of the sandbox ran, so the caller may fall back to the cold path.
+//! whichever thread needs it first. A request the zygote cannot serve is an error
+//! ([`SandboxError::Zygote`]) before anything of the sandbox ran, so the caller may fall back
+//! to the cold path; so is a zygote that does not serve within [`START_LIMIT`] of its start
+//! or answer a request within [`REPLY_LIMIT`] (stopped, frozen, stuck in the kernel): it is
+//! killed — reaped by a thread, never waited for — and the next request starts a new one.
+//! A child it may have forked before it stalled never receives a spec: it sees the channel
+//! close and exits.
 //!
 //! Known limits of any fork-based zygote (documented for operators): every child shares the
 //! zygote's address-space layout (ASLR), stack-protector canary and the interpreter's
@@ -33,6 +38,7 @@ use std::ffi::CString;
 use std::io::{IoSlice, IoSliceMut};
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
@@ -49,6 +55,16 @@ use crate::netns_stash::NetnsStash;
 
 /// The zygote's control socket, as the zygote program finds it.
 pub const CONTROL_FD: RawFd = 3;
+
+/// How long a zygote may take to answer a request once it serves (a fork and a reply:
+/// milliseconds). One that takes longer — stopped, frozen, stuck in the kernel — is killed
+/// and replaced, and the request fails as if it had died, so its run falls back to the cold
+/// path instead of every run waiting behind it.
+pub const REPLY_LIMIT: Duration = Duration::from_secs(5);
+
+/// How long a new zygote may take to start serving (initialising an interpreter: ~15 ms
+/// here, far longer under emulation), checked likewise at its first request.
+pub const START_LIMIT: Duration = Duration::from_secs(30);
 
 /// Descriptors of one request: stdin, stdout, stderr, the channel and, optionally, the
 /// application channel — placed at 0, 1, 2, 3, 4 in the child.
@@ -90,6 +106,10 @@ pub fn serve() -> Result<Served, SandboxError> {
     mask.add(Signal::SIGCHLD);
     mask.thread_block().map_err(|e| zerr(format!("block SIGCHLD: {}", e.desc())))?;
     let sfd = SignalFd::new(&mask).map_err(|e| zerr(format!("signalfd: {}", e.desc())))?;
+    // Serving from now on: the parent times its requests' replies from here, not from the
+    // start-up.
+    sendmsg::<()>(control.as_raw_fd(), &[IoSlice::new(&[REPLY_READY])], &[], MsgFlags::MSG_NOSIGNAL, None)
+        .map_err(|e| zerr(format!("send ready: {}", e.desc())))?;
     loop {
         let mut fds = [PollFd::new(control.as_fd(), PollFlags::POLLIN), PollFd::new(sfd.as_fd(), PollFlags::POLLIN)];
         match poll(&mut fds, PollTimeout::NONE) {
@@ -230,6 +250,8 @@ fn receive(control: &OwnedFd) -> Result<Option<(u8, Vec<OwnedFd>)>, SandboxError
 const REPLY_STARTED: u8 = b'+';
 /// … or the request was refused (then a message).
 const REPLY_REFUSED: u8 = b'!';
+/// Sent once, before the first request is read: the zygote serves.
+const REPLY_READY: u8 = b'*';
 
 fn started_body(pid: Pid) -> [u8; 5] {
     let [a, b, c, d] = pid.as_raw().to_le_bytes();
@@ -310,6 +332,8 @@ pub struct Zygote {
 struct Running {
     control: OwnedFd,
     pid: Pid,
+    /// Its ready message was read.
+    serving: bool,
 }
 
 impl std::fmt::Debug for Zygote {
@@ -385,7 +409,7 @@ impl Zygote {
         let env: [&std::ffi::CStr; 0] = [];
         let pid = posix_spawn(self.program.as_c_str(), &actions, &attr, &argv, &env).map_err(err)?;
         tracing::debug!(pid = pid.as_raw(), program = %self.program.to_string_lossy(), "zygote started");
-        Ok(Running { control, pid })
+        Ok(Running { control, pid, serving: false })
     }
 
     /// Ask the zygote for a sandbox monitor with `fds` at 0, 1, 2, 3 (and 4) and, when
@@ -404,13 +428,15 @@ impl Zygote {
         }
         let netns = self.netns.as_ref().filter(|_| prepared_net).and_then(NetnsStash::take);
         tracing::debug!(prepared_net = netns.is_some(), "zygote request");
-        let running = guard.as_ref().ok_or_else(|| zerr("not running"))?;
-        match request(&running.control, fds, end, netns.as_ref()) {
+        let running = guard.as_mut().ok_or_else(|| zerr("not running"))?;
+        let ready = if running.serving { Ok(()) } else { await_ready(&running.control) };
+        running.serving = ready.is_ok();
+        match ready.and_then(|()| request(&running.control, fds, end, netns.as_ref())) {
             Ok(r) => Ok(r),
             Err(Failure::Refused(m)) => Err(zerr(m)),
             Err(Failure::Transport(m)) => {
                 if let Some(r) = guard.take() {
-                    r.stop();
+                    r.abandon();
                 }
                 Err(zerr(m))
             }
@@ -457,6 +483,7 @@ fn request(
             Ok(_) => break,
         }
     }
+    wait_readable(control, REPLY_LIMIT, "no reply")?;
     let mut body = [0u8; 512];
     let mut cmsg = nix::cmsg_space!([RawFd; 1]);
     loop {
@@ -484,13 +511,61 @@ fn request(
     }
 }
 
+/// Wait until the control socket has something to read (a message, or the end of file of a
+/// zygote that died), at most `limit`; `what` names the wait in the error.
+fn wait_readable(control: &OwnedFd, limit: Duration, what: &str) -> Result<(), Failure> {
+    let deadline = Instant::now() + limit;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let wait = PollTimeout::try_from(left).unwrap_or(PollTimeout::MAX);
+        match poll(&mut [PollFd::new(control.as_fd(), PollFlags::POLLIN)], wait) {
+            Ok(0) if left.is_zero() => return Err(Failure::Transport(format!("{what} within {} s", limit.as_secs()))),
+            Ok(0) | Err(Errno::EINTR) => continue,
+            Err(e) => return Err(Failure::Transport(format!("{what}: poll: {}", e.desc()))),
+            Ok(_) => return Ok(()),
+        }
+    }
+}
+
+/// Read a new zygote's ready message (see [`serve`]), waiting at most [`START_LIMIT`].
+fn await_ready(control: &OwnedFd) -> Result<(), Failure> {
+    wait_readable(control, START_LIMIT, "not serving")?;
+    let mut byte = [0u8; 1];
+    loop {
+        match nix::sys::socket::recv(control.as_raw_fd(), &mut byte, MsgFlags::empty()) {
+            Err(Errno::EINTR) => continue,
+            Err(e) => return Err(Failure::Transport(format!("receive ready: {}", e.desc()))),
+            Ok(0) => return Err(Failure::Transport("the zygote exited".into())),
+            Ok(_) if byte[0] == REPLY_READY => return Ok(()),
+            Ok(_) => return Err(Failure::Transport("malformed ready message".into())),
+        }
+    }
+}
+
 impl Running {
     /// Close the control socket (the zygote exits), SIGKILL as a backstop, reap it.
     fn stop(self) {
-        let Running { control, pid } = self;
+        let Running { control, pid, .. } = self;
         drop(control);
         let _ = nix::sys::signal::kill(pid, Signal::SIGKILL);
         let _ = waitpid(pid, None);
+    }
+
+    /// As [`Running::stop`], without waiting for the death: a zygote that stopped answering
+    /// may be frozen or stuck in the kernel, where SIGKILL takes effect only when it leaves,
+    /// and the caller (and every request queued behind it) must not wait for that. A thread
+    /// reaps it.
+    fn abandon(self) {
+        let Running { control, pid, .. } = self;
+        drop(control);
+        let _ = nix::sys::signal::kill(pid, Signal::SIGKILL);
+        if let Ok(WaitStatus::StillAlive) = waitpid(pid, Some(WaitPidFlag::WNOHANG)) {
+            let reaper = std::thread::Builder::new().name("zygote-reaper".into()).spawn(move || waitpid(pid, None));
+            if let Err(e) = reaper {
+                // Left a zombie until this process exits; nothing else is lost.
+                tracing::warn!(pid = pid.as_raw(), error = %e, "cannot start a thread to reap the stopped zygote");
+            }
+        }
     }
 }
 
