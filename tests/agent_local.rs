@@ -194,35 +194,6 @@ fn a_dead_zygote_costs_one_cold_start_and_is_replaced() {
     assert_eq!(fallbacks.len(), 1, "{fallbacks:?}");
 }
 
-/// `opservant submit` of `bytes` that must answer within `limit` (a hung agent fails the
-/// test instead of hanging it): (exit code, reply).
-fn submit_within(a: &Agent, bytes: &[u8], limit: Duration) -> (i32, Value) {
-    use std::io::{Read, Write};
-    let mut c = Command::new(common::opservant())
-        .args(["submit", "-", "--socket", a.socket.to_str().unwrap()])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    c.stdin.take().unwrap().write_all(bytes).unwrap();
-    let deadline = Instant::now() + limit;
-    let status = loop {
-        if let Some(status) = c.try_wait().unwrap() {
-            break status;
-        }
-        if Instant::now() > deadline {
-            let _ = c.kill();
-            let _ = c.wait();
-            panic!("no reply within {limit:?}: the agent hangs");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let mut out = String::new();
-    c.stdout.take().unwrap().read_to_string(&mut out).unwrap();
-    (status.code().unwrap_or(-1), serde_json::from_str(&out).unwrap_or_else(|_| json!({"stdout": out})))
-}
-
 #[test]
 fn a_stalled_zygote_is_replaced_and_its_run_starts_cold() {
     if !common::require_root() {
@@ -242,14 +213,14 @@ fn a_stalled_zygote_is_replaced_and_its_run_starts_cold() {
     // Alive but never answering, as a zygote stuck in the kernel or frozen would be.
     // SAFETY: kill(2) on a pid we just read as our agent's child.
     unsafe { libc::kill(first, libc::SIGSTOP) };
-    let (code, r) = submit_within(&a, &a.sign(&scan("stall-1")), Duration::from_secs(60));
+    let (code, r) = a.submit_within(&a.sign(&scan("stall-1")), Duration::from_secs(60));
     assert_eq!((code, r["sandbox"]["launch"].clone()), (0, json!("cold")), "falls back to the cold path: {r}");
     let deadline = Instant::now() + Duration::from_secs(10);
     while std::fs::metadata(format!("/proc/{first}")).is_ok() {
         assert!(Instant::now() < deadline, "the stalled zygote is killed and reaped");
         std::thread::sleep(Duration::from_millis(20));
     }
-    let (code, r) = submit_within(&a, &a.sign(&scan("stall-2")), Duration::from_secs(60));
+    let (code, r) = a.submit_within(&a.sign(&scan("stall-2")), Duration::from_secs(60));
     assert_eq!((code, r["sandbox"]["launch"].clone()), (0, json!("zygote")), "a new zygote: {r}");
     assert!(a.stop().success());
     a.audit_verify();

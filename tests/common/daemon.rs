@@ -156,8 +156,14 @@ impl Agent {
         out.stdout
     }
 
-    /// `opservant submit -` with these bytes: (exit code, reply).
+    /// `opservant submit -` with these bytes: (exit code, reply). A reply that takes five
+    /// minutes fails the test instead of hanging it.
     pub fn submit(&self, bytes: &[u8]) -> (i32, Value) {
+        self.submit_within(bytes, Duration::from_secs(300))
+    }
+
+    /// As [`Agent::submit`], failing the test unless the reply comes within `limit`.
+    pub fn submit_within(&self, bytes: &[u8], limit: Duration) -> (i32, Value) {
         let mut c = Command::new(common::opservant())
             .args(["submit", "-", "--socket", self.socket.to_str().unwrap()])
             .stdin(Stdio::piped())
@@ -167,7 +173,11 @@ impl Agent {
             .unwrap();
         use std::io::Write;
         let _ = c.stdin.take().unwrap().write_all(bytes);
-        let out = c.wait_with_output().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || tx.send(c.wait_with_output()));
+        // On a panic the agent is killed (Drop), which ends the waiting `submit` too.
+        let out =
+            rx.recv_timeout(limit).unwrap_or_else(|_| panic!("no reply within {limit:?}: the agent hangs")).unwrap();
         let code = out.status.code().unwrap_or(-1);
         let reply = serde_json::from_slice(&out.stdout)
             .unwrap_or_else(|_| json!({"stderr": String::from_utf8_lossy(&out.stderr)}));
