@@ -210,7 +210,10 @@ fn a_stalled_zygote_is_replaced_and_its_run_starts_cold() {
         assert!(Instant::now() < deadline, "the agent starts its zygote at start-up");
         std::thread::sleep(Duration::from_millis(20));
     };
-    // Alive but never answering, as a zygote stuck in the kernel or frozen would be.
+    // Serving (a zygote stopped before its start-up ends is the start limit's case, 30 s)…
+    let (code, r) = a.submit_within(&a.sign(&scan("stall-0")), Duration::from_secs(60));
+    assert_eq!((code, r["sandbox"]["launch"].clone()), (0, json!("zygote")), "{r}");
+    // …then alive but never answering, as a zygote stuck in the kernel or frozen would be.
     // SAFETY: kill(2) on a pid we just read as our agent's child.
     unsafe { libc::kill(first, libc::SIGSTOP) };
     let (code, r) = a.submit_within(&a.sign(&scan("stall-1")), Duration::from_secs(60));
