@@ -167,14 +167,7 @@ fn a_dead_zygote_costs_one_cold_start_and_is_replaced() {
     let mut a = Agent::new(2);
     a.start();
     let agent = a.child.as_ref().unwrap().id();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let first = loop {
-        if let Some(pid) = daemon::zygote_pid(agent) {
-            break pid;
-        }
-        assert!(Instant::now() < deadline, "the agent starts its zygote at start-up");
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let first = daemon::started_zygote(agent);
     let (code, r) = a.submit(&a.sign(&scan("z-1")));
     assert_eq!((code, r["sandbox"]["launch"].clone()), (0, json!("zygote")), "{r}");
 
@@ -202,14 +195,7 @@ fn a_stalled_zygote_is_replaced_and_its_run_starts_cold() {
     let mut a = Agent::new(2);
     a.start();
     let agent = a.child.as_ref().unwrap().id();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let first = loop {
-        if let Some(pid) = daemon::zygote_pid(agent) {
-            break pid;
-        }
-        assert!(Instant::now() < deadline, "the agent starts its zygote at start-up");
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let first = daemon::started_zygote(agent);
     // Serving (a zygote stopped before its start-up ends is the start limit's case, 30 s)…
     let (code, r) = a.submit_within(&a.sign(&scan("stall-0")), Duration::from_secs(60));
     assert_eq!((code, r["sandbox"]["launch"].clone()), (0, json!("zygote")), "{r}");

@@ -207,6 +207,19 @@ impl Drop for Agent {
     }
 }
 
+/// The zygote the agent starts at start-up (its pid), waiting up to 10 s for it.
+#[allow(dead_code)] // tests/agent_local.rs only
+pub fn started_zygote(agent: u32) -> i32 {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(pid) = zygote_pid(agent) {
+            return pid;
+        }
+        assert!(Instant::now() < deadline, "the agent starts its zygote at start-up");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// The agent's zygote: its child running `opservant-runtime --zygote`.
 pub fn zygote_pid(agent: u32) -> Option<i32> {
     // By PPid (the parent's thread-group id), not /proc/AGENT/task/*/children: a child
