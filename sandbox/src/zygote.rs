@@ -543,12 +543,18 @@ fn await_ready(control: &OwnedFd) -> Result<(), Failure> {
 }
 
 impl Running {
-    /// Close the control socket (the zygote exits), SIGKILL as a backstop, reap it.
-    fn stop(self) {
+    /// Close the control socket (the zygote exits) and SIGKILL it as a backstop; returns its
+    /// pid, still to be reaped.
+    fn kill(self) -> Pid {
         let Running { control, pid, .. } = self;
         drop(control);
         let _ = nix::sys::signal::kill(pid, Signal::SIGKILL);
-        let _ = waitpid(pid, None);
+        pid
+    }
+
+    /// Kill the zygote and reap it.
+    fn stop(self) {
+        let _ = waitpid(self.kill(), None);
     }
 
     /// As [`Running::stop`], without waiting for the death: a zygote that stopped answering
@@ -556,9 +562,7 @@ impl Running {
     /// and the caller (and every request queued behind it) must not wait for that. A thread
     /// reaps it.
     fn abandon(self) {
-        let Running { control, pid, .. } = self;
-        drop(control);
-        let _ = nix::sys::signal::kill(pid, Signal::SIGKILL);
+        let pid = self.kill();
         if let Ok(WaitStatus::StillAlive) = waitpid(pid, Some(WaitPidFlag::WNOHANG)) {
             let reaper = std::thread::Builder::new().name("zygote-reaper".into()).spawn(move || waitpid(pid, None));
             if let Err(e) = reaper {
