@@ -219,6 +219,56 @@ fn a_stalled_zygote_is_replaced_and_its_run_starts_cold() {
 }
 
 #[test]
+fn a_stopped_audit_lock_holder_fails_runs_instead_of_stalling_the_agent() {
+    if !common::require_root() {
+        return;
+    }
+    // The last argument is YAML appended after the `audit:` section's path: its own key.
+    let mut a = Agent::build(2, "", "  lock_wait_seconds: 1\n", |_| String::new());
+    a.start();
+    let (code, r) = a.submit(&a.sign(&scan("lock-0")));
+    assert_eq!((code, r["status"].clone()), (0, json!("completed")), "{r}");
+    // A writer that holds the log's lock and is then stopped (an `opservant` command
+    // suspended mid-append would be one): util-linux `flock` holding it around a sleep that
+    // does not inherit it (`-o`), in a process group of its own.
+    let lock = a.dir.path.join("audit/audit.jsonl.lock");
+    let mut holder = std::os::unix::process::CommandExt::process_group(
+        Command::new("flock").arg("-o").arg(&lock).args(["sleep", "600"]),
+        0,
+    )
+    .spawn()
+    .expect("flock(1)");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !std::fs::read_to_string("/proc/locks").unwrap().lines().any(|l| l.contains(&format!(" {} ", holder.id()))) {
+        assert!(Instant::now() < deadline, "flock(1) did not take the lock");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(holder.id() as i32, libc::SIGSTOP) };
+    let before = a.audit_events().len();
+    // Each gated run fails closed, naming the holder, instead of waiting for ever; the
+    // agent keeps answering.
+    for id in ["lock-1", "lock-2"] {
+        let (code, r) = a.submit_within(&a.sign(&scan(id)), Duration::from_secs(60));
+        assert_eq!(
+            (code, r["status"].clone(), r["reason"].clone()),
+            (1, json!("rejected"), json!("cannot_run")),
+            "{r}"
+        );
+        let error = r["error"].as_str().unwrap_or_default();
+        assert!(error.contains(&format!("held by pid {} (flock, stopped) for more than 1 s", holder.id())), "{r}");
+    }
+    assert_eq!(a.audit_events().len(), before, "nothing appended while the lock is held");
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(-(holder.id() as i32), libc::SIGKILL) };
+    holder.wait().unwrap();
+    let (code, r) = a.submit_within(&a.sign(&scan("lock-3")), Duration::from_secs(60));
+    assert_eq!((code, r["status"].clone()), (0, json!("completed")), "runs go on once it lets go: {r}");
+    assert!(a.stop().success());
+    a.audit_verify();
+}
+
+#[test]
 fn the_warm_pool_serves_repeat_runs_and_leaves_nothing_behind() {
     if !common::require_root() {
         return;

@@ -66,6 +66,11 @@
 //! records/s on this disk); on a spinning disk or a loaded host an `fdatasync` takes
 //! milliseconds — a few per run, which stays small beside a sandbox start.
 //!
+//! The wait for the lock is bounded (`audit.lock_wait_seconds`, default 30; [`lock`]): a
+//! writer that holds it and stops — suspended, frozen, stuck on a dead disk — makes appends
+//! fail after that long, with an error naming the holder from `/proc/locks`, instead of
+//! silently stalling every gated action of the agent.
+//!
 //! # Failing closed
 //!
 //! [`try_record`] returns the error when the record could not be appended; the gates use it —
@@ -78,6 +83,7 @@
 //! before it starts anything.
 
 pub mod cli;
+pub mod lock;
 pub mod verify;
 
 use std::fs::{File, OpenOptions};
@@ -86,7 +92,7 @@ use std::os::unix::fs::{DirBuilderExt, FileExt, OpenOptionsExt};
 use std::os::unix::net::UnixDatagram;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
@@ -103,6 +109,11 @@ pub const MIN_MAX_BYTES: u64 = 1024;
 /// Largest `audit.max_bytes` accepted (1 GiB): `audit verify` reads one file at a time whole.
 pub const MAX_MAX_BYTES: u64 = 1 << 30;
 pub const MAX_KEEP: u32 = 1000;
+/// How long an append waits for the log's lock by default (`audit.lock_wait_seconds`): far
+/// beyond any append (a few ms, a slow disk's `fdatasync` included), short enough that a
+/// stuck holder shows as failing runs rather than a silent stall.
+pub const DEFAULT_LOCK_WAIT_SECONDS: u64 = 30;
+pub const MAX_LOCK_WAIT_SECONDS: u64 = 3600;
 /// `prev` of the genesis record.
 pub const GENESIS_PREV: &str = "0000000000000000000000000000000000000000000000000000000000000000";
 /// A field value longer than this is cut (on a character boundary) and marked, so a sandboxed
@@ -135,6 +146,9 @@ pub struct AuditSection {
     pub keep: Option<u32>,
     /// Mirror records to journald when its socket exists (default true).
     pub journald: Option<bool>,
+    /// Longest wait for the log's lock, held by another writer, before an append fails
+    /// (default 30, 1–3600).
+    pub lock_wait_seconds: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -144,6 +158,7 @@ struct AuditSectionRaw {
     max_bytes: Option<u64>,
     keep: Option<u32>,
     journald: Option<bool>,
+    lock_wait_seconds: Option<u64>,
 }
 
 impl TryFrom<AuditSectionRaw> for AuditSection {
@@ -160,7 +175,16 @@ impl TryFrom<AuditSectionRaw> for AuditSection {
         if r.keep.is_some_and(|k| k == 0 || k > MAX_KEEP) {
             return Err(format!("audit.keep: 1 to {MAX_KEEP} (rotation needs somewhere to carry the chain)"));
         }
-        Ok(AuditSection { path: r.path, max_bytes: r.max_bytes, keep: r.keep, journald: r.journald })
+        if r.lock_wait_seconds.is_some_and(|s| s == 0 || s > MAX_LOCK_WAIT_SECONDS) {
+            return Err(format!("audit.lock_wait_seconds: 1 to {MAX_LOCK_WAIT_SECONDS}"));
+        }
+        Ok(AuditSection {
+            path: r.path,
+            max_bytes: r.max_bytes,
+            keep: r.keep,
+            journald: r.journald,
+            lock_wait_seconds: r.lock_wait_seconds,
+        })
     }
 }
 
@@ -171,6 +195,8 @@ pub struct AuditSettings {
     pub max_bytes: u64,
     pub keep: u32,
     pub journald: bool,
+    /// Longest wait for the lock (see [`lock`]).
+    pub lock_wait: Duration,
     /// The journald socket (a test may point it elsewhere).
     pub journal_socket: PathBuf,
 }
@@ -183,6 +209,7 @@ impl AuditSettings {
             max_bytes: a.max_bytes.unwrap_or(DEFAULT_MAX_BYTES),
             keep: a.keep.unwrap_or(DEFAULT_KEEP),
             journald: a.journald.unwrap_or(true),
+            lock_wait: Duration::from_secs(a.lock_wait_seconds.unwrap_or(DEFAULT_LOCK_WAIT_SECONDS)),
             journal_socket: PathBuf::from(JOURNAL_SOCKET),
         }
     }
@@ -194,6 +221,7 @@ impl AuditSettings {
             max_bytes: DEFAULT_MAX_BYTES,
             keep: DEFAULT_KEEP,
             journald: false,
+            lock_wait: Duration::from_secs(DEFAULT_LOCK_WAIT_SECONDS),
             journal_socket: PathBuf::from(JOURNAL_SOCKET),
         }
     }
@@ -489,7 +517,7 @@ impl AuditLog {
 
     fn lock(&self) -> Result<nix::fcntl::Flock<File>, AuditError> {
         let lp = self.settings.lock_path();
-        let mut f = OpenOptions::new()
+        let f = OpenOptions::new()
             .read(true)
             .write(true)
             .create(true)
@@ -498,13 +526,8 @@ impl AuditLog {
             .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
             .open(&lp)
             .map_err(|e| AuditError::new(&self.settings.path, format!("lock file {}: {e}", lp.display())))?;
-        loop {
-            match nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusive) {
-                Ok(l) => return Ok(l),
-                Err((back, nix::errno::Errno::EINTR)) => f = back,
-                Err((_, e)) => return Err(AuditError::new(&self.settings.path, format!("flock: {e}"))),
-            }
-        }
+        lock::exclusive(f, &lp, self.settings.lock_wait)
+            .map_err(|e| AuditError::new(&self.settings.path, format!("{e}; nothing was appended")))
     }
 
     fn open_file(&self, path: &Path) -> Result<File, AuditError> {
@@ -919,13 +942,83 @@ mod tests {
             "audit:\n  max_bytes: 10\n",
             "audit:\n  keep: 0\n",
             "audit:\n  pth: /x\n",
+            "audit:\n  lock_wait_seconds: 0\n",
+            "audit:\n  lock_wait_seconds: 3601\n",
         ] {
             assert!(Config::parse(bad).is_err(), "{bad}");
         }
         let d = AuditSettings::from_config(&Config::default());
         assert_eq!(
-            (d.path, d.max_bytes, d.keep, d.journald),
-            (PathBuf::from(DEFAULT_PATH), DEFAULT_MAX_BYTES, DEFAULT_KEEP, true)
+            (d.path, d.max_bytes, d.keep, d.journald, d.lock_wait),
+            (PathBuf::from(DEFAULT_PATH), DEFAULT_MAX_BYTES, DEFAULT_KEEP, true, Duration::from_secs(30))
         );
+        let w = Config::parse("audit:\n  lock_wait_seconds: 2\n").unwrap();
+        assert_eq!(AuditSettings::from_config(&w).lock_wait, Duration::from_secs(2));
+    }
+
+    /// Hold the log's lock through another open file description (as another process would).
+    fn hold_lock(settings: &AuditSettings) -> nix::fcntl::Flock<File> {
+        let f = File::options().read(true).write(true).create(true).truncate(false).open(settings.lock_path()).unwrap();
+        nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusiveNonblock).unwrap()
+    }
+
+    #[test]
+    fn an_append_waits_for_a_holder_that_lets_go() {
+        let s = Scratch::new("lockwait");
+        let mut settings = AuditSettings::at(&s.log());
+        settings.lock_wait = Duration::from_secs(20);
+        let log = AuditLog::open(settings.clone()).unwrap();
+        let held = hold_lock(&settings);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let appender = std::thread::spawn(move || {
+            let r = log.append("x", &Map::new());
+            tx.send(()).unwrap();
+            r
+        });
+        // Still waiting while the lock is held (the append cannot have finished)...
+        assert!(rx.recv_timeout(Duration::from_millis(300)).is_err(), "appended under another's lock");
+        drop(held);
+        // ...and done once it is released.
+        let a = appender.join().unwrap().unwrap();
+        assert_eq!(a.seq, 1);
+    }
+
+    #[test]
+    fn an_append_behind_a_stuck_holder_fails_and_names_it() {
+        let s = Scratch::new("lockstuck");
+        let mut settings = AuditSettings::at(&s.log());
+        settings.lock_wait = Duration::from_secs(1);
+        let log = AuditLog::open(settings.clone()).unwrap();
+        let held = hold_lock(&settings);
+        let before = std::fs::read(s.log()).unwrap_or_default();
+        // Other signals arriving meanwhile (a signal with a handler and no SA_RESTART: the
+        // audit module's own) do not end the wait early or make it fail differently.
+        lock::install_handler().unwrap();
+        // A caller that blocks every signal (as the agent's threads block the stop signals)
+        // still gets its wait ended.
+        // SAFETY: sigset_t is plain data filled by sigfillset; this thread's mask only.
+        unsafe {
+            let mut all: libc::sigset_t = std::mem::zeroed();
+            libc::sigfillset(&mut all);
+            assert_eq!(libc::pthread_sigmask(libc::SIG_BLOCK, &all, std::ptr::null_mut()), 0);
+        }
+        // SAFETY: gettid has no preconditions.
+        let tid = unsafe { libc::gettid() };
+        let poker = std::thread::spawn(move || {
+            for _ in 0..5 {
+                std::thread::sleep(Duration::from_millis(100));
+                // SAFETY: signals a thread of this process, whose handler for it does nothing.
+                unsafe { libc::syscall(libc::SYS_tgkill, libc::getpid(), tid, lock::wake_signal()) };
+            }
+        });
+        let started = std::time::Instant::now();
+        let e = log.append("x", &Map::new()).unwrap_err();
+        poker.join().unwrap();
+        assert!(started.elapsed() >= Duration::from_secs(1), "gave up early: {:?}", started.elapsed());
+        let me = format!("pid {}", std::process::id());
+        assert!(e.message.contains("held by") && e.message.contains(&me), "{e}");
+        assert_eq!(std::fs::read(s.log()).unwrap_or_default(), before, "nothing appended");
+        drop(held);
+        assert_eq!(log.append("x", &Map::new()).unwrap().seq, 1, "appends go on once it is released");
     }
 }

@@ -67,7 +67,11 @@ pub enum CliError {
 pub fn main(command: AuditCommand) -> Result<ExitCode, CliError> {
     match command {
         AuditCommand::Verify { files, json, config } => {
-            let configured = if files.is_empty() { Some(settings(config.as_deref())?.path) } else { None };
+            let configured_settings = if files.is_empty() { Some(settings(config.as_deref())?) } else { None };
+            let lock_wait = configured_settings
+                .as_ref()
+                .map_or(std::time::Duration::from_secs(super::DEFAULT_LOCK_WAIT_SECONDS), |s| s.lock_wait);
+            let configured = configured_settings.map(|s| s.path);
             let list = |c: &Option<PathBuf>| match c {
                 Some(path) => chain_files(path),
                 None => Ok(files.clone()),
@@ -83,8 +87,9 @@ pub fn main(command: AuditCommand) -> Result<ExitCode, CliError> {
                 (first, None) => first?,
                 (_, Some(lock)) => {
                     let f = std::fs::File::open(&lock).map_err(|e| AuditError::new(&lock, e))?;
-                    let _shared = nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockShared)
-                        .map_err(|(_, e)| AuditError::new(&lock, format!("flock: {e}")))?;
+                    let _shared = super::lock::shared(f, &lock, lock_wait).map_err(|e| {
+                        AuditError::new(&lock, format!("{e}; the problem found could not be confirmed"))
+                    })?;
                     verify(&list(&configured)?)?
                 }
             };
