@@ -956,19 +956,20 @@ mod tests {
         assert_eq!(AuditSettings::from_config(&w).lock_wait, Duration::from_secs(2));
     }
 
-    /// Hold the log's lock through another open file description (as another process would).
-    fn hold_lock(settings: &AuditSettings) -> nix::fcntl::Flock<File> {
+    /// A log in `s` whose appends wait at most `wait`, and its lock held through another
+    /// open file description (as another process would hold it).
+    fn log_behind_held_lock(s: &Scratch, wait: Duration) -> (AuditLog, nix::fcntl::Flock<File>) {
+        let mut settings = AuditSettings::at(&s.log());
+        settings.lock_wait = wait;
+        let log = AuditLog::open(settings.clone()).unwrap();
         let f = File::options().read(true).write(true).create(true).truncate(false).open(settings.lock_path()).unwrap();
-        nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusiveNonblock).unwrap()
+        (log, nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusiveNonblock).unwrap())
     }
 
     #[test]
     fn an_append_waits_for_a_holder_that_lets_go() {
         let s = Scratch::new("lockwait");
-        let mut settings = AuditSettings::at(&s.log());
-        settings.lock_wait = Duration::from_secs(20);
-        let log = AuditLog::open(settings.clone()).unwrap();
-        let held = hold_lock(&settings);
+        let (log, held) = log_behind_held_lock(&s, Duration::from_secs(20));
         let (tx, rx) = std::sync::mpsc::channel();
         let appender = std::thread::spawn(move || {
             let r = log.append("x", &Map::new());
@@ -986,10 +987,7 @@ mod tests {
     #[test]
     fn an_append_behind_a_stuck_holder_fails_and_names_it() {
         let s = Scratch::new("lockstuck");
-        let mut settings = AuditSettings::at(&s.log());
-        settings.lock_wait = Duration::from_secs(1);
-        let log = AuditLog::open(settings.clone()).unwrap();
-        let held = hold_lock(&settings);
+        let (log, held) = log_behind_held_lock(&s, Duration::from_secs(1));
         let before = std::fs::read(s.log()).unwrap_or_default();
         // Other signals arriving meanwhile (a signal with a handler and no SA_RESTART: the
         // audit module's own) do not end the wait early or make it fail differently.
