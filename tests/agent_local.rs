@@ -159,6 +159,19 @@ fn signed_commands_run_and_every_rejection_is_audited() {
     assert!(events.iter().any(|e| e["event"] == "executor_complete" && e["fields"]["command_id"] == "cmd-1"));
 }
 
+/// Submit a port scan (waiting at most a minute) and expect it completed through `launch`.
+fn scan_through(a: &Agent, id: &str, launch: &str, why: &str) {
+    let (code, r) = a.submit_within(&a.sign(&scan(id)), Duration::from_secs(60));
+    assert_eq!((code, r["sandbox"]["launch"].clone()), (0, json!(launch)), "{why}: {r}");
+}
+
+/// Stop the agent, verify its audit chain and return its `zygote_fallback` records.
+fn stop_and_list_fallbacks(mut a: Agent) -> Vec<Value> {
+    assert!(a.stop().success());
+    a.audit_verify();
+    a.audit_events().into_iter().filter(|e| e["event"] == "zygote_fallback").collect()
+}
+
 #[test]
 fn a_dead_zygote_costs_one_cold_start_and_is_replaced() {
     if !common::require_root() {
@@ -168,22 +181,16 @@ fn a_dead_zygote_costs_one_cold_start_and_is_replaced() {
     a.start();
     let agent = a.child.as_ref().unwrap().id();
     let first = daemon::started_zygote(agent);
-    let (code, r) = a.submit(&a.sign(&scan("z-1")));
-    assert_eq!((code, r["sandbox"]["launch"].clone()), (0, json!("zygote")), "{r}");
-
+    scan_through(&a, "z-1", "zygote", "the first run");
     // SAFETY: kill(2) on a pid we just read as our agent's child.
     unsafe { libc::kill(first, libc::SIGKILL) };
     std::thread::sleep(Duration::from_millis(200));
-    let (code, r) = a.submit(&a.sign(&scan("z-2")));
-    assert_eq!((code, r["sandbox"]["launch"].clone()), (0, json!("cold")), "falls back to the cold path: {r}");
-    let (code, r) = a.submit(&a.sign(&scan("z-3")));
-    assert_eq!((code, r["sandbox"]["launch"].clone()), (0, json!("zygote")), "a new zygote: {r}");
+    scan_through(&a, "z-2", "cold", "falls back to the cold path");
+    scan_through(&a, "z-3", "zygote", "a new zygote");
     let second = daemon::zygote_pid(agent).expect("a new zygote runs");
     assert_ne!(first, second);
-    assert!(a.stop().success());
+    let fallbacks = stop_and_list_fallbacks(a);
     assert!(std::fs::metadata(format!("/proc/{second}")).is_err(), "the zygote ends with the agent");
-    a.audit_verify();
-    let fallbacks: Vec<Value> = a.audit_events().into_iter().filter(|e| e["event"] == "zygote_fallback").collect();
     assert_eq!(fallbacks.len(), 1, "{fallbacks:?}");
 }
 
@@ -194,26 +201,20 @@ fn a_stalled_zygote_is_replaced_and_its_run_starts_cold() {
     }
     let mut a = Agent::new(2);
     a.start();
-    let agent = a.child.as_ref().unwrap().id();
-    let first = daemon::started_zygote(agent);
+    let first = daemon::started_zygote(a.child.as_ref().unwrap().id());
     // Serving (a zygote stopped before its start-up ends is the start limit's case, 30 s)…
-    let (code, r) = a.submit_within(&a.sign(&scan("stall-0")), Duration::from_secs(60));
-    assert_eq!((code, r["sandbox"]["launch"].clone()), (0, json!("zygote")), "{r}");
+    scan_through(&a, "stall-0", "zygote", "the first run");
     // …then alive but never answering, as a zygote stuck in the kernel or frozen would be.
     // SAFETY: kill(2) on a pid we just read as our agent's child.
     unsafe { libc::kill(first, libc::SIGSTOP) };
-    let (code, r) = a.submit_within(&a.sign(&scan("stall-1")), Duration::from_secs(60));
-    assert_eq!((code, r["sandbox"]["launch"].clone()), (0, json!("cold")), "falls back to the cold path: {r}");
+    scan_through(&a, "stall-1", "cold", "falls back to the cold path");
     let deadline = Instant::now() + Duration::from_secs(10);
     while std::fs::metadata(format!("/proc/{first}")).is_ok() {
         assert!(Instant::now() < deadline, "the stalled zygote is killed and reaped");
         std::thread::sleep(Duration::from_millis(20));
     }
-    let (code, r) = a.submit_within(&a.sign(&scan("stall-2")), Duration::from_secs(60));
-    assert_eq!((code, r["sandbox"]["launch"].clone()), (0, json!("zygote")), "a new zygote: {r}");
-    assert!(a.stop().success());
-    a.audit_verify();
-    let fallbacks: Vec<Value> = a.audit_events().into_iter().filter(|e| e["event"] == "zygote_fallback").collect();
+    scan_through(&a, "stall-2", "zygote", "a new zygote");
+    let fallbacks = stop_and_list_fallbacks(a);
     assert_eq!(fallbacks.len(), 1, "{fallbacks:?}");
     assert!(fallbacks[0]["fields"]["error"].as_str().unwrap().contains("no reply"), "{fallbacks:?}");
 }
