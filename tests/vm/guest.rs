@@ -1,9 +1,11 @@
 //! Guest side of the VM suites (`tests/vm/README.md`): running a command of a check under a
 //! deadline, and, past it, showing where every process of the guest waits — so a hang
-//! fails with a diagnosis instead of running into the VM's own timeout silently.
+//! fails with a diagnosis instead of running into the VM's own timeout silently. A watchdog
+//! thread backs that up for a runner that is stuck itself (see [`start_watchdog`]).
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 #[path = "../common/procs.rs"]
@@ -24,6 +26,62 @@ macro_rules! ensure {
 pub fn command_deadline() -> Duration {
     let secs = std::env::var("VM_COMMAND_DEADLINE").ok().and_then(|s| s.parse().ok()).unwrap_or(150);
     Duration::from_secs(secs)
+}
+
+/// The runner's last sign of progress: what it went on to do, and when.
+static PROGRESS: Mutex<Option<(String, Instant)>> = Mutex::new(None);
+
+/// Note that the runner has gone on to `what` (a check's start, a command's wait, its end).
+fn progress(what: String) {
+    if let Ok(mut p) = PROGRESS.lock() {
+        *p = Some((what, Instant::now()));
+    }
+}
+
+/// Write `text` to fd 1 directly, past std's stdout lock: a stuck thread may hold that lock.
+fn say(text: &str) {
+    use std::io::Write;
+    use std::os::fd::FromRawFd;
+    // SAFETY: fd 1 is open for the life of the process; ManuallyDrop never closes it, so the
+    // File only borrows the descriptor.
+    let mut out = std::mem::ManuallyDrop::new(unsafe { std::fs::File::from_raw_fd(1) });
+    let _ = out.write_all(text.as_bytes());
+}
+
+/// The backstop for a runner that is stuck itself, where [`output_within`]'s deadline cannot
+/// fire: in `Command::spawn` (which waits for the child's `exec`), in a check's own file or
+/// cgroup access, in a write to the console. Once the runner has shown no progress for the
+/// command deadline plus a minute, the watchdog thread prints (straight to fd 1) what it was
+/// doing and where every process of the guest waits, then powers the guest off (sysrq `o`):
+/// a thread stuck in the kernel can keep the process from ever exiting. The run then fails
+/// with that diagnosis ("the VM died without reporting a status") well before the VM's own
+/// timeout, which a CI run once reached in its first check without printing anything.
+fn start_watchdog() {
+    let spawned = std::thread::Builder::new().name("watchdog".into()).spawn(|| {
+        let limit = command_deadline() + Duration::from_secs(60);
+        loop {
+            std::thread::sleep(Duration::from_secs(1));
+            let stuck = PROGRESS.lock().ok().and_then(|p| p.clone()).filter(|(_, since)| since.elapsed() > limit);
+            let Some((what, since)) = stuck else { continue };
+            // tests/vm/host.rs boots once more on these first words (RUNNER_STUCK).
+            say(&format!(
+                "\n[watchdog: no progress for {}s since the runner went on to {what}; the runner itself \
+                 is stuck; gathering where the guest's processes wait]\n",
+                since.elapsed().as_secs()
+            ));
+            say(&where_processes_wait_within(Duration::from_secs(30)));
+            say("\ntest result: FAILED. the runner was stuck (above); powering the guest off\n");
+            // Let the console take the text before the guest goes away.
+            std::thread::sleep(Duration::from_secs(2));
+            if let Err(e) = std::fs::write("/proc/sysrq-trigger", "o") {
+                say(&format!("(sysrq o: {e}; the VM's own timeout ends the run)\n"));
+            }
+            return;
+        }
+    });
+    if let Err(e) = spawned {
+        println!("(no watchdog thread: {e}; a stuck runner ends in the VM's timeout)");
+    }
 }
 
 /// Start `cmd` with stdin from /dev/null and stdout/stderr captured.
@@ -50,6 +108,7 @@ pub fn output_within(mut child: std::process::Child, what: &str) -> Result<std::
             buf
         })
     }
+    progress(format!("wait for {what}"));
     let out = drain(child.stdout.take());
     let err = drain(child.stderr.take());
     let limit = command_deadline();
@@ -87,10 +146,12 @@ pub fn output_within(mut child: std::process::Child, what: &str) -> Result<std::
                 true => String::from_utf8_lossy(&err.join().unwrap_or_default()).into_owned(),
                 false => "(not closed)".into(),
             };
+            progress(format!("what follows {what}"));
             return Err(format!("{what}: {state} after {}s; killed\nstderr: {stderr}\n{diagnosis}", limit.as_secs()));
         }
         std::thread::sleep(Duration::from_millis(20));
     }
+    progress(format!("what follows {what}"));
     let status = status.ok_or_else(|| format!("{what}: no exit status"))?;
     Ok(std::process::Output {
         status,
@@ -99,22 +160,58 @@ pub fn output_within(mut child: std::process::Child, what: &str) -> Result<std::
     })
 }
 
-/// Where every process of the guest waits, gathered on a thread, for at most `limit`: reading a process's `/proc`
-/// files can itself block (its `cmdline` needs the address space's lock, which a process
-/// stuck in the kernel may hold), so what was gathered by then is returned, naming the file
-/// being read.
-pub fn where_processes_wait_within(limit: Duration) -> String {
-    use std::sync::{Arc, Mutex};
-    let text = Arc::new(Mutex::new(String::new()));
-    let writer = Arc::clone(&text);
-    let gatherer = std::thread::spawn(move || where_processes_wait_into(&writer));
-    let until = Instant::now() + limit;
-    while !gatherer.is_finished() && Instant::now() < until {
-        std::thread::sleep(Duration::from_millis(20));
+/// A request to the gatherer thread: the text to fill, and a channel to say it is done.
+type GatherJob = (Arc<Mutex<String>>, mpsc::Sender<()>);
+
+/// The gatherer thread's queue, once [`start_gatherer`] has run.
+static GATHERER: Mutex<Option<mpsc::Sender<GatherJob>>> = Mutex::new(None);
+
+/// Start the thread that gathers [`where_processes_wait_within`]'s report, ahead of any
+/// need: when the runner is stuck, starting a thread may be stuck too (`clone` waits for
+/// the cgroup core's fork lock, which a stuck cgroup migration can hold).
+fn start_gatherer() {
+    let (tx, rx) = mpsc::channel::<GatherJob>();
+    let spawned = std::thread::Builder::new().name("gatherer".into()).spawn(move || {
+        for (text, done) in rx {
+            where_processes_wait_into(&text);
+            let _ = done.send(());
+        }
+    });
+    match spawned {
+        Ok(_) => {
+            if let Ok(mut g) = GATHERER.lock() {
+                *g = Some(tx);
+            }
+        }
+        Err(e) => println!("(no gatherer thread: {e}; a diagnosis is gathered on the thread that needs it)"),
     }
+}
+
+/// Where every process of the guest waits, gathered on the gatherer thread, for at most
+/// `limit`: reading a process's `/proc` files can itself block (its `cmdline` needs the
+/// address space's lock, which a process stuck in the kernel may hold), so what was gathered
+/// by then is returned, naming the file being read. A gatherer still stuck in an earlier
+/// report answers nothing; the text says so.
+pub fn where_processes_wait_within(limit: Duration) -> String {
+    let text = Arc::new(Mutex::new(String::new()));
+    let (done_tx, done_rx) = mpsc::channel();
+    let queued = GATHERER
+        .lock()
+        .ok()
+        .and_then(|g| g.as_ref().map(|tx| tx.send((Arc::clone(&text), done_tx.clone())).is_ok()))
+        .unwrap_or(false);
+    if !queued {
+        where_processes_wait_into(&text);
+        let _ = done_tx.send(());
+    }
+    let finished = done_rx.recv_timeout(limit).is_ok();
     let mut gathered = text.lock().map(|t| t.clone()).unwrap_or_default();
-    if !gatherer.is_finished() {
-        gathered.push_str(&format!("\n(incomplete: still reading after {}s, see the last line)\n", limit.as_secs()));
+    if !finished {
+        gathered.push_str(&format!(
+            "\n(incomplete: still reading after {}s, see the last line; nothing at all: the gatherer is \
+             still stuck in an earlier report)\n",
+            limit.as_secs()
+        ));
     }
     gathered
 }
@@ -158,11 +255,27 @@ fn where_processes_wait_into(text: &std::sync::Mutex<String>) {
             String::from_utf8_lossy(&cmdline).replace('\0', " ").trim_end(),
         ));
     }
-    push(&format!("kernel log after sysrq w (blocked tasks):\n{}", blocked_tasks_from_kernel_log()));
+    push(&format!(
+        "kernel log since the runner started, ending with sysrq w (blocked tasks):\n{}",
+        blocked_tasks_from_kernel_log()
+    ));
+}
+
+/// When the runner started, in the kernel log's clock (µs since boot; see [`run_checks`]).
+static RUNNER_START_US: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Microseconds since boot (`CLOCK_MONOTONIC`, which the kernel log's timestamps follow).
+fn monotonic_us() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes one timespec through a pointer to a live local.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000 + ts.tv_nsec as u64 / 1_000
 }
 
 /// Ask the kernel to log every task in uninterruptible sleep (sysrq `w`) and return what it
-/// logged from then on (`/dev/kmsg`, read without blocking; at most the last 300 lines).
+/// logged since the runner started (`/dev/kmsg`, read without blocking; at most the last 500
+/// lines): the blocked tasks, and before them what the kernel reported meanwhile — hung
+/// tasks, RCU stalls, lockups, 9p errors, OOM kills.
 fn blocked_tasks_from_kernel_log() -> String {
     use std::io::Read;
     use std::os::unix::fs::OpenOptionsExt;
@@ -170,9 +283,6 @@ fn blocked_tasks_from_kernel_log() -> String {
         Ok(f) => f,
         Err(e) => return format!("(/dev/kmsg: {e})\n"),
     };
-    // Only what the kernel logs from now on: the blocked tasks.
-    // SAFETY: lseek on a descriptor we own; SEEK_END on /dev/kmsg skips the logged records.
-    unsafe { libc::lseek(std::os::fd::AsRawFd::as_raw_fd(&kmsg), 0, libc::SEEK_END) };
     if let Err(e) = std::fs::write("/proc/sysrq-trigger", "w") {
         return format!("(sysrq-trigger: {e})\n");
     }
@@ -184,9 +294,18 @@ fn blocked_tasks_from_kernel_log() -> String {
             Ok(0) => break,
             Ok(n) => {
                 let line = String::from_utf8_lossy(&record[..n]);
-                let message = line.split_once(';').map_or(&*line, |(_, m)| m).trim_end().to_string();
+                // "level,seq,microseconds,flags;message": keep the time, as dmesg shows it.
+                let since = RUNNER_START_US.load(std::sync::atomic::Ordering::Relaxed).saturating_sub(1_000_000);
+                let message = match line.split_once(';') {
+                    Some((head, m)) => match head.split(',').nth(2).and_then(|us| us.parse::<u64>().ok()) {
+                        Some(us) if us < since => continue, // the boot log
+                        Some(us) => format!("[{:5}.{:06}] {}", us / 1_000_000, us % 1_000_000, m.trim_end()),
+                        None => m.trim_end().to_string(),
+                    },
+                    None => line.trim_end().to_string(),
+                };
                 lines.push_back(message);
-                if lines.len() > 300 {
+                if lines.len() > 500 {
                     lines.pop_front();
                 }
             }
@@ -195,6 +314,18 @@ fn blocked_tasks_from_kernel_log() -> String {
         }
     }
     lines.into_iter().map(|l| l + "\n").collect()
+}
+
+/// Lock every page of this runner in memory, now and later (`mlockall`): the guest reads
+/// its files — this binary included — over 9p, and code that never ran before (the deadline's
+/// diagnosis) would otherwise be paged in from there when it is first needed. Were 9p the
+/// thing that hangs, the diagnosis would hang with it and the VM would time out silently,
+/// which a CI run once did in the first check. Not inherited by the commands it starts.
+fn keep_this_runner_in_memory() {
+    // SAFETY: mlockall only changes how this process's pages are kept; no memory is touched.
+    if unsafe { libc::mlockall(libc::MCL_CURRENT | libc::MCL_FUTURE) } != 0 {
+        println!("(mlockall: {}; a 9p hang could hide the diagnosis)", std::io::Error::last_os_error());
+    }
 }
 
 /// A check of a suite: it passes, or says why not.
@@ -210,6 +341,10 @@ pub fn run_checks<C: std::panic::RefUnwindSafe>(
     on_failure: impl Fn() -> String,
 ) -> std::process::ExitCode {
     use std::io::Write;
+    RUNNER_START_US.store(monotonic_us(), std::sync::atomic::Ordering::Relaxed);
+    keep_this_runner_in_memory();
+    start_gatherer();
+    start_watchdog();
     let start = Instant::now();
     let mut failed: Vec<(&str, String)> = Vec::new();
     let mut passed = 0;
@@ -219,6 +354,7 @@ pub fn run_checks<C: std::panic::RefUnwindSafe>(
         }
         print!("test {name} ... ");
         let _ = std::io::stdout().flush();
+        progress(format!("check {name}"));
         let t = Instant::now();
         let result = std::panic::catch_unwind(|| check(ctx)).unwrap_or_else(|p| {
             Err(format!(

@@ -90,36 +90,111 @@ pub fn unless_ready(test: &str, what: &str, missing: &[String]) -> Option<ExitCo
     Some(ExitCode::SUCCESS)
 }
 
+/// The first words of the guest watchdog's report (`tests/vm/guest.rs`): the runner itself was
+/// stuck, outside any command of a check, and the watchdog powered the guest off.
+const RUNNER_STUCK: &[u8] = b"[watchdog: no progress";
+
+/// What the guest's runner prints after a check that failed (`test NAME ... FAILED (SECS s)`).
+const CHECK_FAILED: &[u8] = b" ... FAILED (";
+
 /// Boot the VM with `vm-exec.sh` (its variables `env`), run this test binary inside with
 /// `OPSERVANT_IN_VM=1` and `guest_env`, and report: the guest's output streams through as it
 /// comes; the exit status of `vm-exec.sh` is the test's.
+///
+/// One exception: when the guest's watchdog reports that the runner itself was stuck (in
+/// starting a command, in the guest's file transport — not in a check's assertion, nor in a
+/// command under its deadline) and no check had failed before, the diagnosis stays in the
+/// output and the VM is booted once more, saying so. Twice stuck fails.
 pub fn boot_and_run(test: &str, announce: &str, env: &[(&str, String)], guest_env: &[&str]) -> ExitCode {
+    println!("{test}: {announce}");
+    match boot_once(test, env, guest_env) {
+        Boot::RunnerStuck => {
+            println!(
+                "{test}: RETRY: the runner in the guest was stuck outside the checks (diagnosis above); \
+                 booting the VM once more"
+            );
+            match boot_once(test, env, guest_env) {
+                Boot::Done(code) => code,
+                Boot::RunnerStuck => {
+                    eprintln!("{test}: FAILED: the runner in the guest was stuck in both boots (diagnoses above)");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        Boot::Done(code) => code,
+    }
+}
+
+enum Boot {
+    Done(ExitCode),
+    RunnerStuck,
+}
+
+fn boot_once(test: &str, env: &[(&str, String)], guest_env: &[&str]) -> Boot {
+    use std::io::Read;
     let script = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/..")).join("tests/vm/vm-exec.sh");
     let me = match std::env::current_exe() {
         Ok(p) => p,
         Err(e) => {
             eprintln!("{test}: cannot locate this test binary: {e}");
-            return ExitCode::FAILURE;
+            return Boot::Done(ExitCode::FAILURE);
         }
     };
-    println!("{test}: {announce}");
     let _ = std::io::stdout().flush();
     let start = Instant::now();
     // The guest's per-command deadline (tests/vm/guest.rs), when set here.
     let deadline = std::env::var("VM_COMMAND_DEADLINE").ok().map(|s| format!("VM_COMMAND_DEADLINE={s}"));
-    let status = Command::new(&script)
+    let child = Command::new(&script)
         .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
         .args(["env", "OPSERVANT_IN_VM=1"])
         .args(guest_env)
         .args(deadline)
         .arg(&me)
         .stdin(Stdio::null())
-        .status();
+        .stdout(Stdio::piped())
+        .spawn();
+    let mut child = match child {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("{test}: cannot run {}: {e}", script.display());
+            return Boot::Done(ExitCode::FAILURE);
+        }
+    };
+    // Pass the guest's output on as it comes, watching for the watchdog's report (which may
+    // straddle two reads: the tail of the last one is kept).
+    let (mut stuck, mut check_failed) = (false, false);
+    if let Some(mut out) = child.stdout.take() {
+        let mut buf = [0u8; 8192];
+        let mut window: Vec<u8> = Vec::new();
+        loop {
+            let n = match out.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(_) => break,
+            };
+            let mut stdout = std::io::stdout().lock();
+            let _ = stdout.write_all(&buf[..n]);
+            let _ = stdout.flush();
+            window.extend_from_slice(&buf[..n]);
+            let holds = |marker: &[u8]| window.windows(marker.len()).any(|w| w == marker);
+            // A check's failure counts only before the watchdog's report.
+            check_failed |= !stuck && holds(CHECK_FAILED);
+            stuck |= holds(RUNNER_STUCK);
+            let keep = window.len().saturating_sub(RUNNER_STUCK.len().max(CHECK_FAILED.len()));
+            window.drain(..keep);
+        }
+    }
+    let status = child.wait();
     let secs = start.elapsed().as_secs_f64();
     match status {
         Ok(s) if s.success() => {
             println!("{test}: passed ({secs:.1}s including boot)");
-            ExitCode::SUCCESS
+            Boot::Done(ExitCode::SUCCESS)
+        }
+        Ok(_) if stuck && !check_failed => {
+            eprintln!("{test}: the runner in the guest was stuck after {secs:.1}s");
+            Boot::RunnerStuck
         }
         Ok(s) => {
             let why = match s.code() {
@@ -130,11 +205,11 @@ pub fn boot_and_run(test: &str, announce: &str, env: &[(&str, String)], guest_en
                 None => format!("{s}"),
             };
             eprintln!("{test}: FAILED after {secs:.1}s: {why}");
-            ExitCode::FAILURE
+            Boot::Done(ExitCode::FAILURE)
         }
         Err(e) => {
-            eprintln!("{test}: cannot run {}: {e}", script.display());
-            ExitCode::FAILURE
+            eprintln!("{test}: cannot wait for {}: {e}", script.display());
+            Boot::Done(ExitCode::FAILURE)
         }
     }
 }

@@ -150,7 +150,9 @@ if [ "${VM_SYSTEMD:-0}" = 1 ]; then
     systemd_opt=(--systemd --append "container= systemd.unit=serial-getty@ttyS0.service")
 fi
 
-vng_cmd=("${vng_env[@]}" vng --run "$VM_KERNEL" --disable-kvm
+# --force-9p: vng tries virtiofsd first; Debian 12's (QEMU's C /usr/lib/qemu/virtiofsd)
+# rejects vng's arguments, and vng then waits ~5 s for it before falling back to 9p anyway.
+vng_cmd=("${vng_env[@]}" vng --run "$VM_KERNEL" --disable-kvm --force-9p
     --memory "${VM_MEMORY:-1G}" --cpus "${VM_CPUS:-2}"
     "${repo_opt[@]}" "${cwd_opt[@]}" "${append[@]}" "${console[@]}" "${systemd_opt[@]}"
     -- "$guest_cmd")
