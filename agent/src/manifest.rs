@@ -39,6 +39,17 @@ pub struct Warning {
     pub message: String,
 }
 
+/// A key of the manifest as a warning's path: as it is when it is a plain word (letters,
+/// digits, `_`, `-`), else JSON-quoted — so an empty key still names something (`""`) and a
+/// key holding dots, spaces or control characters cannot pass for a path or garble a terminal.
+fn key_path(key: &str) -> String {
+    if !key.is_empty() && key.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-') {
+        key.to_string()
+    } else {
+        serde_json::Value::String(key.to_string()).to_string()
+    }
+}
+
 impl std::fmt::Display for Warning {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}: {}", self.path, self.message)
@@ -295,7 +306,7 @@ impl Manifest {
         let warnings: Vec<Warning> = obj
             .keys()
             .filter(|k| !TOP_LEVEL.contains(&k.as_str()))
-            .map(|k| Warning { path: k.clone(), message: "unknown top-level key (ignored)".into() })
+            .map(|k| Warning { path: key_path(k), message: "unknown top-level key (ignored)".into() })
             .collect();
         let manifest: Manifest = serde_path_to_error::deserialize(&value).map_err(|e| {
             let path = e.path().to_string();
@@ -431,6 +442,24 @@ mod tests {
         let extra = SEED.replacen('{', "{\"homepage\": \"x\",", 1);
         let (_, w) = Manifest::parse(&extra).unwrap();
         assert!(w.iter().any(|w| w.path == "homepage"));
+    }
+
+    /// Found by the `manifest` fuzz target: an empty key gave a warning with an empty path.
+    #[test]
+    fn an_unknown_key_that_is_not_a_plain_word_is_quoted_in_its_warning() {
+        let cases = [
+            (r#""""#, r#""""#),
+            (r#""a.b""#, r#""a.b""#),
+            (r#""x\u001b[2J""#, r#""x\u001b[2J""#),
+            (r#""home_page-2""#, "home_page-2"),
+        ];
+        for (key_json, path) in cases {
+            let extra = SEED.replacen('{', &format!("{{{key_json}: 1,"), 1);
+            let (_, w) = Manifest::parse(&extra).unwrap();
+            let warning = w.iter().find(|w| w.message.starts_with("unknown top-level key")).unwrap();
+            assert_eq!(warning.path, path, "key {key_json}");
+            assert_eq!(warning.to_string(), format!("{path}: unknown top-level key (ignored)"));
+        }
     }
 
     #[test]
