@@ -38,6 +38,9 @@ fn progress(what: String) {
     }
 }
 
+/// The first words of the watchdog's report: `tests/vm/host.rs` boots once more on them.
+pub const WATCHDOG_REPORT: &str = "[watchdog: no progress";
+
 /// Write `text` to fd 1 directly, past std's stdout lock: a stuck thread may hold that lock.
 fn say(text: &str) {
     use std::io::Write;
@@ -63,9 +66,8 @@ fn start_watchdog() {
             std::thread::sleep(Duration::from_secs(1));
             let stuck = PROGRESS.lock().ok().and_then(|p| p.clone()).filter(|(_, since)| since.elapsed() > limit);
             let Some((what, since)) = stuck else { continue };
-            // tests/vm/host.rs boots once more on these first words (RUNNER_STUCK).
             say(&format!(
-                "\n[watchdog: no progress for {}s since the runner went on to {what}; the runner itself \
+                "\n{WATCHDOG_REPORT} for {}s since the runner went on to {what}; the runner itself \
                  is stuck; gathering where the guest's processes wait]\n",
                 since.elapsed().as_secs()
             ));
@@ -198,20 +200,19 @@ pub fn where_processes_wait_within(limit: Duration) -> String {
     let queued = GATHERER
         .lock()
         .ok()
-        .and_then(|g| g.as_ref().map(|tx| tx.send((Arc::clone(&text), done_tx.clone())).is_ok()))
+        .and_then(|g| g.as_ref().map(|tx| tx.send((Arc::clone(&text), done_tx)).is_ok()))
         .unwrap_or(false);
-    if !queued {
+    let finished = if queued {
+        done_rx.recv_timeout(limit).is_ok()
+    } else {
         where_processes_wait_into(&text);
-        let _ = done_tx.send(());
-    }
-    let finished = done_rx.recv_timeout(limit).is_ok();
+        true
+    };
     let mut gathered = text.lock().map(|t| t.clone()).unwrap_or_default();
-    if !finished {
-        gathered.push_str(&format!(
-            "\n(incomplete: still reading after {}s, see the last line; nothing at all: the gatherer is \
-             still stuck in an earlier report)\n",
-            limit.as_secs()
-        ));
+    if !finished && gathered.is_empty() {
+        gathered.push_str("(nothing: the gatherer is still stuck in an earlier report)\n");
+    } else if !finished {
+        gathered.push_str(&format!("\n(incomplete: still reading after {}s, see the last line)\n", limit.as_secs()));
     }
     gathered
 }
@@ -286,6 +287,8 @@ fn blocked_tasks_from_kernel_log() -> String {
     if let Err(e) = std::fs::write("/proc/sysrq-trigger", "w") {
         return format!("(sysrq-trigger: {e})\n");
     }
+    // The boot log is left out (with a second's margin for the clocks).
+    let since = RUNNER_START_US.load(std::sync::atomic::Ordering::Relaxed).saturating_sub(1_000_000);
     let mut lines = std::collections::VecDeque::new();
     let mut record = [0u8; 8192];
     // Each read returns one record; EAGAIN at the end, EPIPE for a record overwritten meanwhile.
@@ -295,7 +298,6 @@ fn blocked_tasks_from_kernel_log() -> String {
             Ok(n) => {
                 let line = String::from_utf8_lossy(&record[..n]);
                 // "level,seq,microseconds,flags;message": keep the time, as dmesg shows it.
-                let since = RUNNER_START_US.load(std::sync::atomic::Ordering::Relaxed).saturating_sub(1_000_000);
                 let message = match line.split_once(';') {
                     Some((head, m)) => match head.split(',').nth(2).and_then(|us| us.parse::<u64>().ok()) {
                         Some(us) if us < since => continue, // the boot log

@@ -90,9 +90,9 @@ pub fn unless_ready(test: &str, what: &str, missing: &[String]) -> Option<ExitCo
     Some(ExitCode::SUCCESS)
 }
 
-/// The first words of the guest watchdog's report (`tests/vm/guest.rs`): the runner itself was
-/// stuck, outside any command of a check, and the watchdog powered the guest off.
-const RUNNER_STUCK: &[u8] = b"[watchdog: no progress";
+/// The first words of the guest watchdog's report: the runner itself was stuck, outside any
+/// command of a check, and the watchdog powered the guest off.
+const RUNNER_STUCK: &[u8] = crate::guest::WATCHDOG_REPORT.as_bytes();
 
 /// What the guest's runner prints after a check that failed (`test NAME ... FAILED (SECS s)`).
 const CHECK_FAILED: &[u8] = b" ... FAILED (";
