@@ -447,6 +447,72 @@ fn overload_is_rejected_and_sigterm_lets_running_commands_finish() {
     a.audit_verify();
 }
 
+/// Connections cannot exhaust the agent: with `max_concurrent` 1 it serves 1 + 64
+/// connections at once; the next is answered `overloaded` without being read (audited) —
+/// also through `opservant submit`, whose command the agent then never reads —, the held
+/// ones cost nothing once closed, and a client trickling its command a byte a second is cut
+/// off at the read deadline (10 s for the whole command, not per read).
+#[test]
+fn silent_and_trickling_connections_cannot_exhaust_the_agent() {
+    use std::io::{Read, Write};
+    use std::os::unix::net::UnixStream;
+    if !common::require_root() {
+        return;
+    }
+    let mut a = Agent::new(1);
+    a.start();
+    let held: Vec<UnixStream> = (0..65).map(|_| UnixStream::connect(&a.socket).unwrap()).collect();
+    let mut probe = UnixStream::connect(&a.socket).unwrap();
+    probe.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let mut reply = String::new();
+    probe.read_to_string(&mut reply).unwrap();
+    let r: Value = serde_json::from_str(reply.trim()).unwrap_or_else(|e| panic!("{e}: {reply:?}"));
+    assert_eq!((r["status"].clone(), r["reason"].clone()), (json!("rejected"), json!("overloaded")), "{r}");
+    assert!(r["error"].as_str().unwrap().contains("65 connections are open"), "{r}");
+    let (code, r) = a.submit_within(&a.sign(&scan("while-held")), Duration::from_secs(60));
+    assert_eq!((code, r["reason"].clone()), (1, json!("overloaded")), "{r}");
+    drop(held);
+    // The held connections' threads see the end of their input and go; then commands run.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let (code, r) = a.submit_within(
+            &a.sign(&scan(&format!("after-{}", deadline.elapsed().as_nanos()))),
+            Duration::from_secs(60),
+        );
+        if code == 0 {
+            assert_eq!(r["status"], "completed", "{r}");
+            break;
+        }
+        assert_eq!(r["reason"], "overloaded", "{r}");
+        assert!(Instant::now() < deadline, "the closed connections still count: {r}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // A trickle: one byte a second. Cut off (reset or closed) at the 10 s deadline, well
+    // before these 60 bytes are sent; unanswered.
+    let mut trickle = UnixStream::connect(&a.socket).unwrap();
+    let started = Instant::now();
+    let mut cut_off = false;
+    for _ in 0..60 {
+        if trickle.write_all(b" ").is_err() {
+            cut_off = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_secs(1));
+    }
+    assert!(cut_off, "a trickling client held its connection for {:?}", started.elapsed());
+    let mut rest = String::new();
+    let _ = trickle.read_to_string(&mut rest);
+    assert!(rest.is_empty(), "{rest}");
+    assert!(a.stop().success());
+    let refusals = a
+        .audit_events()
+        .into_iter()
+        .filter(|e| e["event"] == "security_event" && e["fields"]["reason"] == "overloaded")
+        .count();
+    assert!(refusals >= 2, "{refusals}");
+    a.audit_verify();
+}
+
 /// systemd keeps the watchdog armed while a unit stops: a drain that stopped pinging was
 /// killed with SIGABRT after `WatchdogSec` (found by the boot test, tests/vm/systemd_boot.rs).
 #[test]

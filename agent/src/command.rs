@@ -284,22 +284,34 @@ impl Pipeline {
             let id = signing::parse_command(bytes)
                 .ok()
                 .and_then(|c| c.get("command_id").and_then(Value::as_str).map(str::to_string));
-            let max = self.max_concurrent.to_string();
-            audit::record(
-                "security_event",
-                &[
-                    ("reason", "overloaded"),
-                    ("source", source),
-                    ("max_concurrent", &max),
-                    ("command_id", id.as_deref().unwrap_or("")),
-                ],
-            );
-            rejected(id.as_deref(), Reason::Overloaded, &format!("{max} commands are running; try again later"))
+            self.overloaded(id.as_deref(), source, &format!("{} commands are running", self.max_concurrent))
         } else {
             self.handle(bytes, signing::now())
         };
         self.running.fetch_sub(1, Ordering::SeqCst);
         reply
+    }
+
+    /// The `overloaded` rejection (audited as a security event): `why` says which limit was
+    /// reached.
+    pub fn overloaded(&self, command_id: Option<&str>, source: &str, why: &str) -> Value {
+        let max = self.max_concurrent.to_string();
+        audit::record(
+            "security_event",
+            &[
+                ("reason", "overloaded"),
+                ("source", source),
+                ("max_concurrent", &max),
+                ("command_id", command_id.unwrap_or("")),
+                ("detail", why),
+            ],
+        );
+        rejected(command_id, Reason::Overloaded, &format!("{why}; try again later"))
+    }
+
+    /// `agent.max_concurrent`: commands run at once.
+    pub fn max_concurrent(&self) -> usize {
+        self.max_concurrent
     }
 
     /// Commands running now.

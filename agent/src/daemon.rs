@@ -9,6 +9,10 @@
 //!   is created mode 0600 inside a 0700 directory;
 //! - at most `agent.max_concurrent` commands run at once; one more is answered at once with
 //!   `status: "rejected"`, `reason: "overloaded"` (audited), never queued without bound;
+//! - at most `max_concurrent` + [`CONNECTION_HEADROOM`] connections are served at once (each
+//!   has a thread); a connection beyond them is answered `overloaded` without being read;
+//! - a client has [`READ_DEADLINE`] in all to send its command (not per read: a client
+//!   trickling bytes cannot hold its thread), then the connection is closed unanswered;
 //! - SIGTERM or SIGINT: the socket is closed and removed (no new work), the commands already
 //!   running finish (their limits bound how long) and get their replies, then the process
 //!   exits 0; systemd is told `READY=1`, `STOPPING=1` and, with `WatchdogSec`, `WATCHDOG=1`;
@@ -34,8 +38,11 @@ use crate::executor_run::CannotRun;
 pub const DEFAULT_SOCKET: &str = "/run/opservant/agent.sock";
 pub const DEFAULT_STATE_DIR: &str = "/var/lib/opservant";
 pub const DEFAULT_MAX_CONCURRENT: usize = 4;
-/// How long a client may take to send its command.
-const READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a client may take to send its whole command.
+pub const READ_DEADLINE: Duration = Duration::from_secs(10);
+/// Connections served at once beyond `max_concurrent`: clients still sending their command
+/// and those being answered `overloaded`. Bounds the daemon's threads.
+pub const CONNECTION_HEADROOM: usize = 64;
 
 /// `sd_notify(3)` without libsystemd: one datagram to `$NOTIFY_SOCKET`, when set.
 pub fn sd_notify(state: &str) {
@@ -137,6 +144,10 @@ pub fn serve(pipeline: Pipeline, socket: &Path, platform: Option<crate::platform
             break;
         }
         let Ok((stream, _)) = listener.accept() else { continue };
+        if workers.len() >= pipeline.max_concurrent() + CONNECTION_HEADROOM {
+            refuse(stream, &pipeline, workers.len());
+            continue;
+        }
         let pipeline = pipeline.clone();
         workers.push(std::thread::spawn(move || serve_client(stream, &pipeline)));
     }
@@ -174,19 +185,59 @@ fn watchdog_interval() -> Option<Duration> {
     Some(Duration::from_micros(usec / 2))
 }
 
-fn serve_client(mut stream: UnixStream, pipeline: &Pipeline) {
+/// Whether the peer runs as root; a peer that does not is audited.
+fn peer_is_root(stream: &UnixStream) -> bool {
     let root =
-        nix::sys::socket::getsockopt(&stream, nix::sys::socket::sockopt::PeerCredentials).is_ok_and(|c| c.uid() == 0);
+        nix::sys::socket::getsockopt(stream, nix::sys::socket::sockopt::PeerCredentials).is_ok_and(|c| c.uid() == 0);
     if !root {
         crate::audit::record("security_event", &[("reason", "non_root_client"), ("detail", "agent socket")]);
+    }
+    root
+}
+
+/// A connection beyond the limit, on the accepting thread: answered `overloaded` at once,
+/// without reading its command and without blocking (the reply fits the socket's buffer;
+/// a write that would block is dropped).
+fn refuse(stream: UnixStream, pipeline: &Pipeline, open: usize) {
+    if !peer_is_root(&stream) {
         return;
     }
-    let _ = stream.set_read_timeout(Some(READ_TIMEOUT));
+    let reply = pipeline.overloaded(None, "socket", &format!("{open} connections are open"));
+    let mut line = reply.to_string();
+    line.push('\n');
+    if stream.set_nonblocking(true).is_ok() {
+        let _ = (&stream).write_all(line.as_bytes());
+    }
+}
+
+/// Read one command: at most `limit` bytes, all within [`READ_DEADLINE`]. `None` when the
+/// client failed to send it in time or the connection broke.
+fn read_command(stream: &mut UnixStream, limit: u64) -> Option<Vec<u8>> {
+    let deadline = std::time::Instant::now() + READ_DEADLINE;
     let mut buf = Vec::new();
-    let limit = crate::signing::MAX_COMMAND_BYTES as u64 + 1;
-    if (&mut stream).take(limit).read_to_end(&mut buf).is_err() {
+    let mut chunk = [0u8; 16 * 1024];
+    loop {
+        let left = deadline.checked_duration_since(std::time::Instant::now()).filter(|d| !d.is_zero())?;
+        stream.set_read_timeout(Some(left)).ok()?;
+        let room = usize::try_from(limit - buf.len() as u64).unwrap_or(usize::MAX).min(chunk.len());
+        if room == 0 {
+            return Some(buf);
+        }
+        match stream.read(&mut chunk[..room]) {
+            Ok(0) => return Some(buf),
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(_) => return None,
+        }
+    }
+}
+
+fn serve_client(mut stream: UnixStream, pipeline: &Pipeline) {
+    if !peer_is_root(&stream) {
         return;
     }
+    let limit = crate::signing::MAX_COMMAND_BYTES as u64 + 1;
+    let Some(buf) = read_command(&mut stream, limit) else { return };
     if buf.is_empty() {
         // Connected and closed without a byte (a liveness probe): no command, no reply,
         // and no place in the concurrency limit.
@@ -202,11 +253,16 @@ fn serve_client(mut stream: UnixStream, pipeline: &Pipeline) {
 pub fn submit(socket: &Path, command: &[u8]) -> Result<Value, CannotRun> {
     let mut stream = UnixStream::connect(socket)
         .map_err(|e| CannotRun(format!("{}: cannot reach the agent: {e}", socket.display())))?;
-    stream.write_all(command).map_err(|e| CannotRun(format!("send: {e}")))?;
-    stream.shutdown(std::net::Shutdown::Write).map_err(|e| CannotRun(format!("send: {e}")))?;
+    // An agent past its connection limit answers before reading and closes: the send then
+    // fails, and the answer is still there to read.
+    let sent = stream.write_all(command).and_then(|()| stream.shutdown(std::net::Shutdown::Write));
     let mut reply = String::new();
-    stream.read_to_string(&mut reply).map_err(|e| CannotRun(format!("reply: {e}")))?;
+    let read = stream.read_to_string(&mut reply);
     if reply.trim().is_empty() {
+        if let Err(e) = sent {
+            return Err(CannotRun(format!("send: {e}")));
+        }
+        read.map_err(|e| CannotRun(format!("reply: {e}")))?;
         return Err(CannotRun(format!("{}: the agent closed the connection without a reply", socket.display())));
     }
     serde_json::from_str(reply.trim()).map_err(|e| CannotRun(format!("reply is not JSON: {e}")))
