@@ -103,6 +103,42 @@ fn declared_paths_get_exactly_the_declared_access() {
     assert!(!ro.path.join("new").exists());
 }
 
+/// A declaration cannot reach a path the policy refuses through a symlink: `/var/run` (a
+/// link to `/run` on Debian) for writing, a link to `/etc/shadow` or to the masked
+/// `/etc/ssh` for reading — each refused at validation (exit 2), naming the real path; and
+/// declaring `/etc` itself keeps `/etc/shadow` and `/etc/ssh` covered.
+#[test]
+fn declarations_cannot_reach_refused_or_masked_paths_through_symlinks_or_parents() {
+    if !require_root() {
+        return;
+    }
+    let links = HostDir::new();
+    std::os::unix::fs::symlink("/etc/shadow", links.path.join("shadow")).unwrap();
+    std::os::unix::fs::symlink("/etc", links.path.join("etc")).unwrap();
+    let mut cases = vec![
+        (format!(r#"{{"filesystem": {{"read": ["{}"]}}}}"#, links.path.join("shadow").display()), "/etc/shadow"),
+        (format!(r#"{{"filesystem": {{"read": ["{}/ssh"]}}}}"#, links.path.join("etc").display()), "/etc/ssh"),
+    ];
+    if std::fs::read_link("/var/run").is_ok() {
+        cases.push((r#"{"filesystem": {"write": ["/var/run"]}}"#.to_string(), "/run"));
+    }
+    for (perms, real) in cases {
+        let m = manifest(&links, &perms, "{}");
+        let (code, err) = common::try_sandbox(Some(&m), &["/bin/true"]).unwrap_err();
+        assert_eq!(code, 2, "{perms}: {err}");
+        assert!(err.contains("symlink") && err.contains(real), "{perms}: {err}");
+    }
+    // Declaring a parent does not uncover what is masked beneath it.
+    let m = manifest(&links, r#"{"filesystem": {"read": ["/etc"]}}"#, "{}");
+    let r = sh(
+        Some(&m),
+        "cat /etc/shadow 2>&1 | head -c 200; ls -A /etc/ssh 2>&1; cat /etc/hostname >/dev/null && echo etc-readable",
+    );
+    assert!(r.stdout().contains("etc-readable"), "{} {}", r.stdout(), r.err());
+    assert!(!r.stdout().contains("root:"), "{}", r.stdout());
+    assert!(!r.stdout().contains("ssh_config"), "{}", r.stdout());
+}
+
 #[test]
 fn home_is_hidden_unless_declared() {
     if !require_root() {

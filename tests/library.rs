@@ -109,6 +109,55 @@ fn fresh_sysfs_on_request_is_private_and_read_only() {
     assert!(stdout(&o).contains("refused"), "{}", stdout(&o));
 }
 
+/// Declared paths are bound only when no component is a symlink (a link swapped in after
+/// the agent's policy checked the path fails the run), and masks hold beneath a declared
+/// parent: a masked directory and a masked file under a declared directory stay covered
+/// (the mask was applied first, then bound over).
+#[test]
+fn declared_paths_are_never_bound_through_symlinks_and_masks_hold_beneath_them() {
+    if !require_root() {
+        return;
+    }
+    let _view = common::host_view();
+    let dir = common::HostDir::new_in("/var/tmp");
+    let d = |p: &str| dir.path.join(p);
+    std::fs::create_dir_all(d("tree/hidden")).unwrap();
+    std::fs::create_dir_all(d("tree/shown/inner")).unwrap();
+    std::fs::write(d("tree/hidden/secret"), "s3cret").unwrap();
+    std::fs::write(d("tree/secret-file"), "s3cret").unwrap();
+    std::fs::write(d("tree/shown/inner/visible"), "ok").unwrap();
+    std::os::unix::fs::symlink(d("tree"), d("link")).unwrap();
+    for p in [dir.path.clone(), d("tree"), d("tree/hidden"), d("tree/shown"), d("tree/shown/inner")] {
+        std::fs::set_permissions(&p, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    }
+    for f in ["tree/hidden/secret", "tree/secret-file", "tree/shown/inner/visible"] {
+        std::fs::set_permissions(d(f), std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
+    }
+    let read = |path: std::path::PathBuf| sandbox::PathRule { path, access: sandbox::Access::Read, optional: false };
+
+    let mut s = spec(&["/bin/true"]);
+    s.filesystem.paths.push(read(d("link/shown")));
+    let e = sandbox::run(&s, &launcher(), OutputOptions::default()).unwrap_err().to_string();
+    assert!(e.contains("symlink") && e.contains("link/shown"), "{e}");
+
+    let mut s = spec(&[
+        "/bin/sh",
+        "-c",
+        &format!(
+            "cd {}; cat hidden/secret secret-file 2>/dev/null; ls hidden 2>&1 | head -1; cat shown/inner/visible",
+            d("tree").display()
+        ),
+    ]);
+    s.filesystem.paths.push(read(d("tree")));
+    s.filesystem.paths.push(read(d("tree/shown/inner")));
+    s.filesystem.masked.extend([d("tree/hidden"), d("tree/secret-file")]);
+    let o = sandbox::run(&s, &launcher(), OutputOptions::default()).unwrap();
+    let out = stdout(&o);
+    assert!(!out.contains("s3cret"), "a mask beneath a declared directory was uncovered: {out}");
+    assert!(out.contains("Permission denied"), "{out}");
+    assert!(out.ends_with("ok"), "{out}");
+}
+
 #[test]
 fn dropping_a_running_sandbox_tears_it_down() {
     if !require_root() {

@@ -295,10 +295,9 @@ impl AgentPolicy {
                 format!("{} holds host credentials and is never readable", p.display()),
             ));
         }
-        if !p.starts_with("/tmp") && std::fs::symlink_metadata(p).is_err() {
-            return Err(PolicyError::new(field, format!("{} does not exist on this host", p.display())));
-        }
-        Ok(())
+        // Read paths, /tmp included, are bound from the host (only writes under /tmp land in
+        // the scratch).
+        real_path(field, p)
     }
 
     fn check_write(&self, field: &str, p: &Path) -> Result<(), PolicyError> {
@@ -318,10 +317,26 @@ impl AgentPolicy {
                 format!("{}: overlaps the agent's own files ({}); never granted", p.display(), hit.display()),
             ));
         }
-        match std::fs::symlink_metadata(p) {
-            Ok(_) => Ok(()),
-            Err(_) => Err(PolicyError::new(field, format!("{} does not exist on this host", p.display()))),
+        real_path(field, p)
+    }
+}
+
+/// `p` must exist and be the path the host resolves it to: the checks above compare path
+/// text, so a symlink anywhere in it (`/var/run` → `/run`, a link to `/etc/shadow`, a link
+/// to a masked directory) would let a declaration name a path they never saw. The sandbox
+/// binds declared paths without following symlinks, so one swapped in after this check
+/// fails the run instead of widening the view.
+fn real_path(field: &str, p: &Path) -> Result<(), PolicyError> {
+    match std::fs::canonicalize(p) {
+        Ok(real) if real == p => Ok(()),
+        Ok(real) => Err(PolicyError::new(
+            field,
+            format!("{} is reached through a symlink (it is {}); declare the real path", p.display(), real.display()),
+        )),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            Err(PolicyError::new(field, format!("{} does not exist on this host", p.display())))
         }
+        Err(e) => Err(PolicyError::new(field, format!("{}: {e}", p.display()))),
     }
 }
 
@@ -368,10 +383,50 @@ mod tests {
     }
 
     #[test]
+    fn declared_paths_through_symlinks_are_refused_naming_the_real_path() {
+        // Outside /tmp: writes under /tmp land in the scratch and are not bound from the host.
+        let dir = PathBuf::from(format!("/var/tmp/opservant-policy-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("real")).unwrap();
+        let _ = std::fs::remove_file(dir.join("shadow"));
+        let _ = std::fs::remove_file(dir.join("alias"));
+        std::os::unix::fs::symlink("/etc/shadow", dir.join("shadow")).unwrap();
+        std::os::unix::fs::symlink(dir.join("real"), dir.join("alias")).unwrap();
+        let p = policy();
+        for (fs, field, real) in [
+            (format!(r#"{{"read":["{}"]}}"#, dir.join("shadow").display()), "read[0]", "/etc/shadow".to_string()),
+            (
+                format!(r#"{{"read":["{}/x"]}}"#, dir.join("alias").display()),
+                "read[0]",
+                dir.join("real/x").display().to_string(),
+            ),
+            (
+                format!(r#"{{"write":["{}"]}}"#, dir.join("alias").display()),
+                "write[0]",
+                dir.join("real").display().to_string(),
+            ),
+        ] {
+            std::fs::write(dir.join("real/x"), "").unwrap();
+            let e = p.spec_for(Some(&manifest(&fs)), "/bin/true", vec![]).unwrap_err();
+            assert_eq!(e.field, format!("permissions.filesystem.{field}"), "{fs}: {e}");
+            assert!(e.message.contains("symlink") && e.message.contains(&real), "{fs}: {e}");
+        }
+        // The real paths themselves are fine.
+        let fs =
+            format!(r#"{{"read":["{}"],"write":["{}"]}}"#, dir.join("real/x").display(), dir.join("real").display());
+        p.spec_for(Some(&manifest(&fs)), "/bin/true", vec![]).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
     fn missing_read_path_is_an_error() {
         let p = policy();
-        let m = manifest(r#"{"read":["/definitely/not/here"]}"#);
-        assert!(p.spec_for(Some(&m), "/bin/true", vec![]).unwrap_err().message.contains("does not exist"));
+        for path in ["/definitely/not/here", "/tmp/definitely-not-here"] {
+            let m = manifest(&format!(r#"{{"read":["{path}"]}}"#));
+            assert!(
+                p.spec_for(Some(&m), "/bin/true", vec![]).unwrap_err().message.contains("does not exist"),
+                "{path}"
+            );
+        }
     }
 
     #[test]

@@ -9,9 +9,12 @@
 //!   containing `/tmp/opservant/scratch`. Nothing else of the host is reachable: the old root
 //!   is detached before the payload starts (`pivot_root`, never chroot).
 //! - Masked paths inside the view are covered by an inaccessible (mode 000, read-only) file
-//!   or directory, unless a declared path names them exactly.
+//!   or directory, unless a declared path names them exactly — also beneath a declared
+//!   parent (masks and declared paths are applied in one pass, parents first).
 //! - Host paths are resolved with `openat2(RESOLVE_IN_ROOT)` against the old root, so a host
-//!   symlink cannot redirect a bind mount into the half-built new root.
+//!   symlink cannot redirect a bind mount into the half-built new root; declared paths
+//!   also with `RESOLVE_NO_SYMLINKS`: one whose components include a symlink fails the
+//!   build, so what a caller checked by its text is what is bound.
 //! - No host file is ever created or written: every mount point that does not exist is
 //!   created in a tmpfs owned by the sandbox.
 //!
@@ -108,50 +111,48 @@ pub fn build(fs_spec: &Filesystem, net_ns: bool, cwd: &Path) -> Result<ViewRepor
         }
     }
 
-    // 5. Masks (before declared paths, so a declared path beneath a mask is shown on top).
-    let mut masks_to_seal = Vec::new();
-    let inaccessible = Path::new(INACCESSIBLE);
-    create_file(inaccessible, 0o000, b"")?;
-    for m in &fs_spec.masked {
-        if fs_spec.paths.iter().any(|p| &p.path == m) {
-            continue;
-        }
-        let Ok(meta) = fs::symlink_metadata(m) else { continue };
-        if meta.is_dir() {
-            do_mount(
-                Some("opservant-mask"),
-                m,
-                Some("tmpfs"),
-                MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
-                Some("mode=000,size=4096,nr_inodes=64"),
-            )?;
-            masks_to_seal.push(m.clone());
-        } else {
-            do_mount(Some(INACCESSIBLE), m, None, MsFlags::MS_BIND, None)?;
-            seal(m, true, false)?;
-        }
-    }
-
-    // 6. /dev, /sys, /tmp, /run.
+    // 5. /dev, /sys, /tmp, /run.
     build_dev(&old_root, fs_spec.scratch_bytes)?;
     let sysfs = build_sys(fs_spec.sysfs && net_ns)?;
     build_tmp(fs_spec.scratch_bytes)?;
     mkdir(Path::new("/run"), 0o755)?;
 
-    // 7. Declared paths.
-    for rule in sorted(&fs_spec.paths) {
-        if rule.path.starts_with("/tmp") && rule.access == Access::ReadWrite {
-            fs::DirBuilder::new()
-                .recursive(true)
-                .mode(0o700)
-                .create(&rule.path)
-                .map_err(|e| fail_io(format!("create {}", rule.path.display()), e))?;
-        } else {
-            bind_host(&old_root, rule, false)?;
+    // 6. Masks and declared paths in one pass, parents before children: a mask beneath a
+    // declared path covers it again (declaring `/etc` or `/run` does not show what is masked
+    // there), and a declared path beneath a mask is shown on top of it. A mask named
+    // exactly by a declared path is not applied.
+    let mut masks_to_seal = Vec::new();
+    let inaccessible = Path::new(INACCESSIBLE);
+    create_file(inaccessible, 0o000, b"")?;
+    let mut steps: Vec<(&Path, Option<&PathRule>)> = fs_spec
+        .masked
+        .iter()
+        .filter(|m| !fs_spec.paths.iter().any(|p| &p.path == *m))
+        .map(|m| (m.as_path(), None))
+        .chain(fs_spec.paths.iter().map(|r| (r.path.as_path(), Some(r))))
+        .collect();
+    steps.sort_by_key(|(path, _)| path.components().count());
+    for (path, declared) in steps {
+        match declared {
+            Some(rule) if rule.path.starts_with("/tmp") && rule.access == Access::ReadWrite => {
+                fs::DirBuilder::new()
+                    .recursive(true)
+                    .mode(0o700)
+                    .create(&rule.path)
+                    .map_err(|e| fail_io(format!("create {}", rule.path.display()), e))?;
+            }
+            Some(rule) => {
+                bind_host(&old_root, rule, false)?;
+            }
+            None => {
+                if mask(path)? {
+                    masks_to_seal.push(path.to_path_buf());
+                }
+            }
         }
     }
 
-    // 8. Synthetic files.
+    // 7. Synthetic files.
     for (i, s) in fs_spec.synthetic.iter().enumerate() {
         let src = PathBuf::from(format!("/.synthetic-{i}"));
         create_file(&src, 0o444, s.content.as_bytes())?;
@@ -162,12 +163,12 @@ pub fn build(fs_spec: &Filesystem, net_ns: bool, cwd: &Path) -> Result<ViewRepor
     }
     fs::remove_file(inaccessible).map_err(|e| fail_io("remove /.inaccessible", e))?;
 
-    // 9. Detach the host root.
+    // 8. Detach the host root.
     drop(old_root);
     umount2(OLD_ROOT, MntFlags::MNT_DETACH).map_err(|e| fail("detach old root", e))?;
     fs::remove_dir(OLD_ROOT).map_err(|e| fail_io("remove old root mount point", e))?;
 
-    // 10. Seal: masks and the root become read-only.
+    // 9. Seal: masks and the root become read-only.
     for m in &masks_to_seal {
         seal(m, true, false)?;
     }
@@ -175,6 +176,31 @@ pub fn build(fs_spec: &Filesystem, net_ns: bool, cwd: &Path) -> Result<ViewRepor
 
     nix::unistd::chdir(cwd).map_err(|e| fail(format!("chdir {}", cwd.display()), e))?;
     Ok(ViewReport { sysfs, system_bound })
+}
+
+/// Cover `path` in the view, when it exists there: a directory with an empty mode-000
+/// tmpfs (returned `true`: sealed read-only once the old root is gone), anything else with
+/// the mode-000 file, sealed at once.
+fn mask(path: &Path) -> Result<bool, StepError> {
+    let Ok(meta) = fs::symlink_metadata(path) else { return Ok(false) };
+    if meta.file_type().is_symlink() {
+        // Mounting on it would follow it; its target is covered where it is a mask itself.
+        return Ok(false);
+    }
+    if meta.is_dir() {
+        do_mount(
+            Some("opservant-mask"),
+            path,
+            Some("tmpfs"),
+            MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+            Some("mode=000,size=4096,nr_inodes=64"),
+        )?;
+        Ok(true)
+    } else {
+        do_mount(Some(INACCESSIBLE), path, None, MsFlags::MS_BIND, None)?;
+        seal(path, true, false)?;
+        Ok(false)
+    }
 }
 
 /// Parents before children so nested binds land on top.
@@ -204,9 +230,21 @@ fn bind_host(old_root: &OwnedFd, rule: &PathRule, system: bool) -> Result<bool, 
             _ => {}
         }
     }
-    let src = match open_in_root(old_root, rel) {
+    // Declared paths are bound only when no component is a symlink: what was checked
+    // against the policy by its text is then what is bound (system paths resolve inside
+    // the host root).
+    let src = match open_in_root(old_root, rel, !system) {
         Ok(fd) => fd,
         Err(Errno::ENOENT) if rule.optional => return Ok(false),
+        Err(Errno::ELOOP) if !system => {
+            return Err(StepError::new(
+                Stage::Mounts,
+                format!(
+                    "host path {}: a component is a symlink (declared paths are never bound through one)",
+                    rule.path.display()
+                ),
+            ))
+        }
         Err(e) => return Err(fail(format!("host path {}", rule.path.display()), e)),
     };
     let is_dir = fstat_is_dir(&src).map_err(|e| fail(format!("stat {}", rule.path.display()), e))?;
@@ -231,8 +269,8 @@ fn build_dev(old_root: &OwnedFd, scratch_bytes: u64) -> Result<(), StepError> {
     for name in DEVICES {
         let dst = dev.join(name);
         create_file(&dst, 0o666, b"")?;
-        let src =
-            open_in_root(old_root, &Path::new("dev").join(name)).map_err(|e| fail(format!("host /dev/{name}"), e))?;
+        let src = open_in_root(old_root, &Path::new("dev").join(name), false)
+            .map_err(|e| fail(format!("host /dev/{name}"), e))?;
         let src_name = format!("/proc/self/fd/{}", src.as_raw_fd());
         // Device nodes need a mount without nodev (nosuid and noexec mean nothing for a
         // character device; /dev itself is sealed read-only, nosuid, noexec below).
@@ -377,13 +415,17 @@ fn remount_fallback(path: &Path, attrs: u64, recursive: bool) -> Result<(), Step
     Ok(())
 }
 
-/// Resolve `rel` beneath `root` as if `root` were `/` (symlinks cannot escape it).
-fn open_in_root(root: &OwnedFd, rel: &Path) -> Result<OwnedFd, Errno> {
+/// Resolve `rel` beneath `root` as if `root` were `/` (symlinks cannot escape it);
+/// `no_symlinks`: any symlink in `rel` fails with `ELOOP`.
+fn open_in_root(root: &OwnedFd, rel: &Path, no_symlinks: bool) -> Result<OwnedFd, Errno> {
     let c = CString::new(rel.as_os_str().as_encoded_bytes()).map_err(|_| Errno::EINVAL)?;
     // SAFETY: open_how is plain old data; all-zero is valid (and required for unused fields).
     let mut how: libc::open_how = unsafe { std::mem::zeroed() };
     how.flags = (libc::O_PATH | libc::O_CLOEXEC) as u64;
     how.resolve = libc::RESOLVE_IN_ROOT | libc::RESOLVE_NO_MAGICLINKS;
+    if no_symlinks {
+        how.resolve |= libc::RESOLVE_NO_SYMLINKS;
+    }
     // SAFETY: valid dirfd, NUL-terminated path, and an open_how of the size passed.
     let fd = unsafe {
         libc::syscall(
@@ -401,7 +443,8 @@ fn open_in_root(root: &OwnedFd, rel: &Path) -> Result<OwnedFd, Errno> {
     match Errno::last() {
         // Kernels before 5.6: resolve normally (absolute symlinks then resolve in the new
         // root, which only ever holds what the sandbox may see anyway).
-        Errno::ENOSYS => open_path(&Path::new(OLD_ROOT).join(rel)),
+        // (Not for `no_symlinks`: that has no race-free equivalent there; the error stands.)
+        Errno::ENOSYS if !no_symlinks => open_path(&Path::new(OLD_ROOT).join(rel)),
         e => Err(e),
     }
 }
