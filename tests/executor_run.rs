@@ -373,6 +373,23 @@ fn completed_run_passes_params_and_output_through() {
     assert_eq!(r["action"], Value::Null);
 }
 
+/// Arguments larger than the runtime accepts (16 MiB) are refused before the run starts
+/// (exit 2, naming the limit; before, 16 MiB failed inside the runtime and 32 MiB broke the
+/// channel with "Connection reset by peer"); a read path under /tmp that does not exist is
+/// refused at validation like any other (before, it passed and the sandbox failed).
+#[test]
+fn oversized_parameters_and_a_missing_tmp_read_path_are_refused_before_the_run_starts() {
+    if !require_root() {
+        return;
+    }
+    let d = executor(json!({}), LIFECYCLE);
+    let big = format!(r#"{{"blob": "{}"}}"#, "x".repeat(17 << 20));
+    let pfile = put(&d.path, "big.json", big.as_bytes());
+    run(&d.path, &["--params", &format!("@{}", pfile.display())]).cannot_run(&["parameters", "16777216"]);
+    let d = executor(json!({"permissions": {"filesystem": {"read": ["/tmp/opservant-surely-missing"]}}}), LIFECYCLE);
+    run(&d.path, &[]).cannot_run(&["permissions.filesystem.read[0]", "does not exist"]);
+}
+
 #[test]
 fn validate_value_error_rejects_without_execute() {
     if !require_root() {

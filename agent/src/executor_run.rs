@@ -218,6 +218,14 @@ pub fn run(req: RunRequest) -> Result<RunResult, CannotRun> {
         config: req.config.public_view(),
     };
     spec.validate()?;
+    let args = serde_json::to_vec(&args)?;
+    if args.len() > crate::app::MAX_MESSAGE {
+        return Err(CannotRun(format!(
+            "parameters: the run's arguments take {} bytes, more than the {} a run accepts",
+            args.len(),
+            crate::app::MAX_MESSAGE
+        )));
+    }
     // Fail early on an unusable secrets file, but read the values only once the sandbox
     // processes exist, so no copy of them is forked into the sandbox's monitor or init.
     Provider::check_config(req.config).map_err(CannotRun)?;
@@ -260,45 +268,63 @@ pub fn run(req: RunRequest) -> Result<RunResult, CannotRun> {
             ("command_id", &command_id),
         ],
     )?;
-    let app_chan = sb.take_app_channel().ok_or_else(|| CannotRun("no application channel".into()))?;
-    app_chan
-        .send_bytes(&serde_json::to_vec(&args)?)
-        .map_err(|e| CannotRun(format!("runtime arguments: {}", e.desc())))?;
-    let declared: Vec<String> = m.permissions.secrets.clone();
-    let executor_name = m.name.clone();
-    let cpu = sb.cpu_limiter();
-    let cpu_limiter = cpu.clone();
-    let cid = command_id.clone();
-    let server = thread::spawn(move || serve(app_chan, &declared, &provider, &executor_name, &cid, &cpu));
-    let outcome = sb.wait(sandbox::OutputOptions::default());
-    // The channel reaches end-of-file once the payload is gone, which ends the server.
-    let app = server.join().map_err(|_| CannotRun("application channel server panicked".into()))?;
-    let outcome = outcome?;
-    let mut result = assemble(&outcome, &limits, app, req.executor, req.action.clone(), req.command_id.clone());
-    // A deferred quota is applied by the channel server on the payload's `ready`, which comes
-    // before its exit; on a loaded host the server may get to it after the sandbox's end was
-    // seen — the server has now handled every message.
-    result.limits.enforced.cpu |= cpu_limiter.enforced();
-    if let Some(n) = net.take() {
-        n.finish(&mut result, &m.name);
+    // From here on, a run that cannot finish is audited as failed: every start has an end.
+    let started = || -> Result<RunResult, CannotRun> {
+        let app_chan = sb.take_app_channel().ok_or_else(|| CannotRun("no application channel".into()))?;
+        app_chan.send_bytes(&args).map_err(|e| CannotRun(format!("runtime arguments: {}", e.desc())))?;
+        let declared: Vec<String> = m.permissions.secrets.clone();
+        let executor_name = m.name.clone();
+        let cpu = sb.cpu_limiter();
+        let cpu_limiter = cpu.clone();
+        let cid = command_id.clone();
+        let server = thread::spawn(move || serve(app_chan, &declared, &provider, &executor_name, &cid, &cpu));
+        let outcome = sb.wait(sandbox::OutputOptions::default());
+        // The channel reaches end-of-file once the payload is gone, which ends the server.
+        let app = server.join().map_err(|_| CannotRun("application channel server panicked".into()))?;
+        let outcome = outcome?;
+        let mut result = assemble(&outcome, &limits, app, req.executor, req.action.clone(), req.command_id.clone());
+        // A deferred quota is applied by the channel server on the payload's `ready`, which comes
+        // before its exit; on a loaded host the server may get to it after the sandbox's end was
+        // seen — the server has now handled every message.
+        result.limits.enforced.cpu |= cpu_limiter.enforced();
+        if let Some(n) = net.take() {
+            n.finish(&mut result, &m.name);
+        }
+        let killed_by = result.killed_by.as_deref().unwrap_or("");
+        if matches!(killed_by, "oom" | "timeout" | "pids") {
+            audit::record(
+                "limit_enforced",
+                &[("executor", &m.name), ("limit", killed_by), ("command_id", &command_id)],
+            );
+        }
+        audit::record(
+            match result.status {
+                Status::Completed => "executor_complete",
+                _ => "executor_fail",
+            },
+            &[
+                ("executor", &m.name),
+                ("status", status_str(result.status)),
+                ("killed_by", killed_by),
+                ("command_id", &command_id),
+            ],
+        );
+        Ok(result)
+    };
+    let finished = started();
+    if let Err(e) = &finished {
+        audit::record(
+            "executor_fail",
+            &[
+                ("executor", &m.name),
+                ("status", "error"),
+                ("killed_by", ""),
+                ("command_id", &command_id),
+                ("error", &e.0),
+            ],
+        );
     }
-    let killed_by = result.killed_by.as_deref().unwrap_or("");
-    if matches!(killed_by, "oom" | "timeout" | "pids") {
-        audit::record("limit_enforced", &[("executor", &m.name), ("limit", killed_by), ("command_id", &command_id)]);
-    }
-    audit::record(
-        match result.status {
-            Status::Completed => "executor_complete",
-            _ => "executor_fail",
-        },
-        &[
-            ("executor", &m.name),
-            ("status", status_str(result.status)),
-            ("killed_by", killed_by),
-            ("command_id", &command_id),
-        ],
-    );
-    Ok(result)
+    finished
 }
 
 /// The sandbox spec of an executor run (before egress adds its part).

@@ -148,15 +148,34 @@ pub fn run(req: ScriptRequest) -> Result<ScriptResult, CannotRun> {
     // Fail closed: a script whose start cannot be audited does not start.
     audit::try_record("script_start", &[("language", req.language.as_str()), ("script", &script)])?;
     limits.audit_clamps(("script", &script));
-    let mut sb = sandbox::Sandbox::spawn(&spec, &req.launcher, None)?;
-    let chan = sb.take_app_channel().ok_or_else(|| CannotRun("no application channel".into()))?;
-    chan.send_bytes(&app::encode(&args)).map_err(|e| CannotRun(format!("runtime arguments: {}", e.desc())))?;
-    let cpu = sb.cpu_limiter();
-    let server = thread::spawn(move || serve(chan, &cpu));
-    let outcome = sb.wait(sandbox::OutputOptions::default());
-    let served = server.join().map_err(|_| CannotRun("application channel server panicked".into()))?;
-    let outcome = outcome?;
-    let result = assemble(&outcome, &limits, served, &req);
+    // From here on, a script that cannot finish is audited as ended: every start has an end.
+    let run = || -> Result<ScriptResult, CannotRun> {
+        let mut sb = sandbox::Sandbox::spawn(&spec, &req.launcher, None)?;
+        let chan = sb.take_app_channel().ok_or_else(|| CannotRun("no application channel".into()))?;
+        chan.send_bytes(&app::encode(&args)).map_err(|e| CannotRun(format!("runtime arguments: {}", e.desc())))?;
+        let cpu = sb.cpu_limiter();
+        let server = thread::spawn(move || serve(chan, &cpu));
+        let outcome = sb.wait(sandbox::OutputOptions::default());
+        let served = server.join().map_err(|_| CannotRun("application channel server panicked".into()))?;
+        let outcome = outcome?;
+        Ok(assemble(&outcome, &limits, served, &req))
+    };
+    let result = match run() {
+        Ok(r) => r,
+        Err(e) => {
+            audit::record(
+                "script_end",
+                &[
+                    ("language", req.language.as_str()),
+                    ("script", &script),
+                    ("success", "false"),
+                    ("killed_by", ""),
+                    ("error", &e.0),
+                ],
+            );
+            return Err(e);
+        }
+    };
     audit::record(
         "script_end",
         &[

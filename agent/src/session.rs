@@ -284,7 +284,15 @@ pub fn request(name: &str, req: &Value, timeout: Duration) -> Result<Value, Cann
         _ => CannotRun(format!("session '{name}': {e}")),
     })?;
     stream.set_read_timeout(Some(timeout)).map_err(|e| CannotRun(e.to_string()))?;
-    stream.write_all(&serde_json::to_vec(req)?).map_err(|e| CannotRun(format!("session '{name}': {e}")))?;
+    let bytes = serde_json::to_vec(req)?;
+    if bytes.len() > MAX_REQUEST {
+        // Refused here, naming the limit: the daemon would stop reading and reset the send.
+        return Err(CannotRun(format!(
+            "session '{name}': the request takes {} bytes, more than the {MAX_REQUEST} a session accepts",
+            bytes.len()
+        )));
+    }
+    stream.write_all(&bytes).map_err(|e| CannotRun(format!("session '{name}': {e}")))?;
     stream.shutdown(std::net::Shutdown::Write).map_err(|e| CannotRun(format!("session '{name}': {e}")))?;
     let mut buf = Vec::new();
     stream.take(64 << 20).read_to_end(&mut buf).map_err(|e| CannotRun(format!("session '{name}': no reply: {e}")))?;
