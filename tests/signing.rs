@@ -144,6 +144,17 @@ fn timestamps_six_minutes_old_or_ahead_are_rejected() {
     let mut cmd = command();
     cmd["timestamp"] = json!(timestamp(-120));
     assert_eq!(verify(&public, sign(&key, &cmd).to_string().as_bytes()).code, 0, "2 minutes is within the window");
+    // A timestamp that is no date-time (a day that does not exist, an offset out of range,
+    // not a string) is refused by `sign` (exit 2: the command could never verify).
+    for bad in
+        [json!("yesterday"), json!("2026-02-30T00:00:00Z"), json!("2026-04-28T12:00:00+99:00"), json!(1_777_377_600)]
+    {
+        let mut cmd = command();
+        cmd["timestamp"] = bad.clone();
+        let out = op(&["sign", "--key", &key, "-"], Some(cmd.to_string().as_bytes()));
+        assert_eq!((out.code, out.stdout.as_str()), (2, ""), "{bad}: {}", out.stderr);
+        assert!(out.stderr.contains("timestamp") && out.stderr.contains(&bad.to_string()), "{bad}: {}", out.stderr);
+    }
 }
 
 #[test]

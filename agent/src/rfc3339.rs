@@ -31,7 +31,7 @@ pub fn parse(s: &str) -> Option<i64> {
         t.bytes().all(|c| c.is_ascii_digit()).then(|| t.parse().ok()).flatten()
     };
     let (y, mo, d, h, mi, se) = (num(0..4)?, num(5..7)?, num(8..10)?, num(11..13)?, num(14..16)?, num(17..19)?);
-    if !(1..=12).contains(&mo) || !(1..=31).contains(&d) || h > 23 || mi > 59 || se > 60 {
+    if !(1..=12).contains(&mo) || !(1..=days_in_month(y, mo)).contains(&d) || h > 23 || mi > 59 || se > 60 {
         return None;
     }
     let mut rest = &s[19..];
@@ -49,13 +49,29 @@ pub fn parse(s: &str) -> Option<i64> {
             if rb.len() != 6 || !matches!(rb[0], b'+' | b'-') || rb[3] != b':' {
                 return None;
             }
-            let oh: i64 = rest.get(1..3)?.parse().ok()?;
-            let om: i64 = rest.get(4..6)?.parse().ok()?;
+            let digits = |r: std::ops::Range<usize>| -> Option<i64> {
+                let t = rest.get(r)?;
+                t.bytes().all(|c| c.is_ascii_digit()).then(|| t.parse().ok()).flatten()
+            };
+            let (oh, om) = (digits(1..3)?, digits(4..6)?);
+            if oh > 23 || om > 59 {
+                return None;
+            }
             let sign = if rb[0] == b'-' { -1 } else { 1 };
             sign * (oh * 3600 + om * 60)
         }
     };
     Some(days_from_civil(y, mo, d) * 86_400 + h * 3600 + mi * 60 + se - offset)
+}
+
+/// Days in month `m` (1–12) of year `y`, proleptic Gregorian.
+fn days_in_month(y: i64, m: i64) -> i64 {
+    match m {
+        2 if y % 4 == 0 && (y % 100 != 0 || y % 400 == 0) => 29,
+        2 => 28,
+        4 | 6 | 9 | 11 => 30,
+        _ => 31,
+    }
 }
 
 /// `2026-04-28T12:00:00Z` for seconds since the epoch.
@@ -104,12 +120,24 @@ mod tests {
         }
         assert_eq!(parse("2026-04-28T14:00:00+02:00"), parse("2026-04-28T12:00:00Z"));
         assert_eq!(parse("2026-04-28T12:00:00.123Z"), parse("2026-04-28T12:00:00Z"));
+        for good in
+            ["2024-02-29T00:00:00Z", "2000-02-29T00:00:00Z", "2026-12-31T23:59:60Z", "2026-01-31T00:00:00-23:59"]
+        {
+            assert!(parse(good).is_some(), "{good}");
+        }
         for bad in [
             "2026-04-28",
             "2026-13-01T00:00:00Z",
             "2026-04-28T12:00:00",
             "x026-04-28T12:00:00Z",
             "2026-04-28T12:00:00+2:00",
+            "2026-02-30T00:00:00Z",
+            "2025-02-29T00:00:00Z",
+            "2100-02-29T00:00:00Z",
+            "2026-04-31T00:00:00Z",
+            "2026-04-28T12:00:00+99:00",
+            "2026-04-28T12:00:00+01:60",
+            "2026-04-28T12:00:00+-1:00",
         ] {
             assert_eq!(parse(bad), None, "{bad}");
         }

@@ -50,6 +50,8 @@ pub enum SigningError {
     Key(String),
     #[error("cannot canonicalise the command: {0}")]
     Canonical(String),
+    #[error("timestamp {0}: not an RFC 3339 date-time (YYYY-MM-DDTHH:MM:SS[.frac](Z|±HH:MM)); the command could never verify")]
+    Timestamp(String),
 }
 
 // ---------------------------------------------------------------------------------------
@@ -217,8 +219,12 @@ pub fn signed_bytes(cmd: &Map<String, Value>) -> Result<Vec<u8>, SigningError> {
 
 /// Sign `cmd` in place: add `timestamp` (now) when absent, replace any `signature`.
 pub fn sign(cmd: &mut Map<String, Value>, key: &SigningKey, now: i64) -> Result<(), SigningError> {
-    if !cmd.contains_key("timestamp") {
-        cmd.insert("timestamp".into(), Value::String(format_rfc3339(now)));
+    match cmd.get("timestamp") {
+        None => {
+            cmd.insert("timestamp".into(), Value::String(format_rfc3339(now)));
+        }
+        Some(Value::String(t)) if parse_rfc3339(t).is_some() => {}
+        Some(other) => return Err(SigningError::Timestamp(other.to_string())),
     }
     let sig = key.sign(&signed_bytes(cmd)?);
     cmd.insert("signature".into(), Value::String(base64::engine::general_purpose::STANDARD.encode(sig.to_bytes())));
