@@ -385,6 +385,10 @@ fn oversized_parameters_and_a_missing_tmp_read_path_are_refused_before_the_run_s
     let d = executor(json!({}), LIFECYCLE);
     let big = format!(r#"{{"blob": "{}"}}"#, "x".repeat(17 << 20));
     let pfile = put(&d.path, "big.json", big.as_bytes());
+    run(&d.path, &["--params", &format!("@{}", pfile.display())]).cannot_run(&["--params @", "16777216"]);
+    // Small enough to read, too large once the run's other arguments are added.
+    let big = format!(r#"{{"blob": "{}"}}"#, "x".repeat((16 << 20) - 16));
+    let pfile = put(&d.path, "big.json", big.as_bytes());
     run(&d.path, &["--params", &format!("@{}", pfile.display())]).cannot_run(&["parameters", "16777216"]);
     let d = executor(json!({"permissions": {"filesystem": {"read": ["/tmp/opservant-surely-missing"]}}}), LIFECYCLE);
     run(&d.path, &[]).cannot_run(&["permissions.filesystem.read[0]", "does not exist"]);
@@ -879,6 +883,9 @@ fn command_line_errors_are_refused() {
     run(&d.path, &["--params", "[1, 2]"]).cannot_run(&["--params", "JSON object"]);
     run(&d.path, &["--params", "\"text\""]).cannot_run(&["--params", "JSON object"]);
     run(&d.path, &["--params", "{\"a\": "]).cannot_run(&["--params", "not valid JSON"]);
+    // As strict as a signed command's parameters: no duplicate keys, no inexact integers.
+    run(&d.path, &["--params", r#"{"a": 1, "a": 2}"#]).cannot_run(&["--params", "duplicate"]);
+    run(&d.path, &["--params", r#"{"a": 9007199254740993}"#]).cannot_run(&["--params", "exactly"]);
     run(&d.path, &["--params", "@/nonexistent/params.json"]).cannot_run(&["--params @/nonexistent/params.json"]);
     let missing = d.path.join("no-such-executor");
     run(&missing, &[]).cannot_run(&["no-such-executor"]);

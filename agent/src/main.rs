@@ -486,13 +486,30 @@ fn run_sandbox(
     Ok(if result.status == Status::Completed { ExitCode::SUCCESS } else { ExitCode::from(1) })
 }
 
-/// `--params`: inline JSON or `@FILE`.
+/// `--params`: inline JSON or `@FILE` (at most what a run accepts, read no further),
+/// parsed as strictly as a signed command's: no duplicate keys, bounded depth, integers a
+/// double holds exactly — so a run from the CLI sees what the same parameters in a command
+/// would give.
 fn read_params(arg: &str) -> Result<serde_json::Value, CannotRun> {
-    let text = match arg.strip_prefix('@') {
-        Some(path) => std::fs::read_to_string(path).map_err(|e| CannotRun(format!("--params @{path}: {e}")))?,
-        None => arg.to_string(),
+    use std::io::Read;
+    let bytes = match arg.strip_prefix('@') {
+        Some(path) => {
+            let limit = agent::app::MAX_MESSAGE;
+            let mut bytes = Vec::new();
+            std::fs::File::open(path)
+                .and_then(|f| f.take(limit as u64 + 1).read_to_end(&mut bytes))
+                .map_err(|e| CannotRun(format!("--params @{path}: {e}")))?;
+            if bytes.len() > limit {
+                return Err(CannotRun(format!("--params @{path}: larger than the {limit} bytes a run accepts")));
+            }
+            bytes
+        }
+        None => arg.as_bytes().to_vec(),
     };
-    serde_json::from_str(&text).map_err(|e| CannotRun(format!("--params: not valid JSON: {e}")))
+    agent::signing::parse_strict(&bytes).map_err(|e| match e {
+        agent::signing::SigningError::Parse(m) => CannotRun(format!("--params: not valid JSON: {m}")),
+        other => CannotRun(format!("--params: {other}")),
+    })
 }
 
 fn run_executor(
@@ -910,11 +927,19 @@ fn run_script(
 }
 
 /// `@FILE` or the text itself.
+/// `ARG` or, for `@FILE`, the file's text — read no further than a session accepts.
 fn inline_or_file(flag: &str, arg: &str) -> Result<String, CannotRun> {
-    match arg.strip_prefix('@') {
-        Some(path) => std::fs::read_to_string(path).map_err(|e| CannotRun(format!("{flag} @{path}: {e}"))),
-        None => Ok(arg.to_string()),
+    use std::io::Read;
+    let Some(path) = arg.strip_prefix('@') else { return Ok(arg.to_string()) };
+    let limit = agent::session::MAX_REQUEST;
+    let mut text = String::new();
+    std::fs::File::open(path)
+        .and_then(|f| f.take(limit as u64 + 1).read_to_string(&mut text))
+        .map_err(|e| CannotRun(format!("{flag} @{path}: {e}")))?;
+    if text.len() > limit {
+        return Err(CannotRun(format!("{flag} @{path}: larger than the {limit} bytes a session request may take")));
     }
+    Ok(text)
 }
 
 fn session(command: SessionCommand) -> Result<ExitCode, CannotRun> {
@@ -962,8 +987,12 @@ fn session(command: SessionCommand) -> Result<ExitCode, CannotRun> {
         SessionCommand::Exec { name, code, globals, return_names, timeout } => {
             let code = inline_or_file("--code", &code)?;
             let globals: serde_json::Value = match globals {
-                Some(g) => serde_json::from_str(&inline_or_file("--globals", &g)?)
-                    .map_err(|e| CannotRun(format!("--globals: not valid JSON: {e}")))?,
+                Some(g) => {
+                    agent::signing::parse_strict(inline_or_file("--globals", &g)?.as_bytes()).map_err(|e| match e {
+                        agent::signing::SigningError::Parse(m) => CannotRun(format!("--globals: not valid JSON: {m}")),
+                        other => CannotRun(format!("--globals: {other}")),
+                    })?
+                }
                 None => serde_json::json!({}),
             };
             if !globals.is_object() {

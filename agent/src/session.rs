@@ -48,7 +48,7 @@ pub const MAX_IDLE_TIMEOUT_S: u64 = 86_400;
 pub const DEFAULT_MAX_LIFETIME_S: u64 = 86_400;
 pub const MAX_MAX_LIFETIME_S: u64 = 7 * 86_400;
 /// Largest request a client may send (code plus globals).
-const MAX_REQUEST: usize = 8 << 20;
+pub const MAX_REQUEST: usize = 8 << 20;
 /// How long the daemon waits for the interpreter to come up.
 const START_TIMEOUT: Duration = Duration::from_secs(30);
 /// Modules a default import never implies: only an explicit `--allow-import` grants them.
