@@ -294,6 +294,54 @@ fn packages_are_signed_into_a_sig_file_and_verified() {
 }
 
 #[test]
+fn sign_package_out_never_overwrites_the_key_the_package_or_other_files() {
+    use std::os::unix::fs::MetadataExt;
+    let dir = HostDir::new();
+    let (key, _public) = keys(&dir);
+    let pkg = archive(&dir, "pkg.tar.gz");
+    let key_before = std::fs::read(&key).unwrap();
+    let pkg_before = std::fs::read(&pkg).unwrap();
+    let notes = dir.file("notes.txt", "keep me\n", 0o644);
+    let key_link = dir.path.join("key-link");
+    std::fs::hard_link(&key, &key_link).unwrap();
+    let sym = dir.path.join("sym.sig");
+    std::os::unix::fs::symlink(&notes, &sym).unwrap();
+    for (target, says) in [
+        (key.as_str(), "signing key"),
+        (s(&key_link), "signing key"),
+        (pkg.as_str(), "the package"),
+        (s(&notes), "does not hold a signature"),
+        (s(&sym), "not a regular file"),
+        (s(&dir.path), "not a regular file"),
+    ] {
+        let out = op(&["sign", "--key", &key, "--package", &pkg, "--out", target], None);
+        assert_eq!(out.code, 2, "--out {target}: {} {}", out.stdout, out.stderr);
+        assert!(out.stderr.contains(target) && out.stderr.contains(says), "--out {target}: {}", out.stderr);
+    }
+    assert_eq!(std::fs::read(&key).unwrap(), key_before, "the key was overwritten");
+    assert_eq!(std::fs::metadata(&key).unwrap().mode() & 0o777, 0o600);
+    assert_eq!(std::fs::read(&pkg).unwrap(), pkg_before, "the package was overwritten");
+    assert_eq!(std::fs::read_to_string(&notes).unwrap(), "keep me\n");
+    assert!(std::fs::symlink_metadata(&sym).unwrap().file_type().is_symlink());
+
+    // A new file, then the same file again (it holds a previous signature): replaced.
+    let sig = dir.path.join("elsewhere.sig");
+    for _ in 0..2 {
+        let out = op(&["sign", "--key", &key, "--package", &pkg, "--out", s(&sig)], None);
+        assert_eq!(out.code, 0, "{}", out.stderr);
+        assert_eq!(std::fs::read_to_string(&sig).unwrap().trim().len(), 88);
+    }
+
+    // --out without --package: refused, nothing written.
+    let cmd = dir.file("cmd.json", &command().to_string(), 0o644);
+    let dest = dir.path.join("signed.json");
+    let out = op(&["sign", "--key", &key, "--out", s(&dest), s(&cmd)], None);
+    assert_eq!(out.code, 2, "{} {}", out.stdout, out.stderr);
+    assert!(out.stderr.contains("--out") && out.stderr.contains("--package"), "{}", out.stderr);
+    assert!(out.stdout.is_empty() && !dest.exists());
+}
+
+#[test]
 fn package_signatures_are_plain_ed25519_as_openssl_makes_them() {
     if !common::require("openssl binary", Command::new("openssl").arg("version").output().is_ok()) {
         return;

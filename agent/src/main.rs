@@ -411,6 +411,12 @@ fn main() -> ExitCode {
         Command::Agent { config, check_config } => agent_daemon(config, check_config),
         Command::Submit { signed, socket, config } => submit(&signed, socket, config),
         Command::Sign { key, package: Some(package), out, .. } => sign_package(&key, &package, out),
+        // clap's `requires` does not fire beside the positional command (it conflicts with
+        // --package), so the flag is checked here: a signed command goes to stdout only.
+        Command::Sign { out: Some(out), .. } => Err(CannotRun(format!(
+            "--out {}: only with --package (a signed command is printed on stdout)",
+            out.display()
+        ))),
         Command::Sign { key, command: Some(command), .. } => sign_command(&key, &command),
         Command::Verify { public_key, package: Some(package), signature, json, .. } => {
             verify_package(&public_key, &package, signature.as_deref(), json)
@@ -769,9 +775,13 @@ fn sign_command(key: &std::path::Path, command: &std::path::Path) -> Result<Exit
     Ok(ExitCode::SUCCESS)
 }
 
-fn sign_package(key: &std::path::Path, package: &std::path::Path, out: Option<PathBuf>) -> Result<ExitCode, CannotRun> {
+fn sign_package(
+    key_path: &std::path::Path,
+    package: &std::path::Path,
+    out: Option<PathBuf>,
+) -> Result<ExitCode, CannotRun> {
     use agent::package_signing;
-    let key = agent::signing::load_signing_key(key).map_err(|e| CannotRun(e.to_string()))?;
+    let key = agent::signing::load_signing_key(key_path).map_err(|e| CannotRun(e.to_string()))?;
     let meta = std::fs::metadata(package).map_err(|e| CannotRun(format!("{}: {e}", package.display())))?;
     if meta.is_dir() {
         return Err(CannotRun(format!(
@@ -782,19 +792,60 @@ fn sign_package(key: &std::path::Path, package: &std::path::Path, out: Option<Pa
     agent::executor_install::ArchiveKind::from_name(package).map_err(|e| CannotRun(e.to_string()))?;
     let sig = package_signing::sign_file(package, &key).map_err(CannotRun)?;
     let out = out.unwrap_or_else(|| package_signing::sig_path(package));
+    check_signature_out(&out, &[("the package", package), ("the signing key", key_path)])?;
     // Written beside, then renamed over: never a half-written signature file.
     let mut tmp = out.clone().into_os_string();
     tmp.push(format!(".tmp-{}", std::process::id()));
     let tmp = PathBuf::from(tmp);
-    let written = std::fs::write(&tmp, format!("{}\n", package_signing::encode(&sig)))
-        .and_then(|()| std::fs::File::open(&tmp).and_then(|f| f.sync_all()))
-        .and_then(|()| std::fs::rename(&tmp, &out));
+    let written = (|| {
+        use std::os::unix::fs::OpenOptionsExt;
+        // create_new: a file (or a planted symlink) at the temporary name is never followed.
+        let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o644).open(&tmp)?;
+        f.write_all(format!("{}\n", package_signing::encode(&sig)).as_bytes())?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, &out)
+    })();
     if let Err(e) = written {
         let _ = std::fs::remove_file(&tmp);
         return Err(CannotRun(format!("{}: {e}", out.display())));
     }
     println!("{}", out.display());
     Ok(ExitCode::SUCCESS)
+}
+
+/// Where `sign --package` may write: a new file, or one that holds a previous signature (a
+/// regular file of short base64 text). Never the package or the key themselves (by inode,
+/// so a hard link or symlink to them is refused too), nor anything else that exists.
+fn check_signature_out(out: &std::path::Path, protected: &[(&str, &std::path::Path)]) -> Result<(), CannotRun> {
+    use std::os::unix::fs::MetadataExt;
+    let refuse = |why: String| CannotRun(format!("--out {}: {why}; refusing to overwrite it", out.display()));
+    let target = match std::fs::metadata(out) {
+        Ok(m) => Some(m),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => return Err(refuse(e.to_string())),
+    };
+    if let Some(target) = &target {
+        for (what, path) in protected {
+            if std::fs::metadata(path).is_ok_and(|m| m.dev() == target.dev() && m.ino() == target.ino()) {
+                return Err(refuse(format!("it is {what} ({})", path.display())));
+            }
+        }
+    }
+    let meta = match std::fs::symlink_metadata(out) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(refuse(e.to_string())),
+    };
+    if !meta.file_type().is_file() {
+        return Err(refuse("exists and is not a regular file".into()));
+    }
+    let previous = agent::package_signing::read_signature_file(out)
+        .ok()
+        .is_some_and(|text| agent::package_signing::decode(&text).is_ok());
+    if !previous {
+        return Err(refuse("exists and does not hold a signature".into()));
+    }
+    Ok(())
 }
 
 fn verify_package(
