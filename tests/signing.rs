@@ -373,3 +373,52 @@ fn package_signatures_are_plain_ed25519_as_openssl_makes_them() {
         .unwrap();
     assert!(st.status.success(), "{}", String::from_utf8_lossy(&st.stdout));
 }
+
+/// `args` with stdout on `stdout`; (exit status, stderr).
+fn op_to(args: &[&str], stdin: Option<&[u8]>, stdout: Stdio) -> (i32, String) {
+    use std::io::Write;
+    let mut child = Command::new(common::opservant())
+        .args(args)
+        .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
+        .stdout(stdout)
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn opservant");
+    if let Some(data) = stdin {
+        let _ = child.stdin.take().expect("stdin").write_all(data);
+    }
+    let out = child.wait_with_output().expect("wait");
+    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+#[test]
+fn a_full_stdout_is_exit_2_naming_stdout_never_a_panic() {
+    let dir = HostDir::new();
+    let (key, public) = keys(&dir);
+    let signed = sign(&key, &command()).to_string();
+    let pkg = archive(&dir, "pkg.tar.gz");
+    let cmd = command().to_string();
+    let cases: Vec<(Vec<&str>, Option<&[u8]>)> = vec![
+        (vec!["sign", "--key", &key, "-"], Some(cmd.as_bytes())),
+        (vec!["verify", "--pub", &public, "-"], Some(signed.as_bytes())),
+        (vec!["verify", "--pub", &public, "--json", "-"], Some(signed.as_bytes())),
+        (vec!["sign", "--key", &key, "--package", &pkg], None),
+        (vec!["verify", "--pub", &public, "--package", &pkg], None),
+        (vec!["doctor"], None),
+        (vec!["doctor", "--json"], None),
+    ];
+    for (args, stdin) in &cases {
+        let full = std::fs::OpenOptions::new().write(true).open("/dev/full").expect("/dev/full");
+        let (code, stderr) = op_to(args, *stdin, Stdio::from(full));
+        assert_eq!(code, 2, "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+        assert!(stderr.contains("stdout") && stderr.contains("No space left"), "{args:?}: {stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{args:?}: {stderr}");
+    }
+    // A closed descriptor 1 stays as it was: the output is dropped, the status is the command's.
+    let out = Command::new("/bin/sh")
+        .args(["-c", "exec \"$0\" verify --pub \"$1\" --package \"$2\" >&-", common::opservant(), &public, &pkg])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+}

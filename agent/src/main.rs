@@ -330,6 +330,21 @@ enum SessionCommand {
     List,
 }
 
+/// `println!` to stdout, returning (with `?`) a write error as [`CannotRun`]: exit 2 with a
+/// reason naming stdout (see [`agent::stdout`]).
+macro_rules! outln {
+    ($($arg:tt)*) => {
+        agent::stdout::print(&format!("{}\n", format_args!($($arg)*)))?
+    };
+}
+
+/// `print!` to stdout, as [`outln!`].
+macro_rules! out {
+    ($($arg:tt)*) => {
+        agent::stdout::print(&format!($($arg)*))?
+    };
+}
+
 /// A failure to run: exit status 2 with a one-line reason.
 struct CannotRun(String);
 
@@ -377,7 +392,9 @@ fn main() -> ExitCode {
             let runtime = match agent::executor_run::runtime_binary() {
                 Ok(r) => r,
                 Err(e) => {
-                    println!("{}", serde_json::json!({"status": "failed", "error": e.0}));
+                    // The session's starter reads this line; nothing more can be reported.
+                    let _ =
+                        agent::stdout::print(&format!("{}\n", serde_json::json!({"status": "failed", "error": e.0})));
                     return ExitCode::from(2);
                 }
             };
@@ -483,12 +500,9 @@ fn run_sandbox(
     };
     let outcome = sb.wait(out)?;
     let result = RunResult::for_program(&outcome, &limits);
-    let mut lock = std::io::stdout().lock();
-    if !json_only && last_stdout_byte != b'\n' {
-        let _ = lock.write_all(b"\n");
-    }
     let text = serde_json::to_string(&result)?;
-    let _ = writeln!(lock, "{text}");
+    let sep = if !json_only && last_stdout_byte != b'\n' { "\n" } else { "" };
+    out!("{sep}{text}\n");
     Ok(if result.status == Status::Completed { ExitCode::SUCCESS } else { ExitCode::from(1) })
 }
 
@@ -540,7 +554,7 @@ fn run_executor(
     };
     agent::executor_run::warm(&req).map_err(|e| CannotRun(format!("--launch pool: {}", e.0)))?;
     let result = agent::executor_run::run(req).map_err(|e| CannotRun(e.0))?;
-    println!("{}", serde_json::to_string(&result)?);
+    outln!("{}", serde_json::to_string(&result)?);
     Ok(if result.status == Status::Completed { ExitCode::SUCCESS } else { ExitCode::from(1) })
 }
 
@@ -601,7 +615,7 @@ fn executor_test(
         Some(&mut tee),
     )
     .map_err(|e| CannotRun(e.0))?;
-    println!("{}", serde_json::to_string(&result)?);
+    outln!("{}", serde_json::to_string(&result)?);
     Ok(if result.status == Status::Completed { ExitCode::SUCCESS } else { ExitCode::from(1) })
 }
 
@@ -635,7 +649,7 @@ fn agent_daemon(config: Option<PathBuf>, check_only: bool) -> Result<ExitCode, C
         for w in agent::executor_install::check_configured(&cfg, &trust) {
             eprintln!("opservant: warning: {w}");
         }
-        println!("configuration ok");
+        outln!("configuration ok");
         return Ok(ExitCode::SUCCESS);
     }
     agent::audit::init(&cfg)?;
@@ -704,7 +718,7 @@ fn submit(signed: &std::path::Path, socket: Option<PathBuf>, config: Option<Path
             .unwrap_or_else(|| agent::daemon::DEFAULT_SOCKET.into()),
     };
     let reply = agent::daemon::submit(&socket, &read_input(signed)?).map_err(|e| CannotRun(e.0))?;
-    println!("{reply}");
+    outln!("{reply}");
     Ok(if reply["status"] == "completed" { ExitCode::SUCCESS } else { ExitCode::from(1) })
 }
 
@@ -731,7 +745,10 @@ fn bench(
         duration: std::time::Duration::from_secs_f64(duration),
         timings_only,
     };
-    let report = match bench::run(&opts, &mut |line| println!("{line}")) {
+    let report = match bench::run(&opts, &mut |line| {
+        // Progress only: a failing stdout is reported by the table printed next.
+        let _ = agent::stdout::print(&format!("{line}\n"));
+    }) {
         Ok(r) => r,
         Err(BenchError::Usage(m)) => return Err(CannotRun(m)),
         Err(BenchError::Failed(m)) => {
@@ -744,22 +761,22 @@ fn bench(
             return Ok(ExitCode::from(1));
         }
     };
-    print!("{}", bench::render_table(&report));
+    out!("{}", bench::render_table(&report));
     if let Some(path) = &json {
         let text = serde_json::to_string_pretty(&report)? + "\n";
         std::fs::write(path, text).map_err(|e| CannotRun(format!("--json {}: {e}", path.display())))?;
-        println!("wrote {}", path.display());
+        outln!("wrote {}", path.display());
     }
     if let Some(path) = &svg {
         bench::render_svg(&report, path).map_err(|e| CannotRun(e.to_string()))?;
-        println!("wrote {}", path.display());
+        outln!("wrote {}", path.display());
     }
     Ok(ExitCode::SUCCESS)
 }
 
 fn keygen(out: &std::path::Path) -> Result<ExitCode, CannotRun> {
     let (key, public) = agent::signing::keygen(out).map_err(|e| CannotRun(e.to_string()))?;
-    println!("{}\n{}", key.display(), public.display());
+    outln!("{}\n{}", key.display(), public.display());
     Ok(ExitCode::SUCCESS)
 }
 
@@ -771,7 +788,7 @@ fn sign_command(key: &std::path::Path, command: &std::path::Path) -> Result<Exit
     signing::sign(&mut cmd, &key, signing::now()).map_err(|e| CannotRun(e.to_string()))?;
     let text =
         serde_json_canonicalizer::to_string(&serde_json::Value::Object(cmd)).map_err(|e| CannotRun(e.to_string()))?;
-    println!("{text}");
+    outln!("{text}");
     Ok(ExitCode::SUCCESS)
 }
 
@@ -809,7 +826,7 @@ fn sign_package(
         let _ = std::fs::remove_file(&tmp);
         return Err(CannotRun(format!("{}: {e}", out.display())));
     }
-    println!("{}", out.display());
+    outln!("{}", out.display());
     Ok(ExitCode::SUCCESS)
 }
 
@@ -877,7 +894,7 @@ fn verify_package(
         Verdict::Bad(why) => why.clone(),
     };
     if json {
-        println!(
+        outln!(
             "{}",
             serde_json::json!({
                 "valid": matches!(verdict, Verdict::Valid(_)),
@@ -889,11 +906,11 @@ fn verify_package(
         );
     } else {
         match &verdict {
-            Verdict::Valid(_) => println!("signature: valid ({})", sig_file.display()),
-            Verdict::Missing => println!("signature: MISSING ({detail})"),
-            Verdict::Bad(_) => println!("signature: INVALID ({detail})"),
+            Verdict::Valid(_) => outln!("signature: valid ({})", sig_file.display()),
+            Verdict::Missing => outln!("signature: MISSING ({detail})"),
+            Verdict::Bad(_) => outln!("signature: INVALID ({detail})"),
         }
-        println!("sha256: {sha}");
+        outln!("sha256: {sha}");
     }
     Ok(if matches!(verdict, Verdict::Valid(_)) { ExitCode::SUCCESS } else { ExitCode::from(1) })
 }
@@ -905,7 +922,7 @@ fn verify_command(public: &std::path::Path, signed: &std::path::Path, json: bool
         signing::parse_command(&read_input(signed)?).map_err(|e| CannotRun(format!("{}: {e}", signed.display())))?;
     let v = signing::verify(&cmd, &key, signing::now()).map_err(|e| CannotRun(e.to_string()))?;
     if json {
-        println!(
+        outln!(
             "{}",
             serde_json::json!({
                 "valid": v.valid(),
@@ -916,12 +933,12 @@ fn verify_command(public: &std::path::Path, signed: &std::path::Path, json: bool
         );
     } else {
         match &v.signature {
-            Ok(()) => println!("signature: valid"),
-            Err(e) => println!("signature: INVALID ({e})"),
+            Ok(()) => outln!("signature: valid"),
+            Err(e) => outln!("signature: INVALID ({e})"),
         }
         match &v.timestamp {
-            Ok(skew) => println!("timestamp: within {}s of this clock (skew {skew:+}s)", signing::MAX_SKEW_S),
-            Err(e) => println!("timestamp: REJECTED ({e})"),
+            Ok(skew) => outln!("timestamp: within {}s of this clock (skew {skew:+}s)", signing::MAX_SKEW_S),
+            Err(e) => outln!("timestamp: REJECTED ({e})"),
         }
     }
     Ok(if v.valid() { ExitCode::SUCCESS } else { ExitCode::from(1) })
@@ -956,7 +973,7 @@ fn run_script(
         runtime: agent::executor_run::runtime_binary().map_err(|e| CannotRun(e.0))?,
     })
     .map_err(|e| CannotRun(e.0))?;
-    println!("{}", serde_json::to_string(&result)?);
+    outln!("{}", serde_json::to_string(&result)?);
     Ok(if result.success { ExitCode::SUCCESS } else { ExitCode::from(1) })
 }
 
@@ -1007,7 +1024,7 @@ fn session(command: SessionCommand) -> Result<ExitCode, CannotRun> {
             .map_err(|e| CannotRun(e.0))?;
             let exe = std::env::current_exe()?;
             let reply = session::start(&settings, &exe, "__session-serve").map_err(|e| CannotRun(e.0))?;
-            println!("{reply}");
+            outln!("{reply}");
             Ok(ExitCode::SUCCESS)
         }
         SessionCommand::Exec { name, code, globals, return_names, timeout } => {
@@ -1033,17 +1050,17 @@ fn session(command: SessionCommand) -> Result<ExitCode, CannotRun> {
             let req = serde_json::json!({"op": "exec", "code": code, "globals": globals, "return": names, "timeout_s": timeout});
             let wait = std::time::Duration::from_secs(session::MAX_CALL_TIMEOUT_S + 60);
             let reply = session::request(&name, &req, wait).map_err(|e| CannotRun(e.0))?;
-            println!("{reply}");
+            outln!("{reply}");
             Ok(if reply["success"] == serde_json::Value::Bool(true) { ExitCode::SUCCESS } else { ExitCode::from(1) })
         }
         SessionCommand::Stop { name } => {
             let reply = session::request(&name, &serde_json::json!({"op": "stop"}), std::time::Duration::from_secs(30))
                 .map_err(|e| CannotRun(e.0))?;
-            println!("{reply}");
+            outln!("{reply}");
             Ok(ExitCode::SUCCESS)
         }
         SessionCommand::List => {
-            println!("{}", session::list().map_err(|e| CannotRun(e.0))?);
+            outln!("{}", session::list().map_err(|e| CannotRun(e.0))?);
             Ok(ExitCode::SUCCESS)
         }
     }
@@ -1098,12 +1115,12 @@ fn executor_install(
         ],
     );
     if json {
-        println!("{}", serde_json::to_string(&installed)?);
+        outln!("{}", serde_json::to_string(&installed)?);
     } else {
         for w in &installed.warnings {
             eprintln!("opservant: warning: {w}");
         }
-        println!("installed {} {} in {}", installed.name, installed.version, installed.path.display());
+        outln!("installed {} {} in {}", installed.name, installed.version, installed.path.display());
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -1112,10 +1129,10 @@ fn executor_list(json: bool, config: Option<PathBuf>) -> Result<ExitCode, Cannot
     let config = agent::config::Config::load(config.as_deref())?;
     let list = agent::executor_install::list(&config.executors.root()).map_err(|e| CannotRun(e.to_string()))?;
     if json {
-        println!("{}", serde_json::to_string(&list)?);
+        outln!("{}", serde_json::to_string(&list)?);
     } else {
         for e in &list {
-            println!("{}\t{}\t{}", e.name, e.version, e.supported_actions.join(","));
+            outln!("{}\t{}\t{}", e.name, e.version, e.supported_actions.join(","));
         }
     }
     Ok(ExitCode::SUCCESS)
@@ -1143,9 +1160,9 @@ fn lint(dir: PathBuf, json: bool, config: Option<PathBuf>) -> Result<ExitCode, C
     }
     let report = agent::lint::lint(&dir, &policy)?;
     if json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        outln!("{}", serde_json::to_string_pretty(&report)?);
     } else {
-        print!("{}", report.render(&dir));
+        out!("{}", report.render(&dir));
     }
     Ok(if report.errors.is_empty() { ExitCode::SUCCESS } else { ExitCode::from(1) })
 }
@@ -1154,9 +1171,9 @@ fn doctor(json: bool) -> Result<ExitCode, CannotRun> {
     let policy_min_abi = 1;
     let report = agent::doctor::examine(policy_min_abi, false);
     if json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        outln!("{}", serde_json::to_string_pretty(&report)?);
     } else {
-        print!("{}", agent::doctor::render(&report));
+        out!("{}", agent::doctor::render(&report));
     }
     Ok(if report.failed() { ExitCode::from(1) } else { ExitCode::SUCCESS })
 }
