@@ -422,3 +422,38 @@ fn a_full_stdout_is_exit_2_naming_stdout_never_a_panic() {
         .unwrap();
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
 }
+
+#[test]
+fn keygen_on_a_full_disk_leaves_nothing_behind_and_a_retry_succeeds() {
+    if !common::require_root() {
+        return;
+    }
+    if !common::require("unshare(1)", Command::new("unshare").arg("--version").output().is_ok()) {
+        return;
+    }
+    let dir = HostDir::new();
+    // A small tmpfs in a private mount namespace (gone with the shell), filled to the last page.
+    let script = r#"set -u
+mount -t tmpfs -o size=64k,mode=0755 tmpfs "$1" || exit 99
+mkdir "$1/keys"
+dd if=/dev/zero of="$1/fill" bs=4096 2>/dev/null
+err=$("$0" keygen --out "$1/keys" 2>&1 >/dev/null); echo "first=$?"
+echo "left=$(ls -A "$1/keys" | tr '\n' ' ')"
+echo "err=$err"
+rm "$1/fill"
+"$0" keygen --out "$1/keys" >/dev/null 2>&1; echo "second=$?"
+echo "now=$(ls -A "$1/keys" | tr '\n' ' ')"
+"#;
+    let out = Command::new("unshare")
+        .args(["--mount", "--propagation", "private", "/bin/sh", "-c", script, common::opservant(), dir.str()])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{text} {}", String::from_utf8_lossy(&out.stderr));
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines[0], "first=2", "{text}");
+    assert_eq!(lines[1].trim_end(), "left=", "a partial key was left behind: {text}");
+    assert!(lines[2].contains("signing.") && lines[2].contains("No space left"), "{text}");
+    assert_eq!(lines[3], "second=0", "the retry was refused: {text}");
+    assert_eq!(lines[4].trim_end(), "now=signing.key signing.pub", "{text}");
+}

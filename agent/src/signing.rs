@@ -346,10 +346,24 @@ pub fn keygen(dir: &Path) -> Result<(PathBuf, PathBuf), SigningError> {
         .verifying_key()
         .to_public_key_pem(ed25519_dalek::pkcs8::spki::der::pem::LineEnding::LF)
         .map_err(|e| SigningError::Key(format!("encode the public key: {e}")))?;
+    // Each file is written whole to a temporary name in the same directory, synced, then
+    // hard-linked to its name (which fails when the name exists: never an overwrite) and
+    // the temporary name removed. A full disk or any other failure leaves no partial key
+    // behind, so a retry is not refused.
     let write = |p: &Path, mode: u32, data: &[u8]| -> Result<(), SigningError> {
+        let mut tmp = p.as_os_str().to_owned();
+        tmp.push(format!(".tmp-{}", std::process::id()));
+        let tmp = PathBuf::from(tmp);
         let mut f =
-            std::fs::OpenOptions::new().write(true).create_new(true).mode(mode).open(p).map_err(|e| err(p, e))?;
-        f.write_all(data).and_then(|()| f.sync_all()).map_err(|e| err(p, e))
+            std::fs::OpenOptions::new().write(true).create_new(true).mode(mode).open(&tmp).map_err(|e| err(p, e))?;
+        let done = f.write_all(data).and_then(|()| f.sync_all()).and_then(|()| std::fs::hard_link(&tmp, p));
+        drop(f);
+        let _ = std::fs::remove_file(&tmp);
+        done.map_err(|e| err(p, e))?;
+        if let Ok(d) = std::fs::File::open(dir) {
+            let _ = d.sync_all();
+        }
+        Ok(())
     };
     write(&key_path, 0o600, pem.as_bytes())?;
     if let Err(e) = write(&pub_path, 0o644, public.as_bytes()) {
