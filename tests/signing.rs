@@ -457,3 +457,35 @@ echo "now=$(ls -A "$1/keys" | tr '\n' ' ')"
     assert_eq!(lines[3], "second=0", "the retry was refused: {text}");
     assert_eq!(lines[4].trim_end(), "now=signing.key signing.pub", "{text}");
 }
+
+#[test]
+fn key_files_must_be_small_regular_files() {
+    let dir = HostDir::new();
+    let (key, _public) = keys(&dir);
+    let signed = sign(&key, &command()).to_string();
+    let fifo = dir.path.join("fifo.pub");
+    assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let big = dir.path.join("big.pub");
+    std::fs::File::create(&big).unwrap().set_len(3 << 30).unwrap(); // sparse: 3 GiB of zeros
+    for (path, says) in [("/dev/zero", "not a regular file"), (s(&fifo), "not a regular file"), (s(&big), "too large")]
+    {
+        // Under timeout(1): before the fix a FIFO blocked forever and /dev/zero read without end.
+        let out = Command::new("timeout")
+            .args(["-k", "5", "30", common::opservant(), "verify", "--pub", path, "-"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .and_then(|mut c| {
+                use std::io::Write;
+                let _ = c.stdin.take().unwrap().write_all(signed.as_bytes());
+                c.wait_with_output()
+            })
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{path}: {stderr}");
+        assert!(stderr.contains(path) && stderr.contains(says), "{path}: {stderr}");
+    }
+    let out = op(&["sign", "--key", "/dev/zero", "-"], Some(command().to_string().as_bytes()));
+    assert_eq!(out.code, 2, "{}", out.stderr);
+}

@@ -280,12 +280,33 @@ pub fn verify(cmd: &Map<String, Value>, key: &VerifyingKey, now: i64) -> Result<
 // Keys
 // ---------------------------------------------------------------------------------------
 
+/// The most a key file may hold (a PEM Ed25519 key is under 200 bytes).
+pub const MAX_KEY_FILE_BYTES: u64 = 64 * 1024;
+
+/// A key file's text: a regular file (a FIFO would block, a device like /dev/zero never
+/// ends) of at most [`MAX_KEY_FILE_BYTES`], read with that cap whatever its size claims.
 fn read_key_text(path: &Path, what: &str) -> Result<String, SigningError> {
-    let meta = std::fs::metadata(path).map_err(|e| SigningError::Key(format!("{}: {e}", path.display())))?;
-    if meta.len() > 64 * 1024 {
-        return Err(SigningError::Key(format!("{}: too large for a {what}", path.display())));
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let fail = |e: std::io::Error| SigningError::Key(format!("{}: {e}", path.display()));
+    let not_file = || SigningError::Key(format!("{}: not a regular file; a {what} must be one", path.display()));
+    if !std::fs::metadata(path).map_err(fail)?.is_file() {
+        return Err(not_file());
     }
-    std::fs::read_to_string(path).map_err(|e| SigningError::Key(format!("{}: {e}", path.display())))
+    // O_NONBLOCK: should it be swapped for a FIFO after the check, opening does not hang.
+    let f = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(path).map_err(fail)?;
+    if !f.metadata().map_err(fail)?.is_file() {
+        return Err(not_file());
+    }
+    let mut text = String::new();
+    f.take(MAX_KEY_FILE_BYTES + 1).read_to_string(&mut text).map_err(fail)?;
+    if text.len() as u64 > MAX_KEY_FILE_BYTES {
+        return Err(SigningError::Key(format!(
+            "{}: too large for a {what} (more than {MAX_KEY_FILE_BYTES} bytes)",
+            path.display()
+        )));
+    }
+    Ok(text)
 }
 
 fn raw32(text: &str) -> Option<[u8; 32]> {
