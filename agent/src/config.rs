@@ -340,6 +340,26 @@ impl Config {
                 return Err(err(key, "must be an absolute path"));
             }
         }
+        // The store written over its own key would lose every secret: the same path (after
+        // the defaults, `.` and `//` aside), or two names of one existing file.
+        let store = self.secrets.store.clone().unwrap_or_else(|| crate::secrets_store::DEFAULT_STORE.into());
+        let key_file = self.secrets.key_file.clone().unwrap_or_else(|| crate::secrets_store::DEFAULT_KEY_FILE.into());
+        let same_inode = || {
+            use std::os::unix::fs::MetadataExt;
+            match (std::fs::metadata(&store), std::fs::metadata(&key_file)) {
+                (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+                _ => false,
+            }
+        };
+        if store.components().eq(key_file.components()) || same_inode() {
+            return Err(err(
+                "secrets.store",
+                &format!(
+                    "names the same file as secrets.key_file ({}); the store would overwrite its key",
+                    store.display()
+                ),
+            ));
+        }
         self.limit_policy(LimitPolicy::builtin())?;
         if self.network.executor_defaults.outbound == Some(true) {
             return Err(err(
