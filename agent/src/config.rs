@@ -374,19 +374,22 @@ impl Config {
     /// The shipped limit policy with this configuration's defaults and ceilings applied.
     pub fn limit_policy(&self, mut p: LimitPolicy) -> Result<LimitPolicy, ConfigError> {
         let l = &self.resource_limits;
-        for (value, slot) in [
-            (l.max_timeout_seconds, &mut p.ceilings.timeout_seconds),
-            (l.max_memory_mb, &mut p.ceilings.max_memory_mb),
-            (l.max_cpu_percent, &mut p.ceilings.max_cpu_percent),
-            (l.max_disk_mb, &mut p.ceilings.max_disk_mb),
-            (l.max_pids, &mut p.ceilings.max_pids),
-            (l.default_timeout_seconds, &mut p.defaults.timeout_seconds),
-            (l.default_memory_mb, &mut p.defaults.max_memory_mb),
-            (l.default_cpu_percent, &mut p.defaults.max_cpu_percent),
-            (l.default_disk_mb, &mut p.defaults.max_disk_mb),
-            (l.default_pids, &mut p.defaults.max_pids),
+        for (key, field, value, slot) in [
+            ("max_timeout_seconds", "timeout_seconds", l.max_timeout_seconds, &mut p.ceilings.timeout_seconds),
+            ("max_memory_mb", "max_memory_mb", l.max_memory_mb, &mut p.ceilings.max_memory_mb),
+            ("max_cpu_percent", "max_cpu_percent", l.max_cpu_percent, &mut p.ceilings.max_cpu_percent),
+            ("max_disk_mb", "max_disk_mb", l.max_disk_mb, &mut p.ceilings.max_disk_mb),
+            ("max_pids", "max_pids", l.max_pids, &mut p.ceilings.max_pids),
+            ("default_timeout_seconds", "timeout_seconds", l.default_timeout_seconds, &mut p.defaults.timeout_seconds),
+            ("default_memory_mb", "max_memory_mb", l.default_memory_mb, &mut p.defaults.max_memory_mb),
+            ("default_cpu_percent", "max_cpu_percent", l.default_cpu_percent, &mut p.defaults.max_cpu_percent),
+            ("default_disk_mb", "max_disk_mb", l.default_disk_mb, &mut p.defaults.max_disk_mb),
+            ("default_pids", "max_pids", l.default_pids, &mut p.defaults.max_pids),
         ] {
             if let Some(v) = value {
+                if let Some(message) = crate::limits::above_maximum(field, v) {
+                    return Err(ConfigError { path: format!("resource_limits.{key}"), message });
+                }
                 *slot = v;
             }
         }
