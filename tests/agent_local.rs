@@ -1049,3 +1049,56 @@ fn executors_listed_in_the_config_are_installed_at_start_once() {
     assert_eq!(count(&a, "executor_installed"), 4, "only the one by hand");
     a.audit_verify();
 }
+
+#[test]
+fn the_agent_never_deletes_a_non_socket_nor_chmods_a_directory_it_did_not_create() {
+    use std::os::unix::fs::PermissionsExt;
+    if !common::require_root() {
+        return;
+    }
+    let mut a = Agent::new(2);
+    let text = std::fs::read_to_string(&a.config).unwrap();
+    let c = a.config.to_str().unwrap().to_string();
+    let socket_line = format!("socket: {}", a.socket.display());
+    assert!(text.contains(&socket_line));
+    let refused = |what: &str, needle: &str, path: &Path| {
+        for args in [vec!["agent", "--check-config", "--config", &c], vec!["agent", "--config", &c]] {
+            let out = op(&args);
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{what}: {args:?}: {stderr}");
+            assert!(stderr.contains(needle) && stderr.contains(path.to_str().unwrap()), "{what}: {stderr}");
+        }
+    };
+
+    // agent.socket naming a regular file: refused, the file kept.
+    let precious = a.dir.file("precious.txt", "keep me\n", 0o644);
+    std::fs::write(&a.config, text.replace(&socket_line, &format!("socket: {}", precious.display()))).unwrap();
+    refused("a regular file", "not a socket", &precious);
+    assert_eq!(std::fs::read_to_string(&precious).unwrap(), "keep me\n");
+
+    // agent.state_dir naming a regular file: refused before the agent starts.
+    let state_line = format!("state_dir: {}", a.dir.path.join("state").display());
+    assert!(text.contains(&state_line));
+    std::fs::write(&a.config, text.replace(&state_line, &format!("state_dir: {}", precious.display()))).unwrap();
+    refused("state_dir", "agent.state_dir", &precious);
+    assert_eq!(std::fs::read_to_string(&precious).unwrap(), "keep me\n");
+
+    // A socket in a directory that exists (shared, like /tmp): its mode is left alone.
+    let shared = a.dir.path.join("shared");
+    std::fs::create_dir(&shared).unwrap();
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    a.socket = shared.join("agent.sock");
+    std::fs::write(&a.config, text.replace(&socket_line, &format!("socket: {}", a.socket.display()))).unwrap();
+    a.start();
+    assert_eq!(std::fs::metadata(&shared).unwrap().permissions().mode() & 0o7777, 0o1777);
+    assert_eq!(std::fs::metadata(&a.socket).unwrap().permissions().mode() & 0o777, 0o600);
+    assert!(a.stop().success());
+    assert_eq!(std::fs::metadata(&shared).unwrap().permissions().mode() & 0o7777, 0o1777);
+
+    // A directory the agent creates is 0700.
+    a.socket = a.dir.path.join("fresh/run/agent.sock");
+    std::fs::write(&a.config, text.replace(&socket_line, &format!("socket: {}", a.socket.display()))).unwrap();
+    a.start();
+    assert_eq!(std::fs::metadata(a.socket.parent().unwrap()).unwrap().permissions().mode() & 0o777, 0o700);
+    assert!(a.stop().success());
+}

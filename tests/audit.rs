@@ -580,3 +580,24 @@ fn tail_shows_the_last_records_and_follows() {
     let _ = child.wait();
     assert_eq!(next.expect("tail --follow printed the new record").trim_end(), a.line);
 }
+
+#[test]
+fn verify_and_tail_report_a_full_stdout_instead_of_exiting_0() {
+    if !require_root() {
+        return;
+    }
+    let (log, _exec) = log_with_runs(1);
+    let path = log.path.to_str().unwrap().to_string();
+    for args in [
+        vec!["audit", "verify", &path],
+        vec!["audit", "verify", "--json", &path],
+        vec!["audit", "tail", "--config", log.conf()],
+        vec!["audit", "tail", "--json", "--config", log.conf()],
+    ] {
+        let full = std::fs::OpenOptions::new().write(true).open("/dev/full").unwrap();
+        let out = Command::new(common::opservant()).args(&args).stdin(Stdio::null()).stdout(full).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains("stdout") && stderr.contains("No space left"), "{args:?}: {stderr}");
+    }
+}

@@ -170,3 +170,36 @@ fn no_sandbox_cgroup_outlives_its_run() {
         assert_cgroups_gone(&r);
     }
 }
+
+#[test]
+fn limits_beyond_the_maxima_are_refused_not_wrapped() {
+    // 17592186044424 MB × 2^20 wraps to 8 MiB in 64 bits: it must be an error, not a limit.
+    let huge = "17592186044424";
+    let dir = common::HostDir::new();
+    for (key, value, max) in [
+        ("max_memory_mb", huge, "1048576"),
+        ("default_memory_mb", "18446744073709551615", "1048576"),
+        ("max_disk_mb", huge, "1048576"),
+        ("max_timeout_seconds", "18446744073709551615", "604800"),
+        ("max_pids", "4294967297", "4194304"),
+    ] {
+        let conf = dir.file("config.yaml", &format!("resource_limits:\n  {key}: {value}\n"), 0o644);
+        let out = std::process::Command::new(common::opservant())
+            .args(["agent", "--check-config", "--config", conf.to_str().unwrap()])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{key}: {stderr}");
+        assert!(stderr.contains(&format!("resource_limits.{key}")) && stderr.contains(max), "{key}: {stderr}");
+    }
+    for (field, value, max) in [
+        ("max_memory_mb", huge, "1048576"),
+        ("timeout_seconds", "604801", "604800"),
+        ("max_bandwidth_mbps", huge, "100000"),
+    ] {
+        let (_d, m) = limits_manifest(&format!(r#"{{"{field}": {value}}}"#));
+        let err = common::try_sandbox(Some(&m), &["/bin/true"]).expect_err("refused before running");
+        assert_eq!(err.0, 2, "{field}: {}", err.1);
+        assert!(err.1.contains(&format!("resource_limits.{field}")) && err.1.contains(max), "{field}: {}", err.1);
+    }
+}

@@ -634,3 +634,31 @@ fn executor_gets_declared_secrets_from_the_store_redacted() {
         "PermissionError: secret 'api_key' is not available from the configured provider"
     );
 }
+
+#[test]
+fn a_store_configured_over_its_own_key_is_a_configuration_error() {
+    if !require_root() {
+        return;
+    }
+    let s = Setup::new("");
+    s.set("api_key", "keep-me");
+    let key_before = std::fs::read(s.key()).unwrap();
+    let key = s.key().display().to_string();
+    // The same path (spelt with a `./`), then a hard link to the key under another name.
+    let link = s.dir.path.join("store-link.enc");
+    std::fs::hard_link(s.key(), &link).unwrap();
+    for store in [s.dir.path.join("./secrets.key"), link] {
+        let text = std::fs::read_to_string(&s.config)
+            .unwrap()
+            .replace(&format!("store: {}", s.store().display()), &format!("store: {}", store.display()));
+        let conf = s.dir.path.join("same.yaml");
+        std::fs::write(&conf, text).unwrap();
+        let c = conf.to_str().unwrap();
+        let out = invoke(&["secrets", "set", "other", "--config", c], Some(b"value"), &[]);
+        out.cannot(&["secrets.store", "secrets.key_file"]);
+        let out = invoke(&["agent", "--check-config", "--config", c], None, &[]);
+        out.cannot(&["secrets.store", "secrets.key_file"]);
+        assert_eq!(std::fs::read(s.key()).unwrap(), key_before, "the key was overwritten ({key})");
+    }
+    assert_eq!(s.get("api_key"), "keep-me");
+}

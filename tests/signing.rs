@@ -305,6 +305,54 @@ fn packages_are_signed_into_a_sig_file_and_verified() {
 }
 
 #[test]
+fn sign_package_out_never_overwrites_the_key_the_package_or_other_files() {
+    use std::os::unix::fs::MetadataExt;
+    let dir = HostDir::new();
+    let (key, _public) = keys(&dir);
+    let pkg = archive(&dir, "pkg.tar.gz");
+    let key_before = std::fs::read(&key).unwrap();
+    let pkg_before = std::fs::read(&pkg).unwrap();
+    let notes = dir.file("notes.txt", "keep me\n", 0o644);
+    let key_link = dir.path.join("key-link");
+    std::fs::hard_link(&key, &key_link).unwrap();
+    let sym = dir.path.join("sym.sig");
+    std::os::unix::fs::symlink(&notes, &sym).unwrap();
+    for (target, says) in [
+        (key.as_str(), "signing key"),
+        (s(&key_link), "signing key"),
+        (pkg.as_str(), "the package"),
+        (s(&notes), "does not hold a signature"),
+        (s(&sym), "not a regular file"),
+        (s(&dir.path), "not a regular file"),
+    ] {
+        let out = op(&["sign", "--key", &key, "--package", &pkg, "--out", target], None);
+        assert_eq!(out.code, 2, "--out {target}: {} {}", out.stdout, out.stderr);
+        assert!(out.stderr.contains(target) && out.stderr.contains(says), "--out {target}: {}", out.stderr);
+    }
+    assert_eq!(std::fs::read(&key).unwrap(), key_before, "the key was overwritten");
+    assert_eq!(std::fs::metadata(&key).unwrap().mode() & 0o777, 0o600);
+    assert_eq!(std::fs::read(&pkg).unwrap(), pkg_before, "the package was overwritten");
+    assert_eq!(std::fs::read_to_string(&notes).unwrap(), "keep me\n");
+    assert!(std::fs::symlink_metadata(&sym).unwrap().file_type().is_symlink());
+
+    // A new file, then the same file again (it holds a previous signature): replaced.
+    let sig = dir.path.join("elsewhere.sig");
+    for _ in 0..2 {
+        let out = op(&["sign", "--key", &key, "--package", &pkg, "--out", s(&sig)], None);
+        assert_eq!(out.code, 0, "{}", out.stderr);
+        assert_eq!(std::fs::read_to_string(&sig).unwrap().trim().len(), 88);
+    }
+
+    // --out without --package: refused, nothing written.
+    let cmd = dir.file("cmd.json", &command().to_string(), 0o644);
+    let dest = dir.path.join("signed.json");
+    let out = op(&["sign", "--key", &key, "--out", s(&dest), s(&cmd)], None);
+    assert_eq!(out.code, 2, "{} {}", out.stdout, out.stderr);
+    assert!(out.stderr.contains("--out") && out.stderr.contains("--package"), "{}", out.stderr);
+    assert!(out.stdout.is_empty() && !dest.exists());
+}
+
+#[test]
 fn package_signatures_are_plain_ed25519_as_openssl_makes_them() {
     if !common::require("openssl binary", Command::new("openssl").arg("version").output().is_ok()) {
         return;
@@ -335,4 +383,120 @@ fn package_signatures_are_plain_ed25519_as_openssl_makes_them() {
         .output()
         .unwrap();
     assert!(st.status.success(), "{}", String::from_utf8_lossy(&st.stdout));
+}
+
+/// `args` with stdout on `stdout`; (exit status, stderr).
+fn op_to(args: &[&str], stdin: Option<&[u8]>, stdout: Stdio) -> (i32, String) {
+    use std::io::Write;
+    let mut child = Command::new(common::opservant())
+        .args(args)
+        .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
+        .stdout(stdout)
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn opservant");
+    if let Some(data) = stdin {
+        let _ = child.stdin.take().expect("stdin").write_all(data);
+    }
+    let out = child.wait_with_output().expect("wait");
+    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+#[test]
+fn a_full_stdout_is_exit_2_naming_stdout_never_a_panic() {
+    let dir = HostDir::new();
+    let (key, public) = keys(&dir);
+    let signed = sign(&key, &command()).to_string();
+    let pkg = archive(&dir, "pkg.tar.gz");
+    let cmd = command().to_string();
+    let cases: Vec<(Vec<&str>, Option<&[u8]>)> = vec![
+        (vec!["sign", "--key", &key, "-"], Some(cmd.as_bytes())),
+        (vec!["verify", "--pub", &public, "-"], Some(signed.as_bytes())),
+        (vec!["verify", "--pub", &public, "--json", "-"], Some(signed.as_bytes())),
+        (vec!["sign", "--key", &key, "--package", &pkg], None),
+        (vec!["verify", "--pub", &public, "--package", &pkg], None),
+        (vec!["doctor"], None),
+        (vec!["doctor", "--json"], None),
+    ];
+    for (args, stdin) in &cases {
+        let full = std::fs::OpenOptions::new().write(true).open("/dev/full").expect("/dev/full");
+        let (code, stderr) = op_to(args, *stdin, Stdio::from(full));
+        assert_eq!(code, 2, "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+        assert!(stderr.contains("stdout") && stderr.contains("No space left"), "{args:?}: {stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{args:?}: {stderr}");
+    }
+    // A closed descriptor 1 stays as it was: the output is dropped, the status is the command's.
+    let out = Command::new("/bin/sh")
+        .args(["-c", "exec \"$0\" verify --pub \"$1\" --package \"$2\" >&-", common::opservant(), &public, &pkg])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+#[test]
+fn keygen_on_a_full_disk_leaves_nothing_behind_and_a_retry_succeeds() {
+    if !common::require_root() {
+        return;
+    }
+    if !common::require("unshare(1)", Command::new("unshare").arg("--version").output().is_ok()) {
+        return;
+    }
+    let dir = HostDir::new();
+    // A small tmpfs in a private mount namespace (gone with the shell), filled to the last page.
+    let script = r#"set -u
+mount -t tmpfs -o size=64k,mode=0755 tmpfs "$1" || exit 99
+mkdir "$1/keys"
+dd if=/dev/zero of="$1/fill" bs=4096 2>/dev/null
+err=$("$0" keygen --out "$1/keys" 2>&1 >/dev/null); echo "first=$?"
+echo "left=$(ls -A "$1/keys" | tr '\n' ' ')"
+echo "err=$err"
+rm "$1/fill"
+"$0" keygen --out "$1/keys" >/dev/null 2>&1; echo "second=$?"
+echo "now=$(ls -A "$1/keys" | tr '\n' ' ')"
+"#;
+    let out = Command::new("unshare")
+        .args(["--mount", "--propagation", "private", "/bin/sh", "-c", script, common::opservant(), dir.str()])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{text} {}", String::from_utf8_lossy(&out.stderr));
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines[0], "first=2", "{text}");
+    assert_eq!(lines[1].trim_end(), "left=", "a partial key was left behind: {text}");
+    assert!(lines[2].contains("signing.") && lines[2].contains("No space left"), "{text}");
+    assert_eq!(lines[3], "second=0", "the retry was refused: {text}");
+    assert_eq!(lines[4].trim_end(), "now=signing.key signing.pub", "{text}");
+}
+
+#[test]
+fn key_files_must_be_small_regular_files() {
+    let dir = HostDir::new();
+    let (key, _public) = keys(&dir);
+    let signed = sign(&key, &command()).to_string();
+    let fifo = dir.path.join("fifo.pub");
+    assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let big = dir.path.join("big.pub");
+    std::fs::File::create(&big).unwrap().set_len(3 << 30).unwrap(); // sparse: 3 GiB of zeros
+    for (path, says) in [("/dev/zero", "not a regular file"), (s(&fifo), "not a regular file"), (s(&big), "too large")]
+    {
+        // Under timeout(1): before the fix a FIFO blocked forever and /dev/zero read without end.
+        let out = Command::new("timeout")
+            .args(["-k", "5", "30", common::opservant(), "verify", "--pub", path, "-"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .and_then(|mut c| {
+                use std::io::Write;
+                let _ = c.stdin.take().unwrap().write_all(signed.as_bytes());
+                c.wait_with_output()
+            })
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{path}: {stderr}");
+        assert!(stderr.contains(path) && stderr.contains(says), "{path}: {stderr}");
+    }
+    let out = op(&["sign", "--key", "/dev/zero", "-"], Some(command().to_string().as_bytes()));
+    assert_eq!(out.code, 2, "{}", out.stderr);
 }

@@ -340,6 +340,26 @@ impl Config {
                 return Err(err(key, "must be an absolute path"));
             }
         }
+        // The store written over its own key would lose every secret: the same path (after
+        // the defaults, `.` and `//` aside), or two names of one existing file.
+        let store = self.secrets.store.clone().unwrap_or_else(|| crate::secrets_store::DEFAULT_STORE.into());
+        let key_file = self.secrets.key_file.clone().unwrap_or_else(|| crate::secrets_store::DEFAULT_KEY_FILE.into());
+        let same_inode = || {
+            use std::os::unix::fs::MetadataExt;
+            match (std::fs::metadata(&store), std::fs::metadata(&key_file)) {
+                (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+                _ => false,
+            }
+        };
+        if store.components().eq(key_file.components()) || same_inode() {
+            return Err(err(
+                "secrets.store",
+                &format!(
+                    "names the same file as secrets.key_file ({}); the store would overwrite its key",
+                    store.display()
+                ),
+            ));
+        }
         self.limit_policy(LimitPolicy::builtin())?;
         if self.network.executor_defaults.outbound == Some(true) {
             return Err(err(
@@ -354,19 +374,22 @@ impl Config {
     /// The shipped limit policy with this configuration's defaults and ceilings applied.
     pub fn limit_policy(&self, mut p: LimitPolicy) -> Result<LimitPolicy, ConfigError> {
         let l = &self.resource_limits;
-        for (value, slot) in [
-            (l.max_timeout_seconds, &mut p.ceilings.timeout_seconds),
-            (l.max_memory_mb, &mut p.ceilings.max_memory_mb),
-            (l.max_cpu_percent, &mut p.ceilings.max_cpu_percent),
-            (l.max_disk_mb, &mut p.ceilings.max_disk_mb),
-            (l.max_pids, &mut p.ceilings.max_pids),
-            (l.default_timeout_seconds, &mut p.defaults.timeout_seconds),
-            (l.default_memory_mb, &mut p.defaults.max_memory_mb),
-            (l.default_cpu_percent, &mut p.defaults.max_cpu_percent),
-            (l.default_disk_mb, &mut p.defaults.max_disk_mb),
-            (l.default_pids, &mut p.defaults.max_pids),
+        for (key, field, value, slot) in [
+            ("max_timeout_seconds", "timeout_seconds", l.max_timeout_seconds, &mut p.ceilings.timeout_seconds),
+            ("max_memory_mb", "max_memory_mb", l.max_memory_mb, &mut p.ceilings.max_memory_mb),
+            ("max_cpu_percent", "max_cpu_percent", l.max_cpu_percent, &mut p.ceilings.max_cpu_percent),
+            ("max_disk_mb", "max_disk_mb", l.max_disk_mb, &mut p.ceilings.max_disk_mb),
+            ("max_pids", "max_pids", l.max_pids, &mut p.ceilings.max_pids),
+            ("default_timeout_seconds", "timeout_seconds", l.default_timeout_seconds, &mut p.defaults.timeout_seconds),
+            ("default_memory_mb", "max_memory_mb", l.default_memory_mb, &mut p.defaults.max_memory_mb),
+            ("default_cpu_percent", "max_cpu_percent", l.default_cpu_percent, &mut p.defaults.max_cpu_percent),
+            ("default_disk_mb", "max_disk_mb", l.default_disk_mb, &mut p.defaults.max_disk_mb),
+            ("default_pids", "max_pids", l.default_pids, &mut p.defaults.max_pids),
         ] {
             if let Some(v) = value {
+                if let Some(message) = crate::limits::above_maximum(field, v) {
+                    return Err(ConfigError { path: format!("resource_limits.{key}"), message });
+                }
                 *slot = v;
             }
         }

@@ -6,7 +6,8 @@
 //!
 //! Guarantees:
 //! - only clients running as root (uid 0, checked with `SO_PEERCRED`) are served; the socket
-//!   is created mode 0600 inside a 0700 directory;
+//!   is created mode 0600, inside a 0700 directory when the agent creates that directory (an
+//!   existing one is never chmodded);
 //! - at most `agent.max_concurrent` commands run at once; one more is answered at once with
 //!   `status: "rejected"`, `reason: "overloaded"` (audited), never queued without bound;
 //! - at most `max_concurrent` + [`CONNECTION_HEADROOM`] connections are served at once (each
@@ -16,7 +17,8 @@
 //! - SIGTERM or SIGINT: the socket is closed and removed (no new work), the commands already
 //!   running finish (their limits bound how long) and get their replies, then the process
 //!   exits 0; systemd is told `READY=1`, `STOPPING=1` and, with `WatchdogSec`, `WATCHDOG=1`;
-//! - a second agent on the same socket is refused (exit 2), a stale socket file is replaced.
+//! - a second agent on the same socket is refused (exit 2), a stale socket is replaced, and a
+//!   path that exists but is not a socket is refused (exit 2), never deleted.
 //!
 //! With `network.agent_to_platform` configured it also polls the platform over mutual TLS
 //! ([`crate::platform`]); those commands share the concurrency limit and the drain.
@@ -61,14 +63,45 @@ pub fn sd_notify(state: &str) {
     }
 }
 
-/// Bind the socket: refuse if an agent answers on it, replace a stale file.
-fn bind(path: &Path) -> Result<UnixListener, CannotRun> {
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(|e| CannotRun(format!("{}: {e}", dir.display())))?;
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
-            .map_err(|e| CannotRun(format!("{}: {e}", dir.display())))?;
+/// `path`, when something is there, must be a socket: anything else is not the agent's to
+/// replace (a configuration naming a regular file must not delete it).
+fn check_socket_path(path: &Path) -> Result<(), CannotRun> {
+    use std::os::unix::fs::FileTypeExt;
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_socket() => Ok(()),
+        Ok(_) => Err(CannotRun(format!(
+            "agent.socket: {} exists and is not a socket; refusing to replace it",
+            path.display()
+        ))),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => match path.parent().map(std::fs::metadata) {
+            Some(Ok(m)) if !m.is_dir() => {
+                Err(CannotRun(format!("agent.socket: {}: its parent is not a directory", path.display())))
+            }
+            _ => Ok(()),
+        },
+        Err(e) => Err(CannotRun(format!("agent.socket: {}: {e}", path.display()))),
     }
-    if path.exists() {
+}
+
+/// Bind the socket: refuse if an agent answers on it or if the path is not a socket, replace
+/// a stale socket. The parent directory is created 0700 when missing; one that exists is
+/// left as it is (it may be shared, e.g. /tmp: the socket itself is 0600 and peers are checked).
+fn bind(path: &Path) -> Result<UnixListener, CannotRun> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        if !dir.exists() {
+            use std::os::unix::fs::DirBuilderExt;
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir)
+                .map_err(|e| CannotRun(format!("{}: {e}", dir.display())))?;
+            // Created here: 0700 whatever the umask.
+            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+                .map_err(|e| CannotRun(format!("{}: {e}", dir.display())))?;
+        }
+    }
+    check_socket_path(path)?;
+    if std::fs::symlink_metadata(path).is_ok() {
         if UnixStream::connect(path).is_ok() {
             return Err(CannotRun(format!("{}: another agent is already listening", path.display())));
         }
@@ -286,9 +319,23 @@ impl DaemonSettings {
         let platform_key = a.platform_public_key.clone().ok_or_else(|| {
             CannotRun("agent.platform_public_key: required (the Ed25519 key commands are verified with)".into())
         })?;
+        let socket: PathBuf = a.socket.clone().unwrap_or_else(|| DEFAULT_SOCKET.into());
+        check_socket_path(&socket)?;
+        let state_dir: PathBuf = a.state_dir.clone().unwrap_or_else(|| DEFAULT_STATE_DIR.into());
+        match std::fs::metadata(&state_dir) {
+            Ok(m) if !m.is_dir() => {
+                return Err(CannotRun(format!(
+                    "agent.state_dir: {} exists and is not a directory",
+                    state_dir.display()
+                )))
+            }
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(CannotRun(format!("agent.state_dir: {}: {e}", state_dir.display()))),
+        }
         Ok(DaemonSettings {
-            socket: a.socket.clone().unwrap_or_else(|| DEFAULT_SOCKET.into()),
-            state_dir: a.state_dir.clone().unwrap_or_else(|| DEFAULT_STATE_DIR.into()),
+            socket,
+            state_dir,
             max_concurrent: a.max_concurrent.unwrap_or(DEFAULT_MAX_CONCURRENT),
             platform_key,
             launch: a.launch.unwrap_or(crate::launch::LaunchMode::Zygote),

@@ -33,5 +33,6 @@ pub mod secrets_store;
 pub mod secrets_vault;
 pub mod session;
 pub mod signing;
+pub mod stdout;
 pub mod tls;
 pub mod warm_pool;

@@ -27,6 +27,52 @@ pub struct LimitPolicy {
     pub ceilings: LimitTable,
 }
 
+/// The largest value any configuration (defaults and ceilings) or manifest may give each
+/// limit: beyond them a value is an error naming its key and the maximum, never converted
+/// (MB to bytes, seconds to ms) with a chance of overflowing into a tiny limit.
+pub const MAXIMA: LimitTable = LimitTable {
+    // 1 TiB.
+    max_memory_mb: 1 << 20,
+    max_cpu_percent: 100,
+    // 7 days.
+    timeout_seconds: 7 * 86_400,
+    // 1 TiB.
+    max_disk_mb: 1 << 20,
+    // 100 Gbit/s.
+    max_bandwidth_mbps: 100_000,
+    // The kernel's own pid_max limit.
+    max_pids: 4_194_304,
+};
+
+impl LimitTable {
+    /// The maximum for a field of this table (by its name), from [`MAXIMA`].
+    pub fn maximum(field: &str) -> Option<u64> {
+        let m = &MAXIMA;
+        Some(match field {
+            "max_memory_mb" => m.max_memory_mb,
+            "max_cpu_percent" => m.max_cpu_percent,
+            "timeout_seconds" => m.timeout_seconds,
+            "max_disk_mb" => m.max_disk_mb,
+            "max_bandwidth_mbps" => m.max_bandwidth_mbps,
+            "max_pids" => m.max_pids,
+            _ => return None,
+        })
+    }
+}
+
+/// `Some(message)` when `value` is above the maximum of `field` ([`MAXIMA`]).
+pub fn above_maximum(field: &str, value: u64) -> Option<String> {
+    let max = LimitTable::maximum(field)?;
+    (value > max).then(|| {
+        let unit = match field {
+            "max_memory_mb" | "max_disk_mb" => " (1 TiB)",
+            "timeout_seconds" => " (7 days)",
+            _ => "",
+        };
+        format!("{value} is above the maximum {max}{unit}")
+    })
+}
+
 /// A request that was lowered to a ceiling.
 #[derive(Debug, Clone, Serialize, PartialEq, Eq)]
 pub struct Clamp {

@@ -330,6 +330,21 @@ enum SessionCommand {
     List,
 }
 
+/// `println!` to stdout, returning (with `?`) a write error as [`CannotRun`]: exit 2 with a
+/// reason naming stdout (see [`agent::stdout`]).
+macro_rules! outln {
+    ($($arg:tt)*) => {
+        agent::stdout::print(&format!("{}\n", format_args!($($arg)*)))?
+    };
+}
+
+/// `print!` to stdout, as [`outln!`].
+macro_rules! out {
+    ($($arg:tt)*) => {
+        agent::stdout::print(&format!($($arg)*))?
+    };
+}
+
 /// A failure to run: exit status 2 with a one-line reason.
 struct CannotRun(String);
 
@@ -377,7 +392,9 @@ fn main() -> ExitCode {
             let runtime = match agent::executor_run::runtime_binary() {
                 Ok(r) => r,
                 Err(e) => {
-                    println!("{}", serde_json::json!({"status": "failed", "error": e.0}));
+                    // The session's starter reads this line; nothing more can be reported.
+                    let _ =
+                        agent::stdout::print(&format!("{}\n", serde_json::json!({"status": "failed", "error": e.0})));
                     return ExitCode::from(2);
                 }
             };
@@ -411,6 +428,12 @@ fn main() -> ExitCode {
         Command::Agent { config, check_config } => agent_daemon(config, check_config),
         Command::Submit { signed, socket, config } => submit(&signed, socket, config),
         Command::Sign { key, package: Some(package), out, .. } => sign_package(&key, &package, out),
+        // clap's `requires` does not fire beside the positional command (it conflicts with
+        // --package), so the flag is checked here: a signed command goes to stdout only.
+        Command::Sign { out: Some(out), .. } => Err(CannotRun(format!(
+            "--out {}: only with --package (a signed command is printed on stdout)",
+            out.display()
+        ))),
         Command::Sign { key, command: Some(command), .. } => sign_command(&key, &command),
         Command::Verify { public_key, package: Some(package), signature, json, .. } => {
             verify_package(&public_key, &package, signature.as_deref(), json)
@@ -477,12 +500,9 @@ fn run_sandbox(
     };
     let outcome = sb.wait(out)?;
     let result = RunResult::for_program(&outcome, &limits);
-    let mut lock = std::io::stdout().lock();
-    if !json_only && last_stdout_byte != b'\n' {
-        let _ = lock.write_all(b"\n");
-    }
     let text = serde_json::to_string(&result)?;
-    let _ = writeln!(lock, "{text}");
+    let sep = if !json_only && last_stdout_byte != b'\n' { "\n" } else { "" };
+    out!("{sep}{text}\n");
     Ok(if result.status == Status::Completed { ExitCode::SUCCESS } else { ExitCode::from(1) })
 }
 
@@ -551,7 +571,7 @@ fn run_executor(
     };
     agent::executor_run::warm(&req).map_err(|e| CannotRun(format!("--launch pool: {}", e.0)))?;
     let result = agent::executor_run::run(req).map_err(|e| CannotRun(e.0))?;
-    println!("{}", serde_json::to_string(&result)?);
+    outln!("{}", serde_json::to_string(&result)?);
     Ok(if result.status == Status::Completed { ExitCode::SUCCESS } else { ExitCode::from(1) })
 }
 
@@ -612,7 +632,7 @@ fn executor_test(
         Some(&mut tee),
     )
     .map_err(|e| CannotRun(e.0))?;
-    println!("{}", serde_json::to_string(&result)?);
+    outln!("{}", serde_json::to_string(&result)?);
     Ok(if result.status == Status::Completed { ExitCode::SUCCESS } else { ExitCode::from(1) })
 }
 
@@ -646,7 +666,7 @@ fn agent_daemon(config: Option<PathBuf>, check_only: bool) -> Result<ExitCode, C
         for w in agent::executor_install::check_configured(&cfg, &trust) {
             eprintln!("opservant: warning: {w}");
         }
-        println!("configuration ok");
+        outln!("configuration ok");
         return Ok(ExitCode::SUCCESS);
     }
     agent::audit::init(&cfg)?;
@@ -715,7 +735,7 @@ fn submit(signed: &std::path::Path, socket: Option<PathBuf>, config: Option<Path
             .unwrap_or_else(|| agent::daemon::DEFAULT_SOCKET.into()),
     };
     let reply = agent::daemon::submit(&socket, &read_input(signed)?).map_err(|e| CannotRun(e.0))?;
-    println!("{reply}");
+    outln!("{reply}");
     Ok(if reply["status"] == "completed" { ExitCode::SUCCESS } else { ExitCode::from(1) })
 }
 
@@ -742,7 +762,10 @@ fn bench(
         duration: std::time::Duration::from_secs_f64(duration),
         timings_only,
     };
-    let report = match bench::run(&opts, &mut |line| println!("{line}")) {
+    let report = match bench::run(&opts, &mut |line| {
+        // Progress only: a failing stdout is reported by the table printed next.
+        let _ = agent::stdout::print(&format!("{line}\n"));
+    }) {
         Ok(r) => r,
         Err(BenchError::Usage(m)) => return Err(CannotRun(m)),
         Err(BenchError::Failed(m)) => {
@@ -755,22 +778,22 @@ fn bench(
             return Ok(ExitCode::from(1));
         }
     };
-    print!("{}", bench::render_table(&report));
+    out!("{}", bench::render_table(&report));
     if let Some(path) = &json {
         let text = serde_json::to_string_pretty(&report)? + "\n";
         std::fs::write(path, text).map_err(|e| CannotRun(format!("--json {}: {e}", path.display())))?;
-        println!("wrote {}", path.display());
+        outln!("wrote {}", path.display());
     }
     if let Some(path) = &svg {
         bench::render_svg(&report, path).map_err(|e| CannotRun(e.to_string()))?;
-        println!("wrote {}", path.display());
+        outln!("wrote {}", path.display());
     }
     Ok(ExitCode::SUCCESS)
 }
 
 fn keygen(out: &std::path::Path) -> Result<ExitCode, CannotRun> {
     let (key, public) = agent::signing::keygen(out).map_err(|e| CannotRun(e.to_string()))?;
-    println!("{}\n{}", key.display(), public.display());
+    outln!("{}\n{}", key.display(), public.display());
     Ok(ExitCode::SUCCESS)
 }
 
@@ -782,13 +805,17 @@ fn sign_command(key: &std::path::Path, command: &std::path::Path) -> Result<Exit
     signing::sign(&mut cmd, &key, signing::now()).map_err(|e| CannotRun(e.to_string()))?;
     let text =
         serde_json_canonicalizer::to_string(&serde_json::Value::Object(cmd)).map_err(|e| CannotRun(e.to_string()))?;
-    println!("{text}");
+    outln!("{text}");
     Ok(ExitCode::SUCCESS)
 }
 
-fn sign_package(key: &std::path::Path, package: &std::path::Path, out: Option<PathBuf>) -> Result<ExitCode, CannotRun> {
+fn sign_package(
+    key_path: &std::path::Path,
+    package: &std::path::Path,
+    out: Option<PathBuf>,
+) -> Result<ExitCode, CannotRun> {
     use agent::package_signing;
-    let key = agent::signing::load_signing_key(key).map_err(|e| CannotRun(e.to_string()))?;
+    let key = agent::signing::load_signing_key(key_path).map_err(|e| CannotRun(e.to_string()))?;
     let meta = std::fs::metadata(package).map_err(|e| CannotRun(format!("{}: {e}", package.display())))?;
     if meta.is_dir() {
         return Err(CannotRun(format!(
@@ -799,19 +826,60 @@ fn sign_package(key: &std::path::Path, package: &std::path::Path, out: Option<Pa
     agent::executor_install::ArchiveKind::from_name(package).map_err(|e| CannotRun(e.to_string()))?;
     let sig = package_signing::sign_file(package, &key).map_err(CannotRun)?;
     let out = out.unwrap_or_else(|| package_signing::sig_path(package));
+    check_signature_out(&out, &[("the package", package), ("the signing key", key_path)])?;
     // Written beside, then renamed over: never a half-written signature file.
     let mut tmp = out.clone().into_os_string();
     tmp.push(format!(".tmp-{}", std::process::id()));
     let tmp = PathBuf::from(tmp);
-    let written = std::fs::write(&tmp, format!("{}\n", package_signing::encode(&sig)))
-        .and_then(|()| std::fs::File::open(&tmp).and_then(|f| f.sync_all()))
-        .and_then(|()| std::fs::rename(&tmp, &out));
+    let written = (|| {
+        use std::os::unix::fs::OpenOptionsExt;
+        // create_new: a file (or a planted symlink) at the temporary name is never followed.
+        let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o644).open(&tmp)?;
+        f.write_all(format!("{}\n", package_signing::encode(&sig)).as_bytes())?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, &out)
+    })();
     if let Err(e) = written {
         let _ = std::fs::remove_file(&tmp);
         return Err(CannotRun(format!("{}: {e}", out.display())));
     }
-    println!("{}", out.display());
+    outln!("{}", out.display());
     Ok(ExitCode::SUCCESS)
+}
+
+/// Where `sign --package` may write: a new file, or one that holds a previous signature (a
+/// regular file of short base64 text). Never the package or the key themselves (by inode,
+/// so a hard link or symlink to them is refused too), nor anything else that exists.
+fn check_signature_out(out: &std::path::Path, protected: &[(&str, &std::path::Path)]) -> Result<(), CannotRun> {
+    use std::os::unix::fs::MetadataExt;
+    let refuse = |why: String| CannotRun(format!("--out {}: {why}; refusing to overwrite it", out.display()));
+    let target = match std::fs::metadata(out) {
+        Ok(m) => Some(m),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => return Err(refuse(e.to_string())),
+    };
+    if let Some(target) = &target {
+        for (what, path) in protected {
+            if std::fs::metadata(path).is_ok_and(|m| m.dev() == target.dev() && m.ino() == target.ino()) {
+                return Err(refuse(format!("it is {what} ({})", path.display())));
+            }
+        }
+    }
+    let meta = match std::fs::symlink_metadata(out) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(refuse(e.to_string())),
+    };
+    if !meta.file_type().is_file() {
+        return Err(refuse("exists and is not a regular file".into()));
+    }
+    let previous = agent::package_signing::read_signature_file(out)
+        .ok()
+        .is_some_and(|text| agent::package_signing::decode(&text).is_ok());
+    if !previous {
+        return Err(refuse("exists and does not hold a signature".into()));
+    }
+    Ok(())
 }
 
 fn verify_package(
@@ -843,7 +911,7 @@ fn verify_package(
         Verdict::Bad(why) => why.clone(),
     };
     if json {
-        println!(
+        outln!(
             "{}",
             serde_json::json!({
                 "valid": matches!(verdict, Verdict::Valid(_)),
@@ -855,11 +923,11 @@ fn verify_package(
         );
     } else {
         match &verdict {
-            Verdict::Valid(_) => println!("signature: valid ({})", sig_file.display()),
-            Verdict::Missing => println!("signature: MISSING ({detail})"),
-            Verdict::Bad(_) => println!("signature: INVALID ({detail})"),
+            Verdict::Valid(_) => outln!("signature: valid ({})", sig_file.display()),
+            Verdict::Missing => outln!("signature: MISSING ({detail})"),
+            Verdict::Bad(_) => outln!("signature: INVALID ({detail})"),
         }
-        println!("sha256: {sha}");
+        outln!("sha256: {sha}");
     }
     Ok(if matches!(verdict, Verdict::Valid(_)) { ExitCode::SUCCESS } else { ExitCode::from(1) })
 }
@@ -871,7 +939,7 @@ fn verify_command(public: &std::path::Path, signed: &std::path::Path, json: bool
         signing::parse_command(&read_input(signed)?).map_err(|e| CannotRun(format!("{}: {e}", signed.display())))?;
     let v = signing::verify(&cmd, &key, signing::now()).map_err(|e| CannotRun(e.to_string()))?;
     if json {
-        println!(
+        outln!(
             "{}",
             serde_json::json!({
                 "valid": v.valid(),
@@ -882,12 +950,12 @@ fn verify_command(public: &std::path::Path, signed: &std::path::Path, json: bool
         );
     } else {
         match &v.signature {
-            Ok(()) => println!("signature: valid"),
-            Err(e) => println!("signature: INVALID ({e})"),
+            Ok(()) => outln!("signature: valid"),
+            Err(e) => outln!("signature: INVALID ({e})"),
         }
         match &v.timestamp {
-            Ok(skew) => println!("timestamp: within {}s of this clock (skew {skew:+}s)", signing::MAX_SKEW_S),
-            Err(e) => println!("timestamp: REJECTED ({e})"),
+            Ok(skew) => outln!("timestamp: within {}s of this clock (skew {skew:+}s)", signing::MAX_SKEW_S),
+            Err(e) => outln!("timestamp: REJECTED ({e})"),
         }
     }
     Ok(if v.valid() { ExitCode::SUCCESS } else { ExitCode::from(1) })
@@ -922,7 +990,7 @@ fn run_script(
         runtime: agent::executor_run::runtime_binary().map_err(|e| CannotRun(e.0))?,
     })
     .map_err(|e| CannotRun(e.0))?;
-    println!("{}", serde_json::to_string(&result)?);
+    outln!("{}", serde_json::to_string(&result)?);
     Ok(if result.success { ExitCode::SUCCESS } else { ExitCode::from(1) })
 }
 
@@ -981,7 +1049,7 @@ fn session(command: SessionCommand) -> Result<ExitCode, CannotRun> {
             .map_err(|e| CannotRun(e.0))?;
             let exe = std::env::current_exe()?;
             let reply = session::start(&settings, &exe, "__session-serve").map_err(|e| CannotRun(e.0))?;
-            println!("{reply}");
+            outln!("{reply}");
             Ok(ExitCode::SUCCESS)
         }
         SessionCommand::Exec { name, code, globals, return_names, timeout } => {
@@ -1011,17 +1079,17 @@ fn session(command: SessionCommand) -> Result<ExitCode, CannotRun> {
             let req = serde_json::json!({"op": "exec", "code": code, "globals": globals, "return": names, "timeout_s": timeout});
             let wait = std::time::Duration::from_secs(session::MAX_CALL_TIMEOUT_S + 60);
             let reply = session::request(&name, &req, wait).map_err(|e| CannotRun(e.0))?;
-            println!("{reply}");
+            outln!("{reply}");
             Ok(if reply["success"] == serde_json::Value::Bool(true) { ExitCode::SUCCESS } else { ExitCode::from(1) })
         }
         SessionCommand::Stop { name } => {
             let reply = session::request(&name, &serde_json::json!({"op": "stop"}), std::time::Duration::from_secs(30))
                 .map_err(|e| CannotRun(e.0))?;
-            println!("{reply}");
+            outln!("{reply}");
             Ok(ExitCode::SUCCESS)
         }
         SessionCommand::List => {
-            println!("{}", session::list().map_err(|e| CannotRun(e.0))?);
+            outln!("{}", session::list().map_err(|e| CannotRun(e.0))?);
             Ok(ExitCode::SUCCESS)
         }
     }
@@ -1076,12 +1144,12 @@ fn executor_install(
         ],
     );
     if json {
-        println!("{}", serde_json::to_string(&installed)?);
+        outln!("{}", serde_json::to_string(&installed)?);
     } else {
         for w in &installed.warnings {
             eprintln!("opservant: warning: {w}");
         }
-        println!("installed {} {} in {}", installed.name, installed.version, installed.path.display());
+        outln!("installed {} {} in {}", installed.name, installed.version, installed.path.display());
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -1090,10 +1158,10 @@ fn executor_list(json: bool, config: Option<PathBuf>) -> Result<ExitCode, Cannot
     let config = agent::config::Config::load(config.as_deref())?;
     let list = agent::executor_install::list(&config.executors.root()).map_err(|e| CannotRun(e.to_string()))?;
     if json {
-        println!("{}", serde_json::to_string(&list)?);
+        outln!("{}", serde_json::to_string(&list)?);
     } else {
         for e in &list {
-            println!("{}\t{}\t{}", e.name, e.version, e.supported_actions.join(","));
+            outln!("{}\t{}\t{}", e.name, e.version, e.supported_actions.join(","));
         }
     }
     Ok(ExitCode::SUCCESS)
@@ -1121,9 +1189,9 @@ fn lint(dir: PathBuf, json: bool, config: Option<PathBuf>) -> Result<ExitCode, C
     }
     let report = agent::lint::lint(&dir, &policy)?;
     if json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        outln!("{}", serde_json::to_string_pretty(&report)?);
     } else {
-        print!("{}", report.render(&dir));
+        out!("{}", report.render(&dir));
     }
     Ok(if report.errors.is_empty() { ExitCode::SUCCESS } else { ExitCode::from(1) })
 }
@@ -1132,9 +1200,9 @@ fn doctor(json: bool) -> Result<ExitCode, CannotRun> {
     let policy_min_abi = 1;
     let report = agent::doctor::examine(policy_min_abi, false);
     if json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        outln!("{}", serde_json::to_string_pretty(&report)?);
     } else {
-        print!("{}", agent::doctor::render(&report));
+        out!("{}", agent::doctor::render(&report));
     }
     Ok(if report.failed() { ExitCode::from(1) } else { ExitCode::SUCCESS })
 }

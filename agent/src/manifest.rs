@@ -399,6 +399,9 @@ impl Manifest {
             if v == Some(0) {
                 errors.push(ManifestError::new(format!("resource_limits.{field}"), "must be positive"));
             }
+            if let Some(message) = v.and_then(|v| crate::limits::above_maximum(field, v)) {
+                errors.push(ManifestError::new(format!("resource_limits.{field}"), message));
+            }
         }
         if l.max_cpu_percent.is_some_and(|p| p > 100) {
             errors.push(ManifestError::new("resource_limits.max_cpu_percent", "is a percentage of one CPU (1-100)"));

@@ -251,7 +251,12 @@ impl AgentPolicy {
         let mut spec = SandboxSpec::new(program, args, self.identity);
         spec.seccomp = self.seccomp.clone();
         spec.landlock.min_abi = self.landlock_min_abi;
-        spec.filesystem.scratch_bytes = limits.max_disk_mb * 1024 * 1024;
+        // Resolved limits are at most the ceilings, which the configuration bounds by
+        // limits::MAXIMA (1 TiB): checked anyway, so no value ever wraps into a tiny limit.
+        let mb = |field: &str, v: u64| {
+            v.checked_mul(1 << 20).ok_or_else(|| PolicyError::new(field, format!("{v} MB does not fit in bytes")))
+        };
+        spec.filesystem.scratch_bytes = mb("resource_limits.max_disk_mb", limits.max_disk_mb)?;
         spec.filesystem.masked.push(PathBuf::from(CONFIG_DIR));
         spec.filesystem.masked.extend(STATE_DIRS.iter().map(PathBuf::from));
         spec.filesystem.synthetic.push(SyntheticFile {
@@ -262,10 +267,10 @@ impl AgentPolicy {
             ),
         });
         spec.limits = Limits {
-            memory_bytes: Some(limits.max_memory_mb * 1024 * 1024),
-            cpu_percent: Some(limits.max_cpu_percent as u32),
-            pids: Some(limits.max_pids as u32),
-            timeout_ms: Some(limits.timeout_seconds * 1000),
+            memory_bytes: Some(mb("resource_limits.max_memory_mb", limits.max_memory_mb)?),
+            cpu_percent: Some(u32::try_from(limits.max_cpu_percent).unwrap_or(u32::MAX)),
+            pids: Some(u32::try_from(limits.max_pids).unwrap_or(u32::MAX)),
+            timeout_ms: Some(limits.timeout_seconds.saturating_mul(1000)),
             allow_degraded: self.allow_degraded,
             ..Limits::default()
         };

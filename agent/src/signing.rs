@@ -286,12 +286,33 @@ pub fn verify(cmd: &Map<String, Value>, key: &VerifyingKey, now: i64) -> Result<
 // Keys
 // ---------------------------------------------------------------------------------------
 
+/// The most a key file may hold (a PEM Ed25519 key is under 200 bytes).
+pub const MAX_KEY_FILE_BYTES: u64 = 64 * 1024;
+
+/// A key file's text: a regular file (a FIFO would block, a device like /dev/zero never
+/// ends) of at most [`MAX_KEY_FILE_BYTES`], read with that cap whatever its size claims.
 fn read_key_text(path: &Path, what: &str) -> Result<String, SigningError> {
-    let meta = std::fs::metadata(path).map_err(|e| SigningError::Key(format!("{}: {e}", path.display())))?;
-    if meta.len() > 64 * 1024 {
-        return Err(SigningError::Key(format!("{}: too large for a {what}", path.display())));
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let fail = |e: std::io::Error| SigningError::Key(format!("{}: {e}", path.display()));
+    let not_file = || SigningError::Key(format!("{}: not a regular file; a {what} must be one", path.display()));
+    if !std::fs::metadata(path).map_err(fail)?.is_file() {
+        return Err(not_file());
     }
-    std::fs::read_to_string(path).map_err(|e| SigningError::Key(format!("{}: {e}", path.display())))
+    // O_NONBLOCK: should it be swapped for a FIFO after the check, opening does not hang.
+    let f = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(path).map_err(fail)?;
+    if !f.metadata().map_err(fail)?.is_file() {
+        return Err(not_file());
+    }
+    let mut text = String::new();
+    f.take(MAX_KEY_FILE_BYTES + 1).read_to_string(&mut text).map_err(fail)?;
+    if text.len() as u64 > MAX_KEY_FILE_BYTES {
+        return Err(SigningError::Key(format!(
+            "{}: too large for a {what} (more than {MAX_KEY_FILE_BYTES} bytes)",
+            path.display()
+        )));
+    }
+    Ok(text)
 }
 
 fn raw32(text: &str) -> Option<[u8; 32]> {
@@ -352,10 +373,24 @@ pub fn keygen(dir: &Path) -> Result<(PathBuf, PathBuf), SigningError> {
         .verifying_key()
         .to_public_key_pem(ed25519_dalek::pkcs8::spki::der::pem::LineEnding::LF)
         .map_err(|e| SigningError::Key(format!("encode the public key: {e}")))?;
+    // Each file is written whole to a temporary name in the same directory, synced, then
+    // hard-linked to its name (which fails when the name exists: never an overwrite) and
+    // the temporary name removed. A full disk or any other failure leaves no partial key
+    // behind, so a retry is not refused.
     let write = |p: &Path, mode: u32, data: &[u8]| -> Result<(), SigningError> {
+        let mut tmp = p.as_os_str().to_owned();
+        tmp.push(format!(".tmp-{}", std::process::id()));
+        let tmp = PathBuf::from(tmp);
         let mut f =
-            std::fs::OpenOptions::new().write(true).create_new(true).mode(mode).open(p).map_err(|e| err(p, e))?;
-        f.write_all(data).and_then(|()| f.sync_all()).map_err(|e| err(p, e))
+            std::fs::OpenOptions::new().write(true).create_new(true).mode(mode).open(&tmp).map_err(|e| err(p, e))?;
+        let done = f.write_all(data).and_then(|()| f.sync_all()).and_then(|()| std::fs::hard_link(&tmp, p));
+        drop(f);
+        let _ = std::fs::remove_file(&tmp);
+        done.map_err(|e| err(p, e))?;
+        if let Ok(d) = std::fs::File::open(dir) {
+            let _ = d.sync_all();
+        }
+        Ok(())
     };
     write(&key_path, 0o600, pem.as_bytes())?;
     if let Err(e) = write(&pub_path, 0o644, public.as_bytes()) {

@@ -98,8 +98,8 @@ pub fn main(command: AuditCommand) -> Result<ExitCode, CliError> {
             } else {
                 report.render()
             };
-            // A closed stdout does not change the verdict.
-            let _ = std::io::stdout().lock().write_all(text.as_bytes());
+            // A reader that went away does not change the verdict; a failing stdout is an error.
+            crate::stdout::print(&text).map_err(|e| CliError::Output(e.to_string()))?;
             Ok(if report.intact { ExitCode::SUCCESS } else { ExitCode::from(1) })
         }
         AuditCommand::Tail { lines, follow, json, config } => {
@@ -134,14 +134,19 @@ fn render(line: &[u8], json: bool) -> String {
     s
 }
 
-/// `Ok(false)` when stdout is gone (a closed pipe ends `tail` quietly).
-fn emit(out: &mut impl Write, lines: &[&[u8]], json: bool) -> bool {
+/// `Ok(false)` when the reader is gone (a closed pipe ends `tail` quietly); another write
+/// error (e.g. a full disk behind stdout) is an error.
+fn emit(out: &mut impl Write, lines: &[&[u8]], json: bool) -> Result<bool, CliError> {
+    let failed = |e: std::io::Error| match e.kind() {
+        std::io::ErrorKind::BrokenPipe => Ok(false),
+        _ => Err(CliError::Output(crate::stdout::StdoutError(e).to_string())),
+    };
     for l in lines {
-        if writeln!(out, "{}", render(l, json)).is_err() {
-            return false;
+        if let Err(e) = writeln!(out, "{}", render(l, json)) {
+            return failed(e);
         }
     }
-    out.flush().is_ok()
+    out.flush().map_or_else(failed, |()| Ok(true))
 }
 
 fn io_at(p: &Path) -> impl FnOnce(std::io::Error) -> AuditError + '_ {
@@ -196,7 +201,7 @@ fn tail(path: &Path, n: usize, follow: bool, json: bool) -> Result<(), CliError>
         picked = older;
     }
     let refs: Vec<&[u8]> = picked.iter().map(Vec::as_slice).collect();
-    if !emit(&mut stdout, &refs, json) || !follow {
+    if !emit(&mut stdout, &refs, json)? || !follow {
         return Ok(());
     }
     // Follow: print complete lines as they arrive; when the path names a new file (a
@@ -206,7 +211,7 @@ fn tail(path: &Path, n: usize, follow: bool, json: bool) -> Result<(), CliError>
             read_more(f, offset, &mut pending).map_err(io_at(path))?;
             let lines = take_complete(&mut pending);
             let refs: Vec<&[u8]> = lines.iter().map(Vec::as_slice).collect();
-            if !emit(&mut stdout, &refs, json) {
+            if !emit(&mut stdout, &refs, json)? {
                 return Ok(());
             }
         }
@@ -223,7 +228,7 @@ fn tail(path: &Path, n: usize, follow: bool, json: bool) -> Result<(), CliError>
                 pending.push(b'\n');
                 let lines: Vec<Vec<u8>> = take_complete(&mut pending).into_iter().filter(|l| !l.is_empty()).collect();
                 let refs: Vec<&[u8]> = lines.iter().map(Vec::as_slice).collect();
-                if !emit(&mut stdout, &refs, json) {
+                if !emit(&mut stdout, &refs, json)? {
                     return Ok(());
                 }
             }
