@@ -804,7 +804,7 @@ fn limit_types_and_ranges_are_checked() {
         (json!({"max_memory_mb": 0}), vec!["resource_limits.max_memory_mb:", "positive"]),
         (json!({"timeout_seconds": 0}), vec!["resource_limits.timeout_seconds:", "positive"]),
         (json!({"max_cpu_percent": 0}), vec!["resource_limits.max_cpu_percent:", "positive"]),
-        (json!({"max_cpu_percent": 150}), vec!["resource_limits.max_cpu_percent:", "1-100"]),
+        (json!({"max_cpu_percent": 150}), vec!["resource_limits.max_cpu_percent:", "maximum 100"]),
         (json!({"max_cpu_percent": 101}), vec!["resource_limits.max_cpu_percent:"]),
     ] {
         run_patched(json!({"resource_limits": limits})).cannot_run(&needles);
