@@ -894,6 +894,13 @@ fn command_line_errors_are_refused() {
     run(&empty.path, &[]).cannot_run(&["manifest.json", "cannot read"]);
     let bad = executor_text("{\"name\": ", LIFECYCLE);
     run(&bad.path, &[]).cannot_run(&["manifest: not valid JSON"]);
+    // A value quoted in the error cannot drive the terminal: control characters are escaped.
+    let mut m = base_manifest();
+    m["entry_point"] = json!("m.C\u{1b}[31m");
+    let esc = executor_text(&m.to_string(), LIFECYCLE);
+    let out = run(&esc.path, &[]);
+    out.cannot_run(&["entry_point", "m.C\\u{1b}[31m"]);
+    assert!(!out.stderr.contains('\u{1b}'), "{out:?}");
     let arr = executor_text("[]", LIFECYCLE);
     run(&arr.path, &[]).cannot_run(&["manifest: must be a JSON object"]);
 }

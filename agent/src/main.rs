@@ -444,11 +444,25 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(CannotRun(reason)) => {
-            let line = reason.replace('\n', " ");
-            eprintln!("opservant: {line}");
+            eprintln!("opservant: {}", one_terminal_line(&reason));
             ExitCode::from(2)
         }
     }
+}
+
+/// An error message as one line that cannot drive a terminal: it often quotes what the
+/// user gave (archive member names, manifest values, paths), so newlines become spaces and
+/// other control characters are escaped (`\u{1b}`), never written raw to stderr.
+fn one_terminal_line(message: &str) -> String {
+    let mut line = String::with_capacity(message.len());
+    for c in message.chars() {
+        match c {
+            '\n' => line.push(' '),
+            c if c.is_control() => line.extend(c.escape_unicode()),
+            c => line.push(c),
+        }
+    }
+    line
 }
 
 fn run_sandbox(
@@ -825,8 +839,9 @@ fn sign_package(
     }
     agent::executor_install::ArchiveKind::from_name(package).map_err(|e| CannotRun(e.to_string()))?;
     let sig = package_signing::sign_file(package, &key).map_err(CannotRun)?;
+    let explicit = out.is_some();
     let out = out.unwrap_or_else(|| package_signing::sig_path(package));
-    check_signature_out(&out, &[("the package", package), ("the signing key", key_path)])?;
+    check_signature_out(&out, explicit, &[("the package", package), ("the signing key", key_path)])?;
     // Written beside, then renamed over: never a half-written signature file.
     let mut tmp = out.clone().into_os_string();
     tmp.push(format!(".tmp-{}", std::process::id()));
@@ -848,9 +863,15 @@ fn sign_package(
 }
 
 /// Where `sign --package` may write: a new file, or one that holds a previous signature (a
-/// regular file of short base64 text). Never the package or the key themselves (by inode,
-/// so a hard link or symlink to them is refused too), nor anything else that exists.
-fn check_signature_out(out: &std::path::Path, protected: &[(&str, &std::path::Path)]) -> Result<(), CannotRun> {
+/// regular file of short base64 text; for the default `PKG.sig`, `explicit` false, any
+/// short text that is not a PEM key — the signature there may be a bad one). Never the
+/// package or the key themselves (by inode, so a hard link or symlink to them is refused
+/// too), nor anything else that exists.
+fn check_signature_out(
+    out: &std::path::Path,
+    explicit: bool,
+    protected: &[(&str, &std::path::Path)],
+) -> Result<(), CannotRun> {
     use std::os::unix::fs::MetadataExt;
     let refuse = |why: String| CannotRun(format!("--out {}: {why}; refusing to overwrite it", out.display()));
     let target = match std::fs::metadata(out) {
@@ -873,9 +894,14 @@ fn check_signature_out(out: &std::path::Path, protected: &[(&str, &std::path::Pa
     if !meta.file_type().is_file() {
         return Err(refuse("exists and is not a regular file".into()));
     }
-    let previous = agent::package_signing::read_signature_file(out)
-        .ok()
-        .is_some_and(|text| agent::package_signing::decode(&text).is_ok());
+    let text = agent::package_signing::read_signature_file(out).ok();
+    let previous = if explicit {
+        text.is_some_and(|t| agent::package_signing::decode(&t).is_ok())
+    } else {
+        // `PKG.sig` beside the package may hold a bad signature (re-signing is how it is
+        // fixed): replaced when it is small text that is not a PEM key.
+        text.is_some_and(|t| !t.contains("-----BEGIN"))
+    };
     if !previous {
         return Err(refuse("exists and does not hold a signature".into()));
     }
