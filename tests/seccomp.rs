@@ -105,6 +105,11 @@ fn refused() -> Vec<Refused> {
         // Socket families outside the allowlist.
         r("socket(AF_PACKET,RAW)", SYS_socket, "17, 3, 0"),
         r("socket(AF_VSOCK,STREAM)", SYS_socket, "40, 1, 0"),
+        // Netlink uevents: a prepared (zygote/pool) network namespace is owned by the host user
+        // namespace, so the kernel would broadcast the host's device uevents into it.
+        r("socket(AF_NETLINK,DGRAM,KOBJECT_UEVENT)", SYS_socket, "16, 2, 15"),
+        r("socket(AF_NETLINK,RAW,KOBJECT_UEVENT)", SYS_socket, "16, 3, 15"),
+        r("socket(AF_NETLINK,RAW|CLOEXEC,1<<32|KOBJECT_UEVENT)", SYS_socket, "16, 3 | 0x80000, 1 << 32 | 15"),
         // x32 system call numbers.
         r("x32_getpid", x32 | SYS_getpid, ""),
         r("x32_unshare(0)", x32 | SYS_unshare, "0"),

@@ -670,6 +670,20 @@ mod tests {
             // Socket families outside the allowlist (an invalid type keeps the control harmless).
             refuse("socket(AF_PACKET, 15)", sys(SYS_socket, &[AF_PACKET as u64, 15, 0]), e(&[EINVAL])),
             refuse("socket(AF_VSOCK, 15)", sys(SYS_socket, &[AF_VSOCK as u64, 15, 0]), e(&[EINVAL])),
+            // Netlink uevents (the host's device events reach a prepared network namespace).
+            refuse(
+                "socket(AF_NETLINK, DGRAM, KOBJECT_UEVENT)",
+                sys(SYS_socket, &[AF_NETLINK as u64, SOCK_DGRAM as u64, NETLINK_KOBJECT_UEVENT as u64]),
+                Want::Success,
+            ),
+            refuse(
+                "socket(AF_NETLINK, RAW|CLOEXEC, 1<<32|KOBJECT_UEVENT)",
+                sys(
+                    SYS_socket,
+                    &[AF_NETLINK as u64, (SOCK_RAW | SOCK_CLOEXEC) as u64, 1 << 32 | NETLINK_KOBJECT_UEVENT as u64],
+                ),
+                Want::Success,
+            ),
             // Foreign architectures: x32 numbers, i386 `int 0x80` (kills with SIGSYS).
             refuse("x32 getpid", sys(x32 | SYS_getpid, &[]), Want::SuccessOr(&[ENOSYS])),
             refuse("x32 unshare(0)", sys(x32 | SYS_unshare, &[0]), Want::SuccessOr(&[ENOSYS])),
