@@ -297,7 +297,7 @@ print("connections", len(keep) // 2, "sent_mb", sent >> 20, flush=True)
 signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR2])
 print("released", signal.sigtimedwait([signal.SIGUSR2], 60) is not None)
 "#,
-        target = 4 * LIMIT_MB << 20
+        target = (4 * LIMIT_MB) << 20
     );
     let held = std::thread::spawn(move || python(Some(&m), &code));
     // Wait (kernel state, not time) until the payload waits for SIGUSR2 with its data parked.

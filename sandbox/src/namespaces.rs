@@ -111,22 +111,6 @@ pub fn available() -> Vec<(&'static str, bool)> {
     .collect()
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_prepared_namespace_that_is_not_a_network_namespace_is_refused() {
-        // What a monitor handed a wrong descriptor at NET_FD gets: an error (the sandbox
-        // fails), never a sandbox left in the namespace it started in.
-        let file: std::os::fd::OwnedFd = std::fs::File::open("/dev/null").unwrap().into();
-        let err = join_prepared_net(file).unwrap_err();
-        assert!(err.to_string().contains("prepared network namespace"), "{err}");
-        let user_ns: std::os::fd::OwnedFd = std::fs::File::open("/proc/self/ns/user").unwrap().into();
-        assert!(join_prepared_net(user_ns).is_err(), "a user namespace is not a network namespace");
-    }
-}
-
 /// Per-user-namespace limits of `/proc/sys/user` the sandbox's init writes for its own user
 /// namespace before it drops its capabilities (`CAP_SYS_RESOURCE` there is what allows the
 /// write; the files show the opener's user namespace, whichever procfs they are read
@@ -168,4 +152,20 @@ pub fn limit_ucounts(inotify_instances: u32, inotify_watches: u32) -> Result<(),
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_prepared_namespace_that_is_not_a_network_namespace_is_refused() {
+        // What a monitor handed a wrong descriptor at NET_FD gets: an error (the sandbox
+        // fails), never a sandbox left in the namespace it started in.
+        let file: std::os::fd::OwnedFd = std::fs::File::open("/dev/null").unwrap().into();
+        let err = join_prepared_net(file).unwrap_err();
+        assert!(err.to_string().contains("prepared network namespace"), "{err}");
+        let user_ns: std::os::fd::OwnedFd = std::fs::File::open("/proc/self/ns/user").unwrap().into();
+        assert!(join_prepared_net(user_ns).is_err(), "a user namespace is not a network namespace");
+    }
 }
