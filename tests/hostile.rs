@@ -543,3 +543,60 @@ fn stdin_is_empty_and_no_terminal_is_reachable() {
     assert!(!s.contains("SHOULD-NOT-ARRIVE"), "{s}");
     assert!(s.contains("No such file"), "{s}");
 }
+
+/// A network namespace prepared by a zygote (or pool) is owned by the host user namespace,
+/// and the kernel broadcasts device uevents (`NETLINK_KOBJECT_UEVENT`) into every such
+/// namespace: the seccomp profile refuses that protocol in every launch mode. Control: a
+/// host socket receives the uevents of a loop device attached and detached meanwhile.
+#[test]
+fn host_device_uevents_are_not_received() {
+    if !require_root() {
+        return;
+    }
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    let (_d, m) = fast();
+    let probe = "import socket, sys, time\n\
+         try:\n s = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, 15)\n\
+         except OSError as e:\n print('socket-errno', e.errno); sys.exit(0)\n\
+         s.bind((0, 1)); s.settimeout(0.2); print('OPENED', flush=True)\n\
+         n = 0; end = time.time() + 4\n\
+         while time.time() < end:\n try: s.recv(8192); n += 1\n except socket.timeout: pass\n\
+         print('received', n)\n\
+         r = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 0); print('route-ok')";
+    let sandboxed = std::thread::spawn(move || python(Some(&m), probe));
+    // Host control: a uevent listener of our own, then a loop device attach/detach.
+    // SAFETY: socket(2) returns a new descriptor or -1; we own it from here.
+    let fd = unsafe { libc::socket(libc::AF_NETLINK, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 15) };
+    assert!(fd >= 0, "host uevent socket: {}", std::io::Error::last_os_error());
+    // SAFETY: `fd` is a fresh descriptor nothing else owns.
+    let host = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: sockaddr_nl is plain old data; all-zero is valid.
+    let mut sa: libc::sockaddr_nl = unsafe { std::mem::zeroed() };
+    sa.nl_family = libc::AF_NETLINK as u16;
+    sa.nl_groups = 1;
+    // SAFETY: `sa` is a valid sockaddr_nl of the given length.
+    let rc = unsafe {
+        libc::bind(
+            host.as_raw_fd(),
+            std::ptr::addr_of!(sa).cast(),
+            std::mem::size_of::<libc::sockaddr_nl>() as libc::socklen_t,
+        )
+    };
+    assert_eq!(rc, 0, "bind host uevent socket: {}", std::io::Error::last_os_error());
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    let dir = HostDir::new();
+    let img = dir.file("loop.img", "", 0o600);
+    std::fs::File::options().write(true).open(&img).unwrap().set_len(1 << 20).unwrap();
+    let out = Command::new("losetup").args(["-f", "--show"]).arg(&img).output().expect("losetup");
+    assert!(out.status.success(), "losetup: {}", String::from_utf8_lossy(&out.stderr));
+    let dev = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let _ = Command::new("losetup").args(["-d", &dev]).status();
+    let mut buf = [0u8; 8192];
+    // SAFETY: `buf` is a writable buffer of the given length; MSG_DONTWAIT never blocks.
+    let n = unsafe { libc::recv(host.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
+    assert!(n > 0, "control: the host receives a uevent of {dev}");
+    let r = sandboxed.join().unwrap();
+    let out = r.stdout();
+    assert_eq!(r.status(), "completed", "{out} {}", r.err());
+    assert!(out.contains("socket-errno 1\n"), "NETLINK_KOBJECT_UEVENT must be refused (EPERM): {out}");
+}

@@ -203,3 +203,175 @@ fn limits_beyond_the_maxima_are_refused_not_wrapped() {
         assert!(err.1.contains(&format!("resource_limits.{field}")) && err.1.contains(max), "{field}: {}", err.1);
     }
 }
+
+/// The sandbox's user namespace is created by root, so the signals it queues count against
+/// root's host-wide pending-signal allowance too: `RLIMIT_SIGPENDING` bounds one sandbox.
+#[test]
+fn queued_signals_stop_at_rlimit_sigpending() {
+    if !require_root() {
+        return;
+    }
+    let host = nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_SIGPENDING).unwrap().0;
+    assert!(host > 1024, "control: the host's own limit ({host}) is above the sandbox's");
+    let (_d, m) = limits_manifest(r#"{"max_cpu_percent": 50}"#);
+    let r = python(
+        Some(&m),
+        "import ctypes, os, resource, signal\n\
+         print('limit', *resource.getrlimit(resource.RLIMIT_SIGPENDING))\n\
+         sig = signal.SIGRTMIN; signal.pthread_sigmask(signal.SIG_BLOCK, [sig])\n\
+         libc = ctypes.CDLL(None, use_errno=True)\n\
+         class sigval(ctypes.Union): _fields_ = [('i', ctypes.c_int), ('p', ctypes.c_void_p)]\n\
+         n = 0\n\
+         while n < 200000 and libc.sigqueue(os.getpid(), sig, sigval(0)) == 0: n += 1\n\
+         print('queued', n, 'errno', ctypes.get_errno())\n\
+         try: resource.setrlimit(resource.RLIMIT_SIGPENDING, (1 << 20, 1 << 20)); print('RAISED')\n\
+         except (OSError, ValueError) as e: print('raise-refused', type(e).__name__)",
+    );
+    assert_eq!(r.status(), "completed", "{} {}", r.stdout(), r.err());
+    assert_eq!(r.stdout(), "limit 1024 1024\nqueued 1024 errno 11\nraise-refused ValueError\n", "{}", r.json);
+}
+
+/// inotify instances are charged to the user namespace's owner (host root, 128 host-wide):
+/// the sandbox's init limits its own namespace to 16 instances and 8192 watches. While a
+/// sandbox holds all 16, host root can still create instances; the sandbox cannot raise
+/// its limits or create a nested namespace.
+#[test]
+fn inotify_instances_stop_at_the_namespace_limit_and_spare_the_host() {
+    if !require_root() {
+        return;
+    }
+    let (_d, m) = limits_manifest(r#"{"max_cpu_percent": 50}"#);
+    let marker = format!("opservant-inotify-hold-{}", std::process::id());
+    let code = format!(
+        "# {marker}\n\
+         import ctypes, os, signal\n\
+         signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR2])\n\
+         libc = ctypes.CDLL(None, use_errno=True)\n\
+         fds = []\n\
+         while len(fds) < 1000:\n fd = libc.inotify_init1(0)\n if fd < 0: break\n fds.append(fd)\n\
+         print('instances', len(fds), 'errno', ctypes.get_errno())\n\
+         print('sysctl', *(open('/proc/sys/user/' + n).read().strip() for n in ('max_inotify_instances', 'max_inotify_watches', 'max_user_namespaces', 'max_net_namespaces')))\n\
+         try: open('/proc/sys/user/max_inotify_instances', 'w').write('1000'); print('RAISED')\n\
+         except OSError as e: print('raise-errno', e.errno)\n\
+         print('released', signal.sigtimedwait([signal.SIGUSR2], 30) is not None)"
+    );
+    let held = std::thread::spawn({
+        let m = m.clone();
+        move || python(Some(&m), &code)
+    });
+    // Wait (kernel state, not time) until the payload holds its 16 instances.
+    let holds = |pid: i32| {
+        std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .map(|rd| {
+                rd.flatten()
+                    .filter(|e| std::fs::read_link(e.path()).is_ok_and(|l| l.to_string_lossy() == "anon_inode:inotify"))
+                    .count()
+            })
+            .unwrap_or(0)
+    };
+    let host_limit = std::fs::read_to_string("/proc/sys/user/max_inotify_instances").unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let (mut seen, mut payload) = (0, None);
+    while std::time::Instant::now() < deadline && seen < 16 {
+        for pid in common::host_processes_with(&marker) {
+            if holds(pid) > seen {
+                (seen, payload) = (holds(pid), Some(pid));
+            }
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert_eq!(seen, 16, "the sandbox payload holds 16 inotify instances");
+    // Host root (uid 0, the namespace's owner) can still create instances.
+    // SAFETY: inotify_init1 returns a new descriptor or -1; closed right after.
+    let fd = unsafe { libc::inotify_init1(libc::IN_CLOEXEC) };
+    let host_err = std::io::Error::last_os_error();
+    if fd >= 0 {
+        // SAFETY: `fd` is ours.
+        unsafe { libc::close(fd) };
+    }
+    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(payload.unwrap()), nix::sys::signal::Signal::SIGUSR2);
+    let r = held.join().unwrap();
+    assert!(fd >= 0, "host root's inotify_init1 while a sandbox holds its maximum: {host_err}");
+    assert_eq!(r.status(), "completed", "{} {}", r.stdout(), r.err());
+    assert_eq!(r.stdout(), "instances 16 errno 24\nsysctl 16 8192 0 0\nraise-errno 13\nreleased True\n", "{}", r.json);
+    let after = std::fs::read_to_string("/proc/sys/user/max_inotify_instances").unwrap();
+    assert_eq!(after, host_limit, "the host's own limit is untouched");
+}
+
+/// Kernel TCP buffers count against the memory limit: the payload parks data in loopback
+/// connections nobody reads (its own network namespace) until the kernel stops taking more.
+/// On cgroup v1 they are charged only when the sandbox cgroup's
+/// `memory.kmem.tcp.limit_in_bytes` is set (54 connections held 588 MB under a 128 MB limit
+/// before). Measured from both sides while the data is held: the bytes the kernel accepted
+/// and, on v1, the cgroup's TCP high-water mark.
+#[test]
+fn tcp_socket_buffers_stay_within_the_memory_limit() {
+    if !require_root() {
+        return;
+    }
+    const LIMIT_MB: u64 = 64;
+    let (_d, m) = limits_manifest(&format!(r#"{{"max_memory_mb": {LIMIT_MB}, "max_cpu_percent": 50}}"#));
+    let marker = format!("opservant-tcpbuf-hold-{}", std::process::id());
+    let code = format!(
+        r#"# {marker}
+import signal, socket
+ls = socket.socket(); ls.bind(("127.0.0.1", 0)); ls.listen(512)
+keep = []; chunk = b"x" * (1 << 20); sent = 0
+while sent < {target} and len(keep) < 600:
+    c = socket.socket(); c.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+    c.connect(ls.getsockname()); a, _ = ls.accept()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20); c.setblocking(False)
+    try:
+        while True: sent += c.send(chunk)
+    except BlockingIOError:
+        pass
+    keep += [c, a]
+print("connections", len(keep) // 2, "sent_mb", sent >> 20, flush=True)
+signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR2])
+print("released", signal.sigtimedwait([signal.SIGUSR2], 60) is not None)
+"#,
+        target = (4 * LIMIT_MB) << 20
+    );
+    let held = std::thread::spawn(move || python(Some(&m), &code));
+    // Wait (kernel state, not time) until the payload waits for SIGUSR2 with its data parked.
+    // (SigBlk is no help: the kernel unblocks the awaited signal for the wait itself.)
+    // (The sandbox's own processes may carry the marker too — a forking launcher — and its
+    // init waits in rt_sigtimedwait as well: the payload is the one running python3.)
+    let waiting = |pid: i32| {
+        std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == "python3")
+            && std::fs::read_to_string(format!("/proc/{pid}/syscall"))
+                .is_ok_and(|s| s.split_whitespace().next() == Some(&libc::SYS_rt_sigtimedwait.to_string()))
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let payload = loop {
+        if let Some(pid) = common::host_processes_with(&marker).into_iter().find(|p| waiting(*p)) {
+            break pid;
+        }
+        if std::time::Instant::now() > deadline || held.is_finished() {
+            panic!("the payload never parked its data: {:?}", held.join().map(|r| r.json));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    // The sandbox's v1 memory cgroup (the one whose procs hold the payload), if any.
+    let tcp_peak = common::sandbox_cgroups()
+        .into_iter()
+        .filter(|d| {
+            std::fs::read_to_string(d.join("cgroup.procs"))
+                .is_ok_and(|p| p.lines().any(|l| l.trim() == payload.to_string()))
+        })
+        .find_map(|d| std::fs::read_to_string(d.join("memory.kmem.tcp.max_usage_in_bytes")).ok())
+        .map(|v| v.trim().parse::<u64>().unwrap());
+    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(payload), nix::sys::signal::Signal::SIGUSR2);
+    let r = held.join().unwrap();
+    assert_eq!(r.status(), "completed", "{} {}", r.stdout(), r.err());
+    let out = r.stdout();
+    let sent_mb: u64 = out.split_whitespace().skip_while(|w| *w != "sent_mb").nth(1).unwrap().parse().unwrap();
+    assert!(sent_mb <= LIMIT_MB, "the kernel accepted {sent_mb} MB into unread TCP buffers under {LIMIT_MB} MB: {out}");
+    assert!(out.ends_with("released True\n"), "{out}");
+    if r.json["sandbox"]["cgroup"] == "v1" {
+        let peak = tcp_peak.expect("the v1 sandbox memory cgroup has memory.kmem.tcp.max_usage_in_bytes");
+        // Charged at all (v1 charges nothing without the limit), and bounded: the kernel
+        // force-charges a little past the limit for packets already in flight.
+        assert!(peak > 0 && peak <= (LIMIT_MB + LIMIT_MB / 8) << 20, "TCP high-water mark {peak} within {LIMIT_MB} MB");
+    }
+}

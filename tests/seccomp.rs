@@ -59,6 +59,20 @@ fn refused() -> Vec<Refused> {
         r("io_uring_setup(0,NULL)", SYS_io_uring_setup, "0, 0"),
         r("io_uring_enter(-1)", SYS_io_uring_enter, "-1, 0, 0, 0, 0, 0"),
         r("io_uring_register(-1)", SYS_io_uring_register, "-1, 0, 0, 0"),
+        // Native AIO: io_setup reserves from the host-wide fs.aio-max-nr (ENOSYS: libraries
+        // fall back to threads).
+        Refused { name: "io_setup(1)", nr: SYS_io_setup, args: "1, BUF", errno: ENOSYS },
+        Refused { name: "io_setup(65536)", nr: SYS_io_setup, args: "65536, BUF", errno: ENOSYS },
+        Refused { name: "io_destroy(0)", nr: SYS_io_destroy, args: "0", errno: ENOSYS },
+        Refused { name: "io_submit(0)", nr: SYS_io_submit, args: "0, 1, BUF", errno: ENOSYS },
+        Refused { name: "io_cancel(0)", nr: SYS_io_cancel, args: "0, BUF, BUF", errno: ENOSYS },
+        Refused { name: "io_getevents(0)", nr: SYS_io_getevents, args: "0, 1, 1, BUF, 0", errno: ENOSYS },
+        Refused {
+            name: "io_pgetevents(0)",
+            nr: 333, // io_pgetevents (not in libc)
+            args: "0, 1, 1, BUF, 0, 0",
+            errno: ENOSYS,
+        },
         r("keyctl(9999)", SYS_keyctl, "9999, 0, 0, 0, 0"),
         r("add_key(NULL)", SYS_add_key, "0, 0, 0, 0, -2"),
         r("request_key(NULL)", SYS_request_key, "0, 0, 0, 0"),
@@ -91,6 +105,11 @@ fn refused() -> Vec<Refused> {
         // Socket families outside the allowlist.
         r("socket(AF_PACKET,RAW)", SYS_socket, "17, 3, 0"),
         r("socket(AF_VSOCK,STREAM)", SYS_socket, "40, 1, 0"),
+        // Netlink uevents: a prepared (zygote/pool) network namespace is owned by the host user
+        // namespace, so the kernel would broadcast the host's device uevents into it.
+        r("socket(AF_NETLINK,DGRAM,KOBJECT_UEVENT)", SYS_socket, "16, 2, 15"),
+        r("socket(AF_NETLINK,RAW,KOBJECT_UEVENT)", SYS_socket, "16, 3, 15"),
+        r("socket(AF_NETLINK,RAW|CLOEXEC,1<<32|KOBJECT_UEVENT)", SYS_socket, "16, 3 | 0x80000, 1 << 32 | 15"),
         // x32 system call numbers.
         r("x32_getpid", x32 | SYS_getpid, ""),
         r("x32_unshare(0)", x32 | SYS_unshare, "0"),

@@ -501,6 +501,22 @@ impl SandboxCgroup {
                 if !write_optional(&dir.join("memory.memsw.limit_in_bytes"), &bytes.to_string())? && swap_active {
                     self.degrade(limits, "memory: swap is active but memory.memsw is missing (swapaccount=0)".into())?;
                 }
+                // v1 charges TCP socket buffers to a memory cgroup only once its own TCP limit
+                // is set (v2 charges them to memory.current by default): without it, sockets
+                // inside the sandbox's network namespace could hold far more kernel memory
+                // than the limit (54 loopback connections held 588 MB under 128 MB).
+                let tcp = dir.join("memory.kmem.tcp.limit_in_bytes");
+                match write_raw(&tcp, &bytes.to_string()) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == ErrorKind::NotFound => self.degrade(
+                        limits,
+                        "memory: TCP socket buffers are not limited (memory.kmem.tcp.limit_in_bytes is missing)".into(),
+                    )?,
+                    Err(e) => self.degrade(
+                        limits,
+                        format!("memory: TCP socket buffers are not limited (writing {}: {e})", tcp.display()),
+                    )?,
+                }
             }
             self.report.memory = true;
         }

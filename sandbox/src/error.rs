@@ -30,6 +30,7 @@ pub enum Stage {
     Mounts,
     Hostname,
     Loopback,
+    Ucounts,
     Landlock,
     Capabilities,
     Rlimits,

@@ -24,7 +24,8 @@
 //!      passes), then unshare the cgroup namespace, which is thereby rooted there
 //!   3. become the sandbox uid/gid, keeping capabilities in the user namespace
 //!   4. build the filesystem view and pivot_root into it          (mounts)
-//!   5. hostname, loopback (a prepared namespace's is already up)  (namespaces)
+//!   5. hostname, loopback (a prepared namespace's is already up); the user namespace's
+//!      own limits: inotify instances and watches, no nested namespaces (namespaces)
 //!   6. open every Landlock path handle, build the ruleset         (landlock)
 //!   7. drop every capability, lock securebits, no_new_privs       (privileges)
 //!   8. fork the payload; reap every process; forward SIGTERM to all, SIGKILL all on request;
@@ -327,6 +328,9 @@ fn init(
     if spec.namespaces.net && !prepared_net {
         namespaces::loopback_up()?;
     }
+    if spec.namespaces.user {
+        namespaces::limit_ucounts(spec.limits.inotify_instances, spec.limits.inotify_watches)?;
+    }
     // 6.
     let ruleset = landlock::prepare(&landlock_rules(spec, &view.system_bound), spec.landlock.min_abi)?;
     // 7.
@@ -482,7 +486,7 @@ fn payload_steps(
     unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 1 as libc::c_ulong, 0, 0, 0) };
     std::fs::write("/proc/self/oom_score_adj", "1000")
         .map_err(|e| StepError::io(Stage::Rlimits, "oom_score_adj", e))?;
-    process::set_rlimits(spec.limits.nofile)?;
+    process::set_rlimits(spec.limits.nofile, spec.limits.sigpending)?;
     nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o022));
     let path_var = spec.command.env.iter().find(|(k, _)| k == "PATH").map(|(_, v)| v.as_str());
     let program = match end {

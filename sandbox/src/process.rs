@@ -32,11 +32,15 @@ pub fn close_fds_from(from: i32) -> Result<(), StepError> {
     Ok(())
 }
 
-/// `RLIMIT_CORE` 0 (no core dumps of sandboxed memory), `RLIMIT_NOFILE` `nofile`.
-pub fn set_rlimits(nofile: u64) -> Result<(), StepError> {
+/// `RLIMIT_CORE` 0 (no core dumps of sandboxed memory), `RLIMIT_NOFILE` `nofile`,
+/// `RLIMIT_SIGPENDING` `sigpending` (the sandbox's queued signals also count against its
+/// user namespace's owner, host root: without it one sandbox could queue root's whole
+/// host-wide allowance and root's own `sigqueue` would fail).
+pub fn set_rlimits(nofile: u64, sigpending: u64) -> Result<(), StepError> {
     let err = |what: &str, e| StepError::errno(Stage::Rlimits, what, e);
     setrlimit(Resource::RLIMIT_CORE, 0, 0).map_err(|e| err("RLIMIT_CORE", e))?;
     setrlimit(Resource::RLIMIT_NOFILE, nofile, nofile).map_err(|e| err("RLIMIT_NOFILE", e))?;
+    setrlimit(Resource::RLIMIT_SIGPENDING, sigpending, sigpending).map_err(|e| err("RLIMIT_SIGPENDING", e))?;
     Ok(())
 }
 

@@ -325,6 +325,20 @@ pub struct Limits {
     pub kill_grace_ms: u64,
     /// `RLIMIT_NOFILE` for the payload.
     pub nofile: u64,
+    /// `RLIMIT_SIGPENDING` for the payload: signals queued by the sandbox's uid. The
+    /// sandbox's user namespace is created by root, so the kernel charges them to root's
+    /// host-wide pending-signal count as well; this bounds what one sandbox can take.
+    #[serde(default = "default_sigpending")]
+    pub sigpending: u64,
+    /// `max_inotify_instances` of the sandbox's user namespace (written by its init before
+    /// it drops its capabilities): inotify instances are charged to the namespace's owner,
+    /// host root, whose host-wide `fs.inotify.max_user_instances` (128) one sandbox could
+    /// otherwise take whole.
+    #[serde(default = "default_inotify_instances")]
+    pub inotify_instances: u32,
+    /// `max_inotify_watches` of the sandbox's user namespace (as above).
+    #[serde(default = "default_inotify_watches")]
+    pub inotify_watches: u32,
     /// Accept missing cgroup controllers and report them instead of failing.
     pub allow_degraded: bool,
 }
@@ -341,9 +355,24 @@ impl Default for Limits {
             setup_timeout_ms: None,
             kill_grace_ms: 2000,
             nofile: 1024,
+            sigpending: default_sigpending(),
+            inotify_instances: default_inotify_instances(),
+            inotify_watches: default_inotify_watches(),
             allow_degraded: false,
         }
     }
+}
+
+fn default_sigpending() -> u64 {
+    1024
+}
+
+fn default_inotify_instances() -> u32 {
+    16
+}
+
+fn default_inotify_watches() -> u32 {
+    8192
 }
 
 impl SandboxSpec {
@@ -484,6 +513,15 @@ impl SandboxSpec {
         }
         if l.nofile < 16 {
             return Err(SpecError::new("limits.nofile", "must be at least 16"));
+        }
+        if !(1..=1 << 20).contains(&l.sigpending) {
+            return Err(SpecError::new("limits.sigpending", "must be between 1 and 1048576"));
+        }
+        if !(1..=1024).contains(&l.inotify_instances) {
+            return Err(SpecError::new("limits.inotify_instances", "must be between 1 and 1024"));
+        }
+        if !(1..=1 << 20).contains(&l.inotify_watches) {
+            return Err(SpecError::new("limits.inotify_watches", "must be between 1 and 1048576"));
         }
         if self.hostname.is_empty()
             || self.hostname.len() > 64

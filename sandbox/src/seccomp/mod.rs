@@ -585,6 +585,43 @@ mod tests {
             refuse("io_uring_setup(0, NULL)", sys(SYS_io_uring_setup, &[0, 0]), e(&[EINVAL, EFAULT])),
             refuse("io_uring_enter(-1)", sys(SYS_io_uring_enter, &[minus1, 0, 0, 0, 0, 0]), e(&[EBADF])),
             refuse("io_uring_register(-1)", sys(SYS_io_uring_register, &[minus1, 0, 0, 0]), e(&[EBADF, EINVAL])),
+            // Native AIO (host-wide fs.aio-max-nr): ENOSYS, so libraries fall back to threads.
+            Probe {
+                name: "io_setup(1, NULL)",
+                call: sys(SYS_io_setup, &[1, 0]),
+                filtered: e(&[ENOSYS]),
+                control: e(&[EFAULT]),
+            },
+            Probe {
+                name: "io_destroy(0)",
+                call: sys(SYS_io_destroy, &[0]),
+                filtered: e(&[ENOSYS]),
+                control: e(&[EINVAL]),
+            },
+            Probe {
+                name: "io_submit(0)",
+                call: sys(SYS_io_submit, &[0, 1, scratch_p]),
+                filtered: e(&[ENOSYS]),
+                control: e(&[EINVAL]),
+            },
+            Probe {
+                name: "io_cancel(0)",
+                call: sys(SYS_io_cancel, &[0, scratch_p, scratch_p]),
+                filtered: e(&[ENOSYS]),
+                control: e(&[EINVAL, EFAULT]),
+            },
+            Probe {
+                name: "io_getevents(0)",
+                call: sys(SYS_io_getevents, &[0, 1, 1, scratch_p, 0]),
+                filtered: e(&[ENOSYS]),
+                control: e(&[EINVAL]),
+            },
+            Probe {
+                name: "io_pgetevents(0)",
+                call: sys(333 /* io_pgetevents, not in libc */, &[0, 1, 1, scratch_p, 0, 0]),
+                filtered: e(&[ENOSYS]),
+                control: e(&[EINVAL]),
+            },
             refuse("keyctl(9999)", sys(SYS_keyctl, &[9999, 0, 0, 0, 0]), e(&[EOPNOTSUPP, EINVAL])),
             refuse("add_key(NULL)", sys(SYS_add_key, &[0, 0, 0, 0, KEY_SPEC_PROCESS_KEYRING as u64]), e(&[EFAULT])),
             refuse("request_key(NULL)", sys(SYS_request_key, &[0, 0, 0, 0]), e(&[EFAULT])),
@@ -633,6 +670,20 @@ mod tests {
             // Socket families outside the allowlist (an invalid type keeps the control harmless).
             refuse("socket(AF_PACKET, 15)", sys(SYS_socket, &[AF_PACKET as u64, 15, 0]), e(&[EINVAL])),
             refuse("socket(AF_VSOCK, 15)", sys(SYS_socket, &[AF_VSOCK as u64, 15, 0]), e(&[EINVAL])),
+            // Netlink uevents (the host's device events reach a prepared network namespace).
+            refuse(
+                "socket(AF_NETLINK, DGRAM, KOBJECT_UEVENT)",
+                sys(SYS_socket, &[AF_NETLINK as u64, SOCK_DGRAM as u64, NETLINK_KOBJECT_UEVENT as u64]),
+                Want::Success,
+            ),
+            refuse(
+                "socket(AF_NETLINK, RAW|CLOEXEC, 1<<32|KOBJECT_UEVENT)",
+                sys(
+                    SYS_socket,
+                    &[AF_NETLINK as u64, (SOCK_RAW | SOCK_CLOEXEC) as u64, 1 << 32 | NETLINK_KOBJECT_UEVENT as u64],
+                ),
+                Want::Success,
+            ),
             // Foreign architectures: x32 numbers, i386 `int 0x80` (kills with SIGSYS).
             refuse("x32 getpid", sys(x32 | SYS_getpid, &[]), Want::SuccessOr(&[ENOSYS])),
             refuse("x32 unshare(0)", sys(x32 | SYS_unshare, &[0]), Want::SuccessOr(&[ENOSYS])),
