@@ -258,6 +258,12 @@ fn packages_are_signed_into_a_sig_file_and_verified() {
     let out = op(&["verify", "--pub", &public, "--package", &tampered, "--signature", &sig], None);
     assert_eq!(out.code, 1, "{}", out.stdout);
     assert!(out.stdout.contains("INVALID"), "{}", out.stdout);
+    // A signature file of raw bytes (not base64, not UTF-8): a bad signature, exit 1.
+    let raw_sig = dir.path.join("raw.sig");
+    std::fs::write(&raw_sig, [0xff, 0xfe, 0x00, 0x80]).unwrap();
+    let out = op(&["verify", "--pub", &public, "--package", &pkg, "--signature", s(&raw_sig)], None);
+    assert_eq!(out.code, 1, "{} {}", out.stdout, out.stderr);
+    assert!(out.stdout.contains("INVALID") && out.stdout.contains("base64"), "{}", out.stdout);
     // No signature file: exit 1, saying so.
     let out = op(&["verify", "--pub", &public, "--package", &tampered], None);
     assert_eq!(out.code, 1, "{}", out.stdout);
@@ -499,4 +505,16 @@ fn key_files_must_be_small_regular_files() {
     }
     let out = op(&["sign", "--key", "/dev/zero", "-"], Some(command().to_string().as_bytes()));
     assert_eq!(out.code, 2, "{}", out.stderr);
+}
+
+/// `submit` of an empty command says so (exit 2) before it reaches for the agent, instead of
+/// "the agent closed the connection without a reply" (an empty connection is the agent's
+/// liveness probe, answered with nothing).
+#[test]
+fn submitting_an_empty_command_is_refused_naming_it() {
+    let dir = HostDir::new();
+    let empty = dir.file("empty.json", " \n", 0o644);
+    let out = op(&["submit", s(&empty), "--socket", s(&dir.path.join("no-agent.sock"))], None);
+    assert_eq!((out.code, out.stdout.as_str()), (2, ""), "{}", out.stderr);
+    assert!(out.stderr.contains("empty.json: the command is empty"), "{}", out.stderr);
 }

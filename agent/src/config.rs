@@ -34,21 +34,31 @@ pub struct ConfigError {
 #[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     pub agent: AgentSection,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     pub resource_limits: LimitsSection,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     pub sandbox: SandboxSection,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     pub secrets: SecretsSection,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     pub network: NetworkSection,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     pub executors: ExecutorsSection,
     /// The hash-chained audit log (validated on parse; see [`crate::audit`]).
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     pub audit: crate::audit::AuditSection,
+}
+
+/// A section written with nothing under it (`agent:` whose keys are all commented out) is
+/// the empty section, as an empty file is the empty configuration.
+fn null_as_default<'de, D, T>(d: D) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Default + Deserialize<'de>,
+{
+    Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
 }
 
 /// Installed executors (`opservant executor install`, `install_executor` commands, and
@@ -263,8 +273,10 @@ impl Config {
         if text.trim().is_empty() {
             return Ok(Config::default());
         }
-        let c: Config = serde_saphyr::from_str_with_options(text, yaml_options())
-            .map_err(|e| ConfigError { path: "config".into(), message: e.to_string() })?;
+        // A document with nothing in it (`---` alone, or only comments) is empty too.
+        let c: Option<Config> = serde_saphyr::from_str_with_options(text, yaml_options())
+            .map_err(|e| ConfigError { path: "config".into(), message: yaml_message(&e.to_string()) })?;
+        let c = c.unwrap_or_default();
         c.validate()?;
         Ok(c)
     }
@@ -443,6 +455,14 @@ fn too_large() -> ConfigError {
     ConfigError { path: "config".into(), message: format!("larger than the {MAX_CONFIG_BYTES} bytes accepted") }
 }
 
+/// The YAML parser's message without its source excerpt (printed on one line it is noise)
+/// and without its advice to the programmer ("set DuplicateKeyPolicy in Options").
+fn yaml_message(full: &str) -> String {
+    let first = full.lines().next().unwrap_or(full);
+    let first = first.split("  --> ").next().unwrap_or(first);
+    first.replace(", set DuplicateKeyPolicy in Options if acceptable", "").trim_end().to_string()
+}
+
 /// The YAML parser's budget for a configuration: generous for any real file, small enough that
 /// no text within [`MAX_CONFIG_BYTES`] costs much memory or time (alias expansion included).
 pub fn yaml_options() -> serde_saphyr::Options {
@@ -470,6 +490,17 @@ pub fn yaml_options() -> serde_saphyr::Options {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn empty_documents_and_sections_are_empty_and_yaml_errors_are_one_clean_line() {
+        for text in ["---\n", "# nothing\n---\n# at all\n", "agent:\n#  id: x\n", "agent: ~\nnetwork:\n"] {
+            let c = Config::parse(text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+            assert!(c.agent.id.is_none(), "{text:?}");
+        }
+        let e = Config::parse("agent:\n  id: a\n  id: b\n").unwrap_err().to_string();
+        assert!(e.contains("line 3") && e.contains("duplicate mapping key: id"), "{e}");
+        assert!(!e.contains("DuplicateKeyPolicy") && !e.contains("-->") && !e.contains('\n'), "{e}");
+    }
 
     #[test]
     fn seed_001_example_parses() {

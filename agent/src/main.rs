@@ -748,7 +748,13 @@ fn submit(signed: &std::path::Path, socket: Option<PathBuf>, config: Option<Path
             .socket
             .unwrap_or_else(|| agent::daemon::DEFAULT_SOCKET.into()),
     };
-    let reply = agent::daemon::submit(&socket, &read_input(signed)?).map_err(|e| CannotRun(e.0))?;
+    let command = read_input(signed)?;
+    if command.iter().all(u8::is_ascii_whitespace) {
+        // The agent takes a connection that sends nothing for a liveness probe and answers
+        // nothing; say what is wrong instead of "closed without a reply".
+        return Err(CannotRun(format!("{}: the command is empty", signed.display())));
+    }
+    let reply = agent::daemon::submit(&socket, &command).map_err(|e| CannotRun(e.0))?;
     outln!("{reply}");
     Ok(if reply["status"] == "completed" { ExitCode::SUCCESS } else { ExitCode::from(1) })
 }

@@ -107,15 +107,16 @@ pub fn decode(text: &str) -> Result<Signature, String> {
     Ok(Signature::from_bytes(&bytes))
 }
 
-/// A signature file's text (at most 4 KiB).
+/// A signature file's text (at most 4 KiB). Bytes that are not UTF-8 are kept as U+FFFD:
+/// such a file is a bad signature (refused by [`decode`]), not an unreadable file.
 pub fn read_signature_file(path: &Path) -> Result<String, String> {
     let f = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let mut text = String::new();
-    f.take(MAX_SIG_FILE + 1).read_to_string(&mut text).map_err(|e| format!("{}: {e}", path.display()))?;
-    if text.len() as u64 > MAX_SIG_FILE {
+    let mut bytes = Vec::new();
+    f.take(MAX_SIG_FILE + 1).read_to_end(&mut bytes).map_err(|e| format!("{}: {e}", path.display()))?;
+    if bytes.len() as u64 > MAX_SIG_FILE {
         return Err(format!("{}: too large for a signature file", path.display()));
     }
-    Ok(text)
+    Ok(String::from_utf8_lossy(&bytes).into_owned())
 }
 
 /// Sign an archive file (pure Ed25519 over its bytes).
