@@ -378,6 +378,9 @@ impl Manifest {
                     .any(|c| matches!(c, std::path::Component::ParentDir | std::path::Component::CurDir))
                 {
                     errors.push(ManifestError::new(path, format!("{} contains '.' or '..'", p.display())));
+                } else if p.as_os_str().as_encoded_bytes().iter().any(|b| b.is_ascii_control()) {
+                    // NUL cannot reach the kernel; others would be written raw to terminals.
+                    errors.push(ManifestError::new(path, format!("{:?} contains a control character", p)));
                 }
             }
         }
@@ -475,6 +478,8 @@ mod tests {
             ("[1, 65535]", "[\"80-20\"]", "permissions.network.allowed_ports[0]"),
             ("[1, 65535]", "[70000]", "permissions.network.allowed_ports[0]"),
             ("\"/tmp/opservant/\"", "\"tmp\"", "permissions.filesystem.write[0]"),
+            ("\"/tmp/opservant/\"", "\"/tmp/a\\u0000b\"", "permissions.filesystem.write[0]"),
+            ("\"/tmp/opservant/\"", "\"/tmp/a\\u001b[31m\"", "permissions.filesystem.write[0]"),
             ("\"max_memory_mb\": 256", "\"max_memory_mb\": \"lots\"", "resource_limits.max_memory_mb"),
         ] {
             let e = Manifest::parse(&SEED.replace(from, to)).unwrap_err();
