@@ -120,16 +120,19 @@ pub fn valid_name(name: &str) -> bool {
 #[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
 #[serde(untagged)]
 pub enum PortEntry {
-    Port(u64),
+    Port(i64),
     Text(String),
-    Pair(Vec<u64>),
+    Pair(Vec<i64>),
+    /// Anything else (a fraction, an object, a huge number): refused by [`PortEntry::range`]
+    /// with a message saying what an entry may be, not serde's "no variant matched".
+    Other(serde_json::Value),
 }
 
 impl PortEntry {
     /// The inclusive range this entry allows.
     pub fn range(&self) -> Result<(u16, u16), String> {
         let port =
-            |v: u64| u16::try_from(v).ok().filter(|p| *p >= 1).ok_or_else(|| format!("{v} is not a port (1-65535)"));
+            |v: i64| u16::try_from(v).ok().filter(|p| *p >= 1).ok_or_else(|| format!("{v} is not a port (1-65535)"));
         match self {
             PortEntry::Port(p) => port(*p).map(|p| (p, p)),
             PortEntry::Text(s) => {
@@ -138,7 +141,7 @@ impl PortEntry {
                     None => (s.trim(), s.trim()),
                 };
                 let parse = |x: &str| {
-                    x.parse::<u64>().map_err(|_| format!("'{s}' is not a port or \"low-high\" range")).and_then(port)
+                    x.parse::<i64>().map_err(|_| format!("'{s}' is not a port or \"low-high\" range")).and_then(port)
                 };
                 let (lo, hi) = (parse(lo)?, parse(hi)?);
                 if lo > hi {
@@ -156,6 +159,9 @@ impl PortEntry {
                 }
                 _ => Err("a range must be [low, high]".into()),
             },
+            PortEntry::Other(v) => {
+                Err(format!("{v} is not a port (1-65535), a \"low-high\" string or a [low, high] pair"))
+            }
         }
     }
 }
@@ -507,6 +513,13 @@ mod tests {
         assert_eq!(PortEntry::Pair(vec![1, 1024]).range().unwrap(), (1, 1024));
         assert!(PortEntry::Pair(vec![1, 2, 3]).range().is_err());
         assert!(PortEntry::Port(0).range().is_err());
+        // What is not a port says what an entry may be, naming the value (before: serde's
+        // "data did not match any variant of untagged enum PortEntry").
+        for (entry, says) in [("-1", "-1 is not a port"), ("1.5", "1.5 is not a port"), ("{}", "[low, high] pair")] {
+            let e = Manifest::parse(&SEED.replace("[1, 65535]", &format!("[{entry}]"))).unwrap_err();
+            assert_eq!(e.path, "permissions.network.allowed_ports[0]", "{entry}: {e}");
+            assert!(e.message.contains(says), "{entry}: {e}");
+        }
     }
 
     #[test]
