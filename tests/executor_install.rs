@@ -216,6 +216,9 @@ fn archives_install_and_hostile_archives_are_refused_whole() {
         ("hardlink", "i = tarfile.TarInfo('hello/hello/hard'); i.type = tarfile.LNKTYPE; i.linkname = 'hello/manifest.json'; t.addfile(i)", "hard link"),
         ("device", "i = tarfile.TarInfo('hello/hello/null'); i.type = tarfile.CHRTYPE; i.devmajor = 1; i.devminor = 3; t.addfile(i)", "device"),
         ("fifo", "i = tarfile.TarInfo('hello/hello/fifo'); i.type = tarfile.FIFOTYPE; t.addfile(i)", "FIFO"),
+        // Named by the entry, not as the staging directory's "File exists".
+        ("twice", "i = tarfile.TarInfo('hello/manifest.json'); i.size = 2; t.addfile(i, io.BytesIO(b'{}'))", "hello/manifest.json: given twice"),
+        ("beneath-a-file", "i = tarfile.TarInfo('hello/manifest.json/x'); i.size = 1; t.addfile(i, io.BytesIO(b'x'))", "beneath hello/manifest.json"),
     ] {
         let archive = format!("{base}/{name}.tar.gz");
         // A valid package plus one hostile member: the whole archive must be refused.
@@ -234,6 +237,12 @@ fn archives_install_and_hostile_archives_are_refused_whole() {
     std::fs::write(env.dir.path.join("junk.tar.gz"), b"not gzip").unwrap();
     let out = env.op(&["executor", "install", &format!("{base}/junk.tar.gz")]);
     assert_eq!(out.code, 2, "{}", out.stderr);
+    let bytes = std::fs::read(&good).unwrap();
+    std::fs::write(env.dir.path.join("cut.tar.gz"), &bytes[..bytes.len() / 2]).unwrap();
+    let out = env.op(&["executor", "install", &format!("{base}/cut.tar.gz")]);
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(out.stderr.contains("truncated or corrupt") && !out.stderr.contains(".staging"), "{}", out.stderr);
+    assert_eq!(env.entries(), Vec::<String>::new());
     let bad = package(&env.dir.path, "3.0.0", false);
     std::fs::write(bad.join("manifest.json"), r#"{"name": "Bad Name", "version": "x"}"#).unwrap();
     let out = env.op(&["executor", "install", bad.to_str().unwrap()]);

@@ -38,7 +38,7 @@
 //!   failing entry is logged and audited (`executor_install_failed`) and skipped — the agent
 //!   still starts. `agent --check-config` reports such entries as warnings.
 
-use std::io::Read;
+use std::io::{Read, Write};
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Component, Path, PathBuf};
 
@@ -717,8 +717,15 @@ impl Budget {
         Ok(())
     }
 
-    /// Copy at most the remaining byte budget from `r` into a new file `dest`.
-    fn copy(&mut self, r: &mut dyn Read, dest: &Path, executable: bool) -> Result<(), InstallError> {
+    /// Copy at most the remaining byte budget from `r` into a new file `dest`; an error
+    /// reading `r` becomes `read_error(e)`, one writing `dest` names `dest`.
+    fn copy(
+        &mut self,
+        r: &mut dyn Read,
+        dest: &Path,
+        executable: bool,
+        read_error: impl Fn(std::io::Error) -> InstallError,
+    ) -> Result<(), InstallError> {
         let mut f = std::fs::OpenOptions::new()
             .write(true)
             .create_new(true)
@@ -726,7 +733,19 @@ impl Budget {
             .open(dest)
             .map_err(|e| io(dest, e))?;
         let left = MAX_UNPACKED_BYTES - self.bytes;
-        let n = std::io::copy(&mut r.take(left + 1), &mut f).map_err(|e| io(dest, e))?;
+        let mut r = r.take(left + 1);
+        let mut buf = vec![0u8; 64 * 1024];
+        let mut n = 0u64;
+        loop {
+            let got = match r.read(&mut buf) {
+                Ok(0) => break,
+                Ok(got) => got,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(read_error(e)),
+            };
+            f.write_all(&buf[..got]).map_err(|e| io(dest, e))?;
+            n += got as u64;
+        }
         self.bytes += n;
         if self.bytes > MAX_UNPACKED_BYTES {
             return Err(InstallError::Invalid(format!("the package unpacks to more than {MAX_UNPACKED_BYTES} bytes")));
@@ -766,6 +785,10 @@ fn unpack(file: &Path, kind: ArchiveKind, archive: &Path, dest: &Path) -> Result
     };
     mkdir(dest)?;
     let mut budget = Budget::default();
+    // What the archive has put where so far: an entry given twice, or one beneath a file,
+    // is refused naming the entry (not as the staging directory's "File exists").
+    let mut files: std::collections::HashSet<PathBuf> = std::collections::HashSet::new();
+    let mut dirs: std::collections::HashSet<PathBuf> = std::collections::HashSet::new();
     let mut tar = tar::Archive::new(reader);
     let entries = tar.entries().map_err(|e| io(archive, e))?;
     for entry in entries {
@@ -790,14 +813,30 @@ fn unpack(file: &Path, kind: ArchiveKind, archive: &Path, dest: &Path) -> Result
             continue;
         }
         let target = dest.join(&rel);
+        let invalid = |why: &str| InstallError::Invalid(format!("{}: {why}", rel.display()));
+        if let Some(file) = rel.ancestors().skip(1).find(|a| files.contains(*a)) {
+            return Err(invalid(&format!("beneath {}, which the archive gave as a file", file.display())));
+        }
         if kind.is_dir() {
+            if files.contains(&rel) {
+                return Err(invalid("given twice in the archive (a file, then a directory)"));
+            }
             std::fs::DirBuilder::new().mode(0o755).recursive(true).create(&target).map_err(|e| io(&target, e))?;
+            dirs.insert(rel);
         } else if kind.is_file() {
+            if files.contains(&rel) || dirs.contains(&rel) {
+                return Err(invalid("given twice in the archive"));
+            }
             if let Some(parent) = target.parent() {
                 std::fs::DirBuilder::new().mode(0o755).recursive(true).create(parent).map_err(|e| io(parent, e))?;
             }
             let executable = entry.header().mode().is_ok_and(|m| m & 0o111 != 0);
-            budget.copy(&mut entry, &target, executable)?;
+            // A read error here is the archive's (a truncated or corrupt stream), not the
+            // staging file's.
+            budget.copy(&mut entry, &target, executable, |e| {
+                InstallError::Invalid(format!("not a valid archive (truncated or corrupt at {}): {e}", rel.display()))
+            })?;
+            files.insert(rel);
         } else {
             let what = if kind.is_symlink() {
                 "a symbolic link"
@@ -836,7 +875,8 @@ fn copy_tree(src: &Path, dest: &Path, budget: &mut Budget) -> Result<(), Install
             copy_tree(&e.path(), &target, budget)?;
         } else if meta.is_file() {
             let mut f = std::fs::File::open(e.path()).map_err(|err| io(&e.path(), err))?;
-            budget.copy(&mut f, &target, meta.permissions().mode() & 0o111 != 0)?;
+            let src = e.path();
+            budget.copy(&mut f, &target, meta.permissions().mode() & 0o111 != 0, |err| io(&src, err))?;
         } else {
             return Err(InstallError::Invalid(format!(
                 "{}: symbolic links, devices and sockets are refused in a package",
