@@ -133,12 +133,28 @@ fn declared_paths_are_never_bound_through_symlinks_and_masks_hold_beneath_them()
     for f in ["tree/hidden/secret", "tree/secret-file", "tree/shown/inner/visible"] {
         std::fs::set_permissions(d(f), std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
     }
-    let read = |path: std::path::PathBuf| sandbox::PathRule { path, access: sandbox::Access::Read, optional: false };
+    let read = |path: std::path::PathBuf| sandbox::PathRule {
+        source: Some(path.clone()),
+        path,
+        access: sandbox::Access::Read,
+        optional: false,
+    };
 
+    // An exact source with a symlink in it fails the build; the same path as a plain rule
+    // (no source) follows the link inside the host root.
     let mut s = spec(&["/bin/true"]);
     s.filesystem.paths.push(read(d("link/shown")));
     let e = sandbox::run(&s, &launcher(), OutputOptions::default()).unwrap_err().to_string();
     assert!(e.contains("symlink") && e.contains("link/shown"), "{e}");
+    let mut s = spec(&["/bin/cat", &d("link/shown/inner/visible").display().to_string()]);
+    s.filesystem.paths.push(sandbox::PathRule { source: None, ..read(d("link/shown")) });
+    let o = sandbox::run(&s, &launcher(), OutputOptions::default()).unwrap();
+    assert_eq!(stdout(&o), "ok");
+    // A source bound at another path: its content, there.
+    let mut s = spec(&["/bin/cat", &d("elsewhere/inner/visible").display().to_string()]);
+    s.filesystem.paths.push(sandbox::PathRule { path: d("elsewhere"), ..read(d("tree/shown")) });
+    let o = sandbox::run(&s, &launcher(), OutputOptions::default()).unwrap();
+    assert_eq!(stdout(&o), "ok");
 
     let mut s = spec(&[
         "/bin/sh",

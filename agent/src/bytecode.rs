@@ -113,6 +113,7 @@ fn compile_batch(pkg: &Path, sources: &[PathBuf], policy: &AgentPolicy) -> Resul
     crate::policy::runtime_payload(&mut spec, &runtime);
     crate::policy::interpreter_view(&mut spec);
     spec.filesystem.paths.push(sandbox::PathRule {
+        source: None,
         path: pkg.to_path_buf(),
         access: sandbox::Access::Read,
         optional: false,

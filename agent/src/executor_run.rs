@@ -334,12 +334,14 @@ fn executor_spec(req: &RunRequest) -> Result<(sandbox::SandboxSpec, crate::limit
     crate::policy::runtime_payload(&mut spec, &req.runtime);
     crate::policy::interpreter_view(&mut spec);
     spec.filesystem.paths.push(sandbox::PathRule {
+        source: None,
         path: req.executor.dir.clone(),
         access: sandbox::Access::Read,
         optional: false,
     });
     if let Some(d) = &req.executor.deps {
         spec.filesystem.paths.push(sandbox::PathRule {
+            source: None,
             path: d.clone(),
             access: sandbox::Access::Read,
             optional: false,

@@ -115,7 +115,7 @@ pub fn interpreter_view(spec: &mut SandboxSpec) {
     let mut system: Vec<PathRule> = Vec::new();
     let mut add = |path: PathBuf, optional: bool| {
         if !system.iter().any(|r| r.path == path) {
-            system.push(PathRule { path, access: Access::Read, optional });
+            system.push(PathRule { source: None, path, access: Access::Read, optional });
         }
     };
     for p in LOADER_PATHS {
@@ -160,7 +160,12 @@ pub fn runtime_payload(spec: &mut SandboxSpec, runtime: &Path) {
     spec.command.app_channel = true;
     spec.limits.cpu_deferred = true;
     spec.limits.cpu_period_us = Some(RUNTIME_CPU_PERIOD_US);
-    spec.filesystem.paths.push(PathRule { path: runtime.to_path_buf(), access: Access::Read, optional: false });
+    spec.filesystem.paths.push(PathRule {
+        source: None,
+        path: runtime.to_path_buf(),
+        access: Access::Read,
+        optional: false,
+    });
 }
 
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -278,70 +283,132 @@ impl AgentPolicy {
             // The network entries are checked here (so lint reports them); egress itself is
             // wired by the caller that supports it (see `refuse_egress`).
             crate::egress::NetworkPolicy::from_manifest(&m.permissions.network, &crate::config::Config::default(), 0)?;
+            let masked = spec.filesystem.masked.clone();
             for (i, p) in m.permissions.filesystem.read.iter().enumerate() {
                 let field = format!("permissions.filesystem.read[{i}]");
-                self.check_read(&field, p)?;
-                spec.filesystem.paths.push(PathRule { path: p.clone(), access: Access::Read, optional: false });
+                let real = self.check_read(&field, p, &masked)?;
+                spec.filesystem.paths.push(PathRule {
+                    source: Some(real),
+                    path: p.clone(),
+                    access: Access::Read,
+                    optional: false,
+                });
             }
             for (i, p) in m.permissions.filesystem.write.iter().enumerate() {
                 let field = format!("permissions.filesystem.write[{i}]");
-                self.check_write(&field, p)?;
-                spec.filesystem.paths.push(PathRule { path: p.clone(), access: Access::ReadWrite, optional: false });
+                let source = self.check_write(&field, p, &masked)?;
+                spec.filesystem.paths.push(PathRule {
+                    source,
+                    path: p.clone(),
+                    access: Access::ReadWrite,
+                    optional: false,
+                });
             }
         }
         spec.validate().map_err(|e| PolicyError::new(e.field, e.message))?;
         Ok((spec, limits))
     }
 
-    fn check_read(&self, field: &str, p: &Path) -> Result<(), PolicyError> {
-        if NEVER_READABLE.iter().any(|n| p == Path::new(n)) {
-            return Err(PolicyError::new(
-                field,
-                format!("{} holds host credentials and is never readable", p.display()),
-            ));
-        }
+    /// A declared read path: allowed, and the real host path to bind at it.
+    fn check_read(&self, field: &str, p: &Path, masked: &[PathBuf]) -> Result<PathBuf, PolicyError> {
         // Read paths, /tmp included, are bound from the host (only writes under /tmp land in
         // the scratch).
-        real_path(field, p)
+        // The declared text first (a refusal does not depend on what exists), then its real
+        // path.
+        refuse_read(field, p, p)?;
+        let real = real_path(field, p)?;
+        refuse_read(field, p, &real)?;
+        check_alias(field, p, &real, masked)?;
+        Ok(real)
     }
 
-    fn check_write(&self, field: &str, p: &Path) -> Result<(), PolicyError> {
+    /// A declared write path: allowed, and the real host path to bind at it (`None` under
+    /// `/tmp`: the sandbox's private scratch, nothing of the host).
+    fn check_write(&self, field: &str, p: &Path, masked: &[PathBuf]) -> Result<Option<PathBuf>, PolicyError> {
         // Writes under /tmp land in the sandbox's private scratch tmpfs.
         if p.starts_with("/tmp") {
-            return Ok(());
+            return Ok(None);
         }
-        if p == Path::new("/") || p == Path::new("/var") || SYSTEM_DIRS.iter().any(|d| p.starts_with(d)) {
+        // The declared text first (a refusal does not depend on what exists), then its real
+        // path.
+        self.refuse_write(field, p, p)?;
+        let real = real_path(field, p)?;
+        self.refuse_write(field, p, &real)?;
+        check_alias(field, p, &real, masked)?;
+        Ok(Some(real))
+    }
+
+    /// Refuse writing to `q`, declared as `p`, when it is or overlaps what is never granted.
+    fn refuse_write(&self, field: &str, p: &Path, q: &Path) -> Result<(), PolicyError> {
+        if q == Path::new("/") || q == Path::new("/var") || SYSTEM_DIRS.iter().any(|d| q.starts_with(d)) {
             return Err(PolicyError::new(
                 field,
-                format!("{}: writing to system directories is never granted", p.display()),
+                format!("{}{}: writing to system directories is never granted", p.display(), via(p, q)),
             ));
         }
-        if let Some(hit) = self.protected.iter().find(|x| x.starts_with(p) || p.starts_with(x)) {
+        if let Some(hit) = self.protected.iter().find(|x| x.starts_with(q) || q.starts_with(x)) {
             return Err(PolicyError::new(
                 field,
-                format!("{}: overlaps the agent's own files ({}); never granted", p.display(), hit.display()),
+                format!(
+                    "{}{}: overlaps the agent's own files ({}); never granted",
+                    p.display(),
+                    via(p, q),
+                    hit.display()
+                ),
             ));
         }
-        real_path(field, p)
+        Ok(())
     }
 }
 
-/// `p` must exist and be the path the host resolves it to: the checks above compare path
-/// text, so a symlink anywhere in it (`/var/run` → `/run`, a link to `/etc/shadow`, a link
-/// to a masked directory) would let a declaration name a path they never saw. The sandbox
-/// binds declared paths without following symlinks, so one swapped in after this check
-/// fails the run instead of widening the view.
-fn real_path(field: &str, p: &Path) -> Result<(), PolicyError> {
-    match std::fs::canonicalize(p) {
-        Ok(real) if real == p => Ok(()),
-        Ok(real) => Err(PolicyError::new(
+/// Refuse reading `q`, declared as `p`, when it holds host credentials.
+fn refuse_read(field: &str, p: &Path, q: &Path) -> Result<(), PolicyError> {
+    if NEVER_READABLE.iter().any(|n| q == Path::new(n)) {
+        return Err(PolicyError::new(
             field,
-            format!("{} is reached through a symlink (it is {}); declare the real path", p.display(), real.display()),
+            format!("{}{} holds host credentials and is never readable", p.display(), via(p, q)),
+        ));
+    }
+    Ok(())
+}
+
+/// ` (through a symlink, X)` when the checked `q` is the real path of `p`, not `p` itself.
+fn via(p: &Path, q: &Path) -> String {
+    if p == q {
+        String::new()
+    } else {
+        format!(" (through a symlink, {})", q.display())
+    }
+}
+
+/// The real path of `p` on the host (symlinks resolved): what the sandbox binds at `p`,
+/// exactly — it binds it without following symlinks, so one swapped in after this check
+/// fails the run instead of widening the view. `p` must exist.
+fn real_path(field: &str, p: &Path) -> Result<PathBuf, PolicyError> {
+    std::fs::canonicalize(p).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => PolicyError::new(field, format!("{} does not exist on this host", p.display())),
+        _ => PolicyError::new(field, format!("{}: {e}", p.display())),
+    })
+}
+
+/// A path that reaches a masked one through a symlink is refused: masks cover paths of the
+/// view, and what is bound at `p` would show the masked content (or a directory holding
+/// it) at another place. Declaring a masked path by its own name stays the way to show it.
+fn check_alias(field: &str, p: &Path, real: &Path, masked: &[PathBuf]) -> Result<(), PolicyError> {
+    if p == real {
+        return Ok(());
+    }
+    match masked.iter().find(|m| real.starts_with(m) || m.starts_with(real)) {
+        Some(m) => Err(PolicyError::new(
+            field,
+            format!(
+                "{} is {} through a symlink, which would show the masked {}; declare the path itself",
+                p.display(),
+                real.display(),
+                m.display()
+            ),
         )),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            Err(PolicyError::new(field, format!("{} does not exist on this host", p.display())))
-        }
-        Err(e) => Err(PolicyError::new(field, format!("{}: {e}", p.display()))),
+        None => Ok(()),
     }
 }
 
@@ -388,37 +455,46 @@ mod tests {
     }
 
     #[test]
-    fn declared_paths_through_symlinks_are_refused_naming_the_real_path() {
+    fn declared_paths_are_checked_and_bound_as_their_real_paths() {
         // Outside /tmp: writes under /tmp land in the scratch and are not bound from the host.
         let dir = PathBuf::from(format!("/var/tmp/opservant-policy-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(dir.join("real")).unwrap();
-        let _ = std::fs::remove_file(dir.join("shadow"));
-        let _ = std::fs::remove_file(dir.join("alias"));
-        std::os::unix::fs::symlink("/etc/shadow", dir.join("shadow")).unwrap();
+        std::fs::write(dir.join("real/x"), "").unwrap();
+        for (link, target) in [("shadow", "/etc/shadow"), ("ssh", "/etc/ssh"), ("etc", "/etc"), ("run", "/run")] {
+            std::os::unix::fs::symlink(target, dir.join(link)).unwrap();
+        }
         std::os::unix::fs::symlink(dir.join("real"), dir.join("alias")).unwrap();
         let p = policy();
-        for (fs, field, real) in [
-            (format!(r#"{{"read":["{}"]}}"#, dir.join("shadow").display()), "read[0]", "/etc/shadow".to_string()),
+        let d = |s: &str| dir.join(s).display().to_string();
+        for (fs, field, says) in [
             (
-                format!(r#"{{"read":["{}/x"]}}"#, dir.join("alias").display()),
+                format!(r#"{{"read":["{}"]}}"#, d("shadow")),
                 "read[0]",
-                dir.join("real/x").display().to_string(),
+                "through a symlink, /etc/shadow) holds host credentials",
             ),
+            (format!(r#"{{"read":["{}"]}}"#, d("ssh")), "read[0]", "which would show the masked /etc/ssh"),
+            (format!(r#"{{"read":["{}"]}}"#, d("etc")), "read[0]", "which would show the masked /etc/"),
             (
-                format!(r#"{{"write":["{}"]}}"#, dir.join("alias").display()),
+                format!(r#"{{"write":["{}"]}}"#, d("run")),
                 "write[0]",
-                dir.join("real").display().to_string(),
+                "through a symlink, /run): writing to system directories",
             ),
         ] {
-            std::fs::write(dir.join("real/x"), "").unwrap();
             let e = p.spec_for(Some(&manifest(&fs)), "/bin/true", vec![]).unwrap_err();
             assert_eq!(e.field, format!("permissions.filesystem.{field}"), "{fs}: {e}");
-            assert!(e.message.contains("symlink") && e.message.contains(&real), "{fs}: {e}");
+            assert!(e.message.contains(says), "{fs}: {e}");
         }
-        // The real paths themselves are fine.
-        let fs =
-            format!(r#"{{"read":["{}"],"write":["{}"]}}"#, dir.join("real/x").display(), dir.join("real").display());
-        p.spec_for(Some(&manifest(&fs)), "/bin/true", vec![]).unwrap();
+        // An alias to an ordinary path is bound at the alias, from the real path, exactly.
+        let fs = format!(r#"{{"read":["{}"],"write":["{}"]}}"#, d("alias/x"), d("alias"));
+        let (spec, _) = p.spec_for(Some(&manifest(&fs)), "/bin/true", vec![]).unwrap();
+        let rules: Vec<(String, Option<String>)> = spec
+            .filesystem
+            .paths
+            .iter()
+            .map(|r| (r.path.display().to_string(), r.source.as_ref().map(|s| s.display().to_string())))
+            .collect();
+        assert_eq!(rules, [(d("alias/x"), Some(d("real/x"))), (d("alias"), Some(d("real")))]);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -458,6 +458,7 @@ impl Daemon {
         crate::policy::interpreter_view(&mut spec);
         for p in &settings.python_paths {
             spec.filesystem.paths.push(sandbox::PathRule {
+                source: None,
                 path: p.clone(),
                 access: sandbox::Access::Read,
                 optional: false,

@@ -12,9 +12,9 @@
 //!   or directory, unless a declared path names them exactly — also beneath a declared
 //!   parent (masks and declared paths are applied in one pass, parents first).
 //! - Host paths are resolved with `openat2(RESOLVE_IN_ROOT)` against the old root, so a host
-//!   symlink cannot redirect a bind mount into the half-built new root; declared paths
-//!   also with `RESOLVE_NO_SYMLINKS`: one whose components include a symlink fails the
-//!   build, so what a caller checked by its text is what is bound.
+//!   symlink cannot redirect a bind mount into the half-built new root; a rule's exact
+//!   `source` also with `RESOLVE_NO_SYMLINKS`: one whose components include a symlink fails
+//!   the build, so what a caller checked is what is bound.
 //! - No host file is ever created or written: every mount point that does not exist is
 //!   created in a tmpfs owned by the sandbox.
 //!
@@ -230,22 +230,25 @@ fn bind_host(old_root: &OwnedFd, rule: &PathRule, system: bool) -> Result<bool, 
             _ => {}
         }
     }
-    // Declared paths are bound only when no component is a symlink: what was checked
-    // against the policy by its text is then what is bound (system paths resolve inside
+    // A rule with an exact source binds that host path only when no component of it is a
+    // symlink: what the caller checked is then what is bound (other paths resolve inside
     // the host root).
-    let src = match open_in_root(old_root, rel, !system) {
+    let exact = rule.source.as_deref().filter(|_| !system);
+    let host = exact.unwrap_or(&rule.path);
+    let host_rel = host.strip_prefix("/").unwrap_or(host);
+    let src = match open_in_root(old_root, host_rel, exact.is_some()) {
         Ok(fd) => fd,
         Err(Errno::ENOENT) if rule.optional => return Ok(false),
-        Err(Errno::ELOOP) if !system => {
+        Err(Errno::ELOOP) if exact.is_some() => {
             return Err(StepError::new(
                 Stage::Mounts,
                 format!(
-                    "host path {}: a component is a symlink (declared paths are never bound through one)",
-                    rule.path.display()
+                    "host path {}: a component is a symlink (a checked path is never bound through one)",
+                    host.display()
                 ),
             ))
         }
-        Err(e) => return Err(fail(format!("host path {}", rule.path.display()), e)),
+        Err(e) => return Err(fail(format!("host path {}", host.display()), e)),
     };
     let is_dir = fstat_is_dir(&src).map_err(|e| fail(format!("stat {}", rule.path.display()), e))?;
     mount_point(&rule.path, is_dir)?;

@@ -217,6 +217,12 @@ pub struct PathRule {
     /// `/lib32`). Declared paths are not optional: a missing one is an error.
     #[serde(default)]
     pub optional: bool,
+    /// The host path to bind at `path`, exactly: bound only when no component of it is a
+    /// symlink (`RESOLVE_NO_SYMLINKS`), so that what a caller checked — a manifest's
+    /// declaration, resolved and checked by the agent — is what is bound; one swapped in
+    /// later fails the build. `None`: `path` itself, symlinks followed inside the host root.
+    #[serde(default)]
+    pub source: Option<PathBuf>,
 }
 
 /// A file whose content is supplied by the caller (e.g. `/etc/hosts`), shown read-only.
@@ -254,7 +260,7 @@ impl Default for Filesystem {
         Self {
             system: DEFAULT_SYSTEM_PATHS
                 .iter()
-                .map(|p| PathRule { path: PathBuf::from(p), access: Access::Read, optional: true })
+                .map(|p| PathRule { source: None, path: PathBuf::from(p), access: Access::Read, optional: true })
                 .collect(),
             paths: Vec::new(),
             masked: DEFAULT_MASKED_PATHS.iter().map(PathBuf::from).collect(),
@@ -574,7 +580,7 @@ mod tests {
     #[test]
     fn rejects_relative_and_dotdot_paths() {
         let mut s = spec();
-        s.filesystem.paths.push(PathRule { path: "data".into(), access: Access::Read, optional: false });
+        s.filesystem.paths.push(PathRule { source: None, path: "data".into(), access: Access::Read, optional: false });
         assert!(s.validate().unwrap_err().to_string().contains("filesystem.paths[0]"));
         s.filesystem.paths[0].path = "/data/../etc".into();
         assert!(s.validate().unwrap_err().to_string().contains("'..'"));
@@ -583,7 +589,12 @@ mod tests {
     #[test]
     fn rejects_reserved_and_root_paths() {
         let mut s = spec();
-        s.filesystem.paths.push(PathRule { path: "/proc/1".into(), access: Access::ReadWrite, optional: false });
+        s.filesystem.paths.push(PathRule {
+            source: None,
+            path: "/proc/1".into(),
+            access: Access::ReadWrite,
+            optional: false,
+        });
         assert!(s.validate().is_err());
         s.filesystem.paths[0].path = "/".into();
         assert!(s.validate().is_err());

@@ -362,7 +362,7 @@ fn interpreter_rules(py: &PythonInfo, masked: &[PathBuf]) -> Vec<sandbox::PathRu
             continue;
         }
         if !rules.iter().any(|r| r.path == path) {
-            rules.push(sandbox::PathRule { path, access: sandbox::Access::Read, optional });
+            rules.push(sandbox::PathRule { source: None, path, access: sandbox::Access::Read, optional });
         }
     }
     rules
@@ -402,12 +402,14 @@ pub fn run(req: TestRequest, tee: Option<Tee>) -> Result<TestResult, CannotRun> 
     let rules = interpreter_rules(req.python, &spec.filesystem.masked);
     spec.filesystem.paths.extend(rules);
     spec.filesystem.paths.push(sandbox::PathRule {
+        source: None,
         path: ex.dir.clone(),
         access: sandbox::Access::Read,
         optional: false,
     });
     if let Some(d) = &ex.deps {
         spec.filesystem.paths.push(sandbox::PathRule {
+            source: None,
             path: d.clone(),
             access: sandbox::Access::Read,
             optional: false,
