@@ -8,6 +8,13 @@
 //! raw DNS over UDP, download, read a file, list interfaces, read the environment) and returns
 //! one outcome per step; the manifests vary. Every test ends by checking that the agent left
 //! nothing behind in HOST (interfaces, pool addresses and routes, nft tables, processes).
+//!
+//! The hostile probes at the end try to break the policy; a packet sniffer (AF_PACKET) in
+//! the lab's HOST records every marker (`OSVTM<nn>X`) that crossed it, so a datagram the
+//! sandbox's ruleset rejected is known never to have left. Found and fixed with them: a DNS
+//! label holding a dot passed a `*.domain` wildcard (the forwarder now reads names label by
+//! label), NAT64 forms of special addresses were not treated as rebinding, and a run killed
+//! with SIGKILL left the host table until the next run (its collector starts with the table).
 
 mod common;
 
@@ -181,6 +188,8 @@ impl Conf {
 /// - `["read", path]`: `{"ok": true, "text"}`
 /// - `["ifaces"]`: `{"ok": true, "if_nameindex": [...], "proc_net_dev": [...]}`
 /// - `["env", [names]]`: `{"ok": true, "env": {name: value or null}}`
+/// - hostile probes (tests at the end): `udp`, `udp_gw`, `udp_gw6`, `sock`, `ping`,
+///   `dns_raw`, `multi_download`, `sleep` — see `_step_extra`
 const PROBE: &str = r#"
 import os
 import socket
@@ -298,7 +307,7 @@ def _download(host, port, seconds):
         return _fail(e, t0)
     try:
         s.settimeout(5)
-        s.recv(65536)
+        first = len(s.recv(65536))
         start = time.monotonic()
         end = start + seconds
         total, halves = 0, [0, 0]
@@ -316,17 +325,207 @@ def _download(host, port, seconds):
             total += len(chunk)
             halves[0 if now - start < seconds / 2 else 1] += len(chunk)
         elapsed = time.monotonic() - start
+        # Everything received since the connection began, and when that was: a flow whose
+        # thread starts late finds data queued since then in its socket buffer.
         return {"ok": True, "bytes": total, "seconds": elapsed, "bytes_per_second": total / elapsed,
-                "halves_bytes": halves}
+                "halves_bytes": halves, "since_connect_bytes": first + total, "connected_at": t0,
+                "ended_at": time.monotonic()}
     except Exception as e:
         return _fail(e, t0, connected=True)
     finally:
         s.close()
 
 
+def _marker(n):
+    return ("OSVTM%02dX" % n).encode()
+
+
+def _udp(host, port, mark, opts=None):
+    """One datagram carrying marker `mark` (the test sniffs HOST for it)."""
+    opts = opts or {}
+    t0 = time.monotonic()
+    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        s = socket.socket(fam, socket.SOCK_DGRAM, opts.get("proto", 0))
+    except Exception as e:
+        return _fail(e, t0, stage="socket")
+    try:
+        s.settimeout(opts.get("timeout", 0.3))
+        if opts.get("broadcast"):
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_BROADCAST, 1)
+        if opts.get("ttl"):
+            s.setsockopt(socket.IPPROTO_IP, socket.IP_TTL, opts["ttl"])
+        if opts.get("mcast_ttl"):
+            s.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_TTL, opts["mcast_ttl"])
+        if opts.get("ip_options"):
+            s.setsockopt(socket.IPPROTO_IP, socket.IP_OPTIONS, bytes(opts["ip_options"]))
+        if fam == socket.AF_INET6 and "%" in host:
+            addr = socket.getaddrinfo(host, port, fam, socket.SOCK_DGRAM)[0][4]
+        else:
+            addr = (host, port)
+        s.sendto(_marker(mark) + b" hostile probe", addr)
+        try:
+            data = s.recv(4096)
+            return {"ok": True, "sent": True, "reply": data.decode("utf-8", "replace"), "ms": _ms(t0)}
+        except socket.timeout:
+            return {"ok": True, "sent": True, "reply": None, "ms": _ms(t0)}
+        except Exception as e:
+            return _fail(e, t0, sent=True)
+    except Exception as e:
+        return _fail(e, t0)
+    finally:
+        s.close()
+
+
+def _sock(family, type_, proto):
+    t0 = time.monotonic()
+    try:
+        s = socket.socket(family, type_, proto)
+        s.close()
+        return {"ok": True, "ms": _ms(t0)}
+    except Exception as e:
+        return _fail(e, t0)
+
+
+def _ping(host, mark):
+    """An ICMP echo through an unprivileged ping socket, if the kernel lets us have one."""
+    t0 = time.monotonic()
+    try:
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM, socket.IPPROTO_ICMP)
+    except Exception as e:
+        return _fail(e, t0, stage="socket")
+    try:
+        s.settimeout(0.5)
+        s.sendto(struct.pack(">BBHHH", 8, 0, 0, 0x4242, 1) + _marker(mark), (host, 0))
+        data = s.recv(4096)
+        return {"ok": True, "reply": len(data), "ms": _ms(t0)}
+    except Exception as e:
+        return _fail(e, t0, stage="send")
+    finally:
+        s.close()
+
+
+def _gateway6():
+    with open("/proc/net/ipv6_route") as f:
+        for line in f.read().split("\n"):
+            p = line.split()
+            if len(p) >= 10 and p[0] == "0" * 32 and p[1] == "00" and p[4] != "0" * 32:
+                h = p[4]
+                a = ":".join(h[i:i + 4] for i in range(0, 32, 4))
+                return a + "%" + p[9] if h.startswith("fe8") else a
+    raise OSError("no IPv6 default gateway")
+
+
+def _own_broadcast():
+    import fcntl
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    ifr = struct.pack("256s", b"eth0")
+    addr = fcntl.ioctl(s.fileno(), 0x8915, ifr)[20:24]  # SIOCGIFADDR
+    s.close()
+    a = struct.unpack(">I", addr)[0] | 3
+    return socket.inet_ntoa(struct.pack(">I", a))
+
+
+def _dns_raw(proto, labels, qtype, qid=0x6161):
+    """A query for the wire name `labels` (each label verbatim, dots and all) to the gateway."""
+    t0 = time.monotonic()
+    q = struct.pack(">HHHHHH", qid, 0x0100, 1, 0, 0, 0)
+    for label in labels:
+        b = label.encode()
+        q += bytes([len(b)]) + b
+    q += b"\x00" + struct.pack(">HH", qtype, 1)
+    try:
+        gw = _gateway()
+        if proto == "udp":
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            s.settimeout(4)
+            s.connect((gw, 53))
+            s.send(q)
+            msg = s.recv(4096)
+        else:
+            s = socket.create_connection((gw, 53), timeout=4)
+            s.sendall(struct.pack(">H", len(q)) + q)
+            data = b""
+            while len(data) < 2 or len(data) < 2 + struct.unpack(">H", data[:2])[0]:
+                chunk = s.recv(4096)
+                if not chunk:
+                    break
+                data += chunk
+            msg = data[2:]
+        s.close()
+        return {"ok": True, "rcode": msg[3] & 0x0F, "answers": struct.unpack(">H", msg[6:8])[0], "ms": _ms(t0)}
+    except Exception as e:
+        return _fail(e, t0)
+
+
+def _multi_download(host, port, n, seconds):
+    import threading
+    res = [None] * n
+    def one(i):
+        res[i] = _download(host, port, seconds)
+    ts = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    ok = all(r and r.get("ok") for r in res)
+    if not ok:
+        return {"ok": False, "flows": res}
+    # Every byte received crossed the shaper after the first connection began and before the
+    # last flow ended: over that window the total is bounded by the rate (plus its burst).
+    total = sum(r["since_connect_bytes"] for r in res)
+    window = max(r["ended_at"] for r in res) - min(r["connected_at"] for r in res)
+    return {"ok": True, "bytes": total, "bytes_per_second": total / window, "window_s": window, "flows": res}
+
+
+def _step_extra(op, args):
+    t0 = time.monotonic()
+    if op == "udp":
+        return _udp(*args)
+    if op == "udp_gw":
+        try:
+            gw = _gateway()
+        except Exception as e:
+            return _fail(e, t0)
+        r = _udp(gw, *args)
+        r["host"] = gw
+        return r
+    if op == "udp_gw6":
+        try:
+            gw = _gateway6()
+        except Exception as e:
+            return _fail(e, t0)
+        r = _udp(gw, *args)
+        r["host"] = gw
+        return r
+    if op == "udp_bcast_own":
+        try:
+            b = _own_broadcast()
+        except Exception as e:
+            return _fail(e, t0)
+        r = _udp(b, args[0], args[1], {"broadcast": True})
+        r["host"] = b
+        return r
+    if op == "socket":
+        return _sock(*args)
+    if op == "ping":
+        return _ping(*args)
+    if op == "dns_raw":
+        return _dns_raw(*args)
+    if op == "multi_download":
+        return _multi_download(*args)
+    if op == "sleep":
+        time.sleep(args[0])
+        return {"ok": True}
+    return None
+
+
 def _step(step):
     op, args = step[0], step[1:]
     t0 = time.monotonic()
+    extra = _step_extra(op, args)
+    if extra is not None:
+        return extra
     if op == "connect":
         return _connect(*args)
     if op == "connect_gw":
@@ -1375,4 +1574,448 @@ fn no_leaks_after_many_egress_runs() {
     assert!(cgroups.is_empty(), "sandbox cgroups left: {cgroups:?}");
     let procs = common::host_processes_with(pkg.str());
     assert!(procs.is_empty(), "processes of the runs left: {procs:?}");
+}
+
+// ---------------------------------------------------------------------------------------
+// A sniffer in HOST: which markers crossed it
+// ---------------------------------------------------------------------------------------
+
+/// Every frame seen on any interface of HOST (AF_PACKET, ETH_P_ALL) is searched for markers
+/// `OSVTM<nn>X`; [`Sniffer::seen`] lists the numbers found.
+struct Sniffer {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    seen: std::sync::Arc<std::sync::Mutex<std::collections::BTreeSet<u32>>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Sniffer {
+    fn start(lab: &Lab) -> Sniffer {
+        use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+        let fd: OwnedFd = lab.in_host(|| {
+            let proto = (libc::ETH_P_ALL as u16).to_be() as i32;
+            // SAFETY: socket(2) with constant arguments; the result is checked below.
+            let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW | libc::SOCK_CLOEXEC, proto) };
+            assert!(fd >= 0, "AF_PACKET socket in HOST: {}", std::io::Error::last_os_error());
+            // SAFETY: a fresh descriptor (checked above) that nothing else owns.
+            unsafe { OwnedFd::from_raw_fd(fd) }
+        });
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(std::collections::BTreeSet::new()));
+        let (st, sn) = (stop.clone(), seen.clone());
+        let thread = std::thread::spawn(move || {
+            let mut buf = vec![0u8; 70000];
+            while !st.load(std::sync::atomic::Ordering::SeqCst) {
+                let mut pfd = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+                // SAFETY: one valid pollfd for a descriptor this thread owns.
+                if unsafe { libc::poll(&mut pfd, 1, 100) } <= 0 {
+                    continue;
+                }
+                // SAFETY: `buf` is valid for `buf.len()` bytes and outlives the call.
+                let n = unsafe { libc::recv(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
+                if n <= 0 {
+                    continue;
+                }
+                let frame = &buf[..n as usize];
+                for w in frame.windows(8) {
+                    if &w[..5] == b"OSVTM" && w[7] == b'X' && w[5].is_ascii_digit() && w[6].is_ascii_digit() {
+                        let v = u32::from(w[5] - b'0') * 10 + u32::from(w[6] - b'0');
+                        sn.lock().unwrap().insert(v);
+                    }
+                }
+            }
+        });
+        Sniffer { stop, seen, thread: Some(thread) }
+    }
+
+    fn seen(&self) -> std::collections::BTreeSet<u32> {
+        std::thread::sleep(Duration::from_millis(300));
+        self.seen.lock().unwrap().clone()
+    }
+}
+
+impl Drop for Sniffer {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Markers (with what they were) that must not have reached HOST; returns the problems.
+fn leaked(seen: &std::collections::BTreeSet<u32>, cases: &[(u32, &str)]) -> Vec<String> {
+    cases.iter().filter(|(m, _)| seen.contains(m)).map(|(m, w)| format!("marker {m}: {w} left the sandbox")).collect()
+}
+
+// ---------------------------------------------------------------------------------------
+// Probes
+// ---------------------------------------------------------------------------------------
+
+const AF_INET: i32 = 2;
+const AF_INET6: i32 = 10;
+const AF_PACKET: i32 = 17;
+const SOCK_RAW: i32 = 3;
+
+/// Allow list 198.51.100.10 port 80: UDP to a non-allowed port or host, UDP-Lite (another L4
+/// protocol) to the allowed port, a TTL-1 datagram, ICMP (raw, ping socket), packet sockets.
+/// README: allowed_ports apply to TCP and UDP, "everything else rejected".
+#[test]
+fn udp_icmp_raw_respect_ports_and_protocols() {
+    if !prerequisites() {
+        return;
+    }
+    let lab = Lab::new();
+    let sniff = Sniffer::start(&lab);
+    let conf = Conf::new("");
+    let p = probe(
+        &lab,
+        &conf,
+        json!({"outbound": true, "allowed_hosts": ["198.51.100.10"], "allowed_ports": [80]}),
+        limits(),
+        json!([
+            ["udp", "198.51.100.10", 80, 1],                                  // 0 control
+            ["udp", "198.51.100.10", 5353, 2],                                // 1
+            ["udp", "198.51.100.11", 80, 3],                                  // 2
+            ["udp", "198.51.100.10", 80, 4, {"proto": 136}],                  // 3 UDP-Lite
+            ["udp", "198.51.100.10", 5353, 5, {"ttl": 1}],                    // 4
+            ["udp", "198.51.100.10", 80, 6, {"ip_options": [7, 7, 4, 0, 0, 0, 0]}], // 5 record-route, allowed port
+            ["socket", AF_INET, SOCK_RAW, 1],                                 // 6
+            ["socket", AF_INET6, SOCK_RAW, 58],                               // 7
+            ["socket", AF_PACKET, SOCK_RAW, 768],                             // 8
+            ["ping", "198.51.100.10", 9],                                     // 9
+            ["udp", "203.0.113.5", 53, 10],                                   // 10 DNS elsewhere
+        ]),
+    );
+    let seen = sniff.seen();
+    assert!(
+        seen.contains(&1),
+        "control: UDP to the allowed host and port must leave the sandbox: {seen:?} {}",
+        p.r["output"]
+    );
+    let mut problems = leaked(
+        &seen,
+        &[
+            (2, "UDP to the allowed host on a non-allowed port"),
+            (3, "UDP to a non-allowed host"),
+            (4, "UDP-Lite to the allowed host and port"),
+            (5, "TTL-1 UDP to a non-allowed port"),
+            (9, "ICMP echo"),
+            (10, "UDP to port 53 of another resolver"),
+        ],
+    );
+    for (i, what) in [(6, "raw IPv4 socket"), (7, "raw ICMPv6 socket"), (8, "packet socket")] {
+        if p.step(i)["ok"] != false {
+            problems.push(format!("{what} could be created: {}", p.step(i)));
+        }
+    }
+    eprintln!("ip_options datagram (allowed port): {} seen={}", p.step(5), seen.contains(&6));
+    assert!(problems.is_empty(), "{}\nsteps: {}", problems.join("\n"), p.r["output"]["steps"]);
+    drop(sniff);
+    assert_host_clean(&lab);
+}
+
+/// Allow-any mode (no allowed_hosts): metadata, broadcast (limited and the sandbox's own /30),
+/// multicast v4/v6, the gateway's other UDP ports (v4 and v6), HOST's uplink addresses over
+/// UDP, other sandboxes' pool addresses (v4 and v6) — none may leave the sandbox.
+#[test]
+fn allow_any_mode_special_destinations_over_udp() {
+    if !prerequisites() {
+        return;
+    }
+    let lab = Lab::new();
+    let u4 = lab.in_host(|| std::net::UdpSocket::bind("0.0.0.0:9999")).expect("udp in HOST");
+    let u6 = lab.in_host(|| std::net::UdpSocket::bind("[::]:9998")).expect("udp6 in HOST");
+    u4.set_nonblocking(true).unwrap();
+    u6.set_nonblocking(true).unwrap();
+    let sniff = Sniffer::start(&lab);
+    let conf = Conf::new("");
+    let p = probe(
+        &lab,
+        &conf,
+        json!({"outbound": true}),
+        limits(),
+        json!([
+            ["udp", "198.51.100.10", 5353, 1],                       // 0 control
+            ["udp", "169.254.169.254", 80, 2],                       // 1
+            ["udp", "255.255.255.255", 9999, 3, {"broadcast": true}],// 2
+            ["udp_bcast_own", 9999, 4],                              // 3
+            ["udp", "224.0.0.251", 5353, 5],                         // 4
+            ["udp", "ff02::1%eth0", 5353, 6],                        // 5
+            ["udp_gw", 123, 7],                                      // 6
+            ["udp_gw", 9999, 8],                                     // 7
+            ["udp_gw6", 9998, 9],                                    // 8
+            ["udp", HOST_V4, 9999, 10],                              // 9
+            ["udp", HOST_V6, 9998, 11],                              // 10
+            ["udp", "10.213.0.1", 9999, 12],                         // 11
+            ["udp", "10.213.0.6", 80, 13],                           // 12
+            ["udp", "fd6f:7073:7276::1", 9998, 14],                  // 13
+            ["udp", "fd6f:7073:7276::6", 80, 15],                    // 14
+            ["udp", "239.255.255.250", 1900, 16, {"mcast_ttl": 8}],  // 15
+            ["connect", "169.254.169.254", 80, 2],                   // 16
+            ["connect", "10.213.0.6", 80, 2],                        // 17
+            ["udp", "::ffff:169.254.169.254", 80, 19],               // 18 v4-mapped through AF_INET6
+            ["udp", "::ffff:192.0.2.1", 9999, 20],                   // 19
+        ]),
+    );
+    let seen = sniff.seen();
+    let mut got = [0u8; 64];
+    let host_got = u4.recv_from(&mut got).is_ok() || u6.recv_from(&mut got).is_ok();
+    assert!(seen.contains(&1), "control: UDP to an outside host must leave the sandbox: {seen:?} {}", p.r["output"]);
+    let mut problems = leaked(
+        &seen,
+        &[
+            (2, "UDP to 169.254.169.254 (metadata)"),
+            (3, "limited broadcast 255.255.255.255"),
+            (4, "broadcast of the sandbox's own /30"),
+            (5, "multicast 224.0.0.251"),
+            (6, "IPv6 all-nodes multicast ff02::1"),
+            (7, "UDP to the gateway port 123"),
+            (8, "UDP to the gateway port 9999"),
+            (9, "UDP to the IPv6 default gateway port 9998"),
+            (12, "UDP to pool 10.213.0.1"),
+            (13, "UDP to pool 10.213.0.6"),
+            (14, "UDP to pool fd6f:7073:7276::1"),
+            (15, "UDP to pool fd6f:7073:7276::6"),
+            (16, "SSDP multicast 239.255.255.250"),
+            (19, "UDP to ::ffff:169.254.169.254"),
+        ],
+    );
+    // Markers 10, 11, 20 (HOST's uplink addresses) do reach HOST's veth in allow-any mode: the
+    // sandbox ruleset only knows the gateway; the host table's input chain rejects them there.
+    // What matters is that no socket on the host receives them.
+    if host_got {
+        problems.push("a UDP datagram reached a socket on the agent's host".into());
+    }
+    eprintln!(
+        "reached HOST's veth (rejected by the host table): {:?}",
+        seen.intersection(&[10, 11, 20].into()).collect::<Vec<_>>()
+    );
+    for (i, what) in [(16, "TCP to 169.254.169.254:80"), (17, "TCP to pool 10.213.0.6:80")] {
+        if let Some(pr) = not_blocked(p.step(i), what) {
+            problems.push(pr);
+        }
+    }
+    assert!(problems.is_empty(), "{}\nsteps: {}", problems.join("\n"), p.r["output"]["steps"]);
+    drop(sniff);
+    assert_host_clean(&lab);
+}
+
+const QTYPE_TXT: u16 = 16;
+const QTYPE_ANY: u16 = 255;
+const QTYPE_NULL: u16 = 10;
+const REFUSED: u64 = 5;
+
+/// The forwarder against hostile queries: names outside the allow list in every type, over UDP
+/// and TCP, must be REFUSED without reaching the upstream (no exfiltration through the
+/// resolver); a wire name whose label contains a dot ("x.example" + "test": a child of "test",
+/// not of example.test) must not pass for `*.example.test`; answers pointing at
+/// ::ffff:127.0.0.1, ::ffff:169.254.169.254, 0.0.0.0, CGNAT or the NAT64 image of the
+/// metadata address must be refused as rebinding.
+#[test]
+fn dns_forwarder_hostile_queries() {
+    if !prerequisites() {
+        return;
+    }
+    let lab = Lab::new();
+    let s11 = lab.banner("198.51.100.11:80");
+    lab.dns.set("x.example.test", &["198.51.100.11"]);
+    lab.dns.set("mapped.test", &["::ffff:127.0.0.1"]);
+    lab.dns.set("mapped2.test", &["::ffff:169.254.169.254"]);
+    lab.dns.set("zero.test", &["0.0.0.0"]);
+    lab.dns.set("cgnat.test", &["100.64.0.1"]);
+    lab.dns.set("nat64.test", &["64:ff9b::a9fe:a9fe"]);
+    lab.dns.set("exfil-secret.other.test", &["198.51.100.11"]);
+    let conf = Conf::new("");
+    let allowed =
+        ["allowed.test", "*.example.test", "mapped.test", "mapped2.test", "zero.test", "cgnat.test", "nat64.test"];
+    let p = probe(
+        &lab,
+        &conf,
+        json!({"outbound": true, "allowed_hosts": allowed, "denied_hosts": ["bad.example.test"], "allowed_ports": [80]}),
+        limits(),
+        json!([
+            ["dns_raw", "udp", ["other", "test"], QTYPE_TXT],                 // 0
+            ["dns_raw", "udp", ["other", "test"], QTYPE_ANY],                 // 1
+            ["dns_raw", "udp", ["other", "test"], QTYPE_NULL],                // 2
+            ["dns_raw", "tcp", ["exfil-secret", "other", "test"], QTYPE_TXT], // 3
+            ["dns_raw", "udp", ["exfil-secret", "other", "test"], 1],         // 4
+            ["dns_raw", "udp", ["x.example", "test"], 1],                     // 5 escaped-dot label
+            ["connect", "198.51.100.11", 80, 2],                              // 6 after 5
+            ["dns_raw", "udp", ["mapped", "test"], 28],                       // 7
+            ["dns_raw", "udp", ["mapped2", "test"], 28],                      // 8
+            ["dns_raw", "udp", ["zero", "test"], 1],                          // 9
+            ["dns_raw", "udp", ["cgnat", "test"], 1],                         // 10
+            ["dns_raw", "udp", ["nat64", "test"], 28],                        // 11
+            ["dns_raw", "udp", ["BAD", "Example", "TEST"], 1],                // 12 case
+            ["dns_raw", "tcp", ["allowed", "test"], 1],                       // 13 control
+            ["dns_raw", "udp", ["allowed.test"], 1],                          // 14 one label "allowed.test" at the root
+        ]),
+    );
+    let mut problems = Vec::new();
+    for (i, what) in [
+        (0, "TXT other.test (not allowed)"),
+        (1, "ANY other.test"),
+        (2, "NULL other.test"),
+        (3, "TXT exfil-secret.other.test over TCP"),
+        (4, "A exfil-secret.other.test"),
+        (5, "A for wire name [x.example][test] under allow *.example.test"),
+        (7, "AAAA mapped.test -> ::ffff:127.0.0.1"),
+        (8, "AAAA mapped2.test -> ::ffff:169.254.169.254"),
+        (9, "A zero.test -> 0.0.0.0"),
+        (10, "A cgnat.test -> 100.64.0.1"),
+        (12, "A BAD.Example.TEST (denied, other case)"),
+        (14, "A for the single label 'allowed.test'"),
+    ] {
+        if p.step(i)["rcode"].as_u64() != Some(REFUSED) {
+            problems.push(format!("{what}: want REFUSED, got {}", p.step(i)));
+        }
+    }
+    assert_eq!(p.step(13)["rcode"], 0, "control: allowed.test over TCP: {}", p.step(13));
+    for name in ["other.test", "exfil-secret.other.test"] {
+        if lab.dns.asked(name) {
+            problems.push(format!("the upstream was asked about {name} (not in allowed_hosts)"));
+        }
+    }
+    if lab.dns.asked("x.example.test") {
+        problems.push("the upstream was asked about wire name [x.example][test] (not below example.test)".into());
+    }
+    if let Some(pr) = not_blocked(p.step(6), "198.51.100.11:80 after the escaped-label lookup") {
+        problems.push(pr);
+    }
+    if s11.accepted() > 0 {
+        problems.push(format!(
+            "198.51.100.11:80 (never the address of an allowed name) accepted {} connection(s)",
+            s11.accepted()
+        ));
+    }
+    eprintln!("upstream log: {:?}", lab.dns.log());
+    eprintln!("nat64.test (64:ff9b::a9fe:a9fe): {}", p.step(11));
+    assert!(
+        problems.is_empty(),
+        "{}\nsteps: {}\nsandbox: {}",
+        problems.join("\n"),
+        p.r["output"]["steps"],
+        p.r["sandbox"]
+    );
+    assert_host_clean(&lab);
+}
+
+/// An AAAA answer in the NAT64 well-known prefix (RFC 6052) embedding the metadata address:
+/// behind a NAT64 gateway 64:ff9b::a9fe:a9fe *is* 169.254.169.254. README: answers pointing
+/// into link-local are refused as rebinding. (Hardening: the lab has no NAT64 to go through.)
+#[test]
+fn dns_rebinding_via_nat64_prefix() {
+    if !prerequisites() {
+        return;
+    }
+    let lab = Lab::new();
+    lab.dns.set("nat64.test", &["64:ff9b::a9fe:a9fe", "64:ff9b::7f00:1"]);
+    let conf = Conf::new("");
+    let p = probe(
+        &lab,
+        &conf,
+        json!({"outbound": true, "allowed_hosts": ["nat64.test"]}),
+        limits(),
+        json!([["dns_raw", "udp", ["nat64", "test"], 28]]),
+    );
+    assert_eq!(
+        p.step(0)["rcode"].as_u64(),
+        Some(REFUSED),
+        "AAAA 64:ff9b::a9fe:a9fe / 64:ff9b::7f00:1 accepted: {}",
+        p.step(0)
+    );
+    assert_host_clean(&lab);
+}
+
+/// A bandwidth cap of 10 Mbit/s with eight parallel flows: the token bucket is per link, so
+/// the total must stay at the cap (README: each direction shaped).
+#[test]
+fn bandwidth_limit_with_many_flows() {
+    if !prerequisites() {
+        return;
+    }
+    let lab = Lab::new();
+    let _src = lab.source("198.51.100.10:9000", 30);
+    let sink = lab.sink("198.51.100.11:9001");
+    let conf = Conf::new("");
+    let p = probe(
+        &lab,
+        &conf,
+        json!({"outbound": true, "allowed_hosts": ["198.51.100.10"], "allowed_ports": [9000]}),
+        json!({"max_cpu_percent": 50, "timeout_seconds": 60, "max_bandwidth_mbps": 10}),
+        json!([["multi_download", "198.51.100.10", 9000, 8, 3]]),
+    );
+    let d = p.step(0);
+    let bps = d["bytes_per_second"].as_f64().unwrap_or(0.0);
+    let want = 10.0 * 1_000_000.0 / 8.0;
+    assert!(bps > 0.0, "{d}");
+    assert!(bps <= want * 1.25, "8 flows together at {:.2} Mbit/s over a 10 Mbit/s cap", bps * 8.0 / 1e6);
+    let _ = sink;
+    assert_host_clean(&lab);
+}
+
+/// SIGKILL of `opservant run` while a sandbox with egress runs: the sandbox must not survive
+/// and HOST must be clean again (veth, pool addresses, nft table `inet opservant`) within the
+/// settle time plus the collector's 2 s linger — or at the latest after the next run.
+#[test]
+fn sigkill_mid_run_leaves_nothing_behind() {
+    if !prerequisites() {
+        return;
+    }
+    let lab = Lab::new();
+    let conf = Conf::new("");
+    let pkg = probe_package(&json!({"outbound": true, "allowed_hosts": ["198.51.100.10"]}), &limits());
+    let params = json!({"steps": [["sleep", 20]]}).to_string();
+    let launch = common::launch_args();
+    let mut args: Vec<String> = vec!["run".into(), pkg.str().into()];
+    args.extend(launch.iter().cloned());
+    args.extend(["--config".into(), conf.arg().into(), "--params".into(), params]);
+    let mut child = {
+        let _view = common::host_view();
+        lab.host_command(common::opservant())
+            .args(&args)
+            .env_remove("OPSERVANT_LOG")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn opservant in HOST")
+    };
+    // Wait for the host end of the sandbox's veth.
+    let t0 = Instant::now();
+    while !lab.host.links().iter().any(|l| l.starts_with("opsv")) {
+        assert!(t0.elapsed() < Duration::from_secs(30), "no opsv link appeared in HOST");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(1500));
+    let before = lab.host_leftovers(&POOL_PREFIXES);
+    // SAFETY: kill(2) on the pid of our own child, not yet reaped.
+    unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
+    let _ = child.wait();
+    std::thread::sleep(SETTLE + Duration::from_secs(3));
+    let after_kill = lab.host_leftovers(&POOL_PREFIXES);
+    let survivors = common::host_processes_with(pkg.str());
+    // Clean up what we started if it survived (by pid).
+    for pid in &survivors {
+        // SAFETY: kill(2) on a pid this test's run started (found by its package path).
+        unsafe { libc::kill(*pid, libc::SIGKILL) };
+    }
+    // The next run.
+    let params2 = json!({"steps": [["udp", "198.51.100.10", 80, 1]]}).to_string();
+    let out = run_in(&lab, &pkg.path, &["--config", conf.arg(), "--params", &params2]);
+    let _ = out.completed();
+    std::thread::sleep(SETTLE);
+    let after_next = lab.host_leftovers(&POOL_PREFIXES);
+    eprintln!("while running: {before:?}\nafter SIGKILL (+8 s): {after_kill:?}\nsurvivors: {survivors:?}\nafter next run (+5 s): {after_next:?}");
+    let mut problems = Vec::new();
+    if !survivors.is_empty() {
+        problems.push(format!("sandbox processes survived the agent's SIGKILL: {survivors:?}"));
+    }
+    if !after_kill.is_empty() {
+        problems.push(format!("left in HOST 8 s after SIGKILL: {after_kill:?}"));
+    }
+    if !after_next.is_empty() {
+        problems.push(format!("still left in HOST after the next complete run: {after_next:?}"));
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
 }

@@ -186,7 +186,18 @@ fn answer(
         refuse(report, executor, "", "malformed");
         return error_reply(&query, ResponseCode::Refused);
     }
-    let name = query.queries[0].name().to_ascii().trim_end_matches('.').to_ascii_lowercase();
+    // The name from its labels, each of hostname characters only: hickory's text form
+    // escapes a dot inside a label (`x\.example.test`), which a suffix match would take for
+    // a name below `example.test` although it is a sibling of it.
+    let mut labels: Vec<String> = Vec::new();
+    for label in query.queries[0].name().iter() {
+        if label.is_empty() || !label.iter().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_')) {
+            refuse(report, executor, "", "malformed");
+            return error_reply(&query, ResponseCode::Refused);
+        }
+        labels.push(String::from_utf8_lossy(label).to_ascii_lowercase());
+    }
+    let name = labels.join(".");
     match policy.name_verdict(&name) {
         NameVerdict::Allowed => {}
         NameVerdict::Denied => {

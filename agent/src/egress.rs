@@ -183,12 +183,39 @@ impl NetworkPolicy {
     }
 }
 
+/// The ranges `v4` and, for the IPv4 ones, the same as reached through the NAT64
+/// well-known prefix (RFC 6052: `64:ff9b::a.b.c.d` reaches `a.b.c.d` through a NAT64
+/// gateway, wherever the host has one): such an address is as special, or as
+/// unreachable, as the IPv4 address it embeds.
+fn with_nat64(v4: &[IpNet]) -> Vec<IpNet> {
+    let mut out = v4.to_vec();
+    for net in v4 {
+        if let IpAddr::V4(a) = net.addr {
+            let [a, b, c, d] = a.octets();
+            let embedded = std::net::Ipv6Addr::new(
+                0x64,
+                0xff9b,
+                0,
+                0,
+                0,
+                0,
+                u16::from_be_bytes([a, b]),
+                u16::from_be_bytes([c, d]),
+            );
+            out.push(IpNet { addr: IpAddr::V6(embedded), prefix: 96 + net.prefix });
+        }
+    }
+    out
+}
+
 /// Address ranges a DNS answer may not point into, and the sandbox may not reach, unless an
-/// allow entry covers them (parsed once).
+/// allow entry covers them (parsed once). The IPv4 ones include their NAT64 forms (a DNS64
+/// answer `64:ff9b::a9fe:a9fe` is the metadata service through the host's NAT64 gateway);
+/// other NAT64 addresses stay ordinary (they are how an IPv6-only host reaches IPv4).
 pub fn special_ranges() -> &'static [IpNet] {
     static RANGES: std::sync::OnceLock<Vec<IpNet>> = std::sync::OnceLock::new();
     RANGES.get_or_init(|| {
-        [
+        let parsed: Vec<IpNet> = [
             "0.0.0.0/8",
             "10.0.0.0/8",
             "100.64.0.0/10",
@@ -207,7 +234,8 @@ pub fn special_ranges() -> &'static [IpNet] {
         ]
         .iter()
         .filter_map(|s| s.parse().ok())
-        .collect()
+        .collect();
+        with_nat64(&parsed)
     })
 }
 
@@ -231,7 +259,7 @@ fn unreachable_ranges(pool: &Pool) -> Vec<IpNet> {
     .collect();
     v.push(pool.v4);
     v.extend(pool.v6);
-    v
+    with_nat64(&v)
 }
 
 /// The proxy of seed 001, resolved: environment for the sandbox and endpoints to allow.

@@ -317,7 +317,17 @@ impl HostLease {
         let want = nft::host_table_tag(&pool.v4, pool.v6.as_ref());
         let found = match nft::host_table(host)? {
             Some(tag) => Some(tag),
-            None if nft::create_host_table(host, &pool.v4, pool.v6.as_ref())? => None,
+            None if nft::create_host_table(host, &pool.v4, pool.v6.as_ref())? => {
+                // Its collector starts with it, not only when a run ends: a run killed
+                // (SIGKILL) never ends, and the table would stay until the next one.
+                // One that cannot start is reported; this run's end tries again.
+                if let HostTableRelease::Deferred { program, args } = &release {
+                    if let Err(e) = start_collector(program, args, &pool.lock_dir) {
+                        tracing::error!(error = %e, "host table collector: cannot start one at creation");
+                    }
+                }
+                None
+            }
             None => nft::host_table(host)?,
         };
         // A table made for other pools would not masquerade this sandbox's traffic: refuse.
@@ -350,34 +360,40 @@ impl Drop for HostLease {
                 }
             }
             HostTableRelease::Deferred { program, args } => {
-                // One collector per namespace at a time: it holds the pending lock until it
-                // has deleted the table, so a burst of runs starts one collector, not one each.
-                let Ok(pending) =
-                    host_lock_path(&self.lock_dir_for_gc).map(|p| p.with_extension("gc")).and_then(|p| open_lock(&p))
-                else {
-                    return;
-                };
-                if flock(&pending, libc::LOCK_EX | libc::LOCK_NB).is_err() {
-                    return;
-                }
-                drop(pending);
-                use std::os::unix::process::CommandExt;
-                let spawned = std::process::Command::new(program)
-                    .args(args)
-                    .stdin(std::process::Stdio::null())
-                    .stdout(std::process::Stdio::null())
-                    .stderr(std::process::Stdio::null())
-                    .process_group(0)
-                    .spawn();
-                if let Err(e) = spawned {
-                    tracing::warn!(error = %e, "could not start the host table collector; removing it now");
+                // The last lease holder: nothing uses the table; without a collector it goes now.
+                if let Err(e) = start_collector(program, args, &self.lock_dir_for_gc) {
+                    tracing::error!(error = %e, "host table collector: cannot start one; removing the table now");
                     if let Err(e) = Netlink::netfilter().and_then(|mut nl| nft::delete_host_table(&mut nl)) {
-                        tracing::warn!(error = %e, "could not remove the host nftables table");
+                        tracing::error!(error = %e, "could not remove the host nftables table");
                     }
                 }
             }
         }
     }
+}
+
+/// Start the deferred collector (`program args…`, detached in its own process group)
+/// unless one is pending. One collector per namespace at a time: it holds the pending lock
+/// until it has deleted the table, so a burst of runs starts one collector, not one each.
+fn start_collector(program: &Path, args: &[String], lock_dir: &Path) -> Result<(), String> {
+    let pending = host_lock_path(lock_dir)
+        .map(|p| p.with_extension("gc"))
+        .and_then(|p| open_lock(&p))
+        .map_err(|e| e.to_string())?;
+    if flock(&pending, libc::LOCK_EX | libc::LOCK_NB).is_err() {
+        return Ok(());
+    }
+    drop(pending);
+    use std::os::unix::process::CommandExt;
+    std::process::Command::new(program)
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .process_group(0)
+        .spawn()
+        .map(drop)
+        .map_err(|e| format!("{}: {e}", program.display()))
 }
 
 /// The deferred collector: take the pending lock (or leave it to the collector that holds
