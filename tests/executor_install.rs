@@ -189,6 +189,41 @@ fn install_list_run_upgrade_and_remove() {
     assert!(out.stderr.contains("not a directory, nor an executor installed"), "{}", out.stderr);
 }
 
+/// Installing and removing change what can run: neither happens unless its record reaches
+/// the audit log first (a damaged log — its last two lines not records — refuses appends).
+/// Both audit records, the intent and the outcome, are there when the log works.
+#[test]
+fn installs_and_removals_are_refused_when_they_cannot_be_audited() {
+    if !common::require_root() {
+        return;
+    }
+    let env = Env::new();
+    let v1 = package(&env.dir.path, "1.0.0", false);
+    assert_eq!(env.op(&["executor", "install", v1.to_str().unwrap()]).code, 0);
+    let events: Vec<String> = env.audit_events().iter().map(|e| e["event"].as_str().unwrap().to_string()).collect();
+    assert!(events.ends_with(&["executor_install".into(), "executor_installed".into()]), "{events:?}");
+
+    let log = env.dir.path.join("audit/audit.jsonl");
+    let good = std::fs::read(&log).unwrap();
+    let mut damaged = good.clone();
+    damaged.extend_from_slice(b"garbage one\ngarbage two\n");
+    std::fs::write(&log, &damaged).unwrap();
+    let v2 = package(&env.dir.path, "2.0.0", false);
+    let out = env.op(&["executor", "install", v2.to_str().unwrap()]);
+    assert_eq!(out.code, 2, "{} {}", out.stdout, out.stderr);
+    assert!(out.stderr.contains("audit log") && out.stderr.contains("nothing was changed"), "{}", out.stderr);
+    assert_eq!(std::fs::read_link(env.root.join("hello/current")).unwrap(), PathBuf::from("1.0.0"), "still the first");
+    let out = env.op(&["executor", "remove", "hello"]);
+    assert_eq!(out.code, 2, "{} {}", out.stdout, out.stderr);
+    assert!(out.stderr.contains("audit log"), "{}", out.stderr);
+    assert_eq!(env.entries(), vec!["hello".to_string()], "not removed");
+
+    std::fs::write(&log, &good).unwrap();
+    assert_eq!(env.op(&["executor", "remove", "hello"]).code, 0);
+    let events: Vec<String> = env.audit_events().iter().map(|e| e["event"].as_str().unwrap().to_string()).collect();
+    assert!(events.ends_with(&["executor_remove".into(), "executor_removed".into()]), "{events:?}");
+}
+
 #[test]
 fn archives_install_and_hostile_archives_are_refused_whole() {
     if !common::require_root() {

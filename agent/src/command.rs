@@ -149,6 +149,7 @@ impl Reason {
             E::Checksum(_) => Reason::Checksum,
             E::Conflict(_) => Reason::VersionConflict,
             E::TooLarge(_) => Reason::TooLarge,
+            E::Audit(_) => Reason::CannotRun,
         }
     }
 }
@@ -521,7 +522,7 @@ impl Pipeline {
             .or_else(|| cmd.get("parameters").and_then(|p| p.get("name")))
             .and_then(Value::as_str)
             .unwrap_or("");
-        match crate::executor_install::remove(&self.executors, name) {
+        match crate::executor_install::remove(&self.executors, name, "command", Some(id)) {
             Ok(true) => {
                 audit::record("executor_removed", &[("command_id", id), ("executor", name)]);
                 json!({"status": "completed", "command_id": id, "output": {"removed": name}})

@@ -78,6 +78,9 @@ pub enum InstallError {
     /// The archive is larger than allowed (`executors.max_package_mb`, or a declared size).
     #[error("{0}")]
     TooLarge(String),
+    /// The change could not be audited first, so it was not made.
+    #[error("audit log: {0}; nothing was changed")]
+    Audit(String),
 }
 
 impl InstallError {
@@ -92,6 +95,7 @@ impl InstallError {
             InstallError::Checksum(_) => "checksum",
             InstallError::Conflict(_) => "version_conflict",
             InstallError::TooLarge(_) => "too_large",
+            InstallError::Audit(_) => "cannot_run",
         }
     }
 }
@@ -450,6 +454,20 @@ pub fn install(
         Err(e) => warnings.push(format!("bytecode not precompiled: {e}")),
     }
 
+    // Fail closed: the executors that can run change only once the change is in the audit
+    // log (`executor_installed` follows it).
+    crate::audit::try_record(
+        "executor_install",
+        &[
+            ("executor", &manifest.name),
+            ("version", &manifest.version),
+            ("source", check.source),
+            ("command_id", check.command_id.unwrap_or("")),
+            ("sha256", sha256.as_deref().unwrap_or("")),
+            ("signed_by", signed_by.as_deref().unwrap_or("")),
+        ],
+    )
+    .map_err(|e| InstallError::Audit(e.to_string()))?;
     let name_dir = root.join(&manifest.name);
     traversable_dir(&name_dir)?;
     let mut dir_name = manifest.version.clone();
@@ -1015,13 +1033,19 @@ pub fn resolve(root: &Path, name: &str) -> Option<PathBuf> {
 }
 
 /// Remove an installed executor. `Ok(false)` when it is not installed.
-pub fn remove(root: &Path, name: &str) -> Result<bool, InstallError> {
+pub fn remove(root: &Path, name: &str, source: &str, command_id: Option<&str>) -> Result<bool, InstallError> {
     if !crate::manifest::valid_name(name) {
         return Err(InstallError::Invalid(format!("'{name}' is not an executor name")));
     }
     if !root.join(name).is_dir() {
         return Ok(false);
     }
+    // Fail closed, as for an install (`executor_removed` follows).
+    crate::audit::try_record(
+        "executor_remove",
+        &[("executor", name), ("source", source), ("command_id", command_id.unwrap_or(""))],
+    )
+    .map_err(|e| InstallError::Audit(e.to_string()))?;
     let doomed = unique(root, ".removing")?;
     let target = doomed.join(name);
     std::fs::rename(root.join(name), &target).map_err(|e| io(&root.join(name), e))?;

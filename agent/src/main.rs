@@ -1201,7 +1201,10 @@ fn executor_list(json: bool, config: Option<PathBuf>) -> Result<ExitCode, Cannot
 
 fn executor_remove(name: &str, config: Option<PathBuf>) -> Result<ExitCode, CannotRun> {
     let config = agent::config::Config::load(config.as_deref())?;
-    match agent::executor_install::remove(&config.executors.root(), name).map_err(|e| CannotRun(e.to_string()))? {
+    agent::audit::init(&config)?;
+    match agent::executor_install::remove(&config.executors.root(), name, "cli", None)
+        .map_err(|e| CannotRun(e.to_string()))?
+    {
         true => {
             agent::audit::record("executor_removed", &[("executor", name)]);
             Ok(ExitCode::SUCCESS)
