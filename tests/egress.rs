@@ -163,8 +163,13 @@ struct Conf {
 
 impl Conf {
     fn new(extra_network: &str) -> Conf {
+        Self::with_upstream(DNS_SERVER, extra_network)
+    }
+
+    /// As [`Conf::new`], with another upstream resolver.
+    fn with_upstream(upstream: &str, extra_network: &str) -> Conf {
         let dir = HostDir::new();
-        let text = format!("network:\n  egress:\n    dns_upstream: [\"{DNS_SERVER}\"]\n{extra_network}");
+        let text = format!("network:\n  egress:\n    dns_upstream: [\"{upstream}\"]\n{extra_network}");
         let path = dir.path.join("config.yaml");
         std::fs::write(&path, text).expect("write config");
         Conf { _dir: dir, path }
@@ -1125,6 +1130,24 @@ fn denied_host_wins_over_wildcard_allow() {
     assert_eq!((s[1].accepted(), s[2].accepted()), (0, 0));
     assert!(p.egress()["dns"]["refused"].as_u64().unwrap() >= 1, "bad.example.test refused: {}", p.egress());
     assert!(p.egress()["dns"]["queries"].as_u64().unwrap() >= 2, "{}", p.egress());
+    assert_host_clean(&lab);
+}
+
+/// A literal denied name must be resolved to deny its addresses too: when the resolver does
+/// not answer (here a host whose port 53 is closed), the run is refused (exit 2, naming the
+/// name) instead of running with the name's addresses reachable by IP.
+#[test]
+fn a_denied_name_that_cannot_be_resolved_refuses_the_run() {
+    if !prerequisites() {
+        return;
+    }
+    let lab = Lab::new();
+    let _s = lab.banners(&["198.51.100.10:80"]);
+    let conf = Conf::with_upstream("198.51.100.10:53", "");
+    let pkg = probe_package(&json!({"outbound": true, "denied_hosts": ["bad.example.test"]}), &limits());
+    let out = run_in(&lab, &pkg.path, &["--config", conf.arg(), "--params", r#"{"steps": []}"#]);
+    assert_eq!((out.code, out.stdout.as_str()), (2, ""), "{out:#?}");
+    assert!(out.stderr.contains("cannot resolve bad.example.test"), "{}", out.stderr);
     assert_host_clean(&lab);
 }
 

@@ -295,6 +295,17 @@ fn forward_tcp(raw: &[u8], up: &SocketAddr) -> Option<Vec<u8>> {
 /// Resolve `name` (A and AAAA) through `upstreams` — for the agent's own lookups (the proxy
 /// host, denied names). An error when no upstream answered.
 pub fn resolve(name: &str, upstreams: &[SocketAddr]) -> Result<Vec<IpAddr>, String> {
+    resolve_with(name, upstreams, false)
+}
+
+/// As [`resolve`], but every query (A and AAAA) must be answered, with an address list or
+/// "no such name/record": for addresses that must be *denied*, where a partial answer would
+/// leave some of them reachable.
+pub fn resolve_every(name: &str, upstreams: &[SocketAddr]) -> Result<Vec<IpAddr>, String> {
+    resolve_with(name, upstreams, true)
+}
+
+fn resolve_with(name: &str, upstreams: &[SocketAddr], every: bool) -> Result<Vec<IpAddr>, String> {
     let fqdn = Name::from_ascii(format!("{}.", name.trim_end_matches('.'))).map_err(|e| format!("{name}: {e}"))?;
     let mut out = Vec::new();
     let mut answered = false;
@@ -304,9 +315,22 @@ pub fn resolve(name: &str, upstreams: &[SocketAddr]) -> Result<Vec<IpAddr>, Stri
         q.metadata.recursion_desired = true;
         q.add_query(Query::query(fqdn.clone(), rtype));
         let raw = q.to_vec().map_err(|e| e.to_string())?;
-        let Some(reply) = forward(&raw, id, upstreams, false) else { continue };
+        let Some(reply) = forward(&raw, id, upstreams, false) else {
+            if every {
+                return Err(format!("no {rtype} answer from {upstreams:?}"));
+            }
+            continue;
+        };
         answered = true;
-        if let Ok(m) = Message::from_vec(&reply) {
+        let parsed = Message::from_vec(&reply);
+        if every {
+            match &parsed {
+                Ok(m) if matches!(m.metadata.response_code, ResponseCode::NoError | ResponseCode::NXDomain) => {}
+                Ok(m) => return Err(format!("{rtype} answer {}", m.metadata.response_code)),
+                Err(e) => return Err(format!("{rtype} answer unreadable: {e}")),
+            }
+        }
+        if let Ok(m) = parsed {
             for r in &m.answers {
                 match &r.data {
                     RData::A(a) => out.push(IpAddr::V4(a.0)),

@@ -408,11 +408,13 @@ pub fn plan(policy: &NetworkPolicy, settings: &EgressSettings) -> Result<EgressP
     }
     let upstreams = settings.upstreams();
     for name in policy.denied_names() {
-        // Best effort: a name that does not resolve now cannot be reached through the
-        // forwarder either.
-        for a in crate::dns::resolve(&name, &upstreams).unwrap_or_default() {
-            deny.push(IpNet::host(a));
-        }
+        // Every address of it, or no run: a lookup that failed (a timeout, SERVFAIL, an
+        // unanswered AAAA) would leave the addresses it missed reachable by IP. A name
+        // that does not exist has none to deny.
+        let addrs = crate::dns::resolve_every(&name, &upstreams).map_err(|e| {
+            format!("permissions.network.denied_hosts: cannot resolve {name} to deny its addresses: {e}")
+        })?;
+        deny.extend(addrs.into_iter().map(IpNet::host));
     }
     let mut endpoints = Vec::new();
     for (host, port) in &settings.proxy.endpoints {
