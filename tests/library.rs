@@ -160,13 +160,17 @@ fn declared_paths_are_never_bound_through_symlinks_and_masks_hold_beneath_them()
         "/bin/sh",
         "-c",
         &format!(
-            "cd {}; cat hidden/secret secret-file 2>/dev/null; ls hidden 2>&1 | head -1; cat shown/inner/visible",
+            "cd {}; cat hidden/secret secret-file linked-secret 2>/dev/null; ls hidden 2>&1 | head -1; cat shown/inner/visible",
             d("tree").display()
         ),
     ]);
     s.filesystem.paths.push(read(d("tree")));
     s.filesystem.paths.push(read(d("tree/shown/inner")));
-    s.filesystem.masked.extend([d("tree/hidden"), d("tree/secret-file")]);
+    // A masked path that is a symlink in the view masks what it leads to.
+    std::fs::write(d("tree/linked-secret"), "s3cret").unwrap();
+    std::fs::set_permissions(d("tree/linked-secret"), std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
+    std::os::unix::fs::symlink("linked-secret", d("tree/secret-link")).unwrap();
+    s.filesystem.masked.extend([d("tree/hidden"), d("tree/secret-file"), d("tree/secret-link")]);
     let o = sandbox::run(&s, &launcher(), OutputOptions::default()).unwrap();
     let out = stdout(&o);
     assert!(!out.contains("s3cret"), "a mask beneath a declared directory was uncovered: {out}");

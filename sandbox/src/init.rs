@@ -306,7 +306,9 @@ fn init(
 ) -> Result<InitEnd, StepError> {
     // 1.
     // SAFETY: PR_SET_PDEATHSIG takes an integer signal number.
-    unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) };
+    if unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) } != 0 {
+        return Err(StepError::errno(Stage::Fork, "prctl(PR_SET_PDEATHSIG)", nix::errno::Errno::last()));
+    }
     // 2.
     for file in cgroup_join {
         // Writing "0" to a v1 `tasks` file moves this (single-threaded) process without the

@@ -182,11 +182,14 @@ pub fn build(fs_spec: &Filesystem, net_ns: bool, cwd: &Path) -> Result<ViewRepor
 /// tmpfs (returned `true`: sealed read-only once the old root is gone), anything else with
 /// the mode-000 file, sealed at once.
 fn mask(path: &Path) -> Result<bool, StepError> {
-    let Ok(meta) = fs::symlink_metadata(path) else { return Ok(false) };
-    if meta.file_type().is_symlink() {
-        // Mounting on it would follow it; its target is covered where it is a mask itself.
-        return Ok(false);
-    }
+    // Followed: a masked path that is a symlink in the view masks what it leads to there
+    // (the view is the root by now, so a link cannot lead out of it). Absent, or a link
+    // into nothing: nothing to cover. Any other error fails the view.
+    let meta = match fs::metadata(path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == ErrorKind::NotFound => return Ok(false),
+        Err(e) => return Err(fail_io(format!("mask {}", path.display()), e)),
+    };
     if meta.is_dir() {
         do_mount(
             Some("opservant-mask"),
