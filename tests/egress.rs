@@ -364,6 +364,18 @@ def _udp(host, port, mark, opts=None):
             s.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_TTL, opts["mcast_ttl"])
         if opts.get("ip_options"):
             s.setsockopt(socket.IPPROTO_IP, socket.IP_OPTIONS, bytes(opts["ip_options"]))
+        if opts.get("bind"):
+            # IP_FREEBIND (15) / IPV6_FREEBIND (78): bind a foreign address, no privilege needed.
+            if fam == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, 78, 1)
+            else:
+                s.setsockopt(socket.IPPROTO_IP, 15, 1)
+            bind = opts["bind"]
+            if bind == "neighbour-slot":
+                # The same address in the next /30 of the pool: another sandbox's.
+                own = struct.unpack(">I", socket.inet_aton(_own_address()))[0]
+                bind = socket.inet_ntoa(struct.pack(">I", own ^ 4))
+            s.bind((bind, 0))
         if fam == socket.AF_INET6 and "%" in host:
             addr = socket.getaddrinfo(host, port, fam, socket.SOCK_DGRAM)[0][4]
         else:
@@ -421,13 +433,17 @@ def _gateway6():
     raise OSError("no IPv6 default gateway")
 
 
-def _own_broadcast():
+def _own_address():
     import fcntl
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     ifr = struct.pack("256s", b"eth0")
     addr = fcntl.ioctl(s.fileno(), 0x8915, ifr)[20:24]  # SIOCGIFADDR
     s.close()
-    a = struct.unpack(">I", addr)[0] | 3
+    return socket.inet_ntoa(addr)
+
+
+def _own_broadcast():
+    a = struct.unpack(">I", socket.inet_aton(_own_address()))[0] | 3
     return socket.inet_ntoa(struct.pack(">I", a))
 
 
@@ -1680,7 +1696,8 @@ const AF_PACKET: i32 = 17;
 const SOCK_RAW: i32 = 3;
 
 /// Allow list 198.51.100.10 port 80: UDP to a non-allowed port or host, UDP-Lite (another L4
-/// protocol) to the allowed port, a TTL-1 datagram, ICMP (raw, ping socket), packet sockets.
+/// protocol) to the allowed port, a TTL-1 datagram, ICMP (raw, ping socket), packet sockets,
+/// and datagrams with a forged source address (a socket may bind one with IP_FREEBIND).
 /// README: allowed_ports apply to TCP and UDP, "everything else rejected".
 #[test]
 fn udp_icmp_raw_respect_ports_and_protocols() {
@@ -1707,6 +1724,11 @@ fn udp_icmp_raw_respect_ports_and_protocols() {
             ["socket", AF_PACKET, SOCK_RAW, 768],                             // 8
             ["ping", "198.51.100.10", 9],                                     // 9
             ["udp", "203.0.113.5", 53, 10],                                   // 10 DNS elsewhere
+            // Forged sources (IP_FREEBIND) to the allowed host and port: another address,
+            // another sandbox's pool address (the kernel refuses to route them, ENETUNREACH;
+            // the ruleset would reject them too).
+            ["udp", "198.51.100.10", 80, 11, {"bind": "192.0.2.77"}],         // 11
+            ["udp", "198.51.100.10", 80, 12, {"bind": "neighbour-slot"}],     // 12
         ]),
     );
     let seen = sniff.seen();
@@ -1724,6 +1746,8 @@ fn udp_icmp_raw_respect_ports_and_protocols() {
             (5, "TTL-1 UDP to a non-allowed port"),
             (9, "ICMP echo"),
             (10, "UDP to port 53 of another resolver"),
+            (11, "UDP with a forged source address (IP_FREEBIND)"),
+            (12, "UDP with another sandbox's pool address as its source"),
         ],
     );
     for (i, what) in [(6, "raw IPv4 socket"), (7, "raw ICMPv6 socket"), (8, "packet socket")] {

@@ -616,7 +616,12 @@ impl Reservation {
             ops.push(link::add_default_route(inner_index, IpAddr::V6(g)));
         }
         link::apply(&mut inner_route, ops, "configure the sandbox end")?;
-        nft::load_sandbox_ruleset(&mut inner_nf, &plan.firewall, self.gateway4, self.gateway6)?;
+        nft::load_sandbox_ruleset(
+            &mut inner_nf,
+            &plan.firewall,
+            (self.address4, self.gateway4),
+            v6.map(|(g, a)| (a, g)),
+        )?;
         tracing::debug!(host_if = self.host_if, address = %self.address4, "egress attached");
         Ok(Egress {
             host_if: self.host_if,

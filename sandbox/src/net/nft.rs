@@ -322,13 +322,27 @@ fn join(parts: Vec<Vec<Expr>>) -> Vec<Expr> {
     parts.into_iter().flatten().collect()
 }
 
+/// `ip saddr` / `ip6 saddr` is not exactly `addr`.
+fn source_is_not(addr: IpAddr) -> Vec<Expr> {
+    let mut v = addr_in(&IpNet::host(addr), true);
+    if let Some(last) = v.last_mut() {
+        *last = cmp(Operator::NotEqual, IpNet::host(addr).network_bytes());
+    }
+    v
+}
+
 /// Load the sandbox's egress ruleset (through a socket in the sandbox's namespace).
+/// `address4`/`address6`: the sandbox's own addresses, the only sources its packets may
+/// carry. The kernel does not route a foreign source an unprivileged socket bound with
+/// `IP_FREEBIND` (raw sockets and `IP_TRANSPARENT` are out of the sandbox's reach); this
+/// is the second wall: a packet with a forged source would leave the host unmasqueraded.
 pub(crate) fn load_sandbox_ruleset(
     nl: &mut Netlink,
     fw: &Firewall,
-    gateway4: Ipv4Addr,
-    gateway6: Option<Ipv6Addr>,
+    (address4, gateway4): (Ipv4Addr, Ipv4Addr),
+    v6_addrs: Option<(Ipv6Addr, Ipv6Addr)>,
 ) -> Result<(), NetError> {
+    let gateway6 = v6_addrs.map(|(_, g)| g);
     let mut b = Batch::new();
     b.table(None);
     b.chain("output", Some((InetHookNumber::LocalOut, 0, "filter", NF_DROP)));
@@ -348,6 +362,9 @@ pub(crate) fn load_sandbox_ruleset(
     for v6 in [false, true] {
         let chain = if v6 { "out6" } else { "out4" };
         let family = |n: &&IpNet| n.addr.is_ipv6() == v6;
+        if !v6 {
+            b.rule(chain, join(vec![source_is_not(IpAddr::V4(address4)), vec![goto("blocked")]]));
+        }
         for net in fw.deny.iter().filter(family) {
             b.rule(chain, join(vec![addr_in(net, false), vec![goto("blocked")]]));
         }
@@ -368,6 +385,13 @@ pub(crate) fn load_sandbox_ruleset(
                         ],
                     ]),
                 );
+            }
+            // After the link's housekeeping (link-local and unspecified sources).
+            match v6_addrs {
+                Some((address6, _)) => {
+                    b.rule(chain, join(vec![source_is_not(IpAddr::V6(address6)), vec![goto("blocked")]]))
+                }
+                None => b.rule(chain, vec![goto("blocked")]),
             }
         }
         let gateway: Option<IpAddr> = if v6 { gateway6.map(IpAddr::V6) } else { Some(IpAddr::V4(gateway4)) };
