@@ -18,11 +18,17 @@ struct Out {
 }
 
 fn op(args: &[&str], stdin: Option<&[u8]>) -> Out {
+    op_with(args, stdin, Stdio::piped())
+}
+
+/// `opservant args…` with `stdin` written to it and its stdout on `stdout` (captured when
+/// piped).
+fn op_with(args: &[&str], stdin: Option<&[u8]>, stdout: Stdio) -> Out {
     use std::io::Write;
     let mut child = Command::new(common::opservant())
         .args(args)
         .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
-        .stdout(Stdio::piped())
+        .stdout(stdout)
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawn opservant");
@@ -391,23 +397,6 @@ fn package_signatures_are_plain_ed25519_as_openssl_makes_them() {
     assert!(st.status.success(), "{}", String::from_utf8_lossy(&st.stdout));
 }
 
-/// `args` with stdout on `stdout`; (exit status, stderr).
-fn op_to(args: &[&str], stdin: Option<&[u8]>, stdout: Stdio) -> (i32, String) {
-    use std::io::Write;
-    let mut child = Command::new(common::opservant())
-        .args(args)
-        .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
-        .stdout(stdout)
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn opservant");
-    if let Some(data) = stdin {
-        let _ = child.stdin.take().expect("stdin").write_all(data);
-    }
-    let out = child.wait_with_output().expect("wait");
-    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stderr).into_owned())
-}
-
 #[test]
 fn a_full_stdout_is_exit_2_naming_stdout_never_a_panic() {
     let dir = HostDir::new();
@@ -426,7 +415,7 @@ fn a_full_stdout_is_exit_2_naming_stdout_never_a_panic() {
     ];
     for (args, stdin) in &cases {
         let full = std::fs::OpenOptions::new().write(true).open("/dev/full").expect("/dev/full");
-        let (code, stderr) = op_to(args, *stdin, Stdio::from(full));
+        let Out { code, stderr, .. } = op_with(args, *stdin, Stdio::from(full));
         assert_eq!(code, 2, "{args:?}: {stderr}");
         assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
         assert!(stderr.contains("stdout") && stderr.contains("No space left"), "{args:?}: {stderr}");

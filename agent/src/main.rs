@@ -525,24 +525,32 @@ fn run_sandbox(
 /// double holds exactly — so a run from the CLI sees what the same parameters in a command
 /// would give.
 fn read_params(arg: &str) -> Result<serde_json::Value, CannotRun> {
-    use std::io::Read;
     let bytes = match arg.strip_prefix('@') {
-        Some(path) => {
-            let limit = agent::app::MAX_MESSAGE;
-            let mut bytes = Vec::new();
-            std::fs::File::open(path)
-                .and_then(|f| f.take(limit as u64 + 1).read_to_end(&mut bytes))
-                .map_err(|e| CannotRun(format!("--params @{path}: {e}")))?;
-            if bytes.len() > limit {
-                return Err(CannotRun(format!("--params @{path}: larger than the {limit} bytes a run accepts")));
-            }
-            bytes
-        }
+        Some(path) => read_bounded("--params", path, agent::app::MAX_MESSAGE, "a run accepts")?,
         None => arg.as_bytes().to_vec(),
     };
-    agent::signing::parse_strict(&bytes).map_err(|e| match e {
-        agent::signing::SigningError::Parse(m) => CannotRun(format!("--params: not valid JSON: {m}")),
-        other => CannotRun(format!("--params: {other}")),
+    parse_json_arg("--params", &bytes)
+}
+
+/// `FLAG @PATH`: the file's bytes, at most `limit` (read no further: a FIFO or /dev/zero
+/// cannot make it read for ever).
+fn read_bounded(flag: &str, path: &str, limit: usize, what: &str) -> Result<Vec<u8>, CannotRun> {
+    use std::io::Read;
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)
+        .and_then(|f| f.take(limit as u64 + 1).read_to_end(&mut bytes))
+        .map_err(|e| CannotRun(format!("{flag} @{path}: {e}")))?;
+    if bytes.len() > limit {
+        return Err(CannotRun(format!("{flag} @{path}: larger than the {limit} bytes {what}")));
+    }
+    Ok(bytes)
+}
+
+/// A JSON argument parsed as strictly as a signed command ([`agent::signing::parse_strict`]).
+fn parse_json_arg(flag: &str, bytes: &[u8]) -> Result<serde_json::Value, CannotRun> {
+    agent::signing::parse_strict(bytes).map_err(|e| match e {
+        agent::signing::SigningError::Parse(m) => CannotRun(format!("{flag}: not valid JSON: {m}")),
+        other => CannotRun(format!("{flag}: {other}")),
     })
 }
 
@@ -1026,20 +1034,11 @@ fn run_script(
     Ok(if result.success { ExitCode::SUCCESS } else { ExitCode::from(1) })
 }
 
-/// `@FILE` or the text itself.
 /// `ARG` or, for `@FILE`, the file's text — read no further than a session accepts.
 fn inline_or_file(flag: &str, arg: &str) -> Result<String, CannotRun> {
-    use std::io::Read;
     let Some(path) = arg.strip_prefix('@') else { return Ok(arg.to_string()) };
-    let limit = agent::session::MAX_REQUEST;
-    let mut text = String::new();
-    std::fs::File::open(path)
-        .and_then(|f| f.take(limit as u64 + 1).read_to_string(&mut text))
-        .map_err(|e| CannotRun(format!("{flag} @{path}: {e}")))?;
-    if text.len() > limit {
-        return Err(CannotRun(format!("{flag} @{path}: larger than the {limit} bytes a session request may take")));
-    }
-    Ok(text)
+    let bytes = read_bounded(flag, path, agent::session::MAX_REQUEST, "a session request may take")?;
+    String::from_utf8(bytes).map_err(|e| CannotRun(format!("{flag} @{path}: not UTF-8 ({e})")))
 }
 
 fn session(command: SessionCommand) -> Result<ExitCode, CannotRun> {
@@ -1087,12 +1086,7 @@ fn session(command: SessionCommand) -> Result<ExitCode, CannotRun> {
         SessionCommand::Exec { name, code, globals, return_names, timeout } => {
             let code = inline_or_file("--code", &code)?;
             let globals: serde_json::Value = match globals {
-                Some(g) => {
-                    agent::signing::parse_strict(inline_or_file("--globals", &g)?.as_bytes()).map_err(|e| match e {
-                        agent::signing::SigningError::Parse(m) => CannotRun(format!("--globals: not valid JSON: {m}")),
-                        other => CannotRun(format!("--globals: {other}")),
-                    })?
-                }
+                Some(g) => parse_json_arg("--globals", inline_or_file("--globals", &g)?.as_bytes())?,
                 None => serde_json::json!({}),
             };
             if !globals.is_object() {
