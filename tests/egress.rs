@@ -499,34 +499,27 @@ def _multi_download(host, port, n, seconds):
     return {"ok": True, "bytes": total, "bytes_per_second": total / window, "window_s": window, "flows": res}
 
 
-def _step_extra(op, args):
+def _to(find_host, send, *args):
+    """`send(host, *args)` to the host `find_host()` names, recorded as `host`."""
     t0 = time.monotonic()
+    try:
+        host = find_host()
+    except Exception as e:
+        return _fail(e, t0)
+    r = send(host, *args)
+    r["host"] = host
+    return r
+
+
+def _step_extra(op, args):
     if op == "udp":
         return _udp(*args)
     if op == "udp_gw":
-        try:
-            gw = _gateway()
-        except Exception as e:
-            return _fail(e, t0)
-        r = _udp(gw, *args)
-        r["host"] = gw
-        return r
+        return _to(_gateway, _udp, *args)
     if op == "udp_gw6":
-        try:
-            gw = _gateway6()
-        except Exception as e:
-            return _fail(e, t0)
-        r = _udp(gw, *args)
-        r["host"] = gw
-        return r
+        return _to(_gateway6, _udp, *args)
     if op == "udp_bcast_own":
-        try:
-            b = _own_broadcast()
-        except Exception as e:
-            return _fail(e, t0)
-        r = _udp(b, args[0], args[1], {"broadcast": True})
-        r["host"] = b
-        return r
+        return _to(_own_broadcast, _udp, args[0], args[1], {"broadcast": True})
     if op == "socket":
         return _sock(*args)
     if op == "ping":
@@ -550,13 +543,7 @@ def _step(step):
     if op == "connect":
         return _connect(*args)
     if op == "connect_gw":
-        try:
-            gw = _gateway()
-        except Exception as e:
-            return _fail(e, t0)
-        r = _connect(gw, *args)
-        r["host"] = gw
-        return r
+        return _to(_gateway, _connect, *args)
     if op == "resolve":
         return _resolve(*args)
     if op == "udp_dns":
