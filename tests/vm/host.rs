@@ -125,6 +125,15 @@ pub fn boot_and_run(test: &str, announce: &str, env: &[(&str, String)], guest_en
     }
 }
 
+/// How long the guest may print nothing before the host gives up on it: its own watchdog
+/// reports after the command deadline plus 60 s without progress; beyond that and a
+/// margin for a slow boot, the guest is frozen whole (seen in CI: the first check's line,
+/// then nothing until the VM's 600 s timeout).
+fn silence_limit() -> std::time::Duration {
+    let deadline = std::env::var("VM_COMMAND_DEADLINE").ok().and_then(|s| s.parse::<u64>().ok()).unwrap_or(150);
+    std::time::Duration::from_secs(deadline + 60 + 120)
+}
+
 enum Boot {
     Done(ExitCode),
     RunnerStuck,
@@ -144,7 +153,10 @@ fn boot_once(test: &str, env: &[(&str, String)], guest_env: &[&str]) -> Boot {
     let start = Instant::now();
     // The guest's per-command deadline (tests/vm/guest.rs), when set here.
     let deadline = std::env::var("VM_COMMAND_DEADLINE").ok().map(|s| format!("VM_COMMAND_DEADLINE={s}"));
+    use std::os::unix::process::CommandExt;
     let child = Command::new(&script)
+        // Its own process group: a silent VM is killed whole (the script, its timeout, QEMU).
+        .process_group(0)
         .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
         .args(["env", "OPSERVANT_IN_VM=1"])
         .args(guest_env)
@@ -160,23 +172,62 @@ fn boot_once(test: &str, env: &[(&str, String)], guest_env: &[&str]) -> Boot {
             return Boot::Done(ExitCode::FAILURE);
         }
     };
-    // Pass the guest's output on as it comes, watching for the watchdog's report (which may
-    // straddle two reads: the tail of the last one is kept).
+    // Pass the guest's output on as it comes (read on a thread, so that silence can be
+    // timed), watching for the watchdog's report (which may straddle two reads: the tail of
+    // the last one is kept).
     let (mut stuck, mut check_failed) = (false, false);
     if let Some(mut out) = child.stdout.take() {
-        let mut buf = [0u8; 8192];
+        let (tx, rx) = std::sync::mpsc::channel::<Vec<u8>>();
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 8192];
+            loop {
+                match out.read(&mut buf) {
+                    Ok(0) => break,
+                    Ok(n) => {
+                        if tx.send(buf[..n].to_vec()).is_err() {
+                            break;
+                        }
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(_) => break,
+                }
+            }
+        });
+        let silence = silence_limit();
         let mut window: Vec<u8> = Vec::new();
         loop {
-            let n = match out.read(&mut buf) {
-                Ok(0) => break,
-                Ok(n) => n,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                Err(_) => break,
+            let chunk = match rx.recv_timeout(silence) {
+                Ok(c) => c,
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                    // Not even the guest's watchdog (deadline + 60 s) spoke: the guest is
+                    // frozen whole, or its console is. Nothing more can be learnt from it.
+                    println!(
+                        "\n{test}: the guest has been silent for {}s, past its own watchdog: killing the VM",
+                        silence.as_secs()
+                    );
+                    // SIGTERM to our child's process group (process_group(0)): vm-exec.sh's trap
+                    // passes it on to `timeout`, which takes QEMU's own group down (and kills
+                    // it 15 s later if need be). SIGKILL if that has not ended it in 30 s.
+                    let group = -(child.id() as i32);
+                    // SAFETY: kill(2) on the process group of our own, not yet reaped child.
+                    unsafe { libc::kill(group, libc::SIGTERM) };
+                    let until = Instant::now() + std::time::Duration::from_secs(30);
+                    while matches!(child.try_wait(), Ok(None)) && Instant::now() < until {
+                        std::thread::sleep(std::time::Duration::from_millis(200));
+                    }
+                    if matches!(child.try_wait(), Ok(None)) {
+                        // SAFETY: as above; the child is still running, so not reaped.
+                        unsafe { libc::kill(group, libc::SIGKILL) };
+                    }
+                    let _ = child.wait();
+                    return if check_failed { Boot::Done(ExitCode::FAILURE) } else { Boot::RunnerStuck };
+                }
             };
             let mut stdout = std::io::stdout().lock();
-            let _ = stdout.write_all(&buf[..n]);
+            let _ = stdout.write_all(&chunk);
             let _ = stdout.flush();
-            window.extend_from_slice(&buf[..n]);
+            window.extend_from_slice(&chunk);
             let holds = |marker: &[u8]| window.windows(marker.len()).any(|w| w == marker);
             // A check's failure counts only before the watchdog's report.
             check_failed |= !stuck && holds(CHECK_FAILED);
