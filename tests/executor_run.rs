@@ -1911,11 +1911,9 @@ class TestExecutor(BaseExecutor):
     assert_eq!(r["limits"]["enforced"]["cpu"], true);
 }
 
-/// The runtime's warm-up (a warm pool's sandbox is asked for it while it waits for a run):
-/// answered once with what it populated, refused the second time before any run exists.
-/// Driven directly, outside a sandbox, over the application channel on fd 4.
-#[test]
-fn the_runtime_warms_up_once_and_only_before_its_arguments() {
+/// Start `opservant-runtime` outside a sandbox, its application channel on fd 4; returns the
+/// agent's end of the channel and the child.
+fn runtime_on_channel() -> (sandbox::channel::Channel, std::process::Child) {
     use std::os::unix::process::CommandExt;
     let (agent_end, runtime_end) = sandbox::channel::Channel::pair().unwrap();
     let fd = runtime_end.raw_fd();
@@ -1934,6 +1932,71 @@ fn the_runtime_warms_up_once_and_only_before_its_arguments() {
     }
     let child = cmd.spawn().unwrap();
     drop(runtime_end);
+    (agent_end, child)
+}
+
+/// The runtime reports `ready` (the agent then writes the deferred CPU quota) and waits for
+/// the agent's `proceed` before any executor code runs: an executor whose module writes a
+/// marker as it is imported leaves none when the agent answers `ready` by closing the
+/// channel (the quota was never confirmed), and one — with a result — after `proceed`.
+/// Driven directly, outside a sandbox, over the application channel on fd 4.
+#[test]
+fn the_runtime_runs_no_executor_code_before_the_agent_confirms_the_cpu_quota() {
+    let d = HostDir::new();
+    let marker = PathBuf::from(d.str()).join("imported");
+    let package = PathBuf::from(d.str()).join("pkg");
+    std::fs::create_dir(&package).unwrap();
+    std::fs::write(
+        package.join("probe.py"),
+        format!(
+            "from opservant.executor import BaseExecutor, ExecutorResult\n\
+             open({:?}, 'w').close()\n\
+             class Probe(BaseExecutor):\n    def validate(self, params):\n        return True\n\
+             \n    def execute(self, params, context):\n        return ExecutorResult(status='completed', output={{}})\n",
+            marker.to_str().unwrap()
+        ),
+    )
+    .unwrap();
+    let args = serde_json::to_vec(&json!({
+        "mode": "executor", "package_dir": package, "entry_point": "probe.Probe", "paths": [],
+        "params": {}, "agent_id": "test", "action": null, "command_id": null, "config": {}
+    }))
+    .unwrap();
+    let ready = |chan: &sandbox::channel::Channel| -> Value {
+        serde_json::from_slice(&chan.recv_bytes(1 << 20).unwrap().expect("a message")).unwrap()
+    };
+
+    // The agent never confirms: the executor's module is not imported.
+    let (agent_end, child) = runtime_on_channel();
+    agent_end.send_bytes(&args).unwrap();
+    assert_eq!(ready(&agent_end)["type"], "ready");
+    drop(agent_end);
+    let out = child.wait_with_output().unwrap();
+    assert!(!out.status.success(), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("before the CPU quota was in force"), "{out:?}");
+    assert!(!marker.exists(), "executor code ran before the agent confirmed the CPU quota");
+
+    // Confirmed: it is imported and the run completes.
+    let (agent_end, child) = runtime_on_channel();
+    agent_end.send_bytes(&args).unwrap();
+    assert_eq!(ready(&agent_end)["type"], "ready");
+    assert!(!marker.exists());
+    agent_end.send_bytes(br#"{"type":"proceed"}"#).unwrap();
+    let result = ready(&agent_end);
+    assert_eq!(result["type"], "result", "{result}");
+    assert_eq!(result["status"], "completed", "{result}");
+    assert!(marker.exists(), "the executor's module was imported after proceed");
+    drop(agent_end);
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+}
+
+/// The runtime's warm-up (a warm pool's sandbox is asked for it while it waits for a run):
+/// answered once with what it populated, refused the second time before any run exists.
+/// Driven directly, outside a sandbox, over the application channel on fd 4.
+#[test]
+fn the_runtime_warms_up_once_and_only_before_its_arguments() {
+    let (agent_end, child) = runtime_on_channel();
     let warm = serde_json::to_vec(&json!({"mode": "warm"})).unwrap();
     agent_end.send_bytes(&warm).unwrap();
     let reply: Value = serde_json::from_slice(&agent_end.recv_bytes(1 << 20).unwrap().unwrap()).unwrap();

@@ -348,3 +348,50 @@ fn a_zygote_sandbox_s_mount_namespace_is_held_by_the_parent_and_released_after_t
         assert!(!held_mount_namespaces().contains(&sandbox_ns), "round {round}: {sandbox_ns} still held");
     }
 }
+
+/// The CPU quota's control file of the sandbox cgroup `pid` is in (this host's v1 `cpu`
+/// hierarchy, or a unified v2 tree at /sys/fs/cgroup), or `None` while it is in none.
+fn sandbox_cpu_quota_of(pid: i32) -> Option<String> {
+    let cgroups = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    let file = cgroups.lines().find_map(|line| {
+        let mut parts = line.splitn(3, ':');
+        let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+        if !path.contains("opservant-sb-") {
+            None
+        } else if controllers.split(',').any(|c| c == "cpu") {
+            Some(format!("/sys/fs/cgroup/{controllers}{path}/cpu.cfs_quota_us"))
+        } else if controllers.is_empty() && std::path::Path::new("/sys/fs/cgroup/cgroup.controllers").exists() {
+            Some(format!("/sys/fs/cgroup{path}/cpu.max"))
+        } else {
+            None
+        }
+    })?;
+    Some(std::fs::read_to_string(&file).unwrap_or_else(|e| panic!("{file}: {e}")).trim().to_string())
+}
+
+/// A CPU quota that is not deferred is in force before any process of the sandbox runs in
+/// its cgroup: it is written as the cgroup is made, not when the payload's start is
+/// reported — read here as soon as init has joined, before `wait` has read any report.
+#[test]
+fn a_cpu_quota_is_in_force_before_the_sandbox_runs() {
+    if !require_root() {
+        return;
+    }
+    let _view = common::host_view();
+    let sb = Sandbox::spawn(&spec(&["/bin/sleep", "1"]), &launcher(), None).unwrap();
+    let monitor = sb.monitor_pid();
+    let give_up = Instant::now() + Duration::from_secs(10);
+    let quota = loop {
+        // Init: the monitor's only child.
+        let children = std::fs::read_to_string(format!("/proc/{monitor}/task/{monitor}/children")).unwrap_or_default();
+        if let Some(quota) = children.split_whitespace().find_map(|c| sandbox_cpu_quota_of(c.parse().ok()?)) {
+            break quota;
+        }
+        assert!(Instant::now() < give_up, "init never joined its cgroup");
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    assert!(quota == "50000" || quota == "50000 100000", "50 % of a 100 ms period: {quota}");
+    let o = sb.wait(OutputOptions::default()).unwrap();
+    assert!(o.success(), "{o:?}");
+    assert!(o.cgroup.cpu, "reported as enforced: {o:?}");
+}

@@ -57,8 +57,9 @@ pub enum FromPayload {
         #[serde(default)]
         globals: serde_json::Map<String, Value>,
     },
-    /// The runtime's trusted start-up is over; executor code comes next (the agent applies
-    /// the CPU quota).
+    /// The runtime's trusted start-up is over; executor code comes next. The agent applies
+    /// the CPU quota and answers [`ToPayload::Proceed`]; the runtime waits for that answer,
+    /// so no code of the run starts before the quota is in force.
     Ready,
     /// Reply to [`RuntimeArgs::Warm`]: the warm-up is done and the runtime waits for the
     /// run's arguments. `prefaulted_kib`: memory it made its own (copy-on-write broken).
@@ -78,6 +79,9 @@ pub enum FromPayload {
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
 pub enum ToPayload {
+    /// Reply to [`FromPayload::Ready`]: the CPU quota is in force, the runtime may go on.
+    /// Never sent when the quota could not be written (the sandbox is stopped instead).
+    Proceed,
     Secret {
         value: String,
     },
@@ -145,6 +149,14 @@ pub fn recv(chan: &sandbox::channel::Channel) -> Result<Option<FromPayload>, Str
             serde_json::from_slice(&bytes).map(Some).map_err(|e| format!("malformed message from the runtime: {e}"))
         }
     }
+}
+
+/// Answer a payload's [`FromPayload::Ready`]: apply the deferred CPU quota, then let the
+/// runtime go on. When the quota cannot be written nothing is sent — the limiter has
+/// already stopped the sandbox (fail closed) — and the error is returned.
+pub fn proceed(chan: &sandbox::channel::Channel, cpu: &sandbox::CpuLimiter) -> Result<(), String> {
+    cpu.apply()?;
+    chan.send_bytes(&encode(&ToPayload::Proceed)).map_err(|e| format!("agent channel: {}", e.desc()))
 }
 
 /// Encode for the channel.

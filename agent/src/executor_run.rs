@@ -489,8 +489,11 @@ fn serve(
                 }
             }
             FromPayload::Ready => {
-                // A failed write is seen by the sandbox, which then stops the run.
-                let _ = cpu.apply();
+                // A failed write stops the sandbox (fail closed); the payload, waiting for
+                // the answer, then never reaches executor code.
+                if app::proceed(&chan, cpu).is_err() {
+                    return out;
+                }
             }
             FromPayload::Result { status, output, error, artifacts } => {
                 if out.result.is_none() {

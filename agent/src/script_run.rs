@@ -220,8 +220,11 @@ fn serve(chan: sandbox::channel::Channel, cpu: &sandbox::CpuLimiter) -> Served {
             Ok(None) => return out,
             Ok(Some(FromPayload::Ready)) => {
                 out.ready = true;
-                // A failed write stops the sandbox at once (fail closed).
-                let _ = cpu.apply();
+                // A failed write stops the sandbox at once (fail closed); the script, waiting
+                // for the answer, never starts.
+                if app::proceed(&chan, cpu).is_err() {
+                    return out;
+                }
             }
             Ok(Some(FromPayload::ValidationError { error })) => {
                 out.validation_error.get_or_insert(error);

@@ -532,8 +532,11 @@ impl Daemon {
         let started = loop {
             match daemon.next_message(deadline) {
                 Ok(Some(FromPayload::Ready)) => {
-                    // A failed write stops the sandbox at once (fail closed).
-                    let _ = cpu.apply();
+                    // A failed write stops the sandbox at once (fail closed); the runtime,
+                    // waiting for the answer, never reaches session code.
+                    if let Err(e) = app::proceed(&daemon.chan, &cpu) {
+                        break Err(format!("the CPU quota: {e}"));
+                    }
                 }
                 Ok(Some(FromPayload::SessionReply { success: true, .. })) => break Ok(()),
                 Ok(Some(FromPayload::SessionReply { error, .. })) => {

@@ -536,9 +536,9 @@ impl SandboxCgroup {
     }
 
     /// The control-file writes that apply the CPU quota (empty when none was requested or
-    /// the controller is missing). They are made when the payload starts (see
-    /// `parent::CpuLimiter`), so that the sandbox's own setup is not throttled by the
-    /// payload's budget; memory and pids limits are in force from creation.
+    /// the controller is missing). The parent makes them before any process joins the
+    /// cgroup, or — a deferred quota — when the payload's trusted start-up is over (see
+    /// `parent::CpuLimiter`); memory and pids limits are in force from creation.
     pub fn cpu_writes(&self) -> Vec<(PathBuf, String)> {
         let (Some((pct, period)), Some(dir)) = (self.cpu_pending, self.dir(Controller::Cpu)) else {
             return Vec::new();

@@ -103,10 +103,12 @@ pub enum Stream {
 /// The longest a deferred CPU quota waits after the payload started.
 pub const CPU_DEFER_MAX: Duration = Duration::from_secs(1);
 
-/// Applies a sandbox's CPU quota once, from any thread. With `limits.cpu_deferred` the
-/// caller applies it when the payload's trusted start-up is over (e.g. an interpreter's
-/// initialisation); the sandbox applies it itself at the latest [`CPU_DEFER_MAX`] after the
-/// payload started. A failed write stops the run (fail closed).
+/// Applies a sandbox's CPU quota once, from any thread. Without `limits.cpu_deferred` it is
+/// written when the cgroup is created, before any process joins it. With it, the caller
+/// applies it when the payload's trusted start-up is over (e.g. an interpreter's
+/// initialisation) and holds the payload until then; the sandbox applies it itself at the
+/// latest [`CPU_DEFER_MAX`] after the payload started. A failed write stops the run (fail
+/// closed).
 #[derive(Debug, Default)]
 pub struct CpuLimiter {
     writes: Vec<(std::path::PathBuf, String)>,
@@ -348,13 +350,23 @@ impl Sandbox {
         // The cgroups are created while the monitor creates the namespaces (the two are the
         // slowest setup steps and run on different CPUs).
         let cgroup = SandboxCgroup::create(&spec.limits)?;
-        self.cpu = std::sync::Arc::new(CpuLimiter {
-            writes: cgroup.cpu_writes(),
-            stop: Some(self.stop.clone()),
-            ..Default::default()
-        });
+        let writes = cgroup.cpu_writes();
         let join = cgroup.join_files();
+        // Kept before the quota is written: a failure below removes it with `self`.
         self.cgroup = Some(cgroup);
+        let applied = !self.cpu_deferred;
+        if applied {
+            // In force before anything joins the cgroup: no process of the sandbox ever runs
+            // unthrottled (its own setup, a few ms of CPU, counts against the quota too).
+            for (path, value) in &writes {
+                SandboxCgroup::write_control(path, value)?;
+            }
+        }
+        self.cpu = std::sync::Arc::new(CpuLimiter {
+            writes,
+            state: std::sync::Mutex::new(CpuState { applied, error: None }),
+            stop: Some(self.stop.clone()),
+        });
         self.chan
             .send(&ToSandbox::Cgroups { join })
             .map_err(|e| SandboxError::Channel(format!("send cgroups: {}", e.desc())))?;
@@ -555,12 +567,9 @@ impl Sandbox {
                             FromSandbox::InitForked { pid } => self.init = Some(Pid::from_raw(pid)),
                             FromSandbox::Started(r) => {
                                 report = Some(*r);
+                                // (A quota that is not deferred was written at creation.)
                                 if self.cpu_deferred {
                                     cpu_at = Some(Instant::now() + CPU_DEFER_MAX);
-                                } else if let Err(e) = self.cpu.apply() {
-                                    // Fail closed: a limit that did not apply stops the run.
-                                    self.kill();
-                                    failure.get_or_insert(StepError::new(Stage::Protocol, e));
                                 }
                             }
                             FromSandbox::Failed(e) => {

@@ -310,7 +310,7 @@ pub struct Limits {
     pub cpu_percent: Option<u32>,
     /// Apply the CPU quota when the caller says the payload's trusted start-up is over
     /// ([`crate::parent::CpuLimiter`]), at the latest [`crate::parent::CPU_DEFER_MAX`] after
-    /// the payload started, instead of when it starts.
+    /// the payload started, instead of when the cgroup is made (before any process joins it).
     #[serde(default)]
     pub cpu_deferred: bool,
     /// The window (CFS period, µs) over which `cpu_percent` is enforced; `None`: the

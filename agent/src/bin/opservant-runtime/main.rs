@@ -17,7 +17,7 @@ use std::ffi::CString;
 use std::process::ExitCode;
 use std::sync::{Mutex, OnceLock};
 
-use agent::app::{self, FromPayload, RuntimeArgs};
+use agent::app::{self, FromPayload, RuntimeArgs, ToPayload};
 use pyo3::prelude::*;
 use sandbox::channel::{Channel, APP_FD};
 
@@ -119,7 +119,7 @@ pub(crate) fn run_bash(chan: Channel, path: &str) -> Result<u8, String> {
             .map_err(|e| format!("agent channel: {}", e.desc()))?;
         return Ok(VALIDATION_FAILED);
     }
-    chan.send_bytes(&app::encode(&FromPayload::Ready)).map_err(|e| format!("agent channel: {}", e.desc()))?;
+    ready_and_wait(&chan)?;
     drop(chan);
     let err = Command::new(BASH).arg(path).arg0("bash").exec();
     Err(format!("cannot execute {BASH}: {err}"))
@@ -133,10 +133,19 @@ const BASH: &str = "/bin/bash";
 const VALIDATION_FAILED: u8 = 65;
 
 /// Tell the agent the trusted start-up is over (called by the bootstrap).
-fn send(msg: &FromPayload) -> Result<(), String> {
-    let chan = APP.get().ok_or("no application channel")?;
-    let chan = chan.lock().map_err(|_| "application channel poisoned")?;
-    chan.send_bytes(&app::encode(msg)).map_err(|e| format!("agent channel: {}", e.desc()))
+/// Report the runtime's start-up over and wait until the agent answers that the CPU quota
+/// is in force ([`ToPayload::Proceed`]); anything else, or the end of the channel, is an
+/// error and the run goes no further.
+pub(crate) fn ready_and_wait(chan: &Channel) -> Result<(), String> {
+    chan.send_bytes(&app::encode(&FromPayload::Ready)).map_err(|e| format!("agent channel: {}", e.desc()))?;
+    match chan.recv_bytes(app::MAX_MESSAGE).map_err(|e| format!("agent channel: {e}"))? {
+        None => Err("the agent closed the channel before the CPU quota was in force".into()),
+        Some(bytes) => match serde_json::from_slice::<ToPayload>(&bytes) {
+            Ok(ToPayload::Proceed) => Ok(()),
+            Ok(other) => Err(format!("agent channel: expected proceed, got {other:?}")),
+            Err(e) => Err(format!("agent channel: malformed message: {e}")),
+        },
+    }
 }
 
 /// Start CPython from an isolated configuration.

@@ -20,6 +20,9 @@ const SCRATCH: &str = sandbox::spec::SCRATCH_DIR;
 
 static ARTIFACT_BYTES: AtomicU64 = AtomicU64::new(0);
 
+/// Whether `ready` was sent (it is sent once).
+static READY_SENT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 extern "C" {
     /// glibc's `srandom(3)` (not bound by the libc crate).
     fn srandom(seed: libc::c_uint);
@@ -133,10 +136,21 @@ pub mod _opservant {
         Ok(Some(env))
     }
 
-    /// The interpreter is up and the runtime imported; executor code comes next.
+    /// The interpreter is up and the runtime imported; executor code comes next. Tells the
+    /// agent and waits for its answer, which comes once the CPU quota is in force (an
+    /// error if the agent closes the channel instead: the run must not go on). Once per
+    /// process; later calls return at once.
     #[pyfunction]
-    fn ready() -> PyResult<()> {
-        super::super::send(&FromPayload::Ready).map_err(PyOSError::new_err)
+    fn ready(py: Python<'_>) -> PyResult<()> {
+        if READY_SENT.swap(true, Ordering::SeqCst) {
+            return Ok(());
+        }
+        py.detach(|| {
+            let chan = APP.get().ok_or("no application channel")?;
+            let chan = chan.lock().map_err(|_| "application channel poisoned")?;
+            super::super::ready_and_wait(&chan)
+        })
+        .map_err(PyOSError::new_err)
     }
 
     /// Wait for the next session call: `{"code", "globals", "return"}`, or None when the
