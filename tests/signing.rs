@@ -429,6 +429,32 @@ fn a_full_stdout_is_exit_2_naming_stdout_never_a_panic() {
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
+/// An error message that cannot be written (stderr full) is dropped; the exit status is the
+/// command's own — never an abort from a panic in the message's printing.
+#[test]
+fn a_full_stderr_keeps_the_exit_status_and_never_panics() {
+    let dir = HostDir::new();
+    let (key, _public) = keys(&dir);
+    let cases: Vec<(Vec<&str>, i32)> = vec![
+        (vec!["verify", "--pub", "/nonexistent/key.pub", "-"], 2),
+        (vec!["run", "/nonexistent/executor"], 2),
+        (vec!["sign", "--key", &key, "--package", "/nonexistent/pkg.tar.gz"], 2),
+        (vec!["executor", "lint", "/nonexistent/executor"], 2),
+    ];
+    for (args, want) in &cases {
+        let full = std::fs::OpenOptions::new().write(true).open("/dev/full").expect("/dev/full");
+        let out = Command::new(common::opservant())
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::from(full))
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(*want), "{args:?}: {:?}", out.status);
+        assert!(out.stdout.is_empty(), "{args:?}: {out:?}");
+    }
+}
+
 #[test]
 fn keygen_on_a_full_disk_leaves_nothing_behind_and_a_retry_succeeds() {
     if !common::require_root() {

@@ -461,6 +461,8 @@ fn bad_configurations_are_refused_naming_the_key() {
         ("https://", "http://", "secrets.vault_address", "http"),
         ("auth_method: approle", "auth_method: userpass", "secrets.auth_method", "userpass"),
         ("  vault_ca:", "  #vault_ca:", "secrets.vault_ca", "required"),
+        // A device is never read (it would be read for ever).
+        ("  vault_ca: ", "  vault_ca: /dev/zero\n  #", "secrets.vault_ca", "not a regular file"),
         ("vault_path: secret/data/opservant", "vault_path: secret/../x", "secrets.vault_path", ".."),
         ("  role_id:", "  #role_id:", "secrets.role_id", "required"),
     ];

@@ -4,6 +4,7 @@
 pub mod app;
 pub mod audit;
 pub mod bench;
+pub mod bounded;
 pub mod bytecode;
 pub mod command;
 pub mod config;

@@ -345,6 +345,14 @@ macro_rules! out {
     };
 }
 
+/// `eprintln!` that cannot panic: a stderr that cannot be written drops the message (see
+/// [`agent::stdout::eprint`]).
+macro_rules! errln {
+    ($($arg:tt)*) => {
+        agent::stdout::eprint(&format!("{}\n", format_args!($($arg)*)))
+    };
+}
+
 /// A failure to run: exit status 2 with a one-line reason.
 struct CannotRun(String);
 
@@ -383,7 +391,7 @@ fn main() -> ExitCode {
             return match agent::egress::collect_host_table(delay_ms.min(60_000)) {
                 Ok(_) => ExitCode::SUCCESS,
                 Err(e) => {
-                    eprintln!("opservant: {e}");
+                    errln!("opservant: {e}");
                     ExitCode::from(1)
                 }
             };
@@ -444,7 +452,7 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(CannotRun(reason)) => {
-            eprintln!("opservant: {}", one_terminal_line(&reason));
+            errln!("opservant: {}", one_terminal_line(&reason));
             ExitCode::from(2)
         }
     }
@@ -686,7 +694,7 @@ fn agent_daemon(config: Option<PathBuf>, check_only: bool) -> Result<ExitCode, C
         // Entries of executors.install that would not install: the agent still starts
         // without them, so they are warnings, not errors.
         for w in agent::executor_install::check_configured(&cfg, &trust) {
-            eprintln!("opservant: warning: {w}");
+            errln!("opservant: warning: {w}");
         }
         outln!("configuration ok");
         return Ok(ExitCode::SUCCESS);
@@ -797,12 +805,12 @@ fn bench(
         Ok(r) => r,
         Err(BenchError::Usage(m)) => return Err(CannotRun(m)),
         Err(BenchError::Failed(m)) => {
-            eprintln!("opservant: bench: {m}");
+            errln!("opservant: bench: {m}");
             return Ok(ExitCode::from(1));
         }
         // Ran but did not complete: 1, as the command line's contract has it (DESIGN.md §5).
         Err(e @ BenchError::Interrupted(_)) => {
-            eprintln!("opservant: bench: {e}");
+            errln!("opservant: bench: {e}");
             return Ok(ExitCode::from(1));
         }
     };
@@ -1173,7 +1181,7 @@ fn executor_install(
         outln!("{}", serde_json::to_string(&installed)?);
     } else {
         for w in &installed.warnings {
-            eprintln!("opservant: warning: {w}");
+            errln!("opservant: warning: {w}");
         }
         outln!("installed {} {} in {}", installed.name, installed.version, installed.path.display());
     }
@@ -1204,7 +1212,7 @@ fn executor_remove(name: &str, config: Option<PathBuf>) -> Result<ExitCode, Cann
             Ok(ExitCode::SUCCESS)
         }
         false => {
-            eprintln!("opservant: {name}: not installed");
+            errln!("opservant: {name}: not installed");
             Ok(ExitCode::from(1))
         }
     }

@@ -59,8 +59,11 @@ pub struct Platform {
     heartbeat: Duration,
 }
 
+/// A certificate or key file the configuration names: a regular file of at most
+/// [`crate::tls::MAX_CERT_FILE`] bytes.
 fn read(p: &std::path::Path, what: &str) -> Result<Vec<u8>, String> {
-    std::fs::read(p).map_err(|e| format!("network.agent_to_platform.{what}: {}: {e}", p.display()))
+    crate::bounded::read_regular(p, crate::tls::MAX_CERT_FILE)
+        .map_err(|e| format!("network.agent_to_platform.{what}: {}: {e}", p.display()))
 }
 
 impl Platform {

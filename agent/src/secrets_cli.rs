@@ -104,10 +104,10 @@ pub fn run(cmd: SecretsCommand) -> Result<u8, SecretsCliError> {
             let replaced = store.set(&name, &value)?;
             store.save()?;
             if let Some(k) = created_key {
-                eprintln!(
-                    "opservant: created the store key {} (mode 0600); keep a copy somewhere safe: without it the store cannot be read",
+                crate::stdout::eprint(&format!(
+                    "opservant: created the store key {} (mode 0600); keep a copy somewhere safe: without it the store cannot be read\n",
                     k.display()
-                );
+                ));
             }
             let store_path = store.path().display().to_string();
             let replaced = if replaced { "true" } else { "false" };
@@ -176,7 +176,10 @@ fn location(config: Option<&Path>, audited: bool) -> Result<Location, SecretsCli
 }
 
 fn not_found(name: &str, store: &Path) -> u8 {
-    eprintln!("opservant: {}", StoreError::NotFound { name: name.to_string(), path: store.to_path_buf() });
+    crate::stdout::eprint(&format!(
+        "opservant: {}\n",
+        StoreError::NotFound { name: name.to_string(), path: store.to_path_buf() }
+    ));
     1
 }
 
@@ -264,7 +267,7 @@ fn prompt(tty: &File, name: &str) -> Result<Zeroizing<Vec<u8>>, SecretsCliError>
         let _ = unsafe { sigaction(sig, &old) };
     }
     if INTERRUPTED.load(Ordering::SeqCst) {
-        eprintln!();
+        crate::stdout::eprint("\n");
     }
     restored.map_err(term_err)?;
     result
@@ -272,7 +275,7 @@ fn prompt(tty: &File, name: &str) -> Result<Zeroizing<Vec<u8>>, SecretsCliError>
 
 /// One line from the terminal, without its newline.
 fn read_line(mut tty: &File, label: &str) -> Result<Zeroizing<Vec<u8>>, SecretsCliError> {
-    eprint!("{label}");
+    crate::stdout::eprint(label);
     let mut line = Zeroizing::new(Vec::with_capacity(MAX_VALUE + 1));
     let mut byte = Zeroizing::new([0u8; 1]);
     loop {

@@ -20,9 +20,15 @@ pub fn pem_certificates(pem: &[u8]) -> Vec<Certificate<'static>> {
         .collect()
 }
 
-/// The CA certificates of the PEM file at `path`; errors name the configuration `key`.
+/// Largest certificate file read (a CA bundle or a client chain; the whole Mozilla bundle is
+/// ~220 KB).
+pub const MAX_CERT_FILE: u64 = 4 << 20;
+
+/// The CA certificates of the PEM file at `path` (a regular file of at most
+/// [`MAX_CERT_FILE`] bytes); errors name the configuration `key`.
 pub fn read_ca(path: &Path, key: &str) -> Result<Vec<Certificate<'static>>, String> {
-    let pem = std::fs::read(path).map_err(|e| format!("{key}: {}: {e}", path.display()))?;
+    let pem =
+        crate::bounded::read_regular(path, MAX_CERT_FILE).map_err(|e| format!("{key}: {}: {e}", path.display()))?;
     let roots = pem_certificates(&pem);
     if roots.is_empty() {
         return Err(format!("{key}: {}: no certificate in it", path.display()));

@@ -42,7 +42,7 @@ fn main() -> ExitCode {
     match run() {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
-            eprintln!("opservant-runtime: {e}");
+            agent::stdout::eprint(&format!("opservant-runtime: {e}\n"));
             ExitCode::from(RUNTIME_FAILED)
         }
     }

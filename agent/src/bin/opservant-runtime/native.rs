@@ -120,7 +120,7 @@ pub mod _opservant {
                 let code = match super::super::run_bash(chan, &path.clone()) {
                     Ok(code) => code as i32,
                     Err(e) => {
-                        eprintln!("opservant-runtime: {e}");
+                        agent::stdout::eprint(&format!("opservant-runtime: {e}\n"));
                         70
                     }
                 };

@@ -1,0 +1,44 @@
+//! Reading a file the configuration names (a CA, a certificate, a key), no further than a
+//! cap: only a regular file is read, opened without blocking, so a FIFO cannot hang the
+//! agent and a device like `/dev/zero` cannot fill its memory.
+
+use std::io::{Error, ErrorKind, Read};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
+
+/// The whole of the regular file at `path`, at most `limit` bytes; larger is an error.
+pub fn read_regular(path: &Path, limit: u64) -> std::io::Result<Vec<u8>> {
+    let file = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(path)?;
+    if !file.metadata()?.is_file() {
+        return Err(Error::new(ErrorKind::InvalidInput, "not a regular file"));
+    }
+    let mut bytes = Vec::new();
+    file.take(limit + 1).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > limit {
+        return Err(Error::new(ErrorKind::InvalidData, format!("larger than {limit} bytes")));
+    }
+    Ok(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_a_regular_file_up_to_the_cap_and_refuses_anything_else() {
+        let dir = std::env::temp_dir().join(format!("opservant-bounded-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("f");
+        std::fs::write(&file, b"12345").unwrap();
+        assert_eq!(read_regular(&file, 5).unwrap(), b"12345");
+        let e = read_regular(&file, 4).unwrap_err();
+        assert!(e.to_string().contains("larger than 4 bytes"), "{e}");
+        let e = read_regular(Path::new("/dev/zero"), 1 << 20).unwrap_err();
+        assert!(e.to_string().contains("not a regular file"), "{e}");
+        let fifo = dir.join("fifo");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        let e = read_regular(&fifo, 1 << 20).unwrap_err();
+        assert!(e.to_string().contains("not a regular file"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
