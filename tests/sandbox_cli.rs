@@ -48,6 +48,26 @@ fn program_output_then_json_on_the_last_line() {
     assert_eq!(lines.len(), 3);
 }
 
+/// The sandbox's PID 1 (its init) does not show the command line that started it: a cold
+/// monitor is a fork of the CLI, whose arguments (here a marker) would otherwise be
+/// readable by every process in the sandbox as `/proc/1/cmdline`.
+#[test]
+fn the_cli_arguments_are_not_pid_1s_command_line() {
+    if !require_root() {
+        return;
+    }
+    let dir = HostDir::new();
+    let m = manifest(&dir, "{}", "{}");
+    let marker = m.to_str().unwrap();
+    let (code, stdout, stderr) =
+        run_cli(&["sandbox", "--json", "--manifest", marker, "--", "/bin/cat", "/proc/1/cmdline"]);
+    assert_eq!(code, 0, "{stdout} {stderr}");
+    let json: serde_json::Value = serde_json::from_str(stdout.trim()).expect("one JSON object");
+    let cmdline = json["stdout"].as_str().unwrap();
+    assert!(cmdline.starts_with("opservant: sandbox\0"), "{cmdline:?}");
+    assert!(!cmdline.contains(marker) && !cmdline.contains("--json"), "{cmdline:?}");
+}
+
 #[test]
 fn json_flag_prints_only_the_result() {
     if !require_root() {

@@ -884,6 +884,11 @@ fn spawn_monitor(
                             unsafe { libc::_exit(125) };
                         }
                     }
+                    // The caller's arguments must not show as the sandbox's PID 1.
+                    if crate::process::blank_command_line().is_err() {
+                        // SAFETY: as above; the parent sees the channel close.
+                        unsafe { libc::_exit(125) };
+                    }
                     crate::init::run_monitor(Some(spec), false)
                 }
                 nix::unistd::ForkResult::Parent { child } => Ok((child, None)),

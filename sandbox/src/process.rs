@@ -11,6 +11,44 @@ use nix::sys::signal::{sigprocmask, SigSet, SigmaskHow};
 
 use crate::error::{Stage, StepError};
 
+/// What a forked monitor's command line reads once blanked ([`blank_command_line`]).
+const BLANK_COMMAND_LINE: &[u8] = b"opservant: sandbox";
+
+/// Replace this process's command line (`/proc/PID/cmdline`) with "opservant: sandbox". A
+/// monitor forked from its caller (`Launcher::Fork`) carries the caller's arguments — e.g.
+/// `opservant run DIR --params … --config …` — into its init, PID 1 of the sandbox, whose
+/// command line every process there may read. The argument strings are overwritten in
+/// place, setproctitle's method (moving the range the kernel records needs
+/// `CAP_SYS_RESOURCE`).
+pub fn blank_command_line() -> Result<(), StepError> {
+    let err = |m: String| StepError::new(Stage::Exec, format!("blank the command line: {m}"));
+    let stat = std::fs::read_to_string("/proc/self/stat").map_err(|e| err(format!("/proc/self/stat: {e}")))?;
+    // proc(5): arg_start and arg_end are fields 48 and 49; the text after the command name's
+    // closing parenthesis starts with field 3.
+    let fields: Vec<&str> =
+        stat.rsplit_once(')').map(|(_, rest)| rest.split_whitespace().collect()).unwrap_or_default();
+    let field = |n: usize| fields.get(n - 3).and_then(|v| v.parse::<usize>().ok());
+    let (Some(start), Some(end)) = (field(48), field(49)) else {
+        return Err(err("no argument range in /proc/self/stat".into()));
+    };
+    if end <= start {
+        return Ok(());
+    }
+    let len = end - start;
+    let shown = BLANK_COMMAND_LINE.len().min(len - 1);
+    // SAFETY: [arg_start, arg_end) is where the kernel placed this process's argument
+    // strings, at the top of its initial stack: mapped, writable and this process's own.
+    // No Rust value lives there; the C `argv` pointers into it (which `std::env::args`
+    // reads) afterwards see NUL-terminated strings — the new text or empty ones. The last
+    // byte stays NUL, so every string stays terminated.
+    unsafe {
+        let area = start as *mut u8;
+        std::ptr::copy_nonoverlapping(BLANK_COMMAND_LINE.as_ptr(), area, shown);
+        std::ptr::write_bytes(area.add(shown), 0, len - shown);
+    }
+    Ok(())
+}
+
 /// Close every descriptor `>= from` (`close_range(2)`, or a `/proc/self/fd` sweep).
 pub fn close_fds_from(from: i32) -> Result<(), StepError> {
     // SAFETY: close_range only closes descriptors; callers own every fd in the range.
