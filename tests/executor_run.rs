@@ -1911,6 +1911,34 @@ class TestExecutor(BaseExecutor):
     assert_eq!(r["limits"]["enforced"]["cpu"], true);
 }
 
+/// `ready` is answered once: executor code that writes it again and again on the
+/// application channel (fd 4) and never reads gets no answers — answers would fill the
+/// channel until the agent's reader blocked and the run hung to its timeout.
+#[test]
+fn a_repeated_ready_from_executor_code_is_not_answered() {
+    if !require_root() {
+        return;
+    }
+    let code = r#"
+import os
+from opservant.executor import BaseExecutor, ExecutorResult
+
+class TestExecutor(BaseExecutor):
+    def validate(self, params):
+        return True
+
+    def execute(self, params, context):
+        for _ in range(20000):
+            os.write(4, b'\x00{"type": "ready"}')
+        return ExecutorResult(status="completed", output={"sent": 20000})
+"#;
+    let d = executor(json!({"resource_limits": {"timeout_seconds": 20}}), code);
+    let r = run_params(&d.path, &json!({}));
+    let r = r.result();
+    assert_eq!(r["status"], "completed", "{r}");
+    assert_eq!(r["output"]["sent"], 20000, "{r}");
+}
+
 /// Start `opservant-runtime` outside a sandbox, its application channel on fd 4; returns the
 /// agent's end of the channel and the child.
 fn runtime_on_channel() -> (sandbox::channel::Channel, std::process::Child) {

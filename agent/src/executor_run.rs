@@ -398,6 +398,7 @@ fn serve(
     cpu: &sandbox::CpuLimiter,
 ) -> AppOutcome {
     let mut out = AppOutcome::default();
+    let mut ready = false;
     loop {
         let msg = match app::recv(&chan) {
             Ok(Some(m)) => m,
@@ -488,7 +489,9 @@ fn serve(
                     return out;
                 }
             }
-            FromPayload::Ready => {
+            // Answered once; a second `ready` (written by executor code) is a protocol error.
+            FromPayload::Ready if !ready => {
+                ready = true;
                 // A failed write stops the sandbox (fail closed); the payload, waiting for
                 // the answer, then never reaches executor code.
                 if app::proceed(&chan, cpu).is_err() {

@@ -218,7 +218,8 @@ fn serve(chan: sandbox::channel::Channel, cpu: &sandbox::CpuLimiter) -> Served {
     loop {
         match app::recv(&chan) {
             Ok(None) => return out,
-            Ok(Some(FromPayload::Ready)) => {
+            // Answered once; a second `ready` (written by the script) is a protocol error.
+            Ok(Some(FromPayload::Ready)) if !out.ready => {
                 out.ready = true;
                 // A failed write stops the sandbox at once (fail closed); the script, waiting
                 // for the answer, never starts.
