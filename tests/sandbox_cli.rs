@@ -245,6 +245,15 @@ fn doctor_describes_this_host() {
         if j["findings"].as_array().unwrap().iter().any(|f| f["required"] == true && f["ok"] == false) { 1 } else { 0 }
     );
 
+    // The identity sandboxes run as: their own user, or — reported as a degradation — the
+    // host's shared nobody.
+    let passwd = std::fs::read_to_string("/etc/passwd").unwrap();
+    let own_user = passwd.lines().any(|l| l.starts_with("opservant-executor:"));
+    let identity = j["findings"].as_array().unwrap().iter().find(|f| f["feature"] == "identity").expect("identity");
+    assert_eq!(identity["ok"], own_user, "{identity}");
+    let shared = j["degraded"].as_array().unwrap().iter().any(|d| d.as_str().unwrap().contains("run as nobody"));
+    assert_eq!(shared, !own_user, "{j}");
+
     let (_, text, _) = run_cli(&["doctor"]);
     assert!(text.contains(&format!("ABI {}", abi.max(0))), "{text}");
     if mode == "hybrid" {

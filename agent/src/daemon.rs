@@ -139,6 +139,9 @@ pub fn serve(pipeline: Pipeline, socket: &Path, platform: Option<crate::platform
         .map_err(|e| CannotRun(format!("signalfd: {e}")))?;
 
     let listener = bind(socket)?;
+    if let Some(w) = crate::doctor::identity_warning() {
+        tracing::warn!(target: "opservant::daemon", "{w}");
+    }
     let pipeline = Arc::new(pipeline);
     let mut workers: Vec<std::thread::JoinHandle<()>> = Vec::new();
     crate::audit::record(

@@ -178,6 +178,17 @@ pub fn examine(landlock_min_abi: u32, allow_degraded: bool) -> DoctorReport {
             "missing: host paths resolved without RESOLVE_IN_ROOT".into()
         },
     });
+    let (identity, identity_detail) = identity_finding();
+    if identity == Some(false) {
+        degraded.push(format!("{identity_detail}: {SHARED_NOBODY}"));
+    }
+    findings.push(Finding {
+        feature: "identity",
+        ok: identity == Some(true),
+        required: identity.is_none(),
+        detail: identity_detail,
+    });
+
     let (egress_ok, egress_detail) = egress_readiness();
     if !egress_ok {
         degraded.push(format!("executors with outbound: true cannot run: {egress_detail}"));
@@ -185,6 +196,34 @@ pub fn examine(landlock_min_abi: u32, allow_degraded: bool) -> DoctorReport {
     findings.push(Finding { feature: "network egress", ok: egress_ok, required: false, detail: egress_detail });
 
     DoctorReport { kernel: p.kernel.clone(), findings, degraded, probe: p }
+}
+
+/// What running sandboxes as the host's `nobody` means.
+pub const SHARED_NOBODY: &str = "the host's nobody, whose other processes can signal the sandboxes' payloads and, unless ptrace is restricted, trace them; \
+     install systemd/sysusers.d/opservant.conf (systemd-sysusers) to give them a uid of their own";
+
+/// A warning when sandboxes would run as the shared `nobody` (logged by the daemon at
+/// start), `None` otherwise.
+pub fn identity_warning() -> Option<String> {
+    match identity_finding() {
+        (Some(false), detail) => Some(format!("{detail}: {SHARED_NOBODY}")),
+        _ => None,
+    }
+}
+
+/// The uid sandboxes run as: `Some(true)` their own (`opservant-executor`), `Some(false)` the
+/// shared `nobody`, `None` neither exists (sandboxes cannot start).
+fn identity_finding() -> (Option<bool>, String) {
+    if let Ok(id) = sandbox::Identity::local("opservant-executor") {
+        return (Some(true), format!("sandboxes run as opservant-executor (uid {}, gid {})", id.host_uid, id.host_gid));
+    }
+    match sandbox::Identity::default_executor() {
+        Ok(id) => (
+            Some(false),
+            format!("no user opservant-executor: sandboxes run as nobody (uid {}, gid {})", id.host_uid, id.host_gid),
+        ),
+        Err(e) => (None, e.to_string()),
+    }
 }
 
 /// Whether `outbound: true` can be honoured here (read-only: nothing is created).
