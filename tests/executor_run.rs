@@ -1963,8 +1963,9 @@ fn runtime_on_channel() -> (sandbox::channel::Channel, std::process::Child) {
     (agent_end, child)
 }
 
-/// The runtime reports `ready` (the agent then writes the deferred CPU quota) and waits for
-/// the agent's `proceed` before any executor code runs: an executor whose module writes a
+/// The runtime reports `ready` (the agent then writes the deferred CPU quota) and — when the
+/// arguments say the agent answers — waits for the agent's `proceed` before any executor
+/// code runs: an executor whose module writes a
 /// marker as it is imported leaves none when the agent answers `ready` by closing the
 /// channel (the quota was never confirmed), and one — with a result — after `proceed`.
 /// Driven directly, outside a sandbox, over the application channel on fd 4.
@@ -1985,11 +1986,17 @@ fn the_runtime_runs_no_executor_code_before_the_agent_confirms_the_cpu_quota() {
         ),
     )
     .unwrap();
-    let args = serde_json::to_vec(&json!({
+    let mut args = json!({
         "mode": "executor", "package_dir": package, "entry_point": "probe.Probe", "paths": [],
-        "params": {}, "agent_id": "test", "action": null, "command_id": null, "config": {}
-    }))
-    .unwrap();
+        "params": {}, "agent_id": "test", "action": null, "command_id": null, "config": {},
+        "proceed": true
+    });
+    let old_args = {
+        let mut a = args.clone();
+        a.as_object_mut().unwrap().remove("proceed");
+        serde_json::to_vec(&a).unwrap()
+    };
+    let args = serde_json::to_vec(&args.take()).unwrap();
     let ready = |chan: &sandbox::channel::Channel| -> Value {
         serde_json::from_slice(&chan.recv_bytes(1 << 20).unwrap().expect("a message")).unwrap()
     };
@@ -2017,6 +2024,18 @@ fn the_runtime_runs_no_executor_code_before_the_agent_confirms_the_cpu_quota() {
     drop(agent_end);
     let out = child.wait_with_output().unwrap();
     assert!(out.status.success(), "{out:?}");
+
+    // Arguments of an agent from before `proceed` existed (no such field): the runtime does
+    // not wait for an answer that would never come.
+    std::fs::remove_file(&marker).unwrap();
+    let (agent_end, child) = runtime_on_channel();
+    agent_end.send_bytes(&old_args).unwrap();
+    assert_eq!(ready(&agent_end)["type"], "ready");
+    let result = ready(&agent_end);
+    assert_eq!(result["status"], "completed", "{result}");
+    assert!(marker.exists());
+    drop(agent_end);
+    assert!(child.wait_with_output().unwrap().status.success());
 }
 
 /// The runtime's warm-up (a warm pool's sandbox is asked for it while it waits for a run):

@@ -112,10 +112,16 @@ pub enum RuntimeArgs {
         action: Option<String>,
         command_id: Option<String>,
         config: Value,
+        /// See [`RuntimeArgs::waits_for_proceed`].
+        #[serde(default)]
+        proceed: bool,
     },
     Script {
         language: String,
         path: String,
+        /// See [`RuntimeArgs::waits_for_proceed`].
+        #[serde(default)]
+        proceed: bool,
     },
     Session {
         allow_imports: Vec<String>,
@@ -123,6 +129,9 @@ pub enum RuntimeArgs {
         /// Extra `sys.path` entries (directories of third-party packages).
         #[serde(default)]
         paths: Vec<String>,
+        /// See [`RuntimeArgs::waits_for_proceed`].
+        #[serde(default)]
+        proceed: bool,
     },
     /// Not a run: a warm pool's sandbox is asked, while it waits for a run, to do now the
     /// runtime's own work that does not depend on the run — break copy-on-write sharing
@@ -135,9 +144,24 @@ pub enum RuntimeArgs {
     /// bytecode its import would produce, without running any of it, and reply one
     /// [`FromPayload::Compiled`] per file, in order (executor installation, see
     /// `crate::bytecode`).
-    Compile {
-        files: Vec<String>,
-    },
+    Compile { files: Vec<String> },
+}
+
+impl RuntimeArgs {
+    /// Whether the agent answers `ready` with [`ToPayload::Proceed`], which the runtime then
+    /// waits for. Always set by this agent; absent (false) in the arguments of an agent from
+    /// before the answer existed, whose runtime must not wait for it — and an older runtime
+    /// refuses arguments that carry it (unknown field), instead of taking the answer for
+    /// another message. Both ends of a version skew (an upgraded binary beside a running
+    /// daemon) thus fail fast or keep the old behaviour, never hang.
+    pub fn waits_for_proceed(&self) -> bool {
+        match self {
+            RuntimeArgs::Executor { proceed, .. }
+            | RuntimeArgs::Script { proceed, .. }
+            | RuntimeArgs::Session { proceed, .. } => *proceed,
+            RuntimeArgs::Warm | RuntimeArgs::Compile { .. } => false,
+        }
+    }
 }
 
 /// The next message from the payload: `Ok(None)` at end of file (the payload is gone), `Err`

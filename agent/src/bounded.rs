@@ -8,9 +8,16 @@ use std::path::Path;
 
 /// The whole of the regular file at `path`, at most `limit` bytes; larger is an error.
 pub fn read_regular(path: &Path, limit: u64) -> std::io::Result<Vec<u8>> {
-    let file = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(path)?;
+    let not_regular = || Error::new(ErrorKind::InvalidInput, "not a regular file");
+    // Checked before opening — opening a device can act (a watchdog is armed by it) — and
+    // again on what was opened, should the path have been swapped in between (non-blocking
+    // and without a controlling terminal, so that a swapped-in FIFO or tty does nothing).
+    if !std::fs::metadata(path)?.is_file() {
+        return Err(not_regular());
+    }
+    let file = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY).open(path)?;
     if !file.metadata()?.is_file() {
-        return Err(Error::new(ErrorKind::InvalidInput, "not a regular file"));
+        return Err(not_regular());
     }
     let mut bytes = Vec::new();
     file.take(limit + 1).read_to_end(&mut bytes)?;

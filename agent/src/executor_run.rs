@@ -216,6 +216,7 @@ pub fn run(req: RunRequest) -> Result<RunResult, CannotRun> {
         action: req.action.clone(),
         command_id: req.command_id.clone(),
         config: req.config.public_view(),
+        proceed: true,
     };
     spec.validate()?;
     let args = serde_json::to_vec(&args)?;
@@ -283,9 +284,9 @@ pub fn run(req: RunRequest) -> Result<RunResult, CannotRun> {
         let app = server.join().map_err(|_| CannotRun("application channel server panicked".into()))?;
         let outcome = outcome?;
         let mut result = assemble(&outcome, &limits, app, req.executor, req.action.clone(), req.command_id.clone());
-        // A deferred quota is applied by the channel server on the payload's `ready`, which comes
-        // before its exit; on a loaded host the server may get to it after the sandbox's end was
-        // seen — the server has now handled every message.
+        // A deferred quota is applied by the channel server on the payload's `ready`, before it
+        // answers `proceed`; or by the sandbox a second after the start, should `ready` never
+        // come. Either way it is counted as enforced.
         result.limits.enforced.cpu |= cpu_limiter.enforced();
         if let Some(n) = net.take() {
             n.finish(&mut result, &m.name);

@@ -142,8 +142,11 @@ pub fn run(req: ScriptRequest) -> Result<ScriptResult, CannotRun> {
     crate::policy::runtime_payload(&mut spec, &req.runtime);
     spec.validate()?;
 
-    let args =
-        RuntimeArgs::Script { language: req.language.as_str().into(), path: inside.to_string_lossy().into_owned() };
+    let args = RuntimeArgs::Script {
+        language: req.language.as_str().into(),
+        path: inside.to_string_lossy().into_owned(),
+        proceed: true,
+    };
     let script = req.file.display().to_string();
     // Fail closed: a script whose start cannot be audited does not start.
     audit::try_record("script_start", &[("language", req.language.as_str()), ("script", &script)])?;

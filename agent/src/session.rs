@@ -493,6 +493,7 @@ impl Daemon {
             allow_imports: settings.allow_imports.clone(),
             default_imports: settings.default_imports.clone(),
             paths: settings.python_paths.iter().map(|p| p.to_string_lossy().into_owned()).collect(),
+            proceed: true,
         };
         chan.send_bytes(&app::encode(&args)).map_err(|e| CannotRun(format!("runtime arguments: {}", e.desc())))?;
         let stop = sb.stop_handle();
@@ -529,13 +530,16 @@ impl Daemon {
         // Start-up: the runtime reports ready (the CPU quota applies from here), then the
         // outcome of the default imports.
         let deadline = Instant::now() + START_TIMEOUT;
+        let mut ready = false;
         let started = loop {
             match daemon.next_message(deadline) {
-                Ok(Some(FromPayload::Ready)) => {
+                // Answered once; a second `ready` is a protocol error.
+                Ok(Some(FromPayload::Ready)) if !ready => {
+                    ready = true;
                     // A failed write stops the sandbox at once (fail closed); the runtime,
                     // waiting for the answer, never reaches session code.
                     if let Err(e) = app::proceed(&daemon.chan, &cpu) {
-                        break Err(format!("the CPU quota: {e}"));
+                        break Err(format!("the runtime's start (CPU quota, then proceed): {e}"));
                     }
                 }
                 Ok(Some(FromPayload::SessionReply { success: true, .. })) => break Ok(()),

@@ -885,7 +885,9 @@ fn spawn_monitor(
                         }
                     }
                     // The caller's arguments must not show as the sandbox's PID 1.
-                    if crate::process::blank_command_line().is_err() {
+                    // SAFETY: this fork child is single-threaded and has run nothing but dup2;
+                    // the caller (the opservant CLI) never moves its argument range.
+                    if unsafe { crate::process::blank_command_line() }.is_err() {
                         // SAFETY: as above; the parent sees the channel close.
                         unsafe { libc::_exit(125) };
                     }

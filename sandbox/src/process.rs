@@ -20,7 +20,13 @@ const BLANK_COMMAND_LINE: &[u8] = b"opservant: sandbox";
 /// command line every process there may read. The argument strings are overwritten in
 /// place, setproctitle's method (moving the range the kernel records needs
 /// `CAP_SYS_RESOURCE`).
-pub fn blank_command_line() -> Result<(), StepError> {
+///
+/// # Safety
+/// The caller is single-threaded (a forked child before anything else runs: no other
+/// thread may read the argument strings, e.g. through `std::env::args`, while they are
+/// written), and the process has not moved its recorded argument range (`PR_SET_MM`), so
+/// that [arg_start, arg_end) is still the argument strings the kernel placed on its stack.
+pub(crate) unsafe fn blank_command_line() -> Result<(), StepError> {
     let err = |m: String| StepError::new(Stage::Exec, format!("blank the command line: {m}"));
     let stat = std::fs::read_to_string("/proc/self/stat").map_err(|e| err(format!("/proc/self/stat: {e}")))?;
     // proc(5): arg_start and arg_end are fields 48 and 49; the text after the command name's
@@ -36,11 +42,12 @@ pub fn blank_command_line() -> Result<(), StepError> {
     }
     let len = end - start;
     let shown = BLANK_COMMAND_LINE.len().min(len - 1);
-    // SAFETY: [arg_start, arg_end) is where the kernel placed this process's argument
-    // strings, at the top of its initial stack: mapped, writable and this process's own.
-    // No Rust value lives there; the C `argv` pointers into it (which `std::env::args`
-    // reads) afterwards see NUL-terminated strings — the new text or empty ones. The last
-    // byte stays NUL, so every string stays terminated.
+    // SAFETY: by the caller's contract, [arg_start, arg_end) is where the kernel placed this
+    // process's argument strings, at the top of its initial stack: mapped, writable and this
+    // process's own, and no other thread reads it meanwhile. No Rust value lives there; the C
+    // `argv` pointers into it (which `std::env::args` reads) afterwards see NUL-terminated
+    // strings — the new text or empty ones. The last byte stays NUL, so every string stays
+    // terminated.
     unsafe {
         let area = start as *mut u8;
         std::ptr::copy_nonoverlapping(BLANK_COMMAND_LINE.as_ptr(), area, shown);

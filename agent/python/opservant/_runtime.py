@@ -344,7 +344,8 @@ def run_session():
 
 def _ready():
     """The runtime's start-up is over: turn the garbage collector back on (the start-up's
-    objects frozen out of it) and tell the agent, which applies the CPU quota."""
+    objects frozen out of it), tell the agent, which applies the CPU quota, and wait for its
+    answer that the quota is in force."""
     import gc
 
     gc.freeze()

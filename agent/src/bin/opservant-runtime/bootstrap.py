@@ -1,8 +1,8 @@
 # Runs first in the sandbox's embedded interpreter: makes the opservant package (embedded in
 # the binary, precompiled) importable ahead of anything on sys.path — an executor cannot
 # shadow it — and hands over to the runtime, which puts the executor's package and
-# requirements on sys.path and reports ready (the agent then applies the CPU quota) just before the
-# first untrusted code runs.
+# requirements on sys.path and reports ready just before the first untrusted code runs (the
+# agent applies the CPU quota and answers; the runtime waits for the answer).
 import gc
 import marshal
 import sys

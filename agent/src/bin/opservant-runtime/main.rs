@@ -7,8 +7,8 @@
 //! embedded here, the executor's package and its installed requirements, and nothing else.
 //! It talks to the agent only over the application channel (fd 4): the first message is its
 //! arguments (a warm pool's sandbox may be asked to warm up first, see `warm`); it reports
-//! "ready" once the interpreter is up and before any executor code is importable, which is
-//! when the agent applies the CPU quota.
+//! "ready" once the interpreter is up and before any executor code is importable, and waits
+//! for the agent's "proceed", sent once the CPU quota is in force.
 
 mod native;
 mod warm;
@@ -64,10 +64,10 @@ fn run() -> Result<u8, String> {
     let chan =
         unsafe { Channel::from_raw(APP_FD) }.map_err(|e| format!("no application channel on fd 4: {}", e.desc()))?;
     let args = warm::read_args(&chan)?;
-    if let RuntimeArgs::Script { language, path } = &args {
+    if let RuntimeArgs::Script { language, path, proceed } = &args {
         if language == "bash" {
             // Bash needs no interpreter of ours: check, report, then become bash.
-            return run_bash(chan, path);
+            return run_bash(chan, path, *proceed);
         }
     }
     let _ = APP.set(Mutex::new(chan));
@@ -98,7 +98,7 @@ fn run_bootstrap() -> Result<u8, String> {
 /// Check a Bash script with `bash -n`; on success report ready and `execve` bash on it (the
 /// channel is closed first: the script never holds it). A syntax error is reported as a
 /// validation error and nothing of the script runs.
-pub(crate) fn run_bash(chan: Channel, path: &str) -> Result<u8, String> {
+pub(crate) fn run_bash(chan: Channel, path: &str, proceed: bool) -> Result<u8, String> {
     use std::os::unix::process::CommandExt;
     use std::process::{Command, Stdio};
     let check = Command::new(BASH)
@@ -119,7 +119,7 @@ pub(crate) fn run_bash(chan: Channel, path: &str) -> Result<u8, String> {
             .map_err(|e| format!("agent channel: {}", e.desc()))?;
         return Ok(VALIDATION_FAILED);
     }
-    ready_and_wait(&chan)?;
+    ready_and_wait(&chan, proceed)?;
     drop(chan);
     let err = Command::new(BASH).arg(path).arg0("bash").exec();
     Err(format!("cannot execute {BASH}: {err}"))
@@ -133,11 +133,15 @@ const BASH: &str = "/bin/bash";
 const VALIDATION_FAILED: u8 = 65;
 
 /// Tell the agent the trusted start-up is over (called by the bootstrap).
-/// Report the runtime's start-up over and wait until the agent answers that the CPU quota
-/// is in force ([`ToPayload::Proceed`]); anything else, or the end of the channel, is an
-/// error and the run goes no further.
-pub(crate) fn ready_and_wait(chan: &Channel) -> Result<(), String> {
+/// Report the runtime's start-up over and — when the agent said it answers
+/// ([`RuntimeArgs::waits_for_proceed`]) — wait until it answers that the CPU quota is in
+/// force ([`ToPayload::Proceed`]); anything else, or the end of the channel, is an error and
+/// the run goes no further.
+pub(crate) fn ready_and_wait(chan: &Channel, proceed: bool) -> Result<(), String> {
     chan.send_bytes(&app::encode(&FromPayload::Ready)).map_err(|e| format!("agent channel: {}", e.desc()))?;
+    if !proceed {
+        return Ok(());
+    }
     match chan.recv_bytes(app::MAX_MESSAGE).map_err(|e| format!("agent channel: {e}"))? {
         None => Err("the agent closed the channel before the CPU quota was in force".into()),
         Some(bytes) => match serde_json::from_slice::<ToPayload>(&bytes) {

@@ -115,9 +115,9 @@ pub mod _opservant {
         super::reseed_libc_random().map_err(PyRuntimeError::new_err)?;
         let chan = handoff.app.ok_or_else(|| PyRuntimeError::new_err("no application channel"))?;
         let args = super::super::warm::read_args(&chan).map_err(PyRuntimeError::new_err)?;
-        if let RuntimeArgs::Script { language, path } = &args {
+        if let RuntimeArgs::Script { language, path, proceed } = &args {
             if language == "bash" {
-                let code = match super::super::run_bash(chan, &path.clone()) {
+                let code = match super::super::run_bash(chan, &path.clone(), *proceed) {
                     Ok(code) => code as i32,
                     Err(e) => {
                         agent::stdout::eprint(&format!("opservant-runtime: {e}\n"));
@@ -145,10 +145,11 @@ pub mod _opservant {
         if READY_SENT.swap(true, Ordering::SeqCst) {
             return Ok(());
         }
+        let proceed = runtime_args()?.waits_for_proceed();
         py.detach(|| {
             let chan = APP.get().ok_or("no application channel")?;
             let chan = chan.lock().map_err(|_| "application channel poisoned")?;
-            super::super::ready_and_wait(&chan)
+            super::super::ready_and_wait(&chan, proceed)
         })
         .map_err(PyOSError::new_err)
     }
