@@ -132,7 +132,6 @@ const BASH: &str = "/bin/bash";
 /// error, not this status.
 const VALIDATION_FAILED: u8 = 65;
 
-/// Tell the agent the trusted start-up is over (called by the bootstrap).
 /// Report the runtime's start-up over and — when the agent said it answers
 /// ([`RuntimeArgs::waits_for_proceed`]) — wait until it answers that the CPU quota is in
 /// force ([`ToPayload::Proceed`]); anything else, or the end of the channel, is an error and

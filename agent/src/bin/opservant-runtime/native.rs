@@ -142,10 +142,10 @@ pub mod _opservant {
     /// process; later calls return at once.
     #[pyfunction]
     fn ready(py: Python<'_>) -> PyResult<()> {
+        let proceed = runtime_args()?.waits_for_proceed();
         if READY_SENT.swap(true, Ordering::SeqCst) {
             return Ok(());
         }
-        let proceed = runtime_args()?.waits_for_proceed();
         py.detach(|| {
             let chan = APP.get().ok_or("no application channel")?;
             let chan = chan.lock().map_err(|_| "application channel poisoned")?;
