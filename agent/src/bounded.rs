@@ -1,12 +1,13 @@
-//! Reading a file the configuration names (a CA, a certificate, a key), no further than a
-//! cap: only a regular file is read, opened without blocking, so a FIFO cannot hang the
-//! agent and a device like `/dev/zero` cannot fill its memory.
+//! Reading a file the configuration names (a CA, a certificate, a TLS or signing key), no
+//! further than a cap: only a regular file is read, opened without blocking, so a FIFO
+//! cannot hang the agent and a device like `/dev/zero` cannot fill its memory.
 
 use std::io::{Error, ErrorKind, Read};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
-/// The whole of the regular file at `path`, at most `limit` bytes; larger is an error.
+/// The whole of the regular file at `path`, at most `limit` bytes. Errors: `InvalidInput`
+/// when it is not a regular file, `InvalidData` when it is larger; otherwise the I/O error.
 pub fn read_regular(path: &Path, limit: u64) -> std::io::Result<Vec<u8>> {
     let not_regular = || Error::new(ErrorKind::InvalidInput, "not a regular file");
     // Checked before opening — opening a device can act (a watchdog is armed by it) — and

@@ -292,27 +292,21 @@ pub const MAX_KEY_FILE_BYTES: u64 = 64 * 1024;
 /// A key file's text: a regular file (a FIFO would block, a device like /dev/zero never
 /// ends) of at most [`MAX_KEY_FILE_BYTES`], read with that cap whatever its size claims.
 fn read_key_text(path: &Path, what: &str) -> Result<String, SigningError> {
-    use std::io::Read;
-    use std::os::unix::fs::OpenOptionsExt;
-    let fail = |e: std::io::Error| SigningError::Key(format!("{}: {e}", path.display()));
-    let not_file = || SigningError::Key(format!("{}: not a regular file; a {what} must be one", path.display()));
-    if !std::fs::metadata(path).map_err(fail)?.is_file() {
-        return Err(not_file());
-    }
-    // O_NONBLOCK: should it be swapped for a FIFO after the check, opening does not hang.
-    let f = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(path).map_err(fail)?;
-    if !f.metadata().map_err(fail)?.is_file() {
-        return Err(not_file());
-    }
-    let mut text = String::new();
-    f.take(MAX_KEY_FILE_BYTES + 1).read_to_string(&mut text).map_err(fail)?;
-    if text.len() as u64 > MAX_KEY_FILE_BYTES {
-        return Err(SigningError::Key(format!(
-            "{}: too large for a {what} (more than {MAX_KEY_FILE_BYTES} bytes)",
-            path.display()
-        )));
-    }
-    Ok(text)
+    use std::io::ErrorKind;
+    let bytes = crate::bounded::read_regular(path, MAX_KEY_FILE_BYTES).map_err(|e| {
+        SigningError::Key(match e.kind() {
+            ErrorKind::InvalidInput => format!("{}: not a regular file; a {what} must be one", path.display()),
+            ErrorKind::InvalidData => {
+                format!("{}: too large for a {what} (more than {MAX_KEY_FILE_BYTES} bytes)", path.display())
+            }
+            _ => format!("{}: {e}", path.display()),
+        })
+    })?;
+    String::from_utf8(bytes).map_err(|e| {
+        // A private key's bytes are wiped, whatever they hold.
+        zeroize::Zeroize::zeroize(&mut e.into_bytes());
+        SigningError::Key(format!("{}: not UTF-8 text", path.display()))
+    })
 }
 
 fn raw32(text: &str) -> Option<[u8; 32]> {
