@@ -533,3 +533,64 @@ fn submitting_an_empty_command_is_refused_naming_it() {
     assert_eq!((out.code, out.stdout.as_str()), (2, ""), "{}", out.stderr);
     assert!(out.stderr.contains("empty.json: the command is empty"), "{}", out.stderr);
 }
+
+/// Every file the command line or the configuration names as a file of a kind (a manifest,
+/// a script, a configuration, the audit log, an archive, a signature) must be a regular file:
+/// a FIFO is refused at once, naming it, with exit 2 — before, each of these blocked for ever
+/// in `open` or `read` — and `/dev/zero` as a configuration is refused instead of read.
+/// (`--params @FILE` and a command read from a path may be FIFOs: they are data, e.g. `<(…)`.)
+#[test]
+fn files_of_a_kind_must_be_regular_files_and_a_fifo_never_blocks() {
+    let dir = HostDir::new();
+    let (key, public) = keys(&dir);
+    let fifo = |name: &str| {
+        let p = dir.path.join(name);
+        assert!(Command::new("mkfifo").args(["-m", "600"]).arg(&p).status().unwrap().success());
+        s(&p).to_string()
+    };
+    let executor = dir.path.join("executor");
+    std::fs::create_dir(&executor).unwrap();
+    let manifest = fifo("executor/manifest.json");
+    let script = fifo("script.py");
+    let config = fifo("config.yaml");
+    let audit_log = fifo("audit.jsonl");
+    let audit_config = dir.file("audit.yaml", &format!("audit:\n  path: {audit_log}\n"), 0o600);
+    let archive = fifo("package.tar.gz");
+    let signature = fifo("good.tar.gz.sig");
+    let good = dir.path.join("good.tar.gz");
+    let packaged = Path::new(env!("CARGO_MANIFEST_DIR")).join("../executors");
+    assert!(Command::new("tar").args(["czf", s(&good), "-C", s(&packaged), "disk-usage"]).status().unwrap().success());
+    let plain_script = dir.file("plain.py", "print(1)\n", 0o644);
+    let disk_usage = s(&packaged.join("disk-usage")).to_string();
+    let cases: Vec<(Vec<&str>, &str, &str)> = vec![
+        (vec!["run", s(&executor)], &manifest, "not a regular file"),
+        (vec!["executor", "lint", s(&executor)], &manifest, "not a regular file"),
+        (vec!["script", "python", &script], &script, "not a regular file"),
+        (vec!["script", "python", s(&plain_script), "--manifest", &manifest], &manifest, "not a regular file"),
+        (vec!["run", &disk_usage, "--config", &config], &config, "not a regular file"),
+        (vec!["run", &disk_usage, "--config", "/dev/zero"], "/dev/zero", "not a regular file"),
+        (vec!["run", &disk_usage, "--config", s(&audit_config)], &audit_log, "not a regular file"),
+        (vec!["audit", "verify", "--config", s(&audit_config)], &audit_log, "not a regular file"),
+        (vec!["audit", "tail", "--config", s(&audit_config)], &audit_log, "not a regular file"),
+        (vec!["audit", "tail", "--follow", "--config", s(&audit_config)], &audit_log, "not a regular file"),
+        (vec!["sign", "--key", &key, "--package", &archive], &archive, "not a file"),
+        (vec!["verify", "--pub", &public, "--package", &archive], &archive, "not a file"),
+        (
+            vec!["verify", "--pub", &public, "--package", s(&good), "--signature", &signature],
+            &signature,
+            "not a regular file",
+        ),
+    ];
+    for (args, path, says) in cases {
+        // Under timeout(1), so that a regression fails here instead of hanging the suite.
+        let out = Command::new("timeout")
+            .args(["-k", "5", "30", common::opservant()])
+            .args(&args)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(path) && stderr.contains(says), "{args:?}: {stderr}");
+    }
+}

@@ -530,15 +530,28 @@ impl AuditLog {
             .map_err(|e| AuditError::new(&self.settings.path, format!("{e}; nothing was appended")))
     }
 
+    /// The log file, created when missing. Anything but a regular file is refused, before
+    /// it is opened (opening a device can act) and on what was opened.
     fn open_file(&self, path: &Path) -> Result<File, AuditError> {
-        OpenOptions::new()
+        let not_regular = || AuditError::new(path, "not a regular file; the audit log must be one");
+        match std::fs::symlink_metadata(path) {
+            Ok(m) if !m.is_file() => return Err(not_regular()),
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(AuditError::new(path, e)),
+        }
+        let file = OpenOptions::new()
             .read(true)
             .append(true)
             .create(true)
             .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK | libc::O_NOCTTY)
             .open(path)
-            .map_err(|e| AuditError::new(path, e))
+            .map_err(|e| AuditError::new(path, e))?;
+        if !file.metadata().map_err(|e| AuditError::new(path, e))?.is_file() {
+            return Err(not_regular());
+        }
+        Ok(file)
     }
 
     /// Append one record (see the module documentation for the sequence of steps).

@@ -1,14 +1,18 @@
-//! Reading a file the configuration names (a CA, a certificate, a TLS or signing key), no
-//! further than a cap: only a regular file is read, opened without blocking, so a FIFO
-//! cannot hang the agent and a device like `/dev/zero` cannot fill its memory.
+//! Reading a file the configuration or the command line names as a file of a kind (a
+//! configuration, a manifest, a script, a CA, a certificate, a key, a signature, an archive),
+//! no further than a cap: only a regular file is read, opened without blocking, so a FIFO
+//! cannot hang the agent and a device like `/dev/zero` cannot fill its memory. Arguments
+//! that are data rather than files (`--params @FILE`, a command read from a path or `-`)
+//! may be FIFOs — a shell's `<(…)` — and are read with a cap only.
 
+use std::fs::File;
 use std::io::{Error, ErrorKind, Read};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
-/// The whole of the regular file at `path`, at most `limit` bytes. Errors: `InvalidInput`
-/// when it is not a regular file, `InvalidData` when it is larger; otherwise the I/O error.
-pub fn read_regular(path: &Path, limit: u64) -> std::io::Result<Vec<u8>> {
+/// The regular file at `path`, opened for reading. Errors: `InvalidInput` when it is not a
+/// regular file; otherwise the I/O error.
+pub fn open_regular(path: &Path) -> std::io::Result<File> {
     let not_regular = || Error::new(ErrorKind::InvalidInput, "not a regular file");
     // Checked before opening — opening a device can act (a watchdog is armed by it) — and
     // again on what was opened, should the path have been swapped in between (non-blocking
@@ -20,6 +24,13 @@ pub fn read_regular(path: &Path, limit: u64) -> std::io::Result<Vec<u8>> {
     if !file.metadata()?.is_file() {
         return Err(not_regular());
     }
+    Ok(file)
+}
+
+/// The whole of the regular file at `path`, at most `limit` bytes. Errors: `InvalidInput`
+/// when it is not a regular file, `InvalidData` when it is larger; otherwise the I/O error.
+pub fn read_regular(path: &Path, limit: u64) -> std::io::Result<Vec<u8>> {
+    let file = open_regular(path)?;
     let mut bytes = Vec::new();
     file.take(limit + 1).read_to_end(&mut bytes)?;
     if bytes.len() as u64 > limit {

@@ -240,12 +240,10 @@ impl Config {
             None => (PathBuf::from(DEFAULT_PATH), false),
         };
         let file_err = |message: String| ConfigError { path: path.display().to_string(), message };
-        let mut bytes = Vec::new();
-        let read = std::fs::File::open(&path).and_then(|f| {
-            std::io::Read::read_to_end(&mut std::io::Read::take(f, MAX_CONFIG_BYTES as u64 + 1), &mut bytes)
-        });
-        match read {
-            Ok(_) => Self::parse_bytes(&bytes).map_err(|mut e| {
+        // A regular file only (a FIFO would block the open), no more than the cap + 1 bytes.
+        match crate::bounded::read_regular(&path, MAX_CONFIG_BYTES as u64) {
+            Err(e) if e.kind() == std::io::ErrorKind::InvalidData => Err(file_err(too_large().message)),
+            Ok(bytes) => Self::parse_bytes(&bytes).map_err(|mut e| {
                 e.path = format!("{}: {}", path.display(), e.path);
                 e
             }),

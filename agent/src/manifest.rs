@@ -250,18 +250,17 @@ pub fn text_of(bytes: &[u8]) -> Result<&str, ManifestError> {
         .map_err(|e| ManifestError::new("manifest", format!("not UTF-8 (invalid bytes at offset {})", e.valid_up_to())))
 }
 
-/// Read a manifest file's text ([`text_of`]'s rules), never more than
-/// [`MAX_MANIFEST_BYTES`] + 1 bytes of it. The error's path is the file.
+/// Read a manifest file's text ([`text_of`]'s rules): a regular file only, never more than
+/// [`MAX_MANIFEST_BYTES`] + 1 bytes of it ([`crate::bounded`]). The error's path is the file.
 pub fn read(path: &Path) -> Result<String, ManifestError> {
-    use std::io::Read;
     let file_err = |message: String| ManifestError::new(path.display().to_string(), message);
-    let mut bytes = Vec::new();
-    std::fs::File::open(path)
-        .and_then(|f| f.take(MAX_MANIFEST_BYTES as u64 + 1).read_to_end(&mut bytes))
-        .map_err(|e| file_err(format!("cannot read: {e}")))?;
-    if bytes.len() > MAX_MANIFEST_BYTES {
-        return Err(file_err(format!("larger than the {MAX_MANIFEST_BYTES} bytes a manifest may have")));
-    }
+    let bytes = crate::bounded::read_regular(path, MAX_MANIFEST_BYTES as u64).map_err(|e| match e.kind() {
+        std::io::ErrorKind::InvalidData => {
+            file_err(format!("larger than the {MAX_MANIFEST_BYTES} bytes a manifest may have"))
+        }
+        std::io::ErrorKind::InvalidInput => file_err("not a regular file".into()),
+        _ => file_err(format!("cannot read: {e}")),
+    })?;
     text_of(&bytes).map_err(|e| file_err(e.message))?;
     String::from_utf8(bytes).map_err(|e| file_err(format!("not UTF-8: {e}")))
 }

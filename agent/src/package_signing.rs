@@ -110,26 +110,20 @@ pub fn decode(text: &str) -> Result<Signature, String> {
 /// A signature file's text (at most 4 KiB). Bytes that are not UTF-8 are kept as U+FFFD:
 /// such a file is a bad signature (refused by [`decode`]), not an unreadable file.
 pub fn read_signature_file(path: &Path) -> Result<String, String> {
-    let f = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let mut bytes = Vec::new();
-    f.take(MAX_SIG_FILE + 1).read_to_end(&mut bytes).map_err(|e| format!("{}: {e}", path.display()))?;
-    if bytes.len() as u64 > MAX_SIG_FILE {
-        return Err(format!("{}: too large for a signature file", path.display()));
-    }
+    let bytes = crate::bounded::read_regular(path, MAX_SIG_FILE).map_err(|e| match e.kind() {
+        std::io::ErrorKind::InvalidData => format!("{}: too large for a signature file", path.display()),
+        _ => format!("{}: {e}", path.display()),
+    })?;
     Ok(String::from_utf8_lossy(&bytes).into_owned())
 }
 
 /// Sign an archive file (pure Ed25519 over its bytes).
 pub fn sign_file(path: &Path, key: &SigningKey) -> Result<Signature, String> {
-    let f = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    if !f.metadata().map_err(|e| format!("{}: {e}", path.display()))?.is_file() {
-        return Err(format!("{}: not a file (only archives can be signed)", path.display()));
-    }
-    let mut bytes = Vec::new();
-    f.take(MAX_ARCHIVE_BYTES + 1).read_to_end(&mut bytes).map_err(|e| format!("{}: {e}", path.display()))?;
-    if bytes.len() as u64 > MAX_ARCHIVE_BYTES {
-        return Err(format!("{}: larger than {MAX_ARCHIVE_BYTES} bytes", path.display()));
-    }
+    let bytes = crate::bounded::read_regular(path, MAX_ARCHIVE_BYTES).map_err(|e| match e.kind() {
+        std::io::ErrorKind::InvalidInput => format!("{}: not a file (only archives can be signed)", path.display()),
+        std::io::ErrorKind::InvalidData => format!("{}: larger than {MAX_ARCHIVE_BYTES} bytes", path.display()),
+        _ => format!("{}: {e}", path.display()),
+    })?;
     Ok(key.sign(&bytes))
 }
 
@@ -231,7 +225,7 @@ pub fn check_file(
     trust: &Trust,
     max_bytes: u64,
 ) -> Result<(String, Verdict), String> {
-    let mut f = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut f = crate::bounded::open_regular(path).map_err(|e| format!("{}: {e}", path.display()))?;
     let mut c = Checker::new(signature, trust);
     let mut buf = vec![0u8; 64 * 1024];
     loop {

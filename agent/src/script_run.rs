@@ -192,19 +192,13 @@ pub fn run(req: ScriptRequest) -> Result<ScriptResult, CannotRun> {
 }
 
 fn read_script(file: &Path) -> Result<Vec<u8>, CannotRun> {
-    use std::io::Read;
-    let f = std::fs::File::open(file).map_err(|e| CannotRun(format!("{}: {e}", file.display())))?;
-    if !f.metadata().map_err(|e| CannotRun(format!("{}: {e}", file.display())))?.is_file() {
-        return Err(CannotRun(format!("{}: not a regular file", file.display())));
-    }
-    let mut bytes = Vec::new();
-    f.take(MAX_SCRIPT_BYTES as u64 + 1)
-        .read_to_end(&mut bytes)
-        .map_err(|e| CannotRun(format!("{}: {e}", file.display())))?;
-    if bytes.len() > MAX_SCRIPT_BYTES {
-        return Err(CannotRun(format!("{}: larger than {} bytes", file.display(), MAX_SCRIPT_BYTES)));
-    }
-    Ok(bytes)
+    // A regular file only, checked before it is opened: a FIFO would block the open.
+    crate::bounded::read_regular(file, MAX_SCRIPT_BYTES as u64).map_err(|e| match e.kind() {
+        std::io::ErrorKind::InvalidData => {
+            CannotRun(format!("{}: larger than {} bytes", file.display(), MAX_SCRIPT_BYTES))
+        }
+        _ => CannotRun(format!("{}: {e}", file.display())),
+    })
 }
 
 /// What the application channel delivered.

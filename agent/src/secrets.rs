@@ -90,9 +90,12 @@ impl Provider {
 
     fn load_file(path: &Path) -> Result<BTreeMap<String, String>, String> {
         Self::check_file(path)?;
-        let text =
-            Zeroizing::new(std::fs::read_to_string(path).map_err(|e| format!("secrets.file {}: {e}", path.display()))?);
-        serde_saphyr::from_str(&text)
+        let bytes = Zeroizing::new(
+            crate::bounded::read_regular(path, MAX_SECRETS_FILE)
+                .map_err(|e| format!("secrets.file {}: {e}", path.display()))?,
+        );
+        let text = std::str::from_utf8(&bytes).map_err(|_| format!("secrets.file {}: not UTF-8", path.display()))?;
+        serde_saphyr::from_str(text)
             .map_err(|e| format!("secrets.file {}: not a map of names to strings: {e}", path.display()))
     }
 
@@ -123,6 +126,9 @@ impl std::fmt::Debug for Redactor {
 }
 
 pub const REDACTED: &str = "[REDACTED]";
+
+/// The largest `secrets.file` read (a map of names to values).
+const MAX_SECRETS_FILE: u64 = 1 << 20;
 
 impl Redactor {
     pub fn add(&mut self, value: &str) {
@@ -206,6 +212,12 @@ mod tests {
             let p = Provider::File(Provider::load_file(&f).unwrap());
             assert_eq!(p.get("api_key").unwrap().as_deref().map(String::as_str), Some("abc"));
             assert!(p.get("other").unwrap().is_none());
+            // A FIFO (root's, 0600) is refused, not waited on; so is a file past the cap.
+            let fifo = dir.join("fifo.yaml");
+            nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+            assert!(Provider::load_file(&fifo).unwrap_err().contains("not a regular file"));
+            std::fs::File::create(&f).unwrap().set_len(MAX_SECRETS_FILE + 1).unwrap();
+            assert!(Provider::load_file(&f).unwrap_err().contains("larger than"));
         }
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -173,6 +173,16 @@ fn take_complete(pending: &mut Vec<u8>) -> Vec<Vec<u8>> {
     }
 }
 
+/// The current log file; `None` when there is none (yet). Anything but a regular file is
+/// an error: a FIFO would block the read, or make `--follow` reopen it for ever.
+fn open_current(path: &Path) -> Result<Option<std::fs::File>, CliError> {
+    match crate::bounded::open_regular(path) {
+        Ok(f) => Ok(Some(f)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(io_at(path)(e).into()),
+    }
+}
+
 fn tail(path: &Path, n: usize, follow: bool, json: bool) -> Result<(), CliError> {
     let mut stdout = std::io::stdout().lock();
     let files = chain_files(path)?;
@@ -180,7 +190,7 @@ fn tail(path: &Path, n: usize, follow: bool, json: bool) -> Result<(), CliError>
     let mut current: Option<(std::fs::File, u64)> = None;
     let mut pending = Vec::new();
     let mut picked: Vec<Vec<u8>> = Vec::new();
-    if let Ok(mut f) = std::fs::File::open(path) {
+    if let Some(mut f) = open_current(path)? {
         let mut offset = 0;
         read_more(&mut f, &mut offset, &mut pending).map_err(io_at(path))?;
         picked = take_complete(&mut pending);
@@ -192,7 +202,7 @@ fn tail(path: &Path, n: usize, follow: bool, json: bool) -> Result<(), CliError>
         if picked.len() >= n {
             break;
         }
-        let bytes = std::fs::read(f).map_err(io_at(f))?;
+        let bytes = crate::bounded::read_regular(f, super::verify::MAX_FILE_BYTES).map_err(io_at(f))?;
         let (lines, terminated) = split(&bytes);
         let complete = if terminated { lines.len() } else { lines.len().saturating_sub(1) };
         let take = (n - picked.len()).min(complete);
@@ -232,7 +242,7 @@ fn tail(path: &Path, n: usize, follow: bool, json: bool) -> Result<(), CliError>
                     return Ok(());
                 }
             }
-            current = std::fs::File::open(path).ok().map(|f| (f, 0));
+            current = open_current(path)?.map(|f| (f, 0));
             continue;
         }
         std::thread::sleep(Duration::from_millis(200));

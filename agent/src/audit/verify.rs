@@ -209,15 +209,12 @@ pub fn verify(files: &[PathBuf]) -> Result<VerifyReport, AuditError> {
     let names: Vec<String> = files.iter().map(|f| f.display().to_string()).collect();
     verify_with(&names, |i| {
         let f = &files[i];
-        let mut buf = Vec::new();
-        std::io::Read::read_to_end(
-            &mut std::io::Read::take(std::fs::File::open(f).map_err(|e| AuditError::new(f, e))?, MAX_FILE_BYTES + 1),
-            &mut buf,
-        )
-        .map_err(|e| AuditError::new(f, e))?;
-        if buf.len() as u64 > MAX_FILE_BYTES {
-            return Err(AuditError::new(f, format!("more than the {MAX_FILE_BYTES} bytes an audit log file can hold")));
-        }
+        let buf = crate::bounded::read_regular(f, MAX_FILE_BYTES).map_err(|e| match e.kind() {
+            std::io::ErrorKind::InvalidData => {
+                AuditError::new(f, format!("more than the {MAX_FILE_BYTES} bytes an audit log file can hold"))
+            }
+            _ => AuditError::new(f, e),
+        })?;
         Ok(std::borrow::Cow::Owned(buf))
     })
 }
