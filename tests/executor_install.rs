@@ -579,3 +579,79 @@ fn a_source_that_kills_the_compiler_is_skipped_and_the_rest_compiled() {
     }
     assert_eq!(run_output(&env, "hello")["version"], "1.0.0");
 }
+
+/// A package directory is copied by descriptors, never following a link: a FIFO or a
+/// symbolic link in it is refused (exit 2, naming it; the FIFO is not waited on), and a file
+/// swapped for a link to a file outside the package while the copy runs is never copied
+/// through the link. The swap is `renameat2(RENAME_EXCHANGE)` in a tight loop on another
+/// thread; before the copy went by descriptors (a type check by path, then an open by path
+/// that followed links) the secret came through within a few installs.
+#[test]
+fn a_package_directory_is_copied_without_following_links_or_waiting_on_fifos() {
+    if !common::require_root() {
+        return;
+    }
+    let env = Env::new();
+    let pkg = package(&env.dir.path, "1.0.0", false);
+    let entry = pkg.join("hello/data.txt");
+    let fifo = pkg.join("hello/pipe");
+    assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let out = Command::new("timeout")
+        .args(["-k", "5", "60", common::opservant(), "executor", "install", pkg.to_str().unwrap(), "--config"])
+        .arg(&env.config)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("hello/pipe") && stderr.contains("FIFOs"), "{stderr}");
+    std::fs::remove_file(&fifo).unwrap();
+
+    let secret = env.dir.file("secret", "SECRET-CONTENT\n", 0o600);
+    std::os::unix::fs::symlink(&secret, &entry).unwrap();
+    let out = env.op(&["executor", "install", pkg.to_str().unwrap()]);
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(out.stderr.contains("hello/data.txt") && out.stderr.contains("symbolic links"), "{}", out.stderr);
+    assert_eq!(env.entries(), Vec::<String>::new(), "nothing installed");
+
+    // The race: `data.txt` is a regular file or the link, exchanged as fast as possible.
+    let aside = env.dir.path.join("aside");
+    std::fs::rename(&entry, &aside).unwrap();
+    std::fs::write(&entry, "benign\n").unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let swapper = {
+        let (stop, entry, aside) = (stop.clone(), entry.clone(), aside.clone());
+        std::thread::spawn(move || {
+            let (a, b) = (
+                std::ffi::CString::new(entry.to_str().unwrap()).unwrap(),
+                std::ffi::CString::new(aside.to_str().unwrap()).unwrap(),
+            );
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                // SAFETY: two valid NUL-terminated paths; renameat2 only reads them.
+                let r = unsafe {
+                    libc::renameat2(libc::AT_FDCWD, a.as_ptr(), libc::AT_FDCWD, b.as_ptr(), libc::RENAME_EXCHANGE)
+                };
+                assert_eq!(r, 0, "renameat2: {}", std::io::Error::last_os_error());
+            }
+        })
+    };
+    let (mut installed, mut refused) = (0, 0);
+    for _ in 0..40 {
+        let out = env.op(&["executor", "install", "--force", pkg.to_str().unwrap()]);
+        match out.code {
+            0 => {
+                installed += 1;
+                let copied = std::fs::read_to_string(env.root.join("hello/current/hello/data.txt")).unwrap();
+                assert_eq!(copied, "benign\n", "the copy followed the swapped-in link");
+            }
+            2 => {
+                refused += 1;
+                assert!(out.stderr.contains("data.txt"), "{}", out.stderr);
+            }
+            _ => panic!("{}", out.stderr),
+        }
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    swapper.join().unwrap();
+    assert!(installed + refused == 40, "{installed} installed, {refused} refused");
+}

@@ -210,8 +210,16 @@ fn audit_verdict(check: &PackageCheck, package: &Path, sha: &str, verdict: &str,
 /// Returns the SHA-256 and the trusted key the signature verified with (none: unsigned and
 /// not required).
 fn checked_copy(src: &Path, dest: &Path, check: &PackageCheck) -> Result<(String, Option<String>), InstallError> {
-    let mut input =
-        std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(src).map_err(|e| io(src, e))?;
+    // Not following a link, not blocking on a FIFO swapped in after the caller's check, and
+    // a regular file on the open descriptor.
+    let mut input = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(src)
+        .map_err(|e| io(src, e))?;
+    if !input.metadata().map_err(|e| io(src, e))?.is_file() {
+        return Err(InstallError::Invalid(format!("{}: not a regular file", src.display())));
+    }
     let mut out =
         std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(dest).map_err(|e| io(dest, e))?;
     let mut checker = Checker::new(check.signature.as_deref(), check.trust);
@@ -873,33 +881,78 @@ fn unpack(file: &Path, kind: ArchiveKind, archive: &Path, dest: &Path) -> Result
     Ok(())
 }
 
+/// Copy the package directory `src` into `dest`. The walk goes by descriptors: every entry
+/// is looked at and opened relative to its directory's descriptor, never following a link
+/// (a directory or file swapped for a symbolic link while the copy runs is refused, not
+/// followed out of the package), and files are opened without blocking and checked again on
+/// the open descriptor (a file swapped for a FIFO is refused, not waited on).
 fn copy_tree(src: &Path, dest: &Path, budget: &mut Budget) -> Result<(), InstallError> {
+    use nix::fcntl::OFlag;
+    let dir = nix::fcntl::openat(
+        nix::fcntl::AT_FDCWD,
+        src,
+        OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+        nix::sys::stat::Mode::empty(),
+    )
+    .map_err(|e| io(src, e.into()))?;
+    copy_dir(dir, src, dest, budget)
+}
+
+fn copy_dir(dir: std::os::fd::OwnedFd, src: &Path, dest: &Path, budget: &mut Budget) -> Result<(), InstallError> {
+    use nix::fcntl::OFlag;
+    use nix::sys::stat::{Mode, SFlag};
+    use std::os::unix::ffi::OsStrExt;
     mkdir(dest)?;
-    let mut entries: Vec<_> =
-        std::fs::read_dir(src).map_err(|e| io(src, e))?.collect::<Result<_, _>>().map_err(|e| io(src, e))?;
-    entries.sort_by_key(|e| e.file_name());
-    for e in entries {
+    let mut listing = nix::unistd::dup(&dir).and_then(nix::dir::Dir::from_fd).map_err(|e| io(src, e.into()))?;
+    let mut names = Vec::new();
+    for entry in listing.iter() {
+        let entry = entry.map_err(|e| io(src, e.into()))?;
+        let name = entry.file_name().to_bytes();
+        if name != b"." && name != b".." {
+            names.push(std::ffi::OsStr::from_bytes(name).to_os_string());
+        }
+    }
+    names.sort();
+    for name in names {
         budget.entry()?;
-        let name = e.file_name();
+        let path = src.join(&name);
         let name_str =
-            name.to_str().ok_or_else(|| InstallError::Invalid(format!("{}: name is not UTF-8", e.path().display())))?;
+            name.to_str().ok_or_else(|| InstallError::Invalid(format!("{}: name is not UTF-8", path.display())))?;
         // Build products and caches are not part of a package.
         if matches!(name_str, ".git" | "__pycache__" | ".pytest_cache" | ".deps") {
             continue;
         }
-        let meta = std::fs::symlink_metadata(e.path()).map_err(|err| io(&e.path(), err))?;
+        let refused = || {
+            InstallError::Invalid(format!(
+                "{}: symbolic links, devices, FIFOs and sockets are refused in a package",
+                path.display()
+            ))
+        };
+        let kind = |mode: u32| SFlag::from_bits_truncate(mode & SFlag::S_IFMT.bits());
+        let stat = nix::sys::stat::fstatat(&dir, name.as_os_str(), nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW)
+            .map_err(|e| io(&path, e.into()))?;
         let target = dest.join(name_str);
-        if meta.is_dir() {
-            copy_tree(&e.path(), &target, budget)?;
-        } else if meta.is_file() {
-            let mut f = std::fs::File::open(e.path()).map_err(|err| io(&e.path(), err))?;
-            let src = e.path();
-            budget.copy(&mut f, &target, meta.permissions().mode() & 0o111 != 0, |err| io(&src, err))?;
+        let nofollow = OFlag::O_RDONLY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+        if kind(stat.st_mode) == SFlag::S_IFDIR {
+            let sub = nix::fcntl::openat(&dir, name.as_os_str(), nofollow | OFlag::O_DIRECTORY, Mode::empty())
+                .map_err(|e| io(&path, e.into()))?;
+            copy_dir(sub, &path, &target, budget)?;
+        } else if kind(stat.st_mode) == SFlag::S_IFREG {
+            let fd = nix::fcntl::openat(
+                &dir,
+                name.as_os_str(),
+                nofollow | OFlag::O_NONBLOCK | OFlag::O_NOCTTY,
+                Mode::empty(),
+            )
+            .map_err(|e| io(&path, e.into()))?;
+            let mut f = std::fs::File::from(fd);
+            let meta = f.metadata().map_err(|e| io(&path, e))?;
+            if !meta.is_file() {
+                return Err(refused());
+            }
+            budget.copy(&mut f, &target, meta.permissions().mode() & 0o111 != 0, |err| io(&path, err))?;
         } else {
-            return Err(InstallError::Invalid(format!(
-                "{}: symbolic links, devices and sockets are refused in a package",
-                e.path().display()
-            )));
+            return Err(refused());
         }
     }
     Ok(())
