@@ -912,6 +912,8 @@ fn copy_dir(dir: std::os::fd::OwnedFd, src: &Path, dest: &Path, budget: &mut Bud
             names.push(std::ffi::OsStr::from_bytes(name).to_os_string());
         }
     }
+    // One descriptor per level stays open (the directory's), not two.
+    drop(listing);
     names.sort();
     for name in names {
         budget.entry()?;
@@ -933,9 +935,15 @@ fn copy_dir(dir: std::os::fd::OwnedFd, src: &Path, dest: &Path, budget: &mut Bud
             .map_err(|e| io(&path, e.into()))?;
         let target = dest.join(name_str);
         let nofollow = OFlag::O_RDONLY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+        // The entry changed type since it was looked at: a link (ELOOP) or a file where a
+        // directory was (ENOTDIR) is refused as such.
+        let open_error = |e: nix::errno::Errno| match e {
+            nix::errno::Errno::ELOOP | nix::errno::Errno::ENOTDIR => refused(),
+            e => io(&path, e.into()),
+        };
         if kind(stat.st_mode) == SFlag::S_IFDIR {
             let sub = nix::fcntl::openat(&dir, name.as_os_str(), nofollow | OFlag::O_DIRECTORY, Mode::empty())
-                .map_err(|e| io(&path, e.into()))?;
+                .map_err(open_error)?;
             copy_dir(sub, &path, &target, budget)?;
         } else if kind(stat.st_mode) == SFlag::S_IFREG {
             let fd = nix::fcntl::openat(
@@ -944,7 +952,7 @@ fn copy_dir(dir: std::os::fd::OwnedFd, src: &Path, dest: &Path, budget: &mut Bud
                 nofollow | OFlag::O_NONBLOCK | OFlag::O_NOCTTY,
                 Mode::empty(),
             )
-            .map_err(|e| io(&path, e.into()))?;
+            .map_err(open_error)?;
             let mut f = std::fs::File::from(fd);
             let meta = f.metadata().map_err(|e| io(&path, e))?;
             if !meta.is_file() {
