@@ -10,8 +10,9 @@ use std::io::{Error, ErrorKind, Read};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
-/// The regular file at `path`, opened for reading. Errors: `InvalidInput` when it is not a
-/// regular file; otherwise the I/O error.
+/// The regular file at `path` (links followed: the path is the caller's), opened for reading
+/// with `O_NONBLOCK` (no effect on a regular file's reads). Errors: `InvalidInput` when it is
+/// not a regular file; otherwise the I/O error.
 pub fn open_regular(path: &Path) -> std::io::Result<File> {
     let not_regular = || Error::new(ErrorKind::InvalidInput, "not a regular file");
     // Checked before opening — opening a device can act (a watchdog is armed by it) — and
@@ -30,8 +31,15 @@ pub fn open_regular(path: &Path) -> std::io::Result<File> {
 /// The whole of the regular file at `path`, at most `limit` bytes. Errors: `InvalidInput`
 /// when it is not a regular file, `InvalidData` when it is larger; otherwise the I/O error.
 pub fn read_regular(path: &Path, limit: u64) -> std::io::Result<Vec<u8>> {
-    let file = open_regular(path)?;
-    let mut bytes = Vec::new();
+    read_capped(open_regular(path)?, limit)
+}
+
+/// The rest of `file`, at most `limit` bytes (`InvalidData` when there is more). The buffer
+/// is sized from the file's length once, so that a secret read here is not left behind in
+/// the freed copies of a growing buffer.
+pub fn read_capped(file: File, limit: u64) -> std::io::Result<Vec<u8>> {
+    let size = file.metadata()?.len().min(limit);
+    let mut bytes = Vec::with_capacity(usize::try_from(size).unwrap_or(0).saturating_add(1));
     file.take(limit + 1).read_to_end(&mut bytes)?;
     if bytes.len() as u64 > limit {
         return Err(Error::new(ErrorKind::InvalidData, format!("larger than {limit} bytes")));

@@ -107,14 +107,12 @@ fn bind(path: &Path) -> Result<UnixListener, CannotRun> {
         }
         std::fs::remove_file(path).map_err(|e| CannotRun(format!("{}: {e}", path.display())))?;
     }
-    // Created 0600 from the start: the umask covers the window before chmod.
+    // Created 0600 by bind itself under this umask — no chmod by path afterwards, which in
+    // a shared directory could be sent through a link planted at the name.
     let old = nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o177));
     let listener = UnixListener::bind(path);
     nix::sys::stat::umask(old);
-    let listener = listener.map_err(|e| CannotRun(format!("{}: {e}", path.display())))?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
-        .map_err(|e| CannotRun(format!("{}: {e}", path.display())))?;
-    Ok(listener)
+    listener.map_err(|e| CannotRun(format!("{}: {e}", path.display())))
 }
 
 /// Block the stop signals (SIGTERM, SIGINT) in the calling thread and so in every thread it

@@ -903,7 +903,9 @@ fn copy_dir(dir: std::os::fd::OwnedFd, src: &Path, dest: &Path, budget: &mut Bud
     use nix::sys::stat::{Mode, SFlag};
     use std::os::unix::ffi::OsStrExt;
     mkdir(dest)?;
-    let mut listing = nix::unistd::dup(&dir).and_then(nix::dir::Dir::from_fd).map_err(|e| io(src, e.into()))?;
+    // `try_clone` duplicates with F_DUPFD_CLOEXEC.
+    let copy = dir.try_clone().map_err(|e| io(src, e))?;
+    let mut listing = nix::dir::Dir::from_fd(copy).map_err(|e| io(src, e.into()))?;
     let mut names = Vec::new();
     for entry in listing.iter() {
         let entry = entry.map_err(|e| io(src, e.into()))?;
@@ -957,6 +959,11 @@ fn copy_dir(dir: std::os::fd::OwnedFd, src: &Path, dest: &Path, budget: &mut Bud
             let meta = f.metadata().map_err(|e| io(&path, e))?;
             if !meta.is_file() {
                 return Err(refused());
+            }
+            // As in an archive: a hard link could be another file of the host's (where
+            // fs.protected_hardlinks is off, any file on the same filesystem).
+            if std::os::unix::fs::MetadataExt::nlink(&meta) > 1 {
+                return Err(InstallError::Invalid(format!("{}: a hard link is refused in a package", path.display())));
             }
             budget.copy(&mut f, &target, meta.permissions().mode() & 0o111 != 0, |err| io(&path, err))?;
         } else {

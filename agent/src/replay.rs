@@ -138,11 +138,17 @@ impl SeenCommands {
             // Rewrite without the expired entries: a new file renamed over the old one, under
             // the same lock (the lock is on the old inode; writers re-check after locking).
             let tmp = self.path.with_extension("tmp");
+            // A new file, never through a link planted at its name (a crash's leftover is
+            // removed first; removing a link removes the link).
+            match std::fs::remove_file(&tmp) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(self.io(e)),
+                _ => {}
+            }
             let out = std::fs::OpenOptions::new()
                 .write(true)
-                .create(true)
-                .truncate(true)
+                .create_new(true)
                 .mode(0o600)
+                .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
                 .open(&tmp)
                 .map_err(|e| self.io(e))?;
             let mut out = std::io::BufWriter::new(out);

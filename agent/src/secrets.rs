@@ -76,7 +76,14 @@ impl Provider {
     }
 
     fn check_file(path: &Path) -> Result<(), String> {
-        let meta = std::fs::metadata(path).map_err(|e| format!("secrets.file {}: {e}", path.display()))?;
+        Self::open_file(path).map(drop)
+    }
+
+    /// `secrets.file`, opened: a regular file owned by root without group or other access,
+    /// checked on the open descriptor (not by path before a second open).
+    fn open_file(path: &Path) -> Result<std::fs::File, String> {
+        let file = crate::bounded::open_regular(path).map_err(|e| format!("secrets.file {}: {e}", path.display()))?;
+        let meta = file.metadata().map_err(|e| format!("secrets.file {}: {e}", path.display()))?;
         if meta.uid() != 0 || meta.mode() & 0o077 != 0 {
             return Err(format!(
                 "secrets.file {}: must be owned by root with mode 0600 (is uid {}, mode {:o})",
@@ -85,13 +92,13 @@ impl Provider {
                 meta.mode() & 0o7777
             ));
         }
-        Ok(())
+        Ok(file)
     }
 
     fn load_file(path: &Path) -> Result<BTreeMap<String, String>, String> {
-        Self::check_file(path)?;
+        let file = Self::open_file(path)?;
         let bytes = Zeroizing::new(
-            crate::bounded::read_regular(path, MAX_SECRETS_FILE)
+            crate::bounded::read_capped(file, MAX_SECRETS_FILE)
                 .map_err(|e| format!("secrets.file {}: {e}", path.display()))?,
         );
         let text = std::str::from_utf8(&bytes).map_err(|_| format!("secrets.file {}: not UTF-8", path.display()))?;
