@@ -873,6 +873,87 @@ fn writes_to_system_and_agent_paths_are_refused() {
     assert!(out.stdout.contains("error: permissions.filesystem.write[0]: /usr/local"), "{out:?}");
 }
 
+const PEEK: &str = r#"
+import os
+from opservant.executor import BaseExecutor, ExecutorResult
+
+
+class TestExecutor(BaseExecutor):
+    def validate(self, params):
+        return True
+
+    def execute(self, params, context):
+        seen = {}
+        for path in params["paths"]:
+            try:
+                if os.path.isdir(path):
+                    seen[path] = "dir:" + ",".join(sorted(os.listdir(path)))
+                else:
+                    with open(path) as f:
+                        seen[path] = "file:" + f.read()
+            except OSError as e:
+                seen[path] = "error:" + type(e).__name__
+        return ExecutorResult(status="completed", output=seen)
+"#;
+
+/// The agent's own files that its configuration places outside `/etc/opservant` and the
+/// state directories — here a state directory, the audit log (with its rotated file), a
+/// trusted key, an install source and the platform TLS key, all world-readable so that
+/// only the view can hide them — are masked in a sandbox that declares the directory
+/// holding them; declaring them for writing, or the key material for reading, is refused.
+#[test]
+fn the_agents_configured_files_are_masked_and_never_writable() {
+    if !require_root() {
+        return;
+    }
+    let site = HostDir::new();
+    let put_site = |rel: &str, text: &str| put(&site.path, rel, text.as_bytes());
+    let public = put_site("public.txt", "public");
+    let seen = put_site("state/commands-seen", "seen");
+    let rotated = put_site("audit/audit.jsonl.2", "old records");
+    let trusted = put_site("keys/trusted.pub", "pub");
+    let package = put_site("packages/pkg.tar.gz", "pkg");
+    let tls_key = put_site("tls/agent.key", "tls key");
+    let c = config(
+        &format!(
+            "agent:\n  state_dir: {}\naudit:\n  path: {}\n  journald: false\nexecutors:\n  trusted_keys: [{}]\n  install: [{}]\nnetwork:\n  agent_to_platform:\n    key: {}\n",
+            site.path.join("state").display(),
+            site.path.join("audit/audit.jsonl").display(),
+            trusted.display(),
+            package.display(),
+            tls_key.display(),
+        ),
+        None,
+    );
+    let paths: Vec<String> = [&public, &seen, &site.path.join("state"), &rotated, &trusted, &package, &tls_key]
+        .iter()
+        .map(|p| p.display().to_string())
+        .collect();
+    let d = executor(json!({"permissions": {"filesystem": {"read": [site.str()]}}}), PEEK);
+    let r = run(&d.path, &["--config", c.arg(), "--params", &json!({ "paths": paths }).to_string()]).result();
+    assert_eq!(r["status"], "completed", "{r}");
+    let out = &r["output"];
+    assert_eq!(out[&paths[0]], "file:public", "the declared directory is shown: {r}");
+    for p in &paths[1..] {
+        assert!(out[p].as_str().is_some_and(|v| v.starts_with("error:")), "{p} is not masked: {r}");
+    }
+    // The run's own audit record went to the configured log, which the sandbox could not read.
+    let log = std::fs::read_to_string(site.path.join("audit/audit.jsonl")).unwrap();
+    assert!(log.contains("executor_start"), "{log}");
+    // Without the configuration the same files are ordinary files of the declared directory.
+    let r = run(&d.path, &["--params", &json!({ "paths": paths }).to_string()]).result();
+    assert_eq!(r["output"][&paths[1]], "file:seen", "{r}");
+    // Writing at or above them, or reading the key material, is refused at validation.
+    for (perms, says) in [
+        (json!({"write": [site.path.join("state").display().to_string()]}), "agent's own files"),
+        (json!({"write": [site.str()]}), "agent's own files"),
+        (json!({"read": [tls_key.display().to_string()]}), "key material (network.agent_to_platform.key)"),
+    ] {
+        let d = executor(json!({"permissions": {"filesystem": perms}}), PEEK);
+        run(&d.path, &["--config", c.arg()]).cannot_run(&["permissions.filesystem.", says]);
+    }
+}
+
 #[test]
 fn command_line_errors_are_refused() {
     if !require_root() {

@@ -231,6 +231,18 @@ pub struct SecretsSection {
     pub vault_namespace: Option<String>,
 }
 
+/// A file or directory of the agent's own that its configuration names (explicitly or by
+/// default): what no sandbox may write, and what a view masks ([`crate::policy`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OwnPath {
+    /// The configuration key that names it (`audit.path`, `secrets.key_file`, …).
+    pub key: String,
+    /// Absolute (a relative path is taken from the current directory, as the agent reads it).
+    pub path: PathBuf,
+    /// Key material: never readable in a sandbox, even when declared by its own name.
+    pub credential: bool,
+}
+
 impl Config {
     /// `path` if given (must exist), else the default path if it exists, else built-in
     /// defaults.
@@ -250,6 +262,66 @@ impl Config {
             Err(e) if !required && e.kind() == std::io::ErrorKind::NotFound => Ok(Config::default()),
             Err(e) => Err(file_err(format!("cannot read: {e}"))),
         }
+    }
+
+    /// Every file and directory of the agent's own that this configuration names, defaults
+    /// included: state, socket, installed executors and their install sources, trusted and
+    /// platform keys, secrets (store, key, file, Vault CA and secret id), the platform TLS
+    /// files, the audit log with its lock and rotated files, and the systemd credentials
+    /// directory when the agent runs with one.
+    pub fn own_paths(&self) -> Vec<OwnPath> {
+        let mut out = Vec::new();
+        let mut add = |key: &str, path: &Path, credential: bool| {
+            let path = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+            out.push(OwnPath { key: key.to_string(), path, credential });
+        };
+        let a = &self.agent;
+        let state = a.state_dir.clone().unwrap_or_else(|| crate::daemon::DEFAULT_STATE_DIR.into());
+        add("agent.state_dir", &state, false);
+        let socket = a.socket.clone().unwrap_or_else(|| crate::daemon::DEFAULT_SOCKET.into());
+        add("agent.socket", &socket, false);
+        if let Some(p) = &a.platform_public_key {
+            add("agent.platform_public_key", p, false);
+        }
+        add("executors.dir", &self.executors.root(), false);
+        for (i, p) in self.executors.trusted_keys.iter().flatten().enumerate() {
+            add(&format!("executors.trusted_keys[{i}]"), p, false);
+        }
+        for (i, p) in self.executors.install.iter().enumerate() {
+            add(&format!("executors.install[{i}]"), p, false);
+        }
+        let s = &self.secrets;
+        let store = s.store.clone().unwrap_or_else(|| crate::secrets_store::DEFAULT_STORE.into());
+        add("secrets.store", &store, true);
+        let key_file = s.key_file.clone().unwrap_or_else(|| crate::secrets_store::DEFAULT_KEY_FILE.into());
+        add("secrets.key_file", &key_file, true);
+        if let Some(p) = &s.file {
+            add("secrets.file", p, true);
+        }
+        if let Some(p) = &s.secret_id_file {
+            add("secrets.secret_id_file", p, true);
+        }
+        if let Some(p) = &s.vault_ca {
+            add("secrets.vault_ca", p, false);
+        }
+        if let Some(p) = &self.network.agent_to_platform {
+            for (key, path, credential) in [("ca", &p.ca, false), ("cert", &p.cert, false), ("key", &p.key, true)] {
+                if let Some(path) = path {
+                    add(&format!("network.agent_to_platform.{key}"), path, credential);
+                }
+            }
+        }
+        let audit = crate::audit::AuditSettings::from_config(self);
+        add("audit.path", &audit.path, false);
+        add("audit.path (its lock)", &crate::audit::lock_path(&audit.path), false);
+        for n in 1..=audit.keep {
+            add(&format!("audit.path (rotated .{n})"), &audit.rotated(n), false);
+        }
+        // systemd's credentials for the agent (the secrets key, the Vault secret id).
+        if let Some(dir) = std::env::var_os("CREDENTIALS_DIRECTORY").filter(|d| Path::new(d).is_absolute()) {
+            add("$CREDENTIALS_DIRECTORY", Path::new(&dir), true);
+        }
+        out
     }
 
     /// [`Config::parse`] of raw bytes: more than [`MAX_CONFIG_BYTES`] or not UTF-8 is an error.

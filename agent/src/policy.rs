@@ -3,8 +3,11 @@
 //! what is always masked, which declarations are refused, which limits apply.
 //!
 //! Guarantees: write access to system directories, the agent binary, its configuration and
-//! its state is refused even when declared (naming the manifest field); declared paths must
-//! exist; host credentials stay masked.
+//! its state — and every file of its own that its configuration names elsewhere (state
+//! directory, socket, executors, keys, secrets, TLS files, audit log) — is refused even when
+//! declared (naming the manifest field); those files are masked in every view, and key
+//! material is never readable, even when declared by name; declared paths must exist; host
+//! credentials stay masked.
 
 use std::path::{Path, PathBuf};
 
@@ -201,38 +204,89 @@ pub struct AgentPolicy {
     pub allow_degraded: bool,
     pub seccomp: SeccompPolicy,
     pub identity: Identity,
-    /// Paths protected from writes besides the system directories (binary, config, state).
+    /// Paths protected from writes besides the system directories (binary, config, state,
+    /// and every file of the agent's own its configuration names).
     pub protected: Vec<PathBuf>,
+    /// Masked in every view besides the sandbox's defaults: the configuration and state
+    /// directories and the agent's own files outside them (as named and as their real
+    /// paths). A path declared by its own name is shown (a credential never is).
+    pub masked: Vec<PathBuf>,
+    /// Key material, with the configuration key naming it: never readable, even when
+    /// declared by its own name or reached through a symlink.
+    pub credentials: Vec<(String, PathBuf)>,
 }
 
 impl AgentPolicy {
     /// Built-in defaults: the shipped limit policy, Landlock required (ABI ≥ 1), no degraded
     /// mode, the default seccomp profile, the `opservant-executor` (or `nobody`) identity.
     pub fn builtin() -> Result<Self, String> {
+        Self::with_own_paths(&crate::config::Config::default())
+    }
+
+    /// The built-in policy with the agent's own files as `config` names them.
+    fn with_own_paths(config: &crate::config::Config) -> Result<Self, String> {
         let identity = Identity::default_executor().map_err(|e| e.to_string())?;
-        let mut protected: Vec<PathBuf> = vec![PathBuf::from(CONFIG_DIR)];
-        protected.extend(STATE_DIRS.iter().map(PathBuf::from));
-        if let Ok(exe) = std::env::current_exe() {
-            protected.push(exe);
-        }
-        // The executor runtime binary is the payload of every executor sandbox.
-        if let Ok(runtime) = crate::executor_run::runtime_binary() {
-            protected.push(runtime);
-        }
-        Ok(Self {
+        let mut p = Self {
             limits: LimitPolicy::builtin(),
             landlock_min_abi: 1,
             allow_degraded: false,
             seccomp: sandbox::seccomp::default_policy()?,
             identity,
-            protected,
-        })
+            protected: Vec::new(),
+            masked: Vec::new(),
+            credentials: Vec::new(),
+        };
+        let mut parents = Vec::new();
+        for dir in std::iter::once(CONFIG_DIR).chain(STATE_DIRS.iter().copied()) {
+            for path in as_named_and_real(Path::new(dir), &mut parents) {
+                p.protected.push(path.clone());
+                p.masked.push(path);
+            }
+        }
+        if let Ok(exe) = std::env::current_exe() {
+            p.protected.push(exe);
+        }
+        // The executor runtime binary is the payload of every executor sandbox.
+        if let Ok(runtime) = crate::executor_run::runtime_binary() {
+            p.protected.push(runtime);
+        }
+        p.add_own_paths(&config.own_paths(), &mut parents);
+        Ok(p)
+    }
+
+    /// Protect and mask the agent's own files (and make its credentials unreadable), as
+    /// named and as their real paths. A file beneath a directory already masked needs no
+    /// mask of its own: declaring that directory by name is what shows it, as for
+    /// `/etc/opservant`. The root directory is protected but never masked.
+    fn add_own_paths(&mut self, own: &[crate::config::OwnPath], parents: &mut Vec<(PathBuf, Option<PathBuf>)>) {
+        let mut covered_dirs: Vec<(PathBuf, bool)> = Vec::new();
+        for o in own {
+            for path in as_named_and_real(&o.path, parents) {
+                if o.credential {
+                    self.credentials.push((o.key.clone(), path.clone()));
+                }
+                self.protected.push(path.clone());
+                // The audit log's rotated files share its directory: one check for all.
+                let parent = path.parent().map(Path::to_path_buf).unwrap_or_default();
+                let parent_covered = match covered_dirs.iter().find(|(d, _)| *d == parent) {
+                    Some((_, c)) => *c,
+                    None => {
+                        let c = self.masked.iter().any(|m| parent.starts_with(m));
+                        covered_dirs.push((parent, c));
+                        c
+                    }
+                };
+                if !parent_covered && path != Path::new("/") && !self.masked.contains(&path) {
+                    self.masked.push(path);
+                }
+            }
+        }
     }
 
     /// The built-in policy adjusted by the agent configuration (limits, Landlock minimum,
-    /// degraded mode).
+    /// degraded mode, the agent's own files).
     pub fn from_config(config: &crate::config::Config) -> Result<Self, String> {
-        let mut p = Self::builtin()?;
+        let mut p = Self::with_own_paths(config)?;
         p.limits = config.limit_policy(p.limits).map_err(|e| e.to_string())?;
         if let Some(abi) = config.sandbox.landlock_min_abi {
             p.landlock_min_abi = abi;
@@ -262,8 +316,7 @@ impl AgentPolicy {
             v.checked_mul(1 << 20).ok_or_else(|| PolicyError::new(field, format!("{v} MB does not fit in bytes")))
         };
         spec.filesystem.scratch_bytes = mb("resource_limits.max_disk_mb", limits.max_disk_mb)?;
-        spec.filesystem.masked.push(PathBuf::from(CONFIG_DIR));
-        spec.filesystem.masked.extend(STATE_DIRS.iter().map(PathBuf::from));
+        spec.filesystem.masked.extend(self.masked.iter().cloned());
         spec.filesystem.synthetic.push(SyntheticFile {
             path: "/etc/hosts".into(),
             content: format!(
@@ -315,9 +368,9 @@ impl AgentPolicy {
         // the scratch).
         // The declared text first (a refusal does not depend on what exists), then its real
         // path.
-        refuse_read(field, p, p)?;
+        self.refuse_read(field, p, p)?;
         let real = real_path(field, p)?;
-        refuse_read(field, p, &real)?;
+        self.refuse_read(field, p, &real)?;
         check_alias(field, p, &real, masked)?;
         Ok(real)
     }
@@ -359,17 +412,55 @@ impl AgentPolicy {
         }
         Ok(())
     }
+
+    /// Refuse reading `q`, declared as `p`, when it holds host credentials or the agent's
+    /// key material (or lies beneath such a directory).
+    fn refuse_read(&self, field: &str, p: &Path, q: &Path) -> Result<(), PolicyError> {
+        if NEVER_READABLE.iter().any(|n| q == Path::new(n)) {
+            return Err(PolicyError::new(
+                field,
+                format!("{}{} holds host credentials and is never readable", p.display(), via(p, q)),
+            ));
+        }
+        if let Some((key, _)) = self.credentials.iter().find(|(_, c)| q.starts_with(c)) {
+            return Err(PolicyError::new(
+                field,
+                format!("{}{} is the agent's key material ({key}) and is never readable", p.display(), via(p, q)),
+            ));
+        }
+        Ok(())
+    }
 }
 
-/// Refuse reading `q`, declared as `p`, when it holds host credentials.
-fn refuse_read(field: &str, p: &Path, q: &Path) -> Result<(), PolicyError> {
-    if NEVER_READABLE.iter().any(|n| q == Path::new(n)) {
-        return Err(PolicyError::new(
-            field,
-            format!("{}{} holds host credentials and is never readable", p.display(), via(p, q)),
-        ));
+/// `path`, and its real path when that differs (symlinks resolved; for a path that does
+/// not exist yet, its parent's real path and its name): a view binds real paths, so what
+/// is protected or masked by one name must be by the other. Parents' real paths are
+/// remembered in `parents` (the audit log's rotated files share one), so each costs one
+/// `realpath` and each path one `lstat`.
+fn as_named_and_real(path: &Path, parents: &mut Vec<(PathBuf, Option<PathBuf>)>) -> Vec<PathBuf> {
+    let real = match (path.parent(), path.file_name()) {
+        (Some(parent), Some(name)) => {
+            let real_parent = match parents.iter().find(|(p, _)| p == parent) {
+                Some((_, r)) => r.clone(),
+                None => {
+                    let r = std::fs::canonicalize(parent).ok();
+                    parents.push((parent.to_path_buf(), r.clone()));
+                    r
+                }
+            };
+            match std::fs::symlink_metadata(path) {
+                Ok(m) if m.file_type().is_symlink() => std::fs::canonicalize(path).ok(),
+                // `name` is not a link: a `..` or `.` is not a file name, so it is real
+                // beneath the real parent.
+                _ => real_parent.map(|d| d.join(name)),
+            }
+        }
+        _ => None,
+    };
+    match real {
+        Some(r) if r != path => vec![path.to_path_buf(), r],
+        _ => vec![path.to_path_buf()],
     }
-    Ok(())
 }
 
 /// ` (through a symlink, X)` when the checked `q` is the real path of `p`, not `p` itself.
@@ -424,6 +515,8 @@ mod tests {
             seccomp: SeccompPolicy::Disabled,
             identity: Identity::same_inside(65534, 65534),
             protected: vec![PathBuf::from(CONFIG_DIR), PathBuf::from("/opt/opservant/bin/opservant")],
+            masked: std::iter::once(CONFIG_DIR).chain(STATE_DIRS.iter().copied()).map(PathBuf::from).collect(),
+            credentials: Vec::new(),
         }
     }
 
@@ -495,6 +588,75 @@ mod tests {
             .map(|r| (r.path.display().to_string(), r.source.as_ref().map(|s| s.display().to_string())))
             .collect();
         assert_eq!(rules, [(d("alias/x"), Some(d("real/x"))), (d("alias"), Some(d("real")))]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// The agent's own files that a configuration places outside `/etc/opservant` and the
+    /// state directories are masked and write-protected like those (as named and as their
+    /// real paths), and its key material is never readable; a default configuration adds
+    /// nothing to the built-in masks.
+    #[test]
+    fn configured_own_files_are_masked_protected_and_key_material_unreadable() {
+        let dir = PathBuf::from(format!("/var/tmp/opservant-policy-own-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        for sub in ["real-state", "audit", "tls", "public"] {
+            std::fs::create_dir_all(dir.join(sub)).unwrap();
+        }
+        std::os::unix::fs::symlink(dir.join("real-state"), dir.join("state")).unwrap();
+        std::fs::write(dir.join("tls/agent.key"), "k").unwrap();
+        std::os::unix::fs::symlink(dir.join("tls/agent.key"), dir.join("public/key-link")).unwrap();
+        let d = |s: &str| dir.join(s).display().to_string();
+        let yaml = format!(
+            "agent:\n  state_dir: {}\naudit:\n  path: {}\n  keep: 2\nnetwork:\n  agent_to_platform:\n    key: {}\n",
+            d("state"),
+            d("audit/audit.jsonl"),
+            d("tls/agent.key")
+        );
+        let p = AgentPolicy::from_config(&crate::config::Config::parse(&yaml).unwrap()).unwrap();
+        let (spec, _) = p.spec_for(None, "/bin/true", vec![]).unwrap();
+        for want in [
+            "state",
+            "real-state",
+            "audit/audit.jsonl",
+            "audit/audit.jsonl.lock",
+            "audit/audit.jsonl.1",
+            "audit/audit.jsonl.2",
+            "tls/agent.key",
+        ] {
+            assert!(
+                spec.filesystem.masked.contains(&dir.join(want)),
+                "{want} not masked: {:?}",
+                spec.filesystem.masked
+            );
+        }
+        assert!(!spec.filesystem.masked.contains(&dir.join("audit/audit.jsonl.3")));
+        // Writes at, above or beneath them are refused.
+        for w in ["state", "real-state/x", "audit", "tls"] {
+            let m = manifest(&format!(r#"{{"write":["{}"]}}"#, d(w)));
+            let e = p.spec_for(Some(&m), "/bin/true", vec![]).unwrap_err();
+            assert!(e.message.contains("agent's own files"), "{w}: {e}");
+        }
+        // Key material is never readable: by its name, through a link, or as a file
+        // beneath it; the directory holding it may be declared (the key stays masked).
+        for r in ["tls/agent.key", "public/key-link"] {
+            let m = manifest(&format!(r#"{{"read":["{}"]}}"#, d(r)));
+            let e = p.spec_for(Some(&m), "/bin/true", vec![]).unwrap_err();
+            assert!(e.message.contains("key material (network.agent_to_platform.key)"), "{r}: {e}");
+        }
+        let m = manifest(&format!(r#"{{"read":["{}"]}}"#, d("tls")));
+        p.spec_for(Some(&m), "/bin/true", vec![]).unwrap();
+        // A link to the (masked) state directory is refused, as for /etc/opservant.
+        std::os::unix::fs::symlink(dir.join("state"), dir.join("public/state-link")).unwrap();
+        let m = manifest(&format!(r#"{{"read":["{}"]}}"#, d("public/state-link")));
+        assert!(p.spec_for(Some(&m), "/bin/true", vec![]).unwrap_err().message.contains("masked"));
+        // The default configuration's files are all beneath the built-in masks.
+        let default = AgentPolicy::from_config(&crate::config::Config::default()).unwrap();
+        let base: Vec<PathBuf> = std::iter::once(CONFIG_DIR)
+            .chain(STATE_DIRS.iter().copied())
+            .flat_map(|d| as_named_and_real(Path::new(d), &mut Vec::new()))
+            .collect();
+        assert_eq!(default.masked, base);
+        assert!(default.credentials.iter().any(|(k, _)| k == "secrets.key_file"));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
