@@ -1083,6 +1083,22 @@ fn the_agent_never_deletes_a_non_socket_nor_chmods_a_directory_it_did_not_create
     refused("state_dir", "agent.state_dir", &precious);
     assert_eq!(std::fs::read_to_string(&precious).unwrap(), "keep me\n");
 
+    // A state directory others can write (who could then delete the replay index, or plant
+    // a link at its name) or that another user owns: refused, left as it is.
+    let state = a.dir.path.join("state");
+    std::fs::create_dir_all(&state).unwrap();
+    std::fs::write(&a.config, &text).unwrap();
+    for mode in [0o777, 0o1777, 0o770] {
+        std::fs::set_permissions(&state, std::fs::Permissions::from_mode(mode)).unwrap();
+        refused("a state dir others can write", "writable by group or others", &state);
+        assert_eq!(std::fs::metadata(&state).unwrap().permissions().mode() & 0o7777, mode);
+    }
+    std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let (uid, gid) = common::executor_ids();
+    std::os::unix::fs::chown(&state, Some(uid), Some(gid)).unwrap();
+    refused("a state dir another user owns", "owned by uid", &state);
+    std::os::unix::fs::chown(&state, Some(0), Some(0)).unwrap();
+
     // A socket in a directory that exists (shared, like /tmp): its mode is left alone.
     let shared = a.dir.path.join("shared");
     std::fs::create_dir(&shared).unwrap();

@@ -302,6 +302,39 @@ pub fn submit(socket: &Path, command: &[u8]) -> Result<Value, CannotRun> {
     serde_json::from_str(reply.trim()).map_err(|e| CannotRun(format!("reply is not JSON: {e}")))
 }
 
+/// `agent.state_dir` holds the replay index: whoever can write the directory can delete
+/// the index (and have an old signed command run again) or plant a link at its name for
+/// root to append to. So a directory that exists must be the agent's own — owned by its
+/// user and writable by no one else, like sshd's `StrictModes`; one that does not exist is
+/// created 0700 with the index.
+fn check_state_dir(dir: &Path) -> Result<(), CannotRun> {
+    use std::os::unix::fs::MetadataExt;
+    let m = match std::fs::metadata(dir) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(CannotRun(format!("agent.state_dir: {}: {e}", dir.display()))),
+    };
+    if !m.is_dir() {
+        return Err(CannotRun(format!("agent.state_dir: {} exists and is not a directory", dir.display())));
+    }
+    let euid = nix::unistd::geteuid().as_raw();
+    if m.uid() != euid {
+        return Err(CannotRun(format!(
+            "agent.state_dir: {} is owned by uid {}, not by the agent (uid {euid}); the replay index must be the agent's alone",
+            dir.display(),
+            m.uid()
+        )));
+    }
+    if m.mode() & 0o022 != 0 {
+        return Err(CannotRun(format!(
+            "agent.state_dir: {} is writable by group or others (mode {:04o}); the replay index must be the agent's alone (chmod go-w)",
+            dir.display(),
+            m.mode() & 0o7777
+        )));
+    }
+    Ok(())
+}
+
 /// Paths and limits of the daemon from the configuration.
 pub struct DaemonSettings {
     pub socket: PathBuf,
@@ -323,17 +356,7 @@ impl DaemonSettings {
         let socket: PathBuf = a.socket.clone().unwrap_or_else(|| DEFAULT_SOCKET.into());
         check_socket_path(&socket)?;
         let state_dir: PathBuf = a.state_dir.clone().unwrap_or_else(|| DEFAULT_STATE_DIR.into());
-        match std::fs::metadata(&state_dir) {
-            Ok(m) if !m.is_dir() => {
-                return Err(CannotRun(format!(
-                    "agent.state_dir: {} exists and is not a directory",
-                    state_dir.display()
-                )))
-            }
-            Ok(_) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(CannotRun(format!("agent.state_dir: {}: {e}", state_dir.display()))),
-        }
+        check_state_dir(&state_dir)?;
         Ok(DaemonSettings {
             socket,
             state_dir,

@@ -20,7 +20,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::io::{BufRead, Read, Seek, SeekFrom, Write};
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use thiserror::Error;
@@ -100,16 +100,29 @@ impl SeenCommands {
     /// Record `id` (accepted at `now`) unless it was seen before.
     pub fn check_and_insert(&self, id: &str, now: i64) -> Result<Seen, ReplayError> {
         if let Some(dir) = self.path.parent() {
-            std::fs::create_dir_all(dir).map_err(|e| self.io(e))?;
+            // The state directory itself, when missing, is created the agent's alone (0700).
+            if let Some(up) = dir.parent() {
+                std::fs::create_dir_all(up).map_err(|e| self.io(e))?;
+            }
+            match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+                Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => return Err(self.io(e)),
+                _ => {}
+            }
         }
         let mut f = loop {
+            // Never through a link planted at the name, never blocking on a FIFO; a regular
+            // file only.
             let f = std::fs::OpenOptions::new()
                 .read(true)
                 .append(true)
                 .create(true)
                 .mode(0o600)
+                .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
                 .open(&self.path)
                 .map_err(|e| self.io(e))?;
+            if !f.metadata().map_err(|e| self.io(e))?.is_file() {
+                return Err(self.io(std::io::Error::other("not a regular file")));
+            }
             // SAFETY: flock on a descriptor this File owns; no memory is passed.
             if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
                 return Err(self.io(std::io::Error::last_os_error()));
@@ -294,6 +307,29 @@ mod tests {
         assert_eq!(again.check_and_insert("cmd-2", 1002).unwrap(), Seen::Replayed);
         assert_eq!(again.check_and_insert("odd \"id\"\nwith newline", 1002).unwrap(), Seen::New);
         assert_eq!(again.check_and_insert("odd \"id\"\nwith newline", 1003).unwrap(), Seen::Replayed);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// The index is never opened through a link planted at its name, nor waited on as a
+    /// FIFO; a state directory it creates is 0700.
+    #[test]
+    fn the_index_is_a_regular_file_never_reached_through_a_link() {
+        use std::os::unix::fs::PermissionsExt;
+        let (dir, s) = store();
+        std::fs::create_dir_all(&dir).unwrap();
+        let target = dir.join("target");
+        std::fs::write(&target, "precious\n").unwrap();
+        std::os::unix::fs::symlink(&target, dir.join("seen")).unwrap();
+        assert!(s.check_and_insert("cmd-1", 1000).is_err());
+        assert_eq!(std::fs::read_to_string(&target).unwrap(), "precious\n");
+        std::fs::remove_file(dir.join("seen")).unwrap();
+        nix::unistd::mkfifo(&dir.join("seen"), nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        let e = s.check_and_insert("cmd-1", 1000).unwrap_err();
+        assert!(e.to_string().contains("not a regular file"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+        let (dir, s) = store();
+        assert_eq!(s.check_and_insert("cmd-1", 1000).unwrap(), Seen::New);
+        assert_eq!(std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777, 0o700);
         std::fs::remove_dir_all(dir).unwrap();
     }
 
