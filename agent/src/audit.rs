@@ -517,15 +517,11 @@ impl AuditLog {
 
     fn lock(&self) -> Result<nix::fcntl::Flock<File>, AuditError> {
         let lp = self.settings.lock_path();
-        let f = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(&lp)
-            .map_err(|e| AuditError::new(&self.settings.path, format!("lock file {}: {e}", lp.display())))?;
+        let f = open_regular_nofollow(
+            &lp,
+            OpenOptions::new().read(true).write(true).create(true).truncate(false).mode(0o600),
+        )
+        .map_err(|e| AuditError::new(&self.settings.path, format!("lock file {}: {e}", lp.display())))?;
         lock::exclusive(f, &lp, self.settings.lock_wait)
             .map_err(|e| AuditError::new(&self.settings.path, format!("{e}; nothing was appended")))
     }
@@ -533,25 +529,14 @@ impl AuditLog {
     /// The log file, created when missing. Anything but a regular file is refused, before
     /// it is opened (opening a device can act) and on what was opened.
     fn open_file(&self, path: &Path) -> Result<File, AuditError> {
-        let not_regular = || AuditError::new(path, "not a regular file; the audit log must be one");
-        match std::fs::symlink_metadata(path) {
-            Ok(m) if !m.is_file() => return Err(not_regular()),
-            Ok(_) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(AuditError::new(path, e)),
-        }
-        let file = OpenOptions::new()
-            .read(true)
-            .append(true)
-            .create(true)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK | libc::O_NOCTTY)
-            .open(path)
-            .map_err(|e| AuditError::new(path, e))?;
-        if !file.metadata().map_err(|e| AuditError::new(path, e))?.is_file() {
-            return Err(not_regular());
-        }
-        Ok(file)
+        open_regular_nofollow(path, OpenOptions::new().read(true).append(true).create(true).mode(0o600)).map_err(|e| {
+            match e.kind() {
+                std::io::ErrorKind::InvalidInput => {
+                    AuditError::new(path, "not a regular file; the audit log must be one")
+                }
+                _ => AuditError::new(path, e),
+            }
+        })
     }
 
     /// Append one record (see the module documentation for the sequence of steps).
@@ -616,7 +601,7 @@ impl AuditLog {
     /// rotation was interrupted after the rename) or start the genesis.
     fn head_from_rotated(&self) -> Result<Head, AuditError> {
         let r1 = self.settings.rotated(1);
-        let f = match File::open(&r1) {
+        let f = match open_regular_nofollow(&r1, OpenOptions::new().read(true)) {
             Ok(f) => f,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Head::genesis()),
             Err(e) => return Err(AuditError::new(&r1, e)),
@@ -643,6 +628,26 @@ impl AuditLog {
         }
         std::fs::rename(&s.path, s.rotated(1))
     }
+}
+
+/// Open one of the log's files (the log, its lock, a rotated file) with `options`: never
+/// through a link at its name, never blocking on a FIFO or taking a terminal; anything but
+/// a regular file is refused (`InvalidInput`), before it is opened (opening a device can
+/// act) and on what was opened.
+fn open_regular_nofollow(path: &Path, options: &mut OpenOptions) -> std::io::Result<File> {
+    let not_regular = || std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a regular file");
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if !m.is_file() => return Err(not_regular()),
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    let file =
+        options.custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK | libc::O_NOCTTY).open(path)?;
+    if !file.metadata()?.is_file() {
+        return Err(not_regular());
+    }
+    Ok(file)
 }
 
 fn ignore_missing(r: std::io::Result<()>) -> std::io::Result<()> {
@@ -877,6 +882,36 @@ mod tests {
         let r = parse_record(log.append("x", &Map::new()).unwrap().line.as_bytes()).unwrap();
         assert_eq!(r.continues.map(|c| c.1), Some(40));
         assert_eq!(r.seq, 41);
+    }
+
+    /// The lock file and the newest rotated file are opened as the log is: a FIFO there is
+    /// refused at once (it would block the open), a link is not followed.
+    #[test]
+    fn the_lock_and_the_rotated_file_must_be_regular_files_never_links() {
+        let fifo = |p: &Path| nix::unistd::mkfifo(p, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        let s = Scratch::new("kinds");
+        let settings = AuditSettings::at(&s.log());
+        fifo(&settings.lock_path());
+        let Err(e) = AuditLog::open(settings.clone()) else { panic!("a FIFO lock is refused") };
+        assert!(e.to_string().contains("not a regular file"), "{e}");
+        std::fs::remove_file(settings.lock_path()).unwrap();
+        let target = s.0.join("elsewhere");
+        std::fs::write(&target, "").unwrap();
+        std::os::unix::fs::symlink(&target, settings.lock_path()).unwrap();
+        assert!(AuditLog::open(settings.clone()).is_err(), "a linked lock is not followed");
+        std::fs::remove_file(settings.lock_path()).unwrap();
+        // An empty log chains from `.1`: a FIFO or a link there is refused, not opened.
+        let log = AuditLog::open(settings.clone()).unwrap();
+        fifo(&settings.rotated(1));
+        let e = log.append("x", &Map::new()).unwrap_err();
+        assert!(e.to_string().contains("not a regular file"), "{e}");
+        std::fs::remove_file(settings.rotated(1)).unwrap();
+        let other = Scratch::new("kinds-other");
+        let other_log = AuditLog::open(AuditSettings::at(&other.log())).unwrap();
+        append(&other_log, 2);
+        std::os::unix::fs::symlink(other.log(), settings.rotated(1)).unwrap();
+        assert!(log.append("x", &Map::new()).is_err(), "a linked rotated file is not followed");
+        assert_eq!(std::fs::metadata(s.log()).unwrap().len(), 0);
     }
 
     #[test]

@@ -86,7 +86,8 @@ pub fn main(command: AuditCommand) -> Result<ExitCode, CliError> {
                 (Ok(r), _) if r.intact => r,
                 (first, None) => first?,
                 (_, Some(lock)) => {
-                    let f = std::fs::File::open(&lock).map_err(|e| AuditError::new(&lock, e))?;
+                    // A regular file only: a FIFO there would block the open.
+                    let f = crate::bounded::open_regular(&lock).map_err(|e| AuditError::new(&lock, e))?;
                     let _shared = super::lock::shared(f, &lock, lock_wait).map_err(|e| {
                         AuditError::new(&lock, format!("{e}; the problem found could not be confirmed"))
                     })?;
