@@ -913,28 +913,45 @@ fn the_agents_configured_files_are_masked_and_never_writable() {
     let rotated = put_site("audit/audit.jsonl.2", "old records");
     let trusted = put_site("keys/trusted.pub", "pub");
     let package = put_site("packages/pkg.tar.gz", "pkg");
-    let tls_key = put_site("tls/agent.key", "tls key");
+    // The TLS key inside the state directory: a declaration beneath the (masked) state
+    // directory must not show it.
+    let tls_key = put_site("state/tls/agent.key", "tls key");
+    let ca = put_site("tls/ca.pem", "public CA");
+    // A key in a directory only root can search (like /etc/ssl/private): the view cannot
+    // even look for it there, and that must not fail the run.
+    let store_key = site.path.join("private/secrets.key");
+    std::fs::create_dir(site.path.join("private")).unwrap();
+    std::fs::write(&store_key, "store key").unwrap();
+    std::fs::set_permissions(site.path.join("private"), std::fs::Permissions::from_mode(0o700)).unwrap();
     let c = config(
         &format!(
-            "agent:\n  state_dir: {}\naudit:\n  path: {}\n  journald: false\nexecutors:\n  trusted_keys: [{}]\n  install: [{}]\nnetwork:\n  agent_to_platform:\n    key: {}\n",
+            "agent:\n  state_dir: {}\naudit:\n  path: {}\n  journald: false\nexecutors:\n  trusted_keys: [{}]\n  install: [{}]\nnetwork:\n  agent_to_platform:\n    key: {}\n    ca: {}\nsecrets:\n  key_file: {}/private/../private/secrets.key\n",
             site.path.join("state").display(),
             site.path.join("audit/audit.jsonl").display(),
             trusted.display(),
             package.display(),
             tls_key.display(),
+            ca.display(),
+            site.path.display(),
         ),
         None,
     );
-    let paths: Vec<String> = [&public, &seen, &site.path.join("state"), &rotated, &trusted, &package, &tls_key]
+    let paths: Vec<String> = [&public, &ca, &trusted, &package, &seen, &site.path.join("state"), &rotated, &tls_key]
         .iter()
         .map(|p| p.display().to_string())
         .collect();
-    let d = executor(json!({"permissions": {"filesystem": {"read": [site.str()]}}}), PEEK);
+    let d = executor(
+        json!({"permissions": {"filesystem": {"read": [site.str(), site.path.join("state/tls").display().to_string()]}}}),
+        PEEK,
+    );
     let r = run(&d.path, &["--config", c.arg(), "--params", &json!({ "paths": paths }).to_string()]).result();
     assert_eq!(r["status"], "completed", "{r}");
     let out = &r["output"];
-    assert_eq!(out[&paths[0]], "file:public", "the declared directory is shown: {r}");
-    for p in &paths[1..] {
+    // Public files (a CA, a trusted key, an install source) are shown, never writable.
+    for (p, want) in paths[..4].iter().zip(["file:public", "file:public CA", "file:pub", "file:pkg"]) {
+        assert_eq!(out[p], want, "{p} is public: {r}");
+    }
+    for p in &paths[4..] {
         assert!(out[p].as_str().is_some_and(|v| v.starts_with("error:")), "{p} is not masked: {r}");
     }
     // The run's own audit record went to the configured log, which the sandbox could not read.
@@ -942,12 +959,15 @@ fn the_agents_configured_files_are_masked_and_never_writable() {
     assert!(log.contains("executor_start"), "{log}");
     // Without the configuration the same files are ordinary files of the declared directory.
     let r = run(&d.path, &["--params", &json!({ "paths": paths }).to_string()]).result();
-    assert_eq!(r["output"][&paths[1]], "file:seen", "{r}");
+    assert_eq!(r["output"][&paths[4]], "file:seen", "{r}");
+    assert_eq!(r["output"][&paths[7]], "file:tls key", "{r}");
     // Writing at or above them, or reading the key material, is refused at validation.
     for (perms, says) in [
         (json!({"write": [site.path.join("state").display().to_string()]}), "agent's own files"),
         (json!({"write": [site.str()]}), "agent's own files"),
+        (json!({"write": [ca.display().to_string()]}), "agent's own files"),
         (json!({"read": [tls_key.display().to_string()]}), "key material (network.agent_to_platform.key)"),
+        (json!({"read": [store_key.display().to_string()]}), "key material (secrets.key_file)"),
     ] {
         let d = executor(json!({"permissions": {"filesystem": perms}}), PEEK);
         run(&d.path, &["--config", c.arg()]).cannot_run(&["permissions.filesystem.", says]);

@@ -634,7 +634,7 @@ impl AuditLog {
 /// through a link at its name, never blocking on a FIFO or taking a terminal; anything but
 /// a regular file is refused (`InvalidInput`), before it is opened (opening a device can
 /// act) and on what was opened.
-fn open_regular_nofollow(path: &Path, options: &mut OpenOptions) -> std::io::Result<File> {
+pub(crate) fn open_regular_nofollow(path: &Path, options: &mut OpenOptions) -> std::io::Result<File> {
     let not_regular = || std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a regular file");
     match std::fs::symlink_metadata(path) {
         Ok(m) if !m.is_file() => return Err(not_regular()),

@@ -49,6 +49,9 @@ pub struct Config {
     /// The hash-chained audit log (validated on parse; see [`crate::audit`]).
     #[serde(default, deserialize_with = "null_as_default")]
     pub audit: crate::audit::AuditSection,
+    /// The file this configuration was read from (none: built-in defaults or parsed text).
+    #[serde(skip)]
+    pub source: Option<PathBuf>,
 }
 
 /// A section written with nothing under it (`agent:` whose keys are all commented out) is
@@ -231,16 +234,45 @@ pub struct SecretsSection {
     pub vault_namespace: Option<String>,
 }
 
+/// What a file of the agent's own is to a sandbox ([`crate::policy`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OwnKind {
+    /// Public (CA bundles, certificates, public keys, install sources): never writable.
+    Public,
+    /// The agent's own business (state, socket, installed executors, the configuration, the
+    /// audit log): never writable, masked in every view.
+    Private,
+    /// Key material: never writable, masked, never readable even when declared by name.
+    Credential,
+}
+
 /// A file or directory of the agent's own that its configuration names (explicitly or by
-/// default): what no sandbox may write, and what a view masks ([`crate::policy`]).
+/// default).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OwnPath {
     /// The configuration key that names it (`audit.path`, `secrets.key_file`, …).
     pub key: String,
-    /// Absolute (a relative path is taken from the current directory, as the agent reads it).
+    /// Absolute and lexically normal (a relative path is taken from the current directory,
+    /// as the agent reads it; `.` and `..` are folded).
     pub path: PathBuf,
-    /// Key material: never readable in a sandbox, even when declared by its own name.
-    pub credential: bool,
+    pub kind: OwnKind,
+}
+
+/// `path` made absolute (from the current directory) with `.` and `..` folded lexically.
+fn normal_absolute(path: &Path) -> PathBuf {
+    use std::path::Component;
+    let abs = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    let mut out = PathBuf::from("/");
+    for c in abs.components() {
+        match c {
+            Component::Normal(n) => out.push(n),
+            Component::ParentDir => {
+                out.pop();
+            }
+            Component::RootDir | Component::CurDir | Component::Prefix(_) => {}
+        }
+    }
+    out
 }
 
 impl Config {
@@ -255,71 +287,79 @@ impl Config {
         // A regular file only (a FIFO would block the open), no more than the cap + 1 bytes.
         match crate::bounded::read_regular(&path, MAX_CONFIG_BYTES as u64) {
             Err(e) if e.kind() == std::io::ErrorKind::InvalidData => Err(file_err(too_large().message)),
-            Ok(bytes) => Self::parse_bytes(&bytes).map_err(|mut e| {
-                e.path = format!("{}: {}", path.display(), e.path);
-                e
-            }),
+            Ok(bytes) => Self::parse_bytes(&bytes)
+                .map(|mut c| {
+                    c.source = Some(path.clone());
+                    c
+                })
+                .map_err(|mut e| {
+                    e.path = format!("{}: {}", path.display(), e.path);
+                    e
+                }),
             Err(e) if !required && e.kind() == std::io::ErrorKind::NotFound => Ok(Config::default()),
             Err(e) => Err(file_err(format!("cannot read: {e}"))),
         }
     }
 
     /// Every file and directory of the agent's own that this configuration names, defaults
-    /// included: state, socket, installed executors and their install sources, trusted and
-    /// platform keys, secrets (store, key, file, Vault CA and secret id), the platform TLS
-    /// files, the audit log with its lock and rotated files, and the systemd credentials
-    /// directory when the agent runs with one.
+    /// included: the configuration file itself, state, socket, installed executors and
+    /// their install sources, trusted and platform keys, secrets (store, key, file, Vault CA
+    /// and secret id), the platform TLS files, the audit log with its lock and rotated
+    /// files, and the systemd credentials directory when the agent runs with one.
     pub fn own_paths(&self) -> Vec<OwnPath> {
+        use OwnKind::{Credential, Private, Public};
         let mut out = Vec::new();
-        let mut add = |key: &str, path: &Path, credential: bool| {
-            let path = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
-            out.push(OwnPath { key: key.to_string(), path, credential });
+        let mut add = |key: &str, path: &Path, kind: OwnKind| {
+            out.push(OwnPath { key: key.to_string(), path: normal_absolute(path), kind });
         };
+        if let Some(p) = &self.source {
+            add("the configuration file", p, Private);
+        }
         let a = &self.agent;
         let state = a.state_dir.clone().unwrap_or_else(|| crate::daemon::DEFAULT_STATE_DIR.into());
-        add("agent.state_dir", &state, false);
+        add("agent.state_dir", &state, Private);
         let socket = a.socket.clone().unwrap_or_else(|| crate::daemon::DEFAULT_SOCKET.into());
-        add("agent.socket", &socket, false);
+        add("agent.socket", &socket, Private);
         if let Some(p) = &a.platform_public_key {
-            add("agent.platform_public_key", p, false);
+            add("agent.platform_public_key", p, Public);
         }
-        add("executors.dir", &self.executors.root(), false);
+        add("executors.dir", &self.executors.root(), Private);
         for (i, p) in self.executors.trusted_keys.iter().flatten().enumerate() {
-            add(&format!("executors.trusted_keys[{i}]"), p, false);
+            add(&format!("executors.trusted_keys[{i}]"), p, Public);
         }
         for (i, p) in self.executors.install.iter().enumerate() {
-            add(&format!("executors.install[{i}]"), p, false);
+            add(&format!("executors.install[{i}]"), p, Public);
         }
         let s = &self.secrets;
         let store = s.store.clone().unwrap_or_else(|| crate::secrets_store::DEFAULT_STORE.into());
-        add("secrets.store", &store, true);
+        add("secrets.store", &store, Credential);
         let key_file = s.key_file.clone().unwrap_or_else(|| crate::secrets_store::DEFAULT_KEY_FILE.into());
-        add("secrets.key_file", &key_file, true);
+        add("secrets.key_file", &key_file, Credential);
         if let Some(p) = &s.file {
-            add("secrets.file", p, true);
+            add("secrets.file", p, Credential);
         }
         if let Some(p) = &s.secret_id_file {
-            add("secrets.secret_id_file", p, true);
+            add("secrets.secret_id_file", p, Credential);
         }
         if let Some(p) = &s.vault_ca {
-            add("secrets.vault_ca", p, false);
+            add("secrets.vault_ca", p, Public);
         }
         if let Some(p) = &self.network.agent_to_platform {
-            for (key, path, credential) in [("ca", &p.ca, false), ("cert", &p.cert, false), ("key", &p.key, true)] {
+            for (key, path, kind) in [("ca", &p.ca, Public), ("cert", &p.cert, Public), ("key", &p.key, Credential)] {
                 if let Some(path) = path {
-                    add(&format!("network.agent_to_platform.{key}"), path, credential);
+                    add(&format!("network.agent_to_platform.{key}"), path, kind);
                 }
             }
         }
         let audit = crate::audit::AuditSettings::from_config(self);
-        add("audit.path", &audit.path, false);
-        add("audit.path (its lock)", &crate::audit::lock_path(&audit.path), false);
+        add("audit.path", &audit.path, Private);
+        add("audit.path (its lock)", &crate::audit::lock_path(&audit.path), Private);
         for n in 1..=audit.keep {
-            add(&format!("audit.path (rotated .{n})"), &audit.rotated(n), false);
+            add(&format!("audit.path (rotated .{n})"), &audit.rotated(n), Private);
         }
         // systemd's credentials for the agent (the secrets key, the Vault secret id).
         if let Some(dir) = std::env::var_os("CREDENTIALS_DIRECTORY").filter(|d| Path::new(d).is_absolute()) {
-            add("$CREDENTIALS_DIRECTORY", Path::new(&dir), true);
+            add("$CREDENTIALS_DIRECTORY", Path::new(&dir), Credential);
         }
         out
     }

@@ -335,6 +335,22 @@ fn check_state_dir(dir: &Path) -> Result<(), CannotRun> {
     Ok(())
 }
 
+/// Create `agent.state_dir` when missing (0700, its parents as the umask has them), then
+/// check it as [`DaemonSettings::from_config`] does: it must exist now and be the agent's.
+pub fn prepare_state_dir(dir: &Path) -> Result<(), CannotRun> {
+    use std::os::unix::fs::DirBuilderExt;
+    let fail = |e: std::io::Error| CannotRun(format!("agent.state_dir: {}: {e}", dir.display()));
+    if let Some(up) = dir.parent() {
+        std::fs::create_dir_all(up).map_err(fail)?;
+    }
+    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+        Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => return Err(fail(e)),
+        _ => {}
+    }
+    check_state_dir(dir)?;
+    std::fs::metadata(dir).map(drop).map_err(fail)
+}
+
 /// Paths and limits of the daemon from the configuration.
 pub struct DaemonSettings {
     pub socket: PathBuf,

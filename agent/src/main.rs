@@ -699,6 +699,9 @@ fn agent_daemon(config: Option<PathBuf>, check_only: bool) -> Result<ExitCode, C
         outln!("configuration ok");
         return Ok(ExitCode::SUCCESS);
     }
+    // Created now (0700) and checked again, not at the first command: a directory someone
+    // else made meanwhile in a parent they can write would otherwise be taken as ours.
+    agent::daemon::prepare_state_dir(&settings.state_dir).map_err(|e| CannotRun(e.0))?;
     agent::audit::init(&cfg)?;
     // Before any thread starts (see the function).
     agent::daemon::block_stop_signals().map_err(|e| CannotRun(e.0))?;

@@ -254,31 +254,23 @@ impl AgentPolicy {
         Ok(p)
     }
 
-    /// Protect and mask the agent's own files (and make its credentials unreadable), as
-    /// named and as their real paths. A file beneath a directory already masked needs no
-    /// mask of its own: declaring that directory by name is what shows it, as for
-    /// `/etc/opservant`. The root directory is protected but never masked.
+    /// Protect the agent's own files, mask the private ones and make its credentials
+    /// unreadable, as named and as their real paths. Each private file is masked on its
+    /// own, also beneath a masked directory: a path declared beneath a mask is shown on top
+    /// of it, and a directory declared by its own name is not masked. The root directory is
+    /// protected but never masked.
     fn add_own_paths(&mut self, own: &[crate::config::OwnPath], parents: &mut Vec<(PathBuf, Option<PathBuf>)>) {
-        let mut covered_dirs: Vec<(PathBuf, bool)> = Vec::new();
+        use crate::config::OwnKind;
+        let mut masked: std::collections::HashSet<PathBuf> = self.masked.iter().cloned().collect();
         for o in own {
             for path in as_named_and_real(&o.path, parents) {
-                if o.credential {
+                if o.kind == OwnKind::Credential {
                     self.credentials.push((o.key.clone(), path.clone()));
                 }
-                self.protected.push(path.clone());
-                // The audit log's rotated files share its directory: one check for all.
-                let parent = path.parent().map(Path::to_path_buf).unwrap_or_default();
-                let parent_covered = match covered_dirs.iter().find(|(d, _)| *d == parent) {
-                    Some((_, c)) => *c,
-                    None => {
-                        let c = self.masked.iter().any(|m| parent.starts_with(m));
-                        covered_dirs.push((parent, c));
-                        c
-                    }
-                };
-                if !parent_covered && path != Path::new("/") && !self.masked.contains(&path) {
-                    self.masked.push(path);
+                if o.kind != OwnKind::Public && path != Path::new("/") && masked.insert(path.clone()) {
+                    self.masked.push(path.clone());
                 }
+                self.protected.push(path);
             }
         }
     }
@@ -649,14 +641,28 @@ mod tests {
         std::os::unix::fs::symlink(dir.join("state"), dir.join("public/state-link")).unwrap();
         let m = manifest(&format!(r#"{{"read":["{}"]}}"#, d("public/state-link")));
         assert!(p.spec_for(Some(&m), "/bin/true", vec![]).unwrap_err().message.contains("masked"));
-        // The default configuration's files are all beneath the built-in masks.
+        // The default configuration's files are masked each on its own too (declaring
+        // `/etc/opservant/` by name does not show the secrets key), after the directories.
         let default = AgentPolicy::from_config(&crate::config::Config::default()).unwrap();
         let base: Vec<PathBuf> = std::iter::once(CONFIG_DIR)
             .chain(STATE_DIRS.iter().copied())
             .flat_map(|d| as_named_and_real(Path::new(d), &mut Vec::new()))
             .collect();
-        assert_eq!(default.masked, base);
+        assert_eq!(default.masked[..base.len()], base[..]);
+        assert!(default.masked.contains(&PathBuf::from("/etc/opservant/secrets.key")));
         assert!(default.credentials.iter().any(|(k, _)| k == "secrets.key_file"));
+        // `..` in a configured path is folded (a mask must be a normal path), and a public
+        // file (a CA) is protected, not masked.
+        let yaml = format!(
+            "agent:\n  state_dir: {}/x/../state\nnetwork:\n  agent_to_platform:\n    ca: {}\n",
+            dir.display(),
+            d("public/ca.pem")
+        );
+        let p = AgentPolicy::from_config(&crate::config::Config::parse(&yaml).unwrap()).unwrap();
+        let (spec, _) = p.spec_for(None, "/bin/true", vec![]).unwrap();
+        assert!(spec.filesystem.masked.contains(&dir.join("state")));
+        assert!(!spec.filesystem.masked.contains(&dir.join("public/ca.pem")));
+        assert!(p.protected.contains(&dir.join("public/ca.pem")));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -184,10 +184,13 @@ pub fn build(fs_spec: &Filesystem, net_ns: bool, cwd: &Path) -> Result<ViewRepor
 fn mask(path: &Path) -> Result<bool, StepError> {
     // Followed: a masked path that is a symlink in the view masks what it leads to there
     // (the view is the root by now, so a link cannot lead out of it). Absent, or a link
-    // into nothing: nothing to cover. Any other error fails the view.
+    // into nothing: nothing to cover. Beneath a directory init cannot search (a host
+    // directory such as /etc/ssl/private, whose owner is not mapped into the sandbox's user
+    // namespace, so init's capabilities do not apply to it): the payload — the same uid,
+    // no groups, no capabilities — cannot reach it either. Any other error fails the view.
     let meta = match fs::metadata(path) {
         Ok(m) => m,
-        Err(e) if e.kind() == ErrorKind::NotFound => return Ok(false),
+        Err(e) if matches!(e.kind(), ErrorKind::NotFound | ErrorKind::PermissionDenied) => return Ok(false),
         Err(e) => return Err(fail_io(format!("mask {}", path.display()), e)),
     };
     if meta.is_dir() {
