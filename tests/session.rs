@@ -343,6 +343,45 @@ fn third_party_packages_come_from_python_path() {
 }
 
 #[test]
+fn a_python_path_never_shows_key_material() {
+    if !require_root() {
+        return;
+    }
+    // The systemd credentials directory holds the agent's keys: naming it (or a directory
+    // beneath it, or a link to it) as a session's --python-path is refused like a manifest
+    // declaring it, before anything starts.
+    let creds = common::HostDir::new();
+    creds.file("opservant-secrets-key", "not for sandboxes\n", 0o644);
+    std::fs::create_dir(creds.path.join("sub")).unwrap();
+    let link = common::HostDir::new();
+    std::os::unix::fs::symlink(&creds.path, link.path.join("lib")).unwrap();
+    for path in [creds.path.clone(), creds.path.join("sub"), link.path.join("lib")] {
+        let name = format!("t{}-{}", std::process::id(), SEQ.fetch_add(1, Ordering::Relaxed));
+        let out = Command::new(opservant())
+            .args(["session", "start", &name, "--python-path"])
+            .arg(&path)
+            .env("CREDENTIALS_DIRECTORY", &creds.path)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let _ = Command::new(opservant()).args(["session", "stop", &name]).output();
+        assert_eq!(out.status.code(), Some(2), "{path:?}: {stderr}");
+        assert!(stderr.contains("--python-path") && stderr.contains("key material"), "{path:?}: {stderr}");
+        assert!(!std::path::Path::new(&format!("/run/opservant/sessions/{name}.sock")).exists());
+    }
+    // Without the credential, the same directory is an ordinary python path.
+    let name = format!("t{}-{}", std::process::id(), SEQ.fetch_add(1, Ordering::Relaxed));
+    let out = Command::new(opservant())
+        .args(["session", "start", &name, "--python-path"])
+        .arg(&creds.path)
+        .env_remove("CREDENTIALS_DIRECTORY")
+        .output()
+        .unwrap();
+    let _ = Command::new(opservant()).args(["session", "stop", &name]).output();
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+#[test]
 fn a_failed_start_leaves_nothing_behind() {
     if !require_root() {
         return;

@@ -354,8 +354,9 @@ impl AgentPolicy {
         Ok((spec, limits))
     }
 
-    /// A declared read path: allowed, and the real host path to bind at it.
-    fn check_read(&self, field: &str, p: &Path, masked: &[PathBuf]) -> Result<PathBuf, PolicyError> {
+    /// A declared read path: allowed, and the real host path to bind at it. `masked` is the
+    /// view's masks (a declaration through a symlink must not show one).
+    pub fn check_read(&self, field: &str, p: &Path, masked: &[PathBuf]) -> Result<PathBuf, PolicyError> {
         // Read paths, /tmp included, are bound from the host (only writes under /tmp land in
         // the scratch).
         // The declared text first (a refusal does not depend on what exists), then its real

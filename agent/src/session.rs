@@ -456,9 +456,13 @@ impl Daemon {
         let (mut spec, mut limits) = policy.spec_for(manifest.as_ref(), &runtime_str, vec![])?;
         crate::policy::runtime_payload(&mut spec, &runtime);
         crate::policy::interpreter_view(&mut spec);
+        // The same rules as a manifest's read paths: key material and host credentials are
+        // never readable, even when an operator names them.
+        let masked = spec.filesystem.masked.clone();
         for p in &settings.python_paths {
+            let real = policy.check_read("--python-path", p, &masked)?;
             spec.filesystem.paths.push(sandbox::PathRule {
-                source: None,
+                source: Some(real),
                 path: p.clone(),
                 access: sandbox::Access::Read,
                 optional: false,
