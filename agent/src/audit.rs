@@ -517,7 +517,7 @@ impl AuditLog {
 
     fn lock(&self) -> Result<nix::fcntl::Flock<File>, AuditError> {
         let lp = self.settings.lock_path();
-        let f = open_regular_nofollow(
+        let f = crate::bounded::open_regular_nofollow(
             &lp,
             OpenOptions::new().read(true).write(true).create(true).truncate(false).mode(0o600),
         )
@@ -529,14 +529,13 @@ impl AuditLog {
     /// The log file, created when missing. Anything but a regular file is refused, before
     /// it is opened (opening a device can act) and on what was opened.
     fn open_file(&self, path: &Path) -> Result<File, AuditError> {
-        open_regular_nofollow(path, OpenOptions::new().read(true).append(true).create(true).mode(0o600)).map_err(|e| {
-            match e.kind() {
+        crate::bounded::open_regular_nofollow(path, OpenOptions::new().read(true).append(true).create(true).mode(0o600))
+            .map_err(|e| match e.kind() {
                 std::io::ErrorKind::InvalidInput => {
                     AuditError::new(path, "not a regular file; the audit log must be one")
                 }
                 _ => AuditError::new(path, e),
-            }
-        })
+            })
     }
 
     /// Append one record (see the module documentation for the sequence of steps).
@@ -601,7 +600,7 @@ impl AuditLog {
     /// rotation was interrupted after the rename) or start the genesis.
     fn head_from_rotated(&self) -> Result<Head, AuditError> {
         let r1 = self.settings.rotated(1);
-        let f = match open_regular_nofollow(&r1, OpenOptions::new().read(true)) {
+        let f = match crate::bounded::open_regular_nofollow(&r1, OpenOptions::new().read(true)) {
             Ok(f) => f,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Head::genesis()),
             Err(e) => return Err(AuditError::new(&r1, e)),
@@ -628,26 +627,6 @@ impl AuditLog {
         }
         std::fs::rename(&s.path, s.rotated(1))
     }
-}
-
-/// Open one of the log's files (the log, its lock, a rotated file) with `options`: never
-/// through a link at its name, never blocking on a FIFO or taking a terminal; anything but
-/// a regular file is refused (`InvalidInput`), before it is opened (opening a device can
-/// act) and on what was opened.
-pub(crate) fn open_regular_nofollow(path: &Path, options: &mut OpenOptions) -> std::io::Result<File> {
-    let not_regular = || std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a regular file");
-    match std::fs::symlink_metadata(path) {
-        Ok(m) if !m.is_file() => return Err(not_regular()),
-        Ok(_) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(e),
-    }
-    let file =
-        options.custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK | libc::O_NOCTTY).open(path)?;
-    if !file.metadata()?.is_file() {
-        return Err(not_regular());
-    }
-    Ok(file)
 }
 
 fn ignore_missing(r: std::io::Result<()>) -> std::io::Result<()> {

@@ -10,6 +10,26 @@ use std::io::{Error, ErrorKind, Read};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
+/// Open one of the agent's own files (the audit log, its lock and rotated files, the replay
+/// index) with `options`: never through a link at its name, never blocking on a FIFO or
+/// taking a terminal; anything but a regular file is refused (`InvalidInput`), before it is
+/// opened (opening a device can act) and on what was opened.
+pub fn open_regular_nofollow(path: &Path, options: &mut std::fs::OpenOptions) -> std::io::Result<File> {
+    let not_regular = || Error::new(ErrorKind::InvalidInput, "not a regular file");
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if !m.is_file() => return Err(not_regular()),
+        Ok(_) => {}
+        Err(e) if e.kind() == ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    let file =
+        options.custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK | libc::O_NOCTTY).open(path)?;
+    if !file.metadata()?.is_file() {
+        return Err(not_regular());
+    }
+    Ok(file)
+}
+
 /// The regular file at `path` (links followed: the path is the caller's), opened for reading
 /// with `O_NONBLOCK` (no effect on a regular file's reads). Errors: `InvalidInput` when it is
 /// not a regular file; otherwise the I/O error.

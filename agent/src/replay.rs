@@ -112,17 +112,11 @@ impl SeenCommands {
         let mut f = loop {
             // Never through a link planted at the name, never blocking on a FIFO; a regular
             // file only.
-            let f = std::fs::OpenOptions::new()
-                .read(true)
-                .append(true)
-                .create(true)
-                .mode(0o600)
-                .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
-                .open(&self.path)
-                .map_err(|e| self.io(e))?;
-            if !f.metadata().map_err(|e| self.io(e))?.is_file() {
-                return Err(self.io(std::io::Error::other("not a regular file")));
-            }
+            let f = crate::bounded::open_regular_nofollow(
+                &self.path,
+                std::fs::OpenOptions::new().read(true).append(true).create(true).mode(0o600),
+            )
+            .map_err(|e| self.io(e))?;
             // SAFETY: flock on a descriptor this File owns; no memory is passed.
             if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
                 return Err(self.io(std::io::Error::last_os_error()));

@@ -88,7 +88,7 @@ pub fn main(command: AuditCommand) -> Result<ExitCode, CliError> {
                 (_, Some(lock)) => {
                     // Opened as the writers open it: a regular file, never through a link,
                     // never blocking on a FIFO.
-                    let f = super::open_regular_nofollow(&lock, std::fs::OpenOptions::new().read(true))
+                    let f = crate::bounded::open_regular_nofollow(&lock, std::fs::OpenOptions::new().read(true))
                         .map_err(|e| AuditError::new(&lock, e))?;
                     let _shared = super::lock::shared(f, &lock, lock_wait).map_err(|e| {
                         AuditError::new(&lock, format!("{e}; the problem found could not be confirmed"))
