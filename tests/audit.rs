@@ -503,6 +503,43 @@ fn an_unwritable_log_stops_the_run_before_it_starts() {
 }
 
 #[test]
+fn the_logs_directory_must_be_the_agents_alone() {
+    if !require_root() {
+        return;
+    }
+    let exec = executor();
+    let dir = HostDir::new();
+    let logs = dir.path.join("logs");
+    std::fs::create_dir(&logs).unwrap();
+    let conf = dir.path.join("config.yaml");
+    std::fs::write(&conf, format!("audit:\n  path: {}/audit.jsonl\n", logs.display())).unwrap();
+    let conf = conf.to_str().unwrap();
+    let refused = |out: &Out, needle: &str| {
+        assert_eq!(out.code, 2, "{out:?}");
+        assert!(out.stdout.is_empty(), "no result: {out:?}");
+        assert!(out.stderr.contains(needle) && out.stderr.contains("audit"), "{out:?}");
+        assert!(!logs.join("audit.jsonl").exists() && !logs.join("audit.jsonl.lock").exists(), "nothing created");
+    };
+    // Writable by others (sticky or not), by its group, or owned by another user: whoever
+    // can write it could rename the log away and start a new chain. Refused before the log
+    // or its lock is created, for runs and scripts alike.
+    let script = put(&dir.path, "s.py", "print(1)\n");
+    for mode in [0o777, 0o1777, 0o775] {
+        std::fs::set_permissions(&logs, std::fs::Permissions::from_mode(mode)).unwrap();
+        refused(&opservant(&["run", exec.str(), "--config", conf]), "writable by group or others");
+        refused(&opservant(&["script", "python", script.to_str().unwrap(), "--config", conf]), "writable by group");
+    }
+    std::fs::set_permissions(&logs, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::os::unix::fs::chown(&logs, Some(65534), None).unwrap();
+    refused(&opservant(&["run", exec.str(), "--config", conf]), "owned by uid 65534");
+    // The agent's own, group- and world-readable: the run goes ahead and is logged.
+    std::os::unix::fs::chown(&logs, Some(0), None).unwrap();
+    let out = opservant(&["run", exec.str(), "--config", conf]);
+    assert_eq!(out.code, 0, "{out:?}");
+    assert!(std::fs::read_to_string(logs.join("audit.jsonl")).unwrap().contains("executor_complete"));
+}
+
+#[test]
 fn a_held_lock_stops_the_run_after_the_configured_wait_and_names_its_holder() {
     if !require_root() {
         return;
