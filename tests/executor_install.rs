@@ -284,6 +284,13 @@ fn archives_install_and_hostile_archives_are_refused_whole() {
     assert_eq!(out.code, 2);
     assert!(out.stderr.contains("manifest.json"), "{}", out.stderr);
     assert_eq!(env.entries(), Vec::<String>::new());
+
+    // A failed install into a root that did not exist leaves no root behind either.
+    let fresh = Env::new();
+    assert!(!fresh.root.exists());
+    let out = fresh.op(&["executor", "install", &format!("{base}/cut.tar.gz")]);
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(!fresh.root.exists(), "the failed install's root is removed");
 }
 
 #[test]

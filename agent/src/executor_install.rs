@@ -308,6 +308,15 @@ impl Drop for Staging {
     }
 }
 
+/// A directory removed on drop if it is empty then (`rmdir`: never anything in it).
+struct RemoveIfEmpty(PathBuf);
+
+impl Drop for RemoveIfEmpty {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir(&self.0);
+    }
+}
+
 fn mkdir(p: &Path) -> Result<(), InstallError> {
     std::fs::DirBuilder::new().mode(0o755).create(p).map_err(|e| io(p, e))
 }
@@ -350,6 +359,9 @@ pub fn install(
     } else {
         return Err(InstallError::Invalid(format!("{}: not a directory or an archive", src.display())));
     };
+    // A root this install creates is removed again if it stays empty (the install failed):
+    // declared before the staging directory, so it is dropped after it.
+    let _new_root = (!root.exists()).then(|| RemoveIfEmpty(root.to_path_buf()));
     traversable_dir(root)?;
     let staging = Staging(unique(root, ".staging")?);
     let unpacked = staging.0.join("pkg");
