@@ -485,7 +485,7 @@ pub struct AuditLog {
 
 impl AuditLog {
     /// Create the directory (0700) and file (0600) if needed, check that the directory is
-    /// the agent's alone ([`check_dir`]) and that the log can be locked and opened for
+    /// the agent's alone ([`crate::config::check_agents_own_dir`]) and that the log can be locked and opened for
     /// appending.
     pub fn open(settings: AuditSettings) -> Result<AuditLog, AuditError> {
         let path = &settings.path;
@@ -498,7 +498,13 @@ impl AuditLog {
                     .create(dir)
                     .map_err(|e| AuditError::new(path, format!("cannot create {}: {e}", dir.display())))?;
             }
-            check_dir(dir).map_err(|m| AuditError::new(path, m))?;
+            // Whoever can write the directory could rename the log away and start a new
+            // chain in its place, remove or replace the rotated files, or plant a file at
+            // the lock's or a rotated file's name that stops every append.
+            let meta = std::fs::metadata(dir).map_err(|e| AuditError::new(path, format!("{}: {e}", dir.display())))?;
+            crate::config::check_agents_own_dir(dir, &meta).map_err(|m| {
+                AuditError::new(path, format!("its directory {m}; the audit log's directory must be the agent's alone"))
+            })?;
         }
         let log = AuditLog {
             host: nix::unistd::gethostname().ok().and_then(|h| h.into_string().ok()).unwrap_or_default(),
@@ -630,34 +636,6 @@ impl AuditLog {
         }
         std::fs::rename(&s.path, s.rotated(1))
     }
-}
-
-/// The log's directory must be the agent's alone — owned by its user and writable by no
-/// one else, as `agent.state_dir` must be: whoever can write it can rename the log away and
-/// start a new chain in its place, remove or replace the rotated files, or plant a file at
-/// the lock's or a rotated file's name that stops every append.
-fn check_dir(dir: &Path) -> Result<(), String> {
-    use std::os::unix::fs::MetadataExt;
-    let m = std::fs::metadata(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    if !m.is_dir() {
-        return Err(format!("{} is not a directory", dir.display()));
-    }
-    let euid = nix::unistd::geteuid().as_raw();
-    if m.uid() != euid {
-        return Err(format!(
-            "its directory {} is owned by uid {}, not by the agent (uid {euid}); the audit log's directory must be the agent's alone",
-            dir.display(),
-            m.uid()
-        ));
-    }
-    if m.mode() & 0o022 != 0 {
-        return Err(format!(
-            "its directory {} is writable by group or others (mode {:04o}); the audit log's directory must be the agent's alone (chmod go-w)",
-            dir.display(),
-            m.mode() & 0o7777
-        ));
-    }
-    Ok(())
 }
 
 fn ignore_missing(r: std::io::Result<()>) -> std::io::Result<()> {

@@ -234,6 +234,29 @@ pub struct SecretsSection {
     pub vault_namespace: Option<String>,
 }
 
+/// A directory that holds files the agent's integrity depends on (`agent.state_dir`, the
+/// audit log's directory) must be the agent's alone — owned by its effective user and
+/// writable by no one else, like sshd's `StrictModes`. `Err` says which rule `dir` breaks
+/// (or that it is not a directory).
+pub fn check_agents_own_dir(dir: &Path, meta: &std::fs::Metadata) -> Result<(), String> {
+    use std::os::unix::fs::MetadataExt;
+    if !meta.is_dir() {
+        return Err(format!("{} exists and is not a directory", dir.display()));
+    }
+    let euid = nix::unistd::geteuid().as_raw();
+    if meta.uid() != euid {
+        return Err(format!("{} is owned by uid {}, not by the agent (uid {euid})", dir.display(), meta.uid()));
+    }
+    if meta.mode() & 0o022 != 0 {
+        return Err(format!(
+            "{} is writable by group or others (mode {:04o}; chmod go-w)",
+            dir.display(),
+            meta.mode() & 0o7777
+        ));
+    }
+    Ok(())
+}
+
 /// What a file of the agent's own is to a sandbox ([`crate::policy`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OwnKind {

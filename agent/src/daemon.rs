@@ -308,31 +308,13 @@ pub fn submit(socket: &Path, command: &[u8]) -> Result<Value, CannotRun> {
 /// user and writable by no one else, like sshd's `StrictModes`; one that does not exist is
 /// created 0700 with the index.
 fn check_state_dir(dir: &Path) -> Result<(), CannotRun> {
-    use std::os::unix::fs::MetadataExt;
-    let m = match std::fs::metadata(dir) {
+    let meta = match std::fs::metadata(dir) {
         Ok(m) => m,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
         Err(e) => return Err(CannotRun(format!("agent.state_dir: {}: {e}", dir.display()))),
     };
-    if !m.is_dir() {
-        return Err(CannotRun(format!("agent.state_dir: {} exists and is not a directory", dir.display())));
-    }
-    let euid = nix::unistd::geteuid().as_raw();
-    if m.uid() != euid {
-        return Err(CannotRun(format!(
-            "agent.state_dir: {} is owned by uid {}, not by the agent (uid {euid}); the replay index must be the agent's alone",
-            dir.display(),
-            m.uid()
-        )));
-    }
-    if m.mode() & 0o022 != 0 {
-        return Err(CannotRun(format!(
-            "agent.state_dir: {} is writable by group or others (mode {:04o}); the replay index must be the agent's alone (chmod go-w)",
-            dir.display(),
-            m.mode() & 0o7777
-        )));
-    }
-    Ok(())
+    crate::config::check_agents_own_dir(dir, &meta)
+        .map_err(|m| CannotRun(format!("agent.state_dir: {m}; the replay index must be the agent's alone")))
 }
 
 /// Create `agent.state_dir` when missing (0700, its parents as the umask has them), then
