@@ -1136,6 +1136,39 @@ fn denied_host_wins_over_wildcard_allow() {
     assert_host_clean(&lab);
 }
 
+/// Refused names are audited once each, for the first 20: a sandbox that queries ever new
+/// names gets every query refused and counted, but cannot write the audit log without
+/// bound (one more record says the rest are counted only).
+#[test]
+fn refused_dns_names_cannot_flood_the_audit_log() {
+    if !prerequisites() {
+        return;
+    }
+    let lab = Lab::new();
+    let log_dir = HostDir::new();
+    let log = log_dir.path.join("audit.jsonl");
+    let conf = Conf::new(&format!("audit:\n  path: {}\n  journald: false\n", log.display()));
+    let names: Vec<String> = (0..40).map(|i| format!("n{i}.flood.test")).collect();
+    let steps: Vec<Value> = names.iter().map(|n| json!(["resolve", n])).collect();
+    let p =
+        probe(&lab, &conf, json!({"outbound": true, "allowed_hosts": ["good.example.test"]}), limits(), json!(steps));
+    for (i, n) in names.iter().enumerate() {
+        assert_unresolved(p.step(i), n);
+    }
+    let dns = &p.egress()["dns"];
+    assert!(dns["refused"].as_u64().unwrap() >= 40, "every query counted: {dns}");
+    assert_eq!(dns["refused_names"].as_array().map(Vec::len), Some(20), "{dns}");
+    let records: Vec<Value> = std::fs::read_to_string(&log)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter(|r| r["event"] == "dns_refused")
+        .collect();
+    assert_eq!(records.len(), 21, "20 names and one record saying the rest are counted only");
+    assert_eq!(records.iter().filter(|r| r["fields"]["further_names_counted_only_after"] == "20").count(), 1);
+    assert_host_clean(&lab);
+}
+
 /// A literal denied name must be resolved to deny its addresses too: when the resolver does
 /// not answer (here a host whose port 53 is closed), the run is refused (exit 2, naming the
 /// name) instead of running with the name's addresses reachable by IP.

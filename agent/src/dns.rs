@@ -37,6 +37,9 @@ pub struct DnsReport {
     /// Refused names: reason (`denied`, `not_allowed`, `rebinding`, `malformed`) and how
     /// often (resolvers retry, so one lookup is often several queries).
     pub refused_names: Vec<RefusedName>,
+    /// Whether the record saying that further names are not audited was written.
+    #[serde(skip)]
+    unlisted_audited: bool,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -145,17 +148,30 @@ fn serve_tcp(
 const TCP_QUERIES: usize = 16;
 const TCP_IDLE: Duration = Duration::from_secs(2);
 
-fn refuse(report: &mut DnsReport, executor: &str, name: &str, reason: &str) {
+/// Count a refused query; audit it once per name and reason, for the first
+/// [`MAX_REPORTED_NAMES`] of them — past that, one record says that the rest are only counted,
+/// so a sandbox querying ever new names cannot write the audit log without bound. `true`
+/// when this name and reason were audited now (first seen).
+fn refuse(report: &mut DnsReport, executor: &str, name: &str, reason: &str) -> bool {
     report.refused += 1;
     if let Some(r) = report.refused_names.iter_mut().find(|r| r.name == name && r.reason == reason) {
         r.count += 1;
-        return;
+        return false;
     }
     if report.refused_names.len() < MAX_REPORTED_NAMES {
         report.refused_names.push(RefusedName { name: name.into(), reason: reason.into(), count: 1 });
+        crate::audit::record("dns_refused", &[("executor", executor), ("name", name), ("reason", reason)]);
+        return true;
     }
-    // Audited once per name and reason, not per retry.
-    crate::audit::record("dns_refused", &[("executor", executor), ("name", name), ("reason", reason)]);
+    if !report.unlisted_audited {
+        report.unlisted_audited = true;
+        let cap = MAX_REPORTED_NAMES.to_string();
+        crate::audit::record(
+            "dns_refused",
+            &[("executor", executor), ("name", name), ("reason", reason), ("further_names_counted_only_after", &cap)],
+        );
+    }
+    false
 }
 
 fn error_reply(query: &Message, code: ResponseCode) -> Option<Vec<u8>> {
@@ -224,11 +240,12 @@ fn answer(
         };
         let special = crate::egress::special_ranges().iter().any(|n| n.contains(addr));
         if special && !policy.explicitly_allows(addr) {
-            refuse(report, executor, &name, "rebinding");
-            crate::audit::record(
-                "dns_rebinding_refused",
-                &[("executor", executor), ("name", &name), ("address", &addr.to_string())],
-            );
+            if refuse(report, executor, &name, "rebinding") {
+                crate::audit::record(
+                    "dns_rebinding_refused",
+                    &[("executor", executor), ("name", &name), ("address", &addr.to_string())],
+                );
+            }
             return error_reply(&query, ResponseCode::Refused);
         }
         found.push((addr, u64::from(r.ttl).clamp(MIN_TTL_S, MAX_TTL_S) * 1000));
