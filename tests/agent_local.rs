@@ -127,6 +127,17 @@ fn signed_commands_run_and_every_rejection_is_audited() {
     let mut unknown = scan("cmd-8");
     unknown["executor"] = json!("no-such-executor");
     rejected(&a, a.sign(&unknown), "unknown_executor");
+    // Named but not installed: never another executor that supports the action ID.
+    let mut other = scan("cmd-8b");
+    other["executor"] = json!("no-such-executor");
+    other["action_id"] = json!("act-port-scan");
+    rejected(&a, a.sign(&other), "unknown_executor");
+    // An executor or action ID that is not a string is not taken for a missing one.
+    for (key, value) in [("executor", json!(["port-scanner"])), ("action_id", json!(7))] {
+        let mut typed = scan(&format!("cmd-8-{key}"));
+        typed[key] = value;
+        rejected(&a, a.sign(&typed), "malformed");
+    }
     let mut beyond = scan("cmd-9");
     beyond["resource_limits"] = json!({"timeout_seconds": 3600});
     rejected(&a, a.sign(&beyond), "permission_denied");

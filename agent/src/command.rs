@@ -371,31 +371,39 @@ impl Pipeline {
         }})
     }
 
-    /// Step 7: by name, else by action ID (exactly one installed executor supports it).
-    fn lookup(&self, cmd: &Map<String, Value>) -> Result<(Executor, Option<String>), String> {
-        let action_id = cmd.get("action_id").and_then(Value::as_str).map(str::to_string);
-        if let Some(name) = cmd.get("executor").and_then(Value::as_str) {
-            if let Some(dir) = crate::executor_install::resolve(&self.executors, name) {
-                return Executor::load(&dir).map(|e| (e, action_id)).map_err(|e| e.0);
-            }
-        }
-        let wanted = action_id.clone().or_else(|| cmd.get("executor").and_then(Value::as_str).map(str::to_string));
-        let Some(wanted) = wanted else {
-            return Err("no executor or action_id given".into());
+    /// Step 7: by name when the command names one (that executor or none: a command naming
+    /// an executor that is not installed never runs another), else by action ID (exactly one
+    /// installed executor supports it).
+    fn lookup(&self, cmd: &Map<String, Value>) -> Result<(Executor, Option<String>), (Reason, String)> {
+        let text = |key: &str| match cmd.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s.clone())),
+            Some(other) => Err((Reason::Malformed, format!("{key} must be a string, not {other}"))),
         };
-        let list = crate::executor_install::list(&self.executors).map_err(|e| e.to_string())?;
+        let action_id = text("action_id")?;
+        let unknown = |e: String| (Reason::UnknownExecutor, e);
+        if let Some(name) = text("executor")? {
+            return match crate::executor_install::resolve(&self.executors, &name) {
+                Some(dir) => Executor::load(&dir).map(|e| (e, action_id)).map_err(|e| unknown(e.0)),
+                None => Err(unknown(format!("no installed executor is named {name:?}"))),
+            };
+        }
+        let Some(wanted) = action_id else {
+            return Err(unknown("no executor or action_id given".into()));
+        };
+        let list = crate::executor_install::list(&self.executors).map_err(|e| unknown(e.to_string()))?;
         let hits: Vec<_> = list.iter().filter(|e| e.supported_actions.contains(&wanted)).collect();
         match hits.as_slice() {
-            [one] => Executor::load(&one.path).map(|e| (e, Some(wanted))).map_err(|e| e.0),
-            [] => Err(format!("no installed executor is named or supports {wanted:?}")),
-            _ => Err(format!("{wanted:?} is supported by several executors; name one")),
+            [one] => Executor::load(&one.path).map(|e| (e, Some(wanted))).map_err(|e| unknown(e.0)),
+            [] => Err(unknown(format!("no installed executor supports {wanted:?}"))),
+            _ => Err(unknown(format!("{wanted:?} is supported by several executors; name one"))),
         }
     }
 
     fn execute(&self, id: &str, cmd: &Map<String, Value>) -> Value {
         let (mut executor, action_id) = match self.lookup(cmd) {
             Ok(x) => x,
-            Err(e) => return reject(Some(id), Reason::UnknownExecutor, &e, false),
+            Err((reason, e)) => return reject(Some(id), reason, &e, false),
         };
         let name = executor.manifest.name.clone();
         // Step 8: the permission check.
