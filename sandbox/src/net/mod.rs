@@ -312,6 +312,7 @@ fn host_lock_path(lock_dir: &Path) -> Result<PathBuf, NetError> {
 
 impl HostLease {
     fn acquire(pool: &Pool, release: HostTableRelease, host: &mut Netlink) -> Result<Self, NetError> {
+        reap_collectors();
         let lock = open_lock(&host_lock_path(&pool.lock_dir)?)?;
         flock(&lock, libc::LOCK_SH).map_err(|e| NetError::io("lock", "host table lease", e))?;
         let want = nft::host_table_tag(&pool.v4, pool.v6.as_ref());
@@ -372,10 +373,22 @@ impl Drop for HostLease {
     }
 }
 
+/// Collectors this process started and has not reaped yet. A long-running agent is their
+/// parent: each is reaped by the next start or lease (a finished one stays a zombie only
+/// until then), so they cannot pile up; a one-shot command exits before it matters.
+static COLLECTORS: Mutex<Vec<std::process::Child>> = Mutex::new(Vec::new());
+
+/// Reap the collectors that have ended (`try_wait`, never blocking).
+fn reap_collectors() {
+    let mut children = COLLECTORS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    children.retain_mut(|c| matches!(c.try_wait(), Ok(None)));
+}
+
 /// Start the deferred collector (`program args…`, detached in its own process group)
 /// unless one is pending. One collector per namespace at a time: it holds the pending lock
 /// until it has deleted the table, so a burst of runs starts one collector, not one each.
 fn start_collector(program: &Path, args: &[String], lock_dir: &Path) -> Result<(), String> {
+    reap_collectors();
     let pending = host_lock_path(lock_dir)
         .map(|p| p.with_extension("gc"))
         .and_then(|p| open_lock(&p))
@@ -392,7 +405,7 @@ fn start_collector(program: &Path, args: &[String], lock_dir: &Path) -> Result<(
         .stderr(std::process::Stdio::null())
         .process_group(0)
         .spawn()
-        .map(drop)
+        .map(|child| COLLECTORS.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(child))
         .map_err(|e| format!("{}: {e}", program.display()))
 }
 
@@ -639,6 +652,38 @@ impl Reservation {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn an_ended_collector_is_reaped_by_the_next_start() {
+        if !nix::unistd::geteuid().is_root() {
+            assert!(std::env::var_os("CI").is_none(), "CI runs the tests as root");
+            return;
+        }
+        let dir = std::env::temp_dir().join(format!("opservant-gc-test-{}", std::process::id()));
+        let state = |pid: u32| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .ok()
+                .and_then(|s| s.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().next().map(str::to_string)))
+        };
+        super::start_collector(Path::new("/bin/true"), &[], &dir).unwrap();
+        let pid = super::COLLECTORS.lock().unwrap().last().map(std::process::Child::id).unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while state(pid).as_deref() != Some("Z") {
+            assert!(std::time::Instant::now() < deadline, "the collector did not end: {:?}", state(pid));
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        // The next start reaps it (and starts one more, reaped in turn).
+        super::start_collector(Path::new("/bin/true"), &[], &dir).unwrap();
+        assert_eq!(state(pid), None, "the ended collector is reaped, not left a zombie");
+        let next = super::COLLECTORS.lock().unwrap().last().map(std::process::Child::id).unwrap();
+        while state(next).as_deref() != Some("Z") {
+            assert!(std::time::Instant::now() < deadline, "the collector did not end");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        super::reap_collectors();
+        assert_eq!(state(next), None);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     use super::*;
 
     #[test]
