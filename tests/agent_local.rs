@@ -338,6 +338,34 @@ fn the_warm_pool_serves_repeat_runs_and_leaves_nothing_behind() {
         launches.push(r["sandbox"]["launch"].as_str().unwrap().to_string());
     }
     assert!(launches.iter().all(|l| l == "pool"), "repeat runs take pooled sandboxes: {launches:?}");
+    // A pooled sandbox whose payload was killed while it waited (the OOM killer's first
+    // victim) is not handed out: the run starts its own and completes.
+    std::thread::sleep(Duration::from_millis(300));
+    let zygote = daemon::zygote_pid(agent).unwrap();
+    let waiting = common::procs::at_depth(zygote, 3);
+    assert!(!waiting.is_empty(), "a refilled sandbox waits");
+    for p in &waiting {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(*p), nix::sys::signal::SIGKILL);
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    let (code, r) = a.submit(&a.sign(&scan("pool-killed")));
+    assert_eq!((code, r["status"].clone()), (0, json!("completed")), "{r}");
+    assert_eq!(r["output"]["ports"][0]["status"], "closed", "{r}");
+    // The executor removed and installed again at the same version (the same path, other
+    // files): the sandbox pooled before shows the deleted files, so it is not handed out.
+    std::thread::sleep(Duration::from_millis(300));
+    let c = a.config.to_str().unwrap().to_string();
+    let scanner = Path::new(env!("CARGO_MANIFEST_DIR")).join("../executors/port-scanner");
+    for args in [
+        vec!["executor", "remove", "port-scanner", "--config", &c],
+        vec!["executor", "install", scanner.to_str().unwrap(), "--config", &c],
+    ] {
+        let out = Command::new(common::opservant()).args(&args).output().unwrap();
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let (code, r) = a.submit(&a.sign(&scan("pool-reinstalled")));
+    assert_eq!((code, r["status"].clone()), (0, json!("completed")), "{r}");
+    assert_eq!(r["sandbox"]["launch"], "zygote", "{r}");
     // Tighter limits are another spec: not from the pool.
     let mut tighter = scan("pool-tight");
     tighter["resource_limits"] = json!({"timeout_seconds": 10});

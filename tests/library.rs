@@ -218,6 +218,53 @@ fn a_held_payload_runs_only_after_the_go() {
 }
 
 #[test]
+fn a_pooled_sandbox_whose_payload_ended_is_not_handed_out() {
+    if !require_root() {
+        return;
+    }
+    let _view = common::host_view();
+    let state = |pid: i32| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|s| s.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().next().map(str::to_string)))
+    };
+    // The first child of `pid`, once it has one (a sandbox is built after its spawn returns).
+    let first_child = |pid: i32| -> i32 {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let kids = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
+            if let Some(k) = kids.split_whitespace().next() {
+                return k.parse().unwrap();
+            }
+            assert!(std::time::Instant::now() < deadline, "{pid} has no child");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    };
+    // Held, or waiting on its application channel as a pooled runtime does: a payload that
+    // ends while it waits (in a pool, the OOM killer's first victim) ends its sandbox, and
+    // the release fails, so the caller starts a sandbox of its own instead.
+    for held in [true, false] {
+        let mut s = spec(&["/bin/sh", "-c", "exit 0"]);
+        s.command.held = held;
+        s.command.app_channel = !held;
+        let mut sb = Sandbox::spawn(&s, &launcher(), None).unwrap();
+        let monitor = sb.monitor_pid();
+        if held {
+            let payload = first_child(first_child(monitor));
+            nix::sys::signal::kill(nix::unistd::Pid::from_raw(payload), nix::sys::signal::SIGKILL).unwrap();
+        }
+        // The monitor (this process's child) exits once the payload and init are gone.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while state(monitor).as_deref() != Some("Z") {
+            assert!(std::time::Instant::now() < deadline, "the sandbox did not end: {:?}", state(monitor));
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let err = sb.start_pooled().expect_err("a sandbox whose payload ended is not released");
+        assert!(err.to_string().contains("has ended"), "{err}");
+    }
+}
+
+#[test]
 fn a_held_payload_refuses_anything_but_the_go() {
     if !require_root() {
         return;

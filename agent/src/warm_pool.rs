@@ -12,6 +12,9 @@
 //!   arguments, which only the run sends. The run's clock (timeout, wall time) starts when it
 //!   takes the sandbox ([`sandbox::Sandbox::start_pooled`]).
 //! - Runs with network egress never use the pool (their network is wired per run).
+//! - A pooled sandbox whose bound host paths were replaced since it was built (an executor
+//!   removed and installed again at the same version), or whose payload has ended (the OOM
+//!   killer's first victim), is discarded when a run would take it; the run starts its own.
 //! - The pool holds at most its size; a sandbox idle for [`MAX_IDLE`] is discarded; dropping
 //!   a pooled sandbox kills it and removes its cgroups. Refills run on a background thread,
 //!   one at a time per spec.
@@ -46,8 +49,24 @@ pub const WARM_LIMIT: Duration = Duration::from_secs(10);
 
 struct Warm {
     spec: SandboxSpec,
+    /// The identity of every host path the spec binds, taken before the sandbox was built.
+    sources: Vec<Option<(u64, u64)>>,
     sandbox: Sandbox,
     since: Instant,
+}
+
+/// The device and inode of every host path `spec` binds (`None`: missing). A pooled
+/// sandbox shows the files that were there when it was built: one whose package directory
+/// (or any other bound path) has since been replaced — an executor removed and installed
+/// again at the same version, at the same path — would run the old, deleted files, so it
+/// is discarded instead of handed out.
+fn sources(spec: &SandboxSpec) -> Vec<Option<(u64, u64)>> {
+    use std::os::unix::fs::MetadataExt;
+    spec.filesystem
+        .paths
+        .iter()
+        .map(|r| std::fs::metadata(r.source.as_ref().unwrap_or(&r.path)).ok().map(|m| (m.dev(), m.ino())))
+        .collect()
 }
 
 #[derive(Default)]
@@ -102,11 +121,15 @@ impl WarmPool {
 
     /// A ready sandbox started with exactly `spec`, if there is one.
     pub fn take(&self, spec: &SandboxSpec) -> Option<Sandbox> {
+        let now = sources(spec);
         let (found, expired) = {
             let mut st = self.state();
+            // Expired, or built over host files that have since been replaced: discarded.
             let expired: Vec<Warm> = {
-                let (old, fresh): (Vec<Warm>, Vec<Warm>) =
-                    st.ready.drain(..).partition(|w| w.since.elapsed() > MAX_IDLE);
+                let (old, fresh): (Vec<Warm>, Vec<Warm>) = st
+                    .ready
+                    .drain(..)
+                    .partition(|w| w.since.elapsed() > MAX_IDLE || (w.spec == *spec && w.sources != now));
                 st.ready = fresh.into();
                 old
             };
@@ -156,6 +179,7 @@ impl WarmPool {
         if self.size == 0 {
             return Ok(());
         }
+        let sources = sources(&spec);
         let sandbox = crate::launch::spawn_with_fallback(&spec, &self.launcher, None)?;
         if sandbox.app_channel().is_some() {
             // Dropped (killed and removed) on failure: the pool offers only warmed runtimes.
@@ -166,10 +190,10 @@ impl WarmPool {
         let evicted = {
             let mut st = self.state();
             if st.closed {
-                Some(Warm { spec, sandbox, since: Instant::now() })
+                Some(Warm { spec, sources, sandbox, since: Instant::now() })
             } else {
                 let evicted = if st.ready.len() >= self.size { st.ready.pop_front() } else { None };
-                st.ready.push_back(Warm { spec, sandbox, since: Instant::now() });
+                st.ready.push_back(Warm { spec, sources, sandbox, since: Instant::now() });
                 evicted
             }
         };

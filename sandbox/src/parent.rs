@@ -322,7 +322,15 @@ impl Sandbox {
     /// timeout and the reported wall time — starts here, and the outcome reports `pool`.
     /// Only sound while nothing of the payload's work has been handed to it yet. A held
     /// sandbox ([`crate::spec::CommandSpec::held`]) is released: its payload gets the go.
+    /// A sandbox whose payload (or monitor) has ended while it waited — killed by the OOM
+    /// killer, where pooled payloads are the first victims — is refused here, so the caller
+    /// starts a sandbox of its own instead of handing its run to a dead one.
     pub fn start_pooled(&mut self) -> Result<(), SandboxError> {
+        for (what, chan) in [("payload", self.app.as_ref()), ("monitor", Some(&self.chan))] {
+            if chan.is_some_and(hung_up) {
+                return Err(SandboxError::Channel(format!("the pooled sandbox's {what} has ended")));
+            }
+        }
         if self.held {
             let hold = self.app.as_ref().ok_or_else(|| SandboxError::Channel("held, but no hold channel".into()))?;
             hold.send_bytes(GO).map_err(|e| SandboxError::Channel(format!("send the go: {}", e.desc())))?;
@@ -835,6 +843,13 @@ fn release_later(ns: OwnedFd) {
         // and is dropped here.
         let _ = tx.send(ns);
     }
+}
+
+/// Whether every other end of `chan` is closed (checked without waiting).
+fn hung_up(chan: &Channel) -> bool {
+    let mut pfd = [PollFd::new(chan.as_fd(), PollFlags::empty())];
+    matches!(poll(&mut pfd, PollTimeout::ZERO), Ok(n) if n > 0)
+        && pfd[0].revents().is_some_and(|r| r.intersects(PollFlags::POLLHUP | PollFlags::POLLERR))
 }
 
 /// Spawn + supervise in one call.
