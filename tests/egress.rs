@@ -1187,6 +1187,34 @@ fn a_denied_name_that_cannot_be_resolved_refuses_the_run() {
     assert_host_clean(&lab);
 }
 
+/// A denied name with more addresses than a 512-byte UDP answer holds: the upstream
+/// truncates it (TC), the agent asks again over TCP, and every address is denied — the last
+/// one too, which a truncated answer leaves out.
+#[test]
+fn a_denied_name_with_a_truncated_answer_is_resolved_in_full() {
+    if !prerequisites() {
+        return;
+    }
+    let lab = Lab::new();
+    // 39 addresses without a server, then the lab's server .12 last.
+    let mut addrs: Vec<String> = (100..139).map(|i| format!("198.51.100.{i}")).collect();
+    addrs.push("198.51.100.12".into());
+    lab.dns.set("big.example.test", &addrs.iter().map(String::as_str).collect::<Vec<_>>());
+    let s = lab.banners(&["198.51.100.12:80", "198.51.100.11:80"]);
+    let conf = Conf::new("");
+    let p = probe(
+        &lab,
+        &conf,
+        json!({"outbound": true, "denied_hosts": ["big.example.test"]}),
+        limits(),
+        json!([["connect", "198.51.100.12", 80], ["connect", "198.51.100.11", 80]]),
+    );
+    assert_blocked(p.step(0), "198.51.100.12 (big.example.test's last address)");
+    assert_connected(p.step(1), "198.51.100.11:80");
+    assert_eq!(s[0].accepted(), 0);
+    assert_host_clean(&lab);
+}
+
 /// (4) A hostname allow list works through DNS: the name connects; an address never obtained
 /// through an allowed name does not (even after resolving a non-allowed name to it); the
 /// allowed name's address works by IP once resolved.

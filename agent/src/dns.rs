@@ -332,7 +332,16 @@ fn resolve_with(name: &str, upstreams: &[SocketAddr], every: bool) -> Result<Vec
         q.metadata.recursion_desired = true;
         q.add_query(Query::query(fqdn.clone(), rtype));
         let raw = q.to_vec().map_err(|e| e.to_string())?;
-        let Some(reply) = forward(&raw, id, upstreams, false) else {
+        let mut reply = forward(&raw, id, upstreams, false);
+        // A truncated answer (more records than a 512-byte UDP reply holds) lists only some
+        // addresses, or none: asked again over TCP, which carries them all.
+        let truncated = |r: &Option<Vec<u8>>| {
+            r.as_deref().and_then(|r| Message::from_vec(r).ok()).is_some_and(|m| m.metadata.truncation)
+        };
+        if truncated(&reply) {
+            reply = forward(&raw, id, upstreams, true);
+        }
+        let Some(reply) = reply else {
             if every {
                 return Err(format!("no {rtype} answer from {upstreams:?}"));
             }
@@ -342,6 +351,9 @@ fn resolve_with(name: &str, upstreams: &[SocketAddr], every: bool) -> Result<Vec
         let parsed = Message::from_vec(&reply);
         if every {
             match &parsed {
+                Ok(m) if m.metadata.truncation => {
+                    return Err(format!("{rtype} answer truncated, even over TCP"));
+                }
                 Ok(m) if matches!(m.metadata.response_code, ResponseCode::NoError | ResponseCode::NXDomain) => {}
                 Ok(m) => return Err(format!("{rtype} answer {}", m.metadata.response_code)),
                 Err(e) => return Err(format!("{rtype} answer unreadable: {e}")),

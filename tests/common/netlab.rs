@@ -410,6 +410,19 @@ impl Dns {
     }
 }
 
+/// A UDP reply as a server without EDNS sends it: one longer than 512 bytes is cut to the
+/// header and question with TC set (the client asks again over TCP).
+fn truncate_for_udp(r: Vec<u8>, q: &[u8]) -> Vec<u8> {
+    if r.len() <= 512 {
+        return r;
+    }
+    let Some((_, _, qend)) = parse_question(q) else { return r };
+    let mut t = r[..qend].to_vec();
+    t[2] |= 0x02; // TC
+    t[6..8].copy_from_slice(&0u16.to_be_bytes()); // no answers
+    t
+}
+
 /// (lower-case name without the root dot, qtype, end offset of the question section).
 fn parse_question(q: &[u8]) -> Option<(String, u16, usize)> {
     if q.len() < 12 || q[2] & 0x80 != 0 || u16::from_be_bytes([q[4], q[5]]) < 1 {
@@ -691,7 +704,7 @@ impl Lab {
             while !stop.load(Ordering::SeqCst) {
                 let Ok((n, peer)) = udp.recv_from(&mut buf) else { continue };
                 if let Some(r) = dns.answer(&buf[..n]) {
-                    let _ = udp.send_to(&r, peer);
+                    let _ = udp.send_to(&truncate_for_udp(r, &buf[..n]), peer);
                 }
             }
         });
