@@ -133,6 +133,10 @@ impl SeenCommands {
         // leaves at worst a stale index, which the next check discards (None).
         let mut guard = self.index.lock().unwrap_or_else(|e| e.into_inner());
         let index = self.catch_up(guard.take(), &mut f)?;
+        // A torn last line (see `for_each_from`) is cut off before anything is appended.
+        if f.metadata().map_err(|e| self.io(e))?.len() > index.offset {
+            f.set_len(index.offset).map_err(|e| self.io(e))?;
+        }
         if index.ids.contains_key(&digest(id)) {
             *guard = Some(index);
             return Ok(Seen::Replayed);
@@ -169,11 +173,21 @@ impl SeenCommands {
             let out = out.into_inner().map_err(|e| self.io(e.into_error()))?;
             out.sync_data().map_err(|e| self.io(e))?;
             std::fs::rename(&tmp, &self.path).map_err(|e| self.io(e))?;
+            // The rename is durable before the id counts as recorded.
+            if let Some(dir) = self.path.parent() {
+                std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(|e| self.io(e))?;
+            }
             // A new inode: read in full by the next check.
             return Ok(Seen::New);
         }
         let mut index = index;
-        f.write_all(line.as_bytes()).and_then(|()| f.sync_data()).map_err(|e| self.io(e))?;
+        if let Err(e) = f.write_all(line.as_bytes()).and_then(|()| f.sync_data()) {
+            // Whatever part of the line was written goes again (this id was not recorded and
+            // its command does not run), so the next check finds a whole file.
+            let _ = f.set_len(index.offset);
+            *guard = None;
+            return Err(self.io(e));
+        }
         index.offset += line.len() as u64;
         index.add(now, id);
         *guard = Some(index);
@@ -248,6 +262,13 @@ impl SeenCommands {
             line.clear();
             let len = reader.read_line(&mut line).map_err(|e| self.io(e))?;
             if len == 0 {
+                return Ok(());
+            }
+            if !line.ends_with('\n') {
+                // A last line without its newline is a write that failed or a crash cut
+                // short: its id was never confirmed (the check returns only after the whole
+                // line is written and synced), so it is not read; the next append truncates
+                // it away ([`SeenCommands::check_and_insert`]).
                 return Ok(());
             }
             n += 1;
@@ -379,6 +400,34 @@ mod tests {
         s.check_and_insert("a", 1).unwrap();
         std::fs::write(dir.join("seen"), "garbage\n").unwrap();
         assert!(matches!(s.check_and_insert("a", 2), Err(ReplayError::Malformed { line: 1, .. })));
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_torn_last_line_is_cut_off_not_an_error_for_ever() {
+        // A write cut short (a full disk, a crash before the sync) leaves a line without its
+        // newline; that id was never confirmed. Before, every later check was `Malformed`.
+        let (dir, s) = store();
+        s.check_and_insert("a", 1).unwrap();
+        let mut f = std::fs::OpenOptions::new().append(true).open(dir.join("seen")).unwrap();
+        f.write_all(b"2 \"tor").unwrap();
+        drop(f);
+        for reopened in [false, true] {
+            let other;
+            let s = if reopened {
+                other = SeenCommands::new(&dir.join("seen"));
+                &other
+            } else {
+                &s
+            };
+            let id = format!("next-{reopened}");
+            assert_eq!(s.check_and_insert(&id, 3).unwrap(), Seen::New);
+            assert_eq!(s.check_and_insert(&id, 3).unwrap(), Seen::Replayed);
+            assert_eq!(s.check_and_insert("a", 3).unwrap(), Seen::Replayed);
+        }
+        let text = std::fs::read_to_string(dir.join("seen")).unwrap();
+        assert_eq!(text.lines().count(), 3, "{text:?}");
+        assert!(!text.contains("tor"), "{text:?}");
         std::fs::remove_dir_all(dir).unwrap();
     }
 }
