@@ -354,6 +354,29 @@ fn a_start_report_waiting_for_a_late_caller_is_not_overdue() {
     assert!(o.success(), "{o:?}");
 }
 
+#[test]
+fn waiting_for_a_slow_zygote_does_not_use_up_the_setup_limit() {
+    if !require_root() {
+        return;
+    }
+    let _view = common::host_view();
+    // A zygote that takes 1.5 s to start (a loaded machine, an emulated one), and a setup
+    // limit of 1 s: the sandbox's setup is counted from its monitor's start, so the run goes
+    // ahead. Before, the wait used up the limit and the run failed (no cold fallback).
+    let runtime = std::path::Path::new(common::opservant()).with_file_name("opservant-runtime");
+    let script = format!("/bin/sleep 1.5; exec {} --zygote", runtime.display());
+    let zygote = std::sync::Arc::new(sandbox::zygote::Zygote::new(
+        std::ffi::CString::new("/bin/sh").unwrap(),
+        vec![std::ffi::CString::new("-c").unwrap(), std::ffi::CString::new(script).unwrap()],
+    ));
+    let launcher = Launcher::Zygote { zygote, end: sandbox::PayloadEnd::Exec };
+    let mut s = spec(&["/bin/true"]);
+    s.limits.setup_timeout_ms = Some(1000);
+    let sb = Sandbox::spawn(&s, &launcher, None).expect("the setup limit counts from the monitor's start");
+    let o = sb.wait(OutputOptions::default()).unwrap();
+    assert!(o.success(), "{o:?}");
+}
+
 /// The namespace links (`mnt:[N]`) among this process's descriptors.
 fn held_mount_namespaces() -> Vec<String> {
     std::fs::read_dir("/proc/self/fd")

@@ -212,8 +212,11 @@ pub struct Sandbox {
     cgroup: Option<SandboxCgroup>,
     started: Instant,
     timeout: Option<Duration>,
-    /// The setup limit ([`SETUP_LIMIT`] unless the spec sets one).
+    /// The setup limit ([`SETUP_LIMIT`] unless the spec sets one), counted from
+    /// `setup_from`: once the monitor exists, so that waiting for a zygote (its lock, its
+    /// start) does not use up the sandbox's own setup time.
     setup_limit: Duration,
+    setup_from: Instant,
     grace: Duration,
     reaped: bool,
     /// The parent's end of the application channel, if the spec asks for one, or of the
@@ -303,6 +306,7 @@ impl Sandbox {
             started,
             timeout: spec.limits.timeout_ms.map(Duration::from_millis),
             setup_limit: spec.limits.setup_timeout_ms.map_or(SETUP_LIMIT, Duration::from_millis),
+            setup_from: Instant::now(),
             grace: Duration::from_millis(spec.limits.kill_grace_ms),
             reaped: false,
             app,
@@ -404,7 +408,7 @@ impl Sandbox {
     /// the spawn (the caller's drop of `self` then kills and reaps everything).
     fn await_setup(&self, waiting_for: &str) -> Result<(), SandboxError> {
         loop {
-            let left = self.setup_limit.saturating_sub(self.started.elapsed());
+            let left = self.setup_limit.saturating_sub(self.setup_from.elapsed());
             if left.is_zero() {
                 return Err(setup_overdue(self.setup_limit, waiting_for).into());
             }
@@ -478,7 +482,7 @@ impl Sandbox {
         let mut stopped = false;
         // Setup is bounded too (a pooled sandbox's report is already waiting when it is
         // taken, and its clock restarts then).
-        let mut setup_at = Some(self.started + self.setup_limit);
+        let mut setup_at = Some(self.started.max(self.setup_from) + self.setup_limit);
         let mut buf = vec![0u8; 64 * 1024];
 
         // Done when init is gone (or the monitor is) and the output pipes are drained; the
