@@ -205,7 +205,9 @@ pub struct Sandbox {
     monitor_pidfd: Option<OwnedFd>,
     /// How the monitor was started (reported in the [`Outcome`]).
     launch: &'static str,
-    init: Option<Pid>,
+    /// A pidfd for the sandbox init (the monitor's child, reaped by the monitor): signals go
+    /// through it, so one sent after init is gone never reaches a process that reused its pid.
+    init: Option<OwnedFd>,
     chan: Channel,
     stdout: Option<OwnedFd>,
     stderr: Option<OwnedFd>,
@@ -576,7 +578,7 @@ impl Sandbox {
                     0 => match self.chan.recv::<FromSandbox>() {
                         Ok(None) => chan_open = false,
                         Ok(Some(msg)) => match msg {
-                            FromSandbox::InitForked { pid } => self.init = Some(Pid::from_raw(pid)),
+                            FromSandbox::InitForked { pid } => self.init = self.open_init(pid),
                             FromSandbox::Started(r) => {
                                 report = Some(*r);
                                 // (A quota that is not deferred was written at creation.)
@@ -593,7 +595,10 @@ impl Sandbox {
                                 // kernel must not keep the sandbox alive.
                                 backstop_at.get_or_insert(Instant::now() + BACKSTOP);
                             }
-                            FromSandbox::InitExited { cpu_ms, peak_rss_bytes } => tree = Some((cpu_ms, peak_rss_bytes)),
+                            FromSandbox::InitExited { cpu_ms, peak_rss_bytes } => {
+                                self.init = None;
+                                tree = Some((cpu_ms, peak_rss_bytes));
+                            }
                             FromSandbox::Unshared => {}
                         },
                         Err(e) => {
@@ -721,12 +726,21 @@ impl Sandbox {
         }
     }
 
+    /// A pidfd for the init the monitor reported as `pid` — `None` when that process is
+    /// gone, or is not the monitor's child (its pid reused: the monitor reaped init first).
+    fn open_init(&self, pid: i32) -> Option<OwnedFd> {
+        let pidfd = crate::zygote::pidfd_open(Pid::from_raw(pid)).ok()?;
+        // Opened first, then checked: if the process at `pid` is still the monitor's child
+        // now, the pidfd names it.
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        let ppid = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<i32>().ok());
+        (ppid == Some(self.monitor.as_raw())).then_some(pidfd)
+    }
+
     /// SIGTERM to the sandbox init, which forwards it to every process inside.
     fn terminate(&self) {
-        match self.init {
-            Some(init) => {
-                let _ = kill(init, Signal::SIGTERM);
-            }
+        match &self.init {
+            Some(init) => crate::zygote::pidfd_signal(init, Signal::SIGTERM),
             None => self.kill(),
         }
     }
@@ -735,18 +749,16 @@ impl Sandbox {
     /// init, then the monitor, exit on their own. Before init exists, or as a backstop,
     /// [`Sandbox::kill_everything`].
     fn kill(&self) {
-        match self.init {
-            Some(init) => {
-                let _ = kill(init, crate::init::KILL_ALL);
-            }
+        match &self.init {
+            Some(init) => crate::zygote::pidfd_signal(init, crate::init::KILL_ALL),
             None => self.kill_everything(),
         }
     }
 
     /// SIGKILL init, the monitor and anything left in the cgroup.
     fn kill_everything(&self) {
-        if let Some(init) = self.init {
-            let _ = kill(init, Signal::SIGKILL);
+        if let Some(init) = &self.init {
+            crate::zygote::pidfd_signal(init, Signal::SIGKILL);
         }
         match &self.monitor_pidfd {
             Some(pidfd) => crate::zygote::pidfd_signal(pidfd, Signal::SIGKILL),
