@@ -739,6 +739,30 @@ fn commands_pulled_from_the_platform_over_mutual_tls() {
 }
 
 #[test]
+fn a_platform_that_does_not_hold_the_long_poll_is_not_polled_in_a_busy_loop() {
+    if !common::require_root() {
+        return;
+    }
+    let pki = platform::Pki::new("good");
+    let p = platform::TestPlatform::start(&pki, &pki);
+    p.state.lock().unwrap().no_long_poll = true;
+    let tls = HostDir::new();
+    let mut a = Agent::with_network(4, &platform_network(&tls.path, p.addr, &pki, &pki));
+    a.start();
+    let polls = || p.state.lock().unwrap().requests.iter().filter(|r| r.ends_with("/commands")).count();
+    p.wait_for(30, "a first poll", |s| s.requests.iter().any(|r| r.ends_with("/commands")));
+    let (first, since) = (polls(), Instant::now());
+    std::thread::sleep(Duration::from_secs(3));
+    let n = polls() - first;
+    // At most one poll a second that brings nothing (before: one per round trip, hundreds).
+    assert!(n <= since.elapsed().as_secs() as usize + 1, "{n} polls in {:?}", since.elapsed());
+    // Commands still come through.
+    p.queue(serde_json::from_slice(&a.sign(&scan("plat-nohold"))).unwrap());
+    p.wait_for(30, "the result", |s| !s.results.is_empty());
+    assert!(a.stop().success());
+}
+
+#[test]
 fn the_platform_refuses_a_client_certificate_from_another_ca() {
     if !common::require_root() {
         return;

@@ -147,9 +147,12 @@ pub fn serve(pipeline: Pipeline, socket: &Path, platform: Option<crate::platform
         &[("socket", &socket.to_string_lossy()), ("pid", &std::process::id().to_string())],
     );
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // Commands from the platform taken but not yet answered (the drain waits for them).
+    let platform_commands = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     if let Some(p) = platform {
-        // Its threads are not joined: a long poll in flight may take its full timeout.
-        drop(crate::platform::run(p, pipeline.clone(), stop.clone()));
+        // Its threads are not joined: a long poll in flight may take its full timeout (the
+        // commands it brings back after the stop are left to the platform to send again).
+        drop(crate::platform::run(p, pipeline.clone(), stop.clone(), platform_commands.clone()));
     }
     sd_notify("READY=1");
     let watchdog = watchdog_interval();
@@ -195,7 +198,10 @@ pub fn serve(pipeline: Pipeline, socket: &Path, platform: Option<crate::platform
     // threads), feeding the watchdog all along: systemd keeps it armed while the unit stops,
     // and a drain may last as long as the longest wall-time ceiling.
     let mut pinged = std::time::Instant::now();
-    while workers.iter().any(|w| !w.is_finished()) || pipeline.running() > 0 {
+    while workers.iter().any(|w| !w.is_finished())
+        || pipeline.running() > 0
+        || platform_commands.load(Ordering::SeqCst) > 0
+    {
         if watchdog.is_some_and(|w| pinged.elapsed() >= w) {
             sd_notify("WATCHDOG=1");
             pinged = std::time::Instant::now();
@@ -280,6 +286,9 @@ fn serve_client(mut stream: UnixStream, pipeline: &Pipeline) {
     let reply = pipeline.submit(&buf, "socket");
     let mut line = reply.to_string();
     line.push('\n');
+    // A client that never reads a reply larger than the socket's buffer must not hold this
+    // thread (and with it the agent's shutdown, which waits for its workers) for ever.
+    let _ = stream.set_write_timeout(Some(READ_DEADLINE));
     let _ = stream.write_all(line.as_bytes());
 }
 

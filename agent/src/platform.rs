@@ -281,7 +281,17 @@ fn backoff(failures: u32) -> Duration {
 
 /// Run the poller and the heartbeat until `stop`; commands run on their own threads, bounded
 /// like the socket's (one more than `max_concurrent` is answered `overloaded`).
-pub fn run(platform: Platform, pipeline: Arc<Pipeline>, stop: Arc<AtomicBool>) -> Vec<std::thread::JoinHandle<()>> {
+///
+/// `taken` counts the commands taken and not yet answered, for the caller's drain: it is
+/// raised before `stop` is checked and a batch that arrives after the stop is dropped
+/// unseen (the platform sends it again, to this agent's successor), so a drain that has set
+/// `stop` and then finds `taken` at zero can never be followed by a command starting.
+pub fn run(
+    platform: Platform,
+    pipeline: Arc<Pipeline>,
+    stop: Arc<AtomicBool>,
+    taken: Arc<std::sync::atomic::AtomicUsize>,
+) -> Vec<std::thread::JoinHandle<()>> {
     let platform = Arc::new(platform);
     let mut threads = Vec::new();
     {
@@ -290,6 +300,7 @@ pub fn run(platform: Platform, pipeline: Arc<Pipeline>, stop: Arc<AtomicBool>) -
         threads.push(std::thread::spawn(move || {
             let mut failures = 0u32;
             while !stop.load(Ordering::SeqCst) {
+                let polled = std::time::Instant::now();
                 let commands = match platform.poll_once() {
                     Ok(c) => {
                         failures = 0;
@@ -303,9 +314,29 @@ pub fn run(platform: Platform, pipeline: Arc<Pipeline>, stop: Arc<AtomicBool>) -
                         continue;
                     }
                 };
+                if commands.is_empty() {
+                    // A platform (or a proxy) that answers at once instead of holding the
+                    // long poll is not asked again in a busy loop.
+                    sleep_unless(&stop, MIN_POLL_INTERVAL.saturating_sub(polled.elapsed()));
+                    continue;
+                }
+                taken.fetch_add(commands.len(), Ordering::SeqCst);
+                if stop.load(Ordering::SeqCst) {
+                    taken.fetch_sub(commands.len(), Ordering::SeqCst);
+                    tracing::info!(commands = commands.len(), "stopping: commands left to the platform to send again");
+                    break;
+                }
                 for bytes in commands {
-                    let (platform, pipeline) = (platform.clone(), pipeline.clone());
+                    let (platform, pipeline, taken) = (platform.clone(), pipeline.clone(), taken.clone());
                     std::thread::spawn(move || {
+                        // Answered (or given up) whatever happens below.
+                        struct Done(Arc<std::sync::atomic::AtomicUsize>);
+                        impl Drop for Done {
+                            fn drop(&mut self) {
+                                self.0.fetch_sub(1, Ordering::SeqCst);
+                            }
+                        }
+                        let _done = Done(taken);
                         let reply = pipeline.submit(&bytes, "platform");
                         let body =
                             json!({"agent_id": platform.agent_id, "command_id": reply["command_id"], "result": reply});
@@ -351,6 +382,9 @@ pub fn run(platform: Platform, pipeline: Arc<Pipeline>, stop: Arc<AtomicBool>) -
     }
     threads
 }
+
+/// The shortest time between two polls that brought no command.
+const MIN_POLL_INTERVAL: Duration = Duration::from_secs(1);
 
 fn sleep_unless(stop: &AtomicBool, d: Duration) {
     let step = Duration::from_millis(100);

@@ -71,6 +71,9 @@ pub struct State {
     /// Send packages without `Content-Length` (the body ends when the connection closes), so
     /// only the agent's own read bound can stop an oversize one.
     pub packages_without_length: bool,
+    /// Answer `GET commands` at once instead of holding the long poll (as a proxy that does
+    /// not hold requests would).
+    pub no_long_poll: bool,
 }
 
 pub struct TestPlatform {
@@ -155,7 +158,8 @@ fn handle(req: https::Request, state: &Mutex<State>) -> https::Response {
     let reply = match (method, path.rsplit('/').next().unwrap_or("")) {
         ("GET", "commands") => {
             // A short long-poll: up to 500 ms for something to be queued.
-            let deadline = Instant::now() + Duration::from_millis(500);
+            let hold = if state.lock().unwrap().no_long_poll { 0 } else { 500 };
+            let deadline = Instant::now() + Duration::from_millis(hold);
             loop {
                 let batch: Vec<Value> = state.lock().unwrap().queue.drain(..).collect();
                 if !batch.is_empty() || Instant::now() >= deadline {
