@@ -62,6 +62,9 @@ pub const CONTROL_FD: RawFd = 3;
 /// path instead of every run waiting behind it.
 pub const REPLY_LIMIT: Duration = Duration::from_secs(5);
 
+/// How long dropping a zygote waits for it to die once killed.
+const STOP_WAIT: Duration = Duration::from_secs(2);
+
 /// How long a new zygote may take to start serving (initialising an interpreter: ~15 ms
 /// here, far longer under emulation), checked likewise at its first request.
 pub const START_LIMIT: Duration = Duration::from_secs(30);
@@ -552,9 +555,26 @@ impl Running {
         pid
     }
 
-    /// Kill the zygote and reap it.
+    /// Kill the zygote and reap it, waiting up to [`STOP_WAIT`]; one that has not died by
+    /// then (frozen, stuck in the kernel) is left to a reaper thread, so dropping a zygote
+    /// — at the agent's shutdown — never hangs on it.
     fn stop(self) {
-        let _ = waitpid(self.kill(), None);
+        let pid = self.kill();
+        let deadline = Instant::now() + STOP_WAIT;
+        loop {
+            match waitpid(pid, Some(WaitPidFlag::WNOHANG)) {
+                Ok(WaitStatus::StillAlive) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                Ok(WaitStatus::StillAlive) => {
+                    tracing::warn!(pid = pid.as_raw(), "the zygote did not die when killed; not waiting for it");
+                    let _ = std::thread::Builder::new().name("zygote-reaper".into()).spawn(move || waitpid(pid, None));
+                    return;
+                }
+                Err(Errno::EINTR) => {}
+                _ => return,
+            }
+        }
     }
 
     /// As [`Running::stop`], without waiting for the death: a zygote that stopped answering
