@@ -40,6 +40,8 @@ use crate::executor_run::CannotRun;
 pub const DEFAULT_SOCKET: &str = "/run/opservant/agent.sock";
 pub const DEFAULT_STATE_DIR: &str = "/var/lib/opservant";
 pub const DEFAULT_MAX_CONCURRENT: usize = 4;
+/// How often the warm pool is checked for sandboxes idle past their limit.
+const POOL_EXPIRY_CHECK: Duration = Duration::from_secs(60);
 /// How long a client may take to send its whole command.
 pub const READ_DEADLINE: Duration = Duration::from_secs(10);
 /// Connections served at once beyond `max_concurrent`: clients still sending their command
@@ -156,18 +158,27 @@ pub fn serve(pipeline: Pipeline, socket: &Path, platform: Option<crate::platform
     }
     sd_notify("READY=1");
     let watchdog = watchdog_interval();
+    // The warm pool's idle sandboxes are discarded on this loop's clock (on a thread: each
+    // is killed, reaped and its cgroups removed).
+    let mut expired_at = std::time::Instant::now();
+    let wake = watchdog.map_or(POOL_EXPIRY_CHECK, |w| w.min(POOL_EXPIRY_CHECK));
     loop {
         workers.retain(|w| !w.is_finished());
+        if let Some(pool) = pipeline.pool.as_ref().filter(|_| expired_at.elapsed() >= POOL_EXPIRY_CHECK) {
+            expired_at = std::time::Instant::now();
+            let pool = pool.clone();
+            let _ = std::thread::Builder::new().name("warm-pool-expiry".into()).spawn(move || pool.expire());
+        }
         let mut fds = [
             nix::poll::PollFd::new(listener.as_fd(), nix::poll::PollFlags::POLLIN),
             nix::poll::PollFd::new(signals.as_fd(), nix::poll::PollFlags::POLLIN),
         ];
-        let timeout = watchdog.map_or(nix::poll::PollTimeout::NONE, |w| {
-            nix::poll::PollTimeout::try_from(w).unwrap_or(nix::poll::PollTimeout::MAX)
-        });
+        let timeout = nix::poll::PollTimeout::try_from(wake).unwrap_or(nix::poll::PollTimeout::MAX);
         match nix::poll::poll(&mut fds, timeout) {
             Ok(0) => {
-                sd_notify("WATCHDOG=1");
+                if watchdog.is_some() {
+                    sd_notify("WATCHDOG=1");
+                }
                 continue;
             }
             Ok(_) => {}

@@ -119,6 +119,22 @@ impl WarmPool {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Discard the sandboxes idle for longer than [`MAX_IDLE`] (killed and removed outside
+    /// the lock). A long-running agent calls it now and then, so that idle ones do not wait
+    /// for a run of their spec to be discarded.
+    pub fn expire(&self) {
+        let expired: Vec<Warm> = {
+            let mut st = self.state();
+            let (old, fresh): (Vec<Warm>, Vec<Warm>) = st.ready.drain(..).partition(|w| w.since.elapsed() > MAX_IDLE);
+            st.ready = fresh.into();
+            old
+        };
+        if !expired.is_empty() {
+            tracing::debug!(expired = expired.len(), "warm pool: idle sandboxes discarded");
+        }
+        drop(expired);
+    }
+
     /// A ready sandbox started with exactly `spec`, if there is one.
     pub fn take(&self, spec: &SandboxSpec) -> Option<Sandbox> {
         let now = sources(spec);
