@@ -377,6 +377,30 @@ fn waiting_for_a_slow_zygote_does_not_use_up_the_setup_limit() {
     assert!(o.success(), "{o:?}");
 }
 
+#[test]
+fn a_zygote_whose_children_cannot_start_is_a_zygote_failure_and_is_replaced() {
+    if !require_root() {
+        return;
+    }
+    let _view = common::host_view();
+    // With at most 10 descriptors, the zygote serves, but each child it forks fails to move
+    // the received descriptors above 9 and exits before it unshares. That is the zygote's
+    // failure (so the caller starts the sandbox cold: `SandboxError::Zygote`), not the
+    // sandbox's, and the zygote is replaced rather than failing every request alike.
+    let runtime = std::path::Path::new(common::opservant()).with_file_name("opservant-runtime");
+    let script = format!("ulimit -n 10; exec {} --zygote", runtime.display());
+    let zygote = std::sync::Arc::new(sandbox::zygote::Zygote::new(
+        std::ffi::CString::new("/bin/sh").unwrap(),
+        vec![std::ffi::CString::new("-c").unwrap(), std::ffi::CString::new(script).unwrap()],
+    ));
+    zygote.start().unwrap();
+    let launcher = Launcher::Zygote { zygote: zygote.clone(), end: sandbox::PayloadEnd::Exec };
+    let first = zygote.pid();
+    let err = Sandbox::spawn(&spec(&["/bin/true"]), &launcher, None).map(drop).expect_err("no sandbox starts");
+    assert!(matches!(err, sandbox::SandboxError::Zygote(_)), "{err:?}");
+    assert!(first.is_some() && zygote.pid().is_none(), "the zygote is discarded: {first:?} → {:?}", zygote.pid());
+}
+
 /// The namespace links (`mnt:[N]`) among this process's descriptors.
 fn held_mount_namespaces() -> Vec<String> {
     std::fs::read_dir("/proc/self/fd")

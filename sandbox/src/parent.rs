@@ -320,8 +320,16 @@ impl Sandbox {
             stop: StopHandle { wake: std::sync::Arc::new(stop_tx) },
             mount_ns: None,
         };
-        sb.handshake(spec, !matches!(launcher, Launcher::Fork), hook)?;
-        Ok(sb)
+        match sb.handshake(spec, !matches!(launcher, Launcher::Fork), hook) {
+            Ok(()) => Ok(sb),
+            Err(e) => {
+                if let (SandboxError::Zygote(_), Launcher::Zygote { zygote, .. }) = (&e, launcher) {
+                    // Its child could not even start: the zygote is replaced.
+                    zygote.discard();
+                }
+                Err(e)
+            }
+        }
     }
 
     /// A sandbox started ahead of its work (a warm pool) is put to work now: its clock — the
@@ -356,10 +364,21 @@ impl Sandbox {
         send_spec: bool,
         hook: Option<NamespaceHook>,
     ) -> Result<(), SandboxError> {
+        // Until the monitor has unshared, nothing of the sandbox exists: a zygote's child
+        // that ends before then (a failed dup in a zygote out of descriptors, say) is the
+        // zygote's failure — the caller may start the sandbox cold, and the zygote is replaced.
+        let zygote = self.monitor_pidfd.is_some();
+        let early = |m: String| {
+            if zygote {
+                SandboxError::Zygote(format!("its sandbox process: {m}"))
+            } else {
+                SandboxError::Channel(m)
+            }
+        };
         if send_spec {
             self.chan
                 .send(&ToSandbox::Spec(Box::new(spec.clone())))
-                .map_err(|e| SandboxError::Channel(format!("send spec: {}", e.desc())))?;
+                .map_err(|e| early(format!("send spec: {}", e.desc())))?;
         }
         // The cgroups are created while the monitor creates the namespaces (the two are the
         // slowest setup steps and run on different CPUs).
@@ -381,14 +400,12 @@ impl Sandbox {
             state: std::sync::Mutex::new(CpuState { applied, error: None }),
             stop: Some(self.stop.clone()),
         });
-        self.chan
-            .send(&ToSandbox::Cgroups { join })
-            .map_err(|e| SandboxError::Channel(format!("send cgroups: {}", e.desc())))?;
+        self.chan.send(&ToSandbox::Cgroups { join }).map_err(|e| early(format!("send cgroups: {}", e.desc())))?;
         self.await_setup("the namespaces")?;
-        match self.chan.recv::<FromSandbox>().map_err(SandboxError::Channel)? {
+        match self.chan.recv::<FromSandbox>().map_err(early)? {
             Some(FromSandbox::Unshared) => {}
             Some(FromSandbox::Failed(e)) => return Err(e.into()),
-            None => return Err(SandboxError::Channel("sandbox init exited during setup".into())),
+            None => return Err(early("sandbox init exited during setup".into())),
             Some(other) => return Err(SandboxError::Channel(format!("unexpected {other:?}"))),
         }
         namespaces::write_id_maps(self.monitor.as_raw(), &spec.identity)?;

@@ -380,6 +380,16 @@ impl Zygote {
         Ok(())
     }
 
+    /// Stop the running zygote without waiting for it (a thread reaps it); the next request
+    /// starts a new one. For a zygote whose children fail before they can start a sandbox.
+    pub fn discard(&self) {
+        let running = self.running.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(r) = running {
+            tracing::warn!(pid = r.pid.as_raw(), "zygote discarded: its sandbox process ended before it started");
+            r.abandon();
+        }
+    }
+
     /// The zygote's pid while it runs.
     pub fn pid(&self) -> Option<i32> {
         self.running.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(|r| r.pid.as_raw())
