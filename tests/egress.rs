@@ -1215,6 +1215,40 @@ fn a_denied_name_with_a_truncated_answer_is_resolved_in_full() {
     assert_host_clean(&lab);
 }
 
+/// Deny wins through a CNAME too: an allowed name that is a CNAME of a denied one is
+/// refused, and the denied name's address is not allowed by the way.
+#[test]
+fn an_allowed_name_that_is_a_cname_of_a_denied_one_is_refused() {
+    if !prerequisites() {
+        return;
+    }
+    let lab = Lab::new();
+    lab.dns.set_cname("alias.example.test", "bad.example.test");
+    lab.dns.set("bad.example.test", &["198.51.100.11"]);
+    let s = lab.banners(&["198.51.100.10:80", "198.51.100.11:80"]);
+    let conf = Conf::new("");
+    let p = probe(
+        &lab,
+        &conf,
+        json!({"outbound": true, "allowed_hosts": ["*.example.test"], "denied_hosts": ["bad.example.test"]}),
+        limits(),
+        json!([
+            ["resolve", "alias.example.test"],
+            ["connect", "alias.example.test", 80],
+            ["connect", "198.51.100.11", 80],
+            ["connect", "good.example.test", 80],
+        ]),
+    );
+    assert_unresolved(p.step(0), "alias.example.test");
+    assert_unresolved(p.step(1), "alias.example.test");
+    assert_blocked(p.step(2), "198.51.100.11 (bad.example.test's address, reached through a CNAME)");
+    assert_connected(p.step(3), "198.51.100.10:80");
+    assert_eq!(s[1].accepted(), 0);
+    let refused = p.egress()["dns"]["refused_names"].to_string();
+    assert!(refused.contains("bad.example.test"), "{refused}");
+    assert_host_clean(&lab);
+}
+
 /// (4) A hostname allow list works through DNS: the name connects; an address never obtained
 /// through an allowed name does not (even after resolving a non-allowed name to it); the
 /// allowed name's address works by IP once resolved.

@@ -233,6 +233,18 @@ fn answer(
     };
     let mut found: Vec<(IpAddr, u64)> = Vec::new();
     for r in &reply.answers {
+        // An allowed name that leads, through a CNAME, to a denied one: the denied name's
+        // addresses are not allowed by the way (deny always wins).
+        let mut chained = vec![&r.name];
+        if let RData::CNAME(target) = &r.data {
+            chained.push(&target.0);
+        }
+        if let Some(denied) =
+            chained.into_iter().map(plain_name).find(|n| policy.name_verdict(n) == NameVerdict::Denied)
+        {
+            refuse(report, executor, &denied, "denied");
+            return error_reply(&query, ResponseCode::Refused);
+        }
         let addr = match &r.data {
             RData::A(a) => IpAddr::V4(a.0),
             RData::AAAA(a) => IpAddr::V6(a.0),
@@ -260,6 +272,11 @@ fn answer(
     }
     report.answered += 1;
     Some(reply_raw)
+}
+
+/// `name` in the form the policy matches: lower-case labels joined by dots, no root dot.
+fn plain_name(name: &Name) -> String {
+    name.iter().map(|l| String::from_utf8_lossy(l).to_ascii_lowercase()).collect::<Vec<_>>().join(".")
 }
 
 /// Send `raw` to each upstream in turn (over TCP when `tcp`); the first reply with the same

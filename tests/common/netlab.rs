@@ -329,6 +329,8 @@ pub const RCODE_NXDOMAIN: u8 = 3;
 #[derive(Default)]
 pub struct Dns {
     table: Mutex<HashMap<String, Vec<IpAddr>>>,
+    /// name → the name it is a CNAME of (answered with the CNAME and the target's records).
+    cnames: Mutex<HashMap<String, String>>,
     log: Mutex<Vec<(String, u16)>>,
 }
 
@@ -346,6 +348,13 @@ impl Dns {
     pub fn set(&self, name: &str, addrs: &[&str]) {
         let addrs = addrs.iter().map(|a| a.parse().unwrap_or_else(|e| panic!("bad address {a}: {e}"))).collect();
         self.table.lock().unwrap().insert(name.trim_end_matches('.').to_ascii_lowercase(), addrs);
+    }
+
+    /// Make `name` a CNAME of `target`: answered with the CNAME record, then `target`'s
+    /// addresses under `target`'s name.
+    pub fn set_cname(&self, name: &str, target: &str) {
+        let key = |n: &str| n.trim_end_matches('.').to_ascii_lowercase();
+        self.cnames.lock().unwrap().insert(key(name), key(target));
     }
 
     /// Forget `name` (NXDOMAIN from now on).
@@ -373,8 +382,9 @@ impl Dns {
     pub fn answer(&self, q: &[u8]) -> Option<Vec<u8>> {
         let (name, qtype, qend) = parse_question(q)?;
         self.log.lock().unwrap().push((name.clone(), qtype));
+        let cname = self.cnames.lock().unwrap().get(&name).cloned();
         let table = self.table.lock().unwrap();
-        let (rcode, addrs) = match table.get(&name) {
+        let (rcode, addrs) = match table.get(cname.as_ref().unwrap_or(&name)) {
             None => (RCODE_NXDOMAIN, Vec::new()),
             Some(all) => (
                 RCODE_NOERROR,
@@ -391,11 +401,33 @@ impl Dns {
         r.push(0x80 | 0x04 | rd); // QR, AA, RD copied
         r.push(0x80 | rcode); // RA, rcode
         r.extend_from_slice(&1u16.to_be_bytes()); // qdcount
-        r.extend_from_slice(&(addrs.len() as u16).to_be_bytes()); // ancount
+        let ancount = addrs.len() + usize::from(cname.is_some());
+        r.extend_from_slice(&(ancount as u16).to_be_bytes()); // ancount
         r.extend_from_slice(&[0, 0, 0, 0]); // nscount, arcount
         r.extend_from_slice(&q[12..qend]); // the question, verbatim
+        let encoded = |n: &str| {
+            let mut e = Vec::new();
+            for label in n.split('.') {
+                e.push(label.len() as u8);
+                e.extend_from_slice(label.as_bytes());
+            }
+            e.push(0);
+            e
+        };
+        if let Some(target) = &cname {
+            let data = encoded(target);
+            r.extend_from_slice(&[0xC0, 0x0C]);
+            r.extend_from_slice(&5u16.to_be_bytes()); // CNAME
+            r.extend_from_slice(&1u16.to_be_bytes());
+            r.extend_from_slice(&DNS_TTL.to_be_bytes());
+            r.extend_from_slice(&(data.len() as u16).to_be_bytes());
+            r.extend_from_slice(&data);
+        }
         for a in addrs {
-            r.extend_from_slice(&[0xC0, 0x0C]); // pointer to the question's name
+            match &cname {
+                Some(target) => r.extend_from_slice(&encoded(target)), // the target's own records
+                None => r.extend_from_slice(&[0xC0, 0x0C]),            // pointer to the question's name
+            }
             let (ty, data): (u16, Vec<u8>) = match a {
                 IpAddr::V4(v) => (QTYPE_A, v.octets().to_vec()),
                 IpAddr::V6(v) => (QTYPE_AAAA, v.octets().to_vec()),
