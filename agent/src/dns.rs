@@ -112,7 +112,10 @@ impl Forwarder {
 }
 
 /// DNS over TCP (RFC 7766): length-prefixed queries on one connection, answered in order;
-/// at most [`TCP_QUERIES`] per connection, each read within [`TCP_IDLE`].
+/// at most [`TCP_QUERIES`] per connection, each read within [`TCP_IDLE`], each reply
+/// written within it, and the whole connection within [`TCP_CONNECTION`] (served on the
+/// forwarder's only thread: a client trickling bytes or never reading must not keep it from
+/// the UDP queries and its stop for long).
 fn serve_tcp(
     mut stream: std::net::TcpStream,
     policy: &NetworkPolicy,
@@ -122,16 +125,34 @@ fn serve_tcp(
     executor: &str,
 ) {
     use std::io::{Read, Write};
-    if stream.set_nonblocking(false).is_err() || stream.set_read_timeout(Some(TCP_IDLE)).is_err() {
+    if stream.set_nonblocking(false).is_err() || stream.set_write_timeout(Some(TCP_IDLE)).is_err() {
         return;
     }
+    let deadline = Instant::now() + TCP_CONNECTION;
+    // Reads up to `buf.len()` bytes, each within the idle limit and all by the deadline.
+    let read_exact = |stream: &mut std::net::TcpStream, buf: &mut [u8]| -> bool {
+        let mut got = 0;
+        while got < buf.len() {
+            let Some(left) = deadline.checked_duration_since(Instant::now()).filter(|d| !d.is_zero()) else {
+                return false;
+            };
+            if stream.set_read_timeout(Some(left.min(TCP_IDLE))).is_err() {
+                return false;
+            }
+            match stream.read(&mut buf[got..]) {
+                Ok(0) | Err(_) => return false,
+                Ok(n) => got += n,
+            }
+        }
+        true
+    };
     for _ in 0..TCP_QUERIES {
         let mut len = [0u8; 2];
-        if stream.read_exact(&mut len).is_err() {
+        if !read_exact(&mut stream, &mut len) {
             return;
         }
         let mut msg = vec![0u8; usize::from(u16::from_be_bytes(len))];
-        if stream.read_exact(&mut msg).is_err() {
+        if !read_exact(&mut stream, &mut msg) {
             return;
         }
         report.queries += 1;
@@ -147,6 +168,7 @@ fn serve_tcp(
 
 const TCP_QUERIES: usize = 16;
 const TCP_IDLE: Duration = Duration::from_secs(2);
+const TCP_CONNECTION: Duration = Duration::from_secs(5);
 
 /// Count a refused query; audit it once per name and reason, for the first
 /// [`MAX_REPORTED_NAMES`] of them — past that, one record says that the rest are only counted,
