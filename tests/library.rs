@@ -198,6 +198,50 @@ fn dropping_a_running_sandbox_tears_it_down() {
 }
 
 #[test]
+fn a_sandbox_whose_monitor_dies_dies_with_it() {
+    if !require_root() {
+        return;
+    }
+    let _view = common::host_view();
+    // The monitor killed alone (as a terminal's Ctrl-C or hangup does to the CLI's process
+    // group, with the CLI gone before its cleanup): init, and with it every process of the
+    // sandbox, dies too — also a payload that ignores every signal it can. Init's death
+    // signal was cleared by its change of ids, and the sandbox ran on unsupervised.
+    let s = spec(&["/bin/sh", "-c", "trap '' INT HUP TERM QUIT; while :; do sleep 1; done"]);
+    let sb = Sandbox::spawn(&s, &launcher(), None).unwrap();
+    let monitor = sb.monitor_pid();
+    let child_of = |pid: i32| -> Option<i32> {
+        std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+            .ok()?
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let (init, payload) = loop {
+        if let Some(init) = child_of(monitor) {
+            if let Some(payload) = child_of(init) {
+                break (init, payload);
+            }
+        }
+        assert!(std::time::Instant::now() < deadline, "the sandbox did not start");
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(monitor), nix::sys::signal::SIGKILL).unwrap();
+    let gone = |pid: i32| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .map_or(true, |st| st.rsplit_once(')').is_some_and(|(_, r)| r.trim_start().starts_with('Z')))
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !(gone(init) && gone(payload)) {
+        assert!(std::time::Instant::now() < deadline, "init {init} or payload {payload} outlived the monitor");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    drop(sb);
+}
+
+#[test]
 fn a_held_payload_runs_only_after_the_go() {
     if !require_root() {
         return;

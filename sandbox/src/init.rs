@@ -22,7 +22,8 @@
 //!   1. die with the monitor
 //!   2. join the sandbox cgroups (still host uid 0, so the cgroupfs permission check
 //!      passes), then unshare the cgroup namespace, which is thereby rooted there
-//!   3. become the sandbox uid/gid, keeping capabilities in the user namespace
+//!   3. become the sandbox uid/gid, keeping capabilities in the user namespace; arm the
+//!      parent-death signal again (the id change cleared it) and check the monitor lives
 //!   4. build the filesystem view and pivot_root into it          (mounts)
 //!   5. hostname, loopback (a prepared namespace's is already up); the user namespace's
 //!      own limits: inotify instances and watches, no nested namespaces (namespaces)
@@ -219,13 +220,18 @@ fn monitor_until(
     mask.add(Signal::SIGCHLD);
     mask.thread_block().map_err(|e| StepError::errno(Stage::Fork, "block SIGCHLD", e))?;
     let sfd = SignalFd::new(&mask).map_err(|e| StepError::errno(Stage::Fork, "signalfd", e))?;
+    // The monitor's liveness, for init: only the monitor holds the write end, so the read end
+    // hangs up when it is gone (see init's step 3).
+    let (alive_r, alive_w) =
+        nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| StepError::errno(Stage::Fork, "pipe", e))?;
     // SAFETY: the monitor is single-threaded (a fresh exec, or forked from a single-threaded
     // caller).
     let init_pid = match unsafe { fork() }.map_err(|e| StepError::errno(Stage::Fork, "fork init", e))? {
         ForkResult::Child => {
             drop(sfd);
+            drop(alive_w);
             let _ = mask.thread_unblock();
-            match init(chan, app, spec, &join, end, prepared_net) {
+            match init(chan, app, spec, &join, end, prepared_net, alive_r) {
                 Ok(InitEnd::Exit(code)) => exit(code),
                 Ok(InitEnd::Payload(handoff)) => return Ok(Some(handoff)),
                 Err(e) => {
@@ -237,9 +243,12 @@ fn monitor_until(
         ForkResult::Parent { child } => {
             // Only init and the payload hold the application channel.
             drop(app);
+            drop(alive_r);
             child
         }
     };
+    // Held to the monitor's end (never written).
+    let _alive = alive_w;
     chan.send(&FromSandbox::InitForked { pid: init_pid.as_raw() })
         .map_err(|e| StepError::errno(Stage::Protocol, "send", e))?;
     for fd in 0..=2 {
@@ -295,6 +304,15 @@ fn wait_for_init(chan: &Channel, sfd: &SignalFd, init: Pid) -> Result<libc::rusa
     }
 }
 
+/// SIGKILL this process when its parent (thread) dies.
+fn die_with_parent() -> Result<(), StepError> {
+    // SAFETY: PR_SET_PDEATHSIG takes an integer signal number.
+    if unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) } != 0 {
+        return Err(StepError::errno(Stage::Fork, "prctl(PR_SET_PDEATHSIG)", nix::errno::Errno::last()));
+    }
+    Ok(())
+}
+
 /// The sandbox init, PID 1 of the new PID namespace. Returns its exit code.
 fn init(
     chan: &Channel,
@@ -303,12 +321,10 @@ fn init(
     cgroup_join: &[std::path::PathBuf],
     end: PayloadEnd,
     prepared_net: bool,
+    monitor_alive: std::os::fd::OwnedFd,
 ) -> Result<InitEnd, StepError> {
     // 1.
-    // SAFETY: PR_SET_PDEATHSIG takes an integer signal number.
-    if unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) } != 0 {
-        return Err(StepError::errno(Stage::Fork, "prctl(PR_SET_PDEATHSIG)", nix::errno::Errno::last()));
-    }
+    die_with_parent()?;
     // 2.
     for file in cgroup_join {
         // Writing "0" to a v1 `tasks` file moves this (single-threaded) process without the
@@ -321,6 +337,14 @@ fn init(
     }
     // 3.
     privileges::switch_identity(spec.identity.inside_uid, spec.identity.inside_gid)?;
+    // Changing the effective ids cleared the parent-death signal (`commit_creds`): armed
+    // again, then the monitor checked — had it died in between, nothing would kill init.
+    die_with_parent()?;
+    let mut alive = [PollFd::new(monitor_alive.as_fd(), PollFlags::POLLIN)];
+    if poll(&mut alive, PollTimeout::ZERO).map_err(|e| StepError::errno(Stage::Fork, "poll", e))? > 0 {
+        return Err(StepError::new(Stage::Fork, "the monitor has gone"));
+    }
+    drop(monitor_alive);
     // 4.
     let view = mounts::build(&spec.filesystem, spec.namespaces.net, &spec.command.cwd)?;
     // 5.
