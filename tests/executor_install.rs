@@ -189,6 +189,48 @@ fn install_list_run_upgrade_and_remove() {
     assert!(out.stderr.contains("not a directory, nor an executor installed"), "{}", out.stderr);
 }
 
+#[test]
+fn concurrent_installs_of_one_executor_each_complete_and_leave_it_runnable() {
+    if !common::require_root() {
+        return;
+    }
+    // Two installs of new versions at once (two commands on the daemon's threads, or an
+    // operator's beside one): each completes, `current` names one of them, and neither
+    // removed the other's version under it.
+    let env = Env::new();
+    let base = package(&env.dir.path, "1.0.0", false);
+    assert_eq!(env.op(&["executor", "install", base.to_str().unwrap()]).code, 0);
+    for round in 0..6 {
+        let versions = [format!("2.{round}.1"), format!("2.{round}.2")];
+        let packages: Vec<PathBuf> = versions.iter().map(|v| package(&env.dir.path, v, false)).collect();
+        let children: Vec<_> = packages
+            .iter()
+            .map(|p| {
+                Command::new(common::opservant())
+                    .args(["executor", "install", p.to_str().unwrap(), "--config", env.config.to_str().unwrap()])
+                    .stdin(Stdio::null())
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        for c in children {
+            let out = c.wait_with_output().unwrap();
+            assert!(out.status.success(), "round {round}: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        let current = std::fs::read_link(env.root.join("hello/current")).unwrap();
+        let current = current.to_string_lossy().into_owned();
+        assert!(versions.contains(&current), "round {round}: current is {current}");
+        assert!(env.root.join("hello").join(&current).is_dir(), "round {round}: {current} was removed");
+        for v in &versions {
+            assert!(env.root.join("hello").join(v).is_dir(), "round {round}: {v} was removed");
+        }
+    }
+    let ran = run_output(&env, "hello")["version"].as_str().unwrap_or_default().to_string();
+    assert!(ran.starts_with("2.5."), "{ran}");
+}
+
 /// Installing and removing change what can run: neither happens unless its record reaches
 /// the audit log first (a damaged log — its last two lines not records — refuses appends).
 /// Both audit records, the intent and the outcome, are there when the log works.
@@ -240,6 +282,16 @@ fn archives_install_and_hostile_archives_are_refused_whole() {
     let out = env.op(&["executor", "install", good.to_str().unwrap()]);
     assert_eq!(out.code, 0, "{}", out.stderr);
     assert_eq!(run_output(&env, "hello")["version"], "2.0.0");
+    assert_eq!(env.op(&["executor", "remove", "hello"]).code, 0);
+    // With a PAX global header, as `git archive` writes (the commit id): installed.
+    let pax = env.dir.path.join("hello-pax.tar.gz");
+    python(&format!(
+        "import tarfile\nwith tarfile.open({:?}, 'w:gz', format=tarfile.PAX_FORMAT, pax_headers={{'comment': 'c0ffee'}}) as t: t.add({:?}, arcname='hello-2.0.0')",
+        pax.to_str().unwrap(),
+        src.to_str().unwrap()
+    ));
+    let out = env.op(&["executor", "install", pax.to_str().unwrap()]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
     assert_eq!(env.op(&["executor", "remove", "hello"]).code, 0);
 
     let base = env.dir.path.to_str().unwrap().to_string();
@@ -294,6 +346,43 @@ fn archives_install_and_hostile_archives_are_refused_whole() {
 }
 
 #[test]
+fn an_archive_header_cannot_make_the_agent_read_gigabytes_into_memory() {
+    if !common::require_root() {
+        return;
+    }
+    // A GNU long-name header claiming 1 GiB of name, followed by zeros (a ~1 MB gzip): the
+    // tar reader would hold the whole "name" in memory before any entry reached the size
+    // budget. The stream is cut at the budget instead.
+    let env = Env::new();
+    let archive = env.dir.path.join("bomb.tar.gz");
+    python(&format!(
+        r#"
+import gzip
+size = 1 << 30
+h = bytearray(512)
+h[0:13] = b"././@LongLink"
+h[100:108] = b"0000644\0"; h[108:116] = b"0000000\0"; h[116:124] = b"0000000\0"
+h[124:136] = ("%011o" % size).encode() + b"\0"
+h[136:148] = b"00000000000\0"
+h[156:157] = b"L"
+h[257:263] = b"ustar "; h[263:265] = b" \0"
+h[148:156] = b"        "
+h[148:156] = ("%06o" % sum(h)).encode() + b"\0 "
+with gzip.open({:?}, "wb", compresslevel=1) as g:
+    g.write(bytes(h))
+    chunk = bytes(1 << 20)
+    for _ in range(size >> 20):
+        g.write(chunk)
+"#,
+        archive.to_str().unwrap()
+    ));
+    let out = env.op(&["executor", "install", archive.to_str().unwrap()]);
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(out.stderr.contains("unpacks to more than"), "{}", out.stderr);
+    assert_eq!(env.entries(), Vec::<String>::new());
+}
+
+#[test]
 fn requirements_come_from_wheels_only() {
     if !common::require_root() {
         return;
@@ -327,6 +416,42 @@ fn requirements_come_from_wheels_only() {
     let out = env.op(&["executor", "install", r.to_str().unwrap(), "--find-links", links.to_str().unwrap()]);
     assert_eq!(out.code, 2, "{}", out.stderr);
     assert!(out.stderr.contains("pip could not install nosuchdep"), "{}", out.stderr);
+    // A URL or a path is not a requirement: refused before pip runs, naming the entry.
+    for req in ["tinydep @ file:///etc", "./wheels/tinydep-1.0-py3-none-any.whl"] {
+        let u = package(&env.dir.path.join("u"), "1.3.0", true);
+        let text =
+            std::fs::read_to_string(u.join("manifest.json")).unwrap().replace("\"tinydep\"", &format!("{req:?}"));
+        std::fs::write(u.join("manifest.json"), text).unwrap();
+        let out = env.op(&["executor", "install", u.to_str().unwrap(), "--find-links", links.to_str().unwrap()]);
+        assert_eq!(out.code, 2, "{req}: {}", out.stderr);
+        assert!(out.stderr.contains("requirements.packages[0]"), "{req}: {}", out.stderr);
+        std::fs::remove_dir_all(u).unwrap();
+    }
+}
+
+#[test]
+fn pip_reads_no_configuration_of_the_package() {
+    if !common::require_root() {
+        return;
+    }
+    // pip runs as root: a package's own pip configuration (found through HOME when HOME was
+    // the package) could have it write a log or report anywhere, or read any file into its
+    // errors. It is not read.
+    let env = Env::new();
+    let p = package(&env.dir.path, "1.0.0", true);
+    wheel(&p.join("wheels"));
+    let escape = env.dir.path.join("pip-wrote-this.log");
+    let report = env.dir.path.join("pip-report.json");
+    for dir in [".config/pip", ".pip"] {
+        std::fs::create_dir_all(p.join(dir)).unwrap();
+    }
+    let conf = format!("[global]\nlog = {}\n[install]\nreport = {}\n", escape.display(), report.display());
+    std::fs::write(p.join(".config/pip/pip.conf"), &conf).unwrap();
+    std::fs::write(p.join(".pip/pip.conf"), &conf).unwrap();
+    let out = env.op(&["executor", "install", p.to_str().unwrap()]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert_eq!(run_output(&env, "hello")["dep"], 42);
+    assert!(!escape.exists() && !report.exists(), "pip followed the package's configuration");
 }
 
 /// `opservant keygen --out DIR`: (private, public) key paths.
@@ -509,7 +634,28 @@ fn installed_packages_carry_bytecode_the_runs_use() {
         archive.to_str().unwrap(),
         pkg.to_str().unwrap()
     ));
-    let out = env.op(&["executor", "install", archive.to_str().unwrap(), "--find-links", links.to_str().unwrap()]);
+    // Under the systemd unit's umask (0077): the caches must still be readable by the
+    // executor user (0644 in 0755 directories).
+    let out = {
+        use std::os::unix::process::CommandExt;
+        let mut cmd = Command::new(common::opservant());
+        cmd.args(["executor", "install", archive.to_str().unwrap(), "--find-links", links.to_str().unwrap()])
+            .args(["--config", env.config.to_str().unwrap()])
+            .stdin(Stdio::null());
+        // SAFETY: umask is async-signal-safe and touches no memory.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::umask(0o077);
+                Ok(())
+            });
+        }
+        let o = cmd.output().unwrap();
+        Out {
+            code: o.status.code().unwrap_or(-1),
+            stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
+        }
+    };
     assert_eq!(out.code, 0, "{} {}", out.stdout, out.stderr);
     assert!(
         out.stderr.contains("bytecode not precompiled") && out.stderr.contains("broken.py: SyntaxError"),
@@ -536,6 +682,8 @@ fn installed_packages_carry_bytecode_the_runs_use() {
         assert_eq!(word(12), meta.size() as u32, "{}: the source's size", pyc.display());
         use std::os::unix::fs::PermissionsExt;
         assert_eq!(std::fs::metadata(&pyc).unwrap().permissions().mode() & 0o777, 0o644);
+        let cache_dir = pyc.parent().unwrap();
+        assert_eq!(std::fs::metadata(cache_dir).unwrap().permissions().mode() & 0o777, 0o755);
     }
     assert_eq!(run_output(&env, "hello")["version"], "1.0.0");
 

@@ -259,17 +259,23 @@ fn shown(text: &str) -> String {
     out
 }
 
-/// Write `bytes` as the cache file of `source` (mode 0644, its directory 0755): a new file
-/// renamed into place, so an import running meanwhile (in place, at agent start) reads the
-/// old state or the whole new file, never a part.
+/// Write `bytes` as the cache file of `source` (mode 0644, its directory 0755, whatever
+/// the umask — the systemd unit's 0077 made them unreadable to the executor user, and
+/// every run compiled from source): a new file renamed into place, so an import running
+/// meanwhile (in place, at agent start) reads the old state or the whole new file, never
+/// a part.
 fn write_pyc(source: &Path, bytes: &[u8]) -> Result<(), String> {
-    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
     let target = cache_path(source).ok_or("no cache path")?;
     let dir = target.parent().ok_or("no cache directory")?;
     match std::fs::symlink_metadata(dir) {
         Ok(m) if m.is_dir() => {}
         Ok(_) => return Err(format!("{}: not a directory", dir.display())),
-        Err(_) => std::fs::DirBuilder::new().mode(0o755).create(dir).map_err(|e| format!("{}: {e}", dir.display()))?,
+        Err(_) => {
+            std::fs::DirBuilder::new().mode(0o755).create(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))
+                .map_err(|e| format!("{}: {e}", dir.display()))?;
+        }
     }
     let name = target.file_name().and_then(|n| n.to_str()).ok_or("no cache file name")?;
     let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
@@ -280,7 +286,10 @@ fn write_pyc(source: &Path, bytes: &[u8]) -> Result<(), String> {
         .mode(0o644)
         .custom_flags(libc::O_NOFOLLOW)
         .open(&tmp)
-        .and_then(|mut f| std::io::Write::write_all(&mut f, bytes))
+        .and_then(|mut f| {
+            f.set_permissions(std::fs::Permissions::from_mode(0o644))?;
+            std::io::Write::write_all(&mut f, bytes)
+        })
         .and_then(|()| std::fs::rename(&tmp, &target));
     written.map_err(|e| {
         let _ = std::fs::remove_file(&tmp);

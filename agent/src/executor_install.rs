@@ -308,6 +308,22 @@ impl Drop for Staging {
     }
 }
 
+/// An exclusive `flock` on the executors root directory itself (no lock file among the
+/// executors), released when the returned descriptor is dropped.
+fn lock_root(root: &Path) -> Result<std::fs::File, InstallError> {
+    let dir = std::fs::File::open(root).map_err(|e| io(root, e))?;
+    loop {
+        // SAFETY: flock on a descriptor this File owns; no memory is passed.
+        if unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&dir), libc::LOCK_EX) } == 0 {
+            return Ok(dir);
+        }
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(io(root, e));
+        }
+    }
+}
+
 /// A directory removed on drop if it is empty then (`rmdir`: never anything in it).
 struct RemoveIfEmpty(PathBuf);
 
@@ -388,6 +404,10 @@ pub fn install(
         let list: Vec<String> = errors.iter().map(|e| e.to_string()).collect();
         return Err(InstallError::Invalid(format!("manifest.json: {}", list.join("; "))));
     };
+    // From here to the end, one install or removal at a time per root (the daemon serves
+    // commands on several threads; an operator may install at the same time): two at once
+    // raced for `current` and removed each other's versions.
+    let _lock = lock_root(root)?;
     if opts.skip_identical {
         let name_dir = root.join(&manifest.name);
         // A newer version is current (installed later, e.g. by a command): never downgrade.
@@ -465,7 +485,12 @@ pub fn install(
     // sandbox's unprivileged user must reach the package: the staging directory becomes
     // traversable (not listable); everything in it is world-readable from here on, as the
     // installed package is.
+    // So does every directory between it and the package (created under the agent's umask:
+    // the systemd unit's 0077 made them 0700, and nothing was precompiled).
     std::fs::set_permissions(&staging.0, std::fs::Permissions::from_mode(0o711)).map_err(|e| io(&staging.0, e))?;
+    for dir in pkg.ancestors().skip(1).take_while(|d| d.starts_with(&staging.0) && *d != staging.0) {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711)).map_err(|e| io(dir, e))?;
+    }
     match crate::bytecode::precompile(&pkg, policy) {
         Ok(p) => {
             tracing::info!(executor = %manifest.name, written = p.written, failed = p.failed.len(), "bytecode precompiled");
@@ -474,6 +499,17 @@ pub fn install(
         Err(e) => warnings.push(format!("bytecode not precompiled: {e}")),
     }
 
+    // The version already there: refused before anything is recorded (a refused install
+    // is not logged as an install), unless forced.
+    let name_dir = root.join(&manifest.name);
+    let mut dir_name = manifest.version.clone();
+    if name_dir.join(&dir_name).exists() {
+        if !opts.force {
+            return Err(InstallError::AlreadyInstalled { name: manifest.name, version: manifest.version });
+        }
+        let n = (1..).find(|n| !name_dir.join(format!("{}.{n}", manifest.version)).exists()).unwrap_or(1);
+        dir_name = format!("{}.{n}", manifest.version);
+    }
     // Fail closed: the executors that can run change only once the change is in the audit
     // log (`executor_installed` follows it).
     crate::audit::try_record(
@@ -488,24 +524,22 @@ pub fn install(
         ],
     )
     .map_err(|e| InstallError::Audit(e.to_string()))?;
-    let name_dir = root.join(&manifest.name);
     traversable_dir(&name_dir)?;
-    let mut dir_name = manifest.version.clone();
-    if name_dir.join(&dir_name).exists() {
-        if !opts.force {
-            return Err(InstallError::AlreadyInstalled { name: manifest.name, version: manifest.version });
-        }
-        let n = (1..).find(|n| !name_dir.join(format!("{}.{n}", manifest.version)).exists()).unwrap_or(1);
-        dir_name = format!("{}.{n}", manifest.version);
-    }
     let dest = name_dir.join(&dir_name);
     std::fs::rename(&pkg, &dest).map_err(|e| io(&dest, e))?;
     let previous = std::fs::read_link(name_dir.join("current")).ok().map(|p| p.to_string_lossy().into_owned());
-    // The switch: a new link beside `current`, renamed over it.
+    // The switch: a new link beside `current`, renamed over it. If it fails, the new
+    // version's directory goes too: nothing of a refused package is left behind.
     let tmp_link = name_dir.join(".current.new");
     let _ = std::fs::remove_file(&tmp_link);
-    std::os::unix::fs::symlink(&dir_name, &tmp_link).map_err(|e| io(&tmp_link, e))?;
-    std::fs::rename(&tmp_link, name_dir.join("current")).map_err(|e| io(&name_dir, e))?;
+    let switched = std::os::unix::fs::symlink(&dir_name, &tmp_link)
+        .map_err(|e| io(&tmp_link, e))
+        .and_then(|()| std::fs::rename(&tmp_link, name_dir.join("current")).map_err(|e| io(&name_dir, e)));
+    if let Err(e) = switched {
+        let _ = std::fs::remove_file(&tmp_link);
+        let _ = std::fs::remove_dir_all(&dest);
+        return Err(e);
+    }
     if let Ok(d) = std::fs::File::open(&name_dir) {
         let _ = d.sync_all();
     }
@@ -556,6 +590,8 @@ pub fn install_download<'a>(
         )));
     }
     let cap = size.unwrap_or(check.max_bytes);
+    // As in `install`: a root this creates goes again if the install fails.
+    let _new_root = (!root.exists()).then(|| RemoveIfEmpty(root.to_path_buf()));
     traversable_dir(root)?;
     let staging = Staging(unique(root, ".download")?);
     let file = staging.0.join(name);
@@ -814,6 +850,28 @@ fn safe_relative(p: &Path) -> Result<PathBuf, InstallError> {
     Ok(out)
 }
 
+/// What a tar stream may hold beyond the files' bytes (headers, long names, padding).
+const MAX_TAR_OVERHEAD: u64 = 64 * 1024 * 1024;
+
+/// A reader that fails once more than `left` bytes have been read.
+struct Capped<R> {
+    inner: R,
+    left: u64,
+}
+
+impl<R: Read> Read for Capped<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.left = self.left.checked_sub(n as u64).ok_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("the archive unpacks to more than {} bytes", MAX_UNPACKED_BYTES + MAX_TAR_OVERHEAD),
+            )
+        })?;
+        Ok(n)
+    }
+}
+
 /// Unpack `file` (of `kind`) into `dest`; messages name `archive` (where it came from).
 fn unpack(file: &Path, kind: ArchiveKind, archive: &Path, dest: &Path) -> Result<(), InstallError> {
     let f = std::fs::File::open(file).map_err(|e| io(file, e))?;
@@ -821,6 +879,10 @@ fn unpack(file: &Path, kind: ArchiveKind, archive: &Path, dest: &Path) -> Result
         ArchiveKind::TarGz => Box::new(flate2::read::GzDecoder::new(f)),
         ArchiveKind::Tar => Box::new(f),
     };
+    // The whole tar stream is bounded, headers included: the `tar` crate reads a long-name
+    // or PAX entry into memory whole, before any entry reaches the budget, and a header
+    // can claim gigabytes (a small gzip of zeros) — root would allocate them.
+    let reader = Capped { inner: reader, left: MAX_UNPACKED_BYTES + MAX_TAR_OVERHEAD };
     mkdir(dest)?;
     let mut budget = Budget::default();
     // What the archive has put where so far: an entry given twice, or one beneath a file,
@@ -839,6 +901,11 @@ fn unpack(file: &Path, kind: ArchiveKind, archive: &Path, dest: &Path) -> Result
             .into_owned();
         let rel = safe_relative(&raw)?;
         let kind = entry.header().entry_type();
+        // A PAX global header (`git archive` writes one holding the commit id) describes
+        // the archive, not a file: nothing to unpack.
+        if kind == tar::EntryType::XGlobalHeader {
+            continue;
+        }
         if rel.as_os_str().is_empty() {
             if kind.is_dir() {
                 continue;
@@ -1021,9 +1088,17 @@ fn python() -> String {
     format!("/usr/bin/python{major}.{minor}")
 }
 
+/// pip runs as root, outside any sandbox, on an untrusted package: it reads no
+/// configuration of the package's (`--isolated`: no user configuration, no `PIP_*`
+/// variables; `HOME` is a directory that does not exist — it was the package, whose
+/// `.config/pip/pip.conf` could name a log or report file for root to write anywhere), it
+/// installs wheels only (`--only-binary :all:`: no build, no package code runs) from the
+/// package's `wheels/` or the operator's sources, and the requirements are names with
+/// version specifiers only ([`crate::manifest`] refuses URLs and paths).
 fn install_requirements(pkg: &Path, packages: &[String], opts: &InstallOptions) -> Result<(), InstallError> {
     let mut cmd = std::process::Command::new(python());
-    cmd.args(["-I", "-m", "pip", "install", "--disable-pip-version-check", "--no-input", "--no-compile"])
+    cmd.args(["-I", "-m", "pip", "install", "--isolated", "--no-cache-dir"])
+        .args(["--disable-pip-version-check", "--no-input", "--no-compile"])
         .args(["--only-binary", ":all:", "--target"])
         .arg(pkg.join(".deps"));
     let wheels = pkg.join("wheels");
@@ -1052,7 +1127,7 @@ fn install_requirements(pkg: &Path, packages: &[String], opts: &InstallOptions) 
         )));
     }
     cmd.arg("--").args(packages);
-    cmd.env_clear().env("PATH", "/usr/bin:/bin").env("HOME", pkg).env("PIP_NO_CACHE_DIR", "1");
+    cmd.env_clear().env("PATH", "/usr/bin:/bin").env("HOME", "/nonexistent").current_dir("/");
     let out = cmd.output().map_err(|e| InstallError::Invalid(format!("{}: cannot run pip: {e}", python())))?;
     if !out.status.success() {
         let stderr = String::from_utf8_lossy(&out.stderr);
@@ -1117,6 +1192,10 @@ pub fn remove(root: &Path, name: &str, source: &str, command_id: Option<&str>) -
     if !crate::manifest::valid_name(name) {
         return Err(InstallError::Invalid(format!("'{name}' is not an executor name")));
     }
+    if !root.join(name).is_dir() {
+        return Ok(false);
+    }
+    let _lock = lock_root(root)?;
     if !root.join(name).is_dir() {
         return Ok(false);
     }

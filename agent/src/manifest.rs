@@ -359,6 +359,14 @@ impl Manifest {
                 errors.push(ManifestError::new("requirements.python", "must not be empty"));
             }
         }
+        for (i, r) in self.requirements.packages.iter().enumerate() {
+            if !is_requirement(r) {
+                errors.push(ManifestError::new(
+                    format!("requirements.packages[{i}]"),
+                    format!("{r:?} is not a package name with optional extras and version specifiers (e.g. \"requests>=2.31,<3\"); URLs, paths and markers are not accepted"),
+                ));
+            }
+        }
         let net = &self.permissions.network;
         for (i, p) in net.allowed_ports.iter().enumerate() {
             if let Err(m) = p.range() {
@@ -417,9 +425,42 @@ impl Manifest {
     }
 }
 
+/// A requirement pip may install from wheels: a project name (letters, digits, `.`, `_`,
+/// `-`, starting with a letter or digit), optional extras and version specifiers — no URL,
+/// path, option or environment marker (`@`, `/`, `:`, `;`, quotes and the like).
+fn is_requirement(r: &str) -> bool {
+    let r = r.trim();
+    let name_len = r.find(|c: char| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))).unwrap_or(r.len());
+    r.len() <= 200
+        && r.as_bytes().first().is_some_and(u8::is_ascii_alphanumeric)
+        && r[name_len..].chars().all(|c| c.is_ascii_alphanumeric() || " .*+!_-=<>~,[]".contains(c))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn requirements_are_names_and_version_specifiers_only() {
+        for ok in ["requests", "requests>=2.31,<3", "zope.interface==6.*", "pkg[extra1,extra2] ~= 1.4", "a_b-c.d!=1.0"]
+        {
+            assert!(is_requirement(ok), "{ok}");
+        }
+        for bad in [
+            "",
+            "tinydep @ file:///etc",
+            "tinydep @ https://example.test/x.whl",
+            "./local",
+            "/abs/path",
+            "-r requirements.txt",
+            "--index-url=http://x",
+            "x; python_version < \"3.12\"",
+            "C:\\x",
+            ".",
+        ] {
+            assert!(!is_requirement(bad), "{bad}");
+        }
+    }
 
     const SEED: &str = r#"{
         "name": "port-scanner", "version": "1.0.0", "description": "Scans TCP ports on target hosts.",
