@@ -242,6 +242,18 @@ fn set_get_list_rm_round_trip() {
     // A value on the command line is not even accepted.
     let out = invoke(&["secrets", "set", "api_key", "the-value", "--config", s.cfg()], None, &[]);
     assert_eq!(out.code, 2, "{out:?}");
+
+    // A change that cannot be audited is not made (its last lines not records, the log
+    // refuses appends): set and rm fail (exit 2) and the store is unchanged.
+    let mut f = std::fs::OpenOptions::new().append(true).open(s.dir.path.join("audit/audit.jsonl")).unwrap();
+    std::io::Write::write_all(&mut f, b"garbage\nmore garbage\n").unwrap();
+    drop(f);
+    let before = std::fs::read(s.store()).unwrap();
+    let out = s.secrets(&["set", "new_one"], Some(b"value"));
+    assert_eq!(out.code, 2, "{out:?}");
+    let out = s.secrets(&["rm", "api_key"], None);
+    assert_eq!(out.code, 2, "{out:?}");
+    assert_eq!(std::fs::read(s.store()).unwrap(), before, "changed without an audit record");
 }
 
 #[test]

@@ -102,6 +102,13 @@ pub fn run(cmd: SecretsCommand) -> Result<u8, SecretsCliError> {
             let _lock = loc.lock()?;
             let (mut store, created_key) = loc.open_or_create()?;
             let replaced = store.set(&name, &value)?;
+            // A change that cannot be audited is not made (fail closed, as for `get`).
+            let store_path = store.path().display().to_string();
+            let replaced = if replaced { "true" } else { "false" };
+            audit::try_record(
+                "secret_store_set",
+                &[("secret", &name), ("store", &store_path), ("replaced", replaced)],
+            )?;
             store.save()?;
             if let Some(k) = created_key {
                 crate::stdout::eprint(&format!(
@@ -109,9 +116,6 @@ pub fn run(cmd: SecretsCommand) -> Result<u8, SecretsCliError> {
                     k.display()
                 ));
             }
-            let store_path = store.path().display().to_string();
-            let replaced = if replaced { "true" } else { "false" };
-            audit::record("secret_store_set", &[("secret", &name), ("store", &store_path), ("replaced", replaced)]);
             Ok(0)
         }
         SecretsCommand::Get { name, reveal, config } => {
@@ -158,8 +162,8 @@ pub fn run(cmd: SecretsCommand) -> Result<u8, SecretsCliError> {
             if !store.remove(&name) {
                 return Ok(not_found(&name, &loc.store));
             }
+            audit::try_record("secret_store_rm", &[("secret", &name), ("store", &store.path().display().to_string())])?;
             store.save()?;
-            audit::record("secret_store_rm", &[("secret", &name), ("store", &store.path().display().to_string())]);
             Ok(0)
         }
     }
