@@ -601,8 +601,8 @@ fn kind(v: &Value) -> &'static str {
 /// Redact every delivered secret, and every common credential pattern, from everything the
 /// result carries.
 fn finish(mut r: RunResult, redactor: &Redactor) -> RunResult {
-    r.stdout = redactor.text(&r.stdout);
-    r.stderr = redactor.text(&r.stderr);
+    r.stdout = if r.stdout_truncated { redactor.text_cut(&r.stdout) } else { redactor.text(&r.stdout) };
+    r.stderr = if r.stderr_truncated { redactor.text_cut(&r.stderr) } else { redactor.text(&r.stderr) };
     r.error = r.error.map(|e| redactor.text(&e));
     r.output = redactor.json(&r.output);
     r.logs = r.logs.iter().map(|l| redactor.json(l)).collect();

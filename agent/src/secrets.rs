@@ -165,6 +165,25 @@ impl Redactor {
         }
     }
 
+    /// As [`Redactor::text`], for text cut at a size limit: a value the cut went through
+    /// would not match whole, so a tail that is the start of a value is redacted as well.
+    pub fn text_cut(&self, s: &str) -> String {
+        let mut out = self.text(s);
+        let cut = self
+            .values
+            .iter()
+            .filter_map(|v| {
+                // The longest proper prefix of `v` that `out` ends with.
+                (1..v.len()).rev().find(|&n| v.is_char_boundary(n) && out.ends_with(&v[..n]))
+            })
+            .max();
+        if let Some(n) = cut {
+            out.truncate(out.len() - n);
+            out.push_str(REDACTED);
+        }
+        out
+    }
+
     pub fn contains_secret(&self, bytes: &[u8]) -> bool {
         self.values.iter().any(|v| bytes.windows(v.len()).any(|w| w == v.as_bytes()))
     }
@@ -184,6 +203,14 @@ impl Redactor {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_value_cut_at_the_size_limit_is_redacted_too() {
+        let r = Redactor { values: vec![Zeroizing::new("s3cr3t-value".to_string())] };
+        assert_eq!(r.text_cut("out: s3cr3t-va"), "out: [REDACTED]");
+        assert_eq!(r.text_cut("out: s3cr3t-value and more"), "out: [REDACTED] and more");
+        assert_eq!(r.text_cut("plain text"), "plain text");
+    }
 
     #[test]
     fn redaction_reaches_every_string() {
