@@ -398,6 +398,16 @@ fn a_start_report_waiting_for_a_late_caller_is_not_overdue() {
     assert!(o.success(), "{o:?}");
 }
 
+/// A zygote started by a shell that runs `prelude` first, then becomes the runtime's zygote.
+fn zygote_after(prelude: &str) -> std::sync::Arc<sandbox::zygote::Zygote> {
+    let runtime = std::path::Path::new(common::opservant()).with_file_name("opservant-runtime");
+    let script = format!("{prelude}; exec {} --zygote", runtime.display());
+    std::sync::Arc::new(sandbox::zygote::Zygote::new(
+        std::ffi::CString::new("/bin/sh").unwrap(),
+        vec![std::ffi::CString::new("-c").unwrap(), std::ffi::CString::new(script).unwrap()],
+    ))
+}
+
 #[test]
 fn waiting_for_a_slow_zygote_does_not_use_up_the_setup_limit() {
     if !require_root() {
@@ -407,12 +417,7 @@ fn waiting_for_a_slow_zygote_does_not_use_up_the_setup_limit() {
     // A zygote that takes 1.5 s to start (a loaded machine, an emulated one), and a setup
     // limit of 1 s: the sandbox's setup is counted from its monitor's start, so the run goes
     // ahead. Before, the wait used up the limit and the run failed (no cold fallback).
-    let runtime = std::path::Path::new(common::opservant()).with_file_name("opservant-runtime");
-    let script = format!("/bin/sleep 1.5; exec {} --zygote", runtime.display());
-    let zygote = std::sync::Arc::new(sandbox::zygote::Zygote::new(
-        std::ffi::CString::new("/bin/sh").unwrap(),
-        vec![std::ffi::CString::new("-c").unwrap(), std::ffi::CString::new(script).unwrap()],
-    ));
+    let zygote = zygote_after("/bin/sleep 1.5");
     let launcher = Launcher::Zygote { zygote, end: sandbox::PayloadEnd::Exec };
     let mut s = spec(&["/bin/true"]);
     s.limits.setup_timeout_ms = Some(1000);
@@ -431,12 +436,7 @@ fn a_zygote_whose_children_cannot_start_is_a_zygote_failure_and_is_replaced() {
     // the received descriptors above 9 and exits before it unshares. That is the zygote's
     // failure (so the caller starts the sandbox cold: `SandboxError::Zygote`), not the
     // sandbox's, and the zygote is replaced rather than failing every request alike.
-    let runtime = std::path::Path::new(common::opservant()).with_file_name("opservant-runtime");
-    let script = format!("ulimit -n 10; exec {} --zygote", runtime.display());
-    let zygote = std::sync::Arc::new(sandbox::zygote::Zygote::new(
-        std::ffi::CString::new("/bin/sh").unwrap(),
-        vec![std::ffi::CString::new("-c").unwrap(), std::ffi::CString::new(script).unwrap()],
-    ));
+    let zygote = zygote_after("ulimit -n 10");
     zygote.start().unwrap();
     let launcher = Launcher::Zygote { zygote: zygote.clone(), end: sandbox::PayloadEnd::Exec };
     let first = zygote.pid();
