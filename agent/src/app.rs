@@ -167,7 +167,15 @@ impl RuntimeArgs {
 /// The next message from the payload: `Ok(None)` at end of file (the payload is gone), `Err`
 /// for a channel error or a message that is not valid protocol.
 pub fn recv(chan: &sandbox::channel::Channel) -> Result<Option<FromPayload>, String> {
-    match chan.recv_bytes(MAX_MESSAGE)? {
+    recv_by(chan, None)
+}
+
+/// As [`recv`], the whole message by `deadline` (when given).
+pub fn recv_by(
+    chan: &sandbox::channel::Channel,
+    deadline: Option<std::time::Instant>,
+) -> Result<Option<FromPayload>, String> {
+    match chan.recv_bytes_by(MAX_MESSAGE, deadline)? {
         None => Ok(None),
         Some(bytes) => {
             serde_json::from_slice(&bytes).map(Some).map_err(|e| format!("malformed message from the runtime: {e}"))

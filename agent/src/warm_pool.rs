@@ -249,15 +249,8 @@ fn warm_up(sandbox: &Sandbox) -> Result<u64, String> {
         }
     }
     // The rest of the reply within the same limit: a runtime that sent part of it and
-    // stalled must not hold the refill thread (and its spec's refills) for ever. The
-    // channel then serves the run, with blocking reads again.
-    use nix::sys::socket::{setsockopt, sockopt::ReceiveTimeout};
-    use nix::sys::time::{TimeVal, TimeValLike};
-    let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
-    let timeout = TimeVal::microseconds(i64::try_from(left.as_micros()).unwrap_or(i64::MAX));
-    setsockopt(&chan.as_fd(), ReceiveTimeout, &timeout).map_err(|e| format!("SO_RCVTIMEO: {}", e.desc()))?;
-    let reply = app::recv(chan);
-    setsockopt(&chan.as_fd(), ReceiveTimeout, &TimeVal::zero()).map_err(|e| format!("SO_RCVTIMEO: {}", e.desc()))?;
+    // stalled, or trickles packets, must not hold the refill thread (and its spec's refills).
+    let reply = app::recv_by(chan, Some(deadline));
     match reply? {
         Some(FromPayload::Warmed { prefaulted_kib }) => Ok(prefaulted_kib),
         Some(other) => {

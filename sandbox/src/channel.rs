@@ -161,9 +161,29 @@ impl Channel {
     /// Receive one [`Channel::send_bytes`] message of at most `max` bytes; `Ok(None)` on
     /// end-of-file. A longer or malformed message is an error (the peer may be hostile).
     pub fn recv_bytes(&self, max: usize) -> Result<Option<Vec<u8>>, String> {
+        self.recv_bytes_by(max, None)
+    }
+
+    /// As [`Channel::recv_bytes`], the whole message by `deadline` (when given): a peer that
+    /// sends part of a message and stalls, or trickles packets, fails it once the deadline
+    /// has passed.
+    pub fn recv_bytes_by(&self, max: usize, deadline: Option<std::time::Instant>) -> Result<Option<Vec<u8>>, String> {
         let mut out = Vec::new();
         let mut buf = vec![0u8; 32 * 1024 + 1];
         loop {
+            if let Some(deadline) = deadline {
+                let left = deadline.saturating_duration_since(std::time::Instant::now());
+                let ms = u16::try_from(left.as_millis()).unwrap_or(u16::MAX);
+                let mut pfd = [nix::poll::PollFd::new(self.fd.as_fd(), nix::poll::PollFlags::POLLIN)];
+                match nix::poll::poll(&mut pfd, nix::poll::PollTimeout::from(ms)) {
+                    Ok(0) if left.as_millis() <= u128::from(u16::MAX) => {
+                        return Err("no complete message within the time limit".into())
+                    }
+                    Ok(0) | Err(Errno::EINTR) => continue,
+                    Err(e) => return Err(format!("poll: {}", e.desc())),
+                    Ok(_) => {}
+                }
+            }
             let n = loop {
                 match socket::recv(self.fd.as_raw_fd(), &mut buf, MsgFlags::empty()) {
                     Err(Errno::EINTR) => continue,
@@ -180,6 +200,8 @@ impl Channel {
             out.extend_from_slice(&buf[1..n]);
             match buf[0] {
                 0 => return Ok(Some(out)),
+                // The sender's continuation packets are full: an empty one only stalls.
+                1 if n == 1 => return Err("an empty continuation packet".into()),
                 1 => continue,
                 f => return Err(format!("bad packet flag {f}")),
             }
@@ -204,6 +226,28 @@ impl AsFd for Channel {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_message_is_received_whole_by_its_deadline_or_not_at_all() {
+        let raw_send = |c: &Channel, packet: &[u8]| {
+            socket::send(c.fd.as_raw_fd(), packet, MsgFlags::MSG_NOSIGNAL).unwrap();
+        };
+        // Part of a message, then nothing: an error at the deadline, not a wait for ever.
+        let (a, b) = Channel::pair().unwrap();
+        raw_send(&a, b"\x01part");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_millis(200);
+        let err = b.recv_bytes_by(1024, Some(deadline)).unwrap_err();
+        assert!(err.contains("time limit"), "{err}");
+        // Empty continuation packets (a trickle that adds nothing): refused at once.
+        let (a, b) = Channel::pair().unwrap();
+        raw_send(&a, b"\x01");
+        assert!(b.recv_bytes(1024).unwrap_err().contains("empty continuation"));
+        // A whole message in time is received.
+        let (a, b) = Channel::pair().unwrap();
+        a.send_bytes(b"hello").unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        assert_eq!(b.recv_bytes_by(1024, Some(deadline)).unwrap().as_deref(), Some(&b"hello"[..]));
+    }
 
     #[test]
     fn roundtrip_and_eof() {
