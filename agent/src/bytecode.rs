@@ -312,6 +312,15 @@ pub fn precompile_installed(root: &Path, policy: &AgentPolicy) {
             continue;
         }
         let name = &executor.manifest.name;
+        // Written in place: no install or removal meanwhile (a removal would find files
+        // appearing in the tree it deletes).
+        let _lock = match crate::executor_install::lock_root(root) {
+            Ok(l) => l,
+            Err(e) => return tracing::warn!(error = %e, "bytecode: cannot lock the executors root"),
+        };
+        if !dir.is_dir() {
+            continue;
+        }
         match compile_sources(&dir, sources, policy) {
             Ok(p) => {
                 tracing::info!(executor = %name, written = p.written, failed = p.failed.len(), "bytecode precompiled in place");

@@ -310,7 +310,7 @@ impl Drop for Staging {
 
 /// An exclusive `flock` on the executors root directory itself (no lock file among the
 /// executors), released when the returned descriptor is dropped.
-fn lock_root(root: &Path) -> Result<std::fs::File, InstallError> {
+pub(crate) fn lock_root(root: &Path) -> Result<std::fs::File, InstallError> {
     let dir = std::fs::File::open(root).map_err(|e| io(root, e))?;
     loop {
         // SAFETY: flock on a descriptor this File owns; no memory is passed.
@@ -404,10 +404,11 @@ pub fn install(
         let list: Vec<String> = errors.iter().map(|e| e.to_string()).collect();
         return Err(InstallError::Invalid(format!("manifest.json: {}", list.join("; "))));
     };
-    // From here to the end, one install or removal at a time per root (the daemon serves
-    // commands on several threads; an operator may install at the same time): two at once
-    // raced for `current` and removed each other's versions.
-    let _lock = lock_root(root)?;
+    // One install or removal at a time per root changes or compares the installed versions
+    // (the daemon serves commands on several threads; an operator may install at the same
+    // time): two at once raced for `current` and removed each other's versions. Not held
+    // across pip, lint and precompiling (minutes, at worst), which touch only the staging copy.
+    let lock = lock_root(root)?;
     if opts.skip_identical {
         let name_dir = root.join(&manifest.name);
         // A newer version is current (installed later, e.g. by a command): never downgrade.
@@ -466,6 +467,7 @@ pub fn install(
             )));
         }
     }
+    drop(lock);
     if pkg.join(".deps").exists() {
         return Err(InstallError::Invalid(
             ".deps: a package must not bring its own .deps (requirements are installed from wheels)".into(),
@@ -500,7 +502,8 @@ pub fn install(
     }
 
     // The version already there: refused before anything is recorded (a refused install
-    // is not logged as an install), unless forced.
+    // is not logged as an install), unless forced. Locked to the end.
+    let _lock = lock_root(root)?;
     let name_dir = root.join(&manifest.name);
     let mut dir_name = manifest.version.clone();
     if name_dir.join(&dir_name).exists() {

@@ -426,14 +426,21 @@ impl Manifest {
 }
 
 /// A requirement pip may install from wheels: a project name (letters, digits, `.`, `_`,
-/// `-`, starting with a letter or digit), optional extras and version specifiers — no URL,
-/// path, option or environment marker (`@`, `/`, `:`, `;`, quotes and the like).
+/// `-`, starting with a letter or digit, not ending like an archive), optional extras and
+/// version specifiers — no URL, path, file, option or environment marker (`@`, `/`, `:`, `;`,
+/// quotes and the like).
 fn is_requirement(r: &str) -> bool {
     let r = r.trim();
     let name_len = r.find(|c: char| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))).unwrap_or(r.len());
+    // pip takes a name that looks like an archive for a file (relative to its directory).
+    let name = r[..name_len].to_ascii_lowercase();
+    let archive = [".whl", ".zip", ".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz", ".tar.xz", ".txz", ".egg"]
+        .iter()
+        .any(|ext| name.ends_with(ext));
     r.len() <= 200
+        && !archive
         && r.as_bytes().first().is_some_and(u8::is_ascii_alphanumeric)
-        && r[name_len..].chars().all(|c| c.is_ascii_alphanumeric() || " .*+!_-=<>~,[]".contains(c))
+        && r[name_len..].chars().all(|c| c.is_ascii_alphanumeric() || " .*+!_-=<>~,[]()".contains(c))
 }
 
 #[cfg(test)]
@@ -442,7 +449,8 @@ mod tests {
 
     #[test]
     fn requirements_are_names_and_version_specifiers_only() {
-        for ok in ["requests", "requests>=2.31,<3", "zope.interface==6.*", "pkg[extra1,extra2] ~= 1.4", "a_b-c.d!=1.0"]
+        for ok in
+            ["requests", "requests>=2.31,<3", "zope.interface==6.*", "pkg[extra1] ~= 1.4", "a_b-c!=1.0", "n (>=1.0)"]
         {
             assert!(is_requirement(ok), "{ok}");
         }
@@ -457,6 +465,8 @@ mod tests {
             "x; python_version < \"3.12\"",
             "C:\\x",
             ".",
+            "tinydep-1.0-py3-none-any.whl",
+            "pkg.tar.gz",
         ] {
             assert!(!is_requirement(bad), "{bad}");
         }
