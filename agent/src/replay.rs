@@ -173,9 +173,13 @@ impl SeenCommands {
             let out = out.into_inner().map_err(|e| self.io(e.into_error()))?;
             out.sync_data().map_err(|e| self.io(e))?;
             std::fs::rename(&tmp, &self.path).map_err(|e| self.io(e))?;
-            // The rename is durable before the id counts as recorded.
+            // The rename made durable (the id counts as recorded either way: it is in the
+            // file now, so a failed sync is logged, not returned — the command would be
+            // rejected and refused as a replay when sent again).
             if let Some(dir) = self.path.parent() {
-                std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(|e| self.io(e))?;
+                if let Err(e) = std::fs::File::open(dir).and_then(|d| d.sync_all()) {
+                    tracing::warn!(error = %e, "replay index: cannot sync its directory after compaction");
+                }
             }
             // A new inode: read in full by the next check.
             return Ok(Seen::New);
@@ -256,15 +260,16 @@ impl SeenCommands {
         read: &mut u64,
     ) -> Result<(), ReplayError> {
         let mut reader = std::io::BufReader::new(f);
-        let mut line = String::new();
+        let mut raw_line = Vec::new();
         let mut n = lines_before;
         loop {
-            line.clear();
-            let len = reader.read_line(&mut line).map_err(|e| self.io(e))?;
+            raw_line.clear();
+            // Bytes first: a line torn inside a multi-byte character is not UTF-8.
+            let len = reader.read_until(b'\n', &mut raw_line).map_err(|e| self.io(e))?;
             if len == 0 {
                 return Ok(());
             }
-            if !line.ends_with('\n') {
+            if raw_line.last() != Some(&b'\n') {
                 // A last line without its newline is a write that failed or a crash cut
                 // short: its id was never confirmed (the check returns only after the whole
                 // line is written and synced), so it is not read; the next append truncates
@@ -273,6 +278,7 @@ impl SeenCommands {
             }
             n += 1;
             let malformed = || ReplayError::Malformed { path: self.path.display().to_string(), line: n };
+            let line = std::str::from_utf8(&raw_line).map_err(|_| malformed())?;
             let (t, raw) = line.trim_end_matches('\n').split_once(' ').ok_or_else(malformed)?;
             let t: i64 = t.parse().map_err(|_| malformed())?;
             let id = unescape(raw).ok_or_else(malformed)?;
@@ -410,7 +416,8 @@ mod tests {
         let (dir, s) = store();
         s.check_and_insert("a", 1).unwrap();
         let mut f = std::fs::OpenOptions::new().append(true).open(dir.join("seen")).unwrap();
-        f.write_all(b"2 \"tor").unwrap();
+        // Cut inside a multi-byte character (é is 0xC3 0xA9): not even UTF-8.
+        f.write_all(b"2 \"tor\xC3").unwrap();
         drop(f);
         for reopened in [false, true] {
             let other;
