@@ -112,8 +112,9 @@ impl Forwarder {
 }
 
 /// DNS over TCP (RFC 7766): length-prefixed queries on one connection, answered in order;
-/// at most [`TCP_QUERIES`] per connection, each read within [`TCP_IDLE`], each reply
-/// written within it, and the whole connection within [`TCP_CONNECTION`] (served on the
+/// at most [`TCP_QUERIES`] per connection, each read and write within [`TCP_IDLE`], and no
+/// read, write or new query after [`TCP_CONNECTION`] (an upstream lookup already begun
+/// takes up to its own timeout) (served on the
 /// forwarder's only thread: a client trickling bytes or never reading must not keep it from
 /// the UDP queries and its stop for long).
 fn serve_tcp(
@@ -125,7 +126,7 @@ fn serve_tcp(
     executor: &str,
 ) {
     use std::io::{Read, Write};
-    if stream.set_nonblocking(false).is_err() || stream.set_write_timeout(Some(TCP_IDLE)).is_err() {
+    if stream.set_nonblocking(false).is_err() {
         return;
     }
     let deadline = Instant::now() + TCP_CONNECTION;
@@ -160,7 +161,21 @@ fn serve_tcp(
         let Ok(n) = u16::try_from(reply.len()) else { return };
         let mut out = n.to_be_bytes().to_vec();
         out.extend_from_slice(&reply);
-        if stream.write_all(&out).is_err() {
+        // Written by the same deadline (a client reading slowly renews no timeout).
+        let mut sent = 0;
+        while sent < out.len() {
+            let Some(left) = deadline.checked_duration_since(Instant::now()).filter(|d| !d.is_zero()) else {
+                return;
+            };
+            if stream.set_write_timeout(Some(left.min(TCP_IDLE))).is_err() {
+                return;
+            }
+            match stream.write(&out[sent..]) {
+                Ok(0) | Err(_) => return,
+                Ok(k) => sent += k,
+            }
+        }
+        if Instant::now() >= deadline {
             return;
         }
     }
@@ -378,7 +393,11 @@ fn resolve_with(name: &str, upstreams: &[SocketAddr], every: bool) -> Result<Vec
             r.as_deref().and_then(|r| Message::from_vec(r).ok()).is_some_and(|m| m.metadata.truncation)
         };
         if truncated(&reply) {
-            reply = forward(&raw, id, upstreams, true);
+            // Without a TCP answer the partial one stays: enough for a lookup that needs no
+            // complete answer, refused below for one that does.
+            if let Some(full) = forward(&raw, id, upstreams, true) {
+                reply = Some(full);
+            }
         }
         let Some(reply) = reply else {
             if every {
