@@ -603,7 +603,8 @@ fn kind(v: &Value) -> &'static str {
 fn finish(mut r: RunResult, redactor: &Redactor) -> RunResult {
     r.stdout = if r.stdout_truncated { redactor.text_cut(&r.stdout) } else { redactor.text(&r.stdout) };
     r.stderr = if r.stderr_truncated { redactor.text_cut(&r.stderr) } else { redactor.text(&r.stderr) };
-    r.error = r.error.map(|e| redactor.text(&e));
+    // An error can quote the end of (cut) stderr.
+    r.error = r.error.map(|e| if r.stderr_truncated { redactor.text_cut(&e) } else { redactor.text(&e) });
     r.output = redactor.json(&r.output);
     r.logs = r.logs.iter().map(|l| redactor.json(l)).collect();
     r

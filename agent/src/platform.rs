@@ -327,8 +327,9 @@ pub fn run(
                     break;
                 }
                 for bytes in commands {
-                    let (platform, pipeline, taken) = (platform.clone(), pipeline.clone(), taken.clone());
-                    std::thread::spawn(move || {
+                    let (platform, pipeline, counter) = (platform.clone(), pipeline.clone(), taken.clone());
+                    let spawned = std::thread::Builder::new().name("platform-command".into()).spawn(move || {
+                        let taken = counter;
                         // Answered (or given up) whatever happens below.
                         struct Done(Arc<std::sync::atomic::AtomicUsize>);
                         impl Drop for Done {
@@ -351,6 +352,11 @@ pub fn run(
                             }
                         }
                     });
+                    if let Err(e) = spawned {
+                        // Never taken (not seen: the platform sends it again): counted out.
+                        taken.fetch_sub(1, Ordering::SeqCst);
+                        tracing::error!(error = %e, "cannot start a thread for a platform command");
+                    }
                 }
             }
         }));

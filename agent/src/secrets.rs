@@ -168,7 +168,8 @@ impl Redactor {
     /// As [`Redactor::text`], for text cut at a size limit: a value the cut went through
     /// would not match whole, so a tail that is the start of a value is redacted as well.
     pub fn text_cut(&self, s: &str) -> String {
-        let mut out = self.text(s);
+        // A cut inside a multi-byte character left a replacement character at the end.
+        let mut out = self.text(s.trim_end_matches('\u{FFFD}'));
         let cut = self
             .values
             .iter()
@@ -210,6 +211,8 @@ mod tests {
         assert_eq!(r.text_cut("out: s3cr3t-va"), "out: [REDACTED]");
         assert_eq!(r.text_cut("out: s3cr3t-value and more"), "out: [REDACTED] and more");
         assert_eq!(r.text_cut("plain text"), "plain text");
+        let r = Redactor { values: vec![Zeroizing::new("pässwörd".to_string())] };
+        assert_eq!(r.text_cut("out: p\u{e4}ssw\u{FFFD}"), "out: [REDACTED]");
     }
 
     #[test]

@@ -10,7 +10,8 @@
 //! - `get` does not print a value on a terminal unless `--reveal` is given.
 //! - `set` and `rm` hold the store lock from reading to writing, and write atomically.
 //! - `set`, `get` and `rm` are audited (`secret_store_set|get|rm`, by name, to the configured
-//!   audit log); a `get` whose record cannot be appended prints nothing.
+//!   audit log) before they take effect: one whose record cannot be appended changes and
+//!   prints nothing.
 //! - Exit status: 0 done; 1 no such secret (`get`, `rm`); 2 could not — bad name or value,
 //!   unreadable, exposed or altered store, missing or wrong key — as a [`SecretsCliError`],
 //!   which the binary prints as one line.
@@ -105,10 +106,16 @@ pub fn run(cmd: SecretsCommand) -> Result<u8, SecretsCliError> {
             // A change that cannot be audited is not made (fail closed, as for `get`).
             let store_path = store.path().display().to_string();
             let replaced = if replaced { "true" } else { "false" };
-            audit::try_record(
+            if let Err(e) = audit::try_record(
                 "secret_store_set",
                 &[("secret", &name), ("store", &store_path), ("replaced", replaced)],
-            )?;
+            ) {
+                // Nothing of the refused change stays: not even a key made for it.
+                if let Some(k) = &created_key {
+                    let _ = std::fs::remove_file(k);
+                }
+                return Err(e.into());
+            }
             store.save()?;
             if let Some(k) = created_key {
                 crate::stdout::eprint(&format!(
