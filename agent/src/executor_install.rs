@@ -309,17 +309,14 @@ impl Drop for Staging {
 }
 
 /// An exclusive `flock` on the executors root directory itself (no lock file among the
-/// executors), released when the returned descriptor is dropped.
-pub(crate) fn lock_root(root: &Path) -> Result<std::fs::File, InstallError> {
-    let dir = std::fs::File::open(root).map_err(|e| io(root, e))?;
+/// executors), released when the returned guard is dropped.
+pub(crate) fn lock_root(root: &Path) -> Result<nix::fcntl::Flock<std::fs::File>, InstallError> {
+    let mut dir = std::fs::File::open(root).map_err(|e| io(root, e))?;
     loop {
-        // SAFETY: flock on a descriptor this File owns; no memory is passed.
-        if unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&dir), libc::LOCK_EX) } == 0 {
-            return Ok(dir);
-        }
-        let e = std::io::Error::last_os_error();
-        if e.kind() != std::io::ErrorKind::Interrupted {
-            return Err(io(root, e));
+        match nix::fcntl::Flock::lock(dir, nix::fcntl::FlockArg::LockExclusive) {
+            Ok(lock) => return Ok(lock),
+            Err((f, nix::errno::Errno::EINTR)) => dir = f,
+            Err((_, e)) => return Err(io(root, e.into())),
         }
     }
 }
