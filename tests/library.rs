@@ -178,6 +178,56 @@ fn declared_paths_are_never_bound_through_symlinks_and_masks_hold_beneath_them()
     assert!(out.ends_with("ok"), "{out}");
 }
 
+/// The view never creates anything on the host: a declared path that does not exist in
+/// the view beneath a writable host directory bound there (here: bound at another path
+/// than its source) fails the build instead of having its mount point made in the host
+/// directory, as does one reached through a symlink a payload left there.
+#[test]
+fn mount_points_are_never_created_in_host_directories() {
+    if !require_root() {
+        return;
+    }
+    let _view = common::host_view();
+    let dir = common::HostDir::new_in("/var/tmp");
+    let d = |p: &str| dir.path.join(p);
+    let rw = common::HostDir::new_in("/var/tmp");
+    rw.chown_to_executor();
+    std::fs::create_dir_all(d("src")).unwrap();
+    std::fs::set_permissions(d("src"), std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let rule = |source: &std::path::Path, path: std::path::PathBuf, access| sandbox::PathRule {
+        source: Some(source.to_path_buf()),
+        path,
+        access,
+        optional: false,
+    };
+    let listing = |p: &std::path::Path| {
+        let mut names: Vec<String> =
+            std::fs::read_dir(p).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        names.sort();
+        names
+    };
+
+    let mut s = spec(&["/bin/true"]);
+    s.filesystem.paths.push(rule(&rw.path, rw.path.clone(), sandbox::Access::ReadWrite));
+    s.filesystem.paths.push(rule(&d("src"), rw.path.join("new/deeper"), sandbox::Access::Read));
+    let e = sandbox::run(&s, &launcher(), OutputOptions::default()).unwrap_err().to_string();
+    assert!(e.contains("new") && e.contains("on the host"), "{e}");
+    assert_eq!(listing(&rw.path), Vec::<String>::new(), "the view created its mount point on the host");
+
+    // A symlink in the writable directory that leads (in the half-built view) into the old root.
+    std::os::unix::fs::symlink("/.oldroot/var/tmp", rw.path.join("escape")).unwrap();
+    let mut s = spec(&["/bin/true"]);
+    s.filesystem.paths.push(rule(&rw.path, rw.path.clone(), sandbox::Access::ReadWrite));
+    let planted = format!("opservant-test-planted-{}", std::process::id());
+    s.filesystem.paths.push(rule(&d("src"), rw.path.join("escape").join(&planted), sandbox::Access::Read));
+    let e = sandbox::run(&s, &launcher(), OutputOptions::default()).unwrap_err().to_string();
+    let host = std::path::Path::new("/var/tmp").join(&planted);
+    let created = host.exists();
+    let _ = std::fs::remove_dir(&host);
+    assert!(!created, "the view created {} on the host", host.display());
+    assert!(e.contains("on the host"), "{e}");
+}
+
 #[test]
 fn dropping_a_running_sandbox_tears_it_down() {
     if !require_root() {

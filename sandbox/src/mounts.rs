@@ -15,8 +15,11 @@
 //!   symlink cannot redirect a bind mount into the half-built new root; a rule's exact
 //!   `source` also with `RESOLVE_NO_SYMLINKS`: one whose components include a symlink fails
 //!   the build, so what a caller checked is what is bound.
-//! - No host file is ever created or written: every mount point that does not exist is
-//!   created in a tmpfs owned by the sandbox.
+//! - No host file is ever created or written: every mount point that does not exist (and
+//!   each missing parent) is created in a filesystem this builder mounted itself, checked on
+//!   the directory it is created in, held open. A declared path whose mount point would have
+//!   to be made in a host directory — beneath a writable one bound there, or through a
+//!   symlink left in one — fails the view.
 //!
 //! Precondition: called by the sandbox init, in fresh user + mount namespaces, already
 //! switched to the sandbox identity with capabilities retained (see `privileges`).
@@ -92,6 +95,9 @@ pub fn build(fs_spec: &Filesystem, net_ns: bool, cwd: &Path) -> Result<ViewRepor
     nix::unistd::pivot_root(STAGE, &*format!("{STAGE}{OLD_ROOT}")).map_err(|e| fail("pivot_root", e))?;
     nix::unistd::chdir("/").map_err(|e| fail("chdir /", e))?;
     let old_root = open_path(Path::new(OLD_ROOT)).map_err(|e| fail(OLD_ROOT, e))?;
+    // The filesystems this builder mounts itself: the only ones it creates anything in.
+    let mut owned = Owned::default();
+    owned.add(Path::new("/"))?;
 
     // 3. A fresh /proc for our PID namespace (first: later binds go through /proc/self/fd).
     mkdir(Path::new("/proc"), 0o555)?;
@@ -106,15 +112,18 @@ pub fn build(fs_spec: &Filesystem, net_ns: bool, cwd: &Path) -> Result<ViewRepor
     // 4. System paths, read-only.
     let mut system_bound = Vec::new();
     for rule in sorted(&fs_spec.system) {
-        if bind_host(&old_root, rule, true)? {
+        if bind_host(&old_root, rule, true, &owned)? {
             system_bound.push(rule.path.clone());
         }
     }
 
     // 5. /dev, /sys, /tmp, /run.
     build_dev(&old_root, fs_spec.scratch_bytes)?;
+    owned.add(Path::new("/dev"))?;
+    owned.add(Path::new("/dev/shm"))?;
     let sysfs = build_sys(fs_spec.sysfs && net_ns)?;
     build_tmp(fs_spec.scratch_bytes)?;
+    owned.add(Path::new("/tmp"))?;
     mkdir(Path::new("/run"), 0o755)?;
 
     // 6. Masks and declared paths in one pass, parents before children: a mask beneath a
@@ -135,17 +144,17 @@ pub fn build(fs_spec: &Filesystem, net_ns: bool, cwd: &Path) -> Result<ViewRepor
     for (path, declared) in steps {
         match declared {
             Some(rule) if rule.path.starts_with("/tmp") && rule.access == Access::ReadWrite => {
-                fs::DirBuilder::new()
-                    .recursive(true)
-                    .mode(0o700)
-                    .create(&rule.path)
-                    .map_err(|e| fail_io(format!("create {}", rule.path.display()), e))?;
+                if !fs::metadata(&rule.path).is_ok_and(|m| m.is_dir()) {
+                    ensure_parent(&rule.path, &owned)?;
+                    create_in_owned(&rule.path, Kind::Dir(0o700), &owned)?;
+                }
             }
             Some(rule) => {
-                bind_host(&old_root, rule, false)?;
+                bind_host(&old_root, rule, false, &owned)?;
             }
             None => {
                 if mask(path)? {
+                    owned.add(path)?;
                     masks_to_seal.push(path.to_path_buf());
                 }
             }
@@ -156,7 +165,7 @@ pub fn build(fs_spec: &Filesystem, net_ns: bool, cwd: &Path) -> Result<ViewRepor
     for (i, s) in fs_spec.synthetic.iter().enumerate() {
         let src = PathBuf::from(format!("/.synthetic-{i}"));
         create_file(&src, 0o444, s.content.as_bytes())?;
-        mount_point(&s.path, false)?;
+        mount_point(&s.path, false, &owned)?;
         do_mount(src.to_str(), &s.path, None, MsFlags::MS_BIND, None)?;
         seal(&s.path, true, false)?;
         fs::remove_file(&src).map_err(|e| fail_io(format!("remove {}", src.display()), e))?;
@@ -218,7 +227,7 @@ fn sorted(rules: &[PathRule]) -> Vec<&PathRule> {
 
 /// Bind the host's `rule.path` at the same path in the new root. Returns whether a bind
 /// mount was made (false: an optional path is absent, or a system symlink was recreated).
-fn bind_host(old_root: &OwnedFd, rule: &PathRule, system: bool) -> Result<bool, StepError> {
+fn bind_host(old_root: &OwnedFd, rule: &PathRule, system: bool, owned: &Owned) -> Result<bool, StepError> {
     let rel = rule.path.strip_prefix("/").unwrap_or(&rule.path);
     // A system path that is a symlink on the host (merged /usr) is recreated as the same
     // symlink; its target is bound on its own.
@@ -227,7 +236,7 @@ fn bind_host(old_root: &OwnedFd, rule: &PathRule, system: bool) -> Result<bool, 
         match fs::symlink_metadata(&host) {
             Ok(m) if m.file_type().is_symlink() => {
                 let target = fs::read_link(&host).map_err(|e| fail_io(format!("readlink {}", host.display()), e))?;
-                ensure_parent(&rule.path)?;
+                ensure_parent(&rule.path, owned)?;
                 std::os::unix::fs::symlink(&target, &rule.path)
                     .map_err(|e| fail_io(format!("symlink {}", rule.path.display()), e))?;
                 return Ok(false);
@@ -257,7 +266,7 @@ fn bind_host(old_root: &OwnedFd, rule: &PathRule, system: bool) -> Result<bool, 
         Err(e) => return Err(fail(format!("host path {}", host.display()), e)),
     };
     let is_dir = fstat_is_dir(&src).map_err(|e| fail(format!("stat {}", rule.path.display()), e))?;
-    mount_point(&rule.path, is_dir)?;
+    mount_point(&rule.path, is_dir, owned)?;
     let src_name = format!("/proc/self/fd/{}", src.as_raw_fd());
     do_mount(Some(&src_name), &rule.path, None, MsFlags::MS_BIND | MsFlags::MS_REC, None)
         .map_err(|e| StepError::new(Stage::Mounts, format!("bind {}: {}", rule.path.display(), e.message)))?;
@@ -469,8 +478,30 @@ fn fstat_is_dir(fd: &OwnedFd) -> Result<bool, Errno> {
     Ok(st.st_mode & libc::S_IFMT == libc::S_IFDIR)
 }
 
+/// The filesystems the view builder mounted itself (its root, `/dev`, `/dev/shm`, the
+/// scratch `/tmp`, the masks' tmpfs), by device number: anything it creates — mount points,
+/// their parents — is created in one of these, never through a host bind (a declared
+/// writable directory, or a symlink a payload left there that leads into the old root).
+#[derive(Default)]
+struct Owned(Vec<u64>);
+
+impl Owned {
+    fn add(&mut self, path: &Path) -> Result<(), StepError> {
+        let st = nix::sys::stat::stat(path).map_err(|e| fail(format!("stat {}", path.display()), e))?;
+        self.0.push(st.st_dev);
+        Ok(())
+    }
+}
+
+/// What to create.
+#[derive(Clone, Copy)]
+enum Kind {
+    Dir(u32),
+    File,
+}
+
 /// Make sure `path` exists to be mounted on (created in a sandbox-owned tmpfs if needed).
-fn mount_point(path: &Path, is_dir: bool) -> Result<(), StepError> {
+fn mount_point(path: &Path, is_dir: bool, owned: &Owned) -> Result<(), StepError> {
     match fs::symlink_metadata(path) {
         Ok(m) if m.is_dir() == is_dir => Ok(()),
         Ok(_) => Err(StepError::new(
@@ -478,26 +509,64 @@ fn mount_point(path: &Path, is_dir: bool) -> Result<(), StepError> {
             format!("{}: host path and sandbox view disagree on file vs directory", path.display()),
         )),
         Err(e) if e.kind() == ErrorKind::NotFound => {
-            ensure_parent(path)?;
-            if is_dir {
-                mkdir(path, 0o755)
-            } else {
-                create_file(path, 0o644, b"")
-            }
+            ensure_parent(path, owned)?;
+            create_in_owned(path, if is_dir { Kind::Dir(0o755) } else { Kind::File }, owned)
         }
         Err(e) => Err(fail_io(format!("stat {}", path.display()), e)),
     }
 }
 
-fn ensure_parent(path: &Path) -> Result<(), StepError> {
-    match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o755)
-            .create(p)
-            .map_err(|e| fail_io(format!("create {}", p.display()), e)),
-        _ => Ok(()),
+/// Make sure `path`'s parent directories exist, creating the missing ones (mode 0755) in
+/// sandbox-owned filesystems only.
+fn ensure_parent(path: &Path, owned: &Owned) -> Result<(), StepError> {
+    let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) else {
+        return Ok(());
+    };
+    match fs::metadata(parent) {
+        Ok(m) if m.is_dir() => Ok(()),
+        Ok(_) => Err(StepError::new(Stage::Mounts, format!("{}: not a directory", parent.display()))),
+        Err(e) if e.kind() == ErrorKind::NotFound => {
+            ensure_parent(parent, owned)?;
+            create_in_owned(parent, Kind::Dir(0o755), owned)
+        }
+        Err(e) => Err(fail_io(format!("stat {}", parent.display()), e)),
     }
+}
+
+/// Create `path` (its parent exists) in its parent directory, held open, only when that
+/// directory lies on a filesystem of `owned`: a parent that is (or leads into) a host
+/// directory fails the view instead of creating anything on the host.
+fn create_in_owned(path: &Path, kind: Kind, owned: &Owned) -> Result<(), StepError> {
+    let (Some(parent), Some(name)) = (path.parent(), path.file_name()) else {
+        return Err(StepError::new(Stage::Mounts, format!("{}: nothing to create", path.display())));
+    };
+    use nix::fcntl::{open, openat, OFlag};
+    use nix::sys::stat::{fstat, mkdirat, Mode};
+    let dir = open(parent, OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC, Mode::empty())
+        .map_err(|e| fail(format!("open {}", parent.display()), e))?;
+    let st = fstat(&dir).map_err(|e| fail(format!("stat {}", parent.display()), e))?;
+    if !owned.0.contains(&st.st_dev) {
+        return Err(StepError::new(
+            Stage::Mounts,
+            format!(
+                "{}: does not exist in the view, and creating it would create it on the host ({} is a host directory); \
+                 never done",
+                path.display(),
+                parent.display()
+            ),
+        ));
+    }
+    match kind {
+        Kind::Dir(mode) => mkdirat(&dir, name, Mode::from_bits_truncate(mode)),
+        Kind::File => openat(
+            &dir,
+            name,
+            OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+            Mode::from_bits_truncate(0o644),
+        )
+        .map(drop),
+    }
+    .map_err(|e| fail(format!("create {}", path.display()), e))
 }
 
 fn mkdir(path: &Path, mode: u32) -> Result<(), StepError> {
