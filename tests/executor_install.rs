@@ -165,6 +165,14 @@ fn install_list_run_upgrade_and_remove() {
     assert_eq!(out.code, 2);
     assert!(out.stderr.contains("already installed"), "{}", out.stderr);
     assert_eq!(env.op(&["executor", "install", "--force", v1.to_str().unwrap()]).code, 0);
+    // A forced reinstall's directory never takes a name a later version could have.
+    let rc = package(&env.dir.path, "1.0.1-rc", false);
+    assert_eq!(env.op(&["executor", "install", rc.to_str().unwrap()]).code, 0);
+    assert_eq!(env.op(&["executor", "install", "--force", rc.to_str().unwrap()]).code, 0);
+    let rc1 = package(&env.dir.path, "1.0.1-rc.1", false);
+    let out = env.op(&["executor", "install", rc1.to_str().unwrap()]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert_eq!(run_output(&env, "hello")["version"], "1.0.1-rc.1");
 
     // Upgrades switch `current`; the previous version stays, older ones go.
     for v in ["1.1.0", "1.2.0"] {

@@ -507,8 +507,9 @@ pub fn install(
         if !opts.force {
             return Err(InstallError::AlreadyInstalled { name: manifest.name, version: manifest.version });
         }
-        let n = (1..).find(|n| !name_dir.join(format!("{}.{n}", manifest.version)).exists()).unwrap_or(1);
-        dir_name = format!("{}.{n}", manifest.version);
+        // `~` is not in any semantic version: the directory can never be a later version's.
+        let n = (1..).find(|n| !name_dir.join(format!("{}~{n}", manifest.version)).exists()).unwrap_or(1);
+        dir_name = format!("{}~{n}", manifest.version);
     }
     // Fail closed: the executors that can run change only once the change is in the audit
     // log (`executor_installed` follows it).
