@@ -387,6 +387,7 @@ with gzip.open({:?}, "wb", compresslevel=1) as g:
     let out = env.op(&["executor", "install", archive.to_str().unwrap()]);
     assert_eq!(out.code, 2, "{}", out.stderr);
     assert!(out.stderr.contains("unpacks to more than"), "{}", out.stderr);
+    assert!(out.stderr.contains(r#""reason":"too_large""#), "{}", out.stderr);
     assert_eq!(env.entries(), Vec::<String>::new());
 }
 

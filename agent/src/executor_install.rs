@@ -854,23 +854,27 @@ fn safe_relative(p: &Path) -> Result<PathBuf, InstallError> {
 /// What a tar stream may hold beyond the files' bytes (headers, long names, padding).
 const MAX_TAR_OVERHEAD: u64 = 64 * 1024 * 1024;
 
-/// A reader that fails once more than `left` bytes have been read.
+/// A reader that fails once more than `left` bytes have been read, and says so in
+/// `exceeded` (the tar reader reports the failure as a malformed archive).
 struct Capped<R> {
     inner: R,
     left: u64,
+    exceeded: std::rc::Rc<std::cell::Cell<bool>>,
 }
 
 impl<R: Read> Read for Capped<R> {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
         let n = self.inner.read(buf)?;
         self.left = self.left.checked_sub(n as u64).ok_or_else(|| {
-            std::io::Error::new(
-                std::io::ErrorKind::InvalidData,
-                format!("the archive unpacks to more than {} bytes", MAX_UNPACKED_BYTES + MAX_TAR_OVERHEAD),
-            )
+            self.exceeded.set(true);
+            std::io::Error::new(std::io::ErrorKind::InvalidData, capped_message())
         })?;
         Ok(n)
     }
+}
+
+fn capped_message() -> String {
+    format!("the archive unpacks to more than {} bytes", MAX_UNPACKED_BYTES + MAX_TAR_OVERHEAD)
 }
 
 /// Unpack `file` (of `kind`) into `dest`; messages name `archive` (where it came from).
@@ -883,8 +887,20 @@ fn unpack(file: &Path, kind: ArchiveKind, archive: &Path, dest: &Path) -> Result
     // The whole tar stream is bounded, headers included: the `tar` crate reads a long-name
     // or PAX entry into memory whole, before any entry reaches the budget, and a header
     // can claim gigabytes (a small gzip of zeros) — root would allocate them.
-    let reader = Capped { inner: reader, left: MAX_UNPACKED_BYTES + MAX_TAR_OVERHEAD };
+    let exceeded = std::rc::Rc::new(std::cell::Cell::new(false));
+    let reader = Capped { inner: reader, left: MAX_UNPACKED_BYTES + MAX_TAR_OVERHEAD, exceeded: exceeded.clone() };
     mkdir(dest)?;
+    unpack_stream(reader, archive, dest).map_err(|e| {
+        // However the tar reader reported the cut (a bad entry, a truncated one), it was the cap.
+        if exceeded.get() {
+            InstallError::TooLarge(format!("{}: {}", archive.display(), capped_message()))
+        } else {
+            e
+        }
+    })
+}
+
+fn unpack_stream(reader: impl Read, archive: &Path, dest: &Path) -> Result<(), InstallError> {
     let mut budget = Budget::default();
     // What the archive has put where so far: an entry given twice, or one beneath a file,
     // is refused naming the entry (not as the staging directory's "File exists").
