@@ -1297,6 +1297,39 @@ fn undeclared_secret_is_denied_inside_and_audited() {
     );
 }
 
+/// An executor asking for ever new names cannot write the audit log without bound: each
+/// refused name is audited once, the first 20, then one record says the rest are counted
+/// only; a declared secret asked for again is audited once per run.
+#[test]
+fn secret_requests_cannot_flood_the_audit_log() {
+    if !require_root() {
+        return;
+    }
+    let (d, c) = secrets_setup(json!(["api_key"]));
+    let mut names: Vec<String> = (0..40).map(|i| format!("undeclared_{i}")).collect();
+    names.extend(names.clone());
+    names.extend(["api_key".to_string(), "api_key".to_string(), "api_key".to_string()]);
+    let params = json!({"mode": "ask", "names": names}).to_string();
+    let out = run(&d.path, &["--config", c.arg(), "--params", &params]);
+    let r = out.result();
+    assert_eq!(r["status"], "completed", "{r}");
+    assert_eq!(
+        r["output"]["undeclared_39"],
+        "PermissionError: secret 'undeclared_39' is not declared in permissions.secrets"
+    );
+    assert_eq!(r["output"]["api_key"], "granted");
+    let denied: Vec<&str> = out.stderr.lines().filter(|l| l.contains("event=\"secret_denied\"")).collect();
+    assert_eq!(denied.len(), 21, "{}", denied.join("\n"));
+    assert!(denied[19].contains("undeclared_19") && !denied[19].contains("further_denials"), "{}", denied[19]);
+    assert!(
+        denied[20].contains("undeclared_20") && denied[20].contains("further_denials_counted_only_after"),
+        "{}",
+        denied[20]
+    );
+    let granted = out.stderr.lines().filter(|l| l.contains("event=\"secret_access\"")).count();
+    assert_eq!(granted, 1, "{}", out.stderr);
+}
+
 #[test]
 fn declared_secret_is_delivered_and_redacted_everywhere() {
     if !require_root() {

@@ -189,6 +189,44 @@ struct AppOutcome {
     log_bytes: usize,
     redactor: Redactor,
     protocol_error: Option<String>,
+    secrets_audit: SecretsAudit,
+}
+
+/// Secret requests refused in one run and audited: each name and reason once, for the
+/// first [`MAX_AUDITED_SECRET_DENIALS`] — past that, one record says the rest are only
+/// counted, so an executor asking for ever new names cannot write the audit log without
+/// bound (and roll its older records away). Grants are audited once per name and run.
+const MAX_AUDITED_SECRET_DENIALS: usize = 20;
+
+#[derive(Default)]
+struct SecretsAudit {
+    denied: Vec<(String, &'static str)>,
+    cap_recorded: bool,
+    /// Refusals neither audited nor already represented by an audited (name, reason).
+    unaudited: u64,
+    granted: Vec<String>,
+}
+
+impl SecretsAudit {
+    /// Audit a refusal of `name` for `reason` (with `extra` fields), within the cap.
+    fn denied(&mut self, executor: &str, name: &str, reason: &'static str, extra: &[(&str, &str)]) {
+        if self.denied.iter().any(|(n, r)| n == name && *r == reason) {
+            return;
+        }
+        let mut fields = vec![("executor", executor), ("secret", name), ("reason", reason)];
+        fields.extend_from_slice(extra);
+        let cap = MAX_AUDITED_SECRET_DENIALS.to_string();
+        if self.denied.len() < MAX_AUDITED_SECRET_DENIALS {
+            self.denied.push((name.to_string(), reason));
+        } else if !self.cap_recorded {
+            self.cap_recorded = true;
+            fields.push(("further_denials_counted_only_after", &cap));
+        } else {
+            self.unaudited += 1;
+            return;
+        }
+        audit::record("secret_denied", &fields);
+    }
 }
 
 /// Run one executor. `Err` means it could not run at all (exit status 2).
@@ -427,10 +465,7 @@ fn serve(
             }
             FromPayload::SecretRequest { name } => {
                 let mut reply = if !declared.iter().any(|d| d == &name) {
-                    audit::record(
-                        "secret_denied",
-                        &[("executor", executor), ("secret", &name), ("reason", "not declared")],
-                    );
+                    out.secrets_audit.denied(executor, &name, "not declared", &[]);
                     ToPayload::SecretDenied {
                         reason: format!("secret '{name}' is not declared in permissions.secrets"),
                     }
@@ -439,9 +474,18 @@ fn serve(
                         Ok(Some(value)) => {
                             let fields =
                                 [("executor", executor), ("secret", name.as_str()), ("command_id", command_id)];
-                            // A grant that cannot be audited is refused (fail closed).
-                            match audit::try_record("secret_access", &fields) {
+                            // A grant that cannot be audited is refused (fail closed); a
+                            // name granted before in this run was audited then.
+                            let audited = if out.secrets_audit.granted.contains(&name) {
+                                Ok(())
+                            } else {
+                                audit::try_record("secret_access", &fields)
+                            };
+                            match audited {
                                 Ok(()) => {
+                                    if !out.secrets_audit.granted.contains(&name) {
+                                        out.secrets_audit.granted.push(name.clone());
+                                    }
                                     out.redactor.add(&value);
                                     ToPayload::Secret { value: value.to_string() }
                                 }
@@ -454,10 +498,7 @@ fn serve(
                             }
                         }
                         Ok(None) => {
-                            audit::record(
-                                "secret_denied",
-                                &[("executor", executor), ("secret", &name), ("reason", "unknown")],
-                            );
+                            out.secrets_audit.denied(executor, &name, "unknown", &[]);
                             ToPayload::SecretDenied {
                                 reason: format!("secret '{name}' is not available from the configured provider"),
                             }
@@ -465,15 +506,11 @@ fn serve(
                         Err(e) => {
                             // Provider errors never carry values, tokens or credentials.
                             tracing::error!(executor, secret = %name, "{e}");
-                            audit::record(
-                                "secret_denied",
-                                &[
-                                    ("executor", executor),
-                                    ("secret", &name),
-                                    ("reason", "provider error"),
-                                    ("detail", &e),
-                                    ("command_id", command_id),
-                                ],
+                            out.secrets_audit.denied(
+                                executor,
+                                &name,
+                                "provider error",
+                                &[("detail", &e), ("command_id", command_id)],
                             );
                             ToPayload::SecretDenied {
                                 reason: format!("secret '{name}' could not be read from the configured provider"),
