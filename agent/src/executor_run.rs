@@ -320,6 +320,14 @@ pub fn run(req: RunRequest) -> Result<RunResult, CannotRun> {
         let outcome = sb.wait(sandbox::OutputOptions::default());
         // The channel reaches end-of-file once the payload is gone, which ends the server.
         let app = server.join().map_err(|_| CannotRun("application channel server panicked".into()))?;
+        if app.secrets_audit.unaudited > 0 {
+            tracing::warn!(
+                executor = %m.name,
+                command_id = %command_id,
+                unaudited = app.secrets_audit.unaudited,
+                "secret requests refused past the audit cap (counted only)"
+            );
+        }
         let outcome = outcome?;
         let mut result = assemble(&outcome, &limits, app, req.executor, req.action.clone(), req.command_id.clone());
         // A deferred quota is applied by the channel server on the payload's `ready`, before it
