@@ -627,10 +627,26 @@ impl AuditLog {
         }
     }
 
-    /// `path.keep` is dropped, `path.N` → `path.N+1`, `path` → `path.1`.
+    /// `path.keep` is dropped, `path.N` → `path.N+1`, `path` → `path.1`. Files numbered
+    /// past `keep` (left by a larger `keep` before) are dropped too: kept, they would sit
+    /// beyond a gap `verify` reports as a removed file.
     fn rotate(&self) -> std::io::Result<()> {
         let s = &self.settings;
         ignore_missing(std::fs::remove_file(s.rotated(s.keep)))?;
+        if let (Some(dir), Some(base)) = (s.path.parent(), s.path.file_name()) {
+            let prefix = format!("{}.", base.to_string_lossy());
+            for entry in std::fs::read_dir(dir)?.flatten() {
+                let name = entry.file_name();
+                let n = name
+                    .to_str()
+                    .and_then(|n| n.strip_prefix(&prefix))
+                    .filter(|d| d.bytes().all(|b| b.is_ascii_digit()) && !d.starts_with('0'))
+                    .and_then(|d| d.parse::<u32>().ok());
+                if n.is_some_and(|n| n > s.keep) {
+                    ignore_missing(std::fs::remove_file(entry.path()))?;
+                }
+            }
+        }
         for n in (1..s.keep).rev() {
             ignore_missing(std::fs::rename(s.rotated(n), s.rotated(n + 1)))?;
         }

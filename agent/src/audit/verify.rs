@@ -329,7 +329,7 @@ fn verify_with<'a, E>(
                     let genesis = rec.seq == 1 && rec.prev == GENESIS_PREV && rec.continues.is_none();
                     match &rec.continues {
                         _ if genesis => {}
-                        Some((file, cseq)) if cseq + 1 == rec.seq => report.notes.push(Note {
+                        Some((file, cseq)) if cseq.checked_add(1) == Some(rec.seq) => report.notes.push(Note {
                             file: name.clone(),
                             line: ln,
                             message: format!(
@@ -471,6 +471,17 @@ mod tests {
         let r = verify(&[p.to_path_buf()]).unwrap();
         assert!(!r.intact);
         r.problem.unwrap()
+    }
+
+    #[test]
+    fn a_continuation_of_the_largest_seq_is_a_problem_not_an_overflow() {
+        let (_s, p) = log_with(1);
+        let mut rec: serde_json::Value = serde_json::from_str(&lines(&p)[0]).unwrap();
+        rec["continues"] = serde_json::json!({"file": "audit.jsonl.1", "seq": u64::MAX});
+        rec["prev"] = serde_json::json!("ab".repeat(32));
+        let text = format!("{rec}\n");
+        let r = verify_bytes(&[("audit.jsonl", text.as_bytes())]);
+        assert!(!r.intact, "{r:?}");
     }
 
     #[test]
