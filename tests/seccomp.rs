@@ -105,6 +105,15 @@ fn refused() -> Vec<Refused> {
         // Socket families outside the allowlist.
         r("socket(AF_PACKET,RAW)", SYS_socket, "17, 3, 0"),
         r("socket(AF_VSOCK,STREAM)", SYS_socket, "40, 1, 0"),
+        // socketpair creates both sockets in the family asked for before the family's own
+        // socketpair can refuse: only AF_UNIX (today EOPNOTSUPP, after the family's code ran).
+        r("socketpair(AF_INET,STREAM)", SYS_socketpair, "2, 1, 0, BUF"),
+        r("socketpair(AF_VSOCK,STREAM)", SYS_socketpair, "40, 1, 0, BUF"),
+        // Huge pages are not charged to the memory cgroup (today ENOMEM: no pool here).
+        r("mmap(MAP_HUGETLB)", SYS_mmap, "0, 2 << 20, 3, 0x40022, -1, 0"),
+        r("mmap(1<<32|MAP_HUGETLB)", SYS_mmap, "0, 2 << 20, 3, 1 << 32 | 0x40022, -1, 0"),
+        r("memfd_create(MFD_HUGETLB)", SYS_memfd_create, "BUF, 4"),
+        r("shmget(SHM_HUGETLB)", SYS_shmget, "0, 2 << 20, 0x200 | 0x800 | 0o600"),
         // Netlink uevents: a prepared (zygote/pool) network namespace is owned by the host user
         // namespace, so the kernel would broadcast the host's device uevents into it.
         r("socket(AF_NETLINK,DGRAM,KOBJECT_UEVENT)", SYS_socket, "16, 2, 15"),
