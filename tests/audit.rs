@@ -535,16 +535,33 @@ fn the_logs_directory_must_be_the_agents_alone() {
     // can write it could rename the log away and start a new chain. Refused before the log
     // or its lock is created, for runs and scripts alike.
     let script = put(&dir.path, "s.py", "print(1)\n");
+    // The daemon's --check-config too (it checks what the agent would be refused at start).
+    assert_eq!(opservant(&["keygen", "--out", dir.path.join("keys").to_str().unwrap()]).code, 0);
+    let daemon_conf = dir.path.join("daemon.yaml");
+    std::fs::write(
+        &daemon_conf,
+        format!(
+            "agent:\n  platform_public_key: {}\n  state_dir: {}\naudit:\n  path: {}/audit.jsonl\n",
+            dir.path.join("keys/signing.pub").display(),
+            dir.path.join("state").display(),
+            logs.display()
+        ),
+    )
+    .unwrap();
+    let check_config = || opservant(&["agent", "--check-config", "--config", daemon_conf.to_str().unwrap()]);
     for mode in [0o777, 0o1777, 0o775] {
         std::fs::set_permissions(&logs, std::fs::Permissions::from_mode(mode)).unwrap();
         refused(&opservant(&["run", exec.str(), "--config", conf]), "writable by group or others");
         refused(&opservant(&["script", "python", script.to_str().unwrap(), "--config", conf]), "writable by group");
+        refused(&check_config(), "writable by group");
     }
     std::fs::set_permissions(&logs, std::fs::Permissions::from_mode(0o755)).unwrap();
     std::os::unix::fs::chown(&logs, Some(65534), None).unwrap();
     refused(&opservant(&["run", exec.str(), "--config", conf]), "owned by uid 65534");
     // The agent's own, group- and world-readable: the run goes ahead and is logged.
     std::os::unix::fs::chown(&logs, Some(0), None).unwrap();
+    let out = check_config();
+    assert_eq!(out.code, 0, "{out:?}");
     let out = opservant(&["run", exec.str(), "--config", conf]);
     assert_eq!(out.code, 0, "{out:?}");
     assert!(std::fs::read_to_string(logs.join("audit.jsonl")).unwrap().contains("executor_complete"));

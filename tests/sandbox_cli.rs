@@ -259,4 +259,18 @@ fn doctor_describes_this_host() {
     if mode == "hybrid" {
         assert!(text.contains("cgroup v1 hybrid"), "{text}");
     }
+
+    // What the configuration requires: a Landlock floor above this kernel's ABI fails every
+    // run, so doctor fails it too.
+    let dir = common::HostDir::new();
+    let conf = dir.file("config.yaml", &format!("sandbox:\n  landlock_min_abi: {}\n", abi + 1), 0o600);
+    let (code, stdout, _) = run_cli(&["doctor", "--json", "--config", conf.to_str().unwrap()]);
+    assert_eq!(code, 1, "{stdout}");
+    let j: serde_json::Value = serde_json::from_str(&stdout).expect("doctor --json");
+    let ll = j["findings"].as_array().unwrap().iter().find(|f| f["feature"] == "landlock").expect("landlock");
+    assert_eq!((ll["ok"].clone(), ll["required"].clone()), (serde_json::json!(false), serde_json::json!(true)), "{ll}");
+    let bad = dir.file("bad.yaml", "sandbox:\n  landlock_min_abi: 65\n", 0o600);
+    let (code, _, stderr) = run_cli(&["doctor", "--config", bad.to_str().unwrap()]);
+    assert_eq!(code, 2, "{stderr}");
+    assert!(stderr.contains("sandbox.landlock_min_abi"), "{stderr}");
 }

@@ -498,14 +498,8 @@ impl AuditLog {
                     .create(dir)
                     .map_err(|e| AuditError::new(path, format!("cannot create {}: {e}", dir.display())))?;
             }
-            // Whoever can write the directory could rename the log away and start a new
-            // chain in its place, remove or replace the rotated files, or plant a file at
-            // the lock's or a rotated file's name that stops every append.
-            let meta = std::fs::metadata(dir).map_err(|e| AuditError::new(path, format!("{}: {e}", dir.display())))?;
-            crate::config::check_agents_own_dir(dir, &meta).map_err(|m| {
-                AuditError::new(path, format!("its directory {m}; the audit log's directory must be the agent's alone"))
-            })?;
         }
+        Self::check_dir(&settings)?;
         let log = AuditLog {
             host: nix::unistd::gethostname().ok().and_then(|h| h.into_string().ok()).unwrap_or_default(),
             journal: if settings.journald && settings.journal_socket.exists() {
@@ -518,6 +512,23 @@ impl AuditLog {
         let _lock = log.lock()?;
         log.open_file(&log.settings.path)?;
         Ok(log)
+    }
+
+    /// The log's directory, when it exists, is the agent's alone: whoever can write it could
+    /// rename the log away and start a new chain in its place, remove or replace the rotated
+    /// files, or plant a file at the lock's or a rotated file's name that stops every append.
+    /// (`agent --check-config` checks this without creating anything.)
+    pub fn check_dir(settings: &AuditSettings) -> Result<(), AuditError> {
+        let path = &settings.path;
+        let Some(dir) = path.parent() else { return Ok(()) };
+        let dir = if dir.as_os_str().is_empty() { Path::new(".") } else { dir };
+        let meta = match std::fs::metadata(dir) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            r => r.map_err(|e| AuditError::new(path, format!("{}: {e}", dir.display())))?,
+        };
+        crate::config::check_agents_own_dir(dir, &meta).map_err(|m| {
+            AuditError::new(path, format!("its directory {m}; the audit log's directory must be the agent's alone"))
+        })
     }
 
     pub fn settings(&self) -> &AuditSettings {

@@ -480,10 +480,31 @@ impl Config {
                 ))
             }
         }
-        for (key, path) in [("secrets.store", &self.secrets.store), ("secrets.key_file", &self.secrets.key_file)] {
+        let platform = self.network.agent_to_platform.as_ref();
+        for (key, path) in [
+            ("secrets.store", &self.secrets.store),
+            ("secrets.key_file", &self.secrets.key_file),
+            ("secrets.file", &self.secrets.file),
+            ("secrets.secret_id_file", &self.secrets.secret_id_file),
+            ("secrets.vault_ca", &self.secrets.vault_ca),
+            ("network.agent_to_platform.ca", platform.map_or(&None, |p| &p.ca)),
+            ("network.agent_to_platform.cert", platform.map_or(&None, |p| &p.cert)),
+            ("network.agent_to_platform.key", platform.map_or(&None, |p| &p.key)),
+        ] {
+            // A relative path would name another file from another working directory — and
+            // not the one the policy's never-readable list was built from.
             if path.as_ref().is_some_and(|p| !p.is_absolute()) {
                 return Err(err(key, "must be an absolute path"));
             }
+        }
+        if self.sandbox.landlock_min_abi.is_some_and(|abi| abi > sandbox::landlock::MAX_PLAUSIBLE_ABI) {
+            return Err(err(
+                "sandbox.landlock_min_abi",
+                &format!(
+                    "must be 0-{} (0: no floor; Landlock is still applied where the kernel has it)",
+                    sandbox::landlock::MAX_PLAUSIBLE_ABI
+                ),
+            ));
         }
         // The store written over its own key would lose every secret: the same path (after
         // the defaults, `.` and `//` aside), or two names of one existing file.
@@ -666,6 +687,16 @@ mod tests {
         assert_eq!(e.path, "executors.max_package_mb", "{e}");
         let e = Config::parse("executors:\n  trusted_keys: [k.pub]\n").unwrap_err();
         assert_eq!(e.path, "executors.trusted_keys[0]", "{e}");
+        let e = Config::parse("sandbox:\n  landlock_min_abi: 65\n").unwrap_err();
+        assert_eq!(e.path, "sandbox.landlock_min_abi", "{e}");
+        assert!(Config::parse("sandbox:\n  landlock_min_abi: 0\n").is_ok());
+        let e = Config::parse("secrets:\n  provider: file\n  file: secrets.yaml\n").unwrap_err();
+        assert_eq!(e.path, "secrets.file", "{e}");
+        for key in ["ca", "cert", "key"] {
+            let text = format!("network:\n  agent_to_platform:\n    {key}: tls/{key}.pem\n");
+            let e = Config::parse(&text).unwrap_err();
+            assert_eq!(e.path, format!("network.agent_to_platform.{key}"), "{e}");
+        }
         let c =
             Config::parse("executors:\n  require_signature: true\n  trusted_keys: [/k.pub]\n  install: [/p.tar.gz]\n")
                 .unwrap();

@@ -162,6 +162,10 @@ enum Command {
     Doctor {
         #[arg(long)]
         json: bool,
+        /// The agent configuration whose requirements to check (`sandbox.landlock_min_abi`,
+        /// `sandbox.allow_degraded`); default /etc/opservant/config.yaml when it exists.
+        #[arg(long)]
+        config: Option<PathBuf>,
     },
     /// Sandbox overhead report: bare, unshare, bubblewrap, opservant cold and zygote rows,
     /// interleaved in one process; median/p90/p99 and ratios against bubblewrap, throughput,
@@ -425,7 +429,7 @@ fn main() -> ExitCode {
             executor_test(executor, python, timeout, config, pytest_args)
         }
         Command::Audit { command } => agent::audit::cli::main(command).map_err(|e| CannotRun(e.to_string())),
-        Command::Doctor { json } => doctor(json),
+        Command::Doctor { json, config } => doctor(json, config),
         Command::Secrets { command } => {
             agent::secrets_cli::run(command).map(ExitCode::from).map_err(|e| CannotRun(e.to_string()))
         }
@@ -691,6 +695,7 @@ fn agent_daemon(config: Option<PathBuf>, check_only: bool) -> Result<ExitCode, C
     let platform = agent::platform::Platform::from_config(&cfg).map_err(CannotRun)?;
     let trust = agent::package_signing::Trust::from_config(&cfg).map_err(CannotRun)?;
     if check_only {
+        agent::audit::AuditLog::check_dir(&agent::audit::AuditSettings::from_config(&cfg))?;
         // Entries of executors.install that would not install: the agent still starts
         // without them, so they are warnings, not errors.
         for w in agent::executor_install::check_configured(&cfg, &trust) {
@@ -1236,9 +1241,12 @@ fn lint(dir: PathBuf, json: bool, config: Option<PathBuf>) -> Result<ExitCode, C
     Ok(if report.errors.is_empty() { ExitCode::SUCCESS } else { ExitCode::from(1) })
 }
 
-fn doctor(json: bool) -> Result<ExitCode, CannotRun> {
-    let policy_min_abi = 1;
-    let report = agent::doctor::examine(policy_min_abi, false);
+fn doctor(json: bool, config: Option<PathBuf>) -> Result<ExitCode, CannotRun> {
+    // What the configuration requires decides what is missing (as the daemon's heartbeat
+    // reports it): a Landlock floor above the kernel's ABI fails every run.
+    let config = agent::config::Config::load(config.as_deref())?;
+    let policy = AgentPolicy::from_config(&config)?;
+    let report = agent::doctor::examine(policy.landlock_min_abi, policy.allow_degraded);
     if json {
         outln!("{}", serde_json::to_string_pretty(&report)?);
     } else {

@@ -6,6 +6,10 @@
 //! rights and scopes the running kernel enforces and which it does not know, and the caller's
 //! minimum ABI is checked first (fail closed).
 
+/// The largest Landlock ABI a spec may require (far beyond any kernel's today: a larger
+/// value is a mistake, not a future kernel).
+pub const MAX_PLAUSIBLE_ABI: u32 = 64;
+
 use std::path::{Path, PathBuf};
 
 use landlock::{

@@ -489,7 +489,7 @@ impl SandboxSpec {
             return Err(SpecError::new("filesystem.scratch_bytes", "must be at least 1 MiB"));
         }
 
-        if self.landlock.min_abi > 64 {
+        if self.landlock.min_abi > crate::landlock::MAX_PLAUSIBLE_ABI {
             return Err(SpecError::new("landlock.min_abi", "is not a plausible Landlock ABI"));
         }
         if let SeccompPolicy::Enforced { filters, .. } = &self.seccomp {
