@@ -1628,6 +1628,60 @@ fn oversize_artifacts_are_refused() {
     assert!(arts[3]["error"].as_str().unwrap().contains("exceed 8388608 bytes"), "{}", arts[3]);
 }
 
+const FORGED: &str = r#"
+import json, socket
+import _opservant
+from opservant.executor import BaseExecutor, ExecutorResult
+
+
+class TestExecutor(BaseExecutor):
+    def validate(self, params):
+        return True
+
+    def execute(self, params, context):
+        if params["mode"] == "raw":
+            # A result message written straight to the application channel (fd 4), past
+            # the runtime's own output cap.
+            msg = json.dumps({"type": "result", "status": "completed", "output": {"x": "a" * (5 << 20)}}).encode()
+            chunks = [msg[i:i + 32768] for i in range(0, len(msg), 32768)]
+            chan = socket.socket(fileno=4)
+            for i, c in enumerate(chunks):
+                chan.send(bytes([1 if i + 1 < len(chunks) else 0]) + c)
+            chan.detach()
+            return ExecutorResult(output={"honest": True})
+        fake = {"path": "/etc/passwd", "size": 1, "sha256": "00", "content_base64": "aGVsbG8="}
+        wrong = {"path": "ok.txt", "size": 999, "sha256": "00", "content_base64": "aGVsbG8="}
+        _opservant.send_result({"status": "failed", "output": {}, "error": "e" * 200000,
+                                "artifacts": [fake, wrong, {"path": "x"}] + [{"path": "n", "error": "e"}] * 1200})
+        return ExecutorResult(output={"honest": True})
+"#;
+
+/// What the payload sends is untrusted: a result written straight to the channel, or through
+/// the runtime's own function, is held to the caps and shapes the runtime keeps.
+#[test]
+fn a_forged_result_is_held_to_the_caps() {
+    if !require_root() {
+        return;
+    }
+    let d = executor(json!({}), FORGED);
+    let r = run_params(&d.path, &json!({"mode": "raw"})).result();
+    assert_eq!(r["status"], "failed", "{}", r["error"]);
+    assert!(r["error"].as_str().unwrap().contains("over the 4194304 byte cap"), "{}", r["error"]);
+    assert_eq!(r["output"], Value::Null);
+
+    let r = run_params(&d.path, &json!({"mode": "runtime"})).result();
+    assert_eq!(r["status"], "failed", "{}", r["status"]);
+    let error = r["error"].as_str().unwrap();
+    assert!(error.len() < 66 * 1024 && error.ends_with("over the 65536 byte cap]"), "{} bytes", error.len());
+    let arts = r["artifacts"].as_array().unwrap();
+    assert_eq!(arts.len(), 1001, "1000 entries and one saying the rest were dropped");
+    assert!(arts[0]["error"].as_str().unwrap().contains("not a path beneath"), "{}", arts[0]);
+    assert_eq!((arts[1]["path"].clone(), arts[1]["size"].clone()), (json!("ok.txt"), json!(5)), "{}", arts[1]);
+    assert_eq!(arts[1]["sha256"], sha256_hex(b"hello"));
+    assert!(arts[2]["error"].as_str().unwrap().contains("no valid content"), "{}", arts[2]);
+    assert!(arts[1000]["error"].as_str().unwrap().contains("203 more artifact entries dropped"), "{}", arts[1000]);
+}
+
 // ---------------------------------------------------------------------------------------
 // Limits
 // ---------------------------------------------------------------------------------------

@@ -19,6 +19,41 @@ pub const MAX_ARTIFACT: u64 = 4 * 1024 * 1024;
 pub const MAX_ARTIFACTS_TOTAL: u64 = 8 * 1024 * 1024;
 /// Log records kept per run.
 pub const MAX_LOGS: usize = 1000;
+/// `error` cap (bytes): an error message or traceback longer than this is cut.
+pub const MAX_ERROR: usize = 64 * 1024;
+/// Artifact entries kept per run (each file, or why it could not be read).
+pub const MAX_ARTIFACT_ENTRIES: usize = 1000;
+
+/// `text` cut to at most `max` bytes at a character boundary, saying so.
+pub fn cut_text(mut text: String, max: usize) -> String {
+    if text.len() <= max {
+        return text;
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    let total = text.len();
+    text.truncate(end);
+    text.push_str(&format!(" [cut: {total} bytes, over the {max} byte cap]"));
+    text
+}
+
+impl FromPayload {
+    /// The message's type, for reports that must not quote what untrusted code sent.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            FromPayload::Log { .. } => "log",
+            FromPayload::SecretRequest { .. } => "secret_request",
+            FromPayload::Result { .. } => "result",
+            FromPayload::ValidationError { .. } => "validation_error",
+            FromPayload::SessionReply { .. } => "session_reply",
+            FromPayload::Ready => "ready",
+            FromPayload::Warmed { .. } => "warmed",
+            FromPayload::Compiled { .. } => "compiled",
+        }
+    }
+}
 
 /// Payload → agent.
 #[derive(Debug, Serialize, Deserialize)]

@@ -550,7 +550,7 @@ fn serve(
                 }
             }
             other => {
-                out.protocol_error.get_or_insert(format!("unexpected message for an executor run: {other:?}"));
+                out.protocol_error.get_or_insert(format!("unexpected message for an executor run: {}", other.kind()));
             }
         }
     }
@@ -589,7 +589,16 @@ fn assemble(
             }
         };
         r.status = status;
-        r.error = error;
+        // What the payload sent is untrusted: the runtime's caps are checked again here
+        // (executor code can write its own result message to the channel).
+        r.error = error.map(|e| app::cut_text(e, app::MAX_ERROR));
+        let output_size = output.as_ref().map_or(0, |o| serde_json::to_vec(o).map_or(usize::MAX, |v| v.len()));
+        if output_size > app::MAX_OUTPUT {
+            r.status = Status::Failed;
+            r.error = Some(format!("output is {output_size} bytes of JSON, over the {} byte cap", app::MAX_OUTPUT));
+            r.output = Value::Null;
+            return finish(r, &app.redactor);
+        }
         r.output = match (status, output) {
             // An unhandled exception or a refusal has no output; a failure the executor
             // returned keeps the partial results it chose to report (seed 000).
@@ -602,7 +611,7 @@ fn assemble(
                 Value::Null
             }
         };
-        r.artifacts = artifacts
+        r.artifacts = checked_artifacts(artifacts)
             .into_iter()
             .map(|a| {
                 let content = a.get("content_base64").and_then(Value::as_str).unwrap_or("");
@@ -632,6 +641,69 @@ fn assemble(
     finish(r, &app.redactor)
 }
 
+/// The artifact entries a payload reported, as the agent passes them on: each either
+/// `{path, size, sha256, content_base64}` — size and digest computed here from the content,
+/// within the per-file and per-run caps — or `{path, error}`; at most
+/// [`app::MAX_ARTIFACT_ENTRIES`]. Anything else (executor code can write its own result
+/// message) becomes an error entry.
+fn checked_artifacts(reported: Vec<Value>) -> Vec<Value> {
+    use base64::Engine;
+    use sha2::Digest;
+    const MAX_TEXT: usize = 4096;
+    let mut total: u64 = 0;
+    let mut out = Vec::new();
+    let count = reported.len();
+    for a in reported.into_iter().take(app::MAX_ARTIFACT_ENTRIES) {
+        let path = a.get("path").and_then(Value::as_str).map(|p| app::cut_text(p.to_string(), MAX_TEXT));
+        let refused = |path: Option<String>, why: &str| serde_json::json!({"path": path, "error": why});
+        let Some(path) = path else {
+            out.push(refused(None, "refused: an artifact entry without a path"));
+            continue;
+        };
+        if let Some(e) = a.get("error") {
+            let e = e.as_str().map_or_else(|| "refused: an error that is not a string".to_string(), str::to_string);
+            out.push(refused(Some(path), &app::cut_text(e, MAX_TEXT)));
+            continue;
+        }
+        if path.starts_with('/') || path.split('/').any(|c| c == "..") {
+            out.push(refused(Some(path), "refused: not a path beneath the scratch directory"));
+            continue;
+        }
+        let Some(content) = a
+            .get("content_base64")
+            .and_then(Value::as_str)
+            .and_then(|c| base64::engine::general_purpose::STANDARD.decode(c).ok())
+        else {
+            out.push(refused(Some(path), "refused: no valid content"));
+            continue;
+        };
+        let size = content.len() as u64;
+        if size > app::MAX_ARTIFACT {
+            out.push(refused(
+                Some(path),
+                &format!("{size} bytes, over the {} byte cap per artifact", app::MAX_ARTIFACT),
+            ));
+            continue;
+        }
+        total += size;
+        if total > app::MAX_ARTIFACTS_TOTAL {
+            out.push(refused(Some(path), &format!("the run's artifacts exceed {} bytes", app::MAX_ARTIFACTS_TOTAL)));
+            continue;
+        }
+        let sha256: String = sha2::Sha256::digest(&content).iter().map(|b| format!("{b:02x}")).collect();
+        out.push(serde_json::json!({
+            "path": path,
+            "size": size,
+            "sha256": sha256,
+            "content_base64": base64::engine::general_purpose::STANDARD.encode(&content),
+        }));
+    }
+    if count > app::MAX_ARTIFACT_ENTRIES {
+        out.push(serde_json::json!({"path": null, "error": format!("{} more artifact entries dropped (cap {})", count - app::MAX_ARTIFACT_ENTRIES, app::MAX_ARTIFACT_ENTRIES)}));
+    }
+    out
+}
+
 fn kind(v: &Value) -> &'static str {
     match v {
         Value::Null => "null",
@@ -652,6 +724,15 @@ fn finish(mut r: RunResult, redactor: &Redactor) -> RunResult {
     r.error = r.error.map(|e| if r.stderr_truncated { redactor.text_cut(&e) } else { redactor.text(&e) });
     r.output = redactor.json(&r.output);
     r.logs = r.logs.iter().map(|l| redactor.json(l)).collect();
+    // An artifact's path and error are text the executor chose (its content, when it holds
+    // a secret, is withheld in `assemble`).
+    for a in &mut r.artifacts {
+        for key in ["path", "error"] {
+            if let Some(Value::String(text)) = a.get_mut(key) {
+                *text = redactor.text(text);
+            }
+        }
+    }
     r
 }
 
