@@ -274,3 +274,53 @@ fn doctor_describes_this_host() {
     assert_eq!(code, 2, "{stderr}");
     assert!(stderr.contains("sandbox.landlock_min_abi"), "{stderr}");
 }
+
+/// A terminal signal to the command (Ctrl-C to its process group, or SIGTERM/SIGHUP to it
+/// alone) stops the sandbox: the payload and its cgroups are gone, the result says it was
+/// stopped, and the command exits 128 + the signal. (Killed outright, it left its cgroups.)
+#[test]
+fn a_terminal_signal_stops_the_sandbox_and_leaves_nothing() {
+    if !require_root() {
+        return;
+    }
+    use std::os::unix::process::CommandExt;
+    // A sleep with a duration no other process has.
+    let marker = format!("60.{}", std::process::id());
+    for (sig, group) in [(libc::SIGINT, true), (libc::SIGTERM, false), (libc::SIGHUP, false)] {
+        let child = Command::new(common::opservant())
+            .args(["sandbox", "--json", "--", "/bin/sleep", &marker])
+            .process_group(0)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let pid = child.id();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        let running = || {
+            std::fs::read_dir("/proc").unwrap().flatten().any(|e| {
+                std::fs::read(e.path().join("cmdline")).is_ok_and(|c| c == format!("/bin/sleep\0{marker}\0").as_bytes())
+            })
+        };
+        while !running() {
+            assert!(std::time::Instant::now() < deadline, "the payload never started");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        assert!(!common::cgroups_of(pid).is_empty());
+        // SAFETY: signalling the process (group) this test started.
+        assert_eq!(unsafe { libc::kill(if group { -(pid as i32) } else { pid as i32 }, sig) }, 0);
+        let out = child.wait_with_output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(
+            out.status.code(),
+            Some(128 + sig),
+            "signal {sig}: {stdout} {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let r: serde_json::Value = serde_json::from_str(stdout.trim()).expect("the result");
+        assert_eq!(r["status"], "failed", "{r}");
+        assert!(r["error"].as_str().unwrap().contains("stopped"), "{r}");
+        assert_eq!(common::cgroups_of(pid), Vec::<std::path::PathBuf>::new(), "signal {sig}: cgroups left");
+        assert!(!running(), "signal {sig}: the payload outlived the command");
+    }
+}

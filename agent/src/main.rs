@@ -384,6 +384,18 @@ fn main() -> ExitCode {
         // Without OPSERVANT_LOG: warnings, and the audit events (always).
         Err(_) => log.with_env_filter(tracing_subscriber::EnvFilter::new("warn,opservant::audit=info")).init(),
     }
+    if matches!(
+        cli.command,
+        Command::Sandbox { .. }
+            | Command::Run { .. }
+            | Command::Script { .. }
+            | Command::Executor { command: ExecutorCommand::Test { .. } }
+    ) {
+        if let Err(CannotRun(reason)) = stop_sandboxes_on_signals() {
+            errln!("opservant: {}", one_terminal_line(&reason));
+            return ExitCode::from(2);
+        }
+    }
     let result = match cli.command {
         Command::Sandbox { manifest, json, launch, argv } => run_sandbox(manifest, json, launch, argv),
         Command::Run { dir, params, action, config, launch } => run_executor(dir, params, action, config, launch),
@@ -453,13 +465,47 @@ fn main() -> ExitCode {
         Command::Verify { public_key, signed: Some(signed), json, .. } => verify_command(&public_key, &signed, json),
         Command::Sign { .. } | Command::Verify { .. } => Err(CannotRun("give a command file or --package".into())),
     };
-    match result {
+    let code = match result {
         Ok(code) => code,
         Err(CannotRun(reason)) => {
             errln!("opservant: {}", one_terminal_line(&reason));
             ExitCode::from(2)
         }
+    };
+    // Stopped by a signal: the shell's convention, once everything is reported and cleaned up.
+    match CAUGHT_SIGNAL.load(std::sync::atomic::Ordering::SeqCst) {
+        0 => code,
+        sig => {
+            let name = nix::sys::signal::Signal::try_from(sig).map_or("a signal", |s| s.as_str());
+            errln!("opservant: stopped by {name}; the sandbox was torn down");
+            ExitCode::from(128u8.saturating_add(u8::try_from(sig).unwrap_or(0)))
+        }
     }
+}
+
+/// The terminal signal a sandbox-running command received (0: none).
+static CAUGHT_SIGNAL: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+
+/// SIGINT, SIGTERM, SIGHUP and SIGQUIT stop the command's sandboxes instead of killing the
+/// command outright (which left their cgroups behind): each sandbox is torn down, the result
+/// says it was stopped, its cgroups are removed, and the command exits 128 + the signal.
+/// The sandboxes' monitors have sessions of their own, so a terminal's Ctrl-C reaches only
+/// this process. A handler, not a thread: the command stays single-threaded, so its cold
+/// sandboxes are still forked, not re-executed.
+fn stop_sandboxes_on_signals() -> Result<(), CannotRun> {
+    use nix::sys::signal::{sigaction, SaFlags, SigAction, SigHandler, SigSet, Signal};
+    extern "C" fn on_signal(sig: libc::c_int) {
+        // Async-signal-safe: an atomic store and stop_all's write(2).
+        CAUGHT_SIGNAL.store(sig, std::sync::atomic::Ordering::SeqCst);
+        sandbox::parent::stop_all();
+    }
+    sandbox::parent::enable_stop_all().map_err(|e| CannotRun(e.to_string()))?;
+    let action = SigAction::new(SigHandler::Handler(on_signal), SaFlags::SA_RESTART, SigSet::empty());
+    for s in [Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP, Signal::SIGQUIT] {
+        // SAFETY: the handler only does async-signal-safe work (see above).
+        unsafe { sigaction(s, &action) }.map_err(|e| CannotRun(format!("sigaction {s}: {e}")))?;
+    }
+    Ok(())
 }
 
 /// An error message as one line that cannot drive a terminal: it often quotes what the

@@ -5,7 +5,10 @@
 //!
 //! ```text
 //! monitor  (re-exec'd or forked by the parent; host root until step 4)
-//!   1. close every inherited fd but stdio, the channel (and a prepared network namespace)
+//!   1. close every inherited fd but stdio, the channel (and a prepared network namespace);
+//!      a session of its own, so a terminal's signals (Ctrl-C, hangup) reach only its caller,
+//!      which stops the sandbox and cleans up (see [`crate::parent::stop_all`]); default
+//!      dispositions for the termination signals
 //!   2. read the spec
 //!   3. shield itself (and so init) from the OOM killer where allowed; clear supplementary groups
 //!   4. join the prepared network namespace if one was handed over (a zygote's stash, see
@@ -163,6 +166,13 @@ fn monitor_until(
 ) -> Result<Option<Handoff>, StepError> {
     // 1. (fd 4 may be the application channel; decided once the spec is in)
     process::close_fds_from(if prepared_net { NET_FD + 1 } else { APP_FD + 1 })?;
+    nix::unistd::setsid().map_err(|e| StepError::errno(Stage::Fork, "setsid", e))?;
+    // A forked monitor inherits its caller's handlers (a command-line caller handles these
+    // to stop its sandboxes); the monitor's are the defaults.
+    for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGQUIT] {
+        // SAFETY: installing SIG_DFL is always sound.
+        unsafe { libc::signal(sig, libc::SIG_DFL) };
+    }
     // 2.
     let received;
     let spec = match given {

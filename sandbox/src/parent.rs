@@ -171,6 +171,34 @@ impl StopHandle {
     }
 }
 
+/// The process-wide stop ([`stop_all`]): a pipe whose read end every [`Sandbox::wait`] of
+/// this process watches once [`enable_stop_all`] made it; never read, so once written it
+/// stays readable. (read end, write end)
+static STOP_ALL: std::sync::OnceLock<(OwnedFd, OwnedFd)> = std::sync::OnceLock::new();
+
+/// Make [`stop_all`] usable (a command-line caller, before it installs the signal handler
+/// that calls it). Idempotent.
+pub fn enable_stop_all() -> Result<(), SandboxError> {
+    if STOP_ALL.get().is_none() {
+        let ends = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC | nix::fcntl::OFlag::O_NONBLOCK)
+            .map_err(|e| SandboxError::io("pipe", e.into()))?;
+        let _ = STOP_ALL.set(ends);
+    }
+    Ok(())
+}
+
+/// Stop every sandbox of this process, running or yet to start, as [`StopHandle::stop`]
+/// does: each [`Sandbox::wait`] returns with [`Outcome::stopped`] and its caller reports
+/// and cleans up. Async-signal-safe (an atomic load and a `write`): a command-line caller
+/// calls it from its handler of a terminal signal. Does nothing before [`enable_stop_all`].
+pub fn stop_all() {
+    if let Some((_, tx)) = STOP_ALL.get() {
+        // SAFETY: a one-byte buffer we own, written to a pipe that lives for the process
+        // (non-blocking: a full pipe is already readable).
+        let _ = unsafe { libc::write(tx.as_raw_fd(), [1u8].as_ptr().cast(), 1) };
+    }
+}
+
 /// The longest sandbox setup may take, from spawn to the payload's `started` report (it takes
 /// milliseconds; seconds on an overloaded or emulated machine). A setup step stuck in the
 /// kernel fails the run, naming what it waited for, instead of hanging its caller.
@@ -292,6 +320,7 @@ impl Sandbox {
         .map_err(|e| SandboxError::io("socketpair", e.into()))?;
         let (monitor, monitor_pidfd) = spawn_monitor(launcher, &fds, spec)?;
         drop(fds);
+        let stop = StopHandle { wake: std::sync::Arc::new(stop_tx) };
         let mut sb = Sandbox {
             monitor,
             monitor_pidfd,
@@ -317,7 +346,7 @@ impl Sandbox {
             cpu: Default::default(),
             cpu_deferred: spec.limits.cpu_deferred,
             stop_rx,
-            stop: StopHandle { wake: std::sync::Arc::new(stop_tx) },
+            stop,
             mount_ns: None,
         };
         match sb.handshake(spec, !matches!(launcher, Launcher::Fork), hook) {
@@ -569,6 +598,10 @@ impl Sandbox {
             if !stopped {
                 pfds.push(PollFd::new(self.stop_rx.as_fd(), PollFlags::POLLIN));
                 slots.push(3);
+                if let Some((all, _)) = STOP_ALL.get() {
+                    pfds.push(PollFd::new(all.as_fd(), PollFlags::POLLIN));
+                    slots.push(3);
+                }
             }
             if chan_open && tree.is_none() {
                 pfds.push(PollFd::new(self.chan.as_fd(), PollFlags::POLLIN));
@@ -624,6 +657,7 @@ impl Sandbox {
                             chan_open = false;
                         }
                     },
+                    3 if stopped => {}
                     3 => {
                         stopped = true;
                         self.kill();
