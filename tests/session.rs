@@ -403,3 +403,74 @@ fn a_failed_start_leaves_nothing_behind() {
     assert_eq!(out.status.code(), Some(0));
     let _ = std::fs::remove_file(format!("/run/opservant/sessions/{name}.log"));
 }
+
+/// `session exec` that must answer within `secs`: `None` (the client killed) when it does
+/// not. A daemon that wedged is killed by pid (SIGKILL: its sandbox dies with it).
+fn exec_within(s: &Session, daemon_pid: u64, code: &str, extra: &[&str], secs: u64) -> Option<(i32, Value)> {
+    let child = Command::new(opservant())
+        .args(["session", "exec", &s.name, "--code", code])
+        .args(extra)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let client = child.id();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || tx.send(child.wait_with_output()));
+    let out = match rx.recv_timeout(std::time::Duration::from_secs(secs)) {
+        Ok(out) => out.unwrap(),
+        Err(_) => {
+            // SAFETY: kill(2) on processes this test started.
+            unsafe {
+                libc::kill(client as i32, libc::SIGKILL);
+                libc::kill(daemon_pid as i32, libc::SIGKILL);
+            }
+            let _ = std::fs::remove_file(s.socket());
+            let _ = std::fs::remove_file(format!("/run/opservant/sessions/{}.lock", s.name));
+            return None;
+        }
+    };
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let code = out.status.code().unwrap_or(-1);
+    if code == 2 {
+        return Some((2, Value::String(String::from_utf8_lossy(&out.stderr).into_owned())));
+    }
+    Some((code, serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{e}: {stdout}"))))
+}
+
+#[test]
+fn an_oversize_reply_does_not_wedge_the_session() {
+    if !require_root() {
+        return;
+    }
+    // JSON writes "\0" as 6 bytes: a megabyte of NULs printed and two in an exception's
+    // message once made an ~18 MiB reply, over the channel's 16 MiB cap. The parts are capped
+    // by their encoded size now: the reply comes, and the session goes on.
+    let (s, started) = Session::start(&["--timeout", "20"]);
+    let pid = started["pid"].as_u64().unwrap();
+    let code = "print('\\0' * (1 << 20))\nraise ValueError('\\0' * (2 << 20))";
+    let (status, r) = exec_within(&s, pid, code, &[], 15).expect("the call must be answered, not hang");
+    assert_eq!(status, 1, "{r}");
+    assert_eq!(r["session_ended"], false, "{r}");
+    let error = r["error"].as_str().unwrap();
+    assert!(error.starts_with("Traceback") && error.contains("characters dropped"), "{}", &error[..200]);
+    let stdout = r["stdout"].as_str().unwrap();
+    assert!(serde_json::to_string(stdout).unwrap().len() < (1 << 20) + 100, "stdout is capped by its JSON size");
+    assert!(stdout.contains("characters dropped"));
+    let (status, r) = exec_within(&s, pid, "x = 1", &["--return", "x"], 15).expect("the session goes on");
+    assert_eq!((status, &r["globals"]["x"]), (0, &Value::from(1)), "{r}");
+
+    // A runtime that breaks the protocol (here: code writing to its channel, os allowed)
+    // ends the session at once, and `stop` finds nothing left to wait for.
+    let (t, started) = Session::start(&["--allow-import", "os,time", "--timeout", "20"]);
+    let pid = started["pid"].as_u64().unwrap();
+    let code = "import os, time\nos.write(4, b'\\0not json')\ntime.sleep(30)";
+    let (status, r) = exec_within(&t, pid, code, &[], 10).expect("the call must be answered, not hang");
+    assert_eq!(status, 1, "{r}");
+    assert_eq!(r["session_ended"], true, "{r}");
+    assert!(r["error"].as_str().unwrap().contains("broke the protocol"), "{r}");
+    let begun = std::time::Instant::now();
+    let (_, out) = t.stop();
+    assert!(begun.elapsed() < std::time::Duration::from_secs(10), "stop took {:?}: {out}", begun.elapsed());
+    assert!(!std::path::Path::new(&t.socket()).exists());
+}

@@ -195,14 +195,26 @@ def run_script():
     return status
 
 
-# Session output kept per stream and call (the rest is counted and dropped).
+# Session output kept per stream and call, and of an error's text: bytes of its JSON
+# encoding (the rest is counted and dropped). With the globals' cap (4 MiB, checked in
+# `_opservant.session_reply`) a reply stays well under the channel's message cap (16 MiB).
 _SESSION_OUTPUT_CAP = 1 << 20
 # Builtins a session's code does not get: files, the debugger, the console, help.
 _SESSION_REMOVED_BUILTINS = ("open", "breakpoint", "input", "help", "exit", "quit", "copyright", "credits", "license")
 
 
+def _safe_text(text):
+    """``text`` as valid Unicode: lone surrogates (undecodable bytes, ``"\\udcff"``) are
+    written as backslash escapes (JSON, and the agent, take only valid Unicode)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
+
+
 class _Capture:
-    """A text stream keeping the first ``_SESSION_OUTPUT_CAP`` characters written."""
+    """A text stream keeping the first ``_SESSION_OUTPUT_CAP`` bytes (of JSON) written."""
 
     def __init__(self):
         self._parts = []
@@ -211,13 +223,22 @@ class _Capture:
 
     def write(self, text):
         text = str(text)
+        n = len(text)
         room = _SESSION_OUTPUT_CAP - self._size
-        if room > 0:
-            kept = text[:room]
-            self._parts.append(kept)
-            self._size += len(kept)
-        self.dropped += max(0, len(text) - max(room, 0))
-        return len(text)
+        if room <= 0:
+            self.dropped += n
+            return n
+        # Each character costs bytes of its own in JSON (1 to 7: UTF-8, escapes), so at most
+        # `room` of them fit; the head is cut in proportion until it fits.
+        head = text[:room]
+        cost = _json_size(_safe_text(head))
+        while cost > room:
+            head = head[: min(len(head) - 1, len(head) * room // cost)]
+            cost = _json_size(_safe_text(head))
+        self._parts.append(_safe_text(head))
+        self._size += cost
+        self.dropped += n - len(head)
+        return n
 
     def flush(self):
         pass
@@ -230,6 +251,29 @@ class _Capture:
         if self.dropped:
             text += "\n[opservant: %d more characters dropped]" % self.dropped
         return text
+
+
+def _json_size(text):
+    """Bytes of ``text``'s JSON string (without the quotes), as the agent's encoder writes
+    it: control characters, quote and backslash escaped, the rest as UTF-8."""
+    return len(_encode_json_string(text).encode("utf-8", "surrogatepass")) - 2
+
+
+def _encode_json_string(text):
+    # Replaced by json's C encoder at the first use (sessions only: an executor's run does
+    # not import json).
+    global _encode_json_string
+    from json.encoder import encode_basestring
+
+    _encode_json_string = encode_basestring
+    return encode_basestring(text)
+
+
+def _capped(text):
+    """``text`` within ``_SESSION_OUTPUT_CAP`` bytes of JSON, as a ``_Capture`` keeps it."""
+    c = _Capture()
+    c.write(text)
+    return c.value()
 
 
 def _jsonable(value, depth=0):
@@ -312,6 +356,8 @@ def _session_call(namespace, request, number):
     for name in request.get("return") or ():
         if name in namespace:
             values[name] = _jsonable(namespace[name])
+    if error is not None:
+        error = _capped(error)
     return {"success": success, "error": error, "stdout": out.value(), "stderr": err.value(), "globals": values}
 
 
@@ -328,6 +374,7 @@ def run_session():
         except BaseException as e:
             error = "default import %s=%s failed: %s: %s" % (alias, module, type(e).__name__, e)
             break
+    _encode_json_string("")  # json's encoder, for the output caps, before session code runs
     # The default imports are the operator's choice (trusted start-up); session code is not.
     _ready()
     _opservant.session_reply({"success": error is None, "error": error})

@@ -50,9 +50,13 @@ fn runtime_args() -> PyResult<&'static RuntimeArgs> {
 }
 
 fn send(msg: &FromPayload) -> PyResult<()> {
+    send_bytes(&app::encode(msg))
+}
+
+fn send_bytes(bytes: &[u8]) -> PyResult<()> {
     let chan = APP.get().ok_or_else(|| PyRuntimeError::new_err("no application channel"))?;
     let chan = chan.lock().map_err(|_| PyRuntimeError::new_err("application channel poisoned"))?;
-    chan.send_bytes(&app::encode(msg)).map_err(|e| PyOSError::new_err(format!("agent channel: {}", e.desc())))
+    chan.send_bytes(bytes).map_err(|e| PyOSError::new_err(format!("agent channel: {}", e.desc())))
 }
 
 #[pymodule]
@@ -200,7 +204,20 @@ pub mod _opservant {
         } else {
             FromPayload::SessionReply { success, error, stdout, stderr, globals }
         };
-        send(&msg)
+        // The runtime caps each part; a reply over the channel's cap all the same (session
+        // code calling this itself) would end the session: an error reply instead.
+        let bytes = app::encode(&msg);
+        if bytes.len() > app::MAX_MESSAGE {
+            let error = format!("the reply is {} bytes of JSON, over the {} byte cap", bytes.len(), app::MAX_MESSAGE);
+            return send(&FromPayload::SessionReply {
+                success: false,
+                error: Some(error),
+                stdout: String::new(),
+                stderr: String::new(),
+                globals: Default::default(),
+            });
+        }
+        send_bytes(&bytes)
     }
 
     /// A script did not pass validation; nothing of it ran.
