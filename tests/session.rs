@@ -474,3 +474,24 @@ fn an_oversize_reply_does_not_wedge_the_session() {
     assert!(begun.elapsed() < std::time::Duration::from_secs(10), "stop took {:?}: {out}", begun.elapsed());
     assert!(!std::path::Path::new(&t.socket()).exists());
 }
+
+#[test]
+fn a_message_outside_the_protocol_ends_the_session_unlogged() {
+    if !require_root() {
+        return;
+    }
+    // Session code reaching the runtime's module can send what a call never sends: a log
+    // record of up to 16 MiB. It was logged in full, each one, to the daemon's log on tmpfs
+    // (/run), and the call went on; now the first ends the session, named, not logged.
+    let (s, started) = Session::start(&["--allow-import", "_opservant"]);
+    let pid = started["pid"].as_u64().unwrap();
+    let log = format!("/run/opservant/sessions/{}.log", s.name);
+    let code = "import _opservant\nfor i in range(16):\n    _opservant.log('info', 'x' * (1 << 20), {})";
+    let (status, r) = exec_within(&s, pid, code, &[], 30).expect("the call must be answered");
+    let size = std::fs::metadata(&log).unwrap().len();
+    assert!(size < 64 << 10, "the session's log grew to {size} bytes");
+    assert_eq!(status, 1, "{r}");
+    assert_eq!(r["session_ended"], true, "{r}");
+    assert!(r["error"].as_str().unwrap().contains("a log message during a call"), "{r}");
+    assert_eq!(s.exec("1", &[]).0, 2, "the session is gone");
+}

@@ -75,6 +75,23 @@ pub enum FromPayload {
     },
 }
 
+impl FromPayload {
+    /// The message's type, to name it: its content is the payload's (untrusted, up to
+    /// [`MAX_MESSAGE`]) and is never logged or echoed.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            FromPayload::Log { .. } => "log",
+            FromPayload::SecretRequest { .. } => "secret_request",
+            FromPayload::Result { .. } => "result",
+            FromPayload::ValidationError { .. } => "validation_error",
+            FromPayload::SessionReply { .. } => "session_reply",
+            FromPayload::Ready => "ready",
+            FromPayload::Warmed { .. } => "warmed",
+            FromPayload::Compiled { .. } => "compiled",
+        }
+    }
+}
+
 /// Agent → payload.
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]

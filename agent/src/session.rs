@@ -568,7 +568,7 @@ impl Daemon {
                 Ok(Some(FromPayload::SessionReply { error, .. })) => {
                     break Err(error.unwrap_or_else(|| "the session could not start".into()))
                 }
-                Ok(Some(other)) => break Err(format!("unexpected message from the runtime: {other:?}")),
+                Ok(Some(other)) => break Err(format!("unexpected {} message from the runtime", other.kind())),
                 Ok(None) => break Err(format!("the interpreter did not start within {} s", START_TIMEOUT.as_secs())),
                 Err(e) => break Err(e.to_string()),
             }
@@ -876,8 +876,17 @@ impl Daemon {
                 }
                 Ok(Some(FromPayload::Ready)) => continue,
                 Ok(Some(other)) => {
-                    tracing::warn!(target: "opservant::session", "unexpected message from the runtime: {other:?}");
-                    continue;
+                    // Not part of a call (session code reaching `_opservant`): a protocol
+                    // break that ends the session. Named, never logged in full — the log is
+                    // on tmpfs, and the message up to 16 MiB.
+                    self.stop.stop();
+                    let _ = self.ended_because();
+                    let why = format!(
+                        "the session has ended: its interpreter broke the protocol: a {} message during a call",
+                        other.kind()
+                    );
+                    tracing::warn!(target: "opservant::session", "{why}");
+                    return (ended(self, why, None), Some(End::Died));
                 }
                 Ok(None) => {
                     self.stop.stop();
