@@ -495,3 +495,40 @@ fn a_message_outside_the_protocol_ends_the_session_unlogged() {
     assert!(r["error"].as_str().unwrap().contains("a log message during a call"), "{r}");
     assert_eq!(s.exec("1", &[]).0, 2, "the session is gone");
 }
+
+#[test]
+fn values_json_cannot_carry_do_not_end_the_session() {
+    if !require_root() {
+        return;
+    }
+    // An integer beyond 64 bits, or text with a lone surrogate (undecodable bytes), could
+    // not be sent: the runtime failed and the session ended. README: an exception gives
+    // success false and the session goes on — and these are not even exceptions.
+    let (s, _) = Session::start(&[]);
+    let code =
+        "x = 2**64\ny = -2**63 - 1\nz = 2**63\nbig = 7**6000\nt = '\\udcff'\nd = {'k\\udcff': [t]}\nprint('\\udcff')";
+    let (status, r) = s.exec(code, &["--return", "x,y,z,big,t,d"]);
+    assert_eq!(status, 0, "{r}");
+    let g = &r["globals"];
+    assert_eq!(g["x"], "18446744073709551616", "{r}");
+    assert_eq!(g["y"], "-9223372036854775809", "{r}");
+    assert_eq!(g["z"], 9223372036854775808u64, "{r}");
+    assert!(g["big"].as_str().is_some_and(|b| b.starts_with("0x")), "past the decimal digit limit: {r}");
+    assert_eq!(g["t"], "\\udcff", "{r}");
+    assert_eq!(g["d"], serde_json::json!({"k\\udcff": ["\\udcff"]}), "{r}");
+    assert_eq!(r["stdout"], "\\udcff\n", "{r}");
+    let code = "class S(str):\n    def encode(self, *a, **k):\n        return b''\nq = S('\\udcff')\nprint(q)";
+    let (status, r) = s.exec(code, &["--return", "q"]);
+    assert_eq!(
+        (status, &r["globals"]["q"], &r["stdout"]),
+        (0, &Value::from("\\udcff"), &Value::from("\\udcff\n")),
+        "{r}"
+    );
+    let (status, r) = s.exec("raise ValueError('\\udcff')", &[]);
+    assert_eq!(status, 1, "{r}");
+    assert_eq!(r["session_ended"], false, "{r}");
+    assert!(r["error"].as_str().unwrap().contains("ValueError: \\udcff"), "{r}");
+    let (status, r) = s.exec("w = x + 1", &["--return", "w"]);
+    assert_eq!(status, 0, "the session goes on: {r}");
+    assert_eq!(r["globals"]["w"], "18446744073709551617", "{r}");
+}

@@ -206,6 +206,7 @@ _SESSION_REMOVED_BUILTINS = ("open", "breakpoint", "input", "help", "exit", "qui
 def _safe_text(text):
     """``text`` as valid Unicode: lone surrogates (undecodable bytes, ``"\\udcff"``) are
     written as backslash escapes (JSON, and the agent, take only valid Unicode)."""
+    text = str.__str__(text)  # a subclass's own methods are its code's
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
@@ -276,21 +277,37 @@ def _capped(text):
     return c.value()
 
 
+# The integers JSON carries here (the agent's decoder: 64-bit signed or unsigned).
+_INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
+
+
 def _jsonable(value, depth=0):
-    """``value`` as JSON data; anything else (or too deep) as its ``repr()``."""
-    if value is None or isinstance(value, (bool, int, str)):
+    """``value`` as JSON data; anything else (or too deep) as its ``repr()``. Integers
+    beyond 64 bits are their decimal text (hexadecimal past the interpreter's limit on
+    decimal digits); text that is not valid Unicode has its lone surrogates escaped."""
+    if value is None or isinstance(value, bool):
         return value
+    if isinstance(value, int):
+        value = int(value)  # a subclass's own comparisons and text are its code's
+        if _INT_MIN <= value <= _INT_MAX:
+            return value
+        try:
+            return str(value)
+        except ValueError:  # over sys.get_int_max_str_digits()
+            return hex(value)
+    if isinstance(value, str):
+        return _safe_text(value)
     if isinstance(value, float):
         return value if value == value and value not in (float("inf"), float("-inf")) else repr(value)
     if depth < 64:
         if isinstance(value, (list, tuple)):
             return [_jsonable(v, depth + 1) for v in value]
         if isinstance(value, dict) and all(isinstance(k, str) for k in value):
-            return {k: _jsonable(v, depth + 1) for k, v in value.items()}
+            return {_safe_text(k): _jsonable(v, depth + 1) for k, v in value.items()}
     try:
-        return repr(value)
+        return _safe_text(repr(value))
     except Exception as e:
-        return "<unrepresentable %s: %s>" % (type(value).__name__, e)
+        return "<unrepresentable %s: %s>" % (type(value).__name__, type(e).__name__)
 
 
 def _session_namespace(allowed):
@@ -349,16 +366,33 @@ def _session_call(namespace, request, number):
         exec(code, namespace)
     except BaseException as e:  # SystemExit and KeyboardInterrupt too: the session goes on
         success = False
-        error = _format_user_exception(e)
+        try:
+            error = _format_user_exception(e)
+        except Exception as f:
+            error = "%s (its traceback could not be formatted: %s)" % (type(e).__name__, type(f).__name__)
     finally:
         sys.stdout, sys.stderr = saved
     values = {}
     for name in request.get("return") or ():
         if name in namespace:
-            values[name] = _jsonable(namespace[name])
+            try:
+                values[name] = _jsonable(namespace[name])
+            except Exception as e:
+                values[name] = "<unrepresentable: %s>" % type(e).__name__
     if error is not None:
         error = _capped(error)
     return {"success": success, "error": error, "stdout": out.value(), "stderr": err.value(), "globals": values}
+
+
+def _session_reply(reply):
+    """Send a call's reply; one that cannot be sent as JSON becomes an error reply (the
+    session goes on: only a broken channel ends it)."""
+    try:
+        _opservant.session_reply(reply)
+        return
+    except (TypeError, ValueError) as e:
+        why = _safe_text("the reply cannot be sent as JSON: %s: %s" % (type(e).__name__, e))[:4096]
+    _opservant.session_reply({"success": False, "error": why, "stdout": "", "stderr": "", "globals": {}})
 
 
 def run_session():
@@ -372,7 +406,7 @@ def run_session():
             guarded_import(module)
             namespace[alias] = sys.modules[module]
         except BaseException as e:
-            error = "default import %s=%s failed: %s: %s" % (alias, module, type(e).__name__, e)
+            error = _safe_text("default import %s=%s failed: %s: %s" % (alias, module, type(e).__name__, e))
             break
     _encode_json_string("")  # json's encoder, for the output caps, before session code runs
     # The default imports are the operator's choice (trusted start-up); session code is not.
@@ -386,7 +420,11 @@ def run_session():
         if request is None:
             return 0
         number += 1
-        _opservant.session_reply(_session_call(namespace, request, number))
+        try:
+            reply = _session_call(namespace, request, number)
+        except BaseException as e:  # the runtime's own failure: the call fails, not the session
+            reply = {"success": False, "error": "the call's reply could not be made: %s" % type(e).__name__}
+        _session_reply(reply)
 
 
 def _ready():
