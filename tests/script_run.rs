@@ -132,6 +132,28 @@ fn python_validation_runs_nothing() {
 }
 
 #[test]
+fn a_script_cannot_claim_it_failed_validation() {
+    if !require_root() {
+        return;
+    }
+    // The script's code ran holding the runtime's channel: it could send a validation error
+    // after doing anything, and the result said "validation failed, nothing was run". The
+    // channel is closed before the script runs, as a Bash script's is.
+    let d = HostDir::new();
+    let text = "import _opservant, os\n\
+try:\n    _opservant.validation_error('fake')\n    print('claimed')\n\
+except OSError:\n    print('refused')\n\
+try:\n    os.fstat(4)\n    print('fd 4 open')\n\
+except OSError:\n    print('fd 4 closed')\n\
+print('side effect')\n";
+    let r = script("python", &write(&d, "liar.py", text), &[]);
+    let j = &r.json;
+    assert_eq!(j["validation_error"], Value::Null, "{j}");
+    assert_eq!(j["stdout"], "refused\nfd 4 closed\nside effect\n", "{j}");
+    assert_eq!((r.code, &j["success"], &j["exit_code"]), (0, &Value::Bool(true), &Value::from(0)), "{j}");
+}
+
+#[test]
 fn bash_runs_and_validates_inside_the_sandbox() {
     if !require_root() {
         return;

@@ -169,6 +169,9 @@ def run_script():
     import builtins
     import types
 
+    # The script's code must not hold the channel (a Bash script never does): it could
+    # claim a validation error — "nothing was run" — after doing anything at all.
+    _opservant.close_channel()
     main = types.ModuleType("__main__")
     main.__file__ = path
     main.__builtins__ = builtins
