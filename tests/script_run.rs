@@ -96,6 +96,23 @@ fn output_of_c_code_is_not_lost_at_exit() {
 }
 
 #[test]
+fn non_daemon_threads_are_waited_for() {
+    if !require_root() {
+        return;
+    }
+    // As `python3 FILE` does: the main module's end waits for non-daemon threads (before
+    // atexit handlers run); the runtime ended the process under them.
+    let d = HostDir::new();
+    let text = "import atexit, threading, time\n\
+def work():\n    time.sleep(0.3)\n    print('done', flush=True)\n\
+atexit.register(lambda: print('atexit'))\n\
+threading.Thread(target=work).start()\n";
+    let r = script("python", &write(&d, "thread.py", text), &[]);
+    assert_eq!(r.code, 0, "{:?} {}", r.json, r.stderr);
+    assert_eq!(r.json["stdout"], "done\natexit\n");
+}
+
+#[test]
 fn python_exit_status_and_exception() {
     if !require_root() {
         return;

@@ -189,6 +189,13 @@ def run_script():
         except Exception:
             pass
         status = 1
+    # As the interpreter's finalisation does: wait for non-daemon threads, then atexit.
+    threading = sys.modules.get("threading")
+    if threading is not None:
+        try:
+            threading._shutdown()
+        except BaseException:
+            pass
     try:
         import atexit
 
