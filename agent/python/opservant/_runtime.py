@@ -77,15 +77,35 @@ def _traceback():
 def _collect_artifacts(items):
     out = []
     for item in items or []:
-        path = item if isinstance(item, str) else (item.get("path") if isinstance(item, dict) else None)
-        if not isinstance(path, str):
-            out.append({"path": repr(item), "error": "an artifact is a path string or a dict with 'path'"})
-            continue
         try:
-            out.append(_opservant.artifact(path))
-        except OSError as e:
-            out.append({"path": path, "error": str(e)})
+            out.append(_artifact(item))
+        except Exception as e:  # one artifact's failure is reported with it: the result stands
+            out.append({"path": _artifact_name(item), "error": _safe_text("%s: %s" % (type(e).__name__, e))})
     return out
+
+
+def _artifact(item):
+    path = item if isinstance(item, str) else (item.get("path") if isinstance(item, dict) else None)
+    if not isinstance(path, str):
+        return {"path": _artifact_name(item), "error": "an artifact is a path string or a dict with 'path'"}
+    try:
+        str.encode(path, "utf-8")
+    except UnicodeEncodeError:
+        return {"path": _safe_text(path), "error": "the path is not valid UTF-8 (it has undecodable bytes)"}
+    try:
+        return _opservant.artifact(path)
+    except OSError as e:
+        return {"path": path, "error": _safe_text(str(e))}
+
+
+def _artifact_name(item):
+    """How an artifact entry is named in its error: its path, else its ``repr()``."""
+    try:
+        if isinstance(item, dict) and isinstance(item.get("path"), str):
+            item = item["path"]
+        return _safe_text(item if isinstance(item, str) else repr(item))
+    except Exception:
+        return "<unrepresentable %s>" % type(item).__name__
 
 
 class TimeLimitReached(BaseException):
