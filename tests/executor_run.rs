@@ -1552,6 +1552,14 @@ class TestExecutor(BaseExecutor):
                     f.write(b"a" * (mib << 20))
                 names.append(p)
             return ExecutorResult(output={}, artifacts=names)
+        if mode == "undecodable":
+            # A file name that is not UTF-8, as os.listdir gives it (surrogate escapes).
+            with open(os.fsdecode(SCRATCH.encode() + b"/bad\xff.txt"), "w") as f:
+                f.write("x")
+            with open(SCRATCH + "/good.txt", "w") as f:
+                f.write("good")
+            names = sorted(os.listdir(SCRATCH))
+            return ExecutorResult(output={"kept": True}, artifacts=[SCRATCH + "/" + n for n in names])
         raise ValueError(mode)
 "#;
 
@@ -1607,6 +1615,25 @@ fn artifact_symlinks_are_never_followed() {
     assert!(err(9).contains("path string"), "{}", err(9));
     // Nothing of the executor's manifest leaked into the result through the links.
     assert!(!r.to_string().contains("integration test executor"), "{r}");
+}
+
+#[test]
+fn an_undecodable_artifact_path_does_not_lose_the_result() {
+    if !require_root() {
+        return;
+    }
+    // The path could not be passed to the native side (UnicodeEncodeError, not the OSError
+    // caught): the runtime exited and the executor's result was lost.
+    let d = executor(json!({}), ARTIFACTS);
+    let r = run_params(&d.path, &json!({"mode": "undecodable"})).result();
+    assert_eq!(r["status"], "completed", "{r}");
+    assert_eq!(r["output"], json!({"kept": true}), "{r}");
+    let arts = r["artifacts"].as_array().unwrap();
+    assert_eq!(arts.len(), 2, "{}", r["artifacts"]);
+    assert_eq!(arts[0]["path"], "/tmp/opservant/scratch/bad\\udcff.txt", "{}", arts[0]);
+    assert!(arts[0]["error"].as_str().unwrap().contains("not valid UTF-8"), "{}", arts[0]);
+    assert_eq!(arts[1]["path"], "good.txt");
+    assert_eq!(b64(arts[1]["content_base64"].as_str().unwrap()), b"good");
 }
 
 #[test]

@@ -96,6 +96,23 @@ fn output_of_c_code_is_not_lost_at_exit() {
 }
 
 #[test]
+fn non_daemon_threads_are_waited_for() {
+    if !require_root() {
+        return;
+    }
+    // As `python3 FILE` does: the main module's end waits for non-daemon threads (before
+    // atexit handlers run); the runtime ended the process under them.
+    let d = HostDir::new();
+    let text = "import atexit, threading, time\n\
+def work():\n    time.sleep(0.3)\n    print('done', flush=True)\n\
+atexit.register(lambda: print('atexit'))\n\
+threading.Thread(target=work).start()\n";
+    let r = script("python", &write(&d, "thread.py", text), &[]);
+    assert_eq!(r.code, 0, "{:?} {}", r.json, r.stderr);
+    assert_eq!(r.json["stdout"], "done\natexit\n");
+}
+
+#[test]
 fn python_exit_status_and_exception() {
     if !require_root() {
         return;
@@ -129,6 +146,28 @@ fn python_validation_runs_nothing() {
     assert!(v.contains("SyntaxError") && v.contains("line 2"), "{v}");
     assert_eq!(j["stdout"], "", "nothing ran");
     assert_eq!(j["exit_code"], Value::Null);
+}
+
+#[test]
+fn a_script_cannot_claim_it_failed_validation() {
+    if !require_root() {
+        return;
+    }
+    // The script's code ran holding the runtime's channel: it could send a validation error
+    // after doing anything, and the result said "validation failed, nothing was run". The
+    // channel is closed before the script runs, as a Bash script's is.
+    let d = HostDir::new();
+    let text = "import _opservant, os\n\
+try:\n    _opservant.validation_error('fake')\n    print('claimed')\n\
+except OSError:\n    print('refused')\n\
+try:\n    os.fstat(4)\n    print('fd 4 open')\n\
+except OSError:\n    print('fd 4 closed')\n\
+print('side effect')\n";
+    let r = script("python", &write(&d, "liar.py", text), &[]);
+    let j = &r.json;
+    assert_eq!(j["validation_error"], Value::Null, "{j}");
+    assert_eq!(j["stdout"], "refused\nfd 4 closed\nside effect\n", "{j}");
+    assert_eq!((r.code, &j["success"], &j["exit_code"]), (0, &Value::Bool(true), &Value::from(0)), "{j}");
 }
 
 #[test]

@@ -403,3 +403,132 @@ fn a_failed_start_leaves_nothing_behind() {
     assert_eq!(out.status.code(), Some(0));
     let _ = std::fs::remove_file(format!("/run/opservant/sessions/{name}.log"));
 }
+
+/// `session exec` that must answer within `secs`: `None` (the client killed) when it does
+/// not. A daemon that wedged is killed by pid (SIGKILL: its sandbox dies with it).
+fn exec_within(s: &Session, daemon_pid: u64, code: &str, extra: &[&str], secs: u64) -> Option<(i32, Value)> {
+    let child = Command::new(opservant())
+        .args(["session", "exec", &s.name, "--code", code])
+        .args(extra)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let client = child.id();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || tx.send(child.wait_with_output()));
+    let out = match rx.recv_timeout(std::time::Duration::from_secs(secs)) {
+        Ok(out) => out.unwrap(),
+        Err(_) => {
+            // SAFETY: kill(2) on processes this test started.
+            unsafe {
+                libc::kill(client as i32, libc::SIGKILL);
+                libc::kill(daemon_pid as i32, libc::SIGKILL);
+            }
+            let _ = std::fs::remove_file(s.socket());
+            let _ = std::fs::remove_file(format!("/run/opservant/sessions/{}.lock", s.name));
+            return None;
+        }
+    };
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let code = out.status.code().unwrap_or(-1);
+    if code == 2 {
+        return Some((2, Value::String(String::from_utf8_lossy(&out.stderr).into_owned())));
+    }
+    Some((code, serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{e}: {stdout}"))))
+}
+
+#[test]
+fn an_oversize_reply_does_not_wedge_the_session() {
+    if !require_root() {
+        return;
+    }
+    // JSON writes "\0" as 6 bytes: a megabyte of NULs printed and two in an exception's
+    // message once made an ~18 MiB reply, over the channel's 16 MiB cap. The parts are capped
+    // by their encoded size now: the reply comes, and the session goes on.
+    let (s, started) = Session::start(&["--timeout", "20"]);
+    let pid = started["pid"].as_u64().unwrap();
+    let code = "print('\\0' * (1 << 20))\nraise ValueError('\\0' * (2 << 20))";
+    let (status, r) = exec_within(&s, pid, code, &[], 15).expect("the call must be answered, not hang");
+    assert_eq!(status, 1, "{r}");
+    assert_eq!(r["session_ended"], false, "{r}");
+    let error = r["error"].as_str().unwrap();
+    assert!(error.starts_with("Traceback") && error.contains("characters dropped"), "{}", &error[..200]);
+    let stdout = r["stdout"].as_str().unwrap();
+    assert!(serde_json::to_string(stdout).unwrap().len() < (1 << 20) + 100, "stdout is capped by its JSON size");
+    assert!(stdout.contains("characters dropped"));
+    let (status, r) = exec_within(&s, pid, "x = 1", &["--return", "x"], 15).expect("the session goes on");
+    assert_eq!((status, &r["globals"]["x"]), (0, &Value::from(1)), "{r}");
+
+    // A runtime that breaks the protocol (here: code writing to its channel, os allowed)
+    // ends the session at once, and `stop` finds nothing left to wait for.
+    let (t, started) = Session::start(&["--allow-import", "os,time", "--timeout", "20"]);
+    let pid = started["pid"].as_u64().unwrap();
+    let code = "import os, time\nos.write(4, b'\\0not json')\ntime.sleep(30)";
+    let (status, r) = exec_within(&t, pid, code, &[], 10).expect("the call must be answered, not hang");
+    assert_eq!(status, 1, "{r}");
+    assert_eq!(r["session_ended"], true, "{r}");
+    assert!(r["error"].as_str().unwrap().contains("broke the protocol"), "{r}");
+    let begun = std::time::Instant::now();
+    let (_, out) = t.stop();
+    assert!(begun.elapsed() < std::time::Duration::from_secs(10), "stop took {:?}: {out}", begun.elapsed());
+    assert!(!std::path::Path::new(&t.socket()).exists());
+}
+
+#[test]
+fn a_message_outside_the_protocol_ends_the_session_unlogged() {
+    if !require_root() {
+        return;
+    }
+    // Session code reaching the runtime's module can send what a call never sends: a log
+    // record of up to 16 MiB. It was logged in full, each one, to the daemon's log on tmpfs
+    // (/run), and the call went on; now the first ends the session, named, not logged.
+    let (s, started) = Session::start(&["--allow-import", "_opservant"]);
+    let pid = started["pid"].as_u64().unwrap();
+    let log = format!("/run/opservant/sessions/{}.log", s.name);
+    let code = "import _opservant\nfor i in range(16):\n    _opservant.log('info', 'x' * (1 << 20), {})";
+    let (status, r) = exec_within(&s, pid, code, &[], 30).expect("the call must be answered");
+    let size = std::fs::metadata(&log).unwrap().len();
+    assert!(size < 64 << 10, "the session's log grew to {size} bytes");
+    assert_eq!(status, 1, "{r}");
+    assert_eq!(r["session_ended"], true, "{r}");
+    assert!(r["error"].as_str().unwrap().contains("a log message during a call"), "{r}");
+    assert_eq!(s.exec("1", &[]).0, 2, "the session is gone");
+}
+
+#[test]
+fn values_json_cannot_carry_do_not_end_the_session() {
+    if !require_root() {
+        return;
+    }
+    // An integer beyond 64 bits, or text with a lone surrogate (undecodable bytes), could
+    // not be sent: the runtime failed and the session ended. README: an exception gives
+    // success false and the session goes on — and these are not even exceptions.
+    let (s, _) = Session::start(&[]);
+    let code =
+        "x = 2**64\ny = -2**63 - 1\nz = 2**63\nbig = 7**6000\nt = '\\udcff'\nd = {'k\\udcff': [t]}\nprint('\\udcff')";
+    let (status, r) = s.exec(code, &["--return", "x,y,z,big,t,d"]);
+    assert_eq!(status, 0, "{r}");
+    let g = &r["globals"];
+    assert_eq!(g["x"], "18446744073709551616", "{r}");
+    assert_eq!(g["y"], "-9223372036854775809", "{r}");
+    assert_eq!(g["z"], 9223372036854775808u64, "{r}");
+    assert!(g["big"].as_str().is_some_and(|b| b.starts_with("0x")), "past the decimal digit limit: {r}");
+    assert_eq!(g["t"], "\\udcff", "{r}");
+    assert_eq!(g["d"], serde_json::json!({"k\\udcff": ["\\udcff"]}), "{r}");
+    assert_eq!(r["stdout"], "\\udcff\n", "{r}");
+    let code = "class S(str):\n    def encode(self, *a, **k):\n        return b''\nq = S('\\udcff')\nprint(q)";
+    let (status, r) = s.exec(code, &["--return", "q"]);
+    assert_eq!(
+        (status, &r["globals"]["q"], &r["stdout"]),
+        (0, &Value::from("\\udcff"), &Value::from("\\udcff\n")),
+        "{r}"
+    );
+    let (status, r) = s.exec("raise ValueError('\\udcff')", &[]);
+    assert_eq!(status, 1, "{r}");
+    assert_eq!(r["session_ended"], false, "{r}");
+    assert!(r["error"].as_str().unwrap().contains("ValueError: \\udcff"), "{r}");
+    let (status, r) = s.exec("w = x + 1", &["--return", "w"]);
+    assert_eq!(status, 0, "the session goes on: {r}");
+    assert_eq!(r["globals"]["w"], "18446744073709551617", "{r}");
+}

@@ -39,22 +39,6 @@ pub fn cut_text(mut text: String, max: usize) -> String {
     text
 }
 
-impl FromPayload {
-    /// The message's type, for reports that must not quote what untrusted code sent.
-    pub fn kind(&self) -> &'static str {
-        match self {
-            FromPayload::Log { .. } => "log",
-            FromPayload::SecretRequest { .. } => "secret_request",
-            FromPayload::Result { .. } => "result",
-            FromPayload::ValidationError { .. } => "validation_error",
-            FromPayload::SessionReply { .. } => "session_reply",
-            FromPayload::Ready => "ready",
-            FromPayload::Warmed { .. } => "warmed",
-            FromPayload::Compiled { .. } => "compiled",
-        }
-    }
-}
-
 /// Payload → agent.
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
@@ -108,6 +92,23 @@ pub enum FromPayload {
         #[serde(default)]
         error: Option<String>,
     },
+}
+
+impl FromPayload {
+    /// The message's type, to name it: its content is the payload's (untrusted, up to
+    /// [`MAX_MESSAGE`]) and is never logged or echoed.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            FromPayload::Log { .. } => "log",
+            FromPayload::SecretRequest { .. } => "secret_request",
+            FromPayload::Result { .. } => "result",
+            FromPayload::ValidationError { .. } => "validation_error",
+            FromPayload::SessionReply { .. } => "session_reply",
+            FromPayload::Ready => "ready",
+            FromPayload::Warmed { .. } => "warmed",
+            FromPayload::Compiled { .. } => "compiled",
+        }
+    }
 }
 
 /// Agent → payload.

@@ -550,7 +550,7 @@ fn serve(
                 }
             }
             other => {
-                out.protocol_error.get_or_insert(format!("unexpected message for an executor run: {}", other.kind()));
+                out.protocol_error.get_or_insert(format!("unexpected {} message for an executor run", other.kind()));
             }
         }
     }

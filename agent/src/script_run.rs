@@ -228,7 +228,7 @@ fn serve(chan: sandbox::channel::Channel, cpu: &sandbox::CpuLimiter) -> Served {
                 out.validation_error.get_or_insert(error);
             }
             Ok(Some(other)) => {
-                out.protocol_error.get_or_insert(format!("unexpected message for a script: {}", other.kind()));
+                out.protocol_error.get_or_insert(format!("unexpected {} message for a script", other.kind()));
             }
             Err(e) => {
                 out.protocol_error.get_or_insert(e);

@@ -345,6 +345,24 @@ enum Request {
     Status,
 }
 
+/// Why no message came from the runtime.
+enum NoMessage {
+    /// Its end of the channel is closed, or the sandbox ended.
+    Ended,
+    /// It broke the protocol (a malformed or oversize message) or the channel failed; it
+    /// may still be running.
+    Broken(String),
+}
+
+impl std::fmt::Display for NoMessage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NoMessage::Ended => f.write_str("the session's interpreter ended"),
+            NoMessage::Broken(e) => f.write_str(e),
+        }
+    }
+}
+
 /// Why the session ended.
 enum End {
     Stopped,
@@ -550,9 +568,9 @@ impl Daemon {
                 Ok(Some(FromPayload::SessionReply { error, .. })) => {
                     break Err(error.unwrap_or_else(|| "the session could not start".into()))
                 }
-                Ok(Some(other)) => break Err(format!("unexpected message from the runtime: {other:?}")),
+                Ok(Some(other)) => break Err(format!("unexpected {} message from the runtime", other.kind())),
                 Ok(None) => break Err(format!("the interpreter did not start within {} s", START_TIMEOUT.as_secs())),
-                Err(e) => break Err(e),
+                Err(e) => break Err(e.to_string()),
             }
         };
         let listener = started.and_then(|()| {
@@ -614,7 +632,7 @@ impl Daemon {
 
     /// The next message from the runtime; `Ok(None)` when `deadline` passed first, `Err`
     /// when the runtime is gone or broke the protocol.
-    fn next_message(&mut self, deadline: Instant) -> Result<Option<FromPayload>, String> {
+    fn next_message(&mut self, deadline: Instant) -> Result<Option<FromPayload>, NoMessage> {
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
@@ -625,15 +643,32 @@ impl Daemon {
                 [PollFd::new(self.chan.as_fd(), PollFlags::POLLIN), PollFd::new(self.done.as_fd(), PollFlags::POLLIN)];
             match poll(&mut fds, PollTimeout::from(ms.max(1))) {
                 Err(nix::errno::Errno::EINTR) | Ok(0) => continue,
-                Err(e) => return Err(format!("poll: {e}")),
+                Err(e) => return Err(NoMessage::Broken(format!("poll: {e}"))),
                 Ok(_) => {}
             }
             if fds[0].any().unwrap_or(false) {
-                return app::recv(&self.chan)?.map(Some).ok_or_else(|| "the session's interpreter ended".into());
+                return match app::recv(&self.chan) {
+                    Ok(Some(msg)) => Ok(Some(msg)),
+                    Ok(None) => Err(NoMessage::Ended),
+                    Err(e) => Err(NoMessage::Broken(e)),
+                };
             }
             if fds[1].any().unwrap_or(false) {
-                return Err("the session's interpreter ended".into());
+                return Err(NoMessage::Ended);
             }
+        }
+    }
+
+    /// After the runtime's end of the channel: give the sandbox `grace` to end on its own
+    /// (so that its own end — OOM, a signal — is what gets reported), then stop it. The
+    /// sandbox itself ends only at the session's maximum lifetime: code that closed its end
+    /// of the channel and went on must not keep the daemon waiting that long.
+    fn let_end(&self, grace: Duration) {
+        let ms = u16::try_from(grace.as_millis()).unwrap_or(u16::MAX);
+        let mut fds = [PollFd::new(self.done.as_fd(), PollFlags::POLLIN)];
+        let ended = matches!(poll(&mut fds, PollTimeout::from(ms)), Ok(n) if n > 0);
+        if !ended {
+            self.stop.stop();
         }
     }
 
@@ -841,8 +876,17 @@ impl Daemon {
                 }
                 Ok(Some(FromPayload::Ready)) => continue,
                 Ok(Some(other)) => {
-                    tracing::warn!(target: "opservant::session", "unexpected message from the runtime: {other:?}");
-                    continue;
+                    // Not part of a call (session code reaching `_opservant`): a protocol
+                    // break that ends the session. Named, never logged in full — the log is
+                    // on tmpfs, and the message up to 16 MiB.
+                    self.stop.stop();
+                    let _ = self.ended_because();
+                    let why = format!(
+                        "the session has ended: its interpreter broke the protocol: a {} message during a call",
+                        other.kind()
+                    );
+                    tracing::warn!(target: "opservant::session", "{why}");
+                    return (ended(self, why, None), Some(End::Died));
                 }
                 Ok(None) => {
                     self.stop.stop();
@@ -850,7 +894,19 @@ impl Daemon {
                     let why = format!("the call timed out after {timeout_s} s; the session has ended");
                     return (ended(self, why, Some("timeout")), Some(End::CallTimeout(timeout_s)));
                 }
-                Err(_) => {
+                Err(no) => {
+                    // Broken: it may run on (its sandbox ends only at the maximum lifetime) —
+                    // stopped at once, and the reply says why.
+                    let broken = match no {
+                        NoMessage::Broken(e) => {
+                            self.stop.stop();
+                            Some(e)
+                        }
+                        NoMessage::Ended => {
+                            self.let_end(Duration::from_secs(2));
+                            None
+                        }
+                    };
                     let why = self.ended_because();
                     let killed_by = match self.outcome.as_ref().and_then(|o| o.as_ref().ok()).and_then(|o| o.killed_by)
                     {
@@ -859,10 +915,10 @@ impl Daemon {
                         Some(sandbox::KilledBy::Pids) => Some("pids"),
                         _ => None,
                     };
-                    let why = if why.is_empty() {
-                        "the session has ended: its interpreter ended".to_string()
-                    } else {
-                        format!("the session has ended: {why}")
+                    let why = match broken {
+                        Some(e) => format!("the session has ended: its interpreter broke the protocol: {e}"),
+                        None if why.is_empty() => "the session has ended: its interpreter ended".to_string(),
+                        None => format!("the session has ended: {why}"),
                     };
                     return (ended(self, why, killed_by), Some(End::Died));
                 }

@@ -253,11 +253,8 @@ fn warm_up(sandbox: &Sandbox) -> Result<u64, String> {
     let reply = app::recv_by(chan, Some(deadline));
     match reply? {
         Some(FromPayload::Warmed { prefaulted_kib }) => Ok(prefaulted_kib),
-        Some(other) => {
-            // Untrusted and up to 16 MiB: named, not printed.
-            let text = format!("{other:?}");
-            Err(format!("unexpected reply {}", text.split(['{', ' ']).next().unwrap_or("")))
-        }
+        // Untrusted and up to 16 MiB: named, not printed.
+        Some(other) => Err(format!("unexpected reply {}", other.kind())),
         None => Err("the runtime ended".into()),
     }
 }

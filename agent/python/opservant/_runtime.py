@@ -77,15 +77,35 @@ def _traceback():
 def _collect_artifacts(items):
     out = []
     for item in items or []:
-        path = item if isinstance(item, str) else (item.get("path") if isinstance(item, dict) else None)
-        if not isinstance(path, str):
-            out.append({"path": repr(item), "error": "an artifact is a path string or a dict with 'path'"})
-            continue
         try:
-            out.append(_opservant.artifact(path))
-        except OSError as e:
-            out.append({"path": path, "error": str(e)})
+            out.append(_artifact(item))
+        except Exception as e:  # one artifact's failure is reported with it: the result stands
+            out.append({"path": _artifact_name(item), "error": _safe_text("%s: %s" % (type(e).__name__, e))})
     return out
+
+
+def _artifact(item):
+    path = item if isinstance(item, str) else (item.get("path") if isinstance(item, dict) else None)
+    if not isinstance(path, str):
+        return {"path": _artifact_name(item), "error": "an artifact is a path string or a dict with 'path'"}
+    try:
+        str.encode(path, "utf-8")
+    except UnicodeEncodeError:
+        return {"path": _safe_text(path), "error": "the path is not valid UTF-8 (it has undecodable bytes)"}
+    try:
+        return _opservant.artifact(path)
+    except OSError as e:
+        return {"path": path, "error": _safe_text(str(e))}
+
+
+def _artifact_name(item):
+    """How an artifact entry is named in its error: its path, else its ``repr()``."""
+    try:
+        if isinstance(item, dict) and isinstance(item.get("path"), str):
+            item = item["path"]
+        return _safe_text(item if isinstance(item, str) else repr(item))
+    except Exception:
+        return "<unrepresentable %s>" % type(item).__name__
 
 
 class TimeLimitReached(BaseException):
@@ -169,6 +189,9 @@ def run_script():
     import builtins
     import types
 
+    # The script's code must not hold the channel (a Bash script never does): it could
+    # claim a validation error — "nothing was run" — after doing anything at all.
+    _opservant.close_channel()
     main = types.ModuleType("__main__")
     main.__file__ = path
     main.__builtins__ = builtins
@@ -186,6 +209,13 @@ def run_script():
         except Exception:
             pass
         status = 1
+    # As the interpreter's finalisation does: wait for non-daemon threads, then atexit.
+    threading = sys.modules.get("threading")
+    if threading is not None:
+        try:
+            threading._shutdown()
+        except BaseException:
+            pass
     try:
         import atexit
 
@@ -195,14 +225,27 @@ def run_script():
     return status
 
 
-# Session output kept per stream and call (the rest is counted and dropped).
+# Session output kept per stream and call, and of an error's text: bytes of its JSON
+# encoding (the rest is counted and dropped). With the globals' cap (4 MiB, checked in
+# `_opservant.session_reply`) a reply stays well under the channel's message cap (16 MiB).
 _SESSION_OUTPUT_CAP = 1 << 20
 # Builtins a session's code does not get: files, the debugger, the console, help.
 _SESSION_REMOVED_BUILTINS = ("open", "breakpoint", "input", "help", "exit", "quit", "copyright", "credits", "license")
 
 
+def _safe_text(text):
+    """``text`` as valid Unicode: lone surrogates (undecodable bytes, ``"\\udcff"``) are
+    written as backslash escapes (JSON, and the agent, take only valid Unicode)."""
+    text = str.__str__(text)  # a subclass's own methods are its code's
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
+
+
 class _Capture:
-    """A text stream keeping the first ``_SESSION_OUTPUT_CAP`` characters written."""
+    """A text stream keeping the first ``_SESSION_OUTPUT_CAP`` bytes (of JSON) written."""
 
     def __init__(self):
         self._parts = []
@@ -211,13 +254,22 @@ class _Capture:
 
     def write(self, text):
         text = str(text)
+        n = len(text)
         room = _SESSION_OUTPUT_CAP - self._size
-        if room > 0:
-            kept = text[:room]
-            self._parts.append(kept)
-            self._size += len(kept)
-        self.dropped += max(0, len(text) - max(room, 0))
-        return len(text)
+        if room <= 0:
+            self.dropped += n
+            return n
+        # Each character costs bytes of its own in JSON (1 to 7: UTF-8, escapes), so at most
+        # `room` of them fit; the head is cut in proportion until it fits.
+        head = text[:room]
+        cost = _json_size(_safe_text(head))
+        while cost > room:
+            head = head[: min(len(head) - 1, len(head) * room // cost)]
+            cost = _json_size(_safe_text(head))
+        self._parts.append(_safe_text(head))
+        self._size += cost
+        self.dropped += n - len(head)
+        return n
 
     def flush(self):
         pass
@@ -232,21 +284,60 @@ class _Capture:
         return text
 
 
+def _json_size(text):
+    """Bytes of ``text``'s JSON string (without the quotes), as the agent's encoder writes
+    it: control characters, quote and backslash escaped, the rest as UTF-8."""
+    return len(_encode_json_string(text).encode("utf-8", "surrogatepass")) - 2
+
+
+def _encode_json_string(text):
+    # Replaced by json's C encoder at the first use (sessions only: an executor's run does
+    # not import json).
+    global _encode_json_string
+    from json.encoder import encode_basestring
+
+    _encode_json_string = encode_basestring
+    return encode_basestring(text)
+
+
+def _capped(text):
+    """``text`` within ``_SESSION_OUTPUT_CAP`` bytes of JSON, as a ``_Capture`` keeps it."""
+    c = _Capture()
+    c.write(text)
+    return c.value()
+
+
+# The integers JSON carries here (the agent's decoder: 64-bit signed or unsigned).
+_INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
+
+
 def _jsonable(value, depth=0):
-    """``value`` as JSON data; anything else (or too deep) as its ``repr()``."""
-    if value is None or isinstance(value, (bool, int, str)):
+    """``value`` as JSON data; anything else (or too deep) as its ``repr()``. Integers
+    beyond 64 bits are their decimal text (hexadecimal past the interpreter's limit on
+    decimal digits); text that is not valid Unicode has its lone surrogates escaped."""
+    if value is None or isinstance(value, bool):
         return value
+    if isinstance(value, int):
+        value = int(value)  # a subclass's own comparisons and text are its code's
+        if _INT_MIN <= value <= _INT_MAX:
+            return value
+        try:
+            return str(value)
+        except ValueError:  # over sys.get_int_max_str_digits()
+            return hex(value)
+    if isinstance(value, str):
+        return _safe_text(value)
     if isinstance(value, float):
         return value if value == value and value not in (float("inf"), float("-inf")) else repr(value)
     if depth < 64:
         if isinstance(value, (list, tuple)):
             return [_jsonable(v, depth + 1) for v in value]
         if isinstance(value, dict) and all(isinstance(k, str) for k in value):
-            return {k: _jsonable(v, depth + 1) for k, v in value.items()}
+            return {_safe_text(k): _jsonable(v, depth + 1) for k, v in value.items()}
     try:
-        return repr(value)
+        return _safe_text(repr(value))
     except Exception as e:
-        return "<unrepresentable %s: %s>" % (type(value).__name__, e)
+        return "<unrepresentable %s: %s>" % (type(value).__name__, type(e).__name__)
 
 
 def _session_namespace(allowed):
@@ -305,14 +396,33 @@ def _session_call(namespace, request, number):
         exec(code, namespace)
     except BaseException as e:  # SystemExit and KeyboardInterrupt too: the session goes on
         success = False
-        error = _format_user_exception(e)
+        try:
+            error = _format_user_exception(e)
+        except Exception as f:
+            error = "%s (its traceback could not be formatted: %s)" % (type(e).__name__, type(f).__name__)
     finally:
         sys.stdout, sys.stderr = saved
     values = {}
     for name in request.get("return") or ():
         if name in namespace:
-            values[name] = _jsonable(namespace[name])
+            try:
+                values[name] = _jsonable(namespace[name])
+            except Exception as e:
+                values[name] = "<unrepresentable: %s>" % type(e).__name__
+    if error is not None:
+        error = _capped(error)
     return {"success": success, "error": error, "stdout": out.value(), "stderr": err.value(), "globals": values}
+
+
+def _session_reply(reply):
+    """Send a call's reply; one that cannot be sent as JSON becomes an error reply (the
+    session goes on: only a broken channel ends it)."""
+    try:
+        _opservant.session_reply(reply)
+        return
+    except (TypeError, ValueError) as e:
+        why = _safe_text("the reply cannot be sent as JSON: %s: %s" % (type(e).__name__, e))[:4096]
+    _opservant.session_reply({"success": False, "error": why, "stdout": "", "stderr": "", "globals": {}})
 
 
 def run_session():
@@ -326,8 +436,9 @@ def run_session():
             guarded_import(module)
             namespace[alias] = sys.modules[module]
         except BaseException as e:
-            error = "default import %s=%s failed: %s: %s" % (alias, module, type(e).__name__, e)
+            error = _safe_text("default import %s=%s failed: %s: %s" % (alias, module, type(e).__name__, e))
             break
+    _encode_json_string("")  # json's encoder, for the output caps, before session code runs
     # The default imports are the operator's choice (trusted start-up); session code is not.
     _ready()
     _opservant.session_reply({"success": error is None, "error": error})
@@ -339,7 +450,11 @@ def run_session():
         if request is None:
             return 0
         number += 1
-        _opservant.session_reply(_session_call(namespace, request, number))
+        try:
+            reply = _session_call(namespace, request, number)
+        except BaseException as e:  # the runtime's own failure: the call fails, not the session
+            reply = {"success": False, "error": "the call's reply could not be made: %s" % type(e).__name__}
+        _session_reply(reply)
 
 
 def _ready():

@@ -21,7 +21,8 @@ use agent::app::{self, FromPayload, RuntimeArgs, ToPayload};
 use pyo3::prelude::*;
 use sandbox::channel::{Channel, APP_FD};
 
-static APP: OnceLock<Mutex<Channel>> = OnceLock::new();
+/// The application channel; `None` once closed (`_opservant.close_channel`).
+static APP: OnceLock<Mutex<Option<Channel>>> = OnceLock::new();
 static ARGS: OnceLock<RuntimeArgs> = OnceLock::new();
 
 /// `bootstrap.py`, compiled and marshalled by build.rs with the embedded interpreter: a cold
@@ -70,7 +71,7 @@ fn run() -> Result<u8, String> {
             return run_bash(chan, path, *proceed);
         }
     }
-    let _ = APP.set(Mutex::new(chan));
+    let _ = APP.set(Mutex::new(Some(chan)));
     let _ = ARGS.set(args);
     start_interpreter()?;
     run_bootstrap()

@@ -11,6 +11,7 @@ use serde_json::Value;
 
 use super::{APP, ARGS};
 use agent::app::{self, FromPayload, RuntimeArgs, ToPayload};
+use sandbox::channel::Channel;
 
 // The package embedded in the binary, precompiled by build.rs.
 include!(concat!(env!("OUT_DIR"), "/embedded_python.rs"));
@@ -50,9 +51,19 @@ fn runtime_args() -> PyResult<&'static RuntimeArgs> {
 }
 
 fn send(msg: &FromPayload) -> PyResult<()> {
-    let chan = APP.get().ok_or_else(|| PyRuntimeError::new_err("no application channel"))?;
-    let chan = chan.lock().map_err(|_| PyRuntimeError::new_err("application channel poisoned"))?;
-    chan.send_bytes(&app::encode(msg)).map_err(|e| PyOSError::new_err(format!("agent channel: {}", e.desc())))
+    send_bytes(&app::encode(msg))
+}
+
+fn send_bytes(bytes: &[u8]) -> PyResult<()> {
+    with_channel(|chan| chan.send_bytes(bytes).map_err(|e| format!("agent channel: {}", e.desc())))
+        .map_err(PyOSError::new_err)
+}
+
+/// Run `f` with the application channel; an error when there is none, or it was closed.
+fn with_channel<T>(f: impl FnOnce(&Channel) -> Result<T, String>) -> Result<T, String> {
+    let chan = APP.get().ok_or("no application channel")?;
+    let chan = chan.lock().map_err(|_| "application channel poisoned")?;
+    f(chan.as_ref().ok_or("the application channel is closed")?)
 }
 
 #[pymodule]
@@ -127,7 +138,7 @@ pub mod _opservant {
                 std::process::exit(code)
             }
         }
-        let _ = APP.set(std::sync::Mutex::new(chan));
+        let _ = APP.set(std::sync::Mutex::new(Some(chan)));
         let _ = ARGS.set(args);
         let env = PyDict::new(py);
         for (k, v) in &handoff.env {
@@ -146,25 +157,20 @@ pub mod _opservant {
         if READY_SENT.swap(true, Ordering::SeqCst) {
             return Ok(());
         }
-        py.detach(|| {
-            let chan = APP.get().ok_or("no application channel")?;
-            let chan = chan.lock().map_err(|_| "application channel poisoned")?;
-            super::super::ready_and_wait(&chan, proceed)
-        })
-        .map_err(PyOSError::new_err)
+        py.detach(|| with_channel(|chan| super::super::ready_and_wait(chan, proceed))).map_err(PyOSError::new_err)
     }
 
     /// Wait for the next session call: `{"code", "globals", "return"}`, or None when the
     /// agent closed the channel (the session is over).
     #[pyfunction]
     fn session_next<'py>(py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
-        let msg = py.detach(|| -> Result<Option<ToPayload>, String> {
-            let chan = APP.get().ok_or("no application channel")?;
-            let chan = chan.lock().map_err(|_| "application channel poisoned")?;
-            match chan.recv_bytes(app::MAX_MESSAGE)? {
-                None => Ok(None),
-                Some(bytes) => serde_json::from_slice(&bytes).map(Some).map_err(|e| e.to_string()),
-            }
+        let msg = py.detach(|| {
+            with_channel(|chan| -> Result<Option<ToPayload>, String> {
+                match chan.recv_bytes(app::MAX_MESSAGE)? {
+                    None => Ok(None),
+                    Some(bytes) => serde_json::from_slice(&bytes).map(Some).map_err(|e| e.to_string()),
+                }
+            })
         });
         match msg {
             Ok(None) => Ok(None),
@@ -200,13 +206,38 @@ pub mod _opservant {
         } else {
             FromPayload::SessionReply { success, error, stdout, stderr, globals }
         };
-        send(&msg)
+        // The runtime caps each part; a reply over the channel's cap all the same (session
+        // code calling this itself) would end the session: an error reply instead.
+        let bytes = app::encode(&msg);
+        if bytes.len() > app::MAX_MESSAGE {
+            let error = format!("the reply is {} bytes of JSON, over the {} byte cap", bytes.len(), app::MAX_MESSAGE);
+            return send(&FromPayload::SessionReply {
+                success: false,
+                error: Some(error),
+                stdout: String::new(),
+                stderr: String::new(),
+                globals: Default::default(),
+            });
+        }
+        send_bytes(&bytes)
     }
 
     /// A script did not pass validation; nothing of it ran.
     #[pyfunction]
     fn validation_error(error: String) -> PyResult<()> {
         send(&FromPayload::ValidationError { error })
+    }
+
+    /// Close the application channel: nothing that runs after this (a script's own code)
+    /// can speak for the runtime — claim a validation error, say. Functions that need the
+    /// channel raise `OSError` from then on.
+    #[pyfunction]
+    fn close_channel() -> PyResult<()> {
+        if let Some(chan) = APP.get() {
+            let mut chan = chan.lock().map_err(|_| PyRuntimeError::new_err("application channel poisoned"))?;
+            drop(chan.take());
+        }
+        Ok(())
     }
 
     /// End the process with `status` at once (streams are flushed by the caller; the
@@ -242,13 +273,13 @@ pub mod _opservant {
     /// Ask the agent for a secret; `PermissionError` when it is not granted.
     #[pyfunction]
     fn secret(py: Python<'_>, name: String) -> PyResult<String> {
-        let reply = py.detach(|| -> Result<ToPayload, String> {
-            let chan = APP.get().ok_or("no application channel")?;
-            let chan = chan.lock().map_err(|_| "application channel poisoned")?;
-            chan.send_bytes(&app::encode(&FromPayload::SecretRequest { name: name.clone() }))
-                .map_err(|e| e.desc().to_string())?;
-            let bytes = chan.recv_bytes(1 << 20)?.ok_or("the agent closed the channel")?;
-            serde_json::from_slice(&bytes).map_err(|e| e.to_string())
+        let reply = py.detach(|| {
+            with_channel(|chan| -> Result<ToPayload, String> {
+                chan.send_bytes(&app::encode(&FromPayload::SecretRequest { name: name.clone() }))
+                    .map_err(|e| e.desc().to_string())?;
+                let bytes = chan.recv_bytes(1 << 20)?.ok_or("the agent closed the channel")?;
+                serde_json::from_slice(&bytes).map_err(|e| e.to_string())
+            })
         });
         match reply {
             Ok(ToPayload::Secret { value }) => Ok(value),
