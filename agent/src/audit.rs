@@ -31,7 +31,10 @@
 //!   says so in `continues` (that file's name at rotation time and the seq it follows). A
 //!   file's first record is therefore either the genesis or a continuation; anything else
 //!   means records before it were removed. Verifying one rotated file alone reports the
-//!   continuation as a note, not an error.
+//!   continuation as a note, not an error. The continuation also says where the history kept
+//!   after the rotation begins (`continues.oldest`, the first seq of the oldest rotated file):
+//!   verifying the whole log (`verify_all`), an oldest file that begins later — a rotated file
+//!   removed other than by a rotation — is a removal.
 //! - A torn line (a writer died mid-`write`; the record was never acknowledged, so a gated
 //!   action did not proceed) is left in place. The next writer terminates it with `\n` and
 //!   appends a record whose `prev` is the hash of the last *complete* record, whose `seq`
@@ -50,7 +53,10 @@
 //! What the chain does not show by itself: records cut off the *end* of the newest file, or a
 //! wholesale rewrite with recomputed hashes by someone holding root. The journald mirror
 //! carries each record's seq and SHA-256 (`OPSERVANT_AUDIT_SEQ`, `OPSERVANT_AUDIT_SHA256`)
-//! as an independent anchor, and `verify` prints the chain head to compare with it.
+//! as an independent anchor, and `verify` prints the chain head to compare with it. Once a
+//! record was appended after a cut, the head matches journald's newest again: the cut then
+//! shows only as journald holding a different SHA-256 for the same seq (compare them per
+//! seq; `verify` does not read the journal).
 //!
 //! # Concurrency and durability
 //!
@@ -119,6 +125,8 @@ pub const GENESIS_PREV: &str = "000000000000000000000000000000000000000000000000
 /// A field value longer than this is cut (on a character boundary) and marked, so a sandboxed
 /// executor cannot bloat the log through, say, the name of a secret it asks for.
 pub const MAX_FIELD_BYTES: usize = 4096;
+/// The most read to find the first record of a rotated file (records are far smaller).
+const MAX_RECORD_BYTES: u64 = 1 << 20;
 const JOURNAL_SOCKET: &str = "/run/systemd/journal/socket";
 
 #[derive(Debug, Error)]
@@ -272,6 +280,9 @@ pub struct Record {
     pub event: String,
     pub ts: String,
     pub continues: Option<(String, u64)>,
+    /// `continues.oldest`: the first seq of the oldest file the rotation kept (absent in
+    /// records written before it was recorded).
+    pub oldest_kept: Option<u64>,
     pub repaired: Option<(u64, String)>,
 }
 
@@ -293,6 +304,10 @@ pub fn parse_record(line: &[u8]) -> Result<Record, String> {
             _ => return Err("'continues' is not {file, seq}".into()),
         }),
     };
+    let oldest_kept = match o.get("continues").and_then(|c| c.get("oldest")) {
+        None => None,
+        Some(v) => Some(v.as_u64().filter(|n| *n >= 1).ok_or("'continues.oldest' is not a positive integer")?),
+    };
     let repaired = match o.get("repaired") {
         None => None,
         Some(r) => Some(match (r.get("bytes").and_then(Value::as_u64), r.get("sha256").and_then(Value::as_str)) {
@@ -300,7 +315,15 @@ pub fn parse_record(line: &[u8]) -> Result<Record, String> {
             _ => return Err("'repaired' is not {bytes, sha256}".into()),
         }),
     };
-    Ok(Record { seq, prev: prev.to_string(), event: event.to_string(), ts: ts.to_string(), continues, repaired })
+    Ok(Record {
+        seq,
+        prev: prev.to_string(),
+        event: event.to_string(),
+        ts: ts.to_string(),
+        continues,
+        oldest_kept,
+        repaired,
+    })
 }
 
 fn is_hex64(s: &str) -> bool {
@@ -397,11 +420,13 @@ struct Head {
     seq: u64,
     /// Set when the head is the last record of the rotated file `(name, seq)`.
     continues: Option<(String, u64)>,
+    /// With `continues`, after a rotation: the first seq of the oldest rotated file kept.
+    oldest_kept: Option<u64>,
 }
 
 impl Head {
     fn genesis() -> Head {
-        Head { line: None, seq: 0, continues: None }
+        Head { line: None, seq: 0, continues: None, oldest_kept: None }
     }
     fn prev(&self) -> String {
         self.line.as_deref().map(sha256_hex).unwrap_or_else(|| GENESIS_PREV.to_string())
@@ -466,7 +491,8 @@ fn format_line(
         Value::Object(fields.clone())
     );
     if let Some((file, seq)) = &head.continues {
-        line.push_str(&format!(",\"continues\":{{\"file\":{},\"seq\":{seq}}}", js(file)));
+        let oldest = head.oldest_kept.map(|n| format!(",\"oldest\":{n}")).unwrap_or_default();
+        line.push_str(&format!(",\"continues\":{{\"file\":{},\"seq\":{seq}{oldest}}}", js(file)));
     }
     if let Some(torn) = repaired {
         line.push_str(&format!(",\"repaired\":{{\"bytes\":{},\"sha256\":\"{}\"}}", torn.len(), sha256_hex(torn)));
@@ -577,7 +603,7 @@ impl AuditLog {
         let tail = read_tail(&file, len).map_err(io)?;
         let plan = plan(&tail).map_err(|m| AuditError::new(path, m))?;
         let mut head = match &plan.head {
-            Some((line, seq)) => Head { line: Some(line.clone()), seq: *seq, continues: None },
+            Some((line, seq)) => Head { line: Some(line.clone()), seq: *seq, continues: None, oldest_kept: None },
             None => self.head_from_rotated()?,
         };
         let ts = timestamp(SystemTime::now());
@@ -590,6 +616,9 @@ impl AuditLog {
             self.rotate().map_err(io)?;
             rotated = true;
             head.continues = Some((file_name(&self.settings.rotated(1)), head.seq));
+            // Where the kept history now begins: a rotated file removed later (not by a
+            // rotation) is then found missing by `verify`.
+            head.oldest_kept = self.oldest_kept_seq();
             line = format_line(&head, &ts, &self.host, pid, event, fields, None);
             file = self.open_file(path)?;
         }
@@ -628,14 +657,29 @@ impl AuditLog {
         let len = f.metadata().map_err(|e| AuditError::new(&r1, e))?.len();
         let tail = read_tail(&f, len).map_err(|e| AuditError::new(&r1, e))?;
         match (tail.terminated, tail.lines.last().map(|l| (l, parse_record(l)))) {
-            (true, Some((line, Ok(r)))) => {
-                Ok(Head { line: Some(line.clone()), seq: r.seq, continues: Some((file_name(&r1), r.seq)) })
-            }
+            (true, Some((line, Ok(r)))) => Ok(Head {
+                line: Some(line.clone()),
+                seq: r.seq,
+                continues: Some((file_name(&r1), r.seq)),
+                oldest_kept: self.oldest_kept_seq(),
+            }),
             _ => Err(AuditError::new(
                 &r1,
                 "the newest rotated file does not end with a complete record; run `opservant audit verify`",
             )),
         }
+    }
+
+    /// The first seq of the oldest rotated file (`None` when it cannot be read: the claim is
+    /// then left out, never guessed).
+    fn oldest_kept_seq(&self) -> Option<u64> {
+        use std::io::{BufRead, Read};
+        let s = &self.settings;
+        let oldest = (1..=s.keep).rev().map(|n| s.rotated(n)).find(|p| p.exists())?;
+        let f = crate::bounded::open_regular_nofollow(&oldest, OpenOptions::new().read(true)).ok()?;
+        let mut first = Vec::new();
+        std::io::BufReader::new(f).take(MAX_RECORD_BYTES).read_until(b'\n', &mut first).ok()?;
+        parse_record(first.strip_suffix(b"\n")?).ok().map(|r| r.seq)
     }
 
     /// `path.keep` is dropped, `path.N` → `path.N+1`, `path` → `path.1`. Files numbered

@@ -18,7 +18,7 @@ use std::time::Duration;
 use serde_json::Value;
 use thiserror::Error;
 
-use super::verify::{chain_files, split, verify};
+use super::verify::{chain_files, split, verify, verify_all};
 use super::{summary, AuditError, AuditSettings};
 use crate::config::{Config, ConfigError};
 
@@ -76,7 +76,10 @@ pub fn main(command: AuditCommand) -> Result<ExitCode, CliError> {
                 Some(path) => chain_files(path),
                 None => Ok(files.clone()),
             };
-            let first = list(&configured).and_then(|f| verify(&f));
+            // The configured log is checked whole (its oldest file must begin where the
+            // last rotation said); files given by name may be any consecutive part of it.
+            let check = |f: &[PathBuf]| if configured.is_some() { verify_all(f) } else { verify(f) };
+            let first = list(&configured).and_then(|f| check(&f));
             // Verification takes no lock, so an append or a rotation running meanwhile can
             // look like a torn line, a missing record or a vanished file. A problem is
             // therefore confirmed by a second pass under a shared lock (appenders wait for
@@ -93,7 +96,7 @@ pub fn main(command: AuditCommand) -> Result<ExitCode, CliError> {
                     let _shared = super::lock::shared(f, &lock, lock_wait).map_err(|e| {
                         AuditError::new(&lock, format!("{e}; the problem found could not be confirmed"))
                     })?;
-                    verify(&list(&configured)?)?
+                    check(&list(&configured)?)?
                 }
             };
             let text = if json {

@@ -190,6 +190,17 @@ pub const MAX_FILE_BYTES: u64 = super::MAX_MAX_BYTES + (1 << 20);
 /// Verify `files`, oldest first. `Err` only when a file cannot be read (or is larger than
 /// [`MAX_FILE_BYTES`]).
 pub fn verify(files: &[PathBuf]) -> Result<VerifyReport, AuditError> {
+    verify_files(files, false)
+}
+
+/// Verify the whole log, `files` from [`chain_files`]: as [`verify`], and the oldest file
+/// must begin where the newest rotation said the kept history begins (`continues.oldest`),
+/// so a rotated file removed other than by a rotation is found.
+pub fn verify_all(files: &[PathBuf]) -> Result<VerifyReport, AuditError> {
+    verify_files(files, true)
+}
+
+fn verify_files(files: &[PathBuf], complete: bool) -> Result<VerifyReport, AuditError> {
     if files.is_empty() {
         return Err(AuditError { path: "-".into(), message: "no files to verify".into() });
     }
@@ -207,7 +218,7 @@ pub fn verify(files: &[PathBuf]) -> Result<VerifyReport, AuditError> {
         }
     }
     let names: Vec<String> = files.iter().map(|f| f.display().to_string()).collect();
-    verify_with(&names, |i| {
+    verify_with(&names, complete, |i| {
         let f = &files[i];
         let buf = crate::bounded::read_regular(f, MAX_FILE_BYTES).map_err(|e| match e.kind() {
             std::io::ErrorKind::InvalidData => {
@@ -223,15 +234,17 @@ pub fn verify(files: &[PathBuf]) -> Result<VerifyReport, AuditError> {
 /// checks as [`verify`] (which reads files and calls the same code), for any bytes.
 pub fn verify_bytes(files: &[(&str, &[u8])]) -> VerifyReport {
     let names: Vec<String> = files.iter().map(|(n, _)| n.to_string()).collect();
-    match verify_with(&names, |i| Ok::<_, std::convert::Infallible>(std::borrow::Cow::Borrowed(files[i].1))) {
+    match verify_with(&names, false, |i| Ok::<_, std::convert::Infallible>(std::borrow::Cow::Borrowed(files[i].1))) {
         Ok(r) => r,
         Err(never) => match never {},
     }
 }
 
-/// The chain check over `names.len()` files whose contents `read(i)` gives, oldest first.
+/// The chain check over `names.len()` files whose contents `read(i)` gives, oldest first;
+/// `complete`: they are all the log's files (see [`verify_all`]).
 fn verify_with<'a, E>(
     names: &[String],
+    complete: bool,
     read: impl Fn(usize) -> Result<std::borrow::Cow<'a, [u8]>, E>,
 ) -> Result<VerifyReport, E> {
     let mut report = VerifyReport {
@@ -245,6 +258,8 @@ fn verify_with<'a, E>(
         problem: None,
     };
     let mut last: Option<Last> = None;
+    // The newest rotation's claim of where the kept history begins: (seq, file, line).
+    let mut oldest_kept: Option<(u64, String, usize)> = None;
     for (fi, name) in names.iter().enumerate() {
         let bytes = read(fi)?;
         let name = name.clone();
@@ -398,6 +413,9 @@ fn verify_with<'a, E>(
                     }
                 }
             }
+            if let Some(n) = rec.oldest_kept {
+                oldest_kept = Some((n, name.clone(), ln));
+            }
             first_in_file = false;
             report.records += 1;
             report.first_seq.get_or_insert(rec.seq);
@@ -411,6 +429,22 @@ fn verify_with<'a, E>(
             i += 1;
         }
         report.files.push(summary);
+    }
+    if let (true, Some((n, file, line)), Some(first)) = (complete, oldest_kept, report.first_seq) {
+        if first > n {
+            report.intact = false;
+            report.problem = Some(Problem {
+                file,
+                line,
+                seq: None,
+                kind: Kind::Removed,
+                detail: format!(
+                    "the last rotation kept the records from seq {n} on, but the oldest file begins at seq {first}: \
+                     seq {n}..{} missing (a rotated file was removed other than by a rotation)",
+                    first - 1
+                ),
+            });
+        }
     }
     Ok(report)
 }
@@ -471,6 +505,30 @@ mod tests {
         let r = verify(&[p.to_path_buf()]).unwrap();
         assert!(!r.intact);
         r.problem.unwrap()
+    }
+
+    #[test]
+    fn a_rotated_file_removed_other_than_by_a_rotation_is_found() {
+        let s = Scratch::new("oldest");
+        let mut settings = AuditSettings::at(&s.log());
+        (settings.max_bytes, settings.keep) = (1024, 3);
+        let log = AuditLog::open(settings).unwrap();
+        // Enough rotations that some files were dropped by rotation (retention).
+        append(&log, 60);
+        let files = chain_files(&s.log()).unwrap();
+        assert_eq!(files.len(), 4, "{files:?}");
+        let r = verify_all(&files).unwrap();
+        assert!(r.intact, "{r:?}");
+        assert!(r.first_seq.unwrap() > 1, "retention dropped the first records: {r:?}");
+        // The oldest kept file removed: the chain of the rest is intact, but the last
+        // rotation's claim of where the kept history begins is not met.
+        std::fs::remove_file(&files[0]).unwrap();
+        let rest = chain_files(&s.log()).unwrap();
+        assert!(verify(&rest).unwrap().intact, "a part of the log verifies on its own");
+        let r = verify_all(&rest).unwrap();
+        let p = r.problem.expect("removed");
+        assert_eq!(p.kind, Kind::Removed, "{p:?}");
+        assert!(p.detail.contains("rotated file was removed"), "{}", p.detail);
     }
 
     #[test]
