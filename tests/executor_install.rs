@@ -189,6 +189,26 @@ fn install_list_run_upgrade_and_remove() {
     assert_eq!(versions, ["1.1.0", "1.2.0", "current"]);
     assert_eq!(std::fs::read_link(env.root.join("hello/current")).unwrap(), PathBuf::from("1.2.0"));
 
+    // A bare name is the installed executor, even beside a directory of that name (one
+    // planted where root runs the command); `./hello` names the directory.
+    let cwd = env.dir.path.join("cwd");
+    std::fs::create_dir_all(&cwd).unwrap();
+    let planted = package(&cwd, "9.9.9", false);
+    std::fs::rename(&planted, cwd.join("hello")).unwrap();
+    let run_in_cwd = |name: &str| {
+        let out = Command::new(common::opservant())
+            .args(["run", name, "--config", env.config.to_str().unwrap()])
+            .current_dir(&cwd)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+        let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+        r["output"]["version"].clone()
+    };
+    assert_eq!(run_in_cwd("hello"), "1.2.0");
+    assert_eq!(run_in_cwd("./hello"), "9.9.9");
+
     assert_eq!(env.op(&["executor", "remove", "hello"]).code, 0);
     assert_eq!(env.entries(), Vec::<String>::new(), "nothing left after remove");
     assert_eq!(env.op(&["executor", "remove", "hello"]).code, 1);

@@ -367,7 +367,10 @@ fn a_python_path_never_shows_key_material() {
         let _ = Command::new(opservant()).args(["session", "stop", &name]).output();
         assert_eq!(out.status.code(), Some(2), "{path:?}: {stderr}");
         assert!(stderr.contains("--python-path") && stderr.contains("key material"), "{path:?}: {stderr}");
-        assert!(!std::path::Path::new(&format!("/run/opservant/sessions/{name}.sock")).exists());
+        for ext in ["sock", "lock", "log"] {
+            let left = std::path::Path::new(&format!("/run/opservant/sessions/{name}.{ext}")).exists();
+            assert!(!left, "{path:?}: {ext} left behind by a refused start");
+        }
     }
     // Without the credential, the same directory is an ordinary python path.
     let name = format!("t{}-{}", std::process::id(), SEQ.fetch_add(1, Ordering::Relaxed));
@@ -393,7 +396,7 @@ fn a_failed_start_leaves_nothing_behind() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("no_such_module_here"));
-    for ext in ["sock", "lock"] {
+    for ext in ["sock", "lock", "log"] {
         assert!(!std::path::Path::new(&format!("/run/opservant/sessions/{name}.{ext}")).exists(), "{ext} left behind");
     }
     // The name is free again: a valid start succeeds.

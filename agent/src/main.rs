@@ -656,11 +656,20 @@ fn run_executor(
 }
 
 /// A directory, or the name of an installed executor.
+/// `dir` names an executor directory, or — a bare name — an installed executor, which wins
+/// over a directory of that name in the current directory (one planted where root happens to
+/// be must not shadow it; `./NAME` names the directory).
 fn executor_dir(dir: PathBuf, config: &agent::config::Config) -> Result<PathBuf, CannotRun> {
+    let name = dir.to_string_lossy();
+    let bare = !name.contains('/');
+    if bare {
+        if let Some(installed) = agent::executor_install::resolve(&config.executors.root(), &name) {
+            return Ok(installed);
+        }
+    }
     if dir.exists() {
         return Ok(dir);
     }
-    let name = dir.to_string_lossy();
     agent::executor_install::resolve(&config.executors.root(), &name).ok_or_else(|| {
         CannotRun(format!(
             "{name}: not a directory, nor an executor installed in {}",

@@ -221,6 +221,14 @@ pub fn start(settings: &Settings, exe: &Path, serve_subcommand: &str) -> Result<
     if UnixStream::connect(socket_path(&settings.name)).is_ok() {
         return Err(CannotRun(format!("session '{}' is already running", settings.name)));
     }
+    // A log this start creates goes again if the start fails (nothing of a failed start is
+    // left; the error is in the reply). One that exists belongs to an earlier session.
+    let created_log = !log_path(&settings.name).exists();
+    let remove_log = || {
+        if created_log {
+            let _ = std::fs::remove_file(log_path(&settings.name));
+        }
+    };
     let log = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
@@ -259,6 +267,7 @@ pub fn start(settings: &Settings, exe: &Path, serve_subcommand: &str) -> Result<
     };
     if reply.get("error").and_then(Value::as_str).is_some() && reply.get("status") != Some(&json!("started")) {
         let _ = child.wait();
+        remove_log();
         return Err(CannotRun(format!(
             "session '{}': {}",
             settings.name,
@@ -462,6 +471,22 @@ impl Daemon {
     ) -> Result<(Daemon, UnixListener, std::fs::File), CannotRun> {
         ensure_dir()?;
         let lock = take_lock(&settings.name)?;
+        // Ours: a start that fails from here on removes it — before the lock is let go (the
+        // duplicate holds it: flock belongs to the open file), so no other daemon's is removed.
+        let held = lock.try_clone().map_err(|e| CannotRun(format!("{}: {e}", lock_path(&settings.name).display())))?;
+        let name = settings.name.clone();
+        Self::start_locked(settings, launcher, runtime, lock).inspect_err(|_| {
+            let _ = std::fs::remove_file(lock_path(&name));
+            drop(held);
+        })
+    }
+
+    fn start_locked(
+        settings: Settings,
+        launcher: sandbox::Launcher,
+        runtime: PathBuf,
+        lock: std::fs::File,
+    ) -> Result<(Daemon, UnixListener, std::fs::File), CannotRun> {
         let config = crate::config::Config::load(settings.config.as_deref())?;
         let policy = AgentPolicy::from_config(&config)?;
         audit::init(&config)?;
