@@ -381,6 +381,7 @@ fn a_python_path_never_shows_key_material() {
         .output()
         .unwrap();
     let _ = Command::new(opservant()).args(["session", "stop", &name]).output();
+    let _ = std::fs::remove_file(format!("/run/opservant/sessions/{name}.log"));
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
