@@ -353,7 +353,8 @@ fn rotation_carries_the_chain_across_files() {
     let last_of_1 = read_lines(&r1).pop().unwrap();
     let prev: Value = serde_json::from_str(&last_of_1).unwrap();
     assert_eq!(first["prev"], sha256_hex(last_of_1.as_bytes()));
-    assert_eq!(first["continues"], json!({"file": "audit.jsonl.1", "seq": prev["seq"]}));
+    // (`oldest`: where the history kept after the rotation begins — the genesis, keep 20.)
+    assert_eq!(first["continues"], json!({"file": "audit.jsonl.1", "seq": prev["seq"], "oldest": 1}));
 
     // All files, found from the configuration, oldest first.
     let out = log.verify(&[]);

@@ -165,6 +165,12 @@ fn install_list_run_upgrade_and_remove() {
     assert_eq!(out.code, 2);
     assert!(out.stderr.contains("already installed"), "{}", out.stderr);
     assert_eq!(env.op(&["executor", "install", "--force", v1.to_str().unwrap()]).code, 0);
+    // Forced twice: `1.0.0` itself is gone (two copies kept), and 1.0.0 is still installed.
+    assert_eq!(env.op(&["executor", "install", "--force", v1.to_str().unwrap()]).code, 0);
+    assert!(!env.root.join("hello/1.0.0").exists());
+    let out = env.op(&["executor", "install", v1.to_str().unwrap()]);
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(out.stderr.contains("already installed"), "{}", out.stderr);
     // A forced reinstall's directory never takes a name a later version could have.
     let rc = package(&env.dir.path, "1.0.1-rc", false);
     assert_eq!(env.op(&["executor", "install", rc.to_str().unwrap()]).code, 0);

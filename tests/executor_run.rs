@@ -1212,6 +1212,9 @@ class TestExecutor(BaseExecutor):
         digest = hashlib.sha256(value.encode()).hexdigest()
         if mode == "raise":
             raise RuntimeError("upstream refused key " + value)
+        if mode == "cut":
+            # The error is cut at 64 KiB: here inside the secret.
+            return ExecutorResult(status="failed", error="x" * 65531 + value)
         if mode == "scan":
             files, scanned = file_hits(value, ["/tmp", "/etc", "/run", "/var", "/home", "/dev/shm",
                                                os.path.dirname(os.path.dirname(__file__))])
@@ -1366,6 +1369,12 @@ fn declared_secret_is_delivered_and_redacted_everywhere() {
     assert_eq!(r["status"], "failed");
     assert!(!out.stdout.contains(&value), "{}", out.stdout);
     assert!(r["error"].as_str().unwrap().contains("RuntimeError: upstream refused key [REDACTED]"), "{r}");
+
+    // An error cut at its cap inside the secret: redacted before the cut, no prefix shows.
+    let out = run(&d.path, &["--config", c.arg(), "--params", r#"{"mode": "cut"}"#]);
+    let r = out.result();
+    let error = r["error"].as_str().unwrap();
+    assert!(error.contains("byte cap]") && !error.contains(&value[..5]), "{}", &error[65000..]);
 }
 
 #[test]

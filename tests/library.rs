@@ -228,6 +228,30 @@ fn mount_points_are_never_created_in_host_directories() {
     assert!(e.contains("on the host"), "{e}");
 }
 
+/// A synthetic file at a path the view holds as a symlink copied from the host (as a
+/// systemd-resolved host's /etc/resolv.conf) replaces the link; the bind never follows it.
+#[test]
+fn a_synthetic_file_replaces_a_copied_symlink() {
+    if !require_root() {
+        return;
+    }
+    let _view = common::host_view();
+    let dir = common::HostDir::new_in("/var/tmp");
+    std::os::unix::fs::symlink("../elsewhere/stub.conf", dir.path.join("resolv.conf")).unwrap();
+    let path = dir.path.join("resolv.conf");
+    let mut s = spec(&["/bin/cat", path.to_str().unwrap()]);
+    s.filesystem.system.push(sandbox::PathRule {
+        source: None,
+        path: path.clone(),
+        access: sandbox::Access::Read,
+        optional: false,
+    });
+    s.filesystem.synthetic.push(sandbox::SyntheticFile { path, content: "nameserver 10.0.0.1\n".into() });
+    let o = sandbox::run(&s, &launcher(), OutputOptions::default()).unwrap();
+    assert!(o.success(), "{o:?}");
+    assert_eq!(stdout(&o), "nameserver 10.0.0.1\n");
+}
+
 #[test]
 fn dropping_a_running_sandbox_tears_it_down() {
     if !require_root() {

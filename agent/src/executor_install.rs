@@ -436,10 +436,7 @@ pub fn install(
         if let Ok(entries) = std::fs::read_dir(&name_dir) {
             for e in entries.flatten() {
                 let n = e.file_name().to_string_lossy().into_owned();
-                let is_version = n == manifest.version
-                    || n.strip_prefix(&format!("{}.", manifest.version))
-                        .is_some_and(|k| !k.is_empty() && k.bytes().all(|b| b.is_ascii_digit()));
-                if !is_version || !e.path().is_dir() {
+                if !is_version_dir(&n, &manifest.version) || !e.path().is_dir() {
                     continue;
                 }
                 same_version = true;
@@ -503,7 +500,10 @@ pub fn install(
     let _lock = lock_root(root)?;
     let name_dir = root.join(&manifest.name);
     let mut dir_name = manifest.version.clone();
-    if name_dir.join(&dir_name).exists() {
+    let installed = std::fs::read_dir(&name_dir).is_ok_and(|entries| {
+        entries.flatten().any(|e| is_version_dir(&e.file_name().to_string_lossy(), &manifest.version))
+    });
+    if installed {
         if !opts.force {
             return Err(InstallError::AlreadyInstalled { name: manifest.name, version: manifest.version });
         }
@@ -564,6 +564,17 @@ pub fn install(
         sha256,
         signed_by,
     })
+}
+
+/// Whether the directory `name` holds `version`: the version itself, or a forced copy of it
+/// (`VERSION~N`, or `VERSION.N` as agents before 2026-11-24 named it — only when that is no
+/// semantic version of its own, as `1.0.0-rc.1` is).
+fn is_version_dir(name: &str, version: &str) -> bool {
+    let digits = |k: &str| !k.is_empty() && k.bytes().all(|b| b.is_ascii_digit());
+    name == version
+        || name.strip_prefix(version).and_then(|r| r.strip_prefix('~')).is_some_and(digits)
+        || (name.strip_prefix(version).and_then(|r| r.strip_prefix('.')).is_some_and(digits)
+            && semver::Version::parse(name).is_err())
 }
 
 /// Install a package downloaded for an `install_executor` command: the body is written into
@@ -1231,6 +1242,25 @@ pub fn remove(root: &Path, name: &str, source: &str, command_id: Option<&str>) -
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn forced_copies_are_the_same_version() {
+        for (name, version, want) in [
+            ("1.0.0", "1.0.0", true),
+            ("1.0.0~1", "1.0.0", true),
+            ("1.0.0~12", "1.0.0", true),
+            ("1.0.0.1", "1.0.0", true),
+            ("1.0.0-rc~1", "1.0.0-rc", true),
+            ("1.0.0-rc.1", "1.0.0-rc", false),
+            ("1.0.0~", "1.0.0", false),
+            ("1.0.0~x", "1.0.0", false),
+            ("1.0.01", "1.0.0", false),
+            ("current", "1.0.0", false),
+        ] {
+            assert_eq!(is_version_dir(name, version), want, "{name} of {version}");
+        }
+    }
+
     use super::*;
 
     #[test]

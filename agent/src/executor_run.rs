@@ -591,7 +591,8 @@ fn assemble(
         r.status = status;
         // What the payload sent is untrusted: the runtime's caps are checked again here
         // (executor code can write its own result message to the channel).
-        r.error = error.map(|e| app::cut_text(e, app::MAX_ERROR));
+        // Redacted before it is cut: a secret the cut would split is still whole here.
+        r.error = error.map(|e| app::cut_text(app.redactor.text(&e), app::MAX_ERROR));
         let output_size = output.as_ref().map_or(0, |o| serde_json::to_vec(o).map_or(usize::MAX, |v| v.len()));
         if output_size > app::MAX_OUTPUT {
             r.status = Status::Failed;
@@ -611,7 +612,7 @@ fn assemble(
                 Value::Null
             }
         };
-        r.artifacts = checked_artifacts(artifacts)
+        r.artifacts = checked_artifacts(artifacts, &app.redactor)
             .into_iter()
             .map(|a| {
                 let content = a.get("content_base64").and_then(Value::as_str).unwrap_or("");
@@ -646,7 +647,7 @@ fn assemble(
 /// within the per-file and per-run caps — or `{path, error}`; at most
 /// [`app::MAX_ARTIFACT_ENTRIES`]. Anything else (executor code can write its own result
 /// message) becomes an error entry.
-fn checked_artifacts(reported: Vec<Value>) -> Vec<Value> {
+fn checked_artifacts(reported: Vec<Value>, redactor: &Redactor) -> Vec<Value> {
     use base64::Engine;
     use sha2::Digest;
     const MAX_TEXT: usize = 4096;
@@ -654,7 +655,8 @@ fn checked_artifacts(reported: Vec<Value>) -> Vec<Value> {
     let mut out = Vec::new();
     let count = reported.len();
     for a in reported.into_iter().take(app::MAX_ARTIFACT_ENTRIES) {
-        let path = a.get("path").and_then(Value::as_str).map(|p| app::cut_text(p.to_string(), MAX_TEXT));
+        // Redacted before they are cut (a cut secret would no longer be found).
+        let path = a.get("path").and_then(Value::as_str).map(|p| app::cut_text(redactor.text(p), MAX_TEXT));
         let refused = |path: Option<String>, why: &str| serde_json::json!({"path": path, "error": why});
         let Some(path) = path else {
             out.push(refused(None, "refused: an artifact entry without a path"));
@@ -662,7 +664,7 @@ fn checked_artifacts(reported: Vec<Value>) -> Vec<Value> {
         };
         if let Some(e) = a.get("error") {
             let e = e.as_str().map_or_else(|| "refused: an error that is not a string".to_string(), str::to_string);
-            out.push(refused(Some(path), &app::cut_text(e, MAX_TEXT)));
+            out.push(refused(Some(path), &app::cut_text(redactor.text(&e), MAX_TEXT)));
             continue;
         }
         if path.starts_with('/') || path.split('/').any(|c| c == "..") {

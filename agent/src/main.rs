@@ -477,7 +477,7 @@ fn main() -> ExitCode {
         0 => code,
         sig => {
             let name = nix::sys::signal::Signal::try_from(sig).map_or("a signal", |s| s.as_str());
-            errln!("opservant: stopped by {name}; the sandbox was torn down");
+            errln!("opservant: stopped by {name}");
             ExitCode::from(128u8.saturating_add(u8::try_from(sig).unwrap_or(0)))
         }
     }
@@ -485,6 +485,8 @@ fn main() -> ExitCode {
 
 /// The terminal signal a sandbox-running command received (0: none).
 static CAUGHT_SIGNAL: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+/// The command's own pid (its signal handler does nothing in a forked child).
+static CLI_PID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
 
 /// SIGINT, SIGTERM, SIGHUP and SIGQUIT stop the command's sandboxes instead of killing the
 /// command outright (which left their cgroups behind): each sandbox is torn down, the result
@@ -495,12 +497,24 @@ static CAUGHT_SIGNAL: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI3
 fn stop_sandboxes_on_signals() -> Result<(), CannotRun> {
     use nix::sys::signal::{sigaction, SaFlags, SigAction, SigHandler, SigSet, Signal};
     extern "C" fn on_signal(sig: libc::c_int) {
-        // Async-signal-safe: an atomic store and stop_all's write(2).
+        // Async-signal-safe: getpid(2), atomics and stop_all's write(2); errno is kept.
+        // A child forked to be a sandbox's monitor runs this until it resets its handlers:
+        // the stop pipe's descriptor numbers are not the pipe there, so it does nothing.
+        // SAFETY: getpid has no preconditions.
+        if unsafe { libc::getpid() } as u32 != CLI_PID.load(std::sync::atomic::Ordering::SeqCst) {
+            return;
+        }
+        let errno = nix::errno::Errno::last_raw();
         CAUGHT_SIGNAL.store(sig, std::sync::atomic::Ordering::SeqCst);
         sandbox::parent::stop_all();
+        nix::errno::Errno::set_raw(errno);
     }
+    CLI_PID.store(std::process::id(), std::sync::atomic::Ordering::SeqCst);
     sandbox::parent::enable_stop_all().map_err(|e| CannotRun(e.to_string()))?;
-    let action = SigAction::new(SigHandler::Handler(on_signal), SaFlags::SA_RESTART, SigSet::empty());
+    // SA_RESETHAND: a second signal (the stop hanging, or the command busy elsewhere, e.g.
+    // reading --params from a terminal) has its default effect.
+    let action =
+        SigAction::new(SigHandler::Handler(on_signal), SaFlags::SA_RESTART | SaFlags::SA_RESETHAND, SigSet::empty());
     for s in [Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP, Signal::SIGQUIT] {
         // SAFETY: the handler only does async-signal-safe work (see above).
         unsafe { sigaction(s, &action) }.map_err(|e| CannotRun(format!("sigaction {s}: {e}")))?;
@@ -1299,8 +1313,16 @@ fn lint(dir: PathBuf, json: bool, config: Option<PathBuf>) -> Result<ExitCode, C
 fn doctor(json: bool, config: Option<PathBuf>) -> Result<ExitCode, CannotRun> {
     // What the configuration requires decides what is missing (as the daemon's heartbeat
     // reports it): a Landlock floor above the kernel's ABI fails every run.
-    let config = agent::config::Config::load(config.as_deref())?;
-    let policy = AgentPolicy::from_config(&config)?;
+    // Named: it must load (exit 2 naming what is wrong). The default one, when it cannot be
+    // read (not root) or is invalid: the host is still described, against the defaults.
+    let policy = match (&config, agent::config::Config::load(config.as_deref())) {
+        (Some(_), loaded) => AgentPolicy::from_config(&loaded?)?,
+        (None, Ok(loaded)) => AgentPolicy::from_config(&loaded)?,
+        (None, Err(e)) => {
+            errln!("opservant: warning: {e}; checking against the default requirements");
+            AgentPolicy::from_config(&agent::config::Config::default())?
+        }
+    };
     let report = agent::doctor::examine(policy.landlock_min_abi, policy.allow_degraded);
     if json {
         outln!("{}", serde_json::to_string_pretty(&report)?);

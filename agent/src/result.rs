@@ -105,7 +105,9 @@ impl RunResult {
         };
         let error = match (status, outcome.killed_by, outcome.exit) {
             (Status::Completed, _, _) => None,
-            _ if outcome.stopped => Some("stopped before it finished (its caller stopped the sandbox)".into()),
+            _ if outcome.stopped && !outcome.timed_out && outcome.killed_by != Some(sandbox::KilledBy::Oom) => {
+                Some("stopped before it finished (its caller stopped the sandbox)".into())
+            }
             (_, Some(k), _) => Some(match k {
                 sandbox::KilledBy::Oom => format!("killed: out of memory (limit {} MB)", limits.max_memory_mb),
                 sandbox::KilledBy::Timeout => format!("timed out after {} s", limits.timeout_seconds),

@@ -223,18 +223,27 @@ pub fn start(settings: &Settings, exe: &Path, serve_subcommand: &str) -> Result<
     }
     // A log this start creates goes again if the start fails (nothing of a failed start is
     // left; the error is in the reply). One that exists belongs to an earlier session.
-    let created_log = !log_path(&settings.name).exists();
+    let open_log = |create_new: bool| {
+        let mut o = std::fs::OpenOptions::new();
+        o.append(true).mode(0o600);
+        if create_new {
+            o.create_new(true);
+        }
+        o.open(log_path(&settings.name))
+    };
+    // Created here (`create_new`: not one a concurrent start of the same name made), or an
+    // earlier session's, appended to. One created here goes again if the start fails.
+    let (log, created_log) = match open_log(true) {
+        Ok(f) => (Ok(f), true),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => (open_log(false), false),
+        Err(e) => (Err(e), false),
+    };
+    let log = log.map_err(|e| CannotRun(format!("{}: {e}", log_path(&settings.name).display())))?;
     let remove_log = || {
         if created_log {
             let _ = std::fs::remove_file(log_path(&settings.name));
         }
     };
-    let log = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .mode(0o600)
-        .open(log_path(&settings.name))
-        .map_err(|e| CannotRun(format!("{}: {e}", log_path(&settings.name).display())))?;
     let mut cmd = Command::new(exe);
     cmd.arg(serve_subcommand).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(log);
     // SAFETY: setsid is async-signal-safe and touches no memory of the parent.

@@ -154,7 +154,7 @@ pub fn build(fs_spec: &Filesystem, net_ns: bool, cwd: &Path) -> Result<ViewRepor
             }
             None => {
                 if mask(path)? {
-                    owned.add(path)?;
+                    owned.add_unless_linked(path)?;
                     masks_to_seal.push(path.to_path_buf());
                 }
             }
@@ -165,6 +165,11 @@ pub fn build(fs_spec: &Filesystem, net_ns: bool, cwd: &Path) -> Result<ViewRepor
     for (i, s) in fs_spec.synthetic.iter().enumerate() {
         let src = PathBuf::from(format!("/.synthetic-{i}"));
         create_file(&src, 0o444, s.content.as_bytes())?;
+        // A synthetic file replaces a symlink the view copied from the host at its path (a
+        // systemd-resolved host's /etc/resolv.conf): the bind would follow the link.
+        if fs::symlink_metadata(&s.path).is_ok_and(|m| m.file_type().is_symlink()) {
+            remove_in_owned(&s.path, &owned)?;
+        }
         mount_point(&s.path, false, &owned)?;
         do_mount(src.to_str(), &s.path, None, MsFlags::MS_BIND, None)?;
         seal(&s.path, true, false)?;
@@ -491,6 +496,25 @@ impl Owned {
         self.0.push(st.st_dev);
         Ok(())
     }
+
+    /// A mask's tmpfs, found at `path` without following a symlink there (one swapped in
+    /// after the mount would otherwise name a host filesystem): a mask reached through a
+    /// link is not added — nothing is then created beneath it.
+    fn add_unless_linked(&mut self, path: &Path) -> Result<(), StepError> {
+        use nix::fcntl::{open, OFlag};
+        let flags = OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+        match open(path, flags, nix::sys::stat::Mode::empty()) {
+            Ok(fd) => {
+                let st = nix::sys::stat::fstat(&fd).map_err(|e| fail(format!("stat {}", path.display()), e))?;
+                if st.st_mode & libc::S_IFMT == libc::S_IFDIR && st.st_mode & 0o7777 == 0 {
+                    self.0.push(st.st_dev);
+                }
+                Ok(())
+            }
+            Err(Errno::ELOOP | Errno::ENOTDIR) => Ok(()),
+            Err(e) => Err(fail(format!("open {}", path.display()), e)),
+        }
+    }
 }
 
 /// What to create.
@@ -533,15 +557,22 @@ fn ensure_parent(path: &Path, owned: &Owned) -> Result<(), StepError> {
     }
 }
 
-/// Create `path` (its parent exists) in its parent directory, held open, only when that
-/// directory lies on a filesystem of `owned`: a parent that is (or leads into) a host
-/// directory fails the view instead of creating anything on the host.
-fn create_in_owned(path: &Path, kind: Kind, owned: &Owned) -> Result<(), StepError> {
-    let (Some(parent), Some(name)) = (path.parent(), path.file_name()) else {
-        return Err(StepError::new(Stage::Mounts, format!("{}: nothing to create", path.display())));
+/// Remove the non-directory `path` from its parent directory, held open, only when that
+/// directory lies on a filesystem of `owned` (never anything of the host).
+fn remove_in_owned(path: &Path, owned: &Owned) -> Result<(), StepError> {
+    let dir = owned_parent(path, owned)?;
+    let name = path.file_name().unwrap_or_default();
+    nix::unistd::unlinkat(&dir, name, nix::unistd::UnlinkatFlags::NoRemoveDir)
+        .map_err(|e| fail(format!("remove {}", path.display()), e))
+}
+
+/// `path`'s parent directory, opened, when it lies on a filesystem of `owned`.
+fn owned_parent(path: &Path, owned: &Owned) -> Result<OwnedFd, StepError> {
+    use nix::fcntl::{open, OFlag};
+    use nix::sys::stat::{fstat, Mode};
+    let (Some(parent), Some(_)) = (path.parent(), path.file_name()) else {
+        return Err(StepError::new(Stage::Mounts, format!("{}: not a path with a parent", path.display())));
     };
-    use nix::fcntl::{open, openat, OFlag};
-    use nix::sys::stat::{fstat, mkdirat, Mode};
     let dir = open(parent, OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC, Mode::empty())
         .map_err(|e| fail(format!("open {}", parent.display()), e))?;
     let st = fstat(&dir).map_err(|e| fail(format!("stat {}", parent.display()), e))?;
@@ -549,13 +580,24 @@ fn create_in_owned(path: &Path, kind: Kind, owned: &Owned) -> Result<(), StepErr
         return Err(StepError::new(
             Stage::Mounts,
             format!(
-                "{}: does not exist in the view, and creating it would create it on the host ({} is a host directory); \
-                 never done",
+                "{}: it would have to be made or replaced in {}, a directory on the host; the view never changes \
+                 anything on the host",
                 path.display(),
                 parent.display()
             ),
         ));
     }
+    Ok(dir)
+}
+
+/// Create `path` (its parent exists) in its parent directory, held open, only when that
+/// directory lies on a filesystem of `owned`: a parent that is (or leads into) a host
+/// directory fails the view instead of creating anything on the host.
+fn create_in_owned(path: &Path, kind: Kind, owned: &Owned) -> Result<(), StepError> {
+    use nix::fcntl::{openat, OFlag};
+    use nix::sys::stat::{mkdirat, Mode};
+    let dir = owned_parent(path, owned)?;
+    let name = path.file_name().unwrap_or_default();
     match kind {
         Kind::Dir(mode) => mkdirat(&dir, name, Mode::from_bits_truncate(mode)),
         Kind::File => openat(

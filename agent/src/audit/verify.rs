@@ -413,8 +413,10 @@ fn verify_with<'a, E>(
                     }
                 }
             }
-            if let Some(n) = rec.oldest_kept {
-                oldest_kept = Some((n, name.clone(), ln));
+            // Each rotation's claim replaces the one before; one that makes none (written
+            // by an older agent, or the oldest file was unreadable) clears it.
+            if rec.continues.is_some() {
+                oldest_kept = rec.oldest_kept.map(|n| (n, name.clone(), ln));
             }
             first_in_file = false;
             report.records += 1;
