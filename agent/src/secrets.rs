@@ -137,13 +137,44 @@ pub const REDACTED: &str = "[REDACTED]";
 /// The largest `secrets.file` read (a map of names to values).
 const MAX_SECRETS_FILE: u64 = 1 << 20;
 
+/// The shortest form derived from a value (trimmed, escaped) that is redacted too: shorter
+/// ones would redact ordinary text.
+const MIN_DERIVED: usize = 4;
+
 impl Redactor {
+    /// Redact `value` from now on — and the forms code commonly turns it into: without its
+    /// surrounding whitespace (a value stored from a file ends with a newline, code strips
+    /// it), and as a JSON string's content (`"` and `\` escaped; Python's `json.dumps` also
+    /// escapes every non-ASCII character).
     pub fn add(&mut self, value: &str) {
-        if !value.is_empty() && !self.values.iter().any(|v| v.as_str() == value) {
-            self.values.push(Zeroizing::new(value.to_string()));
-            // Longest first, so a secret containing another is replaced whole.
-            self.values.sort_by_key(|v| std::cmp::Reverse(v.len()));
+        let trimmed = value.trim();
+        let mut forms = vec![Zeroizing::new(value.to_string())];
+        for base in [value, trimmed] {
+            forms.push(Zeroizing::new(base.to_string()));
+            let json = Zeroizing::new(serde_json::Value::String(base.to_string()).to_string());
+            forms.push(Zeroizing::new(json[1..json.len() - 1].to_string()));
+            let ascii: String = base
+                .chars()
+                .map(|c| match c {
+                    '"' => "\\\"".to_string(),
+                    '\\' => "\\\\".to_string(),
+                    c if c.is_ascii() && !c.is_ascii_control() => c.to_string(),
+                    c => c.encode_utf16(&mut [0u16; 2]).iter().map(|u| format!("\\u{u:04x}")).collect(),
+                })
+                .collect();
+            forms.push(Zeroizing::new(ascii));
         }
+        for (i, form) in forms.into_iter().enumerate() {
+            let derived = i > 0;
+            if form.is_empty() || (derived && form.len() < MIN_DERIVED) {
+                continue;
+            }
+            if !self.values.iter().any(|v| v.as_str() == form.as_str()) {
+                self.values.push(form);
+            }
+        }
+        // Longest first, so a secret containing another is replaced whole.
+        self.values.sort_by_key(|v| std::cmp::Reverse(v.len()));
     }
 
     /// No value was delivered (the credential patterns still apply to [`Redactor::text`]).
@@ -213,6 +244,22 @@ mod tests {
         assert_eq!(r.text_cut("plain text"), "plain text");
         let r = Redactor { values: vec![Zeroizing::new("pässwörd".to_string())] };
         assert_eq!(r.text_cut("out: p\u{e4}ssw\u{FFFD}"), "out: [REDACTED]");
+    }
+
+    #[test]
+    fn the_forms_code_turns_a_value_into_are_redacted_too() {
+        let mut r = Redactor::default();
+        r.add("s3cr3t-value\n");
+        assert_eq!(r.text("token=s3cr3t-value;"), "token=[REDACTED];");
+        let mut r = Redactor::default();
+        r.add("pa\"ss\\wörd-1");
+        // serde_json / json.dumps(ensure_ascii=False), and json.dumps' default.
+        assert_eq!(r.text(r#"{"p": "pa\"ss\\wörd-1"}"#), r#"{"p": "[REDACTED]"}"#);
+        assert_eq!(r.text(r#"{"p": "pa\"ss\\w\u00f6rd-1"}"#), r#"{"p": "[REDACTED]"}"#);
+        // A value whose trimmed form is too short to redact alone.
+        let mut r = Redactor::default();
+        r.add(" ab ");
+        assert_eq!(r.text("a b-ab-abc"), "a b-ab-abc");
     }
 
     #[test]
