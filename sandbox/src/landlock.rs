@@ -87,7 +87,15 @@ pub fn prepare(rules: &[(PathBuf, Grant, bool)], min_abi: u32) -> Result<Prepare
             Err(_) if *optional && !exists(path) => continue,
             Err(e) => return Err(StepError::new(Stage::Landlock, format!("{}: {e}", path.display()))),
         };
-        ruleset = ruleset.add_rule(PathBeneath::new(fd, grant.access())).map_err(err)?;
+        // A file's rule carries only the rights that apply to files: the crate would drop the
+        // directory-only ones itself and call the whole ruleset partially enforced.
+        let is_dir = nix::sys::stat::fstat(&fd)
+            .map_err(|e| StepError::new(Stage::Landlock, format!("{}: {e}", path.display())))?
+            .st_mode
+            & libc::S_IFMT
+            == libc::S_IFDIR;
+        let access = if is_dir { grant.access() } else { grant.access() & AccessFs::from_file(REQUESTED_ABI) };
+        ruleset = ruleset.add_rule(PathBeneath::new(fd, access)).map_err(err)?;
     }
     Ok(Prepared { ruleset, report })
 }
