@@ -435,8 +435,7 @@ pub fn install(
         let mut same_version = false;
         if let Ok(entries) = std::fs::read_dir(&name_dir) {
             for e in entries.flatten() {
-                let n = e.file_name().to_string_lossy().into_owned();
-                if !is_version_dir(&n, &manifest.version) || !e.path().is_dir() {
+                if !is_version_dir(&e.path(), &manifest.version) || !e.path().is_dir() {
                     continue;
                 }
                 same_version = true;
@@ -500,9 +499,8 @@ pub fn install(
     let _lock = lock_root(root)?;
     let name_dir = root.join(&manifest.name);
     let mut dir_name = manifest.version.clone();
-    let installed = std::fs::read_dir(&name_dir).is_ok_and(|entries| {
-        entries.flatten().any(|e| is_version_dir(&e.file_name().to_string_lossy(), &manifest.version))
-    });
+    let installed = std::fs::read_dir(&name_dir)
+        .is_ok_and(|entries| entries.flatten().any(|e| is_version_dir(&e.path(), &manifest.version)));
     if installed {
         if !opts.force {
             return Err(InstallError::AlreadyInstalled { name: manifest.name, version: manifest.version });
@@ -566,15 +564,21 @@ pub fn install(
     })
 }
 
-/// Whether the directory `name` holds `version`: the version itself, or a forced copy of it
-/// (`VERSION~N`, or `VERSION.N` as agents before 2026-11-24 named it — only when that is no
-/// semantic version of its own, as `1.0.0-rc.1` is).
-fn is_version_dir(name: &str, version: &str) -> bool {
+/// Whether the installed directory `dir` holds `version`: the version itself, or a forced
+/// copy of it (`VERSION~N`, or `VERSION.N` as agents before 2026-11-24 named it; a name that
+/// is also a version of its own, as `1.0.0-rc.1` is beside `1.0.0-rc`, is decided by the
+/// manifest inside).
+fn is_version_dir(dir: &Path, version: &str) -> bool {
+    let Some(name) = dir.file_name().and_then(|n| n.to_str()) else { return false };
     let digits = |k: &str| !k.is_empty() && k.bytes().all(|b| b.is_ascii_digit());
-    name == version
-        || name.strip_prefix(version).and_then(|r| r.strip_prefix('~')).is_some_and(digits)
-        || (name.strip_prefix(version).and_then(|r| r.strip_prefix('.')).is_some_and(digits)
-            && semver::Version::parse(name).is_err())
+    if name == version || name.strip_prefix(version).and_then(|r| r.strip_prefix('~')).is_some_and(digits) {
+        return true;
+    }
+    if !name.strip_prefix(version).and_then(|r| r.strip_prefix('.')).is_some_and(digits) {
+        return false;
+    }
+    semver::Version::parse(name).is_err()
+        || crate::manifest::Manifest::load(&dir.join("manifest.json")).is_ok_and(|(m, _)| m.version == version)
 }
 
 /// Install a package downloaded for an `install_executor` command: the body is written into
@@ -1257,7 +1261,7 @@ mod tests {
             ("1.0.01", "1.0.0", false),
             ("current", "1.0.0", false),
         ] {
-            assert_eq!(is_version_dir(name, version), want, "{name} of {version}");
+            assert_eq!(is_version_dir(&Path::new("/nonexistent").join(name), version), want, "{name} of {version}");
         }
     }
 

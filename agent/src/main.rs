@@ -504,17 +504,20 @@ fn stop_sandboxes_on_signals() -> Result<(), CannotRun> {
         if unsafe { libc::getpid() } as u32 != CLI_PID.load(std::sync::atomic::Ordering::SeqCst) {
             return;
         }
+        // A second signal: out at once (the stop hangs, or the command is busy elsewhere,
+        // e.g. reading --params from a terminal). `_exit`, not the default action: SIGQUIT's
+        // would dump the core of a process that may hold secrets.
+        if CAUGHT_SIGNAL.swap(sig, std::sync::atomic::Ordering::SeqCst) != 0 {
+            // SAFETY: _exit is async-signal-safe and ends the process.
+            unsafe { libc::_exit(128 + sig) };
+        }
         let errno = nix::errno::Errno::last_raw();
-        CAUGHT_SIGNAL.store(sig, std::sync::atomic::Ordering::SeqCst);
         sandbox::parent::stop_all();
         nix::errno::Errno::set_raw(errno);
     }
     CLI_PID.store(std::process::id(), std::sync::atomic::Ordering::SeqCst);
     sandbox::parent::enable_stop_all().map_err(|e| CannotRun(e.to_string()))?;
-    // SA_RESETHAND: a second signal (the stop hanging, or the command busy elsewhere, e.g.
-    // reading --params from a terminal) has its default effect.
-    let action =
-        SigAction::new(SigHandler::Handler(on_signal), SaFlags::SA_RESTART | SaFlags::SA_RESETHAND, SigSet::empty());
+    let action = SigAction::new(SigHandler::Handler(on_signal), SaFlags::SA_RESTART, SigSet::empty());
     for s in [Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP, Signal::SIGQUIT] {
         // SAFETY: the handler only does async-signal-safe work (see above).
         unsafe { sigaction(s, &action) }.map_err(|e| CannotRun(format!("sigaction {s}: {e}")))?;
@@ -1313,15 +1316,19 @@ fn lint(dir: PathBuf, json: bool, config: Option<PathBuf>) -> Result<ExitCode, C
 fn doctor(json: bool, config: Option<PathBuf>) -> Result<ExitCode, CannotRun> {
     // What the configuration requires decides what is missing (as the daemon's heartbeat
     // reports it): a Landlock floor above the kernel's ABI fails every run.
-    // Named: it must load (exit 2 naming what is wrong). The default one, when it cannot be
-    // read (not root) or is invalid: the host is still described, against the defaults.
-    let policy = match (&config, agent::config::Config::load(config.as_deref())) {
-        (Some(_), loaded) => AgentPolicy::from_config(&loaded?)?,
-        (None, Ok(loaded)) => AgentPolicy::from_config(&loaded)?,
-        (None, Err(e)) => {
-            errln!("opservant: warning: {e}; checking against the default requirements");
-            AgentPolicy::from_config(&agent::config::Config::default())?
-        }
+    // Named, or the default one: it must load (exit 2 naming what is wrong). Only a default
+    // one this user may not read (not root) leaves the host described against the defaults.
+    let default_unreadable = config.is_none()
+        && std::fs::File::open(agent::config::DEFAULT_PATH)
+            .is_err_and(|e| e.kind() == std::io::ErrorKind::PermissionDenied);
+    let policy = if default_unreadable {
+        errln!(
+            "opservant: warning: {}: permission denied; checking against the default requirements",
+            agent::config::DEFAULT_PATH
+        );
+        AgentPolicy::from_config(&agent::config::Config::default())?
+    } else {
+        AgentPolicy::from_config(&agent::config::Config::load(config.as_deref())?)?
     };
     let report = agent::doctor::examine(policy.landlock_min_abi, policy.allow_degraded);
     if json {

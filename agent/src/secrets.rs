@@ -141,6 +141,34 @@ const MAX_SECRETS_FILE: u64 = 1 << 20;
 /// ones would redact ordinary text.
 const MIN_DERIVED: usize = 4;
 
+/// `s` as the content of a JSON string, escaped as serde_json and Python's `json.dumps`
+/// write it (`"`, `\\`, `\b \f \n \r \t`, other control characters as `\u00xx`); with
+/// `ascii`, every character outside printable ASCII as `\uxxxx` (UTF-16, as
+/// `json.dumps`' default). Written into memory reserved up front and wiped on drop: the
+/// escaped form is the secret too.
+fn json_escaped(s: &str, ascii: bool) -> Zeroizing<String> {
+    use std::fmt::Write;
+    // At most 6 bytes per byte of `s` (a control character as `\u00xx`): never reallocated.
+    let mut out = Zeroizing::new(String::with_capacity(s.len() * 6));
+    for c in s.chars() {
+        let _ = match c {
+            '"' => out.write_str("\\\""),
+            '\\' => out.write_str("\\\\"),
+            '\u{8}' => out.write_str("\\b"),
+            '\u{c}' => out.write_str("\\f"),
+            '\n' => out.write_str("\\n"),
+            '\r' => out.write_str("\\r"),
+            '\t' => out.write_str("\\t"),
+            c if (c as u32) < 0x20 || (ascii && !(' '..='~').contains(&c)) => {
+                let mut units = [0u16; 2];
+                c.encode_utf16(&mut units).iter().try_for_each(|u| write!(out, "\\u{u:04x}"))
+            }
+            c => out.write_char(c),
+        };
+    }
+    out
+}
+
 impl Redactor {
     /// Redact `value` from now on — and the forms code commonly turns it into: without its
     /// surrounding whitespace (a value stored from a file ends with a newline, code strips
@@ -151,18 +179,8 @@ impl Redactor {
         let mut forms = vec![Zeroizing::new(value.to_string())];
         for base in [value, trimmed] {
             forms.push(Zeroizing::new(base.to_string()));
-            let json = Zeroizing::new(serde_json::Value::String(base.to_string()).to_string());
-            forms.push(Zeroizing::new(json[1..json.len() - 1].to_string()));
-            let ascii: String = base
-                .chars()
-                .map(|c| match c {
-                    '"' => "\\\"".to_string(),
-                    '\\' => "\\\\".to_string(),
-                    c if c.is_ascii() && !c.is_ascii_control() => c.to_string(),
-                    c => c.encode_utf16(&mut [0u16; 2]).iter().map(|u| format!("\\u{u:04x}")).collect(),
-                })
-                .collect();
-            forms.push(Zeroizing::new(ascii));
+            forms.push(json_escaped(base, false));
+            forms.push(json_escaped(base, true));
         }
         for (i, form) in forms.into_iter().enumerate() {
             let derived = i > 0;
@@ -256,6 +274,10 @@ mod tests {
         // serde_json / json.dumps(ensure_ascii=False), and json.dumps' default.
         assert_eq!(r.text(r#"{"p": "pa\"ss\\wörd-1"}"#), r#"{"p": "[REDACTED]"}"#);
         assert_eq!(r.text(r#"{"p": "pa\"ss\\w\u00f6rd-1"}"#), r#"{"p": "[REDACTED]"}"#);
+        let mut r = Redactor::default();
+        r.add("wörd\tand\u{1}🔑");
+        assert_eq!(r.text(r#""w\u00f6rd\tand\u0001\ud83d\udd11""#), r#""[REDACTED]""#);
+        assert_eq!(r.text(&serde_json::json!("wörd\tand\u{1}🔑").to_string()), r#""[REDACTED]""#);
         // A value whose trimmed form is too short to redact alone.
         let mut r = Redactor::default();
         r.add(" ab ");

@@ -240,7 +240,9 @@ pub fn start(settings: &Settings, exe: &Path, serve_subcommand: &str) -> Result<
     };
     let log = log.map_err(|e| CannotRun(format!("{}: {e}", log_path(&settings.name).display())))?;
     let remove_log = || {
-        if created_log {
+        // Not when a session of that name runs after all (a concurrent start won, and writes
+        // to the log this start created).
+        if created_log && UnixStream::connect(socket_path(&settings.name)).is_err() {
             let _ = std::fs::remove_file(log_path(&settings.name));
         }
     };

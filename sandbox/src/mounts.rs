@@ -497,13 +497,12 @@ impl Owned {
         Ok(())
     }
 
-    /// A mask's tmpfs, found at `path` without following a symlink there (one swapped in
-    /// after the mount would otherwise name a host filesystem): a mask reached through a
-    /// link is not added — nothing is then created beneath it.
+    /// A mask's tmpfs, found at `path` without following a symlink in any component (one
+    /// swapped in after the mount would otherwise name a host filesystem): a mask reached
+    /// through a link is not added — nothing is then created beneath it.
     fn add_unless_linked(&mut self, path: &Path) -> Result<(), StepError> {
-        use nix::fcntl::{open, OFlag};
-        let flags = OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
-        match open(path, flags, nix::sys::stat::Mode::empty()) {
+        let root = open_path(Path::new("/")).map_err(|e| fail("open /", e))?;
+        match open_in_root(&root, path.strip_prefix("/").unwrap_or(path), true) {
             Ok(fd) => {
                 let st = nix::sys::stat::fstat(&fd).map_err(|e| fail(format!("stat {}", path.display()), e))?;
                 if st.st_mode & libc::S_IFMT == libc::S_IFDIR && st.st_mode & 0o7777 == 0 {
@@ -511,7 +510,7 @@ impl Owned {
                 }
                 Ok(())
             }
-            Err(Errno::ELOOP | Errno::ENOTDIR) => Ok(()),
+            Err(Errno::ELOOP | Errno::ENOTDIR | Errno::ENOSYS) => Ok(()),
             Err(e) => Err(fail(format!("open {}", path.display()), e)),
         }
     }
