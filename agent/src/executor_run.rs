@@ -671,11 +671,10 @@ fn checked_artifacts(reported: Vec<Value>, redactor: &Redactor) -> Vec<Value> {
             out.push(refused(Some(path), "refused: not a path beneath the scratch directory"));
             continue;
         }
-        let Some(content) = a
-            .get("content_base64")
-            .and_then(Value::as_str)
-            .and_then(|c| base64::engine::general_purpose::STANDARD.decode(c).ok())
-        else {
+        // (The text passed on is the one given: it decoded, so it is the content's encoding.)
+        let Some((encoded, content)) = a.get("content_base64").and_then(Value::as_str).and_then(|c| {
+            base64::engine::general_purpose::STANDARD.decode(c).ok().map(|content| (c.to_string(), content))
+        }) else {
             out.push(refused(Some(path), "refused: no valid content"));
             continue;
         };
@@ -697,7 +696,7 @@ fn checked_artifacts(reported: Vec<Value>, redactor: &Redactor) -> Vec<Value> {
             "path": path,
             "size": size,
             "sha256": sha256,
-            "content_base64": base64::engine::general_purpose::STANDARD.encode(&content),
+            "content_base64": encoded,
         }));
     }
     if count > app::MAX_ARTIFACT_ENTRIES {

@@ -488,12 +488,16 @@ fn fstat_is_dir(fd: &OwnedFd) -> Result<bool, Errno> {
 /// their parents — is created in one of these, never through a host bind (a declared
 /// writable directory, or a symlink a payload left there that leads into the old root).
 #[derive(Default)]
-struct Owned(Vec<u64>);
+struct Owned {
+    devs: Vec<u64>,
+    /// The view's root, opened once (to find masks without following symlinks).
+    root: Option<OwnedFd>,
+}
 
 impl Owned {
     fn add(&mut self, path: &Path) -> Result<(), StepError> {
         let st = nix::sys::stat::stat(path).map_err(|e| fail(format!("stat {}", path.display()), e))?;
-        self.0.push(st.st_dev);
+        self.devs.push(st.st_dev);
         Ok(())
     }
 
@@ -501,12 +505,15 @@ impl Owned {
     /// swapped in after the mount would otherwise name a host filesystem): a mask reached
     /// through a link is not added — nothing is then created beneath it.
     fn add_unless_linked(&mut self, path: &Path) -> Result<(), StepError> {
-        let root = open_path(Path::new("/")).map_err(|e| fail("open /", e))?;
-        match open_in_root(&root, path.strip_prefix("/").unwrap_or(path), true) {
+        if self.root.is_none() {
+            self.root = Some(open_path(Path::new("/")).map_err(|e| fail("open /", e))?);
+        }
+        let Some(root) = &self.root else { return Ok(()) };
+        match open_in_root(root, path.strip_prefix("/").unwrap_or(path), true) {
             Ok(fd) => {
                 let st = nix::sys::stat::fstat(&fd).map_err(|e| fail(format!("stat {}", path.display()), e))?;
                 if st.st_mode & libc::S_IFMT == libc::S_IFDIR && st.st_mode & 0o7777 == 0 {
-                    self.0.push(st.st_dev);
+                    self.devs.push(st.st_dev);
                 }
                 Ok(())
             }
@@ -575,7 +582,7 @@ fn owned_parent(path: &Path, owned: &Owned) -> Result<OwnedFd, StepError> {
     let dir = open(parent, OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC, Mode::empty())
         .map_err(|e| fail(format!("open {}", parent.display()), e))?;
     let st = fstat(&dir).map_err(|e| fail(format!("stat {}", parent.display()), e))?;
-    if !owned.0.contains(&st.st_dev) {
+    if !owned.devs.contains(&st.st_dev) {
         return Err(StepError::new(
             Stage::Mounts,
             format!(
