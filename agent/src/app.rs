@@ -24,21 +24,6 @@ pub const MAX_ERROR: usize = 64 * 1024;
 /// Artifact entries kept per run (each file, or why it could not be read).
 pub const MAX_ARTIFACT_ENTRIES: usize = 1000;
 
-/// `text` cut to at most `max` bytes at a character boundary, saying so.
-pub fn cut_text(mut text: String, max: usize) -> String {
-    if text.len() <= max {
-        return text;
-    }
-    let mut end = max;
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    let total = text.len();
-    text.truncate(end);
-    text.push_str(&format!(" [cut: {total} bytes, over the {max} byte cap]"));
-    text
-}
-
 /// Payload → agent.
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]

@@ -592,7 +592,7 @@ fn assemble(
         // What the payload sent is untrusted: the runtime's caps are checked again here
         // (executor code can write its own result message to the channel).
         // Redacted before it is cut: a secret the cut would split is still whole here.
-        r.error = error.map(|e| app::cut_text(app.redactor.text(&e), app::MAX_ERROR));
+        r.error = error.map(|e| app.redactor.text_capped(&e, app::MAX_ERROR));
         let output_size = output.as_ref().map_or(0, |o| serde_json::to_vec(o).map_or(usize::MAX, |v| v.len()));
         if output_size > app::MAX_OUTPUT {
             r.status = Status::Failed;
@@ -656,7 +656,7 @@ fn checked_artifacts(reported: Vec<Value>, redactor: &Redactor) -> Vec<Value> {
     let count = reported.len();
     for a in reported.into_iter().take(app::MAX_ARTIFACT_ENTRIES) {
         // Redacted before they are cut (a cut secret would no longer be found).
-        let path = a.get("path").and_then(Value::as_str).map(|p| app::cut_text(redactor.text(p), MAX_TEXT));
+        let path = a.get("path").and_then(Value::as_str).map(|p| redactor.text_capped(p, MAX_TEXT));
         let refused = |path: Option<String>, why: &str| serde_json::json!({"path": path, "error": why});
         let Some(path) = path else {
             out.push(refused(None, "refused: an artifact entry without a path"));
@@ -664,7 +664,7 @@ fn checked_artifacts(reported: Vec<Value>, redactor: &Redactor) -> Vec<Value> {
         };
         if let Some(e) = a.get("error") {
             let e = e.as_str().map_or_else(|| "refused: an error that is not a string".to_string(), str::to_string);
-            out.push(refused(Some(path), &app::cut_text(redactor.text(&e), MAX_TEXT)));
+            out.push(refused(Some(path), &redactor.text_capped(&e, MAX_TEXT)));
             continue;
         }
         if path.starts_with('/') || path.split('/').any(|c| c == "..") {

@@ -137,6 +137,10 @@ pub const REDACTED: &str = "[REDACTED]";
 /// The largest `secrets.file` read (a map of names to values).
 const MAX_SECRETS_FILE: u64 = 1 << 20;
 
+/// How far past a cap [`Redactor::text_capped`] scans at least (a PEM private key of 4096
+/// bits is ~3.3 KB).
+const CAP_MARGIN: usize = 64 * 1024;
+
 /// The shortest form derived from a value (trimmed, escaped) that is redacted too: shorter
 /// ones would redact ordinary text.
 const MIN_DERIVED: usize = 4;
@@ -214,6 +218,31 @@ impl Redactor {
         }
     }
 
+    /// `s` redacted and cut to at most `max` bytes (saying so, with its whole length). Only
+    /// what can reach the result is scanned: the first `max` bytes and a margin past them
+    /// for a value or a credential block (a PEM key) that begins within them — not the rest
+    /// of a text of up to the channel's 16 MiB.
+    pub fn text_capped(&self, s: &str, max: usize) -> String {
+        if s.len() <= max {
+            return self.text(s);
+        }
+        // `values` is sorted longest first.
+        let margin = CAP_MARGIN.max(self.values.first().map_or(0, |v| v.len()));
+        let mut end = max.saturating_add(margin).min(s.len());
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        let redacted = self.text(&s[..end]);
+        if end == s.len() && redacted.len() <= max {
+            return redacted;
+        }
+        let mut cut = max.min(redacted.len());
+        while !redacted.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        format!("{} [cut: {} bytes, over the {max} byte cap]", &redacted[..cut], s.len())
+    }
+
     /// As [`Redactor::text`], for text cut at a size limit: a value the cut went through
     /// would not match whole, so a tail that is the start of a value is redacted as well.
     pub fn text_cut(&self, s: &str) -> String {
@@ -282,6 +311,21 @@ mod tests {
         let mut r = Redactor::default();
         r.add(" ab ");
         assert_eq!(r.text("a b-ab-abc"), "a b-ab-abc");
+    }
+
+    #[test]
+    fn a_capped_text_is_redacted_where_it_is_cut_and_scanned_no_further() {
+        let mut r = Redactor::default();
+        r.add("s3cr3t-value");
+        let cut = r.text_capped(&format!("{}s3cr3t-value{}", "x".repeat(95), "y".repeat(1 << 20)), 100);
+        assert_eq!(cut, format!("{}[REDA [cut: {} bytes, over the 100 byte cap]", "x".repeat(95), 95 + 12 + (1 << 20)));
+        assert_eq!(r.text_capped("short s3cr3t-value", 100), "short [REDACTED]");
+        // Shorter than the cap once redacted, but cut before: still says so.
+        let long = format!("{}s3cr3t-value", "x".repeat(95));
+        assert_eq!(
+            r.text_capped(&long, 100),
+            format!("{}[REDA [cut: 107 bytes, over the 100 byte cap]", "x".repeat(95))
+        );
     }
 
     #[test]
