@@ -20,6 +20,7 @@ mod daemon;
 #[path = "common/platform.rs"]
 mod platform;
 
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -237,9 +238,26 @@ fn a_stopped_audit_lock_holder_fails_runs_instead_of_stalling_the_agent() {
     }
     // The last argument is YAML appended after the `audit:` section's path: its own key.
     let mut a = Agent::build(2, "", "  lock_wait_seconds: 1\n", |_| String::new());
+    // An executor whose module, once imported, leaves a mark: whether any of it ran.
+    let marks = HostDir::new();
+    std::fs::set_permissions(&marks.path, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let mark = marks.path.join("mark");
+    let marking = format!(
+        "open({:?}, 'w').write('imported')\n{}",
+        mark.display().to_string(),
+        "from opservant.executor import BaseExecutor, ExecutorResult\n\n\nclass Mark(BaseExecutor):\n    \
+         def validate(self, params):\n        return True\n\n    def execute(self, params, context):\n        \
+         return ExecutorResult(status=\"completed\", output={})\n"
+    );
+    a.install_with_permissions("mark", "Mark", &marking, json!({}), json!({"filesystem": {"write": [marks.str()]}}));
+    let mark_cmd = |id: &str| json!({"command_id": id, "action": "execute", "executor": "mark", "parameters": {}});
     a.start();
     let (code, r) = a.submit(&a.sign(&scan("lock-0")));
     assert_eq!((code, r["status"].clone()), (0, json!("completed")), "{r}");
+    let (code, r) = a.submit(&a.sign(&mark_cmd("mark-0")));
+    assert_eq!((code, r["status"].clone()), (0, json!("completed")), "{r}");
+    assert!(mark.exists(), "the marking executor's module was imported");
+    std::fs::remove_file(&mark).unwrap();
     // A writer that holds the log's lock and is then stopped (an `opservant` command
     // suspended mid-append would be one): util-linux `flock` holding it around a sleep that
     // does not inherit it (`-o`), in a process group of its own.
@@ -259,9 +277,11 @@ fn a_stopped_audit_lock_holder_fails_runs_instead_of_stalling_the_agent() {
     unsafe { libc::kill(holder.id() as i32, libc::SIGSTOP) };
     let before = a.audit_events().len();
     // Each gated run fails closed, naming the holder, instead of waiting for ever; the
-    // agent keeps answering.
-    for id in ["lock-1", "lock-2"] {
-        let (code, r) = a.submit_within(&a.sign(&scan(id)), Duration::from_secs(60));
+    // agent keeps answering. The runtime had its arguments while the agent waited for the
+    // lock, but the answer to its `ready` comes only once the start is audited: nothing of
+    // the executor ran.
+    for cmd in [scan("lock-1"), mark_cmd("lock-2")] {
+        let (code, r) = a.submit_within(&a.sign(&cmd), Duration::from_secs(60));
         assert_eq!(
             (code, r["status"].clone(), r["reason"].clone()),
             (1, json!("rejected"), json!("cannot_run")),
@@ -271,6 +291,7 @@ fn a_stopped_audit_lock_holder_fails_runs_instead_of_stalling_the_agent() {
         assert!(error.contains(&format!("held by pid {} (flock, stopped) for more than 1 s", holder.id())), "{r}");
     }
     assert_eq!(a.audit_events().len(), before, "nothing appended while the lock is held");
+    assert!(!mark.exists(), "the executor's module ran although its start was never audited");
     // SAFETY: kill(2) on our own child.
     unsafe { libc::kill(-(holder.id() as i32), libc::SIGKILL) };
     holder.wait().unwrap();

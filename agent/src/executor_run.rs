@@ -292,11 +292,17 @@ pub fn run(req: RunRequest) -> Result<RunResult, CannotRun> {
     if let Some(p) = pool {
         p.refill(spec.clone());
     }
+    // The arguments go out first, so the payload's runtime reads them and builds the run's
+    // context while the start record below is made durable (its `fdatasync` is most of an
+    // audit append). Nothing of the executor runs before the agent answers the runtime's
+    // `ready` with `proceed`, and the channel server that answers it starts only once the
+    // start is audited: a run whose start cannot be audited never runs executor code
+    // (dropping `sb` kills the sandbox, its payload still waiting for `proceed`).
+    let app_chan = sb.take_app_channel().ok_or_else(|| CannotRun("no application channel".into()))?;
+    app_chan.send_bytes(&args).map_err(|e| CannotRun(format!("runtime arguments: {}", e.desc())))?;
     let provider = Provider::from_config(req.config).map_err(CannotRun)?;
     // Audited only now: a run refused before this point (exit status 2) never started.
     limits.audit_clamps(("executor", &m.name));
-    // Fail closed: the payload waits for its arguments, so nothing of the executor has run
-    // yet, and nothing will when its start cannot be audited (dropping `sb` kills the sandbox).
     let command_id = req.command_id.clone().unwrap_or_default();
     audit::try_record(
         "executor_start",
@@ -309,8 +315,6 @@ pub fn run(req: RunRequest) -> Result<RunResult, CannotRun> {
     )?;
     // From here on, a run that cannot finish is audited as failed: every start has an end.
     let started = || -> Result<RunResult, CannotRun> {
-        let app_chan = sb.take_app_channel().ok_or_else(|| CannotRun("no application channel".into()))?;
-        app_chan.send_bytes(&args).map_err(|e| CannotRun(format!("runtime arguments: {}", e.desc())))?;
         let declared: Vec<String> = m.permissions.secrets.clone();
         let executor_name = m.name.clone();
         let cpu = sb.cpu_limiter();

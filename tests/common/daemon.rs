@@ -100,6 +100,11 @@ impl Agent {
     /// Install an executor `name` whose `main.py` is `code` with class `class` (action
     /// `act-NAME`, no permissions, these `resource_limits`), as an operator would.
     pub fn install(&self, name: &str, class: &str, code: &str, limits: Value) {
+        self.install_with_permissions(name, class, code, limits, json!({}))
+    }
+
+    /// As [`Agent::install`], with these `permissions`.
+    pub fn install_with_permissions(&self, name: &str, class: &str, code: &str, limits: Value, permissions: Value) {
         let pkg = self.dir.path.join(format!("pkg-{name}"));
         let module = name.replace('-', "_");
         std::fs::create_dir_all(pkg.join(&module)).unwrap();
@@ -107,7 +112,7 @@ impl Agent {
         std::fs::write(pkg.join(&module).join("main.py"), code).unwrap();
         let manifest = json!({"name": name, "version": "1.0.0", "description": "test executor", "author": "t",
             "supported_actions": [format!("act-{name}")], "entry_point": format!("{module}.main.{class}"),
-            "permissions": {}, "resource_limits": limits});
+            "permissions": permissions, "resource_limits": limits});
         std::fs::write(pkg.join("manifest.json"), manifest.to_string()).unwrap();
         let out = op(&["executor", "install", pkg.to_str().unwrap(), "--config", self.config.to_str().unwrap()]);
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
