@@ -182,6 +182,46 @@ fn system_directories_are_not_writable() {
     assert!(r.stdout().contains("No such file"), "{}", r.stdout());
 }
 
+/// The view's `/proc` is mounted read-only, so nothing there is written from inside —
+/// refused by the mount (EROFS) before Landlock is even asked, so also where Landlock is not
+/// enforced: not the payload's OOM score (which it could otherwise lower back to the floor
+/// a privileged monitor set), not the user namespace's limits, not a sysctl. The sandbox's
+/// own writes (the score at its maximum, the limits) went through a private procfs that is
+/// mounted nowhere in the view.
+#[test]
+fn proc_is_read_only_and_the_payload_is_the_first_oom_victim() {
+    if !require_root() {
+        return;
+    }
+    let (_d, m) = fast();
+    let code = r#"import errno, os
+print('score', open('/proc/self/oom_score_adj').read().strip())
+print('userns', open('/proc/sys/user/max_user_namespaces').read().strip())
+for path, value in [('self/oom_score_adj', '-1000'), ('self/oom_score_adj', '1000'),
+                    ('sys/user/max_user_namespaces', '5'), ('sys/kernel/hostname', 'x'),
+                    ('self/comm', 'x'), ('self/attr/current', 'x')]:
+    try:
+        fd = os.open('/proc/' + path, os.O_WRONLY)
+        os.write(fd, value.encode())
+        print('write', path, 'WROTE')
+    except OSError as e:
+        print('write', path, errno.errorcode.get(e.errno, e.errno))
+procs = [l.split() for l in open('/proc/self/mountinfo') if ' - proc ' in l]
+print('proc mounts', [(p[4], p[5].split(',')[0]) for p in procs])
+"#;
+    let r = python(Some(&m), code);
+    assert_eq!(r.status(), "completed", "{}", r.err());
+    let out = r.stdout();
+    assert!(out.contains("score 1000\n"), "the payload is the OOM killer's first victim: {out}");
+    assert!(out.contains("userns 0\n"), "the user namespace's limits were written: {out}");
+    let writes: Vec<&str> = out.lines().filter(|l| l.starts_with("write ")).collect();
+    assert_eq!(writes.len(), 6, "{out}");
+    for w in writes {
+        assert!(w.ends_with(" EROFS"), "refused by the read-only mount: {w}\n{out}");
+    }
+    assert!(out.contains("proc mounts [('/proc', 'ro')]"), "one procfs in the view, read-only: {out}");
+}
+
 #[test]
 fn host_loopback_tcp_is_unreachable() {
     if !require_root() {
@@ -488,7 +528,11 @@ fn landlock_refuses_what_the_mount_view_alone_would_allow() {
          try:\n os.kill(1, 0); print('SIGNALLED')\nexcept OSError as e: print('init', e.errno)",
     );
     let ll = &r.json["sandbox"]["landlock"];
-    assert_eq!(r.stdout().lines().next(), Some("comm 13"), "EACCES from Landlock: {}", r.stdout());
+    // The view's /proc is read-only (see `proc_is_read_only_and_the_payload_is_the_first_oom_victim`),
+    // so the mount refuses the rename first (EROFS); Landlock, whose /proc rule is read-only,
+    // refused it with EACCES while that mount was read-write. Signalling the sandbox's init
+    // stays Landlock's alone (its signal scope): nothing else in the view stops it.
+    assert_eq!(r.stdout().lines().next(), Some("comm 30"), "EROFS from the /proc mount: {}", r.stdout());
     if ll["scopes_enforced"].as_array().unwrap().iter().any(|s| s == "signal") {
         assert_eq!(r.stdout().lines().nth(1), Some("init 1"), "signal scoping: EPERM on the sandbox init");
     }

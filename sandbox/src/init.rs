@@ -27,15 +27,18 @@
 //!      passes), then unshare the cgroup namespace, which is thereby rooted there
 //!   3. become the sandbox uid/gid, keeping capabilities in the user namespace; arm the
 //!      parent-death signal again (the id change cleared it) and check the monitor lives
-//!   4. build the filesystem view and pivot_root into it          (mounts)
+//!   4. build the filesystem view and pivot_root into it; its /proc is read-only, and the
+//!      old root's /proc is kept as a descriptor for the two writes below  (mounts)
 //!   5. hostname, loopback (a prepared namespace's is already up); the user namespace's
-//!      own limits: inotify instances and watches, no nested namespaces (namespaces)
+//!      own limits: inotify instances and watches, no nested namespaces (namespaces,
+//!      through the old root's /proc)
 //!   6. open every Landlock path handle, build the ruleset         (landlock)
 //!   7. drop every capability, lock securebits, no_new_privs       (privileges)
 //!   8. fork the payload; reap every process; forward SIGTERM to all, SIGKILL all on request;
 //!      when the payload ends, kill and reap every other process; report the payload's end
 //! payload
-//!   1. default signals, new session, OOM score to the maximum (first victim), rlimits
+//!   1. default signals, new session, OOM score to the maximum (first victim) through the
+//!      old root's /proc, then closed; rlimits
 //!   2. enforce Landlock                                            (landlock)
 //!   3. close every fd but stdio and the channel; verify the channel is close-on-exec
 //!   4. install seccomp — last                                      (seccomp)
@@ -365,7 +368,7 @@ fn init(
         namespaces::loopback_up()?;
     }
     if spec.namespaces.user {
-        namespaces::limit_ucounts(spec.limits.inotify_instances, spec.limits.inotify_watches)?;
+        namespaces::limit_ucounts(&view.setup_proc, spec.limits.inotify_instances, spec.limits.inotify_watches)?;
     }
     // 6.
     let ruleset = landlock::prepare(&landlock_rules(spec, &view.system_bound), spec.landlock.min_abi)?;
@@ -380,7 +383,7 @@ fn init(
     // SAFETY: init is single-threaded (forked from the single-threaded monitor).
     let payload_pid = match unsafe { fork() }.map_err(|e| StepError::errno(Stage::Fork, "fork payload", e))? {
         ForkResult::Child => {
-            let err = match payload_steps(chan, app, spec, ruleset, view.sysfs, end, prepared_net) {
+            let err = match payload_steps(chan, app, spec, ruleset, view, end, prepared_net) {
                 Ok(Ok(handoff)) => return Ok(InitEnd::Payload(handoff)),
                 Ok(Err(e)) | Err(e) => e,
             };
@@ -388,9 +391,11 @@ fn init(
             exit(127)
         }
         ForkResult::Parent { child } => {
-            // The payload owns its copies of the ruleset and of the application channel.
+            // The payload owns its copies of the ruleset, of the application channel and of
+            // the set-up procfs.
             drop(ruleset);
             drop(app);
+            drop(view);
             child
         }
     };
@@ -508,7 +513,7 @@ fn payload_steps(
     app: Option<Channel>,
     spec: &SandboxSpec,
     ruleset: landlock::Prepared,
-    sysfs: &str,
+    view: mounts::ViewReport,
     end: PayloadEnd,
     prepared_net: bool,
 ) -> Result<Result<Handoff, StepError>, StepError> {
@@ -520,8 +525,10 @@ fn payload_steps(
     // impossible (seccomp, RLIMIT_CORE 0).
     // SAFETY: PR_SET_DUMPABLE takes an integer.
     unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 1 as libc::c_ulong, 0, 0, 0) };
-    std::fs::write("/proc/self/oom_score_adj", "1000")
-        .map_err(|e| StepError::io(Stage::Rlimits, "oom_score_adj", e))?;
+    // Through the old root's /proc (the view's is read-only), closed right after.
+    let mounts::ViewReport { sysfs, setup_proc, .. } = view;
+    setup_proc.write("self/oom_score_adj", "1000").map_err(|e| StepError::errno(Stage::Rlimits, "oom_score_adj", e))?;
+    drop(setup_proc);
     process::set_rlimits(spec.limits.nofile, spec.limits.sigpending)?;
     nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o022));
     let path_var = spec.command.env.iter().find(|(k, _)| k == "PATH").map(|(_, v)| v.as_str());

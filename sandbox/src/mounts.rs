@@ -3,7 +3,7 @@
 //! Guarantees (for the payload):
 //! - `/` is a read-only tmpfs that holds only: the system paths, each a read-only, nosuid,
 //!   nodev bind of the host path (or the same symlink, on merged-/usr hosts); declared paths,
-//!   bound read-only or read-write (always nosuid, nodev); a fresh `/proc`; a read-only `/dev`
+//!   bound read-only or read-write (always nosuid, nodev); a fresh, read-only `/proc`; a read-only `/dev`
 //!   with only null, zero, full, random, urandom and a private `/dev/shm`; an empty `/sys`, or
 //!   a fresh read-only sysfs when asked for; an empty `/run`; and a size-limited scratch tmpfs on `/tmp`
 //!   containing `/tmp/opservant/scratch`. Nothing else of the host is reachable: the old root
@@ -20,6 +20,13 @@
 //!   the directory it is created in, held open. A declared path whose mount point would have
 //!   to be made in a host directory — beneath a writable one bound there, or through a
 //!   symlink left in one — fails the view.
+//!
+//! - The view's `/proc` is mounted read-only: nothing in the sandbox writes through it, with
+//!   or without Landlock (and no process there can mount another). The two writes the
+//!   sandbox's own steps make — init's per-user-namespace limits and the payload's OOM
+//!   score — go through a [`SetupProc`]: the old root's `/proc`, detached with the old root
+//!   and reachable only through init's descriptor (closed once the payload is forked) and
+//!   the payload's copy (closed right after its write, before anything of the payload runs).
 //!
 //! Precondition: called by the sandbox init, in fresh user + mount namespaces, already
 //! switched to the sandbox identity with capabilities retained (see `privileges`).
@@ -45,13 +52,62 @@ const DEVICES: &[&str] = &["null", "zero", "full", "random", "urandom"];
 const INACCESSIBLE: &str = "/.inaccessible";
 
 /// What the view builder could provide.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct ViewReport {
     /// `fresh` or `none`.
     pub sysfs: &'static str,
     /// System paths bound into the view (those recreated as symlinks are covered by their
     /// targets and not listed).
     pub system_bound: Vec<PathBuf>,
+    /// The procfs for the sandbox's own writes (see the module doc).
+    pub setup_proc: SetupProc,
+}
+
+/// The old root's `/proc` — the host's procfs, read-write — held as a descriptor once the
+/// old root is detached: reachable through nothing else in the view. Its `self` names the
+/// process that resolves it (by its host pid), so init writes its user namespace's limits
+/// and the payload its own OOM score through it, before anything of the payload runs.
+/// Close-on-exec; dropping it closes it.
+#[derive(Debug)]
+pub struct SetupProc(OwnedFd);
+
+impl SetupProc {
+    /// `path` (not followed if a symlink) must be a procfs root.
+    fn open(path: &Path) -> Result<SetupProc, StepError> {
+        use nix::fcntl::OFlag;
+        let fd = nix::fcntl::open(
+            path,
+            OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+            nix::sys::stat::Mode::empty(),
+        )
+        .map_err(|e| fail(format!("open {}", path.display()), e))?;
+        let fs = nix::sys::statfs::fstatfs(&fd).map_err(|e| fail(format!("statfs {}", path.display()), e))?;
+        if fs.filesystem_type() != nix::sys::statfs::PROC_SUPER_MAGIC {
+            return Err(StepError::new(Stage::Mounts, format!("{} is not a procfs", path.display())));
+        }
+        Ok(SetupProc(fd))
+    }
+
+    /// Write `value` to `rel` (relative to the procfs root, e.g. `self/oom_score_adj`).
+    pub fn write(&self, rel: &str, value: &str) -> Result<(), Errno> {
+        use nix::fcntl::{openat, OFlag};
+        let fd = openat(&self.0, rel, OFlag::O_WRONLY | OFlag::O_CLOEXEC, nix::sys::stat::Mode::empty())?;
+        let n = nix::unistd::write(&fd, value.as_bytes())?;
+        if n != value.len() {
+            return Err(Errno::EIO);
+        }
+        Ok(())
+    }
+
+    /// Read `rel` (relative to the procfs root) whole.
+    pub fn read(&self, rel: &str) -> Result<String, Errno> {
+        use nix::fcntl::{openat, OFlag};
+        let fd = openat(&self.0, rel, OFlag::O_RDONLY | OFlag::O_CLOEXEC, nix::sys::stat::Mode::empty())?;
+        let mut text = String::new();
+        std::io::Read::read_to_string(&mut fs::File::from(fd), &mut text)
+            .map_err(|e| e.raw_os_error().map_or(Errno::EIO, Errno::from_raw))?;
+        Ok(text)
+    }
 }
 
 fn fail(what: impl std::fmt::Display, e: Errno) -> StepError {
@@ -99,15 +155,18 @@ pub fn build(fs_spec: &Filesystem, net_ns: bool, cwd: &Path) -> Result<ViewRepor
     let mut owned = Owned::default();
     owned.add(Path::new("/"))?;
 
-    // 3. A fresh /proc for our PID namespace (first: later binds go through /proc/self/fd).
+    // 3. A fresh, read-only /proc for our PID namespace (first: later binds go through
+    // /proc/self/fd). The old root's /proc — the host's procfs — is kept as a descriptor for
+    // the sandbox's own writes (see [`SetupProc`]).
     mkdir(Path::new("/proc"), 0o555)?;
     do_mount(
         Some("proc"),
         Path::new("/proc"),
         Some("proc"),
-        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC | MsFlags::MS_RDONLY,
         None,
     )?;
+    let setup_proc = SetupProc::open(&Path::new(OLD_ROOT).join("proc"))?;
 
     // 4. System paths, read-only.
     let mut system_bound = Vec::new();
@@ -189,7 +248,7 @@ pub fn build(fs_spec: &Filesystem, net_ns: bool, cwd: &Path) -> Result<ViewRepor
     seal(Path::new("/"), true, false)?;
 
     nix::unistd::chdir(cwd).map_err(|e| fail(format!("chdir {}", cwd.display()), e))?;
-    Ok(ViewReport { sysfs, system_bound })
+    Ok(ViewReport { sysfs, system_bound, setup_proc })
 }
 
 /// Cover `path` in the view, when it exists there: a directory with an empty mode-000

@@ -121,10 +121,16 @@ pub fn available() -> Vec<(&'static str, bool)> {
 /// anyway; this makes a nested user namespace (the one every other kind needs without
 /// privileges) fail without it. A value out of a sysctl's range fails its write (these
 /// handlers never accept and ignore one), so the writes are not read back (~3 µs each).
-pub fn limit_ucounts(inotify_instances: u32, inotify_watches: u32) -> Result<(), StepError> {
-    let fail = |what: &str, e: std::io::Error| StepError::io(Stage::Ucounts, what.to_string(), e);
+/// Written through `proc`, the old root's procfs held for the sandbox's set-up (the view's
+/// `/proc` is read-only).
+pub fn limit_ucounts(
+    proc: &crate::mounts::SetupProc,
+    inotify_instances: u32,
+    inotify_watches: u32,
+) -> Result<(), StepError> {
+    let fail = |what: &str, e: nix::errno::Errno| StepError::errno(Stage::Ucounts, what.to_string(), e);
     // Never the host's: in the initial user namespace these files are the host's limits.
-    let map = std::fs::read_to_string("/proc/self/uid_map").map_err(|e| fail("read uid_map", e))?;
+    let map = proc.read("self/uid_map").map_err(|e| fail("read uid_map", e))?;
     if map.split_whitespace().collect::<Vec<_>>() == ["0", "0", "4294967295"] {
         return Err(StepError::new(
             Stage::Ucounts,
@@ -135,8 +141,8 @@ pub fn limit_ucounts(inotify_instances: u32, inotify_watches: u32) -> Result<(),
     for (name, value) in
         [("max_inotify_instances", instances.as_str()), ("max_inotify_watches", &watches), ("max_user_namespaces", "0")]
     {
-        let path = format!("/proc/sys/user/{name}");
-        std::fs::write(&path, value).map_err(|e| fail(&format!("write {path}"), e))?;
+        let path = format!("sys/user/{name}");
+        proc.write(&path, value).map_err(|e| fail(&format!("write /proc/{path}"), e))?;
     }
     Ok(())
 }
