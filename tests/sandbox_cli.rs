@@ -324,3 +324,74 @@ fn a_terminal_signal_stops_the_sandbox_and_leaves_nothing() {
         assert!(!running(), "signal {sig}: the payload outlived the command");
     }
 }
+
+/// Start time of `pid` (`/proc/PID/stat` field 22).
+fn start_time(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    stat[stat.rfind(')').unwrap() + 1..].split_whitespace().nth(19).unwrap().parse().unwrap()
+}
+
+/// A new `opservant` process removes the sandbox cgroups of creators that are gone, beside
+/// its own: a creator is a pid *and* its start time, so a cgroup whose pid now belongs to
+/// another process (an agent restarted with its predecessor's pid) is stale too. What is
+/// still in a stale cgroup is killed (through pidfds) first. Cgroups of a live creator —
+/// also in the older `<pid>-<seq>` form — are left alone.
+#[test]
+fn stale_sandbox_cgroups_are_reaped_by_creator_pid_and_start_time() {
+    if !require_root() {
+        return;
+    }
+    let (code, stdout, stderr) = run_cli(&["sandbox", "--json", "--", "/bin/true"]);
+    assert_eq!(code, 0, "{stderr}");
+    let json: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    let own: Vec<std::path::PathBuf> = json["sandbox"]["cgroup_paths"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| std::path::PathBuf::from(p.as_str().unwrap()))
+        .collect();
+    let name = own[0].file_name().unwrap().to_string_lossy().into_owned();
+    let parts: Vec<&str> = name.trim_start_matches("opservant-sb-").split('-').collect();
+    assert_eq!(parts.len(), 3, "<pid>-<start time>-<seq>: {name}");
+    assert!(parts.iter().all(|p| p.parse::<u64>().is_ok()), "{name}");
+    let bases: Vec<std::path::PathBuf> = own.iter().map(|p| p.parent().unwrap().to_path_buf()).collect();
+    // A pid no process has any more: a child of ours, reaped.
+    let mut gone = Command::new("/bin/true").spawn().unwrap();
+    let dead = gone.id();
+    gone.wait().unwrap();
+    let init_start = start_time(1);
+    let tag = format!("t{}", std::process::id());
+    let stale =
+        [format!("{dead}-{init_start}-{tag}"), format!("1-{}-{tag}", init_start + 12345), format!("{dead}-{tag}")];
+    let live = [format!("1-{init_start}-{tag}"), format!("1-{tag}")];
+    // Old-style names end in a number; these test names end in `tTESTPID`, which this
+    // parser reads the same way (the last part is not looked at).
+    let dirs = |names: &[String]| -> Vec<std::path::PathBuf> {
+        bases.iter().flat_map(|b| names.iter().map(move |n| b.join(format!("opservant-sb-{n}")))).collect()
+    };
+    let (stale_dirs, live_dirs) = (dirs(&stale), dirs(&live));
+    for d in stale_dirs.iter().chain(&live_dirs) {
+        std::fs::create_dir_all(d).unwrap();
+    }
+    // A process left behind in a stale cgroup (of the dead creator with a start time).
+    let mut left = Command::new("/bin/sleep").arg("600").spawn().unwrap();
+    for b in &bases {
+        let d = b.join(format!("opservant-sb-{}", stale[0]));
+        std::fs::write(d.join("cgroup.procs"), left.id().to_string()).unwrap();
+    }
+    let (code, _, stderr) = run_cli(&["sandbox", "--json", "--", "/bin/true"]);
+    let status = left.wait().unwrap();
+    let remaining_stale: Vec<_> = stale_dirs.iter().filter(|d| d.exists()).cloned().collect();
+    let remaining_live: Vec<_> = live_dirs.iter().filter(|d| d.exists()).cloned().collect();
+    for d in remaining_stale.iter().chain(&remaining_live) {
+        let _ = std::fs::remove_dir(d);
+    }
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&status),
+        Some(9),
+        "the process left in a stale cgroup was killed"
+    );
+    assert!(remaining_stale.is_empty(), "stale cgroups left: {remaining_stale:?}");
+    assert_eq!(remaining_live, live_dirs, "cgroups of a live creator were removed");
+}

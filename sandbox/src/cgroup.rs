@@ -5,12 +5,17 @@
 //!   hierarchy — never at a hierarchy root we were not placed at. On v2 this process first
 //!   moves itself (with any of its descendants already there) into a leaf `opservant-agent`
 //!   (the no-internal-process rule) and creates sandbox cgroups beside it,
-//!   `opservant-sb-<creator pid>-<seq>`; a process there that is not ours is an error.
+//!   `opservant-sb-<creator pid>-<creator start time>-<seq>`; a process there that is not ours
+//!   is an error.
 //! - A requested limit that cannot be applied is an error, unless the caller allowed degraded
 //!   mode; then it is listed in [`CgroupReport::degraded`]. Enabling a controller is verified
 //!   by reading `cgroup.subtree_control` back.
 //! - Teardown kills everything left (`cgroup.kill` on v2 when the kernel has it, a SIGKILL
 //!   sweep otherwise) and removes the directories; cgroups of crashed creators are reaped.
+//!   A creator is alive only if a process has its pid *and* its start time (a restarted
+//!   agent that got its predecessor's pid reaps the predecessor's cgroups). The sweep
+//!   signals a process through a pidfd opened while it was still listed in the cgroup,
+//!   never a pid number that may have been reused meanwhile.
 //!
 //! Written in-house rather than with `cgroups-rs` 0.5: that crate ignores failures when
 //! enabling controllers, does not read `oom_kill` from v2 `memory.events`, and pulls in zbus.
@@ -350,6 +355,41 @@ fn mkdir_ok_if_exists(p: &Path) -> std::io::Result<()> {
     }
 }
 
+/// A process's start time (clock ticks after boot, `/proc/PID/stat` field 22): with its pid,
+/// it names one process for the life of the system.
+fn start_time(pid: u32) -> Option<u64> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // `pid (comm) state ppid …`: field 22 is the 20th after the command's closing parenthesis.
+    stat[stat.rfind(')')? + 1..].split_whitespace().nth(19)?.parse().ok()
+}
+
+/// This process's `<pid>-<start time>`, the creator part of its sandbox cgroups' names.
+fn creator_tag() -> &'static str {
+    static TAG: OnceLock<String> = OnceLock::new();
+    TAG.get_or_init(|| {
+        let me = std::process::id();
+        // Without a start time (no /proc?) the tag still names this pid; 0 never matches a
+        // live process, so a later creator treats these cgroups as stale once we are gone.
+        format!("{me}-{}", start_time(me).unwrap_or(0))
+    })
+}
+
+/// Whether the creator a sandbox cgroup's name (after the prefix) gives is still running:
+/// `<pid>-<start time>-<seq>`, or `<pid>-<seq>` from before the start time was in names
+/// (then the pid alone decides).
+fn creator_alive(rest: &str) -> bool {
+    let parts: Vec<&str> = rest.split('-').collect();
+    let Some(pid) = parts.first().and_then(|p| p.parse::<u32>().ok()) else {
+        // Not a name this crate makes: left alone.
+        return true;
+    };
+    match parts.len() {
+        2 => Path::new(&format!("/proc/{pid}")).exists(),
+        3 => parts[1].parse::<u64>().ok().is_some_and(|t| start_time(pid) == Some(t)),
+        _ => true,
+    }
+}
+
 /// Remove sandbox cgroups whose creating process no longer exists.
 fn reap_stale(layout: &Layout) {
     let mut seen = Vec::new();
@@ -366,8 +406,7 @@ fn reap_stale(layout: &Layout) {
         for e in entries.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
             let Some(rest) = name.strip_prefix(SANDBOX_PREFIX) else { continue };
-            let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<i32>().ok()) else { continue };
-            if Path::new(&format!("/proc/{pid}")).exists() {
+            if creator_alive(rest) {
                 continue;
             }
             tracing::warn!(cgroup = %e.path().display(), "removing stale sandbox cgroup");
@@ -410,7 +449,7 @@ impl SandboxCgroup {
     }
 
     fn create_in(layout: &'static Layout, limits: &Limits) -> Result<SandboxCgroup, CgroupError> {
-        let name = format!("{SANDBOX_PREFIX}{}-{}", std::process::id(), SEQ.fetch_add(1, Ordering::Relaxed));
+        let name = format!("{SANDBOX_PREFIX}{}-{}", creator_tag(), SEQ.fetch_add(1, Ordering::Relaxed));
         let requested = [limits.memory_bytes.is_some(), limits.cpu_percent.is_some(), limits.pids.is_some()];
         let mut cg = SandboxCgroup {
             layout,
@@ -676,15 +715,28 @@ impl Drop for SandboxCgroup {
 }
 
 fn kill_sweep(dir: &Path) {
+    let listed = || -> Option<Vec<i32>> {
+        let text = read_small(&dir.join("cgroup.procs"))?;
+        Some(text.lines().filter_map(|l| l.trim().parse().ok()).collect())
+    };
     for _ in 0..200 {
-        let Some(text) = read_small(&dir.join("cgroup.procs")) else { return };
-        let pids: Vec<i32> = text.lines().filter_map(|l| l.trim().parse().ok()).collect();
+        let Some(pids) = listed() else { return };
         if pids.is_empty() {
             return;
         }
-        for pid in pids {
-            // SAFETY: kill(2) has no memory-safety preconditions.
-            unsafe { libc::kill(pid, libc::SIGKILL) };
+        // A pidfd names the process that has the pid when it is opened; the pids still
+        // listed afterwards are therefore those processes (a pid cannot be reused while its
+        // process lives), and only they are signalled — never a process that took over the
+        // number of one that exited in between.
+        let opened: Vec<(i32, std::os::fd::OwnedFd)> = pids
+            .into_iter()
+            .filter_map(|pid| crate::zygote::pidfd_open(nix::unistd::Pid::from_raw(pid)).ok().map(|fd| (pid, fd)))
+            .collect();
+        let Some(still) = listed() else { return };
+        for (pid, fd) in &opened {
+            if still.contains(pid) {
+                crate::zygote::pidfd_signal(fd, nix::sys::signal::Signal::SIGKILL);
+            }
         }
         std::thread::sleep(Duration::from_millis(2));
     }
