@@ -186,8 +186,8 @@ fn system_directories_are_not_writable() {
 /// refused by the mount (EROFS) before Landlock is even asked, so also where Landlock is not
 /// enforced: not the payload's OOM score (which it could otherwise lower back to the floor
 /// a privileged monitor set), not the user namespace's limits, not a sysctl. The sandbox's
-/// own writes (the score at its maximum, the limits) went through a private procfs that is
-/// mounted nowhere in the view.
+/// own writes (the score at its maximum, the limits) went through a descriptor of the old
+/// root's /proc, which is mounted nowhere in the view.
 #[test]
 fn proc_is_read_only_and_the_payload_is_the_first_oom_victim() {
     if !require_root() {

@@ -360,12 +360,12 @@ fn stale_sandbox_cgroups_are_reaped_by_creator_pid_and_start_time() {
     let dead = gone.id();
     gone.wait().unwrap();
     let init_start = start_time(1);
-    let tag = format!("t{}", std::process::id());
+    // A sequence number no creator reaches, unique to this test process.
+    let seq = 4_000_000_000u64 + u64::from(std::process::id());
     let stale =
-        [format!("{dead}-{init_start}-{tag}"), format!("1-{}-{tag}", init_start + 12345), format!("{dead}-{tag}")];
-    let live = [format!("1-{init_start}-{tag}"), format!("1-{tag}")];
-    // Old-style names end in a number; these test names end in `tTESTPID`, which this
-    // parser reads the same way (the last part is not looked at).
+        [format!("{dead}-{init_start}-{seq}"), format!("1-{}-{seq}", init_start + 12345), format!("{dead}-{seq}")];
+    // Live creators' (also in the older form), and a name this crate does not make.
+    let live = [format!("1-{init_start}-{seq}"), format!("1-{seq}"), format!("{dead}-x-{seq}")];
     let dirs = |names: &[String]| -> Vec<std::path::PathBuf> {
         bases.iter().flat_map(|b| names.iter().map(move |n| b.join(format!("opservant-sb-{n}")))).collect()
     };
@@ -379,14 +379,28 @@ fn stale_sandbox_cgroups_are_reaped_by_creator_pid_and_start_time() {
         let d = b.join(format!("opservant-sb-{}", stale[0]));
         std::fs::write(d.join("cgroup.procs"), left.id().to_string()).unwrap();
     }
+    // (Were the dead pid taken by a new process meanwhile, the older-form name would be live.)
+    assert!(!std::path::Path::new(&format!("/proc/{dead}")).exists(), "pid {dead} was reused; run again");
     let (code, _, stderr) = run_cli(&["sandbox", "--json", "--", "/bin/true"]);
-    let status = left.wait().unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let status = loop {
+        if let Some(s) = left.try_wait().unwrap() {
+            break Some(s);
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = left.kill();
+            let _ = left.wait();
+            break None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
     let remaining_stale: Vec<_> = stale_dirs.iter().filter(|d| d.exists()).cloned().collect();
     let remaining_live: Vec<_> = live_dirs.iter().filter(|d| d.exists()).cloned().collect();
     for d in remaining_stale.iter().chain(&remaining_live) {
         let _ = std::fs::remove_dir(d);
     }
     assert_eq!(code, 0, "{stderr}");
+    let status = status.expect("the process left in a stale cgroup still ran 10 s later");
     assert_eq!(
         std::os::unix::process::ExitStatusExt::signal(&status),
         Some(9),

@@ -363,29 +363,35 @@ fn start_time(pid: u32) -> Option<u64> {
     stat[stat.rfind(')')? + 1..].split_whitespace().nth(19)?.parse().ok()
 }
 
-/// This process's `<pid>-<start time>`, the creator part of its sandbox cgroups' names.
+/// This process's `<pid>-<start time>`, the creator part of its sandbox cgroups' names; just
+/// `<pid>` when its start time cannot be read (the older form, judged by the pid alone —
+/// never a start time that would make a live creator's cgroups look stale).
 fn creator_tag() -> &'static str {
     static TAG: OnceLock<String> = OnceLock::new();
     TAG.get_or_init(|| {
         let me = std::process::id();
-        // Without a start time (no /proc?) the tag still names this pid; 0 never matches a
-        // live process, so a later creator treats these cgroups as stale once we are gone.
-        format!("{me}-{}", start_time(me).unwrap_or(0))
+        match start_time(me) {
+            Some(t) => format!("{me}-{t}"),
+            None => me.to_string(),
+        }
     })
 }
 
 /// Whether the creator a sandbox cgroup's name (after the prefix) gives is still running:
-/// `<pid>-<start time>-<seq>`, or `<pid>-<seq>` from before the start time was in names
-/// (then the pid alone decides).
+/// `<pid>-<start time>-<seq>` names it by pid and start time; `<pid>-<seq>` (the older form,
+/// or a creator without a readable start time) by the pid alone. Anything else is not a
+/// name this crate makes and is left alone.
 fn creator_alive(rest: &str) -> bool {
     let parts: Vec<&str> = rest.split('-').collect();
-    let Some(pid) = parts.first().and_then(|p| p.parse::<u32>().ok()) else {
-        // Not a name this crate makes: left alone.
-        return true;
-    };
-    match parts.len() {
+    let numbers: Option<Vec<u64>> = parts.iter().map(|p| p.parse::<u64>().ok()).collect();
+    let Some(n) = numbers else { return true };
+    let Some(pid) = n.first().and_then(|p| u32::try_from(*p).ok()) else { return true };
+    match n.len() {
+        // This process, if it has that pid, made no cgroup of the older form unless it
+        // could not read its start time.
+        2 if pid == std::process::id() => creator_tag() == pid.to_string(),
         2 => Path::new(&format!("/proc/{pid}")).exists(),
-        3 => parts[1].parse::<u64>().ok().is_some_and(|t| start_time(pid) == Some(t)),
+        3 => start_time(pid) == Some(n[1]),
         _ => true,
     }
 }

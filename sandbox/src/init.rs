@@ -350,6 +350,13 @@ fn init(
     }
     // 3.
     privileges::switch_identity(spec.identity.inside_uid, spec.identity.inside_gid)?;
+    // Non-dumpable whatever `fs.suid_dumpable` says (the id change applied it): init's /proc
+    // files then belong to unmapped root, so no process of the sandbox (same uid) can reach
+    // its descriptors — the old root's /proc among them until the payload is forked.
+    // SAFETY: PR_SET_DUMPABLE takes an integer.
+    if unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0 as libc::c_ulong, 0, 0, 0) } != 0 {
+        return Err(StepError::errno(Stage::Identity, "prctl(PR_SET_DUMPABLE, 0)", nix::errno::Errno::last()));
+    }
     // Changing the effective ids cleared the parent-death signal (`commit_creds`): armed
     // again, then the monitor checked — had it died in between, nothing would kill init.
     die_with_parent()?;
@@ -585,4 +592,24 @@ fn payload_steps(
     }
     // 7.
     Ok(Err(process::exec(&program, &spec.command.program, &spec.command.args, &spec.command.env)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The view's /proc and /sys are read-only mounts; Landlock's rules for them are
+    /// read-only as well (a second wall where the mounts are the first: a test that writes
+    /// there sees the mount's EROFS, not Landlock's EACCES, so this one checks the rules).
+    #[test]
+    fn landlock_grants_only_reading_proc_and_sys() {
+        let ids = crate::spec::Identity { host_uid: 65534, host_gid: 65534, inside_uid: 65534, inside_gid: 65534 };
+        let spec = SandboxSpec::new("/bin/true", vec![], ids);
+        let rules = landlock_rules(&spec, &[]);
+        for path in ["/proc", "/sys"] {
+            let grants: Vec<Grant> =
+                rules.iter().filter(|(p, _, _)| p == std::path::Path::new(path)).map(|(_, g, _)| *g).collect();
+            assert_eq!(grants, [Grant::ReadExec], "{path}");
+        }
+    }
 }

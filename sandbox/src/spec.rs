@@ -234,7 +234,7 @@ pub struct SyntheticFile {
 }
 
 /// The filesystem view: a read-only tmpfs root holding only `system` paths and declared
-/// `paths`, a fresh `/proc`, a minimal `/dev`, a size-limited scratch tmpfs on `/tmp`.
+/// `paths`, a fresh read-only `/proc`, a minimal `/dev`, a size-limited scratch tmpfs on `/tmp`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct Filesystem {
