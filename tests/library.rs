@@ -228,6 +228,40 @@ fn mount_points_are_never_created_in_host_directories() {
     assert!(e.contains("on the host"), "{e}");
 }
 
+/// A mount target is never reached through a symlink in a host directory: a link that
+/// another sandbox sharing a writable directory swaps in (here: planted before the run)
+/// would otherwise place a declared bind elsewhere in the view — here on `/tmp/planted`.
+#[test]
+fn a_mount_target_is_never_reached_through_a_symlink_in_a_host_directory() {
+    if !require_root() {
+        return;
+    }
+    let _view = common::host_view();
+    let dir = common::HostDir::new_in("/var/tmp");
+    let rw = common::HostDir::new_in("/var/tmp");
+    rw.chown_to_executor();
+    let src = dir.path.join("src");
+    std::fs::create_dir_all(&src).unwrap();
+    std::fs::set_permissions(&src, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    std::fs::write(src.join("marker"), "declared").unwrap();
+    std::os::unix::fs::symlink("/tmp", rw.path.join("link")).unwrap();
+    let rule = |source: &std::path::Path, path: std::path::PathBuf, access| sandbox::PathRule {
+        source: Some(source.to_path_buf()),
+        path,
+        access,
+        optional: false,
+    };
+    let mut s = spec(&["/bin/sh", "-c", "cat /tmp/planted/marker"]);
+    s.filesystem.paths.push(rule(&rw.path, rw.path.clone(), sandbox::Access::ReadWrite));
+    s.filesystem.paths.push(rule(&src, rw.path.join("link/planted"), sandbox::Access::Read));
+    let r = sandbox::run(&s, &launcher(), OutputOptions::default());
+    let e = match r {
+        Ok(o) => panic!("the view was built through the symlink: {:?}", stdout(&o)),
+        Err(e) => e.to_string(),
+    };
+    assert!(e.contains("is a symlink in a host directory"), "{e}");
+}
+
 /// A synthetic file at a path the view holds as a symlink copied from the host (as a
 /// systemd-resolved host's /etc/resolv.conf) replaces the link; the bind never follows it.
 #[test]

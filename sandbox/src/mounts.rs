@@ -15,6 +15,10 @@
 //!   symlink cannot redirect a bind mount into the half-built new root; a rule's exact
 //!   `source` also with `RESOLVE_NO_SYMLINKS`: one whose components include a symlink fails
 //!   the build, so what a caller checked is what is bound.
+//! - A mount target is resolved component by component and followed through a symlink only
+//!   where the builder made the link (its own filesystems); one through a symlink in a host
+//!   directory fails the view, so a link swapped into a shared writable directory cannot
+//!   redirect a bind elsewhere in the view.
 //! - No host file is ever created or written: every mount point that does not exist (and
 //!   each missing parent) is created in a filesystem this builder mounted itself, checked on
 //!   the directory it is created in, held open. A declared path whose mount point would have
@@ -230,7 +234,16 @@ pub fn build(fs_spec: &Filesystem, net_ns: bool, cwd: &Path) -> Result<ViewRepor
             remove_in_owned(&s.path, &owned)?;
         }
         mount_point(&s.path, false, &owned)?;
-        do_mount(src.to_str(), &s.path, None, MsFlags::MS_BIND, None)?;
+        let target = open_target(&s.path, false, &owned)?;
+        do_mount(
+            src.to_str(),
+            &PathBuf::from(format!("/proc/self/fd/{}", target.as_raw_fd())),
+            None,
+            MsFlags::MS_BIND,
+            None,
+        )
+        .map_err(|e| StepError::new(Stage::Mounts, format!("bind {}: {}", s.path.display(), e.message)))?;
+        drop(target);
         seal(&s.path, true, false)?;
         fs::remove_file(&src).map_err(|e| fail_io(format!("remove {}", src.display()), e))?;
     }
@@ -331,8 +344,10 @@ fn bind_host(old_root: &OwnedFd, rule: &PathRule, system: bool, owned: &Owned) -
     };
     let is_dir = fstat_is_dir(&src).map_err(|e| fail(format!("stat {}", rule.path.display()), e))?;
     mount_point(&rule.path, is_dir, owned)?;
+    let target = open_target(&rule.path, is_dir, owned)?;
     let src_name = format!("/proc/self/fd/{}", src.as_raw_fd());
-    do_mount(Some(&src_name), &rule.path, None, MsFlags::MS_BIND | MsFlags::MS_REC, None)
+    let target_name = PathBuf::from(format!("/proc/self/fd/{}", target.as_raw_fd()));
+    do_mount(Some(&src_name), &target_name, None, MsFlags::MS_BIND | MsFlags::MS_REC, None)
         .map_err(|e| StepError::new(Stage::Mounts, format!("bind {}: {}", rule.path.display(), e.message)))?;
     seal(&rule.path, rule.access == Access::Read, true)?;
     Ok(true)
@@ -603,6 +618,74 @@ fn mount_point(path: &Path, is_dir: bool, owned: &Owned) -> Result<(), StepError
         }
         Err(e) => Err(fail_io(format!("stat {}", path.display()), e)),
     }
+}
+
+/// Open `path` in the view (`O_PATH`) as a mount target, resolving it component by component
+/// and following a symlink only where the builder made it (in a filesystem of `owned`, such
+/// as the merged-/usr links of the root): a symlink in a host directory bound into the view —
+/// which another sandbox sharing a writable directory could swap in between the checks and
+/// the mount — fails the view instead of redirecting the mount. `is_dir`: what the target
+/// must be.
+fn open_target(path: &Path, is_dir: bool, owned: &Owned) -> Result<OwnedFd, StepError> {
+    use nix::fcntl::{openat, readlinkat, OFlag};
+    use std::ffi::OsString;
+    let fail_at = |e: Errno| fail(format!("mount target {}", path.display()), e);
+    let components = |p: &Path| -> Vec<OsString> {
+        p.components()
+            .filter_map(|c| match c {
+                std::path::Component::Normal(n) => Some(n.to_os_string()),
+                std::path::Component::ParentDir => Some(OsString::from("..")),
+                _ => None,
+            })
+            .collect()
+    };
+    let root = open_path(Path::new("/")).map_err(fail_at)?;
+    let mut pending: std::collections::VecDeque<OsString> = components(path).into();
+    let mut cur = root.try_clone().map_err(|e| fail_io(format!("mount target {}", path.display()), e))?;
+    let mut links = 0;
+    while let Some(name) = pending.pop_front() {
+        let next = openat(
+            &cur,
+            name.as_os_str(),
+            OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+            nix::sys::stat::Mode::empty(),
+        )
+        .map_err(fail_at)?;
+        let st = nix::sys::stat::fstat(&next).map_err(fail_at)?;
+        if st.st_mode & libc::S_IFMT != libc::S_IFLNK {
+            cur = next;
+            continue;
+        }
+        let dir = nix::sys::stat::fstat(&cur).map_err(fail_at)?;
+        if !owned.devs.contains(&dir.st_dev) {
+            return Err(StepError::new(
+                Stage::Mounts,
+                format!(
+                    "mount target {}: {} is a symlink in a host directory; a mount is never placed through one",
+                    path.display(),
+                    PathBuf::from(&name).display()
+                ),
+            ));
+        }
+        links += 1;
+        if links > 40 {
+            return Err(fail_at(Errno::ELOOP));
+        }
+        let target = PathBuf::from(readlinkat(&cur, name.as_os_str()).map_err(fail_at)?);
+        for c in components(&target).into_iter().rev() {
+            pending.push_front(c);
+        }
+        if target.is_absolute() {
+            cur = root.try_clone().map_err(|e| fail_io(format!("mount target {}", path.display()), e))?;
+        }
+    }
+    if fstat_is_dir(&cur).map_err(fail_at)? != is_dir {
+        return Err(StepError::new(
+            Stage::Mounts,
+            format!("{}: host path and sandbox view disagree on file vs directory", path.display()),
+        ));
+    }
+    Ok(cur)
 }
 
 /// Make sure `path`'s parent directories exist, creating the missing ones (mode 0755) in
