@@ -262,6 +262,84 @@ fn a_mount_target_is_never_reached_through_a_symlink_in_a_host_directory() {
     assert!(e.contains("is a symlink in a host directory"), "{e}");
 }
 
+/// A symlink in a host directory the sandbox identity cannot write (root's, mode 0755) is
+/// followed on the way to a mount target: no sandbox can have put it there (a distribution's
+/// `/etc/ssl/certs -> /etc/pki/tls/certs`, say).
+#[test]
+fn a_mount_target_is_reached_through_a_symlink_only_root_can_change() {
+    if !require_root() {
+        return;
+    }
+    let _view = common::host_view();
+    let dir = common::HostDir::new_in("/var/tmp");
+    let host = common::HostDir::new_in("/var/tmp");
+    std::fs::create_dir_all(host.path.join("real/sub")).unwrap();
+    std::os::unix::fs::symlink("real", host.path.join("link")).unwrap();
+    let src = dir.path.join("src");
+    std::fs::create_dir_all(&src).unwrap();
+    std::fs::write(src.join("marker"), "declared").unwrap();
+    for p in [&dir.path, &host.path, &src, &host.path.join("real"), &host.path.join("real/sub")] {
+        std::fs::set_permissions(p, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    }
+    std::fs::set_permissions(src.join("marker"), std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
+    let rule = |source: &std::path::Path, path: std::path::PathBuf| sandbox::PathRule {
+        source: Some(source.to_path_buf()),
+        path,
+        access: sandbox::Access::Read,
+        optional: false,
+    };
+    let shown = host.path.join("real/sub/marker");
+    let mut s = spec(&["/bin/cat", shown.to_str().unwrap()]);
+    s.filesystem.paths.push(rule(&host.path, host.path.clone()));
+    s.filesystem.paths.push(rule(&src, host.path.join("link/sub")));
+    let o = sandbox::run(&s, &launcher(), OutputOptions::default()).unwrap();
+    assert!(o.success(), "{o:?}");
+    assert_eq!(stdout(&o), "declared");
+}
+
+/// Every bind of the view carries its flags from the start: a declared read path and a
+/// synthetic file read-only, nosuid, nodev; a declared read-write path nosuid, nodev (they are
+/// set on the detached clone before it is attached, so no path is resolved in between).
+#[test]
+fn binds_are_nosuid_nodev_and_read_only_as_declared() {
+    if !require_root() {
+        return;
+    }
+    let _view = common::host_view();
+    let ro = common::HostDir::new_in("/var/tmp");
+    let rw = common::HostDir::new_in("/var/tmp");
+    rw.chown_to_executor();
+    let synthetic = std::path::PathBuf::from(format!("/opservant-test-{}/synthetic.conf", std::process::id()));
+    let rule = |path: &std::path::Path, access| sandbox::PathRule {
+        source: Some(path.to_path_buf()),
+        path: path.to_path_buf(),
+        access,
+        optional: false,
+    };
+    let mut s = spec(&["/bin/cat", "/proc/self/mountinfo"]);
+    s.filesystem.paths.push(rule(&ro.path, sandbox::Access::Read));
+    s.filesystem.paths.push(rule(&rw.path, sandbox::Access::ReadWrite));
+    s.filesystem.synthetic.push(sandbox::SyntheticFile { path: synthetic.clone(), content: "x\n".into() });
+    let o = sandbox::run(&s, &launcher(), OutputOptions::default()).unwrap();
+    assert!(o.success(), "{o:?}");
+    let info = stdout(&o);
+    let options = |mount_point: &std::path::Path| -> Vec<String> {
+        let line = info
+            .lines()
+            .find(|l| l.split(' ').nth(4) == mount_point.to_str())
+            .unwrap_or_else(|| panic!("{} is not a mount point in the view:\n{info}", mount_point.display()));
+        line.split(' ').nth(5).unwrap().split(',').map(String::from).collect()
+    };
+    for (path, mode) in [(&ro.path, "ro"), (&rw.path, "rw"), (&synthetic, "ro")] {
+        let o = options(path);
+        assert!(
+            o.contains(&mode.to_string()) && o.contains(&"nosuid".to_string()) && o.contains(&"nodev".to_string()),
+            "{}: {o:?}",
+            path.display()
+        );
+    }
+}
+
 /// A synthetic file at a path the view holds as a symlink copied from the host (as a
 /// systemd-resolved host's /etc/resolv.conf) replaces the link; the bind never follows it.
 #[test]

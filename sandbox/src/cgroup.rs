@@ -379,19 +379,35 @@ fn creator_tag() -> &'static str {
 
 /// Whether the creator a sandbox cgroup's name (after the prefix) gives is still running:
 /// `<pid>-<start time>-<seq>` names it by pid and start time; `<pid>-<seq>` (the older form,
-/// or a creator without a readable start time) by the pid alone. Anything else is not a
-/// name this crate makes and is left alone.
+/// or a creator without a readable start time) by the pid alone. Anything else — a part that
+/// is not plain ASCII digits — is not a name this crate makes and is left alone. A creator
+/// counts as gone only when its `/proc` entry is absent or names another process; any other
+/// failure to look (hidepid, descriptors exhausted) keeps the cgroup.
 fn creator_alive(rest: &str) -> bool {
     let parts: Vec<&str> = rest.split('-').collect();
-    let numbers: Option<Vec<u64>> = parts.iter().map(|p| p.parse::<u64>().ok()).collect();
-    let Some(n) = numbers else { return true };
-    let Some(pid) = n.first().and_then(|p| u32::try_from(*p).ok()) else { return true };
-    match n.len() {
-        // This process, if it has that pid, made no cgroup of the older form unless it
-        // could not read its start time.
-        2 if pid == std::process::id() => creator_tag() == pid.to_string(),
-        2 => Path::new(&format!("/proc/{pid}")).exists(),
-        3 => start_time(pid) == Some(n[1]),
+    if parts.iter().any(|p| p.is_empty() || !p.bytes().all(|b| b.is_ascii_digit())) {
+        return true;
+    }
+    let Some(pid) = parts.first().and_then(|p| p.parse::<u32>().ok()) else { return true };
+    if pid == std::process::id() {
+        // Ours exactly when it carries this process's tag (a name of the other form, or of
+        // another start time, is a predecessor's that had this pid).
+        return rest.rsplit_once('-').is_some_and(|(tag, _)| tag == creator_tag());
+    }
+    let stat = match fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(s) => s,
+        Err(e) if e.kind() == ErrorKind::NotFound => return false,
+        Err(_) => return true,
+    };
+    match parts.len() {
+        2 => true,
+        3 => {
+            let started = stat.rfind(')').and_then(|i| stat[i + 1..].split_whitespace().nth(19));
+            match (started.and_then(|t| t.parse::<u64>().ok()), parts[1].parse::<u64>()) {
+                (Some(now), Ok(named)) => now == named,
+                _ => true,
+            }
+        }
         _ => true,
     }
 }

@@ -235,16 +235,8 @@ pub fn build(fs_spec: &Filesystem, net_ns: bool, cwd: &Path) -> Result<ViewRepor
         }
         mount_point(&s.path, false, &owned)?;
         let target = open_target(&s.path, false, &owned)?;
-        do_mount(
-            src.to_str(),
-            &PathBuf::from(format!("/proc/self/fd/{}", target.as_raw_fd())),
-            None,
-            MsFlags::MS_BIND,
-            None,
-        )
-        .map_err(|e| StepError::new(Stage::Mounts, format!("bind {}: {}", s.path.display(), e.message)))?;
-        drop(target);
-        seal(&s.path, true, false)?;
+        let src_fd = open_path(&src).map_err(|e| fail(format!("open {}", src.display()), e))?;
+        bind_sealed(&src_fd, &target, &s.path, true, false)?;
         fs::remove_file(&src).map_err(|e| fail_io(format!("remove {}", src.display()), e))?;
     }
     fs::remove_file(inaccessible).map_err(|e| fail_io("remove /.inaccessible", e))?;
@@ -345,12 +337,95 @@ fn bind_host(old_root: &OwnedFd, rule: &PathRule, system: bool, owned: &Owned) -
     let is_dir = fstat_is_dir(&src).map_err(|e| fail(format!("stat {}", rule.path.display()), e))?;
     mount_point(&rule.path, is_dir, owned)?;
     let target = open_target(&rule.path, is_dir, owned)?;
-    let src_name = format!("/proc/self/fd/{}", src.as_raw_fd());
-    let target_name = PathBuf::from(format!("/proc/self/fd/{}", target.as_raw_fd()));
-    do_mount(Some(&src_name), &target_name, None, MsFlags::MS_BIND | MsFlags::MS_REC, None)
-        .map_err(|e| StepError::new(Stage::Mounts, format!("bind {}: {}", rule.path.display(), e.message)))?;
-    seal(&rule.path, rule.access == Access::Read, true)?;
+    bind_sealed(&src, &target, &rule.path, rule.access == Access::Read, true)?;
     Ok(true)
+}
+
+/// Bind `src` (recursively: `recursive`) onto `target`, the opened mount point of `path` in the
+/// view, nosuid, nodev and read-only when `read_only` — sealed before it is attached (see
+/// [`attach_sealed_clone`]); on kernels without the new mount API, bound and then sealed by
+/// path.
+fn bind_sealed(
+    src: &OwnedFd,
+    target: &OwnedFd,
+    path: &Path,
+    read_only: bool,
+    recursive: bool,
+) -> Result<(), StepError> {
+    let mut attrs = libc::MOUNT_ATTR_NOSUID | libc::MOUNT_ATTR_NODEV;
+    if read_only {
+        attrs |= libc::MOUNT_ATTR_RDONLY;
+    }
+    match attach_sealed_clone(src, target, attrs, recursive) {
+        Ok(()) => Ok(()),
+        // Kernels before 5.12 (no mount_setattr) or 5.2 (no open_tree).
+        Err(Errno::ENOSYS) => {
+            let src_name = format!("/proc/self/fd/{}", src.as_raw_fd());
+            let target_name = PathBuf::from(format!("/proc/self/fd/{}", target.as_raw_fd()));
+            let flags = if recursive { MsFlags::MS_BIND | MsFlags::MS_REC } else { MsFlags::MS_BIND };
+            mount(Some(src_name.as_str()), &target_name, None::<&str>, flags, None::<&str>)
+                .map_err(|e| fail(format!("bind onto {}", path.display()), e))?;
+            seal(path, read_only, recursive)
+        }
+        Err(e) => Err(fail(format!("bind onto {}", path.display()), e)),
+    }
+}
+
+/// Attach a clone of `src` (recursive: `recursive`) onto `target` with `attrs` (`MOUNT_ATTR_*`) already set
+/// on the whole clone while it is still detached: nothing is resolved by path between the
+/// clone and its sealing, so no swapped path can make the attributes land on another mount.
+/// `Err(ENOSYS)` on kernels without `open_tree` / `mount_setattr` (nothing was attached).
+fn attach_sealed_clone(src: &OwnedFd, target: &OwnedFd, attrs: u64, recursive: bool) -> Result<(), Errno> {
+    const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 0x04;
+    const MOVE_MOUNT_T_EMPTY_PATH: libc::c_uint = 0x40;
+    let empty = c"";
+    let mut flags = libc::OPEN_TREE_CLONE | libc::O_CLOEXEC as libc::c_uint | libc::AT_EMPTY_PATH as libc::c_uint;
+    if recursive {
+        flags |= libc::AT_RECURSIVE as libc::c_uint;
+    }
+    // SAFETY: `src` is an open descriptor, the path an empty NUL-terminated string; the flags
+    // ask for a close-on-exec descriptor of a detached clone, which we then own.
+    let tree = unsafe { libc::syscall(libc::SYS_open_tree, src.as_raw_fd(), empty.as_ptr(), flags) };
+    if tree < 0 {
+        return Err(Errno::last());
+    }
+    // SAFETY: open_tree returned a new descriptor nothing else owns.
+    let tree = unsafe { OwnedFd::from_raw_fd(tree as i32) };
+    let attr = libc::mount_attr { attr_set: attrs, attr_clr: 0, propagation: 0, userns_fd: 0 };
+    // SAFETY: `tree` is open, the path empty and NUL-terminated, `attr` a properly sized
+    // mount_attr that outlives the call.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_mount_setattr,
+            tree.as_raw_fd(),
+            empty.as_ptr(),
+            if recursive {
+                (libc::AT_EMPTY_PATH | libc::AT_RECURSIVE) as libc::c_uint
+            } else {
+                libc::AT_EMPTY_PATH as libc::c_uint
+            },
+            &attr as *const libc::mount_attr,
+            std::mem::size_of::<libc::mount_attr>(),
+        )
+    };
+    if rc != 0 {
+        return Err(Errno::last());
+    }
+    // SAFETY: both descriptors are open, both paths empty and NUL-terminated.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_move_mount,
+            tree.as_raw_fd(),
+            empty.as_ptr(),
+            target.as_raw_fd(),
+            empty.as_ptr(),
+            MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH,
+        )
+    };
+    if rc != 0 {
+        return Err(Errno::last());
+    }
+    Ok(())
 }
 
 fn build_dev(old_root: &OwnedFd, scratch_bytes: u64) -> Result<(), StepError> {
@@ -621,11 +696,12 @@ fn mount_point(path: &Path, is_dir: bool, owned: &Owned) -> Result<(), StepError
 }
 
 /// Open `path` in the view (`O_PATH`) as a mount target, resolving it component by component
-/// and following a symlink only where the builder made it (in a filesystem of `owned`, such
-/// as the merged-/usr links of the root): a symlink in a host directory bound into the view —
-/// which another sandbox sharing a writable directory could swap in between the checks and
-/// the mount — fails the view instead of redirecting the mount. `is_dir`: what the target
-/// must be.
+/// and following a symlink only where no sandbox can have put it: in a filesystem the builder
+/// made (`owned`: the merged-/usr links of the root, say), or in a host directory the sandbox
+/// identity — which every sandbox shares — cannot write (a root-owned `/etc/ssl` whose
+/// `certs` is a link, say). A symlink in a host directory a sandbox can write — which another
+/// sandbox sharing it could swap in between the checks and the mount — fails the view
+/// instead of redirecting the mount. `is_dir`: what the target must be.
 fn open_target(path: &Path, is_dir: bool, owned: &Owned) -> Result<OwnedFd, StepError> {
     use nix::fcntl::{openat, readlinkat, OFlag};
     use std::ffi::OsString;
@@ -642,6 +718,8 @@ fn open_target(path: &Path, is_dir: bool, owned: &Owned) -> Result<OwnedFd, Step
     let root = open_path(Path::new("/")).map_err(fail_at)?;
     let mut pending: std::collections::VecDeque<OsString> = components(path).into();
     let mut cur = root.try_clone().map_err(|e| fail_io(format!("mount target {}", path.display()), e))?;
+    // Where the walk is, for messages (links followed are spliced in).
+    let mut walked = PathBuf::from("/");
     let mut links = 0;
     while let Some(name) = pending.pop_front() {
         let next = openat(
@@ -654,16 +732,22 @@ fn open_target(path: &Path, is_dir: bool, owned: &Owned) -> Result<OwnedFd, Step
         let st = nix::sys::stat::fstat(&next).map_err(fail_at)?;
         if st.st_mode & libc::S_IFMT != libc::S_IFLNK {
             cur = next;
+            if name == ".." {
+                walked.pop();
+            } else {
+                walked.push(&name);
+            }
             continue;
         }
         let dir = nix::sys::stat::fstat(&cur).map_err(fail_at)?;
-        if !owned.devs.contains(&dir.st_dev) {
+        if !owned.devs.contains(&dir.st_dev) && sandbox_may_write(&cur).map_err(fail_at)? {
             return Err(StepError::new(
                 Stage::Mounts,
                 format!(
-                    "mount target {}: {} is a symlink in a host directory; a mount is never placed through one",
+                    "mount target {}: {} is a symlink in a host directory the sandbox can write; a mount is \
+                     never placed through one",
                     path.display(),
-                    PathBuf::from(&name).display()
+                    walked.join(&name).display()
                 ),
             ));
         }
@@ -671,12 +755,14 @@ fn open_target(path: &Path, is_dir: bool, owned: &Owned) -> Result<OwnedFd, Step
         if links > 40 {
             return Err(fail_at(Errno::ELOOP));
         }
-        let target = PathBuf::from(readlinkat(&cur, name.as_os_str()).map_err(fail_at)?);
+        // Read from the link opened above, not by its name again.
+        let target = PathBuf::from(readlinkat(&next, "").map_err(fail_at)?);
         for c in components(&target).into_iter().rev() {
             pending.push_front(c);
         }
         if target.is_absolute() {
             cur = root.try_clone().map_err(|e| fail_io(format!("mount target {}", path.display()), e))?;
+            walked = PathBuf::from("/");
         }
     }
     if fstat_is_dir(&cur).map_err(fail_at)? != is_dir {
@@ -686,6 +772,27 @@ fn open_target(path: &Path, is_dir: bool, owned: &Owned) -> Result<OwnedFd, Step
         ));
     }
     Ok(cur)
+}
+
+/// Whether the sandbox identity could write in directory `dir` (by its mode, owner and ACL
+/// alone): `faccessat2` with the real ids, which are the sandbox's here (init has switched
+/// to them), and so without init's capabilities. EROFS counts as writable: the kernel
+/// reports it only once mode, owner and ACL allowed the write, and this view's read-only
+/// bind of a host directory says nothing of another sandbox's read-write one.
+fn sandbox_may_write(dir: &OwnedFd) -> Result<bool, Errno> {
+    let empty = c"";
+    // SAFETY: `dir` is open and the path an empty NUL-terminated string.
+    let rc = unsafe {
+        libc::syscall(libc::SYS_faccessat2, dir.as_raw_fd(), empty.as_ptr(), libc::W_OK, libc::AT_EMPTY_PATH)
+    };
+    if rc == 0 {
+        return Ok(true);
+    }
+    match Errno::last() {
+        Errno::EACCES | Errno::EPERM => Ok(false),
+        Errno::EROFS => Ok(true),
+        e => Err(e),
+    }
 }
 
 /// Make sure `path`'s parent directories exist, creating the missing ones (mode 0755) in

@@ -550,12 +550,33 @@ fn check_abs(field: &str, p: &Path) -> Result<(), SpecError> {
     if p.as_os_str().as_encoded_bytes().contains(&0) {
         return Err(SpecError::new(field, "contains NUL"));
     }
+    // The view builder's own names at the root of the view (`crate::mounts`).
+    if let Some(Component::Normal(first)) = p.components().nth(1) {
+        let first = first.to_string_lossy();
+        if first == ".oldroot" || first == ".inaccessible" || first.starts_with(".synthetic-") {
+            return Err(SpecError::new(
+                field,
+                format!("{}: /{first} is a name the view builder uses for itself", p.display()),
+            ));
+        }
+    }
     Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_view_builders_own_names_cannot_be_declared() {
+        for p in ["/.oldroot", "/.oldroot/etc", "/.inaccessible", "/.synthetic-0", "/.synthetic-x/y"] {
+            let e = check_abs("filesystem.paths[0]", Path::new(p)).unwrap_err().to_string();
+            assert!(e.contains("the view builder uses for itself"), "{p}: {e}");
+        }
+        for p in ["/srv/.oldroot", "/.oldroots", "/.synthetic", "/etc"] {
+            assert!(check_abs("filesystem.paths[0]", Path::new(p)).is_ok(), "{p}");
+        }
+    }
 
     fn spec() -> SandboxSpec {
         SandboxSpec::new("/bin/true", vec![], Identity::same_inside(65534, 65534))
