@@ -260,11 +260,30 @@ fn a_mount_target_is_never_reached_through_a_symlink_in_a_host_directory() {
         Err(e) => e.to_string(),
     };
     assert!(e.contains("is a symlink in a host directory"), "{e}");
+
+    // Nor through one in a directory the sandbox identity owns but has made read-only for
+    // itself (with a group the sandbox's user namespace does not map, so no capability of
+    // init's applies to it): its owner can make it writable again at any moment.
+    let owned_dir = rw.path.join("mine");
+    std::fs::create_dir(&owned_dir).unwrap();
+    std::os::unix::fs::symlink("/tmp", owned_dir.join("link")).unwrap();
+    let id = sandbox::Identity::default_executor().unwrap();
+    std::os::unix::fs::chown(&owned_dir, Some(id.host_uid), Some(0)).unwrap();
+    std::fs::set_permissions(&owned_dir, std::os::unix::fs::PermissionsExt::from_mode(0o555)).unwrap();
+    let mut s = spec(&["/bin/sh", "-c", "cat /tmp/planted/marker"]);
+    s.filesystem.paths.push(rule(&rw.path, rw.path.clone(), sandbox::Access::ReadWrite));
+    s.filesystem.paths.push(rule(&src, owned_dir.join("link/planted"), sandbox::Access::Read));
+    let r = sandbox::run(&s, &launcher(), OutputOptions::default());
+    std::fs::set_permissions(&owned_dir, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let e = match r {
+        Ok(o) => panic!("the view was built through a link in a directory the sandbox owns: {:?}", stdout(&o)),
+        Err(e) => e.to_string(),
+    };
+    assert!(e.contains("is a symlink in a host directory"), "{e}");
 }
 
-/// A symlink in a host directory the sandbox identity cannot write (root's, mode 0755) is
-/// followed on the way to a mount target: no sandbox can have put it there (a distribution's
-/// `/etc/ssl/certs -> /etc/pki/tls/certs`, say).
+/// A symlink in a host directory no sandbox can change (root's, mode 0755) is followed on
+/// the way to a mount target (a distribution's `/etc/ssl/certs -> /etc/pki/tls/certs`, say).
 #[test]
 fn a_mount_target_is_reached_through_a_symlink_only_root_can_change() {
     if !require_root() {

@@ -382,7 +382,10 @@ fn creator_tag() -> &'static str {
 /// or a creator without a readable start time) by the pid alone. Anything else — a part that
 /// is not plain ASCII digits — is not a name this crate makes and is left alone. A creator
 /// counts as gone only when its `/proc` entry is absent or names another process; any other
-/// failure to look (hidepid, descriptors exhausted) keeps the cgroup.
+/// failure to look (descriptors exhausted, say) keeps the cgroup. A creator this process
+/// cannot see in its `/proc` at all (`hidepid=invisible` hiding another user's processes, or
+/// one in another PID namespace) counts as gone: sandbox cgroups are shared only between
+/// creators that see each other (the agent and `opservant` commands run by root).
 fn creator_alive(rest: &str) -> bool {
     let parts: Vec<&str> = rest.split('-').collect();
     if parts.iter().any(|p| p.is_empty() || !p.bytes().all(|b| b.is_ascii_digit())) {

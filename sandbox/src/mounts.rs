@@ -697,9 +697,9 @@ fn mount_point(path: &Path, is_dir: bool, owned: &Owned) -> Result<(), StepError
 
 /// Open `path` in the view (`O_PATH`) as a mount target, resolving it component by component
 /// and following a symlink only where no sandbox can have put it: in a filesystem the builder
-/// made (`owned`: the merged-/usr links of the root, say), or in a host directory the sandbox
-/// identity — which every sandbox shares — cannot write (a root-owned `/etc/ssl` whose
-/// `certs` is a link, say). A symlink in a host directory a sandbox can write — which another
+/// made (`owned`: the merged-/usr links of the root, say), or in a host directory no sandbox
+/// can change (see [`sandbox_may_write`]: a root-owned, mode-0755 `/etc/ssl` whose `certs` is
+/// a link, say). Never into the host root, still attached while the view is built. A symlink in a host directory a sandbox can write — which another
 /// sandbox sharing it could swap in between the checks and the mount — fails the view
 /// instead of redirecting the mount. `is_dir`: what the target must be.
 fn open_target(path: &Path, is_dir: bool, owned: &Owned) -> Result<OwnedFd, StepError> {
@@ -716,6 +716,7 @@ fn open_target(path: &Path, is_dir: bool, owned: &Owned) -> Result<OwnedFd, Step
             .collect()
     };
     let root = open_path(Path::new("/")).map_err(fail_at)?;
+    let old_root = nix::sys::stat::lstat(OLD_ROOT).map_err(fail_at)?;
     let mut pending: std::collections::VecDeque<OsString> = components(path).into();
     let mut cur = root.try_clone().map_err(|e| fail_io(format!("mount target {}", path.display()), e))?;
     // Where the walk is, for messages (links followed are spliced in).
@@ -730,6 +731,18 @@ fn open_target(path: &Path, is_dir: bool, owned: &Owned) -> Result<OwnedFd, Step
         )
         .map_err(fail_at)?;
         let st = nix::sys::stat::fstat(&next).map_err(fail_at)?;
+        if (st.st_dev, st.st_ino) == (old_root.st_dev, old_root.st_ino) {
+            // A followed link that leads into the host root, still attached while the view
+            // is built: a mount there would vanish with it.
+            return Err(StepError::new(
+                Stage::Mounts,
+                format!(
+                    "mount target {}: leads into the host's root ({})",
+                    path.display(),
+                    walked.join(&name).display()
+                ),
+            ));
+        }
         if st.st_mode & libc::S_IFMT != libc::S_IFLNK {
             cur = next;
             if name == ".." {
@@ -740,7 +753,7 @@ fn open_target(path: &Path, is_dir: bool, owned: &Owned) -> Result<OwnedFd, Step
             continue;
         }
         let dir = nix::sys::stat::fstat(&cur).map_err(fail_at)?;
-        if !owned.devs.contains(&dir.st_dev) && sandbox_may_write(&cur).map_err(fail_at)? {
+        if !owned.devs.contains(&dir.st_dev) && sandbox_may_write(&cur, &dir).map_err(fail_at)? {
             return Err(StepError::new(
                 Stage::Mounts,
                 format!(
@@ -774,24 +787,29 @@ fn open_target(path: &Path, is_dir: bool, owned: &Owned) -> Result<OwnedFd, Step
     Ok(cur)
 }
 
-/// Whether the sandbox identity could write in directory `dir` (by its mode, owner and ACL
-/// alone): `faccessat2` with the real ids, which are the sandbox's here (init has switched
-/// to them), and so without init's capabilities. EROFS counts as writable: the kernel
-/// reports it only once mode, owner and ACL allowed the write, and this view's read-only
-/// bind of a host directory says nothing of another sandbox's read-write one.
-fn sandbox_may_write(dir: &OwnedFd) -> Result<bool, Errno> {
-    let empty = c"";
-    // SAFETY: `dir` is open and the path an empty NUL-terminated string.
-    let rc = unsafe {
-        libc::syscall(libc::SYS_faccessat2, dir.as_raw_fd(), empty.as_ptr(), libc::W_OK, libc::AT_EMPTY_PATH)
-    };
-    if rc == 0 {
+/// Whether a sandbox could have changed what is in host directory `dir`: it is writable by
+/// group or others by its mode (an ACL granting anyone write shows in the group bits), or
+/// the sandbox identity — which every sandbox shares — owns it (and so could make it
+/// writable at will), or that cannot be told. The owner is probed with `O_NOATIME`, which
+/// the kernel allows only to the owner (or to capabilities that apply to the directory,
+/// which then counts as the sandbox's too); `st_uid` could not tell: unmapped host root
+/// shows as the overflow uid, which is also `nobody`'s, a possible sandbox identity.
+fn sandbox_may_write(dir: &OwnedFd, st: &libc::stat) -> Result<bool, Errno> {
+    use nix::fcntl::{openat, OFlag};
+    if st.st_mode & 0o022 != 0 {
         return Ok(true);
     }
-    match Errno::last() {
-        Errno::EACCES | Errno::EPERM => Ok(false),
-        Errno::EROFS => Ok(true),
-        e => Err(e),
+    match openat(
+        dir,
+        ".",
+        OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOATIME | OFlag::O_CLOEXEC,
+        nix::sys::stat::Mode::empty(),
+    ) {
+        Ok(_) => Ok(true),
+        Err(Errno::EPERM) => Ok(false),
+        // Not even readable for the sandbox identity: cannot tell, so it counts as writable.
+        Err(Errno::EACCES) => Ok(true),
+        Err(e) => Err(e),
     }
 }
 
