@@ -182,6 +182,11 @@ fn declared_paths_are_never_bound_through_symlinks_and_masks_hold_beneath_them()
 /// the view beneath a writable host directory bound there (here: bound at another path
 /// than its source) fails the build instead of having its mount point made in the host
 /// directory, as does one reached through a symlink a payload left there.
+/// A declared path: the host's `source` (exactly, no symlink in it) at `path` in the view.
+fn rule(source: &std::path::Path, path: std::path::PathBuf, access: sandbox::Access) -> sandbox::PathRule {
+    sandbox::PathRule { source: Some(source.to_path_buf()), path, access, optional: false }
+}
+
 #[test]
 fn mount_points_are_never_created_in_host_directories() {
     if !require_root() {
@@ -194,12 +199,6 @@ fn mount_points_are_never_created_in_host_directories() {
     rw.chown_to_executor();
     std::fs::create_dir_all(d("src")).unwrap();
     std::fs::set_permissions(d("src"), std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
-    let rule = |source: &std::path::Path, path: std::path::PathBuf, access| sandbox::PathRule {
-        source: Some(source.to_path_buf()),
-        path,
-        access,
-        optional: false,
-    };
     let listing = |p: &std::path::Path| {
         let mut names: Vec<String> =
             std::fs::read_dir(p).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
@@ -245,12 +244,6 @@ fn a_mount_target_is_never_reached_through_a_symlink_in_a_host_directory() {
     std::fs::set_permissions(&src, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
     std::fs::write(src.join("marker"), "declared").unwrap();
     std::os::unix::fs::symlink("/tmp", rw.path.join("link")).unwrap();
-    let rule = |source: &std::path::Path, path: std::path::PathBuf, access| sandbox::PathRule {
-        source: Some(source.to_path_buf()),
-        path,
-        access,
-        optional: false,
-    };
     let mut s = spec(&["/bin/sh", "-c", "cat /tmp/planted/marker"]);
     s.filesystem.paths.push(rule(&rw.path, rw.path.clone(), sandbox::Access::ReadWrite));
     s.filesystem.paths.push(rule(&src, rw.path.join("link/planted"), sandbox::Access::Read));
@@ -301,16 +294,10 @@ fn a_mount_target_is_reached_through_a_symlink_only_root_can_change() {
         std::fs::set_permissions(p, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
     }
     std::fs::set_permissions(src.join("marker"), std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
-    let rule = |source: &std::path::Path, path: std::path::PathBuf| sandbox::PathRule {
-        source: Some(source.to_path_buf()),
-        path,
-        access: sandbox::Access::Read,
-        optional: false,
-    };
     let shown = host.path.join("real/sub/marker");
     let mut s = spec(&["/bin/cat", shown.to_str().unwrap()]);
-    s.filesystem.paths.push(rule(&host.path, host.path.clone()));
-    s.filesystem.paths.push(rule(&src, host.path.join("link/sub")));
+    s.filesystem.paths.push(rule(&host.path, host.path.clone(), sandbox::Access::Read));
+    s.filesystem.paths.push(rule(&src, host.path.join("link/sub"), sandbox::Access::Read));
     let o = sandbox::run(&s, &launcher(), OutputOptions::default()).unwrap();
     assert!(o.success(), "{o:?}");
     assert_eq!(stdout(&o), "declared");
@@ -329,15 +316,9 @@ fn binds_are_nosuid_nodev_and_read_only_as_declared() {
     let rw = common::HostDir::new_in("/var/tmp");
     rw.chown_to_executor();
     let synthetic = std::path::PathBuf::from(format!("/opservant-test-{}/synthetic.conf", std::process::id()));
-    let rule = |path: &std::path::Path, access| sandbox::PathRule {
-        source: Some(path.to_path_buf()),
-        path: path.to_path_buf(),
-        access,
-        optional: false,
-    };
     let mut s = spec(&["/bin/cat", "/proc/self/mountinfo"]);
-    s.filesystem.paths.push(rule(&ro.path, sandbox::Access::Read));
-    s.filesystem.paths.push(rule(&rw.path, sandbox::Access::ReadWrite));
+    s.filesystem.paths.push(rule(&ro.path, ro.path.clone(), sandbox::Access::Read));
+    s.filesystem.paths.push(rule(&rw.path, rw.path.clone(), sandbox::Access::ReadWrite));
     s.filesystem.synthetic.push(sandbox::SyntheticFile { path: synthetic.clone(), content: "x\n".into() });
     let o = sandbox::run(&s, &launcher(), OutputOptions::default()).unwrap();
     assert!(o.success(), "{o:?}");

@@ -16,9 +16,11 @@
 //!   `source` also with `RESOLVE_NO_SYMLINKS`: one whose components include a symlink fails
 //!   the build, so what a caller checked is what is bound.
 //! - A mount target is resolved component by component and followed through a symlink only
-//!   where the builder made the link (its own filesystems); one through a symlink in a host
-//!   directory fails the view, so a link swapped into a shared writable directory cannot
-//!   redirect a bind elsewhere in the view.
+//!   where no sandbox can have put the link (a filesystem the builder made, or a host
+//!   directory no sandbox can change); one through any other symlink fails the view, so a
+//!   link swapped into a shared writable directory cannot redirect a bind elsewhere in the
+//!   view. A bind is sealed (nosuid, nodev, read-only as declared) while it is a detached
+//!   clone and then attached onto the opened target: no path is resolved in between.
 //! - No host file is ever created or written: every mount point that does not exist (and
 //!   each missing parent) is created in a filesystem this builder mounted itself, checked on
 //!   the directory it is created in, held open. A declared path whose mount point would have
@@ -699,9 +701,10 @@ fn mount_point(path: &Path, is_dir: bool, owned: &Owned) -> Result<(), StepError
 /// and following a symlink only where no sandbox can have put it: in a filesystem the builder
 /// made (`owned`: the merged-/usr links of the root, say), or in a host directory no sandbox
 /// can change (see [`sandbox_may_write`]: a root-owned, mode-0755 `/etc/ssl` whose `certs` is
-/// a link, say). Never into the host root, still attached while the view is built. A symlink in a host directory a sandbox can write — which another
-/// sandbox sharing it could swap in between the checks and the mount — fails the view
-/// instead of redirecting the mount. `is_dir`: what the target must be.
+/// a link, say). A symlink in a host directory a sandbox can change — where another sandbox
+/// sharing it could swap one in between the checks and the mount — fails the view instead of
+/// redirecting the mount; so does a walk into the host root (still attached while the view is
+/// built). `is_dir`: what the target must be.
 fn open_target(path: &Path, is_dir: bool, owned: &Owned) -> Result<OwnedFd, StepError> {
     use nix::fcntl::{openat, readlinkat, OFlag};
     use std::ffi::OsString;
@@ -757,7 +760,7 @@ fn open_target(path: &Path, is_dir: bool, owned: &Owned) -> Result<OwnedFd, Step
             return Err(StepError::new(
                 Stage::Mounts,
                 format!(
-                    "mount target {}: {} is a symlink in a host directory the sandbox can write; a mount is \
+                    "mount target {}: {} is a symlink in a host directory a sandbox can change; a mount is \
                      never placed through one",
                     path.display(),
                     walked.join(&name).display()
