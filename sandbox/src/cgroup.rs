@@ -333,10 +333,14 @@ fn descends_from(pid: u32, ancestor: u32) -> bool {
 }
 
 fn parent_pid(pid: u32) -> Option<u32> {
-    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // `pid (comm) state ppid ...`; comm may hold spaces and parentheses.
-    let rest = &stat[stat.rfind(')')? + 1..];
-    rest.split_whitespace().nth(1)?.parse().ok()
+    stat_field(&fs::read_to_string(format!("/proc/{pid}/stat")).ok()?, 4)?.parse().ok()
+}
+
+/// Field `n` (1-based, as in proc(5): 4 is the ppid, 22 the start time) of a `/proc/PID/stat`
+/// line. The command name (field 2) may hold spaces and parentheses, so fields are counted
+/// from its closing parenthesis.
+fn stat_field(stat: &str, n: usize) -> Option<&str> {
+    stat[stat.rfind(')')? + 1..].split_whitespace().nth(n.checked_sub(3)?)
 }
 
 /// cgroup.kill exists in every non-root v2 cgroup since Linux 5.14. The root has none, so
@@ -358,9 +362,7 @@ fn mkdir_ok_if_exists(p: &Path) -> std::io::Result<()> {
 /// A process's start time (clock ticks after boot, `/proc/PID/stat` field 22): with its pid,
 /// it names one process for the life of the system.
 fn start_time(pid: u32) -> Option<u64> {
-    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // `pid (comm) state ppid …`: field 22 is the 20th after the command's closing parenthesis.
-    stat[stat.rfind(')')? + 1..].split_whitespace().nth(19)?.parse().ok()
+    stat_field(&fs::read_to_string(format!("/proc/{pid}/stat")).ok()?, 22)?.parse().ok()
 }
 
 /// This process's `<pid>-<start time>`, the creator part of its sandbox cgroups' names; just
@@ -404,13 +406,10 @@ fn creator_alive(rest: &str) -> bool {
     };
     match parts.len() {
         2 => true,
-        3 => {
-            let started = stat.rfind(')').and_then(|i| stat[i + 1..].split_whitespace().nth(19));
-            match (started.and_then(|t| t.parse::<u64>().ok()), parts[1].parse::<u64>()) {
-                (Some(now), Ok(named)) => now == named,
-                _ => true,
-            }
-        }
+        3 => match (stat_field(&stat, 22).and_then(|t| t.parse::<u64>().ok()), parts[1].parse::<u64>()) {
+            (Some(now), Ok(named)) => now == named,
+            _ => true,
+        },
         _ => true,
     }
 }
@@ -894,6 +893,18 @@ pub fn probe() -> CgroupProbe {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn stat_fields_count_from_the_commands_closing_parenthesis() {
+        let stat = "4242 (a b) c)) S 17 4242 4242 0 -1 4194560 1 2 3 4 5 6 7 8 20 0 1 0 987654 1 2";
+        assert_eq!(stat_field(stat, 3), Some("S"));
+        assert_eq!(stat_field(stat, 4), Some("17"));
+        assert_eq!(stat_field(stat, 22), Some("987654"));
+        assert_eq!(stat_field(stat, 2), None);
+        assert_eq!(stat_field("no parenthesis", 4), None);
+        let me = std::process::id();
+        assert!(start_time(me).is_some_and(|t| t > 0), "this process has a start time");
+    }
 
     /// A v1-style layout over plain directories: memory and pids "hierarchies" exist, cpu is
     /// missing. Plain directories have no control files, so writing a limit fails.

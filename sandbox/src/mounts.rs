@@ -158,8 +158,7 @@ pub fn build(fs_spec: &Filesystem, net_ns: bool, cwd: &Path) -> Result<ViewRepor
     nix::unistd::chdir("/").map_err(|e| fail("chdir /", e))?;
     let old_root = open_path(Path::new(OLD_ROOT)).map_err(|e| fail(OLD_ROOT, e))?;
     // The filesystems this builder mounts itself: the only ones it creates anything in.
-    let mut owned = Owned::default();
-    owned.add(Path::new("/"))?;
+    let mut owned = Owned::new()?;
 
     // 3. A fresh, read-only /proc for our PID namespace (first: later binds go through
     // /proc/self/fd). The old root's /proc — the host's procfs — is kept as a descriptor for
@@ -638,14 +637,24 @@ fn fstat_is_dir(fd: &OwnedFd) -> Result<bool, Errno> {
 /// scratch `/tmp`, the masks' tmpfs), by device number: anything it creates — mount points,
 /// their parents — is created in one of these, never through a host bind (a declared
 /// writable directory, or a symlink a payload left there that leads into the old root).
-#[derive(Default)]
 struct Owned {
     devs: Vec<u64>,
-    /// The view's root, opened once (to find masks without following symlinks).
-    root: Option<OwnedFd>,
+    /// The view's root, opened once (to find masks and mount targets without following a
+    /// symlink the builder did not make).
+    root: OwnedFd,
+    /// Device and inode of the host root, attached at [`OLD_ROOT`] while the view is built.
+    old_root: (u64, u64),
 }
 
 impl Owned {
+    /// The view's root (just pivoted into) as the first filesystem of the builder's own.
+    fn new() -> Result<Owned, StepError> {
+        let root = open_path(Path::new("/")).map_err(|e| fail("open /", e))?;
+        let st = nix::sys::stat::fstat(&root).map_err(|e| fail("stat /", e))?;
+        let old = nix::sys::stat::stat(OLD_ROOT).map_err(|e| fail(format!("stat {OLD_ROOT}"), e))?;
+        Ok(Owned { devs: vec![st.st_dev], root, old_root: (old.st_dev, old.st_ino) })
+    }
+
     fn add(&mut self, path: &Path) -> Result<(), StepError> {
         let st = nix::sys::stat::stat(path).map_err(|e| fail(format!("stat {}", path.display()), e))?;
         self.devs.push(st.st_dev);
@@ -656,11 +665,7 @@ impl Owned {
     /// swapped in after the mount would otherwise name a host filesystem): a mask reached
     /// through a link is not added — nothing is then created beneath it.
     fn add_unless_linked(&mut self, path: &Path) -> Result<(), StepError> {
-        if self.root.is_none() {
-            self.root = Some(open_path(Path::new("/")).map_err(|e| fail("open /", e))?);
-        }
-        let Some(root) = &self.root else { return Ok(()) };
-        match open_in_root(root, path.strip_prefix("/").unwrap_or(path), true) {
+        match open_in_root(&self.root, path.strip_prefix("/").unwrap_or(path), true) {
             Ok(fd) => {
                 let st = nix::sys::stat::fstat(&fd).map_err(|e| fail(format!("stat {}", path.display()), e))?;
                 if st.st_mode & libc::S_IFMT == libc::S_IFDIR && st.st_mode & 0o7777 == 0 {
@@ -718,23 +723,23 @@ fn open_target(path: &Path, is_dir: bool, owned: &Owned) -> Result<OwnedFd, Step
             })
             .collect()
     };
-    let root = open_path(Path::new("/")).map_err(fail_at)?;
-    let old_root = nix::sys::stat::lstat(OLD_ROOT).map_err(fail_at)?;
     let mut pending: std::collections::VecDeque<OsString> = components(path).into();
-    let mut cur = root.try_clone().map_err(|e| fail_io(format!("mount target {}", path.display()), e))?;
+    // Where the walk is: `None` for the view's root (held by `owned`, not reopened per bind).
+    let mut cur: Option<OwnedFd> = None;
     // Where the walk is, for messages (links followed are spliced in).
     let mut walked = PathBuf::from("/");
     let mut links = 0;
     while let Some(name) = pending.pop_front() {
+        let dir_fd = cur.as_ref().unwrap_or(&owned.root);
         let next = openat(
-            &cur,
+            dir_fd,
             name.as_os_str(),
             OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
             nix::sys::stat::Mode::empty(),
         )
         .map_err(fail_at)?;
         let st = nix::sys::stat::fstat(&next).map_err(fail_at)?;
-        if (st.st_dev, st.st_ino) == (old_root.st_dev, old_root.st_ino) {
+        if (st.st_dev, st.st_ino) == owned.old_root {
             // A followed link that leads into the host root, still attached while the view
             // is built: a mount there would vanish with it.
             return Err(StepError::new(
@@ -747,7 +752,7 @@ fn open_target(path: &Path, is_dir: bool, owned: &Owned) -> Result<OwnedFd, Step
             ));
         }
         if st.st_mode & libc::S_IFMT != libc::S_IFLNK {
-            cur = next;
+            cur = Some(next);
             if name == ".." {
                 walked.pop();
             } else {
@@ -755,8 +760,8 @@ fn open_target(path: &Path, is_dir: bool, owned: &Owned) -> Result<OwnedFd, Step
             }
             continue;
         }
-        let dir = nix::sys::stat::fstat(&cur).map_err(fail_at)?;
-        if !owned.devs.contains(&dir.st_dev) && sandbox_may_write(&cur, &dir).map_err(fail_at)? {
+        let dir = nix::sys::stat::fstat(dir_fd).map_err(fail_at)?;
+        if !owned.devs.contains(&dir.st_dev) && sandbox_may_write(dir_fd, &dir).map_err(fail_at)? {
             return Err(StepError::new(
                 Stage::Mounts,
                 format!(
@@ -777,10 +782,14 @@ fn open_target(path: &Path, is_dir: bool, owned: &Owned) -> Result<OwnedFd, Step
             pending.push_front(c);
         }
         if target.is_absolute() {
-            cur = root.try_clone().map_err(|e| fail_io(format!("mount target {}", path.display()), e))?;
+            cur = None;
             walked = PathBuf::from("/");
         }
     }
+    let cur = match cur {
+        Some(fd) => fd,
+        None => owned.root.try_clone().map_err(|e| fail_io(format!("mount target {}", path.display()), e))?,
+    };
     if fstat_is_dir(&cur).map_err(fail_at)? != is_dir {
         return Err(StepError::new(
             Stage::Mounts,
