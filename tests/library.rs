@@ -316,9 +316,17 @@ fn binds_are_nosuid_nodev_and_read_only_as_declared() {
     let rw = common::HostDir::new_in("/var/tmp");
     rw.chown_to_executor();
     let synthetic = std::path::PathBuf::from(format!("/opservant-test-{}/synthetic.conf", std::process::id()));
+    // Masks beneath the writable directory (a directory and a file), and a declared path
+    // beneath the masked directory (its mount point made in the mask's own tmpfs).
+    let (hidden, hidden_file, shown) =
+        (rw.path.join("hidden"), rw.path.join("hidden-file"), rw.path.join("hidden/shown"));
+    std::fs::create_dir_all(&shown).unwrap();
+    std::fs::write(&hidden_file, "s3cret").unwrap();
     let mut s = spec(&["/bin/cat", "/proc/self/mountinfo"]);
     s.filesystem.paths.push(rule(&ro.path, ro.path.clone(), sandbox::Access::Read));
     s.filesystem.paths.push(rule(&rw.path, rw.path.clone(), sandbox::Access::ReadWrite));
+    s.filesystem.paths.push(rule(&ro.path, shown.clone(), sandbox::Access::Read));
+    s.filesystem.masked.extend([hidden.clone(), hidden_file.clone()]);
     s.filesystem.synthetic.push(sandbox::SyntheticFile { path: synthetic.clone(), content: "x\n".into() });
     let o = sandbox::run(&s, &launcher(), OutputOptions::default()).unwrap();
     assert!(o.success(), "{o:?}");
@@ -330,13 +338,47 @@ fn binds_are_nosuid_nodev_and_read_only_as_declared() {
             .unwrap_or_else(|| panic!("{} is not a mount point in the view:\n{info}", mount_point.display()));
         line.split(' ').nth(5).unwrap().split(',').map(String::from).collect()
     };
-    for (path, mode) in [(&ro.path, "ro"), (&rw.path, "rw"), (&synthetic, "ro")] {
+    for (path, mode) in
+        [(&ro.path, "ro"), (&rw.path, "rw"), (&synthetic, "ro"), (&hidden, "ro"), (&hidden_file, "ro"), (&shown, "ro")]
+    {
         let o = options(path);
         assert!(
             o.contains(&mode.to_string()) && o.contains(&"nosuid".to_string()) && o.contains(&"nodev".to_string()),
             "{}: {o:?}",
             path.display()
         );
+    }
+    assert!(options(&hidden).contains(&"noexec".to_string()), "{info}");
+    let source = |mount_point: &std::path::Path| {
+        let line = info.lines().find(|l| l.split(' ').nth(4) == mount_point.to_str()).unwrap();
+        line.split(" - ").nth(1).unwrap().split(' ').take(2).collect::<Vec<_>>().join(" ")
+    };
+    assert_eq!(source(&hidden), "tmpfs opservant-mask", "{info}");
+}
+
+/// A mask is placed as a mount target is: through a symlink only where no sandbox can have
+/// put it. A link in a host directory a sandbox can change (planted here before the run; a
+/// sandbox sharing the directory could swap one in while another builds its view) fails the
+/// view instead of moving the mask onto whatever the link leads to — here the view's own
+/// `/usr`, which the old code covered with the mask's empty directory.
+#[test]
+fn a_mask_is_never_placed_through_a_symlink_in_a_host_directory() {
+    if !require_root() {
+        return;
+    }
+    let _view = common::host_view();
+    let rw = common::HostDir::new_in("/var/tmp");
+    rw.chown_to_executor();
+    std::os::unix::fs::symlink("/usr", rw.path.join("link")).unwrap();
+    for masked in [rw.path.join("link/lib"), rw.path.join("link")] {
+        let mut s = spec(&["/bin/true"]);
+        s.filesystem.paths.push(rule(&rw.path, rw.path.clone(), sandbox::Access::ReadWrite));
+        s.filesystem.masked.push(masked.clone());
+        let e = match sandbox::run(&s, &launcher(), OutputOptions::default()) {
+            Ok(o) => panic!("the mask {} was placed through the symlink: {o:?}", masked.display()),
+            Err(e) => e.to_string(),
+        };
+        assert!(e.contains("is a symlink in a host directory"), "{e}");
     }
 }
 

@@ -10,7 +10,10 @@
 //!   is detached before the payload starts (`pivot_root`, never chroot).
 //! - Masked paths inside the view are covered by an inaccessible (mode 000, read-only) file
 //!   or directory, unless a declared path names them exactly — also beneath a declared
-//!   parent (masks and declared paths are applied in one pass, parents first).
+//!   parent (masks and declared paths are applied in one pass, parents first). A mask's path
+//!   is resolved as a mount target's is (below), and its cover is sealed through descriptors
+//!   only: a file's before it is attached, a directory's tmpfs (made with `fsmount`) through
+//!   the descriptor it was made with.
 //! - Host paths are resolved with `openat2(RESOLVE_IN_ROOT)` against the old root, so a host
 //!   symlink cannot redirect a bind mount into the half-built new root; a rule's exact
 //!   `source` also with `RESOLVE_NO_SYMLINKS`: one whose components include a symlink fails
@@ -197,6 +200,7 @@ pub fn build(fs_spec: &Filesystem, net_ns: bool, cwd: &Path) -> Result<ViewRepor
     let mut masks_to_seal = Vec::new();
     let inaccessible = Path::new(INACCESSIBLE);
     create_file(inaccessible, 0o000, b"")?;
+    let inaccessible_fd = open_path(inaccessible).map_err(|e| fail(format!("open {INACCESSIBLE}"), e))?;
     let mut steps: Vec<(&Path, Option<&PathRule>)> = fs_spec
         .masked
         .iter()
@@ -217,9 +221,8 @@ pub fn build(fs_spec: &Filesystem, net_ns: bool, cwd: &Path) -> Result<ViewRepor
                 bind_host(&old_root, rule, false, &owned)?;
             }
             None => {
-                if mask(path)? {
-                    owned.add_unless_linked(path)?;
-                    masks_to_seal.push(path.to_path_buf());
+                if let Some(seal_later) = mask(path, &inaccessible_fd, &mut owned)? {
+                    masks_to_seal.push(seal_later);
                 }
             }
         }
@@ -240,6 +243,7 @@ pub fn build(fs_spec: &Filesystem, net_ns: bool, cwd: &Path) -> Result<ViewRepor
         bind_sealed(&src_fd, &target, &s.path, true, false)?;
         fs::remove_file(&src).map_err(|e| fail_io(format!("remove {}", src.display()), e))?;
     }
+    drop(inaccessible_fd);
     fs::remove_file(inaccessible).map_err(|e| fail_io("remove /.inaccessible", e))?;
 
     // 8. Detach the host root.
@@ -248,8 +252,8 @@ pub fn build(fs_spec: &Filesystem, net_ns: bool, cwd: &Path) -> Result<ViewRepor
     fs::remove_dir(OLD_ROOT).map_err(|e| fail_io("remove old root mount point", e))?;
 
     // 9. Seal: masks and the root become read-only.
-    for m in &masks_to_seal {
-        seal(m, true, false)?;
+    for m in masks_to_seal {
+        m.seal()?;
     }
     seal(Path::new("/"), true, false)?;
 
@@ -258,34 +262,129 @@ pub fn build(fs_spec: &Filesystem, net_ns: bool, cwd: &Path) -> Result<ViewRepor
 }
 
 /// Cover `path` in the view, when it exists there: a directory with an empty mode-000
-/// tmpfs (returned `true`: sealed read-only once the old root is gone), anything else with
-/// the mode-000 file, sealed at once.
-fn mask(path: &Path) -> Result<bool, StepError> {
-    // Followed: a masked path that is a symlink in the view masks what it leads to there
-    // (the view is the root by now, so a link cannot lead out of it). Absent, or a link
-    // into nothing: nothing to cover. Beneath a directory init cannot search (a host
-    // directory such as /etc/ssl/private, whose owner is not mapped into the sandbox's user
-    // namespace, so init's capabilities do not apply to it): the payload — the same uid,
-    // no groups, no capabilities — cannot reach it either. Any other error fails the view.
-    let meta = match fs::metadata(path) {
-        Ok(m) => m,
-        Err(e) if matches!(e.kind(), ErrorKind::NotFound | ErrorKind::PermissionDenied) => return Ok(false),
-        Err(e) => return Err(fail_io(format!("mask {}", path.display()), e)),
+/// tmpfs (returned: sealed read-only once the old root is gone, when nothing more is placed
+/// beneath it), anything else with the mode-000 file `inaccessible`, sealed before it is
+/// attached. The path is resolved as a mount target is ([`resolve`]): a masked path that
+/// is a symlink masks what it leads to in the view, but only through links no sandbox can
+/// have put there — through any other link the view fails, so a link swapped into a shared
+/// writable directory cannot move a mask off what it covers. Absent, a link into nothing,
+/// or beneath a directory init cannot search (a host directory such as /etc/ssl/private,
+/// whose owner is not mapped into the sandbox's user namespace, so init's capabilities do
+/// not apply to it — the payload, the same uid with no groups and no capabilities, cannot
+/// reach it either): nothing to cover. Any other error fails the view.
+fn mask(path: &Path, inaccessible: &OwnedFd, owned: &mut Owned) -> Result<Option<MaskSeal>, StepError> {
+    let target = match resolve(path, owned)? {
+        Ok(fd) => fd,
+        Err(Errno::ENOENT | Errno::EACCES) => return Ok(None),
+        Err(e) => return Err(fail(format!("mask {}", path.display()), e)),
     };
-    if meta.is_dir() {
-        do_mount(
-            Some("opservant-mask"),
-            path,
-            Some("tmpfs"),
-            MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
-            Some("mode=000,size=4096,nr_inodes=64"),
-        )?;
-        Ok(true)
-    } else {
-        do_mount(Some(INACCESSIBLE), path, None, MsFlags::MS_BIND, None)?;
-        seal(path, true, false)?;
-        Ok(false)
+    if !fstat_is_dir(&target).map_err(|e| fail(format!("mask {}", path.display()), e))? {
+        bind_sealed(inaccessible, &target, path, true, false)?;
+        return Ok(None);
     }
+    match mount_mask_tmpfs(&target) {
+        Ok(mnt) => {
+            let st = nix::sys::stat::fstat(&mnt).map_err(|e| fail(format!("stat mask {}", path.display()), e))?;
+            owned.devs.push(st.st_dev);
+            Ok(Some(MaskSeal::Mount(mnt, path.to_path_buf())))
+        }
+        // Kernels before 5.2 (no fsopen): mounted onto the opened target through its
+        // descriptor's name, sealed by path.
+        Err(Errno::ENOSYS) => {
+            let target_name = PathBuf::from(format!("/proc/self/fd/{}", target.as_raw_fd()));
+            do_mount(
+                Some("opservant-mask"),
+                &target_name,
+                Some("tmpfs"),
+                MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+                Some(MASK_TMPFS_OPTIONS),
+            )?;
+            owned.add_unless_linked(path)?;
+            Ok(Some(MaskSeal::Path(path.to_path_buf())))
+        }
+        Err(e) => Err(fail(format!("mask {}", path.display()), e)),
+    }
+}
+
+/// A mask directory's tmpfs: empty, mode 000, room for the mount points of declared paths
+/// beneath it.
+const MASK_TMPFS_OPTIONS: &str = "mode=000,size=4096,nr_inodes=64";
+
+/// A directory mask to make read-only once the view is complete.
+enum MaskSeal {
+    /// The mask's mount, held as the descriptor it was made with (sealed through it: no
+    /// path is resolved again).
+    Mount(OwnedFd, PathBuf),
+    /// Kernels without the new mount API: sealed by path.
+    Path(PathBuf),
+}
+
+impl MaskSeal {
+    fn seal(self) -> Result<(), StepError> {
+        match self {
+            MaskSeal::Mount(mnt, path) => {
+                let attrs = libc::MOUNT_ATTR_RDONLY | libc::MOUNT_ATTR_NOSUID | libc::MOUNT_ATTR_NODEV;
+                setattr_fd(&mnt, attrs, false).map_err(|e| fail(format!("mount_setattr mask {}", path.display()), e))
+            }
+            MaskSeal::Path(path) => seal(&path, true, false),
+        }
+    }
+}
+
+/// Make a mask's tmpfs with the new mount API (`fsopen` / `fsconfig` / `fsmount`) and
+/// attach it onto `target`; returns the mount's descriptor. `Err(ENOSYS)` on kernels
+/// without it (nothing was attached).
+fn mount_mask_tmpfs(target: &OwnedFd) -> Result<OwnedFd, Errno> {
+    // SAFETY: a NUL-terminated filesystem name; the flag asks for a close-on-exec
+    // descriptor, which we then own.
+    let fs_fd = unsafe { libc::syscall(libc::SYS_fsopen, c"tmpfs".as_ptr(), libc::FSOPEN_CLOEXEC) };
+    if fs_fd < 0 {
+        return Err(Errno::last());
+    }
+    // SAFETY: fsopen returned a new descriptor nothing else owns.
+    let fs_fd = unsafe { OwnedFd::from_raw_fd(fs_fd as i32) };
+    for (key, value) in [(c"source", c"opservant-mask"), (c"mode", c"000"), (c"size", c"4096"), (c"nr_inodes", c"64")] {
+        // SAFETY: `fs_fd` is an open filesystem context; key and value are NUL-terminated
+        // strings that outlive the call.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_fsconfig,
+                fs_fd.as_raw_fd(),
+                libc::FSCONFIG_SET_STRING,
+                key.as_ptr(),
+                value.as_ptr(),
+                0,
+            )
+        };
+        if rc != 0 {
+            return Err(Errno::last());
+        }
+    }
+    // SAFETY: an open filesystem context; the command takes no key or value.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_fsconfig,
+            fs_fd.as_raw_fd(),
+            libc::FSCONFIG_CMD_CREATE,
+            std::ptr::null::<libc::c_char>(),
+            std::ptr::null::<libc::c_void>(),
+            0,
+        )
+    };
+    if rc != 0 {
+        return Err(Errno::last());
+    }
+    let attrs = libc::MOUNT_ATTR_NOSUID | libc::MOUNT_ATTR_NODEV | libc::MOUNT_ATTR_NOEXEC;
+    // SAFETY: a created filesystem context; the flags ask for a close-on-exec descriptor of
+    // a detached mount, which we then own.
+    let mnt = unsafe { libc::syscall(libc::SYS_fsmount, fs_fd.as_raw_fd(), libc::FSMOUNT_CLOEXEC, attrs) };
+    if mnt < 0 {
+        return Err(Errno::last());
+    }
+    // SAFETY: fsmount returned a new descriptor nothing else owns.
+    let mnt = unsafe { OwnedFd::from_raw_fd(mnt as i32) };
+    move_mount_onto(&mnt, target)?;
+    Ok(mnt)
 }
 
 /// Parents before children so nested binds land on top.
@@ -377,8 +476,6 @@ fn bind_sealed(
 /// clone and its sealing, so no swapped path can make the attributes land on another mount.
 /// `Err(ENOSYS)` on kernels without `open_tree` / `mount_setattr` (nothing was attached).
 fn attach_sealed_clone(src: &OwnedFd, target: &OwnedFd, attrs: u64, recursive: bool) -> Result<(), Errno> {
-    const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 0x04;
-    const MOVE_MOUNT_T_EMPTY_PATH: libc::c_uint = 0x40;
     let empty = c"";
     let mut flags = libc::OPEN_TREE_CLONE | libc::O_CLOEXEC as libc::c_uint | libc::AT_EMPTY_PATH as libc::c_uint;
     if recursive {
@@ -392,19 +489,26 @@ fn attach_sealed_clone(src: &OwnedFd, target: &OwnedFd, attrs: u64, recursive: b
     }
     // SAFETY: open_tree returned a new descriptor nothing else owns.
     let tree = unsafe { OwnedFd::from_raw_fd(tree as i32) };
+    setattr_fd(&tree, attrs, recursive)?;
+    move_mount_onto(&tree, target)
+}
+
+/// `mount_setattr(2)` on the mount `mnt` is (and, when `recursive`, every mount beneath it),
+/// through its descriptor: `attrs` (`MOUNT_ATTR_*`) are added, none cleared.
+fn setattr_fd(mnt: &OwnedFd, attrs: u64, recursive: bool) -> Result<(), Errno> {
     let attr = libc::mount_attr { attr_set: attrs, attr_clr: 0, propagation: 0, userns_fd: 0 };
-    // SAFETY: `tree` is open, the path empty and NUL-terminated, `attr` a properly sized
+    let mut flags = libc::AT_EMPTY_PATH as libc::c_uint;
+    if recursive {
+        flags |= libc::AT_RECURSIVE as libc::c_uint;
+    }
+    // SAFETY: `mnt` is open, the path empty and NUL-terminated, `attr` a properly sized
     // mount_attr that outlives the call.
     let rc = unsafe {
         libc::syscall(
             libc::SYS_mount_setattr,
-            tree.as_raw_fd(),
-            empty.as_ptr(),
-            if recursive {
-                (libc::AT_EMPTY_PATH | libc::AT_RECURSIVE) as libc::c_uint
-            } else {
-                libc::AT_EMPTY_PATH as libc::c_uint
-            },
+            mnt.as_raw_fd(),
+            c"".as_ptr(),
+            flags,
             &attr as *const libc::mount_attr,
             std::mem::size_of::<libc::mount_attr>(),
         )
@@ -412,15 +516,22 @@ fn attach_sealed_clone(src: &OwnedFd, target: &OwnedFd, attrs: u64, recursive: b
     if rc != 0 {
         return Err(Errno::last());
     }
+    Ok(())
+}
+
+/// Attach the detached mount `mnt` onto `target` (both descriptors: nothing is resolved by
+/// path).
+fn move_mount_onto(mnt: &OwnedFd, target: &OwnedFd) -> Result<(), Errno> {
+    let empty = c"";
     // SAFETY: both descriptors are open, both paths empty and NUL-terminated.
     let rc = unsafe {
         libc::syscall(
             libc::SYS_move_mount,
-            tree.as_raw_fd(),
+            mnt.as_raw_fd(),
             empty.as_ptr(),
             target.as_raw_fd(),
             empty.as_ptr(),
-            MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH,
+            libc::MOVE_MOUNT_F_EMPTY_PATH | libc::MOVE_MOUNT_T_EMPTY_PATH,
         )
     };
     if rc != 0 {
@@ -702,15 +813,28 @@ fn mount_point(path: &Path, is_dir: bool, owned: &Owned) -> Result<(), StepError
     }
 }
 
-/// Open `path` in the view (`O_PATH`) as a mount target, resolving it component by component
-/// and following a symlink only where no sandbox can have put it: in a filesystem the builder
-/// made (`owned`: the merged-/usr links of the root, say), or in a host directory no sandbox
-/// can change (see [`sandbox_may_write`]: a root-owned, mode-0755 `/etc/ssl` whose `certs` is
-/// a link, say). A symlink in a host directory a sandbox can change — where another sandbox
-/// sharing it could swap one in between the checks and the mount — fails the view instead of
-/// redirecting the mount; so does a walk into the host root (still attached while the view is
-/// built). `is_dir`: what the target must be.
+/// Open `path` in the view (`O_PATH`) as a mount target (see [`resolve`]); `is_dir`: what the
+/// target must be.
 fn open_target(path: &Path, is_dir: bool, owned: &Owned) -> Result<OwnedFd, StepError> {
+    let cur = resolve(path, owned)?.map_err(|e| fail(format!("mount target {}", path.display()), e))?;
+    if fstat_is_dir(&cur).map_err(|e| fail(format!("mount target {}", path.display()), e))? != is_dir {
+        return Err(StepError::new(
+            Stage::Mounts,
+            format!("{}: host path and sandbox view disagree on file vs directory", path.display()),
+        ));
+    }
+    Ok(cur)
+}
+
+/// Resolve `path` in the view to an `O_PATH` descriptor, component by component, following a
+/// symlink only where no sandbox can have put it: in a filesystem the builder made (`owned`:
+/// the merged-/usr links of the root, say), or in a host directory no sandbox can change (see
+/// [`sandbox_may_write`]: a root-owned, mode-0755 `/etc/ssl` whose `certs` is a link, say). A
+/// symlink in a host directory a sandbox can change — where another sandbox sharing it could
+/// swap one in between the checks and the mount — fails the view instead of redirecting the
+/// mount; so does a walk into the host root (still attached while the view is built). The
+/// inner `Err` is the errno of a component that could not be opened (`ENOENT`: absent).
+fn resolve(path: &Path, owned: &Owned) -> Result<Result<OwnedFd, Errno>, StepError> {
     use nix::fcntl::{openat, readlinkat, OFlag};
     use std::ffi::OsString;
     let fail_at = |e: Errno| fail(format!("mount target {}", path.display()), e);
@@ -731,13 +855,15 @@ fn open_target(path: &Path, is_dir: bool, owned: &Owned) -> Result<OwnedFd, Step
     let mut links = 0;
     while let Some(name) = pending.pop_front() {
         let dir_fd = cur.as_ref().unwrap_or(&owned.root);
-        let next = openat(
+        let next = match openat(
             dir_fd,
             name.as_os_str(),
             OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
             nix::sys::stat::Mode::empty(),
-        )
-        .map_err(fail_at)?;
+        ) {
+            Ok(fd) => fd,
+            Err(e) => return Ok(Err(e)),
+        };
         let st = nix::sys::stat::fstat(&next).map_err(fail_at)?;
         if (st.st_dev, st.st_ino) == owned.old_root {
             // A followed link that leads into the host root, still attached while the view
@@ -786,17 +912,10 @@ fn open_target(path: &Path, is_dir: bool, owned: &Owned) -> Result<OwnedFd, Step
             walked = PathBuf::from("/");
         }
     }
-    let cur = match cur {
-        Some(fd) => fd,
-        None => owned.root.try_clone().map_err(|e| fail_io(format!("mount target {}", path.display()), e))?,
-    };
-    if fstat_is_dir(&cur).map_err(fail_at)? != is_dir {
-        return Err(StepError::new(
-            Stage::Mounts,
-            format!("{}: host path and sandbox view disagree on file vs directory", path.display()),
-        ));
+    match cur {
+        Some(fd) => Ok(Ok(fd)),
+        None => Ok(owned.root.try_clone().map_err(|e| Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO)))),
     }
-    Ok(cur)
 }
 
 /// Whether a sandbox could have changed what is in host directory `dir`: it is writable by
