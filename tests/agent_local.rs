@@ -402,6 +402,51 @@ fn the_warm_pool_serves_repeat_runs_and_leaves_nothing_behind() {
     a.audit_verify();
 }
 
+/// A pooled sandbox that waits past `agent.warm_pool_idle_seconds` is discarded by the
+/// daemon on its own (killed, its cgroups removed), not only when a run would take it; the
+/// agent goes on serving runs.
+#[test]
+fn pooled_sandboxes_idle_past_their_limit_are_discarded() {
+    if !common::require_root() {
+        return;
+    }
+    let mut a = Agent::with_agent_keys(2, "  warm_pool: 2\n  warm_pool_idle_seconds: 2\n");
+    a.start();
+    let agent = a.child.as_ref().unwrap().id();
+    let payloads = || daemon::zygote_pid(agent).map_or(vec![], |z| common::procs::at_depth(z, 3));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    // At least one (under load the first may already be discarded before the second is ready).
+    while payloads().is_empty() {
+        assert!(Instant::now() < deadline, "the warm pool was not pre-warmed");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let pooled = payloads();
+    assert!(!common::cgroups_of(agent).is_empty(), "pooled sandboxes wait in their cgroups");
+    // Discarded within a few of the daemon's expiry checks (each at most the idle limit).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !payloads().is_empty() || !common::cgroups_of(agent).is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "idle pooled sandboxes were kept: payloads {:?}, cgroups {:?}",
+            payloads(),
+            common::cgroups_of(agent)
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    for p in pooled {
+        assert!(!Path::new(&format!("/proc/{p}")).exists(), "pooled payload {p} still exists");
+    }
+    let (code, r) = a.submit(&a.sign(&scan("after-expiry")));
+    assert_eq!(
+        (code, r["status"].clone(), r["sandbox"]["launch"].clone()),
+        (0, json!("completed"), json!("zygote")),
+        "{r}"
+    );
+    assert!(a.stop().success());
+    assert!(common::cgroups_of(agent).is_empty());
+    a.audit_verify();
+}
+
 /// Reads the random generators a sandbox inherits: the C library's (`rand`, `random`) and
 /// Python's `random`, as an executor would use them.
 const ENTROPY_PY: &str = r#"import ctypes

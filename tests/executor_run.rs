@@ -1032,6 +1032,10 @@ fn invalid_config_is_refused() {
     run(&d.path, &["--config", c.arg()]).cannot_run(&["idd"]);
     let c = config("resource_limits:\n  default_memory_mb: 600\n", None);
     run(&d.path, &["--config", c.arg()]).cannot_run(&["resource_limits.default_memory_mb", "ceiling"]);
+    for idle in ["0", "86401"] {
+        let c = config(&format!("agent:\n  warm_pool_idle_seconds: {idle}\n"), None);
+        run(&d.path, &["--config", c.arg()]).cannot_run(&["agent.warm_pool_idle_seconds", "1-86400"]);
+    }
     let c = config("agent: [unclosed\n", None);
     run(&d.path, &["--config", c.arg()]).cannot_run(&[c.arg()]);
     let c = config("secrets:\n  provider: hsm\n", None);

@@ -172,6 +172,9 @@ pub struct AgentSection {
     /// Executor sandboxes kept started ahead of their runs (0-64, default 0: off); see
     /// [`crate::warm_pool`].
     pub warm_pool: Option<usize>,
+    /// Seconds a pooled sandbox may wait for its run before it is discarded (1-86400,
+    /// default 600).
+    pub warm_pool_idle_seconds: Option<u64>,
 }
 
 /// Seed 001: `default_timeout_seconds` sets a default, `max_*` set ceilings; `default_*`
@@ -426,6 +429,12 @@ impl Config {
         }
         if self.agent.warm_pool.is_some_and(|n| n > crate::warm_pool::MAX_SIZE) {
             return Err(err("agent.warm_pool", &format!("must be 0-{}", crate::warm_pool::MAX_SIZE)));
+        }
+        if self.agent.warm_pool_idle_seconds.is_some_and(|s| s == 0 || s > crate::warm_pool::MAX_IDLE_LIMIT.as_secs()) {
+            return Err(err(
+                "agent.warm_pool_idle_seconds",
+                &format!("must be 1-{}", crate::warm_pool::MAX_IDLE_LIMIT.as_secs()),
+            ));
         }
         if self.agent.max_concurrent.is_some_and(|n| n == 0 || n > 256) {
             return Err(err("agent.max_concurrent", "must be 1-256"));

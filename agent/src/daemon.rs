@@ -161,10 +161,12 @@ pub fn serve(pipeline: Pipeline, socket: &Path, platform: Option<crate::platform
     // The warm pool's idle sandboxes are discarded on this loop's clock (on a thread: each
     // is killed, reaped and its cgroups removed).
     let mut expired_at = std::time::Instant::now();
-    let wake = watchdog.map_or(POOL_EXPIRY_CHECK, |w| w.min(POOL_EXPIRY_CHECK));
+    // At least as often as a pooled sandbox's idle limit, so none waits much past it.
+    let expiry_check = pipeline.pool.as_ref().map_or(POOL_EXPIRY_CHECK, |p| p.max_idle().min(POOL_EXPIRY_CHECK));
+    let wake = watchdog.map_or(expiry_check, |w| w.min(expiry_check));
     loop {
         workers.retain(|w| !w.is_finished());
-        if let Some(pool) = pipeline.pool.as_ref().filter(|_| expired_at.elapsed() >= POOL_EXPIRY_CHECK) {
+        if let Some(pool) = pipeline.pool.as_ref().filter(|_| expired_at.elapsed() >= expiry_check) {
             expired_at = std::time::Instant::now();
             let pool = pool.clone();
             let _ = std::thread::Builder::new().name("warm-pool-expiry".into()).spawn(move || pool.expire());
@@ -363,6 +365,8 @@ pub struct DaemonSettings {
     pub launch: crate::launch::LaunchMode,
     /// `agent.warm_pool` (0: off).
     pub warm_pool: usize,
+    /// `agent.warm_pool_idle_seconds`.
+    pub warm_pool_idle: Duration,
 }
 
 impl DaemonSettings {
@@ -382,6 +386,7 @@ impl DaemonSettings {
             platform_key,
             launch: a.launch.unwrap_or(crate::launch::LaunchMode::Zygote),
             warm_pool: a.warm_pool.unwrap_or(0),
+            warm_pool_idle: a.warm_pool_idle_seconds.map_or(crate::warm_pool::DEFAULT_MAX_IDLE, Duration::from_secs),
         })
     }
 }

@@ -810,7 +810,8 @@ fn agent_daemon(config: Option<PathBuf>, check_only: bool) -> Result<ExitCode, C
             agent::launch::for_runtime(&zygote)
         }
     };
-    let pool = (settings.warm_pool > 0).then(|| agent::warm_pool::WarmPool::new(settings.warm_pool, launcher.clone()));
+    let pool = (settings.warm_pool > 0)
+        .then(|| agent::warm_pool::WarmPool::new(settings.warm_pool, settings.warm_pool_idle, launcher.clone()));
     let pipeline = agent::command::Pipeline {
         seen: agent::replay::SeenCommands::new(&settings.state_dir.join("commands-seen")),
         executors: cfg.executors.root(),

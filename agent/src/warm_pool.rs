@@ -15,7 +15,8 @@
 //! - A pooled sandbox whose bound host paths were replaced since it was built (an executor
 //!   removed and installed again at the same version), or whose payload has ended (the OOM
 //!   killer's first victim), is discarded when a run would take it; the run starts its own.
-//! - The pool holds at most its size; a sandbox idle for [`MAX_IDLE`] is discarded; dropping
+//! - The pool holds at most its size; a sandbox idle for longer than its idle limit
+//!   (`agent.warm_pool_idle_seconds`, default [`DEFAULT_MAX_IDLE`]) is discarded; dropping
 //!   a pooled sandbox kills it and removes its cgroups. Refills run on a background thread,
 //!   one at a time per spec.
 //! - A pooled sandbox with an application channel is a runtime waiting for its arguments:
@@ -38,8 +39,11 @@ use std::time::{Duration, Instant};
 
 use sandbox::{Launcher, Sandbox, SandboxSpec};
 
-/// A pooled sandbox older than this is discarded rather than used.
-pub const MAX_IDLE: Duration = Duration::from_secs(600);
+/// A pooled sandbox idle for longer than this is discarded rather than used, by default.
+pub const DEFAULT_MAX_IDLE: Duration = Duration::from_secs(600);
+
+/// The largest idle limit (`agent.warm_pool_idle_seconds`).
+pub const MAX_IDLE_LIMIT: Duration = Duration::from_secs(86_400);
 
 /// The largest `agent.warm_pool`.
 pub const MAX_SIZE: usize = 64;
@@ -80,6 +84,8 @@ struct State {
 
 pub struct WarmPool {
     size: usize,
+    /// How long a sandbox may wait for its run.
+    max_idle: Duration,
     launcher: Launcher,
     /// Whether runs refill the pool (not for a one-shot command, which would exit with a
     /// sandbox half-started).
@@ -88,14 +94,21 @@ pub struct WarmPool {
 }
 
 impl WarmPool {
-    /// A pool of at most `size` sandboxes, started with `launcher`.
-    pub fn new(size: usize, launcher: Launcher) -> Arc<WarmPool> {
-        Arc::new(WarmPool { size: size.min(MAX_SIZE), launcher, refills: true, state: Mutex::default() })
+    /// A pool of at most `size` sandboxes, started with `launcher`, each discarded once it has
+    /// waited longer than `max_idle`.
+    pub fn new(size: usize, max_idle: Duration, launcher: Launcher) -> Arc<WarmPool> {
+        Arc::new(WarmPool {
+            size: size.min(MAX_SIZE),
+            max_idle: max_idle.min(MAX_IDLE_LIMIT),
+            launcher,
+            refills: true,
+            state: Mutex::default(),
+        })
     }
 
     /// A pool of one sandbox that [`WarmPool::fill`] starts and one run takes; never refilled.
     pub fn single_use(launcher: Launcher) -> Arc<WarmPool> {
-        Arc::new(WarmPool { size: 1, launcher, refills: false, state: Mutex::default() })
+        Arc::new(WarmPool { size: 1, max_idle: DEFAULT_MAX_IDLE, launcher, refills: false, state: Mutex::default() })
     }
 
     /// Stop refilling, kill and remove every ready sandbox, and wait (up to 10 s) for the
@@ -119,13 +132,19 @@ impl WarmPool {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Discard the sandboxes idle for longer than [`MAX_IDLE`] (killed and removed outside
+    /// How long a sandbox may wait for its run before it is discarded.
+    pub fn max_idle(&self) -> Duration {
+        self.max_idle
+    }
+
+    /// Discard the sandboxes idle for longer than the pool's idle limit (killed and removed outside
     /// the lock). A long-running agent calls it now and then, so that idle ones do not wait
     /// for a run of their spec to be discarded.
     pub fn expire(&self) {
         let expired: Vec<Warm> = {
             let mut st = self.state();
-            let (old, fresh): (Vec<Warm>, Vec<Warm>) = st.ready.drain(..).partition(|w| w.since.elapsed() > MAX_IDLE);
+            let (old, fresh): (Vec<Warm>, Vec<Warm>) =
+                st.ready.drain(..).partition(|w| w.since.elapsed() > self.max_idle);
             st.ready = fresh.into();
             old
         };
@@ -145,7 +164,7 @@ impl WarmPool {
                 let (old, fresh): (Vec<Warm>, Vec<Warm>) = st
                     .ready
                     .drain(..)
-                    .partition(|w| w.since.elapsed() > MAX_IDLE || (w.spec == *spec && w.sources != now));
+                    .partition(|w| w.since.elapsed() > self.max_idle || (w.spec == *spec && w.sources != now));
                 st.ready = fresh.into();
                 old
             };
