@@ -194,7 +194,7 @@ impl Conf {
 /// - `["ifaces"]`: `{"ok": true, "if_nameindex": [...], "proc_net_dev": [...]}`
 /// - `["env", [names]]`: `{"ok": true, "env": {name: value or null}}`
 /// - hostile probes (tests at the end): `udp`, `udp_gw`, `udp_gw6`, `sock`, `ping`,
-///   `dns_raw`, `multi_download`, `sleep` — see `_step_extra`
+///   `dns_raw`, `multi_download`, `sleep`, `dns_tcp_abuse` — see `_step_extra`
 const PROBE: &str = r#"
 import os
 import socket
@@ -479,6 +479,60 @@ def _dns_raw(proto, labels, qtype, qid=0x6161):
         return _fail(e, t0)
 
 
+def _dns_tcp_abuse(mode, name):
+    """A DNS-over-TCP client that misbehaves towards the sandbox's resolver (the gateway):
+    `silent` connects and sends nothing; `trickle` sends one query a byte every half second;
+    `flood` sends 17 queries at once. Reports whether the resolver closed the connection
+    (end of file or reset), what it answered, and how much of the trickled query it took."""
+    t0 = time.monotonic()
+    q = struct.pack(">HHHHHH", 0x5353, 0x0100, 1, 0, 0, 0)
+    for label in name.split("."):
+        q += bytes([len(label)]) + label.encode()
+    q += b"\x00" + struct.pack(">HH", 1, 1)
+    framed = struct.pack(">H", len(q)) + q
+    try:
+        s = socket.create_connection((_gateway(), 53), timeout=3)
+    except Exception as e:
+        return _fail(e, t0)
+    closed, sent, answers, data = False, 0, 0, b""
+    try:
+        if mode == "trickle":
+            import select
+            s.sendall(framed[:2])
+            for b in framed[2:]:
+                r, _, _ = select.select([s], [], [], 0.5)
+                if r:
+                    if not s.recv(4096):
+                        closed = True
+                        break
+                s.sendall(bytes([b]))
+                sent += 1
+            else:
+                # Every byte went out: wait for the answer, or for the close.
+                s.settimeout(15)
+                closed = not s.recv(4096)
+        else:
+            if mode == "flood":
+                s.sendall(framed * 17)
+            s.settimeout(15)
+            while True:
+                chunk = s.recv(4096)
+                if not chunk:
+                    closed = True
+                    break
+                data += chunk
+                while len(data) >= 2 and len(data) >= 2 + struct.unpack(">H", data[:2])[0]:
+                    answers += 1
+                    data = data[2 + struct.unpack(">H", data[:2])[0]:]
+    except (BrokenPipeError, ConnectionResetError):
+        closed = True
+    except Exception as e:
+        return _fail(e, t0, sent=sent, answers=answers)
+    finally:
+        s.close()
+    return {"ok": True, "closed": closed, "sent": sent, "of": len(q), "answers": answers, "ms": _ms(t0)}
+
+
 def _multi_download(host, port, n, seconds):
     import threading
     res = [None] * n
@@ -528,6 +582,8 @@ def _step_extra(op, args):
         return _dns_raw(*args)
     if op == "multi_download":
         return _multi_download(*args)
+    if op == "dns_tcp_abuse":
+        return _dns_tcp_abuse(*args)
     if op == "sleep":
         time.sleep(args[0])
         return {"ok": True}
@@ -1323,6 +1379,53 @@ fn dns_over_tcp_follows_the_same_policy() {
         "a name outside the allow list never reaches the upstream: {:?}",
         lab.dns.log()
     );
+    assert_host_clean(&lab);
+}
+
+/// The resolver's DNS-over-TCP bounds hold against a hostile client in the sandbox (the
+/// forwarder serves TCP on its only thread, so a client must not hold it): a connection that
+/// sends nothing is closed (idle limit, 2 s), one that trickles a query byte by byte is
+/// closed before the query is complete (connection limit, 5 s), one that sends 17 queries
+/// gets 16 answers and is closed; after each, names resolve over UDP again.
+#[test]
+fn dns_over_tcp_bounds_hold_against_a_hostile_client() {
+    if !prerequisites() {
+        return;
+    }
+    let lab = Lab::new();
+    let conf = Conf::new("");
+    let p = probe(
+        &lab,
+        &conf,
+        json!({"outbound": true, "allowed_hosts": ["*.example.test"]}),
+        limits(),
+        json!([
+            ["dns_tcp_abuse", "silent", "good.example.test"],
+            ["resolve", "good.example.test"],
+            ["dns_tcp_abuse", "trickle", "good.example.test"],
+            ["resolve", "good.example.test"],
+            ["dns_tcp_abuse", "flood", "good.example.test"],
+            ["resolve", "good.example.test"],
+        ]),
+    );
+    let silent = p.step(0);
+    assert_eq!((silent["ok"].clone(), silent["closed"].clone()), (json!(true), json!(true)), "{silent}");
+    assert_eq!(silent["answers"], 0, "{silent}");
+    let trickle = p.step(2);
+    assert_eq!((trickle["ok"].clone(), trickle["closed"].clone()), (json!(true), json!(true)), "{trickle}");
+    assert!(
+        trickle["sent"].as_u64().unwrap() < trickle["of"].as_u64().unwrap(),
+        "the trickled query was taken whole: {trickle}"
+    );
+    let flood = p.step(4);
+    assert_eq!(
+        (flood["ok"].clone(), flood["closed"].clone(), flood["answers"].clone()),
+        (json!(true), json!(true), json!(16)),
+        "{flood}"
+    );
+    for i in [1, 3, 5] {
+        assert_resolved(p.step(i), "good.example.test", &["198.51.100.10"]);
+    }
     assert_host_clean(&lab);
 }
 
