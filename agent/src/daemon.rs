@@ -161,8 +161,9 @@ pub fn serve(pipeline: Pipeline, socket: &Path, platform: Option<crate::platform
     // The warm pool's idle sandboxes are discarded on this loop's clock (on a thread: each
     // is killed, reaped and its cgroups removed).
     let mut expired_at = std::time::Instant::now();
-    // At least as often as a pooled sandbox's idle limit, so none waits much past it.
-    let expiry_check = pipeline.pool.as_ref().map_or(POOL_EXPIRY_CHECK, |p| p.max_idle().min(POOL_EXPIRY_CHECK));
+    // Twice per idle limit (so none waits more than half its limit past it), at most a minute
+    // apart.
+    let expiry_check = pipeline.pool.as_ref().map_or(POOL_EXPIRY_CHECK, |p| (p.max_idle() / 2).min(POOL_EXPIRY_CHECK));
     let wake = watchdog.map_or(expiry_check, |w| w.min(expiry_check));
     loop {
         workers.retain(|w| !w.is_finished());

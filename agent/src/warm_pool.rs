@@ -42,6 +42,9 @@ use sandbox::{Launcher, Sandbox, SandboxSpec};
 /// A pooled sandbox idle for longer than this is discarded rather than used, by default.
 pub const DEFAULT_MAX_IDLE: Duration = Duration::from_secs(600);
 
+/// The smallest idle limit (`agent.warm_pool_idle_seconds`).
+pub const MIN_IDLE_LIMIT: Duration = Duration::from_secs(1);
+
 /// The largest idle limit (`agent.warm_pool_idle_seconds`).
 pub const MAX_IDLE_LIMIT: Duration = Duration::from_secs(86_400);
 
@@ -99,7 +102,7 @@ impl WarmPool {
     pub fn new(size: usize, max_idle: Duration, launcher: Launcher) -> Arc<WarmPool> {
         Arc::new(WarmPool {
             size: size.min(MAX_SIZE),
-            max_idle: max_idle.min(MAX_IDLE_LIMIT),
+            max_idle: max_idle.clamp(MIN_IDLE_LIMIT, MAX_IDLE_LIMIT),
             launcher,
             refills: true,
             state: Mutex::default(),

@@ -324,7 +324,16 @@ impl MaskSeal {
         match self {
             MaskSeal::Mount(mnt, path) => {
                 let attrs = libc::MOUNT_ATTR_RDONLY | libc::MOUNT_ATTR_NOSUID | libc::MOUNT_ATTR_NODEV;
-                setattr_fd(&mnt, attrs, false).map_err(|e| fail(format!("mount_setattr mask {}", path.display()), e))
+                match setattr_fd(&mnt, attrs, false) {
+                    Ok(()) => Ok(()),
+                    // Kernels 5.2-5.11 (fsmount, no mount_setattr): remounted read-only through
+                    // the mount's own descriptor (its name in /proc/self/fd leads to exactly
+                    // that mount; no path of the view is resolved).
+                    Err(Errno::ENOSYS) => {
+                        remount_fallback(Path::new(&format!("/proc/self/fd/{}", mnt.as_raw_fd())), attrs, false)
+                    }
+                    Err(e) => Err(fail(format!("mount_setattr mask {}", path.display()), e)),
+                }
             }
             MaskSeal::Path(path) => seal(&path, true, false),
         }
@@ -343,7 +352,10 @@ fn mount_mask_tmpfs(target: &OwnedFd) -> Result<OwnedFd, Errno> {
     }
     // SAFETY: fsopen returned a new descriptor nothing else owns.
     let fs_fd = unsafe { OwnedFd::from_raw_fd(fs_fd as i32) };
-    for (key, value) in [(c"source", c"opservant-mask"), (c"mode", c"000"), (c"size", c"4096"), (c"nr_inodes", c"64")] {
+    let options = MASK_TMPFS_OPTIONS.split(',').filter_map(|o| o.split_once('='));
+    for (key, value) in std::iter::once(("source", "opservant-mask")).chain(options) {
+        let (key, value) =
+            (CString::new(key).map_err(|_| Errno::EINVAL)?, CString::new(value).map_err(|_| Errno::EINVAL)?);
         // SAFETY: `fs_fd` is an open filesystem context; key and value are NUL-terminated
         // strings that outlive the call.
         let rc = unsafe {
