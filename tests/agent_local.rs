@@ -313,7 +313,7 @@ fn the_warm_pool_serves_repeat_runs_and_leaves_nothing_behind() {
     // their payloads forked from the zygote's sandbox processes (zygote → monitor → init →
     // payload).
     let deadline = Instant::now() + Duration::from_secs(20);
-    let payloads = || daemon::zygote_pid(agent).map_or(0, |z| common::procs::at_depth(z, 3).len());
+    let payloads = || daemon::zygote_payloads(agent).len();
     while payloads() < 2 {
         assert!(Instant::now() < deadline, "the warm pool was not pre-warmed: {} payloads", payloads());
         std::thread::sleep(Duration::from_millis(20));
@@ -413,7 +413,7 @@ fn pooled_sandboxes_idle_past_their_limit_are_discarded() {
     let mut a = Agent::with_agent_keys(2, "  warm_pool: 2\n  warm_pool_idle_seconds: 3\n");
     a.start();
     let agent = a.child.as_ref().unwrap().id();
-    let payloads = || daemon::zygote_pid(agent).map_or(vec![], |z| common::procs::at_depth(z, 3));
+    let payloads = || daemon::zygote_payloads(agent);
     let deadline = Instant::now() + Duration::from_secs(20);
     // At least one (under load the first may already be discarded before the second is ready).
     while payloads().is_empty() {
@@ -471,7 +471,7 @@ fn sandboxes_forked_from_one_zygote_do_not_share_random_state() {
     let agent = a.child.as_ref().unwrap().id();
     // Pre-warmed at start, one sandbox per installed executor.
     let deadline = Instant::now() + Duration::from_secs(20);
-    while daemon::zygote_pid(agent).map_or(0, |z| common::procs::at_depth(z, 3).len()) < 3 {
+    while daemon::zygote_payloads(agent).len() < 3 {
         assert!(Instant::now() < deadline, "the warm pool was not pre-warmed");
         std::thread::sleep(Duration::from_millis(20));
     }

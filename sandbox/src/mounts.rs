@@ -505,7 +505,7 @@ fn attach_sealed_clone(src: &OwnedFd, target: &OwnedFd, attrs: u64, recursive: b
     move_mount_onto(&tree, target)
 }
 
-/// `mount_setattr(2)` on the mount `mnt` is (and, when `recursive`, every mount beneath it),
+/// `mount_setattr(2)` on the mount `mnt` refers to (and, when `recursive`, every mount beneath it),
 /// through its descriptor: `attrs` (`MOUNT_ATTR_*`) are added, none cleared.
 fn setattr_fd(mnt: &OwnedFd, attrs: u64, recursive: bool) -> Result<(), Errno> {
     let attr = libc::mount_attr { attr_set: attrs, attr_clr: 0, propagation: 0, userns_fd: 0 };
