@@ -331,12 +331,13 @@ fn binds_are_nosuid_nodev_and_read_only_as_declared() {
     let o = sandbox::run(&s, &launcher(), OutputOptions::default()).unwrap();
     assert!(o.success(), "{o:?}");
     let info = stdout(&o);
-    let options = |mount_point: &std::path::Path| -> Vec<String> {
-        let line = info
-            .lines()
+    let line = |mount_point: &std::path::Path| -> &str {
+        info.lines()
             .find(|l| l.split(' ').nth(4) == mount_point.to_str())
-            .unwrap_or_else(|| panic!("{} is not a mount point in the view:\n{info}", mount_point.display()));
-        line.split(' ').nth(5).unwrap().split(',').map(String::from).collect()
+            .unwrap_or_else(|| panic!("{} is not a mount point in the view:\n{info}", mount_point.display()))
+    };
+    let options = |mount_point: &std::path::Path| -> Vec<String> {
+        line(mount_point).split(' ').nth(5).unwrap().split(',').map(String::from).collect()
     };
     for (path, mode) in
         [(&ro.path, "ro"), (&rw.path, "rw"), (&synthetic, "ro"), (&hidden, "ro"), (&hidden_file, "ro"), (&shown, "ro")]
@@ -350,8 +351,7 @@ fn binds_are_nosuid_nodev_and_read_only_as_declared() {
     }
     assert!(options(&hidden).contains(&"noexec".to_string()), "{info}");
     let source = |mount_point: &std::path::Path| {
-        let line = info.lines().find(|l| l.split(' ').nth(4) == mount_point.to_str()).unwrap();
-        line.split(" - ").nth(1).unwrap().split(' ').take(2).collect::<Vec<_>>().join(" ")
+        line(mount_point).split(" - ").nth(1).unwrap().split(' ').take(2).collect::<Vec<_>>().join(" ")
     };
     assert_eq!(source(&hidden), "tmpfs opservant-mask", "{info}");
 }
