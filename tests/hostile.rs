@@ -222,6 +222,63 @@ print('proc mounts', [(p[4], p[5].split(',')[0]) for p in procs])
     assert!(out.contains("proc mounts [('/proc', 'ro')]"), "one procfs in the view, read-only: {out}");
 }
 
+/// Host-wide `/proc` entries a sandbox has no use for are masked (the sandbox's default
+/// masked paths): per-CPU interrupt and softirq counts (a side channel on other processes'
+/// activity), the kernel's keyrings, ACPI. Each is tried by its name and by ways around
+/// it through the same procfs (`/proc/self/..`, the process's `root` link); everything else
+/// of `/proc` stays readable. Control: each file is readable by the sandbox identity on the
+/// host, and at least two of them are (nothing passes because nothing was tried).
+#[test]
+fn host_wide_proc_entries_are_masked() {
+    if !require_root() {
+        return;
+    }
+    let (uid, _) = executor_ids();
+    let files: Vec<&str> = ["interrupts", "softirqs", "keys", "key-users"]
+        .into_iter()
+        .filter(|f| host_readable_by(&std::path::Path::new("/proc").join(f), uid))
+        .collect();
+    assert!(files.len() >= 2, "control: host-readable /proc files: {files:?}");
+    let acpi = std::path::Path::new("/proc/acpi").is_dir();
+    let mut tries: Vec<String> = Vec::new();
+    for f in &files {
+        for prefix in ["/proc/", "/proc/self/../", "/proc/self/root/proc/", "/proc/thread-self/../../../"] {
+            tries.push(format!("{prefix}{f}"));
+        }
+    }
+    let code = format!(
+        r#"import errno, os
+for path in {tries:?}:
+    try:
+        open(path, 'rb').read(64)
+        print('READ', path)
+    except OSError as e:
+        print(path, errno.errorcode.get(e.errno, e.errno))
+if {acpi}:
+    try:
+        print('LISTED /proc/acpi', os.listdir('/proc/acpi'))
+    except OSError as e:
+        print('/proc/acpi', errno.errorcode.get(e.errno, e.errno))
+for path in ['/proc/cpuinfo', '/proc/self/status', '/proc/meminfo']:
+    print('control', path, len(open(path).read()) > 0)
+"#,
+        acpi = if acpi { "True" } else { "False" },
+    );
+    let (_d, m) = fast();
+    let r = python(Some(&m), &code);
+    assert_eq!(r.status(), "completed", "{}", r.err());
+    let out = r.stdout();
+    let lines: Vec<&str> = out.lines().collect();
+    for t in &tries {
+        assert!(lines.contains(&format!("{t} EACCES").as_str()), "{t} must be masked:\n{out}");
+    }
+    if acpi {
+        assert!(lines.contains(&"/proc/acpi EACCES"), "/proc/acpi must be masked:\n{out}");
+    }
+    assert!(!out.contains("READ") && !out.contains("LISTED"), "{out}");
+    assert_eq!(out.lines().filter(|l| l.starts_with("control ") && l.ends_with(" True")).count(), 3, "{out}");
+}
+
 #[test]
 fn host_loopback_tcp_is_unreachable() {
     if !require_root() {

@@ -101,12 +101,21 @@ fn fresh_sysfs_on_request_is_private_and_read_only() {
         return;
     }
     let _view = common::host_view();
-    let mut s = spec(&["/bin/sh", "-c", "ls /sys/class/net; echo x > /sys/kernel/uevent_helper 2>&1 || echo refused"]);
+    // Control: the host has firmware tables in its sysfs; the sandbox's are masked.
+    assert!(std::fs::read_dir("/sys/firmware").unwrap().next().is_some(), "control: /sys/firmware");
+    let mut s = spec(&[
+        "/bin/sh",
+        "-c",
+        "ls /sys/class/net; echo x > /sys/kernel/uevent_helper 2>&1 || echo refused; \
+         ls /sys/firmware >/dev/null 2>&1 && echo FIRMWARE-LISTED; ls -d /sys/kernel >/dev/null && echo sysfs-readable",
+    ]);
     s.filesystem.sysfs = true;
     let o = sandbox::run(&s, &launcher(), OutputOptions::default()).unwrap();
     assert_eq!(o.enforcement.sysfs, "fresh");
     assert_eq!(stdout(&o).lines().next(), Some("lo"), "only the sandbox's own interfaces: {}", stdout(&o));
     assert!(stdout(&o).contains("refused"), "{}", stdout(&o));
+    assert!(!stdout(&o).contains("FIRMWARE-LISTED"), "/sys/firmware is masked: {}", stdout(&o));
+    assert!(stdout(&o).contains("sysfs-readable"), "{}", stdout(&o));
 }
 
 /// Declared paths are bound only when no component is a symlink (a link swapped in after
@@ -318,15 +327,19 @@ fn binds_are_nosuid_nodev_and_read_only_as_declared() {
     let synthetic = std::path::PathBuf::from(format!("/opservant-test-{}/synthetic.conf", std::process::id()));
     // Masks beneath the writable directory (a directory and a file), and a declared path
     // beneath the masked directory (its mount point made in the mask's own tmpfs).
+    // A masked directory nothing is placed beneath is covered by a sealed clone of the
+    // view's empty cover directory instead.
     let (hidden, hidden_file, shown) =
         (rw.path.join("hidden"), rw.path.join("hidden-file"), rw.path.join("hidden/shown"));
+    let hidden_bare = rw.path.join("hidden-bare");
     std::fs::create_dir_all(&shown).unwrap();
+    std::fs::create_dir_all(&hidden_bare).unwrap();
     std::fs::write(&hidden_file, "s3cret").unwrap();
     let mut s = spec(&["/bin/cat", "/proc/self/mountinfo"]);
     s.filesystem.paths.push(rule(&ro.path, ro.path.clone(), sandbox::Access::Read));
     s.filesystem.paths.push(rule(&rw.path, rw.path.clone(), sandbox::Access::ReadWrite));
     s.filesystem.paths.push(rule(&ro.path, shown.clone(), sandbox::Access::Read));
-    s.filesystem.masked.extend([hidden.clone(), hidden_file.clone()]);
+    s.filesystem.masked.extend([hidden.clone(), hidden_file.clone(), hidden_bare.clone()]);
     s.filesystem.synthetic.push(sandbox::SyntheticFile { path: synthetic.clone(), content: "x\n".into() });
     let o = sandbox::run(&s, &launcher(), OutputOptions::default()).unwrap();
     assert!(o.success(), "{o:?}");
@@ -339,9 +352,15 @@ fn binds_are_nosuid_nodev_and_read_only_as_declared() {
     let options = |mount_point: &std::path::Path| -> Vec<String> {
         line(mount_point).split(' ').nth(5).unwrap().split(',').map(String::from).collect()
     };
-    for (path, mode) in
-        [(&ro.path, "ro"), (&rw.path, "rw"), (&synthetic, "ro"), (&hidden, "ro"), (&hidden_file, "ro"), (&shown, "ro")]
-    {
+    for (path, mode) in [
+        (&ro.path, "ro"),
+        (&rw.path, "rw"),
+        (&synthetic, "ro"),
+        (&hidden, "ro"),
+        (&hidden_file, "ro"),
+        (&hidden_bare, "ro"),
+        (&shown, "ro"),
+    ] {
         let o = options(path);
         assert!(
             o.contains(&mode.to_string()) && o.contains(&"nosuid".to_string()) && o.contains(&"nodev".to_string()),
@@ -350,10 +369,13 @@ fn binds_are_nosuid_nodev_and_read_only_as_declared() {
         );
     }
     assert!(options(&hidden).contains(&"noexec".to_string()), "{info}");
+    assert!(options(&hidden_bare).contains(&"noexec".to_string()), "{info}");
     let source = |mount_point: &std::path::Path| {
         line(mount_point).split(" - ").nth(1).unwrap().split(' ').take(2).collect::<Vec<_>>().join(" ")
     };
     assert_eq!(source(&hidden), "tmpfs opservant-mask", "{info}");
+    assert_eq!(source(&hidden_bare), "tmpfs opservant-root", "{info}");
+    assert_eq!(line(&hidden_bare).split(' ').nth(3), Some("/.inaccessible-dir//deleted"), "{info}");
 }
 
 /// A mask is placed as a mount target is: through a symlink only where no sandbox can have

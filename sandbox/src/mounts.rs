@@ -12,8 +12,10 @@
 //!   or directory, unless a declared path names them exactly — also beneath a declared
 //!   parent (masks and declared paths are applied in one pass, parents first). A mask's path
 //!   is resolved as a mount target's is (below), and its cover is sealed through descriptors
-//!   only: a file's before it is attached, a directory's tmpfs (made with `fsmount`) through
-//!   the descriptor it was made with.
+//!   only: a clone of the cover file (or empty directory) before it is attached; a masked
+//!   directory that declared paths are placed beneath gets a tmpfs of its own (made with
+//!   `fsmount`), sealed through the descriptor it was made with. Masks in `/proc` and `/sys`
+//!   cover entries of the sandbox's own procfs and sysfs, mounted before any mask is placed.
 //! - Host paths are resolved with `openat2(RESOLVE_IN_ROOT)` against the old root, so a host
 //!   symlink cannot redirect a bind mount into the half-built new root; a rule's exact
 //!   `source` also with `RESOLVE_NO_SYMLINKS`: one whose components include a symlink fails
@@ -59,6 +61,9 @@ const OLD_ROOT: &str = "/.oldroot";
 const DEVICES: &[&str] = &["null", "zero", "full", "random", "urandom"];
 /// Mode-000 file bound over masked files (removed from the root before the payload runs).
 const INACCESSIBLE: &str = "/.inaccessible";
+/// Empty mode-000 directory bound over masked directories that nothing is placed beneath
+/// (removed from the root before the payload runs, like [`INACCESSIBLE`]).
+const INACCESSIBLE_DIR: &str = "/.inaccessible-dir";
 
 /// What the view builder could provide.
 #[derive(Debug)]
@@ -200,7 +205,12 @@ pub fn build(fs_spec: &Filesystem, net_ns: bool, cwd: &Path) -> Result<ViewRepor
     let mut masks_to_seal = Vec::new();
     let inaccessible = Path::new(INACCESSIBLE);
     create_file(inaccessible, 0o000, b"")?;
-    let inaccessible_fd = open_path(inaccessible).map_err(|e| fail(format!("open {INACCESSIBLE}"), e))?;
+    let inaccessible_dir = Path::new(INACCESSIBLE_DIR);
+    mkdir(inaccessible_dir, 0o000)?;
+    let covers = Covers {
+        file: open_path(inaccessible).map_err(|e| fail(format!("open {INACCESSIBLE}"), e))?,
+        dir: open_path(inaccessible_dir).map_err(|e| fail(format!("open {INACCESSIBLE_DIR}"), e))?,
+    };
     let mut steps: Vec<(&Path, Option<&PathRule>)> = fs_spec
         .masked
         .iter()
@@ -221,7 +231,11 @@ pub fn build(fs_spec: &Filesystem, net_ns: bool, cwd: &Path) -> Result<ViewRepor
                 bind_host(&old_root, rule, false, &owned)?;
             }
             None => {
-                if let Some(seal_later) = mask(path, &inaccessible_fd, &mut owned)? {
+                // Whether anything is placed beneath the mask later (a declared path or a
+                // synthetic file: their mount points are made in the mask's own tmpfs).
+                let holds = fs_spec.paths.iter().map(|r| &r.path).chain(fs_spec.synthetic.iter().map(|s| &s.path));
+                let placed_beneath = holds.into_iter().any(|p| p != path && p.starts_with(path));
+                if let Some(seal_later) = mask(path, &covers, placed_beneath, &mut owned)? {
                     masks_to_seal.push(seal_later);
                 }
             }
@@ -243,8 +257,9 @@ pub fn build(fs_spec: &Filesystem, net_ns: bool, cwd: &Path) -> Result<ViewRepor
         bind_sealed(&src_fd, &target, &s.path, true, false)?;
         fs::remove_file(&src).map_err(|e| fail_io(format!("remove {}", src.display()), e))?;
     }
-    drop(inaccessible_fd);
-    fs::remove_file(inaccessible).map_err(|e| fail_io("remove /.inaccessible", e))?;
+    drop(covers);
+    fs::remove_file(inaccessible).map_err(|e| fail_io(format!("remove {INACCESSIBLE}"), e))?;
+    fs::remove_dir(inaccessible_dir).map_err(|e| fail_io(format!("remove {INACCESSIBLE_DIR}"), e))?;
 
     // 8. Detach the host root.
     drop(old_root);
@@ -261,10 +276,20 @@ pub fn build(fs_spec: &Filesystem, net_ns: bool, cwd: &Path) -> Result<ViewRepor
     Ok(ViewReport { sysfs, system_bound, setup_proc })
 }
 
-/// Cover `path` in the view, when it exists there: a directory with an empty mode-000
-/// tmpfs (returned: sealed read-only once the old root is gone, when nothing more is placed
-/// beneath it), anything else with the mode-000 file `inaccessible`, sealed before it is
-/// attached. The path is resolved as a mount target is ([`resolve`]): a masked path that
+/// What masks are covered with: the mode-000 file [`INACCESSIBLE`] and the empty mode-000
+/// directory [`INACCESSIBLE_DIR`], both on the view's root tmpfs.
+struct Covers {
+    file: OwnedFd,
+    dir: OwnedFd,
+}
+
+/// Cover `path` in the view, when it exists there. A directory that something is placed
+/// beneath later (`placed_beneath`) gets an empty mode-000 tmpfs of its own (returned:
+/// sealed read-only once the old root is gone, when nothing more is placed beneath it);
+/// any other directory a clone of the empty directory `covers.dir`, anything else a clone
+/// of the file `covers.file` — each sealed (read-only, nosuid, nodev; a directory also
+/// noexec) before it is attached. A clone of the shared cover costs no filesystem of its
+/// own, and nothing can be made in it: it is read-only from the start. The path is resolved as a mount target is ([`resolve`]): a masked path that
 /// is a symlink masks what it leads to in the view, but only through links no sandbox can
 /// have put there — through any other link the view fails, so a link swapped into a shared
 /// writable directory cannot move a mask off what it covers. Absent, a link into nothing,
@@ -272,15 +297,25 @@ pub fn build(fs_spec: &Filesystem, net_ns: bool, cwd: &Path) -> Result<ViewRepor
 /// whose owner is not mapped into the sandbox's user namespace, so init's capabilities do
 /// not apply to it — the payload, the same uid with no groups and no capabilities, cannot
 /// reach it either): nothing to cover. Any other error fails the view.
-fn mask(path: &Path, inaccessible: &OwnedFd, owned: &mut Owned) -> Result<Option<MaskSeal>, StepError> {
+fn mask(path: &Path, covers: &Covers, placed_beneath: bool, owned: &mut Owned) -> Result<Option<MaskSeal>, StepError> {
     let target = match resolve(path, owned)? {
         Ok(fd) => fd,
         Err(Errno::ENOENT | Errno::EACCES) => return Ok(None),
         Err(e) => return Err(fail(format!("mask {}", path.display()), e)),
     };
     if !fstat_is_dir(&target).map_err(|e| fail(format!("mask {}", path.display()), e))? {
-        bind_sealed(inaccessible, &target, path, true, false)?;
+        bind_sealed(&covers.file, &target, path, true, false)?;
         return Ok(None);
+    }
+    if !placed_beneath {
+        let attrs =
+            libc::MOUNT_ATTR_RDONLY | libc::MOUNT_ATTR_NOSUID | libc::MOUNT_ATTR_NODEV | libc::MOUNT_ATTR_NOEXEC;
+        match attach_sealed_clone(&covers.dir, &target, attrs, false) {
+            Ok(()) => return Ok(None),
+            // Kernels before 5.12: a tmpfs of its own, below.
+            Err(Errno::ENOSYS) => {}
+            Err(e) => return Err(fail(format!("mask {}", path.display()), e)),
+        }
     }
     match mount_mask_tmpfs(&target) {
         Ok(mnt) => {

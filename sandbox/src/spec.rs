@@ -18,6 +18,14 @@ pub const SCRATCH_DIR: &str = "/tmp/opservant/scratch";
 /// inaccessible file, directories by an inaccessible empty directory). Only paths that the
 /// read-only system view could otherwise expose need to be listed; everything outside the
 /// view is already absent.
+///
+/// The `/proc` and `/sys` entries (which no rule can re-declare: the sandbox provides those
+/// trees itself) are the host-wide ones container runtimes mask too — hardware and kernel
+/// state a sandbox has no use for: interrupt and softirq counts per CPU (a side channel
+/// on other processes' activity), the kernel's keyrings, timers and scheduler debugging,
+/// ACPI, sound and SCSI devices, firmware tables and power-capping energy counters (the
+/// RAPL side channel). Those the running kernel does not have, or that the sandbox could not
+/// read anyway, are skipped.
 pub const DEFAULT_MASKED_PATHS: &[&str] = &[
     "/etc/shadow",
     "/etc/shadow-",
@@ -27,6 +35,20 @@ pub const DEFAULT_MASKED_PATHS: &[&str] = &[
     "/etc/sudoers.d",
     "/etc/ssh",
     "/etc/security/opasswd",
+    "/proc/acpi",
+    "/proc/asound",
+    "/proc/interrupts",
+    "/proc/kcore",
+    "/proc/keys",
+    "/proc/key-users",
+    "/proc/latency_stats",
+    "/proc/sched_debug",
+    "/proc/scsi",
+    "/proc/softirqs",
+    "/proc/timer_list",
+    "/proc/timer_stats",
+    "/sys/firmware",
+    "/sys/devices/virtual/powercap",
 ];
 
 /// System directories shown read-only (and granted read/execute by Landlock) by default.
