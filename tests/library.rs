@@ -783,3 +783,110 @@ fn a_cpu_quota_is_in_force_before_the_sandbox_runs() {
     assert!(o.success(), "{o:?}");
     assert!(o.cgroup.cpu, "reported as enforced: {o:?}");
 }
+
+/// A sandbox cgroup whose removal timed out — a process in it could not exit yet (here
+/// frozen by a v1 freezer cgroup the test makes; in life, stuck in the kernel) — is tried
+/// again when this process next creates a sandbox: its creator is alive, so no sweep for
+/// stale cgroups would ever remove it. The old code left it for the rest of the agent's life.
+#[test]
+fn a_sandbox_cgroup_left_behind_is_removed_by_a_later_sandbox() {
+    if !require_root() {
+        return;
+    }
+    let freezer_root = std::path::Path::new("/sys/fs/cgroup/freezer");
+    let in_freezer_root =
+        std::fs::read_to_string("/proc/self/cgroup").unwrap().lines().any(|l| l.ends_with(":freezer:/"));
+    if !(freezer_root.join("cgroup.procs").exists() && in_freezer_root) {
+        // A v2-only host has no v1 freezer to hold processes in a cgroup with.
+        assert!(std::env::var_os("CI").is_none(), "CI runs on a host with the v1 freezer");
+        eprintln!("SKIPPED: no v1 freezer hierarchy this process is at the root of");
+        return;
+    }
+    let _view = common::host_view();
+    let sb = Sandbox::spawn(&spec(&["/bin/sleep", "1000"]), &launcher(), None).unwrap();
+    let monitor = sb.monitor_pid();
+    let children = |pid: i32| -> Vec<i32> {
+        std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+            .unwrap_or_default()
+            .split_whitespace()
+            .filter_map(|c| c.parse().ok())
+            .collect()
+    };
+    // Init (the monitor's child) and the payload (init's).
+    let give_up = Instant::now() + Duration::from_secs(10);
+    let (init, payload) = loop {
+        if let Some(&init) = children(monitor).first() {
+            if let Some(&payload) = children(init).first() {
+                break (init, payload);
+            }
+        }
+        assert!(Instant::now() < give_up, "the sandbox's payload never started");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let sandbox_dirs: Vec<std::path::PathBuf> = std::fs::read_to_string(format!("/proc/{init}/cgroup"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| {
+            let mut parts = l.splitn(3, ':');
+            let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+            path.contains("opservant-sb-").then(|| {
+                std::path::PathBuf::from(format!("/sys/fs/cgroup/{}{path}", controllers.split(',').next().unwrap()))
+            })
+        })
+        .collect();
+    assert!(!sandbox_dirs.is_empty(), "control: init is in sandbox cgroups");
+    let freezer = Freezer::new(freezer_root.join(format!("opservant-test-freeze-{}", std::process::id())));
+    let freezer = &freezer.0;
+    for pid in [init, payload] {
+        std::fs::write(freezer.join("cgroup.procs"), pid.to_string()).unwrap();
+    }
+    std::fs::write(freezer.join("freezer.state"), "FROZEN").unwrap();
+    let give_up = Instant::now() + Duration::from_secs(10);
+    while std::fs::read_to_string(freezer.join("freezer.state")).unwrap().trim() != "FROZEN" {
+        assert!(Instant::now() < give_up, "the freezer never froze the sandbox");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // Teardown kills, waits its patience out (5 s) and leaves the cgroups behind.
+    drop(sb);
+    for d in &sandbox_dirs {
+        assert!(d.exists(), "control: {} could not be removed with a frozen process in it", d.display());
+    }
+    assert!(Freezer::thaw(freezer), "the thawed sandbox processes never died");
+    // The next sandbox this process makes removes them (before its own cgroups are made).
+    let o = sandbox::run(&spec(&["/bin/true"]), &launcher(), OutputOptions::default()).unwrap();
+    assert!(o.success(), "{o:?}");
+    for d in &sandbox_dirs {
+        assert!(!d.exists(), "{} still left behind after a later sandbox was made", d.display());
+    }
+}
+
+/// A v1 freezer cgroup of a test's; dropping it thaws it, waits for what is in it to exit
+/// (killed processes die once thawed) and removes it.
+struct Freezer(std::path::PathBuf);
+
+impl Freezer {
+    fn new(dir: std::path::PathBuf) -> Freezer {
+        std::fs::create_dir(&dir).unwrap();
+        Freezer(dir)
+    }
+
+    /// Thaw, and wait (up to 10 s) until nothing is left in it; whether it emptied.
+    fn thaw(dir: &std::path::Path) -> bool {
+        let _ = std::fs::write(dir.join("freezer.state"), "THAWED");
+        let give_up = Instant::now() + Duration::from_secs(10);
+        while !std::fs::read_to_string(dir.join("cgroup.procs")).unwrap_or_default().trim().is_empty() {
+            if Instant::now() >= give_up {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        true
+    }
+}
+
+impl Drop for Freezer {
+    fn drop(&mut self) {
+        Freezer::thaw(&self.0);
+        let _ = std::fs::remove_dir(&self.0);
+    }
+}

@@ -15,7 +15,10 @@
 //!   A creator is alive only if a process has its pid *and* its start time (a restarted
 //!   agent that got its predecessor's pid reaps the predecessor's cgroups). The sweep
 //!   signals a process through a pidfd opened while it was still listed in the cgroup,
-//!   never a pid number that may have been reused meanwhile.
+//!   never a pid number that may have been reused meanwhile. A cgroup this process could
+//!   not remove in time (a process in it that cannot exit yet: stuck in the kernel, frozen)
+//!   is logged and tried again, one `rmdir` each, whenever this process creates a sandbox
+//!   cgroup — its creator being alive, no sweep for stale ones would ever take it.
 //!
 //! Written in-house rather than with `cgroups-rs` 0.5: that crate ignores failures when
 //! enabling controllers, does not read `oom_kill` from v2 `memory.events`, and pulls in zbus.
@@ -24,7 +27,7 @@ use std::fs;
 use std::io::{ErrorKind, Read};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use crate::error::CgroupError;
@@ -85,6 +88,34 @@ impl Layout {
 
 static LAYOUT: OnceLock<Layout> = OnceLock::new();
 static SEQ: AtomicU64 = AtomicU64::new(0);
+/// How long teardown waits for a sandbox's cgroups to empty once what is left in them was
+/// killed.
+const REMOVE_PATIENCE: Duration = Duration::from_secs(5);
+/// Sandbox cgroups of this process whose removal timed out, tried again at every create.
+static LEFT_BEHIND: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+
+/// Note a sandbox cgroup directory whose removal failed, to try again later.
+fn leave_behind(dir: PathBuf) {
+    // A poisoned list is still a list of paths: nothing half-updated matters here.
+    let mut left = LEFT_BEHIND.lock().unwrap_or_else(|e| e.into_inner());
+    if !left.contains(&dir) {
+        left.push(dir);
+    }
+}
+
+/// Try once more to remove the sandbox cgroups left behind (one `rmdir` each: what is in
+/// them was killed when they were first removed).
+fn retry_left_behind() {
+    let mut left = LEFT_BEHIND.lock().unwrap_or_else(|e| e.into_inner());
+    left.retain(|dir| match fs::remove_dir(dir) {
+        Ok(()) => {
+            tracing::info!(cgroup = %dir.display(), "sandbox cgroup left behind earlier removed");
+            false
+        }
+        Err(e) if e.kind() == ErrorKind::NotFound => false,
+        Err(_) => true,
+    });
+}
 
 fn layout() -> &'static Layout {
     LAYOUT.get_or_init(|| {
@@ -469,6 +500,7 @@ pub struct SandboxCgroup {
 impl SandboxCgroup {
     /// Create the sandbox cgroup(s) and write the limits.
     pub fn create(limits: &Limits) -> Result<SandboxCgroup, CgroupError> {
+        retry_left_behind();
         Self::create_in(layout(), limits)
     }
 
@@ -714,6 +746,9 @@ impl SandboxCgroup {
             }
             v
         };
+        // One patience for all hierarchies (a process that cannot exit keeps every one of
+        // them busy), and one sweep.
+        let mut deadline: Option<Instant> = None;
         for dir in &dirs {
             // Normally empty by now: try at once, and sweep only if something is left.
             match fs::remove_dir(dir) {
@@ -721,8 +756,12 @@ impl SandboxCgroup {
                 Err(e) if e.kind() == ErrorKind::NotFound => continue,
                 Err(_) => {}
             }
-            self.kill_all();
-            if let Err(e) = remove_when_empty(dir, Duration::from_secs(5)) {
+            let until = *deadline.get_or_insert_with(|| {
+                self.kill_all();
+                Instant::now() + REMOVE_PATIENCE
+            });
+            if let Err(e) = remove_when_empty(dir, until.saturating_duration_since(Instant::now())) {
+                leave_behind(dir.clone());
                 first_err.get_or_insert(e);
             }
         }
