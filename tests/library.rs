@@ -7,6 +7,7 @@
 mod common;
 
 use std::ffi::OsStr;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use common::require_root;
@@ -784,26 +785,25 @@ fn a_cpu_quota_is_in_force_before_the_sandbox_runs() {
     assert!(o.cgroup.cpu, "reported as enforced: {o:?}");
 }
 
-/// A sandbox cgroup whose removal timed out — a process in it could not exit yet (here
-/// frozen by a v1 freezer cgroup the test makes; in life, stuck in the kernel) — is tried
-/// again when this process next creates a sandbox: its creator is alive, so no sweep for
-/// stale cgroups would ever remove it. The old code left it for the rest of the agent's life.
-#[test]
-fn a_sandbox_cgroup_left_behind_is_removed_by_a_later_sandbox() {
-    if !require_root() {
-        return;
+/// Whether this host has a v1 freezer hierarchy this process is at the root of (where a
+/// test may make a freezer cgroup). Skips (false) only outside CI.
+fn v1_freezer() -> bool {
+    let in_root = std::fs::read_to_string("/proc/self/cgroup").unwrap().lines().any(|l| l.ends_with(":freezer:/"));
+    if Path::new(FREEZER_ROOT).join("cgroup.procs").exists() && in_root {
+        return true;
     }
-    let freezer_root = std::path::Path::new("/sys/fs/cgroup/freezer");
-    let in_freezer_root =
-        std::fs::read_to_string("/proc/self/cgroup").unwrap().lines().any(|l| l.ends_with(":freezer:/"));
-    if !(freezer_root.join("cgroup.procs").exists() && in_freezer_root) {
-        // A v2-only host has no v1 freezer to hold processes in a cgroup with.
-        assert!(std::env::var_os("CI").is_none(), "CI runs on a host with the v1 freezer");
-        eprintln!("SKIPPED: no v1 freezer hierarchy this process is at the root of");
-        return;
-    }
-    let _view = common::host_view();
-    let sb = Sandbox::spawn(&spec(&["/bin/sleep", "1000"]), &launcher(), None).unwrap();
+    // A v2-only host has no v1 freezer to hold processes in a cgroup with.
+    assert!(std::env::var_os("CI").is_none(), "CI runs on a host with the v1 freezer");
+    eprintln!("SKIPPED: no v1 freezer hierarchy this process is at the root of");
+    false
+}
+
+const FREEZER_ROOT: &str = "/sys/fs/cgroup/freezer";
+
+/// Freeze the running sandbox `sb` (its init and payload) in a v1 freezer cgroup of the
+/// test's, as if both were stuck in the kernel; returns the freezer (thawed when dropped)
+/// and the sandbox's cgroup directories.
+fn freeze(sb: &Sandbox) -> (Freezer, Vec<PathBuf>) {
     let monitor = sb.monitor_pid();
     let children = |pid: i32| -> Vec<i32> {
         std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
@@ -823,36 +823,82 @@ fn a_sandbox_cgroup_left_behind_is_removed_by_a_later_sandbox() {
         assert!(Instant::now() < give_up, "the sandbox's payload never started");
         std::thread::sleep(Duration::from_millis(10));
     };
-    let sandbox_dirs: Vec<std::path::PathBuf> = std::fs::read_to_string(format!("/proc/{init}/cgroup"))
+    let sandbox_dirs: Vec<PathBuf> = std::fs::read_to_string(format!("/proc/{init}/cgroup"))
         .unwrap()
         .lines()
         .filter_map(|l| {
             let mut parts = l.splitn(3, ':');
             let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
-            path.contains("opservant-sb-").then(|| {
-                std::path::PathBuf::from(format!("/sys/fs/cgroup/{}{path}", controllers.split(',').next().unwrap()))
-            })
+            path.contains("opservant-sb-")
+                .then(|| PathBuf::from(format!("/sys/fs/cgroup/{}{path}", controllers.split(',').next().unwrap())))
         })
         .collect();
     assert!(!sandbox_dirs.is_empty(), "control: init is in sandbox cgroups");
-    let freezer = Freezer::new(freezer_root.join(format!("opservant-test-freeze-{}", std::process::id())));
-    let freezer = &freezer.0;
+    let freezer = Freezer::new(Path::new(FREEZER_ROOT).join(format!("opservant-test-freeze-{init}")));
     for pid in [init, payload] {
-        std::fs::write(freezer.join("cgroup.procs"), pid.to_string()).unwrap();
+        std::fs::write(freezer.0.join("cgroup.procs"), pid.to_string()).unwrap();
     }
-    std::fs::write(freezer.join("freezer.state"), "FROZEN").unwrap();
+    std::fs::write(freezer.0.join("freezer.state"), "FROZEN").unwrap();
     let give_up = Instant::now() + Duration::from_secs(10);
-    while std::fs::read_to_string(freezer.join("freezer.state")).unwrap().trim() != "FROZEN" {
+    while std::fs::read_to_string(freezer.0.join("freezer.state")).unwrap().trim() != "FROZEN" {
         assert!(Instant::now() < give_up, "the freezer never froze the sandbox");
         std::thread::sleep(Duration::from_millis(10));
     }
+    (freezer, sandbox_dirs)
+}
+
+/// A sandbox cgroup whose removal timed out — a process in it could not exit yet (here
+/// frozen by a v1 freezer cgroup the test makes; in life, stuck in the kernel) — is tried
+/// again when this process next creates a sandbox: its creator is alive, so no sweep for
+/// stale cgroups would ever remove it. The old code left it for the rest of the agent's life.
+#[test]
+fn a_sandbox_cgroup_left_behind_is_removed_by_a_later_sandbox() {
+    if !require_root() || !v1_freezer() {
+        return;
+    }
+    let _view = common::host_view();
+    let sb = Sandbox::spawn(&spec(&["/bin/sleep", "1000"]), &launcher(), None).unwrap();
+    let (freezer, sandbox_dirs) = freeze(&sb);
     // Teardown kills, waits its patience out (5 s) and leaves the cgroups behind.
     drop(sb);
     for d in &sandbox_dirs {
         assert!(d.exists(), "control: {} could not be removed with a frozen process in it", d.display());
     }
-    assert!(Freezer::thaw(freezer), "the thawed sandbox processes never died");
+    assert!(Freezer::thaw(&freezer.0), "the thawed sandbox processes never died");
     // The next sandbox this process makes removes them (before its own cgroups are made).
+    let o = sandbox::run(&spec(&["/bin/true"]), &launcher(), OutputOptions::default()).unwrap();
+    assert!(o.success(), "{o:?}");
+    for d in &sandbox_dirs {
+        assert!(!d.exists(), "{} still left behind after a later sandbox was made", d.display());
+    }
+}
+
+/// A sandbox whose processes survive SIGKILL (stuck in the kernel; here frozen) fails its
+/// run a bounded time after the last SIGKILL instead of `wait` waiting for their output
+/// pipes forever: the old code never returned. (The bound checked here is a hang detector
+/// of a minute, not a timing: the run's own bound is timeout + grace + 1 s + 5 s, and the
+/// cgroups' removal 5 s.)
+#[test]
+fn a_sandbox_stuck_in_the_kernel_fails_its_run_instead_of_hanging_it() {
+    if !require_root() || !v1_freezer() {
+        return;
+    }
+    let _view = common::host_view();
+    let mut s = spec(&["/bin/sleep", "1000"]);
+    s.limits.timeout_ms = Some(300);
+    s.limits.kill_grace_ms = 100;
+    let sb = Sandbox::spawn(&s, &launcher(), None).unwrap();
+    let (freezer, sandbox_dirs) = freeze(&sb);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(sb.wait(OutputOptions::default()).map(|o| format!("{o:?}")).map_err(|e| e.to_string()));
+    });
+    let result = rx.recv_timeout(Duration::from_secs(60));
+    let thawed = Freezer::thaw(&freezer.0);
+    let err = result.expect("wait hung on a sandbox whose processes cannot exit").unwrap_err();
+    assert!(err.contains("had not exited 5 s after SIGKILL"), "{err}");
+    assert!(thawed, "the thawed sandbox processes never died");
+    // Left behind, and removed by the next sandbox.
     let o = sandbox::run(&spec(&["/bin/true"]), &launcher(), OutputOptions::default()).unwrap();
     assert!(o.success(), "{o:?}");
     for d in &sandbox_dirs {
@@ -862,16 +908,16 @@ fn a_sandbox_cgroup_left_behind_is_removed_by_a_later_sandbox() {
 
 /// A v1 freezer cgroup of a test's; dropping it thaws it, waits for what is in it to exit
 /// (killed processes die once thawed) and removes it.
-struct Freezer(std::path::PathBuf);
+struct Freezer(PathBuf);
 
 impl Freezer {
-    fn new(dir: std::path::PathBuf) -> Freezer {
+    fn new(dir: PathBuf) -> Freezer {
         std::fs::create_dir(&dir).unwrap();
         Freezer(dir)
     }
 
     /// Thaw, and wait (up to 10 s) until nothing is left in it; whether it emptied.
-    fn thaw(dir: &std::path::Path) -> bool {
+    fn thaw(dir: &Path) -> bool {
         let _ = std::fs::write(dir.join("freezer.state"), "THAWED");
         let give_up = Instant::now() + Duration::from_secs(10);
         while !std::fs::read_to_string(dir.join("cgroup.procs")).unwrap_or_default().trim().is_empty() {

@@ -209,6 +209,13 @@ pub const SETUP_LIMIT: Duration = Duration::from_secs(30);
 /// before it and everything in the cgroup are killed too.
 const BACKSTOP: Duration = Duration::from_secs(1);
 
+/// How long after that last SIGKILL [`Sandbox::wait`] still waits for the sandbox's
+/// processes to go (its channel and output pipes to close). One that has not exited by
+/// then is stuck in the kernel (uninterruptible I/O, a frozen cgroup): the run fails
+/// instead of waiting for it forever, and its cgroups are left behind and retried later
+/// (see [`crate::cgroup`]).
+const ABANDON: Duration = Duration::from_secs(5);
+
 /// Receives output chunks as they arrive.
 pub type Tee<'a> = &'a mut dyn FnMut(Stream, &[u8]);
 
@@ -524,6 +531,8 @@ impl Sandbox {
         let deadline = self.timeout.map(|t| self.started + t);
         let mut kill_at: Option<Instant> = None;
         let mut backstop_at: Option<Instant> = None;
+        // When to stop waiting for processes that survived the backstop's SIGKILL.
+        let mut abandon_at: Option<Instant> = None;
         // When a deferred CPU quota is applied at the latest.
         let mut cpu_at: Option<Instant> = None;
         let mut timed_out = false;
@@ -555,7 +564,28 @@ impl Sandbox {
                 if now >= b {
                     self.kill_everything();
                     backstop_at = None;
+                    abandon_at.get_or_insert(now + ABANDON);
                 }
+            }
+            if abandon_at.is_some_and(|a| now >= a) {
+                tracing::error!(
+                    monitor = self.monitor.as_raw(),
+                    "sandbox processes still there {} s after SIGKILL; abandoned",
+                    ABANDON.as_secs()
+                );
+                failure.get_or_insert(StepError::new(
+                    Stage::Protocol,
+                    format!(
+                        "the sandbox's processes had not exited {} s after SIGKILL (stuck in the kernel?); \
+                         abandoned, with their output",
+                        ABANDON.as_secs()
+                    ),
+                ));
+                // Our ends of the output pipes close; the processes die whenever the kernel
+                // lets them, and their cgroups go then (left behind below, retried later).
+                self.stdout = None;
+                self.stderr = None;
+                break;
             }
             if report.is_some() || failure.is_some() || timed_out || stopped || !chan_open {
                 setup_at = None;
@@ -582,7 +612,7 @@ impl Sandbox {
                     failure = Some(StepError::new(Stage::Protocol, e));
                 }
             }
-            let wake = [if timed_out { None } else { deadline }, kill_at, backstop_at, cpu_at, setup_at]
+            let wake = [if timed_out { None } else { deadline }, kill_at, backstop_at, abandon_at, cpu_at, setup_at]
                 .into_iter()
                 .flatten()
                 .min();
@@ -655,6 +685,8 @@ impl Sandbox {
                             failure.get_or_insert(StepError::new(Stage::Protocol, e));
                             self.kill_everything();
                             chan_open = false;
+                            // Again, and then bounded, should something survive it.
+                            backstop_at.get_or_insert(Instant::now() + BACKSTOP);
                         }
                     },
                     3 if stopped => {}
@@ -691,7 +723,16 @@ impl Sandbox {
         let cg_report = cgroup.as_ref().map(|c| c.report().clone());
         let removed = cgroup.map_or(Ok(()), |cg| cg.remove());
         let monitor = self.reap();
-        removed?;
+        if let Err(e) = removed {
+            // A failure of the run is what its caller needs to hear; the cgroups are logged.
+            match failure {
+                Some(f) => {
+                    tracing::error!(error = %e, "sandbox cgroup left behind");
+                    return Err(f.into());
+                }
+                None => return Err(e.into()),
+            }
+        }
 
         let report = match (report, failure) {
             (_, Some(e)) => return Err(e.into()),
