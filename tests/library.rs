@@ -906,6 +906,51 @@ fn a_sandbox_stuck_in_the_kernel_fails_its_run_instead_of_hanging_it() {
     }
 }
 
+/// Dropping a zygote that cannot die (frozen here; in life, stuck in the kernel) — as the
+/// agent does at shutdown — kills it, waits a bounded time and leaves it to a reaper thread
+/// instead of hanging; once it can die, that thread reaps it (no zombie is left). Checked to
+/// hang with an unbounded wait.
+#[test]
+fn dropping_a_zygote_that_cannot_die_does_not_hang() {
+    if !require_root() || !v1_freezer() {
+        return;
+    }
+    let runtime = Path::new(common::opservant()).with_file_name("opservant-runtime");
+    let zygote = sandbox::zygote::Zygote::new(
+        std::ffi::CString::new(runtime.as_os_str().as_encoded_bytes()).unwrap(),
+        vec![std::ffi::CString::new("--zygote").unwrap()],
+    );
+    zygote.start().unwrap();
+    let pid = zygote.pid().expect("a started zygote has a pid");
+    let freezer = Freezer::new(Path::new(FREEZER_ROOT).join(format!("opservant-test-freeze-{pid}")));
+    std::fs::write(freezer.0.join("cgroup.procs"), pid.to_string()).unwrap();
+    std::fs::write(freezer.0.join("freezer.state"), "FROZEN").unwrap();
+    let give_up = Instant::now() + Duration::from_secs(10);
+    while std::fs::read_to_string(freezer.0.join("freezer.state")).unwrap().trim() != "FROZEN" {
+        assert!(Instant::now() < give_up, "the freezer never froze the zygote");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        drop(zygote);
+        let _ = tx.send(());
+    });
+    let dropped = rx.recv_timeout(Duration::from_secs(60));
+    let state = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let thawed = Freezer::thaw(&freezer.0);
+    dropped.expect("dropping a zygote that cannot die hung");
+    assert!(
+        !state.is_empty() && !state.contains(") Z "),
+        "control: the zygote was still alive when the drop returned: {state:?}"
+    );
+    assert!(thawed, "the thawed zygote never died");
+    let give_up = Instant::now() + Duration::from_secs(10);
+    while Path::new(&format!("/proc/{pid}")).exists() {
+        assert!(Instant::now() < give_up, "the zygote was never reaped once it could die");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 /// A v1 freezer cgroup of a test's; dropping it thaws it, waits for what is in it to exit
 /// (killed processes die once thawed) and removes it.
 struct Freezer(PathBuf);
