@@ -375,8 +375,15 @@ fn binds_are_nosuid_nodev_and_read_only_as_declared() {
         line(mount_point).split(" - ").nth(1).unwrap().split(' ').take(2).collect::<Vec<_>>().join(" ")
     };
     assert_eq!(source(&hidden), "tmpfs opservant-mask", "{info}");
-    assert_eq!(source(&hidden_bare), "tmpfs opservant-root", "{info}");
-    assert_eq!(line(&hidden_bare).split(' ').nth(3), Some("/.inaccessible-dir//deleted"), "{info}");
+    // Kernels before 5.12 (no `mount_setattr`) give every masked directory a tmpfs.
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
+    let mut numbers = release.split(|c: char| !c.is_ascii_digit()).filter_map(|n| n.parse::<u32>().ok());
+    if (numbers.next().unwrap(), numbers.next().unwrap()) >= (5, 12) {
+        assert_eq!(source(&hidden_bare), "tmpfs opservant-root", "{info}");
+        assert_eq!(line(&hidden_bare).split(' ').nth(3), Some("/.inaccessible-dir//deleted"), "{info}");
+    } else {
+        assert_eq!(source(&hidden_bare), "tmpfs opservant-mask", "{info}");
+    }
 }
 
 /// A mask is placed as a mount target is: through a symlink only where no sandbox can have
@@ -403,6 +410,46 @@ fn a_mask_is_never_placed_through_a_symlink_in_a_host_directory() {
         };
         assert!(e.contains("is a symlink in a host directory"), "{e}");
     }
+}
+
+/// A mask reached through a link no sandbox can have put there (a root-owned, mode-0755
+/// host directory) covers what the link leads to with a tmpfs of its own, so a declared
+/// path beneath the link's target is shown on top of it — and reached through it: the
+/// mask's tmpfs is search-only. Which declared paths lie beneath a linked mask cannot be
+/// told from their names (covered by the shared read-only cover directory, the view failed:
+/// the mount point could not be made there); with a mode-000 mask the declared path was
+/// mounted but no path led to it.
+#[test]
+fn a_mask_through_a_fixed_link_still_shows_declared_paths_beneath_its_target() {
+    if !require_root() {
+        return;
+    }
+    let _view = common::host_view();
+    let dir = common::HostDir::new_in("/var/tmp");
+    std::fs::create_dir_all(dir.path.join("real/shown")).unwrap();
+    std::fs::write(dir.path.join("real/hidden"), "s3cret").unwrap();
+    std::fs::write(dir.path.join("real/shown/visible"), "ok").unwrap();
+    std::os::unix::fs::symlink("real", dir.path.join("link")).unwrap();
+    for p in [dir.path.clone(), dir.path.join("real"), dir.path.join("real/shown")] {
+        std::fs::set_permissions(&p, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    }
+    for f in ["real/hidden", "real/shown/visible"] {
+        std::fs::set_permissions(dir.path.join(f), std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
+    }
+    let (hidden, visible) = (dir.path.join("real/hidden"), dir.path.join("real/shown/visible"));
+    let script = format!("cat {} 2>&1; cat {}", hidden.display(), visible.display());
+    let mut s = spec(&["/bin/sh", "-c", &script]);
+    s.filesystem.paths.push(rule(&dir.path, dir.path.clone(), sandbox::Access::Read));
+    s.filesystem.paths.push(rule(&dir.path.join("real/shown"), dir.path.join("real/shown"), sandbox::Access::Read));
+    s.filesystem.masked.push(dir.path.join("link"));
+    let o = sandbox::run(&s, &launcher(), OutputOptions::default()).unwrap();
+    assert!(o.success(), "{o:?}");
+    let out = stdout(&o);
+    assert!(
+        !out.contains("s3cret") && (out.contains("No such file") || out.contains("Permission denied")),
+        "the link's target is masked: {out}"
+    );
+    assert!(out.ends_with("ok"), "the declared path beneath it is shown: {out}");
 }
 
 /// A synthetic file at a path the view holds as a symlink copied from the host (as a
@@ -786,10 +833,19 @@ fn a_cpu_quota_is_in_force_before_the_sandbox_runs() {
 }
 
 /// Whether this host has a v1 freezer hierarchy this process is at the root of (where a
-/// test may make a freezer cgroup). Skips (false) only outside CI.
+/// test may make a freezer cgroup). Skips (false) only outside CI. Freezers a killed run of
+/// these tests left behind (their test process gone) are thawed and removed first.
 fn v1_freezer() -> bool {
     let in_root = std::fs::read_to_string("/proc/self/cgroup").unwrap().lines().any(|l| l.ends_with(":freezer:/"));
     if Path::new(FREEZER_ROOT).join("cgroup.procs").exists() && in_root {
+        for e in std::fs::read_dir(FREEZER_ROOT).unwrap().flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let Some(rest) = name.strip_prefix(FREEZER_PREFIX) else { continue };
+            let owner = rest.split('-').next().unwrap_or_default();
+            if !Path::new(&format!("/proc/{owner}")).exists() {
+                drop(Freezer(e.path()));
+            }
+        }
         return true;
     }
     // A v2-only host has no v1 freezer to hold processes in a cgroup with.
@@ -799,6 +855,13 @@ fn v1_freezer() -> bool {
 }
 
 const FREEZER_ROOT: &str = "/sys/fs/cgroup/freezer";
+/// A test's freezer cgroup: this prefix, the test process's pid, `-`, a label.
+const FREEZER_PREFIX: &str = "opservant-test-freeze-";
+
+/// A new freezer cgroup for this test process, named by `label`.
+fn freezer(label: impl std::fmt::Display) -> Freezer {
+    Freezer::new(Path::new(FREEZER_ROOT).join(format!("{FREEZER_PREFIX}{}-{label}", std::process::id())))
+}
 
 /// Freeze the running sandbox `sb` (its init and payload) in a v1 freezer cgroup of the
 /// test's, as if both were stuck in the kernel; returns the freezer (thawed when dropped)
@@ -834,7 +897,7 @@ fn freeze(sb: &Sandbox) -> (Freezer, Vec<PathBuf>) {
         })
         .collect();
     assert!(!sandbox_dirs.is_empty(), "control: init is in sandbox cgroups");
-    let freezer = Freezer::new(Path::new(FREEZER_ROOT).join(format!("opservant-test-freeze-{init}")));
+    let freezer = freezer(init);
     for pid in [init, payload] {
         std::fs::write(freezer.0.join("cgroup.procs"), pid.to_string()).unwrap();
     }
@@ -906,6 +969,32 @@ fn a_sandbox_stuck_in_the_kernel_fails_its_run_instead_of_hanging_it() {
     }
 }
 
+/// Output still being read when the sandbox's processes are long gone — a caller's slow
+/// consumer (`opservant sandbox … | less`) working through a full pipe — is progress, not a
+/// sandbox stuck in the kernel: the run completes with all of it. The payload enlarges its
+/// stdout pipe to 1 MiB, fills it and exits; the tee takes 0.5 s per 64 KiB read, so the
+/// reads go on ~8 s after the payload's end, past the 6 s after which a sandbox whose
+/// processes make no progress is abandoned (the first version of that bound failed this run).
+#[test]
+fn a_slow_output_consumer_is_not_taken_for_a_stuck_sandbox() {
+    if !require_root() {
+        return;
+    }
+    let _view = common::host_view();
+    let code = "import fcntl, os\nfcntl.fcntl(1, 1031, 1 << 20)\ndata = b'x' * (1 << 20)\nn = 0\nwhile n < len(data):\n    n += os.write(1, data[n:])\n";
+    let s = spec(&["/usr/bin/python3", "-I", "-S", "-c", code]);
+    let mut chunks = 0;
+    let mut tee = |_: sandbox::Stream, _: &[u8]| {
+        chunks += 1;
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    let out = OutputOptions { tee: Some(&mut tee), ..OutputOptions::default() };
+    let o = sandbox::run(&s, &launcher(), out).unwrap();
+    assert!(o.success(), "{o:?}");
+    assert_eq!(o.stdout.total, 1 << 20, "{o:?}");
+    assert!(chunks >= 14, "control: the consumer read the output in {chunks} chunks");
+}
+
 /// Dropping a zygote that cannot die (frozen here; in life, stuck in the kernel) — as the
 /// agent does at shutdown — kills it, waits a bounded time and leaves it to a reaper thread
 /// instead of hanging; once it can die, that thread reaps it (no zombie is left). Checked to
@@ -922,7 +1011,7 @@ fn dropping_a_zygote_that_cannot_die_does_not_hang() {
     );
     zygote.start().unwrap();
     let pid = zygote.pid().expect("a started zygote has a pid");
-    let freezer = Freezer::new(Path::new(FREEZER_ROOT).join(format!("opservant-test-freeze-{pid}")));
+    let freezer = freezer(pid);
     std::fs::write(freezer.0.join("cgroup.procs"), pid.to_string()).unwrap();
     std::fs::write(freezer.0.join("freezer.state"), "FROZEN").unwrap();
     let give_up = Instant::now() + Duration::from_secs(10);

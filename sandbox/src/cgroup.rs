@@ -95,7 +95,7 @@ const REMOVE_PATIENCE: Duration = Duration::from_secs(5);
 static LEFT_BEHIND: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
 
 /// Note a sandbox cgroup directory whose removal failed, to try again later.
-fn leave_behind(dir: PathBuf) {
+fn remember_left_behind(dir: PathBuf) {
     // A poisoned list is still a list of paths: nothing half-updated matters here.
     let mut left = LEFT_BEHIND.lock().unwrap_or_else(|e| e.into_inner());
     if !left.contains(&dir) {
@@ -731,6 +731,26 @@ impl SandboxCgroup {
         self.remove_inner()
     }
 
+    /// Kill what is left and remove the cgroups that are empty already; the others are
+    /// left behind, to be tried again at later creates, without waiting for them (their
+    /// processes are known not to exit yet: stuck in the kernel).
+    pub fn leave_behind(mut self) {
+        self.removed = true;
+        for dir in self.dirs.iter().flatten() {
+            if self.v2 && self.has_cgroup_kill {
+                let _ = write_raw(&dir.join("cgroup.kill"), "1");
+            }
+            match fs::remove_dir(dir) {
+                Ok(()) => {}
+                Err(e) if e.kind() == ErrorKind::NotFound => {}
+                Err(e) => {
+                    tracing::error!(cgroup = %dir.display(), error = %e, "sandbox cgroup left behind");
+                    remember_left_behind(dir.clone());
+                }
+            }
+        }
+    }
+
     fn remove_inner(&mut self) -> Result<(), CgroupError> {
         if self.removed {
             return Ok(());
@@ -761,7 +781,7 @@ impl SandboxCgroup {
                 Instant::now() + REMOVE_PATIENCE
             });
             if let Err(e) = remove_when_empty(dir, until.saturating_duration_since(Instant::now())) {
-                leave_behind(dir.clone());
+                remember_left_behind(dir.clone());
                 first_err.get_or_insert(e);
             }
         }

@@ -13,8 +13,10 @@
 //!   parent (masks and declared paths are applied in one pass, parents first). A mask's path
 //!   is resolved as a mount target's is (below), and its cover is sealed through descriptors
 //!   only: a clone of the cover file (or empty directory) before it is attached; a masked
-//!   directory that declared paths are placed beneath gets a tmpfs of its own (made with
-//!   `fsmount`), sealed through the descriptor it was made with. Masks in `/proc` and `/sys`
+//!   directory that declared paths are placed beneath (or that is reached through a link)
+//!   gets a search-only tmpfs of its own (made with `fsmount`), sealed through the
+//!   descriptor it was made with: nothing in it can be listed or read, the declared paths
+//!   beneath it are reached through it. Masks in `/proc` and `/sys`
 //!   cover entries of the sandbox's own procfs and sysfs, mounted before any mask is placed.
 //! - Host paths are resolved with `openat2(RESOLVE_IN_ROOT)` against the old root, so a host
 //!   symlink cannot redirect a bind mount into the half-built new root; a rule's exact
@@ -206,7 +208,11 @@ pub fn build(fs_spec: &Filesystem, net_ns: bool, cwd: &Path) -> Result<ViewRepor
     let inaccessible = Path::new(INACCESSIBLE);
     create_file(inaccessible, 0o000, b"")?;
     let inaccessible_dir = Path::new(INACCESSIBLE_DIR);
-    mkdir(inaccessible_dir, 0o000)?;
+    // Made here or the view fails: never a directory of the same name found in its place.
+    fs::DirBuilder::new()
+        .mode(0o000)
+        .create(inaccessible_dir)
+        .map_err(|e| fail_io(format!("create {INACCESSIBLE_DIR}"), e))?;
     let covers = Covers {
         file: open_path(inaccessible).map_err(|e| fail(format!("open {INACCESSIBLE}"), e))?,
         dir: open_path(inaccessible_dir).map_err(|e| fail(format!("open {INACCESSIBLE_DIR}"), e))?,
@@ -284,8 +290,9 @@ struct Covers {
 }
 
 /// Cover `path` in the view, when it exists there. A directory that something is placed
-/// beneath later (`placed_beneath`) gets an empty mode-000 tmpfs of its own (returned:
-/// sealed read-only once the old root is gone, when nothing more is placed beneath it);
+/// beneath later (`placed_beneath`), or that `path` reaches through a symlink, gets an
+/// empty search-only tmpfs of its own ([`MASK_TMPFS_OPTIONS`]; returned: sealed read-only
+/// once the old root is gone, when nothing more is placed beneath it);
 /// any other directory a clone of the empty directory `covers.dir`, anything else a clone
 /// of the file `covers.file` — each sealed (read-only, nosuid, nodev; a directory also
 /// noexec) before it is attached. A clone of the shared cover costs no filesystem of its
@@ -298,8 +305,8 @@ struct Covers {
 /// not apply to it — the payload, the same uid with no groups and no capabilities, cannot
 /// reach it either): nothing to cover. Any other error fails the view.
 fn mask(path: &Path, covers: &Covers, placed_beneath: bool, owned: &mut Owned) -> Result<Option<MaskSeal>, StepError> {
-    let target = match resolve(path, owned)? {
-        Ok(fd) => fd,
+    let (target, via_link) = match resolve_walk(path, owned)? {
+        Ok(found) => found,
         Err(Errno::ENOENT | Errno::EACCES) => return Ok(None),
         Err(e) => return Err(fail(format!("mask {}", path.display()), e)),
     };
@@ -307,7 +314,9 @@ fn mask(path: &Path, covers: &Covers, placed_beneath: bool, owned: &mut Owned) -
         bind_sealed(&covers.file, &target, path, true, false)?;
         return Ok(None);
     }
-    if !placed_beneath {
+    // Reached through a link, what declared paths lie beneath it cannot be told from their
+    // names: a tmpfs of its own, as when something is placed beneath.
+    if !placed_beneath && !via_link {
         let attrs =
             libc::MOUNT_ATTR_RDONLY | libc::MOUNT_ATTR_NOSUID | libc::MOUNT_ATTR_NODEV | libc::MOUNT_ATTR_NOEXEC;
         match attach_sealed_clone(&covers.dir, &target, attrs, false) {
@@ -341,9 +350,11 @@ fn mask(path: &Path, covers: &Covers, placed_beneath: bool, owned: &mut Owned) -
     }
 }
 
-/// A mask directory's tmpfs: empty, mode 000, room for the mount points of declared paths
-/// beneath it.
-const MASK_TMPFS_OPTIONS: &str = "mode=000,size=4096,nr_inodes=64";
+/// A mask directory's tmpfs: empty, room for the mount points of declared paths beneath
+/// it, and search-only (mode 0111): nothing in it can be listed or read, but a declared
+/// path beneath it is reached through it (with mode 000 no path through the mask led to
+/// one: the payload has no capability to search it).
+const MASK_TMPFS_OPTIONS: &str = "mode=0111,size=4096,nr_inodes=64";
 
 /// A directory mask to make read-only once the view is complete.
 enum MaskSeal {
@@ -882,6 +893,12 @@ fn open_target(path: &Path, is_dir: bool, owned: &Owned) -> Result<OwnedFd, Step
 /// mount; so does a walk into the host root (still attached while the view is built). The
 /// inner `Err` is the errno of a component that could not be opened (`ENOENT`: absent).
 fn resolve(path: &Path, owned: &Owned) -> Result<Result<OwnedFd, Errno>, StepError> {
+    Ok(resolve_walk(path, owned)?.map(|(fd, _)| fd))
+}
+
+/// [`resolve`], also telling whether a symlink was followed on the way (then what the
+/// descriptor names is not `path` in the view's namespace of names).
+fn resolve_walk(path: &Path, owned: &Owned) -> Result<Result<(OwnedFd, bool), Errno>, StepError> {
     use nix::fcntl::{openat, readlinkat, OFlag};
     use std::ffi::OsString;
     let fail_at = |e: Errno| fail(format!("mount target {}", path.display()), e);
@@ -959,9 +976,14 @@ fn resolve(path: &Path, owned: &Owned) -> Result<Result<OwnedFd, Errno>, StepErr
             walked = PathBuf::from("/");
         }
     }
+    let followed = links > 0;
     match cur {
-        Some(fd) => Ok(Ok(fd)),
-        None => Ok(owned.root.try_clone().map_err(|e| Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO)))),
+        Some(fd) => Ok(Ok((fd, followed))),
+        None => Ok(owned
+            .root
+            .try_clone()
+            .map(|fd| (fd, followed))
+            .map_err(|e| Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO)))),
     }
 }
 

@@ -209,11 +209,13 @@ pub const SETUP_LIMIT: Duration = Duration::from_secs(30);
 /// before it and everything in the cgroup are killed too.
 const BACKSTOP: Duration = Duration::from_secs(1);
 
-/// How long after that last SIGKILL [`Sandbox::wait`] still waits for the sandbox's
-/// processes to go (its channel and output pipes to close). One that has not exited by
-/// then is stuck in the kernel (uninterruptible I/O, a frozen cgroup): the run fails
-/// instead of waiting for it forever, and its cgroups are left behind and retried later
-/// (see [`crate::cgroup`]).
+/// How long after that last SIGKILL [`Sandbox::wait`] still waits, with no output arriving
+/// meanwhile, for the sandbox's processes to go (its channel and output pipes to close).
+/// One that has not exited by then is stuck in the kernel (uninterruptible I/O, a frozen
+/// cgroup): the run fails instead of waiting for it forever, and its cgroups are left
+/// behind at once and retried later (see [`crate::cgroup`]). Output still being read (a
+/// caller's slow consumer) counts as progress: killed processes write nothing new, so
+/// what is buffered runs out.
 const ABANDON: Duration = Duration::from_secs(5);
 
 /// Receives output chunks as they arrive.
@@ -533,6 +535,7 @@ impl Sandbox {
         let mut backstop_at: Option<Instant> = None;
         // When to stop waiting for processes that survived the backstop's SIGKILL.
         let mut abandon_at: Option<Instant> = None;
+        let mut abandoned = false;
         // When a deferred CPU quota is applied at the latest.
         let mut cpu_at: Option<Instant> = None;
         let mut timed_out = false;
@@ -585,6 +588,7 @@ impl Sandbox {
                 // lets them, and their cgroups go then (left behind below, retried later).
                 self.stdout = None;
                 self.stderr = None;
+                abandoned = true;
                 break;
             }
             if report.is_some() || failure.is_some() || timed_out || stopped || !chan_open {
@@ -656,7 +660,14 @@ impl Sandbox {
             for slot in ready {
                 match slot {
                     0 => match self.chan.recv::<FromSandbox>() {
-                        Ok(None) => chan_open = false,
+                        Ok(None) => {
+                            chan_open = false;
+                            // The monitor is gone; whatever still holds the output pipes is
+                            // killed a little later, and then waited for a bounded time.
+                            if self.stdout.is_some() || self.stderr.is_some() {
+                                backstop_at.get_or_insert(Instant::now() + BACKSTOP);
+                            }
+                        }
                         Ok(Some(msg)) => match msg {
                             FromSandbox::InitForked { pid } => self.init = self.open_init(pid),
                             FromSandbox::Started(r) => {
@@ -696,6 +707,7 @@ impl Sandbox {
                         backstop_at.get_or_insert(Instant::now() + BACKSTOP);
                     }
                     1 => Self::drain(
+                        &mut abandon_at,
                         &mut self.stdout,
                         &mut stdout,
                         out.stdout_cap,
@@ -704,6 +716,7 @@ impl Sandbox {
                         &mut out.tee,
                     ),
                     _ => Self::drain(
+                        &mut abandon_at,
                         &mut self.stderr,
                         &mut stderr,
                         out.stderr_cap,
@@ -721,7 +734,15 @@ impl Sandbox {
         }
         let cg_usage = cgroup.as_ref().map(|c| c.usage()).unwrap_or_default();
         let cg_report = cgroup.as_ref().map(|c| c.report().clone());
-        let removed = cgroup.map_or(Ok(()), |cg| cg.remove());
+        let removed = match cgroup {
+            // Their processes cannot go yet: no patience spent on them now.
+            Some(cg) if abandoned => {
+                cg.leave_behind();
+                Ok(())
+            }
+            Some(cg) => cg.remove(),
+            None => Ok(()),
+        };
         let monitor = self.reap();
         if let Err(e) = removed {
             // A failure of the run is what its caller needs to hear; the cgroups are logged.
@@ -793,7 +814,9 @@ impl Sandbox {
         })
     }
 
+    /// Read what is there on one output pipe; data read puts off `abandon_at` (progress).
     fn drain(
+        abandon_at: &mut Option<Instant>,
         fd: &mut Option<OwnedFd>,
         cap: &mut Captured,
         limit: usize,
@@ -805,6 +828,9 @@ impl Sandbox {
         match nix::unistd::read(f.as_fd(), buf) {
             Ok(0) => *fd = None,
             Ok(n) => {
+                if let Some(a) = abandon_at {
+                    *a = Instant::now() + ABANDON;
+                }
                 let chunk = &buf[..n];
                 cap.total += n as u64;
                 let room = limit.saturating_sub(cap.bytes.len());

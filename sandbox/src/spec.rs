@@ -24,8 +24,7 @@ pub const SCRATCH_DIR: &str = "/tmp/opservant/scratch";
 /// state a sandbox has no use for: interrupt and softirq counts per CPU (a side channel
 /// on other processes' activity), the kernel's keyrings, timers and scheduler debugging,
 /// ACPI, sound and SCSI devices, firmware tables and power-capping energy counters (the
-/// RAPL side channel). Those the running kernel does not have, or that the sandbox could not
-/// read anyway, are skipped.
+/// RAPL side channel). Those the running kernel does not have are skipped.
 pub const DEFAULT_MASKED_PATHS: &[&str] = &[
     "/etc/shadow",
     "/etc/shadow-",
@@ -575,7 +574,7 @@ fn check_abs(field: &str, p: &Path) -> Result<(), SpecError> {
     // The view builder's own names at the root of the view (`crate::mounts`).
     if let Some(Component::Normal(first)) = p.components().nth(1) {
         let first = first.to_string_lossy();
-        if first == ".oldroot" || first == ".inaccessible" || first.starts_with(".synthetic-") {
+        if first == ".oldroot" || first.starts_with(".inaccessible") || first.starts_with(".synthetic-") {
             return Err(SpecError::new(
                 field,
                 format!("{}: /{first} is a name the view builder uses for itself", p.display()),
@@ -591,7 +590,15 @@ mod tests {
 
     #[test]
     fn the_view_builders_own_names_cannot_be_declared() {
-        for p in ["/.oldroot", "/.oldroot/etc", "/.inaccessible", "/.synthetic-0", "/.synthetic-x/y"] {
+        for p in [
+            "/.oldroot",
+            "/.oldroot/etc",
+            "/.inaccessible",
+            "/.inaccessible-dir",
+            "/.inaccessible-dir/x",
+            "/.synthetic-0",
+            "/.synthetic-x/y",
+        ] {
             let e = check_abs("filesystem.paths[0]", Path::new(p)).unwrap_err().to_string();
             assert!(e.contains("the view builder uses for itself"), "{p}: {e}");
         }
