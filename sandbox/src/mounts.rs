@@ -16,8 +16,8 @@
 //!   directory that declared paths are placed beneath (or that is reached through a link)
 //!   gets a search-only tmpfs of its own (made with `fsmount`), sealed through the
 //!   descriptor it was made with: nothing in it can be listed or read, the declared paths
-//!   beneath it are reached through it. Masks in `/proc` and `/sys`
-//!   cover entries of the sandbox's own procfs and sysfs, mounted before any mask is placed.
+//!   beneath it are reached through it. Masks in `/proc` and `/sys` cover entries of the
+//!   sandbox's own procfs and sysfs, mounted before any mask is placed.
 //! - Host paths are resolved with `openat2(RESOLVE_IN_ROOT)` against the old root, so a host
 //!   symlink cannot redirect a bind mount into the half-built new root; a rule's exact
 //!   `source` also with `RESOLVE_NO_SYMLINKS`: one whose components include a symlink fails
@@ -292,11 +292,13 @@ struct Covers {
 /// Cover `path` in the view, when it exists there. A directory that something is placed
 /// beneath later (`placed_beneath`), or that `path` reaches through a symlink, gets an
 /// empty search-only tmpfs of its own ([`MASK_TMPFS_OPTIONS`]; returned: sealed read-only
-/// once the old root is gone, when nothing more is placed beneath it);
-/// any other directory a clone of the empty directory `covers.dir`, anything else a clone
-/// of the file `covers.file` — each sealed (read-only, nosuid, nodev; a directory also
-/// noexec) before it is attached. A clone of the shared cover costs no filesystem of its
-/// own, and nothing can be made in it: it is read-only from the start. The path is resolved as a mount target is ([`resolve`]): a masked path that
+/// once the old root is gone, when nothing more is placed beneath it); any other directory
+/// a clone of the empty directory `covers.dir`, anything else a clone of the file
+/// `covers.file` — each sealed (read-only, nosuid, nodev; a directory also noexec) before
+/// it is attached. A clone of the shared cover costs no filesystem of its own, and nothing
+/// can be made in it: it is read-only from the start.
+///
+/// The path is resolved as a mount target is ([`resolve`]): a masked path that
 /// is a symlink masks what it leads to in the view, but only through links no sandbox can
 /// have put there — through any other link the view fails, so a link swapped into a shared
 /// writable directory cannot move a mask off what it covers. Absent, a link into nothing,
