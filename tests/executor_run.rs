@@ -1795,6 +1795,71 @@ class TestExecutor(BaseExecutor):
     );
 }
 
+/// An executor whose sandbox processes cannot die (stuck in the kernel; here frozen in a v1
+/// freezer cgroup once its payload runs) ends its run with an error naming why, instead of
+/// waiting forever: the sandbox gives up on them 5 s after the last SIGKILL, and the run's
+/// application channel server, whose peer (the payload) never closes, is shut down. The old
+/// code hung in `wait`, and then in the server. (The limit here is a hang detector.)
+#[test]
+fn a_run_whose_sandbox_is_stuck_in_the_kernel_ends() {
+    if !require_root() || !common::freezer::available() {
+        return;
+    }
+    let code = r#"
+import time
+from opservant.executor import BaseExecutor, ExecutorResult
+
+class TestExecutor(BaseExecutor):
+    def validate(self, params):
+        return True
+
+    def execute(self, params, context):
+        time.sleep(120)
+        return ExecutorResult(output={"woke": True})
+"#;
+    let d = executor(json!({"resource_limits": {"timeout_seconds": 1}}), code);
+    let view = common::host_view();
+    let child = Command::new(common::opservant())
+        .arg("run")
+        .arg(&d.path)
+        .args(common::launch_args())
+        .env_remove("OPSERVANT_LOG")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn opservant");
+    let cli = child.id() as i32;
+    let (freezer, dirs) = common::freezer::freeze_sandbox_below(cli);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    let ended = rx.recv_timeout(std::time::Duration::from_secs(90));
+    let thawed = freezer.thaw();
+    let out = match ended {
+        Ok(out) => out.expect("wait for opservant"),
+        Err(_) => {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(cli), nix::sys::signal::Signal::SIGKILL);
+            panic!("the run hung on a sandbox whose processes cannot exit");
+        }
+    };
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(!out.status.success(), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("had not exited 5 s after SIGKILL") || stderr.contains("had not exited 5 s after SIGKILL"),
+        "the error names why: {stdout}\n{stderr}"
+    );
+    assert!(thawed, "the thawed sandbox processes never died");
+    // Left behind by a process that is gone: the next opservant process reaps them.
+    drop(view);
+    let r = common::sandbox(None, &["/bin/true"]);
+    assert_eq!(r.status(), "completed", "{}", r.err());
+    for d in &dirs {
+        assert!(!d.exists(), "{} still there after a later opservant process started", d.display());
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // Context
 // ---------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@
 mod common;
 
 use std::ffi::OsStr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use common::require_root;
@@ -832,102 +832,24 @@ fn a_cpu_quota_is_in_force_before_the_sandbox_runs() {
     assert!(o.cgroup.cpu, "reported as enforced: {o:?}");
 }
 
-/// Whether this host has a v1 freezer hierarchy this process is at the root of (where a
-/// test may make a freezer cgroup). Skips (false) only outside CI. Freezers a killed run of
-/// these tests left behind (their test process gone) are thawed and removed first.
-fn v1_freezer() -> bool {
-    let in_root = std::fs::read_to_string("/proc/self/cgroup").unwrap().lines().any(|l| l.ends_with(":freezer:/"));
-    if Path::new(FREEZER_ROOT).join("cgroup.procs").exists() && in_root {
-        for e in std::fs::read_dir(FREEZER_ROOT).unwrap().flatten() {
-            let name = e.file_name().to_string_lossy().into_owned();
-            let Some(rest) = name.strip_prefix(FREEZER_PREFIX) else { continue };
-            let owner = rest.split('-').next().unwrap_or_default();
-            if !Path::new(&format!("/proc/{owner}")).exists() {
-                drop(Freezer(e.path()));
-            }
-        }
-        return true;
-    }
-    // A v2-only host has no v1 freezer to hold processes in a cgroup with.
-    assert!(std::env::var_os("CI").is_none(), "CI runs on a host with the v1 freezer");
-    eprintln!("SKIPPED: no v1 freezer hierarchy this process is at the root of");
-    false
-}
-
-const FREEZER_ROOT: &str = "/sys/fs/cgroup/freezer";
-/// A test's freezer cgroup: this prefix, the test process's pid, `-`, a label.
-const FREEZER_PREFIX: &str = "opservant-test-freeze-";
-
-/// A new freezer cgroup for this test process, named by `label`.
-fn freezer(label: impl std::fmt::Display) -> Freezer {
-    Freezer::new(Path::new(FREEZER_ROOT).join(format!("{FREEZER_PREFIX}{}-{label}", std::process::id())))
-}
-
-/// Freeze the running sandbox `sb` (its init and payload) in a v1 freezer cgroup of the
-/// test's, as if both were stuck in the kernel; returns the freezer (thawed when dropped)
-/// and the sandbox's cgroup directories.
-fn freeze(sb: &Sandbox) -> (Freezer, Vec<PathBuf>) {
-    let monitor = sb.monitor_pid();
-    let children = |pid: i32| -> Vec<i32> {
-        std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
-            .unwrap_or_default()
-            .split_whitespace()
-            .filter_map(|c| c.parse().ok())
-            .collect()
-    };
-    // Init (the monitor's child) and the payload (init's).
-    let give_up = Instant::now() + Duration::from_secs(10);
-    let (init, payload) = loop {
-        if let Some(&init) = children(monitor).first() {
-            if let Some(&payload) = children(init).first() {
-                break (init, payload);
-            }
-        }
-        assert!(Instant::now() < give_up, "the sandbox's payload never started");
-        std::thread::sleep(Duration::from_millis(10));
-    };
-    let sandbox_dirs: Vec<PathBuf> = std::fs::read_to_string(format!("/proc/{init}/cgroup"))
-        .unwrap()
-        .lines()
-        .filter_map(|l| {
-            let mut parts = l.splitn(3, ':');
-            let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
-            path.contains("opservant-sb-")
-                .then(|| PathBuf::from(format!("/sys/fs/cgroup/{}{path}", controllers.split(',').next().unwrap())))
-        })
-        .collect();
-    assert!(!sandbox_dirs.is_empty(), "control: init is in sandbox cgroups");
-    let freezer = freezer(init);
-    for pid in [init, payload] {
-        std::fs::write(freezer.0.join("cgroup.procs"), pid.to_string()).unwrap();
-    }
-    std::fs::write(freezer.0.join("freezer.state"), "FROZEN").unwrap();
-    let give_up = Instant::now() + Duration::from_secs(10);
-    while std::fs::read_to_string(freezer.0.join("freezer.state")).unwrap().trim() != "FROZEN" {
-        assert!(Instant::now() < give_up, "the freezer never froze the sandbox");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    (freezer, sandbox_dirs)
-}
-
 /// A sandbox cgroup whose removal timed out — a process in it could not exit yet (here
 /// frozen by a v1 freezer cgroup the test makes; in life, stuck in the kernel) — is tried
 /// again when this process next creates a sandbox: its creator is alive, so no sweep for
 /// stale cgroups would ever remove it. The old code left it for the rest of the agent's life.
 #[test]
 fn a_sandbox_cgroup_left_behind_is_removed_by_a_later_sandbox() {
-    if !require_root() || !v1_freezer() {
+    if !require_root() || !common::freezer::available() {
         return;
     }
     let _view = common::host_view();
     let sb = Sandbox::spawn(&spec(&["/bin/sleep", "1000"]), &launcher(), None).unwrap();
-    let (freezer, sandbox_dirs) = freeze(&sb);
+    let (freezer, sandbox_dirs) = common::freezer::freeze_sandbox_below(sb.monitor_pid());
     // Teardown kills, waits its patience out (5 s) and leaves the cgroups behind.
     drop(sb);
     for d in &sandbox_dirs {
         assert!(d.exists(), "control: {} could not be removed with a frozen process in it", d.display());
     }
-    assert!(Freezer::thaw(&freezer.0), "the thawed sandbox processes never died");
+    assert!(freezer.thaw(), "the thawed sandbox processes never died");
     // The next sandbox this process makes removes them (before its own cgroups are made).
     let o = sandbox::run(&spec(&["/bin/true"]), &launcher(), OutputOptions::default()).unwrap();
     assert!(o.success(), "{o:?}");
@@ -943,7 +865,7 @@ fn a_sandbox_cgroup_left_behind_is_removed_by_a_later_sandbox() {
 /// cgroups' removal 5 s.)
 #[test]
 fn a_sandbox_stuck_in_the_kernel_fails_its_run_instead_of_hanging_it() {
-    if !require_root() || !v1_freezer() {
+    if !require_root() || !common::freezer::available() {
         return;
     }
     let _view = common::host_view();
@@ -951,13 +873,13 @@ fn a_sandbox_stuck_in_the_kernel_fails_its_run_instead_of_hanging_it() {
     s.limits.timeout_ms = Some(300);
     s.limits.kill_grace_ms = 100;
     let sb = Sandbox::spawn(&s, &launcher(), None).unwrap();
-    let (freezer, sandbox_dirs) = freeze(&sb);
+    let (freezer, sandbox_dirs) = common::freezer::freeze_sandbox_below(sb.monitor_pid());
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let _ = tx.send(sb.wait(OutputOptions::default()).map(|o| format!("{o:?}")).map_err(|e| e.to_string()));
     });
     let result = rx.recv_timeout(Duration::from_secs(60));
-    let thawed = Freezer::thaw(&freezer.0);
+    let thawed = freezer.thaw();
     let err = result.expect("wait hung on a sandbox whose processes cannot exit").unwrap_err();
     assert!(err.contains("had not exited 5 s after SIGKILL"), "{err}");
     assert!(thawed, "the thawed sandbox processes never died");
@@ -1001,7 +923,7 @@ fn a_slow_output_consumer_is_not_taken_for_a_stuck_sandbox() {
 /// hang with an unbounded wait.
 #[test]
 fn dropping_a_zygote_that_cannot_die_does_not_hang() {
-    if !require_root() || !v1_freezer() {
+    if !require_root() || !common::freezer::available() {
         return;
     }
     let runtime = Path::new(common::opservant()).with_file_name("opservant-runtime");
@@ -1011,14 +933,8 @@ fn dropping_a_zygote_that_cannot_die_does_not_hang() {
     );
     zygote.start().unwrap();
     let pid = zygote.pid().expect("a started zygote has a pid");
-    let freezer = freezer(pid);
-    std::fs::write(freezer.0.join("cgroup.procs"), pid.to_string()).unwrap();
-    std::fs::write(freezer.0.join("freezer.state"), "FROZEN").unwrap();
-    let give_up = Instant::now() + Duration::from_secs(10);
-    while std::fs::read_to_string(freezer.0.join("freezer.state")).unwrap().trim() != "FROZEN" {
-        assert!(Instant::now() < give_up, "the freezer never froze the zygote");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    let freezer = common::freezer::Freezer::new(pid);
+    freezer.freeze(&[pid]);
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         drop(zygote);
@@ -1026,7 +942,7 @@ fn dropping_a_zygote_that_cannot_die_does_not_hang() {
     });
     let dropped = rx.recv_timeout(Duration::from_secs(60));
     let state = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let thawed = Freezer::thaw(&freezer.0);
+    let thawed = freezer.thaw();
     dropped.expect("dropping a zygote that cannot die hung");
     assert!(
         !state.is_empty() && !state.contains(") Z "),
@@ -1037,36 +953,5 @@ fn dropping_a_zygote_that_cannot_die_does_not_hang() {
     while Path::new(&format!("/proc/{pid}")).exists() {
         assert!(Instant::now() < give_up, "the zygote was never reaped once it could die");
         std::thread::sleep(Duration::from_millis(10));
-    }
-}
-
-/// A v1 freezer cgroup of a test's; dropping it thaws it, waits for what is in it to exit
-/// (killed processes die once thawed) and removes it.
-struct Freezer(PathBuf);
-
-impl Freezer {
-    fn new(dir: PathBuf) -> Freezer {
-        std::fs::create_dir(&dir).unwrap();
-        Freezer(dir)
-    }
-
-    /// Thaw, and wait (up to 10 s) until nothing is left in it; whether it emptied.
-    fn thaw(dir: &Path) -> bool {
-        let _ = std::fs::write(dir.join("freezer.state"), "THAWED");
-        let give_up = Instant::now() + Duration::from_secs(10);
-        while !std::fs::read_to_string(dir.join("cgroup.procs")).unwrap_or_default().trim().is_empty() {
-            if Instant::now() >= give_up {
-                return false;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        true
-    }
-}
-
-impl Drop for Freezer {
-    fn drop(&mut self) {
-        Freezer::thaw(&self.0);
-        let _ = std::fs::remove_dir(&self.0);
     }
 }

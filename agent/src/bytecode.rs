@@ -130,8 +130,13 @@ fn compile_batch(pkg: &Path, sources: &[PathBuf], policy: &AgentPolicy) -> Resul
     chan.send_bytes(&app::encode(&RuntimeArgs::Compile { files }))
         .map_err(|e| format!("runtime arguments: {}", e.desc()))?;
     let (owned, root) = (sources.to_vec(), pkg.to_path_buf());
+    let unblock = chan.shutdown_handle().map_err(|e| format!("application channel: {}", e.desc()))?;
     let writer = std::thread::spawn(move || receive(chan, &root, owned));
     let outcome = sb.wait(sandbox::OutputOptions::default());
+    // An abandoned sandbox (its processes stuck) never closes the channel's other end.
+    if outcome.is_err() {
+        unblock.shutdown();
+    }
     let received = writer.join().map_err(|_| "the bytecode writer panicked".to_string())?;
     let mut batch = Batch { written: received.written, failed: received.failed, killed_at: None };
     let outcome = outcome.map_err(|e| e.to_string())?;

@@ -320,8 +320,15 @@ pub fn run(req: RunRequest) -> Result<RunResult, CannotRun> {
         let cpu = sb.cpu_limiter();
         let cpu_limiter = cpu.clone();
         let cid = command_id.clone();
+        let unblock =
+            app_chan.shutdown_handle().map_err(|e| CannotRun(format!("application channel: {}", e.desc())))?;
         let server = thread::spawn(move || serve(app_chan, &declared, &provider, &executor_name, &cid, &cpu));
         let outcome = sb.wait(sandbox::OutputOptions::default());
+        // A sandbox abandoned with its processes stuck never closes the channel's other end:
+        // the server must not wait for it.
+        if outcome.is_err() {
+            unblock.shutdown();
+        }
         // The channel reaches end-of-file once the payload is gone, which ends the server.
         let app = server.join().map_err(|_| CannotRun("application channel server panicked".into()))?;
         if app.secrets_audit.unaudited > 0 {

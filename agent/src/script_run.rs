@@ -157,8 +157,13 @@ pub fn run(req: ScriptRequest) -> Result<ScriptResult, CannotRun> {
         let chan = sb.take_app_channel().ok_or_else(|| CannotRun("no application channel".into()))?;
         chan.send_bytes(&app::encode(&args)).map_err(|e| CannotRun(format!("runtime arguments: {}", e.desc())))?;
         let cpu = sb.cpu_limiter();
+        let unblock = chan.shutdown_handle().map_err(|e| CannotRun(format!("application channel: {}", e.desc())))?;
         let server = thread::spawn(move || serve(chan, &cpu));
         let outcome = sb.wait(sandbox::OutputOptions::default());
+        // An abandoned sandbox (its processes stuck) never closes the channel's other end.
+        if outcome.is_err() {
+            unblock.shutdown();
+        }
         let served = server.join().map_err(|_| CannotRun("application channel server panicked".into()))?;
         let outcome = outcome?;
         Ok(assemble(&outcome, &limits, served, &req))

@@ -212,8 +212,28 @@ impl Channel {
         self.fd.as_raw_fd()
     }
 
+    /// A handle that shuts this channel's socket down from another thread, waking a reader
+    /// or writer blocked on it — for a sandbox abandoned with its processes stuck, whose end
+    /// never closes. It holds a duplicate of this end: the peer sees end of file only once
+    /// the handle is dropped too.
+    pub fn shutdown_handle(&self) -> Result<ShutdownHandle, Errno> {
+        let fd = self.fd.try_clone().map_err(|e| Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO)))?;
+        Ok(ShutdownHandle(fd))
+    }
+
     pub fn into_owned_fd(self) -> OwnedFd {
         self.fd
+    }
+}
+
+/// See [`Channel::shutdown_handle`].
+#[derive(Debug)]
+pub struct ShutdownHandle(OwnedFd);
+
+impl ShutdownHandle {
+    /// Shut the socket down both ways: a blocked receive returns end of file, a send fails.
+    pub fn shutdown(&self) {
+        let _ = socket::shutdown(self.0.as_raw_fd(), socket::Shutdown::Both);
     }
 }
 

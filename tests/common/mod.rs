@@ -3,6 +3,7 @@
 //! never a silent skip.
 #![allow(dead_code)]
 
+pub mod freezer;
 pub mod netlab;
 pub mod procs;
 

@@ -1,0 +1,120 @@
+//! A v1 freezer cgroup of a test's, to hold a sandbox's processes as if they were stuck in
+//! the kernel (uninterruptible I/O): SIGKILL takes effect only once they are thawed. Made
+//! beneath the freezer hierarchy's root, which the test process must be in; removed again.
+#![allow(dead_code)] // not every test binary that includes this module uses all of it
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+const ROOT: &str = "/sys/fs/cgroup/freezer";
+/// A test's freezer cgroup: this prefix, the test process's pid, `-`, a label.
+const PREFIX: &str = "opservant-test-freeze-";
+
+/// Whether this host has a v1 freezer hierarchy this process is at the root of. Skips
+/// (false) only outside CI. Freezers a killed run of these tests left behind (their test
+/// process gone) are thawed and removed first.
+pub fn available() -> bool {
+    let in_root = std::fs::read_to_string("/proc/self/cgroup").unwrap().lines().any(|l| l.ends_with(":freezer:/"));
+    if Path::new(ROOT).join("cgroup.procs").exists() && in_root {
+        for e in std::fs::read_dir(ROOT).unwrap().flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let Some(rest) = name.strip_prefix(PREFIX) else { continue };
+            let owner = rest.split('-').next().unwrap_or_default();
+            if !Path::new(&format!("/proc/{owner}")).exists() {
+                drop(Freezer(e.path()));
+            }
+        }
+        return true;
+    }
+    // A v2-only host has no v1 freezer to hold processes in a cgroup with.
+    assert!(!super::in_ci(), "CI runs on a host with the v1 freezer");
+    eprintln!("SKIPPED: no v1 freezer hierarchy this process is at the root of");
+    false
+}
+
+/// A freezer cgroup; dropping it thaws it, waits for what is in it to exit (killed
+/// processes die once thawed) and removes it.
+pub struct Freezer(pub PathBuf);
+
+impl Freezer {
+    /// A new freezer cgroup for this test process, named by `label`.
+    pub fn new(label: impl std::fmt::Display) -> Freezer {
+        let dir = Path::new(ROOT).join(format!("{PREFIX}{}-{label}", std::process::id()));
+        std::fs::create_dir(&dir).unwrap();
+        Freezer(dir)
+    }
+
+    /// Move `pids` into it and freeze them.
+    pub fn freeze(&self, pids: &[i32]) {
+        for pid in pids {
+            std::fs::write(self.0.join("cgroup.procs"), pid.to_string()).unwrap();
+        }
+        std::fs::write(self.0.join("freezer.state"), "FROZEN").unwrap();
+        let give_up = Instant::now() + Duration::from_secs(10);
+        while std::fs::read_to_string(self.0.join("freezer.state")).unwrap().trim() != "FROZEN" {
+            assert!(Instant::now() < give_up, "the freezer never froze {pids:?}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Thaw, and wait (up to 10 s) until nothing is left in it; whether it emptied.
+    pub fn thaw(&self) -> bool {
+        let _ = std::fs::write(self.0.join("freezer.state"), "THAWED");
+        let give_up = Instant::now() + Duration::from_secs(10);
+        while !std::fs::read_to_string(self.0.join("cgroup.procs")).unwrap_or_default().trim().is_empty() {
+            if Instant::now() >= give_up {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        true
+    }
+}
+
+impl Drop for Freezer {
+    fn drop(&mut self) {
+        self.thaw();
+        let _ = std::fs::remove_dir(&self.0);
+    }
+}
+
+/// The sandbox cgroup directories `pid` is in (none once it left them or exited).
+pub fn sandbox_cgroups_of_process(pid: i32) -> Vec<PathBuf> {
+    std::fs::read_to_string(format!("/proc/{pid}/cgroup"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| {
+            let mut parts = l.splitn(3, ':');
+            let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+            if !path.contains("opservant-sb-") {
+                None
+            } else if controllers.is_empty() {
+                Some(PathBuf::from(format!("/sys/fs/cgroup{path}")))
+            } else {
+                Some(PathBuf::from(format!("/sys/fs/cgroup/{}{path}", controllers.split(',').next().unwrap())))
+            }
+        })
+        .collect()
+}
+
+/// Freeze the sandbox running below `root` (a process that started it: its monitor, the
+/// CLI running it): its init and payload — the processes below `root` in a sandbox cgroup —
+/// once both exist (within 10 s). Returns the freezer and the sandbox's cgroup directories.
+pub fn freeze_sandbox_below(root: i32) -> (Freezer, Vec<PathBuf>) {
+    let give_up = Instant::now() + Duration::from_secs(10);
+    let inside = loop {
+        let inside: Vec<i32> = super::procs::descendants(root)
+            .into_iter()
+            .filter(|&p| !sandbox_cgroups_of_process(p).is_empty())
+            .collect();
+        if inside.len() >= 2 {
+            break inside;
+        }
+        assert!(Instant::now() < give_up, "no sandbox init and payload below {root}");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let dirs = sandbox_cgroups_of_process(inside[0]);
+    let freezer = Freezer::new(inside[0]);
+    freezer.freeze(&inside);
+    (freezer, dirs)
+}
