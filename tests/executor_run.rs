@@ -59,15 +59,16 @@ impl Out {
     }
 }
 
+/// `opservant ARGS…` as the tests start it: no log level from the environment, no stdin.
+fn opservant_command(args: &[&std::ffi::OsStr]) -> Command {
+    let mut cmd = Command::new(common::opservant());
+    cmd.args(args).env_remove("OPSERVANT_LOG").stdin(Stdio::null());
+    cmd
+}
+
 fn invoke(args: &[&std::ffi::OsStr], env: &[(&str, &str)]) -> Out {
     let _view = common::host_view();
-    let out = Command::new(common::opservant())
-        .args(args)
-        .env_remove("OPSERVANT_LOG")
-        .envs(env.iter().copied())
-        .stdin(Stdio::null())
-        .output()
-        .expect("spawn opservant");
+    let out = opservant_command(args).envs(env.iter().copied()).output().expect("spawn opservant");
     Out {
         code: out.status.code().unwrap_or(-1),
         stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -1819,16 +1820,11 @@ class TestExecutor(BaseExecutor):
 "#;
     let d = executor(json!({"resource_limits": {"timeout_seconds": 1}}), code);
     let view = common::host_view();
-    let child = Command::new(common::opservant())
-        .arg("run")
-        .arg(&d.path)
-        .args(common::launch_args())
-        .env_remove("OPSERVANT_LOG")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn opservant");
+    let launch = common::launch_args();
+    let mut args: Vec<&std::ffi::OsStr> = vec!["run".as_ref(), d.path.as_os_str()];
+    args.extend(launch.iter().map(std::ffi::OsStr::new));
+    let child =
+        opservant_command(&args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawn opservant");
     let cli = child.id() as i32;
     let (freezer, dirs) = common::freezer::freeze_sandbox_below(cli);
     let (tx, rx) = std::sync::mpsc::channel();

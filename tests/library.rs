@@ -131,18 +131,12 @@ fn declared_paths_are_never_bound_through_symlinks_and_masks_hold_beneath_them()
     let _view = common::host_view();
     let dir = common::HostDir::new_in("/var/tmp");
     let d = |p: &str| dir.path.join(p);
-    std::fs::create_dir_all(d("tree/hidden")).unwrap();
-    std::fs::create_dir_all(d("tree/shown/inner")).unwrap();
-    std::fs::write(d("tree/hidden/secret"), "s3cret").unwrap();
-    std::fs::write(d("tree/secret-file"), "s3cret").unwrap();
-    std::fs::write(d("tree/shown/inner/visible"), "ok").unwrap();
+    dir.dir("tree/hidden");
+    dir.dir("tree/shown/inner");
+    dir.file("tree/hidden/secret", "s3cret", 0o644);
+    dir.file("tree/secret-file", "s3cret", 0o644);
+    dir.file("tree/shown/inner/visible", "ok", 0o644);
     std::os::unix::fs::symlink(d("tree"), d("link")).unwrap();
-    for p in [dir.path.clone(), d("tree"), d("tree/hidden"), d("tree/shown"), d("tree/shown/inner")] {
-        std::fs::set_permissions(&p, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
-    }
-    for f in ["tree/hidden/secret", "tree/secret-file", "tree/shown/inner/visible"] {
-        std::fs::set_permissions(d(f), std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
-    }
     let read = |path: std::path::PathBuf| sandbox::PathRule {
         source: Some(path.clone()),
         path,
@@ -177,8 +171,7 @@ fn declared_paths_are_never_bound_through_symlinks_and_masks_hold_beneath_them()
     s.filesystem.paths.push(read(d("tree")));
     s.filesystem.paths.push(read(d("tree/shown/inner")));
     // A masked path that is a symlink in the view masks what it leads to.
-    std::fs::write(d("tree/linked-secret"), "s3cret").unwrap();
-    std::fs::set_permissions(d("tree/linked-secret"), std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
+    dir.file("tree/linked-secret", "s3cret", 0o644);
     std::os::unix::fs::symlink("linked-secret", d("tree/secret-link")).unwrap();
     s.filesystem.masked.extend([d("tree/hidden"), d("tree/secret-file"), d("tree/secret-link")]);
     let o = sandbox::run(&s, &launcher(), OutputOptions::default()).unwrap();
@@ -426,17 +419,10 @@ fn a_mask_through_a_fixed_link_still_shows_declared_paths_beneath_its_target() {
     }
     let _view = common::host_view();
     let dir = common::HostDir::new_in("/var/tmp");
-    std::fs::create_dir_all(dir.path.join("real/shown")).unwrap();
-    std::fs::write(dir.path.join("real/hidden"), "s3cret").unwrap();
-    std::fs::write(dir.path.join("real/shown/visible"), "ok").unwrap();
+    dir.dir("real/shown");
+    let hidden = dir.file("real/hidden", "s3cret", 0o644);
+    let visible = dir.file("real/shown/visible", "ok", 0o644);
     std::os::unix::fs::symlink("real", dir.path.join("link")).unwrap();
-    for p in [dir.path.clone(), dir.path.join("real"), dir.path.join("real/shown")] {
-        std::fs::set_permissions(&p, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
-    }
-    for f in ["real/hidden", "real/shown/visible"] {
-        std::fs::set_permissions(dir.path.join(f), std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
-    }
-    let (hidden, visible) = (dir.path.join("real/hidden"), dir.path.join("real/shown/visible"));
     let script = format!("cat {} 2>&1; cat {}", hidden.display(), visible.display());
     let mut s = spec(&["/bin/sh", "-c", &script]);
     s.filesystem.paths.push(rule(&dir.path, dir.path.clone(), sandbox::Access::Read));

@@ -184,6 +184,20 @@ impl HostDir {
         Self::new_in("/var/tmp")
     }
 
+    /// Make the directory `name` (a relative path: each missing component mode 0755,
+    /// whatever the umask) and return its path.
+    pub fn dir(&self, name: &str) -> PathBuf {
+        let mut p = self.path.clone();
+        for c in Path::new(name).components() {
+            p.push(c);
+            if !p.is_dir() {
+                std::fs::create_dir(&p).expect("create test dir");
+                std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).expect("chmod test dir");
+            }
+        }
+        p
+    }
+
     /// Write `name` (mode `mode`) and return its path.
     pub fn file(&self, name: &str, content: &str, mode: u32) -> PathBuf {
         let p = self.path.join(name);
