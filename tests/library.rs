@@ -877,6 +877,66 @@ fn a_sandbox_stuck_in_the_kernel_fails_its_run_instead_of_hanging_it() {
     }
 }
 
+/// A monitor that cannot exit (frozen here; in life, stuck in the kernel) does not hang its
+/// run: the sandbox's init and payload end, the monitor never reports or closes the channel,
+/// and the run fails once it has not exited 5 s after SIGKILL — without then waiting for it
+/// without bound (the old code did: checked). Once it can die, a monitor that is this
+/// process's child is reaped by this process's next sandbox (no zombie is left), a
+/// zygote's by its zygote.
+#[test]
+fn a_monitor_stuck_in_the_kernel_does_not_hang_its_run() {
+    if !require_root() || !common::freezer::available() {
+        return;
+    }
+    let _view = common::host_view();
+    let runtime = Path::new(common::opservant()).with_file_name("opservant-runtime");
+    let zygote = std::sync::Arc::new(sandbox::zygote::Zygote::new(
+        std::ffi::CString::new(runtime.as_os_str().as_encoded_bytes()).unwrap(),
+        vec![std::ffi::CString::new("--zygote").unwrap()],
+    ));
+    let zygote_launcher = Launcher::Zygote { zygote: zygote.clone(), end: sandbox::PayloadEnd::Exec };
+    for (name, launcher) in [("exec", launcher()), ("zygote", zygote_launcher)] {
+        let mut s = spec(&["/bin/sleep", "1000"]);
+        s.limits.timeout_ms = Some(500);
+        s.limits.kill_grace_ms = 100;
+        let sb = Sandbox::spawn(&s, &launcher, None).unwrap();
+        let monitor = sb.monitor_pid();
+        let give_up = Instant::now() + Duration::from_secs(10);
+        while common::procs::descendants(monitor).len() < 2 {
+            assert!(Instant::now() < give_up, "{name}: no init and payload below the monitor {monitor}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let freezer = common::freezer::Freezer::new(format!("monitor-{name}"));
+        freezer.freeze(&[monitor]);
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(sb.wait(OutputOptions::default()).map(|o| format!("{o:?}")).map_err(|e| e.to_string()));
+        });
+        let result = rx.recv_timeout(Duration::from_secs(60));
+        let thawed = freezer.thaw();
+        let err = result.unwrap_or_else(|_| panic!("{name}: wait hung on a monitor that cannot exit")).unwrap_err();
+        assert!(err.contains("had not exited 5 s after SIGKILL"), "{name}: {err}");
+        assert!(thawed, "{name}: the thawed monitor never died");
+        if name == "exec" {
+            // Left behind unreaped (a zombie now), and reaped by the next sandbox.
+            let o = sandbox::run(&spec(&["/bin/true"]), &launcher, OutputOptions::default()).unwrap();
+            assert!(o.success(), "{o:?}");
+            let reaped = nix::sys::wait::waitpid(
+                nix::unistd::Pid::from_raw(monitor),
+                Some(nix::sys::wait::WaitPidFlag::WNOHANG),
+            );
+            assert_eq!(reaped, Err(nix::errno::Errno::ECHILD), "the left-behind monitor {monitor} was not reaped");
+        } else {
+            // The zygote, its parent, reaps it.
+            let give_up = Instant::now() + Duration::from_secs(10);
+            while Path::new(&format!("/proc/{monitor}")).exists() {
+                assert!(Instant::now() < give_up, "the zygote never reaped its left-behind monitor {monitor}");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+    }
+}
+
 /// Output still being read when the sandbox's processes are long gone — a caller's slow
 /// consumer (`opservant sandbox … | less`) working through a full pipe — is progress, not a
 /// sandbox stuck in the kernel: the run completes with all of it. The payload enlarges its

@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use nix::errno::Errno;
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::signal::{kill, SigSet, Signal};
+use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::Pid;
 
 use crate::cgroup::SandboxCgroup;
@@ -218,6 +219,33 @@ const BACKSTOP: Duration = Duration::from_secs(1);
 /// what is buffered runs out.
 const ABANDON: Duration = Duration::from_secs(5);
 
+/// How long [`Sandbox::wait`] waits for the monitor's exit once the sandbox is over (it is
+/// on its way out: milliseconds). A monitor that has not exited by then — stuck in the
+/// kernel — is killed and left behind instead of hanging the caller; an abandoned sandbox's
+/// monitor (killed [`ABANDON`] earlier) gets no more time at all. A left-behind monitor that
+/// is this process's child is reaped whenever this process spawns another sandbox (see
+/// [`reap_left_behind`]); a zygote's is its zygote's to reap.
+const MONITOR_EXIT: Duration = Duration::from_secs(5);
+
+/// Monitors (children of this process) that had not exited when their sandbox was over.
+static UNREAPED: std::sync::Mutex<Vec<Pid>> = std::sync::Mutex::new(Vec::new());
+
+/// Reap, without waiting, the monitors left behind that have exited since. Their pids stay
+/// theirs until reaped (a child's pid is never reused before), so none names another process.
+fn reap_left_behind() {
+    // A poisoned list is still a list of pids: nothing half-updated matters here.
+    let mut left = UNREAPED.lock().unwrap_or_else(|e| e.into_inner());
+    left.retain(|pid| match waitpid(*pid, Some(WaitPidFlag::WNOHANG)) {
+        Ok(WaitStatus::StillAlive) | Err(Errno::EINTR) => true,
+        Ok(_) => {
+            tracing::info!(monitor = pid.as_raw(), "sandbox monitor left behind earlier reaped");
+            false
+        }
+        // Not our child any more (reaped elsewhere): nothing left to do.
+        Err(_) => false,
+    });
+}
+
 /// Receives output chunks as they arrive.
 pub type Tee<'a> = &'a mut dyn FnMut(Stream, &[u8]);
 
@@ -292,6 +320,7 @@ impl Sandbox {
         // Discover the cgroup layout before this process has sandbox children: on a
         // delegated v2 host it moves itself into its leaf cgroup on first use.
         crate::cgroup::prepare();
+        reap_left_behind();
 
         let (chan, chan_child) = Channel::pair().map_err(|e| SandboxError::io("socketpair", e.into()))?;
         let (out_r, out_w) = pipe()?;
@@ -743,7 +772,7 @@ impl Sandbox {
             Some(cg) => cg.remove(),
             None => Ok(()),
         };
-        let monitor = self.reap();
+        let monitor = self.reap(if abandoned { Duration::ZERO } else { MONITOR_EXIT });
         if let Err(e) = removed {
             // A failure of the run is what its caller needs to hear; the cgroups are logged.
             match failure {
@@ -889,21 +918,47 @@ impl Sandbox {
         }
     }
 
-    /// Reap the monitor; returns the resource usage of the whole sandbox tree (the monitor
-    /// waited for init, init for every process of the PID namespace).
-    fn reap(&mut self) -> Option<libc::rusage> {
+    fn left_behind(&self, waited: Duration) {
+        tracing::error!(
+            monitor = self.monitor.as_raw(),
+            waited_ms = waited.as_millis() as u64,
+            "the sandbox's monitor had not exited (stuck in the kernel?); killed and left behind"
+        );
+    }
+
+    /// Reap the monitor, waiting at most `patience` for it to exit; returns the resource
+    /// usage of the whole sandbox tree (the monitor waited for init, init for every process
+    /// of the PID namespace). A monitor that does not exit in time is killed and left
+    /// behind ([`MONITOR_EXIT`]).
+    fn reap(&mut self, patience: Duration) -> Option<libc::rusage> {
         if self.reaped {
             return None;
         }
         self.reaped = true;
         if let Some(pidfd) = &self.monitor_pidfd {
             // Not our child: its parent (the zygote) reaps it; wait until it is gone.
-            crate::zygote::pidfd_wait(pidfd);
+            if !crate::zygote::pidfd_wait(pidfd, patience) {
+                crate::zygote::pidfd_signal(pidfd, Signal::SIGKILL);
+                self.left_behind(patience);
+                // The mount namespace's descriptor is dropped with `self`: the stuck monitor
+                // holds the namespace itself, so nothing is torn down on this thread.
+                return None;
+            }
             // Every process of the sandbox is gone: nothing uses its mounts any more.
             if let Some(ns) = self.mount_ns.take() {
                 release_later(ns);
             }
             return None;
+        }
+        // Our child, not yet reaped: its pid cannot name another process, so neither can
+        // the pidfd. (Without pidfds — before Linux 5.3 — the wait below is unbounded.)
+        if let Ok(pidfd) = crate::zygote::pidfd_open(self.monitor) {
+            if !crate::zygote::pidfd_wait(&pidfd, patience) {
+                crate::zygote::pidfd_signal(&pidfd, Signal::SIGKILL);
+                self.left_behind(patience);
+                UNREAPED.lock().unwrap_or_else(|e| e.into_inner()).push(self.monitor);
+                return None;
+            }
         }
         // SAFETY: rusage is plain old data; all-zero is valid.
         let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
@@ -925,7 +980,7 @@ impl Drop for Sandbox {
     fn drop(&mut self) {
         if !self.reaped {
             self.kill_everything();
-            self.reap();
+            self.reap(MONITOR_EXIT);
         }
         // The cgroup (if still held) removes itself on drop.
     }

@@ -312,13 +312,19 @@ pub(crate) fn pidfd_signal(pidfd: &OwnedFd, sig: Signal) {
     };
 }
 
-/// Block until the process behind `pidfd` has exited.
-pub(crate) fn pidfd_wait(pidfd: &OwnedFd) {
+/// Wait up to `patience` for the process behind `pidfd` to exit; whether it has.
+pub(crate) fn pidfd_wait(pidfd: &OwnedFd, patience: Duration) -> bool {
+    let give_up = Instant::now() + patience;
     loop {
+        let left = give_up.saturating_duration_since(Instant::now());
+        let wait = PollTimeout::try_from(left).unwrap_or(PollTimeout::MAX);
         let mut fds = [PollFd::new(pidfd.as_fd(), PollFlags::POLLIN)];
-        match poll(&mut fds, PollTimeout::NONE) {
+        match poll(&mut fds, wait) {
             Err(Errno::EINTR) => continue,
-            _ => return,
+            Ok(0) if left.is_zero() => return false,
+            Ok(0) => continue,
+            // Readable: exited. An error on a valid pidfd does not happen; not waited for.
+            _ => return true,
         }
     }
 }
