@@ -325,6 +325,70 @@ fn a_terminal_signal_stops_the_sandbox_and_leaves_nothing() {
     }
 }
 
+/// A second terminal signal ends the command at once when the first one's stop cannot
+/// finish — here the sandbox is frozen (in life, stuck in the kernel), so the stop would
+/// wait until the sandbox is abandoned and then print that failure. With the second signal
+/// the command exits 128 + the signal at once, printing nothing: `_exit`, not the signal's
+/// default action (SIGQUIT's would dump the core of a process that may hold secrets). The
+/// sandbox's cgroups, left behind, are reaped by the next opservant process.
+#[test]
+fn a_second_terminal_signal_ends_the_command_at_once() {
+    if !require_root() || !common::freezer::available() {
+        return;
+    }
+    for sig in [libc::SIGTERM, libc::SIGQUIT] {
+        let child = Command::new(common::opservant())
+            .args(["sandbox", "--json", "--", "/bin/sleep", "600"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let pid = child.id() as i32;
+        let (freezer, dirs) = common::freezer::freeze_sandbox_below(pid);
+        let first = std::time::Instant::now();
+        // SAFETY: signalling the process this test started.
+        assert_eq!(unsafe { libc::kill(pid, sig) }, 0);
+        // The first signal taken (two of one kind pending would be one), its stop under way
+        // and unable to end: the sandbox is frozen.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while signal_pending(pid) {
+            assert!(std::time::Instant::now() < deadline, "signal {sig}: the first signal was never taken");
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        // SAFETY: as above; the command has not been reaped, so the pid is still its own.
+        assert_eq!(unsafe { libc::kill(pid, sig) }, 0);
+        let out = child.wait_with_output().unwrap();
+        let took = first.elapsed();
+        let thawed = freezer.thaw();
+        let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert_eq!(out.status.code(), Some(128 + sig), "signal {sig}: {stdout} {stderr}");
+        // Not the end of the first signal's stop: that prints why it ended ("stopped by", the
+        // abandoned sandbox) and comes no sooner than 6 s after it (1 s before the backstop's
+        // SIGKILL, then 5 s before the frozen sandbox is abandoned).
+        // (Log lines, such as a stale cgroup's removal at start, may be there.)
+        let said = stderr.lines().any(|l| l.starts_with("opservant:"));
+        assert!(stdout.trim().is_empty() && !said, "signal {sig}: {stdout} {stderr}");
+        assert!(took < std::time::Duration::from_secs(6), "signal {sig}: ended {took:?} after the first signal");
+        assert!(thawed, "signal {sig}: the thawed sandbox processes never died");
+        let (code, _, stderr) = run_cli(&["sandbox", "--json", "--", "/bin/true"]);
+        assert_eq!(code, 0, "{stderr}");
+        for d in &dirs {
+            assert!(!d.exists(), "signal {sig}: {} left after the next opservant process", d.display());
+        }
+    }
+}
+
+/// Whether `pid` has a signal pending that its handler has not taken yet.
+fn signal_pending(pid: i32) -> bool {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .filter(|l| l.starts_with("ShdPnd:") || l.starts_with("SigPnd:"))
+        .any(|l| u64::from_str_radix(l.split_whitespace().nth(1).unwrap_or("0"), 16).unwrap_or(0) != 0)
+}
+
 /// Start time of `pid` (`/proc/PID/stat` field 22).
 fn start_time(pid: u32) -> u64 {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
