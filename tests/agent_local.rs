@@ -633,6 +633,53 @@ fn silent_and_trickling_connections_cannot_exhaust_the_agent() {
     a.audit_verify();
 }
 
+/// A client that sends a command and never reads its reply cannot hold the agent's worker —
+/// and with it the agent's shutdown, which waits for its workers — for ever: a reply larger
+/// than the socket's buffer (2 MB of output here) is given up after the write deadline
+/// (10 s). Without the deadline the SIGTERM'd agent waits for the client (checked; the
+/// limit here is a hang detector).
+#[test]
+fn a_client_that_never_reads_its_reply_does_not_hold_the_shutdown() {
+    use std::io::Write;
+    use std::os::unix::net::UnixStream;
+    if !common::require_root() {
+        return;
+    }
+    let mut a = Agent::new(1);
+    a.start();
+    let big = a.sign(&json!({"command_id": "unread-1", "action": "execute", "executor": "slow",
+        "parameters": {"seconds": 0, "pad": 2_000_000}}));
+    let mut client = UnixStream::connect(&a.socket).unwrap();
+    client.write_all(&big).unwrap();
+    client.shutdown(std::net::Shutdown::Write).unwrap();
+    // Answered (its completion audited): the reply is being written, and blocks.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !a.audit_events().iter().any(|e| e["event"] == "executor_complete" && e["fields"]["command_id"] == "unread-1")
+    {
+        assert!(Instant::now() < deadline, "the command was never answered");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut child = a.child.take().expect("running");
+    let pid = child.id() as i32;
+    // SAFETY: kill(2) on the pid of our own child, not yet reaped.
+    unsafe { libc::kill(pid, libc::SIGTERM) };
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait());
+    });
+    let status = match rx.recv_timeout(Duration::from_secs(60)) {
+        Ok(status) => status.expect("wait for the agent"),
+        Err(_) => {
+            // SAFETY: as above (the waiting thread has not reaped it: it has not returned).
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            panic!("the agent's shutdown waited for a client that never reads its reply");
+        }
+    };
+    assert!(status.success(), "{status:?}");
+    drop(client);
+    a.audit_verify();
+}
+
 /// systemd keeps the watchdog armed while a unit stops: a drain that stopped pinging was
 /// killed with SIGABRT after `WatchdogSec` (found by the boot test, tests/vm/systemd_boot.rs).
 #[test]

@@ -26,7 +26,10 @@ class Slow(BaseExecutor):
 
     def execute(self, params, context):
         time.sleep(params.get("seconds", 1))
-        return ExecutorResult(status="completed", output={"slept": params.get("seconds", 1)})
+        output = {"slept": params.get("seconds", 1)}
+        if params.get("pad"):
+            output["pad"] = "x" * params["pad"]
+        return ExecutorResult(status="completed", output=output)
 "#;
 
 pub fn op(args: &[&str]) -> std::process::Output {
