@@ -1823,30 +1823,15 @@ class TestExecutor(BaseExecutor):
     let launch = common::launch_args();
     let mut args: Vec<&std::ffi::OsStr> = vec!["run".as_ref(), d.path.as_os_str()];
     args.extend(launch.iter().map(std::ffi::OsStr::new));
-    let child =
-        opservant_command(&args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawn opservant");
-    let cli = child.id() as i32;
-    let (freezer, dirs) = common::freezer::freeze_sandbox_below(cli);
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(child.wait_with_output());
-    });
-    let ended = rx.recv_timeout(std::time::Duration::from_secs(90));
-    let thawed = freezer.thaw();
-    let out = match ended {
-        Ok(out) => out.expect("wait for opservant"),
-        Err(_) => {
-            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(cli), nix::sys::signal::Signal::SIGKILL);
-            panic!("the run hung on a sandbox whose processes cannot exit");
-        }
-    };
+    let mut cmd = opservant_command(&args);
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+    let (out, dirs) = common::freezer::run_with_frozen_sandbox(cmd, std::time::Duration::from_secs(90), "run");
     let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(!out.status.success(), "{stdout}\n{stderr}");
     assert!(
         stdout.contains("had not exited 5 s after SIGKILL") || stderr.contains("had not exited 5 s after SIGKILL"),
         "the error names why: {stdout}\n{stderr}"
     );
-    assert!(thawed, "the thawed sandbox processes never died");
     // Left behind by a process that is gone: the next opservant process reaps them.
     drop(view);
     let r = common::sandbox(None, &["/bin/true"]);

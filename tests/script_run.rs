@@ -261,38 +261,18 @@ fn a_script_whose_sandbox_is_stuck_in_the_kernel_ends() {
         [("python", "stuck.py", "import time\ntime.sleep(120)\n"), ("bash", "stuck.sh", "sleep 120\n")]
     {
         let f = write(&d, file, text);
-        let child = Command::new(opservant())
-            .args(["script", language])
-            .arg(&f)
-            .args(["--timeout", "1"])
-            .env_remove("OPSERVANT_LOG")
-            .stdin(std::process::Stdio::null())
+        let mut cmd = Command::new(opservant());
+        cmd.args(["script", language]).arg(&f).args(["--timeout", "1"]).env_remove("OPSERVANT_LOG");
+        cmd.stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .expect("spawn opservant script");
-        let cli = child.id() as i32;
-        let (freezer, dirs) = common::freezer::freeze_sandbox_below(cli);
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let _ = tx.send(child.wait_with_output());
-        });
-        let ended = rx.recv_timeout(std::time::Duration::from_secs(90));
-        let thawed = freezer.thaw();
-        let out = match ended {
-            Ok(out) => out.expect("wait for opservant"),
-            Err(_) => {
-                let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(cli), nix::sys::signal::Signal::SIGKILL);
-                panic!("{language}: the script hung on a sandbox whose processes cannot exit");
-            }
-        };
+            .stderr(std::process::Stdio::piped());
+        let (out, dirs) = common::freezer::run_with_frozen_sandbox(cmd, std::time::Duration::from_secs(90), language);
         let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
         assert!(!out.status.success(), "{language}: {stdout}\n{stderr}");
         assert!(
             stdout.contains("had not exited 5 s after SIGKILL") || stderr.contains("had not exited 5 s after SIGKILL"),
             "{language}: the error names why: {stdout}\n{stderr}"
         );
-        assert!(thawed, "{language}: the thawed sandbox processes never died");
         // Left behind by a process that is gone: the next opservant process reaps them.
         let r = script("python", &write(&d, "ok.py", "print('ok')\n"), &[]);
         assert_eq!(r.code, 0, "{:?} {}", r.json, r.stderr);

@@ -118,3 +118,34 @@ pub fn freeze_sandbox_below(root: i32) -> (Freezer, Vec<PathBuf>) {
     freezer.freeze(&inside);
     (freezer, dirs)
 }
+
+/// Start `cmd` (an opservant command that runs one sandbox, its output piped), freeze that
+/// sandbox once its init and payload exist, and wait for the command to end — at most
+/// `limit`, a hang detector: past it the command is killed and the test fails. Thaws the
+/// sandbox (asserting its processes then die); returns the command's output and the
+/// sandbox's cgroup directories.
+pub fn run_with_frozen_sandbox(
+    mut cmd: std::process::Command,
+    limit: Duration,
+    what: &str,
+) -> (std::process::Output, Vec<PathBuf>) {
+    let child = cmd.spawn().expect("spawn opservant");
+    let pid = child.id() as i32;
+    let (freezer, dirs) = freeze_sandbox_below(pid);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    let ended = rx.recv_timeout(limit);
+    let thawed = freezer.thaw();
+    let out = match ended {
+        Ok(out) => out.expect("wait for opservant"),
+        Err(_) => {
+            // SAFETY: kill(2) on our own child, not reaped (its waiting thread has not returned).
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            panic!("{what}: the command hung on a sandbox whose processes cannot exit");
+        }
+    };
+    assert!(thawed, "{what}: the thawed sandbox processes never died");
+    (out, dirs)
+}
