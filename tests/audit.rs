@@ -212,7 +212,10 @@ fn script_and_session_are_audited_in_the_same_chain() {
         std::thread::sleep(Duration::from_millis(50));
     }
     let events: Vec<String> = log.records().iter().map(|r| r["event"].as_str().unwrap().to_string()).collect();
-    assert_eq!(events, ["script_start", "script_end", "session_start", "session_exec", "session_end"]);
+    assert_eq!(
+        events,
+        ["script_start", "script_end", "session_start", "session_exec", "session_exec_end", "session_end"]
+    );
     assert_eq!(log.verify(&[]).code, 0);
 }
 

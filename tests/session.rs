@@ -480,6 +480,81 @@ fn an_oversize_reply_does_not_wedge_the_session() {
 }
 
 #[test]
+fn a_stalled_message_or_a_stop_signal_ends_a_call_at_once() {
+    if !require_root() {
+        return;
+    }
+    // Session code that sends the first packet of a message ("more follows") and stalls
+    // held the daemon in its read until the sandbox's lifetime ended: the call's time limit,
+    // `stop` and SIGTERM all waited (checked: this call was not answered). The whole message
+    // must now come by the call's deadline.
+    let (t, started) = Session::start(&["--allow-import", "os,time", "--timeout", "20"]);
+    let pid = started["pid"].as_u64().unwrap();
+    let code = "import os, time\nos.write(4, b'\\x01' + b'{' * 100)\ntime.sleep(60)";
+    let (status, r) =
+        exec_within(&t, pid, code, &["--timeout", "2"], 30).expect("the call must be answered at its limit, not hang");
+    assert_eq!(status, 1, "{r}");
+    assert_eq!(r["session_ended"], true, "{r}");
+    assert!(r["error"].as_str().unwrap().contains("no complete message within the time limit"), "{r}");
+    assert!(!std::path::Path::new(&t.socket()).exists());
+
+    // A stop signal during a call (the daemon's only thread waits for the call): the call
+    // ends now, its reply says why, and the session is torn down — not after the call.
+    let (u, started) = Session::start(&["--allow-import", "time", "--timeout", "120"]);
+    let pid = started["pid"].as_u64().unwrap();
+    let log = format!("/run/opservant/sessions/{}.log", u.name);
+    std::thread::spawn(move || {
+        // The call is recorded (`session_exec`) before it is sent to the interpreter.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while !std::fs::read_to_string(&log).unwrap_or_default().contains("session_exec") {
+            if std::time::Instant::now() > deadline {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        // SAFETY: kill(2) on the session daemon this test started (alive: its call runs).
+        unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+    });
+    let (status, r) = exec_within(&u, pid, "import time\ntime.sleep(100)", &[], 60)
+        .expect("the call must end at the signal, not after its 100 s");
+    assert_eq!(status, 1, "{r}");
+    assert_eq!(r["session_ended"], true, "{r}");
+    assert!(r["error"].as_str().unwrap().contains("signalled"), "{r}");
+    let gone = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while std::path::Path::new(&u.socket()).exists() {
+        assert!(std::time::Instant::now() < gone, "the signalled session's socket is still there");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+/// Idle means without a call: the status requests of `session list` kept every session
+/// from expiring, each living to its maximum lifetime (checked: the old
+/// daemon answered the call below).
+#[test]
+fn status_requests_do_not_keep_a_session_from_expiring() {
+    if !require_root() {
+        return;
+    }
+    let (s, _) = Session::start(&["--idle-timeout", "2"]);
+    let until = std::time::Instant::now() + std::time::Duration::from_millis(3500);
+    while std::time::Instant::now() < until {
+        // What `session list` sends each session (straight to this one: a list waits for
+        // every other session's daemon too).
+        use std::io::{Read, Write};
+        let Ok(mut c) = std::os::unix::net::UnixStream::connect(s.socket()) else { break };
+        c.write_all(br#"{"op": "status"}"#).unwrap();
+        c.shutdown(std::net::Shutdown::Write).unwrap();
+        let mut reply = String::new();
+        let _ = c.read_to_string(&mut reply);
+        std::thread::sleep(std::time::Duration::from_millis(300));
+    }
+    let (code, msg) = s.exec("1", &[]);
+    assert_eq!(code, 2, "the session outlived its idle limit: {msg}");
+    assert!(!std::path::Path::new(&s.socket()).exists());
+}
+
+#[test]
 fn a_message_outside_the_protocol_ends_the_session_unlogged() {
     if !require_root() {
         return;

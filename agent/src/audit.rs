@@ -81,7 +81,8 @@
 //!
 //! [`try_record`] returns the error when the record could not be appended; the gates use it —
 //! `executor_start` and `script_start` (the run stops before any executor or script code
-//! runs, exit status 2), `session_start`, and `secret_access` (the secret is refused when its
+//! runs, exit status 2), `session_start`, `session_exec` (a session call is refused before
+//! its code is sent), and `secret_access` (the secret is refused when its
 //! grant cannot be audited). [`record`] keeps its signature for the events that report what
 //! already happened (completion, refusals, limits): a failure there is logged as an error on
 //! stderr and the event still appears as the `tracing` line. [`init`] itself fails when the

@@ -264,10 +264,11 @@ fn refuse(stream: UnixStream, pipeline: &Pipeline, open: usize) {
     }
 }
 
-/// Read one command: at most `limit` bytes, all within [`READ_DEADLINE`]. `None` when the
-/// client failed to send it in time or the connection broke.
-fn read_command(stream: &mut UnixStream, limit: u64) -> Option<Vec<u8>> {
-    let deadline = std::time::Instant::now() + READ_DEADLINE;
+/// Read a client's request up to its end of file: at most `limit` bytes, all within
+/// `within` (one deadline for the whole request, not per read). `None` when the client failed
+/// to send it in time or the connection broke.
+pub(crate) fn read_request(stream: &mut UnixStream, limit: u64, within: Duration) -> Option<Vec<u8>> {
+    let deadline = std::time::Instant::now() + within;
     let mut buf = Vec::new();
     let mut chunk = [0u8; 16 * 1024];
     loop {
@@ -291,7 +292,7 @@ fn serve_client(mut stream: UnixStream, pipeline: &Pipeline) {
         return;
     }
     let limit = crate::signing::MAX_COMMAND_BYTES as u64 + 1;
-    let Some(buf) = read_command(&mut stream, limit) else { return };
+    let Some(buf) = read_request(&mut stream, limit, READ_DEADLINE) else { return };
     if buf.is_empty() {
         // Connected and closed without a byte (a liveness probe): no command, no reply,
         // and no place in the concurrency limit.

@@ -13,9 +13,14 @@
 //!   `subprocess`, `ctypes` and `socket` are never implied by a default import — only an
 //!   explicit `--allow-import` grants them. This is defence in depth on top of the OS sandbox,
 //!   not a boundary by itself: Python code can reach modules through the object graph;
-//! - every call has a timeout; a call that times out or exhausts the memory limit ends the
-//!   session (the whole sandbox is killed) and its reply says so;
-//! - an idle session expires, and every session ends after its maximum lifetime;
+//! - every call has a timeout, which bounds sending it and every message of its answer too
+//!   (a runtime that stops reading, or sends part of a message and stalls, cannot hold the
+//!   daemon); a call that times out or exhausts the memory limit ends the session (the whole
+//!   sandbox is killed) and its reply says so; a stop signal ends a call at once;
+//! - every call is audited before its code is sent (`session_exec`, fail closed) and when it
+//!   ends (`session_exec_end`);
+//! - an idle session (no call: status requests do not count) expires, and every session ends
+//!   after its maximum lifetime;
 //! - only root, or the user the daemon runs as, can reach a session: the directory is 0700,
 //!   the socket 0600, and the daemon checks each client's credentials (`SO_PEERCRED`).
 
@@ -51,6 +56,10 @@ pub const MAX_MAX_LIFETIME_S: u64 = 7 * 86_400;
 pub const MAX_REQUEST: usize = 8 << 20;
 /// How long the daemon waits for the interpreter to come up.
 const START_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How long a client has to send its whole request, and then to take its reply: the daemon
+/// serves one client at a time.
+const CLIENT_DEADLINE: Duration = Duration::from_secs(10);
 /// Modules a default import never implies: only an explicit `--allow-import` grants them.
 pub const NEVER_IMPLIED: &[&str] = &["os", "subprocess", "ctypes", "socket"];
 
@@ -372,6 +381,8 @@ enum NoMessage {
     /// It broke the protocol (a malformed or oversize message) or the channel failed; it
     /// may still be running.
     Broken(String),
+    /// The daemon received a stop signal (SIGTERM, SIGINT, SIGHUP).
+    Signalled,
 }
 
 impl std::fmt::Display for NoMessage {
@@ -379,6 +390,7 @@ impl std::fmt::Display for NoMessage {
         match self {
             NoMessage::Ended => f.write_str("the session's interpreter ended"),
             NoMessage::Broken(e) => f.write_str(e),
+            NoMessage::Signalled => f.write_str("the daemon was signalled"),
         }
     }
 }
@@ -631,7 +643,8 @@ impl Daemon {
                 daemon.stop.stop();
                 let detail = daemon.ended_because();
                 let _ = std::fs::remove_file(&path);
-                let _ = std::fs::remove_file(lock_path(&daemon.settings.name));
+                // The lock's path is removed by `start` while its duplicate still holds the
+                // lock: removed here too, a successor's new lock file could go with it.
                 drop(lock);
                 return Err(CannotRun(if detail.is_empty() { e } else { format!("{e} ({detail})") }));
             }
@@ -667,7 +680,8 @@ impl Daemon {
     }
 
     /// The next message from the runtime; `Ok(None)` when `deadline` passed first, `Err`
-    /// when the runtime is gone or broke the protocol.
+    /// when the runtime is gone or broke the protocol — sending part of a message and not
+    /// the rest by `deadline` included —, or a stop signal arrived.
     fn next_message(&mut self, deadline: Instant) -> Result<Option<FromPayload>, NoMessage> {
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
@@ -675,15 +689,21 @@ impl Daemon {
                 return Ok(None);
             }
             let ms = left.as_millis().min(60_000) as u16;
-            let mut fds =
-                [PollFd::new(self.chan.as_fd(), PollFlags::POLLIN), PollFd::new(self.done.as_fd(), PollFlags::POLLIN)];
+            let mut fds = [
+                PollFd::new(self.chan.as_fd(), PollFlags::POLLIN),
+                PollFd::new(self.done.as_fd(), PollFlags::POLLIN),
+                PollFd::new(self.signals.as_fd(), PollFlags::POLLIN),
+            ];
             match poll(&mut fds, PollTimeout::from(ms.max(1))) {
                 Err(nix::errno::Errno::EINTR) | Ok(0) => continue,
                 Err(e) => return Err(NoMessage::Broken(format!("poll: {e}"))),
                 Ok(_) => {}
             }
+            if fds[2].any().unwrap_or(false) {
+                return Err(NoMessage::Signalled);
+            }
             if fds[0].any().unwrap_or(false) {
-                return match app::recv(&self.chan) {
+                return match app::recv_by(&self.chan, Some(deadline)) {
                     Ok(Some(msg)) => Ok(Some(msg)),
                     Ok(None) => Err(NoMessage::Ended),
                     Err(e) => Err(NoMessage::Broken(e)),
@@ -801,13 +821,14 @@ impl Daemon {
             let _ = stream.write_all(json!({"refused": "permission denied"}).to_string().as_bytes());
             return None;
         }
-        let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
-        let mut buf = Vec::new();
-        if let Err(e) = (&mut stream).take(MAX_REQUEST as u64 + 1).read_to_end(&mut buf) {
-            let _ =
-                stream.write_all(json!({"refused": format!("cannot read the request: {e}")}).to_string().as_bytes());
+        // One deadline for the whole request (not per read: a client trickling bytes would
+        // hold the daemon, which serves one client at a time), one for writing the reply.
+        let _ = stream.set_write_timeout(Some(CLIENT_DEADLINE));
+        let Some(buf) = crate::daemon::read_request(&mut stream, MAX_REQUEST as u64 + 1, CLIENT_DEADLINE) else {
+            let why = format!("cannot read the request within {} s", CLIENT_DEADLINE.as_secs());
+            let _ = stream.write_all(json!({"refused": why}).to_string().as_bytes());
             return None;
-        }
+        };
         if buf.len() > MAX_REQUEST {
             let _ = stream.write_all(
                 json!({"refused": format!("request larger than {MAX_REQUEST} bytes")}).to_string().as_bytes(),
@@ -821,6 +842,7 @@ impl Daemon {
                 return None;
             }
         };
+        let call = matches!(req, Request::Exec { .. });
         let (reply, end) = match req {
             Request::Status => (self.status(), None),
             Request::Stop => {
@@ -837,7 +859,10 @@ impl Daemon {
             Request::Exec { code, globals, r#return, timeout_s } => self.exec(code, globals, r#return, timeout_s),
         };
         let _ = stream.write_all(reply.to_string().as_bytes());
-        self.last_active = Instant::now();
+        // Idle means without a call: `status` (`session list`) and refusals do not count.
+        if call {
+            self.last_active = Instant::now();
+        }
         end
     }
 
@@ -866,17 +891,20 @@ impl Daemon {
     ) -> (Value, Option<End>) {
         let timeout_s = timeout_s.unwrap_or(self.settings.call_timeout_s).clamp(1, self.settings.call_timeout_s);
         let started = Instant::now();
-        self.calls += 1;
-        let digest = {
-            use sha2::Digest;
-            let d = sha2::Sha256::digest(code.as_bytes());
-            d.iter().take(8).map(|b| format!("{b:02x}")).collect::<String>()
-        };
-        let msg = ToPayload::SessionExec { code, globals, r#return: names };
-        if let Err(e) = self.chan.send_bytes(&app::encode(&msg)) {
-            tracing::warn!(target: "opservant::session", "send to the runtime: {}", e.desc());
+        let digest = audit::sha256_hex(code.as_bytes());
+        // Fail closed: a call whose start cannot be audited does not run (the session goes on).
+        if let Err(e) = audit::try_record("session_exec", &[("session", &self.settings.name), ("code_sha256", &digest)])
+        {
+            return (json!({"refused": format!("the call could not be audited: {e}")}), None);
         }
+        self.calls += 1;
         let deadline = started + Duration::from_secs(timeout_s);
+        let msg = ToPayload::SessionExec { code, globals, r#return: names };
+        // A runtime that stopped reading (session code can make it) must not hold the daemon:
+        // the send, too, is bounded by the call's time limit.
+        let timeout = nix::sys::time::TimeVal::new(timeout_s as libc::time_t, 0);
+        let sent = nix::sys::socket::setsockopt(&self.chan, nix::sys::socket::sockopt::SendTimeout, &timeout)
+            .and_then(|()| self.chan.send_bytes(&app::encode(&msg)));
         let ended = |d: &Daemon, why: String, killed_by: Option<&str>| -> Value {
             let reply = json!({
                 "success": false,
@@ -887,16 +915,22 @@ impl Daemon {
                 "duration_ms": started.elapsed().as_millis() as u64,
             });
             audit::record(
-                "session_exec",
+                "session_exec_end",
                 &[("session", &d.settings.name), ("code_sha256", &digest), ("success", "false"), ("ended", &why)],
             );
             reply
         };
+        if let Err(e) = sent {
+            self.stop.stop();
+            let _ = self.ended_because();
+            let why = format!("the session has ended: the call could not be sent to its interpreter: {}", e.desc());
+            return (ended(self, why, None), Some(End::Died));
+        }
         loop {
             match self.next_message(deadline) {
                 Ok(Some(FromPayload::SessionReply { success, error, stdout, stderr, globals })) => {
                     audit::record(
-                        "session_exec",
+                        "session_exec_end",
                         &[
                             ("session", &self.settings.name),
                             ("code_sha256", &digest),
@@ -930,6 +964,12 @@ impl Daemon {
                     let why = format!("the call timed out after {timeout_s} s; the session has ended");
                     return (ended(self, why, Some("timeout")), Some(End::CallTimeout(timeout_s)));
                 }
+                Err(NoMessage::Signalled) => {
+                    self.stop.stop();
+                    let _ = self.ended_because();
+                    let why = "the session has ended: its daemon was signalled during the call".to_string();
+                    return (ended(self, why, None), Some(End::Signal));
+                }
                 Err(no) => {
                     // Broken: it may run on (its sandbox ends only at the maximum lifetime) —
                     // stopped at once, and the reply says why.
@@ -938,7 +978,7 @@ impl Daemon {
                             self.stop.stop();
                             Some(e)
                         }
-                        NoMessage::Ended => {
+                        NoMessage::Ended | NoMessage::Signalled => {
                             self.let_end(Duration::from_secs(2));
                             None
                         }
