@@ -1612,6 +1612,40 @@ fn ipv6_egress() {
     assert_host_clean(&lab);
 }
 
+/// `manage_forwarding` switches IPv4 forwarding on when it is off, never IPv6's: switching
+/// that on for the whole host stops router advertisements being accepted (a SLAAC host loses
+/// its IPv6 default route). A run on a host with IPv6 forwarding off goes ahead on IPv4 and
+/// says why it has no IPv6; the host's setting is untouched (the old code switched it on).
+#[test]
+fn manage_forwarding_never_switches_on_ipv6_forwarding() {
+    if !prerequisites() {
+        return;
+    }
+    let lab = Lab::new();
+    let s = lab.banners(&["198.51.100.10:80"]);
+    let forwarding = |key: &str| lab.host.output("cat", &[&format!("/proc/sys/net/{key}")]).trim().to_string();
+    lab.host.output(
+        "sh",
+        &["-c", "echo 0 > /proc/sys/net/ipv4/ip_forward; echo 0 > /proc/sys/net/ipv6/conf/all/forwarding"],
+    );
+    assert_eq!((forwarding("ipv4/ip_forward"), forwarding("ipv6/conf/all/forwarding")), ("0".into(), "0".into()));
+    let conf = Conf::new("    manage_forwarding: true\n");
+    let p = probe(
+        &lab,
+        &conf,
+        json!({"outbound": true, "allowed_hosts": ["198.51.100.10"]}),
+        limits(),
+        json!([["connect", "198.51.100.10", 80]]),
+    );
+    assert_connected(p.step(0), "198.51.100.10:80");
+    assert_masqueraded(&s[0]);
+    assert_eq!(forwarding("ipv4/ip_forward"), "1", "manage_forwarding switches IPv4 forwarding on");
+    assert_eq!(forwarding("ipv6/conf/all/forwarding"), "0", "IPv6 forwarding was switched on");
+    let why = p.egress()["ipv6_unavailable"].as_str().unwrap_or_default().to_string();
+    assert!(why.contains("IPv6 forwarding is off"), "{}", p.egress());
+    assert_host_clean(&lab);
+}
+
 /// (9) The seed's port scanner with a real allow list: only allowed ports that listen are open.
 #[test]
 fn seed_port_scanner_reports_only_allowed_open_ports() {
@@ -1992,6 +2026,9 @@ fn allow_any_mode_special_destinations_over_udp() {
             ["connect", "10.213.0.6", 80, 2],                        // 17
             ["udp", "::ffff:169.254.169.254", 80, 19],               // 18 v4-mapped through AF_INET6
             ["udp", "::ffff:192.0.2.1", 9999, 20],                   // 19
+            ["udp", "100.100.100.200", 80, 21],                      // 20 metadata outside 169.254/16
+            ["udp", "168.63.129.16", 80, 22],                        // 21
+            ["udp", "fd00:ec2::254", 80, 23],                        // 22
         ]),
     );
     let seen = sniff.seen();
@@ -2015,6 +2052,9 @@ fn allow_any_mode_special_destinations_over_udp() {
             (15, "UDP to pool fd6f:7073:7276::6"),
             (16, "SSDP multicast 239.255.255.250"),
             (19, "UDP to ::ffff:169.254.169.254"),
+            (21, "UDP to 100.100.100.200 (Alibaba metadata)"),
+            (22, "UDP to 168.63.129.16 (Azure WireServer)"),
+            (23, "UDP to fd00:ec2::254 (AWS IPv6 metadata)"),
         ],
     );
     // Markers 10, 11, 20 (HOST's uplink addresses) do reach HOST's veth in allow-any mode: the

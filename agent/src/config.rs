@@ -144,7 +144,8 @@ pub struct EgressSection {
     pub pool_v4: Option<String>,
     /// IPv6 pool carved into /126 links (default fd6f:7073:7276::/48; `none` disables IPv6).
     pub pool_v6: Option<String>,
-    /// Switch forwarding on when it is off, instead of refusing to run with egress.
+    /// Switch IPv4 forwarding on when it is off, instead of refusing to run with egress (never
+    /// IPv6 forwarding: IPv6 egress is used only where it is already on).
     #[serde(default)]
     pub manage_forwarding: bool,
     /// Upstream resolvers, `ADDR` or `ADDR:PORT` (`[V6]:PORT`); default: the nameservers of

@@ -240,12 +240,18 @@ pub fn special_ranges() -> &'static [IpNet] {
 }
 
 /// Ranges never reachable by IP unless allowed explicitly (private ranges are reachable in
-/// allow-any mode; only DNS answers into them are refused).
+/// allow-any mode; only DNS answers into them are refused) — among them the cloud instance
+/// metadata services: link-local (AWS, GCP, Azure IMDS, OpenStack), and those elsewhere:
+/// Alibaba's `100.100.100.200`, Azure's WireServer `168.63.129.16`, AWS's IPv6 IMDS
+/// `fd00:ec2::254`.
 fn unreachable_ranges(pool: &Pool) -> Vec<IpNet> {
     let mut v: Vec<IpNet> = [
         "0.0.0.0/8",
         "127.0.0.0/8",
         "169.254.0.0/16",
+        "100.100.100.200/32",
+        "168.63.129.16/32",
+        "fd00:ec2::254/128",
         "224.0.0.0/4",
         "240.0.0.0/4",
         "::/128",

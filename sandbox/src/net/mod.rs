@@ -227,7 +227,8 @@ pub struct EgressPlan {
     pub firewall: Firewall,
     /// Shape traffic in each direction to this many bytes per second.
     pub bandwidth_bytes: Option<u64>,
-    /// Switch IPv4 (and IPv6) forwarding on if it is off, instead of refusing.
+    /// Switch IPv4 forwarding on if it is off, instead of refusing (IPv6 forwarding is only
+    /// read: see [`check_forwarding`]).
     pub manage_forwarding: bool,
     /// What the last sandbox to leave does with the host table.
     pub release: HostTableRelease,
@@ -481,7 +482,10 @@ fn read_sysctl(path: &str) -> Option<String> {
     std::fs::read_to_string(path).ok().map(|s| s.trim().to_string())
 }
 
-/// IPv4 forwarding on (or switched on), and whether IPv6 can be used (or why not).
+/// IPv4 forwarding on (or switched on, with `manage`), and whether IPv6 can be used (or why
+/// not). IPv6 forwarding is only ever read: switching it on for the whole host stops router
+/// advertisements being accepted where `accept_ra` is 1, so a SLAAC host would lose its IPv6
+/// default route — an operator's decision, never the agent's.
 fn check_forwarding(manage: bool) -> Result<Option<String>, NetError> {
     const V4: &str = "/proc/sys/net/ipv4/ip_forward";
     const V6: &str = "/proc/sys/net/ipv6/conf/all/forwarding";
@@ -496,10 +500,6 @@ fn check_forwarding(manage: bool) -> Result<Option<String>, NetError> {
     match read_sysctl(V6).as_deref() {
         None => Ok(Some("IPv6 is disabled on this host".into())),
         Some("1") => Ok(None),
-        Some(_) if manage => {
-            std::fs::write(V6, "1").map_err(|e| NetError::io("sysctl", "switch on IPv6 forwarding", e))?;
-            Ok(None)
-        }
         Some(_) => Ok(Some("IPv6 forwarding is off (net.ipv6.conf.all.forwarding=0)".into())),
     }
 }
