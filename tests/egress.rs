@@ -1646,6 +1646,62 @@ fn manage_forwarding_never_switches_on_ipv6_forwarding() {
     assert_host_clean(&lab);
 }
 
+/// The DNS forwarder answers its sandbox only. It listens on the gateway's address, which is
+/// the host's own: a neighbour that routes to it through another interface (here OUTSIDE,
+/// given a route to the pool via HOST) reaches the listener — the control — and got answers
+/// too, the agent resolving for anyone (checked on the old code). Now UDP queries from
+/// anyone but the sandbox are dropped and TCP connections closed unanswered.
+#[test]
+fn the_dns_forwarder_answers_only_its_sandbox() {
+    if !prerequisites() {
+        return;
+    }
+    let lab = Lab::new();
+    lab.outside.ip(&["route", "add", "10.213.0.0/16", "via", HOST_V4]);
+    let conf = Conf::new("");
+    let gateway_of_the_run = || -> Option<String> {
+        let addrs = lab.host.output("ip", &["-4", "-o", "addr", "show"]);
+        addrs.lines().filter(|l| l.contains(" opsv")).find_map(|l| {
+            let cidr = l.split_whitespace().skip_while(|w| *w != "inet").nth(1)?;
+            Some(cidr.split('/').next()?.to_string())
+        })
+    };
+    std::thread::scope(|scope| {
+        let run = scope.spawn(|| {
+            probe(
+                &lab,
+                &conf,
+                json!({"outbound": true, "dns_allowed": true}),
+                limits(),
+                json!([["sleep", 2], ["resolve", "allowed.test"], ["sleep", 6]]),
+            )
+        });
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let gateway = loop {
+            if let Some(g) = gateway_of_the_run() {
+                break g;
+            }
+            assert!(Instant::now() < deadline && !run.is_finished(), "the run's veth never appeared in HOST");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let server = format!("{gateway}:53");
+        let (reached, udp, tcp) = lab.outside.run(|| {
+            let reached = std::net::TcpStream::connect_timeout(&server.parse().unwrap(), Duration::from_secs(2));
+            (
+                reached.map(|_| ()),
+                netlab::dns_query_udp(&server, "allowed.test", 1),
+                netlab::dns_query_tcp(&server, "allowed.test", 1),
+            )
+        });
+        let p = run.join().unwrap();
+        assert_resolved(p.step(1), "allowed.test", &["198.51.100.10"]);
+        assert!(reached.is_ok(), "control: OUTSIDE reaches the forwarder's listener at {server}: {reached:?}");
+        assert!(udp.is_err(), "a UDP query from OUTSIDE to {server} was answered: {udp:?}");
+        assert!(tcp.is_err(), "a TCP query from OUTSIDE to {server} was answered: {tcp:?}");
+    });
+    assert_host_clean(&lab);
+}
+
 /// (9) The seed's port scanner with a real allow list: only allowed ports that listen are open.
 #[test]
 fn seed_port_scanner_reports_only_allowed_open_ports() {

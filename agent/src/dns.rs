@@ -56,9 +56,13 @@ pub struct Forwarder {
 }
 
 impl Forwarder {
-    /// Bind `listen` (the gateway address, port 53) and serve until stopped.
+    /// Bind `listen` (the gateway address, port 53) and serve `client` (the sandbox's
+    /// address) until stopped. Queries from any other address are dropped unanswered: the
+    /// gateway's address is the host's own, so whatever can route to it (a neighbour on
+    /// another interface) would otherwise have the agent resolve for it.
     pub fn spawn(
         listen: SocketAddr,
+        client: std::net::IpAddr,
         policy: Arc<NetworkPolicy>,
         upstreams: Vec<SocketAddr>,
         allow: Option<sandbox::net::DynamicAllow>,
@@ -87,14 +91,21 @@ impl Forwarder {
                     return report;
                 }
                 if ready(2) {
-                    if let Ok((stream, _)) = tcp.accept() {
-                        serve_tcp(stream, &policy, &upstreams, allow.as_ref(), &mut report, &executor);
+                    match tcp.accept() {
+                        Ok((stream, peer)) if peer.ip() == client => {
+                            serve_tcp(stream, &policy, &upstreams, allow.as_ref(), &mut report, &executor);
+                        }
+                        // Not the sandbox: closed at once.
+                        Ok(_) | Err(_) => {}
                     }
                 }
                 if !ready(0) {
                     continue;
                 }
                 let Ok((n, peer)) = sock.recv_from(&mut buf) else { continue };
+                if peer.ip() != client {
+                    continue;
+                }
                 report.queries += 1;
                 let reply = answer(&buf[..n], &policy, &upstreams, allow.as_ref(), &mut report, &executor, false);
                 if let Some(reply) = reply {

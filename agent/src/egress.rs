@@ -499,12 +499,13 @@ impl EgressRun {
 
     pub(crate) fn attach(&mut self, pid: i32, executor: &str) -> Result<(), String> {
         let r = self.reservation.take().ok_or("network egress: attached twice")?;
-        let gateway = r.gateway4;
+        let (gateway, client) = (r.gateway4, r.address4);
         let egress = r.attach(pid).map_err(|e| format!("network egress: {e}"))?;
         if self.policy.dns {
             let allow = self.policy.has_allowed_names().then(|| egress.dynamic_allow());
             let fwd = crate::dns::Forwarder::spawn(
                 std::net::SocketAddr::new(gateway.into(), 53),
+                client.into(),
                 self.policy.clone(),
                 self.upstreams.clone(),
                 allow,
