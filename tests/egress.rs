@@ -1525,21 +1525,29 @@ fn dns_rebinding_to_loopback_is_refused() {
     }
     let lab = Lab::new();
     let conf = Conf::new("");
-    let steps = json!([["resolve", "rebind.test"], ["resolve", "rebind6.test"], ["resolve", "allowed.test"]]);
+    let steps = json!([
+        ["resolve", "rebind.test"],
+        ["resolve", "rebind6.test"],
+        ["resolve", "allowed.test"],
+        ["resolve", "wireserver.test"]
+    ]);
     let p = probe(
         &lab,
         &conf,
-        json!({"outbound": true, "allowed_hosts": ["rebind.test", "rebind6.test", "allowed.test"]}),
+        json!({"outbound": true, "allowed_hosts": ["rebind.test", "rebind6.test", "allowed.test", "wireserver.test"]}),
         limits(),
         steps.clone(),
     );
     assert_unresolved(p.step(0), "rebind.test (-> 127.0.0.1)");
     assert_unresolved(p.step(1), "rebind6.test (-> ::1)");
     assert_resolved(p.step(2), "allowed.test", &["198.51.100.10"]);
+    // Azure's metadata service outside link-local (it would enter the allow set).
+    assert_unresolved(p.step(3), "wireserver.test (-> 168.63.129.16)");
     let p = probe(&lab, &conf, json!({"outbound": true}), limits(), steps);
     assert_unresolved(p.step(0), "rebind.test (-> 127.0.0.1), any host allowed");
     assert_unresolved(p.step(1), "rebind6.test (-> ::1), any host allowed");
     assert_resolved(p.step(2), "allowed.test", &["198.51.100.10"]);
+    assert_unresolved(p.step(3), "wireserver.test (-> 168.63.129.16), any host allowed");
     assert_host_clean(&lab);
 }
 
@@ -1686,9 +1694,18 @@ fn the_dns_forwarder_answers_only_its_sandbox() {
         };
         let server = format!("{gateway}:53");
         let (reached, udp, tcp) = lab.outside.run(|| {
-            let reached = std::net::TcpStream::connect_timeout(&server.parse().unwrap(), Duration::from_secs(2));
+            // The veth is up before the forwarder listens: tried until it does (the run
+            // keeps its sandbox ~8 s).
+            let listening = Instant::now() + Duration::from_secs(5);
+            let reached = loop {
+                let r = std::net::TcpStream::connect_timeout(&server.parse().unwrap(), Duration::from_secs(2));
+                if r.is_ok() || Instant::now() >= listening {
+                    break r.map(|_| ());
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            };
             (
-                reached.map(|_| ()),
+                reached,
                 netlab::dns_query_udp(&server, "allowed.test", 1),
                 netlab::dns_query_tcp(&server, "allowed.test", 1),
             )

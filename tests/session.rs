@@ -487,7 +487,7 @@ fn a_stalled_message_or_a_stop_signal_ends_a_call_at_once() {
     // Session code that sends the first packet of a message ("more follows") and stalls
     // held the daemon in its read until the sandbox's lifetime ended: the call's time limit,
     // `stop` and SIGTERM all waited (checked: this call was not answered). The whole message
-    // must now come by the call's deadline.
+    // must now come by the call's deadline: one that has not is the call timing out.
     let (t, started) = Session::start(&["--allow-import", "os,time", "--timeout", "20"]);
     let pid = started["pid"].as_u64().unwrap();
     let code = "import os, time\nos.write(4, b'\\x01' + b'{' * 100)\ntime.sleep(60)";
@@ -495,7 +495,8 @@ fn a_stalled_message_or_a_stop_signal_ends_a_call_at_once() {
         exec_within(&t, pid, code, &["--timeout", "2"], 30).expect("the call must be answered at its limit, not hang");
     assert_eq!(status, 1, "{r}");
     assert_eq!(r["session_ended"], true, "{r}");
-    assert!(r["error"].as_str().unwrap().contains("no complete message within the time limit"), "{r}");
+    assert_eq!(r["killed_by"], "timeout", "{r}");
+    assert!(r["error"].as_str().unwrap().contains("timed out after 2 s"), "{r}");
     assert!(!std::path::Path::new(&t.socket()).exists());
 
     // A stop signal during a call (the daemon's only thread waits for the call): the call

@@ -221,6 +221,9 @@ pub fn special_ranges() -> &'static [IpNet] {
             "100.64.0.0/10",
             "127.0.0.0/8",
             "169.254.0.0/16",
+            // Azure's WireServer (metadata outside 169.254/16; the others are in 100.64/10
+            // and fc00::/7 above and below).
+            "168.63.129.16/32",
             "172.16.0.0/12",
             "192.168.0.0/16",
             "224.0.0.0/4",

@@ -57,8 +57,8 @@ pub const MAX_REQUEST: usize = 8 << 20;
 /// How long the daemon waits for the interpreter to come up.
 const START_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// How long a client has to send its whole request, and then to take its reply: the daemon
-/// serves one client at a time.
+/// How long a client has to send its whole request, and then to take each write of its
+/// reply: the daemon serves one client at a time.
 const CLIENT_DEADLINE: Duration = Duration::from_secs(10);
 /// Modules a default import never implies: only an explicit `--allow-import` grants them.
 pub const NEVER_IMPLIED: &[&str] = &["os", "subprocess", "ctypes", "socket"];
@@ -706,6 +706,8 @@ impl Daemon {
                 return match app::recv_by(&self.chan, Some(deadline)) {
                     Ok(Some(msg)) => Ok(Some(msg)),
                     Ok(None) => Err(NoMessage::Ended),
+                    // A message still incomplete at the deadline: the call ran out of time.
+                    Err(_) if Instant::now() >= deadline => Ok(None),
                     Err(e) => Err(NoMessage::Broken(e)),
                 };
             }
@@ -842,7 +844,7 @@ impl Daemon {
                 return None;
             }
         };
-        let call = matches!(req, Request::Exec { .. });
+        let exec = matches!(req, Request::Exec { .. });
         let (reply, end) = match req {
             Request::Status => (self.status(), None),
             Request::Stop => {
@@ -860,7 +862,7 @@ impl Daemon {
         };
         let _ = stream.write_all(reply.to_string().as_bytes());
         // Idle means without a call: `status` (`session list`) and refusals do not count.
-        if call {
+        if exec && reply.get("refused").is_none() {
             self.last_active = Instant::now();
         }
         end
@@ -891,6 +893,18 @@ impl Daemon {
     ) -> (Value, Option<End>) {
         let timeout_s = timeout_s.unwrap_or(self.settings.call_timeout_s).clamp(1, self.settings.call_timeout_s);
         let started = Instant::now();
+        // A stop signal that came while the request was read: the call does not run.
+        let mut pending = [PollFd::new(self.signals.as_fd(), PollFlags::POLLIN)];
+        if matches!(poll(&mut pending, PollTimeout::ZERO), Ok(n) if n > 0) {
+            self.stop.stop();
+            let _ = self.ended_because();
+            let reply = json!({
+                "success": false, "error": "the session has ended: its daemon was signalled",
+                "stdout": "", "stderr": "", "globals": {}, "session_ended": true, "killed_by": null,
+                "duration_ms": 0,
+            });
+            return (reply, Some(End::Signal));
+        }
         let digest = audit::sha256_hex(code.as_bytes());
         // Fail closed: a call whose start cannot be audited does not run (the session goes on).
         if let Err(e) = audit::try_record("session_exec", &[("session", &self.settings.name), ("code_sha256", &digest)])
@@ -901,10 +915,8 @@ impl Daemon {
         let deadline = started + Duration::from_secs(timeout_s);
         let msg = ToPayload::SessionExec { code, globals, r#return: names };
         // A runtime that stopped reading (session code can make it) must not hold the daemon:
-        // the send, too, is bounded by the call's time limit.
-        let timeout = nix::sys::time::TimeVal::new(timeout_s as libc::time_t, 0);
-        let sent = nix::sys::socket::setsockopt(&self.chan, nix::sys::socket::sockopt::SendTimeout, &timeout)
-            .and_then(|()| self.chan.send_bytes(&app::encode(&msg)));
+        // the whole send, too, is bounded by the call's time limit.
+        let sent = self.chan.send_bytes_by(&app::encode(&msg), Some(deadline));
         let ended = |d: &Daemon, why: String, killed_by: Option<&str>| -> Value {
             let reply = json!({
                 "success": false,

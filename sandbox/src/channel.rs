@@ -137,6 +137,13 @@ impl Channel {
     /// Send `data` of any size as a sequence of packets (one SEQPACKET message is bounded by
     /// the socket buffer): each packet starts with a flag byte, 1 = more follow, 0 = last.
     pub fn send_bytes(&self, data: &[u8]) -> Result<(), Errno> {
+        self.send_bytes_by(data, None)
+    }
+
+    /// As [`Channel::send_bytes`], the whole message by `deadline` (when given): a peer that
+    /// stops reading, or reads a packet now and then, fails it (`ETIMEDOUT`) once the
+    /// deadline has passed.
+    pub fn send_bytes_by(&self, data: &[u8], deadline: Option<std::time::Instant>) -> Result<(), Errno> {
         const PACKET: usize = 32 * 1024;
         let mut chunks = data.chunks(PACKET).peekable();
         let mut packet = Vec::with_capacity(PACKET + 1);
@@ -146,8 +153,21 @@ impl Channel {
             packet.push(u8::from(chunks.peek().is_some()));
             packet.extend_from_slice(chunk);
             loop {
-                match socket::send(self.fd.as_raw_fd(), &packet, MsgFlags::MSG_NOSIGNAL) {
-                    Err(Errno::EINTR) => continue,
+                if let Some(deadline) = deadline {
+                    let left = deadline.saturating_duration_since(std::time::Instant::now());
+                    let ms = u16::try_from(left.as_millis()).unwrap_or(u16::MAX);
+                    let mut pfd = [nix::poll::PollFd::new(self.fd.as_fd(), nix::poll::PollFlags::POLLOUT)];
+                    match nix::poll::poll(&mut pfd, nix::poll::PollTimeout::from(ms)) {
+                        Ok(0) if left.as_millis() <= u128::from(u16::MAX) => return Err(Errno::ETIMEDOUT),
+                        Ok(0) | Err(Errno::EINTR) => continue,
+                        Err(e) => return Err(e),
+                        Ok(_) => {}
+                    }
+                }
+                // Without a deadline, blocking; with one, never past what `poll` allowed.
+                let flags = if deadline.is_some() { MsgFlags::MSG_DONTWAIT } else { MsgFlags::empty() };
+                match socket::send(self.fd.as_raw_fd(), &packet, MsgFlags::MSG_NOSIGNAL | flags) {
+                    Err(Errno::EINTR | Errno::EAGAIN) => continue,
                     Err(e) => return Err(e),
                     Ok(_) => break,
                 }

@@ -940,8 +940,10 @@ impl Sandbox {
             if !crate::zygote::pidfd_wait(pidfd, patience) {
                 crate::zygote::pidfd_signal(pidfd, Signal::SIGKILL);
                 self.left_behind(patience);
-                // The mount namespace's descriptor is dropped with `self`: the stuck monitor
-                // holds the namespace itself, so nothing is torn down on this thread.
+                // Whenever the monitor does exit, the namespace's teardown is not ours.
+                if let Some(ns) = self.mount_ns.take() {
+                    release_later(ns);
+                }
                 return None;
             }
             // Every process of the sandbox is gone: nothing uses its mounts any more.

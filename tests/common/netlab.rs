@@ -54,6 +54,7 @@ pub const DEFAULT_ZONE: &[(&str, &[&str])] = &[
     ("good.example.test", &["198.51.100.10"]),
     ("rebind.test", &["127.0.0.1"]),
     ("rebind6.test", &["::1"]),
+    ("wireserver.test", &["168.63.129.16"]),
     ("v6.test", &["2001:db8:2::10"]),
     ("dual.test", &["198.51.100.10", "2001:db8:2::10"]),
 ];
