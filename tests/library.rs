@@ -17,6 +17,34 @@ fn launcher() -> Launcher {
     Launcher::new(common::opservant(), &[OsStr::new("__sandbox-init")]).unwrap()
 }
 
+/// A zygote of the built `opservant-runtime` (not yet started).
+fn runtime_zygote() -> sandbox::zygote::Zygote {
+    let runtime = Path::new(common::opservant()).with_file_name("opservant-runtime");
+    sandbox::zygote::Zygote::new(
+        std::ffi::CString::new(runtime.as_os_str().as_encoded_bytes()).unwrap(),
+        vec![std::ffi::CString::new("--zygote").unwrap()],
+    )
+}
+
+/// `sb.wait()` on a thread of its own: the test waits for the outcome (`Debug` text, or the
+/// error's) with a hang detector.
+fn wait_elsewhere(sb: Sandbox) -> std::sync::mpsc::Receiver<Result<String, String>> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(sb.wait(OutputOptions::default()).map(|o| format!("{o:?}")).map_err(|e| e.to_string()));
+    });
+    rx
+}
+
+/// The next sandbox this process makes removes the sandbox cgroups `dirs` left behind.
+fn assert_removed_by_the_next_sandbox(dirs: &[std::path::PathBuf]) {
+    let o = sandbox::run(&spec(&["/bin/true"]), &launcher(), OutputOptions::default()).unwrap();
+    assert!(o.success(), "{o:?}");
+    for d in dirs {
+        assert!(!d.exists(), "{} still left behind after a later sandbox was made", d.display());
+    }
+}
+
 fn spec(argv: &[&str]) -> SandboxSpec {
     let mut s = SandboxSpec::new(
         argv[0],
@@ -746,11 +774,7 @@ fn a_zygote_sandbox_s_mount_namespace_is_held_by_the_parent_and_released_after_t
         return;
     }
     let _view = common::host_view();
-    let runtime = std::path::Path::new(common::opservant()).with_file_name("opservant-runtime");
-    let zygote = std::sync::Arc::new(sandbox::zygote::Zygote::new(
-        std::ffi::CString::new(runtime.as_os_str().as_encoded_bytes()).unwrap(),
-        vec![std::ffi::CString::new("--zygote").unwrap()],
-    ));
+    let zygote = std::sync::Arc::new(runtime_zygote());
     let launcher = Launcher::Zygote { zygote, end: sandbox::PayloadEnd::Exec };
     for round in 0..3 {
         let sb = Sandbox::spawn(&spec(&["/bin/true"]), &launcher, None).unwrap();
@@ -837,11 +861,7 @@ fn a_sandbox_cgroup_left_behind_is_removed_by_a_later_sandbox() {
     }
     assert!(freezer.thaw(), "the thawed sandbox processes never died");
     // The next sandbox this process makes removes them (before its own cgroups are made).
-    let o = sandbox::run(&spec(&["/bin/true"]), &launcher(), OutputOptions::default()).unwrap();
-    assert!(o.success(), "{o:?}");
-    for d in &sandbox_dirs {
-        assert!(!d.exists(), "{} still left behind after a later sandbox was made", d.display());
-    }
+    assert_removed_by_the_next_sandbox(&sandbox_dirs);
 }
 
 /// A sandbox whose processes survive SIGKILL (stuck in the kernel; here frozen) fails its
@@ -860,21 +880,13 @@ fn a_sandbox_stuck_in_the_kernel_fails_its_run_instead_of_hanging_it() {
     s.limits.kill_grace_ms = 100;
     let sb = Sandbox::spawn(&s, &launcher(), None).unwrap();
     let (freezer, sandbox_dirs) = common::freezer::freeze_sandbox_below(sb.monitor_pid());
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(sb.wait(OutputOptions::default()).map(|o| format!("{o:?}")).map_err(|e| e.to_string()));
-    });
-    let result = rx.recv_timeout(Duration::from_secs(60));
+    let result = wait_elsewhere(sb).recv_timeout(Duration::from_secs(60));
     let thawed = freezer.thaw();
     let err = result.expect("wait hung on a sandbox whose processes cannot exit").unwrap_err();
     assert!(err.contains("had not exited 5 s after SIGKILL"), "{err}");
     assert!(thawed, "the thawed sandbox processes never died");
     // Left behind, and removed by the next sandbox.
-    let o = sandbox::run(&spec(&["/bin/true"]), &launcher(), OutputOptions::default()).unwrap();
-    assert!(o.success(), "{o:?}");
-    for d in &sandbox_dirs {
-        assert!(!d.exists(), "{} still left behind after a later sandbox was made", d.display());
-    }
+    assert_removed_by_the_next_sandbox(&sandbox_dirs);
 }
 
 /// A monitor that cannot exit (frozen here; in life, stuck in the kernel) does not hang its
@@ -889,11 +901,7 @@ fn a_monitor_stuck_in_the_kernel_does_not_hang_its_run() {
         return;
     }
     let _view = common::host_view();
-    let runtime = Path::new(common::opservant()).with_file_name("opservant-runtime");
-    let zygote = std::sync::Arc::new(sandbox::zygote::Zygote::new(
-        std::ffi::CString::new(runtime.as_os_str().as_encoded_bytes()).unwrap(),
-        vec![std::ffi::CString::new("--zygote").unwrap()],
-    ));
+    let zygote = std::sync::Arc::new(runtime_zygote());
     let zygote_launcher = Launcher::Zygote { zygote: zygote.clone(), end: sandbox::PayloadEnd::Exec };
     for (name, launcher) in [("exec", launcher()), ("zygote", zygote_launcher)] {
         let mut s = spec(&["/bin/sleep", "1000"]);
@@ -908,11 +916,7 @@ fn a_monitor_stuck_in_the_kernel_does_not_hang_its_run() {
         }
         let freezer = common::freezer::Freezer::new(format!("monitor-{name}"));
         freezer.freeze(&[monitor]);
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let _ = tx.send(sb.wait(OutputOptions::default()).map(|o| format!("{o:?}")).map_err(|e| e.to_string()));
-        });
-        let result = rx.recv_timeout(Duration::from_secs(60));
+        let result = wait_elsewhere(sb).recv_timeout(Duration::from_secs(60));
         let thawed = freezer.thaw();
         let err = result.unwrap_or_else(|_| panic!("{name}: wait hung on a monitor that cannot exit")).unwrap_err();
         assert!(err.contains("had not exited 5 s after SIGKILL"), "{name}: {err}");
@@ -972,11 +976,7 @@ fn dropping_a_zygote_that_cannot_die_does_not_hang() {
     if !require_root() || !common::freezer::available() {
         return;
     }
-    let runtime = Path::new(common::opservant()).with_file_name("opservant-runtime");
-    let zygote = sandbox::zygote::Zygote::new(
-        std::ffi::CString::new(runtime.as_os_str().as_encoded_bytes()).unwrap(),
-        vec![std::ffi::CString::new("--zygote").unwrap()],
-    );
+    let zygote = runtime_zygote();
     zygote.start().unwrap();
     let pid = zygote.pid().expect("a started zygote has a pid");
     let freezer = common::freezer::Freezer::new(pid);
