@@ -122,15 +122,23 @@ fn python(script: &str) {
 
 /// `tinydep-1.0-py3-none-any.whl` (a minimal pure-Python wheel) in `dir`.
 fn wheel(dir: &Path) {
+    wheel_of(dir, "tinydep", &[]);
+}
+
+/// `NAME-1.0-py3-none-any.whl`, a minimal pure-Python wheel whose module has `VALUE = 42`
+/// and whose metadata lists `requires` (`Requires-Dist`), in `dir`.
+fn wheel_of(dir: &Path, name: &str, requires: &[&str]) {
     std::fs::create_dir_all(dir).unwrap();
+    let requires: String = requires.iter().map(|r| format!("Requires-Dist: {r}\\n")).collect();
     python(&format!(
         r#"
 import zipfile
-with zipfile.ZipFile({:?} + "/tinydep-1.0-py3-none-any.whl", "w") as z:
-    z.writestr("tinydep/__init__.py", "VALUE = 42\n")
-    z.writestr("tinydep-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: tinydep\nVersion: 1.0\n")
-    z.writestr("tinydep-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
-    z.writestr("tinydep-1.0.dist-info/RECORD", "tinydep/__init__.py,,\ntinydep-1.0.dist-info/METADATA,,\ntinydep-1.0.dist-info/WHEEL,,\ntinydep-1.0.dist-info/RECORD,,\n")
+n = {name:?}
+with zipfile.ZipFile({:?} + f"/{{n}}-1.0-py3-none-any.whl", "w") as z:
+    z.writestr(f"{{n}}/__init__.py", "VALUE = 42\n")
+    z.writestr(f"{{n}}-1.0.dist-info/METADATA", f"Metadata-Version: 2.1\nName: {{n}}\nVersion: 1.0\n{requires}")
+    z.writestr(f"{{n}}-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+    z.writestr(f"{{n}}-1.0.dist-info/RECORD", f"{{n}}/__init__.py,,\n{{n}}-1.0.dist-info/METADATA,,\n{{n}}-1.0.dist-info/WHEEL,,\n{{n}}-1.0.dist-info/RECORD,,\n")
 "#,
         dir.to_str().unwrap()
     ));
@@ -462,6 +470,75 @@ fn requirements_come_from_wheels_only() {
         assert!(out.stderr.contains("requirements.packages[0]"), "{req}: {}", out.stderr);
         std::fs::remove_dir_all(u).unwrap();
     }
+}
+
+#[test]
+fn a_wheels_dependencies_are_never_resolved_by_pip() {
+    if !common::require_root() {
+        return;
+    }
+    // pip 23 fetches and prepares a wheel's direct-reference dependency (`boom @ file:///…`)
+    // whatever `--only-binary` says — running its build backend, the package's code, as
+    // root. Dependencies are not resolved: every distribution must be listed, and the
+    // installed wheels' metadata is checked.
+    let env = Env::new();
+    let pwned = env.dir.path.join("pwned");
+    let boom = env.dir.path.join("boom");
+    std::fs::create_dir_all(boom.join("boombackend")).unwrap();
+    std::fs::write(
+        boom.join("pyproject.toml"),
+        "[build-system]\nrequires = []\nbuild-backend = \"boombackend\"\nbackend-path = [\".\"]\n",
+    )
+    .unwrap();
+    std::fs::write(
+        boom.join("boombackend/__init__.py"),
+        format!(
+            "open({:?}, 'w').write('built')\ndef get_requires_for_build_wheel(config_settings=None):\n    return []\n",
+            pwned.to_str().unwrap()
+        ),
+    )
+    .unwrap();
+    let install = |requires: &[&str], wheels: &[(&str, &[&str])]| {
+        let p = package(&env.dir.path.join("p"), "1.0.0", true);
+        let list = serde_json::to_string(requires).unwrap();
+        let text = std::fs::read_to_string(p.join("manifest.json")).unwrap().replace(r#"["tinydep"]"#, &list);
+        std::fs::write(p.join("manifest.json"), text).unwrap();
+        for (name, deps) in wheels {
+            wheel_of(&p.join("wheels"), name, deps);
+        }
+        let out = env.op(&["executor", "install", p.to_str().unwrap(), "--force"]);
+        std::fs::remove_dir_all(env.dir.path.join("p")).unwrap();
+        out
+    };
+    let direct = format!("boom @ file://{}", boom.display());
+    let out = install(&["tinyurl"], &[("tinyurl", &[direct.as_str()])]);
+    assert!(!pwned.exists(), "the dependency's build backend ran as root");
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(out.stderr.contains("requires boom by a direct reference"), "{}", out.stderr);
+    assert_eq!(env.entries(), Vec::<String>::new());
+
+    // A dependency that is not listed, or listed at another version: refused, named.
+    let out = install(&["tinyuses"], &[("tinyuses", &["tinydep>=1.0"]), ("tinydep", &[])]);
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(
+        out.stderr.contains("tinyuses 1.0 requires tinydep>=1.0, which is not in requirements.packages"),
+        "{}",
+        out.stderr
+    );
+    let out = install(&["tinyuses", "tinydep"], &[("tinyuses", &["tinydep>=2"]), ("tinydep", &[])]);
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(out.stderr.contains("requires tinydep>=2, but requirements.packages installs 1.0"), "{}", out.stderr);
+    assert_eq!(env.entries(), Vec::<String>::new());
+
+    // Listed whole (a dependency for another interpreter or an extra not asked for is not
+    // needed): installed.
+    let out = install(
+        &["tinyuses", "tinydep"],
+        &[("tinyuses", &["tinydep>=1.0", "absent; python_version < '3'", "other; extra == 'x'"]), ("tinydep", &[])],
+    );
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert_eq!(run_output(&env, "hello")["dep"], 42);
+    assert!(!pwned.exists());
 }
 
 #[test]

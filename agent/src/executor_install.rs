@@ -17,7 +17,9 @@
 //! - a package is installed only if `executor lint` finds no error in it — with its Python
 //!   requirements installed first, from wheels only (never a source build, which would run
 //!   the package's code as root): the package's own `wheels/` directory, `--find-links`, or
-//!   `--index-url`;
+//!   `--index-url`; pip resolves no dependencies (a wheel's direct-reference dependency
+//!   would be built), so the requirements list every distribution, checked from the
+//!   wheels' metadata;
 //! - the new version becomes visible atomically (the `current` link is replaced by a rename);
 //!   a run that started before keeps the directory it resolved; the previous version is kept
 //!   for one more install (rollback by hand), older ones are removed;
@@ -1127,9 +1129,17 @@ fn python() -> String {
 /// installs wheels only (`--only-binary :all:`: no build, no package code runs) from the
 /// package's `wheels/` or the operator's sources, and the requirements are names with
 /// version specifiers only ([`crate::manifest`] refuses URLs and paths).
+///
+/// pip resolves no dependencies (`--no-deps`): a wheel's own `Requires-Dist` may be a
+/// direct reference (`boom @ file:///…` or `https://…`), which pip 23 fetches and prepares —
+/// running its build backend, the package's code, as root — whatever `--only-binary` says.
+/// So `requirements.packages` must name every distribution the executor needs, as a lock
+/// file does, and [`check_dependencies`] then reads the installed wheels' metadata (no code of
+/// theirs runs) and refuses a dependency that is missing, of another version, or a direct
+/// reference.
 fn install_requirements(pkg: &Path, packages: &[String], opts: &InstallOptions) -> Result<(), InstallError> {
     let mut cmd = std::process::Command::new(python());
-    cmd.args(["-I", "-m", "pip", "install", "--isolated", "--no-cache-dir"])
+    cmd.args(["-I", "-m", "pip", "install", "--isolated", "--no-cache-dir", "--no-deps"])
         .args(["--disable-pip-version-check", "--no-input", "--no-compile"])
         .args(["--only-binary", ":all:", "--target"])
         .arg(pkg.join(".deps"));
@@ -1170,7 +1180,84 @@ fn install_requirements(pkg: &Path, packages: &[String], opts: &InstallOptions) 
             last.into_iter().rev().collect::<Vec<_>>().join(" / ")
         )));
     }
-    Ok(())
+    check_dependencies(&pkg.join(".deps"), packages)
+}
+
+/// Reads the metadata of the distributions pip put in `deps` and follows every
+/// `requirements.packages` entry's dependencies (markers evaluated for the embedded
+/// interpreter and the extras asked for) through them; prints one line per problem and
+/// exits 3 when there is any.
+/// It parses `METADATA` files only: no code of the wheels' runs.
+const CHECK_DEPENDENCIES_PY: &str = r#"
+import sys, importlib.metadata as md
+from pip._vendor.packaging.requirements import Requirement
+from pip._vendor.packaging.utils import canonicalize_name
+deps, wanted = sys.argv[1], sys.argv[2:]
+problems = []
+try:
+    dists = {}
+    for d in md.distributions(path=[deps]):
+        if d.metadata["Name"]:
+            dists.setdefault(canonicalize_name(d.metadata["Name"]), d)
+    todo = [(Requirement(w), "requirements.packages") for w in wanted]
+    seen = set()
+    while todo:
+        req, by = todo.pop()
+        key = canonicalize_name(req.name)
+        if req.url:
+            problems.append(f"{by} requires {req.name} by a direct reference ({req.url}), which is refused")
+            continue
+        d = dists.get(key)
+        if d is None:
+            problems.append(f"{by} requires {req.name}{req.specifier}, which is not in requirements.packages")
+            continue
+        if req.specifier and not req.specifier.contains(d.version, prereleases=True):
+            problems.append(f"{by} requires {req.name}{req.specifier}, but requirements.packages installs {d.version}")
+            continue
+        for extra in [""] + sorted(req.extras):
+            if (key, extra) in seen:
+                continue
+            seen.add((key, extra))
+            for r in d.requires or []:
+                sub = Requirement(r)
+                if sub.marker is None or sub.marker.evaluate({"extra": extra}):
+                    todo.append((sub, f"{d.metadata['Name']} {d.version}"))
+except Exception as e:
+    problems.append(f"unreadable wheel metadata: {e}")
+print("\n".join(problems[:8]))
+sys.exit(3 if problems else 0)
+"#;
+
+/// Refuses an installed set of wheels whose dependencies `requirements.packages` does not
+/// name (see [`install_requirements`]).
+fn check_dependencies(deps: &Path, packages: &[String]) -> Result<(), InstallError> {
+    let out = std::process::Command::new(python())
+        .args(["-I", "-c", CHECK_DEPENDENCIES_PY])
+        .arg(deps)
+        .args(packages)
+        .env_clear()
+        .env("PATH", "/usr/bin:/bin")
+        .env("HOME", "/nonexistent")
+        .current_dir("/")
+        .output()
+        .map_err(|e| InstallError::Invalid(format!("{}: cannot check the dependencies: {e}", python())))?;
+    match out.status.code() {
+        Some(0) => Ok(()),
+        // 3: problems found (1 would be an uncaught exception's).
+        Some(3) => {
+            let problems = String::from_utf8_lossy(&out.stdout);
+            let problems: Vec<&str> = problems.lines().filter(|l| !l.trim().is_empty()).collect();
+            Err(InstallError::Invalid(format!(
+                "requirements.packages: dependencies are not resolved at install, so every distribution the executor needs must be listed (as in a lock file): {}",
+                problems.join("; ")
+            )))
+        }
+        _ => {
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            let last = stderr.lines().rfind(|l| !l.trim().is_empty()).unwrap_or("no message");
+            Err(InstallError::Invalid(format!("requirements.packages: cannot check the dependencies: {last}")))
+        }
+    }
 }
 
 /// The installed executors, by name.
