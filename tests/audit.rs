@@ -5,8 +5,8 @@
 //! record by file, line and kind (exit 1), across rotated files too; concurrent writers
 //! (8 `opservant run`s and in-process appenders at once) keep one chain; a log that cannot
 //! be written stops a run before anything of it executes (exit 2), and so does a log whose
-//! lock another writer holds past `audit.lock_wait_seconds`; `audit tail` shows the last
-//! records and follows new ones.
+//! lock another writer holds past `audit.lock_wait_seconds`; a record written only in part
+//! is cut back off; `audit tail` shows the last records and follows new ones.
 
 mod common;
 
@@ -520,6 +520,38 @@ fn an_unwritable_log_stops_the_run_before_it_starts() {
     cannot_run(&opservant(&["script", "python", script.to_str().unwrap(), "--config", log.conf()]), "audit log");
     assert_eq!(std::fs::read(&log.path).unwrap(), before, "nothing appended to a damaged log");
     assert_problem(&log.verify(&[]), &log.path, 3, "not_json");
+}
+
+#[test]
+fn a_record_that_cannot_be_written_whole_is_not_left_half_written() {
+    if !require_root() {
+        return;
+    }
+    // A short write (here a file-size limit, as a full disk or a quota would) fails the
+    // run at its first record and leaves the log as it was: twice in a row, then the next
+    // run appends to an intact chain. Before, the torn line stayed, its repair tore too,
+    // and two lines no writer may guess at stopped every later append.
+    let exec = executor();
+    let log = Log::new("");
+    log.run(&exec);
+    let before = std::fs::read_to_string(&log.path).unwrap();
+    for _ in 0..2 {
+        let limit = before.len() + 40;
+        let out = Command::new("bash")
+            .args(["-c", r#"trap '' XFSZ; exec prlimit --fsize="$1" -- "$2" run "$3" --config "$4""#, "bash"])
+            .args([&limit.to_string(), common::opservant(), exec.str(), log.conf()])
+            .env_remove("OPSERVANT_LOG")
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(String::from_utf8_lossy(&out.stderr).contains("audit log"), "{}", String::from_utf8_lossy(&out.stderr));
+        assert_eq!(std::fs::read_to_string(&log.path).unwrap(), before, "the log was left as it was");
+    }
+    log.run(&exec);
+    let v = log.verify(&[]);
+    assert_eq!(v.code, 0, "{v:?}");
+    assert!(v.stdout.starts_with("chain intact: 4 records"), "{}", v.stdout);
 }
 
 #[test]

@@ -629,8 +629,14 @@ impl AuditLog {
         }
         bytes.extend_from_slice(line.as_bytes());
         bytes.push(b'\n');
-        file.write_all(&bytes).map_err(io)?;
-        file.sync_data().map_err(io)?;
+        if let Err(e) = file.write_all(&bytes).and_then(|()| file.sync_data()) {
+            // Not left half-written (a short write on a full disk, a quota, a file-size
+            // limit): the file is cut back to where this record began, so the next append
+            // finds the same clean tail — not a torn line whose repair, failing too, would
+            // leave two lines no writer may guess at and stop every later append.
+            let _ = file.set_len(if rotated { 0 } else { len });
+            return Err(io(e));
+        }
         if rotated || len == 0 {
             // The new directory entry must survive a crash too.
             if let Some(dir) = path.parent() {
