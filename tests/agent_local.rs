@@ -891,6 +891,40 @@ fn a_platform_that_does_not_hold_the_long_poll_is_not_polled_in_a_busy_loop() {
 }
 
 #[test]
+fn a_platform_batch_is_taken_only_as_far_as_there_is_room() {
+    if !common::require_root() {
+        return;
+    }
+    // A batch of 200 entries (a 16 MiB body can hold millions) to an agent that runs 2
+    // commands at once: 2 are taken and answered, the rest left for the platform to send
+    // again, said once in the audit log — not a thread, a result and a security record each.
+    let pki = platform::Pki::new("good");
+    let p = platform::TestPlatform::start(&pki, &pki);
+    let tls = HostDir::new();
+    let mut a = Agent::with_network(2, &platform_network(&tls.path, p.addr, &pki, &pki));
+    for _ in 0..200 {
+        p.queue(json!(0));
+    }
+    a.start();
+    p.wait_for(60, "the batch's first results", |s| s.results.len() >= 2);
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(p.state.lock().unwrap().results.len(), 2);
+    let events = a.audit_events();
+    let malformed = events.iter().filter(|e| e["event"] == "security_event").count();
+    assert_eq!(malformed, 2, "{events:?}");
+    let left = events.iter().find(|e| e["event"] == "platform_error").expect("the batch's record");
+    assert!(
+        left["fields"]["detail"].as_str().unwrap().contains("a batch of 200 commands, 198 more than the 2"),
+        "{left}"
+    );
+    // The next command still comes through.
+    p.queue(serde_json::from_slice(&a.sign(&scan("plat-after-batch"))).unwrap());
+    p.wait_for(60, "the next result", |s| s.results.iter().any(|r| r["command_id"] == "plat-after-batch"));
+    assert!(a.stop().success());
+    a.audit_verify();
+}
+
+#[test]
 fn the_platform_refuses_a_client_certificate_from_another_ca() {
     if !common::require_root() {
         return;

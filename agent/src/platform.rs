@@ -4,7 +4,10 @@
 //!
 //! - `GET /v1/agents/{id}/commands` long-polls for `{"commands": [signed command, …]}`; the
 //!   body is parsed strictly (a duplicate key anywhere refuses the whole batch), and each
-//!   command goes through [`crate::command::Pipeline`] like one from the socket;
+//!   command goes through [`crate::command::Pipeline`] like one from the socket; at most
+//!   `agent.max_concurrent` platform commands are in hand at once — the poll waits for room
+//!   and takes no more of a batch than there is, the rest left for the platform to send
+//!   again (one `platform_error` record says how many), never a thread each;
 //! - `POST /v1/agents/{id}/results` carries each reply (`{"agent_id", "command_id",
 //!   "result"}`), rejections included;
 //! - `POST /v1/agents/{id}/heartbeat` every `heartbeat_seconds` with the version, the
@@ -134,8 +137,9 @@ impl Platform {
         Packages { base: self.base.clone(), agent_id: self.agent_id.clone(), http: self.http.clone() }
     }
 
-    /// One long poll: the commands' raw bytes.
-    fn poll_once(&self) -> Result<Vec<Vec<u8>>, String> {
+    /// One long poll: the raw bytes of at most `room` of the commands it brought, and how
+    /// many more it brought (left for the platform to send again).
+    fn poll_once(&self, room: usize) -> Result<(Vec<Vec<u8>>, usize), String> {
         let mut resp = self
             .http
             .get(&self.url("commands"))
@@ -144,7 +148,7 @@ impl Platform {
             .map_err(|e| format!("GET commands: {e}"))?;
         let status = resp.status().as_u16();
         if status == 204 {
-            return Ok(vec![]);
+            return Ok((vec![], 0));
         }
         if status != 200 {
             return Err(format!("GET commands: HTTP {status}"));
@@ -159,7 +163,9 @@ impl Platform {
         let Some(list) = v.get("commands").and_then(Value::as_array) else {
             return Err("GET commands: no \"commands\" array".into());
         };
-        Ok(list.iter().map(|c| c.to_string().into_bytes()).collect())
+        let taken: Vec<Vec<u8>> = list.iter().take(room).map(|c| c.to_string().into_bytes()).collect();
+        let left = list.len() - taken.len();
+        Ok((taken, left))
     }
 
     fn post(&self, what: &str, body: &Value) -> Result<(), String> {
@@ -279,8 +285,10 @@ fn backoff(failures: u32) -> Duration {
     Duration::from_secs_f64((base.min(60) as f64) * jitter)
 }
 
-/// Run the poller and the heartbeat until `stop`; commands run on their own threads, bounded
-/// like the socket's (one more than `max_concurrent` is answered `overloaded`).
+/// Run the poller and the heartbeat until `stop`; commands run on their own threads, at most
+/// `max_concurrent` of the platform's at once (a batch's commands past the room left are not
+/// taken, and the platform sends them again), and bounded like the socket's with them (one
+/// more than `max_concurrent` running is answered `overloaded`).
 ///
 /// `taken` counts the commands taken and not yet answered, for the caller's drain: it is
 /// raised before `stop` is checked and a batch that arrives after the stop is dropped
@@ -300,10 +308,26 @@ pub fn run(
         threads.push(std::thread::spawn(move || {
             let mut failures = 0u32;
             while !stop.load(Ordering::SeqCst) {
+                // At most `max_concurrent` of the platform's commands in hand at once (running,
+                // or posting their results): the poll waits for room and takes no more than
+                // there is, so a platform cannot make the agent start a thread, and write an
+                // audit record, for each of the millions of entries a 16 MiB batch can hold.
+                let Some(room) = room_for_commands(&stop, &taken, pipeline.max_concurrent()) else { break };
                 let polled = std::time::Instant::now();
-                let commands = match platform.poll_once() {
-                    Ok(c) => {
+                let commands = match platform.poll_once(room) {
+                    Ok((c, 0)) => {
                         failures = 0;
+                        c
+                    }
+                    Ok((c, left)) => {
+                        failures = 0;
+                        let detail = format!(
+                            "a batch of {} commands, {left} more than the {room} the agent could take (agent.max_concurrent {} in hand at once): those are left for the platform to send again",
+                            c.len() + left,
+                            pipeline.max_concurrent()
+                        );
+                        tracing::warn!(taken = c.len(), left, "platform batch larger than the agent takes at once");
+                        crate::audit::record("platform_error", &[("detail", &detail)]);
                         c
                     }
                     Err(e) => {
@@ -387,6 +411,21 @@ pub fn run(
         }));
     }
     threads
+}
+
+/// How many more platform commands may be taken, once there is room for one (`None` once
+/// `stop` is set): `max` less those `taken` and not yet answered.
+fn room_for_commands(stop: &AtomicBool, taken: &std::sync::atomic::AtomicUsize, max: usize) -> Option<usize> {
+    loop {
+        if stop.load(Ordering::SeqCst) {
+            return None;
+        }
+        let busy = taken.load(Ordering::SeqCst);
+        if busy < max {
+            return Some(max - busy);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 /// The shortest time between two polls that brought no command.
