@@ -307,6 +307,14 @@ fn packages_are_signed_into_a_sig_file_and_verified() {
     assert_eq!(out.code, 2);
     assert!(out.stderr.contains(".tar.gz"), "{}", out.stderr);
     assert!(!dir.path.join("notes.txt.sig").exists());
+    // Bytes that are not an archive — a command's canonical JSON, whose signature with the
+    // same key would be that command's — are not signed.
+    let fake = dir.path.join("command.tar.gz");
+    std::fs::write(&fake, serde_json::to_vec(&command()).unwrap()).unwrap();
+    let out = op(&["sign", "--key", &key, "--package", s(&fake)], None);
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(out.stderr.contains("not a gzip or tar archive"), "{}", out.stderr);
+    assert!(!dir.path.join("command.tar.gz.sig").exists());
     let out = op(&["sign", "--key", &public, "--package", &pkg], None);
     assert_eq!(out.code, 2, "a public key does not sign: {}", out.stderr);
     let out = op(&["verify", "--pub", &public, "--package", s(&dir.path.join("absent.tar.gz"))], None);

@@ -124,7 +124,23 @@ pub fn sign_file(path: &Path, key: &SigningKey) -> Result<Signature, String> {
         std::io::ErrorKind::InvalidData => format!("{}: larger than {MAX_ARCHIVE_BYTES} bytes", path.display()),
         _ => format!("{}: {e}", path.display()),
     })?;
+    if !is_archive(&bytes) {
+        return Err(format!(
+            "{}: not a gzip or tar archive — only package archives are signed (the key may be the platform's, and its signature over other bytes, a command's canonical JSON say, would be that command's signature)",
+            path.display()
+        ));
+    }
     Ok(key.sign(&bytes))
+}
+
+/// Whether `bytes` begin as a gzip stream or a ustar archive (with the NUL bytes every tar
+/// header has). Neither can be a command's canonical JSON — it starts with `{` and holds no
+/// raw NUL — so a package signature can never double as a command signature made with the
+/// same key.
+fn is_archive(bytes: &[u8]) -> bool {
+    let gzip = bytes.starts_with(&[0x1f, 0x8b]);
+    let tar = bytes.len() >= 512 && &bytes[257..262] == b"ustar" && bytes[..512].contains(&0);
+    gzip || tar
 }
 
 /// The outcome for the signature part of a check.
