@@ -58,9 +58,19 @@ impl Env {
     }
 
     fn op(&self, args: &[&str]) -> Out {
+        self.op_in(Path::new("/"), args)
+    }
+
+    /// [`Env::op`] in the working directory `cwd`.
+    fn op_in(&self, cwd: &Path, args: &[&str]) -> Out {
         let mut all: Vec<&str> = args.to_vec();
         all.extend(["--config", self.config.to_str().unwrap()]);
-        let out = Command::new(common::opservant()).args(&all).stdin(Stdio::null()).output().expect("spawn opservant");
+        let out = Command::new(common::opservant())
+            .args(&all)
+            .current_dir(cwd)
+            .stdin(Stdio::null())
+            .output()
+            .expect("spawn opservant");
         Out {
             code: out.status.code().unwrap_or(-1),
             stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -539,6 +549,44 @@ fn a_wheels_dependencies_are_never_resolved_by_pip() {
     assert_eq!(out.code, 0, "{}", out.stderr);
     assert_eq!(run_output(&env, "hello")["dep"], 42);
     assert!(!pwned.exists());
+}
+
+#[test]
+fn an_executors_dir_reached_through_a_link_and_relative_find_links_work() {
+    if !common::require_root() {
+        return;
+    }
+    // `executors.dir` below a symbolic link (state moved to another disk): installed
+    // executors were installed but never found (`run`, `list`), as their real path did not
+    // begin with the configured one.
+    let dir = HostDir::new();
+    std::fs::create_dir(dir.path.join("disk")).unwrap();
+    std::os::unix::fs::symlink(dir.path.join("disk"), dir.path.join("state")).unwrap();
+    let root = dir.path.join("state/executors");
+    let config = dir.path.join("config.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "executors:\n  dir: {}\naudit:\n  path: {}\n  journald: false\n",
+            root.display(),
+            dir.path.join("audit/audit.jsonl").display()
+        ),
+    )
+    .unwrap();
+    let env = Env { dir, root, config };
+    let p = package(&env.dir.path, "1.0.0", true);
+    wheel(&env.dir.path.join("links"));
+    // A relative `--find-links`, from where the operator is (pip runs in `/`).
+    let out = env.op_in(&env.dir.path, &["executor", "install", p.to_str().unwrap(), "--find-links", "links"]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert_eq!(run_output(&env, "hello")["dep"], 42);
+    let out = env.op(&["executor", "list", "--json"]);
+    let list: Value = serde_json::from_str(out.stdout.trim()).unwrap();
+    assert_eq!(list[0]["name"], "hello", "{list}");
+    // One that is not a directory: named, exit 2, before anything.
+    let out = env.op_in(&env.dir.path, &["executor", "install", p.to_str().unwrap(), "--find-links", "nowhere"]);
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(out.stderr.contains("--find-links nowhere: not a directory"), "{}", out.stderr);
 }
 
 #[test]

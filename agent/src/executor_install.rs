@@ -1303,7 +1303,10 @@ pub fn resolve(root: &Path, name: &str) -> Option<PathBuf> {
     if !crate::manifest::valid_name(name) {
         return None;
     }
-    root.join(name).join("current").canonicalize().ok().filter(|p| p.starts_with(root) && p.is_dir())
+    // The root as well: `executors.dir` (or a directory above it) may be a link, and the
+    // version directory's real path then begins with the root's real path, not its name.
+    let root = root.canonicalize().ok()?;
+    root.join(name).join("current").canonicalize().ok().filter(|p| p.starts_with(&root) && p.is_dir())
 }
 
 /// Remove an installed executor. `Ok(false)` when it is not installed.

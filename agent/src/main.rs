@@ -1218,6 +1218,15 @@ fn executor_install(
     config: Option<PathBuf>,
 ) -> Result<ExitCode, CannotRun> {
     use agent::executor_install as ei;
+    let mut opts = opts;
+    // pip runs in `/`: a relative `--find-links` is made absolute here, where the operator
+    // typed it (pip would look under `/`, or only warn that the path is ignored).
+    for dir in &mut opts.find_links {
+        if !dir.is_dir() {
+            return Err(CannotRun(format!("--find-links {}: not a directory", dir.display())));
+        }
+        *dir = std::path::absolute(&*dir).map_err(|e| CannotRun(format!("--find-links {}: {e}", dir.display())))?;
+    }
     let config = agent::config::Config::load(config.as_deref())?;
     let policy = AgentPolicy::from_config(&config)?;
     let trust = agent::package_signing::Trust::from_config(&config).map_err(CannotRun)?;
