@@ -590,6 +590,41 @@ fn an_executors_dir_reached_through_a_link_and_relative_find_links_work() {
 }
 
 #[test]
+fn what_an_interrupted_install_left_behind_is_removed_by_the_next() {
+    if !common::require_root() {
+        return;
+    }
+    // An install killed part-way (SIGKILL, a power cut) leaves its staging directory — or a
+    // removal its renamed executor — behind; the next install or removal removes those of
+    // processes that are gone, and never one of a live process.
+    let env = Env::new();
+    let v1 = package(&env.dir.path, "1.0.0", false);
+    assert_eq!(env.op(&["executor", "install", v1.to_str().unwrap()]).code, 0);
+    let mut dead = Command::new("true").spawn().unwrap();
+    dead.wait().unwrap();
+    let mut live = Command::new("sleep").arg("60").spawn().unwrap();
+    let stale: Vec<PathBuf> =
+        [".staging", ".download", ".removing"].iter().map(|p| env.root.join(format!("{p}-{}-0", dead.id()))).collect();
+    for d in &stale {
+        std::fs::create_dir_all(d.join("pkg/hello")).unwrap();
+        std::fs::write(d.join("pkg/hello/main.py"), "x").unwrap();
+    }
+    let kept = env.root.join(format!(".staging-{}-0", live.id()));
+    std::fs::create_dir(&kept).unwrap();
+    let v2 = package(&env.dir.path, "1.1.0", false);
+    let out = env.op(&["executor", "install", v2.to_str().unwrap()]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    for d in &stale {
+        assert!(!d.exists(), "{} left", d.display());
+    }
+    assert!(kept.exists(), "a live process's staging directory was removed");
+    live.kill().unwrap();
+    live.wait().unwrap();
+    std::fs::remove_dir(&kept).unwrap();
+    assert_eq!(env.entries(), vec!["hello".to_string()]);
+}
+
+#[test]
 fn pip_reads_no_configuration_of_the_package() {
     if !common::require_root() {
         return;

@@ -316,9 +316,45 @@ pub(crate) fn lock_root(root: &Path) -> Result<nix::fcntl::Flock<std::fs::File>,
     let mut dir = std::fs::File::open(root).map_err(|e| io(root, e))?;
     loop {
         match nix::fcntl::Flock::lock(dir, nix::fcntl::FlockArg::LockExclusive) {
-            Ok(lock) => return Ok(lock),
+            Ok(lock) => {
+                sweep_leftovers(root);
+                return Ok(lock);
+            }
             Err((f, nix::errno::Errno::EINTR)) => dir = f,
             Err((_, e)) => return Err(io(root, e.into())),
+        }
+    }
+}
+
+/// Removes the staging, download and removal directories ([`unique`]: `.PREFIX-PID-N`) of
+/// processes that are gone — an install killed part-way (SIGKILL, a power cut, a daemon
+/// stopped mid-install) leaves its unpacked package, or a removed executor's files, behind,
+/// and nothing else would ever delete them. A directory of a live process (this one's other
+/// threads included) is never touched; one whose pid was reused waits for a later sweep.
+fn sweep_leftovers(root: &Path) {
+    let Ok(entries) = std::fs::read_dir(root) else { return };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(name) = name.to_str() else { continue };
+        let Some(rest) = [".staging-", ".download-", ".removing-"].iter().find_map(|p| name.strip_prefix(p)) else {
+            continue;
+        };
+        let Some((pid, n)) = rest.split_once('-') else { continue };
+        let (Ok(pid), true) = (pid.parse::<i32>(), n.bytes().all(|b| b.is_ascii_digit()) && !n.is_empty()) else {
+            continue;
+        };
+        let gone = pid > 0
+            && pid as u32 != std::process::id()
+            && nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None) == Err(nix::errno::Errno::ESRCH);
+        if gone && e.file_type().is_ok_and(|t| t.is_dir()) {
+            match std::fs::remove_dir_all(e.path()) {
+                Ok(()) => {
+                    tracing::warn!(path = %e.path().display(), "removed what an interrupted install or removal left behind")
+                }
+                Err(err) => {
+                    tracing::warn!(path = %e.path().display(), error = %err, "cannot remove what an interrupted install or removal left behind")
+                }
+            }
         }
     }
 }
