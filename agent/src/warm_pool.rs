@@ -96,6 +96,19 @@ pub struct WarmPool {
     state: Mutex<State>,
 }
 
+/// A spec being started by a refill thread: taken out of [`State::filling`] when dropped.
+struct Filling {
+    pool: Arc<WarmPool>,
+    spec: SandboxSpec,
+}
+
+impl Drop for Filling {
+    fn drop(&mut self) {
+        let spec = &self.spec;
+        self.pool.state().filling.retain(|s| s != spec);
+    }
+}
+
 impl WarmPool {
     /// A pool of at most `size` sandboxes, started with `launcher`, each discarded once it has
     /// waited longer than `max_idle`.
@@ -199,11 +212,12 @@ impl WarmPool {
             }
             st.filling.push(spec.clone());
         }
-        let pool = Arc::clone(self);
+        // Out of `filling` whatever happens: after the fill, if `fill` panics, and if the
+        // thread cannot be started (the closure, and with it the guard, is dropped) — a spec
+        // left there would never be refilled again and would hold `shutdown` for its 10 s.
+        let filling = Filling { pool: Arc::clone(self), spec };
         let spawned = std::thread::Builder::new().name("warm-pool".into()).spawn(move || {
-            let result = pool.fill(spec.clone());
-            pool.state().filling.retain(|s| *s != spec);
-            if let Err(e) = result {
+            if let Err(e) = filling.pool.fill(filling.spec.clone()) {
                 tracing::warn!(error = %e, "warm pool: could not start a sandbox");
             }
         });

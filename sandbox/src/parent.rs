@@ -356,7 +356,7 @@ impl Sandbox {
             nix::sys::socket::SockFlag::SOCK_CLOEXEC | nix::sys::socket::SockFlag::SOCK_NONBLOCK,
         )
         .map_err(|e| SandboxError::io("socketpair", e.into()))?;
-        let (monitor, monitor_pidfd) = spawn_monitor(launcher, &fds, spec)?;
+        let (monitor, monitor_pidfd, zygote_pid) = spawn_monitor(launcher, &fds, spec)?;
         drop(fds);
         let stop = StopHandle { wake: std::sync::Arc::new(stop_tx) };
         let mut sb = Sandbox {
@@ -390,9 +390,12 @@ impl Sandbox {
         match sb.handshake(spec, !matches!(launcher, Launcher::Fork), hook) {
             Ok(()) => Ok(sb),
             Err(e) => {
-                if let (SandboxError::Zygote(_), Launcher::Zygote { zygote, .. }) = (&e, launcher) {
-                    // Its child could not even start: the zygote is replaced.
-                    zygote.discard();
+                if let (SandboxError::Zygote(_), Launcher::Zygote { zygote, .. }, Some(pid)) =
+                    (&e, launcher, zygote_pid)
+                {
+                    // Its child could not even start: the zygote is replaced — that zygote,
+                    // not one another thread has started since.
+                    zygote.discard(pid);
                 }
                 Err(e)
             }
@@ -1065,18 +1068,21 @@ fn pipe() -> Result<(OwnedFd, OwnedFd), SandboxError> {
 }
 
 /// Start the monitor with stdio and the channel in place: `posix_spawn` with an empty
-/// environment, or `fork` (single-threaded callers).
+/// environment, or `fork` (single-threaded callers). Returns its pid, a pidfd for it when a
+/// zygote started it, and that zygote's pid.
 fn spawn_monitor(
     launcher: &Launcher,
     fds: &[(OwnedFd, RawFd)],
     spec: &SandboxSpec,
-) -> Result<(Pid, Option<OwnedFd>), SandboxError> {
+) -> Result<(Pid, Option<OwnedFd>, Option<i32>), SandboxError> {
     use nix::spawn::{posix_spawn, PosixSpawnAttr, PosixSpawnFileActions, PosixSpawnFlags};
     let err = |e: Errno| SandboxError::Spawn { program: launcher.describe(), source: e.into() };
     let (program, args) = match launcher {
         Launcher::Exec { program, args } => (program, args),
         Launcher::Zygote { zygote, end } => {
-            return zygote.spawn(fds, *end, spec.can_join_prepared_net()).map(|(pid, pidfd)| (pid, Some(pidfd)));
+            return zygote
+                .spawn(fds, *end, spec.can_join_prepared_net())
+                .map(|(pid, pidfd, zygote_pid)| (pid, Some(pidfd), Some(zygote_pid)));
         }
         Launcher::Fork => {
             // SAFETY: `Launcher::Fork` is only chosen for single-threaded callers, so the
@@ -1099,7 +1105,7 @@ fn spawn_monitor(
                     }
                     crate::init::run_monitor(Some(spec), false)
                 }
-                nix::unistd::ForkResult::Parent { child } => Ok((child, None)),
+                nix::unistd::ForkResult::Parent { child } => Ok((child, None, None)),
             };
         }
     };
@@ -1112,7 +1118,7 @@ fn spawn_monitor(
     attr.set_sigmask(&SigSet::empty()).map_err(err)?;
     attr.set_sigdefault(&SigSet::all()).map_err(err)?;
     let env: [&CStr; 0] = [];
-    posix_spawn(program.as_c_str(), &actions, &attr, args, &env).map_err(err).map(|pid| (pid, None))
+    posix_spawn(program.as_c_str(), &actions, &attr, args, &env).map_err(err).map(|pid| (pid, None, None))
 }
 
 #[cfg(test)]

@@ -386,10 +386,18 @@ impl Zygote {
         Ok(())
     }
 
-    /// Stop the running zygote without waiting for it (a thread reaps it); the next request
-    /// starts a new one. For a zygote whose children fail before they can start a sandbox.
-    pub fn discard(&self) {
-        let running = self.running.lock().unwrap_or_else(|e| e.into_inner()).take();
+    /// Stop the running zygote if it is the one with `pid`, without waiting for it (a thread
+    /// reaps it); the next request starts a new one. For a zygote whose children fail before
+    /// they can start a sandbox — never a replacement another thread has started meanwhile.
+    pub fn discard(&self, pid: i32) {
+        let running = {
+            let mut guard = self.running.lock().unwrap_or_else(|e| e.into_inner());
+            if guard.as_ref().is_some_and(|r| r.pid.as_raw() == pid) {
+                guard.take()
+            } else {
+                None
+            }
+        };
         if let Some(r) = running {
             tracing::warn!(pid = r.pid.as_raw(), "zygote discarded: its sandbox process ended before it started");
             r.abandon();
@@ -433,14 +441,14 @@ impl Zygote {
 
     /// Ask the zygote for a sandbox monitor with `fds` at 0, 1, 2, 3 (and 4) and, when
     /// `prepared_net` allows it and the stash has one, a prepared network namespace to join.
-    /// Returns the monitor's pid and a pidfd for it. On any failure the zygote is stopped
+    /// Returns the monitor's pid, a pidfd for it and the zygote's pid. On any failure the zygote is stopped
     /// (the next request starts a new one) and [`SandboxError::Zygote`] says why.
     pub(crate) fn spawn(
         &self,
         fds: &[(OwnedFd, RawFd)],
         end: PayloadEnd,
         prepared_net: bool,
-    ) -> Result<(Pid, OwnedFd), SandboxError> {
+    ) -> Result<(Pid, OwnedFd, i32), SandboxError> {
         let mut guard = self.running.lock().unwrap_or_else(|e| e.into_inner());
         if guard.is_none() {
             *guard = Some(self.launch()?);
@@ -451,7 +459,7 @@ impl Zygote {
         let ready = if running.serving { Ok(()) } else { await_ready(&running.control) };
         running.serving = ready.is_ok();
         match ready.and_then(|()| request(&running.control, fds, end, netns.as_ref())) {
-            Ok(r) => Ok(r),
+            Ok((pid, pidfd)) => Ok((pid, pidfd, running.pid.as_raw())),
             Err(Failure::Refused(m)) => Err(zerr(m)),
             Err(Failure::Transport(m)) => {
                 if let Some(r) = guard.take() {
