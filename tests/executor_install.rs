@@ -36,6 +36,11 @@ impl Env {
     fn with_executors(extra: &str) -> Env {
         let dir = HostDir::new();
         let root = dir.path.join("executors");
+        Env::with_root(dir, root, extra)
+    }
+
+    /// With the executors root at `root` (below `dir` or not) and more `executors:` keys.
+    fn with_root(dir: HostDir, root: PathBuf, extra: &str) -> Env {
         let config = dir.path.join("config.yaml");
         std::fs::write(
             &config,
@@ -563,17 +568,7 @@ fn an_executors_dir_reached_through_a_link_and_relative_find_links_work() {
     std::fs::create_dir(dir.path.join("disk")).unwrap();
     std::os::unix::fs::symlink(dir.path.join("disk"), dir.path.join("state")).unwrap();
     let root = dir.path.join("state/executors");
-    let config = dir.path.join("config.yaml");
-    std::fs::write(
-        &config,
-        format!(
-            "executors:\n  dir: {}\naudit:\n  path: {}\n  journald: false\n",
-            root.display(),
-            dir.path.join("audit/audit.jsonl").display()
-        ),
-    )
-    .unwrap();
-    let env = Env { dir, root, config };
+    let env = Env::with_root(dir, root, "");
     let p = package(&env.dir.path, "1.0.0", true);
     wheel(&env.dir.path.join("links"));
     // A relative `--find-links`, from where the operator is (pip runs in `/`).
