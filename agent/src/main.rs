@@ -771,7 +771,7 @@ fn agent_daemon(config: Option<PathBuf>, check_only: bool) -> Result<ExitCode, C
         // Entries of executors.install that would not install: the agent still starts
         // without them, so they are warnings, not errors.
         for w in agent::executor_install::check_configured(&cfg, &trust) {
-            errln!("opservant: warning: {w}");
+            errln!("opservant: warning: {}", one_terminal_line(&w));
         }
         outln!("configuration ok");
         return Ok(ExitCode::SUCCESS);
@@ -1270,8 +1270,9 @@ fn executor_install(
     if json {
         outln!("{}", serde_json::to_string(&installed)?);
     } else {
+        // Warnings name the package's files: control characters escaped, never raw.
         for w in &installed.warnings {
-            errln!("opservant: warning: {w}");
+            errln!("opservant: warning: {}", one_terminal_line(w));
         }
         outln!("installed {} {} in {}", installed.name, installed.version, installed.path.display());
     }
@@ -1285,7 +1286,7 @@ fn executor_list(json: bool, config: Option<PathBuf>) -> Result<ExitCode, Cannot
         outln!("{}", serde_json::to_string(&list)?);
     } else {
         for e in &list {
-            outln!("{}\t{}\t{}", e.name, e.version, e.supported_actions.join(","));
+            outln!("{}", one_terminal_line(&format!("{}\t{}\t{}", e.name, e.version, e.supported_actions.join(","))));
         }
     }
     Ok(ExitCode::SUCCESS)
@@ -1318,7 +1319,11 @@ fn lint(dir: PathBuf, json: bool, config: Option<PathBuf>) -> Result<ExitCode, C
     if json {
         outln!("{}", serde_json::to_string_pretty(&report)?);
     } else {
-        out!("{}", report.render(&dir));
+        // The package's own text (a manifest's values, file names): control characters
+        // escaped, never raw.
+        for line in report.render(&dir).lines() {
+            outln!("{}", one_terminal_line(line));
+        }
     }
     Ok(if report.errors.is_empty() { ExitCode::SUCCESS } else { ExitCode::from(1) })
 }
