@@ -181,6 +181,7 @@ fn install_list_run_upgrade_and_remove() {
     let list: Value = serde_json::from_str(out.stdout.trim()).unwrap();
     assert_eq!(list[0]["name"], "hello");
     assert_eq!(list[0]["version"], "1.0.0");
+    assert_eq!(env.op(&["executor", "list"]).stdout, "hello\t1.0.0\tact-hello\n");
     assert_eq!(list[0]["supported_actions"][0], "act-hello");
 
     // The same version again: refused unless forced.
@@ -545,6 +546,17 @@ fn a_wheels_dependencies_are_never_resolved_by_pip() {
     assert!(out.stderr.contains("requires tinydep>=2, but requirements.packages installs 1.0"), "{}", out.stderr);
     assert_eq!(env.entries(), Vec::<String>::new());
 
+    // An extra's dependencies are followed however the extra is spelled.
+    let out = install(
+        &["tinyuses[Foo_Bar]", "tinydep"],
+        &[("tinyuses", &["tinydep>=1.0", "tinyextra; extra == 'foo-bar'"]), ("tinydep", &[])],
+    );
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(
+        out.stderr.contains("tinyuses 1.0 requires tinyextra, which is not in requirements.packages"),
+        "{}",
+        out.stderr
+    );
     // Listed whole (a dependency for another interpreter or an extra not asked for is not
     // needed): installed.
     let out = install(

@@ -873,11 +873,12 @@ fn writes_to_system_and_agent_paths_are_refused() {
     assert_eq!(out.code, 1, "{out:?}");
     assert!(out.stdout.contains("error: permissions.filesystem.write[0]: /usr/local"), "{out:?}");
     // A manifest's own text reaches the terminal with its control characters escaped.
-    let d = executor(json!({"version": "1\u{1b}]2;owned\u{7}"}), LIFECYCLE);
+    let d = executor(json!({"version": "1\u{1b}]2;owned\u{7}\n/forged: ok"}), LIFECYCLE);
     let out = lint(&d.path, false);
     assert_eq!(out.code, 1, "{out:?}");
-    assert!(out.stdout.contains("'1\\u{1b}]2;owned\\u{7}' is not a semantic version"), "{out:?}");
+    assert!(out.stdout.contains("'1\\u{1b}]2;owned\\u{7} /forged: ok' is not a semantic version"), "{out:?}");
     assert!(!out.stdout.contains('\u{1b}') && !out.stdout.contains('\u{7}'), "{out:?}");
+    assert!(!out.stdout.lines().any(|l| l.starts_with("/forged")), "{out:?}");
 }
 
 const PEEK: &str = r#"

@@ -315,6 +315,17 @@ fn packages_are_signed_into_a_sig_file_and_verified() {
     assert_eq!(out.code, 2, "{}", out.stderr);
     assert!(out.stderr.contains("not a gzip or tar archive"), "{}", out.stderr);
     assert!(!dir.path.join("command.tar.gz.sig").exists());
+    // Uncompressed archives, POSIX and old v7 (no `ustar` magic), are signed.
+    for format in ["posix", "v7"] {
+        let tar = dir.path.join(format!("pkg-{format}.tar"));
+        let st = Command::new("tar")
+            .args([&format!("--format={format}"), "-cf", s(&tar), "-C", s(&dir.path), "pkgsrc"])
+            .status()
+            .unwrap();
+        assert!(st.success());
+        let out = op(&["sign", "--key", &key, "--package", s(&tar)], None);
+        assert_eq!(out.code, 0, "{format}: {}", out.stderr);
+    }
     let out = op(&["sign", "--key", &public, "--package", &pkg], None);
     assert_eq!(out.code, 2, "a public key does not sign: {}", out.stderr);
     let out = op(&["verify", "--pub", &public, "--package", s(&dir.path.join("absent.tar.gz"))], None);

@@ -7,7 +7,12 @@
 //! <root>/<name>/<version>[.<n>]/    an installed package (read-only once in place)
 //! <root>/<name>/current -> <dir>    the version runs use; switched with one rename(2)
 //! <root>/.staging-<pid>-<n>/        work area of an install in progress (same filesystem)
+//! <root>/.download-<pid>-<n>/       a package being downloaded for `install_executor`
+//! <root>/.removing-<pid>-<n>/       an executor being removed
 //! ```
+//!
+//! The three work areas of a process that is gone (killed part-way) are removed by the next
+//! install or removal, under the root lock.
 //!
 //! Guarantees:
 //! - an archive (`.tar.gz`, `.tgz`, `.tar`) is unpacked entry by entry and refused as a whole
@@ -1250,13 +1255,18 @@ try:
         if req.specifier and not req.specifier.contains(d.version, prereleases=True):
             problems.append(f"{by} requires {req.name}{req.specifier}, but requirements.packages installs {d.version}")
             continue
-        for extra in [""] + sorted(req.extras):
+        # An extra as asked for and as the wheel spells it (`Provides-Extra`): markers
+        # compare the text, and `Foo_Bar`, `foo-bar` and `foo_bar` name one extra.
+        provided = d.metadata.get_all("Provides-Extra") or []
+        for extra in [""] + sorted({canonicalize_name(e) for e in req.extras}):
             if (key, extra) in seen:
                 continue
             seen.add((key, extra))
+            spellings = {extra, extra.replace("-", "_")} | {p for p in provided if canonicalize_name(p) == extra}
+            spellings |= {e for e in req.extras if canonicalize_name(e) == extra}
             for r in d.requires or []:
                 sub = Requirement(r)
-                if sub.marker is None or sub.marker.evaluate({"extra": extra}):
+                if sub.marker is None or any(sub.marker.evaluate({"extra": x}) for x in spellings):
                     todo.append((sub, f"{d.metadata['Name']} {d.version}"))
 except Exception as e:
     problems.append(f"unreadable wheel metadata: {e}")

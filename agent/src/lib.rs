@@ -37,3 +37,18 @@ pub mod signing;
 pub mod stdout;
 pub mod tls;
 pub mod warm_pool;
+
+/// A message as one line that cannot drive a terminal: it often quotes what the user or a
+/// package gave (archive member names, manifest values, paths), so newlines become spaces
+/// and other control characters are escaped (`\u{1b}`), never written raw.
+pub fn one_terminal_line(message: &str) -> String {
+    let mut line = String::with_capacity(message.len());
+    for c in message.chars() {
+        match c {
+            '\n' => line.push(' '),
+            c if c.is_control() => line.extend(c.escape_unicode()),
+            c => line.push(c),
+        }
+    }
+    line
+}

@@ -69,11 +69,13 @@ pub fn lint(dir: &Path, policy: &AgentPolicy) -> Result<LintReport, ManifestErro
 impl LintReport {
     pub fn render(&self, dir: &Path) -> String {
         let mut s = String::new();
+        // The package's own text (manifest values, file names) in one line each, control
+        // characters escaped: it cannot forge a line or drive the terminal.
         for e in &self.errors {
-            s.push_str(&format!("{}: error: {e}\n", dir.display()));
+            s.push_str(&format!("{}: error: {}\n", dir.display(), crate::one_terminal_line(&e.to_string())));
         }
         for w in &self.warnings {
-            s.push_str(&format!("{}: warning: {w}\n", dir.display()));
+            s.push_str(&format!("{}: warning: {}\n", dir.display(), crate::one_terminal_line(&w.to_string())));
         }
         if self.errors.is_empty() {
             s.push_str(&format!(

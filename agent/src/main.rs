@@ -7,6 +7,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+use agent::one_terminal_line;
 use agent::policy::AgentPolicy;
 use agent::result::{RunResult, Status};
 
@@ -523,21 +524,6 @@ fn stop_sandboxes_on_signals() -> Result<(), CannotRun> {
         unsafe { sigaction(s, &action) }.map_err(|e| CannotRun(format!("sigaction {s}: {e}")))?;
     }
     Ok(())
-}
-
-/// An error message as one line that cannot drive a terminal: it often quotes what the
-/// user gave (archive member names, manifest values, paths), so newlines become spaces and
-/// other control characters are escaped (`\u{1b}`), never written raw to stderr.
-fn one_terminal_line(message: &str) -> String {
-    let mut line = String::with_capacity(message.len());
-    for c in message.chars() {
-        match c {
-            '\n' => line.push(' '),
-            c if c.is_control() => line.extend(c.escape_unicode()),
-            c => line.push(c),
-        }
-    }
-    line
 }
 
 fn run_sandbox(
@@ -1286,7 +1272,8 @@ fn executor_list(json: bool, config: Option<PathBuf>) -> Result<ExitCode, Cannot
         outln!("{}", serde_json::to_string(&list)?);
     } else {
         for e in &list {
-            outln!("{}", one_terminal_line(&format!("{}\t{}\t{}", e.name, e.version, e.supported_actions.join(","))));
+            let fields = [&e.name, &e.version, &e.supported_actions.join(",")].map(|f| one_terminal_line(f));
+            outln!("{}", fields.join("\t"));
         }
     }
     Ok(ExitCode::SUCCESS)
@@ -1319,11 +1306,7 @@ fn lint(dir: PathBuf, json: bool, config: Option<PathBuf>) -> Result<ExitCode, C
     if json {
         outln!("{}", serde_json::to_string_pretty(&report)?);
     } else {
-        // The package's own text (a manifest's values, file names): control characters
-        // escaped, never raw.
-        for line in report.render(&dir).lines() {
-            outln!("{}", one_terminal_line(line));
-        }
+        out!("{}", report.render(&dir));
     }
     Ok(if report.errors.is_empty() { ExitCode::SUCCESS } else { ExitCode::from(1) })
 }

@@ -133,14 +133,30 @@ pub fn sign_file(path: &Path, key: &SigningKey) -> Result<Signature, String> {
     Ok(key.sign(&bytes))
 }
 
-/// Whether `bytes` begin as a gzip stream or a ustar archive (with the NUL bytes every tar
-/// header has). Neither can be a command's canonical JSON — it starts with `{` and holds no
-/// raw NUL — so a package signature can never double as a command signature made with the
-/// same key.
+/// Whether `bytes` begin as a gzip stream or a tar archive: a first header with the NUL
+/// bytes every tar header has, and `ustar` magic (POSIX, GNU, pax) or a valid checksum (old
+/// v7 archives). Neither can be a command's canonical JSON — it starts with `{` and holds
+/// no raw NUL — so a package signature can never double as a command signature made with
+/// the same key.
 fn is_archive(bytes: &[u8]) -> bool {
-    let gzip = bytes.starts_with(&[0x1f, 0x8b]);
-    let tar = bytes.len() >= 512 && &bytes[257..262] == b"ustar" && bytes[..512].contains(&0);
-    gzip || tar
+    if bytes.starts_with(&[0x1f, 0x8b]) {
+        return true;
+    }
+    let Some(header) = bytes.get(..512) else { return false };
+    header.contains(&0) && (&header[257..262] == b"ustar" || tar_checksum_holds(header))
+}
+
+/// A tar header's checksum field (octal, bytes 148–155) equals the sum of its bytes with
+/// that field counted as spaces.
+fn tar_checksum_holds(header: &[u8]) -> bool {
+    let field = &header[148..156];
+    let digits: Vec<u8> = field.iter().copied().skip_while(|b| *b == b' ').take_while(u8::is_ascii_digit).collect();
+    let Some(stated) = std::str::from_utf8(&digits).ok().and_then(|d| u32::from_str_radix(d, 8).ok()) else {
+        return false;
+    };
+    let sum: u32 =
+        header.iter().enumerate().map(|(i, b)| if (148..156).contains(&i) { 0x20 } else { u32::from(*b) }).sum();
+    stated == sum
 }
 
 /// The outcome for the signature part of a check.
