@@ -927,6 +927,32 @@ fn a_platform_batch_is_taken_only_as_far_as_there_is_room() {
 }
 
 #[test]
+fn a_redirect_from_the_platform_is_not_followed() {
+    if !common::require_root() {
+        return;
+    }
+    // A front end that answers POST with 303 would turn the result into a GET of another
+    // URL (ureq follows redirects by default): the result lost, yet counted as posted. The
+    // agent follows no redirect: the post fails and is retried, and nothing else is asked.
+    let pki = platform::Pki::new("good");
+    let p = platform::TestPlatform::start(&pki, &pki);
+    p.state.lock().unwrap().redirect_posts = Some("/elsewhere".into());
+    let tls = HostDir::new();
+    let mut a = Agent::with_network(2, &platform_network(&tls.path, p.addr, &pki, &pki));
+    a.start();
+    p.queue(serde_json::from_slice(&a.sign(&scan("plat-redirected"))).unwrap());
+    let posts = |s: &platform::State| s.requests.iter().filter(|r| r.ends_with("/results")).count();
+    let followed = |s: &platform::State| s.requests.iter().any(|r| r.contains("elsewhere"));
+    p.wait_for(60, "the result posted twice", |s| posts(s) >= 2 || followed(s));
+    assert!(a.stop().success());
+    let st = p.state.lock().unwrap();
+    assert!(!followed(&st), "a redirect was followed: {:?}", st.requests);
+    assert!(st.results.is_empty());
+    drop(st);
+    a.audit_verify();
+}
+
+#[test]
 fn the_platform_refuses_a_client_certificate_from_another_ca() {
     if !common::require_root() {
         return;

@@ -113,6 +113,9 @@ impl Platform {
             .tls_config(tls)
             .https_only(true)
             .proxy(proxy)
+            // The platform's API does not move: a redirect would turn a POSTed result into a
+            // GET of another URL (lost, yet counted as sent). A 3xx is an error like a 5xx.
+            .max_redirects(0)
             .http_status_as_error(false)
             .timeout_connect(Some(Duration::from_secs(10)))
             .timeout_global(Some(poll + Duration::from_secs(15)))

@@ -38,6 +38,8 @@ pub struct Response {
     pub body: Vec<u8>,
     /// Send `Content-Length` (else the body ends when the connection closes).
     pub length: bool,
+    /// A `Location` header (for a redirect).
+    pub location: Option<String>,
 }
 
 impl Response {
@@ -47,6 +49,7 @@ impl Response {
             content_type: "application/json",
             body: value.to_string().into_bytes(),
             length: true,
+            location: None,
         }
     }
 }
@@ -148,8 +151,11 @@ fn serve(
     };
     let r = handler(request);
     let length = if r.length { format!("Content-Length: {}\r\n", r.body.len()) } else { String::new() };
-    let head =
-        format!("HTTP/1.1 {}\r\nContent-Type: {}\r\n{length}Connection: close\r\n\r\n", r.status, r.content_type);
+    let location = r.location.map(|l| format!("Location: {l}\r\n")).unwrap_or_default();
+    let head = format!(
+        "HTTP/1.1 {}\r\nContent-Type: {}\r\n{length}{location}Connection: close\r\n\r\n",
+        r.status, r.content_type
+    );
     let _ = tls.write_all(head.as_bytes());
     let _ = tls.write_all(&r.body);
     tls.conn.send_close_notify();

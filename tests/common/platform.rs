@@ -74,6 +74,8 @@ pub struct State {
     /// Answer `GET commands` at once instead of holding the long poll (as a proxy that does
     /// not hold requests would).
     pub no_long_poll: bool,
+    /// Answer every `POST` with `303 See Other` to this location (a misconfigured front end).
+    pub redirect_posts: Option<String>,
 }
 
 pub struct TestPlatform {
@@ -153,7 +155,12 @@ fn handle(req: https::Request, state: &Mutex<State>) -> https::Response {
             None => ("404 Not Found", b"no such package".to_vec()),
         };
         let length = !(status == "200 OK" && st.packages_without_length);
-        return https::Response { status: status.into(), content_type: "application/octet-stream", body, length };
+        return https::Response { status: status.into(), content_type: "application/octet-stream", body, length, location: None };
+    }
+    if let (Some(to), "POST") = (state.lock().unwrap().redirect_posts.clone(), method) {
+        let mut r = https::Response::json("303 See Other", &json!({}));
+        r.location = Some(to);
+        return r;
     }
     let reply = match (method, path.rsplit('/').next().unwrap_or("")) {
         ("GET", "commands") => {
