@@ -171,6 +171,45 @@ fn signed_commands_run_and_every_rejection_is_audited() {
     assert!(events.iter().any(|e| e["event"] == "executor_complete" && e["fields"]["command_id"] == "cmd-1"));
 }
 
+#[test]
+fn a_command_for_another_agent_is_refused() {
+    if !common::require_root() {
+        return;
+    }
+    // A signed command is valid on every agent that trusts the key: one naming another
+    // agent is refused here (a copy replayed across the fleet), without using up its id.
+    let mut a = Agent::with_agent_keys(2, "  id: ag-here\n");
+    a.start();
+    let mut elsewhere = scan("for-there");
+    elsewhere["agent_id"] = json!("ag-there");
+    rejected(&a, a.sign(&elsewhere), "wrong_agent");
+    let mut typed = scan("typed-agent");
+    typed["agent_id"] = json!(["ag-here"]);
+    rejected(&a, a.sign(&typed), "wrong_agent");
+    let mut here = scan("for-here");
+    here["agent_id"] = json!("ag-here");
+    let (code, r) = a.submit(&a.sign(&here));
+    assert_eq!((code, r["status"].clone()), (0, json!("completed")), "{r}");
+    let (code, r) = a.submit(&a.sign(&scan("for-anyone")));
+    assert_eq!(code, 0, "a command naming no agent runs when agent_id is not required: {r}");
+    assert!(a.stop().success());
+    a.audit_verify();
+    let events = a.audit_events();
+    let refused = events
+        .iter()
+        .find(|e| e["event"] == "security_event" && e["fields"]["command_id"] == "for-there")
+        .expect("the refusal is audited");
+    assert_eq!(refused["fields"]["reason"], "wrong_agent", "{refused}");
+
+    // Required: a command naming no agent is refused too.
+    let mut b = Agent::with_agent_keys(2, "  id: ag-here\n  require_agent_id: true\n");
+    b.start();
+    rejected(&b, b.sign(&scan("for-anyone")), "wrong_agent");
+    let (code, r) = b.submit(&b.sign(&here));
+    assert_eq!(code, 0, "{r}");
+    assert!(b.stop().success());
+}
+
 /// Submit a port scan (waiting at most a minute) and expect it completed through `launch`.
 fn scan_through(a: &Agent, id: &str, launch: &str, why: &str) {
     let (code, r) = a.submit_within(&a.sign(&scan(id)), Duration::from_secs(60));

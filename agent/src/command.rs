@@ -5,16 +5,18 @@
 //! 2. strict parse (UTF-8, one JSON object, no duplicate keys, bounded depth)
 //! 3. Ed25519 signature (strict) with the platform's key
 //! 4. `timestamp` within [`signing::MAX_SKEW_S`] of the agent's clock
-//! 5. `command_id` never seen before (persisted across restarts: [`crate::replay`])
-//! 6. the action: `execute`, `install_executor` (see [`Pipeline::install`]: downloaded over
+//! 5. addressed to this agent: a command naming an agent (`agent_id`) runs only on that one;
+//!    with `agent.require_agent_id` every command must name it
+//! 6. `command_id` never seen before (persisted across restarts: [`crate::replay`])
+//! 7. the action: `execute`, `install_executor` (see [`Pipeline::install`]: downloaded over
 //!    the platform connection, size-capped, SHA-256 and package signature checked before
 //!    anything is unpacked), `remove_executor`, `ping`
-//! 7. `execute`: the executor, by name (`executor`) or by action ID (`action_id` among the
+//! 8. `execute`: the executor, by name (`executor`) or by action ID (`action_id` among the
 //!    installed executors' `supported_actions`)
-//! 8. the permission check: the action ID must be supported, `parameters` an object, and a
+//! 9. the permission check: the action ID must be supported, `parameters` an object, and a
 //!    command's `resource_limits` may only tighten the manifest's (never exceed it or the
 //!    agent's ceilings)
-//! 9. run
+//! 10. run
 //!
 //! Nothing is recorded as seen before the signature and the clock have been checked, so
 //! unsigned or stale traffic cannot fill the replay store or burn a future command's id.
@@ -85,11 +87,13 @@ pub enum Reason {
     AlreadyInstalled,
     /// That version is installed with other content.
     VersionConflict,
+    /// The command names another agent, or none where `agent.require_agent_id` asks for it.
+    WrongAgent,
 }
 
 impl Reason {
     /// Every reason code, for checks that a reply carries one of them.
-    pub const ALL: [Reason; 20] = [
+    pub const ALL: [Reason; 21] = [
         Reason::TooLarge,
         Reason::Malformed,
         Reason::Unsigned,
@@ -110,6 +114,7 @@ impl Reason {
         Reason::InvalidPackage,
         Reason::AlreadyInstalled,
         Reason::VersionConflict,
+        Reason::WrongAgent,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -134,6 +139,7 @@ impl Reason {
             Reason::InvalidPackage => "invalid_package",
             Reason::AlreadyInstalled => "already_installed",
             Reason::VersionConflict => "version_conflict",
+            Reason::WrongAgent => "wrong_agent",
         }
     }
 
@@ -346,6 +352,9 @@ impl Pipeline {
             Ok(id) => id.as_str(),
             Err(r) => return reject(r.command_id.as_deref(), r.reason, &r.message, true),
         };
+        if let Err(why) = self.addressed_here(&cmd) {
+            return reject(Some(id), Reason::WrongAgent, &why, true);
+        }
         match self.seen.check_and_insert(id, now) {
             Ok(Seen::New) => {}
             Ok(Seen::Replayed) => return reject(Some(id), Reason::Replay, "command_id was already received", true),
@@ -358,6 +367,28 @@ impl Pipeline {
             "install_executor" => self.install(id, &cmd),
             "remove_executor" => self.remove(id, &cmd),
             other => reject(Some(id), Reason::UnknownAction, &format!("unknown action {other:?}"), false),
+        }
+    }
+
+    /// Step 5: a signed command is valid on every agent that trusts the platform key, so one
+    /// meant for another agent is refused by its `agent_id` (a copy replayed across the
+    /// fleet within the clock window); with `agent.require_agent_id` it must name one.
+    fn addressed_here(&self, cmd: &Map<String, Value>) -> Result<(), String> {
+        let required = self.config.agent.require_agent_id.unwrap_or(false);
+        match cmd.get("agent_id") {
+            None | Some(Value::Null) if required => {
+                Err("the command names no agent_id, and agent.require_agent_id is on".into())
+            }
+            None | Some(Value::Null) => Ok(()),
+            Some(Value::String(to)) => {
+                let me = self.config.agent_id();
+                if *to == me {
+                    Ok(())
+                } else {
+                    Err(format!("the command is for agent {to:?}; this is {me:?}"))
+                }
+            }
+            Some(_) => Err("agent_id must be a string".into()),
         }
     }
 

@@ -176,6 +176,10 @@ pub struct AgentSection {
     /// Seconds a pooled sandbox may wait for its run before it is discarded (1-86400,
     /// default 600).
     pub warm_pool_idle_seconds: Option<u64>,
+    /// Refuse a signed command that does not name this agent in `agent_id` (default false:
+    /// a command naming no agent runs on any agent that trusts the key; one naming another
+    /// agent is refused either way).
+    pub require_agent_id: Option<bool>,
 }
 
 /// Seed 001: `default_timeout_seconds` sets a default, `max_*` set ceilings; `default_*`
