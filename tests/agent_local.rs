@@ -966,6 +966,40 @@ fn a_platform_batch_is_taken_only_as_far_as_there_is_room() {
 }
 
 #[test]
+fn a_malformed_entry_in_a_platform_batch_is_refused_alone() {
+    if !common::require_root() {
+        return;
+    }
+    // One entry the strict parser refuses (a duplicate key) among signed commands: that
+    // one is answered `malformed`, the others run — the old code refused the whole batch.
+    let pki = platform::Pki::new("good");
+    let p = platform::TestPlatform::start(&pki, &pki);
+    let tls = HostDir::new();
+    let mut a = Agent::with_network(4, &platform_network(&tls.path, p.addr, &pki, &pki));
+    let (first, second) = (a.sign(&scan("batch-first")), a.sign(&scan("batch-second")));
+    let body = format!(
+        r#"{{"commands": [{}, {{"command_id": "dup", "command_id": "dup2", "action": "ping"}}, {}]}}"#,
+        String::from_utf8(first).unwrap(),
+        String::from_utf8(second).unwrap()
+    );
+    p.state.lock().unwrap().raw_batches.push_back(body);
+    a.start();
+    p.wait_for(60, "three results", |s| s.results.len() >= 3);
+    assert!(a.stop().success());
+    let st = p.state.lock().unwrap();
+    let status = |id: &str| {
+        let r = st.results.iter().find(|r| r["command_id"] == id).unwrap_or_else(|| panic!("{id}: {:?}", st.results));
+        r["result"]["status"].clone()
+    };
+    assert_eq!((status("batch-first"), status("batch-second")), (json!("completed"), json!("completed")));
+    let refused =
+        st.results.iter().find(|r| r["result"]["reason"] == "malformed").expect("the malformed entry's reply");
+    assert_eq!(refused["result"]["status"], "rejected", "{refused}");
+    drop(st);
+    a.audit_verify();
+}
+
+#[test]
 fn a_redirect_from_the_platform_is_not_followed() {
     if !common::require_root() {
         return;

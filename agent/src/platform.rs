@@ -2,12 +2,16 @@
 //! only, HTTPS with a client certificate, TLS 1.3 only, the server verified against the
 //! platform CA from the configuration (the system trust store is never consulted).
 //!
-//! - `GET /v1/agents/{id}/commands` long-polls for `{"commands": [signed command, …]}`; the
-//!   body is parsed strictly (a duplicate key anywhere refuses the whole batch), and each
-//!   command goes through [`crate::command::Pipeline`] like one from the socket; at most
-//!   `agent.max_concurrent` platform commands are in hand at once — the poll waits for room
-//!   and takes no more of a batch than there is, the rest left for the platform to send
-//!   again (one `platform_error` record says how many), never a thread each;
+//! - `GET /v1/agents/{id}/commands` long-polls for `{"commands": [signed command, …]}`; at
+//!   most `agent.max_concurrent` platform commands are in hand at once — the poll waits for
+//!   room and takes no more of a batch than there is, the rest left for the platform to send
+//!   again (one `platform_error` record says how many), never a thread each. The batch is
+//!   read without building it ([`read_batch`]): the entries taken are kept as the exact text
+//!   they arrived as, those past the room are only counted, so a 16 MiB batch of tiny
+//!   entries costs no more memory than its body. Each entry taken goes through
+//!   [`crate::command::Pipeline`] like a command from the socket — parsed strictly there, so
+//!   an entry the parser refuses (a duplicate key, too deep) is one `malformed` rejection
+//!   posted back, not the whole batch refused;
 //! - `POST /v1/agents/{id}/results` carries each reply (`{"agent_id", "command_id",
 //!   "result"}`), rejections included;
 //! - `POST /v1/agents/{id}/heartbeat` every `heartbeat_seconds` with the version, the
@@ -162,13 +166,7 @@ impl Platform {
             .limit(16 * crate::signing::MAX_COMMAND_BYTES as u64)
             .read_to_vec()
             .map_err(|e| format!("GET commands: {e}"))?;
-        let v = crate::signing::parse_strict(&body).map_err(|e| format!("GET commands: {e}"))?;
-        let Some(list) = v.get("commands").and_then(Value::as_array) else {
-            return Err("GET commands: no \"commands\" array".into());
-        };
-        let taken: Vec<Vec<u8>> = list.iter().take(room).map(|c| c.to_string().into_bytes()).collect();
-        let left = list.len() - taken.len();
-        Ok((taken, left))
+        read_batch(&body, room).map_err(|e| format!("GET commands: {e}"))
     }
 
     fn post(&self, what: &str, body: &Value) -> Result<(), String> {
@@ -286,6 +284,79 @@ fn backoff(failures: u32) -> Duration {
     let _ = crate::random::fill(&mut r);
     let jitter = 0.5 + f64::from(u16::from_ne_bytes(r)) / f64::from(u16::MAX);
     Duration::from_secs_f64((base.min(60) as f64) * jitter)
+}
+
+/// A poll's body, `{"commands": [entry, …], …}`: the exact text of the first `room` entries
+/// and how many more there were. Only the envelope is parsed here — one object, `commands`
+/// once, an array — and the rest must be well-formed JSON (serde_json's own nesting limit);
+/// each entry taken is parsed strictly by the pipeline, as a socket's command is. Other keys
+/// are skipped. Entries past the room are skipped unparsed beyond their syntax, so the
+/// memory used is the body's and `room` slices, whatever the number of entries.
+pub fn read_batch(body: &[u8], room: usize) -> Result<(Vec<Vec<u8>>, usize), String> {
+    use serde::de::{self, DeserializeSeed, IgnoredAny, MapAccess, SeqAccess, Visitor};
+    use serde_json::value::RawValue;
+
+    struct Envelope(usize);
+    struct List(usize);
+    type Taken = (Vec<Vec<u8>>, usize);
+
+    impl<'de> Visitor<'de> for Envelope {
+        type Value = Taken;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("an object {\"commands\": [...]}")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Taken, A::Error> {
+            let mut commands = None;
+            while let Some(key) = map.next_key::<String>()? {
+                if key != "commands" {
+                    map.next_value::<IgnoredAny>()?;
+                } else if commands.is_some() {
+                    return Err(de::Error::duplicate_field("commands"));
+                } else {
+                    commands = Some(map.next_value_seed(List(self.0))?);
+                }
+            }
+            commands.ok_or_else(|| de::Error::missing_field("commands"))
+        }
+    }
+    impl<'de> DeserializeSeed<'de> for Envelope {
+        type Value = Taken;
+        fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<Taken, D::Error> {
+            d.deserialize_map(self)
+        }
+    }
+    impl<'de> Visitor<'de> for List {
+        type Value = Taken;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("an array of commands")
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Taken, A::Error> {
+            let (mut taken, mut left) = (Vec::new(), 0usize);
+            while taken.len() < self.0 {
+                match seq.next_element::<&'de RawValue>()? {
+                    Some(raw) => taken.push(raw.get().as_bytes().to_vec()),
+                    None => return Ok((taken, 0)),
+                }
+            }
+            while seq.next_element::<IgnoredAny>()?.is_some() {
+                left += 1;
+            }
+            Ok((taken, left))
+        }
+    }
+    impl<'de> DeserializeSeed<'de> for List {
+        type Value = Taken;
+        fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<Taken, D::Error> {
+            d.deserialize_seq(self)
+        }
+    }
+
+    // All of it UTF-8, skipped entries too (serde_json does not check the strings it skips).
+    let text = std::str::from_utf8(body).map_err(|e| format!("not UTF-8 ({e})"))?;
+    let mut de = serde_json::Deserializer::from_str(text);
+    let taken = Envelope(room).deserialize(&mut de).map_err(|e| e.to_string())?;
+    de.end().map_err(|e| e.to_string())?;
+    Ok(taken)
 }
 
 /// Run the poller and the heartbeat until `stop`; commands run on their own threads, at most
@@ -441,5 +512,57 @@ fn sleep_unless(stop: &AtomicBool, d: Duration) {
         let s = left.min(step);
         std::thread::sleep(s);
         left -= s;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::read_batch;
+
+    fn texts(body: &str, room: usize) -> Result<(Vec<String>, usize), String> {
+        read_batch(body.as_bytes(), room)
+            .map(|(t, left)| (t.into_iter().map(|b| String::from_utf8(b).unwrap()).collect(), left))
+    }
+
+    #[test]
+    fn a_batch_is_taken_up_to_the_room_as_its_exact_text() {
+        assert_eq!(
+            texts(r#"{"commands":[1, {"b":2,"a":1} ,3]}"#, 2),
+            Ok((vec!["1".into(), r#"{"b":2,"a":1}"#.into()], 1))
+        );
+        assert_eq!(texts(r#"{"commands":[1]}"#, 4), Ok((vec!["1".into()], 0)));
+        assert_eq!(texts(r#"{"commands":[]}"#, 4), Ok((vec![], 0)));
+        // An entry's duplicate key is the pipeline's to refuse, per command: kept verbatim.
+        assert_eq!(texts(r#"{"commands":[{"a":1,"a":2}]}"#, 1), Ok((vec![r#"{"a":1,"a":2}"#.into()], 0)));
+        assert_eq!(texts(r#"{"next":{"x":[1]},"commands":[true]}"#, 1), Ok((vec!["true".into()], 0)));
+        // Entries past the room are counted, not kept.
+        let many = format!(r#"{{"commands":[{}]}}"#, vec!["0"; 100_000].join(","));
+        assert_eq!(texts(&many, 3).map(|(t, left)| (t.len(), left)), Ok((3, 99_997)));
+    }
+
+    #[test]
+    fn a_batch_that_is_not_one_is_refused() {
+        for bad in [
+            r#"{"commands":[],"commands":[]}"#,
+            r#"{}"#,
+            r#"[]"#,
+            r#"{"commands":{}}"#,
+            r#"{"commands":[1]} 2"#,
+            r#"{"commands":[1,]}"#,
+            r#"{"commands":[1, {"a":}]}"#,
+            "",
+        ] {
+            assert!(texts(bad, 1).is_err(), "{bad:?} accepted");
+        }
+        // Invalid UTF-8 in an entry, taken or skipped.
+        assert!(read_batch(b"{\"commands\":[\"\xff\"]}", 1).is_err());
+        assert!(read_batch(b"{\"commands\":[1, \"\xff\"]}", 1).is_err());
+        // Deep nesting is skipped without recursion, and an entry taken is the pipeline's to
+        // refuse (its strict parse has a depth limit): no stack is spent on it here.
+        let deep = format!(r#"{{"commands":[1, {}{}]}}"#, "[".repeat(100_000), "]".repeat(100_000));
+        assert_eq!(texts(&deep, 2).map(|(t, left)| (t[1].len(), left)), Ok((200_000, 0)));
+        assert_eq!(texts(&deep, 1).map(|(t, left)| (t.len(), left)), Ok((1, 1)));
+        let unbalanced = format!(r#"{{"commands":[1, {}]}}"#, "[".repeat(100_000));
+        assert!(texts(&unbalanced, 1).is_err() && texts(&unbalanced, 2).is_err());
     }
 }

@@ -76,6 +76,8 @@ pub struct State {
     pub no_long_poll: bool,
     /// Answer every `POST` with `303 See Other` to this location (a misconfigured front end).
     pub redirect_posts: Option<String>,
+    /// Bodies served as they are, one per `GET commands`, before the queue is looked at.
+    pub raw_batches: VecDeque<String>,
 }
 
 pub struct TestPlatform {
@@ -155,7 +157,13 @@ fn handle(req: https::Request, state: &Mutex<State>) -> https::Response {
             None => ("404 Not Found", b"no such package".to_vec()),
         };
         let length = !(status == "200 OK" && st.packages_without_length);
-        return https::Response { status: status.into(), content_type: "application/octet-stream", body, length, location: None };
+        return https::Response {
+            status: status.into(),
+            content_type: "application/octet-stream",
+            body,
+            length,
+            location: None,
+        };
     }
     if let (Some(to), "POST") = (state.lock().unwrap().redirect_posts.clone(), method) {
         let mut r = https::Response::json("303 See Other", &json!({}));
@@ -163,6 +171,16 @@ fn handle(req: https::Request, state: &Mutex<State>) -> https::Response {
         return r;
     }
     let reply = match (method, path.rsplit('/').next().unwrap_or("")) {
+        ("GET", "commands") if !state.lock().unwrap().raw_batches.is_empty() => {
+            let body = state.lock().unwrap().raw_batches.pop_front().unwrap_or_default();
+            return https::Response {
+                status: "200 OK".into(),
+                content_type: "application/json",
+                body: body.into_bytes(),
+                length: true,
+                location: None,
+            };
+        }
         ("GET", "commands") => {
             // A short long-poll: up to 500 ms for something to be queued.
             let hold = if state.lock().unwrap().no_long_poll { 0 } else { 500 };
