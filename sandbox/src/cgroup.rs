@@ -798,10 +798,7 @@ impl Drop for SandboxCgroup {
 }
 
 fn kill_sweep(dir: &Path) {
-    let listed = || -> Option<Vec<i32>> {
-        let text = read_small(&dir.join("cgroup.procs"))?;
-        Some(text.lines().filter_map(|l| l.trim().parse().ok()).collect())
-    };
+    let listed = || listed_pids(&dir.join("cgroup.procs"));
     for _ in 0..200 {
         let Some(pids) = listed() else { return };
         if pids.is_empty() {
@@ -823,6 +820,14 @@ fn kill_sweep(dir: &Path) {
         }
         std::thread::sleep(Duration::from_millis(2));
     }
+}
+
+/// The pids a `cgroup.procs` file lists: all of it (hundreds of pids do not fit a page),
+/// and only lines that end — a line cut short would parse as another process's pid, which
+/// the sweep would then kill.
+fn listed_pids(path: &Path) -> Option<Vec<i32>> {
+    let text = fs::read_to_string(path).ok()?;
+    Some(text.split_inclusive('\n').filter(|l| l.ends_with('\n')).filter_map(|l| l.trim().parse().ok()).collect())
 }
 
 fn remove_when_empty(dir: &Path, patience: Duration) -> Result<(), CgroupError> {
@@ -951,6 +956,41 @@ pub fn probe() -> CgroupProbe {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_kill_sweep_reads_whole_lines_of_the_whole_list() {
+        // A list longer than a page whose 4096th byte ends inside a line: the cut line's
+        // first digits are a live process's pid (a `sleep`), the whole line is no pid at all
+        // (above any pid_max). The sweep must not take the fragment for a pid.
+        let mut victim = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+        let pid = victim.id().to_string();
+        let dir = std::env::temp_dir().join(format!("opservant-sweep-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut list = String::new();
+        while list.len() + 8 + pid.len() <= 4096 {
+            list.push_str("9999999\n");
+        }
+        let pad = 4096 - pid.len() - list.len();
+        if pad > 0 {
+            list.push_str(&format!("{}\n", "9".repeat(pad.max(2) - 1)));
+        }
+        assert_eq!(list.len() + pid.len(), 4096, "the live pid's digits end at byte 4096");
+        list.push_str(&format!("{pid}999\n8888888\n"));
+        std::fs::write(dir.join("cgroup.procs"), &list).unwrap();
+        super::kill_sweep(&dir);
+        assert!(victim.try_wait().unwrap().is_none(), "a process outside the cgroup was killed");
+        assert_eq!(
+            super::listed_pids(&dir.join("cgroup.procs")).unwrap().last(),
+            Some(&8888888),
+            "the whole list is read"
+        );
+        // A last line without its newline is not taken either.
+        std::fs::write(dir.join("cgroup.procs"), format!("9999999\n{pid}")).unwrap();
+        assert_eq!(super::listed_pids(&dir.join("cgroup.procs")).unwrap(), vec![9999999]);
+        victim.kill().unwrap();
+        victim.wait().unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     use super::*;
 
     #[test]
