@@ -1222,6 +1222,14 @@ class TestExecutor(BaseExecutor):
             return ExecutorResult(output=out)
         value = vault.get_secret("api_key")
         digest = hashlib.sha256(value.encode()).hexdigest()
+        if mode == "misuse":
+            # The value passed where a name goes, and as a log record's level.
+            try:
+                vault.get_secret(value)
+            except PermissionError as e:
+                refused = str(e)
+            log._log(value, "level misuse", {})
+            return ExecutorResult(output={"refused": refused})
         if mode == "raise":
             raise RuntimeError("upstream refused key " + value)
         if mode == "cut":
@@ -1310,6 +1318,25 @@ fn undeclared_secret_is_denied_inside_and_audited() {
         r["output"]["api_key"],
         "PermissionError: secret 'api_key' is not available from the configured provider"
     );
+}
+
+#[test]
+fn a_secret_value_passed_as_a_name_or_a_log_level_is_redacted() {
+    if !require_root() {
+        return;
+    }
+    let (d, c) = secrets_setup(json!(["api_key"]));
+    let out =
+        run_env(&d.path, &["--config", c.arg(), "--params", r#"{"mode": "misuse"}"#], &[("OPSERVANT_LOG", "info")]);
+    let r = out.result();
+    assert_eq!(r["status"], "completed", "{r}");
+    assert!(r["output"]["refused"].as_str().unwrap().contains("is not declared"), "{r}");
+    let denied: Vec<&str> = out.stderr.lines().filter(|l| l.contains("event=\"secret_denied\"")).collect();
+    assert_eq!(denied.len(), 1, "{}", out.stderr);
+    assert!(denied[0].contains("[REDACTED]"), "{}", denied[0]);
+    assert!(out.stderr.contains("level misuse"), "the executor's log reaches the agent's log: {}", out.stderr);
+    assert!(!out.stderr.contains(&secret_value()), "{}", out.stderr);
+    assert!(!out.stdout.contains(&secret_value()), "{}", out.stdout);
 }
 
 /// An executor asking for ever new names cannot write the audit log without bound: each

@@ -340,6 +340,8 @@ pub fn run(req: RunRequest) -> Result<RunResult, CannotRun> {
             );
         }
         let outcome = outcome?;
+        // For what is added to the result after it was assembled (and redacted).
+        let redactor = app.redactor.clone();
         let mut result = assemble(&outcome, &limits, app, req.executor, req.action.clone(), req.command_id.clone());
         // A deferred quota is applied by the channel server on the payload's `ready`, before it
         // answers `proceed`; or by the sandbox a second after the start, should `ready` never
@@ -347,7 +349,12 @@ pub fn run(req: RunRequest) -> Result<RunResult, CannotRun> {
         result.limits.enforced.cpu |= cpu_limiter.enforced();
         if let Some(n) = net.take() {
             n.finish(&mut result, &m.name);
+            // The refused names are the payload's queries: a secret can be one.
+            if let Some(egress) = result.sandbox.egress.as_mut() {
+                *egress = redactor.json(egress);
+            }
         }
+        drop(redactor);
         let killed_by = result.killed_by.as_deref().unwrap_or("");
         if matches!(killed_by, "oom" | "timeout" | "pids") {
             audit::record(
@@ -479,12 +486,15 @@ fn serve(
                 // a record cannot forge lines (audit events) of the agent's log.
                 let fields_text = out.redactor.json(&record["fields"]).to_string();
                 let msg = out.redactor.text(&msg);
-                tracing::info!(target: "opservant::executor", executor, command_id, level = ?level, fields = %fields_text, "{}", msg.escape_debug());
+                let level = out.redactor.text(&level);
+                tracing::info!(target: "opservant::executor", executor, command_id, level = %level.escape_debug(), fields = %fields_text, "{}", msg.escape_debug());
                 out.logs.push(record);
             }
             FromPayload::SecretRequest { name } => {
                 let mut reply = if !declared.iter().any(|d| d == &name) {
-                    out.secrets_audit.denied(executor, &name, "not declared", &[]);
+                    // The name is the payload's text: a value it obtained, passed as a name by
+                    // mistake or on purpose, must not reach the audit log.
+                    out.secrets_audit.denied(executor, &out.redactor.text(&name), "not declared", &[]);
                     ToPayload::SecretDenied {
                         reason: format!("secret '{name}' is not declared in permissions.secrets"),
                     }

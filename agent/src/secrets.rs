@@ -219,20 +219,30 @@ impl Redactor {
     }
 
     /// `s` redacted and cut to at most `max` bytes (saying so, with its whole length). Only
-    /// what can reach the result is scanned: the first `max` bytes and a margin past them
-    /// for a value or a credential block (a PEM key) that begins within them — not the rest
-    /// of a text of up to the channel's 16 MiB.
+    /// what can reach the result is scanned: a window whose redacted form reaches a margin
+    /// past `max` — room for a value or a credential block (a PEM key) that begins before the
+    /// cut — not the rest of a text of up to the channel's 16 MiB. Redaction shrinks text,
+    /// so the window grows (doubling) until its redacted form is that long: the window's
+    /// own end, where a value may be cut in two, always lies past the cut.
     pub fn text_capped(&self, s: &str, max: usize) -> String {
         if s.len() <= max {
             return self.text(s);
         }
         // `values` is sorted longest first.
         let margin = CAP_MARGIN.max(self.values.first().map_or(0, |v| v.len()));
-        let mut end = max.saturating_add(margin).min(s.len());
-        while !s.is_char_boundary(end) {
-            end -= 1;
-        }
-        let redacted = self.text(&s[..end]);
+        let want = max.saturating_add(margin);
+        let mut window = want;
+        let (end, redacted) = loop {
+            let mut end = window.min(s.len());
+            while !s.is_char_boundary(end) {
+                end -= 1;
+            }
+            let redacted = self.text(&s[..end]);
+            if end == s.len() || redacted.len() >= want {
+                break (end, redacted);
+            }
+            window = window.saturating_mul(2);
+        };
         if end == s.len() && redacted.len() <= max {
             return redacted;
         }
@@ -282,6 +292,28 @@ impl Redactor {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_capped_text_that_redaction_shrinks_shows_no_part_of_a_value() {
+        // 6000 copies of a 23-byte value: the first window's copies shrink to "[REDACTED]",
+        // which used to bring the window's cut-off copy under the cap, in clear.
+        let mut r = Redactor::default();
+        let v = "s3cr3t-value-0123456789";
+        r.add(v);
+        for max in [65536, 4096, 100] {
+            let out = r.text_capped(&v.repeat(6000), max);
+            assert!(!out.contains("s3cr3t"), "{max}: {}", &out[out.len().saturating_sub(120)..]);
+            let note = format!(" [cut: {} bytes, over the {max} byte cap]", 6000 * v.len());
+            // Redacted whole, 60 000 bytes fit under 64 KiB: then nothing is cut.
+            assert_eq!(out.ends_with(&note), max < 60_000, "{max}");
+            assert!(out.len() <= max + note.len(), "{max}");
+        }
+        // Short values grow the text instead: still nothing of them.
+        let mut r = Redactor::default();
+        r.add("k3y9");
+        let out = r.text_capped(&"k3y9".repeat(100_000), 65536);
+        assert!(!out.contains("k3y") && !out.contains("3y9"), "{}", &out[out.len() - 80..]);
+    }
 
     #[test]
     fn a_value_cut_at_the_size_limit_is_redacted_too() {
