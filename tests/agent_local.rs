@@ -172,6 +172,27 @@ fn signed_commands_run_and_every_rejection_is_audited() {
 }
 
 #[test]
+fn the_daemon_writes_no_core_dump() {
+    if !common::require_root() {
+        return;
+    }
+    // Its memory holds keys and secret values: no core file size, soft and hard, inherited
+    // by everything it starts (the zygote included).
+    let mut a = Agent::new(2);
+    a.start();
+    let limits = |pid: u32| {
+        let text = std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
+        let line = text.lines().find(|l| l.starts_with("Max core file size")).unwrap().to_string();
+        line.split_whitespace().skip(4).take(2).map(str::to_string).collect::<Vec<_>>()
+    };
+    let agent = a.child.as_ref().unwrap().id();
+    assert_eq!(limits(agent), ["0", "0"]);
+    let zygote = daemon::started_zygote(agent);
+    assert_eq!(limits(zygote as u32), ["0", "0"]);
+    assert!(a.stop().success());
+}
+
+#[test]
 fn a_command_for_another_agent_is_refused() {
     if !common::require_root() {
         return;

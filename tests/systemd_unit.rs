@@ -46,6 +46,7 @@ fn unit_keeps_what_the_agent_depends_on() {
         "WatchdogSec=60s",
         "Delegate=yes",
         "KillMode=mixed",
+        "LimitCORE=0",
         "ProtectControlGroups=yes",
         "ReadWritePaths=-/sys/fs/cgroup/system.slice/opservant.service -/sys/fs/cgroup/unified/system.slice/opservant.service",
     ] {

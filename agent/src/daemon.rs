@@ -133,6 +133,21 @@ pub fn block_stop_signals() -> Result<nix::sys::signal::SigSet, CannotRun> {
 }
 
 /// Serve until SIGTERM/SIGINT.
+/// The daemon's memory never goes to a core dump: it holds the platform's connection key,
+/// the secret store's key, a cached Vault token and the values being delivered. No core
+/// file size (inherited by everything it starts; sandboxes set it again) and not dumpable
+/// (a piped `core_pattern` handler is not bound by the size limit). Its own children are
+/// `execve`d (the zygote, the monitor), which makes them dumpable again where they need it.
+pub fn no_core_dumps() -> Result<(), CannotRun> {
+    nix::sys::resource::setrlimit(nix::sys::resource::Resource::RLIMIT_CORE, 0, 0)
+        .map_err(|e| CannotRun(format!("setrlimit(RLIMIT_CORE, 0): {e}")))?;
+    // SAFETY: PR_SET_DUMPABLE takes an integer argument and touches no memory.
+    if unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0 as libc::c_ulong, 0, 0, 0) } != 0 {
+        return Err(CannotRun(format!("prctl(PR_SET_DUMPABLE, 0): {}", std::io::Error::last_os_error())));
+    }
+    Ok(())
+}
+
 pub fn serve(pipeline: Pipeline, socket: &Path, platform: Option<crate::platform::Platform>) -> Result<(), CannotRun> {
     let mask = block_stop_signals()?;
     let signals = nix::sys::signalfd::SignalFd::with_flags(&mask, nix::sys::signalfd::SfdFlags::SFD_CLOEXEC)

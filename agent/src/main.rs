@@ -742,6 +742,9 @@ fn read_input(path: &std::path::Path) -> Result<Vec<u8>, CannotRun> {
 }
 
 fn agent_daemon(config: Option<PathBuf>, check_only: bool) -> Result<ExitCode, CannotRun> {
+    if !check_only {
+        agent::daemon::no_core_dumps().map_err(|e| CannotRun(e.0))?;
+    }
     let cfg = agent::config::Config::load(config.as_deref())?;
     let policy = AgentPolicy::from_config(&cfg)?;
     let settings = agent::daemon::DaemonSettings::from_config(&cfg).map_err(|e| CannotRun(e.0))?;
