@@ -529,6 +529,17 @@ impl SandboxSpec {
         if l.cpu_period_us.is_some_and(|p| !(1_000..=1_000_000).contains(&p)) {
             return Err(SpecError::new("limits.cpu_period_us", "must be between 1000 and 1000000 (1 ms to 1 s)"));
         }
+        // The kernel's smallest quota is 1 ms: a smaller share of the window cannot be
+        // expressed there, and rounding it up would grant more than was asked.
+        if let Some(pct) = l.cpu_percent {
+            let period = l.cpu_period_us.unwrap_or(crate::cgroup::DEFAULT_CPU_PERIOD_US);
+            if u64::from(pct) * period / 100 < 1_000 {
+                return Err(SpecError::new(
+                    "limits.cpu_percent",
+                    format!("{pct} % of a {period} µs window is under the kernel's 1 ms minimum quota (use a longer cpu_period_us)"),
+                ));
+            }
+        }
         if l.pids == Some(0) {
             return Err(SpecError::new("limits.pids", "must be positive"));
         }
@@ -618,6 +629,21 @@ mod tests {
         let json = serde_json::to_string(&s).unwrap();
         let back: SandboxSpec = serde_json::from_str(&json).unwrap();
         assert_eq!(s, back);
+    }
+
+    #[test]
+    fn a_cpu_share_below_the_kernels_minimum_quota_is_refused() {
+        // 10 % of 1 ms is 100 µs: the kernel's floor is 1 ms, which would be 100 %.
+        let mut s = spec();
+        s.limits.cpu_percent = Some(10);
+        s.limits.cpu_period_us = Some(1_000);
+        let e = s.validate().unwrap_err().to_string();
+        assert!(e.contains("limits.cpu_percent") && e.contains("minimum quota"), "{e}");
+        s.limits.cpu_period_us = Some(10_000);
+        s.validate().unwrap();
+        s.limits.cpu_period_us = None;
+        s.limits.cpu_percent = Some(1);
+        s.validate().unwrap();
     }
 
     #[test]

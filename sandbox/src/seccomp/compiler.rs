@@ -32,7 +32,7 @@ impl Insn {
 
 /// Compile profile text into its filters, in lexical order of their names.
 pub fn compile_profile(json: &str) -> Result<Vec<(String, Vec<u64>)>, String> {
-    let filters: BTreeMap<String, JsonFilter> = serde_json::from_str(json).map_err(|e| e.to_string())?;
+    let Filters(filters) = serde_json::from_str(json).map_err(|e| e.to_string())?;
     if filters.is_empty() {
         return Err("the profile has no filters".into());
     }
@@ -45,6 +45,33 @@ pub fn compile_profile(json: &str) -> Result<Vec<(String, Vec<u64>)>, String> {
 }
 
 // --- Profile format (seccompiler's JSON format) -------------------------------------------
+
+/// The profile's named filters; a name given twice is an error (a map would keep the last
+/// one silently, and the profile would mean something other than it reads).
+struct Filters(BTreeMap<String, JsonFilter>);
+
+impl<'de> Deserialize<'de> for Filters {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Named;
+        impl<'de> serde::de::Visitor<'de> for Named {
+            type Value = Filters;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("an object of named filters")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Filters, A::Error> {
+                let mut filters = BTreeMap::new();
+                while let Some((name, filter)) = map.next_entry::<String, JsonFilter>()? {
+                    if filters.contains_key(&name) {
+                        return Err(serde::de::Error::custom(format!("filter '{name}' is defined twice")));
+                    }
+                    filters.insert(name, filter);
+                }
+                Ok(Filters(filters))
+            }
+        }
+        d.deserialize_map(Named)
+    }
+}
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -398,6 +425,17 @@ fn tree(a: &mut Asm, segs: &[Segment], matched: Label, mismatched: Label) -> Res
 }
 
 fn compile_filter(name: &str, f: &JsonFilter) -> Result<Vec<Insn>, String> {
+    // The action's data is 16 bits: a larger errno would be cut to another one (65536 to 0,
+    // "success" without the call running), and errno values stop at 4095 (MAX_ERRNO).
+    for action in [f.mismatch_action, f.match_action] {
+        match action {
+            Action::Errno(e) if !(1..=4095).contains(&e) => {
+                return Err(format!("filter '{name}': errno {e} is not an error number (1-4095)"))
+            }
+            Action::Trace(t) if t > 0xFFFF => return Err(format!("filter '{name}': trace data {t} is over 16 bits")),
+            _ => {}
+        }
+    }
     // nr → None (unconditional) or the OR of its rules.
     let mut rules: BTreeMap<u32, Option<Vec<Vec<Condition>>>> = BTreeMap::new();
     for (i, r) in f.filter.iter().enumerate() {

@@ -289,6 +289,18 @@ mod tests {
         assert!(compile("x", mixed).unwrap_err().contains("both"));
         let idx = r#"{"a":{"mismatch_action":"allow","match_action":"allow","filter":[{"syscall":"read","args":[{"index":6,"type":"dword","op":"eq","val":1}]}]}}"#;
         assert!(compile("x", idx).unwrap_err().contains("index"));
+        // A profile that means something other than it reads: a filter named twice (a map
+        // keeps the last), an errno the 16-bit action data would cut to 0 ("success").
+        let one = r#"{"mismatch_action":{"errno":1},"match_action":"allow","filter":[{"syscall":"read"}]}"#;
+        let twice = format!(r#"{{"a":{one},"a":{one}}}"#);
+        assert!(compile("x", &twice).unwrap_err().contains("defined twice"));
+        for errno in [0u32, 4096, 65536] {
+            let big = one.replace(r#"{"errno":1}"#, &format!(r#"{{"errno":{errno}}}"#));
+            let e = compile("x", &format!(r#"{{"a":{big}}}"#)).unwrap_err();
+            assert!(e.contains("not an error number"), "{errno}: {e}");
+        }
+        let dup_field = r#"{"a":{"mismatch_action":"allow","mismatch_action":{"errno":1},"match_action":"allow","filter":[{"syscall":"read"}]}}"#;
+        assert!(compile("x", dup_field).is_err());
     }
 
     // --- The default profile in the real kernel ------------------------------------------
