@@ -236,6 +236,31 @@ fn queued_signals_stop_at_rlimit_sigpending() {
 /// sandbox holds all 16, host root can still create instances; the sandbox cannot raise
 /// its limits or create a nested namespace.
 #[test]
+fn message_queues_and_locked_shared_memory_are_not_the_sandboxes_to_use_up() {
+    if !require_root() {
+        return;
+    }
+    // Both are charged to the user namespace's owner, host root, too (SHM_LOCK: root's
+    // locked-memory allowance, which the old code let a sandbox take; POSIX queues: root's
+    // 819 200 bytes — here mq_open already failed with EACCES before anything was charged,
+    // and RLIMIT_MSGQUEUE 0 keeps it so where the queue could be created).
+    let (_d, m) = limits_manifest(r#"{"max_cpu_percent": 50}"#);
+    let code = "import ctypes, os\n\
+         libc = ctypes.CDLL(None, use_errno=True)\n\
+         n = 0\n\
+         while n < 50 and libc.mq_open(b'/q%d' % n, os.O_CREAT | os.O_RDWR, 0o600, None) >= 0: n += 1\n\
+         print('queues', n, 'errno', ctypes.get_errno())\n\
+         shm = libc.shmget(0, 1 << 20, 0o1600)\n\
+         print('shm', shm >= 0, 'lock', libc.shmctl(shm, 11, None), 'errno', ctypes.get_errno())\n\
+         libc.shmctl(shm, 0, None)";
+    let r = python(Some(&m), code);
+    assert_eq!(r.status(), "completed", "{} {}", r.stdout(), r.err());
+    // EMFILE at the first queue (the limit, checked first); SHM_LOCK refused (EPERM: no
+    // allowance, no CAP_IPC_LOCK).
+    assert_eq!(r.stdout(), "queues 0 errno 24\nshm True lock -1 errno 1\n", "{}", r.json);
+}
+
+#[test]
 fn inotify_instances_stop_at_the_namespace_limit_and_spare_the_host() {
     if !require_root() {
         return;

@@ -80,12 +80,18 @@ pub fn close_fds_from(from: i32) -> Result<(), StepError> {
 /// `RLIMIT_CORE` 0 (no core dumps of sandboxed memory), `RLIMIT_NOFILE` `nofile`,
 /// `RLIMIT_SIGPENDING` `sigpending` (the sandbox's queued signals also count against its
 /// user namespace's owner, host root: without it one sandbox could queue root's whole
-/// host-wide allowance and root's own `sigqueue` would fail).
+/// host-wide allowance and root's own `sigqueue` would fail), and for the same reason
+/// `RLIMIT_MSGQUEUE` 0 and `RLIMIT_MEMLOCK` 0: POSIX message-queue bytes and `SHM_LOCK`ed
+/// pages are charged to host root as well (since Linux 5.14), whose allowance (819 200
+/// bytes of queues) nine default queues of one sandbox would use up — every other
+/// sandbox's and root's own `mq_open` then failing. No payload gets either.
 pub fn set_rlimits(nofile: u64, sigpending: u64) -> Result<(), StepError> {
     let err = |what: &str, e| StepError::errno(Stage::Rlimits, what, e);
     setrlimit(Resource::RLIMIT_CORE, 0, 0).map_err(|e| err("RLIMIT_CORE", e))?;
     setrlimit(Resource::RLIMIT_NOFILE, nofile, nofile).map_err(|e| err("RLIMIT_NOFILE", e))?;
     setrlimit(Resource::RLIMIT_SIGPENDING, sigpending, sigpending).map_err(|e| err("RLIMIT_SIGPENDING", e))?;
+    setrlimit(Resource::RLIMIT_MSGQUEUE, 0, 0).map_err(|e| err("RLIMIT_MSGQUEUE", e))?;
+    setrlimit(Resource::RLIMIT_MEMLOCK, 0, 0).map_err(|e| err("RLIMIT_MEMLOCK", e))?;
     Ok(())
 }
 
