@@ -878,15 +878,22 @@ fn platform_network(
     )
 }
 
+/// A test platform (one CA for both sides) and an agent, not started, that polls it
+/// running `max_concurrent` commands at once; the directory holds the agent's TLS files.
+fn platform_agent(max_concurrent: usize) -> (platform::TestPlatform, HostDir, Agent) {
+    let pki = platform::Pki::new("good");
+    let p = platform::TestPlatform::start(&pki, &pki);
+    let tls = HostDir::new();
+    let a = Agent::with_network(max_concurrent, &platform_network(&tls.path, p.addr, &pki, &pki));
+    (p, tls, a)
+}
+
 #[test]
 fn commands_pulled_from_the_platform_over_mutual_tls() {
     if !common::require_root() {
         return;
     }
-    let pki = platform::Pki::new("good");
-    let p = platform::TestPlatform::start(&pki, &pki);
-    let tls = HostDir::new();
-    let mut a = Agent::with_network(4, &platform_network(&tls.path, p.addr, &pki, &pki));
+    let (p, _tls, mut a) = platform_agent(4);
     let good = a.sign(&scan("plat-1"));
     let mut tampered: Value = serde_json::from_slice(&a.sign(&scan("plat-2"))).unwrap();
     tampered["parameters"]["ports"] = json!([22, 23]);
@@ -931,11 +938,8 @@ fn a_platform_that_does_not_hold_the_long_poll_is_not_polled_in_a_busy_loop() {
     if !common::require_root() {
         return;
     }
-    let pki = platform::Pki::new("good");
-    let p = platform::TestPlatform::start(&pki, &pki);
+    let (p, _tls, mut a) = platform_agent(4);
     p.state.lock().unwrap().no_long_poll = true;
-    let tls = HostDir::new();
-    let mut a = Agent::with_network(4, &platform_network(&tls.path, p.addr, &pki, &pki));
     a.start();
     let polls = || p.state.lock().unwrap().requests.iter().filter(|r| r.ends_with("/commands")).count();
     p.wait_for(30, "a first poll", |s| s.requests.iter().any(|r| r.ends_with("/commands")));
@@ -958,10 +962,7 @@ fn a_platform_batch_is_taken_only_as_far_as_there_is_room() {
     // A batch of 200 entries (a 16 MiB body can hold millions) to an agent that runs 2
     // commands at once: 2 are taken and answered, the rest left for the platform to send
     // again, said once in the audit log — not a thread, a result and a security record each.
-    let pki = platform::Pki::new("good");
-    let p = platform::TestPlatform::start(&pki, &pki);
-    let tls = HostDir::new();
-    let mut a = Agent::with_network(2, &platform_network(&tls.path, p.addr, &pki, &pki));
+    let (p, _tls, mut a) = platform_agent(2);
     for _ in 0..200 {
         p.queue(json!(0));
     }
@@ -993,10 +994,7 @@ fn a_malformed_entry_in_a_platform_batch_is_refused_alone() {
     }
     // One entry the strict parser refuses (a duplicate key) among signed commands: that
     // one is answered `malformed`, the others run — the old code refused the whole batch.
-    let pki = platform::Pki::new("good");
-    let p = platform::TestPlatform::start(&pki, &pki);
-    let tls = HostDir::new();
-    let mut a = Agent::with_network(4, &platform_network(&tls.path, p.addr, &pki, &pki));
+    let (p, _tls, mut a) = platform_agent(4);
     let (first, second) = (a.sign(&scan("batch-first")), a.sign(&scan("batch-second")));
     let body = format!(
         r#"{{"commands": [{}, {{"command_id": "dup", "command_id": "dup2", "action": "ping"}}, {}]}}"#,
@@ -1028,11 +1026,8 @@ fn a_redirect_from_the_platform_is_not_followed() {
     // A front end that answers POST with 303 would turn the result into a GET of another
     // URL (ureq follows redirects by default): the result lost, yet counted as posted. The
     // agent follows no redirect: the post fails and is retried, and nothing else is asked.
-    let pki = platform::Pki::new("good");
-    let p = platform::TestPlatform::start(&pki, &pki);
+    let (p, _tls, mut a) = platform_agent(2);
     p.state.lock().unwrap().redirect_posts = Some("/elsewhere".into());
-    let tls = HostDir::new();
-    let mut a = Agent::with_network(2, &platform_network(&tls.path, p.addr, &pki, &pki));
     a.start();
     p.queue(serde_json::from_slice(&a.sign(&scan("plat-redirected"))).unwrap());
     let posts = |s: &platform::State| s.requests.iter().filter(|r| r.ends_with("/results")).count();
