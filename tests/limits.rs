@@ -231,10 +231,6 @@ fn queued_signals_stop_at_rlimit_sigpending() {
     assert_eq!(r.stdout(), "limit 1024 1024\nqueued 1024 errno 11\nraise-refused ValueError\n", "{}", r.json);
 }
 
-/// inotify instances are charged to the user namespace's owner (host root, 128 host-wide):
-/// the sandbox's init limits its own namespace to 16 instances and 8192 watches. While a
-/// sandbox holds all 16, host root can still create instances; the sandbox cannot raise
-/// its limits or create a nested namespace.
 #[test]
 fn message_queues_and_locked_shared_memory_are_not_the_sandboxes_to_use_up() {
     if !require_root() {
@@ -260,6 +256,10 @@ fn message_queues_and_locked_shared_memory_are_not_the_sandboxes_to_use_up() {
     assert_eq!(r.stdout(), "queues 0 errno 24\nshm True lock -1 errno 1\n", "{}", r.json);
 }
 
+/// inotify instances are charged to the user namespace's owner (host root, 128 host-wide):
+/// the sandbox's init limits its own namespace to 16 instances and 8192 watches. While a
+/// sandbox holds all 16, host root can still create instances; the sandbox cannot raise
+/// its limits or create a nested namespace.
 #[test]
 fn inotify_instances_stop_at_the_namespace_limit_and_spare_the_host() {
     if !require_root() {

@@ -326,7 +326,7 @@ impl Pipeline {
         self.running.load(Ordering::SeqCst)
     }
 
-    /// Steps 1–9 for one command as received; the reply JSON.
+    /// Steps 1–10 for one command as received; the reply JSON.
     pub fn handle(&self, bytes: &[u8], now: i64) -> Value {
         let (cmd, verdict, outcome) = match verify_command(bytes, &self.platform_key, now) {
             Verification::Unreadable(r) => return reject(r.command_id.as_deref(), r.reason, &r.message, true),

@@ -600,11 +600,18 @@ impl Config {
         Ok(p)
     }
 
-    /// `context["agent_id"]`.
+    /// `context["agent_id"]`: `agent.id`, else `local-HOSTNAME` with the hostname read once
+    /// per process — the id the platform client polls as and the one commands are checked
+    /// against must not part ways when the hostname changes under a running agent.
     pub fn agent_id(&self) -> String {
+        static FROM_HOSTNAME: std::sync::OnceLock<String> = std::sync::OnceLock::new();
         self.agent.id.clone().unwrap_or_else(|| {
-            let host = nix::unistd::gethostname().ok().and_then(|h| h.into_string().ok()).unwrap_or_default();
-            format!("local-{host}")
+            FROM_HOSTNAME
+                .get_or_init(|| {
+                    let host = nix::unistd::gethostname().ok().and_then(|h| h.into_string().ok()).unwrap_or_default();
+                    format!("local-{host}")
+                })
+                .clone()
         })
     }
 

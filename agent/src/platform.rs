@@ -288,8 +288,9 @@ fn backoff(failures: u32) -> Duration {
 
 /// A poll's body, `{"commands": [entry, …], …}`: the exact text of the first `room` entries
 /// and how many more there were. Only the envelope is parsed here — one object, `commands`
-/// once, an array — and the rest must be well-formed JSON (serde_json's own nesting limit);
-/// each entry taken is parsed strictly by the pipeline, as a socket's command is. Other keys
+/// once, an array — and the rest must be well-formed JSON (walked without recursion, so
+/// no depth costs stack here); each entry taken is parsed strictly by the pipeline, as a
+/// socket's command is (its depth limit included). Other keys
 /// are skipped. Entries past the room are skipped unparsed beyond their syntax, so the
 /// memory used is the body's and `room` slices, whatever the number of entries.
 pub fn read_batch(body: &[u8], room: usize) -> Result<(Vec<Vec<u8>>, usize), String> {

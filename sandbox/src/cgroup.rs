@@ -971,7 +971,8 @@ mod tests {
         }
         let pad = 4096 - pid.len() - list.len();
         if pad > 0 {
-            list.push_str(&format!("{}\n", "9".repeat(pad.max(2) - 1)));
+            // `pad` bytes: its digits and a newline (an empty line when 1).
+            list.push_str(&format!("{}\n", "9".repeat(pad - 1)));
         }
         assert_eq!(list.len() + pid.len(), 4096, "the live pid's digits end at byte 4096");
         list.push_str(&format!("{pid}999\n8888888\n"));

@@ -299,6 +299,8 @@ mod tests {
             let e = compile("x", &format!(r#"{{"a":{big}}}"#)).unwrap_err();
             assert!(e.contains("not an error number"), "{errno}: {e}");
         }
+        let trace = one.replace(r#"{"errno":1}"#, r#"{"trace":65536}"#);
+        assert!(compile("x", &format!(r#"{{"a":{trace}}}"#)).unwrap_err().contains("16 bits"));
         let dup_field = r#"{"a":{"mismatch_action":"allow","mismatch_action":{"errno":1},"match_action":"allow","filter":[{"syscall":"read"}]}}"#;
         assert!(compile("x", dup_field).is_err());
     }
