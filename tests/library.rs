@@ -553,6 +553,103 @@ fn a_sandbox_whose_monitor_dies_dies_with_it() {
     drop(sb);
 }
 
+/// Bits of `/proc/PID/status`'s `field` (a hex signal mask), or 0.
+fn signal_mask(pid: i32, field: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| u64::from_str_radix(l.strip_prefix(field)?.strip_prefix(':')?.trim(), 16).ok())
+        .unwrap_or(0)
+}
+
+/// One sandbox whose init is held (SIGSTOP) while it builds the sandbox, and stopped — by
+/// its stop handle, or by its timeout — meanwhile. `None` when init could not be caught
+/// before it forked the payload; otherwise the outcome (`Debug` text, or the error's).
+fn stopped_during_setup(by_timeout: bool) -> Option<Result<String, String>> {
+    use nix::sys::signal::{kill, Signal};
+    use nix::unistd::Pid;
+    let marker = format!("opservant-early-stop-{}", std::process::id());
+    let mut s = spec(&["/bin/sh", "-c", "echo ran; sleep 1000; :", &marker]);
+    if by_timeout {
+        s.limits.timeout_ms = Some(300);
+    }
+    let sb = Sandbox::spawn(&s, &launcher(), None).unwrap();
+    let monitor = sb.monitor_pid();
+    let stop = sb.stop_handle();
+    let outcome = wait_elsewhere(sb);
+    let child_of = |pid: i32| -> Option<i32> {
+        std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+            .ok()?
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let init = loop {
+        if let Some(init) = child_of(monitor) {
+            break init;
+        }
+        assert!(Instant::now() < deadline, "the monitor forked no init");
+    };
+    kill(Pid::from_raw(init), Signal::SIGSTOP).unwrap();
+    // Held before its step 8, or too late for this attempt?
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !std::fs::read_to_string(format!("/proc/{init}/stat")).unwrap_or_default().contains(") T ") {
+        assert!(Instant::now() < deadline, "init {init} did not stop");
+        std::thread::yield_now();
+    }
+    let early = child_of(init).is_none();
+    // The waiting thread takes init's pid from the monitor's report; then the stop (or the
+    // timeout's SIGTERM) goes to init, which is to keep it pending.
+    std::thread::sleep(Duration::from_millis(100));
+    let sent = if by_timeout { Signal::SIGTERM } else { sandbox::init::KILL_ALL };
+    if !by_timeout {
+        stop.stop();
+    }
+    // Bounded below the 1 s backstop after a stop, which would kill the held init outright.
+    let deadline = Instant::now() + Duration::from_millis(600);
+    while signal_mask(init, "ShdPnd") & (1 << (sent as i32 - 1)) == 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    kill(Pid::from_raw(init), Signal::SIGCONT).unwrap();
+    let outcome = outcome.recv_timeout(Duration::from_secs(30)).expect("the sandbox ended");
+    assert!(common::host_processes_with(&marker).is_empty(), "nothing of the sandbox survives");
+    early.then_some(outcome)
+}
+
+#[test]
+fn a_stop_or_a_timeout_during_setup_is_kept_and_the_payload_never_starts() {
+    if !require_root() {
+        return;
+    }
+    let _view = common::host_view();
+    // PID 1 of a namespace drops a signal it neither handles nor blocks. Init blocks the
+    // signals it acts on from its fork on, so one sent while it builds the sandbox stays
+    // pending; before, it was dropped, the payload started and ran until the backstop.
+    for by_timeout in [false, true] {
+        let expected = if by_timeout {
+            "the timeout expired before the payload started"
+        } else {
+            "the sandbox was stopped before the payload started"
+        };
+        let mut caught = 0;
+        for _ in 0..20 {
+            if let Some(outcome) = stopped_during_setup(by_timeout) {
+                caught += 1;
+                match outcome {
+                    Err(e) => assert!(e.contains(expected), "{e}"),
+                    Ok(o) => panic!("the payload started after a stop during setup: {o}"),
+                }
+                if caught == 3 {
+                    break;
+                }
+            }
+        }
+        assert!(caught > 0, "init was never caught before its payload's fork (by_timeout {by_timeout})");
+    }
+}
+
 #[test]
 fn a_held_payload_runs_only_after_the_go() {
     if !require_root() {

@@ -15,8 +15,10 @@
 //!      [`crate::netns_stash`]); unshare user, mount, pid, net (unless joined), ipc, uts —
 //!      meanwhile the parent creates the cgroups and then names the files to join them by
 //!   5. "unshared" → parent writes the uid/gid maps, wires the namespaces → "proceed"
-//!   6. fork the init (PID 1 of the new PID namespace); report its host pid; close its own
-//!      stdio (only sandbox processes hold the output pipes)
+//!   6. fork the init (PID 1 of the new PID namespace) with init's signals blocked, so that a
+//!      stop sent while init builds the sandbox stays pending (PID 1 drops a signal it
+//!      neither handles nor blocks); report its host pid; close its own stdio (only sandbox
+//!      processes hold the output pipes)
 //!   7. wait for init; kill it if the parent goes away; report the tree's resource usage,
 //!      then exit (the monitor is outside the sandbox cgroup, so the parent can remove the
 //!      cgroups while the monitor's exit tears the namespaces down — except a zygote
@@ -34,7 +36,8 @@
 //!      through the old root's /proc)
 //!   6. open every Landlock path handle, build the ruleset         (landlock)
 //!   7. drop every capability, lock securebits, no_new_privs       (privileges)
-//!   8. fork the payload; reap every process; forward SIGTERM to all, SIGKILL all on request;
+//!   8. end here if a stop or a termination signal is pending (the payload never starts);
+//!      fork the payload; reap every process; forward SIGTERM to all, SIGKILL all on request;
 //!      when the payload ends, kill and reap every other process; report the payload's end
 //! payload
 //!   1. default signals, new session, OOM score to the maximum (first victim) through the
@@ -228,10 +231,15 @@ fn monitor_until(
         other => return Err(protocol(format!("expected proceed, got {other:?}"))),
     }
     // 6.
-    // Block SIGCHLD before forking so its arrival is seen through the signalfd.
+    // Block SIGCHLD before forking so its arrival is seen through the signalfd; and init's
+    // signals, so that init starts with them blocked: PID 1 of a namespace ignores a signal
+    // it has no handler for unless the signal is blocked, and a stop or a timeout sent while
+    // init builds the sandbox must wait for init's step 8, not be dropped.
     let mut mask = SigSet::empty();
     mask.add(Signal::SIGCHLD);
-    mask.thread_block().map_err(|e| StepError::errno(Stage::Fork, "block SIGCHLD", e))?;
+    let mut before = init_signals()
+        .thread_swap_mask(nix::sys::signal::SigmaskHow::SIG_BLOCK)
+        .map_err(|e| StepError::errno(Stage::Fork, "block signals", e))?;
     let sfd = SignalFd::new(&mask).map_err(|e| StepError::errno(Stage::Fork, "signalfd", e))?;
     // The monitor's liveness, for init: only the monitor holds the write end, so the read end
     // hangs up when it is gone (see init's step 3).
@@ -243,7 +251,6 @@ fn monitor_until(
         ForkResult::Child => {
             drop(sfd);
             drop(alive_w);
-            let _ = mask.thread_unblock();
             match init(chan, app, spec, &join, end, prepared_net, alive_r) {
                 Ok(InitEnd::Exit(code)) => exit(code),
                 Ok(InitEnd::Payload(handoff)) => return Ok(Some(handoff)),
@@ -254,6 +261,9 @@ fn monitor_until(
             }
         }
         ForkResult::Parent { child } => {
+            // The monitor's own mask again, with SIGCHLD blocked.
+            before.add(Signal::SIGCHLD);
+            before.thread_set_mask().map_err(|e| StepError::errno(Stage::Fork, "restore the signal mask", e))?;
             // Only init and the payload hold the application channel.
             drop(app);
             drop(alive_r);
@@ -382,11 +392,12 @@ fn init(
     // 7.
     privileges::drop_all()?;
     // 8.
-    let mut handled = SigSet::empty();
-    for s in [Signal::SIGCHLD, Signal::SIGTERM, Signal::SIGINT, Signal::SIGHUP, Signal::SIGQUIT, KILL_ALL] {
-        handled.add(s);
+    // Blocked since the fork (see the monitor's step 6): one that came meanwhile is pending.
+    let handled = init_signals();
+    if let Some(sig) = pending_stop(&handled) {
+        // Stopped or timed out while the sandbox was being built: the payload never starts.
+        return Ok(InitEnd::Exit(128 + sig as i32));
     }
-    handled.thread_block().map_err(|e| StepError::errno(Stage::Fork, "block signals", e))?;
     // SAFETY: init is single-threaded (forked from the single-threaded monitor).
     let payload_pid = match unsafe { fork() }.map_err(|e| StepError::errno(Stage::Fork, "fork payload", e))? {
         ForkResult::Child => {
@@ -413,6 +424,28 @@ fn init(
 
 /// Sent by the parent to the sandbox init: SIGKILL every process of the sandbox now.
 pub const KILL_ALL: Signal = Signal::SIGUSR1;
+
+/// The signals init waits for at its step 8 (blocked from its fork on).
+fn init_signals() -> SigSet {
+    let mut set = SigSet::empty();
+    for s in [Signal::SIGCHLD, Signal::SIGTERM, Signal::SIGINT, Signal::SIGHUP, Signal::SIGQUIT, KILL_ALL] {
+        set.add(s);
+    }
+    set
+}
+
+/// A termination signal or [`KILL_ALL`] among `handled` that is pending already.
+fn pending_stop(handled: &SigSet) -> Option<Signal> {
+    // SAFETY: sigset_t is plain old data; sigpending fills the one we own.
+    let mut pending: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; sigpending only writes into `pending`.
+    if unsafe { libc::sigpending(&mut pending) } != 0 {
+        return None;
+    }
+    // SAFETY: `pending` was filled by sigpending, so it is an initialised signal set.
+    let pending = unsafe { SigSet::from_sigset_t_unchecked(pending) };
+    handled.iter().find(|&s| s != Signal::SIGCHLD && pending.contains(s))
+}
 
 /// SIGKILL every other process of the PID namespace and reap all of them. Reaping them
 /// here, rather than letting the kernel do it when PID 1 exits, is what keeps their CPU
