@@ -638,6 +638,11 @@ class TestExecutor(BaseExecutor):
         return True
 
     def execute(self, params, context):
+        if "resolve_secret" in params:
+            # The secret's value queried as a DNS label, below `suffix`.
+            name, suffix = params["resolve_secret"]
+            r = _step(["resolve", context["vault"].get_secret(name) + "." + suffix])
+            return ExecutorResult(status="completed", output={"resolved": r["ok"]})
         out = [_step(s) for s in params.get("steps", [])]
         return ExecutorResult(status="completed", output={"steps": out, "network": context["network"]})
 "#;
@@ -1222,6 +1227,52 @@ fn refused_dns_names_cannot_flood_the_audit_log() {
         .collect();
     assert_eq!(records.len(), 21, "20 names and one record saying the rest are counted only");
     assert_eq!(records.iter().filter(|r| r["fields"]["further_names_counted_only_after"] == "20").count(), 1);
+    assert_host_clean(&lab);
+}
+
+/// A secret value the executor queries as a DNS name (exfiltration through the resolver):
+/// the refused name is audited as the query comes, and reported in the result, with the
+/// value redacted — in whatever case it was queried (the forwarder folds names to lower
+/// case, as DNS matches them).
+#[test]
+fn a_secret_queried_as_a_dns_name_is_redacted_from_the_audit_and_the_result() {
+    if !prerequisites() {
+        return;
+    }
+    let lab = Lab::new();
+    let dir = HostDir::new();
+    let log = dir.path.join("audit.jsonl");
+    let value = format!("s3cr3t-VALUE-{}-zq", std::process::id());
+    let secrets = dir.path.join("secrets.yaml");
+    std::fs::write(&secrets, format!("api_key: {value}\n")).unwrap();
+    std::fs::set_permissions(&secrets, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let conf = Conf::new(&format!(
+        "audit:\n  path: {}\n  journald: false\nsecrets:\n  provider: file\n  file: {}\n",
+        log.display(),
+        secrets.display()
+    ));
+    let pkg = probe_package(&json!({"outbound": true, "allowed_hosts": ["good.example.test"]}), &limits());
+    let manifest = pkg.path.join("manifest.json");
+    let mut m: Value = serde_json::from_str(&std::fs::read_to_string(&manifest).unwrap()).unwrap();
+    m["permissions"]["secrets"] = json!(["api_key"]);
+    std::fs::write(&manifest, m.to_string()).unwrap();
+    let params = json!({"resolve_secret": ["api_key", "leak.test"]}).to_string();
+    let out = run_in(&lab, &pkg.path, &["--config", conf.arg(), "--params", &params]);
+    let r = out.completed();
+    assert_eq!(r["output"]["resolved"], false, "{r}");
+    let refused = &r["sandbox"]["egress"]["dns"]["refused_names"];
+    assert!(refused.as_array().is_some_and(|a| a.iter().any(|n| n["name"] == "[REDACTED].leak.test")), "{refused}");
+    let audit = std::fs::read_to_string(&log).unwrap();
+    let records: Vec<Value> = audit
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter(|r| r["event"] == "dns_refused")
+        .collect();
+    assert!(records.iter().any(|r| r["fields"]["name"] == "[REDACTED].leak.test"), "{records:?}");
+    for (what, text) in [("audit log", &audit), ("result", &out.stdout), ("stderr", &out.stderr)] {
+        let text = text.to_ascii_lowercase();
+        assert!(!text.contains(&value.to_ascii_lowercase()), "the value in the {what}: {text}");
+    }
     assert_host_clean(&lab);
 }
 

@@ -49,6 +49,14 @@ pub struct RefusedName {
     pub count: u64,
 }
 
+/// Whose queries a forwarder answers: the executor its audit records name, and the run's
+/// secret values delivered so far — a queried name can carry one, so names are redacted
+/// before they are counted, reported or audited.
+pub struct Querier {
+    pub executor: String,
+    pub redactor: crate::secrets::LiveRedactor,
+}
+
 /// A running forwarder; [`Forwarder::stop`] ends it and returns its report.
 pub struct Forwarder {
     stop_tx: std::os::fd::OwnedFd,
@@ -66,7 +74,7 @@ impl Forwarder {
         policy: Arc<NetworkPolicy>,
         upstreams: Vec<SocketAddr>,
         allow: Option<sandbox::net::DynamicAllow>,
-        executor: String,
+        who: Querier,
     ) -> std::io::Result<Forwarder> {
         let sock = UdpSocket::bind(listen)?;
         let tcp = std::net::TcpListener::bind(listen)?;
@@ -93,7 +101,7 @@ impl Forwarder {
                 if ready(2) {
                     match tcp.accept() {
                         Ok((stream, peer)) if peer.ip() == client => {
-                            serve_tcp(stream, &policy, &upstreams, allow.as_ref(), &mut report, &executor);
+                            serve_tcp(stream, &policy, &upstreams, allow.as_ref(), &mut report, &who);
                         }
                         // Not the sandbox: closed at once.
                         Ok(_) | Err(_) => {}
@@ -107,7 +115,7 @@ impl Forwarder {
                     continue;
                 }
                 report.queries += 1;
-                let reply = answer(&buf[..n], &policy, &upstreams, allow.as_ref(), &mut report, &executor, false);
+                let reply = answer(&buf[..n], &policy, &upstreams, allow.as_ref(), &mut report, &who, false);
                 if let Some(reply) = reply {
                     let _ = sock.send_to(&reply, peer);
                 }
@@ -134,7 +142,7 @@ fn serve_tcp(
     upstreams: &[SocketAddr],
     allow: Option<&sandbox::net::DynamicAllow>,
     report: &mut DnsReport,
-    executor: &str,
+    who: &Querier,
 ) {
     use std::io::{Read, Write};
     if stream.set_nonblocking(false).is_err() {
@@ -168,7 +176,7 @@ fn serve_tcp(
             return;
         }
         report.queries += 1;
-        let Some(reply) = answer(&msg, policy, upstreams, allow, report, executor, true) else { return };
+        let Some(reply) = answer(&msg, policy, upstreams, allow, report, who, true) else { return };
         let Ok(n) = u16::try_from(reply.len()) else { return };
         let mut out = n.to_be_bytes().to_vec();
         out.extend_from_slice(&reply);
@@ -200,7 +208,9 @@ const TCP_CONNECTION: Duration = Duration::from_secs(5);
 /// [`MAX_REPORTED_NAMES`] of them — past that, one record says that the rest are only counted,
 /// so a sandbox querying ever new names cannot write the audit log without bound. `true`
 /// when this name and reason were audited now (first seen).
-fn refuse(report: &mut DnsReport, executor: &str, name: &str, reason: &str) -> bool {
+fn refuse(report: &mut DnsReport, who: &Querier, name: &str, reason: &str) -> bool {
+    let redacted = who.redactor.dns_name(name);
+    let (executor, name) = (who.executor.as_str(), redacted.as_str());
     report.refused += 1;
     if let Some(r) = report.refused_names.iter_mut().find(|r| r.name == name && r.reason == reason) {
         r.count += 1;
@@ -239,7 +249,7 @@ fn answer(
     upstreams: &[SocketAddr],
     allow: Option<&sandbox::net::DynamicAllow>,
     report: &mut DnsReport,
-    executor: &str,
+    who: &Querier,
     tcp: bool,
 ) -> Option<Vec<u8>> {
     let query = Message::from_vec(raw).ok()?;
@@ -247,7 +257,7 @@ fn answer(
         return None;
     }
     if query.metadata.op_code != OpCode::Query || query.queries.len() != 1 {
-        refuse(report, executor, "", "malformed");
+        refuse(report, who, "", "malformed");
         return error_reply(&query, ResponseCode::Refused);
     }
     // The name from its labels, each of hostname characters only: hickory's text form
@@ -256,7 +266,7 @@ fn answer(
     let mut labels: Vec<String> = Vec::new();
     for label in query.queries[0].name().iter() {
         if label.is_empty() || !label.iter().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_')) {
-            refuse(report, executor, "", "malformed");
+            refuse(report, who, "", "malformed");
             return error_reply(&query, ResponseCode::Refused);
         }
         labels.push(String::from_utf8_lossy(label).to_ascii_lowercase());
@@ -265,11 +275,11 @@ fn answer(
     match policy.name_verdict(&name) {
         NameVerdict::Allowed => {}
         NameVerdict::Denied => {
-            refuse(report, executor, &name, "denied");
+            refuse(report, who, &name, "denied");
             return error_reply(&query, ResponseCode::Refused);
         }
         NameVerdict::NotAllowed => {
-            refuse(report, executor, &name, "not_allowed");
+            refuse(report, who, &name, "not_allowed");
             return error_reply(&query, ResponseCode::Refused);
         }
     }
@@ -290,7 +300,7 @@ fn answer(
         if let Some(denied) =
             chained.into_iter().map(plain_name).find(|n| policy.name_verdict(n) == NameVerdict::Denied)
         {
-            refuse(report, executor, &denied, "denied");
+            refuse(report, who, &denied, "denied");
             return error_reply(&query, ResponseCode::Refused);
         }
         let addr = match &r.data {
@@ -300,10 +310,14 @@ fn answer(
         };
         let special = crate::egress::special_ranges().iter().any(|n| n.contains(addr));
         if special && !policy.explicitly_allows(addr) {
-            if refuse(report, executor, &name, "rebinding") {
+            if refuse(report, who, &name, "rebinding") {
                 crate::audit::record(
                     "dns_rebinding_refused",
-                    &[("executor", executor), ("name", &name), ("address", &addr.to_string())],
+                    &[
+                        ("executor", &who.executor),
+                        ("name", &who.redactor.dns_name(&name)),
+                        ("address", &addr.to_string()),
+                    ],
                 );
             }
             return error_reply(&query, ResponseCode::Refused);
@@ -313,7 +327,7 @@ fn answer(
     if let Some(allow) = allow {
         if !found.is_empty() {
             if let Err(e) = allow.allow(&found) {
-                tracing::warn!(error = %e, name, "could not allow resolved addresses");
+                tracing::warn!(error = %e, name = who.redactor.dns_name(&name), "could not allow resolved addresses");
                 return error_reply(&query, ResponseCode::ServFail);
             }
         }

@@ -465,6 +465,8 @@ pub struct EgressRun {
     reservation: Option<sandbox::net::Reservation>,
     egress: Option<sandbox::net::Egress>,
     forwarder: Option<crate::dns::Forwarder>,
+    /// The run's secret values as they are delivered (for the forwarder's records).
+    redactor: crate::secrets::LiveRedactor,
 }
 
 impl EgressRun {
@@ -474,6 +476,7 @@ impl EgressRun {
         policy: &crate::egress::NetworkPolicy,
         config: &Config,
         spec: &mut sandbox::SandboxSpec,
+        redactor: crate::secrets::LiveRedactor,
     ) -> Result<EgressRun, crate::executor_run::CannotRun> {
         let settings = crate::egress::EgressSettings::from_config(config)
             .map_err(|e| crate::executor_run::CannotRun(e.to_string()))?;
@@ -497,6 +500,7 @@ impl EgressRun {
             reservation: Some(reservation),
             egress: None,
             forwarder: None,
+            redactor,
         })
     }
 
@@ -512,7 +516,7 @@ impl EgressRun {
                 self.policy.clone(),
                 self.upstreams.clone(),
                 allow,
-                executor.to_string(),
+                crate::dns::Querier { executor: executor.to_string(), redactor: self.redactor.clone() },
             )
             .map_err(|e| format!("network egress: DNS forwarder on {gateway}:53: {e}"))?;
             self.forwarder = Some(fwd);
@@ -522,8 +526,18 @@ impl EgressRun {
     }
 
     /// Stop the forwarder, read the blocked counter, report, and let the network go.
-    pub(crate) fn finish(mut self, result: &mut crate::result::RunResult, executor: &str) {
-        let dns = self.forwarder.take().map(|f| f.stop()).unwrap_or_default();
+    /// `redactor` holds every value the run was given: the refused names are the payload's
+    /// queries, and a value can be one (in any case).
+    pub(crate) fn finish(
+        mut self,
+        result: &mut crate::result::RunResult,
+        executor: &str,
+        redactor: &crate::secrets::Redactor,
+    ) {
+        let mut dns = self.forwarder.take().map(|f| f.stop()).unwrap_or_default();
+        for r in &mut dns.refused_names {
+            r.name = redactor.dns_name(&r.name);
+        }
         let Some(egress) = self.egress.take() else { return };
         let blocked = egress.blocked();
         if let Ok(n) = &blocked {

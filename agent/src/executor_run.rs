@@ -273,9 +273,11 @@ pub fn run(req: RunRequest) -> Result<RunResult, CannotRun> {
     // wired from the namespace hook, before anything of the executor runs.
     let net_policy =
         crate::egress::NetworkPolicy::from_manifest(&m.permissions.network, req.config, limits.max_bandwidth_mbps)?;
+    // The secret values delivered, as they are, for the DNS forwarder's live audit records.
+    let live_redactor = crate::secrets::LiveRedactor::default();
     let mut net = match &net_policy {
         None => None,
-        Some(np) => Some(crate::egress::EgressRun::prepare(np, req.config, &mut spec)?),
+        Some(np) => Some(crate::egress::EgressRun::prepare(np, req.config, &mut spec, live_redactor.clone())?),
     };
     let mut hook = |pid: i32| -> Result<(), String> {
         match net.as_mut() {
@@ -322,7 +324,8 @@ pub fn run(req: RunRequest) -> Result<RunResult, CannotRun> {
         let cid = command_id.clone();
         let unblock =
             app_chan.shutdown_handle().map_err(|e| CannotRun(format!("application channel: {}", e.desc())))?;
-        let server = thread::spawn(move || serve(app_chan, &declared, &provider, &executor_name, &cid, &cpu));
+        let live = live_redactor.clone();
+        let server = thread::spawn(move || serve(app_chan, &declared, &provider, &executor_name, &cid, &cpu, &live));
         let outcome = sb.wait(sandbox::OutputOptions::default());
         // A sandbox abandoned with its processes stuck never closes the channel's other end:
         // the server must not wait for it.
@@ -348,7 +351,7 @@ pub fn run(req: RunRequest) -> Result<RunResult, CannotRun> {
         // come. Either way it is counted as enforced.
         result.limits.enforced.cpu |= cpu_limiter.enforced();
         if let Some(n) = net.take() {
-            n.finish(&mut result, &m.name);
+            n.finish(&mut result, &m.name, &redactor);
             // The refused names are the payload's queries: a secret can be one.
             if let Some(egress) = result.sandbox.egress.as_mut() {
                 *egress = redactor.json(egress);
@@ -461,6 +464,7 @@ fn serve(
     executor: &str,
     command_id: &str,
     cpu: &sandbox::CpuLimiter,
+    live: &crate::secrets::LiveRedactor,
 ) -> AppOutcome {
     let mut out = AppOutcome::default();
     let mut ready = false;
@@ -516,6 +520,7 @@ fn serve(
                                         out.secrets_audit.granted.push(name.clone());
                                     }
                                     out.redactor.add(&value);
+                                    live.add(&value);
                                     ToPayload::Secret { value: value.to_string() }
                                 }
                                 Err(e) => {

@@ -132,6 +132,29 @@ impl std::fmt::Debug for Redactor {
     }
 }
 
+/// A run's [`Redactor`] read by another thread while the run goes on (the DNS forwarder,
+/// which audits refused names as they come): values are added as they are delivered, before
+/// the executor has them.
+#[derive(Debug, Default, Clone)]
+pub struct LiveRedactor(std::sync::Arc<std::sync::Mutex<Redactor>>);
+
+impl LiveRedactor {
+    pub fn add(&self, value: &str) {
+        self.lock().add(value);
+    }
+
+    /// See [`Redactor::dns_name`].
+    pub fn dns_name(&self, name: &str) -> String {
+        self.lock().dns_name(name)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Redactor> {
+        // A panic while holding it cannot leave the list half-changed in a way that matters:
+        // a value is pushed whole, or not at all.
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
 pub const REDACTED: &str = "[REDACTED]";
 
 /// The largest `secrets.file` read (a map of names to values).
@@ -277,6 +300,26 @@ impl Redactor {
         self.values.iter().any(|v| bytes.windows(v.len()).any(|w| w == v.as_bytes()))
     }
 
+    /// A DNS name as the forwarder holds it (ASCII, lower case: DNS names match whatever
+    /// their case, so a value queried as a name comes in any case) with every value it
+    /// holds, compared without regard to ASCII case, redacted; then as [`Redactor::text`].
+    pub fn dns_name(&self, name: &str) -> String {
+        let mut out = name.to_string();
+        for v in &self.values {
+            let v = Zeroizing::new(v.to_ascii_lowercase());
+            // Past each replacement, so a value that "[REDACTED]" contains is replaced once.
+            let mut from = 0;
+            while let Some(i) = (!v.is_empty()).then(|| out[from..].to_ascii_lowercase().find(v.as_str())).flatten() {
+                // ASCII case folding keeps every byte where it was: `at` is a char boundary
+                // of `out` as of its lower-case copy.
+                let at = from + i;
+                out.replace_range(at..at + v.len(), REDACTED);
+                from = at + REDACTED.len();
+            }
+        }
+        self.text(&out)
+    }
+
     /// Redact every string (keys included) in a JSON value.
     pub fn json(&self, v: &serde_json::Value) -> serde_json::Value {
         use serde_json::Value;
@@ -292,6 +335,20 @@ impl Redactor {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_dns_name_is_redacted_whatever_the_case_and_only_once() {
+        let mut r = Redactor::default();
+        r.add("s3cr3t-VALUE");
+        assert_eq!(r.dns_name("a.s3cr3t-value.x.S3CR3T-Value"), "a.[REDACTED].x.[REDACTED]");
+        // Redacting a redacted name again leaves it as it is.
+        assert_eq!(r.dns_name(&r.dns_name("s3cr3t-value.test")), "[REDACTED].test");
+        assert_eq!(r.dns_name("example.test"), "example.test");
+        // A value that the replacement itself contains (in another case) ends.
+        let mut r = Redactor::default();
+        r.add("Redacted");
+        assert_eq!(r.dns_name("redacted.test"), "[REDACTED].test");
+    }
 
     #[test]
     fn a_capped_text_that_redaction_shrinks_shows_no_part_of_a_value() {
