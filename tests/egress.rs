@@ -1847,6 +1847,12 @@ fn sandbox_cannot_reach_the_agent_host() {
     let l6 = lab.in_host(|| std::net::TcpListener::bind("[::]:2223")).expect("bind v6 in HOST");
     l.set_nonblocking(true).unwrap();
     l6.set_nonblocking(true).unwrap();
+    // A port the host forwards to another machine (a published container port, a NodePort).
+    let _srv = lab.banner("198.51.100.10:80");
+    lab.host.nft_apply(
+        "table ip opsvtest_dnat {\n chain pre {\n  type nat hook prerouting priority -100;\n  \
+         ip daddr 192.0.2.1 tcp dport 8080 dnat to 198.51.100.10:80\n }\n}\n",
+    );
     let conf = Conf::new("");
     let p = probe(
         &lab,
@@ -1858,16 +1864,21 @@ fn sandbox_cannot_reach_the_agent_host() {
             ["connect", HOST_V4, 2222],
             ["connect", HOST_V6, 2223],
             ["resolve", "allowed.test"],
+            ["connect", HOST_V4, 8080],
+            ["connect", "198.51.100.10", 80],
         ]),
     );
     assert!(l.accept().is_err() && l6.accept().is_err(), "a connection reached the host's service");
     assert_resolved(p.step(3), "allowed.test", &["198.51.100.10"]);
+    assert_connected(p.step(5), "198.51.100.10:80");
     assert_all_blocked(&[
         (p.step(0), "the host end of the sandbox link, port 2222"),
         (p.step(1), "the host's uplink address 192.0.2.1:2222"),
         (p.step(2), "the host's uplink address [2001:db8:1::1]:2223"),
+        (p.step(4), "the host's port 8080, forwarded by its DNAT rule to 198.51.100.10:80"),
     ]);
     drop((l, l6));
+    lab.host.output("nft", &["delete", "table", "ip", "opsvtest_dnat"]);
     assert_host_clean(&lab);
 }
 
@@ -2153,6 +2164,7 @@ fn allow_any_mode_special_destinations_over_udp() {
             ["udp", "100.100.100.200", 80, 21],                      // 20 metadata outside 169.254/16
             ["udp", "168.63.129.16", 80, 22],                        // 21
             ["udp", "fd00:ec2::254", 80, 23],                        // 22
+            ["udp_gw6", 53, 24],                                     // 23 DNS is the IPv4 forwarder's
         ]),
     );
     let seen = sniff.seen();
@@ -2179,6 +2191,7 @@ fn allow_any_mode_special_destinations_over_udp() {
             (21, "UDP to 100.100.100.200 (Alibaba metadata)"),
             (22, "UDP to 168.63.129.16 (Azure WireServer)"),
             (23, "UDP to fd00:ec2::254 (AWS IPv6 metadata)"),
+            (24, "UDP to the IPv6 gateway's port 53 (a host resolver there answers any name)"),
         ],
     );
     // Markers 10, 11, 20 (HOST's uplink addresses) do reach HOST's veth in allow-any mode: the

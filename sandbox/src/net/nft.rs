@@ -165,10 +165,23 @@ fn reject(tcp_reset: bool) -> Expr {
 
 /// `ct state established,related` → register 1 holds a non-zero value.
 fn ct_established() -> Vec<Expr> {
-    const NFTA_CT_DREG: u16 = 1;
-    const NFTA_CT_KEY: u16 = 2;
     const NFT_CT_STATE: u32 = 0;
     const ESTABLISHED_RELATED: u32 = (1 << 1) | (1 << 2);
+    ct_any_of(NFT_CT_STATE, ESTABLISHED_RELATED)
+}
+
+/// `ct status dnat`: the connection's destination was rewritten (a DNAT rule of the host's,
+/// such as a published container port or a NodePort).
+fn ct_dnat() -> Vec<Expr> {
+    const NFT_CT_STATUS: u32 = 2;
+    const IPS_DST_NAT: u32 = 1 << 5;
+    ct_any_of(NFT_CT_STATUS, IPS_DST_NAT)
+}
+
+/// The conntrack field `key` (a 32-bit set of flags) has any of `bits`.
+fn ct_any_of(key: u32, bits: u32) -> Vec<Expr> {
+    const NFTA_CT_DREG: u16 = 1;
+    const NFTA_CT_KEY: u16 = 2;
     vec![
         other(
             "ct",
@@ -178,10 +191,10 @@ fn ct_established() -> Vec<Expr> {
                     1u32.to_be_bytes() /* NFT_REG_1 */
                         .to_vec(),
                 ),
-                DefaultNla::new(NFTA_CT_KEY, NFT_CT_STATE.to_be_bytes().to_vec()),
+                DefaultNla::new(NFTA_CT_KEY, key.to_be_bytes().to_vec()),
             ],
         ),
-        mask(4, ESTABLISHED_RELATED.to_ne_bytes().to_vec()),
+        mask(4, bits.to_ne_bytes().to_vec()),
         cmp(Operator::NotEqual, vec![0; 4]),
     ]
 }
@@ -397,7 +410,10 @@ pub(crate) fn load_sandbox_ruleset(
         let gateway: Option<IpAddr> = if v6 { gateway6.map(IpAddr::V6) } else { Some(IpAddr::V4(gateway4)) };
         if let Some(gw) = gateway {
             let gw_net = IpNet::host(gw);
-            if fw.dns {
+            // DNS to the forwarder, which listens on the IPv4 gateway only (the sandbox's
+            // resolv.conf names it): port 53 of the IPv6 gateway could be a host resolver
+            // that answers for any name.
+            if fw.dns && !v6 {
                 for proto in [IPPROTO_UDP, IPPROTO_TCP] {
                     b.rule(
                         chain,
@@ -483,13 +499,30 @@ pub(crate) fn create_host_table(nl: &mut Netlink, pool4: &IpNet, pool6: Option<&
         );
         b.rule("postrouting", join(vec![nfproto(*proto), addr_in(pool, true), vec![masquerade()]]));
     }
+    // Nothing the host's own DNAT rules redirect (a published container port, a NodePort
+    // on one of its addresses): to the sandbox that is the host, which it may not reach.
+    for rule in rejecting(join(vec![ifname_prefix(false), ct_dnat()])) {
+        b.rule("forward", rule);
+    }
     // Towards sandboxes only replies; nothing unsolicited.
     b.rule("forward", join(vec![ifname_prefix(true), ct_established(), vec![accept()]]));
     b.rule("forward", join(vec![ifname_prefix(true), vec![drop_()]]));
-    // The host itself: replies, and DNS to the agent's forwarder; nothing else.
+    // The host itself: replies, and DNS to the agent's forwarder (on a sandbox link's IPv4
+    // gateway, an address of `pool4`); nothing else — not port 53 of the host's other
+    // addresses, where a resolver of the host's own may answer.
     b.rule("input", join(vec![ifname_prefix(false), ct_established(), vec![accept()]]));
     for proto in [IPPROTO_UDP, IPPROTO_TCP] {
-        b.rule("input", join(vec![ifname_prefix(false), l4proto(proto), dport_range(53, 53), vec![accept()]]));
+        b.rule(
+            "input",
+            join(vec![
+                ifname_prefix(false),
+                nfproto(NFPROTO_IPV4),
+                addr_in(pool4, false),
+                l4proto(proto),
+                dport_range(53, 53),
+                vec![accept()],
+            ]),
+        );
     }
     // ICMPv6 neighbour discovery towards the host end.
     b.rule(
