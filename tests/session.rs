@@ -342,6 +342,53 @@ fn third_party_packages_come_from_python_path() {
     assert!(r["error"].as_str().unwrap().contains("not allowed"), "{r}");
 }
 
+/// The session's CPU quota is written when the runtime reports ready; code a default import
+/// runs before that (a package from --python-path) cannot report the start itself and have
+/// the session run without one.
+#[test]
+fn a_start_reported_before_ready_fails_the_start() {
+    if !require_root() {
+        return;
+    }
+    let lib = common::HostDir::new();
+    lib.file("early.py", "import _opservant\n_opservant.session_reply({'success': True})\n", 0o644);
+    let name = format!("t{}-{}", std::process::id(), SEQ.fetch_add(1, Ordering::Relaxed));
+    let out = Command::new(opservant())
+        .args(["session", "start", &name, "--python-path", lib.str(), "--allow-import", "early"])
+        .args(["--default-import", "e=early"])
+        .output()
+        .unwrap();
+    let _ = Command::new(opservant()).args(["session", "stop", &name]).output();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_ne!(out.status.code(), Some(0), "started: {}", String::from_utf8_lossy(&out.stdout));
+    assert!(stderr.contains("reported its start before it was ready"), "{stderr}");
+}
+
+/// Whoever started a session may be gone before its report (Ctrl-C, `timeout`): the
+/// daemon's report goes to a closed pipe, and the session runs on (it used to abort).
+#[test]
+fn a_session_whose_starter_is_gone_runs_on() {
+    if !require_root() {
+        return;
+    }
+    let lib = common::HostDir::new();
+    lib.file("slow.py", "import time\ntime.sleep(1.5)\n", 0o644);
+    let name = format!("t{}-{}", std::process::id(), SEQ.fetch_add(1, Ordering::Relaxed));
+    let mut starter = Command::new(opservant())
+        .args(["session", "start", &name, "--python-path", lib.str(), "--allow-import", "slow,time"])
+        .args(["--default-import", "s=slow"])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // While the default import sleeps.
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    starter.kill().unwrap();
+    starter.wait().unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(2500));
+    let stop = Command::new(opservant()).args(["session", "stop", &name]).output().unwrap();
+    assert_eq!(stop.status.code(), Some(0), "the session is gone: {}", String::from_utf8_lossy(&stop.stderr));
+}
+
 #[test]
 fn a_python_path_never_shows_key_material() {
     if !require_root() {

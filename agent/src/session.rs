@@ -257,10 +257,15 @@ pub fn start(settings: &Settings, exe: &Path, serve_subcommand: &str) -> Result<
     };
     let mut cmd = Command::new(exe);
     cmd.arg(serve_subcommand).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(log);
-    // SAFETY: setsid is async-signal-safe and touches no memory of the parent.
+    // SAFETY: setsid and chdir are async-signal-safe and touch no memory of the parent (the
+    // path is a static C string).
     unsafe {
         cmd.pre_exec(|| {
             if libc::setsid() < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // A session lives for days: it must not keep the caller's directory busy.
+            if libc::chdir(c"/".as_ptr()) < 0 {
                 return Err(std::io::Error::last_os_error());
             }
             Ok(())
@@ -455,7 +460,8 @@ fn limits_json(limits: &EffectiveLimits) -> Value {
 
 fn report_failure(error: &str) -> i32 {
     tracing::error!(target: "opservant::session", "{error}");
-    println!("{}", json!({ "status": "failed", "error": error }));
+    // Never a panic (`println!`'s) when whoever started the session is gone.
+    let _ = crate::stdout::print(&format!("{}\n", json!({ "status": "failed", "error": error })));
     1
 }
 
@@ -612,6 +618,11 @@ impl Daemon {
                         break Err(format!("the runtime's start (CPU quota, then proceed): {e}"));
                     }
                 }
+                // Only after `ready`: the CPU quota is written on it. A start reply before it
+                // (sent by code a default import ran) would have the session run unlimited.
+                Ok(Some(FromPayload::SessionReply { .. })) if !ready => {
+                    break Err("the runtime reported its start before it was ready".into())
+                }
                 Ok(Some(FromPayload::SessionReply { success: true, .. })) => break Ok(()),
                 Ok(Some(FromPayload::SessionReply { error, .. })) => {
                     break Err(error.unwrap_or_else(|| "the session could not start".into()))
@@ -669,9 +680,12 @@ impl Daemon {
             "limits": limits_json(&daemon.limits),
             "warnings": warnings,
         });
-        println!("{report}");
+        // Whoever started the session may be gone (Ctrl-C, a `timeout`): the session runs on
+        // regardless (`session list` shows it), never a panic on the closed pipe.
+        if let Err(e) = crate::stdout::print(&format!("{report}\n")) {
+            tracing::warn!(target: "opservant::session", error = %e, "the start report could not be written");
+        }
         // From here on the daemon's stdout is not read by anyone.
-        let _ = std::io::stdout().flush();
         if let Ok(null) = std::fs::OpenOptions::new().write(true).open("/dev/null") {
             // SAFETY: dup2 onto fd 1 replaces our own stdout; `null` stays valid for the call.
             unsafe { libc::dup2(null.as_raw_fd(), 1) };
