@@ -1197,6 +1197,16 @@ fn denied_host_wins_over_wildcard_allow() {
     assert_host_clean(&lab);
 }
 
+/// The records of `event` in the audit log at `log`.
+fn audit_records(log: &Path, event: &str) -> Vec<Value> {
+    std::fs::read_to_string(log)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter(|r| r["event"] == event)
+        .collect()
+}
+
 /// Refused names are audited once each, for the first 20: a sandbox that queries ever new
 /// names gets every query refused and counted, but cannot write the audit log without
 /// bound (one more record says the rest are counted only).
@@ -1219,12 +1229,7 @@ fn refused_dns_names_cannot_flood_the_audit_log() {
     let dns = &p.egress()["dns"];
     assert!(dns["refused"].as_u64().unwrap() >= 40, "every query counted: {dns}");
     assert_eq!(dns["refused_names"].as_array().map(Vec::len), Some(20), "{dns}");
-    let records: Vec<Value> = std::fs::read_to_string(&log)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str::<Value>(l).unwrap())
-        .filter(|r| r["event"] == "dns_refused")
-        .collect();
+    let records = audit_records(&log, "dns_refused");
     assert_eq!(records.len(), 21, "20 names and one record saying the rest are counted only");
     assert_eq!(records.iter().filter(|r| r["fields"]["further_names_counted_only_after"] == "20").count(), 1);
     assert_host_clean(&lab);
@@ -1263,11 +1268,7 @@ fn a_secret_queried_as_a_dns_name_is_redacted_from_the_audit_and_the_result() {
     let refused = &r["sandbox"]["egress"]["dns"]["refused_names"];
     assert!(refused.as_array().is_some_and(|a| a.iter().any(|n| n["name"] == "[REDACTED].leak.test")), "{refused}");
     let audit = std::fs::read_to_string(&log).unwrap();
-    let records: Vec<Value> = audit
-        .lines()
-        .map(|l| serde_json::from_str::<Value>(l).unwrap())
-        .filter(|r| r["event"] == "dns_refused")
-        .collect();
+    let records = audit_records(&log, "dns_refused");
     assert!(records.iter().any(|r| r["fields"]["name"] == "[REDACTED].leak.test"), "{records:?}");
     for (what, text) in [("audit log", &audit), ("result", &out.stdout), ("stderr", &out.stderr)] {
         let text = text.to_ascii_lowercase();

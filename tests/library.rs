@@ -509,6 +509,11 @@ fn dropping_a_running_sandbox_tears_it_down() {
     assert!(!std::path::Path::new(&format!("/proc/{monitor}")).exists(), "monitor reaped, no zombie");
 }
 
+/// The first child of `pid` (its main thread's), if any.
+fn first_child(pid: i32) -> Option<i32> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).ok()?.split_whitespace().next()?.parse().ok()
+}
+
 #[test]
 fn a_sandbox_whose_monitor_dies_dies_with_it() {
     if !require_root() {
@@ -522,18 +527,10 @@ fn a_sandbox_whose_monitor_dies_dies_with_it() {
     let s = spec(&["/bin/sh", "-c", "trap '' INT HUP TERM QUIT; while :; do sleep 1; done"]);
     let sb = Sandbox::spawn(&s, &launcher(), None).unwrap();
     let monitor = sb.monitor_pid();
-    let child_of = |pid: i32| -> Option<i32> {
-        std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
-            .ok()?
-            .split_whitespace()
-            .next()?
-            .parse()
-            .ok()
-    };
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     let (init, payload) = loop {
-        if let Some(init) = child_of(monitor) {
-            if let Some(payload) = child_of(init) {
+        if let Some(init) = first_child(monitor) {
+            if let Some(payload) = first_child(init) {
                 break (init, payload);
             }
         }
@@ -577,17 +574,9 @@ fn stopped_during_setup(by_timeout: bool) -> Option<Result<String, String>> {
     let monitor = sb.monitor_pid();
     let stop = sb.stop_handle();
     let outcome = wait_elsewhere(sb);
-    let child_of = |pid: i32| -> Option<i32> {
-        std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
-            .ok()?
-            .split_whitespace()
-            .next()?
-            .parse()
-            .ok()
-    };
     let deadline = Instant::now() + Duration::from_secs(10);
     let init = loop {
-        if let Some(init) = child_of(monitor) {
+        if let Some(init) = first_child(monitor) {
             break init;
         }
         assert!(Instant::now() < deadline, "the monitor forked no init");
@@ -599,7 +588,7 @@ fn stopped_during_setup(by_timeout: bool) -> Option<Result<String, String>> {
         assert!(Instant::now() < deadline, "init {init} did not stop");
         std::thread::yield_now();
     }
-    let early = child_of(init).is_none();
+    let early = first_child(init).is_none();
     // The waiting thread takes init's pid from the monitor's report; then the stop (or the
     // timeout's SIGTERM) goes to init, which is to keep it pending.
     std::thread::sleep(Duration::from_millis(100));
