@@ -575,13 +575,21 @@ fn stopped_during_setup(by_timeout: bool) -> Option<Result<String, String>> {
     let stop = sb.stop_handle();
     let outcome = wait_elsewhere(sb);
     let deadline = Instant::now() + Duration::from_secs(10);
+    // (A timeout that expired before init was forked ends the sandbox without one: this
+    // attempt does not count.)
     let init = loop {
         if let Some(init) = first_child(monitor) {
-            break init;
+            break Some(init);
+        }
+        if !std::path::Path::new(&format!("/proc/{monitor}")).exists() {
+            break None;
         }
         assert!(Instant::now() < deadline, "the monitor forked no init");
     };
-    kill(Pid::from_raw(init), Signal::SIGSTOP).unwrap();
+    let Some(init) = init.filter(|&i| kill(Pid::from_raw(i), Signal::SIGSTOP).is_ok()) else {
+        let _ = outcome.recv_timeout(Duration::from_secs(30));
+        return None;
+    };
     // Held before its step 8, or too late for this attempt?
     let deadline = Instant::now() + Duration::from_secs(10);
     while !std::fs::read_to_string(format!("/proc/{init}/stat")).unwrap_or_default().contains(") T ") {
