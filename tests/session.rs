@@ -17,9 +17,14 @@ struct Session {
     name: String,
 }
 
+/// A session name no other test of this run uses.
+fn fresh_name() -> String {
+    format!("t{}-{}", std::process::id(), SEQ.fetch_add(1, Ordering::Relaxed))
+}
+
 impl Session {
     fn start(args: &[&str]) -> (Session, Value) {
-        let name = format!("t{}-{}", std::process::id(), SEQ.fetch_add(1, Ordering::Relaxed));
+        let name = fresh_name();
         let out = Command::new(opservant()).args(["session", "start", &name]).args(args).output().unwrap();
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert_eq!(out.status.code(), Some(0), "start: {stdout} {}", String::from_utf8_lossy(&out.stderr));
@@ -352,13 +357,13 @@ fn a_start_reported_before_ready_fails_the_start() {
     }
     let lib = common::HostDir::new();
     lib.file("early.py", "import _opservant\n_opservant.session_reply({'success': True})\n", 0o644);
-    let name = format!("t{}-{}", std::process::id(), SEQ.fetch_add(1, Ordering::Relaxed));
+    // Stopped (and its log removed) should it have started after all.
+    let session = Session { name: fresh_name() };
     let out = Command::new(opservant())
-        .args(["session", "start", &name, "--python-path", lib.str(), "--allow-import", "early"])
+        .args(["session", "start", &session.name, "--python-path", lib.str(), "--allow-import", "early"])
         .args(["--default-import", "e=early"])
         .output()
         .unwrap();
-    let _ = Command::new(opservant()).args(["session", "stop", &name]).output();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_ne!(out.status.code(), Some(0), "started: {}", String::from_utf8_lossy(&out.stdout));
     assert!(stderr.contains("reported its start before it was ready"), "{stderr}");
@@ -373,7 +378,7 @@ fn a_session_whose_starter_is_gone_runs_on() {
     }
     let lib = common::HostDir::new();
     lib.file("slow.py", "import time\ntime.sleep(1.5)\n", 0o644);
-    let name = format!("t{}-{}", std::process::id(), SEQ.fetch_add(1, Ordering::Relaxed));
+    let name = fresh_name();
     let mut starter = Command::new(opservant())
         .args(["session", "start", &name, "--python-path", lib.str(), "--allow-import", "slow,time"])
         .args(["--default-import", "s=slow"])
@@ -412,7 +417,7 @@ fn a_python_path_never_shows_key_material() {
     let link = common::HostDir::new();
     std::os::unix::fs::symlink(&creds.path, link.path.join("lib")).unwrap();
     for path in [creds.path.clone(), creds.path.join("sub"), link.path.join("lib")] {
-        let name = format!("t{}-{}", std::process::id(), SEQ.fetch_add(1, Ordering::Relaxed));
+        let name = fresh_name();
         let out = Command::new(opservant())
             .args(["session", "start", &name, "--python-path"])
             .arg(&path)
@@ -429,7 +434,7 @@ fn a_python_path_never_shows_key_material() {
         }
     }
     // Without the credential, the same directory is an ordinary python path.
-    let name = format!("t{}-{}", std::process::id(), SEQ.fetch_add(1, Ordering::Relaxed));
+    let name = fresh_name();
     let out = Command::new(opservant())
         .args(["session", "start", &name, "--python-path"])
         .arg(&creds.path)
