@@ -403,6 +403,102 @@ fn archives_install_and_hostile_archives_are_refused_whole() {
     assert!(!fresh.root.exists(), "the failed install's root is removed");
 }
 
+/// Python that defines `pad`, `pax(records)` (a PAX header entry holding `records`, keys
+/// repeated as given), `member(name, data)` (a ustar file entry) and `package(root)` (the
+/// entries of the package directory `root` under `hello/`), for hand-made tar streams.
+const TAR_PIECES_PY: &str = r#"
+import io, os, tarfile
+def pad(b):
+    return b + bytes(-len(b) % 512)
+def pax(records, kind=tarfile.XHDTYPE):
+    body = b""
+    for k, v in records:
+        r = f" {k}={v}\n".encode()
+        n = len(r)
+        while len(str(n)) + len(r) != n:
+            n = len(str(n)) + len(r)
+        body += str(n).encode() + r
+    i = tarfile.TarInfo("././@PaxHeader")
+    i.type = kind
+    i.size = len(body)
+    return i.tobuf(tarfile.USTAR_FORMAT) + pad(body)
+def member(name, data):
+    i = tarfile.TarInfo(name)
+    i.size = len(data)
+    return i.tobuf(tarfile.USTAR_FORMAT) + pad(data)
+def package(root):
+    out = b""
+    for d, _, files in sorted(os.walk(root)):
+        for f in sorted(files):
+            p = os.path.join(d, f)
+            out += member("hello/" + os.path.relpath(p, root), open(p, "rb").read())
+    return out
+"#;
+
+#[test]
+fn an_archive_installs_as_tar_reads_it_or_not_at_all() {
+    if !common::require_root() {
+        return;
+    }
+    // What is installed must be what a reviewer's `tar` lists, or nothing.
+    let env = Env::new();
+    let src = package(&env.dir.path, "2.0.0", false);
+    let src = src.to_str().unwrap();
+    let base = env.dir.path.to_str().unwrap().to_string();
+
+    // A gzip file of two members: `gzip -d` reads both, so `tar -tzf` lists the second's
+    // entries too — installed with the rest.
+    let multi = format!("{base}/multi.tar.gz");
+    python(&format!(
+        "{TAR_PIECES_PY}\nimport gzip\nbody = package({src:?})\nrest = member('hello/hello/second.py', b'SECOND = 1\\n') + bytes(1024)\nopen({multi:?}, 'wb').write(gzip.compress(body) + gzip.compress(rest))\n"
+    ));
+    let listed = Command::new("tar").args(["-tzf", &multi]).output().unwrap();
+    assert!(String::from_utf8_lossy(&listed.stdout).contains("hello/hello/second.py"));
+    let out = env.op(&["executor", "install", &multi]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(env.root.join("hello/current/hello/second.py").is_file(), "the second gzip member was not installed");
+    assert_eq!(run_output(&env, "hello")["version"], "2.0.0");
+    assert_eq!(env.op(&["executor", "remove", "hello"]).code, 0);
+
+    // Names two tar readers read differently (GNU tar: the PAX path over a GNU long name,
+    // the last of two PAX paths; a global header's path applies to every later entry), and
+    // sourceless bytecode outside `__pycache__`: refused whole.
+    let long = format!("hello/{}.py", "l".repeat(120));
+    for (name, entries, needle) in [
+        (
+            "longname-and-pax",
+            format!("tarfile.TarInfo._create_gnu_long_header({long:?}, tarfile.GNUTYPE_LONGNAME, 'utf-8', 'surrogateescape') + pax([('path', 'hello/hello/other.py')]) + member('hello/x.py', b'X = 1\\n')"),
+            "named twice",
+        ),
+        ("two-pax-paths", "pax([('path', 'hello/a.py'), ('path', 'hello/b.py')]) + member('hello/x.py', b'X = 1\\n')".into(), "named twice"),
+        ("global-path", "pax([('path', 'hello/g.py')], tarfile.XGLTYPE) + member('hello/x.py', b'X = 1\\n')".into(), "PAX global header setting `path`"),
+        ("loose-pyc", "member('hello/hello/sneaky.pyc', b'\\0' * 16)".into(), "hello/hello/sneaky.pyc: compiled bytecode outside __pycache__"),
+    ] {
+        let archive = format!("{base}/{name}.tar");
+        python(&format!(
+            "{TAR_PIECES_PY}\nopen({archive:?}, 'wb').write(package({src:?}) + {entries} + bytes(1024))\n"
+        ));
+        let out = env.op(&["executor", "install", &archive]);
+        assert_eq!(out.code, 2, "{name}: {} {}", out.stdout, out.stderr);
+        assert!(out.stderr.contains(needle), "{name}: {}", out.stderr);
+        assert_eq!(env.entries(), Vec::<String>::new(), "{name}: nothing left behind");
+    }
+
+    // A package directory with sourceless bytecode: refused too (a cache in `__pycache__` is
+    // left out, as always).
+    let dir = package(&env.dir.path.join("d"), "2.1.0", false);
+    std::fs::create_dir_all(dir.join("hello/__pycache__")).unwrap();
+    std::fs::write(dir.join("hello/__pycache__/main.cpython-311.pyc"), b"\0").unwrap();
+    let out = env.op(&["executor", "install", dir.to_str().unwrap()]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert_eq!(env.op(&["executor", "remove", "hello"]).code, 0);
+    std::fs::write(dir.join("hello/util.pyc"), b"\0").unwrap();
+    let out = env.op(&["executor", "install", dir.to_str().unwrap()]);
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(out.stderr.contains("util.pyc: compiled bytecode outside __pycache__"), "{}", out.stderr);
+    assert_eq!(env.entries(), Vec::<String>::new());
+}
+
 #[test]
 fn an_archive_header_cannot_make_the_agent_read_gigabytes_into_memory() {
     if !common::require_root() {
@@ -486,6 +582,41 @@ fn requirements_come_from_wheels_only() {
         assert!(out.stderr.contains("requirements.packages[0]"), "{req}: {}", out.stderr);
         std::fs::remove_dir_all(u).unwrap();
     }
+}
+
+#[test]
+fn pip_is_offered_only_the_wheels_in_the_package() {
+    if !common::require_root() {
+        return;
+    }
+    // pip reads a `--find-links` directory as an index: an HTML page in the package's
+    // `wheels/` could point it (root) at a wheel anywhere on the host or the network, which
+    // the package's signature does not cover.
+    let env = Env::new();
+    let elsewhere = env.dir.path.join("elsewhere");
+    wheel(&elsewhere);
+    let page = format!(
+        r#"<html><body><a href="file://{0}/tinydep-1.0-py3-none-any.whl">tinydep-1.0-py3-none-any.whl</a></body></html>"#,
+        elsewhere.display()
+    );
+    let p = package(&env.dir.path, "1.0.0", true);
+    std::fs::create_dir_all(p.join("wheels/sub")).unwrap();
+    std::fs::write(p.join("wheels/index.html"), &page).unwrap();
+    std::fs::write(p.join("wheels/sub/index.html"), &page).unwrap();
+    let out = env.op(&["executor", "install", p.to_str().unwrap()]);
+    assert_eq!(out.code, 2, "a wheel outside the package was installed: {}", out.stderr);
+    assert!(out.stderr.contains("no wheels"), "{}", out.stderr);
+    assert_eq!(env.entries(), Vec::<String>::new());
+    // With the wheel itself in `wheels/`, the page is left out and named in a warning.
+    wheel(&p.join("wheels"));
+    let out = env.op(&["executor", "install", "--json", p.to_str().unwrap()]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let report: Value = serde_json::from_str(out.stdout.trim()).unwrap();
+    let warnings = report["warnings"].to_string();
+    assert!(warnings.contains("wheels/index.html: not a wheel, not offered to pip"), "{warnings}");
+    assert!(warnings.contains("wheels/sub: not a wheel"), "{warnings}");
+    assert_eq!(run_output(&env, "hello")["dep"], 42);
+    assert_eq!(env.entries(), vec!["hello".to_string()]);
 }
 
 #[test]

@@ -18,10 +18,14 @@
 //! - an archive (`.tar.gz`, `.tgz`, `.tar`) is unpacked entry by entry and refused as a whole
 //!   on the first absolute path, `..` component, symbolic or hard link, device, FIFO, or
 //!   anything but a regular file or a directory, on a non-UTF-8 name, or beyond the size and
-//!   entry limits; nothing of a refused package is left behind;
+//!   entry limits; on an entry two tar readers would name differently or a PAX global header
+//!   that changes later entries; on compiled bytecode outside `__pycache__` (archives and
+//!   directories); every member of a multi-member gzip file is read, so what is installed is
+//!   what `tar` lists; nothing of a refused package is left behind;
 //! - a package is installed only if `executor lint` finds no error in it — with its Python
 //!   requirements installed first, from wheels only (never a source build, which would run
-//!   the package's code as root): the package's own `wheels/` directory, `--find-links`, or
+//!   the package's code as root): the package's own `wheels/` directory (its `*.whl` files
+//!   only: pip would follow an HTML page's links), `--find-links`, or
 //!   `--index-url`; pip resolves no dependencies (a wheel's direct-reference dependency
 //!   would be built), so the requirements list every distribution, checked from the
 //!   wheels' metadata;
@@ -509,8 +513,11 @@ pub fn install(
             ".deps: a package must not bring its own .deps (requirements are installed from wheels)".into(),
         ));
     }
+    let mut warnings = Vec::new();
     if !manifest.requirements.packages.is_empty() {
-        install_requirements(&pkg, &manifest.requirements.packages, opts)?;
+        let offered = package_wheels(&pkg, &staging.0.join("wheels"))?;
+        warnings.extend(offered.ignored.iter().map(|n| format!("wheels/{n}: not a wheel, not offered to pip")));
+        install_requirements(&pkg, offered.dir.as_deref(), &manifest.requirements.packages, opts)?;
     }
     let report = crate::lint::lint(&pkg, policy).map_err(|e| InstallError::Invalid(e.to_string()))?;
     if !report.errors.is_empty() {
@@ -518,7 +525,7 @@ pub fn install(
     }
     // Normalise permissions: the sandbox reads the package as an unprivileged user.
     normalise_modes(&pkg)?;
-    let mut warnings = report.warnings;
+    warnings.extend(report.warnings);
     // Bytecode caches, compiled in a sandbox; best effort (see `crate::bytecode`). The
     // sandbox's unprivileged user must reach the package: the staging directory becomes
     // traversable (not listable); everything in it is world-readable from here on, as the
@@ -939,7 +946,9 @@ fn capped_message() -> String {
 fn unpack(file: &Path, kind: ArchiveKind, archive: &Path, dest: &Path) -> Result<(), InstallError> {
     let f = std::fs::File::open(file).map_err(|e| io(file, e))?;
     let reader: Box<dyn Read> = match kind {
-        ArchiveKind::TarGz => Box::new(flate2::read::GzDecoder::new(f)),
+        // Every member of a multi-member gzip file, as `gzip -d` (and so `tar -xzf`) reads
+        // it: a reviewer's `tar` must see what is installed.
+        ArchiveKind::TarGz => Box::new(flate2::read::MultiGzDecoder::new(f)),
         ArchiveKind::Tar => Box::new(f),
     };
     // The whole tar stream is bounded, headers included: the `tar` crate reads a long-name
@@ -974,13 +983,22 @@ fn unpack_stream(reader: impl Read, archive: &Path, dest: &Path) -> Result<(), I
             .path()
             .map_err(|e| InstallError::Invalid(format!("{}: bad entry name: {e}", archive.display())))?
             .into_owned();
-        let rel = safe_relative(&raw)?;
         let kind = entry.header().entry_type();
         // A PAX global header (`git archive` writes one holding the commit id) describes
-        // the archive, not a file: nothing to unpack.
+        // the archive, not a file: nothing to unpack — unless it changes what later entries
+        // are, which GNU tar would apply and this reader would not.
         if kind == tar::EntryType::XGlobalHeader {
+            if let Some(key) =
+                pax_keys(&mut entry)?.into_iter().find(|k| !HARMLESS_GLOBAL_PAX_KEYS.contains(&k.as_str()))
+            {
+                return Err(InstallError::Invalid(format!(
+                    "a PAX global header setting `{key}` is refused (it would change every later entry)"
+                )));
+            }
             continue;
         }
+        one_name(&mut entry, &raw)?;
+        let rel = safe_relative(&raw)?;
         if rel.as_os_str().is_empty() {
             if kind.is_dir() {
                 continue;
@@ -1007,6 +1025,7 @@ fn unpack_stream(reader: impl Read, archive: &Path, dest: &Path) -> Result<(), I
             if files.contains(&rel) || dirs.contains(&rel) {
                 return Err(invalid("given twice in the archive"));
             }
+            refuse_loose_bytecode(&rel)?;
             if let Some(parent) = target.parent() {
                 std::fs::DirBuilder::new().mode(0o755).recursive(true).create(parent).map_err(|e| io(parent, e))?;
             }
@@ -1031,6 +1050,68 @@ fn unpack_stream(reader: impl Read, archive: &Path, dest: &Path) -> Result<(), I
             };
             return Err(InstallError::Invalid(format!("{}: {what} is refused", rel.display())));
         }
+    }
+    Ok(())
+}
+
+/// PAX keywords a global header may set: they describe the archive or file metadata the
+/// install does not use (owners, times), never an entry's name, target, size or layout.
+const HARMLESS_GLOBAL_PAX_KEYS: &[&str] =
+    &["comment", "mtime", "atime", "ctime", "uid", "gid", "uname", "gname", "charset", "hdrcharset"];
+
+/// The keywords of a PAX header entry (global or local), in order; a malformed record makes
+/// the archive invalid.
+fn pax_keys<R: Read>(entry: &mut tar::Entry<'_, R>) -> Result<Vec<String>, InstallError> {
+    let invalid = |e: &dyn std::fmt::Display| InstallError::Invalid(format!("not a valid archive (a PAX header): {e}"));
+    let Some(extensions) = entry.pax_extensions().map_err(|e| invalid(&e))? else {
+        return Ok(Vec::new());
+    };
+    extensions
+        .map(|ext| ext.map_err(|e| invalid(&e)).map(|ext| String::from_utf8_lossy(ext.key_bytes()).into_owned()))
+        .collect()
+}
+
+/// Refuses an entry whose name two tar readers could read differently: a PAX header giving
+/// `path` more than once (GNU tar takes the last, this reader the first), or a PAX `path`
+/// next to a GNU long name (this reader takes the long name, GNU tar the PAX path). `name`
+/// is the name this reader gave the entry.
+fn one_name<R: Read>(entry: &mut tar::Entry<'_, R>, name: &Path) -> Result<(), InstallError> {
+    use std::os::unix::ffi::OsStrExt;
+    let invalid = |e: &dyn std::fmt::Display| InstallError::Invalid(format!("not a valid archive (a PAX header): {e}"));
+    let Some(extensions) = entry.pax_extensions().map_err(|e| invalid(&e))? else {
+        return Ok(());
+    };
+    let mut paths = Vec::new();
+    for ext in extensions {
+        let ext = ext.map_err(|e| invalid(&e))?;
+        if ext.key_bytes() == b"path" {
+            paths.push(ext.value_bytes().to_vec());
+        }
+    }
+    let ambiguous = match paths.as_slice() {
+        [] => false,
+        [only] => only.as_slice() != name.as_os_str().as_bytes(),
+        _ => true,
+    };
+    if ambiguous {
+        return Err(InstallError::Invalid(format!(
+            "{}: an entry named twice (a PAX path and a GNU long name, or two PAX paths) is refused",
+            name.display()
+        )));
+    }
+    Ok(())
+}
+
+/// Refuses compiled bytecode outside `__pycache__`: a sourceless `NAME.pyc` is importable as
+/// `NAME` with no source for a reviewer (or `executor lint`) to read. Caches in
+/// `__pycache__` are dropped, not refused: the agent compiles its own.
+fn refuse_loose_bytecode(rel: &Path) -> Result<(), InstallError> {
+    let name = rel.file_name().map(|n| n.to_string_lossy()).unwrap_or_default();
+    if name.ends_with(".pyc") || name.ends_with(".pyo") {
+        return Err(InstallError::Invalid(format!(
+            "{}: compiled bytecode outside __pycache__ is refused (ship the source)",
+            rel.display()
+        )));
     }
     Ok(())
 }
@@ -1119,6 +1200,7 @@ fn copy_dir(dir: std::os::fd::OwnedFd, src: &Path, dest: &Path, budget: &mut Bud
             if std::os::unix::fs::MetadataExt::nlink(&meta) > 1 {
                 return Err(InstallError::Invalid(format!("{}: a hard link is refused in a package", path.display())));
             }
+            refuse_loose_bytecode(&path)?;
             budget.copy(&mut f, &target, meta.permissions().mode() & 0o111 != 0, |err| io(&path, err))?;
         } else {
             return Err(refused());
@@ -1168,7 +1250,7 @@ fn python() -> String {
 /// variables; `HOME` is a directory that does not exist — it was the package, whose
 /// `.config/pip/pip.conf` could name a log or report file for root to write anywhere), it
 /// installs wheels only (`--only-binary :all:`: no build, no package code runs) from the
-/// package's `wheels/` or the operator's sources, and the requirements are names with
+/// package's `wheels/` (its `*.whl` files only, [`package_wheels`]) or the operator's sources, and the requirements are names with
 /// version specifiers only ([`crate::manifest`] refuses URLs and paths).
 ///
 /// pip resolves no dependencies (`--no-deps`): a wheel's own `Requires-Dist` may be a
@@ -1178,16 +1260,20 @@ fn python() -> String {
 /// file does, and [`check_dependencies`] then reads the installed wheels' metadata (no code of
 /// theirs runs) and refuses a dependency that is missing, of another version, or a direct
 /// reference.
-fn install_requirements(pkg: &Path, packages: &[String], opts: &InstallOptions) -> Result<(), InstallError> {
+fn install_requirements(
+    pkg: &Path,
+    package_wheels: Option<&Path>,
+    packages: &[String],
+    opts: &InstallOptions,
+) -> Result<(), InstallError> {
     let mut cmd = std::process::Command::new(python());
     cmd.args(["-I", "-m", "pip", "install", "--isolated", "--no-cache-dir", "--no-deps"])
         .args(["--disable-pip-version-check", "--no-input", "--no-compile"])
         .args(["--only-binary", ":all:", "--target"])
         .arg(pkg.join(".deps"));
-    let wheels = pkg.join("wheels");
     let mut sources = 0;
-    if wheels.is_dir() {
-        cmd.arg("--find-links").arg(&wheels);
+    if let Some(wheels) = package_wheels {
+        cmd.arg("--find-links").arg(wheels);
         sources += 1;
     }
     for f in &opts.find_links {
@@ -1222,6 +1308,50 @@ fn install_requirements(pkg: &Path, packages: &[String], opts: &InstallOptions) 
         )));
     }
     check_dependencies(&pkg.join(".deps"), packages)
+}
+
+/// What of a package's `wheels/` directory pip is given ([`package_wheels`]).
+struct OfferedWheels {
+    /// The private directory holding them; `None` when the package has no wheel.
+    dir: Option<PathBuf>,
+    /// Names in `wheels/` that were left out (not a regular `*.whl` file).
+    ignored: Vec<String>,
+}
+
+/// The package's own wheels, as pip may see them: the regular files named `*.whl` directly
+/// in `wheels/`, hard-linked into `private` (a new directory of the staging area, outside the
+/// package). pip reads a `--find-links` directory as an index: an HTML file there is parsed as
+/// a page whose links — `file:///…` anywhere on the host, `https://…` — it follows, so the
+/// package's `wheels/` itself would let it choose wheels its signature does not cover.
+fn package_wheels(pkg: &Path, private: &Path) -> Result<OfferedWheels, InstallError> {
+    let wheels = pkg.join("wheels");
+    let mut offered = OfferedWheels { dir: None, ignored: Vec::new() };
+    match std::fs::symlink_metadata(&wheels) {
+        Ok(meta) if meta.is_dir() => {}
+        Ok(_) => return Err(InstallError::Invalid("wheels: not a directory".into())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(offered),
+        Err(e) => return Err(io(&wheels, e)),
+    }
+    let mut entries: Vec<_> = std::fs::read_dir(&wheels)
+        .map_err(|e| io(&wheels, e))?
+        .collect::<Result<_, _>>()
+        .map_err(|e| io(&wheels, e))?;
+    entries.sort_by_key(|e| e.file_name());
+    for entry in entries {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let is_file = entry.file_type().map_err(|e| io(&entry.path(), e))?.is_file();
+        // pip takes a link for a wheel by this exact, case-sensitive suffix.
+        if !is_file || !name.ends_with(".whl") {
+            offered.ignored.push(name);
+            continue;
+        }
+        if offered.dir.is_none() {
+            std::fs::DirBuilder::new().mode(0o700).create(private).map_err(|e| io(private, e))?;
+            offered.dir = Some(private.to_path_buf());
+        }
+        std::fs::hard_link(entry.path(), private.join(&name)).map_err(|e| io(&entry.path(), e))?;
+    }
+    Ok(offered)
 }
 
 /// Reads the metadata of the distributions pip put in `deps` and follows every
