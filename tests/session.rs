@@ -221,6 +221,51 @@ fn a_per_call_timeout_cannot_exceed_the_sessions() {
 }
 
 #[test]
+fn a_call_runs_at_most_the_agents_timeout_ceiling() {
+    if !require_root() {
+        return;
+    }
+    // `resource_limits.max_timeout_seconds` bounds a call as it bounds a run: the session's
+    // `--timeout` above it is clamped, reported and audited.
+    let dir = common::HostDir::new();
+    let audit = dir.path.join("audit.jsonl");
+    let config = dir.path.join("config.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "resource_limits:\n  default_timeout_seconds: 2\n  max_timeout_seconds: 2\naudit:\n  path: {}\n  journald: false\n",
+            audit.display()
+        ),
+    )
+    .unwrap();
+    let (s, started) = Session::start(&["--timeout", "30", "--config", config.to_str().unwrap()]);
+    assert_eq!(started["call_timeout_seconds"], 2, "{started}");
+    let clamp = started["limits"]["clamped"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["field"] == "call_timeout_seconds")
+        .unwrap_or_else(|| panic!("no clamp reported: {started}"))
+        .clone();
+    assert_eq!((clamp["requested"].as_u64(), clamp["applied"].as_u64()), (Some(30), Some(2)), "{clamp}");
+    let records: Vec<Value> = std::fs::read_to_string(&audit)
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .filter(|r: &Value| r["event"] == "limit_clamped")
+        .collect();
+    assert!(
+        records
+            .iter()
+            .any(|r| r["fields"]["session"] == s.name.as_str() && r["fields"]["field"] == "call_timeout_seconds"),
+        "no limit_clamped record: {records:?}"
+    );
+    let (_, r) = s.exec("while True:\n    pass", &["--timeout", "20"]);
+    assert_eq!(r["killed_by"], "timeout", "{r}");
+    assert!(r["error"].as_str().unwrap().contains("after 2 s"), "{r}");
+}
+
+#[test]
 fn memory_exhaustion_ends_the_session() {
     if !require_root() {
         return;

@@ -511,7 +511,7 @@ impl Daemon {
     }
 
     fn start_locked(
-        settings: Settings,
+        mut settings: Settings,
         launcher: sandbox::Launcher,
         runtime: PathBuf,
         lock: std::fs::File,
@@ -543,6 +543,19 @@ impl Daemon {
         spec.limits.timeout_ms = Some(settings.max_lifetime_s * 1000);
         limits.timeout_seconds = settings.max_lifetime_s;
         limits.clamped.retain(|c| c.field != "timeout_seconds");
+        // A call is one execution: it runs at most the agent's ceiling
+        // (`resource_limits.max_timeout_seconds`), as an executor run or a script does. The
+        // session itself lives up to its lifetime, idle most of it.
+        let ceiling = policy.limits.ceilings.timeout_seconds.max(1);
+        if settings.call_timeout_s > ceiling {
+            limits.clamped.push(crate::limits::Clamp {
+                field: "call_timeout_seconds",
+                requested: settings.call_timeout_s,
+                applied: ceiling,
+                reason: "above the agent's ceiling".into(),
+            });
+            settings.call_timeout_s = ceiling;
+        }
         spec.hostname = format!("session-{}", settings.name).chars().take(63).collect();
         spec.validate()?;
 
@@ -644,7 +657,10 @@ impl Daemon {
             let (name, pid) = (&daemon.settings.name, std::process::id().to_string());
             let imports = daemon.settings.allow_imports.join(",");
             audit::try_record("session_start", &[("session", name), ("allow_imports", &imports), ("pid", &pid)])
-                .map(|()| l)
+                .map(|()| {
+                    daemon.limits.audit_clamps(("session", name));
+                    l
+                })
                 .map_err(|e| e.to_string())
         });
         let listener = match listener {
