@@ -850,6 +850,30 @@ fn limits_above_the_ceiling_are_clamped_and_reported() {
 }
 
 #[test]
+fn host_proc_reads_and_writes_shared_with_every_user_are_refused() {
+    if !require_root() {
+        return;
+    }
+    // `/etc/mtab` is `../proc/self/mounts`: bound, the agent's mount table; `/proc/1/…` a host
+    // process's files. The sandbox has a /proc of its own.
+    for path in ["/etc/mtab", "/proc/1/mounts", "/proc/self/cmdline"] {
+        run_patched(json!({"permissions": {"filesystem": {"read": [path]}}}))
+            .cannot_run(&["permissions.filesystem.read[0]:", "in the host's /proc"]);
+    }
+    // A directory every host user may write to (`/var/tmp`, mode 1777; one made 0777) is
+    // never bound writable; the same directory made 0755 is.
+    let shared = HostDir::new();
+    std::fs::set_permissions(&shared.path, std::fs::Permissions::from_mode(0o777)).unwrap();
+    for path in ["/var/tmp", shared.path.to_str().unwrap()] {
+        run_patched(json!({"permissions": {"filesystem": {"write": [path]}}}))
+            .cannot_run(&["permissions.filesystem.write[0]:", "every user of the host may write there"]);
+    }
+    std::fs::set_permissions(&shared.path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let r = run_patched(json!({"permissions": {"filesystem": {"write": [shared.path.to_str().unwrap()]}}})).result();
+    assert_eq!(r["status"], "completed", "{r}");
+}
+
+#[test]
 fn writes_to_system_and_agent_paths_are_refused() {
     if !require_root() {
         return;

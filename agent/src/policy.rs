@@ -7,7 +7,8 @@
 //! directory, socket, executors, keys, secrets, TLS files, audit log) — is refused even when
 //! declared (naming the manifest field); those files are masked in every view, and key
 //! material is never readable, even when declared by name; declared paths must exist; host
-//! credentials stay masked.
+//! credentials stay masked; nothing in the host's `/proc` is bound for reading, and nothing
+//! every host user may write to is bound for writing.
 
 use std::path::{Path, PathBuf};
 
@@ -381,6 +382,7 @@ impl AgentPolicy {
         let real = real_path(field, p)?;
         self.refuse_write(field, p, &real)?;
         check_alias(field, p, &real, masked)?;
+        refuse_shared_with_everyone(field, p, &real)?;
         Ok(Some(real))
     }
 
@@ -409,6 +411,18 @@ impl AgentPolicy {
     /// Refuse reading `q`, declared as `p`, when it holds host credentials or the agent's
     /// key material (or lies beneath such a directory).
     fn refuse_read(&self, field: &str, p: &Path, q: &Path) -> Result<(), PolicyError> {
+        // `/etc/mtab` is `../proc/self/mounts`: bound, it would show the agent's own mount
+        // table (and `/proc/PID/…` another host process's files) beside the sandbox's procfs.
+        if q.starts_with("/proc") {
+            return Err(PolicyError::new(
+                field,
+                format!(
+                    "{}{} is in the host's /proc: the sandbox has a /proc of its own, and host /proc entries are never bound",
+                    p.display(),
+                    via(p, q)
+                ),
+            ));
+        }
         if NEVER_READABLE.iter().any(|n| q == Path::new(n)) {
             return Err(PolicyError::new(
                 field,
@@ -423,6 +437,26 @@ impl AgentPolicy {
         }
         Ok(())
     }
+}
+
+/// Refuses a write path that every user of the host may write to (`/var/tmp`, a mode-777
+/// directory): shared with host processes, it would let the payload plant files or links
+/// for them, and read or replace theirs. A directory of the executor's own is declared
+/// instead.
+fn refuse_shared_with_everyone(field: &str, p: &Path, real: &Path) -> Result<(), PolicyError> {
+    use std::os::unix::fs::PermissionsExt;
+    let meta = std::fs::symlink_metadata(real).map_err(|e| PolicyError::new(field, format!("{}: {e}", p.display())))?;
+    if meta.permissions().mode() & 0o002 != 0 {
+        return Err(PolicyError::new(
+            field,
+            format!(
+                "{}{}: every user of the host may write there; never granted (declare a directory of the executor's own)",
+                p.display(),
+                via(p, real)
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// `path`, and its real path when that differs (symlinks resolved; for a path that does
