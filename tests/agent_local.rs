@@ -20,7 +20,6 @@ mod daemon;
 #[path = "common/platform.rs"]
 mod platform;
 
-use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -300,7 +299,8 @@ fn a_stopped_audit_lock_holder_fails_runs_instead_of_stalling_the_agent() {
     let mut a = Agent::build(2, "", "  lock_wait_seconds: 1\n", |_| String::new());
     // An executor whose module, once imported, leaves a mark: whether any of it ran.
     let marks = HostDir::new();
-    std::fs::set_permissions(&marks.path, std::fs::Permissions::from_mode(0o777)).unwrap();
+    // Writable by the sandbox's user only (a directory every user may write to is refused).
+    marks.chown_to_executor();
     let mark = marks.path.join("mark");
     let marking = format!(
         "open({:?}, 'w').write('imported')\n{}",

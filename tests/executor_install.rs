@@ -102,6 +102,8 @@ class Hello(BaseExecutor):
         return True
 
     def execute(self, params, context):
+        import time
+        time.sleep(params.get("sleep", 0))
         out = {"version": VERSION}
         try:
             import tinydep
@@ -245,6 +247,76 @@ fn install_list_run_upgrade_and_remove() {
     let out = env.op(&["run", "hello"]);
     assert_eq!(out.code, 2, "{}", out.stderr);
     assert!(out.stderr.contains("not a directory, nor an executor installed"), "{}", out.stderr);
+}
+
+#[test]
+fn an_old_version_a_run_still_uses_is_kept_until_a_later_install() {
+    if !common::require_root() {
+        return;
+    }
+    // Two versions are kept; the third install removes the oldest — but not while a run
+    // that started on it is still going (its files would vanish under it).
+    let env = Env::new();
+    let install = |version: &str| {
+        let p = package(&env.dir.path.join(version), version, false);
+        let out = env.op(&["executor", "install", p.to_str().unwrap()]);
+        assert_eq!(out.code, 0, "{version}: {}", out.stderr);
+    };
+    install("1.0.0");
+    // A run of `hello` sleeping 3 s, returned once it has loaded its executor (its start is
+    // audited: the `n`th `executor_start` record).
+    let start_run = |n: usize| {
+        let run = Command::new(common::opservant())
+            .args(["run", "hello", "--params", r#"{"sleep": 3}"#, "--config", env.config.to_str().unwrap()])
+            .current_dir("/")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let started = std::time::Instant::now();
+        while env.audit_events().iter().filter(|e| e["event"] == "executor_start").count() < n {
+            assert!(started.elapsed() < std::time::Duration::from_secs(60), "the run never started");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        run
+    };
+    let version_of = |run: std::process::Child| {
+        let out = run.wait_with_output().unwrap();
+        assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+        let result: Value = serde_json::from_slice(&out.stdout).unwrap();
+        result["output"]["version"].clone()
+    };
+    let run = start_run(1);
+    install("1.1.0");
+    install("1.2.0");
+    let versions = || {
+        let mut v: Vec<String> = std::fs::read_dir(env.root.join("hello"))
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| !n.starts_with('.'))
+            .collect();
+        v.sort();
+        v
+    };
+    assert_eq!(versions(), ["1.0.0", "1.1.0", "1.2.0", "current"], "the version in use was removed");
+    assert_eq!(version_of(run), "1.0.0");
+    // Once the run is over, the next install removes it.
+    install("1.3.0");
+    assert_eq!(versions(), ["1.2.0", "1.3.0", "current"]);
+
+    // Removed while a run uses it: gone by name at once, its files kept until the run is
+    // over and a later install or removal sweeps them.
+    let run = start_run(2);
+    let out = env.op(&["executor", "remove", "hello"]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert_eq!(env.op(&["run", "hello"]).code, 2);
+    let leftovers = env.entries();
+    assert!(leftovers.len() == 1 && leftovers[0].starts_with(".removing-"), "{leftovers:?}");
+    assert_eq!(version_of(run), "1.3.0");
+    install("1.4.0");
+    assert_eq!(env.entries(), vec!["hello".to_string()]);
 }
 
 #[test]

@@ -12,7 +12,8 @@
 //! ```
 //!
 //! The three work areas of a process that is gone (killed part-way) are removed by the next
-//! install or removal, under the root lock.
+//! install or removal, under the root lock; a `.removing-…` directory whatever its process,
+//! but for the versions runs still hold.
 //!
 //! Guarantees:
 //! - an archive (`.tar.gz`, `.tgz`, `.tar`) is unpacked entry by entry and refused as a whole
@@ -31,9 +32,11 @@
 //!   wheels' metadata;
 //! - the new version becomes visible atomically (the `current` link is replaced by a rename);
 //!   a run that started before keeps the directory it resolved; the previous version is kept
-//!   for one more install (rollback by hand), older ones are removed;
+//!   for one more install (rollback by hand), older ones are removed unless a run holds
+//!   them (a shared `flock` on the version directory, [`crate::executor_run::Executor`]),
+//!   and then by a later install;
 //! - removal first renames the executor out of the way, so a half-deleted executor is never
-//!   visible under its name;
+//!   visible under its name; a version a run holds is deleted by a later install or removal;
 //! - an archive is first copied into the root-only staging directory while its SHA-256 and
 //!   its detached signature ([`crate::package_signing`]) are checked in the same pass; only
 //!   that copy is unpacked, and only after both checks passed ([`PackageCheck`]; the verdict is
@@ -352,6 +355,14 @@ fn sweep_leftovers(root: &Path) {
         let (Ok(pid), true) = (pid.parse::<i32>(), n.bytes().all(|b| b.is_ascii_digit()) && !n.is_empty()) else {
             continue;
         };
+        if name.starts_with(".removing-") {
+            // Removals run under the root lock, which the sweep holds: none is in progress.
+            // What is left is an interrupted removal's, or versions that runs held.
+            if e.file_type().is_ok_and(|t| t.is_dir()) && remove_doomed(&e.path()) {
+                tracing::info!(path = %e.path().display(), "removed what an earlier removal left behind");
+            }
+            continue;
+        }
         let gone = pid > 0
             && pid as u32 != std::process::id()
             && nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None) == Err(nix::errno::Errno::ESRCH);
@@ -592,14 +603,15 @@ pub fn install(
     if let Ok(d) = std::fs::File::open(&name_dir) {
         let _ = d.sync_all();
     }
-    // Keep the new and the previous version; remove older ones.
+    // Keep the new and the previous version; remove older ones that no run holds (a later
+    // install removes those).
     if let Ok(entries) = std::fs::read_dir(&name_dir) {
         for e in entries.flatten() {
             let n = e.file_name().to_string_lossy().into_owned();
             if n == "current" || n == dir_name || Some(&n) == previous.as_ref() || n.starts_with('.') {
                 continue;
             }
-            let _ = std::fs::remove_dir_all(e.path());
+            let _ = remove_unless_in_use(&e.path());
         }
     }
     Ok(Installed {
@@ -612,6 +624,56 @@ pub fn install(
         sha256,
         signed_by,
     })
+}
+
+/// Removes the old version directory `dir` unless a run holds it (the shared lock of
+/// [`crate::executor_run::Executor`]): the exclusive lock is tried without waiting and held
+/// until the directory is gone, so a run loading it meanwhile waits and then sees it removed.
+/// Whether it is gone.
+fn remove_unless_in_use(dir: &Path) -> bool {
+    let Ok(file) = std::fs::File::open(dir) else { return !dir.exists() };
+    match nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock) {
+        Ok(lock) => {
+            let removed = std::fs::remove_dir_all(dir);
+            drop(lock);
+            if let Err(e) = &removed {
+                tracing::warn!(dir = %dir.display(), error = %e, "an executor version could not be removed");
+            }
+            removed.is_ok()
+        }
+        Err((_, nix::errno::Errno::EWOULDBLOCK)) => {
+            tracing::info!(dir = %dir.display(), "an executor version is in use by a run: kept until a later install or removal");
+            false
+        }
+        Err((_, e)) => {
+            tracing::warn!(dir = %dir.display(), error = %e, "an executor version could not be locked");
+            false
+        }
+    }
+}
+
+/// Empties a `.removing-PID-N` directory (`doomed/<name>/<version>…`) but for the versions a
+/// run still holds ([`remove_unless_in_use`]), and removes it once nothing is left. Whether it
+/// is gone.
+fn remove_doomed(doomed: &Path) -> bool {
+    let Ok(names) = std::fs::read_dir(doomed) else { return !doomed.exists() };
+    for name in names.flatten() {
+        if !name.file_type().is_ok_and(|t| t.is_dir()) {
+            let _ = std::fs::remove_file(name.path());
+            continue;
+        }
+        if let Ok(versions) = std::fs::read_dir(name.path()) {
+            for v in versions.flatten() {
+                if v.file_type().is_ok_and(|t| t.is_dir()) {
+                    remove_unless_in_use(&v.path());
+                } else {
+                    let _ = std::fs::remove_file(v.path());
+                }
+            }
+        }
+        let _ = std::fs::remove_dir(name.path());
+    }
+    std::fs::remove_dir(doomed).is_ok()
 }
 
 /// Whether the installed directory `dir` holds `version`: the version itself, or a forced
@@ -1506,7 +1568,11 @@ pub fn remove(root: &Path, name: &str, source: &str, command_id: Option<&str>) -
     let doomed = unique(root, ".removing")?;
     let target = doomed.join(name);
     std::fs::rename(root.join(name), &target).map_err(|e| io(&root.join(name), e))?;
-    std::fs::remove_dir_all(&doomed).map_err(|e| io(&doomed, e))?;
+    // A version a run still holds stays (beneath `.removing-PID-N`, no longer runnable by
+    // name) until the sweep of a later install or removal finds it free.
+    if !remove_doomed(&doomed) {
+        tracing::info!(executor = name, dir = %doomed.display(), "removed; a version in use by a run is deleted later");
+    }
     Ok(true)
 }
 

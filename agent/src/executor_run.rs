@@ -103,12 +103,17 @@ pub struct Executor {
     pub warnings: Vec<String>,
     /// Installed requirements (`<dir>/.deps`), when present.
     pub deps: Option<PathBuf>,
+    /// A shared `flock` on `dir`, held as long as this value lives (a run holds its
+    /// executor to the end): an install never removes an old version that a run still uses
+    /// ([`crate::executor_install`] takes the lock exclusively, without waiting, first).
+    _in_use: nix::fcntl::Flock<std::fs::File>,
 }
 
 impl Executor {
     /// Load and check everything that can be checked without running it.
     pub fn load(dir: &Path) -> Result<Executor, CannotRun> {
         let dir = dir.canonicalize().map_err(|e| CannotRun(format!("{}: {e}", dir.display())))?;
+        let in_use = hold_in_use(&dir)?;
         let (manifest, warnings) = Manifest::load(&dir.join("manifest.json"))?;
         let module = manifest.entry_point.rsplit_once('.').map(|(m, _)| m).unwrap_or_default();
         let rel = PathBuf::from(module.replace('.', "/"));
@@ -151,8 +156,33 @@ impl Executor {
                 dir.display()
             )));
         }
-        Ok(Executor { warnings: warnings.iter().map(|w| w.to_string()).collect(), dir, manifest, deps })
+        Ok(Executor {
+            warnings: warnings.iter().map(|w| w.to_string()).collect(),
+            dir,
+            manifest,
+            deps,
+            _in_use: in_use,
+        })
     }
+}
+
+/// A shared lock on the executor directory `dir` (see [`Executor`]). It waits only for an
+/// install that is removing that very directory, and then fails: the directory is gone.
+fn hold_in_use(dir: &Path) -> Result<nix::fcntl::Flock<std::fs::File>, CannotRun> {
+    use std::os::unix::fs::MetadataExt;
+    let mut file = std::fs::File::open(dir).map_err(|e| CannotRun(format!("{}: {e}", dir.display())))?;
+    let lock = loop {
+        match nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockShared) {
+            Ok(lock) => break lock,
+            Err((f, nix::errno::Errno::EINTR)) => file = f,
+            Err((_, e)) => return Err(CannotRun(format!("{}: {e}", dir.display()))),
+        }
+    };
+    let removed = lock.metadata().map(|m| m.nlink() == 0).unwrap_or(true);
+    if removed {
+        return Err(CannotRun(format!("{}: removed by an install while it was being loaded", dir.display())));
+    }
+    Ok(lock)
 }
 
 /// A request to run an executor.
