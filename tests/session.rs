@@ -266,6 +266,41 @@ fn a_call_runs_at_most_the_agents_timeout_ceiling() {
 }
 
 #[test]
+fn session_logs_are_rotated_and_stale_ones_swept() {
+    if !require_root() {
+        return;
+    }
+    // `/run` is memory: a log over 1 MiB is rotated when a session of its name starts, and a
+    // log no session can still be writing (untouched for longer than the longest lifetime,
+    // 7 days) is removed by any start.
+    let dir = std::path::Path::new("/run/opservant/sessions");
+    // A first session makes sure the directory exists, as sessions create it.
+    drop(Session::start(&[]));
+    let (stale, recent) = (dir.join(format!("{}.log", fresh_name())), dir.join(format!("{}.log", fresh_name())));
+    for log in [&stale, &recent] {
+        std::fs::write(log, "an old session's lines\n").unwrap();
+    }
+    let eight_days_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(8 * 86_400);
+    std::fs::File::options().write(true).open(&stale).unwrap().set_modified(eight_days_ago).unwrap();
+    let name = fresh_name();
+    let log = dir.join(format!("{name}.log"));
+    std::fs::write(&log, vec![b'x'; (1 << 20) + 1]).unwrap();
+    let out = Command::new(opservant()).args(["session", "start", &name]).output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let s = Session { name };
+    let rotated = dir.join(format!("{}.log.1", s.name));
+    let rotated_len = std::fs::metadata(&rotated).map(|m| m.len());
+    let recent_kept = recent.exists();
+    let _ = std::fs::remove_file(&rotated);
+    let _ = std::fs::remove_file(&recent);
+    assert!(recent_kept, "a recent log was removed");
+    assert_eq!(rotated_len.ok(), Some((1 << 20) + 1), "the large log was not rotated");
+    assert!(std::fs::metadata(&log).unwrap().len() < 1 << 20, "the new session wrote to the old log");
+    assert!(!stale.exists(), "a log untouched for 8 days was kept");
+    drop(s);
+}
+
+#[test]
 fn memory_exhaustion_ends_the_session() {
     if !require_root() {
         return;

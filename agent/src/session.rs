@@ -191,6 +191,49 @@ fn log_path(name: &str) -> PathBuf {
     Path::new(SESSION_DIR).join(format!("{name}.log"))
 }
 
+/// A session log untouched for longer than this belongs to no running session (a session
+/// writes to its log when it starts, and lives at most [`MAX_MAX_LIFETIME_S`]).
+const LOG_MAX_AGE: Duration = Duration::from_secs(MAX_MAX_LIFETIME_S + 3600);
+/// A session's log larger than this is moved to `NAME.log.1` when a session of that name
+/// starts (replacing the one before).
+const LOG_ROTATE_BYTES: u64 = 1 << 20;
+
+/// Removes session logs (`NAME.log`, `NAME.log.1`) older than [`LOG_MAX_AGE`]: `/run` is
+/// memory, and every session name ever used would otherwise keep its log until a reboot.
+fn sweep_old_logs() {
+    let Ok(entries) = std::fs::read_dir(SESSION_DIR) else { return };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if !(name.ends_with(".log") || name.ends_with(".log.1")) {
+            continue;
+        }
+        // `DirEntry::metadata` does not follow a link.
+        let Ok(meta) = e.metadata() else { continue };
+        let stale = meta.modified().ok().and_then(|m| m.elapsed().ok()).is_some_and(|age| age > LOG_MAX_AGE);
+        if meta.is_file() && stale {
+            match std::fs::remove_file(e.path()) {
+                Ok(()) => tracing::info!(target: "opservant::session", log = name, "removed a stale session log"),
+                Err(err) => {
+                    tracing::warn!(target: "opservant::session", log = name, error = %err, "cannot remove a stale session log")
+                }
+            }
+        }
+    }
+}
+
+/// Moves the log of the session `name` to `NAME.log.1` when it is larger than
+/// [`LOG_ROTATE_BYTES`] (one generation is kept).
+fn rotate_log(name: &str) {
+    let log = log_path(name);
+    if std::fs::symlink_metadata(&log).is_ok_and(|m| m.is_file() && m.len() > LOG_ROTATE_BYTES) {
+        let old = log.with_extension("log.1");
+        if let Err(e) = std::fs::rename(&log, &old) {
+            tracing::warn!(target: "opservant::session", log = %log.display(), error = %e, "cannot rotate the session log");
+        }
+    }
+}
+
 /// Create [`SESSION_DIR`] (0700) and its parent if needed; refuse one others could enter.
 fn ensure_dir() -> Result<(), CannotRun> {
     let dir = Path::new(SESSION_DIR);
@@ -230,6 +273,8 @@ pub fn start(settings: &Settings, exe: &Path, serve_subcommand: &str) -> Result<
     if UnixStream::connect(socket_path(&settings.name)).is_ok() {
         return Err(CannotRun(format!("session '{}' is already running", settings.name)));
     }
+    sweep_old_logs();
+    rotate_log(&settings.name);
     // A log this start creates goes again if the start fails (nothing of a failed start is
     // left; the error is in the reply). One that exists belongs to an earlier session.
     let open_log = |create_new: bool| {
