@@ -860,6 +860,13 @@ fn host_proc_reads_and_writes_shared_with_every_user_are_refused() {
         run_patched(json!({"permissions": {"filesystem": {"read": [path]}}}))
             .cannot_run(&["permissions.filesystem.read[0]:", "in the host's /proc"]);
     }
+    // A procfs mounted elsewhere is the host's /proc too.
+    let elsewhere = HostDir::new();
+    let st = Command::new("mount").args(["-t", "proc", "proc", elsewhere.str()]).status().unwrap();
+    assert!(st.success(), "mount -t proc");
+    let out = run_patched(json!({"permissions": {"filesystem": {"read": [format!("{}/self", elsewhere.str())]}}}));
+    let _ = Command::new("umount").arg(elsewhere.str()).status();
+    out.cannot_run(&["permissions.filesystem.read[0]:", "a procfs of the host"]);
     // A directory every host user may write to (`/var/tmp`, mode 1777; one made 0777) is
     // never bound writable; the same directory made 0755 is.
     let shared = HostDir::new();

@@ -1050,13 +1050,7 @@ fn unpack_stream(reader: impl Read, archive: &Path, dest: &Path) -> Result<(), I
         // the archive, not a file: nothing to unpack — unless it changes what later entries
         // are, which GNU tar would apply and this reader would not.
         if kind == tar::EntryType::XGlobalHeader {
-            if let Some(key) =
-                pax_keys(&mut entry)?.into_iter().find(|k| !HARMLESS_GLOBAL_PAX_KEYS.contains(&k.as_str()))
-            {
-                return Err(InstallError::Invalid(format!(
-                    "a PAX global header setting `{key}` is refused (it would change every later entry)"
-                )));
-            }
+            check_global_header(&mut entry)?;
             continue;
         }
         one_name(&mut entry, &raw)?;
@@ -1121,45 +1115,68 @@ fn unpack_stream(reader: impl Read, archive: &Path, dest: &Path) -> Result<(), I
 const HARMLESS_GLOBAL_PAX_KEYS: &[&str] =
     &["comment", "mtime", "atime", "ctime", "uid", "gid", "uname", "gname", "charset", "hdrcharset"];
 
-/// The keywords of a PAX header entry (global or local), in order; a malformed record makes
-/// the archive invalid.
-fn pax_keys<R: Read>(entry: &mut tar::Entry<'_, R>) -> Result<Vec<String>, InstallError> {
+/// A PAX global header, read as GNU tar reads it: its own records apply to every later
+/// entry, so only [`HARMLESS_GLOBAL_PAX_KEYS`] are accepted. The `tar` reader attaches a
+/// pending local header or GNU long name to the global header, where GNU tar keeps it for the
+/// next file: refused, as two readers would name that file differently.
+fn check_global_header<R: Read>(entry: &mut tar::Entry<'_, R>) -> Result<(), InstallError> {
     let invalid = |e: &dyn std::fmt::Display| InstallError::Invalid(format!("not a valid archive (a PAX header): {e}"));
-    let Some(extensions) = entry.pax_extensions().map_err(|e| invalid(&e))? else {
-        return Ok(Vec::new());
-    };
-    extensions
-        .map(|ext| ext.map_err(|e| invalid(&e)).map(|ext| String::from_utf8_lossy(ext.key_bytes()).into_owned()))
-        .collect()
+    let mut body = Vec::new();
+    entry.read_to_end(&mut body).map_err(|e| invalid(&e))?;
+    // The body is consumed: any records the reader still has are a local header's.
+    let attached = entry.pax_extensions().map_err(|e| invalid(&e))?.is_some_and(|mut x| x.next().is_some());
+    if attached || entry.path_bytes() != entry.header().path_bytes() {
+        return Err(InstallError::Invalid(
+            "a PAX global header after a local header or a GNU long name is refused (tar readers disagree on the next entry's name)".into(),
+        ));
+    }
+    for ext in tar::PaxExtensions::new(&body) {
+        let ext = ext.map_err(|e| invalid(&e))?;
+        let key = String::from_utf8_lossy(ext.key_bytes());
+        if !HARMLESS_GLOBAL_PAX_KEYS.contains(&key.as_ref()) {
+            return Err(InstallError::Invalid(format!(
+                "a PAX global header setting `{key}` is refused (it would change every later entry)"
+            )));
+        }
+    }
+    Ok(())
 }
 
-/// Refuses an entry whose name two tar readers could read differently: a PAX header giving
-/// `path` more than once (GNU tar takes the last, this reader the first), or a PAX `path`
-/// next to a GNU long name (this reader takes the long name, GNU tar the PAX path). `name`
-/// is the name this reader gave the entry.
+/// Refuses an entry two tar readers could read differently. This reader takes the first of
+/// repeated PAX `path`, `size` or `linkpath` records, GNU tar (and libarchive, Python) the
+/// last; it takes a GNU long name over a PAX `path`, GNU tar the PAX path; it ignores GNU
+/// sparse records (`GNU.sparse.name` renames the file for GNU tar). `name` is the name this
+/// reader gave the entry.
 fn one_name<R: Read>(entry: &mut tar::Entry<'_, R>, name: &Path) -> Result<(), InstallError> {
     use std::os::unix::ffi::OsStrExt;
     let invalid = |e: &dyn std::fmt::Display| InstallError::Invalid(format!("not a valid archive (a PAX header): {e}"));
     let Some(extensions) = entry.pax_extensions().map_err(|e| invalid(&e))? else {
         return Ok(());
     };
-    let mut paths = Vec::new();
+    let refused = |why: &str| InstallError::Invalid(format!("{}: {why} is refused", name.display()));
+    let mut seen: Vec<Vec<u8>> = Vec::new();
+    let mut path = None;
     for ext in extensions {
         let ext = ext.map_err(|e| invalid(&e))?;
-        if ext.key_bytes() == b"path" {
-            paths.push(ext.value_bytes().to_vec());
+        let key = ext.key_bytes();
+        if key.starts_with(b"GNU.sparse.") {
+            return Err(refused("a GNU sparse PAX record"));
+        }
+        if matches!(key, b"path" | b"size" | b"linkpath") {
+            if seen.iter().any(|k| k == key) {
+                return Err(refused(&format!(
+                    "an entry named twice (two PAX `{}` records)",
+                    String::from_utf8_lossy(key)
+                )));
+            }
+            seen.push(key.to_vec());
+        }
+        if key == b"path" {
+            path = Some(ext.value_bytes().to_vec());
         }
     }
-    let ambiguous = match paths.as_slice() {
-        [] => false,
-        [only] => only.as_slice() != name.as_os_str().as_bytes(),
-        _ => true,
-    };
-    if ambiguous {
-        return Err(InstallError::Invalid(format!(
-            "{}: an entry named twice (a PAX path and a GNU long name, or two PAX paths) is refused",
-            name.display()
-        )));
+    if path.is_some_and(|p| p != name.as_os_str().as_bytes()) {
+        return Err(refused("an entry named twice (a PAX path and a GNU long name)"));
     }
     Ok(())
 }

@@ -105,8 +105,9 @@ pub struct Executor {
     pub deps: Option<PathBuf>,
     /// A shared `flock` on `dir`, held as long as this value lives (a run holds its
     /// executor to the end): an install never removes an old version that a run still uses
-    /// ([`crate::executor_install`] takes the lock exclusively, without waiting, first).
-    _in_use: nix::fcntl::Flock<std::fs::File>,
+    /// ([`crate::executor_install`] tries the lock exclusively, without waiting). `None`
+    /// when another process held it exclusively (see [`hold_in_use`]).
+    _in_use: Option<nix::fcntl::Flock<std::fs::File>>,
 }
 
 impl Executor {
@@ -166,23 +167,32 @@ impl Executor {
     }
 }
 
-/// A shared lock on the executor directory `dir` (see [`Executor`]). It waits only for an
-/// install that is removing that very directory, and then fails: the directory is gone.
-fn hold_in_use(dir: &Path) -> Result<nix::fcntl::Flock<std::fs::File>, CannotRun> {
-    use std::os::unix::fs::MetadataExt;
-    let mut file = std::fs::File::open(dir).map_err(|e| CannotRun(format!("{}: {e}", dir.display())))?;
-    let lock = loop {
-        match nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockShared) {
-            Ok(lock) => break lock,
-            Err((f, nix::errno::Errno::EINTR)) => file = f,
-            Err((_, e)) => return Err(CannotRun(format!("{}: {e}", dir.display()))),
+/// A shared lock on the executor directory `dir` (see [`Executor`]), tried without waiting.
+/// The directory is world-readable, so any host user can open it and hold an exclusive
+/// `flock` on it: waiting would let them stall every run. Held exclusively, the lock is
+/// left (`None`, logged): the run goes on, unprotected only against an upgrade that
+/// removes an old version meanwhile. An install that removed the directory while it was
+/// being loaded is an error.
+fn hold_in_use(dir: &Path) -> Result<Option<nix::fcntl::Flock<std::fs::File>>, CannotRun> {
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    // A directory only, never waiting on a FIFO named as one.
+    let open = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECTORY | libc::O_NONBLOCK)
+        .open(dir)
+        .map_err(|e| CannotRun(format!("{}: {e}", dir.display())))?;
+    let lock = match nix::fcntl::Flock::lock(open, nix::fcntl::FlockArg::LockSharedNonblock) {
+        Ok(lock) => lock,
+        Err((_, nix::errno::Errno::EWOULDBLOCK)) => {
+            tracing::warn!(dir = %dir.display(), "the executor directory is locked by another process: run without the in-use lock");
+            return Ok(None);
         }
+        Err((_, e)) => return Err(CannotRun(format!("{}: {e}", dir.display()))),
     };
-    let removed = lock.metadata().map(|m| m.nlink() == 0).unwrap_or(true);
-    if removed {
+    if lock.metadata().map(|m| m.nlink() == 0).unwrap_or(true) {
         return Err(CannotRun(format!("{}: removed by an install while it was being loaded", dir.display())));
     }
-    Ok(lock)
+    Ok(Some(lock))
 }
 
 /// A request to run an executor.

@@ -366,6 +366,18 @@ impl AgentPolicy {
         let real = real_path(field, p)?;
         self.refuse_read(field, p, &real)?;
         check_alias(field, p, &real, masked)?;
+        // A procfs mounted elsewhere (`mount -t proc proc /srv/p`, a container's root) is the
+        // host's /proc by another name.
+        if nix::sys::statfs::statfs(&real).is_ok_and(|f| f.filesystem_type() == nix::sys::statfs::PROC_SUPER_MAGIC) {
+            return Err(PolicyError::new(
+                field,
+                format!(
+                    "{}{} is a procfs of the host: the sandbox has a /proc of its own, and host /proc entries are never bound",
+                    p.display(),
+                    via(p, &real)
+                ),
+            ));
+        }
         Ok(real)
     }
 
