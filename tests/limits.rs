@@ -105,6 +105,32 @@ fn disk_fill_hits_enospc_at_the_scratch_limit() {
     assert_eq!(r.status(), "completed");
 }
 
+/// `/tmp` and `/dev/shm` share the one scratch limit: 10 MiB kept in `/tmp` leaves only the
+/// rest of `max_disk_mb` to `/dev/shm` (two filesystems of the limit each would take 32 MiB).
+#[test]
+fn scratch_and_dev_shm_share_one_limit() {
+    if !require_root() {
+        return;
+    }
+    let (_d, m) = limits_manifest(r#"{"max_disk_mb": 16, "max_memory_mb": 128, "max_cpu_percent": 50}"#);
+    let r = python(
+        Some(&m),
+        "import os\nwith open('/tmp/opservant/scratch/keep', 'wb') as f: f.write(b'x' * (10 << 20))\n\
+         n = 0\nf = open('/dev/shm/fill', 'wb', buffering=0)\ntry:\n while True:\n  f.write(b'x' * 65536); n += 65536\n\
+         except OSError as e:\n print(n, e.errno)\n\
+         print(os.statvfs('/dev/shm').f_blocks * os.statvfs('/dev/shm').f_frsize == os.statvfs('/tmp').f_blocks * os.statvfs('/tmp').f_frsize)",
+    );
+    let lines: Vec<&str> = r.stdout().lines().collect();
+    assert_eq!(lines.len(), 2, "{} {}", r.stdout(), r.err());
+    let parts: Vec<&str> = lines[0].split(' ').collect();
+    let written: u64 = parts[0].parse().unwrap();
+    assert_eq!(parts[1], "28", "ENOSPC: {}", lines[0]);
+    assert!(written <= 6 << 20, "/dev/shm took {written} bytes beside 10 MiB in /tmp, over the 16 MiB limit");
+    assert!(written >= 5 << 20, "/dev/shm stopped early at {written} bytes");
+    assert_eq!(lines[1], "True", "one filesystem's size");
+    assert_eq!(r.status(), "completed");
+}
+
 #[test]
 fn timeout_kills_a_tree_that_ignores_sigterm() {
     if !require_root() {

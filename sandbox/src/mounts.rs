@@ -6,7 +6,8 @@
 //!   bound read-only or read-write (always nosuid, nodev); a fresh, read-only `/proc`; a read-only `/dev`
 //!   with only null, zero, full, random, urandom and a private `/dev/shm`; an empty `/sys`, or
 //!   a fresh read-only sysfs when asked for; an empty `/run`; and a size-limited scratch tmpfs on `/tmp`
-//!   containing `/tmp/opservant/scratch`. Nothing else of the host is reachable: the old root
+//!   containing `/tmp/opservant/scratch` — `/dev/shm` is its directory `/tmp/opservant/shm`,
+//!   so the two share the one size limit. Nothing else of the host is reachable: the old root
 //!   is detached before the payload starts (`pivot_root`, never chroot).
 //! - Masked paths inside the view are covered by an inaccessible (mode 000, read-only) file
 //!   or directory, unless a declared path names them exactly — also beneath a declared
@@ -61,6 +62,8 @@ use crate::spec::{Access, Filesystem, PathRule, SCRATCH_DIR};
 const STAGE: &str = "/tmp";
 const OLD_ROOT: &str = "/.oldroot";
 const DEVICES: &[&str] = &["null", "zero", "full", "random", "urandom"];
+/// The scratch tmpfs's directory bound at `/dev/shm`.
+const SHM_DIR: &str = "/tmp/opservant/shm";
 /// Mode-000 file bound over masked files (removed from the root before the payload runs).
 const INACCESSIBLE: &str = "/.inaccessible";
 /// Empty mode-000 directory bound over masked directories that nothing is placed beneath
@@ -192,9 +195,8 @@ pub fn build(fs_spec: &Filesystem, net_ns: bool, cwd: &Path) -> Result<ViewRepor
     }
 
     // 5. /dev, /sys, /tmp, /run.
-    build_dev(&old_root, fs_spec.scratch_bytes)?;
+    build_dev(&old_root)?;
     owned.add(Path::new("/dev"))?;
-    owned.add(Path::new("/dev/shm"))?;
     let sysfs = build_sys(fs_spec.sysfs && net_ns)?;
     build_tmp(fs_spec.scratch_bytes)?;
     owned.add(Path::new("/tmp"))?;
@@ -600,7 +602,7 @@ fn move_mount_onto(mnt: &OwnedFd, target: &OwnedFd) -> Result<(), Errno> {
     Ok(())
 }
 
-fn build_dev(old_root: &OwnedFd, scratch_bytes: u64) -> Result<(), StepError> {
+fn build_dev(old_root: &OwnedFd) -> Result<(), StepError> {
     let dev = Path::new("/dev");
     mkdir(dev, 0o755)?;
     do_mount(
@@ -628,15 +630,9 @@ fn build_dev(old_root: &OwnedFd, scratch_bytes: u64) -> Result<(), StepError> {
     ] {
         std::os::unix::fs::symlink(target, dev.join(name)).map_err(|e| fail_io(format!("symlink /dev/{name}"), e))?;
     }
-    let shm = dev.join("shm");
-    mkdir(&shm, 0o1777)?;
-    do_mount(
-        Some("opservant-shm"),
-        &shm,
-        Some("tmpfs"),
-        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
-        Some(&format!("mode=1777,size={scratch_bytes},nr_inodes={}", inodes_for(scratch_bytes))),
-    )?;
+    // The mount point of /dev/shm, a directory of the scratch tmpfs bound there by
+    // [`build_tmp`].
+    mkdir(&dev.join("shm"), 0o755)?;
     // The /dev tmpfs itself becomes read-only; the bound nodes and /dev/shm keep their own flags.
     setattr(dev, libc::MOUNT_ATTR_RDONLY | libc::MOUNT_ATTR_NOSUID | libc::MOUNT_ATTR_NOEXEC, false)
 }
@@ -657,6 +653,9 @@ fn build_sys(fresh: bool) -> Result<&'static str, StepError> {
     }
 }
 
+/// The scratch tmpfs on `/tmp`, `scratch_bytes` in all: `/dev/shm` is its directory
+/// [`SHM_DIR`] bound there (nosuid, nodev, noexec), so the two share one size limit — filling
+/// both ends in `ENOSPC` at `max_disk_mb`, never at twice that.
 fn build_tmp(scratch_bytes: u64) -> Result<(), StepError> {
     let tmp = Path::new("/tmp");
     mkdir(tmp, 0o1777)?;
@@ -668,7 +667,12 @@ fn build_tmp(scratch_bytes: u64) -> Result<(), StepError> {
         Some(&format!("mode=1777,size={scratch_bytes},nr_inodes={}", inodes_for(scratch_bytes))),
     )?;
     mkdir(Path::new("/tmp/opservant"), 0o755)?;
-    mkdir(Path::new(SCRATCH_DIR), 0o700)
+    mkdir(Path::new(SCRATCH_DIR), 0o700)?;
+    let shm = Path::new(SHM_DIR);
+    mkdir(shm, 0o1777)?;
+    // Both paths are in filesystems this builder has just made; nothing else runs yet.
+    do_mount(Some(SHM_DIR), Path::new("/dev/shm"), None, MsFlags::MS_BIND, None)?;
+    setattr(Path::new("/dev/shm"), libc::MOUNT_ATTR_NOSUID | libc::MOUNT_ATTR_NODEV | libc::MOUNT_ATTR_NOEXEC, false)
 }
 
 /// One inode per 4 KiB of scratch, at least 1024: bounds the kernel memory small files cost.

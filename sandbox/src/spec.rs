@@ -268,7 +268,8 @@ pub struct Filesystem {
     /// Caller-supplied read-only files.
     #[serde(default)]
     pub synthetic: Vec<SyntheticFile>,
-    /// Size of the scratch tmpfs mounted on `/tmp` (and of `/dev/shm`).
+    /// Size of the scratch tmpfs mounted on `/tmp`, which `/dev/shm` is a directory of: the
+    /// limit of both together.
     pub scratch_bytes: u64,
     /// Mount a fresh read-only sysfs on `/sys` (needs the network namespace). Off by
     /// default: it exposes host hardware detail most payloads never read, and costs a mount.
