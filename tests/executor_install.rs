@@ -249,6 +249,63 @@ fn install_list_run_upgrade_and_remove() {
     assert!(out.stderr.contains("not a directory, nor an executor installed"), "{}", out.stderr);
 }
 
+/// Installs and removals lock the executors root exclusively and wait for the lock: no
+/// other user may be able to take it (it would stall them all), so the root is searchable,
+/// not readable, by others — also one an older version made 0755. A root another user may
+/// write to decides what runs, so installs, runs and lists refuse it.
+#[test]
+fn no_other_user_can_hold_the_executors_root_or_write_to_it() {
+    if !common::require_root() {
+        return;
+    }
+    use std::os::unix::fs::PermissionsExt;
+    let env = Env::new();
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o7777;
+    let v1 = package(&env.dir.path, "1.0.0", false);
+    let out = env.op(&["executor", "install", v1.to_str().unwrap()]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert_eq!(mode(&env.root), 0o711);
+    assert_eq!(run_output(&env, "hello")["version"], "1.0.0", "the executor user still reaches the package");
+    let hold = |path: &Path| {
+        Command::new("setpriv")
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups", "flock", "-n", "-x"])
+            .arg(path)
+            .arg("true")
+            .output()
+            .unwrap()
+    };
+    let held = hold(&env.root);
+    assert!(!held.status.success(), "another user locked the executors root");
+    assert!(String::from_utf8_lossy(&held.stderr).contains("Permission denied"), "{:?}", held);
+
+    // A root left readable by an older version is tightened by the next install.
+    std::fs::set_permissions(&env.root, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let v2 = package(&env.dir.path, "1.1.0", false);
+    let out = env.op(&["executor", "install", v2.to_str().unwrap()]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert_eq!(mode(&env.root), 0o711);
+
+    // Writable by others: nothing from it is installed, listed or run.
+    std::fs::set_permissions(&env.root, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let v3 = package(&env.dir.path, "1.2.0", false);
+    for args in [
+        vec!["executor", "install", v3.to_str().unwrap()],
+        vec!["executor", "list"],
+        vec!["executor", "remove", "hello"],
+        vec!["run", "hello"],
+    ] {
+        let out = env.op(&args);
+        assert_eq!(out.code, 2, "{args:?}: {} {}", out.stdout, out.stderr);
+        assert!(
+            out.stderr.contains("executors.dir") && out.stderr.contains("writable by group or others"),
+            "{args:?}: {}",
+            out.stderr
+        );
+    }
+    std::fs::set_permissions(&env.root, std::fs::Permissions::from_mode(0o711)).unwrap();
+    assert_eq!(std::fs::read_link(env.root.join("hello/current")).unwrap(), PathBuf::from("1.1.0"));
+}
+
 #[test]
 fn an_old_version_a_run_still_uses_is_kept_until_a_later_install() {
     if !common::require_root() {

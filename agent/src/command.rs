@@ -415,8 +415,9 @@ impl Pipeline {
         let unknown = |e: String| (Reason::UnknownExecutor, e);
         if let Some(name) = text("executor")? {
             return match crate::executor_install::resolve(&self.executors, &name) {
-                Some(dir) => Executor::load(&dir).map(|e| (e, action_id)).map_err(|e| unknown(e.0)),
-                None => Err(unknown(format!("no installed executor is named {name:?}"))),
+                Ok(Some(dir)) => Executor::load(&dir).map(|e| (e, action_id)).map_err(|e| unknown(e.0)),
+                Ok(None) => Err(unknown(format!("no installed executor is named {name:?}"))),
+                Err(e) => Err(unknown(e.to_string())),
             };
         }
         let Some(wanted) = action_id else {

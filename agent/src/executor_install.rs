@@ -322,10 +322,27 @@ impl Drop for Staging {
     }
 }
 
+/// The executors root must be the agent's alone ([`crate::config::check_agents_own_dir`]):
+/// whoever may write to it decides what `opservant run NAME` runs, with the manifest's host
+/// paths. `Invalid` names the rule it breaks.
+pub fn check_root(root: &Path, meta: &std::fs::Metadata) -> Result<(), InstallError> {
+    crate::config::check_agents_own_dir(root, meta).map_err(|m| InstallError::Invalid(format!("executors.dir: {m}")))
+}
+
 /// An exclusive `flock` on the executors root directory itself (no lock file among the
-/// executors), released when the returned guard is dropped.
+/// executors), released when the returned guard is dropped. The root is searchable but not
+/// readable by others ([`ROOT_MODE`], tightened here on a root an older version made
+/// 0755): a directory must be opened for reading to be locked, so no other user can hold
+/// the lock and stall every install and removal.
 pub(crate) fn lock_root(root: &Path) -> Result<nix::fcntl::Flock<std::fs::File>, InstallError> {
     let mut dir = std::fs::File::open(root).map_err(|e| io(root, e))?;
+    let meta = dir.metadata().map_err(|e| io(root, e))?;
+    check_root(root, &meta)?;
+    if meta.permissions().mode() & 0o044 != 0 {
+        let mode = meta.permissions().mode() & 0o7777 & !0o044;
+        dir.set_permissions(std::fs::Permissions::from_mode(mode)).map_err(|e| io(root, e))?;
+        tracing::info!(path = %root.display(), mode = format!("{mode:04o}"), "executors root made unreadable to others");
+    }
     loop {
         match nix::fcntl::Flock::lock(dir, nix::fcntl::FlockArg::LockExclusive) {
             Ok(lock) => {
@@ -392,12 +409,20 @@ fn mkdir(p: &Path) -> Result<(), InstallError> {
     std::fs::DirBuilder::new().mode(0o755).create(p).map_err(|e| io(p, e))
 }
 
-/// The executors root or a package's name directory, created if missing: mode 0755 whatever
-/// the umask (the systemd unit's is 0077), because sandboxes read packages as the executor
-/// user and must traverse both.
-fn traversable_dir(p: &Path) -> Result<(), InstallError> {
-    std::fs::DirBuilder::new().mode(0o755).recursive(true).create(p).map_err(|e| io(p, e))?;
-    std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o755)).map_err(|e| io(p, e))
+/// The executors root's mode: sandboxes read packages as the executor user and must
+/// traverse it; nobody else may list (or lock, see [`lock_root`]) it.
+const ROOT_MODE: u32 = 0o711;
+
+/// The executors root ([`ROOT_MODE`]) or a package's name directory (0755), created if
+/// missing, with that mode whatever the umask (the systemd unit's is 0077). An existing one
+/// keeps its mode: a root others may write to is refused by [`lock_root`], not quietly
+/// mended.
+fn traversable_dir(p: &Path, mode: u32) -> Result<(), InstallError> {
+    if p.is_dir() {
+        return Ok(());
+    }
+    std::fs::DirBuilder::new().mode(mode).recursive(true).create(p).map_err(|e| io(p, e))?;
+    std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).map_err(|e| io(p, e))
 }
 
 /// Install from a package directory or archive, after `check` ([`PackageCheck`]) passed.
@@ -433,7 +458,7 @@ pub fn install(
     // A root this install creates is removed again if it stays empty (the install failed):
     // declared before the staging directory, so it is dropped after it.
     let _new_root = (!root.exists()).then(|| RemoveIfEmpty(root.to_path_buf()));
-    traversable_dir(root)?;
+    traversable_dir(root, ROOT_MODE)?;
     let staging = Staging(unique(root, ".staging")?);
     let unpacked = staging.0.join("pkg");
     let (sha256, signed_by) = match kind {
@@ -584,7 +609,7 @@ pub fn install(
         ],
     )
     .map_err(|e| InstallError::Audit(e.to_string()))?;
-    traversable_dir(&name_dir)?;
+    traversable_dir(&name_dir, 0o755)?;
     let dest = name_dir.join(&dir_name);
     std::fs::rename(&pkg, &dest).map_err(|e| io(&dest, e))?;
     let previous = std::fs::read_link(name_dir.join("current")).ok().map(|p| p.to_string_lossy().into_owned());
@@ -720,7 +745,7 @@ pub fn install_download<'a>(
     let cap = size.unwrap_or(check.max_bytes);
     // As in `install`: a root this creates goes again if the install fails.
     let _new_root = (!root.exists()).then(|| RemoveIfEmpty(root.to_path_buf()));
-    traversable_dir(root)?;
+    traversable_dir(root, ROOT_MODE)?;
     let staging = Staging(unique(root, ".download")?);
     let file = staging.0.join(name);
     let mut out =
@@ -1538,12 +1563,13 @@ pub fn loaded(root: &Path) -> Result<Vec<(PathBuf, Executor)>, InstallError> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(out),
         Err(e) => return Err(io(root, e)),
     };
+    check_root(root, &std::fs::metadata(root).map_err(|e| io(root, e))?)?;
     for e in entries.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
         if name.starts_with('.') {
             continue;
         }
-        let Some(dir) = resolve(root, &name) else { continue };
+        let Ok(Some(dir)) = resolve(root, &name) else { continue };
         match Executor::load(&dir) {
             Ok(ex) => out.push((dir, ex)),
             Err(err) => tracing::warn!(executor = name, error = %err.0, "installed executor does not load"),
@@ -1553,15 +1579,17 @@ pub fn loaded(root: &Path) -> Result<Vec<(PathBuf, Executor)>, InstallError> {
     Ok(out)
 }
 
-/// The directory `opservant run NAME` uses: `<root>/<name>/current`, resolved.
-pub fn resolve(root: &Path, name: &str) -> Option<PathBuf> {
+/// The directory `opservant run NAME` uses: `<root>/<name>/current`, resolved. `Ok(None)`:
+/// not installed; `Err`: the root is not the agent's alone ([`check_root`]).
+pub fn resolve(root: &Path, name: &str) -> Result<Option<PathBuf>, InstallError> {
     if !crate::manifest::valid_name(name) {
-        return None;
+        return Ok(None);
     }
     // The root as well: `executors.dir` (or a directory above it) may be a link, and the
     // version directory's real path then begins with the root's real path, not its name.
-    let root = root.canonicalize().ok()?;
-    root.join(name).join("current").canonicalize().ok().filter(|p| p.starts_with(&root) && p.is_dir())
+    let Ok(root) = root.canonicalize() else { return Ok(None) };
+    check_root(&root, &std::fs::metadata(&root).map_err(|e| io(&root, e))?)?;
+    Ok(root.join(name).join("current").canonicalize().ok().filter(|p| p.starts_with(&root) && p.is_dir()))
 }
 
 /// Remove an installed executor. `Ok(false)` when it is not installed.

@@ -666,19 +666,24 @@ fn executor_dir(dir: PathBuf, config: &agent::config::Config) -> Result<PathBuf,
     let name = dir.to_string_lossy();
     let bare = !name.contains('/');
     if bare {
-        if let Some(installed) = agent::executor_install::resolve(&config.executors.root(), &name) {
+        if let Some(installed) = installed(config, &name)? {
             return Ok(installed);
         }
     }
     if dir.exists() {
         return Ok(dir);
     }
-    agent::executor_install::resolve(&config.executors.root(), &name).ok_or_else(|| {
+    installed(config, &name)?.ok_or_else(|| {
         CannotRun(format!(
             "{name}: not a directory, nor an executor installed in {}",
             config.executors.root().display()
         ))
     })
+}
+
+/// [`agent::executor_install::resolve`] in the configuration's executors root.
+fn installed(config: &agent::config::Config, name: &str) -> Result<Option<PathBuf>, CannotRun> {
+    agent::executor_install::resolve(&config.executors.root(), name).map_err(|e| CannotRun(e.to_string()))
 }
 
 fn executor_test(
