@@ -621,6 +621,11 @@ fn an_archive_installs_as_tar_reads_it_or_not_at_all() {
         ("two-pax-sizes", "pax([('size', '6'), ('size', '0')]) + member('hello/x.py', b'X = 1\\n')".into(), "two PAX `size` records"),
         ("gnu-sparse-name", "pax([('GNU.sparse.name', 'hello/hello/main.py')]) + member('hello/x.py', b'X = 1\\n')".into(), "a GNU sparse PAX record"),
         ("loose-pyc", "member('hello/hello/sneaky.pyc', b'\\0' * 16)".into(), "hello/hello/sneaky.pyc: compiled bytecode outside __pycache__"),
+        (
+            "native-module",
+            "member('hello/hello/main.cpython-311-x86_64-linux-gnu.so', b'\\x7fELF')".into(),
+            "hello/hello/main.cpython-311-x86_64-linux-gnu.so: a native module in the package is refused",
+        ),
     ] {
         let archive = format!("{base}/{name}.tar");
         python(&format!(
@@ -644,6 +649,13 @@ fn an_archive_installs_as_tar_reads_it_or_not_at_all() {
     let out = env.op(&["executor", "install", dir.to_str().unwrap()]);
     assert_eq!(out.code, 2, "{}", out.stderr);
     assert!(out.stderr.contains("util.pyc: compiled bytecode outside __pycache__"), "{}", out.stderr);
+    assert_eq!(env.entries(), Vec::<String>::new());
+    // So is a native module, which `import hello.util` would load before `util.py`.
+    std::fs::remove_file(dir.join("hello/util.pyc")).unwrap();
+    std::fs::write(dir.join("hello/util.abi3.so"), b"\x7fELF").unwrap();
+    let out = env.op(&["executor", "install", dir.to_str().unwrap()]);
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(out.stderr.contains("util.abi3.so: a native module in the package is refused"), "{}", out.stderr);
     assert_eq!(env.entries(), Vec::<String>::new());
 }
 

@@ -1106,7 +1106,7 @@ fn unpack_stream(reader: impl Read, archive: &Path, dest: &Path) -> Result<(), I
             if files.contains(&rel) || dirs.contains(&rel) {
                 return Err(invalid("given twice in the archive"));
             }
-            refuse_loose_bytecode(&rel)?;
+            refuse_unreadable_code(&rel)?;
             if let Some(parent) = target.parent() {
                 std::fs::DirBuilder::new().mode(0o755).recursive(true).create(parent).map_err(|e| io(parent, e))?;
             }
@@ -1206,14 +1206,26 @@ fn one_name<R: Read>(entry: &mut tar::Entry<'_, R>, name: &Path) -> Result<(), I
     Ok(())
 }
 
-/// Refuses compiled bytecode outside `__pycache__`: a sourceless `NAME.pyc` is importable as
-/// `NAME` with no source for a reviewer (or `executor lint`) to read. Caches in
-/// `__pycache__` are dropped, not refused: the agent compiles its own.
-fn refuse_loose_bytecode(rel: &Path) -> Result<(), InstallError> {
+/// Refuses code in a package that nobody can read: compiled bytecode outside `__pycache__` (a
+/// sourceless `NAME.pyc` is importable as `NAME` with no source for a reviewer, or `executor
+/// lint`, to read) and native modules (`NAME.so`, `NAME.cpython-311-….so`: imported in
+/// preference to a reviewed `NAME.py` beside them). Caches in `__pycache__` are dropped, not
+/// refused: the agent compiles its own. Requirements' native modules come from wheels into
+/// `.deps`, which a package cannot bring.
+fn refuse_unreadable_code(rel: &Path) -> Result<(), InstallError> {
     let name = rel.file_name().map(|n| n.to_string_lossy()).unwrap_or_default();
     if name.ends_with(".pyc") || name.ends_with(".pyo") {
         return Err(InstallError::Invalid(format!(
             "{}: compiled bytecode outside __pycache__ is refused (ship the source)",
+            rel.display()
+        )));
+    }
+    // Every extension-module suffix of CPython on Linux (`.cpython-311-x86_64-linux-gnu.so`,
+    // `.abi3.so`) ends in `.so`.
+    if name.ends_with(".so") {
+        return Err(InstallError::Invalid(format!(
+            "{}: a native module in the package is refused (the import system prefers it to a .py of \
+             the same name, and nobody can review it); ship it as a wheel in wheels/",
             rel.display()
         )));
     }
@@ -1304,7 +1316,7 @@ fn copy_dir(dir: std::os::fd::OwnedFd, src: &Path, dest: &Path, budget: &mut Bud
             if std::os::unix::fs::MetadataExt::nlink(&meta) > 1 {
                 return Err(InstallError::Invalid(format!("{}: a hard link is refused in a package", path.display())));
             }
-            refuse_loose_bytecode(&path)?;
+            refuse_unreadable_code(&path)?;
             budget.copy(&mut f, &target, meta.permissions().mode() & 0o111 != 0, |err| io(&path, err))?;
         } else {
             return Err(refused());
