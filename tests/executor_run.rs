@@ -878,6 +878,44 @@ fn host_proc_reads_and_writes_shared_with_every_user_are_refused() {
     std::fs::set_permissions(&shared.path, std::fs::Permissions::from_mode(0o755)).unwrap();
     let r = run_patched(json!({"permissions": {"filesystem": {"write": [shared.path.to_str().unwrap()]}}})).result();
     assert_eq!(r["status"], "completed", "{r}");
+
+    // A procfs mounted beneath a declared directory would be bound along with it (binds
+    // are recursive); so would the host's /proc beneath a declared `/`.
+    struct Unmount(PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = Command::new("umount").arg(&self.0).status();
+        }
+    }
+    let holder = HostDir::new();
+    let beneath = holder.path.join("srv/proc");
+    std::fs::create_dir_all(&beneath).unwrap();
+    let st = Command::new("mount").args(["-t", "proc", "proc"]).arg(&beneath).status().unwrap();
+    assert!(st.success(), "mount -t proc");
+    let _unmount = Unmount(beneath.clone());
+    for kind in ["read", "write"] {
+        run_patched(json!({"permissions": {"filesystem": {kind: [holder.str()]}}})).cannot_run(&[
+            &format!("permissions.filesystem.{kind}[0]:"),
+            &format!("a procfs of the host is mounted beneath it, on {}", beneath.display()),
+        ]);
+    }
+    run_patched(json!({"permissions": {"filesystem": {"read": ["/"]}}}))
+        .cannot_run(&["permissions.filesystem.read[0]:", "a procfs of the host is mounted beneath it, on /proc"]);
+
+    // A write path in a directory every user may write to, without the sticky bit: any user
+    // could rename it away and put a directory of theirs in its place before the bind.
+    let outer = HostDir::new();
+    let inner = outer.path.join("out");
+    std::fs::create_dir(&inner).unwrap();
+    std::fs::set_permissions(&outer.path, std::fs::Permissions::from_mode(0o777)).unwrap();
+    run_patched(json!({"permissions": {"filesystem": {"write": [inner.to_str().unwrap()]}}})).cannot_run(&[
+        "permissions.filesystem.write[0]:",
+        &format!("every user of the host may rename it away and put another in its place ({} is writable by all, without the sticky bit)", outer.str()),
+    ]);
+    // With the sticky bit only the owner may rename it.
+    std::fs::set_permissions(&outer.path, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let r = run_patched(json!({"permissions": {"filesystem": {"write": [inner.to_str().unwrap()]}}})).result();
+    assert_eq!(r["status"], "completed", "{r}");
 }
 
 #[test]

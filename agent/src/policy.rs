@@ -366,18 +366,7 @@ impl AgentPolicy {
         let real = real_path(field, p)?;
         self.refuse_read(field, p, &real)?;
         check_alias(field, p, &real, masked)?;
-        // A procfs mounted elsewhere (`mount -t proc proc /srv/p`, a container's root) is the
-        // host's /proc by another name.
-        if nix::sys::statfs::statfs(&real).is_ok_and(|f| f.filesystem_type() == nix::sys::statfs::PROC_SUPER_MAGIC) {
-            return Err(PolicyError::new(
-                field,
-                format!(
-                    "{}{} is a procfs of the host: the sandbox has a /proc of its own, and host /proc entries are never bound",
-                    p.display(),
-                    via(p, &real)
-                ),
-            ));
-        }
+        refuse_procfs(field, p, &real)?;
         Ok(real)
     }
 
@@ -395,6 +384,7 @@ impl AgentPolicy {
         self.refuse_write(field, p, &real)?;
         check_alias(field, p, &real, masked)?;
         refuse_shared_with_everyone(field, p, &real)?;
+        refuse_procfs(field, p, &real)?;
         Ok(Some(real))
     }
 
@@ -454,7 +444,9 @@ impl AgentPolicy {
 /// Refuses a write path that every user of the host may write to (`/var/tmp`, a mode-777
 /// directory): shared with host processes, it would let the payload plant files or links
 /// for them, and read or replace theirs. A directory of the executor's own is declared
-/// instead.
+/// instead. So is one in a directory every user may write to without the sticky bit: any
+/// user could rename it away and put a directory of theirs in its place between this check
+/// and the bind, and read what the payload writes there.
 fn refuse_shared_with_everyone(field: &str, p: &Path, real: &Path) -> Result<(), PolicyError> {
     use std::os::unix::fs::PermissionsExt;
     let meta = std::fs::symlink_metadata(real).map_err(|e| PolicyError::new(field, format!("{}: {e}", p.display())))?;
@@ -467,6 +459,48 @@ fn refuse_shared_with_everyone(field: &str, p: &Path, real: &Path) -> Result<(),
                 via(p, real)
             ),
         ));
+    }
+    for parent in real.ancestors().skip(1) {
+        let mode = std::fs::symlink_metadata(parent)
+            .map_err(|e| PolicyError::new(field, format!("{}: {e}", parent.display())))?
+            .permissions()
+            .mode();
+        if mode & 0o002 != 0 && mode & 0o1000 == 0 {
+            return Err(PolicyError::new(
+                field,
+                format!(
+                    "{}{}: every user of the host may rename it away and put another in its place ({} is writable by all, without the sticky bit); never granted",
+                    p.display(),
+                    via(p, real),
+                    parent.display()
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Refuses a declared path in a procfs or with one mounted at or beneath it (`mount -t
+/// proc proc /srv/p`, a container's root below a declared directory): that is the host's
+/// /proc by another name, and a bind takes what is mounted beneath it along.
+fn refuse_procfs(field: &str, p: &Path, real: &Path) -> Result<(), PolicyError> {
+    let refused = |what: String| {
+        PolicyError::new(
+            field,
+            format!(
+                "{}{}: {what}: the sandbox has a /proc of its own, and host /proc entries are never bound",
+                p.display(),
+                via(p, real)
+            ),
+        )
+    };
+    if nix::sys::statfs::statfs(real).is_ok_and(|f| f.filesystem_type() == nix::sys::statfs::PROC_SUPER_MAGIC) {
+        return Err(refused("a procfs of the host".into()));
+    }
+    let mounts =
+        sandbox::mountinfo::read().map_err(|e| PolicyError::new(field, format!("/proc/self/mountinfo: {e}")))?;
+    if let Some(m) = mounts.iter().find(|m| m.fstype == "proc" && m.mount_point.starts_with(real)) {
+        return Err(refused(format!("a procfs of the host is mounted beneath it, on {}", m.mount_point.display())));
     }
     Ok(())
 }

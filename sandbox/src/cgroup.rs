@@ -125,7 +125,7 @@ fn layout() -> &'static Layout {
     })
 }
 
-/// One line of `/proc/self/mountinfo` reduced to what we need.
+/// A cgroup mount of `/proc/self/mountinfo`, reduced to what we need.
 struct CgroupMount {
     root: String,
     mount_point: PathBuf,
@@ -134,43 +134,17 @@ struct CgroupMount {
 }
 
 fn cgroup_mounts() -> Vec<CgroupMount> {
-    let text = fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-    text.lines()
-        .filter_map(|line| {
-            let (pre, post) = line.split_once(" - ")?;
-            let pre: Vec<&str> = pre.split(' ').collect();
-            let post: Vec<&str> = post.split(' ').collect();
-            let fstype = *post.first()?;
-            if fstype != "cgroup" && fstype != "cgroup2" {
-                return None;
-            }
-            Some(CgroupMount {
-                root: unescape_mountinfo(pre.get(3)?),
-                mount_point: PathBuf::from(unescape_mountinfo(pre.get(4)?)),
-                fstype: fstype.to_string(),
-                super_opts: post.get(2).map(|o| o.split(',').map(str::to_owned).collect()).unwrap_or_default(),
-            })
+    crate::mountinfo::read()
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|m| m.fstype == "cgroup" || m.fstype == "cgroup2")
+        .map(|m| CgroupMount {
+            root: m.root.to_string_lossy().into_owned(),
+            mount_point: m.mount_point,
+            fstype: m.fstype,
+            super_opts: m.super_opts,
         })
         .collect()
-}
-
-/// mountinfo escapes space, tab, newline and backslash as `\ooo`.
-fn unescape_mountinfo(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'\\' && i + 4 <= b.len() {
-            if let Ok(v) = u8::from_str_radix(std::str::from_utf8(&b[i + 1..i + 4]).unwrap_or(""), 8) {
-                out.push(v);
-                i += 4;
-                continue;
-            }
-        }
-        out.push(b[i]);
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// Resolve `own` (a path from /proc/self/cgroup) inside a mount of that hierarchy.
@@ -1093,13 +1067,6 @@ mod tests {
         assert_eq!(fs::read_dir(root.join("memory")).unwrap().count(), 0, "created cgroups removed again");
         assert_eq!(fs::read_dir(root.join("pids")).unwrap().count(), 0);
         fs::remove_dir_all(&root).unwrap();
-    }
-
-    #[test]
-    fn mountinfo_unescape() {
-        assert_eq!(unescape_mountinfo("/a\\040b"), "/a b");
-        assert_eq!(unescape_mountinfo("/plain"), "/plain");
-        assert_eq!(unescape_mountinfo("/x\\"), "/x\\");
     }
 
     #[test]

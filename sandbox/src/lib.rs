@@ -24,6 +24,7 @@ pub mod channel;
 pub mod error;
 pub mod init;
 pub mod landlock;
+pub mod mountinfo;
 pub mod mounts;
 pub mod namespaces;
 pub mod net;
