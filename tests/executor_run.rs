@@ -1289,6 +1289,10 @@ class TestExecutor(BaseExecutor):
                 except PermissionError as e:
                     out[name] = "PermissionError: %s" % e
             return ExecutorResult(output=out)
+        if mode == "number":
+            # A numeric secret returned as a number, not as text.
+            pin = vault.get_secret("pin")
+            return ExecutorResult(output={"n": int(pin), "f": float(pin), "in": [int(pin) * 10 + 7], "other": 42})
         value = vault.get_secret("api_key")
         digest = hashlib.sha256(value.encode()).hexdigest()
         if mode == "misuse":
@@ -1339,6 +1343,9 @@ class TestExecutor(BaseExecutor):
         )
 "#;
 
+/// A numeric secret (`pin` in the store).
+const PIN: &str = "4815162342";
+
 fn secret_value() -> String {
     format!("s3cr3t-VALUE-{}-zq", std::process::id())
 }
@@ -1347,7 +1354,7 @@ fn secrets_setup(declared: Value) -> (HostDir, Conf) {
     let d = executor(json!({"permissions": {"secrets": declared}}), SECRETS);
     let c = config(
         "agent:\n  id: ag-secrets\n",
-        Some(&format!("api_key: {}\nother_key: other-{}\n", secret_value(), std::process::id())),
+        Some(&format!("api_key: {}\nother_key: other-{}\npin: \"{PIN}\"\n", secret_value(), std::process::id())),
     );
     (d, c)
 }
@@ -1439,6 +1446,21 @@ fn secret_requests_cannot_flood_the_audit_log() {
     );
     let granted = out.stderr.lines().filter(|l| l.contains("event=\"secret_access\"")).count();
     assert_eq!(granted, 1, "{}", out.stderr);
+}
+
+/// A secret returned as a JSON number (`int(value)`) is redacted as its text would be: the
+/// number becomes the redacted string.
+#[test]
+fn a_numeric_secret_returned_as_a_number_is_redacted() {
+    if !require_root() {
+        return;
+    }
+    let (d, c) = secrets_setup(json!(["pin"]));
+    let out = run(&d.path, &["--config", c.arg(), "--params", r#"{"mode": "number"}"#]);
+    let r = out.result();
+    assert_eq!(r["status"], "completed", "{r}");
+    assert!(!out.stdout.contains(PIN), "the secret in the result: {}", out.stdout);
+    assert_eq!(r["output"], json!({"n": "[REDACTED]", "f": "[REDACTED].0", "in": ["[REDACTED]7"], "other": 42}));
 }
 
 #[test]

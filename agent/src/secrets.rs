@@ -320,11 +320,22 @@ impl Redactor {
         self.text(&out)
     }
 
-    /// Redact every string (keys included) in a JSON value.
+    /// Redact every string (keys included) in a JSON value, and every number whose text
+    /// holds a value (a secret returned as `int(value)`): that number becomes the redacted
+    /// string.
     pub fn json(&self, v: &serde_json::Value) -> serde_json::Value {
         use serde_json::Value;
         match v {
             Value::String(s) => Value::String(self.text(s)),
+            Value::Number(n) => {
+                let text = n.to_string();
+                let redacted = self.text(&text);
+                if redacted == text {
+                    v.clone()
+                } else {
+                    Value::String(redacted)
+                }
+            }
             Value::Array(a) => Value::Array(a.iter().map(|x| self.json(x)).collect()),
             Value::Object(o) => Value::Object(o.iter().map(|(k, x)| (self.text(k), self.json(x))).collect()),
             other => other.clone(),
@@ -426,6 +437,12 @@ mod tests {
         assert_eq!(r.text("a s3cr3t-longer and s3cr3t"), "a [REDACTED] and [REDACTED]");
         let v = serde_json::json!({"k": ["x s3cr3t", {"s3cr3t": 1}], "n": 2});
         assert_eq!(r.json(&v), serde_json::json!({"k": ["x [REDACTED]", {"[REDACTED]": 1}], "n": 2}));
+        r.add("90210");
+        let v = serde_json::json!({"zip": 90210, "more": 1902107, "f": 90210.5, "other": 9021});
+        assert_eq!(
+            r.json(&v),
+            serde_json::json!({"zip": "[REDACTED]", "more": "1[REDACTED]7", "f": "[REDACTED].5", "other": 9021})
+        );
         assert!(r.contains_secret(b"..s3cr3t.."));
         assert!(!r.contains_secret(b"secret"));
         // Credential patterns too, with or without delivered values.
