@@ -332,12 +332,33 @@ impl HostLease {
             }
             None => nft::host_table(host)?,
         };
-        // A table made for other pools would not masquerade this sandbox's traffic: refuse.
         if let Some(tag) = found.filter(|t| *t != want) {
-            return Err(NetError::Unavailable(format!(
-                "the host table `inet {}` in use here serves other pools ({tag}); this configuration needs {want}",
-                nft::TABLE
-            )));
+            // A table made for other pools would not masquerade this sandbox's traffic: refuse.
+            if !nft::serves_pools(&tag, &pool.v4, pool.v6.as_ref()) {
+                return Err(NetError::Unavailable(format!(
+                    "the host table `inet {}` in use here serves other pools ({tag}); this configuration needs {want}",
+                    nft::TABLE
+                )));
+            }
+            // Made by another version of opservant, with other rules: replaced, once no run
+            // holds it (no lease but this one: the exclusive lock keeps newcomers out until
+            // the new table is there).
+            if flock(&lock, libc::LOCK_EX | libc::LOCK_NB).is_err() {
+                return Err(NetError::Unavailable(format!(
+                    "the host table `inet {}` was made by another version of opservant ({tag}; this one needs \
+                     {want}) and runs still use it; it is replaced once they end",
+                    nft::TABLE
+                )));
+            }
+            nft::delete_host_table(host)?;
+            nft::create_host_table(host, &pool.v4, pool.v6.as_ref())?;
+            flock(&lock, libc::LOCK_SH).map_err(|e| NetError::io("lock", "host table lease", e))?;
+            // The downgrade is not atomic: an idle-table collector may have deleted the new
+            // table in between.
+            if nft::host_table(host)?.is_none() {
+                nft::create_host_table(host, &pool.v4, pool.v6.as_ref())?;
+            }
+            tracing::info!(old = %tag, new = %want, "host table of another version replaced");
         }
         Ok(Self { lock, release, lock_dir_for_gc: pool.lock_dir.clone() })
     }
@@ -685,6 +706,49 @@ mod tests {
     }
 
     use super::*;
+
+    /// A host table an earlier version made (its tag without the rules' version) is replaced
+    /// when no run holds it, refused while one does; one for other pools is refused.
+    #[test]
+    fn a_host_table_of_another_version_is_replaced_once_unused() {
+        if !nix::unistd::geteuid().is_root() {
+            assert!(std::env::var_os("CI").is_none(), "CI runs the tests as root");
+            return;
+        }
+        // In a network namespace of this thread's own (unshare affects the calling thread).
+        std::thread::spawn(|| {
+            nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
+            let dir = std::env::temp_dir().join(format!("opservant-hosttable-test-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).unwrap();
+            let pool = Pool { v4: "10.213.0.0/16".parse().unwrap(), v6: None, lock_dir: dir.clone() };
+            let mut nl = Netlink::netfilter().unwrap();
+            let old_tag = "opservant pools 10.213.0.0/16";
+            assert!(nft::create_host_table_tagged(&mut nl, old_tag, &pool.v4, None).unwrap());
+
+            // A run of the old version still holds it: refused, left alone.
+            let holder = open_lock(&host_lock_path(&dir).unwrap()).unwrap();
+            flock(&holder, libc::LOCK_SH).unwrap();
+            let err = HostLease::acquire(&pool, HostTableRelease::Keep, &mut nl).err().expect("refused while held");
+            assert!(err.to_string().contains("made by another version of opservant"), "{err}");
+            assert_eq!(nft::host_table(&mut nl).unwrap().as_deref(), Some(old_tag));
+            drop(holder);
+
+            let lease = HostLease::acquire(&pool, HostTableRelease::Keep, &mut nl).expect("replaced");
+            let want = nft::host_table_tag(&pool.v4, None);
+            assert_eq!(nft::host_table(&mut nl).unwrap(), Some(want.clone()));
+            assert!(want.ends_with(&format!(" rules {}", nft::HOST_RULES_VERSION)), "{want}");
+            drop(lease);
+
+            // Other pools: refused, never replaced.
+            let other = Pool { v4: "10.214.0.0/16".parse().unwrap(), v6: None, lock_dir: dir.clone() };
+            let err = HostLease::acquire(&other, HostTableRelease::Keep, &mut nl).err().expect("other pools");
+            assert!(err.to_string().contains("serves other pools"), "{err}");
+            assert_eq!(nft::host_table(&mut nl).unwrap(), Some(want));
+            let _ = std::fs::remove_dir_all(&dir);
+        })
+        .join()
+        .unwrap();
+    }
 
     #[test]
     fn nets_parse_and_match() {

@@ -470,19 +470,44 @@ pub(crate) fn load_sandbox_ruleset(
     b.commit(nl, "load sandbox ruleset")
 }
 
-/// What the host table records about the pools it serves (its user data).
+/// The version of the host table's rules ([`create_host_table`]): raise it with every change
+/// to them, so that a table an earlier version made is replaced rather than reused.
+pub(crate) const HOST_RULES_VERSION: u32 = 2;
+
+/// What the host table records about the pools it serves and its rules' version (its user
+/// data). Tables of versions before 2 record only the pools.
 pub(crate) fn host_table_tag(pool4: &IpNet, pool6: Option<&IpNet>) -> String {
+    format!("{} rules {HOST_RULES_VERSION}", pools_tag(pool4, pool6))
+}
+
+fn pools_tag(pool4: &IpNet, pool6: Option<&IpNet>) -> String {
     match pool6 {
         Some(p6) => format!("opservant pools {pool4} {p6}"),
         None => format!("opservant pools {pool4}"),
     }
 }
 
+/// Whether a host table tagged `tag` serves `pool4`/`pool6`, whatever its rules' version.
+pub(crate) fn serves_pools(tag: &str, pool4: &IpNet, pool6: Option<&IpNet>) -> bool {
+    let pools = pools_tag(pool4, pool6);
+    tag == pools || tag.strip_prefix(pools.as_str()).is_some_and(|rest| rest.starts_with(" rules "))
+}
+
 /// Create the host table for `pool4`/`pool6` unless it exists. `Ok(false)` when another
 /// process created it first (the batch is exclusive, so rules are never doubled).
 pub(crate) fn create_host_table(nl: &mut Netlink, pool4: &IpNet, pool6: Option<&IpNet>) -> Result<bool, NetError> {
+    create_host_table_tagged(nl, &host_table_tag(pool4, pool6), pool4, pool6)
+}
+
+/// [`create_host_table`] with the tag `tag` (tests make an earlier version's table).
+pub(crate) fn create_host_table_tagged(
+    nl: &mut Netlink,
+    tag: &str,
+    pool4: &IpNet,
+    pool6: Option<&IpNet>,
+) -> Result<bool, NetError> {
     let mut b = Batch::new();
-    b.table(Some(&host_table_tag(pool4, pool6)));
+    b.table(Some(tag));
     b.chain("postrouting", Some((InetHookNumber::PostRouting, 100, "nat", NF_ACCEPT)));
     b.chain("forward", Some((InetHookNumber::Forward, 0, "filter", NF_ACCEPT)));
     b.chain("input", Some((InetHookNumber::LocalIn, 0, "filter", NF_ACCEPT)));
