@@ -194,7 +194,7 @@ impl Conf {
 /// - `["ifaces"]`: `{"ok": true, "if_nameindex": [...], "proc_net_dev": [...]}`
 /// - `["env", [names]]`: `{"ok": true, "env": {name: value or null}}`
 /// - hostile probes (tests at the end): `udp`, `udp_gw`, `udp_gw6`, `sock`, `ping`,
-///   `dns_raw`, `multi_download`, `sleep`, `dns_tcp_abuse` — see `_step_extra`
+///   `dns_raw`, `multi_download`, `sleep`, `dns_tcp_abuse`, `hold` — see `_step_extra`
 const PROBE: &str = r#"
 import os
 import socket
@@ -553,6 +553,33 @@ def _multi_download(host, port, n, seconds):
     return {"ok": True, "bytes": total, "bytes_per_second": total / window, "window_s": window, "flows": res}
 
 
+def _hold(host, port, n, udp_ports):
+    """`n` TCP connections to host:port held open at once, then closed; then one datagram
+    to each of `udp_ports` (each a flow of its own). Outcomes are errno names or "ok"."""
+    import errno as _errno
+    held, tcp = [], []
+    for _ in range(n):
+        try:
+            held.append(socket.create_connection((host, port), timeout=3))
+            tcp.append("ok")
+        except OSError as e:
+            tcp.append(_errno.errorcode.get(e.errno, str(e)))
+    for s in held:
+        s.close()
+    time.sleep(0.5)
+    udp = []
+    for p in udp_ports:
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            s.sendto(b"x", (host, p))
+            udp.append("ok")
+        except OSError as e:
+            udp.append(_errno.errorcode.get(e.errno, str(e)))
+        finally:
+            s.close()
+    return {"ok": True, "tcp": tcp, "udp": udp}
+
+
 def _to(find_host, send, *args):
     """`send(host, *args)` to the host `find_host()` names, recorded as `host`."""
     t0 = time.monotonic()
@@ -587,6 +614,8 @@ def _step_extra(op, args):
     if op == "sleep":
         time.sleep(args[0])
         return {"ok": True}
+    if op == "hold":
+        return _hold(*args)
     return None
 
 
@@ -1604,6 +1633,36 @@ fn dns_rebinding_to_loopback_is_refused() {
 }
 
 /// (7) max_bandwidth_mbps: a 2-second download runs at 10 Mbit/s ± 20 %.
+/// One sandbox cannot fill the host's conntrack table: with `max_connections: 5` its sixth
+/// tracked connection is blocked (and counted), TCP or UDP; closed TCP connections stop
+/// counting.
+#[test]
+fn a_sandbox_cannot_track_more_connections_than_allowed() {
+    if !prerequisites() {
+        return;
+    }
+    let lab = Lab::new();
+    let srv = lab.sink("198.51.100.10:80");
+    let conf = Conf::new("    max_connections: 5\n");
+    let p = probe(
+        &lab,
+        &conf,
+        json!({"outbound": true, "allowed_hosts": ["198.51.100.10"], "allowed_ports": [80, "9000-9009"], "dns_allowed": false}),
+        limits(),
+        json!([["hold", "198.51.100.10", 80, 8, [9000, 9001, 9002, 9003, 9004, 9005, 9006, 9007]]]),
+    );
+    let step = p.step(0);
+    assert_eq!(
+        step["tcp"],
+        json!(["ok", "ok", "ok", "ok", "ok", "ECONNREFUSED", "ECONNREFUSED", "ECONNREFUSED"]),
+        "{step}"
+    );
+    assert_eq!(step["udp"], json!(["ok", "ok", "ok", "ok", "ok", "EPERM", "EPERM", "EPERM"]), "{step}");
+    assert_eq!(srv.accepted(), 5);
+    assert!(p.r["sandbox"]["egress"]["blocked"].as_u64().unwrap_or(0) >= 6, "{}", p.r["sandbox"]["egress"]);
+    assert_host_clean(&lab);
+}
+
 #[test]
 fn bandwidth_is_limited() {
     if !prerequisites() {

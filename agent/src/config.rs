@@ -152,6 +152,9 @@ pub struct EgressSection {
     /// /etc/resolv.conf.
     #[serde(default)]
     pub dns_upstream: Vec<String>,
+    /// Connections one sandbox may have tracked at once (1-65536, default 1024): each is
+    /// also an entry in the host's conntrack table, which one sandbox must not fill.
+    pub max_connections: Option<u32>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize, Serialize)]

@@ -33,6 +33,8 @@ use crate::manifest::NetworkPermissions;
 use crate::policy::PolicyError;
 
 pub const DEFAULT_POOL_V4: &str = "10.213.0.0/16";
+/// `network.egress.max_connections` by default.
+pub const DEFAULT_MAX_CONNECTIONS: u32 = 1024;
 pub const DEFAULT_POOL_V6: &str = "fd6f:7073:7276::/48";
 /// Where the slot and host-table locks live.
 pub const LOCK_DIR: &str = "/run/opservant/net";
@@ -284,6 +286,8 @@ pub struct ProxySettings {
 pub struct EgressSettings {
     pub pool: Pool,
     pub manage_forwarding: bool,
+    /// Connections one sandbox may have tracked at once (`network.egress.max_connections`).
+    pub max_connections: u32,
     pub upstream: Vec<SocketAddr>,
     pub proxy: ProxySettings,
 }
@@ -322,7 +326,12 @@ impl EgressSettings {
                 proxy.env.push(("no_proxy".into(), list));
             }
         }
-        Ok(EgressSettings { pool, manage_forwarding: e.manage_forwarding, upstream, proxy })
+        let max_connections = match e.max_connections {
+            None => DEFAULT_MAX_CONNECTIONS,
+            Some(n @ 1..=65536) => n,
+            Some(n) => return Err(err("network.egress.max_connections", format!("{n} is not within 1-65536"))),
+        };
+        Ok(EgressSettings { pool, manage_forwarding: e.manage_forwarding, max_connections, upstream, proxy })
     }
 
     /// The configured upstreams, or the nameservers of /etc/resolv.conf.
@@ -450,6 +459,7 @@ pub fn plan(policy: &NetworkPolicy, settings: &EgressSettings) -> Result<EgressP
             allow_any: policy.allow.is_none(),
             ports: policy.ports.clone(),
             endpoints,
+            max_connections: settings.max_connections,
         },
         bandwidth_bytes: Some(policy.bandwidth_mbps * 1_000_000 / 8),
         manage_forwarding: settings.manage_forwarding,
@@ -610,5 +620,19 @@ mod tests {
         assert_eq!(parse_proxy_url("https://p.example").unwrap(), ("p.example".into(), 443));
         assert!(parse_proxy_url("socks5://p:1").is_err());
         assert!(parse_proxy_url("p:1").is_err());
+    }
+
+    #[test]
+    fn max_connections_is_bounded() {
+        let mut c = Config::default();
+        assert_eq!(EgressSettings::from_config(&c).unwrap().max_connections, DEFAULT_MAX_CONNECTIONS);
+        for (n, ok) in [(0, false), (1, true), (65536, true), (65537, false)] {
+            c.network.egress.max_connections = Some(n);
+            let r = EgressSettings::from_config(&c);
+            assert_eq!(r.is_ok(), ok, "{n}");
+            if let Err(e) = r {
+                assert_eq!(e.path, "network.egress.max_connections");
+            }
+        }
     }
 }

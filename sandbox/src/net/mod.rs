@@ -186,6 +186,9 @@ pub struct Firewall {
     pub ports: Vec<(u16, u16)>,
     /// Extra TCP endpoints reachable regardless of the allow list and ports (a proxy).
     pub endpoints: Vec<(IpAddr, u16)>,
+    /// New connections (anything but loopback) are blocked while the sandbox has this many
+    /// tracked: each is also an entry in the host's conntrack table, shared by the host.
+    pub max_connections: u32,
 }
 
 /// The address pool sandboxes take their point-to-point links from.

@@ -10,6 +10,7 @@
 //! ```text
 //! chain output  (hook output, policy drop)
 //!     oif lo accept · ct state established,related accept
+//!     ct count over max_connections                 goto blocked   (the host's conntrack)
 //!     meta nfproto ipv4 goto out4 · meta nfproto ipv6 goto out6 · goto blocked
 //! chain out4 / out6 — first match wins
 //!     daddr in a denied net                         goto blocked   (deny always wins)
@@ -161,6 +162,22 @@ fn reject(tcp_reset: bool) -> Expr {
             ],
         )
     }
+}
+
+/// `ct count over limit`: matches while the connections this expression has seen, still
+/// tracked (closed TCP ones are not counted), number more than `limit` — the packet's own
+/// included.
+fn ct_count_over(limit: u32) -> Expr {
+    const NFTA_CONNLIMIT_COUNT: u16 = 1;
+    const NFTA_CONNLIMIT_FLAGS: u16 = 2;
+    const NFT_CONNLIMIT_F_INV: u32 = 1;
+    other(
+        "connlimit",
+        vec![
+            DefaultNla::new(NFTA_CONNLIMIT_COUNT, limit.to_be_bytes().to_vec()),
+            DefaultNla::new(NFTA_CONNLIMIT_FLAGS, NFT_CONNLIMIT_F_INV.to_be_bytes().to_vec()),
+        ],
+    )
 }
 
 /// `ct state established,related` → register 1 holds a non-zero value.
@@ -368,6 +385,7 @@ pub(crate) fn load_sandbox_ruleset(
     }
     b.rule("output", vec![meta(MetaKey::Oif), cmp(Operator::Equal, 1u32.to_ne_bytes().to_vec()), accept()]);
     b.rule("output", join(vec![ct_established(), vec![accept()]]));
+    b.rule("output", vec![ct_count_over(fw.max_connections), goto("blocked")]);
     b.rule("output", join(vec![nfproto(NFPROTO_IPV4), vec![goto("out4")]]));
     b.rule("output", join(vec![nfproto(NFPROTO_IPV6), vec![goto("out6")]]));
     b.rule("output", vec![goto("blocked")]);
