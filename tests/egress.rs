@@ -474,7 +474,8 @@ def _dns_raw(proto, labels, qtype, qid=0x6161):
                 data += chunk
             msg = data[2:]
         s.close()
-        return {"ok": True, "rcode": msg[3] & 0x0F, "answers": struct.unpack(">H", msg[6:8])[0], "ms": _ms(t0)}
+        return {"ok": True, "rcode": msg[3] & 0x0F, "answers": struct.unpack(">H", msg[6:8])[0],
+                "id": struct.unpack(">H", msg[0:2])[0], "ms": _ms(t0)}
     except Exception as e:
         return _fail(e, t0)
 
@@ -1660,6 +1661,55 @@ fn a_sandbox_cannot_track_more_connections_than_allowed() {
     assert_eq!(step["udp"], json!(["ok", "ok", "ok", "ok", "ok", "EPERM", "EPERM", "EPERM"]), "{step}");
     assert_eq!(srv.accepted(), 5);
     assert!(p.r["sandbox"]["egress"]["blocked"].as_u64().unwrap_or(0) >= 6, "{}", p.r["sandbox"]["egress"]);
+    assert_host_clean(&lab);
+}
+
+/// The forwarder allows only the addresses of the name asked for (and of the names its
+/// CNAME chain leads to): an upstream's A record for another owner name beside the answer
+/// allows nothing. Zone transfers and `ANY` are refused; upstream never sees the sandbox's
+/// own query id, and the sandbox gets its id back.
+#[test]
+fn only_the_asked_names_addresses_are_allowed() {
+    if !prerequisites() {
+        return;
+    }
+    let lab = Lab::new();
+    let s = lab.banners(&["198.51.100.10:80", "198.51.100.11:80"]);
+    lab.dns.set_extra("allowed.test", "other.test", "198.51.100.11");
+    let conf = Conf::new("");
+    let p = probe(
+        &lab,
+        &conf,
+        json!({"outbound": true, "allowed_hosts": ["allowed.test"], "allowed_ports": [80]}),
+        limits(),
+        json!([
+            ["dns_raw", "udp", ["allowed", "test"], 1, 0x4242], // 0: answered with the extra record
+            ["connect", "198.51.100.10", 80],                   // 1
+            ["connect", "198.51.100.11", 80],                   // 2: the extra record's address
+            ["dns_raw", "udp", ["allowed", "test"], 255],       // 3: ANY
+            ["dns_raw", "tcp", ["allowed", "test"], 252],       // 4: AXFR
+            ["dns_raw", "udp", ["allowed", "test"], 251],       // 5: IXFR
+        ]),
+    );
+    assert_eq!(p.step(0)["rcode"], 0, "{}", p.step(0));
+    assert_eq!(p.step(0)["answers"], 2, "{}", p.step(0));
+    assert_eq!(p.step(0)["id"], 0x4242, "the sandbox gets its own id back: {}", p.step(0));
+    assert_connected(p.step(1), "198.51.100.10:80");
+    assert_blocked(p.step(2), "198.51.100.11 (an A record of other.test beside allowed.test's answer)");
+    assert_eq!(s[1].accepted(), 0);
+    for i in [3, 4, 5] {
+        assert_eq!(p.step(i)["rcode"], 5, "REFUSED: {}", p.step(i));
+    }
+    assert!(
+        !lab.dns.log().iter().any(|(_, qtype)| [251, 252, 255].contains(qtype)),
+        "a zone transfer or ANY reached upstream: {:?}",
+        lab.dns.log()
+    );
+    let ids = lab.dns.ids();
+    assert!(!ids.is_empty());
+    assert!(!ids.contains(&0x4242), "upstream saw the sandbox's query id: {ids:?}");
+    let refused = p.egress()["dns"]["refused_names"].to_string();
+    assert!(refused.contains("query_type"), "{refused}");
     assert_host_clean(&lab);
 }
 

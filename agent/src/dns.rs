@@ -260,6 +260,15 @@ fn answer(
         refuse(report, who, "", "malformed");
         return error_reply(&query, ResponseCode::Refused);
     }
+    // Zone transfers and `ANY`: whole zones or every record of a name, nothing a lookup
+    // needs (RFC 8482 lets servers refuse ANY).
+    if matches!(
+        query.queries[0].query_type(),
+        RecordType::AXFR | RecordType::IXFR | RecordType::ANY | RecordType::Unknown(253 | 254)
+    ) {
+        refuse(report, who, &plain_name(query.queries[0].name()), "query_type");
+        return error_reply(&query, ResponseCode::Refused);
+    }
     // The name from its labels, each of hostname characters only: hickory's text form
     // escapes a dot inside a label (`x\.example.test`), which a suffix match would take for
     // a name below `example.test` although it is a sibling of it.
@@ -283,12 +292,36 @@ fn answer(
             return error_reply(&query, ResponseCode::Refused);
         }
     }
-    let Some(reply_raw) = forward(raw, query.metadata.id, upstreams, tcp) else {
+    // Upstream sees an id of the forwarder's own, never the sandbox's: the sandbox knows
+    // nothing of the upstream exchange it could use to forge an answer.
+    let up_id = upstream_id(query.metadata.id);
+    let mut up_raw = raw.to_vec();
+    up_raw[..2].copy_from_slice(&up_id.to_be_bytes());
+    let Some(mut reply_raw) = forward(&up_raw, up_id, upstreams, tcp) else {
         return error_reply(&query, ResponseCode::ServFail);
     };
+    reply_raw[..2].copy_from_slice(&query.metadata.id.to_be_bytes());
     let Ok(reply) = Message::from_vec(&reply_raw) else {
         return error_reply(&query, ResponseCode::ServFail);
     };
+    // The names the answer's addresses may belong to: the query's, and those its CNAME
+    // chain in the answer leads to. An A or AAAA record of any other owner name (one an
+    // upstream added beside the answer) allows nothing.
+    let mut owners: Vec<String> = vec![name.clone()];
+    loop {
+        let before = owners.len();
+        for r in &reply.answers {
+            if let RData::CNAME(target) = &r.data {
+                let (from, to) = (plain_name(&r.name), plain_name(&target.0));
+                if owners.contains(&from) && !owners.contains(&to) {
+                    owners.push(to);
+                }
+            }
+        }
+        if owners.len() == before {
+            break;
+        }
+    }
     let mut found: Vec<(IpAddr, u64)> = Vec::new();
     for r in &reply.answers {
         // An allowed name that leads, through a CNAME, to a denied one: the denied name's
@@ -308,6 +341,9 @@ fn answer(
             RData::AAAA(a) => IpAddr::V6(a.0),
             _ => continue,
         };
+        if !owners.contains(&plain_name(&r.name)) {
+            continue;
+        }
         let special = crate::egress::special_ranges().iter().any(|n| n.contains(addr));
         if special && !policy.explicitly_allows(addr) {
             if refuse(report, who, &name, "rebinding") {
@@ -456,6 +492,16 @@ fn resolve_with(name: &str, upstreams: &[SocketAddr], every: bool) -> Result<Vec
         return Err(format!("no answer from {upstreams:?}"));
     }
     Ok(out)
+}
+
+/// A random id for an upstream query, never the sandbox's own `id`.
+fn upstream_id(id: u16) -> u16 {
+    let up = rand_id();
+    if up == id {
+        up ^ 1
+    } else {
+        up
+    }
 }
 
 fn rand_id() -> u16 {

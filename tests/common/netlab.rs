@@ -332,7 +332,11 @@ pub struct Dns {
     table: Mutex<HashMap<String, Vec<IpAddr>>>,
     /// name → the name it is a CNAME of (answered with the CNAME and the target's records).
     cnames: Mutex<HashMap<String, String>>,
+    /// name → records of other owner names added to its answers (owner, address).
+    extras: Mutex<HashMap<String, Vec<(String, IpAddr)>>>,
     log: Mutex<Vec<(String, u16)>>,
+    /// The id of every query received.
+    ids: Mutex<Vec<u16>>,
 }
 
 impl Dns {
@@ -356,6 +360,19 @@ impl Dns {
     pub fn set_cname(&self, name: &str, target: &str) {
         let key = |n: &str| n.trim_end_matches('.').to_ascii_lowercase();
         self.cnames.lock().unwrap().insert(key(name), key(target));
+    }
+
+    /// Add an A/AAAA record of `owner` (another name) to every answer for `name`, as a
+    /// hostile upstream could.
+    pub fn set_extra(&self, name: &str, owner: &str, addr: &str) {
+        let key = |n: &str| n.trim_end_matches('.').to_ascii_lowercase();
+        let addr = addr.parse().unwrap_or_else(|e| panic!("bad address {addr}: {e}"));
+        self.extras.lock().unwrap().entry(key(name)).or_default().push((key(owner), addr));
+    }
+
+    /// The id of every query received, in order.
+    pub fn ids(&self) -> Vec<u16> {
+        self.ids.lock().unwrap().clone()
     }
 
     /// Forget `name` (NXDOMAIN from now on).
@@ -383,6 +400,8 @@ impl Dns {
     pub fn answer(&self, q: &[u8]) -> Option<Vec<u8>> {
         let (name, qtype, qend) = parse_question(q)?;
         self.log.lock().unwrap().push((name.clone(), qtype));
+        self.ids.lock().unwrap().push(u16::from_be_bytes([q[0], q[1]]));
+        let extras: Vec<(String, IpAddr)> = self.extras.lock().unwrap().get(&name).cloned().unwrap_or_default();
         let cname = self.cnames.lock().unwrap().get(&name).cloned();
         let table = self.table.lock().unwrap();
         let (rcode, addrs) = match table.get(cname.as_ref().unwrap_or(&name)) {
@@ -402,7 +421,7 @@ impl Dns {
         r.push(0x80 | 0x04 | rd); // QR, AA, RD copied
         r.push(0x80 | rcode); // RA, rcode
         r.extend_from_slice(&1u16.to_be_bytes()); // qdcount
-        let ancount = addrs.len() + usize::from(cname.is_some());
+        let ancount = addrs.len() + usize::from(cname.is_some()) + extras.len();
         r.extend_from_slice(&(ancount as u16).to_be_bytes()); // ancount
         r.extend_from_slice(&[0, 0, 0, 0]); // nscount, arcount
         r.extend_from_slice(&q[12..qend]); // the question, verbatim
@@ -429,6 +448,18 @@ impl Dns {
                 Some(target) => r.extend_from_slice(&encoded(target)), // the target's own records
                 None => r.extend_from_slice(&[0xC0, 0x0C]),            // pointer to the question's name
             }
+            let (ty, data): (u16, Vec<u8>) = match a {
+                IpAddr::V4(v) => (QTYPE_A, v.octets().to_vec()),
+                IpAddr::V6(v) => (QTYPE_AAAA, v.octets().to_vec()),
+            };
+            r.extend_from_slice(&ty.to_be_bytes());
+            r.extend_from_slice(&1u16.to_be_bytes()); // class IN
+            r.extend_from_slice(&DNS_TTL.to_be_bytes());
+            r.extend_from_slice(&(data.len() as u16).to_be_bytes());
+            r.extend_from_slice(&data);
+        }
+        for (owner, a) in extras {
+            r.extend_from_slice(&encoded(&owner));
             let (ty, data): (u16, Vec<u8>) = match a {
                 IpAddr::V4(v) => (QTYPE_A, v.octets().to_vec()),
                 IpAddr::V6(v) => (QTYPE_AAAA, v.octets().to_vec()),
