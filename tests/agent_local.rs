@@ -920,8 +920,8 @@ fn commands_pulled_from_the_platform_over_mutual_tls() {
     assert_eq!(hb["install_failures"], json!([]), "{hb}");
     let sb = &hb["sandboxes"];
     assert_eq!(
-        (&sb["launch"], &sb["zygote_running"], &sb["warm_pool"]),
-        (&json!("zygote"), &json!(true), &Value::Null),
+        (&sb["launch"], &sb["zygote_running"], &sb["zygote_paused_s"], &sb["warm_pool"]),
+        (&json!("zygote"), &json!(true), &Value::Null, &Value::Null),
         "{hb}"
     );
     // One prepared network namespace per command the agent runs at once; none failed.

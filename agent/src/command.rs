@@ -229,19 +229,24 @@ fn reject(command_id: Option<&str>, reason: Reason, message: &str, security: boo
 
 impl Pipeline {
     /// How sandboxes start now, for heartbeats: `launch` (`zygote` or `cold`), whether the
-    /// zygote runs (it is restarted on the next run after it dies), its network namespace
+    /// zygote's process is alive (it is restarted on the next run after it dies), how many
+    /// seconds runs still start cold after a zygote that did not serve, its network namespace
     /// stash (target, ready, made, taken, and why it stopped if it did), and the warm pool's
     /// size and ready sandboxes.
     pub fn launch_status(&self) -> Value {
-        let (launch, zygote_running, netns_stash) = match &self.launcher {
-            sandbox::Launcher::Zygote { zygote, .. } => {
-                ("zygote", Some(zygote.pid().is_some()), zygote.netns_stash().map(|s| s.status()))
-            }
-            _ => ("cold", None, None),
+        let (launch, zygote_running, zygote_paused, netns_stash) = match &self.launcher {
+            sandbox::Launcher::Zygote { zygote, .. } => (
+                "zygote",
+                Some(zygote.alive()),
+                zygote.paused_for().map(|d| d.as_secs() + 1),
+                zygote.netns_stash().map(|s| s.status()),
+            ),
+            _ => ("cold", None, None, None),
         };
         json!({
             "launch": launch,
             "zygote_running": zygote_running,
+            "zygote_paused_s": zygote_paused,
             "netns_stash": netns_stash,
             "warm_pool": self.pool.as_ref().map(|p| json!({"size": p.size(), "ready": p.ready()})),
         })

@@ -26,7 +26,10 @@
 //! ([`SandboxError::Zygote`]) before anything of the sandbox ran, so the caller may fall back
 //! to the cold path; so is a zygote that does not serve within [`START_LIMIT`] of its start
 //! or answer a request within [`REPLY_LIMIT`] (stopped, frozen, stuck in the kernel): it is
-//! killed — reaped by a thread, never waited for — and the next request starts a new one.
+//! killed — reaped by a thread, never waited for — and the next request starts a new one;
+//! after one that did not start serving (or could not be started), requests fail at once
+//! for a pause (5 s, doubling up to 300 s while it keeps happening), so the runs queued
+//! behind it start cold instead of each waiting out the start limit in turn.
 //! A child it may have forked before it stalled never receives a spec: it sees the channel
 //! close and exits.
 //!
@@ -336,6 +339,46 @@ pub struct Zygote {
     args: Vec<CString>,
     running: Mutex<Option<Running>>,
     netns: Option<NetnsStash>,
+    /// How long a new zygote may take to serve ([`START_LIMIT`]).
+    start_limit: Duration,
+    /// After a zygote that did not start serving (locked after `running`).
+    backoff: Mutex<Backoff>,
+}
+
+/// While a zygote keeps failing to start, requests fail at once for a while — their runs
+/// start cold — instead of each waiting out the start limit behind the one before it.
+#[derive(Debug)]
+struct Backoff {
+    /// No new zygote is started before this.
+    until: Option<Instant>,
+    /// The next pause: [`Backoff::FIRST`]-ish, doubling up to [`Backoff::MAX`].
+    next: Duration,
+    first: Duration,
+}
+
+impl Backoff {
+    const FIRST: Duration = Duration::from_secs(5);
+    const MAX: Duration = Duration::from_secs(300);
+
+    fn new(first: Duration) -> Backoff {
+        Backoff { until: None, next: first, first }
+    }
+
+    /// A zygote did not start serving: pause, twice as long as last time.
+    fn failed(&mut self) {
+        self.until = Some(Instant::now() + self.next);
+        self.next = (self.next * 2).min(Self::MAX.max(self.first));
+    }
+
+    fn served(&mut self) {
+        self.until = None;
+        self.next = self.first;
+    }
+
+    /// How long the pause still lasts.
+    fn left(&self) -> Option<Duration> {
+        self.until.map(|u| u.saturating_duration_since(Instant::now())).filter(|d| !d.is_zero())
+    }
 }
 
 struct Running {
@@ -355,7 +398,22 @@ impl Zygote {
     /// A zygote that runs `program args…` (which must call [`serve`] with the control socket
     /// at [`CONTROL_FD`]). Nothing starts until [`Zygote::start`] or the first sandbox.
     pub fn new(program: CString, args: Vec<CString>) -> Zygote {
-        Zygote { program, args, running: Mutex::new(None), netns: None }
+        Zygote {
+            program,
+            args,
+            running: Mutex::new(None),
+            netns: None,
+            start_limit: START_LIMIT,
+            backoff: Mutex::new(Backoff::new(Backoff::FIRST)),
+        }
+    }
+
+    /// Another start limit than [`START_LIMIT`], and the first pause after a zygote that did
+    /// not serve within it (5 s by default, doubling up to 300 s) — for tests.
+    pub fn with_start_limit(mut self, limit: Duration, first_backoff: Duration) -> Zygote {
+        self.start_limit = limit;
+        self.backoff = Mutex::new(Backoff::new(first_backoff));
+        self
     }
 
     /// Keep up to `target` fresh network namespaces ready ([`NetnsStash`]) for the sandboxes
@@ -409,6 +467,23 @@ impl Zygote {
         self.running.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(|r| r.pid.as_raw())
     }
 
+    /// Whether a zygote was started and its process is still alive — not a zombie, not gone
+    /// (one that died is only replaced at the next request). Whether it serves is known
+    /// only from a request.
+    pub fn alive(&self) -> bool {
+        let Some(pid) = self.pid() else { return false };
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|s| s.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next().map(str::to_owned)))
+            .is_some_and(|state| state != "Z" && state != "X")
+    }
+
+    /// How long runs still start cold without trying a zygote, after one that did not start
+    /// serving (`None`: no pause).
+    pub fn paused_for(&self) -> Option<Duration> {
+        self.backoff.lock().unwrap_or_else(|e| e.into_inner()).left()
+    }
+
     fn launch(&self) -> Result<Running, SandboxError> {
         use nix::spawn::{posix_spawn, PosixSpawnAttr, PosixSpawnFileActions, PosixSpawnFlags};
         use nix::sys::socket::{socketpair, AddressFamily, SockFlag, SockType};
@@ -451,12 +526,38 @@ impl Zygote {
     ) -> Result<(Pid, OwnedFd, i32), SandboxError> {
         let mut guard = self.running.lock().unwrap_or_else(|e| e.into_inner());
         if guard.is_none() {
-            *guard = Some(self.launch()?);
+            let mut backoff = self.backoff.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(left) = backoff.left() {
+                return Err(zerr(format!(
+                    "the last zygote did not start serving; none is started for {} s more",
+                    left.as_secs() + 1
+                )));
+            }
+            match self.launch() {
+                Ok(r) => *guard = Some(r),
+                Err(e) => {
+                    backoff.failed();
+                    return Err(e);
+                }
+            }
         }
         let netns = self.netns.as_ref().filter(|_| prepared_net).and_then(NetnsStash::take);
         tracing::debug!(prepared_net = netns.is_some(), "zygote request");
         let running = guard.as_mut().ok_or_else(|| zerr("not running"))?;
-        let ready = if running.serving { Ok(()) } else { await_ready(&running.control) };
+        let ready = if running.serving { Ok(()) } else { await_ready(&running.control, self.start_limit) };
+        if !running.serving {
+            let mut backoff = self.backoff.lock().unwrap_or_else(|e| e.into_inner());
+            match &ready {
+                Ok(()) => backoff.served(),
+                Err(_) => {
+                    backoff.failed();
+                    tracing::warn!(
+                        pause_s = backoff.left().map_or(0, |d| d.as_secs()),
+                        "zygote did not start serving; runs start cold meanwhile"
+                    );
+                }
+            }
+        }
         running.serving = ready.is_ok();
         match ready.and_then(|()| request(&running.control, fds, end, netns.as_ref())) {
             Ok((pid, pidfd)) => Ok((pid, pidfd, running.pid.as_raw())),
@@ -554,9 +655,9 @@ fn wait_readable(control: &OwnedFd, limit: Duration, what: &str) -> Result<(), F
     }
 }
 
-/// Read a new zygote's ready message (see [`serve`]), waiting at most [`START_LIMIT`].
-fn await_ready(control: &OwnedFd) -> Result<(), Failure> {
-    wait_readable(control, START_LIMIT, "not serving")?;
+/// Read a new zygote's ready message (see [`serve`]), waiting at most `limit`.
+fn await_ready(control: &OwnedFd, limit: Duration) -> Result<(), Failure> {
+    wait_readable(control, limit, "not serving")?;
     let mut byte = [0u8; 1];
     loop {
         match nix::sys::socket::recv(control.as_raw_fd(), &mut byte, MsgFlags::empty()) {
@@ -642,6 +743,60 @@ mod tests {
             let (pid, _) = decode_reply(&started_body(Pid::from_raw(raw)), Some(some_fd())).ok().unwrap();
             assert_eq!(pid.as_raw(), raw);
         }
+    }
+
+    /// A zygote that never serves costs one start limit; requests during the pause that
+    /// follows fail at once without starting another; after the pause one is tried again.
+    #[test]
+    fn a_zygote_that_never_serves_is_not_retried_during_the_pause() {
+        let dir = std::env::temp_dir().join(format!("opservant-zygote-backoff-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let starts = dir.join("starts");
+        let script = format!("echo x >> {}; exec sleep 60", starts.display());
+        let z = Zygote::new(
+            CString::new("/bin/sh").unwrap(),
+            vec![CString::new("-c").unwrap(), CString::new(script).unwrap()],
+        )
+        .with_start_limit(Duration::from_millis(300), Duration::from_secs(2));
+        let fds = || (0..4).map(|i| (some_fd(), i)).collect::<Vec<_>>();
+        let count = || std::fs::read_to_string(&starts).unwrap_or_default().lines().count();
+        let err = z.spawn(&fds(), PayloadEnd::Exec, false).expect_err("never serves");
+        assert!(err.to_string().contains("not serving"), "{err}");
+        for _ in 0..3 {
+            let err = z.spawn(&fds(), PayloadEnd::Exec, false).expect_err("paused");
+            assert!(err.to_string().contains("none is started for"), "{err}");
+        }
+        assert_eq!(count(), 1, "no zygote is started during the pause");
+        assert_eq!(z.pid(), None);
+        assert!(!z.alive());
+        assert!(z.paused_for().is_some());
+        std::thread::sleep(Duration::from_millis(2100));
+        let err = z.spawn(&fds(), PayloadEnd::Exec, false).expect_err("still never serves");
+        assert!(err.to_string().contains("not serving"), "{err}");
+        assert_eq!(count(), 2, "tried again after the pause");
+        // The next pause is longer (doubled).
+        let left = z.paused_for().unwrap();
+        assert!(left > Duration::from_secs(2), "{left:?}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// `alive` is the process's state, not the pid on record: a zygote that died is not
+    /// alive before the next request notices.
+    #[test]
+    fn a_dead_zygote_is_not_alive() {
+        let z = Zygote::new(
+            CString::new("/bin/sh").unwrap(),
+            vec![CString::new("-c").unwrap(), CString::new("exit 0").unwrap()],
+        );
+        assert!(!z.alive(), "not started");
+        z.start().unwrap();
+        let pid = z.pid().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while z.alive() {
+            assert!(Instant::now() < deadline, "pid {pid} still alive");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(z.pid(), Some(pid), "still on record until a request");
     }
 
     #[test]
