@@ -34,7 +34,9 @@
 //!   continuation as a note, not an error. The continuation also says where the history kept
 //!   after the rotation begins (`continues.oldest`, the first seq of the oldest rotated file):
 //!   verifying the whole log (`verify_all`), an oldest file that begins later — a rotated file
-//!   removed other than by a rotation — is a removal.
+//!   removed other than by a rotation — is a removal. A rotation renames every file one
+//!   number up and drops the ones past `keep` only once that continuation is durable, so a
+//!   rotation cut short anywhere leaves a log that verifies intact.
 //! - A torn line (a writer died mid-`write`; the record was never acknowledged, so a gated
 //!   action did not proceed) is left in place. The next writer terminates it with `\n` and
 //!   appends a record whose `prev` is the hash of the last *complete* record, whose `seq`
@@ -643,6 +645,11 @@ impl AuditLog {
                 File::open(dir).and_then(|d| d.sync_all()).map_err(io)?;
             }
         }
+        // The first record of a file after a rotation (this one's, or one cut short before
+        // it wrote) says where the kept history begins: what lies before is dropped now.
+        if head.continues.is_some() {
+            self.drop_past_keep();
+        }
         Ok(Appended {
             seq: head.seq + 1,
             sha256: sha256_hex(line.as_bytes()),
@@ -689,12 +696,25 @@ impl AuditLog {
         parse_record(first.strip_suffix(b"\n")?).ok().map(|r| r.seq)
     }
 
-    /// `path.keep` is dropped, `path.N` → `path.N+1`, `path` → `path.1`. Files numbered
-    /// past `keep` (left by a larger `keep` before) are dropped too: kept, they would sit
-    /// beyond a gap `verify` reports as a removed file.
+    /// Every rotated file `path.N` → `path.N+1`, newest last, then `path` → `path.1`.
+    /// Nothing is dropped here: the files now numbered past `keep` are removed by
+    /// [`AuditLog::drop_past_keep`] once the new file's first record — which says where the
+    /// kept history begins — is durable. A rotation cut short at any step (a crash, a full
+    /// disk) so leaves every record and a claim that still holds, and `audit verify`
+    /// reports the log intact, not a removed file.
     fn rotate(&self) -> std::io::Result<()> {
         let s = &self.settings;
-        ignore_missing(std::fs::remove_file(s.rotated(s.keep)))?;
+        let newest_first = self.numbered()?.into_iter().max().unwrap_or(0);
+        for n in (1..=newest_first).rev() {
+            ignore_missing(std::fs::rename(s.rotated(n), s.rotated(n + 1)))?;
+        }
+        std::fs::rename(&s.path, s.rotated(1))
+    }
+
+    /// The numbers `N` of the rotated files `path.N` there are.
+    fn numbered(&self) -> std::io::Result<Vec<u32>> {
+        let s = &self.settings;
+        let mut out = Vec::new();
         if let (Some(dir), Some(base)) = (s.path.parent(), s.path.file_name()) {
             let prefix = format!("{}.", base.to_string_lossy());
             for entry in std::fs::read_dir(dir)?.flatten() {
@@ -704,15 +724,26 @@ impl AuditLog {
                     .and_then(|n| n.strip_prefix(&prefix))
                     .filter(|d| d.bytes().all(|b| b.is_ascii_digit()) && !d.starts_with('0'))
                     .and_then(|d| d.parse::<u32>().ok());
-                if n.is_some_and(|n| n > s.keep) {
-                    ignore_missing(std::fs::remove_file(entry.path()))?;
-                }
+                out.extend(n);
             }
         }
-        for n in (1..s.keep).rev() {
-            ignore_missing(std::fs::rename(s.rotated(n), s.rotated(n + 1)))?;
+        Ok(out)
+    }
+
+    /// Remove the rotated files numbered past `keep` (the oldest after a rotation, or left by
+    /// a larger `keep` before): called once a record claiming the kept history is durable.
+    /// Kept, they would only hold more history; a failure is logged, not an append error.
+    fn drop_past_keep(&self) {
+        let s = &self.settings;
+        let numbered = match self.numbered() {
+            Ok(n) => n,
+            Err(e) => return tracing::warn!(path = %s.path.display(), error = %e, "audit: cannot list rotated files"),
+        };
+        for n in numbered.into_iter().filter(|&n| n > s.keep) {
+            if let Err(e) = ignore_missing(std::fs::remove_file(s.rotated(n))) {
+                tracing::warn!(path = %s.rotated(n).display(), error = %e, "audit: cannot remove a rotated file past audit.keep");
+            }
         }
-        std::fs::rename(&s.path, s.rotated(1))
     }
 }
 
@@ -948,6 +979,51 @@ mod tests {
         let r = parse_record(log.append("x", &Map::new()).unwrap().line.as_bytes()).unwrap();
         assert_eq!(r.continues.map(|c| c.1), Some(40));
         assert_eq!(r.seq, 41);
+    }
+
+    /// A rotation cut short at its last rename (the log append-only, `chattr +a`: it cannot
+    /// be renamed) leaves a log that verifies intact — before, the oldest file was already
+    /// deleted while the last claim still said it was kept, a "removal" until the next
+    /// append. Once the rename works again, the next append completes it.
+    #[test]
+    fn a_rotation_cut_short_leaves_a_log_that_verifies() {
+        struct AppendOnly(PathBuf);
+        impl Drop for AppendOnly {
+            fn drop(&mut self) {
+                let _ = std::process::Command::new("chattr").arg("-a").arg(&self.0).status();
+            }
+        }
+        if !nix::unistd::geteuid().is_root() {
+            assert!(std::env::var_os("CI").is_none(), "CI runs the tests as root");
+            return;
+        }
+        let s = Scratch::new("cut-rotation");
+        let mut settings = AuditSettings::at(&s.log());
+        settings.max_bytes = 1024;
+        settings.keep = 2;
+        let log = AuditLog::open(settings.clone()).unwrap();
+        append(&log, 30);
+        assert!(settings.rotated(2).exists(), "rotated twice at least");
+        let verify_all = || verify::verify_all(&verify::chain_files(&s.log()).unwrap()).unwrap();
+        assert!(verify_all().intact);
+        let st = std::process::Command::new("chattr").arg("+a").arg(s.log()).status().unwrap();
+        assert!(st.success(), "chattr +a");
+        let guard = AppendOnly(s.log());
+        let mut failed = false;
+        for _ in 0..20 {
+            if log.append("x", &Map::new()).is_err() {
+                failed = true;
+                break;
+            }
+        }
+        assert!(failed, "a rotation was tried and cut short");
+        let r = verify_all();
+        assert!(r.intact, "{:?}", r.problem);
+        drop(guard);
+        log.append("after", &Map::new()).unwrap();
+        let r = verify_all();
+        assert!(r.intact, "{:?}", r.problem);
+        assert!(!settings.rotated(3).exists(), "past keep: dropped once the continuation was written");
     }
 
     /// The lock file and the newest rotated file are opened as the log is: a FIFO there is
