@@ -1817,9 +1817,12 @@ fn manage_forwarding_never_switches_on_ipv6_forwarding() {
 
 /// The DNS forwarder answers its sandbox only. It listens on the gateway's address, which is
 /// the host's own: a neighbour that routes to it through another interface (here OUTSIDE,
-/// given a route to the pool via HOST) reaches the listener — the control — and got answers
-/// too, the agent resolving for anyone (checked on the old code). Now UDP queries from
-/// anyone but the sandbox are dropped and TCP connections closed unanswered.
+/// given a route to the pool via HOST) reaches that address — the control, another port of
+/// it — and got answers too, the agent resolving for anyone (checked on the old code). UDP
+/// queries from anyone but the sandbox are dropped and TCP connections closed unanswered;
+/// and the forwarder's sockets are bound to the sandbox link, so a query from OUTSIDE that
+/// forges the sandbox's own address (accepted by a host whose `rp_filter` is loose, as
+/// HOST's is made here) never reaches it either.
 #[test]
 fn the_dns_forwarder_answers_only_its_sandbox() {
     if !prerequisites() {
@@ -1827,6 +1830,11 @@ fn the_dns_forwarder_answers_only_its_sandbox() {
     }
     let lab = Lab::new();
     lab.outside.ip(&["route", "add", "10.213.0.0/16", "via", HOST_V4]);
+    for conf in ["all", "default", netlab::HOST_IF] {
+        netlab::sysctl_in(&lab.host.name, &format!("net.ipv4.conf.{conf}.rp_filter"), "0");
+    }
+    // The control: a listener of HOST's own on every address, the gateway's included.
+    let control = lab.host.run(|| std::net::TcpListener::bind("0.0.0.0:5300")).expect("control listener");
     let conf = Conf::new("");
     let gateway_of_the_run = || -> Option<String> {
         let addrs = lab.host.output("ip", &["-4", "-o", "addr", "show"]);
@@ -1854,29 +1862,41 @@ fn the_dns_forwarder_answers_only_its_sandbox() {
             std::thread::sleep(Duration::from_millis(20));
         };
         let server = format!("{gateway}:53");
-        let (reached, udp, tcp) = lab.outside.run(|| {
-            // The veth is up before the forwarder listens: tried until it does (the run
-            // keeps its sandbox ~8 s).
-            let listening = Instant::now() + Duration::from_secs(5);
-            let reached = loop {
-                let r = std::net::TcpStream::connect_timeout(&server.parse().unwrap(), Duration::from_secs(2));
-                if r.is_ok() || Instant::now() >= listening {
-                    break r.map(|_| ());
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            };
+        let gw: Ipv4Addr = gateway.parse().unwrap();
+        let client = Ipv4Addr::from(u32::from(gw) + 1);
+        let (reached, udp, tcp, spoofed) = lab.outside.run(|| {
+            let reached = std::net::TcpStream::connect_timeout(
+                &format!("{gateway}:5300").parse().unwrap(),
+                Duration::from_secs(2),
+            )
+            .map(|_| ());
+            // The run resolves after 2 s: its forwarder listens by then.
+            std::thread::sleep(Duration::from_millis(2500));
             (
                 reached,
                 netlab::dns_query_udp(&server, "allowed.test", 1),
                 netlab::dns_query_tcp(&server, "allowed.test", 1),
+                netlab::send_spoofed_udp(
+                    std::net::SocketAddrV4::new(client, 40000),
+                    std::net::SocketAddrV4::new(gw, 53),
+                    &netlab::dns_query_message(0x7357, "spoofed.test", 1),
+                ),
             )
         });
         let p = run.join().unwrap();
         assert_resolved(p.step(1), "allowed.test", &["198.51.100.10"]);
-        assert!(reached.is_ok(), "control: OUTSIDE reaches the forwarder's listener at {server}: {reached:?}");
+        assert!(reached.is_ok(), "control: OUTSIDE reaches {gateway}:5300 (HOST's own listener): {reached:?}");
         assert!(udp.is_err(), "a UDP query from OUTSIDE to {server} was answered: {udp:?}");
         assert!(tcp.is_err(), "a TCP query from OUTSIDE to {server} was answered: {tcp:?}");
+        assert!(spoofed.is_ok(), "the spoofed query was sent: {spoofed:?}");
+        assert!(!lab.dns.asked("spoofed.test"), "a query forging the sandbox's address was resolved");
+        let asked = lab.dns.log();
+        assert!(
+            asked.iter().all(|(n, _)| n == "allowed.test"),
+            "upstream was asked for more than the sandbox's name: {asked:?}"
+        );
     });
+    drop(control);
     assert_host_clean(&lab);
 }
 

@@ -64,20 +64,27 @@ pub struct Forwarder {
 }
 
 impl Forwarder {
-    /// Bind `listen` (the gateway address, port 53) and serve `client` (the sandbox's
-    /// address) until stopped. Queries from any other address are dropped unanswered: the
-    /// gateway's address is the host's own, so whatever can route to it (a neighbour on
-    /// another interface) would otherwise have the agent resolve for it.
+    /// Bind `listen` (the gateway address, port 53) on the sandbox link's host end `device`
+    /// and serve `client` (the sandbox's address) until stopped. Queries from any other
+    /// address, or arriving on any other interface, are dropped unanswered: the gateway's
+    /// address is the host's own, so whatever can route to it (a neighbour on another
+    /// interface, one spoofing the sandbox's address where the host's `rp_filter` is loose)
+    /// would otherwise have the agent resolve for it.
     pub fn spawn(
         listen: SocketAddr,
+        device: &str,
         client: std::net::IpAddr,
         policy: Arc<NetworkPolicy>,
         upstreams: Vec<SocketAddr>,
         allow: Option<sandbox::net::DynamicAllow>,
         who: Querier,
     ) -> std::io::Result<Forwarder> {
+        use nix::sys::socket::{setsockopt, sockopt::BindToDevice};
+        let device = std::ffi::OsString::from(device);
         let sock = UdpSocket::bind(listen)?;
+        setsockopt(&sock, BindToDevice, &device)?;
         let tcp = std::net::TcpListener::bind(listen)?;
+        setsockopt(&tcp, BindToDevice, &device)?;
         tcp.set_nonblocking(true)?;
         let (stop_rx, stop_tx) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(std::io::Error::from)?;
         let thread = std::thread::Builder::new().name("dns-forwarder".into()).spawn(move || {

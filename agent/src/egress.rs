@@ -522,6 +522,7 @@ impl EgressRun {
             let allow = self.policy.has_allowed_names().then(|| egress.dynamic_allow());
             let fwd = crate::dns::Forwarder::spawn(
                 std::net::SocketAddr::new(gateway.into(), 53),
+                &egress.host_if,
                 client.into(),
                 self.policy.clone(),
                 self.upstreams.clone(),

@@ -145,7 +145,7 @@ pub fn output_in(ns: &str, program: &str, args: &[&str]) -> String {
 }
 
 /// Write a sysctl (`net.ipv4.ip_forward`) in namespace `ns` and read it back.
-fn sysctl_in(ns: &str, key: &str, value: &str) {
+pub fn sysctl_in(ns: &str, key: &str, value: &str) {
     let path = format!("/proc/sys/{}", key.replace('.', "/"));
     output_in(ns, "sh", &["-c", &format!("echo {value} > {path}")]);
     let got = output_in(ns, "cat", &[&path]);
@@ -485,6 +485,56 @@ fn truncate_for_udp(r: Vec<u8>, q: &[u8]) -> Vec<u8> {
     t[2] |= 0x02; // TC
     t[6..8].copy_from_slice(&0u16.to_be_bytes()); // no answers
     t
+}
+
+/// Send one UDP datagram from `src` to `dst` with a forged source address (a raw socket:
+/// the caller's namespace must route `dst`).
+pub fn send_spoofed_udp(
+    src: std::net::SocketAddrV4,
+    dst: std::net::SocketAddrV4,
+    payload: &[u8],
+) -> std::io::Result<()> {
+    let udp_len = 8 + payload.len();
+    let total = 20 + udp_len;
+    let mut p = Vec::with_capacity(total);
+    p.extend_from_slice(&[0x45, 0]);
+    p.extend_from_slice(&(total as u16).to_be_bytes());
+    p.extend_from_slice(&[0, 0, 0x40, 0, 64, 17, 0, 0]); // id (kernel), DF, TTL, UDP, checksum (kernel)
+    p.extend_from_slice(&src.ip().octets());
+    p.extend_from_slice(&dst.ip().octets());
+    p.extend_from_slice(&src.port().to_be_bytes());
+    p.extend_from_slice(&dst.port().to_be_bytes());
+    p.extend_from_slice(&(udp_len as u16).to_be_bytes());
+    p.extend_from_slice(&[0, 0]); // no UDP checksum (optional in IPv4)
+    p.extend_from_slice(payload);
+    // SAFETY: plain socket calls on a descriptor this function owns; the address and the
+    // buffer outlive the calls.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_RAW, libc::IPPROTO_RAW);
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let sa = libc::sockaddr_in {
+            sin_family: libc::AF_INET as libc::sa_family_t,
+            sin_port: 0,
+            sin_addr: libc::in_addr { s_addr: u32::from_ne_bytes(dst.ip().octets()) },
+            sin_zero: [0; 8],
+        };
+        let n = libc::sendto(
+            fd,
+            p.as_ptr().cast(),
+            p.len(),
+            0,
+            (&sa as *const libc::sockaddr_in).cast(),
+            std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
+        );
+        let err = std::io::Error::last_os_error();
+        libc::close(fd);
+        if n < 0 {
+            return Err(err);
+        }
+    }
+    Ok(())
 }
 
 /// (lower-case name without the root dot, qtype, end offset of the question section).
