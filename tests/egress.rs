@@ -1713,6 +1713,32 @@ fn only_the_asked_names_addresses_are_allowed() {
     assert_host_clean(&lab);
 }
 
+/// The dynamic allow set has a size: an executor allowed a wildcard whose DNS answers with
+/// thousands of addresses cannot have the kernel hold them all (outside its cgroup). An
+/// answer that would overflow the set is refused (SERVFAIL) and nothing of it allowed.
+#[test]
+fn the_dynamic_allow_set_is_bounded() {
+    if !prerequisites() {
+        return;
+    }
+    let lab = Lab::new();
+    let many = |base: u32| -> Vec<String> { (0..2100u32).map(|i| Ipv4Addr::from(base + i).to_string()).collect() };
+    let (first, second) = (many(u32::from(Ipv4Addr::new(11, 0, 0, 1))), many(u32::from(Ipv4Addr::new(11, 1, 0, 1))));
+    lab.dns.set("many1.test", &first.iter().map(String::as_str).collect::<Vec<_>>());
+    lab.dns.set("many2.test", &second.iter().map(String::as_str).collect::<Vec<_>>());
+    let conf = Conf::new("");
+    let p = probe(
+        &lab,
+        &conf,
+        json!({"outbound": true, "allowed_hosts": ["*.test"], "allowed_ports": [80]}),
+        limits(),
+        json!([["tcp_dns", "many1.test"], ["tcp_dns", "many2.test"]]),
+    );
+    assert_eq!((&p.step(0)["rcode"], &p.step(0)["answers"]), (&json!(0), &json!(2100)), "{}", p.step(0));
+    assert_eq!(p.step(1)["rcode"], 2, "SERVFAIL: 4200 addresses do not fit the set of 4096: {}", p.step(1));
+    assert_host_clean(&lab);
+}
+
 #[test]
 fn bandwidth_is_limited() {
     if !prerequisites() {

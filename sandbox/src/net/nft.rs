@@ -39,8 +39,8 @@ use netlink_packet_core::{DefaultNla, Nla, NLM_F_ACK, NLM_F_APPEND, NLM_F_CREATE
 use netlink_packet_netfilter::nftables::{
     Bitwise, ChainAttribute, ChainMessage, Cmp, DataAttribute, ExpressionAttribute, Expressions, Hook, HookNumber,
     Immediate, InetHookNumber, ListAttribute, Lookup, Meta, MetaKey, NfTablesMessage, Operator, Payload, Register,
-    RuleAttribute, RuleMessage, SetAttribute, SetElementAttribute, SetElementList, SetElementMessage, SetFlags,
-    SetMessage, TableAttribute, TableFlags, TableMessage, Verdict, VerdictAttribute,
+    RuleAttribute, RuleMessage, SetAttribute, SetDescription, SetElementAttribute, SetElementList, SetElementMessage,
+    SetFlags, SetMessage, TableAttribute, TableFlags, TableMessage, Verdict, VerdictAttribute,
 };
 use netlink_packet_netfilter::none::ControlMessage;
 use netlink_packet_netfilter::{NetfilterHeader, NetfilterMessage, NetfilterProtoFamily};
@@ -68,6 +68,11 @@ const NFT_DATATYPE_IP6ADDR: u32 = 8;
 /// Set ids of the dynamic sets within the ruleset's batch.
 const DYN4_ID: u32 = 1;
 const DYN6_ID: u32 = 2;
+/// The most addresses each dynamic allow set holds at once: the kernel keeps them outside
+/// the sandbox's memory cgroup, and an executor allowed a wildcard whose authoritative
+/// server it controls could otherwise have it hold one per answer record. An answer that
+/// would overflow it is not added (the forwarder answers SERVFAIL).
+pub(crate) const DYNAMIC_SET_SIZE: u32 = 4096;
 pub(crate) const DYN4: &str = "dyn4";
 pub(crate) const DYN6: &str = "dyn6";
 
@@ -331,6 +336,7 @@ impl Batch {
                     SetAttribute::Flags(SetFlags::Timeout),
                     SetAttribute::KeyType(if v6 { NFT_DATATYPE_IP6ADDR } else { NFT_DATATYPE_IPADDR }),
                     SetAttribute::KeyLen(if v6 { 16 } else { 4 }),
+                    SetAttribute::Description(vec![SetDescription::Size(DYNAMIC_SET_SIZE)]),
                     SetAttribute::Id(id),
                 ],
             }),
