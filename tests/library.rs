@@ -851,6 +851,35 @@ fn a_zygote_whose_children_cannot_start_is_a_zygote_failure_and_is_replaced() {
     assert!(first.is_some() && zygote.pid().is_none(), "the zygote is discarded: {first:?} → {:?}", zygote.pid());
 }
 
+/// A zygote's monitor is not our child: once it dies the zygote reaps it and its pid may
+/// name another process. What the parent does by pid — the id maps, the namespace hook —
+/// is checked against the monitor's pidfd: a monitor gone by the end of the hook fails the
+/// sandbox as such, whatever the pid now names.
+#[test]
+fn a_zygote_monitor_that_ends_during_the_hook_fails_the_sandbox_by_its_pidfd() {
+    if !require_root() {
+        return;
+    }
+    let _view = common::host_view();
+    let zygote = std::sync::Arc::new(runtime_zygote());
+    let launcher = Launcher::Zygote { zygote, end: sandbox::PayloadEnd::Exec };
+    let mut hook = |pid: i32| -> Result<(), String> {
+        // SAFETY: kill(2) on the monitor's pid, which the zygote has not reaped yet.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+        // Until the zygote has reaped it, its pid is free for anyone.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            assert!(std::time::Instant::now() < deadline, "the zygote did not reap its monitor");
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+        Ok(())
+    };
+    match Sandbox::spawn(&spec(&["/bin/true"]), &launcher, Some(&mut hook)) {
+        Err(e) => assert!(e.to_string().contains("ended during the namespace hook"), "{e}"),
+        Ok(_) => panic!("a sandbox whose monitor is gone must fail"),
+    }
+}
+
 /// The namespace links (`mnt:[N]`) among this process's descriptors.
 fn held_mount_namespaces() -> Vec<String> {
     std::fs::read_dir("/proc/self/fd")

@@ -1,8 +1,6 @@
 //! Namespaces: creation, the single-id uid/gid maps (written by the privileged parent), the
 //! UTS hostname and the loopback interface of a private network namespace.
 
-use std::path::PathBuf;
-
 use nix::sched::CloneFlags;
 
 use crate::error::{SandboxError, Stage, StepError};
@@ -48,12 +46,25 @@ pub fn join_prepared_net(ns: std::os::fd::OwnedFd) -> Result<(), StepError> {
         .map_err(|e| StepError::errno(Stage::Unshare, "setns: join the prepared network namespace", e))
 }
 
-/// Parent side: write the single-id maps of `pid`'s user namespace. `setgroups` is denied
-/// first, so the payload can never drop into a supplementary group it was not given.
-pub fn write_id_maps(pid: i32, id: &Identity) -> Result<(), SandboxError> {
-    let base = PathBuf::from(format!("/proc/{pid}"));
+/// Parent side: write the single-id maps of the user namespace of `pid`, whose `/proc/PID`
+/// directory `proc_dir` is (opened by the caller so that it names that process). `setgroups`
+/// is denied first, so the payload can never drop into a supplementary group it was not
+/// given.
+pub fn write_id_maps(proc_dir: &std::os::fd::OwnedFd, pid: i32, id: &Identity) -> Result<(), SandboxError> {
+    use std::io::Write;
     let w = |what: &'static str, content: String| {
-        std::fs::write(base.join(what), content).map_err(|source| SandboxError::IdMap { what, pid, source })
+        let fd = nix::fcntl::openat(
+            proc_dir,
+            what,
+            nix::fcntl::OFlag::O_WRONLY | nix::fcntl::OFlag::O_CLOEXEC,
+            nix::sys::stat::Mode::empty(),
+        )
+        .map_err(|e| SandboxError::IdMap { what, pid, source: e.into() })?;
+        std::fs::File::from(fd).write_all(content.as_bytes()).map_err(|source| SandboxError::IdMap {
+            what,
+            pid,
+            source,
+        })
     };
     w("setgroups", "deny".into())?;
     w("uid_map", format!("{} {} 1\n", id.inside_uid, id.host_uid))?;

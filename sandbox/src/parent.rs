@@ -478,7 +478,8 @@ impl Sandbox {
             None => return Err(early("sandbox init exited during setup".into())),
             Some(other) => return Err(SandboxError::Channel(format!("unexpected {other:?}"))),
         }
-        namespaces::write_id_maps(self.monitor.as_raw(), &spec.identity)?;
+        let proc_dir = self.monitor_proc_dir()?;
+        namespaces::write_id_maps(&proc_dir, self.monitor.as_raw(), &spec.identity)?;
         // Only for a zygote's sandboxes: their caller is a long-lived, multi-threaded program
         // (the agent, the bench) that gains from the background release. A cold caller is a
         // one-shot process whose exit would pay for the namespace instead of its monitor, or
@@ -489,8 +490,38 @@ impl Sandbox {
         }
         if let Some(hook) = hook {
             hook(self.monitor.as_raw()).map_err(SandboxError::Hook)?;
+            // The hook opened the monitor's namespaces by pid: they were the monitor's only
+            // if it still holds that pid now.
+            self.check_monitor_pid("the namespace hook")?;
         }
         self.chan.send(&ToSandbox::Proceed).map_err(|e| SandboxError::Channel(format!("send proceed: {}", e.desc())))
+    }
+
+    /// The monitor's `/proc/PID`, opened so that it names the monitor. A monitor that is our
+    /// child cannot lose its pid before we reap it; one a zygote forked (reaped by the
+    /// zygote) must still hold it, by its pidfd, once the directory is open.
+    fn monitor_proc_dir(&self) -> Result<OwnedFd, SandboxError> {
+        let pid = self.monitor.as_raw();
+        let dir = nix::fcntl::open(
+            format!("/proc/{pid}").as_str(),
+            nix::fcntl::OFlag::O_PATH | nix::fcntl::OFlag::O_DIRECTORY | nix::fcntl::OFlag::O_CLOEXEC,
+            nix::sys::stat::Mode::empty(),
+        )
+        .map_err(|e| SandboxError::IdMap { what: "/proc/PID", pid, source: e.into() })?;
+        self.check_monitor_pid("opening /proc/PID")?;
+        Ok(dir)
+    }
+
+    /// Fails when the monitor a zygote forked no longer holds its pid (it died and was
+    /// reaped: the pid may name another process by now).
+    fn check_monitor_pid(&self, during: &str) -> Result<(), SandboxError> {
+        match &self.monitor_pidfd {
+            Some(pidfd) if !crate::zygote::pidfd_holds_pid(pidfd) => Err(SandboxError::Channel(format!(
+                "the sandbox monitor (pid {}) ended during {during}",
+                self.monitor.as_raw()
+            ))),
+            _ => Ok(()),
+        }
     }
 
     /// Wait until the channel has a message, or fail once the setup limit has passed since

@@ -315,6 +315,23 @@ pub(crate) fn pidfd_signal(pidfd: &OwnedFd, sig: Signal) {
     };
 }
 
+/// Whether the process behind `pidfd` still holds its pid (alive, or a zombie not yet
+/// reaped): a `/proc/PID` opened before this says yes names that process, never one that
+/// took the pid over.
+pub(crate) fn pidfd_holds_pid(pidfd: &OwnedFd) -> bool {
+    // SAFETY: pidfd_send_signal with signal 0 (a check only), no siginfo and no flags.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            pidfd.as_raw_fd(),
+            0 as libc::c_int,
+            std::ptr::null::<libc::siginfo_t>(),
+            0 as libc::c_uint,
+        )
+    };
+    r == 0
+}
+
 /// Wait up to `patience` for the process behind `pidfd` to exit; whether it has.
 pub(crate) fn pidfd_wait(pidfd: &OwnedFd, patience: Duration) -> bool {
     let give_up = Instant::now() + patience;
