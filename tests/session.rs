@@ -4,6 +4,7 @@
 
 mod common;
 
+use std::io::Write;
 use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
 
@@ -297,6 +298,32 @@ fn session_logs_are_rotated_and_stale_ones_swept() {
     assert_eq!(rotated_len.ok(), Some((1 << 20) + 1), "the large log was not rotated");
     assert!(std::fs::metadata(&log).unwrap().len() < 1 << 20, "the new session wrote to the old log");
     assert!(!stale.exists(), "a log untouched for 8 days was kept");
+    drop(s);
+}
+
+/// A session that lives for days rotates its own log once it is over 1 MiB (after a
+/// request), and goes on writing to the new one.
+#[test]
+fn a_running_session_rotates_its_own_log() {
+    if !require_root() {
+        return;
+    }
+    let dir = std::path::Path::new("/run/opservant/sessions");
+    let (s, _) = Session::start(&[]);
+    let log = dir.join(format!("{}.log", s.name));
+    let rotated = dir.join(format!("{}.log.1", s.name));
+    // Its log is its stderr, opened for appending: grown from outside as its own lines would.
+    std::fs::OpenOptions::new().append(true).open(&log).unwrap().write_all(&vec![b'x'; (1 << 20) + 1]).unwrap();
+    let (code, r) = s.exec("a = 1", &[]);
+    assert_eq!(code, 0, "{r}");
+    let rotated_len = std::fs::metadata(&rotated).map(|m| m.len()).unwrap_or(0);
+    assert!(rotated_len > 1 << 20, "not rotated: {rotated_len}");
+    assert!(std::fs::metadata(&log).unwrap().len() < 1 << 20, "a new log in its place");
+    // Later lines go to the new log: a refused client is logged there.
+    let (code, r) = s.exec("b = 2", &[]);
+    assert_eq!(code, 0, "{r}");
+    let _ = std::fs::remove_file(&rotated);
+    assert!(std::fs::metadata(&log).unwrap().len() > 0, "the session writes to its new log");
     drop(s);
 }
 

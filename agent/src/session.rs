@@ -194,8 +194,8 @@ fn log_path(name: &str) -> PathBuf {
 /// A session log untouched for longer than this belongs to no running session (a session
 /// writes to its log when it starts, and lives at most [`MAX_MAX_LIFETIME_S`]).
 const LOG_MAX_AGE: Duration = Duration::from_secs(MAX_MAX_LIFETIME_S + 3600);
-/// A session's log larger than this is moved to `NAME.log.1` when a session of that name
-/// starts (replacing the one before).
+/// A session's log larger than this is moved to `NAME.log.1` (replacing the one before)
+/// when a session of that name starts, and by a running session after a request.
 const LOG_ROTATE_BYTES: u64 = 1 << 20;
 
 /// Removes session logs (`NAME.log`, `NAME.log.1`) older than [`LOG_MAX_AGE`]: `/run` is
@@ -231,6 +231,43 @@ fn rotate_log(name: &str) {
         if let Err(e) = std::fs::rename(&log, &old) {
             tracing::warn!(target: "opservant::session", log = %log.display(), error = %e, "cannot rotate the session log");
         }
+    }
+}
+
+/// The running session `name`'s own log (its stderr) once it is larger than
+/// [`LOG_ROTATE_BYTES`]: moved to `NAME.log.1` and replaced by a new `NAME.log` on stderr, so
+/// a session that lives for days does not grow a file in `/run` (memory) all that time. Only
+/// when stderr is that log (the same file): never a file someone put at its name.
+fn rotate_own_log(name: &str) {
+    use std::os::unix::fs::MetadataExt;
+    let log = log_path(name);
+    let Ok(own) = nix::sys::stat::fstat(std::io::stderr()) else { return };
+    if own.st_mode & libc::S_IFMT != libc::S_IFREG || (own.st_size as u64) <= LOG_ROTATE_BYTES {
+        return;
+    }
+    let same =
+        std::fs::symlink_metadata(&log).is_ok_and(|m| m.is_file() && m.dev() == own.st_dev && m.ino() == own.st_ino);
+    if !same {
+        return;
+    }
+    let warn = |e: std::io::Error| tracing::warn!(target: "opservant::session", log = %log.display(), error = %e, "cannot rotate the session log");
+    if let Err(e) = std::fs::rename(&log, log.with_extension("log.1")) {
+        return warn(e);
+    }
+    let new = std::fs::OpenOptions::new()
+        .append(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(&log);
+    match new {
+        // dup2 replaces fd 2 atomically: every later write goes to the new file.
+        Ok(f) => {
+            if let Err(e) = nix::unistd::dup2_stderr(&f) {
+                warn(e.into());
+            }
+        }
+        Err(e) => warn(e),
     }
 }
 
@@ -878,7 +915,9 @@ impl Daemon {
                     Ok((s, _)) => s,
                     Err(_) => continue,
                 };
-                if let Some(end) = self.client(stream) {
+                let end = self.client(stream);
+                rotate_own_log(&self.settings.name);
+                if let Some(end) = end {
                     return end;
                 }
             }
