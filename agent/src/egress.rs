@@ -574,6 +574,17 @@ impl EgressRun {
     }
 }
 
+impl Drop for EgressRun {
+    /// On a path that never reached [`EgressRun::finish`] (a run that failed to start): the
+    /// forwarder is stopped, its thread joined and its sockets closed before the link's
+    /// slot is released — the next run to take the slot binds the same gateway address.
+    fn drop(&mut self) {
+        if let Some(f) = self.forwarder.take() {
+            f.stop();
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
