@@ -689,7 +689,7 @@ impl AuditLog {
     fn oldest_kept_seq(&self) -> Option<u64> {
         use std::io::{BufRead, Read};
         let s = &self.settings;
-        let oldest = (1..=s.keep).rev().map(|n| s.rotated(n)).find(|p| p.exists())?;
+        let oldest = s.rotated(*self.kept().ok()?.last()?);
         let f = crate::bounded::open_regular_nofollow(&oldest, OpenOptions::new().read(true)).ok()?;
         let mut first = Vec::new();
         std::io::BufReader::new(f).take(MAX_RECORD_BYTES).read_until(b'\n', &mut first).ok()?;
@@ -697,18 +697,33 @@ impl AuditLog {
     }
 
     /// Every rotated file `path.N` → `path.N+1`, newest last, then `path` → `path.1`.
-    /// Nothing is dropped here: the files now numbered past `keep` are removed by
+    /// Nothing is dropped here: the files older than the `keep` newest are removed by
     /// [`AuditLog::drop_past_keep`] once the new file's first record — which says where the
     /// kept history begins — is durable. A rotation cut short at any step (a crash, a full
     /// disk) so leaves every record and a claim that still holds, and `audit verify`
     /// reports the log intact, not a removed file.
     fn rotate(&self) -> std::io::Result<()> {
         let s = &self.settings;
-        let newest_first = self.numbered()?.into_iter().max().unwrap_or(0);
-        for n in (1..=newest_first).rev() {
-            ignore_missing(std::fs::rename(s.rotated(n), s.rotated(n + 1)))?;
+        let mut numbers = self.numbered()?;
+        numbers.sort_unstable_by(|a, b| b.cmp(a));
+        // Oldest first, each into a number no file has (the next one up has moved already).
+        for n in numbers {
+            let up = n
+                .checked_add(1)
+                .ok_or_else(|| std::io::Error::other(format!("{}: numbered too high", s.rotated(n).display())))?;
+            ignore_missing(std::fs::rename(s.rotated(n), s.rotated(up)))?;
         }
         std::fs::rename(&s.path, s.rotated(1))
+    }
+
+    /// The numbers of the `keep` newest rotated files, newest first. By rank, not by number:
+    /// a rotation cut short leaves a gap in the numbers (`.1` missing, say), which the
+    /// next rotation keeps, and the kept history must not shrink by it.
+    fn kept(&self) -> std::io::Result<Vec<u32>> {
+        let mut numbers = self.numbered()?;
+        numbers.sort_unstable();
+        numbers.truncate(self.settings.keep as usize);
+        Ok(numbers)
     }
 
     /// The numbers `N` of the rotated files `path.N` there are.
@@ -730,16 +745,18 @@ impl AuditLog {
         Ok(out)
     }
 
-    /// Remove the rotated files numbered past `keep` (the oldest after a rotation, or left by
-    /// a larger `keep` before): called once a record claiming the kept history is durable.
-    /// Kept, they would only hold more history; a failure is logged, not an append error.
+    /// Remove the rotated files older than the `keep` newest (the oldest after a rotation, or
+    /// left by a larger `keep` before): called once a record claiming the kept history is
+    /// durable. Kept, they would only hold more history; a failure is logged, not an append
+    /// error.
     fn drop_past_keep(&self) {
         let s = &self.settings;
-        let numbered = match self.numbered() {
+        let mut numbered = match self.numbered() {
             Ok(n) => n,
             Err(e) => return tracing::warn!(path = %s.path.display(), error = %e, "audit: cannot list rotated files"),
         };
-        for n in numbered.into_iter().filter(|&n| n > s.keep) {
+        numbered.sort_unstable();
+        for n in numbered.into_iter().skip(s.keep as usize) {
             if let Err(e) = ignore_missing(std::fs::remove_file(s.rotated(n))) {
                 tracing::warn!(path = %s.rotated(n).display(), error = %e, "audit: cannot remove a rotated file past audit.keep");
             }
@@ -1006,6 +1023,9 @@ mod tests {
         assert!(settings.rotated(2).exists(), "rotated twice at least");
         let verify_all = || verify::verify_all(&verify::chain_files(&s.log()).unwrap()).unwrap();
         assert!(verify_all().intact);
+        // The newest rotated file's history must survive the rotation after the cut one
+        // (keep 2: it is then the older of the two kept).
+        let newest_rotated = lines(&settings.rotated(1))[0].clone();
         let st = std::process::Command::new("chattr").arg("+a").arg(s.log()).status().unwrap();
         assert!(st.success(), "chattr +a");
         let guard = AppendOnly(s.log());
@@ -1020,10 +1040,23 @@ mod tests {
         let r = verify_all();
         assert!(r.intact, "{:?}", r.problem);
         drop(guard);
+        // A second cut attempt before the rename works again shifts the files once more.
         log.append("after", &Map::new()).unwrap();
         let r = verify_all();
         assert!(r.intact, "{:?}", r.problem);
-        assert!(!settings.rotated(3).exists(), "past keep: dropped once the continuation was written");
+        let rotated = verify::chain_files(&s.log()).unwrap();
+        assert_eq!(rotated.len(), 3, "the log and keep = 2 rotated files: {rotated:?}");
+        assert!(
+            rotated.iter().any(|f| std::fs::read_to_string(f).unwrap().lines().next() == Some(newest_rotated.as_str())),
+            "the newest rotated file before the cut was dropped: {rotated:?}"
+        );
+        // A stray file with a large number (an operator's dated copy) costs one rename, not
+        // one per number below it.
+        std::fs::write(settings.rotated(20_261_125), "").unwrap();
+        for _ in 0..20 {
+            log.append("more", &Map::new()).unwrap();
+        }
+        assert!(verify_all().intact);
     }
 
     /// The lock file and the newest rotated file are opened as the log is: a FIFO there is
