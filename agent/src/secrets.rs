@@ -124,6 +124,10 @@ impl Provider {
 #[derive(Default, Clone)]
 pub struct Redactor {
     values: Vec<Zeroizing<String>>,
+    /// The values that read as numbers (at least [`MIN_DERIVED`] characters), as numbers: a
+    /// JSON number equal to one is the value whatever its text (`int("0815")` is 815, a
+    /// 24-digit value an `f64` printed with an exponent).
+    numbers: Zeroizing<Vec<f64>>,
 }
 
 impl std::fmt::Debug for Redactor {
@@ -220,6 +224,13 @@ impl Redactor {
         }
         // Longest first, so a secret containing another is replaced whole.
         self.values.sort_by_key(|v| std::cmp::Reverse(v.len()));
+        if trimmed.len() >= MIN_DERIVED {
+            if let Some(n) = trimmed.parse::<f64>().ok().filter(|n| n.is_finite()) {
+                if !self.numbers.contains(&n) {
+                    self.numbers.push(n);
+                }
+            }
+        }
     }
 
     /// No value was delivered (the credential patterns still apply to [`Redactor::text`]).
@@ -328,6 +339,9 @@ impl Redactor {
         match v {
             Value::String(s) => Value::String(self.text(s)),
             Value::Number(n) => {
+                if n.as_f64().is_some_and(|x| self.numbers.contains(&x)) {
+                    return Value::String(REDACTED.into());
+                }
                 let text = n.to_string();
                 let redacted = self.text(&text);
                 if redacted == text {
@@ -385,11 +399,11 @@ mod tests {
 
     #[test]
     fn a_value_cut_at_the_size_limit_is_redacted_too() {
-        let r = Redactor { values: vec![Zeroizing::new("s3cr3t-value".to_string())] };
+        let r = Redactor { values: vec![Zeroizing::new("s3cr3t-value".to_string())], ..Default::default() };
         assert_eq!(r.text_cut("out: s3cr3t-va"), "out: [REDACTED]");
         assert_eq!(r.text_cut("out: s3cr3t-value and more"), "out: [REDACTED] and more");
         assert_eq!(r.text_cut("plain text"), "plain text");
-        let r = Redactor { values: vec![Zeroizing::new("pässwörd".to_string())] };
+        let r = Redactor { values: vec![Zeroizing::new("pässwörd".to_string())], ..Default::default() };
         assert_eq!(r.text_cut("out: p\u{e4}ssw\u{FFFD}"), "out: [REDACTED]");
     }
 
@@ -442,6 +456,18 @@ mod tests {
         assert_eq!(
             r.json(&v),
             serde_json::json!({"zip": "[REDACTED]", "more": "1[REDACTED]7", "f": "[REDACTED].5", "other": 9021})
+        );
+        // Numbers whose text differs from the value's: leading zeros, an integer too large
+        // for 64 bits (an f64 printed with an exponent), a float of many digits.
+        r.add("0815\n");
+        r.add("123456789012345678901234");
+        r.add("3.14159265358979323846");
+        let v: serde_json::Value =
+            serde_json::from_str(r#"{"pin": 815, "big": 123456789012345678901234, "pi": 3.141592653589793, "n": 816}"#)
+                .unwrap();
+        assert_eq!(
+            r.json(&v),
+            serde_json::json!({"pin": "[REDACTED]", "big": "[REDACTED]", "pi": "[REDACTED]", "n": 816})
         );
         assert!(r.contains_secret(b"..s3cr3t.."));
         assert!(!r.contains_secret(b"secret"));
