@@ -1739,6 +1739,36 @@ fn the_dynamic_allow_set_is_bounded() {
     assert_host_clean(&lab);
 }
 
+/// A closed connection stops counting towards `max_connections` but stays in the host's
+/// conntrack table (TIME_WAIT, 120 s): new connections are rate-limited too. With 5 per
+/// second (a burst of 5), 40 new flows sent at once do not all go out.
+#[test]
+fn new_connections_are_rate_limited() {
+    if !prerequisites() {
+        return;
+    }
+    let lab = Lab::new();
+    let conf = Conf::new("    max_new_connections_per_second: 5\n");
+    let p = probe(
+        &lab,
+        &conf,
+        json!({"outbound": true, "allowed_hosts": ["198.51.100.10"], "allowed_ports": ["9000-9039"], "dns_allowed": false}),
+        limits(),
+        json!([["hold", "198.51.100.10", 80, 0, (9000..9040).collect::<Vec<u16>>()]]),
+    );
+    let udp: Vec<&str> = p.step(0)["udp"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
+    let sent = udp.iter().filter(|u| **u == "ok").count();
+    // The burst, and 5 more for each second the 40 sends take.
+    assert!((5..40).contains(&sent), "{sent} of 40 new flows went out: {udp:?}");
+    assert!(udp.iter().all(|u| *u == "ok" || *u == "EPERM"), "{udp:?}");
+    assert!(
+        p.r["sandbox"]["egress"]["blocked"].as_u64().unwrap_or(0) >= (40 - sent) as u64,
+        "{}",
+        p.r["sandbox"]["egress"]
+    );
+    assert_host_clean(&lab);
+}
+
 #[test]
 fn bandwidth_is_limited() {
     if !prerequisites() {

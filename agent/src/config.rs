@@ -155,6 +155,10 @@ pub struct EgressSection {
     /// Connections one sandbox may have tracked at once (1-65536, default 1024): each is
     /// also an entry in the host's conntrack table, which one sandbox must not fill.
     pub max_connections: Option<u32>,
+    /// New connections one sandbox may open per second (1-10000, default 100, with as many
+    /// at once): a closed connection stays in the host's conntrack table (TIME_WAIT, 120 s),
+    /// so the rate bounds what one sandbox leaves there.
+    pub max_new_connections_per_second: Option<u32>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize, Serialize)]

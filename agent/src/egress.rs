@@ -35,6 +35,8 @@ use crate::policy::PolicyError;
 pub const DEFAULT_POOL_V4: &str = "10.213.0.0/16";
 /// `network.egress.max_connections` by default.
 pub const DEFAULT_MAX_CONNECTIONS: u32 = 1024;
+/// `network.egress.max_new_connections_per_second` by default.
+pub const DEFAULT_MAX_NEW_CONNECTIONS_PER_SECOND: u32 = 100;
 pub const DEFAULT_POOL_V6: &str = "fd6f:7073:7276::/48";
 /// Where the slot and host-table locks live.
 pub const LOCK_DIR: &str = "/run/opservant/net";
@@ -288,6 +290,8 @@ pub struct EgressSettings {
     pub manage_forwarding: bool,
     /// Connections one sandbox may have tracked at once (`network.egress.max_connections`).
     pub max_connections: u32,
+    /// New connections per second (`network.egress.max_new_connections_per_second`).
+    pub max_new_connections_per_second: u32,
     pub upstream: Vec<SocketAddr>,
     pub proxy: ProxySettings,
 }
@@ -331,7 +335,21 @@ impl EgressSettings {
             Some(n @ 1..=65536) => n,
             Some(n) => return Err(err("network.egress.max_connections", format!("{n} is not within 1-65536"))),
         };
-        Ok(EgressSettings { pool, manage_forwarding: e.manage_forwarding, max_connections, upstream, proxy })
+        let max_new_connections_per_second = match e.max_new_connections_per_second {
+            None => DEFAULT_MAX_NEW_CONNECTIONS_PER_SECOND,
+            Some(n @ 1..=10_000) => n,
+            Some(n) => {
+                return Err(err("network.egress.max_new_connections_per_second", format!("{n} is not within 1-10000")))
+            }
+        };
+        Ok(EgressSettings {
+            pool,
+            manage_forwarding: e.manage_forwarding,
+            max_connections,
+            max_new_connections_per_second,
+            upstream,
+            proxy,
+        })
     }
 
     /// The configured upstreams, or the nameservers of /etc/resolv.conf.
@@ -460,6 +478,7 @@ pub fn plan(policy: &NetworkPolicy, settings: &EgressSettings) -> Result<EgressP
             ports: policy.ports.clone(),
             endpoints,
             max_connections: settings.max_connections,
+            max_new_per_second: settings.max_new_connections_per_second,
         },
         bandwidth_bytes: Some(policy.bandwidth_mbps * 1_000_000 / 8),
         manage_forwarding: settings.manage_forwarding,
@@ -644,6 +663,19 @@ mod tests {
             assert_eq!(r.is_ok(), ok, "{n}");
             if let Err(e) = r {
                 assert_eq!(e.path, "network.egress.max_connections");
+            }
+        }
+        c.network.egress.max_connections = None;
+        assert_eq!(
+            EgressSettings::from_config(&c).unwrap().max_new_connections_per_second,
+            DEFAULT_MAX_NEW_CONNECTIONS_PER_SECOND
+        );
+        for (n, ok) in [(0, false), (1, true), (10_000, true), (10_001, false)] {
+            c.network.egress.max_new_connections_per_second = Some(n);
+            let r = EgressSettings::from_config(&c);
+            assert_eq!(r.is_ok(), ok, "{n}");
+            if let Err(e) = r {
+                assert_eq!(e.path, "network.egress.max_new_connections_per_second");
             }
         }
     }

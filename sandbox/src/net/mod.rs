@@ -189,6 +189,10 @@ pub struct Firewall {
     /// New connections (anything but loopback) are blocked while the sandbox has this many
     /// tracked: each is also an entry in the host's conntrack table, shared by the host.
     pub max_connections: u32,
+    /// New connections (any packet but loopback, replies and related ones) past this many
+    /// per second, with a burst of as many, are blocked: a closed connection stays in the
+    /// host's conntrack table (TIME_WAIT) after it stops counting towards `max_connections`.
+    pub max_new_per_second: u32,
 }
 
 /// The address pool sandboxes take their point-to-point links from.

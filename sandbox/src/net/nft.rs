@@ -10,7 +10,8 @@
 //! ```text
 //! chain output  (hook output, policy drop)
 //!     oif lo accept · ct state established,related accept
-//!     ct count over max_connections                 goto blocked   (the host's conntrack)
+//!     limit rate over max_new_per_second/second     goto blocked   (the host's conntrack)
+//!     ct count over max_connections                 goto blocked
 //!     meta nfproto ipv4 goto out4 · meta nfproto ipv6 goto out6 · goto blocked
 //! chain out4 / out6 — first match wins
 //!     daddr in a denied net                         goto blocked   (deny always wins)
@@ -181,6 +182,27 @@ fn ct_count_over(limit: u32) -> Expr {
         vec![
             DefaultNla::new(NFTA_CONNLIMIT_COUNT, limit.to_be_bytes().to_vec()),
             DefaultNla::new(NFTA_CONNLIMIT_FLAGS, NFT_CONNLIMIT_F_INV.to_be_bytes().to_vec()),
+        ],
+    )
+}
+
+/// `limit rate over rate/second burst rate packets`: matches the packets past the rate.
+fn limit_over_per_second(rate: u32) -> Expr {
+    const NFTA_LIMIT_RATE: u16 = 1;
+    const NFTA_LIMIT_UNIT: u16 = 2;
+    const NFTA_LIMIT_BURST: u16 = 3;
+    const NFTA_LIMIT_TYPE: u16 = 4;
+    const NFTA_LIMIT_FLAGS: u16 = 5;
+    const NFT_LIMIT_PKTS: u32 = 0;
+    const NFT_LIMIT_F_INV: u32 = 1;
+    other(
+        "limit",
+        vec![
+            DefaultNla::new(NFTA_LIMIT_RATE, u64::from(rate).to_be_bytes().to_vec()),
+            DefaultNla::new(NFTA_LIMIT_UNIT, 1u64.to_be_bytes().to_vec()),
+            DefaultNla::new(NFTA_LIMIT_BURST, rate.to_be_bytes().to_vec()),
+            DefaultNla::new(NFTA_LIMIT_TYPE, NFT_LIMIT_PKTS.to_be_bytes().to_vec()),
+            DefaultNla::new(NFTA_LIMIT_FLAGS, NFT_LIMIT_F_INV.to_be_bytes().to_vec()),
         ],
     )
 }
@@ -391,6 +413,7 @@ pub(crate) fn load_sandbox_ruleset(
     }
     b.rule("output", vec![meta(MetaKey::Oif), cmp(Operator::Equal, 1u32.to_ne_bytes().to_vec()), accept()]);
     b.rule("output", join(vec![ct_established(), vec![accept()]]));
+    b.rule("output", vec![limit_over_per_second(fw.max_new_per_second), goto("blocked")]);
     b.rule("output", vec![ct_count_over(fw.max_connections), goto("blocked")]);
     b.rule("output", join(vec![nfproto(NFPROTO_IPV4), vec![goto("out4")]]));
     b.rule("output", join(vec![nfproto(NFPROTO_IPV6), vec![goto("out6")]]));
