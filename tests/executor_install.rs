@@ -301,6 +301,8 @@ fn no_other_user_can_hold_the_executors_root_or_write_to_it() {
             "{args:?}: {}",
             out.stderr
         );
+        // Refused before anything was written there (no staging directory was made).
+        assert_eq!(env.entries(), vec!["hello".to_string()], "{args:?}");
     }
     std::fs::set_permissions(&env.root, std::fs::Permissions::from_mode(0o711)).unwrap();
     assert_eq!(std::fs::read_link(env.root.join("hello/current")).unwrap(), PathBuf::from("1.1.0"));

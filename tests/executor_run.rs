@@ -901,6 +901,19 @@ fn host_proc_reads_and_writes_shared_with_every_user_are_refused() {
     }
     run_patched(json!({"permissions": {"filesystem": {"read": ["/"]}}}))
         .cannot_run(&["permissions.filesystem.read[0]:", "a procfs of the host is mounted beneath it, on /proc"]);
+    // So would a kernel interface (tracefs here) beneath one; and one is never bound itself.
+    let tracing_holder = HostDir::new();
+    let tracefs = tracing_holder.path.join("t");
+    std::fs::create_dir(&tracefs).unwrap();
+    let st = Command::new("mount").args(["-t", "tracefs", "nodev"]).arg(&tracefs).status().unwrap();
+    assert!(st.success(), "mount -t tracefs");
+    let _unmount_tracefs = Unmount(tracefs.clone());
+    run_patched(json!({"permissions": {"filesystem": {"read": [tracing_holder.str()]}}})).cannot_run(&[
+        "permissions.filesystem.read[0]:",
+        &format!("the host's tracefs (a kernel interface) is mounted beneath it, on {}", tracefs.display()),
+    ]);
+    run_patched(json!({"permissions": {"filesystem": {"read": [tracefs.to_str().unwrap()]}}}))
+        .cannot_run(&["permissions.filesystem.read[0]:", "is in the host's tracefs, a kernel interface"]);
 
     // A write path in a directory every user may write to, without the sticky bit: any user
     // could rename it away and put a directory of theirs in its place before the bind.

@@ -329,6 +329,12 @@ pub fn check_root(root: &Path, meta: &std::fs::Metadata) -> Result<(), InstallEr
     crate::config::check_agents_own_dir(root, meta).map_err(|m| InstallError::Invalid(format!("executors.dir: {m}")))
 }
 
+/// [`check_root`] on `root` before anything is written into it (a staging or download
+/// directory): a root another user may write to could redirect those writes.
+fn checked_root(root: &Path) -> Result<(), InstallError> {
+    check_root(root, &std::fs::metadata(root).map_err(|e| io(root, e))?)
+}
+
 /// An exclusive `flock` on the executors root directory itself (no lock file among the
 /// executors), released when the returned guard is dropped. The root is searchable but not
 /// readable by others ([`ROOT_MODE`], tightened here on a root an older version made
@@ -459,6 +465,7 @@ pub fn install(
     // declared before the staging directory, so it is dropped after it.
     let _new_root = (!root.exists()).then(|| RemoveIfEmpty(root.to_path_buf()));
     traversable_dir(root, ROOT_MODE)?;
+    checked_root(root)?;
     let staging = Staging(unique(root, ".staging")?);
     let unpacked = staging.0.join("pkg");
     let (sha256, signed_by) = match kind {
@@ -746,6 +753,7 @@ pub fn install_download<'a>(
     // As in `install`: a root this creates goes again if the install fails.
     let _new_root = (!root.exists()).then(|| RemoveIfEmpty(root.to_path_buf()));
     traversable_dir(root, ROOT_MODE)?;
+    checked_root(root)?;
     let staging = Staging(unique(root, ".download")?);
     let file = staging.0.join(name);
     let mut out =

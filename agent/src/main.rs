@@ -666,8 +666,16 @@ fn executor_dir(dir: PathBuf, config: &agent::config::Config) -> Result<PathBuf,
     let name = dir.to_string_lossy();
     let bare = !name.contains('/');
     if bare {
-        if let Some(installed) = installed(config, &name)? {
-            return Ok(installed);
+        match installed(config, &name) {
+            Ok(Some(installed)) => return Ok(installed),
+            Ok(None) => {}
+            // The installed lookup comes first (a directory planted here must not shadow an
+            // executor), so a root it cannot trust is an error — saying how to run the
+            // directory instead.
+            Err(CannotRun(e)) if dir.is_dir() => {
+                return Err(CannotRun(format!("{e} (`./{name}` runs the directory {name} here instead)")))
+            }
+            Err(e) => return Err(e),
         }
     }
     if dir.exists() {

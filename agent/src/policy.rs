@@ -502,8 +502,45 @@ fn refuse_procfs(field: &str, p: &Path, real: &Path) -> Result<(), PolicyError> 
     if let Some(m) = mounts.iter().find(|m| m.fstype == "proc" && m.mount_point.starts_with(real)) {
         return Err(refused(format!("a procfs of the host is mounted beneath it, on {}", m.mount_point.display())));
     }
+    // The kernel's own interfaces (tracing, debugging, security modules, BPF objects,
+    // firmware variables, crash records, binfmt handlers): never a sandbox's business, as
+    // declared or beneath what is declared.
+    let magic = nix::sys::statfs::statfs(real).ok().map(|f| f.filesystem_type());
+    if let Some((name, _)) = KERNEL_INTERFACE_FS.iter().find(|(_, m)| Some(*m) == magic) {
+        return Err(PolicyError::new(
+            field,
+            format!("{}{}: is in the host's {name}, a kernel interface; never bound", p.display(), via(p, real)),
+        ));
+    }
+    let kernel_interface = |fstype: &str| KERNEL_INTERFACE_FS.iter().any(|(name, _)| *name == fstype);
+    if let Some(m) = mounts.iter().find(|m| kernel_interface(&m.fstype) && m.mount_point.starts_with(real)) {
+        return Err(PolicyError::new(
+            field,
+            format!(
+                "{}{}: the host's {} (a kernel interface) is mounted beneath it, on {}; never bound",
+                p.display(),
+                via(p, real),
+                m.fstype,
+                m.mount_point.display()
+            ),
+        ));
+    }
     Ok(())
 }
+
+/// Kernel-interface filesystems no declared path may be in or hold (mountinfo type, statfs
+/// magic).
+const KERNEL_INTERFACE_FS: &[(&str, nix::sys::statfs::FsType)] = &[
+    ("tracefs", nix::sys::statfs::FsType(0x7472_6163)),
+    ("debugfs", nix::sys::statfs::FsType(0x6462_6720)),
+    ("securityfs", nix::sys::statfs::FsType(0x7363_6673)),
+    ("bpf", nix::sys::statfs::FsType(0xcafe_4a11)),
+    ("configfs", nix::sys::statfs::FsType(0x6265_6570)),
+    ("efivarfs", nix::sys::statfs::FsType(0xde5e_81e4)),
+    ("pstore", nix::sys::statfs::FsType(0x6165_676c)),
+    ("binfmt_misc", nix::sys::statfs::FsType(0x4249_4e4d)),
+    ("fusectl", nix::sys::statfs::FsType(0x6573_5543)),
+];
 
 /// `path`, and its real path when that differs (symlinks resolved; for a path that does
 /// not exist yet, its parent's real path and its name): a view binds real paths, so what

@@ -198,14 +198,15 @@ const LOG_MAX_AGE: Duration = Duration::from_secs(MAX_MAX_LIFETIME_S + 3600);
 /// when a session of that name starts, and by a running session after a request.
 const LOG_ROTATE_BYTES: u64 = 1 << 20;
 
-/// Removes session logs (`NAME.log`, `NAME.log.1`) older than [`LOG_MAX_AGE`]: `/run` is
+/// Removes session logs (`NAME.log`, `NAME.log.1`, a rotation's `NAME.log.new` it could not
+/// finish) older than [`LOG_MAX_AGE`]: `/run` is
 /// memory, and every session name ever used would otherwise keep its log until a reboot.
 fn sweep_old_logs() {
     let Ok(entries) = std::fs::read_dir(SESSION_DIR) else { return };
     for e in entries.flatten() {
         let name = e.file_name();
         let Some(name) = name.to_str() else { continue };
-        if !(name.ends_with(".log") || name.ends_with(".log.1")) {
+        if !(name.ends_with(".log") || name.ends_with(".log.1") || name.ends_with(".log.new")) {
             continue;
         }
         // `DirEntry::metadata` does not follow a link.
@@ -251,23 +252,33 @@ fn rotate_own_log(name: &str) {
         return;
     }
     let warn = |e: std::io::Error| tracing::warn!(target: "opservant::session", log = %log.display(), error = %e, "cannot rotate the session log");
-    if let Err(e) = std::fs::rename(&log, log.with_extension("log.1")) {
-        return warn(e);
-    }
+    // The new log is made first, under a name of its own: if it cannot be (`/run` full),
+    // nothing moves and stderr stays the log, to be rotated at a later request.
+    let (old, fresh) = (log.with_extension("log.1"), log.with_extension("log.new"));
+    let _ = std::fs::remove_file(&fresh);
     let new = std::fs::OpenOptions::new()
         .append(true)
         .create_new(true)
         .mode(0o600)
         .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(&log);
-    match new {
-        // dup2 replaces fd 2 atomically: every later write goes to the new file.
-        Ok(f) => {
-            if let Err(e) = nix::unistd::dup2_stderr(&f) {
-                warn(e.into());
-            }
-        }
-        Err(e) => warn(e),
+        .open(&fresh);
+    let new = match new {
+        Ok(f) => f,
+        Err(e) => return warn(e),
+    };
+    if let Err(e) = std::fs::rename(&log, &old) {
+        let _ = std::fs::remove_file(&fresh);
+        return warn(e);
+    }
+    if let Err(e) = std::fs::rename(&fresh, &log) {
+        // Put the log back where the next rotation finds it.
+        let _ = std::fs::rename(&old, &log);
+        let _ = std::fs::remove_file(&fresh);
+        return warn(e);
+    }
+    // dup2 replaces fd 2 atomically: every later write goes to the new file.
+    if let Err(e) = nix::unistd::dup2_stderr(&new) {
+        warn(e.into());
     }
 }
 

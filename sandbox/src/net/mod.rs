@@ -359,6 +359,12 @@ impl HostLease {
             }
             nft::delete_host_table(host)?;
             nft::create_host_table(host, &pool.v4, pool.v6.as_ref())?;
+            // As at a creation: the collector starts with the table.
+            if let HostTableRelease::Deferred { program, args } = &release {
+                if let Err(e) = start_collector(program, args, &pool.lock_dir) {
+                    tracing::error!(error = %e, "host table collector: cannot start one at the replacement");
+                }
+            }
             flock(&lock, libc::LOCK_SH).map_err(|e| NetError::io("lock", "host table lease", e))?;
             // The downgrade is not atomic: an idle-table collector may have deleted the new
             // table in between.
