@@ -91,8 +91,13 @@ fn namespace_hook_sees_the_sandbox_namespaces() {
     let _view = common::host_view();
     let own_net = std::fs::read_link("/proc/self/ns/net").unwrap();
     let mut seen = None;
-    let mut hook = |pid: i32| -> Result<(), String> {
+    let mut hook = |monitor: &sandbox::MonitorProc<'_>| -> Result<(), String> {
+        let pid = monitor.pid();
         let net = std::fs::read_link(format!("/proc/{pid}/ns/net")).map_err(|e| e.to_string())?;
+        let held = monitor.namespace("net").map_err(|e| e.to_string())?;
+        let through_dir = std::fs::read_link(format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&held)))
+            .map_err(|e| e.to_string())?;
+        assert_eq!(through_dir, net, "the namespace opened through the monitor's /proc/PID");
         let uid_map = std::fs::read_to_string(format!("/proc/{pid}/uid_map")).map_err(|e| e.to_string())?;
         seen = Some((net, uid_map));
         Ok(())
@@ -116,7 +121,7 @@ fn a_failing_hook_aborts_the_sandbox() {
         return;
     }
     let _view = common::host_view();
-    let mut hook = |_pid: i32| -> Result<(), String> { Err("wiring failed".into()) };
+    let mut hook = |_: &sandbox::MonitorProc<'_>| -> Result<(), String> { Err("wiring failed".into()) };
     match Sandbox::spawn(&spec(&["/bin/true"]), &launcher(), Some(&mut hook)) {
         Err(sandbox::SandboxError::Hook(m)) => assert_eq!(m, "wiring failed"),
         Err(e) => panic!("wrong error {e}"),
@@ -743,7 +748,7 @@ fn a_setup_that_overruns_its_limit_fails_and_leaves_nothing() {
     s.limits.setup_timeout_ms = Some(500);
     // The hook stands in for a setup step stuck in the kernel: the payload cannot have
     // started when the limit expires.
-    let mut hook = |_pid: i32| -> Result<(), String> {
+    let mut hook = |_: &sandbox::MonitorProc<'_>| -> Result<(), String> {
         std::thread::sleep(Duration::from_millis(700));
         Ok(())
     };
@@ -863,7 +868,8 @@ fn a_zygote_monitor_that_ends_during_the_hook_fails_the_sandbox_by_its_pidfd() {
     let _view = common::host_view();
     let zygote = std::sync::Arc::new(runtime_zygote());
     let launcher = Launcher::Zygote { zygote, end: sandbox::PayloadEnd::Exec };
-    let mut hook = |pid: i32| -> Result<(), String> {
+    let mut hook = |monitor: &sandbox::MonitorProc<'_>| -> Result<(), String> {
+        let pid = monitor.pid();
         // SAFETY: kill(2) on the monitor's pid, which the zygote has not reaped yet.
         unsafe { libc::kill(pid, libc::SIGKILL) };
         // Until the zygote has reaped it, its pid is free for anyone.

@@ -533,10 +533,10 @@ impl EgressRun {
         })
     }
 
-    pub(crate) fn attach(&mut self, pid: i32, executor: &str) -> Result<(), String> {
+    pub(crate) fn attach(&mut self, monitor: &sandbox::MonitorProc<'_>, executor: &str) -> Result<(), String> {
         let r = self.reservation.take().ok_or("network egress: attached twice")?;
         let (gateway, client) = (r.gateway4, r.address4);
-        let egress = r.attach(pid).map_err(|e| format!("network egress: {e}"))?;
+        let egress = r.attach(monitor).map_err(|e| format!("network egress: {e}"))?;
         if self.policy.dns {
             let allow = self.policy.has_allowed_names().then(|| egress.dynamic_allow());
             let fwd = crate::dns::Forwarder::spawn(

@@ -319,9 +319,9 @@ pub fn run(req: RunRequest) -> Result<RunResult, CannotRun> {
         None => None,
         Some(np) => Some(crate::egress::EgressRun::prepare(np, req.config, &mut spec, live_redactor.clone())?),
     };
-    let mut hook = |pid: i32| -> Result<(), String> {
+    let mut hook = |monitor: &sandbox::MonitorProc<'_>| -> Result<(), String> {
         match net.as_mut() {
-            Some(n) => n.attach(pid, &m.name),
+            Some(n) => n.attach(monitor, &m.name),
             None => Ok(()),
         }
     };

@@ -40,7 +40,7 @@ pub mod zygote;
 
 pub use error::{CgroupError, SandboxError, SpecError, Stage, StepError};
 pub use init::{Handoff, PayloadEnd};
-pub use parent::{run, CpuLimiter, Launcher, NamespaceHook, OutputOptions, Sandbox, StopHandle, Stream};
+pub use parent::{run, CpuLimiter, Launcher, MonitorProc, NamespaceHook, OutputOptions, Sandbox, StopHandle, Stream};
 pub use report::{
     Captured, CgroupReport, EnforcementReport, ExitInfo, KilledBy, LandlockReport, LandlockStatus, Outcome,
     ResourceUsage,

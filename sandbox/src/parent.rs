@@ -90,9 +90,36 @@ impl Launcher {
     }
 }
 
-/// Called once the namespaces exist and the id maps are written, with the monitor's host
-/// pid (its `/proc/PID/ns/*` are the sandbox's namespaces). An error aborts the sandbox.
-pub type NamespaceHook<'a> = &'a mut dyn FnMut(i32) -> Result<(), String>;
+/// Called once the namespaces exist and the id maps are written, with the monitor's
+/// `/proc/PID` (its `ns/*` are the sandbox's namespaces). An error aborts the sandbox.
+pub type NamespaceHook<'a> = &'a mut dyn FnMut(&MonitorProc<'_>) -> Result<(), String>;
+
+/// The sandbox monitor's `/proc/PID`, opened so that it names the monitor (see
+/// [`Sandbox::spawn`]'s handshake): what a [`NamespaceHook`] opens through it is the
+/// sandbox's, never a process's that took over the pid.
+pub struct MonitorProc<'a> {
+    pid: i32,
+    dir: std::os::fd::BorrowedFd<'a>,
+}
+
+impl MonitorProc<'_> {
+    /// The monitor's host pid (for messages; open its files with [`MonitorProc::namespace`]).
+    pub fn pid(&self) -> i32 {
+        self.pid
+    }
+
+    /// The sandbox's namespace `name` (`net`, `mnt`, …), opened through the monitor's
+    /// `/proc/PID/ns`.
+    pub fn namespace(&self, name: &str) -> std::io::Result<OwnedFd> {
+        nix::fcntl::openat(
+            self.dir,
+            format!("ns/{name}").as_str(),
+            nix::fcntl::OFlag::O_RDONLY | nix::fcntl::OFlag::O_CLOEXEC,
+            nix::sys::stat::Mode::empty(),
+        )
+        .map_err(std::io::Error::from)
+    }
+}
 
 /// Which stream a chunk of output came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -484,14 +511,17 @@ impl Sandbox {
         // (the agent, the bench) that gains from the background release. A cold caller is a
         // one-shot process whose exit would pay for the namespace instead of its monitor, or
         // a forking one that must stay single-threaded (`Launcher::Fork`).
+        let monitor = MonitorProc { pid: self.monitor.as_raw(), dir: proc_dir.as_fd() };
         if self.monitor_pidfd.is_some() && spec.namespaces.mount {
             // The monitor has unshared and waits for "proceed": this names its namespace.
-            self.mount_ns = open_namespace(self.monitor, "mnt");
+            self.mount_ns = monitor
+                .namespace("mnt")
+                .inspect_err(|e| tracing::debug!(error = %e, "cannot hold the sandbox's mount namespace"))
+                .ok();
         }
         if let Some(hook) = hook {
-            hook(self.monitor.as_raw()).map_err(SandboxError::Hook)?;
-            // The hook opened the monitor's namespaces by pid: they were the monitor's only
-            // if it still holds that pid now.
+            hook(&monitor).map_err(SandboxError::Hook)?;
+            // Whatever the hook did meanwhile, a monitor gone by now ends the sandbox here.
             self.check_monitor_pid("the namespace hook")?;
         }
         self.chan.send(&ToSandbox::Proceed).map_err(|e| SandboxError::Channel(format!("send proceed: {}", e.desc())))
@@ -1019,25 +1049,6 @@ impl Drop for Sandbox {
             self.reap(MONITOR_EXIT);
         }
         // The cgroup (if still held) removes itself on drop.
-    }
-}
-
-/// `/proc/PID/ns/NAME` of the monitor, which waits for "proceed" and is not reaped before we
-/// wait for it, or `None` (logged): holding it is an optimisation only. Should the monitor
-/// have been killed meanwhile and its pid reused, the handshake fails and the descriptor,
-/// some other namespace's, is only released again: nothing is done with it.
-fn open_namespace(pid: Pid, name: &str) -> Option<OwnedFd> {
-    let path = format!("/proc/{}/ns/{name}", pid.as_raw());
-    match nix::fcntl::open(
-        path.as_str(),
-        nix::fcntl::OFlag::O_RDONLY | nix::fcntl::OFlag::O_CLOEXEC,
-        nix::sys::stat::Mode::empty(),
-    ) {
-        Ok(fd) => Some(fd),
-        Err(e) => {
-            tracing::debug!(path, error = %e.desc(), "cannot hold the sandbox's namespace");
-            None
-        }
     }
 }
 

@@ -622,12 +622,11 @@ pub fn reserve(plan: &EgressPlan) -> Result<Reservation, NetError> {
 }
 
 impl Reservation {
-    /// Wire the network of the sandbox whose namespaces process `pid` holds (steps 4–5).
-    /// Call from the parent's namespace hook, before the payload starts.
-    pub fn attach(self, pid: i32) -> Result<Egress, NetError> {
-        let ns: OwnedFd = File::open(format!("/proc/{pid}/ns/net"))
-            .map_err(|e| NetError::io("netns", "open the sandbox's network namespace", e))?
-            .into();
+    /// Wire the network of the sandbox whose monitor `monitor` is (steps 4–5). Call from
+    /// the parent's namespace hook, before the payload starts.
+    pub fn attach(self, monitor: &crate::MonitorProc<'_>) -> Result<Egress, NetError> {
+        let ns: OwnedFd =
+            monitor.namespace("net").map_err(|e| NetError::io("netns", "open the sandbox's network namespace", e))?;
         let (mut inner_route, mut inner_nf) = sockets_in(&ns)?;
         let mut host = Netlink::route()?;
         let plan = &self.plan;

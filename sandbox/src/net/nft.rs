@@ -10,8 +10,8 @@
 //! ```text
 //! chain output  (hook output, policy drop)
 //!     oif lo accept · ct state established,related accept
-//!     limit rate over max_new_per_second/second     goto blocked   (the host's conntrack)
-//!     ct count over max_connections                 goto blocked
+//!     ct state new limit rate over max_new_per_second/second  goto blocked  (the host's
+//!     ct state new ct count over max_connections               goto blocked   conntrack)
 //!     meta nfproto ipv4 goto out4 · meta nfproto ipv6 goto out6 · goto blocked
 //! chain out4 / out6 — first match wins
 //!     daddr in a denied net                         goto blocked   (deny always wins)
@@ -205,6 +205,13 @@ fn limit_over_per_second(rate: u32) -> Expr {
             DefaultNla::new(NFTA_LIMIT_FLAGS, NFT_LIMIT_F_INV.to_be_bytes().to_vec()),
         ],
     )
+}
+
+/// `ct state new`.
+fn ct_new() -> Vec<Expr> {
+    const NFT_CT_STATE: u32 = 0;
+    const NEW: u32 = 1 << 3;
+    ct_any_of(NFT_CT_STATE, NEW)
 }
 
 /// `ct state established,related` → register 1 holds a non-zero value.
@@ -413,8 +420,10 @@ pub(crate) fn load_sandbox_ruleset(
     }
     b.rule("output", vec![meta(MetaKey::Oif), cmp(Operator::Equal, 1u32.to_ne_bytes().to_vec()), accept()]);
     b.rule("output", join(vec![ct_established(), vec![accept()]]));
-    b.rule("output", vec![limit_over_per_second(fw.max_new_per_second), goto("blocked")]);
-    b.rule("output", vec![ct_count_over(fw.max_connections), goto("blocked")]);
+    // New connections only: the link's own housekeeping (IPv6 neighbour discovery, not
+    // tracked) must neither use up the rate nor count as connections.
+    b.rule("output", join(vec![ct_new(), vec![limit_over_per_second(fw.max_new_per_second), goto("blocked")]]));
+    b.rule("output", join(vec![ct_new(), vec![ct_count_over(fw.max_connections), goto("blocked")]]));
     b.rule("output", join(vec![nfproto(NFPROTO_IPV4), vec![goto("out4")]]));
     b.rule("output", join(vec![nfproto(NFPROTO_IPV6), vec![goto("out6")]]));
     b.rule("output", vec![goto("blocked")]);
