@@ -308,6 +308,32 @@ fn no_other_user_can_hold_the_executors_root_or_write_to_it() {
     assert_eq!(std::fs::read_link(env.root.join("hello/current")).unwrap(), PathBuf::from("1.1.0"));
 }
 
+/// An install in another PID namespace names its staging directory with a pid that means
+/// nothing here: the sweep of abandoned ones leaves a staging directory that someone holds
+/// locked (every install holds its own), and removes it once it is free.
+#[test]
+fn a_locked_staging_directory_of_an_unknown_pid_is_not_swept() {
+    if !common::require_root() {
+        return;
+    }
+    let env = Env::new();
+    let v1 = package(&env.dir.path, "1.0.0", false);
+    assert_eq!(env.op(&["executor", "install", v1.to_str().unwrap()]).code, 0);
+    // No such pid here (pid_max is at most 2^22).
+    let foreign = env.root.join(".staging-99999999-0");
+    std::fs::create_dir(&foreign).unwrap();
+    std::fs::write(foreign.join("unpacked"), "x").unwrap();
+    let held = nix::fcntl::Flock::lock(std::fs::File::open(&foreign).unwrap(), nix::fcntl::FlockArg::LockExclusive)
+        .unwrap_or_else(|(_, e)| panic!("lock: {e}"));
+    let v2 = package(&env.dir.path, "1.1.0", false);
+    assert_eq!(env.op(&["executor", "install", v2.to_str().unwrap()]).code, 0);
+    assert!(foreign.join("unpacked").exists(), "a staging directory in use was swept");
+    drop(held);
+    let v3 = package(&env.dir.path, "1.2.0", false);
+    assert_eq!(env.op(&["executor", "install", v3.to_str().unwrap()]).code, 0);
+    assert!(!foreign.exists(), "an abandoned staging directory was kept");
+}
+
 #[test]
 fn an_old_version_a_run_still_uses_is_kept_until_a_later_install() {
     if !common::require_root() {

@@ -313,12 +313,35 @@ pub struct ListEntry {
     pub description: String,
 }
 
-/// A staging directory removed on drop (whatever is left in it).
-struct Staging(PathBuf);
+/// A staging directory removed on drop (whatever is left in it), locked (`flock`, exclusive)
+/// while it is in use: [`sweep_leftovers`] never removes a locked one, so an install that
+/// runs in another PID namespace — whose pid in the name means nothing here — keeps its
+/// staging directory.
+struct Staging(PathBuf, #[allow(dead_code)] Option<nix::fcntl::Flock<std::fs::File>>);
+
+impl Staging {
+    /// A new staging directory `PREFIX-PID-N` in `root`, locked. A lock that cannot be
+    /// taken (a filesystem without `flock`) leaves it to the pid check alone.
+    fn new(root: &Path, prefix: &str) -> Result<Staging, InstallError> {
+        let dir = unique(root, prefix)?;
+        let held = std::fs::File::open(&dir)
+            .ok()
+            .and_then(|f| nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusiveNonblock).ok());
+        Ok(Staging(dir, held))
+    }
+}
 
 impl Drop for Staging {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Whether no process holds a lock on the directory `dir` (see [`Staging`]).
+fn unlocked(dir: &Path) -> bool {
+    match std::fs::File::open(dir) {
+        Ok(f) => nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusiveNonblock).is_ok(),
+        Err(_) => false,
     }
 }
 
@@ -365,7 +388,9 @@ pub(crate) fn lock_root(root: &Path) -> Result<nix::fcntl::Flock<std::fs::File>,
 /// processes that are gone — an install killed part-way (SIGKILL, a power cut, a daemon
 /// stopped mid-install) leaves its unpacked package, or a removed executor's files, behind,
 /// and nothing else would ever delete them. A directory of a live process (this one's other
-/// threads included) is never touched; one whose pid was reused waits for a later sweep.
+/// threads included) is never touched; one whose pid was reused waits for a later sweep; a
+/// staging or download directory someone holds locked (an install in another PID namespace,
+/// where its pid names nothing here: see [`Staging`]) is never touched either.
 fn sweep_leftovers(root: &Path) {
     let Ok(entries) = std::fs::read_dir(root) else { return };
     for e in entries.flatten() {
@@ -389,7 +414,9 @@ fn sweep_leftovers(root: &Path) {
         let gone = pid > 0
             && pid as u32 != std::process::id()
             && nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None) == Err(nix::errno::Errno::ESRCH);
-        if gone && e.file_type().is_ok_and(|t| t.is_dir()) {
+        // Its pid gone here, and no lock on it: an install in another PID namespace holds
+        // the lock on its staging directory for as long as it runs.
+        if gone && e.file_type().is_ok_and(|t| t.is_dir()) && unlocked(&e.path()) {
             match std::fs::remove_dir_all(e.path()) {
                 Ok(()) => {
                     tracing::warn!(path = %e.path().display(), "removed what an interrupted install or removal left behind")
@@ -466,7 +493,7 @@ pub fn install(
     let _new_root = (!root.exists()).then(|| RemoveIfEmpty(root.to_path_buf()));
     traversable_dir(root, ROOT_MODE)?;
     checked_root(root)?;
-    let staging = Staging(unique(root, ".staging")?);
+    let staging = Staging::new(root, ".staging")?;
     let unpacked = staging.0.join("pkg");
     let (sha256, signed_by) = match kind {
         None => {
@@ -754,7 +781,7 @@ pub fn install_download<'a>(
     let _new_root = (!root.exists()).then(|| RemoveIfEmpty(root.to_path_buf()));
     traversable_dir(root, ROOT_MODE)?;
     checked_root(root)?;
-    let staging = Staging(unique(root, ".download")?);
+    let staging = Staging::new(root, ".download")?;
     let file = staging.0.join(name);
     let mut out =
         std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&file).map_err(|e| io(&file, e))?;
