@@ -323,15 +323,22 @@ fn a_locked_staging_directory_of_an_unknown_pid_is_not_swept() {
     let foreign = env.root.join(".staging-99999999-0");
     std::fs::create_dir(&foreign).unwrap();
     std::fs::write(foreign.join("unpacked"), "x").unwrap();
+    // Older than the sweep's minute of grace: only the lock keeps it.
+    let two_minutes_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(120);
+    std::fs::File::open(&foreign).unwrap().set_modified(two_minutes_ago).unwrap();
     let held = nix::fcntl::Flock::lock(std::fs::File::open(&foreign).unwrap(), nix::fcntl::FlockArg::LockExclusive)
         .unwrap_or_else(|(_, e)| panic!("lock: {e}"));
     let v2 = package(&env.dir.path, "1.1.0", false);
     assert_eq!(env.op(&["executor", "install", v2.to_str().unwrap()]).code, 0);
     assert!(foreign.join("unpacked").exists(), "a staging directory in use was swept");
     drop(held);
+    // A newly made one (an install between its `mkdir` and its lock) is left a minute too.
+    let young = env.root.join(".staging-99999998-0");
+    std::fs::create_dir(&young).unwrap();
     let v3 = package(&env.dir.path, "1.2.0", false);
     assert_eq!(env.op(&["executor", "install", v3.to_str().unwrap()]).code, 0);
     assert!(!foreign.exists(), "an abandoned staging directory was kept");
+    assert!(young.exists(), "a staging directory made a moment ago was swept");
 }
 
 #[test]
@@ -933,12 +940,17 @@ fn what_an_interrupted_install_left_behind_is_removed_by_the_next() {
     let mut live = Command::new("sleep").arg("60").spawn().unwrap();
     let stale: Vec<PathBuf> =
         [".staging", ".download", ".removing"].iter().map(|p| env.root.join(format!("{p}-{}-0", dead.id()))).collect();
+    // Left more than a minute ago (a staging directory changed within the last minute is
+    // spared: see `a_locked_staging_directory_of_an_unknown_pid_is_not_swept`).
+    let two_minutes_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(120);
     for d in &stale {
         std::fs::create_dir_all(d.join("pkg/hello")).unwrap();
         std::fs::write(d.join("pkg/hello/main.py"), "x").unwrap();
+        std::fs::File::open(d).unwrap().set_modified(two_minutes_ago).unwrap();
     }
     let kept = env.root.join(format!(".staging-{}-0", live.id()));
     std::fs::create_dir(&kept).unwrap();
+    std::fs::File::open(&kept).unwrap().set_modified(two_minutes_ago).unwrap();
     let v2 = package(&env.dir.path, "1.1.0", false);
     let out = env.op(&["executor", "install", v2.to_str().unwrap()]);
     assert_eq!(out.code, 0, "{}", out.stderr);

@@ -118,6 +118,10 @@ pub const MIN_MAX_BYTES: u64 = 1024;
 /// Largest `audit.max_bytes` accepted (1 GiB): `audit verify` reads one file at a time whole.
 pub const MAX_MAX_BYTES: u64 = 1 << 30;
 pub const MAX_KEEP: u32 = 1000;
+
+/// The highest `N` of a rotated file `path.N`: rotations keep the numbers within `keep` and
+/// the gaps rotations cut short left; a file numbered higher is not the log's.
+pub const MAX_ROTATED_NUMBER: u32 = 2 * MAX_KEEP;
 /// How long an append waits for the log's lock by default (`audit.lock_wait_seconds`): far
 /// beyond any append (a few ms, a slow disk's `fdatasync` included), short enough that a
 /// stuck holder shows as failing runs rather than a silent stall.
@@ -704,14 +708,13 @@ impl AuditLog {
     /// reports the log intact, not a removed file.
     fn rotate(&self) -> std::io::Result<()> {
         let s = &self.settings;
-        let mut numbers = self.numbered()?;
-        numbers.sort_unstable_by(|a, b| b.cmp(a));
-        // Oldest first, each into a number no file has (the next one up has moved already).
-        for n in numbers {
-            let up = n
-                .checked_add(1)
-                .ok_or_else(|| std::io::Error::other(format!("{}: numbered too high", s.rotated(n).display())))?;
-            ignore_missing(std::fs::rename(s.rotated(n), s.rotated(up)))?;
+        let numbers = self.numbered()?;
+        // Only the run `.1`, `.2`, … up to the first gap moves (oldest first, each into the
+        // number above it, which no file has): after a rotation cut short before its last
+        // rename `.1` is missing, and the next attempt moves nothing again.
+        let run = (1..=MAX_ROTATED_NUMBER).take_while(|n| numbers.contains(n)).last().unwrap_or(0);
+        for n in (1..=run).rev() {
+            std::fs::rename(s.rotated(n), s.rotated(n + 1))?;
         }
         std::fs::rename(&s.path, s.rotated(1))
     }
@@ -726,7 +729,9 @@ impl AuditLog {
         Ok(numbers)
     }
 
-    /// The numbers `N` of the rotated files `path.N` there are.
+    /// The numbers `N` of the rotated files `path.N` there are (at most
+    /// [`MAX_ROTATED_NUMBER`]: a file numbered higher — an operator's dated copy — is not
+    /// one, and is neither renamed nor removed).
     fn numbered(&self) -> std::io::Result<Vec<u32>> {
         let s = &self.settings;
         let mut out = Vec::new();
@@ -738,7 +743,8 @@ impl AuditLog {
                     .to_str()
                     .and_then(|n| n.strip_prefix(&prefix))
                     .filter(|d| d.bytes().all(|b| b.is_ascii_digit()) && !d.starts_with('0'))
-                    .and_then(|d| d.parse::<u32>().ok());
+                    .and_then(|d| d.parse::<u32>().ok())
+                    .filter(|&n| n <= MAX_ROTATED_NUMBER);
                 out.extend(n);
             }
         }
@@ -756,9 +762,11 @@ impl AuditLog {
             Err(e) => return tracing::warn!(path = %s.path.display(), error = %e, "audit: cannot list rotated files"),
         };
         numbered.sort_unstable();
-        for n in numbered.into_iter().skip(s.keep as usize) {
+        // Oldest first, stopping at a failure: what is left is always the newest files, so
+        // `verify` finds no file missing between them.
+        for n in numbered.into_iter().skip(s.keep as usize).rev() {
             if let Err(e) = ignore_missing(std::fs::remove_file(s.rotated(n))) {
-                tracing::warn!(path = %s.rotated(n).display(), error = %e, "audit: cannot remove a rotated file past audit.keep");
+                return tracing::warn!(path = %s.rotated(n).display(), error = %e, "audit: cannot remove a rotated file past audit.keep");
             }
         }
     }
@@ -1050,13 +1058,14 @@ mod tests {
             rotated.iter().any(|f| std::fs::read_to_string(f).unwrap().lines().next() == Some(newest_rotated.as_str())),
             "the newest rotated file before the cut was dropped: {rotated:?}"
         );
-        // A stray file with a large number (an operator's dated copy) costs one rename, not
-        // one per number below it.
-        std::fs::write(settings.rotated(20_261_125), "").unwrap();
+        // A file numbered past any rotation's (an operator's dated copy) is not the log's:
+        // neither renamed nor removed, nor verified with it.
+        std::fs::write(settings.rotated(20_261_125), "a copy").unwrap();
         for _ in 0..20 {
             log.append("more", &Map::new()).unwrap();
         }
         assert!(verify_all().intact);
+        assert_eq!(std::fs::read_to_string(settings.rotated(20_261_125)).unwrap(), "a copy");
     }
 
     /// The lock file and the newest rotated file are opened as the log is: a FIFO there is

@@ -416,7 +416,15 @@ fn sweep_leftovers(root: &Path) {
             && nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None) == Err(nix::errno::Errno::ESRCH);
         // Its pid gone here, and no lock on it: an install in another PID namespace holds
         // the lock on its staging directory for as long as it runs.
-        if gone && e.file_type().is_ok_and(|t| t.is_dir()) && unlocked(&e.path()) {
+        // Nor one changed in the last minute: an install locks its directory just after
+        // making it, and a sweep must not take it in between.
+        let settled = e
+            .metadata()
+            .ok()
+            .and_then(|m| m.modified().ok())
+            .and_then(|t| t.elapsed().ok())
+            .is_some_and(|age| age > std::time::Duration::from_secs(60));
+        if gone && settled && e.file_type().is_ok_and(|t| t.is_dir()) && unlocked(&e.path()) {
             match std::fs::remove_dir_all(e.path()) {
                 Ok(()) => {
                     tracing::warn!(path = %e.path().display(), "removed what an interrupted install or removal left behind")

@@ -540,6 +540,8 @@ const KERNEL_INTERFACE_FS: &[(&str, nix::sys::statfs::FsType)] = &[
     ("pstore", nix::sys::statfs::FsType(0x6165_676c)),
     ("binfmt_misc", nix::sys::statfs::FsType(0x4249_4e4d)),
     ("fusectl", nix::sys::statfs::FsType(0x6573_5543)),
+    ("selinuxfs", nix::sys::statfs::FsType(0xf97c_ff8c)),
+    ("smackfs", nix::sys::statfs::FsType(0x4341_5d53)),
 ];
 
 /// `path`, and its real path when that differs (symlinks resolved; for a path that does

@@ -124,9 +124,9 @@ impl Provider {
 #[derive(Default, Clone)]
 pub struct Redactor {
     values: Vec<Zeroizing<String>>,
-    /// The values that read as numbers (at least [`MIN_DERIVED`] characters), as numbers: a
-    /// JSON number equal to one is the value whatever its text (`int("0815")` is 815, a
-    /// 24-digit value an `f64` printed with an exponent).
+    /// The values that read as numbers (at least [`MIN_DERIVED`] characters, 3 significant
+    /// digits), as numbers: a JSON number equal to one is the value whatever its text
+    /// (`int("0815")` is 815, a 24-digit value an `f64` printed with an exponent).
     numbers: Zeroizing<Vec<f64>>,
 }
 
@@ -225,7 +225,13 @@ impl Redactor {
         // Longest first, so a secret containing another is replaced whole.
         self.values.sort_by_key(|v| std::cmp::Reverse(v.len()));
         if trimmed.len() >= MIN_DERIVED {
-            if let Some(n) = trimmed.parse::<f64>().ok().filter(|n| n.is_finite()) {
+            // At least 3 significant digits: a value such as "0001" or "0.00" is not matched
+            // as the number 1 or 0, which would take every such number out of a result.
+            let significant = |n: f64| {
+                let digits: String = format!("{n}").chars().filter(char::is_ascii_digit).collect();
+                digits.trim_start_matches('0').len()
+            };
+            if let Some(n) = trimmed.parse::<f64>().ok().filter(|n| n.is_finite() && significant(*n) >= 3) {
                 if !self.numbers.contains(&n) {
                     self.numbers.push(n);
                 }
@@ -469,6 +475,11 @@ mod tests {
             r.json(&v),
             serde_json::json!({"pin": "[REDACTED]", "big": "[REDACTED]", "pi": "[REDACTED]", "n": 816})
         );
+        // Values that are small numbers are not matched by value: every 1 or 0 would go.
+        r.add("0001");
+        r.add("0.00");
+        let v = serde_json::json!({"one": 1, "zero": 0, "f": 0.0});
+        assert_eq!(r.json(&v), v);
         assert!(r.contains_secret(b"..s3cr3t.."));
         assert!(!r.contains_secret(b"secret"));
         // Credential patterns too, with or without delivered values.

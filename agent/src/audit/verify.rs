@@ -133,7 +133,8 @@ fn records(n: u64) -> String {
 }
 
 /// The configured log and its rotated files, oldest first: every `NAME.<digits>` beside it
-/// (a missing number in between is left for the chain check to report), then the log.
+/// up to [`super::MAX_ROTATED_NUMBER`] (a missing number in between is left for the chain
+/// check to report), then the log.
 pub fn chain_files(path: &Path) -> Result<Vec<PathBuf>, AuditError> {
     let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
@@ -146,7 +147,8 @@ pub fn chain_files(path: &Path) -> Result<Vec<PathBuf>, AuditError> {
         let f = e.file_name().to_string_lossy().into_owned();
         if let Some(n) = f.strip_prefix(&name).and_then(|r| r.strip_prefix('.')) {
             if !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()) {
-                if let Ok(n) = n.parse::<u32>() {
+                // Numbered past any rotation's: not the log's (see `super::MAX_ROTATED_NUMBER`).
+                if let Some(n) = n.parse::<u32>().ok().filter(|&n| n <= super::MAX_ROTATED_NUMBER) {
                     numbered.push(n);
                 }
             }

@@ -368,8 +368,12 @@ impl HostLease {
             flock(&lock, libc::LOCK_SH).map_err(|e| NetError::io("lock", "host table lease", e))?;
             // The downgrade is not atomic: an idle-table collector may have deleted the new
             // table in between.
-            if nft::host_table(host)?.is_none() {
-                nft::create_host_table(host, &pool.v4, pool.v6.as_ref())?;
+            if nft::host_table(host)?.is_none() && nft::create_host_table(host, &pool.v4, pool.v6.as_ref())? {
+                if let HostTableRelease::Deferred { program, args } = &release {
+                    if let Err(e) = start_collector(program, args, &pool.lock_dir) {
+                        tracing::error!(error = %e, "host table collector: cannot start one at the re-creation");
+                    }
+                }
             }
             tracing::info!(old = %tag, new = %want, "host table of another version replaced");
         }

@@ -10,8 +10,9 @@
 //! ```text
 //! chain output  (hook output, policy drop)
 //!     oif lo accept · ct state established,related accept
-//!     ct state new limit rate over max_new_per_second/second  goto blocked  (the host's
-//!     ct state new ct count over max_connections               goto blocked   conntrack)
+//!     ct state new ct status != confirmed
+//!         limit rate over max_new_per_second/second goto blocked   (the host's conntrack)
+//!     ct state new ct count over max_connections    goto blocked
 //!     meta nfproto ipv4 goto out4 · meta nfproto ipv6 goto out6 · goto blocked
 //! chain out4 / out6 — first match wins
 //!     daddr in a denied net                         goto blocked   (deny always wins)
@@ -205,6 +206,26 @@ fn limit_over_per_second(rate: u32) -> Expr {
             DefaultNla::new(NFTA_LIMIT_FLAGS, NFT_LIMIT_F_INV.to_be_bytes().to_vec()),
         ],
     )
+}
+
+/// `ct status & confirmed == 0`: the packet creates its conntrack entry (confirmed once it
+/// leaves the last hook).
+fn ct_unconfirmed() -> Vec<Expr> {
+    const NFTA_CT_DREG: u16 = 1;
+    const NFTA_CT_KEY: u16 = 2;
+    const NFT_CT_STATUS: u32 = 2;
+    const IPS_CONFIRMED: u32 = 1 << 3;
+    vec![
+        other(
+            "ct",
+            vec![
+                DefaultNla::new(NFTA_CT_DREG, 1u32.to_be_bytes().to_vec()),
+                DefaultNla::new(NFTA_CT_KEY, NFT_CT_STATUS.to_be_bytes().to_vec()),
+            ],
+        ),
+        mask(4, IPS_CONFIRMED.to_ne_bytes().to_vec()),
+        cmp(Operator::Equal, vec![0; 4]),
+    ]
 }
 
 /// `ct state new`.
@@ -422,7 +443,12 @@ pub(crate) fn load_sandbox_ruleset(
     b.rule("output", join(vec![ct_established(), vec![accept()]]));
     // New connections only: the link's own housekeeping (IPv6 neighbour discovery, not
     // tracked) must neither use up the rate nor count as connections.
-    b.rule("output", join(vec![ct_new(), vec![limit_over_per_second(fw.max_new_per_second), goto("blocked")]]));
+    // The packet that creates a connection only (its conntrack entry not yet confirmed):
+    // every packet of a flow no reply has come back to is `new`.
+    b.rule(
+        "output",
+        join(vec![ct_new(), ct_unconfirmed(), vec![limit_over_per_second(fw.max_new_per_second), goto("blocked")]]),
+    );
     b.rule("output", join(vec![ct_new(), vec![ct_count_over(fw.max_connections), goto("blocked")]]));
     b.rule("output", join(vec![nfproto(NFPROTO_IPV4), vec![goto("out4")]]));
     b.rule("output", join(vec![nfproto(NFPROTO_IPV6), vec![goto("out6")]]));
