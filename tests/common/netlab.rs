@@ -443,32 +443,26 @@ impl Dns {
             r.extend_from_slice(&(data.len() as u16).to_be_bytes());
             r.extend_from_slice(&data);
         }
+        // One A or AAAA record: its owner name (encoded, or a pointer), then the address.
+        let address_record = |r: &mut Vec<u8>, owner: &[u8], a: IpAddr| {
+            r.extend_from_slice(owner);
+            let (ty, data): (u16, Vec<u8>) = match a {
+                IpAddr::V4(v) => (QTYPE_A, v.octets().to_vec()),
+                IpAddr::V6(v) => (QTYPE_AAAA, v.octets().to_vec()),
+            };
+            r.extend_from_slice(&ty.to_be_bytes());
+            r.extend_from_slice(&1u16.to_be_bytes()); // class IN
+            r.extend_from_slice(&DNS_TTL.to_be_bytes());
+            r.extend_from_slice(&(data.len() as u16).to_be_bytes());
+            r.extend_from_slice(&data);
+        };
+        // The target's own records after a CNAME, else a pointer to the question's name.
+        let owner = cname.as_deref().map_or_else(|| vec![0xC0, 0x0C], encoded);
         for a in addrs {
-            match &cname {
-                Some(target) => r.extend_from_slice(&encoded(target)), // the target's own records
-                None => r.extend_from_slice(&[0xC0, 0x0C]),            // pointer to the question's name
-            }
-            let (ty, data): (u16, Vec<u8>) = match a {
-                IpAddr::V4(v) => (QTYPE_A, v.octets().to_vec()),
-                IpAddr::V6(v) => (QTYPE_AAAA, v.octets().to_vec()),
-            };
-            r.extend_from_slice(&ty.to_be_bytes());
-            r.extend_from_slice(&1u16.to_be_bytes()); // class IN
-            r.extend_from_slice(&DNS_TTL.to_be_bytes());
-            r.extend_from_slice(&(data.len() as u16).to_be_bytes());
-            r.extend_from_slice(&data);
+            address_record(&mut r, &owner, a);
         }
-        for (owner, a) in extras {
-            r.extend_from_slice(&encoded(&owner));
-            let (ty, data): (u16, Vec<u8>) = match a {
-                IpAddr::V4(v) => (QTYPE_A, v.octets().to_vec()),
-                IpAddr::V6(v) => (QTYPE_AAAA, v.octets().to_vec()),
-            };
-            r.extend_from_slice(&ty.to_be_bytes());
-            r.extend_from_slice(&1u16.to_be_bytes()); // class IN
-            r.extend_from_slice(&DNS_TTL.to_be_bytes());
-            r.extend_from_slice(&(data.len() as u16).to_be_bytes());
-            r.extend_from_slice(&data);
+        for (other_owner, a) in extras {
+            address_record(&mut r, &encoded(&other_owner), a);
         }
         Some(r)
     }

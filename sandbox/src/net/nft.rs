@@ -211,21 +211,9 @@ fn limit_over_per_second(rate: u32) -> Expr {
 /// `ct status & confirmed == 0`: the packet creates its conntrack entry (confirmed once it
 /// leaves the last hook).
 fn ct_unconfirmed() -> Vec<Expr> {
-    const NFTA_CT_DREG: u16 = 1;
-    const NFTA_CT_KEY: u16 = 2;
     const NFT_CT_STATUS: u32 = 2;
     const IPS_CONFIRMED: u32 = 1 << 3;
-    vec![
-        other(
-            "ct",
-            vec![
-                DefaultNla::new(NFTA_CT_DREG, 1u32.to_be_bytes().to_vec()),
-                DefaultNla::new(NFTA_CT_KEY, NFT_CT_STATUS.to_be_bytes().to_vec()),
-            ],
-        ),
-        mask(4, IPS_CONFIRMED.to_ne_bytes().to_vec()),
-        cmp(Operator::Equal, vec![0; 4]),
-    ]
+    ct_bits(NFT_CT_STATUS, IPS_CONFIRMED, Operator::Equal)
 }
 
 /// `ct state new`.
@@ -252,6 +240,11 @@ fn ct_dnat() -> Vec<Expr> {
 
 /// The conntrack field `key` (a 32-bit set of flags) has any of `bits`.
 fn ct_any_of(key: u32, bits: u32) -> Vec<Expr> {
+    ct_bits(key, bits, Operator::NotEqual)
+}
+
+/// The conntrack field `key` masked with `bits`, compared (`op`) with zero.
+fn ct_bits(key: u32, bits: u32, op: Operator) -> Vec<Expr> {
     const NFTA_CT_DREG: u16 = 1;
     const NFTA_CT_KEY: u16 = 2;
     vec![
@@ -267,7 +260,7 @@ fn ct_any_of(key: u32, bits: u32) -> Vec<Expr> {
             ],
         ),
         mask(4, bits.to_ne_bytes().to_vec()),
-        cmp(Operator::NotEqual, vec![0; 4]),
+        cmp(op, vec![0; 4]),
     ]
 }
 
