@@ -330,18 +330,20 @@ impl EgressSettings {
                 proxy.env.push(("no_proxy".into(), list));
             }
         }
-        let max_connections = match e.max_connections {
-            None => DEFAULT_MAX_CONNECTIONS,
-            Some(n @ 1..=65536) => n,
-            Some(n) => return Err(err("network.egress.max_connections", format!("{n} is not within 1-65536"))),
+        // A per-sandbox limit: its default when absent, else within `1..=max`.
+        let limit = |value: Option<u32>, default: u32, max: u32, path: &str| match value {
+            None => Ok(default),
+            Some(n) if (1..=max).contains(&n) => Ok(n),
+            Some(n) => Err(err(path, format!("{n} is not within 1-{max}"))),
         };
-        let max_new_connections_per_second = match e.max_new_connections_per_second {
-            None => DEFAULT_MAX_NEW_CONNECTIONS_PER_SECOND,
-            Some(n @ 1..=10_000) => n,
-            Some(n) => {
-                return Err(err("network.egress.max_new_connections_per_second", format!("{n} is not within 1-10000")))
-            }
-        };
+        let max_connections =
+            limit(e.max_connections, DEFAULT_MAX_CONNECTIONS, 65_536, "network.egress.max_connections")?;
+        let max_new_connections_per_second = limit(
+            e.max_new_connections_per_second,
+            DEFAULT_MAX_NEW_CONNECTIONS_PER_SECOND,
+            10_000,
+            "network.egress.max_new_connections_per_second",
+        )?;
         Ok(EgressSettings {
             pool,
             manage_forwarding: e.manage_forwarding,
@@ -655,27 +657,28 @@ mod tests {
 
     #[test]
     fn max_connections_is_bounded() {
-        let mut c = Config::default();
-        assert_eq!(EgressSettings::from_config(&c).unwrap().max_connections, DEFAULT_MAX_CONNECTIONS);
-        for (n, ok) in [(0, false), (1, true), (65536, true), (65537, false)] {
-            c.network.egress.max_connections = Some(n);
-            let r = EgressSettings::from_config(&c);
-            assert_eq!(r.is_ok(), ok, "{n}");
-            if let Err(e) = r {
-                assert_eq!(e.path, "network.egress.max_connections");
-            }
-        }
-        c.network.egress.max_connections = None;
-        assert_eq!(
-            EgressSettings::from_config(&c).unwrap().max_new_connections_per_second,
-            DEFAULT_MAX_NEW_CONNECTIONS_PER_SECOND
-        );
-        for (n, ok) in [(0, false), (1, true), (10_000, true), (10_001, false)] {
-            c.network.egress.max_new_connections_per_second = Some(n);
-            let r = EgressSettings::from_config(&c);
-            assert_eq!(r.is_ok(), ok, "{n}");
-            if let Err(e) = r {
-                assert_eq!(e.path, "network.egress.max_new_connections_per_second");
+        let c = Config::default();
+        let settings = EgressSettings::from_config(&c).unwrap();
+        assert_eq!(settings.max_connections, DEFAULT_MAX_CONNECTIONS);
+        assert_eq!(settings.max_new_connections_per_second, DEFAULT_MAX_NEW_CONNECTIONS_PER_SECOND);
+        type Set = fn(&mut Config, u32);
+        let cases: [(&str, Set, u32); 2] = [
+            ("network.egress.max_connections", |c, n| c.network.egress.max_connections = Some(n), 65_536),
+            (
+                "network.egress.max_new_connections_per_second",
+                |c, n| c.network.egress.max_new_connections_per_second = Some(n),
+                10_000,
+            ),
+        ];
+        for (path, set, max) in cases {
+            for (n, ok) in [(0, false), (1, true), (max, true), (max + 1, false)] {
+                let mut c = Config::default();
+                set(&mut c, n);
+                let r = EgressSettings::from_config(&c);
+                assert_eq!(r.is_ok(), ok, "{path} {n}");
+                if let Err(e) = r {
+                    assert_eq!(e.path, path);
+                }
             }
         }
     }
