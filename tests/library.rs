@@ -660,16 +660,23 @@ fn a_held_payload_runs_only_after_the_go() {
     let _view = common::host_view();
     let mut s = spec(&["/bin/sh", "-c", "echo ran; ls /proc/self/fd"]);
     s.command.held = true;
-    let mut sb = Sandbox::spawn(&s, &launcher(), None).unwrap();
-    // The hold channel is not the caller's to take (the spec asks for no application channel).
-    assert!(sb.take_app_channel().is_none());
-    sb.start_pooled().unwrap();
-    let o = sb.wait(OutputOptions::default()).unwrap();
-    assert!(o.success(), "{o:?}");
-    assert_eq!(o.launch, "pool");
-    // Released, it runs with every restriction, and the hold channel (fd 4) is closed.
-    assert_eq!(stdout(&o), "ran\n0\n1\n2\n3\n");
-    assert!(o.enforcement.no_new_privs && o.enforcement.capabilities_dropped);
+    let zygote = std::sync::Arc::new(runtime_zygote());
+    let through_zygote = Launcher::Zygote { zygote, end: sandbox::PayloadEnd::Exec };
+    // `launch` says how the sandbox was made: `pool` only for one a zygote started ahead of
+    // its run; a pooled sandbox started cold (its zygote could not) keeps its launcher's
+    // name (`exec`, which results report as `cold`).
+    for (launcher, launch) in [(launcher(), "exec"), (through_zygote, "pool")] {
+        let mut sb = Sandbox::spawn(&s, &launcher, None).unwrap();
+        // The hold channel is not the caller's to take (the spec asks for no application channel).
+        assert!(sb.take_app_channel().is_none());
+        sb.start_pooled().unwrap();
+        let o = sb.wait(OutputOptions::default()).unwrap();
+        assert!(o.success(), "{o:?}");
+        assert_eq!(o.launch, launch);
+        // Released, it runs with every restriction, and the hold channel (fd 4) is closed.
+        assert_eq!(stdout(&o), "ran\n0\n1\n2\n3\n");
+        assert!(o.enforcement.no_new_privs && o.enforcement.capabilities_dropped);
+    }
 }
 
 #[test]

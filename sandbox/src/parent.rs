@@ -430,7 +430,9 @@ impl Sandbox {
     }
 
     /// A sandbox started ahead of its work (a warm pool) is put to work now: its clock — the
-    /// timeout and the reported wall time — starts here, and the outcome reports `pool`.
+    /// timeout and the reported wall time — starts here, and the outcome reports `pool` when
+    /// a zygote started it (one started otherwise — cold, because its zygote could not —
+    /// keeps its launcher's name: `launch` says how the sandbox's processes were made).
     /// Only sound while nothing of the payload's work has been handed to it yet. A held
     /// sandbox ([`crate::spec::CommandSpec::held`]) is released: its payload gets the go.
     /// A sandbox whose payload (or monitor) has ended while it waited — killed by the OOM
@@ -451,7 +453,9 @@ impl Sandbox {
             }
         }
         self.started = Instant::now();
-        self.launch = "pool";
+        if self.launch == "zygote" {
+            self.launch = "pool";
+        }
         Ok(())
     }
 
