@@ -595,6 +595,11 @@ def member(name, data):
     i = tarfile.TarInfo(name)
     i.size = len(data)
     return i.tobuf(tarfile.USTAR_FORMAT) + pad(data)
+def link(name, target, kind=tarfile.SYMTYPE):
+    i = tarfile.TarInfo(name)
+    i.type = kind
+    i.linkname = target
+    return i.tobuf(tarfile.USTAR_FORMAT)
 def package(root):
     out = b""
     for d, _, files in sorted(os.walk(root)):
@@ -656,6 +661,13 @@ fn an_archive_installs_as_tar_reads_it_or_not_at_all() {
         ("two-pax-sizes", "pax([('size', '6'), ('size', '0')]) + member('hello/x.py', b'X = 1\\n')".into(), "two PAX `size` records"),
         ("gnu-sparse-name", "pax([('GNU.sparse.name', 'hello/hello/main.py')]) + member('hello/x.py', b'X = 1\\n')".into(), "a GNU sparse PAX record"),
         ("loose-pyc", "member('hello/hello/sneaky.pyc', b'\\0' * 16)".into(), "hello/hello/sneaky.pyc: compiled bytecode outside __pycache__"),
+        // In a bytecode cache too, which is otherwise skipped (the agent compiles its own).
+        ("cache-symlink", "link('hello/hello/__pycache__/main.cpython-311.pyc', '/etc/shadow')".into(), "__pycache__/main.cpython-311.pyc: a symbolic link is refused"),
+        (
+            "cache-fifo",
+            "link('hello/__pycache__/x', '', tarfile.FIFOTYPE)".into(),
+            "hello/__pycache__/x: a FIFO is refused",
+        ),
         (
             "native-module",
             "member('hello/hello/main.cpython-311-x86_64-linux-gnu.so', b'\\x7fELF')".into(),

@@ -1129,6 +1129,10 @@ fn unpack_stream(reader: impl Read, archive: &Path, dest: &Path) -> Result<(), I
             }
             return Err(InstallError::Invalid(format!("{}: an entry without a name", archive.display())));
         }
+        // Refused wherever it lies, in a bytecode cache too (which is skipped below).
+        if let Some(what) = refused_kind(kind) {
+            return Err(InstallError::Invalid(format!("{}: {what} is refused", rel.display())));
+        }
         // Bytecode caches are not part of a package (as for a directory, see `copy_tree`):
         // the agent writes its own, compiled from the package's sources.
         if rel.components().any(|c| c.as_os_str() == "__pycache__") {
@@ -1145,7 +1149,7 @@ fn unpack_stream(reader: impl Read, archive: &Path, dest: &Path) -> Result<(), I
             }
             std::fs::DirBuilder::new().mode(0o755).recursive(true).create(&target).map_err(|e| io(&target, e))?;
             dirs.insert(rel);
-        } else if kind.is_file() {
+        } else {
             if files.contains(&rel) || dirs.contains(&rel) {
                 return Err(invalid("given twice in the archive"));
             }
@@ -1160,22 +1164,26 @@ fn unpack_stream(reader: impl Read, archive: &Path, dest: &Path) -> Result<(), I
                 InstallError::Invalid(format!("not a valid archive (truncated or corrupt at {}): {e}", rel.display()))
             })?;
             files.insert(rel);
-        } else {
-            let what = if kind.is_symlink() {
-                "a symbolic link"
-            } else if kind.is_hard_link() {
-                "a hard link"
-            } else if kind.is_character_special() || kind.is_block_special() {
-                "a device"
-            } else if kind.is_fifo() {
-                "a FIFO"
-            } else {
-                "not a regular file or directory"
-            };
-            return Err(InstallError::Invalid(format!("{}: {what} is refused", rel.display())));
         }
     }
     Ok(())
+}
+
+/// Why an archive entry of `kind` is refused: anything but a directory or a regular file.
+fn refused_kind(kind: tar::EntryType) -> Option<&'static str> {
+    Some(if kind.is_dir() || kind.is_file() {
+        return None;
+    } else if kind.is_symlink() {
+        "a symbolic link"
+    } else if kind.is_hard_link() {
+        "a hard link"
+    } else if kind.is_character_special() || kind.is_block_special() {
+        "a device"
+    } else if kind.is_fifo() {
+        "a FIFO"
+    } else {
+        "not a regular file or directory"
+    })
 }
 
 /// PAX keywords a global header may set: they describe the archive or file metadata the
