@@ -780,3 +780,47 @@ fn values_json_cannot_carry_do_not_end_the_session() {
     assert_eq!(status, 0, "the session goes on: {r}");
     assert_eq!(r["globals"]["w"], "18446744073709551617", "{r}");
 }
+
+#[test]
+fn a_call_whose_client_is_gone_before_it_starts_never_runs() {
+    if !require_root() {
+        return;
+    }
+    let (s, _) = Session::start(&["--allow-import", "time"]);
+    let (code, r) = s.exec("n = 0", &[]);
+    assert_eq!(code, 0, "{r}");
+    let log = format!("/run/opservant/sessions/{}.log", s.name);
+    let calls_recorded = || std::fs::read_to_string(&log).unwrap_or_default().matches("session_exec\"").count();
+    // A long call holds the daemon, which serves one client at a time.
+    let long = Command::new(opservant())
+        .args(["session", "exec", &s.name, "--code", "import time\ntime.sleep(12)"])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while calls_recorded() < 2 {
+        assert!(std::time::Instant::now() < deadline, "the long call never started");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    // A call queued behind it whose client gives up (killed here; a client that times out
+    // exits the same way): it was told nothing ran, so nothing may run.
+    let mut queued = Command::new(opservant())
+        .args(["session", "exec", &s.name, "--code", "n += 1"])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_secs(1));
+    queued.kill().unwrap();
+    queued.wait().unwrap();
+    // Meanwhile `session list` names the busy session instead of leaving it out.
+    let out = Command::new(opservant()).args(["session", "list"]).output().unwrap();
+    let list: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let listed = list["sessions"].as_array().unwrap().iter().find(|x| x["session"] == s.name.as_str()).cloned();
+    assert_eq!(listed.map(|x| x["status"].clone()), Some("busy".into()), "{list}");
+    let long = long.wait_with_output().unwrap();
+    assert_eq!(long.status.code(), Some(0));
+    let (code, r) = s.exec("pass", &["--return", "n"]);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["globals"]["n"], 0, "the abandoned call ran: {r}");
+    assert!(std::fs::read_to_string(&log).unwrap().contains("session_exec_abandoned"), "not audited");
+}

@@ -18,7 +18,8 @@
 //!   daemon); a call that times out or exhausts the memory limit ends the session (the whole
 //!   sandbox is killed) and its reply says so; a stop signal ends a call at once;
 //! - every call is audited before its code is sent (`session_exec`, fail closed) and when it
-//!   ends (`session_exec_end`);
+//!   ends (`session_exec_end`); a call whose client is gone before it starts (killed, or
+//!   given up waiting behind another call) never runs (`session_exec_abandoned`);
 //! - an idle session (no call: status requests do not count) expires, and every session ends
 //!   after its maximum lifetime;
 //! - only root, or the user the daemon runs as, can reach a session: the directory is 0700,
@@ -400,35 +401,64 @@ pub fn start(settings: &Settings, exe: &Path, serve_subcommand: &str) -> Result<
 /// Send one request to a session's daemon and return its reply.
 pub fn request(name: &str, req: &Value, timeout: Duration) -> Result<Value, CannotRun> {
     check_name(name)?;
-    let path = socket_path(name);
-    let mut stream = UnixStream::connect(&path).map_err(|e| match e.kind() {
-        std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused => {
-            CannotRun(format!("no session '{name}' is running"))
+    let reply = request_io(name, req, timeout).map_err(|e| match e {
+        Failed::Connect(e) => match e.kind() {
+            std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused => {
+                CannotRun(format!("no session '{name}' is running"))
+            }
+            std::io::ErrorKind::PermissionDenied => {
+                CannotRun(format!("session '{name}': permission denied (only root or the session's owner may use it)"))
+            }
+            _ => CannotRun(format!("session '{name}': {e}")),
+        },
+        Failed::TooLarge(n) => {
+            // Refused here, naming the limit: the daemon would stop reading and reset the send.
+            CannotRun(format!(
+                "session '{name}': the request takes {n} bytes, more than the {MAX_REQUEST} a session accepts"
+            ))
         }
-        std::io::ErrorKind::PermissionDenied => {
-            CannotRun(format!("session '{name}': permission denied (only root or the session's owner may use it)"))
-        }
-        _ => CannotRun(format!("session '{name}': {e}")),
+        Failed::Send(e) => CannotRun(format!("session '{name}': {e}")),
+        Failed::Reply(e) => CannotRun(format!("session '{name}': no reply: {e}")),
+        Failed::NoReply => CannotRun(format!("session '{name}': the daemon sent no reply")),
     })?;
-    stream.set_read_timeout(Some(timeout)).map_err(|e| CannotRun(e.to_string()))?;
-    let bytes = serde_json::to_vec(req)?;
-    if bytes.len() > MAX_REQUEST {
-        // Refused here, naming the limit: the daemon would stop reading and reset the send.
-        return Err(CannotRun(format!(
-            "session '{name}': the request takes {} bytes, more than the {MAX_REQUEST} a session accepts",
-            bytes.len()
-        )));
-    }
-    stream.write_all(&bytes).map_err(|e| CannotRun(format!("session '{name}': {e}")))?;
-    stream.shutdown(std::net::Shutdown::Write).map_err(|e| CannotRun(format!("session '{name}': {e}")))?;
-    let mut buf = Vec::new();
-    stream.take(64 << 20).read_to_end(&mut buf).map_err(|e| CannotRun(format!("session '{name}': no reply: {e}")))?;
-    let reply: Value =
-        serde_json::from_slice(&buf).map_err(|_| CannotRun(format!("session '{name}': the daemon sent no reply")))?;
     if let Some(refused) = reply.get("refused").and_then(Value::as_str) {
         return Err(CannotRun(format!("session '{name}': {refused}")));
     }
     Ok(reply)
+}
+
+/// Where a request to a session's daemon failed.
+enum Failed {
+    Connect(std::io::Error),
+    TooLarge(usize),
+    Send(std::io::Error),
+    /// Reading the reply (a timeout: `WouldBlock`).
+    Reply(std::io::Error),
+    NoReply,
+}
+
+/// [`request`]'s exchange; a refusal is returned as the reply it is.
+fn request_io(name: &str, req: &Value, timeout: Duration) -> Result<Value, Failed> {
+    let mut stream = UnixStream::connect(socket_path(name)).map_err(Failed::Connect)?;
+    stream.set_read_timeout(Some(timeout)).map_err(Failed::Connect)?;
+    let bytes = serde_json::to_vec(req).map_err(|e| Failed::Send(e.into()))?;
+    if bytes.len() > MAX_REQUEST {
+        return Err(Failed::TooLarge(bytes.len()));
+    }
+    stream.write_all(&bytes).map_err(Failed::Send)?;
+    stream.shutdown(std::net::Shutdown::Write).map_err(Failed::Send)?;
+    let mut buf = Vec::new();
+    stream.take(64 << 20).read_to_end(&mut buf).map_err(Failed::Reply)?;
+    serde_json::from_slice(&buf).map_err(|_| Failed::NoReply)
+}
+
+/// Whether a client closed its end of `stream` (its process ended or dropped the
+/// connection), not only its writing side as every client does once its request is sent:
+/// a Unix stream socket reports `POLLHUP` only once its peer has closed both directions.
+fn client_gone(stream: &UnixStream) -> bool {
+    let mut fd = [PollFd::new(stream.as_fd(), PollFlags::empty())];
+    matches!(poll(&mut fd, PollTimeout::ZERO), Ok(n) if n > 0)
+        && fd[0].revents().is_some_and(|r| r.contains(PollFlags::POLLHUP))
 }
 
 /// `session list`: the running sessions and their status.
@@ -444,9 +474,17 @@ pub fn list() -> Result<Value, CannotRun> {
         .filter_map(|e| e.file_name().to_str().and_then(|n| n.strip_suffix(".sock")).map(str::to_string))
         .collect();
     names.sort();
-    for name in names {
-        if let Ok(status) = request(&name, &json!({"op": "status"}), Duration::from_secs(5)) {
-            sessions.push(status);
+    for name in names.into_iter().filter(|n| check_name(n).is_ok()) {
+        match request_io(&name, &json!({"op": "status"}), Duration::from_secs(5)) {
+            Ok(status) if status.get("refused").is_none() => sessions.push(status),
+            // Its daemon is running a call (one client at a time): listed, without status.
+            Err(Failed::Reply(e))
+                if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) =>
+            {
+                sessions.push(json!({"session": name, "status": "busy"}))
+            }
+            // A socket left by a daemon that is gone, or one this user may not reach.
+            _ => {}
         }
     }
     Ok(json!({ "sessions": sessions }))
@@ -970,6 +1008,14 @@ impl Daemon {
             }
         };
         let exec = matches!(req, Request::Exec { .. });
+        // A call whose client has gone — killed, or given up while the call waited behind
+        // another (the daemon serves one client at a time) — is not run: its caller was
+        // told it failed, and nobody would get its reply.
+        if let (Request::Exec { code, .. }, true) = (&req, client_gone(&stream)) {
+            let digest = audit::sha256_hex(code.as_bytes());
+            audit::record("session_exec_abandoned", &[("session", &self.settings.name), ("code_sha256", &digest)]);
+            return None;
+        }
         let (reply, end) = match req {
             Request::Status => (self.status(), None),
             Request::Stop => {
