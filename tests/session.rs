@@ -824,3 +824,32 @@ fn a_call_whose_client_is_gone_before_it_starts_never_runs() {
     assert_eq!(r["globals"]["n"], 0, "the abandoned call ran: {r}");
     assert!(std::fs::read_to_string(&log).unwrap().contains("session_exec_abandoned"), "not audited");
 }
+
+/// A session keeps the source of its recent calls for tracebacks, not of every call: its
+/// memory would otherwise grow with every call's code.
+#[test]
+fn only_recent_calls_sources_are_kept_for_tracebacks() {
+    if !require_root() {
+        return;
+    }
+    let (s, _) = Session::start(&[]);
+    let (code, r) = s.exec("def f():\n    raise ValueError('from call one')\n", &[]);
+    assert_eq!(code, 0, "{r}");
+    let traceback = |s: &Session| {
+        let (code, r) = s.exec("f()", &[]);
+        assert_eq!(code, 1, "{r}");
+        r["error"].as_str().unwrap().to_string()
+    };
+    let recent = traceback(&s);
+    assert!(recent.contains("<session call 1>") && recent.contains("raise ValueError('from call one')"), "{recent}");
+    // Five calls of 1 MiB of code each: past the 4 MiB kept, call 1's source is forgotten.
+    let dir = common::HostDir::new();
+    let big = dir.file("big.py", &format!("x = 1\n# {}\n", "a".repeat(1 << 20)), 0o600);
+    for _ in 0..5 {
+        let (code, r) = s.exec(&format!("@{}", big.display()), &[]);
+        assert_eq!(code, 0, "{r}");
+    }
+    let old = traceback(&s);
+    assert!(old.contains("<session call 1>\", line 2, in f"), "{old}");
+    assert!(!old.contains("raise ValueError"), "call 1's source is still kept: {old}");
+}

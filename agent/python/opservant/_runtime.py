@@ -380,8 +380,27 @@ def _format_user_exception(e):
     return "".join(te.format()).rstrip()
 
 
-def _session_call(namespace, request, number):
+# Sources of session calls kept for tracebacks (`linecache`), newest last, and their total
+# size: the oldest are forgotten past _SESSION_SOURCES_MAX bytes (a traceback through a
+# function an old call defined then shows no source line), so a long-lived session's memory
+# does not grow with every call's code.
+_SESSION_SOURCES = []
+_SESSION_SOURCES_MAX = 4 << 20
+
+
+def _keep_session_source(filename, source):
     import linecache
+
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    _SESSION_SOURCES.append((filename, len(source)))
+    total = sum(n for _, n in _SESSION_SOURCES)
+    while total > _SESSION_SOURCES_MAX and len(_SESSION_SOURCES) > 1:
+        old, n = _SESSION_SOURCES.pop(0)
+        linecache.cache.pop(old, None)
+        total -= n
+
+
+def _session_call(namespace, request, number):
 
     out, err = _Capture(), _Capture()
     saved = sys.stdout, sys.stderr
@@ -392,7 +411,7 @@ def _session_call(namespace, request, number):
         namespace.update(request.get("globals") or {})
         source = request["code"]
         code = compile(source, filename, "exec", dont_inherit=True)
-        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+        _keep_session_source(filename, source)
         exec(code, namespace)
     except BaseException as e:  # SystemExit and KeyboardInterrupt too: the session goes on
         success = False
