@@ -21,7 +21,7 @@ mod common;
 use std::net::Ipv4Addr;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::netlab::{self, Lab, DNS_SERVER, HOST_V4, HOST_V6};
@@ -2640,4 +2640,57 @@ fn sigkill_mid_run_leaves_nothing_behind() {
         problems.push(format!("still left in HOST after the next complete run: {after_next:?}"));
     }
     assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+/// An agent that stops removes the host table when no run holds it: under systemd the
+/// collector a run started is killed with the service (`KillMode=mixed`), and the table —
+/// the host's forwarding and NAT rules for sandboxes — would stay until the next run.
+#[test]
+fn a_stopping_agent_removes_the_idle_host_table() {
+    if !prerequisites() {
+        return;
+    }
+    let lab = Lab::new();
+    let dir = HostDir::new();
+    let p = |s: &str| dir.path.join(s);
+    let keygen = Command::new(common::opservant()).args(["keygen", "--out"]).arg(p("keys")).output().unwrap();
+    assert!(keygen.status.success(), "{}", String::from_utf8_lossy(&keygen.stderr));
+    let socket = p("agent.sock");
+    let config = p("config.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "agent:\n  platform_public_key: {}\n  state_dir: {}\n  socket: {}\naudit:\n  path: {}\n\
+             network:\n  egress:\n    dns_upstream: [\"{DNS_SERVER}\"]\n",
+            p("keys/signing.pub").display(),
+            p("state").display(),
+            socket.display(),
+            p("audit/audit.jsonl").display()
+        ),
+    )
+    .unwrap();
+    let mut agent = lab
+        .host_command(common::opservant())
+        .args(["agent", "--config"])
+        .arg(&config)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start the agent in HOST");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
+        assert!(Instant::now() < deadline, "the agent did not start listening");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // What a service's stop leaves: the table, and no collector pending to remove it (the
+    // lease directory exists once any run with egress has happened since boot).
+    std::fs::create_dir_all("/run/opservant/net").unwrap();
+    lab.host.nft_apply("table inet opservant {\n}\n");
+    assert!(lab.host.nft_tables().iter().any(|t| t == "table inet opservant"));
+    // SAFETY: kill(2) on the pid of our own child, not yet reaped.
+    unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
+    let status = agent.wait().unwrap();
+    assert!(status.success(), "{status:?}");
+    assert_eq!(lab.host.nft_tables(), Vec::<String>::new(), "the idle host table outlived the agent");
 }

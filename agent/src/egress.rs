@@ -423,6 +423,20 @@ fn release_for_cli() -> sandbox::net::HostTableRelease {
     }
 }
 
+/// At the agent's shutdown, once its runs are over: delete the host table unless a run
+/// (another process's) still holds it. Its collector would not outlive a service's stop.
+pub fn release_host_table_at_shutdown() {
+    // No egress run has happened on this host since boot (`/run` is memory): no table.
+    if !std::path::Path::new(LOCK_DIR).exists() {
+        return;
+    }
+    match sandbox::net::delete_idle_host_table(std::path::Path::new(LOCK_DIR)) {
+        Ok(true) => tracing::info!("host nftables table removed"),
+        Ok(false) => {}
+        Err(e) => tracing::warn!(error = %e, "could not remove the host nftables table"),
+    }
+}
+
 /// `opservant __net-gc DELAY_MS`: every DELAY_MS, delete the host table once nothing uses it.
 pub fn collect_host_table(delay_ms: u64) -> Result<bool, String> {
     sandbox::net::collect_idle_host_table(std::path::Path::new(LOCK_DIR), std::time::Duration::from_millis(delay_ms))

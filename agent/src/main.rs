@@ -835,6 +835,8 @@ fn agent_daemon(config: Option<PathBuf>, check_only: bool) -> Result<ExitCode, C
     if let Some(p) = pool {
         p.shutdown();
     }
+    // After the drain no run of this agent holds the host table.
+    agent::egress::release_host_table_at_shutdown();
     served?;
     Ok(ExitCode::SUCCESS)
 }

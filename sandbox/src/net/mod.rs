@@ -290,7 +290,7 @@ impl Egress {
 /// What the last sandbox to leave does with the host table.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum HostTableRelease {
-    /// Leave it (a long-running agent deletes it at shutdown: [`delete_host_table`]).
+    /// Leave it (a long-running agent deletes it at shutdown: [`delete_idle_host_table`]).
     Keep,
     /// Delete it at once (costs 10–15 ms: the kernel waits for an RCU grace period).
     DeleteNow,
@@ -481,10 +481,23 @@ pub fn nftables_available() -> Result<(), NetError> {
     nft::generation(&mut nl).map(|_| ())
 }
 
-/// Delete this namespace's host table regardless of leases (agent shutdown).
-pub fn delete_host_table() -> Result<(), NetError> {
+/// Delete this namespace's host table now unless a sandbox holds a lease on it — for an
+/// agent that stops: the collector it started would be killed with it (a service's
+/// processes end with the service), leaving the table. `Ok(false)` when there is no table or
+/// a lease is held (that run's own release then deals with it).
+pub fn delete_idle_host_table(lock_dir: &Path) -> Result<bool, NetError> {
     let mut nl = Netlink::netfilter()?;
-    nft::delete_host_table(&mut nl)
+    if nft::host_table(&mut nl)?.is_none() {
+        return Ok(false);
+    }
+    // Held exclusively while the table goes: a newcomer's shared lock waits for it and then
+    // finds no table, and makes a new one.
+    let lease = open_lock(&host_lock_path(lock_dir)?)?;
+    if flock(&lease, libc::LOCK_EX | libc::LOCK_NB).is_err() {
+        return Ok(false);
+    }
+    nft::delete_host_table(&mut nl)?;
+    Ok(true)
 }
 
 fn open_lock(path: &Path) -> Result<File, NetError> {
@@ -760,6 +773,35 @@ mod tests {
             let err = HostLease::acquire(&other, HostTableRelease::Keep, &mut nl).err().expect("other pools");
             assert!(err.to_string().contains("serves other pools"), "{err}");
             assert_eq!(nft::host_table(&mut nl).unwrap(), Some(want));
+            let _ = std::fs::remove_dir_all(&dir);
+        })
+        .join()
+        .unwrap();
+    }
+
+    #[test]
+    fn an_idle_host_table_is_deleted_and_a_held_one_kept() {
+        if !nix::unistd::geteuid().is_root() {
+            assert!(std::env::var_os("CI").is_none(), "CI runs the tests as root");
+            return;
+        }
+        // In a network namespace of this thread's own (unshare affects the calling thread).
+        std::thread::spawn(|| {
+            nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
+            let dir = std::env::temp_dir().join(format!("opservant-idletable-test-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).unwrap();
+            let mut nl = Netlink::netfilter().unwrap();
+            assert!(!delete_idle_host_table(&dir).unwrap(), "no table: nothing to delete");
+            let pool4: IpNet = "10.215.0.0/16".parse().unwrap();
+            assert!(nft::create_host_table(&mut nl, &pool4, None).unwrap());
+            // A run holds a lease: kept.
+            let holder = open_lock(&host_lock_path(&dir).unwrap()).unwrap();
+            flock(&holder, libc::LOCK_SH).unwrap();
+            assert!(!delete_idle_host_table(&dir).unwrap());
+            assert!(nft::host_table(&mut nl).unwrap().is_some(), "a held table was deleted");
+            drop(holder);
+            assert!(delete_idle_host_table(&dir).unwrap());
+            assert_eq!(nft::host_table(&mut nl).unwrap(), None);
             let _ = std::fs::remove_dir_all(&dir);
         })
         .join()
