@@ -447,6 +447,29 @@ def _own_broadcast():
     return socket.inet_ntoa(struct.pack(">I", a))
 
 
+def _skip_name(msg, at):
+    while msg[at] != 0:
+        if msg[at] & 0xC0 == 0xC0:
+            return at + 2
+        at += 1 + msg[at]
+    return at + 1
+
+
+def _answer_ttls(msg):
+    """The TTL of every record in a reply's answer section."""
+    questions, answers = struct.unpack(">HH", msg[4:8])
+    at = 12
+    for _ in range(questions):
+        at = _skip_name(msg, at) + 4
+    ttls = []
+    for _ in range(answers):
+        at = _skip_name(msg, at)
+        ttl, length = struct.unpack(">IH", msg[at + 4:at + 10])
+        ttls.append(ttl)
+        at += 10 + length
+    return ttls
+
+
 def _dns_raw(proto, labels, qtype, qid=0x6161):
     """A query for the wire name `labels` (each label verbatim, dots and all) to the gateway."""
     t0 = time.monotonic()
@@ -475,7 +498,7 @@ def _dns_raw(proto, labels, qtype, qid=0x6161):
             msg = data[2:]
         s.close()
         return {"ok": True, "rcode": msg[3] & 0x0F, "answers": struct.unpack(">H", msg[6:8])[0],
-                "id": struct.unpack(">H", msg[0:2])[0], "ms": _ms(t0)}
+                "id": struct.unpack(">H", msg[0:2])[0], "ttls": _answer_ttls(msg), "ms": _ms(t0)}
     except Exception as e:
         return _fail(e, t0)
 
@@ -1727,6 +1750,53 @@ fn only_the_asked_names_addresses_are_allowed() {
     assert!(!ids.contains(&0x4242), "upstream saw the sandbox's query id: {ids:?}");
     let refused = p.egress()["dns"]["refused_names"].to_string();
     assert!(refused.contains("query_type"), "{refused}");
+    assert_host_clean(&lab);
+}
+
+/// An address stays allowed for as long as a resolver in the sandbox may cache any answer
+/// that gave it: answers' TTLs are clamped to the hour the allow set keeps an address at
+/// most, a later answer with a shorter TTL does not cut an address's time short, and one
+/// with a longer TTL renews it.
+#[test]
+fn an_address_is_allowed_as_long_as_its_answers_may_be_cached() {
+    if !prerequisites() {
+        return;
+    }
+    let lab = Lab::new();
+    let _s = lab.banners(&["198.51.100.10:80", "198.51.100.11:80"]);
+    for (name, addr, ttl) in [
+        ("long.test", "198.51.100.10", 86_400),
+        ("short.test", "198.51.100.10", 1),
+        ("brief.test", "198.51.100.11", 1),
+        ("later.test", "198.51.100.11", 120),
+    ] {
+        lab.dns.set(name, &[addr]);
+        lab.dns.set_ttl(name, ttl);
+    }
+    let conf = Conf::new("");
+    let names = ["long.test", "short.test", "brief.test", "later.test"];
+    let p = probe(
+        &lab,
+        &conf,
+        json!({"outbound": true, "allowed_hosts": names, "allowed_ports": [80]}),
+        limits(),
+        json!([
+            ["dns_raw", "udp", ["long", "test"], 1],  // 0: TTL 86400 → 3600
+            ["dns_raw", "udp", ["short", "test"], 1], // 1: the same address, TTL 1 (kept 10 s)
+            ["dns_raw", "udp", ["brief", "test"], 1], // 2: kept 10 s …
+            ["dns_raw", "udp", ["later", "test"], 1], // 3: … renewed for 120 s
+            ["sleep", 12],
+            ["connect", "198.51.100.10", 80], // 5: still allowed by the first answer
+            ["connect", "198.51.100.11", 80], // 6: allowed by the renewal
+        ]),
+    );
+    assert_eq!(p.step(0)["ttls"], json!([3600]), "{}", p.step(0));
+    assert_eq!(p.step(1)["ttls"], json!([1]), "{}", p.step(1));
+    assert_eq!(p.step(3)["ttls"], json!([120]), "{}", p.step(3));
+    // 198.51.100.10: a later, shorter answer must not cut its time short; 198.51.100.11: a
+    // later, longer answer must renew it.
+    assert_connected(p.step(5), "198.51.100.10:80");
+    assert_connected(p.step(6), "198.51.100.11:80");
     assert_host_clean(&lab);
 }
 

@@ -375,8 +375,48 @@ fn answer(
             }
         }
     }
+    // No resolver in the sandbox may cache an address longer than the allow set keeps it.
+    if clamp_answer_ttls(&mut reply_raw, MAX_TTL_S as u32).is_none() {
+        return error_reply(&query, ResponseCode::ServFail);
+    }
     report.answered += 1;
     Some(reply_raw)
+}
+
+/// Lower every TTL of `msg`'s answer section above `max` to `max`, in place (the message
+/// is otherwise passed on as upstream sent it). `None` when the message does not parse
+/// that far (it has parsed whole before: never, in practice).
+fn clamp_answer_ttls(msg: &mut [u8], max: u32) -> Option<()> {
+    /// The offset after the (possibly compressed) name at `at`.
+    fn skip_name(msg: &[u8], mut at: usize) -> Option<usize> {
+        loop {
+            let len = *msg.get(at)?;
+            match len & 0xC0 {
+                0 if len == 0 => return Some(at + 1),
+                0 => at += 1 + usize::from(len),
+                // A pointer ends the name.
+                0xC0 => return msg.get(at + 1).map(|_| at + 2),
+                _ => return None,
+            }
+        }
+    }
+    let u16_at = |msg: &[u8], at: usize| Some(u16::from_be_bytes([*msg.get(at)?, *msg.get(at + 1)?]));
+    let (questions, answers) = (u16_at(msg, 4)?, u16_at(msg, 6)?);
+    let mut at = 12;
+    for _ in 0..questions {
+        at = skip_name(msg, at)? + 4;
+    }
+    for _ in 0..answers {
+        at = skip_name(msg, at)?;
+        // type (2), class (2), TTL (4), data length (2), data.
+        let ttl = msg.get_mut(at + 4..at + 8)?;
+        let value = u32::from_be_bytes([ttl[0], ttl[1], ttl[2], ttl[3]]);
+        if value > max {
+            ttl.copy_from_slice(&max.to_be_bytes());
+        }
+        at += 10 + usize::from(u16_at(msg, at + 8)?);
+    }
+    (at <= msg.len()).then_some(())
 }
 
 /// `name` in the form the policy matches: lower-case labels joined by dots, no root dot.
@@ -519,4 +559,43 @@ fn rand_id() -> u16 {
         return t.subsec_nanos() as u16;
     }
     u16::from_ne_bytes(b)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::clamp_answer_ttls;
+
+    /// A reply to `a.test` A with two answers — the first owned through a pointer, the
+    /// second by a name written out — with these TTLs.
+    fn reply(ttls: [u32; 2]) -> Vec<u8> {
+        let mut m = vec![0x12, 0x34, 0x81, 0x80, 0, 1, 0, 2, 0, 0, 0, 0];
+        m.extend_from_slice(b"\x01a\x04test\x00\x00\x01\x00\x01");
+        for (i, ttl) in ttls.into_iter().enumerate() {
+            if i == 0 {
+                m.extend_from_slice(&[0xC0, 0x0C]);
+            } else {
+                m.extend_from_slice(b"\x01b\x04test\x00");
+            }
+            m.extend_from_slice(&[0, 1, 0, 1]);
+            m.extend_from_slice(&ttl.to_be_bytes());
+            m.extend_from_slice(&[0, 4, 192, 0, 2, 1 + i as u8]);
+        }
+        m
+    }
+
+    #[test]
+    fn answer_ttls_are_clamped_in_place() {
+        let mut m = reply([86_400, 30]);
+        clamp_answer_ttls(&mut m, 3600).unwrap();
+        assert_eq!(m, reply([3600, 30]));
+        let mut m = reply([u32::MAX, 3600]);
+        clamp_answer_ttls(&mut m, 3600).unwrap();
+        assert_eq!(m, reply([3600, 3600]));
+        // Cut short anywhere: refused, never read past the end.
+        let whole = reply([86_400, 30]);
+        for len in 12..whole.len() {
+            let mut m = whole[..len].to_vec();
+            assert!(clamp_answer_ttls(&mut m, 3600).is_none(), "{len}");
+        }
+    }
 }

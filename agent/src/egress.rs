@@ -12,8 +12,9 @@
 //!   sandbox starts so their addresses are dropped too;
 //! - hostnames are enforced through DNS: the forwarder resolves only permitted names and adds
 //!   their addresses to the sandbox's allow set for the record's TTL (at least
-//!   [`MIN_TTL_S`], at most [`MAX_TTL_S`]); with only hostnames allowed, an address not
-//!   obtained that way is unreachable;
+//!   [`MIN_TTL_S`], at most [`MAX_TTL_S`], to which the answer's own TTLs are lowered; a
+//!   later answer renews an address, never shortens its time); with only hostnames allowed,
+//!   an address not obtained that way is unreachable;
 //! - answers pointing at loopback, private, link-local, CGNAT, multicast or reserved ranges
 //!   are refused (DNS rebinding) unless an `allowed_hosts` entry covers them;
 //! - link-local (cloud metadata), loopback, multicast, reserved and the agent's own pool are

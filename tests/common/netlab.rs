@@ -334,6 +334,8 @@ pub struct Dns {
     cnames: Mutex<HashMap<String, String>>,
     /// name → records of other owner names added to its answers (owner, address).
     extras: Mutex<HashMap<String, Vec<(String, IpAddr)>>>,
+    /// name → the TTL of its answers' records (else [`DNS_TTL`]).
+    ttls: Mutex<HashMap<String, u32>>,
     log: Mutex<Vec<(String, u16)>>,
     /// The id of every query received.
     ids: Mutex<Vec<u16>>,
@@ -370,6 +372,11 @@ impl Dns {
         self.extras.lock().unwrap().entry(key(name)).or_default().push((key(owner), addr));
     }
 
+    /// Answer `name` with records of this TTL.
+    pub fn set_ttl(&self, name: &str, ttl: u32) {
+        self.ttls.lock().unwrap().insert(name.trim_end_matches('.').to_ascii_lowercase(), ttl);
+    }
+
     /// The id of every query received, in order.
     pub fn ids(&self) -> Vec<u16> {
         self.ids.lock().unwrap().clone()
@@ -403,6 +410,7 @@ impl Dns {
         self.ids.lock().unwrap().push(u16::from_be_bytes([q[0], q[1]]));
         let extras: Vec<(String, IpAddr)> = self.extras.lock().unwrap().get(&name).cloned().unwrap_or_default();
         let cname = self.cnames.lock().unwrap().get(&name).cloned();
+        let ttl = self.ttls.lock().unwrap().get(&name).copied().unwrap_or(DNS_TTL);
         let table = self.table.lock().unwrap();
         let (rcode, addrs) = match table.get(cname.as_ref().unwrap_or(&name)) {
             None => (RCODE_NXDOMAIN, Vec::new()),
@@ -439,7 +447,7 @@ impl Dns {
             r.extend_from_slice(&[0xC0, 0x0C]);
             r.extend_from_slice(&5u16.to_be_bytes()); // CNAME
             r.extend_from_slice(&1u16.to_be_bytes());
-            r.extend_from_slice(&DNS_TTL.to_be_bytes());
+            r.extend_from_slice(&ttl.to_be_bytes());
             r.extend_from_slice(&(data.len() as u16).to_be_bytes());
             r.extend_from_slice(&data);
         }
@@ -452,7 +460,7 @@ impl Dns {
             };
             r.extend_from_slice(&ty.to_be_bytes());
             r.extend_from_slice(&1u16.to_be_bytes()); // class IN
-            r.extend_from_slice(&DNS_TTL.to_be_bytes());
+            r.extend_from_slice(&ttl.to_be_bytes());
             r.extend_from_slice(&(data.len() as u16).to_be_bytes());
             r.extend_from_slice(&data);
         };

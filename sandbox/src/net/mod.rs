@@ -251,6 +251,8 @@ pub struct Egress {
     /// Why there is no IPv6, when there is none.
     pub ipv6_unavailable: Option<String>,
     nf: Arc<Mutex<Netlink>>,
+    /// [`DynamicAllow::until`], shared by every handle on this sandbox's sets.
+    allowed_until: Arc<Mutex<std::collections::HashMap<IpAddr, std::time::Instant>>>,
     // Field order is drop order: the sockets first (the namespace may go), then the slot,
     // then the lease (whose last holder deletes the host table).
     _slot: File,
@@ -261,23 +263,56 @@ pub struct Egress {
 #[derive(Clone)]
 pub struct DynamicAllow {
     nf: Arc<Mutex<Netlink>>,
+    /// Until when each address is in the sets, as far as this sandbox's allows put it there
+    /// (the sets are the sandbox's own; expired entries are dropped at each allow, so this
+    /// holds at most what the sets hold).
+    until: Arc<Mutex<std::collections::HashMap<IpAddr, std::time::Instant>>>,
 }
 
 impl DynamicAllow {
-    /// Allow each address for its time in milliseconds (connections already established
-    /// outlive it).
+    /// Allow each address for (at least) its time in milliseconds: an address allowed for
+    /// longer already keeps its later expiry, one allowed for less is renewed — so an
+    /// address stays allowed for as long as any answer that gave it lets a resolver cache it.
+    /// Connections already established outlive it.
     pub fn allow(&self, addrs: &[(IpAddr, u64)]) -> Result<(), NetError> {
-        if addrs.is_empty() {
+        let now = std::time::Instant::now();
+        let mut until = self.until.lock().unwrap_or_else(|p| p.into_inner());
+        until.retain(|_, t| *t > now);
+        let mut added: Vec<(IpAddr, u64)> = Vec::new();
+        let mut renewed: Vec<(IpAddr, u64)> = Vec::new();
+        for &(addr, ms) in addrs {
+            let end = now + std::time::Duration::from_millis(ms);
+            let listed = added.iter().chain(&renewed).any(|(a, _)| *a == addr);
+            match until.get(&addr) {
+                _ if listed => {}
+                Some(t) if *t >= end => {}
+                Some(_) => renewed.push((addr, ms)),
+                None => added.push((addr, ms)),
+            }
+        }
+        if added.is_empty() && renewed.is_empty() {
             return Ok(());
         }
         let mut nl = self.nf.lock().unwrap_or_else(|p| p.into_inner());
-        nft::add_dynamic(&mut nl, addrs)
+        match nft::add_dynamic(&mut nl, &added, &renewed) {
+            // A renewed address the kernel expired meanwhile (its clock and ours differ
+            // by a little): added afresh.
+            Err(NetError::Kernel { errno, .. }) if errno == libc::ENOENT && !renewed.is_empty() => {
+                added.append(&mut renewed);
+                nft::add_dynamic(&mut nl, &added, &[])?;
+            }
+            other => other?,
+        }
+        for (addr, ms) in added.into_iter().chain(renewed) {
+            until.insert(addr, now + std::time::Duration::from_millis(ms));
+        }
+        Ok(())
     }
 }
 
 impl Egress {
     pub fn dynamic_allow(&self) -> DynamicAllow {
-        DynamicAllow { nf: self.nf.clone() }
+        DynamicAllow { nf: self.nf.clone(), until: self.allowed_until.clone() }
     }
 
     /// Packets the ruleset rejected so far (each refused connection attempt counts once).
@@ -694,6 +729,7 @@ impl Reservation {
             gateway6: self.gateway6,
             ipv6_unavailable: self.ipv6_unavailable,
             nf: Arc::new(Mutex::new(inner_nf)),
+            allowed_until: Arc::default(),
             _slot: self.slot,
             _lease: self.lease,
         })
@@ -702,12 +738,17 @@ impl Reservation {
 
 #[cfg(test)]
 mod tests {
+    /// Held by the tests that start or reap collectors: a lease's `reap_collectors` in one
+    /// test would reap the zombie another test waits to see.
+    static COLLECTOR_TESTS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
     #[test]
     fn an_ended_collector_is_reaped_by_the_next_start() {
         if !nix::unistd::geteuid().is_root() {
             assert!(std::env::var_os("CI").is_none(), "CI runs the tests as root");
             return;
         }
+        let _serial = COLLECTOR_TESTS.lock().unwrap_or_else(|e| e.into_inner());
         let dir = std::env::temp_dir().join(format!("opservant-gc-test-{}", std::process::id()));
         let state = |pid: u32| {
             std::fs::read_to_string(format!("/proc/{pid}/stat"))
@@ -744,6 +785,7 @@ mod tests {
             assert!(std::env::var_os("CI").is_none(), "CI runs the tests as root");
             return;
         }
+        let _serial = COLLECTOR_TESTS.lock().unwrap_or_else(|e| e.into_inner());
         // In a network namespace of this thread's own (unshare affects the calling thread).
         std::thread::spawn(|| {
             nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).unwrap();

@@ -691,19 +691,42 @@ pub(crate) fn delete_host_table(nl: &mut Netlink) -> Result<(), NetError> {
 }
 
 /// Add addresses to the sandbox's dynamic allow sets, each expiring after its milliseconds.
-pub(crate) fn add_dynamic(nl: &mut Netlink, addrs: &[(IpAddr, u64)]) -> Result<(), NetError> {
+/// The `renewed` ones are in the sets already and get their new timeout: deleted and added
+/// again in the same transaction (a kernel before 6.10 keeps an element's timeout when it is
+/// added again; nothing sees the set without them in between).
+pub(crate) fn add_dynamic(
+    nl: &mut Netlink,
+    added: &[(IpAddr, u64)],
+    renewed: &[(IpAddr, u64)],
+) -> Result<(), NetError> {
     let mut b = Batch::new();
+    let key = |a: &IpAddr| match a {
+        IpAddr::V4(x) => x.octets().to_vec(),
+        IpAddr::V6(x) => x.octets().to_vec(),
+    };
+    let message = |set: &str, elements| SetElementMessage {
+        attributes: vec![
+            SetElementList::Table(TABLE.into()),
+            SetElementList::Set(set.into()),
+            SetElementList::Elements(elements),
+        ],
+    };
     for (set, v6) in [(DYN4, false), (DYN6, true)] {
-        let elements: Vec<ListAttribute<SetElementAttribute>> = addrs
+        let old: Vec<ListAttribute<SetElementAttribute>> = renewed
             .iter()
             .filter(|(a, _)| a.is_ipv6() == v6)
+            .map(|(a, _)| ListAttribute::Element(vec![SetElementAttribute::Key(DataAttribute::Value(key(a)))]))
+            .collect();
+        if !old.is_empty() {
+            b.push(NfTablesMessage::DeleteSetElement(message(set, old)), 0);
+        }
+        let elements: Vec<ListAttribute<SetElementAttribute>> = added
+            .iter()
+            .chain(renewed)
+            .filter(|(a, _)| a.is_ipv6() == v6)
             .map(|(a, timeout_ms)| {
-                let key = match a {
-                    IpAddr::V4(x) => x.octets().to_vec(),
-                    IpAddr::V6(x) => x.octets().to_vec(),
-                };
                 ListAttribute::Element(vec![
-                    SetElementAttribute::Key(DataAttribute::Value(key)),
+                    SetElementAttribute::Key(DataAttribute::Value(key(a))),
                     SetElementAttribute::Timeout((*timeout_ms).max(1)),
                 ])
             })
@@ -711,17 +734,9 @@ pub(crate) fn add_dynamic(nl: &mut Netlink, addrs: &[(IpAddr, u64)]) -> Result<(
         if elements.is_empty() {
             continue;
         }
-        b.push(
-            NfTablesMessage::NewSetElement(SetElementMessage {
-                attributes: vec![
-                    SetElementList::Table(TABLE.into()),
-                    SetElementList::Set(set.into()),
-                    SetElementList::Elements(elements),
-                ],
-            }),
-            // Without EXCL, an element already present is not an error (its timeout stays).
-            NLM_F_CREATE,
-        );
+        // Without EXCL, an element already present is not an error (its timeout stays
+        // before kernel 6.10 and is replaced since).
+        b.push(NfTablesMessage::NewSetElement(message(set, elements)), NLM_F_CREATE);
     }
     b.commit(nl, "add allowed addresses")
 }
