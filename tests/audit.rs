@@ -606,6 +606,38 @@ fn the_logs_directory_must_be_the_agents_alone() {
     let out = opservant(&["run", exec.str(), "--config", conf]);
     assert_eq!(out.code, 0, "{out:?}");
     assert!(std::fs::read_to_string(logs.join("audit.jsonl")).unwrap().contains("executor_complete"));
+
+    // So must every directory above it be: whoever can write one could rename the log's
+    // directory away and put one of their own in its place (a sticky one, `/tmp`, is fine).
+    let above = dir.path.join("above");
+    let nested = above.join("logs");
+    std::fs::create_dir_all(&nested).unwrap();
+    std::fs::set_permissions(&nested, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let nested_conf = dir.path.join("nested.yaml");
+    std::fs::write(&nested_conf, format!("audit:\n  path: {}/audit.jsonl\n", nested.display())).unwrap();
+    let run = || opservant(&["run", exec.str(), "--config", nested_conf.to_str().unwrap()]);
+    let refused_above = |out: &Out, needle: &str| {
+        assert_eq!(out.code, 2, "{out:?}");
+        assert!(out.stderr.contains(needle) && out.stderr.contains(&format!("{} (above", above.display())), "{out:?}");
+        assert!(!nested.join("audit.jsonl").exists(), "nothing created");
+    };
+    for mode in [0o777, 0o775] {
+        std::fs::set_permissions(&above, std::fs::Permissions::from_mode(mode)).unwrap();
+        refused_above(&run(), "writable by group or others without the sticky bit");
+    }
+    std::fs::set_permissions(&above, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::os::unix::fs::chown(&above, Some(65534), None).unwrap();
+    refused_above(&run(), "owned by uid 65534");
+    // Through a link, the directories on the resolved path count too.
+    let link = dir.path.join("link");
+    std::os::unix::fs::symlink(&nested, &link).unwrap();
+    std::fs::write(&nested_conf, format!("audit:\n  path: {}/audit.jsonl\n", link.display())).unwrap();
+    refused_above(&run(), "owned by uid 65534");
+    std::os::unix::fs::chown(&above, Some(0), None).unwrap();
+    std::fs::set_permissions(&above, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let out = run();
+    assert_eq!(out.code, 0, "{out:?}");
+    assert!(std::fs::read_to_string(nested.join("audit.jsonl")).unwrap().contains("executor_complete"));
 }
 
 #[test]

@@ -251,9 +251,49 @@ pub struct SecretsSection {
 
 /// A directory that holds files the agent's integrity depends on (`agent.state_dir`, the
 /// audit log's directory) must be the agent's alone — owned by its effective user and
-/// writable by no one else, like sshd's `StrictModes`. `Err` says which rule `dir` breaks
-/// (or that it is not a directory).
+/// writable by no one else, like sshd's `StrictModes` — and so must the way to it: every
+/// directory above it ([`check_ancestors`]). `Err` says which rule which directory breaks
+/// (or that `dir` is not a directory).
 pub fn check_agents_own_dir(dir: &Path, meta: &std::fs::Metadata) -> Result<(), String> {
+    check_dir_itself(dir, meta)?;
+    check_ancestors(dir)
+}
+
+/// Every directory above `dir`, on its path as written and as resolved, may be changed by
+/// root or the agent only: whoever can write one could rename the next one down away and
+/// put a directory of their own in its place, which the agent — opening files by path —
+/// would then use. A directory others may write with the sticky bit set (`/tmp`) is
+/// accepted: there only an entry's owner (root or the agent, by the same rule) may rename it.
+fn check_ancestors(dir: &Path) -> Result<(), String> {
+    use std::os::unix::fs::MetadataExt;
+    let euid = nix::unistd::geteuid().as_raw();
+    let written = std::path::absolute(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let resolved = std::fs::canonicalize(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    for path in [&written, &resolved] {
+        for up in path.ancestors().skip(1) {
+            let meta = std::fs::metadata(up).map_err(|e| format!("{}: {e}", up.display()))?;
+            if meta.uid() != 0 && meta.uid() != euid {
+                return Err(format!(
+                    "{} (above {}) is owned by uid {}, not by root or the agent",
+                    up.display(),
+                    dir.display(),
+                    meta.uid()
+                ));
+            }
+            if meta.mode() & 0o022 != 0 && meta.mode() & 0o1000 == 0 {
+                return Err(format!(
+                    "{} (above {}) is writable by group or others without the sticky bit (mode {:04o})",
+                    up.display(),
+                    dir.display(),
+                    meta.mode() & 0o7777
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn check_dir_itself(dir: &Path, meta: &std::fs::Metadata) -> Result<(), String> {
     use std::os::unix::fs::MetadataExt;
     if !meta.is_dir() {
         return Err(format!("{} exists and is not a directory", dir.display()));
