@@ -99,7 +99,7 @@ fn signed_commands_run_and_every_rejection_is_audited() {
     rejected(&a, scan("cmd-3").to_string().into_bytes(), "unsigned");
     let other = HostDir::new();
     assert!(op(&["keygen", "--out", other.path.join("k").to_str().unwrap()]).status.success());
-    let forged = Command::new(common::opservant())
+    let forged = common::command()
         .args(["sign", "--key", other.path.join("k/signing.key").to_str().unwrap(), "-"])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -441,7 +441,7 @@ fn the_warm_pool_serves_repeat_runs_and_leaves_nothing_behind() {
         vec!["executor", "remove", "port-scanner", "--config", &c],
         vec!["executor", "install", scanner.to_str().unwrap(), "--config", &c],
     ] {
-        let out = Command::new(common::opservant()).args(&args).output().unwrap();
+        let out = common::command().args(&args).output().unwrap();
         assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
     }
     let (code, r) = a.submit(&a.sign(&scan("pool-reinstalled")));
@@ -573,7 +573,7 @@ fn overload_is_rejected_and_sigterm_lets_running_commands_finish() {
         a.sign(&json!({"command_id": "slow-1", "action": "execute", "executor": "slow", "parameters": {"seconds": 3}}));
     let socket = a.socket.clone();
     let first = std::thread::spawn(move || {
-        let out = Command::new(common::opservant())
+        let out = common::command()
             .args(["submit", "-", "--socket", socket.to_str().unwrap()])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -757,7 +757,7 @@ fn the_watchdog_is_fed_while_draining() {
         a.sign(&json!({"command_id": "wd-1", "action": "execute", "executor": "slow", "parameters": {"seconds": 3}}));
     let socket = a.socket.clone();
     let running = std::thread::spawn(move || {
-        let out = Command::new(common::opservant())
+        let out = common::command()
             .args(["submit", "-", "--socket", socket.to_str().unwrap()])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())

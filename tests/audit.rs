@@ -28,7 +28,7 @@ struct Out {
 
 fn opservant(args: &[&str]) -> Out {
     let _view = common::host_view();
-    let out = Command::new(common::opservant())
+    let out = common::command()
         .args(args)
         .env_remove("OPSERVANT_LOG")
         .stdin(Stdio::null())
@@ -695,7 +695,7 @@ fn tail_shows_the_last_records_and_follows() {
     assert_eq!(out.stdout.lines().count(), 6);
 
     // --follow prints records appended after it started.
-    let mut child = Command::new(common::opservant())
+    let mut child = common::command()
         .args(["audit", "tail", "-n", "1", "--follow", "--json", "--config", log.conf()])
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -733,9 +733,45 @@ fn verify_and_tail_report_a_full_stdout_instead_of_exiting_0() {
         vec!["audit", "tail", "--json", "--config", log.conf()],
     ] {
         let full = std::fs::OpenOptions::new().write(true).open("/dev/full").unwrap();
-        let out = Command::new(common::opservant()).args(&args).stdin(Stdio::null()).stdout(full).output().unwrap();
+        let out = common::command().args(&args).stdin(Stdio::null()).stdout(full).output().unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
         assert!(stderr.contains("stdout") && stderr.contains("No space left"), "{args:?}: {stderr}");
     }
+}
+
+/// Without `--config`, `OPSERVANT_CONFIG` names the configuration (it must exist);
+/// `--config` wins over it.
+#[test]
+fn the_configuration_named_by_the_environment_is_read_without_config() {
+    if !require_root() {
+        return;
+    }
+    let exec = executor();
+    let dir = HostDir::new();
+    let [by_env, by_flag] = ["env", "flag"].map(|n| {
+        let conf = dir.path.join(format!("{n}.yaml"));
+        std::fs::write(&conf, format!("audit:\n  path: {}/{n}/audit.jsonl\n", dir.path.display())).unwrap();
+        conf
+    });
+    let with_env = |conf: &Path, args: &[&str]| {
+        let _view = common::host_view();
+        common::command().args(args).env("OPSERVANT_CONFIG", conf).stdin(Stdio::null()).output().unwrap()
+    };
+    let out = with_env(&by_env, &["run", exec.str()]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(std::fs::read_to_string(dir.path.join("env/audit.jsonl")).unwrap().contains("executor_complete"));
+    let out = with_env(&by_env, &["run", exec.str(), "--config", by_flag.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(std::fs::read_to_string(dir.path.join("flag/audit.jsonl")).unwrap().contains("executor_complete"));
+    assert_eq!(
+        std::fs::read_to_string(dir.path.join("env/audit.jsonl")).unwrap().matches("executor_complete").count(),
+        1
+    );
+    // Named, it must exist: a typo is not the defaults.
+    let missing = dir.path.join("missing.yaml");
+    let out = with_env(&missing, &["run", exec.str()]);
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains(missing.to_str().unwrap()) && stderr.contains("No such file"), "{stderr}");
 }

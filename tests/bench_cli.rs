@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 
 use common::HostDir;
 use serde_json::Value;
@@ -27,7 +27,7 @@ const ROWS: &[&str] = &[
 ];
 
 fn bench(args: &[&str]) -> std::process::Output {
-    Command::new(common::opservant()).arg("bench").args(args).stdin(Stdio::null()).output().expect("spawn opservant")
+    common::command().arg("bench").args(args).stdin(Stdio::null()).output().expect("spawn opservant")
 }
 
 fn positive(v: &Value) -> bool {
@@ -197,7 +197,7 @@ fn a_stop_signal_ends_the_run_and_removes_what_it_made() {
     if !common::require_root() {
         return;
     }
-    let mut child = Command::new(common::opservant())
+    let mut child = common::command()
         .args(["bench", "--only", "run-zygote-egress,run-pool", "--rounds", "100000", "--timings-only"])
         .stdin(Stdio::null())
         .stdout(Stdio::piped())

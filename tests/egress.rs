@@ -21,7 +21,7 @@ mod common;
 use std::net::Ipv4Addr;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use common::netlab::{self, Lab, DNS_SERVER, HOST_V4, HOST_V6};
@@ -169,7 +169,13 @@ impl Conf {
     /// As [`Conf::new`], with another upstream resolver.
     fn with_upstream(upstream: &str, extra_network: &str) -> Conf {
         let dir = HostDir::new();
-        let text = format!("network:\n  egress:\n    dns_upstream: [\"{upstream}\"]\n{extra_network}");
+        // The tests' audit log unless the test names one.
+        let audit = if extra_network.lines().any(|l| l.starts_with("audit:")) {
+            String::new()
+        } else {
+            common::audit_section()
+        };
+        let text = format!("{audit}network:\n  egress:\n    dns_upstream: [\"{upstream}\"]\n{extra_network}");
         let path = dir.path.join("config.yaml");
         std::fs::write(&path, text).expect("write config");
         Conf { _dir: dir, path }
@@ -2723,7 +2729,7 @@ fn a_stopping_agent_removes_the_idle_host_table() {
     let lab = Lab::new();
     let dir = HostDir::new();
     let p = |s: &str| dir.path.join(s);
-    let keygen = Command::new(common::opservant()).args(["keygen", "--out"]).arg(p("keys")).output().unwrap();
+    let keygen = common::command().args(["keygen", "--out"]).arg(p("keys")).output().unwrap();
     assert!(keygen.status.success(), "{}", String::from_utf8_lossy(&keygen.stderr));
     let socket = p("agent.sock");
     let config = p("config.yaml");

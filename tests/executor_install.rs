@@ -70,12 +70,7 @@ impl Env {
     fn op_in(&self, cwd: &Path, args: &[&str]) -> Out {
         let mut all: Vec<&str> = args.to_vec();
         all.extend(["--config", self.config.to_str().unwrap()]);
-        let out = Command::new(common::opservant())
-            .args(&all)
-            .current_dir(cwd)
-            .stdin(Stdio::null())
-            .output()
-            .expect("spawn opservant");
+        let out = common::command().args(&all).current_dir(cwd).stdin(Stdio::null()).output().expect("spawn opservant");
         Out {
             code: out.status.code().unwrap_or(-1),
             stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -228,7 +223,7 @@ fn install_list_run_upgrade_and_remove() {
     let planted = package(&cwd, "9.9.9", false);
     std::fs::rename(&planted, cwd.join("hello")).unwrap();
     let run_in_cwd = |name: &str| {
-        let out = Command::new(common::opservant())
+        let out = common::command()
             .args(["run", name, "--config", env.config.to_str().unwrap()])
             .current_dir(&cwd)
             .stdin(Stdio::null())
@@ -359,7 +354,7 @@ fn an_old_version_a_run_still_uses_is_kept_until_a_later_install() {
     // once it has loaded its executor (its start is audited: the `n`th `executor_start`
     // record).
     let start_run = |n: usize| {
-        let run = Command::new(common::opservant())
+        let run = common::command()
             .args(["run", "hello", "--params", r#"{"sleep": 10}"#, "--config", env.config.to_str().unwrap()])
             .current_dir("/")
             .stdin(Stdio::null())
@@ -433,7 +428,7 @@ fn concurrent_installs_of_one_executor_each_complete_and_leave_it_runnable() {
         let children: Vec<_> = packages
             .iter()
             .map(|p| {
-                Command::new(common::opservant())
+                common::command()
                     .args(["executor", "install", p.to_str().unwrap(), "--config", env.config.to_str().unwrap()])
                     .stdin(Stdio::null())
                     .stdout(Stdio::null())
@@ -1003,7 +998,7 @@ fn pip_reads_no_configuration_of_the_package() {
 
 /// `opservant keygen --out DIR`: (private, public) key paths.
 fn keygen(dir: &Path) -> (String, String) {
-    let out = Command::new(common::opservant()).args(["keygen", "--out", dir.to_str().unwrap()]).output().unwrap();
+    let out = common::command().args(["keygen", "--out", dir.to_str().unwrap()]).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     (dir.join("signing.key").to_str().unwrap().into(), dir.join("signing.pub").to_str().unwrap().into())
 }
@@ -1031,7 +1026,7 @@ fn sign_package(key: &str, pkg: &str, out: Option<&str>) {
     if let Some(o) = out {
         args.extend(["--out", o]);
     }
-    let out = Command::new(common::opservant()).args(&args).output().unwrap();
+    let out = common::command().args(&args).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
@@ -1185,7 +1180,7 @@ fn installed_packages_carry_bytecode_the_runs_use() {
     // executor user (0644 in 0755 directories).
     let out = {
         use std::os::unix::process::CommandExt;
-        let mut cmd = Command::new(common::opservant());
+        let mut cmd = common::command();
         cmd.args(["executor", "install", archive.to_str().unwrap(), "--find-links", links.to_str().unwrap()])
             .args(["--config", env.config.to_str().unwrap()])
             .stdin(Stdio::null());

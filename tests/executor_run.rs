@@ -61,7 +61,7 @@ impl Out {
 
 /// `opservant ARGS…` as the tests start it: no log level from the environment, no stdin.
 fn opservant_command(args: &[&std::ffi::OsStr]) -> Command {
-    let mut cmd = Command::new(common::opservant());
+    let mut cmd = common::command();
     cmd.args(args).env_remove("OPSERVANT_LOG").stdin(Stdio::null());
     cmd
 }
@@ -202,6 +202,9 @@ fn config(yaml: &str, secrets: Option<&str>) -> Conf {
         p
     });
     let mut text = yaml.to_string();
+    if !text.lines().any(|l| l.starts_with("audit:")) {
+        text.push_str(&common::audit_section());
+    }
     if let Some(p) = &secrets {
         text.push_str(&format!("secrets:\n  provider: file\n  file: {}\n", p.display()));
     }

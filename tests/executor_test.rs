@@ -51,7 +51,7 @@ struct Out {
 
 fn executor_test(target: &Path, extra: &[&str]) -> Out {
     let _view = common::host_view();
-    let out = Command::new(common::opservant())
+    let out = common::command()
         .args(["executor", "test"])
         .arg(target)
         .arg("--python")
@@ -276,12 +276,8 @@ fn bad_input_exits_2() {
 
     // An interpreter without pytest (Debian's own, under -I).
     let pkg = package(&dir.path, "fine", Some("def test_x():\n    pass\n"));
-    let out = Command::new(common::opservant())
-        .args(["executor", "test"])
-        .arg(&pkg)
-        .args(["--python", "/usr/bin/python3"])
-        .output()
-        .unwrap();
+    let out =
+        common::command().args(["executor", "test"]).arg(&pkg).args(["--python", "/usr/bin/python3"]).output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     if stderr.contains("without pytest") {
         assert_eq!(out.status.code(), Some(2), "{stderr}");
@@ -307,7 +303,7 @@ fn installed_executor_by_name() {
     )
     .unwrap();
     let src = repo().join("executors/port-scanner");
-    let st = Command::new(common::opservant())
+    let st = common::command()
         .args(["executor", "install"])
         .arg(&src)
         .arg("--config")

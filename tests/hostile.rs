@@ -381,7 +381,7 @@ fn inherited_descriptors_are_closed() {
     let file = std::fs::File::open(&secret).unwrap();
     use std::os::fd::AsRawFd;
     let raw = file.as_raw_fd();
-    let mut cmd = Command::new(common::opservant());
+    let mut cmd = common::command();
     cmd.arg("sandbox").args(common::launch_args()).args([
         "--json",
         "--",
@@ -550,7 +550,7 @@ fn environment_is_an_explicit_allowlist() {
         return;
     }
     let _view = common::host_view();
-    let out = Command::new(common::opservant())
+    let out = common::command()
         .arg("sandbox")
         .args(common::launch_args())
         .args(["--json", "--", "/usr/bin/env"])
@@ -627,7 +627,7 @@ fn stdin_is_empty_and_no_terminal_is_reachable() {
         return;
     }
     let _view = common::host_view();
-    let mut child = Command::new(common::opservant())
+    let mut child = common::command()
         .arg("sandbox")
         .args(common::launch_args())
         .args(["--json", "--", "/bin/sh", "-c", "cat; ls /dev/tty /dev/pts 2>&1 | head -2"])

@@ -210,10 +210,8 @@ fn limits_beyond_the_maxima_are_refused_not_wrapped() {
         ("max_pids", "4294967297", "4194304"),
     ] {
         let conf = dir.file("config.yaml", &format!("resource_limits:\n  {key}: {value}\n"), 0o644);
-        let out = std::process::Command::new(common::opservant())
-            .args(["agent", "--check-config", "--config", conf.to_str().unwrap()])
-            .output()
-            .unwrap();
+        let out =
+            common::command().args(["agent", "--check-config", "--config", conf.to_str().unwrap()]).output().unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{key}: {stderr}");
         assert!(stderr.contains(&format!("resource_limits.{key}")) && stderr.contains(max), "{key}: {stderr}");

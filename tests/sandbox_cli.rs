@@ -8,7 +8,7 @@ use std::process::{Command, Stdio};
 use common::{manifest, require_root, sandbox, sh, try_sandbox, HostDir};
 
 fn run_cli(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(common::opservant()).args(args).stdin(Stdio::null()).output().expect("spawn opservant");
+    let out = common::command().args(args).stdin(Stdio::null()).output().expect("spawn opservant");
     (
         out.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -287,7 +287,7 @@ fn a_terminal_signal_stops_the_sandbox_and_leaves_nothing() {
     // A sleep with a duration no other process has.
     let marker = format!("60.{}", std::process::id());
     for (sig, group) in [(libc::SIGINT, true), (libc::SIGTERM, false), (libc::SIGHUP, false)] {
-        let child = Command::new(common::opservant())
+        let child = common::command()
             .args(["sandbox", "--json", "--", "/bin/sleep", &marker])
             .process_group(0)
             .stdin(Stdio::null())
@@ -337,7 +337,7 @@ fn a_second_terminal_signal_ends_the_command_at_once() {
         return;
     }
     for sig in [libc::SIGTERM, libc::SIGQUIT] {
-        let child = Command::new(common::opservant())
+        let child = common::command()
             .args(["sandbox", "--json", "--", "/bin/sleep", "600"])
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

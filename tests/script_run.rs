@@ -5,9 +5,8 @@
 mod common;
 
 use std::path::Path;
-use std::process::Command;
 
-use common::{opservant, require_root, HostDir};
+use common::{require_root, HostDir};
 use serde_json::Value;
 
 struct Out {
@@ -17,13 +16,8 @@ struct Out {
 }
 
 fn script(language: &str, file: &Path, extra: &[&str]) -> Out {
-    let out = Command::new(opservant())
-        .arg("script")
-        .arg(language)
-        .arg(file)
-        .args(extra)
-        .output()
-        .expect("run opservant script");
+    let out =
+        common::command().arg("script").arg(language).arg(file).args(extra).output().expect("run opservant script");
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
     let json = if out.status.code() == Some(2) {
@@ -261,7 +255,7 @@ fn a_script_whose_sandbox_is_stuck_in_the_kernel_ends() {
         [("python", "stuck.py", "import time\ntime.sleep(120)\n"), ("bash", "stuck.sh", "sleep 120\n")]
     {
         let f = write(&d, file, text);
-        let mut cmd = Command::new(opservant());
+        let mut cmd = common::command();
         cmd.args(["script", language]).arg(&f).args(["--timeout", "1"]).env_remove("OPSERVANT_LOG");
         cmd.stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::piped())
@@ -351,7 +345,7 @@ fn bad_input_is_exit_2() {
         (vec!["python", f.to_str().unwrap(), "--manifest", "/nonexistent/manifest.json"], "manifest"),
         (vec!["ruby", f.to_str().unwrap()], "ruby"),
     ] {
-        let out = Command::new(opservant()).arg("script").args(&args).output().unwrap();
+        let out = common::command().arg("script").args(&args).output().unwrap();
         assert_eq!(out.status.code(), Some(2), "{args:?}");
         assert!(out.stdout.is_empty(), "{args:?}");
         let stderr = String::from_utf8_lossy(&out.stderr);

@@ -56,7 +56,7 @@ impl Out {
 }
 
 fn command(args: &[&str], env: &[(&str, &str)]) -> Command {
-    let mut c = Command::new(common::opservant());
+    let mut c = common::command();
     c.args(args).env_remove("OPSERVANT_LOG").env_remove("CREDENTIALS_DIRECTORY").envs(env.iter().copied());
     c
 }

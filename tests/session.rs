@@ -26,7 +26,7 @@ fn fresh_name() -> String {
 impl Session {
     fn start(args: &[&str]) -> (Session, Value) {
         let name = fresh_name();
-        let out = Command::new(opservant()).args(["session", "start", &name]).args(args).output().unwrap();
+        let out = common::command().args(["session", "start", &name]).args(args).output().unwrap();
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert_eq!(out.status.code(), Some(0), "start: {stdout} {}", String::from_utf8_lossy(&out.stderr));
         let json: Value = serde_json::from_str(stdout.trim()).unwrap();
@@ -34,11 +34,7 @@ impl Session {
     }
 
     fn exec(&self, code: &str, extra: &[&str]) -> (i32, Value) {
-        let out = Command::new(opservant())
-            .args(["session", "exec", &self.name, "--code", code])
-            .args(extra)
-            .output()
-            .unwrap();
+        let out = common::command().args(["session", "exec", &self.name, "--code", code]).args(extra).output().unwrap();
         let stdout = String::from_utf8_lossy(&out.stdout);
         let code = out.status.code().unwrap_or(-1);
         if code == 2 {
@@ -48,7 +44,7 @@ impl Session {
     }
 
     fn stop(&self) -> (i32, String) {
-        let out = Command::new(opservant()).args(["session", "stop", &self.name]).output().unwrap();
+        let out = common::command().args(["session", "stop", &self.name]).output().unwrap();
         (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into_owned())
     }
 
@@ -153,10 +149,8 @@ fn a_default_import_never_implies_os() {
         return;
     }
     for flag in ["o=os", "p=os.path", "sp=subprocess", "c=ctypes", "s=socket"] {
-        let out = Command::new(opservant())
-            .args(["session", "start", "never-implied", "--default-import", flag])
-            .output()
-            .unwrap();
+        let out =
+            common::command().args(["session", "start", "never-implied", "--default-import", flag]).output().unwrap();
         assert_eq!(out.status.code(), Some(2), "{flag}");
         assert!(String::from_utf8_lossy(&out.stderr).contains("never implied"), "{flag}");
     }
@@ -175,7 +169,7 @@ fn sessions_are_isolated_from_each_other() {
     assert!(r["error"].as_str().unwrap().contains("NameError"), "{r}");
     // Different sandboxes, each held by its own daemon.
     let daemon_of = |s: &Session| -> u64 {
-        let out = Command::new(opservant()).args(["session", "list"]).output().unwrap();
+        let out = common::command().args(["session", "list"]).output().unwrap();
         let list: Value = serde_json::from_slice(&out.stdout).unwrap();
         list["sessions"].as_array().unwrap().iter().find(|x| x["session"] == s.name.as_str()).unwrap()["pid"]
             .as_u64()
@@ -286,7 +280,7 @@ fn session_logs_are_rotated_and_stale_ones_swept() {
     let name = fresh_name();
     let log = dir.join(format!("{name}.log"));
     std::fs::write(&log, vec![b'x'; (1 << 20) + 1]).unwrap();
-    let out = Command::new(opservant()).args(["session", "start", &name]).output().unwrap();
+    let out = common::command().args(["session", "start", &name]).output().unwrap();
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
     let s = Session { name };
     let rotated = dir.join(format!("{}.log.1", s.name));
@@ -428,7 +422,7 @@ fn bad_input_is_exit_2() {
         vec!["session", "exec", "no-such-session", "--code", "1", "--globals", "[1]"],
         vec!["session", "stop", "no-such-session"],
     ] {
-        let out = Command::new(opservant()).args(&args).output().unwrap();
+        let out = common::command().args(&args).output().unwrap();
         assert_eq!(out.status.code(), Some(2), "{args:?}");
         assert!(out.stdout.is_empty(), "{args:?}");
         assert!(!out.stderr.is_empty(), "{args:?}");
@@ -466,7 +460,7 @@ fn a_start_reported_before_ready_fails_the_start() {
     lib.file("early.py", "import _opservant\n_opservant.session_reply({'success': True})\n", 0o644);
     // Stopped (and its log removed) should it have started after all.
     let session = Session { name: fresh_name() };
-    let out = Command::new(opservant())
+    let out = common::command()
         .args(["session", "start", &session.name, "--python-path", lib.str(), "--allow-import", "early"])
         .args(["--default-import", "e=early"])
         .output()
@@ -486,7 +480,7 @@ fn a_session_whose_starter_is_gone_runs_on() {
     let lib = common::HostDir::new();
     lib.file("slow.py", "import time\ntime.sleep(1.5)\n", 0o644);
     let name = fresh_name();
-    let mut starter = Command::new(opservant())
+    let mut starter = common::command()
         .args(["session", "start", &name, "--python-path", lib.str(), "--allow-import", "slow,time"])
         .args(["--default-import", "s=slow"])
         .stdout(std::process::Stdio::null())
@@ -525,14 +519,14 @@ fn a_python_path_never_shows_key_material() {
     std::os::unix::fs::symlink(&creds.path, link.path.join("lib")).unwrap();
     for path in [creds.path.clone(), creds.path.join("sub"), link.path.join("lib")] {
         let name = fresh_name();
-        let out = Command::new(opservant())
+        let out = common::command()
             .args(["session", "start", &name, "--python-path"])
             .arg(&path)
             .env("CREDENTIALS_DIRECTORY", &creds.path)
             .output()
             .unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
-        let _ = Command::new(opservant()).args(["session", "stop", &name]).output();
+        let _ = common::command().args(["session", "stop", &name]).output();
         assert_eq!(out.status.code(), Some(2), "{path:?}: {stderr}");
         assert!(stderr.contains("--python-path") && stderr.contains("key material"), "{path:?}: {stderr}");
         for ext in ["sock", "lock", "log"] {
@@ -542,13 +536,13 @@ fn a_python_path_never_shows_key_material() {
     }
     // Without the credential, the same directory is an ordinary python path.
     let name = fresh_name();
-    let out = Command::new(opservant())
+    let out = common::command()
         .args(["session", "start", &name, "--python-path"])
         .arg(&creds.path)
         .env_remove("CREDENTIALS_DIRECTORY")
         .output()
         .unwrap();
-    let _ = Command::new(opservant()).args(["session", "stop", &name]).output();
+    let _ = common::command().args(["session", "stop", &name]).output();
     let _ = std::fs::remove_file(format!("/run/opservant/sessions/{name}.log"));
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
 }
@@ -559,7 +553,7 @@ fn a_failed_start_leaves_nothing_behind() {
         return;
     }
     let name = format!("t{}-failed", std::process::id());
-    let out = Command::new(opservant())
+    let out = common::command()
         .args(["session", "start", &name, "--default-import", "x=no_such_module_here"])
         .output()
         .unwrap();
@@ -569,9 +563,9 @@ fn a_failed_start_leaves_nothing_behind() {
         assert!(!std::path::Path::new(&format!("/run/opservant/sessions/{name}.{ext}")).exists(), "{ext} left behind");
     }
     // The name is free again: a valid start succeeds.
-    let out = Command::new(opservant()).args(["session", "start", &name]).output().unwrap();
+    let out = common::command().args(["session", "start", &name]).output().unwrap();
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
-    let out = Command::new(opservant()).args(["session", "stop", &name]).output().unwrap();
+    let out = common::command().args(["session", "stop", &name]).output().unwrap();
     assert_eq!(out.status.code(), Some(0));
     let _ = std::fs::remove_file(format!("/run/opservant/sessions/{name}.log"));
 }
@@ -579,7 +573,7 @@ fn a_failed_start_leaves_nothing_behind() {
 /// `session exec` that must answer within `secs`: `None` (the client killed) when it does
 /// not. A daemon that wedged is killed by pid (SIGKILL: its sandbox dies with it).
 fn exec_within(s: &Session, daemon_pid: u64, code: &str, extra: &[&str], secs: u64) -> Option<(i32, Value)> {
-    let child = Command::new(opservant())
+    let child = common::command()
         .args(["session", "exec", &s.name, "--code", code])
         .args(extra)
         .stdout(std::process::Stdio::piped())
@@ -792,7 +786,7 @@ fn a_call_whose_client_is_gone_before_it_starts_never_runs() {
     let log = format!("/run/opservant/sessions/{}.log", s.name);
     let calls_recorded = || std::fs::read_to_string(&log).unwrap_or_default().matches("session_exec\"").count();
     // A long call holds the daemon, which serves one client at a time.
-    let long = Command::new(opservant())
+    let long = common::command()
         .args(["session", "exec", &s.name, "--code", "import time\ntime.sleep(12)"])
         .stdout(std::process::Stdio::null())
         .spawn()
@@ -804,7 +798,7 @@ fn a_call_whose_client_is_gone_before_it_starts_never_runs() {
     }
     // A call queued behind it whose client gives up (killed here; a client that times out
     // exits the same way): it was told nothing ran, so nothing may run.
-    let mut queued = Command::new(opservant())
+    let mut queued = common::command()
         .args(["session", "exec", &s.name, "--code", "n += 1"])
         .stdout(std::process::Stdio::null())
         .spawn()
@@ -813,7 +807,7 @@ fn a_call_whose_client_is_gone_before_it_starts_never_runs() {
     queued.kill().unwrap();
     queued.wait().unwrap();
     // Meanwhile `session list` names the busy session instead of leaving it out.
-    let out = Command::new(opservant()).args(["session", "list"]).output().unwrap();
+    let out = common::command().args(["session", "list"]).output().unwrap();
     let list: Value = serde_json::from_slice(&out.stdout).unwrap();
     let listed = list["sessions"].as_array().unwrap().iter().find(|x| x["session"] == s.name.as_str()).cloned();
     assert_eq!(listed.map(|x| x["status"].clone()), Some("busy".into()), "{list}");

@@ -25,7 +25,7 @@ fn op(args: &[&str], stdin: Option<&[u8]>) -> Out {
 /// piped).
 fn op_with(args: &[&str], stdin: Option<&[u8]>, stdout: Stdio) -> Out {
     use std::io::Write;
-    let mut child = Command::new(common::opservant())
+    let mut child = common::command()
         .args(args)
         .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
         .stdout(stdout)
@@ -462,7 +462,7 @@ fn a_full_stderr_keeps_the_exit_status_and_never_panics() {
     ];
     for (args, want) in &cases {
         let full = std::fs::OpenOptions::new().write(true).open("/dev/full").expect("/dev/full");
-        let out = Command::new(common::opservant())
+        let out = common::command()
             .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

@@ -15,7 +15,7 @@ mod vault;
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::Duration;
 
 use common::{require_root, HostDir};
@@ -153,7 +153,7 @@ impl Out {
 
 fn op(args: &[&str], env: &[(&str, &str)]) -> Out {
     let _view = common::host_view();
-    let out = Command::new(common::opservant())
+    let out = common::command()
         .args(args)
         .env_remove("OPSERVANT_LOG")
         .env_remove("CREDENTIALS_DIRECTORY")
@@ -329,7 +329,7 @@ fn the_daemon_keeps_one_vault_login_across_runs() {
     assert!(v.with(|s| s.log.is_empty()), "--check-config contacts nothing");
 
     let _view = common::host_view();
-    let mut child = Command::new(common::opservant())
+    let mut child = common::command()
         .args(["agent", "--config", c])
         .env_remove("CREDENTIALS_DIRECTORY")
         .stdin(Stdio::null())
@@ -346,7 +346,7 @@ fn the_daemon_keeps_one_vault_login_across_runs() {
     let submit = |id: &str| -> Value {
         let cmd = json!({"command_id": id, "action": "execute", "executor": "vault-daemon",
                          "parameters": {"names": ["api_key"]}});
-        let mut s = Command::new(common::opservant())
+        let mut s = common::command()
             .args(["sign", "--key", p("keys/signing.key").to_str().unwrap(), "-"])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -356,7 +356,7 @@ fn the_daemon_keeps_one_vault_login_across_runs() {
         s.stdin.take().unwrap().write_all(cmd.to_string().as_bytes()).unwrap();
         let signed = s.wait_with_output().unwrap();
         assert!(signed.status.success());
-        let mut c = Command::new(common::opservant())
+        let mut c = common::command()
             .args(["submit", "-", "--socket", socket.to_str().unwrap()])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())

@@ -19,6 +19,9 @@ use thiserror::Error;
 use crate::limits::LimitPolicy;
 
 pub const DEFAULT_PATH: &str = "/etc/opservant/config.yaml";
+/// The environment variable naming the configuration a command reads when it is given no
+/// `--config` (then it must exist); without either, [`DEFAULT_PATH`] when it exists.
+pub const PATH_ENV: &str = "OPSERVANT_CONFIG";
 /// The largest configuration file accepted, in bytes (real ones are a few KiB).
 pub const MAX_CONFIG_BYTES: usize = 1 << 20;
 /// The deepest nesting of mappings and sequences accepted (the configuration needs 4).
@@ -357,9 +360,11 @@ impl Config {
     /// `path` if given (must exist), else the default path if it exists, else built-in
     /// defaults.
     pub fn load(path: Option<&Path>) -> Result<Config, ConfigError> {
-        let (path, required) = match path {
-            Some(p) => (p.to_path_buf(), true),
-            None => (PathBuf::from(DEFAULT_PATH), false),
+        let from_env = std::env::var_os(PATH_ENV).filter(|p| !p.is_empty()).map(PathBuf::from);
+        let (path, required) = match (path, from_env) {
+            (Some(p), _) => (p.to_path_buf(), true),
+            (None, Some(p)) => (p, true),
+            (None, None) => (PathBuf::from(DEFAULT_PATH), false),
         };
         let file_err = |message: String| ConfigError { path: path.display().to_string(), message };
         // A regular file only (a FIFO would block the open), no more than the cap + 1 bytes.

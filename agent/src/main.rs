@@ -51,7 +51,8 @@ enum Command {
         /// The action (one of the manifest's supported_actions).
         #[arg(long)]
         action: Option<String>,
-        /// Agent configuration (default /etc/opservant/config.yaml when it exists).
+        /// Agent configuration (default $OPSERVANT_CONFIG, else /etc/opservant/config.yaml when it
+        /// exists).
         #[arg(long)]
         config: Option<PathBuf>,
         /// How to start the sandbox: a fresh process (cold) or a fork of a zygote with the
@@ -71,7 +72,8 @@ enum Command {
         /// network, scratch only, default limits).
         #[arg(long)]
         manifest: Option<PathBuf>,
-        /// Agent configuration (default /etc/opservant/config.yaml when it exists).
+        /// Agent configuration (default $OPSERVANT_CONFIG, else /etc/opservant/config.yaml when it
+        /// exists).
         #[arg(long)]
         config: Option<PathBuf>,
     },
@@ -164,7 +166,8 @@ enum Command {
         #[arg(long)]
         json: bool,
         /// The agent configuration whose requirements to check (`sandbox.landlock_min_abi`,
-        /// `sandbox.allow_degraded`); default /etc/opservant/config.yaml when it exists.
+        /// `sandbox.allow_degraded`); default $OPSERVANT_CONFIG, else /etc/opservant/config.yaml
+        /// when it exists.
         #[arg(long)]
         config: Option<PathBuf>,
     },
@@ -309,7 +312,8 @@ enum SessionCommand {
         /// Manifest whose permissions and resource_limits shape the sandbox.
         #[arg(long)]
         manifest: Option<PathBuf>,
-        /// Agent configuration (default /etc/opservant/config.yaml when it exists).
+        /// Agent configuration (default $OPSERVANT_CONFIG, else /etc/opservant/config.yaml when it
+        /// exists).
         #[arg(long)]
         config: Option<PathBuf>,
     },

@@ -2,7 +2,7 @@
 //! the daemon on a socket in a scratch directory (tests/agent_local.rs, tests/load_soak.rs).
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::common::{self, HostDir};
@@ -33,7 +33,7 @@ class Slow(BaseExecutor):
 "#;
 
 pub fn op(args: &[&str]) -> std::process::Output {
-    Command::new(common::opservant()).args(args).stdin(Stdio::null()).output().expect("spawn opservant")
+    common::command().args(args).stdin(Stdio::null()).output().expect("spawn opservant")
 }
 
 #[allow(dead_code)] // each test file uses its part
@@ -127,7 +127,7 @@ impl Agent {
 
     /// As [`Agent::start`], with these variables added to the agent's environment.
     pub fn start_with_env(&mut self, env: &[(&str, &str)]) {
-        let child = Command::new(common::opservant())
+        let child = common::command()
             .args(["agent", "--config", self.config.to_str().unwrap()])
             .envs(env.iter().copied())
             .stdin(Stdio::null())
@@ -151,7 +151,7 @@ impl Agent {
     }
 
     pub fn sign(&self, cmd: &Value) -> Vec<u8> {
-        let mut c = Command::new(common::opservant())
+        let mut c = common::command()
             .args(["sign", "--key", self.key.to_str().unwrap(), "-"])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -172,7 +172,7 @@ impl Agent {
 
     /// As [`Agent::submit`], failing the test unless the reply comes within `limit`.
     pub fn submit_within(&self, bytes: &[u8], limit: Duration) -> (i32, Value) {
-        let mut c = Command::new(common::opservant())
+        let mut c = common::command()
             .args(["submit", "-", "--socket", self.socket.to_str().unwrap()])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())

@@ -18,6 +18,38 @@ pub fn opservant() -> &'static str {
     env!("CARGO_BIN_EXE_opservant")
 }
 
+/// The configuration `opservant` reads when a test gives it no `--config`
+/// (`OPSERVANT_CONFIG`): the defaults, but the audit log in the build's `target/tmp` — a test
+/// run appends nothing to the host's `/var/log/opservant`. Written once per test process.
+pub fn test_config() -> &'static Path {
+    static CONFIG: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    CONFIG.get_or_init(|| {
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("opservant-tests");
+        std::fs::create_dir_all(&dir).expect("create target/tmp/opservant-tests");
+        let path = dir.join("config.yaml");
+        let text = audit_section();
+        // The same text from every test process, written aside and renamed over it: a
+        // reader never sees it half-written.
+        let part = dir.join(format!("config.yaml.{}", std::process::id()));
+        std::fs::write(&part, text).expect("write the tests' configuration");
+        std::fs::rename(&part, &path).expect("put the tests' configuration in place");
+        path
+    })
+}
+
+/// The `audit:` section of [`test_config`], for a test's own configuration that has none.
+pub fn audit_section() -> String {
+    let log = Path::new(env!("CARGO_TARGET_TMPDIR")).join("opservant-tests/audit/audit.jsonl");
+    format!("audit:\n  path: {}\n", log.display())
+}
+
+/// `opservant` as the tests start it: [`test_config`] unless the test passes `--config`.
+pub fn command() -> Command {
+    let mut cmd = Command::new(opservant());
+    cmd.env("OPSERVANT_CONFIG", test_config());
+    cmd
+}
+
 pub fn in_ci() -> bool {
     std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
 }
@@ -130,7 +162,7 @@ pub fn host_view() -> std::sync::RwLockReadGuard<'static, ()> {
 /// Like [`sandbox`] but returns `Err((exit code, stderr))` when no result JSON was printed.
 pub fn try_sandbox(manifest: Option<&Path>, argv: &[&str]) -> Result<Run, (i32, String)> {
     let _view = host_view();
-    let mut cmd = Command::new(opservant());
+    let mut cmd = command();
     cmd.arg("sandbox");
     if let Some(m) = manifest {
         cmd.arg("--manifest").arg(m);

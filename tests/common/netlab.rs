@@ -857,7 +857,10 @@ impl Lab {
 
     /// A command that runs inside HOST (see [`command_in`]).
     pub fn host_command(&self, program: impl AsRef<std::ffi::OsStr>) -> Command {
-        self.host.command(program)
+        let mut cmd = self.host.command(program);
+        // For `opservant` (see `common::test_config`); nothing else reads it.
+        cmd.env("OPSERVANT_CONFIG", super::test_config());
+        cmd
     }
 
     /// Everything left in HOST that the lab did not put there: interfaces other than `lo`
