@@ -263,35 +263,53 @@ pub fn check_agents_own_dir(dir: &Path, meta: &std::fs::Metadata) -> Result<(), 
 }
 
 /// Every directory above `dir`, on its path as written and as resolved, may be changed by
-/// root or the agent only: whoever can write one could rename the next one down away and
-/// put a directory of their own in its place, which the agent — opening files by path —
-/// would then use. A directory others may write with the sticky bit set (`/tmp`) is
-/// accepted: there only an entry's owner (root or the agent, by the same rule) may rename it.
+/// root, the agent or a system group only: whoever else can write one could rename the next
+/// one down away and put a directory of their own in its place, which the agent — opening
+/// files by path — would then use. So each must be owned by root or the agent (a symbolic
+/// link on the way too: its owner can point it elsewhere), and not writable by others unless
+/// its sticky bit is set (`/tmp`: there only an entry's owner may rename it). A group that
+/// may write one is trusted as an administrator's choice — Ubuntu's `/var/log` is
+/// `root:syslog` 0775 — as logrotate does; the directory itself must not be group-writable.
 fn check_ancestors(dir: &Path) -> Result<(), String> {
     use std::os::unix::fs::MetadataExt;
     let euid = nix::unistd::geteuid().as_raw();
     let written = std::path::absolute(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let resolved = std::fs::canonicalize(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    for path in [&written, &resolved] {
-        for up in path.ancestors().skip(1) {
-            let meta = std::fs::metadata(up).map_err(|e| format!("{}: {e}", up.display()))?;
-            if meta.uid() != 0 && meta.uid() != euid {
-                return Err(format!(
-                    "{} (above {}) is owned by uid {}, not by root or the agent",
-                    up.display(),
-                    dir.display(),
-                    meta.uid()
-                ));
-            }
-            if meta.mode() & 0o022 != 0 && meta.mode() & 0o1000 == 0 {
-                return Err(format!(
-                    "{} (above {}) is writable by group or others without the sticky bit (mode {:04o})",
-                    up.display(),
-                    dir.display(),
-                    meta.mode() & 0o7777
-                ));
-            }
+    let check = |up: &Path, meta: &std::fs::Metadata| {
+        if meta.uid() != 0 && meta.uid() != euid {
+            return Err(format!(
+                "{} (above {}) is owned by uid {}, not by root or the agent",
+                up.display(),
+                dir.display(),
+                meta.uid()
+            ));
         }
+        if meta.is_dir() && meta.mode() & 0o002 != 0 && meta.mode() & 0o1000 == 0 {
+            return Err(format!(
+                "{} (above {}) is writable by others without the sticky bit (mode {:04o})",
+                up.display(),
+                dir.display(),
+                meta.mode() & 0o7777
+            ));
+        }
+        Ok(())
+    };
+    let stat = |up: &Path, follow: bool| {
+        if follow { std::fs::metadata(up) } else { std::fs::symlink_metadata(up) }
+            .map_err(|e| format!("{}: {e}", up.display()))
+    };
+    for (i, up) in written.ancestors().enumerate() {
+        let link = stat(up, false)?;
+        // `dir` itself is checked by the stricter rule; a link at its name only for its owner.
+        if i > 0 || link.file_type().is_symlink() {
+            check(up, &link)?;
+        }
+        if i > 0 && link.file_type().is_symlink() {
+            check(up, &stat(up, true)?)?;
+        }
+    }
+    for up in resolved.ancestors().skip(1) {
+        check(up, &stat(up, true)?)?;
     }
     Ok(())
 }
