@@ -1769,18 +1769,19 @@ fn an_address_is_allowed_as_long_as_its_answers_may_be_cached() {
         return;
     }
     let lab = Lab::new();
-    let _s = lab.banners(&["198.51.100.10:80", "198.51.100.11:80"]);
+    let _s = lab.banners(&["198.51.100.10:80", "198.51.100.11:80", "198.51.100.12:80"]);
     for (name, addr, ttl) in [
         ("long.test", "198.51.100.10", 86_400),
         ("short.test", "198.51.100.10", 1),
         ("brief.test", "198.51.100.11", 1),
         ("later.test", "198.51.100.11", 120),
+        ("again.test", "198.51.100.12", 1),
     ] {
         lab.dns.set(name, &[addr]);
         lab.dns.set_ttl(name, ttl);
     }
     let conf = Conf::new("");
-    let names = ["long.test", "short.test", "brief.test", "later.test"];
+    let names = ["long.test", "short.test", "brief.test", "later.test", "again.test"];
     let p = probe(
         &lab,
         &conf,
@@ -1791,18 +1792,24 @@ fn an_address_is_allowed_as_long_as_its_answers_may_be_cached() {
             ["dns_raw", "udp", ["short", "test"], 1], // 1: the same address, TTL 1 (kept 10 s)
             ["dns_raw", "udp", ["brief", "test"], 1], // 2: kept 10 s …
             ["dns_raw", "udp", ["later", "test"], 1], // 3: … renewed for 120 s
-            ["sleep", 12],
-            ["connect", "198.51.100.10", 80], // 5: still allowed by the first answer
-            ["connect", "198.51.100.11", 80], // 6: allowed by the renewal
+            ["dns_raw", "udp", ["again", "test"], 1], // 4: kept 10 s …
+            ["sleep", 11],
+            ["dns_raw", "udp", ["again", "test"], 1], // 6: … asked again once the kernel let it go
+            ["connect", "198.51.100.10", 80],         // 7: still allowed by the first answer
+            ["connect", "198.51.100.11", 80],         // 8: allowed by the renewal
+            ["connect", "198.51.100.12", 80],         // 9: allowed again
         ]),
     );
     assert_eq!(p.step(0)["ttls"], json!([3600]), "{}", p.step(0));
     assert_eq!(p.step(1)["ttls"], json!([1]), "{}", p.step(1));
     assert_eq!(p.step(3)["ttls"], json!([120]), "{}", p.step(3));
     // 198.51.100.10: a later, shorter answer must not cut its time short; 198.51.100.11: a
-    // later, longer answer must renew it.
-    assert_connected(p.step(5), "198.51.100.10:80");
-    assert_connected(p.step(6), "198.51.100.11:80");
+    // later, longer answer must renew it; 198.51.100.12: an address the kernel has already
+    // let go of, which the forwarder still remembers, is added again.
+    assert_eq!(p.step(6)["rcode"], 0, "{}", p.step(6));
+    assert_connected(p.step(7), "198.51.100.10:80");
+    assert_connected(p.step(8), "198.51.100.11:80");
+    assert_connected(p.step(9), "198.51.100.12:80");
     assert_host_clean(&lab);
 }
 

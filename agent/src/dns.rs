@@ -367,6 +367,11 @@ fn answer(
         }
         found.push((addr, u64::from(r.ttl).clamp(MIN_TTL_S, MAX_TTL_S) * 1000));
     }
+    // No resolver in the sandbox may cache an address longer than the allow set keeps it;
+    // checked before anything is allowed.
+    if clamp_answer_ttls(&mut reply_raw, MAX_TTL_S as u32).is_none() {
+        return error_reply(&query, ResponseCode::ServFail);
+    }
     if let Some(allow) = allow {
         if !found.is_empty() {
             if let Err(e) = allow.allow(&found) {
@@ -374,10 +379,6 @@ fn answer(
                 return error_reply(&query, ResponseCode::ServFail);
             }
         }
-    }
-    // No resolver in the sandbox may cache an address longer than the allow set keeps it.
-    if clamp_answer_ttls(&mut reply_raw, MAX_TTL_S as u32).is_none() {
-        return error_reply(&query, ResponseCode::ServFail);
     }
     report.answered += 1;
     Some(reply_raw)

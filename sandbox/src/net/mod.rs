@@ -275,17 +275,28 @@ impl DynamicAllow {
     /// address stays allowed for as long as any answer that gave it lets a resolver cache it.
     /// Connections already established outlive it.
     pub fn allow(&self, addrs: &[(IpAddr, u64)]) -> Result<(), NetError> {
-        let now = std::time::Instant::now();
+        // An address is remembered a while past its expiry: the kernel's own expiry comes a
+        // little later than ours (it starts counting when it gets the element, rounded up
+        // to its tick), and an address it may still hold must be renewed (deleted and added
+        // again), never just added — before kernel 6.10 that leaves its old timeout.
+        const GRACE: std::time::Duration = std::time::Duration::from_secs(2);
         let mut until = self.until.lock().unwrap_or_else(|p| p.into_inner());
-        until.retain(|_, t| *t > now);
+        let mut nl = self.nf.lock().unwrap_or_else(|p| p.into_inner());
+        let now = std::time::Instant::now();
+        until.retain(|_, t| *t + GRACE > now);
+        // One entry per address, for its longest time in this answer.
+        let mut wanted: Vec<(IpAddr, u64)> = Vec::new();
+        for &(addr, ms) in addrs {
+            match wanted.iter_mut().find(|(a, _)| *a == addr) {
+                Some(w) => w.1 = w.1.max(ms),
+                None => wanted.push((addr, ms)),
+            }
+        }
         let mut added: Vec<(IpAddr, u64)> = Vec::new();
         let mut renewed: Vec<(IpAddr, u64)> = Vec::new();
-        for &(addr, ms) in addrs {
-            let end = now + std::time::Duration::from_millis(ms);
-            let listed = added.iter().chain(&renewed).any(|(a, _)| *a == addr);
+        for (addr, ms) in wanted {
             match until.get(&addr) {
-                _ if listed => {}
-                Some(t) if *t >= end => {}
+                Some(t) if *t >= now + std::time::Duration::from_millis(ms) => {}
                 Some(_) => renewed.push((addr, ms)),
                 None => added.push((addr, ms)),
             }
@@ -293,13 +304,20 @@ impl DynamicAllow {
         if added.is_empty() && renewed.is_empty() {
             return Ok(());
         }
-        let mut nl = self.nf.lock().unwrap_or_else(|p| p.into_inner());
         match nft::add_dynamic(&mut nl, &added, &renewed) {
-            // A renewed address the kernel expired meanwhile (its clock and ours differ
-            // by a little): added afresh.
+            // A renewed address the kernel no longer holds (the transaction was refused as a
+            // whole): the new ones first, then each renewed one on its own — deleted and
+            // added, or only added when the kernel has none to delete.
             Err(NetError::Kernel { errno, .. }) if errno == libc::ENOENT && !renewed.is_empty() => {
-                added.append(&mut renewed);
                 nft::add_dynamic(&mut nl, &added, &[])?;
+                for one in &renewed {
+                    match nft::add_dynamic(&mut nl, &[], std::slice::from_ref(one)) {
+                        Err(NetError::Kernel { errno, .. }) if errno == libc::ENOENT => {
+                            nft::add_dynamic(&mut nl, std::slice::from_ref(one), &[])?
+                        }
+                        other => other?,
+                    }
+                }
             }
             other => other?,
         }
