@@ -662,11 +662,16 @@ fn a_held_payload_runs_only_after_the_go() {
     s.command.held = true;
     let zygote = std::sync::Arc::new(runtime_zygote());
     let through_zygote = Launcher::Zygote { zygote, end: sandbox::PayloadEnd::Exec };
-    // `launch` says how the sandbox was made: `pool` only for one a zygote started ahead of
-    // its run; a pooled sandbox started cold (its zygote could not) keeps its launcher's
-    // name (`exec`, which results report as `cold`).
-    for (launcher, launch) in [(launcher(), "exec"), (through_zygote, "pool")] {
+    // Pooled, a sandbox reports `pool` however it was started — but one its caller had to
+    // start cold because its zygote could not keeps its launcher's name (`exec`, which
+    // results report as `cold`).
+    for (launcher, fallback, launch) in
+        [(launcher(), false, "pool"), (launcher(), true, "exec"), (through_zygote, false, "pool")]
+    {
         let mut sb = Sandbox::spawn(&s, &launcher, None).unwrap();
+        if fallback {
+            sb.mark_zygote_fallback();
+        }
         // The hold channel is not the caller's to take (the spec asks for no application channel).
         assert!(sb.take_app_channel().is_none());
         sb.start_pooled().unwrap();

@@ -84,7 +84,9 @@ pub fn spawn_with_fallback(
         Err(sandbox::SandboxError::Zygote(e)) => {
             tracing::warn!(error = %e, "zygote unavailable; starting the sandbox cold");
             crate::audit::record("zygote_fallback", &[("error", &e)]);
-            sandbox::Sandbox::spawn(spec, &cold(), hook)
+            let mut sb = sandbox::Sandbox::spawn(spec, &cold(), hook)?;
+            sb.mark_zygote_fallback();
+            Ok(sb)
         }
         other => other,
     }

@@ -297,6 +297,8 @@ pub struct Sandbox {
     monitor_pidfd: Option<OwnedFd>,
     /// How the monitor was started (reported in the [`Outcome`]).
     launch: &'static str,
+    /// Started some other way because its zygote could not ([`Sandbox::mark_zygote_fallback`]).
+    zygote_fallback: bool,
     /// A pidfd for the sandbox init (the monitor's child, reaped by the monitor): signals go
     /// through it, so one sent after init is gone never reaches a process that reused its pid.
     init: Option<OwnedFd>,
@@ -413,6 +415,7 @@ impl Sandbox {
             stop_rx,
             stop,
             mount_ns: None,
+            zygote_fallback: false,
         };
         match sb.handshake(spec, !matches!(launcher, Launcher::Fork), hook) {
             Ok(()) => Ok(sb),
@@ -430,14 +433,21 @@ impl Sandbox {
     }
 
     /// A sandbox started ahead of its work (a warm pool) is put to work now: its clock — the
-    /// timeout and the reported wall time — starts here, and the outcome reports `pool` when
-    /// a zygote started it (one started otherwise — cold, because its zygote could not —
-    /// keeps its launcher's name: `launch` says how the sandbox's processes were made).
+    /// timeout and the reported wall time — starts here, and the outcome reports `pool`
+    /// (one the caller started cold because its zygote could not —
+    /// [`Sandbox::mark_zygote_fallback`] — keeps its launcher's name: it is not what a pool
+    /// of that caller promises).
     /// Only sound while nothing of the payload's work has been handed to it yet. A held
     /// sandbox ([`crate::spec::CommandSpec::held`]) is released: its payload gets the go.
     /// A sandbox whose payload (or monitor) has ended while it waited — killed by the OOM
     /// killer, where pooled payloads are the first victims — is refused here, so the caller
     /// starts a sandbox of its own instead of handing its run to a dead one.
+    /// The caller started this sandbox with another launcher because its zygote could not:
+    /// a pooled one then does not report `pool` ([`Sandbox::start_pooled`]).
+    pub fn mark_zygote_fallback(&mut self) {
+        self.zygote_fallback = true;
+    }
+
     pub fn start_pooled(&mut self) -> Result<(), SandboxError> {
         for (what, chan) in [("payload", self.app.as_ref()), ("monitor", Some(&self.chan))] {
             if chan.is_some_and(hung_up) {
@@ -453,7 +463,7 @@ impl Sandbox {
             }
         }
         self.started = Instant::now();
-        if self.launch == "zygote" {
+        if !self.zygote_fallback {
             self.launch = "pool";
         }
         Ok(())
