@@ -1339,6 +1339,7 @@ fn doctor(json: bool, config: Option<PathBuf>) -> Result<ExitCode, CannotRun> {
     // Named, or the default one: it must load (exit 2 naming what is wrong). Only a default
     // one this user may not read (not root) leaves the host described against the defaults.
     let default_unreadable = config.is_none()
+        && std::env::var_os(agent::config::PATH_ENV).is_none_or(|p| p.is_empty())
         && std::fs::File::open(agent::config::DEFAULT_PATH)
             .is_err_and(|e| e.kind() == std::io::ErrorKind::PermissionDenied);
     let policy = if default_unreadable {

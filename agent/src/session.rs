@@ -461,6 +461,19 @@ fn client_gone(stream: &UnixStream) -> bool {
         && fd[0].revents().is_some_and(|r| r.contains(PollFlags::POLLHUP))
 }
 
+/// One session's line in `session list`: its status; `busy` when its daemon is running a
+/// call (it serves one client at a time); `None` for a socket left by a daemon that is
+/// gone, or one this user may not reach.
+fn status_of(name: &str) -> Option<Value> {
+    match request_io(name, &json!({"op": "status"}), Duration::from_secs(5)) {
+        Ok(status) if status.get("refused").is_none() => Some(status),
+        Err(Failed::Reply(e)) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+            Some(json!({"session": name, "status": "busy"}))
+        }
+        _ => None,
+    }
+}
+
 /// `session list`: the running sessions and their status.
 pub fn list() -> Result<Value, CannotRun> {
     let mut sessions = Vec::new();
@@ -474,18 +487,15 @@ pub fn list() -> Result<Value, CannotRun> {
         .filter_map(|e| e.file_name().to_str().and_then(|n| n.strip_suffix(".sock")).map(str::to_string))
         .collect();
     names.sort();
-    for name in names.into_iter().filter(|n| check_name(n).is_ok()) {
-        match request_io(&name, &json!({"op": "status"}), Duration::from_secs(5)) {
-            Ok(status) if status.get("refused").is_none() => sessions.push(status),
-            // Its daemon is running a call (one client at a time): listed, without status.
-            Err(Failed::Reply(e))
-                if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) =>
-            {
-                sessions.push(json!({"session": name, "status": "busy"}))
-            }
-            // A socket left by a daemon that is gone, or one this user may not reach.
-            _ => {}
-        }
+    let names: Vec<String> = names.into_iter().filter(|n| check_name(n).is_ok()).collect();
+    // Asked at once, up to 16 at a time: a busy session takes the 5 s of its request's
+    // time limit, and a list of several must not take that many times over.
+    for batch in names.chunks(16) {
+        let replies: Vec<Option<Value>> = std::thread::scope(|scope| {
+            let asked: Vec<_> = batch.iter().map(|name| scope.spawn(move || status_of(name))).collect();
+            asked.into_iter().map(|t| t.join().unwrap_or(None)).collect()
+        });
+        sessions.extend(replies.into_iter().flatten());
     }
     Ok(json!({ "sessions": sessions }))
 }

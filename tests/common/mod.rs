@@ -18,20 +18,25 @@ pub fn opservant() -> &'static str {
     env!("CARGO_BIN_EXE_opservant")
 }
 
+/// Where the tests' own configuration and audit log live: root's, 0700, below the sticky
+/// `/var/tmp` — not in the checkout, whose directories need not be root's (the audit log's
+/// ancestors must be: `config::check_agents_own_dir`). `tests/run` makes the same for pytest.
+pub const TESTS_STATE: &str = "/var/tmp/opservant-tests";
+
 /// The configuration `opservant` reads when a test gives it no `--config`
-/// (`OPSERVANT_CONFIG`): the defaults, but the audit log in the build's `target/tmp` — a test
-/// run appends nothing to the host's `/var/log/opservant`. Written once per test process.
+/// (`OPSERVANT_CONFIG`): the defaults, but the audit log in [`TESTS_STATE`] — a test run
+/// appends nothing to the host's `/var/log/opservant`. Written once per test process.
 pub fn test_config() -> &'static Path {
     static CONFIG: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     CONFIG.get_or_init(|| {
-        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("opservant-tests");
-        std::fs::create_dir_all(&dir).expect("create target/tmp/opservant-tests");
+        use std::os::unix::fs::DirBuilderExt;
+        let dir = Path::new(TESTS_STATE);
+        std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir).expect("create the tests' state directory");
         let path = dir.join("config.yaml");
-        let text = audit_section();
         // The same text from every test process, written aside and renamed over it: a
         // reader never sees it half-written.
         let part = dir.join(format!("config.yaml.{}", std::process::id()));
-        std::fs::write(&part, text).expect("write the tests' configuration");
+        std::fs::write(&part, audit_section()).expect("write the tests' configuration");
         std::fs::rename(&part, &path).expect("put the tests' configuration in place");
         path
     })
@@ -39,8 +44,7 @@ pub fn test_config() -> &'static Path {
 
 /// The `audit:` section of [`test_config`], for a test's own configuration that has none.
 pub fn audit_section() -> String {
-    let log = Path::new(env!("CARGO_TARGET_TMPDIR")).join("opservant-tests/audit/audit.jsonl");
-    format!("audit:\n  path: {}\n", log.display())
+    format!("audit:\n  path: {TESTS_STATE}/audit/audit.jsonl\n")
 }
 
 /// `opservant` as the tests start it: [`test_config`] unless the test passes `--config`.

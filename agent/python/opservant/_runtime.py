@@ -380,24 +380,36 @@ def _format_user_exception(e):
     return "".join(te.format()).rstrip()
 
 
-# Sources of session calls kept for tracebacks (`linecache`), newest last, and their total
-# size: the oldest are forgotten past _SESSION_SOURCES_MAX bytes (a traceback through a
-# function an old call defined then shows no source line), so a long-lived session's memory
-# does not grow with every call's code.
-_SESSION_SOURCES = []
+# Sources of session calls kept for tracebacks (`linecache`), oldest first, and what they
+# cost: the oldest are forgotten past _SESSION_SOURCES_MAX bytes (each call counted as its
+# UTF-8 size plus _SESSION_SOURCE_OVERHEAD for the cache entry and its lines) or
+# _SESSION_SOURCES_MAX_CALLS calls — a traceback through a function an old call defined then
+# shows no source line — so a long-lived session's memory does not grow with every call.
+_SESSION_SOURCES = None  # a deque of (filename, cost), made at the first call
+_SESSION_SOURCES_COST = 0
 _SESSION_SOURCES_MAX = 4 << 20
+_SESSION_SOURCES_MAX_CALLS = 1024
+_SESSION_SOURCE_OVERHEAD = 512
 
 
 def _keep_session_source(filename, source):
+    global _SESSION_SOURCES, _SESSION_SOURCES_COST
+    import collections
     import linecache
 
-    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    _SESSION_SOURCES.append((filename, len(source)))
-    total = sum(n for _, n in _SESSION_SOURCES)
-    while total > _SESSION_SOURCES_MAX and len(_SESSION_SOURCES) > 1:
-        old, n = _SESSION_SOURCES.pop(0)
+    if _SESSION_SOURCES is None:
+        _SESSION_SOURCES = collections.deque()
+    lines = source.splitlines(True)
+    linecache.cache[filename] = (len(source), None, lines, filename)
+    cost = len(source.encode("utf-8", "surrogatepass")) + _SESSION_SOURCE_OVERHEAD + 64 * len(lines)
+    _SESSION_SOURCES.append((filename, cost))
+    _SESSION_SOURCES_COST += cost
+    while len(_SESSION_SOURCES) > 1 and (
+        _SESSION_SOURCES_COST > _SESSION_SOURCES_MAX or len(_SESSION_SOURCES) > _SESSION_SOURCES_MAX_CALLS
+    ):
+        old, old_cost = _SESSION_SOURCES.popleft()
         linecache.cache.pop(old, None)
-        total -= n
+        _SESSION_SOURCES_COST -= old_cost
 
 
 def _session_call(namespace, request, number):
