@@ -795,20 +795,32 @@ mod tests {
 
     use super::*;
 
-    /// A host table an earlier version made (its tag without the rules' version) is replaced
-    /// when no run holds it, refused while one does; one for other pools is refused.
-    #[test]
-    fn a_host_table_of_another_version_is_replaced_once_unused() {
+    /// Run `test` (as root; else a skip, a failure under CI) on a thread in a network
+    /// namespace of its own (unshare affects the calling thread), with a lock directory of
+    /// its own named by `tag`, removed afterwards.
+    fn in_private_netns(tag: &str, test: impl FnOnce(&Path) + Send + 'static) {
         if !nix::unistd::geteuid().is_root() {
             assert!(std::env::var_os("CI").is_none(), "CI runs the tests as root");
             return;
         }
-        let _serial = COLLECTOR_TESTS.lock().unwrap_or_else(|e| e.into_inner());
-        // In a network namespace of this thread's own (unshare affects the calling thread).
-        std::thread::spawn(|| {
+        let dir = std::env::temp_dir().join(format!("opservant-{tag}-test-{}", std::process::id()));
+        std::thread::spawn(move || {
             nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
-            let dir = std::env::temp_dir().join(format!("opservant-hosttable-test-{}", std::process::id()));
             std::fs::create_dir_all(&dir).unwrap();
+            test(&dir);
+            let _ = std::fs::remove_dir_all(&dir);
+        })
+        .join()
+        .unwrap();
+    }
+
+    /// A host table an earlier version made (its tag without the rules' version) is replaced
+    /// when no run holds it, refused while one does; one for other pools is refused.
+    #[test]
+    fn a_host_table_of_another_version_is_replaced_once_unused() {
+        let _serial = COLLECTOR_TESTS.lock().unwrap_or_else(|e| e.into_inner());
+        in_private_netns("hosttable", |dir| {
+            let dir = dir.to_path_buf();
             let pool = Pool { v4: "10.213.0.0/16".parse().unwrap(), v6: None, lock_dir: dir.clone() };
             let mut nl = Netlink::netfilter().unwrap();
             let old_tag = "opservant pools 10.213.0.0/16";
@@ -833,39 +845,25 @@ mod tests {
             let err = HostLease::acquire(&other, HostTableRelease::Keep, &mut nl).err().expect("other pools");
             assert!(err.to_string().contains("serves other pools"), "{err}");
             assert_eq!(nft::host_table(&mut nl).unwrap(), Some(want));
-            let _ = std::fs::remove_dir_all(&dir);
-        })
-        .join()
-        .unwrap();
+        });
     }
 
     #[test]
     fn an_idle_host_table_is_deleted_and_a_held_one_kept() {
-        if !nix::unistd::geteuid().is_root() {
-            assert!(std::env::var_os("CI").is_none(), "CI runs the tests as root");
-            return;
-        }
-        // In a network namespace of this thread's own (unshare affects the calling thread).
-        std::thread::spawn(|| {
-            nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
-            let dir = std::env::temp_dir().join(format!("opservant-idletable-test-{}", std::process::id()));
-            std::fs::create_dir_all(&dir).unwrap();
+        in_private_netns("idletable", |dir| {
             let mut nl = Netlink::netfilter().unwrap();
-            assert!(!delete_idle_host_table(&dir).unwrap(), "no table: nothing to delete");
+            assert!(!delete_idle_host_table(dir).unwrap(), "no table: nothing to delete");
             let pool4: IpNet = "10.215.0.0/16".parse().unwrap();
             assert!(nft::create_host_table(&mut nl, &pool4, None).unwrap());
             // A run holds a lease: kept.
-            let holder = open_lock(&host_lock_path(&dir).unwrap()).unwrap();
+            let holder = open_lock(&host_lock_path(dir).unwrap()).unwrap();
             flock(&holder, libc::LOCK_SH).unwrap();
-            assert!(!delete_idle_host_table(&dir).unwrap());
+            assert!(!delete_idle_host_table(dir).unwrap());
             assert!(nft::host_table(&mut nl).unwrap().is_some(), "a held table was deleted");
             drop(holder);
-            assert!(delete_idle_host_table(&dir).unwrap());
+            assert!(delete_idle_host_table(dir).unwrap());
             assert_eq!(nft::host_table(&mut nl).unwrap(), None);
-            let _ = std::fs::remove_dir_all(&dir);
-        })
-        .join()
-        .unwrap();
+        });
     }
 
     #[test]
