@@ -623,11 +623,16 @@ fn the_logs_directory_must_be_the_agents_alone() {
     };
     std::fs::set_permissions(&above, std::fs::Permissions::from_mode(0o777)).unwrap();
     refused_above(&run(), "writable by others without the sticky bit");
-    // A group that may write it is an administrator's choice (Ubuntu's `/var/log` is
-    // `root:syslog` 0775): accepted above the directory, never for the directory itself.
+    // A system group that may write it is an administrator's choice (Ubuntu's `/var/log` is
+    // `root:syslog` 0775): accepted above the directory, never for the directory itself; a
+    // group of ordinary users is not.
     std::fs::set_permissions(&above, std::fs::Permissions::from_mode(0o775)).unwrap();
+    std::os::unix::fs::chown(&above, None, Some(4242)).unwrap();
+    refused_above(&run(), "writable by its group, gid 4242, which is not a system group");
+    std::os::unix::fs::chown(&above, None, Some(4)).unwrap();
     let out = run();
     assert_eq!(out.code, 0, "{out:?}");
+    std::os::unix::fs::chown(&above, None, Some(0)).unwrap();
     for f in ["audit.jsonl", "audit.jsonl.lock"] {
         std::fs::remove_file(nested.join(f)).unwrap();
     }
@@ -644,12 +649,27 @@ fn the_logs_directory_must_be_the_agents_alone() {
     std::os::unix::fs::lchown(&link, Some(65534), None).unwrap();
     let out = run();
     assert_eq!(out.code, 2, "{out:?}");
-    assert!(out.stderr.contains(&format!("{} (above", link.display())) && out.stderr.contains("uid 65534"), "{out:?}");
+    assert!(
+        out.stderr.contains(&format!("{} (a link on the way to", link.display())) && out.stderr.contains("uid 65534"),
+        "{out:?}"
+    );
     std::os::unix::fs::lchown(&link, Some(0), None).unwrap();
     std::fs::set_permissions(&above, std::fs::Permissions::from_mode(0o1777)).unwrap();
     let out = run();
     assert_eq!(out.code, 0, "{out:?}");
     assert!(std::fs::read_to_string(nested.join("audit.jsonl")).unwrap().contains("executor_complete"));
+    // A link part-way along a chain of links lies in another user's directory, which the
+    // path as written and the path resolved both skip: whoever owns it can repoint the chain.
+    let bob = dir.path.join("bob");
+    std::fs::create_dir(&bob).unwrap();
+    std::os::unix::fs::symlink(&nested, bob.join("l")).unwrap();
+    std::os::unix::fs::chown(&bob, Some(65534), None).unwrap();
+    let chain = dir.path.join("chain");
+    std::os::unix::fs::symlink(bob.join("l"), &chain).unwrap();
+    std::fs::write(&nested_conf, format!("audit:\n  path: {}/audit.jsonl\n", chain.display())).unwrap();
+    let out = run();
+    assert_eq!(out.code, 2, "{out:?}");
+    assert!(out.stderr.contains(&format!("{} (above", bob.display())) && out.stderr.contains("uid 65534"), "{out:?}");
 }
 
 #[test]

@@ -262,54 +262,102 @@ pub fn check_agents_own_dir(dir: &Path, meta: &std::fs::Metadata) -> Result<(), 
     check_ancestors(dir)
 }
 
-/// Every directory above `dir`, on its path as written and as resolved, may be changed by
-/// root, the agent or a system group only: whoever else can write one could rename the next
-/// one down away and put a directory of their own in its place, which the agent — opening
-/// files by path — would then use. So each must be owned by root or the agent (a symbolic
-/// link on the way too: its owner can point it elsewhere), and not writable by others unless
-/// its sticky bit is set (`/tmp`: there only an entry's owner may rename it). A group that
-/// may write one is trusted as an administrator's choice — Ubuntu's `/var/log` is
-/// `root:syslog` 0775 — as logrotate does; the directory itself must not be group-writable.
+/// The first group id of ordinary users on Debian and Ubuntu (`SYS_GID_MAX` is 999): a group
+/// below it is a system group, which only an administrator gives members.
+const FIRST_USER_GID: u32 = 1000;
+
+/// Every directory on the way to `dir` — resolved one component at a time, through every
+/// symbolic link and every directory a link's target passes — may be changed by root, the
+/// agent or a system group only: whoever else can write one could rename the next one down
+/// away and put a directory of their own in its place, which the agent, opening files by
+/// path, would then use. So each must be owned by root or the agent (a link too: its owner
+/// can point it elsewhere), not writable by others unless its sticky bit is set (`/tmp`:
+/// there only an entry's owner may rename it), and writable by its group only when that is
+/// root's or a system group — Ubuntu's `/var/log` is `root:syslog` 0775. `dir` itself is
+/// held to the stricter rule of [`check_dir_itself`].
 fn check_ancestors(dir: &Path) -> Result<(), String> {
+    use std::ffi::OsString;
     use std::os::unix::fs::MetadataExt;
+    use std::path::Component;
+    /// More links than this on the way is a loop, as for the kernel's `ELOOP` (40).
+    const MAX_LINKS: usize = 40;
     let euid = nix::unistd::geteuid().as_raw();
-    let written = std::path::absolute(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let resolved = std::fs::canonicalize(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let check = |up: &Path, meta: &std::fs::Metadata| {
+    let check = |at: &Path, meta: &std::fs::Metadata| {
+        let what = if meta.file_type().is_symlink() { "a link on the way to" } else { "above" };
         if meta.uid() != 0 && meta.uid() != euid {
             return Err(format!(
-                "{} (above {}) is owned by uid {}, not by root or the agent",
-                up.display(),
+                "{} ({what} {}) is owned by uid {}, not by root or the agent",
+                at.display(),
                 dir.display(),
                 meta.uid()
             ));
         }
-        if meta.is_dir() && meta.mode() & 0o002 != 0 && meta.mode() & 0o1000 == 0 {
+        if !meta.is_dir() {
+            return Ok(());
+        }
+        let mode = meta.mode();
+        if mode & 0o002 != 0 && mode & 0o1000 == 0 {
             return Err(format!(
                 "{} (above {}) is writable by others without the sticky bit (mode {:04o})",
-                up.display(),
+                at.display(),
                 dir.display(),
-                meta.mode() & 0o7777
+                mode & 0o7777
+            ));
+        }
+        if mode & 0o020 != 0 && mode & 0o1000 == 0 && meta.gid() != 0 && meta.gid() >= FIRST_USER_GID {
+            return Err(format!(
+                "{} (above {}) is writable by its group, gid {}, which is not a system group (mode {:04o})",
+                at.display(),
+                dir.display(),
+                meta.gid(),
+                mode & 0o7777
             ));
         }
         Ok(())
     };
-    let stat = |up: &Path, follow: bool| {
-        if follow { std::fs::metadata(up) } else { std::fs::symlink_metadata(up) }
-            .map_err(|e| format!("{}: {e}", up.display()))
+    let lstat = |at: &Path| std::fs::symlink_metadata(at).map_err(|e| format!("{}: {e}", at.display()));
+    let absolute = std::path::absolute(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    // What is left to walk, the next component last.
+    let mut todo: Vec<OsString> = Vec::new();
+    let push = |todo: &mut Vec<OsString>, path: &Path| {
+        for c in path.components().rev() {
+            match c {
+                Component::Normal(name) => todo.push(name.to_os_string()),
+                Component::ParentDir => todo.push("..".into()),
+                Component::RootDir | Component::CurDir | Component::Prefix(_) => {}
+            }
+        }
     };
-    for (i, up) in written.ancestors().enumerate() {
-        let link = stat(up, false)?;
-        // `dir` itself is checked by the stricter rule; a link at its name only for its owner.
-        if i > 0 || link.file_type().is_symlink() {
-            check(up, &link)?;
+    push(&mut todo, &absolute);
+    let mut at = PathBuf::from("/");
+    check(&at, &lstat(&at)?)?;
+    let mut links = 0;
+    while let Some(name) = todo.pop() {
+        if name == ".." {
+            // Back to a directory already checked on the way down.
+            at.pop();
+            continue;
         }
-        if i > 0 && link.file_type().is_symlink() {
-            check(up, &stat(up, true)?)?;
+        let next = at.join(&name);
+        let meta = lstat(&next)?;
+        if meta.file_type().is_symlink() {
+            check(&next, &meta)?;
+            links += 1;
+            if links > MAX_LINKS {
+                return Err(format!("{}: more than {MAX_LINKS} symbolic links on the way", dir.display()));
+            }
+            let target = std::fs::read_link(&next).map_err(|e| format!("{}: {e}", next.display()))?;
+            if target.is_absolute() {
+                at = PathBuf::from("/");
+            }
+            push(&mut todo, &target);
+            continue;
         }
-    }
-    for up in resolved.ancestors().skip(1) {
-        check(up, &stat(up, true)?)?;
+        // The last component is `dir` itself, checked by the stricter rule.
+        if !todo.is_empty() {
+            check(&next, &meta)?;
+        }
+        at = next;
     }
     Ok(())
 }

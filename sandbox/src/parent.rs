@@ -432,6 +432,12 @@ impl Sandbox {
         }
     }
 
+    /// The caller started this sandbox with another launcher because its zygote could not:
+    /// a pooled one then does not report `pool` ([`Sandbox::start_pooled`]).
+    pub fn mark_zygote_fallback(&mut self) {
+        self.zygote_fallback = true;
+    }
+
     /// A sandbox started ahead of its work (a warm pool) is put to work now: its clock — the
     /// timeout and the reported wall time — starts here, and the outcome reports `pool`
     /// (one the caller started cold because its zygote could not —
@@ -442,12 +448,6 @@ impl Sandbox {
     /// A sandbox whose payload (or monitor) has ended while it waited — killed by the OOM
     /// killer, where pooled payloads are the first victims — is refused here, so the caller
     /// starts a sandbox of its own instead of handing its run to a dead one.
-    /// The caller started this sandbox with another launcher because its zygote could not:
-    /// a pooled one then does not report `pool` ([`Sandbox::start_pooled`]).
-    pub fn mark_zygote_fallback(&mut self) {
-        self.zygote_fallback = true;
-    }
-
     pub fn start_pooled(&mut self) -> Result<(), SandboxError> {
         for (what, chan) in [("payload", self.app.as_ref()), ("monitor", Some(&self.chan))] {
             if chan.is_some_and(hung_up) {

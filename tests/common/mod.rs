@@ -18,25 +18,50 @@ pub fn opservant() -> &'static str {
     env!("CARGO_BIN_EXE_opservant")
 }
 
-/// Where the tests' own configuration and audit log live: root's, 0700, below the sticky
-/// `/var/tmp` — not in the checkout, whose directories need not be root's (the audit log's
-/// ancestors must be: `config::check_agents_own_dir`). `tests/run` makes the same for pytest.
-pub const TESTS_STATE: &str = "/var/tmp/opservant-tests";
+/// Where the tests' own configuration and audit log live, 0700: for root, in `/run` — not in
+/// the checkout, whose directories need not be root's (the audit log's ancestors must be:
+/// `config::check_agents_own_dir`), and not in `/var/tmp`, which tests declare to sandboxes
+/// (the agent refuses a declared path holding its own files); `tests/run` makes the same for
+/// pytest. Another user's tests (which skip what needs root) keep it in the build's tmp.
+pub fn tests_state() -> PathBuf {
+    // SAFETY: geteuid has no preconditions.
+    match unsafe { libc::geteuid() } {
+        0 => PathBuf::from("/run/opservant-tests"),
+        _ => Path::new(env!("CARGO_TARGET_TMPDIR")).join("opservant-tests"),
+    }
+}
 
 /// The configuration `opservant` reads when a test gives it no `--config`
-/// (`OPSERVANT_CONFIG`): the defaults, but the audit log in [`TESTS_STATE`] — a test run
+/// (`OPSERVANT_CONFIG`): the defaults, but the audit log in [`tests_state`] — a test run
 /// appends nothing to the host's `/var/log/opservant`. Written once per test process.
 pub fn test_config() -> &'static Path {
     static CONFIG: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     CONFIG.get_or_init(|| {
-        use std::os::unix::fs::DirBuilderExt;
-        let dir = Path::new(TESTS_STATE);
-        std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir).expect("create the tests' state directory");
+        use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
+        let dir = tests_state();
+        let _ = std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&dir);
+        // Not the user's alone (made by someone else first, or with other rights): not used.
+        let meta = std::fs::symlink_metadata(&dir).expect("the tests' state directory");
+        // SAFETY: geteuid has no preconditions.
+        let me = unsafe { libc::geteuid() };
+        assert!(
+            meta.is_dir() && meta.uid() == me && meta.mode() & 0o077 == 0,
+            "{} must be a directory of uid {me}'s alone (mode 0700); remove it",
+            dir.display()
+        );
         let path = dir.join("config.yaml");
-        // The same text from every test process, written aside and renamed over it: a
-        // reader never sees it half-written.
+        // The same text from every test process, written aside (a new file, never through a
+        // link) and renamed over it: a reader never sees it half-written.
         let part = dir.join(format!("config.yaml.{}", std::process::id()));
-        std::fs::write(&part, audit_section()).expect("write the tests' configuration");
+        let _ = std::fs::remove_file(&part);
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&part)
+            .expect("write the tests' configuration");
+        std::io::Write::write_all(&mut f, audit_section().as_bytes()).expect("write the tests' configuration");
         std::fs::rename(&part, &path).expect("put the tests' configuration in place");
         path
     })
@@ -44,7 +69,7 @@ pub fn test_config() -> &'static Path {
 
 /// The `audit:` section of [`test_config`], for a test's own configuration that has none.
 pub fn audit_section() -> String {
-    format!("audit:\n  path: {TESTS_STATE}/audit/audit.jsonl\n")
+    format!("audit:\n  path: {}/audit/audit.jsonl\n", tests_state().display())
 }
 
 /// `opservant` as the tests start it: [`test_config`] unless the test passes `--config`.

@@ -264,8 +264,9 @@ pub struct Egress {
 pub struct DynamicAllow {
     nf: Arc<Mutex<Netlink>>,
     /// Until when each address is in the sets, as far as this sandbox's allows put it there
-    /// (the sets are the sandbox's own; expired entries are dropped at each allow, so this
-    /// holds at most what the sets hold).
+    /// (the sets are the sandbox's own). Entries are dropped at each allow once 2 s past
+    /// their time, so this may name addresses the kernel has let go of — and holds at most
+    /// the set's size of others.
     until: Arc<Mutex<std::collections::HashMap<IpAddr, std::time::Instant>>>,
 }
 
@@ -304,25 +305,34 @@ impl DynamicAllow {
         if added.is_empty() && renewed.is_empty() {
             return Ok(());
         }
+        // Recorded as soon as the kernel has it, whatever fails after.
+        let record = |until: &mut std::collections::HashMap<IpAddr, std::time::Instant>, done: &[(IpAddr, u64)]| {
+            for &(addr, ms) in done {
+                until.insert(addr, now + std::time::Duration::from_millis(ms));
+            }
+        };
         match nft::add_dynamic(&mut nl, &added, &renewed) {
             // A renewed address the kernel no longer holds (the transaction was refused as a
             // whole): the new ones first, then each renewed one on its own — deleted and
             // added, or only added when the kernel has none to delete.
             Err(NetError::Kernel { errno, .. }) if errno == libc::ENOENT && !renewed.is_empty() => {
                 nft::add_dynamic(&mut nl, &added, &[])?;
-                for one in &renewed {
-                    match nft::add_dynamic(&mut nl, &[], std::slice::from_ref(one)) {
+                record(&mut until, &added);
+                for one in renewed.chunks(1) {
+                    match nft::add_dynamic(&mut nl, &[], one) {
                         Err(NetError::Kernel { errno, .. }) if errno == libc::ENOENT => {
-                            nft::add_dynamic(&mut nl, std::slice::from_ref(one), &[])?
+                            nft::add_dynamic(&mut nl, one, &[])?
                         }
                         other => other?,
                     }
+                    record(&mut until, one);
                 }
             }
-            other => other?,
-        }
-        for (addr, ms) in added.into_iter().chain(renewed) {
-            until.insert(addr, now + std::time::Duration::from_millis(ms));
+            other => {
+                other?;
+                record(&mut until, &added);
+                record(&mut until, &renewed);
+            }
         }
         Ok(())
     }
@@ -863,6 +873,57 @@ mod tests {
             drop(holder);
             assert!(delete_idle_host_table(dir).unwrap());
             assert_eq!(nft::host_table(&mut nl).unwrap(), None);
+        });
+    }
+
+    /// An address's time in the allow set is renewed by a later, longer answer, also once
+    /// the kernel has let it go but the forwarder still remembers it, and never cut short by
+    /// a later, shorter one.
+    #[test]
+    fn an_allowed_address_is_renewed_never_cut_short() {
+        in_private_netns("renew", |_| {
+            let nft = |args: &[&str], stdin: &str| {
+                let mut child = std::process::Command::new("nft")
+                    .args(args)
+                    .stdin(std::process::Stdio::piped())
+                    .stdout(std::process::Stdio::piped())
+                    .spawn()
+                    .expect("nft");
+                std::io::Write::write_all(&mut child.stdin.take().unwrap(), stdin.as_bytes()).unwrap();
+                let out = child.wait_with_output().unwrap();
+                assert!(out.status.success(), "nft {args:?}");
+                String::from_utf8(out.stdout).unwrap()
+            };
+            nft(
+                &["-f", "-"],
+                &format!(
+                    "table inet {} {{\n set {} {{ type ipv4_addr; flags timeout; }}\n set {} {{ type ipv6_addr; flags timeout; }}\n}}\n",
+                    nft::TABLE,
+                    nft::DYN4,
+                    nft::DYN6
+                ),
+            );
+            // Seconds until `addr` leaves the set, if it is there.
+            let expires = |addr: &str| -> Option<u64> {
+                let listed: serde_json::Value =
+                    serde_json::from_str(&nft(&["-j", "list", "set", "inet", nft::TABLE, nft::DYN4], "")).unwrap();
+                listed["nftables"].as_array()?.iter().find_map(|o| {
+                    o["set"]["elem"]
+                        .as_array()?
+                        .iter()
+                        .find_map(|e| (e["elem"]["val"] == addr).then(|| e["elem"]["expires"].as_u64().unwrap_or(0)))
+                })
+            };
+            let allow = DynamicAllow { nf: Arc::new(Mutex::new(Netlink::netfilter().unwrap())), until: Arc::default() };
+            let (x, y): (IpAddr, IpAddr) = ("192.0.2.1".parse().unwrap(), "192.0.2.2".parse().unwrap());
+            allow.allow(&[(x, 60_000)]).unwrap();
+            allow.allow(&[(x, 1_000), (x, 2_000)]).unwrap();
+            assert!(expires("192.0.2.1").is_some_and(|s| s >= 50), "cut short: {:?}", expires("192.0.2.1"));
+            allow.allow(&[(y, 1_000)]).unwrap();
+            std::thread::sleep(std::time::Duration::from_millis(1_300));
+            assert_eq!(expires("192.0.2.2"), None, "the kernel let it go");
+            allow.allow(&[(y, 30_000)]).unwrap();
+            assert!(expires("192.0.2.2").is_some_and(|s| s >= 25), "not renewed: {:?}", expires("192.0.2.2"));
         });
     }
 
