@@ -285,13 +285,12 @@ impl DynamicAllow {
         let mut nl = self.nf.lock().unwrap_or_else(|p| p.into_inner());
         let now = std::time::Instant::now();
         until.retain(|_, t| *t + GRACE > now);
-        // One entry per address, for its longest time in this answer.
-        let mut wanted: Vec<(IpAddr, u64)> = Vec::new();
+        // One entry per address, for its longest time in this answer (an upstream's answer
+        // may repeat one thousands of times).
+        let mut wanted: std::collections::HashMap<IpAddr, u64> = std::collections::HashMap::new();
         for &(addr, ms) in addrs {
-            match wanted.iter_mut().find(|(a, _)| *a == addr) {
-                Some(w) => w.1 = w.1.max(ms),
-                None => wanted.push((addr, ms)),
-            }
+            let w = wanted.entry(addr).or_insert(ms);
+            *w = (*w).max(ms);
         }
         let mut added: Vec<(IpAddr, u64)> = Vec::new();
         let mut renewed: Vec<(IpAddr, u64)> = Vec::new();
