@@ -847,3 +847,43 @@ fn only_recent_calls_sources_are_kept_for_tracebacks() {
     assert!(old.contains("<session call 1>\", line 2, in f"), "{old}");
     assert!(!old.contains("raise ValueError"), "call 1's source is still kept: {old}");
 }
+
+/// A call whose client goes while it runs (killed, Ctrl-C, gave up) is interrupted —
+/// KeyboardInterrupt in the session's code, as Ctrl-C in a terminal — and the session goes
+/// on with what the call left; it does not hold the session until the call's timeout.
+#[test]
+fn a_call_whose_client_goes_while_it_runs_is_interrupted_and_the_session_goes_on() {
+    if !require_root() {
+        return;
+    }
+    let (s, started) = Session::start(&["--allow-import", "time"]);
+    let daemon_pid = started["pid"].as_u64().unwrap();
+    let (code, r) = s.exec("n = 0\nslept = False", &[]);
+    assert_eq!(code, 0, "{r}");
+    let log = format!("/run/opservant/sessions/{}.log", s.name);
+    let read_log = || std::fs::read_to_string(&log).unwrap_or_default();
+    for (call, calls_before) in [("while True:\n    n += 1\n", 2), ("import time\ntime.sleep(50)\nslept = True", 4)] {
+        let mut client = common::command()
+            .args(["session", "exec", &s.name, "--code", call, "--timeout", "55"])
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while read_log().matches("session_exec\"").count() < calls_before {
+            assert!(std::time::Instant::now() < deadline, "the call never started");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        client.kill().unwrap();
+        client.wait().unwrap();
+        // The next call is served at once, by the same session.
+        let (code, r) = exec_within(&s, daemon_pid, "pass", &["--return", "n,slept"], 20)
+            .expect("the session was held by the call whose client went");
+        assert_eq!(code, 0, "{r}");
+        assert!(r["globals"]["n"].as_u64().unwrap() > 0, "{r}");
+        assert_eq!(r["globals"]["slept"], false, "{r}");
+    }
+    let log = read_log();
+    assert_eq!(log.matches("session_exec_interrupted").count(), 2, "{log}");
+    assert!(log.contains("client_gone"), "{log}");
+}

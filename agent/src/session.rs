@@ -19,7 +19,9 @@
 //!   sandbox is killed) and its reply says so; a stop signal ends a call at once;
 //! - every call is audited before its code is sent (`session_exec`, fail closed) and when it
 //!   ends (`session_exec_end`); a call whose client is gone before it starts (killed, or
-//!   given up waiting behind another call) never runs (`session_exec_abandoned`);
+//!   given up waiting behind another call) never runs (`session_exec_abandoned`); one whose
+//!   client goes while it runs is interrupted (SIGINT to the sandbox's processes, seen as
+//!   KeyboardInterrupt by the call only: `session_exec_interrupted`) and the session goes on;
 //! - an idle session (no call: status requests do not count) expires, and every session ends
 //!   after its maximum lifetime;
 //! - only root, or the user the daemon runs as, can reach a session: the directory is 0700,
@@ -529,6 +531,8 @@ enum NoMessage {
     Broken(String),
     /// The daemon received a stop signal (SIGTERM, SIGINT, SIGHUP).
     Signalled,
+    /// The client of the call has gone (closed its connection: killed, Ctrl-C, gave up).
+    ClientGone,
 }
 
 impl std::fmt::Display for NoMessage {
@@ -537,6 +541,7 @@ impl std::fmt::Display for NoMessage {
             NoMessage::Ended => f.write_str("the session's interpreter ended"),
             NoMessage::Broken(e) => f.write_str(e),
             NoMessage::Signalled => f.write_str("the daemon was signalled"),
+            NoMessage::ClientGone => f.write_str("the call's client went away"),
         }
     }
 }
@@ -762,7 +767,7 @@ impl Daemon {
         let deadline = Instant::now() + START_TIMEOUT;
         let mut ready = false;
         let started = loop {
-            match daemon.next_message(deadline) {
+            match daemon.next_message(deadline, None) {
                 // Answered once; a second `ready` is a protocol error.
                 Ok(Some(FromPayload::Ready)) if !ready => {
                     ready = true;
@@ -852,19 +857,29 @@ impl Daemon {
 
     /// The next message from the runtime; `Ok(None)` when `deadline` passed first, `Err`
     /// when the runtime is gone or broke the protocol — sending part of a message and not
-    /// the rest by `deadline` included —, or a stop signal arrived.
-    fn next_message(&mut self, deadline: Instant) -> Result<Option<FromPayload>, NoMessage> {
+    /// the rest by `deadline` included —, a stop signal arrived, or the `client` watched
+    /// has closed its connection.
+    fn next_message(
+        &mut self,
+        deadline: Instant,
+        client: Option<&UnixStream>,
+    ) -> Result<Option<FromPayload>, NoMessage> {
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return Ok(None);
             }
             let ms = left.as_millis().min(60_000) as u16;
-            let mut fds = [
+            let mut fds = vec![
                 PollFd::new(self.chan.as_fd(), PollFlags::POLLIN),
                 PollFd::new(self.done.as_fd(), PollFlags::POLLIN),
                 PollFd::new(self.signals.as_fd(), PollFlags::POLLIN),
             ];
+            // No events asked: a socket whose peer closed both directions reports POLLHUP
+            // anyway (see `client_gone`).
+            if let Some(c) = client {
+                fds.push(PollFd::new(c.as_fd(), PollFlags::empty()));
+            }
             match poll(&mut fds, PollTimeout::from(ms.max(1))) {
                 Err(nix::errno::Errno::EINTR) | Ok(0) => continue,
                 Err(e) => return Err(NoMessage::Broken(format!("poll: {e}"))),
@@ -872,6 +887,9 @@ impl Daemon {
             }
             if fds[2].any().unwrap_or(false) {
                 return Err(NoMessage::Signalled);
+            }
+            if fds.get(3).and_then(|c| c.revents()).is_some_and(|r| r.contains(PollFlags::POLLHUP)) {
+                return Err(NoMessage::ClientGone);
             }
             if fds[0].any().unwrap_or(false) {
                 return match app::recv_by(&self.chan, Some(deadline)) {
@@ -1039,7 +1057,9 @@ impl Daemon {
                     Some(End::Stopped),
                 )
             }
-            Request::Exec { code, globals, r#return, timeout_s } => self.exec(code, globals, r#return, timeout_s),
+            Request::Exec { code, globals, r#return, timeout_s } => {
+                self.exec(code, globals, r#return, timeout_s, &stream)
+            }
         };
         let _ = stream.write_all(reply.to_string().as_bytes());
         // Idle means without a call: `status` (`session list`) and refusals do not count.
@@ -1071,6 +1091,7 @@ impl Daemon {
         globals: serde_json::Map<String, Value>,
         names: Vec<String>,
         timeout_s: Option<u64>,
+        client: &UnixStream,
     ) -> (Value, Option<End>) {
         let timeout_s = timeout_s.unwrap_or(self.settings.call_timeout_s).clamp(1, self.settings.call_timeout_s);
         let started = Instant::now();
@@ -1119,8 +1140,20 @@ impl Daemon {
             let why = format!("the session has ended: the call could not be sent to its interpreter: {}", e.desc());
             return (ended(self, why, None), Some(End::Died));
         }
+        // Watched until it goes: then the call is interrupted (KeyboardInterrupt in session
+        // code, SIGINT to its processes), as Ctrl-C would stop it in a terminal; the session
+        // goes on. Code that carries on regardless is still bounded by the call's timeout.
+        let mut watched = Some(client);
         loop {
-            match self.next_message(deadline) {
+            match self.next_message(deadline, watched) {
+                Err(NoMessage::ClientGone) => {
+                    watched = None;
+                    audit::record(
+                        "session_exec_interrupted",
+                        &[("session", &self.settings.name), ("code_sha256", &digest), ("reason", "client_gone")],
+                    );
+                    self.stop.interrupt();
+                }
                 Ok(Some(FromPayload::SessionReply { success, error, stdout, stderr, globals })) => {
                     audit::record(
                         "session_exec_end",
@@ -1171,7 +1204,7 @@ impl Daemon {
                             self.stop.stop();
                             Some(e)
                         }
-                        NoMessage::Ended | NoMessage::Signalled => {
+                        NoMessage::Ended | NoMessage::Signalled | NoMessage::ClientGone => {
                             self.let_end(Duration::from_secs(2));
                             None
                         }

@@ -190,12 +190,28 @@ pub struct StopHandle {
     wake: std::sync::Arc<OwnedFd>,
 }
 
+/// What a [`StopHandle`] asks of [`Sandbox::wait`], one byte each on its wake-up socket.
+const WAKE_STOP: u8 = 1;
+const WAKE_INTERRUPT: u8 = 2;
+
 impl StopHandle {
     pub fn stop(&self) {
+        self.wake(WAKE_STOP);
+    }
+
+    /// SIGINT to every process of the sandbox (its init forwards it, as a terminal's Ctrl-C
+    /// reaches a whole process group); the sandbox goes on. Does nothing before its payload
+    /// has started, after its init is gone, or once the sandbox is stopped.
+    pub fn interrupt(&self) {
+        self.wake(WAKE_INTERRUPT);
+    }
+
+    fn wake(&self, what: u8) {
         use nix::sys::socket::{send, MsgFlags};
-        // A full buffer already holds a pending stop; a closed peer means the wait is over
-        // (MSG_NOSIGNAL: no SIGPIPE for a caller that did not ignore it).
-        let _ = send(self.wake.as_raw_fd(), &[1u8], MsgFlags::MSG_NOSIGNAL | MsgFlags::MSG_DONTWAIT);
+        // A full buffer only delays what it holds (a stop is then still read: the buffer
+        // is drained whole); a closed peer means the wait is over (MSG_NOSIGNAL: no SIGPIPE
+        // for a caller that did not ignore it).
+        let _ = send(self.wake.as_raw_fd(), &[what], MsgFlags::MSG_NOSIGNAL | MsgFlags::MSG_DONTWAIT);
     }
 }
 
@@ -738,7 +754,7 @@ impl Sandbox {
             let mut slots = Vec::with_capacity(4);
             if !stopped {
                 pfds.push(PollFd::new(self.stop_rx.as_fd(), PollFlags::POLLIN));
-                slots.push(3);
+                slots.push(4);
                 if let Some((all, _)) = STOP_ALL.get() {
                     pfds.push(PollFd::new(all.as_fd(), PollFlags::POLLIN));
                     slots.push(3);
@@ -807,8 +823,9 @@ impl Sandbox {
                             backstop_at.get_or_insert(Instant::now() + BACKSTOP);
                         }
                     },
-                    3 if stopped => {}
-                    3 => {
+                    3 | 4 if stopped => {}
+                    3 | 4 if slot == 4 && !self.stop_requested(report.is_some()) => {}
+                    3 | 4 => {
                         stopped = true;
                         self.kill();
                         backstop_at.get_or_insert(Instant::now() + BACKSTOP);
@@ -960,6 +977,30 @@ impl Sandbox {
         let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
         let ppid = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<i32>().ok());
         (ppid == Some(self.monitor.as_raw())).then_some(pidfd)
+    }
+
+    /// Read what the stop handles asked: `true` for a stop (or every handle gone, which
+    /// would leave the socket readable for ever); an interrupt is passed on to init here
+    /// once the payload has `started` (during setup init takes SIGINT as a stop).
+    fn stop_requested(&self, started: bool) -> bool {
+        let mut asked = [0u8; 64];
+        let mut interrupt = false;
+        loop {
+            match nix::unistd::read(&self.stop_rx, &mut asked) {
+                Ok(0) => return true,
+                Ok(n) if asked[..n].contains(&WAKE_STOP) => return true,
+                Ok(n) => interrupt |= asked[..n].contains(&WAKE_INTERRUPT),
+                Err(Errno::EINTR) => continue,
+                // EAGAIN: all read.
+                Err(_) => break,
+            }
+        }
+        if interrupt && started {
+            if let Some(init) = &self.init {
+                crate::zygote::pidfd_signal(init, Signal::SIGINT);
+            }
+        }
+        false
     }
 
     /// SIGTERM to the sandbox init, which forwards it to every process inside.

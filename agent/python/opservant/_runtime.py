@@ -412,7 +412,19 @@ def _keep_session_source(filename, source):
         _SESSION_SOURCES_COST -= old_cost
 
 
+# Whether session code is running: the daemon interrupts a call whose client has gone
+# (SIGINT, forwarded by the sandbox's init), and only the call may see it as
+# KeyboardInterrupt — one arriving a moment late, between calls, must not end the session.
+_SESSION_IN_CALL = False
+
+
+def _on_session_sigint(signum, frame):
+    if _SESSION_IN_CALL:
+        raise KeyboardInterrupt
+
+
 def _session_call(namespace, request, number):
+    global _SESSION_IN_CALL
 
     out, err = _Capture(), _Capture()
     saved = sys.stdout, sys.stderr
@@ -424,14 +436,17 @@ def _session_call(namespace, request, number):
         source = request["code"]
         code = compile(source, filename, "exec", dont_inherit=True)
         _keep_session_source(filename, source)
+        _SESSION_IN_CALL = True
         exec(code, namespace)
     except BaseException as e:  # SystemExit and KeyboardInterrupt too: the session goes on
+        _SESSION_IN_CALL = False
         success = False
         try:
             error = _format_user_exception(e)
         except Exception as f:
             error = "%s (its traceback could not be formatted: %s)" % (type(e).__name__, type(f).__name__)
     finally:
+        _SESSION_IN_CALL = False
         sys.stdout, sys.stderr = saved
     values = {}
     for name in request.get("return") or ():
@@ -461,6 +476,9 @@ def run_session():
     args = _opservant.args()
     sys.path[0:0] = _opservant.paths()
     namespace, guarded_import = _session_namespace(args["allow_imports"])
+    import _signal
+
+    _signal.signal(_signal.SIGINT, _on_session_sigint)
     error = None
     for alias, module in args["default_imports"]:
         try:
