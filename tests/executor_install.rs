@@ -1360,3 +1360,58 @@ fn a_package_directory_is_copied_without_following_links_or_waiting_on_fifos() {
     assert_eq!(out.code, 2, "{}", out.stderr);
     assert!(out.stderr.contains("hello/data.txt") && out.stderr.contains("hard link"), "{}", out.stderr);
 }
+
+/// SIGTERM (a service stop, `kill`) or a terminal's Ctrl-C (SIGINT to the whole process
+/// group) stops an install part-way: its pip is stopped, what it staged is removed, nothing
+/// is installed or recorded as installed, the failure is audited, and the exit status is
+/// 128 + the signal. pip is held here by an index on loopback that accepts and never answers.
+#[test]
+fn a_stop_signal_ends_an_install_and_leaves_nothing() {
+    use std::io::Read;
+    use std::os::unix::process::CommandExt;
+    if !common::require_root() {
+        return;
+    }
+    let env = Env::new();
+    let p = package(&env.dir.path, "1.0.0", true);
+    let index = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}/simple", index.local_addr().unwrap());
+    for (sig, group) in [(libc::SIGTERM, false), (libc::SIGINT, true)] {
+        let child = common::command()
+            .args(["executor", "install", p.to_str().unwrap(), "--index-url", &url])
+            .args(["--config", env.config.to_str().unwrap()])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0)
+            .spawn()
+            .unwrap();
+        // pip asks the index: the install is under way, staged.
+        let (mut held, _) = index.accept().unwrap();
+        assert!(
+            std::fs::read_dir(&env.root)
+                .unwrap()
+                .flatten()
+                .any(|e| e.file_name().to_string_lossy().starts_with(".staging-")),
+            "nothing staged while pip runs"
+        );
+        let target = if group { -(child.id() as i32) } else { child.id() as i32 };
+        // SAFETY: kill(2) on the process (group) this test started.
+        assert_eq!(unsafe { libc::kill(target, sig) }, 0);
+        let out = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(128 + sig), "signal {sig}: {stderr}");
+        assert!(stderr.contains("nothing was installed"), "{stderr}");
+        // pip is gone (its connection closed, with or without its request sent), not left
+        // waiting on the index.
+        held.set_read_timeout(Some(std::time::Duration::from_secs(10))).unwrap();
+        let mut request = Vec::new();
+        assert!(held.read_to_end(&mut request).is_ok(), "signal {sig}: pip still runs");
+        assert_eq!(env.entries(), Vec::<String>::new(), "signal {sig}: left behind");
+    }
+    let events = env.audit_events();
+    let failed: Vec<&Value> = events.iter().filter(|e| e["event"] == "executor_install_failed").collect();
+    assert_eq!(failed.len(), 2, "{events:?}");
+    assert!(failed.iter().all(|e| e["fields"]["reason"] == "interrupted"), "{failed:?}");
+    assert!(!events.iter().any(|e| e["event"] == "executor_install"), "{events:?}");
+}

@@ -155,7 +155,7 @@ impl Reason {
             E::Checksum(_) => Reason::Checksum,
             E::Conflict(_) => Reason::VersionConflict,
             E::TooLarge(_) => Reason::TooLarge,
-            E::Audit(_) => Reason::CannotRun,
+            E::Audit(_) | E::Interrupted(_) => Reason::CannotRun,
         }
     }
 }

@@ -95,6 +95,32 @@ pub enum InstallError {
     /// The change could not be audited first, so it was not made.
     #[error("audit log: {0}; nothing was changed")]
     Audit(String),
+    /// The process received a stop signal ([`stop_signalled`]) before the install's change.
+    #[error("stopped by {}; nothing was installed", signal_name(*.0))]
+    Interrupted(i32),
+}
+
+fn signal_name(sig: i32) -> &'static str {
+    nix::sys::signal::Signal::try_from(sig).map_or("a signal", |s| s.as_str())
+}
+
+/// The stop signal this process received (0: none); see [`stop_signalled`].
+static STOP_SIGNAL: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+
+/// The process was asked to stop by `sig` (SIGINT, SIGTERM, …): an install under way stops
+/// at its next step — before it records or changes anything of the installed executors —,
+/// stops pip, and removes what it staged ([`InstallError::Interrupted`]); one past that
+/// point completes (a rename and a link). Async-signal-safe (one atomic store): called from
+/// a command-line caller's signal handler.
+pub fn stop_signalled(sig: i32) {
+    STOP_SIGNAL.store(sig, std::sync::atomic::Ordering::SeqCst);
+}
+
+fn check_stop() -> Result<(), InstallError> {
+    match STOP_SIGNAL.load(std::sync::atomic::Ordering::SeqCst) {
+        0 => Ok(()),
+        sig => Err(InstallError::Interrupted(sig)),
+    }
 }
 
 impl InstallError {
@@ -110,6 +136,7 @@ impl InstallError {
             InstallError::Conflict(_) => "version_conflict",
             InstallError::TooLarge(_) => "too_large",
             InstallError::Audit(_) => "cannot_run",
+            InstallError::Interrupted(_) => "interrupted",
         }
     }
 }
@@ -513,11 +540,13 @@ pub fn install(
             // Verified and unpacked from the same private copy.
             let archive = staging.0.join("archive");
             let (sha, key) = checked_copy(src, &archive, check)?;
+            check_stop()?;
             unpack(&archive, kind, src, &unpacked)?;
             std::fs::remove_file(&archive).map_err(|e| io(&archive, e))?;
             (Some(sha), key)
         }
     };
+    check_stop()?;
     let pkg = package_root(&unpacked)?;
     let text = crate::manifest::read(&pkg.join("manifest.json"))
         .map_err(|e| InstallError::Invalid(format!("manifest.json: {}", e.message)))?;
@@ -597,6 +626,7 @@ pub fn install(
         warnings.extend(offered.ignored.iter().map(|n| format!("wheels/{n}: not a wheel, not offered to pip")));
         install_requirements(&pkg, offered.dir.as_deref(), &manifest.requirements.packages, opts)?;
     }
+    check_stop()?;
     let report = crate::lint::lint(&pkg, policy).map_err(|e| InstallError::Invalid(e.to_string()))?;
     if !report.errors.is_empty() {
         return Err(InstallError::Invalid(report.errors.join("; ")));
@@ -622,6 +652,9 @@ pub fn install(
         Err(e) => warnings.push(format!("bytecode not precompiled: {e}")),
     }
 
+    // The last point a stop signal stops the install (the precompiling sandbox, stopped by
+    // it, reported only a warning): from the record on, it completes.
+    check_stop()?;
     // The version already there: refused before anything is recorded (a refused install
     // is not logged as an install), unless forced. Locked to the end.
     let _lock = lock_root(root)?;
@@ -980,6 +1013,7 @@ struct Budget {
 
 impl Budget {
     fn entry(&mut self) -> Result<(), InstallError> {
+        check_stop()?;
         self.entries += 1;
         if self.entries > MAX_ENTRIES {
             return Err(InstallError::Invalid(format!("the package has more than {MAX_ENTRIES} entries")));
@@ -1464,9 +1498,9 @@ fn install_requirements(
     }
     cmd.arg("--").args(packages);
     cmd.env_clear().env("PATH", "/usr/bin:/bin").env("HOME", "/nonexistent").current_dir("/");
-    let out = cmd.output().map_err(|e| InstallError::Invalid(format!("{}: cannot run pip: {e}", python())))?;
-    if !out.status.success() {
-        let stderr = String::from_utf8_lossy(&out.stderr);
+    let (status, stderr) = run_pip(cmd)?;
+    if !status.success() {
+        let stderr = String::from_utf8_lossy(&stderr);
         let last: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).rev().take(3).collect();
         return Err(InstallError::Invalid(format!(
             "requirements.packages: pip could not install {}: {}",
@@ -1475,6 +1509,47 @@ fn install_requirements(
         )));
     }
     check_dependencies(&pkg.join(".deps"), packages)
+}
+
+/// Run pip (`cmd`) to its end — or, once a stop signal came ([`stop_signalled`]), kill it
+/// and return [`InstallError::Interrupted`]: pip may wait minutes on an index. Its stdout is
+/// not kept; its stderr is returned (the last 64 KiB: its last lines name the failure).
+fn run_pip(mut cmd: std::process::Command) -> Result<(std::process::ExitStatus, Vec<u8>), InstallError> {
+    const KEPT: usize = 64 << 10;
+    let cannot = |e: std::io::Error| InstallError::Invalid(format!("{}: cannot run pip: {e}", python()));
+    cmd.stdin(std::process::Stdio::null()).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped());
+    check_stop()?;
+    let mut child = cmd.spawn().map_err(cannot)?;
+    let stderr = child.stderr.take().map(|mut err| {
+        std::thread::spawn(move || {
+            let mut kept = std::collections::VecDeque::new();
+            let mut buf = [0u8; 8192];
+            while let Ok(n @ 1..) = err.read(&mut buf) {
+                kept.extend(&buf[..n]);
+                let over = kept.len().saturating_sub(KEPT);
+                kept.drain(..over);
+            }
+            Vec::from(kept)
+        })
+    });
+    let status = loop {
+        if let Some(status) = child.try_wait().map_err(cannot)? {
+            break Ok(status);
+        }
+        if let Err(stop) = check_stop() {
+            // Not yet reaped, so the pid is still pip's.
+            let _ = child.kill();
+            let _ = child.wait();
+            break Err(stop);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    // Joined once pip has ended (its end of the pipe closed with it, as `output()` waited).
+    let stderr = stderr.and_then(|t| t.join().ok()).unwrap_or_default();
+    let status = status?;
+    // A terminal's Ctrl-C reaches pip too, which then fails on its own: still a stop.
+    check_stop()?;
+    Ok((status, stderr))
 }
 
 /// What of a package's `wheels/` directory pip is given ([`package_wheels`]).

@@ -518,6 +518,7 @@ fn stop_sandboxes_on_signals() -> Result<(), CannotRun> {
         }
         let errno = nix::errno::Errno::last_raw();
         sandbox::parent::stop_all();
+        agent::executor_install::stop_signalled(sig);
         nix::errno::Errno::set_raw(errno);
     }
     CLI_PID.store(std::process::id(), std::sync::atomic::Ordering::SeqCst);
@@ -1226,6 +1227,9 @@ fn executor_install(
     config: Option<PathBuf>,
 ) -> Result<ExitCode, CannotRun> {
     use agent::executor_install as ei;
+    // A stop signal stops the install before its change, removing what it staged (and its
+    // pip, and the sandbox precompiling it); the exit status is then 128 + the signal.
+    stop_sandboxes_on_signals()?;
     let mut opts = opts;
     // pip runs in `/`: a relative `--find-links` is made absolute here, where the operator
     // typed it (pip would look under `/`, or only warn that the path is ignored).
