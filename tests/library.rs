@@ -1142,3 +1142,44 @@ fn dropping_a_zygote_that_cannot_die_does_not_hang() {
         std::thread::sleep(Duration::from_millis(10));
     }
 }
+
+/// With the teardown in the background (the agent's runs), `wait` returns once the outcome
+/// is complete: the payload's exit, every other process of the sandbox killed and reaped
+/// (nothing of it is left running on the host when `wait` returns), the output read to its
+/// end and the tree's resource usage — and the cgroups and the monitor go afterwards, so
+/// that nothing is left once the background teardown is done. Through a zygote too.
+#[test]
+fn a_background_teardown_returns_the_whole_outcome_and_then_leaves_nothing() {
+    if !require_root() {
+        return;
+    }
+    let _view = common::host_view();
+    let zygote = std::sync::Arc::new(runtime_zygote());
+    let launchers = [launcher(), Launcher::Zygote { zygote, end: sandbox::PayloadEnd::Exec }];
+    for (n, l) in launchers.iter().enumerate() {
+        let marker = format!("3{n}.1415926");
+        let script = format!("echo out; sleep {marker} & echo err >&2; head -c 300000 /dev/zero | tr '\\0' x; exit 3");
+        let mut sb = Sandbox::spawn(&spec(&["/bin/sh", "-c", &script]), l, None).unwrap();
+        sb.teardown_in_background();
+        let monitor = sb.monitor_pid();
+        let o = sb.wait(OutputOptions::default()).unwrap();
+        assert!(common::host_processes_with(&marker).is_empty(), "the payload's child outlived the outcome");
+        assert_eq!(o.exit.and_then(|e| e.code), Some(3), "{o:?}");
+        assert!(o.stdout.bytes.starts_with(b"out\n") && o.stdout.total == 4 + 300_000, "{}", o.stdout.total);
+        assert_eq!(String::from_utf8_lossy(&o.stderr.bytes), "err\n");
+        assert!(o.usage.peak_memory_bytes.is_some_and(|b| b > 0), "{o:?}");
+        assert!(!o.cgroup.paths.is_empty(), "{o:?}");
+        assert!(sandbox::parent::await_background_teardown(Duration::from_secs(30)), "teardown still under way");
+        let left: Vec<_> = common::sandbox_cgroups()
+            .into_iter()
+            .filter(|d| o.cgroup.paths.iter().any(|p| d.ends_with(p.trim_start_matches('/'))))
+            .collect();
+        assert!(left.is_empty(), "{left:?}");
+        // Exited (a zygote's monitor is its zygote's to reap, which it does at once).
+        let gone = Instant::now() + Duration::from_secs(5);
+        while Path::new(&format!("/proc/{monitor}")).exists() && Instant::now() < gone {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(!Path::new(&format!("/proc/{monitor}")).exists(), "the monitor {monitor} is still there");
+    }
+}

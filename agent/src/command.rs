@@ -281,6 +281,7 @@ impl Pipeline {
                 launcher: self.launcher.clone(),
                 runtime: self.runtime.clone(),
                 pool: self.pool.clone(),
+                background_teardown: true,
             };
             if let Err(e) = crate::executor_run::prewarm(&req) {
                 tracing::warn!(executor = %executor.manifest.name, error = %e.0, "warm pool: not pre-warmed");
@@ -473,6 +474,7 @@ impl Pipeline {
             launcher: self.launcher.clone(),
             runtime: self.runtime.clone(),
             pool: self.pool.clone(),
+            background_teardown: true,
         };
         match crate::executor_run::run(req) {
             Ok(result) => {

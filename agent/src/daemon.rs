@@ -240,6 +240,11 @@ pub fn serve(pipeline: Pipeline, socket: &Path, platform: Option<crate::platform
     for w in workers {
         let _ = w.join();
     }
+    // The runs answered before their sandboxes were torn down (in the background): none of
+    // their cgroups outlives the agent.
+    if !sandbox::parent::await_background_teardown(Duration::from_secs(30)) {
+        tracing::error!("sandbox teardowns still under way at exit; their cgroups are left to the next agent");
+    }
     Ok(())
 }
 

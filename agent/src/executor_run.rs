@@ -209,6 +209,13 @@ pub struct RunRequest<'a> {
     pub runtime: PathBuf,
     /// A warm pool to take the sandbox from (and refill) when it holds one for this spec.
     pub pool: Option<std::sync::Arc<crate::warm_pool::WarmPool>>,
+    /// Return the result as soon as the outcome is complete and leave the sandbox's teardown
+    /// (its init's and monitor's exits, its cgroups' removal) to a background thread
+    /// ([`sandbox::Sandbox::teardown_in_background`]): for the daemon, which answers sooner
+    /// and waits for the teardowns when it stops — never a command-line run, which exits.
+    /// Runs with network egress tear down before returning (their network is unwired once
+    /// the sandbox is over).
+    pub background_teardown: bool,
 }
 
 /// The runtime's `result` message: status, output, error, artifacts.
@@ -333,6 +340,9 @@ pub fn run(req: RunRequest) -> Result<RunResult, CannotRun> {
     };
     if let Some(p) = pool {
         p.refill(spec.clone());
+    }
+    if req.background_teardown && net.is_none() {
+        sb.teardown_in_background();
     }
     // The arguments go out first, so the payload's runtime reads them and builds the run's
     // context while the start record below is made durable (its `fdatasync` is most of an

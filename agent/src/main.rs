@@ -656,6 +656,7 @@ fn run_executor(
         launcher,
         runtime,
         pool,
+        background_teardown: false,
     };
     agent::executor_run::warm(&req).map_err(|e| CannotRun(format!("--launch pool: {}", e.0)))?;
     let result = agent::executor_run::run(req).map_err(|e| CannotRun(e.0))?;
@@ -888,10 +889,13 @@ fn bench(
         duration: std::time::Duration::from_secs_f64(duration),
         timings_only,
     };
-    let report = match bench::run(&opts, &mut |line| {
+    let report = bench::run(&opts, &mut |line| {
         // Progress only: a failing stdout is reported by the table printed next.
         let _ = agent::stdout::print(&format!("{line}\n"));
-    }) {
+    });
+    // Also when it failed or was stopped part-way: no sandbox cgroup outlives the bench.
+    sandbox::parent::await_background_teardown(std::time::Duration::from_secs(30));
+    let report = match report {
         Ok(r) => r,
         Err(BenchError::Usage(m)) => return Err(CannotRun(m)),
         Err(BenchError::Failed(m)) => {

@@ -51,6 +51,11 @@ pub enum FromSandbox {
     Failed(StepError),
     /// Init: the payload ended.
     PayloadExited(ExitInfo),
+    /// Init, after `PayloadExited`: every other process of the sandbox is reaped and init
+    /// holds no output pipe any more; resource usage of the whole tree (init's own and that
+    /// of every process it reaped). Init exits right after. The outcome is complete here:
+    /// what follows is teardown.
+    TreeUsage { cpu_ms: u64, peak_rss_bytes: u64 },
     /// Monitor: init has been reaped (every sandbox process is gone); resource usage of the
     /// whole tree. The monitor exits right after (tearing down the namespaces).
     InitExited { cpu_ms: u64, peak_rss_bytes: u64 },

@@ -38,7 +38,9 @@
 //!   7. drop every capability, lock securebits, no_new_privs       (privileges)
 //!   8. end here if a stop or a termination signal is pending (the payload never starts);
 //!      fork the payload; reap every process; forward SIGTERM to all, SIGKILL all on request;
-//!      when the payload ends, kill and reap every other process; report the payload's end
+//!      when the payload ends, kill and reap every other process; report the payload's end;
+//!      close its stdio (the output pipes reach end of file) and report the tree's resource
+//!      usage — the outcome is complete, init and the monitor only exit from here
 //! payload
 //!   1. default signals, new session, OOM score to the maximum (first victim) through the
 //!      old root's /proc, then closed; rlimits
@@ -289,6 +291,22 @@ fn monitor_until(
     Ok(None)
 }
 
+/// CPU time (ms) and peak resident memory (bytes) of this process and of every child it has
+/// reaped — what `wait4` reports of it to its parent once it exits.
+fn tree_usage() -> (u64, u64) {
+    let usage = |who| {
+        // SAFETY: rusage is plain old data; all-zero is valid, and getrusage only writes it.
+        let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        unsafe { libc::getrusage(who, &mut ru) };
+        ru
+    };
+    let (own, children) = (usage(libc::RUSAGE_SELF), usage(libc::RUSAGE_CHILDREN));
+    let ms = |t: libc::timeval| (t.tv_sec.max(0) as u64) * 1000 + (t.tv_usec.max(0) as u64) / 1000;
+    let cpu = ms(own.ru_utime) + ms(own.ru_stime) + ms(children.ru_utime) + ms(children.ru_stime);
+    (cpu, own.ru_maxrss.max(children.ru_maxrss).max(0) as u64 * 1024)
+}
+
 /// How `init` returns: as init (its exit code), or in the payload process (return mode).
 enum InitEnd {
     Exit(i32),
@@ -418,7 +436,15 @@ fn init(
         }
     };
     let status = reap_until(payload_pid, &handled);
+    // Every other process is reaped: once init lets go of the output pipes they reach end of
+    // file, and the run's outcome is complete before init and the monitor have exited.
+    for fd in 0..=2 {
+        // SAFETY: init never uses its stdio again.
+        unsafe { libc::close(fd) };
+    }
     let _ = chan.send(&FromSandbox::PayloadExited(status));
+    let (cpu_ms, peak_rss_bytes) = tree_usage();
+    let _ = chan.send(&FromSandbox::TreeUsage { cpu_ms, peak_rss_bytes });
     Ok(InitEnd::Exit(status.shell_code()))
 }
 

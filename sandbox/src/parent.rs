@@ -346,6 +346,8 @@ pub struct Sandbox {
     /// The sandbox's mount namespace, held from the handshake on by a zygote-launched
     /// sandbox so that its destruction is not the monitor's (see [`release_later`]).
     mount_ns: Option<OwnedFd>,
+    /// [`Sandbox::teardown_in_background`] was asked for.
+    teardown_in_background: bool,
 }
 
 impl Sandbox {
@@ -432,6 +434,7 @@ impl Sandbox {
             stop,
             mount_ns: None,
             zygote_fallback: false,
+            teardown_in_background: false,
         };
         match sb.handshake(spec, !matches!(launcher, Launcher::Fork), hook) {
             Ok(()) => Ok(sb),
@@ -446,6 +449,19 @@ impl Sandbox {
                 Err(e)
             }
         }
+    }
+
+    /// [`Sandbox::wait`] returns as soon as the outcome is complete — the payload ended, every
+    /// other process of the sandbox killed and reaped by its init, the output read to its end,
+    /// the tree's resource usage reported — and leaves what is left, init's and the monitor's
+    /// exits and the removal of the cgroups, to a background thread of this process (see
+    /// [`await_background_teardown`]): a long-lived caller (the agent) answers its run that
+    /// much sooner. A sandbox that failed, or was abandoned, is torn down before `wait`
+    /// returns, as without this; so is one when too many teardowns are already waiting.
+    /// A cgroup the background teardown cannot remove is logged and tried again later, as
+    /// one left behind. Not for a caller about to exit (a command-line run).
+    pub fn teardown_in_background(&mut self) {
+        self.teardown_in_background = true;
     }
 
     /// The caller started this sandbox with another launcher because its zygote could not:
@@ -809,6 +825,14 @@ impl Sandbox {
                                 // kernel must not keep the sandbox alive.
                                 backstop_at.get_or_insert(Instant::now() + BACKSTOP);
                             }
+                            // From init as it ends: the outcome is complete. A caller
+                            // that tears down in the background is done here; the others
+                            // wait for the monitor's report that init is gone too.
+                            FromSandbox::TreeUsage { cpu_ms, peak_rss_bytes } => {
+                                if self.teardown_in_background {
+                                    tree = Some((cpu_ms, peak_rss_bytes));
+                                }
+                            }
                             FromSandbox::InitExited { cpu_ms, peak_rss_bytes } => {
                                 self.init = None;
                                 tree = Some((cpu_ms, peak_rss_bytes));
@@ -852,22 +876,37 @@ impl Sandbox {
             }
         }
         let wall = self.started.elapsed();
+        let launch = self.launch;
         let mut cgroup = self.cgroup.take();
         if let (Some(cg), (true, _)) = (cgroup.as_mut(), self.cpu.outcome()) {
             cg.mark_cpu_enforced();
         }
         let cg_usage = cgroup.as_ref().map(|c| c.usage()).unwrap_or_default();
         let cg_report = cgroup.as_ref().map(|c| c.report().clone());
-        let removed = match cgroup {
-            // Their processes cannot go yet: no patience spent on them now.
-            Some(cg) if abandoned => {
-                cg.leave_behind();
-                Ok(())
-            }
-            Some(cg) => cg.remove(),
-            None => Ok(()),
+        // The outcome is complete (the tree's usage is in, the output read to its end, every
+        // process but init and the monitor, which only exit now, gone): what is left is
+        // teardown, which a caller that asked for it gets done in the background.
+        let deferred = self.teardown_in_background
+            && tree.is_some()
+            && report.is_some()
+            && failure.is_none()
+            && !abandoned
+            && background::admit();
+        let (removed, monitor) = if deferred {
+            background::submit(cgroup, self);
+            (Ok(()), None)
+        } else {
+            let removed = match cgroup {
+                // Their processes cannot go yet: no patience spent on them now.
+                Some(cg) if abandoned => {
+                    cg.leave_behind();
+                    Ok(())
+                }
+                Some(cg) => cg.remove(),
+                None => Ok(()),
+            };
+            (removed, self.reap(if abandoned { Duration::ZERO } else { MONITOR_EXIT }))
         };
-        let monitor = self.reap(if abandoned { Duration::ZERO } else { MONITOR_EXIT });
         if let Err(e) = removed {
             // A failure of the run is what its caller needs to hear; the cgroups are logged.
             match failure {
@@ -934,7 +973,7 @@ impl Sandbox {
                 pids: false,
                 degraded: vec![],
             }),
-            launch: self.launch,
+            launch,
         })
     }
 
@@ -1133,6 +1172,109 @@ fn release_later(ns: OwnedFd) {
         // A send fails only without the thread; the namespace then comes back in the error
         // and is dropped here.
         let _ = tx.send(ns);
+    }
+}
+
+/// Wait until every teardown left to the background ([`Sandbox::teardown_in_background`]) is
+/// done, at most `timeout`; `false` when some are still under way. A process that used it
+/// calls this before it exits (the agent's shutdown), so that no sandbox cgroup outlives it.
+pub fn await_background_teardown(timeout: Duration) -> bool {
+    background::wait_idle(timeout)
+}
+
+/// The background teardown of sandboxes whose outcome is complete: one thread, started on
+/// first use, removing their cgroups and reaping their monitors in turn.
+mod background {
+    use super::{Sandbox, SandboxCgroup, MONITOR_EXIT};
+    use std::sync::mpsc::{channel, Sender};
+    use std::sync::{Condvar, Mutex, OnceLock, PoisonError};
+    use std::time::{Duration, Instant};
+
+    /// At most this many teardowns wait; past that a caller tears its sandbox down itself, so
+    /// that sandboxes that cannot be removed (stuck in the kernel) do not pile up.
+    const MAX_PENDING: usize = 32;
+
+    type Job = (Option<SandboxCgroup>, Sandbox);
+
+    struct Teardowns {
+        tx: Mutex<Option<Sender<Job>>>,
+        pending: Mutex<usize>,
+        idle: Condvar,
+    }
+
+    static TEARDOWNS: Teardowns = Teardowns { tx: Mutex::new(None), pending: Mutex::new(0), idle: Condvar::new() };
+    static THREAD: OnceLock<bool> = OnceLock::new();
+
+    fn started() -> bool {
+        *THREAD.get_or_init(|| {
+            let (tx, rx) = channel::<Job>();
+            let spawned = std::thread::Builder::new()
+                .name("opservant-teardown".into())
+                .spawn(move || rx.into_iter().for_each(finish))
+                .map_err(|e| tracing::debug!(error = %e, "no background teardown thread"))
+                .is_ok();
+            if spawned {
+                *TEARDOWNS.tx.lock().unwrap_or_else(PoisonError::into_inner) = Some(tx);
+            }
+            spawned
+        })
+    }
+
+    /// A place for one more teardown (the caller then must [`submit`] it).
+    pub(super) fn admit() -> bool {
+        if !started() {
+            return false;
+        }
+        let mut pending = TEARDOWNS.pending.lock().unwrap_or_else(PoisonError::into_inner);
+        if *pending >= MAX_PENDING {
+            return false;
+        }
+        *pending += 1;
+        true
+    }
+
+    /// Tear down `sandbox` (admitted) in the background; here should the thread be gone.
+    pub(super) fn submit(cgroup: Option<SandboxCgroup>, sandbox: Sandbox) {
+        let tx = TEARDOWNS.tx.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        let job = (cgroup, sandbox);
+        let unsent = match tx {
+            Some(tx) => tx.send(job).err().map(|e| e.0),
+            None => Some(job),
+        };
+        if let Some(job) = unsent {
+            finish(job);
+        }
+    }
+
+    fn finish((cgroup, mut sandbox): Job) {
+        // Init is on its way out (it reported the tree's usage as it ended): its exit empties
+        // the cgroups, which can then go without a sweep.
+        if let Some(init) = sandbox.init.take() {
+            crate::zygote::pidfd_wait(&init, MONITOR_EXIT);
+        }
+        if let Some(cg) = cgroup {
+            if let Err(e) = cg.remove() {
+                tracing::error!(error = %e, "sandbox cgroup left behind (background teardown)");
+            }
+        }
+        sandbox.reap(MONITOR_EXIT);
+        drop(sandbox);
+        let mut pending = TEARDOWNS.pending.lock().unwrap_or_else(PoisonError::into_inner);
+        *pending = pending.saturating_sub(1);
+        TEARDOWNS.idle.notify_all();
+    }
+
+    pub(super) fn wait_idle(timeout: Duration) -> bool {
+        let until = Instant::now() + timeout;
+        let mut pending = TEARDOWNS.pending.lock().unwrap_or_else(PoisonError::into_inner);
+        while *pending > 0 {
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            pending = TEARDOWNS.idle.wait_timeout(pending, left).unwrap_or_else(PoisonError::into_inner).0;
+        }
+        true
     }
 }
 

@@ -417,6 +417,7 @@ impl Env {
             launcher: crate::launch::for_runtime(&self.zygote),
             runtime: self.runtime.clone(),
             pool: pooled.then(|| self.pool.clone()),
+            background_teardown: true,
         }
     }
 
@@ -706,6 +707,11 @@ pub fn run(opts: &Options, progress: &mut dyn FnMut(&str)) -> Result<Value, Benc
     } else {
         throughput(&env, &dir.join("noop"), opts.threads, opts.duration)?
     };
+    // The executor rows return, as the daemon's runs do, before their sandboxes are torn
+    // down: those teardowns end before the memory is measured (and the bench exits).
+    if !sandbox::parent::await_background_teardown(Duration::from_secs(30)) {
+        return Err(failed("sandbox teardowns still under way 30 s after the last run"));
+    }
     check_stop()?;
     let memory = if opts.timings_only { Value::Null } else { memory(&env, &dir, &op).map_err(or_stopped)? };
     check_stop()?;
