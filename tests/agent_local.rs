@@ -370,8 +370,7 @@ fn the_warm_pool_serves_repeat_runs_and_leaves_nothing_behind() {
     a.start();
     let agent = a.child.as_ref().unwrap().id();
     // Pre-warmed at start: one sandbox for each installed executor (port-scanner and slow),
-    // their payloads forked from the zygote's sandbox processes (zygote → monitor → init →
-    // payload).
+    // their payloads forked from the zygote's sandbox processes (zygote → init → payload).
     let deadline = Instant::now() + Duration::from_secs(20);
     let payloads = || daemon::zygote_payloads(agent).len();
     while payloads() < 2 {
@@ -382,7 +381,7 @@ fn the_warm_pool_serves_repeat_runs_and_leaves_nothing_behind() {
     // shared copy-on-write with the zygote (a payload just forked shares megabytes of it).
     let shared = || -> Vec<u64> {
         let zygote = daemon::zygote_pid(agent).unwrap();
-        let payloads = common::procs::at_depth(zygote, 3);
+        let payloads = common::procs::payloads_below(zygote);
         payloads.iter().filter_map(|&p| common::procs::shared_writable_kib(p)).collect()
     };
     while shared().len() < 2 || shared().iter().any(|&kib| kib > 256) {
@@ -423,7 +422,7 @@ fn the_warm_pool_serves_repeat_runs_and_leaves_nothing_behind() {
     // victim) is not handed out: the run starts its own and completes.
     std::thread::sleep(Duration::from_millis(300));
     let zygote = daemon::zygote_pid(agent).unwrap();
-    let waiting = common::procs::at_depth(zygote, 3);
+    let waiting = common::procs::payloads_below(zygote);
     assert!(!waiting.is_empty(), "a refilled sandbox waits");
     for p in &waiting {
         let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(*p), nix::sys::signal::SIGKILL);

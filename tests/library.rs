@@ -1183,3 +1183,101 @@ fn a_background_teardown_returns_the_whole_outcome_and_then_leaves_nothing() {
         assert!(!Path::new(&format!("/proc/{monitor}")).exists(), "the monitor {monitor} is still there");
     }
 }
+
+/// The pids of `pid`'s `NSpid` line: its pid in each PID namespace it is in, outermost first.
+fn ns_pids(pid: i32) -> Vec<String> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = status.lines().find(|l| l.starts_with("NSpid:")).unwrap().to_string();
+    line.split_whitespace().skip(1).map(str::to_string).collect()
+}
+
+/// A zygote's stash filled: its next sandbox can join a prepared network namespace.
+fn stash_ready(zygote: &sandbox::zygote::Zygote) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while zygote.netns_stash().unwrap().status().ready == 0 {
+        assert!(Instant::now() < deadline, "the stash made no namespace");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// A zygote with a prepared network namespace to hand over starts the sandbox directly: the
+/// process it forks is the sandbox's PID 1 (its init), not a monitor — and without one, a
+/// monitor as before. A sandbox started directly outlives its zygote: killing the zygote
+/// ends none of its sandboxes, which still complete and report.
+#[test]
+fn a_zygote_starts_sandboxes_directly_and_its_death_ends_none_of_them() {
+    if !require_root() {
+        return;
+    }
+    let _view = common::host_view();
+    let zygote = std::sync::Arc::new(runtime_zygote().with_netns_stash(1));
+    let l = Launcher::Zygote { zygote: zygote.clone(), end: sandbox::PayloadEnd::Exec };
+    stash_ready(&zygote);
+    let sb = Sandbox::spawn(&spec(&["/bin/sh", "-c", "sleep 1; echo done"]), &l, None).unwrap();
+    let init = ns_pids(sb.monitor_pid());
+    assert_eq!((init.len(), init.last().map(String::as_str)), (2, Some("1")), "not the sandbox's init: {init:?}");
+    // SAFETY: kill(2) on the zygote this test started.
+    assert_eq!(unsafe { libc::kill(zygote.pid().unwrap(), libc::SIGKILL) }, 0);
+    let o = sb.wait(OutputOptions::default()).unwrap();
+    assert!(o.success(), "{o:?}");
+    assert_eq!(stdout(&o), "done\n");
+    assert!(o.usage.peak_memory_bytes.is_some(), "{o:?}");
+
+    // Without a prepared namespace (a spec with a fresh sysfs cannot join one): a monitor.
+    let zygote = std::sync::Arc::new(runtime_zygote().with_netns_stash(1));
+    stash_ready(&zygote);
+    let l = Launcher::Zygote { zygote, end: sandbox::PayloadEnd::Exec };
+    let mut fresh_sysfs = spec(&["/bin/true"]);
+    fresh_sysfs.filesystem.sysfs = true;
+    let sb = Sandbox::spawn(&fresh_sysfs, &l, None).unwrap();
+    assert_eq!(ns_pids(sb.monitor_pid()).len(), 1, "a monitor is in the host's PID namespace");
+    assert!(sb.wait(OutputOptions::default()).unwrap().success());
+}
+
+/// With no monitor, a sandbox started directly is watched by its own init: when its caller
+/// dies outright (SIGKILL, no chance to stop it), every process of the sandbox is killed —
+/// as the monitor does for a sandbox that has one. The caller here is `opservant sandbox
+/// --launch zygote`, whose one-shot zygote has a prepared namespace: the sandbox's init is
+/// the zygote's child, and the zygote the caller's.
+#[test]
+fn a_sandbox_started_directly_dies_with_its_caller() {
+    if !require_root() {
+        return;
+    }
+    let marker = "41.3141592";
+    let mut caller = common::command()
+        .args(["sandbox", "--launch", "zygote", "--", "/bin/sh", "-c", &format!("sleep {marker}")])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let sleeper = loop {
+        if let Some(p) = common::host_processes_with(marker).into_iter().find(|&p| ns_pids(p).len() == 2) {
+            break p;
+        }
+        assert!(Instant::now() < deadline, "the sandbox did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let parent = |pid: i32| -> i32 {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+        stat.rsplit_once(')').unwrap().1.split_whitespace().nth(1).unwrap().parse().unwrap()
+    };
+    // The payload (and what it started) ← init ← the zygote ← the caller, no monitor between;
+    // the caller drops its one-shot zygote once the sandbox has started, and init is then the
+    // host's init's.
+    let mut init = sleeper;
+    while ns_pids(init).last().map(String::as_str) != Some("1") {
+        init = parent(init);
+    }
+    let above = parent(init);
+    assert!(above == 1 || parent(above) == caller.id() as i32, "init {init}'s parent {above} is a monitor");
+    caller.kill().unwrap();
+    caller.wait().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !common::host_processes_with(marker).is_empty() {
+        assert!(Instant::now() < deadline, "the sandbox outlived its caller");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

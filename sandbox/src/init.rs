@@ -53,6 +53,19 @@
 //!   7. execve (with the application channel, if any, as fd 4)
 //! ```
 //!
+//! A zygote with a prepared network namespace starts its sandboxes *directly*
+//! ([`run_direct`]): it joins the namespace, creates the process with `clone` in new user,
+//! mount, PID, IPC and UTS namespaces — so that the process is PID 1 of its sandbox from the
+//! start — and returns to its own network namespace. That process runs the monitor's steps
+//! 1, 2 and 5 (the zygote did 3 once for itself — no supplementary groups, the OOM shield
+//! where allowed — and 4 and 6 with the `clone`; init's signals are blocked from its
+//! creation on) and then init's steps as init, with one difference: there is no monitor to
+//! die with or to watch the caller, so init watches the caller through the channel itself
+//! (at its step 3, and from step 8 on: a caller gone gets every process killed) — the
+//! zygote is only init's parent, and a zygote that dies takes none of its sandboxes with
+//! it. Init's report of the tree's usage (step 8) is the sandbox's last word. One fork of
+//! the zygote's interpreter and one process exit per sandbox fewer.
+//!
 //! Every step either succeeds or reports a [`StepError`] over the channel and the sandbox is
 //! torn down; nothing continues past a failed step. The monitor/init/payload functions only
 //! need a single-threaded caller and the channel, so a zygote runs exactly these steps after
@@ -79,6 +92,19 @@ use crate::{mounts, namespaces, privileges, process, seccomp};
 /// Where a monitor started with a prepared network namespace finds it (a zygote places it
 /// there, see [`crate::zygote`]); the monitor joins it and closes it before unsharing.
 pub(crate) const NET_FD: std::os::fd::RawFd = APP_FD + 1;
+
+/// The namespaces a zygote creates for a sandbox it starts directly ([`run_direct`]), in one
+/// `clone` (the network namespace is the prepared one it joined first; the cgroup namespace
+/// is init's, after it joined the cgroups).
+pub(crate) const DIRECT_CLONE_FLAGS: libc::c_int =
+    libc::CLONE_NEWUSER | libc::CLONE_NEWNS | libc::CLONE_NEWPID | libc::CLONE_NEWIPC | libc::CLONE_NEWUTS;
+
+/// Whether a zygote may start a sandbox of `spec` directly: it asks for exactly the
+/// namespaces [`DIRECT_CLONE_FLAGS`] creates, and a prepared network namespace.
+pub(crate) fn direct_fits(spec: &SandboxSpec) -> bool {
+    let ns = &spec.namespaces;
+    ns.user && ns.mount && ns.pid && ns.ipc && ns.uts && spec.can_join_prepared_net()
+}
 
 /// Entry point of the re-exec'd sandbox init (`opservant __sandbox-init`): the channel is
 /// fd 3. Call before anything else in `main` — no threads may exist.
@@ -124,6 +150,75 @@ pub(crate) fn run_monitor_returning(prepared_net: bool) -> Handoff {
         Some(h) => h,
         None => exit(127),
     }
+}
+
+/// A sandbox a zygote started directly, in its namespaces already and PID 1 of its PID
+/// namespace (see the module documentation): the channel is on fd 3, init's signals
+/// blocked. Returns only in the payload process, with
+/// [`PayloadEnd::Return`]; every other process of the sandbox exits here.
+pub(crate) fn run_direct(end: PayloadEnd) -> Option<Handoff> {
+    // SAFETY: the zygote placed the channel at CHILD_FD and nothing else in this process
+    // owns that descriptor.
+    let chan = match unsafe { Channel::from_raw(CHILD_FD) } {
+        Ok(c) => c,
+        // Without close-on-exec the payload would inherit the channel: refuse to go on.
+        Err(_) => exit(125),
+    };
+    match direct_until(&chan, end) {
+        Ok(InitEnd::Exit(code)) => exit(code),
+        Ok(InitEnd::Payload(handoff)) => {
+            // As in `run_monitor_until`: the payload's own code must not hold the channel.
+            drop(chan);
+            Some(handoff)
+        }
+        Err(e) => {
+            let _ = chan.send(&FromSandbox::Failed(e));
+            exit(1)
+        }
+    }
+}
+
+/// The monitor's steps a sandbox started directly still takes, then init's (see the module
+/// documentation).
+fn direct_until(chan: &Channel, end: PayloadEnd) -> Result<InitEnd, StepError> {
+    // 1. (the zygote put stdio, the channel and the application channel in place and reset
+    // the signal dispositions; init's signals stay blocked)
+    process::close_fds_from(APP_FD + 1)?;
+    nix::unistd::setsid().map_err(|e| StepError::errno(Stage::Fork, "setsid", e))?;
+    // 2.
+    let spec = match chan.recv::<ToSandbox>().map_err(protocol)? {
+        Some(ToSandbox::Spec(s)) => s,
+        other => return Err(protocol(format!("expected the spec, got {other:?}"))),
+    };
+    spec.validate().map_err(|e| protocol(e.to_string()))?;
+    if !direct_fits(&spec) {
+        return Err(protocol("a sandbox started directly by a zygote for a spec that asks for other namespaces"));
+    }
+    let app = if spec.command.uses_app_fd() {
+        // SAFETY: the zygote placed the application channel at APP_FD; nothing else in this
+        // process owns it.
+        Some(unsafe { Channel::from_raw(APP_FD) }.map_err(|e| StepError::errno(Stage::Protocol, "app channel", e))?)
+    } else {
+        // SAFETY: fd 4 is unused in this sandbox (nothing here owns it); EBADF when it was
+        // never open is harmless.
+        unsafe { libc::close(APP_FD) };
+        None
+    };
+    // 4. (created by the zygote's `clone`)
+    let join = match chan.recv::<ToSandbox>().map_err(protocol)? {
+        Some(ToSandbox::Cgroups { join }) => join,
+        None => return Err(protocol("parent went away")),
+        other => return Err(protocol(format!("expected the cgroups, got {other:?}"))),
+    };
+    // 5.
+    chan.send(&FromSandbox::Unshared).map_err(|e| StepError::errno(Stage::Protocol, "send", e))?;
+    match chan.recv::<ToSandbox>().map_err(protocol)? {
+        Some(ToSandbox::Proceed) => {}
+        None => return Err(protocol("parent went away")),
+        other => return Err(protocol(format!("expected proceed, got {other:?}"))),
+    }
+    // 6. (this process is init; init's signals have been blocked since the `clone`)
+    init(chan, app, &spec, &join, end, true, None)
 }
 
 fn run_monitor_until(spec: Option<&SandboxSpec>, end: PayloadEnd, prepared_net: bool) -> Option<Handoff> {
@@ -253,7 +348,7 @@ fn monitor_until(
         ForkResult::Child => {
             drop(sfd);
             drop(alive_w);
-            match init(chan, app, spec, &join, end, prepared_net, alive_r) {
+            match init(chan, app, spec, &join, end, prepared_net, Some(alive_r)) {
                 Ok(InitEnd::Exit(code)) => exit(code),
                 Ok(InitEnd::Payload(handoff)) => return Ok(Some(handoff)),
                 Err(e) => {
@@ -362,10 +457,15 @@ fn init(
     cgroup_join: &[std::path::PathBuf],
     end: PayloadEnd,
     prepared_net: bool,
-    monitor_alive: std::os::fd::OwnedFd,
+    // The read end of a pipe only the monitor writes to: readable or hung up once the monitor
+    // is gone. `None` for a sandbox started directly, which has no monitor: init then
+    // watches its caller through the channel itself (step 3 and from step 8 on).
+    monitor_alive: Option<std::os::fd::OwnedFd>,
 ) -> Result<InitEnd, StepError> {
     // 1.
-    die_with_parent()?;
+    if monitor_alive.is_some() {
+        die_with_parent()?;
+    }
     // 2.
     for file in cgroup_join {
         // Writing "0" to a v1 `tasks` file moves this (single-threaded) process without the
@@ -387,12 +487,18 @@ fn init(
     }
     // Changing the effective ids cleared the parent-death signal (`commit_creds`): armed
     // again, then the monitor checked — had it died in between, nothing would kill init.
-    die_with_parent()?;
-    let mut alive = [PollFd::new(monitor_alive.as_fd(), PollFlags::POLLIN)];
-    if poll(&mut alive, PollTimeout::ZERO).map_err(|e| StepError::errno(Stage::Fork, "poll", e))? > 0 {
-        return Err(StepError::new(Stage::Fork, "the monitor has gone"));
+    match monitor_alive {
+        Some(monitor_alive) => {
+            die_with_parent()?;
+            let mut alive = [PollFd::new(monitor_alive.as_fd(), PollFlags::POLLIN)];
+            if poll(&mut alive, PollTimeout::ZERO).map_err(|e| StepError::errno(Stage::Fork, "poll", e))? > 0 {
+                return Err(StepError::new(Stage::Fork, "the monitor has gone"));
+            }
+        }
+        // The caller sends nothing after "proceed": a readable channel means it is gone.
+        None if caller_gone(chan) => return Err(protocol("the caller has gone")),
+        None => {}
     }
-    drop(monitor_alive);
     // 4.
     let view = mounts::build(&spec.filesystem, spec.namespaces.net, &spec.command.cwd)?;
     // 5.
@@ -435,7 +541,7 @@ fn init(
             child
         }
     };
-    let status = reap_until(payload_pid, &handled);
+    let status = reap_until(payload_pid, &handled, chan);
     // Every other process is reaped: once init lets go of the output pipes they reach end of
     // file, and the run's outcome is complete before init and the monitor have exited.
     for fd in 0..=2 {
@@ -452,7 +558,7 @@ fn init(
 pub const KILL_ALL: Signal = Signal::SIGUSR1;
 
 /// The signals init waits for at its step 8 (blocked from its fork on).
-fn init_signals() -> SigSet {
+pub(crate) fn init_signals() -> SigSet {
     let mut set = SigSet::empty();
     for s in [Signal::SIGCHLD, Signal::SIGTERM, Signal::SIGINT, Signal::SIGHUP, Signal::SIGQUIT, KILL_ALL] {
         set.add(s);
@@ -488,14 +594,48 @@ fn kill_and_reap_all() {
     }
 }
 
+/// Whether the caller has gone: the channel is readable (it sends nothing after "proceed",
+/// so that is its end of file) without waiting.
+fn caller_gone(chan: &Channel) -> bool {
+    let mut pfd = [PollFd::new(chan.as_fd(), PollFlags::POLLIN)];
+    poll(&mut pfd, PollTimeout::ZERO).is_ok_and(|n| n > 0)
+}
+
 /// Reap every child; forward termination signals to the whole namespace; on [`KILL_ALL`]
 /// kill everything. When the payload ends, nothing else may outlive it: kill and reap the
-/// rest, then return the payload's status.
-fn reap_until(payload: Pid, signals: &SigSet) -> ExitInfo {
+/// rest, then return the payload's status. Should the caller go away meanwhile (the
+/// channel readable: it sends nothing after "proceed"), everything is killed too — what
+/// the monitor does for a sandbox that has one, and the only watch over a sandbox a zygote
+/// started directly, whose init outlives the zygote.
+fn reap_until(payload: Pid, signals: &SigSet, chan: &Channel) -> ExitInfo {
+    // Without a signalfd, signals alone (the monitor, where there is one, still watches).
+    let sfd = SignalFd::new(signals).ok();
     let status = loop {
-        let sig = match signals.wait() {
-            Ok(s) => s,
-            Err(_) => continue,
+        let sig = match &sfd {
+            Some(sfd) => {
+                let mut fds =
+                    [PollFd::new(sfd.as_fd(), PollFlags::POLLIN), PollFd::new(chan.as_fd(), PollFlags::POLLIN)];
+                if poll(&mut fds, PollTimeout::NONE).is_err() {
+                    continue;
+                }
+                if fds[1].any().unwrap_or(false) {
+                    let _ = kill(Pid::from_raw(-1), Signal::SIGKILL);
+                }
+                if !fds[0].any().unwrap_or(false) {
+                    continue;
+                }
+                match sfd.read_signal() {
+                    Ok(Some(info)) => match Signal::try_from(info.ssi_signo as i32) {
+                        Ok(s) => s,
+                        Err(_) => continue,
+                    },
+                    _ => continue,
+                }
+            }
+            None => match signals.wait() {
+                Ok(s) => s,
+                Err(_) => continue,
+            },
         };
         match sig {
             Signal::SIGCHLD => {

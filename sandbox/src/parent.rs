@@ -348,6 +348,9 @@ pub struct Sandbox {
     mount_ns: Option<OwnedFd>,
     /// [`Sandbox::teardown_in_background`] was asked for.
     teardown_in_background: bool,
+    /// A zygote started the sandbox directly ([`crate::init::run_direct`]): the "monitor"
+    /// (pid, pidfd) is the sandbox's init, and there is no monitor process.
+    direct: bool,
 }
 
 impl Sandbox {
@@ -403,7 +406,7 @@ impl Sandbox {
             nix::sys::socket::SockFlag::SOCK_CLOEXEC | nix::sys::socket::SockFlag::SOCK_NONBLOCK,
         )
         .map_err(|e| SandboxError::io("socketpair", e.into()))?;
-        let (monitor, monitor_pidfd, zygote_pid) = spawn_monitor(launcher, &fds, spec)?;
+        let (monitor, monitor_pidfd, zygote_pid, direct) = spawn_monitor(launcher, &fds, spec)?;
         drop(fds);
         let stop = StopHandle { wake: std::sync::Arc::new(stop_tx) };
         let mut sb = Sandbox {
@@ -435,6 +438,7 @@ impl Sandbox {
             mount_ns: None,
             zygote_fallback: false,
             teardown_in_background: false,
+            direct,
         };
         match sb.handshake(spec, !matches!(launcher, Launcher::Fork), hook) {
             Ok(()) => Ok(sb),
@@ -570,7 +574,14 @@ impl Sandbox {
             // Whatever the hook did meanwhile, a monitor gone by now ends the sandbox here.
             self.check_monitor_pid("the namespace hook")?;
         }
-        self.chan.send(&ToSandbox::Proceed).map_err(|e| SandboxError::Channel(format!("send proceed: {}", e.desc())))
+        self.chan
+            .send(&ToSandbox::Proceed)
+            .map_err(|e| SandboxError::Channel(format!("send proceed: {}", e.desc())))?;
+        if self.direct {
+            // No monitor reports init's pid: the process the zygote started is init.
+            self.init = self.monitor_pidfd.as_ref().and_then(|p| p.try_clone().ok());
+        }
+        Ok(())
     }
 
     /// The monitor's `/proc/PID`, opened so that it names the monitor. A monitor that is our
@@ -829,7 +840,8 @@ impl Sandbox {
                             // that tears down in the background is done here; the others
                             // wait for the monitor's report that init is gone too.
                             FromSandbox::TreeUsage { cpu_ms, peak_rss_bytes } => {
-                                if self.teardown_in_background {
+                                // (A sandbox started directly has no monitor to report.)
+                                if self.teardown_in_background || self.direct {
                                     tree = Some((cpu_ms, peak_rss_bytes));
                                 }
                             }
@@ -896,6 +908,11 @@ impl Sandbox {
             background::submit(cgroup, self);
             (Ok(()), None)
         } else {
+            if let (true, false, Some(init)) = (self.direct, abandoned, &self.init) {
+                // A sandbox started directly reported its outcome from init as it ended: its
+                // exit empties the cgroups.
+                crate::zygote::pidfd_wait(init, MONITOR_EXIT);
+            }
             let removed = match cgroup {
                 // Their processes cannot go yet: no patience spent on them now.
                 Some(cg) if abandoned => {
@@ -1308,20 +1325,22 @@ fn pipe() -> Result<(OwnedFd, OwnedFd), SandboxError> {
 
 /// Start the monitor with stdio and the channel in place: `posix_spawn` with an empty
 /// environment, or `fork` (single-threaded callers). Returns its pid, a pidfd for it when a
-/// zygote started it, and that zygote's pid.
+/// zygote started it, that zygote's pid, and whether the zygote started the sandbox's init
+/// directly instead ([`crate::init::run_direct`]: the process is then init, and there is no
+/// monitor).
 fn spawn_monitor(
     launcher: &Launcher,
     fds: &[(OwnedFd, RawFd)],
     spec: &SandboxSpec,
-) -> Result<(Pid, Option<OwnedFd>, Option<i32>), SandboxError> {
+) -> Result<(Pid, Option<OwnedFd>, Option<i32>, bool), SandboxError> {
     use nix::spawn::{posix_spawn, PosixSpawnAttr, PosixSpawnFileActions, PosixSpawnFlags};
     let err = |e: Errno| SandboxError::Spawn { program: launcher.describe(), source: e.into() };
     let (program, args) = match launcher {
         Launcher::Exec { program, args } => (program, args),
         Launcher::Zygote { zygote, end } => {
             return zygote
-                .spawn(fds, *end, spec.can_join_prepared_net())
-                .map(|(pid, pidfd, zygote_pid)| (pid, Some(pidfd), Some(zygote_pid)));
+                .spawn(fds, *end, spec.can_join_prepared_net(), crate::init::direct_fits(spec))
+                .map(|(started, zygote_pid)| (started.pid, Some(started.pidfd), Some(zygote_pid), started.direct));
         }
         Launcher::Fork => {
             // SAFETY: `Launcher::Fork` is only chosen for single-threaded callers, so the
@@ -1344,7 +1363,7 @@ fn spawn_monitor(
                     }
                     crate::init::run_monitor(Some(spec), false)
                 }
-                nix::unistd::ForkResult::Parent { child } => Ok((child, None, None)),
+                nix::unistd::ForkResult::Parent { child } => Ok((child, None, None, false)),
             };
         }
     };
@@ -1357,7 +1376,7 @@ fn spawn_monitor(
     attr.set_sigmask(&SigSet::empty()).map_err(err)?;
     attr.set_sigdefault(&SigSet::all()).map_err(err)?;
     let env: [&CStr; 0] = [];
-    posix_spawn(program.as_c_str(), &actions, &attr, args, &env).map_err(err).map(|pid| (pid, None, None))
+    posix_spawn(program.as_c_str(), &actions, &attr, args, &env).map_err(err).map(|pid| (pid, None, None, false))
 }
 
 #[cfg(test)]

@@ -97,6 +97,12 @@ pub fn set_rlimits(nofile: u64, sigpending: u64) -> Result<(), StepError> {
 
 /// Default dispositions and an empty signal mask, as a freshly started program expects.
 pub fn reset_signals() {
+    default_dispositions();
+    let _ = sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None);
+}
+
+/// Every signal's disposition at its default (the mask is left as it is).
+pub(crate) fn default_dispositions() {
     for sig in 1..=libc::SIGRTMAX() {
         if sig == libc::SIGKILL || sig == libc::SIGSTOP {
             continue;
@@ -104,7 +110,6 @@ pub fn reset_signals() {
         // SAFETY: installing SIG_DFL is always sound.
         unsafe { libc::signal(sig, libc::SIG_DFL) };
     }
-    let _ = sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None);
 }
 
 /// Resolve `program` like `execvp`: a name with a slash is used as is, otherwise the first

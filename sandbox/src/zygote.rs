@@ -83,6 +83,11 @@ const MODE_RETURN: u8 = b'r';
 /// for the sandbox to join (placed at [`crate::init::NET_FD`] in the child).
 const MODE_EXEC_NET: u8 = b'E';
 const MODE_RETURN_NET: u8 = b'R';
+/// As the `NET` modes, the sandbox started directly when the zygote can
+/// ([`crate::init::run_direct`]): joined to the namespace and created in the others by the
+/// zygote's `clone`, PID 1 of its sandbox, without a monitor. The reply says which it did.
+const MODE_EXEC_DIRECT: u8 = b'x';
+const MODE_RETURN_DIRECT: u8 = b'y';
 
 /// How [`serve`] ended in this process.
 pub enum Served {
@@ -112,6 +117,7 @@ pub fn serve() -> Result<Served, SandboxError> {
     mask.add(Signal::SIGCHLD);
     mask.thread_block().map_err(|e| zerr(format!("block SIGCHLD: {}", e.desc())))?;
     let sfd = SignalFd::new(&mask).map_err(|e| zerr(format!("signalfd: {}", e.desc())))?;
+    let direct = Direct::prepare();
     // Serving from now on: the parent times its requests' replies from here, not from the
     // start-up.
     sendmsg::<()>(control.as_raw_fd(), &[IoSlice::new(&[REPLY_READY])], &[], MsgFlags::MSG_NOSIGNAL, None)
@@ -135,11 +141,13 @@ pub fn serve() -> Result<Served, SandboxError> {
             None => return Ok(Served::Shutdown),
             Some(r) => r,
         };
-        let (end, net) = match mode {
-            MODE_EXEC => (PayloadEnd::Exec, false),
-            MODE_RETURN => (PayloadEnd::Return, false),
-            MODE_EXEC_NET => (PayloadEnd::Exec, true),
-            MODE_RETURN_NET => (PayloadEnd::Return, true),
+        let (end, net, wants_direct) = match mode {
+            MODE_EXEC => (PayloadEnd::Exec, false, false),
+            MODE_RETURN => (PayloadEnd::Return, false, false),
+            MODE_EXEC_NET => (PayloadEnd::Exec, true, false),
+            MODE_RETURN_NET => (PayloadEnd::Return, true, false),
+            MODE_EXEC_DIRECT => (PayloadEnd::Exec, true, true),
+            MODE_RETURN_DIRECT => (PayloadEnd::Return, true, true),
             _ => {
                 reply_error(&control, "malformed request");
                 continue;
@@ -149,6 +157,34 @@ pub fn serve() -> Result<Served, SandboxError> {
             reply_error(&control, "malformed request");
             continue;
         }
+        // Without what a direct start needs (see `Direct::prepare`), through a monitor.
+        let mut received = received;
+        let direct_start = match (&direct, wants_direct) {
+            (Some(d), true) => Some(d.start(std::mem::take(&mut received))?),
+            _ => None,
+        };
+        if let Some(started) = direct_start {
+            match started {
+                DirectStart::Child(received) => {
+                    // Before the descriptors are moved into their slots (the numbers these
+                    // hold may become the sandbox's).
+                    drop(control);
+                    drop(sfd);
+                    drop(direct);
+                    return Ok(Served::Payload(become_direct_init(received, end)));
+                }
+                DirectStart::Started(child) => match pidfd_open(child) {
+                    // As below: only this loop reaps, so the pidfd names the child.
+                    Ok(pidfd) => reply(&control, started_body(child, REPLY_STARTED_INIT), Some(&pidfd)),
+                    Err(e) => {
+                        let _ = nix::sys::signal::kill(child, Signal::SIGKILL);
+                        reply_error(&control, &format!("pidfd_open: {}", e.desc()));
+                    }
+                },
+                DirectStart::Refused(m) => reply_error(&control, &m),
+            }
+            continue;
+        }
         // SAFETY: this process is single-threaded (the caller's contract), so the child is a
         // complete copy of the only thread.
         match unsafe { nix::unistd::fork() } {
@@ -156,6 +192,7 @@ pub fn serve() -> Result<Served, SandboxError> {
             Ok(ForkResult::Child) => {
                 drop(control);
                 drop(sfd);
+                drop(direct);
                 return Ok(Served::Payload(become_monitor(received, end, net)));
             }
             Ok(ForkResult::Parent { child }) => {
@@ -163,7 +200,7 @@ pub fn serve() -> Result<Served, SandboxError> {
                 // The child cannot have been reaped yet (only this loop reaps), so the pidfd
                 // names it.
                 match pidfd_open(child) {
-                    Ok(pidfd) => reply_started(&control, child, &pidfd),
+                    Ok(pidfd) => reply(&control, started_body(child, REPLY_STARTED), Some(&pidfd)),
                     Err(e) => {
                         let _ = nix::sys::signal::kill(child, Signal::SIGKILL);
                         reply_error(&control, &format!("pidfd_open: {}", e.desc()));
@@ -213,6 +250,136 @@ fn become_monitor(received: Vec<OwnedFd>, end: PayloadEnd, net: bool) -> Handoff
     }
 }
 
+/// What a zygote needs to start sandboxes directly ([`crate::init::run_direct`]), set up once.
+struct Direct {
+    /// The zygote's own network namespace, returned to after each `clone`.
+    own_net: OwnedFd,
+}
+
+/// How [`Direct::start`] went.
+enum DirectStart {
+    /// In the new process: the descriptors received for it, to go on with
+    /// [`become_direct_init`] once the zygote's own descriptors are closed.
+    Child(Vec<OwnedFd>),
+    /// In the zygote: the sandbox's init.
+    Started(Pid),
+    /// Nothing was started (the reply says why); the zygote serves on.
+    Refused(String),
+}
+
+impl Direct {
+    /// The monitor's step 3, done once for every sandbox the zygote will start directly (their
+    /// init inherits it): no supplementary groups, the OOM shield where allowed; and the
+    /// descriptors [`Direct`] holds. `None` when any of it fails: requests for a direct start
+    /// are then served through a monitor, which does step 3 itself.
+    fn prepare() -> Option<Direct> {
+        if let Err(e) = nix::unistd::setgroups(&[]) {
+            tracing::debug!(error = %e, "zygote: supplementary groups not cleared; sandboxes start through a monitor");
+            return None;
+        }
+        // Best effort, as in a monitor: lowering needs CAP_SYS_RESOURCE.
+        let _ = std::fs::write("/proc/self/oom_score_adj", "-1000");
+        let own_net = nix::fcntl::open(
+            "/proc/self/ns/net",
+            nix::fcntl::OFlag::O_RDONLY | nix::fcntl::OFlag::O_CLOEXEC,
+            nix::sys::stat::Mode::empty(),
+        )
+        .ok()?;
+        Some(Direct { own_net })
+    }
+
+    /// Start a sandbox directly: `received` are its descriptors, the prepared network
+    /// namespace last. In the zygote an `Err` is fatal (it could not return to its own
+    /// network namespace, where every later child would start).
+    fn start(&self, mut received: Vec<OwnedFd>) -> Result<DirectStart, SandboxError> {
+        let Some(netns) = received.pop() else {
+            return Ok(DirectStart::Refused("malformed request".into()));
+        };
+        // Init's signals blocked from its creation on, so that one sent before init waits
+        // for them stays pending (PID 1 drops a signal it neither handles nor blocks).
+        let before = match crate::init::init_signals().thread_swap_mask(nix::sys::signal::SigmaskHow::SIG_BLOCK) {
+            Ok(b) => b,
+            Err(e) => return Ok(DirectStart::Refused(format!("block signals: {}", e.desc()))),
+        };
+        if let Err(e) = nix::sched::setns(&netns, nix::sched::CloneFlags::CLONE_NEWNET) {
+            let _ = before.thread_set_mask();
+            return Ok(DirectStart::Refused(format!("join the prepared network namespace: {}", e.desc())));
+        }
+        // SAFETY: a `clone` without CLONE_VM or a new stack: like fork(2), both processes
+        // return here, the child with a copy of this single-threaded process (the caller's
+        // contract). The C library did not make the child, so the thread id it keeps for it
+        // is this process's: nothing the child runs reads it (no other thread is signalled,
+        // no mutex is owned by thread id, `raise` asks the kernel for the caller's id), and
+        // the child's own children, made with fork(), get theirs.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_clone,
+                (crate::init::DIRECT_CLONE_FLAGS | libc::SIGCHLD) as libc::c_ulong,
+                0usize,
+                0usize,
+                0usize,
+                0usize,
+            )
+        };
+        if rc == 0 {
+            return Ok(DirectStart::Child(received));
+        }
+        let clone_err = Errno::last();
+        let back = nix::sched::setns(&self.own_net, nix::sched::CloneFlags::CLONE_NEWNET);
+        let _ = before.thread_set_mask();
+        if let Err(e) = back {
+            if rc > 0 {
+                let _ = nix::sys::signal::kill(Pid::from_raw(rc as i32), Signal::SIGKILL);
+            }
+            return Err(zerr(format!("cannot return to its own network namespace: {}", e.desc())));
+        }
+        if rc < 0 {
+            return Ok(DirectStart::Refused(format!("clone: {}", clone_err.desc())));
+        }
+        Ok(DirectStart::Started(Pid::from_raw(rc as i32)))
+    }
+}
+
+/// In a sandbox's new process ([`Direct::start`]): put the received descriptors in place,
+/// default signal dispositions (init's signals stay blocked), then the sandbox's steps as its
+/// init. No parent-death signal: the zygote's death must not end its sandboxes (init watches
+/// its caller through the channel instead).
+fn become_direct_init(received: Vec<OwnedFd>, end: PayloadEnd) -> Handoff {
+    crate::process::default_dispositions();
+    if crate::init::init_signals().thread_set_mask().is_err() {
+        // SAFETY: _exit is always sound; the parent sees the channel close.
+        unsafe { libc::_exit(125) };
+    }
+    // As in `become_monitor`: above the target range first, then onto the slots.
+    let high: Option<Vec<OwnedFd>> = received
+        .into_iter()
+        .map(|fd| {
+            nix::fcntl::fcntl(&fd, nix::fcntl::FcntlArg::F_DUPFD_CLOEXEC(10))
+                .ok()
+                // SAFETY: F_DUPFD_CLOEXEC returned a new descriptor we now own.
+                .map(|raw| unsafe { OwnedFd::from_raw_fd(raw) })
+        })
+        .collect();
+    let high = high.unwrap_or_default();
+    if high.len() < MIN_FDS {
+        // SAFETY: as above.
+        unsafe { libc::_exit(125) };
+    }
+    for (target, fd) in high.iter().enumerate() {
+        // SAFETY: dup2 onto the stdio/channel numbers; the source is open and above them.
+        if unsafe { libc::dup2(fd.as_raw_fd(), target as RawFd) } < 0 {
+            // SAFETY: as above.
+            unsafe { libc::_exit(125) };
+        }
+    }
+    drop(high);
+    match crate::init::run_direct(end) {
+        Some(handoff) => handoff,
+        // SAFETY: as above (exec mode returns only when it could not exec).
+        None => unsafe { libc::_exit(127) },
+    }
+}
+
 fn reap_children() {
     loop {
         match waitpid(Pid::from_raw(-1), Some(WaitPidFlag::WNOHANG)) {
@@ -252,35 +419,51 @@ fn receive(control: &OwnedFd) -> Result<Option<(u8, Vec<OwnedFd>)>, SandboxError
     }
 }
 
-/// First byte of a reply: the sandbox started (then the pid, little-endian, and a pidfd)…
+/// First byte of a reply: the sandbox's monitor started (then the pid, little-endian, and a
+/// pidfd)…
 const REPLY_STARTED: u8 = b'+';
+/// … or the sandbox was started directly: its init (then as above) …
+const REPLY_STARTED_INIT: u8 = b'#';
 /// … or the request was refused (then a message).
 const REPLY_REFUSED: u8 = b'!';
 /// Sent once, before the first request is read: the zygote serves.
 const REPLY_READY: u8 = b'*';
 
-fn started_body(pid: Pid) -> [u8; 5] {
+fn started_body(pid: Pid, tag: u8) -> [u8; 5] {
     let [a, b, c, d] = pid.as_raw().to_le_bytes();
-    [REPLY_STARTED, a, b, c, d]
+    [tag, a, b, c, d]
+}
+
+/// What a zygote started: its pid, a pidfd for it, and whether it is the sandbox's init
+/// (started directly) rather than its monitor.
+#[derive(Debug)]
+pub(crate) struct Started {
+    pub pid: Pid,
+    pub pidfd: OwnedFd,
+    pub direct: bool,
 }
 
 /// A reply's meaning; `pidfd` is the descriptor that came with it, if any.
-fn decode_reply(data: &[u8], pidfd: Option<OwnedFd>) -> Result<(Pid, OwnedFd), Failure> {
+fn decode_reply(data: &[u8], pidfd: Option<OwnedFd>) -> Result<Started, Failure> {
     match (data, pidfd) {
         ([], _) => Err(Failure::Transport("the zygote exited".into())),
         ([REPLY_REFUSED, message @ ..], _) => Err(Failure::Refused(String::from_utf8_lossy(message).into_owned())),
-        ([REPLY_STARTED, a, b, c, d], Some(fd)) => Ok((Pid::from_raw(i32::from_le_bytes([*a, *b, *c, *d])), fd)),
+        ([tag @ (REPLY_STARTED | REPLY_STARTED_INIT), a, b, c, d], Some(pidfd)) => Ok(Started {
+            pid: Pid::from_raw(i32::from_le_bytes([*a, *b, *c, *d])),
+            pidfd,
+            direct: *tag == REPLY_STARTED_INIT,
+        }),
         _ => Err(Failure::Transport("malformed reply".into())),
     }
 }
 
-fn reply_started(control: &OwnedFd, pid: Pid, pidfd: &OwnedFd) {
-    let body = started_body(pid);
-    let fds = [pidfd.as_raw_fd()];
+fn reply(control: &OwnedFd, body: [u8; 5], pidfd: Option<&OwnedFd>) {
+    let fds: Vec<RawFd> = pidfd.iter().map(|fd| fd.as_raw_fd()).collect();
+    let cmsgs = [ControlMessage::ScmRights(&fds)];
     let _ = sendmsg::<()>(
         control.as_raw_fd(),
         &[IoSlice::new(&body)],
-        &[ControlMessage::ScmRights(&fds)],
+        if fds.is_empty() { &[] } else { &cmsgs },
         MsgFlags::MSG_NOSIGNAL,
         None,
     );
@@ -532,15 +715,18 @@ impl Zygote {
     }
 
     /// Ask the zygote for a sandbox monitor with `fds` at 0, 1, 2, 3 (and 4) and, when
-    /// `prepared_net` allows it and the stash has one, a prepared network namespace to join.
-    /// Returns the monitor's pid, a pidfd for it and the zygote's pid. On any failure the zygote is stopped
-    /// (the next request starts a new one) and [`SandboxError::Zygote`] says why.
+    /// `prepared_net` allows it and the stash has one, a prepared network namespace to join —
+    /// with `direct` also allowed, the zygote starts the sandbox's init directly instead
+    /// ([`crate::init::run_direct`]; [`Started::direct`] says whether it did). Returns what
+    /// was started and the zygote's pid. On any failure the zygote is stopped (the next
+    /// request starts a new one) and [`SandboxError::Zygote`] says why.
     pub(crate) fn spawn(
         &self,
         fds: &[(OwnedFd, RawFd)],
         end: PayloadEnd,
         prepared_net: bool,
-    ) -> Result<(Pid, OwnedFd, i32), SandboxError> {
+        direct: bool,
+    ) -> Result<(Started, i32), SandboxError> {
         let mut guard = self.running.lock().unwrap_or_else(|e| e.into_inner());
         if guard.is_none() {
             let mut backoff = self.backoff.lock().unwrap_or_else(|e| e.into_inner());
@@ -576,8 +762,8 @@ impl Zygote {
             }
         }
         running.serving = ready.is_ok();
-        match ready.and_then(|()| request(&running.control, fds, end, netns.as_ref())) {
-            Ok((pid, pidfd)) => Ok((pid, pidfd, running.pid.as_raw())),
+        match ready.and_then(|()| request(&running.control, fds, end, netns.as_ref(), direct)) {
+            Ok(started) => Ok((started, running.pid.as_raw())),
             Err(Failure::Refused(m)) => Err(zerr(m)),
             Err(Failure::Transport(m)) => {
                 if let Some(r) = guard.take() {
@@ -601,7 +787,8 @@ fn request(
     fds: &[(OwnedFd, RawFd)],
     end: PayloadEnd,
     netns: Option<&OwnedFd>,
-) -> Result<(Pid, OwnedFd), Failure> {
+    direct: bool,
+) -> Result<Started, Failure> {
     let mut ordered: Vec<&(OwnedFd, RawFd)> = fds.iter().collect();
     ordered.sort_by_key(|(_, t)| *t);
     if ordered.iter().enumerate().any(|(i, (_, t))| *t != i as RawFd) || !(MIN_FDS..=MAX_FDS).contains(&ordered.len()) {
@@ -609,11 +796,13 @@ fn request(
     }
     let mut raw: Vec<RawFd> = ordered.iter().map(|(fd, _)| fd.as_raw_fd()).collect();
     raw.extend(netns.map(|fd| fd.as_raw_fd()));
-    let mode = [match (end, netns.is_some()) {
-        (PayloadEnd::Exec, false) => MODE_EXEC,
-        (PayloadEnd::Return, false) => MODE_RETURN,
-        (PayloadEnd::Exec, true) => MODE_EXEC_NET,
-        (PayloadEnd::Return, true) => MODE_RETURN_NET,
+    let mode = [match (end, netns.is_some(), direct) {
+        (PayloadEnd::Exec, false, _) => MODE_EXEC,
+        (PayloadEnd::Return, false, _) => MODE_RETURN,
+        (PayloadEnd::Exec, true, false) => MODE_EXEC_NET,
+        (PayloadEnd::Return, true, false) => MODE_RETURN_NET,
+        (PayloadEnd::Exec, true, true) => MODE_EXEC_DIRECT,
+        (PayloadEnd::Return, true, true) => MODE_RETURN_DIRECT,
     }];
     loop {
         match sendmsg::<()>(
@@ -757,8 +946,10 @@ mod tests {
         // 0x6e21 = 28193: little-endian it starts with b'!' (an untagged reply was read as
         // a refusal, and the run fell back to the cold path).
         for raw in [0x6e21, 1, 0x2b, 0x7fff_ffff, 4_194_304] {
-            let (pid, _) = decode_reply(&started_body(Pid::from_raw(raw)), Some(some_fd())).ok().unwrap();
-            assert_eq!(pid.as_raw(), raw);
+            for tag in [REPLY_STARTED, REPLY_STARTED_INIT] {
+                let started = decode_reply(&started_body(Pid::from_raw(raw), tag), Some(some_fd())).ok().unwrap();
+                assert_eq!((started.pid.as_raw(), started.direct), (raw, tag == REPLY_STARTED_INIT));
+            }
         }
     }
 
@@ -777,10 +968,10 @@ mod tests {
         .with_start_limit(Duration::from_millis(300), Duration::from_secs(2));
         let fds = || (0..4).map(|i| (some_fd(), i)).collect::<Vec<_>>();
         let count = || std::fs::read_to_string(&starts).unwrap_or_default().lines().count();
-        let err = z.spawn(&fds(), PayloadEnd::Exec, false).expect_err("never serves");
+        let err = z.spawn(&fds(), PayloadEnd::Exec, false, false).expect_err("never serves");
         assert!(err.to_string().contains("not serving"), "{err}");
         for _ in 0..3 {
-            let err = z.spawn(&fds(), PayloadEnd::Exec, false).expect_err("paused");
+            let err = z.spawn(&fds(), PayloadEnd::Exec, false, false).expect_err("paused");
             assert!(err.to_string().contains("none is started for"), "{err}");
         }
         assert_eq!(count(), 1, "no zygote is started during the pause");
@@ -788,7 +979,7 @@ mod tests {
         assert!(!z.alive());
         assert!(z.paused_for().is_some());
         std::thread::sleep(Duration::from_millis(2100));
-        let err = z.spawn(&fds(), PayloadEnd::Exec, false).expect_err("still never serves");
+        let err = z.spawn(&fds(), PayloadEnd::Exec, false, false).expect_err("still never serves");
         assert!(err.to_string().contains("not serving"), "{err}");
         assert_eq!(count(), 2, "tried again after the pause");
         // The next pause is longer (doubled).
@@ -820,7 +1011,10 @@ mod tests {
     fn refusals_empty_and_malformed_replies_are_told_apart() {
         assert!(matches!(decode_reply(b"!no fork", None), Err(Failure::Refused(m)) if m == "no fork"));
         assert!(matches!(decode_reply(b"", None), Err(Failure::Transport(_))));
-        assert!(matches!(decode_reply(&started_body(Pid::from_raw(7)), None), Err(Failure::Transport(_))));
+        assert!(matches!(
+            decode_reply(&started_body(Pid::from_raw(7), REPLY_STARTED), None),
+            Err(Failure::Transport(_))
+        ));
         assert!(matches!(decode_reply(b"+\x01\x00\x00", Some(some_fd())), Err(Failure::Transport(_))));
     }
 }

@@ -246,9 +246,9 @@ pub fn zygote_pid(agent: u32) -> Option<i32> {
     )
 }
 
-/// The payloads of the agent's zygote sandboxes (zygote → monitor → init → payload): pooled
+/// The payloads of the agent's zygote sandboxes ([`common::procs::payloads_below`]): pooled
 /// ones waiting for their runs, and those of runs in progress.
 #[allow(dead_code)] // tests/agent_local.rs only
 pub fn zygote_payloads(agent: u32) -> Vec<i32> {
-    zygote_pid(agent).map_or(vec![], |z| common::procs::at_depth(z, 3))
+    zygote_pid(agent).map_or(vec![], common::procs::payloads_below)
 }

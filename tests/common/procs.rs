@@ -42,6 +42,18 @@ pub fn at_depth(pid: i32, depth: usize) -> Vec<i32> {
     level
 }
 
+/// The payloads of the sandboxes a zygote started: the first process each sandbox's init
+/// forked, pid 2 of its PID namespace — two generations below the zygote when it started
+/// the sandbox directly (zygote → init → payload), three with a monitor (zygote → monitor →
+/// init → payload).
+pub fn payloads_below(zygote: i32) -> Vec<i32> {
+    let innermost = |pid: i32| -> Option<String> {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+        status.lines().find(|l| l.starts_with("NSpid:"))?.split_whitespace().last().map(str::to_string)
+    };
+    (2..=3).flat_map(|depth| at_depth(zygote, depth)).filter(|&p| innermost(p).as_deref() == Some("2")).collect()
+}
+
 /// KiB of `pid`'s private writable mappings (`rw-p`) that are resident and still shared
 /// with another process (`Shared_Clean` + `Shared_Dirty` in `/proc/PID/smaps`): for a
 /// zygote's child, the pages its first writes would copy. `None` if the process is gone.

@@ -452,9 +452,11 @@ impl Env {
             .map_err(|e| failed(format!("warm pool: {}", e.0)))?;
         let zpid = self.zygote.pid().ok_or_else(|| failed("the zygote is not running"))?;
         let deadline = Instant::now() + Duration::from_secs(5);
-        // zygote → monitor → init → payload.
-        while Instant::now() < deadline && !memory::descendants_at_depth(zpid, 3).iter().any(|&p| memory::receiving(p))
-        {
+        // zygote → init → payload (a sandbox the zygote started directly), or zygote →
+        // monitor → init → payload.
+        let waiting =
+            || (2..=3).any(|depth| memory::descendants_at_depth(zpid, depth).iter().any(|&p| memory::receiving(p)));
+        while Instant::now() < deadline && !waiting() {
             std::thread::sleep(Duration::from_micros(200));
         }
         Ok(())
@@ -801,7 +803,8 @@ fn memory(env: &Env, dir: &Path, op: &Path) -> Result<Value, BenchError> {
     let zygote = memory::of_process(zpid).ok_or_else(|| failed("cannot read the zygote's memory"))?;
     let wait = Duration::from_secs(20);
 
-    // A plain program (`sleep`) through the zygote: monitor + init are the overhead.
+    // A plain program (`sleep`) through the zygote: its init (and its monitor, where it has
+    // one) are the overhead.
     let (spec, _) = env.policy.spec_for(None, "/bin/sleep", vec!["30".into()]).map_err(failed)?;
     let sb = crate::launch::spawn_with_fallback(&spec, &crate::launch::for_program(&env.zygote), None)
         .map_err(|e| failed(format!("sandbox sleep: {e}")))?;
@@ -973,7 +976,7 @@ fn targets(report: &Value) -> Value {
             per_sb,
             "MiB",
             per_sb.map(|m| m <= TARGET_SANDBOX_MIB),
-            "Pss of a zygote-started executor sandbox's monitor and init (the payload interpreter is reported apart)"
+            "Pss of a zygote-started executor sandbox's own processes: its init (and monitor, where it has one; the payload interpreter is reported apart)"
         ),
     ])
 }
@@ -1036,13 +1039,13 @@ pub fn render_table(report: &Value) -> String {
         };
         s.push_str(&format!("memory: zygote idle {}\n", pair(&m["zygote_idle"])));
         s.push_str(&format!(
-            "memory: executor sandbox via zygote: monitor+init ({} processes) {}; payload {}\n",
+            "memory: executor sandbox via zygote: init (+ monitor) ({} processes) {}; payload {}\n",
             m["sandbox_executor"]["machinery_processes"],
             pair(&m["sandbox_executor"]["machinery"]),
             pair(&m["sandbox_executor"]["payload_mem"])
         ));
         s.push_str(&format!(
-            "memory: /bin/sleep sandbox via zygote: monitor+init ({} processes) {}; payload {}\n",
+            "memory: /bin/sleep sandbox via zygote: init (+ monitor) ({} processes) {}; payload {}\n",
             m["sandbox_program"]["machinery_processes"],
             pair(&m["sandbox_program"]["machinery"]),
             pair(&m["sandbox_program"]["payload_mem"])
