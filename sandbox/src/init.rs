@@ -194,29 +194,10 @@ fn direct_until(chan: &Channel, end: PayloadEnd) -> Result<InitEnd, StepError> {
     if !direct_fits(&spec) {
         return Err(protocol("a sandbox started directly by a zygote for a spec that asks for other namespaces"));
     }
-    let app = if spec.command.uses_app_fd() {
-        // SAFETY: the zygote placed the application channel at APP_FD; nothing else in this
-        // process owns it.
-        Some(unsafe { Channel::from_raw(APP_FD) }.map_err(|e| StepError::errno(Stage::Protocol, "app channel", e))?)
-    } else {
-        // SAFETY: fd 4 is unused in this sandbox (nothing here owns it); EBADF when it was
-        // never open is harmless.
-        unsafe { libc::close(APP_FD) };
-        None
-    };
+    let app = app_channel(&spec)?;
     // 4. (created by the zygote's `clone`)
-    let join = match chan.recv::<ToSandbox>().map_err(protocol)? {
-        Some(ToSandbox::Cgroups { join }) => join,
-        None => return Err(protocol("parent went away")),
-        other => return Err(protocol(format!("expected the cgroups, got {other:?}"))),
-    };
     // 5.
-    chan.send(&FromSandbox::Unshared).map_err(|e| StepError::errno(Stage::Protocol, "send", e))?;
-    match chan.recv::<ToSandbox>().map_err(protocol)? {
-        Some(ToSandbox::Proceed) => {}
-        None => return Err(protocol("parent went away")),
-        other => return Err(protocol(format!("expected proceed, got {other:?}"))),
-    }
+    let join = unshared_handshake(chan)?;
     // 6. (this process is init; init's signals have been blocked since the `clone`)
     init(chan, app, &spec, &join, end, true, None)
 }
@@ -289,16 +270,7 @@ fn monitor_until(
         },
     };
     spec.validate().map_err(|e| protocol(e.to_string()))?;
-    let app = if spec.command.uses_app_fd() {
-        // SAFETY: the parent placed the application channel at APP_FD; nothing else in this
-        // process owns it.
-        Some(unsafe { Channel::from_raw(APP_FD) }.map_err(|e| StepError::errno(Stage::Protocol, "app channel", e))?)
-    } else {
-        // SAFETY: fd 4 is unused in this sandbox (nothing here owns it); EBADF when it was
-        // never open is harmless.
-        unsafe { libc::close(APP_FD) };
-        None
-    };
+    let app = app_channel(spec)?;
     if prepared_net && !spec.can_join_prepared_net() {
         return Err(protocol("a prepared network namespace was handed over for a spec that cannot use one"));
     }
@@ -315,18 +287,8 @@ fn monitor_until(
         namespaces::join_prepared_net(unsafe { std::os::fd::OwnedFd::from_raw_fd(NET_FD) })?;
     }
     namespaces::unshare(&Namespaces { cgroup: false, net: spec.namespaces.net && !prepared_net, ..spec.namespaces })?;
-    let join = match chan.recv::<ToSandbox>().map_err(protocol)? {
-        Some(ToSandbox::Cgroups { join }) => join,
-        None => return Err(protocol("parent went away")),
-        other => return Err(protocol(format!("expected the cgroups, got {other:?}"))),
-    };
     // 5.
-    chan.send(&FromSandbox::Unshared).map_err(|e| StepError::errno(Stage::Protocol, "send", e))?;
-    match chan.recv::<ToSandbox>().map_err(protocol)? {
-        Some(ToSandbox::Proceed) => {}
-        None => return Err(protocol("parent went away")),
-        other => return Err(protocol(format!("expected proceed, got {other:?}"))),
-    }
+    let join = unshared_handshake(chan)?;
     // 6.
     // Block SIGCHLD before forking so its arrival is seen through the signalfd; and init's
     // signals, so that init starts with them blocked: PID 1 of a namespace ignores a signal
@@ -384,6 +346,36 @@ fn monitor_until(
         peak_rss_bytes: ru.ru_maxrss.max(0) as u64 * 1024,
     });
     Ok(None)
+}
+
+/// The application channel at fd 4 when the spec asks for one; otherwise fd 4 is closed.
+fn app_channel(spec: &SandboxSpec) -> Result<Option<Channel>, StepError> {
+    if spec.command.uses_app_fd() {
+        // SAFETY: the caller (the parent, or a zygote) placed the application channel at
+        // APP_FD; nothing else in this process owns it.
+        let app = unsafe { Channel::from_raw(APP_FD) };
+        return app.map(Some).map_err(|e| StepError::errno(Stage::Protocol, "app channel", e));
+    }
+    // SAFETY: fd 4 is unused in this sandbox (nothing here owns it); EBADF when it was never
+    // open is harmless.
+    unsafe { libc::close(APP_FD) };
+    Ok(None)
+}
+
+/// Step 5 once the namespaces exist: the cgroups to join arrive, "unshared" goes out (the
+/// parent writes the id maps and wires the namespaces), "proceed" comes back.
+fn unshared_handshake(chan: &Channel) -> Result<Vec<std::path::PathBuf>, StepError> {
+    let join = match chan.recv::<ToSandbox>().map_err(protocol)? {
+        Some(ToSandbox::Cgroups { join }) => join,
+        None => return Err(protocol("parent went away")),
+        other => return Err(protocol(format!("expected the cgroups, got {other:?}"))),
+    };
+    chan.send(&FromSandbox::Unshared).map_err(|e| StepError::errno(Stage::Protocol, "send", e))?;
+    match chan.recv::<ToSandbox>().map_err(protocol)? {
+        Some(ToSandbox::Proceed) => Ok(join),
+        None => Err(protocol("parent went away")),
+        other => Err(protocol(format!("expected proceed, got {other:?}"))),
+    }
 }
 
 /// CPU time (ms) and peak resident memory (bytes) of this process and of every child it has

@@ -5,7 +5,9 @@
 //! Blocking; an async caller runs it on a blocking thread.
 //!
 //! Guarantees: a started sandbox is always fully torn down — on success, on error and when a
-//! [`Sandbox`] is dropped — with its cgroups removed; the timeout sends SIGTERM to every
+//! [`Sandbox`] is dropped — with its cgroups removed (by a background thread once its
+//! outcome is complete, for a caller that asks for it: [`Sandbox::teardown_in_background`],
+//! [`await_background_teardown`]); the timeout sends SIGTERM to every
 //! process in the sandbox, then SIGKILL after the grace period; output is captured up to the
 //! caller's caps while the rest is drained and counted, so a runaway writer cannot block the
 //! sandbox or grow the parent.

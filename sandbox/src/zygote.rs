@@ -11,7 +11,12 @@
 //!   pidfd for it (opened before the zygote can reap it, so it names that process and no
 //!   other), and the parent signals and waits through the pidfd;
 //! - with [`PayloadEnd::Return`] the payload process returns into the zygote's code (its
-//!   interpreter) instead of `execve`, after every restriction is in place.
+//!   interpreter) instead of `execve`, after every restriction is in place;
+//! - with a prepared network namespace, the zygote starts the sandbox *directly*
+//!   ([`crate::init::run_direct`]): it joins that namespace, `clone`s the child into new
+//!   user, mount, PID, IPC and UTS namespaces and returns to its own network namespace, and
+//!   the child is the sandbox's init, running the monitor's protocol steps and then init's,
+//!   with no monitor process (the reply says so; the pidfd is then init's).
 //!
 //! Guarantees: the zygote receives nothing but descriptors and a mode byte — no spec, no
 //! secrets, no executor code; the forked child reads its spec from the channel like a cold
@@ -175,7 +180,7 @@ pub fn serve() -> Result<Served, SandboxError> {
                 }
                 DirectStart::Started(child) => match pidfd_open(child) {
                     // As below: only this loop reaps, so the pidfd names the child.
-                    Ok(pidfd) => reply(&control, started_body(child, REPLY_STARTED_INIT), Some(&pidfd)),
+                    Ok(pidfd) => reply_started(&control, started_body(child, REPLY_STARTED_INIT), &pidfd),
                     Err(e) => {
                         let _ = nix::sys::signal::kill(child, Signal::SIGKILL);
                         reply_error(&control, &format!("pidfd_open: {}", e.desc()));
@@ -200,7 +205,7 @@ pub fn serve() -> Result<Served, SandboxError> {
                 // The child cannot have been reaped yet (only this loop reaps), so the pidfd
                 // names it.
                 match pidfd_open(child) {
-                    Ok(pidfd) => reply(&control, started_body(child, REPLY_STARTED), Some(&pidfd)),
+                    Ok(pidfd) => reply_started(&control, started_body(child, REPLY_STARTED), &pidfd),
                     Err(e) => {
                         let _ = nix::sys::signal::kill(child, Signal::SIGKILL);
                         reply_error(&control, &format!("pidfd_open: {}", e.desc()));
@@ -457,13 +462,12 @@ fn decode_reply(data: &[u8], pidfd: Option<OwnedFd>) -> Result<Started, Failure>
     }
 }
 
-fn reply(control: &OwnedFd, body: [u8; 5], pidfd: Option<&OwnedFd>) {
-    let fds: Vec<RawFd> = pidfd.iter().map(|fd| fd.as_raw_fd()).collect();
-    let cmsgs = [ControlMessage::ScmRights(&fds)];
+fn reply_started(control: &OwnedFd, body: [u8; 5], pidfd: &OwnedFd) {
+    let fds = [pidfd.as_raw_fd()];
     let _ = sendmsg::<()>(
         control.as_raw_fd(),
         &[IoSlice::new(&body)],
-        if fds.is_empty() { &[] } else { &cmsgs },
+        &[ControlMessage::ScmRights(&fds)],
         MsgFlags::MSG_NOSIGNAL,
         None,
     );
