@@ -221,9 +221,20 @@ pub fn serve() -> Result<Served, SandboxError> {
 /// process's signal state, and run the monitor (see [`crate::init`]).
 fn become_monitor(received: Vec<OwnedFd>, end: PayloadEnd, net: bool) -> Handoff {
     crate::process::reset_signals();
-    // Move the received descriptors above the target range, then dup2 each onto its slot
-    // (dup2 clears close-on-exec on the copy).
-    // Every one or none: a descriptor left out would shift the others into the wrong slots.
+    into_slots(received, net);
+    match end {
+        PayloadEnd::Exec => crate::init::run_monitor(None, net),
+        PayloadEnd::Return => crate::init::run_monitor_returning(net),
+    }
+}
+
+/// In a forked or cloned child: the received descriptors onto 0, 1, 2, 3 (and 4) — with
+/// `net`, the last one onto [`crate::init::NET_FD`] — or `_exit` (the parent then sees the
+/// channel close). Every one or none: a descriptor left out would shift the others into the
+/// wrong slots.
+fn into_slots(received: Vec<OwnedFd>, net: bool) {
+    // Moved above the target range first, then dup2'd onto the slots (dup2 clears
+    // close-on-exec on the copy).
     let high: Option<Vec<OwnedFd>> = received
         .into_iter()
         .map(|fd| {
@@ -246,12 +257,6 @@ fn become_monitor(received: Vec<OwnedFd>, end: PayloadEnd, net: bool) -> Handoff
             // SAFETY: as above.
             unsafe { libc::_exit(125) };
         }
-    }
-    drop(high);
-    drop(netns);
-    match end {
-        PayloadEnd::Exec => crate::init::run_monitor(None, net),
-        PayloadEnd::Return => crate::init::run_monitor_returning(net),
     }
 }
 
@@ -355,29 +360,7 @@ fn become_direct_init(received: Vec<OwnedFd>, end: PayloadEnd) -> Handoff {
         // SAFETY: _exit is always sound; the parent sees the channel close.
         unsafe { libc::_exit(125) };
     }
-    // As in `become_monitor`: above the target range first, then onto the slots.
-    let high: Option<Vec<OwnedFd>> = received
-        .into_iter()
-        .map(|fd| {
-            nix::fcntl::fcntl(&fd, nix::fcntl::FcntlArg::F_DUPFD_CLOEXEC(10))
-                .ok()
-                // SAFETY: F_DUPFD_CLOEXEC returned a new descriptor we now own.
-                .map(|raw| unsafe { OwnedFd::from_raw_fd(raw) })
-        })
-        .collect();
-    let high = high.unwrap_or_default();
-    if high.len() < MIN_FDS {
-        // SAFETY: as above.
-        unsafe { libc::_exit(125) };
-    }
-    for (target, fd) in high.iter().enumerate() {
-        // SAFETY: dup2 onto the stdio/channel numbers; the source is open and above them.
-        if unsafe { libc::dup2(fd.as_raw_fd(), target as RawFd) } < 0 {
-            // SAFETY: as above.
-            unsafe { libc::_exit(125) };
-        }
-    }
-    drop(high);
+    into_slots(received, false);
     match crate::init::run_direct(end) {
         Some(handoff) => handoff,
         // SAFETY: as above (exec mode returns only when it could not exec).
