@@ -514,9 +514,18 @@ fn init(
         // Stopped or timed out while the sandbox was being built: the payload never starts.
         return Ok(InitEnd::Exit(128 + sig as i32));
     }
+    // Made before the payload exists (close-on-exec; the payload closes its copy at its step
+    // 3): without it init could not watch its caller, which a sandbox without a monitor
+    // depends on — fail before anything of the payload runs.
+    let signals = SignalFd::with_flags(&handled, nix::sys::signalfd::SfdFlags::SFD_CLOEXEC)
+        .map_err(|e| StepError::errno(Stage::Fork, "signalfd", e))?;
     // SAFETY: init is single-threaded (forked from the single-threaded monitor).
     let payload_pid = match unsafe { fork() }.map_err(|e| StepError::errno(Stage::Fork, "fork payload", e))? {
         ForkResult::Child => {
+            // Init's alone: the payload closes its copy with every other descriptor (step 3),
+            // so the number must not be closed again when the payload returns (return mode)
+            // through this frame — it may name another descriptor by then.
+            std::mem::forget(signals);
             let err = match payload_steps(chan, app, spec, ruleset, view, end, prepared_net) {
                 Ok(Ok(handoff)) => return Ok(InitEnd::Payload(handoff)),
                 Ok(Err(e)) | Err(e) => e,
@@ -533,7 +542,7 @@ fn init(
             child
         }
     };
-    let status = reap_until(payload_pid, &handled, chan);
+    let status = reap_until(payload_pid, &signals, chan);
     // Every other process is reaped: once init lets go of the output pipes they reach end of
     // file, and the run's outcome is complete before init and the monitor have exited.
     for fd in 0..=2 {
@@ -599,35 +608,28 @@ fn caller_gone(chan: &Channel) -> bool {
 /// channel readable: it sends nothing after "proceed"), everything is killed too — what
 /// the monitor does for a sandbox that has one, and the only watch over a sandbox a zygote
 /// started directly, whose init outlives the zygote.
-fn reap_until(payload: Pid, signals: &SigSet, chan: &Channel) -> ExitInfo {
-    // Without a signalfd, signals alone (the monitor, where there is one, still watches).
-    let sfd = SignalFd::new(signals).ok();
+fn reap_until(payload: Pid, signals: &SignalFd, chan: &Channel) -> ExitInfo {
+    let mut watching = true;
     let status = loop {
-        let sig = match &sfd {
-            Some(sfd) => {
-                let mut fds =
-                    [PollFd::new(sfd.as_fd(), PollFlags::POLLIN), PollFd::new(chan.as_fd(), PollFlags::POLLIN)];
-                if poll(&mut fds, PollTimeout::NONE).is_err() {
-                    continue;
-                }
-                if fds[1].any().unwrap_or(false) {
-                    let _ = kill(Pid::from_raw(-1), Signal::SIGKILL);
-                }
-                if !fds[0].any().unwrap_or(false) {
-                    continue;
-                }
-                match sfd.read_signal() {
-                    Ok(Some(info)) => match Signal::try_from(info.ssi_signo as i32) {
-                        Ok(s) => s,
-                        Err(_) => continue,
-                    },
-                    _ => continue,
-                }
-            }
-            None => match signals.wait() {
+        let mut fds = [PollFd::new(signals.as_fd(), PollFlags::POLLIN), PollFd::new(chan.as_fd(), PollFlags::POLLIN)];
+        let watched = if watching { &mut fds[..] } else { &mut fds[..1] };
+        if poll(watched, PollTimeout::NONE).is_err() {
+            continue;
+        }
+        if watching && fds[1].any().unwrap_or(false) {
+            // Once: a hung-up channel stays readable, and what was killed is reaped below.
+            watching = false;
+            let _ = kill(Pid::from_raw(-1), Signal::SIGKILL);
+        }
+        if !fds[0].any().unwrap_or(false) {
+            continue;
+        }
+        let sig = match signals.read_signal() {
+            Ok(Some(info)) => match Signal::try_from(info.ssi_signo as i32) {
                 Ok(s) => s,
                 Err(_) => continue,
             },
+            _ => continue,
         };
         match sig {
             Signal::SIGCHLD => {
