@@ -46,13 +46,21 @@ impl Freezer {
 
     /// Move `pids` into it and freeze them.
     pub fn freeze(&self, pids: &[i32]) {
-        for pid in pids {
-            std::fs::write(self.0.join("cgroup.procs"), pid.to_string()).unwrap();
-        }
+        self.try_move(pids).unwrap();
+        self.freeze_members();
+    }
+
+    /// Move `pids` into it (`Err` when one is gone).
+    fn try_move(&self, pids: &[i32]) -> std::io::Result<()> {
+        pids.iter().try_for_each(|pid| std::fs::write(self.0.join("cgroup.procs"), pid.to_string()))
+    }
+
+    /// Freeze what was moved in, and wait until it is frozen.
+    fn freeze_members(&self) {
         std::fs::write(self.0.join("freezer.state"), "FROZEN").unwrap();
         let give_up = Instant::now() + Duration::from_secs(10);
         while std::fs::read_to_string(self.0.join("freezer.state")).unwrap().trim() != "FROZEN" {
-            assert!(Instant::now() < give_up, "the freezer never froze {pids:?}");
+            assert!(Instant::now() < give_up, "the freezer {} never froze", self.0.display());
             std::thread::sleep(Duration::from_millis(10));
         }
     }
@@ -102,21 +110,24 @@ pub fn sandbox_cgroups_of_process(pid: i32) -> Vec<PathBuf> {
 /// once both exist (within 10 s). Returns the freezer and the sandbox's cgroup directories.
 pub fn freeze_sandbox_below(root: i32) -> (Freezer, Vec<PathBuf>) {
     let give_up = Instant::now() + Duration::from_secs(10);
-    let inside = loop {
+    let freezer = Freezer::new(root);
+    loop {
         let inside: Vec<i32> = super::procs::descendants(root)
             .into_iter()
             .filter(|&p| !sandbox_cgroups_of_process(p).is_empty())
             .collect();
         if inside.len() >= 2 {
-            break inside;
+            let dirs = sandbox_cgroups_of_process(inside[0]);
+            // A process listed may have ended since (a short-lived one of the sandbox's
+            // start): list again.
+            if freezer.try_move(&inside).is_ok() && !dirs.is_empty() {
+                freezer.freeze_members();
+                return (freezer, dirs);
+            }
         }
         assert!(Instant::now() < give_up, "no sandbox init and payload below {root}");
         std::thread::sleep(Duration::from_millis(10));
-    };
-    let dirs = sandbox_cgroups_of_process(inside[0]);
-    let freezer = Freezer::new(inside[0]);
-    freezer.freeze(&inside);
-    (freezer, dirs)
+    }
 }
 
 /// Start `cmd` (an opservant command that runs one sandbox, its output piped), freeze that
