@@ -653,7 +653,12 @@ fn an_archive_installs_as_tar_reads_it_or_not_at_all() {
             "tarfile.TarInfo._create_gnu_long_header('hello/hello/main.py', tarfile.GNUTYPE_LONGNAME, 'utf-8', 'surrogateescape') + pax([('comment', 'x')], tarfile.XGLTYPE) + member('hello/hello/benign.py', b'X = 1\\n')".into(),
             "a PAX global header after a local header or a GNU long name",
         ),
-        ("two-pax-sizes", "pax([('size', '6'), ('size', '0')]) + member('hello/x.py', b'X = 1\\n')".into(), "two PAX `size` records"),
+        // A PAX `size` record frames the next entry differently for a reader of the raw
+        // headers (the first pass, which bounds what is read into memory): refused, as is a
+        // GNU sparse file, whose extension headers follow its own.
+        ("pax-size", "pax([('size', '6')]) + member('hello/x.py', b'X = 1\\n')".into(), "a PAX `size` record is refused"),
+        ("two-pax-sizes", "pax([('size', '6'), ('size', '0')]) + member('hello/x.py', b'X = 1\\n')".into(), "a PAX `size` record is refused"),
+        ("gnu-sparse", "link('hello/sparse.py', '', tarfile.GNUTYPE_SPARSE)".into(), "a GNU sparse file is refused"),
         ("gnu-sparse-name", "pax([('GNU.sparse.name', 'hello/hello/main.py')]) + member('hello/x.py', b'X = 1\\n')".into(), "a GNU sparse PAX record"),
         ("loose-pyc", "member('hello/hello/sneaky.pyc', b'\\0' * 16)".into(), "hello/hello/sneaky.pyc: compiled bytecode outside __pycache__"),
         // In a bytecode cache too, which is otherwise skipped (the agent compiles its own).
@@ -706,37 +711,51 @@ fn an_archive_header_cannot_make_the_agent_read_gigabytes_into_memory() {
     if !common::require_root() {
         return;
     }
-    // A GNU long-name header claiming 1 GiB of name, followed by zeros (a ~1 MB gzip): the
-    // tar reader would hold the whole "name" in memory before any entry reached the size
-    // budget. The stream is cut at the budget instead.
+    // Headers the tar reader reads into memory whole — a GNU long name, a PAX header —
+    // claiming more than their limit: refused by the size they claim, before any of it is
+    // read (without the check the reader held up to the stream's cap, ~320 MiB, as one
+    // "name"). A file entry claiming 1 GiB of zeros (a ~1 MB gzip): the stream is cut at its
+    // cap while the headers are checked, before anything is unpacked.
     let env = Env::new();
-    let archive = env.dir.path.join("bomb.tar.gz");
-    python(&format!(
-        r#"
+    let gib = 1u64 << 30;
+    for (kind, name, claimed, written, needle) in [
+        ("L", "././@LongLink", gib, 4 << 20, "a GNU long name of 1073741824 bytes is refused (at most 4096)"),
+        ("L", "././@LongLink", 4097, 4097, "a GNU long name of 4097 bytes is refused (at most 4096)"),
+        ("K", "././@LongLink", gib, 4 << 20, "a GNU long link of 1073741824 bytes is refused (at most 4096)"),
+        ("x", "././@PaxHeader", gib, 4 << 20, "a PAX header of 1073741824 bytes is refused (at most 1048576)"),
+        ("g", "pax_global_header", 2 << 20, 2 << 20, "a PAX header of 2097152 bytes is refused (at most 1048576)"),
+        ("0", "hello/big.bin", gib, gib, "unpacks to more than"),
+    ] {
+        let archive = env.dir.path.join(format!("bomb-{kind}-{claimed}.tar.gz"));
+        python(&format!(
+            r#"
 import gzip
-size = 1 << 30
 h = bytearray(512)
-h[0:13] = b"././@LongLink"
+h[0:{name_len}] = {name:?}.encode()
 h[100:108] = b"0000644\0"; h[108:116] = b"0000000\0"; h[116:124] = b"0000000\0"
-h[124:136] = ("%011o" % size).encode() + b"\0"
+h[124:136] = ("%011o" % {claimed}).encode() + b"\0"
 h[136:148] = b"00000000000\0"
-h[156:157] = b"L"
+h[156:157] = {kind:?}.encode()
 h[257:263] = b"ustar "; h[263:265] = b" \0"
 h[148:156] = b"        "
 h[148:156] = ("%06o" % sum(h)).encode() + b"\0 "
-with gzip.open({:?}, "wb", compresslevel=1) as g:
+with gzip.open({archive:?}, "wb", compresslevel=1) as g:
     g.write(bytes(h))
+    left = {written}
     chunk = bytes(1 << 20)
-    for _ in range(size >> 20):
-        g.write(chunk)
+    while left > 0:
+        g.write(chunk[:min(left, len(chunk))])
+        left -= len(chunk)
 "#,
-        archive.to_str().unwrap()
-    ));
-    let out = env.op(&["executor", "install", archive.to_str().unwrap()]);
-    assert_eq!(out.code, 2, "{}", out.stderr);
-    assert!(out.stderr.contains("unpacks to more than"), "{}", out.stderr);
-    assert!(out.stderr.contains(r#""reason":"too_large""#), "{}", out.stderr);
-    assert_eq!(env.entries(), Vec::<String>::new());
+            name_len = name.len(),
+            archive = archive.to_str().unwrap()
+        ));
+        let out = env.op(&["executor", "install", archive.to_str().unwrap()]);
+        assert_eq!(out.code, 2, "{kind} {claimed}: {}", out.stderr);
+        assert!(out.stderr.contains(needle), "{kind} {claimed}: {}", out.stderr);
+        assert!(out.stderr.contains(r#""reason":"too_large""#), "{kind} {claimed}: {}", out.stderr);
+        assert_eq!(env.entries(), Vec::<String>::new(), "{kind} {claimed}: nothing left behind");
+    }
 }
 
 #[test]

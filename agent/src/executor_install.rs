@@ -20,7 +20,9 @@
 //!   on the first absolute path, `..` component, symbolic or hard link, device, FIFO, or
 //!   anything but a regular file or a directory, on a non-UTF-8 name, or beyond the size and
 //!   entry limits; on an entry two tar readers would name differently or a PAX global header
-//!   that changes later entries; on compiled bytecode outside `__pycache__` (archives and
+//!   that changes later entries; on a GNU long name or link over 4 KiB or a PAX header over
+//!   1 MiB, before any of it is read into memory (a first pass over the raw headers), on a
+//!   PAX `size` record and on a GNU sparse file; on compiled bytecode outside `__pycache__` (archives and
 //!   directories); every member of a multi-member gzip file is read, so what is installed is
 //!   what `tar` lists; nothing of a refused package is left behind;
 //! - a package is installed only if `executor lint` finds no error in it — with its Python
@@ -1107,7 +1109,25 @@ fn capped_message() -> String {
 }
 
 /// Unpack `file` (of `kind`) into `dest`; messages name `archive` (where it came from).
+///
+/// Two passes over the stream: [`check_headers`] first bounds what the `tar` reader would
+/// read into memory whole (long names, PAX headers) before any of it is read, then
+/// [`unpack_stream`] unpacks. Both read the decompressed stream through the same cap.
 fn unpack(file: &Path, kind: ArchiveKind, archive: &Path, dest: &Path) -> Result<(), InstallError> {
+    let (reader, exceeded) = open_stream(file, kind)?;
+    check_headers(reader, archive).map_err(|e| capped(&exceeded, archive, e))?;
+    let (reader, exceeded) = open_stream(file, kind)?;
+    mkdir(dest)?;
+    unpack_stream(reader, archive, dest).map_err(|e| capped(&exceeded, archive, e))
+}
+
+/// The decompressed tar stream of `file`, capped (see [`Capped`]); the flag says whether a
+/// read failed at the cap.
+#[allow(clippy::type_complexity)]
+fn open_stream(
+    file: &Path,
+    kind: ArchiveKind,
+) -> Result<(Capped<Box<dyn Read>>, std::rc::Rc<std::cell::Cell<bool>>), InstallError> {
     let f = std::fs::File::open(file).map_err(|e| io(file, e))?;
     let reader: Box<dyn Read> = match kind {
         // Every member of a multi-member gzip file, as `gzip -d` (and so `tar -xzf`) reads
@@ -1115,20 +1135,76 @@ fn unpack(file: &Path, kind: ArchiveKind, archive: &Path, dest: &Path) -> Result
         ArchiveKind::TarGz => Box::new(flate2::read::MultiGzDecoder::new(f)),
         ArchiveKind::Tar => Box::new(f),
     };
-    // The whole tar stream is bounded, headers included: the `tar` crate reads a long-name
-    // or PAX entry into memory whole, before any entry reaches the budget, and a header
-    // can claim gigabytes (a small gzip of zeros) — root would allocate them.
+    // The whole tar stream is bounded, headers included: a header can claim gigabytes (a
+    // small gzip of zeros), and the stream is read to its end even where nothing of it is
+    // kept.
     let exceeded = std::rc::Rc::new(std::cell::Cell::new(false));
-    let reader = Capped { inner: reader, left: MAX_UNPACKED_BYTES + MAX_TAR_OVERHEAD, exceeded: exceeded.clone() };
-    mkdir(dest)?;
-    unpack_stream(reader, archive, dest).map_err(|e| {
-        // However the tar reader reported the cut (a bad entry, a truncated one), it was the cap.
-        if exceeded.get() {
-            InstallError::TooLarge(format!("{}: {}", archive.display(), capped_message()))
-        } else {
-            e
+    Ok((Capped { inner: reader, left: MAX_UNPACKED_BYTES + MAX_TAR_OVERHEAD, exceeded: exceeded.clone() }, exceeded))
+}
+
+/// However the tar reader reported a read cut at the cap (a bad entry, a truncated one), it
+/// was the cap.
+fn capped(exceeded: &std::cell::Cell<bool>, archive: &Path, e: InstallError) -> InstallError {
+    if exceeded.get() {
+        InstallError::TooLarge(format!("{}: {}", archive.display(), capped_message()))
+    } else {
+        e
+    }
+}
+
+/// The most a GNU long name or long link entry may hold: Linux's `PATH_MAX`, its NUL
+/// included (no longer name can be created anyway).
+const MAX_LONG_NAME_BYTES: u64 = 4096;
+/// The most a PAX header's records may hold (names, times, owners, extended attributes).
+const MAX_PAX_HEADER_BYTES: u64 = 1024 * 1024;
+
+/// The first pass: the raw entries of the stream (nothing applied to the next entry), each
+/// header the `tar` reader of [`unpack_stream`] reads into memory whole — a GNU long name
+/// or link, a PAX header — checked against its limit by the size its header claims, before
+/// a byte of it is read (without this, only the stream's cap bounded it: ~320 MiB that root
+/// would allocate). Refused too, because this pass and the next would frame the stream
+/// differently: a PAX `size` record (which the reading pass applies to the next entry; no
+/// entry that fits the cap needs one, the header's own field holds up to 8 GiB) and a GNU
+/// sparse file (its extension headers follow its header).
+fn check_headers(reader: impl Read, archive: &Path) -> Result<(), InstallError> {
+    let invalid = |what: &dyn std::fmt::Display| InstallError::Invalid(format!("{}: {what}", archive.display()));
+    let mut tar = tar::Archive::new(reader);
+    let entries = tar.entries().map_err(|e| io(archive, e))?.raw(true);
+    // The name in the last header read, for a stream that ends or breaks after it.
+    let mut last = String::from("its start");
+    for entry in entries {
+        let mut entry =
+            entry.map_err(|e| invalid(&format!("not a valid archive (truncated or corrupt after {last}): {e}")))?;
+        last = String::from_utf8_lossy(&entry.header().path_bytes()).into_owned();
+        let kind = entry.header().entry_type();
+        let size = entry.header().entry_size().map_err(|e| invalid(&format!("not a valid archive: {e}")))?;
+        let (what, limit) = match kind {
+            tar::EntryType::GNULongName => ("a GNU long name", MAX_LONG_NAME_BYTES),
+            tar::EntryType::GNULongLink => ("a GNU long link", MAX_LONG_NAME_BYTES),
+            tar::EntryType::XHeader | tar::EntryType::XGlobalHeader => ("a PAX header", MAX_PAX_HEADER_BYTES),
+            tar::EntryType::GNUSparse => return Err(invalid(&"a GNU sparse file is refused")),
+            _ => continue,
+        };
+        if size > limit {
+            return Err(InstallError::TooLarge(format!(
+                "{}: {what} of {size} bytes is refused (at most {limit})",
+                archive.display()
+            )));
         }
-    })
+        if kind == tar::EntryType::XHeader {
+            let mut body = Vec::with_capacity(size as usize);
+            entry
+                .read_to_end(&mut body)
+                .map_err(|e| invalid(&format!("not a valid archive (truncated or corrupt at {last}): {e}")))?;
+            // A malformed record is the reading pass's to report.
+            for ext in tar::PaxExtensions::new(&body).map_while(Result::ok) {
+                if ext.key_bytes() == b"size" {
+                    return Err(invalid(&"a PAX `size` record is refused (an entry's size is its header's)"));
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 fn unpack_stream(reader: impl Read, archive: &Path, dest: &Path) -> Result<(), InstallError> {
@@ -1253,10 +1329,10 @@ fn check_global_header<R: Read>(entry: &mut tar::Entry<'_, R>) -> Result<(), Ins
 }
 
 /// Refuses an entry two tar readers could read differently. This reader takes the first of
-/// repeated PAX `path`, `size` or `linkpath` records, GNU tar (and libarchive, Python) the
-/// last; it takes a GNU long name over a PAX `path`, GNU tar the PAX path; it ignores GNU
-/// sparse records (`GNU.sparse.name` renames the file for GNU tar). `name` is the name this
-/// reader gave the entry.
+/// repeated PAX `path` or `linkpath` records, GNU tar (and libarchive, Python) the last (a
+/// PAX `size` record is refused whole, by [`check_headers`]); it takes a GNU long name over
+/// a PAX `path`, GNU tar the PAX path; it ignores GNU sparse records (`GNU.sparse.name`
+/// renames the file for GNU tar). `name` is the name this reader gave the entry.
 fn one_name<R: Read>(entry: &mut tar::Entry<'_, R>, name: &Path) -> Result<(), InstallError> {
     use std::os::unix::ffi::OsStrExt;
     let invalid = |e: &dyn std::fmt::Display| InstallError::Invalid(format!("not a valid archive (a PAX header): {e}"));
@@ -1272,7 +1348,7 @@ fn one_name<R: Read>(entry: &mut tar::Entry<'_, R>, name: &Path) -> Result<(), I
         if key.starts_with(b"GNU.sparse.") {
             return Err(refused("a GNU sparse PAX record"));
         }
-        if matches!(key, b"path" | b"size" | b"linkpath") {
+        if matches!(key, b"path" | b"linkpath") {
             if seen.iter().any(|k| k == key) {
                 return Err(refused(&format!(
                     "an entry named twice (two PAX `{}` records)",
