@@ -84,12 +84,20 @@
 //! them; and no unflushed line of the process is ever left in an older file (a rotation
 //! flushes the file before renaming it away, and a writer whose line lands in another file
 //! than the process's unflushed ones — a rotation by an older agent — flushes those first).
-//! Concurrent writers so share `fdatasync`s, and the lock is held for a write, not a flush.
+//! Concurrent writers so share `fdatasync`s, and the lock is held for a write, not a flush
+//! (a writer whose line lands in the file being flushed does not wait for that flush).
+//! Every flush of the process's unflushed lines goes through the descriptor of the file it
+//! opened first for one of them, before any of them was written: Linux reports a write-back
+//! error once per open file, and not at all through a descriptor opened after another one
+//! (another process's) has reported it — flushing through the newest line's descriptor
+//! could succeed while an older line's page was lost.
 //! A rotation, a repair and a file's first record are still flushed under the lock (the
-//! renames, the removal of files past `keep` and the next records rely on it). A flush that
-//! fails fails every line not durable yet (their actions do not proceed), and from then on
-//! the process flushes each line under the lock by itself: Linux reports a write-back error
-//! once per open file, so no later flush is trusted to cover a line the failed one covered.
+//! renames, the removal of files past `keep` and the next records rely on it), and the
+//! process's other unflushed lines then through their own first descriptor. A flush that
+//! fails — grouped or under the lock — fails every line not durable yet (their actions do
+//! not proceed), and from then on
+//! the process flushes each line under the lock by itself: no later flush is trusted to
+//! cover a line the failed one covered.
 //! A write that fails is cut back under the lock, as above; a line whose *flush* failed
 //! stays in the file (later lines may chain to it already), and its action did not proceed.
 //!
@@ -558,6 +566,13 @@ struct FlushState {
     failed: Option<String>,
     /// A writer is flushing now (the others wait for it).
     flushing: bool,
+    /// The file of the unflushed lines as this process first opened it for one of them —
+    /// before any of them was written — and every flush goes through it. Linux reports a
+    /// write-back error through each descriptor that was open when it happened, once, but
+    /// not through one opened after another descriptor (another process's, a rotating
+    /// writer's) has reported it: a flush through the newest line's descriptor could then
+    /// succeed while an older line's page was lost.
+    flush_via: Option<Unflushed>,
 }
 
 /// A file holding unflushed lines, and which file it is.
@@ -582,37 +597,62 @@ impl GroupCommit {
     /// older file.
     fn issue(&self, file: File) -> Result<u64, String> {
         let id = file_id(&file).map_err(|e| format!("fstat: {e}"))?;
-        let mut st = self.settle_other_file(id);
+        // A flush under way of the same file does not hold this writer (nor the log's lock
+        // it holds): the flush covers the tickets issued before it began, this one gets the
+        // next.
+        let mut st = self.settle_other_file(id, false);
         let ticket = st.newest.as_ref().map_or(st.durable, |(t, _)| *t) + 1;
-        st.newest = Some((ticket, Unflushed { file: Arc::new(file), id }));
+        let file = Unflushed { file: Arc::new(file), id };
+        if st.flush_via.as_ref().is_none_or(|via| via.id != id) {
+            st.flush_via = Some(file.clone());
+        }
+        st.newest = Some((ticket, file));
         Ok(ticket)
     }
 
     /// Every line this process wrote so far is durable once `file` (the current file) was
-    /// flushed — after the unflushed lines of another file, if any, are flushed too. Called
-    /// under the log's lock by a writer that flushed the current file itself.
+    /// flushed by the writer calling, under the log's lock — and the unflushed lines of
+    /// others too, through the descriptor that was open before them ([`FlushState::flush_via`]:
+    /// the caller's own descriptor may have been opened after their write-back error was
+    /// reported elsewhere), and those of another file, if any.
     fn all_durable(&self, file: &File) {
         let Ok(id) = file_id(file) else { return };
-        let mut st = self.settle_other_file(id);
-        if st.failed.is_none() {
-            if let Some((newest, _)) = &st.newest {
-                st.durable = st.durable.max(*newest);
-            }
+        let mut st = self.settle_other_file(id, true);
+        let Some(upto) = st.newest.as_ref().map(|(t, _)| *t).filter(|t| *t > st.durable) else { return };
+        if st.failed.is_some() {
+            return;
+        }
+        match st.flush_via.as_ref().filter(|via| via.id == id).map(|via| via.file.sync_data()) {
+            Some(Ok(())) => st.durable = upto,
+            Some(Err(e)) => st.failed = Some(format!("fdatasync: {e}")),
+            // The unflushed lines were settled with their own file above.
+            None => {}
         }
     }
 
-    /// The state, once this process's unflushed lines are flushed if they are in another
-    /// file than `id` (after a flush under way has ended: its outcome decides first).
-    fn settle_other_file(&self, id: (u64, u64)) -> std::sync::MutexGuard<'_, FlushState> {
+    /// A flush under the log's lock failed (`error`): no later flush is trusted either, as
+    /// after a group flush that failed ([`FlushState::failed`]).
+    fn fail(&self, error: &str) {
         let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        while st.flushing {
+        st.failed.get_or_insert_with(|| error.to_string());
+        self.flushed.notify_all();
+    }
+
+    /// The state, once this process's unflushed lines are flushed if they are in another
+    /// file than `id` (after a flush under way has ended: its outcome decides first; with
+    /// `always_wait`, a flush under way is waited for in any case).
+    fn settle_other_file(&self, id: (u64, u64), always_wait: bool) -> std::sync::MutexGuard<'_, FlushState> {
+        let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let other_file = |st: &FlushState| st.newest.as_ref().is_some_and(|(t, f)| *t > st.durable && f.id != id);
+        while st.flushing && (always_wait || other_file(&st)) {
             st = self.flushed.wait(st).unwrap_or_else(PoisonError::into_inner);
         }
-        let Some((upto, older)) = st.newest.clone() else { return st };
-        if upto > st.durable && st.failed.is_none() && older.id != id {
-            match older.file.sync_data() {
-                Ok(()) => st.durable = upto,
-                Err(e) => st.failed = Some(format!("fdatasync: {e}")),
+        if st.failed.is_none() && !st.flushing && other_file(&st) {
+            let upto = st.newest.as_ref().map_or(st.durable, |(t, _)| *t);
+            match st.flush_via.as_ref().map(|via| via.file.sync_data()) {
+                Some(Ok(())) => st.durable = upto,
+                Some(Err(e)) => st.failed = Some(format!("fdatasync: {e}")),
+                None => st.failed = Some("unflushed lines without their file".into()),
             }
         }
         st
@@ -638,14 +678,18 @@ impl GroupCommit {
                 st = self.flushed.wait(st).unwrap_or_else(PoisonError::into_inner);
                 continue;
             }
-            // This writer flushes: the newest file, which holds every unflushed line up to
-            // the newest ticket (its own included: tickets only grow).
-            let Some((upto, newest)) = st.newest.clone() else {
+            // This writer flushes the file that holds every unflushed line up to the newest
+            // ticket (its own included: tickets only grow), through the descriptor that was
+            // open before any of them was written ([`FlushState::flush_via`]).
+            let Some(upto) = st.newest.as_ref().map(|(t, _)| *t) else {
                 return Ok(());
+            };
+            let Some(via) = st.flush_via.clone() else {
+                return Err("unflushed lines without their file".into());
             };
             st.flushing = true;
             drop(st);
-            let result = newest.file.sync_data();
+            let result = via.file.sync_data();
             st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
             st.flushing = false;
             match result {
@@ -778,7 +822,11 @@ impl AuditLog {
         if plan.torn.is_none() && plan.head.is_some() && len + line.len() as u64 + 1 > self.settings.max_bytes {
             // Its unflushed lines (this process's others' too) become durable before the file
             // is renamed away: the new file's first record chains to its last.
-            file.sync_data().map_err(|e| AuditError::new(path, format!("fdatasync before rotating: {e}")))?;
+            file.sync_data().map_err(|e| {
+                let message = format!("fdatasync before rotating: {e}");
+                self.flush.fail(&message);
+                AuditError::new(path, message)
+            })?;
             self.rotate().map_err(io)?;
             rotated = true;
             head.continues = Some((file_name(&self.settings.rotated(1)), head.seq));
@@ -797,7 +845,14 @@ impl AuditLog {
         // Flushed here, under the lock, when what follows relies on it; otherwise by the
         // group commit once the lock is released.
         let flush_now = rotated || len == 0 || plan.torn.is_some() || !self.flush.grouping();
-        if let Err(e) = file.write_all(&bytes).and_then(|()| if flush_now { file.sync_data() } else { Ok(()) }) {
+        let written = file.write_all(&bytes).and_then(|()| {
+            if flush_now {
+                file.sync_data().inspect_err(|e| self.flush.fail(&format!("fdatasync: {e}")))
+            } else {
+                Ok(())
+            }
+        });
+        if let Err(e) = written {
             // Not left half-written (a short write on a full disk, a quota, a file-size
             // limit): the file is cut back to where this record began, so the next append
             // finds the same clean tail — not a torn line whose repair, failing too, would
@@ -1348,6 +1403,84 @@ mod tests {
         assert!(gc.wait_durable(t6).is_err(), "not durable when the flush failed: failed too");
         assert!(gc.wait_durable(t4).is_ok(), "durable before the failure");
         assert!(!gc.grouping(), "after a failed flush every line is flushed by its writer");
+    }
+
+    /// Every flush of unflushed lines goes through the descriptor first opened for one of
+    /// them (opened before any of them was written: the one Linux still reports their
+    /// write-back errors through), never a later writer's. Shown with an `O_PATH` descriptor
+    /// of the same file as the first, through which `fdatasync` always fails (`EBADF`).
+    #[test]
+    fn flushes_go_through_the_first_descriptor_of_the_unflushed_lines() {
+        use std::os::unix::fs::OpenOptionsExt;
+        let s = Scratch::new("flush-via");
+        let path = s.0.join("a");
+        File::create(&path).unwrap();
+        let first = || OpenOptions::new().read(true).custom_flags(libc::O_PATH).open(&path).unwrap();
+        let later = || OpenOptions::new().append(true).open(&path).unwrap();
+
+        // A group flush.
+        let gc = GroupCommit::default();
+        let t1 = gc.issue(first()).unwrap();
+        let t2 = gc.issue(later()).unwrap();
+        assert!(gc.wait_durable(t2).unwrap_err().contains("Bad file descriptor"), "flushed through the newest");
+        assert!(gc.wait_durable(t1).is_err());
+        assert!(!gc.grouping());
+
+        // A writer that flushed its own line under the lock: the others' lines are only
+        // durable once flushed through their first descriptor.
+        let gc = GroupCommit::default();
+        let t1 = gc.issue(first()).unwrap();
+        let own = later();
+        own.sync_data().unwrap();
+        gc.all_durable(&own);
+        assert!(gc.wait_durable(t1).is_err(), "counted durable through the caller's descriptor");
+
+        // The other file's lines, settled when a line lands in a new file.
+        let gc = GroupCommit::default();
+        let t1 = gc.issue(first()).unwrap();
+        let _t2 = gc.issue(later()).unwrap();
+        let b = File::create(s.0.join("b")).unwrap();
+        assert!(gc.issue(b).is_ok());
+        assert!(gc.wait_durable(t1).is_err(), "settled through the newest descriptor of the old file");
+
+        // A failed flush under the log's lock ends grouping too.
+        let gc = GroupCommit::default();
+        gc.fail("fdatasync: Input/output error");
+        assert!(!gc.grouping());
+    }
+
+    /// A writer whose line lands in the file being flushed does not wait for that flush (it
+    /// holds the log's lock meanwhile); one whose line lands in another file does, and then
+    /// flushes the older file's lines first.
+    #[test]
+    fn a_flush_under_way_holds_only_writers_of_another_file() {
+        let s = Scratch::new("flush-wait");
+        let gc = Arc::new(GroupCommit::default());
+        let a = File::create(s.0.join("a")).unwrap();
+        let t1 = gc.issue(a.try_clone().unwrap()).unwrap();
+        // Another writer's flush, under way.
+        gc.state.lock().unwrap().flushing = true;
+        let (tx, rx) = std::sync::mpsc::channel();
+        {
+            let (gc, a) = (gc.clone(), a.try_clone().unwrap());
+            std::thread::spawn(move || tx.send(gc.issue(a)).unwrap());
+        }
+        let t2 = rx.recv_timeout(Duration::from_secs(30)).expect("waited for the flush of its own file").unwrap();
+        assert_eq!((t1, t2), (1, 2));
+        let (tx, rx) = std::sync::mpsc::channel();
+        {
+            let (gc, b) = (gc.clone(), File::create(s.0.join("b")).unwrap());
+            std::thread::spawn(move || tx.send(gc.issue(b)).unwrap());
+        }
+        assert!(rx.recv_timeout(Duration::from_millis(200)).is_err(), "did not wait for the flush under way");
+        {
+            let mut st = gc.state.lock().unwrap();
+            st.flushing = false;
+            gc.flushed.notify_all();
+        }
+        let t3 = rx.recv_timeout(Duration::from_secs(30)).expect("still waiting after the flush ended").unwrap();
+        assert_eq!(t3, 3);
+        assert_eq!(gc.state.lock().unwrap().durable, 2, "the older file's lines were flushed first");
     }
 
     #[test]

@@ -180,6 +180,7 @@ pub fn serve(pipeline: Pipeline, socket: &Path, platform: Option<crate::platform
     // apart.
     let expiry_check = pipeline.pool.as_ref().map_or(POOL_EXPIRY_CHECK, |p| (p.max_idle() / 2).min(POOL_EXPIRY_CHECK));
     let wake = watchdog.map_or(expiry_check, |w| w.min(expiry_check));
+    let mut failure = None;
     loop {
         workers.retain(|w| !w.is_finished());
         if let Some(pool) = pipeline.pool.as_ref().filter(|_| expired_at.elapsed() >= expiry_check) {
@@ -201,7 +202,12 @@ pub fn serve(pipeline: Pipeline, socket: &Path, platform: Option<crate::platform
             }
             Ok(_) => {}
             Err(nix::errno::Errno::EINTR) => continue,
-            Err(e) => return Err(CannotRun(format!("poll: {e}"))),
+            Err(e) => {
+                // Stop as for a signal — what runs is drained and its sandboxes torn down —
+                // and then fail.
+                failure = Some(CannotRun(format!("poll: {e}")));
+                break;
+            }
         }
         if watchdog.is_some() {
             sd_notify("WATCHDOG=1");
@@ -241,12 +247,26 @@ pub fn serve(pipeline: Pipeline, socket: &Path, platform: Option<crate::platform
         let _ = w.join();
     }
     // The runs answered before their sandboxes were torn down (in the background): none of
-    // their cgroups outlives the agent.
-    if !sandbox::parent::await_background_teardown(Duration::from_secs(30)) {
-        tracing::error!("sandbox teardowns still under way at exit; their cgroups are left to the next agent");
+    // their cgroups outlives the agent. Waited for in slices, feeding the watchdog.
+    let teardown_from = std::time::Instant::now();
+    loop {
+        if watchdog.is_some() {
+            sd_notify("WATCHDOG=1");
+        }
+        let left = TEARDOWN_PATIENCE.saturating_sub(teardown_from.elapsed());
+        if sandbox::parent::await_background_teardown(left.min(watchdog.unwrap_or(left))) {
+            break;
+        }
+        if teardown_from.elapsed() >= TEARDOWN_PATIENCE {
+            tracing::error!("sandbox teardowns still under way at exit; their cgroups are left to the next agent");
+            break;
+        }
     }
-    Ok(())
+    failure.map_or(Ok(()), Err)
 }
+
+/// How long a stopping agent waits for the sandbox teardowns left to the background.
+const TEARDOWN_PATIENCE: Duration = Duration::from_secs(30);
 
 /// Half the systemd watchdog interval, when one is set for this process.
 fn watchdog_interval() -> Option<Duration> {
