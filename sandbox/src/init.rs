@@ -479,6 +479,7 @@ fn init(
     }
     // Changing the effective ids cleared the parent-death signal (`commit_creds`): armed
     // again, then the monitor checked — had it died in between, nothing would kill init.
+    let direct = monitor_alive.is_none();
     match monitor_alive {
         Some(monitor_alive) => {
             die_with_parent()?;
@@ -513,6 +514,11 @@ fn init(
     if let Some(sig) = pending_stop(&handled) {
         // Stopped or timed out while the sandbox was being built: the payload never starts.
         return Ok(InitEnd::Exit(128 + sig as i32));
+    }
+    // Without a monitor nothing killed init if its caller went during steps 4-7 (one of
+    // them blocked on a hung mount, say): checked again before the payload exists.
+    if direct && caller_gone(chan) {
+        return Err(protocol("the caller has gone"));
     }
     // Made before the payload exists (close-on-exec; the payload closes its copy at its step
     // 3): without it init could not watch its caller, which a sandbox without a monitor

@@ -264,6 +264,11 @@ fn into_slots(received: Vec<OwnedFd>, net: bool) {
 struct Direct {
     /// The zygote's own network namespace, returned to after each `clone`.
     own_net: OwnedFd,
+    /// The zygote's own `oom_score_adj`, opened, and its value: lowered to −1000 around each
+    /// `clone` (the new init inherits the score and, where the lowering was allowed, the
+    /// floor), then put back — the long-lived zygote itself stays a candidate for the OOM
+    /// killer, as the agent that started it is.
+    oom: Option<(std::fs::File, String)>,
 }
 
 /// How [`Direct::start`] went.
@@ -279,23 +284,43 @@ enum DirectStart {
 
 impl Direct {
     /// The monitor's step 3, done once for every sandbox the zygote will start directly (their
-    /// init inherits it): no supplementary groups, the OOM shield where allowed; and the
-    /// descriptors [`Direct`] holds. `None` when any of it fails: requests for a direct start
+    /// init inherits it): no supplementary groups (the OOM shield is lowered around each
+    /// `clone`, [`Direct::shield`]); and the descriptors [`Direct`] holds. `None` when any of it fails: requests for a direct start
     /// are then served through a monitor, which does step 3 itself.
     fn prepare() -> Option<Direct> {
         if let Err(e) = nix::unistd::setgroups(&[]) {
             tracing::debug!(error = %e, "zygote: supplementary groups not cleared; sandboxes start through a monitor");
             return None;
         }
-        // Best effort, as in a monitor: lowering needs CAP_SYS_RESOURCE.
-        let _ = std::fs::write("/proc/self/oom_score_adj", "-1000");
         let own_net = nix::fcntl::open(
             "/proc/self/ns/net",
             nix::fcntl::OFlag::O_RDONLY | nix::fcntl::OFlag::O_CLOEXEC,
             nix::sys::stat::Mode::empty(),
         )
         .ok()?;
-        Some(Direct { own_net })
+        let oom = std::fs::read_to_string("/proc/self/oom_score_adj").ok().and_then(|value| {
+            let file = std::fs::OpenOptions::new().write(true).open("/proc/self/oom_score_adj").ok()?;
+            Some((file, value.trim().to_string()))
+        });
+        Some(Direct { own_net, oom })
+    }
+
+    /// The OOM shield for the next `clone` (see [`Direct::oom`]); best effort, as in a
+    /// monitor: lowering needs CAP_SYS_RESOURCE. Whether it was lowered.
+    fn shield(&self) -> bool {
+        use std::os::unix::fs::FileExt;
+        self.oom.as_ref().is_some_and(|(file, _)| file.write_at(b"-1000", 0).is_ok())
+    }
+
+    /// The zygote's own score back after a `clone` (with CAP_SYS_RESOURCE, which the
+    /// lowering needed, the floor comes back with it).
+    fn unshield(&self) {
+        use std::os::unix::fs::FileExt;
+        if let Some((file, value)) = &self.oom {
+            if let Err(e) = file.write_at(value.as_bytes(), 0) {
+                tracing::warn!(error = %e, "zygote: its own OOM score could not be put back");
+            }
+        }
     }
 
     /// Start a sandbox directly: `received` are its descriptors, the prepared network
@@ -315,12 +340,15 @@ impl Direct {
             let _ = before.thread_set_mask();
             return Ok(DirectStart::Refused(format!("join the prepared network namespace: {}", e.desc())));
         }
+        let shielded = self.shield();
         // SAFETY: a `clone` without CLONE_VM or a new stack: like fork(2), both processes
         // return here, the child with a copy of this single-threaded process (the caller's
         // contract). The C library did not make the child, so the thread id it keeps for it
-        // is this process's: nothing the child runs reads it (no other thread is signalled,
-        // no mutex is owned by thread id, `raise` asks the kernel for the caller's id), and
-        // the child's own children, made with fork(), get theirs.
+        // is this process's — stale, but the only one the child ever reads: its recursive
+        // locks (the dynamic loader's) record and compare that same id, no lock is held
+        // across the `clone` (single-threaded), no other thread exists to be signalled,
+        // `raise` asks the kernel for the caller's id; and the child's own children, made
+        // with fork(), get theirs.
         let rc = unsafe {
             libc::syscall(
                 libc::SYS_clone,
@@ -335,6 +363,9 @@ impl Direct {
             return Ok(DirectStart::Child(received));
         }
         let clone_err = Errno::last();
+        if shielded {
+            self.unshield();
+        }
         let back = nix::sched::setns(&self.own_net, nix::sched::CloneFlags::CLONE_NEWNET);
         let _ = before.thread_set_mask();
         if let Err(e) = back {
