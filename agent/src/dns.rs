@@ -138,7 +138,8 @@ impl Forwarder {
 }
 
 /// DNS over TCP (RFC 7766): length-prefixed queries on one connection, answered in order;
-/// at most [`TCP_QUERIES`] per connection, each read and write within [`TCP_IDLE`], and no
+/// at most [`TCP_QUERIES`] per connection (then the end of file: every answer written is
+/// delivered, the client's further queries go unanswered), each read and write within [`TCP_IDLE`], and no
 /// read, write or new query after [`TCP_CONNECTION`] (an upstream lookup already begun
 /// takes up to its own timeout) (served on the
 /// forwarder's only thread: a client trickling bytes or never reading must not keep it from
@@ -205,9 +206,31 @@ fn serve_tcp(
             return;
         }
     }
+    // The query limit reached. Closed with the client's next queries unread, the connection
+    // would be reset — and what is still queued to send (the last answers) dropped. So the
+    // answers are followed by the end of file, and what the client sent meanwhile is read and
+    // discarded until it closes too: briefly, and by the connection's deadline.
+    let _ = stream.shutdown(std::net::Shutdown::Write);
+    let until = deadline.min(Instant::now() + TCP_DRAIN);
+    let mut sink = [0u8; 4096];
+    let mut drained = 0;
+    while drained < TCP_DRAIN_BYTES {
+        let Some(left) = until.checked_duration_since(Instant::now()).filter(|d| !d.is_zero()) else { break };
+        if stream.set_read_timeout(Some(left)).is_err() {
+            break;
+        }
+        match stream.read(&mut sink) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => drained += n,
+        }
+    }
 }
 
 const TCP_QUERIES: usize = 16;
+/// After the last answer of a connection, how long and how much of the client's input is
+/// read and discarded (see [`serve_tcp`]).
+const TCP_DRAIN: Duration = Duration::from_secs(1);
+const TCP_DRAIN_BYTES: usize = 64 * 1024;
 const TCP_IDLE: Duration = Duration::from_secs(2);
 const TCP_CONNECTION: Duration = Duration::from_secs(5);
 
