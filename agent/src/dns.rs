@@ -229,7 +229,7 @@ fn serve_tcp(
 const TCP_QUERIES: usize = 16;
 /// After the last answer of a connection, how long and how much of the client's input is
 /// read and discarded (see [`serve_tcp`]).
-const TCP_DRAIN: Duration = Duration::from_secs(1);
+const TCP_DRAIN: Duration = Duration::from_millis(250);
 const TCP_DRAIN_BYTES: usize = 64 * 1024;
 const TCP_IDLE: Duration = Duration::from_secs(2);
 const TCP_CONNECTION: Duration = Duration::from_secs(5);
