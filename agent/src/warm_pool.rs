@@ -12,9 +12,13 @@
 //!   arguments, which only the run sends. The run's clock (timeout, wall time) starts when it
 //!   takes the sandbox ([`sandbox::Sandbox::start_pooled`]).
 //! - Runs with network egress never use the pool (their network is wired per run).
-//! - A pooled sandbox whose bound host paths were replaced since it was built (an executor
-//!   removed and installed again at the same version), or whose payload has ended (the OOM
-//!   killer's first victim), is discarded when a run would take it; the run starts its own.
+//! - A pooled sandbox whose host paths were replaced since it was built (an executor
+//!   removed and installed again at the same version; a system path — the shared libraries'
+//!   cache, the resolver's configuration, the time zone link — replaced or re-pointed), or
+//!   whose payload has ended (the OOM killer's first victim), is discarded when a run would
+//!   take it; the run starts its own. (What a path holds is not compared: a file changed in
+//!   place shows in every sandbox, pooled or not; a masked path created since is not masked
+//!   in a sandbox built before it existed — as in a running one.)
 //! - The pool holds at most its size; a sandbox idle for longer than its idle limit
 //!   (`agent.warm_pool_idle_seconds`, default [`DEFAULT_MAX_IDLE`]) is discarded; dropping
 //!   a pooled sandbox kills it and removes its cgroups. Refills run on a background thread,
@@ -34,6 +38,7 @@
 //! without tightened limits ([`crate::command::Pipeline::prewarm_pool`]).
 
 use std::collections::VecDeque;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -57,23 +62,50 @@ pub const WARM_LIMIT: Duration = Duration::from_secs(10);
 struct Warm {
     spec: SandboxSpec,
     /// The identity of every host path the spec binds, taken before the sandbox was built.
-    sources: Vec<Option<(u64, u64)>>,
+    sources: Vec<Source>,
     sandbox: Sandbox,
     since: Instant,
 }
 
-/// The device and inode of every host path `spec` binds (`None`: missing). A pooled
-/// sandbox shows the files that were there when it was built: one whose package directory
-/// (or any other bound path) has since been replaced — an executor removed and installed
-/// again at the same version, at the same path — would run the old, deleted files, so it
-/// is discarded instead of handed out.
-fn sources(spec: &SandboxSpec) -> Vec<Option<(u64, u64)>> {
+/// What a host path the view shows was when a sandbox was built.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Source {
+    Missing,
+    /// A symlink the view recreates (a system path on a merged-/usr host, a host's
+    /// `/etc/localtime`): its target.
+    Link(PathBuf),
+    /// Anything else, bound: its device and inode.
+    Bound(u64, u64),
+}
+
+/// What every host path `spec` shows was, now — its declared paths and its system paths
+/// (the shared libraries' cache, `/etc/resolv.conf`, the time zone, the standard library…).
+/// A pooled sandbox shows the files that were there when it was built: one whose package
+/// directory (or any other path it shows) has since been replaced — an executor removed and
+/// installed again at the same version, `ldconfig`, a new time zone or resolver
+/// configuration — would run with the old files, so it is discarded instead of handed out.
+/// A declared writable path under `/tmp` is made in the sandbox's own scratch, never taken
+/// from the host: not looked at (anyone can create or remove the host's).
+fn sources(spec: &SandboxSpec) -> Vec<Source> {
     use std::os::unix::fs::MetadataExt;
-    spec.filesystem
+    let system = spec.filesystem.system.iter().map(|r| {
+        match std::fs::symlink_metadata(&r.path) {
+            Ok(m) if m.file_type().is_symlink() => std::fs::read_link(&r.path).map_or(Source::Missing, Source::Link),
+            // Bound as the host root resolves it (links in its parents followed).
+            Ok(_) => std::fs::metadata(&r.path).map_or(Source::Missing, |m| Source::Bound(m.dev(), m.ino())),
+            Err(_) => Source::Missing,
+        }
+    });
+    let declared = spec
+        .filesystem
         .paths
         .iter()
-        .map(|r| std::fs::metadata(r.source.as_ref().unwrap_or(&r.path)).ok().map(|m| (m.dev(), m.ino())))
-        .collect()
+        .filter(|r| !(r.source.is_none() && r.path.starts_with("/tmp") && r.access == sandbox::spec::Access::ReadWrite))
+        .map(|r| {
+            std::fs::metadata(r.source.as_ref().unwrap_or(&r.path))
+                .map_or(Source::Missing, |m| Source::Bound(m.dev(), m.ino()))
+        });
+    system.chain(declared).collect()
 }
 
 #[derive(Default)]
@@ -292,5 +324,48 @@ fn warm_up(sandbox: &Sandbox) -> Result<u64, String> {
         // Untrusted and up to 16 MiB: named, not printed.
         Some(other) => Err(format!("unexpected reply {}", other.kind())),
         None => Err("the runtime ended".into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sandbox::{Access, Identity, PathRule};
+    use std::path::Path;
+
+    /// What a pooled sandbox is checked against before it is handed out: every path it shows
+    /// from the host — system paths (a file replaced, a link pointed elsewhere) and declared
+    /// ones — but not a writable `/tmp` path, which the sandbox makes in its own scratch.
+    #[test]
+    fn sources_cover_the_system_paths_and_not_the_sandboxs_own_tmp() {
+        let dir = std::env::temp_dir().join(format!("opservant-pool-sources-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let (file, link, declared) = (dir.join("ld.so.cache"), dir.join("localtime"), dir.join("pkg"));
+        std::fs::write(&file, b"old").unwrap();
+        std::os::unix::fs::symlink("/usr/share/zoneinfo/Etc/UTC", &link).unwrap();
+        std::fs::create_dir(&declared).unwrap();
+        let tmp = PathBuf::from(format!("/tmp/opservant-pool-scratch-{}", std::process::id()));
+        let _ = std::fs::remove_dir(&tmp);
+        let rule = |path: &PathBuf, access| PathRule { path: path.clone(), access, optional: true, source: None };
+        let mut spec = SandboxSpec::new("/bin/true", vec![], Identity::same_inside(65534, 65534));
+        spec.filesystem.system = vec![rule(&file, Access::Read), rule(&link, Access::Read)];
+        spec.filesystem.paths = vec![rule(&declared, Access::Read), rule(&tmp, Access::ReadWrite)];
+
+        let before = sources(&spec);
+        assert_eq!(before.len(), 3, "system and declared paths, not the scratch /tmp one: {before:?}");
+        assert!(matches!(before[1], Source::Link(ref t) if t == Path::new("/usr/share/zoneinfo/Etc/UTC")));
+        std::fs::create_dir(&tmp).unwrap();
+        assert_eq!(sources(&spec), before, "the host's /tmp path is not what the sandbox shows");
+        std::fs::remove_dir(&tmp).unwrap();
+
+        // A system file replaced (a new inode, as `ldconfig` writes it), a link re-pointed.
+        std::fs::write(dir.join("new"), b"new").unwrap();
+        std::fs::rename(dir.join("new"), &file).unwrap();
+        assert_ne!(sources(&spec)[0], before[0]);
+        std::fs::remove_file(&link).unwrap();
+        std::os::unix::fs::symlink("/usr/share/zoneinfo/Europe/Paris", &link).unwrap();
+        assert_ne!(sources(&spec)[1], before[1]);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
