@@ -21,7 +21,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use serde_json::{json, Value};
 
 mod common;
-use common::{kernel_release, ms3, round2, utc_iso8601};
+use common::{kernel_release, ms3, percentile, round2, utc_iso8601};
 
 const WARMUP_ROUNDS: usize = 5;
 const DEFAULT_ROUNDS: usize = 60;
@@ -94,7 +94,7 @@ fn run() -> Result<(), String> {
     sorted_rounds.sort_unstable_by(f64::total_cmp);
     let stats: Vec<(f64, f64, f64)> = samples.iter().map(|s| summarize(s)).collect();
     let added = stats[1].0 - stats[0].0;
-    let paired = sorted_rounds[sorted_rounds.len() / 2];
+    let paired = percentile(&sorted_rounds, 50).unwrap_or(f64::NAN);
 
     println!("{:<10} {:>10} {:>10} {:>10}", "variant", "median ms", "p90 ms", "p99 ms");
     for (name, (m, p90, p99)) in variants.iter().zip(&stats) {
@@ -202,17 +202,21 @@ fn time_once(op: &Path, dir: &Path, config: &Path, ns: &std::fs::File) -> Result
     Ok(elapsed)
 }
 
-/// (median, p90, p99) in milliseconds.
+/// (median, p90, p99) in milliseconds, nearest-rank (as every benchmark reports them:
+/// `sorted[ceil(p/100 * n) - 1]`, the median the lower middle sample when n is even).
 fn summarize(samples: &[Duration]) -> (f64, f64, f64) {
     let mut ms: Vec<f64> = samples.iter().map(|d| d.as_secs_f64() * 1e3).collect();
     ms.sort_unstable_by(f64::total_cmp);
-    let at = |p: usize| ms[((ms.len() * p) / 100).min(ms.len() - 1)];
+    let at = |p: usize| percentile(&ms, p).unwrap_or(f64::NAN);
     (at(50), at(90), at(99))
 }
 
 fn rounds() -> Result<usize, String> {
     match std::env::var("OPSERVANT_BENCH_ROUNDS") {
-        Ok(v) => v.parse().map_err(|_| format!("OPSERVANT_BENCH_ROUNDS={v}: not a number")),
         Err(_) => Ok(DEFAULT_ROUNDS),
+        Ok(v) => match v.trim().parse::<usize>() {
+            Ok(n) if n > 0 => Ok(n),
+            _ => Err(format!("OPSERVANT_BENCH_ROUNDS must be a positive integer, got {v:?}")),
+        },
     }
 }

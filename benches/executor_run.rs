@@ -398,11 +398,10 @@ fn summarize(samples: &[Duration]) -> Summary {
     }
 }
 
-/// Nearest-rank percentile of sorted, non-empty values: `sorted[ceil(p/100 * n) - 1]`, always
-/// an observed value; the median is the lower of the two middle values when n is even.
+/// Nearest-rank percentile of sorted, non-empty values (`sorted[ceil(p/100 * n) - 1]`, always
+/// an observed value; the median is the lower of the two middle values when n is even).
 fn percentile<T: Copy>(sorted: &[T], p: usize) -> T {
-    let rank = (p * sorted.len()).div_ceil(100).max(1);
-    sorted[rank - 1]
+    common::percentile(sorted, p).expect("percentile of no samples (rounds are at least 1)")
 }
 
 fn rounds() -> Result<usize, String> {

@@ -206,8 +206,7 @@ fn summarize(samples: &mut [Duration]) -> Summary {
 /// sense (the lower of the two middle samples when n is even). With n = 200, p99 is the
 /// 198th smallest sample, so it is above all but two samples.
 fn percentile(sorted: &[Duration], p: usize) -> Duration {
-    let rank = (p * sorted.len()).div_ceil(100).max(1);
-    sorted[rank - 1]
+    common::percentile(sorted, p).expect("percentile of no samples (rounds are at least 1)")
 }
 
 fn rounds() -> Result<usize, String> {

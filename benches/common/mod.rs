@@ -2,7 +2,7 @@
 //! bench` uses too, from the agent library, under the names the benchmarks use.
 #![allow(unused_imports)]
 
-pub use agent::bench::stats::{round2, round3 as ms3};
+pub use agent::bench::stats::{percentile, round2, round3 as ms3};
 pub use agent::bench::{in_ci, kernel_release, which};
 
 /// `2026-04-28T12:00:00Z` for seconds since the epoch.

@@ -117,13 +117,25 @@ pub const ROWS: &[(&str, Family, &str)] = &[
         "bwrap --unshare-all --die-with-parent --ro-bind / / python3 -I -S -c pass (reference)",
     ),
     ("sandbox-cold", Family::True, "opservant sandbox --json -- /bin/true (subprocess)"),
-    ("sandbox-zygote", Family::True, "sandbox /bin/true through a zygote held by this process (library)"),
+    (
+        "sandbox-zygote",
+        Family::True,
+        "sandbox /bin/true through a zygote held by this process (library; its network namespace made \
+         beforehand, its mount namespace released after the sample)",
+    ),
     ("run-cold", Family::Python, "opservant run NOOP (subprocess, cold)"),
-    ("run-zygote", Family::Python, "no-op executor through a zygote held by this process (library)"),
+    (
+        "run-zygote",
+        Family::Python,
+        "no-op executor through a zygote held by this process (library: the daemon's run path, without its \
+         per-command signature check, receipt and replay records; timed to the complete outcome, the \
+         sandbox's last exits and cgroup removal left to a background thread as the daemon does)",
+    ),
     (
         "run-pool",
         Family::Python,
-        "no-op executor taking a sandbox of the warm pool, started beforehand through the zygote (library)",
+        "no-op executor taking a sandbox of the warm pool, started beforehand through the zygote (library, \
+         as run-zygote)",
     ),
     ("run-cold-egress", Family::Python, "opservant run NOOP-EGRESS (subprocess, cold, outbound allowed)"),
     ("run-zygote-egress", Family::Python, "no-op executor with egress through the held zygote (library)"),
@@ -456,7 +468,11 @@ impl Env {
         // monitor → init → payload.
         let waiting =
             || (2..=3).any(|depth| memory::descendants_at_depth(zpid, depth).iter().any(|&p| memory::receiving(p)));
-        while Instant::now() < deadline && !waiting() {
+        while !waiting() {
+            if Instant::now() >= deadline {
+                // A sample would include an unfinished start.
+                return Err(failed("warm pool: the pooled sandbox's payload was not waiting for its run within 5 s"));
+            }
             std::thread::sleep(Duration::from_micros(200));
         }
         Ok(())
