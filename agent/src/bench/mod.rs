@@ -1,8 +1,8 @@
 //! `opservant bench`: the sandbox overhead report (issue 6, item 3).
 //!
-//! Every row runs in this one process, interleaved round-robin — each round runs each row
-//! once and the row that starts a round rotates — so drift of a shared, noisy machine hits
-//! every row alike; ratios are against bubblewrap measured in the same run. Percentiles are
+//! Every row runs in this one process, interleaved — each round runs each row once, in an
+//! order shuffled per round from a recorded seed — so drift of a shared, noisy machine, and
+//! what a row leaves behind for the next, hits every row alike; ratios are against bubblewrap measured in the same run. Percentiles are
 //! nearest-rank ([`stats::percentile`]).
 //!
 //! Rows that start a command measure the wall time from spawning it (stdin on `/dev/null`,
@@ -673,7 +673,7 @@ pub fn run(opts: &Options, progress: &mut dyn FnMut(&str)) -> Result<Value, Benc
         rows.push(Row { name, family, description, kind, samples: Vec::new() });
     }
     progress(&format!(
-        "opservant bench: kernel {}, {} CPUs, {} measured rounds after {} warm-up, interleaved round-robin; {}",
+        "opservant bench: kernel {}, {} CPUs, {} measured rounds after {} warm-up, interleaved (each round in a shuffled order); {}",
         kernel_release(),
         cpus(),
         opts.rounds,
@@ -683,14 +683,19 @@ pub fn run(opts: &Options, progress: &mut dyn FnMut(&str)) -> Result<Value, Benc
         )),
     ));
 
-    let n = rows.len();
+    // Each round runs the rows in an order of its own (shuffled, from a seed the report
+    // records): a row's leftovers (a deferred teardown, a namespace being destroyed) land on
+    // every other row alike, not always on the one after it.
+    let seed = order_seed();
+    let mut order = Shuffle::new(seed);
+    let mut indices: Vec<usize> = (0..rows.len()).collect();
     for round in 0..opts.warmup + opts.rounds {
-        for i in 0..n {
+        order.shuffle(&mut indices);
+        for &i in &indices {
             check_stop()?;
-            let row = &rows[(round + i) % n];
-            let d = row.once(&env).map_err(or_stopped)?;
+            let d = rows[i].once(&env).map_err(or_stopped)?;
             if round >= opts.warmup {
-                rows[(round + i) % n].samples.push(d);
+                rows[i].samples.push(d);
             }
         }
     }
@@ -743,6 +748,7 @@ pub fn run(opts: &Options, progress: &mut dyn FnMut(&str)) -> Result<Value, Benc
         "cpus": cpus(),
         "rounds": opts.rounds,
         "warmup_rounds": opts.warmup,
+        "order": {"method": "every row once per round, in an order shuffled per round (Fisher-Yates, xorshift64*)", "seed": seed},
         "git_rev": git_rev(),
         "python": {"path": PYTHON, "version": python_version()},
         "percentile_method": "nearest-rank: sorted[ceil(p/100 * n) - 1]",
@@ -1114,6 +1120,40 @@ pub fn render_svg(report: &Value, path: &Path) -> Result<(), BenchError> {
     chart::render(path, &title, &bars, &marks)
 }
 
+/// A seed for the rows' order: the kernel's random bytes (the time, should they fail).
+fn order_seed() -> u64 {
+    let mut b = [0u8; 8];
+    match crate::random::fill(&mut b) {
+        Ok(()) => u64::from_ne_bytes(b),
+        Err(_) => SystemTime::now().duration_since(UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64),
+    }
+}
+
+/// The rows' order per round: xorshift64* (enough for an order; nothing secret depends on it).
+struct Shuffle(u64);
+
+impl Shuffle {
+    fn new(seed: u64) -> Shuffle {
+        // xorshift needs a state other than 0.
+        Shuffle(seed | 1)
+    }
+
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    /// Fisher-Yates.
+    fn shuffle(&mut self, v: &mut [usize]) {
+        for i in (1..v.len()).rev() {
+            let j = (self.next() % (i as u64 + 1)) as usize;
+            v.swap(i, j);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1127,6 +1167,23 @@ mod tests {
             duration: Duration::from_secs(1),
             timings_only: true,
         }
+    }
+
+    /// Every round is a permutation of the rows, and over the rounds each row follows each
+    /// other row: no row's leftovers always land on the same neighbour.
+    #[test]
+    fn rounds_run_every_row_once_in_shuffled_orders() {
+        let mut order = Shuffle::new(0);
+        let mut v: Vec<usize> = (0..5).collect();
+        let mut follows = std::collections::HashSet::new();
+        for _ in 0..200 {
+            order.shuffle(&mut v);
+            let mut sorted = v.clone();
+            sorted.sort_unstable();
+            assert_eq!(sorted, (0..5).collect::<Vec<_>>());
+            follows.extend(v.windows(2).map(|w| (w[0], w[1])));
+        }
+        assert_eq!(follows.len(), 5 * 4, "{follows:?}");
     }
 
     #[test]
