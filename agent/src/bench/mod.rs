@@ -748,7 +748,7 @@ pub fn run(opts: &Options, progress: &mut dyn FnMut(&str)) -> Result<Value, Benc
         "cpus": cpus(),
         "rounds": opts.rounds,
         "warmup_rounds": opts.warmup,
-        "order": {"method": "every row once per round, in an order shuffled per round (Fisher-Yates, xorshift64*)", "seed": seed},
+        "order": {"method": "every row once per round, in an order shuffled per round (Fisher-Yates, xorshift64*)", "seed": format!("{seed:#018x}")},
         "git_rev": git_rev(),
         "python": {"path": PYTHON, "version": python_version()},
         "percentile_method": "nearest-rank: sorted[ceil(p/100 * n) - 1]",
