@@ -95,9 +95,8 @@
 //! renames, the removal of files past `keep` and the next records rely on it), and the
 //! process's other unflushed lines then through their own first descriptor. A flush that
 //! fails — grouped or under the lock — fails every line not durable yet (their actions do
-//! not proceed), and from then on
-//! the process flushes each line under the lock by itself: no later flush is trusted to
-//! cover a line the failed one covered.
+//! not proceed), and from then on the process flushes each line under the lock by itself:
+//! no later flush is trusted to cover a line the failed one covered.
 //! A write that fails is cut back under the lock, as above; a line whose *flush* failed
 //! stays in the file (later lines may chain to it already), and its action did not proceed.
 //!

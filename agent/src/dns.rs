@@ -139,11 +139,11 @@ impl Forwarder {
 
 /// DNS over TCP (RFC 7766): length-prefixed queries on one connection, answered in order;
 /// at most [`TCP_QUERIES`] per connection (then the end of file: every answer written is
-/// delivered, the client's further queries go unanswered), each read and write within [`TCP_IDLE`], and no
-/// read, write or new query after [`TCP_CONNECTION`] (an upstream lookup already begun
-/// takes up to its own timeout) (served on the
-/// forwarder's only thread: a client trickling bytes or never reading must not keep it from
-/// the UDP queries and its stop for long).
+/// delivered, the client's further queries go unanswered), each read and write within
+/// [`TCP_IDLE`], and no read, write or new query after [`TCP_CONNECTION`] (an upstream
+/// lookup already begun takes up to its own timeout) (served on the forwarder's only
+/// thread: a client trickling bytes or never reading must not keep it from the UDP queries
+/// and its stop for long).
 fn serve_tcp(
     mut stream: std::net::TcpStream,
     policy: &NetworkPolicy,
