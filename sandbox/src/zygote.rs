@@ -285,8 +285,9 @@ enum DirectStart {
 impl Direct {
     /// The monitor's step 3, done once for every sandbox the zygote will start directly (their
     /// init inherits it): no supplementary groups (the OOM shield is lowered around each
-    /// `clone`, [`Direct::shield`]); and the descriptors [`Direct`] holds. `None` when any of it fails: requests for a direct start
-    /// are then served through a monitor, which does step 3 itself.
+    /// `clone`, [`Direct::shield`]); and the descriptors [`Direct`] holds. `None` when any of
+    /// it fails: requests for a direct start are then served through a monitor, which does
+    /// step 3 itself.
     fn prepare() -> Option<Direct> {
         if let Err(e) = nix::unistd::setgroups(&[]) {
             tracing::debug!(error = %e, "zygote: supplementary groups not cleared; sandboxes start through a monitor");
@@ -298,15 +299,20 @@ impl Direct {
             nix::sys::stat::Mode::empty(),
         )
         .ok()?;
+        // Best effort, as in a monitor: lowering needs CAP_SYS_RESOURCE. Tried once here
+        // (and put back); without it no `clone` tries again.
         let oom = std::fs::read_to_string("/proc/self/oom_score_adj").ok().and_then(|value| {
+            use std::os::unix::fs::FileExt;
             let file = std::fs::OpenOptions::new().write(true).open("/proc/self/oom_score_adj").ok()?;
+            file.write_at(b"-1000", 0).ok()?;
             Some((file, value.trim().to_string()))
         });
-        Some(Direct { own_net, oom })
+        let direct = Direct { own_net, oom };
+        direct.unshield();
+        Some(direct)
     }
 
-    /// The OOM shield for the next `clone` (see [`Direct::oom`]); best effort, as in a
-    /// monitor: lowering needs CAP_SYS_RESOURCE. Whether it was lowered.
+    /// The OOM shield for the next `clone` (see [`Direct::oom`]). Whether it was lowered.
     fn shield(&self) -> bool {
         use std::os::unix::fs::FileExt;
         self.oom.as_ref().is_some_and(|(file, _)| file.write_at(b"-1000", 0).is_ok())
