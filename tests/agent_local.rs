@@ -403,6 +403,19 @@ fn the_warm_pool_serves_repeat_runs_and_leaves_nothing_behind() {
             );
         }
     }
+    // A ping says so too (as heartbeats do): on-host automation can wait for a full pool.
+    let ready = || {
+        let (code, pong) =
+            a.submit(&a.sign(&json!({"command_id": format!("ping-{:?}", Instant::now()), "action": "ping"})));
+        assert_eq!(code, 0, "{pong}");
+        let pool = &pong["output"]["sandboxes"]["warm_pool"];
+        assert_eq!((&pong["output"]["sandboxes"]["launch"], &pool["size"]), (&json!("zygote"), &json!(2)), "{pong}");
+        pool["ready"].as_u64().unwrap()
+    };
+    while ready() < 2 {
+        assert!(Instant::now() < deadline, "the ping's warm pool never showed 2 ready sandboxes");
+        std::thread::sleep(Duration::from_millis(20));
+    }
     // So the very first run takes a pooled sandbox.
     let (code, r) = a.submit(&a.sign(&scan("pool-1")));
     assert_eq!((code, r["sandbox"]["launch"].clone()), (0, json!("pool")), "{r}");

@@ -21,6 +21,8 @@ const ROWS: &[&str] = &[
     "run-cold",
     "run-zygote",
     "run-pool",
+    "run-agent",
+    "run-agent-pool",
     "run-cold-egress",
     "run-zygote-egress",
     "run-pool-egress",
@@ -198,7 +200,7 @@ fn a_stop_signal_ends_the_run_and_removes_what_it_made() {
         return;
     }
     let mut child = common::command()
-        .args(["bench", "--only", "run-zygote-egress,run-pool", "--rounds", "100000", "--timings-only"])
+        .args(["bench", "--only", "run-zygote-egress,run-pool,run-agent-pool", "--rounds", "100000", "--timings-only"])
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -238,7 +240,8 @@ fn a_stop_signal_ends_the_run_and_removes_what_it_made() {
     assert!(!scratch.exists(), "scratch directory left");
     assert!(!netns.exists(), "network namespace left");
     // The zygote (started from the scratch directory's copy of the runtime) ends when its
-    // control socket closes with the benchmark.
+    // control socket closes with the benchmark; the agent of `run-agent-pool` (the scratch
+    // directory's copy of opservant), its zygote and its pooled sandbox are stopped by it.
     let marker = format!("opservant-bench-{pid}/");
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     loop {

@@ -405,6 +405,7 @@ impl Pipeline {
         json!({"status": "completed", "command_id": id, "output": {
             "pong": true, "agent_id": self.config.agent_id(), "version": env!("CARGO_PKG_VERSION"), "executors": executors,
             "install_failures": self.install_failures,
+            "sandboxes": self.launch_status(),
         }})
     }
 

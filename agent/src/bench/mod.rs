@@ -17,6 +17,7 @@
 //! any measured command aborts with the reason — a timing never does.
 
 pub mod chart;
+mod daemon;
 pub mod memory;
 pub mod stats;
 
@@ -136,6 +137,20 @@ pub const ROWS: &[(&str, Family, &str)] = &[
         Family::Python,
         "no-op executor taking a sandbox of the warm pool, started beforehand through the zygote (library, \
          as run-zygote)",
+    ),
+    (
+        "run-agent",
+        Family::Python,
+        "no-op executor as a signed execute command on the socket of an opservant agent (installed copy, default \
+         zygote launch, the executor installed with opservant executor install): the daemon's whole command path — \
+         signature check, replay and receipt records, the run, its completion record, the reply; signed beforehand, \
+         timed from connecting to the reply",
+    ),
+    (
+        "run-agent-pool",
+        Family::Python,
+        "as run-agent, on a second agent with agent.warm_pool: 1; before each sample (untimed) pings until its pooled \
+         sandbox is ready; the refill the run starts overlaps the sample, as in a daemon",
     ),
     ("run-cold-egress", Family::Python, "opservant run NOOP-EGRESS (subprocess, cold, outbound allowed)"),
     ("run-zygote-egress", Family::Python, "no-op executor with egress through the held zygote (library)"),
@@ -396,6 +411,9 @@ enum Kind {
     RunZygote { dir: PathBuf },
     /// The executor in `dir` taking a sandbox the warm pool started (untimed) beforehand.
     RunPool { dir: PathBuf },
+    /// A signed `execute` of the no-op executor on the socket of the benchmark's agent
+    /// without a pool (`pooled: false`) or with one, its pooled sandbox ready beforehand.
+    RunAgent { pooled: bool },
 }
 
 struct Row {
@@ -415,6 +433,9 @@ struct Env {
     /// A pool of one sandbox, filled before each `run-pool` sample.
     pool: Arc<crate::warm_pool::WarmPool>,
     program_spec: sandbox::SandboxSpec,
+    /// The agents of the `run-agent` (no pool) and `run-agent-pool` rows, when selected.
+    agent_zygote: Option<daemon::BenchAgent>,
+    agent_pool: Option<daemon::BenchAgent>,
 }
 
 impl Env {
@@ -538,6 +559,14 @@ impl Row {
                 env.run_checked(dir, json!({}), true)?;
                 Ok(start.elapsed())
             }
+            Kind::RunAgent { pooled: false } => {
+                env.agent_zygote.as_ref().ok_or_else(|| failed("run-agent: no agent started"))?.execute("zygote")
+            }
+            Kind::RunAgent { pooled: true } => {
+                let agent = env.agent_pool.as_ref().ok_or_else(|| failed("run-agent-pool: no agent started"))?;
+                agent.await_pool()?;
+                agent.execute("pool")
+            }
         }
     }
 }
@@ -583,7 +612,13 @@ pub fn run(opts: &Options, progress: &mut dyn FnMut(&str)) -> Result<Value, Benc
     let zygote = crate::launch::zygote(&runtime, crate::daemon::DEFAULT_MAX_CONCURRENT);
     zygote.start().map_err(|e| failed(format!("zygote: {e}")))?;
     let pool = crate::warm_pool::WarmPool::single_use(crate::launch::for_runtime(&zygote));
-    let env = Env { config, policy, runtime: runtime.clone(), zygote, pool, program_spec };
+    // The agents of the run-agent rows, started (and their executor installed) now, untimed.
+    let agent_zygote =
+        selected.contains(&"run-agent").then(|| daemon::BenchAgent::start("zygote", &dir, &op, 0)).transpose()?;
+    let agent_pool =
+        selected.contains(&"run-agent-pool").then(|| daemon::BenchAgent::start("pool", &dir, &op, 1)).transpose()?;
+    let mut env =
+        Env { config, policy, runtime: runtime.clone(), zygote, pool, program_spec, agent_zygote, agent_pool };
 
     let bwrap_args = ["--unshare-all", "--die-with-parent", "--ro-bind", "/", "/"];
     let mut skipped: Vec<Value> = Vec::new();
@@ -664,6 +699,8 @@ pub fn run(opts: &Options, progress: &mut dyn FnMut(&str)) -> Result<Value, Benc
             "run-zygote" => Kind::RunZygote { dir: dir.join("noop") },
             "run-pool" => Kind::RunPool { dir: dir.join("noop") },
             "run-zygote-egress" => Kind::RunZygote { dir: dir.join("noop-egress") },
+            "run-agent" => Kind::RunAgent { pooled: false },
+            "run-agent-pool" => Kind::RunAgent { pooled: true },
             "run-pool-egress" => {
                 skip(POOL_EGRESS_SKIP.into());
                 continue;
@@ -699,6 +736,11 @@ pub fn run(opts: &Options, progress: &mut dyn FnMut(&str)) -> Result<Value, Benc
             }
         }
     }
+
+    // The agents stop before the throughput and memory sections, which they would share
+    // the machine with.
+    drop(env.agent_zygote.take());
+    drop(env.agent_pool.take());
 
     let summaries: Vec<Option<Summary>> = rows.iter().map(|r| stats::summarize(&r.samples)).collect();
     let median = |name: &str| {
