@@ -105,6 +105,16 @@
 //! fail after that long, with an error naming the holder from `/proc/locks`, instead of
 //! silently stalling every gated action of the agent.
 //!
+//! **Records before a gate.** An `execute` command's receipt (`command_received`) and its
+//! permission verdict (`permission_granted`) are appended without waiting for their own
+//! flush ([`record_before_gate`]): the gate that follows them in the same command
+//! (`executor_start`, whose flush covers every earlier line of the process) or, when the
+//! command ends without reaching it, the daemon's [`flush`] before its reply, makes them
+//! durable. Nothing of the executor runs and no reply goes out before they are durable,
+//! which is what their own flush ensured; two `fdatasync`s fewer per executed command. (The
+//! sandbox a run starts before its gate runs nothing of the executor until the gate has
+//! passed. Other commands — installs, removals, pings — flush every record as it is made.)
+//!
 //! # Failing closed
 //!
 //! [`try_record`] returns the error when the record could not be appended; the gates use it —
@@ -657,6 +667,11 @@ impl GroupCommit {
         st
     }
 
+    /// The last ticket issued (durable or not), if any.
+    fn newest(&self) -> Option<u64> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner).newest.as_ref().map(|(t, _)| *t)
+    }
+
     /// Whether appends still share flushes: not after one failed (see [`FlushState::failed`]).
     fn grouping(&self) -> bool {
         self.state.lock().unwrap_or_else(PoisonError::into_inner).failed.is_none()
@@ -779,8 +794,31 @@ impl AuditLog {
             })
     }
 
-    /// Append one record (see the module documentation for the sequence of steps).
+    /// Append one record (see the module documentation for the sequence of steps); it is
+    /// durable when this returns `Ok`.
     pub fn append(&self, event: &str, fields: &Map<String, Value>) -> Result<Appended, AuditError> {
+        self.append_with(event, fields, true)
+    }
+
+    /// Append one record without waiting for its flush: it becomes durable with the next
+    /// flush of this process's lines — the next [`AuditLog::append`] (a line is only
+    /// appended after the ones before it, and a flush covers every earlier line of the
+    /// process, see "Group commit") or [`AuditLog::flush`]. For records that precede a gate
+    /// in the same command (see "Records before a gate" in the module documentation).
+    pub fn append_deferred(&self, event: &str, fields: &Map<String, Value>) -> Result<Appended, AuditError> {
+        self.append_with(event, fields, false)
+    }
+
+    /// Return once every line this process has appended is durable (flushing them if no
+    /// flush under way covers them); `Err` when a flush that covered one of them failed.
+    pub fn flush(&self) -> Result<(), AuditError> {
+        match self.flush.newest() {
+            Some(ticket) => self.flush.wait_durable(ticket).map_err(|e| AuditError::new(&self.settings.path, e)),
+            None => Ok(()),
+        }
+    }
+
+    fn append_with(&self, event: &str, fields: &Map<String, Value>, wait: bool) -> Result<Appended, AuditError> {
         let lock = self.lock()?;
         let (appended, unflushed) = self.append_locked(event, fields)?;
         let ticket = unflushed
@@ -788,7 +826,7 @@ impl AuditLog {
             .transpose()
             .map_err(|e| AuditError::new(&self.settings.path, e))?;
         drop(lock);
-        if let Some(ticket) = ticket {
+        if let Some(ticket) = ticket.filter(|_| wait) {
             self.flush.wait_durable(ticket).map_err(|e| AuditError::new(&self.settings.path, e))?;
         }
         if let Some(sock) = &self.journal {
@@ -1060,9 +1098,31 @@ pub fn record(event: &str, fields: &[(&str, &str)]) {
 /// Record an event; `Err` when a log is configured and the record could not be appended —
 /// the caller must not go on with what the event audits.
 pub fn try_record(event: &str, fields: &[(&str, &str)]) -> Result<(), AuditError> {
+    record_with(event, fields, true)
+}
+
+/// Record an event that precedes a gate of the same command, without waiting for its flush
+/// ("Records before a gate" in the module documentation): the caller reaches a
+/// [`try_record`] or [`record`] — whose flush makes this line durable too — or calls
+/// [`flush`] before anything the event precedes happens or is answered. A failure to append
+/// is logged as an error, as by [`record`].
+pub fn record_before_gate(event: &str, fields: &[(&str, &str)]) {
+    if let Err(e) = record_with(event, fields, false) {
+        tracing::error!(target: "opservant::audit", event, error = %e, "audit log append failed: this event is only on stderr");
+    }
+}
+
+/// Return once every record this process has appended is durable; `Err` when the log is
+/// configured and one of them could not be made durable.
+pub fn flush() -> Result<(), AuditError> {
+    let sink = SINK.lock().unwrap_or_else(PoisonError::into_inner).clone();
+    sink.map_or(Ok(()), |log| log.flush())
+}
+
+fn record_with(event: &str, fields: &[(&str, &str)], wait: bool) -> Result<(), AuditError> {
     let fields = fields_object(fields);
     let sink = SINK.lock().unwrap_or_else(PoisonError::into_inner).clone();
-    let appended = sink.map(|log| log.append(event, &fields)).transpose();
+    let appended = sink.map(|log| log.append_with(event, &fields, wait)).transpose();
     let shown = Value::Object(fields);
     match &appended {
         Ok(Some(a)) => tracing::info!(target: "opservant::audit", event, seq = a.seq, fields = %shown, "audit"),
@@ -1446,6 +1506,50 @@ mod tests {
         let gc = GroupCommit::default();
         gc.fail("fdatasync: Input/output error");
         assert!(!gc.grouping());
+    }
+
+    /// A record before a gate is written at once and made durable by the next flush of the
+    /// process's lines — the gate's append, or an explicit flush — never counted durable
+    /// before one; a flush that fails fails it too.
+    #[test]
+    fn records_before_a_gate_are_durable_with_the_next_flush() {
+        use std::os::unix::fs::OpenOptionsExt;
+        let s = Scratch::new("deferred");
+        let log = AuditLog::open(AuditSettings::at(&s.log())).unwrap();
+        let durable = |log: &AuditLog| {
+            let st = log.flush.state.lock().unwrap();
+            (st.durable, st.newest.as_ref().map(|(t, _)| *t))
+        };
+        // A file's first record is flushed under the lock, whatever the caller asked.
+        log.append_deferred("first", &fields_object(&[])).unwrap();
+        assert_eq!(durable(&log), (0, None));
+        let received = log.append_deferred("command_received", &fields_object(&[])).unwrap();
+        let granted = log.append_deferred("permission_granted", &fields_object(&[])).unwrap();
+        assert_eq!(durable(&log), (0, Some(2)), "written, not flushed");
+        assert_eq!(lines(&s.log()).len(), 3, "both lines are in the file already");
+        let gate = log.append("executor_start", &fields_object(&[])).unwrap();
+        assert_eq!(durable(&log), (3, Some(3)), "the gate's flush covers the lines before it");
+        assert_eq!((received.seq, granted.seq, gate.seq), (2, 3, 4));
+        log.flush().unwrap();
+        assert_eq!(durable(&log), (3, Some(3)), "nothing left to flush");
+        log.append_deferred("command_received", &fields_object(&[])).unwrap();
+        assert_eq!(durable(&log), (3, Some(4)));
+        log.flush().unwrap();
+        assert_eq!(durable(&log), (4, Some(4)), "flushed by the explicit flush");
+
+        // The gate's flush really covers the deferred line's file: through a descriptor
+        // whose fdatasync fails (O_PATH), the gate fails — its action does not proceed — and
+        // an explicit flush reports the deferred line not durable.
+        log.append_deferred("command_received", &fields_object(&[])).unwrap();
+        let o_path = OpenOptions::new().read(true).custom_flags(libc::O_PATH).open(s.log()).unwrap();
+        let id = file_id(&o_path).unwrap();
+        log.flush.state.lock().unwrap().flush_via = Some(Unflushed { file: Arc::new(o_path), id });
+        let gate = log.append("executor_start", &fields_object(&[])).unwrap_err();
+        assert!(gate.to_string().contains("Bad file descriptor"), "{gate}");
+        assert!(log.flush().is_err());
+        let report = verify::verify(&[s.log()]).unwrap();
+        assert!(report.intact, "{}", report.render());
+        assert_eq!(report.records, 7, "a line whose flush failed stays in the file");
     }
 
     /// A writer whose line lands in the file being flushed does not wait for that flush (it

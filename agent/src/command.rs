@@ -332,14 +332,29 @@ impl Pipeline {
         self.running.load(Ordering::SeqCst)
     }
 
-    /// Steps 1–10 for one command as received; the reply JSON.
+    /// Steps 1–10 for one command as received; the reply JSON, returned once every audit
+    /// record of the command is durable.
     pub fn handle(&self, bytes: &[u8], now: i64) -> Value {
+        let reply = self.handle_unflushed(bytes, now);
+        // An `execute` command's receipt and permission are recorded before its gate without
+        // a flush of their own (`audit::record_before_gate`); one that ended before the gate
+        // is answered only once they are durable.
+        if let Err(e) = audit::flush() {
+            tracing::error!(target: "opservant::audit", error = %e, "audit log flush failed before a reply");
+        }
+        reply
+    }
+
+    fn handle_unflushed(&self, bytes: &[u8], now: i64) -> Value {
         let (cmd, verdict, outcome) = match verify_command(bytes, &self.platform_key, now) {
             Verification::Unreadable(r) => return reject(r.command_id.as_deref(), r.reason, &r.message, true),
             Verification::Checked { cmd, verdict, outcome } => (cmd, verdict, outcome),
         };
         let action = cmd.get("action").and_then(Value::as_str).unwrap_or("");
-        audit::record(
+        // Before the gate of an `execute` (its `executor_start`), see `handle`; any other
+        // command's receipt is durable before it goes on.
+        let received = if action == "execute" { audit::record_before_gate } else { audit::record };
+        received(
             "command_received",
             &[
                 ("command_id", cmd.get("command_id").and_then(Value::as_str).unwrap_or("")),
@@ -464,7 +479,9 @@ impl Pipeline {
                 return denied(why);
             }
         }
-        audit::record("permission_granted", &[("command_id", id), ("executor", &name)]);
+        // Made durable by the run's `executor_start` gate, before anything of the executor
+        // runs, or by `handle` before the reply (see there).
+        audit::record_before_gate("permission_granted", &[("command_id", id), ("executor", &name)]);
         let req = crate::executor_run::RunRequest {
             executor: &executor,
             params,

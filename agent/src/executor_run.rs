@@ -338,9 +338,6 @@ pub fn run(req: RunRequest) -> Result<RunResult, CannotRun> {
         Some(sb) => sb,
         None => crate::launch::spawn_with_fallback(&spec, &req.launcher, Some(&mut hook))?,
     };
-    if let Some(p) = pool {
-        p.refill(spec.clone());
-    }
     if req.background_teardown && net.is_none() {
         sb.teardown_in_background();
     }
@@ -430,6 +427,14 @@ pub fn run(req: RunRequest) -> Result<RunResult, CannotRun> {
         Ok(result)
     };
     let finished = started();
+    // The pool learns from the run (see `warm_pool`). Refilled once the run has its outcome,
+    // not when it took its sandbox: the refill starts a sandbox through the zygote, several
+    // milliseconds of CPU that would compete with the run it replaces (about 1 ms more per
+    // pooled daemon command on 2 CPUs, benches/README item 23); a command arriving meanwhile
+    // would not find the new sandbox ready in either case.
+    if let Some(p) = pool {
+        p.refill(spec.clone());
+    }
     if let Err(e) = &finished {
         audit::record(
             "executor_fail",
