@@ -259,3 +259,63 @@ fn a_stop_signal_ends_the_run_and_removes_what_it_made() {
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
 }
+
+/// A benchmark killed outright (SIGKILL: no handler, no destructor) leaves no agent of its
+/// `run-agent*` rows running: the kernel sends each SIGTERM (`PR_SET_PDEATHSIG`), and it
+/// stops. Its scratch directory is left for the next benchmark (removed here).
+#[test]
+fn a_killed_benchmark_leaves_no_agent_running() {
+    use std::io::BufRead;
+    if !common::require_root() {
+        return;
+    }
+    let mut child = common::command()
+        .args(["bench", "--only", "run-agent,run-agent-pool", "--rounds", "100000", "--timings-only"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn opservant");
+    let pid = child.id();
+    let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    loop {
+        line.clear();
+        assert!(stdout.read_line(&mut line).unwrap() > 0, "the benchmark ended before its first sample");
+        if line.starts_with("opservant bench:") {
+            break;
+        }
+    }
+    let marker = format!("opservant-bench-{pid}/");
+    let running = || -> Vec<String> {
+        std::fs::read_dir("/proc")
+            .unwrap()
+            .flatten()
+            .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
+            .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
+            .filter(|c| c.contains(&marker) && c.contains(" agent "))
+            .collect()
+    };
+    assert_eq!(running().len(), 2, "both agents run: {:?}", running());
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !running().is_empty() {
+        assert!(std::time::Instant::now() < deadline, "agents left running: {:?}", running());
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    // Their zygotes go with them (each ends when its agent's control socket closes).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let any = || {
+        std::fs::read_dir("/proc")
+            .unwrap()
+            .flatten()
+            .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
+            .any(|c| String::from_utf8_lossy(&c).contains(&marker))
+    };
+    while any() {
+        assert!(std::time::Instant::now() < deadline, "processes of the killed benchmark left");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let _ = std::fs::remove_dir_all(format!("/var/tmp/opservant-bench-{pid}"));
+}

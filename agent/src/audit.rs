@@ -107,13 +107,20 @@
 //!
 //! **Records before a gate.** An `execute` command's receipt (`command_received`) and its
 //! permission verdict (`permission_granted`) are appended without waiting for their own
-//! flush ([`record_before_gate`]): the gate that follows them in the same command
-//! (`executor_start`, whose flush covers every earlier line of the process) or, when the
-//! command ends without reaching it, the daemon's [`flush`] before its reply, makes them
-//! durable. Nothing of the executor runs and no reply goes out before they are durable,
-//! which is what their own flush ensured; two `fdatasync`s fewer per executed command. (The
-//! sandbox a run starts before its gate runs nothing of the executor until the gate has
-//! passed. Other commands — installs, removals, pings — flush every record as it is made.)
+//! flush ([`record_before_gate`]), and held by the thread that handles the command. The
+//! next record that thread makes with a flush — the run's gate, `executor_start`
+//! ([`try_record`]), or a refusal ([`record`]) — flushes every earlier line of the process,
+//! theirs included, and then checks that they are durable: a gate whose check fails fails
+//! (the executor does not run), whichever flush covered them and however (grouped, under
+//! the lock after a rotation, or not at all after an earlier failure). A command that ends
+//! without such a record calls [`settle`] before its reply, which flushes them if needed.
+//! Nothing of the executor runs, and no reply goes out, before the flush that covers them
+//! has ended — what their own flush ensured, two `fdatasync`s fewer per executed command
+//! (a failed flush fails the gate; before a reply it is logged as an error, as a failed
+//! `record` always was). Their journald mirror is sent only once they are durable, so a
+//! crash cannot leave journald anchoring a seq the file lost. (The sandbox a run starts
+//! before its gate runs nothing of the executor until the gate has passed. Other commands
+//! — installs, removals, pings — flush every record as it is made.)
 //!
 //! # Failing closed
 //!
@@ -299,6 +306,16 @@ pub fn rotated_path(path: &Path, n: u32) -> PathBuf {
     let mut name = path.file_name().unwrap_or_default().to_os_string();
     name.push(format!(".{n}"));
     path.with_file_name(name)
+}
+
+/// A record appended without waiting for its flush ([`AuditLog::append_deferred`]), until
+/// [`AuditLog::settle`] checks that it is durable.
+#[derive(Debug)]
+pub struct Deferred {
+    /// Its flush's ticket; `None` when it was flushed under the log's lock already.
+    ticket: Option<u64>,
+    /// Its journald message, sent once it is durable.
+    journal: Option<Vec<u8>>,
 }
 
 /// What one append wrote.
@@ -667,11 +684,6 @@ impl GroupCommit {
         st
     }
 
-    /// The last ticket issued (durable or not), if any.
-    fn newest(&self) -> Option<u64> {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner).newest.as_ref().map(|(t, _)| *t)
-    }
-
     /// Whether appends still share flushes: not after one failed (see [`FlushState::failed`]).
     fn grouping(&self) -> bool {
         self.state.lock().unwrap_or_else(PoisonError::into_inner).failed.is_none()
@@ -801,24 +813,55 @@ impl AuditLog {
     }
 
     /// Append one record without waiting for its flush: it becomes durable with the next
-    /// flush of this process's lines — the next [`AuditLog::append`] (a line is only
-    /// appended after the ones before it, and a flush covers every earlier line of the
-    /// process, see "Group commit") or [`AuditLog::flush`]. For records that precede a gate
-    /// in the same command (see "Records before a gate" in the module documentation).
-    pub fn append_deferred(&self, event: &str, fields: &Map<String, Value>) -> Result<Appended, AuditError> {
-        self.append_with(event, fields, false)
+    /// flush of this process's lines — typically the next [`AuditLog::append`]'s (a line is
+    /// only appended after the ones before it, and a flush covers every earlier line of the
+    /// process, see "Group commit"). [`AuditLog::settle`] with the returned [`Deferred`]
+    /// says whether it is durable (flushing it if no flush did), and only then mirrors it to
+    /// journald. For records that precede a gate in the same command ("Records before a
+    /// gate" in the module documentation).
+    pub fn append_deferred(
+        &self,
+        event: &str,
+        fields: &Map<String, Value>,
+    ) -> Result<(Appended, Deferred), AuditError> {
+        let (appended, ticket) = self.append_unflushed(event, fields)?;
+        let journal = self.journal.as_ref().map(|_| journal_datagram(event, fields, &appended));
+        Ok((appended, Deferred { ticket, journal }))
     }
 
-    /// Return once every line this process has appended is durable (flushing them if no
-    /// flush under way covers them); `Err` when a flush that covered one of them failed.
-    pub fn flush(&self) -> Result<(), AuditError> {
-        match self.flush.newest() {
+    /// Return once the `deferred` records are durable — flushed by a flush that began after
+    /// they were written, this call's own if none did — and mirror them to journald; `Err`
+    /// when the flush that covered one of them failed (they are mirrored all the same: the
+    /// lines are in the file).
+    pub fn settle(&self, deferred: Vec<Deferred>) -> Result<(), AuditError> {
+        let upto = deferred.iter().filter_map(|d| d.ticket).max();
+        let durable = match upto {
             Some(ticket) => self.flush.wait_durable(ticket).map_err(|e| AuditError::new(&self.settings.path, e)),
             None => Ok(()),
+        };
+        for datagram in deferred.into_iter().filter_map(|d| d.journal) {
+            self.mirror(&datagram);
         }
+        durable
     }
 
     fn append_with(&self, event: &str, fields: &Map<String, Value>, wait: bool) -> Result<Appended, AuditError> {
+        let (appended, ticket) = self.append_unflushed(event, fields)?;
+        if let Some(ticket) = ticket.filter(|_| wait) {
+            self.flush.wait_durable(ticket).map_err(|e| AuditError::new(&self.settings.path, e))?;
+        }
+        if self.journal.is_some() {
+            self.mirror(&journal_datagram(event, fields, &appended));
+        }
+        Ok(appended)
+    }
+
+    /// Append under the log's lock; the ticket of the line's flush when it still needs one.
+    fn append_unflushed(
+        &self,
+        event: &str,
+        fields: &Map<String, Value>,
+    ) -> Result<(Appended, Option<u64>), AuditError> {
         let lock = self.lock()?;
         let (appended, unflushed) = self.append_locked(event, fields)?;
         let ticket = unflushed
@@ -826,14 +869,14 @@ impl AuditLog {
             .transpose()
             .map_err(|e| AuditError::new(&self.settings.path, e))?;
         drop(lock);
-        if let Some(ticket) = ticket.filter(|_| wait) {
-            self.flush.wait_durable(ticket).map_err(|e| AuditError::new(&self.settings.path, e))?;
-        }
+        Ok((appended, ticket))
+    }
+
+    fn mirror(&self, datagram: &[u8]) {
         if let Some(sock) = &self.journal {
             // Best effort: journald may be absent, restarting or full.
-            let _ = sock.send_to(&journal_datagram(event, fields, &appended), &self.settings.journal_socket);
+            let _ = sock.send_to(datagram, &self.settings.journal_socket);
         }
-        Ok(appended)
     }
 
     /// Append under the log's lock; the file is returned when the line still needs its
@@ -1087,8 +1130,9 @@ pub fn init_with(settings: AuditSettings) -> Result<(), AuditError> {
     Ok(())
 }
 
-/// Record an event; a failure to append is logged as an error (see the module doc for which
-/// events must use [`try_record`] instead).
+/// Record an event; a failure to append (or to make this thread's records before a gate
+/// durable, see [`try_record`]) is logged as an error (see the module doc for which events
+/// must use [`try_record`] instead).
 pub fn record(event: &str, fields: &[(&str, &str)]) {
     if let Err(e) = try_record(event, fields) {
         tracing::error!(target: "opservant::audit", event, error = %e, "audit log append failed: this event is only on stderr");
@@ -1096,39 +1140,76 @@ pub fn record(event: &str, fields: &[(&str, &str)]) {
 }
 
 /// Record an event; `Err` when a log is configured and the record could not be appended —
-/// the caller must not go on with what the event audits.
+/// the caller must not go on with what the event audits. Also `Err` when a record this
+/// thread made before a gate ([`record_before_gate`]) is not durable: the flush that
+/// covered it failed.
 pub fn try_record(event: &str, fields: &[(&str, &str)]) -> Result<(), AuditError> {
-    record_with(event, fields, true)
+    let fields = fields_object(fields);
+    let sink = SINK.lock().unwrap_or_else(PoisonError::into_inner).clone();
+    let appended = sink.map(|log| log.append(event, &fields)).transpose();
+    trace(event, &fields, &appended);
+    appended?;
+    // This line's flush covered the records this thread made before it (they were written
+    // first): normally nothing is left to flush here, only to check.
+    settle()
 }
 
-/// Record an event that precedes a gate of the same command, without waiting for its flush
-/// ("Records before a gate" in the module documentation): the caller reaches a
-/// [`try_record`] or [`record`] — whose flush makes this line durable too — or calls
-/// [`flush`] before anything the event precedes happens or is answered. A failure to append
-/// is logged as an error, as by [`record`].
+thread_local! {
+    /// The records this thread made before a gate and has not settled yet, with the log
+    /// each went to.
+    static BEFORE_GATE: std::cell::RefCell<Vec<(Arc<AuditLog>, Deferred)>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Record an event that precedes a gate of the same command, on the same thread, without
+/// waiting for its flush ("Records before a gate" in the module documentation). The
+/// thread's next [`try_record`] or [`record`] — whose flush covers this line — or its
+/// [`settle`] checks that it is durable, flushing it if needed; the caller reaches one of
+/// them before anything the event precedes happens or is answered. A failure to append is
+/// logged as an error, as by [`record`].
 pub fn record_before_gate(event: &str, fields: &[(&str, &str)]) {
-    if let Err(e) = record_with(event, fields, false) {
+    let fields = fields_object(fields);
+    let sink = SINK.lock().unwrap_or_else(PoisonError::into_inner).clone();
+    let appended = sink
+        .map(|log| {
+            log.append_deferred(event, &fields).map(|(appended, deferred)| {
+                BEFORE_GATE.with(|b| b.borrow_mut().push((log.clone(), deferred)));
+                appended
+            })
+        })
+        .transpose();
+    trace(event, &fields, &appended);
+    if let Err(e) = appended {
         tracing::error!(target: "opservant::audit", event, error = %e, "audit log append failed: this event is only on stderr");
     }
 }
 
-/// Return once every record this process has appended is durable; `Err` when the log is
-/// configured and one of them could not be made durable.
-pub fn flush() -> Result<(), AuditError> {
-    let sink = SINK.lock().unwrap_or_else(PoisonError::into_inner).clone();
-    sink.map_or(Ok(()), |log| log.flush())
+/// Return once the records this thread made before a gate ([`record_before_gate`]) are
+/// durable, and mirror them to journald; `Err` when one of them is not (the flush that
+/// covered it failed). A daemon's command calls it before its reply.
+pub fn settle() -> Result<(), AuditError> {
+    let pending = BEFORE_GATE.with(|b| std::mem::take(&mut *b.borrow_mut()));
+    let mut result = Ok(());
+    let mut pending = pending.into_iter().peekable();
+    while let Some((log, first)) = pending.next() {
+        // Grouped by log (one in practice; a test may open another meanwhile).
+        let mut same = vec![first];
+        while let Some((_, d)) = pending.next_if(|(l, _)| Arc::ptr_eq(l, &log)) {
+            same.push(d);
+        }
+        if let Err(e) = log.settle(same) {
+            result = result.and(Err(e));
+        }
+    }
+    result
 }
 
-fn record_with(event: &str, fields: &[(&str, &str)], wait: bool) -> Result<(), AuditError> {
-    let fields = fields_object(fields);
-    let sink = SINK.lock().unwrap_or_else(PoisonError::into_inner).clone();
-    let appended = sink.map(|log| log.append_with(event, &fields, wait)).transpose();
-    let shown = Value::Object(fields);
-    match &appended {
+/// The record's `tracing` line (the CLI prints those on stderr).
+fn trace(event: &str, fields: &Map<String, Value>, appended: &Result<Option<Appended>, AuditError>) {
+    let shown = Value::Object(fields.clone());
+    match appended {
         Ok(Some(a)) => tracing::info!(target: "opservant::audit", event, seq = a.seq, fields = %shown, "audit"),
         _ => tracing::info!(target: "opservant::audit", event, fields = %shown, "audit"),
     }
-    appended.map(|_| ())
 }
 
 #[cfg(test)]
@@ -1509,8 +1590,8 @@ mod tests {
     }
 
     /// A record before a gate is written at once and made durable by the next flush of the
-    /// process's lines — the gate's append, or an explicit flush — never counted durable
-    /// before one; a flush that fails fails it too.
+    /// process's lines — the gate's append, or the settle's own — never counted durable
+    /// before one; a flush that fails, however it covered the record, fails its settle.
     #[test]
     fn records_before_a_gate_are_durable_with_the_next_flush() {
         use std::os::unix::fs::OpenOptionsExt;
@@ -1520,36 +1601,53 @@ mod tests {
             let st = log.flush.state.lock().unwrap();
             (st.durable, st.newest.as_ref().map(|(t, _)| *t))
         };
+        let deferred = |log: &AuditLog, event: &str| log.append_deferred(event, &fields_object(&[])).unwrap();
         // A file's first record is flushed under the lock, whatever the caller asked.
-        log.append_deferred("first", &fields_object(&[])).unwrap();
-        assert_eq!(durable(&log), (0, None));
-        let received = log.append_deferred("command_received", &fields_object(&[])).unwrap();
-        let granted = log.append_deferred("permission_granted", &fields_object(&[])).unwrap();
+        let (_, first) = deferred(&log, "first");
+        assert_eq!((durable(&log), first.ticket), ((0, None), None));
+        let (received, r) = deferred(&log, "command_received");
+        let (granted, g) = deferred(&log, "permission_granted");
         assert_eq!(durable(&log), (0, Some(2)), "written, not flushed");
         assert_eq!(lines(&s.log()).len(), 3, "both lines are in the file already");
         let gate = log.append("executor_start", &fields_object(&[])).unwrap();
         assert_eq!(durable(&log), (3, Some(3)), "the gate's flush covers the lines before it");
         assert_eq!((received.seq, granted.seq, gate.seq), (2, 3, 4));
-        log.flush().unwrap();
+        log.settle(vec![first, r, g]).unwrap();
         assert_eq!(durable(&log), (3, Some(3)), "nothing left to flush");
-        log.append_deferred("command_received", &fields_object(&[])).unwrap();
+        let (_, r) = deferred(&log, "command_received");
         assert_eq!(durable(&log), (3, Some(4)));
-        log.flush().unwrap();
-        assert_eq!(durable(&log), (4, Some(4)), "flushed by the explicit flush");
+        log.settle(vec![r]).unwrap();
+        assert_eq!(durable(&log), (4, Some(4)), "flushed by the settle itself");
 
-        // The gate's flush really covers the deferred line's file: through a descriptor
-        // whose fdatasync fails (O_PATH), the gate fails — its action does not proceed — and
-        // an explicit flush reports the deferred line not durable.
-        log.append_deferred("command_received", &fields_object(&[])).unwrap();
-        let o_path = OpenOptions::new().read(true).custom_flags(libc::O_PATH).open(s.log()).unwrap();
-        let id = file_id(&o_path).unwrap();
-        log.flush.state.lock().unwrap().flush_via = Some(Unflushed { file: Arc::new(o_path), id });
+        // Through a descriptor whose fdatasync fails (O_PATH) as the one the deferred line's
+        // flush must go through: a grouped gate fails with it, and so does its settle.
+        let o_path = |path: PathBuf| {
+            let f = OpenOptions::new().read(true).custom_flags(libc::O_PATH).open(path).unwrap();
+            let id = file_id(&f).unwrap();
+            Unflushed { file: Arc::new(f), id }
+        };
+        let (_, r) = deferred(&log, "command_received");
+        log.flush.state.lock().unwrap().flush_via = Some(o_path(s.log()));
         let gate = log.append("executor_start", &fields_object(&[])).unwrap_err();
         assert!(gate.to_string().contains("Bad file descriptor"), "{gate}");
-        assert!(log.flush().is_err());
+        assert!(log.settle(vec![r]).is_err());
         let report = verify::verify(&[s.log()]).unwrap();
         assert!(report.intact, "{}", report.render());
         assert_eq!(report.records, 7, "a line whose flush failed stays in the file");
+
+        // A gate flushed under the lock (here: it rotates the log) passes by itself, while
+        // the deferred line's flush failed: its settle says so.
+        let s = Scratch::new("deferred-rotate");
+        let mut settings = AuditSettings::at(&s.log());
+        settings.max_bytes = 600;
+        let log = AuditLog::open(settings).unwrap();
+        log.append("first", &fields_object(&[])).unwrap();
+        let (_, r) = deferred(&log, "command_received");
+        assert!(r.ticket.is_some());
+        log.flush.state.lock().unwrap().flush_via = Some(o_path(s.log()));
+        let gate = log.append("executor_start", &fields_object(&[("pad", &"x".repeat(200))])).unwrap();
+        assert!(gate.rotated, "the gate rotated the log");
+        assert!(log.settle(vec![r]).unwrap_err().to_string().contains("Bad file descriptor"));
     }
 
     /// A writer whose line lands in the file being flushed does not wait for that flush (it

@@ -338,9 +338,10 @@ impl Pipeline {
         let reply = self.handle_unflushed(bytes, now);
         // An `execute` command's receipt and permission are recorded before its gate without
         // a flush of their own (`audit::record_before_gate`); one that ended before the gate
-        // is answered only once they are durable.
-        if let Err(e) = audit::flush() {
-            tracing::error!(target: "opservant::audit", error = %e, "audit log flush failed before a reply");
+        // is answered only once they are durable (normally settled already by the next
+        // record's flush).
+        if let Err(e) = audit::settle() {
+            tracing::error!(target: "opservant::audit", error = %e, "audit log: a command's records are not durable");
         }
         reply
     }

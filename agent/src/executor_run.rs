@@ -338,6 +338,12 @@ pub fn run(req: RunRequest) -> Result<RunResult, CannotRun> {
         Some(sb) => sb,
         None => crate::launch::spawn_with_fallback(&spec, &req.launcher, Some(&mut hook))?,
     };
+    // The pool learns from the run (see `warm_pool`): its refill starts when this is dropped
+    // — the run has its outcome, or ended early — or after `warm_pool::REFILL_DELAY`. Not at
+    // once: the refill's start of a sandbox through the zygote, milliseconds of CPU, would
+    // compete with the run it replaces (about 1 ms per pooled daemon command on 2 CPUs,
+    // benches/README item 23).
+    let _refill = pool.map(|p| p.refill_after(spec.clone()));
     if req.background_teardown && net.is_none() {
         sb.teardown_in_background();
     }
@@ -427,14 +433,6 @@ pub fn run(req: RunRequest) -> Result<RunResult, CannotRun> {
         Ok(result)
     };
     let finished = started();
-    // The pool learns from the run (see `warm_pool`). Refilled once the run has its outcome,
-    // not when it took its sandbox: the refill starts a sandbox through the zygote, several
-    // milliseconds of CPU that would compete with the run it replaces (about 1 ms more per
-    // pooled daemon command on 2 CPUs, benches/README item 23); a command arriving meanwhile
-    // would not find the new sandbox ready in either case.
-    if let Some(p) = pool {
-        p.refill(spec.clone());
-    }
     if let Err(e) = &finished {
         audit::record(
             "executor_fail",

@@ -33,7 +33,10 @@
 //!   payload.
 //!
 //! The pool learns from the runs: after a run of spec S it starts a sandbox for S, evicting
-//! the longest-idle one when full. The daemon pre-warms it at start with one sandbox for each
+//! the longest-idle one when full — once the run has its outcome or has gone on for
+//! [`REFILL_DELAY`], whichever comes first: the refill's start of a sandbox (milliseconds of
+//! CPU) does not compete with a short run for the CPUs, and a long run's refill is not held
+//! back for other commands of its spec ([`WarmPool::refill_after`]). The daemon pre-warms it at start with one sandbox for each
 //! installed executor without egress (by name, up to the pool's size), each for a run
 //! without tightened limits ([`crate::command::Pipeline::prewarm_pool`]).
 
@@ -58,6 +61,9 @@ pub const MAX_SIZE: usize = 64;
 
 /// How long a pooled runtime may take to warm up before its sandbox is discarded.
 pub const WARM_LIMIT: Duration = Duration::from_secs(10);
+
+/// How long a run's refill waits for the run to end ([`WarmPool::refill_after`]).
+pub const REFILL_DELAY: Duration = Duration::from_millis(50);
 
 struct Warm {
     spec: SandboxSpec,
@@ -126,6 +132,12 @@ pub struct WarmPool {
     /// sandbox half-started).
     refills: bool,
     state: Mutex<State>,
+}
+
+/// Held by a run that took (or wanted) a pooled sandbox: its refill starts when this is
+/// dropped ([`WarmPool::refill_after`]).
+pub struct RefillTrigger {
+    _run: std::sync::mpsc::Sender<()>,
 }
 
 /// A spec being started by a refill thread: taken out of [`State::filling`] when dropped.
@@ -234,6 +246,20 @@ impl WarmPool {
 
     /// Start a sandbox for `spec` on a background thread (unless one is being started).
     pub fn refill(self: &Arc<Self>, spec: SandboxSpec) {
+        self.refill_when(spec, None);
+    }
+
+    /// As [`WarmPool::refill`], for the run that just took (or wanted) a sandbox of `spec`:
+    /// the refill starts when the returned trigger is dropped — the run has its outcome, or
+    /// ended early — or after [`REFILL_DELAY`], whichever comes first. The spec counts as
+    /// being refilled from now on (a second run does not start another refill).
+    pub fn refill_after(self: &Arc<Self>, spec: SandboxSpec) -> RefillTrigger {
+        let (tx, rx) = std::sync::mpsc::channel();
+        self.refill_when(spec, Some(rx));
+        RefillTrigger { _run: tx }
+    }
+
+    fn refill_when(self: &Arc<Self>, spec: SandboxSpec, run_ends: Option<std::sync::mpsc::Receiver<()>>) {
         if self.size == 0 || !self.refills {
             return;
         }
@@ -249,6 +275,10 @@ impl WarmPool {
         // left there would never be refilled again and would hold `shutdown` for its 10 s.
         let filling = Filling { pool: Arc::clone(self), spec };
         let spawned = std::thread::Builder::new().name("warm-pool".into()).spawn(move || {
+            if let Some(rx) = run_ends {
+                // Nothing is ever sent: the trigger's drop (or the delay) ends the wait.
+                let _ = rx.recv_timeout(REFILL_DELAY);
+            }
             if let Err(e) = filling.pool.fill(filling.spec.clone()) {
                 tracing::warn!(error = %e, "warm pool: could not start a sandbox");
             }
@@ -260,7 +290,7 @@ impl WarmPool {
 
     /// Start a sandbox for `spec` now and add it to the pool.
     pub fn fill(&self, spec: SandboxSpec) -> Result<(), sandbox::SandboxError> {
-        if self.size == 0 {
+        if self.size == 0 || self.state().closed {
             return Ok(());
         }
         let sources = sources(&spec);

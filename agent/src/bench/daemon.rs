@@ -4,11 +4,14 @@
 //! check, replay and receipt records, policy, the run, its completion record, the reply),
 //! which the library rows leave out.
 //!
-//! Guarantees: everything an agent uses (keys, configuration, state, audit log, socket,
-//! installed executors, its log) lives in the benchmark's scratch directory; dropping a
-//! [`BenchAgent`] stops the agent (SIGTERM, then SIGKILL after 10 s) and reaps it; a sample
-//! is checked (status `completed`, the launch the row promises) and a failed one aborts the
-//! benchmark with the agent's reply.
+//! Guarantees: everything an agent uses (keys, configuration, state, audit log — not
+//! mirrored to journald —, socket, installed executors, its log) lives in the benchmark's
+//! scratch directory; dropping a [`BenchAgent`] stops the agent (SIGTERM, then SIGKILL after
+//! 10 s) and reaps it, and an agent whose benchmark died without that (SIGKILL, an abort)
+//! gets SIGTERM from the kernel (`PR_SET_PDEATHSIG`); a sample is checked (status
+//! `completed`, the launch the row promises) and a failed one aborts the benchmark with the
+//! agent's reply; an agent that does not answer within [`REPLY_LIMIT`] fails the benchmark
+//! rather than hanging it.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -18,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use super::{failed, write, BenchError};
+use super::{check_stop, failed, write, BenchError};
 
 /// How long an agent may take to listen on its socket after it was started.
 const START_LIMIT: Duration = Duration::from_secs(20);
@@ -27,6 +30,9 @@ const START_LIMIT: Duration = Duration::from_secs(20);
 /// one (a refill starts a sandbox through the zygote and warms it up; the pool's own limit
 /// for the warm-up is [`crate::warm_pool::WARM_LIMIT`]).
 const REFILL_LIMIT: Duration = Duration::from_secs(15);
+
+/// How long a command's reply may take (a no-op run or a ping: milliseconds).
+const REPLY_LIMIT: Duration = Duration::from_secs(30);
 
 /// A running `opservant agent` of the benchmark.
 pub struct BenchAgent {
@@ -52,7 +58,7 @@ impl BenchAgent {
             &config,
             &format!(
                 "agent:\n  platform_public_key: {}\n  state_dir: {}\n  socket: {}\n  max_concurrent: {}\n  \
-                 warm_pool: {warm_pool}\nexecutors:\n  dir: {}\naudit:\n  path: {}\n",
+                 warm_pool: {warm_pool}\nexecutors:\n  dir: {}\naudit:\n  path: {}\n  journald: false\n",
                 a.join("keys/signing.pub").display(),
                 a.join("state").display(),
                 socket.display(),
@@ -79,18 +85,31 @@ impl BenchAgent {
         let key = crate::signing::load_signing_key(&a.join("keys/signing.key")).map_err(failed)?;
         let log = a.join("agent.log");
         let log_file = std::fs::File::create(&log).map_err(|e| failed(format!("{}: {e}", log.display())))?;
-        let child = Command::new(op)
-            .arg("agent")
-            .arg("--config")
-            .arg(&config)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(log_file)
-            .spawn()
-            .map_err(|e| failed(format!("start opservant agent: {e}")))?;
+        let mut cmd = Command::new(op);
+        cmd.arg("agent").arg("--config").arg(&config).stdin(Stdio::null()).stdout(Stdio::null()).stderr(log_file);
+        // The agent stops (SIGTERM: it drains and removes its sandboxes) when the thread that
+        // started it ends — this benchmark's main thread, alive until the process exits —
+        // even if the benchmark is killed before it could stop the agent itself.
+        let bench = std::process::id() as libc::pid_t;
+        // SAFETY: the closure runs in the forked child before exec and makes only
+        // async-signal-safe calls (prctl, getppid, kill on itself); it allocates nothing.
+        unsafe {
+            std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM as libc::c_ulong, 0, 0, 0) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // The benchmark died between the fork and the prctl: no signal will come.
+                if libc::getppid() != bench {
+                    libc::kill(libc::getpid(), libc::SIGTERM);
+                }
+                Ok(())
+            });
+        }
+        let child = cmd.spawn().map_err(|e| failed(format!("start opservant agent: {e}")))?;
         let agent = BenchAgent { name, child: Mutex::new(child), socket, key, log, sent: AtomicU64::new(0) };
         let deadline = Instant::now() + START_LIMIT;
         while std::os::unix::net::UnixStream::connect(&agent.socket).is_err() {
+            check_stop()?;
             let exited = agent.child().try_wait().ok().flatten();
             if exited.is_some() || Instant::now() >= deadline {
                 return Err(failed(format!(
@@ -132,9 +151,24 @@ impl BenchAgent {
         serde_json::to_vec(&cmd).map_err(failed)
     }
 
+    /// Send `bytes` and read the whole reply, as `opservant submit` does
+    /// ([`crate::daemon::submit`]), with [`REPLY_LIMIT`] on each read and write.
     fn submit(&self, bytes: &[u8]) -> Result<Value, BenchError> {
-        crate::daemon::submit(&self.socket, bytes)
-            .map_err(|e| failed(format!("agent {}: {} ({})", self.name, e.0, self.log_tail())))
+        use std::io::{Read, Write};
+        let fail = |what: String| failed(format!("agent {}: {what} ({})", self.name, self.log_tail()));
+        let mut stream = std::os::unix::net::UnixStream::connect(&self.socket)
+            .map_err(|e| fail(format!("{}: {e}", self.socket.display())))?;
+        stream
+            .set_read_timeout(Some(REPLY_LIMIT))
+            .and_then(|()| stream.set_write_timeout(Some(REPLY_LIMIT)))
+            .map_err(|e| fail(format!("socket timeouts: {e}")))?;
+        stream
+            .write_all(bytes)
+            .and_then(|()| stream.shutdown(std::net::Shutdown::Write))
+            .map_err(|e| fail(format!("send: {e}")))?;
+        let mut reply = String::new();
+        stream.read_to_string(&mut reply).map_err(|e| fail(format!("reply: {e}")))?;
+        serde_json::from_str(reply.trim()).map_err(|e| fail(format!("reply is not JSON ({e}): {}", reply.trim())))
     }
 
     /// Wait until the agent's warm pool has a sandbox ready (asked with `ping`, whose reply
@@ -142,6 +176,7 @@ impl BenchAgent {
     pub fn await_pool(&self) -> Result<(), BenchError> {
         let deadline = Instant::now() + REFILL_LIMIT;
         loop {
+            check_stop()?;
             let reply = self.submit(&self.signed("ping", json!({}))?)?;
             let pool = &reply["output"]["sandboxes"]["warm_pool"];
             if pool["ready"].as_u64().is_some_and(|n| n > 0) {
@@ -179,6 +214,10 @@ impl BenchAgent {
 impl Drop for BenchAgent {
     fn drop(&mut self) {
         let mut child = self.child();
+        // Only a child not reaped yet: a reaped one's pid may belong to another process now.
+        if !matches!(child.try_wait(), Ok(None)) {
+            return;
+        }
         // SAFETY: kill(2) on the pid of a child this process spawned and has not reaped.
         unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
         let deadline = Instant::now() + Duration::from_secs(10);

@@ -150,7 +150,7 @@ pub const ROWS: &[(&str, Family, &str)] = &[
         "run-agent-pool",
         Family::Python,
         "as run-agent, on a second agent with agent.warm_pool: 1; before each sample (untimed) pings until its pooled \
-         sandbox is ready; the refill the run starts overlaps the sample, as in a daemon",
+         sandbox is ready; the refill the run starts begins as the run ends, as in a daemon",
     ),
     ("run-cold-egress", Family::Python, "opservant run NOOP-EGRESS (subprocess, cold, outbound allowed)"),
     ("run-zygote-egress", Family::Python, "no-op executor with egress through the held zygote (library)"),
@@ -356,7 +356,7 @@ fn make_scratch() -> Result<Scratch, BenchError> {
     write(
         &dir.join("config.yaml"),
         &format!(
-            "network:\n  egress:\n    dns_upstream: [\"192.0.2.53\"]\naudit:\n  path: {}\n",
+            "network:\n  egress:\n    dns_upstream: [\"192.0.2.53\"]\naudit:\n  path: {}\n  journald: false\n",
             dir.join("audit/audit.jsonl").display()
         ),
     )?;
@@ -927,7 +927,7 @@ fn idle_agent(dir: &Path, op: &Path) -> Result<Value, BenchError> {
         &config,
         &format!(
             "agent:\n  platform_public_key: {}\n  state_dir: {}\n  socket: {}\n  max_concurrent: 4\n\
-             executors:\n  dir: {}\naudit:\n  path: {}\n",
+             executors:\n  dir: {}\naudit:\n  path: {}\n  journald: false\n",
             a.join("keys/signing.pub").display(),
             a.join("state").display(),
             socket.display(),
