@@ -193,31 +193,58 @@ fn svg_check_catches_broken_documents() {
     assert!(well_formed("<svg>").is_err());
 }
 
-#[test]
-fn a_stop_signal_ends_the_run_and_removes_what_it_made() {
+/// A benchmark of `rows` for as many rounds as it takes, once it has printed its header —
+/// when everything is set up (scratch directory, network namespace, zygote, pool, agents)
+/// and the samples start; with its stdout, kept open.
+fn started_bench(rows: &str) -> (std::process::Child, std::io::BufReader<std::process::ChildStdout>) {
     use std::io::BufRead;
-    if !common::require_root() {
-        return;
-    }
     let mut child = common::command()
-        .args(["bench", "--only", "run-zygote-egress,run-pool,run-agent-pool", "--rounds", "100000", "--timings-only"])
+        .args(["bench", "--only", rows, "--rounds", "100000", "--timings-only"])
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawn opservant");
-    let pid = child.id();
-    // The header comes when everything is set up (scratch directory, network namespace,
-    // zygote, pool) and the samples start.
-    let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+    let Some(out) = child.stdout.take() else {
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("no stdout");
+    };
+    let mut stdout = std::io::BufReader::new(out);
     let mut line = String::new();
     loop {
         line.clear();
-        assert!(stdout.read_line(&mut line).unwrap() > 0, "the benchmark ended before its first sample");
+        if !matches!(stdout.read_line(&mut line), Ok(n) if n > 0) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the benchmark ended before its first sample");
+        }
         if line.starts_with("opservant bench:") {
-            break;
+            return (child, stdout);
         }
     }
+}
+
+/// The command lines of the processes running from the scratch directory of the benchmark
+/// `pid` (its installed copies: agents, zygotes).
+fn processes_of_bench(pid: u32) -> Vec<String> {
+    let marker = format!("opservant-bench-{pid}/");
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
+        .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
+        .filter(|c| c.contains(&marker))
+        .collect()
+}
+
+#[test]
+fn a_stop_signal_ends_the_run_and_removes_what_it_made() {
+    if !common::require_root() {
+        return;
+    }
+    let (mut child, _stdout) = started_bench("run-zygote-egress,run-pool,run-agent-pool");
+    let pid = child.id();
     let scratch = std::path::PathBuf::from(format!("/var/tmp/opservant-bench-{pid}"));
     let netns = std::path::PathBuf::from(format!("/run/netns/opsvbench-{pid}"));
     assert!(scratch.is_dir() && netns.exists(), "nothing to clean up: {} {}", scratch.display(), netns.display());
@@ -242,16 +269,9 @@ fn a_stop_signal_ends_the_run_and_removes_what_it_made() {
     // The zygote (started from the scratch directory's copy of the runtime) ends when its
     // control socket closes with the benchmark; the agent of `run-agent-pool` (the scratch
     // directory's copy of opservant), its zygote and its pooled sandbox are stopped by it.
-    let marker = format!("opservant-bench-{pid}/");
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     loop {
-        let left: Vec<String> = std::fs::read_dir("/proc")
-            .unwrap()
-            .flatten()
-            .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
-            .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
-            .filter(|c| c.contains(&marker))
-            .collect();
+        let left = processes_of_bench(pid);
         if left.is_empty() {
             break;
         }
@@ -265,56 +285,20 @@ fn a_stop_signal_ends_the_run_and_removes_what_it_made() {
 /// stops. Its scratch directory is left for the next benchmark (removed here).
 #[test]
 fn a_killed_benchmark_leaves_no_agent_running() {
-    use std::io::BufRead;
     if !common::require_root() {
         return;
     }
-    let mut child = common::command()
-        .args(["bench", "--only", "run-agent,run-agent-pool", "--rounds", "100000", "--timings-only"])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn opservant");
+    let (mut child, _stdout) = started_bench("run-agent,run-agent-pool");
     let pid = child.id();
-    let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
-    let mut line = String::new();
-    loop {
-        line.clear();
-        assert!(stdout.read_line(&mut line).unwrap() > 0, "the benchmark ended before its first sample");
-        if line.starts_with("opservant bench:") {
-            break;
-        }
-    }
-    let marker = format!("opservant-bench-{pid}/");
-    let running = || -> Vec<String> {
-        std::fs::read_dir("/proc")
-            .unwrap()
-            .flatten()
-            .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
-            .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
-            .filter(|c| c.contains(&marker) && c.contains(" agent "))
-            .collect()
-    };
-    assert_eq!(running().len(), 2, "both agents run: {:?}", running());
+    let agents = || -> Vec<String> { processes_of_bench(pid).into_iter().filter(|c| c.contains(" agent ")).collect() };
+    assert_eq!(agents().len(), 2, "both agents run: {:?}", agents());
     child.kill().unwrap();
     child.wait().unwrap();
+    // The agents stop; their zygotes go with them (each ends when its agent's control socket
+    // closes).
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    while !running().is_empty() {
-        assert!(std::time::Instant::now() < deadline, "agents left running: {:?}", running());
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
-    // Their zygotes go with them (each ends when its agent's control socket closes).
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    let any = || {
-        std::fs::read_dir("/proc")
-            .unwrap()
-            .flatten()
-            .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
-            .any(|c| String::from_utf8_lossy(&c).contains(&marker))
-    };
-    while any() {
-        assert!(std::time::Instant::now() < deadline, "processes of the killed benchmark left");
+    while !processes_of_bench(pid).is_empty() {
+        assert!(std::time::Instant::now() < deadline, "processes left running: {:?}", processes_of_bench(pid));
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
     let _ = std::fs::remove_dir_all(format!("/var/tmp/opservant-bench-{pid}"));

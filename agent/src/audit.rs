@@ -836,7 +836,9 @@ impl AuditLog {
     pub fn settle(&self, deferred: Vec<Deferred>) -> Result<(), AuditError> {
         let upto = deferred.iter().filter_map(|d| d.ticket).max();
         let durable = match upto {
-            Some(ticket) => self.flush.wait_durable(ticket).map_err(|e| AuditError::new(&self.settings.path, e)),
+            Some(ticket) => self.flush.wait_durable(ticket).map_err(|e| {
+                AuditError::new(&self.settings.path, format!("a record made before a gate is not durable: {e}"))
+            }),
             None => Ok(()),
         };
         for datagram in deferred.into_iter().filter_map(|d| d.journal) {

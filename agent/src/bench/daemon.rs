@@ -46,10 +46,16 @@ pub struct BenchAgent {
 }
 
 impl BenchAgent {
-    /// Keys, a configuration (`agent.warm_pool: warm_pool`, the default zygote launch), the
-    /// executor package `noop` installed with `op executor install`, and the agent started
-    /// and listening. Untimed.
-    pub fn start(name: &'static str, scratch: &Path, op: &Path, warm_pool: usize) -> Result<BenchAgent, BenchError> {
+    /// Keys, a configuration (`agent.warm_pool: warm_pool`, the default zygote launch), with
+    /// `noop` the executor package `scratch/noop` installed with `op executor install`, and
+    /// the agent started and listening. Untimed.
+    pub fn start(
+        name: &'static str,
+        scratch: &Path,
+        op: &Path,
+        warm_pool: usize,
+        noop: bool,
+    ) -> Result<BenchAgent, BenchError> {
         let a = scratch.join(format!("agent-{name}"));
         crate::signing::keygen(&a.join("keys")).map_err(failed)?;
         let socket = a.join("run/agent.sock");
@@ -67,20 +73,22 @@ impl BenchAgent {
                 a.join("audit/audit.jsonl").display()
             ),
         )?;
-        let installed = Command::new(op)
-            .arg("executor")
-            .arg("install")
-            .arg(scratch.join("noop"))
-            .arg("--config")
-            .arg(&config)
-            .stdin(Stdio::null())
-            .output()
-            .map_err(|e| failed(format!("opservant executor install: {e}")))?;
-        if !installed.status.success() {
-            return Err(failed(format!(
-                "agent {name}: installing the no-op executor failed: {}",
-                String::from_utf8_lossy(&installed.stderr).trim()
-            )));
+        if noop {
+            let installed = Command::new(op)
+                .arg("executor")
+                .arg("install")
+                .arg(scratch.join("noop"))
+                .arg("--config")
+                .arg(&config)
+                .stdin(Stdio::null())
+                .output()
+                .map_err(|e| failed(format!("opservant executor install: {e}")))?;
+            if !installed.status.success() {
+                return Err(failed(format!(
+                    "agent {name}: installing the no-op executor failed: {}",
+                    String::from_utf8_lossy(&installed.stderr).trim()
+                )));
+            }
         }
         let key = crate::signing::load_signing_key(&a.join("keys/signing.key")).map_err(failed)?;
         let log = a.join("agent.log");
@@ -122,6 +130,11 @@ impl BenchAgent {
             std::thread::sleep(Duration::from_millis(20));
         }
         Ok(agent)
+    }
+
+    /// The agent's process id.
+    pub fn pid(&self) -> i32 {
+        self.child().id() as i32
     }
 
     fn child(&self) -> std::sync::MutexGuard<'_, Child> {

@@ -614,9 +614,11 @@ pub fn run(opts: &Options, progress: &mut dyn FnMut(&str)) -> Result<Value, Benc
     let pool = crate::warm_pool::WarmPool::single_use(crate::launch::for_runtime(&zygote));
     // The agents of the run-agent rows, started (and their executor installed) now, untimed.
     let agent_zygote =
-        selected.contains(&"run-agent").then(|| daemon::BenchAgent::start("zygote", &dir, &op, 0)).transpose()?;
-    let agent_pool =
-        selected.contains(&"run-agent-pool").then(|| daemon::BenchAgent::start("pool", &dir, &op, 1)).transpose()?;
+        selected.contains(&"run-agent").then(|| daemon::BenchAgent::start("zygote", &dir, &op, 0, true)).transpose()?;
+    let agent_pool = selected
+        .contains(&"run-agent-pool")
+        .then(|| daemon::BenchAgent::start("pool", &dir, &op, 1, true))
+        .transpose()?;
     let mut env =
         Env { config, policy, runtime: runtime.clone(), zygote, pool, program_spec, agent_zygote, agent_pool };
 
@@ -916,65 +918,22 @@ fn memory(env: &Env, dir: &Path, op: &Path) -> Result<Value, BenchError> {
     }))
 }
 
-/// `opservant agent` with a minimal local-socket configuration, idle for a second: its
-/// memory. `Value::Null` fields when it could not start (reported, not fatal).
+/// `opservant agent` with a minimal local-socket configuration (no executor installed, the
+/// default launch), idle for a second: its memory, alone and with its own processes.
 fn idle_agent(dir: &Path, op: &Path) -> Result<Value, BenchError> {
-    let a = dir.join("agent");
-    crate::signing::keygen(&a.join("keys")).map_err(failed)?;
-    let socket = a.join("run/agent.sock");
-    let config = a.join("config.yaml");
-    write(
-        &config,
-        &format!(
-            "agent:\n  platform_public_key: {}\n  state_dir: {}\n  socket: {}\n  max_concurrent: 4\n\
-             executors:\n  dir: {}\naudit:\n  path: {}\n  journald: false\n",
-            a.join("keys/signing.pub").display(),
-            a.join("state").display(),
-            socket.display(),
-            a.join("executors").display(),
-            a.join("audit/audit.jsonl").display()
-        ),
-    )?;
-    let mut child = Command::new(op)
-        .arg("agent")
-        .arg("--config")
-        .arg(&config)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|e| failed(format!("start opservant agent: {e}")))?;
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !socket.exists() && Instant::now() < deadline && matches!(child.try_wait(), Ok(None)) {
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let ready = socket.exists();
-    if ready {
-        std::thread::sleep(Duration::from_secs(1));
-    }
-    let m = memory::of_process(child.id() as i32);
+    let agent = daemon::BenchAgent::start("idle", dir, op, 0, false)?;
+    std::thread::sleep(Duration::from_secs(1));
+    let pid = agent.pid();
+    let m = memory::of_process(pid).ok_or_else(|| failed("cannot read the idle agent's memory"))?;
     // The daemon's own processes (its zygote, by default) besides it.
-    let helpers = memory::descendants(child.id() as i32);
-    let with_helpers = m.map(|m| m + sum(&helpers));
-    // SAFETY: kill with a pid we spawned and have not reaped.
-    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
-    let stopped = Instant::now();
-    while matches!(child.try_wait(), Ok(None)) && stopped.elapsed() < Duration::from_secs(10) {
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let _ = child.kill();
-    let out = child.wait_with_output().map_err(failed)?;
-    match (ready, m) {
-        (true, Some(m)) => Ok(json!({
-            "config": "local socket only, no platform, default launch",
-            "rss_mib": mib(m.rss_kib), "pss_mib": mib(m.pss_kib),
-            "with_children": {"processes": 1 + helpers.len(), "rss_mib": with_helpers.map(|w| mib(w.rss_kib)), "pss_mib": with_helpers.map(|w| mib(w.pss_kib))},
-        })),
-        _ => Err(failed(format!(
-            "opservant agent did not come up: {}",
-            String::from_utf8_lossy(&out.stderr).trim().lines().last().unwrap_or("")
-        ))),
-    }
+    let helpers = memory::descendants(pid);
+    let with_helpers = m + sum(&helpers);
+    drop(agent);
+    Ok(json!({
+        "config": "local socket only, no platform, default launch",
+        "rss_mib": mib(m.rss_kib), "pss_mib": mib(m.pss_kib),
+        "with_children": {"processes": 1 + helpers.len(), "rss_mib": mib(with_helpers.rss_kib), "pss_mib": mib(with_helpers.pss_kib)},
+    }))
 }
 
 fn row_median(report: &Value, name: &str) -> Option<f64> {
