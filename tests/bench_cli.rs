@@ -142,6 +142,9 @@ fn one_round_writes_a_complete_report_and_chart() {
     assert_eq!(report["pool"]["built"], true);
     let t = &report["throughput"];
     assert!(positive(&t["executions"]) && positive(&t["per_second"]) && positive(&t["threads"]), "{t}");
+    let t = &report["throughput_agent"];
+    assert!(positive(&t["executions"]) && positive(&t["per_second"]) && positive(&t["threads"]), "{t}");
+    assert!(stdout.contains("throughput through an agent: "), "{stdout}");
     let m = &report["memory"];
     for path in [
         &m["zygote_idle"],
@@ -178,6 +181,7 @@ fn bad_options_exit_2() {
         &["--only", "run-zygote,"],
         &["--duration", "0"],
         &["--threads", "0"],
+        &["--threads", "257"],
         &["--frobnicate"],
     ] {
         let out = bench(args);

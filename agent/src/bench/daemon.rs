@@ -46,15 +46,17 @@ pub struct BenchAgent {
 }
 
 impl BenchAgent {
-    /// Keys, a configuration (`agent.warm_pool: warm_pool`, the default zygote launch), with
-    /// `noop` the executor package `scratch/noop` installed with `op executor install`, and
-    /// the agent started and listening. Untimed.
+    /// Keys, a configuration (`agent.warm_pool: warm_pool`, `agent.max_concurrent`: at least
+    /// the agent's default and `clients`, the default zygote launch), with `noop` the executor
+    /// package `scratch/noop` installed with `op executor install`, and the agent started and
+    /// listening. Untimed.
     pub fn start(
         name: &'static str,
         scratch: &Path,
         op: &Path,
         warm_pool: usize,
         noop: bool,
+        clients: usize,
     ) -> Result<BenchAgent, BenchError> {
         let a = scratch.join(format!("agent-{name}"));
         crate::signing::keygen(&a.join("keys")).map_err(failed)?;
@@ -68,7 +70,7 @@ impl BenchAgent {
                 a.join("keys/signing.pub").display(),
                 a.join("state").display(),
                 socket.display(),
-                crate::daemon::DEFAULT_MAX_CONCURRENT,
+                clients.max(crate::daemon::DEFAULT_MAX_CONCURRENT),
                 a.join("executors").display(),
                 a.join("audit/audit.jsonl").display()
             ),

@@ -199,8 +199,10 @@ impl Options {
         if self.rounds == 0 {
             return Err(BenchError::Usage("--rounds: must be at least 1".into()));
         }
-        if self.threads == 0 {
-            return Err(BenchError::Usage("--threads: must be at least 1".into()));
+        if self.threads == 0 || self.threads > 256 {
+            // The throughput through an agent runs as many commands at once: its
+            // `agent.max_concurrent` range.
+            return Err(BenchError::Usage("--threads: must be 1-256".into()));
         }
         let Some(only) = &self.only else { return Ok(ROWS.iter().map(|r| r.0).collect()) };
         let names: Vec<&str> = ROWS.iter().map(|r| r.0).collect();
@@ -613,11 +615,13 @@ pub fn run(opts: &Options, progress: &mut dyn FnMut(&str)) -> Result<Value, Benc
     zygote.start().map_err(|e| failed(format!("zygote: {e}")))?;
     let pool = crate::warm_pool::WarmPool::single_use(crate::launch::for_runtime(&zygote));
     // The agents of the run-agent rows, started (and their executor installed) now, untimed.
-    let agent_zygote =
-        selected.contains(&"run-agent").then(|| daemon::BenchAgent::start("zygote", &dir, &op, 0, true)).transpose()?;
+    let agent_zygote = selected
+        .contains(&"run-agent")
+        .then(|| daemon::BenchAgent::start("zygote", &dir, &op, 0, true, opts.threads))
+        .transpose()?;
     let agent_pool = selected
         .contains(&"run-agent-pool")
-        .then(|| daemon::BenchAgent::start("pool", &dir, &op, 1, true))
+        .then(|| daemon::BenchAgent::start("pool", &dir, &op, 1, true, opts.threads))
         .transpose()?;
     let mut env =
         Env { config, policy, runtime: runtime.clone(), zygote, pool, program_spec, agent_zygote, agent_pool };
@@ -739,8 +743,14 @@ pub fn run(opts: &Options, progress: &mut dyn FnMut(&str)) -> Result<Value, Benc
         }
     }
 
-    // The agents stop before the throughput and memory sections, which they would share
-    // the machine with.
+    // The same executions through the run-agent row's agent: the daemon's whole command
+    // path, at its concurrency.
+    let throughput_agent = match env.agent_zygote.as_ref().filter(|_| !opts.timings_only) {
+        Some(agent) => agent_throughput(agent, opts.threads, opts.duration).map_err(or_stopped)?,
+        None => Value::Null,
+    };
+    // The agents stop before the library's throughput and the memory sections, which they
+    // would share the machine with.
     drop(env.agent_zygote.take());
     drop(env.agent_pool.take());
 
@@ -801,6 +811,7 @@ pub fn run(opts: &Options, progress: &mut dyn FnMut(&str)) -> Result<Value, Benc
         "executors": "written to the scratch directory, their bytecode precompiled (in a sandbox) as `opservant executor install` does",
         "pool": {"built": true, "method": "run-pool: before each sample (untimed) the warm pool starts a sandbox for the run through the zygote and the bench waits until its payload waits for arguments; the sample is the run that takes it (sandbox.launch pool)"},
         "throughput": throughput,
+        "throughput_agent": throughput_agent,
         "memory": memory,
         "netns_stash": env.zygote.netns_stash().map(|s| s.status()),
     });
@@ -817,6 +828,34 @@ fn cpus() -> usize {
 /// `duration`. [`sandbox::zygote::Zygote`] serialises its requests internally (a mutex held
 /// for the fork request and reply), so one zygote is safe to share.
 fn throughput(env: &Env, noop: &Path, threads: usize, duration: Duration) -> Result<Value, BenchError> {
+    let (n, elapsed) = executions_for(threads, duration, &|| env.run_executor(noop, json!({})))?;
+    Ok(json!({
+        "threads": threads, "zygotes": 1, "seconds": round3(elapsed), "executions": n,
+        "per_second": round2(n as f64 / elapsed),
+        "executor": "no-op, no egress, default limits, through one shared zygote (library)",
+        "zygote_spawn_concurrency": "Zygote::spawn serialises requests with a mutex (fork request and reply only); one zygote is shared",
+    }))
+}
+
+/// `threads` clients sending signed `execute` commands of the no-op executor to `agent`
+/// for `duration`, each signing its next command after the last reply (in this process,
+/// sharing the CPUs with the agent, as a local client does).
+fn agent_throughput(agent: &daemon::BenchAgent, threads: usize, duration: Duration) -> Result<Value, BenchError> {
+    let (n, elapsed) = executions_for(threads, duration, &|| agent.execute("zygote").map(|_| ()))?;
+    Ok(json!({
+        "threads": threads, "seconds": round3(elapsed), "executions": n,
+        "per_second": round2(n as f64 / elapsed),
+        "executor": "no-op, no egress, default limits: signed execute commands on the socket of the run-agent row's opservant agent (its zygote), each client waiting for its reply before the next",
+    }))
+}
+
+/// Run `one` on `threads` threads until `duration` has passed: how many ran, in how many
+/// seconds. The first failure (or a stop signal) ends every thread and is returned.
+fn executions_for(
+    threads: usize,
+    duration: Duration,
+    one: &(dyn Fn() -> Result<(), BenchError> + Sync),
+) -> Result<(u64, f64), BenchError> {
     let done = AtomicU64::new(0);
     let stop = AtomicBool::new(false);
     let start = Instant::now();
@@ -826,7 +865,7 @@ fn throughput(env: &Env, noop: &Path, threads: usize, duration: Duration) -> Res
             .map(|_| {
                 s.spawn(|| {
                     while Instant::now() < deadline && !stop.load(Ordering::Relaxed) {
-                        if let Err(e) = check_stop().and_then(|()| env.run_executor(noop, json!({}))) {
+                        if let Err(e) = check_stop().and_then(|()| one()) {
                             stop.store(true, Ordering::Relaxed);
                             return Err(or_stopped(e));
                         }
@@ -842,13 +881,7 @@ fn throughput(env: &Env, noop: &Path, threads: usize, duration: Duration) -> Res
     for r in results {
         r?;
     }
-    let n = done.load(Ordering::Relaxed);
-    Ok(json!({
-        "threads": threads, "zygotes": 1, "seconds": round3(elapsed), "executions": n,
-        "per_second": round2(n as f64 / elapsed),
-        "executor": "no-op, no egress, default limits, through one shared zygote (library)",
-        "zygote_spawn_concurrency": "Zygote::spawn serialises requests with a mutex (fork request and reply only); one zygote is shared",
-    }))
+    Ok((done.load(Ordering::Relaxed), elapsed))
 }
 
 fn mib(kib: u64) -> f64 {
@@ -921,7 +954,7 @@ fn memory(env: &Env, dir: &Path, op: &Path) -> Result<Value, BenchError> {
 /// `opservant agent` with a minimal local-socket configuration (no executor installed, the
 /// default launch), idle for a second: its memory, alone and with its own processes.
 fn idle_agent(dir: &Path, op: &Path) -> Result<Value, BenchError> {
-    let agent = daemon::BenchAgent::start("idle", dir, op, 0, false)?;
+    let agent = daemon::BenchAgent::start("idle", dir, op, 0, false, crate::daemon::DEFAULT_MAX_CONCURRENT)?;
     std::thread::sleep(Duration::from_secs(1));
     let pid = agent.pid();
     let m = memory::of_process(pid).ok_or_else(|| failed("cannot read the idle agent's memory"))?;
@@ -1045,6 +1078,16 @@ pub fn render_table(report: &Value) -> String {
     if !t.is_null() {
         s.push_str(&format!(
             "throughput: {} executions in {:.1} s on {} threads through one zygote = {:.1}/s\n",
+            t["executions"],
+            t["seconds"].as_f64().unwrap_or(0.0),
+            t["threads"],
+            t["per_second"].as_f64().unwrap_or(0.0)
+        ));
+    }
+    let t = &report["throughput_agent"];
+    if !t.is_null() {
+        s.push_str(&format!(
+            "throughput through an agent: {} signed execute commands in {:.1} s from {} clients = {:.1}/s\n",
             t["executions"],
             t["seconds"].as_f64().unwrap_or(0.0),
             t["threads"],
