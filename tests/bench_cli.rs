@@ -306,4 +306,9 @@ fn a_killed_benchmark_leaves_no_agent_running() {
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
     let _ = std::fs::remove_dir_all(format!("/var/tmp/opservant-bench-{pid}"));
+    // No egress row ran, so no network namespace of its own was made; removed should one be.
+    if std::path::Path::new(&format!("/run/netns/opsvbench-{pid}")).exists() {
+        let _ = std::process::Command::new("ip").args(["netns", "del", &format!("opsvbench-{pid}")]).status();
+        panic!("the benchmark made a network namespace without an egress row");
+    }
 }

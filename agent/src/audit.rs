@@ -108,12 +108,13 @@
 //! **Records before a gate.** An `execute` command's receipt (`command_received`) and its
 //! permission verdict (`permission_granted`) are appended without waiting for their own
 //! flush ([`record_before_gate`]), and held by the thread that handles the command. The
-//! next record that thread makes with a flush — the run's gate, `executor_start`
-//! ([`try_record`]), or a refusal ([`record`]) — flushes every earlier line of the process,
-//! theirs included, and then checks that they are durable: a gate whose check fails fails
-//! (the executor does not run), whichever flush covered them and however (grouped, under
-//! the lock after a rotation, or not at all after an earlier failure). A command that ends
-//! without such a record calls [`settle`] before its reply, which flushes them if needed.
+//! next record that thread makes with a flush flushes every earlier line of the process,
+//! theirs included; the run's gate, `executor_start` ([`try_record`]), then checks that
+//! they are durable: a gate whose check fails fails (the executor does not run), whichever
+//! flush covered them and however (grouped, under the lock after a rotation, or not at all
+//! after an earlier failure). Records made in between ([`record`]: a limit clamped, a
+//! zygote fallback) do not check, so the gate always does. The command calls [`settle`]
+//! before its reply, which flushes them if still needed and checks them once more.
 //! Nothing of the executor runs, and no reply goes out, before the flush that covers them
 //! has ended — what their own flush ensured, two `fdatasync`s fewer per executed command
 //! (a failed flush fails the gate; before a reply it is logged as an error, as a failed
@@ -831,20 +832,18 @@ impl AuditLog {
 
     /// Return once the `deferred` records are durable — flushed by a flush that began after
     /// they were written, this call's own if none did — and mirror them to journald; `Err`
-    /// when the flush that covered one of them failed (they are mirrored all the same: the
-    /// lines are in the file).
+    /// when the flush that covered one of them failed (then none is mirrored, as a record
+    /// whose own flush failed is not).
     pub fn settle(&self, deferred: Vec<Deferred>) -> Result<(), AuditError> {
-        let upto = deferred.iter().filter_map(|d| d.ticket).max();
-        let durable = match upto {
-            Some(ticket) => self.flush.wait_durable(ticket).map_err(|e| {
+        if let Some(ticket) = deferred.iter().filter_map(|d| d.ticket).max() {
+            self.flush.wait_durable(ticket).map_err(|e| {
                 AuditError::new(&self.settings.path, format!("a record made before a gate is not durable: {e}"))
-            }),
-            None => Ok(()),
-        };
+            })?;
+        }
         for datagram in deferred.into_iter().filter_map(|d| d.journal) {
             self.mirror(&datagram);
         }
-        durable
+        Ok(())
     }
 
     fn append_with(&self, event: &str, fields: &Map<String, Value>, wait: bool) -> Result<Appended, AuditError> {
@@ -1132,28 +1131,41 @@ pub fn init_with(settings: AuditSettings) -> Result<(), AuditError> {
     Ok(())
 }
 
-/// Record an event; a failure to append (or to make this thread's records before a gate
-/// durable, see [`try_record`]) is logged as an error (see the module doc for which events
-/// must use [`try_record`] instead).
+fn sink() -> Option<Arc<AuditLog>> {
+    SINK.lock().unwrap_or_else(PoisonError::into_inner).clone()
+}
+
+/// Record an event; a failure to append is logged as an error (see the module doc for which
+/// events must use [`try_record`] instead). Its flush covers the records this thread made
+/// before a gate, but it does not settle them: the gate ([`try_record`]) or the command's
+/// [`settle`] checks them.
 pub fn record(event: &str, fields: &[(&str, &str)]) {
-    if let Err(e) = try_record(event, fields) {
+    if let Err(e) = append_to(sink(), event, fields) {
         tracing::error!(target: "opservant::audit", event, error = %e, "audit log append failed: this event is only on stderr");
     }
 }
 
 /// Record an event; `Err` when a log is configured and the record could not be appended —
 /// the caller must not go on with what the event audits. Also `Err` when a record this
-/// thread made before a gate ([`record_before_gate`]) is not durable: the flush that
+/// thread made before this gate ([`record_before_gate`]) is not durable: the flush that
 /// covered it failed.
 pub fn try_record(event: &str, fields: &[(&str, &str)]) -> Result<(), AuditError> {
-    let fields = fields_object(fields);
-    let sink = SINK.lock().unwrap_or_else(PoisonError::into_inner).clone();
-    let appended = sink.map(|log| log.append(event, &fields)).transpose();
-    trace(event, &fields, &appended);
-    appended?;
+    try_record_to(sink(), event, fields)
+}
+
+fn try_record_to(sink: Option<Arc<AuditLog>>, event: &str, fields: &[(&str, &str)]) -> Result<(), AuditError> {
+    append_to(sink, event, fields)?;
     // This line's flush covered the records this thread made before it (they were written
     // first): normally nothing is left to flush here, only to check.
     settle()
+}
+
+/// Append with its flush, and the record's `tracing` line.
+fn append_to(sink: Option<Arc<AuditLog>>, event: &str, fields: &[(&str, &str)]) -> Result<(), AuditError> {
+    let fields = fields_object(fields);
+    let appended = sink.map(|log| log.append(event, &fields)).transpose();
+    trace(event, &fields, &appended);
+    appended.map(|_| ())
 }
 
 thread_local! {
@@ -1164,13 +1176,16 @@ thread_local! {
 
 /// Record an event that precedes a gate of the same command, on the same thread, without
 /// waiting for its flush ("Records before a gate" in the module documentation). The
-/// thread's next [`try_record`] or [`record`] — whose flush covers this line — or its
-/// [`settle`] checks that it is durable, flushing it if needed; the caller reaches one of
-/// them before anything the event precedes happens or is answered. A failure to append is
-/// logged as an error, as by [`record`].
+/// thread's next [`try_record`] — whose flush covers this line — or its [`settle`] checks
+/// that it is durable, flushing it if needed; the caller reaches one of them before
+/// anything the event precedes happens or is answered. A failure to append is logged as an
+/// error, as by [`record`].
 pub fn record_before_gate(event: &str, fields: &[(&str, &str)]) {
+    record_before_gate_to(sink(), event, fields)
+}
+
+fn record_before_gate_to(sink: Option<Arc<AuditLog>>, event: &str, fields: &[(&str, &str)]) {
     let fields = fields_object(fields);
-    let sink = SINK.lock().unwrap_or_else(PoisonError::into_inner).clone();
     let appended = sink
         .map(|log| {
             log.append_deferred(event, &fields).map(|(appended, deferred)| {
@@ -1650,6 +1665,38 @@ mod tests {
         let gate = log.append("executor_start", &fields_object(&[("pad", &"x".repeat(200))])).unwrap();
         assert!(gate.rotated, "the gate rotated the log");
         assert!(log.settle(vec![r]).unwrap_err().to_string().contains("Bad file descriptor"));
+    }
+
+    /// The daemon's sequence on one thread: receipt before the gate, a record in between, the
+    /// gate. When the flush covering the receipt failed (here: another writer's grouped
+    /// flush, after which lines are flushed under the lock and pass by themselves), the
+    /// record in between does not clear the check, and the gate fails.
+    #[test]
+    fn a_gate_fails_when_its_threads_records_before_it_are_not_durable() {
+        use std::os::unix::fs::OpenOptionsExt;
+        let s = Scratch::new("gate-thread");
+        let log = Arc::new(AuditLog::open(AuditSettings::at(&s.log())).unwrap());
+        let sink = || Some(log.clone());
+        append_to(sink(), "first", &[]).unwrap();
+        record_before_gate_to(sink(), "command_received", &[]);
+        assert_eq!(BEFORE_GATE.with(|b| b.borrow().len()), 1);
+        let f = OpenOptions::new().read(true).custom_flags(libc::O_PATH).open(s.log()).unwrap();
+        let id = file_id(&f).unwrap();
+        log.flush.state.lock().unwrap().flush_via = Some(Unflushed { file: Arc::new(f), id });
+        let other = {
+            let log = log.clone();
+            std::thread::spawn(move || log.append("other", &fields_object(&[]))).join().unwrap()
+        };
+        assert!(other.is_err(), "the grouped flush failed");
+        assert!(!log.flush.grouping());
+        append_to(sink(), "limit_clamped", &[]).expect("flushed under the lock by itself");
+        let gate = try_record_to(sink(), "executor_start", &[]).unwrap_err();
+        assert!(gate.to_string().contains("before a gate is not durable"), "{gate}");
+        assert_eq!(BEFORE_GATE.with(|b| b.borrow().len()), 0, "settled (and failed) once");
+        // The next command on the thread is not held by it.
+        record_before_gate_to(sink(), "command_received", &[]);
+        try_record_to(sink(), "executor_start", &[]).unwrap();
+        settle().unwrap();
     }
 
     /// A writer whose line lands in the file being flushed does not wait for that flush (it

@@ -21,8 +21,8 @@
 //!   in a sandbox built before it existed — as in a running one.)
 //! - The pool holds at most its size; a sandbox idle for longer than its idle limit
 //!   (`agent.warm_pool_idle_seconds`, default [`DEFAULT_MAX_IDLE`]) is discarded; dropping
-//!   a pooled sandbox kills it and removes its cgroups. Refills run on a background thread,
-//!   one at a time per spec.
+//!   a pooled sandbox kills it and removes its cgroups. Refills run on background threads,
+//!   at most the pool's size at a time per spec.
 //! - A pooled sandbox with an application channel is a runtime waiting for its arguments:
 //!   the pool asks it to warm up ([`crate::app::RuntimeArgs::Warm`]: break copy-on-write
 //!   sharing with the zygote, read the network facts — the runtime's own code only) and
@@ -148,8 +148,10 @@ struct Filling {
 
 impl Drop for Filling {
     fn drop(&mut self) {
-        let spec = &self.spec;
-        self.pool.state().filling.retain(|s| s != spec);
+        let mut st = self.pool.state();
+        if let Some(i) = st.filling.iter().position(|s| *s == self.spec) {
+            st.filling.remove(i);
+        }
     }
 }
 
@@ -244,15 +246,16 @@ impl WarmPool {
         }
     }
 
-    /// Start a sandbox for `spec` on a background thread (unless one is being started).
+    /// Start a sandbox for `spec` on a background thread (unless the pool's size of them are
+    /// being started).
     pub fn refill(self: &Arc<Self>, spec: SandboxSpec) {
         self.refill_when(spec, None);
     }
 
     /// As [`WarmPool::refill`], for the run that just took (or wanted) a sandbox of `spec`:
     /// the refill starts when the returned trigger is dropped — the run has its outcome, or
-    /// ended early — or after [`REFILL_DELAY`], whichever comes first. The spec counts as
-    /// being refilled from now on (a second run does not start another refill).
+    /// ended early — or after [`REFILL_DELAY`], whichever comes first. It counts as being
+    /// started from now on.
     pub fn refill_after(self: &Arc<Self>, spec: SandboxSpec) -> RefillTrigger {
         let (tx, rx) = std::sync::mpsc::channel();
         self.refill_when(spec, Some(rx));
@@ -265,7 +268,9 @@ impl WarmPool {
         }
         {
             let mut st = self.state();
-            if st.closed || st.filling.contains(&spec) {
+            // At most the pool's size per spec at once: concurrent runs of one spec each get
+            // their refill (a refill now waits for its run), a burst does not start more.
+            if st.closed || st.filling.iter().filter(|s| **s == spec).count() >= self.size {
                 return;
             }
             st.filling.push(spec.clone());

@@ -102,15 +102,20 @@ impl BenchAgent {
         // even if the benchmark is killed before it could stop the agent itself.
         let bench = std::process::id() as libc::pid_t;
         // SAFETY: the closure runs in the forked child before exec and makes only
-        // async-signal-safe calls (prctl, getppid, kill on itself); it allocates nothing.
+        // async-signal-safe calls (signal, prctl, getppid); it allocates nothing.
         unsafe {
             std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM as libc::c_ulong, 0, 0, 0) != 0 {
+                // Until the exec the child has the benchmark's own SIGTERM handler, which
+                // would only note the signal: a parent-death signal arriving before the exec
+                // must end the child instead.
+                if libc::signal(libc::SIGTERM, libc::SIG_DFL) == libc::SIG_ERR
+                    || libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM as libc::c_ulong, 0, 0, 0) != 0
+                {
                     return Err(std::io::Error::last_os_error());
                 }
                 // The benchmark died between the fork and the prctl: no signal will come.
                 if libc::getppid() != bench {
-                    libc::kill(libc::getpid(), libc::SIGTERM);
+                    return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
                 }
                 Ok(())
             });

@@ -26,7 +26,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -857,31 +857,38 @@ fn executions_for(
     one: &(dyn Fn() -> Result<(), BenchError> + Sync),
 ) -> Result<(u64, f64), BenchError> {
     let done = AtomicU64::new(0);
-    let stop = AtomicBool::new(false);
+    // The first failure, as it happened: the others are usually its consequences.
+    let first: std::sync::Mutex<Option<BenchError>> = std::sync::Mutex::new(None);
+    let fail = |e: BenchError| {
+        first.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(e);
+    };
     let start = Instant::now();
     let deadline = start + duration;
-    let results: Vec<Result<(), BenchError>> = std::thread::scope(|s| {
+    let stopped = || first.lock().unwrap_or_else(|p| p.into_inner()).is_some();
+    std::thread::scope(|s| {
         let handles: Vec<_> = (0..threads)
             .map(|_| {
                 s.spawn(|| {
-                    while Instant::now() < deadline && !stop.load(Ordering::Relaxed) {
-                        if let Err(e) = check_stop().and_then(|()| one()) {
-                            stop.store(true, Ordering::Relaxed);
-                            return Err(or_stopped(e));
-                        }
-                        done.fetch_add(1, Ordering::Relaxed);
+                    while Instant::now() < deadline && !stopped() {
+                        match check_stop().and_then(|()| one()) {
+                            Ok(()) => done.fetch_add(1, Ordering::Relaxed),
+                            Err(e) => return fail(or_stopped(e)),
+                        };
                     }
-                    Ok(())
                 })
             })
             .collect();
-        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(failed("throughput thread panicked")))).collect()
+        for h in handles {
+            if h.join().is_err() {
+                fail(failed("throughput thread panicked"));
+            }
+        }
     });
     let elapsed = start.elapsed().as_secs_f64();
-    for r in results {
-        r?;
+    match first.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        Some(e) => Err(e),
+        None => Ok((done.load(Ordering::Relaxed), elapsed)),
     }
-    Ok((done.load(Ordering::Relaxed), elapsed))
 }
 
 fn mib(kib: u64) -> f64 {
