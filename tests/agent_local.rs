@@ -474,6 +474,65 @@ fn the_warm_pool_serves_repeat_runs_and_leaves_nothing_behind() {
     a.audit_verify();
 }
 
+/// Concurrent commands of one executor on a pool of 2: every run completes, each run's
+/// refill (which waits for its run's outcome, several of a spec at once) never leaves more
+/// than the pool's size waiting, and the agent's stop leaves no sandbox, cgroup or process.
+#[test]
+fn a_busy_warm_pool_stays_within_its_size_and_leaves_nothing_behind() {
+    if !common::require_root() {
+        return;
+    }
+    let mut a = Agent::with_agent_keys(4, "  warm_pool: 2\n");
+    a.install("quick", "NoopExecutor", agent::bench::NOOP_PY, json!({"timeout_seconds": 30}));
+    a.start();
+    let agent = a.child.as_ref().unwrap().id();
+    // Pre-warmed (as its ping says) before the burst, so that its first runs find it.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let ready = || {
+        let (_, pong) =
+            a.submit(&a.sign(&json!({"command_id": format!("ping-{:?}", Instant::now()), "action": "ping"})));
+        pong["output"]["sandboxes"]["warm_pool"]["ready"].as_u64().unwrap_or(0)
+    };
+    while ready() < 2 {
+        assert!(Instant::now() < deadline, "the warm pool was not pre-warmed");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let launches: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..4)
+            .map(|t| {
+                let a = &a;
+                s.spawn(move || {
+                    (0..6)
+                        .map(|n| {
+                            let cmd = json!({"command_id": format!("busy-{t}-{n}"), "action": "execute",
+                                "executor": "quick", "parameters": {}});
+                            let (code, r) = a.submit(&a.sign(&cmd));
+                            assert_eq!((code, &r["status"]), (0, &json!("completed")), "{r}");
+                            r["sandbox"]["launch"].as_str().unwrap().to_string()
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        handles.into_iter().flat_map(|h| h.join().unwrap()).collect()
+    });
+    assert!(launches.iter().any(|l| l == "pool"), "no run found a pooled sandbox: {launches:?}");
+    // Once the refills are done: at most the pool's size of sandboxes wait.
+    std::thread::sleep(Duration::from_millis(1500));
+    let waiting = daemon::zygote_payloads(agent);
+    assert!(!waiting.is_empty() && waiting.len() <= 2, "pooled payloads waiting: {waiting:?}");
+    let zygote = daemon::zygote_pid(agent).unwrap();
+    assert!(a.stop().success());
+    assert!(common::cgroups_of(agent).is_empty(), "the pool's cgroups are removed when the agent stops");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let alive = |p: &i32| Path::new(&format!("/proc/{p}")).exists();
+    while alive(&zygote) || waiting.iter().any(alive) {
+        assert!(Instant::now() < deadline, "the zygote or a pooled payload outlived the agent");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    a.audit_verify();
+}
+
 /// A pooled sandbox that waits past `agent.warm_pool_idle_seconds` is discarded by the
 /// daemon on its own (killed, its cgroups removed), not only when a run would take it; the
 /// agent goes on serving runs.
