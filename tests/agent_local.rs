@@ -474,6 +474,53 @@ fn the_warm_pool_serves_repeat_runs_and_leaves_nothing_behind() {
     a.audit_verify();
 }
 
+/// A run's refill waits for the run's outcome, but not for a long run: 50 ms into it
+/// (`warm_pool::REFILL_DELAY`) the pool starts its replacement, ready for the next command
+/// of the spec while the run goes on.
+#[test]
+fn a_long_runs_refill_does_not_wait_for_its_end() {
+    if !common::require_root() {
+        return;
+    }
+    let mut a = Agent::with_agent_keys(2, "  warm_pool: 2\n");
+    a.start();
+    let ready = || {
+        let (_, pong) =
+            a.submit(&a.sign(&json!({"command_id": format!("ping-{:?}", Instant::now()), "action": "ping"})));
+        pong["output"]["sandboxes"]["warm_pool"]["ready"].as_u64().unwrap_or(0)
+    };
+    // Pre-warmed: the port scanner's sandbox and the slow executor's.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while ready() < 2 {
+        assert!(Instant::now() < deadline, "the warm pool was not pre-warmed");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::scope(|s| {
+        let run = s.spawn(|| {
+            let cmd =
+                json!({"command_id": "long-1", "action": "execute", "executor": "slow", "parameters": {"seconds": 6}});
+            a.submit(&a.sign(&cmd))
+        });
+        // Once the run has taken the slow executor's sandbox (its start is audited after
+        // the take), the replacement comes long before the run's end.
+        let deadline = Instant::now() + Duration::from_secs(4);
+        let started =
+            || a.audit_events().iter().any(|e| e["event"] == "executor_start" && e["fields"]["command_id"] == "long-1");
+        while !started() {
+            assert!(Instant::now() < deadline, "the long run did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        while ready() < 2 {
+            assert!(Instant::now() < deadline, "no refill while the long run went on");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        assert!(!run.is_finished(), "the run ended before the check: nothing shown");
+        let (code, r) = run.join().unwrap();
+        assert_eq!((code, &r["status"], &r["sandbox"]["launch"]), (0, &json!("completed"), &json!("pool")), "{r}");
+    });
+    assert!(a.stop().success());
+}
+
 /// Concurrent commands of one executor on a pool of 2: every run completes, each run's
 /// refill (which waits for its run's outcome, several of a spec at once) never leaves more
 /// than the pool's size waiting, and the agent's stop leaves no sandbox, cgroup or process.

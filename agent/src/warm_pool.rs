@@ -36,9 +36,10 @@
 //! the longest-idle one when full — once the run has its outcome or has gone on for
 //! [`REFILL_DELAY`], whichever comes first: the refill's start of a sandbox (milliseconds of
 //! CPU) does not compete with a short run for the CPUs, and a long run's refill is not held
-//! back for other commands of its spec ([`WarmPool::refill_after`]). The daemon pre-warms it at start with one sandbox for each
-//! installed executor without egress (by name, up to the pool's size), each for a run
-//! without tightened limits ([`crate::command::Pipeline::prewarm_pool`]).
+//! back for other commands of its spec ([`WarmPool::refill_after`]). The daemon pre-warms it
+//! at start with one sandbox for each installed executor without egress (by name, up to the
+//! pool's size), each for a run without tightened limits
+//! ([`crate::command::Pipeline::prewarm_pool`]).
 
 use std::collections::VecDeque;
 use std::path::PathBuf;

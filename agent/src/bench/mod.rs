@@ -1081,25 +1081,20 @@ pub fn render_table(report: &Value) -> String {
             n["broken"].as_str().map(|b| format!("; stopped: {b}")).unwrap_or_default()
         ));
     }
-    let t = &report["throughput"];
-    if !t.is_null() {
-        s.push_str(&format!(
-            "throughput: {} executions in {:.1} s on {} threads through one zygote = {:.1}/s\n",
-            t["executions"],
-            t["seconds"].as_f64().unwrap_or(0.0),
-            t["threads"],
-            t["per_second"].as_f64().unwrap_or(0.0)
-        ));
-    }
-    let t = &report["throughput_agent"];
-    if !t.is_null() {
-        s.push_str(&format!(
-            "throughput through an agent: {} signed execute commands in {:.1} s from {} clients = {:.1}/s\n",
-            t["executions"],
-            t["seconds"].as_f64().unwrap_or(0.0),
-            t["threads"],
-            t["per_second"].as_f64().unwrap_or(0.0)
-        ));
+    for (key, label, what, by) in [
+        ("throughput", "throughput", "executions", "threads through one zygote"),
+        ("throughput_agent", "throughput through an agent", "signed execute commands", "clients"),
+    ] {
+        let t = &report[key];
+        if !t.is_null() {
+            s.push_str(&format!(
+                "{label}: {} {what} in {:.1} s by {} {by} = {:.1}/s\n",
+                t["executions"],
+                t["seconds"].as_f64().unwrap_or(0.0),
+                t["threads"],
+                t["per_second"].as_f64().unwrap_or(0.0)
+            ));
+        }
     }
     let m = &report["memory"];
     if !m.is_null() {
