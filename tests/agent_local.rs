@@ -404,18 +404,9 @@ fn the_warm_pool_serves_repeat_runs_and_leaves_nothing_behind() {
         }
     }
     // A ping says so too (as heartbeats do): on-host automation can wait for a full pool.
-    let ready = || {
-        let (code, pong) =
-            a.submit(&a.sign(&json!({"command_id": format!("ping-{:?}", Instant::now()), "action": "ping"})));
-        assert_eq!(code, 0, "{pong}");
-        let pool = &pong["output"]["sandboxes"]["warm_pool"];
-        assert_eq!((&pong["output"]["sandboxes"]["launch"], &pool["size"]), (&json!("zygote"), &json!(2)), "{pong}");
-        pool["ready"].as_u64().unwrap()
-    };
-    while ready() < 2 {
-        assert!(Instant::now() < deadline, "the ping's warm pool never showed 2 ready sandboxes");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let sandboxes = a.ping_sandboxes();
+    assert_eq!((&sandboxes["launch"], &sandboxes["warm_pool"]["size"]), (&json!("zygote"), &json!(2)), "{sandboxes}");
+    a.await_pool_ready(2);
     // So the very first run takes a pooled sandbox.
     let (code, r) = a.submit(&a.sign(&scan("pool-1")));
     assert_eq!((code, r["sandbox"]["launch"].clone()), (0, json!("pool")), "{r}");
@@ -484,17 +475,9 @@ fn a_long_runs_refill_does_not_wait_for_its_end() {
     }
     let mut a = Agent::with_agent_keys(2, "  warm_pool: 2\n");
     a.start();
-    let ready = || {
-        let (_, pong) =
-            a.submit(&a.sign(&json!({"command_id": format!("ping-{:?}", Instant::now()), "action": "ping"})));
-        pong["output"]["sandboxes"]["warm_pool"]["ready"].as_u64().unwrap_or(0)
-    };
+    let ready = || a.ping_sandboxes()["warm_pool"]["ready"].as_u64().unwrap_or(0);
     // Pre-warmed: the port scanner's sandbox and the slow executor's.
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while ready() < 2 {
-        assert!(Instant::now() < deadline, "the warm pool was not pre-warmed");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    a.await_pool_ready(2);
     std::thread::scope(|s| {
         let run = s.spawn(|| {
             let cmd =
@@ -534,16 +517,7 @@ fn a_busy_warm_pool_stays_within_its_size_and_leaves_nothing_behind() {
     a.start();
     let agent = a.child.as_ref().unwrap().id();
     // Pre-warmed (as its ping says) before the burst, so that its first runs find it.
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let ready = || {
-        let (_, pong) =
-            a.submit(&a.sign(&json!({"command_id": format!("ping-{:?}", Instant::now()), "action": "ping"})));
-        pong["output"]["sandboxes"]["warm_pool"]["ready"].as_u64().unwrap_or(0)
-    };
-    while ready() < 2 {
-        assert!(Instant::now() < deadline, "the warm pool was not pre-warmed");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    a.await_pool_ready(2);
     let launches: Vec<String> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..4)
             .map(|t| {

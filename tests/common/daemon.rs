@@ -192,6 +192,23 @@ impl Agent {
         (code, reply)
     }
 
+    /// The `sandboxes` of a `ping` reply (launch, zygote, warm pool), which must succeed.
+    pub fn ping_sandboxes(&self) -> Value {
+        let (code, pong) =
+            self.submit(&self.sign(&json!({"command_id": format!("ping-{:?}", Instant::now()), "action": "ping"})));
+        assert_eq!(code, 0, "{pong}");
+        pong["output"]["sandboxes"].clone()
+    }
+
+    /// Wait (up to 20 s) until a ping says the warm pool holds `n` ready sandboxes.
+    pub fn await_pool_ready(&self, n: u64) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while self.ping_sandboxes()["warm_pool"]["ready"].as_u64().unwrap_or(0) < n {
+            assert!(Instant::now() < deadline, "the ping's warm pool never showed {n} ready sandboxes");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     pub fn audit_verify(&self) {
         let out = op(&["audit", "verify", "--config", self.config.to_str().unwrap()]);
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
