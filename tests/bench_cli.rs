@@ -123,6 +123,35 @@ fn one_round_writes_a_complete_report_and_chart() {
                 }
                 assert!(r["reference"].as_str().is_some_and(|b| b.starts_with("bwrap-")), "{name}");
                 assert!(stdout.lines().any(|l| l.split_whitespace().next() == Some(name)), "{name} not in the table");
+                // The library executor rows say where the run's time went: every step, in
+                // the order a run passes them (one sample: the medians are its moments).
+                if ["run-zygote", "run-pool", "run-zygote-egress"].contains(name) {
+                    let steps = r["steps"].as_array().unwrap_or_else(|| panic!("{name}: no steps: {r}"));
+                    let names: Vec<&str> = steps.iter().map(|s| s["step"].as_str().unwrap()).collect();
+                    let want: Vec<&str> = agent::executor_run::TIMELINE_STEPS.iter().map(|(n, _)| *n).collect();
+                    assert_eq!(names, want, "{name}");
+                    let at = |step: &str| {
+                        let st = steps.iter().find(|s| s["step"] == step).unwrap();
+                        assert_eq!(st["samples"], 1, "{name}: {st}");
+                        assert!(positive(&st["median_ms"]), "{name}: {st}");
+                        st["median_ms"].as_f64().unwrap()
+                    };
+                    // Steps one thread passes in turn (the result and the payload's exit are
+                    // read by two threads: either may come first).
+                    for pair in [
+                        ["sandbox", "start_audited"],
+                        ["start_audited", "ready"],
+                        ["ready", "result"],
+                        ["payload_exited", "outcome"],
+                        ["outcome", "complete_audited"],
+                    ] {
+                        assert!(at(pair[0]) <= at(pair[1]), "{name}: {} after {}: {steps:?}", pair[0], pair[1]);
+                    }
+                    assert!(at("complete_audited") <= s["median_ms"].as_f64().unwrap(), "{name}: {r}");
+                    assert!(stdout.contains("where a library run's time goes"), "{stdout}");
+                } else {
+                    assert!(r["steps"].is_null(), "{name}: {r}");
+                }
             }
             (None, Some(s)) => {
                 assert!(s["reason"].as_str().is_some_and(|r| !r.is_empty()), "{name}");

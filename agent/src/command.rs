@@ -282,6 +282,7 @@ impl Pipeline {
                 runtime: self.runtime.clone(),
                 pool: self.pool.clone(),
                 background_teardown: true,
+                timeline: None,
             };
             if let Err(e) = crate::executor_run::prewarm(&req) {
                 tracing::warn!(executor = %executor.manifest.name, error = %e.0, "warm pool: not pre-warmed");
@@ -494,6 +495,7 @@ impl Pipeline {
             runtime: self.runtime.clone(),
             pool: self.pool.clone(),
             background_teardown: true,
+            timeline: None,
         };
         match crate::executor_run::run(req) {
             Ok(result) => {

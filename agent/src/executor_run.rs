@@ -216,7 +216,37 @@ pub struct RunRequest<'a> {
     /// Runs with network egress tear down before returning (their network is unwired once
     /// the sandbox is over).
     pub background_teardown: bool,
+    /// Where the run's time goes, when asked (`opservant bench`): see [`Timeline`].
+    pub timeline: Option<&'a Timeline>,
 }
+
+/// The moments one run passed its steps ([`TIMELINE_STEPS`], in that order), as this
+/// process saw them: what `opservant bench` reports of where a run's time goes. Reading
+/// the clock is all it costs the run.
+#[derive(Debug, Default)]
+pub struct Timeline(std::sync::Mutex<Vec<(&'static str, std::time::Instant)>>);
+
+impl Timeline {
+    fn at(&self, step: &'static str, when: std::time::Instant) {
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push((step, when));
+    }
+
+    /// The steps passed since the last call, each with its moment.
+    pub fn take(&self) -> Vec<(&'static str, std::time::Instant)> {
+        std::mem::take(&mut *self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner))
+    }
+}
+
+/// A run's steps, in order, as [`Timeline`] names them, and what each one's moment is.
+pub const TIMELINE_STEPS: &[(&str, &str)] = &[
+    ("sandbox", "its sandbox is ready for the arguments (started, or taken from the pool)"),
+    ("start_audited", "its executor_start record is durable (the runtime reads its arguments meanwhile)"),
+    ("ready", "the runtime's ready is read (its own start-up over; answered with proceed)"),
+    ("result", "the runtime's result is read (the executor imported and run)"),
+    ("payload_exited", "init reports the payload's exit"),
+    ("outcome", "the outcome is complete (the tree's usage, the output read to its end)"),
+    ("complete_audited", "its executor_complete record is durable (the run returns)"),
+];
 
 /// The runtime's `result` message: status, output, error, artifacts.
 type ReportedResult = (String, Option<Value>, Option<String>, Vec<Value>);
@@ -237,6 +267,9 @@ struct AppOutcome {
     redactor: Redactor,
     protocol_error: Option<String>,
     secrets_audit: SecretsAudit,
+    /// When the runtime's `ready` and its result were read ([`Timeline`]).
+    ready_at: Option<std::time::Instant>,
+    result_at: Option<std::time::Instant>,
 }
 
 /// Secret requests refused in one run and audited: each name and reason once, for the
@@ -343,6 +376,12 @@ pub fn run(req: RunRequest) -> Result<RunResult, CannotRun> {
     // once: the refill's start of a sandbox through the zygote, milliseconds of CPU, would
     // compete with the run it replaces (about 1 ms per pooled daemon command on 2 CPUs,
     // benches/README item 23).
+    let mark = |step: &'static str, when: Option<std::time::Instant>| {
+        if let (Some(t), Some(when)) = (req.timeline, when) {
+            t.at(step, when);
+        }
+    };
+    mark("sandbox", Some(std::time::Instant::now()));
     let _refill = pool.map(|p| p.refill_after(spec.clone()));
     if req.background_teardown && net.is_none() {
         sb.teardown_in_background();
@@ -368,6 +407,7 @@ pub fn run(req: RunRequest) -> Result<RunResult, CannotRun> {
             ("command_id", &command_id),
         ],
     )?;
+    mark("start_audited", Some(std::time::Instant::now()));
     // From here on, a run that cannot finish is audited as failed: every start has an end.
     let started = || -> Result<RunResult, CannotRun> {
         let declared: Vec<String> = m.permissions.secrets.clone();
@@ -380,6 +420,7 @@ pub fn run(req: RunRequest) -> Result<RunResult, CannotRun> {
         let live = live_redactor.clone();
         let server = thread::spawn(move || serve(app_chan, &declared, &provider, &executor_name, &cid, &cpu, &live));
         let outcome = sb.wait(sandbox::OutputOptions::default());
+        let waited = std::time::Instant::now();
         // A sandbox abandoned with its processes stuck never closes the channel's other end:
         // the server must not wait for it.
         if outcome.is_err() {
@@ -396,6 +437,10 @@ pub fn run(req: RunRequest) -> Result<RunResult, CannotRun> {
             );
         }
         let outcome = outcome?;
+        mark("ready", app.ready_at);
+        mark("result", app.result_at);
+        mark("payload_exited", outcome.payload_exited_at);
+        mark("outcome", Some(waited));
         // For what is added to the result after it was assembled (and redacted).
         let redactor = app.redactor.clone();
         let mut result = assemble(&outcome, &limits, app, req.executor, req.action.clone(), req.command_id.clone());
@@ -430,6 +475,7 @@ pub fn run(req: RunRequest) -> Result<RunResult, CannotRun> {
                 ("command_id", &command_id),
             ],
         );
+        mark("complete_audited", Some(std::time::Instant::now()));
         Ok(result)
     };
     let finished = started();
@@ -617,6 +663,7 @@ fn serve(
             // Answered once; a second `ready` (written by executor code) is a protocol error.
             FromPayload::Ready if !ready => {
                 ready = true;
+                out.ready_at = Some(std::time::Instant::now());
                 // A failed write stops the sandbox (fail closed); the payload, waiting for
                 // the answer, then never reaches executor code.
                 if app::proceed(&chan, cpu).is_err() {
@@ -626,6 +673,7 @@ fn serve(
             FromPayload::Result { status, output, error, artifacts } => {
                 if out.result.is_none() {
                     out.result = Some((status, output, error, artifacts));
+                    out.result_at = Some(std::time::Instant::now());
                 }
             }
             other => {

@@ -657,6 +657,7 @@ fn run_executor(
         runtime,
         pool,
         background_teardown: false,
+        timeline: None,
     };
     agent::executor_run::warm(&req).map_err(|e| CannotRun(format!("--launch pool: {}", e.0)))?;
     let result = agent::executor_run::run(req).map_err(|e| CannotRun(e.0))?;

@@ -679,6 +679,7 @@ impl Sandbox {
         let mut report: Option<EnforcementReport> = None;
         let mut failure: Option<StepError> = None;
         let mut payload_exit: Option<ExitInfo> = None;
+        let mut payload_exited_at: Option<Instant> = None;
         let mut chan_open = true;
         // (cpu ms, peak rss bytes) of the tree, from the monitor once init is reaped.
         let mut tree: Option<(u64, u64)> = None;
@@ -834,6 +835,7 @@ impl Sandbox {
                             }
                             FromSandbox::PayloadExited(x) => {
                                 payload_exit = Some(x);
+                                payload_exited_at.get_or_insert_with(Instant::now);
                                 // Init now kills and reaps the rest; a process stuck in the
                                 // kernel must not keep the sandbox alive.
                                 backstop_at.get_or_insert(Instant::now() + BACKSTOP);
@@ -993,6 +995,7 @@ impl Sandbox {
                 degraded: vec![],
             }),
             launch,
+            payload_exited_at,
         })
     }
 

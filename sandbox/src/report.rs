@@ -173,6 +173,9 @@ pub struct Outcome {
     pub cgroup: CgroupReport,
     /// How the sandbox was started: `"exec"`, `"fork"` or `"zygote"`.
     pub launch: &'static str,
+    /// When this process learnt of the payload's exit (its init's report): where a run's
+    /// time goes (`opservant bench`).
+    pub payload_exited_at: Option<std::time::Instant>,
 }
 
 impl Outcome {

@@ -424,6 +424,22 @@ struct Row {
     description: &'static str,
     kind: Kind,
     samples: Vec<Duration>,
+    /// The library executor rows' steps ([`crate::executor_run::TIMELINE_STEPS`]): for each
+    /// sample, each step's moment after the sample's start.
+    steps: Vec<Vec<(&'static str, Duration)>>,
+}
+
+/// One timed sample: how long it took, and when its run passed its steps (library
+/// executor rows only).
+struct Sample {
+    elapsed: Duration,
+    steps: Vec<(&'static str, Duration)>,
+}
+
+impl Sample {
+    fn timed(elapsed: Duration) -> Sample {
+        Sample { elapsed, steps: Vec::new() }
+    }
 }
 
 /// What the in-process rows share.
@@ -441,7 +457,13 @@ struct Env {
 }
 
 impl Env {
-    fn request<'a>(&'a self, executor: &'a Executor, params: Value, pooled: bool) -> RunRequest<'a> {
+    fn request<'a>(
+        &'a self,
+        executor: &'a Executor,
+        params: Value,
+        pooled: bool,
+        timeline: Option<&'a crate::executor_run::Timeline>,
+    ) -> RunRequest<'a> {
         RunRequest {
             executor,
             params,
@@ -453,17 +475,24 @@ impl Env {
             runtime: self.runtime.clone(),
             pool: pooled.then(|| self.pool.clone()),
             background_teardown: true,
+            timeline,
         }
     }
 
     fn run_executor(&self, dir: &Path, params: Value) -> Result<(), BenchError> {
-        self.run_checked(dir, params, false)
+        self.run_checked(dir, params, false, None)
     }
 
     /// One run (the manifest loaded as a run would); `pooled`: from the warm pool.
-    fn run_checked(&self, dir: &Path, params: Value, pooled: bool) -> Result<(), BenchError> {
+    fn run_checked(
+        &self,
+        dir: &Path,
+        params: Value,
+        pooled: bool,
+        timeline: Option<&crate::executor_run::Timeline>,
+    ) -> Result<(), BenchError> {
         let executor = Executor::load(dir).map_err(|e| failed(format!("{}: {}", dir.display(), e.0)))?;
-        let result = crate::executor_run::run(self.request(&executor, params, pooled))
+        let result = crate::executor_run::run(self.request(&executor, params, pooled, timeline))
             .map_err(|e| failed(format!("run {}: {}", dir.display(), e.0)))?;
         let want = if pooled { "pool" } else { "zygote" };
         if result.status != Status::Completed || result.sandbox.launch != want {
@@ -483,7 +512,7 @@ impl Env {
     /// the time a command arrives. Untimed.
     fn warm(&self, dir: &Path) -> Result<(), BenchError> {
         let executor = Executor::load(dir).map_err(|e| failed(format!("{}: {}", dir.display(), e.0)))?;
-        crate::executor_run::warm(&self.request(&executor, json!({}), true))
+        crate::executor_run::warm(&self.request(&executor, json!({}), true, None))
             .map_err(|e| failed(format!("warm pool: {}", e.0)))?;
         let zpid = self.zygote.pid().ok_or_else(|| failed("the zygote is not running"))?;
         let deadline = Instant::now() + Duration::from_secs(5);
@@ -542,34 +571,58 @@ fn time_command(argv: &[String], expect_completed: bool) -> Result<Duration, Ben
 }
 
 impl Row {
-    fn once(&self, env: &Env) -> Result<Duration, BenchError> {
+    fn once(&self, env: &Env) -> Result<Sample, BenchError> {
+        // A library executor run, timed, with its steps.
+        let run = |dir: &Path, pooled: bool| -> Result<Sample, BenchError> {
+            let timeline = crate::executor_run::Timeline::default();
+            let start = Instant::now();
+            env.run_checked(dir, json!({}), pooled, Some(&timeline))?;
+            let elapsed = start.elapsed();
+            let steps = timeline.take().into_iter().map(|(step, at)| (step, at.saturating_duration_since(start)));
+            Ok(Sample { elapsed, steps: steps.collect() })
+        };
         match &self.kind {
-            Kind::Command { argv, expect_completed } => time_command(argv, *expect_completed),
+            Kind::Command { argv, expect_completed } => time_command(argv, *expect_completed).map(Sample::timed),
             Kind::SandboxZygote => {
                 let start = Instant::now();
                 env.sandbox_true()?;
-                Ok(start.elapsed())
+                Ok(Sample::timed(start.elapsed()))
             }
-            Kind::RunZygote { dir } => {
-                let start = Instant::now();
-                env.run_executor(dir, json!({}))?;
-                Ok(start.elapsed())
-            }
+            Kind::RunZygote { dir } => run(dir, false),
             Kind::RunPool { dir } => {
                 env.warm(dir)?;
-                let start = Instant::now();
-                env.run_checked(dir, json!({}), true)?;
-                Ok(start.elapsed())
+                run(dir, true)
             }
-            Kind::RunAgent { pooled: false } => {
-                env.agent_zygote.as_ref().ok_or_else(|| failed("run-agent: no agent started"))?.execute("zygote")
-            }
+            Kind::RunAgent { pooled: false } => env
+                .agent_zygote
+                .as_ref()
+                .ok_or_else(|| failed("run-agent: no agent started"))?
+                .execute("zygote")
+                .map(Sample::timed),
             Kind::RunAgent { pooled: true } => {
                 let agent = env.agent_pool.as_ref().ok_or_else(|| failed("run-agent-pool: no agent started"))?;
                 agent.await_pool()?;
-                agent.execute("pool")
+                agent.execute("pool").map(Sample::timed)
             }
         }
+    }
+
+    /// Each step's median moment after the sample's start, in step order; `Null` for a row
+    /// without steps.
+    fn steps_json(&self) -> Value {
+        if self.steps.is_empty() {
+            return Value::Null;
+        }
+        let steps: Vec<Value> = crate::executor_run::TIMELINE_STEPS
+            .iter()
+            .map(|&(step, meaning)| {
+                let at: Vec<Duration> =
+                    self.steps.iter().filter_map(|s| s.iter().find(|(n, _)| *n == step).map(|(_, d)| *d)).collect();
+                let median = stats::summarize(&at).map(|s| s.median_ms);
+                json!({"step": step, "median_ms": median, "samples": at.len(), "meaning": meaning})
+            })
+            .collect();
+        json!(steps)
     }
 }
 
@@ -713,7 +766,7 @@ pub fn run(opts: &Options, progress: &mut dyn FnMut(&str)) -> Result<Value, Benc
             }
             _ => continue,
         };
-        rows.push(Row { name, family, description, kind, samples: Vec::new() });
+        rows.push(Row { name, family, description, kind, samples: Vec::new(), steps: Vec::new() });
     }
     progress(&format!(
         "opservant bench: kernel {}, {} CPUs, {} measured rounds after {} warm-up, interleaved (each round in a shuffled order); {}",
@@ -736,9 +789,12 @@ pub fn run(opts: &Options, progress: &mut dyn FnMut(&str)) -> Result<Value, Benc
         order.shuffle(&mut indices);
         for &i in &indices {
             check_stop()?;
-            let d = rows[i].once(&env).map_err(or_stopped)?;
+            let sample = rows[i].once(&env).map_err(or_stopped)?;
             if round >= opts.warmup {
-                rows[i].samples.push(d);
+                rows[i].samples.push(sample.elapsed);
+                if !sample.steps.is_empty() {
+                    rows[i].steps.push(sample.steps);
+                }
             }
         }
     }
@@ -775,6 +831,7 @@ pub fn run(opts: &Options, progress: &mut dyn FnMut(&str)) -> Result<Value, Benc
                 "name": r.name, "family": r.family, "description": r.description, "argv": argv,
                 "summary": s, "reference": reference.0,
                 "median_ratio_to_reference": reference.1.zip(s.map(|s| s.median_ms)).map(|(b, m)| round2(m / b)),
+                "steps": r.steps_json(),
             })
         })
         .collect();
@@ -1071,6 +1128,26 @@ pub fn render_table(report: &Value) -> String {
             sk["name"].as_str().unwrap_or(""),
             sk["reason"].as_str().unwrap_or("")
         ));
+    }
+    let stepped: Vec<&Value> =
+        report["rows"].as_array().into_iter().flatten().filter(|r| r["steps"].is_array()).collect();
+    if !stepped.is_empty() {
+        s.push_str("where a library run's time goes (median ms after the sample's start, each step's own median):\n");
+        s.push_str(&format!("{:<18}", "row"));
+        for (step, _) in crate::executor_run::TIMELINE_STEPS {
+            s.push_str(&format!(" {step:>w$}", w = step.len().max(8)));
+        }
+        s.push('\n');
+        for r in stepped {
+            s.push_str(&format!("{:<18}", r["name"].as_str().unwrap_or("")));
+            for (i, (step, _)) in crate::executor_run::TIMELINE_STEPS.iter().enumerate() {
+                s.push_str(&format!(" {:>w$}", f(&r["steps"][i]["median_ms"]), w = step.len().max(8)));
+            }
+            s.push('\n');
+        }
+        for (step, meaning) in crate::executor_run::TIMELINE_STEPS {
+            s.push_str(&format!("  {step}: {meaning}\n"));
+        }
     }
     let n = &report["netns_stash"];
     if !n.is_null() {
