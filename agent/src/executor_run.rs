@@ -239,9 +239,21 @@ impl Timeline {
 
 /// A run's steps, in order, as [`Timeline`] names them, and what each one's moment is.
 pub const TIMELINE_STEPS: &[(&str, &str)] = &[
-    ("sandbox", "its sandbox is ready for the arguments (started, or taken from the pool)"),
-    ("start_audited", "its executor_start record is durable (the runtime reads its arguments meanwhile)"),
-    ("ready", "the runtime's ready is read (its own start-up over; answered with proceed)"),
+    (
+        "sandbox",
+        "its sandbox is there: taken from the pool (view built, runtime waiting), or through the zygote its \
+         namespaces made and cgroups joined (view, Landlock, seccomp and the payload's start to come)",
+    ),
+    (
+        "start_audited",
+        "its executor_start record is durable (meanwhile the sandbox goes on with its set-up, or the runtime \
+         reads its arguments)",
+    ),
+    (
+        "ready",
+        "the runtime's ready is read: the sandbox's set-up and the runtime's own start-up are over (answered \
+         with proceed)",
+    ),
     ("result", "the runtime's result is read (the executor imported and run)"),
     ("payload_exited", "init reports the payload's exit"),
     ("outcome", "the outcome is complete (the tree's usage, the output read to its end)"),
