@@ -241,8 +241,9 @@ impl Timeline {
 pub const TIMELINE_STEPS: &[(&str, &str)] = &[
     (
         "sandbox",
-        "its sandbox is there: taken from the pool (view built, runtime waiting), or through the zygote its \
-         namespaces made and cgroups joined (view, Landlock, seccomp and the payload's start to come)",
+        "its spec built and its sandbox there: taken from the pool (view built, runtime waiting), or through \
+         the zygote its namespaces made and cgroups joined (view, Landlock, seccomp and the payload's start \
+         to come)",
     ),
     (
         "start_audited",
