@@ -767,6 +767,35 @@ fn a_package_module_named_like_the_stdlib_is_the_one_loaded() {
     assert_eq!(r["output"]["file"], real.to_str().unwrap());
 }
 
+/// The runtime's own check, after the import (the agent's static one cannot see this): a
+/// module that, while imported, puts another module under its own name resolves outside
+/// the package, and is refused — by the native `realpath` the sandbox's runtime uses.
+#[test]
+fn a_module_that_resolves_outside_the_package_at_import_is_refused() {
+    if !require_root() {
+        return;
+    }
+    let code = "import sys\nimport json.decoder\n\nclass Executor:\n    pass\n\nsys.modules[__name__] = json.decoder\n";
+    let d = executor(json!({"entry_point": "swap.Executor"}), LIFECYCLE);
+    put(&d.path, "swap.py", code.as_bytes());
+    let r = run(&d.path, &[]).result();
+    assert_eq!(r["status"], "failed", "{r}");
+    let error = r["error"].as_str().unwrap_or_default();
+    let decoder = std::fs::read_dir("/usr/lib")
+        .unwrap()
+        .flatten()
+        .map(|e| e.path().join("json/decoder.py"))
+        .find(|p| p.is_file())
+        .expect("a python3 json/decoder.py under /usr/lib");
+    let real = d.path.canonicalize().unwrap();
+    for part in [
+        "cannot load entry point 'swap.Executor'".to_string(),
+        format!("resolves to {}, outside the executor package {}", decoder.display(), real.display()),
+    ] {
+        assert!(error.contains(&part), "{part:?} not in {error}");
+    }
+}
+
 #[test]
 fn unknown_permission_keys_are_errors() {
     if !require_root() {

