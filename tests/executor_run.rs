@@ -769,7 +769,8 @@ fn a_package_module_named_like_the_stdlib_is_the_one_loaded() {
 
 /// The runtime's own check, after the import (the agent's static one cannot see this): a
 /// module that, while imported, puts another module under its own name resolves outside
-/// the package, and is refused — by the native `realpath` the sandbox's runtime uses.
+/// the package, and is refused — by the native `realpath` the sandbox's runtime uses (see
+/// the next test for its answers).
 #[test]
 fn a_module_that_resolves_outside_the_package_at_import_is_refused() {
     if !require_root() {
@@ -781,19 +782,65 @@ fn a_module_that_resolves_outside_the_package_at_import_is_refused() {
     let r = run(&d.path, &[]).result();
     assert_eq!(r["status"], "failed", "{r}");
     let error = r["error"].as_str().unwrap_or_default();
-    let decoder = std::fs::read_dir("/usr/lib")
-        .unwrap()
-        .flatten()
-        .map(|e| e.path().join("json/decoder.py"))
-        .find(|p| p.is_file())
-        .expect("a python3 json/decoder.py under /usr/lib");
     let real = d.path.canonicalize().unwrap();
     for part in [
         "cannot load entry point 'swap.Executor'".to_string(),
-        format!("resolves to {}, outside the executor package {}", decoder.display(), real.display()),
+        "resolves to /usr/lib/python3".to_string(),
+        format!("/json/decoder.py, outside the executor package {}", real.display()),
     ] {
         assert!(error.contains(&part), "{part:?} not in {error}");
     }
+}
+
+/// The runtime places the executor's package and module with a native `realpath`: inside a
+/// sandbox it is the one in use, and it answers as Python's `os.path.realpath` does —
+/// through a symlink (merged /usr's `/lib`), `..` after one, the package directory, `.`.
+#[test]
+fn the_runtimes_native_realpath_answers_as_pythons() {
+    if !require_root() {
+        return;
+    }
+    let code = r#"
+import os
+
+import opservant._lifecycle as lc
+from opservant.executor import BaseExecutor, ExecutorResult
+
+
+class Probe(BaseExecutor):
+    def validate(self, params):
+        return True
+
+    def execute(self, params, context):
+        here = os.path.dirname(os.path.abspath(__file__))
+        paths = [
+            here,
+            here + "/../" + os.path.basename(here),
+            "/lib/python3.11/json/decoder.py",
+            "/lib/python3.11/json/../json",
+            ".",
+        ]
+        out = {"native": lc._native_realpath is not None, "paths": {}}
+        for p in paths:
+            if os.path.lexists(p):
+                out["paths"][p] = [lc._native_realpath(p), os.path.realpath(p), os.path.abspath(p)]
+        return ExecutorResult(status="completed", output=out)
+"#;
+    let d = executor(json!({"entry_point": "test_executor.Probe"}), code);
+    let r = run(&d.path, &[]).result();
+    assert_eq!(r["status"], "completed", "{r}");
+    assert_eq!(r["output"]["native"], true, "{r}");
+    let paths = r["output"]["paths"].as_object().expect("paths");
+    assert!(paths.len() >= 4, "{r}");
+    let mut through_a_link = 0;
+    for (p, answers) in paths {
+        let (native, python, absolute) = (&answers[0], &answers[1], &answers[2]);
+        assert_eq!(native, python, "{p}: the native realpath differs from os.path.realpath");
+        if native != absolute && !p.contains("..") {
+            through_a_link += 1;
+        }
+    }
+    assert!(through_a_link > 0, "no path went through a symlink: {r}");
 }
 
 #[test]

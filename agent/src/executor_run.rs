@@ -384,17 +384,17 @@ pub fn run(req: RunRequest) -> Result<RunResult, CannotRun> {
         Some(sb) => sb,
         None => crate::launch::spawn_with_fallback(&spec, &req.launcher, Some(&mut hook))?,
     };
-    // The pool learns from the run (see `warm_pool`): its refill starts when this is dropped
-    // — the run has its outcome, or ended early — or after `warm_pool::REFILL_DELAY`. Not at
-    // once: the refill's start of a sandbox through the zygote, milliseconds of CPU, would
-    // compete with the run it replaces (about 1 ms per pooled daemon command on 2 CPUs,
-    // benches/README item 23).
     let mark = |step: &'static str, when: Option<std::time::Instant>| {
         if let (Some(t), Some(when)) = (req.timeline, when) {
             t.at(step, when);
         }
     };
     mark("sandbox", Some(std::time::Instant::now()));
+    // The pool learns from the run (see `warm_pool`): its refill starts when this is dropped
+    // — the run has its outcome, or ended early — or after `warm_pool::REFILL_DELAY`. Not at
+    // once: the refill's start of a sandbox through the zygote, milliseconds of CPU, would
+    // compete with the run it replaces (about 1 ms per pooled daemon command on 2 CPUs,
+    // benches/README item 23).
     let _refill = pool.map(|p| p.refill_after(spec.clone()));
     if req.background_teardown && net.is_none() {
         sb.teardown_in_background();

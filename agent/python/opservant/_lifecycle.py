@@ -1,7 +1,7 @@
 """Loading an executor class and running its lifecycle (used by the runtime and the harness).
 
-Imported by every sandboxed run: only ``sys`` and the package's ``executor`` module are
-imported at module level; ``os`` and ``traceback`` where needed.
+Imported by every sandboxed run: only ``sys``, the package's ``executor`` module and (in the
+runtime) ``_opservant`` are imported at module level; ``os`` and ``traceback`` where needed.
 """
 
 import sys

@@ -1140,8 +1140,10 @@ pub fn render_table(report: &Value) -> String {
         s.push('\n');
         for r in stepped {
             s.push_str(&format!("{:<18}", r["name"].as_str().unwrap_or("")));
-            for (i, (step, _)) in crate::executor_run::TIMELINE_STEPS.iter().enumerate() {
-                s.push_str(&format!(" {:>w$}", f(&r["steps"][i]["median_ms"]), w = step.len().max(8)));
+            for (step, _) in crate::executor_run::TIMELINE_STEPS {
+                let found = r["steps"].as_array().into_iter().flatten().find(|st| st["step"] == *step);
+                let median = found.map_or(&Value::Null, |st| &st["median_ms"]);
+                s.push_str(&format!(" {:>w$}", f(median), w = step.len().max(8)));
             }
             s.push('\n');
         }

@@ -296,13 +296,16 @@ pub mod _opservant {
         Ok(pythonize::pythonize(py, network_facts())?)
     }
 
-    /// `os.path.realpath` of a path that exists, in one call: the runtime places the
-    /// executor's package and module with it (Python's own resolves each component in
-    /// Python, ~0.1 ms per run for the two). `OSError` when the path cannot be resolved
-    /// (missing, a loop): the caller falls back to `os.path.realpath`.
+    /// `os.path.realpath` of a `str` (or path-like) path that exists, in one call: the
+    /// runtime places the executor's package and module with it (Python's own resolves
+    /// each component in Python: ~75 µs each in a sandbox, benches/README item 24).
+    /// `OSError` when the path cannot be resolved (missing, a loop, not allowed): the
+    /// caller falls back to `os.path.realpath`. (Out of memory is `MemoryError`: the run
+    /// fails.)
     #[pyfunction]
     fn realpath(path: std::path::PathBuf) -> PyResult<std::ffi::OsString> {
-        // A `str` back, as `os.path.realpath` gives (non-UTF-8 bytes as surrogate escapes).
+        // A `str` back, as `os.path.realpath` gives for one (non-UTF-8 bytes as surrogate
+        // escapes).
         Ok(std::fs::canonicalize(path)?.into_os_string())
     }
 
