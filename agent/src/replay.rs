@@ -400,6 +400,47 @@ mod tests {
         std::fs::remove_dir_all(dir).unwrap();
     }
 
+    /// Checks racing on one file — threads of one store and stores of their own, as other
+    /// processes would be — accept each id exactly once and leave every line whole (a
+    /// shared `flock` in place of the exclusive one fails it).
+    #[test]
+    fn concurrent_checks_accept_each_id_once() {
+        let (dir, s) = store();
+        let s = std::sync::Arc::new(s);
+        const THREADS: usize = 8;
+        const IDS: usize = 40;
+        let accepted: Vec<Vec<String>> = std::thread::scope(|scope| {
+            let workers: Vec<_> = (0..THREADS)
+                .map(|t| {
+                    let shared = std::sync::Arc::clone(&s);
+                    let own = SeenCommands::new(&dir.join("seen"));
+                    scope.spawn(move || {
+                        let store = if t % 2 == 0 { &*shared } else { &own };
+                        let mut mine = Vec::new();
+                        for i in 0..IDS {
+                            // Every thread tries every id, starting at a different one.
+                            let id = format!("cmd-{}", (i + t * 5) % IDS);
+                            if store.check_and_insert(&id, 1000).unwrap() == Seen::New {
+                                mine.push(id);
+                            }
+                        }
+                        mine
+                    })
+                })
+                .collect();
+            workers.into_iter().map(|w| w.join().unwrap()).collect()
+        });
+        let mut all: Vec<String> = accepted.into_iter().flatten().collect();
+        all.sort();
+        let mut expected: Vec<String> = (0..IDS).map(|i| format!("cmd-{i}")).collect();
+        expected.sort();
+        assert_eq!(all, expected, "each id accepted by exactly one check");
+        let text = std::fs::read_to_string(dir.join("seen")).unwrap();
+        assert_eq!(text.lines().count(), IDS);
+        assert!(text.lines().all(|l| l.starts_with("1000 \"cmd-") && l.ends_with('"')), "{text}");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
     #[test]
     fn a_damaged_file_is_an_error_not_an_empty_set() {
         let (dir, s) = store();
