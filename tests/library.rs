@@ -731,6 +731,53 @@ fn a_pooled_sandbox_whose_payload_ended_is_not_handed_out() {
     }
 }
 
+/// A stop ends a warm pool's warm-up under way: the sandbox being warmed up (here a payload
+/// that never answers it) is discarded — killed, its cgroups removed — when the pool shuts
+/// down, not when the warm-up's 10 s limit runs out after the agent has gone.
+#[test]
+fn a_pool_shutdown_ends_a_warm_up_under_way() {
+    if !require_root() {
+        return;
+    }
+    let _view = common::host_view();
+    // A unique argument, to find the payload among the host's processes.
+    let secs = format!("61.{}", std::process::id());
+    let mut s = spec(&["/bin/sleep", &secs]);
+    s.command.app_channel = true;
+    let pool = agent::warm_pool::WarmPool::new(1, Duration::from_secs(600), launcher()).unwrap();
+    let filling = {
+        let (pool, s) = (pool.clone(), s.clone());
+        std::thread::spawn(move || pool.fill(s).map_err(|e| e.to_string()))
+    };
+    let payload = || {
+        std::fs::read_dir("/proc").unwrap().flatten().find_map(|e| {
+            let cmdline = std::fs::read(e.path().join("cmdline")).ok()?;
+            (cmdline == format!("/bin/sleep\0{secs}\0").as_bytes()).then(|| e.path())
+        })
+    };
+    // Started: its payload runs, and the pool's warm-up is about to wait, or waits, for it.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let proc_dir = loop {
+        if let Some(p) = payload() {
+            break p;
+        }
+        assert!(!filling.is_finished(), "the fill ended before its payload ran: {:?}", filling.join());
+        assert!(Instant::now() < deadline, "the pooled sandbox did not start");
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    pool.shutdown();
+    let filled = filling.join().unwrap();
+    let err = filled.expect_err("a sandbox whose warm-up was cut short is not offered");
+    assert!(err.contains("the pool is shutting down"), "{err}");
+    assert_eq!(pool.ready(), 0);
+    // Discarded with it: killed and reaped.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while proc_dir.exists() {
+        assert!(Instant::now() < deadline, "the payload outlived its discarded sandbox");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 #[test]
 fn a_held_payload_refuses_anything_but_the_go() {
     if !require_root() {

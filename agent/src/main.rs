@@ -573,7 +573,8 @@ fn run_sandbox(
         LaunchMode::Pool => {
             let mut spec = spec.clone();
             spec.command.held = true;
-            let pool = agent::warm_pool::WarmPool::single_use(zygote()?);
+            let pool = agent::warm_pool::WarmPool::single_use(zygote()?)
+                .map_err(|e| CannotRun(format!("--launch pool: warm pool: {e}")))?;
             pool.fill(spec.clone())?;
             pool.take(&spec).ok_or_else(|| CannotRun("--launch pool: the pooled sandbox could not be taken".into()))?
         }
@@ -645,7 +646,10 @@ fn run_executor(
         LaunchMode::Cold => sandbox::Launcher::fork_or_reexec(SANDBOX_INIT),
         LaunchMode::Zygote | LaunchMode::Pool => agent::launch::for_runtime(&agent::launch::one_shot_zygote(&runtime)),
     };
-    let pool = (launch == LaunchMode::Pool).then(|| agent::warm_pool::WarmPool::single_use(launcher.clone()));
+    let pool = (launch == LaunchMode::Pool)
+        .then(|| agent::warm_pool::WarmPool::single_use(launcher.clone()))
+        .transpose()
+        .map_err(|e| CannotRun(format!("--launch pool: warm pool: {e}")))?;
     let req = agent::executor_run::RunRequest {
         executor: &executor,
         params,
@@ -820,7 +824,9 @@ fn agent_daemon(config: Option<PathBuf>, check_only: bool) -> Result<ExitCode, C
         }
     };
     let pool = (settings.warm_pool > 0)
-        .then(|| agent::warm_pool::WarmPool::new(settings.warm_pool, settings.warm_pool_idle, launcher.clone()));
+        .then(|| agent::warm_pool::WarmPool::new(settings.warm_pool, settings.warm_pool_idle, launcher.clone()))
+        .transpose()
+        .map_err(|e| CannotRun(format!("warm pool: {e}")))?;
     let pipeline = agent::command::Pipeline {
         seen: agent::replay::SeenCommands::new(&settings.state_dir.join("commands-seen")),
         executors: cfg.executors.root(),

@@ -126,6 +126,9 @@ struct State {
 
 pub struct WarmPool {
     size: usize,
+    /// Readable once [`WarmPool::shutdown`] has begun (it writes to `stopping.1`): a warm-up
+    /// under way polls it, so that a stop does not wait out [`WARM_LIMIT`].
+    stopping: (std::os::fd::OwnedFd, std::os::fd::OwnedFd),
     /// How long a sandbox may wait for its run.
     max_idle: Duration,
     launcher: Launcher,
@@ -159,29 +162,41 @@ impl Drop for Filling {
 impl WarmPool {
     /// A pool of at most `size` sandboxes, started with `launcher`, each discarded once it has
     /// waited longer than `max_idle`.
-    pub fn new(size: usize, max_idle: Duration, launcher: Launcher) -> Arc<WarmPool> {
-        Arc::new(WarmPool {
+    pub fn new(size: usize, max_idle: Duration, launcher: Launcher) -> Result<Arc<WarmPool>, nix::Error> {
+        Ok(Arc::new(WarmPool {
             size: size.min(MAX_SIZE),
+            stopping: stop_pipe()?,
             max_idle: max_idle.clamp(MIN_IDLE_LIMIT, MAX_IDLE_LIMIT),
             launcher,
             refills: true,
             state: Mutex::default(),
-        })
+        }))
     }
 
     /// A pool of one sandbox that [`WarmPool::fill`] starts and one run takes; never refilled.
-    pub fn single_use(launcher: Launcher) -> Arc<WarmPool> {
-        Arc::new(WarmPool { size: 1, max_idle: DEFAULT_MAX_IDLE, launcher, refills: false, state: Mutex::default() })
+    pub fn single_use(launcher: Launcher) -> Result<Arc<WarmPool>, nix::Error> {
+        Ok(Arc::new(WarmPool {
+            size: 1,
+            stopping: stop_pipe()?,
+            max_idle: DEFAULT_MAX_IDLE,
+            launcher,
+            refills: false,
+            state: Mutex::default(),
+        }))
     }
 
-    /// Stop refilling, kill and remove every ready sandbox, and wait (up to 10 s) for the
-    /// ones being started, which are then discarded too.
+    /// Stop refilling, kill and remove every ready sandbox, end the warm-ups under way, and
+    /// wait (up to 10 s) for the sandboxes being started, which are then discarded too.
     pub fn shutdown(&self) {
         let ready: Vec<Warm> = {
             let mut st = self.state();
             st.closed = true;
             st.ready.drain(..).collect()
         };
+        // One byte, never read: the read end stays readable for every warm-up from now on.
+        if let Err(e) = nix::unistd::write(&self.stopping.1, b"s") {
+            tracing::warn!(error = %e, "warm pool: cannot tell the warm-ups under way to stop");
+        }
         drop(ready);
         let deadline = Instant::now() + Duration::from_secs(10);
         while !self.state().filling.is_empty() && Instant::now() < deadline {
@@ -303,8 +318,8 @@ impl WarmPool {
         let sandbox = crate::launch::spawn_with_fallback(&spec, &self.launcher, None)?;
         if sandbox.app_channel().is_some() {
             // Dropped (killed and removed) on failure: the pool offers only warmed runtimes.
-            let prefaulted_kib =
-                warm_up(&sandbox).map_err(|e| sandbox::SandboxError::Channel(format!("warm-up: {e}")))?;
+            let prefaulted_kib = warm_up(&sandbox, &self.stopping.0)
+                .map_err(|e| sandbox::SandboxError::Channel(format!("warm-up: {e}")))?;
             tracing::debug!(prefaulted_kib, "warm pool: a sandbox is warmed up");
         }
         let evicted = {
@@ -333,9 +348,15 @@ impl WarmPool {
     }
 }
 
-/// Ask the runtime waiting in `sandbox` to warm up and wait (up to [`WARM_LIMIT`]) for its
-/// reply; returns the KiB it populated. Everything read comes from the sandbox.
-fn warm_up(sandbox: &Sandbox) -> Result<u64, String> {
+/// A close-on-exec pipe (read end, write end) for [`WarmPool::stopping`].
+fn stop_pipe() -> Result<(std::os::fd::OwnedFd, std::os::fd::OwnedFd), nix::Error> {
+    nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
+}
+
+/// Ask the runtime waiting in `sandbox` to warm up and wait (up to [`WARM_LIMIT`], or until
+/// `stopping` is readable: the pool is shutting down) for its reply; returns the KiB it
+/// populated. Everything read comes from the sandbox.
+fn warm_up(sandbox: &Sandbox, stopping: &std::os::fd::OwnedFd) -> Result<u64, String> {
     use crate::app::{self, FromPayload, RuntimeArgs};
     use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
     use std::os::fd::AsFd;
@@ -344,9 +365,10 @@ fn warm_up(sandbox: &Sandbox) -> Result<u64, String> {
     let deadline = Instant::now() + WARM_LIMIT;
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
-        let mut pfd = [PollFd::new(chan.as_fd(), PollFlags::POLLIN)];
+        let mut pfd = [PollFd::new(chan.as_fd(), PollFlags::POLLIN), PollFd::new(stopping.as_fd(), PollFlags::POLLIN)];
         match poll(&mut pfd, PollTimeout::try_from(left).unwrap_or(PollTimeout::MAX)) {
             Ok(0) => return Err(format!("no reply within {} s", WARM_LIMIT.as_secs())),
+            Ok(_) if pfd[1].any().unwrap_or(true) => return Err("the pool is shutting down".into()),
             Ok(_) => break,
             Err(nix::errno::Errno::EINTR) => continue,
             Err(e) => return Err(format!("poll: {}", e.desc())),

@@ -666,7 +666,8 @@ pub fn run(opts: &Options, progress: &mut dyn FnMut(&str)) -> Result<Value, Benc
     // As the agent's daemon: one prepared network namespace per command it runs at once.
     let zygote = crate::launch::zygote(&runtime, crate::daemon::DEFAULT_MAX_CONCURRENT);
     zygote.start().map_err(|e| failed(format!("zygote: {e}")))?;
-    let pool = crate::warm_pool::WarmPool::single_use(crate::launch::for_runtime(&zygote));
+    let pool = crate::warm_pool::WarmPool::single_use(crate::launch::for_runtime(&zygote))
+        .map_err(|e| failed(format!("warm pool: {e}")))?;
     // The agents of the run-agent rows, started (and their executor installed) now, untimed.
     let agent_zygote = selected
         .contains(&"run-agent")
