@@ -69,6 +69,57 @@ fn hostile_configs_are_refused_cleanly_by_check_config() {
     }
 }
 
+/// A client key that is not the certificate's, or that the TLS provider cannot sign with
+/// (P-521), is a configuration error `--check-config` names — not a panic of the HTTPS
+/// client at the agent's first connection to the platform, which builds its TLS context
+/// only then.
+#[test]
+fn a_client_key_the_tls_client_cannot_use_is_refused_by_check_config() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = common::HostDir::new();
+    let (good, other) = (platform::Pki::new("good"), platform::Pki::new("other"));
+    good.write_agent_files(&dir.path);
+    assert!(op(&["keygen", "--out", dir.path.join("keys").to_str().unwrap()]).status.success());
+    let config = dir.path.join("config.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "agent:\n  platform_public_key: {0}/keys/signing.pub\n  state_dir: {0}/state\naudit:\n  path: {0}/audit.log\nnetwork:\n  agent_to_platform:\n    protocol: https\n    host: 127.0.0.1\n    port: 9\n    ca: {0}/ca.pem\n    cert: {0}/agent.crt\n    key: {0}/agent.key\n",
+            dir.path.display()
+        ),
+    )
+    .unwrap();
+    let check = || op(&["agent", "--check-config", "--config", config.to_str().unwrap()]);
+    let out = check();
+    assert!(out.status.success(), "the matching pair: {}", String::from_utf8_lossy(&out.stderr));
+
+    // Another certificate's key.
+    std::fs::write(dir.path.join("agent.key"), &other.client_key).unwrap();
+    let out = check();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("network.agent_to_platform.key") && stderr.contains("is not the key of the certificate"),
+        "{stderr}"
+    );
+
+    // A P-521 key with its own certificate: valid, but not one ring signs with.
+    let openssl = std::process::Command::new("openssl")
+        .args(["req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-521", "-nodes", "-subj", "/CN=agent"])
+        .arg("-keyout")
+        .arg(dir.path.join("agent.key"))
+        .arg("-out")
+        .arg(dir.path.join("agent.crt"))
+        .output()
+        .expect("openssl");
+    assert!(openssl.status.success(), "{}", String::from_utf8_lossy(&openssl.stderr));
+    std::fs::set_permissions(dir.path.join("agent.key"), std::fs::Permissions::from_mode(0o600)).unwrap();
+    let out = check();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("network.agent_to_platform.key") && stderr.contains("unusable"), "{stderr}");
+}
+
 #[test]
 fn signed_commands_run_and_every_rejection_is_audited() {
     if !common::require_root() {

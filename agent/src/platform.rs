@@ -106,6 +106,8 @@ impl Platform {
         let key_pem = zeroize::Zeroizing::new(read(&key, "key")?);
         let private = ureq::tls::PrivateKey::from_pem(&key_pem)
             .map_err(|e| format!("network.agent_to_platform.key: {}: {e}", key.display()))?;
+        crate::tls::check_client_key(&chain, &key_pem)
+            .map_err(|e| format!("network.agent_to_platform.key: {}: {e} (cert: {})", key.display(), cert.display()))?;
         // TLS 1.3 only, the platform CA only.
         let tls = crate::tls::client_config(&roots, Some(ureq::tls::ClientCert::new_with_certs(&chain, private)));
         let poll = Duration::from_secs(p.poll_seconds.unwrap_or(25).clamp(1, 300));

@@ -36,13 +36,33 @@ pub fn read_ca(path: &Path, key: &str) -> Result<Vec<Certificate<'static>>, Stri
     Ok(roots)
 }
 
-/// TLS 1.3 only, `roots` as the only trust anchors, with an optional client certificate.
-pub fn client_config(roots: &[Certificate<'static>], client: Option<ClientCert>) -> TlsConfig {
+/// The ring provider with its TLS 1.3 cipher suites only.
+fn provider() -> rustls::crypto::CryptoProvider {
     let mut provider = rustls::crypto::ring::default_provider();
     provider.cipher_suites.retain(|s| matches!(s, rustls::SupportedCipherSuite::Tls13(_)));
+    provider
+}
+
+/// Whether the first private key in `key_pem` is one the TLS provider can sign with and
+/// belongs to the first certificate of `chain`, as the HTTPS client checks it (rustls'
+/// `CertifiedKey::from_der`). Checked when the configuration is read: the client builds its
+/// TLS context only at its first connection, and there a mismatch is a panic, not an error.
+pub fn check_client_key(chain: &[Certificate<'static>], key_pem: &[u8]) -> Result<(), String> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let key = PrivateKeyDer::from_pem_slice(key_pem).map_err(|e| format!("no private key: {e}"))?;
+    let chain = chain.iter().map(|c| CertificateDer::from(c.der().to_vec())).collect();
+    rustls::sign::CertifiedKey::from_der(chain, key, &provider()).map(|_| ()).map_err(|e| match e {
+        rustls::Error::InconsistentKeys(_) => "is not the key of the certificate's public key".to_string(),
+        e => format!("unusable: {e}"),
+    })
+}
+
+/// TLS 1.3 only, `roots` as the only trust anchors, with an optional client certificate.
+pub fn client_config(roots: &[Certificate<'static>], client: Option<ClientCert>) -> TlsConfig {
     TlsConfig::builder()
         .provider(TlsProvider::Rustls)
-        .unversioned_rustls_crypto_provider(Arc::new(provider))
+        .unversioned_rustls_crypto_provider(Arc::new(provider()))
         .root_certs(RootCerts::new_with_certs(roots))
         .client_cert(client)
         .build()
