@@ -69,6 +69,41 @@ fn hostile_configs_are_refused_cleanly_by_check_config() {
     }
 }
 
+/// A command whose run fails after its `executor_start` record — here its sandbox stuck in
+/// the kernel (frozen in a v1 freezer cgroup once its payload runs) and given up 5 s after
+/// the last SIGKILL — is answered `failed`, not `rejected`: the executor ran, and a platform
+/// told it was refused would send it again. Audited as started and failed, never rejected.
+#[test]
+fn a_command_that_fails_after_its_start_is_failed_not_rejected() {
+    if !common::require_root() || !common::freezer::available() {
+        return;
+    }
+    let mut a = Agent::new(4);
+    a.start();
+    let agent_pid = a.child.as_ref().unwrap().id() as i32;
+    let cmd = a.sign(&json!({"command_id": "stuck-1", "action": "execute", "executor": "slow",
+                             "parameters": {"seconds": 120}, "resource_limits": {"timeout_seconds": 1}}));
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            let _ = tx.send(a.submit_within(&cmd, Duration::from_secs(90)));
+        });
+        let (freezer, _dirs) = common::freezer::freeze_sandbox_below(agent_pid);
+        let reply = rx.recv_timeout(Duration::from_secs(100));
+        assert!(freezer.thaw(), "the thawed sandbox processes never died");
+        let (code, r) = reply.expect("no reply: the command hung on its stuck sandbox");
+        assert_eq!(code, 1, "submit exits 1 for a run that did not complete: {r}");
+        assert_eq!(r["status"], "failed", "{r}");
+        assert_eq!((r["command_id"].clone(), r["executor"]["name"].clone()), (json!("stuck-1"), json!("slow")), "{r}");
+        assert!(r["error"].as_str().unwrap_or("").contains("had not exited 5 s after SIGKILL"), "{r}");
+    });
+    let events = a.audit_events();
+    let of =
+        |kind: &str| events.iter().filter(|e| e["event"] == kind && e["fields"]["command_id"] == "stuck-1").count();
+    assert_eq!((of("executor_start"), of("executor_fail"), of("command_rejected")), (1, 1, 0), "{events:?}");
+    assert!(a.stop().success());
+}
+
 /// A client key that is not the certificate's, or that the TLS provider cannot sign with
 /// (P-521), is a configuration error `--check-config` names — not a panic of the HTTPS
 /// client at the agent's first connection to the platform, which builds its TLS context

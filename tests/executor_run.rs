@@ -2048,11 +2048,12 @@ class TestExecutor(BaseExecutor):
     cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
     let (out, dirs) = common::freezer::run_with_frozen_sandbox(cmd, std::time::Duration::from_secs(90), "run");
     let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(!out.status.success(), "{stdout}\n{stderr}");
-    assert!(
-        stdout.contains("had not exited 5 s after SIGKILL") || stderr.contains("had not exited 5 s after SIGKILL"),
-        "the error names why: {stdout}\n{stderr}"
-    );
+    // The executor ran: a `failed` result (exit 1), not "cannot run" (exit 2, which says
+    // nothing ran — the daemon's `rejected`).
+    assert_eq!(out.status.code(), Some(1), "{stdout}\n{stderr}");
+    let r: Value = serde_json::from_str(stdout.trim()).expect("a result on stdout");
+    assert_eq!(r["status"], "failed", "{r}");
+    assert!(r["error"].as_str().unwrap_or("").contains("had not exited 5 s after SIGKILL"), "the error names why: {r}");
     // Left behind by a process that is gone: the next opservant process reaps them.
     drop(view);
     let r = common::sandbox(None, &["/bin/true"]);

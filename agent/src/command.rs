@@ -487,7 +487,7 @@ impl Pipeline {
         let req = crate::executor_run::RunRequest {
             executor: &executor,
             params,
-            action: action_id,
+            action: action_id.clone(),
             command_id: Some(id.to_string()),
             config: &self.config,
             policy: &self.policy,
@@ -501,7 +501,11 @@ impl Pipeline {
             Ok(result) => {
                 serde_json::to_value(&result).unwrap_or_else(|e| json!({"status": "failed", "error": e.to_string()}))
             }
-            Err(e) => reject(Some(id), Reason::CannotRun, &e.0, false),
+            // Failed after its start record (audited as `executor_fail`): not a refusal.
+            Err(e) => match e.failed_reply(&executor, action_id.as_deref(), Some(id)) {
+                Some(reply) => reply,
+                None => reject(Some(id), Reason::CannotRun, e.message(), false),
+            },
         }
     }
 

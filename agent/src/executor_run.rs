@@ -322,8 +322,55 @@ impl SecretsAudit {
     }
 }
 
-/// Run one executor. `Err` means it could not run at all (exit status 2).
-pub fn run(req: RunRequest) -> Result<RunResult, CannotRun> {
+/// Why a run has no result.
+#[derive(Debug)]
+pub enum RunError {
+    /// Refused, or failed before its `executor_start` record was durable: nothing of the
+    /// executor ran (the CLI's exit status 2; the daemon's `rejected`).
+    NotStarted(CannotRun),
+    /// Failed after that record (its sandbox abandoned as stuck, its channel broken): the
+    /// executor may have run, and its `executor_fail` record says how the run ended. Never
+    /// to be reported as refused — a platform would send the command again.
+    Started(CannotRun),
+}
+
+impl RunError {
+    pub fn message(&self) -> &str {
+        match self {
+            RunError::NotStarted(e) | RunError::Started(e) => &e.0,
+        }
+    }
+
+    /// The reply for a run that failed after its start ([`RunError::Started`]): `failed`, with
+    /// the error and what ran; `None` for one that never started.
+    pub fn failed_reply(&self, executor: &Executor, action: Option<&str>, command_id: Option<&str>) -> Option<Value> {
+        match self {
+            RunError::NotStarted(_) => None,
+            RunError::Started(e) => Some(serde_json::json!({
+                "status": "failed",
+                "command_id": command_id,
+                "executor": {"name": executor.manifest.name, "version": executor.manifest.version},
+                "action": action,
+                "error": e.0,
+            })),
+        }
+    }
+}
+
+/// Run one executor.
+pub fn run(req: RunRequest) -> Result<RunResult, RunError> {
+    let mut start_audited = false;
+    run_steps(req, &mut start_audited).map_err(|e| {
+        if start_audited {
+            RunError::Started(e)
+        } else {
+            RunError::NotStarted(e)
+        }
+    })
+}
+
+/// [`run`]'s steps; `start_audited` is set once the `executor_start` record is durable.
+fn run_steps(req: RunRequest, start_audited: &mut bool) -> Result<RunResult, CannotRun> {
     let m = &req.executor.manifest;
     if let Some(a) = &req.action {
         if !m.supported_actions.iter().any(|s| s == a) {
@@ -420,6 +467,7 @@ pub fn run(req: RunRequest) -> Result<RunResult, CannotRun> {
             ("command_id", &command_id),
         ],
     )?;
+    *start_audited = true;
     mark("start_audited", Some(std::time::Instant::now()));
     // From here on, a run that cannot finish is audited as failed: every start has an end.
     let started = || -> Result<RunResult, CannotRun> {

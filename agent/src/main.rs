@@ -664,7 +664,18 @@ fn run_executor(
         timeline: None,
     };
     agent::executor_run::warm(&req).map_err(|e| CannotRun(format!("--launch pool: {}", e.0)))?;
-    let result = agent::executor_run::run(req).map_err(|e| CannotRun(e.0))?;
+    let (executor_ref, action_ref) = (req.executor, req.action.clone());
+    let result = match agent::executor_run::run(req) {
+        Ok(result) => result,
+        // It ran, or may have: a result that says it failed (exit 1), not "cannot run".
+        Err(e) => match e.failed_reply(executor_ref, action_ref.as_deref(), None) {
+            Some(reply) => {
+                outln!("{reply}");
+                return Ok(ExitCode::from(1));
+            }
+            None => return Err(CannotRun(e.message().to_string())),
+        },
+    };
     outln!("{}", serde_json::to_string(&result)?);
     Ok(if result.status == Status::Completed { ExitCode::SUCCESS } else { ExitCode::from(1) })
 }

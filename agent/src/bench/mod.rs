@@ -493,7 +493,7 @@ impl Env {
     ) -> Result<(), BenchError> {
         let executor = Executor::load(dir).map_err(|e| failed(format!("{}: {}", dir.display(), e.0)))?;
         let result = crate::executor_run::run(self.request(&executor, params, pooled, timeline))
-            .map_err(|e| failed(format!("run {}: {}", dir.display(), e.0)))?;
+            .map_err(|e| failed(format!("run {}: {}", dir.display(), e.message())))?;
         let want = if pooled { "pool" } else { "zygote" };
         if result.status != Status::Completed || result.sandbox.launch != want {
             return Err(failed(format!(
