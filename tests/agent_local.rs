@@ -56,6 +56,10 @@ fn hostile_configs_are_refused_cleanly_by_check_config() {
         (b"agent:\n  id: \xff\xfe\n".to_vec(), "not UTF-8"),
         (aliases.into_bytes(), "alias"),
         (b"agent:\n  id: a\n  id: b\n".to_vec(), "duplicate"),
+        // Part of the platform's URLs: nothing that ends or changes the path.
+        (b"agent:\n  id: web 1\n".to_vec(), "agent.id"),
+        (b"agent:\n  id: web#1\n".to_vec(), "agent.id"),
+        (b"agent:\n  id: ../x\n".to_vec(), "agent.id"),
     ];
     for (text, needle) in cases {
         let path = dir.path.join("config.yaml");
@@ -127,6 +131,18 @@ fn a_client_key_the_tls_client_cannot_use_is_refused_by_check_config() {
     let check = || op(&["agent", "--check-config", "--config", config.to_str().unwrap()]);
     let out = check();
     assert!(out.status.success(), "the matching pair: {}", String::from_utf8_lossy(&out.stderr));
+    // (And a host that is not a host: a URL, a path.)
+    let text = std::fs::read_to_string(&config).unwrap();
+    for bad in ["https://127.0.0.1", "127.0.0.1/api", "a b", "::1x"] {
+        std::fs::write(&config, text.replace("host: 127.0.0.1", &format!("host: \"{bad}\""))).unwrap();
+        let out = check();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{bad}: {stderr}");
+        assert!(stderr.contains("network.agent_to_platform.host"), "{bad}: {stderr}");
+    }
+    std::fs::write(&config, text.replace("host: 127.0.0.1", "host: \"::1\"")).unwrap();
+    assert!(check().status.success(), "an IPv6 address is a host");
+    std::fs::write(&config, &text).unwrap();
 
     // Another certificate's key.
     std::fs::write(dir.path.join("agent.key"), &other.client_key).unwrap();

@@ -543,8 +543,13 @@ impl Config {
     fn validate(&self) -> Result<(), ConfigError> {
         let err = |path: &str, message: &str| ConfigError { path: path.into(), message: message.into() };
         if let Some(id) = &self.agent.id {
-            if id.is_empty() || id.len() > 128 || id.chars().any(|c| c.is_control()) {
-                return Err(err("agent.id", "must be 1-128 printable characters"));
+            // A segment of the platform's URLs (`/v1/agents/{id}/…`): nothing that would need
+            // escaping there or could end the path (`/`, `?`, `#`, a space).
+            if id.is_empty()
+                || id.len() > 128
+                || !id.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'~' | b'-'))
+            {
+                return Err(err("agent.id", "must be 1-128 characters of A-Z, a-z, 0-9, '.', '_', '~' and '-'"));
             }
         }
         if self.agent.launch == Some(crate::launch::LaunchMode::Pool) {

@@ -82,6 +82,16 @@ impl Platform {
             return Err("network.agent_to_platform.protocol: only https".into());
         }
         let host = p.host.clone().ok_or_else(|| field("host"))?;
+        // A name or an address only: the scheme, the port and the path are the agent's.
+        if host.is_empty()
+            || host.bytes().any(|b| b.is_ascii_whitespace() || b.is_ascii_control() || b"/?#@\\".contains(&b))
+            || (host.contains(':')
+                && host.trim_start_matches('[').trim_end_matches(']').parse::<std::net::Ipv6Addr>().is_err())
+        {
+            return Err(format!(
+                "network.agent_to_platform.host: {host:?}: a host name or address, without scheme, port or path (the port is `port`)"
+            ));
+        }
         let (ca, cert, key) = (
             p.ca.clone().ok_or_else(|| field("ca"))?,
             p.cert.clone().ok_or_else(|| field("cert"))?,
@@ -138,7 +148,7 @@ impl Platform {
     }
 
     fn url(&self, what: &str) -> String {
-        format!("{}/v1/agents/{}/{what}", self.base, self.agent_id)
+        format!("{}/v1/agents/{}/{what}", self.base, path_segment(&self.agent_id))
     }
 
     /// The package downloads of `install_executor`, over this connection.
@@ -209,7 +219,7 @@ impl Packages {
         if !valid_package_name(file.trim_end_matches(".sig")) {
             return Err(format!("{file:?}: not a valid package name"));
         }
-        let url = format!("{}/v1/agents/{}/packages/{file}", self.base, self.agent_id);
+        let url = format!("{}/v1/agents/{}/packages/{file}", self.base, path_segment(&self.agent_id));
         self.http
             .get(&url)
             .config()
@@ -269,6 +279,17 @@ pub enum PackageError {
     Download(String),
     #[error("{0}")]
     TooLarge(String),
+}
+
+/// `id` as one URL path segment: bytes other than unreserved ones percent-encoded (a
+/// configured `agent.id` has none; the default's hostname part might).
+fn path_segment(id: &str) -> String {
+    id.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'.' | b'_' | b'~' | b'-' => (b as char).to_string(),
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
 }
 
 fn bracket(host: &str) -> String {
