@@ -220,8 +220,25 @@ pub fn serve(pipeline: Pipeline, socket: &Path, platform: Option<crate::platform
             refuse(stream, &pipeline, workers.len());
             continue;
         }
-        let pipeline = pipeline.clone();
-        workers.push(std::thread::spawn(move || serve_client(stream, &pipeline)));
+        // A thread that cannot be made (EAGAIN: the unit's TasksMax, the host's pid limit) is
+        // a refusal like a full house, not a panic (which aborts a release build).
+        let for_worker = pipeline.clone();
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let spawned = std::thread::Builder::new().spawn(move || {
+            if let Ok(stream) = rx.recv() {
+                serve_client(stream, &for_worker)
+            }
+        });
+        match spawned {
+            Ok(worker) => {
+                let _ = tx.send(stream);
+                workers.push(worker);
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "agent socket: no thread for a connection");
+                refuse(stream, &pipeline, workers.len());
+            }
+        }
     }
     // Stop taking work, let what runs finish and reply.
     sd_notify("STOPPING=1");
