@@ -1172,6 +1172,9 @@ thread_local! {
     /// The records this thread made before a gate and has not settled yet, with the log
     /// each went to.
     static BEFORE_GATE: std::cell::RefCell<Vec<(Arc<AuditLog>, Deferred)>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// A record this thread could not even append before a gate (the first such failure
+    /// since its last settle): the gate and the settle fail with it, as for a lost flush.
+    static BEFORE_GATE_LOST: std::cell::RefCell<Option<AuditError>> = const { std::cell::RefCell::new(None) };
 }
 
 /// Record an event that precedes a gate of the same command, on the same thread, without
@@ -1179,7 +1182,7 @@ thread_local! {
 /// thread's next [`try_record`] — whose flush covers this line — or its [`settle`] checks
 /// that it is durable, flushing it if needed; the caller reaches one of them before
 /// anything the event precedes happens or is answered. A failure to append is logged as an
-/// error, as by [`record`].
+/// error, as by [`record`], and fails the thread's next gate or settle as a lost flush does.
 pub fn record_before_gate(event: &str, fields: &[(&str, &str)]) {
     record_before_gate_to(sink(), event, fields)
 }
@@ -1197,6 +1200,13 @@ fn record_before_gate_to(sink: Option<Arc<AuditLog>>, event: &str, fields: &[(&s
     trace(event, &fields, &appended);
     if let Err(e) = appended {
         tracing::error!(target: "opservant::audit", event, error = %e, "audit log append failed: this event is only on stderr");
+        let lost = AuditError {
+            message: format!("a record made before a gate ({event}) could not be written: {}", e.message),
+            path: e.path,
+        };
+        BEFORE_GATE_LOST.with(|l| {
+            l.borrow_mut().get_or_insert(lost);
+        });
     }
 }
 
@@ -1205,7 +1215,10 @@ fn record_before_gate_to(sink: Option<Arc<AuditLog>>, event: &str, fields: &[(&s
 /// covered it failed). A daemon's command calls it before its reply.
 pub fn settle() -> Result<(), AuditError> {
     let pending = BEFORE_GATE.with(|b| std::mem::take(&mut *b.borrow_mut()));
-    let mut result = Ok(());
+    let mut result = match BEFORE_GATE_LOST.with(|l| l.borrow_mut().take()) {
+        Some(lost) => Err(lost),
+        None => Ok(()),
+    };
     let mut pending = pending.into_iter().peekable();
     while let Some((log, first)) = pending.next() {
         // Grouped by log (one in practice; a test may open another meanwhile).
@@ -1811,6 +1824,26 @@ mod tests {
         let log = AuditLog::open(settings.clone()).unwrap();
         let f = File::options().read(true).write(true).create(true).truncate(false).open(settings.lock_path()).unwrap();
         (log, nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusiveNonblock).unwrap())
+    }
+
+    /// A record before a gate that could not even be appended (here: the log's lock held by
+    /// a stuck process past the wait) fails the thread's gate once the lock is free again —
+    /// the executor must not run without its receipt on record — and only that gate.
+    #[test]
+    fn a_gate_fails_when_a_record_before_it_could_not_be_written() {
+        let s = Scratch::new("gate-lost");
+        let (log, held) = log_behind_held_lock(&s, Duration::from_millis(200));
+        let log = Arc::new(log);
+        let sink = || Some(log.clone());
+        record_before_gate_to(sink(), "command_received", &[]);
+        assert_eq!(BEFORE_GATE.with(|b| b.borrow().len()), 0, "nothing was appended");
+        drop(held);
+        let gate = try_record_to(sink(), "executor_start", &[]).unwrap_err();
+        assert!(gate.to_string().contains("before a gate (command_received) could not be written"), "{gate}");
+        // The next command on the thread is not held by it.
+        record_before_gate_to(sink(), "command_received", &[]);
+        try_record_to(sink(), "executor_start", &[]).unwrap();
+        settle().unwrap();
     }
 
     #[test]
