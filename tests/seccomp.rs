@@ -105,6 +105,15 @@ fn refused() -> Vec<Refused> {
         // Socket families outside the allowlist.
         r("socket(AF_PACKET,RAW)", SYS_socket, "17, 3, 0"),
         r("socket(AF_VSOCK,STREAM)", SYS_socket, "40, 1, 0"),
+        // Protocols of allowed families the kernel would load a module for (SCTP, L2TP, SMC,
+        // netlink RDMA and CRYPTO); an invalid type, so that a filter that let them through
+        // gets EINVAL, not a module.
+        r("socket(AF_INET,15,SCTP)", SYS_socket, "2, 15, 132"),
+        r("socket(AF_INET,15,1<<32|SCTP)", SYS_socket, "2, 15, 1 << 32 | 132"),
+        r("socket(AF_INET6,15,L2TP)", SYS_socket, "10, 15, 115"),
+        r("socket(AF_INET,15,SMC)", SYS_socket, "2, 15, 256"),
+        r("socket(AF_NETLINK,15,RDMA)", SYS_socket, "16, 15, 20"),
+        r("socket(AF_NETLINK,15,CRYPTO)", SYS_socket, "16, 15, 21"),
         // socketpair creates both sockets in the family asked for before the family's own
         // socketpair can refuse: only AF_UNIX (today EOPNOTSUPP, after the family's code ran).
         r("socketpair(AF_INET,STREAM)", SYS_socketpair, "2, 1, 0, BUF"),
