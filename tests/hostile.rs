@@ -27,6 +27,19 @@ fn host_readable_by(path: &std::path::Path, uid: u32) -> bool {
     out.status.success()
 }
 
+/// A payload starts with every signal at its default and none blocked, in every launch mode —
+/// including glibc's internal 32 and 33, which its `posix_spawn` (how the daemon starts a
+/// zygote or a monitor) leaves ignored in the child, and an `execve` keeps ignored.
+#[test]
+fn a_payload_starts_with_no_signal_ignored_or_blocked() {
+    if !require_root() {
+        return;
+    }
+    let r = common::sandbox(None, &["/bin/grep", "-E", "^Sig(Ign|Blk)", "/proc/self/status"]);
+    assert_eq!(r.status(), "completed", "{}", r.err());
+    assert_eq!(r.stdout(), "SigBlk:\t0000000000000000\nSigIgn:\t0000000000000000\n", "{}", r.err());
+}
+
 #[test]
 fn host_secrets_are_unreadable() {
     if !require_root() {

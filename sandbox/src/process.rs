@@ -110,6 +110,44 @@ pub(crate) fn default_dispositions() {
         // SAFETY: installing SIG_DFL is always sound.
         unsafe { libc::signal(sig, libc::SIG_DFL) };
     }
+    // glibc's `signal` refuses its two internal signals (32 and 33, below `SIGRTMIN()`), and
+    // its `posix_spawn` — how the daemon starts a zygote or a cold monitor — leaves them
+    // *ignored* in the child, which an `execve` keeps: a payload would start with them
+    // ignored where a fork and exec give the default. Set through the kernel, only when
+    // ignored (a handler glibc installed for itself is left alone).
+    for sig in [32, 33] {
+        if raw_disposition(sig) == Some(libc::SIG_IGN) {
+            set_raw_default(sig);
+        }
+    }
+}
+
+/// The kernel's `struct sigaction` (x86_64 and aarch64 alike), for the two signals glibc
+/// keeps from its callers.
+#[repr(C)]
+struct KernelSigaction {
+    handler: libc::sighandler_t,
+    flags: libc::c_ulong,
+    restorer: usize,
+    mask: u64,
+}
+
+/// `sig`'s handler as the kernel has it.
+fn raw_disposition(sig: libc::c_int) -> Option<libc::sighandler_t> {
+    let mut old = KernelSigaction { handler: 0, flags: 0, restorer: 0, mask: 0 };
+    // SAFETY: rt_sigaction with no new action only writes the old one into `old`, a valid
+    // struct of the kernel's layout; the size is that of its 64-bit mask.
+    let r =
+        unsafe { libc::syscall(libc::SYS_rt_sigaction, sig, std::ptr::null::<KernelSigaction>(), &mut old, 8usize) };
+    (r == 0).then_some(old.handler)
+}
+
+/// Set `sig` to its default disposition through the kernel.
+fn set_raw_default(sig: libc::c_int) {
+    let dfl = KernelSigaction { handler: libc::SIG_DFL, flags: 0, restorer: 0, mask: 0 };
+    // SAFETY: installs SIG_DFL (no handler runs, so no restorer is needed); the kernel only
+    // reads `dfl`, a valid struct of its layout.
+    unsafe { libc::syscall(libc::SYS_rt_sigaction, sig, &dfl, std::ptr::null_mut::<KernelSigaction>(), 8usize) };
 }
 
 /// Resolve `program` like `execvp`: a name with a slash is used as is, otherwise the first
