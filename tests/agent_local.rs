@@ -1082,6 +1082,43 @@ fn platform_agent(max_concurrent: usize) -> (platform::TestPlatform, HostDir, Ag
     (p, tls, a)
 }
 
+/// While the socket's commands fill every place (`agent.max_concurrent`), the agent takes
+/// no command from the platform — one taken then could only be rejected as `overloaded`
+/// (an audit record and a post each, and the platform may send it straight back) — and
+/// takes it once a place is free.
+#[test]
+fn platform_commands_wait_while_socket_commands_fill_every_place() {
+    if !common::require_root() {
+        return;
+    }
+    let (p, _tls, mut a) = platform_agent(1);
+    a.start();
+    let slow = a.sign(
+        &json!({"command_id": "sock-slow", "action": "execute", "executor": "slow", "parameters": {"seconds": 3}}),
+    );
+    std::thread::scope(|scope| {
+        let first = scope.spawn(|| a.submit_within(&slow, Duration::from_secs(60)));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !a.audit_events().iter().any(|e| e["event"] == "executor_start") {
+            assert!(Instant::now() < deadline, "the slow command did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        // Polled (every second) while the place is taken.
+        p.queue(serde_json::from_slice(&a.sign(&scan("plat-while-busy"))).unwrap());
+        let (code, r) = first.join().unwrap();
+        assert_eq!((code, r["status"].clone()), (0, json!("completed")), "{r}");
+    });
+    p.wait_for(60, "the platform command's result", |s| !s.results.is_empty());
+    assert!(a.stop().success());
+    let st = p.state.lock().unwrap();
+    let r = &st.results[0]["result"];
+    assert_eq!((r["command_id"].clone(), r["status"].clone()), (json!("plat-while-busy"), json!("completed")), "{r}");
+    assert!(
+        !a.audit_events().iter().any(|e| e["fields"]["reason"] == "overloaded"),
+        "nothing was rejected as overloaded"
+    );
+}
+
 #[test]
 fn commands_pulled_from_the_platform_over_mutual_tls() {
     if !common::require_root() {

@@ -410,7 +410,12 @@ pub fn run(
                 // or posting their results): the poll waits for room and takes no more than
                 // there is, so a platform cannot make the agent start a thread, and write an
                 // audit record, for each of the millions of entries a 16 MiB batch can hold.
-                let Some(room) = room_for_commands(&stop, &taken, pipeline.max_concurrent()) else { break };
+                // Commands from the socket take the same places: a platform command taken while
+                // they fill them would only be rejected as `overloaded` (an audit record and a
+                // post each), and the platform may send it straight back.
+                let Some(room) = room_for_commands(&stop, &taken, || pipeline.running(), pipeline.max_concurrent()) else {
+                    break;
+                };
                 let polled = std::time::Instant::now();
                 let commands = match platform.poll_once(room) {
                     Ok((c, 0)) => {
@@ -443,9 +448,26 @@ pub fn run(
                     continue;
                 }
                 taken.fetch_add(commands.len(), Ordering::SeqCst);
+                // The long poll may have lasted while the socket's commands took the places
+                // that were free when it began: held until there are places for these.
+                while !stop.load(Ordering::SeqCst)
+                    && pipeline.running() + commands.len() > pipeline.max_concurrent()
+                {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
                 if stop.load(Ordering::SeqCst) {
                     taken.fetch_sub(commands.len(), Ordering::SeqCst);
                     tracing::info!(commands = commands.len(), "stopping: commands left to the platform to send again");
+                    crate::audit::record(
+                        "platform_error",
+                        &[(
+                            "detail",
+                            &format!(
+                                "stopping: {} commands the platform delivered were not taken (not read, nothing run); left for it to send again",
+                                commands.len()
+                            ),
+                        )],
+                    );
                     break;
                 }
                 for bytes in commands {
@@ -512,13 +534,19 @@ pub fn run(
 }
 
 /// How many more platform commands may be taken, once there is room for one (`None` once
-/// `stop` is set): `max` less those `taken` and not yet answered.
-fn room_for_commands(stop: &AtomicBool, taken: &std::sync::atomic::AtomicUsize, max: usize) -> Option<usize> {
+/// `stop` is set): `max` less those `taken` and not yet answered, or less every command
+/// `running` now (the socket's too), whichever leaves less.
+fn room_for_commands(
+    stop: &AtomicBool,
+    taken: &std::sync::atomic::AtomicUsize,
+    running: impl Fn() -> usize,
+    max: usize,
+) -> Option<usize> {
     loop {
         if stop.load(Ordering::SeqCst) {
             return None;
         }
-        let busy = taken.load(Ordering::SeqCst);
+        let busy = taken.load(Ordering::SeqCst).max(running());
         if busy < max {
             return Some(max - busy);
         }
