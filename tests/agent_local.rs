@@ -1082,6 +1082,27 @@ fn platform_agent(max_concurrent: usize) -> (platform::TestPlatform, HostDir, Ag
     (p, tls, a)
 }
 
+/// A platform host `network.proxy.no_proxy` names is reached directly, not through
+/// `network.proxy.https` (here a port nothing listens on: through it, every poll would fail).
+#[test]
+fn the_platform_is_reached_directly_when_no_proxy_names_it() {
+    if !common::require_root() {
+        return;
+    }
+    let pki = platform::Pki::new("good");
+    let p = platform::TestPlatform::start(&pki, &pki);
+    let tls = HostDir::new();
+    let network = platform_network(&tls.path, p.addr, &pki, &pki)
+        + "  proxy:\n    https: http://127.0.0.1:9\n    no_proxy: [\"192.0.2.0/24\", \"127.0.0.0/8\"]\n";
+    let mut a = Agent::with_network(2, &network);
+    p.queue(serde_json::from_slice(&a.sign(&scan("direct-1"))).unwrap());
+    a.start();
+    p.wait_for(60, "the command's result", |s| !s.results.is_empty());
+    assert!(a.stop().success());
+    let st = p.state.lock().unwrap();
+    assert_eq!(st.results[0]["result"]["status"], "completed", "{}", st.results[0]);
+}
+
 /// While the socket's commands fill every place (`agent.max_concurrent`), the agent takes
 /// no command from the platform — one taken then could only be rejected as `overloaded`
 /// (an audit record and a post each, and the platform may send it straight back) — and

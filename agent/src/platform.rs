@@ -121,9 +121,10 @@ impl Platform {
         // TLS 1.3 only, the platform CA only.
         let tls = crate::tls::client_config(&roots, Some(ureq::tls::ClientCert::new_with_certs(&chain, private)));
         let poll = Duration::from_secs(p.poll_seconds.unwrap_or(25).clamp(1, 300));
+        let no_proxy = c.network.proxy.as_ref().is_some_and(|x| bypasses_proxy(&host, &x.no_proxy));
         let proxy = match c.network.proxy.as_ref().and_then(|x| x.https.clone()) {
-            Some(url) => Some(ureq::Proxy::new(&url).map_err(|e| format!("network.proxy.https: {e}"))?),
-            None => None,
+            Some(url) if !no_proxy => Some(ureq::Proxy::new(&url).map_err(|e| format!("network.proxy.https: {e}"))?),
+            _ => None,
         };
         let http: ureq::Agent = ureq::Agent::config_builder()
             .tls_config(tls)
@@ -279,6 +280,31 @@ pub enum PackageError {
     Download(String),
     #[error("{0}")]
     TooLarge(String),
+}
+
+/// Whether `network.proxy.no_proxy` names `host` (the platform's): `*`; the host itself; a
+/// domain it is in (`example.com` or `.example.com` for `api.example.com`); or, for an
+/// address, a network containing it (`10.0.0.0/8`) or the address. Case-insensitive; a
+/// port in an entry is ignored.
+fn bypasses_proxy(host: &str, no_proxy: &[String]) -> bool {
+    let host = host.trim_start_matches('[').trim_end_matches(']').trim_end_matches('.').to_ascii_lowercase();
+    let addr = host.parse::<std::net::IpAddr>().ok();
+    no_proxy.iter().any(|entry| {
+        let entry = entry.trim().to_ascii_lowercase();
+        if entry == "*" {
+            return true;
+        }
+        if let Some(a) = addr {
+            let entry = entry.trim_start_matches('[').trim_end_matches(']');
+            // `ADDR` or `ADDR/PREFIX`.
+            return entry.parse::<sandbox::net::IpNet>().is_ok_and(|net| net.contains(a));
+        }
+        // A name: the entry without a port, without its leading dot.
+        let name =
+            entry.rsplit_once(':').filter(|(_, p)| p.bytes().all(|b| b.is_ascii_digit())).map_or(&*entry, |(n, _)| n);
+        let name = name.trim_start_matches('.').trim_end_matches('.');
+        !name.is_empty() && (host == name || host.ends_with(&format!(".{name}")))
+    })
 }
 
 /// `id` as one URL path segment: bytes other than unreserved ones percent-encoded (a
@@ -569,7 +595,35 @@ fn sleep_unless(stop: &AtomicBool, d: Duration) {
 
 #[cfg(test)]
 mod tests {
-    use super::read_batch;
+    use super::{bypasses_proxy, read_batch};
+
+    #[test]
+    fn no_proxy_entries_name_hosts_domains_and_networks() {
+        let list = |l: &[&str]| l.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let seed = list(&["10.0.0.0/8", "172.16.0.0/12"]);
+        assert!(bypasses_proxy("10.1.2.3", &seed));
+        assert!(bypasses_proxy("172.31.0.1", &seed));
+        assert!(!bypasses_proxy("172.32.0.1", &seed));
+        assert!(!bypasses_proxy("platform.example.com", &seed));
+        let names = list(&["example.com", ".corp.internal", "Other.Example.NET:8443", "fd00::/8", "192.0.2.7"]);
+        for yes in [
+            "example.com",
+            "api.example.com",
+            "API.EXAMPLE.COM.",
+            "x.corp.internal",
+            "other.example.net",
+            "fd00::1",
+            "[fd00::1]",
+            "192.0.2.7",
+        ] {
+            assert!(bypasses_proxy(yes, &names), "{yes}");
+        }
+        for no in ["badexample.com", "corp.internal.evil", "example.net", "fe80::1", "192.0.2.8"] {
+            assert!(!bypasses_proxy(no, &names), "{no}");
+        }
+        assert!(bypasses_proxy("anything", &list(&["*"])));
+        assert!(!bypasses_proxy("anything", &[]));
+    }
 
     fn texts(body: &str, room: usize) -> Result<(Vec<String>, usize), String> {
         read_batch(body.as_bytes(), room)
