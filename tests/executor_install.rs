@@ -595,6 +595,12 @@ def link(name, target, kind=tarfile.SYMTYPE):
     i.type = kind
     i.linkname = target
     return i.tobuf(tarfile.USTAR_FORMAT)
+def versioned(header, version):
+    b = bytearray(header)
+    b[263:265] = version
+    b[148:156] = b" " * 8
+    b[148:156] = ("%06o\0 " % sum(b[:512])).encode()
+    return bytes(b)
 def package(root):
     out = b""
     for d, _, files in sorted(os.walk(root)):
@@ -657,6 +663,16 @@ fn an_archive_installs_as_tar_reads_it_or_not_at_all() {
         // headers (the first pass, which bounds what is read into memory): refused, as is a
         // GNU sparse file, whose extension headers follow its own.
         ("pax-size", "pax([('size', '6')]) + member('hello/x.py', b'X = 1\\n')".into(), "a PAX `size` record is refused"),
+        // A POSIX magic with another version: GNU tar and `tarfile` join the name prefix
+        // (here `zz/`), the `tar` crate does not — it would install this as hello/hello/main.py.
+        (
+            "ustar-version",
+            "versioned(member('zz/' + 'p' * 152 + '/../../hello/hello/main.py', b'EVIL = 1\\n'), b'\\0\\0')".into(),
+            "a ustar header of version",
+        ),
+        ("ustar-version-short", "versioned(member('hello/hello/y.py', b'Y = 1\\n'), b'\\0\\0')".into(), "a ustar header of version"),
+        // A file named with a trailing `/`: a directory to GNU tar, a file to this reader.
+        ("file-with-slash", "member('hello/hello/evil.py/', b'X = 1\\n')".into(), "a file entry whose name ends in '/'"),
         ("two-pax-sizes", "pax([('size', '6'), ('size', '0')]) + member('hello/x.py', b'X = 1\\n')".into(), "a PAX `size` record is refused"),
         ("gnu-sparse", "link('hello/sparse.py', '', tarfile.GNUTYPE_SPARSE)".into(), "a GNU sparse file is refused"),
         ("gnu-sparse-name", "pax([('GNU.sparse.name', 'hello/hello/main.py')]) + member('hello/x.py', b'X = 1\\n')".into(), "a GNU sparse PAX record"),

@@ -1176,6 +1176,16 @@ fn check_headers(reader: impl Read, archive: &Path) -> Result<(), InstallError> 
         let mut entry =
             entry.map_err(|e| invalid(&format!("not a valid archive (truncated or corrupt after {last}): {e}")))?;
         last = String::from_utf8_lossy(&entry.header().path_bytes()).into_owned();
+        // A POSIX magic with another version: GNU tar and Python's `tarfile` read the name
+        // prefix of such a header, this reader does not — the names a reviewer's `tar`
+        // lists would not be the ones installed.
+        let raw_header = entry.header().as_bytes();
+        if &raw_header[257..263] == b"ustar\0" && &raw_header[263..265] != b"00" {
+            return Err(invalid(&format!(
+                "{last}: a ustar header of version {:?} is refused (tar programs disagree on its name)",
+                String::from_utf8_lossy(&raw_header[263..265])
+            )));
+        }
         let kind = entry.header().entry_type();
         let size = entry.header().entry_size().map_err(|e| invalid(&format!("not a valid archive: {e}")))?;
         let (what, limit) = match kind {
@@ -1232,6 +1242,15 @@ fn unpack_stream(reader: impl Read, archive: &Path, dest: &Path) -> Result<(), I
             continue;
         }
         one_name(&mut entry, &raw)?;
+        // A file whose name ends in `/` is a directory to GNU tar (the old convention), and
+        // would be installed as a file here.
+        if !kind.is_dir() && entry.path_bytes().ends_with(b"/") {
+            return Err(InstallError::Invalid(format!(
+                "{}: {}: a file entry whose name ends in '/' is refused (tar programs disagree on what it is)",
+                archive.display(),
+                raw.display()
+            )));
+        }
         let rel = safe_relative(&raw)?;
         if rel.as_os_str().is_empty() {
             if kind.is_dir() {
