@@ -27,6 +27,55 @@ fn host_readable_by(path: &std::path::Path, uid: u32) -> bool {
     out.status.success()
 }
 
+/// A read grant never opens a channel to the host: a read-only bind stops writes to files,
+/// not a `connect()` to a Unix socket nor opening a FIFO for writing (and this kernel's
+/// Landlock lacks `resolve_unix`), so a host socket or FIFO declared readable — or the
+/// host's runtime directory, where its daemons keep theirs — is refused before anything
+/// runs. Declared writable, the socket is reachable, as granted.
+#[test]
+fn a_read_grant_does_not_reach_host_sockets_or_fifos() {
+    if !require_root() {
+        return;
+    }
+    let dir = HostDir::new();
+    let sock_path = dir.path.join("s.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&sock_path).unwrap();
+    std::fs::set_permissions(&sock_path, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let fifo = dir.path.join("f.fifo");
+    nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o666)).unwrap();
+    std::fs::set_permissions(&dir.path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    for (path, why) in [
+        (sock_path.to_str().unwrap(), "is a Unix socket"),
+        (fifo.to_str().unwrap(), "is a FIFO"),
+        ("/run", "in the host's runtime directory"),
+        ("/var/run/dbus", "in the host's runtime directory"),
+    ] {
+        let m = manifest(&dir, &format!(r#"{{"filesystem": {{"read": ["{path}"]}}}}"#), "{}");
+        let (code, err) = common::try_sandbox(Some(&m), &["/bin/true"]).unwrap_err();
+        assert_eq!(code, 2, "{path}: {err}");
+        assert!(err.contains("permissions.filesystem.read[0]") && err.contains(why), "{path}: {err}");
+    }
+    // Granted as a write (the socket the executor's user's alone, not every user's): the
+    // payload talks to it.
+    let (uid, gid) = executor_ids();
+    std::os::unix::fs::chown(&sock_path, Some(uid), Some(gid)).unwrap();
+    std::fs::set_permissions(&sock_path, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let server = std::thread::spawn(move || {
+        let (mut c, _) = listener.accept().unwrap();
+        let mut got = String::new();
+        c.read_to_string(&mut got).unwrap();
+        got
+    });
+    let m = manifest(&dir, &format!(r#"{{"filesystem": {{"write": ["{}"]}}}}"#, sock_path.display()), "{}");
+    let script = format!(
+        "import socket; s = socket.socket(socket.AF_UNIX); s.connect({:?}); s.sendall(b'hello'); s.close()",
+        sock_path.to_str().unwrap()
+    );
+    let r = sandbox(Some(&m), &["/usr/bin/python3", "-I", "-S", "-c", &script]);
+    assert_eq!(r.status(), "completed", "{}", r.err());
+    assert_eq!(server.join().unwrap(), "hello");
+}
+
 /// A payload starts with every signal at its default and none blocked, in every launch mode —
 /// including glibc's internal 32 and 33, which its `posix_spawn` (how the daemon starts a
 /// zygote or a monitor) leaves ignored in the child, and an `execve` keeps ignored.

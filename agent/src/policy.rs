@@ -367,6 +367,7 @@ impl AgentPolicy {
         self.refuse_read(field, p, &real)?;
         check_alias(field, p, &real, masked)?;
         refuse_procfs(field, p, &real)?;
+        refuse_ipc_endpoints(field, p, &real)?;
         Ok(real)
     }
 
@@ -482,6 +483,33 @@ fn refuse_shared_with_everyone(field: &str, p: &Path, real: &Path) -> Result<(),
 
 /// Refuses a declared path in a procfs or with one mounted at or beneath it (`mount -t
 /// proc proc /srv/p`, a container's root below a declared directory): that is the host's
+/// Refuse reading `real` (declared as `p`) when it is a Unix socket or a FIFO, or lies in
+/// the host's runtime directory (`/run`, `/var/run`), where its daemons keep theirs: a
+/// read-only bind stops writes to files, not a `connect()` to a socket nor opening a FIFO
+/// for writing, and Landlock's `resolve_unix`, which would, is not in every kernel. Talking
+/// to a socket is a write grant (`permissions.filesystem.write`). (A socket made later
+/// inside another declared directory is not seen here: see README, Not done yet.)
+fn refuse_ipc_endpoints(field: &str, p: &Path, real: &Path) -> Result<(), PolicyError> {
+    use std::os::unix::fs::FileTypeExt;
+    let why = if real.starts_with("/run") {
+        "is in the host's runtime directory, where its daemons' sockets are"
+    } else {
+        match std::fs::metadata(real).map(|m| m.file_type()) {
+            Ok(t) if t.is_socket() => "is a Unix socket",
+            Ok(t) if t.is_fifo() => "is a FIFO",
+            _ => return Ok(()),
+        }
+    };
+    Err(PolicyError::new(
+        field,
+        format!(
+            "{}{} {why}: a read-only bind does not stop connecting to a socket or writing to a FIFO; declare it under permissions.filesystem.write to talk to it",
+            p.display(),
+            via(p, real)
+        ),
+    ))
+}
+
 /// /proc by another name, and a bind takes what is mounted beneath it along.
 fn refuse_procfs(field: &str, p: &Path, real: &Path) -> Result<(), PolicyError> {
     let refused = |what: String| {
