@@ -23,6 +23,39 @@ pub const MAX_LOGS: usize = 1000;
 pub const MAX_ERROR: usize = 64 * 1024;
 /// Artifact entries kept per run (each file, or why it could not be read).
 pub const MAX_ARTIFACT_ENTRIES: usize = 1000;
+/// Most JSON values (scalars, arrays, objects) in one message. Parsed, each costs the agent
+/// tens of bytes — a 16 MiB message of `[0,0,…]` would cost it over 500 MB, none of it
+/// charged to the sandbox —, so a message with more is refused before it is parsed (a 4 MiB
+/// output of 16-byte values fits).
+pub const MAX_MESSAGE_VALUES: usize = 1 << 18;
+
+/// An upper bound on the JSON values in `bytes` (one more than its value separators and
+/// container openings outside strings), counted without allocating; past `limit` it stops.
+fn json_values_up_to(bytes: &[u8], limit: usize) -> usize {
+    let (mut n, mut in_string, mut escaped) = (1usize, false, false);
+    for &b in bytes {
+        if in_string {
+            match (escaped, b) {
+                (true, _) => escaped = false,
+                (false, b'\\') => escaped = true,
+                (false, b'"') => in_string = false,
+                _ => {}
+            }
+        } else {
+            match b {
+                b'"' => in_string = true,
+                b',' | b'[' | b'{' => {
+                    n += 1;
+                    if n > limit {
+                        return n;
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    n
+}
 
 /// Payload → agent.
 #[derive(Debug, Serialize, Deserialize)]
@@ -198,6 +231,10 @@ pub fn recv_by(
 ) -> Result<Option<FromPayload>, String> {
     match chan.recv_bytes_by(MAX_MESSAGE, deadline)? {
         None => Ok(None),
+        Some(bytes) if json_values_up_to(&bytes, MAX_MESSAGE_VALUES) > MAX_MESSAGE_VALUES => Err(format!(
+            "malformed message from the runtime: more than {MAX_MESSAGE_VALUES} JSON values (of {} bytes)",
+            bytes.len()
+        )),
         Some(bytes) => {
             serde_json::from_slice(&bytes).map(Some).map_err(|e| format!("malformed message from the runtime: {e}"))
         }
@@ -216,4 +253,44 @@ pub fn proceed(chan: &sandbox::channel::Channel, cpu: &sandbox::CpuLimiter) -> R
 pub fn encode<T: Serialize>(msg: &T) -> Vec<u8> {
     // Serializing these plain data types cannot fail (no maps with non-string keys).
     serde_json::to_vec(msg).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn values_are_counted_outside_strings_only() {
+        let count = |s: &str| json_values_up_to(s.as_bytes(), usize::MAX);
+        assert_eq!(count("0"), 1);
+        assert_eq!(count("[0,0,0]"), 4);
+        assert_eq!(count(r#"{"a":[1,{"b":2}],"c":"x"}"#), 6);
+        // Brackets, commas and escaped quotes inside strings are text.
+        assert_eq!(count(r#"["[,{\",]", "a\\"]"#), 3);
+        assert_eq!(json_values_up_to(b"[0,0,0,0,0]", 3), 4, "stops past the limit");
+    }
+
+    /// A message of more values than the limit is refused before it is parsed (a payload
+    /// cannot make the agent build a tree many times its size); one within it is parsed.
+    #[test]
+    fn a_message_of_too_many_values_is_refused_unparsed() {
+        let (agent, payload) = sandbox::channel::Channel::pair().unwrap();
+        let many = format!(
+            r#"{{"type":"log","level":"info","msg":"x","fields":{{"a":[{}]}}}}"#,
+            vec!["0"; MAX_MESSAGE_VALUES].join(",")
+        );
+        assert!(many.len() < MAX_MESSAGE);
+        let fits =
+            format!(r#"{{"type":"log","level":"info","msg":"x","fields":{{"a":[{}]}}}}"#, vec!["0"; 1000].join(","));
+        // Sent from another thread: a message larger than the socket's buffer waits for the
+        // reader.
+        let sender = std::thread::spawn(move || {
+            payload.send_bytes(many.as_bytes()).unwrap();
+            payload.send_bytes(fits.as_bytes()).unwrap();
+        });
+        let e = recv(&agent).unwrap_err();
+        assert!(e.contains("more than 262144 JSON values"), "{e}");
+        assert!(matches!(recv(&agent), Ok(Some(FromPayload::Log { .. }))));
+        sender.join().unwrap();
+    }
 }
