@@ -200,11 +200,32 @@ fn json_escaped(s: &str, ascii: bool) -> Zeroizing<String> {
     out
 }
 
+/// `s` percent-encoded as Python's `urllib.parse.quote(s, safe)` does (`quote_plus` with
+/// `plus`: spaces as `+`, `/` encoded); hex digits upper- or lower-case.
+fn percent_encoded(s: &str, safe: &str, plus: bool, upper: bool) -> Zeroizing<String> {
+    use std::fmt::Write;
+    let mut out = Zeroizing::new(String::with_capacity(s.len() * 3));
+    for &b in s.as_bytes() {
+        if b.is_ascii_alphanumeric() || b"_.-~".contains(&b) || safe.as_bytes().contains(&b) {
+            out.push(b as char);
+        } else if plus && b == b' ' {
+            out.push('+');
+        } else if upper {
+            let _ = write!(out, "%{b:02X}");
+        } else {
+            let _ = write!(out, "%{b:02x}");
+        }
+    }
+    out
+}
+
 impl Redactor {
     /// Redact `value` from now on — and the forms code commonly turns it into: without its
     /// surrounding whitespace (a value stored from a file ends with a newline, code strips
-    /// it), and as a JSON string's content (`"` and `\` escaped; Python's `json.dumps` also
-    /// escapes every non-ASCII character).
+    /// it), as a JSON string's content (`"` and `\` escaped; Python's `json.dumps` also
+    /// escapes every non-ASCII character), and percent-encoded as in a URL (Python's
+    /// `urllib.parse.quote`, `quote(safe="")` and `quote_plus`, hex digits in either case):
+    /// a token in a query string reaches an error message whole.
     pub fn add(&mut self, value: &str) {
         let trimmed = value.trim();
         let mut forms = vec![Zeroizing::new(value.to_string())];
@@ -212,6 +233,11 @@ impl Redactor {
             forms.push(Zeroizing::new(base.to_string()));
             forms.push(json_escaped(base, false));
             forms.push(json_escaped(base, true));
+            for (safe, plus) in [("/", false), ("", false), ("", true)] {
+                for upper in [true, false] {
+                    forms.push(percent_encoded(base, safe, plus, upper));
+                }
+            }
         }
         for (i, form) in forms.into_iter().enumerate() {
             let derived = i > 0;
@@ -431,6 +457,18 @@ mod tests {
         let mut r = Redactor::default();
         r.add(" ab ");
         assert_eq!(r.text("a b-ab-abc"), "a b-ab-abc");
+        // Percent-encoded into a URL: quote (safe "/"), quote(safe=""), quote_plus; hex
+        // digits in either case.
+        let mut r = Redactor::default();
+        r.add("Ab+cd/Ef=gh 9XYZ");
+        for url in [
+            "https://x/?token=Ab%2Bcd/Ef%3Dgh%209XYZ&a=1",
+            "https://x/?token=Ab%2Bcd%2FEf%3Dgh%209XYZ&a=1",
+            "https://x/?token=Ab%2Bcd%2FEf%3Dgh+9XYZ&a=1",
+            "https://x/?token=Ab%2bcd%2fEf%3dgh+9XYZ&a=1",
+        ] {
+            assert_eq!(r.text(url), "https://x/?token=[REDACTED]&a=1", "{url}");
+        }
     }
 
     #[test]
