@@ -1547,6 +1547,27 @@ fn secret_requests_cannot_flood_the_audit_log() {
     assert_eq!(granted, 1, "{}", out.stderr);
 }
 
+/// A run's secret requests are bounded: past 1000, each is refused without asking the
+/// provider (a loop on a name would otherwise be a provider request each time — with
+/// Vault, after a 403, a fresh login and token).
+#[test]
+fn secret_requests_are_bounded_per_run() {
+    if !require_root() {
+        return;
+    }
+    let (d, c) = secrets_setup(json!(["api_key", "not_in_store"]));
+    let mut names = vec!["not_in_store".to_string(); 1000];
+    names.push("api_key".into());
+    let params = json!({"mode": "ask", "names": names}).to_string();
+    let r = run(&d.path, &["--config", c.arg(), "--params", &params]).result();
+    assert_eq!(r["status"], "completed", "{r}");
+    assert_eq!(
+        r["output"]["not_in_store"],
+        "PermissionError: secret 'not_in_store' is not available from the configured provider"
+    );
+    assert_eq!(r["output"]["api_key"], "PermissionError: more than 1000 secret requests in one run", "{r}");
+}
+
 /// A secret returned as a JSON number (`int(value)`) is redacted as its text would be: the
 /// number becomes the redacted string.
 #[test]

@@ -291,6 +291,9 @@ struct AppOutcome {
 /// bound (and roll its older records away). Grants are audited once per name and run.
 const MAX_AUDITED_SECRET_DENIALS: usize = 20;
 
+/// Secret requests answered per run; later ones are refused without asking the provider.
+const MAX_SECRET_REQUESTS: usize = 1000;
+
 #[derive(Default)]
 struct SecretsAudit {
     denied: Vec<(String, &'static str)>,
@@ -628,6 +631,11 @@ fn serve(
 ) -> AppOutcome {
     let mut out = AppOutcome::default();
     let mut ready = false;
+    // A declared name the provider did not give this run (unknown, or its error) is not
+    // asked for again: a loop on it would make a request (with Vault, after a 403, a fresh
+    // login and token) and an error line each time.
+    let mut unavailable: std::collections::HashMap<String, String> = std::collections::HashMap::new();
+    let mut secret_requests = 0usize;
     loop {
         let msg = match app::recv(&chan) {
             Ok(Some(m)) => m,
@@ -655,7 +663,14 @@ fn serve(
                 out.logs.push(record);
             }
             FromPayload::SecretRequest { name } => {
-                let mut reply = if !declared.iter().any(|d| d == &name) {
+                secret_requests += 1;
+                let mut reply = if secret_requests > MAX_SECRET_REQUESTS {
+                    ToPayload::SecretDenied {
+                        reason: format!("more than {MAX_SECRET_REQUESTS} secret requests in one run"),
+                    }
+                } else if let Some(reason) = unavailable.get(&name) {
+                    ToPayload::SecretDenied { reason: reason.clone() }
+                } else if !declared.iter().any(|d| d == &name) {
                     // The name is the payload's text: a value it obtained, passed as a name by
                     // mistake or on purpose, must not reach the audit log.
                     out.secrets_audit.denied(executor, &out.redactor.text(&name), "not declared", &[]);
@@ -693,9 +708,9 @@ fn serve(
                         }
                         Ok(None) => {
                             out.secrets_audit.denied(executor, &name, "unknown", &[]);
-                            ToPayload::SecretDenied {
-                                reason: format!("secret '{name}' is not available from the configured provider"),
-                            }
+                            let reason = format!("secret '{name}' is not available from the configured provider");
+                            unavailable.insert(name.clone(), reason.clone());
+                            ToPayload::SecretDenied { reason }
                         }
                         Err(e) => {
                             // Provider errors never carry values, tokens or credentials.
@@ -706,9 +721,9 @@ fn serve(
                                 "provider error",
                                 &[("detail", &e), ("command_id", command_id)],
                             );
-                            ToPayload::SecretDenied {
-                                reason: format!("secret '{name}' could not be read from the configured provider"),
-                            }
+                            let reason = format!("secret '{name}' could not be read from the configured provider");
+                            unavailable.insert(name.clone(), reason.clone());
+                            ToPayload::SecretDenied { reason }
                         }
                     }
                 };
