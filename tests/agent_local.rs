@@ -60,6 +60,7 @@ fn hostile_configs_are_refused_cleanly_by_check_config() {
         (b"agent:\n  id: web 1\n".to_vec(), "agent.id"),
         (b"agent:\n  id: web#1\n".to_vec(), "agent.id"),
         (b"agent:\n  id: ../x\n".to_vec(), "agent.id"),
+        (b"agent:\n  id: ..\n".to_vec(), "agent.id"),
     ];
     for (text, needle) in cases {
         let path = dir.path.join("config.yaml");

@@ -595,6 +595,16 @@ def link(name, target, kind=tarfile.SYMTYPE):
     i.type = kind
     i.linkname = target
     return i.tobuf(tarfile.USTAR_FORMAT)
+def gnu_member(name, data):
+    i = tarfile.TarInfo(name)
+    i.size = len(data)
+    return i.tobuf(tarfile.GNU_FORMAT) + pad(data)
+def prefixed(header, prefix):
+    b = bytearray(header)
+    b[345:345 + len(prefix)] = prefix
+    b[148:156] = b" " * 8
+    b[148:156] = ("%06o\0 " % sum(b[:512])).encode()
+    return bytes(b)
 def versioned(header, version):
     b = bytearray(header)
     b[263:265] = version
@@ -670,6 +680,8 @@ fn an_archive_installs_as_tar_reads_it_or_not_at_all() {
             "versioned(member('zz/' + 'p' * 152 + '/../../hello/hello/main.py', b'EVIL = 1\\n'), b'\\0\\0')".into(),
             "a ustar header of version",
         ),
+        // The same prefix bytes in a GNU header: `tarfile` joins them, GNU tar does not.
+        ("gnu-prefix", "prefixed(gnu_member('hello/hello/z.py', b'Z = 1\\n'), b'zz')".into(), "a name prefix in a header outside the ustar format"),
         ("ustar-version-short", "versioned(member('hello/hello/y.py', b'Y = 1\\n'), b'\\0\\0')".into(), "a ustar header of version"),
         // A file named with a trailing `/`: a directory to GNU tar, a file to this reader.
         ("file-with-slash", "member('hello/hello/evil.py/', b'X = 1\\n')".into(), "a file entry whose name ends in '/'"),

@@ -47,14 +47,22 @@ fn a_read_grant_does_not_reach_host_sockets_or_fifos() {
     for (path, why) in [
         (sock_path.to_str().unwrap(), "is a Unix socket"),
         (fifo.to_str().unwrap(), "is a FIFO"),
-        ("/run", "in the host's runtime directory"),
-        ("/var/run/dbus", "in the host's runtime directory"),
+        ("/run", "a directory of the host's runtime directory"),
+        ("/var/run/dbus", "a directory of the host's runtime directory"),
     ] {
         let m = manifest(&dir, &format!(r#"{{"filesystem": {{"read": ["{path}"]}}}}"#), "{}");
         let (code, err) = common::try_sandbox(Some(&m), &["/bin/true"]).unwrap_err();
         assert_eq!(code, 2, "{path}: {err}");
         assert!(err.contains("permissions.filesystem.read[0]") && err.contains(why), "{path}: {err}");
     }
+    // A regular file of the runtime directory is readable (a pidfile, `/run/utmp`).
+    let file = std::path::PathBuf::from(format!("/run/opservant-test-{}.txt", std::process::id()));
+    std::fs::write(&file, "run-file").unwrap();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let m = manifest(&dir, &format!(r#"{{"filesystem": {{"read": ["{}"]}}}}"#, file.display()), "{}");
+    let r = sandbox(Some(&m), &["/bin/cat", file.to_str().unwrap()]);
+    std::fs::remove_file(&file).unwrap();
+    assert_eq!((r.status(), r.stdout()), ("completed", "run-file"), "{}", r.err());
     // Granted as a write (the socket the executor's user's alone, not every user's): the
     // payload talks to it.
     let (uid, gid) = executor_ids();

@@ -25,9 +25,9 @@ pub const MAX_ERROR: usize = 64 * 1024;
 pub const MAX_ARTIFACT_ENTRIES: usize = 1000;
 /// Most JSON values (scalars, arrays, objects) in one message. Parsed, each costs the agent
 /// tens of bytes — a 16 MiB message of `[0,0,…]` would cost it over 500 MB, none of it
-/// charged to the sandbox —, so a message with more is refused before it is parsed (a 4 MiB
-/// output of 16-byte values fits).
-pub const MAX_MESSAGE_VALUES: usize = 1 << 18;
+/// charged to the sandbox —, so a message with more is refused before it is parsed. Any
+/// output within [`MAX_OUTPUT`] fits (4 MiB of `0,` is 2 Mi values).
+pub const MAX_MESSAGE_VALUES: usize = 1 << 21;
 
 /// An upper bound on the JSON values in `bytes` (one more than its value separators and
 /// container openings outside strings), counted without allocating; past `limit` it stops.
@@ -289,7 +289,7 @@ mod tests {
             payload.send_bytes(fits.as_bytes()).unwrap();
         });
         let e = recv(&agent).unwrap_err();
-        assert!(e.contains("more than 262144 JSON values"), "{e}");
+        assert!(e.contains(&format!("more than {MAX_MESSAGE_VALUES} JSON values")), "{e}");
         assert!(matches!(recv(&agent), Ok(Some(FromPayload::Log { .. }))));
         sender.join().unwrap();
     }

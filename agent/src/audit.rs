@@ -1154,6 +1154,12 @@ pub fn try_record(event: &str, fields: &[(&str, &str)]) -> Result<(), AuditError
 }
 
 fn try_record_to(sink: Option<Arc<AuditLog>>, event: &str, fields: &[(&str, &str)]) -> Result<(), AuditError> {
+    // A record before this gate that could not be written fails the gate before its own
+    // record is made: the log never says something began that was refused.
+    if let Some(lost) = BEFORE_GATE_LOST.with(|l| l.borrow_mut().take()) {
+        let _ = settle();
+        return Err(lost);
+    }
     append_to(sink, event, fields)?;
     // This line's flush covered the records this thread made before it (they were written
     // first): normally nothing is left to flush here, only to check.
@@ -1840,6 +1846,8 @@ mod tests {
         drop(held);
         let gate = try_record_to(sink(), "executor_start", &[]).unwrap_err();
         assert!(gate.to_string().contains("before a gate (command_received) could not be written"), "{gate}");
+        let text = std::fs::read_to_string(s.log()).unwrap_or_default();
+        assert!(!text.contains("executor_start"), "the failed gate's own record was not written: {text}");
         // The next command on the thread is not held by it.
         record_before_gate_to(sink(), "command_received", &[]);
         try_record_to(sink(), "executor_start", &[]).unwrap();

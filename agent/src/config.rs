@@ -543,13 +543,19 @@ impl Config {
     fn validate(&self) -> Result<(), ConfigError> {
         let err = |path: &str, message: &str| ConfigError { path: path.into(), message: message.into() };
         if let Some(id) = &self.agent.id {
-            // A segment of the platform's URLs (`/v1/agents/{id}/…`): nothing that would need
-            // escaping there or could end the path (`/`, `?`, `#`, a space).
+            // A segment of the platform's URLs (`/v1/agents/{id}/…`): the characters RFC 3986
+            // allows in one, nothing that could end the path (`/`, `?`, `#`, a space) and not
+            // `.` or `..` alone.
             if id.is_empty()
                 || id.len() > 128
-                || !id.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'~' | b'-'))
+                || id == "."
+                || id == ".."
+                || !id.bytes().all(crate::platform::is_path_segment_char)
             {
-                return Err(err("agent.id", "must be 1-128 characters of A-Z, a-z, 0-9, '.', '_', '~' and '-'"));
+                return Err(err(
+                    "agent.id",
+                    "must be 1-128 characters of A-Z, a-z, 0-9 and -._~!$&'()*+,;=:@ (a segment of the platform's URLs)",
+                ));
             }
         }
         if self.agent.launch == Some(crate::launch::LaunchMode::Pool) {

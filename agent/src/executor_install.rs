@@ -1179,11 +1179,19 @@ fn check_headers(reader: impl Read, archive: &Path) -> Result<(), InstallError> 
         // A POSIX magic with another version: GNU tar and Python's `tarfile` read the name
         // prefix of such a header, this reader does not — the names a reviewer's `tar`
         // lists would not be the ones installed.
+        // Nor a name prefix outside the POSIX format (GNU, V7 headers): Python's `tarfile`
+        // joins one wherever the bytes are set, GNU tar and this reader do not.
         let raw_header = entry.header().as_bytes();
-        if &raw_header[257..263] == b"ustar\0" && &raw_header[263..265] != b"00" {
+        let posix = &raw_header[257..263] == b"ustar\0";
+        if posix && &raw_header[263..265] != b"00" {
             return Err(invalid(&format!(
                 "{last}: a ustar header of version {:?} is refused (tar programs disagree on its name)",
                 String::from_utf8_lossy(&raw_header[263..265])
+            )));
+        }
+        if !posix && raw_header[345] != 0 && !matches!(entry.header().entry_type(), tar::EntryType::GNUSparse) {
+            return Err(invalid(&format!(
+                "{last}: a name prefix in a header outside the ustar format is refused (tar programs disagree on its name)"
             )));
         }
         let kind = entry.header().entry_type();

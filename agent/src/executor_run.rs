@@ -291,7 +291,7 @@ struct AppOutcome {
 /// bound (and roll its older records away). Grants are audited once per name and run.
 const MAX_AUDITED_SECRET_DENIALS: usize = 20;
 
-/// Secret requests answered per run; later ones are refused without asking the provider.
+/// Provider requests per run; a name not yet answered is refused past them.
 const MAX_SECRET_REQUESTS: usize = 1000;
 
 #[derive(Default)]
@@ -631,11 +631,13 @@ fn serve(
 ) -> AppOutcome {
     let mut out = AppOutcome::default();
     let mut ready = false;
-    // A declared name the provider did not give this run (unknown, or its error) is not
-    // asked for again: a loop on it would make a request (with Vault, after a 403, a fresh
-    // login and token) and an error line each time.
-    let mut unavailable: std::collections::HashMap<String, String> = std::collections::HashMap::new();
-    let mut secret_requests = 0usize;
+    // What the provider answered this run, per declared name: a value delivered (wiped at
+    // the run's end), or that it has none. A loop on a name asks the provider once; only its
+    // errors are asked again (a transient one may pass), at most MAX_SECRET_REQUESTS
+    // provider calls a run — each a request, with Vault after a 403 a fresh login and token.
+    let mut answered: std::collections::HashMap<String, Option<zeroize::Zeroizing<String>>> =
+        std::collections::HashMap::new();
+    let mut provider_calls = 0usize;
     loop {
         let msg = match app::recv(&chan) {
             Ok(Some(m)) => m,
@@ -663,22 +665,33 @@ fn serve(
                 out.logs.push(record);
             }
             FromPayload::SecretRequest { name } => {
-                secret_requests += 1;
-                let mut reply = if secret_requests > MAX_SECRET_REQUESTS {
-                    ToPayload::SecretDenied {
-                        reason: format!("more than {MAX_SECRET_REQUESTS} secret requests in one run"),
-                    }
-                } else if let Some(reason) = unavailable.get(&name) {
-                    ToPayload::SecretDenied { reason: reason.clone() }
-                } else if !declared.iter().any(|d| d == &name) {
+                let mut reply = if !declared.iter().any(|d| d == &name) {
                     // The name is the payload's text: a value it obtained, passed as a name by
                     // mistake or on purpose, must not reach the audit log.
                     out.secrets_audit.denied(executor, &out.redactor.text(&name), "not declared", &[]);
                     ToPayload::SecretDenied {
                         reason: format!("secret '{name}' is not declared in permissions.secrets"),
                     }
+                } else if !answered.contains_key(&name) && provider_calls >= MAX_SECRET_REQUESTS {
+                    ToPayload::SecretDenied {
+                        reason: format!(
+                            "secret '{name}' refused: {MAX_SECRET_REQUESTS} provider requests made in this run"
+                        ),
+                    }
                 } else {
-                    match provider.get(&name) {
+                    let got = match answered.get(&name) {
+                        Some(Some(value)) => Ok(Some(value.clone())),
+                        Some(None) => Ok(None),
+                        None => {
+                            provider_calls += 1;
+                            let got = provider.get(&name);
+                            if let Ok(v) = &got {
+                                answered.insert(name.clone(), v.clone());
+                            }
+                            got
+                        }
+                    };
+                    match got {
                         Ok(Some(value)) => {
                             let fields =
                                 [("executor", executor), ("secret", name.as_str()), ("command_id", command_id)];
@@ -708,9 +721,9 @@ fn serve(
                         }
                         Ok(None) => {
                             out.secrets_audit.denied(executor, &name, "unknown", &[]);
-                            let reason = format!("secret '{name}' is not available from the configured provider");
-                            unavailable.insert(name.clone(), reason.clone());
-                            ToPayload::SecretDenied { reason }
+                            ToPayload::SecretDenied {
+                                reason: format!("secret '{name}' is not available from the configured provider"),
+                            }
                         }
                         Err(e) => {
                             // Provider errors never carry values, tokens or credentials.
@@ -721,9 +734,9 @@ fn serve(
                                 "provider error",
                                 &[("detail", &e), ("command_id", command_id)],
                             );
-                            let reason = format!("secret '{name}' could not be read from the configured provider");
-                            unavailable.insert(name.clone(), reason.clone());
-                            ToPayload::SecretDenied { reason }
+                            ToPayload::SecretDenied {
+                                reason: format!("secret '{name}' could not be read from the configured provider"),
+                            }
                         }
                     }
                 };

@@ -307,15 +307,16 @@ fn bypasses_proxy(host: &str, no_proxy: &[String]) -> bool {
     })
 }
 
-/// `id` as one URL path segment: bytes other than unreserved ones percent-encoded (a
-/// configured `agent.id` has none; the default's hostname part might).
+/// A byte RFC 3986 allows as is in a URL path segment (`pchar`: unreserved, sub-delims, `:`
+/// and `@`).
+pub fn is_path_segment_char(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"-._~!$&'()*+,;=:@".contains(&b)
+}
+
+/// `id` as one URL path segment: other bytes percent-encoded (a configured `agent.id` has
+/// none; the default's hostname part might).
 fn path_segment(id: &str) -> String {
-    id.bytes()
-        .map(|b| match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'.' | b'_' | b'~' | b'-' => (b as char).to_string(),
-            _ => format!("%{b:02X}"),
-        })
-        .collect()
+    id.bytes().map(|b| if is_path_segment_char(b) { (b as char).to_string() } else { format!("%{b:02X}") }).collect()
 }
 
 fn bracket(host: &str) -> String {

@@ -483,27 +483,33 @@ fn refuse_shared_with_everyone(field: &str, p: &Path, real: &Path) -> Result<(),
 
 /// Refuses a declared path in a procfs or with one mounted at or beneath it (`mount -t
 /// proc proc /srv/p`, a container's root below a declared directory): that is the host's
-/// Refuse reading `real` (declared as `p`) when it is a Unix socket or a FIFO, or lies in
-/// the host's runtime directory (`/run`, `/var/run`), where its daemons keep theirs: a
-/// read-only bind stops writes to files, not a `connect()` to a socket nor opening a FIFO
-/// for writing, and Landlock's `resolve_unix`, which would, is not in every kernel. Talking
-/// to a socket is a write grant (`permissions.filesystem.write`). (A socket made later
-/// inside another declared directory is not seen here: see README, Not done yet.)
+/// Refuse reading `real` (declared as `p`) when it is a Unix socket or a FIFO, or a
+/// directory in the host's runtime directory (`/run`, `/var/run`), where its daemons keep
+/// theirs: a read-only bind stops writes to files, not a `connect()` to a socket nor opening
+/// a FIFO for writing, and Landlock's `resolve_unix`, which would, is not in every kernel.
+/// A regular file there (`/run/utmp`, a pidfile) is readable. Talking to a socket is a
+/// write grant (`permissions.filesystem.write`), which `/run` never gets. (A socket made
+/// later inside another declared directory is not seen here: see README, Not done yet.)
 fn refuse_ipc_endpoints(field: &str, p: &Path, real: &Path) -> Result<(), PolicyError> {
     use std::os::unix::fs::FileTypeExt;
-    let why = if real.starts_with("/run") {
-        "is in the host's runtime directory, where its daemons' sockets are"
-    } else {
-        match std::fs::metadata(real).map(|m| m.file_type()) {
-            Ok(t) if t.is_socket() => "is a Unix socket",
-            Ok(t) if t.is_fifo() => "is a FIFO",
-            _ => return Ok(()),
+    let kind = std::fs::metadata(real).map(|m| m.file_type()).ok();
+    let why = match kind {
+        Some(t) if t.is_socket() => "is a Unix socket",
+        Some(t) if t.is_fifo() => "is a FIFO",
+        Some(t) if t.is_dir() && real.starts_with("/run") => {
+            "is a directory of the host's runtime directory, where its daemons' sockets are"
         }
+        _ => return Ok(()),
+    };
+    let advice = if real.starts_with("/run") {
+        "declare the files you need in it (the host's runtime directory is never writable, so none of its sockets can be granted)"
+    } else {
+        "declare it under permissions.filesystem.write to talk to it"
     };
     Err(PolicyError::new(
         field,
         format!(
-            "{}{} {why}: a read-only bind does not stop connecting to a socket or writing to a FIFO; declare it under permissions.filesystem.write to talk to it",
+            "{}{} {why}: a read-only bind does not stop connecting to a socket or writing to a FIFO; {advice}",
             p.display(),
             via(p, real)
         ),
