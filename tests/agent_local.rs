@@ -935,6 +935,96 @@ fn a_client_that_never_reads_its_reply_does_not_hold_the_shutdown() {
     a.audit_verify();
 }
 
+/// Connections beyond the limit are answered `overloaded` off the accept loop: with the
+/// audit log's lock held by a stopped process, their answers wait for their audit records
+/// (and past the refusal queue a connection is closed unanswered, counted in the next
+/// refusal's record), while the accept loop goes on feeding the watchdog. Before, the
+/// accepting thread wrote each refusal's record itself and stalled with it: two refusals in
+/// a row outlasted systemd's `WatchdogSec=60s`.
+#[test]
+fn refusals_wait_for_a_held_audit_lock_off_the_accept_loop() {
+    use std::io::Read;
+    use std::os::unix::net::UnixStream;
+    if !common::require_root() {
+        return;
+    }
+    let mut a = Agent::build(1, "", "  lock_wait_seconds: 20\n", |_| String::new());
+    let notify_path = a.dir.path.join("notify.sock");
+    let notify = std::os::unix::net::UnixDatagram::bind(&notify_path).unwrap();
+    // Read as they come (a sender blocks once `net.unix.max_dgram_qlen` are queued): the
+    // moment of every ping.
+    let pinged = std::sync::Arc::new(std::sync::Mutex::new(Vec::<Instant>::new()));
+    let pings_seen = pinged.clone();
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 256];
+        while let Ok(n) = notify.recv(&mut buf) {
+            if &buf[..n] == b"WATCHDOG=1" {
+                pings_seen.lock().unwrap().push(Instant::now());
+            }
+        }
+    });
+    // WATCHDOG_USEC 400 ms: the agent pings every 200 ms.
+    a.start_with_env(&[("NOTIFY_SOCKET", notify_path.to_str().unwrap()), ("WATCHDOG_USEC", "400000")]);
+    // The start-up probe's connection has been served and its thread is gone.
+    std::thread::sleep(Duration::from_secs(1));
+    // Every place taken (max_concurrent 1 + 64): clients that send nothing hold theirs for
+    // the read deadline (10 s).
+    let idle: Vec<UnixStream> = (0..65).map(|_| UnixStream::connect(&a.socket).unwrap()).collect();
+    let answer = |mut c: UnixStream| {
+        c.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        let mut text = String::new();
+        c.read_to_string(&mut text).unwrap();
+        text
+    };
+    let first = answer(UnixStream::connect(&a.socket).unwrap());
+    assert!(first.contains("overloaded"), "the 66th connection is refused: {first}");
+    // The log's lock, held by a stopped process (as in
+    // a_stopped_audit_lock_holder_fails_runs_instead_of_stalling_the_agent).
+    let lock = a.dir.path.join("audit/audit.jsonl.lock");
+    let mut holder = std::os::unix::process::CommandExt::process_group(
+        Command::new("flock").arg("-o").arg(&lock).args(["sleep", "600"]),
+        0,
+    )
+    .spawn()
+    .expect("flock(1)");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !std::fs::read_to_string("/proc/locks").unwrap().lines().any(|l| l.contains(&format!(" {} ", holder.id()))) {
+        assert!(Instant::now() < deadline, "flock(1) did not take the lock");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(holder.id() as i32, libc::SIGSTOP) };
+    let refused: Vec<UnixStream> = (0..20).map(|_| UnixStream::connect(&a.socket).unwrap()).collect();
+    // The pings go on while the refusals wait for the lock.
+    let watched = Instant::now();
+    std::thread::sleep(Duration::from_secs(2));
+    let pings = pinged.lock().unwrap().iter().filter(|&&t| t > watched).count();
+    assert!(pings >= 4, "watchdog pings in 2 s with refusals waiting for the audit lock: {pings}");
+    // SAFETY: kill(2) on our own child's process group.
+    unsafe { libc::kill(-(holder.id() as i32), libc::SIGKILL) };
+    holder.wait().unwrap();
+    let answers: Vec<String> = refused.into_iter().map(answer).collect();
+    let unanswered = answers.iter().filter(|t| t.is_empty()).count();
+    assert!(answers.iter().all(|t| t.is_empty() || t.contains("overloaded")), "{answers:?}");
+    // One refusal being audited and `REFUSAL_QUEUE` (16) waiting: the rest closed unanswered.
+    assert!((3..=4).contains(&unanswered), "{answers:?}");
+    drop(idle);
+    assert!(a.stop().success());
+    let overloaded: Vec<String> = a
+        .audit_events()
+        .iter()
+        .filter(|e| e["fields"]["reason"] == "overloaded")
+        .map(|e| e["fields"]["detail"].as_str().unwrap_or_default().to_string())
+        .collect();
+    assert_eq!(overloaded.len(), 1 + 20 - unanswered, "{overloaded:?}");
+    let counted: usize = overloaded
+        .iter()
+        .filter_map(|d| d.split_once(" (")?.1.split_once(" more closed unanswered")?.0.parse::<usize>().ok())
+        .sum();
+    assert_eq!(counted, unanswered, "{overloaded:?}");
+    a.audit_verify();
+}
+
 /// systemd keeps the watchdog armed while a unit stops: a drain that stopped pinging was
 /// killed with SIGABRT after `WatchdogSec` (found by the boot test, tests/vm/systemd_boot.rs).
 #[test]

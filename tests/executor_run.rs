@@ -1924,7 +1924,7 @@ fn oversize_artifacts_are_refused() {
 }
 
 const FORGED: &str = r#"
-import json, socket
+import json, os, socket
 import _opservant
 from opservant.executor import BaseExecutor, ExecutorResult
 
@@ -1943,16 +1943,23 @@ class TestExecutor(BaseExecutor):
             for i, c in enumerate(chunks):
                 chan.send(bytes([1 if i + 1 < len(chunks) else 0]) + c)
             chan.detach()
+            # Ended before the runtime sends its own result: the forged one is the only one.
+            os._exit(0)
+        if params["mode"] == "twice":
+            # A result of its own, and then the runtime's: a second result.
+            _opservant.send_result({"status": "completed", "output": {"forged": True}})
             return ExecutorResult(output={"honest": True})
         fake = {"path": "/etc/passwd", "size": 1, "sha256": "00", "content_base64": "aGVsbG8="}
         wrong = {"path": "ok.txt", "size": 999, "sha256": "00", "content_base64": "aGVsbG8="}
         _opservant.send_result({"status": "failed", "output": {}, "error": "e" * 200000,
                                 "artifacts": [fake, wrong, {"path": "x"}] + [{"path": "n", "error": "e"}] * 1200})
-        return ExecutorResult(output={"honest": True})
+        os._exit(0)
 "#;
 
 /// What the payload sends is untrusted: a result written straight to the channel, or through
-/// the runtime's own function, is held to the caps and shapes the runtime keeps.
+/// the runtime's own function, is held to the caps and shapes the runtime keeps; a second
+/// result (executor code's own, then the runtime's) breaks the protocol and fails the run,
+/// whatever the first one said.
 #[test]
 fn a_forged_result_is_held_to_the_caps() {
     if !require_root() {
@@ -1975,6 +1982,11 @@ fn a_forged_result_is_held_to_the_caps() {
     assert_eq!(arts[1]["sha256"], sha256_hex(b"hello"));
     assert!(arts[2]["error"].as_str().unwrap().contains("no valid content"), "{}", arts[2]);
     assert!(arts[1000]["error"].as_str().unwrap().contains("203 more artifact entries dropped"), "{}", arts[1000]);
+
+    let r = run_params(&d.path, &json!({"mode": "twice"})).result();
+    assert_eq!(r["status"], "failed", "{r}");
+    assert_eq!(r["error"], "the executor runtime misbehaved: a second result", "{r}");
+    assert_eq!(r["output"], Value::Null, "{r}");
 }
 
 // ---------------------------------------------------------------------------------------
@@ -2442,7 +2454,9 @@ class TestExecutor(BaseExecutor):
 
 /// `ready` is answered once: executor code that writes it again and again on the
 /// application channel (fd 4) and never reads gets no answers — answers would fill the
-/// channel until the agent's reader blocked and the run hung to its timeout.
+/// channel until the agent's reader blocked and the run hung to its timeout. The second
+/// `ready` breaks the protocol: the agent shuts the channel down (the executor's next write
+/// fails) and the run fails, promptly.
 #[test]
 fn a_repeated_ready_from_executor_code_is_not_answered() {
     if !require_root() {
@@ -2464,8 +2478,10 @@ class TestExecutor(BaseExecutor):
     let d = executor(json!({"resource_limits": {"timeout_seconds": 20}}), code);
     let r = run_params(&d.path, &json!({}));
     let r = r.result();
-    assert_eq!(r["status"], "completed", "{r}");
-    assert_eq!(r["output"]["sent"], 20000, "{r}");
+    assert_eq!(r["status"], "failed", "{r}");
+    assert_eq!(r["killed_by"], Value::Null, "{r}");
+    assert_eq!(r["error"], "the executor runtime misbehaved: unexpected ready message for an executor run", "{r}");
+    assert_eq!(r["output"], Value::Null, "{r}");
 }
 
 /// Start `opservant-runtime` outside a sandbox, its application channel on fd 4; returns the

@@ -175,6 +175,7 @@ fn declared_paths_are_never_bound_through_symlinks_and_masks_hold_beneath_them()
         path,
         access: sandbox::Access::Read,
         optional: false,
+        identity: None,
     };
 
     // An exact source with a symlink in it fails the build; the same path as a plain rule
@@ -214,13 +215,48 @@ fn declared_paths_are_never_bound_through_symlinks_and_masks_hold_beneath_them()
     assert!(out.ends_with("ok"), "{out}");
 }
 
+/// A declared path with the identity the caller checked is bound only while it names that
+/// file: a package directory removed and made again at the same path (as a remove and a
+/// reinstall of the same version do) between the caller's check and the build fails the
+/// build, naming the path; with the new directory's identity, the new files are shown.
+#[test]
+fn a_path_replaced_since_the_caller_checked_it_is_not_bound() {
+    if !require_root() {
+        return;
+    }
+    let _view = common::host_view();
+    let dir = common::HostDir::new_in("/var/tmp");
+    let d = |p: &str| dir.path.join(p);
+    dir.dir("pkg");
+    dir.file("pkg/code", "old", 0o644);
+    let id = |p: &std::path::Path| sandbox::FileId::of(&std::fs::metadata(p).unwrap());
+    let checked = id(&d("pkg"));
+    std::fs::rename(d("pkg"), d("pkg.removed")).unwrap();
+    dir.dir("pkg");
+    dir.file("pkg/code", "new", 0o644);
+    let rule = |identity| sandbox::PathRule {
+        source: None,
+        path: d("pkg"),
+        access: sandbox::Access::Read,
+        optional: false,
+        identity: Some(identity),
+    };
+    let mut s = spec(&["/bin/cat", &d("pkg/code").display().to_string()]);
+    s.filesystem.paths.push(rule(checked));
+    let e = sandbox::run(&s, &launcher(), OutputOptions::default()).unwrap_err().to_string();
+    assert!(e.contains("replaced since") && e.contains(&d("pkg").display().to_string()), "{e}");
+    s.filesystem.paths[0] = rule(id(&d("pkg")));
+    let o = sandbox::run(&s, &launcher(), OutputOptions::default()).unwrap();
+    assert_eq!(stdout(&o), "new");
+}
+
 /// The view never creates anything on the host: a declared path that does not exist in
 /// the view beneath a writable host directory bound there (here: bound at another path
 /// than its source) fails the build instead of having its mount point made in the host
 /// directory, as does one reached through a symlink a payload left there.
 /// A declared path: the host's `source` (exactly, no symlink in it) at `path` in the view.
 fn rule(source: &std::path::Path, path: std::path::PathBuf, access: sandbox::Access) -> sandbox::PathRule {
-    sandbox::PathRule { source: Some(source.to_path_buf()), path, access, optional: false }
+    sandbox::PathRule { source: Some(source.to_path_buf()), path, access, optional: false, identity: None }
 }
 
 #[test]
@@ -488,6 +524,7 @@ fn a_synthetic_file_replaces_a_copied_symlink() {
         path: path.clone(),
         access: sandbox::Access::Read,
         optional: false,
+        identity: None,
     });
     s.filesystem.synthetic.push(sandbox::SyntheticFile { path, content: "nameserver 10.0.0.1\n".into() });
     let o = sandbox::run(&s, &launcher(), OutputOptions::default()).unwrap();

@@ -117,6 +117,7 @@ fn compile_batch(pkg: &Path, sources: &[PathBuf], policy: &AgentPolicy) -> Resul
         path: pkg.to_path_buf(),
         access: sandbox::Access::Read,
         optional: false,
+        identity: None,
     });
     // The agent's own job, not an executor's run: one CPU from the start, a longer clock.
     spec.limits.cpu_deferred = false;

@@ -11,7 +11,10 @@
 //! - at most `agent.max_concurrent` commands run at once; one more is answered at once with
 //!   `status: "rejected"`, `reason: "overloaded"` (audited), never queued without bound;
 //! - at most `max_concurrent` + [`CONNECTION_HEADROOM`] connections are served at once (each
-//!   has a thread); a connection beyond them is answered `overloaded` without being read;
+//!   has a thread); a connection beyond them is answered `overloaded` without being read, by
+//!   a thread of its own (its audit record may wait for the log's lock; the accept loop and
+//!   the watchdog never do), at most [`REFUSAL_QUEUE`] waiting — past them, closed
+//!   unanswered and counted in the next refusal's record;
 //! - a client has [`READ_DEADLINE`] in all to send its command (not per read: a client
 //!   trickling bytes cannot hold its thread), then the connection is closed unanswered;
 //! - SIGTERM or SIGINT: the socket is closed and removed (no new work), the commands already
@@ -159,6 +162,7 @@ pub fn serve(pipeline: Pipeline, socket: &Path, platform: Option<crate::platform
     }
     let pipeline = Arc::new(pipeline);
     let mut workers: Vec<std::thread::JoinHandle<()>> = Vec::new();
+    let refusals = Refusals::start(pipeline.clone())?;
     crate::audit::record(
         "agent_start",
         &[("socket", &socket.to_string_lossy()), ("pid", &std::process::id().to_string())],
@@ -217,7 +221,7 @@ pub fn serve(pipeline: Pipeline, socket: &Path, platform: Option<crate::platform
         }
         let Ok((stream, _)) = listener.accept() else { continue };
         if workers.len() >= pipeline.max_concurrent() + CONNECTION_HEADROOM {
-            refuse(stream, &pipeline, workers.len());
+            refusals.refuse(stream, workers.len());
             continue;
         }
         // A thread that cannot be made (EAGAIN: the unit's TasksMax, the host's pid limit) is
@@ -236,7 +240,7 @@ pub fn serve(pipeline: Pipeline, socket: &Path, platform: Option<crate::platform
             }
             Err(e) => {
                 tracing::warn!(error = %e, "agent socket: no thread for a connection");
-                refuse(stream, &pipeline, workers.len());
+                refusals.refuse(stream, workers.len());
             }
         }
     }
@@ -250,7 +254,9 @@ pub fn serve(pipeline: Pipeline, socket: &Path, platform: Option<crate::platform
     // threads), feeding the watchdog all along: systemd keeps it armed while the unit stops,
     // and a drain may last as long as the longest wall-time ceiling.
     let mut pinged = std::time::Instant::now();
+    let refusing = refusals.close();
     while workers.iter().any(|w| !w.is_finished())
+        || !refusing.is_finished()
         || pipeline.running() > 0
         || platform_commands.load(Ordering::SeqCst) > 0
     {
@@ -260,7 +266,7 @@ pub fn serve(pipeline: Pipeline, socket: &Path, platform: Option<crate::platform
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    for w in workers {
+    for w in workers.into_iter().chain([refusing]) {
         let _ = w.join();
     }
     // The runs answered before their sandboxes were torn down (in the background): none of
@@ -306,14 +312,68 @@ fn peer_is_root(stream: &UnixStream) -> bool {
     root
 }
 
-/// A connection beyond the limit, on the accepting thread: answered `overloaded` at once,
-/// without reading its command and without blocking (the reply fits the socket's buffer;
-/// a write that would block is dropped).
-fn refuse(stream: UnixStream, pipeline: &Pipeline, open: usize) {
+/// Connections refused waiting for the refusal thread; past them, a connection is closed
+/// unanswered (and counted in the next refusal's audit record).
+pub const REFUSAL_QUEUE: usize = 16;
+
+/// The thread that answers connections beyond the limit `overloaded`, off the accepting
+/// thread: each answer is audited first, and an audit append may wait for the log's lock
+/// (`audit.lock_wait_seconds`) — on the accepting thread, a lock held by a stuck process
+/// stopped the accept loop and its watchdog pings. The accepting thread only queues the
+/// connection, never waiting: with the queue full it closes it unanswered.
+struct Refusals {
+    queue: std::sync::mpsc::SyncSender<(UnixStream, usize)>,
+    /// Connections closed unanswered since the last refusal was audited.
+    dropped: Arc<std::sync::atomic::AtomicU64>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+impl Refusals {
+    fn start(pipeline: Arc<Pipeline>) -> Result<Refusals, CannotRun> {
+        let (queue, refused) = std::sync::mpsc::sync_channel::<(UnixStream, usize)>(REFUSAL_QUEUE);
+        let dropped = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let unanswered = dropped.clone();
+        let thread = std::thread::Builder::new()
+            .name("socket-refusals".into())
+            .spawn(move || {
+                for (stream, open) in refused {
+                    refuse(stream, &pipeline, open, &unanswered);
+                }
+            })
+            .map_err(|e| CannotRun(format!("agent socket: a thread for its refusals: {e}")))?;
+        Ok(Refusals { queue, dropped, thread })
+    }
+
+    /// Hand a connection with `open` connections open to the refusal thread, or close it
+    /// unanswered when its queue is full.
+    fn refuse(&self, stream: UnixStream, open: usize) {
+        if self.queue.try_send((stream, open)).is_err() {
+            self.dropped.fetch_add(1, Ordering::SeqCst);
+            tracing::warn!(target: "opservant::daemon", open, "agent socket: refusals queued full; a connection closed unanswered");
+        }
+    }
+
+    /// No more refusals: the thread answers those queued and ends.
+    fn close(self) -> std::thread::JoinHandle<()> {
+        drop(self.queue);
+        self.thread
+    }
+}
+
+/// A connection beyond the limit (`open` connections open; `unanswered` more closed
+/// without an answer since the last refusal): answered `overloaded` at once, without
+/// reading its command and without blocking (the reply fits the socket's buffer; a write
+/// that would block is dropped).
+fn refuse(stream: UnixStream, pipeline: &Pipeline, open: usize, unanswered: &std::sync::atomic::AtomicU64) {
     if !peer_is_root(&stream) {
         return;
     }
-    let reply = pipeline.overloaded(None, "socket", &format!("{open} connections are open"));
+    let unanswered = unanswered.swap(0, Ordering::SeqCst);
+    let mut why = format!("{open} connections are open");
+    if unanswered > 0 {
+        why.push_str(&format!(" ({unanswered} more closed unanswered, the refusal queue full)"));
+    }
+    let reply = pipeline.overloaded(None, "socket", &why);
     let mut line = reply.to_string();
     line.push('\n');
     if stream.set_nonblocking(true).is_ok() {

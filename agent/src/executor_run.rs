@@ -103,6 +103,12 @@ pub struct Executor {
     pub warnings: Vec<String>,
     /// Installed requirements (`<dir>/.deps`), when present.
     pub deps: Option<PathBuf>,
+    /// The identity of `dir` as it was opened and its manifest read through it, and of
+    /// `deps`: a run binds them only as long as they are these files (an executor removed
+    /// and installed again at the same version meanwhile fails the run, never runs the new
+    /// files under the manifest read here).
+    pub dir_id: sandbox::FileId,
+    pub deps_id: Option<sandbox::FileId>,
     /// A shared `flock` on `dir`, held as long as this value lives (a run holds its
     /// executor to the end): an install never removes an old version that a run still uses
     /// ([`crate::executor_install`] tries the lock exclusively, without waiting). `None`
@@ -114,8 +120,13 @@ impl Executor {
     /// Load and check everything that can be checked without running it.
     pub fn load(dir: &Path) -> Result<Executor, CannotRun> {
         let dir = dir.canonicalize().map_err(|e| CannotRun(format!("{}: {e}", dir.display())))?;
-        let in_use = hold_in_use(&dir)?;
-        let (manifest, warnings) = Manifest::load(&dir.join("manifest.json"))?;
+        let (opened, in_use) = hold_in_use(&dir)?;
+        let dir_id = opened
+            .metadata()
+            .map(|m| sandbox::FileId::of(&m))
+            .map_err(|e| CannotRun(format!("{}: {e}", dir.display())))?;
+        // Read through the directory opened (and identified) above, not its name.
+        let (manifest, warnings) = Manifest::load_in(&opened, &dir)?;
         let module = manifest.entry_point.rsplit_once('.').map(|(m, _)| m).unwrap_or_default();
         let rel = PathBuf::from(module.replace('.', "/"));
         let candidates = [dir.join(&rel).with_extension("py"), dir.join(&rel).join("__init__.py")];
@@ -149,7 +160,8 @@ impl Executor {
                 Err(e) => return Err(CannotRun(format!("requirements.python: {e}"))),
             }
         }
-        let deps = Some(dir.join(".deps")).filter(|d| d.is_dir());
+        let deps_id = openat_dir(&opened, ".deps").map(|m| sandbox::FileId::of(&m));
+        let deps = deps_id.map(|_| dir.join(".deps"));
         if !manifest.requirements.packages.is_empty() && deps.is_none() {
             return Err(CannotRun(format!(
                 "requirements.packages: {} declared but not installed (expected them in {}/.deps)",
@@ -162,6 +174,8 @@ impl Executor {
             dir,
             manifest,
             deps,
+            dir_id,
+            deps_id,
             _in_use: in_use,
         })
     }
@@ -173,26 +187,44 @@ impl Executor {
 /// left (`None`, logged): the run goes on, unprotected only against an upgrade that
 /// removes an old version meanwhile. An install that removed the directory while it was
 /// being loaded is an error.
-fn hold_in_use(dir: &Path) -> Result<Option<nix::fcntl::Flock<std::fs::File>>, CannotRun> {
+/// Returns the directory opened, and the lock.
+fn hold_in_use(dir: &Path) -> Result<(std::fs::File, Option<nix::fcntl::Flock<std::fs::File>>), CannotRun> {
     use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
     // A directory only, never waiting on a FIFO named as one.
     let open = std::fs::OpenOptions::new()
         .read(true)
-        .custom_flags(libc::O_DIRECTORY | libc::O_NONBLOCK)
+        .custom_flags(libc::O_DIRECTORY | libc::O_NONBLOCK | libc::O_CLOEXEC)
         .open(dir)
         .map_err(|e| CannotRun(format!("{}: {e}", dir.display())))?;
-    let lock = match nix::fcntl::Flock::lock(open, nix::fcntl::FlockArg::LockSharedNonblock) {
-        Ok(lock) => lock,
+    // A duplicate (the same open file description): the lock lasts until the returned lock
+    // is dropped, whatever happens to the directory handle.
+    let for_lock = open.try_clone().map_err(|e| CannotRun(format!("{}: {e}", dir.display())))?;
+    let lock = match nix::fcntl::Flock::lock(for_lock, nix::fcntl::FlockArg::LockSharedNonblock) {
+        Ok(lock) => Some(lock),
         Err((_, nix::errno::Errno::EWOULDBLOCK)) => {
             tracing::warn!(dir = %dir.display(), "the executor directory is locked by another process: run without the in-use lock");
-            return Ok(None);
+            None
         }
         Err((_, e)) => return Err(CannotRun(format!("{}: {e}", dir.display()))),
     };
-    if lock.metadata().map(|m| m.nlink() == 0).unwrap_or(true) {
+    if open.metadata().map(|m| m.nlink() == 0).unwrap_or(true) {
         return Err(CannotRun(format!("{}: removed by an install while it was being loaded", dir.display())));
     }
-    Ok(Some(lock))
+    Ok((open, lock))
+}
+
+/// The metadata of the directory `name` in the opened directory `dir`, when it is one
+/// (a link to one followed, as a bind of its path follows it).
+fn openat_dir(dir: &std::fs::File, name: &str) -> Option<std::fs::Metadata> {
+    use nix::fcntl::OFlag;
+    let fd = nix::fcntl::openat(
+        dir,
+        name,
+        OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+        nix::sys::stat::Mode::empty(),
+    )
+    .ok()?;
+    std::fs::File::from(fd).metadata().ok()
 }
 
 /// A request to run an executor.
@@ -569,6 +601,7 @@ fn executor_spec(req: &RunRequest) -> Result<(sandbox::SandboxSpec, crate::limit
         path: req.executor.dir.clone(),
         access: sandbox::Access::Read,
         optional: false,
+        identity: Some(req.executor.dir_id),
     });
     if let Some(d) = &req.executor.deps {
         spec.filesystem.paths.push(sandbox::PathRule {
@@ -576,6 +609,7 @@ fn executor_spec(req: &RunRequest) -> Result<(sandbox::SandboxSpec, crate::limit
             path: d.clone(),
             access: sandbox::Access::Read,
             optional: false,
+            identity: req.executor.deps_id,
         });
     }
     Ok((spec, limits))
@@ -619,7 +653,9 @@ fn status_str(s: Status) -> &'static str {
     }
 }
 
-/// Serve the application channel until end-of-file.
+/// Serve the application channel until end-of-file, or until the payload breaks the
+/// protocol: the channel is then shut down (the payload's sends fail, nothing more of it is
+/// read or parsed) and the run fails with the error, whatever result came before.
 fn serve(
     chan: sandbox::channel::Channel,
     declared: &[String],
@@ -643,7 +679,8 @@ fn serve(
             Ok(Some(m)) => m,
             Ok(None) => return out,
             Err(e) => {
-                out.protocol_error.get_or_insert(e);
+                out.protocol_error = Some(e);
+                chan.shutdown();
                 return out;
             }
         };
@@ -759,14 +796,19 @@ fn serve(
                     return out;
                 }
             }
+            FromPayload::Result { .. } if out.result.is_some() => {
+                out.protocol_error = Some("a second result".into());
+                chan.shutdown();
+                return out;
+            }
             FromPayload::Result { status, output, error, artifacts } => {
-                if out.result.is_none() {
-                    out.result = Some((status, output, error, artifacts));
-                    out.result_at = Some(std::time::Instant::now());
-                }
+                out.result = Some((status, output, error, artifacts));
+                out.result_at = Some(std::time::Instant::now());
             }
             other => {
-                out.protocol_error.get_or_insert(format!("unexpected {} message for an executor run", other.kind()));
+                out.protocol_error = Some(format!("unexpected {} message for an executor run", other.kind()));
+                chan.shutdown();
+                return out;
             }
         }
     }
@@ -792,6 +834,13 @@ fn assemble(
     // the runtime said before.
     if outcome.timed_out || outcome.killed_by.is_some() {
         r.output = Value::Object(Default::default());
+    } else if let Some(e) = &app.protocol_error {
+        // A channel that broke the protocol, before or after a result (a second result, a
+        // second `ready`, a malformed message: executor code writing to it), is not the
+        // runtime's report: whatever result came is not taken for one.
+        r.status = Status::Failed;
+        r.output = Value::Null;
+        r.error = Some(format!("the executor runtime misbehaved: {e}"));
     } else if let Some((status, output, error, artifacts)) = app.result {
         let status = match status.as_str() {
             "completed" => Status::Completed,
@@ -980,5 +1029,58 @@ mod tests {
         }
         assert!(python_requirement_ok(">= three", v).is_err());
         assert!(python_requirement_ok("=>3.9", v).is_err());
+    }
+
+    /// A run binds the package directory its manifest was read from, by identity: one
+    /// removed and installed again at the same path after the load (here: renamed away and
+    /// made again, with another manifest) is not what the spec asks the sandbox to bind
+    /// (the sandbox then refuses the path, `tests/library.rs`).
+    #[test]
+    fn a_run_binds_the_directory_its_manifest_was_read_from() {
+        let root = std::env::temp_dir().join(format!("opservant-executor-identity-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let make = |dir: &Path, version: &str| {
+            std::fs::create_dir_all(dir.join(".deps")).unwrap();
+            std::fs::write(dir.join("noop.py"), "class Noop: pass\n").unwrap();
+            std::fs::write(
+                dir.join("manifest.json"),
+                serde_json::json!({"name": "noop", "version": version, "description": "d", "author": "a",
+                    "supported_actions": ["act"], "entry_point": "noop.Noop", "permissions": {},
+                    "resource_limits": {}})
+                .to_string(),
+            )
+            .unwrap();
+        };
+        let dir = root.join("pkg");
+        make(&dir, "1.0.0");
+        let loaded = Executor::load(&dir).unwrap();
+        let id = |p: &Path| sandbox::FileId::of(&std::fs::metadata(p).unwrap());
+        std::fs::rename(&dir, root.join("removed")).unwrap();
+        make(&dir, "2.0.0");
+        assert_eq!(loaded.manifest.version, "1.0.0");
+        assert_eq!(loaded.dir_id, id(&root.join("removed")));
+        assert_eq!(loaded.deps_id, Some(id(&root.join("removed/.deps"))));
+        assert_ne!(loaded.dir_id, id(&dir));
+
+        let config = Config::parse("{}").unwrap();
+        let policy = AgentPolicy::from_config(&config).unwrap();
+        let req = RunRequest {
+            executor: &loaded,
+            params: Value::Null,
+            action: None,
+            command_id: None,
+            config: &config,
+            policy: &policy,
+            launcher: sandbox::Launcher::Fork,
+            runtime: PathBuf::from("/usr/bin/true"),
+            pool: None,
+            background_teardown: false,
+            timeline: None,
+        };
+        let (spec, _) = executor_spec(&req).unwrap();
+        let bound = |p: &Path| spec.filesystem.paths.iter().find(|r| r.path == p).map(|r| r.identity);
+        assert_eq!(bound(&loaded.dir), Some(Some(loaded.dir_id)));
+        assert_eq!(bound(&loaded.dir.join(".deps")), Some(loaded.deps_id));
+        let _ = std::fs::remove_dir_all(&root);
     }
 }

@@ -271,6 +271,41 @@ impl Manifest {
         Self::parse(&read(path)?)
     }
 
+    /// Read, parse and validate `manifest.json` in the opened directory `dir` (named `shown`
+    /// in errors): the file of that directory, whatever its path names by now.
+    pub fn load_in(dir: &std::fs::File, shown: &Path) -> Result<(Manifest, Vec<Warning>), ManifestError> {
+        let path = shown.join("manifest.json");
+        let file_err = |message: String| ManifestError::new(path.display().to_string(), message);
+        // Checked before it is opened (opening a device can act), and again on what was.
+        let st = nix::sys::stat::fstatat(dir, "manifest.json", nix::fcntl::AtFlags::empty())
+            .map_err(|e| file_err(format!("cannot read: {}", std::io::Error::from(e))))?;
+        if st.st_mode & libc::S_IFMT != libc::S_IFREG {
+            return Err(file_err("not a regular file".into()));
+        }
+        let fd = nix::fcntl::openat(
+            dir,
+            "manifest.json",
+            nix::fcntl::OFlag::O_RDONLY
+                | nix::fcntl::OFlag::O_NONBLOCK
+                | nix::fcntl::OFlag::O_NOCTTY
+                | nix::fcntl::OFlag::O_CLOEXEC,
+            nix::sys::stat::Mode::empty(),
+        )
+        .map_err(|e| file_err(format!("cannot read: {}", std::io::Error::from(e))))?;
+        let file = std::fs::File::from(fd);
+        if !file.metadata().map_err(|e| file_err(format!("cannot read: {e}")))?.is_file() {
+            return Err(file_err("not a regular file".into()));
+        }
+        let bytes = crate::bounded::read_capped(file, MAX_MANIFEST_BYTES as u64).map_err(|e| match e.kind() {
+            std::io::ErrorKind::InvalidData => {
+                file_err(format!("larger than the {MAX_MANIFEST_BYTES} bytes a manifest may have"))
+            }
+            _ => file_err(format!("cannot read: {e}")),
+        })?;
+        text_of(&bytes).map_err(|e| file_err(e.message))?;
+        Self::parse(&String::from_utf8(bytes).map_err(|e| file_err(format!("not UTF-8: {e}")))?)
+    }
+
     /// Every finding in manifest text: the manifest (when it parses), all rule violations
     /// (not only the first) and the warnings. For `executor lint`.
     pub fn check(text: &str) -> (Option<Manifest>, Vec<ManifestError>, Vec<Warning>) {

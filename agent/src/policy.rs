@@ -119,7 +119,7 @@ pub fn interpreter_view(spec: &mut SandboxSpec) {
     let mut system: Vec<PathRule> = Vec::new();
     let mut add = |path: PathBuf, optional: bool| {
         if !system.iter().any(|r| r.path == path) {
-            system.push(PathRule { source: None, path, access: Access::Read, optional });
+            system.push(PathRule { source: None, path, access: Access::Read, optional, identity: None });
         }
     };
     for p in LOADER_PATHS {
@@ -169,6 +169,7 @@ pub fn runtime_payload(spec: &mut SandboxSpec, runtime: &Path) {
         path: runtime.to_path_buf(),
         access: Access::Read,
         optional: false,
+        identity: None,
     });
 }
 
@@ -338,6 +339,7 @@ impl AgentPolicy {
                     path: p.clone(),
                     access: Access::Read,
                     optional: false,
+                    identity: None,
                 });
             }
             for (i, p) in m.permissions.filesystem.write.iter().enumerate() {
@@ -348,6 +350,7 @@ impl AgentPolicy {
                     path: p.clone(),
                     access: Access::ReadWrite,
                     optional: false,
+                    identity: None,
                 });
             }
         }

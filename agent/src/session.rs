@@ -684,6 +684,7 @@ impl Daemon {
                 path: p.clone(),
                 access: sandbox::Access::Read,
                 optional: false,
+                identity: None,
             });
         }
         spec.limits.timeout_ms = Some(settings.max_lifetime_s * 1000);

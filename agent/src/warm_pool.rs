@@ -405,7 +405,13 @@ mod tests {
         std::fs::create_dir(&declared).unwrap();
         let tmp = PathBuf::from(format!("/tmp/opservant-pool-scratch-{}", std::process::id()));
         let _ = std::fs::remove_dir(&tmp);
-        let rule = |path: &PathBuf, access| PathRule { path: path.clone(), access, optional: true, source: None };
+        let rule = |path: &PathBuf, access| PathRule {
+            path: path.clone(),
+            access,
+            optional: true,
+            source: None,
+            identity: None,
+        };
         let mut spec = SandboxSpec::new("/bin/true", vec![], Identity::same_inside(65534, 65534));
         spec.filesystem.system = vec![rule(&file, Access::Read), rule(&link, Access::Read)];
         spec.filesystem.paths = vec![rule(&declared, Access::Read), rule(&tmp, Access::ReadWrite)];

@@ -246,6 +246,12 @@ impl Channel {
         Ok(ShutdownHandle(fd))
     }
 
+    /// Shut the socket down both ways, as [`ShutdownHandle::shutdown`]: the peer's sends fail
+    /// and its receives reach end of file, whatever other descriptors of this end stay open.
+    pub fn shutdown(&self) {
+        let _ = socket::shutdown(self.fd.as_raw_fd(), socket::Shutdown::Both);
+    }
+
     pub fn into_owned_fd(self) -> OwnedFd {
         self.fd
     }

@@ -84,7 +84,7 @@ use nix::unistd::{fork, ForkResult, Pid};
 
 use crate::channel::{Channel, FromSandbox, ToSandbox, APP_FD, CHILD_FD, GO};
 use crate::error::{Stage, StepError};
-use crate::landlock::{self, Grant};
+use crate::landlock::{self, Grant, RuleTarget};
 use crate::report::{EnforcementReport, ExitInfo, SeccompReport};
 use crate::spec::{Access, Namespaces, SandboxSpec, SeccompPolicy};
 use crate::{mounts, namespaces, privileges, process, seccomp};
@@ -493,7 +493,7 @@ fn init(
         None => {}
     }
     // 4.
-    let view = mounts::build(&spec.filesystem, spec.namespaces.net, &spec.command.cwd)?;
+    let mut view = mounts::build(&spec.filesystem, spec.namespaces.net, &spec.command.cwd)?;
     // 5.
     if spec.namespaces.uts {
         namespaces::set_hostname(&spec.hostname)?;
@@ -505,7 +505,8 @@ fn init(
         namespaces::limit_ucounts(&view.setup_proc, spec.limits.inotify_instances, spec.limits.inotify_watches)?;
     }
     // 6.
-    let ruleset = landlock::prepare(&landlock_rules(spec, &view.system_bound), spec.landlock.min_abi)?;
+    let bound = (std::mem::take(&mut view.system_bound), std::mem::take(&mut view.declared_bound));
+    let ruleset = landlock::prepare(landlock_rules(spec, bound.0, bound.1), spec.landlock.min_abi)?;
     // 7.
     privileges::drop_all()?;
     // 8.
@@ -670,21 +671,36 @@ fn reap_until(payload: Pid, signals: &SignalFd, chan: &Channel) -> ExitInfo {
 }
 
 /// Landlock rules mirroring the view built by `mounts`.
-fn landlock_rules(spec: &SandboxSpec, system_bound: &[std::path::PathBuf]) -> Vec<(std::path::PathBuf, Grant, bool)> {
+/// Landlock's rules for the view: on what was bound at each system and declared path
+/// (`system_bound`, `declared_bound`: [`mounts::ViewReport`]), and by name on what the
+/// builder made itself.
+fn landlock_rules(
+    spec: &SandboxSpec,
+    system_bound: Vec<(std::path::PathBuf, std::os::fd::OwnedFd)>,
+    mut declared: Vec<(std::path::PathBuf, std::os::fd::OwnedFd)>,
+) -> Vec<(RuleTarget, Grant, bool)> {
     // Listing any directory of the view is harmless: the view itself is an allowlist.
-    let mut rules = vec![(std::path::PathBuf::from("/"), Grant::ListDir, false)];
-    for p in system_bound {
-        rules.push((p.clone(), Grant::ReadExec, false));
+    let mut rules = vec![(RuleTarget::Named("/".into()), Grant::ListDir, false)];
+    for (p, bound) in system_bound {
+        rules.push((RuleTarget::Opened(p, bound), Grant::ReadExec, false));
     }
     for r in &spec.filesystem.paths {
         let grant = match r.access {
             Access::Read => Grant::ReadExec,
             Access::ReadWrite => Grant::Full,
         };
-        rules.push((r.path.clone(), grant, r.optional));
+        // What was bound at the path, or (a writable path under `/tmp`) made in the scratch.
+        let target = match declared.iter().position(|(p, _)| p == &r.path) {
+            Some(i) => {
+                let (p, bound) = declared.swap_remove(i);
+                RuleTarget::Opened(p, bound)
+            }
+            None => RuleTarget::Named(r.path.clone()),
+        };
+        rules.push((target, grant, r.optional));
     }
     for s in &spec.filesystem.synthetic {
-        rules.push((s.path.clone(), Grant::ReadExec, false));
+        rules.push((RuleTarget::Named(s.path.clone()), Grant::ReadExec, false));
     }
     for (p, g) in [
         ("/proc", Grant::ReadExec),
@@ -694,7 +710,7 @@ fn landlock_rules(spec: &SandboxSpec, system_bound: &[std::path::PathBuf]) -> Ve
         ("/dev/shm", Grant::Full),
         ("/tmp", Grant::Full),
     ] {
-        rules.push((p.into(), g, false));
+        rules.push((RuleTarget::Named(p.into()), g, false));
     }
     rules
 }
@@ -804,10 +820,10 @@ mod tests {
     fn landlock_grants_only_reading_proc_and_sys() {
         let ids = crate::spec::Identity { host_uid: 65534, host_gid: 65534, inside_uid: 65534, inside_gid: 65534 };
         let spec = SandboxSpec::new("/bin/true", vec![], ids);
-        let rules = landlock_rules(&spec, &[]);
+        let rules = landlock_rules(&spec, vec![], vec![]);
         for path in ["/proc", "/sys"] {
             let grants: Vec<Grant> =
-                rules.iter().filter(|(p, _, _)| p == std::path::Path::new(path)).map(|(_, g, _)| *g).collect();
+                rules.iter().filter(|(p, _, _)| p.path() == std::path::Path::new(path)).map(|(_, g, _)| *g).collect();
             assert_eq!(grants, [Grant::ReadExec], "{path}");
         }
     }

@@ -13,9 +13,10 @@ pub const MAX_PLAUSIBLE_ABI: u32 = 64;
 use std::path::{Path, PathBuf};
 
 use landlock::{
-    make_bitflags, Access, AccessFs, BitFlags, CompatLevel, Compatible, PathBeneath, PathFd, Ruleset, RulesetAttr,
+    make_bitflags, Access, AccessFs, BitFlags, CompatLevel, Compatible, PathBeneath, Ruleset, RulesetAttr,
     RulesetCreated, RulesetCreatedAttr, RulesetStatus, Scope, ABI,
 };
+use nix::fcntl::OFlag;
 
 use crate::error::{Stage, StepError};
 use crate::report::{LandlockReport, LandlockStatus};
@@ -55,15 +56,35 @@ pub fn kernel_abi() -> u32 {
     u32::try_from(v).unwrap_or(0)
 }
 
+/// What a rule is made on.
+#[derive(Debug)]
+pub enum RuleTarget {
+    /// A path of the view, opened now: only paths of filesystems the sandbox's builder made
+    /// (its `/proc`, `/dev`, scratch, synthetic files), which nothing outside can change.
+    Named(PathBuf),
+    /// A path of the view and a descriptor of what was bound there when the view was built
+    /// (rules are keyed on its inode): nothing is resolved again.
+    Opened(PathBuf, std::os::fd::OwnedFd),
+}
+
+impl RuleTarget {
+    /// The path of the view the rule is for.
+    pub fn path(&self) -> &Path {
+        match self {
+            RuleTarget::Named(p) | RuleTarget::Opened(p, _) => p,
+        }
+    }
+}
+
 /// A ruleset ready to be enforced, plus the report of what it will enforce.
 pub struct Prepared {
     ruleset: RulesetCreated,
     report: LandlockReport,
 }
 
-/// Build the ruleset for `rules` (paths as seen inside the sandbox). Paths that do not exist
-/// are skipped only when `optional`.
-pub fn prepare(rules: &[(PathBuf, Grant, bool)], min_abi: u32) -> Result<Prepared, StepError> {
+/// Build the ruleset for `rules` (paths as seen inside the sandbox). Named paths that do not
+/// exist are skipped only when `optional`. The descriptors are closed on return.
+pub fn prepare(rules: Vec<(RuleTarget, Grant, bool)>, min_abi: u32) -> Result<Prepared, StepError> {
     let abi = kernel_abi();
     if abi < min_abi {
         return Err(StepError::new(
@@ -81,11 +102,17 @@ pub fn prepare(rules: &[(PathBuf, Grant, bool)], min_abi: u32) -> Result<Prepare
         .map_err(err)?
         .create()
         .map_err(err)?;
-    for (path, grant, optional) in rules {
-        let fd = match PathFd::new(path) {
-            Ok(fd) => fd,
-            Err(_) if *optional && !exists(path) => continue,
-            Err(e) => return Err(StepError::new(Stage::Landlock, format!("{}: {e}", path.display()))),
+    for (target, grant, optional) in rules {
+        let path = target.path().to_path_buf();
+        let fd: std::os::fd::OwnedFd = match target {
+            RuleTarget::Opened(_, fd) => fd,
+            RuleTarget::Named(path) => {
+                match nix::fcntl::open(&path, OFlag::O_PATH | OFlag::O_CLOEXEC, nix::sys::stat::Mode::empty()) {
+                    Ok(fd) => fd,
+                    Err(_) if optional && !exists(&path) => continue,
+                    Err(e) => return Err(StepError::new(Stage::Landlock, format!("{}: {e}", path.display()))),
+                }
+            }
         };
         // A file's rule carries only the rights that apply to files: the crate would drop the
         // directory-only ones itself and call the whole ruleset partially enforced.
@@ -217,7 +244,7 @@ mod tests {
 
     #[test]
     fn below_the_minimum_abi_is_refused() {
-        let e = prepare(&[], 99).err().expect("ABI 99 does not exist yet");
+        let e = prepare(vec![], 99).err().expect("ABI 99 does not exist yet");
         assert_eq!(e.stage, Stage::Landlock);
         assert!(e.message.contains("below the required minimum 99"), "{e}");
     }

@@ -45,4 +45,6 @@ pub use report::{
     Captured, CgroupReport, EnforcementReport, ExitInfo, KilledBy, LandlockReport, LandlockStatus, Outcome,
     ResourceUsage,
 };
-pub use spec::{Access, Filesystem, Identity, Limits, Namespaces, PathRule, SandboxSpec, SeccompPolicy, SyntheticFile};
+pub use spec::{
+    Access, FileId, Filesystem, Identity, Limits, Namespaces, PathRule, SandboxSpec, SeccompPolicy, SyntheticFile,
+};

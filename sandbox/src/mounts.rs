@@ -76,8 +76,13 @@ pub struct ViewReport {
     /// `fresh` or `none`.
     pub sysfs: &'static str,
     /// System paths bound into the view (those recreated as symlinks are covered by their
-    /// targets and not listed).
-    pub system_bound: Vec<PathBuf>,
+    /// targets and not listed), each with a descriptor of what was bound there.
+    pub system_bound: Vec<(PathBuf, OwnedFd)>,
+    /// Declared paths bound from the host, each with a descriptor of what was bound there:
+    /// Landlock's rules are made from these, never by opening the path again (a path that
+    /// passes through a directory another sandbox can write could lead elsewhere by then).
+    /// Declared paths made in the scratch (writable ones under `/tmp`) are not listed.
+    pub declared_bound: Vec<(PathBuf, OwnedFd)>,
     /// The procfs for the sandbox's own writes (see the module doc).
     pub setup_proc: SetupProc,
 }
@@ -189,8 +194,8 @@ pub fn build(fs_spec: &Filesystem, net_ns: bool, cwd: &Path) -> Result<ViewRepor
     // 4. System paths, read-only.
     let mut system_bound = Vec::new();
     for rule in sorted(&fs_spec.system) {
-        if bind_host(&old_root, rule, true, &owned)? {
-            system_bound.push(rule.path.clone());
+        if let Some(bound) = bind_host(&old_root, rule, true, &owned)? {
+            system_bound.push((rule.path.clone(), bound));
         }
     }
 
@@ -207,6 +212,7 @@ pub fn build(fs_spec: &Filesystem, net_ns: bool, cwd: &Path) -> Result<ViewRepor
     // there), and a declared path beneath a mask is shown on top of it. A mask named
     // exactly by a declared path is not applied.
     let mut masks_to_seal = Vec::new();
+    let mut declared_bound = Vec::new();
     let inaccessible = Path::new(INACCESSIBLE);
     create_file(inaccessible, 0o000, b"")?;
     let inaccessible_dir = Path::new(INACCESSIBLE_DIR);
@@ -236,7 +242,9 @@ pub fn build(fs_spec: &Filesystem, net_ns: bool, cwd: &Path) -> Result<ViewRepor
                 }
             }
             Some(rule) => {
-                bind_host(&old_root, rule, false, &owned)?;
+                if let Some(bound) = bind_host(&old_root, rule, false, &owned)? {
+                    declared_bound.push((rule.path.clone(), bound));
+                }
             }
             None => {
                 // Whether anything is placed beneath the mask later (a declared path or a
@@ -262,7 +270,7 @@ pub fn build(fs_spec: &Filesystem, net_ns: bool, cwd: &Path) -> Result<ViewRepor
         mount_point(&s.path, false, &owned)?;
         let target = open_target(&s.path, false, &owned)?;
         let src_fd = open_path(&src).map_err(|e| fail(format!("open {}", src.display()), e))?;
-        bind_sealed(&src_fd, &target, &s.path, true, false)?;
+        drop(bind_sealed(&src_fd, &target, &s.path, true, false)?);
         fs::remove_file(&src).map_err(|e| fail_io(format!("remove {}", src.display()), e))?;
     }
     drop(covers);
@@ -281,7 +289,7 @@ pub fn build(fs_spec: &Filesystem, net_ns: bool, cwd: &Path) -> Result<ViewRepor
     seal(Path::new("/"), true, false)?;
 
     nix::unistd::chdir(cwd).map_err(|e| fail(format!("chdir {}", cwd.display()), e))?;
-    Ok(ViewReport { sysfs, system_bound, setup_proc })
+    Ok(ViewReport { sysfs, system_bound, declared_bound, setup_proc })
 }
 
 /// What masks are covered with: the mode-000 file [`INACCESSIBLE`] and the empty mode-000
@@ -315,7 +323,7 @@ fn mask(path: &Path, covers: &Covers, placed_beneath: bool, owned: &mut Owned) -
         Err(e) => return Err(fail(format!("mask {}", path.display()), e)),
     };
     if !fstat_is_dir(&target).map_err(|e| fail(format!("mask {}", path.display()), e))? {
-        bind_sealed(&covers.file, &target, path, true, false)?;
+        drop(bind_sealed(&covers.file, &target, path, true, false)?);
         return Ok(None);
     }
     // Reached through a link, what declared paths lie beneath it cannot be told from their
@@ -324,7 +332,7 @@ fn mask(path: &Path, covers: &Covers, placed_beneath: bool, owned: &mut Owned) -
         let attrs =
             libc::MOUNT_ATTR_RDONLY | libc::MOUNT_ATTR_NOSUID | libc::MOUNT_ATTR_NODEV | libc::MOUNT_ATTR_NOEXEC;
         match attach_sealed_clone(&covers.dir, &target, attrs, false) {
-            Ok(()) => return Ok(None),
+            Ok(_) => return Ok(None),
             // Kernels before 5.12: a tmpfs of its own, below.
             Err(Errno::ENOSYS) => {}
             Err(e) => return Err(fail(format!("mask {}", path.display()), e)),
@@ -456,9 +464,10 @@ fn sorted(rules: &[PathRule]) -> Vec<&PathRule> {
     v
 }
 
-/// Bind the host's `rule.path` at the same path in the new root. Returns whether a bind
-/// mount was made (false: an optional path is absent, or a system symlink was recreated).
-fn bind_host(old_root: &OwnedFd, rule: &PathRule, system: bool, owned: &Owned) -> Result<bool, StepError> {
+/// Bind the host's `rule.path` at the same path in the new root. Returns a descriptor of
+/// the bind's root when a bind mount was made (`None`: an optional path is absent, or a
+/// system symlink was recreated).
+fn bind_host(old_root: &OwnedFd, rule: &PathRule, system: bool, owned: &Owned) -> Result<Option<OwnedFd>, StepError> {
     let rel = rule.path.strip_prefix("/").unwrap_or(&rule.path);
     // A system path that is a symlink on the host (merged /usr) is recreated as the same
     // symlink; its target is bound on its own.
@@ -470,9 +479,9 @@ fn bind_host(old_root: &OwnedFd, rule: &PathRule, system: bool, owned: &Owned) -
                 ensure_parent(&rule.path, owned)?;
                 std::os::unix::fs::symlink(&target, &rule.path)
                     .map_err(|e| fail_io(format!("symlink {}", rule.path.display()), e))?;
-                return Ok(false);
+                return Ok(None);
             }
-            Err(e) if e.kind() == ErrorKind::NotFound && rule.optional => return Ok(false),
+            Err(e) if e.kind() == ErrorKind::NotFound && rule.optional => return Ok(None),
             _ => {}
         }
     }
@@ -484,7 +493,7 @@ fn bind_host(old_root: &OwnedFd, rule: &PathRule, system: bool, owned: &Owned) -
     let host_rel = host.strip_prefix("/").unwrap_or(host);
     let src = match open_in_root(old_root, host_rel, exact.is_some()) {
         Ok(fd) => fd,
-        Err(Errno::ENOENT) if rule.optional => return Ok(false),
+        Err(Errno::ENOENT) if rule.optional => return Ok(None),
         Err(Errno::ELOOP) if exact.is_some() => {
             return Err(StepError::new(
                 Stage::Mounts,
@@ -496,30 +505,47 @@ fn bind_host(old_root: &OwnedFd, rule: &PathRule, system: bool, owned: &Owned) -
         }
         Err(e) => return Err(fail(format!("host path {}", host.display()), e)),
     };
-    let is_dir = fstat_is_dir(&src).map_err(|e| fail(format!("stat {}", rule.path.display()), e))?;
+    let st = nix::sys::stat::fstat(&src).map_err(|e| fail(format!("stat {}", rule.path.display()), e))?;
+    if let Some(want) = rule.identity {
+        // `st_dev` is the kernel's device number, the same in every user namespace.
+        if (st.st_dev, st.st_ino) != (want.dev, want.ino) {
+            return Err(StepError::new(
+                Stage::Mounts,
+                format!(
+                    "host path {}: not the file the caller checked (device {} inode {}, now device {} inode {}): replaced since",
+                    host.display(),
+                    want.dev,
+                    want.ino,
+                    st.st_dev,
+                    st.st_ino
+                ),
+            ));
+        }
+    }
+    let is_dir = st.st_mode & libc::S_IFMT == libc::S_IFDIR;
     mount_point(&rule.path, is_dir, owned)?;
     let target = open_target(&rule.path, is_dir, owned)?;
-    bind_sealed(&src, &target, &rule.path, rule.access == Access::Read, true)?;
-    Ok(true)
+    bind_sealed(&src, &target, &rule.path, rule.access == Access::Read, true).map(Some)
 }
 
 /// Bind `src` (recursively: `recursive`) onto `target`, the opened mount point of `path` in the
 /// view, nosuid, nodev and read-only when `read_only` — sealed before it is attached (see
 /// [`attach_sealed_clone`]); on kernels without the new mount API, bound and then sealed by
-/// path.
+/// path. Returns a descriptor of what was bound (the attached clone, or on those kernels
+/// `src` itself: the same file, whose inode Landlock's rules are keyed on).
 fn bind_sealed(
     src: &OwnedFd,
     target: &OwnedFd,
     path: &Path,
     read_only: bool,
     recursive: bool,
-) -> Result<(), StepError> {
+) -> Result<OwnedFd, StepError> {
     let mut attrs = libc::MOUNT_ATTR_NOSUID | libc::MOUNT_ATTR_NODEV;
     if read_only {
         attrs |= libc::MOUNT_ATTR_RDONLY;
     }
     match attach_sealed_clone(src, target, attrs, recursive) {
-        Ok(()) => Ok(()),
+        Ok(attached) => Ok(attached),
         // Kernels before 5.12 (no mount_setattr) or 5.2 (no open_tree).
         Err(Errno::ENOSYS) => {
             let src_name = format!("/proc/self/fd/{}", src.as_raw_fd());
@@ -527,7 +553,8 @@ fn bind_sealed(
             let flags = if recursive { MsFlags::MS_BIND | MsFlags::MS_REC } else { MsFlags::MS_BIND };
             mount(Some(src_name.as_str()), &target_name, None::<&str>, flags, None::<&str>)
                 .map_err(|e| fail(format!("bind onto {}", path.display()), e))?;
-            seal(path, read_only, recursive)
+            seal(path, read_only, recursive)?;
+            src.try_clone().map_err(|e| fail_io(format!("bind onto {}", path.display()), e))
         }
         Err(e) => Err(fail(format!("bind onto {}", path.display()), e)),
     }
@@ -536,8 +563,9 @@ fn bind_sealed(
 /// Attach a clone of `src` (recursive: `recursive`) onto `target` with `attrs` (`MOUNT_ATTR_*`) already set
 /// on the whole clone while it is still detached: nothing is resolved by path between the
 /// clone and its sealing, so no swapped path can make the attributes land on another mount.
-/// `Err(ENOSYS)` on kernels without `open_tree` / `mount_setattr` (nothing was attached).
-fn attach_sealed_clone(src: &OwnedFd, target: &OwnedFd, attrs: u64, recursive: bool) -> Result<(), Errno> {
+/// Returns the clone's descriptor, now attached. `Err(ENOSYS)` on kernels without
+/// `open_tree` / `mount_setattr` (nothing was attached).
+fn attach_sealed_clone(src: &OwnedFd, target: &OwnedFd, attrs: u64, recursive: bool) -> Result<OwnedFd, Errno> {
     let empty = c"";
     let mut flags = libc::OPEN_TREE_CLONE | libc::O_CLOEXEC as libc::c_uint | libc::AT_EMPTY_PATH as libc::c_uint;
     if recursive {
@@ -552,7 +580,8 @@ fn attach_sealed_clone(src: &OwnedFd, target: &OwnedFd, attrs: u64, recursive: b
     // SAFETY: open_tree returned a new descriptor nothing else owns.
     let tree = unsafe { OwnedFd::from_raw_fd(tree as i32) };
     setattr_fd(&tree, attrs, recursive)?;
-    move_mount_onto(&tree, target)
+    move_mount_onto(&tree, target)?;
+    Ok(tree)
 }
 
 /// `mount_setattr(2)` on the mount `mnt` refers to (and, when `recursive`, every mount beneath it),

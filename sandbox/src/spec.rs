@@ -244,6 +244,29 @@ pub struct PathRule {
     /// later fails the build. `None`: `path` itself, symlinks followed inside the host root.
     #[serde(default)]
     pub source: Option<PathBuf>,
+    /// The file the caller checked, by identity: the host path is bound only when what it
+    /// opens is that file (device and inode), so one replaced since the caller looked at it —
+    /// an executor's package removed and installed again at the same version, its manifest
+    /// read from the old one — fails the build instead of showing other files.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub identity: Option<FileId>,
+}
+
+/// A file's identity on the host: its device and inode numbers (`stat`'s `st_dev`,
+/// `st_ino`).
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct FileId {
+    pub dev: u64,
+    pub ino: u64,
+}
+
+impl FileId {
+    /// The identity of an open file.
+    pub fn of(meta: &std::fs::Metadata) -> FileId {
+        use std::os::unix::fs::MetadataExt;
+        FileId { dev: meta.dev(), ino: meta.ino() }
+    }
 }
 
 /// A file whose content is supplied by the caller (e.g. `/etc/hosts`), shown read-only.
@@ -282,7 +305,13 @@ impl Default for Filesystem {
         Self {
             system: DEFAULT_SYSTEM_PATHS
                 .iter()
-                .map(|p| PathRule { source: None, path: PathBuf::from(p), access: Access::Read, optional: true })
+                .map(|p| PathRule {
+                    source: None,
+                    path: PathBuf::from(p),
+                    access: Access::Read,
+                    optional: true,
+                    identity: None,
+                })
                 .collect(),
             paths: Vec::new(),
             masked: DEFAULT_MASKED_PATHS.iter().map(PathBuf::from).collect(),
@@ -657,7 +686,13 @@ mod tests {
     #[test]
     fn rejects_relative_and_dotdot_paths() {
         let mut s = spec();
-        s.filesystem.paths.push(PathRule { source: None, path: "data".into(), access: Access::Read, optional: false });
+        s.filesystem.paths.push(PathRule {
+            source: None,
+            path: "data".into(),
+            access: Access::Read,
+            optional: false,
+            identity: None,
+        });
         assert!(s.validate().unwrap_err().to_string().contains("filesystem.paths[0]"));
         s.filesystem.paths[0].path = "/data/../etc".into();
         assert!(s.validate().unwrap_err().to_string().contains("'..'"));
@@ -671,6 +706,7 @@ mod tests {
             path: "/proc/1".into(),
             access: Access::ReadWrite,
             optional: false,
+            identity: None,
         });
         assert!(s.validate().is_err());
         s.filesystem.paths[0].path = "/".into();

@@ -362,7 +362,13 @@ fn interpreter_rules(py: &PythonInfo, masked: &[PathBuf]) -> Vec<sandbox::PathRu
             continue;
         }
         if !rules.iter().any(|r| r.path == path) {
-            rules.push(sandbox::PathRule { source: None, path, access: sandbox::Access::Read, optional });
+            rules.push(sandbox::PathRule {
+                source: None,
+                path,
+                access: sandbox::Access::Read,
+                optional,
+                identity: None,
+            });
         }
     }
     rules
@@ -406,6 +412,7 @@ pub fn run(req: TestRequest, tee: Option<Tee>) -> Result<TestResult, CannotRun> 
         path: ex.dir.clone(),
         access: sandbox::Access::Read,
         optional: false,
+        identity: None,
     });
     if let Some(d) = &ex.deps {
         spec.filesystem.paths.push(sandbox::PathRule {
@@ -413,6 +420,7 @@ pub fn run(req: TestRequest, tee: Option<Tee>) -> Result<TestResult, CannotRun> 
             path: d.clone(),
             access: sandbox::Access::Read,
             optional: false,
+            identity: None,
         });
     }
     for (rel, content) in FILES {
