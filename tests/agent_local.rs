@@ -965,19 +965,30 @@ fn refusals_wait_for_a_held_audit_lock_off_the_accept_loop() {
     });
     // WATCHDOG_USEC 400 ms: the agent pings every 200 ms.
     a.start_with_env(&[("NOTIFY_SOCKET", notify_path.to_str().unwrap()), ("WATCHDOG_USEC", "400000")]);
-    // The start-up probe's connection has been served and its thread is gone.
-    std::thread::sleep(Duration::from_secs(1));
     // Every place taken (max_concurrent 1 + 64): clients that send nothing hold theirs for
-    // the read deadline (10 s).
-    let idle: Vec<UnixStream> = (0..65).map(|_| UnixStream::connect(&a.socket).unwrap()).collect();
+    // the read deadline (10 s). One more at a time until one is refused at once (the
+    // start-up probe's connection may still hold a place).
+    let mut idle: Vec<UnixStream> = (0..64).map(|_| UnixStream::connect(&a.socket).unwrap()).collect();
+    loop {
+        assert!(idle.len() < 70, "no connection refused with {} open", idle.len());
+        let mut c = UnixStream::connect(&a.socket).unwrap();
+        c.set_read_timeout(Some(Duration::from_millis(500))).unwrap();
+        let mut text = String::new();
+        match c.read_to_string(&mut text) {
+            Ok(_) => {
+                assert!(text.contains("overloaded"), "{text}");
+                break;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => idle.push(c),
+            Err(e) => panic!("{e}"),
+        }
+    }
     let answer = |mut c: UnixStream| {
         c.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
         let mut text = String::new();
         c.read_to_string(&mut text).unwrap();
         text
     };
-    let first = answer(UnixStream::connect(&a.socket).unwrap());
-    assert!(first.contains("overloaded"), "the 66th connection is refused: {first}");
     // The log's lock, held by a stopped process (as in
     // a_stopped_audit_lock_holder_fails_runs_instead_of_stalling_the_agent).
     let lock = a.dir.path.join("audit/audit.jsonl.lock");

@@ -786,6 +786,49 @@ with gzip.open({archive:?}, "wb", compresslevel=1) as g:
     }
 }
 
+/// What pip writes is bounded: a package's wheel of ~300 KB that expands to 300 MiB (a zip
+/// bomb of zeros) fills pip's own size-limited tmpfs, not the host's disk, and the install
+/// is refused `too_large` with nothing left behind. Before, pip unpacked it into the
+/// staging directory on disk, whatever its size.
+#[test]
+fn a_wheel_that_expands_past_the_bound_is_refused() {
+    if !common::require_root() {
+        return;
+    }
+    let env = Env::new();
+    let p = package(&env.dir.path, "1.0.0", true);
+    let wheels = p.join("wheels");
+    std::fs::create_dir_all(&wheels).unwrap();
+    python(&format!(
+        r#"
+import zipfile
+n = "tinydep"
+with zipfile.ZipFile({:?} + f"/{{n}}-1.0-py3-none-any.whl", "w", zipfile.ZIP_DEFLATED, compresslevel=9) as z:
+    z.writestr(f"{{n}}/__init__.py", "VALUE = 42\n")
+    with z.open(f"{{n}}/zeros.bin", "w") as f:
+        chunk = bytes(1 << 20)
+        for _ in range(300):
+            f.write(chunk)
+    z.writestr(f"{{n}}-1.0.dist-info/METADATA", f"Metadata-Version: 2.1\nName: {{n}}\nVersion: 1.0\n")
+    z.writestr(f"{{n}}-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+    z.writestr(f"{{n}}-1.0.dist-info/RECORD", "")
+"#,
+        wheels.to_str().unwrap()
+    ));
+    assert!(std::fs::metadata(wheels.join("tinydep-1.0-py3-none-any.whl")).unwrap().len() < 1 << 20);
+    let out = env.op(&["executor", "install", p.to_str().unwrap()]);
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(out.stderr.contains("installing tinydep needs more than pip's 268435456 bytes"), "{}", out.stderr);
+    assert!(out.stderr.contains(r#""reason":"too_large""#), "{}", out.stderr);
+    assert_eq!(env.entries(), Vec::<String>::new(), "nothing left behind");
+    // The same package with an honest wheel installs, its requirement copied in from pip's tmpfs.
+    std::fs::remove_dir_all(&wheels).unwrap();
+    wheel(&wheels);
+    let out = env.op(&["executor", "install", p.to_str().unwrap()]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert_eq!(run_output(&env, "hello")["dep"], 42);
+}
+
 #[test]
 fn requirements_come_from_wheels_only() {
     if !common::require_root() {

@@ -2455,8 +2455,8 @@ class TestExecutor(BaseExecutor):
 /// `ready` is answered once: executor code that writes it again and again on the
 /// application channel (fd 4) and never reads gets no answers — answers would fill the
 /// channel until the agent's reader blocked and the run hung to its timeout. The second
-/// `ready` breaks the protocol: the agent shuts the channel down (the executor's next write
-/// fails) and the run fails, promptly.
+/// `ready` breaks the protocol: the agent shuts the channel down and stops the sandbox, and
+/// the run fails, promptly.
 #[test]
 fn a_repeated_ready_from_executor_code_is_not_answered() {
     if !require_root() {
@@ -2479,9 +2479,36 @@ class TestExecutor(BaseExecutor):
     let r = run_params(&d.path, &json!({}));
     let r = r.result();
     assert_eq!(r["status"], "failed", "{r}");
-    assert_eq!(r["killed_by"], Value::Null, "{r}");
     assert_eq!(r["error"], "the executor runtime misbehaved: unexpected ready message for an executor run", "{r}");
     assert_eq!(r["output"], Value::Null, "{r}");
+}
+
+/// A payload that breaks the protocol and then carries on (here: a second `ready`, then a
+/// long sleep) is stopped at once, and its run fails naming the break — not a timeout 30 s
+/// later that would hide why. (The wall-time bound is a hang detector, not a benchmark.)
+#[test]
+fn a_payload_that_breaks_the_protocol_is_stopped() {
+    if !require_root() {
+        return;
+    }
+    let code = r#"
+import os, time
+from opservant.executor import BaseExecutor, ExecutorResult
+
+class TestExecutor(BaseExecutor):
+    def validate(self, params):
+        return True
+
+    def execute(self, params, context):
+        os.write(4, b'\x00{"type": "ready"}')
+        time.sleep(120)
+        return ExecutorResult(status="completed", output={})
+"#;
+    let d = executor(json!({"resource_limits": {"timeout_seconds": 30}}), code);
+    let r = run_params(&d.path, &json!({})).result();
+    assert_eq!(r["status"], "failed", "{r}");
+    assert_eq!(r["error"], "the executor runtime misbehaved: unexpected ready message for an executor run", "{r}");
+    assert!(r["usage"]["wall_ms"].as_u64().unwrap() < 20_000, "stopped, not left to its timeout: {r}");
 }
 
 /// Start `opservant-runtime` outside a sandbox, its application channel on fd 4; returns the

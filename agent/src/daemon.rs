@@ -339,6 +339,15 @@ impl Refusals {
                 for (stream, open) in refused {
                     refuse(stream, &pipeline, open, &unanswered);
                 }
+                // Closed unanswered after the last refusal answered: on record at the stop.
+                let left = unanswered.swap(0, Ordering::SeqCst);
+                if left > 0 {
+                    pipeline.overloaded(
+                        None,
+                        "socket",
+                        &format!("{left} connections closed unanswered (the refusal queue full)"),
+                    );
+                }
             })
             .map_err(|e| CannotRun(format!("agent socket: a thread for its refusals: {e}")))?;
         Ok(Refusals { queue, dropped, thread })
@@ -347,9 +356,16 @@ impl Refusals {
     /// Hand a connection with `open` connections open to the refusal thread, or close it
     /// unanswered when its queue is full.
     fn refuse(&self, stream: UnixStream, open: usize) {
-        if self.queue.try_send((stream, open)).is_err() {
-            self.dropped.fetch_add(1, Ordering::SeqCst);
-            tracing::warn!(target: "opservant::daemon", open, "agent socket: refusals queued full; a connection closed unanswered");
+        match self.queue.try_send((stream, open)) {
+            Ok(()) => {}
+            Err(std::sync::mpsc::TrySendError::Full(_)) => {
+                self.dropped.fetch_add(1, Ordering::SeqCst);
+                tracing::warn!(target: "opservant::daemon", open, "agent socket: refusals queued full; a connection closed unanswered");
+            }
+            // Only a panic ends the thread before `close` (release builds abort on one).
+            Err(std::sync::mpsc::TrySendError::Disconnected(_)) => {
+                tracing::error!(target: "opservant::daemon", open, "agent socket: the refusal thread is gone; a connection closed unanswered");
+            }
         }
     }
 

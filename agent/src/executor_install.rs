@@ -626,7 +626,8 @@ pub fn install(
     if !manifest.requirements.packages.is_empty() {
         let offered = package_wheels(&pkg, &staging.0.join("wheels"))?;
         warnings.extend(offered.ignored.iter().map(|n| format!("wheels/{n}: not a wheel, not offered to pip")));
-        install_requirements(&pkg, offered.dir.as_deref(), &manifest.requirements.packages, opts)?;
+        let work = staging.0.join("pip");
+        install_requirements(&pkg, &work, offered.dir.as_deref(), &manifest.requirements.packages, opts)?;
     }
     check_stop()?;
     let report = crate::lint::lint(&pkg, policy).map_err(|e| InstallError::Invalid(e.to_string()))?;
@@ -1434,10 +1435,24 @@ fn copy_tree(src: &Path, dest: &Path, budget: &mut Budget) -> Result<(), Install
         nix::sys::stat::Mode::empty(),
     )
     .map_err(|e| io(src, e.into()))?;
-    copy_dir(dir, src, dest, budget)
+    copy_dir(dir, src, dest, budget, Copied::Package)
 }
 
-fn copy_dir(dir: std::os::fd::OwnedFd, src: &Path, dest: &Path, budget: &mut Budget) -> Result<(), InstallError> {
+/// What [`copy_dir`] copies: a package (its build products and caches left out, compiled
+/// code refused), or the requirements pip installed from wheels (all of it).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Copied {
+    Package,
+    Requirements,
+}
+
+fn copy_dir(
+    dir: std::os::fd::OwnedFd,
+    src: &Path,
+    dest: &Path,
+    budget: &mut Budget,
+    copied: Copied,
+) -> Result<(), InstallError> {
     use nix::fcntl::OFlag;
     use nix::sys::stat::{Mode, SFlag};
     use std::os::unix::ffi::OsStrExt;
@@ -1462,7 +1477,7 @@ fn copy_dir(dir: std::os::fd::OwnedFd, src: &Path, dest: &Path, budget: &mut Bud
         let name_str =
             name.to_str().ok_or_else(|| InstallError::Invalid(format!("{}: name is not UTF-8", path.display())))?;
         // Build products and caches are not part of a package.
-        if matches!(name_str, ".git" | "__pycache__" | ".pytest_cache" | ".deps") {
+        if copied == Copied::Package && matches!(name_str, ".git" | "__pycache__" | ".pytest_cache" | ".deps") {
             continue;
         }
         let refused = || {
@@ -1485,7 +1500,7 @@ fn copy_dir(dir: std::os::fd::OwnedFd, src: &Path, dest: &Path, budget: &mut Bud
         if kind(stat.st_mode) == SFlag::S_IFDIR {
             let sub = nix::fcntl::openat(&dir, name.as_os_str(), nofollow | OFlag::O_DIRECTORY, Mode::empty())
                 .map_err(open_error)?;
-            copy_dir(sub, &path, &target, budget)?;
+            copy_dir(sub, &path, &target, budget, copied)?;
         } else if kind(stat.st_mode) == SFlag::S_IFREG {
             let fd = nix::fcntl::openat(
                 &dir,
@@ -1504,7 +1519,9 @@ fn copy_dir(dir: std::os::fd::OwnedFd, src: &Path, dest: &Path, budget: &mut Bud
             if std::os::unix::fs::MetadataExt::nlink(&meta) > 1 {
                 return Err(InstallError::Invalid(format!("{}: a hard link is refused in a package", path.display())));
             }
-            refuse_unreadable_code(&path)?;
+            if copied == Copied::Package {
+                refuse_unreadable_code(&path)?;
+            }
             budget.copy(&mut f, &target, meta.permissions().mode() & 0o111 != 0, |err| io(&path, err))?;
         } else {
             return Err(refused());
@@ -1564,17 +1581,25 @@ fn python() -> String {
 /// file does, and [`check_dependencies`] then reads the installed wheels' metadata (no code of
 /// theirs runs) and refuses a dependency that is missing, of another version, or a direct
 /// reference.
+///
+/// Everything pip writes — the installed files, its downloads and temporary files — goes to
+/// a tmpfs of at most [`PIP_SCRATCH_BYTES`] and [`PIP_SCRATCH_FILES`] ([`PipScratch`]), and
+/// what it installed is then copied into the package within the package's own bounds: a
+/// wheel of a few kilobytes that expands to gigabytes (a zip bomb) fills that tmpfs, not the
+/// host's disk, and is refused (`too_large`).
 fn install_requirements(
     pkg: &Path,
+    work: &Path,
     package_wheels: Option<&Path>,
     packages: &[String],
     opts: &InstallOptions,
 ) -> Result<(), InstallError> {
+    let scratch = PipScratch::new(work)?;
     let mut cmd = std::process::Command::new(python());
     cmd.args(["-I", "-m", "pip", "install", "--isolated", "--no-cache-dir", "--no-deps"])
         .args(["--disable-pip-version-check", "--no-input", "--no-compile"])
         .args(["--only-binary", ":all:", "--target"])
-        .arg(pkg.join(".deps"));
+        .arg(work.join("deps"));
     let mut sources = 0;
     if let Some(wheels) = package_wheels {
         cmd.arg("--find-links").arg(wheels);
@@ -1600,8 +1625,19 @@ fn install_requirements(
         )));
     }
     cmd.arg("--").args(packages);
-    cmd.env_clear().env("PATH", "/usr/bin:/bin").env("HOME", "/nonexistent").current_dir("/");
+    cmd.env_clear().env("PATH", "/usr/bin:/bin").env("HOME", "/nonexistent").env("TMPDIR", work.join("tmp"));
+    cmd.current_dir("/");
+    scratch.attach_in_child(&mut cmd)?;
     let (status, stderr) = run_pip(cmd)?;
+    // pip removes what it was writing when the write fails, so the tmpfs may have room
+    // again by now: its own report of the failed write counts too.
+    let no_room = |stderr: &[u8]| String::from_utf8_lossy(stderr).contains("No space left on device");
+    if scratch.full() || (!status.success() && no_room(&stderr)) {
+        return Err(InstallError::TooLarge(format!(
+            "requirements.packages: installing {} needs more than pip's {PIP_SCRATCH_BYTES} bytes or {PIP_SCRATCH_FILES} files (its downloads, temporary files and the installed packages)",
+            packages.join(", ")
+        )));
+    }
     if !status.success() {
         let stderr = String::from_utf8_lossy(&stderr);
         let last: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).rev().take(3).collect();
@@ -1611,7 +1647,100 @@ fn install_requirements(
             last.into_iter().rev().collect::<Vec<_>>().join(" / ")
         )));
     }
+    scratch.copy_installed(&pkg.join(".deps"))?;
     check_dependencies(&pkg.join(".deps"), packages)
+}
+
+/// Most bytes pip may write while installing a package's requirements (its downloads and
+/// temporary files included): [`PipScratch`].
+pub const PIP_SCRATCH_BYTES: u64 = MAX_UNPACKED_BYTES;
+/// Most files and directories pip may make meanwhile.
+pub const PIP_SCRATCH_FILES: usize = 2 * MAX_ENTRIES;
+
+/// Where pip writes: a tmpfs of [`PIP_SCRATCH_BYTES`] and [`PIP_SCRATCH_FILES`] inodes, made
+/// detached (`fsmount`) and attached only in pip's own mount namespace, at `work` (an empty
+/// directory of the staging area): `work/deps` is its `--target`, `work/tmp` its `TMPDIR`.
+/// The agent reaches it through its descriptor only; it is gone when that is dropped.
+struct PipScratch {
+    mnt: std::os::fd::OwnedFd,
+    work: std::ffi::CString,
+}
+
+impl PipScratch {
+    fn new(work: &Path) -> Result<PipScratch, InstallError> {
+        use std::os::unix::ffi::OsStrExt;
+        let options = format!("mode=0700,size={PIP_SCRATCH_BYTES},nr_inodes={PIP_SCRATCH_FILES}");
+        let attrs = libc::MOUNT_ATTR_NOSUID | libc::MOUNT_ATTR_NODEV;
+        let mnt = sandbox::mounts::detached_tmpfs("opservant-pip", &options, attrs)
+            .map_err(|e| io(work, std::io::Error::other(format!("a tmpfs for pip: {e}"))))?;
+        for (name, mode) in [("deps", 0o755), ("tmp", 0o700)] {
+            nix::sys::stat::mkdirat(&mnt, name, nix::sys::stat::Mode::from_bits_truncate(mode))
+                .map_err(|e| io(&work.join(name), e.into()))?;
+        }
+        std::fs::DirBuilder::new().mode(0o700).create(work).map_err(|e| io(work, e))?;
+        let work = std::ffi::CString::new(work.as_os_str().as_bytes())
+            .map_err(|_| InstallError::Invalid(format!("{}: a NUL in the path", work.display())))?;
+        Ok(PipScratch { mnt, work })
+    }
+
+    /// Have `cmd`'s process attach the tmpfs at `work` in a mount namespace of its own
+    /// before it runs pip (nothing of it shows, or propagates, in the host's).
+    fn attach_in_child(&self, cmd: &mut std::process::Command) -> Result<(), InstallError> {
+        use std::os::fd::AsRawFd;
+        use std::os::unix::process::CommandExt;
+        let mnt = self.mnt.as_raw_fd();
+        let work = self.work.clone();
+        let step = |rc: libc::c_long| if rc == 0 { Ok(()) } else { Err(std::io::Error::last_os_error()) };
+        // SAFETY: the closure runs in the forked child before exec and makes only system
+        // calls (async-signal-safe), on a descriptor and a C string both alive in the child's
+        // copy of this process's memory; the descriptor is close-on-exec, so pip does not get it.
+        unsafe {
+            cmd.pre_exec(move || {
+                step(libc::unshare(libc::CLONE_NEWNS) as libc::c_long)?;
+                step(libc::mount(
+                    std::ptr::null(),
+                    c"/".as_ptr(),
+                    std::ptr::null(),
+                    libc::MS_REC | libc::MS_PRIVATE,
+                    std::ptr::null(),
+                ) as libc::c_long)?;
+                step(libc::syscall(
+                    libc::SYS_move_mount,
+                    mnt,
+                    c"".as_ptr(),
+                    libc::AT_FDCWD,
+                    work.as_ptr(),
+                    libc::MOVE_MOUNT_F_EMPTY_PATH,
+                ))
+            });
+        }
+        Ok(())
+    }
+
+    /// Whether the tmpfs is out of room now (bytes or inodes).
+    fn full(&self) -> bool {
+        nix::sys::statvfs::fstatvfs(&self.mnt).is_ok_and(|v| v.blocks_available() == 0 || v.files_available() == 0)
+    }
+
+    /// Copy what pip installed into `deps` (within a package's bounds, links and special
+    /// files refused, as for a package).
+    fn copy_installed(&self, deps: &Path) -> Result<(), InstallError> {
+        use nix::fcntl::OFlag;
+        let installed = nix::fcntl::openat(
+            &self.mnt,
+            "deps",
+            OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+            nix::sys::stat::Mode::empty(),
+        )
+        .map_err(|e| io(deps, e.into()))?;
+        copy_dir(
+            installed,
+            Path::new("requirements.packages"),
+            deps,
+            &mut Budget { bytes: 0, entries: 0 },
+            Copied::Requirements,
+        )
+    }
 }
 
 /// Run pip (`cmd`) to its end — or, once a stop signal came ([`stop_signalled`]), kill it

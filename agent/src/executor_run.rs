@@ -109,6 +109,10 @@ pub struct Executor {
     /// files under the manifest read here).
     pub dir_id: sandbox::FileId,
     pub deps_id: Option<sandbox::FileId>,
+    /// `dir` and `deps` held open as long as this value lives, whether or not the in-use lock
+    /// was taken: a directory removed meanwhile keeps its inode, so its number cannot be
+    /// reused by a new one and pass for it.
+    _held: (std::fs::File, Option<std::os::fd::OwnedFd>),
     /// A shared `flock` on `dir`, held as long as this value lives (a run holds its
     /// executor to the end): an install never removes an old version that a run still uses
     /// ([`crate::executor_install`] tries the lock exclusively, without waiting). `None`
@@ -160,7 +164,8 @@ impl Executor {
                 Err(e) => return Err(CannotRun(format!("requirements.python: {e}"))),
             }
         }
-        let deps_id = openat_dir(&opened, ".deps").map(|m| sandbox::FileId::of(&m));
+        let deps_held = openat_dir(&opened, ".deps");
+        let deps_id = deps_held.as_ref().map(|(_, m)| sandbox::FileId::of(m));
         let deps = deps_id.map(|_| dir.join(".deps"));
         if !manifest.requirements.packages.is_empty() && deps.is_none() {
             return Err(CannotRun(format!(
@@ -176,6 +181,7 @@ impl Executor {
             deps,
             dir_id,
             deps_id,
+            _held: (opened, deps_held.map(|(fd, _)| fd)),
             _in_use: in_use,
         })
     }
@@ -213,9 +219,9 @@ fn hold_in_use(dir: &Path) -> Result<(std::fs::File, Option<nix::fcntl::Flock<st
     Ok((open, lock))
 }
 
-/// The metadata of the directory `name` in the opened directory `dir`, when it is one
-/// (a link to one followed, as a bind of its path follows it).
-fn openat_dir(dir: &std::fs::File, name: &str) -> Option<std::fs::Metadata> {
+/// The directory `name` in the opened directory `dir` (an `O_PATH` descriptor) and its
+/// metadata, when it is one (a link to one followed, as a bind of its path follows it).
+fn openat_dir(dir: &std::fs::File, name: &str) -> Option<(std::os::fd::OwnedFd, std::fs::Metadata)> {
     use nix::fcntl::OFlag;
     let fd = nix::fcntl::openat(
         dir,
@@ -224,7 +230,8 @@ fn openat_dir(dir: &std::fs::File, name: &str) -> Option<std::fs::Metadata> {
         nix::sys::stat::Mode::empty(),
     )
     .ok()?;
-    std::fs::File::from(fd).metadata().ok()
+    let meta = std::fs::File::from(fd.try_clone().ok()?).metadata().ok()?;
+    Some((fd, meta))
 }
 
 /// A request to run an executor.
@@ -514,7 +521,9 @@ fn run_steps(req: RunRequest, start_audited: &mut bool) -> Result<RunResult, Can
         let unblock =
             app_chan.shutdown_handle().map_err(|e| CannotRun(format!("application channel: {}", e.desc())))?;
         let live = live_redactor.clone();
-        let server = thread::spawn(move || serve(app_chan, &declared, &provider, &executor_name, &cid, &cpu, &live));
+        let stop = sb.stop_handle();
+        let server =
+            thread::spawn(move || serve(app_chan, &declared, &provider, &executor_name, &cid, &cpu, &live, &stop));
         let outcome = sb.wait(sandbox::OutputOptions::default());
         let waited = std::time::Instant::now();
         // A sandbox abandoned with its processes stuck never closes the channel's other end:
@@ -654,8 +663,9 @@ fn status_str(s: Status) -> &'static str {
 }
 
 /// Serve the application channel until end-of-file, or until the payload breaks the
-/// protocol: the channel is then shut down (the payload's sends fail, nothing more of it is
-/// read or parsed) and the run fails with the error, whatever result came before.
+/// protocol: the channel is then shut down (nothing more of it is read or parsed), the
+/// sandbox stopped (`stop`), and the run fails with the error, whatever result came before.
+#[allow(clippy::too_many_arguments)]
 fn serve(
     chan: sandbox::channel::Channel,
     declared: &[String],
@@ -664,7 +674,14 @@ fn serve(
     command_id: &str,
     cpu: &sandbox::CpuLimiter,
     live: &crate::secrets::LiveRedactor,
+    stop: &sandbox::StopHandle,
 ) -> AppOutcome {
+    let broken = |mut out: AppOutcome, error: String| {
+        out.protocol_error = Some(error);
+        chan.shutdown();
+        stop.stop();
+        out
+    };
     let mut out = AppOutcome::default();
     let mut ready = false;
     // What the provider answered this run, per declared name: a value delivered (wiped at
@@ -678,11 +695,10 @@ fn serve(
         let msg = match app::recv(&chan) {
             Ok(Some(m)) => m,
             Ok(None) => return out,
-            Err(e) => {
-                out.protocol_error = Some(e);
-                chan.shutdown();
-                return out;
-            }
+            // The payload gone with a reply of ours unread (a secret asked for by a thread
+            // of its own) resets the connection: after its result, an end like any other.
+            Err(e) if out.result.is_some() && e.starts_with("recv: ") => return out,
+            Err(e) => return broken(out, e),
         };
         match msg {
             FromPayload::Log { level, msg, fields } => {
@@ -796,20 +812,12 @@ fn serve(
                     return out;
                 }
             }
-            FromPayload::Result { .. } if out.result.is_some() => {
-                out.protocol_error = Some("a second result".into());
-                chan.shutdown();
-                return out;
-            }
+            FromPayload::Result { .. } if out.result.is_some() => return broken(out, "a second result".into()),
             FromPayload::Result { status, output, error, artifacts } => {
                 out.result = Some((status, output, error, artifacts));
                 out.result_at = Some(std::time::Instant::now());
             }
-            other => {
-                out.protocol_error = Some(format!("unexpected {} message for an executor run", other.kind()));
-                chan.shutdown();
-                return out;
-            }
+            other => return broken(out, format!("unexpected {} message for an executor run", other.kind())),
         }
     }
 }
@@ -832,7 +840,11 @@ fn assemble(
     }
     // The sandbox's verdict comes first: a timeout or an OOM kill is what happened, whatever
     // the runtime said before.
-    if outcome.timed_out || outcome.killed_by.is_some() {
+    // A limit's kill is what happened; a stop that came after the payload broke the protocol
+    // (see `serve`) is not: the broken protocol is.
+    let stopped_for_protocol =
+        app.protocol_error.is_some() && outcome.stopped && !matches!(outcome.killed_by, Some(sandbox::KilledBy::Oom));
+    if outcome.timed_out || (outcome.killed_by.is_some() && !stopped_for_protocol) {
         r.output = Value::Object(Default::default());
     } else if let Some(e) = &app.protocol_error {
         // A channel that broke the protocol, before or after a result (a second result, a

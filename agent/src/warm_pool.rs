@@ -115,6 +115,21 @@ fn sources(spec: &SandboxSpec) -> Vec<Source> {
     system.chain(declared).collect()
 }
 
+/// Whether `pooled` is `spec` but for the identities of the files it binds (an executor's
+/// package directory removed and installed again): never asked for again.
+fn superseded(pooled: &SandboxSpec, spec: &SandboxSpec) -> bool {
+    let paths = (&pooled.filesystem.paths, &spec.filesystem.paths);
+    if paths.0.len() != paths.1.len() || paths.0.iter().zip(paths.1).all(|(a, b)| a.identity == b.identity) {
+        return false;
+    }
+    let without_identity = |s: &SandboxSpec| {
+        let mut s = s.clone();
+        s.filesystem.paths.iter_mut().for_each(|r| r.identity = None);
+        s
+    };
+    without_identity(pooled) == without_identity(spec)
+}
+
 #[derive(Default)]
 struct State {
     ready: VecDeque<Warm>,
@@ -237,12 +252,14 @@ impl WarmPool {
         let now = sources(spec);
         let (found, expired) = {
             let mut st = self.state();
-            // Expired, or built over host files that have since been replaced: discarded.
+            // Expired, built over host files that have since been replaced, or for files a
+            // run no longer asks for (its executor installed again): discarded.
             let expired: Vec<Warm> = {
-                let (old, fresh): (Vec<Warm>, Vec<Warm>) = st
-                    .ready
-                    .drain(..)
-                    .partition(|w| w.since.elapsed() > self.max_idle || (w.spec == *spec && w.sources != now));
+                let (old, fresh): (Vec<Warm>, Vec<Warm>) = st.ready.drain(..).partition(|w| {
+                    w.since.elapsed() > self.max_idle
+                        || (w.spec == *spec && w.sources != now)
+                        || superseded(&w.spec, spec)
+                });
                 st.ready = fresh.into();
                 old
             };
@@ -394,6 +411,25 @@ mod tests {
     /// What a pooled sandbox is checked against before it is handed out: every path it shows
     /// from the host — system paths (a file replaced, a link pointed elsewhere) and declared
     /// ones — but not a writable `/tmp` path, which the sandbox makes in its own scratch.
+    #[test]
+    fn a_spec_differing_only_in_identity_is_superseded() {
+        let mut old = SandboxSpec::new("/bin/true", vec![], Identity::same_inside(65534, 65534));
+        let rule = |ino| PathRule {
+            path: PathBuf::from("/var/lib/x"),
+            access: Access::Read,
+            optional: false,
+            source: None,
+            identity: Some(sandbox::FileId { dev: 1, ino }),
+        };
+        old.filesystem.paths = vec![rule(1)];
+        let mut new = old.clone();
+        assert!(!superseded(&old, &new), "the same spec");
+        new.filesystem.paths = vec![rule(2)];
+        assert!(superseded(&old, &new));
+        new.command.args = vec!["x".into()];
+        assert!(!superseded(&old, &new), "another spec altogether");
+    }
+
     #[test]
     fn sources_cover_the_system_paths_and_not_the_sandboxs_own_tmp() {
         let dir = std::env::temp_dir().join(format!("opservant-pool-sources-{}", std::process::id()));

@@ -492,7 +492,12 @@ fn init(
         None if caller_gone(chan) => return Err(protocol("the caller has gone")),
         None => {}
     }
-    // 4.
+    // 4. The view keeps a descriptor per bound path until Landlock's rules are made (step
+    // 6): the soft descriptor limit raised to the hard one for it (the payload gets its own
+    // limits in its steps), so that a long list of declared paths does not run out.
+    if let Ok((_, hard)) = nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE) {
+        let _ = nix::sys::resource::setrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE, hard, hard);
+    }
     let mut view = mounts::build(&spec.filesystem, spec.namespaces.net, &spec.command.cwd)?;
     // 5.
     if spec.namespaces.uts {

@@ -402,6 +402,17 @@ impl MaskSeal {
 /// attach it onto `target`; returns the mount's descriptor. `Err(ENOSYS)` on kernels
 /// without it (nothing was attached).
 fn mount_mask_tmpfs(target: &OwnedFd) -> Result<OwnedFd, Errno> {
+    let attrs = libc::MOUNT_ATTR_NOSUID | libc::MOUNT_ATTR_NODEV | libc::MOUNT_ATTR_NOEXEC;
+    let mnt = detached_tmpfs("opservant-mask", MASK_TMPFS_OPTIONS, attrs)?;
+    move_mount_onto(&mnt, target)?;
+    Ok(mnt)
+}
+
+/// A new tmpfs with `options` (`key=value,…`: `size`, `nr_inodes`, `mode`…), mounted with
+/// `attrs` (`MOUNT_ATTR_*`) but attached nowhere: its descriptor (close-on-exec) is the only
+/// way to it until it is attached with `move_mount` — in any mount namespace its holder
+/// enters. Kernels before 5.2: `Err(ENOSYS)`.
+pub fn detached_tmpfs(source: &str, options: &str, attrs: u64) -> Result<OwnedFd, Errno> {
     // SAFETY: a NUL-terminated filesystem name; the flag asks for a close-on-exec
     // descriptor, which we then own.
     let fs_fd = unsafe { libc::syscall(libc::SYS_fsopen, c"tmpfs".as_ptr(), libc::FSOPEN_CLOEXEC) };
@@ -410,8 +421,8 @@ fn mount_mask_tmpfs(target: &OwnedFd) -> Result<OwnedFd, Errno> {
     }
     // SAFETY: fsopen returned a new descriptor nothing else owns.
     let fs_fd = unsafe { OwnedFd::from_raw_fd(fs_fd as i32) };
-    let options = MASK_TMPFS_OPTIONS.split(',').filter_map(|o| o.split_once('='));
-    for (key, value) in std::iter::once(("source", "opservant-mask")).chain(options) {
+    let options = options.split(',').filter_map(|o| o.split_once('='));
+    for (key, value) in std::iter::once(("source", source)).chain(options) {
         let (key, value) =
             (CString::new(key).map_err(|_| Errno::EINVAL)?, CString::new(value).map_err(|_| Errno::EINVAL)?);
         // SAFETY: `fs_fd` is an open filesystem context; key and value are NUL-terminated
@@ -444,7 +455,6 @@ fn mount_mask_tmpfs(target: &OwnedFd) -> Result<OwnedFd, Errno> {
     if rc != 0 {
         return Err(Errno::last());
     }
-    let attrs = libc::MOUNT_ATTR_NOSUID | libc::MOUNT_ATTR_NODEV | libc::MOUNT_ATTR_NOEXEC;
     // SAFETY: a created filesystem context; the flags ask for a close-on-exec descriptor of
     // a detached mount, which we then own.
     let mnt = unsafe { libc::syscall(libc::SYS_fsmount, fs_fd.as_raw_fd(), libc::FSMOUNT_CLOEXEC, attrs) };
@@ -452,9 +462,7 @@ fn mount_mask_tmpfs(target: &OwnedFd) -> Result<OwnedFd, Errno> {
         return Err(Errno::last());
     }
     // SAFETY: fsmount returned a new descriptor nothing else owns.
-    let mnt = unsafe { OwnedFd::from_raw_fd(mnt as i32) };
-    move_mount_onto(&mnt, target)?;
-    Ok(mnt)
+    Ok(unsafe { OwnedFd::from_raw_fd(mnt as i32) })
 }
 
 /// Parents before children so nested binds land on top.

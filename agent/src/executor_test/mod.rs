@@ -412,7 +412,7 @@ pub fn run(req: TestRequest, tee: Option<Tee>) -> Result<TestResult, CannotRun> 
         path: ex.dir.clone(),
         access: sandbox::Access::Read,
         optional: false,
-        identity: None,
+        identity: Some(ex.dir_id),
     });
     if let Some(d) = &ex.deps {
         spec.filesystem.paths.push(sandbox::PathRule {
@@ -420,7 +420,7 @@ pub fn run(req: TestRequest, tee: Option<Tee>) -> Result<TestResult, CannotRun> 
             path: d.clone(),
             access: sandbox::Access::Read,
             optional: false,
-            identity: None,
+            identity: ex.deps_id,
         });
     }
     for (rel, content) in FILES {
