@@ -787,8 +787,9 @@ with gzip.open({archive:?}, "wb", compresslevel=1) as g:
 }
 
 /// What pip writes is bounded: a package's wheel of ~300 KB that expands to 300 MiB (a zip
-/// bomb of zeros) fills pip's own size-limited tmpfs, not the host's disk, and the install
-/// is refused `too_large` with nothing left behind. Before, pip unpacked it into the
+/// bomb of zeros) is unpacked into pip's own size-limited tmpfs (512 MiB), not the host's
+/// disk, and the install is refused `too_large` — before anything of it is copied into the
+/// package (at most 256 MiB) — with nothing left behind. Before, pip unpacked it into the
 /// staging directory on disk, whatever its size.
 #[test]
 fn a_wheel_that_expands_past_the_bound_is_refused() {
@@ -818,7 +819,11 @@ with zipfile.ZipFile({:?} + f"/{{n}}-1.0-py3-none-any.whl", "w", zipfile.ZIP_DEF
     assert!(std::fs::metadata(wheels.join("tinydep-1.0-py3-none-any.whl")).unwrap().len() < 1 << 20);
     let out = env.op(&["executor", "install", p.to_str().unwrap()]);
     assert_eq!(out.code, 2, "{}", out.stderr);
-    assert!(out.stderr.contains("installing tinydep needs more than pip's 268435456 bytes"), "{}", out.stderr);
+    assert!(
+        out.stderr.contains("what pip installed for tinydep is more than 268435456 bytes or 20000 files"),
+        "{}",
+        out.stderr
+    );
     assert!(out.stderr.contains(r#""reason":"too_large""#), "{}", out.stderr);
     assert_eq!(env.entries(), Vec::<String>::new(), "nothing left behind");
     // The same package with an honest wheel installs, its requirement copied in from pip's tmpfs.

@@ -229,16 +229,39 @@ pub fn recv_by(
     chan: &sandbox::channel::Channel,
     deadline: Option<std::time::Instant>,
 ) -> Result<Option<FromPayload>, String> {
+    recv_raw_by(chan, deadline)?.map(|bytes| parse(&bytes)).transpose()
+}
+
+/// As [`recv_by`], the message not parsed yet (its size and number of values checked).
+pub fn recv_raw_by(
+    chan: &sandbox::channel::Channel,
+    deadline: Option<std::time::Instant>,
+) -> Result<Option<Vec<u8>>, String> {
     match chan.recv_bytes_by(MAX_MESSAGE, deadline)? {
-        None => Ok(None),
         Some(bytes) if json_values_up_to(&bytes, MAX_MESSAGE_VALUES) > MAX_MESSAGE_VALUES => Err(format!(
             "malformed message from the runtime: more than {MAX_MESSAGE_VALUES} JSON values (of {} bytes)",
             bytes.len()
         )),
-        Some(bytes) => {
-            serde_json::from_slice(&bytes).map(Some).map_err(|e| format!("malformed message from the runtime: {e}"))
-        }
+        other => Ok(other),
     }
+}
+
+/// Parse a message [`recv_raw_by`] received.
+pub fn parse(bytes: &[u8]) -> Result<FromPayload, String> {
+    serde_json::from_slice(bytes).map_err(|e| format!("malformed message from the runtime: {e}"))
+}
+
+/// Whether a received message is a log record, told from its `type` alone: the rest is read
+/// through (valid JSON or not a log record) but nothing of it is built — for records past
+/// the cap, which are only counted.
+pub fn is_log(bytes: &[u8]) -> bool {
+    #[derive(Deserialize)]
+    struct Kind<'a> {
+        #[serde(rename = "type", borrow)]
+        kind: std::borrow::Cow<'a, str>,
+    }
+    // An object only (serde would read a struct from an array too).
+    bytes.trim_ascii_start().starts_with(b"{") && serde_json::from_slice::<Kind>(bytes).is_ok_and(|k| k.kind == "log")
 }
 
 /// Answer a payload's [`FromPayload::Ready`]: apply the deferred CPU quota, then let the
@@ -258,6 +281,16 @@ pub fn encode<T: Serialize>(msg: &T) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_log_record_is_told_by_its_type_alone() {
+        assert!(is_log(br#"{"type": "log", "level": "info", "msg": "m", "fields": {}}"#));
+        assert!(is_log(br#"{"msg": [1, 2, {"a": "b"}], "type": "log"}"#));
+        assert!(!is_log(br#"{"type": "result", "status": "completed"}"#));
+        assert!(!is_log(br#"{"type": "log", "type": "result"}"#), "a duplicate key is no record");
+        assert!(!is_log(br#"{"type": "log", "msg": "#), "not JSON");
+        assert!(!is_log(br#"["log"]"#));
+    }
 
     #[test]
     fn values_are_counted_outside_strings_only() {

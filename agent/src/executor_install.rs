@@ -1647,13 +1647,15 @@ fn install_requirements(
             last.into_iter().rev().collect::<Vec<_>>().join(" / ")
         )));
     }
-    scratch.copy_installed(&pkg.join(".deps"))?;
+    scratch.copy_installed(&pkg.join(".deps"), packages)?;
+    drop(scratch);
     check_dependencies(&pkg.join(".deps"), packages)
 }
 
-/// Most bytes pip may write while installing a package's requirements (its downloads and
-/// temporary files included): [`PipScratch`].
-pub const PIP_SCRATCH_BYTES: u64 = MAX_UNPACKED_BYTES;
+/// Most bytes pip may write while installing a package's requirements, its downloads and
+/// temporary files included ([`PipScratch`]): twice what it may install, so that the wheels
+/// it downloads fit beside what it unpacks from them.
+pub const PIP_SCRATCH_BYTES: u64 = 2 * MAX_UNPACKED_BYTES;
 /// Most files and directories pip may make meanwhile.
 pub const PIP_SCRATCH_FILES: usize = 2 * MAX_ENTRIES;
 
@@ -1722,10 +1724,25 @@ impl PipScratch {
         nix::sys::statvfs::fstatvfs(&self.mnt).is_ok_and(|v| v.blocks_available() == 0 || v.files_available() == 0)
     }
 
-    /// Copy what pip installed into `deps` (within a package's bounds, links and special
-    /// files refused, as for a package).
-    fn copy_installed(&self, deps: &Path) -> Result<(), InstallError> {
+    /// Copy what pip installed for `packages` into `deps`: at most a package's bounds
+    /// ([`MAX_UNPACKED_BYTES`], [`MAX_ENTRIES`]) — told first from the tmpfs's use, before
+    /// anything is written —, links and special files refused, as for a package.
+    fn copy_installed(&self, deps: &Path, packages: &[String]) -> Result<(), InstallError> {
         use nix::fcntl::OFlag;
+        let too_large = || {
+            InstallError::TooLarge(format!(
+                "requirements.packages: what pip installed for {} is more than {MAX_UNPACKED_BYTES} bytes or {MAX_ENTRIES} files",
+                packages.join(", ")
+            ))
+        };
+        // What pip left there is what it installed (its temporary files are gone).
+        if let Ok(v) = nix::sys::statvfs::fstatvfs(&self.mnt) {
+            let used_bytes = (v.blocks() - v.blocks_free()).saturating_mul(v.fragment_size());
+            let used_files = v.files().saturating_sub(v.files_free());
+            if used_bytes > MAX_UNPACKED_BYTES || used_files > MAX_ENTRIES as u64 {
+                return Err(too_large());
+            }
+        }
         let installed = nix::fcntl::openat(
             &self.mnt,
             "deps",
@@ -1733,13 +1750,17 @@ impl PipScratch {
             nix::sys::stat::Mode::empty(),
         )
         .map_err(|e| io(deps, e.into()))?;
-        copy_dir(
-            installed,
-            Path::new("requirements.packages"),
-            deps,
-            &mut Budget { bytes: 0, entries: 0 },
-            Copied::Requirements,
-        )
+        // The copy's own bounds, the second wall (the same limits' errors, about requirements).
+        copy_dir(installed, Path::new("requirements.packages"), deps, &mut Budget::default(), Copied::Requirements)
+            .map_err(|e| match e {
+                InstallError::Invalid(m)
+                    if m.starts_with("the package has more than")
+                        || m.starts_with("the package unpacks to more than") =>
+                {
+                    too_large()
+                }
+                e => e,
+            })
     }
 }
 
@@ -1748,7 +1769,11 @@ impl PipScratch {
 /// not kept; its stderr is returned (the last 64 KiB: its last lines name the failure).
 fn run_pip(mut cmd: std::process::Command) -> Result<(std::process::ExitStatus, Vec<u8>), InstallError> {
     const KEPT: usize = 64 << 10;
-    let cannot = |e: std::io::Error| InstallError::Invalid(format!("{}: cannot run pip: {e}", python()));
+    // Not the package's fault (its own mount namespace and tmpfs are made as it starts).
+    let cannot = |e: std::io::Error| InstallError::Io {
+        path: format!("{} (pip, in a mount namespace of its own)", python()),
+        source: e,
+    };
     cmd.stdin(std::process::Stdio::null()).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped());
     check_stop()?;
     let mut child = cmd.spawn().map_err(cannot)?;

@@ -219,8 +219,8 @@ fn hold_in_use(dir: &Path) -> Result<(std::fs::File, Option<nix::fcntl::Flock<st
     Ok((open, lock))
 }
 
-/// The directory `name` in the opened directory `dir` (an `O_PATH` descriptor) and its
-/// metadata, when it is one (a link to one followed, as a bind of its path follows it).
+/// The directory `name` in the opened directory `dir`, opened `O_PATH`, and its metadata,
+/// when it is one (a link to one followed, as a bind of its path follows it).
 fn openat_dir(dir: &std::fs::File, name: &str) -> Option<(std::os::fd::OwnedFd, std::fs::Metadata)> {
     use nix::fcntl::OFlag;
     let fd = nix::fcntl::openat(
@@ -692,14 +692,31 @@ fn serve(
         std::collections::HashMap::new();
     let mut provider_calls = 0usize;
     loop {
-        let msg = match app::recv(&chan) {
-            Ok(Some(m)) => m,
+        let bytes = match app::recv_raw_by(&chan, None) {
+            Ok(Some(bytes)) => bytes,
             Ok(None) => return out,
             // The payload gone with a reply of ours unread (a secret asked for by a thread
-            // of its own) resets the connection: after its result, an end like any other.
-            Err(e) if out.result.is_some() && e.starts_with("recv: ") => return out,
+            // of its own, or a crash) resets the connection: nothing to stop, the peer is
+            // gone. After its result, an end like any other; before it, what the run's end
+            // reports (a signal's kill, or the reset).
+            Err(e) if e.starts_with("recv: ") => {
+                if out.result.is_none() {
+                    out.protocol_error = Some(e);
+                }
+                return out;
+            }
             Err(e) => return broken(out, e),
         };
+        // Past the cap a log record is only counted: not built, only told from its type.
+        if (out.logs.len() >= app::MAX_LOGS || out.log_bytes >= MAX_LOG_BYTES) && app::is_log(&bytes) {
+            out.logs_dropped += 1;
+            continue;
+        }
+        let msg = match app::parse(&bytes) {
+            Ok(msg) => msg,
+            Err(e) => return broken(out, e),
+        };
+        drop(bytes);
         match msg {
             FromPayload::Log { level, msg, fields } => {
                 let record = serde_json::json!({"level": level, "msg": msg, "fields": fields});
@@ -850,6 +867,10 @@ fn assemble(
         // A channel that broke the protocol, before or after a result (a second result, a
         // second `ready`, a malformed message: executor code writing to it), is not the
         // runtime's report: whatever result came is not taken for one.
+        if stopped_for_protocol {
+            // Killed by that stop, not by a limit or a signal of its own.
+            r.killed_by = None;
+        }
         r.status = Status::Failed;
         r.output = Value::Null;
         r.error = Some(format!("the executor runtime misbehaved: {e}"));

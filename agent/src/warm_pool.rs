@@ -408,9 +408,8 @@ mod tests {
     use sandbox::{Access, Identity, PathRule};
     use std::path::Path;
 
-    /// What a pooled sandbox is checked against before it is handed out: every path it shows
-    /// from the host — system paths (a file replaced, a link pointed elsewhere) and declared
-    /// ones — but not a writable `/tmp` path, which the sandbox makes in its own scratch.
+    /// A pooled sandbox for the files a run no longer asks for — its spec the same but for the
+    /// identities of what it binds (an executor installed again) — is discarded by the take.
     #[test]
     fn a_spec_differing_only_in_identity_is_superseded() {
         let mut old = SandboxSpec::new("/bin/true", vec![], Identity::same_inside(65534, 65534));
@@ -430,6 +429,9 @@ mod tests {
         assert!(!superseded(&old, &new), "another spec altogether");
     }
 
+    /// What a pooled sandbox is checked against before it is handed out: every path it shows
+    /// from the host — system paths (a file replaced, a link pointed elsewhere) and declared
+    /// ones — but not a writable `/tmp` path, which the sandbox makes in its own scratch.
     #[test]
     fn sources_cover_the_system_paths_and_not_the_sandboxs_own_tmp() {
         let dir = std::env::temp_dir().join(format!("opservant-pool-sources-{}", std::process::id()));
