@@ -1242,6 +1242,62 @@ fn platform_commands_wait_while_socket_commands_fill_every_place() {
     );
 }
 
+/// A batch that arrives after the socket's commands took some of the places it was asked
+/// for starts what fits at once, and the rest as places free up — not the whole batch once
+/// all of it fits. Here: a poll asked for two commands with both places free, a slow socket
+/// command took one while the poll was held, and the batch of two came back: the first
+/// platform command runs while the slow one still does.
+#[test]
+fn a_platform_batch_starts_what_fits_at_once() {
+    if !common::require_root() {
+        return;
+    }
+    let (p, _tls, mut a) = platform_agent(2);
+    p.state.lock().unwrap().hold_polls = true;
+    a.start();
+    let polls = || p.state.lock().unwrap().requests.iter().filter(|r| r.ends_with("/commands")).count();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while polls() == 0 {
+        assert!(Instant::now() < deadline, "no poll");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let slow = a.sign(
+        &json!({"command_id": "sock-slow", "action": "execute", "executor": "slow", "parameters": {"seconds": 4}}),
+    );
+    std::thread::scope(|scope| {
+        let first = scope.spawn(|| a.submit_within(&slow, Duration::from_secs(60)));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !a.audit_events().iter().any(|e| e["event"] == "executor_start") {
+            assert!(Instant::now() < deadline, "the slow command did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        // The poll held since before the slow command, asked for two: both come back now.
+        let batch: Vec<Value> =
+            ["plat-a", "plat-b"].iter().map(|id| serde_json::from_slice(&a.sign(&scan(id))).unwrap()).collect();
+        {
+            let mut st = p.state.lock().unwrap();
+            st.raw_batches.push_back(json!({"commands": batch}).to_string());
+            st.hold_polls = false;
+        }
+        p.wait_for(30, "a platform command's result", |s| !s.results.is_empty());
+        assert!(!first.is_finished(), "the first platform command waited for the slow socket command");
+        let (code, r) = first.join().unwrap();
+        assert_eq!((code, r["status"].clone()), (0, json!("completed")), "{r}");
+    });
+    p.wait_for(60, "both platform commands' results", |s| s.results.len() >= 2);
+    assert!(a.stop().success());
+    let st = p.state.lock().unwrap();
+    for r in st.results.iter().take(2) {
+        assert_eq!(r["result"]["status"], "completed", "{r}");
+    }
+    assert!(
+        !a.audit_events().iter().any(|e| e["fields"]["reason"] == "overloaded"),
+        "nothing was rejected as overloaded"
+    );
+    drop(st);
+    a.audit_verify();
+}
+
 #[test]
 fn commands_pulled_from_the_platform_over_mutual_tls() {
     if !common::require_root() {

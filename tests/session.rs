@@ -310,7 +310,15 @@ fn a_running_session_rotates_its_own_log() {
     std::fs::OpenOptions::new().append(true).open(&log).unwrap().write_all(&vec![b'x'; (1 << 20) + 1]).unwrap();
     let (code, r) = s.exec("a = 1", &[]);
     assert_eq!(code, 0, "{r}");
-    let rotated_len = std::fs::metadata(&rotated).map(|m| m.len()).unwrap_or(0);
+    // Rotated once the request is answered: the reply can reach this test first.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let rotated_len = loop {
+        let len = std::fs::metadata(&rotated).map(|m| m.len()).unwrap_or(0);
+        if len > 0 || std::time::Instant::now() > deadline {
+            break len;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
     assert!(rotated_len > 1 << 20, "not rotated: {rotated_len}");
     assert!(std::fs::metadata(&log).unwrap().len() < 1 << 20, "a new log in its place");
     // Later lines go to the new log: a refused client is logged there.

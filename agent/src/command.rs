@@ -35,6 +35,25 @@ use crate::replay::{Seen, SeenCommands};
 use crate::signing;
 
 /// What the pipeline needs, set up once by the daemon.
+/// One of a [`Pipeline`]'s `max_concurrent` places, taken ahead of its command
+/// ([`Pipeline::reserve`]); given back when dropped.
+pub struct Place {
+    pipeline: std::sync::Arc<Pipeline>,
+}
+
+impl Place {
+    /// [`Pipeline::submit`] in the place already held (never `overloaded`).
+    pub fn submit(self, bytes: &[u8]) -> Value {
+        self.pipeline.handle(bytes, signing::now())
+    }
+}
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        self.pipeline.running.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 pub struct Pipeline {
     pub config: Config,
     pub policy: AgentPolicy,
@@ -304,6 +323,16 @@ impl Pipeline {
         };
         self.running.fetch_sub(1, Ordering::SeqCst);
         reply
+    }
+
+    /// Take one of the `max_concurrent` places for a command not yet received by
+    /// [`Pipeline::submit`]: `None` when every place is taken. The place is held until the
+    /// returned [`Place`] is dropped (or its command answered).
+    pub fn reserve(self: &std::sync::Arc<Self>) -> Option<Place> {
+        self.running
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| (n < self.max_concurrent).then_some(n + 1))
+            .ok()
+            .map(|_| Place { pipeline: self.clone() })
     }
 
     /// The `overloaded` rejection (audited as a security event): `why` says which limit was

@@ -476,29 +476,36 @@ pub fn run(
                 }
                 taken.fetch_add(commands.len(), Ordering::SeqCst);
                 // The long poll may have lasted while the socket's commands took the places
-                // that were free when it began: held until there are places for these.
-                while !stop.load(Ordering::SeqCst)
-                    && pipeline.running() + commands.len() > pipeline.max_concurrent()
-                {
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-                if stop.load(Ordering::SeqCst) {
-                    taken.fetch_sub(commands.len(), Ordering::SeqCst);
-                    tracing::info!(commands = commands.len(), "stopping: commands left to the platform to send again");
-                    crate::audit::record(
-                        "platform_error",
-                        &[(
-                            "detail",
-                            &format!(
-                                "stopping: {} commands the platform delivered were not taken (not read, nothing run); left for it to send again",
-                                commands.len()
-                            ),
-                        )],
-                    );
-                    break;
-                }
-                for bytes in commands {
-                    let (platform, pipeline, counter) = (platform.clone(), pipeline.clone(), taken.clone());
+                // that were free when it began: each command starts as soon as a place is
+                // free — its place taken here, before its thread starts, so that neither the
+                // socket nor the next of these can take it meanwhile.
+                let mut left = commands.into_iter();
+                while let Some(bytes) = left.next() {
+                    let place = loop {
+                        if stop.load(Ordering::SeqCst) {
+                            break None;
+                        }
+                        if let Some(place) = pipeline.reserve() {
+                            break Some(place);
+                        }
+                        std::thread::sleep(Duration::from_millis(20));
+                    };
+                    let Some(place) = place else {
+                        let not_taken = 1 + left.len();
+                        taken.fetch_sub(not_taken, Ordering::SeqCst);
+                        tracing::info!(commands = not_taken, "stopping: commands left to the platform to send again");
+                        crate::audit::record(
+                            "platform_error",
+                            &[(
+                                "detail",
+                                &format!(
+                                    "stopping: {not_taken} commands the platform delivered were not taken (not read, nothing run); left for it to send again"
+                                ),
+                            )],
+                        );
+                        break;
+                    };
+                    let (platform, counter) = (platform.clone(), taken.clone());
                     let spawned = std::thread::Builder::new().name("platform-command".into()).spawn(move || {
                         let taken = counter;
                         // Answered (or given up) whatever happens below.
@@ -509,7 +516,7 @@ pub fn run(
                             }
                         }
                         let _done = Done(taken);
-                        let reply = pipeline.submit(&bytes, "platform");
+                        let reply = place.submit(&bytes);
                         let body =
                             json!({"agent_id": platform.agent_id, "command_id": reply["command_id"], "result": reply});
                         // Results are retried a few times; the audit log holds them regardless.
@@ -524,7 +531,8 @@ pub fn run(
                         }
                     });
                     if let Err(e) = spawned {
-                        // Never taken (not seen: the platform sends it again): counted out.
+                        // Never taken (not seen: the platform sends it again): counted out; its
+                        // place, in the closure, given back.
                         taken.fetch_sub(1, Ordering::SeqCst);
                         tracing::error!(error = %e, "cannot start a thread for a platform command");
                     }

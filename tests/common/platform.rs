@@ -78,6 +78,8 @@ pub struct State {
     pub redirect_posts: Option<String>,
     /// Bodies served as they are, one per `GET commands`, before the queue is looked at.
     pub raw_batches: VecDeque<String>,
+    /// Hold every `GET commands` (as long as this is set, up to 60 s) before answering it.
+    pub hold_polls: bool,
 }
 
 pub struct TestPlatform {
@@ -169,6 +171,12 @@ fn handle(req: https::Request, state: &Mutex<State>) -> https::Response {
         let mut r = https::Response::json("303 See Other", &json!({}));
         r.location = Some(to);
         return r;
+    }
+    if (method, path.rsplit('/').next().unwrap_or("")) == ("GET", "commands") {
+        let held = Instant::now();
+        while state.lock().unwrap().hold_polls && held.elapsed() < Duration::from_secs(60) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
     }
     let reply = match (method, path.rsplit('/').next().unwrap_or("")) {
         ("GET", "commands") if !state.lock().unwrap().raw_batches.is_empty() => {
