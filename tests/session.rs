@@ -310,11 +310,13 @@ fn a_running_session_rotates_its_own_log() {
     std::fs::OpenOptions::new().append(true).open(&log).unwrap().write_all(&vec![b'x'; (1 << 20) + 1]).unwrap();
     let (code, r) = s.exec("a = 1", &[]);
     assert_eq!(code, 0, "{r}");
-    // Rotated once the request is answered: the reply can reach this test first.
+    // Rotated once the request is answered (the reply can reach this test first): the old
+    // log renamed, then a new one in its place.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     let rotated_len = loop {
         let len = std::fs::metadata(&rotated).map(|m| m.len()).unwrap_or(0);
-        if len > 0 || std::time::Instant::now() > deadline {
+        let replaced = std::fs::metadata(&log).is_ok_and(|m| m.len() < 1 << 20);
+        if (len > 0 && replaced) || std::time::Instant::now() > deadline {
             break len;
         }
         std::thread::sleep(std::time::Duration::from_millis(20));

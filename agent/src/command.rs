@@ -34,7 +34,6 @@ use crate::policy::AgentPolicy;
 use crate::replay::{Seen, SeenCommands};
 use crate::signing;
 
-/// What the pipeline needs, set up once by the daemon.
 /// One of a [`Pipeline`]'s `max_concurrent` places, taken ahead of its command
 /// ([`Pipeline::reserve`]); given back when dropped.
 pub struct Place {
@@ -54,6 +53,7 @@ impl Drop for Place {
     }
 }
 
+/// What the pipeline needs, set up once by the daemon.
 pub struct Pipeline {
     pub config: Config,
     pub policy: AgentPolicy,
@@ -66,7 +66,8 @@ pub struct Pipeline {
     pub pool: Option<std::sync::Arc<crate::warm_pool::WarmPool>>,
     /// Commands allowed to run at once (see [`Pipeline::submit`]).
     pub max_concurrent: usize,
-    /// Commands running now; maintained by [`Pipeline::submit`] (start it at zero).
+    /// Commands running now, and places reserved for commands about to run; maintained by
+    /// [`Pipeline::submit`] and [`Place`] (start it at zero).
     pub running: AtomicUsize,
     /// Where `install_executor` downloads packages (none: no platform configured).
     pub packages: Option<crate::platform::Packages>,
@@ -325,8 +326,8 @@ impl Pipeline {
         reply
     }
 
-    /// Take one of the `max_concurrent` places for a command not yet received by
-    /// [`Pipeline::submit`]: `None` when every place is taken. The place is held until the
+    /// Take one of the `max_concurrent` places ahead of a command (the platform's, before its
+    /// thread starts): `None` when every place is taken. The place is held until the
     /// returned [`Place`] is dropped (or its command answered).
     pub fn reserve(self: &std::sync::Arc<Self>) -> Option<Place> {
         self.running

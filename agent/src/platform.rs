@@ -412,8 +412,9 @@ pub fn read_batch(body: &[u8], room: usize) -> Result<(Vec<Vec<u8>>, usize), Str
 
 /// Run the poller and the heartbeat until `stop`; commands run on their own threads, at most
 /// `max_concurrent` of the platform's at once (a batch's commands past the room left are not
-/// taken, and the platform sends them again), and bounded like the socket's with them (one
-/// more than `max_concurrent` running is answered `overloaded`).
+/// taken, and the platform sends them again), and within the same places as the socket's:
+/// each starts once it has reserved one ([`Pipeline::reserve`]), so none is answered
+/// `overloaded`.
 ///
 /// `taken` counts the commands taken and not yet answered, for the caller's drain: it is
 /// raised before `stop` is checked and a batch that arrives after the stop is dropped
@@ -490,6 +491,8 @@ pub fn run(
                         }
                         std::thread::sleep(Duration::from_millis(20));
                     };
+                    // Stopping: this command and the rest are left (the poll loop then ends:
+                    // `stop` stays set).
                     let Some(place) = place else {
                         let not_taken = 1 + left.len();
                         taken.fetch_sub(not_taken, Ordering::SeqCst);
