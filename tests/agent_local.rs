@@ -393,6 +393,26 @@ fn a_stalled_zygote_is_replaced_and_its_run_starts_cold() {
     assert!(fallbacks[0]["fields"]["error"].as_str().unwrap().contains("no reply"), "{fallbacks:?}");
 }
 
+/// A process holding `a`'s audit log lock, stopped: util-linux `flock` holding it around a
+/// sleep that does not inherit it (`-o`), in a process group of its own (kill the group).
+fn stopped_audit_lock_holder(a: &Agent) -> std::process::Child {
+    let lock = a.dir.path.join("audit/audit.jsonl.lock");
+    let holder = std::os::unix::process::CommandExt::process_group(
+        Command::new("flock").arg("-o").arg(&lock).args(["sleep", "600"]),
+        0,
+    )
+    .spawn()
+    .expect("flock(1)");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !std::fs::read_to_string("/proc/locks").unwrap().lines().any(|l| l.contains(&format!(" {} ", holder.id()))) {
+        assert!(Instant::now() < deadline, "flock(1) did not take the lock");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(holder.id() as i32, libc::SIGSTOP) };
+    holder
+}
+
 #[test]
 fn a_stopped_audit_lock_holder_fails_runs_instead_of_stalling_the_agent() {
     if !common::require_root() {
@@ -422,22 +442,8 @@ fn a_stopped_audit_lock_holder_fails_runs_instead_of_stalling_the_agent() {
     assert!(mark.exists(), "the marking executor's module was imported");
     std::fs::remove_file(&mark).unwrap();
     // A writer that holds the log's lock and is then stopped (an `opservant` command
-    // suspended mid-append would be one): util-linux `flock` holding it around a sleep that
-    // does not inherit it (`-o`), in a process group of its own.
-    let lock = a.dir.path.join("audit/audit.jsonl.lock");
-    let mut holder = std::os::unix::process::CommandExt::process_group(
-        Command::new("flock").arg("-o").arg(&lock).args(["sleep", "600"]),
-        0,
-    )
-    .spawn()
-    .expect("flock(1)");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !std::fs::read_to_string("/proc/locks").unwrap().lines().any(|l| l.contains(&format!(" {} ", holder.id()))) {
-        assert!(Instant::now() < deadline, "flock(1) did not take the lock");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    // SAFETY: kill(2) on our own child.
-    unsafe { libc::kill(holder.id() as i32, libc::SIGSTOP) };
+    // suspended mid-append would be one).
+    let mut holder = stopped_audit_lock_holder(&a);
     let before = a.audit_events().len();
     // Each gated run fails closed, naming the holder, instead of waiting for ever; the
     // agent keeps answering. The runtime had its arguments while the agent waited for the
@@ -989,22 +995,8 @@ fn refusals_wait_for_a_held_audit_lock_off_the_accept_loop() {
         c.read_to_string(&mut text).unwrap();
         text
     };
-    // The log's lock, held by a stopped process (as in
-    // a_stopped_audit_lock_holder_fails_runs_instead_of_stalling_the_agent).
-    let lock = a.dir.path.join("audit/audit.jsonl.lock");
-    let mut holder = std::os::unix::process::CommandExt::process_group(
-        Command::new("flock").arg("-o").arg(&lock).args(["sleep", "600"]),
-        0,
-    )
-    .spawn()
-    .expect("flock(1)");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !std::fs::read_to_string("/proc/locks").unwrap().lines().any(|l| l.contains(&format!(" {} ", holder.id()))) {
-        assert!(Instant::now() < deadline, "flock(1) did not take the lock");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    // SAFETY: kill(2) on our own child.
-    unsafe { libc::kill(holder.id() as i32, libc::SIGSTOP) };
+    // The log's lock, held by a stopped process.
+    let mut holder = stopped_audit_lock_holder(&a);
     let refused: Vec<UnixStream> = (0..20).map(|_| UnixStream::connect(&a.socket).unwrap()).collect();
     // The pings go on while the refusals wait for the lock.
     let watched = Instant::now();
