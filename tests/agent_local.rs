@@ -971,24 +971,7 @@ fn refusals_wait_for_a_held_audit_lock_off_the_accept_loop() {
     });
     // WATCHDOG_USEC 400 ms: the agent pings every 200 ms.
     a.start_with_env(&[("NOTIFY_SOCKET", notify_path.to_str().unwrap()), ("WATCHDOG_USEC", "400000")]);
-    // Every place taken (max_concurrent 1 + 64): clients that send nothing hold theirs for
-    // the read deadline (10 s). One more at a time until one is refused at once (the
-    // start-up probe's connection may still hold a place).
-    let mut idle: Vec<UnixStream> = (0..64).map(|_| UnixStream::connect(&a.socket).unwrap()).collect();
-    loop {
-        assert!(idle.len() < 70, "no connection refused with {} open", idle.len());
-        let mut c = UnixStream::connect(&a.socket).unwrap();
-        c.set_read_timeout(Some(Duration::from_millis(500))).unwrap();
-        let mut text = String::new();
-        match c.read_to_string(&mut text) {
-            Ok(_) => {
-                assert!(text.contains("overloaded"), "{text}");
-                break;
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => idle.push(c),
-            Err(e) => panic!("{e}"),
-        }
-    }
+    let idle = take_every_place(&a);
     let answer = |mut c: UnixStream| {
         c.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
         let mut text = String::new();
@@ -1026,6 +1009,130 @@ fn refusals_wait_for_a_held_audit_lock_off_the_accept_loop() {
         .sum();
     assert_eq!(counted, unanswered, "{overloaded:?}");
     a.audit_verify();
+}
+
+/// Every place of an agent with `max_concurrent` 1 taken (1 + 64 connections): clients that
+/// send nothing hold theirs for the read deadline (10 s). One more at a time until one is
+/// refused at once (the start-up probe's connection may still hold a place). The idle
+/// connections, to be dropped when done.
+fn take_every_place(a: &Agent) -> Vec<std::os::unix::net::UnixStream> {
+    use std::io::Read;
+    use std::os::unix::net::UnixStream;
+    let mut idle: Vec<UnixStream> = (0..64).map(|_| UnixStream::connect(&a.socket).unwrap()).collect();
+    loop {
+        assert!(idle.len() < 70, "no connection refused with {} open", idle.len());
+        let mut c = UnixStream::connect(&a.socket).unwrap();
+        c.set_read_timeout(Some(Duration::from_millis(500))).unwrap();
+        let mut text = String::new();
+        match c.read_to_string(&mut text) {
+            Ok(_) => {
+                assert!(text.contains("overloaded"), "{text}");
+                return idle;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => idle.push(c),
+            Err(e) => panic!("{e}"),
+        }
+    }
+}
+
+/// The refusals still queued when the agent stops are closed unanswered and counted in one
+/// record before `agent_stop`: audited one by one, each could wait `audit.lock_wait_seconds`
+/// for a log lock held by a stuck process, and the stop with them (17 × the wait).
+#[test]
+fn a_stopping_agent_counts_its_queued_refusals_in_one_record() {
+    use std::io::Read;
+    use std::os::unix::net::UnixStream;
+    if !common::require_root() {
+        return;
+    }
+    let mut a = Agent::build(1, "", "  lock_wait_seconds: 20\n", |_| String::new());
+    a.start();
+    let idle = take_every_place(&a);
+    let mut holder = stopped_audit_lock_holder(&a);
+    // One refusal waits for the lock, `REFUSAL_QUEUE` (16) are queued, the last three are
+    // closed at once — which tells that the accept loop has taken all twenty.
+    let refused: Vec<UnixStream> = (0..20).map(|_| UnixStream::connect(&a.socket).unwrap()).collect();
+    for c in &refused {
+        c.set_nonblocking(true).unwrap();
+    }
+    let closed = |c: &UnixStream| matches!((&*c).read(&mut [0u8; 1]), Ok(0));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while refused.iter().filter(|c| closed(c)).count() < 3 {
+        assert!(Instant::now() < deadline, "the refusal queue never filled");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(idle);
+    let mut agent = a.child.take().unwrap();
+    // SAFETY: kill(2) on the pid of our own child.
+    unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
+    // The socket is removed once the queue is closed; then the lock is let go.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while a.socket.exists() {
+        assert!(Instant::now() < deadline, "the agent did not stop taking connections");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // SAFETY: kill(2) on our own child's process group.
+    unsafe { libc::kill(-(holder.id() as i32), libc::SIGKILL) };
+    holder.wait().unwrap();
+    assert!(agent.wait().unwrap().success());
+    let answers: Vec<String> = refused
+        .into_iter()
+        .map(|mut c| {
+            c.set_nonblocking(false).unwrap();
+            let mut text = String::new();
+            c.read_to_string(&mut text).unwrap();
+            text
+        })
+        .collect();
+    // Only the refusal that was waiting for the lock is answered.
+    assert_eq!(answers.iter().filter(|t| t.contains("overloaded")).count(), 1, "{answers:?}");
+    assert_eq!(answers.iter().filter(|t| t.is_empty()).count(), 19, "{answers:?}");
+    // Every one of them counted before `agent_stop`: those closed before the refusal thread
+    // took the first from the queue in its record, the rest in one record at the stop.
+    let events = a.audit_events();
+    let stopped = events.iter().position(|e| e["event"] == "agent_stop").expect("agent_stop");
+    let count = |e: &Value| -> usize {
+        let detail = e["fields"]["detail"].as_str().unwrap_or_default();
+        let number =
+            |before: &str| detail.split_once(before).and_then(|(n, _)| n.rsplit(['(', ' ']).next()?.parse().ok());
+        number(" more closed unanswered").or_else(|| number(" connections closed unanswered")).unwrap_or(0)
+    };
+    let counted: usize = events[..stopped].iter().filter(|e| e["fields"]["reason"] == "overloaded").map(count).sum();
+    assert_eq!(counted, 19, "{events:?}");
+    assert!(events[stopped..].iter().all(|e| e["fields"]["reason"] != "overloaded"), "{events:?}");
+    a.audit_verify();
+}
+
+/// A reader of `$NOTIFY_SOCKET` that falls behind does not stall the agent: the accept loop
+/// sends the watchdog pings, and one that finds the reader's queue full
+/// (`net.unix.max_dgram_qlen`) is dropped, not waited for.
+#[test]
+fn a_notify_socket_nobody_reads_does_not_stall_the_agent() {
+    if !common::require_root() {
+        return;
+    }
+    let mut a = Agent::new(1);
+    let notify_path = a.dir.path.join("notify.sock");
+    let notify = std::os::unix::net::UnixDatagram::bind(&notify_path).unwrap();
+    // WATCHDOG_USEC 100 ms: the agent pings every 50 ms; nothing is read.
+    a.start_with_env(&[("NOTIFY_SOCKET", notify_path.to_str().unwrap()), ("WATCHDOG_USEC", "100000")]);
+    let qlen: u64 = std::fs::read_to_string("/proc/sys/net/unix/max_dgram_qlen").unwrap().trim().parse().unwrap();
+    // Twice as many pings as the queue holds.
+    std::thread::sleep(Duration::from_millis(100 * qlen));
+    let (code, r) = a.submit_within(&a.sign(&scan("notify-1")), Duration::from_secs(60));
+    assert_eq!((code, r["status"].clone()), (0, json!("completed")), "{r}");
+    // `STOPPING=1` waits for room: read from now on.
+    let read = std::thread::spawn(move || {
+        notify.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut buf = [0u8; 256];
+        let mut stopping = false;
+        while let Ok(n) = notify.recv(&mut buf) {
+            stopping |= &buf[..n] == b"STOPPING=1";
+        }
+        stopping
+    });
+    assert!(a.stop().success());
+    assert!(read.join().unwrap(), "STOPPING=1 was not sent");
 }
 
 /// systemd keeps the watchdog armed while a unit stops: a drain that stopped pinging was

@@ -14,12 +14,14 @@
 //!   has a thread); a connection beyond them is answered `overloaded` without being read, by
 //!   a thread of its own (its audit record may wait for the log's lock; the accept loop and
 //!   the watchdog never do), at most [`REFUSAL_QUEUE`] waiting — past them, closed
-//!   unanswered and counted in the next refusal's record;
+//!   unanswered and counted in the next refusal's record (at the stop, those still queued
+//!   are closed unanswered and counted in one record before `agent_stop`);
 //! - a client has [`READ_DEADLINE`] in all to send its command (not per read: a client
 //!   trickling bytes cannot hold its thread), then the connection is closed unanswered;
 //! - SIGTERM or SIGINT: the socket is closed and removed (no new work), the commands already
 //!   running finish (their limits bound how long) and get their replies, then the process
-//!   exits 0; systemd is told `READY=1`, `STOPPING=1` and, with `WatchdogSec`, `WATCHDOG=1`;
+//!   exits 0; systemd is told `READY=1`, `STOPPING=1` and, with `WatchdogSec`, `WATCHDOG=1`
+//!   (a ping never waits: one that finds the notify socket's queue full is dropped);
 //! - a second agent on the same socket is refused (exit 2), a stale socket is replaced, and a
 //!   path that exists but is not a socket is refused (exit 2), never deleted.
 //!
@@ -51,10 +53,26 @@ pub const READ_DEADLINE: Duration = Duration::from_secs(10);
 /// and those being answered `overloaded`. Bounds the daemon's threads.
 pub const CONNECTION_HEADROOM: usize = 64;
 
-/// `sd_notify(3)` without libsystemd: one datagram to `$NOTIFY_SOCKET`, when set.
+/// `sd_notify(3)` without libsystemd: one datagram to `$NOTIFY_SOCKET`, when set. Blocks
+/// while the reader's queue is full (`net.unix.max_dgram_qlen`): for the state changes
+/// (`READY=1`, `STOPPING=1`), which must arrive. Watchdog pings use [`watchdog_ping`].
 pub fn sd_notify(state: &str) {
+    notify(state, false);
+}
+
+/// `WATCHDOG=1` without waiting: a ping that finds the reader's queue full is dropped (and
+/// warned about), so that a slow reader of `$NOTIFY_SOCKET` cannot stall the accept loop
+/// that sends it; the next ping goes out on the loop's next turn.
+fn watchdog_ping() {
+    notify("WATCHDOG=1", true);
+}
+
+fn notify(state: &str, nonblocking: bool) {
     let Some(path) = std::env::var_os("NOTIFY_SOCKET") else { return };
     let Ok(sock) = std::os::unix::net::UnixDatagram::unbound() else { return };
+    if nonblocking && sock.set_nonblocking(true).is_err() {
+        return;
+    }
     let bytes = path.as_encoded_bytes();
     let sent = if let Some(abstract_name) = bytes.strip_prefix(b"@") {
         use std::os::linux::net::SocketAddrExt;
@@ -200,7 +218,7 @@ pub fn serve(pipeline: Pipeline, socket: &Path, platform: Option<crate::platform
         match nix::poll::poll(&mut fds, timeout) {
             Ok(0) => {
                 if watchdog.is_some() {
-                    sd_notify("WATCHDOG=1");
+                    watchdog_ping();
                 }
                 continue;
             }
@@ -214,7 +232,7 @@ pub fn serve(pipeline: Pipeline, socket: &Path, platform: Option<crate::platform
             }
         }
         if watchdog.is_some() {
-            sd_notify("WATCHDOG=1");
+            watchdog_ping();
         }
         if fds[1].revents().is_some_and(|r| !r.is_empty()) {
             break;
@@ -246,27 +264,35 @@ pub fn serve(pipeline: Pipeline, socket: &Path, platform: Option<crate::platform
     }
     // Stop taking work, let what runs finish and reply.
     sd_notify("STOPPING=1");
+    // Refusals still queued are closed unanswered (one record counts them), so that a log
+    // lock held by a stuck process delays the stop by at most the refusal being audited
+    // and that record — and the record comes before `agent_stop`.
+    let refusing = refusals.close();
     drop(listener);
     let _ = std::fs::remove_file(socket);
+    // Everything below waits feeding the watchdog: systemd keeps it armed while the unit
+    // stops, and a drain may last as long as the longest wall-time ceiling.
+    let mut pinged = std::time::Instant::now();
+    let mut wait_while = |busy: &dyn Fn() -> bool| {
+        while busy() {
+            if watchdog.is_some_and(|w| pinged.elapsed() >= w) {
+                watchdog_ping();
+                pinged = std::time::Instant::now();
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    wait_while(&|| !refusing.is_finished());
+    let _ = refusing.join();
     crate::audit::record("agent_stop", &[("running", &pipeline.running().to_string())]);
     stop.store(true, Ordering::SeqCst);
-    // Wait for the socket's workers and for commands from the platform (on their own
-    // threads), feeding the watchdog all along: systemd keeps it armed while the unit stops,
-    // and a drain may last as long as the longest wall-time ceiling.
-    let mut pinged = std::time::Instant::now();
-    let refusing = refusals.close();
-    while workers.iter().any(|w| !w.is_finished())
-        || !refusing.is_finished()
-        || pipeline.running() > 0
-        || platform_commands.load(Ordering::SeqCst) > 0
-    {
-        if watchdog.is_some_and(|w| pinged.elapsed() >= w) {
-            sd_notify("WATCHDOG=1");
-            pinged = std::time::Instant::now();
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    for w in workers.into_iter().chain([refusing]) {
+    // The socket's workers and the commands from the platform (on their own threads).
+    wait_while(&|| {
+        workers.iter().any(|w| !w.is_finished())
+            || pipeline.running() > 0
+            || platform_commands.load(Ordering::SeqCst) > 0
+    });
+    for w in workers {
         let _ = w.join();
     }
     // The runs answered before their sandboxes were torn down (in the background): none of
@@ -274,7 +300,7 @@ pub fn serve(pipeline: Pipeline, socket: &Path, platform: Option<crate::platform
     let teardown_from = std::time::Instant::now();
     loop {
         if watchdog.is_some() {
-            sd_notify("WATCHDOG=1");
+            watchdog_ping();
         }
         let left = TEARDOWN_PATIENCE.saturating_sub(teardown_from.elapsed());
         if sandbox::parent::await_background_teardown(left.min(watchdog.unwrap_or(left))) {
@@ -321,10 +347,17 @@ pub const REFUSAL_QUEUE: usize = 16;
 /// (`audit.lock_wait_seconds`) — on the accepting thread, a lock held by a stuck process
 /// stopped the accept loop and its watchdog pings. The accepting thread only queues the
 /// connection, never waiting: with the queue full it closes it unanswered.
+///
+/// At the stop ([`Refusals::close`]) the connections still queued are closed unanswered,
+/// not audited one by one: each audit may wait `audit.lock_wait_seconds` for the lock, and
+/// the stop would wait for all of them. One record counts every connection closed
+/// unanswered since the last refusal's.
 struct Refusals {
     queue: std::sync::mpsc::SyncSender<(UnixStream, usize)>,
     /// Connections closed unanswered since the last refusal was audited.
     dropped: Arc<std::sync::atomic::AtomicU64>,
+    /// Set by [`Refusals::close`]: what is still queued is closed unanswered.
+    stopping: Arc<std::sync::atomic::AtomicBool>,
     thread: std::thread::JoinHandle<()>,
 }
 
@@ -332,25 +365,34 @@ impl Refusals {
     fn start(pipeline: Arc<Pipeline>) -> Result<Refusals, CannotRun> {
         let (queue, refused) = std::sync::mpsc::sync_channel::<(UnixStream, usize)>(REFUSAL_QUEUE);
         let dropped = Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let unanswered = dropped.clone();
+        let stopping = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (unanswered, stopped) = (dropped.clone(), stopping.clone());
         let thread = std::thread::Builder::new()
             .name("socket-refusals".into())
             .spawn(move || {
                 for (stream, open) in refused {
-                    refuse(stream, &pipeline, open, &unanswered);
+                    if stopped.load(Ordering::SeqCst) {
+                        unanswered.fetch_add(1, Ordering::SeqCst);
+                        drop(stream);
+                    } else {
+                        refuse(stream, &pipeline, open, &unanswered);
+                    }
                 }
-                // Closed unanswered after the last refusal answered: on record at the stop.
+                // Closed unanswered after the last refusal answered: on record before
+                // `agent_stop`.
                 let left = unanswered.swap(0, Ordering::SeqCst);
                 if left > 0 {
                     pipeline.overloaded(
                         None,
                         "socket",
-                        &format!("{left} connections closed unanswered (the refusal queue full)"),
+                        &format!(
+                            "{left} connections closed unanswered (the refusal queue full, or the agent stopping)"
+                        ),
                     );
                 }
             })
             .map_err(|e| CannotRun(format!("agent socket: a thread for its refusals: {e}")))?;
-        Ok(Refusals { queue, dropped, thread })
+        Ok(Refusals { queue, dropped, stopping, thread })
     }
 
     /// Hand a connection with `open` connections open to the refusal thread, or close it
@@ -369,8 +411,10 @@ impl Refusals {
         }
     }
 
-    /// No more refusals: the thread answers those queued and ends.
+    /// No more refusals: the thread finishes the one it is answering, closes those queued
+    /// unanswered, records how many connections went unanswered, and ends.
     fn close(self) -> std::thread::JoinHandle<()> {
+        self.stopping.store(true, Ordering::SeqCst);
         drop(self.queue);
         self.thread
     }
