@@ -1564,7 +1564,8 @@ fn secret_requests_are_bounded_per_run() {
     names.extend(many.iter().cloned());
     names.extend(["s0".to_string(), "api_key".to_string(), "other_key".to_string()]);
     let params = json!({"mode": "ask", "names": names}).to_string();
-    let r = run(&d.path, &["--config", c.arg(), "--params", &params]).result();
+    let out = run(&d.path, &["--config", c.arg(), "--params", &params]);
+    let r = out.result();
     assert_eq!(r["status"], "completed", "{r}");
     // 1500 requests for one granted name: one provider request.
     assert_eq!(r["output"]["api_key"], "granted", "{r}");
@@ -1573,6 +1574,13 @@ fn secret_requests_are_bounded_per_run() {
         r["output"]["other_key"],
         "PermissionError: secret 'other_key' refused: 1000 provider requests made in this run",
         "{r}"
+    );
+    // Every refusal audited or counted: 21 of the 1000 unavailable names audited (the 21st
+    // saying that the rest are counted only), 979 counted, and the capped request too.
+    assert!(
+        out.stderr.contains("unaudited=980"),
+        "{}",
+        out.stderr.lines().filter(|l| l.contains("unaudited")).collect::<String>()
     );
 }
 

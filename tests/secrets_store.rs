@@ -674,3 +674,50 @@ fn a_store_configured_over_its_own_key_is_a_configuration_error() {
     }
     assert_eq!(s.get("api_key"), "keep-me");
 }
+
+/// `get` and `list` whose reader went away (a closed pipe) drop the output and keep their
+/// own exit status, as every command does; and a `secrets` command, which holds the store's
+/// key and a value, cannot dump core (no core size, not dumpable), like the daemon.
+#[test]
+fn secrets_commands_keep_their_status_for_a_gone_reader_and_dump_no_core() {
+    if !require_root() {
+        return;
+    }
+    let s = Setup::new("");
+    s.set("api_key", "v");
+    for args in [&["get", "api_key"][..], &["list"][..]] {
+        let _view = common::host_view();
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let out = command(&[&["secrets"][..], args, &["--config", s.cfg()]].concat(), &[])
+            .stdin(Stdio::null())
+            .stdout(writer)
+            .stderr(Stdio::piped())
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(0), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    // `set` waiting for its value on stdin.
+    let mut child = command(&["secrets", "set", "other", "--config", s.cfg()], &[])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let limits = format!("/proc/{}/limits", child.id());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let core = loop {
+        let text = std::fs::read_to_string(&limits).unwrap();
+        let core = text.lines().find(|l| l.starts_with("Max core file size")).unwrap().to_string();
+        // Until the command has set it (it inherits the test's at first, whose soft limit
+        // may be 0 already: the hard one tells).
+        if core.split_whitespace().nth(5) == Some("0") || Instant::now() > deadline {
+            break core;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert_eq!(core.split_whitespace().skip(4).take(2).collect::<Vec<_>>(), ["0", "0"], "{core}");
+    // (The dumpable flag, set by the same call, is not visible from outside a root process.)
+    drop(child.stdin.take());
+    let _ = child.wait();
+}

@@ -748,6 +748,45 @@ fn a_message_outside_the_protocol_ends_the_session_unlogged() {
     assert_eq!(s.exec("1", &[]).0, 2, "the session is gone");
 }
 
+/// Session code that sends a reply of its own (reaching the runtime's module) answers its
+/// own call — but the runtime's real reply then arrives during the next call, which took it
+/// as its answer: every later caller got the reply before its own, and a call looping for
+/// ever got a stale reply at once and ran on past its timeout. Replies carry their call's
+/// number; one to another call ends the session.
+#[test]
+fn a_reply_session_code_sends_itself_ends_the_session_at_the_next_call() {
+    if !require_root() {
+        return;
+    }
+    let (s, _) = Session::start(&["--allow-import", "_opservant"]);
+    let forge = "import _opservant\n_opservant.session_reply({'call': 1, 'success': True, 'error': None, \
+                 'stdout': 'forged', 'stderr': '', 'globals': {}})";
+    let (code, r) = s.exec(forge, &[]);
+    assert_eq!((code, &r["stdout"]), (0, &Value::from("forged")), "{r}");
+    let (code, r) = s.exec("y = 2", &["--return", "y"]);
+    assert_eq!(code, 1, "{r}");
+    assert_eq!(r["session_ended"], true, "{r}");
+    assert!(r["error"].as_str().unwrap().contains("a reply to call 1 during call 2"), "{r}");
+    assert_eq!(s.exec("1", &[]).0, 2, "the session is gone");
+}
+
+/// `__builtins__` deleted or replaced by one call is restored for the next: `exec` of a
+/// namespace without it fills in the runtime's own, unrestricted builtins (`open`).
+#[test]
+fn a_call_cannot_hand_the_next_one_the_runtimes_builtins() {
+    if !require_root() {
+        return;
+    }
+    let (s, _) = Session::start(&[]);
+    for undo in ["del __builtins__", "__builtins__ = {}", "__builtins__ = __import__"] {
+        let (code, r) = s.exec(undo, &[]);
+        assert!(code == 0 || code == 1, "{undo}: {r}");
+        let (code, r) = s.exec("f = open('/etc/hostname')", &[]);
+        assert_eq!(code, 1, "{undo}: {r}");
+        assert!(r["error"].as_str().unwrap().contains("NameError: name 'open' is not defined"), "{undo}: {r}");
+    }
+}
+
 #[test]
 fn values_json_cannot_carry_do_not_end_the_session() {
     if !require_root() {

@@ -82,8 +82,13 @@ pub enum FromPayload {
     },
     /// A script did not pass validation (nothing was run).
     ValidationError { error: String },
-    /// A session call finished.
+    /// A session call finished: `call` is the number of the [`ToPayload::SessionExec`] it
+    /// answers (0: the session's start). The agent takes a reply to any other call as a
+    /// protocol break — session code that sent a reply of its own, whose real one then
+    /// arrives during the next call, would otherwise shift every later reply by one.
     SessionReply {
+        #[serde(default)]
+        call: u64,
         success: bool,
         #[serde(default)]
         error: Option<String>,
@@ -142,8 +147,10 @@ pub enum ToPayload {
     SecretDenied {
         reason: String,
     },
-    /// Run `code` in the session's persistent globals.
+    /// Run `code` in the session's persistent globals; `call` numbers the calls from 1, and
+    /// the reply carries it back.
     SessionExec {
+        call: u64,
         code: String,
         #[serde(default)]
         globals: serde_json::Map<String, Value>,

@@ -743,6 +743,7 @@ fn serve(
                         reason: format!("secret '{name}' is not declared in permissions.secrets"),
                     }
                 } else if !answered.contains_key(&name) && provider_calls >= MAX_SECRET_REQUESTS {
+                    out.secrets_audit.denied(executor, &name, "request cap", &[]);
                     ToPayload::SecretDenied {
                         reason: format!(
                             "secret '{name}' refused: {MAX_SECRET_REQUESTS} provider requests made in this run"

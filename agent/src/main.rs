@@ -401,6 +401,17 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     }
+    // As the daemon's: these hold what must not reach a core file — a run the store's key,
+    // a cached Vault token and the values it delivers; `secrets` the key and a value.
+    if matches!(
+        cli.command,
+        Command::Run { .. } | Command::Executor { command: ExecutorCommand::Test { .. } } | Command::Secrets { .. }
+    ) {
+        if let Err(agent::executor_run::CannotRun(reason)) = agent::daemon::no_core_dumps() {
+            errln!("opservant: {}", one_terminal_line(&reason));
+            return ExitCode::from(2);
+        }
+    }
     let result = match cli.command {
         Command::Sandbox { manifest, json, launch, argv } => run_sandbox(manifest, json, launch, argv),
         Command::Run { dir, params, action, config, launch } => run_executor(dir, params, action, config, launch),

@@ -102,8 +102,18 @@ impl Provider {
                 .map_err(|e| format!("secrets.file {}: {e}", path.display()))?,
         );
         let text = std::str::from_utf8(&bytes).map_err(|_| format!("secrets.file {}: not UTF-8", path.display()))?;
-        serde_saphyr::from_str(text)
-            .map_err(|e| format!("secrets.file {}: not a map of names to strings: {e}", path.display()))
+        // Only where: the parser's message may quote the text around the error (its source
+        // excerpt) or the value it could not take — secret values, which would then reach
+        // the run's error, the audit log and the platform's reply.
+        let mut options = crate::config::yaml_options();
+        options.with_snippet = false;
+        serde_saphyr::from_str_with_options(text, options).map_err(|e| {
+            let at = e.location().map(|l| format!(" at line {}, column {}", l.line(), l.column())).unwrap_or_default();
+            format!(
+                "secrets.file {}: not a map of names to strings{at} (the parser's message is withheld: it may quote a value)",
+                path.display()
+            )
+        })
     }
 
     /// The value of `name`: `Ok(None)` when the provider has no such secret, `Err` when it
@@ -392,6 +402,33 @@ impl Redactor {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_malformed_secrets_file_is_refused_without_quoting_it() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("opservant-secrets-file-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("secrets.yaml");
+        // (An unterminated quote is found at the end of the text.)
+        for (text, line) in [
+            ("api_key: s3cr3t-value-1\ndb: [x, s3cr3t-value-2]\n", 2),
+            ("api_key: s3cr3t-value-1\ndb: \"s3cr3t-value-2\n", 3),
+            ("s3cr3t-value-1\n", 1),
+            ("a: s3cr3t-value-1\na: s3cr3t-value-2\n", 2),
+        ] {
+            std::fs::write(&file, text).unwrap();
+            std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+            let e = Provider::load_file(&file).unwrap_err();
+            assert!(!e.contains("s3cr3t"), "{text:?}: {e}");
+            assert!(
+                e.contains("not a map of names to strings") && e.contains(&format!("line {line}")),
+                "{text:?}: {e}"
+            );
+        }
+        std::fs::write(&file, "api_key: s3cr3t-value-1\n").unwrap();
+        assert_eq!(Provider::load_file(&file).unwrap()["api_key"], "s3cr3t-value-1");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn a_dns_name_is_redacted_whatever_the_case_and_only_once() {

@@ -91,6 +91,16 @@ fn input(what: &str) -> impl FnOnce(std::io::Error) -> SecretsCliError + '_ {
     move |e| SecretsCliError::Input(format!("{what}: {e}"))
 }
 
+/// Standard output's reader went away (a closed pipe): the output is dropped and the
+/// command's own exit status stands; any other write error is one.
+fn reader_gone(e: std::io::Error) -> Result<(), SecretsCliError> {
+    if e.kind() == std::io::ErrorKind::BrokenPipe {
+        Ok(())
+    } else {
+        Err(SecretsCliError::Input(format!("stdout: {e}")))
+    }
+}
+
 /// Run one `secrets` command; `Ok` carries the exit status (0, or 1 for "no such secret",
 /// already explained on stderr).
 pub fn run(cmd: SecretsCommand) -> Result<u8, SecretsCliError> {
@@ -143,10 +153,9 @@ pub fn run(cmd: SecretsCommand) -> Result<u8, SecretsCliError> {
             )?;
             // Straight to the descriptor: std's stdout buffer would keep a copy.
             let mut out = File::from(std::io::stdout().as_fd().try_clone_to_owned().map_err(input("stdout"))?);
-            out.write_all(value.as_bytes()).map_err(input("stdout"))?;
-            if terminal && !value.ends_with('\n') {
-                out.write_all(b"\n").map_err(input("stdout"))?;
-            }
+            // A reader that went away only drops the output (as for every command).
+            let newline = if terminal && !value.ends_with('\n') { &b"\n"[..] } else { b"" };
+            out.write_all(value.as_bytes()).and_then(|()| out.write_all(newline)).or_else(reader_gone)?;
             Ok(0)
         }
         SecretsCommand::List { json, config } => {
@@ -158,7 +167,7 @@ pub fn run(cmd: SecretsCommand) -> Result<u8, SecretsCliError> {
             } else {
                 names.iter().map(|n| format!("{n}\n")).collect()
             };
-            std::io::stdout().write_all(text.as_bytes()).map_err(input("stdout"))?;
+            std::io::stdout().write_all(text.as_bytes()).or_else(reader_gone)?;
             Ok(0)
         }
         SecretsCommand::Rm { name, config } => {

@@ -276,7 +276,8 @@ struct Token {
 impl Token {
     /// Past 2/3 of its lease (never, for a token without expiry).
     fn due(&self) -> bool {
-        !self.ttl.is_zero() && self.obtained.elapsed() * 3 >= self.ttl * 2
+        // Saturating: a lease Vault gave is its input, however large.
+        !self.ttl.is_zero() && self.obtained.elapsed().saturating_mul(3) >= self.ttl.saturating_mul(2)
     }
 
     fn expired(&self) -> bool {

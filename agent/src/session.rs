@@ -783,8 +783,9 @@ impl Daemon {
                 Ok(Some(FromPayload::SessionReply { .. })) if !ready => {
                     break Err("the runtime reported its start before it was ready".into())
                 }
-                Ok(Some(FromPayload::SessionReply { success: true, .. })) => break Ok(()),
-                Ok(Some(FromPayload::SessionReply { error, .. })) => {
+                // The start's reply is call 0 (session code cannot run before it).
+                Ok(Some(FromPayload::SessionReply { call: 0, success: true, .. })) => break Ok(()),
+                Ok(Some(FromPayload::SessionReply { call: 0, error, .. })) => {
                     break Err(error.unwrap_or_else(|| "the session could not start".into()))
                 }
                 Ok(Some(other)) => break Err(format!("unexpected {} message from the runtime", other.kind())),
@@ -1116,7 +1117,8 @@ impl Daemon {
         }
         self.calls += 1;
         let deadline = started + Duration::from_secs(timeout_s);
-        let msg = ToPayload::SessionExec { code, globals, r#return: names };
+        let call = self.calls;
+        let msg = ToPayload::SessionExec { call, code, globals, r#return: names };
         // A runtime that stopped reading (session code can make it) must not hold the daemon:
         // the whole send, too, is bounded by the call's time limit.
         let sent = self.chan.send_bytes_by(&app::encode(&msg), Some(deadline));
@@ -1155,7 +1157,9 @@ impl Daemon {
                     );
                     self.stop.interrupt();
                 }
-                Ok(Some(FromPayload::SessionReply { success, error, stdout, stderr, globals })) => {
+                Ok(Some(FromPayload::SessionReply { call: answers, success, error, stdout, stderr, globals }))
+                    if answers == call =>
+                {
                     audit::record(
                         "session_exec_end",
                         &[
@@ -1172,6 +1176,18 @@ impl Daemon {
                     return (reply, None);
                 }
                 Ok(Some(FromPayload::Ready)) => continue,
+                Ok(Some(FromPayload::SessionReply { call: answers, .. })) => {
+                    // A reply to another call: session code replied for the runtime (whose
+                    // own reply to that call comes now), or a stale one. Taken as this
+                    // call's answer it would shift every later reply by one.
+                    self.stop.stop();
+                    let _ = self.ended_because();
+                    let why = format!(
+                        "the session has ended: its interpreter broke the protocol: a reply to call {answers} during call {call}"
+                    );
+                    tracing::warn!(target: "opservant::session", "{why}");
+                    return (ended(self, why, None), Some(End::Died));
+                }
                 Ok(Some(other)) => {
                     // Not part of a call (session code reaching `_opservant`): a protocol
                     // break that ends the session. Named, never logged in full — the log is

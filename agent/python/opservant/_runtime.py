@@ -423,7 +423,7 @@ def _on_session_sigint(signum, frame):
         raise KeyboardInterrupt
 
 
-def _session_call(namespace, request, number):
+def _session_call(namespace, request, number, builtins):
     global _SESSION_IN_CALL
 
     out, err = _Capture(), _Capture()
@@ -433,6 +433,9 @@ def _session_call(namespace, request, number):
     try:
         sys.stdout, sys.stderr = out, err
         namespace.update(request.get("globals") or {})
+        # Put back before every call: code that deleted or replaced `__builtins__` would
+        # otherwise have the next call's `exec` fill in the runtime's own, unrestricted ones.
+        namespace["__builtins__"] = builtins
         source = request["code"]
         code = compile(source, filename, "exec", dont_inherit=True)
         _keep_session_source(filename, source)
@@ -460,15 +463,16 @@ def _session_call(namespace, request, number):
     return {"success": success, "error": error, "stdout": out.value(), "stderr": err.value(), "globals": values}
 
 
-def _session_reply(reply):
-    """Send a call's reply; one that cannot be sent as JSON becomes an error reply (the
-    session goes on: only a broken channel ends it)."""
+def _session_reply(call, reply):
+    """Send call number ``call``'s reply; one that cannot be sent as JSON becomes an error
+    reply (the session goes on: only a broken channel ends it)."""
+    reply["call"] = call
     try:
         _opservant.session_reply(reply)
         return
     except (TypeError, ValueError) as e:
         why = _safe_text("the reply cannot be sent as JSON: %s: %s" % (type(e).__name__, e))[:4096]
-    _opservant.session_reply({"success": False, "error": why, "stdout": "", "stderr": "", "globals": {}})
+    _opservant.session_reply({"call": call, "success": False, "error": why, "stdout": "", "stderr": "", "globals": {}})
 
 
 def run_session():
@@ -476,6 +480,7 @@ def run_session():
     args = _opservant.args()
     sys.path[0:0] = _opservant.paths()
     namespace, guarded_import = _session_namespace(args["allow_imports"])
+    safe_builtins = namespace["__builtins__"]
     import _signal
 
     _signal.signal(_signal.SIGINT, _on_session_sigint)
@@ -490,7 +495,7 @@ def run_session():
     _encode_json_string("")  # json's encoder, for the output caps, before session code runs
     # The default imports are the operator's choice (trusted start-up); session code is not.
     _ready()
-    _opservant.session_reply({"success": error is None, "error": error})
+    _opservant.session_reply({"call": 0, "success": error is None, "error": error})
     if error is not None:
         return 1
     number = 0
@@ -500,10 +505,10 @@ def run_session():
             return 0
         number += 1
         try:
-            reply = _session_call(namespace, request, number)
+            reply = _session_call(namespace, request, number, safe_builtins)
         except BaseException as e:  # the runtime's own failure: the call fails, not the session
             reply = {"success": False, "error": "the call's reply could not be made: %s" % type(e).__name__}
-        _session_reply(reply)
+        _session_reply(request["call"], reply)
 
 
 def _ready():

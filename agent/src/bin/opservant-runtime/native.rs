@@ -174,8 +174,8 @@ pub mod _opservant {
         });
         match msg {
             Ok(None) => Ok(None),
-            Ok(Some(ToPayload::SessionExec { code, globals, r#return })) => {
-                let value = serde_json::json!({"code": code, "globals": globals, "return": r#return});
+            Ok(Some(ToPayload::SessionExec { call, code, globals, r#return })) => {
+                let value = serde_json::json!({"call": call, "code": code, "globals": globals, "return": r#return});
                 Ok(Some(pythonize::pythonize(py, &value)?))
             }
             Ok(Some(other)) => Err(PyRuntimeError::new_err(format!("unexpected message {other:?}"))),
@@ -187,7 +187,7 @@ pub mod _opservant {
     /// the output cap are replaced by an error reply.
     #[pyfunction]
     fn session_reply(reply: &Bound<'_, PyAny>) -> PyResult<()> {
-        let FromPayload::SessionReply { success, error, stdout, stderr, globals } =
+        let FromPayload::SessionReply { call, success, error, stdout, stderr, globals } =
             super::message("session_reply", reply)?
         else {
             return Err(PyRuntimeError::new_err("session_reply: not a session reply"));
@@ -197,6 +197,7 @@ pub mod _opservant {
             let error =
                 format!("the returned globals are {globals_size} bytes of JSON, over the {} byte cap", app::MAX_OUTPUT);
             FromPayload::SessionReply {
+                call,
                 success: false,
                 error: Some(error),
                 stdout,
@@ -204,7 +205,7 @@ pub mod _opservant {
                 globals: Default::default(),
             }
         } else {
-            FromPayload::SessionReply { success, error, stdout, stderr, globals }
+            FromPayload::SessionReply { call, success, error, stdout, stderr, globals }
         };
         // The runtime caps each part; a reply over the channel's cap all the same (session
         // code calling this itself) would end the session: an error reply instead.
@@ -212,6 +213,7 @@ pub mod _opservant {
         if bytes.len() > app::MAX_MESSAGE {
             let error = format!("the reply is {} bytes of JSON, over the {} byte cap", bytes.len(), app::MAX_MESSAGE);
             return send(&FromPayload::SessionReply {
+                call,
                 success: false,
                 error: Some(error),
                 stdout: String::new(),
