@@ -29,6 +29,24 @@ fn memory_bomb_is_oom_killed() {
     assert_cgroups_gone(&r);
 }
 
+/// Out of memory, the whole sandbox ends — not only the process the kernel chose. v2 does
+/// it itself (`memory.oom.group`); v1 kills one victim, and a shell whose child it was went
+/// on and exited 0 (`completed`), so the agent kills the rest when the sandbox's memory
+/// cgroup reports its OOM.
+#[test]
+fn a_shell_whose_child_runs_out_of_memory_ends_with_it() {
+    if !require_root() {
+        return;
+    }
+    let (_d, m) = limits_manifest(r#"{"max_memory_mb": 32, "timeout_seconds": 30}"#);
+    let r = sh(Some(&m), "/usr/bin/python3 -I -S -c 'bytearray(64 << 20)'; sleep 3; echo survived; exit 0");
+    assert_eq!(r.status(), "failed", "{}", r.json);
+    assert_eq!(r.killed_by(), Some("oom"), "{}", r.json);
+    assert!(r.usage("oom_kills") >= 1, "{}", r.json);
+    assert!(!r.stdout().contains("survived"), "the shell went on: {}", r.json);
+    assert_cgroups_gone(&r);
+}
+
 #[test]
 fn fork_bomb_hits_the_pids_limit() {
     if !require_root() {

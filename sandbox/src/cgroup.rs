@@ -445,6 +445,17 @@ fn reap_stale(layout: &Layout) {
     }
 }
 
+/// An eventfd the kernel signals when the v1 memory cgroup `dir` runs out of memory.
+fn oom_eventfd(dir: &Path) -> std::io::Result<nix::sys::eventfd::EventFd> {
+    use nix::sys::eventfd::{EfdFlags, EventFd};
+    use std::os::fd::AsRawFd;
+    let control = fs::File::open(dir.join("memory.oom_control"))?;
+    let event = EventFd::from_flags(EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK)?;
+    // The registration holds its own references: `control` may be closed once it is made.
+    write_raw(&dir.join("cgroup.event_control"), &format!("{} {}", event.as_raw_fd(), control.as_raw_fd()))?;
+    Ok(event)
+}
+
 /// Usage figures read from the sandbox cgroup.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct CgroupUsage {
@@ -469,6 +480,11 @@ pub struct SandboxCgroup {
     /// CPU percent still to be written (see `apply_cpu_limit`).
     /// (percent, period in µs) of the CPU quota still to be written.
     cpu_pending: Option<(u32, Option<u64>)>,
+    /// v1 only: signalled by the kernel when the sandbox's memory cgroup runs out of memory
+    /// (`cgroup.event_control` on `memory.oom_control`). v1 has no `memory.oom.group`: the
+    /// kernel kills one victim and the rest runs on (a shell whose child was killed exits
+    /// 0), where v2 kills the whole sandbox; the caller kills the rest when this fires.
+    oom_event: Option<nix::sys::eventfd::EventFd>,
 }
 
 impl SandboxCgroup {
@@ -496,6 +512,7 @@ impl SandboxCgroup {
             has_cgroup_kill: layout.has_cgroup_kill,
             removed: false,
             cpu_pending: None,
+            oom_event: None,
         };
         let (mut any_v1, mut any_v2) = (false, false);
         for c in Controller::ALL {
@@ -567,6 +584,15 @@ impl SandboxCgroup {
                 write_optional(&dir.join("memory.oom.group"), "1")?;
             } else {
                 write(&dir.join("memory.limit_in_bytes"), &bytes.to_string())?;
+                match oom_eventfd(&dir) {
+                    Ok(event) => self.oom_event = Some(event),
+                    Err(e) => self.degrade(
+                        limits,
+                        format!(
+                            "memory: an OOM kill ends only its victim, not the sandbox (cgroup.event_control: {e})"
+                        ),
+                    )?,
+                }
                 if !write_optional(&dir.join("memory.memsw.limit_in_bytes"), &bytes.to_string())? && swap_active {
                     self.degrade(limits, "memory: swap is active but memory.memsw is missing (swapaccount=0)".into())?;
                 }
@@ -661,6 +687,13 @@ impl SandboxCgroup {
 
     pub fn report(&self) -> &CgroupReport {
         &self.report
+    }
+
+    /// The v1 OOM notification: readable once the sandbox's memory cgroup has run out of
+    /// memory. `None` on v2 (the kernel kills the
+    /// whole sandbox itself) and without a memory limit.
+    pub fn oom_event(&self) -> Option<&nix::sys::eventfd::EventFd> {
+        self.oom_event.as_ref()
     }
 
     /// Read the accounting files. Missing files leave the figure at its default.

@@ -255,6 +255,10 @@ pub const SETUP_LIMIT: Duration = Duration::from_secs(30);
 /// before it and everything in the cgroup are killed too.
 const BACKSTOP: Duration = Duration::from_secs(1);
 
+/// How long after a v1 OOM notification the sandbox's own OOM kill counter is read: the
+/// kernel notifies before it picks and kills its victim (see [`Sandbox::wait`]).
+const OOM_SETTLE: Duration = Duration::from_millis(20);
+
 /// How long after that last SIGKILL [`Sandbox::wait`] still waits, with no output arriving
 /// meanwhile, for the sandbox's processes to go (its channel and output pipes to close).
 /// One that has not exited by then is stuck in the kernel (uninterruptible I/O, a frozen
@@ -693,6 +697,14 @@ impl Sandbox {
         let mut cpu_at: Option<Instant> = None;
         let mut timed_out = false;
         let mut stopped = false;
+        // v1: the sandbox's memory cgroup ran out of memory — the kernel kills one victim,
+        // this kills the rest, as v2's `memory.oom.group` does (see `SandboxCgroup::oom_event`).
+        // The notification comes before the kernel's kill, and an ancestor's OOM notifies
+        // every cgroup beneath it: the rest is killed only once the sandbox's own cgroup has
+        // an OOM kill, checked a moment after the notification.
+        let mut out_of_memory = false;
+        let mut oom_noticed = false;
+        let mut oom_check_at: Option<Instant> = None;
         // Setup is bounded too (a pooled sandbox's report is already waiting when it is
         // taken, and its clock restarts then).
         let mut setup_at = Some(self.started.max(self.setup_from) + self.setup_limit);
@@ -756,6 +768,14 @@ impl Sandbox {
                     backstop_at.get_or_insert(now + BACKSTOP);
                 }
             }
+            if oom_check_at.is_some_and(|c| now >= c) {
+                oom_check_at = None;
+                if self.cgroup.as_ref().is_some_and(|c| c.usage().oom_kills > 0) {
+                    out_of_memory = true;
+                    self.kill();
+                    backstop_at.get_or_insert(now + BACKSTOP);
+                }
+            }
             if let Some(c) = cpu_at {
                 if now >= c {
                     cpu_at = None;
@@ -769,10 +789,18 @@ impl Sandbox {
                     failure = Some(StepError::new(Stage::Protocol, e));
                 }
             }
-            let wake = [if timed_out { None } else { deadline }, kill_at, backstop_at, abandon_at, cpu_at, setup_at]
-                .into_iter()
-                .flatten()
-                .min();
+            let wake = [
+                if timed_out { None } else { deadline },
+                kill_at,
+                backstop_at,
+                abandon_at,
+                cpu_at,
+                setup_at,
+                oom_check_at,
+            ]
+            .into_iter()
+            .flatten()
+            .min();
             let timeout = match wake {
                 None => PollTimeout::NONE,
                 Some(w) => {
@@ -801,6 +829,12 @@ impl Sandbox {
             if let Some(fd) = &self.stderr {
                 pfds.push(PollFd::new(fd.as_fd(), PollFlags::POLLIN));
                 slots.push(2);
+            }
+            if let Some(event) =
+                self.cgroup.as_ref().and_then(|c| c.oom_event()).filter(|_| !out_of_memory && oom_check_at.is_none())
+            {
+                pfds.push(PollFd::new(event.as_fd(), PollFlags::POLLIN));
+                slots.push(5);
             }
             match poll(&mut pfds, timeout) {
                 Err(Errno::EINTR) | Ok(0) => continue,
@@ -863,6 +897,13 @@ impl Sandbox {
                             backstop_at.get_or_insert(Instant::now() + BACKSTOP);
                         }
                     },
+                    5 => {
+                        if let Some(event) = self.cgroup.as_ref().and_then(|c| c.oom_event()) {
+                            let _ = event.read();
+                        }
+                        oom_noticed = true;
+                        oom_check_at = Some(Instant::now() + OOM_SETTLE);
+                    }
                     3 | 4 if stopped => {}
                     3 | 4 if slot == 4 && !self.stop_requested(report.is_some()) => {}
                     3 | 4 => {
@@ -899,6 +940,8 @@ impl Sandbox {
         }
         let cg_usage = cgroup.as_ref().map(|c| c.usage()).unwrap_or_default();
         let cg_report = cgroup.as_ref().map(|c| c.report().clone());
+        // (An OOM the loop had no turn to see: the payload ended at once after it.)
+        oom_noticed |= out_of_memory || cgroup.as_ref().and_then(|c| c.oom_event()).is_some_and(|e| e.read().is_ok());
         // The outcome is complete (the tree's usage is in, the output read to its end, every
         // process but init and the monitor, which only exit now, gone): what is left is
         // teardown, which a caller that asked for it gets done in the background.
@@ -968,7 +1011,9 @@ impl Sandbox {
             cpu_throttled_ms: cg_usage.cpu_throttled_ms,
         };
         let exited_cleanly = payload_exit.is_some_and(|e| e.code == Some(0));
-        let killed_by = if usage.oom_kills > 0 && !exited_cleanly {
+        // A sandbox out of memory ends as a whole (v2 kills every process, and so does the
+        // loop above on v1), whatever its payload made of its victim's death.
+        let killed_by = if usage.oom_kills > 0 && (!exited_cleanly || oom_noticed) {
             Some(KilledBy::Oom)
         } else if timed_out {
             Some(KilledBy::Timeout)
