@@ -367,6 +367,11 @@ pub fn start(settings: &Settings, exe: &Path, serve_subcommand: &str) -> Result<
             Ok(())
         });
     }
+    // On a delegated cgroup v2 host, this process moves itself into its own leaf first (as
+    // any process that makes sandboxes does): born there, the daemon finds its base cgroup
+    // free of processes it did not start — with this one beside it in the base, it refused
+    // the controllers.
+    sandbox::cgroup::prepare();
     let mut child = cmd.spawn().map_err(|e| CannotRun(format!("cannot start the session daemon: {e}")))?;
     let settings_json = serde_json::to_vec(settings)?;
     if let Some(mut stdin) = child.stdin.take() {

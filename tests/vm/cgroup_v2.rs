@@ -67,13 +67,14 @@ struct Ctx {
 }
 
 fn in_vm() -> ExitCode {
-    let checks: [(&str, guest::Check<Ctx>); 8] = [
+    let checks: [(&str, guest::Check<Ctx>); 9] = [
         ("cgroup_v2_reported", cgroup_v2_reported),
         ("memory_oom", memory_oom),
         ("cpu_throttled", cpu_throttled),
         ("pids_limit", pids_limit),
         ("cgroup_kill_daemon", cgroup_kill_daemon),
         ("delegated_subtree", delegated_subtree),
+        ("delegated_session", delegated_session),
         ("landlock_abi2_partial", landlock_abi2_partial),
         ("no_leaks", no_leaks),
     ];
@@ -360,21 +361,13 @@ fn cgroup_kill_daemon(ctx: &Ctx) -> Result<(), String> {
 /// Run opservant inside a delegated subtree: it moves itself into a leaf and creates the
 /// sandbox cgroup beside it, never above; the sandbox sees its cgroup as the root.
 fn delegated_subtree(_: &Ctx) -> Result<(), String> {
-    let result = delegated_subtree_inner();
-    // Clean up even on failure; report the cleanup failure only if the check passed.
-    let leaf = Path::new(DELEG).join("opservant-agent");
-    let mut cleanup = Ok(());
-    for d in [leaf.as_path(), Path::new(DELEG)] {
-        if d.exists() {
-            if let Err(e) = std::fs::remove_dir(d) {
-                cleanup = Err(format!("cannot remove {}: {e}", d.display()));
-            }
-        }
-    }
-    result.and(cleanup)
+    in_delegated_cgroup(delegated_subtree_inner)
 }
 
-fn delegated_subtree_inner() -> Result<(), String> {
+/// Run `check` with [`DELEG`] made (the controllers enabled at the root), then remove it and
+/// opservant's leaf in it — even on failure, waiting a little for processes to leave;
+/// a cleanup failure is reported only if the check passed.
+fn in_delegated_cgroup(check: fn() -> Result<(), String>) -> Result<(), String> {
     let root_ctl = Path::new(CGROUP_ROOT).join("cgroup.subtree_control");
     let enabled = std::fs::read_to_string(&root_ctl).map_err(|e| format!("read {}: {e}", root_ctl.display()))?;
     for c in ["memory", "cpu", "pids"] {
@@ -385,6 +378,66 @@ fn delegated_subtree_inner() -> Result<(), String> {
     if !Path::new(DELEG).exists() {
         std::fs::create_dir(DELEG).map_err(|e| format!("mkdir {DELEG}: {e}"))?;
     }
+    let result = check();
+    let leaf = Path::new(DELEG).join("opservant-agent");
+    let mut cleanup = Ok(());
+    for d in [leaf.as_path(), Path::new(DELEG)] {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while d.exists() {
+            match std::fs::remove_dir(d) {
+                Ok(()) => {}
+                Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(50)),
+                Err(e) => {
+                    cleanup = Err(format!("cannot remove {}: {e}", d.display()));
+                    break;
+                }
+            }
+        }
+    }
+    result.and(cleanup)
+}
+
+/// A session started from a delegated cgroup: its daemon creates the sandbox's cgroups
+/// while the `session start` that spawned it still waits in the same cgroup. Before the
+/// starter moved itself into its leaf first, the daemon found a process it had not started
+/// in its cgroup and refused the v2 controllers (every start failed, or ran with no limit
+/// under `allow_degraded`).
+fn delegated_session(_: &Ctx) -> Result<(), String> {
+    in_delegated_cgroup(delegated_session_inner)
+}
+
+fn delegated_session_inner() -> Result<(), String> {
+    let name = format!("vm-deleg-{}", std::process::id());
+    let script = format!("echo $$ > {DELEG}/cgroup.procs && exec {OPSERVANT} session start {name}");
+    let mut cmd = Command::new("sh");
+    cmd.args(["-c", &script]);
+    let out = output_within(spawn(cmd, "sh")?, "delegated session start")?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let started: Value = serde_json::from_str(stdout.trim()).unwrap_or(Value::Null);
+    ensure!(
+        out.status.success() && started["status"] == "started",
+        "the session did not start: {stdout} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let prefix = format!("{DELEG}/opservant-sb-");
+    let in_deleg = sandbox_cgroups().iter().filter(|p| p.to_string_lossy().starts_with(&prefix)).count();
+    let exec =
+        Command::new(OPSERVANT).args(["session", "exec", &name, "--code", "x = 6 * 7", "--return", "x"]).output();
+    let stop = Command::new(OPSERVANT).args(["session", "stop", &name]).output();
+    ensure!(in_deleg == 1, "the session's sandbox cgroup is not in {DELEG}: {:?}", sandbox_cgroups());
+    let exec = exec.map_err(|e| format!("session exec: {e}"))?;
+    ensure!(
+        String::from_utf8_lossy(&exec.stdout).contains("\"x\":42"),
+        "session exec: {} {}",
+        String::from_utf8_lossy(&exec.stdout),
+        String::from_utf8_lossy(&exec.stderr)
+    );
+    let stop = stop.map_err(|e| format!("session stop: {e}"))?;
+    ensure!(stop.status.success(), "session stop: {}", String::from_utf8_lossy(&stop.stderr));
+    no_sandbox_cgroups()
+}
+
+fn delegated_subtree_inner() -> Result<(), String> {
     let script = format!("echo $$ > {DELEG}/cgroup.procs && exec {OPSERVANT} sandbox --json -- cat /proc/self/cgroup");
     let mut cmd = Command::new("sh");
     cmd.args(["-c", &script]);
