@@ -673,6 +673,30 @@ fn a_store_configured_over_its_own_key_is_a_configuration_error() {
         assert_eq!(std::fs::read(s.key()).unwrap(), key_before, "the key was overwritten ({key})");
     }
     assert_eq!(s.get("api_key"), "keep-me");
+    // Before either file exists: the key's directory reached through a link, or through
+    // `..` — one file all the same, which the first `set` would make the key and then
+    // replace with the store.
+    let fresh = HostDir::new();
+    std::fs::create_dir(fresh.path.join("real")).unwrap();
+    std::fs::create_dir(fresh.path.join("real/sub")).unwrap();
+    std::os::unix::fs::symlink(fresh.path.join("real"), fresh.path.join("linked")).unwrap();
+    let key = fresh.path.join("real/secrets.key");
+    for store in [fresh.path.join("linked/secrets.key"), fresh.path.join("real/sub/../secrets.key")] {
+        let conf = fresh.path.join("conf.yaml");
+        std::fs::write(
+            &conf,
+            format!(
+                "secrets:\n  provider: builtin\n  store: {}\n  key_file: {}\naudit:\n  path: {}\n  journald: false\n",
+                store.display(),
+                key.display(),
+                fresh.path.join("audit/audit.jsonl").display()
+            ),
+        )
+        .unwrap();
+        let out = invoke(&["secrets", "set", "x", "--config", conf.to_str().unwrap()], Some(b"value"), &[]);
+        out.cannot(&["secrets.store", "secrets.key_file"]);
+        assert!(!key.exists(), "{}: a key was made", store.display());
+    }
 }
 
 /// `get` and `list` whose reader went away (a closed pipe) drop the output and keep their

@@ -650,17 +650,21 @@ impl Config {
             ));
         }
         // The store written over its own key would lose every secret: the same path (after
-        // the defaults, `.` and `//` aside), or two names of one existing file.
+        // the defaults, `.` and `//` aside), two names of one existing file, or — before
+        // either exists — one name in two spellings of one directory (a link, `..`).
         let store = self.secrets.store.clone().unwrap_or_else(|| crate::secrets_store::DEFAULT_STORE.into());
         let key_file = self.secrets.key_file.clone().unwrap_or_else(|| crate::secrets_store::DEFAULT_KEY_FILE.into());
-        let same_inode = || {
-            use std::os::unix::fs::MetadataExt;
-            match (std::fs::metadata(&store), std::fs::metadata(&key_file)) {
-                (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
-                _ => false,
+        use std::os::unix::fs::MetadataExt;
+        let id = |p: &Path| std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()));
+        let same_inode = || id(&store).is_some() && id(&store) == id(&key_file);
+        let same_place = || {
+            let dir = |p: &Path| p.parent().and_then(id);
+            store.file_name().is_some() && store.file_name() == key_file.file_name() && {
+                let d = dir(&store);
+                d.is_some() && d == dir(&key_file)
             }
         };
-        if store.components().eq(key_file.components()) || same_inode() {
+        if store.components().eq(key_file.components()) || same_inode() || same_place() {
             return Err(err(
                 "secrets.store",
                 &format!(

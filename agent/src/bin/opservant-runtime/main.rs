@@ -96,12 +96,15 @@ fn run_bootstrap() -> Result<u8, String> {
     })
 }
 
-/// Check a Bash script with `bash -n`; on success report ready and `execve` bash on it (the
-/// channel is closed first: the script never holds it). A syntax error is reported as a
-/// validation error and nothing of the script runs.
+/// Report ready (the CPU quota is in force once it is answered), check a Bash script with
+/// `bash -n`, and on success `execve` bash on it (the channel is closed first: the script
+/// never holds it). A syntax error is reported as a validation error and nothing of the
+/// script runs. The check parses up to 1 MiB of input: under the quota, like Python's
+/// `compile` of a Python script.
 pub(crate) fn run_bash(chan: Channel, path: &str, proceed: bool) -> Result<u8, String> {
     use std::os::unix::process::CommandExt;
     use std::process::{Command, Stdio};
+    ready_and_wait(&chan, proceed)?;
     let check = Command::new(BASH)
         .arg("-n")
         .arg(path)
@@ -120,7 +123,6 @@ pub(crate) fn run_bash(chan: Channel, path: &str, proceed: bool) -> Result<u8, S
             .map_err(|e| format!("agent channel: {}", e.desc()))?;
         return Ok(VALIDATION_FAILED);
     }
-    ready_and_wait(&chan, proceed)?;
     drop(chan);
     let err = Command::new(BASH).arg(path).arg0("bash").exec();
     Err(format!("cannot execute {BASH}: {err}"))
