@@ -210,9 +210,19 @@ fn a_per_call_timeout_cannot_exceed_the_sessions() {
         return;
     }
     let (s, _) = Session::start(&["--timeout", "1"]);
+    // Shortened, and said so.
+    let (code, r) = s.exec("x = 1", &["--timeout", "100"]);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(
+        r["clamped"],
+        serde_json::json!([{"field": "timeout_seconds", "requested": 100, "applied": 1, "reason": "the session's call timeout"}]),
+        "{r}"
+    );
+    assert!(s.exec("x = 2", &["--timeout", "1"]).1.get("clamped").is_none());
     let (_, r) = s.exec("while True:\n    pass", &["--timeout", "100"]);
     assert_eq!(r["killed_by"], "timeout");
     assert!(r["error"].as_str().unwrap().contains("after 1 s"), "{r}");
+    assert_eq!(r["clamped"][0]["applied"], 1, "{r}");
 }
 
 #[test]

@@ -1065,7 +1065,20 @@ impl Daemon {
                 )
             }
             Request::Exec { code, globals, r#return, timeout_s } => {
-                self.exec(code, globals, r#return, timeout_s, &stream)
+                let ceiling = self.settings.call_timeout_s;
+                let (mut reply, end) = self.exec(code, globals, r#return, timeout_s, &stream);
+                // `--timeout` above the session's is shortened, and the reply says so (a
+                // limit is never changed silently).
+                if let (Some(requested), Some(fields)) = (timeout_s.filter(|&t| t > ceiling), reply.as_object_mut()) {
+                    if !fields.contains_key("refused") {
+                        fields.insert(
+                            "clamped".into(),
+                            json!([{"field": "timeout_seconds", "requested": requested, "applied": ceiling,
+                                    "reason": "the session's call timeout"}]),
+                        );
+                    }
+                }
+                (reply, end)
             }
         };
         let _ = stream.write_all(reply.to_string().as_bytes());
