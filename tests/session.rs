@@ -490,6 +490,43 @@ fn a_start_reported_before_ready_fails_the_start() {
     assert!(stderr.contains("reported its start before it was ready"), "{stderr}");
 }
 
+/// A start that loses to a concurrent start of the same name removes the log it created
+/// only if no daemon holds the name: the winner's daemon takes the name's lock at once but
+/// makes its socket only once its interpreter is up (up to 30 s), and writes to that log —
+/// the loser checked the socket alone and unlinked the winner's log.
+#[test]
+fn a_start_that_loses_the_name_keeps_the_winners_log() {
+    if !require_root() {
+        return;
+    }
+    // The sessions' directory, as a start makes it.
+    let (first, _) = Session::start(&[]);
+    drop(first);
+    let name = fresh_name();
+    let lock = format!("/run/opservant/sessions/{name}.lock");
+    let log = format!("/run/opservant/sessions/{name}.log");
+    // The winner's daemon, holding the lock while its interpreter starts.
+    let mut holder = std::process::Command::new("flock").args([&lock, "sleep", "600"]).spawn().expect("flock(1)");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !std::fs::read_to_string("/proc/locks").unwrap().lines().any(|l| l.contains(&format!(" {} ", holder.id()))) {
+        assert!(std::time::Instant::now() < deadline, "flock(1) did not take the lock");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let out = common::command().args(["session", "start", &name]).output().unwrap();
+    let kept = std::path::Path::new(&log).exists();
+    holder.kill().unwrap();
+    holder.wait().unwrap();
+    let _ = std::fs::remove_file(&lock);
+    let _ = std::fs::remove_file(&log);
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stdout));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("already running"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(kept, "the log was removed while the name's lock was held");
+}
+
 /// Whoever started a session may be gone before its report (Ctrl-C, `timeout`): the
 /// daemon's report goes to a closed pipe, and the session runs on (it used to abort).
 #[test]

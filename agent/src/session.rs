@@ -345,9 +345,10 @@ pub fn start(settings: &Settings, exe: &Path, serve_subcommand: &str) -> Result<
     };
     let log = log.map_err(|e| CannotRun(format!("{}: {e}", log_path(&settings.name).display())))?;
     let remove_log = || {
-        // Not when a session of that name runs after all (a concurrent start won, and writes
-        // to the log this start created).
-        if created_log && UnixStream::connect(socket_path(&settings.name)).is_err() {
+        // Not when a session of that name runs after all: a concurrent start won, and its
+        // daemon writes to the log this start created — and holds the name's lock from its
+        // first step, long before its socket exists.
+        if created_log && UnixStream::connect(socket_path(&settings.name)).is_err() && !name_locked(&settings.name) {
             let _ = std::fs::remove_file(log_path(&settings.name));
         }
     };
@@ -614,6 +615,13 @@ fn report_failure(error: &str) -> i32 {
     // Never a panic (`println!`'s) when whoever started the session is gone.
     let _ = crate::stdout::print(&format!("{}\n", json!({ "status": "failed", "error": error })));
     1
+}
+
+/// Whether a daemon holds `NAME.lock` (probed with a shared lock, let go at once).
+fn name_locked(name: &str) -> bool {
+    let Ok(file) = std::fs::File::open(lock_path(name)) else { return false };
+    // SAFETY: flock on a descriptor we own; the lock goes with it.
+    unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_SH | libc::LOCK_NB) != 0 }
 }
 
 /// Hold `NAME.lock` for the daemon's life; a second daemon for the same name fails here.
