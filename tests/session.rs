@@ -490,6 +490,47 @@ fn a_start_reported_before_ready_fails_the_start() {
     assert!(stderr.contains("reported its start before it was ready"), "{stderr}");
 }
 
+/// An interrupt meant for a call whose client went, arriving only during the next call
+/// (init forwards it from the session's CPU-throttled cgroup), is not that call's: the next
+/// caller's code must not fail with `KeyboardInterrupt`. Made certain here by a call that
+/// blocks SIGINT until its end and a next call that unblocks it.
+#[test]
+fn a_late_interrupt_for_an_earlier_call_does_not_interrupt_the_next() {
+    if !require_root() {
+        return;
+    }
+    let (s, started) = Session::start(&["--allow-import", "signal,time"]);
+    let daemon_pid = started["pid"].as_u64().unwrap();
+    let log = format!("/run/opservant/sessions/{}.log", s.name);
+    let read_log = || std::fs::read_to_string(&log).unwrap_or_default();
+    let blocking = "import signal, time\nsignal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})\ntime.sleep(2)";
+    let mut client = common::command()
+        .args(["session", "exec", &s.name, "--code", blocking])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while read_log().matches("session_exec\"").count() < 1 {
+        assert!(std::time::Instant::now() < deadline, "the call never started");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    client.kill().unwrap();
+    client.wait().unwrap();
+    while !read_log().contains("session_exec_interrupted") {
+        assert!(std::time::Instant::now() < deadline, "the call was not interrupted");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    // Served once the first call has slept its time; the SIGINT, pending, lands here.
+    let unblock = "import signal\nsignal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})\nx = 1";
+    let (code, r) = exec_within(&s, daemon_pid, unblock, &["--return", "x"], 20).expect("the next call is answered");
+    assert_eq!((code, &r["globals"]["x"]), (0, &Value::from(1)), "{r}");
+    // Interrupts of this call's own still raise.
+    let (code, r) = s.exec("import signal\nsignal.raise_signal(signal.SIGINT)\ny = 1", &["--return", "y"]);
+    assert_eq!(code, 1, "{r}");
+    assert!(r["error"].as_str().unwrap().contains("KeyboardInterrupt"), "{r}");
+}
+
 /// A start that loses to a concurrent start of the same name removes the log it created
 /// only if no daemon holds the name: the winner's daemon takes the name's lock at once but
 /// makes its socket only once its interpreter is up (up to 30 s), and writes to that log —

@@ -148,9 +148,13 @@ pub enum ToPayload {
         reason: String,
     },
     /// Run `code` in the session's persistent globals; `call` numbers the calls from 1, and
-    /// the reply carries it back.
+    /// the reply carries it back. `interrupts` counts the interrupts (SIGINT) sent to the
+    /// session before this call: one of them that arrives late, during this call, is not
+    /// this call's to raise.
     SessionExec {
         call: u64,
+        #[serde(default)]
+        interrupts: u64,
         code: String,
         #[serde(default)]
         globals: serde_json::Map<String, Value>,

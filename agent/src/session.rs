@@ -574,6 +574,9 @@ struct Daemon {
     started: Instant,
     started_unix: u64,
     calls: u64,
+    /// Interrupts sent to the session's processes so far (each call is told the count, see
+    /// `ToPayload::SessionExec`).
+    interrupts: u64,
     last_active: Instant,
     signals: nix::sys::signalfd::SignalFd,
 }
@@ -772,6 +775,7 @@ impl Daemon {
                 .map(|d| d.as_secs())
                 .unwrap_or(0),
             calls: 0,
+            interrupts: 0,
             last_active: now,
             signals,
         };
@@ -1144,7 +1148,7 @@ impl Daemon {
         self.calls += 1;
         let deadline = started + Duration::from_secs(timeout_s);
         let call = self.calls;
-        let msg = ToPayload::SessionExec { call, code, globals, r#return: names };
+        let msg = ToPayload::SessionExec { call, interrupts: self.interrupts, code, globals, r#return: names };
         // A runtime that stopped reading (session code can make it) must not hold the daemon:
         // the whole send, too, is bounded by the call's time limit.
         let sent = self.chan.send_bytes_by(&app::encode(&msg), Some(deadline));
@@ -1181,6 +1185,7 @@ impl Daemon {
                         "session_exec_interrupted",
                         &[("session", &self.settings.name), ("code_sha256", &digest), ("reason", "client_gone")],
                     );
+                    self.interrupts += 1;
                     self.stop.interrupt();
                 }
                 Ok(Some(FromPayload::SessionReply { call: answers, success, error, stdout, stderr, globals }))

@@ -416,15 +416,23 @@ def _keep_session_source(filename, source):
 # (SIGINT, forwarded by the sandbox's init), and only the call may see it as
 # KeyboardInterrupt — one arriving a moment late, between calls, must not end the session.
 _SESSION_IN_CALL = False
+# SIGINTs received, and how many of them are not the running call's: each call is told how
+# many interrupts the daemon sent before it, so that one meant for an earlier call that
+# arrives late (init forwards it from a CPU-throttled cgroup) does not interrupt the next
+# caller's code.
+_SESSION_SIGINTS = 0
+_SESSION_NOT_OURS = 0
 
 
 def _on_session_sigint(signum, frame):
-    if _SESSION_IN_CALL:
+    global _SESSION_SIGINTS
+    _SESSION_SIGINTS += 1
+    if _SESSION_IN_CALL and _SESSION_SIGINTS > _SESSION_NOT_OURS:
         raise KeyboardInterrupt
 
 
 def _session_call(namespace, request, number, builtins):
-    global _SESSION_IN_CALL
+    global _SESSION_IN_CALL, _SESSION_NOT_OURS
 
     out, err = _Capture(), _Capture()
     saved = sys.stdout, sys.stderr
@@ -439,6 +447,7 @@ def _session_call(namespace, request, number, builtins):
         source = request["code"]
         code = compile(source, filename, "exec", dont_inherit=True)
         _keep_session_source(filename, source)
+        _SESSION_NOT_OURS = max(request.get("interrupts", 0), _SESSION_SIGINTS)
         _SESSION_IN_CALL = True
         exec(code, namespace)
     except BaseException as e:  # SystemExit and KeyboardInterrupt too: the session goes on

@@ -174,8 +174,9 @@ pub mod _opservant {
         });
         match msg {
             Ok(None) => Ok(None),
-            Ok(Some(ToPayload::SessionExec { call, code, globals, r#return })) => {
-                let value = serde_json::json!({"call": call, "code": code, "globals": globals, "return": r#return});
+            Ok(Some(ToPayload::SessionExec { call, interrupts, code, globals, r#return })) => {
+                let value = serde_json::json!({"call": call, "interrupts": interrupts, "code": code,
+                                               "globals": globals, "return": r#return});
                 Ok(Some(pythonize::pythonize(py, &value)?))
             }
             Ok(Some(other)) => Err(PyRuntimeError::new_err(format!("unexpected message {other:?}"))),
