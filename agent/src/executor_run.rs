@@ -811,7 +811,9 @@ fn serve(
                         }
                     }
                 };
-                // The copies of a delivered value made for the channel are wiped once sent.
+                // The encoded message and the reply's own copy of the value are wiped once
+                // sent (not the channel's framing buffer, nor what the provider's HTTP client
+                // or serde reallocated: README, Not done yet).
                 let bytes = zeroize::Zeroizing::new(app::encode(&reply));
                 if let ToPayload::Secret { value } = &mut reply {
                     zeroize::Zeroize::zeroize(value);
