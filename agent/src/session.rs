@@ -406,10 +406,16 @@ pub fn start(settings: &Settings, exe: &Path, serve_subcommand: &str) -> Result<
     Ok(reply)
 }
 
-/// Send one request to a session's daemon and return its reply.
+/// How long a client waits for the daemon to take its request: it serves one client at a
+/// time, so a request may wait behind calls of up to [`MAX_CALL_TIMEOUT_S`] each. A daemon
+/// that dies meanwhile resets the connection at once.
+pub const QUEUE_WAIT: Duration = Duration::from_secs(3600);
+
+/// Send one request to a session's daemon and return its reply, waiting up to
+/// [`QUEUE_WAIT`] for the daemon to take it and then up to `timeout` for the reply.
 pub fn request(name: &str, req: &Value, timeout: Duration) -> Result<Value, CannotRun> {
     check_name(name)?;
-    let reply = request_io(name, req, timeout).map_err(|e| match e {
+    let reply = request_io(&socket_path(name), req, QUEUE_WAIT, timeout).map_err(|e| match e {
         Failed::Connect(e) => match e.kind() {
             std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused => {
                 CannotRun(format!("no session '{name}' is running"))
@@ -426,6 +432,12 @@ pub fn request(name: &str, req: &Value, timeout: Duration) -> Result<Value, Cann
             ))
         }
         Failed::Send(e) => CannotRun(format!("session '{name}': {e}")),
+        Failed::Reply(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+            CannotRun(format!(
+                "session '{name}': no reply within {} s of the daemon taking the request",
+                timeout.as_secs()
+            ))
+        }
         Failed::Reply(e) => CannotRun(format!("session '{name}': no reply: {e}")),
         Failed::NoReply => CannotRun(format!("session '{name}': the daemon sent no reply")),
     })?;
@@ -436,6 +448,7 @@ pub fn request(name: &str, req: &Value, timeout: Duration) -> Result<Value, Cann
 }
 
 /// Where a request to a session's daemon failed.
+#[derive(Debug)]
 enum Failed {
     Connect(std::io::Error),
     TooLarge(usize),
@@ -445,18 +458,30 @@ enum Failed {
     NoReply,
 }
 
-/// [`request`]'s exchange; a refusal is returned as the reply it is.
-fn request_io(name: &str, req: &Value, timeout: Duration) -> Result<Value, Failed> {
-    let mut stream = UnixStream::connect(socket_path(name)).map_err(Failed::Connect)?;
-    stream.set_read_timeout(Some(timeout)).map_err(Failed::Connect)?;
+/// [`request`]'s exchange; a refusal is returned as the reply it is. The daemon writes a
+/// line end as it takes a request (JSON whitespace before the reply): `queue` bounds the
+/// wait for it — for the calls ahead — and `timeout` the wait for the reply after it.
+fn request_io(socket: &Path, req: &Value, queue: Duration, timeout: Duration) -> Result<Value, Failed> {
+    let mut stream = UnixStream::connect(socket).map_err(Failed::Connect)?;
+    stream.set_read_timeout(Some(queue)).map_err(Failed::Connect)?;
     let bytes = serde_json::to_vec(req).map_err(|e| Failed::Send(e.into()))?;
     if bytes.len() > MAX_REQUEST {
         return Err(Failed::TooLarge(bytes.len()));
     }
     stream.write_all(&bytes).map_err(Failed::Send)?;
     stream.shutdown(std::net::Shutdown::Write).map_err(Failed::Send)?;
-    let mut buf = Vec::new();
-    stream.take(64 << 20).read_to_end(&mut buf).map_err(Failed::Reply)?;
+    let mut buf = vec![0u8; 1];
+    let first = loop {
+        match stream.read(&mut buf) {
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            r => break r.map_err(Failed::Reply)?,
+        }
+    };
+    buf.truncate(first);
+    if first > 0 {
+        stream.set_read_timeout(Some(timeout)).map_err(Failed::Reply)?;
+        stream.take(64 << 20).read_to_end(&mut buf).map_err(Failed::Reply)?;
+    }
     serde_json::from_slice(&buf).map_err(|_| Failed::NoReply)
 }
 
@@ -473,7 +498,8 @@ fn client_gone(stream: &UnixStream) -> bool {
 /// call (it serves one client at a time); `None` for a socket left by a daemon that is
 /// gone, or one this user may not reach.
 fn status_of(name: &str) -> Option<Value> {
-    match request_io(name, &json!({"op": "status"}), Duration::from_secs(5)) {
+    let wait = Duration::from_secs(5);
+    match request_io(&socket_path(name), &json!({"op": "status"}), wait, wait) {
         Ok(status) if status.get("refused").is_none() => Some(status),
         Err(Failed::Reply(e)) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
             Some(json!({"session": name, "status": "busy"}))
@@ -1054,6 +1080,8 @@ impl Daemon {
                 return None;
             }
         };
+        // Taken: the client's wait for the reply starts now (JSON whitespace before it).
+        let _ = stream.write_all(b"\n");
         let exec = matches!(req, Request::Exec { .. });
         // A call whose client has gone — killed, or given up while the call waited behind
         // another (the daemon serves one client at a time) — is not run: its caller was
@@ -1306,6 +1334,37 @@ impl Daemon {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A client's wait for its reply starts when the daemon takes its request, not when it
+    /// is sent: behind a long call (the daemon serves one client at a time) it gave up after
+    /// the call timeout + 60 s while its own call ran, which then saw it gone.
+    #[test]
+    fn the_reply_is_awaited_from_when_the_daemon_takes_the_request() {
+        let dir = std::env::temp_dir().join(format!("opservant-session-queue-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let socket = dir.join("s.sock");
+        let listener = UnixListener::bind(&socket).unwrap();
+        let daemon = std::thread::spawn(move || {
+            for taken_after in [Duration::from_millis(1500), Duration::ZERO] {
+                let (mut c, _) = listener.accept().unwrap();
+                std::thread::sleep(taken_after);
+                let mut req = Vec::new();
+                c.read_to_end(&mut req).unwrap();
+                c.write_all(b"\n").unwrap();
+                std::thread::sleep(Duration::from_millis(700));
+                // (The second client has given up by then.)
+                let _ = c.write_all(b"{\"success\": true}");
+            }
+        });
+        // Queued 1.5 s, answered 0.7 s after being taken: within a 1 s reply wait.
+        let reply = request_io(&socket, &json!({"op": "exec"}), Duration::from_secs(10), Duration::from_secs(1));
+        assert_eq!(reply.ok(), Some(json!({"success": true})));
+        // The reply wait itself still holds.
+        let late = request_io(&socket, &json!({"op": "exec"}), Duration::from_secs(10), Duration::from_millis(200));
+        assert!(matches!(late, Err(Failed::Reply(ref e)) if e.kind() == std::io::ErrorKind::WouldBlock), "{late:?}");
+        daemon.join().unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     fn settings(allow: &[&str], defaults: &[&str]) -> Result<Settings, CannotRun> {
         let allow: Vec<String> = allow.iter().map(|s| s.to_string()).collect();
