@@ -1114,11 +1114,23 @@ fn a_notify_socket_nobody_reads_does_not_stall_the_agent() {
     let mut a = Agent::new(1);
     let notify_path = a.dir.path.join("notify.sock");
     let notify = std::os::unix::net::UnixDatagram::bind(&notify_path).unwrap();
-    // WATCHDOG_USEC 100 ms: the agent pings every 50 ms; nothing is read.
+    notify.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    // WATCHDOG_USEC 100 ms: the agent pings every 50 ms.
     a.start_with_env(&[("NOTIFY_SOCKET", notify_path.to_str().unwrap()), ("WATCHDOG_USEC", "100000")]);
-    let qlen: u64 = std::fs::read_to_string("/proc/sys/net/unix/max_dgram_qlen").unwrap().trim().parse().unwrap();
-    // Twice as many pings as the queue holds.
-    std::thread::sleep(Duration::from_millis(100 * qlen));
+    let mut buf = [0u8; 256];
+    loop {
+        let n = notify.recv(&mut buf).expect("READY=1");
+        if &buf[..n] == b"READY=1" {
+            break;
+        }
+    }
+    // From now on nothing is read, and the queue is full at once (`net.unix.max_dgram_qlen`
+    // datagrams, whatever the host's setting).
+    let filler = std::os::unix::net::UnixDatagram::unbound().unwrap();
+    filler.set_nonblocking(true).unwrap();
+    while filler.send_to(b"X", &notify_path).is_ok() {}
+    // A few pings meet the full queue.
+    std::thread::sleep(Duration::from_millis(500));
     let (code, r) = a.submit_within(&a.sign(&scan("notify-1")), Duration::from_secs(60));
     assert_eq!((code, r["status"].clone()), (0, json!("completed")), "{r}");
     // `STOPPING=1` waits for room: read from now on.

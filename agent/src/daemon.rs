@@ -81,8 +81,20 @@ fn notify(state: &str, nonblocking: bool) {
     } else {
         sock.send_to(state.as_bytes(), Path::new(&path))
     };
-    if let Err(e) = sent {
-        tracing::warn!(error = %e, state, "sd_notify failed");
+    // A reader that falls behind fails every ping (one per accepted connection): warned
+    // about once until a ping gets through again.
+    static BEHIND: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    match sent {
+        Ok(_) => BEHIND.store(false, Ordering::Relaxed),
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+            if !BEHIND.swap(true, Ordering::Relaxed) {
+                tracing::warn!(
+                    state,
+                    "sd_notify: the notify socket's queue is full; watchdog pings dropped until it drains"
+                );
+            }
+        }
+        Err(e) => tracing::warn!(error = %e, state, "sd_notify failed"),
     }
 }
 
@@ -264,6 +276,8 @@ pub fn serve(pipeline: Pipeline, socket: &Path, platform: Option<crate::platform
     }
     // Stop taking work, let what runs finish and reply.
     sd_notify("STOPPING=1");
+    // The platform's poll takes no more commands from now on.
+    stop.store(true, Ordering::SeqCst);
     // Refusals still queued are closed unanswered (one record counts them), so that a log
     // lock held by a stuck process delays the stop by at most the refusal being audited
     // and that record — and the record comes before `agent_stop`.
@@ -285,7 +299,6 @@ pub fn serve(pipeline: Pipeline, socket: &Path, platform: Option<crate::platform
     wait_while(&|| !refusing.is_finished());
     let _ = refusing.join();
     crate::audit::record("agent_stop", &[("running", &pipeline.running().to_string())]);
-    stop.store(true, Ordering::SeqCst);
     // The socket's workers and the commands from the platform (on their own threads).
     wait_while(&|| {
         workers.iter().any(|w| !w.is_finished())

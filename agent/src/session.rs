@@ -322,7 +322,7 @@ pub fn start(settings: &Settings, exe: &Path, serve_subcommand: &str) -> Result<
     use std::process::{Command, Stdio};
     ensure_dir()?;
     if UnixStream::connect(socket_path(&settings.name)).is_ok() {
-        return Err(CannotRun(format!("session '{}' is already running", settings.name)));
+        return Err(CannotRun(already_running(&settings.name)));
     }
     sweep_old_logs();
     rotate_log(&settings.name);
@@ -344,11 +344,11 @@ pub fn start(settings: &Settings, exe: &Path, serve_subcommand: &str) -> Result<
         Err(e) => (Err(e), false),
     };
     let log = log.map_err(|e| CannotRun(format!("{}: {e}", log_path(&settings.name).display())))?;
-    let remove_log = || {
-        // Not when a session of that name runs after all: a concurrent start won, and its
-        // daemon writes to the log this start created — and holds the name's lock from its
-        // first step, long before its socket exists.
-        if created_log && UnixStream::connect(socket_path(&settings.name)).is_err() && !name_locked(&settings.name) {
+    // Not when a session of that name runs after all: a concurrent start won, and its
+    // daemon writes to the log this start created — it holds the name's lock from its first
+    // step, long before its socket exists, and this start's daemon failed on that lock.
+    let remove_log = |lost_the_name: bool| {
+        if created_log && !lost_the_name && UnixStream::connect(socket_path(&settings.name)).is_err() {
             let _ = std::fs::remove_file(log_path(&settings.name));
         }
     };
@@ -394,7 +394,7 @@ pub fn start(settings: &Settings, exe: &Path, serve_subcommand: &str) -> Result<
     };
     if reply.get("error").and_then(Value::as_str).is_some() && reply.get("status") != Some(&json!("started")) {
         let _ = child.wait();
-        remove_log();
+        remove_log(reply["error"].as_str() == Some(already_running(&settings.name).as_str()));
         return Err(CannotRun(format!(
             "session '{}': {}",
             settings.name,
@@ -646,11 +646,9 @@ fn report_failure(error: &str) -> i32 {
     1
 }
 
-/// Whether a daemon holds `NAME.lock` (probed with a shared lock, let go at once).
-fn name_locked(name: &str) -> bool {
-    let Ok(file) = std::fs::File::open(lock_path(name)) else { return false };
-    // SAFETY: flock on a descriptor we own; the lock goes with it.
-    unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_SH | libc::LOCK_NB) != 0 }
+/// Why a start of `name` fails while a daemon holds the name.
+fn already_running(name: &str) -> String {
+    format!("session '{name}' is already running")
 }
 
 /// Hold `NAME.lock` for the daemon's life; a second daemon for the same name fails here.
@@ -667,7 +665,7 @@ fn take_lock(name: &str) -> Result<std::fs::File, CannotRun> {
             .map_err(|e| CannotRun(format!("{}: {e}", path.display())))?;
         // SAFETY: flock on a descriptor we own.
         if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-            return Err(CannotRun(format!("session '{name}' is already running")));
+            return Err(CannotRun(already_running(name)));
         }
         // The previous holder may have removed the path after we opened it: the lock is only
         // ours if the path still names the file we locked.

@@ -259,6 +259,10 @@ const BACKSTOP: Duration = Duration::from_secs(1);
 /// kernel notifies before it picks and kills its victim (see [`Sandbox::wait`]).
 const OOM_SETTLE: Duration = Duration::from_millis(20);
 
+/// How long after a v1 OOM notification the counter is read again (every [`OOM_SETTLE`])
+/// while it has not grown.
+const OOM_CHECK_FOR: Duration = Duration::from_secs(2);
+
 /// How long after that last SIGKILL [`Sandbox::wait`] still waits, with no output arriving
 /// meanwhile, for the sandbox's processes to go (its channel and output pipes to close).
 /// One that has not exited by then is stuck in the kernel (uninterruptible I/O, a frozen
@@ -705,6 +709,7 @@ impl Sandbox {
         let mut out_of_memory = false;
         let mut oom_noticed = false;
         let mut oom_check_at: Option<Instant> = None;
+        let mut oom_check_until: Option<Instant> = None;
         // Setup is bounded too (a pooled sandbox's report is already waiting when it is
         // taken, and its clock restarts then).
         let mut setup_at = Some(self.started.max(self.setup_from) + self.setup_limit);
@@ -774,6 +779,10 @@ impl Sandbox {
                     out_of_memory = true;
                     self.kill();
                     backstop_at.get_or_insert(now + BACKSTOP);
+                } else if oom_check_until.is_some_and(|u| now < u) {
+                    // The kernel has not killed yet (it may wait for the global OOM lock, or
+                    // print its report to a slow console): read again.
+                    oom_check_at = Some(now + OOM_SETTLE);
                 }
             }
             if let Some(c) = cpu_at {
@@ -903,6 +912,7 @@ impl Sandbox {
                         }
                         oom_noticed = true;
                         oom_check_at = Some(Instant::now() + OOM_SETTLE);
+                        oom_check_until = Some(Instant::now() + OOM_CHECK_FOR);
                     }
                     3 | 4 if stopped => {}
                     3 | 4 if slot == 4 && !self.stop_requested(report.is_some()) => {}

@@ -422,6 +422,10 @@ _SESSION_IN_CALL = False
 # caller's code.
 _SESSION_SIGINTS = 0
 _SESSION_NOT_OURS = 0
+# The previous call's count: interrupts sent before it are taken as delivered by now (or
+# merged with a later one — standard signals do not queue), so that a lost one cannot keep
+# later calls from being interrupted for more than a call or two.
+_SESSION_PREVIOUS_SENT = 0
 
 
 def _on_session_sigint(signum, frame):
@@ -432,7 +436,7 @@ def _on_session_sigint(signum, frame):
 
 
 def _session_call(namespace, request, number, builtins):
-    global _SESSION_IN_CALL, _SESSION_NOT_OURS
+    global _SESSION_IN_CALL, _SESSION_NOT_OURS, _SESSION_SIGINTS, _SESSION_PREVIOUS_SENT
 
     out, err = _Capture(), _Capture()
     saved = sys.stdout, sys.stderr
@@ -447,7 +451,10 @@ def _session_call(namespace, request, number, builtins):
         source = request["code"]
         code = compile(source, filename, "exec", dont_inherit=True)
         _keep_session_source(filename, source)
-        _SESSION_NOT_OURS = max(request.get("interrupts", 0), _SESSION_SIGINTS)
+        sent = request.get("interrupts", 0)
+        _SESSION_SIGINTS = max(_SESSION_SIGINTS, _SESSION_PREVIOUS_SENT)
+        _SESSION_NOT_OURS = max(sent, _SESSION_SIGINTS)
+        _SESSION_PREVIOUS_SENT = sent
         _SESSION_IN_CALL = True
         exec(code, namespace)
     except BaseException as e:  # SystemExit and KeyboardInterrupt too: the session goes on
