@@ -690,8 +690,8 @@ impl SandboxCgroup {
     }
 
     /// The v1 OOM notification: readable once the sandbox's memory cgroup has run out of
-    /// memory. `None` on v2 (the kernel kills the
-    /// whole sandbox itself) and without a memory limit.
+    /// memory. `None` on v2 (the kernel kills the whole sandbox itself) and without a
+    /// memory limit.
     pub fn oom_event(&self) -> Option<&nix::sys::eventfd::EventFd> {
         self.oom_event.as_ref()
     }
