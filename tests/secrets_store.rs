@@ -699,6 +699,52 @@ fn a_store_configured_over_its_own_key_is_a_configuration_error() {
     }
 }
 
+/// A `set` that makes the store's key and then cannot write the store (here: its directory,
+/// a small tmpfs in a mount namespace of the command's own, full) leaves no key behind: the
+/// key stayed, and the notice to keep a copy of it was never printed — not by the next
+/// `set` either, which found it.
+#[test]
+fn a_key_made_for_a_store_that_could_not_be_written_does_not_stay() {
+    if !require_root() {
+        return;
+    }
+    let s = Setup::new("");
+    let store_dir = s.dir.path.join("full");
+    std::fs::create_dir(&store_dir).unwrap();
+    let text = std::fs::read_to_string(&s.config)
+        .unwrap()
+        .replace(&format!("store: {}", s.store().display()), &format!("store: {}/secrets.enc", store_dir.display()));
+    std::fs::write(&s.config, text).unwrap();
+    let script = format!(
+        "mount --make-rprivate / && mount -t tmpfs -o size=8k tmpfs {d} && (head -c 1M /dev/zero > {d}/fill || true) && exec {bin} secrets set api_key --config {c}",
+        d = store_dir.display(),
+        bin = env!("CARGO_BIN_EXE_opservant"),
+        c = s.cfg()
+    );
+    let _view = common::host_view();
+    let out = Command::new("unshare")
+        .args(["-m", "sh", "-c", &script])
+        .env_remove("OPSERVANT_LOG")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .and_then(|mut c| {
+            c.stdin.take().unwrap().write_all(b"value")?;
+            c.wait_with_output()
+        })
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("No space left on device"), "{stderr}");
+    assert!(!s.key().exists(), "the key made for the store stayed: {stderr}");
+    // The next `set` makes a key again, and says so.
+    std::fs::remove_dir(&store_dir).unwrap();
+    let out = s.secrets(&["set", "api_key"], Some(b"value"));
+    out.ok();
+    assert!(out.stderr.contains("created the store key"), "{out:?}");
+}
+
 /// `get` and `list` whose reader went away (a closed pipe) drop the output and keep their
 /// own exit status, as every command does; and a `secrets` command, which holds the store's
 /// key and a value, cannot dump core (no core size, not dumpable), like the daemon.

@@ -126,7 +126,22 @@ pub fn run(cmd: SecretsCommand) -> Result<u8, SecretsCliError> {
                 }
                 return Err(e.into());
             }
-            store.save()?;
+            if let Err(e) = store.save() {
+                // A key made for a store that was not written goes with it (the next `set`
+                // makes one and says so); one whose store was put in place (a failure after
+                // the rename) is the store's key now, and announced.
+                if let Some(k) = &created_key {
+                    if std::fs::symlink_metadata(&store_path).is_ok() {
+                        crate::stdout::eprint(&format!(
+                            "opservant: created the store key {} (mode 0600); keep a copy somewhere safe: without it the store cannot be read\n",
+                            k.display()
+                        ));
+                    } else {
+                        let _ = std::fs::remove_file(k);
+                    }
+                }
+                return Err(e.into());
+            }
             if let Some(k) = created_key {
                 crate::stdout::eprint(&format!(
                     "opservant: created the store key {} (mode 0600); keep a copy somewhere safe: without it the store cannot be read\n",
