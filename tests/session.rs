@@ -531,8 +531,8 @@ fn a_late_interrupt_for_an_earlier_call_does_not_interrupt_the_next() {
     assert!(r["error"].as_str().unwrap().contains("KeyboardInterrupt"), "{r}");
 }
 
-/// A start that loses to a concurrent start of the same name removes the log it created
-/// only if no daemon holds the name: the winner's daemon takes the name's lock at once but
+/// A start that loses to a concurrent start of the same name keeps the log it created when
+/// its daemon failed on the name's lock: the winner's daemon takes the lock at once but
 /// makes its socket only once its interpreter is up (up to 30 s), and writes to that log —
 /// the loser checked the socket alone and unlinked the winner's log.
 #[test]
