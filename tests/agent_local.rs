@@ -294,6 +294,26 @@ fn the_daemon_writes_no_core_dump() {
     assert!(a.stop().success());
 }
 
+/// Sandbox cgroups a dead creator left (a crashed agent's, its processes killed or not)
+/// are swept as an agent starts, not at its first sandbox: until then they hold their
+/// processes, memory and pids. The agent runs in a v1 memory cgroup of the test's own, where
+/// nothing but it (and what it starts) would sweep: no other test's sandbox can do it first.
+#[test]
+fn an_agent_sweeps_left_over_sandbox_cgroups_as_it_starts() {
+    if !common::require_root() {
+        return;
+    }
+    let Some(home) = common::MemoryCgroup::new("sweep") else { return };
+    // Named as sandbox cgroups are; its creator's pid is above any `pid_max`.
+    let stale = home.0.join("opservant-sb-4000000000-1-0");
+    std::fs::create_dir(&stale).unwrap();
+    let mut a = Agent::new(2);
+    a.start_in_cgroup(&home.procs());
+    let left = stale.exists();
+    assert!(a.stop().success());
+    assert!(!left, "{} was still there once the agent listened", stale.display());
+}
+
 #[test]
 fn a_command_for_another_agent_is_refused() {
     if !common::require_root() {

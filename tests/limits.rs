@@ -44,6 +44,31 @@ fn a_shell_whose_child_runs_out_of_memory_ends_with_it() {
     assert_eq!(r.killed_by(), Some("oom"), "{}", r.json);
     assert!(r.usage("oom_kills") >= 1, "{}", r.json);
     assert!(!r.stdout().contains("survived"), "the shell went on: {}", r.json);
+    // Its own limit: said so.
+    assert!(r.json["error"].as_str().unwrap().ends_with("out of memory (limit 32 MB)"), "{}", r.json);
+    assert_cgroups_gone(&r);
+}
+
+/// An OOM kill the sandbox's own limit did not cause — a parent cgroup ran out (a memory
+/// cgroup of the test's with 64 MB, around a sandbox allowed 512 MB) — ends the sandbox as a
+/// whole too, and is not reported as the sandbox reaching its limit.
+#[test]
+fn an_oom_kill_a_parent_cgroup_caused_is_not_blamed_on_the_sandboxs_limit() {
+    if !require_root() {
+        return;
+    }
+    let Some(parent) = common::MemoryCgroup::new("oom-parent") else { return };
+    std::fs::write(parent.0.join("memory.limit_in_bytes"), (64u64 << 20).to_string()).unwrap();
+    let (_d, m) = limits_manifest(r#"{"max_memory_mb": 512, "timeout_seconds": 30}"#);
+    // b'\x01' * n touches every page.
+    let script = "/usr/bin/python3 -I -S -c \"b'\\x01' * (256 << 20)\"; sleep 3; echo survived; exit 0";
+    let r = common::sandbox_in_cgroup(Some(&m), &["/bin/sh", "-c", script], &parent.procs());
+    assert_eq!(r.status(), "failed", "{}", r.json);
+    assert_eq!(r.killed_by(), Some("oom"), "{}", r.json);
+    assert!(r.usage("oom_kills") >= 1, "{}", r.json);
+    assert!(!r.stdout().contains("survived"), "the shell went on: {}", r.json);
+    let error = r.json["error"].as_str().unwrap();
+    assert!(error.contains("a parent cgroup ran out; the sandbox's limit of 512 MB was not reached"), "{}", r.json);
     assert_cgroups_gone(&r);
 }
 

@@ -219,6 +219,18 @@ fn a_per_call_timeout_cannot_exceed_the_sessions() {
         "{r}"
     );
     assert!(s.exec("x = 2", &["--timeout", "1"]).1.get("clamped").is_none());
+    // A timeout of 0 sent straight to the socket (the CLI refuses it) is refused too, not
+    // raised to 1 s without a word.
+    use std::io::{Read, Write};
+    let mut c = std::os::unix::net::UnixStream::connect(s.socket()).unwrap();
+    c.write_all(br#"{"op": "exec", "code": "x = 3", "globals": {}, "return": [], "timeout_s": 0}"#).unwrap();
+    c.shutdown(std::net::Shutdown::Write).unwrap();
+    let mut reply = String::new();
+    c.read_to_string(&mut reply).unwrap();
+    let reply: serde_json::Value = serde_json::from_str(reply.trim()).unwrap();
+    assert!(reply["refused"].as_str().unwrap().contains("timeout_s must be at least 1"), "{reply}");
+    let (code, r) = s.exec("y = x", &["--return", "y"]);
+    assert_eq!((code, &r["globals"]["y"]), (0, &serde_json::json!(2)), "the refused call did not run: {r}");
     let (_, r) = s.exec("while True:\n    pass", &["--timeout", "100"]);
     assert_eq!(r["killed_by"], "timeout");
     assert!(r["error"].as_str().unwrap().contains("after 1 s"), "{r}");

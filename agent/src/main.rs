@@ -817,6 +817,11 @@ fn agent_daemon(config: Option<PathBuf>, check_only: bool) -> Result<ExitCode, C
     agent::audit::init(&cfg)?;
     // Before any thread starts (see the function).
     agent::daemon::block_stop_signals().map_err(|e| CannotRun(e.0))?;
+    // The cgroup layout now, before the zygote or any sandbox exists: sandbox cgroups a
+    // crashed predecessor left are swept at start rather than at the first sandbox (they
+    // hold memory and pids till then), and on a delegated v2 host the agent moves into its
+    // leaf while it is still alone in its cgroup.
+    sandbox::cgroup::prepare();
     // One connection thread per command, up to `agent.max_concurrent`: glibc would give each
     // its own malloc arena (up to 8 per core), each holding its high-water mark for good.
     // Two arenas are plenty for threads that mostly wait on their sandbox.

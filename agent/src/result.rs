@@ -109,6 +109,10 @@ impl RunResult {
                 Some("stopped before it finished (its caller stopped the sandbox)".into())
             }
             (_, Some(k), _) => Some(match k {
+                sandbox::KilledBy::Oom if outcome.oom_at_limit == Some(false) => format!(
+                    "killed: out of memory (the host or a parent cgroup ran out; the sandbox's limit of {} MB was not reached)",
+                    limits.max_memory_mb
+                ),
                 sandbox::KilledBy::Oom => format!("killed: out of memory (limit {} MB)", limits.max_memory_mb),
                 sandbox::KilledBy::Timeout => format!("timed out after {} s", limits.timeout_seconds),
                 sandbox::KilledBy::Pids => format!("failed after hitting the process limit ({})", limits.max_pids),

@@ -973,6 +973,10 @@ impl Daemon {
         }
         match &self.outcome {
             Some(Ok(o)) => match o.killed_by {
+                Some(sandbox::KilledBy::Oom) if o.oom_at_limit == Some(false) => format!(
+                    "the host or a parent cgroup ran out of memory (the session's limit of {} MB was not reached)",
+                    self.limits.max_memory_mb
+                ),
                 Some(sandbox::KilledBy::Oom) => {
                     format!("it ran out of memory (limit {} MB)", self.limits.max_memory_mb)
                 }
@@ -1101,6 +1105,10 @@ impl Daemon {
                     json!({"session": self.settings.name, "status": "stopped", "calls": self.calls, "usage": usage}),
                     Some(End::Stopped),
                 )
+            }
+            // The CLI refuses `--timeout 0`; a raw request's is refused too, never raised.
+            Request::Exec { timeout_s: Some(0), .. } => {
+                (json!({"refused": "bad request: timeout_s must be at least 1 second"}), None)
             }
             Request::Exec { code, globals, r#return, timeout_s } => {
                 let ceiling = self.settings.call_timeout_s;

@@ -77,7 +77,6 @@ enum Place {
 struct Layout {
     places: [Place; 3],
     has_cgroup_kill: bool,
-    swap_active: bool,
 }
 
 impl Layout {
@@ -232,8 +231,7 @@ fn discover(prepare: bool) -> Layout {
             }
         }
     }
-    let swap_active = fs::read_to_string("/proc/swaps").map(|s| s.lines().count() > 1).unwrap_or(false);
-    Layout { places, has_cgroup_kill, swap_active }
+    Layout { places, has_cgroup_kill }
 }
 
 /// Make `own` usable as a v2 delegation base: when it is not the root and holds this
@@ -456,6 +454,17 @@ fn oom_eventfd(dir: &Path) -> std::io::Result<nix::sys::eventfd::EventFd> {
     Ok(event)
 }
 
+/// How far below its limit a v1 memory cgroup's high-water mark may stay when its own limit
+/// OOM-kills: the failed charge (a page, or a 2 MiB huge page) was not counted, and a little
+/// more for rounding.
+const V1_OOM_SLACK: u64 = 4 << 20;
+
+/// Whether swap is in use now, asked only of a sandbox whose swap limit could not be set:
+/// swap turned on after this process started counts too. Unreadable counts as active.
+fn swap_active() -> bool {
+    fs::read_to_string("/proc/swaps").map_or(true, |s| s.lines().count() > 1)
+}
+
 /// Usage figures read from the sandbox cgroup.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct CgroupUsage {
@@ -463,6 +472,11 @@ pub struct CgroupUsage {
     pub cpu_ms: Option<u64>,
     pub peak_memory_bytes: Option<u64>,
     pub oom_kills: u64,
+    /// After an OOM kill: whether the sandbox's own memory limit was reached (v2: its
+    /// `memory.events` counts an `oom` of its own; v1: its high-water mark came within
+    /// [`V1_OOM_SLACK`] of the limit). `Some(false)`: the host or a parent cgroup ran out.
+    /// `None` without an OOM kill, or when it cannot be told.
+    pub memory_limit_reached: Option<bool>,
     pub pids_limit_hits: u64,
     pub cpu_throttled_periods: u64,
     pub cpu_throttled_ms: u64,
@@ -551,7 +565,7 @@ impl SandboxCgroup {
             (false, false) => "none",
         }
         .into();
-        cg.apply_limits(limits, layout.swap_active)?;
+        cg.apply_limits(limits)?;
         Ok(cg)
     }
 
@@ -569,11 +583,11 @@ impl SandboxCgroup {
         self.dirs[c as usize].as_ref()
     }
 
-    fn apply_limits(&mut self, limits: &Limits, swap_active: bool) -> Result<(), CgroupError> {
+    fn apply_limits(&mut self, limits: &Limits) -> Result<(), CgroupError> {
         if let (Some(bytes), Some(dir)) = (limits.memory_bytes, self.dir(Controller::Memory).cloned()) {
             if self.v2_for(Controller::Memory) {
                 write(&dir.join("memory.max"), &bytes.to_string())?;
-                if !write_optional(&dir.join("memory.swap.max"), "0")? && swap_active {
+                if !write_optional(&dir.join("memory.swap.max"), "0")? && swap_active() {
                     self.degrade(
                         limits,
                         "memory: swap is active but memory.swap.max is missing (swap accounting off)".into(),
@@ -593,7 +607,7 @@ impl SandboxCgroup {
                         ),
                     )?,
                 }
-                if !write_optional(&dir.join("memory.memsw.limit_in_bytes"), &bytes.to_string())? && swap_active {
+                if !write_optional(&dir.join("memory.memsw.limit_in_bytes"), &bytes.to_string())? && swap_active() {
                     self.degrade(limits, "memory: swap is active but memory.memsw is missing (swapaccount=0)".into())?;
                 }
                 // v1 charges TCP socket buffers to a memory cgroup only once its own TCP limit
@@ -702,10 +716,36 @@ impl SandboxCgroup {
         if let Some(dir) = self.dir(Controller::Memory) {
             if self.v2_for(Controller::Memory) {
                 u.peak_memory_bytes = read_u64(&dir.join("memory.peak"));
-                u.oom_kills = read_keyed(&dir.join("memory.events"), "oom_kill").unwrap_or(0);
+                let events = read_small(&dir.join("memory.events"));
+                u.oom_kills = events.as_deref().and_then(|e| keyed(e, "oom_kill")).unwrap_or(0);
+                if u.oom_kills > 0 {
+                    // `oom` counts the times this cgroup's own limit (or a descendant's: it
+                    // has none) left an allocation to fail; an ancestor's goes to the
+                    // ancestor's file, the victim's `oom_kill` wherever it was.
+                    u.memory_limit_reached = events.as_deref().and_then(|e| keyed(e, "oom")).map(|n| n > 0);
+                }
             } else {
                 u.peak_memory_bytes = read_u64(&dir.join("memory.max_usage_in_bytes"));
                 u.oom_kills = read_keyed(&dir.join("memory.oom_control"), "oom_kill").unwrap_or(0);
+                if u.oom_kills > 0 {
+                    // v1 has no such count (`memory.failcnt` stays 0 on 6.18 even when the
+                    // limit OOM-kills): a charge fails only with usage within its own size
+                    // (at most a 2 MiB huge page) of the limit, and that usage was a
+                    // high-water mark. Swap's counter likewise.
+                    let near = |usage: &str, limit: &str| match (read_u64(&dir.join(usage)), read_u64(&dir.join(limit)))
+                    {
+                        (Some(peak), Some(limit)) => Some(peak.saturating_add(V1_OOM_SLACK) >= limit),
+                        _ => None,
+                    };
+                    u.memory_limit_reached = match (
+                        near("memory.max_usage_in_bytes", "memory.limit_in_bytes"),
+                        near("memory.memsw.max_usage_in_bytes", "memory.memsw.limit_in_bytes"),
+                    ) {
+                        (Some(true), _) | (_, Some(true)) => Some(true),
+                        (Some(false), Some(false) | None) => Some(false),
+                        (None, _) => None,
+                    };
+                }
             }
         }
         if let Some(dir) = self.dir(Controller::Pids) {
@@ -1022,7 +1062,6 @@ mod tests {
         Box::leak(Box::new(Layout {
             places: [Place::V1(mem), Place::Missing("no cpu controller (test)".into()), Place::V1(pids)],
             has_cgroup_kill: false,
-            swap_active: false,
         }))
     }
 
@@ -1042,7 +1081,6 @@ mod tests {
         let layout: &'static Layout = Box::leak(Box::new(Layout {
             places: [Place::V1(mem), Place::V1(cpu), Place::V1(pids)],
             has_cgroup_kill: false,
-            swap_active: false,
         }));
         let names = |cg: &SandboxCgroup| -> Vec<(String, String)> {
             cg.cpu_writes()

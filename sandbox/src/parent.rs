@@ -1036,6 +1036,7 @@ impl Sandbox {
             exit: payload_exit,
             timed_out,
             stopped,
+            oom_at_limit: if killed_by == Some(KilledBy::Oom) { cg_usage.memory_limit_reached } else { None },
             killed_by,
             stdout,
             stderr,

@@ -166,6 +166,10 @@ pub struct Outcome {
     /// Ended by [`crate::StopHandle::stop`].
     pub stopped: bool,
     pub killed_by: Option<KilledBy>,
+    /// When `killed_by` is [`KilledBy::Oom`]: `Some(false)` if the sandbox's own memory limit
+    /// was not reached — the host or a parent cgroup ran out of memory and the kernel chose
+    /// a victim in the sandbox. `None` when it cannot be told (or no OOM kill).
+    pub oom_at_limit: Option<bool>,
     pub stdout: Captured,
     pub stderr: Captured,
     pub usage: ResourceUsage,

@@ -127,9 +127,26 @@ impl Agent {
 
     /// As [`Agent::start`], with these variables added to the agent's environment.
     pub fn start_with_env(&mut self, env: &[(&str, &str)]) {
-        let child = common::command()
+        let mut cmd = common::command();
+        cmd.envs(env.iter().copied());
+        self.spawn(cmd);
+    }
+
+    /// As [`Agent::start`], the agent placed in the cgroup whose `cgroup.procs` is `procs`
+    /// before it runs.
+    pub fn start_in_cgroup(&mut self, procs: &Path) {
+        use std::os::unix::process::CommandExt;
+        let procs = procs.to_owned();
+        let mut cmd = common::command();
+        // SAFETY: the hook only opens, writes and closes a file between fork and exec ("0" is
+        // the writing process).
+        unsafe { cmd.pre_exec(move || std::fs::write(&procs, "0")) };
+        self.spawn(cmd);
+    }
+
+    fn spawn(&mut self, mut cmd: std::process::Command) {
+        let child = cmd
             .args(["agent", "--config", self.config.to_str().unwrap()])
-            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())

@@ -190,8 +190,25 @@ pub fn host_view() -> std::sync::RwLockReadGuard<'static, ()> {
 
 /// Like [`sandbox`] but returns `Err((exit code, stderr))` when no result JSON was printed.
 pub fn try_sandbox(manifest: Option<&Path>, argv: &[&str]) -> Result<Run, (i32, String)> {
-    let _view = host_view();
+    try_sandbox_with(manifest, argv, command())
+}
+
+/// [`sandbox`], `opservant` placed in the cgroup whose `cgroup.procs` is `procs` before it
+/// runs (its sandbox cgroups are then made beneath that one).
+#[allow(dead_code)] // tests/limits.rs only
+pub fn sandbox_in_cgroup(manifest: Option<&Path>, argv: &[&str], procs: &Path) -> Run {
+    use std::os::unix::process::CommandExt;
+    let procs = procs.to_owned();
     let mut cmd = command();
+    // SAFETY: the hook only opens, writes and closes a file between fork and exec ("0" is
+    // the writing process).
+    unsafe { cmd.pre_exec(move || std::fs::write(&procs, "0")) };
+    try_sandbox_with(manifest, argv, cmd)
+        .unwrap_or_else(|(code, err)| panic!("opservant sandbox could not run (exit {code}): {err}"))
+}
+
+fn try_sandbox_with(manifest: Option<&Path>, argv: &[&str], mut cmd: Command) -> Result<Run, (i32, String)> {
+    let _view = host_view();
     cmd.arg("sandbox");
     if let Some(m) = manifest {
         cmd.arg("--manifest").arg(m);
@@ -350,4 +367,55 @@ pub fn host_processes_with(marker: &str) -> Vec<i32> {
         }
     }
     pids
+}
+
+/// A v1 memory cgroup of a test's own, beneath the one the test process is in: what runs in
+/// it makes its sandbox cgroups beneath it, where no other test's run sweeps or charges.
+/// Dropping it removes what cgroups are left in it, and it, waiting up to 10 s for what ran
+/// in it to exit.
+#[allow(dead_code)] // each test file uses its part
+pub struct MemoryCgroup(pub PathBuf);
+
+#[allow(dead_code)]
+impl MemoryCgroup {
+    /// A new one named by `label`, or `None` (skipped, outside CI only) on a host without a
+    /// v1 memory hierarchy.
+    pub fn new(label: &str) -> Option<MemoryCgroup> {
+        let root = Path::new("/sys/fs/cgroup/memory");
+        let own = std::fs::read_to_string("/proc/self/cgroup").unwrap().lines().find_map(|l| {
+            let mut f = l.splitn(3, ':');
+            let (_, controllers, path) = (f.next()?, f.next()?, f.next()?);
+            controllers.split(',').any(|c| c == "memory").then(|| path.to_string())
+        });
+        let Some(own) = own.filter(|_| root.join("cgroup.procs").exists()) else {
+            assert!(!in_ci(), "CI runs on a host with a v1 memory hierarchy");
+            eprintln!("SKIPPED: no v1 memory hierarchy");
+            return None;
+        };
+        let dir = root.join(own.trim_start_matches('/')).join(format!("opservant-test-{label}-{}", std::process::id()));
+        std::fs::create_dir(&dir).unwrap();
+        Some(MemoryCgroup(dir))
+    }
+
+    /// Its `cgroup.procs`.
+    pub fn procs(&self) -> PathBuf {
+        self.0.join("cgroup.procs")
+    }
+}
+
+impl Drop for MemoryCgroup {
+    fn drop(&mut self) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            for e in std::fs::read_dir(&self.0).into_iter().flatten().flatten() {
+                if e.file_type().is_ok_and(|t| t.is_dir()) {
+                    let _ = std::fs::remove_dir(e.path());
+                }
+            }
+            if std::fs::remove_dir(&self.0).is_ok() || std::time::Instant::now() > deadline {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+    }
 }

@@ -67,7 +67,7 @@ struct Ctx {
 }
 
 fn in_vm() -> ExitCode {
-    let checks: [(&str, guest::Check<Ctx>); 9] = [
+    let checks: [(&str, guest::Check<Ctx>); 10] = [
         ("cgroup_v2_reported", cgroup_v2_reported),
         ("memory_oom", memory_oom),
         ("cpu_throttled", cpu_throttled),
@@ -75,6 +75,7 @@ fn in_vm() -> ExitCode {
         ("cgroup_kill_daemon", cgroup_kill_daemon),
         ("delegated_subtree", delegated_subtree),
         ("delegated_session", delegated_session),
+        ("parent_oom", parent_oom),
         ("landlock_abi2_partial", landlock_abi2_partial),
         ("no_leaks", no_leaks),
     ];
@@ -274,7 +275,45 @@ fn memory_oom(ctx: &Ctx) -> Result<(), String> {
     ensure!(r.get("killed_by")? == "oom", "killed_by is not oom\n{}", r.dump());
     ensure!(r.u64("usage.oom_kills")? >= 1, "usage.oom_kills < 1\n{}", r.dump());
     ensure!(!r.str("stdout")?.contains("survived"), "the payload survived the memory bomb\n{}", r.dump());
+    ensure!(
+        r.str("error")?.ends_with("out of memory (limit 32 MB)"),
+        "the error does not name the limit\n{}",
+        r.dump()
+    );
     no_sandbox_cgroups()
+}
+
+/// An OOM kill a parent cgroup caused (the delegated subtree allowed 64 MB, the sandbox 512
+/// MB) ends the sandbox as a whole, and is not blamed on the sandbox's limit: its
+/// `memory.events` counts no `oom` of its own.
+fn parent_oom(ctx: &Ctx) -> Result<(), String> {
+    let m = manifest(
+        ctx,
+        "parent-oom",
+        json!({"max_memory_mb": 512, "max_cpu_percent": 50, "timeout_seconds": 120, "max_disk_mb": 16, "max_pids": 16}),
+    )?;
+    in_delegated_cgroup(|| {
+        let limit = Path::new(DELEG).join("memory.max");
+        std::fs::write(&limit, (64u64 << 20).to_string()).map_err(|e| format!("write {}: {e}", limit.display()))?;
+        // b'\x01' * n touches every page.
+        let payload = format!("{PYTHON} -I -S -c \"b'\\x01' * (256 << 20)\"; sleep 3; echo survived; exit 0");
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", &format!("echo $$ > {DELEG}/cgroup.procs && exec \"$0\" \"$@\""), OPSERVANT, "sandbox"])
+            .arg("--manifest")
+            .arg(&m)
+            .args(["--json", "--", "/bin/sh", "-c", &payload]);
+        let what = "opservant sandbox in a 64 MB parent";
+        let r = parse_run(output_within(spawn(cmd, "sh")?, what)?, what)?;
+        ensure!(r.str("status")? == "failed", "status is not failed\n{}", r.dump());
+        ensure!(r.get("killed_by")? == "oom", "killed_by is not oom\n{}", r.dump());
+        ensure!(!r.str("stdout")?.contains("survived"), "the shell went on\n{}", r.dump());
+        ensure!(
+            r.str("error")?.contains("a parent cgroup ran out; the sandbox's limit of 512 MB was not reached"),
+            "the error blames the sandbox's limit\n{}",
+            r.dump()
+        );
+        no_sandbox_cgroups()
+    })
 }
 
 /// A busy loop at 10 % CPU is throttled: the kernel's CPU accounting stays near the quota.
@@ -367,7 +406,7 @@ fn delegated_subtree(_: &Ctx) -> Result<(), String> {
 /// Run `check` with [`DELEG`] made (the controllers enabled at the root), then remove it and
 /// opservant's leaf in it — even on failure, waiting a little for processes to leave;
 /// a cleanup failure is reported only if the check passed.
-fn in_delegated_cgroup(check: fn() -> Result<(), String>) -> Result<(), String> {
+fn in_delegated_cgroup(check: impl FnOnce() -> Result<(), String>) -> Result<(), String> {
     let root_ctl = Path::new(CGROUP_ROOT).join("cgroup.subtree_control");
     let enabled = std::fs::read_to_string(&root_ctl).map_err(|e| format!("read {}: {e}", root_ctl.display()))?;
     for c in ["memory", "cpu", "pids"] {
