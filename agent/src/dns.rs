@@ -337,21 +337,7 @@ fn answer(
     // The names the answer's addresses may belong to: the query's, and those its CNAME
     // chain in the answer leads to. An A or AAAA record of any other owner name (one an
     // upstream added beside the answer) allows nothing.
-    let mut owners: Vec<String> = vec![name.clone()];
-    loop {
-        let before = owners.len();
-        for r in &reply.answers {
-            if let RData::CNAME(target) = &r.data {
-                let (from, to) = (plain_name(&r.name), plain_name(&target.0));
-                if owners.contains(&from) && !owners.contains(&to) {
-                    owners.push(to);
-                }
-            }
-        }
-        if owners.len() == before {
-            break;
-        }
-    }
+    let owners = chain_owners(&name, &reply.answers);
     let mut found: Vec<(IpAddr, u64)> = Vec::new();
     for r in &reply.answers {
         // An allowed name that leads, through a CNAME, to a denied one: the denied name's
@@ -481,17 +467,56 @@ fn forward_udp(raw: &[u8], id: u16, up: &SocketAddr) -> Option<Vec<u8>> {
     None
 }
 
+/// `name` and the names its CNAME chain in `answers` leads to. One pass over the records and
+/// one over the chain, whatever their order: an upstream's answer of thousands of CNAMEs
+/// listed backwards costs the agent no more than one in order.
+fn chain_owners(name: &str, answers: &[hickory_proto::rr::Record]) -> std::collections::HashSet<String> {
+    let mut cnames: std::collections::HashMap<String, Vec<String>> = std::collections::HashMap::new();
+    for r in answers {
+        if let RData::CNAME(target) = &r.data {
+            cnames.entry(plain_name(&r.name)).or_default().push(plain_name(&target.0));
+        }
+    }
+    let mut owners = std::collections::HashSet::from([name.to_string()]);
+    let mut to_follow = vec![name.to_string()];
+    while let Some(from) = to_follow.pop() {
+        for to in cnames.get(&from).into_iter().flatten() {
+            if owners.insert(to.clone()) {
+                to_follow.push(to.clone());
+            }
+        }
+    }
+    owners
+}
+
+/// One query over TCP, the whole exchange within [`UPSTREAM_TIMEOUT`] of its start: an
+/// upstream that trickles its answer (or never reads the query) cannot hold the forwarder,
+/// whose end the run's end waits for.
 fn forward_tcp(raw: &[u8], up: &SocketAddr) -> Option<Vec<u8>> {
     use std::io::{Read, Write};
+    let deadline = Instant::now() + UPSTREAM_TIMEOUT;
+    let left = || deadline.checked_duration_since(Instant::now()).filter(|d| !d.is_zero());
     let mut s = std::net::TcpStream::connect_timeout(up, UPSTREAM_TIMEOUT).ok()?;
-    s.set_read_timeout(Some(UPSTREAM_TIMEOUT)).ok()?;
     let mut out = u16::try_from(raw.len()).ok()?.to_be_bytes().to_vec();
     out.extend_from_slice(raw);
+    s.set_write_timeout(Some(left()?)).ok()?;
     s.write_all(&out).ok()?;
+    let mut read_within = |buf: &mut [u8]| -> Option<()> {
+        let mut done = 0;
+        while done < buf.len() {
+            s.set_read_timeout(Some(left()?)).ok()?;
+            match s.read(&mut buf[done..]) {
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Ok(0) | Err(_) => return None,
+                Ok(n) => done += n,
+            }
+        }
+        Some(())
+    };
     let mut len = [0u8; 2];
-    s.read_exact(&mut len).ok()?;
+    read_within(&mut len)?;
     let mut reply = vec![0u8; usize::from(u16::from_be_bytes(len))];
-    s.read_exact(&mut reply).ok()?;
+    read_within(&mut reply)?;
     Some(reply)
 }
 
@@ -588,6 +613,28 @@ fn rand_id() -> u16 {
 #[cfg(test)]
 mod tests {
     use super::clamp_answer_ttls;
+
+    #[test]
+    fn a_cname_chain_is_followed_in_any_order_and_only_from_the_name_asked() {
+        use hickory_proto::rr::{rdata, Name, RData, Record};
+        use std::str::FromStr;
+        let cname = |from: &str, to: &str| {
+            Record::from_rdata(
+                Name::from_str(from).unwrap(),
+                60,
+                RData::CNAME(rdata::CNAME(Name::from_str(to).unwrap())),
+            )
+        };
+        // 4000 links listed backwards (each pass of the old loop took one more), a record of
+        // another owner beside them, and a loop back to the start.
+        let mut answers: Vec<Record> =
+            (0..4000).rev().map(|i| cname(&format!("n{i}.test."), &format!("n{}.test.", i + 1))).collect();
+        answers.push(cname("other.test.", "elsewhere.test."));
+        answers.push(cname("n4000.test.", "n0.test."));
+        let owners = super::chain_owners("n0.test", &answers);
+        assert_eq!(owners.len(), 4001);
+        assert!(owners.contains("n4000.test") && !owners.contains("other.test") && !owners.contains("elsewhere.test"));
+    }
 
     /// A reply to `a.test` A with two answers — the first owned through a pointer, the
     /// second by a name written out — with these TTLs.

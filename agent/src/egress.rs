@@ -62,7 +62,7 @@ impl HostPattern {
             return Err("empty host".into());
         }
         if t.contains(':') || t.contains('/') || t.parse::<IpAddr>().is_ok() {
-            return t.parse::<IpNet>().map(HostPattern::Net);
+            return t.parse::<IpNet>().map(|net| HostPattern::Net(ipv4_if_mapped(net)));
         }
         if t.chars().all(|c| c.is_ascii_digit() || c == '.') {
             return Err(format!("'{s}' is not an IPv4 address"));
@@ -88,6 +88,20 @@ impl HostPattern {
                 }
             }
         }
+    }
+}
+
+/// An IPv4-mapped IPv6 network (`::ffff:a.b.c.d`, prefix 96 or longer) as the IPv4 network
+/// it is: a connection to it leaves as IPv4 (an `AF_INET6` socket's mapped address is sent
+/// as IPv4) and is matched by the IPv4 rules — as an IPv6 network it would match nothing,
+/// and a denied entry would deny nothing.
+fn ipv4_if_mapped(net: IpNet) -> IpNet {
+    match net.addr {
+        IpAddr::V6(a) if net.prefix >= 96 => match a.to_ipv4_mapped() {
+            Some(v4) => IpNet { addr: IpAddr::V4(v4), prefix: net.prefix - 96 },
+            None => net,
+        },
+        _ => net,
     }
 }
 
@@ -236,6 +250,9 @@ pub fn special_ranges() -> &'static [IpNet] {
             "::/128",
             "::1/128",
             "::ffff:0:0/96",
+            // RFC 8215's local-use NAT64 prefix: where in it an IPv4 address is embedded is
+            // the operator's choice, so none of it is taken from a DNS answer unless allowed.
+            "64:ff9b:1::/48",
             "fc00::/7",
             "fe80::/10",
             "ff00::/8",
@@ -469,6 +486,10 @@ pub fn plan(policy: &NetworkPolicy, settings: &EgressSettings) -> Result<EgressP
         })?;
         deny.extend(addrs.into_iter().map(IpNet::host));
     }
+    // A denied IPv4 network is denied through the NAT64 well-known prefix too, as the special
+    // ranges are: behind a NAT64 gateway `64:ff9b::a.b.c.d` is `a.b.c.d`, and an allowed
+    // name's DNS64 answer may be one.
+    let deny = with_nat64(&deny);
     let mut endpoints = Vec::new();
     for (host, port) in &settings.proxy.endpoints {
         let addrs = match host.trim_matches(['[', ']']).parse::<IpAddr>() {
@@ -656,6 +677,38 @@ mod tests {
         assert!(policy.explicitly_allows("10.1.2.3".parse().unwrap()));
         assert!(!policy.explicitly_allows("10.2.0.1".parse().unwrap()));
         assert!(policy.has_allowed_names());
+    }
+
+    #[test]
+    fn denied_ipv4_stays_denied_through_nat64_and_mapped_forms() {
+        // A mapped address is the IPv4 one (it leaves as IPv4), in either list.
+        assert_eq!(
+            HostPattern::parse("::ffff:198.51.100.11").unwrap(),
+            HostPattern::Net("198.51.100.11".parse().unwrap())
+        );
+        assert_eq!(
+            HostPattern::parse("::ffff:203.0.113.0/120").unwrap(),
+            HostPattern::Net("203.0.113.0/24".parse().unwrap())
+        );
+        assert_eq!(HostPattern::parse("::/64").unwrap(), HostPattern::Net("::/64".parse().unwrap()));
+        let policy = NetworkPolicy {
+            allow: None,
+            deny: vec![
+                HostPattern::parse("198.51.100.11").unwrap(),
+                HostPattern::parse("::ffff:203.0.113.0/120").unwrap(),
+            ],
+            ports: vec![],
+            dns: false,
+            bandwidth_mbps: 10,
+        };
+        let plan = plan(&policy, &EgressSettings::from_config(&Config::default()).unwrap()).unwrap();
+        for net in ["198.51.100.11/32", "64:ff9b::c633:640b/128", "203.0.113.0/24", "64:ff9b::cb00:7100/120"] {
+            let net: IpNet = net.parse().unwrap();
+            assert!(plan.firewall.deny.contains(&net), "{net:?} not denied: {:?}", plan.firewall.deny);
+        }
+        // No DNS answer into the local-use NAT64 prefix, wherever it embeds an address.
+        let local_use: IpNet = "64:ff9b:1::a9fe:a9fe".parse().unwrap();
+        assert!(special_ranges().iter().any(|r| r.covers(&local_use)));
     }
 
     #[test]

@@ -9,7 +9,9 @@
 //!
 //! ```text
 //! chain output  (hook output, policy drop)
-//!     oif lo accept · ct state established,related accept
+//!     oif lo accept
+//!     meta nfproto ipv4, ip hdrlength != 5         goto blocked   (no IPv4 options)
+//!     ct state established,related accept
 //!     ct state new ct status != confirmed
 //!         limit rate over max_new_per_second/second goto blocked   (the host's conntrack)
 //!     ct state new ct count over max_connections    goto blocked
@@ -433,6 +435,21 @@ pub(crate) fn load_sandbox_ruleset(
         b.timeout_set(DYN6, DYN6_ID, true);
     }
     b.rule("output", vec![meta(MetaKey::Oif), cmp(Operator::Equal, 1u32.to_ne_bytes().to_vec()), accept()]);
+    // IPv4 options, on any packet of any flow: none that a sandbox needs, and a loose source
+    // route through the host's address is forwarded by a host that accepts source routes
+    // (`accept_source_route`) after its input chain could have rejected it.
+    b.rule(
+        "output",
+        join(vec![
+            nfproto(NFPROTO_IPV4),
+            vec![
+                payload(NFT_PAYLOAD_NETWORK_HEADER, 0, 1),
+                mask(1, vec![0x0f]),
+                cmp(Operator::NotEqual, vec![5]),
+                goto("blocked"),
+            ],
+        ]),
+    );
     b.rule("output", join(vec![ct_established(), vec![accept()]]));
     // New connections only: the link's own housekeeping (IPv6 neighbour discovery, not
     // tracked) must neither use up the rate nor count as connections.
