@@ -32,9 +32,11 @@
 //!   file's first record is therefore either the genesis or a continuation; anything else
 //!   means records before it were removed. Verifying one rotated file alone reports the
 //!   continuation as a note, not an error. The continuation also says where the history kept
-//!   after the rotation begins (`continues.oldest`, the first seq of the oldest rotated file):
+//!   after the rotation begins (`continues.oldest`, the first seq of the oldest rotated file —
+//!   of its first record as `verify` counts them, so after a torn first line the repair's):
 //!   verifying the whole log (`verify_all`), an oldest file that begins later — a rotated file
-//!   removed other than by a rotation — is a removal. A rotation renames every file one
+//!   removed other than by a rotation — is a removal. When that seq cannot be read the append
+//!   fails (the rotation stays cut short) rather than write the continuation without it. A rotation renames every file one
 //!   number up and drops the ones past `keep` only once that continuation is durable, so a
 //!   rotation cut short anywhere leaves a log that verifies intact.
 //! - A torn line (a writer died mid-`write`; the record was never acknowledged, so a gated
@@ -913,7 +915,7 @@ impl AuditLog {
             head.continues = Some((file_name(&self.settings.rotated(1)), head.seq));
             // Where the kept history now begins: a rotated file removed later (not by a
             // rotation) is then found missing by `verify`.
-            head.oldest_kept = self.oldest_kept_seq();
+            head.oldest_kept = Some(self.oldest_kept_seq()?);
             line = format_line(&head, &ts, &self.host, pid, event, fields, None);
             file = self.open_file(path)?;
         }
@@ -983,7 +985,7 @@ impl AuditLog {
                 line: Some(line.clone()),
                 seq: r.seq,
                 continues: Some((file_name(&r1), r.seq)),
-                oldest_kept: self.oldest_kept_seq(),
+                oldest_kept: Some(self.oldest_kept_seq()?),
             }),
             _ => Err(AuditError::new(
                 &r1,
@@ -992,16 +994,41 @@ impl AuditLog {
         }
     }
 
-    /// The first seq of the oldest rotated file (`None` when it cannot be read: the claim is
-    /// then left out, never guessed).
-    fn oldest_kept_seq(&self) -> Option<u64> {
+    /// The first seq of the oldest rotated file, as `verify` counts it: the first line's,
+    /// or — when the second line repairs the first (a torn line, [`verify`]'s rule: the
+    /// repair names exactly its bytes) — the second's. `Err` when it cannot be determined:
+    /// the rotation's continuation is then not written at all (the rotation stays cut
+    /// short, which verifies intact) rather than written without the claim, which would
+    /// leave `verify_all` nothing to check a removed rotated file against.
+    fn oldest_kept_seq(&self) -> Result<u64, AuditError> {
         use std::io::{BufRead, Read};
         let s = &self.settings;
-        let oldest = s.rotated(*self.kept().ok()?.last()?);
-        let f = crate::bounded::open_regular_nofollow(&oldest, OpenOptions::new().read(true)).ok()?;
-        let mut first = Vec::new();
-        std::io::BufReader::new(f).take(MAX_RECORD_BYTES).read_until(b'\n', &mut first).ok()?;
-        parse_record(first.strip_suffix(b"\n")?).ok().map(|r| r.seq)
+        let kept = self.kept().map_err(|e| AuditError::new(&s.path, format!("cannot list rotated files: {e}")))?;
+        // Called after a rotation or with `.1` present: there is a kept file.
+        let Some(&n) = kept.last() else {
+            return Err(AuditError::new(&s.path, "no rotated file to say where the kept history begins"));
+        };
+        let oldest = s.rotated(n);
+        let fail = |m: &dyn std::fmt::Display| {
+            AuditError::new(&oldest, format!("{m}: cannot say where the kept history begins; nothing was appended"))
+        };
+        let f = crate::bounded::open_regular_nofollow(&oldest, OpenOptions::new().read(true)).map_err(|e| fail(&e))?;
+        let mut r = std::io::BufReader::new(f);
+        // One complete line (with its `\n`) of at most MAX_RECORD_BYTES, else `None`.
+        let mut next_line = || -> Result<Option<Vec<u8>>, AuditError> {
+            let mut line = Vec::new();
+            (&mut r).take(MAX_RECORD_BYTES).read_until(b'\n', &mut line).map_err(|e| fail(&e))?;
+            Ok(line.strip_suffix(b"\n").map(<[u8]>::to_vec))
+        };
+        let first = next_line()?.ok_or_else(|| fail(&"its first line is incomplete or too long"))?;
+        if let Some(second) = next_line()? {
+            if let Ok(rec) = parse_record(&second) {
+                if rec.repaired.as_ref().is_some_and(|(n, h)| *n == first.len() as u64 && *h == sha256_hex(&first)) {
+                    return Ok(rec.seq);
+                }
+            }
+        }
+        parse_record(&first).map(|r| r.seq).map_err(|e| fail(&format!("its first record: {e}")))
     }
 
     /// Every rotated file `path.N` → `path.N+1`, newest last, then `path` → `path.1`.
@@ -1906,5 +1933,41 @@ mod tests {
         assert_eq!(std::fs::read(s.log()).unwrap_or_default(), before, "nothing appended");
         drop(held);
         assert_eq!(log.append("x", &Map::new()).unwrap().seq, 1, "appends go on once it is released");
+    }
+
+    /// The oldest kept file may begin with a torn line its second line repairs (a writer
+    /// died mid-write as the file was started): the rotation's claim of where the kept
+    /// history begins is then that repair's seq, as `verify` counts it. Before, only the
+    /// first line was read, the claim was left out, and removing every rotated file went
+    /// unnoticed.
+    #[test]
+    fn a_torn_first_line_of_the_oldest_file_still_gives_the_rotation_its_claim() {
+        let s = Scratch::new("torn-oldest");
+        let mut settings = AuditSettings::at(&s.log());
+        settings.max_bytes = 1024;
+        settings.keep = 1;
+        let log = AuditLog::open(settings.clone()).unwrap();
+        append(&log, 3);
+        std::fs::rename(s.log(), settings.rotated(1)).unwrap();
+        std::fs::write(s.log(), b"{\"seq\":4,\"ts").unwrap();
+        let a = log.append("repair", &Map::new()).unwrap();
+        assert!(a.repaired && a.seq == 4, "{a:?}");
+        let mut rotations = 0;
+        for _ in 0..40 {
+            rotations += usize::from(log.append("x", &Map::new()).unwrap().rotated);
+            if rotations == 1 {
+                break;
+            }
+        }
+        assert_eq!(rotations, 1, "rotated once");
+        assert!(lines(&settings.rotated(1))[0].starts_with("{\"seq\":4,\"ts"), "the torn-start file is .1");
+        assert!(!settings.rotated(2).exists(), "keep 1");
+        let first = parse_record(lines(&s.log())[0].as_bytes()).unwrap();
+        assert_eq!(first.oldest_kept, Some(4), "the claim is the seq of the oldest file's first record");
+        let verify_all = || verify::verify_all(&verify::chain_files(&s.log()).unwrap()).unwrap();
+        assert!(verify_all().intact, "{:?}", verify_all().problem);
+        std::fs::remove_file(settings.rotated(1)).unwrap();
+        let r = verify_all();
+        assert_eq!(r.problem.map(|p| p.kind), Some(verify::Kind::Removed), "the removed file is found");
     }
 }
