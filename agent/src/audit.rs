@@ -534,9 +534,11 @@ fn plan(tail: &Tail) -> Result<Plan, String> {
     Ok(Plan { head, torn: Some(last.clone()), unterminated: !tail.terminated })
 }
 
-/// Build one record line (without `\n`).
+/// Build one record line (without `\n`); `seq` is the head's plus one.
+#[allow(clippy::too_many_arguments)]
 fn format_line(
     head: &Head,
+    seq: u64,
     ts: &str,
     host: &str,
     pid: u32,
@@ -546,16 +548,15 @@ fn format_line(
 ) -> String {
     let js = |s: &str| Value::String(s.to_string()).to_string();
     let mut line = format!(
-        "{{\"seq\":{},\"ts\":{},\"host\":{},\"pid\":{pid},\"event\":{},\"fields\":{}",
-        head.seq + 1,
+        "{{\"seq\":{seq},\"ts\":{},\"host\":{},\"pid\":{pid},\"event\":{},\"fields\":{}",
         js(ts),
         js(host),
         js(event),
         Value::Object(fields.clone())
     );
-    if let Some((file, seq)) = &head.continues {
+    if let Some((file, cseq)) = &head.continues {
         let oldest = head.oldest_kept.map(|n| format!(",\"oldest\":{n}")).unwrap_or_default();
-        line.push_str(&format!(",\"continues\":{{\"file\":{},\"seq\":{seq}{oldest}}}", js(file)));
+        line.push_str(&format!(",\"continues\":{{\"file\":{},\"seq\":{cseq}{oldest}}}", js(file)));
     }
     if let Some(torn) = repaired {
         line.push_str(&format!(",\"repaired\":{{\"bytes\":{},\"sha256\":\"{}\"}}", torn.len(), sha256_hex(torn)));
@@ -896,9 +897,17 @@ impl AuditLog {
             Some((line, seq)) => Head { line: Some(line.clone()), seq: *seq, continues: None, oldest_kept: None },
             None => self.head_from_rotated()?,
         };
+        // The last record's seq is what the file says, so it may be any u64: one past the
+        // largest is refused, never wrapped to 0 (nothing is written).
+        let seq = head.seq.checked_add(1).ok_or_else(|| {
+            AuditError::new(
+                path,
+                format!("the last record has seq {}, the largest there is: no record can follow it; run `opservant audit verify`", head.seq),
+            )
+        })?;
         let ts = timestamp(SystemTime::now());
         let pid = std::process::id();
-        let mut line = format_line(&head, &ts, &self.host, pid, event, fields, plan.torn.as_deref());
+        let mut line = format_line(&head, seq, &ts, &self.host, pid, event, fields, plan.torn.as_deref());
         let mut rotated = false;
         // Rotate only from a clean tail (a repair stays next to the line it repairs), and
         // never leave an empty file behind.
@@ -916,7 +925,7 @@ impl AuditLog {
             // Where the kept history now begins: a rotated file removed later (not by a
             // rotation) is then found missing by `verify`.
             head.oldest_kept = Some(self.oldest_kept_seq()?);
-            line = format_line(&head, &ts, &self.host, pid, event, fields, None);
+            line = format_line(&head, seq, &ts, &self.host, pid, event, fields, None);
             file = self.open_file(path)?;
         }
         let mut bytes = Vec::with_capacity(line.len() + 2);
@@ -959,13 +968,8 @@ impl AuditLog {
         if head.continues.is_some() {
             self.drop_past_keep();
         }
-        let appended = Appended {
-            seq: head.seq + 1,
-            sha256: sha256_hex(line.as_bytes()),
-            line,
-            rotated,
-            repaired: plan.torn.is_some(),
-        };
+        let appended =
+            Appended { seq, sha256: sha256_hex(line.as_bytes()), line, rotated, repaired: plan.torn.is_some() };
         Ok((appended, (!flush_now).then_some(file)))
     }
 
@@ -1969,5 +1973,26 @@ mod tests {
         std::fs::remove_file(settings.rotated(1)).unwrap();
         let r = verify_all();
         assert_eq!(r.problem.map(|p| p.kind), Some(verify::Kind::Removed), "the removed file is found");
+    }
+
+    /// The seq after the last record's is computed, not wrapped: a last record claiming
+    /// seq u64::MAX (with a correct prev) fails the append and nothing is written — before,
+    /// a release build wrote seq 0 after it.
+    #[test]
+    fn no_record_follows_the_largest_seq() {
+        let s = Scratch::new("seq-max");
+        let log = AuditLog::open(AuditSettings::at(&s.log())).unwrap();
+        let a = append(&log, 2);
+        let forged = format!(
+            "{{\"seq\":{},\"ts\":\"t\",\"host\":\"h\",\"pid\":1,\"event\":\"e\",\"fields\":{{}},\"prev\":\"{}\"}}\n",
+            u64::MAX,
+            a[1].sha256
+        );
+        std::fs::OpenOptions::new().append(true).open(s.log()).unwrap().write_all(forged.as_bytes()).unwrap();
+        assert_eq!(parse_record(forged.trim_end().as_bytes()).unwrap().seq, u64::MAX);
+        let before = std::fs::read(s.log()).unwrap();
+        let e = log.append("next", &Map::new()).unwrap_err();
+        assert!(e.message.contains("the largest there is"), "{e}");
+        assert_eq!(std::fs::read(s.log()).unwrap(), before, "nothing written");
     }
 }
