@@ -45,7 +45,8 @@ pub enum AuditCommand {
         /// Keep printing records as they are appended (across rotations).
         #[arg(short = 'f', long)]
         follow: bool,
-        /// Print the stored JSON lines as they are.
+        /// Print the stored JSON lines as they are (control characters, which no line the
+        /// agent writes holds, escaped).
         #[arg(long)]
         json: bool,
         /// Agent configuration naming the log (default /etc/opservant/config.yaml when it exists).
@@ -119,10 +120,15 @@ fn settings(config: Option<&Path>) -> Result<AuditSettings, CliError> {
     Ok(AuditSettings::from_config(&Config::load(config)?))
 }
 
-/// One stored line for a reader: as is (`--json`) or `TS  #SEQ  EVENT k=v…`.
+/// One stored line for a reader: as is (`--json`) or `TS  #SEQ  EVENT k=v…`. Never a raw
+/// control character (ESC, BEL, CSI, a newline, …): whatever the line holds — its event, a
+/// field's key, `ts`, `continues.file` of a tampered record, or a line that is not JSON at
+/// all — is written as one line with control characters escaped (`\u{1b}`,
+/// [`crate::one_terminal_line`]), so a log cannot drive the reader's terminal. A line the
+/// agent wrote holds none (JSON escapes them inside strings): `--json` prints it unchanged.
 fn render(line: &[u8], json: bool) -> String {
     if json {
-        return String::from_utf8_lossy(line).into_owned();
+        return crate::one_terminal_line(&String::from_utf8_lossy(line));
     }
     let v: Value = serde_json::from_slice(line).unwrap_or(Value::Null);
     let (Some(ts), Some(seq), Some(event), Some(fields)) =
@@ -137,7 +143,7 @@ fn render(line: &[u8], json: bool) -> String {
     if let Some(n) = v["repaired"]["bytes"].as_u64() {
         s.push_str(&format!("  [repaired a torn line of {n} bytes]"));
     }
-    s
+    crate::one_terminal_line(&s)
 }
 
 /// `Ok(false)` when the reader is gone (a closed pipe ends `tail` quietly); another write
@@ -252,5 +258,32 @@ fn tail(path: &Path, n: usize, follow: bool, json: bool) -> Result<(), CliError>
             continue;
         }
         std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A tampered record's event, field key, `ts` and `continues.file` (JSON-escaped, so
+    /// the line parses) reach the terminal escaped — before, they were printed raw.
+    #[test]
+    fn rendered_lines_hold_no_raw_control_characters() {
+        let osc = r"\u001b]0;x\u0007";
+        let line = format!(
+            r#"{{"seq":7,"ts":"{osc}","event":"{osc}","fields":{{"{osc}":"v","k":"{osc}"}},"continues":{{"file":"{osc}","seq":6}},"prev":"00"}}"#
+        );
+        for json in [false, true] {
+            let shown = render(line.as_bytes(), json);
+            assert!(!shown.chars().any(char::is_control), "json {json}: {shown:?}");
+        }
+        let shown = render(line.as_bytes(), false);
+        assert!(shown.contains("#7") && shown.contains(r"\u{1b}]0;x\u{7}"), "{shown}");
+        // Raw control bytes in a line that is not JSON (printed as is with --json).
+        let raw = b"{\"seq\":1,\x1b]0;x\x07\xc2\x9b}";
+        assert!(!render(raw, true).chars().any(char::is_control));
+        // A line the agent wrote is unchanged with --json.
+        let ok = r#"{"seq":1,"ts":"t","event":"e","fields":{"k":"a\u001bb"},"prev":"00"}"#;
+        assert_eq!(render(ok.as_bytes(), true), ok);
     }
 }
