@@ -751,6 +751,50 @@ fn tail_shows_the_last_records_and_follows() {
     assert_eq!(next.expect("tail --follow printed the new record").trim_end(), a.line);
 }
 
+/// `audit tail` bounds what it holds as `verify` does: a current file larger than any the
+/// agent writes is refused unread (exit 2, naming the bound) — before, it was read whole
+/// into memory —, and under `--follow` a line that never gets its newline ends it with an
+/// error once past the bound — before, it was held, growing, for ever.
+#[test]
+fn tail_refuses_what_no_agent_writes_instead_of_reading_it_whole() {
+    let log = Log::new("");
+    std::fs::create_dir_all(log.path.parent().unwrap()).unwrap();
+    let f = std::fs::File::create(&log.path).unwrap();
+    f.set_len(agent::audit::verify::MAX_FILE_BYTES + 1).unwrap(); // sparse
+    drop(f);
+    let out = opservant(&["audit", "tail", "-n", "1", "--config", log.conf()]);
+    assert_eq!(out.code, 2, "{out:?}");
+    assert_eq!(out.stderr.lines().count(), 1, "{out:?}");
+    let bound = agent::audit::verify::MAX_FILE_BYTES.to_string();
+    assert!(out.stderr.contains(&format!("more than the {bound} bytes")), "{out:?}");
+
+    std::fs::write(&log.path, vec![b'x'; 2 << 20]).unwrap();
+    let mut child = common::command()
+        .args(["audit", "tail", "-n", "1", "--follow", "--config", log.conf()])
+        .env_remove("OPSERVANT_LOG")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break Some(status);
+        }
+        if started.elapsed() > Duration::from_secs(20) {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert_eq!(status.and_then(|s| s.code()), Some(2), "tail --follow held the line: {stderr}");
+    assert!(stderr.contains("without its newline"), "{stderr}");
+}
+
 #[test]
 fn verify_and_tail_report_a_full_stdout_instead_of_exiting_0() {
     if !require_root() {

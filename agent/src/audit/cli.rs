@@ -7,7 +7,10 @@
 //! Guarantees: `verify` exits 0 only when every given file verifies as one chain, 1 with the
 //! first problem as `FILE:LINE: KIND …` on stdout's first line (or in the JSON's `problem`),
 //! and 2 (an error returned to the caller) when a file cannot be read. `tail` prints only
-//! complete lines; an unfinished last line waits for its `\n` under `--follow`.
+//! complete lines; an unfinished last line waits for its `\n` under `--follow`. Memory is
+//! bounded on any log: both refuse a file larger than [`MAX_FILE_BYTES`] before reading it
+//! (exit 2), neither builds a list of a file's lines, and `tail --follow` reads a chunk at a
+//! time and holds at most [`MAX_PENDING`] bytes of a line still waiting for its `\n`.
 
 use std::io::Write;
 use std::os::unix::fs::MetadataExt;
@@ -18,7 +21,7 @@ use std::time::Duration;
 use serde_json::Value;
 use thiserror::Error;
 
-use super::verify::{chain_files, split, verify, verify_all};
+use super::verify::{chain_files, lines_of, too_large, verify, verify_all, MAX_FILE_BYTES};
 use super::{summary, AuditError, AuditSettings};
 use crate::config::{Config, ConfigError};
 
@@ -165,13 +168,60 @@ fn io_at(p: &Path) -> impl FnOnce(std::io::Error) -> AuditError + '_ {
     move |e| AuditError::new(p, e)
 }
 
-/// Append what `f` holds past `offset` to `pending`.
-fn read_more(f: &mut std::fs::File, offset: &mut u64, pending: &mut Vec<u8>) -> std::io::Result<()> {
+/// The most of a line without its `\n` that `tail --follow` holds while it waits for the
+/// rest: far more than any record (see [`super::MAX_RECORD_BYTES`]); a longer one is not a
+/// line the agent writes, and ends `tail` with an error.
+const MAX_PENDING: u64 = super::MAX_RECORD_BYTES;
+/// How much `tail --follow` reads at a time.
+const CHUNK: u64 = 1 << 20;
+
+/// Append at most `max` bytes of what `f` holds past `offset` to `pending`; how many.
+fn read_more(f: &mut std::fs::File, offset: &mut u64, pending: &mut Vec<u8>, max: u64) -> std::io::Result<u64> {
     use std::io::{Read, Seek, SeekFrom};
     f.seek(SeekFrom::Start(*offset))?;
-    let n = f.read_to_end(pending)?;
-    *offset += n as u64;
-    Ok(())
+    let n = f.take(max).read_to_end(pending)? as u64;
+    *offset += n;
+    Ok(n)
+}
+
+/// The last `n` complete lines of `bytes` (a last piece without `\n` is not one), oldest
+/// first, found from the end without a list of them all.
+fn last_lines(bytes: &[u8], n: usize) -> Vec<Vec<u8>> {
+    let l = lines_of(bytes);
+    let mut out: Vec<Vec<u8>> = l.lines.rev().skip(usize::from(!l.terminated)).take(n).map(<[u8]>::to_vec).collect();
+    out.reverse();
+    out
+}
+
+/// Print the complete lines `f` holds past `offset`, a chunk at a time ([`CHUNK`]); a line
+/// still without its `\n` stays in `pending`, at most [`MAX_PENDING`] bytes (more is an
+/// error). `Ok(false)` when the reader is gone.
+fn print_new(
+    out: &mut impl Write,
+    f: &mut std::fs::File,
+    offset: &mut u64,
+    pending: &mut Vec<u8>,
+    json: bool,
+    path: &Path,
+) -> Result<bool, CliError> {
+    loop {
+        let n = read_more(f, offset, pending, CHUNK).map_err(io_at(path))?;
+        let lines = take_complete(pending);
+        let refs: Vec<&[u8]> = lines.iter().map(Vec::as_slice).collect();
+        if !emit(out, &refs, json)? {
+            return Ok(false);
+        }
+        if pending.len() as u64 > MAX_PENDING {
+            let m = format!(
+                "a line of more than {MAX_PENDING} bytes without its newline at byte {}: not one the agent writes",
+                *offset - pending.len() as u64
+            );
+            return Err(AuditError::new(path, m).into());
+        }
+        if n < CHUNK {
+            return Ok(true);
+        }
+    }
 }
 
 /// The complete lines at the front of `pending` (removed from it).
@@ -202,23 +252,34 @@ fn tail(path: &Path, n: usize, follow: bool, json: bool) -> Result<(), CliError>
     let mut current: Option<(std::fs::File, u64)> = None;
     let mut pending = Vec::new();
     let mut picked: Vec<Vec<u8>> = Vec::new();
-    if let Some(mut f) = open_current(path)? {
-        let mut offset = 0;
-        read_more(&mut f, &mut offset, &mut pending).map_err(io_at(path))?;
-        picked = take_complete(&mut pending);
+    if let Some(f) = open_current(path)? {
+        // Refused before it is read when larger than any file the agent writes, as by
+        // `verify`; read capped in case it grew since.
+        let len = f.metadata().map_err(io_at(path))?.len();
+        if len > MAX_FILE_BYTES {
+            return Err(too_large(path, Some(len)).into());
+        }
+        let read = f.try_clone().and_then(|c| crate::bounded::read_capped(c, MAX_FILE_BYTES));
+        pending = read.map_err(|e| match e.kind() {
+            std::io::ErrorKind::InvalidData => too_large(path, None),
+            _ => io_at(path)(e),
+        })?;
+        let offset = pending.len() as u64;
+        let end = pending.iter().rposition(|b| *b == b'\n').map_or(0, |e| e + 1);
+        picked = last_lines(&pending[..end], n);
+        pending.drain(..end);
         current = Some((f, offset));
     }
-    picked.drain(..picked.len().saturating_sub(n));
     // Older files for the rest.
     for f in files.iter().rev().filter(|f| f.as_path() != path) {
         if picked.len() >= n {
             break;
         }
-        let bytes = crate::bounded::read_regular(f, super::verify::MAX_FILE_BYTES).map_err(io_at(f))?;
-        let (lines, terminated) = split(&bytes);
-        let complete = if terminated { lines.len() } else { lines.len().saturating_sub(1) };
-        let take = (n - picked.len()).min(complete);
-        let mut older: Vec<Vec<u8>> = lines[complete - take..complete].iter().map(|l| l.to_vec()).collect();
+        let bytes = crate::bounded::read_regular(f, MAX_FILE_BYTES).map_err(|e| match e.kind() {
+            std::io::ErrorKind::InvalidData => too_large(f, None),
+            _ => io_at(f)(e),
+        })?;
+        let mut older = last_lines(&bytes, n - picked.len());
         older.append(&mut picked);
         picked = older;
     }
@@ -230,10 +291,7 @@ fn tail(path: &Path, n: usize, follow: bool, json: bool) -> Result<(), CliError>
     // rotation), finish the old file first, then read the new one from its beginning.
     loop {
         if let Some((f, offset)) = current.as_mut() {
-            read_more(f, offset, &mut pending).map_err(io_at(path))?;
-            let lines = take_complete(&mut pending);
-            let refs: Vec<&[u8]> = lines.iter().map(Vec::as_slice).collect();
-            if !emit(&mut stdout, &refs, json)? {
+            if !print_new(&mut stdout, f, offset, &mut pending, json, path)? {
                 return Ok(());
             }
         }
@@ -245,8 +303,11 @@ fn tail(path: &Path, n: usize, follow: bool, json: bool) -> Result<(), CliError>
         };
         if replaced {
             if let Some((mut f, mut offset)) = current.take() {
-                // Anything written to the old file after the read above.
-                let _ = read_more(&mut f, &mut offset, &mut pending);
+                // Anything written to the old file after the read above, then its last
+                // line even without a `\n` (now never completed).
+                if !print_new(&mut stdout, &mut f, &mut offset, &mut pending, json, path)? {
+                    return Ok(());
+                }
                 pending.push(b'\n');
                 let lines: Vec<Vec<u8>> = take_complete(&mut pending).into_iter().filter(|l| !l.is_empty()).collect();
                 let refs: Vec<&[u8]> = lines.iter().map(Vec::as_slice).collect();

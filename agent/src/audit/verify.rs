@@ -165,15 +165,29 @@ pub fn chain_files(path: &Path) -> Result<Vec<PathBuf>, AuditError> {
     Ok(files)
 }
 
-/// One file split into lines as the writer sees it: pieces between `\n`; a last piece without
-/// `\n` is unterminated.
-pub(super) fn split(bytes: &[u8]) -> (Vec<&[u8]>, bool) {
-    if bytes.is_empty() {
-        return (vec![], true);
-    }
-    let terminated = bytes.last() == Some(&b'\n');
-    let body = if terminated { &bytes[..bytes.len() - 1] } else { bytes };
-    (body.split(|b| *b == b'\n').collect(), terminated)
+/// One file's lines as the writer sees them: pieces between `\n`; a last piece without `\n`
+/// is unterminated. Lazy — no list of the lines is built (a file of 1 GiB of `\n` would make
+/// one of 16 GiB) — with the number of lines (counted, not collected) and whether the last
+/// one is terminated (an empty file: no lines, terminated).
+pub(super) struct Lines<'a> {
+    pub(super) lines: std::slice::Split<'a, u8, fn(&u8) -> bool>,
+    pub(super) count: usize,
+    pub(super) terminated: bool,
+}
+
+pub(super) fn lines_of(bytes: &[u8]) -> Lines<'_> {
+    let newline: fn(&u8) -> bool = |b| *b == b'\n';
+    let terminated = bytes.last().is_none_or(|b| *b == b'\n');
+    let body = if terminated && !bytes.is_empty() { &bytes[..bytes.len() - 1] } else { bytes };
+    let mut lines = body.split(newline);
+    let count = if bytes.is_empty() {
+        // `split` of nothing yields one empty piece; an empty file has no line.
+        lines.next();
+        0
+    } else {
+        body.iter().filter(|b| **b == b'\n').count() + 1
+    };
+    Lines { lines, count, terminated }
 }
 
 /// The last record accepted.
@@ -188,6 +202,19 @@ struct Last {
 /// (at most [`super::MAX_MAX_BYTES`]), plus room for one record. Anything larger is not a
 /// file the agent wrote, and is refused before it is read (memory is bounded by this).
 pub const MAX_FILE_BYTES: u64 = super::MAX_MAX_BYTES + (1 << 20);
+
+/// The error for a file larger than [`MAX_FILE_BYTES`] (`len` when known), refused by
+/// `verify` and `tail` before it is read.
+pub(super) fn too_large(f: &Path, len: Option<u64>) -> AuditError {
+    let size = len.map(|l| format!("{l} bytes, ")).unwrap_or_default();
+    AuditError::new(
+        f,
+        format!(
+            "{size}more than the {MAX_FILE_BYTES} bytes an audit log file can hold (audit.max_bytes is at most {})",
+            super::MAX_MAX_BYTES
+        ),
+    )
+}
 
 /// Verify `files`, oldest first. `Err` only when a file cannot be read (or is larger than
 /// [`MAX_FILE_BYTES`]).
@@ -209,23 +236,14 @@ fn verify_files(files: &[PathBuf], complete: bool) -> Result<VerifyReport, Audit
     for f in files {
         let meta = std::fs::metadata(f).map_err(|e| AuditError::new(f, e))?;
         if meta.len() > MAX_FILE_BYTES {
-            return Err(AuditError::new(
-                f,
-                format!(
-                    "{} bytes, more than the {MAX_FILE_BYTES} an audit log file can hold (audit.max_bytes is at most {})",
-                    meta.len(),
-                    super::MAX_MAX_BYTES
-                ),
-            ));
+            return Err(too_large(f, Some(meta.len())));
         }
     }
     let names: Vec<String> = files.iter().map(|f| f.display().to_string()).collect();
     verify_with(&names, complete, |i| {
         let f = &files[i];
         let buf = crate::bounded::read_regular(f, MAX_FILE_BYTES).map_err(|e| match e.kind() {
-            std::io::ErrorKind::InvalidData => {
-                AuditError::new(f, format!("more than the {MAX_FILE_BYTES} bytes an audit log file can hold"))
-            }
+            std::io::ErrorKind::InvalidData => too_large(f, None),
             _ => AuditError::new(f, e),
         })?;
         Ok(std::borrow::Cow::Owned(buf))
@@ -265,19 +283,19 @@ fn verify_with<'a, E>(
     for (fi, name) in names.iter().enumerate() {
         let bytes = read(fi)?;
         let name = name.clone();
-        let (lines, terminated) = split(&bytes);
-        let mut summary =
-            FileSummary { path: name.clone(), lines: lines.len(), records: 0, first_seq: None, last_seq: None };
-        if lines.is_empty() {
+        // The lines one at a time (memory: the file, never a list of its lines).
+        let Lines { lines, count, terminated } = lines_of(&bytes);
+        let mut lines = lines.peekable();
+        let mut summary = FileSummary { path: name.clone(), lines: count, records: 0, first_seq: None, last_seq: None };
+        if count == 0 {
             report.notes.push(Note { file: name.clone(), line: 0, message: "empty file".into() });
         }
-        let complete = |i: usize| i + 1 < lines.len() || terminated;
+        let complete = |i: usize| i + 1 < count || terminated;
         // The torn line just before the current one, which the current record must repair.
         let mut torn: Option<(usize, &[u8])> = None;
         let mut first_in_file = true;
         let mut i = 0;
-        while i < lines.len() {
-            let line = lines[i];
+        while let Some(line) = lines.next() {
             let ln = i + 1;
             let problem = |kind: Kind, seq: Option<u64>, detail: String| Problem {
                 file: name.clone(),
@@ -287,8 +305,8 @@ fn verify_with<'a, E>(
                 detail,
             };
             // A line the next line repairs is a torn write: skipped, noted.
-            if i + 1 < lines.len() && complete(i + 1) {
-                if let Ok(next) = parse_record(lines[i + 1]) {
+            if let Some(next) = lines.peek().filter(|_| complete(i + 1)) {
+                if let Ok(next) = parse_record(next) {
                     if next.repaired.as_ref().is_some_and(|(n, h)| *n == line.len() as u64 && *h == sha256_hex(line)) {
                         torn = Some((ln, line));
                         i += 1;
@@ -383,7 +401,7 @@ fn verify_with<'a, E>(
                     if rec.seq > p.seq + 1 {
                         let (lo, hi) = (p.seq + 1, rec.seq - 1);
                         let gap = if lo == hi { format!("seq {lo}") } else { format!("seq {lo}..{hi}") };
-                        let (kind, d) = match seq_later(&lines[i + 1..], fi + 1..names.len(), &read, lo, hi) {
+                        let (kind, d) = match seq_later(lines.clone(), fi + 1..names.len(), &read, lo, hi) {
                             Some(s) => (
                                 Kind::Reordered,
                                 format!(
@@ -461,8 +479,8 @@ fn fail(mut report: VerifyReport, summary: FileSummary, problem: Problem) -> Ver
 }
 
 /// A seq in `lo..=hi` among the rest of this file's lines or in the later files.
-fn seq_later<'a, E>(
-    rest: &[&[u8]],
+fn seq_later<'a, 'r, E>(
+    mut rest: impl Iterator<Item = &'r [u8]>,
     later: std::ops::Range<usize>,
     read: &impl Fn(usize) -> Result<std::borrow::Cow<'a, [u8]>, E>,
     lo: u64,
@@ -471,12 +489,12 @@ fn seq_later<'a, E>(
     let find = |lines: &mut dyn Iterator<Item = &[u8]>| {
         lines.filter_map(|l| parse_record(l).ok()).map(|r| r.seq).find(|s| (lo..=hi).contains(s))
     };
-    if let Some(s) = find(&mut rest.iter().copied()) {
+    if let Some(s) = find(&mut rest) {
         return Some(s);
     }
     for f in later {
         let Ok(bytes) = read(f) else { continue };
-        if let Some(s) = find(&mut split(&bytes).0.into_iter()) {
+        if let Some(s) = find(&mut lines_of(&bytes).lines) {
             return Some(s);
         }
     }
@@ -544,6 +562,41 @@ mod tests {
         let text = format!("{rec}\n");
         let r = verify_bytes(&[("audit.jsonl", text.as_bytes())]);
         assert!(!r.intact, "{r:?}");
+    }
+
+    /// A file of newlines only is `not_json` at line 1, found without first making a list of
+    /// its lines: before, 16 bytes were allocated per line (1 GiB of `\n` → 16 GiB). Checked
+    /// in a child process of this test binary whose data (heap, private mappings) is capped
+    /// at 1 GiB by `RLIMIT_DATA`: 128 MiB of `\n` fits, a list of its lines (2 GiB) does not.
+    #[test]
+    fn a_file_of_newlines_is_not_json_at_line_1_without_a_list_of_its_lines() {
+        const CHILD: &str = "OPSERVANT_TEST_NEWLINES_CHILD";
+        const NAME: &str = "audit::verify::tests::a_file_of_newlines_is_not_json_at_line_1_without_a_list_of_its_lines";
+        if std::env::var_os(CHILD).is_some() {
+            let bytes = vec![b'\n'; 128 << 20];
+            let r = verify_bytes(&[("audit.jsonl", &bytes)]);
+            let p = r.problem.expect("broken");
+            assert_eq!((p.line, p.kind), (1, Kind::NotJson), "{p:?}");
+            assert_eq!(r.files[0].lines, 128 << 20);
+            return;
+        }
+        use std::os::unix::process::CommandExt;
+        let mut child = std::process::Command::new(std::env::current_exe().unwrap());
+        child.args(["--exact", NAME, "--test-threads", "1"]).env(CHILD, "1");
+        // SAFETY: between fork and exec only setrlimit runs, a system call (async-signal-safe).
+        unsafe {
+            child.pre_exec(|| {
+                let limit = libc::rlimit { rlim_cur: 1 << 30, rlim_max: 1 << 30 };
+                match libc::setrlimit(libc::RLIMIT_DATA, &limit) {
+                    0 => Ok(()),
+                    _ => Err(std::io::Error::last_os_error()),
+                }
+            });
+        }
+        let out = child.output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{:?}: {stdout}{}", out.status, String::from_utf8_lossy(&out.stderr));
+        assert!(stdout.contains("1 passed"), "the child ran this test: {stdout}");
     }
 
     #[test]
