@@ -411,6 +411,11 @@ impl Pipeline {
         match self.seen.check_and_insert(id, now) {
             Ok(Seen::New) => {}
             Ok(Seen::Replayed) => return reject(Some(id), Reason::Replay, "command_id was already received", true),
+            Ok(Seen::Forgotten) => {
+                let why = "the clock is back within the window of command ids the replay store has dropped: \
+                           this command_id cannot be told from a replay (send it with a new one)";
+                return reject(Some(id), Reason::Replay, why, true);
+            }
             // Fail closed: without the replay store no command is accepted.
             Err(e) => return reject(Some(id), Reason::Internal, &format!("replay store: {e}"), false),
         }

@@ -8,6 +8,27 @@
 //! which such a command is refused for its timestamp anyway. An unreadable or malformed file
 //! is an error, never an empty set (fail closed).
 //!
+//! **The clock may step.** "Older" is judged by the wall clock at the compaction, which may be
+//! wrong: a clock stepped a day forward drops every entry, and once it is set right a
+//! captured command's timestamp passes the skew check again. So a compaction also records
+//! the *horizon* — the latest receipt time among the entries it dropped — and a check at a
+//! time `now <= horizon + RETENTION_S` returns [`Seen::Forgotten`] (refused) for an id not in
+//! the file: a dropped id was accepted at a time `t <= horizon`, so its command's timestamp is
+//! at most `horizon + MAX_SKEW_S`, and it passes the skew check only while `now <= horizon +
+//! 2 × MAX_SKEW_S`. An id whose command could still pass the check is therefore never
+//! forgotten, whatever the clock did. With a clock that only goes forward this refuses
+//! nothing (a compaction at `now` drops only entries before `now - RETENTION_S`); after a
+//! step back it refuses every new id for at most `RETENTION_S` past the horizon — fail
+//! closed, the platform resends with a new id. (Pruning by the commands' own timestamps
+//! would not help: the clock checking them is the one that stepped.)
+//!
+//! The file: one line per id, `<receipt time> <id as a JSON string>`; the horizon is a line of
+//! the same form with the empty id (`<horizon> ""`, first in a compacted file), which no
+//! command carries (`command_id` is 1–256 bytes; [`SeenCommands::check_and_insert`] refuses an
+//! empty one). A file written before the horizon existed reads as one without it, and an
+//! older agent reads the horizon as an id no command matches (its own compaction drops it
+//! once expired: after a downgrade the horizon is kept only until then).
+//!
 //! Cost: each process keeps an index of what it has read — per id a 128-bit SHA-256 prefix
 //! and its time — keyed to the file's inode and the offset read up to; a check reads only
 //! the lines appended since (by it or by another process), so a busy agent does not re-read
@@ -38,6 +59,9 @@ pub enum ReplayError {
     Io { path: String, source: std::io::Error },
     #[error("{path}:{line}: malformed replay record")]
     Malformed { path: String, line: usize },
+    /// The empty id is the file's horizon line, never a command's.
+    #[error("an empty command_id cannot be recorded")]
+    EmptyId,
 }
 
 pub struct SeenCommands {
@@ -58,10 +82,19 @@ struct Index {
     ids: HashMap<[u8; 16], i64>,
     /// Lines per timestamp (to count the expired ones).
     times: BTreeMap<i64, usize>,
+    /// The latest receipt time a compaction dropped ids of (the module documentation's
+    /// horizon), from the file's `<t> ""` lines.
+    forgotten: Option<i64>,
 }
 
 impl Index {
     fn add(&mut self, t: i64, id: &str) {
+        if id.is_empty() {
+            // The horizon line: not an id, never expired.
+            self.forgotten = Some(self.forgotten.map_or(t, |f| f.max(t)));
+            self.lines += 1;
+            return;
+        }
         self.ids.insert(digest(id), t);
         *self.times.entry(t).or_default() += 1;
         self.lines += 1;
@@ -86,6 +119,10 @@ fn digest(id: &str) -> [u8; 16] {
 pub enum Seen {
     New,
     Replayed,
+    /// Not in the file, but ids were dropped whose commands could still pass the clock
+    /// check now (the clock went back past a compaction): it cannot be told from a replay,
+    /// and is not recorded.
+    Forgotten,
 }
 
 impl SeenCommands {
@@ -99,6 +136,9 @@ impl SeenCommands {
 
     /// Record `id` (accepted at `now`) unless it was seen before.
     pub fn check_and_insert(&self, id: &str, now: i64) -> Result<Seen, ReplayError> {
+        if id.is_empty() {
+            return Err(ReplayError::EmptyId);
+        }
         if let Some(dir) = self.path.parent() {
             // The state directory itself, when missing, is created the agent's alone (0700).
             if let Some(up) = dir.parent() {
@@ -141,6 +181,10 @@ impl SeenCommands {
             *guard = Some(index);
             return Ok(Seen::Replayed);
         }
+        if index.forgotten.is_some_and(|h| now <= h.saturating_add(RETENTION_S)) {
+            *guard = Some(index);
+            return Ok(Seen::Forgotten);
+        }
         let line = format!("{now} {}\n", escape(id));
         // Compact only when there is something to drop — at least a quarter of the lines
         // expired — so a busy agent whose entries are all within the window does not rewrite
@@ -163,8 +207,15 @@ impl SeenCommands {
                 .open(&tmp)
                 .map_err(|e| self.io(e))?;
             let mut out = std::io::BufWriter::new(out);
+            // The horizon first: the one read, raised to the latest entry dropped now (the
+            // entries kept are exactly those the index does not count as expired).
+            let dropped = index.times.range(..now.saturating_sub(RETENTION_S)).next_back().map(|(t, _)| *t);
+            let horizon = index.forgotten.max(dropped);
+            if let Some(h) = horizon {
+                writeln!(out, "{h} {}", escape("")).map_err(|e| self.io(e))?;
+            }
             self.for_each(&mut f, |t, id| {
-                if now - t <= RETENTION_S {
+                if !id.is_empty() && now.saturating_sub(t) <= RETENTION_S {
                     writeln!(out, "{t} {}", escape(id))?;
                 }
                 Ok(())
@@ -220,6 +271,7 @@ impl SeenCommands {
                 lines: 0,
                 ids: HashMap::new(),
                 times: BTreeMap::new(),
+                forgotten: None,
             },
         };
         f.seek(SeekFrom::Start(index.offset)).map_err(|e| self.io(e))?;
@@ -372,6 +424,35 @@ mod tests {
             s.check_and_insert(&format!("new-{i}"), 10_000).unwrap();
         }
         assert_eq!(s.check_and_insert("old-5", 10_000).unwrap(), Seen::New);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// The clock stepped a day forward and a compaction there dropped every entry; once the
+    /// clock is set right, a captured command (its timestamp within the skew window again)
+    /// must not be accepted as new. Before, its id was simply gone.
+    #[test]
+    fn ids_dropped_under_a_clock_stepped_forward_are_not_accepted_once_it_is_set_back() {
+        let (dir, s) = store();
+        for i in 0..16 {
+            s.check_and_insert(&format!("cmd-{i}"), 1000).unwrap();
+        }
+        assert_eq!(s.check_and_insert("captured", 1000).unwrap(), Seen::New);
+        use std::os::unix::fs::MetadataExt;
+        let inode = std::fs::metadata(dir.join("seen")).unwrap().ino();
+        assert_eq!(s.check_and_insert("x", 87_400).unwrap(), Seen::New);
+        assert_ne!(std::fs::metadata(dir.join("seen")).unwrap().ino(), inode, "compacted");
+        for store in [&s, &SeenCommands::new(&dir.join("seen"))] {
+            assert_ne!(store.check_and_insert("captured", 1100).unwrap(), Seen::New);
+            // Nor any other id while a command dropped could still pass the clock check.
+            assert_eq!(store.check_and_insert("fresh", 1000 + RETENTION_S).unwrap(), Seen::Forgotten);
+        }
+        // Past that, new ids are accepted again.
+        assert_eq!(s.check_and_insert("fresh", 1001 + RETENTION_S).unwrap(), Seen::New);
+        assert_eq!(s.check_and_insert("fresh", 1001 + RETENTION_S).unwrap(), Seen::Replayed);
+        // The horizon is the compacted file's first line, an id no command can carry.
+        let text = std::fs::read_to_string(dir.join("seen")).unwrap();
+        assert_eq!(text.lines().next(), Some("1000 \"\""), "{text}");
+        assert!(matches!(s.check_and_insert("", 2000), Err(ReplayError::EmptyId)));
         std::fs::remove_dir_all(dir).unwrap();
     }
 
