@@ -2,7 +2,10 @@
 //! replayed after a restart is still refused.
 //!
 //! Guarantees: [`SeenCommands::check_and_insert`] is atomic across processes (an exclusive
-//! `flock` on the file) and durable before it returns `Ok` (the new line is `fdatasync`ed);
+//! `flock` on the file) and durable before it returns `Ok` (the new line is `fdatasync`ed,
+//! and so is the directory entry of a file or state directory it created, or of a compacted
+//! file renamed into place; when one of those syncs fails it returns `Err` — the id is in
+//! the file by then, so the command is rejected and a resend is refused as a replay);
 //! an id accepted once is refused for as long as a command carrying it could still pass the
 //! clock-skew check — entries are pruned only when older than twice the skew window, after
 //! which such a command is refused for its timestamp anyway. An unreadable or malformed file
@@ -146,7 +149,10 @@ impl SeenCommands {
             }
             match std::fs::DirBuilder::new().mode(0o700).create(dir) {
                 Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => return Err(self.io(e)),
-                _ => {}
+                Err(_) => {}
+                // A directory made here survives a crash before anything is recorded in it.
+                Ok(()) => sync_dir(dir.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new(".")))
+                    .map_err(|e| self.io(e))?,
             }
         }
         let mut f = loop {
@@ -224,18 +230,18 @@ impl SeenCommands {
             let out = out.into_inner().map_err(|e| self.io(e.into_error()))?;
             out.sync_data().map_err(|e| self.io(e))?;
             std::fs::rename(&tmp, &self.path).map_err(|e| self.io(e))?;
-            // The rename made durable (the id counts as recorded either way: it is in the
-            // file now, so a failed sync is logged, not returned — the command would be
-            // rejected and refused as a replay when sent again).
-            if let Some(dir) = self.path.parent() {
-                if let Err(e) = std::fs::File::open(dir).and_then(|d| d.sync_all()) {
-                    tracing::warn!(error = %e, "replay index: cannot sync its directory after compaction");
-                }
-            }
+            // The rename made durable: until then a crash could bring back the old file,
+            // without this id. A failed sync is an error (the command does not run); the id
+            // is in the file now, so a resend is refused as a replay.
+            self.sync_parent().map_err(|e| self.io(e))?;
             // A new inode: read in full by the next check.
             return Ok(Seen::New);
         }
         let mut index = index;
+        // A file made by this check (or another's that did not get this far) is still
+        // empty: its directory entry is synced once the line is, or a crash could lose the
+        // file and the id with it.
+        let first_line = index.offset == 0;
         if let Err(e) = f.write_all(line.as_bytes()).and_then(|()| f.sync_data()) {
             // Whatever part of the line was written goes again (this id was not recorded and
             // its command does not run), so the next check finds a whole file.
@@ -243,10 +249,19 @@ impl SeenCommands {
             *guard = None;
             return Err(self.io(e));
         }
+        if first_line {
+            // The id is in the file: a resend is refused as a replay even when this fails.
+            self.sync_parent().map_err(|e| self.io(e))?;
+        }
         index.offset += line.len() as u64;
         index.add(now, id);
         *guard = Some(index);
         Ok(Seen::New)
+    }
+
+    /// `fsync` the directory holding the file.
+    fn sync_parent(&self) -> std::io::Result<()> {
+        sync_dir(self.path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new(".")))
     }
 
     /// `index` brought up to the end of the locked file `f`: the lines appended since it was
@@ -338,6 +353,10 @@ impl SeenCommands {
             *read += len as u64;
         }
     }
+}
+
+fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    std::fs::File::open(dir).and_then(|d| d.sync_all())
 }
 
 /// Ids are stored JSON-escaped so any string fits on one line.
