@@ -371,6 +371,7 @@ impl AgentPolicy {
         check_alias(field, p, &real, masked)?;
         refuse_procfs(field, p, &real)?;
         refuse_ipc_endpoints(field, p, &real)?;
+        refuse_over_scratch(field, p, &real)?;
         Ok(real)
     }
 
@@ -517,6 +518,27 @@ fn refuse_ipc_endpoints(field: &str, p: &Path, real: &Path) -> Result<(), Policy
             via(p, real)
         ),
     ))
+}
+
+/// A read grant of the sandbox's own `/tmp` — host `/tmp`, or where in it the private
+/// scratch is (`/tmp/opservant`) — would bind the host's directory over the scratch: its
+/// working directory, `HOME` and `TMPDIR` gone, and the host's `/tmp`, with every user's
+/// sockets there (X11's are every user's to connect to), in their place.
+fn refuse_over_scratch(field: &str, p: &Path, real: &Path) -> Result<(), PolicyError> {
+    let scratch = Path::new(sandbox::spec::SCRATCH_DIR);
+    let own = scratch.parent().unwrap_or(scratch);
+    if scratch.starts_with(real) || real.starts_with(own) {
+        return Err(PolicyError::new(
+            field,
+            format!(
+                "{}{} is the sandbox's own /tmp, its private scratch: a read grant would put the host's there; \
+                 declare the files you need in it, or a write path under /tmp for scratch space",
+                p.display(),
+                via(p, real)
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// /proc by another name, and a bind takes what is mounted beneath it along.
@@ -685,6 +707,29 @@ mod tests {
             let e = p.spec_for(Some(&m), "/bin/true", vec![]).unwrap_err();
             assert_eq!(e.field, "permissions.filesystem.write[0]", "{path}: {e}");
         }
+    }
+
+    #[test]
+    fn the_hosts_tmp_is_not_read_over_the_scratch() {
+        let p = policy();
+        // By a link to it too (a host path that resolves there).
+        let link = std::path::PathBuf::from(format!("/var/tmp/opservant-policy-tmp-{}", std::process::id()));
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink("/tmp", &link).unwrap();
+        for path in ["/tmp", "/tmp/", link.to_str().unwrap()] {
+            let m = manifest(&format!(r#"{{"read":["{path}"]}}"#));
+            let e = p.spec_for(Some(&m), "/bin/true", vec![]).unwrap_err();
+            assert_eq!(e.field, "permissions.filesystem.read[0]", "{path}: {e}");
+            assert!(e.message.contains("the sandbox's own /tmp"), "{path}: {e}");
+        }
+        std::fs::remove_file(&link).unwrap();
+        // A file of the host's /tmp is a file like any other.
+        let file = std::env::temp_dir().join(format!("opservant-policy-{}", std::process::id()));
+        std::fs::write(&file, "x").unwrap();
+        let m = manifest(&format!(r#"{{"read":["{}"]}}"#, file.display()));
+        let granted = p.spec_for(Some(&m), "/bin/true", vec![]);
+        std::fs::remove_file(&file).unwrap();
+        granted.unwrap();
     }
 
     #[test]
