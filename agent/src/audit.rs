@@ -1014,7 +1014,13 @@ impl AuditLog {
         };
         let oldest = s.rotated(n);
         let fail = |m: &dyn std::fmt::Display| {
-            AuditError::new(&oldest, format!("{m}: cannot say where the kept history begins; nothing was appended"))
+            AuditError::new(
+                &oldest,
+                format!(
+                    "{m}: cannot say where the kept history begins; nothing was appended (run `opservant audit \
+                     verify`; set this file aside once its records are kept elsewhere, and appends go on)"
+                ),
+            )
         };
         let f = crate::bounded::open_regular_nofollow(&oldest, OpenOptions::new().read(true)).map_err(|e| fail(&e))?;
         let mut r = std::io::BufReader::new(f);

@@ -20,7 +20,8 @@
 //! at most `horizon + MAX_SKEW_S`, and it passes the skew check only while `now <= horizon +
 //! 2 × MAX_SKEW_S`. An id whose command could still pass the check is therefore never
 //! forgotten, whatever the clock did. With a clock that only goes forward this refuses
-//! nothing (a compaction at `now` drops only entries before `now - RETENTION_S`); after a
+//! nothing (a compaction at `now` drops only entries before `now - RETENTION_S -
+//! COMPACTION_MARGIN_S`, so no check that read its `now` before it took the lock is refused either); after a
 //! step back it refuses every new id for at most `RETENTION_S` past the horizon — fail
 //! closed, the platform resends with a new id. (Pruning by the commands' own timestamps
 //! would not help: the clock checking them is the one that stepped.)
@@ -51,6 +52,12 @@ use thiserror::Error;
 
 /// Entries younger than this are kept (twice the skew window).
 pub const RETENTION_S: i64 = 2 * crate::signing::MAX_SKEW_S;
+/// How much longer than [`RETENTION_S`] a compaction keeps an entry: a caller reads `now`
+/// before it takes the file's lock (behind a signature check, an audit record's lock wait of
+/// up to an hour, other checks), so a concurrent check with a later `now` may compact first;
+/// dropping only what even the earliest caller still waiting would count as expired keeps
+/// that caller's `now` out of the horizon's reach.
+pub const COMPACTION_MARGIN_S: i64 = 2 * 3600;
 /// The file is compacted when it holds more lines than this.
 const COMPACT_AFTER: usize = 4096;
 /// Longest `command_id` accepted.
@@ -103,9 +110,9 @@ impl Index {
         self.lines += 1;
     }
 
-    /// Lines older than the retention window at `now`.
+    /// Lines a compaction at `now` drops: older than the retention window and the margin.
     fn expired(&self, now: i64) -> usize {
-        self.times.range(..now.saturating_sub(RETENTION_S)).map(|(_, n)| n).sum()
+        self.times.range(..drop_before(now)).map(|(_, n)| n).sum()
     }
 }
 
@@ -215,13 +222,13 @@ impl SeenCommands {
             let mut out = std::io::BufWriter::new(out);
             // The horizon first: the one read, raised to the latest entry dropped now (the
             // entries kept are exactly those the index does not count as expired).
-            let dropped = index.times.range(..now.saturating_sub(RETENTION_S)).next_back().map(|(t, _)| *t);
+            let dropped = index.times.range(..drop_before(now)).next_back().map(|(t, _)| *t);
             let horizon = index.forgotten.max(dropped);
             if let Some(h) = horizon {
                 writeln!(out, "{h} {}", escape("")).map_err(|e| self.io(e))?;
             }
             self.for_each(&mut f, |t, id| {
-                if !id.is_empty() && now.saturating_sub(t) <= RETENTION_S {
+                if !id.is_empty() && t >= drop_before(now) {
                     writeln!(out, "{t} {}", escape(id))?;
                 }
                 Ok(())
@@ -355,8 +362,18 @@ impl SeenCommands {
     }
 }
 
+/// Entries received before this are dropped by a compaction at `now`.
+fn drop_before(now: i64) -> i64 {
+    now.saturating_sub(RETENTION_S).saturating_sub(COMPACTION_MARGIN_S)
+}
+
+/// `fsync` a directory. A filesystem that cannot sync directories (`EINVAL`) has nothing to
+/// make durable that way: not an error.
 fn sync_dir(dir: &Path) -> std::io::Result<()> {
-    std::fs::File::open(dir).and_then(|d| d.sync_all())
+    match std::fs::File::open(dir).and_then(|d| d.sync_all()) {
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(()),
+        r => r,
+    }
 }
 
 /// Ids are stored JSON-escaped so any string fits on one line.
@@ -473,6 +490,22 @@ mod tests {
         assert_eq!(text.lines().next(), Some("1000 \"\""), "{text}");
         assert!(matches!(s.check_and_insert("", 2000), Err(ReplayError::EmptyId)));
         std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// Two checks read `now` (1000 and 1001) before they take the lock; the later one takes
+    /// it first and compacts. The earlier one's new id is still new: what the compaction
+    /// dropped cannot put the horizon within reach of a `now` read a moment before.
+    #[test]
+    fn a_compaction_by_a_later_check_does_not_refuse_an_earlier_ones_new_id() {
+        for old in [1000 - RETENTION_S, 1001 - RETENTION_S - COMPACTION_MARGIN_S - 1] {
+            let (dir, s) = store();
+            for i in 0..16 {
+                s.check_and_insert(&format!("old-{i}"), old).unwrap();
+            }
+            assert_eq!(s.check_and_insert("later", 1001).unwrap(), Seen::New);
+            assert_eq!(s.check_and_insert("earlier", 1000).unwrap(), Seen::New, "entries at {old}");
+            std::fs::remove_dir_all(dir).unwrap();
+        }
     }
 
     #[test]

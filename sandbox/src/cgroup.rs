@@ -455,14 +455,22 @@ fn oom_eventfd(dir: &Path) -> std::io::Result<nix::sys::eventfd::EventFd> {
 }
 
 /// How far below its limit a v1 memory cgroup's high-water mark may stay when its own limit
-/// OOM-kills: the failed charge (a page, or a 2 MiB huge page) was not counted, and a little
-/// more for rounding.
-const V1_OOM_SLACK: u64 = 4 << 20;
+/// OOM-kills: the failed charge (a page, or a huge page: 2 MiB on x86-64, up to 512 MiB on
+/// arm64 with 64 KiB pages) was not counted, and a little more for rounding.
+fn v1_oom_slack() -> u64 {
+    const AT_LEAST: u64 = 4 << 20;
+    let huge = read_u64(Path::new("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size")).unwrap_or(0);
+    AT_LEAST.max(huge.saturating_mul(2))
+}
 
 /// Whether swap is in use now, asked only of a sandbox whose swap limit could not be set:
-/// swap turned on after this process started counts too. Unreadable counts as active.
+/// swap turned on after this process started counts too. A kernel without swap support has
+/// no `/proc/swaps` (none); any other failure to read it counts as active.
 fn swap_active() -> bool {
-    fs::read_to_string("/proc/swaps").map_or(true, |s| s.lines().count() > 1)
+    match fs::read_to_string("/proc/swaps") {
+        Ok(s) => s.lines().count() > 1,
+        Err(e) => e.kind() != ErrorKind::NotFound,
+    }
 }
 
 /// Usage figures read from the sandbox cgroup.
@@ -474,7 +482,7 @@ pub struct CgroupUsage {
     pub oom_kills: u64,
     /// After an OOM kill: whether the sandbox's own memory limit was reached (v2: its
     /// `memory.events` counts an `oom` of its own; v1: its high-water mark came within
-    /// [`V1_OOM_SLACK`] of the limit). `Some(false)`: the host or a parent cgroup ran out.
+    /// [`v1_oom_slack`] of the limit). `Some(false)`: the host or a parent cgroup ran out.
     /// `None` without an OOM kill, or when it cannot be told.
     pub memory_limit_reached: Option<bool>,
     pub pids_limit_hits: u64,
@@ -730,11 +738,12 @@ impl SandboxCgroup {
                 if u.oom_kills > 0 {
                     // v1 has no such count (`memory.failcnt` stays 0 on 6.18 even when the
                     // limit OOM-kills): a charge fails only with usage within its own size
-                    // (at most a 2 MiB huge page) of the limit, and that usage was a
-                    // high-water mark. Swap's counter likewise.
+                    // (at most a huge page) of the limit, and that usage was a high-water
+                    // mark. Swap's counter likewise.
+                    let slack = v1_oom_slack();
                     let near = |usage: &str, limit: &str| match (read_u64(&dir.join(usage)), read_u64(&dir.join(limit)))
                     {
-                        (Some(peak), Some(limit)) => Some(peak.saturating_add(V1_OOM_SLACK) >= limit),
+                        (Some(peak), Some(limit)) => Some(peak.saturating_add(slack) >= limit),
                         _ => None,
                     };
                     u.memory_limit_reached = match (

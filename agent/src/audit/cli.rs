@@ -123,12 +123,14 @@ fn settings(config: Option<&Path>) -> Result<AuditSettings, CliError> {
     Ok(AuditSettings::from_config(&Config::load(config)?))
 }
 
-/// One stored line for a reader: as is (`--json`) or `TS  #SEQ  EVENT k=v…`. Never a raw
-/// control character (ESC, BEL, CSI, a newline, …): whatever the line holds — its event, a
-/// field's key, `ts`, `continues.file` of a tampered record, or a line that is not JSON at
-/// all — is written as one line with control characters escaped (`\u{1b}`,
-/// [`crate::one_terminal_line`]), so a log cannot drive the reader's terminal. A line the
-/// agent wrote holds none (JSON escapes them inside strings): `--json` prints it unchanged.
+/// One stored line for a terminal: the line (`--json`) or `TS  #SEQ  EVENT k=v…`. Never a
+/// raw control character (ESC, BEL, DEL, a C1 control such as CSI, a newline, …): whatever
+/// the line holds — its event, a field's key, `ts`, `continues.file` of a tampered record,
+/// or a line that is not JSON at all — is written as one line with control characters
+/// escaped (`\u{1b}`; a newline becomes a space; [`crate::one_terminal_line`]), so a log
+/// cannot drive the reader's terminal. JSON escapes C0 controls inside strings but not DEL
+/// or C1, so a line holding those is shown changed; `--json` into a pipe or a file is the
+/// stored bytes instead ([`emit`]).
 fn render(line: &[u8], json: bool) -> String {
     if json {
         return crate::one_terminal_line(&String::from_utf8_lossy(line));
@@ -156,8 +158,16 @@ fn emit(out: &mut impl Write, lines: &[&[u8]], json: bool) -> Result<bool, CliEr
         std::io::ErrorKind::BrokenPipe => Ok(false),
         _ => Err(CliError::Output(crate::stdout::StdoutError(e).to_string())),
     };
+    // `--json` for a program (stdout not a terminal): the stored bytes, so that a line can
+    // be hashed and compared with journald's copy; for a terminal, rendered safe.
+    let as_stored = json && !std::io::IsTerminal::is_terminal(&std::io::stdout());
     for l in lines {
-        if let Err(e) = writeln!(out, "{}", render(l, json)) {
+        let written = if as_stored {
+            out.write_all(l).and_then(|()| out.write_all(b"\n"))
+        } else {
+            writeln!(out, "{}", render(l, json))
+        };
+        if let Err(e) = written {
             return failed(e);
         }
     }
@@ -343,8 +353,17 @@ mod tests {
         // Raw control bytes in a line that is not JSON (printed as is with --json).
         let raw = b"{\"seq\":1,\x1b]0;x\x07\xc2\x9b}";
         assert!(!render(raw, true).chars().any(char::is_control));
-        // A line the agent wrote is unchanged with --json.
+        // A line the agent wrote, with none of DEL or C1, is unchanged with --json.
         let ok = r#"{"seq":1,"ts":"t","event":"e","fields":{"k":"a\u001bb"},"prev":"00"}"#;
         assert_eq!(render(ok.as_bytes(), true), ok);
+        // Into a pipe (a test's stdout is not a terminal), --json writes the stored bytes,
+        // a C1 control (U+009B, raw in JSON) included.
+        let c1 = "{\"seq\":1,\"ts\":\"t\",\"event\":\"e\",\"fields\":{\"k\":\"a\u{9b}b\"},\"prev\":\"00\"}";
+        assert_ne!(render(c1.as_bytes(), true), c1);
+        if !std::io::IsTerminal::is_terminal(&std::io::stdout()) {
+            let mut out = Vec::new();
+            assert!(emit(&mut out, &[c1.as_bytes()], true).unwrap());
+            assert_eq!(out, format!("{c1}\n").into_bytes());
+        }
     }
 }

@@ -713,16 +713,15 @@ mod tests {
                 ),
                 Want::Success,
             ),
-            // Set-user-ID and set-group-ID modes (a file left in a writable grant is a host
-            // file): refused however the mode is given; the same calls without them reach
-            // the kernel (below). The missing directory keeps the controls from creating.
+            // Set-user-ID modes (a file left in a writable grant is a host file): refused
+            // however the mode is given; the same calls without it reach the kernel (below).
+            // The missing directory keeps the controls from creating anything.
             refuse("chmod(missing, 04755)", sys(SYS_chmod, &[missing_p, 0o4755]), e(&[ENOENT])),
-            refuse("chmod(missing, 02755)", sys(SYS_chmod, &[missing_p, 0o2755]), e(&[ENOENT])),
             refuse("fchmod(-1, 06755)", sys(SYS_fchmod, &[minus1, 0o6755]), e(&[EBADF])),
             refuse("fchmodat(missing, 04755)", sys(SYS_fchmodat, &[minus1, missing_p, 0o4755]), e(&[ENOENT])),
             refuse(
-                "fchmodat2(missing, 02755)",
-                sys(452 /* fchmodat2, not in libc */, &[minus1, missing_p, 0o2755, 0]),
+                "fchmodat2(missing, 04711)",
+                sys(452 /* fchmodat2, not in libc */, &[minus1, missing_p, 0o4711, 0]),
                 e(&[ENOENT, ENOSYS]),
             ),
             refuse("creat(missing/x, 04755)", sys(SYS_creat, &[missing_x, 0o4755]), e(&[ENOENT])),
@@ -732,8 +731,8 @@ mod tests {
                 e(&[ENOENT]),
             ),
             refuse(
-                "openat(missing/x, CREAT, 02755)",
-                sys(SYS_openat, &[AT_FDCWD as u64, missing_x, (O_CREAT | O_WRONLY) as u64, 0o2755]),
+                "openat(missing/x, TMPFILE, 04700)",
+                sys(SYS_openat, &[AT_FDCWD as u64, missing_x, (O_TMPFILE | O_WRONLY) as u64, 0o4700]),
                 e(&[ENOENT]),
             ),
             refuse(
@@ -747,8 +746,8 @@ mod tests {
                 e(&[ENOENT]),
             ),
             refuse(
-                "mknodat(missing/x, REG|02755)",
-                sys(SYS_mknodat, &[AT_FDCWD as u64, missing_x, (S_IFREG | 0o2755) as u64, 0]),
+                "mknodat(missing/x, REG|04755)",
+                sys(SYS_mknodat, &[AT_FDCWD as u64, missing_x, (S_IFREG | 0o4755) as u64, 0]),
                 e(&[ENOENT]),
             ),
             Probe {
@@ -821,6 +820,28 @@ mod tests {
             Probe {
                 name: "chmod(missing, 01777)",
                 call: sys(SYS_chmod, &[missing_p, 0o1777]),
+                filtered: e(&[ENOENT]),
+                control: e(&[ENOENT]),
+            },
+            // Set-group-ID is left alone: a filter cannot tell a directory (a group-shared
+            // one keeps the bit through `chmod g+w`) from a file.
+            Probe {
+                name: "chmod(missing, 02775)",
+                call: sys(SYS_chmod, &[missing_p, 0o2775]),
+                filtered: e(&[ENOENT]),
+                control: e(&[ENOENT]),
+            },
+            // Without O_CREAT or O_TMPFILE the mode register is not looked at (a raw call
+            // may leave anything in it).
+            Probe {
+                name: "openat(missing, RDONLY, junk 04000)",
+                call: sys(SYS_openat, &[AT_FDCWD as u64, missing_p, O_RDONLY as u64, 0o4000]),
+                filtered: e(&[ENOENT]),
+                control: e(&[ENOENT]),
+            },
+            Probe {
+                name: "open(missing, RDONLY, junk 06000)",
+                call: sys(SYS_open, &[missing_p, O_RDONLY as u64, 0o6000]),
                 filtered: e(&[ENOENT]),
                 control: e(&[ENOENT]),
             },
