@@ -282,46 +282,14 @@ fn answer(
     who: &Querier,
     tcp: bool,
 ) -> Option<Vec<u8>> {
-    let query = Message::from_vec(raw).ok()?;
-    if query.metadata.message_type != MessageType::Query {
-        return None;
-    }
-    if query.metadata.op_code != OpCode::Query || query.queries.len() != 1 {
-        refuse(report, who, "", "malformed");
-        return error_reply(&query, ResponseCode::Refused);
-    }
-    // Zone transfers and `ANY`: whole zones or every record of a name, nothing a lookup
-    // needs (RFC 8482 lets servers refuse ANY).
-    if matches!(
-        query.queries[0].query_type(),
-        RecordType::AXFR | RecordType::IXFR | RecordType::ANY | RecordType::Unknown(253 | 254)
-    ) {
-        refuse(report, who, &plain_name(query.queries[0].name()), "query_type");
-        return error_reply(&query, ResponseCode::Refused);
-    }
-    // The name from its labels, each of hostname characters only: hickory's text form
-    // escapes a dot inside a label (`x\.example.test`), which a suffix match would take for
-    // a name below `example.test` although it is a sibling of it.
-    let mut labels: Vec<String> = Vec::new();
-    for label in query.queries[0].name().iter() {
-        if label.is_empty() || !label.iter().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_')) {
-            refuse(report, who, "", "malformed");
-            return error_reply(&query, ResponseCode::Refused);
+    let (query, name) = match screen_query(raw, policy) {
+        Screened::Drop => return None,
+        Screened::Refused { name, reason, reply } => {
+            refuse(report, who, &name, reason);
+            return reply;
         }
-        labels.push(String::from_utf8_lossy(label).to_ascii_lowercase());
-    }
-    let name = labels.join(".");
-    match policy.name_verdict(&name) {
-        NameVerdict::Allowed => {}
-        NameVerdict::Denied => {
-            refuse(report, who, &name, "denied");
-            return error_reply(&query, ResponseCode::Refused);
-        }
-        NameVerdict::NotAllowed => {
-            refuse(report, who, &name, "not_allowed");
-            return error_reply(&query, ResponseCode::Refused);
-        }
-    }
+        Screened::Forward { query, name } => (query, name),
+    };
     // Upstream sees an id of the forwarder's own, never the sandbox's: the sandbox knows
     // nothing of the upstream exchange it could use to forge an answer.
     let up_id = upstream_id(query.metadata.id);
@@ -331,13 +299,105 @@ fn answer(
         return error_reply(&query, ResponseCode::ServFail);
     };
     reply_raw[..2].copy_from_slice(&query.metadata.id.to_be_bytes());
-    let Ok(reply) = Message::from_vec(&reply_raw) else {
-        return error_reply(&query, ResponseCode::ServFail);
+    let (reply_raw, found) = match screen_reply(&name, reply_raw, policy) {
+        Answer::Pass { reply, found } => (reply, found),
+        Answer::ServFail => return error_reply(&query, ResponseCode::ServFail),
+        Answer::Refused { name: refused, reason, rebinding } => {
+            if refuse(report, who, &refused, reason) {
+                if let Some(addr) = rebinding {
+                    crate::audit::record(
+                        "dns_rebinding_refused",
+                        &[
+                            ("executor", &who.executor),
+                            ("name", &who.redactor.dns_name(&refused)),
+                            ("address", &addr.to_string()),
+                        ],
+                    );
+                }
+            }
+            return error_reply(&query, ResponseCode::Refused);
+        }
     };
+    if let Some(allow) = allow {
+        if !found.is_empty() {
+            if let Err(e) = allow.allow(&found) {
+                tracing::warn!(error = %e, name = who.redactor.dns_name(&name), "could not allow resolved addresses");
+                return error_reply(&query, ResponseCode::ServFail);
+            }
+        }
+    }
+    report.answered += 1;
+    Some(reply_raw)
+}
+
+/// A query from the sandbox, judged before anything goes upstream.
+enum Screened {
+    /// Not a query: dropped unanswered.
+    Drop,
+    /// Refused for `reason` (`name` as far as it is known), with this reply.
+    Refused { name: String, reason: &'static str, reply: Option<Vec<u8>> },
+    /// To be asked upstream: the parsed query and the name it asks, as the policy matches it.
+    Forward { query: Message, name: String },
+}
+
+/// Judge the sandbox's query `raw` against `policy` (no I/O, nothing recorded).
+fn screen_query(raw: &[u8], policy: &NetworkPolicy) -> Screened {
+    let Ok(query) = Message::from_vec(raw) else { return Screened::Drop };
+    if query.metadata.message_type != MessageType::Query {
+        return Screened::Drop;
+    }
+    let refused = |query: &Message, name: String, reason| Screened::Refused {
+        name,
+        reason,
+        reply: error_reply(query, ResponseCode::Refused),
+    };
+    if query.metadata.op_code != OpCode::Query || query.queries.len() != 1 {
+        return refused(&query, String::new(), "malformed");
+    }
+    // Zone transfers and `ANY`: whole zones or every record of a name, nothing a lookup
+    // needs (RFC 8482 lets servers refuse ANY).
+    if matches!(
+        query.queries[0].query_type(),
+        RecordType::AXFR | RecordType::IXFR | RecordType::ANY | RecordType::Unknown(253 | 254)
+    ) {
+        return refused(&query, plain_name(query.queries[0].name()), "query_type");
+    }
+    // The name from its labels, each of hostname characters only: hickory's text form
+    // escapes a dot inside a label (`x\.example.test`), which a suffix match would take for
+    // a name below `example.test` although it is a sibling of it.
+    let mut labels: Vec<String> = Vec::new();
+    for label in query.queries[0].name().iter() {
+        if label.is_empty() || !label.iter().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_')) {
+            return refused(&query, String::new(), "malformed");
+        }
+        labels.push(String::from_utf8_lossy(label).to_ascii_lowercase());
+    }
+    let name = labels.join(".");
+    match policy.name_verdict(&name) {
+        NameVerdict::Allowed => Screened::Forward { query, name },
+        NameVerdict::Denied => refused(&query, name, "denied"),
+        NameVerdict::NotAllowed => refused(&query, name, "not_allowed"),
+    }
+}
+
+/// An upstream's reply, judged.
+enum Answer {
+    /// Passed on as `reply` (its TTLs lowered), once `found` (address, milliseconds to
+    /// allow it) is in the sandbox's allow set.
+    Pass { reply: Vec<u8>, found: Vec<(IpAddr, u64)> },
+    /// Refused for `reason`, naming `name`; `rebinding` is the address that made it so.
+    Refused { name: String, reason: &'static str, rebinding: Option<IpAddr> },
+    /// Answered SERVFAIL: the reply did not parse.
+    ServFail,
+}
+
+/// Judge upstream's reply `reply_raw` to a query for `name` (no I/O, nothing recorded).
+fn screen_reply(name: &str, mut reply_raw: Vec<u8>, policy: &NetworkPolicy) -> Answer {
+    let Ok(reply) = Message::from_vec(&reply_raw) else { return Answer::ServFail };
     // The names the answer's addresses may belong to: the query's, and those its CNAME
     // chain in the answer leads to. An A or AAAA record of any other owner name (one an
     // upstream added beside the answer) allows nothing.
-    let owners = chain_owners(&name, &reply.answers);
+    let owners = chain_owners(name, &reply.answers);
     let mut found: Vec<(IpAddr, u64)> = Vec::new();
     for r in &reply.answers {
         // An allowed name that leads, through a CNAME, to a denied one: the denied name's
@@ -349,8 +409,7 @@ fn answer(
         if let Some(denied) =
             chained.into_iter().map(plain_name).find(|n| policy.name_verdict(n) == NameVerdict::Denied)
         {
-            refuse(report, who, &denied, "denied");
-            return error_reply(&query, ResponseCode::Refused);
+            return Answer::Refused { name: denied, reason: "denied", rebinding: None };
         }
         let addr = match &r.data {
             RData::A(a) => IpAddr::V4(a.0),
@@ -362,35 +421,36 @@ fn answer(
         }
         let special = crate::egress::special_ranges().iter().any(|n| n.contains(addr));
         if special && !policy.explicitly_allows(addr) {
-            if refuse(report, who, &name, "rebinding") {
-                crate::audit::record(
-                    "dns_rebinding_refused",
-                    &[
-                        ("executor", &who.executor),
-                        ("name", &who.redactor.dns_name(&name)),
-                        ("address", &addr.to_string()),
-                    ],
-                );
-            }
-            return error_reply(&query, ResponseCode::Refused);
+            return Answer::Refused { name: name.to_string(), reason: "rebinding", rebinding: Some(addr) };
         }
         found.push((addr, u64::from(r.ttl).clamp(MIN_TTL_S, MAX_TTL_S) * 1000));
     }
     // No resolver in the sandbox may cache an address longer than the allow set keeps it;
     // checked before anything is allowed.
     if clamp_answer_ttls(&mut reply_raw, MAX_TTL_S as u32).is_none() {
-        return error_reply(&query, ResponseCode::ServFail);
+        return Answer::ServFail;
     }
-    if let Some(allow) = allow {
-        if !found.is_empty() {
-            if let Err(e) = allow.allow(&found) {
-                tracing::warn!(error = %e, name = who.redactor.dns_name(&name), "could not allow resolved addresses");
-                return error_reply(&query, ResponseCode::ServFail);
-            }
-        }
+    Answer::Pass { reply: reply_raw, found }
+}
+
+/// What the forwarder passes on: the reply the sandbox gets and the addresses (with
+/// milliseconds) its allow set gets ([`screen_for_fuzzing`]).
+#[doc(hidden)]
+pub struct Passed {
+    pub reply: Vec<u8>,
+    pub found: Vec<(IpAddr, u64)>,
+}
+
+/// For the fuzz target (`fuzz/fuzz_targets/dns.rs`): what the forwarder makes of a sandbox's
+/// `query` under `policy`, and of `reply` as upstream's answer to it, without the network —
+/// `None` when the query is not forwarded or the reply not passed on.
+#[doc(hidden)]
+pub fn screen_for_fuzzing(query: &[u8], reply: &[u8], policy: &NetworkPolicy) -> Option<Passed> {
+    let Screened::Forward { name, .. } = screen_query(query, policy) else { return None };
+    match screen_reply(&name, reply.to_vec(), policy) {
+        Answer::Pass { reply, found } => Some(Passed { reply, found }),
+        _ => None,
     }
-    report.answered += 1;
-    Some(reply_raw)
 }
 
 /// Lower every TTL of `msg`'s answer section above `max` to `max`, in place (the message
