@@ -135,12 +135,8 @@ impl Agent {
     /// As [`Agent::start`], the agent placed in the cgroup whose `cgroup.procs` is `procs`
     /// before it runs.
     pub fn start_in_cgroup(&mut self, procs: &Path) {
-        use std::os::unix::process::CommandExt;
-        let procs = procs.to_owned();
         let mut cmd = common::command();
-        // SAFETY: the hook only opens, writes and closes a file between fork and exec ("0" is
-        // the writing process).
-        unsafe { cmd.pre_exec(move || std::fs::write(&procs, "0")) };
+        common::in_cgroup(&mut cmd, procs);
         self.spawn(cmd);
     }
 

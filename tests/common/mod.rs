@@ -197,14 +197,20 @@ pub fn try_sandbox(manifest: Option<&Path>, argv: &[&str]) -> Result<Run, (i32, 
 /// runs (its sandbox cgroups are then made beneath that one).
 #[allow(dead_code)] // tests/limits.rs only
 pub fn sandbox_in_cgroup(manifest: Option<&Path>, argv: &[&str], procs: &Path) -> Run {
+    let mut cmd = command();
+    in_cgroup(&mut cmd, procs);
+    try_sandbox_with(manifest, argv, cmd)
+        .unwrap_or_else(|(code, err)| panic!("opservant sandbox could not run (exit {code}): {err}"))
+}
+
+/// Have `cmd` place itself in the cgroup whose `cgroup.procs` is `procs` before it runs.
+#[allow(dead_code)] // tests/limits.rs and tests/agent_local.rs only
+pub fn in_cgroup(cmd: &mut Command, procs: &Path) {
     use std::os::unix::process::CommandExt;
     let procs = procs.to_owned();
-    let mut cmd = command();
     // SAFETY: the hook only opens, writes and closes a file between fork and exec ("0" is
     // the writing process).
     unsafe { cmd.pre_exec(move || std::fs::write(&procs, "0")) };
-    try_sandbox_with(manifest, argv, cmd)
-        .unwrap_or_else(|(code, err)| panic!("opservant sandbox could not run (exit {code}): {err}"))
 }
 
 fn try_sandbox_with(manifest: Option<&Path>, argv: &[&str], mut cmd: Command) -> Result<Run, (i32, String)> {
