@@ -1150,6 +1150,117 @@ fn the_agents_configured_files_are_masked_and_never_writable() {
     }
 }
 
+/// `opservant run DIR args…` in a mount namespace of its own where each `(source, target)`
+/// is bind-mounted first (recursively): a host whose mount table shows some files at two
+/// places, without changing this host's.
+fn run_with_binds(dir: &Path, args: &[&str], binds: &[(&Path, &Path)]) -> Out {
+    use std::ffi::CString;
+    use std::os::unix::ffi::OsStrExt;
+    use std::os::unix::process::CommandExt;
+    let c = |p: &Path| CString::new(p.as_os_str().as_bytes()).unwrap();
+    let binds: Vec<(CString, CString)> = binds.iter().map(|(s, t)| (c(s), c(t))).collect();
+    let launch = common::launch_args();
+    let mut all: Vec<&std::ffi::OsStr> = vec!["run".as_ref(), dir.as_os_str()];
+    all.extend(launch.iter().map(std::ffi::OsStr::new));
+    all.extend(args.iter().map(|a| std::ffi::OsStr::new(*a)));
+    let mut cmd = opservant_command(&all);
+    // SAFETY: between fork and exec the hook makes only system calls, on strings made
+    // before the fork; the new mount namespace is the child's alone (private: nothing
+    // propagates back to the host's).
+    unsafe {
+        cmd.pre_exec(move || {
+            let fail = || Err(std::io::Error::last_os_error());
+            if libc::unshare(libc::CLONE_NEWNS) != 0 {
+                return fail();
+            }
+            let flags = libc::MS_REC | libc::MS_PRIVATE;
+            if libc::mount(std::ptr::null(), c"/".as_ptr(), std::ptr::null(), flags, std::ptr::null()) != 0 {
+                return fail();
+            }
+            for (s, t) in &binds {
+                let flags = libc::MS_BIND | libc::MS_REC;
+                if libc::mount(s.as_ptr(), t.as_ptr(), std::ptr::null(), flags, std::ptr::null()) != 0 {
+                    return fail();
+                }
+            }
+            Ok(())
+        })
+    };
+    let _view = common::host_view();
+    let out = cmd.output().expect("spawn opservant");
+    Out {
+        code: out.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+/// Masks, write protection and key material hold for the files, not only for the paths
+/// naming them: a declared path that reaches them through another mount of the same files
+/// (a bind mount on the host) is refused — the bind shown beneath a declared directory too —
+/// and so is a write grant reaching a system directory so.
+#[test]
+fn the_agents_files_and_system_directories_are_protected_through_other_mounts_of_them() {
+    if !require_root() {
+        return;
+    }
+    let site = HostDir::new();
+    let public = put(&site.path, "public.txt", b"public");
+    put(&site.path, "state/seen", b"seen");
+    let key = put(&site.path, "private/secrets.key", b"store key");
+    let c = config(
+        &format!(
+            "agent:\n  state_dir: {}\nsecrets:\n  key_file: {}\n",
+            site.path.join("state").display(),
+            key.display()
+        ),
+        None,
+    );
+    // `mirror/site` shows `site` (a bind mount), `mirror/etc` the host's `/etc`.
+    let mirror = HostDir::new();
+    for d in ["site", "etc"] {
+        std::fs::create_dir(mirror.path.join(d)).unwrap();
+    }
+    let alias = mirror.path.join("site");
+    let etc = mirror.path.join("etc");
+    let binds: [(&Path, &Path); 2] = [(&site.path, &alias), (Path::new("/etc"), &etc)];
+    let at =
+        |rel: &str| if rel.is_empty() { alias.display().to_string() } else { alias.join(rel).display().to_string() };
+    let peek = |perms: Value, paths: &[String]| {
+        let d = executor(json!({"permissions": {"filesystem": perms}}), PEEK);
+        run_with_binds(&d.path, &["--config", c.arg(), "--params", &json!({ "paths": paths }).to_string()], &binds)
+    };
+    // What the second mount shows is there: without the agent's configuration its files
+    // are ordinary files, shown through it.
+    let d = executor(json!({"permissions": {"filesystem": {"read": [alias.display().to_string()]}}}), PEEK);
+    let paths = vec![at("state/seen"), at("public.txt")];
+    let r = run_with_binds(&d.path, &["--params", &json!({ "paths": paths }).to_string()], &binds).result();
+    assert_eq!(r["output"][&paths[0]], "file:seen", "{r}");
+    // With it, a public file is still shown through the second mount …
+    let paths = vec![at("public.txt")];
+    let r = peek(json!({"read": [at("public.txt")]}), &paths).result();
+    assert_eq!(r["output"][&paths[0]], "file:public", "{r}");
+    assert_eq!(std::fs::read_to_string(&public).unwrap(), "public");
+    // … and nothing private is, whether declared itself, through a directory holding it, or
+    // through a directory holding the second mount.
+    for (perms, says) in [
+        (json!({"read": [at("")]}), format!("the masked {}", site.path.join("state").display())),
+        (json!({"read": [mirror.str()]}), format!("the masked {}", site.path.join("state").display())),
+        (json!({"read": [at("state")]}), format!("the masked {}", site.path.join("state").display())),
+        (json!({"read": [at("private/secrets.key")]}), "key material (secrets.key_file".to_string()),
+        (json!({"write": [at("state")]}), "the agent's own files".to_string()),
+        (json!({"write": [at("")]}), "the agent's own files".to_string()),
+        (json!({"write": [etc.display().to_string()]}), "shows the host's /etc".to_string()),
+    ] {
+        peek(perms.clone(), &[]).cannot_run(&["permissions.filesystem.", &says]);
+    }
+    // A write grant beneath the second mount of `/etc` is `/etc` too.
+    let etc_dir = etc.join("apt").display().to_string();
+    if Path::new("/etc/apt").is_dir() {
+        peek(json!({"write": [etc_dir]}), &[]).cannot_run(&["shows the host's /etc", "never granted"]);
+    }
+}
+
 #[test]
 fn command_line_errors_are_refused() {
     if !require_root() {

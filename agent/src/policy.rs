@@ -8,10 +8,14 @@
 //! declared (naming the manifest field); those files are masked in every view, and key
 //! material is never readable, even when declared by name; declared paths must exist; host
 //! credentials stay masked; nothing in the host's `/proc` is bound for reading, and nothing
-//! every host user may write to is bound for writing.
+//! every host user may write to is bound for writing. Each of these holds for the files,
+//! not only for their names: a declared path is also checked for what its bind would show
+//! through other mounts of the same filesystem (a bind mount on the host, a filesystem
+//! mounted twice), by each path's place in its filesystem (`sandbox::mountinfo`).
 
 use std::path::{Path, PathBuf};
 
+use sandbox::mountinfo::{FsPath, Mount, Shown};
 use sandbox::{Access, Identity, Limits, PathRule, SandboxSpec, SeccompPolicy, SyntheticFile};
 use thiserror::Error;
 
@@ -369,9 +373,13 @@ impl AgentPolicy {
         let real = real_path(field, p)?;
         self.refuse_read(field, p, &real)?;
         check_alias(field, p, &real, masked)?;
-        refuse_procfs(field, p, &real)?;
+        let mounts = host_mounts(field)?;
+        refuse_procfs(field, p, &real, &mounts)?;
         refuse_ipc_endpoints(field, p, &real)?;
         refuse_over_scratch(field, p, &real)?;
+        let shown = sandbox::mountinfo::shown_by(&mounts, &real);
+        self.refuse_read_elsewhere(field, p, &real, &shown, &mounts)?;
+        refuse_masked_elsewhere(field, p, &real, masked, &shown, &mounts)?;
         Ok(real)
     }
 
@@ -389,7 +397,12 @@ impl AgentPolicy {
         self.refuse_write(field, p, &real)?;
         check_alias(field, p, &real, masked)?;
         refuse_shared_with_everyone(field, p, &real)?;
-        refuse_procfs(field, p, &real)?;
+        let mounts = host_mounts(field)?;
+        refuse_procfs(field, p, &real, &mounts)?;
+        let shown = sandbox::mountinfo::shown_by(&mounts, &real);
+        self.refuse_write_elsewhere(field, p, &real, &shown, &mounts)?;
+        self.refuse_read_elsewhere(field, p, &real, &shown, &mounts)?;
+        refuse_masked_elsewhere(field, p, &real, masked, &shown, &mounts)?;
         Ok(Some(real))
     }
 
@@ -444,6 +457,166 @@ impl AgentPolicy {
         }
         Ok(())
     }
+
+    /// [`Self::refuse_write`] for the files a write bind of `real` (declared as `p`) would
+    /// show through other mounts of their filesystems: a system directory, `/`, `/var` or
+    /// the agent's own files reached through a bind mount of them elsewhere on the host.
+    fn refuse_write_elsewhere(
+        &self,
+        field: &str,
+        p: &Path,
+        real: &Path,
+        shown: &[Shown],
+        mounts: &[Mount],
+    ) -> Result<(), PolicyError> {
+        let refused = |s: &Shown, what: String, why: &str| {
+            PolicyError::new(
+                field,
+                format!(
+                    "{}{}: {} shows {what} (another mount of the same files); {why}",
+                    p.display(),
+                    via(p, real),
+                    s.at.display()
+                ),
+            )
+        };
+        for s in shown {
+            for whole in ["/", "/var"] {
+                if overlaps(mounts, Path::new(whole), |x| s.place_of(x) == Some(s.at.clone())) {
+                    return Err(refused(
+                        s,
+                        format!("the host's {whole}"),
+                        "writing to system directories is never granted",
+                    ));
+                }
+            }
+            for dir in SYSTEM_DIRS {
+                if overlaps(mounts, Path::new(dir), |x| s.place_of(x).is_some() || s.is_within(x)) {
+                    return Err(refused(
+                        s,
+                        format!("the host's {dir}"),
+                        "writing to system directories is never granted",
+                    ));
+                }
+            }
+            if let Some(x) =
+                self.protected.iter().find(|x| overlaps(mounts, x, |fx| s.place_of(fx).is_some() || s.is_within(fx)))
+            {
+                return Err(refused(s, format!("the agent's own files ({})", x.display()), "never granted"));
+            }
+        }
+        Ok(())
+    }
+
+    /// [`Self::refuse_read`] for the files a bind of `real` (declared as `p`) would show
+    /// through other mounts of their filesystems: the agent's key material or host
+    /// credentials reached through a bind mount of them elsewhere on the host. (What holds
+    /// them is masked: [`refuse_masked_elsewhere`].)
+    fn refuse_read_elsewhere(
+        &self,
+        field: &str,
+        p: &Path,
+        real: &Path,
+        shown: &[Shown],
+        mounts: &[Mount],
+    ) -> Result<(), PolicyError> {
+        for s in shown {
+            let lies_in = |x: &Path| overlaps(mounts, x, |fx| s.is_within(fx));
+            let what = if let Some(n) = NEVER_READABLE.iter().find(|n| lies_in(Path::new(n))) {
+                format!("the host's {n}, which holds host credentials")
+            } else if let Some((key, c)) = self.credentials.iter().find(|(_, c)| lies_in(c)) {
+                format!("the agent's key material ({key}: {})", c.display())
+            } else {
+                continue;
+            };
+            return Err(PolicyError::new(
+                field,
+                format!(
+                    "{}{}: {} is {what} through another mount of the same files, and is never readable",
+                    p.display(),
+                    via(p, real),
+                    s.at.display()
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The host's mounts now (a declared path's checks read them once).
+fn host_mounts(field: &str) -> Result<Vec<Mount>, PolicyError> {
+    sandbox::mountinfo::read().map_err(|e| PolicyError::new(field, format!("/proc/self/mountinfo: {e}")))
+}
+
+/// Whether `test` holds for listed path `x`'s place in its filesystem. A listed path may be
+/// named through a link (its real form is listed beside it) or not exist yet; the answer
+/// is that of its real form — resolved only when its name alone passes `test`, so the
+/// common case costs no system call.
+fn overlaps(mounts: &[Mount], x: &Path, test: impl Fn(&FsPath) -> bool) -> bool {
+    overlap(mounts, x, |f, _| test(f)).is_some()
+}
+
+/// [`overlaps`] with `test` also given the path it judges (`x`, then its real form), giving
+/// the place in its filesystem of `x`'s real form when `test` holds.
+fn overlap(mounts: &[Mount], x: &Path, test: impl Fn(&FsPath, &Path) -> bool) -> Option<FsPath> {
+    if !sandbox::mountinfo::fs_path(mounts, x).is_some_and(|f| test(&f, x)) {
+        return None;
+    }
+    let real = std::fs::canonicalize(x).ok().or_else(|| {
+        let parent = std::fs::canonicalize(x.parent()?).ok()?;
+        Some(parent.join(x.file_name()?))
+    });
+    // Unresolvable (a parent missing): judged by its name.
+    let real = real.unwrap_or_else(|| x.to_path_buf());
+    sandbox::mountinfo::fs_path(mounts, &real).filter(|f| test(f, &real))
+}
+
+/// A mask covers a path of the view: a declared path whose bind (`real`, declared as `p`)
+/// shows a masked file or directory at any other place of the view — through another mount
+/// of the same files on the host — is refused, as one reaching it through a symlink is
+/// ([`check_alias`]). A masked path that does not exist has nothing to show.
+fn refuse_masked_elsewhere(
+    field: &str,
+    p: &Path,
+    real: &Path,
+    masked: &[PathBuf],
+    shown: &[Shown],
+    mounts: &[Mount],
+) -> Result<(), PolicyError> {
+    // Where the view shows host path `at` (beneath `real`).
+    let in_view = |at: &Path| match at.strip_prefix(real) {
+        Ok(rel) if rel.as_os_str().is_empty() => p.to_path_buf(),
+        Ok(rel) => p.join(rel),
+        Err(_) => at.to_path_buf(),
+    };
+    for s in shown {
+        for m in masked {
+            // Shown at the mask's own place, or wholly beneath it (a path declared beneath
+            // a mask is shown on top of it): covered.
+            let elsewhere = |fm: &FsPath, m: &Path| match s.place_of(fm) {
+                Some(at) => in_view(&at) != m,
+                None => s.is_within(fm) && !in_view(&s.at).starts_with(m),
+            };
+            let Some(fm) = overlap(mounts, m, elsewhere) else { continue };
+            if std::fs::symlink_metadata(m).is_err() {
+                continue;
+            }
+            let at = in_view(&s.place_of(&fm).unwrap_or_else(|| s.at.clone()));
+            return Err(PolicyError::new(
+                field,
+                format!(
+                    "{}{}: {} is another mount of the same files as the masked {}, which would show them at {}; \
+                     declare the masked path itself",
+                    p.display(),
+                    via(p, real),
+                    s.at.display(),
+                    m.display(),
+                    at.display()
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Refuses a write path that every user of the host may write to (`/var/tmp`, a mode-777
@@ -542,7 +715,7 @@ fn refuse_over_scratch(field: &str, p: &Path, real: &Path) -> Result<(), PolicyE
 }
 
 /// /proc by another name, and a bind takes what is mounted beneath it along.
-fn refuse_procfs(field: &str, p: &Path, real: &Path) -> Result<(), PolicyError> {
+fn refuse_procfs(field: &str, p: &Path, real: &Path, mounts: &[Mount]) -> Result<(), PolicyError> {
     let refused = |what: String| {
         PolicyError::new(
             field,
@@ -556,8 +729,6 @@ fn refuse_procfs(field: &str, p: &Path, real: &Path) -> Result<(), PolicyError> 
     if nix::sys::statfs::statfs(real).is_ok_and(|f| f.filesystem_type() == nix::sys::statfs::PROC_SUPER_MAGIC) {
         return Err(refused("a procfs of the host".into()));
     }
-    let mounts =
-        sandbox::mountinfo::read().map_err(|e| PolicyError::new(field, format!("/proc/self/mountinfo: {e}")))?;
     if let Some(m) = mounts.iter().find(|m| m.fstype == "proc" && m.mount_point.starts_with(real)) {
         return Err(refused(format!("a procfs of the host is mounted beneath it, on {}", m.mount_point.display())));
     }
