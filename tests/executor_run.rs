@@ -1223,7 +1223,12 @@ fn the_agents_files_and_system_directories_are_protected_through_other_mounts_of
     }
     let alias = mirror.path.join("site");
     let etc = mirror.path.join("etc");
-    let binds: [(&Path, &Path); 2] = [(&site.path, &alias), (Path::new("/etc"), &etc)];
+    // And a directory of ours shown beneath `/usr` (`/usr/local/src`, which Debian's
+    // base-files make), as `/var/lib/docker` is often a bind of a data disk's directory.
+    let under_usr = HostDir::new();
+    assert!(Path::new("/usr/local/src").is_dir(), "a mount point beneath /usr");
+    let binds: [(&Path, &Path); 3] =
+        [(&site.path, &alias), (Path::new("/etc"), &etc), (&under_usr.path, Path::new("/usr/local/src"))];
     let at =
         |rel: &str| if rel.is_empty() { alias.display().to_string() } else { alias.join(rel).display().to_string() };
     let peek = |perms: Value, paths: &[String]| {
@@ -1251,6 +1256,7 @@ fn the_agents_files_and_system_directories_are_protected_through_other_mounts_of
         (json!({"write": [at("state")]}), "the agent's own files".to_string()),
         (json!({"write": [at("")]}), "the agent's own files".to_string()),
         (json!({"write": [etc.display().to_string()]}), "shows the host's /etc".to_string()),
+        (json!({"write": [under_usr.str()]}), "shows the host's /usr".to_string()),
     ] {
         peek(perms.clone(), &[]).cannot_run(&["permissions.filesystem.", &says]);
     }

@@ -15,7 +15,7 @@
 
 use std::path::{Path, PathBuf};
 
-use sandbox::mountinfo::{FsPath, Mount, Shown};
+use sandbox::mountinfo::{MountTable, Shown};
 use sandbox::{Access, Identity, Limits, PathRule, SandboxSpec, SeccompPolicy, SyntheticFile};
 use thiserror::Error;
 
@@ -377,7 +377,7 @@ impl AgentPolicy {
         refuse_procfs(field, p, &real, &mounts)?;
         refuse_ipc_endpoints(field, p, &real)?;
         refuse_over_scratch(field, p, &real)?;
-        let shown = sandbox::mountinfo::shown_by(&mounts, &real);
+        let shown = mounts.shown_by(&real);
         self.refuse_read_elsewhere(field, p, &real, &shown, &mounts)?;
         refuse_masked_elsewhere(field, p, &real, masked, &shown, &mounts)?;
         Ok(real)
@@ -399,7 +399,7 @@ impl AgentPolicy {
         refuse_shared_with_everyone(field, p, &real)?;
         let mounts = host_mounts(field)?;
         refuse_procfs(field, p, &real, &mounts)?;
-        let shown = sandbox::mountinfo::shown_by(&mounts, &real);
+        let shown = mounts.shown_by(&real);
         self.refuse_write_elsewhere(field, p, &real, &shown, &mounts)?;
         self.refuse_read_elsewhere(field, p, &real, &shown, &mounts)?;
         refuse_masked_elsewhere(field, p, &real, masked, &shown, &mounts)?;
@@ -467,7 +467,7 @@ impl AgentPolicy {
         p: &Path,
         real: &Path,
         shown: &[Shown],
-        mounts: &[Mount],
+        mounts: &MountTable,
     ) -> Result<(), PolicyError> {
         let refused = |s: &Shown, what: String, why: &str| {
             PolicyError::new(
@@ -481,8 +481,10 @@ impl AgentPolicy {
             )
         };
         for s in shown {
+            // `/` and `/var` themselves (not what is beneath them) …
             for whole in ["/", "/var"] {
-                if overlaps(mounts, Path::new(whole), |x| s.place_of(x) == Some(s.at.clone())) {
+                let own = mounts.own_tree(Path::new(whole));
+                if own.is_some_and(|t| t.device == s.device && t.root == s.root) {
                     return Err(refused(
                         s,
                         format!("the host's {whole}"),
@@ -490,8 +492,9 @@ impl AgentPolicy {
                     ));
                 }
             }
+            // … and the system directories and the agent's own files, at or beneath.
             for dir in SYSTEM_DIRS {
-                if overlaps(mounts, Path::new(dir), |x| s.place_of(x).is_some() || s.is_within(x)) {
+                if overlap(mounts, Path::new(dir), &s.device, |t, _| s.overlaps(t)).is_some() {
                     return Err(refused(
                         s,
                         format!("the host's {dir}"),
@@ -500,7 +503,7 @@ impl AgentPolicy {
                 }
             }
             if let Some(x) =
-                self.protected.iter().find(|x| overlaps(mounts, x, |fx| s.place_of(fx).is_some() || s.is_within(fx)))
+                self.protected.iter().find(|x| overlap(mounts, x, &s.device, |t, _| s.overlaps(t)).is_some())
             {
                 return Err(refused(s, format!("the agent's own files ({})", x.display()), "never granted"));
             }
@@ -518,10 +521,10 @@ impl AgentPolicy {
         p: &Path,
         real: &Path,
         shown: &[Shown],
-        mounts: &[Mount],
+        mounts: &MountTable,
     ) -> Result<(), PolicyError> {
         for s in shown {
-            let lies_in = |x: &Path| overlaps(mounts, x, |fx| s.is_within(fx));
+            let lies_in = |x: &Path| overlap(mounts, x, &s.device, |t, _| s.is_within(t)).is_some();
             let what = if let Some(n) = NEVER_READABLE.iter().find(|n| lies_in(Path::new(n))) {
                 format!("the host's {n}, which holds host credentials")
             } else if let Some((key, c)) = self.credentials.iter().find(|(_, c)| lies_in(c)) {
@@ -544,22 +547,17 @@ impl AgentPolicy {
 }
 
 /// The host's mounts now (a declared path's checks read them once).
-fn host_mounts(field: &str) -> Result<Vec<Mount>, PolicyError> {
-    sandbox::mountinfo::read().map_err(|e| PolicyError::new(field, format!("/proc/self/mountinfo: {e}")))
+fn host_mounts(field: &str) -> Result<MountTable, PolicyError> {
+    MountTable::read().map_err(|e| PolicyError::new(field, format!("/proc/self/mountinfo: {e}")))
 }
 
-/// Whether `test` holds for listed path `x`'s place in its filesystem. A listed path may be
-/// named through a link (its real form is listed beside it) or not exist yet; the answer
-/// is that of its real form — resolved only when its name alone passes `test`, so the
-/// common case costs no system call.
-fn overlaps(mounts: &[Mount], x: &Path, test: impl Fn(&FsPath) -> bool) -> bool {
-    overlap(mounts, x, |f, _| test(f)).is_some()
-}
-
-/// [`overlaps`] with `test` also given the path it judges (`x`, then its real form), giving
-/// the place in its filesystem of `x`'s real form when `test` holds.
-fn overlap(mounts: &[Mount], x: &Path, test: impl Fn(&FsPath, &Path) -> bool) -> Option<FsPath> {
-    if !sandbox::mountinfo::fs_path(mounts, x).is_some_and(|f| test(&f, x)) {
+/// The first of what listed path `x` shows of filesystem `device` (its own tree, then each
+/// mount beneath it) for which `test` holds, given also the path it judges. A listed path may be named through a
+/// link (its real form is listed beside it) or not exist yet: the answer is that of its
+/// real form, resolved only when its name alone passes `test`, so the common case costs no
+/// system call.
+fn overlap(mounts: &MountTable, x: &Path, device: &str, test: impl Fn(&Shown, &Path) -> bool) -> Option<Shown> {
+    if !mounts.shown_by_on(x, device).iter().any(|t| test(t, x)) {
         return None;
     }
     let real = std::fs::canonicalize(x).ok().or_else(|| {
@@ -568,7 +566,7 @@ fn overlap(mounts: &[Mount], x: &Path, test: impl Fn(&FsPath, &Path) -> bool) ->
     });
     // Unresolvable (a parent missing): judged by its name.
     let real = real.unwrap_or_else(|| x.to_path_buf());
-    sandbox::mountinfo::fs_path(mounts, &real).filter(|f| test(f, &real))
+    mounts.shown_by_on(&real, device).into_iter().find(|t| test(t, &real))
 }
 
 /// A mask covers a path of the view: a declared path whose bind (`real`, declared as `p`)
@@ -581,7 +579,7 @@ fn refuse_masked_elsewhere(
     real: &Path,
     masked: &[PathBuf],
     shown: &[Shown],
-    mounts: &[Mount],
+    mounts: &MountTable,
 ) -> Result<(), PolicyError> {
     // Where the view shows host path `at` (beneath `real`).
     let in_view = |at: &Path| match at.strip_prefix(real) {
@@ -593,15 +591,16 @@ fn refuse_masked_elsewhere(
         for m in masked {
             // Shown at the mask's own place, or wholly beneath it (a path declared beneath
             // a mask is shown on top of it): covered.
-            let elsewhere = |fm: &FsPath, m: &Path| match s.place_of(fm) {
-                Some(at) => in_view(&at) != m,
-                None => s.is_within(fm) && !in_view(&s.at).starts_with(m),
-            };
-            let Some(fm) = overlap(mounts, m, elsewhere) else { continue };
+            // What the mask hides (its own tree and any mount beneath it) shown by `s`, and
+            // where in the view.
+            let place =
+                |t: &Shown| s.place_of(t).or_else(|| s.is_within(t).then(|| s.at.clone())).map(|at| in_view(&at));
+            let elsewhere = |t: &Shown, m: &Path| place(t).is_some_and(|v| !v.starts_with(m));
+            let Some(t) = overlap(mounts, m, &s.device, elsewhere) else { continue };
             if std::fs::symlink_metadata(m).is_err() {
                 continue;
             }
-            let at = in_view(&s.place_of(&fm).unwrap_or_else(|| s.at.clone()));
+            let at = place(&t).unwrap_or_else(|| s.at.clone());
             return Err(PolicyError::new(
                 field,
                 format!(
@@ -715,7 +714,7 @@ fn refuse_over_scratch(field: &str, p: &Path, real: &Path) -> Result<(), PolicyE
 }
 
 /// /proc by another name, and a bind takes what is mounted beneath it along.
-fn refuse_procfs(field: &str, p: &Path, real: &Path, mounts: &[Mount]) -> Result<(), PolicyError> {
+fn refuse_procfs(field: &str, p: &Path, real: &Path, mounts: &MountTable) -> Result<(), PolicyError> {
     let refused = |what: String| {
         PolicyError::new(
             field,
@@ -729,7 +728,7 @@ fn refuse_procfs(field: &str, p: &Path, real: &Path, mounts: &[Mount]) -> Result
     if nix::sys::statfs::statfs(real).is_ok_and(|f| f.filesystem_type() == nix::sys::statfs::PROC_SUPER_MAGIC) {
         return Err(refused("a procfs of the host".into()));
     }
-    if let Some(m) = mounts.iter().find(|m| m.fstype == "proc" && m.mount_point.starts_with(real)) {
+    if let Some(m) = mounts.mounts().iter().find(|m| m.fstype == "proc" && m.mount_point.starts_with(real)) {
         return Err(refused(format!("a procfs of the host is mounted beneath it, on {}", m.mount_point.display())));
     }
     // The kernel's own interfaces (tracing, debugging, security modules, BPF objects,
@@ -743,7 +742,7 @@ fn refuse_procfs(field: &str, p: &Path, real: &Path, mounts: &[Mount]) -> Result
         ));
     }
     let kernel_interface = |fstype: &str| KERNEL_INTERFACE_FS.iter().any(|(name, _)| *name == fstype);
-    if let Some(m) = mounts.iter().find(|m| kernel_interface(&m.fstype) && m.mount_point.starts_with(real)) {
+    if let Some(m) = mounts.mounts().iter().find(|m| kernel_interface(&m.fstype) && m.mount_point.starts_with(real)) {
         return Err(PolicyError::new(
             field,
             format!(

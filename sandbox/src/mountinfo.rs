@@ -4,8 +4,9 @@
 //! a filesystem's files are shown: a bind mount on the host, or a filesystem mounted twice,
 //! shows the same files at more than one path, so a path is also known by what it is in its
 //! filesystem ([`FsPath`]), and a recursive bind of a path shows every mount beneath it
-//! ([`shown_by`]).
+//! ([`MountTable::shown_by`]).
 
+use std::collections::HashMap;
 use std::ffi::OsString;
 use std::os::unix::ffi::OsStringExt;
 use std::path::{Path, PathBuf};
@@ -55,17 +56,9 @@ pub fn parse(text: &[u8]) -> Vec<Mount> {
         .collect()
 }
 
-/// What a host path is in its filesystem: the device of the mount it lies on and its path
-/// from that filesystem's root. Two paths of one device, one `path` at or beneath the
-/// other's, are the same files, wherever each is mounted.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct FsPath {
-    pub device: String,
-    pub path: PathBuf,
-}
-
-/// One place where a bind of a host path shows files: at host path `at`, the tree of
-/// filesystem `device` from its directory `root`.
+/// One place where a host path shows files: at host path `at`, the tree of filesystem
+/// `device` from its directory `root`. Two of them with the same device, one's `root` at or
+/// beneath the other's, show the same files, wherever each is mounted.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Shown {
     pub at: PathBuf,
@@ -74,18 +67,24 @@ pub struct Shown {
 }
 
 impl Shown {
-    /// The host path at which this shows `target`, when `target` is at or beneath what it
-    /// shows.
-    pub fn place_of(&self, target: &FsPath) -> Option<PathBuf> {
-        if target.device != self.device {
+    /// The host path at which this shows the root of `other`, when `other` shows its
+    /// filesystem at or beneath what this shows.
+    pub fn place_of(&self, other: &Shown) -> Option<PathBuf> {
+        if other.device != self.device {
             return None;
         }
-        target.path.strip_prefix(&self.root).ok().map(|rel| join_rel(&self.at, rel))
+        other.root.strip_prefix(&self.root).ok().map(|rel| join_rel(&self.at, rel))
     }
 
-    /// Whether everything this shows is `target` or beneath it.
-    pub fn is_within(&self, target: &FsPath) -> bool {
-        target.device == self.device && self.root.starts_with(&target.path)
+    /// Whether everything this shows is shown by `other` too (its root at or beneath
+    /// `other`'s).
+    pub fn is_within(&self, other: &Shown) -> bool {
+        other.device == self.device && self.root.starts_with(&other.root)
+    }
+
+    /// Whether this and `other` show any file in common.
+    pub fn overlaps(&self, other: &Shown) -> bool {
+        self.is_within(other) || other.is_within(self)
     }
 }
 
@@ -98,38 +97,81 @@ fn join_rel(base: &Path, rel: &Path) -> PathBuf {
     }
 }
 
-/// The mount `path` (absolute, without links, `.` or `..`) lies on: of the mounts whose
-/// mount point is its longest prefix, the last listed (one stacked on a mount point comes
-/// after the one it covers).
-pub fn mount_of<'a>(mounts: &'a [Mount], path: &Path) -> Option<&'a Mount> {
-    mounts
-        .iter()
-        .enumerate()
-        .filter(|(_, m)| path.starts_with(&m.mount_point))
-        .max_by_key(|(i, m)| (m.mount_point.components().count(), *i))
-        .map(|(_, m)| m)
+/// A mount table indexed for the questions above: each answer costs the depth of the path
+/// asked about and the number of mounts of one filesystem, not the size of the table (a
+/// host may have thousands of mounts, and a declared path is checked against every listed
+/// path).
+#[derive(Debug, Default)]
+pub struct MountTable {
+    mounts: Vec<Mount>,
+    /// Mount point → the index of the mount on top there (the last listed).
+    top: HashMap<PathBuf, usize>,
+    /// Device → indices of its mounts.
+    of_device: HashMap<String, Vec<usize>>,
 }
 
-/// What `path` (absolute, without links, `.` or `..`; it need not exist) is in its
-/// filesystem.
-pub fn fs_path(mounts: &[Mount], path: &Path) -> Option<FsPath> {
-    let m = mount_of(mounts, path)?;
-    let rel = path.strip_prefix(&m.mount_point).ok()?;
-    Some(FsPath { device: m.device.clone(), path: join_rel(&m.root, rel) })
-}
+impl MountTable {
+    pub fn new(mounts: Vec<Mount>) -> MountTable {
+        let mut top = HashMap::new();
+        let mut of_device: HashMap<String, Vec<usize>> = HashMap::new();
+        for (i, m) in mounts.iter().enumerate() {
+            top.insert(m.mount_point.clone(), i);
+            of_device.entry(m.device.clone()).or_default().push(i);
+        }
+        MountTable { mounts, top, of_device }
+    }
 
-/// What a recursive bind of `path` (absolute, without links, `.` or `..`) shows: the tree
-/// of its own filesystem from `path`, and every mount beneath it — also one a later mount
-/// covers (so the answer is never smaller than what is shown).
-pub fn shown_by(mounts: &[Mount], path: &Path) -> Vec<Shown> {
-    let mut shown = Vec::new();
-    if let Some(own) = fs_path(mounts, path) {
-        shown.push(Shown { at: path.to_path_buf(), device: own.device, root: own.path });
+    /// The caller's mount table now.
+    pub fn read() -> std::io::Result<MountTable> {
+        Ok(MountTable::new(read()?))
     }
-    for m in mounts.iter().filter(|m| m.mount_point != path && m.mount_point.starts_with(path)) {
-        shown.push(Shown { at: m.mount_point.clone(), device: m.device.clone(), root: m.root.clone() });
+
+    pub fn mounts(&self) -> &[Mount] {
+        &self.mounts
     }
-    shown
+
+    /// The mount `path` (absolute, without links, `.` or `..`) lies on: the one on top at the
+    /// longest mount point that is a prefix of it.
+    pub fn mount_of(&self, path: &Path) -> Option<&Mount> {
+        path.ancestors().find_map(|a| self.top.get(a)).map(|&i| &self.mounts[i])
+    }
+
+    /// What `path` (absolute, without links, `.` or `..`; it need not exist) is in its
+    /// filesystem: the tree its own mount shows from it.
+    pub fn own_tree(&self, path: &Path) -> Option<Shown> {
+        let m = self.mount_of(path)?;
+        let rel = path.strip_prefix(&m.mount_point).ok()?;
+        Some(Shown { at: path.to_path_buf(), device: m.device.clone(), root: join_rel(&m.root, rel) })
+    }
+
+    /// Everything `path` (absolute, without links, `.` or `..`) shows, as a recursive bind of
+    /// it does: its [`Self::own_tree`] first, then every mount beneath it — also one a later
+    /// mount covers (so the answer is never smaller than what is shown).
+    pub fn shown_by(&self, path: &Path) -> Vec<Shown> {
+        let mut shown: Vec<Shown> = self.own_tree(path).into_iter().collect();
+        shown.extend(self.beneath(path, self.mounts.iter()));
+        shown
+    }
+
+    /// [`Self::shown_by`], only what is of filesystem `device`.
+    pub fn shown_by_on(&self, path: &Path, device: &str) -> Vec<Shown> {
+        let mut shown: Vec<Shown> = self.own_tree(path).into_iter().filter(|t| t.device == device).collect();
+        let of_device = self.of_device.get(device).map(Vec::as_slice).unwrap_or_default();
+        shown.extend(self.beneath(path, of_device.iter().map(|&i| &self.mounts[i])));
+        shown
+    }
+
+    fn beneath<'a>(
+        &self,
+        path: &'a Path,
+        mounts: impl Iterator<Item = &'a Mount> + 'a,
+    ) -> impl Iterator<Item = Shown> + 'a {
+        mounts.filter(move |m| m.mount_point != path && m.mount_point.starts_with(path)).map(|m| Shown {
+            at: m.mount_point.clone(),
+            device: m.device.clone(),
+            root: m.root.clone(),
+        })
+    }
 }
 
 fn path(field: &[u8]) -> PathBuf {
@@ -198,38 +240,50 @@ mod tests {
         )
     }
 
+    fn shown(at: &str, device: &str, root: &str) -> Shown {
+        Shown { at: at.into(), device: device.into(), root: root.into() }
+    }
+
     #[test]
     fn a_path_is_known_by_what_it_is_in_its_filesystem() {
-        let m = aliased();
-        let fs = |p: &str| fs_path(&m, Path::new(p)).unwrap();
-        assert_eq!(fs("/etc/shadow"), FsPath { device: "8:1".into(), path: "/etc/shadow".into() });
-        assert_eq!(fs("/mnt/alias/secret"), FsPath { device: "8:2".into(), path: "/data/secret".into() });
-        assert_eq!(fs("/mnt/alias"), FsPath { device: "8:2".into(), path: "/data".into() });
+        let m = MountTable::new(aliased());
+        let own = |p: &str| m.own_tree(Path::new(p)).unwrap();
+        assert_eq!(own("/etc/shadow"), shown("/etc/shadow", "8:1", "/etc/shadow"));
+        assert_eq!(own("/mnt/alias/secret"), shown("/mnt/alias/secret", "8:2", "/data/secret"));
+        assert_eq!(own("/mnt/alias"), shown("/mnt/alias", "8:2", "/data"));
         // The later of two mounts on one mount point is the one on top.
-        assert_eq!(fs("/srv/x"), FsPath { device: "8:2".into(), path: "/other/x".into() });
-        assert_eq!(fs("/mnt/alias/deep/f"), FsPath { device: "0:40".into(), path: "/f".into() });
-        assert_eq!(fs("/mnt"), FsPath { device: "8:1".into(), path: "/mnt".into() });
+        assert_eq!(own("/srv/x"), shown("/srv/x", "8:2", "/other/x"));
+        assert_eq!(own("/mnt/alias/deep/f"), shown("/mnt/alias/deep/f", "0:40", "/f"));
+        assert_eq!(own("/mnt"), shown("/mnt", "8:1", "/mnt"));
     }
 
     #[test]
     fn a_bind_shows_its_own_tree_and_every_mount_beneath_it() {
-        let m = aliased();
-        let shown = shown_by(&m, Path::new("/mnt"));
-        let places: Vec<(&str, &str, &str)> =
-            shown.iter().map(|s| (s.at.to_str().unwrap(), s.device.as_str(), s.root.to_str().unwrap())).collect();
+        let m = MountTable::new(aliased());
+        let all = m.shown_by(Path::new("/mnt"));
         assert_eq!(
-            places,
-            vec![("/mnt", "8:1", "/mnt"), ("/mnt/alias", "8:2", "/data"), ("/mnt/alias/deep", "0:40", "/")]
+            all,
+            vec![
+                shown("/mnt", "8:1", "/mnt"),
+                shown("/mnt/alias", "8:2", "/data"),
+                shown("/mnt/alias/deep", "0:40", "/")
+            ]
         );
-        let secret = FsPath { device: "8:2".into(), path: "/data/secret".into() };
-        assert_eq!(shown[1].place_of(&secret), Some(PathBuf::from("/mnt/alias/secret")));
-        assert_eq!(shown[0].place_of(&secret), None, "another device");
-        let data = FsPath { device: "8:2".into(), path: "/data".into() };
-        assert_eq!(shown[1].place_of(&data), Some(PathBuf::from("/mnt/alias")));
-        assert!(shown[1].is_within(&data));
-        assert!(!shown[1].is_within(&secret), "it shows more than the secret");
+        let secret = shown("/srv/data/secret", "8:2", "/data/secret");
+        assert_eq!(all[1].place_of(&secret), Some(PathBuf::from("/mnt/alias/secret")));
+        assert_eq!(all[0].place_of(&secret), None, "another device");
+        assert!(all[1].overlaps(&secret) && secret.overlaps(&all[1]));
+        assert!(!all[1].is_within(&secret), "it shows more than the secret");
+        assert!(secret.is_within(&all[1]));
+        let data = shown("/srv/data", "8:2", "/data");
+        assert_eq!(all[1].place_of(&data), Some(PathBuf::from("/mnt/alias")));
+        assert!(all[1].is_within(&data));
+        assert!(!all[0].overlaps(&data) && !all[2].overlaps(&data));
         // A path not beneath `/mnt` is not shown by it; `/mnt2` is not beneath `/mnt`.
-        assert!(shown_by(&m, Path::new("/mnt2")).iter().all(|s| s.at == Path::new("/mnt2")));
+        assert_eq!(m.shown_by(Path::new("/mnt2")), vec![shown("/mnt2", "8:1", "/mnt2")]);
+        assert_eq!(m.shown_by_on(Path::new("/mnt"), "8:2"), vec![shown("/mnt/alias", "8:2", "/data")]);
+        assert_eq!(m.shown_by_on(Path::new("/mnt"), "8:1"), vec![shown("/mnt", "8:1", "/mnt")]);
+        assert_eq!(m.shown_by_on(Path::new("/mnt"), "9:9"), vec![]);
     }
 
     #[test]
