@@ -162,6 +162,11 @@ pub struct EgressSection {
     /// at once): a closed connection stays in the host's conntrack table (TIME_WAIT, 120 s),
     /// so the rate bounds what one sandbox leaves there.
     pub max_new_connections_per_second: Option<u32>,
+    /// The network's own NAT64 prefixes (IPv6 /96s), besides RFC 6052's well-known
+    /// `64:ff9b::/96`: an address in one is the IPv4 address it embeds, as denied or as
+    /// special as that.
+    #[serde(default)]
+    pub nat64_prefixes: Vec<String>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize, Serialize)]

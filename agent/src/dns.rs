@@ -419,8 +419,7 @@ fn screen_reply(name: &str, mut reply_raw: Vec<u8>, policy: &NetworkPolicy) -> A
         if !owners.contains(&plain_name(&r.name)) {
             continue;
         }
-        let special = crate::egress::special_ranges().iter().any(|n| n.contains(addr));
-        if special && !policy.explicitly_allows(addr) {
+        if policy.is_special(addr) && !policy.explicitly_allows(addr) {
             return Answer::Refused { name: name.to_string(), reason: "rebinding", rebinding: Some(addr) };
         }
         found.push((addr, u64::from(r.ttl).clamp(MIN_TTL_S, MAX_TTL_S) * 1000));

@@ -24,7 +24,7 @@
 //!   agent's forwarder, never to another resolver;
 //! - the bandwidth cap (`resource_limits.max_bandwidth_mbps`) shapes each direction.
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::PathBuf;
 
 use sandbox::net::{EgressPlan, Firewall, IpNet, Pool};
@@ -132,6 +132,8 @@ pub struct NetworkPolicy {
     pub ports: Vec<(u16, u16)>,
     pub dns: bool,
     pub bandwidth_mbps: u64,
+    /// The NAT64 prefixes an IPv6 address may embed an IPv4 one in ([`nat64_prefixes`]).
+    pub nat64: Vec<IpNet>,
 }
 
 /// Why the forwarder refuses a name.
@@ -165,7 +167,20 @@ impl NetworkPolicy {
             return Ok(None);
         }
         let dns = net.dns_allowed.or(config.network.executor_defaults.dns_allowed).unwrap_or(true);
-        Ok(Some(NetworkPolicy { allow, deny, ports, dns, bandwidth_mbps }))
+        let nat64 = nat64_prefixes(config).map_err(|e| PolicyError::new(e.path, e.message))?;
+        Ok(Some(NetworkPolicy { allow, deny, ports, dns, bandwidth_mbps, nat64 }))
+    }
+
+    /// Whether a DNS answer may not point at `addr` unless an allow entry covers it: an
+    /// address in a [`special_ranges`] range or, in one of the network's NAT64 prefixes, one
+    /// embedding an IPv4 address that is (`64:ff9b::a9fe:a9fe` is the metadata service
+    /// behind a NAT64 gateway).
+    pub fn is_special(&self, addr: IpAddr) -> bool {
+        let addr = match addr {
+            IpAddr::V6(a) => embedded_ipv4(&self.nat64, a).map_or(addr, IpAddr::V4),
+            IpAddr::V4(_) => addr,
+        };
+        special_ranges().iter().any(|n| n.contains(addr))
     }
 
     pub fn name_verdict(&self, name: &str) -> NameVerdict {
@@ -202,39 +217,71 @@ impl NetworkPolicy {
     }
 }
 
-/// The ranges `v4` and, for the IPv4 ones, the same as reached through the NAT64
-/// well-known prefix (RFC 6052: `64:ff9b::a.b.c.d` reaches `a.b.c.d` through a NAT64
-/// gateway, wherever the host has one): such an address is as special, or as
-/// unreachable, as the IPv4 address it embeds.
-fn with_nat64(v4: &[IpNet]) -> Vec<IpNet> {
+/// RFC 6052's well-known NAT64 prefix, always one of [`nat64_prefixes`]: denying through it
+/// costs nothing where no NAT64 gateway answers it.
+const WELL_KNOWN_NAT64: IpNet = IpNet { addr: IpAddr::V6(Ipv6Addr::new(0x64, 0xff9b, 0, 0, 0, 0, 0, 0)), prefix: 96 };
+
+/// The NAT64 prefixes in which an IPv6 address is the IPv4 address of its last 32 bits: the
+/// well-known `64:ff9b::/96` and the network's own (`network.egress.nat64_prefixes`, each an
+/// IPv6 /96 without host bits — RFC 6052's shorter prefixes place the IPv4 address around
+/// bits 64–71 and are not supported).
+pub fn nat64_prefixes(c: &Config) -> Result<Vec<IpNet>, ConfigError> {
+    let mut out = vec![WELL_KNOWN_NAT64];
+    for (i, text) in c.network.egress.nat64_prefixes.iter().enumerate() {
+        let err = |message: String| ConfigError { path: format!("network.egress.nat64_prefixes[{i}]"), message };
+        let net: IpNet = text.parse().map_err(err)?;
+        let IpAddr::V6(a) = net.addr else {
+            return Err(err(format!("{text}: a NAT64 prefix is an IPv6 network")));
+        };
+        if net.prefix != 96 {
+            return Err(err(format!(
+                "{text}: only /96 NAT64 prefixes are supported (RFC 6052's shorter ones place the IPv4 address around bits 64-71)"
+            )));
+        }
+        if u128::from(a) & 0xffff_ffff != 0 {
+            return Err(err(format!(
+                "{text}: the prefix has bits set past its 96th (write it as {}/96)",
+                Ipv6Addr::from(u128::from(a) & !0xffff_ffff)
+            )));
+        }
+        if !out.contains(&net) {
+            out.push(net);
+        }
+    }
+    Ok(out)
+}
+
+/// The IPv4 address `a` embeds, when it lies in one of the NAT64 `prefixes` (/96s).
+fn embedded_ipv4(prefixes: &[IpNet], a: Ipv6Addr) -> Option<Ipv4Addr> {
+    prefixes.iter().any(|p| p.contains(IpAddr::V6(a))).then(|| Ipv4Addr::from((u128::from(a) & 0xffff_ffff) as u32))
+}
+
+/// The ranges `v4` and, for the IPv4 ones, the same as reached through each NAT64 prefix
+/// (/96s: `PREFIX::a.b.c.d` reaches `a.b.c.d` through a NAT64 gateway, wherever the host
+/// has one): such an address is as special, or as unreachable, as the IPv4 address it
+/// embeds.
+fn with_nat64(v4: &[IpNet], prefixes: &[IpNet]) -> Vec<IpNet> {
     let mut out = v4.to_vec();
     for net in v4 {
         if let IpAddr::V4(a) = net.addr {
-            let [a, b, c, d] = a.octets();
-            let embedded = std::net::Ipv6Addr::new(
-                0x64,
-                0xff9b,
-                0,
-                0,
-                0,
-                0,
-                u16::from_be_bytes([a, b]),
-                u16::from_be_bytes([c, d]),
-            );
-            out.push(IpNet { addr: IpAddr::V6(embedded), prefix: 96 + net.prefix });
+            for p in prefixes {
+                let IpAddr::V6(base) = p.addr else { continue };
+                let embedded = Ipv6Addr::from(u128::from(base) | u128::from(u32::from(a)));
+                out.push(IpNet { addr: IpAddr::V6(embedded), prefix: 96 + net.prefix });
+            }
         }
     }
     out
 }
 
-/// Address ranges a DNS answer may not point into, and the sandbox may not reach, unless an
-/// allow entry covers them (parsed once). The IPv4 ones include their NAT64 forms (a DNS64
-/// answer `64:ff9b::a9fe:a9fe` is the metadata service through the host's NAT64 gateway);
-/// other NAT64 addresses stay ordinary (they are how an IPv6-only host reaches IPv4).
+/// Address ranges a DNS answer may not point into unless an allow entry covers them (parsed
+/// once). An address in a NAT64 prefix is judged by the IPv4 address it embeds
+/// ([`NetworkPolicy::is_special`]); other NAT64 addresses stay ordinary (they are how an
+/// IPv6-only host reaches IPv4).
 pub fn special_ranges() -> &'static [IpNet] {
     static RANGES: std::sync::OnceLock<Vec<IpNet>> = std::sync::OnceLock::new();
     RANGES.get_or_init(|| {
-        let parsed: Vec<IpNet> = [
+        [
             "0.0.0.0/8",
             "10.0.0.0/8",
             "100.64.0.0/10",
@@ -251,7 +298,8 @@ pub fn special_ranges() -> &'static [IpNet] {
             "::1/128",
             "::ffff:0:0/96",
             // RFC 8215's local-use NAT64 prefix: where in it an IPv4 address is embedded is
-            // the operator's choice, so none of it is taken from a DNS answer unless allowed.
+            // the operator's choice, so none of it is taken from a DNS answer unless allowed —
+            // or named as the network's NAT64 prefix (`network.egress.nat64_prefixes`).
             "64:ff9b:1::/48",
             "fc00::/7",
             "fe80::/10",
@@ -259,8 +307,7 @@ pub fn special_ranges() -> &'static [IpNet] {
         ]
         .iter()
         .filter_map(|s| s.parse().ok())
-        .collect();
-        with_nat64(&parsed)
+        .collect()
     })
 }
 
@@ -269,7 +316,7 @@ pub fn special_ranges() -> &'static [IpNet] {
 /// metadata services: link-local (AWS, GCP, Azure IMDS, OpenStack), and those elsewhere:
 /// Alibaba's `100.100.100.200`, Azure's WireServer `168.63.129.16`, AWS's IPv6 IMDS
 /// `fd00:ec2::254`.
-fn unreachable_ranges(pool: &Pool) -> Vec<IpNet> {
+fn unreachable_ranges(pool: &Pool, nat64: &[IpNet]) -> Vec<IpNet> {
     let mut v: Vec<IpNet> = [
         "0.0.0.0/8",
         "127.0.0.0/8",
@@ -290,7 +337,7 @@ fn unreachable_ranges(pool: &Pool) -> Vec<IpNet> {
     .collect();
     v.push(pool.v4);
     v.extend(pool.v6);
-    with_nat64(&v)
+    with_nat64(&v, nat64)
 }
 
 /// The proxy of seed 001, resolved: environment for the sandbox and endpoints to allow.
@@ -312,6 +359,8 @@ pub struct EgressSettings {
     pub max_new_connections_per_second: u32,
     pub upstream: Vec<SocketAddr>,
     pub proxy: ProxySettings,
+    /// [`nat64_prefixes`].
+    pub nat64: Vec<IpNet>,
 }
 
 impl EgressSettings {
@@ -369,6 +418,7 @@ impl EgressSettings {
             max_new_connections_per_second,
             upstream,
             proxy,
+            nat64: nat64_prefixes(c)?,
         })
     }
 
@@ -486,10 +536,10 @@ pub fn plan(policy: &NetworkPolicy, settings: &EgressSettings) -> Result<EgressP
         })?;
         deny.extend(addrs.into_iter().map(IpNet::host));
     }
-    // A denied IPv4 network is denied through the NAT64 well-known prefix too, as the special
-    // ranges are: behind a NAT64 gateway `64:ff9b::a.b.c.d` is `a.b.c.d`, and an allowed
-    // name's DNS64 answer may be one.
-    let deny = with_nat64(&deny);
+    // A denied IPv4 network is denied through the NAT64 prefixes too, as the special ranges
+    // are: behind a NAT64 gateway `64:ff9b::a.b.c.d` is `a.b.c.d`, and an allowed name's
+    // DNS64 answer may be one.
+    let deny = with_nat64(&deny, &settings.nat64);
     let mut endpoints = Vec::new();
     for (host, port) in &settings.proxy.endpoints {
         let addrs = match host.trim_matches(['[', ']']).parse::<IpAddr>() {
@@ -502,8 +552,10 @@ pub fn plan(policy: &NetworkPolicy, settings: &EgressSettings) -> Result<EgressP
         }
         endpoints.extend(addrs.into_iter().map(|a| (a, *port)));
     }
-    let always_denied: Vec<IpNet> =
-        unreachable_ranges(&settings.pool).into_iter().filter(|r| !allow.iter().any(|a| a.covers(r))).collect();
+    let always_denied: Vec<IpNet> = unreachable_ranges(&settings.pool, &settings.nat64)
+        .into_iter()
+        .filter(|r| !allow.iter().any(|a| a.covers(r)))
+        .collect();
     Ok(EgressPlan {
         pool: settings.pool.clone(),
         firewall: Firewall {
@@ -670,6 +722,7 @@ mod tests {
             ports: vec![],
             dns: true,
             bandwidth_mbps: 10,
+            nat64: nat64_prefixes(&Config::default()).unwrap(),
         };
         assert_eq!(policy.name_verdict("good.example.test"), NameVerdict::Allowed);
         assert_eq!(policy.name_verdict("bad.example.test"), NameVerdict::Denied);
@@ -700,6 +753,7 @@ mod tests {
             ports: vec![],
             dns: false,
             bandwidth_mbps: 10,
+            nat64: nat64_prefixes(&Config::default()).unwrap(),
         };
         let plan = plan(&policy, &EgressSettings::from_config(&Config::default()).unwrap()).unwrap();
         for net in ["198.51.100.11/32", "64:ff9b::c633:640b/128", "203.0.113.0/24", "64:ff9b::cb00:7100/120"] {
@@ -709,6 +763,62 @@ mod tests {
         // No DNS answer into the local-use NAT64 prefix, wherever it embeds an address.
         let local_use: IpNet = "64:ff9b:1::a9fe:a9fe".parse().unwrap();
         assert!(special_ranges().iter().any(|r| r.covers(&local_use)));
+        assert!(policy.is_special("64:ff9b:1:2::a9fe:a9fe".parse().unwrap()));
+        assert!(policy.is_special("64:ff9b:1:2::c000:221".parse().unwrap()), "not named: all of the /48");
+        // Through the well-known prefix an address is the IPv4 one it embeds.
+        assert!(policy.is_special("64:ff9b::a9fe:a9fe".parse().unwrap()));
+        assert!(!policy.is_special("64:ff9b::c000:221".parse().unwrap()));
+    }
+
+    /// `network.egress.nat64_prefixes` names the network's own NAT64 prefixes: denied and
+    /// special IPv4 addresses stay so through them, and an answer in one in the local-use
+    /// /48 is judged by the IPv4 address it embeds instead of refused whatever it embeds.
+    #[test]
+    fn the_networks_own_nat64_prefixes_are_known() {
+        let mut c = Config::default();
+        c.network.egress.nat64_prefixes = vec!["2001:db8:64::/96".into(), "64:ff9b:1:2::/96".into()];
+        let settings = EgressSettings::from_config(&c).unwrap();
+        let net = crate::manifest::NetworkPermissions {
+            outbound: true,
+            denied_hosts: vec!["198.51.100.11".into()],
+            ..Default::default()
+        };
+        let policy = NetworkPolicy::from_manifest(&net, &c, 10).unwrap().unwrap();
+        let plan = plan(&policy, &settings).unwrap();
+        for denied in
+            ["198.51.100.11/32", "64:ff9b::c633:640b/128", "2001:db8:64::c633:640b/128", "64:ff9b:1:2::c633:640b/128"]
+        {
+            let denied: IpNet = denied.parse().unwrap();
+            assert!(plan.firewall.deny.contains(&denied), "{denied} not denied: {:?}", plan.firewall.deny);
+        }
+        // The metadata service, unreachable however it is written.
+        for metadata in ["169.254.169.254", "2001:db8:64::a9fe:a9fe", "64:ff9b:1:2::a9fe:a9fe"] {
+            let metadata = IpNet::host(metadata.parse().unwrap());
+            assert!(
+                plan.firewall.always_denied.iter().any(|r| r.covers(&metadata)),
+                "{metadata} reachable: {:?}",
+                plan.firewall.always_denied
+            );
+            assert!(policy.is_special(metadata.addr), "{metadata}");
+        }
+        // A public IPv4 address through the network's prefixes is an ordinary answer; the
+        // rest of the local-use /48 stays refused.
+        for public in ["2001:db8:64::c000:221", "64:ff9b:1:2::c000:221", "64:ff9b::c000:221"] {
+            assert!(!policy.is_special(public.parse().unwrap()), "{public}");
+        }
+        assert!(policy.is_special("64:ff9b:1:3::c000:221".parse().unwrap()));
+        // Only IPv6 /96s without host bits.
+        for (bad, says) in [
+            ("10.0.0.0/8", "an IPv6 network"),
+            ("2001:db8::/64", "only /96"),
+            ("2001:db8::a9fe:a9fe/96", "write it as 2001:db8::/96"),
+            ("2001:db8::/96x", "not a number"),
+        ] {
+            c.network.egress.nat64_prefixes = vec!["2001:db8:64::/96".into(), bad.into()];
+            let e = EgressSettings::from_config(&c).unwrap_err();
+            assert_eq!(e.path, "network.egress.nat64_prefixes[1]", "{bad}");
+            assert!(e.message.contains(says), "{bad}: {}", e.message);
+        }
     }
 
     #[test]

@@ -8,7 +8,7 @@
 //! the query's CNAME chain reaches.
 #![no_main]
 
-use agent::egress::{special_ranges, HostPattern, NetworkPolicy, MAX_TTL_S, MIN_TTL_S};
+use agent::egress::{nat64_prefixes, HostPattern, NetworkPolicy, MAX_TTL_S, MIN_TTL_S};
 use hickory_proto::op::Message;
 use hickory_proto::rr::RData;
 use libfuzzer_sys::fuzz_target;
@@ -21,6 +21,12 @@ fn policy() -> NetworkPolicy {
         ports: vec![],
         dns: true,
         bandwidth_mbps: 10,
+        // The well-known prefix and one of the network's own, in the local-use /48.
+        nat64: {
+            let mut c = agent::config::Config::default();
+            c.network.egress.nat64_prefixes = vec!["64:ff9b:1:2::/96".into()];
+            nat64_prefixes(&c).expect("a valid prefix")
+        },
     }
 }
 
@@ -38,8 +44,7 @@ fuzz_target!(|data: &[u8]| {
     }
     for (addr, ms) in &passed.found {
         assert!((MIN_TTL_S * 1000..=MAX_TTL_S * 1000).contains(ms), "{addr} allowed for {ms} ms");
-        let special = special_ranges().iter().any(|n| n.contains(*addr));
-        assert!(!special || policy.explicitly_allows(*addr), "{addr} is special and not allowed, yet passed");
+        assert!(!policy.is_special(*addr) || policy.explicitly_allows(*addr), "{addr} is special and not allowed, yet passed");
     }
     let addresses = parsed.answers.iter().filter(|r| matches!(r.data, RData::A(_) | RData::AAAA(_))).count();
     assert!(passed.found.len() <= addresses, "more addresses allowed than the reply holds");
