@@ -220,6 +220,10 @@ pub struct AgentPolicy {
     /// Key material, with the configuration key naming it: never readable, even when
     /// declared by its own name or reached through a symlink.
     pub credentials: Vec<(String, PathBuf)>,
+    /// `SYSTEM_DIRS` and `NEVER_READABLE` as named and as their real paths (`/root` is
+    /// `/var/roothome` on ostree hosts).
+    pub system_dirs: Vec<PathBuf>,
+    pub never_readable: Vec<PathBuf>,
 }
 
 impl AgentPolicy {
@@ -241,8 +245,20 @@ impl AgentPolicy {
             protected: Vec::new(),
             masked: Vec::new(),
             credentials: Vec::new(),
+            system_dirs: Vec::new(),
+            never_readable: Vec::new(),
         };
         let mut parents = Vec::new();
+        for dir in SYSTEM_DIRS {
+            p.system_dirs.extend(as_named_and_real(Path::new(dir), &mut parents));
+        }
+        for file in NEVER_READABLE {
+            p.never_readable.extend(as_named_and_real(Path::new(file), &mut parents));
+        }
+        // The sandbox's own masks as their real paths too (each view masks them by name).
+        for path in sandbox::spec::DEFAULT_MASKED_PATHS {
+            p.masked.extend(as_named_and_real(Path::new(path), &mut parents).into_iter().skip(1));
+        }
         for dir in std::iter::once(CONFIG_DIR).chain(STATE_DIRS.iter().copied()) {
             for path in as_named_and_real(Path::new(dir), &mut parents) {
                 p.protected.push(path.clone());
@@ -335,9 +351,15 @@ impl AgentPolicy {
             // wired by the caller that supports it (see `refuse_egress`).
             crate::egress::NetworkPolicy::from_manifest(&m.permissions.network, &crate::config::Config::default(), 0)?;
             let masked = spec.filesystem.masked.clone();
+            let fs = &m.permissions.filesystem;
+            let mounts = if fs.read.is_empty() && fs.write.is_empty() {
+                MountTable::default()
+            } else {
+                host_mounts("permissions.filesystem")?
+            };
             for (i, p) in m.permissions.filesystem.read.iter().enumerate() {
                 let field = format!("permissions.filesystem.read[{i}]");
-                let real = self.check_read(&field, p, &masked)?;
+                let real = self.check_read_in(&field, p, &masked, &mounts)?;
                 spec.filesystem.paths.push(PathRule {
                     source: Some(real),
                     path: p.clone(),
@@ -348,7 +370,7 @@ impl AgentPolicy {
             }
             for (i, p) in m.permissions.filesystem.write.iter().enumerate() {
                 let field = format!("permissions.filesystem.write[{i}]");
-                let source = self.check_write(&field, p, &masked)?;
+                let source = self.check_write(&field, p, &masked, &mounts)?;
                 spec.filesystem.paths.push(PathRule {
                     source,
                     path: p.clone(),
@@ -365,6 +387,17 @@ impl AgentPolicy {
     /// A declared read path: allowed, and the real host path to bind at it. `masked` is the
     /// view's masks (a declaration through a symlink must not show one).
     pub fn check_read(&self, field: &str, p: &Path, masked: &[PathBuf]) -> Result<PathBuf, PolicyError> {
+        self.check_read_in(field, p, masked, &host_mounts(field)?)
+    }
+
+    /// [`Self::check_read`] against the host's mount table `mounts`.
+    fn check_read_in(
+        &self,
+        field: &str,
+        p: &Path,
+        masked: &[PathBuf],
+        mounts: &MountTable,
+    ) -> Result<PathBuf, PolicyError> {
         // Read paths, /tmp included, are bound from the host (only writes under /tmp land in
         // the scratch).
         // The declared text first (a refusal does not depend on what exists), then its real
@@ -373,19 +406,24 @@ impl AgentPolicy {
         let real = real_path(field, p)?;
         self.refuse_read(field, p, &real)?;
         check_alias(field, p, &real, masked)?;
-        let mounts = host_mounts(field)?;
-        refuse_procfs(field, p, &real, &mounts)?;
+        refuse_procfs(field, p, &real, mounts)?;
         refuse_ipc_endpoints(field, p, &real)?;
         refuse_over_scratch(field, p, &real)?;
-        let shown = mounts.shown_by(&real);
-        self.refuse_read_elsewhere(field, p, &real, &shown, &mounts)?;
-        refuse_masked_elsewhere(field, p, &real, masked, &shown, &mounts)?;
+        let bind = Bind::new(p, &real, mounts);
+        self.refuse_read_elsewhere(field, &bind)?;
+        self.refuse_masked_elsewhere(field, &bind, masked)?;
         Ok(real)
     }
 
     /// A declared write path: allowed, and the real host path to bind at it (`None` under
     /// `/tmp`: the sandbox's private scratch, nothing of the host).
-    fn check_write(&self, field: &str, p: &Path, masked: &[PathBuf]) -> Result<Option<PathBuf>, PolicyError> {
+    fn check_write(
+        &self,
+        field: &str,
+        p: &Path,
+        masked: &[PathBuf],
+        mounts: &MountTable,
+    ) -> Result<Option<PathBuf>, PolicyError> {
         // Writes under /tmp land in the sandbox's private scratch tmpfs.
         if p.starts_with("/tmp") {
             return Ok(None);
@@ -397,18 +435,17 @@ impl AgentPolicy {
         self.refuse_write(field, p, &real)?;
         check_alias(field, p, &real, masked)?;
         refuse_shared_with_everyone(field, p, &real)?;
-        let mounts = host_mounts(field)?;
-        refuse_procfs(field, p, &real, &mounts)?;
-        let shown = mounts.shown_by(&real);
-        self.refuse_write_elsewhere(field, p, &real, &shown, &mounts)?;
-        self.refuse_read_elsewhere(field, p, &real, &shown, &mounts)?;
-        refuse_masked_elsewhere(field, p, &real, masked, &shown, &mounts)?;
+        refuse_procfs(field, p, &real, mounts)?;
+        let bind = Bind::new(p, &real, mounts);
+        self.refuse_write_elsewhere(field, &bind)?;
+        self.refuse_read_elsewhere(field, &bind)?;
+        self.refuse_masked_elsewhere(field, &bind, masked)?;
         Ok(Some(real))
     }
 
     /// Refuse writing to `q`, declared as `p`, when it is or overlaps what is never granted.
     fn refuse_write(&self, field: &str, p: &Path, q: &Path) -> Result<(), PolicyError> {
-        if q == Path::new("/") || q == Path::new("/var") || SYSTEM_DIRS.iter().any(|d| q.starts_with(d)) {
+        if q == Path::new("/") || q == Path::new("/var") || self.system_dirs.iter().any(|d| q.starts_with(d)) {
             return Err(PolicyError::new(
                 field,
                 format!("{}{}: writing to system directories is never granted", p.display(), via(p, q)),
@@ -443,7 +480,7 @@ impl AgentPolicy {
                 ),
             ));
         }
-        if NEVER_READABLE.iter().any(|n| q == Path::new(n)) {
+        if self.never_readable.iter().any(|n| q == n) {
             return Err(PolicyError::new(
                 field,
                 format!("{}{} holds host credentials and is never readable", p.display(), via(p, q)),
@@ -458,164 +495,152 @@ impl AgentPolicy {
         Ok(())
     }
 
-    /// [`Self::refuse_write`] for the files a write bind of `real` (declared as `p`) would
-    /// show through other mounts of their filesystems: a system directory, `/`, `/var` or
-    /// the agent's own files reached through a bind mount of them elsewhere on the host.
-    fn refuse_write_elsewhere(
-        &self,
-        field: &str,
-        p: &Path,
-        real: &Path,
-        shown: &[Shown],
-        mounts: &MountTable,
-    ) -> Result<(), PolicyError> {
-        let refused = |s: &Shown, what: String, why: &str| {
-            PolicyError::new(
-                field,
-                format!(
-                    "{}{}: {} shows {what} (another mount of the same files); {why}",
-                    p.display(),
-                    via(p, real),
-                    s.at.display()
-                ),
-            )
-        };
-        for s in shown {
-            // `/` and `/var` themselves (not what is beneath them) …
-            for whole in ["/", "/var"] {
-                let own = mounts.own_tree(Path::new(whole));
-                if own.is_some_and(|t| t.device == s.device && t.root == s.root) {
-                    return Err(refused(
-                        s,
-                        format!("the host's {whole}"),
-                        "writing to system directories is never granted",
-                    ));
-                }
+    /// [`Self::refuse_write`] for what a write bind would reach through other mounts of the
+    /// same files: `/`, `/var`, a system directory (its own tree: a directory mounted beneath
+    /// one from elsewhere keeps the path the operator gave it) or the agent's own files (with
+    /// whatever is mounted beneath them).
+    fn refuse_write_elsewhere(&self, field: &str, bind: &Bind) -> Result<(), PolicyError> {
+        for whole in ["/", "/var"] {
+            if let Some((s, t)) = bind.find(Path::new(whole), Trees::Own, |s, t| s.root == t.root) {
+                return Err(bind.refused(field, s, &t, format!("the whole of the host's {whole}; never granted")));
             }
-            // … and the system directories and the agent's own files, at or beneath.
-            for dir in SYSTEM_DIRS {
-                if overlap(mounts, Path::new(dir), &s.device, |t, _| s.overlaps(t)).is_some() {
-                    return Err(refused(
-                        s,
-                        format!("the host's {dir}"),
-                        "writing to system directories is never granted",
-                    ));
-                }
+        }
+        for dir in &self.system_dirs {
+            if let Some((s, t)) = bind.find(dir, Trees::Own, Shown::overlaps) {
+                let why = format!("the host's {} is a system directory, never granted for writing", dir.display());
+                return Err(bind.refused(field, s, &t, why));
             }
-            if let Some(x) =
-                self.protected.iter().find(|x| overlap(mounts, x, &s.device, |t, _| s.overlaps(t)).is_some())
-            {
-                return Err(refused(s, format!("the agent's own files ({})", x.display()), "never granted"));
+        }
+        for x in &self.protected {
+            if let Some((s, t)) = bind.find(x, Trees::All, Shown::overlaps) {
+                let why = format!("those are the agent's own files ({}), never granted", x.display());
+                return Err(bind.refused(field, s, &t, why));
             }
         }
         Ok(())
     }
 
-    /// [`Self::refuse_read`] for the files a bind of `real` (declared as `p`) would show
-    /// through other mounts of their filesystems: the agent's key material or host
-    /// credentials reached through a bind mount of them elsewhere on the host. (What holds
-    /// them is masked: [`refuse_masked_elsewhere`].)
-    fn refuse_read_elsewhere(
-        &self,
-        field: &str,
-        p: &Path,
-        real: &Path,
-        shown: &[Shown],
-        mounts: &MountTable,
-    ) -> Result<(), PolicyError> {
-        for s in shown {
-            let lies_in = |x: &Path| overlap(mounts, x, &s.device, |t, _| s.is_within(t)).is_some();
-            let what = if let Some(n) = NEVER_READABLE.iter().find(|n| lies_in(Path::new(n))) {
-                format!("the host's {n}, which holds host credentials")
-            } else if let Some((key, c)) = self.credentials.iter().find(|(_, c)| lies_in(c)) {
-                format!("the agent's key material ({key}: {})", c.display())
-            } else {
-                continue;
-            };
-            return Err(PolicyError::new(
-                field,
-                format!(
-                    "{}{}: {} is {what} through another mount of the same files, and is never readable",
-                    p.display(),
-                    via(p, real),
-                    s.at.display()
-                ),
-            ));
+    /// [`Self::refuse_read`] for what a bind would show through other mounts of the same
+    /// files: the agent's key material or host credentials. (What holds them is masked:
+    /// [`Self::refuse_masked_elsewhere`].)
+    fn refuse_read_elsewhere(&self, field: &str, bind: &Bind) -> Result<(), PolicyError> {
+        for n in &self.never_readable {
+            if let Some((s, t)) = bind.find(n, Trees::All, Shown::is_within) {
+                let why = format!("{} holds host credentials and is never readable", n.display());
+                return Err(bind.refused(field, s, &t, why));
+            }
+        }
+        for (key, c) in &self.credentials {
+            if let Some((s, t)) = bind.find(c, Trees::All, Shown::is_within) {
+                let why = format!("that is the agent's key material ({key}), never readable");
+                return Err(bind.refused(field, s, &t, why));
+            }
         }
         Ok(())
+    }
+
+    /// A mask covers a path of the view: a bind that would show what a mask hides (the masked
+    /// path and whatever is mounted beneath it) at any other place of the view — through
+    /// another mount of the same files — is refused, as one reaching it through a symlink is
+    /// ([`check_alias`]). A masked path that does not exist has nothing to show.
+    fn refuse_masked_elsewhere(&self, field: &str, bind: &Bind, masked: &[PathBuf]) -> Result<(), PolicyError> {
+        for m in masked {
+            let elsewhere = |s: &Shown, t: &Shown| bind.place(s, t).is_some_and(|v| !v.starts_with(m));
+            let Some((s, t)) = bind.find(m, Trees::All, elsewhere) else { continue };
+            if std::fs::symlink_metadata(m).is_err() {
+                continue;
+            }
+            let view = bind.place(s, &t).unwrap_or_else(|| s.at.clone());
+            let never = self.never_readable.contains(m) || self.credentials.iter().any(|(_, c)| c == m);
+            let advice = if never { "it is never shown" } else { "declare the masked path itself to show it" };
+            let why = format!("the masked {} would be shown at {}; {advice}", m.display(), view.display());
+            return Err(bind.refused(field, s, &t, why));
+        }
+        Ok(())
+    }
+}
+
+/// Which of a listed path's trees [`Bind::find`] compares: its own (the files at the path),
+/// or all it shows (with the mounts beneath it).
+#[derive(Clone, Copy)]
+enum Trees {
+    Own,
+    All,
+}
+
+/// What a declared path's (recursive) bind shows — its own tree and every mount beneath it
+/// (`sandbox::mountinfo`) — to find the same files as a listed path's reached through
+/// another mount of them. A listed path is compared as it is named; the lists hold real
+/// paths beside the names (`as_named_and_real`).
+struct Bind<'a> {
+    /// As declared (its place in the view) and its real host path.
+    p: &'a Path,
+    real: &'a Path,
+    shown: Vec<Shown>,
+    /// The filesystems in `shown`, each once.
+    devices: Vec<String>,
+    mounts: &'a MountTable,
+}
+
+impl<'a> Bind<'a> {
+    fn new(p: &'a Path, real: &'a Path, mounts: &'a MountTable) -> Bind<'a> {
+        let shown = mounts.shown_by(real);
+        let mut devices: Vec<String> = shown.iter().map(|s| s.device.clone()).collect();
+        devices.sort();
+        devices.dedup();
+        Bind { p, real, shown, devices, mounts }
+    }
+
+    /// The first pair of what this shows and what listed path `x` shows (its `trees`, of the
+    /// same filesystem) for which `test` holds. Costs per filesystem shown: the mounts of
+    /// that filesystem, not the whole table.
+    fn find(&self, x: &Path, trees: Trees, test: impl Fn(&Shown, &Shown) -> bool) -> Option<(&Shown, Shown)> {
+        for device in &self.devices {
+            let listed = match trees {
+                Trees::Own => self.mounts.own_tree(x).into_iter().filter(|t| t.device == *device).collect(),
+                Trees::All => self.mounts.shown_by_on(x, device),
+            };
+            for s in self.shown.iter().filter(|s| s.device == *device) {
+                if let Some(t) = listed.iter().find(|t| test(s, t)) {
+                    return Some((s, t.clone()));
+                }
+            }
+        }
+        None
+    }
+
+    /// Where in the view `s` shows what `t` shows: its root's place when it lies in `s`,
+    /// `s`'s own place when `s` lies in it.
+    fn place(&self, s: &Shown, t: &Shown) -> Option<PathBuf> {
+        let at = s.place_of(t).or_else(|| s.is_within(t).then(|| s.at.clone()))?;
+        Some(match at.strip_prefix(self.real) {
+            Ok(rel) if rel.as_os_str().is_empty() => self.p.to_path_buf(),
+            Ok(rel) => self.p.join(rel),
+            Err(_) => at,
+        })
+    }
+
+    /// The refusal of this bind for showing `t`'s files through `s`: names the mount, the
+    /// filesystem and the other place of the files.
+    fn refused(&self, field: &str, s: &Shown, t: &Shown, why: String) -> PolicyError {
+        let whose = if s.at == self.real { String::new() } else { format!(" (its mount {})", s.at.display()) };
+        PolicyError::new(
+            field,
+            format!(
+                "{}{}{whose} reaches files of {} through another mount of the same filesystem ({}, {} in it); {why}",
+                self.p.display(),
+                via(self.p, self.real),
+                t.at.display(),
+                s.device,
+                s.root.display()
+            ),
+        )
     }
 }
 
 /// The host's mounts now (a declared path's checks read them once).
 fn host_mounts(field: &str) -> Result<MountTable, PolicyError> {
     MountTable::read().map_err(|e| PolicyError::new(field, format!("/proc/self/mountinfo: {e}")))
-}
-
-/// The first of what listed path `x` shows of filesystem `device` (its own tree, then each
-/// mount beneath it) for which `test` holds, given also the path it judges. A listed path may be named through a
-/// link (its real form is listed beside it) or not exist yet: the answer is that of its
-/// real form, resolved only when its name alone passes `test`, so the common case costs no
-/// system call.
-fn overlap(mounts: &MountTable, x: &Path, device: &str, test: impl Fn(&Shown, &Path) -> bool) -> Option<Shown> {
-    if !mounts.shown_by_on(x, device).iter().any(|t| test(t, x)) {
-        return None;
-    }
-    let real = std::fs::canonicalize(x).ok().or_else(|| {
-        let parent = std::fs::canonicalize(x.parent()?).ok()?;
-        Some(parent.join(x.file_name()?))
-    });
-    // Unresolvable (a parent missing): judged by its name.
-    let real = real.unwrap_or_else(|| x.to_path_buf());
-    mounts.shown_by_on(&real, device).into_iter().find(|t| test(t, &real))
-}
-
-/// A mask covers a path of the view: a declared path whose bind (`real`, declared as `p`)
-/// shows a masked file or directory at any other place of the view — through another mount
-/// of the same files on the host — is refused, as one reaching it through a symlink is
-/// ([`check_alias`]). A masked path that does not exist has nothing to show.
-fn refuse_masked_elsewhere(
-    field: &str,
-    p: &Path,
-    real: &Path,
-    masked: &[PathBuf],
-    shown: &[Shown],
-    mounts: &MountTable,
-) -> Result<(), PolicyError> {
-    // Where the view shows host path `at` (beneath `real`).
-    let in_view = |at: &Path| match at.strip_prefix(real) {
-        Ok(rel) if rel.as_os_str().is_empty() => p.to_path_buf(),
-        Ok(rel) => p.join(rel),
-        Err(_) => at.to_path_buf(),
-    };
-    for s in shown {
-        for m in masked {
-            // Shown at the mask's own place, or wholly beneath it (a path declared beneath
-            // a mask is shown on top of it): covered.
-            // What the mask hides (its own tree and any mount beneath it) shown by `s`, and
-            // where in the view.
-            let place =
-                |t: &Shown| s.place_of(t).or_else(|| s.is_within(t).then(|| s.at.clone())).map(|at| in_view(&at));
-            let elsewhere = |t: &Shown, m: &Path| place(t).is_some_and(|v| !v.starts_with(m));
-            let Some(t) = overlap(mounts, m, &s.device, elsewhere) else { continue };
-            if std::fs::symlink_metadata(m).is_err() {
-                continue;
-            }
-            let at = place(&t).unwrap_or_else(|| s.at.clone());
-            return Err(PolicyError::new(
-                field,
-                format!(
-                    "{}{}: {} is another mount of the same files as the masked {}, which would show them at {}; \
-                     declare the masked path itself",
-                    p.display(),
-                    via(p, real),
-                    s.at.display(),
-                    m.display(),
-                    at.display()
-                ),
-            ));
-        }
-    }
-    Ok(())
 }
 
 /// Refuses a write path that every user of the host may write to (`/var/tmp`, a mode-777
@@ -858,6 +883,8 @@ mod tests {
             protected: vec![PathBuf::from(CONFIG_DIR), PathBuf::from("/opt/opservant/bin/opservant")],
             masked: std::iter::once(CONFIG_DIR).chain(STATE_DIRS.iter().copied()).map(PathBuf::from).collect(),
             credentials: Vec::new(),
+            system_dirs: SYSTEM_DIRS.iter().map(PathBuf::from).collect(),
+            never_readable: NEVER_READABLE.iter().map(PathBuf::from).collect(),
         }
     }
 

@@ -3,8 +3,8 @@
 //! `\ooo`; any other byte, UTF-8 or not, is kept as it is) — and what they say about where
 //! a filesystem's files are shown: a bind mount on the host, or a filesystem mounted twice,
 //! shows the same files at more than one path, so a path is also known by what it is in its
-//! filesystem ([`FsPath`]), and a recursive bind of a path shows every mount beneath it
-//! ([`MountTable::shown_by`]).
+//! filesystem ([`MountTable::own_tree`]), and a recursive bind of a path shows every mount
+//! beneath it ([`MountTable::shown_by`]).
 
 use std::collections::HashMap;
 use std::ffi::OsString;
@@ -14,6 +14,9 @@ use std::path::{Path, PathBuf};
 /// One line of mountinfo, reduced to what its readers use.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Mount {
+    /// The mount's id, and that of the mount it is mounted on.
+    pub id: u32,
+    pub parent: u32,
     /// The filesystem's device (`major:minor`): mounts with the same one show the same
     /// files.
     pub device: String,
@@ -27,7 +30,8 @@ pub struct Mount {
     pub super_opts: Vec<String>,
 }
 
-/// The caller's mounts, in mountinfo's order (parents before what is mounted on them).
+/// The caller's mounts, in mountinfo's order (not the mount tree's: a mount moved onto
+/// another keeps its older, smaller id).
 pub fn read() -> std::io::Result<Vec<Mount>> {
     Ok(parse(&std::fs::read("/proc/self/mountinfo")?))
 }
@@ -45,7 +49,10 @@ pub fn parse(text: &[u8]) -> Vec<Mount> {
                 .next()
                 .map(|o| o.split(|&b| b == b',').map(|s| String::from_utf8_lossy(s).into_owned()).collect())
                 .unwrap_or_default();
+            let number = |i: usize| std::str::from_utf8(pre.get(i)?).ok()?.parse::<u32>().ok();
             Some(Mount {
+                id: number(0)?,
+                parent: number(1)?,
                 device: String::from_utf8_lossy(pre.get(2)?).into_owned(),
                 root: path(pre.get(3)?),
                 mount_point: path(pre.get(4)?),
@@ -101,24 +108,49 @@ fn join_rel(base: &Path, rel: &Path) -> PathBuf {
 /// asked about and the number of mounts of one filesystem, not the size of the table (a
 /// host may have thousands of mounts, and a declared path is checked against every listed
 /// path).
+///
+/// Which mount a path is on follows the mount tree by ids (a mount stacked on another has it
+/// as parent; one on an ancestor hides those beneath it), not mountinfo's order. A mount
+/// whose `root` does not say which directory it shows — NFS writes `/` for a bind of any
+/// directory of an export, and a root ending in `//deleted` names a file or directory since
+/// replaced — counts as a filesystem of its own, alias of nothing (so it is judged by its
+/// paths alone, as before).
 #[derive(Debug, Default)]
 pub struct MountTable {
     mounts: Vec<Mount>,
-    /// Mount point → the index of the mount on top there (the last listed).
-    top: HashMap<PathBuf, usize>,
-    /// Device → indices of its mounts.
-    of_device: HashMap<String, Vec<usize>>,
+    /// Per mount: the filesystem it shows, as compared (its device, or unique: see above).
+    fs: Vec<String>,
+    /// (parent id, mount point) → the mounts there on that parent.
+    children: HashMap<(u32, PathBuf), Vec<usize>>,
+    /// Filesystem → indices of its mounts.
+    of_fs: HashMap<String, Vec<usize>>,
+    /// The mount on top at `/`.
+    root: Option<usize>,
 }
 
 impl MountTable {
     pub fn new(mounts: Vec<Mount>) -> MountTable {
-        let mut top = HashMap::new();
-        let mut of_device: HashMap<String, Vec<usize>> = HashMap::new();
+        let mut children: HashMap<(u32, PathBuf), Vec<usize>> = HashMap::new();
+        let mut of_fs: HashMap<String, Vec<usize>> = HashMap::new();
+        let mut fs = Vec::with_capacity(mounts.len());
         for (i, m) in mounts.iter().enumerate() {
-            top.insert(m.mount_point.clone(), i);
-            of_device.entry(m.device.clone()).or_default().push(i);
+            let unknown_root = matches!(m.fstype.as_str(), "nfs" | "nfs4")
+                || m.root.as_os_str().as_encoded_bytes().ends_with(b"//deleted");
+            let f = if unknown_root { format!("{}@{}", m.device, m.id) } else { m.device.clone() };
+            of_fs.entry(f.clone()).or_default().push(i);
+            fs.push(f);
+            children.entry((m.parent, m.mount_point.clone())).or_default().push(i);
         }
-        MountTable { mounts, top, of_device }
+        let mut table = MountTable { mounts, fs, children, of_fs, root: None };
+        // The bottom mount at `/` is the one not mounted on another mount at `/`.
+        let at_root: Vec<usize> =
+            (0..table.mounts.len()).filter(|&i| table.mounts[i].mount_point == Path::new("/")).collect();
+        let bottom = at_root.iter().copied().find(|&i| {
+            let parent = table.mounts[i].parent;
+            !at_root.iter().any(|&j| table.mounts[j].id == parent && j != i)
+        });
+        table.root = bottom.map(|i| table.climb(i));
+        table
     }
 
     /// The caller's mount table now.
@@ -130,47 +162,73 @@ impl MountTable {
         &self.mounts
     }
 
-    /// The mount `path` (absolute, without links, `.` or `..`) lies on: the one on top at the
-    /// longest mount point that is a prefix of it.
-    pub fn mount_of(&self, path: &Path) -> Option<&Mount> {
-        path.ancestors().find_map(|a| self.top.get(a)).map(|&i| &self.mounts[i])
+    /// The mount on top of the stack that mount `i` begins at its mount point.
+    fn climb(&self, mut i: usize) -> usize {
+        // Bounded: a stack is at most the table (ids cannot loop in a real table; a forged
+        // one stops here).
+        for _ in 0..self.mounts.len() {
+            let m = &self.mounts[i];
+            match self.children.get(&(m.id, m.mount_point.clone())).and_then(|c| c.last()) {
+                Some(&up) if up != i => i = up,
+                _ => break,
+            }
+        }
+        i
+    }
+
+    /// The mount `path` (absolute, without links, `.` or `..`) lies on: from the mount on top
+    /// at `/`, down the mount tree through each of its ancestors that has a mount on the
+    /// mount it is on.
+    fn mount_of(&self, path: &Path) -> Option<usize> {
+        let mut cur = self.root?;
+        let mut at = PathBuf::from("/");
+        for c in path.components().skip(1) {
+            at.push(c);
+            if let Some(&child) = self.children.get(&(self.mounts[cur].id, at.clone())).and_then(|v| v.last()) {
+                cur = self.climb(child);
+            }
+        }
+        Some(cur)
     }
 
     /// What `path` (absolute, without links, `.` or `..`; it need not exist) is in its
     /// filesystem: the tree its own mount shows from it.
     pub fn own_tree(&self, path: &Path) -> Option<Shown> {
-        let m = self.mount_of(path)?;
+        let i = self.mount_of(path)?;
+        let m = &self.mounts[i];
         let rel = path.strip_prefix(&m.mount_point).ok()?;
-        Some(Shown { at: path.to_path_buf(), device: m.device.clone(), root: join_rel(&m.root, rel) })
+        Some(Shown { at: path.to_path_buf(), device: self.fs[i].clone(), root: join_rel(&m.root, rel) })
     }
 
     /// Everything `path` (absolute, without links, `.` or `..`) shows, as a recursive bind of
-    /// it does: its [`Self::own_tree`] first, then every mount beneath it — also one a later
+    /// it does: its [`Self::own_tree`] first, then every mount beneath it — also one another
     /// mount covers (so the answer is never smaller than what is shown).
     pub fn shown_by(&self, path: &Path) -> Vec<Shown> {
         let mut shown: Vec<Shown> = self.own_tree(path).into_iter().collect();
-        shown.extend(self.beneath(path, self.mounts.iter()));
+        shown.extend(self.beneath(path, 0..self.mounts.len()));
         shown
     }
 
-    /// [`Self::shown_by`], only what is of filesystem `device`.
+    /// [`Self::shown_by`], only what is of filesystem `device` (as [`Shown::device`] names it).
     pub fn shown_by_on(&self, path: &Path, device: &str) -> Vec<Shown> {
         let mut shown: Vec<Shown> = self.own_tree(path).into_iter().filter(|t| t.device == device).collect();
-        let of_device = self.of_device.get(device).map(Vec::as_slice).unwrap_or_default();
-        shown.extend(self.beneath(path, of_device.iter().map(|&i| &self.mounts[i])));
+        let of_fs = self.of_fs.get(device).map(Vec::as_slice).unwrap_or_default();
+        shown.extend(self.beneath(path, of_fs.iter().copied()));
         shown
     }
 
     fn beneath<'a>(
-        &self,
+        &'a self,
         path: &'a Path,
-        mounts: impl Iterator<Item = &'a Mount> + 'a,
+        mounts: impl Iterator<Item = usize> + 'a,
     ) -> impl Iterator<Item = Shown> + 'a {
-        mounts.filter(move |m| m.mount_point != path && m.mount_point.starts_with(path)).map(|m| Shown {
-            at: m.mount_point.clone(),
-            device: m.device.clone(),
-            root: m.root.clone(),
-        })
+        mounts.filter(move |&i| self.mounts[i].mount_point != path && self.mounts[i].mount_point.starts_with(path)).map(
+            move |i| Shown {
+                at: self.mounts[i].mount_point.clone(),
+                device: self.fs[i].clone(),
+                root: self.mounts[i].root.clone(),
+            },
+        )
     }
 }
 
@@ -220,7 +278,7 @@ mod tests {
         assert_eq!(m.len(), 3);
         assert_eq!(m[0].mount_point, PathBuf::from("/"));
         assert_eq!(m[0].fstype, "ext4");
-        assert_eq!(m[0].device, "8:1");
+        assert_eq!((m[0].id, m[0].parent, m[0].device.as_str()), (22, 1, "8:1"));
         assert_eq!(m[0].super_opts, vec!["rw", "errors=remount-ro"]);
         assert_eq!(m[1].mount_point, PathBuf::from("/srv/my data/proc"));
         assert_eq!(m[1].fstype, "proc");
@@ -228,11 +286,13 @@ mod tests {
         assert_eq!(m[2].fstype, "tmpfs");
     }
 
-    /// A host with `/srv` a filesystem of its own, `/mnt/alias` a bind of its `/data`, and
-    /// `/mnt/alias/deep` a tmpfs.
+    /// A host with `/srv` a filesystem of its own (with a bind of its `/other` stacked on
+    /// it), `/mnt/alias` a bind of its `/data`, and `/mnt/alias/deep` a tmpfs — `/proc`
+    /// listed before `/`, as on real hosts.
     fn aliased() -> Vec<Mount> {
         parse(
-            b"22 1 8:1 / / rw - ext4 /dev/sda1 rw\n\
+            b"21 22 0:21 / /proc rw - proc proc rw\n\
+              22 1 8:1 / / rw - ext4 /dev/sda1 rw\n\
               30 22 8:2 / /srv rw - ext4 /dev/sda2 rw\n\
               31 22 8:2 /data /mnt/alias rw - ext4 /dev/sda2 rw\n\
               32 31 0:40 / /mnt/alias/deep rw - tmpfs none rw\n\
@@ -255,6 +315,48 @@ mod tests {
         assert_eq!(own("/srv/x"), shown("/srv/x", "8:2", "/other/x"));
         assert_eq!(own("/mnt/alias/deep/f"), shown("/mnt/alias/deep/f", "0:40", "/f"));
         assert_eq!(own("/mnt"), shown("/mnt", "8:1", "/mnt"));
+    }
+
+    /// Which mount a path is on follows the tree, not the listing: a mount moved onto a
+    /// mount point keeps its older id (listed first, on top), and a mount on an ancestor
+    /// hides what is mounted beneath it.
+    #[test]
+    fn the_mount_on_top_is_found_by_the_tree_not_the_listing() {
+        // `/etc` bound at `/mnt/stage` (39), a tmpfs on `/srv/x` (40), the bind moved onto it.
+        let moved = MountTable::new(parse(
+            b"22 1 8:1 / / rw - ext4 /dev/sda1 rw\n\
+              39 40 8:1 /etc /srv/x rw - ext4 /dev/sda1 rw\n\
+              40 22 0:50 / /srv/x rw - tmpfs t rw\n",
+        ));
+        assert_eq!(moved.own_tree(Path::new("/srv/x/ssh")), Some(shown("/srv/x/ssh", "8:1", "/etc/ssh")));
+        // A tmpfs on `/srv/ssh` (30), then `/etc` bound on `/srv` (40): `/srv/ssh` is `/etc/ssh`.
+        let hidden = MountTable::new(parse(
+            b"22 1 8:1 / / rw - ext4 /dev/sda1 rw\n\
+              30 22 0:40 / /srv/ssh rw - tmpfs t rw\n\
+              40 22 8:1 /etc /srv rw - ext4 /dev/sda1 rw\n",
+        ));
+        assert_eq!(hidden.own_tree(Path::new("/srv/ssh")), Some(shown("/srv/ssh", "8:1", "/etc/ssh")));
+        // The hidden tmpfs still counts as shown beneath `/srv` (never less than is shown).
+        assert_eq!(hidden.shown_by(Path::new("/srv")).len(), 2);
+        // NFS's roots and replaced ones say nothing: each such mount is a filesystem of its own.
+        let nfs = MountTable::new(parse(
+            b"22 1 8:1 / / rw - ext4 /dev/sda1 rw\n\
+              50 22 0:53 / /mnt/nfs rw - nfs4 server:/export rw\n\
+              51 22 0:53 / /var/lib/app rw - nfs4 server:/export/app rw\n\
+              52 22 8:1 /srv/key//deleted /run/key rw - ext4 /dev/sda1 rw\n",
+        ));
+        let a = nfs.own_tree(Path::new("/mnt/nfs/x")).unwrap();
+        let b = nfs.own_tree(Path::new("/var/lib/app/x")).unwrap();
+        assert!(!a.overlaps(&b), "{a:?} {b:?}");
+        assert!(nfs.shown_by_on(Path::new("/var/lib"), &a.device).is_empty());
+        let key = nfs.own_tree(Path::new("/run/key")).unwrap();
+        assert!(!key.overlaps(&nfs.own_tree(Path::new("/srv/key")).unwrap()));
+        // A table that loops (forged) ends.
+        let looped = MountTable::new(parse(
+            b"22 23 8:1 / / rw - ext4 /dev/sda1 rw\n\
+              23 22 8:1 / / rw - ext4 /dev/sda1 rw\n",
+        ));
+        let _ = looped.own_tree(Path::new("/x"));
     }
 
     #[test]
