@@ -8,11 +8,16 @@
 //! declared (naming the manifest field); those files are masked in every view, and key
 //! material is never readable, even when declared by name; declared paths must exist; host
 //! credentials stay masked; nothing in the host's `/proc` is bound for reading, and nothing
-//! every host user may write to is bound for writing. Each of these holds for the files,
-//! not only for their names: a declared path is also checked for what its bind would show
-//! through other mounts of the same filesystem (a bind mount on the host, a filesystem
-//! mounted twice), by each path's place in its filesystem (`sandbox::mountinfo`).
+//! every host user may write to is bound for writing. Masks, the write protection of the
+//! agent's files and system directories, and key material hold for the files, not only for
+//! their names: a declared path is also checked for what its bind would show through other
+//! mounts of the same filesystem (a bind mount on the host, a filesystem mounted twice), by
+//! each path's place in its filesystem (`sandbox::mountinfo`) — of a system directory, its
+//! own tree (a directory mounted beneath one from a disk also mounted elsewhere keeps the
+//! path the operator gave it there). World-writable directories are judged at the declared
+//! path itself, not at mounts beneath it.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use sandbox::mountinfo::{MountTable, Shown};
@@ -501,7 +506,7 @@ impl AgentPolicy {
     /// whatever is mounted beneath them).
     fn refuse_write_elsewhere(&self, field: &str, bind: &Bind) -> Result<(), PolicyError> {
         for whole in ["/", "/var"] {
-            if let Some((s, t)) = bind.find(Path::new(whole), Trees::Own, |s, t| s.root == t.root) {
+            if let Some((s, t)) = bind.find(Path::new(whole), Trees::Own, |s, t| t.is_within(s)) {
                 return Err(bind.refused(field, s, &t, format!("the whole of the host's {whole}; never granted")));
             }
         }
@@ -576,34 +581,31 @@ struct Bind<'a> {
     /// As declared (its place in the view) and its real host path.
     p: &'a Path,
     real: &'a Path,
-    shown: Vec<Shown>,
-    /// The filesystems in `shown`, each once.
-    devices: Vec<String>,
+    /// What it shows, by filesystem.
+    shown: HashMap<String, Vec<Shown>>,
     mounts: &'a MountTable,
 }
 
 impl<'a> Bind<'a> {
     fn new(p: &'a Path, real: &'a Path, mounts: &'a MountTable) -> Bind<'a> {
-        let shown = mounts.shown_by(real);
-        let mut devices: Vec<String> = shown.iter().map(|s| s.device.clone()).collect();
-        devices.sort();
-        devices.dedup();
-        Bind { p, real, shown, devices, mounts }
+        let mut shown: HashMap<String, Vec<Shown>> = HashMap::new();
+        for s in mounts.shown_by(real) {
+            shown.entry(s.device.clone()).or_default().push(s);
+        }
+        Bind { p, real, shown, mounts }
     }
 
-    /// The first pair of what this shows and what listed path `x` shows (its `trees`, of the
-    /// same filesystem) for which `test` holds. Costs per filesystem shown: the mounts of
-    /// that filesystem, not the whole table.
+    /// The first pair of what this shows and what listed path `x` shows (its `trees`) of
+    /// one filesystem for which `test` holds. Costs the depth of `x`, a scan of the table
+    /// only when mounts lie beneath `x`, and what this shows of the same filesystems.
     fn find(&self, x: &Path, trees: Trees, test: impl Fn(&Shown, &Shown) -> bool) -> Option<(&Shown, Shown)> {
-        for device in &self.devices {
-            let listed = match trees {
-                Trees::Own => self.mounts.own_tree(x).into_iter().filter(|t| t.device == *device).collect(),
-                Trees::All => self.mounts.shown_by_on(x, device),
-            };
-            for s in self.shown.iter().filter(|s| s.device == *device) {
-                if let Some(t) = listed.iter().find(|t| test(s, t)) {
-                    return Some((s, t.clone()));
-                }
+        let mut listed: Vec<Shown> = self.mounts.own_tree(x).into_iter().collect();
+        if let Trees::All = trees {
+            listed.extend(self.mounts.mounts_beneath(x));
+        }
+        for t in listed {
+            if let Some(s) = self.shown.get(&t.device).and_then(|same| same.iter().find(|s| test(s, &t))) {
+                return Some((s, t));
             }
         }
         None
@@ -640,7 +642,16 @@ impl<'a> Bind<'a> {
 
 /// The host's mounts now (a declared path's checks read them once).
 fn host_mounts(field: &str) -> Result<MountTable, PolicyError> {
-    MountTable::read().map_err(|e| PolicyError::new(field, format!("/proc/self/mountinfo: {e}")))
+    let table = MountTable::read().map_err(|e| PolicyError::new(field, format!("/proc/self/mountinfo: {e}")))?;
+    if !table.places_root() {
+        // A chroot into a directory that is not a mount point: no path's filesystem is
+        // known, so nothing declared could be checked for other mounts of its files.
+        return Err(PolicyError::new(
+            field,
+            "/proc/self/mountinfo does not list the mount of / (a chroot?): declared paths cannot be checked against other mounts of their files",
+        ));
+    }
+    Ok(table)
 }
 
 /// Refuses a write path that every user of the host may write to (`/var/tmp`, a mode-777
@@ -1086,5 +1097,58 @@ mod tests {
         assert_eq!(spec.limits.timeout_ms, Some(60_000));
         assert_eq!(spec.filesystem.scratch_bytes, 100 << 20);
         assert_eq!(lim.max_pids, 64);
+    }
+
+    /// What a declared path reaches through another mount of the same files is judged as
+    /// those files (a synthetic host: the root filesystem, its `/etc` bound at `/srv/alias`
+    /// and its `/opt` at `/mnt/opt`, and a data disk at `/data` whose `/docker` is also bound
+    /// at `/var/lib/docker`).
+    #[test]
+    fn other_mounts_of_the_same_files_are_judged_as_those_files() {
+        let table = MountTable::new(sandbox::mountinfo::parse(
+            b"22 1 8:1 / / rw - ext4 /dev/sda1 rw\n\
+              30 22 8:1 /etc /srv/alias rw - ext4 /dev/sda1 rw\n\
+              31 22 8:2 / /data rw - ext4 /dev/sdb1 rw\n\
+              32 22 8:2 /docker /var/lib/docker rw - ext4 /dev/sdb1 rw\n\
+              33 22 8:1 /opt /mnt/opt rw - ext4 /dev/sda1 rw\n\
+              34 22 8:1 / /mnt/root rw - ext4 /dev/sda1 rw\n",
+        ));
+        let pol = policy();
+        let bind = |p: &'static str| Bind::new(Path::new(p), Path::new(p), &table);
+        let refusal = |r: Result<(), PolicyError>| r.err().map(|e| e.message).unwrap_or_default();
+        // Writes: into `/etc` through its other mount, or holding that mount, are refused;
+        // so is the whole root filesystem and the agent's binary (`/opt/opservant/…`).
+        let says = refusal(pol.refuse_write_elsewhere("f", &bind("/srv/alias/apt")));
+        assert!(
+            says.contains("reaches files of /etc through another mount") && says.contains("system directory"),
+            "{says}"
+        );
+        let says = refusal(pol.refuse_write_elsewhere("f", &bind("/srv")));
+        assert!(says.contains("(its mount /srv/alias)"), "{says}");
+        let says = refusal(pol.refuse_write_elsewhere("f", &bind("/mnt/root")));
+        assert!(says.contains("the whole of the host's /"), "{says}");
+        let says = refusal(pol.refuse_write_elsewhere("f", &bind("/mnt/opt")));
+        assert!(says.contains("the agent's own files (/opt/opservant/bin/opservant)"), "{says}");
+        // Not: other files of the root filesystem, and a data disk's directory mounted
+        // beneath `/var/lib` keeps its own path.
+        for ok in ["/srv/data", "/data", "/data/docker", "/mnt/optx"] {
+            assert_eq!(refusal(pol.refuse_write_elsewhere("f", &bind(ok))), "", "{ok}");
+        }
+        // Reads: host credentials through the other mount.
+        let says = refusal(pol.refuse_read_elsewhere("f", &bind("/srv/alias/shadow")));
+        assert!(says.contains("/etc/shadow holds host credentials"), "{says}");
+        assert_eq!(refusal(pol.refuse_read_elsewhere("f", &bind("/srv/alias/passwd"))), "");
+        // Masks (`/etc/passwd` exists on every host): shown at another place, refused; shown
+        // where the mask is, or declared by its own name, not.
+        let masked = [PathBuf::from("/etc/passwd")];
+        let says = refusal(pol.refuse_masked_elsewhere("f", &bind("/srv"), &masked));
+        assert!(says.contains("the masked /etc/passwd would be shown at /srv/alias/passwd"), "{says}");
+        for ok in ["/etc", "/etc/passwd", "/srv/data"] {
+            assert_eq!(refusal(pol.refuse_masked_elsewhere("f", &bind(ok), &masked)), "", "{ok}");
+        }
+        // `/` shows the masked file where the mask is, and again at its other mounts.
+        assert!(refusal(pol.refuse_masked_elsewhere("f", &bind("/"), &masked)).contains("would be shown at"));
+        let says = refusal(pol.refuse_masked_elsewhere("f", &bind("/mnt/root"), &masked));
+        assert!(says.contains("would be shown at /mnt/root/etc/passwd"), "{says}");
     }
 }

@@ -6,7 +6,7 @@
 //! filesystem ([`MountTable::own_tree`]), and a recursive bind of a path shows every mount
 //! beneath it ([`MountTable::shown_by`]).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ffi::OsString;
 use std::os::unix::ffi::OsStringExt;
 use std::path::{Path, PathBuf};
@@ -104,17 +104,19 @@ fn join_rel(base: &Path, rel: &Path) -> PathBuf {
     }
 }
 
-/// A mount table indexed for the questions above: each answer costs the depth of the path
-/// asked about and the number of mounts of one filesystem, not the size of the table (a
-/// host may have thousands of mounts, and a declared path is checked against every listed
-/// path).
+/// A mount table indexed for the questions above: which mount a path is on costs the
+/// depth of the path, and which mounts lie beneath it a scan of the table only when any
+/// does (a host may have thousands of mounts, and a declared path is checked against every
+/// listed path).
 ///
 /// Which mount a path is on follows the mount tree by ids (a mount stacked on another has it
 /// as parent; one on an ancestor hides those beneath it), not mountinfo's order. A mount
 /// whose `root` does not say which directory it shows — NFS writes `/` for a bind of any
 /// directory of an export, and a root ending in `//deleted` names a file or directory since
 /// replaced — counts as a filesystem of its own, alias of nothing (so it is judged by its
-/// paths alone, as before).
+/// paths alone, as before). Kernels since 4.11 keep one mount per (parent, mount point)
+/// (mounts propagated under another are tucked beneath it); every kernel Landlock runs on is
+/// one.
 #[derive(Debug, Default)]
 pub struct MountTable {
     mounts: Vec<Mount>,
@@ -122,8 +124,8 @@ pub struct MountTable {
     fs: Vec<String>,
     /// (parent id, mount point) → the mounts there on that parent.
     children: HashMap<(u32, PathBuf), Vec<usize>>,
-    /// Filesystem → indices of its mounts.
-    of_fs: HashMap<String, Vec<usize>>,
+    /// Every directory with a mount point strictly beneath it.
+    above_a_mount: HashSet<PathBuf>,
     /// The mount on top at `/`.
     root: Option<usize>,
 }
@@ -131,17 +133,20 @@ pub struct MountTable {
 impl MountTable {
     pub fn new(mounts: Vec<Mount>) -> MountTable {
         let mut children: HashMap<(u32, PathBuf), Vec<usize>> = HashMap::new();
-        let mut of_fs: HashMap<String, Vec<usize>> = HashMap::new();
+        let mut above_a_mount = HashSet::new();
         let mut fs = Vec::with_capacity(mounts.len());
         for (i, m) in mounts.iter().enumerate() {
             let unknown_root = matches!(m.fstype.as_str(), "nfs" | "nfs4")
                 || m.root.as_os_str().as_encoded_bytes().ends_with(b"//deleted");
-            let f = if unknown_root { format!("{}@{}", m.device, m.id) } else { m.device.clone() };
-            of_fs.entry(f.clone()).or_default().push(i);
-            fs.push(f);
+            fs.push(if unknown_root { format!("{}@{}", m.device, m.id) } else { m.device.clone() });
             children.entry((m.parent, m.mount_point.clone())).or_default().push(i);
+            for a in m.mount_point.ancestors().skip(1) {
+                if !above_a_mount.insert(a.to_path_buf()) {
+                    break;
+                }
+            }
         }
-        let mut table = MountTable { mounts, fs, children, of_fs, root: None };
+        let mut table = MountTable { mounts, fs, children, above_a_mount, root: None };
         // The bottom mount at `/` is the one not mounted on another mount at `/`.
         let at_root: Vec<usize> =
             (0..table.mounts.len()).filter(|&i| table.mounts[i].mount_point == Path::new("/")).collect();
@@ -160,6 +165,13 @@ impl MountTable {
 
     pub fn mounts(&self) -> &[Mount] {
         &self.mounts
+    }
+
+    /// Whether the table says which mount `/` is. It does not in a chroot into a directory
+    /// that is not a mount point (the kernel lists only mounts reachable from the root), and
+    /// then no path's own tree is known.
+    pub fn places_root(&self) -> bool {
+        self.root.is_some()
     }
 
     /// The mount on top of the stack that mount `i` begins at its mount point.
@@ -200,35 +212,28 @@ impl MountTable {
         Some(Shown { at: path.to_path_buf(), device: self.fs[i].clone(), root: join_rel(&m.root, rel) })
     }
 
-    /// Everything `path` (absolute, without links, `.` or `..`) shows, as a recursive bind of
-    /// it does: its [`Self::own_tree`] first, then every mount beneath it — also one another
-    /// mount covers (so the answer is never smaller than what is shown).
-    pub fn shown_by(&self, path: &Path) -> Vec<Shown> {
-        let mut shown: Vec<Shown> = self.own_tree(path).into_iter().collect();
-        shown.extend(self.beneath(path, 0..self.mounts.len()));
-        shown
-    }
-
-    /// [`Self::shown_by`], only what is of filesystem `device` (as [`Shown::device`] names it).
-    pub fn shown_by_on(&self, path: &Path, device: &str) -> Vec<Shown> {
-        let mut shown: Vec<Shown> = self.own_tree(path).into_iter().filter(|t| t.device == device).collect();
-        let of_fs = self.of_fs.get(device).map(Vec::as_slice).unwrap_or_default();
-        shown.extend(self.beneath(path, of_fs.iter().copied()));
-        shown
-    }
-
-    fn beneath<'a>(
-        &'a self,
-        path: &'a Path,
-        mounts: impl Iterator<Item = usize> + 'a,
-    ) -> impl Iterator<Item = Shown> + 'a {
-        mounts.filter(move |&i| self.mounts[i].mount_point != path && self.mounts[i].mount_point.starts_with(path)).map(
-            move |i| Shown {
+    /// Every mount strictly beneath `path` — also one another mount covers (so the answer is
+    /// never smaller than what is shown). A scan of the table only when there is any.
+    pub fn mounts_beneath(&self, path: &Path) -> Vec<Shown> {
+        if !self.above_a_mount.contains(path) {
+            return Vec::new();
+        }
+        (0..self.mounts.len())
+            .filter(|&i| self.mounts[i].mount_point != path && self.mounts[i].mount_point.starts_with(path))
+            .map(|i| Shown {
                 at: self.mounts[i].mount_point.clone(),
                 device: self.fs[i].clone(),
                 root: self.mounts[i].root.clone(),
-            },
-        )
+            })
+            .collect()
+    }
+
+    /// Everything `path` (absolute, without links, `.` or `..`) shows, as a recursive bind of
+    /// it does: its [`Self::own_tree`] first, then [`Self::mounts_beneath`] it.
+    pub fn shown_by(&self, path: &Path) -> Vec<Shown> {
+        let mut shown: Vec<Shown> = self.own_tree(path).into_iter().collect();
+        shown.extend(self.mounts_beneath(path));
+        shown
     }
 }
 
@@ -311,7 +316,7 @@ mod tests {
         assert_eq!(own("/etc/shadow"), shown("/etc/shadow", "8:1", "/etc/shadow"));
         assert_eq!(own("/mnt/alias/secret"), shown("/mnt/alias/secret", "8:2", "/data/secret"));
         assert_eq!(own("/mnt/alias"), shown("/mnt/alias", "8:2", "/data"));
-        // The later of two mounts on one mount point is the one on top.
+        // A mount stacked on another (its parent) is the one on top.
         assert_eq!(own("/srv/x"), shown("/srv/x", "8:2", "/other/x"));
         assert_eq!(own("/mnt/alias/deep/f"), shown("/mnt/alias/deep/f", "0:40", "/f"));
         assert_eq!(own("/mnt"), shown("/mnt", "8:1", "/mnt"));
@@ -337,7 +342,18 @@ mod tests {
         ));
         assert_eq!(hidden.own_tree(Path::new("/srv/ssh")), Some(shown("/srv/ssh", "8:1", "/etc/ssh")));
         // The hidden tmpfs still counts as shown beneath `/srv` (never less than is shown).
-        assert_eq!(hidden.shown_by(Path::new("/srv")).len(), 2);
+        assert_eq!(
+            hidden.shown_by(Path::new("/srv")),
+            vec![shown("/srv", "8:1", "/etc"), shown("/srv/ssh", "0:40", "/")]
+        );
+        // A mount stacked on `/` itself (a service's namespace: its root bound onto `/`,
+        // the parent not listed) is the root.
+        let stacked = MountTable::new(parse(
+            b"21 22 0:21 / /proc rw - proc proc rw\n\
+              22 1 8:1 / / rw - ext4 /dev/sda1 rw\n\
+              23 22 8:1 /sysroot / rw - ext4 /dev/sda1 rw\n",
+        ));
+        assert_eq!(stacked.own_tree(Path::new("/etc")), Some(shown("/etc", "8:1", "/sysroot/etc")));
         // NFS's roots and replaced ones say nothing: each such mount is a filesystem of its own.
         let nfs = MountTable::new(parse(
             b"22 1 8:1 / / rw - ext4 /dev/sda1 rw\n\
@@ -347,16 +363,23 @@ mod tests {
         ));
         let a = nfs.own_tree(Path::new("/mnt/nfs/x")).unwrap();
         let b = nfs.own_tree(Path::new("/var/lib/app/x")).unwrap();
+        assert_eq!((a.device.as_str(), a.root.to_str().unwrap()), ("0:53@50", "/x"));
         assert!(!a.overlaps(&b), "{a:?} {b:?}");
-        assert!(nfs.shown_by_on(Path::new("/var/lib"), &a.device).is_empty());
         let key = nfs.own_tree(Path::new("/run/key")).unwrap();
         assert!(!key.overlaps(&nfs.own_tree(Path::new("/srv/key")).unwrap()));
-        // A table that loops (forged) ends.
+        // A chroot into a directory that is not a mount point: `/` is not placed, which its
+        // readers must treat as an error (no path's own tree is known).
+        let chroot = MountTable::new(parse(b"70 48 0:40 / /proc rw - proc proc rw\n"));
+        assert!(!chroot.places_root());
+        assert_eq!(chroot.own_tree(Path::new("/etc")), None);
+        assert!(nfs.places_root());
+        // A forged table whose stack at `/` loops ends.
         let looped = MountTable::new(parse(
-            b"22 23 8:1 / / rw - ext4 /dev/sda1 rw\n\
-              23 22 8:1 / / rw - ext4 /dev/sda1 rw\n",
+            b"22 21 8:1 / / rw - ext4 /dev/sda1 rw\n\
+              23 22 8:1 /a / rw - ext4 /dev/sda1 rw\n\
+              22 23 8:1 /b / rw - ext4 /dev/sda1 rw\n",
         ));
-        let _ = looped.own_tree(Path::new("/x"));
+        assert!(looped.own_tree(Path::new("/x")).is_some());
     }
 
     #[test]
@@ -383,9 +406,8 @@ mod tests {
         assert!(!all[0].overlaps(&data) && !all[2].overlaps(&data));
         // A path not beneath `/mnt` is not shown by it; `/mnt2` is not beneath `/mnt`.
         assert_eq!(m.shown_by(Path::new("/mnt2")), vec![shown("/mnt2", "8:1", "/mnt2")]);
-        assert_eq!(m.shown_by_on(Path::new("/mnt"), "8:2"), vec![shown("/mnt/alias", "8:2", "/data")]);
-        assert_eq!(m.shown_by_on(Path::new("/mnt"), "8:1"), vec![shown("/mnt", "8:1", "/mnt")]);
-        assert_eq!(m.shown_by_on(Path::new("/mnt"), "9:9"), vec![]);
+        assert_eq!(m.mounts_beneath(Path::new("/etc")), vec![]);
+        assert_eq!(m.mounts_beneath(Path::new("/mnt/alias")), vec![shown("/mnt/alias/deep", "0:40", "/")]);
     }
 
     #[test]
