@@ -2634,6 +2634,30 @@ fn dns_rebinding_via_nat64_prefix() {
     assert_host_clean(&lab);
 }
 
+/// The network's own NAT64 prefix (`network.egress.nat64_prefixes`), here in RFC 8215's
+/// local-use /48: an answer in it is judged by the IPv4 address it embeds — a public one is
+/// passed on, the metadata service refused — where without the setting every answer in the
+/// /48 is refused (README: DNS rebinding).
+#[test]
+fn dns_answers_in_the_networks_own_nat64_prefix_are_judged_by_the_address_they_embed() {
+    if !prerequisites() {
+        return;
+    }
+    let lab = Lab::new();
+    lab.dns.set("public.test", &["64:ff9b:1:2::c633:640a"]);
+    lab.dns.set("meta.test", &["64:ff9b:1:2::a9fe:a9fe"]);
+    let steps = json!([["dns_raw", "udp", ["public", "test"], 28], ["dns_raw", "udp", ["meta", "test"], 28]]);
+    let manifest = json!({"outbound": true, "allowed_hosts": ["public.test", "meta.test"]});
+    let named = Conf::new("    nat64_prefixes: [\"64:ff9b:1:2::/96\"]\n");
+    let p = probe(&lab, &named, manifest.clone(), limits(), steps.clone());
+    assert_eq!(p.step(0)["rcode"].as_u64(), Some(0), "a public address through the named prefix: {}", p.step(0));
+    assert_eq!(p.step(1)["rcode"].as_u64(), Some(REFUSED), "the metadata service through it: {}", p.step(1));
+    let unnamed = Conf::new("");
+    let p = probe(&lab, &unnamed, manifest, limits(), steps);
+    assert_eq!(p.step(0)["rcode"].as_u64(), Some(REFUSED), "the /48 without the setting: {}", p.step(0));
+    assert_host_clean(&lab);
+}
+
 /// A bandwidth cap of 10 Mbit/s with eight parallel flows: the token bucket is per link, so
 /// the total must stay at the cap (README: each direction shaped).
 #[test]
