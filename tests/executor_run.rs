@@ -1267,6 +1267,29 @@ fn the_agents_files_and_system_directories_are_protected_through_other_mounts_of
     peek(json!({"write": [beneath]}), &[]).cannot_run(&["the host's /etc is a system directory", "never granted"]);
 }
 
+/// A write grant takes what is mounted beneath it along: a directory every host user may
+/// write to, mounted there (a bind of `/var/tmp`, a mode-1777 tmpfs), is as shared as the
+/// declared path itself would be, and refused the same way.
+#[test]
+fn a_write_grant_holding_a_mount_every_user_may_write_to_is_refused() {
+    if !require_root() {
+        return;
+    }
+    let work = HostDir::new();
+    let beneath = work.path.join("shared");
+    std::fs::create_dir(&beneath).unwrap();
+    let everyones = HostDir::new();
+    std::fs::set_permissions(&everyones.path, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let d = executor(json!({"permissions": {"filesystem": {"write": [work.str()]}}}), LIFECYCLE);
+    // Without the mount the grant is an ordinary one.
+    let r = run_with_binds(&d.path, &[], &[]).result();
+    assert_eq!(r["status"], "completed", "{r}");
+    run_with_binds(&d.path, &[], &[(&everyones.path, &beneath)]).cannot_run(&[
+        "permissions.filesystem.write[0]:",
+        &format!("{} is mounted beneath it, and every user of the host may write there", beneath.display()),
+    ]);
+}
+
 #[test]
 fn command_line_errors_are_refused() {
     if !require_root() {

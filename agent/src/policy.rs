@@ -15,7 +15,7 @@
 //! each path's place in its filesystem (`sandbox::mountinfo`) — of a system directory, its
 //! own tree (a directory mounted beneath one from a disk also mounted elsewhere keeps the
 //! path the operator gave it there). World-writable directories are judged at the declared
-//! path itself, not at mounts beneath it.
+//! path and at the mounts beneath it, not at plain subdirectories.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -441,6 +441,7 @@ impl AgentPolicy {
         check_alias(field, p, &real, masked)?;
         refuse_shared_with_everyone(field, p, &real)?;
         refuse_procfs(field, p, &real, mounts)?;
+        refuse_shared_mounts_beneath(field, p, &real, mounts)?;
         let bind = Bind::new(p, &real, mounts);
         self.refuse_write_elsewhere(field, &bind)?;
         self.refuse_read_elsewhere(field, &bind)?;
@@ -686,6 +687,30 @@ fn refuse_shared_with_everyone(field: &str, p: &Path, real: &Path) -> Result<(),
                     p.display(),
                     via(p, real),
                     parent.display()
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// [`refuse_shared_with_everyone`] for what a write bind takes along: a mount beneath the
+/// declared directory whose own directory every user of the host may write to (a bind of
+/// `/var/tmp`, a mode-1777 tmpfs) is as shared as the declared path would be.
+fn refuse_shared_mounts_beneath(field: &str, p: &Path, real: &Path, mounts: &MountTable) -> Result<(), PolicyError> {
+    use std::os::unix::fs::PermissionsExt;
+    for m in mounts.mounts_beneath(real) {
+        // One that cannot be looked at (covered, or beyond the agent's reach) is judged as
+        // shared: it is bound writable all the same.
+        let mode = std::fs::symlink_metadata(&m.at).map(|meta| meta.permissions().mode()).unwrap_or(0o777);
+        if mode & 0o002 != 0 {
+            return Err(PolicyError::new(
+                field,
+                format!(
+                    "{}{}: {} is mounted beneath it, and every user of the host may write there; never granted (declare a directory of the executor's own)",
+                    p.display(),
+                    via(p, real),
+                    m.at.display()
                 ),
             ));
         }
