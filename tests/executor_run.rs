@@ -67,8 +67,13 @@ fn opservant_command(args: &[&std::ffi::OsStr]) -> Command {
 }
 
 fn invoke(args: &[&std::ffi::OsStr], env: &[(&str, &str)]) -> Out {
+    output_of(opservant_command(args).envs(env.iter().copied()))
+}
+
+/// Run `cmd` to its end (holding the host view for reading, see `common::HOST_VIEW`).
+fn output_of(cmd: &mut Command) -> Out {
     let _view = common::host_view();
-    let out = opservant_command(args).envs(env.iter().copied()).output().expect("spawn opservant");
+    let out = cmd.output().expect("spawn opservant");
     Out {
         code: out.status.code().unwrap_or(-1),
         stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -76,13 +81,18 @@ fn invoke(args: &[&std::ffi::OsStr], env: &[(&str, &str)]) -> Out {
     }
 }
 
-/// `opservant run DIR args…` with extra environment variables.
-fn run_env(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Out {
+/// `opservant run DIR [launch args] args…`, not started.
+fn run_command(dir: &Path, args: &[&str]) -> Command {
     let launch = common::launch_args();
     let mut all: Vec<&std::ffi::OsStr> = vec!["run".as_ref(), dir.as_os_str()];
     all.extend(launch.iter().map(std::ffi::OsStr::new));
     all.extend(args.iter().map(|a| std::ffi::OsStr::new(*a)));
-    invoke(&all, env)
+    opservant_command(&all)
+}
+
+/// `opservant run DIR args…` with extra environment variables.
+fn run_env(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Out {
+    output_of(run_command(dir, args).envs(env.iter().copied()))
 }
 
 fn run(dir: &Path, args: &[&str]) -> Out {
@@ -1159,11 +1169,7 @@ fn run_with_binds(dir: &Path, args: &[&str], binds: &[(&Path, &Path)]) -> Out {
     use std::os::unix::process::CommandExt;
     let c = |p: &Path| CString::new(p.as_os_str().as_bytes()).unwrap();
     let binds: Vec<(CString, CString)> = binds.iter().map(|(s, t)| (c(s), c(t))).collect();
-    let launch = common::launch_args();
-    let mut all: Vec<&std::ffi::OsStr> = vec!["run".as_ref(), dir.as_os_str()];
-    all.extend(launch.iter().map(std::ffi::OsStr::new));
-    all.extend(args.iter().map(|a| std::ffi::OsStr::new(*a)));
-    let mut cmd = opservant_command(&all);
+    let mut cmd = run_command(dir, args);
     // SAFETY: between fork and exec the hook makes only system calls, on strings made
     // before the fork; the new mount namespace is the child's alone (private: nothing
     // propagates back to the host's).
@@ -1186,13 +1192,7 @@ fn run_with_binds(dir: &Path, args: &[&str], binds: &[(&Path, &Path)]) -> Out {
             Ok(())
         })
     };
-    let _view = common::host_view();
-    let out = cmd.output().expect("spawn opservant");
-    Out {
-        code: out.status.code().unwrap_or(-1),
-        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-    }
+    output_of(&mut cmd)
 }
 
 /// Masks, write protection and key material hold for the files, not only for the paths
