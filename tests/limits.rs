@@ -460,12 +460,19 @@ print("released", signal.sigtimedwait([signal.SIGUSR2], 60) is not None)
     assert_eq!(r.status(), "completed", "{} {}", r.stdout(), r.err());
     let out = r.stdout();
     let sent_mb: u64 = out.split_whitespace().skip_while(|w| *w != "sent_mb").nth(1).unwrap().parse().unwrap();
-    assert!(sent_mb <= LIMIT_MB, "the kernel accepted {sent_mb} MB into unread TCP buffers under {LIMIT_MB} MB: {out}");
+    // The kernel force-charges past the limit for packets already in flight, and lets each
+    // socket queue its minimum (`tcp_wmem[0]`, `tcp_rmem[0]`) even under pressure: with 300
+    // connections the charge peaks 1–2 MiB over (65 MiB sent under 64 was seen in CI, and
+    // 57–64 in 45 runs here); uncharged, it parked 588 MB under 128 (above).
+    let ceiling_mb = LIMIT_MB + LIMIT_MB / 8;
+    assert!(
+        sent_mb <= ceiling_mb,
+        "the kernel accepted {sent_mb} MB into unread TCP buffers under {LIMIT_MB} MB: {out}"
+    );
     assert!(out.ends_with("released True\n"), "{out}");
     if r.json["sandbox"]["cgroup"] == "v1" {
         let peak = tcp_peak.expect("the v1 sandbox memory cgroup has memory.kmem.tcp.max_usage_in_bytes");
-        // Charged at all (v1 charges nothing without the limit), and bounded: the kernel
-        // force-charges a little past the limit for packets already in flight.
-        assert!(peak > 0 && peak <= (LIMIT_MB + LIMIT_MB / 8) << 20, "TCP high-water mark {peak} within {LIMIT_MB} MB");
+        // Charged at all (v1 charges nothing without the limit), and bounded as above.
+        assert!(peak > 0 && peak <= ceiling_mb << 20, "TCP high-water mark {peak} within {LIMIT_MB} MB");
     }
 }
