@@ -2232,7 +2232,8 @@ class TestExecutor(BaseExecutor):
         time.sleep(120)
         return ExecutorResult(output={"woke": True})
 "#;
-    let d = executor(json!({"resource_limits": {"timeout_seconds": 1}}), code);
+    // Time for the freezer to find the sandbox before the timeout (see script_run's test).
+    let d = executor(json!({"resource_limits": {"timeout_seconds": 5}}), code);
     let view = common::host_view();
     let launch = common::launch_args();
     let mut args: Vec<&std::ffi::OsStr> = vec!["run".as_ref(), d.path.as_os_str()];
@@ -2569,9 +2570,11 @@ class TestExecutor(BaseExecutor):
     assert_eq!(r["sandbox"]["network"], "none");
 }
 
-/// Executor sandboxes enforce the CPU percentage over a 500 ms window: 25 ms of CPU after the
+/// Executor sandboxes enforce the CPU percentage over a 500 ms window: 15 ms of CPU after the
 /// runtime's start-up fits in one window's 50 ms at the default 10 % and is never stalled
-/// (with the kernel's 100 ms window it would exceed 10 ms and be throttled every time).
+/// (with the kernel's 100 ms window it would exceed 10 ms and be throttled every time). The
+/// rest of the window is left for what else the run spends (the import, `validate`, the
+/// result), which a busy machine's caches make slower.
 #[test]
 fn a_short_burst_fits_in_the_cpu_window() {
     if !require_root() {
@@ -2586,7 +2589,7 @@ class TestExecutor(BaseExecutor):
         return True
 
     def execute(self, params, context):
-        end = time.process_time() + 0.025
+        end = time.process_time() + 0.015
         while time.process_time() < end:
             pass
         return ExecutorResult(status="completed", output={})
@@ -2595,7 +2598,7 @@ class TestExecutor(BaseExecutor):
     let r = run_params(&d.path, &json!({}));
     let r = r.result();
     assert_eq!(r["status"], "completed", "{r}");
-    assert!(r["usage"]["cpu_ms"].as_u64().unwrap() >= 25, "{}", r["usage"]);
+    assert!(r["usage"]["cpu_ms"].as_u64().unwrap() >= 15, "{}", r["usage"]);
     assert_eq!(r["usage"]["cpu_throttled_periods"], 0, "{}", r["usage"]);
     assert_eq!(r["limits"]["enforced"]["cpu"], true);
 }

@@ -218,7 +218,7 @@ fn timeout_default_clamp_and_enforcement() {
     }
     let d = HostDir::new();
     let f = write(&d, "sleep.sh", "echo start; sleep 30; echo never\n");
-    let r = script("bash", &f, &["--timeout", "1"]);
+    let r = script("bash", &f, &["--timeout", "3"]);
     assert_eq!(r.code, 1);
     let j = &r.json;
     assert_eq!(j["timeout"], true);
@@ -256,7 +256,9 @@ fn a_script_whose_sandbox_is_stuck_in_the_kernel_ends() {
     {
         let f = write(&d, file, text);
         let mut cmd = common::command();
-        cmd.args(["script", language]).arg(&f).args(["--timeout", "1"]).env_remove("OPSERVANT_LOG");
+        // Time for the freezer to find the sandbox before the timeout: it must be frozen while
+        // the payload runs, or the timeout ends the run the ordinary way.
+        cmd.args(["script", language]).arg(&f).args(["--timeout", "5"]).env_remove("OPSERVANT_LOG");
         cmd.stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped());

@@ -718,8 +718,6 @@ fn refuse_shared_mounts_beneath(field: &str, p: &Path, real: &Path, mounts: &Mou
     Ok(())
 }
 
-/// Refuses a declared path in a procfs or with one mounted at or beneath it (`mount -t
-/// proc proc /srv/p`, a container's root below a declared directory): that is the host's
 /// Refuse reading `real` (declared as `p`) when it is a Unix socket or a FIFO, or a
 /// directory in the host's runtime directory (`/run`, `/var/run`), where its daemons keep
 /// theirs: a read-only bind stops writes to files, not a `connect()` to a socket nor opening
@@ -774,6 +772,8 @@ fn refuse_over_scratch(field: &str, p: &Path, real: &Path) -> Result<(), PolicyE
     Ok(())
 }
 
+/// Refuses a declared path in a procfs or with one mounted at or beneath it (`mount -t
+/// proc proc /srv/p`, a container's root below a declared directory): that is the host's
 /// /proc by another name, and a bind takes what is mounted beneath it along.
 fn refuse_procfs(field: &str, p: &Path, real: &Path, mounts: &MountTable) -> Result<(), PolicyError> {
     let refused = |what: String| {

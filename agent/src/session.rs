@@ -1351,19 +1351,20 @@ mod tests {
         let socket = dir.join("s.sock");
         let listener = UnixListener::bind(&socket).unwrap();
         let daemon = std::thread::spawn(move || {
-            for taken_after in [Duration::from_millis(1500), Duration::ZERO] {
+            for taken_after in [Duration::from_secs(4), Duration::ZERO] {
                 let (mut c, _) = listener.accept().unwrap();
                 std::thread::sleep(taken_after);
                 let mut req = Vec::new();
                 c.read_to_end(&mut req).unwrap();
                 c.write_all(b"\n").unwrap();
-                std::thread::sleep(Duration::from_millis(700));
+                std::thread::sleep(Duration::from_millis(500));
                 // (The second client has given up by then.)
                 let _ = c.write_all(b"{\"success\": true}");
             }
         });
-        // Queued 1.5 s, answered 0.7 s after being taken: within a 1 s reply wait.
-        let reply = request_io(&socket, &json!({"op": "exec"}), Duration::from_secs(10), Duration::from_secs(1));
+        // Queued 4 s, answered 0.5 s after being taken: within a 3 s reply wait (a clock
+        // started at the send would have given up after 3 s).
+        let reply = request_io(&socket, &json!({"op": "exec"}), Duration::from_secs(10), Duration::from_secs(3));
         assert_eq!(reply.ok(), Some(json!({"success": true})));
         // The reply wait itself still holds.
         let late = request_io(&socket, &json!({"op": "exec"}), Duration::from_secs(10), Duration::from_millis(200));

@@ -366,7 +366,7 @@ fn cgroup_kill_daemon(ctx: &Ctx) -> Result<(), String> {
     let m = manifest(
         ctx,
         "daemon",
-        json!({"max_memory_mb": 64, "max_cpu_percent": 50, "timeout_seconds": 2, "max_disk_mb": 16, "max_pids": 16}),
+        json!({"max_memory_mb": 64, "max_cpu_percent": 50, "timeout_seconds": 8, "max_disk_mb": 16, "max_pids": 16}),
     )?;
     let marker = format!("opservant-vm-daemon-{}", std::process::id());
     // The daemon: a shell (argv[0] = the marker) that ignores SIGTERM and waits on a sleep

@@ -344,7 +344,7 @@ fn oom_and_timeout_enforced(_: &Ctx) -> Result<(), String> {
     let (_, r) = submit(&execute("boot-oom-1", "memhog", json!({})))?;
     ensure!(r["status"] == "failed" && r["killed_by"] == "oom", "memory hog: {r}");
     let (_, r) = submit(&json!({"command_id": "boot-timeout-1", "action": "execute", "executor": "slow",
-                                "parameters": {"seconds": 20}, "resource_limits": {"timeout_seconds": 2}}))?;
+                                "parameters": {"seconds": 20}, "resource_limits": {"timeout_seconds": 6}}))?;
     ensure!(r["status"] == "timeout" && r["killed_by"] == "timeout", "timeout: {r}");
     // Nothing of either is left in the unit's cgroup.
     let left = run(&format!("ls -d {UNIT_CGROUP}/opservant-sb-* 2>/dev/null || true"))?;
