@@ -87,7 +87,7 @@ fn a_command_that_fails_after_its_start_is_failed_not_rejected() {
     a.start();
     let agent_pid = a.child.as_ref().unwrap().id() as i32;
     let cmd = a.sign(&json!({"command_id": "stuck-1", "action": "execute", "executor": "slow",
-                             "parameters": {"seconds": 120}, "resource_limits": {"timeout_seconds": 1}}));
+                             "parameters": {"seconds": 120}, "resource_limits": {"timeout_seconds": 5}}));
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::scope(|scope| {
         scope.spawn(|| {
@@ -541,8 +541,9 @@ fn the_warm_pool_serves_repeat_runs_and_leaves_nothing_behind() {
     assert_eq!((code, r["sandbox"]["launch"].clone()), (0, json!("pool")), "{r}");
     let mut launches = vec![];
     for i in 2..6 {
-        // A refill may still be on its way; a run that misses starts its own sandbox.
-        std::thread::sleep(Duration::from_millis(300));
+        // A refill may still be on its way (a run that misses starts its own sandbox): each
+        // run waits for it, the slow executor's pooled sandbox being the other one.
+        a.await_pool_ready(2);
         let (code, r) = a.submit(&a.sign(&scan(&format!("pool-{i}"))));
         assert_eq!((code, r["status"].clone()), (0, json!("completed")), "{r}");
         assert_eq!(r["output"]["ports"][0]["status"], "closed", "{r}");
@@ -553,7 +554,7 @@ fn the_warm_pool_serves_repeat_runs_and_leaves_nothing_behind() {
     assert!(launches.iter().all(|l| l == "pool"), "repeat runs take pooled sandboxes: {launches:?}");
     // A pooled sandbox whose payload was killed while it waited (the OOM killer's first
     // victim) is not handed out: the run starts its own and completes.
-    std::thread::sleep(Duration::from_millis(300));
+    a.await_pool_ready(2);
     let zygote = daemon::zygote_pid(agent).unwrap();
     let waiting = common::procs::payloads_below(zygote);
     assert!(!waiting.is_empty(), "a refilled sandbox waits");
@@ -610,12 +611,12 @@ fn a_long_runs_refill_does_not_wait_for_its_end() {
     std::thread::scope(|s| {
         let run = s.spawn(|| {
             let cmd =
-                json!({"command_id": "long-1", "action": "execute", "executor": "slow", "parameters": {"seconds": 6}});
+                json!({"command_id": "long-1", "action": "execute", "executor": "slow", "parameters": {"seconds": 15}});
             a.submit(&a.sign(&cmd))
         });
         // Once the run has taken the slow executor's sandbox (its start is audited after
         // the take), the replacement comes long before the run's end.
-        let deadline = Instant::now() + Duration::from_secs(4);
+        let deadline = Instant::now() + Duration::from_secs(12);
         let started =
             || a.audit_events().iter().any(|e| e["event"] == "executor_start" && e["fields"]["command_id"] == "long-1");
         while !started() {
@@ -667,9 +668,21 @@ fn a_busy_warm_pool_stays_within_its_size_and_leaves_nothing_behind() {
         handles.into_iter().flat_map(|h| h.join().unwrap()).collect()
     });
     assert!(launches.iter().any(|l| l == "pool"), "no run found a pooled sandbox: {launches:?}");
-    // Once the refills are done: at most the pool's size of sandboxes wait.
-    std::thread::sleep(Duration::from_millis(1500));
-    let waiting = daemon::zygote_payloads(agent);
+    // Once the refills are done — every payload below the zygote ready in the pool, the same
+    // two reads in a row — at most the pool's size of sandboxes wait (an over-fill stays).
+    let settled = Instant::now() + Duration::from_secs(30);
+    let mut last = (usize::MAX, u64::MAX);
+    let waiting = loop {
+        let waiting = daemon::zygote_payloads(agent);
+        let ready = a.ping_sandboxes()["warm_pool"]["ready"].as_u64().unwrap_or(0);
+        let now = (waiting.len(), ready);
+        if now == last && waiting.len() as u64 == ready {
+            break waiting;
+        }
+        assert!(Instant::now() < settled, "the pool never settled: {waiting:?} payloads, {ready} ready");
+        last = now;
+        std::thread::sleep(Duration::from_millis(300));
+    };
     assert!(!waiting.is_empty() && waiting.len() <= 2, "pooled payloads waiting: {waiting:?}");
     let zygote = daemon::zygote_pid(agent).unwrap();
     assert!(a.stop().success());
@@ -756,6 +769,8 @@ fn sandboxes_forked_from_one_zygote_do_not_share_random_state() {
         assert!(Instant::now() < deadline, "the warm pool was not pre-warmed");
         std::thread::sleep(Duration::from_millis(20));
     }
+    // And ready, so that the first run takes its pooled sandbox.
+    a.await_pool_ready(3);
     let mut draws: Vec<(String, Value)> = Vec::new();
     for i in 0..6 {
         let mut cmd = json!({"command_id": format!("entropy-{i}"), "action": "execute", "executor": "entropy",
@@ -1042,7 +1057,9 @@ fn take_every_place(a: &Agent) -> Vec<std::os::unix::net::UnixStream> {
     loop {
         assert!(idle.len() < 70, "no connection refused with {} open", idle.len());
         let mut c = UnixStream::connect(&a.socket).unwrap();
-        c.set_read_timeout(Some(Duration::from_millis(500))).unwrap();
+        // A refusal is answered after its audit record is durable: time for that on a busy
+        // machine, well within the idle ones' 10 s.
+        c.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
         let mut text = String::new();
         match c.read_to_string(&mut text) {
             Ok(_) => {
@@ -1505,6 +1522,78 @@ fn a_platform_that_does_not_hold_the_long_poll_is_not_polled_in_a_busy_loop() {
     assert!(a.stop().success());
 }
 
+/// A connection that answers as the platform without its key (a compromised proxy or front
+/// end) sends commands the agent refuses: each is audited, so as fast as they were refused
+/// they would rotate every earlier record out of the log. The agent polls it less and less
+/// often (and says so once per count), a command the key issued resets that, and what such
+/// a command claims (id, action, executor: up to 4 KiB each before) is recorded short.
+#[test]
+fn a_platform_connection_sending_commands_the_agent_refuses_is_polled_less_and_less() {
+    if !common::require_root() {
+        return;
+    }
+    let (p, _tls, mut a) = platform_agent(1);
+    let long = |c: &str| c.repeat(3000);
+    let mut forged: Value = serde_json::from_slice(&a.sign(
+        &json!({"command_id": format!("f1-{}", long("i")), "action": long("a"), "executor": long("e"), "parameters": {}}),
+    ))
+    .unwrap();
+    forged["parameters"]["x"] = json!(1);
+    let unsigned = json!({"command_id": "f2", "action": "execute", "executor": "port-scanner", "timestamp": ts(0)});
+    let mut tampered: Value = serde_json::from_slice(&a.sign(&scan("f3"))).unwrap();
+    tampered["parameters"]["ports"] = json!([23]);
+    let issued: Value = serde_json::from_slice(&a.sign(&scan("plat-issued"))).unwrap();
+    for c in [&forged, &unsigned, &issued, &tampered] {
+        p.state.lock().unwrap().raw_batches.push_back(json!({ "commands": [c] }).to_string());
+    }
+    a.start();
+    // The poll after the last refused command's wait: its record is written.
+    p.wait_for(90, "five polls", |s| s.results.len() >= 4 && s.polls_at.len() >= 5);
+    assert!(a.stop().success());
+    let st = p.state.lock().unwrap();
+    let reasons: Vec<_> = st.results.iter().map(|r| r["result"]["reason"].clone()).collect();
+    assert_eq!(
+        reasons,
+        [json!("bad_signature"), json!("unsigned"), Value::Null, json!("bad_signature")],
+        "{:?}",
+        st.results
+    );
+    assert_eq!(st.results[2]["result"]["status"], "completed", "{}", st.results[2]);
+    // One place: each poll comes after the previous command's result. After one refused
+    // command in a row the agent waits at least 1 s (2 s ± 50 %), after two at least 2 s;
+    // before, it polled again at once.
+    let waited = |k: usize| st.polls_at[k + 1].duration_since(st.results_at[k]);
+    assert!(waited(0) >= Duration::from_secs(1), "polled again {:?} after one refused command", waited(0));
+    assert!(waited(1) >= Duration::from_secs(2), "polled again {:?} after two refused commands", waited(1));
+    drop(st);
+    let events = a.audit_events();
+    let counts: Vec<_> = events
+        .iter()
+        .filter(|e| e["event"] == "security_event" && e["fields"]["reason"] == "platform_commands_refused")
+        .map(|e| e["fields"]["in_a_row"].as_str().unwrap().to_string())
+        .collect();
+    // Said once per count; the issued command started the count again.
+    assert_eq!(counts, ["1", "2", "1"], "{events:?}");
+    let claimed = |e: &Value, key: &str| e["fields"][key].as_str().unwrap().len();
+    let received = events
+        .iter()
+        .find(|e| e["event"] == "command_received" && e["fields"]["command_id"].as_str().unwrap().starts_with("f1-"))
+        .expect("the forged command's receipt");
+    assert!(
+        claimed(received, "command_id") < 300
+            && claimed(received, "action") < 100
+            && claimed(received, "executor") < 100,
+        "{received}"
+    );
+    assert!(received["fields"]["executor"].as_str().unwrap().ends_with("bytes cut]"), "{received}");
+    let refused = events
+        .iter()
+        .find(|e| e["event"] == "security_event" && e["fields"]["reason"] == "bad_signature")
+        .expect("the forged command's rejection");
+    assert!(claimed(refused, "command_id") < 300, "{refused}");
+    a.audit_verify();
+}
+
 #[test]
 fn a_platform_batch_is_taken_only_as_far_as_there_is_room() {
     if !common::require_root() {
@@ -1522,8 +1611,12 @@ fn a_platform_batch_is_taken_only_as_far_as_there_is_room() {
     std::thread::sleep(Duration::from_secs(2));
     assert_eq!(p.state.lock().unwrap().results.len(), 2);
     let events = a.audit_events();
-    let malformed = events.iter().filter(|e| e["event"] == "security_event").count();
-    assert_eq!(malformed, 2, "{events:?}");
+    let refused = |reason: &str| {
+        events.iter().filter(|e| e["event"] == "security_event" && e["fields"]["reason"] == reason).count()
+    };
+    assert_eq!(refused("malformed"), 2, "{events:?}");
+    // And the platform polled less often after them (said once for the two in a row).
+    assert_eq!(refused("platform_commands_refused"), 1, "{events:?}");
     let batch =
         |e: &&Value| e["event"] == "platform_error" && e["fields"]["detail"].as_str().unwrap().contains("a batch");
     let left = events.iter().find(batch).expect("the batch's record");
@@ -1941,6 +2034,80 @@ fn executors_listed_in_the_config_are_installed_at_start_once() {
     assert_eq!(std::fs::read_link(a.dir.path.join("executors/hello/current")).unwrap(), PathBuf::from("2.0.0"));
     assert_eq!(count(&a, "executor_installed"), 4, "only the one by hand");
     a.audit_verify();
+}
+
+/// The files the agent trusts for what it lets in — the key commands are verified with, the
+/// keys packages are, the platform's CA and the agent's own certificate — must be changeable
+/// by root or the agent alone: whoever else could replace the command key could sign
+/// commands of their own, `install_executor` included. A file another user owns, one a group
+/// of users or everyone may write, one in a directory everyone may write: each refused at
+/// start and by `--check-config` (exit 2, naming the setting and the file), and left as it is.
+#[test]
+fn files_the_agent_trusts_must_be_changeable_by_root_alone() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    if !common::require_root() {
+        return;
+    }
+    let pki = platform::Pki::new("good");
+    let p = platform::TestPlatform::start(&pki, &pki);
+    let tls = HostDir::new();
+    let a = Agent::with_network(2, &platform_network(&tls.path, p.addr, &pki, &pki));
+    let c = a.config.to_str().unwrap().to_string();
+    let check = || op(&["agent", "--check-config", "--config", &c]);
+    let refused = |what: &str, needle: &str, path: &Path| {
+        for args in [vec!["agent", "--check-config", "--config", &c], vec!["agent", "--config", &c]] {
+            let out = op(&args);
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{what}: {args:?}: {stderr}");
+            assert!(
+                stderr.contains(what) && stderr.contains(needle) && stderr.contains(path.to_str().unwrap()),
+                "{what}: {stderr}"
+            );
+        }
+    };
+    let out = check();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let mode = |f: &Path| std::fs::metadata(f).unwrap().mode() & 0o7777;
+    let (uid, gid) = common::executor_ids();
+    let public = a.dir.path.join("keys/signing.pub");
+    let trusted = a.dir.file("package.pub", &std::fs::read_to_string(&public).unwrap(), 0o644);
+    let text = std::fs::read_to_string(&a.config).unwrap();
+    std::fs::write(
+        &a.config,
+        text.replacen("executors:\n", &format!("executors:\n  trusted_keys: [{}]\n", trusted.display()), 1),
+    )
+    .unwrap();
+    assert!(check().status.success(), "{}", String::from_utf8_lossy(&check().stderr));
+    for (what, file) in [
+        ("agent.platform_public_key", public.clone()),
+        ("executors.trusted_keys[0]", trusted.clone()),
+        ("network.agent_to_platform.ca", tls.path.join("ca.pem")),
+        ("network.agent_to_platform.cert", tls.path.join("agent.crt")),
+    ] {
+        let was = mode(&file);
+        for (bits, needle) in [(0o002, "writable by others"), (0o020, "writable by its group")] {
+            std::fs::set_permissions(&file, std::fs::Permissions::from_mode(was | bits)).unwrap();
+            if bits == 0o020 {
+                // Root's group may write it (as a system group may); a group of users may not.
+                assert!(check().status.success(), "{what}: {}", String::from_utf8_lossy(&check().stderr));
+                std::os::unix::fs::chown(&file, None, Some(gid)).unwrap();
+            }
+            refused(what, needle, &file);
+            assert_eq!(mode(&file), was | bits, "{what}: left as it is");
+            std::os::unix::fs::chown(&file, None, Some(0)).unwrap();
+            std::fs::set_permissions(&file, std::fs::Permissions::from_mode(was)).unwrap();
+        }
+        std::os::unix::fs::chown(&file, Some(uid), None).unwrap();
+        refused(what, "owned by uid", &file);
+        std::os::unix::fs::chown(&file, Some(0), None).unwrap();
+    }
+    // A directory on the way that everyone may write, without the sticky bit.
+    let keys = a.dir.path.join("keys");
+    let was = mode(&keys);
+    std::fs::set_permissions(&keys, std::fs::Permissions::from_mode(0o777)).unwrap();
+    refused("agent.platform_public_key", "writable by others without the sticky bit", &keys);
+    std::fs::set_permissions(&keys, std::fs::Permissions::from_mode(was)).unwrap();
+    assert!(check().status.success(), "{}", String::from_utf8_lossy(&check().stderr));
 }
 
 #[test]

@@ -408,23 +408,22 @@ pub fn timestamp(t: SystemTime) -> String {
     crate::rfc3339::format_micros(t)
 }
 
+/// `v` as recorded within `max` bytes: whole when it fits, else its first `max` bytes (at a
+/// character boundary) and how many were cut.
+pub fn cut(v: &str, max: usize) -> std::borrow::Cow<'_, str> {
+    if v.len() <= max {
+        return std::borrow::Cow::Borrowed(v);
+    }
+    let mut end = max;
+    while !v.is_char_boundary(end) {
+        end -= 1;
+    }
+    std::borrow::Cow::Owned(format!("{}…[{} bytes cut]", &v[..end], v.len() - end))
+}
+
 /// `fields` as the JSON object stored, each value cut to [`MAX_FIELD_BYTES`].
 pub fn fields_object(fields: &[(&str, &str)]) -> Map<String, Value> {
-    fields
-        .iter()
-        .map(|(k, v)| {
-            let v = if v.len() > MAX_FIELD_BYTES {
-                let mut end = MAX_FIELD_BYTES;
-                while !v.is_char_boundary(end) {
-                    end -= 1;
-                }
-                format!("{}…[{} bytes cut]", &v[..end], v.len() - end)
-            } else {
-                v.to_string()
-            };
-            (k.to_string(), Value::String(v))
-        })
-        .collect()
+    fields.iter().map(|(k, v)| (k.to_string(), Value::String(cut(v, MAX_FIELD_BYTES).into_owned()))).collect()
 }
 
 /// `event k=v k2="v 2"`: the human form (tail, journald's MESSAGE).

@@ -163,6 +163,32 @@ impl Reason {
         }
     }
 
+    /// Whether a command refused for this reason is not one the platform's key issued for this
+    /// agent now: unreadable, unsigned, badly signed, stale or from the future, a replay, or
+    /// addressed to another agent — what a connection that answers as the platform without
+    /// holding its key (a compromised proxy or front end) can send, as many as it likes.
+    pub fn not_issued_for_this_agent(self) -> bool {
+        matches!(
+            self,
+            Reason::TooLarge
+                | Reason::Malformed
+                | Reason::Unsigned
+                | Reason::BadSignature
+                | Reason::ClockSkew
+                | Reason::Replay
+                | Reason::WrongAgent
+        )
+    }
+
+    /// The reason a reply gives, if it is a rejection with a known one.
+    pub fn of_reply(reply: &Value) -> Option<Reason> {
+        if reply["status"] != "rejected" {
+            return None;
+        }
+        let code = reply["reason"].as_str()?;
+        Reason::ALL.into_iter().find(|r| r.as_str() == code)
+    }
+
     /// The reason for a failed install.
     pub fn of_install(e: &crate::executor_install::InstallError) -> Reason {
         use crate::executor_install::InstallError as E;
@@ -238,11 +264,22 @@ fn rejected(command_id: Option<&str>, reason: Reason, message: &str) -> Value {
     json!({"status": "rejected", "command_id": command_id, "reason": reason.as_str(), "error": message})
 }
 
+/// What a command says of its own name and its executor's is recorded within this many bytes
+/// (an executor's name has at most 64), and its `command_id` within
+/// [`crate::replay::MAX_ID_BYTES`] (the longest a valid one has): before its signature is
+/// known good these are anyone's words, and a platform connection that sends commands the
+/// agent refuses must not fill the audit log (and rotate its history out) with ~4 KiB
+/// fields of its choosing.
+const CLAIMED_NAME_BYTES: usize = 64;
+/// A rejection's `detail` (which may quote what the command held: a timestamp, a key) is
+/// recorded within this many bytes.
+const REJECTION_DETAIL_BYTES: usize = 512;
+
 fn reject(command_id: Option<&str>, reason: Reason, message: &str, security: bool) -> Value {
-    let id = command_id.unwrap_or("");
+    let id = audit::cut(command_id.unwrap_or(""), crate::replay::MAX_ID_BYTES);
     audit::record(
         if security { "security_event" } else { "command_rejected" },
-        &[("command_id", id), ("reason", reason.as_str()), ("detail", message)],
+        &[("command_id", &id), ("reason", reason.as_str()), ("detail", &audit::cut(message, REJECTION_DETAIL_BYTES))],
     );
     rejected(command_id, reason, message)
 }
@@ -330,10 +367,18 @@ impl Pipeline {
     /// thread starts): `None` when every place is taken. The place is held until the
     /// returned [`Place`] is dropped (or its command answered).
     pub fn reserve(self: &std::sync::Arc<Self>) -> Option<Place> {
-        self.running
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| (n < self.max_concurrent).then_some(n + 1))
-            .ok()
-            .map(|_| Place { pipeline: self.clone() })
+        // A compare-and-swap loop rather than `fetch_update`, which newer toolchains deprecate
+        // (renamed `try_update`) and older ones lack under its new name.
+        let mut taken = self.running.load(Ordering::SeqCst);
+        loop {
+            if taken >= self.max_concurrent {
+                return None;
+            }
+            match self.running.compare_exchange_weak(taken, taken + 1, Ordering::SeqCst, Ordering::SeqCst) {
+                Ok(_) => return Some(Place { pipeline: self.clone() }),
+                Err(now) => taken = now,
+            }
+        }
     }
 
     /// The `overloaded` rejection (audited as a security event): `why` says which limit was
@@ -346,7 +391,7 @@ impl Pipeline {
                 ("reason", "overloaded"),
                 ("source", source),
                 ("max_concurrent", &max),
-                ("command_id", command_id.unwrap_or("")),
+                ("command_id", &audit::cut(command_id.unwrap_or(""), crate::replay::MAX_ID_BYTES)),
                 ("detail", why),
             ],
         );
@@ -386,12 +431,13 @@ impl Pipeline {
         // Before the gate of an `execute` (its `executor_start`), see `handle`; any other
         // command's receipt is durable before it goes on.
         let received = if action == "execute" { audit::record_before_gate } else { audit::record };
+        let claimed = |key: &str, max: usize| audit::cut(cmd.get(key).and_then(Value::as_str).unwrap_or(""), max);
         received(
             "command_received",
             &[
-                ("command_id", cmd.get("command_id").and_then(Value::as_str).unwrap_or("")),
-                ("action", action),
-                ("executor", cmd.get("executor").and_then(Value::as_str).unwrap_or("")),
+                ("command_id", &claimed("command_id", crate::replay::MAX_ID_BYTES)),
+                ("action", &claimed("action", CLAIMED_NAME_BYTES)),
+                ("executor", &claimed("executor", CLAIMED_NAME_BYTES)),
                 (
                     "signature",
                     match &verdict.signature {

@@ -267,6 +267,41 @@ pub fn check_agents_own_dir(dir: &Path, meta: &std::fs::Metadata) -> Result<(), 
     check_ancestors(dir)
 }
 
+/// A file the agent trusts for what it lets in — the key commands are verified with
+/// (`agent.platform_public_key`), the keys packages are (`executors.trusted_keys`), the
+/// platform's CA and the agent's own TLS certificate and key — must be changeable by root or
+/// the agent only, like sshd's `StrictModes` for `authorized_keys`: whoever else could
+/// replace the command key could sign commands of their own (`install_executor` included,
+/// whose package the agent installs as root). So the file (as its links lead) must be owned
+/// by root or the agent, writable by no one else but a system group, and every directory
+/// and link on the way to it must pass [`check_ancestors`]. `Err` names `field`, the path
+/// and the rule it breaks.
+pub fn check_trust_file(field: &str, path: &Path) -> Result<(), String> {
+    use std::os::unix::fs::MetadataExt;
+    check_ancestors(path).map_err(|m| format!("{field}: {m}"))?;
+    let meta = std::fs::metadata(path).map_err(|e| format!("{field}: {}: {e}", path.display()))?;
+    let euid = nix::unistd::geteuid().as_raw();
+    let mode = meta.mode() & 0o7777;
+    if meta.uid() != 0 && meta.uid() != euid {
+        return Err(format!(
+            "{field}: {} is owned by uid {}, not by root or the agent: its owner could replace what the agent trusts",
+            path.display(),
+            meta.uid()
+        ));
+    }
+    if mode & 0o002 != 0 {
+        return Err(format!("{field}: {} is writable by others (mode {mode:04o}; chmod o-w)", path.display()));
+    }
+    if mode & 0o020 != 0 && meta.gid() != 0 && meta.gid() >= FIRST_USER_GID {
+        return Err(format!(
+            "{field}: {} is writable by its group, gid {}, which is not a system group (mode {mode:04o}; chmod g-w)",
+            path.display(),
+            meta.gid()
+        ));
+    }
+    Ok(())
+}
+
 /// The first group id of ordinary users on Debian and Ubuntu (`SYS_GID_MAX` is 999): a group
 /// below it is a system group, which only an administrator gives members.
 const FIRST_USER_GID: u32 = 1000;

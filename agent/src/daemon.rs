@@ -567,6 +567,7 @@ impl DaemonSettings {
         let platform_key = a.platform_public_key.clone().ok_or_else(|| {
             CannotRun("agent.platform_public_key: required (the Ed25519 key commands are verified with)".into())
         })?;
+        crate::config::check_trust_file("agent.platform_public_key", &platform_key).map_err(CannotRun)?;
         let socket: PathBuf = a.socket.clone().unwrap_or_else(|| DEFAULT_SOCKET.into());
         check_socket_path(&socket)?;
         let state_dir: PathBuf = a.state_dir.clone().unwrap_or_else(|| DEFAULT_STATE_DIR.into());

@@ -808,6 +808,15 @@ fn agent_daemon(config: Option<PathBuf>, check_only: bool) -> Result<ExitCode, C
         for w in agent::executor_install::check_configured(&cfg, &trust) {
             errln!("opservant: warning: {}", one_terminal_line(&w));
         }
+        // Both signatures are plain Ed25519 over bytes: one key for both lets a signature
+        // made for a package's bytes pass as a command's, should the platform's package
+        // signing ever sign bytes that are a command's canonical JSON.
+        if let Some(k) = trust.keys.iter().find(|k| k.key == platform_key) {
+            errln!(
+                "opservant: warning: packages are checked with the key commands are verified with ({}): a platform that signed uploaded bytes with it, unchecked, could be made to sign a command; give packages a key of their own (executors.trusted_keys)",
+                k.label
+            );
+        }
         outln!("configuration ok");
         return Ok(ExitCode::SUCCESS);
     }

@@ -64,6 +64,7 @@ impl Trust {
         };
         let mut keys = Vec::new();
         for (what, path) in paths {
+            crate::config::check_trust_file(&what, &path)?;
             let key = crate::signing::load_verifying_key(&path).map_err(|err| format!("{what}: {err}"))?;
             if key.is_weak() {
                 return Err(format!("{what}: {}: a small-order (weak) key is refused", path.display()));

@@ -97,6 +97,9 @@ impl Platform {
             p.cert.clone().ok_or_else(|| field("cert"))?,
             p.key.clone().ok_or_else(|| field("key"))?,
         );
+        for (name, path) in [("cert", &cert), ("key", &key)] {
+            crate::config::check_trust_file(&format!("network.agent_to_platform.{name}"), path)?;
+        }
         {
             use std::os::unix::fs::MetadataExt;
             let meta = std::fs::metadata(&key)
@@ -427,12 +430,17 @@ pub fn run(
     taken: Arc<std::sync::atomic::AtomicUsize>,
 ) -> Vec<std::thread::JoinHandle<()>> {
     let platform = Arc::new(platform);
+    let refused_in_a_row = Arc::new(std::sync::atomic::AtomicU32::new(0));
     let mut threads = Vec::new();
     {
         let (platform, stop) = (platform.clone(), stop.clone());
         let pipeline = pipeline.clone();
         threads.push(std::thread::spawn(move || {
             let mut failures = 0u32;
+            // Commands in a row the platform connection sent that its key did not issue for
+            // this agent (counted by the commands' threads, reset by one that was), and the
+            // count last recorded in the audit log.
+            let (refused, mut refused_recorded) = (refused_in_a_row, 0u32);
             while !stop.load(Ordering::SeqCst) {
                 // At most `max_concurrent` of the platform's commands in hand at once (running,
                 // or posting their results): the poll waits for room and takes no more than
@@ -444,6 +452,33 @@ pub fn run(
                 let Some(room) = room_for_commands(&stop, &taken, || pipeline.running(), pipeline.max_concurrent()) else {
                     break;
                 };
+                // A connection that answers as the platform without its key (a compromised
+                // proxy or front end) could otherwise send such commands as fast as they are
+                // refused — each one audited, until rotation has dropped every earlier
+                // record: it is polled less and less often (as after failed polls, up to a
+                // minute), and said so once per count.
+                let in_a_row = refused.load(Ordering::SeqCst);
+                if in_a_row == 0 {
+                    refused_recorded = 0;
+                } else {
+                    let wait = backoff(in_a_row);
+                    if in_a_row != refused_recorded {
+                        refused_recorded = in_a_row;
+                        let detail = format!(
+                            "{in_a_row} commands in a row from the platform connection were not issued for this agent by the platform's key (unreadable, unsigned, badly signed, stale, replayed or addressed elsewhere): polling again in {:.1} s, and less often while it goes on",
+                            wait.as_secs_f64()
+                        );
+                        tracing::warn!(in_a_row, wait_s = wait.as_secs_f64(), "platform: refused commands in a row; polling less often");
+                        crate::audit::record(
+                            "security_event",
+                            &[("reason", "platform_commands_refused"), ("in_a_row", &in_a_row.to_string()), ("detail", &detail)],
+                        );
+                    }
+                    sleep_unless(&stop, wait);
+                    if stop.load(Ordering::SeqCst) {
+                        break;
+                    }
+                }
                 let polled = std::time::Instant::now();
                 let commands = match platform.poll_once(room) {
                     Ok((c, 0)) => {
@@ -508,7 +543,7 @@ pub fn run(
                         );
                         break;
                     };
-                    let (platform, counter) = (platform.clone(), taken.clone());
+                    let (platform, counter, refused) = (platform.clone(), taken.clone(), refused.clone());
                     let spawned = std::thread::Builder::new().name("platform-command".into()).spawn(move || {
                         let taken = counter;
                         // Answered (or given up) whatever happens below.
@@ -520,6 +555,13 @@ pub fn run(
                         }
                         let _done = Done(taken);
                         let reply = place.submit(&bytes);
+                        // Counted before the result is posted (and so before this command's
+                        // place in `taken` is given back to the poll).
+                        if crate::command::Reason::of_reply(&reply).is_some_and(|r| r.not_issued_for_this_agent()) {
+                            refused.fetch_add(1, Ordering::SeqCst);
+                        } else {
+                            refused.store(0, Ordering::SeqCst);
+                        }
                         let body =
                             json!({"agent_id": platform.agent_id, "command_id": reply["command_id"], "result": reply});
                         // Results are retried a few times; the audit log holds them regardless.

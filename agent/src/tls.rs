@@ -27,6 +27,8 @@ pub const MAX_CERT_FILE: u64 = 4 << 20;
 /// The CA certificates of the PEM file at `path` (a regular file of at most
 /// [`MAX_CERT_FILE`] bytes); errors name the configuration `key`.
 pub fn read_ca(path: &Path, key: &str) -> Result<Vec<Certificate<'static>>, String> {
+    // Whoever could replace it could stand in for the server.
+    crate::config::check_trust_file(key, path)?;
     let pem =
         crate::bounded::read_regular(path, MAX_CERT_FILE).map_err(|e| format!("{key}: {}: {e}", path.display()))?;
     let roots = pem_certificates(&pem);

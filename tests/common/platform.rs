@@ -80,6 +80,10 @@ pub struct State {
     pub raw_batches: VecDeque<String>,
     /// Hold every `GET commands` (as long as this is set, up to 60 s) before answering it.
     pub hold_polls: bool,
+    /// When each `GET commands` arrived.
+    pub polls_at: Vec<Instant>,
+    /// When each result (in `results`) arrived.
+    pub results_at: Vec<Instant>,
 }
 
 pub struct TestPlatform {
@@ -173,6 +177,7 @@ fn handle(req: https::Request, state: &Mutex<State>) -> https::Response {
         return r;
     }
     if (method, path.rsplit('/').next().unwrap_or("")) == ("GET", "commands") {
+        state.lock().unwrap().polls_at.push(Instant::now());
         let held = Instant::now();
         while state.lock().unwrap().hold_polls && held.elapsed() < Duration::from_secs(60) {
             std::thread::sleep(Duration::from_millis(10));
@@ -202,7 +207,9 @@ fn handle(req: https::Request, state: &Mutex<State>) -> https::Response {
             }
         }
         ("POST", "results") => {
-            state.lock().unwrap().results.push(serde_json::from_slice(&req.body).unwrap_or(Value::Null));
+            let mut st = state.lock().unwrap();
+            st.results.push(serde_json::from_slice(&req.body).unwrap_or(Value::Null));
+            st.results_at.push(Instant::now());
             json!({"ok": true})
         }
         ("POST", "heartbeat") => {
