@@ -1524,9 +1524,10 @@ fn a_platform_that_does_not_hold_the_long_poll_is_not_polled_in_a_busy_loop() {
 
 /// A connection that answers as the platform without its key (a compromised proxy or front
 /// end) sends commands the agent refuses: each is audited, so as fast as they were refused
-/// they would rotate every earlier record out of the log. The agent polls it less and less
-/// often (and says so once per count), a command the key issued resets that, and what such
-/// a command claims (id, action, executor: up to 4 KiB each before) is recorded short.
+/// they would rotate every earlier record out of the log. Past 8 in a row the agent polls it
+/// less and less often, one command at a time (and says so once per count), a command that
+/// passes the checks resets that, and what such a command claims (id, action, executor: up
+/// to 4 KiB each before) is recorded short.
 #[test]
 fn a_platform_connection_sending_commands_the_agent_refuses_is_polled_less_and_less() {
     if !common::require_root() {
@@ -1534,37 +1535,61 @@ fn a_platform_connection_sending_commands_the_agent_refuses_is_polled_less_and_l
     }
     let (p, _tls, mut a) = platform_agent(1);
     let long = |c: &str| c.repeat(3000);
+    let tampered = |id: &str| {
+        let mut t: Value = serde_json::from_slice(&a.sign(&scan(id))).unwrap();
+        t["parameters"]["ports"] = json!([23]);
+        t
+    };
     let mut forged: Value = serde_json::from_slice(&a.sign(
         &json!({"command_id": format!("f1-{}", long("i")), "action": long("a"), "executor": long("e"), "parameters": {}}),
     ))
     .unwrap();
     forged["parameters"]["x"] = json!(1);
     let unsigned = json!({"command_id": "f2", "action": "execute", "executor": "port-scanner", "timestamp": ts(0)});
-    let mut tampered: Value = serde_json::from_slice(&a.sign(&scan("f3"))).unwrap();
-    tampered["parameters"]["ports"] = json!([23]);
+    let mut stale = scan("f3");
+    stale["timestamp"] = json!(ts(-3600));
+    let stale: Value = serde_json::from_slice(&a.sign(&stale)).unwrap();
+    let mut elsewhere = scan("f4");
+    elsewhere["agent_id"] = json!("another-agent");
+    let elsewhere: Value = serde_json::from_slice(&a.sign(&elsewhere)).unwrap();
+    let mut refused = vec![forged, unsigned, stale, elsewhere];
+    refused.extend((5..=9).map(|i| tampered(&format!("f{i}"))));
     let issued: Value = serde_json::from_slice(&a.sign(&scan("plat-issued"))).unwrap();
-    for c in [&forged, &unsigned, &issued, &tampered] {
+    for c in refused.iter().chain([&issued, &tampered("f10")]) {
         p.state.lock().unwrap().raw_batches.push_back(json!({ "commands": [c] }).to_string());
     }
     a.start();
-    // The poll after the last refused command's wait: its record is written.
-    p.wait_for(90, "five polls", |s| s.results.len() >= 4 && s.polls_at.len() >= 5);
+    // The poll after the last refused command: its count is settled.
+    p.wait_for(120, "twelve polls", |s| s.results.len() >= 11 && s.polls_at.len() >= 12);
     assert!(a.stop().success());
     let st = p.state.lock().unwrap();
-    let reasons: Vec<_> = st.results.iter().map(|r| r["result"]["reason"].clone()).collect();
+    let reasons: Vec<_> =
+        st.results.iter().map(|r| r["result"]["reason"].as_str().unwrap_or("-").to_string()).collect();
     assert_eq!(
         reasons,
-        [json!("bad_signature"), json!("unsigned"), Value::Null, json!("bad_signature")],
+        [
+            "bad_signature",
+            "unsigned",
+            "clock_skew",
+            "wrong_agent",
+            "bad_signature",
+            "bad_signature",
+            "bad_signature",
+            "bad_signature",
+            "bad_signature",
+            "-",
+            "bad_signature"
+        ],
         "{:?}",
         st.results
     );
-    assert_eq!(st.results[2]["result"]["status"], "completed", "{}", st.results[2]);
-    // One place: each poll comes after the previous command's result. After one refused
-    // command in a row the agent waits at least 1 s (2 s ± 50 %), after two at least 2 s;
+    assert_eq!(st.results[9]["result"]["status"], "completed", "{}", st.results[9]);
+    // One place: each poll comes after the previous command's result. After 8 refused
+    // commands in a row the agent waits at least 1 s (2 s ± 50 %), after 9 at least 2 s;
     // before, it polled again at once.
     let waited = |k: usize| st.polls_at[k + 1].duration_since(st.results_at[k]);
-    assert!(waited(0) >= Duration::from_secs(1), "polled again {:?} after one refused command", waited(0));
-    assert!(waited(1) >= Duration::from_secs(2), "polled again {:?} after two refused commands", waited(1));
+    assert!(waited(7) >= Duration::from_secs(1), "polled again {:?} after 8 refused commands", waited(7));
+    assert!(waited(8) >= Duration::from_secs(2), "polled again {:?} after 9 refused commands", waited(8));
     drop(st);
     let events = a.audit_events();
     let counts: Vec<_> = events
@@ -1572,8 +1597,9 @@ fn a_platform_connection_sending_commands_the_agent_refuses_is_polled_less_and_l
         .filter(|e| e["event"] == "security_event" && e["fields"]["reason"] == "platform_commands_refused")
         .map(|e| e["fields"]["in_a_row"].as_str().unwrap().to_string())
         .collect();
-    // Said once per count; the issued command started the count again.
-    assert_eq!(counts, ["1", "2", "1"], "{events:?}");
+    // Said once per count; the issued command started the count again (the last refused
+    // command is the first of a new run, below the backoff: not "10").
+    assert_eq!(counts, ["8", "9"], "{events:?}");
     let claimed = |e: &Value, key: &str| e["fields"][key].as_str().unwrap().len();
     let received = events
         .iter()
@@ -1586,11 +1612,11 @@ fn a_platform_connection_sending_commands_the_agent_refuses_is_polled_less_and_l
         "{received}"
     );
     assert!(received["fields"]["executor"].as_str().unwrap().ends_with("bytes cut]"), "{received}");
-    let refused = events
+    let refusal = events
         .iter()
-        .find(|e| e["event"] == "security_event" && e["fields"]["reason"] == "bad_signature")
+        .find(|e| e["event"] == "security_event" && e["fields"]["command_id"].as_str().unwrap().starts_with("f1-"))
         .expect("the forged command's rejection");
-    assert!(claimed(refused, "command_id") < 300, "{refused}");
+    assert!(claimed(refusal, "command_id") < 300, "{refusal}");
     a.audit_verify();
 }
 
@@ -1615,8 +1641,6 @@ fn a_platform_batch_is_taken_only_as_far_as_there_is_room() {
         events.iter().filter(|e| e["event"] == "security_event" && e["fields"]["reason"] == reason).count()
     };
     assert_eq!(refused("malformed"), 2, "{events:?}");
-    // And the platform polled less often after them (said once for the two in a row).
-    assert_eq!(refused("platform_commands_refused"), 1, "{events:?}");
     let batch =
         |e: &&Value| e["event"] == "platform_error" && e["fields"]["detail"].as_str().unwrap().contains("a batch");
     let left = events.iter().find(batch).expect("the batch's record");
@@ -2056,7 +2080,7 @@ fn files_the_agent_trusts_must_be_changeable_by_root_alone() {
     let check = || op(&["agent", "--check-config", "--config", &c]);
     let refused = |what: &str, needle: &str, path: &Path| {
         for args in [vec!["agent", "--check-config", "--config", &c], vec!["agent", "--config", &c]] {
-            let out = op(&args);
+            let out = daemon::op_ending(&args);
             let stderr = String::from_utf8_lossy(&out.stderr);
             assert_eq!(out.status.code(), Some(2), "{what}: {args:?}: {stderr}");
             assert!(
@@ -2068,7 +2092,8 @@ fn files_the_agent_trusts_must_be_changeable_by_root_alone() {
     let out = check();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let mode = |f: &Path| std::fs::metadata(f).unwrap().mode() & 0o7777;
-    let (uid, gid) = common::executor_ids();
+    // Another user and a group of users (any group but root's may not write these files).
+    let (uid, gid) = (4242, 4242);
     let public = a.dir.path.join("keys/signing.pub");
     let trusted = a.dir.file("package.pub", &std::fs::read_to_string(&public).unwrap(), 0o644);
     let text = std::fs::read_to_string(&a.config).unwrap();
@@ -2101,11 +2126,39 @@ fn files_the_agent_trusts_must_be_changeable_by_root_alone() {
         refused(what, "owned by uid", &file);
         std::os::unix::fs::chown(&file, Some(0), None).unwrap();
     }
+    // An access ACL letting another user write (mode 0664 shows only its mask, root's group):
+    // user::rw-, user:4242:rw-, group::r--, mask::rw-, other::r-- in the kernel's xattr form.
+    let mut acl = 2u32.to_le_bytes().to_vec();
+    for (tag, perm, id) in
+        [(0x01u16, 6u16, u32::MAX), (0x02, 6, 4242), (0x04, 4, u32::MAX), (0x10, 6, u32::MAX), (0x20, 4, u32::MAX)]
+    {
+        acl.extend(tag.to_le_bytes());
+        acl.extend(perm.to_le_bytes());
+        acl.extend(id.to_le_bytes());
+    }
+    let c_public = std::ffi::CString::new(public.to_str().unwrap()).unwrap();
+    // SAFETY: NUL-terminated names and a buffer of `acl.len()` bytes, all alive for the call.
+    let set = unsafe {
+        libc::setxattr(c_public.as_ptr(), c"system.posix_acl_access".as_ptr(), acl.as_ptr().cast(), acl.len(), 0)
+    };
+    assert_eq!(set, 0, "setxattr: {}", std::io::Error::last_os_error());
+    assert_eq!(mode(&public), 0o664, "the ACL's mask as the group bits");
+    refused("agent.platform_public_key", "access ACL", &public);
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::removexattr(c_public.as_ptr(), c"system.posix_acl_access".as_ptr()) }, 0);
+    std::fs::set_permissions(&public, std::fs::Permissions::from_mode(0o644)).unwrap();
     // A directory on the way that everyone may write, without the sticky bit.
     let keys = a.dir.path.join("keys");
     let was = mode(&keys);
     std::fs::set_permissions(&keys, std::fs::Permissions::from_mode(0o777)).unwrap();
     refused("agent.platform_public_key", "writable by others without the sticky bit", &keys);
+    // One that a group of users may write: below gid 1000, but every user's (`users`, gid
+    // 100 on Debian; openSUSE makes it each user's own group).
+    let users = nix::unistd::Group::from_name("users").unwrap().expect("a group named users").gid;
+    std::os::unix::fs::chown(&keys, None, Some(users.as_raw())).unwrap();
+    std::fs::set_permissions(&keys, std::fs::Permissions::from_mode(0o775)).unwrap();
+    refused("agent.platform_public_key", "which is not a system group", &keys);
+    std::os::unix::fs::chown(&keys, None, Some(0)).unwrap();
     std::fs::set_permissions(&keys, std::fs::Permissions::from_mode(was)).unwrap();
     assert!(check().status.success(), "{}", String::from_utf8_lossy(&check().stderr));
 }
@@ -2123,7 +2176,7 @@ fn the_agent_never_deletes_a_non_socket_nor_chmods_a_directory_it_did_not_create
     assert!(text.contains(&socket_line));
     let refused = |what: &str, needle: &str, path: &Path| {
         for args in [vec!["agent", "--check-config", "--config", &c], vec!["agent", "--config", &c]] {
-            let out = op(&args);
+            let out = daemon::op_ending(&args);
             let stderr = String::from_utf8_lossy(&out.stderr);
             assert_eq!(out.status.code(), Some(2), "{what}: {args:?}: {stderr}");
             assert!(stderr.contains(needle) && stderr.contains(path.to_str().unwrap()), "{what}: {stderr}");

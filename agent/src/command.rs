@@ -41,10 +41,21 @@ pub struct Place {
 }
 
 impl Place {
-    /// [`Pipeline::submit`] in the place already held (never `overloaded`).
-    pub fn submit(self, bytes: &[u8]) -> Value {
-        self.pipeline.handle(bytes, signing::now())
+    /// [`Pipeline::submit`] in the place already held (never `overloaded`), and whether the
+    /// command passed the control plane's checks ([`Handled`]).
+    pub fn submit(self, bytes: &[u8]) -> Handled {
+        self.pipeline.handle_checked(bytes, signing::now())
     }
+}
+
+/// A command's reply, and whether the command passed the control plane's checks — size,
+/// form, signature, clock, address and replay (steps 1–6) — whatever became of it after
+/// them. A command that did not pass is not one the platform's key issued for this agent
+/// now: what a connection that answers as the platform without holding its key (a
+/// compromised proxy or front end) can send, as many as it likes.
+pub struct Handled {
+    pub reply: Value,
+    pub passed_checks: bool,
 }
 
 impl Drop for Place {
@@ -163,32 +174,6 @@ impl Reason {
         }
     }
 
-    /// Whether a command refused for this reason is not one the platform's key issued for this
-    /// agent now: unreadable, unsigned, badly signed, stale or from the future, a replay, or
-    /// addressed to another agent — what a connection that answers as the platform without
-    /// holding its key (a compromised proxy or front end) can send, as many as it likes.
-    pub fn not_issued_for_this_agent(self) -> bool {
-        matches!(
-            self,
-            Reason::TooLarge
-                | Reason::Malformed
-                | Reason::Unsigned
-                | Reason::BadSignature
-                | Reason::ClockSkew
-                | Reason::Replay
-                | Reason::WrongAgent
-        )
-    }
-
-    /// The reason a reply gives, if it is a rejection with a known one.
-    pub fn of_reply(reply: &Value) -> Option<Reason> {
-        if reply["status"] != "rejected" {
-            return None;
-        }
-        let code = reply["reason"].as_str()?;
-        Reason::ALL.into_iter().find(|r| r.as_str() == code)
-    }
-
     /// The reason for a failed install.
     pub fn of_install(e: &crate::executor_install::InstallError) -> Reason {
         use crate::executor_install::InstallError as E;
@@ -271,14 +256,24 @@ fn rejected(command_id: Option<&str>, reason: Reason, message: &str) -> Value {
 /// agent refuses must not fill the audit log (and rotate its history out) with ~4 KiB
 /// fields of its choosing.
 const CLAIMED_NAME_BYTES: usize = 64;
-/// A rejection's `detail` (which may quote what the command held: a timestamp, a key) is
-/// recorded within this many bytes.
+/// The `detail` of a refusal by the checks (which may quote what the command held: a
+/// timestamp, a key) is recorded within this many bytes.
 const REJECTION_DETAIL_BYTES: usize = 512;
 
 fn reject(command_id: Option<&str>, reason: Reason, message: &str, security: bool) -> Value {
-    let id = audit::cut(command_id.unwrap_or(""), crate::replay::MAX_ID_BYTES);
     audit::record(
         if security { "security_event" } else { "command_rejected" },
+        &[("command_id", command_id.unwrap_or("")), ("reason", reason.as_str()), ("detail", message)],
+    );
+    rejected(command_id, reason, message)
+}
+
+/// A command refused by the checks of steps 1–6 (a security event): its id, and the detail
+/// (which may quote what it held), recorded short.
+fn refuse(command_id: Option<&str>, reason: Reason, message: &str) -> Value {
+    let id = audit::cut(command_id.unwrap_or(""), crate::replay::MAX_ID_BYTES);
+    audit::record(
+        "security_event",
         &[("command_id", &id), ("reason", reason.as_str()), ("detail", &audit::cut(message, REJECTION_DETAIL_BYTES))],
     );
     rejected(command_id, reason, message)
@@ -411,7 +406,15 @@ impl Pipeline {
     /// Steps 1–10 for one command as received; the reply JSON, returned once every audit
     /// record of the command is durable.
     pub fn handle(&self, bytes: &[u8], now: i64) -> Value {
-        let reply = self.handle_unflushed(bytes, now);
+        self.handle_checked(bytes, now).reply
+    }
+
+    /// [`Pipeline::handle`], and whether the command passed the checks of steps 1–6.
+    pub fn handle_checked(&self, bytes: &[u8], now: i64) -> Handled {
+        let handled = match self.checked(bytes, now) {
+            Ok((cmd, id)) => Handled { reply: self.dispatch(&id, &cmd), passed_checks: true },
+            Err(reply) => Handled { reply, passed_checks: false },
+        };
         // An `execute` command's receipt and permission are recorded before its gate without
         // a flush of their own (`audit::record_before_gate`); one that ended before the gate
         // is answered only once they are durable (normally settled already by the next
@@ -419,12 +422,16 @@ impl Pipeline {
         if let Err(e) = audit::settle() {
             tracing::error!(target: "opservant::audit", error = %e, "audit log: a command's records are not durable");
         }
-        reply
+        handled
     }
 
-    fn handle_unflushed(&self, bytes: &[u8], now: i64) -> Value {
+    /// Steps 1–6, each refusal audited (before the gate of an `execute`, see `handle`): the
+    /// command and its id when it passed them, else the reply. What a command that has not
+    /// passed them says of itself is anyone's words, recorded short (see
+    /// [`CLAIMED_NAME_BYTES`]).
+    fn checked(&self, bytes: &[u8], now: i64) -> Result<(Map<String, Value>, String), Value> {
         let (cmd, verdict, outcome) = match verify_command(bytes, &self.platform_key, now) {
-            Verification::Unreadable(r) => return reject(r.command_id.as_deref(), r.reason, &r.message, true),
+            Verification::Unreadable(r) => return Err(refuse(r.command_id.as_deref(), r.reason, &r.message)),
             Verification::Checked { cmd, verdict, outcome } => (cmd, verdict, outcome),
         };
         let action = cmd.get("action").and_then(Value::as_str).unwrap_or("");
@@ -447,29 +454,34 @@ impl Pipeline {
                 ),
             ],
         );
-        let id = match &outcome {
-            Ok(id) => id.as_str(),
-            Err(r) => return reject(r.command_id.as_deref(), r.reason, &r.message, true),
+        let id = match outcome {
+            Ok(id) => id,
+            Err(r) => return Err(refuse(r.command_id.as_deref(), r.reason, &r.message)),
         };
         if let Err(why) = self.addressed_here(&cmd) {
-            return reject(Some(id), Reason::WrongAgent, &why, true);
+            return Err(refuse(Some(&id), Reason::WrongAgent, &why));
         }
-        match self.seen.check_and_insert(id, now) {
-            Ok(Seen::New) => {}
-            Ok(Seen::Replayed) => return reject(Some(id), Reason::Replay, "command_id was already received", true),
+        match self.seen.check_and_insert(&id, now) {
+            Ok(Seen::New) => Ok((cmd, id)),
+            Ok(Seen::Replayed) => Err(refuse(Some(&id), Reason::Replay, "command_id was already received")),
             Ok(Seen::Forgotten) => {
                 let why = "the clock is back within the window of command ids the replay store has dropped: \
                            this command_id cannot be told from a replay (send it with a new one)";
-                return reject(Some(id), Reason::Replay, why, true);
+                Err(refuse(Some(&id), Reason::Replay, why))
             }
             // Fail closed: without the replay store no command is accepted.
-            Err(e) => return reject(Some(id), Reason::Internal, &format!("replay store: {e}"), false),
+            Err(e) => Err(reject(Some(&id), Reason::Internal, &format!("replay store: {e}"), false)),
         }
+    }
+
+    /// Steps 7–10 for a command that passed the checks.
+    fn dispatch(&self, id: &str, cmd: &Map<String, Value>) -> Value {
+        let action = cmd.get("action").and_then(Value::as_str).unwrap_or("");
         match action {
             "ping" => self.ping(id),
-            "execute" => self.execute(id, &cmd),
-            "install_executor" => self.install(id, &cmd),
-            "remove_executor" => self.remove(id, &cmd),
+            "execute" => self.execute(id, cmd),
+            "install_executor" => self.install(id, cmd),
+            "remove_executor" => self.remove(id, cmd),
             other => reject(Some(id), Reason::UnknownAction, &format!("unknown action {other:?}"), false),
         }
     }

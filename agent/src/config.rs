@@ -273,9 +273,9 @@ pub fn check_agents_own_dir(dir: &Path, meta: &std::fs::Metadata) -> Result<(), 
 /// the agent only, like sshd's `StrictModes` for `authorized_keys`: whoever else could
 /// replace the command key could sign commands of their own (`install_executor` included,
 /// whose package the agent installs as root). So the file (as its links lead) must be owned
-/// by root or the agent, writable by no one else but a system group, and every directory
-/// and link on the way to it must pass [`check_ancestors`]. `Err` names `field`, the path
-/// and the rule it breaks.
+/// by root or the agent, writable by no one else (by root's group at most, without an ACL
+/// naming others), and every directory and link on the way to it must pass
+/// [`check_ancestors`]. `Err` names `field`, the path and the rule it breaks.
 pub fn check_trust_file(field: &str, path: &Path) -> Result<(), String> {
     use std::os::unix::fs::MetadataExt;
     check_ancestors(path).map_err(|m| format!("{field}: {m}"))?;
@@ -292,14 +292,50 @@ pub fn check_trust_file(field: &str, path: &Path) -> Result<(), String> {
     if mode & 0o002 != 0 {
         return Err(format!("{field}: {} is writable by others (mode {mode:04o}; chmod o-w)", path.display()));
     }
-    if mode & 0o020 != 0 && meta.gid() != 0 && meta.gid() >= FIRST_USER_GID {
+    if mode & 0o020 != 0 && meta.gid() != 0 {
         return Err(format!(
-            "{field}: {} is writable by its group, gid {}, which is not a system group (mode {mode:04o}; chmod g-w)",
+            "{field}: {} is writable by its group, gid {}, not root's (mode {mode:04o}; chmod g-w)",
             path.display(),
             meta.gid()
         ));
     }
+    // With an access ACL the group bits are its mask: a named user or group may write.
+    if mode & 0o020 != 0 && has_access_acl(path).map_err(|m| format!("{field}: {m}"))? {
+        return Err(format!(
+            "{field}: {} has an access ACL that lets more than root write it (mode {mode:04o}; getfacl)",
+            path.display()
+        ));
+    }
     Ok(())
+}
+
+/// Whether `path` (as its links lead) has a POSIX access ACL (`system.posix_acl_access`):
+/// then its group bits are the ACL's mask, what named users and groups may do at most.
+fn has_access_acl(path: &Path) -> Result<bool, String> {
+    use std::os::unix::ffi::OsStrExt;
+    let c_path = std::ffi::CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| format!("{}: a NUL byte in the path", path.display()))?;
+    // SAFETY: both names are NUL-terminated C strings that outlive the call; a null buffer
+    // of size 0 asks only for the value's size, so nothing is written.
+    let size = unsafe { libc::getxattr(c_path.as_ptr(), c"system.posix_acl_access".as_ptr(), std::ptr::null_mut(), 0) };
+    if size >= 0 {
+        return Ok(true);
+    }
+    match std::io::Error::last_os_error().raw_os_error() {
+        Some(libc::ENODATA) | Some(libc::EOPNOTSUPP) => Ok(false),
+        _ => Err(format!("{}: its ACL cannot be read: {}", path.display(), std::io::Error::last_os_error())),
+    }
+}
+
+/// Whether `gid` is a group of ordinary users: at or above [`FIRST_USER_GID`], or one that
+/// distributions give users as such below it (`users`, every user's on openSUSE; Debian's
+/// `staff`, for writing `/usr/local` without root).
+fn group_of_users(gid: u32) -> bool {
+    gid >= FIRST_USER_GID
+        || nix::unistd::Group::from_gid(nix::unistd::Gid::from_raw(gid))
+            .ok()
+            .flatten()
+            .is_some_and(|g| g.name == "users" || g.name == "staff")
 }
 
 /// The first group id of ordinary users on Debian and Ubuntu (`SYS_GID_MAX` is 999): a group
@@ -313,8 +349,9 @@ const FIRST_USER_GID: u32 = 1000;
 /// path, would then use. So each must be owned by root or the agent (a link too: its owner
 /// can point it elsewhere), not writable by others unless its sticky bit is set (`/tmp`:
 /// there only an entry's owner may rename it), and writable by its group only when that is
-/// root's or a system group — Ubuntu's `/var/log` is `root:syslog` 0775. `dir` itself is
-/// held to the stricter rule of [`check_dir_itself`].
+/// root's or a system group — Ubuntu's `/var/log` is `root:syslog` 0775; not `users` or
+/// `staff`, groups of users ([`group_of_users`]) — and no access ACL names others. `dir`
+/// itself is held to the stricter rule of [`check_dir_itself`].
 fn check_ancestors(dir: &Path) -> Result<(), String> {
     use std::ffi::OsString;
     use std::os::unix::fs::MetadataExt;
@@ -344,12 +381,21 @@ fn check_ancestors(dir: &Path) -> Result<(), String> {
                 mode & 0o7777
             ));
         }
-        if mode & 0o020 != 0 && mode & 0o1000 == 0 && meta.gid() != 0 && meta.gid() >= FIRST_USER_GID {
+        if mode & 0o020 != 0 && mode & 0o1000 == 0 && meta.gid() != 0 && group_of_users(meta.gid()) {
             return Err(format!(
                 "{} (above {}) is writable by its group, gid {}, which is not a system group (mode {:04o})",
                 at.display(),
                 dir.display(),
                 meta.gid(),
+                mode & 0o7777
+            ));
+        }
+        // With an access ACL the group bits are its mask: a named user or group may write.
+        if mode & 0o020 != 0 && mode & 0o1000 == 0 && has_access_acl(at)? {
+            return Err(format!(
+                "{} (above {}) has an access ACL that lets more than its owner and group write (mode {:04o}; getfacl)",
+                at.display(),
+                dir.display(),
                 mode & 0o7777
             ));
         }

@@ -437,10 +437,12 @@ pub fn run(
         let pipeline = pipeline.clone();
         threads.push(std::thread::spawn(move || {
             let mut failures = 0u32;
-            // Commands in a row the platform connection sent that its key did not issue for
-            // this agent (counted by the commands' threads, reset by one that was), and the
-            // count last recorded in the audit log.
+            // Commands in a row from the platform connection that failed the checks of steps
+            // 1–6 (counted by the commands' threads, reset by one that passed), and the count
+            // last recorded in the audit log.
             let (refused, mut refused_recorded) = (refused_in_a_row, 0u32);
+            // Failed polls: when one was last audited, and how many since were not.
+            let (mut poll_error_recorded, mut poll_errors_unrecorded) = (None::<std::time::Instant>, 0u32);
             while !stop.load(Ordering::SeqCst) {
                 // At most `max_concurrent` of the platform's commands in hand at once (running,
                 // or posting their results): the poll waits for room and takes no more than
@@ -448,24 +450,27 @@ pub fn run(
                 // audit record, for each of the millions of entries a 16 MiB batch can hold.
                 // Commands from the socket take the same places: a platform command taken while
                 // they fill them would only be rejected as `overloaded` (an audit record and a
-                // post each), and the platform may send it straight back.
-                let Some(room) = room_for_commands(&stop, &taken, || pipeline.running(), pipeline.max_concurrent()) else {
+                // post each), and the platform may send it straight back. (Waited for first:
+                // the commands in hand are counted once answered.)
+                let Some(mut room) = room_for_commands(&stop, &taken, || pipeline.running(), pipeline.max_concurrent()) else {
                     break;
                 };
                 // A connection that answers as the platform without its key (a compromised
-                // proxy or front end) could otherwise send such commands as fast as they are
-                // refused — each one audited, until rotation has dropped every earlier
-                // record: it is polled less and less often (as after failed polls, up to a
-                // minute), and said so once per count.
+                // proxy or front end) could otherwise send commands that fail the checks as
+                // fast as they are refused — each one audited, until rotation has dropped
+                // every earlier record. Past a few in a row (a platform's own slip: a replay
+                // after a lost result post, a stale command), it is polled less and less
+                // often (as after failed polls, up to a minute), for one command at a time,
+                // and said so once per count.
                 let in_a_row = refused.load(Ordering::SeqCst);
-                if in_a_row == 0 {
+                if in_a_row < REFUSED_BEFORE_BACKOFF {
                     refused_recorded = 0;
                 } else {
-                    let wait = backoff(in_a_row);
+                    let wait = backoff(in_a_row + 1 - REFUSED_BEFORE_BACKOFF);
                     if in_a_row != refused_recorded {
                         refused_recorded = in_a_row;
                         let detail = format!(
-                            "{in_a_row} commands in a row from the platform connection were not issued for this agent by the platform's key (unreadable, unsigned, badly signed, stale, replayed or addressed elsewhere): polling again in {:.1} s, and less often while it goes on",
+                            "{in_a_row} commands in a row from the platform connection failed the checks (unreadable, unsigned, badly signed, stale, addressed to another agent or replayed): polling again in {:.1} s, for one command, and less often while it goes on",
                             wait.as_secs_f64()
                         );
                         tracing::warn!(in_a_row, wait_s = wait.as_secs_f64(), "platform: refused commands in a row; polling less often");
@@ -475,8 +480,10 @@ pub fn run(
                         );
                     }
                     sleep_unless(&stop, wait);
-                    if stop.load(Ordering::SeqCst) {
-                        break;
+                    // One command at a time, in the room there is after the wait.
+                    match room_for_commands(&stop, &taken, || pipeline.running(), pipeline.max_concurrent()) {
+                        Some(_) => room = 1,
+                        None => break,
                     }
                 }
                 let polled = std::time::Instant::now();
@@ -497,8 +504,22 @@ pub fn run(
                         c
                     }
                     Err(e) => {
+                        // A reply's error may quote what the connection sent (serde quotes a
+                        // string of the wrong type whole, up to the 16 MiB body): recorded
+                        // short, and audited at most once a minute (with how many were not),
+                        // since an empty poll between two bad ones starts the backoff again.
+                        let e = crate::audit::cut(&e, POLL_ERROR_BYTES);
                         tracing::warn!(error = %e, "platform poll failed");
-                        crate::audit::record("platform_error", &[("detail", &e)]);
+                        if poll_error_recorded.is_none_or(|t| t.elapsed() >= POLL_ERROR_RECORD_EVERY) {
+                            let detail = match poll_errors_unrecorded {
+                                0 => e.to_string(),
+                                n => format!("{e} ({n} more failed polls since the last one recorded)"),
+                            };
+                            crate::audit::record("platform_error", &[("detail", &detail)]);
+                            (poll_error_recorded, poll_errors_unrecorded) = (Some(std::time::Instant::now()), 0);
+                        } else {
+                            poll_errors_unrecorded += 1;
+                        }
                         failures += 1;
                         sleep_unless(&stop, backoff(failures));
                         continue;
@@ -554,14 +575,15 @@ pub fn run(
                             }
                         }
                         let _done = Done(taken);
-                        let reply = place.submit(&bytes);
+                        let handled = place.submit(&bytes);
                         // Counted before the result is posted (and so before this command's
                         // place in `taken` is given back to the poll).
-                        if crate::command::Reason::of_reply(&reply).is_some_and(|r| r.not_issued_for_this_agent()) {
-                            refused.fetch_add(1, Ordering::SeqCst);
-                        } else {
+                        if handled.passed_checks {
                             refused.store(0, Ordering::SeqCst);
+                        } else {
+                            refused.fetch_add(1, Ordering::SeqCst);
                         }
+                        let reply = handled.reply;
                         let body =
                             json!({"agent_id": platform.agent_id, "command_id": reply["command_id"], "result": reply});
                         // Results are retried a few times; the audit log holds them regardless.
@@ -633,6 +655,15 @@ fn room_for_commands(
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// A failed poll's error is recorded within this many bytes, and audited at most once in
+/// this long.
+const POLL_ERROR_BYTES: usize = 512;
+const POLL_ERROR_RECORD_EVERY: Duration = Duration::from_secs(60);
+
+/// Commands in a row that failed the checks (steps 1–6) before the platform connection is
+/// polled less often.
+const REFUSED_BEFORE_BACKOFF: u32 = 8;
 
 /// The shortest time between two polls that brought no command.
 const MIN_POLL_INTERVAL: Duration = Duration::from_secs(1);

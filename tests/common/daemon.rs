@@ -36,6 +36,32 @@ pub fn op(args: &[&str]) -> std::process::Output {
     common::command().args(args).stdin(Stdio::null()).output().expect("spawn opservant")
 }
 
+/// [`op`] for a command that must end on its own — an agent whose configuration must be
+/// refused at start: one still running after 30 s is killed and the test fails, rather than
+/// waiting on an agent that started.
+#[allow(dead_code)] // each test file uses its part
+pub fn op_ending(args: &[&str]) -> std::process::Output {
+    let child = common::command()
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn opservant");
+    let pid = child.id() as i32;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(Duration::from_secs(30)) {
+        Ok(out) => out.expect("wait for opservant"),
+        Err(_) => {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGKILL);
+            panic!("opservant {args:?} was still running after 30 s");
+        }
+    }
+}
+
 #[allow(dead_code)] // each test file uses its part
 impl Agent {
     /// Keys, config, the seed's port scanner and a slow executor installed; not started.
