@@ -2091,6 +2091,9 @@ fn files_the_agent_trusts_must_be_changeable_by_root_alone() {
     };
     let out = check();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // Packages checked with the command key (no executors.trusted_keys): said.
+    let shared = "packages are checked with the key commands are verified with";
+    assert!(String::from_utf8_lossy(&out.stderr).contains(shared), "{}", String::from_utf8_lossy(&out.stderr));
     let mode = |f: &Path| std::fs::metadata(f).unwrap().mode() & 0o7777;
     // Another user and a group of users (any group but root's may not write these files).
     let (uid, gid) = (4242, 4242);
@@ -2161,6 +2164,15 @@ fn files_the_agent_trusts_must_be_changeable_by_root_alone() {
     std::os::unix::fs::chown(&keys, None, Some(0)).unwrap();
     std::fs::set_permissions(&keys, std::fs::Permissions::from_mode(was)).unwrap();
     assert!(check().status.success(), "{}", String::from_utf8_lossy(&check().stderr));
+    // A package key of its own: no warning.
+    let own = a.dir.path.join("package-keys");
+    assert!(op(&["keygen", "--out", own.to_str().unwrap()]).status.success());
+    let text = std::fs::read_to_string(&a.config).unwrap();
+    std::fs::write(&a.config, text.replace(trusted.to_str().unwrap(), own.join("signing.pub").to_str().unwrap()))
+        .unwrap();
+    let out = check();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(!String::from_utf8_lossy(&out.stderr).contains(shared), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
 #[test]

@@ -280,6 +280,9 @@ pub fn check_trust_file(field: &str, path: &Path) -> Result<(), String> {
     use std::os::unix::fs::MetadataExt;
     check_ancestors(path).map_err(|m| format!("{field}: {m}"))?;
     let meta = std::fs::metadata(path).map_err(|e| format!("{field}: {}: {e}", path.display()))?;
+    if !meta.is_file() {
+        return Err(format!("{field}: {}: not a regular file", path.display()));
+    }
     let euid = nix::unistd::geteuid().as_raw();
     let mode = meta.mode() & 0o7777;
     if meta.uid() != 0 && meta.uid() != euid {
