@@ -2072,10 +2072,7 @@ fn files_the_agent_trusts_must_be_changeable_by_root_alone() {
     if !common::require_root() {
         return;
     }
-    let pki = platform::Pki::new("good");
-    let p = platform::TestPlatform::start(&pki, &pki);
-    let tls = HostDir::new();
-    let a = Agent::with_network(2, &platform_network(&tls.path, p.addr, &pki, &pki));
+    let (_platform, tls, a) = platform_agent(2);
     let c = a.config.to_str().unwrap().to_string();
     let check = || op(&["agent", "--check-config", "--config", &c]);
     let refused = |what: &str, needle: &str, path: &Path| {
