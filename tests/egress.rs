@@ -317,7 +317,10 @@ def _download(host, port, seconds):
     except Exception as e:
         return _fail(e, t0)
     try:
-        s.settimeout(5)
+        # The first data may wait: behind a shaped link shared by several flows a flow's
+        # first segments can be dropped a few times in a row (TCP's retransmission timer
+        # doubles from 1 s), and a busy machine is slow to start the source's side.
+        s.settimeout(20)
         first = len(s.recv(65536))
         start = time.monotonic()
         end = start + seconds
