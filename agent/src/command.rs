@@ -260,9 +260,11 @@ const CLAIMED_NAME_BYTES: usize = 64;
 /// timestamp, a key) is recorded within this many bytes.
 const REJECTION_DETAIL_BYTES: usize = 512;
 
-fn reject(command_id: Option<&str>, reason: Reason, message: &str, security: bool) -> Value {
+/// A command that passed the checks of steps 1–6 and is rejected after them (audited as
+/// `command_rejected`, with its detail whole).
+fn reject(command_id: Option<&str>, reason: Reason, message: &str) -> Value {
     audit::record(
-        if security { "security_event" } else { "command_rejected" },
+        "command_rejected",
         &[("command_id", command_id.unwrap_or("")), ("reason", reason.as_str()), ("detail", message)],
     );
     rejected(command_id, reason, message)
@@ -470,7 +472,7 @@ impl Pipeline {
                 Err(refuse(Some(&id), Reason::Replay, why))
             }
             // Fail closed: without the replay store no command is accepted.
-            Err(e) => Err(reject(Some(&id), Reason::Internal, &format!("replay store: {e}"), false)),
+            Err(e) => Err(reject(Some(&id), Reason::Internal, &format!("replay store: {e}"))),
         }
     }
 
@@ -482,7 +484,7 @@ impl Pipeline {
             "execute" => self.execute(id, cmd),
             "install_executor" => self.install(id, cmd),
             "remove_executor" => self.remove(id, cmd),
-            other => reject(Some(id), Reason::UnknownAction, &format!("unknown action {other:?}"), false),
+            other => reject(Some(id), Reason::UnknownAction, &format!("unknown action {other:?}")),
         }
     }
 
@@ -552,7 +554,7 @@ impl Pipeline {
     fn execute(&self, id: &str, cmd: &Map<String, Value>) -> Value {
         let (mut executor, action_id) = match self.lookup(cmd) {
             Ok(x) => x,
-            Err((reason, e)) => return reject(Some(id), reason, &e, false),
+            Err((reason, e)) => return reject(Some(id), reason, &e),
         };
         let name = executor.manifest.name.clone();
         // Step 8: the permission check.
@@ -597,7 +599,7 @@ impl Pipeline {
             // Failed after its start record (audited as `executor_fail`): not a refusal.
             Err(e) => match e.failed_reply(&executor, action_id.as_deref(), Some(id)) {
                 Some(reply) => reply,
-                None => reject(Some(id), Reason::CannotRun, e.message(), false),
+                None => reject(Some(id), Reason::CannotRun, e.message()),
             },
         }
     }
@@ -692,8 +694,8 @@ impl Pipeline {
                 audit::record("executor_removed", &[("command_id", id), ("executor", name)]);
                 json!({"status": "completed", "command_id": id, "output": {"removed": name}})
             }
-            Ok(false) => reject(Some(id), Reason::UnknownExecutor, &format!("{name:?} is not installed"), false),
-            Err(e) => reject(Some(id), Reason::CannotRun, &e.to_string(), false),
+            Ok(false) => reject(Some(id), Reason::UnknownExecutor, &format!("{name:?} is not installed")),
+            Err(e) => reject(Some(id), Reason::CannotRun, &e.to_string()),
         }
     }
 }
