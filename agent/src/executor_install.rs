@@ -32,13 +32,16 @@
 //!   `--index-url`; pip resolves no dependencies (a wheel's direct-reference dependency
 //!   would be built), so the requirements list every distribution, checked from the
 //!   wheels' metadata;
-//! - the new version becomes visible atomically (the `current` link is replaced by a rename);
+//! - the new version becomes visible atomically (the `current` link is replaced by a rename),
+//!   and durably: its files are on the disk (`syncfs`) before it is recorded and switched to,
+//!   and the switch before the install reports success — a write the disk refused fails the
+//!   install, and a crash never leaves `current` naming a half-written package;
 //!   a run that started before keeps the directory it resolved; the previous version is kept
 //!   for one more install (rollback by hand), older ones are removed unless a run holds
 //!   them (a shared `flock` on the version directory, [`crate::executor_run::Executor`]),
 //!   and then by a later install;
 //! - removal first renames the executor out of the way, so a half-deleted executor is never
-//!   visible under its name; a version a run holds is deleted by a later install or removal;
+//!   visible under its name, and the rename is on the disk before the removal succeeds; a version a run holds is deleted by a later install or removal;
 //! - an archive is first copied into the root-only staging directory while its SHA-256 and
 //!   its detached signature ([`crate::package_signing`]) are checked in the same pass; only
 //!   that copy is unpacked, and only after both checks passed ([`PackageCheck`]; the verdict is
@@ -346,23 +349,42 @@ pub struct ListEntry {
 /// while it is in use: [`sweep_leftovers`] never removes a locked one, so an install that
 /// runs in another PID namespace — whose pid in the name means nothing here — keeps its
 /// staging directory.
-struct Staging(PathBuf, #[allow(dead_code)] Option<nix::fcntl::Flock<std::fs::File>>);
+struct Staging {
+    path: PathBuf,
+    /// The directory, opened before anything was written into it: [`Staging::make_durable`]
+    /// flushes its filesystem through it, and Linux reports to `syncfs` every write-back
+    /// error of that filesystem since the descriptor was opened (5.8 and later).
+    opened: std::fs::File,
+    _lock: Option<nix::fcntl::Flock<std::fs::File>>,
+}
 
 impl Staging {
     /// A new staging directory `PREFIX-PID-N` in `root`, locked. A lock that cannot be
     /// taken (a filesystem without `flock`) leaves it to the pid check alone.
     fn new(root: &Path, prefix: &str) -> Result<Staging, InstallError> {
-        let dir = unique(root, prefix)?;
-        let held = std::fs::File::open(&dir)
+        let path = unique(root, prefix)?;
+        let opened = std::fs::File::open(&path).map_err(|e| io(&path, e))?;
+        let _lock = opened
+            .try_clone()
             .ok()
             .and_then(|f| nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusiveNonblock).ok());
-        Ok(Staging(dir, held))
+        Ok(Staging { path, opened, _lock })
+    }
+
+    /// Everything written to the executors' filesystem so far is on the disk (`syncfs`), or
+    /// an error naming `what` was not: a write the disk refused during the install — even
+    /// one the kernel wrote back before this call — fails it here.
+    fn make_durable(&self, what: &str) -> Result<(), InstallError> {
+        nix::unistd::syncfs(&self.opened).map_err(|e| InstallError::Io {
+            path: self.path.parent().unwrap_or(&self.path).display().to_string(),
+            source: std::io::Error::other(format!("{what} could not be written to the disk (syncfs: {e})")),
+        })
     }
 }
 
 impl Drop for Staging {
     fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
+        let _ = std::fs::remove_dir_all(&self.path);
     }
 }
 
@@ -531,7 +553,7 @@ pub fn install(
     traversable_dir(root, ROOT_MODE)?;
     checked_root(root)?;
     let staging = Staging::new(root, ".staging")?;
-    let unpacked = staging.0.join("pkg");
+    let unpacked = staging.path.join("pkg");
     let (sha256, signed_by) = match kind {
         None => {
             let mut budget = Budget::default();
@@ -540,7 +562,7 @@ pub fn install(
         }
         Some(kind) => {
             // Verified and unpacked from the same private copy.
-            let archive = staging.0.join("archive");
+            let archive = staging.path.join("archive");
             let (sha, key) = checked_copy(src, &archive, check)?;
             check_stop()?;
             unpack(&archive, kind, src, &unpacked)?;
@@ -624,9 +646,9 @@ pub fn install(
     }
     let mut warnings = Vec::new();
     if !manifest.requirements.packages.is_empty() {
-        let offered = package_wheels(&pkg, &staging.0.join("wheels"))?;
+        let offered = package_wheels(&pkg, &staging.path.join("wheels"))?;
         warnings.extend(offered.ignored.iter().map(|n| format!("wheels/{n}: not a wheel, not offered to pip")));
-        let work = staging.0.join("pip");
+        let work = staging.path.join("pip");
         install_requirements(&pkg, &work, offered.dir.as_deref(), &manifest.requirements.packages, opts)?;
     }
     check_stop()?;
@@ -643,8 +665,9 @@ pub fn install(
     // installed package is.
     // So does every directory between it and the package (created under the agent's umask:
     // the systemd unit's 0077 made them 0700, and nothing was precompiled).
-    std::fs::set_permissions(&staging.0, std::fs::Permissions::from_mode(0o711)).map_err(|e| io(&staging.0, e))?;
-    for dir in pkg.ancestors().skip(1).take_while(|d| d.starts_with(&staging.0) && *d != staging.0) {
+    std::fs::set_permissions(&staging.path, std::fs::Permissions::from_mode(0o711))
+        .map_err(|e| io(&staging.path, e))?;
+    for dir in pkg.ancestors().skip(1).take_while(|d| d.starts_with(&staging.path) && *d != staging.path) {
         std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711)).map_err(|e| io(dir, e))?;
     }
     match crate::bytecode::precompile(&pkg, policy) {
@@ -673,6 +696,10 @@ pub fn install(
         let n = (1..).find(|n| !name_dir.join(format!("{}~{n}", manifest.version)).exists()).unwrap_or(1);
         dir_name = format!("{}~{n}", manifest.version);
     }
+    // The new version's files are on the disk before anything points to them: a crash after
+    // the switch below never leaves `current` naming a half-written package, and a disk that
+    // refused a write fails the install here, with nothing switched or recorded.
+    staging.make_durable(&format!("{} {}", manifest.name, manifest.version))?;
     // Fail closed: the executors that can run change only once the change is in the audit
     // log (`executor_installed` follows it).
     crate::audit::try_record(
@@ -703,9 +730,13 @@ pub fn install(
         let _ = std::fs::remove_dir_all(&dest);
         return Err(e);
     }
-    if let Ok(d) = std::fs::File::open(&name_dir) {
-        let _ = d.sync_all();
-    }
+    // The switch itself (and a first install's new directories) on the disk too. Should that
+    // fail, the new version is in place until the host restarts, and may not be after: the
+    // install is reported failed, saying so.
+    staging.make_durable(&format!(
+        "the switch of {}'s `current` to {} (in place now, perhaps not after a restart: install it again)",
+        manifest.name, dir_name
+    ))?;
     // Keep the new and the previous version; remove older ones that no run holds (a later
     // install removes those).
     if let Ok(entries) = std::fs::read_dir(&name_dir) {
@@ -826,7 +857,7 @@ pub fn install_download<'a>(
     traversable_dir(root, ROOT_MODE)?;
     checked_root(root)?;
     let staging = Staging::new(root, ".download")?;
-    let file = staging.0.join(name);
+    let file = staging.path.join(name);
     let mut out =
         std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&file).map_err(|e| io(&file, e))?;
     let n = std::io::copy(&mut body.take(cap + 1), &mut out).map_err(|e| io(&file, e))?;
@@ -2008,6 +2039,11 @@ pub fn remove(root: &Path, name: &str, source: &str, command_id: Option<&str>) -
     let doomed = unique(root, ".removing")?;
     let target = doomed.join(name);
     std::fs::rename(root.join(name), &target).map_err(|e| io(&root.join(name), e))?;
+    // On the disk before it is reported: an executor removed (a vulnerable one, say) must not
+    // come back with a restart.
+    std::fs::File::open(root).and_then(|d| d.sync_all()).map_err(|e| {
+        io(root, std::io::Error::other(format!("{name} is removed now but may come back after a restart ({e})")))
+    })?;
     // A version a run still holds stays (beneath `.removing-PID-N`, no longer runnable by
     // name) until the sweep of a later install or removal finds it free.
     if !remove_doomed(&doomed) {

@@ -95,6 +95,83 @@ pub fn spawn(mut cmd: Command, name: &str) -> Result<std::process::Child, String
         .map_err(|e| format!("cannot run {name}: {e}"))
 }
 
+/// `sh -c CMD` under the command deadline: (exit code, stdout, stderr); a command past the
+/// deadline gives -1 and the diagnosis as its stderr.
+#[allow(dead_code)] // each suite uses its part
+pub fn sh(cmd: &str) -> (i32, String, String) {
+    let mut command = Command::new("sh");
+    command.args(["-c", cmd]);
+    match spawn(command, "sh").and_then(|child| output_within(child, &format!("`{cmd}`"))) {
+        Ok(o) => (
+            o.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&o.stdout).into_owned(),
+            String::from_utf8_lossy(&o.stderr).into_owned(),
+        ),
+        Err(e) => (-1, String::new(), e),
+    }
+}
+
+/// `sh -c CMD`, which must succeed; its stdout.
+#[allow(dead_code)] // each suite uses its part
+pub fn sh_ok(cmd: &str) -> Result<String, String> {
+    let (code, out, err) = sh(cmd);
+    ensure!(code == 0, "`{cmd}` exited {code}\nstdout: {out}\nstderr: {err}");
+    Ok(out)
+}
+
+/// `argv` with `input` on its stdin, under the command deadline: (exit code, stdout, stderr).
+#[allow(dead_code)] // each suite uses its part
+pub fn pipe(argv: &[&str], input: &[u8]) -> Result<(i32, String, String), String> {
+    use std::io::Write;
+    let mut child = Command::new(argv[0])
+        .args(&argv[1..])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("cannot run {}: {e}", argv[0]))?;
+    let stdin = child.stdin.take().ok_or("no stdin pipe")?;
+    { stdin }.write_all(input).map_err(|e| format!("write to {}: {e}", argv[0]))?;
+    let o = output_within(child, &argv.join(" "))?;
+    Ok((
+        o.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    ))
+}
+
+/// A Python executor package `name` at `version` in the directory `dir` (made): `prelude`
+/// runs when its module is imported, class `Exec` in `pkg/main.py` runs `body` (lines
+/// indented by eight) as its `execute`.
+#[allow(dead_code)] // each suite uses its part
+pub fn executor_package(
+    dir: &std::path::Path,
+    name: &str,
+    version: &str,
+    prelude: &str,
+    permissions: serde_json::Value,
+    limits: serde_json::Value,
+    body: &str,
+) -> Result<PathBuf, String> {
+    let pkg = dir.join(name.replace('-', "_"));
+    let io = |e: std::io::Error| format!("write executor {name}: {e}");
+    std::fs::create_dir_all(&pkg).map_err(io)?;
+    std::fs::write(pkg.join("__init__.py"), "").map_err(io)?;
+    let code = format!(
+        "{prelude}from opservant.executor import BaseExecutor, ExecutorResult\n\n\nclass Exec(BaseExecutor):\n    \
+         def validate(self, params):\n        return True\n\n    def execute(self, params, context):\n{body}"
+    );
+    std::fs::write(pkg.join("main.py"), code).map_err(io)?;
+    let manifest = serde_json::json!({
+        "name": name, "version": version, "description": "VM test", "author": "tests",
+        "supported_actions": [format!("act-{name}")],
+        "entry_point": format!("{}.main.Exec", name.replace('-', "_")),
+        "permissions": permissions, "resource_limits": limits,
+    });
+    std::fs::write(dir.join("manifest.json"), manifest.to_string()).map_err(io)?;
+    Ok(dir.to_path_buf())
+}
+
 /// Wait for `child` to exit and its output pipes to close, or, past [`command_deadline`],
 /// report where every process of the guest waits (state, wchan, syscall, kernel stack), kill
 /// the child and its descendants, and fail. (A process left holding a pipe after the child

@@ -13,9 +13,8 @@
 //! Without the prerequisites the test prints `SKIPPED: ...` and succeeds — unless `CI=true`,
 //! where a missing prerequisite is a failure.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitCode, Stdio};
+use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
@@ -25,6 +24,8 @@ use serde_json::{json, Value};
 mod guest;
 #[path = "host.rs"]
 mod host;
+
+use guest::{pipe, sh, sh_ok as run};
 
 const OPSERVANT: &str = env!("CARGO_BIN_EXE_opservant");
 const REPO: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
@@ -99,27 +100,6 @@ fn in_vm() -> ExitCode {
 // Helpers
 // ------------------------------------------------------------------------------------------
 
-/// `sh -c CMD`: (exit code, stdout, stderr).
-fn sh(cmd: &str) -> (i32, String, String) {
-    let mut command = Command::new("sh");
-    command.args(["-c", cmd]);
-    match guest::spawn(command, "sh").and_then(|child| guest::output_within(child, &format!("`{cmd}`"))) {
-        Ok(o) => (
-            o.status.code().unwrap_or(-1),
-            String::from_utf8_lossy(&o.stdout).into_owned(),
-            String::from_utf8_lossy(&o.stderr).into_owned(),
-        ),
-        Err(e) => (-1, String::new(), e),
-    }
-}
-
-/// `sh -c CMD`, which must succeed; its stdout.
-fn run(cmd: &str) -> Result<String, String> {
-    let (code, out, err) = sh(cmd);
-    ensure!(code == 0, "`{cmd}` exited {code}\nstdout: {out}\nstderr: {err}");
-    Ok(out)
-}
-
 /// One property of a unit (`systemctl show -P`).
 fn prop(unit: &str, name: &str) -> Result<String, String> {
     Ok(run(&format!("systemctl show -P {name} {unit}"))?.trim().to_string())
@@ -134,47 +114,13 @@ fn submit(cmd: &Value) -> Result<(i32, Value), String> {
     Ok((code, reply))
 }
 
-fn pipe(argv: &[&str], input: &[u8]) -> Result<(i32, String, String), String> {
-    let mut child = Command::new(argv[0])
-        .args(&argv[1..])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|e| format!("cannot run {}: {e}", argv[0]))?;
-    child.stdin.take().expect("piped").write_all(input).map_err(|e| format!("write to {}: {e}", argv[0]))?;
-    let o = guest::output_within(child, &argv.join(" "))?;
-    Ok((
-        o.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&o.stdout).into_owned(),
-        String::from_utf8_lossy(&o.stderr).into_owned(),
-    ))
-}
-
 fn field<'a>(r: &'a Value, path: &str) -> &'a Value {
     path.split('.').fold(r, |v, k| &v[k])
 }
 
 /// A Python executor package `name` in the scratch directory (class `Exec` in `pkg/main.py`).
 fn executor(ctx: &Ctx, name: &str, permissions: Value, limits: Value, body: &str) -> Result<PathBuf, String> {
-    let dir = ctx.dir.join(name);
-    let pkg = dir.join(name.replace('-', "_"));
-    let io = |e: std::io::Error| format!("write executor {name}: {e}");
-    std::fs::create_dir_all(&pkg).map_err(io)?;
-    std::fs::write(pkg.join("__init__.py"), "").map_err(io)?;
-    let code = format!(
-        "from opservant.executor import BaseExecutor, ExecutorResult\n\n\nclass Exec(BaseExecutor):\n    \
-         def validate(self, params):\n        return True\n\n    def execute(self, params, context):\n{body}"
-    );
-    std::fs::write(pkg.join("main.py"), code).map_err(io)?;
-    let manifest = json!({
-        "name": name, "version": "1.0.0", "description": "boot test", "author": "tests",
-        "supported_actions": [format!("act-{name}")],
-        "entry_point": format!("{}.main.Exec", name.replace('-', "_")),
-        "permissions": permissions, "resource_limits": limits,
-    });
-    std::fs::write(dir.join("manifest.json"), manifest.to_string()).map_err(io)?;
-    Ok(dir)
+    guest::executor_package(&ctx.dir.join(name), name, "1.0.0", "", permissions, limits, body)
 }
 
 fn execute(id: &str, executor: &str, parameters: Value) -> Value {

@@ -1,0 +1,444 @@
+//! The storage-fault suite (see `tests/vm/README.md`): what the agent does when the disk
+//! under its replay store, audit log or executors refuses writes.
+//!
+//! This development host's kernel has no device-mapper and no fault injection, so the suite
+//! runs in one throw-away QEMU guest (`tests/vm/vm-exec.sh`, the Debian kernel, whose
+//! `dm-flakey` makes a mounted ext4 filesystem's disk refuse every write while reads go on:
+//! `fdatasync`, `fsync` and `syncfs` then fail with `EIO`, as on a failing disk). Each check
+//! gets a fresh 64 MiB loop device behind such a target, mounted where the check puts one
+//! of the agent's files, and turns the writes off part-way. The promises tried:
+//! - a command whose `command_id` cannot be recorded durably is rejected and nothing of its
+//!   executor runs (the replay store fails closed);
+//! - a run whose `executor_start` record cannot be made durable never imports its executor,
+//!   through the daemon and through `opservant run`;
+//! - an install whose files, or whose switch of `current`, cannot be written to the disk
+//!   fails, and the version installed before stays the one that runs; a removal that cannot
+//!   be written fails.
+//!
+//! Without the prerequisites the suite prints `SKIPPED: ...` and succeeds — unless
+//! `CI=true`, where a missing prerequisite is a failure.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+#[path = "guest.rs"]
+#[macro_use]
+mod guest;
+#[path = "host.rs"]
+mod host;
+
+use guest::{pipe, sh, sh_ok};
+
+const OPSERVANT: &str = env!("CARGO_BIN_EXE_opservant");
+
+fn main() -> ExitCode {
+    if std::env::var_os("OPSERVANT_IN_VM").is_some() {
+        in_vm()
+    } else {
+        on_host()
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// Host side: prerequisites, then one VM for the whole suite.
+// ------------------------------------------------------------------------------------------
+
+fn on_host() -> ExitCode {
+    let mut missing = host::missing_prerequisites(false);
+    // The guest runs the host's tools (its root filesystem is the host's).
+    for (tool, package) in [("dmsetup", "dmsetup"), ("mkfs.ext4", "e2fsprogs"), ("losetup", "mount")] {
+        if host::on_path(tool).is_none() && !Path::new("/usr/sbin").join(tool).is_file() {
+            missing.push(format!("{tool}: apt-get install -y {package}"));
+        }
+    }
+    if let Some(exit) = host::unless_ready("vm_storage_faults", "storage-fault VM suite", &missing) {
+        return exit;
+    }
+    host::boot_and_run(
+        "vm_storage_faults",
+        "booting a VM (QEMU/TCG, ~15-35 s) and failing the agent's disks inside",
+        &[],
+        &[],
+    )
+}
+
+// ------------------------------------------------------------------------------------------
+// Guest side
+// ------------------------------------------------------------------------------------------
+
+struct Ctx {
+    /// Scratch directory: keys, configurations, logs, disk images, test packages.
+    dir: PathBuf,
+    /// The mark executor's package (version 1.0.0): its module writes its version to
+    /// [`Ctx::mark`] when imported — whether any of it ran.
+    mark_pkg: PathBuf,
+    mark: PathBuf,
+}
+
+fn in_vm() -> ExitCode {
+    let checks: [(&str, guest::Check<Ctx>); 5] = [
+        ("replay_store_write_error_rejects_the_command", replay_store_write_error_rejects_the_command),
+        ("audit_write_error_keeps_the_executor_from_running", audit_write_error_keeps_the_executor_from_running),
+        ("cli_run_audit_write_error_keeps_the_executor_from_running", cli_run_audit_write_error),
+        ("install_write_error_keeps_the_installed_version", install_write_error_keeps_the_installed_version),
+        ("remove_write_error_fails_the_removal", remove_write_error_fails_the_removal),
+    ];
+    let ctx = match setup() {
+        Ok(ctx) => ctx,
+        Err(e) => {
+            println!("setting up the storage-fault suite failed: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    println!("\nrunning {} storage-fault checks in the VM (kernel {})", checks.len(), kernel.trim());
+    let exit = guest::run_checks(&checks, &ctx, false, String::new);
+    let _ = std::fs::remove_dir_all(&ctx.dir);
+    exit
+}
+
+/// The modules, keys, the mark directory (writable by the sandbox's user alone: a directory
+/// every user may write to is refused as a grant) and the mark executor.
+fn setup() -> Result<Ctx, String> {
+    sh_ok("modprobe loop && modprobe dm_mod && modprobe dm_flakey")?;
+    let dir = PathBuf::from(format!("/var/tmp/opservant-vm-faults-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| format!("create {}: {e}", dir.display()))?;
+    sh_ok(&format!("{OPSERVANT} keygen --out {}", dir.join("keys").display()))?;
+    let marks = dir.join("marks");
+    std::fs::create_dir(&marks).map_err(|e| format!("create {}: {e}", marks.display()))?;
+    let id = sandbox::Identity::default_executor().map_err(|e| format!("executor identity: {e}"))?;
+    std::os::unix::fs::chown(&marks, Some(id.host_uid), Some(id.host_gid)).map_err(|e| format!("chown marks: {e}"))?;
+    let mark = marks.join("mark");
+    let mark_pkg = mark_package(&dir, &marks, &mark, "1.0.0")?;
+    Ok(Ctx { dir, mark_pkg, mark })
+}
+
+/// The mark executor at `version`, in its own directory below `dir`.
+fn mark_package(dir: &Path, marks: &Path, mark: &Path, version: &str) -> Result<PathBuf, String> {
+    guest::executor_package(
+        &dir.join(format!("mark-{version}")),
+        "mark",
+        version,
+        &format!("open({:?}, 'w').write({version:?})\n", mark.display().to_string()),
+        json!({"filesystem": {"write": [marks]}}),
+        json!({"timeout_seconds": 60}),
+        "        return ExecutorResult(status=\"completed\", output={})\n",
+    )
+}
+
+/// Whether the mark executor's module was imported since the last call (the mark is removed).
+fn marked(ctx: &Ctx) -> Option<String> {
+    let text = std::fs::read_to_string(&ctx.mark).ok();
+    let _ = std::fs::remove_file(&ctx.mark);
+    text
+}
+
+/// An ext4 filesystem on a loop device behind a device-mapper target, mounted at `mount`:
+/// `linear` (a healthy disk) until [`FaultyDisk::fail_writes`] swaps in `flakey` with
+/// `error_writes` (every write fails with `EIO`; reads go on). Removed on drop.
+struct FaultyDisk {
+    name: String,
+    image: PathBuf,
+    loop_dev: String,
+    mount: PathBuf,
+}
+
+const DISK_SECTORS: u64 = 64 << 11; // 64 MiB in 512-byte sectors
+
+impl FaultyDisk {
+    fn new(ctx: &Ctx, name: &str) -> Result<FaultyDisk, String> {
+        let image = ctx.dir.join(format!("{name}.img"));
+        let f = std::fs::File::create(&image).map_err(|e| format!("create {}: {e}", image.display()))?;
+        f.set_len(DISK_SECTORS * 512).map_err(|e| format!("size {}: {e}", image.display()))?;
+        let loop_dev = sh_ok(&format!("losetup -f --show {}", image.display()))?.trim().to_string();
+        let disk = FaultyDisk { name: format!("opservant-{name}"), image, loop_dev, mount: ctx.dir.join(name) };
+        sh_ok(&format!("mkfs.ext4 -q -F {}", disk.loop_dev))?;
+        sh_ok(&format!(
+            "dmsetup create --noudevsync {n} --table '{t}' && dmsetup mknodes {n}",
+            n = disk.name,
+            t = disk.table("linear")
+        ))?;
+        std::fs::create_dir_all(&disk.mount).map_err(|e| format!("create {}: {e}", disk.mount.display()))?;
+        // A long journal commit interval: nothing reaches the disk on a timer during a check,
+        // only through the flushes the agent asks for (and the write-back of old dirty pages).
+        sh_ok(&format!("mount -o commit=300 /dev/mapper/{} {}", disk.name, disk.mount.display()))?;
+        Ok(disk)
+    }
+
+    fn table(&self, target: &str) -> String {
+        match target {
+            "linear" => format!("0 {DISK_SECTORS} linear {} 0", self.loop_dev),
+            // Up 0 s, down 1 s: always down; while down, every write fails and reads go on.
+            _ => format!("0 {DISK_SECTORS} flakey {} 0 0 1 1 error_writes", self.loop_dev),
+        }
+    }
+
+    /// From now on every write to the disk fails (`EIO`).
+    fn fail_writes(&self) -> Result<(), String> {
+        sh_ok(&format!(
+            "dmsetup suspend --noudevsync {n} && dmsetup load {n} --table '{t}' && dmsetup resume --noudevsync {n}",
+            n = self.name,
+            t = self.table("flakey")
+        ))
+        .map(drop)
+    }
+}
+
+impl Drop for FaultyDisk {
+    fn drop(&mut self) {
+        let _ = sh(&format!(
+            "umount -l {m}; dmsetup remove --noudevsync {n}; losetup -d {l}; rm -f {i}",
+            m = self.mount.display(),
+            n = self.name,
+            l = self.loop_dev,
+            i = self.image.display()
+        ));
+    }
+}
+
+/// Where a check's agent keeps its files: one scratch directory per check, with the state
+/// directory, the audit log or the executors placed on a faulty disk instead.
+struct Places {
+    base: PathBuf,
+    state: PathBuf,
+    audit: PathBuf,
+    executors: PathBuf,
+}
+
+impl Places {
+    fn new(ctx: &Ctx, check: &str) -> Places {
+        let base = ctx.dir.join(check);
+        Places {
+            state: base.join("state"),
+            audit: base.join("audit/audit.jsonl"),
+            executors: base.join("executors"),
+            base,
+        }
+    }
+
+    fn config(&self) -> PathBuf {
+        self.base.join("config.yaml")
+    }
+
+    fn socket(&self) -> PathBuf {
+        self.base.join("agent.sock")
+    }
+
+    /// The configuration file, then the mark executor installed.
+    fn write(&self, ctx: &Ctx) -> Result<(), String> {
+        std::fs::create_dir_all(&self.base).map_err(|e| format!("create {}: {e}", self.base.display()))?;
+        std::fs::write(
+            self.config(),
+            format!(
+                "agent:\n  platform_public_key: {}\n  state_dir: {}\n  socket: {}\n  max_concurrent: 2\n\
+                 executors:\n  dir: {}\naudit:\n  path: {}\n",
+                ctx.dir.join("keys/signing.pub").display(),
+                self.state.display(),
+                self.socket().display(),
+                self.executors.display(),
+                self.audit.display()
+            ),
+        )
+        .map_err(|e| format!("write the config: {e}"))?;
+        self.op_ok(&["executor", "install", &ctx.mark_pkg.display().to_string()]).map(drop)
+    }
+
+    /// `opservant ARGS --config CONFIG`: (exit code, stdout, stderr).
+    fn op(&self, args: &[&str]) -> Result<(i32, String, String), String> {
+        let mut argv = vec![OPSERVANT];
+        argv.extend_from_slice(args);
+        let config = self.config().display().to_string();
+        argv.extend_from_slice(&["--config", &config]);
+        pipe(&argv, b"")
+    }
+
+    fn op_ok(&self, args: &[&str]) -> Result<String, String> {
+        let (code, out, err) = self.op(args)?;
+        ensure!(code == 0, "opservant {args:?} exited {code}\nstdout: {out}\nstderr: {err}");
+        Ok(out)
+    }
+
+    /// The audit log's events for `command_id`.
+    fn audited(&self, command_id: &str) -> Vec<String> {
+        std::fs::read_to_string(&self.audit)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .filter(|e| e.to_string().contains(&format!("\"{command_id}\"")))
+            .filter_map(|e| e["event"].as_str().map(str::to_string))
+            .collect()
+    }
+}
+
+/// A running `opservant agent` (killed on drop), its log in the check's directory.
+struct Agent {
+    child: Child,
+    socket: PathBuf,
+    key: PathBuf,
+    log: PathBuf,
+}
+
+impl Agent {
+    fn start(ctx: &Ctx, places: &Places) -> Result<Agent, String> {
+        let log = places.base.join("agent.log");
+        let out = std::fs::File::create(&log).map_err(|e| format!("create {}: {e}", log.display()))?;
+        let err = out.try_clone().map_err(|e| e.to_string())?;
+        let child = Command::new(OPSERVANT)
+            .args(["agent", "--config", &places.config().display().to_string()])
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .spawn()
+            .map_err(|e| format!("start the agent: {e}"))?;
+        let mut agent = Agent { child, socket: places.socket(), key: ctx.dir.join("keys/signing.key"), log };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while std::os::unix::net::UnixStream::connect(&agent.socket).is_err() {
+            ensure!(agent.running(), "the agent exited at start\n{}", agent.log_text());
+            ensure!(Instant::now() < deadline, "the agent did not listen within 60 s\n{}", agent.log_text());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(agent)
+    }
+
+    fn running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    fn log_text(&self) -> String {
+        format!("agent log:\n{}", std::fs::read_to_string(&self.log).unwrap_or_default())
+    }
+
+    /// Sign an `execute` of the mark executor as `command_id` and submit it: (exit code, reply).
+    fn execute_mark(&self, command_id: &str) -> Result<(i32, Value), String> {
+        let cmd = json!({"command_id": command_id, "action": "execute", "executor": "mark", "parameters": {}});
+        let key = self.key.display().to_string();
+        let (code, signed, err) = pipe(&[OPSERVANT, "sign", "--key", &key, "-"], cmd.to_string().as_bytes())?;
+        ensure!(code == 0, "opservant sign exited {code}: {err}");
+        let socket = self.socket.display().to_string();
+        let (code, out, err) = pipe(&[OPSERVANT, "submit", "-", "--socket", &socket], signed.as_bytes())?;
+        let reply = serde_json::from_str(out.trim())
+            .map_err(|e| format!("submit: no JSON reply ({e}): {out}\n{err}\n{}", self.log_text()))?;
+        Ok((code, reply))
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The mark executor runs through the agent: the disk works before it is failed.
+fn runs_first(ctx: &Ctx, agent: &Agent, command_id: &str) -> Result<(), String> {
+    let (code, r) = agent.execute_mark(command_id)?;
+    ensure!(code == 0 && r["status"] == "completed", "before the fault: exit {code}, {r}\n{}", agent.log_text());
+    ensure!(marked(ctx).as_deref() == Some("1.0.0"), "before the fault the mark executor did not run: {r}");
+    Ok(())
+}
+
+// ------------------------------------------------------------------------------------------
+// Checks
+// ------------------------------------------------------------------------------------------
+
+/// The replay store (in the state directory) cannot make a command's id durable: the command
+/// is rejected, nothing of its executor runs, and the agent goes on answering.
+fn replay_store_write_error_rejects_the_command(ctx: &Ctx) -> Result<(), String> {
+    let mut places = Places::new(ctx, "replay");
+    let disk = FaultyDisk::new(ctx, "replay-disk")?;
+    places.state = disk.mount.join("state");
+    places.write(ctx)?;
+    let mut agent = Agent::start(ctx, &places)?;
+    runs_first(ctx, &agent, "replay-before")?;
+    disk.fail_writes()?;
+    for id in ["replay-after-1", "replay-after-2"] {
+        let (code, r) = agent.execute_mark(id)?;
+        ensure!(code != 0 && r["status"] == "rejected", "{id}: exit {code}, {r}\n{}", agent.log_text());
+        let error = r["error"].as_str().unwrap_or_default();
+        ensure!(error.contains("replay store"), "{id}: the rejection does not name the replay store: {r}");
+        ensure!(marked(ctx).is_none(), "{id}: the mark executor ran though its id was not recorded: {r}");
+        let events = places.audited(id);
+        ensure!(events.iter().any(|e| e == "command_rejected"), "{id}: no command_rejected record: {events:?}");
+        ensure!(!events.iter().any(|e| e == "executor_start"), "{id}: an executor_start record: {events:?}");
+        ensure!(agent.running(), "the agent exited\n{}", agent.log_text());
+    }
+    Ok(())
+}
+
+/// The audit log cannot make a run's `executor_start` durable: the run fails and its
+/// executor is never imported (its runtime waits for a `proceed` that never comes).
+fn audit_write_error_keeps_the_executor_from_running(ctx: &Ctx) -> Result<(), String> {
+    let mut places = Places::new(ctx, "audit");
+    let disk = FaultyDisk::new(ctx, "audit-disk")?;
+    places.audit = disk.mount.join("audit/audit.jsonl");
+    places.write(ctx)?;
+    let mut agent = Agent::start(ctx, &places)?;
+    runs_first(ctx, &agent, "audit-before")?;
+    disk.fail_writes()?;
+    for id in ["audit-after-1", "audit-after-2"] {
+        let (code, r) = agent.execute_mark(id)?;
+        ensure!(code != 0 && r["status"] != "completed", "{id}: exit {code}, {r}\n{}", agent.log_text());
+        ensure!(r.to_string().contains("audit"), "{id}: the reply does not name the audit log: {r}");
+        ensure!(marked(ctx).is_none(), "{id}: the mark executor ran though its start was not audited: {r}");
+        ensure!(agent.running(), "the agent exited\n{}", agent.log_text());
+    }
+    Ok(())
+}
+
+/// As above, through `opservant run` (no daemon): it could not run, exit status 2.
+fn cli_run_audit_write_error(ctx: &Ctx) -> Result<(), String> {
+    let mut places = Places::new(ctx, "cli");
+    let disk = FaultyDisk::new(ctx, "cli-disk")?;
+    places.audit = disk.mount.join("audit/audit.jsonl");
+    places.write(ctx)?;
+    let (code, out, err) = places.op(&["run", "mark"])?;
+    ensure!(code == 0, "before the fault: exit {code}\n{out}\n{err}");
+    ensure!(marked(ctx).as_deref() == Some("1.0.0"), "before the fault the mark executor did not run: {out}");
+    disk.fail_writes()?;
+    let (code, out, err) = places.op(&["run", "mark"])?;
+    ensure!(code == 2, "after the fault: exit {code}, not 2\nstdout: {out}\nstderr: {err}");
+    ensure!(err.contains("audit"), "the error does not name the audit log: {err}");
+    ensure!(marked(ctx).is_none(), "the mark executor ran though its start was not audited: {out}");
+    Ok(())
+}
+
+/// The executors' disk refuses writes: installing version 2 fails, naming the disk, and
+/// version 1 stays the one listed and run.
+fn install_write_error_keeps_the_installed_version(ctx: &Ctx) -> Result<(), String> {
+    let mut places = Places::new(ctx, "install");
+    let disk = FaultyDisk::new(ctx, "install-disk")?;
+    places.executors = disk.mount.join("executors");
+    places.write(ctx)?;
+    let marks = ctx.mark.parent().ok_or("the mark has no directory")?;
+    let v2 = mark_package(&places.base, marks, &ctx.mark, "2.0.0")?;
+    disk.fail_writes()?;
+    let (code, out, err) = places.op(&["executor", "install", &v2.display().to_string()])?;
+    ensure!(code != 0, "installing 2.0.0 on a disk that refuses writes succeeded\nstdout: {out}\nstderr: {err}");
+    ensure!(
+        err.contains("mark 2.0.0 could not be written to the disk"),
+        "the install's error does not say the disk refused its files: {err}"
+    );
+    let list = places.op_ok(&["executor", "list"])?;
+    ensure!(list.contains("1.0.0") && !list.contains("2.0.0"), "executor list after the failed install: {list}");
+    let (code, out, err) = places.op(&["run", "mark"])?;
+    ensure!(code == 0, "running the installed version: exit {code}\n{out}\n{err}");
+    let ran = marked(ctx);
+    ensure!(ran.as_deref() == Some("1.0.0"), "the version that ran is {ran:?}, not 1.0.0");
+    Ok(())
+}
+
+/// The executors' disk refuses writes: removing the executor fails, saying it may come back.
+fn remove_write_error_fails_the_removal(ctx: &Ctx) -> Result<(), String> {
+    let mut places = Places::new(ctx, "remove");
+    let disk = FaultyDisk::new(ctx, "remove-disk")?;
+    places.executors = disk.mount.join("executors");
+    places.write(ctx)?;
+    disk.fail_writes()?;
+    let (code, out, err) = places.op(&["executor", "remove", "mark"])?;
+    ensure!(code != 0, "removing on a disk that refuses writes succeeded\nstdout: {out}\nstderr: {err}");
+    ensure!(err.contains("may come back after a restart"), "the removal's error does not say so: {err}");
+    Ok(())
+}
