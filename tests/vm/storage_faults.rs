@@ -332,6 +332,16 @@ impl Drop for Agent {
     }
 }
 
+/// A check's places, one of them moved by `place` onto a new faulty disk (given its mount
+/// point), then written: the configuration, the mark executor installed.
+fn on_a_faulty_disk(ctx: &Ctx, check: &str, place: fn(&mut Places, &Path)) -> Result<(Places, FaultyDisk), String> {
+    let mut places = Places::new(ctx, check);
+    let disk = FaultyDisk::new(ctx, &format!("{check}-disk"))?;
+    place(&mut places, &disk.mount);
+    places.write(ctx)?;
+    Ok((places, disk))
+}
+
 /// The mark executor runs through the agent: the disk works before it is failed.
 fn runs_first(ctx: &Ctx, agent: &Agent, command_id: &str) -> Result<(), String> {
     let (code, r) = agent.execute_mark(command_id)?;
@@ -347,10 +357,7 @@ fn runs_first(ctx: &Ctx, agent: &Agent, command_id: &str) -> Result<(), String> 
 /// The replay store (in the state directory) cannot make a command's id durable: the command
 /// is rejected, nothing of its executor runs, and the agent goes on answering.
 fn replay_store_write_error_rejects_the_command(ctx: &Ctx) -> Result<(), String> {
-    let mut places = Places::new(ctx, "replay");
-    let disk = FaultyDisk::new(ctx, "replay-disk")?;
-    places.state = disk.mount.join("state");
-    places.write(ctx)?;
+    let (places, disk) = on_a_faulty_disk(ctx, "replay", |p, disk| p.state = disk.join("state"))?;
     let mut agent = Agent::start(ctx, &places)?;
     runs_first(ctx, &agent, "replay-before")?;
     disk.fail_writes()?;
@@ -371,10 +378,7 @@ fn replay_store_write_error_rejects_the_command(ctx: &Ctx) -> Result<(), String>
 /// The audit log cannot make a run's `executor_start` durable: the run fails and its
 /// executor is never imported (its runtime waits for a `proceed` that never comes).
 fn audit_write_error_keeps_the_executor_from_running(ctx: &Ctx) -> Result<(), String> {
-    let mut places = Places::new(ctx, "audit");
-    let disk = FaultyDisk::new(ctx, "audit-disk")?;
-    places.audit = disk.mount.join("audit/audit.jsonl");
-    places.write(ctx)?;
+    let (places, disk) = on_a_faulty_disk(ctx, "audit", |p, disk| p.audit = disk.join("audit/audit.jsonl"))?;
     let mut agent = Agent::start(ctx, &places)?;
     runs_first(ctx, &agent, "audit-before")?;
     disk.fail_writes()?;
@@ -390,10 +394,7 @@ fn audit_write_error_keeps_the_executor_from_running(ctx: &Ctx) -> Result<(), St
 
 /// As above, through `opservant run` (no daemon): it could not run, exit status 2.
 fn cli_run_audit_write_error(ctx: &Ctx) -> Result<(), String> {
-    let mut places = Places::new(ctx, "cli");
-    let disk = FaultyDisk::new(ctx, "cli-disk")?;
-    places.audit = disk.mount.join("audit/audit.jsonl");
-    places.write(ctx)?;
+    let (places, disk) = on_a_faulty_disk(ctx, "cli", |p, disk| p.audit = disk.join("audit/audit.jsonl"))?;
     let (code, out, err) = places.op(&["run", "mark"])?;
     ensure!(code == 0, "before the fault: exit {code}\n{out}\n{err}");
     ensure!(marked(ctx).as_deref() == Some("1.0.0"), "before the fault the mark executor did not run: {out}");
@@ -408,10 +409,7 @@ fn cli_run_audit_write_error(ctx: &Ctx) -> Result<(), String> {
 /// The executors' disk refuses writes: installing version 2 fails, naming the disk, and
 /// version 1 stays the one listed and run.
 fn install_write_error_keeps_the_installed_version(ctx: &Ctx) -> Result<(), String> {
-    let mut places = Places::new(ctx, "install");
-    let disk = FaultyDisk::new(ctx, "install-disk")?;
-    places.executors = disk.mount.join("executors");
-    places.write(ctx)?;
+    let (places, disk) = on_a_faulty_disk(ctx, "install", |p, disk| p.executors = disk.join("executors"))?;
     let marks = ctx.mark.parent().ok_or("the mark has no directory")?;
     let v2 = mark_package(&places.base, marks, &ctx.mark, "2.0.0")?;
     disk.fail_writes()?;
@@ -432,10 +430,7 @@ fn install_write_error_keeps_the_installed_version(ctx: &Ctx) -> Result<(), Stri
 
 /// The executors' disk refuses writes: removing the executor fails, saying it may come back.
 fn remove_write_error_fails_the_removal(ctx: &Ctx) -> Result<(), String> {
-    let mut places = Places::new(ctx, "remove");
-    let disk = FaultyDisk::new(ctx, "remove-disk")?;
-    places.executors = disk.mount.join("executors");
-    places.write(ctx)?;
+    let (places, disk) = on_a_faulty_disk(ctx, "remove", |p, disk| p.executors = disk.join("executors"))?;
     disk.fail_writes()?;
     let (code, out, err) = places.op(&["executor", "remove", "mark"])?;
     ensure!(code != 0, "removing on a disk that refuses writes succeeded\nstdout: {out}\nstderr: {err}");
