@@ -13,7 +13,8 @@
 //!   through the daemon and through `opservant run`;
 //! - an install whose files, or whose switch of `current`, cannot be written to the disk
 //!   fails, and the version installed before stays the one that runs; a removal that cannot
-//!   be written fails.
+//!   be written fails;
+//! - a secret whose new value cannot be written leaves the value stored before.
 //!
 //! Without the prerequisites the suite prints `SKIPPED: ...` and succeeds — unless
 //! `CI=true`, where a missing prerequisite is a failure.
@@ -79,12 +80,13 @@ struct Ctx {
 }
 
 fn in_vm() -> ExitCode {
-    let checks: [(&str, guest::Check<Ctx>); 5] = [
+    let checks: [(&str, guest::Check<Ctx>); 6] = [
         ("replay_store_write_error_rejects_the_command", replay_store_write_error_rejects_the_command),
         ("audit_write_error_keeps_the_executor_from_running", audit_write_error_keeps_the_executor_from_running),
         ("cli_run_audit_write_error_keeps_the_executor_from_running", cli_run_audit_write_error),
         ("install_write_error_keeps_the_installed_version", install_write_error_keeps_the_installed_version),
         ("remove_write_error_fails_the_removal", remove_write_error_fails_the_removal),
+        ("secrets_write_error_keeps_the_stored_value", secrets_write_error_keeps_the_stored_value),
     ];
     let ctx = match setup() {
         Ok(ctx) => ctx,
@@ -206,6 +208,8 @@ struct Places {
     state: PathBuf,
     audit: PathBuf,
     executors: PathBuf,
+    /// The built-in secrets store's directory (`secrets.enc`, `secrets.key`).
+    secrets: PathBuf,
 }
 
 impl Places {
@@ -215,6 +219,7 @@ impl Places {
             state: base.join("state"),
             audit: base.join("audit/audit.jsonl"),
             executors: base.join("executors"),
+            secrets: base.join("secrets"),
             base,
         }
     }
@@ -229,17 +234,22 @@ impl Places {
 
     /// The configuration file, then the mark executor installed.
     fn write(&self, ctx: &Ctx) -> Result<(), String> {
-        std::fs::create_dir_all(&self.base).map_err(|e| format!("create {}: {e}", self.base.display()))?;
+        for dir in [&self.base, &self.secrets] {
+            std::fs::create_dir_all(dir).map_err(|e| format!("create {}: {e}", dir.display()))?;
+        }
         std::fs::write(
             self.config(),
             format!(
                 "agent:\n  platform_public_key: {}\n  state_dir: {}\n  socket: {}\n  max_concurrent: 2\n\
-                 executors:\n  dir: {}\naudit:\n  path: {}\n",
+                 executors:\n  dir: {}\naudit:\n  path: {}\n\
+                 secrets:\n  provider: builtin\n  store: {}/secrets.enc\n  key_file: {}/secrets.key\n",
                 ctx.dir.join("keys/signing.pub").display(),
                 self.state.display(),
                 self.socket().display(),
                 self.executors.display(),
-                self.audit.display()
+                self.audit.display(),
+                self.secrets.display(),
+                self.secrets.display()
             ),
         )
         .map_err(|e| format!("write the config: {e}"))?;
@@ -248,11 +258,16 @@ impl Places {
 
     /// `opservant ARGS --config CONFIG`: (exit code, stdout, stderr).
     fn op(&self, args: &[&str]) -> Result<(i32, String, String), String> {
+        self.op_with_input(args, b"")
+    }
+
+    /// [`Places::op`] with `input` on its stdin.
+    fn op_with_input(&self, args: &[&str], input: &[u8]) -> Result<(i32, String, String), String> {
         let mut argv = vec![OPSERVANT];
         argv.extend_from_slice(args);
         let config = self.config().display().to_string();
         argv.extend_from_slice(&["--config", &config]);
-        pipe(&argv, b"")
+        pipe(&argv, input)
     }
 
     fn op_ok(&self, args: &[&str]) -> Result<String, String> {
@@ -435,5 +450,19 @@ fn remove_write_error_fails_the_removal(ctx: &Ctx) -> Result<(), String> {
     let (code, out, err) = places.op(&["executor", "remove", "mark"])?;
     ensure!(code != 0, "removing on a disk that refuses writes succeeded\nstdout: {out}\nstderr: {err}");
     ensure!(err.contains("may come back after a restart"), "the removal's error does not say so: {err}");
+    Ok(())
+}
+
+/// The secrets store's disk refuses writes: replacing a value fails, and the value stored
+/// before is still the one read.
+fn secrets_write_error_keeps_the_stored_value(ctx: &Ctx) -> Result<(), String> {
+    let (places, disk) = on_a_faulty_disk(ctx, "secrets", |p, disk| p.secrets = disk.to_path_buf())?;
+    let (code, out, err) = places.op_with_input(&["secrets", "set", "api_key"], b"value-one\n")?;
+    ensure!(code == 0, "before the fault: secrets set exited {code}\n{out}\n{err}");
+    disk.fail_writes()?;
+    let (code, out, err) = places.op_with_input(&["secrets", "set", "api_key"], b"value-two\n")?;
+    ensure!(code != 0, "replacing a value on a disk that refuses writes succeeded\nstdout: {out}\nstderr: {err}");
+    let (code, out, err) = places.op(&["secrets", "get", "api_key"])?;
+    ensure!(code == 0 && out == "value-one", "secrets get after the failed set: exit {code}, {out:?}\n{err}");
     Ok(())
 }
