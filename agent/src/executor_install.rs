@@ -373,13 +373,48 @@ impl Staging {
 
     /// Everything written to the executors' filesystem so far is on the disk (`syncfs`), or
     /// an error naming `what` was not: a write the disk refused during the install — even
-    /// one the kernel wrote back before this call — fails it here.
-    fn make_durable(&self, what: &str) -> Result<(), InstallError> {
-        nix::unistd::syncfs(&self.opened).map_err(|e| InstallError::Io {
+    /// one the kernel wrote back before this call — fails it here. Before Linux 5.8 `syncfs`
+    /// did not report write-back errors: there every file and directory of `tree` and each
+    /// of `dirs` is `fsync`ed instead.
+    fn make_durable(&self, what: &str, tree: Option<&Path>, dirs: &[&Path]) -> Result<(), InstallError> {
+        let failed = |e: String| InstallError::Io {
             path: self.path.parent().unwrap_or(&self.path).display().to_string(),
-            source: std::io::Error::other(format!("{what} could not be written to the disk (syncfs: {e})")),
-        })
+            source: std::io::Error::other(format!("{what} could not be written to the disk ({e})")),
+        };
+        if syncfs_reports_errors() {
+            return nix::unistd::syncfs(&self.opened).map_err(|e| failed(format!("syncfs: {e}")));
+        }
+        fn fsync_tree(p: &Path) -> std::io::Result<()> {
+            let meta = std::fs::symlink_metadata(p)?;
+            if meta.is_dir() {
+                for entry in std::fs::read_dir(p)? {
+                    fsync_tree(&entry?.path())?;
+                }
+            } else if !meta.is_file() {
+                return Ok(());
+            }
+            std::fs::File::open(p)?.sync_all()
+        }
+        let fsync = |p: &Path, all: bool| {
+            let done = if all { fsync_tree(p) } else { std::fs::File::open(p).and_then(|d| d.sync_all()) };
+            done.map_err(|e| failed(format!("fsync {}: {e}", p.display())))
+        };
+        tree.map_or(Ok(()), |t| fsync(t, true))?;
+        dirs.iter().try_for_each(|d| fsync(d, false))
     }
+}
+
+/// Whether `syncfs(2)` reports the filesystem's write-back errors since its descriptor was
+/// opened: Linux 5.8 and later (a release that cannot be read counts as older).
+fn syncfs_reports_errors() -> bool {
+    nix::sys::utsname::uname().is_ok_and(|u| release_at_least(&u.release().to_string_lossy(), (5, 8)))
+}
+
+/// Whether a kernel release (`6.18.44-fc`, `4.18.0-553.el8_10.x86_64`) is at least
+/// `major.minor`; one that does not start with both counts as older.
+fn release_at_least(release: &str, (major, minor): (u32, u32)) -> bool {
+    let mut parts = release.split(|c: char| !c.is_ascii_digit()).map(|n| n.parse::<u32>().ok());
+    matches!((parts.next().flatten(), parts.next().flatten()), (Some(a), Some(b)) if (a, b) >= (major, minor))
 }
 
 impl Drop for Staging {
@@ -699,7 +734,7 @@ pub fn install(
     // The new version's files are on the disk before anything points to them: a crash after
     // the switch below never leaves `current` naming a half-written package, and a disk that
     // refused a write fails the install here, with nothing switched or recorded.
-    staging.make_durable(&format!("{} {}", manifest.name, manifest.version))?;
+    staging.make_durable(&format!("{} {}", manifest.name, manifest.version), Some(&staging.path), &[])?;
     // Fail closed: the executors that can run change only once the change is in the audit
     // log (`executor_installed` follows it).
     crate::audit::try_record(
@@ -733,10 +768,14 @@ pub fn install(
     // The switch itself (and a first install's new directories) on the disk too. Should that
     // fail, the new version is in place until the host restarts, and may not be after: the
     // install is reported failed, saying so.
-    staging.make_durable(&format!(
-        "the switch of {}'s `current` to {} (in place now, perhaps not after a restart: install it again)",
-        manifest.name, dir_name
-    ))?;
+    staging.make_durable(
+        &format!(
+            "the switch of {}'s `current` to {} (in place now, perhaps not after a restart: install it again)",
+            manifest.name, dir_name
+        ),
+        None,
+        &[&name_dir, root],
+    )?;
     // Keep the new and the previous version; remove older ones that no run holds (a later
     // install removes those).
     if let Ok(entries) = std::fs::read_dir(&name_dir) {
@@ -2054,6 +2093,23 @@ pub fn remove(root: &Path, name: &str, source: &str, command_id: Option<&str>) -
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn kernel_releases_are_compared_by_major_and_minor() {
+        use super::release_at_least;
+        for (release, at_least_5_8) in [
+            ("6.18.44-fc-v1272", true),
+            ("6.1.0-57-amd64", true),
+            ("5.8.0", true),
+            ("5.10.0-32-amd64", true),
+            ("5.7.19", false),
+            ("4.18.0-553.el8_10.x86_64", false),
+            ("", false),
+            ("linux", false),
+            ("6", false),
+        ] {
+            assert_eq!(release_at_least(release, (5, 8)), at_least_5_8, "{release}");
+        }
+    }
 
     #[test]
     fn forced_copies_are_the_same_version() {
