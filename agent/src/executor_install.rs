@@ -372,14 +372,19 @@ impl Staging {
     }
 
     /// Everything written to the executors' filesystem so far is on the disk (`syncfs`), or
-    /// an error naming `what` was not: a write the disk refused during the install — even
-    /// one the kernel wrote back before this call — fails it here. Before Linux 5.8 `syncfs`
-    /// did not report write-back errors: there every file and directory of `tree` and each
-    /// of `dirs` is `fsync`ed instead.
-    fn make_durable(&self, what: &str, tree: Option<&Path>, dirs: &[&Path]) -> Result<(), InstallError> {
+    /// an error saying so, and what it means (`consequence`): a write the disk refused during
+    /// the install — even one the kernel wrote back before this call — fails it here. So does
+    /// one that filesystem refused another writer since the staging directory was opened
+    /// (the kernel keeps one write-back error per filesystem): failing closed, the message
+    /// blames the filesystem, not the package. Before Linux 5.8 `syncfs` did not report
+    /// write-back errors: there every file and directory of `tree` and each of `dirs` is
+    /// `fsync`ed instead.
+    fn make_durable(&self, consequence: &str, tree: Option<&Path>, dirs: &[&Path]) -> Result<(), InstallError> {
         let failed = |e: String| InstallError::Io {
             path: self.path.parent().unwrap_or(&self.path).display().to_string(),
-            source: std::io::Error::other(format!("{what} could not be written to the disk ({e})")),
+            source: std::io::Error::other(format!(
+                "the executors' filesystem reported a write error ({e}): {consequence}"
+            )),
         };
         if syncfs_reports_errors() {
             return nix::unistd::syncfs(&self.opened).map_err(|e| failed(format!("syncfs: {e}")));
@@ -734,7 +739,11 @@ pub fn install(
     // The new version's files are on the disk before anything points to them: a crash after
     // the switch below never leaves `current` naming a half-written package, and a disk that
     // refused a write fails the install here, with nothing switched or recorded.
-    staging.make_durable(&format!("{} {}", manifest.name, manifest.version), Some(&staging.path), &[])?;
+    staging.make_durable(
+        &format!("{} {} is not on the disk; nothing was switched", manifest.name, manifest.version),
+        Some(&staging.path),
+        &[],
+    )?;
     // Fail closed: the executors that can run change only once the change is in the audit
     // log (`executor_installed` follows it).
     crate::audit::try_record(
@@ -770,8 +779,9 @@ pub fn install(
     // install is reported failed, saying so.
     staging.make_durable(
         &format!(
-            "the switch of {}'s `current` to {} (in place now, perhaps not after a restart: install it again)",
-            manifest.name, dir_name
+            "{name}'s `current` names {dir_name} now but may not after a restart; once the disk is \
+             fixed, install it again with --force",
+            name = manifest.name
         ),
         None,
         &[&name_dir, root],

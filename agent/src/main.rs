@@ -1017,6 +1017,14 @@ fn sign_package(
         let _ = std::fs::remove_file(&tmp);
         return Err(CannotRun(format!("{}: {e}", out.display())));
     }
+    // The rename on the disk before success is reported.
+    let dir = out.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+    std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(|e| {
+        CannotRun(format!(
+            "{}: written, but its directory could not be synced ({e}): a crash may lose it",
+            out.display()
+        ))
+    })?;
     outln!("{}", out.display());
     Ok(ExitCode::SUCCESS)
 }

@@ -42,8 +42,10 @@
 //! - Plaintext values live only in [`Zeroizing`] buffers, wiped when dropped; they are never
 //!   written anywhere. The key is held the same way.
 //! - Every change is written atomically: a temporary file in the store's directory (mode 0600),
-//!   fsync, rename over the store, fsync of the directory. An error leaves the previous store
-//!   exactly as it was; the key file is created the same way and never overwritten.
+//!   fsync, rename over the store, fsync of the directory. An error before the rename leaves
+//!   the previous store exactly as it was; one in the directory's fsync after it leaves the
+//!   new store in place but not known to be on the disk (reported as an error all the same).
+//!   The key file is created the same way and never overwritten.
 //! - A wrong key, an altered or truncated file, an unknown version or malformed JSON is a
 //!   [`StoreError`] naming the store — never garbage, never a panic — and nothing is written.
 //! - The store and key must be owned by root (or the running user) with mode 0600 or stricter;
@@ -673,13 +675,17 @@ fn write_replace(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 }
 
 /// Create `path` with `bytes` atomically, failing if it exists: temporary file, fsync, hard
-/// link (which never replaces), fsync directory.
+/// link (which never replaces), fsync directory. A file whose name may not be on the disk
+/// is taken back: a key a crash could lose must not go on to encrypt a store that survives
+/// it (the key and the store may be on different filesystems).
 fn write_new(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let tmp = write_temp(path, bytes)?;
     let linked = std::fs::hard_link(&tmp, path);
     let _ = std::fs::remove_file(&tmp);
     linked?;
-    sync_dir(path)
+    sync_dir(path).inspect_err(|_| {
+        let _ = std::fs::remove_file(path);
+    })
 }
 
 #[cfg(test)]

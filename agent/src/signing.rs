@@ -369,8 +369,8 @@ pub fn keygen(dir: &Path) -> Result<(PathBuf, PathBuf), SigningError> {
         .map_err(|e| SigningError::Key(format!("encode the public key: {e}")))?;
     // Each file is written whole to a temporary name in the same directory, synced, then
     // hard-linked to its name (which fails when the name exists: never an overwrite) and
-    // the temporary name removed. A full disk or any other failure leaves no partial key
-    // behind, so a retry is not refused.
+    // the temporary name removed, and the directory synced. A full disk or any other
+    // failure leaves no partial key behind, so a retry is not refused.
     let write = |p: &Path, mode: u32, data: &[u8]| -> Result<(), SigningError> {
         let mut tmp = p.as_os_str().to_owned();
         tmp.push(format!(".tmp-{}", std::process::id()));
@@ -381,8 +381,11 @@ pub fn keygen(dir: &Path) -> Result<(PathBuf, PathBuf), SigningError> {
         drop(f);
         let _ = std::fs::remove_file(&tmp);
         done.map_err(|e| err(p, e))?;
-        if let Ok(d) = std::fs::File::open(dir) {
-            let _ = d.sync_all();
+        // The new name on the disk too, or no key: one the disk may lose is taken back, so
+        // that a retry is not refused.
+        if let Err(e) = std::fs::File::open(dir).and_then(|d| d.sync_all()) {
+            let _ = std::fs::remove_file(p);
+            return Err(err(p, e));
         }
         Ok(())
     };

@@ -12,9 +12,14 @@
 //! - a run whose `executor_start` record cannot be made durable never imports its executor,
 //!   through the daemon and through `opservant run`;
 //! - an install whose files, or whose switch of `current`, cannot be written to the disk
-//!   fails, and the version installed before stays the one that runs; a removal that cannot
-//!   be written fails;
-//! - a secret whose new value cannot be written leaves the value stored before.
+//!   fails (exit 2) saying what a restart may find, and the version installed before stays
+//!   the one that runs; a removal that cannot be written fails, saying the executor may come
+//!   back;
+//! - a secret whose new value cannot be written leaves the value stored before, and a store
+//!   key that cannot be written is never used.
+//!
+//! Where a claim is about what survives, the check then unmounts the filesystem, heals the
+//! disk and mounts it again — what a crash would have left — and looks.
 //!
 //! Without the prerequisites the suite prints `SKIPPED: ...` and succeeds — unless
 //! `CI=true`, where a missing prerequisite is a failure.
@@ -80,13 +85,18 @@ struct Ctx {
 }
 
 fn in_vm() -> ExitCode {
-    let checks: [(&str, guest::Check<Ctx>); 6] = [
+    let checks: [(&str, guest::Check<Ctx>); 8] = [
         ("replay_store_write_error_rejects_the_command", replay_store_write_error_rejects_the_command),
         ("audit_write_error_keeps_the_executor_from_running", audit_write_error_keeps_the_executor_from_running),
         ("cli_run_audit_write_error_keeps_the_executor_from_running", cli_run_audit_write_error),
         ("install_write_error_keeps_the_installed_version", install_write_error_keeps_the_installed_version),
+        (
+            "install_switch_write_error_says_what_a_restart_may_find",
+            install_switch_write_error_says_what_a_restart_may_find,
+        ),
         ("remove_write_error_fails_the_removal", remove_write_error_fails_the_removal),
         ("secrets_write_error_keeps_the_stored_value", secrets_write_error_keeps_the_stored_value),
+        ("secrets_key_write_error_leaves_no_key", secrets_key_write_error_leaves_no_key),
     ];
     let ctx = match setup() {
         Ok(ctx) => ctx,
@@ -180,26 +190,47 @@ impl FaultyDisk {
 
     /// From now on every write to the disk fails (`EIO`).
     fn fail_writes(&self) -> Result<(), String> {
+        self.load(&self.table("flakey"))
+    }
+
+    fn load(&self, table: &str) -> Result<(), String> {
         sh_ok(&format!(
-            "dmsetup suspend --noudevsync {n} && dmsetup load {n} --table '{t}' && dmsetup resume --noudevsync {n}",
-            n = self.name,
-            t = self.table("flakey")
+            "dmsetup suspend --noudevsync {n} && dmsetup load {n} --table '{table}' && dmsetup resume --noudevsync {n}",
+            n = self.name
         ))
         .map(drop)
+    }
+
+    /// What a restart would find: the filesystem unmounted (what was only in memory goes),
+    /// the disk healed and mounted again (ext4 replays the journal's committed transactions).
+    /// Nothing may be using the mount.
+    fn remount_healed(&self) -> Result<(), String> {
+        sh_ok(&format!("umount {}", self.mount.display()))?;
+        self.load(&self.table("linear"))?;
+        sh_ok(&format!("mount -o commit=300 /dev/mapper/{} {}", self.name, self.mount.display())).map(drop)
     }
 }
 
 impl Drop for FaultyDisk {
     fn drop(&mut self) {
-        let _ = sh(&format!(
-            "umount -l {m}; dmsetup remove --noudevsync {n}; losetup -d {l}; rm -f {i}",
+        // Each check's device has a name of its own: one left behind (a killed agent's
+        // sandbox still holding the mount) is only reported.
+        let (code, out, err) = sh(&format!(
+            "umount -l {m}; dmsetup remove --noudevsync --retry {n} && losetup -d {l} && rm -f {i}",
             m = self.mount.display(),
             n = self.name,
             l = self.loop_dev,
             i = self.image.display()
         ));
+        if code != 0 {
+            println!("\n  (the disk {} was not removed: exit {code}: {out}{err})", self.name);
+        }
     }
 }
+
+/// How long an append waits for the audit log's lock: long enough for a check that holds it
+/// while it fails a disk under TCG.
+const AUDIT_LOCK_WAIT_SECONDS: u64 = 120;
 
 /// Where a check's agent keeps its files: one scratch directory per check, with the state
 /// directory, the audit log or the executors placed on a faulty disk instead.
@@ -208,8 +239,10 @@ struct Places {
     state: PathBuf,
     audit: PathBuf,
     executors: PathBuf,
-    /// The built-in secrets store's directory (`secrets.enc`, `secrets.key`).
+    /// The built-in secrets store's directory (`secrets.enc`).
     secrets: PathBuf,
+    /// The directory of the store's key (`secrets.key`).
+    secrets_key: PathBuf,
 }
 
 impl Places {
@@ -220,6 +253,7 @@ impl Places {
             audit: base.join("audit/audit.jsonl"),
             executors: base.join("executors"),
             secrets: base.join("secrets"),
+            secrets_key: base.join("secrets"),
             base,
         }
     }
@@ -234,14 +268,14 @@ impl Places {
 
     /// The configuration file, then the mark executor installed.
     fn write(&self, ctx: &Ctx) -> Result<(), String> {
-        for dir in [&self.base, &self.secrets] {
+        for dir in [&self.base, &self.secrets, &self.secrets_key] {
             std::fs::create_dir_all(dir).map_err(|e| format!("create {}: {e}", dir.display()))?;
         }
         std::fs::write(
             self.config(),
             format!(
                 "agent:\n  platform_public_key: {}\n  state_dir: {}\n  socket: {}\n  max_concurrent: 2\n\
-                 executors:\n  dir: {}\naudit:\n  path: {}\n\
+                 executors:\n  dir: {}\naudit:\n  path: {}\n  lock_wait_seconds: {AUDIT_LOCK_WAIT_SECONDS}\n\
                  secrets:\n  provider: builtin\n  store: {}/secrets.enc\n  key_file: {}/secrets.key\n",
                 ctx.dir.join("keys/signing.pub").display(),
                 self.state.display(),
@@ -249,7 +283,7 @@ impl Places {
                 self.executors.display(),
                 self.audit.display(),
                 self.secrets.display(),
-                self.secrets.display()
+                self.secrets_key.display()
             ),
         )
         .map_err(|e| format!("write the config: {e}"))?;
@@ -399,8 +433,14 @@ fn audit_write_error_keeps_the_executor_from_running(ctx: &Ctx) -> Result<(), St
     disk.fail_writes()?;
     for id in ["audit-after-1", "audit-after-2"] {
         let (code, r) = agent.execute_mark(id)?;
-        ensure!(code != 0 && r["status"] != "completed", "{id}: exit {code}, {r}\n{}", agent.log_text());
-        ensure!(r.to_string().contains("audit"), "{id}: the reply does not name the audit log: {r}");
+        ensure!(
+            code != 0 && r["status"] == "rejected" && r["reason"] == "cannot_run",
+            "{id}: exit {code}, {r}\n{}",
+            agent.log_text()
+        );
+        let error = r["error"].as_str().unwrap_or_default();
+        let log = format!("audit log {}", places.audit.display());
+        ensure!(error.contains(&log), "{id}: the rejection does not name the audit log: {r}");
         ensure!(marked(ctx).is_none(), "{id}: the mark executor ran though its start was not audited: {r}");
         ensure!(agent.running(), "the agent exited\n{}", agent.log_text());
     }
@@ -416,22 +456,28 @@ fn cli_run_audit_write_error(ctx: &Ctx) -> Result<(), String> {
     disk.fail_writes()?;
     let (code, out, err) = places.op(&["run", "mark"])?;
     ensure!(code == 2, "after the fault: exit {code}, not 2\nstdout: {out}\nstderr: {err}");
-    ensure!(err.contains("audit"), "the error does not name the audit log: {err}");
+    let log = format!("audit log {}", places.audit.display());
+    ensure!(err.contains(&log), "the error does not name the audit log: {err}");
     ensure!(marked(ctx).is_none(), "the mark executor ran though its start was not audited: {out}");
     Ok(())
 }
 
-/// The executors' disk refuses writes: installing version 2 fails, naming the disk, and
-/// version 1 stays the one listed and run.
+/// The executors' disk refuses writes: installing version 2 fails (exit 2), saying its files
+/// are not on the disk and nothing was switched; version 1 stays the one listed and run, and
+/// is what a restart finds.
 fn install_write_error_keeps_the_installed_version(ctx: &Ctx) -> Result<(), String> {
     let (places, disk) = on_a_faulty_disk(ctx, "install", |p, disk| p.executors = disk.join("executors"))?;
     let marks = ctx.mark.parent().ok_or("the mark has no directory")?;
     let v2 = mark_package(&places.base, marks, &ctx.mark, "2.0.0")?;
     disk.fail_writes()?;
     let (code, out, err) = places.op(&["executor", "install", &v2.display().to_string()])?;
-    ensure!(code != 0, "installing 2.0.0 on a disk that refuses writes succeeded\nstdout: {out}\nstderr: {err}");
     ensure!(
-        err.contains("mark 2.0.0 could not be written to the disk"),
+        code == 2,
+        "installing 2.0.0 on a disk that refuses writes: exit {code}, not 2\nstdout: {out}\nstderr: {err}"
+    );
+    ensure!(
+        err.contains("the executors' filesystem reported a write error")
+            && err.contains("mark 2.0.0 is not on the disk; nothing was switched"),
         "the install's error does not say the disk refused its files: {err}"
     );
     let list = places.op_ok(&["executor", "list"])?;
@@ -440,29 +486,123 @@ fn install_write_error_keeps_the_installed_version(ctx: &Ctx) -> Result<(), Stri
     ensure!(code == 0, "running the installed version: exit {code}\n{out}\n{err}");
     let ran = marked(ctx);
     ensure!(ran.as_deref() == Some("1.0.0"), "the version that ran is {ran:?}, not 1.0.0");
+    disk.remount_healed()?;
+    let current = std::fs::read_link(places.executors.join("mark/current")).map_err(|e| format!("current: {e}"))?;
+    ensure!(current == Path::new("1.0.0"), "after a restart `current` names {}", current.display());
     Ok(())
 }
 
-/// The executors' disk refuses writes: removing the executor fails, saying it may come back.
+/// The disk starts refusing writes between an install's two flushes — its package on the
+/// disk, then the switch of `current` —: the install fails (exit 2), saying the new version
+/// is in place now but may not be after a restart and how to install it again; a restart
+/// finds version 1. The fault is placed there by holding the audit log's lock: the install
+/// waits for it, for its `executor_install` record, after its first flush.
+fn install_switch_write_error_says_what_a_restart_may_find(ctx: &Ctx) -> Result<(), String> {
+    use std::os::unix::fs::MetadataExt;
+    let (places, disk) = on_a_faulty_disk(ctx, "switch", |p, disk| p.executors = disk.join("executors"))?;
+    let marks = ctx.mark.parent().ok_or("the mark has no directory")?;
+    let v2 = mark_package(&places.base, marks, &ctx.mark, "2.0.0")?;
+    let lock_path = places.audit.with_file_name("audit.jsonl.lock");
+    let lock = std::fs::File::open(&lock_path).map_err(|e| format!("open {}: {e}", lock_path.display()))?;
+    let inode = lock.metadata().map_err(|e| e.to_string())?.ino();
+    let mut cmd = Command::new(OPSERVANT);
+    cmd.args(["executor", "install", &v2.display().to_string(), "--config", &places.config().display().to_string()]);
+    let install = guest::spawn(cmd, "opservant executor install")?;
+    // The lock is taken once the install has opened its audit log (which locks it too) and
+    // staged its package: linting and precompiling it in a sandbox take seconds under TCG
+    // before the record. (Should the install get past the record first, it succeeds and the
+    // check fails; it cannot pass that way.)
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let staging = || {
+        std::fs::read_dir(&places.executors)
+            .map(|d| d.flatten().any(|e| e.file_name().to_string_lossy().starts_with(".staging-")))
+            .unwrap_or(false)
+    };
+    while !staging() {
+        ensure!(Instant::now() < deadline, "the install never staged its package");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // SAFETY: flock(2) on a descriptor this function owns.
+    ensure!(unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX) } == 0, "flock the audit lock");
+    // A waiter blocked on the lock's inode: `N: -> FLOCK  ADVISORY  WRITE PID MAJ:MIN:INODE …`.
+    let deadline = Instant::now() + Duration::from_secs(AUDIT_LOCK_WAIT_SECONDS / 2);
+    let waiting = |locks: &str| locks.lines().any(|l| l.contains("->") && l.contains(&format!(":{inode} ")));
+    while !waiting(&std::fs::read_to_string("/proc/locks").unwrap_or_default()) {
+        ensure!(Instant::now() < deadline, "the install never waited for the audit log's lock");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    disk.fail_writes()?;
+    drop(lock);
+    let out = guest::output_within(install, "opservant executor install")?;
+    let (code, err) = (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stderr).into_owned());
+    ensure!(code == 2, "the install whose switch could not be flushed: exit {code}, not 2\nstderr: {err}");
+    ensure!(
+        err.contains("mark's `current` names 2.0.0 now but may not after a restart")
+            && err.contains("install it again with --force"),
+        "the install's error does not say what a restart may find: {err}"
+    );
+    disk.remount_healed()?;
+    let current = std::fs::read_link(places.executors.join("mark/current")).map_err(|e| format!("current: {e}"))?;
+    ensure!(current == Path::new("1.0.0"), "after a restart `current` names {}", current.display());
+    Ok(())
+}
+
+/// The executors' disk refuses writes: removing the executor fails (exit 2), saying it may
+/// come back after a restart — and a restart finds it.
 fn remove_write_error_fails_the_removal(ctx: &Ctx) -> Result<(), String> {
     let (places, disk) = on_a_faulty_disk(ctx, "remove", |p, disk| p.executors = disk.join("executors"))?;
     disk.fail_writes()?;
     let (code, out, err) = places.op(&["executor", "remove", "mark"])?;
-    ensure!(code != 0, "removing on a disk that refuses writes succeeded\nstdout: {out}\nstderr: {err}");
+    ensure!(code == 2, "removing on a disk that refuses writes: exit {code}, not 2\nstdout: {out}\nstderr: {err}");
     ensure!(err.contains("may come back after a restart"), "the removal's error does not say so: {err}");
+    disk.remount_healed()?;
+    let list = places.op_ok(&["executor", "list"])?;
+    ensure!(list.contains("mark") && list.contains("1.0.0"), "after a restart the executor is not back: {list}");
     Ok(())
 }
 
 /// The secrets store's disk refuses writes: replacing a value fails, and the value stored
 /// before is still the one read.
 fn secrets_write_error_keeps_the_stored_value(ctx: &Ctx) -> Result<(), String> {
-    let (places, disk) = on_a_faulty_disk(ctx, "secrets", |p, disk| p.secrets = disk.to_path_buf())?;
+    let (places, disk) = on_a_faulty_disk(ctx, "secrets", |p, disk| {
+        p.secrets = disk.to_path_buf();
+        p.secrets_key = disk.to_path_buf();
+    })?;
     let (code, out, err) = places.op_with_input(&["secrets", "set", "api_key"], b"value-one\n")?;
     ensure!(code == 0, "before the fault: secrets set exited {code}\n{out}\n{err}");
     disk.fail_writes()?;
     let (code, out, err) = places.op_with_input(&["secrets", "set", "api_key"], b"value-two\n")?;
-    ensure!(code != 0, "replacing a value on a disk that refuses writes succeeded\nstdout: {out}\nstderr: {err}");
+    ensure!(
+        code == 2,
+        "replacing a value on a disk that refuses writes: exit {code}, not 2\nstdout: {out}\nstderr: {err}"
+    );
+    ensure!(err.contains("Input/output error"), "the error does not say the disk refused: {err}");
     let (code, out, err) = places.op(&["secrets", "get", "api_key"])?;
     ensure!(code == 0 && out == "value-one", "secrets get after the failed set: exit {code}, {out:?}\n{err}");
+    disk.remount_healed()?;
+    let (code, out, err) = places.op(&["secrets", "get", "api_key"])?;
+    ensure!(code == 0 && out == "value-one", "secrets get after a restart: exit {code}, {out:?}\n{err}");
+    Ok(())
+}
+
+/// The store's key on a disk that refuses writes, the store on a healthy one: the first
+/// `secrets set` fails creating the key, and so does the next — a key that may not be on the
+/// disk never encrypts a store that is. After a restart there is neither key nor store.
+/// (Here the key's own `fsync` is what fails; its directory's failing alone, which
+/// `secrets_store::write_new` also answers by taking the key back, cannot be placed with a
+/// disk that refuses every write.)
+fn secrets_key_write_error_leaves_no_key(ctx: &Ctx) -> Result<(), String> {
+    let (places, disk) = on_a_faulty_disk(ctx, "secrets-key", |p, disk| p.secrets_key = disk.to_path_buf())?;
+    disk.fail_writes()?;
+    for attempt in ["first", "second"] {
+        let (code, out, err) = places.op_with_input(&["secrets", "set", "api_key"], b"value-one\n")?;
+        ensure!(code == 2, "the {attempt} set with the key's disk refusing writes: exit {code}, not 2\n{out}\n{err}");
+        ensure!(err.contains("Input/output error"), "the {attempt} set's error does not say the disk refused: {err}");
+        let key = places.secrets_key.join("secrets.key");
+        ensure!(!key.exists(), "the {attempt} set left {} in place", key.display());
+    }
+    ensure!(!places.secrets.join("secrets.enc").exists(), "a store was written without a durable key");
+    disk.remount_healed()?;
+    ensure!(!places.secrets_key.join("secrets.key").exists(), "after a restart a key is there");
     Ok(())
 }
