@@ -205,7 +205,7 @@ impl FaultyDisk {
     /// the disk healed and mounted again (ext4 replays the journal's committed transactions).
     /// Nothing may be using the mount.
     fn remount_healed(&self) -> Result<(), String> {
-        sh_ok(&format!("umount {}", self.mount.display()))?;
+        sh_ok(&format!("umount {} && blockdev --flushbufs /dev/mapper/{}", self.mount.display(), self.name))?;
         self.load(&self.table("linear"))?;
         sh_ok(&format!("mount -o commit=300 /dev/mapper/{} {}", self.name, self.mount.display())).map(drop)
     }
@@ -513,9 +513,10 @@ fn install_switch_write_error_says_what_a_restart_may_find(ctx: &Ctx) -> Result<
     // before the record. (Should the install get past the record first, it succeeds and the
     // check fails; it cannot pass that way.)
     let deadline = Instant::now() + Duration::from_secs(60);
+    let own = format!(".staging-{}-", install.id());
     let staging = || {
         std::fs::read_dir(&places.executors)
-            .map(|d| d.flatten().any(|e| e.file_name().to_string_lossy().starts_with(".staging-")))
+            .map(|d| d.flatten().any(|e| e.file_name().to_string_lossy().starts_with(&own)))
             .unwrap_or(false)
     };
     while !staging() {
@@ -538,9 +539,13 @@ fn install_switch_write_error_says_what_a_restart_may_find(ctx: &Ctx) -> Result<
     ensure!(code == 2, "the install whose switch could not be flushed: exit {code}, not 2\nstderr: {err}");
     ensure!(
         err.contains("mark's `current` names 2.0.0 now but may not after a restart")
-            && err.contains("install it again with --force"),
+            && err.contains("install it again with force (`--force`"),
         "the install's error does not say what a restart may find: {err}"
     );
+    // As it says: 2.0.0 is what runs now…
+    let current = std::fs::read_link(places.executors.join("mark/current")).map_err(|e| format!("current: {e}"))?;
+    ensure!(current == Path::new("2.0.0"), "before a restart `current` names {}", current.display());
+    // …and a restart finds 1.0.0.
     disk.remount_healed()?;
     let current = std::fs::read_link(places.executors.join("mark/current")).map_err(|e| format!("current: {e}"))?;
     ensure!(current == Path::new("1.0.0"), "after a restart `current` names {}", current.display());
