@@ -1486,6 +1486,11 @@ fn commands_pulled_from_the_platform_over_mutual_tls() {
     assert_eq!(hb["version"], env!("CARGO_PKG_VERSION"));
     assert!(hb["executors"].as_array().unwrap().iter().any(|e| e == "port-scanner@1.0.0"), "{hb}");
     assert_eq!(hb["install_failures"], json!([]), "{hb}");
+    assert_eq!(
+        hb["audit"],
+        json!({"ok": true, "error": null, "since": null, "flush_failed": null}),
+        "the audit log's health: {hb}"
+    );
     let sb = &hb["sandboxes"];
     assert_eq!(
         (&sb["launch"], &sb["zygote_running"], &sb["zygote_paused_s"], &sb["warm_pool"]),
@@ -2057,6 +2062,76 @@ fn executors_listed_in_the_config_are_installed_at_start_once() {
     assert!(a.stop().success());
     assert_eq!(std::fs::read_link(a.dir.path.join("executors/hello/current")).unwrap(), PathBuf::from("2.0.0"));
     assert_eq!(count(&a, "executor_installed"), 4, "only the one by hand");
+    a.audit_verify();
+}
+
+/// The audit log's disk fills up: runs are refused (their start cannot be recorded), `ping`
+/// says the log is failing, since when and why; once there is room again runs go on and
+/// `ping` says so. (A disk that refuses writes outright is `vm_storage_faults`' part.)
+#[test]
+fn a_full_audit_disk_refuses_runs_says_so_in_ping_and_recovers() {
+    if !common::require_root() {
+        return;
+    }
+    let mut a = Agent::new(2);
+    // The log on a small filesystem of its own (the installs' records stay beneath it).
+    let audit = a.dir.path.join("audit");
+    let st = Command::new("mount").args(["-t", "tmpfs", "-o", "size=256k,mode=0755", "tmpfs"]).arg(&audit).status();
+    assert!(st.unwrap().success(), "mount a tmpfs");
+    struct Unmount(PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = Command::new("umount").arg(&self.0).status();
+        }
+    }
+    let _unmount = Unmount(audit.clone());
+    let health = |a: &Agent, id: &str| {
+        let (code, pong) = a.submit(&a.sign(&json!({"command_id": id, "action": "ping"})));
+        assert_eq!(code, 0, "{pong}");
+        pong["output"]["audit"].clone()
+    };
+    a.start();
+    let (code, r) = a.submit(&a.sign(&scan("full-before")));
+    assert_eq!((code, r["status"].clone()), (0, json!("completed")), "{r}");
+    let ok = health(&a, "full-ping-1");
+    assert_eq!(
+        (ok["ok"].clone(), ok["error"].clone(), ok["flush_failed"].clone()),
+        (json!(true), Value::Null, Value::Null)
+    );
+    // Filled to the last block.
+    let filler = audit.join("filler");
+    let mut f = std::fs::File::create(&filler).unwrap();
+    use std::io::Write;
+    while f.write_all(&[0u8; 4096]).is_ok() {}
+    let _ = f.write_all(&[0u8; 1]);
+    drop(f);
+    // The log's last page may still hold a few records (tmpfs allocates whole pages): runs
+    // go on until it is full, then every one is refused.
+    let first_refused = (1..=40)
+        .find(|n| a.submit(&a.sign(&scan(&format!("full-fill-{n}")))).1["status"] != "completed")
+        .expect("a run refused once the log's last page is full");
+    for id in ["full-1", "full-2"] {
+        let (code, r) = a.submit(&a.sign(&scan(id)));
+        assert_ne!(code, 0, "{id} (after {first_refused} runs): {r}");
+        assert_eq!((r["status"].as_str(), r["reason"].as_str()), (Some("rejected"), Some("cannot_run")), "{id}: {r}");
+        assert!(r["error"].as_str().unwrap().contains("No space left on device"), "{id}: {r}");
+    }
+    let failing = health(&a, "full-ping-2");
+    assert_eq!(failing["ok"], false, "{failing}");
+    assert!(failing["error"].as_str().unwrap().contains("No space left on device"), "{failing}");
+    let since = failing["since"].as_str().unwrap().to_string();
+    assert!(since.ends_with('Z'), "{failing}");
+    // Still the same run of failures: `since` stays.
+    let (_, r) = a.submit(&a.sign(&scan("full-3")));
+    assert_eq!(r["reason"], "cannot_run", "{r}");
+    assert_eq!(health(&a, "full-ping-3")["since"].as_str(), Some(since.as_str()));
+    // Room again: runs go on, and the log is well.
+    std::fs::remove_file(&filler).unwrap();
+    let (code, r) = a.submit(&a.sign(&scan("full-after")));
+    assert_eq!((code, r["status"].clone()), (0, json!("completed")), "{r}");
+    let ok = health(&a, "full-ping-4");
+    assert_eq!((ok["ok"].clone(), ok["error"].clone()), (json!(true), Value::Null), "{ok}");
+    assert!(a.stop().success());
     a.audit_verify();
 }
 

@@ -1205,9 +1205,46 @@ fn try_record_to(sink: Option<Arc<AuditLog>>, event: &str, fields: &[(&str, &str
 /// Append with its flush, and the record's `tracing` line.
 fn append_to(sink: Option<Arc<AuditLog>>, event: &str, fields: &[(&str, &str)]) -> Result<(), AuditError> {
     let fields = fields_object(fields);
+    let configured = sink.is_some();
     let appended = sink.map(|log| log.append(event, &fields)).transpose();
     trace(event, &fields, &appended);
+    if configured {
+        note(appended.as_ref().map(|_| ()));
+    }
     appended.map(|_| ())
+}
+
+/// The failures of this process's appends since the last one that was durable: the latest
+/// error and the time of the first ([`health`]).
+static FAILING: Mutex<Option<(String, String)>> = Mutex::new(None);
+
+/// An append's outcome for [`health`]: a durable one ends a run of failures.
+fn note(outcome: Result<(), &AuditError>) {
+    let mut failing = FAILING.lock().unwrap_or_else(PoisonError::into_inner);
+    *failing = match outcome {
+        Ok(()) => None,
+        Err(e) => {
+            let since = failing.take().map_or_else(|| timestamp(SystemTime::now()), |(_, since)| since);
+            Some((e.to_string(), since))
+        }
+    };
+}
+
+/// The log as this process has found it, for `ping` and heartbeats: `ok` unless its last
+/// append failed (`error`, the latest; `since`, the first of the run of failures — every
+/// run whose start cannot be recorded is refused meanwhile); `flush_failed`, the first flush
+/// of this process that failed, if one did: the lines it covered may not be on the disk
+/// even once appends succeed again (`audit verify` after the next restart tells).
+pub fn health() -> Value {
+    let failing = FAILING.lock().unwrap_or_else(PoisonError::into_inner).clone();
+    let flush_failed =
+        sink().and_then(|log| log.flush.state.lock().unwrap_or_else(PoisonError::into_inner).failed.clone());
+    serde_json::json!({
+        "ok": failing.is_none(),
+        "error": failing.as_ref().map(|(e, _)| e),
+        "since": failing.as_ref().map(|(_, since)| since),
+        "flush_failed": flush_failed,
+    })
 }
 
 thread_local! {
@@ -1241,6 +1278,7 @@ fn record_before_gate_to(sink: Option<Arc<AuditLog>>, event: &str, fields: &[(&s
         .transpose();
     trace(event, &fields, &appended);
     if let Err(e) = appended {
+        note(Err(&e));
         tracing::error!(target: "opservant::audit", event, error = %e, "audit log append failed: this event is only on stderr");
         let lost = AuditError {
             message: format!("a record made before a gate ({event}) could not be written: {}", e.message),
@@ -1269,6 +1307,7 @@ pub fn settle() -> Result<(), AuditError> {
             same.push(d);
         }
         if let Err(e) = log.settle(same) {
+            note(Err(&e));
             result = result.and(Err(e));
         }
     }

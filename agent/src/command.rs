@@ -518,6 +518,7 @@ impl Pipeline {
             "pong": true, "agent_id": self.config.agent_id(), "version": env!("CARGO_PKG_VERSION"), "executors": executors,
             "install_failures": self.install_failures,
             "sandboxes": self.launch_status(),
+            "audit": crate::audit::health(),
         }})
     }
 

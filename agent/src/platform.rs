@@ -18,7 +18,8 @@
 //!   installed executors, the number of running commands, the `executors.install` entries
 //!   that failed at start (`install_failures`: entry, package, error), how sandboxes start
 //!   (`sandboxes`: launch mode, whether the zygote runs, the warm pool's size and ready
-//!   sandboxes) and `doctor`'s findings;
+//!   sandboxes), the audit log's health (`audit`: see [`crate::audit::health`]) and
+//!   `doctor`'s findings;
 //! - failures back off exponentially (1 s doubling to 60 s, ±50 % jitter) and are logged;
 //!   a TLS failure (wrong CA, no certificate) never falls back to anything weaker;
 //! - with `network.proxy.https` set, platform traffic goes through that proxy;
@@ -623,6 +624,7 @@ pub fn run(
                     "running": pipeline.running(),
                     "install_failures": pipeline.install_failures,
                     "sandboxes": pipeline.launch_status(),
+                    "audit": crate::audit::health(),
                     "doctor": {"ok": !doctor.failed(), "degraded": doctor.degraded},
                 });
                 if let Err(e) = platform.post("heartbeat", &body) {

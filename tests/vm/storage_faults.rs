@@ -362,7 +362,11 @@ impl Agent {
 
     /// Sign an `execute` of the mark executor as `command_id` and submit it: (exit code, reply).
     fn execute_mark(&self, command_id: &str) -> Result<(i32, Value), String> {
-        let cmd = json!({"command_id": command_id, "action": "execute", "executor": "mark", "parameters": {}});
+        self.submit(&json!({"command_id": command_id, "action": "execute", "executor": "mark", "parameters": {}}))
+    }
+
+    /// Sign `cmd` and submit it: (exit code, reply).
+    fn submit(&self, cmd: &Value) -> Result<(i32, Value), String> {
         let key = self.key.display().to_string();
         let (code, signed, err) = pipe(&[OPSERVANT, "sign", "--key", &key, "-"], cmd.to_string().as_bytes())?;
         ensure!(code == 0, "opservant sign exited {code}: {err}");
@@ -444,6 +448,12 @@ fn audit_write_error_keeps_the_executor_from_running(ctx: &Ctx) -> Result<(), St
         ensure!(marked(ctx).is_none(), "{id}: the mark executor ran though its start was not audited: {r}");
         ensure!(agent.running(), "the agent exited\n{}", agent.log_text());
     }
+    // `ping` says so: failing since the first refusal, and a flush failed.
+    let (code, pong) = agent.submit(&json!({"command_id": "audit-ping", "action": "ping"}))?;
+    let health = &pong["output"]["audit"];
+    ensure!(code == 0 && health["ok"] == false, "ping after the fault: exit {code}, {pong}");
+    let said = |key: &str| health[key].as_str().is_some_and(|e| e.contains("Input/output error"));
+    ensure!(said("error") && said("flush_failed"), "ping does not say the log's disk fails: {health}");
     Ok(())
 }
 
