@@ -2078,10 +2078,11 @@ fn a_full_audit_disk_refuses_runs_says_so_in_ping_and_recovers() {
     let audit = a.dir.path.join("audit");
     let st = Command::new("mount").args(["-t", "tmpfs", "-o", "size=256k,mode=0755", "tmpfs"]).arg(&audit).status();
     assert!(st.unwrap().success(), "mount a tmpfs");
+    // Lazily: on a failure it goes before the agent, which still holds the log open.
     struct Unmount(PathBuf);
     impl Drop for Unmount {
         fn drop(&mut self) {
-            let _ = Command::new("umount").arg(&self.0).status();
+            let _ = Command::new("umount").arg("-l").arg(&self.0).status();
         }
     }
     let _unmount = Unmount(audit.clone());
@@ -2132,55 +2133,6 @@ fn a_full_audit_disk_refuses_runs_says_so_in_ping_and_recovers() {
     let ok = health(&a, "full-ping-4");
     assert_eq!((ok["ok"].clone(), ok["error"].clone()), (json!(true), Value::Null), "{ok}");
     assert!(a.stop().success());
-    a.audit_verify();
-}
-
-/// An install cut short between its copy and its switch — by a crash, or by a disk that
-/// refused the switch (the install then says to install again with force) — leaves the new
-/// version's directory beside a `current` that names the old one, or none. The next start's
-/// `executors.install` of that same package completes it (installed again, as with force,
-/// and switched to), instead of calling it "unchanged" and leaving the old version running.
-#[test]
-fn an_install_cut_short_before_its_switch_is_completed_at_the_next_start() {
-    if !common::require_root() {
-        return;
-    }
-    let mut a = Agent::build(2, "", "", |dir| {
-        let pkgs = dir.join("pkgs");
-        std::fs::create_dir_all(&pkgs).unwrap();
-        format!("  install:\n    - {}\n", hello_archive(&pkgs, "2.0.0", "hello-2.0.0.tar.gz").display())
-    });
-    let c = a.config.to_str().unwrap().to_string();
-    let v1 = hello_archive(&a.dir.path.join("pkgs"), "1.0.0", "hello-1.0.0.tar.gz");
-    let v2 = a.dir.path.join("pkgs/hello-2.0.0.tar.gz");
-    let hello = a.dir.path.join("executors/hello");
-    let current = || std::fs::read_link(hello.join("current")).ok();
-    let installed = |a: &Agent| a.audit_events().iter().filter(|e| e["event"] == "executor_installed").count();
-    for v in [&v1, &v2] {
-        let out = op(&["executor", "install", v.to_str().unwrap(), "--config", &c]);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    }
-    // The state a cut-short upgrade leaves: 2.0.0 in place, `current` still on 1.0.0; then a
-    // cut-short first install: no `current` at all.
-    for cut_short in ["upgrade", "first install"] {
-        let link = hello.join("current");
-        std::fs::remove_file(&link).unwrap();
-        if cut_short == "upgrade" {
-            std::os::unix::fs::symlink("1.0.0", &link).unwrap();
-        }
-        let before = installed(&a);
-        a.start();
-        assert!(a.stop().success());
-        let now = current().unwrap_or_else(|| panic!("{cut_short}: no `current` after the start"));
-        let manifest = std::fs::read_to_string(hello.join(&now).join("manifest.json")).unwrap();
-        assert!(manifest.contains("\"2.0.0\""), "{cut_short}: `current` names {}: {manifest}", now.display());
-        assert_eq!(installed(&a), before + 1, "{cut_short}: installed at the start");
-        // Started again: now it is current, and left alone.
-        a.start();
-        assert!(a.stop().success());
-        assert_eq!(current(), Some(now.clone()), "{cut_short}: switched again");
-        assert_eq!(installed(&a), before + 1, "{cut_short}: reinstalled though current");
-    }
     a.audit_verify();
 }
 

@@ -1230,15 +1230,28 @@ fn note(outcome: Result<(), &AuditError>) {
     };
 }
 
-/// The log as this process has found it, for `ping` and heartbeats: `ok` unless its last
-/// append failed (`error`, the latest; `since`, the first of the run of failures — every
+/// The log as this process has found it, for `ping` and heartbeats: `ok` unless its latest
+/// append failed (any record: after a recovery, false until the next one) (`error`, the latest; `since`, the first of the run of failures — every
 /// run whose start cannot be recorded is refused meanwhile); `flush_failed`, the first flush
 /// of this process that failed, if one did: the lines it covered may not be on the disk
 /// even once appends succeed again (`audit verify` after the next restart tells).
+///
+/// Never waits for a flush: the group commit's state is held across `fdatasync`, which a
+/// hung disk can make last for ever, so while it is busy the last `flush_failed` read is
+/// reported (a heartbeat or `ping` goes on answering).
 pub fn health() -> Value {
+    static LAST_FLUSH_FAILED: Mutex<Option<String>> = Mutex::new(None);
     let failing = FAILING.lock().unwrap_or_else(PoisonError::into_inner).clone();
-    let flush_failed =
-        sink().and_then(|log| log.flush.state.lock().unwrap_or_else(PoisonError::into_inner).failed.clone());
+    let mut last = LAST_FLUSH_FAILED.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(log) = sink() {
+        match log.flush.state.try_lock() {
+            Ok(st) => last.clone_from(&st.failed),
+            Err(std::sync::TryLockError::Poisoned(p)) => last.clone_from(&p.into_inner().failed),
+            Err(std::sync::TryLockError::WouldBlock) => {}
+        }
+    }
+    let flush_failed = last.clone();
+    drop(last);
     serde_json::json!({
         "ok": failing.is_none(),
         "error": failing.as_ref().map(|(e, _)| e),

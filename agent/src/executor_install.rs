@@ -53,9 +53,7 @@
 //!   exactly as above — the SHA-256 from the signed command is checked before unpacking;
 //! - [`install_configured`] installs `executors.install` when the agent starts: a version
 //!   already installed with the same content (the same files, contents and executable bits)
-//!   is skipped (unless `current` does not name it: an install cut short before its switch,
-//!   installed again and switched to), the same version with other content is refused (bump
-//!   the version), and a
+//!   is skipped, the same version with other content is refused (bump the version), and a
 //!   failing entry is logged and audited (`executor_install_failed`) and skipped — the agent
 //!   still starts. `agent --check-config` reports such entries as warnings.
 
@@ -626,8 +624,6 @@ pub fn install(
     // time): two at once raced for `current` and removed each other's versions. Not held
     // across pip, lint and precompiling (minutes, at worst), which touch only the staging copy.
     let lock = lock_root(root)?;
-    // Installed again as with force, though skipping identical copies: see below.
-    let mut not_current = false;
     if opts.skip_identical {
         let name_dir = root.join(&manifest.name);
         // A newer version is current (installed later, e.g. by a command): never downgrade.
@@ -662,14 +658,6 @@ pub fn install(
                 }
                 same_version = true;
                 if tree_digest(&e.path())? == digest {
-                    // The same content, but not what `current` names: an install cut short
-                    // between its copy and its switch (a crash, a disk that refused the
-                    // switch). Installed again as with force, so that it becomes current
-                    // (the orphaned copy is swept like an old version).
-                    if current.as_deref() != Some(Path::new(&e.file_name())) {
-                        not_current = true;
-                        continue;
-                    }
                     return Ok(Installed {
                         name: manifest.name,
                         version: manifest.version,
@@ -683,7 +671,7 @@ pub fn install(
                 }
             }
         }
-        if same_version && !not_current {
+        if same_version {
             return Err(InstallError::Conflict(format!(
                 "{} {} is already installed with different content (bump the version, or remove it first)",
                 manifest.name, manifest.version
@@ -741,7 +729,7 @@ pub fn install(
     let installed = std::fs::read_dir(&name_dir)
         .is_ok_and(|entries| entries.flatten().any(|e| is_version_dir(&e.path(), &manifest.version)));
     if installed {
-        if !opts.force && !not_current {
+        if !opts.force {
             return Err(InstallError::AlreadyInstalled { name: manifest.name, version: manifest.version });
         }
         // `~` is not in any semantic version: the directory can never be a later version's.
@@ -792,8 +780,7 @@ pub fn install(
     staging.make_durable(
         &format!(
             "{name}'s `current` names {dir_name} now but may not after a restart; once the disk is \
-             fixed, install it again with force (`--force`, or \"force\": true in install_executor; \
-             `executors.install` does it at the agent's start)",
+             fixed, install it again with force (`--force`, or \"force\": true in install_executor)",
             name = manifest.name
         ),
         None,
