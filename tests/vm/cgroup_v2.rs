@@ -28,11 +28,7 @@ const CGROUP_ROOT: &str = "/sys/fs/cgroup";
 const DELEG: &str = "/sys/fs/cgroup/opservant-test-deleg";
 
 fn main() -> ExitCode {
-    if std::env::var_os("OPSERVANT_IN_VM").is_some() {
-        in_vm()
-    } else {
-        on_host()
-    }
+    host::suite(in_vm, on_host)
 }
 
 // ------------------------------------------------------------------------------------------

@@ -7,6 +7,16 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
 use std::time::Instant;
 
+/// A VM suite's `main`: inside the guest (`OPSERVANT_IN_VM` set) its checks, on the host the
+/// boot that runs them.
+pub fn suite(in_vm: fn() -> ExitCode, on_host: fn() -> ExitCode) -> ExitCode {
+    if std::env::var_os("OPSERVANT_IN_VM").is_some() {
+        in_vm()
+    } else {
+        on_host()
+    }
+}
+
 pub fn in_ci() -> bool {
     std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
 }

@@ -41,11 +41,7 @@ use guest::{pipe, sh, sh_ok};
 const OPSERVANT: &str = env!("CARGO_BIN_EXE_opservant");
 
 fn main() -> ExitCode {
-    if std::env::var_os("OPSERVANT_IN_VM").is_some() {
-        in_vm()
-    } else {
-        on_host()
-    }
+    host::suite(in_vm, on_host)
 }
 
 // ------------------------------------------------------------------------------------------

@@ -37,11 +37,7 @@ const UNIT_CGROUP: &str = "/sys/fs/cgroup/system.slice/opservant.service";
 const WATCHDOG_SEC: u64 = 4;
 
 fn main() -> ExitCode {
-    if std::env::var_os("OPSERVANT_IN_VM").is_some() {
-        in_vm()
-    } else {
-        on_host()
-    }
+    host::suite(in_vm, on_host)
 }
 
 // ------------------------------------------------------------------------------------------
