@@ -1231,10 +1231,11 @@ fn note(outcome: Result<(), &AuditError>) {
 }
 
 /// The log as this process has found it, for `ping` and heartbeats: `ok` unless its latest
-/// append failed (any record: after a recovery, false until the next one) (`error`, the latest; `since`, the first of the run of failures — every
-/// run whose start cannot be recorded is refused meanwhile); `flush_failed`, the first flush
-/// of this process that failed, if one did: the lines it covered may not be on the disk
-/// even once appends succeed again (`audit verify` after the next restart tells).
+/// append (of any record: after a recovery, false until the next one) failed — `error`, the
+/// latest failure, and `since`, the first of the run of them; every run whose start cannot
+/// be recorded is refused meanwhile. `flush_failed`: the first flush of this process that
+/// failed, if one did — the lines it covered may not be on the disk even once appends
+/// succeed again (`audit verify` after the next restart tells).
 ///
 /// Never waits for a flush: the group commit's state is held across `fdatasync`, which a
 /// hung disk can make last for ever, so while it is busy the last `flush_failed` read is

@@ -41,7 +41,8 @@
 //!   them (a shared `flock` on the version directory, [`crate::executor_run::Executor`]),
 //!   and then by a later install;
 //! - removal first renames the executor out of the way, so a half-deleted executor is never
-//!   visible under its name, and the rename is on the disk before the removal succeeds; a version a run holds is deleted by a later install or removal;
+//!   visible under its name, and the rename is on the disk before the removal succeeds; a
+//!   version a run holds is deleted by a later install or removal;
 //! - an archive is first copied into the root-only staging directory while its SHA-256 and
 //!   its detached signature ([`crate::package_signing`]) are checked in the same pass; only
 //!   that copy is unpacked, and only after both checks passed ([`PackageCheck`]; the verdict is
