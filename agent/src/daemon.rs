@@ -541,7 +541,13 @@ pub fn prepare_state_dir(dir: &Path) -> Result<(), CannotRun> {
     }
     match std::fs::DirBuilder::new().mode(0o700).create(dir) {
         Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => return Err(fail(e)),
-        _ => {}
+        Err(_) => {}
+        // Made now: its entry on the disk before the replay store records anything in it
+        // (a store whose directory a crash could lose would forget every command id).
+        Ok(()) => {
+            let parent = dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+            std::fs::File::open(parent).and_then(|d| d.sync_all()).map_err(fail)?;
+        }
     }
     check_state_dir(dir)?;
     std::fs::metadata(dir).map(drop).map_err(fail)
