@@ -140,6 +140,25 @@ pub fn pipe(argv: &[&str], input: &[u8]) -> Result<(i32, String, String), String
     ))
 }
 
+/// Sign `cmd` with the private key at `key` (`opservant sign`) and hand it to `submit` (an
+/// `opservant submit -` command line, with its socket if not the default): (exit code, reply).
+/// `context` is added to the error when the reply is not JSON (the agent's log, say).
+#[allow(dead_code)] // each suite uses its part
+pub fn sign_and_submit(
+    key: &str,
+    submit: &[&str],
+    cmd: &serde_json::Value,
+    context: impl FnOnce() -> String,
+) -> Result<(i32, serde_json::Value), String> {
+    let (code, signed, err) =
+        pipe(&[env!("CARGO_BIN_EXE_opservant"), "sign", "--key", key, "-"], cmd.to_string().as_bytes())?;
+    ensure!(code == 0, "opservant sign exited {code}: {err}");
+    let (code, out, err) = pipe(submit, signed.as_bytes())?;
+    let reply = serde_json::from_str(out.trim())
+        .map_err(|e| format!("submit: no JSON reply ({e}): {out}\n{err}\n{}", context()))?;
+    Ok((code, reply))
+}
+
 /// A Python executor package `name` at `version` in the directory `dir` (made): `prelude`
 /// runs when its module is imported, class `Exec` in `pkg/main.py` runs `body` (lines
 /// indented by eight) as its `execute`.

@@ -51,7 +51,9 @@ fn main() -> ExitCode {
 fn on_host() -> ExitCode {
     let mut missing = host::missing_prerequisites(false);
     // The guest runs the host's tools (its root filesystem is the host's).
-    for (tool, package) in [("dmsetup", "dmsetup"), ("mkfs.ext4", "e2fsprogs"), ("losetup", "mount")] {
+    for (tool, package) in
+        [("dmsetup", "dmsetup"), ("mkfs.ext4", "e2fsprogs"), ("losetup", "mount"), ("blockdev", "util-linux")]
+    {
         if host::on_path(tool).is_none() && !Path::new("/usr/sbin").join(tool).is_file() {
             missing.push(format!("{tool}: apt-get install -y {package}"));
         }
@@ -363,14 +365,9 @@ impl Agent {
 
     /// Sign `cmd` and submit it: (exit code, reply).
     fn submit(&self, cmd: &Value) -> Result<(i32, Value), String> {
-        let key = self.key.display().to_string();
-        let (code, signed, err) = pipe(&[OPSERVANT, "sign", "--key", &key, "-"], cmd.to_string().as_bytes())?;
-        ensure!(code == 0, "opservant sign exited {code}: {err}");
         let socket = self.socket.display().to_string();
-        let (code, out, err) = pipe(&[OPSERVANT, "submit", "-", "--socket", &socket], signed.as_bytes())?;
-        let reply = serde_json::from_str(out.trim())
-            .map_err(|e| format!("submit: no JSON reply ({e}): {out}\n{err}\n{}", self.log_text()))?;
-        Ok((code, reply))
+        let submit = [OPSERVANT, "submit", "-", "--socket", &socket];
+        guest::sign_and_submit(&self.key.display().to_string(), &submit, cmd, || self.log_text())
     }
 }
 

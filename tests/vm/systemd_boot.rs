@@ -25,7 +25,7 @@ mod guest;
 #[path = "host.rs"]
 mod host;
 
-use guest::{pipe, sh, sh_ok as run};
+use guest::{sh, sh_ok as run};
 
 const OPSERVANT: &str = env!("CARGO_BIN_EXE_opservant");
 const REPO: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
@@ -103,11 +103,7 @@ fn prop(unit: &str, name: &str) -> Result<String, String> {
 
 /// Sign `cmd` with the platform key and submit it to the agent's socket: (exit code, result).
 fn submit(cmd: &Value) -> Result<(i32, Value), String> {
-    let signed = pipe(&[OPSERVANT, "sign", "--key", &format!("{KEYS}/signing.key"), "-"], cmd.to_string().as_bytes())?;
-    ensure!(signed.0 == 0, "opservant sign failed: {}", signed.2);
-    let (code, out, err) = pipe(&["/usr/bin/opservant", "submit", "-"], signed.1.as_bytes())?;
-    let reply = serde_json::from_str(out.trim()).map_err(|e| format!("submit: no JSON reply ({e}): {out}\n{err}"))?;
-    Ok((code, reply))
+    guest::sign_and_submit(&format!("{KEYS}/signing.key"), &["/usr/bin/opservant", "submit", "-"], cmd, String::new)
 }
 
 fn field<'a>(r: &'a Value, path: &str) -> &'a Value {
