@@ -315,6 +315,44 @@ fn an_agent_sweeps_left_over_sandbox_cgroups_as_it_starts() {
 }
 
 #[test]
+fn an_install_cut_short_at_its_switch_is_completed_as_the_agent_starts() {
+    if !common::require_root() {
+        return;
+    }
+    // The agent's own runs resolve `current`: an upgrade it was making when it was killed,
+    // cut short between the copy and the switch, is completed before it takes commands
+    // (executor_install's test covers the next install or removal completing it).
+    let mut a = Agent::new(1);
+    let pkg = a.dir.path.join("slow");
+    let manifest = pkg.join("manifest.json");
+    let text = std::fs::read_to_string(&manifest).unwrap().replace(r#""version": "1.0.0""#, r#""version": "2.0.0""#);
+    std::fs::write(&manifest, text).unwrap();
+    let install = ["executor", "install", pkg.to_str().unwrap(), "--config", a.config.to_str().unwrap()];
+    if common::install_killed_at_its_switch(&install).is_none() {
+        return;
+    }
+    let current = a.dir.path.join("executors/slow/current");
+    assert_eq!(std::fs::read_link(&current).unwrap(), PathBuf::from("1.0.0"));
+    a.start();
+    assert_eq!(std::fs::read_link(&current).unwrap(), PathBuf::from("2.0.0"));
+    assert!(!a.dir.path.join("executors/.switch-slow").exists());
+    let (code, reply) = a.submit(&a.sign(
+        &json!({"command_id": "cut-short-1", "action": "execute", "executor": "slow", "parameters": {"seconds": 0}}),
+    ));
+    assert_eq!(code, 0, "{reply}");
+    assert_eq!(reply["executor"]["version"], "2.0.0", "{reply}");
+    let events = a.audit_events();
+    let completed = events
+        .iter()
+        .position(|e| e["event"] == "executor_installed" && e["fields"]["source"] == "recovery")
+        .expect("the completion is audited");
+    let started = events.iter().position(|e| e["event"] == "agent_start").expect("agent_start");
+    assert!(completed < started, "completed after the agent started taking commands");
+    a.stop();
+    a.audit_verify();
+}
+
+#[test]
 fn a_command_for_another_agent_is_refused() {
     if !common::require_root() {
         return;
@@ -2052,8 +2090,9 @@ fn executors_listed_in_the_config_are_installed_at_start_once() {
     assert!(pyc.is_file(), "bytecode not precompiled at start");
     assert_eq!(count(&a, "executor_installed"), 3, "nothing reinstalled");
     assert_eq!(count(&a, "executor_install_failed"), 4);
+    let hello_dir = a.dir.path.join("executors/hello");
     let versions = || {
-        let mut v: Vec<String> = std::fs::read_dir(a.dir.path.join("executors/hello"))
+        let mut v: Vec<String> = std::fs::read_dir(&hello_dir)
             .unwrap()
             .flatten()
             .map(|e| e.file_name().to_string_lossy().into_owned())
@@ -2072,6 +2111,20 @@ fn executors_listed_in_the_config_are_installed_at_start_once() {
     assert!(a.stop().success());
     assert_eq!(std::fs::read_link(a.dir.path.join("executors/hello/current")).unwrap(), PathBuf::from("2.0.0"));
     assert_eq!(count(&a, "executor_installed"), 4, "only the one by hand");
+
+    // Nor when the newer version no longer loads (its manifest broken since): it is judged
+    // by its directory's name. (1.0.0 is gone by now: an install keeps the previous version.)
+    let v3 = hello_archive(&a.dir.path.join("pkgs"), "3.0.0", "hello-3.0.0.tar.gz");
+    sign_package(&a.key, &v3);
+    let out = op(&["executor", "install", v3.to_str().unwrap(), "--config", &c]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(versions(), ["2.0.0", "3.0.0", "current"]);
+    std::fs::write(a.dir.path.join("executors/hello/3.0.0/manifest.json"), "{").unwrap();
+    a.start();
+    assert!(a.stop().success());
+    assert_eq!(std::fs::read_link(a.dir.path.join("executors/hello/current")).unwrap(), PathBuf::from("3.0.0"));
+    assert_eq!(versions(), ["2.0.0", "3.0.0", "current"]);
+    assert_eq!(count(&a, "executor_installed"), 5, "only the ones by hand");
     a.audit_verify();
 }
 

@@ -1066,6 +1066,85 @@ fn what_an_interrupted_install_left_behind_is_removed_by_the_next() {
     assert_eq!(env.entries(), vec!["hello".to_string()]);
 }
 
+/// The package `pkg` under the executor name `name`.
+fn renamed(pkg: PathBuf, name: &str) -> PathBuf {
+    let manifest = pkg.join("manifest.json");
+    let mut m: Value = serde_json::from_str(&std::fs::read_to_string(&manifest).unwrap()).unwrap();
+    m["name"] = name.into();
+    std::fs::write(&manifest, m.to_string()).unwrap();
+    pkg
+}
+
+#[test]
+fn an_install_cut_short_between_its_copy_and_its_switch_is_completed_by_the_next() {
+    if !common::require_root() {
+        return;
+    }
+    // An install killed (SIGKILL, a power cut, the daemon's unit stopped hard) after moving
+    // its new version into place and before switching `current` to it. Without a record of
+    // the switch in progress, the copy could not be told from the previous version every
+    // install keeps: a first install cut short there left an executor that never ran (the
+    // next install of it was "already installed"). The next holder of the root lock
+    // completes it.
+    let env = Env::new();
+    let config = env.config.to_str().unwrap();
+    let marker = env.root.join(".switch-hello");
+    let current = || std::fs::read_link(env.root.join("hello/current")).ok();
+    let v1 = package(&env.dir.path, "1.0.0", false);
+    let install = ["executor", "install", v1.to_str().unwrap(), "--config", config];
+    if common::install_killed_at_its_switch(&install).is_none() {
+        return;
+    }
+    assert_eq!(std::fs::read_to_string(&marker).unwrap(), "1.0.0\n");
+    assert!(env.root.join("hello/1.0.0/manifest.json").is_file());
+    assert_eq!(current(), None);
+    let out = env.op(&["run", "hello"]);
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(out.stderr.contains("nor an executor installed"), "{}", out.stderr);
+
+    // The next install, of another executor, completes it first, audited.
+    let other = renamed(package(&env.dir.path.join("other"), "3.0.0", false), "other");
+    let out = env.op(&["executor", "install", other.to_str().unwrap()]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert_eq!(current(), Some(PathBuf::from("1.0.0")));
+    assert!(!marker.exists());
+    assert_eq!(run_output(&env, "hello")["version"], "1.0.0");
+    let events = env.audit_events();
+    let at = |pred: &dyn Fn(&Value) -> bool| events.iter().position(pred);
+    let completed = at(&|e| {
+        e["event"] == "executor_installed"
+            && e["fields"]["source"] == "recovery"
+            && e["fields"]["executor"] == "hello"
+            && e["fields"]["version"] == "1.0.0"
+    })
+    .expect("the completion is audited");
+    let began = at(&|e| e["event"] == "executor_install" && e["fields"]["executor"] == "other").unwrap();
+    assert!(completed < began, "completed after the next install began");
+
+    // An upgrade cut short the same way: the old version runs until the next lock holder (a
+    // removal here) completes the switch.
+    let v2 = package(&env.dir.path, "2.0.0", false);
+    let install = ["executor", "install", v2.to_str().unwrap(), "--config", config];
+    common::install_killed_at_its_switch(&install).unwrap();
+    assert_eq!(current(), Some(PathBuf::from("1.0.0")));
+    assert_eq!(run_output(&env, "hello")["version"], "1.0.0");
+    assert_eq!(env.op(&["executor", "remove", "other"]).code, 0);
+    assert_eq!(run_output(&env, "hello")["version"], "2.0.0");
+    assert!(!marker.exists());
+
+    // A marker whose version was never moved into place (the install was cut short before
+    // its copy was) switches nothing and goes.
+    std::fs::write(&marker, "9.9.9\n").unwrap();
+    assert_eq!(env.op(&["executor", "install", other.to_str().unwrap()]).code, 0);
+    assert_eq!(current(), Some(PathBuf::from("2.0.0")));
+    assert!(!marker.exists());
+    assert_eq!(
+        env.audit_events().iter().filter(|e| e["fields"]["source"] == "recovery").count(),
+        2,
+        "only the two cut-short installs were completed"
+    );
+}
+
 #[test]
 fn pip_reads_no_configuration_of_the_package() {
     if !common::require_root() {

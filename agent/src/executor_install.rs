@@ -9,11 +9,14 @@
 //! <root>/.staging-<pid>-<n>/        work area of an install in progress (same filesystem)
 //! <root>/.download-<pid>-<n>/       a package being downloaded for `install_executor`
 //! <root>/.removing-<pid>-<n>/       an executor being removed
+//! <root>/.switch-<name>              an install's switch in progress: the version it names
 //! ```
 //!
 //! The three work areas of a process that is gone (killed part-way) are removed by the next
 //! install or removal, under the root lock; a `.removing-…` directory whatever its process,
-//! but for the versions runs still hold.
+//! but for the versions runs still hold. A `.switch-…` marker found then belongs to an
+//! install cut short between its copy and its switch: the switch is completed (see
+//! [`Switching`]); the agent takes the lock as it starts ([`settle`]) for this.
 //!
 //! Guarantees:
 //! - an archive (`.tar.gz`, `.tgz`, `.tar`) is unpacked entry by entry and refused as a whole
@@ -476,7 +479,20 @@ pub(crate) fn lock_root(root: &Path) -> Result<nix::fcntl::Flock<std::fs::File>,
     }
 }
 
-/// Removes the staging, download and removal directories ([`unique`]: `.PREFIX-PID-N`) of
+/// At the agent's start, before it takes commands: the sweep every holder of the root lock
+/// makes ([`lock_root`]) — an install cut short between its copy and its switch is completed,
+/// what interrupted installs and removals left is removed — so the agent's runs see the
+/// version an install it was making when it stopped switched to. No root: nothing to do.
+pub fn settle(root: &Path) -> Result<(), InstallError> {
+    if !root.is_dir() {
+        return Ok(());
+    }
+    lock_root(root).map(drop)
+}
+
+/// First completes installs cut short between their copy and their switch
+/// ([`complete_interrupted_switches`]). Then removes the staging, download and removal
+/// directories ([`unique`]: `.PREFIX-PID-N`) of
 /// processes that are gone — an install killed part-way (SIGKILL, a power cut, a daemon
 /// stopped mid-install) leaves its unpacked package, or a removed executor's files, behind,
 /// and nothing else would ever delete them. A directory of a live process (this one's other
@@ -485,7 +501,9 @@ pub(crate) fn lock_root(root: &Path) -> Result<nix::fcntl::Flock<std::fs::File>,
 /// where its pid names nothing here: see [`Staging`]) is never touched either.
 fn sweep_leftovers(root: &Path) {
     let Ok(entries) = std::fs::read_dir(root) else { return };
-    for e in entries.flatten() {
+    let entries: Vec<std::fs::DirEntry> = entries.flatten().collect();
+    complete_interrupted_switches(root, &entries);
+    for e in entries {
         let name = e.file_name();
         let Some(name) = name.to_str() else { continue };
         let Some(rest) = [".staging-", ".download-", ".removing-"].iter().find_map(|p| name.strip_prefix(p)) else {
@@ -527,6 +545,110 @@ fn sweep_leftovers(root: &Path) {
             }
         }
     }
+}
+
+/// The marker of an install's switch in progress: the file `<root>/.switch-<name>` holding the
+/// name of the version directory `current` is about to name. It is on the disk (the file and
+/// the root `fsync`ed) before the package is moved into place, and removed once the switch is
+/// on the disk. Installs and removals run under the root lock, and every holder of the lock
+/// first completes what a marker names ([`complete_interrupted_switches`]), so a marker found
+/// then is an install's that was cut short: the package it names is complete (it was flushed
+/// before the marker was written), its `executor_install` record is in the audit log, and the
+/// switch is all that is missing. Without the marker, a copy `current` does not name could
+/// not be told from the previous version each install keeps on purpose.
+struct Switching {
+    marker: PathBuf,
+    root: PathBuf,
+}
+
+const SWITCH_MARKER: &str = ".switch-";
+
+impl Switching {
+    fn begin(root: &Path, name: &str, dir_name: &str) -> Result<Switching, InstallError> {
+        let marker = root.join(format!("{SWITCH_MARKER}{name}"));
+        let written = (|| {
+            let mut f =
+                std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&marker)?;
+            f.write_all(format!("{dir_name}\n").as_bytes())?;
+            f.sync_all()?;
+            std::fs::File::open(root)?.sync_all()
+        })();
+        written.map_err(|e| {
+            let _ = std::fs::remove_file(&marker);
+            io(&marker, std::io::Error::other(format!("{e}; nothing was switched")))
+        })?;
+        Ok(Switching { marker, root: root.to_path_buf() })
+    }
+
+    /// The switch is on the disk (or was undone): the marker goes. A marker that stays (this
+    /// removal not on the disk at a crash) names the version `current` names already, and is
+    /// only removed by the next lock holder.
+    fn finish(self) {
+        let removed = std::fs::remove_file(&self.marker).and_then(|()| std::fs::File::open(&self.root)?.sync_all());
+        if let Err(e) = removed {
+            tracing::warn!(marker = %self.marker.display(), error = %e, "an install's switch marker could not be removed");
+        }
+    }
+}
+
+/// Completes installs cut short between their copy and their switch ([`Switching`]): for
+/// each marker in `root` whose version directory is there, `current` is switched to it (the
+/// switch on the disk, audited as `executor_installed` with `source: recovery`); a marker
+/// whose directory is not there (the install was cut short before its copy was moved into
+/// place) is removed. Called with the root lock held. A marker that cannot be acted on stays
+/// for the next lock holder, and is logged.
+fn complete_interrupted_switches(root: &Path, entries: &[std::fs::DirEntry]) {
+    for e in entries {
+        let file_name = e.file_name();
+        let Some(name) = file_name.to_str().and_then(|n| n.strip_prefix(SWITCH_MARKER)) else { continue };
+        if !crate::manifest::valid_name(name) || !e.file_type().is_ok_and(|t| t.is_file()) {
+            continue;
+        }
+        if let Err(error) = complete_switch(root, name, &e.path()) {
+            tracing::error!(executor = name, marker = %e.path().display(), %error, "an interrupted install could not be completed; retried by the next install or removal, or at the agent's start");
+        }
+    }
+}
+
+fn complete_switch(root: &Path, name: &str, marker: &Path) -> std::io::Result<()> {
+    let mut text = String::new();
+    std::fs::File::open(marker)?.take(256).read_to_string(&mut text)?;
+    let dir_name = text.trim_end_matches('\n');
+    if dir_name.is_empty() || dir_name.starts_with('.') || dir_name.contains('/') || dir_name == "current" {
+        return Err(std::io::Error::other(format!("the marker names {dir_name:?}, not a version directory")));
+    }
+    let name_dir = root.join(name);
+    let dest = name_dir.join(dir_name);
+    let current = name_dir.join("current");
+    if std::fs::symlink_metadata(&dest).is_ok_and(|m| m.is_dir())
+        && std::fs::read_link(&current).ok().as_deref() != Some(Path::new(dir_name))
+    {
+        let tmp_link = name_dir.join(".current.new");
+        let _ = std::fs::remove_file(&tmp_link);
+        std::os::unix::fs::symlink(dir_name, &tmp_link)?;
+        std::fs::rename(&tmp_link, &current)?;
+        std::fs::File::open(&name_dir)?.sync_all()?;
+        let version = crate::manifest::Manifest::load(&dest.join("manifest.json"))
+            .map(|(m, _)| m.version)
+            .unwrap_or_else(|_| dir_name.to_string());
+        tracing::warn!(
+            executor = name,
+            version,
+            dir = dir_name,
+            "completed an install that was cut short between its copy and its switch"
+        );
+        crate::audit::record(
+            "executor_installed",
+            &[
+                ("executor", name),
+                ("version", &version),
+                ("source", "recovery"),
+                ("detail", "an install cut short between its copy and its switch, completed"),
+            ],
+        );
+    }
+    std::fs::remove_file(marker)?;
+    std::fs::File::open(root)?.sync_all()
 }
 
 /// A directory removed on drop if it is empty then (`rmdir`: never anything in it).
@@ -629,10 +751,15 @@ pub fn install(
         let name_dir = root.join(&manifest.name);
         // A newer version is current (installed later, e.g. by a command): never downgrade.
         let current = std::fs::read_link(name_dir.join("current")).ok();
-        let current_version = current
-            .as_ref()
-            .and_then(|c| crate::executor_run::Executor::load(&name_dir.join(c)).ok())
-            .map(|e| e.manifest.version);
+        // By its manifest; one that no longer loads by its directory's name (`VERSION` or a
+        // forced copy's `VERSION~N`), so that a broken `current` is not replaced by an older
+        // version either.
+        let current_version = current.as_ref().and_then(|c| {
+            crate::executor_run::Executor::load(&name_dir.join(c))
+                .ok()
+                .map(|e| e.manifest.version)
+                .or_else(|| version_of_dir_name(&c.to_string_lossy()))
+        });
         if let (Some(cur), Ok(new)) = (&current_version, semver::Version::parse(&manifest.version)) {
             if semver::Version::parse(cur).is_ok_and(|cur| cur > new) {
                 return Ok(Installed {
@@ -761,6 +888,10 @@ pub fn install(
     .map_err(|e| InstallError::Audit(e.to_string()))?;
     traversable_dir(&name_dir, 0o755)?;
     let dest = name_dir.join(&dir_name);
+    // From the copy to the switch, a marker on the disk names the version being switched to:
+    // an install cut short in between (SIGKILL, a power cut) is completed by the next process
+    // that takes the root lock ([`complete_interrupted_switches`]).
+    let switching = Switching::begin(root, &manifest.name, &dir_name)?;
     std::fs::rename(&pkg, &dest).map_err(|e| io(&dest, e))?;
     let previous = std::fs::read_link(name_dir.join("current")).ok().map(|p| p.to_string_lossy().into_owned());
     // The switch: a new link beside `current`, renamed over it. If it fails, the new
@@ -773,6 +904,7 @@ pub fn install(
     if let Err(e) = switched {
         let _ = std::fs::remove_file(&tmp_link);
         let _ = std::fs::remove_dir_all(&dest);
+        switching.finish();
         return Err(e);
     }
     // The switch itself (and a first install's new directories) on the disk too. Should that
@@ -787,6 +919,7 @@ pub fn install(
         None,
         &[&name_dir, root],
     )?;
+    switching.finish();
     // Keep the new and the previous version; remove older ones that no run holds (a later
     // install removes those).
     if let Ok(entries) = std::fs::read_dir(&name_dir) {
@@ -858,6 +991,17 @@ fn remove_doomed(doomed: &Path) -> bool {
         let _ = std::fs::remove_dir(name.path());
     }
     std::fs::remove_dir(doomed).is_ok()
+}
+
+/// The version an installed directory's name gives: `VERSION`, or a forced copy's
+/// `VERSION~N` (`VERSION.N` before 2026-11-24); none when that is not a semantic version.
+fn version_of_dir_name(name: &str) -> Option<String> {
+    let copy_of = |sep: char| name.rsplit_once(sep).filter(|(_, n)| n.parse::<u32>().is_ok()).map(|(v, _)| v);
+    [Some(name), copy_of('~'), copy_of('.')]
+        .into_iter()
+        .flatten()
+        .find(|v| semver::Version::parse(v).is_ok())
+        .map(str::to_string)
 }
 
 /// Whether the installed directory `dir` holds `version`: the version itself, or a forced
@@ -2119,6 +2263,22 @@ mod tests {
             ("6", false),
         ] {
             assert_eq!(release_at_least(release, (5, 8)), at_least_5_8, "{release}");
+        }
+    }
+
+    #[test]
+    fn a_version_directorys_name_gives_its_version() {
+        for (name, want) in [
+            ("1.0.0", Some("1.0.0")),
+            ("1.0.0~3", Some("1.0.0")),
+            ("1.0.0.2", Some("1.0.0")),
+            ("1.0.0-rc.1", Some("1.0.0-rc.1")),
+            ("1.0.0-rc~1", Some("1.0.0-rc")),
+            ("1.0.0~x", None),
+            ("current", None),
+            ("", None),
+        ] {
+            assert_eq!(version_of_dir_name(name).as_deref(), want, "{name}");
         }
     }
 

@@ -836,6 +836,11 @@ fn agent_daemon(config: Option<PathBuf>, check_only: bool) -> Result<ExitCode, C
     // Two arenas are plenty for threads that mostly wait on their sandbox.
     // SAFETY: mallopt only sets an allocator tunable; called before the daemon's threads start.
     unsafe { libc::mallopt(libc::M_ARENA_MAX, 2) };
+    // An install this agent was making when it stopped, cut short between its copy and its
+    // switch, is completed first (runs resolve `current`).
+    if let Err(e) = agent::executor_install::settle(&cfg.executors.root()) {
+        tracing::error!(error = %e, "the executors root could not be settled");
+    }
     // executors.install, before any command is taken: failures are logged and audited, and
     // the agent starts without those packages (it can still be told to install them).
     let install_failures = agent::executor_install::install_configured(&cfg, &policy, &trust);

@@ -79,6 +79,34 @@ pub fn command() -> Command {
     cmd
 }
 
+/// Runs `opservant ARGS` (the tests' configuration unless `--config` is among them) under
+/// `strace`, which kills it (SIGKILL) as it makes its first symbolic link: an install's is
+/// its new `current` link, made after the new version was moved into place — the crash
+/// window between an install's copy and its switch. Asserts that it was killed there. `None`:
+/// no `strace` here (a visible skip; a failure under CI).
+pub fn install_killed_at_its_switch(args: &[&str]) -> Option<std::process::Output> {
+    let present = Command::new("strace").arg("-V").stdout(Stdio::null()).status().is_ok_and(|s| s.success());
+    if !require("strace (kills an install at its switch)", present) {
+        return None;
+    }
+    let out = Command::new("strace")
+        .args(["-qq", "-o", "/dev/null", "-e", "trace=symlink,symlinkat"])
+        .args(["-e", "inject=symlink,symlinkat:error=EIO:signal=KILL", opservant()])
+        .args(args)
+        .env("OPSERVANT_CONFIG", test_config())
+        .stdin(Stdio::null())
+        .output()
+        .expect("spawn strace");
+    // strace ends with the signal that killed its tracee, as a shell reports it.
+    assert_eq!(
+        out.status.code().or(std::os::unix::process::ExitStatusExt::signal(&out.status).map(|s| 128 + s)),
+        Some(137),
+        "not killed at its switch: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Some(out)
+}
+
 pub fn in_ci() -> bool {
     std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
 }

@@ -13,7 +13,8 @@
 //!   through the daemon and through `opservant run`;
 //! - an install whose files, or whose switch of `current`, cannot be written to the disk
 //!   fails (exit 2) saying what a restart may find, and the version installed before stays
-//!   the one that runs; a removal that cannot be written fails, saying the executor may come
+//!   the one that runs; the marker of a switch that did not reach the disk switches nothing
+//!   later; a removal that cannot be written fails, saying the executor may come
 //!   back;
 //! - a secret whose new value cannot be written leaves the value stored before, and a store
 //!   key that cannot be written is never used.
@@ -51,9 +52,13 @@ fn main() -> ExitCode {
 fn on_host() -> ExitCode {
     let mut missing = host::missing_prerequisites(false);
     // The guest runs the host's tools (its root filesystem is the host's).
-    for (tool, package) in
-        [("dmsetup", "dmsetup"), ("mkfs.ext4", "e2fsprogs"), ("losetup", "mount"), ("blockdev", "util-linux")]
-    {
+    for (tool, package) in [
+        ("dmsetup", "dmsetup"),
+        ("mkfs.ext4", "e2fsprogs"),
+        ("losetup", "mount"),
+        ("blockdev", "util-linux"),
+        ("strace", "strace"),
+    ] {
         if host::on_path(tool).is_none() && !Path::new("/usr/sbin").join(tool).is_file() {
             missing.push(format!("{tool}: apt-get install -y {package}"));
         }
@@ -186,7 +191,9 @@ impl FaultyDisk {
         }
     }
 
-    /// From now on every write to the disk fails (`EIO`).
+    /// From now on every write to the disk fails (`EIO`). `dmsetup suspend` freezes the filesystem first, so
+    /// what was written before is on the disk (as after a `sync`): the fault covers what
+    /// follows, as a disk that failed at that moment.
     fn fail_writes(&self) -> Result<(), String> {
         self.load(&self.table("flakey"))
     }
@@ -225,10 +232,6 @@ impl Drop for FaultyDisk {
         }
     }
 }
-
-/// How long an append waits for the audit log's lock: long enough for a check that holds it
-/// while it fails a disk under TCG.
-const AUDIT_LOCK_WAIT_SECONDS: u64 = 120;
 
 /// Where a check's agent keeps its files: one scratch directory per check, with the state
 /// directory, the audit log or the executors placed on a faulty disk instead.
@@ -273,7 +276,7 @@ impl Places {
             self.config(),
             format!(
                 "agent:\n  platform_public_key: {}\n  state_dir: {}\n  socket: {}\n  max_concurrent: 2\n\
-                 executors:\n  dir: {}\naudit:\n  path: {}\n  lock_wait_seconds: {AUDIT_LOCK_WAIT_SECONDS}\n\
+                 executors:\n  dir: {}\naudit:\n  path: {}\n\
                  secrets:\n  provider: builtin\n  store: {}/secrets.enc\n  key_file: {}/secrets.key\n",
                 ctx.dir.join("keys/signing.pub").display(),
                 self.state.display(),
@@ -495,49 +498,41 @@ fn install_write_error_keeps_the_installed_version(ctx: &Ctx) -> Result<(), Stri
     Ok(())
 }
 
-/// The disk starts refusing writes between an install's two flushes — its package on the
-/// disk, then the switch of `current` —: the install fails (exit 2), saying the new version
-/// is in place now but may not be after a restart and how to install it again; a restart
-/// finds version 1. The fault is placed there by holding the audit log's lock: the install
-/// waits for it, for its `executor_install` record, after its first flush.
+/// The disk starts refusing writes during an install's switch — its package on the disk,
+/// the marker of its switch on the disk, the package moved into place, `current` being
+/// switched —: the install fails (exit 2), saying the new version is in place now but may
+/// not be after a restart and how to install it again. A restart finds what a crash there
+/// leaves: version 1 current, version 2 in place beside it, and the marker naming it. The
+/// next install (with force, as the message says) first completes the cut-short switch,
+/// audited, and then installs its copy. `strace` stops the install (SIGSTOP) as it makes the
+/// link that switches `current`, while the disk fails.
 fn install_switch_write_error_says_what_a_restart_may_find(ctx: &Ctx) -> Result<(), String> {
-    use std::os::unix::fs::MetadataExt;
     let (places, disk) = on_a_faulty_disk(ctx, "switch", |p, disk| p.executors = disk.join("executors"))?;
     let marks = ctx.mark.parent().ok_or("the mark has no directory")?;
     let v2 = mark_package(&places.base, marks, &ctx.mark, "2.0.0")?;
-    let lock_path = places.audit.with_file_name("audit.jsonl.lock");
-    let lock = std::fs::File::open(&lock_path).map_err(|e| format!("open {}: {e}", lock_path.display()))?;
-    let inode = lock.metadata().map_err(|e| e.to_string())?.ino();
-    let mut cmd = Command::new(OPSERVANT);
-    cmd.args(["executor", "install", &v2.display().to_string(), "--config", &places.config().display().to_string()]);
-    let install = guest::spawn(cmd, "opservant executor install")?;
-    // The lock is taken once the install has opened its audit log (which locks it too) and
-    // staged its package: linting and precompiling it in a sandbox take seconds under TCG
-    // before the record. (Should the install get past the record first, it succeeds and the
-    // check fails; it cannot pass that way.)
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let own = format!(".staging-{}-", install.id());
-    let staging = || {
-        std::fs::read_dir(&places.executors)
-            .map(|d| d.flatten().any(|e| e.file_name().to_string_lossy().starts_with(&own)))
-            .unwrap_or(false)
-    };
-    while !staging() {
-        ensure!(Instant::now() < deadline, "the install never staged its package");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    // SAFETY: flock(2) on a descriptor this function owns.
-    ensure!(unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX) } == 0, "flock the audit lock");
-    // A waiter blocked on the lock's inode: `N: -> FLOCK  ADVISORY  WRITE PID MAJ:MIN:INODE …`.
-    let deadline = Instant::now() + Duration::from_secs(AUDIT_LOCK_WAIT_SECONDS / 2);
-    let waiting = |locks: &str| locks.lines().any(|l| l.contains("->") && l.contains(&format!(":{inode} ")));
-    while !waiting(&std::fs::read_to_string("/proc/locks").unwrap_or_default()) {
-        ensure!(Instant::now() < deadline, "the install never waited for the audit log's lock");
+    let trace = places.base.join("install.strace");
+    let mut cmd = Command::new("strace");
+    cmd.args(["-qq", "-o", &trace.display().to_string(), "-e", "trace=symlink,symlinkat"])
+        .args(["-e", "inject=symlink,symlinkat:signal=STOP", OPSERVANT])
+        .args(["executor", "install", &v2.display().to_string(), "--config", &places.config().display().to_string()]);
+    let install = guest::spawn(cmd, "strace opservant executor install")?;
+    // Linting and precompiling the package in a sandbox take seconds under TCG first.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !std::fs::read_to_string(&trace).unwrap_or_default().contains("stopped by SIGSTOP") {
+        ensure!(Instant::now() < deadline, "the install never reached its switch");
         std::thread::sleep(Duration::from_millis(20));
     }
+    let children = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", install.id()))
+        .map_err(|e| format!("the install's pid: {e}"))?;
+    let tracee: i32 = children.split_whitespace().next().and_then(|p| p.parse().ok()).ok_or("no traced install")?;
+    let marker = places.executors.join(".switch-mark");
+    let named = std::fs::read_to_string(&marker).map_err(|e| format!("the switch marker: {e}"))?;
+    ensure!(named == "2.0.0\n", "the switch marker names {named:?}");
+    ensure!(places.executors.join("mark/2.0.0").is_dir(), "2.0.0 was not moved into place before the switch");
     disk.fail_writes()?;
-    drop(lock);
-    let out = guest::output_within(install, "opservant executor install")?;
+    // SAFETY: kill(2) with a signal number; `tracee` is the install strace started.
+    ensure!(unsafe { libc::kill(tracee, libc::SIGCONT) } == 0, "SIGCONT the install");
+    let out = guest::output_within(install, "strace opservant executor install")?;
     let (code, err) = (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stderr).into_owned());
     ensure!(code == 2, "the install whose switch could not be flushed: exit {code}, not 2\nstderr: {err}");
     ensure!(
@@ -546,12 +541,33 @@ fn install_switch_write_error_says_what_a_restart_may_find(ctx: &Ctx) -> Result<
         "the install's error does not say what a restart may find: {err}"
     );
     // As it says: 2.0.0 is what runs now…
-    let current = std::fs::read_link(places.executors.join("mark/current")).map_err(|e| format!("current: {e}"))?;
-    ensure!(current == Path::new("2.0.0"), "before a restart `current` names {}", current.display());
-    // …and a restart finds 1.0.0.
+    let current = || std::fs::read_link(places.executors.join("mark/current")).map_err(|e| format!("current: {e}"));
+    ensure!(current()? == Path::new("2.0.0"), "before a restart `current` names {}", current()?.display());
+    // …and a restart finds 1.0.0, the marker and the package (both on the disk before the
+    // fault: see `FaultyDisk::fail_writes`) — the state a crash in the switch leaves.
     disk.remount_healed()?;
-    let current = std::fs::read_link(places.executors.join("mark/current")).map_err(|e| format!("current: {e}"))?;
-    ensure!(current == Path::new("1.0.0"), "after a restart `current` names {}", current.display());
+    ensure!(current()? == Path::new("1.0.0"), "after a restart `current` names {}", current()?.display());
+    ensure!(marker.is_file(), "after a restart the switch marker is gone");
+    ensure!(places.executors.join("mark/2.0.0/manifest.json").is_file(), "after a restart 2.0.0 is not in place");
+    // Installed again, as the message says: the cut-short switch is completed first, and
+    // then the forced copy installed.
+    let (code, out, err) = places.op(&["executor", "install", "--force", &v2.display().to_string()])?;
+    ensure!(code == 0, "installing 2.0.0 again after the restart: exit {code}\n{out}\n{err}");
+    ensure!(!marker.exists(), "the switch marker stays after the next install");
+    let audit = std::fs::read_to_string(&places.audit).map_err(|e| format!("the audit log: {e}"))?;
+    let events: Vec<Value> = audit.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+    let at = |pred: &dyn Fn(&Value) -> bool| events.iter().rposition(pred);
+    let completed = at(&|e| e["event"] == "executor_installed" && e["fields"]["source"] == "recovery");
+    let forced = at(&|e| e["event"] == "executor_install" && e["fields"]["version"] == "2.0.0");
+    ensure!(
+        matches!((completed, forced), (Some(c), Some(f)) if c < f),
+        "the completion is not audited before the forced install: {completed:?}, {forced:?}"
+    );
+    ensure!(current()? == Path::new("2.0.0~1"), "after installing again `current` names {}", current()?.display());
+    let (code, out, err) = places.op(&["run", "mark"])?;
+    ensure!(code == 0, "running 2.0.0: exit {code}\n{out}\n{err}");
+    let ran = marked(ctx);
+    ensure!(ran.as_deref() == Some("2.0.0"), "the version that ran is {ran:?}, not 2.0.0");
     Ok(())
 }
 
