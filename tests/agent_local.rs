@@ -2129,14 +2129,16 @@ fn executors_listed_in_the_config_are_installed_at_start_once() {
 }
 
 /// The audit log's disk fills up: runs are refused (their start cannot be recorded), `ping`
-/// says the log is failing, since when and why; once there is room again runs go on and
-/// `ping` says so. (A disk that refuses writes outright is `vm_storage_faults`' part.)
+/// and heartbeats say the log is failing, since when and why; once there is room again the
+/// idle agent's heartbeats say so (it tries the log itself, recording the outage) and runs
+/// go on. (A disk that refuses writes outright is `vm_storage_faults`' part.)
 #[test]
-fn a_full_audit_disk_refuses_runs_says_so_in_ping_and_recovers() {
+fn a_full_audit_disk_refuses_runs_is_reported_and_an_idle_agent_sees_it_recover() {
     if !common::require_root() {
         return;
     }
-    let mut a = Agent::new(2);
+    // Heartbeats to a test platform every second: what an idle agent reports.
+    let (p, _tls, mut a) = platform_agent(2);
     // The log on a small filesystem of its own (the installs' records stay beneath it).
     let audit = a.dir.path.join("audit");
     let st = Command::new("mount").args(["-t", "tmpfs", "-o", "size=256k,mode=0755", "tmpfs"]).arg(&audit).status();
@@ -2189,8 +2191,23 @@ fn a_full_audit_disk_refuses_runs_says_so_in_ping_and_recovers() {
     let (_, r) = a.submit(&a.sign(&scan("full-3")));
     assert_eq!(r["reason"], "cannot_run", "{r}");
     assert_eq!(health(&a, "full-ping-3")["since"].as_str(), Some(since.as_str()));
-    // Room again: runs go on, and the log is well.
+    // Room again: an idle agent finds out by itself — no command comes, yet within ten
+    // seconds of the last failure its heartbeats say the log is well, the outage recorded.
     std::fs::remove_file(&filler).unwrap();
+    let beats = p.state.lock().unwrap().heartbeats.len();
+    p.wait_for(60, "a heartbeat saying the log is well again", |s| {
+        s.heartbeats[beats..].iter().any(|hb| hb["audit"]["ok"] == true)
+    });
+    let st = p.state.lock().unwrap();
+    let first_ok = st.heartbeats[beats..].iter().position(|hb| hb["audit"]["ok"] == true).unwrap();
+    for hb in &st.heartbeats[beats..beats + first_ok] {
+        assert_eq!(hb["audit"]["since"].as_str(), Some(since.as_str()), "{hb}");
+    }
+    drop(st);
+    let resumed: Vec<Value> = a.audit_events().into_iter().filter(|e| e["event"] == "audit_resumed").collect();
+    assert_eq!(resumed.len(), 1, "{resumed:?}");
+    assert_eq!(resumed[0]["fields"]["failing_since"].as_str(), Some(since.as_str()), "{resumed:?}");
+    assert!(resumed[0]["fields"]["last_error"].as_str().unwrap().contains("No space left on device"), "{resumed:?}");
     let (code, r) = a.submit(&a.sign(&scan("full-after")));
     assert_eq!((code, r["status"].clone()), (0, json!("completed")), "{r}");
     let ok = health(&a, "full-ping-4");

@@ -1215,8 +1215,8 @@ fn append_to(sink: Option<Arc<AuditLog>>, event: &str, fields: &[(&str, &str)]) 
 }
 
 /// The failures of this process's appends since the last one that was durable: the latest
-/// error and the time of the first ([`health`]).
-static FAILING: Mutex<Option<(String, String)>> = Mutex::new(None);
+/// error, the time of the first, and when the latest was ([`health`]).
+static FAILING: Mutex<Option<(String, String, std::time::Instant)>> = Mutex::new(None);
 
 /// An append's outcome for [`health`]: a durable one ends a run of failures.
 fn note(outcome: Result<(), &AuditError>) {
@@ -1224,16 +1224,18 @@ fn note(outcome: Result<(), &AuditError>) {
     *failing = match outcome {
         Ok(()) => None,
         Err(e) => {
-            let since = failing.take().map_or_else(|| timestamp(SystemTime::now()), |(_, since)| since);
-            Some((e.to_string(), since))
+            let since = failing.take().map_or_else(|| timestamp(SystemTime::now()), |(_, since, _)| since);
+            Some((e.to_string(), since, std::time::Instant::now()))
         }
     };
 }
 
 /// The log as this process has found it, for `ping` and heartbeats: `ok` unless its latest
-/// append (of any record: after a recovery, false until the next one) failed — `error`, the
-/// latest failure, and `since`, the first of the run of them; every run whose start cannot
-/// be recorded is refused meanwhile. `flush_failed`: the first flush of this process that
+/// append failed — `error`, the latest failure, and `since`, the first of the run of them;
+/// every run whose start cannot be recorded is refused meanwhile. When nothing has tried
+/// the log for [`RETRY_AFTER`], a call has a record of the outage tried in the background
+/// ([`retry_in_background`]): once the log takes records again, an idle agent's later call
+/// says `ok` without waiting for a command's record. `flush_failed`: the first flush of this process that
 /// failed, if one did — the lines it covered may not be on the disk even once appends
 /// succeed again (`audit verify` after the next restart tells).
 ///
@@ -1253,13 +1255,44 @@ pub fn health() -> Value {
     }
     let flush_failed = last.clone();
     drop(last);
+    if let Some((error, since, latest)) = &failing {
+        if latest.elapsed() >= RETRY_AFTER {
+            retry_in_background(error, since);
+        }
+    }
     serde_json::json!({
         "ok": failing.is_none(),
-        "error": failing.as_ref().map(|(e, _)| e),
-        "since": failing.as_ref().map(|(_, since)| since),
+        "error": failing.as_ref().map(|(e, _, _)| e),
+        "since": failing.as_ref().map(|(_, since, _)| since),
         "flush_failed": flush_failed,
     })
 }
+
+/// Tries, on a thread of its own, to append `audit_resumed` (`failing_since`, `last_error`):
+/// durable, it ends the run of failures ([`note`]), and the log itself says since when it
+/// was failing and why; failing, it is the run's latest failure, so the next try waits
+/// [`RETRY_AFTER`] again. One try at a time: a hung disk holds one thread, not one per call.
+fn retry_in_background(error: &str, since: &str) {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static RETRYING: AtomicBool = AtomicBool::new(false);
+    if RETRYING.swap(true, Ordering::AcqRel) {
+        return;
+    }
+    let (error, since) = (error.to_string(), since.to_string());
+    let spawned = std::thread::Builder::new().name("audit-retry".into()).spawn(move || {
+        if try_record("audit_resumed", &[("failing_since", &since), ("last_error", &error)]).is_ok() {
+            tracing::info!(target: "opservant::audit", failing_since = %since, "the audit log takes records again");
+        }
+        RETRYING.store(false, Ordering::Release);
+    });
+    if spawned.is_err() {
+        RETRYING.store(false, Ordering::Release);
+    }
+}
+
+/// How long the log's latest failure must be past before [`health`] tries it again: while
+/// commands come, their own records try it.
+const RETRY_AFTER: Duration = Duration::from_secs(10);
 
 thread_local! {
     /// The records this thread made before a gate and has not settled yet, with the log
