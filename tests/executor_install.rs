@@ -1095,7 +1095,8 @@ fn an_install_cut_short_between_its_copy_and_its_switch_is_completed_by_the_next
     if common::install_killed_at_its_switch(&install).is_none() {
         return;
     }
-    assert_eq!(std::fs::read_to_string(&marker).unwrap(), "1.0.0\n");
+    let named: Value = serde_json::from_str(&std::fs::read_to_string(&marker).unwrap()).unwrap();
+    assert_eq!(named, serde_json::json!({"to": "1.0.0", "from": null}));
     assert!(env.root.join("hello/1.0.0/manifest.json").is_file());
     assert_eq!(current(), None);
     let out = env.op(&["run", "hello"]);
@@ -1132,12 +1133,17 @@ fn an_install_cut_short_between_its_copy_and_its_switch_is_completed_by_the_next
     assert_eq!(run_output(&env, "hello")["version"], "2.0.0");
     assert!(!marker.exists());
 
-    // A marker whose version was never moved into place (the install was cut short before
-    // its copy was) switches nothing and goes.
-    std::fs::write(&marker, "9.9.9\n").unwrap();
-    assert_eq!(env.op(&["executor", "install", other.to_str().unwrap()]).code, 0);
-    assert_eq!(current(), Some(PathBuf::from("2.0.0")));
-    assert!(!marker.exists());
+    // Markers that switch nothing and go: one naming a version never moved into place (the
+    // install was cut short before its copy was); one written part-way; one of an install
+    // that began from another `current` than today's (switched since, by hand or by an agent
+    // that knows no markers) — although the version it names, 1.0.0, is there.
+    for text in [r#"{"to": "9.9.9", "from": "2.0.0"}"#, r#"{"to": "1.0"#, r#"{"to": "1.0.0", "from": "1.5.0"}"#] {
+        std::fs::write(&marker, text).unwrap();
+        assert_eq!(env.op(&["executor", "install", "--force", other.to_str().unwrap()]).code, 0, "{text}");
+        assert_eq!(current(), Some(PathBuf::from("2.0.0")), "{text}");
+        assert!(!marker.exists(), "{text}");
+    }
+    assert!(env.root.join("hello/1.0.0").is_dir());
     assert_eq!(
         env.audit_events().iter().filter(|e| e["fields"]["source"] == "recovery").count(),
         2,

@@ -547,29 +547,36 @@ fn sweep_leftovers(root: &Path) {
     }
 }
 
-/// The marker of an install's switch in progress: the file `<root>/.switch-<name>` holding the
-/// name of the version directory `current` is about to name. It is on the disk (the file and
-/// the root `fsync`ed) before the package is moved into place, and removed once the switch is
-/// on the disk. Installs and removals run under the root lock, and every holder of the lock
-/// first completes what a marker names ([`complete_interrupted_switches`]), so a marker found
-/// then is an install's that was cut short: the package it names is complete (it was flushed
-/// before the marker was written), its `executor_install` record is in the audit log, and the
-/// switch is all that is missing. Without the marker, a copy `current` does not name could
-/// not be told from the previous version each install keeps on purpose.
+/// The marker of an install's switch in progress: the file `<root>/.switch-<name>`, JSON
+/// naming the version directory `current` is about to name (`to`) and the one it names now
+/// (`from`, null for a first install). It is on the disk (the file and the root `fsync`ed)
+/// before the package is moved into place, and removed once the switch is on the disk, or
+/// once the install failed short of the switch (or could not flush it:
+/// [`Switching::unlink_unflushed`]). Installs and removals run under the root
+/// lock, and every holder of the lock first settles what a marker names
+/// ([`complete_interrupted_switches`]): one found then is an install's that was cut short
+/// (a crash) or whose switch could not be flushed. Its package is complete (it was flushed
+/// before the marker was written) and its `executor_install` record is in the audit log;
+/// the switch is completed only while `current` still names `from` — not over a version an
+/// operator or another agent switched to since. Without the marker, a copy `current` does
+/// not name could not be told from the previous version each install keeps on purpose.
 struct Switching {
     marker: PathBuf,
     root: PathBuf,
+    /// Dealt with: not removed when dropped.
+    keep: bool,
 }
 
 const SWITCH_MARKER: &str = ".switch-";
 
 impl Switching {
-    fn begin(root: &Path, name: &str, dir_name: &str) -> Result<Switching, InstallError> {
+    fn begin(root: &Path, name: &str, to: &str, from: Option<&str>) -> Result<Switching, InstallError> {
         let marker = root.join(format!("{SWITCH_MARKER}{name}"));
+        let text = serde_json::json!({"to": to, "from": from}).to_string() + "\n";
         let written = (|| {
             let mut f =
                 std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&marker)?;
-            f.write_all(format!("{dir_name}\n").as_bytes())?;
+            f.write_all(text.as_bytes())?;
             f.sync_all()?;
             std::fs::File::open(root)?.sync_all()
         })();
@@ -577,76 +584,128 @@ impl Switching {
             let _ = std::fs::remove_file(&marker);
             io(&marker, std::io::Error::other(format!("{e}; nothing was switched")))
         })?;
-        Ok(Switching { marker, root: root.to_path_buf() })
+        Ok(Switching { marker, root: root.to_path_buf(), keep: false })
     }
 
-    /// The switch is on the disk (or was undone): the marker goes. A marker that stays (this
-    /// removal not on the disk at a crash) names the version `current` names already, and is
-    /// only removed by the next lock holder.
-    fn finish(self) {
+    /// The switch is made but could not be flushed: the marker is removed but not flushed.
+    /// Until a restart no lock holder finds it — whatever `current` is made to name by hand
+    /// meanwhile stays — while a restart that finds the package but not the switch most
+    /// likely finds the marker too (its removal came after the switch), and has the switch
+    /// completed.
+    fn unlink_unflushed(mut self) {
+        self.keep = true;
+        let _ = std::fs::remove_file(&self.marker);
+    }
+
+    /// The switch is on the disk, or the install failed short of it: the marker goes.
+    /// Whether its removal is on the disk (a marker left by a crash just before names the
+    /// version `current` names, and is removed by the next lock holder).
+    fn finish(mut self) -> bool {
+        self.keep = true;
         let removed = std::fs::remove_file(&self.marker).and_then(|()| std::fs::File::open(&self.root)?.sync_all());
-        if let Err(e) = removed {
+        if let Err(e) = &removed {
             tracing::warn!(marker = %self.marker.display(), error = %e, "an install's switch marker could not be removed");
+        }
+        removed.is_ok()
+    }
+}
+
+impl Drop for Switching {
+    /// An install that returned early between the marker and the switch (its package not
+    /// moved into place): the marker goes.
+    fn drop(&mut self) {
+        if !self.keep {
+            let _ = std::fs::remove_file(&self.marker).and_then(|()| std::fs::File::open(&self.root)?.sync_all());
         }
     }
 }
 
-/// Completes installs cut short between their copy and their switch ([`Switching`]): for
-/// each marker in `root` whose version directory is there, `current` is switched to it (the
-/// switch on the disk, audited as `executor_installed` with `source: recovery`); a marker
-/// whose directory is not there (the install was cut short before its copy was moved into
-/// place) is removed. Called with the root lock held. A marker that cannot be acted on stays
-/// for the next lock holder, and is logged.
+/// Settles what [`Switching`] markers in `root` name, with the root lock held: an install
+/// cut short between its copy and its switch is completed (`current` switched to its
+/// version, on the disk, audited as `executor_installed` with `source: recovery`) when its
+/// version directory is there, its manifest loads and `current` still names what it named
+/// before; otherwise the marker is removed and nothing switched (a marker that cannot be
+/// read was never followed by its install's move: it was flushed before it). A marker whose
+/// settling failed (an I/O error) stays for the next lock holder, and is logged.
 fn complete_interrupted_switches(root: &Path, entries: &[std::fs::DirEntry]) {
     for e in entries {
         let file_name = e.file_name();
         let Some(name) = file_name.to_str().and_then(|n| n.strip_prefix(SWITCH_MARKER)) else { continue };
-        if !crate::manifest::valid_name(name) || !e.file_type().is_ok_and(|t| t.is_file()) {
+        if !e.file_type().is_ok_and(|t| t.is_file()) {
             continue;
         }
         if let Err(error) = complete_switch(root, name, &e.path()) {
-            tracing::error!(executor = name, marker = %e.path().display(), %error, "an interrupted install could not be completed; retried by the next install or removal, or at the agent's start");
+            tracing::error!(executor = name, marker = %e.path().display(), %error, "an interrupted install could not be settled; retried by the next install or removal, or at the agent's start");
         }
     }
 }
 
+/// What a switch marker says: the version directory to switch to, and the one `current`
+/// named before (none: a first install).
+#[derive(serde::Deserialize)]
+struct SwitchMarker {
+    to: String,
+    from: Option<String>,
+}
+
 fn complete_switch(root: &Path, name: &str, marker: &Path) -> std::io::Result<()> {
+    let drop_marker = |why: &str| -> std::io::Result<()> {
+        tracing::warn!(executor = name, marker = %marker.display(), "an install's switch marker removed, nothing switched: {why}");
+        std::fs::remove_file(marker)?;
+        std::fs::File::open(root)?.sync_all()
+    };
     let mut text = String::new();
-    std::fs::File::open(marker)?.take(256).read_to_string(&mut text)?;
-    let dir_name = text.trim_end_matches('\n');
-    if dir_name.is_empty() || dir_name.starts_with('.') || dir_name.contains('/') || dir_name == "current" {
-        return Err(std::io::Error::other(format!("the marker names {dir_name:?}, not a version directory")));
-    }
+    std::fs::File::open(marker)?.take(4096).read_to_string(&mut text)?;
+    let is_dir_name = |d: &str| !d.is_empty() && !d.starts_with('.') && !d.contains('/') && d != "current";
+    let parsed = serde_json::from_str::<SwitchMarker>(&text).ok().filter(|m| {
+        crate::manifest::valid_name(name) && is_dir_name(&m.to) && m.from.as_deref().is_none_or(is_dir_name)
+    });
+    let Some(SwitchMarker { to, from }) = parsed else {
+        return drop_marker("it cannot be read (written part-way: its install never moved its package)");
+    };
     let name_dir = root.join(name);
-    let dest = name_dir.join(dir_name);
+    let dest = name_dir.join(&to);
     let current = name_dir.join("current");
-    if std::fs::symlink_metadata(&dest).is_ok_and(|m| m.is_dir())
-        && std::fs::read_link(&current).ok().as_deref() != Some(Path::new(dir_name))
-    {
-        let tmp_link = name_dir.join(".current.new");
-        let _ = std::fs::remove_file(&tmp_link);
-        std::os::unix::fs::symlink(dir_name, &tmp_link)?;
-        std::fs::rename(&tmp_link, &current)?;
-        std::fs::File::open(&name_dir)?.sync_all()?;
-        let version = crate::manifest::Manifest::load(&dest.join("manifest.json"))
-            .map(|(m, _)| m.version)
-            .unwrap_or_else(|_| dir_name.to_string());
-        tracing::warn!(
-            executor = name,
-            version,
-            dir = dir_name,
-            "completed an install that was cut short between its copy and its switch"
-        );
-        crate::audit::record(
-            "executor_installed",
-            &[
-                ("executor", name),
-                ("version", &version),
-                ("source", "recovery"),
-                ("detail", "an install cut short between its copy and its switch, completed"),
-            ],
-        );
+    if !std::fs::symlink_metadata(&dest).is_ok_and(|m| m.is_dir()) {
+        return drop_marker(&format!("{to} was never moved into place"));
     }
+    let now = std::fs::read_link(&current).ok().map(|p| p.to_string_lossy().into_owned());
+    if now.as_deref() == Some(to.as_str()) {
+        return drop_marker(&format!("`current` names {to} already"));
+    }
+    if now != from {
+        return drop_marker(&format!(
+            "`current` names {} now, not {} as when the install began: switched since",
+            now.as_deref().unwrap_or("nothing"),
+            from.as_deref().unwrap_or("nothing")
+        ));
+    }
+    let version = match crate::manifest::Manifest::load(&dest.join("manifest.json")) {
+        Ok((m, _)) if m.name == name => m.version,
+        Ok((m, _)) => return drop_marker(&format!("{to} holds executor {}, not {name}", m.name)),
+        Err(e) => return drop_marker(&format!("{to}'s manifest does not load: {}", e.message)),
+    };
+    let tmp_link = name_dir.join(".current.new");
+    let _ = std::fs::remove_file(&tmp_link);
+    std::os::unix::fs::symlink(&to, &tmp_link)?;
+    std::fs::rename(&tmp_link, &current)?;
+    std::fs::File::open(&name_dir)?.sync_all()?;
+    tracing::warn!(
+        executor = name,
+        version,
+        dir = to,
+        "completed an install that was cut short between its copy and its switch"
+    );
+    crate::audit::record(
+        "executor_installed",
+        &[
+            ("executor", name),
+            ("version", &version),
+            ("previous", from.as_deref().unwrap_or("")),
+            ("source", "recovery"),
+            ("detail", "an install cut short between its copy and its switch, completed"),
+        ],
+    );
     std::fs::remove_file(marker)?;
     std::fs::File::open(root)?.sync_all()
 }
@@ -751,22 +810,32 @@ pub fn install(
         let name_dir = root.join(&manifest.name);
         // A newer version is current (installed later, e.g. by a command): never downgrade.
         let current = std::fs::read_link(name_dir.join("current")).ok();
-        // By its manifest; one that no longer loads by its directory's name (`VERSION` or a
-        // forced copy's `VERSION~N`), so that a broken `current` is not replaced by an older
-        // version either.
+        // By its manifest; a directory whose manifest no longer loads by its name (`VERSION`
+        // or a forced copy's `VERSION~N`), so that a broken `current` is not replaced by an
+        // older version either (a link to nothing is replaced).
+        let mut broken = None;
         let current_version = current.as_ref().and_then(|c| {
-            crate::executor_run::Executor::load(&name_dir.join(c))
-                .ok()
-                .map(|e| e.manifest.version)
-                .or_else(|| version_of_dir_name(&c.to_string_lossy()))
+            let dir = name_dir.join(c);
+            match crate::executor_run::Executor::load(&dir) {
+                Ok(e) => Some(e.manifest.version),
+                Err(e) if std::fs::symlink_metadata(&dir).is_ok_and(|m| m.is_dir()) => {
+                    broken = Some(e.0);
+                    version_of_dir_name(&c.to_string_lossy())
+                }
+                Err(_) => None,
+            }
         });
         if let (Some(cur), Ok(new)) = (&current_version, semver::Version::parse(&manifest.version)) {
             if semver::Version::parse(cur).is_ok_and(|cur| cur > new) {
+                let mut warnings = vec![format!(
+                    "{} {cur} is installed, newer than {}: left as it is",
+                    manifest.name, manifest.version
+                )];
+                if let Some(why) = broken {
+                    warnings.push(format!("{} {cur}, which `current` names, does not load: {why}", manifest.name));
+                }
                 return Ok(Installed {
-                    warnings: vec![format!(
-                        "{} {cur} is installed, newer than {}: left as it is",
-                        manifest.name, manifest.version
-                    )],
+                    warnings,
                     path: name_dir.join("current"),
                     name: manifest.name,
                     version: cur.clone(),
@@ -891,9 +960,9 @@ pub fn install(
     // From the copy to the switch, a marker on the disk names the version being switched to:
     // an install cut short in between (SIGKILL, a power cut) is completed by the next process
     // that takes the root lock ([`complete_interrupted_switches`]).
-    let switching = Switching::begin(root, &manifest.name, &dir_name)?;
-    std::fs::rename(&pkg, &dest).map_err(|e| io(&dest, e))?;
     let previous = std::fs::read_link(name_dir.join("current")).ok().map(|p| p.to_string_lossy().into_owned());
+    let switching = Switching::begin(root, &manifest.name, &dir_name, previous.as_deref())?;
+    std::fs::rename(&pkg, &dest).map_err(|e| io(&dest, e))?;
     // The switch: a new link beside `current`, renamed over it. If it fails, the new
     // version's directory goes too: nothing of a refused package is left behind.
     let tmp_link = name_dir.join(".current.new");
@@ -903,22 +972,31 @@ pub fn install(
         .and_then(|()| std::fs::rename(&tmp_link, name_dir.join("current")).map_err(|e| io(&name_dir, e)));
     if let Err(e) = switched {
         let _ = std::fs::remove_file(&tmp_link);
-        let _ = std::fs::remove_dir_all(&dest);
-        switching.finish();
+        // Back into the staging directory (removed with it): gone from the name's directory
+        // at once, never half-deleted there while a marker names it. Failing that, deleted
+        // in place once the marker is gone.
+        if std::fs::rename(&dest, &pkg).is_err() && switching.finish() {
+            let _ = std::fs::remove_dir_all(&dest);
+        }
         return Err(e);
     }
     // The switch itself (and a first install's new directories) on the disk too. Should that
     // fail, the new version is in place until the host restarts, and may not be after: the
     // install is reported failed, saying so.
-    staging.make_durable(
+    let flushed = staging.make_durable(
         &format!(
-            "{name}'s `current` names {dir_name} now but may not after a restart; once the disk is \
-             fixed, install it again with force (`--force`, or \"force\": true in install_executor)",
+            "{name}'s `current` names {dir_name} now but may not after a restart; the agent's next \
+             start (or the next install or removal) then completes the switch if {dir_name} reached \
+             the disk — if `opservant executor list` still shows the version before, install it again",
             name = manifest.name
         ),
         None,
         &[&name_dir, root],
-    )?;
+    );
+    if let Err(e) = flushed {
+        switching.unlink_unflushed();
+        return Err(e);
+    }
     switching.finish();
     // Keep the new and the previous version; remove older ones that no run holds (a later
     // install removes those).
@@ -1198,6 +1276,9 @@ pub fn install_configured(config: &crate::config::Config, policy: &AgentPolicy, 
         match result {
             Ok(i) if i.unchanged => {
                 tracing::info!(entry, package = %package, executor = %i.name, version = %i.version, "already installed, unchanged");
+                for warning in &i.warnings {
+                    tracing::warn!(entry, package = %package, executor = %i.name, "{warning}");
+                }
             }
             Ok(i) => {
                 tracing::info!(entry, package = %package, executor = %i.name, version = %i.version, "installed");

@@ -90,8 +90,8 @@ pub fn install_killed_at_its_switch(args: &[&str]) -> Option<std::process::Outpu
         return None;
     }
     let out = Command::new("strace")
-        .args(["-qq", "-o", "/dev/null", "-e", "trace=symlink,symlinkat"])
-        .args(["-e", "inject=symlink,symlinkat:error=EIO:signal=KILL", opservant()])
+        .args(["-qq", "-o", "/dev/null", "-e", "trace=?symlink,symlinkat"])
+        .args(["-e", "inject=?symlink,symlinkat:error=EIO:signal=KILL", opservant()])
         .args(args)
         .env("OPSERVANT_CONFIG", test_config())
         .stdin(Stdio::null())

@@ -501,21 +501,33 @@ fn install_write_error_keeps_the_installed_version(ctx: &Ctx) -> Result<(), Stri
 /// The disk starts refusing writes during an install's switch — its package on the disk,
 /// the marker of its switch on the disk, the package moved into place, `current` being
 /// switched —: the install fails (exit 2), saying the new version is in place now but may
-/// not be after a restart and how to install it again. A restart finds what a crash there
-/// leaves: version 1 current, version 2 in place beside it, and the marker naming it. The
-/// next install (with force, as the message says) first completes the cut-short switch,
-/// audited, and then installs its copy. `strace` stops the install (SIGSTOP) as it makes the
-/// link that switches `current`, while the disk fails.
+/// not be after a restart, and what then. A restart finds what a crash there leaves:
+/// version 1 current, version 2 in place beside it, and the marker naming it. The agent's
+/// start completes the switch, audited, and version 2 runs. `strace` stops the install
+/// (SIGSTOP) just after it makes the new link and before it renames it over `current`, and
+/// the disk fails meanwhile.
 fn install_switch_write_error_says_what_a_restart_may_find(ctx: &Ctx) -> Result<(), String> {
     let (places, disk) = on_a_faulty_disk(ctx, "switch", |p, disk| p.executors = disk.join("executors"))?;
     let marks = ctx.mark.parent().ok_or("the mark has no directory")?;
     let v2 = mark_package(&places.base, marks, &ctx.mark, "2.0.0")?;
     let trace = places.base.join("install.strace");
     let mut cmd = Command::new("strace");
-    cmd.args(["-qq", "-o", &trace.display().to_string(), "-e", "trace=symlink,symlinkat"])
-        .args(["-e", "inject=symlink,symlinkat:signal=STOP", OPSERVANT])
+    cmd.args(["-qq", "-o", &trace.display().to_string(), "-e", "trace=?symlink,symlinkat"])
+        .args(["-e", "inject=?symlink,symlinkat:signal=STOP", OPSERVANT])
         .args(["executor", "install", &v2.display().to_string(), "--config", &places.config().display().to_string()]);
     let install = guest::spawn(cmd, "strace opservant executor install")?;
+    // Should the check fail before the install ends, strace and the install it holds stopped
+    // are killed: they would keep the disk's mount busy.
+    struct KillOnFailure(Vec<i32>);
+    impl Drop for KillOnFailure {
+        fn drop(&mut self) {
+            for pid in &self.0 {
+                // SAFETY: kill(2) with a signal number, on this check's own processes.
+                unsafe { libc::kill(*pid, libc::SIGKILL) };
+            }
+        }
+    }
+    let mut on_failure = KillOnFailure(vec![install.id() as i32]);
     // Linting and precompiling the package in a sandbox take seconds under TCG first.
     let deadline = Instant::now() + Duration::from_secs(120);
     while !std::fs::read_to_string(&trace).unwrap_or_default().contains("stopped by SIGSTOP") {
@@ -525,49 +537,51 @@ fn install_switch_write_error_says_what_a_restart_may_find(ctx: &Ctx) -> Result<
     let children = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", install.id()))
         .map_err(|e| format!("the install's pid: {e}"))?;
     let tracee: i32 = children.split_whitespace().next().and_then(|p| p.parse().ok()).ok_or("no traced install")?;
+    on_failure.0.push(tracee);
     let marker = places.executors.join(".switch-mark");
     let named = std::fs::read_to_string(&marker).map_err(|e| format!("the switch marker: {e}"))?;
-    ensure!(named == "2.0.0\n", "the switch marker names {named:?}");
+    let named: Value = serde_json::from_str(&named).map_err(|e| format!("the switch marker {named:?}: {e}"))?;
+    ensure!(named == json!({"to": "2.0.0", "from": "1.0.0"}), "the switch marker says {named}");
     ensure!(places.executors.join("mark/2.0.0").is_dir(), "2.0.0 was not moved into place before the switch");
     disk.fail_writes()?;
     // SAFETY: kill(2) with a signal number; `tracee` is the install strace started.
     ensure!(unsafe { libc::kill(tracee, libc::SIGCONT) } == 0, "SIGCONT the install");
     let out = guest::output_within(install, "strace opservant executor install")?;
+    on_failure.0.clear();
     let (code, err) = (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stderr).into_owned());
     ensure!(code == 2, "the install whose switch could not be flushed: exit {code}, not 2\nstderr: {err}");
     ensure!(
         err.contains("mark's `current` names 2.0.0 now but may not after a restart")
-            && err.contains("install it again with force (`--force`"),
+            && err.contains("the agent's next start (or the next install or removal) then completes the switch"),
         "the install's error does not say what a restart may find: {err}"
     );
     // As it says: 2.0.0 is what runs now…
     let current = || std::fs::read_link(places.executors.join("mark/current")).map_err(|e| format!("current: {e}"));
     ensure!(current()? == Path::new("2.0.0"), "before a restart `current` names {}", current()?.display());
-    // …and a restart finds 1.0.0, the marker and the package (both on the disk before the
-    // fault: see `FaultyDisk::fail_writes`) — the state a crash in the switch leaves.
+    // …and a restart finds 1.0.0, the package and the marker — flushed before the fault
+    // (see `FaultyDisk::fail_writes`), the marker's removal not —: what a crash in the
+    // switch leaves.
     disk.remount_healed()?;
     ensure!(current()? == Path::new("1.0.0"), "after a restart `current` names {}", current()?.display());
     ensure!(marker.is_file(), "after a restart the switch marker is gone");
     ensure!(places.executors.join("mark/2.0.0/manifest.json").is_file(), "after a restart 2.0.0 is not in place");
-    // Installed again, as the message says: the cut-short switch is completed first, and
-    // then the forced copy installed.
-    let (code, out, err) = places.op(&["executor", "install", "--force", &v2.display().to_string()])?;
-    ensure!(code == 0, "installing 2.0.0 again after the restart: exit {code}\n{out}\n{err}");
-    ensure!(!marker.exists(), "the switch marker stays after the next install");
+    // The agent's start completes the switch, audited, before it takes a command: 2.0.0 runs.
+    let agent = Agent::start(ctx, &places)?;
+    ensure!(current()? == Path::new("2.0.0"), "after the agent's start `current` names {}", current()?.display());
+    ensure!(!marker.exists(), "the switch marker stays after the agent's start");
+    let (code, reply) = agent.execute_mark("switch-1")?;
+    ensure!(code == 0 && reply["status"] == "completed", "running mark after the start: {code} {reply}");
+    let ran = marked(ctx);
+    ensure!(ran.as_deref() == Some("2.0.0"), "the version that ran is {ran:?}, not 2.0.0");
     let audit = std::fs::read_to_string(&places.audit).map_err(|e| format!("the audit log: {e}"))?;
     let events: Vec<Value> = audit.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
     let at = |pred: &dyn Fn(&Value) -> bool| events.iter().rposition(pred);
     let completed = at(&|e| e["event"] == "executor_installed" && e["fields"]["source"] == "recovery");
-    let forced = at(&|e| e["event"] == "executor_install" && e["fields"]["version"] == "2.0.0");
+    let started = at(&|e| e["event"] == "agent_start");
     ensure!(
-        matches!((completed, forced), (Some(c), Some(f)) if c < f),
-        "the completion is not audited before the forced install: {completed:?}, {forced:?}"
+        matches!((completed, started), (Some(c), Some(s)) if c < s),
+        "the completion is not audited before the agent's start: {completed:?}, {started:?}"
     );
-    ensure!(current()? == Path::new("2.0.0~1"), "after installing again `current` names {}", current()?.display());
-    let (code, out, err) = places.op(&["run", "mark"])?;
-    ensure!(code == 0, "running 2.0.0: exit {code}\n{out}\n{err}");
-    let ran = marked(ctx);
-    ensure!(ran.as_deref() == Some("2.0.0"), "the version that ran is {ran:?}, not 2.0.0");
     Ok(())
 }
 
