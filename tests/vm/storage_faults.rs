@@ -88,11 +88,12 @@ struct Ctx {
 }
 
 fn in_vm() -> ExitCode {
-    let checks: [(&str, guest::Check<Ctx>); 8] = [
+    let checks: [(&str, guest::Check<Ctx>); 9] = [
         ("replay_store_write_error_rejects_the_command", replay_store_write_error_rejects_the_command),
         ("audit_write_error_keeps_the_executor_from_running", audit_write_error_keeps_the_executor_from_running),
         ("cli_run_audit_write_error_keeps_the_executor_from_running", cli_run_audit_write_error),
         ("install_write_error_keeps_the_installed_version", install_write_error_keeps_the_installed_version),
+        ("install_on_overlayfs_write_error_keeps_the_installed_version", install_on_overlayfs_write_error),
         (
             "install_switch_write_error_says_what_a_restart_may_find",
             install_switch_write_error_says_what_a_restart_may_find,
@@ -495,6 +496,62 @@ fn install_write_error_keeps_the_installed_version(ctx: &Ctx) -> Result<(), Stri
     disk.remount_healed()?;
     let current = std::fs::read_link(places.executors.join("mark/current")).map_err(|e| format!("current: {e}"))?;
     ensure!(current == Path::new("1.0.0"), "after a restart `current` names {}", current.display());
+    Ok(())
+}
+
+/// As [`install_write_error_keeps_the_installed_version`], with the executors on an overlay
+/// filesystem whose upper layer is on the failing disk (a container's or an image-based
+/// host's root): the install's `syncfs` goes through the overlay, which must report the
+/// upper filesystem's write-back errors for the install to fail.
+fn install_on_overlayfs_write_error(ctx: &Ctx) -> Result<(), String> {
+    let mut places = Places::new(ctx, "overlay");
+    let disk = FaultyDisk::new(ctx, "overlay-disk")?;
+    // The lower layer on a tmpfs of its own (not the guest's shared root), upper and work
+    // directories on the disk.
+    let (lower, merged) = (places.base.join("lower"), places.base.join("merged"));
+    let (upper, work) = (disk.mount.join("upper"), disk.mount.join("work"));
+    for d in [&lower, &merged, &upper, &work] {
+        std::fs::create_dir_all(d).map_err(|e| format!("create {}: {e}", d.display()))?;
+    }
+    struct Unmount(Vec<PathBuf>);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            for m in &self.0 {
+                let _ = sh(&format!("umount -l {}", m.display()));
+            }
+        }
+    }
+    sh_ok(&format!("mount -t tmpfs -o size=1m tmpfs {}", lower.display()))?;
+    let mut mounted = Unmount(vec![lower.clone()]);
+    sh_ok(&format!(
+        "mount -t overlay overlay -o lowerdir={},upperdir={},workdir={} {}",
+        lower.display(),
+        upper.display(),
+        work.display(),
+        merged.display()
+    ))?;
+    mounted.0.insert(0, merged.clone());
+    places.executors = merged.join("executors");
+    places.write(ctx)?;
+    ensure!(upper.join("executors/mark/1.0.0/manifest.json").is_file(), "1.0.0 is not in the overlay's upper layer");
+    let marks = ctx.mark.parent().ok_or("the mark has no directory")?;
+    let v2 = mark_package(&places.base, marks, &ctx.mark, "2.0.0")?;
+    disk.fail_writes()?;
+    let (code, out, err) = places.op(&["executor", "install", &v2.display().to_string()])?;
+    ensure!(
+        code == 2,
+        "installing 2.0.0 onto an overlay whose upper disk refuses writes: exit {code}, not 2\nstdout: {out}\nstderr: {err}"
+    );
+    ensure!(
+        err.contains("the executors' filesystem reported a write error (syncfs")
+            && err.contains("mark 2.0.0 is not on the disk; nothing was switched"),
+        "the install's error does not say the overlay's syncfs found the disk refusing its files: {err}"
+    );
+    let (code, out, err) = places.op(&["run", "mark"])?;
+    ensure!(code == 0, "running the installed version: exit {code}\n{out}\n{err}");
+    let ran = marked(ctx);
+    ensure!(ran.as_deref() == Some("1.0.0"), "the version that ran is {ran:?}, not 1.0.0");
+    drop(mounted);
     Ok(())
 }
 
