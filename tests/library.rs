@@ -768,6 +768,61 @@ fn a_pooled_sandbox_whose_payload_ended_is_not_handed_out() {
     }
 }
 
+/// A masked file the host replaces by a rename (as `passwd` writes `/etc/shadow`) loses its
+/// cover in every mount namespace: the new file shows unmasked in a sandbox built before;
+/// so does a masked path created after the build. The old code handed such a pooled
+/// sandbox out (once its build had finished before the rename, it printed `NEW-SECRET`). A
+/// pooled sandbox whose masked paths changed since the pool looked at them (just before
+/// starting it) is now discarded when a run would take it; a fresh one masks the new files.
+#[test]
+fn a_pooled_sandbox_built_before_a_masked_file_was_replaced_is_not_handed_out() {
+    if !require_root() {
+        return;
+    }
+    let _view = common::host_view();
+    let dir = common::HostDir::new_in("/var/tmp");
+    let d = |p: &str| dir.path.join(p);
+    dir.file("secret", "old-secret", 0o644);
+    let mut s =
+        spec(&["/bin/sh", "-c", &format!("cat {} {} 2>&1; true", d("secret").display(), d("created").display())]);
+    s.filesystem.paths.push(sandbox::PathRule {
+        source: None,
+        path: dir.path.clone(),
+        access: sandbox::Access::Read,
+        optional: false,
+        identity: None,
+    });
+    s.filesystem.masked.extend([d("secret"), d("created")]);
+    s.command.held = true;
+    let pool = agent::warm_pool::WarmPool::new(1, Duration::from_secs(600), launcher()).unwrap();
+    let run = |sb: Sandbox| stdout(&sb.wait(OutputOptions::default()).unwrap());
+    // Nothing changed: handed out, and the file is masked.
+    pool.fill(s.clone()).unwrap();
+    let out = run(pool.take(&s).expect("a pooled sandbox"));
+    assert!(!out.contains("secret") || out.contains("Permission denied"), "{out}");
+    assert!(!out.contains("old-secret"), "{out}");
+
+    // Replaced by a rename while a sandbox waits: not handed out.
+    pool.fill(s.clone()).unwrap();
+    dir.file("secret.new", "NEW-SECRET", 0o644);
+    std::fs::rename(d("secret.new"), d("secret")).unwrap();
+    if let Some(sb) = pool.take(&s) {
+        panic!("a pooled sandbox built before the masked file was replaced was handed out; it shows: {}", run(sb));
+    }
+    // Created while a sandbox waits: not handed out either.
+    pool.fill(s.clone()).unwrap();
+    dir.file("created", "CREATED-SECRET", 0o644);
+    if let Some(sb) = pool.take(&s) {
+        panic!("a pooled sandbox built before a masked path existed was handed out; it shows: {}", run(sb));
+    }
+    // A fresh sandbox masks both.
+    pool.fill(s.clone()).unwrap();
+    let out = run(pool.take(&s).expect("a pooled sandbox built after the changes"));
+    assert!(!out.contains("NEW-SECRET") && !out.contains("CREATED-SECRET"), "{out}");
+    assert_eq!(out.matches("Permission denied").count(), 2, "{out}");
+    pool.shutdown();
+}
+
 /// A stop ends a warm pool's warm-up under way: the sandbox being warmed up (here a payload
 /// that never answers it) is discarded — killed, its cgroups removed — when the pool shuts
 /// down, not when the warm-up's 10 s limit runs out after the agent has gone.

@@ -16,9 +16,12 @@
 //!   removed and installed again at the same version; a system path — the shared libraries'
 //!   cache, the resolver's configuration, the time zone link — replaced or re-pointed), or
 //!   whose payload has ended (the OOM killer's first victim), is discarded when a run would
-//!   take it; the run starts its own. (What a path holds is not compared: a file changed in
-//!   place shows in every sandbox, pooled or not; a masked path created since is not masked
-//!   in a sandbox built before it existed — as in a running one.)
+//!   take it; the run starts its own. So is one built before a masked path beneath the
+//!   paths it shows was replaced or created (a new file renamed over a masked one, as
+//!   `passwd` writes `/etc/shadow`, shows unmasked in a sandbox built before — the kernel
+//!   detaches the cover with the old file): a pooled sandbox masks what a fresh one would.
+//!   (What a path holds is not compared: a file changed in place shows in every sandbox,
+//!   pooled or not.)
 //! - The pool holds at most its size; a sandbox idle for longer than its idle limit
 //!   (`agent.warm_pool_idle_seconds`, default [`DEFAULT_MAX_IDLE`]) is discarded; dropping
 //!   a pooled sandbox kills it and removes its cgroups. Refills run on background threads,
@@ -112,7 +115,38 @@ fn sources(spec: &SandboxSpec) -> Vec<Source> {
             std::fs::metadata(r.source.as_ref().unwrap_or(&r.path))
                 .map_or(Source::Missing, |m| Source::Bound(m.dev(), m.ino()))
         });
-    system.chain(declared).collect()
+    system.chain(declared).chain(masked_sources(spec)).collect()
+}
+
+/// What each masked path the view shows from the host is now (a masked path beneath a
+/// system or declared path): a sandbox covers what the path held when it was built. A host
+/// that renames a new file over a masked one (`passwd` replaces `/etc/shadow` so) detaches
+/// the cover in every mount namespace — the new file shows unmasked in a sandbox built
+/// before —, so a pooled sandbox built before such a rename is discarded, not handed out;
+/// so is one built before a masked path that was missing then was created (`/etc/shadow-`
+/// at the first password change), which it never covered.
+fn masked_sources(spec: &SandboxSpec) -> impl Iterator<Item = Source> + '_ {
+    let bound: Vec<&sandbox::spec::PathRule> = spec
+        .filesystem
+        .system
+        .iter()
+        .chain(&spec.filesystem.paths)
+        .filter(|r| !(r.source.is_none() && r.path.starts_with("/tmp") && r.access == sandbox::spec::Access::ReadWrite))
+        .collect();
+    spec.filesystem.masked.iter().filter_map(move |masked| {
+        // The deepest bound path it lies beneath, and where that comes from on the host.
+        let rule = bound.iter().filter(|r| masked.starts_with(&r.path)).max_by_key(|r| r.path.components().count())?;
+        let rel = masked.strip_prefix(&rule.path).ok()?;
+        let host = rule.source.as_ref().unwrap_or(&rule.path).join(rel);
+        Some(match std::fs::symlink_metadata(&host) {
+            Ok(m) if m.file_type().is_symlink() => std::fs::read_link(&host).map_or(Source::Missing, Source::Link),
+            Ok(m) => {
+                use std::os::unix::fs::MetadataExt;
+                Source::Bound(m.dev(), m.ino())
+            }
+            Err(_) => Source::Missing,
+        })
+    })
 }
 
 /// Whether `pooled` is `spec` but for the identities of the files it binds (an executor's
@@ -468,6 +502,49 @@ mod tests {
         std::fs::remove_file(&link).unwrap();
         std::os::unix::fs::symlink("/usr/share/zoneinfo/Europe/Paris", &link).unwrap();
         assert_ne!(sources(&spec)[1], before[1]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Masked paths beneath a shown host path count (where a declared path comes from
+    /// elsewhere on the host, there); masked paths of the sandbox's own `/proc` do not.
+    #[test]
+    fn sources_cover_the_masked_paths_the_view_shows_from_the_host() {
+        let dir = std::env::temp_dir().join(format!("opservant-pool-masks-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("etc")).unwrap();
+        std::fs::create_dir_all(dir.join("host-data")).unwrap();
+        std::fs::write(dir.join("etc/shadow"), b"old").unwrap();
+        let mut spec = SandboxSpec::new("/bin/true", vec![], Identity::same_inside(65534, 65534));
+        spec.filesystem.system = vec![PathRule {
+            path: dir.join("etc"),
+            access: Access::Read,
+            optional: true,
+            source: None,
+            identity: None,
+        }];
+        spec.filesystem.paths = vec![PathRule {
+            path: PathBuf::from("/data"),
+            access: Access::Read,
+            optional: true,
+            source: Some(dir.join("host-data")),
+            identity: None,
+        }];
+        spec.filesystem.masked =
+            vec![dir.join("etc/shadow"), dir.join("etc/shadow-"), "/data/key".into(), "/proc/kcore".into()];
+        let before = sources(&spec);
+        assert_eq!(before.len(), 2 + 3, "two shown paths, three masks beneath them: {before:?}");
+        assert_eq!(before[3], Source::Missing);
+        // Replaced by a rename, as `passwd` does: another inode.
+        std::fs::write(dir.join("new"), b"new").unwrap();
+        std::fs::rename(dir.join("new"), dir.join("etc/shadow")).unwrap();
+        let after = sources(&spec);
+        assert_ne!(after[2], before[2]);
+        // Created since: no longer missing; under a declared path, at its host source.
+        std::fs::write(dir.join("etc/shadow-"), b"x").unwrap();
+        std::fs::write(dir.join("host-data/key"), b"x").unwrap();
+        let created = sources(&spec);
+        assert_ne!(created[3], Source::Missing);
+        assert_ne!(created[4], Source::Missing);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
