@@ -1206,10 +1206,11 @@ fn try_record_to(sink: Option<Arc<AuditLog>>, event: &str, fields: &[(&str, &str
 fn append_to(sink: Option<Arc<AuditLog>>, event: &str, fields: &[(&str, &str)]) -> Result<(), AuditError> {
     let fields = fields_object(fields);
     let configured = sink.is_some();
+    let began = std::time::Instant::now();
     let appended = sink.map(|log| log.append(event, &fields)).transpose();
     trace(event, &fields, &appended);
     if configured {
-        note(appended.as_ref().map(|_| ()));
+        note(appended.as_ref().map(|_| ()), began);
     }
     appended.map(|_| ())
 }
@@ -1218,10 +1219,13 @@ fn append_to(sink: Option<Arc<AuditLog>>, event: &str, fields: &[(&str, &str)]) 
 /// error, the time of the first, and when the latest was ([`health`]).
 static FAILING: Mutex<Option<(String, String, std::time::Instant)>> = Mutex::new(None);
 
-/// An append's outcome for [`health`]: a durable one ends a run of failures.
-fn note(outcome: Result<(), &AuditError>) {
+/// An append's outcome for [`health`]: a durable one ends a run of failures — unless a
+/// failure was noted after it `began` (a slow success, its flush waited for, must not hide
+/// a later append's failure).
+fn note(outcome: Result<(), &AuditError>, began: std::time::Instant) {
     let mut failing = FAILING.lock().unwrap_or_else(PoisonError::into_inner);
     *failing = match outcome {
+        Ok(()) if failing.as_ref().is_some_and(|(_, _, latest)| *latest > began) => return,
         Ok(()) => None,
         Err(e) => {
             let since = failing.take().map_or_else(|| timestamp(SystemTime::now()), |(_, since, _)| since);
@@ -1280,10 +1284,17 @@ fn retry_in_background(error: &str, since: &str) {
     }
     let (error, since) = (error.to_string(), since.to_string());
     let spawned = std::thread::Builder::new().name("audit-retry".into()).spawn(move || {
+        // Let go however the try ends (a panic unwinds in test builds).
+        struct Done;
+        impl Drop for Done {
+            fn drop(&mut self) {
+                RETRYING.store(false, Ordering::Release);
+            }
+        }
+        let _done = Done;
         if try_record("audit_resumed", &[("failing_since", &since), ("last_error", &error)]).is_ok() {
             tracing::info!(target: "opservant::audit", failing_since = %since, "the audit log takes records again");
         }
-        RETRYING.store(false, Ordering::Release);
     });
     if spawned.is_err() {
         RETRYING.store(false, Ordering::Release);
@@ -1325,7 +1336,7 @@ fn record_before_gate_to(sink: Option<Arc<AuditLog>>, event: &str, fields: &[(&s
         .transpose();
     trace(event, &fields, &appended);
     if let Err(e) = appended {
-        note(Err(&e));
+        note(Err(&e), std::time::Instant::now());
         tracing::error!(target: "opservant::audit", event, error = %e, "audit log append failed: this event is only on stderr");
         let lost = AuditError {
             message: format!("a record made before a gate ({event}) could not be written: {}", e.message),
@@ -1354,7 +1365,7 @@ pub fn settle() -> Result<(), AuditError> {
             same.push(d);
         }
         if let Err(e) = log.settle(same) {
-            note(Err(&e));
+            note(Err(&e), std::time::Instant::now());
             result = result.and(Err(e));
         }
     }

@@ -84,8 +84,26 @@ enum Source {
     /// A symlink the view recreates (a system path on a merged-/usr host, a host's
     /// `/etc/localtime`): its target.
     Link(PathBuf),
-    /// Anything else, bound: its device and inode.
-    Bound(u64, u64),
+    /// Anything else, bound: its device, inode and when that inode was made (a freed inode
+    /// number comes back at once on ext4, so the pair alone could name a later file).
+    Bound(u64, u64, Born),
+}
+
+/// When an inode was made: its birth time where the filesystem keeps one; else, for a file,
+/// its status change time (a file written in place then counts as changed too: a needless
+/// discard, never a missed one); nothing for a directory without one (whose status changes
+/// with every entry made in it).
+type Born = Option<(i64, i64)>;
+
+/// `m`'s identity as a [`Source::Bound`].
+fn bound(m: &std::fs::Metadata) -> Source {
+    use std::os::unix::fs::MetadataExt;
+    let born = match m.created().ok().and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok()) {
+        Some(d) => Some((d.as_secs() as i64, i64::from(d.subsec_nanos()))),
+        None if m.is_dir() => None,
+        None => Some((m.ctime(), m.ctime_nsec())),
+    };
+    Source::Bound(m.dev(), m.ino(), born)
 }
 
 /// What every host path `spec` shows was, now — its declared paths and its system paths
@@ -97,12 +115,11 @@ enum Source {
 /// A declared writable path under `/tmp` is made in the sandbox's own scratch, never taken
 /// from the host: not looked at (anyone can create or remove the host's).
 fn sources(spec: &SandboxSpec) -> Vec<Source> {
-    use std::os::unix::fs::MetadataExt;
     let system = spec.filesystem.system.iter().map(|r| {
         match std::fs::symlink_metadata(&r.path) {
             Ok(m) if m.file_type().is_symlink() => std::fs::read_link(&r.path).map_or(Source::Missing, Source::Link),
             // Bound as the host root resolves it (links in its parents followed).
-            Ok(_) => std::fs::metadata(&r.path).map_or(Source::Missing, |m| Source::Bound(m.dev(), m.ino())),
+            Ok(_) => std::fs::metadata(&r.path).map_or(Source::Missing, |m| bound(&m)),
             Err(_) => Source::Missing,
         }
     });
@@ -111,10 +128,7 @@ fn sources(spec: &SandboxSpec) -> Vec<Source> {
         .paths
         .iter()
         .filter(|r| !(r.source.is_none() && r.path.starts_with("/tmp") && r.access == sandbox::spec::Access::ReadWrite))
-        .map(|r| {
-            std::fs::metadata(r.source.as_ref().unwrap_or(&r.path))
-                .map_or(Source::Missing, |m| Source::Bound(m.dev(), m.ino()))
-        });
+        .map(|r| std::fs::metadata(r.source.as_ref().unwrap_or(&r.path)).map_or(Source::Missing, |m| bound(&m)));
     system.chain(declared).chain(masked_sources(spec)).collect()
 }
 
@@ -126,26 +140,31 @@ fn sources(spec: &SandboxSpec) -> Vec<Source> {
 /// so is one built before a masked path that was missing then was created (`/etc/shadow-`
 /// at the first password change), which it never covered.
 fn masked_sources(spec: &SandboxSpec) -> impl Iterator<Item = Source> + '_ {
-    let bound: Vec<&sandbox::spec::PathRule> = spec
+    let shown: Vec<&sandbox::spec::PathRule> = spec
         .filesystem
         .system
         .iter()
         .chain(&spec.filesystem.paths)
         .filter(|r| !(r.source.is_none() && r.path.starts_with("/tmp") && r.access == sandbox::spec::Access::ReadWrite))
         .collect();
-    spec.filesystem.masked.iter().filter_map(move |masked| {
-        // The deepest bound path it lies beneath, and where that comes from on the host.
-        let rule = bound.iter().filter(|r| masked.starts_with(&r.path)).max_by_key(|r| r.path.components().count())?;
-        let rel = masked.strip_prefix(&rule.path).ok()?;
+    spec.filesystem.masked.iter().flat_map(move |masked| {
+        // The deepest shown path it lies beneath, and where that comes from on the host.
+        let Some(rule) =
+            shown.iter().filter(|r| masked.starts_with(&r.path)).max_by_key(|r| r.path.components().count())
+        else {
+            return Vec::new();
+        };
+        let Ok(rel) = masked.strip_prefix(&rule.path) else { return Vec::new() };
         let host = rule.source.as_ref().unwrap_or(&rule.path).join(rel);
-        Some(match std::fs::symlink_metadata(&host) {
-            Ok(m) if m.file_type().is_symlink() => std::fs::read_link(&host).map_or(Source::Missing, Source::Link),
-            Ok(m) => {
-                use std::os::unix::fs::MetadataExt;
-                Source::Bound(m.dev(), m.ino())
+        // A masked link covers what it leads to: the link and its target both count.
+        let followed = || std::fs::metadata(&host).map_or(Source::Missing, |m| bound(&m));
+        match std::fs::symlink_metadata(&host) {
+            Ok(m) if m.file_type().is_symlink() => {
+                vec![std::fs::read_link(&host).map_or(Source::Missing, Source::Link), followed()]
             }
-            Err(_) => Source::Missing,
-        })
+            Ok(m) => vec![bound(&m)],
+            Err(_) => vec![Source::Missing],
+        }
     })
 }
 
@@ -290,9 +309,13 @@ impl WarmPool {
             // run no longer asks for (its executor installed again): discarded.
             let expired: Vec<Warm> = {
                 let (old, fresh): (Vec<Warm>, Vec<Warm>) = st.ready.drain(..).partition(|w| {
-                    w.since.elapsed() > self.max_idle
-                        || (w.spec == *spec && w.sources != now)
-                        || superseded(&w.spec, spec)
+                    let changed = w.spec == *spec && w.sources != now;
+                    if changed {
+                        // Which one: the first that differs, by its place in `sources`.
+                        let at = w.sources.iter().zip(&now).position(|(a, b)| a != b);
+                        tracing::info!(?at, "warm pool: a ready sandbox discarded: a host path it shows (or a mask beneath one) changed since it was built");
+                    }
+                    w.since.elapsed() > self.max_idle || changed || superseded(&w.spec, spec)
                 });
                 st.ready = fresh.into();
                 old
@@ -545,6 +568,15 @@ mod tests {
         let created = sources(&spec);
         assert_ne!(created[3], Source::Missing);
         assert_ne!(created[4], Source::Missing);
+        // A masked link: its text and what it leads to (the cover is on the target).
+        std::os::unix::fs::symlink("shadow", dir.join("etc/linked")).unwrap();
+        spec.filesystem.masked.push(dir.join("etc/linked"));
+        let linked = sources(&spec);
+        assert_eq!((linked.len(), &linked[5]), (7, &Source::Link("shadow".into())));
+        assert_eq!(linked[6], linked[2], "the link's target is the masked file");
+        std::fs::write(dir.join("new"), b"newer").unwrap();
+        std::fs::rename(dir.join("new"), dir.join("etc/shadow")).unwrap();
+        assert_ne!(sources(&spec)[6], linked[6]);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
