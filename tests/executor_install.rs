@@ -1096,7 +1096,11 @@ fn an_install_cut_short_between_its_copy_and_its_switch_is_completed_by_the_next
         return;
     }
     let named: Value = serde_json::from_str(&std::fs::read_to_string(&marker).unwrap()).unwrap();
-    assert_eq!(named, serde_json::json!({"to": "1.0.0", "from": null}));
+    assert_eq!(
+        (&named["to"], &named["from"], &named["version"], &named["source"]),
+        (&Value::from("1.0.0"), &Value::Null, &Value::from("1.0.0"), &Value::from("cli")),
+        "{named}"
+    );
     assert!(env.root.join("hello/1.0.0/manifest.json").is_file());
     assert_eq!(current(), None);
     let out = env.op(&["run", "hello"]);
@@ -1123,32 +1127,45 @@ fn an_install_cut_short_between_its_copy_and_its_switch_is_completed_by_the_next
     assert!(completed < began, "completed after the next install began");
 
     // An upgrade cut short the same way: the old version runs until the next lock holder (a
-    // removal here) completes the switch.
+    // removal here) completes the switch — also from a `current` an operator pointed by an
+    // absolute link (compared as written).
+    let absolute = env.root.join("hello/1.0.0");
+    std::fs::remove_file(env.root.join("hello/current")).unwrap();
+    std::os::unix::fs::symlink(&absolute, env.root.join("hello/current")).unwrap();
     let v2 = package(&env.dir.path, "2.0.0", false);
     let install = ["executor", "install", v2.to_str().unwrap(), "--config", config];
     common::install_killed_at_its_switch(&install).unwrap();
-    assert_eq!(current(), Some(PathBuf::from("1.0.0")));
+    assert_eq!(current(), Some(absolute.clone()));
     assert_eq!(run_output(&env, "hello")["version"], "1.0.0");
     assert_eq!(env.op(&["executor", "remove", "other"]).code, 0);
     assert_eq!(run_output(&env, "hello")["version"], "2.0.0");
     assert!(!marker.exists());
+    // The version before, named by that absolute link, is kept by the next install.
+    let v3 = package(&env.dir.path, "3.0.0", false);
+    std::fs::remove_file(env.root.join("hello/current")).unwrap();
+    std::os::unix::fs::symlink(env.root.join("hello/2.0.0"), env.root.join("hello/current")).unwrap();
+    assert_eq!(env.op(&["executor", "install", v3.to_str().unwrap()]).code, 0);
+    assert!(env.root.join("hello/2.0.0").is_dir(), "the previous version was removed");
+    assert!(!env.root.join("hello/1.0.0").exists());
+    assert_eq!(current(), Some(PathBuf::from("3.0.0")));
 
     // Markers that switch nothing and go: one naming a version never moved into place (the
     // install was cut short before its copy was); one written part-way; one of an install
     // that began from another `current` than today's (switched since, by hand or by an agent
     // that knows no markers) — although the version it names, 1.0.0, is there.
-    for text in [r#"{"to": "9.9.9", "from": "2.0.0"}"#, r#"{"to": "1.0"#, r#"{"to": "1.0.0", "from": "1.5.0"}"#] {
+    for text in [r#"{"to": "9.9.9", "from": "3.0.0"}"#, r#"{"to": "1.0"#, r#"{"to": "2.0.0", "from": "2.5.0"}"#] {
         std::fs::write(&marker, text).unwrap();
         assert_eq!(env.op(&["executor", "install", "--force", other.to_str().unwrap()]).code, 0, "{text}");
-        assert_eq!(current(), Some(PathBuf::from("2.0.0")), "{text}");
+        assert_eq!(current(), Some(PathBuf::from("3.0.0")), "{text}");
         assert!(!marker.exists(), "{text}");
     }
-    assert!(env.root.join("hello/1.0.0").is_dir());
-    assert_eq!(
-        env.audit_events().iter().filter(|e| e["fields"]["source"] == "recovery").count(),
-        2,
-        "only the two cut-short installs were completed"
-    );
+    assert!(env.root.join("hello/2.0.0").is_dir());
+    let recovered = |event: &str| {
+        env.audit_events().iter().filter(|e| e["event"] == event && e["fields"]["source"] == "recovery").count()
+    };
+    assert_eq!(recovered("executor_installed"), 2, "only the two cut-short installs were completed");
+    // The two readable markers that were not completed end their installs in the log.
+    assert_eq!(recovered("executor_install_failed"), 2);
 }
 
 #[test]

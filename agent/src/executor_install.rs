@@ -9,14 +9,15 @@
 //! <root>/.staging-<pid>-<n>/        work area of an install in progress (same filesystem)
 //! <root>/.download-<pid>-<n>/       a package being downloaded for `install_executor`
 //! <root>/.removing-<pid>-<n>/       an executor being removed
-//! <root>/.switch-<name>              an install's switch in progress: the version it names
+//! <root>/.switch-<name>              an install's switch in progress (JSON: to, from, …)
 //! ```
 //!
 //! The three work areas of a process that is gone (killed part-way) are removed by the next
 //! install or removal, under the root lock; a `.removing-…` directory whatever its process,
 //! but for the versions runs still hold. A `.switch-…` marker found then belongs to an
-//! install cut short between its copy and its switch: the switch is completed (see
-//! [`Switching`]); the agent takes the lock as it starts ([`settle`]) for this.
+//! install cut short between its copy and its switch: the switch is completed while
+//! `current` still names what it named then (see [`Switching`]); the agent takes the lock as
+//! it starts ([`settle`]) for this.
 //!
 //! Guarantees:
 //! - an archive (`.tar.gz`, `.tgz`, `.tar`) is unpacked entry by entry and refused as a whole
@@ -570,9 +571,11 @@ struct Switching {
 const SWITCH_MARKER: &str = ".switch-";
 
 impl Switching {
-    fn begin(root: &Path, name: &str, to: &str, from: Option<&str>) -> Result<Switching, InstallError> {
+    /// `marked`: the marker's content — the switch, and the install's own record's fields,
+    /// repeated by the record of its completion or of its end.
+    fn begin(root: &Path, name: &str, marked: &SwitchMarker) -> Result<Switching, InstallError> {
         let marker = root.join(format!("{SWITCH_MARKER}{name}"));
-        let text = serde_json::json!({"to": to, "from": from}).to_string() + "\n";
+        let text = serde_json::to_string(marked).map_err(|e| InstallError::Invalid(e.to_string()))? + "\n";
         let written = (|| {
             let mut f =
                 std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&marker)?;
@@ -622,11 +625,14 @@ impl Drop for Switching {
 
 /// Settles what [`Switching`] markers in `root` name, with the root lock held: an install
 /// cut short between its copy and its switch is completed (`current` switched to its
-/// version, on the disk, audited as `executor_installed` with `source: recovery`) when its
-/// version directory is there, its manifest loads and `current` still names what it named
-/// before; otherwise the marker is removed and nothing switched (a marker that cannot be
-/// read was never followed by its install's move: it was flushed before it). A marker whose
-/// settling failed (an I/O error) stays for the next lock holder, and is logged.
+/// version, on the disk, audited as `executor_installed` with `source: recovery` and the
+/// install's own record's fields) when its version directory is there, its manifest loads
+/// and `current` still names what it named before; otherwise the marker is removed and
+/// nothing switched (audited as `executor_install_failed`, `source: recovery`, saying why;
+/// a marker that cannot be read was never followed by its install's move — it was flushed
+/// before it — and one naming the version `current` names is a finished install's). A
+/// marker whose settling failed (an I/O error) stays for the next lock holder, and is
+/// logged.
 fn complete_interrupted_switches(root: &Path, entries: &[std::fs::DirEntry]) {
     for e in entries {
         let file_name = e.file_name();
@@ -640,74 +646,108 @@ fn complete_interrupted_switches(root: &Path, entries: &[std::fs::DirEntry]) {
     }
 }
 
-/// What a switch marker says: the version directory to switch to, and the one `current`
-/// named before (none: a first install).
-#[derive(serde::Deserialize)]
+/// What a switch marker says: the version directory to switch to, the text of the `current`
+/// link before (none: a first install), and the install's `executor_install` record's
+/// fields.
+#[derive(serde::Serialize, serde::Deserialize)]
 struct SwitchMarker {
     to: String,
     from: Option<String>,
+    #[serde(default)]
+    version: String,
+    #[serde(default)]
+    source: String,
+    #[serde(default)]
+    command_id: String,
+    #[serde(default)]
+    sha256: String,
+    #[serde(default)]
+    signed_by: String,
 }
 
 fn complete_switch(root: &Path, name: &str, marker: &Path) -> std::io::Result<()> {
-    let drop_marker = |why: &str| -> std::io::Result<()> {
-        tracing::warn!(executor = name, marker = %marker.display(), "an install's switch marker removed, nothing switched: {why}");
+    let remove = || -> std::io::Result<()> {
         std::fs::remove_file(marker)?;
         std::fs::File::open(root)?.sync_all()
     };
-    let mut text = String::new();
-    std::fs::File::open(marker)?.take(4096).read_to_string(&mut text)?;
+    let mut bytes = Vec::new();
+    std::fs::File::open(marker)?.take(64 * 1024).read_to_end(&mut bytes)?;
+    // Every marker's name is an executor's (a manifest's, checked): another one is not ours.
+    if !crate::manifest::valid_name(name) {
+        tracing::warn!(marker = %marker.display(), "a switch marker for no executor name removed");
+        return remove();
+    }
     let is_dir_name = |d: &str| !d.is_empty() && !d.starts_with('.') && !d.contains('/') && d != "current";
-    let parsed = serde_json::from_str::<SwitchMarker>(&text).ok().filter(|m| {
-        crate::manifest::valid_name(name) && is_dir_name(&m.to) && m.from.as_deref().is_none_or(is_dir_name)
-    });
-    let Some(SwitchMarker { to, from }) = parsed else {
-        return drop_marker("it cannot be read (written part-way: its install never moved its package)");
+    let Some(m) = serde_json::from_slice::<SwitchMarker>(&bytes).ok().filter(|m| is_dir_name(&m.to)) else {
+        // Flushed before its install moved anything: one written part-way was never followed.
+        tracing::warn!(executor = name, marker = %marker.display(), "a switch marker that cannot be read (written part-way: its install moved nothing) removed");
+        return remove();
+    };
+    // The install this marker is of ends here, one way or the other: audited with its own
+    // record's fields (its `executor_install` was made before the marker).
+    let record = |event: &str, detail: &str, previous: Option<&str>| {
+        let mut fields = vec![
+            ("executor", name),
+            ("version", m.version.as_str()),
+            ("source", "recovery"),
+            ("install_source", m.source.as_str()),
+            ("command_id", m.command_id.as_str()),
+            ("sha256", m.sha256.as_str()),
+            ("signed_by", m.signed_by.as_str()),
+            ("dir", m.to.as_str()),
+            ("detail", detail),
+        ];
+        if let Some(p) = previous {
+            fields.push(("previous", p));
+        }
+        crate::audit::record(event, &fields);
+    };
+    let not_completed = |why: &str| -> std::io::Result<()> {
+        tracing::warn!(executor = name, marker = %marker.display(), "an install cut short was not completed: {why}");
+        record("executor_install_failed", &format!("an install cut short, not completed: {why}"), None);
+        remove()
     };
     let name_dir = root.join(name);
-    let dest = name_dir.join(&to);
+    let dest = name_dir.join(&m.to);
     let current = name_dir.join("current");
-    if !std::fs::symlink_metadata(&dest).is_ok_and(|m| m.is_dir()) {
-        return drop_marker(&format!("{to} was never moved into place"));
+    if !std::fs::symlink_metadata(&dest).is_ok_and(|d| d.is_dir()) {
+        return not_completed(&format!("{} was never moved into place", m.to));
     }
+    // Link texts compared as written (an operator's link may be absolute).
     let now = std::fs::read_link(&current).ok().map(|p| p.to_string_lossy().into_owned());
-    if now.as_deref() == Some(to.as_str()) {
-        return drop_marker(&format!("`current` names {to} already"));
+    if now.as_deref() == Some(m.to.as_str()) {
+        // The switch was made (this marker's removal did not reach the disk).
+        return remove();
     }
-    if now != from {
-        return drop_marker(&format!(
+    if now != m.from {
+        return not_completed(&format!(
             "`current` names {} now, not {} as when the install began: switched since",
             now.as_deref().unwrap_or("nothing"),
-            from.as_deref().unwrap_or("nothing")
+            m.from.as_deref().unwrap_or("nothing")
         ));
     }
-    let version = match crate::manifest::Manifest::load(&dest.join("manifest.json")) {
-        Ok((m, _)) if m.name == name => m.version,
-        Ok((m, _)) => return drop_marker(&format!("{to} holds executor {}, not {name}", m.name)),
-        Err(e) => return drop_marker(&format!("{to}'s manifest does not load: {}", e.message)),
-    };
+    match crate::manifest::Manifest::load(&dest.join("manifest.json")) {
+        Ok((manifest, _)) if manifest.name == name => {}
+        Ok((manifest, _)) => return not_completed(&format!("{} holds executor {}, not {name}", m.to, manifest.name)),
+        Err(e) => return not_completed(&format!("{}'s manifest does not load: {}", m.to, e.message)),
+    }
     let tmp_link = name_dir.join(".current.new");
     let _ = std::fs::remove_file(&tmp_link);
-    std::os::unix::fs::symlink(&to, &tmp_link)?;
+    std::os::unix::fs::symlink(&m.to, &tmp_link)?;
     std::fs::rename(&tmp_link, &current)?;
     std::fs::File::open(&name_dir)?.sync_all()?;
     tracing::warn!(
         executor = name,
-        version,
-        dir = to,
+        version = m.version,
+        dir = m.to,
         "completed an install that was cut short between its copy and its switch"
     );
-    crate::audit::record(
+    record(
         "executor_installed",
-        &[
-            ("executor", name),
-            ("version", &version),
-            ("previous", from.as_deref().unwrap_or("")),
-            ("source", "recovery"),
-            ("detail", "an install cut short between its copy and its switch, completed"),
-        ],
+        "an install cut short between its copy and its switch, completed",
+        Some(m.from.as_deref().unwrap_or("")),
     );
-    std::fs::remove_file(marker)?;
-    std::fs::File::open(root)?.sync_all()
+    remove()
 }
 
 /// A directory removed on drop if it is empty then (`rmdir`: never anything in it).
@@ -960,8 +1000,35 @@ pub fn install(
     // From the copy to the switch, a marker on the disk names the version being switched to:
     // an install cut short in between (SIGKILL, a power cut) is completed by the next process
     // that takes the root lock ([`complete_interrupted_switches`]).
-    let previous = std::fs::read_link(name_dir.join("current")).ok().map(|p| p.to_string_lossy().into_owned());
-    let switching = Switching::begin(root, &manifest.name, &dir_name, previous.as_deref())?;
+    let current_link = std::fs::read_link(name_dir.join("current")).ok().map(|p| p.to_string_lossy().into_owned());
+    // The previous version's directory, kept below: `current` as this agent writes it (a
+    // bare name), or an operator's link (absolute, `./X`) resolved to a directory here.
+    let previous = current_link.as_ref().and_then(|link| {
+        let p = Path::new(link);
+        match p.file_name().and_then(|f| f.to_str()) {
+            Some(f) if p.components().count() == 1 => Some(f.to_string()),
+            _ => {
+                let resolved = name_dir.join(p).canonicalize().ok()?;
+                let here = name_dir.canonicalize().ok()?;
+                (resolved.parent() == Some(here.as_path()))
+                    .then(|| resolved.file_name()?.to_str().map(str::to_string))
+                    .flatten()
+            }
+        }
+    });
+    let switching = Switching::begin(
+        root,
+        &manifest.name,
+        &SwitchMarker {
+            to: dir_name.clone(),
+            from: current_link,
+            version: manifest.version.clone(),
+            source: check.source.to_string(),
+            command_id: check.command_id.unwrap_or("").to_string(),
+            sha256: sha256.clone().unwrap_or_default(),
+            signed_by: signed_by.clone().unwrap_or_default(),
+        },
+    )?;
     std::fs::rename(&pkg, &dest).map_err(|e| io(&dest, e))?;
     // The switch: a new link beside `current`, renamed over it. If it fails, the new
     // version's directory goes too: nothing of a refused package is left behind.
@@ -973,9 +1040,14 @@ pub fn install(
     if let Err(e) = switched {
         let _ = std::fs::remove_file(&tmp_link);
         // Back into the staging directory (removed with it): gone from the name's directory
-        // at once, never half-deleted there while a marker names it. Failing that, deleted
-        // in place once the marker is gone.
-        if std::fs::rename(&dest, &pkg).is_err() && switching.finish() {
+        // at once, never half-deleted there while a marker names it — and that on the disk
+        // before the marker goes (a filesystem need not order the two). Failing that,
+        // deleted in place once the marker is gone.
+        if std::fs::rename(&dest, &pkg).is_ok() {
+            if let Err(err) = std::fs::File::open(&name_dir).and_then(|d| d.sync_all()) {
+                tracing::warn!(dir = %name_dir.display(), error = %err, "a failed switch's move back could not be flushed");
+            }
+        } else if switching.finish() {
             let _ = std::fs::remove_dir_all(&dest);
         }
         return Err(e);
@@ -985,9 +1057,10 @@ pub fn install(
     // install is reported failed, saying so.
     let flushed = staging.make_durable(
         &format!(
-            "{name}'s `current` names {dir_name} now but may not after a restart; the agent's next \
-             start (or the next install or removal) then completes the switch if {dir_name} reached \
-             the disk — if `opservant executor list` still shows the version before, install it again",
+            "{name}'s `current` names {dir_name} now but may not after a restart; the agent's \
+             start after it then completes the switch if {dir_name} reached the disk — if \
+             `opservant executor list` still shows the version before, install it again with force \
+             (`--force`, or \"force\": true in install_executor)",
             name = manifest.name
         ),
         None,
