@@ -1169,6 +1169,45 @@ fn an_install_cut_short_between_its_copy_and_its_switch_is_completed_by_the_next
 }
 
 #[test]
+fn an_install_whose_switch_fails_leaves_nothing_and_the_version_before() {
+    if !common::require_root() {
+        return;
+    }
+    // The link that switches `current` cannot be made (`strace` fails it with EIO): the
+    // install exits 2, its new version goes back into staging and with it, the marker goes,
+    // and the version before still runs — nothing for a later lock holder to complete.
+    let env = Env::new();
+    let v1 = package(&env.dir.path, "1.0.0", false);
+    assert_eq!(env.op(&["executor", "install", v1.to_str().unwrap()]).code, 0);
+    let v2 = package(&env.dir.path, "2.0.0", false);
+    let Some(out) = common::install_whose_switch_fails(&[
+        "executor",
+        "install",
+        v2.to_str().unwrap(),
+        "--config",
+        env.config.to_str().unwrap(),
+    ]) else {
+        return;
+    };
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("Input/output error"), "{stderr}");
+    assert_eq!(env.entries(), vec!["hello".to_string()], "no marker, staging or version left");
+    let mut versions: Vec<String> = std::fs::read_dir(env.root.join("hello"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    versions.sort();
+    assert_eq!(versions, ["1.0.0", "current"]);
+    assert_eq!(run_output(&env, "hello")["version"], "1.0.0");
+    // And the next install finds nothing to complete: 2.0.0 installs as usual.
+    assert_eq!(env.op(&["executor", "install", v2.to_str().unwrap()]).code, 0);
+    assert_eq!(run_output(&env, "hello")["version"], "2.0.0");
+    assert!(env.audit_events().iter().all(|e| e["fields"]["source"] != "recovery"));
+}
+
+#[test]
 fn pip_reads_no_configuration_of_the_package() {
     if !common::require_root() {
         return;

@@ -107,6 +107,26 @@ pub fn install_killed_at_its_switch(args: &[&str]) -> Option<std::process::Outpu
     Some(out)
 }
 
+/// Runs `opservant ARGS` under `strace`, which fails its symbolic links with `EIO` (the
+/// syscall not made): an install's switch fails outright. `None`: no `strace` here (a
+/// visible skip; a failure under CI).
+pub fn install_whose_switch_fails(args: &[&str]) -> Option<std::process::Output> {
+    let present = Command::new("strace").arg("-V").stdout(Stdio::null()).status().is_ok_and(|s| s.success());
+    if !require("strace (fails an install's switch)", present) {
+        return None;
+    }
+    Some(
+        Command::new("strace")
+            .args(["-qq", "-o", "/dev/null", "-e", "trace=?symlink,symlinkat"])
+            .args(["-e", "inject=?symlink,symlinkat:error=EIO", opservant()])
+            .args(args)
+            .env("OPSERVANT_CONFIG", test_config())
+            .stdin(Stdio::null())
+            .output()
+            .expect("spawn strace"),
+    )
+}
+
 pub fn in_ci() -> bool {
     std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
 }
