@@ -78,6 +78,17 @@ impl Env {
         }
     }
 
+    /// The entries of the `hello` executor's directory (its versions, `current`), sorted.
+    fn versions(&self) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(self.root.join("hello"))
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    }
+
     /// Nothing but installed executors below the root: no staging or removal leftovers.
     fn entries(&self) -> Vec<String> {
         let mut v: Vec<String> = match std::fs::read_dir(&self.root) {
@@ -207,13 +218,7 @@ fn install_list_run_upgrade_and_remove() {
         assert_eq!(env.op(&["executor", "install", p.to_str().unwrap()]).code, 0);
         assert_eq!(run_output(&env, "hello")["version"], v);
     }
-    let mut versions: Vec<String> = std::fs::read_dir(env.root.join("hello"))
-        .unwrap()
-        .flatten()
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .collect();
-    versions.sort();
-    assert_eq!(versions, ["1.1.0", "1.2.0", "current"]);
+    assert_eq!(env.versions(), ["1.1.0", "1.2.0", "current"]);
     assert_eq!(std::fs::read_link(env.root.join("hello/current")).unwrap(), PathBuf::from("1.2.0"));
 
     // A bare name is the installed executor, even beside a directory of that name (one
@@ -378,16 +383,7 @@ fn an_old_version_a_run_still_uses_is_kept_until_a_later_install() {
     let run = start_run(1);
     install("1.1.0");
     install("1.2.0");
-    let versions = || {
-        let mut v: Vec<String> = std::fs::read_dir(env.root.join("hello"))
-            .unwrap()
-            .flatten()
-            .map(|e| e.file_name().to_string_lossy().into_owned())
-            .filter(|n| !n.starts_with('.'))
-            .collect();
-        v.sort();
-        v
-    };
+    let versions = || env.versions().into_iter().filter(|n| !n.starts_with('.')).collect::<Vec<_>>();
     let mut run = run;
     assert!(run.try_wait().unwrap().is_none(), "the run ended before the installs did: nothing was tested");
     assert_eq!(versions(), ["1.0.0", "1.1.0", "1.2.0", "current"], "the version in use was removed");
@@ -1193,13 +1189,7 @@ fn an_install_whose_switch_fails_leaves_nothing_and_the_version_before() {
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("Input/output error"), "{stderr}");
     assert_eq!(env.entries(), vec!["hello".to_string()], "no marker, staging or version left");
-    let mut versions: Vec<String> = std::fs::read_dir(env.root.join("hello"))
-        .unwrap()
-        .flatten()
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .collect();
-    versions.sort();
-    assert_eq!(versions, ["1.0.0", "current"]);
+    assert_eq!(env.versions(), ["1.0.0", "current"]);
     assert_eq!(run_output(&env, "hello")["version"], "1.0.0");
     // And the next install finds nothing to complete: 2.0.0 installs as usual.
     assert_eq!(env.op(&["executor", "install", v2.to_str().unwrap()]).code, 0);

@@ -85,18 +85,7 @@ pub fn command() -> Command {
 /// window between an install's copy and its switch. Asserts that it was killed there. `None`:
 /// no `strace` here (a visible skip; a failure under CI).
 pub fn install_killed_at_its_switch(args: &[&str]) -> Option<std::process::Output> {
-    let present = Command::new("strace").arg("-V").stdout(Stdio::null()).status().is_ok_and(|s| s.success());
-    if !require("strace (kills an install at its switch)", present) {
-        return None;
-    }
-    let out = Command::new("strace")
-        .args(["-qq", "-o", "/dev/null", "-e", "trace=?symlink,symlinkat"])
-        .args(["-e", "inject=?symlink,symlinkat:error=EIO:signal=KILL", opservant()])
-        .args(args)
-        .env("OPSERVANT_CONFIG", test_config())
-        .stdin(Stdio::null())
-        .output()
-        .expect("spawn strace");
+    let out = with_symlinks_failing("error=EIO:signal=KILL", args)?;
     // strace ends with the signal that killed its tracee, as a shell reports it.
     assert_eq!(
         out.status.code().or(std::os::unix::process::ExitStatusExt::signal(&out.status).map(|s| 128 + s)),
@@ -108,9 +97,15 @@ pub fn install_killed_at_its_switch(args: &[&str]) -> Option<std::process::Outpu
 }
 
 /// Runs `opservant ARGS` under `strace`, which fails its symbolic links with `EIO` (the
-/// syscall not made): an install's switch fails outright. `None`: no `strace` here (a
-/// visible skip; a failure under CI).
+/// syscall not made): an install's switch fails outright. `None`: no `strace` here.
 pub fn install_whose_switch_fails(args: &[&str]) -> Option<std::process::Output> {
+    with_symlinks_failing("error=EIO", args)
+}
+
+/// `opservant ARGS` under `strace -e inject=symlink,symlinkat:HOW` (the tests'
+/// configuration unless `--config` is among them). `None`: no `strace` here (a visible skip;
+/// a failure under CI).
+fn with_symlinks_failing(how: &str, args: &[&str]) -> Option<std::process::Output> {
     let present = Command::new("strace").arg("-V").stdout(Stdio::null()).status().is_ok_and(|s| s.success());
     if !require("strace (fails an install's switch)", present) {
         return None;
@@ -118,7 +113,7 @@ pub fn install_whose_switch_fails(args: &[&str]) -> Option<std::process::Output>
     Some(
         Command::new("strace")
             .args(["-qq", "-o", "/dev/null", "-e", "trace=?symlink,symlinkat"])
-            .args(["-e", "inject=?symlink,symlinkat:error=EIO", opservant()])
+            .args(["-e", &format!("inject=?symlink,symlinkat:{how}"), opservant()])
             .args(args)
             .env("OPSERVANT_CONFIG", test_config())
             .stdin(Stdio::null())
