@@ -1148,20 +1148,33 @@ fn an_install_cut_short_between_its_copy_and_its_switch_is_completed_by_the_next
     // Markers that switch nothing and go: one naming a version never moved into place (the
     // install was cut short before its copy was); one written part-way; one of an install
     // that began from another `current` than today's (switched since, by hand or by an agent
-    // that knows no markers) — although the version it names, 1.0.0, is there.
-    for text in [r#"{"to": "9.9.9", "from": "3.0.0"}"#, r#"{"to": "1.0"#, r#"{"to": "2.0.0", "from": "2.5.0"}"#] {
+    // that knows no markers) — although the version it names, 2.0.0, is there; one naming a
+    // version whose manifest no longer loads, from today's `current`.
+    std::fs::create_dir_all(env.root.join("hello/4.0.0")).unwrap();
+    std::fs::write(env.root.join("hello/4.0.0/manifest.json"), "{").unwrap();
+    for text in [
+        r#"{"to": "9.9.9", "from": "3.0.0"}"#,
+        r#"{"to": "1.0"#,
+        r#"{"to": "2.0.0", "from": "2.5.0"}"#,
+        r#"{"to": "4.0.0", "from": "3.0.0"}"#,
+    ] {
         std::fs::write(&marker, text).unwrap();
         assert_eq!(env.op(&["executor", "install", "--force", other.to_str().unwrap()]).code, 0, "{text}");
         assert_eq!(current(), Some(PathBuf::from("3.0.0")), "{text}");
         assert!(!marker.exists(), "{text}");
     }
     assert!(env.root.join("hello/2.0.0").is_dir());
+    // A marker for no executor name (none is ever written) goes too.
+    let stray = env.root.join(".switch-Not_A_Name");
+    std::fs::write(&stray, r#"{"to": "1.0.0", "from": null}"#).unwrap();
+    assert_eq!(env.op(&["executor", "install", "--force", other.to_str().unwrap()]).code, 0);
+    assert!(!stray.exists());
     let recovered = |event: &str| {
         env.audit_events().iter().filter(|e| e["event"] == event && e["fields"]["source"] == "recovery").count()
     };
     assert_eq!(recovered("executor_installed"), 2, "only the two cut-short installs were completed");
-    // The two readable markers that were not completed end their installs in the log.
-    assert_eq!(recovered("executor_install_failed"), 2);
+    // The three readable markers that were not completed end their installs in the log.
+    assert_eq!(recovered("executor_install_failed"), 3);
 }
 
 #[test]
