@@ -605,7 +605,7 @@ impl Switching {
     /// version `current` names, and is removed by the next lock holder).
     fn finish(mut self) -> bool {
         self.keep = true;
-        let removed = std::fs::remove_file(&self.marker).and_then(|()| std::fs::File::open(&self.root)?.sync_all());
+        let removed = remove_flushed(&self.marker, &self.root);
         if let Err(e) = &removed {
             tracing::warn!(marker = %self.marker.display(), error = %e, "an install's switch marker could not be removed");
         }
@@ -618,7 +618,7 @@ impl Drop for Switching {
     /// moved into place): the marker goes.
     fn drop(&mut self) {
         if !self.keep {
-            let _ = std::fs::remove_file(&self.marker).and_then(|()| std::fs::File::open(&self.root)?.sync_all());
+            let _ = remove_flushed(&self.marker, &self.root);
         }
     }
 }
@@ -646,6 +646,26 @@ fn complete_interrupted_switches(root: &Path, entries: &[std::fs::DirEntry]) {
     }
 }
 
+/// Removes the file `path` and flushes its directory `dir`.
+fn remove_flushed(path: &Path, dir: &Path) -> std::io::Result<()> {
+    std::fs::remove_file(path)?;
+    std::fs::File::open(dir)?.sync_all()
+}
+
+/// Points `<name_dir>/current` at the version directory `dir_name` with one rename: a new
+/// link beside it (`.current.new`), renamed over it. Not flushed. On failure the new link
+/// does not stay.
+fn point_current(name_dir: &Path, dir_name: &str) -> std::io::Result<()> {
+    let tmp_link = name_dir.join(".current.new");
+    let _ = std::fs::remove_file(&tmp_link);
+    let switched = std::os::unix::fs::symlink(dir_name, &tmp_link)
+        .and_then(|()| std::fs::rename(&tmp_link, name_dir.join("current")));
+    if switched.is_err() {
+        let _ = std::fs::remove_file(&tmp_link);
+    }
+    switched
+}
+
 /// What a switch marker says: the version directory to switch to, the text of the `current`
 /// link before (none: a first install), and the install's `executor_install` record's
 /// fields.
@@ -666,10 +686,7 @@ struct SwitchMarker {
 }
 
 fn complete_switch(root: &Path, name: &str, marker: &Path) -> std::io::Result<()> {
-    let remove = || -> std::io::Result<()> {
-        std::fs::remove_file(marker)?;
-        std::fs::File::open(root)?.sync_all()
-    };
+    let remove = || remove_flushed(marker, root);
     let mut bytes = Vec::new();
     std::fs::File::open(marker)?.take(64 * 1024).read_to_end(&mut bytes)?;
     // Every marker's name is an executor's (a manifest's, checked): another one is not ours.
@@ -731,10 +748,7 @@ fn complete_switch(root: &Path, name: &str, marker: &Path) -> std::io::Result<()
         Ok((manifest, _)) => return not_completed(&format!("{} holds executor {}, not {name}", m.to, manifest.name)),
         Err(e) => return not_completed(&format!("{}'s manifest does not load: {}", m.to, e.message)),
     }
-    let tmp_link = name_dir.join(".current.new");
-    let _ = std::fs::remove_file(&tmp_link);
-    std::os::unix::fs::symlink(&m.to, &tmp_link)?;
-    std::fs::rename(&tmp_link, &current)?;
+    point_current(&name_dir, &m.to)?;
     std::fs::File::open(&name_dir)?.sync_all()?;
     tracing::warn!(
         executor = name,
@@ -1030,15 +1044,9 @@ pub fn install(
         },
     )?;
     std::fs::rename(&pkg, &dest).map_err(|e| io(&dest, e))?;
-    // The switch: a new link beside `current`, renamed over it. If it fails, the new
-    // version's directory goes too: nothing of a refused package is left behind.
-    let tmp_link = name_dir.join(".current.new");
-    let _ = std::fs::remove_file(&tmp_link);
-    let switched = std::os::unix::fs::symlink(&dir_name, &tmp_link)
-        .map_err(|e| io(&tmp_link, e))
-        .and_then(|()| std::fs::rename(&tmp_link, name_dir.join("current")).map_err(|e| io(&name_dir, e)));
-    if let Err(e) = switched {
-        let _ = std::fs::remove_file(&tmp_link);
+    // The switch. If it fails, the new version's directory goes too: nothing of a refused
+    // package is left behind.
+    if let Err(e) = point_current(&name_dir, &dir_name).map_err(|e| io(&name_dir.join("current"), e)) {
         // Back into the staging directory (removed with it): gone from the name's directory
         // at once, never half-deleted there while a marker names it — and that on the disk
         // before the marker goes (a filesystem need not order the two). Failing that,

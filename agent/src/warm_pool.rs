@@ -127,7 +127,7 @@ fn sources(spec: &SandboxSpec) -> Vec<Source> {
         .filesystem
         .paths
         .iter()
-        .filter(|r| !(r.source.is_none() && r.path.starts_with("/tmp") && r.access == sandbox::spec::Access::ReadWrite))
+        .filter(|r| !made_in_scratch(r))
         .map(|r| std::fs::metadata(r.source.as_ref().unwrap_or(&r.path)).map_or(Source::Missing, |m| bound(&m)));
     system.chain(declared).chain(masked_sources(spec)).collect()
 }
@@ -140,13 +140,8 @@ fn sources(spec: &SandboxSpec) -> Vec<Source> {
 /// so is one built before a masked path that was missing then was created (`/etc/shadow-`
 /// at the first password change), which it never covered.
 fn masked_sources(spec: &SandboxSpec) -> impl Iterator<Item = Source> + '_ {
-    let shown: Vec<&sandbox::spec::PathRule> = spec
-        .filesystem
-        .system
-        .iter()
-        .chain(&spec.filesystem.paths)
-        .filter(|r| !(r.source.is_none() && r.path.starts_with("/tmp") && r.access == sandbox::spec::Access::ReadWrite))
-        .collect();
+    let shown: Vec<&sandbox::spec::PathRule> =
+        spec.filesystem.system.iter().chain(&spec.filesystem.paths).filter(|r| !made_in_scratch(r)).collect();
     spec.filesystem.masked.iter().flat_map(move |masked| {
         // The deepest shown path it lies beneath, and where that comes from on the host.
         let Some(rule) =
@@ -166,6 +161,12 @@ fn masked_sources(spec: &SandboxSpec) -> impl Iterator<Item = Source> + '_ {
             Err(_) => vec![Source::Missing],
         }
     })
+}
+
+/// A declared writable path under `/tmp`: made in the sandbox's own scratch, never taken
+/// from the host (anyone can create or remove the host's), so not looked at.
+fn made_in_scratch(r: &sandbox::spec::PathRule) -> bool {
+    r.source.is_none() && r.path.starts_with("/tmp") && r.access == sandbox::spec::Access::ReadWrite
 }
 
 /// Whether `pooled` is `spec` but for the identities of the files it binds (an executor's
