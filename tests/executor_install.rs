@@ -1211,6 +1211,91 @@ fn an_install_whose_switch_fails_leaves_nothing_and_the_version_before() {
 }
 
 #[test]
+fn on_a_kernel_before_5_8_an_install_fsyncs_each_file_and_fails_on_an_fsync_error() {
+    if !common::require_root() {
+        return;
+    }
+    // Before Linux 5.8 `syncfs` did not report write-back errors, so an install there
+    // `fsync`s every file and directory of the package, and the directories of the switch,
+    // instead. `setarch --uname-2.6` makes `uname` report such a release; `strace` shows the
+    // calls and fails them.
+    let env = Env::new();
+    let [v1, v2, v3] = ["1.0.0", "2.0.0", "3.0.0"].map(|v| package(&env.dir.path, v, false).display().to_string());
+    let install = |pkg| ["executor", "install", pkg, "--config", env.config.to_str().unwrap()];
+    let trace = env.dir.path.join("install.strace");
+    let watch = ["-y", "-o", trace.to_str().unwrap(), "-e", "trace=syncfs,fsync"];
+    let traced = || std::fs::read_to_string(&trace).unwrap();
+    // On this kernel: one `syncfs`, no file's `fsync`.
+    let Some(out) = common::under_strace(&[], &watch, &install(&v1)) else {
+        return;
+    };
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(traced().contains("syncfs("), "{}", traced());
+    assert!(!traced().contains("/hello/main.py>"), "{}", traced());
+    // As on 2.6: no `syncfs`; an `fsync` of each file and directory of the package (in
+    // staging), then of the name's directory and the root after the switch.
+    let Some(out) = common::on_linux_2_6_under_strace(&watch, &install(&v2)) else {
+        return;
+    };
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let calls = traced();
+    assert!(!calls.contains("syncfs("), "{calls}");
+    let installed = env.root.join("hello/2.0.0");
+    let mut walked = 0;
+    let mut stack = vec![installed.clone()];
+    while let Some(p) = stack.pop() {
+        if p.is_dir() {
+            stack.extend(std::fs::read_dir(&p).unwrap().flatten().map(|e| e.path()));
+        }
+        let rel = p.strip_prefix(&installed).unwrap().to_str().unwrap().to_string();
+        let staged = if rel.is_empty() { "/pkg>) = 0".to_string() } else { format!("/pkg/{rel}>) = 0") };
+        assert!(calls.lines().any(|l| l.contains("fsync(") && l.contains(&staged)), "no fsync of {rel:?}:\n{calls}");
+        walked += 1;
+    }
+    assert!(walked >= 5, "the package holds {walked} entries: {calls}");
+    for dir in [env.root.join("hello"), env.root.clone()] {
+        let after = format!("<{}>) = 0", dir.display());
+        assert!(
+            calls.lines().any(|l| l.starts_with("fsync(") && l.contains(&after)),
+            "no fsync of {}:\n{calls}",
+            dir.display()
+        );
+    }
+    assert_eq!(run_output(&env, "hello")["version"], "2.0.0");
+    // An `fsync` of the package fails: exit 2, the file named, nothing switched or left.
+    let fail = |only: &[&str]| {
+        let mut args = vec!["-o", "/dev/null", "-e", "trace=fsync", "-e", "inject=fsync:error=EIO"];
+        args.extend_from_slice(only);
+        common::on_linux_2_6_under_strace(&args, &install(&v3)).unwrap()
+    };
+    let out = fail(&[]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("the executors' filesystem reported a write error (fsync ")
+            && stderr.contains("/pkg/")
+            && stderr.contains("Input/output error")
+            && stderr.contains("hello 3.0.0 is not on the disk; nothing was switched"),
+        "{stderr}"
+    );
+    assert_eq!(env.entries(), vec!["hello".to_string()], "no marker or staging left");
+    assert_eq!(env.versions(), ["1.0.0", "2.0.0", "current"]);
+    assert_eq!(run_output(&env, "hello")["version"], "2.0.0");
+    // The `fsync` of the name's directory after the switch fails: exit 2, saying `current`
+    // names 3.0.0 now but may not after a restart.
+    let name_dir = env.root.join("hello");
+    let out = fail(&["-P", name_dir.to_str().unwrap()]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains(&format!("(fsync {}: Input/output error", name_dir.display()))
+            && stderr.contains("hello's `current` names 3.0.0 now but may not after a restart"),
+        "{stderr}"
+    );
+    assert_eq!(run_output(&env, "hello")["version"], "3.0.0");
+}
+
+#[test]
 fn pip_reads_no_configuration_of_the_package() {
     if !common::require_root() {
         return;

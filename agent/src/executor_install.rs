@@ -394,23 +394,26 @@ impl Staging {
         if syncfs_reports_errors() {
             return nix::unistd::syncfs(&self.opened).map_err(|e| failed(format!("syncfs: {e}")));
         }
-        fn fsync_tree(p: &Path) -> std::io::Result<()> {
-            let meta = std::fs::symlink_metadata(p)?;
+        /// `fsync` of `p`, an error naming it.
+        fn fsync(p: &Path) -> Result<(), String> {
+            std::fs::File::open(p).and_then(|f| f.sync_all()).map_err(|e| format!("fsync {}: {e}", p.display()))
+        }
+        /// Every file and directory of the tree at `p`, depth first; an error names the
+        /// entry that failed.
+        fn fsync_tree(p: &Path) -> Result<(), String> {
+            let named = |e: std::io::Error| format!("fsync {}: {e}", p.display());
+            let meta = std::fs::symlink_metadata(p).map_err(named)?;
             if meta.is_dir() {
-                for entry in std::fs::read_dir(p)? {
-                    fsync_tree(&entry?.path())?;
+                for entry in std::fs::read_dir(p).map_err(named)? {
+                    fsync_tree(&entry.map_err(named)?.path())?;
                 }
             } else if !meta.is_file() {
                 return Ok(());
             }
-            std::fs::File::open(p)?.sync_all()
+            fsync(p)
         }
-        let fsync = |p: &Path, all: bool| {
-            let done = if all { fsync_tree(p) } else { std::fs::File::open(p).and_then(|d| d.sync_all()) };
-            done.map_err(|e| failed(format!("fsync {}: {e}", p.display())))
-        };
-        tree.map_or(Ok(()), |t| fsync(t, true))?;
-        dirs.iter().try_for_each(|d| fsync(d, false))
+        tree.map_or(Ok(()), fsync_tree).map_err(failed)?;
+        dirs.iter().try_for_each(|d| fsync(d)).map_err(failed)
     }
 }
 

@@ -106,14 +106,33 @@ pub fn install_whose_switch_fails(args: &[&str]) -> Option<std::process::Output>
 /// configuration unless `--config` is among them). `None`: no `strace` here (a visible skip;
 /// a failure under CI).
 fn with_symlinks_failing(how: &str, args: &[&str]) -> Option<std::process::Output> {
-    let present = Command::new("strace").arg("-V").stdout(Stdio::null()).status().is_ok_and(|s| s.success());
-    if !require("strace (fails an install's switch)", present) {
+    let inject = format!("inject=?symlink,symlinkat:{how}");
+    under_strace(&[], &["-o", "/dev/null", "-e", "trace=?symlink,symlinkat", "-e", &inject], args)
+}
+
+/// `opservant ARGS` as on a Linux release before 5.8 (`setarch --uname-2.6`: `uname`
+/// reports 2.6.N), under `strace STRACE_ARGS`. `None`: no `strace` or `setarch` here (a
+/// visible skip; a failure under CI).
+pub fn on_linux_2_6_under_strace(strace_args: &[&str], args: &[&str]) -> Option<std::process::Output> {
+    let present = Command::new("setarch").arg("--version").stdout(Stdio::null()).status().is_ok_and(|s| s.success());
+    if !require("setarch (util-linux: a kernel release before 5.8 as uname reports it)", present) {
         return None;
     }
+    under_strace(&["setarch", std::env::consts::ARCH, "--uname-2.6"], strace_args, args)
+}
+
+/// `WRAPPER… strace -qq STRACE_ARGS opservant ARGS` (the tests' configuration unless
+/// `--config` is among them). `None`: no `strace` here (a visible skip; a failure under CI).
+pub fn under_strace(wrapper: &[&str], strace_args: &[&str], args: &[&str]) -> Option<std::process::Output> {
+    let present = Command::new("strace").arg("-V").stdout(Stdio::null()).status().is_ok_and(|s| s.success());
+    if !require("strace (fails or watches an install's system calls)", present) {
+        return None;
+    }
+    let argv: Vec<&str> = wrapper.iter().copied().chain(["strace", "-qq"]).chain(strace_args.iter().copied()).collect();
     Some(
-        Command::new("strace")
-            .args(["-qq", "-o", "/dev/null", "-e", "trace=?symlink,symlinkat"])
-            .args(["-e", &format!("inject=?symlink,symlinkat:{how}"), opservant()])
+        Command::new(argv[0])
+            .args(&argv[1..])
+            .arg(opservant())
             .args(args)
             .env("OPSERVANT_CONFIG", test_config())
             .stdin(Stdio::null())

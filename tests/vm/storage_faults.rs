@@ -14,8 +14,9 @@
 //! - an install whose files, or whose switch of `current`, cannot be written to the disk
 //!   fails (exit 2) saying what a restart may find, and the version installed before stays
 //!   the one that runs; the marker of a switch that did not reach the disk switches nothing
-//!   later; a removal that cannot be written fails, saying the executor may come
-//!   back;
+//!   later; so does an install on a release before Linux 5.8 (`setarch --uname-2.6`),
+//!   which `fsync`s each file instead of a `syncfs` that did not report write-back errors
+//!   then; a removal that cannot be written fails, saying the executor may come back;
 //! - a secret whose new value cannot be written leaves the value stored before, and a store
 //!   key that cannot be written is never used.
 //!
@@ -58,6 +59,7 @@ fn on_host() -> ExitCode {
         ("losetup", "mount"),
         ("blockdev", "util-linux"),
         ("strace", "strace"),
+        ("setarch", "util-linux"),
     ] {
         if host::on_path(tool).is_none() && !Path::new("/usr/sbin").join(tool).is_file() {
             missing.push(format!("{tool}: apt-get install -y {package}"));
@@ -88,12 +90,13 @@ struct Ctx {
 }
 
 fn in_vm() -> ExitCode {
-    let checks: [(&str, guest::Check<Ctx>); 9] = [
+    let checks: [(&str, guest::Check<Ctx>); 10] = [
         ("replay_store_write_error_rejects_the_command", replay_store_write_error_rejects_the_command),
         ("audit_write_error_keeps_the_executor_from_running", audit_write_error_keeps_the_executor_from_running),
         ("cli_run_audit_write_error_keeps_the_executor_from_running", cli_run_audit_write_error),
         ("install_write_error_keeps_the_installed_version", install_write_error_keeps_the_installed_version),
         ("install_on_overlayfs_write_error_keeps_the_installed_version", install_on_overlayfs_write_error),
+        ("install_before_5_8_write_error_keeps_the_installed_version", install_before_5_8_write_error),
         (
             "install_switch_write_error_says_what_a_restart_may_find",
             install_switch_write_error_says_what_a_restart_may_find,
@@ -299,7 +302,13 @@ impl Places {
 
     /// [`Places::op`] with `input` on its stdin.
     fn op_with_input(&self, args: &[&str], input: &[u8]) -> Result<(i32, String, String), String> {
-        let mut argv = vec![OPSERVANT];
+        self.op_under(&[], args, input)
+    }
+
+    /// [`Places::op_with_input`] as `WRAPPER… opservant ARGS`.
+    fn op_under(&self, wrapper: &[&str], args: &[&str], input: &[u8]) -> Result<(i32, String, String), String> {
+        let mut argv = wrapper.to_vec();
+        argv.push(OPSERVANT);
         argv.extend_from_slice(args);
         let config = self.config().display().to_string();
         argv.extend_from_slice(&["--config", &config]);
@@ -474,21 +483,28 @@ fn cli_run_audit_write_error(ctx: &Ctx) -> Result<(), String> {
 /// is what a restart finds.
 fn install_write_error_keeps_the_installed_version(ctx: &Ctx) -> Result<(), String> {
     let (places, disk) = on_a_faulty_disk(ctx, "install", |p, disk| p.executors = disk.join("executors"))?;
-    installing_2_fails_and_1_runs(ctx, &places, &disk, "")?;
+    installing_2_fails_and_1_runs(ctx, &places, &disk, "", &[])?;
     disk.remount_healed()?;
     let current = std::fs::read_link(places.executors.join("mark/current")).map_err(|e| format!("current: {e}"))?;
     ensure!(current == Path::new("1.0.0"), "after a restart `current` names {}", current.display());
     Ok(())
 }
 
-/// The disk fails; installing mark 2.0.0 then exits 2 saying the executors' filesystem
-/// reported a write error (`how` follows those words) and nothing was switched; `executor
-/// list` shows 1.0.0 alone and 1.0.0 is what runs.
-fn installing_2_fails_and_1_runs(ctx: &Ctx, places: &Places, disk: &FaultyDisk, how: &str) -> Result<(), String> {
+/// The disk fails; installing mark 2.0.0 (as `WRAPPER… opservant executor install`) then
+/// exits 2 saying the executors' filesystem reported a write error (`how` follows those
+/// words) and nothing was switched; `executor list` shows 1.0.0 alone and 1.0.0 is what
+/// runs.
+fn installing_2_fails_and_1_runs(
+    ctx: &Ctx,
+    places: &Places,
+    disk: &FaultyDisk,
+    how: &str,
+    wrapper: &[&str],
+) -> Result<(), String> {
     let marks = ctx.mark.parent().ok_or("the mark has no directory")?;
     let v2 = mark_package(&places.base, marks, &ctx.mark, "2.0.0")?;
     disk.fail_writes()?;
-    let (code, out, err) = places.op(&["executor", "install", &v2.display().to_string()])?;
+    let (code, out, err) = places.op_under(wrapper, &["executor", "install", &v2.display().to_string()], b"")?;
     ensure!(
         code == 2,
         "installing 2.0.0 on a disk that refuses writes: exit {code}, not 2\nstdout: {out}\nstderr: {err}"
@@ -504,6 +520,21 @@ fn installing_2_fails_and_1_runs(ctx: &Ctx, places: &Places, disk: &FaultyDisk, 
     ensure!(code == 0, "running the installed version: exit {code}\n{out}\n{err}");
     let ran = marked(ctx);
     ensure!(ran.as_deref() == Some("1.0.0"), "the version that ran is {ran:?}, not 1.0.0");
+    Ok(())
+}
+
+/// As [`install_write_error_keeps_the_installed_version`], on a kernel release before 5.8 as
+/// `uname` reports it (`setarch --uname-2.6`): `syncfs` did not report write-back errors
+/// then, so the install `fsync`s each file and directory of the package instead, and the
+/// first of those the disk refuses fails it, named. A restart finds 1.0.0 current.
+fn install_before_5_8_write_error(ctx: &Ctx) -> Result<(), String> {
+    let (places, disk) = on_a_faulty_disk(ctx, "pre58", |p, disk| p.executors = disk.join("executors"))?;
+    let as_2_6 = ["setarch", std::env::consts::ARCH, "--uname-2.6"];
+    let staged = format!(" (fsync {}/.staging-", places.executors.display());
+    installing_2_fails_and_1_runs(ctx, &places, &disk, &staged, &as_2_6)?;
+    disk.remount_healed()?;
+    let current = std::fs::read_link(places.executors.join("mark/current")).map_err(|e| format!("current: {e}"))?;
+    ensure!(current == Path::new("1.0.0"), "after a restart `current` names {}", current.display());
     Ok(())
 }
 
@@ -543,7 +574,7 @@ fn install_on_overlayfs_write_error(ctx: &Ctx) -> Result<(), String> {
     places.write(ctx)?;
     ensure!(upper.join("executors/mark/1.0.0/manifest.json").is_file(), "1.0.0 is not in the overlay's upper layer");
     // Through the overlay's own `syncfs`.
-    installing_2_fails_and_1_runs(ctx, &places, &disk, " (syncfs")?;
+    installing_2_fails_and_1_runs(ctx, &places, &disk, " (syncfs", &[])?;
     drop(mounted);
     Ok(())
 }
