@@ -74,8 +74,8 @@ fn hostile_configs_are_refused_cleanly_by_check_config() {
     }
 }
 
-/// A command whose run fails after its `executor_start` record — here its sandbox stuck in
-/// the kernel (frozen in a v1 freezer cgroup once its payload runs) and given up 5 s after
+/// A command whose run fails after its runtime was told to proceed — here its sandbox stuck
+/// in the kernel (frozen in a v1 freezer cgroup once its executor sleeps) and given up 5 s after
 /// the last SIGKILL — is answered `failed`, not `rejected`: the executor ran, and a platform
 /// told it was refused would send it again. Audited as started and failed, never rejected.
 #[test]
@@ -93,7 +93,7 @@ fn a_command_that_fails_after_its_start_is_failed_not_rejected() {
         scope.spawn(|| {
             let _ = tx.send(a.submit_within(&cmd, Duration::from_secs(90)));
         });
-        let (freezer, _dirs) = common::freezer::freeze_sandbox_below(agent_pid);
+        let (freezer, _dirs) = common::freezer::freeze_sandbox_below_once_asleep(agent_pid);
         let reply = rx.recv_timeout(Duration::from_secs(100));
         assert!(freezer.thaw(), "the thawed sandbox processes never died");
         let (code, r) = reply.expect("no reply: the command hung on its stuck sandbox");
@@ -106,6 +106,86 @@ fn a_command_that_fails_after_its_start_is_failed_not_rejected() {
     let of =
         |kind: &str| events.iter().filter(|e| e["event"] == kind && e["fields"]["command_id"] == "stuck-1").count();
     assert_eq!((of("executor_start"), of("executor_fail"), of("command_rejected")), (1, 1, 0), "{events:?}");
+    assert!(a.stop().success());
+}
+
+/// A command whose sandbox cannot be set up — its executor's directory out of the sandbox
+/// user's reach — failed before its runtime was told to proceed: nothing of the executor
+/// ran, so it is `rejected`, `cannot_run`, saying why (not `failed`: a platform may send it
+/// again). Audited as started, ended `status: rejected`, and rejected.
+#[test]
+fn a_command_whose_sandbox_cannot_be_set_up_is_rejected_as_cannot_run() {
+    if !common::require_root() {
+        return;
+    }
+    use std::os::unix::fs::PermissionsExt;
+    let mut a = Agent::new(4);
+    a.start();
+    let name_dir = a.dir.path.join("executors/slow");
+    let set_mode = |mode| std::fs::set_permissions(&name_dir, std::fs::Permissions::from_mode(mode)).unwrap();
+    set_mode(0o700);
+    let slow =
+        |id: &str| json!({"command_id": id, "action": "execute", "executor": "slow", "parameters": {"seconds": 0}});
+    let (code, r) = a.submit(&a.sign(&slow("unreachable-1")));
+    set_mode(0o755);
+    assert_eq!((code, r["status"].clone(), r["reason"].clone()), (1, json!("rejected"), json!("cannot_run")), "{r}");
+    let error = r["error"].as_str().unwrap_or_default();
+    assert!(error.contains("sandbox setup failed at mounts") && error.contains("searchable"), "{r}");
+    let events = a.audit_events();
+    let of = |kind: &str| {
+        events
+            .iter()
+            .filter(|e| e["event"] == kind && e["fields"]["command_id"] == "unreachable-1")
+            .map(|e| e["fields"].clone())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(of("executor_start").len(), 1, "{events:?}");
+    assert_eq!(of("executor_fail").iter().map(|f| f["status"].clone()).collect::<Vec<_>>(), [json!("rejected")]);
+    assert_eq!(of("command_rejected").iter().map(|f| f["reason"].clone()).collect::<Vec<_>>(), [json!("cannot_run")]);
+    // Within reach again, it runs.
+    let (code, r) = a.submit(&a.sign(&slow("unreachable-2")));
+    assert_eq!((code, r["status"].clone()), (0, json!("completed")), "{r}");
+    assert!(a.stop().success());
+}
+
+/// The state directory the agent creates is searchable by all (0711, as systemd's
+/// `StateDirectoryMode=0711` makes it), whatever the umask: the default executors root lies
+/// beneath it, and every run of an executor installed there after the agent's start would
+/// otherwise fail at its set-up (its sandbox's user could not reach the package).
+#[test]
+fn executors_installed_beneath_the_state_directory_the_agent_made_run() {
+    if !common::require_root() {
+        return;
+    }
+    use std::os::unix::fs::PermissionsExt;
+    let mut a = Agent::new(4);
+    let (state, beneath) = (a.dir.path.join("state"), a.dir.path.join("state/executors"));
+    assert!(!state.exists());
+    let config = std::fs::read_to_string(&a.config).unwrap();
+    let moved = config.replace(
+        &format!("dir: {}\n", a.dir.path.join("executors").display()),
+        &format!("dir: {}\n", beneath.display()),
+    );
+    assert_ne!(config, moved);
+    std::fs::write(&a.config, moved).unwrap();
+    // SAFETY: umask(2) has no preconditions; the agent started below inherits it.
+    let umask = unsafe { libc::umask(0o077) };
+    a.start();
+    // SAFETY: as above.
+    unsafe { libc::umask(umask) };
+    assert_eq!(std::fs::metadata(&state).unwrap().permissions().mode() & 0o7777, 0o711);
+    let pkg = a.dir.path.join("slow");
+    let out = op(&["executor", "install", pkg.to_str().unwrap(), "--config", a.config.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        !String::from_utf8_lossy(&out.stderr).contains("not searchable"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let cmd =
+        json!({"command_id": "beneath-state-1", "action": "execute", "executor": "slow", "parameters": {"seconds": 0}});
+    let (code, r) = a.submit(&a.sign(&cmd));
+    assert_eq!((code, r["status"].clone()), (0, json!("completed")), "{r}");
     assert!(a.stop().success());
 }
 

@@ -1296,6 +1296,45 @@ fn on_a_kernel_before_5_8_an_install_fsyncs_each_file_and_fails_on_an_fsync_erro
 }
 
 #[test]
+fn an_executors_root_out_of_the_sandbox_users_reach_is_warned_of_and_its_runs_cannot_run() {
+    if !common::require_root() {
+        return;
+    }
+    use std::os::unix::fs::PermissionsExt;
+    // The executors' root below a directory only root may search (as below /root): each
+    // install and `--check-config` warn, and a run exits 2 saying which path and why.
+    let dir = HostDir::new();
+    let private = dir.path.join("private");
+    std::fs::create_dir(&private).unwrap();
+    std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let env = Env::with_root(dir, private.join("executors"), "");
+    let keys = env.dir.path.join("keys");
+    let (_, public) = keygen(&keys);
+    let mut config = std::fs::read_to_string(&env.config).unwrap();
+    config.push_str(&format!("agent:\n  platform_public_key: {public}\n"));
+    std::fs::write(&env.config, config).unwrap();
+    let v1 = package(&env.dir.path, "1.0.0", false);
+    let out = env.op(&["executor", "install", v1.to_str().unwrap()]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let warned = format!("{} (mode 0700) is not searchable by the sandboxes' user", private.display());
+    assert!(out.stderr.contains(&warned), "{}", out.stderr);
+    let out = env.op(&["agent", "--check-config"]);
+    assert!(out.stderr.contains(&warned), "{}", out.stderr);
+    let out = env.op(&["run", "hello"]);
+    assert_eq!((out.code, out.stdout.as_str()), (2, ""), "{}", out.stderr);
+    assert!(
+        out.stderr.contains("sandbox setup failed at mounts") && out.stderr.contains("searchable"),
+        "{}",
+        out.stderr
+    );
+    // Searchable by all, no warning, and it runs.
+    std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o711)).unwrap();
+    let out = env.op(&["agent", "--check-config"]);
+    assert!(!out.stderr.contains("not searchable"), "{}", out.stderr);
+    assert_eq!(run_output(&env, "hello")["version"], "1.0.0");
+}
+
+#[test]
 fn pip_reads_no_configuration_of_the_package() {
     if !common::require_root() {
         return;

@@ -636,6 +636,39 @@ fn the_interpreter_sees_the_signal_dispositions_the_process_has() {
     }
 }
 
+/// An executor directory the sandbox's user cannot reach (a directory on the way searchable
+/// by root alone): the sandbox's set-up fails before its runtime is told to proceed, so the
+/// run could not run — exit 2, one line saying why — not a `failed` result.
+#[test]
+fn an_executor_out_of_the_sandbox_users_reach_cannot_run() {
+    if !require_root() {
+        return;
+    }
+    use std::os::unix::fs::PermissionsExt;
+    let d = executor(json!({}), LIFECYCLE);
+    let private = HostDir::new();
+    std::fs::set_permissions(&private.path, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let inside = private.path.join("noop");
+    std::fs::rename(&d.path, &inside).unwrap();
+    let out = run(&inside, &[]);
+    assert_eq!((out.code, out.stdout.as_str()), (2, ""), "{out:?}");
+    // One line of its own (the audit records' mirror in the log aside: the run's start was
+    // recorded, and its end as not run).
+    let said: Vec<&str> = out.stderr.lines().filter(|l| !l.contains("opservant::audit")).collect();
+    assert_eq!(said.len(), 1, "{out:?}");
+    let reason = said[0];
+    assert!(reason.starts_with("opservant: ") && reason.contains("sandbox setup failed at mounts: host path "));
+    assert!(reason.contains(&inside.display().to_string()) && reason.contains("searchable"), "{reason}");
+    // A start recorded has its end, as not run (`--launch pool` fails filling the pool first).
+    if out.stderr.contains("executor_start") {
+        assert!(out.stderr.contains(r#""status":"rejected""#), "{out:?}");
+    }
+    // Searchable, it runs.
+    std::fs::set_permissions(&private.path, std::fs::Permissions::from_mode(0o711)).unwrap();
+    assert_eq!(run(&inside, &[]).result()["status"], "completed");
+    std::fs::rename(&inside, &d.path).unwrap();
+}
+
 #[test]
 fn unimportable_executor_fails_clearly() {
     if !require_root() {
@@ -2211,7 +2244,7 @@ class TestExecutor(BaseExecutor):
 }
 
 /// An executor whose sandbox processes cannot die (stuck in the kernel; here frozen in a v1
-/// freezer cgroup once its payload runs) ends its run with an error naming why, instead of
+/// freezer cgroup once its executor sleeps) ends its run with an error naming why, instead of
 /// waiting forever: the sandbox gives up on them 5 s after the last SIGKILL, and the run's
 /// application channel server, whose peer (the payload) never closes, is shut down. The old
 /// code hung in `wait`, and then in the server. (The limit here is a hang detector.)

@@ -531,20 +531,26 @@ fn check_state_dir(dir: &Path) -> Result<(), CannotRun> {
         .map_err(|m| CannotRun(format!("agent.state_dir: {m}; the replay index must be the agent's alone")))
 }
 
-/// Create `agent.state_dir` when missing (0700, its parents as the umask has them), then
+/// Create `agent.state_dir` when missing (0711, its parents as the umask has them), then
 /// check it as [`DaemonSettings::from_config`] does: it must exist now and be the agent's.
+/// Searchable by all but listable by the agent alone, as systemd's `StateDirectoryMode=0711`
+/// makes it: the default executors root is beneath it, and sandboxes reach the installed
+/// executors as an unprivileged user (under 0700 every run failed at its set-up). What the
+/// agent keeps in it is its own by its files' modes (the replay store's are 0600).
 pub fn prepare_state_dir(dir: &Path) -> Result<(), CannotRun> {
     use std::os::unix::fs::DirBuilderExt;
     let fail = |e: std::io::Error| CannotRun(format!("agent.state_dir: {}: {e}", dir.display()));
     if let Some(up) = dir.parent() {
         std::fs::create_dir_all(up).map_err(fail)?;
     }
-    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+    match std::fs::DirBuilder::new().mode(0o711).create(dir) {
         Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => return Err(fail(e)),
         Err(_) => {}
         // Made now: its entry on the disk before the replay store records anything in it
         // (a store whose directory a crash could lose would forget every command id).
         Ok(()) => {
+            // Whatever the umask.
+            std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o711)).map_err(fail)?;
             let parent = dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
             std::fs::File::open(parent).and_then(|d| d.sync_all()).map_err(fail)?;
         }

@@ -417,6 +417,37 @@ impl Staging {
     }
 }
 
+/// Why the sandbox's user (`identity`, with no other groups) cannot search its way to the
+/// executors' root `root`, judged by mode bits (ACLs not read): a run of any executor
+/// installed there would fail at its sandbox's set-up. `None` when it can, or when `root`
+/// is not there yet.
+pub fn out_of_reach(root: &Path, identity: &sandbox::Identity) -> Option<String> {
+    use std::os::unix::fs::MetadataExt;
+    let real = root.canonicalize().ok()?;
+    for dir in real.ancestors() {
+        let meta = std::fs::metadata(dir).ok()?;
+        let search = if meta.uid() == identity.host_uid {
+            0o100
+        } else if meta.gid() == identity.host_gid {
+            0o010
+        } else {
+            0o001
+        };
+        if meta.mode() & search == 0 {
+            return Some(format!(
+                "executors.dir {}: {} (mode {:04o}) is not searchable by the sandboxes' user (uid {}): every run of \
+                 an executor installed there would fail at its set-up; make it searchable (chmod o+x) or move \
+                 executors.dir",
+                root.display(),
+                dir.display(),
+                meta.mode() & 0o7777,
+                identity.host_uid
+            ));
+        }
+    }
+    None
+}
+
 /// Whether `syncfs(2)` reports the filesystem's write-back errors since its descriptor was
 /// opened: Linux 5.8 and later (a release that cannot be read counts as older).
 fn syncfs_reports_errors() -> bool {
@@ -938,7 +969,7 @@ pub fn install(
             ".deps: a package must not bring its own .deps (requirements are installed from wheels)".into(),
         ));
     }
-    let mut warnings = Vec::new();
+    let mut warnings: Vec<String> = out_of_reach(root, &policy.identity).into_iter().collect();
     if !manifest.requirements.packages.is_empty() {
         let offered = package_wheels(&pkg, &staging.path.join("wheels"))?;
         warnings.extend(offered.ignored.iter().map(|n| format!("wheels/{n}: not a wheel, not offered to pip")));
@@ -1282,6 +1313,9 @@ fn tree_digest(dir: &Path) -> Result<String, InstallError> {
 /// entries, directories or unsigned archives under `require_signature`, bad signatures.
 pub fn check_configured(config: &crate::config::Config, trust: &Trust) -> Vec<String> {
     let mut problems = Vec::new();
+    if let Ok(identity) = sandbox::Identity::default_executor() {
+        problems.extend(out_of_reach(&config.executors.root(), &identity));
+    }
     for (i, p) in config.executors.install.iter().enumerate() {
         let at = format!("executors.install[{i}]: {}", p.display());
         let meta = match std::fs::symlink_metadata(p) {

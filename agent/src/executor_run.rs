@@ -321,6 +321,9 @@ struct AppOutcome {
     secrets_audit: SecretsAudit,
     /// When the runtime's `ready` and its result were read ([`Timeline`]).
     ready_at: Option<std::time::Instant>,
+    /// Whether `proceed` was sent (or its sending tried): before it, the runtime imports
+    /// nothing of the executor.
+    proceeded: bool,
     result_at: Option<std::time::Instant>,
 }
 
@@ -367,12 +370,15 @@ impl SecretsAudit {
 /// Why a run has no result.
 #[derive(Debug)]
 pub enum RunError {
-    /// Refused, or failed before its `executor_start` record was durable: nothing of the
-    /// executor ran (the CLI's exit status 2; the daemon's `rejected`).
+    /// Refused, or failed before its runtime was told to proceed (its `executor_start`
+    /// record not durable, its sandbox's set-up failed): nothing of the executor ran (the
+    /// CLI's exit status 2; the daemon's `rejected`). A run whose start was audited has its
+    /// `executor_fail` record, `status: rejected`.
     NotStarted(CannotRun),
-    /// Failed after that record (its sandbox abandoned as stuck, its channel broken): the
-    /// executor may have run, and its `executor_fail` record says how the run ended. Never
-    /// to be reported as refused — a platform would send the command again.
+    /// Failed after its runtime was told to proceed (its sandbox abandoned as stuck, its
+    /// channel broken): the executor may have run, and its `executor_fail` record says how
+    /// the run ended. Never to be reported as refused — a platform would send the command
+    /// again.
     Started(CannotRun),
 }
 
@@ -401,18 +407,21 @@ impl RunError {
 
 /// Run one executor.
 pub fn run(req: RunRequest) -> Result<RunResult, RunError> {
-    let mut start_audited = false;
-    run_steps(req, &mut start_audited).map_err(|e| {
-        if start_audited {
-            RunError::Started(e)
-        } else {
-            RunError::NotStarted(e)
-        }
-    })
+    let mut may_have_run = false;
+    run_steps(req, &mut may_have_run).map_err(
+        |e| {
+            if may_have_run {
+                RunError::Started(e)
+            } else {
+                RunError::NotStarted(e)
+            }
+        },
+    )
 }
 
-/// [`run`]'s steps; `start_audited` is set once the `executor_start` record is durable.
-fn run_steps(req: RunRequest, start_audited: &mut bool) -> Result<RunResult, CannotRun> {
+/// [`run`]'s steps; `may_have_run` is set once the runtime may have been told to proceed
+/// (the executor's code is imported only after that).
+fn run_steps(req: RunRequest, may_have_run: &mut bool) -> Result<RunResult, CannotRun> {
     let m = &req.executor.manifest;
     if let Some(a) = &req.action {
         if !m.supported_actions.iter().any(|s| s == a) {
@@ -509,9 +518,9 @@ fn run_steps(req: RunRequest, start_audited: &mut bool) -> Result<RunResult, Can
             ("command_id", &command_id),
         ],
     )?;
-    *start_audited = true;
     mark("start_audited", Some(std::time::Instant::now()));
-    // From here on, a run that cannot finish is audited as failed: every start has an end.
+    // From here on, a run that cannot finish is audited as failed (or, if its runtime was
+    // never told to proceed, as not run): every start has an end.
     let started = || -> Result<RunResult, CannotRun> {
         let declared: Vec<String> = m.permissions.secrets.clone();
         let executor_name = m.name.clone();
@@ -532,7 +541,11 @@ fn run_steps(req: RunRequest, start_audited: &mut bool) -> Result<RunResult, Can
             unblock.shutdown();
         }
         // The channel reaches end-of-file once the payload is gone, which ends the server.
-        let app = server.join().map_err(|_| CannotRun("application channel server panicked".into()))?;
+        let Ok(app) = server.join() else {
+            *may_have_run = true;
+            return Err(CannotRun("application channel server panicked".into()));
+        };
+        *may_have_run |= app.proceeded;
         if app.secrets_audit.unaudited > 0 {
             tracing::warn!(
                 executor = %m.name,
@@ -589,7 +602,7 @@ fn run_steps(req: RunRequest, start_audited: &mut bool) -> Result<RunResult, Can
             "executor_fail",
             &[
                 ("executor", &m.name),
-                ("status", "error"),
+                ("status", if *may_have_run { "error" } else { "rejected" }),
                 ("killed_by", ""),
                 ("command_id", &command_id),
                 ("error", &e.0),
@@ -826,6 +839,7 @@ fn serve(
             FromPayload::Ready if !ready => {
                 ready = true;
                 out.ready_at = Some(std::time::Instant::now());
+                out.proceeded = true;
                 // A failed write stops the sandbox (fail closed); the payload, waiting for
                 // the answer, then never reaches executor code.
                 if app::proceed(&chan, cpu).is_err() {

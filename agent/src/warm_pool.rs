@@ -392,9 +392,20 @@ impl WarmPool {
         let sources = sources(&spec);
         let sandbox = crate::launch::spawn_with_fallback(&spec, &self.launcher, None)?;
         if sandbox.app_channel().is_some() {
-            // Dropped (killed and removed) on failure: the pool offers only warmed runtimes.
-            let prefaulted_kib = warm_up(&sandbox, &self.stopping.0)
-                .map_err(|e| sandbox::SandboxError::Channel(format!("warm-up: {e}")))?;
+            // Ended on failure: the pool offers only warmed runtimes.
+            let prefaulted_kib = match warm_up(&sandbox, &self.stopping.0) {
+                Ok(kib) => kib,
+                Err(e) => {
+                    // A sandbox whose set-up failed (a path out of its user's reach) has no
+                    // runtime to answer: its own error says why. Stopped first, so the wait
+                    // is short whatever the runtime was doing.
+                    sandbox.stop_handle().stop();
+                    return Err(match sandbox.wait(sandbox::OutputOptions::default()) {
+                        Err(setup @ sandbox::SandboxError::Step(_)) => setup,
+                        _ => sandbox::SandboxError::Channel(format!("warm-up: {e}")),
+                    });
+                }
+            };
             tracing::debug!(prefaulted_kib, "warm pool: a sandbox is warmed up");
         }
         let evicted = {

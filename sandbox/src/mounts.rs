@@ -511,6 +511,16 @@ fn bind_host(old_root: &OwnedFd, rule: &PathRule, system: bool, owned: &Owned) -
                 ),
             ))
         }
+        Err(Errno::EACCES) => {
+            return Err(StepError::new(
+                Stage::Mounts,
+                format!(
+                    "host path {}: permission denied to the sandbox's user, which is not root on the host: each \
+                     directory on the way must be searchable by it (o+x makes a directory searchable by all)",
+                    host.display()
+                ),
+            ))
+        }
         Err(e) => return Err(fail(format!("host path {}", host.display()), e)),
     };
     let st = nix::sys::stat::fstat(&src).map_err(|e| fail(format!("stat {}", rule.path.display()), e))?;

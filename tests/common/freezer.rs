@@ -109,14 +109,43 @@ pub fn sandbox_cgroups_of_process(pid: i32) -> Vec<PathBuf> {
 /// CLI running it): its init and payload — the processes below `root` in a sandbox cgroup —
 /// once both exist (within 10 s). Returns the freezer and the sandbox's cgroup directories.
 pub fn freeze_sandbox_below(root: i32) -> (Freezer, Vec<PathBuf>) {
-    let give_up = Instant::now() + Duration::from_secs(10);
+    freeze_below(root, "no sandbox init and payload", |_| true)
+}
+
+/// As [`freeze_sandbox_below`], once one of the sandbox's processes sleeps (`nanosleep`,
+/// `clock_nanosleep`: `time.sleep`, `sleep`): an executor or script that sleeps is then
+/// running its own code, every start-up step behind it (an executor's runtime was told to
+/// proceed). Within 20 s.
+pub fn freeze_sandbox_below_once_asleep(root: i32) -> (Freezer, Vec<PathBuf>) {
+    let asleep = |pids: &[i32]| {
+        pids.iter().any(|p| {
+            let call = std::fs::read_to_string(format!("/proc/{p}/syscall")).unwrap_or_default();
+            let nr = call.split_whitespace().next().and_then(|n| n.parse::<libc::c_long>().ok());
+            nr.is_some_and(|nr| nr == libc::SYS_clock_nanosleep || Some(nr) == nanosleep())
+        })
+    };
+    freeze_below(root, "no sandbox process asleep", asleep)
+}
+
+/// `nanosleep`'s number, on the architectures that have one.
+fn nanosleep() -> Option<libc::c_long> {
+    #[cfg(target_arch = "x86_64")]
+    return Some(libc::SYS_nanosleep);
+    #[cfg(not(target_arch = "x86_64"))]
+    return None;
+}
+
+/// Freeze the processes below `root` in a sandbox cgroup once there are two or more and
+/// `ready` holds for them; `what` says what was missing when it gives up.
+fn freeze_below(root: i32, what: &str, ready: impl Fn(&[i32]) -> bool) -> (Freezer, Vec<PathBuf>) {
+    let give_up = Instant::now() + Duration::from_secs(20);
     let freezer = Freezer::new(root);
     loop {
         let inside: Vec<i32> = super::procs::descendants(root)
             .into_iter()
             .filter(|&p| !sandbox_cgroups_of_process(p).is_empty())
             .collect();
-        if inside.len() >= 2 {
+        if inside.len() >= 2 && ready(&inside) {
             let dirs = sandbox_cgroups_of_process(inside[0]);
             // A process listed may have ended since (a short-lived one of the sandbox's
             // start): list again.
@@ -125,13 +154,13 @@ pub fn freeze_sandbox_below(root: i32) -> (Freezer, Vec<PathBuf>) {
                 return (freezer, dirs);
             }
         }
-        assert!(Instant::now() < give_up, "no sandbox init and payload below {root}");
+        assert!(Instant::now() < give_up, "{what} below {root}");
         std::thread::sleep(Duration::from_millis(10));
     }
 }
 
 /// Start `cmd` (an opservant command that runs one sandbox, its output piped), freeze that
-/// sandbox once its init and payload exist, and wait for the command to end — at most
+/// sandbox once its payload sleeps ([`freeze_sandbox_below_once_asleep`]), and wait for the command to end — at most
 /// `limit`, a hang detector: past it the command is killed and the test fails. Thaws the
 /// sandbox (asserting its processes then die); returns the command's output and the
 /// sandbox's cgroup directories.
@@ -142,7 +171,7 @@ pub fn run_with_frozen_sandbox(
 ) -> (std::process::Output, Vec<PathBuf>) {
     let child = cmd.spawn().expect("spawn opservant");
     let pid = child.id() as i32;
-    let (freezer, dirs) = freeze_sandbox_below(pid);
+    let (freezer, dirs) = freeze_sandbox_below_once_asleep(pid);
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let _ = tx.send(child.wait_with_output());
