@@ -139,6 +139,43 @@ fn clamped_limits_are_reported() {
     assert_eq!(r.json["limits"]["timeout_seconds"], 30);
 }
 
+/// `opservant sandbox` reads the configuration as `run` does: its limits and ceilings apply
+/// (a clamp of a manifest's request to a ceiling set there is reported), and a minimum
+/// Landlock ABI above the kernel's fails closed, exit 2.
+#[test]
+fn the_configuration_applies_to_a_sandbox() {
+    if !require_root() {
+        return;
+    }
+    let d = HostDir::new();
+    let config = |text: &str| {
+        let path = d.path.join("config.yaml");
+        std::fs::write(
+            &path,
+            format!("{text}audit:\n  path: {}\n  journald: false\n", d.path.join("audit.jsonl").display()),
+        )
+        .unwrap();
+        path.display().to_string()
+    };
+    let limits = config("resource_limits:\n  max_memory_mb: 64\n  max_timeout_seconds: 30\n");
+    let (code, out, err) = run_cli(&["sandbox", "--json", "--config", &limits, "--", "/bin/true"]);
+    assert_eq!(code, 0, "{out}{err}");
+    let r: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!((r["limits"]["max_memory_mb"].as_u64(), r["limits"]["timeout_seconds"].as_u64()), (Some(64), Some(30)));
+    let m = manifest(&d, "{}", r#"{"max_memory_mb": 256}"#);
+    let (code, out, err) =
+        run_cli(&["sandbox", "--json", "--config", &limits, "--manifest", m.to_str().unwrap(), "--", "/bin/true"]);
+    assert_eq!(code, 0, "{out}{err}");
+    let r: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    let clamp = r["limits"]["clamped"].as_array().unwrap().iter().find(|c| c["field"] == "max_memory_mb").cloned();
+    assert_eq!(clamp.map(|c| (c["requested"].clone(), c["applied"].clone())), Some((256.into(), 64.into())), "{r}");
+    // The kernel's ABI is at most 63 anywhere for years; 64 is the most a config may ask.
+    let abi = config("sandbox:\n  landlock_min_abi: 64\n");
+    let (code, out, err) = run_cli(&["sandbox", "--json", "--config", &abi, "--", "/bin/true"]);
+    assert_eq!((code, out.as_str()), (2, ""), "{err}");
+    assert!(err.contains("below the required minimum 64"), "{err}");
+}
+
 #[test]
 fn bad_input_exits_2_with_one_line_naming_the_problem() {
     if !require_root() {

@@ -278,6 +278,25 @@ fn a_script_whose_sandbox_is_stuck_in_the_kernel_ends() {
     }
 }
 
+/// The configuration's `default_timeout_seconds` is a script's default too (seed 001's own
+/// example key), and a default the caps lower is no clamp: nothing was asked for.
+#[test]
+fn the_configurations_default_timeout_is_a_scripts_default() {
+    if !require_root() {
+        return;
+    }
+    let d = HostDir::new();
+    let f = write(&d, "ok.py", "print('ok')\n");
+    let audit = d.path.join("audit.jsonl").display().to_string();
+    for (limits, timeout) in [("default_timeout_seconds: 20", 20), ("max_timeout_seconds: 30", 30)] {
+        let config = write(&d, "config.yaml", &format!("resource_limits:\n  {limits}\naudit:\n  path: {audit}\n"));
+        let r = script("python", &f, &["--config", config.to_str().unwrap()]);
+        assert_eq!(r.code, 0, "{:?} {}", r.json, r.stderr);
+        assert_eq!(r.json["limits"]["timeout_seconds"], timeout, "{limits}: {}", r.json);
+        assert_eq!(r.json["limits"]["clamped"], serde_json::json!([]), "{limits}: {}", r.json);
+    }
+}
+
 #[test]
 fn no_network_and_scratch_only_without_a_manifest() {
     if !require_root() {

@@ -199,7 +199,8 @@ pub struct AgentSection {
 
 /// Seed 001: `default_timeout_seconds` sets a default, `max_*` set ceilings; `default_*`
 /// for the other limits too. The shipped ceilings (`policies/limits.json`) may be lowered or
-/// raised here; a default above its ceiling is an error.
+/// raised here; a default set here above its ceiling is an error, and a shipped default
+/// above a ceiling lowered here follows the ceiling down.
 #[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct LimitsSection {
@@ -208,11 +209,13 @@ pub struct LimitsSection {
     pub default_cpu_percent: Option<u64>,
     pub default_disk_mb: Option<u64>,
     pub default_pids: Option<u64>,
+    pub default_bandwidth_mbps: Option<u64>,
     pub max_timeout_seconds: Option<u64>,
     pub max_memory_mb: Option<u64>,
     pub max_cpu_percent: Option<u64>,
     pub max_disk_mb: Option<u64>,
     pub max_pids: Option<u64>,
+    pub max_bandwidth_mbps: Option<u64>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize, Serialize)]
@@ -773,47 +776,74 @@ impl Config {
         Ok(())
     }
 
-    /// The shipped limit policy with this configuration's defaults and ceilings applied.
+    /// The shipped limit policy with this configuration's defaults and ceilings applied: a
+    /// default set here above its ceiling is an error naming both keys; a shipped default
+    /// above a ceiling lowered here is lowered to it (the operator asked for no more).
     pub fn limit_policy(&self, mut p: LimitPolicy) -> Result<LimitPolicy, ConfigError> {
         let l = &self.resource_limits;
-        for (key, field, value, slot) in [
-            ("max_timeout_seconds", "timeout_seconds", l.max_timeout_seconds, &mut p.ceilings.timeout_seconds),
-            ("max_memory_mb", "max_memory_mb", l.max_memory_mb, &mut p.ceilings.max_memory_mb),
-            ("max_cpu_percent", "max_cpu_percent", l.max_cpu_percent, &mut p.ceilings.max_cpu_percent),
-            ("max_disk_mb", "max_disk_mb", l.max_disk_mb, &mut p.ceilings.max_disk_mb),
-            ("max_pids", "max_pids", l.max_pids, &mut p.ceilings.max_pids),
-            ("default_timeout_seconds", "timeout_seconds", l.default_timeout_seconds, &mut p.defaults.timeout_seconds),
-            ("default_memory_mb", "max_memory_mb", l.default_memory_mb, &mut p.defaults.max_memory_mb),
-            ("default_cpu_percent", "max_cpu_percent", l.default_cpu_percent, &mut p.defaults.max_cpu_percent),
-            ("default_disk_mb", "max_disk_mb", l.default_disk_mb, &mut p.defaults.max_disk_mb),
-            ("default_pids", "max_pids", l.default_pids, &mut p.defaults.max_pids),
-        ] {
-            if let Some(v) = value {
-                if let Some(message) = crate::limits::above_maximum(field, v) {
-                    return Err(ConfigError { path: format!("resource_limits.{key}"), message });
-                }
-                *slot = v;
-            }
-        }
-        let pairs = [
-            ("timeout_seconds", p.defaults.timeout_seconds, p.ceilings.timeout_seconds),
-            ("memory_mb", p.defaults.max_memory_mb, p.ceilings.max_memory_mb),
-            ("cpu_percent", p.defaults.max_cpu_percent, p.ceilings.max_cpu_percent),
-            ("disk_mb", p.defaults.max_disk_mb, p.ceilings.max_disk_mb),
-            ("pids", p.defaults.max_pids, p.ceilings.max_pids),
+        let (d, c) = (&mut p.defaults, &mut p.ceilings);
+        // (limit, field of the manifest, default here, ceiling here, the policy's default, ceiling)
+        let limits = [
+            (
+                "timeout_seconds",
+                "timeout_seconds",
+                l.default_timeout_seconds,
+                l.max_timeout_seconds,
+                &mut d.timeout_seconds,
+                &mut c.timeout_seconds,
+            ),
+            (
+                "memory_mb",
+                "max_memory_mb",
+                l.default_memory_mb,
+                l.max_memory_mb,
+                &mut d.max_memory_mb,
+                &mut c.max_memory_mb,
+            ),
+            (
+                "cpu_percent",
+                "max_cpu_percent",
+                l.default_cpu_percent,
+                l.max_cpu_percent,
+                &mut d.max_cpu_percent,
+                &mut c.max_cpu_percent,
+            ),
+            ("disk_mb", "max_disk_mb", l.default_disk_mb, l.max_disk_mb, &mut d.max_disk_mb, &mut c.max_disk_mb),
+            ("pids", "max_pids", l.default_pids, l.max_pids, &mut d.max_pids, &mut c.max_pids),
+            (
+                "bandwidth_mbps",
+                "max_bandwidth_mbps",
+                l.default_bandwidth_mbps,
+                l.max_bandwidth_mbps,
+                &mut d.max_bandwidth_mbps,
+                &mut c.max_bandwidth_mbps,
+            ),
         ];
-        for (name, default, ceiling) in pairs {
-            if default == 0 || ceiling == 0 {
-                return Err(ConfigError {
-                    path: format!("resource_limits.*{name}"),
-                    message: "must be positive".into(),
-                });
+        for (name, field, default_here, ceiling_here, default, ceiling) in limits {
+            let (default_key, ceiling_key) =
+                (format!("resource_limits.default_{name}"), format!("resource_limits.max_{name}"));
+            for (key, value, slot) in
+                [(&ceiling_key, ceiling_here, &mut *ceiling), (&default_key, default_here, &mut *default)]
+            {
+                if let Some(v) = value {
+                    if v == 0 {
+                        return Err(ConfigError { path: key.clone(), message: "must be positive".into() });
+                    }
+                    if let Some(message) = crate::limits::above_maximum(field, v) {
+                        return Err(ConfigError { path: key.clone(), message });
+                    }
+                    *slot = v;
+                }
             }
-            if default > ceiling {
-                return Err(ConfigError {
-                    path: format!("resource_limits.default_{name}"),
-                    message: format!("default {default} is above the ceiling {ceiling}"),
-                });
+            if *default > *ceiling {
+                if default_here.is_some() {
+                    let whose = if ceiling_here.is_some() { "set here" } else { "shipped" };
+                    return Err(ConfigError {
+                        path: default_key,
+                        message: format!("{default} is above the ceiling {ceiling} ({ceiling_key}, {whose})"),
+                    });
+                }
+                *default = *ceiling;
             }
         }
         if p.ceilings.max_cpu_percent > 100 {
@@ -908,6 +938,31 @@ mod tests {
         assert_eq!(p.defaults.timeout_seconds, 120);
         assert_eq!(p.ceilings.max_memory_mb, 256);
         assert_eq!(p.ceilings.max_cpu_percent, 25);
+    }
+
+    #[test]
+    fn defaults_and_ceilings_of_every_limit_bandwidth_included() {
+        let policy = |text: &str| Config::parse(text).and_then(|c| c.limit_policy(LimitPolicy::builtin()));
+        // Bandwidth as DESIGN.md §3 lets a configuration set it.
+        let p = policy("resource_limits:\n  default_bandwidth_mbps: 20\n  max_bandwidth_mbps: 50\n").unwrap();
+        assert_eq!((p.defaults.max_bandwidth_mbps, p.ceilings.max_bandwidth_mbps), (20, 50));
+        // A ceiling lowered below a shipped default takes the default down with it.
+        let p = policy("resource_limits:\n  max_memory_mb: 64\n  max_timeout_seconds: 30\n").unwrap();
+        assert_eq!((p.defaults.max_memory_mb, p.ceilings.max_memory_mb), (64, 64));
+        assert_eq!((p.defaults.timeout_seconds, p.ceilings.timeout_seconds), (30, 30));
+        let p = policy("resource_limits:\n  max_bandwidth_mbps: 5\n").unwrap();
+        assert_eq!((p.defaults.max_bandwidth_mbps, p.ceilings.max_bandwidth_mbps), (5, 5));
+        // A default set above its ceiling is an error naming both.
+        let e = policy("resource_limits:\n  default_memory_mb: 100\n  max_memory_mb: 64\n").unwrap_err();
+        assert_eq!(e.path, "resource_limits.default_memory_mb", "{e}");
+        assert!(e.message.contains("above the ceiling 64 (resource_limits.max_memory_mb, set here)"), "{e}");
+        let e = policy("resource_limits:\n  default_bandwidth_mbps: 200\n").unwrap_err();
+        assert_eq!(e.path, "resource_limits.default_bandwidth_mbps", "{e}");
+        assert!(e.message.contains("(resource_limits.max_bandwidth_mbps, shipped)"), "{e}");
+        // Zero, and past the absolute maxima, name their key.
+        assert_eq!(policy("resource_limits:\n  max_pids: 0\n").unwrap_err().path, "resource_limits.max_pids");
+        let e = policy("resource_limits:\n  max_bandwidth_mbps: 100001\n").unwrap_err();
+        assert_eq!(e.path, "resource_limits.max_bandwidth_mbps", "{e}");
     }
 
     #[test]

@@ -36,6 +36,10 @@ enum Command {
         /// How to start the sandbox: a fresh process (cold) or a fork of a zygote.
         #[arg(long, value_enum, default_value_t)]
         launch: LaunchMode,
+        /// Agent configuration, whose limits, ceilings and minimum Landlock ABI apply as to
+        /// `run` (default $OPSERVANT_CONFIG, else /etc/opservant/config.yaml when it exists).
+        #[arg(long)]
+        config: Option<PathBuf>,
         /// Program and arguments.
         #[arg(required = true, last = true, value_name = "PROGRAM")]
         argv: Vec<String>,
@@ -413,7 +417,7 @@ fn main() -> ExitCode {
         }
     }
     let result = match cli.command {
-        Command::Sandbox { manifest, json, launch, argv } => run_sandbox(manifest, json, launch, argv),
+        Command::Sandbox { manifest, json, launch, config, argv } => run_sandbox(manifest, json, launch, config, argv),
         Command::Run { dir, params, action, config, launch } => run_executor(dir, params, action, config, launch),
         Command::Script { language, file, timeout, manifest, config } => {
             run_script(language, file, timeout, manifest, config)
@@ -546,10 +550,11 @@ fn run_sandbox(
     manifest: Option<PathBuf>,
     json_only: bool,
     launch: LaunchMode,
+    config: Option<PathBuf>,
     argv: Vec<String>,
 ) -> Result<ExitCode, CannotRun> {
     let manifest = manifest.as_deref().map(load_manifest).transpose()?;
-    let policy = AgentPolicy::builtin()?;
+    let policy = AgentPolicy::from_config(&agent::config::Config::load(config.as_deref())?)?;
     let (program, args) = argv.split_first().ok_or_else(|| CannotRun("no program given".into()))?;
     agent::policy::refuse_egress(manifest.as_ref(), "opservant sandbox")?;
     let (spec, limits) = policy.spec_for(manifest.as_ref(), program, args.to_vec())?;

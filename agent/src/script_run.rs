@@ -21,7 +21,8 @@ use crate::manifest::Manifest;
 use crate::policy::AgentPolicy;
 use crate::result::{LimitsReport, RunResult, SandboxSummary};
 
-/// Default wall-clock limit of a script (seed 003).
+/// Default wall-clock limit of a script (seed 003): the shipped default timeout, which the
+/// configuration's `default_timeout_seconds` changes.
 pub const DEFAULT_TIMEOUT_S: u64 = 60;
 /// Longest a script may run (seed 003's `MAX_TIMEOUT`).
 pub const MAX_TIMEOUT_S: u64 = 300;
@@ -81,19 +82,27 @@ pub struct ScriptResult {
     pub sandbox: SandboxSummary,
 }
 
-/// The timeout a script gets: `--timeout`, else the manifest's, else 60 s; at most 300 s
-/// and the agent's ceiling. The clamp, if any, is returned for the report.
-pub fn script_timeout(requested: Option<u64>, manifest: Option<u64>, ceiling: u64) -> (u64, Option<Clamp>) {
-    let want = requested.or(manifest).unwrap_or(DEFAULT_TIMEOUT_S);
+/// The timeout a script gets: `--timeout`, else the manifest's, else the default (60 s, or
+/// the configuration's `default_timeout_seconds`); at most 300 s and the agent's ceiling.
+/// The clamp of a timeout asked for, if any, is returned for the report (a default above
+/// the caps is not a request: it becomes the cap).
+pub fn script_timeout(
+    requested: Option<u64>,
+    manifest: Option<u64>,
+    default: u64,
+    ceiling: u64,
+) -> (u64, Option<Clamp>) {
     let (cap, reason) = if ceiling < MAX_TIMEOUT_S {
         (ceiling, "above the agent's ceiling")
     } else {
         (MAX_TIMEOUT_S, "scripts run at most 300 s")
     };
-    if want > cap {
-        (cap, Some(Clamp { field: "timeout_seconds", requested: want, applied: cap, reason: reason.into() }))
-    } else {
-        (want, None)
+    match requested.or(manifest) {
+        Some(want) if want > cap => {
+            (cap, Some(Clamp { field: "timeout_seconds", requested: want, applied: cap, reason: reason.into() }))
+        }
+        Some(want) => (want, None),
+        None => (default.min(cap), None),
     }
 }
 
@@ -123,8 +132,13 @@ pub fn run(req: ScriptRequest) -> Result<ScriptResult, CannotRun> {
     let (mut spec, mut limits) = req.policy.spec_for(req.manifest, &runtime, vec![])?;
 
     let manifest_timeout = req.manifest.and_then(|m| m.resource_limits.timeout_seconds);
-    let (timeout_s, clamp) =
-        script_timeout(req.timeout_s, manifest_timeout, req.policy.limits.ceilings.timeout_seconds);
+    let limit_policy = &req.policy.limits;
+    let (timeout_s, clamp) = script_timeout(
+        req.timeout_s,
+        manifest_timeout,
+        limit_policy.defaults.timeout_seconds,
+        limit_policy.ceilings.timeout_seconds,
+    );
     limits.clamped.retain(|c| c.field != "timeout_seconds");
     limits.clamped.extend(clamp);
     limits.timeout_seconds = timeout_s;
@@ -292,15 +306,21 @@ mod tests {
 
     #[test]
     fn timeout_default_and_clamp() {
-        assert_eq!(script_timeout(None, None, 3600), (60, None));
-        assert_eq!(script_timeout(Some(5), Some(100), 3600), (5, None));
-        assert_eq!(script_timeout(None, Some(100), 3600), (100, None));
-        let (t, c) = script_timeout(Some(900), None, 3600);
+        assert_eq!(script_timeout(None, None, DEFAULT_TIMEOUT_S, 3600), (60, None));
+        assert_eq!(script_timeout(Some(5), Some(100), DEFAULT_TIMEOUT_S, 3600), (5, None));
+        assert_eq!(script_timeout(None, Some(100), DEFAULT_TIMEOUT_S, 3600), (100, None));
+        let (t, c) = script_timeout(Some(900), None, DEFAULT_TIMEOUT_S, 3600);
         assert_eq!(t, 300);
         let c = c.unwrap();
         assert_eq!((c.requested, c.applied), (900, 300));
-        let (t, c) = script_timeout(Some(200), None, 120);
+        let (t, c) = script_timeout(Some(200), None, DEFAULT_TIMEOUT_S, 120);
         assert_eq!((t, c.unwrap().reason.as_str()), (120, "above the agent's ceiling"));
+        // The configuration's default, capped without a clamp (nothing was asked for).
+        assert_eq!(script_timeout(None, None, 20, 3600), (20, None));
+        assert_eq!(script_timeout(None, None, 600, 3600), (300, None));
+        assert_eq!(script_timeout(None, None, 60, 30), (30, None));
+        // Without a configuration, the shipped default is seed 003's.
+        assert_eq!(crate::limits::LimitPolicy::builtin().defaults.timeout_seconds, DEFAULT_TIMEOUT_S);
     }
 
     #[test]
