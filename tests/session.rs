@@ -141,6 +141,27 @@ fn imports_are_allowlisted() {
     let (status, r) = s.exec("exec('import os', {})", &[]);
     assert_eq!(status, 1, "{r}");
     assert!(r["error"].as_str().unwrap().contains("not allowed"), "{r}");
+    drop(s);
+
+    // A submodule allowed alone is imported in either form (seed 002's `matplotlib.pyplot`
+    // is written `from matplotlib import pyplot`); nothing else of its package is.
+    let (s, _) = Session::start(&["--allow-import", "xml.etree.ElementTree"]);
+    let (status, r) = s.exec(
+        "from xml.etree import ElementTree\nimport xml.etree.ElementTree as ET\nx = ElementTree.fromstring('<a>1</a>').text + ET.tostring(ET.Element('b')).decode()",
+        &["--return", "x"],
+    );
+    assert_eq!((status, r["globals"]["x"].clone()), (0, serde_json::json!("1<b />")), "{r}");
+    for code in [
+        "from xml.etree import ElementPath",
+        "from xml.etree import ElementTree, cElementTree",
+        "import xml.etree",
+        "from xml import dom",
+        "from xml.etree import *",
+    ] {
+        let (status, r) = s.exec(code, &[]);
+        assert_eq!(status, 1, "{code}: {r}");
+        assert!(r["error"].as_str().unwrap().contains("not allowed"), "{code}: {r}");
+    }
 }
 
 #[test]
@@ -281,6 +302,29 @@ fn a_call_runs_at_most_the_agents_timeout_ceiling() {
     let (_, r) = s.exec("while True:\n    pass", &["--timeout", "20"]);
     assert_eq!(r["killed_by"], "timeout", "{r}");
     assert!(r["error"].as_str().unwrap().contains("after 2 s"), "{r}");
+}
+
+/// A session's timeouts past their maxima (a call 300 s, idle a day, a lifetime 7 days) are
+/// clamped and reported, as a script's `--timeout` is — not refused.
+#[test]
+fn timeouts_past_their_maxima_are_clamped_and_reported() {
+    if !require_root() {
+        return;
+    }
+    let (s, started) =
+        Session::start(&["--timeout", "301", "--idle-timeout", "86401", "--max-lifetime", "999999999999"]);
+    let clamps = started["limits"]["clamped"].as_array().unwrap().clone();
+    for (field, requested, applied) in [
+        ("call_timeout_seconds", 301u64, 300u64),
+        ("idle_timeout_seconds", 86_401, 86_400),
+        ("max_lifetime_seconds", 999_999_999_999, 7 * 86_400),
+    ] {
+        assert_eq!(started[field], applied, "{started}");
+        let c = clamps.iter().find(|c| c["field"] == field).unwrap_or_else(|| panic!("no clamp of {field}: {started}"));
+        assert_eq!((c["requested"].as_u64(), c["applied"].as_u64()), (Some(requested), Some(applied)), "{c}");
+    }
+    let (code, r) = s.exec("x = 1", &["--return", "x"]);
+    assert_eq!((code, r["globals"]["x"].clone()), (0, serde_json::json!(1)), "{r}");
 }
 
 #[test]
@@ -450,7 +494,6 @@ fn bad_input_is_exit_2() {
         vec!["session", "start", "../escape"],
         vec!["session", "start", "ok-name", "--allow-import", "json;os"],
         vec!["session", "start", "ok-name", "--timeout", "0"],
-        vec!["session", "start", "ok-name", "--timeout", "301"],
         vec!["session", "exec", "no-such-session", "--code", "1"],
         vec!["session", "exec", "no-such-session", "--code", "1", "--globals", "[1]"],
         vec!["session", "stop", "no-such-session"],

@@ -160,11 +160,11 @@ impl Settings {
             }
             default_imports.push((alias.to_string(), module.to_string()));
         }
-        let bounded = |flag: &str, v: Option<u64>, default: u64, max: u64| -> Result<u64, CannotRun> {
+        // Above their maxima they are clamped as the session starts (reported in its reply).
+        let bounded = |flag: &str, v: Option<u64>, default: u64| -> Result<u64, CannotRun> {
             match v {
                 None => Ok(default),
                 Some(0) => Err(CannotRun(format!("{flag}: must be at least 1 second"))),
-                Some(v) if v > max => Err(CannotRun(format!("{flag}: at most {max} seconds"))),
                 Some(v) => Ok(v),
             }
         };
@@ -172,9 +172,9 @@ impl Settings {
             name: name.to_string(),
             allow_imports,
             default_imports,
-            call_timeout_s: bounded("--timeout", call_timeout_s, DEFAULT_CALL_TIMEOUT_S, MAX_CALL_TIMEOUT_S)?,
-            idle_timeout_s: bounded("--idle-timeout", idle_timeout_s, DEFAULT_IDLE_TIMEOUT_S, MAX_IDLE_TIMEOUT_S)?,
-            max_lifetime_s: bounded("--max-lifetime", max_lifetime_s, DEFAULT_MAX_LIFETIME_S, MAX_MAX_LIFETIME_S)?,
+            call_timeout_s: bounded("--timeout", call_timeout_s, DEFAULT_CALL_TIMEOUT_S)?,
+            idle_timeout_s: bounded("--idle-timeout", idle_timeout_s, DEFAULT_IDLE_TIMEOUT_S)?,
+            max_lifetime_s: bounded("--max-lifetime", max_lifetime_s, DEFAULT_MAX_LIFETIME_S)?,
             python_paths: paths,
             manifest: manifest.map(|m| std::path::absolute(&m).unwrap_or(m)),
             config: config.map(|c| std::path::absolute(&c).unwrap_or(c)),
@@ -705,6 +705,37 @@ impl Daemon {
         let config = crate::config::Config::load(settings.config.as_deref())?;
         let policy = AgentPolicy::from_config(&config)?;
         audit::init(&config)?;
+        // Each past its maximum is clamped to it, reported in the reply's `limits.clamped`. A
+        // call is one execution: it runs at most the agent's ceiling too
+        // (`resource_limits.max_timeout_seconds`), as an executor run or a script does. The
+        // session itself lives up to its lifetime, idle most of it.
+        let ceiling = policy.limits.ceilings.timeout_seconds.max(1);
+        let (call_max, call_reason) = if ceiling < MAX_CALL_TIMEOUT_S {
+            (ceiling, "above the agent's ceiling")
+        } else {
+            (MAX_CALL_TIMEOUT_S, "a call runs at most 300 s")
+        };
+        let mut clamped = Vec::new();
+        for (field, value, max, reason) in [
+            ("call_timeout_seconds", &mut settings.call_timeout_s, call_max, call_reason),
+            (
+                "idle_timeout_seconds",
+                &mut settings.idle_timeout_s,
+                MAX_IDLE_TIMEOUT_S,
+                "a session idles at most 86400 s",
+            ),
+            (
+                "max_lifetime_seconds",
+                &mut settings.max_lifetime_s,
+                MAX_MAX_LIFETIME_S,
+                "a session lives at most 7 days",
+            ),
+        ] {
+            if *value > max {
+                clamped.push(crate::limits::Clamp { field, requested: *value, applied: max, reason: reason.into() });
+                *value = max;
+            }
+        }
         let manifest = match &settings.manifest {
             Some(p) => Some(crate::manifest::Manifest::load(p)?.0),
             None => None,
@@ -730,19 +761,7 @@ impl Daemon {
         spec.limits.timeout_ms = Some(settings.max_lifetime_s * 1000);
         limits.timeout_seconds = settings.max_lifetime_s;
         limits.clamped.retain(|c| c.field != "timeout_seconds");
-        // A call is one execution: it runs at most the agent's ceiling
-        // (`resource_limits.max_timeout_seconds`), as an executor run or a script does. The
-        // session itself lives up to its lifetime, idle most of it.
-        let ceiling = policy.limits.ceilings.timeout_seconds.max(1);
-        if settings.call_timeout_s > ceiling {
-            limits.clamped.push(crate::limits::Clamp {
-                field: "call_timeout_seconds",
-                requested: settings.call_timeout_s,
-                applied: ceiling,
-                reason: "above the agent's ceiling".into(),
-            });
-            settings.call_timeout_s = ceiling;
-        }
+        limits.clamped.extend(clamped);
         spec.hostname = format!("session-{}", settings.name).chars().take(63).collect();
         spec.validate()?;
 
@@ -1405,6 +1424,10 @@ mod tests {
         assert!(check_name("analysis_1").is_ok());
         let allow: Vec<String> = vec![];
         assert!(Settings::new("s", &allow, &allow, Some(0), None, None, &[], None, None).is_err());
-        assert!(Settings::new("s", &allow, &allow, Some(301), None, None, &[], None, None).is_err());
+        // Past the maximum: clamped when the session starts, not refused.
+        assert_eq!(
+            Settings::new("s", &allow, &allow, Some(301), None, None, &[], None, None).unwrap().call_timeout_s,
+            301
+        );
     }
 }

@@ -351,10 +351,16 @@ def _session_namespace(allowed):
     def permitted(name):
         return any(name == a or name.startswith(a + ".") for a in allowed)
 
+    def submodules_permitted(name, fromlist):
+        # ``from pkg import sub`` with ``pkg.sub`` allowed: importing ``pkg.sub`` imports
+        # ``pkg`` anyway, and only the names listed are bound — each of them an allowed
+        # submodule (checked again below once imported).
+        return bool(fromlist) and all(isinstance(i, str) and permitted(name + "." + i) for i in fromlist)
+
     def guarded_import(name, globals=None, locals=None, fromlist=(), level=0):
         if level:
             raise ImportError("relative imports are not available in a session")
-        if not permitted(name):
+        if not permitted(name) and not submodules_permitted(name, fromlist):
             raise ImportError(
                 "import of %r is not allowed in this session (allowed: %s)" % (name, ", ".join(allowed) or "none"),
                 name=name,
@@ -364,6 +370,9 @@ def _session_namespace(allowed):
             sub = getattr(module, item, None)
             if type(sub) is type(sys) and not permitted(getattr(sub, "__name__", "")):
                 raise ImportError("import of %r is not allowed in this session" % sub.__name__, name=sub.__name__)
+            if not permitted(name) and type(sub) is not type(sys):
+                # Of a package allowed only for its submodules, nothing else is taken.
+                raise ImportError("import of %r is not allowed in this session" % (name + "." + str(item)), name=name)
         return module
 
     safe = {k: v for k, v in vars(builtins).items() if k not in _SESSION_REMOVED_BUILTINS}
