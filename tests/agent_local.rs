@@ -74,6 +74,52 @@ fn hostile_configs_are_refused_cleanly_by_check_config() {
     }
 }
 
+/// `agent --check-config` refuses (exit 2, one line naming the key) what the agent itself
+/// would refuse only as it started or at the first command: an audit log that is not a
+/// regular file, an executors directory that is a file or others may write to, a socket
+/// path longer than a Unix socket's.
+#[test]
+fn check_config_refuses_what_the_agent_would_refuse_later() {
+    if !common::require_root() {
+        return;
+    }
+    use std::os::unix::fs::PermissionsExt;
+    let dir = common::HostDir::new();
+    assert!(op(&["keygen", "--out", dir.path.join("keys").to_str().unwrap()]).status.success());
+    let (file, open) = (dir.path.join("a-file"), dir.path.join("everyones"));
+    std::fs::write(&file, "").unwrap();
+    std::fs::create_dir(&open).unwrap();
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let long = dir.path.join(format!("{}.sock", "s".repeat(120)));
+    let audit = dir.path.join("audit/audit.jsonl");
+    let cases = [
+        ("audit:\n  path: /dev/null\n".to_string(), "not a regular file"),
+        (format!("executors:\n  dir: {}\naudit:\n  path: {}\n", file.display(), audit.display()), "not a directory"),
+        (format!("executors:\n  dir: {}\naudit:\n  path: {}\n", open.display(), audit.display()), "executors.dir"),
+        (format!("audit:\n  path: {}\n", audit.display()), "agent.socket"),
+    ];
+    for (i, (rest, needle)) in cases.iter().enumerate() {
+        let socket = if i == 3 { long.clone() } else { dir.path.join("agent.sock") };
+        let config = dir.path.join("config.yaml");
+        let keys = dir.path.join("keys/signing.pub");
+        std::fs::write(
+            &config,
+            format!(
+                "agent:\n  platform_public_key: {}\n  socket: {}\n  state_dir: {}\n{rest}",
+                keys.display(),
+                socket.display(),
+                dir.path.join("state").display()
+            ),
+        )
+        .unwrap();
+        let out = op(&["agent", "--check-config", "--config", config.to_str().unwrap()]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{needle}: {stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{stderr}");
+        assert!(stderr.contains(needle), "{needle}: {stderr}");
+    }
+}
+
 /// A command whose run fails after its runtime was told to proceed — here its sandbox stuck
 /// in the kernel (frozen in a v1 freezer cgroup once its executor sleeps) and given up 5 s after
 /// the last SIGKILL — is answered `failed`, not `rejected`: the executor ran, and a platform

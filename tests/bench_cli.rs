@@ -4,6 +4,7 @@
 
 mod common;
 
+use std::path::Path;
 use std::process::Stdio;
 
 use common::HostDir;
@@ -216,6 +217,20 @@ fn bad_options_exit_2() {
         let out = bench(args);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
         assert!(!out.stderr.is_empty(), "{args:?}: no reason given");
+    }
+    // Where the report would go is checked before anything is measured: a missing directory,
+    // a device, a FIFO (which blocked the write for ever).
+    let dir = HostDir::new();
+    let fifo = dir.path.join("report.fifo");
+    nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+    let missing = dir.path.join("no/such/dir/report.json");
+    for (flag, path) in [("--json", missing.as_path()), ("--svg", Path::new("/dev/full")), ("--json", fifo.as_path())] {
+        let args = ["--only", "true", "--rounds", "1", flag, path.to_str().unwrap()];
+        let out = bench(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(&format!("{flag} {}", path.display())), "{args:?}: {stderr}");
+        assert!(out.stdout.is_empty(), "{args:?}: measured first: {}", String::from_utf8_lossy(&out.stdout));
     }
 }
 

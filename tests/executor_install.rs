@@ -1335,6 +1335,27 @@ fn an_executors_root_out_of_the_sandbox_users_reach_is_warned_of_and_its_runs_ca
 }
 
 #[test]
+fn a_package_holding_the_executors_directory_is_refused() {
+    if !common::require_root() {
+        return;
+    }
+    // The directory holding the executors root, or the root itself, given as a package:
+    // refused at once (it was copied into its own staging directory until the names grew
+    // too long), one line naming the package once, nothing left.
+    let env = Env::new();
+    let v1 = package(&env.dir.path, "1.0.0", false);
+    assert_eq!(env.op(&["executor", "install", v1.to_str().unwrap()]).code, 0);
+    for pkg in [env.dir.path.clone(), env.root.clone()] {
+        let out = env.op(&["executor", "install", pkg.to_str().unwrap(), "--force"]);
+        assert_eq!(out.code, 2, "{}", out.stderr);
+        let line = format!("opservant: {}: it holds the executors directory {}", pkg.display(), env.root.display());
+        assert!(out.stderr.lines().any(|l| l.starts_with(&line)), "{}", out.stderr);
+        assert_eq!(env.entries(), vec!["hello".to_string()]);
+        assert_eq!(env.versions(), ["1.0.0", "current"]);
+    }
+}
+
+#[test]
 fn pip_reads_no_configuration_of_the_package() {
     if !common::require_root() {
         return;

@@ -1343,7 +1343,7 @@ fn command_line_errors_are_refused() {
     let empty = HostDir::new();
     run(&empty.path, &[]).cannot_run(&["manifest.json", "cannot read"]);
     let bad = executor_text("{\"name\": ", LIFECYCLE);
-    run(&bad.path, &[]).cannot_run(&["manifest: not valid JSON"]);
+    run(&bad.path, &[]).cannot_run(&["manifest.json: not valid JSON"]);
     // A value quoted in the error cannot drive the terminal: control characters are escaped.
     let mut m = base_manifest();
     m["entry_point"] = json!("m.C\u{1b}[31m");
@@ -1352,7 +1352,7 @@ fn command_line_errors_are_refused() {
     out.cannot_run(&["entry_point", "m.C\\u{1b}[31m"]);
     assert!(!out.stderr.contains('\u{1b}'), "{out:?}");
     let arr = executor_text("[]", LIFECYCLE);
-    run(&arr.path, &[]).cannot_run(&["manifest: must be a JSON object"]);
+    run(&arr.path, &[]).cannot_run(&["manifest.json: must be a JSON object"]);
 }
 
 #[test]

@@ -768,9 +768,20 @@ impl AuditLog {
     /// The log's directory, when it exists, is the agent's alone: whoever can write it could
     /// rename the log away and start a new chain in its place, remove or replace the rotated
     /// files, or plant a file at the lock's or a rotated file's name that stops every append.
-    /// (`agent --check-config` checks this without creating anything.)
+    /// The log and its lock, where they exist, are regular files. (`agent --check-config`
+    /// checks this without creating anything.)
     pub fn check_dir(settings: &AuditSettings) -> Result<(), AuditError> {
         let path = &settings.path;
+        // The log and its lock, where they are already: regular files (not links to one), as
+        // the append opens them.
+        for file in [path.clone(), settings.lock_path()] {
+            if std::fs::symlink_metadata(&file).is_ok_and(|m| !m.is_file()) {
+                return Err(AuditError::new(
+                    path,
+                    format!("{}: not a regular file; the audit log and its lock must be ones", file.display()),
+                ));
+            }
+        }
         let Some(dir) = path.parent() else { return Ok(()) };
         let dir = if dir.as_os_str().is_empty() { Path::new(".") } else { dir };
         let meta = match std::fs::metadata(dir) {

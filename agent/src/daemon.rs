@@ -102,6 +102,14 @@ fn notify(state: &str, nonblocking: bool) {
 /// replace (a configuration naming a regular file must not delete it).
 fn check_socket_path(path: &Path) -> Result<(), CannotRun> {
     use std::os::unix::fs::FileTypeExt;
+    // `sun_path` holds 108 bytes, the terminating NUL among them.
+    let len = path.as_os_str().len();
+    if len > 107 {
+        return Err(CannotRun(format!(
+            "agent.socket: {} is {len} bytes long; a Unix socket's path holds at most 107",
+            path.display()
+        )));
+    }
     match std::fs::symlink_metadata(path) {
         Ok(m) if m.file_type().is_socket() => Ok(()),
         Ok(_) => Err(CannotRun(format!(

@@ -417,6 +417,20 @@ impl Staging {
     }
 }
 
+/// `executors.dir` as installs and runs need it, checked by `agent --check-config` without
+/// creating anything: not there yet (the first install makes it), or a directory that is
+/// the agent's alone.
+pub fn check_configured_root(root: &Path) -> Result<(), InstallError> {
+    match std::fs::metadata(root) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(InstallError::Invalid(format!("executors.dir: {}: {e}", root.display()))),
+        Ok(m) if !m.is_dir() => {
+            Err(InstallError::Invalid(format!("executors.dir: {}: not a directory", root.display())))
+        }
+        Ok(m) => check_root(root, &m),
+    }
+}
+
 /// Why the sandbox's user (`identity`, with no other groups) cannot search its way to the
 /// executors' root `root`, judged by mode bits (ACLs not read): a run of any executor
 /// installed there would fail at its sandbox's set-up. `None` when it can, or when `root`
@@ -823,6 +837,9 @@ fn traversable_dir(p: &Path, mode: u32) -> Result<(), InstallError> {
     if p.is_dir() {
         return Ok(());
     }
+    if std::fs::symlink_metadata(p).is_ok() {
+        return Err(InstallError::Invalid(format!("{}: not a directory", p.display())));
+    }
     std::fs::DirBuilder::new().mode(mode).recursive(true).create(p).map_err(|e| io(p, e))?;
     std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).map_err(|e| io(p, e))
 }
@@ -847,6 +864,16 @@ pub fn install(
             return Err(InstallError::Invalid(
                 "a signature or sha256 applies to an archive, not to a directory".into(),
             ));
+        }
+        // A package holding the executors directory would be copied into its own staging
+        // directory, deeper and deeper.
+        if let (Ok(real_src), Ok(real_root)) = (src.canonicalize(), root.canonicalize()) {
+            if real_root.starts_with(&real_src) {
+                return Err(InstallError::Invalid(format!(
+                    "it holds the executors directory {}; a package cannot",
+                    root.display()
+                )));
+            }
         }
         None
     } else if meta.is_file() {

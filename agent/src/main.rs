@@ -797,17 +797,21 @@ fn agent_daemon(config: Option<PathBuf>, check_only: bool) -> Result<ExitCode, C
         agent::daemon::no_core_dumps().map_err(|e| CannotRun(e.0))?;
     }
     let cfg = agent::config::Config::load(config.as_deref())?;
+    // What the configuration's keys hold, refused, names the file too.
+    let source = cfg.source.as_ref().map_or_else(|| "the built-in configuration".into(), |p| p.display().to_string());
+    let in_config = |m: String| CannotRun(format!("{source}: {m}"));
     let policy = AgentPolicy::from_config(&cfg)?;
-    let settings = agent::daemon::DaemonSettings::from_config(&cfg).map_err(|e| CannotRun(e.0))?;
+    let settings = agent::daemon::DaemonSettings::from_config(&cfg).map_err(|e| in_config(e.0))?;
     let platform_key =
-        agent::signing::load_verifying_key(&settings.platform_key).map_err(|e| CannotRun(e.to_string()))?;
-    agent::secrets::Provider::check_config(&cfg).map_err(CannotRun)?;
-    agent::egress::EgressSettings::from_config(&cfg).map_err(|e| CannotRun(e.to_string()))?;
+        agent::signing::load_verifying_key(&settings.platform_key).map_err(|e| in_config(e.to_string()))?;
+    agent::secrets::Provider::check_config(&cfg).map_err(in_config)?;
+    agent::egress::EgressSettings::from_config(&cfg).map_err(|e| in_config(e.to_string()))?;
     let runtime = agent::executor_run::runtime_binary().map_err(|e| CannotRun(e.0))?;
-    let platform = agent::platform::Platform::from_config(&cfg).map_err(CannotRun)?;
-    let trust = agent::package_signing::Trust::from_config(&cfg).map_err(CannotRun)?;
+    let platform = agent::platform::Platform::from_config(&cfg).map_err(in_config)?;
+    let trust = agent::package_signing::Trust::from_config(&cfg).map_err(in_config)?;
     if check_only {
         agent::audit::AuditLog::check_dir(&agent::audit::AuditSettings::from_config(&cfg))?;
+        agent::executor_install::check_configured_root(&cfg.executors.root()).map_err(|e| in_config(e.to_string()))?;
         // Entries of executors.install that would not install: the agent still starts
         // without them, so they are warnings, not errors.
         for w in agent::executor_install::check_configured(&cfg, &trust) {
@@ -934,6 +938,12 @@ fn bench(
     if !(duration.is_finite() && duration > 0.0 && duration <= 3600.0) {
         return Err(CannotRun("--duration: must be more than 0 and at most 3600 seconds".into()));
     }
+    // Where the report goes is checked before anything is measured.
+    for (flag, path) in [("--json", &json), ("--svg", &svg)] {
+        if let Some(path) = path {
+            report_destination(flag, path)?;
+        }
+    }
     let opts = bench::Options {
         rounds,
         warmup,
@@ -972,6 +982,24 @@ fn bench(
         outln!("wrote {}", path.display());
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// A file a report can be written to: a regular file or none yet, in a directory that is
+/// there (a FIFO would block the write, a device swallow it).
+fn report_destination(flag: &str, path: &std::path::Path) -> Result<(), CannotRun> {
+    let fail = |why: String| Err(CannotRun(format!("{flag} {}: {why}", path.display())));
+    match std::fs::metadata(path) {
+        Ok(m) if m.is_file() => return Ok(()),
+        Ok(_) => return fail("not a regular file".into()),
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return fail(e.to_string()),
+        Err(_) => {}
+    }
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+    match std::fs::metadata(dir) {
+        Ok(m) if m.is_dir() => Ok(()),
+        Ok(_) => fail(format!("{} is not a directory", dir.display())),
+        Err(e) => fail(format!("{}: {e}", dir.display())),
+    }
 }
 
 fn keygen(out: &std::path::Path) -> Result<ExitCode, CannotRun> {
@@ -1331,7 +1359,9 @@ fn executor_install(
                 "executor_install_failed",
                 &[("source", "cli"), ("package", &package_text), ("reason", e.reason()), ("error", &error)],
             );
-            return Err(CannotRun(format!("{}: {error}", package.display())));
+            // Named once: an archive's errors name it already.
+            let named = format!("{}: ", package.display());
+            return Err(CannotRun(if error.starts_with(&named) { error } else { named + &error }));
         }
     };
     agent::audit::record(

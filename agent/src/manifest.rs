@@ -303,7 +303,9 @@ impl Manifest {
             _ => file_err(format!("cannot read: {e}")),
         })?;
         text_of(&bytes).map_err(|e| file_err(e.message))?;
-        Self::parse(&String::from_utf8(bytes).map_err(|e| file_err(format!("not UTF-8: {e}")))?)
+        let text = String::from_utf8(bytes).map_err(|e| file_err(format!("not UTF-8: {e}")))?;
+        // What concerns the whole file (not JSON, not an object) names it, as a read error does.
+        Self::parse(&text).map_err(|e| if e.path == "manifest" { file_err(e.message) } else { e })
     }
 
     /// Every finding in manifest text: the manifest (when it parses), all rule violations

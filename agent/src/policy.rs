@@ -407,6 +407,7 @@ impl AgentPolicy {
         // the scratch).
         // The declared text first (a refusal does not depend on what exists), then its real
         // path.
+        refuse_sandbox_owned(field, p)?;
         self.refuse_read(field, p, p)?;
         let real = real_path(field, p)?;
         self.refuse_read(field, p, &real)?;
@@ -435,6 +436,7 @@ impl AgentPolicy {
         }
         // The declared text first (a refusal does not depend on what exists), then its real
         // path.
+        refuse_sandbox_owned(field, p)?;
         self.refuse_write(field, p, p)?;
         let real = real_path(field, p)?;
         self.refuse_write(field, p, &real)?;
@@ -755,6 +757,25 @@ fn refuse_ipc_endpoints(field: &str, p: &Path, real: &Path) -> Result<(), Policy
 /// scratch is (`/tmp/opservant`) — would bind the host's directory over the scratch: its
 /// working directory, `HOME` and `TMPDIR` gone, and the host's `/tmp`, with every user's
 /// sockets there (X11's are every user's to connect to), in their place.
+/// `/dev` and `/sys` in the sandbox are its own (a few devices; an empty sysfs), as `/proc`
+/// is: nothing of the host's can be declared there (the sandbox's spec would refuse it too,
+/// naming its own field rather than the manifest's).
+fn refuse_sandbox_owned(field: &str, p: &Path) -> Result<(), PolicyError> {
+    for (own, what) in [("/dev", "null, zero, full, random, urandom and a private shm"), ("/sys", "an empty directory")]
+    {
+        if p.starts_with(own) {
+            return Err(PolicyError::new(
+                field,
+                format!(
+                    "{}: {own} in the sandbox is its own ({what}); nothing of the host's is shown there",
+                    p.display()
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
 fn refuse_over_scratch(field: &str, p: &Path, real: &Path) -> Result<(), PolicyError> {
     let scratch = Path::new(sandbox::spec::SCRATCH_DIR);
     let own = scratch.parent().unwrap_or(scratch);
@@ -963,6 +984,24 @@ mod tests {
         let granted = p.spec_for(Some(&m), "/bin/true", vec![]);
         std::fs::remove_file(&file).unwrap();
         granted.unwrap();
+    }
+
+    #[test]
+    fn the_sandboxs_own_dev_and_sys_are_refused_naming_the_manifests_field() {
+        let p = policy();
+        for (kind, path) in [("read", "/sys/class"), ("read", "/sys"), ("read", "/dev/shm"), ("write", "/dev/shm/x")] {
+            let m = manifest(&format!(r#"{{"{kind}":["{path}"]}}"#));
+            let e = p.spec_for(Some(&m), "/bin/true", vec![]).unwrap_err();
+            assert_eq!(e.field, format!("permissions.filesystem.{kind}[0]"), "{path}: {e}");
+            assert!(
+                e.message.starts_with(&format!("{path}: /")) && e.message.contains("in the sandbox is its own"),
+                "{e}"
+            );
+        }
+        // A name that merely begins so is another directory.
+        let m = manifest(r#"{"read":["/system-not-there-x"]}"#);
+        let e = p.spec_for(Some(&m), "/bin/true", vec![]).unwrap_err();
+        assert!(!e.message.contains("in the sandbox is its own"), "{e}");
     }
 
     #[test]
