@@ -132,8 +132,10 @@ fn a_command_that_fails_after_its_start_is_failed_not_rejected() {
     let mut a = Agent::new(4);
     a.start();
     let agent_pid = a.child.as_ref().unwrap().id() as i32;
+    // Time for the executor to start and sleep on a loaded machine before the timeout (the
+    // freezer waits for that sleep).
     let cmd = a.sign(&json!({"command_id": "stuck-1", "action": "execute", "executor": "slow",
-                             "parameters": {"seconds": 120}, "resource_limits": {"timeout_seconds": 5}}));
+                             "parameters": {"seconds": 120}, "resource_limits": {"timeout_seconds": 15}}));
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::scope(|scope| {
         scope.spawn(|| {
@@ -214,11 +216,7 @@ fn executors_installed_beneath_the_state_directory_the_agent_made_run() {
     );
     assert_ne!(config, moved);
     std::fs::write(&a.config, moved).unwrap();
-    // SAFETY: umask(2) has no preconditions; the agent started below inherits it.
-    let umask = unsafe { libc::umask(0o077) };
-    a.start();
-    // SAFETY: as above.
-    unsafe { libc::umask(umask) };
+    a.start_with_umask(0o077);
     assert_eq!(std::fs::metadata(&state).unwrap().permissions().mode() & 0o7777, 0o711);
     let pkg = a.dir.path.join("slow");
     let out = op(&["executor", "install", pkg.to_str().unwrap(), "--config", a.config.to_str().unwrap()]);

@@ -1353,6 +1353,15 @@ fn a_package_holding_the_executors_directory_is_refused() {
         assert_eq!(env.entries(), vec!["hello".to_string()]);
         assert_eq!(env.versions(), ["1.0.0", "current"]);
     }
+    // A first install, the root not there yet (inside the package): refused too, and the
+    // root it made for the install removed again.
+    let dir = HostDir::new();
+    let pkg = package(&dir.path, "1.0.0", false);
+    let first = Env::with_root(dir, pkg.join("executors"), "");
+    let out = first.op(&["executor", "install", pkg.to_str().unwrap()]);
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(out.stderr.contains("it holds the executors directory"), "{}", out.stderr);
+    assert!(!first.root.exists(), "the root made for the refused install is left");
 }
 
 #[test]

@@ -162,6 +162,8 @@ fn the_configuration_applies_to_a_sandbox() {
     assert_eq!(code, 0, "{out}{err}");
     let r: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
     assert_eq!((r["limits"]["max_memory_mb"].as_u64(), r["limits"]["timeout_seconds"].as_u64()), (Some(64), Some(30)));
+    // The defaults followed the ceilings down (the scratch with the memory): nothing clamped.
+    assert_eq!(r["limits"]["clamped"], serde_json::json!([]), "{r}");
     let m = manifest(&d, "{}", r#"{"max_memory_mb": 256}"#);
     let (code, out, err) =
         run_cli(&["sandbox", "--json", "--config", &limits, "--manifest", m.to_str().unwrap(), "--", "/bin/true"]);

@@ -258,7 +258,7 @@ fn a_script_whose_sandbox_is_stuck_in_the_kernel_ends() {
         let mut cmd = common::command();
         // Time for the freezer to find the sandbox before the timeout: it must be frozen while
         // the payload runs, or the timeout ends the run the ordinary way.
-        cmd.args(["script", language]).arg(&f).args(["--timeout", "5"]).env_remove("OPSERVANT_LOG");
+        cmd.args(["script", language]).arg(&f).args(["--timeout", "15"]).env_remove("OPSERVANT_LOG");
         cmd.stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped());

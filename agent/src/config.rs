@@ -849,6 +849,12 @@ impl Config {
         if p.ceilings.max_cpu_percent > 100 {
             return Err(ConfigError { path: "resource_limits.max_cpu_percent".into(), message: "at most 100".into() });
         }
+        // The scratch is RAM charged to the memory limit, so a run's disk is clamped to its
+        // memory (reported): a shipped disk default above a memory default lowered here
+        // follows it down too, or every run would report a clamp nobody asked for.
+        if l.default_disk_mb.is_none() && p.defaults.max_disk_mb > p.defaults.max_memory_mb {
+            p.defaults.max_disk_mb = p.defaults.max_memory_mb;
+        }
         Ok(p)
     }
 
@@ -950,6 +956,10 @@ mod tests {
         let p = policy("resource_limits:\n  max_memory_mb: 64\n  max_timeout_seconds: 30\n").unwrap();
         assert_eq!((p.defaults.max_memory_mb, p.ceilings.max_memory_mb), (64, 64));
         assert_eq!((p.defaults.timeout_seconds, p.ceilings.timeout_seconds), (30, 30));
+        // And the scratch with it (RAM, charged to the memory limit): no clamp on every run.
+        assert_eq!(p.defaults.max_disk_mb, 64);
+        let p = policy("resource_limits:\n  max_memory_mb: 64\n  default_disk_mb: 20\n").unwrap();
+        assert_eq!(p.defaults.max_disk_mb, 20);
         let p = policy("resource_limits:\n  max_bandwidth_mbps: 5\n").unwrap();
         assert_eq!((p.defaults.max_bandwidth_mbps, p.ceilings.max_bandwidth_mbps), (5, 5));
         // A default set above its ceiling is an error naming both.

@@ -865,16 +865,6 @@ pub fn install(
                 "a signature or sha256 applies to an archive, not to a directory".into(),
             ));
         }
-        // A package holding the executors directory would be copied into its own staging
-        // directory, deeper and deeper.
-        if let (Ok(real_src), Ok(real_root)) = (src.canonicalize(), root.canonicalize()) {
-            if real_root.starts_with(&real_src) {
-                return Err(InstallError::Invalid(format!(
-                    "it holds the executors directory {}; a package cannot",
-                    root.display()
-                )));
-            }
-        }
         None
     } else if meta.is_file() {
         Some(match check.kind {
@@ -888,6 +878,18 @@ pub fn install(
     // declared before the staging directory, so it is dropped after it.
     let _new_root = (!root.exists()).then(|| RemoveIfEmpty(root.to_path_buf()));
     traversable_dir(root, ROOT_MODE)?;
+    // A package holding the executors directory would be copied into its own staging
+    // directory, deeper and deeper (judged once the root is there: a first install's too).
+    if kind.is_none() {
+        let real_src = src.canonicalize().map_err(|e| io(src, e))?;
+        let real_root = root.canonicalize().map_err(|e| io(root, e))?;
+        if real_root.starts_with(&real_src) {
+            return Err(InstallError::Invalid(format!(
+                "it holds the executors directory {}; a package cannot",
+                root.display()
+            )));
+        }
+    }
     checked_root(root)?;
     let staging = Staging::new(root, ".staging")?;
     let unpacked = staging.path.join("pkg");

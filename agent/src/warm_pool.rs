@@ -401,7 +401,10 @@ impl WarmPool {
                     // is short whatever the runtime was doing.
                     sandbox.stop_handle().stop();
                     return Err(match sandbox.wait(sandbox::OutputOptions::default()) {
-                        Err(setup @ sandbox::SandboxError::Step(_)) => setup,
+                        // A step of the set-up that failed, not the stop above ending it.
+                        Err(sandbox::SandboxError::Step(step)) if step.stage != sandbox::Stage::Protocol => {
+                            sandbox::SandboxError::Step(step)
+                        }
                         _ => sandbox::SandboxError::Channel(format!("warm-up: {e}")),
                     });
                 }

@@ -158,6 +158,22 @@ impl Agent {
         self.spawn(cmd);
     }
 
+    /// As [`Agent::start`], the agent started with the file mode creation mask `mask` (this
+    /// process's own is left as it is).
+    pub fn start_with_umask(&mut self, mask: libc::mode_t) {
+        use std::os::unix::process::CommandExt;
+        let mut cmd = common::command();
+        // SAFETY: umask(2) is async-signal-safe and has no preconditions; it changes only the
+        // child's mask, between fork and exec.
+        unsafe {
+            cmd.pre_exec(move || {
+                libc::umask(mask);
+                Ok(())
+            })
+        };
+        self.spawn(cmd);
+    }
+
     /// As [`Agent::start`], the agent placed in the cgroup whose `cgroup.procs` is `procs`
     /// before it runs.
     pub fn start_in_cgroup(&mut self, procs: &Path) {

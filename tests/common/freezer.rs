@@ -109,13 +109,13 @@ pub fn sandbox_cgroups_of_process(pid: i32) -> Vec<PathBuf> {
 /// CLI running it): its init and payload — the processes below `root` in a sandbox cgroup —
 /// once both exist (within 10 s). Returns the freezer and the sandbox's cgroup directories.
 pub fn freeze_sandbox_below(root: i32) -> (Freezer, Vec<PathBuf>) {
-    freeze_below(root, "no sandbox init and payload", |_| true)
+    freeze_below(root, "no sandbox init and payload", Duration::from_secs(10), |_| true)
 }
 
 /// As [`freeze_sandbox_below`], once one of the sandbox's processes sleeps (`nanosleep`,
 /// `clock_nanosleep`: `time.sleep`, `sleep`): an executor or script that sleeps is then
 /// running its own code, every start-up step behind it (an executor's runtime was told to
-/// proceed). Within 20 s.
+/// proceed). Within 30 s.
 pub fn freeze_sandbox_below_once_asleep(root: i32) -> (Freezer, Vec<PathBuf>) {
     let asleep = |pids: &[i32]| {
         pids.iter().any(|p| {
@@ -124,7 +124,7 @@ pub fn freeze_sandbox_below_once_asleep(root: i32) -> (Freezer, Vec<PathBuf>) {
             nr.is_some_and(|nr| nr == libc::SYS_clock_nanosleep || Some(nr) == nanosleep())
         })
     };
-    freeze_below(root, "no sandbox process asleep", asleep)
+    freeze_below(root, "no sandbox process asleep", Duration::from_secs(30), asleep)
 }
 
 /// `nanosleep`'s number, on the architectures that have one.
@@ -136,9 +136,9 @@ fn nanosleep() -> Option<libc::c_long> {
 }
 
 /// Freeze the processes below `root` in a sandbox cgroup once there are two or more and
-/// `ready` holds for them; `what` says what was missing when it gives up.
-fn freeze_below(root: i32, what: &str, ready: impl Fn(&[i32]) -> bool) -> (Freezer, Vec<PathBuf>) {
-    let give_up = Instant::now() + Duration::from_secs(20);
+/// `ready` holds for them, within `patience`; `what` says what was missing when it gives up.
+fn freeze_below(root: i32, what: &str, patience: Duration, ready: impl Fn(&[i32]) -> bool) -> (Freezer, Vec<PathBuf>) {
+    let give_up = Instant::now() + patience;
     let freezer = Freezer::new(root);
     loop {
         let inside: Vec<i32> = super::procs::descendants(root)

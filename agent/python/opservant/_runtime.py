@@ -353,8 +353,10 @@ def _session_namespace(allowed):
 
     def submodules_permitted(name, fromlist):
         # ``from pkg import sub`` with ``pkg.sub`` allowed: importing ``pkg.sub`` imports
-        # ``pkg`` anyway, and only the names listed are bound — each of them an allowed
-        # submodule (checked again below once imported).
+        # ``pkg`` anyway, and the statement binds only the names listed — each of them an
+        # allowed submodule (checked again below once imported). ``__import__`` itself still
+        # returns ``pkg``, as ``import pkg.sub`` binds it: the allowlist is defence in depth,
+        # by top-level package, not a boundary (README, Sessions).
         return bool(fromlist) and all(isinstance(i, str) and permitted(name + "." + i) for i in fromlist)
 
     def guarded_import(name, globals=None, locals=None, fromlist=(), level=0):
@@ -371,7 +373,7 @@ def _session_namespace(allowed):
             if type(sub) is type(sys) and not permitted(getattr(sub, "__name__", "")):
                 raise ImportError("import of %r is not allowed in this session" % sub.__name__, name=sub.__name__)
             if not permitted(name) and type(sub) is not type(sys):
-                # Of a package allowed only for its submodules, nothing else is taken.
+                # Of a package allowed only for its submodules, no other name is imported.
                 raise ImportError("import of %r is not allowed in this session" % (name + "." + str(item)), name=name)
         return module
 
