@@ -1018,6 +1018,15 @@ fn an_executors_dir_reached_through_a_link_and_relative_find_links_work() {
     let out = env.op_in(&env.dir.path, &["executor", "install", p.to_str().unwrap(), "--find-links", "nowhere"]);
     assert_eq!(out.code, 2, "{}", out.stderr);
     assert!(out.stderr.contains("--find-links nowhere: not a directory"), "{}", out.stderr);
+    // Nor is an --index-url that is not a URL pip could use, though this package has no
+    // requirements to install with it.
+    let plain = package(&env.dir.path.join("plain"), "3.0.0", false);
+    for url in ["ftp://x y", "index.example", "https://", "https://a\tb"] {
+        let out = env.op(&["executor", "install", plain.to_str().unwrap(), "--index-url", url]);
+        assert_eq!(out.code, 2, "{url}: {}", out.stderr);
+        assert!(out.stderr.contains("--index-url") && out.stderr.contains("not an https://"), "{url}: {}", out.stderr);
+    }
+    assert!(!env.root.join("hello/3.0.0").exists());
 }
 
 #[test]

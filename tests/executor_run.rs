@@ -1089,7 +1089,7 @@ fn writes_to_system_and_agent_paths_are_refused() {
     let d = executor(json!({"version": "1\u{1b}]2;owned\u{7}\n/forged: ok"}), LIFECYCLE);
     let out = lint(&d.path, false);
     assert_eq!(out.code, 1, "{out:?}");
-    assert!(out.stdout.contains("'1\\u{1b}]2;owned\\u{7} /forged: ok' is not a semantic version"), "{out:?}");
+    assert!(out.stdout.contains("'1\\u{1b}]2;owned\\u{7}\\n/forged: ok' is not a semantic version"), "{out:?}");
     assert!(!out.stdout.contains('\u{1b}') && !out.stdout.contains('\u{7}'), "{out:?}");
     assert!(!out.stdout.lines().any(|l| l.starts_with("/forged")), "{out:?}");
 }

@@ -286,6 +286,20 @@ fn bad_input_exits_2() {
     // A name that is neither a directory nor installed.
     let out = executor_test(Path::new("no-such-executor"), &[]);
     assert_eq!(out.code, 2, "{}", out.stderr);
+
+    // A session that ends as one without pytest would (exit 121, here from test code): it
+    // could not run (exit 2), and its start has its end record all the same.
+    let pkg = package(&dir.path, "exits", Some("def test_x():\n    pass\n"));
+    std::fs::write(pkg.join("tests/conftest.py"), "import os\nos._exit(121)\n").unwrap();
+    let out = executor_test(&pkg, &[]);
+    assert_eq!(out.code, 2, "{}\n{}", out.stdout, out.stderr);
+    let end = out.stderr.lines().find(|l| l.contains(r#"event="executor_test_end""#));
+    assert!(out.stderr.contains(r#"event="executor_test_start""#), "{}", out.stderr);
+    assert!(
+        end.is_some_and(|l| l.contains(r#""status":"error""#) && l.contains("pytest is not importable")),
+        "{}",
+        out.stderr
+    );
 }
 
 #[test]

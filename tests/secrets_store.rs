@@ -237,6 +237,14 @@ fn set_get_list_rm_round_trip() {
     s.secrets(&["set", "binary"], Some(&[0xff, 0xfe, 0x00])).cannot(&["not UTF-8"]);
     s.secrets(&["set", "big"], Some(&vec![b'a'; 64 * 1024 + 1])).cannot(&["longer than 65536 bytes"]);
     s.secrets(&["set", "nofile", "--from-file", "/nonexistent/value"], None).cannot(&["--from-file", "/nonexistent"]);
+    // A FIFO (which blocked the command for ever) and a device: refused at once.
+    let fifo = std::env::temp_dir().join(format!("opservant-secrets-fifo-{}", std::process::id()));
+    let _ = std::fs::remove_file(&fifo);
+    nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+    s.secrets(&["set", "fifo", "--from-file", fifo.to_str().unwrap()], None)
+        .cannot(&["--from-file", "not a regular file"]);
+    std::fs::remove_file(&fifo).unwrap();
+    s.secrets(&["set", "dev", "--from-file", "/dev/zero"], None).cannot(&["--from-file", "not a regular file"]);
     s.secrets(&["get", "a/../b c"], None).cannot(&["invalid secret name"]);
     assert_eq!(std::fs::read(s.store()).unwrap(), before);
     // A value on the command line is not even accepted.

@@ -237,6 +237,38 @@ fn declared_secret_comes_from_vault_and_is_redacted() {
         let login = "/v1/auth/approle/login".to_string();
         assert_eq!(statuses, vec![(login.clone(), 200), (read.clone(), 403), (login, 200), (read, 200)]);
     });
+
+    // A name Vault fails on, asked for in a loop: asked of Vault 3 times in the run, then
+    // refused without asking (each error a request — after a 403 a fresh login and token).
+    v.with(|s| s.log.clear());
+    let r = run(&pkg, &conf, json!({"names": vec!["no_value"; 10]})).result();
+    assert_eq!(
+        r["output"]["2:no_value"],
+        "PermissionError: secret 'no_value' could not be read from the configured provider"
+    );
+    assert_eq!(
+        r["output"]["9:no_value"],
+        "PermissionError: secret 'no_value' could not be read from the configured provider (3 tries in this run)",
+        "{r}"
+    );
+    v.with(|s| assert_eq!(s.count("GET", "/v1/secret/data/opservant/no_value"), 3, "{:?}", s.log));
+
+    // The log at its most verbose, the HTTP client's asked for by name: its requests and
+    // responses (which hold the token, the login's client_token and the value) stay out.
+    let out = run_env(
+        &pkg,
+        &conf,
+        json!({"names": ["api_key"]}),
+        &[("OPSERVANT_LOG", "trace,ureq=trace,ureq_proto=trace,rustls=trace")],
+    );
+    assert_eq!(out.result()["status"], "completed");
+    assert!(out.stderr.contains("TRACE"), "the trace level is on: {}", out.stderr);
+    assert!(!out.stderr.contains("ureq"), "the HTTP client logged: {}", out.stderr);
+    for secret in [value(), secret_id(), "hvs.test-".to_string()] {
+        assert!(!out.stderr.contains(&secret), "{secret} in the log: {}", out.stderr);
+        let hex: String = secret.bytes().map(|b| format!("{b:02x}")).collect();
+        assert!(!out.stderr.replace(' ', "").contains(&hex), "{secret} in the log, as hex");
+    }
 }
 
 #[test]

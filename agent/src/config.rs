@@ -624,9 +624,20 @@ impl Config {
         if text.trim().is_empty() {
             return Ok(Config::default());
         }
-        // A document with nothing in it (`---` alone, or only comments) is empty too.
-        let c: Option<Config> = serde_saphyr::from_str_with_options(text, yaml_options())
-            .map_err(|e| ConfigError { path: "config".into(), message: yaml_message(&e.to_string()) })?;
+        // A document with nothing in it (`---` alone, or only comments) is empty too. A value
+        // of the wrong type is named by its key (`agent.max_concurrent`), not only its line.
+        let mut key = String::new();
+        let c: Option<Config> = serde_saphyr::with_deserializer_from_str_with_options(text, yaml_options(), |de| {
+            serde_path_to_error::deserialize(de).map_err(|e| {
+                key = e.path().to_string();
+                e.into_inner()
+            })
+        })
+        .map_err(|e| {
+            let key = key.trim_start_matches("?.").trim_start_matches('?');
+            let path = if key.is_empty() || key == "." { "config" } else { key };
+            ConfigError { path: path.into(), message: yaml_message(&e.to_string()) }
+        })?;
         let c = c.unwrap_or_default();
         c.validate()?;
         Ok(c)
@@ -979,6 +990,17 @@ mod tests {
     fn unknown_keys_and_bad_values_name_the_key() {
         let e = Config::parse("agent:\n  idd: x\n").unwrap_err();
         assert!(e.to_string().contains("idd"), "{e}");
+        // A value of the wrong type, by its key as well as its line.
+        for (text, key) in [
+            ("agent:\n  max_concurrent: many\n", "agent.max_concurrent"),
+            ("resource_limits:\n  max_memory_mb: -5\n", "resource_limits.max_memory_mb"),
+            ("sandbox:\n  allow_degraded: maybe\n", "sandbox.allow_degraded"),
+        ] {
+            let e = Config::parse(text).unwrap_err();
+            assert_eq!(e.path, key, "{e}");
+            assert!(e.message.contains("line 2"), "{e}");
+        }
+        assert_eq!(Config::parse("[1, 2]\n").unwrap_err().path, "config");
         let e = Config::parse("resource_limits:\n  default_memory_mb: 600\n").unwrap_err();
         assert_eq!(e.path, "resource_limits.default_memory_mb", "{e}");
         let e = Config::parse("secrets:\n  provider: hsm\n").unwrap_err();

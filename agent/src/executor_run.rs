@@ -675,6 +675,10 @@ fn status_str(s: Status) -> &'static str {
     }
 }
 
+/// Provider errors on one name within a run before it is no longer asked (each a request,
+/// with Vault after a 403 a fresh login and token).
+const MAX_PROVIDER_ERRORS_PER_NAME: u32 = 3;
+
 /// Serve the application channel until end-of-file, or until the payload breaks the
 /// protocol: the channel is then shut down (nothing more of it is read or parsed), the
 /// sandbox stopped (`stop`), and the run fails with the error, whatever result came before.
@@ -699,11 +703,13 @@ fn serve(
     let mut ready = false;
     // What the provider answered this run, per declared name: a value delivered (wiped at
     // the run's end), or that it has none. A loop on a name asks the provider once; only its
-    // errors are asked again (a transient one may pass), at most MAX_SECRET_REQUESTS
-    // provider calls a run — each a request, with Vault after a 403 a fresh login and token.
+    // errors are asked again (a transient one may pass), up to MAX_PROVIDER_ERRORS_PER_NAME
+    // times a name and MAX_SECRET_REQUESTS provider calls a run — each a request, with Vault
+    // after a 403 a fresh login and token.
     let mut answered: std::collections::HashMap<String, Option<zeroize::Zeroizing<String>>> =
         std::collections::HashMap::new();
     let mut provider_calls = 0usize;
+    let mut errors: std::collections::HashMap<String, u32> = std::collections::HashMap::new();
     loop {
         let bytes = match app::recv_raw_by(&chan, None) {
             Ok(Some(bytes)) => bytes,
@@ -762,6 +768,15 @@ fn serve(
                             "secret '{name}' refused: {MAX_SECRET_REQUESTS} provider requests made in this run"
                         ),
                     }
+                } else if !answered.contains_key(&name)
+                    && errors.get(&name).is_some_and(|n| *n >= MAX_PROVIDER_ERRORS_PER_NAME)
+                {
+                    out.secrets_audit.denied(executor, &name, "provider error", &[("command_id", command_id)]);
+                    ToPayload::SecretDenied {
+                        reason: format!(
+                            "secret '{name}' could not be read from the configured provider ({MAX_PROVIDER_ERRORS_PER_NAME} tries in this run)"
+                        ),
+                    }
                 } else {
                     let got = match answered.get(&name) {
                         Some(Some(value)) => Ok(Some(value.clone())),
@@ -769,8 +784,11 @@ fn serve(
                         None => {
                             provider_calls += 1;
                             let got = provider.get(&name);
-                            if let Ok(v) = &got {
-                                answered.insert(name.clone(), v.clone());
+                            match &got {
+                                Ok(v) => {
+                                    answered.insert(name.clone(), v.clone());
+                                }
+                                Err(_) => *errors.entry(name.clone()).or_default() += 1,
                             }
                             got
                         }

@@ -375,6 +375,18 @@ impl<E: std::fmt::Display> From<E> for CannotRun {
     }
 }
 
+/// `filter` with the HTTP client's own logging off whatever `OPSERVANT_LOG` asks: at debug
+/// and trace it writes requests and responses — the Vault token, a login's `client_token`,
+/// secret values — into the log (`log` records, which `tracing-subscriber` takes in). A
+/// directive for the same target in `OPSERVANT_LOG` is replaced by these.
+fn quiet_http_clients(filter: tracing_subscriber::EnvFilter) -> tracing_subscriber::EnvFilter {
+    ["ureq=off", "ureq_proto=off"].iter().fold(filter, |f, d| match d.parse() {
+        Ok(directive) => f.add_directive(directive),
+        // A constant that parses: `off` for a crate's target.
+        Err(_) => f,
+    })
+}
+
 fn main() -> ExitCode {
     // The sandbox init must run before anything else (no threads, no logging setup).
     if std::env::args_os().nth(1).is_some_and(|a| a == SANDBOX_INIT) {
@@ -385,7 +397,7 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     match tracing_subscriber::EnvFilter::try_from_env("OPSERVANT_LOG") {
-        Ok(filter) => log.with_env_filter(filter).init(),
+        Ok(filter) => log.with_env_filter(quiet_http_clients(filter)).init(),
         // `bench` runs thousands of executions whose audit events go to its own scratch log.
         Err(_) if matches!(cli.command, Command::Bench { .. }) => {
             log.with_env_filter(tracing_subscriber::EnvFilter::new("warn")).init()
@@ -793,9 +805,8 @@ fn read_input(path: &std::path::Path) -> Result<Vec<u8>, CannotRun> {
 }
 
 fn agent_daemon(config: Option<PathBuf>, check_only: bool) -> Result<ExitCode, CannotRun> {
-    if !check_only {
-        agent::daemon::no_core_dumps().map_err(|e| CannotRun(e.0))?;
-    }
+    // `--check-config` too: it loads the secrets store's key.
+    agent::daemon::no_core_dumps().map_err(|e| CannotRun(e.0))?;
     let cfg = agent::config::Config::load(config.as_deref())?;
     // What the configuration's keys hold, refused, names the file too.
     let source = cfg.source.as_ref().map_or_else(|| "the built-in configuration".into(), |p| p.display().to_string());
@@ -1331,6 +1342,17 @@ fn executor_install(
             return Err(CannotRun(format!("--find-links {}: not a directory", dir.display())));
         }
         *dir = std::path::absolute(&*dir).map_err(|e| CannotRun(format!("--find-links {}: {e}", dir.display())))?;
+    }
+    // Checked whether or not the package needs it: a mistyped one is an error now, not at
+    // the install of a package that has requirements.
+    if let Some(url) = &opts.index_url {
+        let rest = ["https://", "http://", "file://"].iter().find_map(|s| url.strip_prefix(s));
+        if rest.is_none_or(str::is_empty) || url.chars().any(|c| c.is_whitespace() || c.is_control()) {
+            return Err(CannotRun(format!(
+                "--index-url {}: not an https://, http:// or file:// URL",
+                one_terminal_line(url)
+            )));
+        }
     }
     let config = agent::config::Config::load(config.as_deref())?;
     let policy = AgentPolicy::from_config(&config)?;

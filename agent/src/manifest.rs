@@ -27,8 +27,11 @@ pub struct ManifestError {
 }
 
 impl ManifestError {
+    /// A finding at `path`. A line break in it (from a value it quotes) is written `\n`:
+    /// terminals get one line either way, and `1.0.0\n../x` must not read as `1.0.0 ../x`.
     pub fn new(path: impl Into<String>, message: impl Into<String>) -> Self {
-        Self { path: path.into(), message: message.into() }
+        let escape = |s: String| if s.contains(['\n', '\r']) { s.replace('\n', "\\n").replace('\r', "\\r") } else { s };
+        Self { path: escape(path.into()), message: escape(message.into()) }
     }
 }
 
@@ -353,7 +356,12 @@ impl Manifest {
         let manifest: Manifest = serde_path_to_error::deserialize(&value).map_err(|e| {
             let path = e.path().to_string();
             let path = if path == "." { "manifest".to_string() } else { path };
-            ManifestError::new(path, e.into_inner().to_string())
+            let mut message = e.into_inner().to_string();
+            // A whole number from 2^53 up is held as a double (RFC 8785 signs numbers so).
+            if message.starts_with("invalid type: floating point") && message.contains("expected u") {
+                message.push_str(" (a whole number below 2^53 is wanted: larger ones are read as floating point, and are past every limit anyway)");
+            }
+            ManifestError::new(path, message)
         })?;
         Ok((manifest, warnings))
     }
@@ -518,6 +526,24 @@ mod tests {
                         "filesystem": {"read": ["/etc/opservant/config.yaml"], "write": ["/tmp/opservant/"]}},
         "resource_limits": {"max_memory_mb": 256, "max_cpu_percent": 25, "timeout_seconds": 300}
     }"#;
+
+    #[test]
+    fn a_line_break_in_a_quoted_value_is_shown_as_one() {
+        let e = Manifest::parse(&SEED.replace(r#""version": "1.0.0""#, r#""version": "1.0.0\n../x""#)).unwrap_err();
+        assert!(e.message.contains(r"'1.0.0\n../x'"), "{e}");
+        assert!(!e.message.contains('\n'), "{e}");
+    }
+
+    #[test]
+    fn a_whole_number_past_2_pow_53_is_named_as_such() {
+        let text = SEED.replace(r#""timeout_seconds": 300"#, r#""timeout_seconds": 9007199254740992"#);
+        let e = Manifest::parse(&text).unwrap_err();
+        assert_eq!(e.path, "resource_limits.timeout_seconds", "{e}");
+        assert!(e.message.contains("a whole number below 2^53 is wanted"), "{e}");
+        // A fraction is told the same: a whole number is wanted.
+        let e = Manifest::parse(&SEED.replace(r#""timeout_seconds": 300"#, r#""timeout_seconds": 1.5"#)).unwrap_err();
+        assert!(e.message.contains("floating point") && e.message.contains("2^53"), "{e}");
+    }
 
     #[test]
     fn seed_manifest_loads_with_port_warning() {

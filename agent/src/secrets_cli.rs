@@ -230,8 +230,9 @@ fn read_limited(r: impl Read, what: &str) -> Result<Zeroizing<Vec<u8>>, SecretsC
 fn read_value(name: &str, from_file: Option<&Path>) -> Result<Zeroizing<String>, SecretsCliError> {
     let mut bytes = match from_file {
         Some(path) => {
-            let f =
-                File::open(path).map_err(|e| SecretsCliError::Input(format!("--from-file {}: {e}", path.display())))?;
+            // A regular file only: a FIFO would block the command, a device act when opened.
+            let f = crate::bounded::open_regular(path)
+                .map_err(|e| SecretsCliError::Input(format!("--from-file {}: {e}", path.display())))?;
             read_limited(f, &format!("--from-file {}", path.display()))?
         }
         None => {

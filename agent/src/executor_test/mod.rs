@@ -443,22 +443,31 @@ pub fn run(req: TestRequest, tee: Option<Tee>) -> Result<TestResult, CannotRun> 
         &[("executor", &ex.manifest.name), ("version", &ex.manifest.version), ("python", &python)],
     )?;
     limits.audit_clamps(("executor", &ex.manifest.name));
-    let mut sb = sandbox::Sandbox::spawn(&spec, &req.launcher, None)?;
-    let chan = sb.take_app_channel().ok_or_else(|| CannotRun("no application channel".into()))?;
-    let server = thread::spawn(move || serve(&chan));
-    let outcome = sb.wait(sandbox::OutputOptions { tee, ..Default::default() });
-    let report = server.join().map_err(|_| CannotRun("application channel server panicked".into()))?;
-    let outcome = outcome?;
-    let result = assemble(&outcome, &limits, report, &req)?;
+    // From here on every start has its end record: how the session ended, or why it could
+    // not run or finish.
+    let session = || -> Result<TestResult, CannotRun> {
+        let mut sb = sandbox::Sandbox::spawn(&spec, &req.launcher, None)?;
+        let chan = sb.take_app_channel().ok_or_else(|| CannotRun("no application channel".into()))?;
+        let server = thread::spawn(move || serve(&chan));
+        let outcome = sb.wait(sandbox::OutputOptions { tee, ..Default::default() });
+        let report = server.join().map_err(|_| CannotRun("application channel server panicked".into()))?;
+        assemble(&outcome?, &limits, report, &req)
+    };
+    let ended = session();
+    let (status, killed_by, error) = match &ended {
+        Ok(r) => (if r.status == Status::Completed { "completed" } else { "failed" }, r.killed_by.as_deref(), ""),
+        Err(e) => ("error", None, e.0.as_str()),
+    };
     audit::record(
         "executor_test_end",
         &[
             ("executor", &ex.manifest.name),
-            ("status", if result.status == Status::Completed { "completed" } else { "failed" }),
-            ("killed_by", result.killed_by.as_deref().unwrap_or("")),
+            ("status", status),
+            ("killed_by", killed_by.unwrap_or("")),
+            ("error", error),
         ],
     );
-    Ok(result)
+    ended
 }
 
 /// The plugin's report: the first well-formed message; anything else is an error text.
