@@ -254,6 +254,31 @@ def test_no_nested_sandbox():
     assert!(!pkg.join("planted.py").exists());
 }
 
+/// The test session's output is the package's code's: on the operator's terminal its
+/// control characters (an escape sequence retitling the window, a carriage return) are shown
+/// escaped, never sent. `script` gives the command a terminal.
+#[test]
+fn the_sessions_output_reaches_a_terminal_without_its_control_characters() {
+    if !ready() {
+        return;
+    }
+    let dir = HostDir::new();
+    let tests = "import os\n\ndef test_x():\n    os.write(2, b'before\\x1b]2;owned\\x07\\rafter\\n')\n";
+    let pkg = package(&dir.path, "noisy", Some(tests));
+    let command =
+        format!("{} executor test {} --python {} -- -s", common::opservant(), pkg.display(), venv_python().display());
+    let _view = common::host_view();
+    let out = Command::new("script")
+        .args(["-qefc", &command, "/dev/null"])
+        .env("OPSERVANT_CONFIG", common::test_config())
+        .stdin(Stdio::null())
+        .output()
+        .expect("script (util-linux)");
+    let seen = String::from_utf8_lossy(&out.stdout);
+    assert!(seen.contains("before\\x1b]2;owned\\x07\\x0dafter"), "{seen}");
+    assert!(!seen.contains("\u{1b}]2;owned") && !seen.contains("owned\u{7}"), "{seen}");
+}
+
 #[test]
 fn bad_input_exits_2() {
     if !ready() {
@@ -286,6 +311,10 @@ fn bad_input_exits_2() {
     // A name that is neither a directory nor installed.
     let out = executor_test(Path::new("no-such-executor"), &[]);
     assert_eq!(out.code, 2, "{}", out.stderr);
+    // A zero timeout, whatever the interpreter.
+    let out = executor_test(&pkg, &["--timeout", "0"]);
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(out.stderr.contains("--timeout: must be at least 1 second"), "{}", out.stderr);
 
     // A session that ends as one without pytest would (exit 121, here from test code): it
     // could not run (exit 2), and its start has its end record all the same.

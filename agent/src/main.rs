@@ -758,8 +758,12 @@ fn executor_test(
     for w in &executor.warnings {
         tracing::warn!(executor = %executor.manifest.name, "{w}");
     }
-    // Before looking for pytest: a package without tests is bad input whatever the host has.
+    // Before looking for pytest: a package without tests, or a zero timeout, is bad input
+    // whatever the host has.
     agent::executor_test::tests_dir(&executor).map_err(|e| CannotRun(e.0))?;
+    if timeout == Some(0) {
+        return Err(CannotRun("--timeout: must be at least 1 second".into()));
+    }
     let python = agent::executor_test::find_python(python.as_deref(), policy.identity).map_err(|e| CannotRun(e.0))?;
     let (major, minor, _) = agent::executor_run::embedded_python();
     if !python.version.starts_with(&format!("{major}.{minor}.")) {
@@ -771,9 +775,12 @@ fn executor_test(
     }
     agent::audit::init(&config)?;
     let stderr = std::io::stderr();
-    // pytest's stdout and stderr both go to stderr: stdout carries only the result line.
+    // pytest's stdout and stderr both go to stderr: stdout carries only the result line. It
+    // is the package's tests' output: on a terminal, control characters but newline and
+    // tab are shown escaped (`\x1b`), never sent (no escape sequences).
+    let terminal = std::io::IsTerminal::is_terminal(&stderr);
     let mut tee = |_: sandbox::Stream, data: &[u8]| {
-        let _ = stderr.lock().write_all(data);
+        let _ = if terminal { stderr.lock().write_all(&escape_controls(data)) } else { stderr.lock().write_all(data) };
     };
     let result = agent::executor_test::run(
         agent::executor_test::TestRequest {
@@ -993,6 +1000,25 @@ fn bench(
         outln!("wrote {}", path.display());
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `data` with its control bytes but newline and tab written as `\xNN` (a carriage return
+/// could write over a line already shown; bytes below 0x80 are never part of a longer UTF-8
+/// sequence, so text stays intact).
+fn escape_controls(data: &[u8]) -> std::borrow::Cow<'_, [u8]> {
+    let control = |b: u8| (b < 0x20 && !matches!(b, b'\n' | b'\t')) || b == 0x7f;
+    if !data.iter().any(|&b| control(b)) {
+        return std::borrow::Cow::Borrowed(data);
+    }
+    let mut out = Vec::with_capacity(data.len() + 16);
+    for &b in data {
+        if control(b) {
+            out.extend_from_slice(format!("\\x{b:02x}").as_bytes());
+        } else {
+            out.push(b);
+        }
+    }
+    std::borrow::Cow::Owned(out)
 }
 
 /// A file a report can be written to: a regular file or none yet, in a directory that is
