@@ -1339,12 +1339,10 @@ fn tree_digest(dir: &Path) -> Result<String, InstallError> {
 }
 
 /// `executors.install` problems found without installing (`agent --check-config`): missing
-/// entries, directories or unsigned archives under `require_signature`, bad signatures.
-pub fn check_configured(config: &crate::config::Config, trust: &Trust) -> Vec<String> {
-    let mut problems = Vec::new();
-    if let Ok(identity) = sandbox::Identity::default_executor() {
-        problems.extend(out_of_reach(&config.executors.root(), &identity));
-    }
+/// entries, directories or unsigned archives under `require_signature`, bad signatures; and
+/// an executors root the sandboxes' user (`identity`) cannot reach.
+pub fn check_configured(config: &crate::config::Config, trust: &Trust, identity: &sandbox::Identity) -> Vec<String> {
+    let mut problems: Vec<String> = out_of_reach(&config.executors.root(), identity).into_iter().collect();
     for (i, p) in config.executors.install.iter().enumerate() {
         let at = format!("executors.install[{i}]: {}", p.display());
         let meta = match std::fs::symlink_metadata(p) {

@@ -761,9 +761,7 @@ fn executor_test(
     // Before looking for pytest: a package without tests, or a zero timeout, is bad input
     // whatever the host has.
     agent::executor_test::tests_dir(&executor).map_err(|e| CannotRun(e.0))?;
-    if timeout == Some(0) {
-        return Err(CannotRun("--timeout: must be at least 1 second".into()));
-    }
+    agent::executor_test::check_timeout(timeout).map_err(|e| CannotRun(e.0))?;
     let python = agent::executor_test::find_python(python.as_deref(), policy.identity).map_err(|e| CannotRun(e.0))?;
     let (major, minor, _) = agent::executor_run::embedded_python();
     if !python.version.starts_with(&format!("{major}.{minor}.")) {
@@ -832,7 +830,7 @@ fn agent_daemon(config: Option<PathBuf>, check_only: bool) -> Result<ExitCode, C
         agent::executor_install::check_configured_root(&cfg.executors.root()).map_err(|e| in_config(e.to_string()))?;
         // Entries of executors.install that would not install: the agent still starts
         // without them, so they are warnings, not errors.
-        for w in agent::executor_install::check_configured(&cfg, &trust) {
+        for w in agent::executor_install::check_configured(&cfg, &trust, &policy.identity) {
             errln!("opservant: warning: {}", one_terminal_line(&w));
         }
         // Both signatures are plain Ed25519 over bytes: one key for both lets a signature

@@ -389,9 +389,7 @@ pub fn run(req: TestRequest, tee: Option<Tee>) -> Result<TestResult, CannotRun> 
         max_bandwidth_mbps: None,
         ..ex.manifest.resource_limits
     };
-    if req.timeout_s == Some(0) {
-        return Err(CannotRun("--timeout: must be at least 1 second".into()));
-    }
+    check_timeout(req.timeout_s)?;
     let program = req.python.executable.to_string_lossy().into_owned();
     let deps = ex.deps.as_ref().map(|d| d.to_string_lossy().into_owned()).unwrap_or_default();
     let mut args = vec![
@@ -468,6 +466,15 @@ pub fn run(req: TestRequest, tee: Option<Tee>) -> Result<TestResult, CannotRun> 
         ],
     );
     ended
+}
+
+/// `--timeout` as a session takes it: none (the default) or at least one second. The CLI
+/// checks it before it looks for pytest, as bad input whatever the host has.
+pub fn check_timeout(timeout_s: Option<u64>) -> Result<(), CannotRun> {
+    match timeout_s {
+        Some(0) => Err(CannotRun("--timeout: must be at least 1 second".into())),
+        _ => Ok(()),
+    }
 }
 
 /// The plugin's report: the first well-formed message; anything else is an error text.
