@@ -316,19 +316,46 @@ fn bad_input_exits_2() {
     assert_eq!(out.code, 2, "{}", out.stderr);
     assert!(out.stderr.contains("--timeout: must be at least 1 second"), "{}", out.stderr);
 
-    // A session that ends as one without pytest would (exit 121, here from test code): it
-    // could not run (exit 2), and its start has its end record all the same.
-    let pkg = package(&dir.path, "exits", Some("def test_x():\n    pass\n"));
-    std::fs::write(pkg.join("tests/conftest.py"), "import os\nos._exit(121)\n").unwrap();
+    // pytest that cannot be imported inside the sandbox (here a `.deps/pytest.py` that
+    // fails): it could not run (exit 2), and its start has its end record all the same.
+    let pkg = package(&dir.path, "no-pytest", Some("def test_x():\n    pass\n"));
+    std::fs::create_dir_all(pkg.join(".deps")).unwrap();
+    std::fs::write(pkg.join(".deps/pytest.py"), "raise ImportError('a broken pytest')\n").unwrap();
     let out = executor_test(&pkg, &[]);
     assert_eq!(out.code, 2, "{}\n{}", out.stdout, out.stderr);
+    assert!(out.stdout.is_empty(), "{}", out.stdout);
     let end = out.stderr.lines().find(|l| l.contains(r#"event="executor_test_end""#));
     assert!(out.stderr.contains(r#"event="executor_test_start""#), "{}", out.stderr);
     assert!(
-        end.is_some_and(|l| l.contains(r#""status":"error""#) && l.contains("pytest is not importable")),
+        end.is_some_and(|l| l.contains(r#""status":"error""#)
+            && l.contains("pytest is not importable")
+            && l.contains("a broken pytest")),
         "{}",
         out.stderr
     );
+
+    // Arguments after -- that pytest refuses: could not run (exit 2), pytest's reason named.
+    let pkg = package(&dir.path, "bad-args", Some("def test_x():\n    pass\n"));
+    let out = executor_test(&pkg, &["--", "--no-such-pytest-option"]);
+    assert_eq!(out.code, 2, "{}\n{}", out.stdout, out.stderr);
+    assert!(out.stdout.is_empty(), "{}", out.stdout);
+    assert!(out.stderr.contains("pytest refused its arguments"), "{}", out.stderr);
+    assert!(out.stderr.contains("--no-such-pytest-option"), "{}", out.stderr);
+
+    // Test code that exits as those would (121, 4) says nothing on the channel: the session
+    // ended without completing (exit 1, a result line), not "could not run".
+    for status in [121, 4] {
+        let pkg = package(&dir.path, &format!("exits-{status}"), Some("def test_x():\n    pass\n"));
+        std::fs::write(pkg.join("tests/conftest.py"), format!("import os\nos._exit({status})\n")).unwrap();
+        let out = executor_test(&pkg, &[]);
+        assert_eq!(out.code, 1, "{}\n{}", out.stdout, out.stderr);
+        assert_eq!(out.json["status"], "failed", "{}", out.stdout);
+        assert_eq!(out.json["exit_code"], status, "{}", out.stdout);
+        let error = out.json["error"].as_str().unwrap_or_default();
+        assert!(error.contains(&format!("without a pytest report (exit status {status})")), "{}", out.stdout);
+        let end = out.stderr.lines().find(|l| l.contains(r#"event="executor_test_end""#));
+        assert!(end.is_some_and(|l| l.contains(r#""status":"failed""#)), "{}", out.stderr);
+    }
 }
 
 #[test]

@@ -42,7 +42,12 @@
 //! result JSON line (DESIGN.md §4's fields that apply: status, error, executor, exit_code,
 //! killed_by, limits, usage, sandbox; plus `tests` counts and `python`). Exit status (the
 //! caller's): 0 all passed (skips allowed), 1 some failed or the session did not complete,
-//! 2 could not run (bad manifest, no `tests/`, no pytest).
+//! 2 could not run (bad manifest, no `tests/`, no pytest, pytest refusing its arguments).
+//!
+//! "No pytest" and "pytest refused its arguments" are the boot script's word, not an exit
+//! status alone: it sends `no_pytest`, or `pytest_exit` once `pytest.main` has returned, on
+//! the application channel. Test code that exits 121 or 4 itself is a session that ended
+//! without completing (exit status 1), not one that could not run.
 
 use std::io::Read;
 use std::os::unix::process::CommandExt;
@@ -69,6 +74,8 @@ pub const DEFAULT_TIMEOUT_S: u64 = 600;
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(30);
 /// Exit status of the boot script when pytest cannot be imported inside the sandbox.
 const EXIT_NO_PYTEST: i32 = 121;
+/// pytest's exit status for a usage error (its arguments, ini file or plugins).
+const EXIT_USAGE: i32 = 4;
 /// Largest report the plugin may send.
 const MAX_REPORT: usize = 64 * 1024;
 /// Why `sandboxed=True` harness runs are skipped (shown by pytest).
@@ -280,14 +287,32 @@ pub struct TestCounts {
     pub xpassed: u64,
 }
 
-/// The plugin's message.
+/// A message of the test session on the application channel: the plugin's report, or the
+/// boot script's word on how pytest ended (each at most once).
 #[derive(Debug, Deserialize)]
-struct PluginReport {
-    #[serde(rename = "type")]
-    kind: String,
-    #[serde(flatten)]
-    counts: TestCounts,
-    exitstatus: i32,
+#[serde(tag = "type", rename_all = "snake_case")]
+enum SessionMessage {
+    /// The plugin's counts, sent when pytest's session finishes.
+    PytestResult {
+        #[serde(flatten)]
+        counts: TestCounts,
+        exitstatus: i32,
+    },
+    /// The boot script could not import pytest (it then exits [`EXIT_NO_PYTEST`]).
+    NoPytest,
+    /// `pytest.main` returned this status to the boot script.
+    PytestExit { exitstatus: i32 },
+}
+
+/// What the session said: the plugin's report and the boot script's word.
+#[derive(Debug, Default)]
+struct SessionReport {
+    /// The plugin's counts and pytest's exit status.
+    counts: Option<(TestCounts, i32)>,
+    /// The boot script could not import pytest.
+    no_pytest: bool,
+    /// The status `pytest.main` returned, when it did.
+    pytest_exit: Option<i32>,
 }
 
 /// The result line of `opservant executor test`.
@@ -477,22 +502,29 @@ pub fn check_timeout(timeout_s: Option<u64>) -> Result<(), CannotRun> {
     }
 }
 
-/// The plugin's report: the first well-formed message; anything else is an error text.
-fn serve(chan: &sandbox::channel::Channel) -> Result<Option<PluginReport>, String> {
-    let mut report = None;
+/// The session's messages; any message that is malformed or repeated is an error text.
+fn serve(chan: &sandbox::channel::Channel) -> Result<SessionReport, String> {
+    let mut report = SessionReport::default();
     let mut problem = None;
     loop {
         match chan.recv_bytes(MAX_REPORT) {
             Ok(None) => break,
-            Ok(Some(bytes)) => match serde_json::from_slice::<PluginReport>(&bytes) {
-                Ok(r) if r.kind == "pytest_result" && report.is_none() => report = Some(r),
-                Ok(_) => {
+            Ok(Some(bytes)) => {
+                let repeated = match serde_json::from_slice::<SessionMessage>(&bytes) {
+                    Ok(SessionMessage::PytestResult { counts, exitstatus }) => {
+                        report.counts.replace((counts, exitstatus)).is_some()
+                    }
+                    Ok(SessionMessage::NoPytest) => std::mem::replace(&mut report.no_pytest, true),
+                    Ok(SessionMessage::PytestExit { exitstatus }) => report.pytest_exit.replace(exitstatus).is_some(),
+                    Err(e) => {
+                        problem.get_or_insert_with(|| format!("malformed report from the test session: {e}"));
+                        false
+                    }
+                };
+                if repeated {
                     problem.get_or_insert_with(|| "more than one report from the test session".to_string());
                 }
-                Err(e) => {
-                    problem.get_or_insert_with(|| format!("malformed report from the test session: {e}"));
-                }
-            },
+            }
             Err(e) => {
                 problem.get_or_insert(e);
                 break;
@@ -505,26 +537,40 @@ fn serve(chan: &sandbox::channel::Channel) -> Result<Option<PluginReport>, Strin
     }
 }
 
+/// The last line of the session's stderr that is not blank, for a "could not run" message.
+fn last_stderr_line(outcome: &sandbox::Outcome) -> String {
+    let stderr = String::from_utf8_lossy(&outcome.stderr.bytes);
+    stderr.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("no message").trim().to_string()
+}
+
 fn assemble(
     outcome: &sandbox::Outcome,
     limits: &crate::limits::EffectiveLimits,
-    report: Result<Option<PluginReport>, String>,
+    report: Result<SessionReport, String>,
     req: &TestRequest,
 ) -> Result<TestResult, CannotRun> {
     let base = RunResult::for_program(outcome, limits);
     let exit = outcome.exit.and_then(|x| x.code);
     let killed = outcome.timed_out || outcome.killed_by.is_some();
-    if !killed && exit == Some(EXIT_NO_PYTEST) {
-        let stderr = String::from_utf8_lossy(&outcome.stderr.bytes);
-        return Err(CannotRun(format!(
-            "{}: pytest is not importable inside the sandbox: {}; {GET_PYTEST}",
-            req.python.executable.display(),
-            stderr.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("no message")
-        )));
+    // Could not run: the boot script said so, and the session's exit status agrees.
+    if let (false, Ok(said)) = (killed, &report) {
+        if said.no_pytest && exit == Some(EXIT_NO_PYTEST) {
+            return Err(CannotRun(format!(
+                "{}: pytest is not importable inside the sandbox: {}; {GET_PYTEST}",
+                req.python.executable.display(),
+                last_stderr_line(outcome)
+            )));
+        }
+        if said.pytest_exit == Some(EXIT_USAGE) && exit == Some(EXIT_USAGE) {
+            return Err(CannotRun(format!(
+                "pytest refused its arguments or the tests' configuration (its usage error, exit status 4): {}; \
+                 check the arguments after --",
+                last_stderr_line(outcome)
+            )));
+        }
     }
     let (tests, report_error) = match report {
-        Ok(Some(r)) => (Some(r.counts).filter(|_| Some(r.exitstatus) == exit || killed), None),
-        Ok(None) => (None, None),
+        Ok(r) => (r.counts.filter(|(_, status)| Some(*status) == exit || killed).map(|(c, _)| c), None),
         Err(e) => (None, Some(e)),
     };
     let mut status = base.status;
@@ -548,7 +594,7 @@ fn assemble(
             }
             Some(2) => Some("pytest was interrupted (errors while collecting the tests?)".into()),
             Some(3) => Some("pytest hit an internal error".into()),
-            Some(4) => Some("pytest usage error (check the arguments after --)".into()),
+            Some(EXIT_USAGE) => Some("pytest usage error (exit status 4) after its session started".into()),
             Some(5) => Some("pytest collected no tests in tests/".into()),
             _ => base.error.clone(),
         }
