@@ -1080,6 +1080,14 @@ fn writes_to_system_and_agent_paths_are_refused() {
         run_patched(json!({"permissions": {"filesystem": {"write": ["/tmp/opservant/", path]}}}))
             .cannot_run(&["permissions.filesystem.write[1]:", "agent's own files"]);
     }
+    // No manifest to read: lint, like run, could not run (exit 2), naming the file.
+    let d = executor(json!({}), LIFECYCLE);
+    std::fs::remove_file(d.path.join("manifest.json")).unwrap();
+    for out in [lint(&d.path, false), run(&d.path, &[])] {
+        assert_eq!(out.code, 2, "{out:?}");
+        assert!(out.stderr.contains("manifest.json"), "{out:?}");
+        assert!(out.stdout.is_empty(), "{out:?}");
+    }
     // lint agrees with run.
     let d = executor(json!({"permissions": {"filesystem": {"write": ["/usr/local"]}}}), LIFECYCLE);
     let out = lint(&d.path, false);

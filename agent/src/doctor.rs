@@ -154,7 +154,7 @@ pub fn examine(landlock_min_abi: u32, allow_degraded: bool) -> DoctorReport {
         [&p.cgroup.memory, &p.cgroup.cpu, &p.cgroup.pids].iter().filter_map(|c| c.version).collect();
     if versions.contains(&"v1") {
         degraded.push(
-            "cgroup v1 hierarchy in use: no cgroup.kill (teardown sweeps processes with SIGKILL) and no memory.oom.group (an OOM kills one process, not the whole tree)".into(),
+            "cgroup v1 hierarchy in use: no cgroup.kill (teardown sweeps processes with SIGKILL) and no memory.oom.group (the kernel's OOM kill takes one process; the agent kills the rest of the sandbox when its memory cgroup reports the OOM through cgroup.event_control — an OOM of the whole host reports none)".into(),
         );
     }
 

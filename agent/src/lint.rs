@@ -17,20 +17,18 @@ pub struct LintReport {
     pub warnings: Vec<String>,
 }
 
-/// `Err` when `DIR/manifest.json` exists but cannot be read as manifest text at all (too
-/// large, not UTF-8, nested too deep, unreadable): there is nothing to lint (exit 2).
+/// `Err` when `DIR/manifest.json` cannot be read as manifest text at all (missing, too
+/// large, not UTF-8, nested too deep, unreadable): there is nothing to lint, as `run` could
+/// not run it (exit 2, DESIGN.md §5's unreadable manifest).
 pub fn lint(dir: &Path, policy: &AgentPolicy) -> Result<LintReport, ManifestError> {
     let mut r = LintReport::default();
     // Every manifest rule broken, not only the first `run` would stop on.
-    let manifest_path = dir.join("manifest.json");
-    if manifest_path.exists() {
-        let text = crate::manifest::read(&manifest_path)?;
-        let (_, errors, warnings) = Manifest::check(&text);
-        if !errors.is_empty() {
-            r.errors.extend(errors.iter().map(|e| e.to_string()));
-            r.warnings.extend(warnings.iter().map(|w| w.to_string()));
-            return Ok(r);
-        }
+    let text = crate::manifest::read(&dir.join("manifest.json"))?;
+    let (_, errors, warnings) = Manifest::check(&text);
+    if !errors.is_empty() {
+        r.errors.extend(errors.iter().map(|e| e.to_string()));
+        r.warnings.extend(warnings.iter().map(|w| w.to_string()));
+        return Ok(r);
     }
     match Executor::load(dir) {
         Err(e) => r.errors.push(e.0),

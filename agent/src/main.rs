@@ -47,7 +47,8 @@ enum Command {
     /// Run an executor (a directory with manifest.json and a Python package) in a fresh
     /// sandbox; prints the result JSON.
     Run {
-        /// The executor directory.
+        /// The executor directory, or the name of an installed executor (a bare name is the
+        /// installed one, even when a directory of that name is in the working directory).
         dir: PathBuf,
         /// Parameters: a JSON object, or @FILE.
         #[arg(long, default_value = "{}")]
@@ -69,7 +70,8 @@ enum Command {
     Script {
         language: agent::script_run::Language,
         file: PathBuf,
-        /// Wall-clock limit in seconds (default 60, at most 300).
+        /// Wall-clock limit in seconds (default: the manifest's timeout_seconds, else the
+        /// configuration's default_timeout_seconds, 60 shipped; at most 300).
         #[arg(long)]
         timeout: Option<u64>,
         /// Manifest whose permissions and resource_limits shape the sandbox (default: no

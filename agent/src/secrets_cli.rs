@@ -41,7 +41,8 @@ pub enum SecretsCommand {
         /// Read the value from this file.
         #[arg(long, value_name = "FILE")]
         from_file: Option<PathBuf>,
-        /// Agent configuration (default /etc/opservant/config.yaml when it exists).
+        /// Agent configuration (default $OPSERVANT_CONFIG, else /etc/opservant/config.yaml when
+        /// it exists).
         #[arg(long)]
         config: Option<PathBuf>,
     },
@@ -52,7 +53,8 @@ pub enum SecretsCommand {
         /// Print it even when stdout is a terminal.
         #[arg(long)]
         reveal: bool,
-        /// Agent configuration (default /etc/opservant/config.yaml when it exists).
+        /// Agent configuration (default $OPSERVANT_CONFIG, else /etc/opservant/config.yaml when
+        /// it exists).
         #[arg(long)]
         config: Option<PathBuf>,
     },
@@ -61,14 +63,16 @@ pub enum SecretsCommand {
         /// A JSON array of names instead.
         #[arg(long)]
         json: bool,
-        /// Agent configuration (default /etc/opservant/config.yaml when it exists).
+        /// Agent configuration (default $OPSERVANT_CONFIG, else /etc/opservant/config.yaml when
+        /// it exists).
         #[arg(long)]
         config: Option<PathBuf>,
     },
     /// Remove a secret. Exit 1 when there is no such secret.
     Rm {
         name: String,
-        /// Agent configuration (default /etc/opservant/config.yaml when it exists).
+        /// Agent configuration (default $OPSERVANT_CONFIG, else /etc/opservant/config.yaml when
+        /// it exists).
         #[arg(long)]
         config: Option<PathBuf>,
     },

@@ -2,7 +2,8 @@
 //! [--json]`: the operator's view of the log. Both only read it, without a lock, so neither
 //! delays an append — except that `verify` confirms a problem it found by a second pass under
 //! a shared lock (an append or rotation running meanwhile must not be reported as tampering);
-//! `--config` (default `/etc/opservant/config.yaml` when it exists) says where the log is.
+//! `--config` (default `$OPSERVANT_CONFIG`, else `/etc/opservant/config.yaml` when it exists)
+//! says where the log is.
 //!
 //! Guarantees: `verify` exits 0 only when every given file verifies as one chain, 1 with the
 //! first problem as `FILE:LINE: KIND …` on stdout's first line (or in the JSON's `problem`),
@@ -36,7 +37,8 @@ pub enum AuditCommand {
         /// Print the report as one JSON object.
         #[arg(long)]
         json: bool,
-        /// Agent configuration naming the log (default /etc/opservant/config.yaml when it exists).
+        /// Agent configuration naming the log (default $OPSERVANT_CONFIG, else
+        /// /etc/opservant/config.yaml when it exists).
         #[arg(long)]
         config: Option<PathBuf>,
     },
@@ -48,11 +50,12 @@ pub enum AuditCommand {
         /// Keep printing records as they are appended (across rotations).
         #[arg(short = 'f', long)]
         follow: bool,
-        /// Print the stored JSON lines as they are (control characters, which no line the
-        /// agent writes holds, escaped).
+        /// Print the stored JSON lines as they are: to a pipe or a file byte for byte; to a
+        /// terminal with their control characters (which no line the agent writes holds) escaped.
         #[arg(long)]
         json: bool,
-        /// Agent configuration naming the log (default /etc/opservant/config.yaml when it exists).
+        /// Agent configuration naming the log (default $OPSERVANT_CONFIG, else
+        /// /etc/opservant/config.yaml when it exists).
         #[arg(long)]
         config: Option<PathBuf>,
     },
