@@ -2136,6 +2136,25 @@ class TestExecutor(BaseExecutor):
             chan.detach()
             # Ended before the runtime sends its own result: the forged one is the only one.
             os._exit(0)
+        if params["mode"] == "nested":
+            # ~10 MB of nested one-key objects straight to the channel: parsed, it took the
+            # agent 1.3 GB (2 Mi values, within the old count of values).
+            unit = b'{"":' * 120 + b"0" + b"}" * 120
+            msg = b'{"type":"result","status":"completed","output":[' + b",".join([unit] * 17000) + b"]}"
+            chunks = [msg[i:i + 32768] for i in range(0, len(msg), 32768)]
+            chan = socket.socket(fileno=4)
+            for i, c in enumerate(chunks):
+                chan.send(bytes([1 if i + 1 < len(chunks) else 0]) + c)
+            chan.detach()
+            os._exit(0)
+        if params["mode"] == "log_flood":
+            # Past the caps, records of 1 MiB without end: each costs the agent a copy and a
+            # parse, its CPU and not the sandbox's.
+            big = "z" * (1 << 20)
+            for i in range(1001):
+                context["logger"].info("record", i=i)
+            while True:
+                context["logger"].info(big)
         if params["mode"] == "twice":
             # A result of its own, and then the runtime's: a second result.
             _opservant.send_result({"status": "completed", "output": {"forged": True}})
@@ -2178,6 +2197,141 @@ fn a_forged_result_is_held_to_the_caps() {
     assert_eq!(r["status"], "failed", "{r}");
     assert_eq!(r["error"], "the executor runtime misbehaved: a second result", "{r}");
     assert_eq!(r["output"], Value::Null, "{r}");
+}
+
+const FD_PASSING: &str = r#"
+import array, os, socket, sys, time
+from opservant.executor import BaseExecutor, ExecutorResult
+
+
+class TestExecutor(BaseExecutor):
+    def validate(self, params):
+        return True
+
+    def execute(self, params, context):
+        path = params["shared"] + "/sock"
+        if params["mode"] == "hold":
+            # Takes the descriptors another run hands it, holds them until told to let go,
+            # and writes into them meanwhile.
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.bind(path)
+            s.listen(1)
+            c, _ = s.accept()
+            _, anc, _, _ = c.recvmsg(16, socket.CMSG_SPACE(3 * 4))
+            fds = array.array("i")
+            for _, _, data in anc:
+                fds.frombytes(data[: len(data) - len(data) % 4])
+            open(params["shared"] + "/held", "w").close()
+            while not os.path.exists(params["shared"] + "/release"):
+                try:
+                    os.write(fds[1], b"written by another sandbox\n")
+                except OSError:
+                    pass
+                time.sleep(0.05)
+            return ExecutorResult(output={"held": len(fds)})
+        # give: its application channel and both output pipes, then a result of its own.
+        while not os.path.exists(path):
+            time.sleep(0.05)
+        c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        c.connect(path)
+        c.sendmsg([b"x"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [4, 1, 2]).tobytes())])
+        c.close()
+        while not os.path.exists(params["shared"] + "/held"):
+            time.sleep(0.05)
+        print("the giver's own output")
+        return ExecutorResult(output={"gave": 3})
+"#;
+
+/// A payload that hands its application channel and output pipes to a process of another
+/// sandbox (over a socket in a write grant both share) does not hold its run open: once the
+/// giver's processes are gone its run ends with its own result and output, while the holder
+/// still holds — and writes into — them. The agent's slot, its drain on SIGTERM, and the
+/// giver's result were otherwise the holder's for as long as it lived.
+#[test]
+fn descriptors_passed_to_another_sandbox_do_not_hold_a_run_open() {
+    if !require_root() {
+        return;
+    }
+    let shared = HostDir::new();
+    shared.chown_to_executor();
+    let manifest =
+        json!({"permissions": {"filesystem": {"write": [shared.str()]}}, "resource_limits": {"timeout_seconds": 60}});
+    let d = executor(manifest, FD_PASSING);
+    let params = |mode: &str| json!({"mode": mode, "shared": shared.str()}).to_string();
+    let mut holder = {
+        let _view = common::host_view();
+        run_command(&d.path, &["--params", &params("hold")]).stdout(Stdio::piped()).spawn().expect("spawn holder")
+    };
+    let gave = output_of(&mut run_command(&d.path, &["--params", &params("give")]));
+    let held = holder.try_wait().unwrap().is_none();
+    std::fs::write(shared.path.join("release"), "").unwrap();
+    let holder = holder.wait_with_output().unwrap();
+    assert!(held, "the giver's run ended only once the holder had: {gave:?}");
+    let r = gave.result();
+    assert_eq!(r["status"], "completed", "{r}");
+    assert_eq!(r["output"], json!({"gave": 3}), "{r}");
+    assert!(r["stdout"].as_str().unwrap().contains("the giver's own output"), "{r}");
+    let h: Value = serde_json::from_slice(&holder.stdout).unwrap();
+    assert_eq!(h["status"], "completed", "{h}");
+    assert_eq!(h["output"], json!({"held": 3}), "{h}");
+}
+
+/// `opservant run` to its end, with the most memory it (or a process it waited for) held.
+fn run_with_peak_rss(dir: &Path, params: &Value) -> (Out, u64) {
+    let _view = common::host_view();
+    let mut child = run_command(dir, &["--params", &params.to_string()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn opservant");
+    let (mut so, mut se) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
+    let stdout = std::thread::spawn(move || {
+        let mut s = String::new();
+        std::io::Read::read_to_string(&mut so, &mut s).unwrap();
+        s
+    });
+    let stderr = std::thread::spawn(move || {
+        let mut s = String::new();
+        std::io::Read::read_to_string(&mut se, &mut s).unwrap();
+        s
+    });
+    let (mut status, mut usage) = (0, unsafe { std::mem::zeroed::<libc::rusage>() });
+    // SAFETY: a child of this process, waited for once (std's handle is not used again).
+    let pid = unsafe { libc::wait4(child.id() as i32, &mut status, 0, &mut usage) };
+    assert_eq!(pid, child.id() as i32);
+    std::mem::forget(child);
+    let out = Out {
+        code: if libc::WIFEXITED(status) { libc::WEXITSTATUS(status) } else { -1 },
+        stdout: stdout.join().unwrap(),
+        stderr: stderr.join().unwrap(),
+    };
+    (out, usage.ru_maxrss as u64 * 1024)
+}
+
+/// What a payload sends costs the agent its own memory and CPU, not the sandbox's: a message
+/// that would take more than 160 MiB parsed is refused unparsed, and records past the log
+/// caps without end stop the run — both as a broken protocol, the run failed, not left to
+/// run on.
+#[test]
+fn messages_that_would_cost_the_agent_too_much_stop_the_run() {
+    if !require_root() {
+        return;
+    }
+    let d = executor(json!({"resource_limits": {"timeout_seconds": 120, "max_cpu_percent": 50}}), FORGED);
+    let (out, peak) = run_with_peak_rss(&d.path, &json!({"mode": "nested"}));
+    let r = out.result();
+    assert_eq!(r["status"], "failed", "{r}");
+    let error = r["error"].as_str().unwrap();
+    assert!(error.contains("would take the agent more than 160 MiB"), "{error}");
+    assert_eq!(r["output"], Value::Null, "{r}");
+    // The old agent peaked at 1.3 GB here; the payload's own message is ~10 MB.
+    assert!(peak < 256 << 20, "opservant run peaked at {} MiB", peak >> 20);
+
+    let r = run_params(&d.path, &json!({"mode": "log_flood"})).result();
+    assert_eq!(r["status"], "failed", "{r}");
+    let error = r["error"].as_str().unwrap();
+    assert!(error.contains("log flood: more than 100000 log records or 256 MiB of them past the caps"), "{error}");
+    assert_ne!(r["killed_by"], "timeout", "stopped, not left to its timeout: {r}");
 }
 
 // ---------------------------------------------------------------------------------------

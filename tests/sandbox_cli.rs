@@ -48,6 +48,40 @@ fn program_output_then_json_on_the_last_line() {
     assert_eq!(lines.len(), 3);
 }
 
+/// The program's output reaches a terminal with its control characters but newline and tab
+/// escaped: it cannot hide the result line that follows (`ESC[8m`), overwrite it, or drive
+/// the terminal. Into a pipe it goes byte for byte. `script` gives the command a terminal.
+#[test]
+fn program_output_reaches_a_terminal_without_its_control_characters() {
+    if !require_root() {
+        return;
+    }
+    let program = r"printf 'before\033[8m\rafter\tend\n'; printf 'err\033]2;owned\007\n' >&2";
+    let command = format!("{} sandbox -- /bin/sh -c \"{program}\"", common::opservant());
+    let out = Command::new("script")
+        .args(["-qefc", &command, "/dev/null"])
+        .env("OPSERVANT_CONFIG", common::test_config())
+        .stdin(Stdio::null())
+        .output()
+        .expect("script (util-linux)");
+    let seen = String::from_utf8_lossy(&out.stdout);
+    assert!(seen.contains("before\\x1b[8m\\x0dafter\tend"), "{seen}");
+    assert!(seen.contains("err\\x1b]2;owned\\x07"), "{seen}");
+    // (The agent's own log lines, coloured on a terminal, are not the program's.)
+    let program_lines = seen.lines().filter(|l| !l.starts_with('{') && (l.contains("before") || l.contains("owned")));
+    assert!(program_lines.clone().count() == 2, "{seen}");
+    assert!(program_lines.clone().all(|l| !l.contains('\u{1b}') && !l.contains('\u{7}')), "{seen}");
+    // The result itself has the bytes as they were written.
+    let last = seen.lines().rev().find(|l| l.starts_with('{')).expect("result line");
+    let json: serde_json::Value = serde_json::from_str(last.trim_end()).expect("result JSON");
+    assert_eq!(json["stdout"], "before\u{1b}[8m\rafter\tend\n", "{json}");
+    // Into a pipe, byte for byte.
+    let (code, stdout, stderr) = run_cli(&["sandbox", "--", "/bin/sh", "-c", program]);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stdout.starts_with("before\u{1b}[8m\rafter\tend\n"), "{stdout}");
+    assert!(stderr.contains("err\u{1b}]2;owned\u{7}"), "{stderr}");
+}
+
 /// The sandbox's PID 1 (its init) does not show the command line that started it: a cold
 /// monitor is a fork of the CLI, whose arguments (here a marker) would otherwise be
 /// readable by every process in the sandbox as `/proc/1/cmdline`.

@@ -23,16 +23,34 @@ pub const MAX_LOGS: usize = 1000;
 pub const MAX_ERROR: usize = 64 * 1024;
 /// Artifact entries kept per run (each file, or why it could not be read).
 pub const MAX_ARTIFACT_ENTRIES: usize = 1000;
-/// Most JSON values (scalars, arrays, objects) in one message. Parsed, each costs the agent
-/// tens of bytes — a 16 MiB message of `[0,0,…]` would cost it over 500 MB, none of it
-/// charged to the sandbox —, so a message with more is refused before it is parsed. Any
-/// output within [`MAX_OUTPUT`] fits (4 MiB of `0,` is 2 Mi values).
-pub const MAX_MESSAGE_VALUES: usize = 1 << 21;
+/// Most memory (bytes, estimated by [`parsed_cost_up_to`]) one message may take the agent
+/// once parsed. Parsed, JSON costs the agent many times its text — tens of bytes a value,
+/// ~0.7 KB a non-empty object (a B-tree node) — none of it charged to the sandbox: a 10 MB
+/// message of nested one-key objects took 1.3 GB. A message over it is refused before it is
+/// parsed. 4 MiB of output as small integers (`0,0,…`, ~130 MiB) fits; output of many small
+/// objects may be refused below its own 4 MiB cap (~200 000 objects of a few keys each).
+pub const MAX_MESSAGE_PARSED: usize = 160 * 1024 * 1024;
 
-/// An upper bound on the JSON values in `bytes` (one more than its value separators and
-/// container openings outside strings), counted without allocating; past `limit` it stops.
-fn json_values_up_to(bytes: &[u8], limit: usize) -> usize {
-    let (mut n, mut in_string, mut escaped) = (1usize, false, false);
+/// Estimated heap of a parsed value, in bytes, by what allocates it (serde_json's `Value`
+/// with `BTreeMap` objects): an array element (a 32-byte `Value`, twice for the vector's
+/// growth), an object entry (its key's `String` and its `Value` in a node, and its share of
+/// further nodes), a non-empty object's first B-tree node (11 keys and values), a string's
+/// smallest allocation; every byte of the text on top, for the strings' contents.
+const COST_ELEMENT: usize = 64;
+const COST_ENTRY: usize = 128;
+const COST_OBJECT: usize = 640;
+const COST_STRING: usize = 32;
+/// Containers deeper than this fail to parse anyway (serde_json's recursion limit).
+const MAX_TRACKED_DEPTH: u32 = 128;
+
+/// An upper bound on the memory `bytes` takes parsed into a `serde_json::Value` (see the
+/// `COST_` constants), counted without allocating; past `limit` it stops.
+fn parsed_cost_up_to(bytes: &[u8], limit: usize) -> usize {
+    let mut cost = bytes.len().saturating_add(COST_ELEMENT);
+    let (mut in_string, mut escaped) = (false, false);
+    // Which open containers are objects (bit `depth - 1` set), and whether the last
+    // container opened may still turn out empty (its first value not seen yet).
+    let (mut objects, mut depth, mut opened) = (0u128, 0u32, false);
     for &b in bytes {
         if in_string {
             match (escaped, b) {
@@ -41,20 +59,39 @@ fn json_values_up_to(bytes: &[u8], limit: usize) -> usize {
                 (false, b'"') => in_string = false,
                 _ => {}
             }
-        } else {
-            match b {
-                b'"' => in_string = true,
-                b',' | b'[' | b'{' => {
-                    n += 1;
-                    if n > limit {
-                        return n;
-                    }
-                }
-                _ => {}
+            continue;
+        }
+        if b.is_ascii_whitespace() {
+            continue;
+        }
+        let in_object = depth > 0 && depth <= MAX_TRACKED_DEPTH && objects & (1u128 << (depth - 1)) != 0;
+        if opened && b != b']' && b != b'}' {
+            // The first value (or key) of the container just opened.
+            cost = cost.saturating_add(if in_object { COST_OBJECT + COST_ENTRY } else { COST_ELEMENT });
+        }
+        opened = false;
+        match b {
+            b'"' => {
+                in_string = true;
+                cost = cost.saturating_add(COST_STRING);
             }
+            b'{' | b'[' => {
+                depth += 1;
+                if depth <= MAX_TRACKED_DEPTH {
+                    let bit = 1u128 << (depth - 1);
+                    objects = if b == b'{' { objects | bit } else { objects & !bit };
+                }
+                opened = true;
+            }
+            b'}' | b']' => depth = depth.saturating_sub(1),
+            b',' => cost = cost.saturating_add(if in_object { COST_ENTRY } else { COST_ELEMENT }),
+            _ => {}
+        }
+        if cost > limit {
+            return cost;
         }
     }
-    n
+    cost
 }
 
 /// Payload → agent.
@@ -249,9 +286,11 @@ pub fn recv_raw_by(
     deadline: Option<std::time::Instant>,
 ) -> Result<Option<Vec<u8>>, String> {
     match chan.recv_bytes_by(MAX_MESSAGE, deadline)? {
-        Some(bytes) if json_values_up_to(&bytes, MAX_MESSAGE_VALUES) > MAX_MESSAGE_VALUES => Err(format!(
-            "malformed message from the runtime: more than {MAX_MESSAGE_VALUES} JSON values (of {} bytes)",
-            bytes.len()
+        Some(bytes) if parsed_cost_up_to(&bytes, MAX_MESSAGE_PARSED) > MAX_MESSAGE_PARSED => Err(format!(
+            "message from the runtime refused: parsed, its {} bytes would take the agent more than {} MiB \
+             (too many JSON values or objects; send fewer, larger values)",
+            bytes.len(),
+            MAX_MESSAGE_PARSED >> 20
         )),
         other => Ok(other),
     }
@@ -304,36 +343,52 @@ mod tests {
     }
 
     #[test]
-    fn values_are_counted_outside_strings_only() {
-        let count = |s: &str| json_values_up_to(s.as_bytes(), usize::MAX);
-        assert_eq!(count("0"), 1);
-        assert_eq!(count("[0,0,0]"), 4);
-        assert_eq!(count(r#"{"a":[1,{"b":2}],"c":"x"}"#), 6);
+    fn the_parsed_cost_counts_what_allocates_outside_strings_only() {
+        let cost = |s: &str| parsed_cost_up_to(s.as_bytes(), usize::MAX) - s.len();
+        assert_eq!(cost("0"), COST_ELEMENT);
+        assert_eq!(cost("[0,0,0]"), 4 * COST_ELEMENT);
+        assert_eq!(cost("[ ]"), COST_ELEMENT, "an empty array allocates nothing");
+        assert_eq!(cost("{}"), COST_ELEMENT, "nor an empty object");
+        assert_eq!(cost(r#"{"a":0}"#), COST_ELEMENT + COST_OBJECT + COST_ENTRY + COST_STRING);
+        assert_eq!(
+            cost(r#"{"a":[1,{"b":2}],"c":"x"}"#),
+            COST_ELEMENT + COST_OBJECT + 2 * COST_ENTRY + 3 * COST_STRING // the object, a, c, "x"
+                + 2 * COST_ELEMENT // [1, {…}]
+                + COST_OBJECT + COST_ENTRY + COST_STRING // {"b":2}
+        );
         // Brackets, commas and escaped quotes inside strings are text.
-        assert_eq!(count(r#"["[,{\",]", "a\\"]"#), 3);
-        assert_eq!(json_values_up_to(b"[0,0,0,0,0]", 3), 4, "stops past the limit");
+        assert_eq!(cost(r#"["[,{\",]", "a\\"]"#), 3 * COST_ELEMENT + 2 * COST_STRING);
+        assert_eq!(cost(r#"{"{":"}","[":"]"}"#), cost(r#"{"a":"b","c":"d"}"#));
+        // Past the limit it stops.
+        assert!(parsed_cost_up_to(b"[0,0,0,0,0]", 100) <= 100 + COST_ELEMENT + 11);
+        // Deeper than serde_json parses: counted, never a panic.
+        let deep = format!("{}{}", "{\"a\":[".repeat(300), "]}".repeat(300));
+        assert!(parsed_cost_up_to(deep.as_bytes(), usize::MAX) > MAX_TRACKED_DEPTH as usize * COST_OBJECT);
     }
 
-    /// A message of more values than the limit is refused before it is parsed (a payload
-    /// cannot make the agent build a tree many times its size); one within it is parsed.
+    /// The case found in review: 10 MB of nested one-key objects took the agent 1.3 GB parsed
+    /// (2 Mi values, within the old count of values). Refused unparsed now; the largest output
+    /// of small integers still fits.
     #[test]
-    fn a_message_of_too_many_values_is_refused_unparsed() {
+    fn a_message_that_would_take_too_much_memory_parsed_is_refused_unparsed() {
         let (agent, payload) = sandbox::channel::Channel::pair().unwrap();
-        let many = format!(
-            r#"{{"type":"log","level":"info","msg":"x","fields":{{"a":[{}]}}}}"#,
-            vec!["0"; MAX_MESSAGE_VALUES].join(",")
+        let nested = format!("{}0{}", r#"{"":"#.repeat(120), "}".repeat(120));
+        let bomb = format!(
+            r#"{{"type":"result","status":"completed","output":[{}]}}"#,
+            vec![nested.as_str(); 17_000].join(",")
         );
-        assert!(many.len() < MAX_MESSAGE);
-        let fits =
-            format!(r#"{{"type":"log","level":"info","msg":"x","fields":{{"a":[{}]}}}}"#, vec!["0"; 1000].join(","));
+        assert!(bomb.len() < MAX_MESSAGE);
+        let ints = vec!["0"; MAX_OUTPUT / 2].join(",");
+        let fits = format!(r#"{{"type":"log","level":"info","msg":"x","fields":{{"a":[{ints}]}}}}"#);
+        assert!(fits.len() < MAX_MESSAGE);
         // Sent from another thread: a message larger than the socket's buffer waits for the
         // reader.
         let sender = std::thread::spawn(move || {
-            payload.send_bytes(many.as_bytes()).unwrap();
+            payload.send_bytes(bomb.as_bytes()).unwrap();
             payload.send_bytes(fits.as_bytes()).unwrap();
         });
         let e = recv(&agent).unwrap_err();
-        assert!(e.contains(&format!("more than {MAX_MESSAGE_VALUES} JSON values")), "{e}");
+        assert!(e.contains("would take the agent more than 160 MiB"), "{e}");
         assert!(matches!(recv(&agent), Ok(Some(FromPayload::Log { .. }))));
         sender.join().unwrap();
     }

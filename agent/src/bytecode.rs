@@ -134,10 +134,9 @@ fn compile_batch(pkg: &Path, sources: &[PathBuf], policy: &AgentPolicy) -> Resul
     let unblock = chan.shutdown_handle().map_err(|e| format!("application channel: {}", e.desc()))?;
     let writer = std::thread::spawn(move || receive(chan, &root, owned));
     let outcome = sb.wait(sandbox::OutputOptions::default());
-    // An abandoned sandbox (its processes stuck) never closes the channel's other end.
-    if outcome.is_err() {
-        unblock.shutdown();
-    }
+    // The sandbox's processes are gone (or abandoned): the writer reads what they sent and
+    // then end of file, whoever else holds the other end (see `executor_run`).
+    unblock.shutdown();
     let received = writer.join().map_err(|_| "the bytecode writer panicked".to_string())?;
     let mut batch = Batch { written: received.written, failed: received.failed, killed_at: None };
     let outcome = outcome.map_err(|e| e.to_string())?;

@@ -308,12 +308,32 @@ type ReportedResult = (String, Option<Value>, Option<String>, Vec<Value>);
 /// an unbounded amount of them.
 pub const MAX_LOG_BYTES: usize = 1024 * 1024;
 
+/// Log records past the caps are only counted, but each is still received and looked at by
+/// the agent — its CPU, not the sandbox's: a payload throttled to 10 % kept an agent core
+/// busy sending 16 MiB records. A run that sends more than this many records, or bytes of
+/// them, past the caps is stopped as broken (a log loop, or an attack on the agent).
+pub const MAX_DROPPED_LOGS: u64 = 100_000;
+pub const MAX_DROPPED_LOG_BYTES: usize = 256 * 1024 * 1024;
+
+/// Why a run that flooded the agent with log records was stopped.
+fn log_flood() -> String {
+    format!(
+        "log flood: more than {MAX_DROPPED_LOGS} log records or {} MiB of them past the caps ({} records, {} MiB kept); \
+         the run was stopped",
+        MAX_DROPPED_LOG_BYTES >> 20,
+        app::MAX_LOGS,
+        MAX_LOG_BYTES >> 20
+    )
+}
+
 /// Everything the application channel delivered.
 #[derive(Default)]
 struct AppOutcome {
     result: Option<ReportedResult>,
     logs: Vec<Value>,
     logs_dropped: u64,
+    /// Bytes of the messages of the records dropped, bounded by [`MAX_DROPPED_LOG_BYTES`].
+    dropped_log_bytes: usize,
     /// Bytes of the records kept in `logs` (JSON), bounded by [`MAX_LOG_BYTES`].
     log_bytes: usize,
     redactor: Redactor,
@@ -535,12 +555,12 @@ fn run_steps(req: RunRequest, may_have_run: &mut bool) -> Result<RunResult, Cann
             thread::spawn(move || serve(app_chan, &declared, &provider, &executor_name, &cid, &cpu, &live, &stop));
         let outcome = sb.wait(sandbox::OutputOptions::default());
         let waited = std::time::Instant::now();
-        // A sandbox abandoned with its processes stuck never closes the channel's other end:
-        // the server must not wait for it.
-        if outcome.is_err() {
-            unblock.shutdown();
-        }
-        // The channel reaches end-of-file once the payload is gone, which ends the server.
+        // Every process of the sandbox is gone now (or abandoned, stuck): what they sent is
+        // queued, and the server reads it to the end and then end of file. The channel's
+        // other end need not be closed yet — a payload may have passed it to a process of
+        // another sandbox (SCM_RIGHTS through a shared write grant), which could hold this
+        // run, its slot and the agent's drain for as long as it lives, and write into it.
+        unblock.shutdown();
         let Ok(app) = server.join() else {
             *may_have_run = true;
             return Err(CannotRun("application channel server panicked".into()));
@@ -729,6 +749,10 @@ fn serve(
         // Past the cap a log record is only counted: not built, only told from its type.
         if (out.logs.len() >= app::MAX_LOGS || out.log_bytes >= MAX_LOG_BYTES) && app::is_log(&bytes) {
             out.logs_dropped += 1;
+            out.dropped_log_bytes = out.dropped_log_bytes.saturating_add(bytes.len());
+            if out.logs_dropped > MAX_DROPPED_LOGS || out.dropped_log_bytes > MAX_DROPPED_LOG_BYTES {
+                return broken(out, log_flood());
+            }
             continue;
         }
         let msg = match app::parse(&bytes) {
@@ -742,6 +766,10 @@ fn serve(
                 let size = record.to_string().len();
                 if out.logs.len() >= app::MAX_LOGS || out.log_bytes + size > MAX_LOG_BYTES {
                     out.logs_dropped += 1;
+                    out.dropped_log_bytes = out.dropped_log_bytes.saturating_add(size);
+                    if out.logs_dropped > MAX_DROPPED_LOGS || out.dropped_log_bytes > MAX_DROPPED_LOG_BYTES {
+                        return broken(out, log_flood());
+                    }
                     continue;
                 }
                 out.log_bytes += size;

@@ -575,6 +575,11 @@ fn run_sandbox(
 
     let stdout = std::io::stdout();
     let stderr = std::io::stderr();
+    // The program is the sandbox's: to a terminal its output goes with control characters
+    // other than newline and tab shown escaped (it could hide or overwrite the result line
+    // that follows, or drive the terminal); to a pipe or file byte for byte.
+    let (out_terminal, err_terminal) =
+        (std::io::IsTerminal::is_terminal(&stdout), std::io::IsTerminal::is_terminal(&stderr));
     let mut last_stdout_byte = b'\n';
     let mut tee = |stream: sandbox::Stream, data: &[u8]| {
         // A closed terminal or pipe must not stop the sandbox; the JSON still captures it.
@@ -583,8 +588,13 @@ fn run_sandbox(
                 if let Some(b) = data.last() {
                     last_stdout_byte = *b;
                 }
-                stdout.lock().write_all(data)
+                if out_terminal {
+                    stdout.lock().write_all(&escape_controls(data))
+                } else {
+                    stdout.lock().write_all(data)
+                }
             }
+            sandbox::Stream::Stderr if err_terminal => stderr.lock().write_all(&escape_controls(data)),
             sandbox::Stream::Stderr => stderr.lock().write_all(data),
         };
     };

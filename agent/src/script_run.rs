@@ -174,10 +174,9 @@ pub fn run(req: ScriptRequest) -> Result<ScriptResult, CannotRun> {
         let unblock = chan.shutdown_handle().map_err(|e| CannotRun(format!("application channel: {}", e.desc())))?;
         let server = thread::spawn(move || serve(chan, &cpu));
         let outcome = sb.wait(sandbox::OutputOptions::default());
-        // An abandoned sandbox (its processes stuck) never closes the channel's other end.
-        if outcome.is_err() {
-            unblock.shutdown();
-        }
+        // The sandbox's processes are gone (or abandoned): the server reads what they sent
+        // and then end of file, whoever else holds the other end (see `executor_run`).
+        unblock.shutdown();
         let served = server.join().map_err(|_| CannotRun("application channel server panicked".into()))?;
         let outcome = outcome?;
         Ok(assemble(&outcome, &limits, served, &req))

@@ -941,6 +941,26 @@ impl Sandbox {
                     ),
                 }
             }
+            // Every process of the sandbox is gone once init reports the payload's exit (it
+            // killed and reaped the rest first, then let go of its stdio) or is itself gone
+            // (the namespace's end takes every process with it): what they wrote is in the
+            // pipes. A pipe that stays open after that is held by a process outside the
+            // sandbox — a descriptor passed over a socket to another sandbox — which could
+            // otherwise hold this one's end, and write into its output, as long as it lives.
+            if payload_exit.is_some() || tree.is_some() {
+                for (fd, cap, limit, stream) in [
+                    (&mut self.stdout, &mut stdout, out.stdout_cap, Stream::Stdout),
+                    (&mut self.stderr, &mut stderr, out.stderr_cap, Stream::Stderr),
+                ] {
+                    if Self::drain_buffered(fd, cap, limit, stream, &mut buf, &mut out.tee) {
+                        tracing::warn!(
+                            monitor = self.monitor.as_raw(),
+                            stream = ?stream,
+                            "an output pipe is held open outside the sandbox after its processes ended; closed"
+                        );
+                    }
+                }
+            }
         }
         let wall = self.started.elapsed();
         let launch = self.launch;
@@ -1083,6 +1103,46 @@ impl Sandbox {
             Err(Errno::EINTR | Errno::EAGAIN) => {}
             Err(_) => *fd = None,
         }
+    }
+
+    /// Read what one output pipe holds — at most its capacity, all a writer that is gone can
+    /// have left — then close it. `true` when it was still open: a writer outside the
+    /// sandbox holds it.
+    fn drain_buffered(
+        fd: &mut Option<OwnedFd>,
+        cap: &mut Captured,
+        limit: usize,
+        stream: Stream,
+        buf: &mut [u8],
+        tee: &mut Option<Tee<'_>>,
+    ) -> bool {
+        let Some(f) = fd.take() else { return false };
+        // Read without waiting: whoever holds the other end may write nothing more. (This
+        // read end is the parent's alone; the flag is its open file's.)
+        let _ = nix::fcntl::fcntl(f.as_fd(), nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK));
+        // F_GETPIPE_SZ cannot fail on a pipe; the kernel's most for an unprivileged writer
+        // (`fs.pipe-max-size`'s default) should it.
+        let capacity = nix::fcntl::fcntl(f.as_fd(), nix::fcntl::FcntlArg::F_GETPIPE_SZ).unwrap_or(1 << 20).max(0);
+        let mut read = 0usize;
+        while read <= capacity as usize {
+            match nix::unistd::read(f.as_fd(), buf) {
+                Ok(0) => return false,
+                Ok(n) => {
+                    read += n;
+                    let chunk = &buf[..n];
+                    cap.total += n as u64;
+                    let room = limit.saturating_sub(cap.bytes.len());
+                    cap.bytes.extend_from_slice(&chunk[..room.min(n)]);
+                    if let Some(t) = tee {
+                        t(stream, chunk);
+                    }
+                }
+                Err(Errno::EINTR) => {}
+                Err(Errno::EAGAIN) => break,
+                Err(_) => return false,
+            }
+        }
+        true
     }
 
     /// A pidfd for the init the monitor reported as `pid` — `None` when that process is

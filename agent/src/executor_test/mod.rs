@@ -471,8 +471,12 @@ pub fn run(req: TestRequest, tee: Option<Tee>) -> Result<TestResult, CannotRun> 
     let session = || -> Result<TestResult, CannotRun> {
         let mut sb = sandbox::Sandbox::spawn(&spec, &req.launcher, None)?;
         let chan = sb.take_app_channel().ok_or_else(|| CannotRun("no application channel".into()))?;
+        let unblock = chan.shutdown_handle().map_err(|e| CannotRun(format!("application channel: {}", e.desc())))?;
         let server = thread::spawn(move || serve(&chan));
         let outcome = sb.wait(sandbox::OutputOptions { tee, ..Default::default() });
+        // The session's processes are gone (or abandoned): the server reads what they sent
+        // and then end of file, whoever else holds the other end (see `executor_run`).
+        unblock.shutdown();
         let report = server.join().map_err(|_| CannotRun("application channel server panicked".into()))?;
         assemble(&outcome?, &limits, report, &req)
     };
