@@ -1883,6 +1883,10 @@ class TestExecutor(BaseExecutor):
             for i in range(1500):
                 log.info("record %d" % i, i=i)
             return ExecutorResult(output={"ok": True})
+        if mode == "chatty":
+            for i in range(101001):
+                log.info("item", i=i)
+            return ExecutorResult(output={"ok": True})
         if mode == "big_logs":
             big = "z" * (1 << 20)
             for i in range(64):
@@ -1943,6 +1947,15 @@ fn logs_are_capped_by_count_and_size() {
     assert_eq!(logs[999]["msg"], "record 999");
     assert_eq!(logs[1000]["level"], "warning");
     assert!(logs[1000]["msg"].as_str().unwrap().starts_with("500 more log records dropped"), "{}", logs[1000]);
+
+    // A chatty executor — more records than the agent stops a flood at — is no flood: the
+    // runtime stops sending at the caps and counts the rest.
+    let d = executor(json!({"resource_limits": {"max_cpu_percent": 50}}), CAPS);
+    let r = run_params(&d.path, &json!({"mode": "chatty"})).result();
+    assert_eq!(r["status"], "completed", "{r}");
+    let logs = r["logs"].as_array().unwrap();
+    assert_eq!(logs.len(), 1001, "1000 records and a note");
+    assert!(logs[1000]["msg"].as_str().unwrap().starts_with("100001 more log records dropped"), "{}", logs[1000]);
 
     // 64 records of 1 MiB: the agent does not keep (or print) 64 MiB of logs.
     let out = run_params(&d.path, &json!({"mode": "big_logs"}));
@@ -2148,13 +2161,15 @@ class TestExecutor(BaseExecutor):
             chan.detach()
             os._exit(0)
         if params["mode"] == "log_flood":
-            # Past the caps, records of 1 MiB without end: each costs the agent a copy and a
-            # parse, its CPU and not the sandbox's.
-            big = "z" * (1 << 20)
-            for i in range(1001):
-                context["logger"].info("record", i=i)
+            # Records of 1 MiB without end, written straight to the channel (the runtime's
+            # own logger stops sending at the caps): each costs the agent a copy and a parse,
+            # its CPU and not the sandbox's.
+            msg = json.dumps({"type": "log", "level": "info", "msg": "z" * (1 << 20), "fields": {}}).encode()
+            chunks = [msg[i:i + 32768] for i in range(0, len(msg), 32768)]
+            chan = socket.socket(fileno=4)
             while True:
-                context["logger"].info(big)
+                for i, c in enumerate(chunks):
+                    chan.send(bytes([1 if i + 1 < len(chunks) else 0]) + c)
         if params["mode"] == "twice":
             # A result of its own, and then the runtime's: a second result.
             _opservant.send_result({"status": "completed", "output": {"forged": True}})

@@ -107,7 +107,9 @@ pub enum FromPayload {
     },
     /// `context["vault"].get_secret(name)`.
     SecretRequest { name: String },
-    /// The executor's result, after the lifecycle.
+    /// The executor's result, after the lifecycle. `logs_dropped`: log records the runtime
+    /// did not send, past the caps the agent keeps (`MAX_LOGS`, `MAX_LOG_BYTES`) — absent
+    /// when none, so a runtime and an agent of different builds agree on every other run.
     Result {
         status: String,
         #[serde(default)]
@@ -116,6 +118,8 @@ pub enum FromPayload {
         error: Option<String>,
         #[serde(default)]
         artifacts: Vec<Value>,
+        #[serde(default, skip_serializing_if = "is_zero")]
+        logs_dropped: u64,
     },
     /// A script did not pass validation (nothing was run).
     ValidationError { error: String },
@@ -152,6 +156,10 @@ pub enum FromPayload {
         #[serde(default)]
         error: Option<String>,
     },
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 impl FromPayload {

@@ -332,6 +332,8 @@ struct AppOutcome {
     result: Option<ReportedResult>,
     logs: Vec<Value>,
     logs_dropped: u64,
+    /// Records the runtime did not send, past the same caps (its result says how many).
+    logs_dropped_by_runtime: u64,
     /// Bytes of the messages of the records dropped, bounded by [`MAX_DROPPED_LOG_BYTES`].
     dropped_log_bytes: usize,
     /// Bytes of the records kept in `logs` (JSON), bounded by [`MAX_LOG_BYTES`].
@@ -893,7 +895,8 @@ fn serve(
                 }
             }
             FromPayload::Result { .. } if out.result.is_some() => return broken(out, "a second result".into()),
-            FromPayload::Result { status, output, error, artifacts } => {
+            FromPayload::Result { status, output, error, artifacts, logs_dropped } => {
+                out.logs_dropped_by_runtime = logs_dropped;
                 out.result = Some((status, output, error, artifacts));
                 out.result_at = Some(std::time::Instant::now());
             }
@@ -915,8 +918,9 @@ fn assemble(
     r.action = action;
     r.command_id = command_id;
     r.logs = app.logs;
-    if app.logs_dropped > 0 {
-        r.logs.push(serde_json::json!({"level": "warning", "msg": format!("{} more log records dropped (cap {} records, {} bytes)", app.logs_dropped, app::MAX_LOGS, MAX_LOG_BYTES), "fields": {}}));
+    let dropped = app.logs_dropped.saturating_add(app.logs_dropped_by_runtime);
+    if dropped > 0 {
+        r.logs.push(serde_json::json!({"level": "warning", "msg": format!("{dropped} more log records dropped (cap {} records, {} bytes)", app::MAX_LOGS, MAX_LOG_BYTES), "fields": {}}));
     }
     // The sandbox's verdict comes first: a timeout or an OOM kill is what happened, whatever
     // the runtime said before.

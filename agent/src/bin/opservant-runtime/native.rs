@@ -50,6 +50,13 @@ fn runtime_args() -> PyResult<&'static RuntimeArgs> {
     ARGS.get().ok_or_else(|| PyRuntimeError::new_err("runtime arguments missing"))
 }
 
+/// The tag a log record's message carries besides the record (`app::encode` writes it first).
+const LOG_TAG: &str = r#""type":"log","#;
+/// Log records sent to the agent, their bytes as it measures them, and those not sent.
+static LOGS_KEPT: AtomicU64 = AtomicU64::new(0);
+static LOG_BYTES_KEPT: AtomicU64 = AtomicU64::new(0);
+static LOGS_DROPPED: AtomicU64 = AtomicU64::new(0);
+
 fn send(msg: &FromPayload) -> PyResult<()> {
     send_bytes(&app::encode(msg))
 }
@@ -266,11 +273,24 @@ pub mod _opservant {
         })
     }
 
-    /// Forward a log record to the agent.
+    /// Forward a log record to the agent — as long as the agent keeps records: past its
+    /// caps a record is only counted here, and the count goes with the result. (The agent
+    /// stops a run that sends it records past the caps without end: each costs it CPU.)
     #[pyfunction]
     fn log(level: String, msg: String, fields: &Bound<'_, PyDict>) -> PyResult<()> {
         let fields: serde_json::Map<String, Value> = pythonize::depythonize(fields.as_any())?;
-        send(&FromPayload::Log { level, msg, fields })
+        let bytes = app::encode(&FromPayload::Log { level, msg, fields });
+        // The agent's measure of a record: its JSON without the message's tag.
+        let size = bytes.len().saturating_sub(LOG_TAG.len()) as u64;
+        // (Called with the interpreter's lock held: one record at a time.)
+        let (kept, kept_bytes) = (LOGS_KEPT.load(Ordering::Relaxed), LOG_BYTES_KEPT.load(Ordering::Relaxed));
+        if kept >= app::MAX_LOGS as u64 || kept_bytes + size > agent::executor_run::MAX_LOG_BYTES as u64 {
+            LOGS_DROPPED.fetch_add(1, Ordering::Relaxed);
+            return Ok(());
+        }
+        LOGS_KEPT.fetch_add(1, Ordering::Relaxed);
+        LOG_BYTES_KEPT.fetch_add(size, Ordering::Relaxed);
+        send_bytes(&bytes)
     }
 
     /// Ask the agent for a secret; `PermissionError` when it is not granted.
@@ -342,15 +362,16 @@ pub mod _opservant {
     /// the cap is replaced by a failure saying so.
     #[pyfunction]
     fn send_result(result: &Bound<'_, PyAny>) -> PyResult<()> {
-        let FromPayload::Result { status, output, error, artifacts } = super::message("result", result)? else {
+        let FromPayload::Result { status, output, error, artifacts, .. } = super::message("result", result)? else {
             return Err(PyRuntimeError::new_err("send_result: not a result"));
         };
+        let logs_dropped = LOGS_DROPPED.load(Ordering::Relaxed);
         let output_size = output.as_ref().map_or(0, json_size);
         let msg = if output_size > app::MAX_OUTPUT {
             let error = format!("output is {output_size} bytes of JSON, over the {} byte cap", app::MAX_OUTPUT);
-            FromPayload::Result { status: "failed".into(), output: None, error: Some(error), artifacts }
+            FromPayload::Result { status: "failed".into(), output: None, error: Some(error), artifacts, logs_dropped }
         } else {
-            FromPayload::Result { status, output, error, artifacts }
+            FromPayload::Result { status, output, error, artifacts, logs_dropped }
         };
         send(&msg)
     }
