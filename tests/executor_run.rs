@@ -2149,6 +2149,17 @@ class TestExecutor(BaseExecutor):
             chan.detach()
             # Ended before the runtime sends its own result: the forged one is the only one.
             os._exit(0)
+        if params["mode"] == "nested_accepted":
+            # Nested one-element arrays, as many as the estimate accepts (each array's smallest
+            # vector outweighs its text): parsed whole, it must stay near the estimate.
+            unit = b"[" * 120 + b"0" + b"]" * 120
+            msg = b'{"type":"result","status":"completed","output":{"a":[' + b",".join([unit] * 8000) + b"]}}"
+            chunks = [msg[i:i + 32768] for i in range(0, len(msg), 32768)]
+            chan = socket.socket(fileno=4)
+            for i, c in enumerate(chunks):
+                chan.send(bytes([1 if i + 1 < len(chunks) else 0]) + c)
+            chan.detach()
+            os._exit(0)
         if params["mode"] == "nested":
             # ~10 MB of nested one-key objects straight to the channel: parsed, it took the
             # agent 1.3 GB (2 Mi values, within the old count of values).
@@ -2340,6 +2351,13 @@ fn messages_that_would_cost_the_agent_too_much_stop_the_run() {
     assert!(error.contains("would take the agent more than 160 MiB"), "{error}");
     assert_eq!(r["output"], Value::Null, "{r}");
     // The old agent peaked at 1.3 GB here; the payload's own message is ~10 MB.
+    assert!(peak < 256 << 20, "opservant run peaked at {} MiB", peak >> 20);
+    // A message just within the estimate is parsed, and costs about what was estimated (it
+    // was buffered whole before it was parsed: 408 MiB for 4 MB of this shape).
+    let (out, peak) = run_with_peak_rss(&d.path, &json!({"mode": "nested_accepted"}));
+    let r = out.result();
+    assert_eq!(r["status"], "completed", "{}", r["error"]);
+    assert_eq!(r["output"]["a"].as_array().map(Vec::len), Some(8000));
     assert!(peak < 256 << 20, "opservant run peaked at {} MiB", peak >> 20);
 
     let r = run_params(&d.path, &json!({"mode": "log_flood"})).result();

@@ -27,17 +27,23 @@ pub const MAX_ARTIFACT_ENTRIES: usize = 1000;
 /// once parsed. Parsed, JSON costs the agent many times its text — tens of bytes a value,
 /// ~0.7 KB a non-empty object (a B-tree node) — none of it charged to the sandbox: a 10 MB
 /// message of nested one-key objects took 1.3 GB. A message over it is refused before it is
-/// parsed. 4 MiB of output as small integers (`0,0,…`, ~130 MiB) fits; output of many small
-/// objects may be refused below its own 4 MiB cap (~200 000 objects of a few keys each).
+/// parsed. 4 MiB of output as small integers (`0,0,…`, ~134 MiB) fits; output of many small
+/// objects may be refused below its own 4 MiB cap (~130 000 objects of three keys). Measured
+/// at the limit (a debug `opservant run`, whose no-op run peaks at 23 MiB): 119–230 MiB at
+/// its peak by the shape of the message — the estimate bounds the parse; the run's later
+/// copies (the output's size check, its redaction) come on top.
 pub const MAX_MESSAGE_PARSED: usize = 160 * 1024 * 1024;
 
 /// Estimated heap of a parsed value, in bytes, by what allocates it (serde_json's `Value`
-/// with `BTreeMap` objects): an array element (a 32-byte `Value`, twice for the vector's
-/// growth), an object entry (its key's `String` and its `Value` in a node, and its share of
-/// further nodes), a non-empty object's first B-tree node (11 keys and values), a string's
-/// smallest allocation; every byte of the text on top, for the strings' contents.
+/// with `BTreeMap` objects, parsed straight into it by [`parse`]): an array's first element
+/// (the vector's smallest allocation, 4 × 32 bytes and the allocator's header), each further
+/// element (a 32-byte `Value`, twice for the vector's growth), an object entry (its key's
+/// `String` and its `Value` in a node half full, and its share of the nodes above), a
+/// non-empty object's first B-tree node (11 keys and values), a string's smallest
+/// allocation; every byte of the text on top, for the strings' contents.
+const COST_FIRST_ELEMENT: usize = 160;
 const COST_ELEMENT: usize = 64;
-const COST_ENTRY: usize = 128;
+const COST_ENTRY: usize = 160;
 const COST_OBJECT: usize = 640;
 const COST_STRING: usize = 32;
 /// Containers deeper than this fail to parse anyway (serde_json's recursion limit).
@@ -67,7 +73,7 @@ fn parsed_cost_up_to(bytes: &[u8], limit: usize) -> usize {
         let in_object = depth > 0 && depth <= MAX_TRACKED_DEPTH && objects & (1u128 << (depth - 1)) != 0;
         if opened && b != b']' && b != b'}' {
             // The first value (or key) of the container just opened.
-            cost = cost.saturating_add(if in_object { COST_OBJECT + COST_ENTRY } else { COST_ELEMENT });
+            cost = cost.saturating_add(if in_object { COST_OBJECT + COST_ENTRY } else { COST_FIRST_ELEMENT });
         }
         opened = false;
         match b {
@@ -304,9 +310,162 @@ pub fn recv_raw_by(
     }
 }
 
-/// Parse a message [`recv_raw_by`] received.
+/// Parse a message [`recv_raw_by`] received: its `type` first (read through, nothing of the
+/// rest built), then the variant's own fields straight into their types. Not through serde's
+/// internally tagged enum, which buffers the whole message as generic content before it
+/// looks at the tag — a second tree as large as the message's own, at the same time.
 pub fn parse(bytes: &[u8]) -> Result<FromPayload, String> {
-    serde_json::from_slice(bytes).map_err(|e| format!("malformed message from the runtime: {e}"))
+    let malformed = |e: serde_json::Error| format!("malformed message from the runtime: {e}");
+    // An object only (serde would read a struct from an array too).
+    if !bytes.trim_ascii_start().starts_with(b"{") {
+        return Err("malformed message from the runtime: not a JSON object".into());
+    }
+    let kind = serde_json::from_slice::<wire::Kind>(bytes).map_err(malformed)?.kind;
+    fn read<'de, T: Deserialize<'de>>(bytes: &'de [u8]) -> Result<T, String> {
+        serde_json::from_slice(bytes).map_err(|e| format!("malformed message from the runtime: {e}"))
+    }
+    Ok(match kind.as_ref() {
+        "log" => {
+            let wire::Log { level, msg, fields, .. } = read(bytes)?;
+            FromPayload::Log { level, msg, fields }
+        }
+        "secret_request" => {
+            let wire::SecretRequest { name, .. } = read(bytes)?;
+            FromPayload::SecretRequest { name }
+        }
+        "result" => {
+            let wire::Result { status, output, error, artifacts, logs_dropped, .. } = read(bytes)?;
+            FromPayload::Result { status, output, error, artifacts, logs_dropped }
+        }
+        "validation_error" => {
+            let wire::ValidationError { error, .. } = read(bytes)?;
+            FromPayload::ValidationError { error }
+        }
+        "session_reply" => {
+            let wire::SessionReply { call, success, error, stdout, stderr, globals, .. } = read(bytes)?;
+            FromPayload::SessionReply { call, success, error, stdout, stderr, globals }
+        }
+        "ready" => {
+            let wire::Ready { .. } = read(bytes)?;
+            FromPayload::Ready
+        }
+        "warmed" => {
+            let wire::Warmed { prefaulted_kib, .. } = read(bytes)?;
+            FromPayload::Warmed { prefaulted_kib }
+        }
+        "compiled" => {
+            let wire::Compiled { path, pyc_base64, error, .. } = read(bytes)?;
+            FromPayload::Compiled { path, pyc_base64, error }
+        }
+        other => {
+            return Err(format!(
+                "malformed message from the runtime: unknown type `{}`",
+                other.chars().take(64).collect::<String>().escape_debug()
+            ))
+        }
+    })
+}
+
+/// [`FromPayload`]'s variants as the agent reads them, one type each (see [`parse`]): the
+/// same fields, and the `type` tag accepted and ignored.
+mod wire {
+    use serde::de::IgnoredAny;
+    use serde::Deserialize;
+    use serde_json::Value;
+
+    #[derive(Deserialize)]
+    pub struct Kind<'a> {
+        #[serde(rename = "type", borrow)]
+        pub kind: std::borrow::Cow<'a, str>,
+    }
+
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub struct Log {
+        #[serde(rename = "type")]
+        _kind: IgnoredAny,
+        pub level: String,
+        pub msg: String,
+        #[serde(default)]
+        pub fields: serde_json::Map<String, Value>,
+    }
+
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub struct SecretRequest {
+        #[serde(rename = "type")]
+        _kind: IgnoredAny,
+        pub name: String,
+    }
+
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub struct Result {
+        #[serde(rename = "type")]
+        _kind: IgnoredAny,
+        pub status: String,
+        #[serde(default)]
+        pub output: Option<Value>,
+        #[serde(default)]
+        pub error: Option<String>,
+        #[serde(default)]
+        pub artifacts: Vec<Value>,
+        #[serde(default)]
+        pub logs_dropped: u64,
+    }
+
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub struct ValidationError {
+        #[serde(rename = "type")]
+        _kind: IgnoredAny,
+        pub error: String,
+    }
+
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub struct SessionReply {
+        #[serde(rename = "type")]
+        _kind: IgnoredAny,
+        #[serde(default)]
+        pub call: u64,
+        pub success: bool,
+        #[serde(default)]
+        pub error: Option<String>,
+        #[serde(default)]
+        pub stdout: String,
+        #[serde(default)]
+        pub stderr: String,
+        #[serde(default)]
+        pub globals: serde_json::Map<String, Value>,
+    }
+
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub struct Ready {
+        #[serde(rename = "type")]
+        _kind: IgnoredAny,
+    }
+
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub struct Warmed {
+        #[serde(rename = "type")]
+        _kind: IgnoredAny,
+        pub prefaulted_kib: u64,
+    }
+
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub struct Compiled {
+        #[serde(rename = "type")]
+        _kind: IgnoredAny,
+        pub path: String,
+        #[serde(default)]
+        pub pyc_base64: Option<String>,
+        #[serde(default)]
+        pub error: Option<String>,
+    }
 }
 
 /// Whether a received message is a log record, told from its `type` alone: the rest is read
@@ -354,21 +513,21 @@ mod tests {
     fn the_parsed_cost_counts_what_allocates_outside_strings_only() {
         let cost = |s: &str| parsed_cost_up_to(s.as_bytes(), usize::MAX) - s.len();
         assert_eq!(cost("0"), COST_ELEMENT);
-        assert_eq!(cost("[0,0,0]"), 4 * COST_ELEMENT);
+        assert_eq!(cost("[0,0,0]"), COST_ELEMENT + COST_FIRST_ELEMENT + 2 * COST_ELEMENT);
         assert_eq!(cost("[ ]"), COST_ELEMENT, "an empty array allocates nothing");
         assert_eq!(cost("{}"), COST_ELEMENT, "nor an empty object");
         assert_eq!(cost(r#"{"a":0}"#), COST_ELEMENT + COST_OBJECT + COST_ENTRY + COST_STRING);
         assert_eq!(
             cost(r#"{"a":[1,{"b":2}],"c":"x"}"#),
             COST_ELEMENT + COST_OBJECT + 2 * COST_ENTRY + 3 * COST_STRING // the object, a, c, "x"
-                + 2 * COST_ELEMENT // [1, {…}]
+                + COST_FIRST_ELEMENT + COST_ELEMENT // [1, {…}]
                 + COST_OBJECT + COST_ENTRY + COST_STRING // {"b":2}
         );
         // Brackets, commas and escaped quotes inside strings are text.
-        assert_eq!(cost(r#"["[,{\",]", "a\\"]"#), 3 * COST_ELEMENT + 2 * COST_STRING);
+        assert_eq!(cost(r#"["[,{\",]", "a\\"]"#), COST_ELEMENT + COST_FIRST_ELEMENT + COST_ELEMENT + 2 * COST_STRING);
         assert_eq!(cost(r#"{"{":"}","[":"]"}"#), cost(r#"{"a":"b","c":"d"}"#));
         // Past the limit it stops.
-        assert!(parsed_cost_up_to(b"[0,0,0,0,0]", 100) <= 100 + COST_ELEMENT + 11);
+        assert!(parsed_cost_up_to(b"[0,0,0,0,0]", 100) < parsed_cost_up_to(b"[0,0,0,0,0]", usize::MAX));
         // Deeper than serde_json parses: counted, never a panic.
         let deep = format!("{}{}", "{\"a\":[".repeat(300), "]}".repeat(300));
         assert!(parsed_cost_up_to(deep.as_bytes(), usize::MAX) > MAX_TRACKED_DEPTH as usize * COST_OBJECT);
