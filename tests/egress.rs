@@ -373,6 +373,14 @@ def _udp(host, port, mark, opts=None):
             s.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_TTL, opts["mcast_ttl"])
         if opts.get("ip_options"):
             s.setsockopt(socket.IPPROTO_IP, socket.IP_OPTIONS, bytes(opts["ip_options"]))
+        if opts.get("rthdr"):
+            # IPV6_RTHDR (57): a type 4 segment routing header with these segments (the last
+            # is the first hop), which an unprivileged socket may set.
+            segs = opts["rthdr"]
+            n = len(segs)
+            srh = struct.pack("BBBBBBH", 0, 2 * n, 4, n - 1, n - 1, 0, 0)
+            srh += b"".join(socket.inet_pton(socket.AF_INET6, a) for a in segs)
+            s.setsockopt(socket.IPPROTO_IPV6, 57, srh)
         if opts.get("bind"):
             # IP_FREEBIND (15) / IPV6_FREEBIND (78): bind a foreign address, no privilege needed.
             if fam == socket.AF_INET6:
@@ -2425,6 +2433,46 @@ fn udp_icmp_raw_respect_ports_and_protocols() {
             problems.push(format!("{what} could be created: {}", p.step(i)));
         }
     }
+    assert!(problems.is_empty(), "{}\nsteps: {}", problems.join("\n"), p.r["output"]["steps"]);
+    drop(sniff);
+    assert_host_clean(&lab);
+}
+
+/// An IPv6 routing header — a type 4 segment routing header, which any unprivileged socket
+/// may set — names its real destination in its segment list, past the first hop its
+/// destination address shows: through an allowed first hop it reached hosts neither allowed
+/// nor denied (and left the host unmasqueraded). No packet carrying one leaves the sandbox.
+#[test]
+fn ipv6_routing_headers_do_not_leave_the_sandbox() {
+    if !prerequisites() {
+        return;
+    }
+    let lab = Lab::new();
+    let sniff = Sniffer::start(&lab);
+    let conf = Conf::new("");
+    let through_allowed = json!({"rthdr": ["::", "2001:db8:2::10"]});
+    let p = probe(
+        &lab,
+        &conf,
+        json!({"outbound": true, "allowed_hosts": ["2001:db8:2::10"], "dns_allowed": false}),
+        limits(),
+        json!([
+            ["udp", "2001:db8:2::10", 80, 21],                                // 0 control
+            ["udp", "2001:db8:2::11", 80, 22],                                // 1 not allowed
+            ["udp", "2001:db8:2::11", 80, 23, through_allowed],               // 2 via the allowed
+            ["udp", "2001:db8:2::10", 80, 24, {"rthdr": ["::", "2001:db8:2::10"]}], // 3 to it, routed
+        ]),
+    );
+    let seen = sniff.seen();
+    assert!(seen.contains(&21), "control: UDP to the allowed host must leave the sandbox: {seen:?} {}", p.r["output"]);
+    let problems = leaked(
+        &seen,
+        &[
+            (22, "UDP to a host not allowed"),
+            (23, "UDP to a host not allowed, routed through the allowed one (segment routing header)"),
+            (24, "UDP with a segment routing header to the allowed host"),
+        ],
+    );
     assert!(problems.is_empty(), "{}\nsteps: {}", problems.join("\n"), p.r["output"]["steps"]);
     drop(sniff);
     assert_host_clean(&lab);

@@ -291,12 +291,21 @@ pub fn special_ranges() -> &'static [IpNet] {
             // and fc00::/7 above and below).
             "168.63.129.16/32",
             "172.16.0.0/12",
+            // IETF protocol assignments (192.0.0.170/171: NAT64 discovery) and the
+            // benchmarking range, which some networks and fake-IP proxies use inside.
+            "192.0.0.0/24",
+            "198.18.0.0/15",
             "192.168.0.0/16",
             "224.0.0.0/4",
             "240.0.0.0/4",
-            "::/128",
-            "::1/128",
+            // IPv4-compatible (`::169.254.169.254`; loopback and unspecified with it).
+            "::/96",
             "::ffff:0:0/96",
+            // 6to4 and Teredo, which embed IPv4 addresses (`2002:a9fe:a9fe::1` is 6to4's
+            // 169.254.169.254) reached through a host's tunnel, and deprecated site-local.
+            "2002::/16",
+            "2001::/32",
+            "fec0::/10",
             // RFC 8215's local-use NAT64 prefix: where in it an IPv4 address is embedded is
             // the operator's choice, so none of it is taken from a DNS answer unless allowed —
             // or named as the network's NAT64 prefix (`network.egress.nat64_prefixes`).
@@ -329,6 +338,12 @@ fn unreachable_ranges(pool: &Pool, nat64: &[IpNet]) -> Vec<IpNet> {
         "::/128",
         "::1/128",
         "::ffff:0:0/96",
+        // IPv4-compatible addresses (a host's automatic `sit` tunnel sends them as IPv4),
+        // and 6to4's forms of the unspecified, loopback and link-local (metadata) ranges.
+        "::/96",
+        "2002::/24",
+        "2002:7f00::/24",
+        "2002:a9fe::/32",
         "fe80::/10",
         "ff00::/8",
     ]
@@ -768,6 +783,21 @@ mod tests {
         // Through the well-known prefix an address is the IPv4 one it embeds.
         assert!(policy.is_special("64:ff9b::a9fe:a9fe".parse().unwrap()));
         assert!(!policy.is_special("64:ff9b::c000:221".parse().unwrap()));
+        // Answers a review found accepted: the metadata address in 6to4, IPv4-compatible and
+        // Teredo forms, the benchmarking range, IETF assignments, site-local.
+        for special in
+            ["2002:a9fe:a9fe::1", "::169.254.169.254", "2001:0:a9fe:a9fe::1", "198.18.0.1", "192.0.0.170", "fec0::1"]
+        {
+            assert!(policy.is_special(special.parse().unwrap()), "{special} is not special");
+        }
+        // An ordinary global address is not.
+        assert!(!policy.is_special("2001:db8:2::10".parse().unwrap()));
+        assert!(!policy.is_special("2a00:1450::1".parse().unwrap()));
+        // Never reachable by address either: IPv4-compatible, and 6to4's metadata form.
+        for net in ["::/96", "2002:a9fe::/32"] {
+            let net: IpNet = net.parse().unwrap();
+            assert!(plan.firewall.always_denied.contains(&net), "{net:?}: {:?}", plan.firewall.always_denied);
+        }
     }
 
     /// `network.egress.nat64_prefixes` names the network's own NAT64 prefixes: denied and

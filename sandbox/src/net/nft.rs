@@ -11,6 +11,7 @@
 //! chain output  (hook output, policy drop)
 //!     oif lo accept
 //!     meta nfproto ipv4, ip hdrlength != 5         goto blocked   (no IPv4 options)
+//!     meta nfproto ipv6, exthdr rt|dst exists      goto blocked   (no routing, dest. options)
 //!     ct state established,related accept
 //!     ct state new ct status != confirmed
 //!         limit rate over max_new_per_second/second goto blocked   (the host's conntrack)
@@ -33,7 +34,9 @@
 //! ```
 //!
 //! The host table (`table inet opservant` in the agent's namespace) masquerades the pool's
-//! traffic, rejects sandbox-to-sandbox forwarding, drops unsolicited traffic towards
+//! traffic, drops what sandboxes send that conntrack calls invalid (it would leave
+//! unmasqueraded) or that carries an IPv6 routing or destination-options header, rejects
+//! sandbox-to-sandbox forwarding, drops unsolicited traffic towards
 //! sandboxes, and lets sandboxes reach the host itself only for DNS on port 53 (anything
 //! else is rejected, so it fails at once).
 
@@ -266,6 +269,50 @@ fn ct_bits(key: u32, bits: u32, op: Operator) -> Vec<Expr> {
     ]
 }
 
+/// `exthdr <type> exists` for IPv6: register 1 holds 1 when the packet carries an extension
+/// header of `header_type` (43 routing, 60 destination options), 0 otherwise.
+fn ipv6_exthdr_exists(header_type: u8) -> Vec<Expr> {
+    const NFTA_EXTHDR_DREG: u16 = 1;
+    const NFTA_EXTHDR_TYPE: u16 = 2;
+    const NFTA_EXTHDR_OFFSET: u16 = 3;
+    const NFTA_EXTHDR_LEN: u16 = 4;
+    const NFTA_EXTHDR_FLAGS: u16 = 5;
+    const NFTA_EXTHDR_OP: u16 = 6;
+    const NFT_EXTHDR_F_PRESENT: u32 = 1;
+    const NFT_EXTHDR_OP_IPV6: u32 = 0;
+    vec![
+        other(
+            "exthdr",
+            vec![
+                DefaultNla::new(
+                    NFTA_EXTHDR_DREG,
+                    1u32.to_be_bytes() /* NFT_REG_1 */
+                        .to_vec(),
+                ),
+                DefaultNla::new(NFTA_EXTHDR_TYPE, vec![header_type]),
+                DefaultNla::new(NFTA_EXTHDR_OFFSET, 0u32.to_be_bytes().to_vec()),
+                DefaultNla::new(NFTA_EXTHDR_LEN, 1u32.to_be_bytes().to_vec()),
+                DefaultNla::new(NFTA_EXTHDR_FLAGS, NFT_EXTHDR_F_PRESENT.to_be_bytes().to_vec()),
+                DefaultNla::new(NFTA_EXTHDR_OP, NFT_EXTHDR_OP_IPV6.to_be_bytes().to_vec()),
+            ],
+        ),
+        cmp(Operator::Equal, vec![1]),
+    ]
+}
+
+/// IPv6 extension headers that route a packet past its destination address, or carry
+/// options for it: a routing header (a type 4 segment routing header any unprivileged
+/// socket may set, `IPV6_RTHDR`) names the real destination in its segment list, which
+/// no rule on `ip6 daddr` sees; destination options need no sandbox.
+const IPV6_REFUSED_EXTHDRS: [u8; 2] = [43, 60];
+
+/// `ct state invalid` (or no conntrack entry at all).
+fn ct_invalid() -> Vec<Expr> {
+    const NFT_CT_STATE: u32 = 0;
+    const INVALID: u32 = 1 << 0;
+    ct_any_of(NFT_CT_STATE, INVALID)
+}
+
 fn nfproto(p: u8) -> Vec<Expr> {
     vec![meta(MetaKey::Nfproto), cmp(Operator::Equal, vec![p])]
 }
@@ -450,6 +497,12 @@ pub(crate) fn load_sandbox_ruleset(
             ],
         ]),
     );
+    // IPv6 routing and destination-options headers, on any packet of any flow (a socket may
+    // add one to a connection already established): a segment routing header reached hosts
+    // neither allowed nor denied through an allowed one, and left the host unmasqueraded.
+    for header in IPV6_REFUSED_EXTHDRS {
+        b.rule("output", join(vec![nfproto(NFPROTO_IPV6), ipv6_exthdr_exists(header), vec![goto("blocked")]]));
+    }
     b.rule("output", join(vec![ct_established(), vec![accept()]]));
     // New connections only: the link's own housekeeping (IPv6 neighbour discovery, not
     // tracked) must neither use up the rate nor count as connections.
@@ -564,7 +617,7 @@ pub(crate) fn load_sandbox_ruleset(
 
 /// The version of the host table's rules ([`create_host_table`]): raise it with every change
 /// to them, so that a table an earlier version made is replaced rather than reused.
-pub(crate) const HOST_RULES_VERSION: u32 = 2;
+pub(crate) const HOST_RULES_VERSION: u32 = 3;
 
 /// What the host table records about the pools it serves and its rules' version (its user
 /// data). Tables of versions before 2 record only the pools.
@@ -605,6 +658,17 @@ pub(crate) fn create_host_table_tagged(
     b.chain("input", Some((InetHookNumber::LocalIn, 0, "filter", NF_ACCEPT)));
     let pools: Vec<(&IpNet, u8)> =
         std::iter::once((pool4, NFPROTO_IPV4)).chain(pool6.map(|p| (p, NFPROTO_IPV6))).collect();
+    // From sandboxes: nothing conntrack calls invalid (it is not masqueraded, and would leave
+    // with a pool address: an IPv6 packet whose checksum covers a routing header's final
+    // destination did), and no IPv6 routing or destination-options header (the sandbox's own
+    // ruleset refuses them first).
+    b.rule("forward", join(vec![ifname_prefix(false), ct_invalid(), vec![drop_()]]));
+    for header in IPV6_REFUSED_EXTHDRS {
+        b.rule(
+            "forward",
+            join(vec![ifname_prefix(false), nfproto(NFPROTO_IPV6), ipv6_exthdr_exists(header), vec![drop_()]]),
+        );
+    }
     for (pool, proto) in &pools {
         // Sandbox to sandbox: never.
         for rule in rejecting(join(vec![ifname_prefix(false), nfproto(*proto), addr_in(pool, false)])) {
