@@ -2181,6 +2181,19 @@ class TestExecutor(BaseExecutor):
             while True:
                 for i, c in enumerate(chunks):
                     chan.send(bytes([1 if i + 1 < len(chunks) else 0]) + c)
+        if params["mode"] == "reset":
+            # A secret asked for and its answer never read, then records and a result, and
+            # an end: the agent hears of the unread answer (a reset) before the rest.
+            chan = socket.socket(fileno=4)
+            for msg in [{"type": "secret_request", "name": "undeclared"}] + [
+                {"type": "log", "level": "info", "msg": "m%d" % i, "fields": {"pad": "p" * 200}} for i in range(600)
+            ] + [{"type": "result", "status": "completed", "output": {"mine": True}}]:
+                b = json.dumps(msg).encode()
+                chunks = [b[i:i + 32768] for i in range(0, len(b), 32768)]
+                for i, c in enumerate(chunks):
+                    chan.send(bytes([1 if i + 1 < len(chunks) else 0]) + c)
+            chan.detach()
+            os._exit(0)
         if params["mode"] == "twice":
             # A result of its own, and then the runtime's: a second result.
             _opservant.send_result({"status": "completed", "output": {"forged": True}})
@@ -2223,6 +2236,12 @@ fn a_forged_result_is_held_to_the_caps() {
     assert_eq!(r["status"], "failed", "{r}");
     assert_eq!(r["error"], "the executor runtime misbehaved: a second result", "{r}");
     assert_eq!(r["output"], Value::Null, "{r}");
+
+    // A payload that ends with an answer of the agent's unread: its result, sent before it
+    // ended, is still its result (the reset the kernel reports first lost it).
+    let r = run_params(&d.path, &json!({"mode": "reset"})).result();
+    assert_eq!(r["status"], "completed", "{r}");
+    assert_eq!(r["output"], json!({"mine": true}), "{r}");
 }
 
 const FD_PASSING: &str = r#"
@@ -2239,9 +2258,11 @@ class TestExecutor(BaseExecutor):
         if params["mode"] == "hold":
             # Takes the descriptors another run hands it, holds them until told to let go,
             # and writes into them meanwhile.
+            # Listening before its name appears: the giver connects as soon as it sees it.
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            s.bind(path)
+            s.bind(path + ".tmp")
             s.listen(1)
+            os.rename(path + ".tmp", path)
             c, _ = s.accept()
             _, anc, _, _ = c.recvmsg(16, socket.CMSG_SPACE(3 * 4))
             fds = array.array("i")
@@ -2284,14 +2305,24 @@ fn descriptors_passed_to_another_sandbox_do_not_hold_a_run_open() {
         json!({"permissions": {"filesystem": {"write": [shared.str()]}}, "resource_limits": {"timeout_seconds": 60}});
     let d = executor(manifest, FD_PASSING);
     let params = |mode: &str| json!({"mode": mode, "shared": shared.str()}).to_string();
-    let mut holder = {
+    // Killed should the test fail before it lets the holder go.
+    struct Holder(Option<std::process::Child>);
+    impl Drop for Holder {
+        fn drop(&mut self) {
+            if let Some(mut c) = self.0.take() {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+        }
+    }
+    let mut holder = Holder(Some({
         let _view = common::host_view();
         run_command(&d.path, &["--params", &params("hold")]).stdout(Stdio::piped()).spawn().expect("spawn holder")
-    };
+    }));
     let gave = output_of(&mut run_command(&d.path, &["--params", &params("give")]));
-    let held = holder.try_wait().unwrap().is_none();
+    let held = holder.0.as_mut().unwrap().try_wait().unwrap().is_none();
     std::fs::write(shared.path.join("release"), "").unwrap();
-    let holder = holder.wait_with_output().unwrap();
+    let holder = holder.0.take().unwrap().wait_with_output().unwrap();
     assert!(held, "the giver's run ended only once the holder had: {gave:?}");
     let r = gave.result();
     assert_eq!(r["status"], "completed", "{r}");

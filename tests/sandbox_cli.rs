@@ -56,25 +56,32 @@ fn program_output_reaches_a_terminal_without_its_control_characters() {
     if !require_root() {
         return;
     }
-    let program = r"printf 'before\033[8m\rafter\tend\n'; printf 'err\033]2;owned\007\n' >&2";
+    let program =
+        r"printf 'before\033[8m\rafter\tend\n'; printf 'err\033]2;owned\007\n' >&2; printf 'c1:\302\2338m \302\251\n'";
     let command = format!("{} sandbox -- /bin/sh -c \"{program}\"", common::opservant());
     let out = Command::new("script")
         .args(["-qefc", &command, "/dev/null"])
         .env("OPSERVANT_CONFIG", common::test_config())
+        .env_remove("OPSERVANT_LOG")
         .stdin(Stdio::null())
         .output()
         .expect("script (util-linux)");
     let seen = String::from_utf8_lossy(&out.stdout);
     assert!(seen.contains("before\\x1b[8m\\x0dafter\tend"), "{seen}");
     assert!(seen.contains("err\\x1b]2;owned\\x07"), "{seen}");
+    // C1 controls as UTF-8 writes them (CSI here), escaped too; other text (©) kept.
+    assert!(seen.contains("c1:\\xc2\\x9b8m \u{a9}"), "{seen}");
+    assert!(!seen.contains('\u{9b}'), "{seen}");
     // (The agent's own log lines, coloured on a terminal, are not the program's.)
-    let program_lines = seen.lines().filter(|l| !l.starts_with('{') && (l.contains("before") || l.contains("owned")));
-    assert!(program_lines.clone().count() == 2, "{seen}");
+    let program_lines = seen
+        .lines()
+        .filter(|l| !l.starts_with('{') && (l.contains("before") || l.contains("owned") || l.contains("c1:")));
+    assert!(program_lines.clone().count() == 3, "{seen}");
     assert!(program_lines.clone().all(|l| !l.contains('\u{1b}') && !l.contains('\u{7}')), "{seen}");
     // The result itself has the bytes as they were written.
     let last = seen.lines().rev().find(|l| l.starts_with('{')).expect("result line");
     let json: serde_json::Value = serde_json::from_str(last.trim_end()).expect("result JSON");
-    assert_eq!(json["stdout"], "before\u{1b}[8m\rafter\tend\n", "{json}");
+    assert_eq!(json["stdout"], "before\u{1b}[8m\rafter\tend\nc1:\u{9b}8m \u{a9}\n", "{json}");
     // Into a pipe, byte for byte.
     let (code, stdout, stderr) = run_cli(&["sandbox", "--", "/bin/sh", "-c", program]);
     assert_eq!(code, 0, "{stderr}");

@@ -879,9 +879,10 @@ fn serve(
                 if let ToPayload::Secret { value } = &mut reply {
                     zeroize::Zeroize::zeroize(value);
                 }
-                if chan.send_bytes(&bytes).is_err() {
-                    return out;
-                }
+                // A reply that cannot be sent: the payload is gone (or its end of the channel
+                // is). What it sent before it went is still to be read — its result among
+                // it — and then end of file.
+                let _ = chan.send_bytes(&bytes);
             }
             // Answered once; a second `ready` (written by executor code) is a protocol error.
             FromPayload::Ready if !ready => {

@@ -580,6 +580,8 @@ fn run_sandbox(
     // that follows, or drive the terminal); to a pipe or file byte for byte.
     let (out_terminal, err_terminal) =
         (std::io::IsTerminal::is_terminal(&stdout), std::io::IsTerminal::is_terminal(&stderr));
+    let (mut out_escaper, mut err_escaper) =
+        (agent::stdout::TerminalEscaper::default(), agent::stdout::TerminalEscaper::default());
     let mut last_stdout_byte = b'\n';
     let mut tee = |stream: sandbox::Stream, data: &[u8]| {
         // A closed terminal or pipe must not stop the sandbox; the JSON still captures it.
@@ -589,12 +591,12 @@ fn run_sandbox(
                     last_stdout_byte = *b;
                 }
                 if out_terminal {
-                    stdout.lock().write_all(&escape_controls(data))
+                    stdout.lock().write_all(&out_escaper.escape(data))
                 } else {
                     stdout.lock().write_all(data)
                 }
             }
-            sandbox::Stream::Stderr if err_terminal => stderr.lock().write_all(&escape_controls(data)),
+            sandbox::Stream::Stderr if err_terminal => stderr.lock().write_all(&err_escaper.escape(data)),
             sandbox::Stream::Stderr => stderr.lock().write_all(data),
         };
     };
@@ -620,6 +622,8 @@ fn run_sandbox(
         }
     };
     let outcome = sb.wait(out)?;
+    let _ = stdout.lock().write_all(&out_escaper.finish());
+    let _ = stderr.lock().write_all(&err_escaper.finish());
     let result = RunResult::for_program(&outcome, &limits);
     let text = serde_json::to_string(&result)?;
     let sep = if !json_only && last_stdout_byte != b'\n' { "\n" } else { "" };
@@ -789,8 +793,9 @@ fn executor_test(
     // is the package's tests' output: on a terminal, control characters but newline and
     // tab are shown escaped (`\x1b`), never sent (no escape sequences).
     let terminal = std::io::IsTerminal::is_terminal(&stderr);
+    let mut escaper = agent::stdout::TerminalEscaper::default();
     let mut tee = |_: sandbox::Stream, data: &[u8]| {
-        let _ = if terminal { stderr.lock().write_all(&escape_controls(data)) } else { stderr.lock().write_all(data) };
+        let _ = if terminal { stderr.lock().write_all(&escaper.escape(data)) } else { stderr.lock().write_all(data) };
     };
     let result = agent::executor_test::run(
         agent::executor_test::TestRequest {
@@ -803,7 +808,9 @@ fn executor_test(
         },
         Some(&mut tee),
     )
-    .map_err(|e| CannotRun(e.0))?;
+    .map_err(|e| CannotRun(e.0));
+    let _ = stderr.lock().write_all(&escaper.finish());
+    let result = result?;
     outln!("{}", serde_json::to_string(&result)?);
     Ok(if result.status == Status::Completed { ExitCode::SUCCESS } else { ExitCode::from(1) })
 }
@@ -1010,25 +1017,6 @@ fn bench(
         outln!("wrote {}", path.display());
     }
     Ok(ExitCode::SUCCESS)
-}
-
-/// `data` with its control bytes but newline and tab written as `\xNN` (a carriage return
-/// could write over a line already shown; bytes below 0x80 are never part of a longer UTF-8
-/// sequence, so text stays intact).
-fn escape_controls(data: &[u8]) -> std::borrow::Cow<'_, [u8]> {
-    let control = |b: u8| (b < 0x20 && !matches!(b, b'\n' | b'\t')) || b == 0x7f;
-    if !data.iter().any(|&b| control(b)) {
-        return std::borrow::Cow::Borrowed(data);
-    }
-    let mut out = Vec::with_capacity(data.len() + 16);
-    for &b in data {
-        if control(b) {
-            out.extend_from_slice(format!("\\x{b:02x}").as_bytes());
-        } else {
-            out.push(b);
-        }
-    }
-    std::borrow::Cow::Owned(out)
 }
 
 /// A file a report can be written to: a regular file or none yet, in a directory that is

@@ -195,6 +195,7 @@ impl Channel {
     pub fn recv_bytes_by(&self, max: usize, deadline: Option<std::time::Instant>) -> Result<Option<Vec<u8>>, String> {
         let mut out = Vec::new();
         let mut buf = vec![0u8; 32 * 1024 + 1];
+        let mut reset = false;
         loop {
             if let Some(deadline) = deadline {
                 let left = deadline.saturating_duration_since(std::time::Instant::now());
@@ -212,6 +213,10 @@ impl Channel {
             let n = loop {
                 match socket::recv(self.fd.as_raw_fd(), &mut buf, MsgFlags::empty()) {
                     Err(Errno::EINTR) => continue,
+                    // The peer closed its end with a message of ours unread: the kernel says
+                    // so once, before what the peer sent is read. That is still its own (a
+                    // result sent before it ended), and end of file follows it.
+                    Err(Errno::ECONNRESET) if !reset => reset = true,
                     Err(e) => return Err(format!("recv: {}", e.desc())),
                     Ok(n) => break n,
                 }

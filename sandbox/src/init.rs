@@ -331,13 +331,15 @@ fn monitor_until(
     };
     // Held to the monitor's end (never written).
     let _alive = alive_w;
-    chan.send(&FromSandbox::InitForked { pid: init_pid.as_raw() })
-        .map_err(|e| StepError::errno(Stage::Protocol, "send", e))?;
     for fd in 0..=2 {
         // SAFETY: the monitor never uses its stdio again; closing lets the output pipes reach
-        // end-of-file as soon as the sandbox's own processes are gone.
+        // end-of-file as soon as the sandbox's own processes are gone. Before the report below:
+        // once init may have ended, no copy of the pipes is left outside the sandbox (the
+        // parent takes one still open then as held by another process).
         unsafe { libc::close(fd) };
     }
+    chan.send(&FromSandbox::InitForked { pid: init_pid.as_raw() })
+        .map_err(|e| StepError::errno(Stage::Protocol, "send", e))?;
     // 7.
     let ru = wait_for_init(chan, &sfd, init_pid)?;
     let tv_ms = |t: libc::timeval| (t.tv_sec.max(0) as u64) * 1000 + (t.tv_usec.max(0) as u64) / 1000;

@@ -297,6 +297,9 @@ enum SessionMessage {
         #[serde(flatten)]
         counts: TestCounts,
         exitstatus: i32,
+        /// Ended by an interrupt or `pytest.exit()`, whose status is the caller's.
+        #[serde(default)]
+        interrupted: bool,
     },
     /// The boot script could not import pytest (it then exits [`EXIT_NO_PYTEST`]).
     NoPytest,
@@ -309,6 +312,8 @@ enum SessionMessage {
 struct SessionReport {
     /// The plugin's counts and pytest's exit status.
     counts: Option<(TestCounts, i32)>,
+    /// The plugin saw the session ended by an interrupt or `pytest.exit()`.
+    interrupted: bool,
     /// The boot script could not import pytest.
     no_pytest: bool,
     /// The status `pytest.main` returned, when it did.
@@ -515,7 +520,8 @@ fn serve(chan: &sandbox::channel::Channel) -> Result<SessionReport, String> {
             Ok(None) => break,
             Ok(Some(bytes)) => {
                 let repeated = match serde_json::from_slice::<SessionMessage>(&bytes) {
-                    Ok(SessionMessage::PytestResult { counts, exitstatus }) => {
+                    Ok(SessionMessage::PytestResult { counts, exitstatus, interrupted }) => {
+                        report.interrupted |= interrupted;
                         report.counts.replace((counts, exitstatus)).is_some()
                     }
                     Ok(SessionMessage::NoPytest) => std::mem::replace(&mut report.no_pytest, true),
@@ -547,6 +553,19 @@ fn last_stderr_line(outcome: &sandbox::Outcome) -> String {
     stderr.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("no message").trim().to_string()
 }
 
+/// pytest's own reason for a usage error: its last `error:` line (argparse's `pytest: error:
+/// unrecognized arguments: …`, its `ERROR: file or directory not found: …`), not the
+/// `rootdir:` and `inifile:` lines it prints after it.
+fn usage_error_line(outcome: &sandbox::Outcome) -> String {
+    let stderr = String::from_utf8_lossy(&outcome.stderr.bytes);
+    stderr
+        .lines()
+        .rev()
+        .find(|l| l.to_ascii_lowercase().contains("error:"))
+        .map(|l| l.trim().to_string())
+        .unwrap_or_else(|| last_stderr_line(outcome))
+}
+
 fn assemble(
     outcome: &sandbox::Outcome,
     limits: &crate::limits::EffectiveLimits,
@@ -565,11 +584,11 @@ fn assemble(
                 last_stderr_line(outcome)
             )));
         }
-        if said.pytest_exit == Some(EXIT_USAGE) && exit == Some(EXIT_USAGE) {
+        if said.pytest_exit == Some(EXIT_USAGE) && exit == Some(EXIT_USAGE) && !said.interrupted {
             return Err(CannotRun(format!(
                 "pytest refused its arguments or the tests' configuration (its usage error, exit status 4): {}; \
                  check the arguments after --",
-                last_stderr_line(outcome)
+                usage_error_line(outcome)
             )));
         }
     }

@@ -13,6 +13,9 @@ import socket
 _APP_FD = 4
 _config = None
 _counts = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0, "xfailed": 0, "xpassed": 0}
+# The session was ended by an interrupt or `pytest.exit()` (whose status is the caller's:
+# `pytest.exit(returncode=4)` is no usage error).
+_interrupted = False
 _CATEGORY = {"passed": "passed", "failed": "failed", "skipped": "skipped", "error": "errors",
              "xfailed": "xfailed", "xpassed": "xpassed"}
 
@@ -43,10 +46,16 @@ def pytest_collectreport(report):
         _counts["skipped"] += 1
 
 
+def pytest_keyboard_interrupt(excinfo):
+    global _interrupted
+    _interrupted = True
+
+
 def pytest_sessionfinish(session, exitstatus):
     message = dict(_counts)
     message["type"] = "pytest_result"
     message["exitstatus"] = int(exitstatus)
+    message["interrupted"] = _interrupted
     try:
         import pytest
 
