@@ -1883,6 +1883,11 @@ class TestExecutor(BaseExecutor):
             for i in range(1500):
                 log.info("record %d" % i, i=i)
             return ExecutorResult(output={"ok": True})
+        if mode == "chatty_then_gone":
+            import os
+            for i in range(1100):
+                log.info("item", i=i)
+            os._exit(3)
         if mode == "chatty":
             for i in range(101001):
                 log.info("item", i=i)
@@ -1956,6 +1961,13 @@ fn logs_are_capped_by_count_and_size() {
     let logs = r["logs"].as_array().unwrap();
     assert_eq!(logs.len(), 1001, "1000 records and a note");
     assert!(logs[1000]["msg"].as_str().unwrap().starts_with("100001 more log records dropped"), "{}", logs[1000]);
+    // A run that ends without its result (where the runtime's count travels) still says
+    // records were dropped.
+    let r = run_params(&d.path, &json!({"mode": "chatty_then_gone"})).result();
+    assert_eq!(r["status"], "failed", "{r}");
+    let logs = r["logs"].as_array().unwrap();
+    assert_eq!(logs.len(), 1001, "1000 records and a note");
+    assert!(logs[1000]["msg"].as_str().unwrap().contains("how many is unknown"), "{}", logs[1000]);
 
     // 64 records of 1 MiB: the agent does not keep (or print) 64 MiB of logs.
     let out = run_params(&d.path, &json!({"mode": "big_logs"}));
@@ -2945,6 +2957,64 @@ fn runtime_on_channel() -> (sandbox::channel::Channel, std::process::Child) {
     let child = cmd.spawn().unwrap();
     drop(runtime_end);
     (agent_end, child)
+}
+
+/// The runtime keeps log records past the agent's caps back and counts them — only for an
+/// agent that says it takes the count (`log_caps`): it says so once (`logs_held`) and gives
+/// the count with the result. An agent from before gets every record, as it did then (it
+/// would refuse the result's unknown `logs_dropped`). Driven directly over the channel.
+#[test]
+fn the_runtime_keeps_log_records_back_only_for_an_agent_that_takes_the_count() {
+    let d = HostDir::new();
+    let package = PathBuf::from(d.str()).join("pkg");
+    std::fs::create_dir(&package).unwrap();
+    std::fs::write(
+        package.join("chatty.py"),
+        "from opservant.executor import BaseExecutor, ExecutorResult\n\
+         class Chatty(BaseExecutor):\n    def validate(self, params):\n        return True\n\
+         \n    def execute(self, params, context):\n        for i in range(1100):\n            \
+         context['logger'].info('item', i=i)\n        return ExecutorResult(status='completed', output={})\n",
+    )
+    .unwrap();
+    let args = |log_caps: Option<bool>| {
+        let mut a = json!({
+            "mode": "executor", "package_dir": package, "entry_point": "chatty.Chatty", "paths": [],
+            "params": {}, "agent_id": "test", "action": null, "command_id": null, "config": {},
+            "proceed": true
+        });
+        if let Some(c) = log_caps {
+            a["log_caps"] = json!(c);
+        }
+        serde_json::to_vec(&a).unwrap()
+    };
+    for log_caps in [Some(true), None] {
+        let (agent_end, child) = runtime_on_channel();
+        agent_end.send_bytes(&args(log_caps)).unwrap();
+        let mut kinds: Vec<Value> = Vec::new();
+        while let Some(bytes) = agent_end.recv_bytes(1 << 20).unwrap() {
+            let msg: Value = serde_json::from_slice(&bytes).unwrap();
+            if msg["type"] == "ready" {
+                agent_end.send_bytes(br#"{"type":"proceed"}"#).unwrap();
+            }
+            let last = msg["type"] == "result";
+            kinds.push(msg);
+            if last {
+                break;
+            }
+        }
+        drop(agent_end);
+        assert!(child.wait_with_output().unwrap().status.success());
+        let logs = kinds.iter().filter(|m| m["type"] == "log").count();
+        let held = kinds.iter().filter(|m| m["type"] == "logs_held").count();
+        let result = kinds.last().unwrap();
+        assert_eq!(result["type"], "result", "{result}");
+        if log_caps == Some(true) {
+            assert_eq!((logs, held, &result["logs_dropped"]), (1000, 1, &json!(100)), "{result}");
+        } else {
+            assert_eq!((logs, held), (1100, 0), "every record for an agent from before");
+            assert!(result.get("logs_dropped").is_none(), "{result}");
+        }
+    }
 }
 
 /// The runtime reports `ready` (the agent then writes the deferred CPU quota) and — when the

@@ -353,6 +353,16 @@ fn bad_input_exits_2() {
     let out = executor_test(&pkg, &[]);
     assert_eq!(out.code, 1, "{}\n{}", out.stdout, out.stderr);
     assert_eq!(out.json["exit_code"], 4, "{}", out.stdout);
+    // So is one from the tests' configuration, which ends pytest before its session finishes.
+    let pkg = package(&dir.path, "exit-4-early", Some("def test_x():\n    pass\n"));
+    std::fs::write(
+        pkg.join("tests/conftest.py"),
+        "import pytest\n\ndef pytest_configure(config):\n    pytest.exit('early', returncode=4)\n",
+    )
+    .unwrap();
+    let out = executor_test(&pkg, &[]);
+    assert_eq!(out.code, 1, "{}\n{}", out.stdout, out.stderr);
+    assert_eq!(out.json["exit_code"], 4, "{}", out.stdout);
 
     // Test code that exits as those would (121, 4) says nothing on the channel: the session
     // ended without completing (exit 1, a result line), not "could not run".

@@ -114,8 +114,8 @@ pub enum FromPayload {
     /// `context["vault"].get_secret(name)`.
     SecretRequest { name: String },
     /// The executor's result, after the lifecycle. `logs_dropped`: log records the runtime
-    /// did not send, past the caps the agent keeps (`MAX_LOGS`, `MAX_LOG_BYTES`) — absent
-    /// when none, so a runtime and an agent of different builds agree on every other run.
+    /// did not send, past the caps the agent keeps (`MAX_LOGS`, `MAX_LOG_BYTES`); only when
+    /// the agent asked for that (`log_caps`), and absent when none.
     Result {
         status: String,
         #[serde(default)]
@@ -127,6 +127,10 @@ pub enum FromPayload {
         #[serde(default, skip_serializing_if = "is_zero")]
         logs_dropped: u64,
     },
+    /// The runtime has begun keeping log records back (once, at the first; only when the
+    /// agent asked, `log_caps`): a run that ends without its result still says that some
+    /// were dropped.
+    LogsHeld,
     /// A script did not pass validation (nothing was run).
     ValidationError { error: String },
     /// A session call finished: `call` is the number of the [`ToPayload::SessionExec`] it
@@ -176,6 +180,7 @@ impl FromPayload {
             FromPayload::Log { .. } => "log",
             FromPayload::SecretRequest { .. } => "secret_request",
             FromPayload::Result { .. } => "result",
+            FromPayload::LogsHeld => "logs_held",
             FromPayload::ValidationError { .. } => "validation_error",
             FromPayload::SessionReply { .. } => "session_reply",
             FromPayload::Ready => "ready",
@@ -231,6 +236,11 @@ pub enum RuntimeArgs {
         /// See [`RuntimeArgs::waits_for_proceed`].
         #[serde(default)]
         proceed: bool,
+        /// The agent takes the runtime's count of log records it kept back (past the
+        /// agent's caps: [`FromPayload::LogsHeld`], `logs_dropped` in the result). Without it
+        /// — an agent from before — the runtime sends every record, as it did then.
+        #[serde(default)]
+        log_caps: bool,
     },
     Script {
         language: String,
@@ -337,6 +347,10 @@ pub fn parse(bytes: &[u8]) -> Result<FromPayload, String> {
             let wire::Result { status, output, error, artifacts, logs_dropped, .. } = read(bytes)?;
             FromPayload::Result { status, output, error, artifacts, logs_dropped }
         }
+        "logs_held" => {
+            let wire::Ready { .. } = read(bytes)?;
+            FromPayload::LogsHeld
+        }
         "validation_error" => {
             let wire::ValidationError { error, .. } = read(bytes)?;
             FromPayload::ValidationError { error }
@@ -440,6 +454,7 @@ mod wire {
         pub globals: serde_json::Map<String, Value>,
     }
 
+    /// A message of no fields but its `type` (`ready`, `logs_held`).
     #[derive(Deserialize)]
     #[serde(deny_unknown_fields)]
     pub struct Ready {

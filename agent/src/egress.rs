@@ -258,8 +258,8 @@ fn embedded_ipv4(prefixes: &[IpNet], a: Ipv6Addr) -> Option<Ipv4Addr> {
 
 /// The ranges `v4` and, for the IPv4 ones, the same as reached through each NAT64 prefix
 /// (/96s: `PREFIX::a.b.c.d` reaches `a.b.c.d` through a NAT64 gateway, wherever the host
-/// has one): such an address is as special, or as unreachable, as the IPv4 address it
-/// embeds.
+/// has one) and through 6to4: such an address is as special, or as unreachable, or as
+/// denied, as the IPv4 address it embeds.
 fn with_nat64(v4: &[IpNet], prefixes: &[IpNet]) -> Vec<IpNet> {
     let mut out = v4.to_vec();
     for net in v4 {
@@ -269,6 +269,9 @@ fn with_nat64(v4: &[IpNet], prefixes: &[IpNet]) -> Vec<IpNet> {
                 let embedded = Ipv6Addr::from(u128::from(base) | u128::from(u32::from(a)));
                 out.push(IpNet { addr: IpAddr::V6(embedded), prefix: 96 + net.prefix });
             }
+            // 6to4 (`2002:AABB:CCDD::/48` is `A.B.C.D`, through a host's 6to4 tunnel).
+            let embedded = Ipv6Addr::from((0x2002u128 << 112) | (u128::from(u32::from(a)) << 80));
+            out.push(IpNet { addr: IpAddr::V6(embedded), prefix: 16 + net.prefix });
         }
     }
     out
@@ -338,12 +341,9 @@ fn unreachable_ranges(pool: &Pool, nat64: &[IpNet]) -> Vec<IpNet> {
         "::/128",
         "::1/128",
         "::ffff:0:0/96",
-        // IPv4-compatible addresses (a host's automatic `sit` tunnel sends them as IPv4),
-        // and 6to4's forms of the unspecified, loopback and link-local (metadata) ranges.
+        // IPv4-compatible addresses (a host's automatic `sit` tunnel sends them as IPv4);
+        // the IPv4 ranges' 6to4 forms come with their NAT64 ones below.
         "::/96",
-        "2002::/24",
-        "2002:7f00::/24",
-        "2002:a9fe::/32",
         "fe80::/10",
         "ff00::/8",
     ]
@@ -793,8 +793,9 @@ mod tests {
         // An ordinary global address is not.
         assert!(!policy.is_special("2001:db8:2::10".parse().unwrap()));
         assert!(!policy.is_special("2a00:1450::1".parse().unwrap()));
-        // Never reachable by address either: IPv4-compatible, and 6to4's metadata form.
-        for net in ["::/96", "2002:a9fe::/32"] {
+        // Never reachable by address either: IPv4-compatible, and 6to4's forms of the
+        // unreachable IPv4 ranges (metadata: link-local, Alibaba's, Azure's WireServer).
+        for net in ["::/96", "2002:a9fe::/32", "2002:6464:64c8::/48", "2002:a83f:8110::/48", "2002:e000::/20"] {
             let net: IpNet = net.parse().unwrap();
             assert!(plan.firewall.always_denied.contains(&net), "{net:?}: {:?}", plan.firewall.always_denied);
         }

@@ -334,6 +334,8 @@ struct AppOutcome {
     logs_dropped: u64,
     /// Records the runtime did not send, past the same caps (its result says how many).
     logs_dropped_by_runtime: u64,
+    /// The runtime said it began keeping records back (whether or not a result follows).
+    logs_held: bool,
     /// Bytes of the messages of the records dropped, bounded by [`MAX_DROPPED_LOG_BYTES`].
     dropped_log_bytes: usize,
     /// Bytes of the records kept in `logs` (JSON), bounded by [`MAX_LOG_BYTES`].
@@ -468,6 +470,7 @@ fn run_steps(req: RunRequest, may_have_run: &mut bool) -> Result<RunResult, Cann
         command_id: req.command_id.clone(),
         config: req.config.public_view(),
         proceed: true,
+        log_caps: true,
     };
     spec.validate()?;
     let args = serde_json::to_vec(&args)?;
@@ -731,15 +734,23 @@ fn serve(
     let mut answered: std::collections::HashMap<String, Option<zeroize::Zeroizing<String>>> =
         std::collections::HashMap::new();
     let mut provider_calls = 0usize;
+    // Why a reply could not be sent, for a run that then ends without a result.
+    let mut unsent: Option<String> = None;
     let mut errors: std::collections::HashMap<String, u32> = std::collections::HashMap::new();
     loop {
         let bytes = match app::recv_raw_by(&chan, None) {
             Ok(Some(bytes)) => bytes,
-            Ok(None) => return out,
-            // The payload gone with a reply of ours unread (a secret asked for by a thread
-            // of its own, or a crash) resets the connection: nothing to stop, the peer is
-            // gone. After its result, an end like any other; before it, what the run's end
-            // reports (a signal's kill, or the reset).
+            // End of file: the payload is gone. A reply it never got and no result after it
+            // say why the run has none.
+            Ok(None) => {
+                if out.result.is_none() && out.protocol_error.is_none() {
+                    out.protocol_error = unsent.take();
+                }
+                return out;
+            }
+            // A channel error the payload's end gave (the reset of a payload gone with a
+            // reply of ours unread is read past, `Channel::recv_bytes_by`): nothing to stop.
+            // After its result, an end like any other; before it, what the run's end reports.
             Err(e) if e.starts_with("recv: ") => {
                 if out.result.is_none() {
                     out.protocol_error = Some(e);
@@ -881,8 +892,11 @@ fn serve(
                 }
                 // A reply that cannot be sent: the payload is gone (or its end of the channel
                 // is). What it sent before it went is still to be read — its result among
-                // it — and then end of file.
-                let _ = chan.send_bytes(&bytes);
+                // it — and then end of file; without a result, this says why.
+                if let Err(e) = chan.send_bytes(&bytes) {
+                    tracing::warn!(executor, command_id, "a reply to the runtime could not be sent: {}", e.desc());
+                    unsent.get_or_insert_with(|| format!("a reply to the runtime could not be sent: {}", e.desc()));
+                }
             }
             // Answered once; a second `ready` (written by executor code) is a protocol error.
             FromPayload::Ready if !ready => {
@@ -896,6 +910,7 @@ fn serve(
                 }
             }
             FromPayload::Result { .. } if out.result.is_some() => return broken(out, "a second result".into()),
+            FromPayload::LogsHeld => out.logs_held = true,
             FromPayload::Result { status, output, error, artifacts, logs_dropped } => {
                 out.logs_dropped_by_runtime = logs_dropped;
                 out.result = Some((status, output, error, artifacts));
@@ -922,6 +937,8 @@ fn assemble(
     let dropped = app.logs_dropped.saturating_add(app.logs_dropped_by_runtime);
     if dropped > 0 {
         r.logs.push(serde_json::json!({"level": "warning", "msg": format!("{dropped} more log records dropped (cap {} records, {} bytes)", app::MAX_LOGS, MAX_LOG_BYTES), "fields": {}}));
+    } else if app.logs_held {
+        r.logs.push(serde_json::json!({"level": "warning", "msg": format!("more log records dropped (cap {} records, {} bytes; how many is unknown: the run ended without its result)", app::MAX_LOGS, MAX_LOG_BYTES), "fields": {}}));
     }
     // The sandbox's verdict comes first: a timeout or an OOM kill is what happened, whatever
     // the runtime said before.

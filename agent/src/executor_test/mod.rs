@@ -305,6 +305,8 @@ enum SessionMessage {
     NoPytest,
     /// `pytest.main` returned this status to the boot script.
     PytestExit { exitstatus: i32 },
+    /// The plugin saw an interrupt or `pytest.exit()` (whose status is the caller's).
+    PytestInterrupted,
 }
 
 /// What the session said: the plugin's report and the boot script's word.
@@ -314,6 +316,8 @@ struct SessionReport {
     counts: Option<(TestCounts, i32)>,
     /// The plugin saw the session ended by an interrupt or `pytest.exit()`.
     interrupted: bool,
+    /// Its own message said so (at most once).
+    interrupt_said: bool,
     /// The boot script could not import pytest.
     no_pytest: bool,
     /// The status `pytest.main` returned, when it did.
@@ -526,6 +530,10 @@ fn serve(chan: &sandbox::channel::Channel) -> Result<SessionReport, String> {
                     }
                     Ok(SessionMessage::NoPytest) => std::mem::replace(&mut report.no_pytest, true),
                     Ok(SessionMessage::PytestExit { exitstatus }) => report.pytest_exit.replace(exitstatus).is_some(),
+                    Ok(SessionMessage::PytestInterrupted) => {
+                        report.interrupted = true;
+                        std::mem::replace(&mut report.interrupt_said, true)
+                    }
                     Err(e) => {
                         problem.get_or_insert_with(|| format!("malformed report from the test session: {e}"));
                         false

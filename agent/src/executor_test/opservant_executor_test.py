@@ -48,6 +48,10 @@ def pytest_collectreport(report):
 
 def pytest_keyboard_interrupt(excinfo):
     global _interrupted
+    # Said at once: an interrupt or `pytest.exit()` during the configuration or the
+    # session's start ends pytest without `pytest_sessionfinish`.
+    if not _interrupted:
+        _send({"type": "pytest_interrupted"})
     _interrupted = True
 
 
@@ -62,6 +66,10 @@ def pytest_sessionfinish(session, exitstatus):
         message["pytest_version"] = pytest.__version__
     except Exception:
         pass
+    _send(message)
+
+
+def _send(message):
     try:
         chan = socket.socket(fileno=_APP_FD)
     except OSError:

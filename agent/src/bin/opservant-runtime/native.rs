@@ -280,12 +280,19 @@ pub mod _opservant {
     fn log(level: String, msg: String, fields: &Bound<'_, PyDict>) -> PyResult<()> {
         let fields: serde_json::Map<String, Value> = pythonize::depythonize(fields.as_any())?;
         let bytes = app::encode(&FromPayload::Log { level, msg, fields });
-        // The agent's measure of a record: its JSON without the message's tag.
+        // Only an agent that takes the count (an older one gets every record, as before).
+        if !matches!(super::runtime_args()?, RuntimeArgs::Executor { log_caps: true, .. }) {
+            return send_bytes(&bytes);
+        }
+        // The agent's measure of a record: its JSON without the message's tag (to within
+        // how a float reads back; the agent counts what it drops itself besides).
         let size = bytes.len().saturating_sub(LOG_TAG.len()) as u64;
         // (Called with the interpreter's lock held: one record at a time.)
         let (kept, kept_bytes) = (LOGS_KEPT.load(Ordering::Relaxed), LOG_BYTES_KEPT.load(Ordering::Relaxed));
         if kept >= app::MAX_LOGS as u64 || kept_bytes + size > agent::executor_run::MAX_LOG_BYTES as u64 {
-            LOGS_DROPPED.fetch_add(1, Ordering::Relaxed);
+            if LOGS_DROPPED.fetch_add(1, Ordering::Relaxed) == 0 {
+                send(&FromPayload::LogsHeld)?;
+            }
             return Ok(());
         }
         LOGS_KEPT.fetch_add(1, Ordering::Relaxed);
