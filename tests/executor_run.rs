@@ -2145,6 +2145,19 @@ import _opservant
 from opservant.executor import BaseExecutor, ExecutorResult
 
 
+def _raw(*messages):
+    """Each message (bytes) straight to the application channel (fd 4), in the channel's
+    framing: packets of 32 KiB after a flag byte, 1 for "more follows", 0 for the last."""
+    chan = socket.socket(fileno=4)
+    try:
+        for msg in messages:
+            chunks = [msg[i:i + 32768] for i in range(0, len(msg), 32768)]
+            for i, c in enumerate(chunks):
+                chan.send(bytes([1 if i + 1 < len(chunks) else 0]) + c)
+    finally:
+        chan.detach()
+
+
 class TestExecutor(BaseExecutor):
     def validate(self, params):
         return True
@@ -2153,58 +2166,34 @@ class TestExecutor(BaseExecutor):
         if params["mode"] == "raw":
             # A result message written straight to the application channel (fd 4), past
             # the runtime's own output cap.
-            msg = json.dumps({"type": "result", "status": "completed", "output": {"x": "a" * (5 << 20)}}).encode()
-            chunks = [msg[i:i + 32768] for i in range(0, len(msg), 32768)]
-            chan = socket.socket(fileno=4)
-            for i, c in enumerate(chunks):
-                chan.send(bytes([1 if i + 1 < len(chunks) else 0]) + c)
-            chan.detach()
+            _raw(json.dumps({"type": "result", "status": "completed", "output": {"x": "a" * (5 << 20)}}).encode())
             # Ended before the runtime sends its own result: the forged one is the only one.
             os._exit(0)
         if params["mode"] == "nested_accepted":
             # Nested one-element arrays, as many as the estimate accepts (each array's smallest
             # vector outweighs its text): parsed whole, it must stay near the estimate.
             unit = b"[" * 120 + b"0" + b"]" * 120
-            msg = b'{"type":"result","status":"completed","output":{"a":[' + b",".join([unit] * 8000) + b"]}}"
-            chunks = [msg[i:i + 32768] for i in range(0, len(msg), 32768)]
-            chan = socket.socket(fileno=4)
-            for i, c in enumerate(chunks):
-                chan.send(bytes([1 if i + 1 < len(chunks) else 0]) + c)
-            chan.detach()
+            _raw(b'{"type":"result","status":"completed","output":{"a":[' + b",".join([unit] * 8000) + b"]}}")
             os._exit(0)
         if params["mode"] == "nested":
             # ~10 MB of nested one-key objects straight to the channel: parsed, it took the
             # agent 1.3 GB (2 Mi values, within the old count of values).
             unit = b'{"":' * 120 + b"0" + b"}" * 120
-            msg = b'{"type":"result","status":"completed","output":[' + b",".join([unit] * 17000) + b"]}"
-            chunks = [msg[i:i + 32768] for i in range(0, len(msg), 32768)]
-            chan = socket.socket(fileno=4)
-            for i, c in enumerate(chunks):
-                chan.send(bytes([1 if i + 1 < len(chunks) else 0]) + c)
-            chan.detach()
+            _raw(b'{"type":"result","status":"completed","output":[' + b",".join([unit] * 17000) + b"]}")
             os._exit(0)
         if params["mode"] == "log_flood":
             # Records of 1 MiB without end, written straight to the channel (the runtime's
             # own logger stops sending at the caps): each costs the agent a copy and a parse,
             # its CPU and not the sandbox's.
             msg = json.dumps({"type": "log", "level": "info", "msg": "z" * (1 << 20), "fields": {}}).encode()
-            chunks = [msg[i:i + 32768] for i in range(0, len(msg), 32768)]
-            chan = socket.socket(fileno=4)
             while True:
-                for i, c in enumerate(chunks):
-                    chan.send(bytes([1 if i + 1 < len(chunks) else 0]) + c)
+                _raw(msg)
         if params["mode"] == "reset":
             # A secret asked for and its answer never read, then records and a result, and
             # an end: the agent hears of the unread answer (a reset) before the rest.
-            chan = socket.socket(fileno=4)
-            for msg in [{"type": "secret_request", "name": "undeclared"}] + [
-                {"type": "log", "level": "info", "msg": "m%d" % i, "fields": {"pad": "p" * 200}} for i in range(600)
-            ] + [{"type": "result", "status": "completed", "output": {"mine": True}}]:
-                b = json.dumps(msg).encode()
-                chunks = [b[i:i + 32768] for i in range(0, len(b), 32768)]
-                for i, c in enumerate(chunks):
-                    chan.send(bytes([1 if i + 1 < len(chunks) else 0]) + c)
-            chan.detach()
+            logs = [{"type": "log", "level": "info", "msg": "m%d" % i, "fields": {"pad": "p" * 200}} for i in range(600)]
+            result = {"type": "result", "status": "completed", "output": {"mine": True}}
+            _raw(*[json.dumps(m).encode() for m in [{"type": "secret_request", "name": "undeclared"}] + logs + [result]])
             os._exit(0)
         if params["mode"] == "twice":
             # A result of its own, and then the runtime's: a second result.

@@ -1092,16 +1092,20 @@ impl Sandbox {
                 if let Some(a) = abandon_at {
                     *a = Instant::now() + ABANDON;
                 }
-                let chunk = &buf[..n];
-                cap.total += n as u64;
-                let room = limit.saturating_sub(cap.bytes.len());
-                cap.bytes.extend_from_slice(&chunk[..room.min(n)]);
-                if let Some(t) = tee {
-                    t(stream, chunk);
-                }
+                Self::keep(&buf[..n], cap, limit, stream, tee);
             }
             Err(Errno::EINTR | Errno::EAGAIN) => {}
             Err(_) => *fd = None,
+        }
+    }
+
+    /// A chunk read from an output pipe: counted, kept up to `limit`, passed to the tee.
+    fn keep(chunk: &[u8], cap: &mut Captured, limit: usize, stream: Stream, tee: &mut Option<Tee<'_>>) {
+        cap.total += chunk.len() as u64;
+        let room = limit.saturating_sub(cap.bytes.len());
+        cap.bytes.extend_from_slice(&chunk[..room.min(chunk.len())]);
+        if let Some(t) = tee {
+            t(stream, chunk);
         }
     }
 
@@ -1129,13 +1133,7 @@ impl Sandbox {
                 Ok(0) => return false,
                 Ok(n) => {
                     read += n;
-                    let chunk = &buf[..n];
-                    cap.total += n as u64;
-                    let room = limit.saturating_sub(cap.bytes.len());
-                    cap.bytes.extend_from_slice(&chunk[..room.min(n)]);
-                    if let Some(t) = tee {
-                        t(stream, chunk);
-                    }
+                    Self::keep(&buf[..n], cap, limit, stream, tee);
                 }
                 Err(Errno::EINTR) => {}
                 Err(Errno::EAGAIN) => break,

@@ -10,26 +10,9 @@ pytest cannot be imported (then exit status 121), ``pytest_exit`` with the statu
 arguments" (status 4) from test code that exits 121 or 4 itself, which sends neither.
 """
 
-import json
-import socket
 import sys
 
 NO_PYTEST = 121
-_APP_FD = 4
-
-
-def tell(message):
-    """Send one message on the application channel (one packet: flag byte 0, then JSON)."""
-    try:
-        chan = socket.socket(fileno=_APP_FD)
-    except OSError:
-        return
-    try:
-        chan.send(b"\x00" + json.dumps(message).encode("utf-8"))
-    except OSError:
-        pass
-    finally:
-        chan.detach()
 
 
 def main():
@@ -39,6 +22,9 @@ def main():
     if deps_dir:
         paths.append(deps_dir)
     sys.path[:0] = paths
+    # The reporting plugin's module (the same one pytest loads with `-p`) sends the messages.
+    from opservant_executor_test import send_message as tell
+
     try:
         import pytest
     except Exception as exc:  # ImportError, or a broken installation

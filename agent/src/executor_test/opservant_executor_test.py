@@ -51,7 +51,7 @@ def pytest_keyboard_interrupt(excinfo):
     # Said at once: an interrupt or `pytest.exit()` during the configuration or the
     # session's start ends pytest without `pytest_sessionfinish`.
     if not _interrupted:
-        _send({"type": "pytest_interrupted"})
+        send_message({"type": "pytest_interrupted"})
     _interrupted = True
 
 
@@ -66,10 +66,11 @@ def pytest_sessionfinish(session, exitstatus):
         message["pytest_version"] = pytest.__version__
     except Exception:
         pass
-    _send(message)
+    send_message(message)
 
 
-def _send(message):
+def send_message(message):
+    """One message to the agent on the application channel (fd 4), if it is there."""
     try:
         chan = socket.socket(fileno=_APP_FD)
     except OSError:
