@@ -87,6 +87,14 @@ enum Source {
     /// Anything else, bound: its device, inode and when that inode was made (a freed inode
     /// number comes back at once on ext4, so the pair alone could name a later file).
     Bound(u64, u64, Born),
+    /// The host's mounts at or beneath the declared paths, in mountinfo's order: id, parent,
+    /// device, root and mount point. A declared path is bound with every mount beneath it,
+    /// as they were then (the sandbox's mount namespace is private): a mount made over part
+    /// of it later (one hiding a directory) is not in a sandbox built before, and one
+    /// unmounted since is still there.
+    Mounts(Vec<(u32, u32, String, PathBuf, PathBuf)>),
+    /// The mount table could not be read: never equal to another (the sandbox is discarded).
+    MountsUnknown(u64),
 }
 
 /// When an inode was made: its birth time where the filesystem keeps one; else, for a file,
@@ -123,13 +131,32 @@ fn sources(spec: &SandboxSpec) -> Vec<Source> {
             Err(_) => Source::Missing,
         }
     });
-    let declared = spec
-        .filesystem
-        .paths
+    let declared: Vec<&sandbox::spec::PathRule> =
+        spec.filesystem.paths.iter().filter(|r| !made_in_scratch(r)).collect();
+    let identities = declared
         .iter()
-        .filter(|r| !made_in_scratch(r))
         .map(|r| std::fs::metadata(r.source.as_ref().unwrap_or(&r.path)).map_or(Source::Missing, |m| bound(&m)));
-    system.chain(declared).chain(masked_sources(spec)).collect()
+    let mounts = (!declared.is_empty()).then(|| mounts_beneath(&declared));
+    system.chain(identities).chain(masked_sources(spec)).chain(mounts).collect()
+}
+
+/// [`Source::Mounts`] of `declared`'s host sources (as the host root resolves them).
+fn mounts_beneath(declared: &[&sandbox::spec::PathRule]) -> Source {
+    static UNKNOWN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    // This thread's (the process's) mount namespace, as the sandbox's view is made in.
+    let Ok(text) = std::fs::read("/proc/thread-self/mountinfo") else {
+        return Source::MountsUnknown(UNKNOWN.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+    };
+    let table = sandbox::mountinfo::parse(&text);
+    let roots: Vec<PathBuf> =
+        declared.iter().filter_map(|r| std::fs::canonicalize(r.source.as_ref().unwrap_or(&r.path)).ok()).collect();
+    Source::Mounts(
+        table
+            .into_iter()
+            .filter(|m| roots.iter().any(|root| m.mount_point.starts_with(root)))
+            .map(|m| (m.id, m.parent, m.device, m.root, m.mount_point))
+            .collect(),
+    )
 }
 
 /// What each masked path the view shows from the host is now (a masked path beneath a
@@ -527,7 +554,8 @@ mod tests {
         spec.filesystem.paths = vec![rule(&declared, Access::Read), rule(&tmp, Access::ReadWrite)];
 
         let before = sources(&spec);
-        assert_eq!(before.len(), 3, "system and declared paths, not the scratch /tmp one: {before:?}");
+        assert_eq!(before.len(), 4, "system and declared paths, not the scratch /tmp one, and mounts: {before:?}");
+        assert!(matches!(before[3], Source::Mounts(_)), "{before:?}");
         assert!(matches!(before[1], Source::Link(ref t) if t == Path::new("/usr/share/zoneinfo/Etc/UTC")));
         std::fs::create_dir(&tmp).unwrap();
         assert_eq!(sources(&spec), before, "the host's /tmp path is not what the sandbox shows");
@@ -570,7 +598,7 @@ mod tests {
         spec.filesystem.masked =
             vec![dir.join("etc/shadow"), dir.join("etc/shadow-"), "/data/key".into(), "/proc/kcore".into()];
         let before = sources(&spec);
-        assert_eq!(before.len(), 2 + 3, "two shown paths, three masks beneath them: {before:?}");
+        assert_eq!(before.len(), 2 + 3 + 1, "two shown paths, three masks beneath them, mounts: {before:?}");
         assert_eq!(before[3], Source::Missing);
         // Replaced by a rename, as `passwd` does: another inode.
         std::fs::write(dir.join("new"), b"new").unwrap();
@@ -587,11 +615,61 @@ mod tests {
         std::os::unix::fs::symlink("shadow", dir.join("etc/linked")).unwrap();
         spec.filesystem.masked.push(dir.join("etc/linked"));
         let linked = sources(&spec);
-        assert_eq!((linked.len(), &linked[5]), (7, &Source::Link("shadow".into())));
+        assert_eq!((linked.len(), &linked[5]), (8, &Source::Link("shadow".into())));
         assert_eq!(linked[6], linked[2], "the link's target is the masked file");
         std::fs::write(dir.join("new"), b"newer").unwrap();
         std::fs::rename(dir.join("new"), dir.join("etc/shadow")).unwrap();
         assert_ne!(sources(&spec)[6], linked[6]);
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A mount made beneath a declared path after a sandbox was built — one hiding a
+    /// directory — or one unmounted since changes what the path shows: a pooled sandbox
+    /// holds the mounts as they were (a review read a covered secret through one).
+    #[test]
+    fn sources_cover_the_mounts_beneath_the_declared_paths() {
+        // SAFETY: geteuid has no preconditions. (Mounting needs root; as another user the
+        // mount namespace is not this test's to make.)
+        if unsafe { libc::geteuid() } != 0 {
+            return;
+        }
+        let dir = std::env::temp_dir().join(format!("opservant-pool-mounts-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("data/private")).unwrap();
+        let mut spec = SandboxSpec::new("/bin/true", vec![], Identity::same_inside(65534, 65534));
+        spec.filesystem.paths = vec![PathRule {
+            path: dir.join("data"),
+            access: Access::Read,
+            optional: false,
+            source: None,
+            identity: None,
+        }];
+        // In a mount namespace of this thread's own, private: nothing reaches the host's.
+        let inside = dir.clone();
+        let probe = std::thread::spawn(move || {
+            let dir = inside;
+            nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNS).unwrap();
+            nix::mount::mount(
+                None::<&str>,
+                "/",
+                None::<&str>,
+                nix::mount::MsFlags::MS_REC | nix::mount::MsFlags::MS_PRIVATE,
+                None::<&str>,
+            )
+            .unwrap();
+            let before = sources(&spec);
+            let cover = dir.join("data/private");
+            nix::mount::mount(Some("tmpfs"), &cover, Some("tmpfs"), nix::mount::MsFlags::empty(), None::<&str>)
+                .unwrap();
+            let covered = sources(&spec);
+            nix::mount::umount(&cover).unwrap();
+            let uncovered = sources(&spec);
+            (before, covered, uncovered)
+        });
+        let (before, covered, uncovered) = probe.join().unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_ne!(covered, before, "a mount made beneath a declared path");
+        assert_ne!(covered, uncovered, "the same mount gone again");
+        assert_eq!(uncovered, before);
     }
 }
