@@ -1122,8 +1122,13 @@ impl Sandbox {
     ) -> bool {
         let Some(f) = fd.take() else { return false };
         // Read without waiting: whoever holds the other end may write nothing more. (This
-        // read end is the parent's alone; the flag is its open file's.)
-        let _ = nix::fcntl::fcntl(f.as_fd(), nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK));
+        // read end is the parent's alone; the flag is its open file's.) A pipe that cannot be
+        // made so is left to the loop's own reads, bounded by the abandon timer, rather than
+        // read here where a read could block the run.
+        if nix::fcntl::fcntl(f.as_fd(), nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK)).is_err() {
+            *fd = Some(f);
+            return false;
+        }
         // F_GETPIPE_SZ cannot fail on a pipe; the kernel's most for an unprivileged writer
         // (`fs.pipe-max-size`'s default) should it.
         let capacity = nix::fcntl::fcntl(f.as_fd(), nix::fcntl::FcntlArg::F_GETPIPE_SZ).unwrap_or(1 << 20).max(0);
