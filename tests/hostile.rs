@@ -76,6 +76,186 @@ tried("chmod-sgid-dir", lambda: os.chmod(d + "/shared", 0o2775))
     assert_eq!(std::fs::metadata(rw.path.join("id")).unwrap().permissions().mode() & 0o7777, 0o755);
 }
 
+/// Kernel allowances the kernel counts per host uid — here pipe buffer pages
+/// (`fs.pipe-user-pages-soft`: past it, a user's new pipes get two pages and none may grow)
+/// — are not shared between sandboxes: each runs as a host uid of its own while it lives
+/// (`sandbox.host_uids`), so one that uses up its allowance leaves another's intact. The
+/// control runs the same two sandboxes sharing the identity's uid (`host_uids: shared`):
+/// there the second one's pipes shrink. The second sandbox's file in their write grant is
+/// the identity's on the host — not its leased uid's — through the grant's idmapping.
+#[test]
+fn sandboxes_do_not_share_per_uid_kernel_allowances() {
+    if !require_root() {
+        return;
+    }
+    let soft: u64 = std::fs::read_to_string("/proc/sys/fs/pipe-user-pages-soft").unwrap().trim().parse().unwrap();
+    let max: u64 = std::fs::read_to_string("/proc/sys/fs/pipe-max-size").unwrap().trim().parse().unwrap();
+    assert!(soft > 0 && max >= 1 << 20, "this test needs fs.pipe-user-pages-soft > 0 and 1 MiB pipes");
+    let shared = common::config_with("shared-uids", "sandbox:\n  host_uids: shared\n");
+    let (uid, gid) = executor_ids();
+    for per_sandbox in [true, false] {
+        let dir = HostDir::new();
+        dir.chown_to_executor();
+        let m = manifest(
+            &dir,
+            &format!(r#"{{"filesystem": {{"write": ["{}"]}}}}"#, dir.str()),
+            r#"{"max_cpu_percent": 50}"#,
+        );
+        let hog = format!(
+            r#"import fcntl, os, time
+d = {d:?}
+pipes, refused = [], None
+for i in range({n}):
+    r, w = os.pipe()
+    pipes.append((r, w))
+    try:
+        fcntl.fcntl(w, 1031, 1 << 20)
+    except OSError as e:
+        refused = e.errno
+        break
+open(d + "/ready", "w").close()
+for _ in range(600):
+    if os.path.exists(d + "/done"):
+        break
+    time.sleep(0.05)
+print("hog", len(pipes), refused)
+"#,
+            d = dir.str(),
+            n = soft / 256 + 8
+        );
+        let probe = format!(
+            r#"import fcntl, os
+d = {d:?}
+r, w = os.pipe()
+size = fcntl.fcntl(w, 1032)
+try:
+    fcntl.fcntl(w, 1031, 1 << 20)
+    grown = "grown"
+except OSError as e:
+    grown = "refused %d" % e.errno
+open(d + "/probe-file", "w").close()
+open(d + "/done", "w").close()
+print("probe", size, grown)
+"#,
+            d = dir.str()
+        );
+        let argv =
+            |code: &str| ["/usr/bin/python3".to_string(), "-I".into(), "-S".into(), "-c".into(), code.to_string()];
+        let run = |code: String, m: std::path::PathBuf, config: Option<std::path::PathBuf>| {
+            std::thread::spawn(move || {
+                let a = argv(&code);
+                let a: Vec<&str> = a.iter().map(String::as_str).collect();
+                match config {
+                    Some(c) => common::try_sandbox_configured(&c, Some(&m), &a).unwrap(),
+                    None => common::try_sandbox(Some(&m), &a).unwrap(),
+                }
+            })
+        };
+        let config = (!per_sandbox).then(|| shared.clone());
+        let hog = run(hog, m.clone(), config.clone());
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while !dir.path.join("ready").exists() {
+            assert!(std::time::Instant::now() < deadline, "the first sandbox never got its pipes");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        let probe = run(probe, m.clone(), config).join().unwrap();
+        let hog = hog.join().unwrap();
+        assert_eq!(hog.status(), "completed", "{}", hog.err());
+        assert!(hog.stdout().ends_with(" 1\n"), "the first sandbox did not use up its allowance: {}", hog.stdout());
+        let (a, b) = (&hog.json["sandbox"], &probe.json["sandbox"]);
+        let owner = std::os::unix::fs::MetadataExt::uid(&std::fs::metadata(dir.path.join("probe-file")).unwrap());
+        assert_eq!(owner, uid, "a file the sandbox made in its write grant is not the identity's on the host");
+        if per_sandbox {
+            assert_eq!(probe.stdout(), "probe 65536 grown\n", "{}", probe.err());
+            assert_eq!((a["host_uid_shared"].as_bool(), b["host_uid_shared"].as_bool()), (Some(false), Some(false)));
+            assert_ne!(a["host_uid"], b["host_uid"]);
+            for s in [a, b] {
+                let h = s["host_uid"].as_u64().unwrap();
+                assert!((1_900_000_000..1_900_065_536).contains(&h) && h != u64::from(uid), "{s}");
+                assert_eq!((s["uid"].as_u64(), s["gid"].as_u64()), (Some(u64::from(uid)), Some(u64::from(gid))));
+            }
+        } else {
+            assert_eq!(probe.stdout(), "probe 8192 refused 1\n", "the control did not share: {}", probe.err());
+            assert_eq!((b["host_uid_shared"].as_bool(), b["host_uid"].as_u64()), (Some(true), Some(u64::from(uid))));
+        }
+    }
+}
+
+/// A declared path whose filesystem cannot be idmapped (ramfs) is bound without the
+/// sandbox's idmapping, and the result says so: the identity's owner-only file there is not
+/// the sandbox's (less access, never more), and what the sandbox creates belongs to its
+/// leased uid. An idmappable write grant beside it works as the identity's.
+#[test]
+fn a_path_that_cannot_be_idmapped_is_reported_and_grants_no_more() {
+    if !require_root() {
+        return;
+    }
+    let dir = HostDir::new();
+    let ram = dir.path.join("ram");
+    std::fs::create_dir(&ram).unwrap();
+    nix::mount::mount(Some("ramfs"), &ram, Some("ramfs"), nix::mount::MsFlags::empty(), None::<&str>).unwrap();
+    struct Unmount(std::path::PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = nix::mount::umount2(&self.0, nix::mount::MntFlags::MNT_DETACH);
+        }
+    }
+    let _unmount = Unmount(ram.clone());
+    let (uid, gid) = executor_ids();
+    std::os::unix::fs::chown(&ram, Some(uid), Some(gid)).unwrap();
+    std::fs::set_permissions(&ram, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::write(ram.join("own"), "mine").unwrap();
+    std::os::unix::fs::chown(ram.join("own"), Some(uid), Some(gid)).unwrap();
+    std::fs::set_permissions(ram.join("own"), std::fs::Permissions::from_mode(0o600)).unwrap();
+    let m = manifest(&dir, &format!(r#"{{"filesystem": {{"write": ["{}"]}}}}"#, ram.display()), "{}");
+    let r = sh(Some(&m), &format!("cat {r}/own; echo; touch {r}/new; echo rc=$?", r = ram.display()));
+    assert_eq!(r.status(), "completed", "{}", r.err());
+    let sb = &r.json["sandbox"];
+    let listed = sb["not_idmapped"].as_array().cloned().unwrap_or_default();
+    assert!(listed.len() == 1 && listed[0].as_str().unwrap().starts_with(&format!("{}: ", ram.display())), "{sb}");
+    assert!(r.err().contains("Permission denied"), "the identity's file was readable: {} {}", r.stdout(), r.err());
+    assert!(r.stdout().contains("rc=1"), "{} {}", r.stdout(), r.err());
+    assert!(!ram.join("new").exists());
+}
+
+/// A sandbox's host uid is its own only while no other sandbox holds it: with every uid of
+/// the range held, a run is refused (no fall back to a shared uid), naming the range.
+#[test]
+fn a_sandbox_never_runs_on_a_host_uid_another_holds() {
+    if !require_root() {
+        return;
+    }
+    let one = common::config_with("one-uid", "sandbox:\n  host_uids: {first: 1900100000, count: 1}\n");
+    let dir = HostDir::new();
+    dir.chown_to_executor();
+    let m = manifest(&dir, &format!(r#"{{"filesystem": {{"write": ["{}"]}}}}"#, dir.str()), "{}");
+    let ready = dir.path.join("ready");
+    let script = format!(
+        "touch {r}; i=0; while [ ! -e {d}/done ] && [ $i -lt 600 ]; do sleep 0.05; i=$((i+1)); done",
+        r = ready.display(),
+        d = dir.str()
+    );
+    let (c, mm) = (one.clone(), m.clone());
+    let holder = std::thread::spawn(move || common::try_sandbox_configured(&c, Some(&mm), &["/bin/sh", "-c", &script]));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !ready.exists() {
+        assert!(std::time::Instant::now() < deadline, "the first sandbox never started");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let refused = common::try_sandbox_configured(&one, Some(&m), &["/bin/true"]);
+    std::fs::write(dir.path.join("done"), "").unwrap();
+    let held = holder.join().unwrap().unwrap();
+    assert_eq!((held.status(), held.json["sandbox"]["host_uid"].as_u64()), ("completed", Some(1_900_100_000)));
+    let err = match refused {
+        Err((_, err)) => err,
+        Ok(r) => r.json["error"].to_string(),
+    };
+    assert!(err.contains("every host uid of 1900100000-1900100000 is held by a running sandbox"), "{err}");
+    // Released with its sandbox.
+    let again = common::try_sandbox_configured(&one, Some(&m), &["/bin/true"]).unwrap();
+    assert_eq!((again.status(), again.json["sandbox"]["host_uid"].as_u64()), ("completed", Some(1_900_100_000)));
+}
+
 /// A read grant never opens a channel to the host: a read-only bind stops writes to files,
 /// not a `connect()` to a Unix socket nor opening a FIFO for writing (and this kernel's
 /// Landlock lacks `resolve_unix`), so a host socket or FIFO declared readable — or the

@@ -226,6 +226,28 @@ pub struct SandboxSection {
     /// Run with missing cgroup controllers, reporting what is not enforced.
     #[serde(default)]
     pub allow_degraded: bool,
+    /// The host uids sandboxes run as, one per sandbox alive at a time: `auto` (the
+    /// default: the `/etc/subuid` range of `opservant-executor`, else shared), `shared`
+    /// (every sandbox runs as the identity's own uid), or `{first, count}`.
+    #[serde(default)]
+    pub host_uids: Option<HostUidsSetting>,
+}
+
+/// `sandbox.host_uids`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(untagged)]
+pub enum HostUidsSetting {
+    /// `auto` or `shared`.
+    Named(String),
+    /// An explicit range.
+    Range(HostUidRange),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct HostUidRange {
+    pub first: u32,
+    pub count: u32,
 }
 
 #[derive(Debug, Clone, Default, Deserialize, Serialize)]
@@ -743,6 +765,26 @@ impl Config {
                 return Err(err(key, "must be an absolute path"));
             }
         }
+        match &self.sandbox.host_uids {
+            Some(HostUidsSetting::Named(n)) if n != "auto" && n != "shared" => {
+                return Err(err(
+                    "sandbox.host_uids",
+                    &format!("{n:?} is neither `auto`, `shared` nor a range {{first: UID, count: N}}"),
+                ))
+            }
+            Some(HostUidsSetting::Range(r))
+                if r.count == 0 || r.first == 0 || u64::from(r.first) + u64::from(r.count) > u64::from(u32::MAX) =>
+            {
+                return Err(err(
+                    "sandbox.host_uids",
+                    &format!(
+                        "first {} count {}: a range of at least one uid within 1-4294967294 (not root, not -1)",
+                        r.first, r.count
+                    ),
+                ))
+            }
+            _ => {}
+        }
         if self.sandbox.landlock_min_abi.is_some_and(|abi| abi > sandbox::landlock::MAX_PLAUSIBLE_ABI) {
             return Err(err(
                 "sandbox.landlock_min_abi",
@@ -984,6 +1026,26 @@ mod tests {
         assert_eq!(policy("resource_limits:\n  max_pids: 0\n").unwrap_err().path, "resource_limits.max_pids");
         let e = policy("resource_limits:\n  max_bandwidth_mbps: 100001\n").unwrap_err();
         assert_eq!(e.path, "resource_limits.max_bandwidth_mbps", "{e}");
+    }
+
+    #[test]
+    fn host_uids_are_auto_shared_or_a_range_of_uids() {
+        for ok in ["auto", "shared", "{first: 1900000000, count: 65536}", "{first: 1, count: 4294967294}"] {
+            let c = Config::parse(&format!("sandbox:\n  host_uids: {ok}\n")).unwrap_or_else(|e| panic!("{ok}: {e}"));
+            assert!(c.sandbox.host_uids.is_some(), "{ok}");
+        }
+        for (bad, says) in [
+            ("own", "neither `auto`, `shared` nor a range"),
+            ("{first: 0, count: 10}", "not root"),
+            ("{first: 100000, count: 0}", "at least one uid"),
+            ("{first: 4294967000, count: 1000}", "within 1-4294967294"),
+        ] {
+            let e = Config::parse(&format!("sandbox:\n  host_uids: {bad}\n")).unwrap_err();
+            assert_eq!(e.path, "sandbox.host_uids", "{bad}: {e}");
+            assert!(e.message.contains(says), "{bad}: {e}");
+        }
+        let e = Config::parse("sandbox:\n  host_uids: {first: 100000, count: 10, last: 3}\n").unwrap_err();
+        assert!(e.to_string().contains("host_uids"), "{e}");
     }
 
     #[test]

@@ -198,6 +198,9 @@ pub fn serve(pipeline: Pipeline, socket: &Path, platform: Option<crate::platform
     if let Some(w) = crate::doctor::identity_warning() {
         tracing::warn!(target: "opservant::daemon", "{w}");
     }
+    if pipeline.policy.host_uids.is_none() {
+        tracing::warn!(target: "opservant::daemon", "{}", crate::doctor::SHARED_HOST_UID);
+    }
     let pipeline = Arc::new(pipeline);
     let mut workers: Vec<std::thread::JoinHandle<()>> = Vec::new();
     let refusals = Refusals::start(pipeline.clone())?;

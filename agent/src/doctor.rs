@@ -31,7 +31,7 @@ impl DoctorReport {
 }
 
 /// Examine the host. `landlock_min_abi` and `allow_degraded` come from the agent policy.
-pub fn examine(landlock_min_abi: u32, allow_degraded: bool) -> DoctorReport {
+pub fn examine(landlock_min_abi: u32, allow_degraded: bool, host_uids: Option<&sandbox::HostUids>) -> DoctorReport {
     let p = sandbox::probe::probe();
     let mut findings = Vec::new();
     let mut degraded = Vec::new();
@@ -189,6 +189,12 @@ pub fn examine(landlock_min_abi: u32, allow_degraded: bool) -> DoctorReport {
         detail: identity_detail,
     });
 
+    let (uids_ok, uids_detail) = host_uids_finding(host_uids);
+    if !uids_ok {
+        degraded.push(uids_detail.clone());
+    }
+    findings.push(Finding { feature: "host uids", ok: uids_ok, required: false, detail: uids_detail });
+
     let (egress_ok, egress_detail) = egress_readiness();
     if !egress_ok {
         degraded.push(format!("executors with outbound: true cannot run: {egress_detail}"));
@@ -225,6 +231,21 @@ fn identity_finding() -> (Option<bool>, String) {
         Err(e) => (None, e.to_string()),
     }
 }
+
+/// Whether each sandbox runs as a host uid of its own (`sandbox.host_uids`).
+fn host_uids_finding(host_uids: Option<&sandbox::HostUids>) -> (bool, String) {
+    match host_uids {
+        Some(r) => {
+            (true, format!("a host uid of its own per sandbox, from {}-{} ({} at once)", r.first, r.last(), r.count))
+        }
+        None => (false, SHARED_HOST_UID.into()),
+    }
+}
+
+/// What sandboxes sharing the identity's host uid means.
+pub const SHARED_HOST_UID: &str = "every sandbox runs as the identity's host uid: kernel allowances counted per uid \
+     (pipe buffer pages, descriptors in flight over Unix sockets, epoll watches) are shared, so one sandbox can use them up \
+     for the others while it lives; give opservant-executor a range in /etc/subuid (usermod --add-subuids) or set sandbox.host_uids";
 
 /// Whether `outbound: true` can be honoured here (read-only: nothing is created).
 fn egress_readiness() -> (bool, String) {

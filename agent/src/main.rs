@@ -1496,7 +1496,7 @@ fn doctor(json: bool, config: Option<PathBuf>) -> Result<ExitCode, CannotRun> {
     } else {
         AgentPolicy::from_config(&agent::config::Config::load(config.as_deref())?)?
     };
-    let report = agent::doctor::examine(policy.landlock_min_abi, policy.allow_degraded);
+    let report = agent::doctor::examine(policy.landlock_min_abi, policy.allow_degraded, policy.host_uids.as_ref());
     if json {
         outln!("{}", serde_json::to_string_pretty(&report)?);
     } else {

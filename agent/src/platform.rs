@@ -615,7 +615,11 @@ pub fn run(
                 let executors: Vec<String> = crate::executor_install::list(&pipeline.executors)
                     .map(|l| l.into_iter().map(|e| format!("{}@{}", e.name, e.version)).collect())
                     .unwrap_or_default();
-                let doctor = crate::doctor::examine(pipeline.policy.landlock_min_abi, pipeline.policy.allow_degraded);
+                let doctor = crate::doctor::examine(
+                    pipeline.policy.landlock_min_abi,
+                    pipeline.policy.allow_degraded,
+                    pipeline.policy.host_uids.as_ref(),
+                );
                 let body = json!({
                     "agent_id": platform.agent_id,
                     "version": env!("CARGO_PKG_VERSION"),

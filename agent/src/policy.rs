@@ -207,6 +207,83 @@ pub fn refuse_egress(manifest: Option<&Manifest>, command: &str) -> Result<(), P
     }
 }
 
+/// The lock file through which every opservant process on the host — the service and
+/// command-line runs alike — shares out the host uids of sandboxes ([`sandbox::host_uid`]).
+/// Not in `/run/opservant`, which systemd removes when the service stops (a command-line
+/// run's lease would then be on a file no later lease sees); the unit makes this directory
+/// writable (`ReadWritePaths=`) and `systemd/tmpfiles.d` creates it at boot.
+pub const HOST_UIDS_LOCK: &str = "/run/opservant-host-uids/lock";
+
+/// The account sandboxes run as when it exists, whose `/etc/subuid` range `auto` takes.
+const EXECUTOR_ACCOUNT: &str = "opservant-executor";
+
+/// `sandbox.host_uids` resolved: an explicit range, or with `auto` (the default) the first
+/// `/etc/subuid` range of [`EXECUTOR_ACCOUNT`] when sandboxes run as it; `None` when they
+/// share the identity's uid. A range holding a local account's uid (or the identity's) is
+/// an error naming it: its processes would share the sandbox's kernel allowances, and
+/// could signal it.
+pub fn host_uids(
+    setting: Option<&crate::config::HostUidsSetting>,
+    identity: &Identity,
+) -> Result<Option<sandbox::HostUids>, String> {
+    use crate::config::HostUidsSetting;
+    let (first, count, origin) = match setting {
+        Some(HostUidsSetting::Named(n)) if n == "shared" => return Ok(None),
+        Some(HostUidsSetting::Range(r)) => (r.first, r.count, "sandbox.host_uids".to_string()),
+        _ => {
+            let executor = Identity::local(EXECUTOR_ACCOUNT).ok();
+            if executor.map(|e| e.host_uid) != Some(identity.host_uid) {
+                return Ok(None);
+            }
+            let subuid = match std::fs::read_to_string("/etc/subuid") {
+                Ok(s) => s,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+                Err(e) => return Err(format!("sandbox.host_uids: auto: cannot read /etc/subuid: {e}")),
+            };
+            match subuid_range(&subuid, EXECUTOR_ACCOUNT, identity.host_uid) {
+                Some((first, count)) => (first, count, format!("/etc/subuid's range of {EXECUTOR_ACCOUNT}")),
+                None => return Ok(None),
+            }
+        }
+    };
+    let range = sandbox::HostUids { first, count, lock: HOST_UIDS_LOCK.into() };
+    if count == 0 || first == 0 || u64::from(first) + u64::from(count) > u64::from(u32::MAX) {
+        return Err(format!("{origin}: {first}+{count} is not a range of uids within 1-4294967294"));
+    }
+    let passwd =
+        std::fs::read_to_string("/etc/passwd").map_err(|e| format!("{origin}: cannot read /etc/passwd: {e}"))?;
+    let taken = passwd.lines().find_map(|line| {
+        let mut f = line.split(':');
+        let name = f.next()?;
+        let uid: u32 = f.nth(1)?.parse().ok()?;
+        (first..=range.last()).contains(&uid).then(|| format!("{name} ({uid})"))
+    });
+    if let Some(account) = taken.or_else(|| {
+        (first..=range.last())
+            .contains(&identity.host_uid)
+            .then(|| format!("the sandbox identity ({})", identity.host_uid))
+    }) {
+        return Err(format!(
+            "{origin}: {first}-{} holds the uid of {account}: sandboxes must run as uids no account uses",
+            range.last()
+        ));
+    }
+    Ok(Some(range))
+}
+
+/// The first range of `name` (or of its uid, `uid`) in the text of `/etc/subuid`
+/// (`NAME:FIRST:COUNT` lines).
+fn subuid_range(text: &str, name: &str, uid: u32) -> Option<(u32, u32)> {
+    text.lines().find_map(|line| {
+        let mut f = line.trim().split(':');
+        let who = f.next()?;
+        if who != name && who.parse::<u32>().ok() != Some(uid) {
+            return None;
+        }
+        Some((f.next()?.parse().ok()?, f.next()?.parse().ok()?))
+    })
+}
+
 /// Agent-wide settings that shape every sandbox.
 #[derive(Debug, Clone)]
 pub struct AgentPolicy {
@@ -215,6 +292,9 @@ pub struct AgentPolicy {
     pub allow_degraded: bool,
     pub seccomp: SeccompPolicy,
     pub identity: Identity,
+    /// The host uids sandboxes run as, one each (`sandbox.host_uids`); `None`: the
+    /// identity's own, shared.
+    pub host_uids: Option<sandbox::HostUids>,
     /// Paths protected from writes besides the system directories (binary, config, state,
     /// and every file of the agent's own its configuration names).
     pub protected: Vec<PathBuf>,
@@ -247,6 +327,7 @@ impl AgentPolicy {
             allow_degraded: false,
             seccomp: sandbox::seccomp::default_policy()?,
             identity,
+            host_uids: None,
             protected: Vec::new(),
             masked: Vec::new(),
             credentials: Vec::new(),
@@ -311,6 +392,7 @@ impl AgentPolicy {
             p.landlock_min_abi = abi;
         }
         p.allow_degraded = config.sandbox.allow_degraded;
+        p.host_uids = host_uids(config.sandbox.host_uids.as_ref(), &p.identity)?;
         Ok(p)
     }
 
@@ -327,6 +409,7 @@ impl AgentPolicy {
         let requested = manifest.map(|m| &m.resource_limits).unwrap_or(&default_manifest_limits);
         let limits = self.limits.resolve(requested);
         let mut spec = SandboxSpec::new(program, args, self.identity);
+        spec.host_uids = self.host_uids.clone();
         spec.seccomp = self.seccomp.clone();
         spec.landlock.min_abi = self.landlock_min_abi;
         // Resolved limits are at most the ceilings, which the configuration bounds by
@@ -928,6 +1011,31 @@ fn check_alias(field: &str, p: &Path, real: &Path, masked: &[PathBuf]) -> Result
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn host_uids_come_from_the_configuration_or_subuid_and_never_hold_an_account() {
+        use crate::config::{HostUidRange, HostUidsSetting};
+        let nobody = Identity::same_inside(65534, 65534);
+        let range = |first, count| HostUidsSetting::Range(HostUidRange { first, count });
+        assert_eq!(host_uids(Some(&HostUidsSetting::Named("shared".into())), &nobody), Ok(None));
+        let r = host_uids(Some(&range(1_900_000_000, 16)), &nobody).unwrap().unwrap();
+        assert_eq!((r.first, r.last(), r.lock.as_path()), (1_900_000_000, 1_900_000_015, Path::new(HOST_UIDS_LOCK)));
+        // A local account's uid (root's, here) in the range is refused, by name.
+        let e = host_uids(Some(&range(1, 10)), &nobody).unwrap_err();
+        assert!(e.contains("sandbox.host_uids") && e.contains("holds the uid of ") && e.contains("(1)"), "{e}");
+        let e = host_uids(Some(&range(65530, 10)), &Identity::same_inside(65534, 65534)).unwrap_err();
+        assert!(e.contains("(65534)"), "{e}");
+        // `auto` (or nothing) without an opservant-executor account: shared.
+        if Identity::local(EXECUTOR_ACCOUNT).is_err() {
+            assert_eq!(host_uids(None, &nobody), Ok(None));
+            assert_eq!(host_uids(Some(&HostUidsSetting::Named("auto".into())), &nobody), Ok(None));
+        }
+        let subuid = "alice:100000:65536\n998:300000:1000\nopservant-executor:200000:65536\n";
+        assert_eq!(subuid_range(subuid, "opservant-executor", 998), Some((300000, 1000)));
+        assert_eq!(subuid_range(subuid, "opservant-executor", 997), Some((200000, 65536)));
+        assert_eq!(subuid_range(subuid, "bob", 1001), None);
+    }
+
     use super::*;
 
     fn policy() -> AgentPolicy {
@@ -937,6 +1045,7 @@ mod tests {
             allow_degraded: false,
             seccomp: SeccompPolicy::Disabled,
             identity: Identity::same_inside(65534, 65534),
+            host_uids: None,
             protected: vec![PathBuf::from(CONFIG_DIR), PathBuf::from("/opt/opservant/bin/opservant")],
             masked: std::iter::once(CONFIG_DIR).chain(STATE_DIRS.iter().copied()).map(PathBuf::from).collect(),
             credentials: Vec::new(),

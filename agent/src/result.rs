@@ -66,6 +66,14 @@ pub struct SandboxSummary {
     pub sysfs: String,
     pub uid: u32,
     pub gid: u32,
+    /// The host uid the payload ran as: one of its own for the sandbox's lifetime, or the
+    /// identity's, shared with every other sandbox (`host_uid_shared`).
+    pub host_uid: u32,
+    pub host_uid_shared: bool,
+    /// Declared paths bound without the sandbox's idmapping (the identity's files there are
+    /// not the sandbox's own), each with the reason.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub not_idmapped: Vec<String>,
     /// `cold` (a fresh process) or `zygote` (a fork of the pre-initialised runtime).
     pub launch: &'static str,
 }
@@ -169,6 +177,9 @@ impl RunResult {
                 sysfs: e.sysfs.clone(),
                 uid: e.uid,
                 gid: e.gid,
+                host_uid: outcome.host_uid.unwrap_or(e.uid),
+                host_uid_shared: outcome.host_uid.is_none(),
+                not_idmapped: outcome.not_idmapped.clone(),
                 launch: match outcome.launch {
                     "zygote" => "zygote",
                     "pool" => "pool",

@@ -21,6 +21,9 @@ pub const APP_FD: RawFd = 4;
 /// The message that releases a held payload ([`crate::spec::CommandSpec::held`]).
 pub const GO: &[u8] = b"go";
 
+/// Most descriptors one message carries (the kernel's limit, `SCM_MAX_FD`, is 253).
+pub const MAX_FDS: usize = 200;
+
 /// Largest message accepted (a spec with many paths and three seccomp filters is ~40 KiB).
 const MAX_MESSAGE: usize = 4 * 1024 * 1024;
 
@@ -33,6 +36,12 @@ pub enum ToSandbox {
     /// The cgroup files the monitor writes `0` to, joining the sandbox cgroups before it
     /// creates the cgroup namespace.
     Cgroups { join: Vec<PathBuf> },
+    /// Detached mounts of declared paths, prepared by the parent (bound with the sandbox's
+    /// user namespace as their idmapping, see [`crate::idmap`]), carried with the message as
+    /// descriptors (`SCM_RIGHTS`), one per index of `filesystem.paths` listed, in order. Sent
+    /// between the id maps and `Proceed`, possibly several times (a message carries at most
+    /// [`MAX_FDS`]).
+    Binds { paths: Vec<usize> },
     /// Id maps are written and the namespaces are wired: go on.
     Proceed,
 }
@@ -112,6 +121,66 @@ impl Channel {
                 Ok(_) => return Ok(()),
             }
         }
+    }
+
+    /// Send one message with `fds` attached (`SCM_RIGHTS`; at most [`MAX_FDS`]).
+    pub fn send_with_fds<T: Serialize>(&self, msg: &T, fds: &[RawFd]) -> Result<(), Errno> {
+        if fds.len() > MAX_FDS {
+            return Err(Errno::E2BIG);
+        }
+        let bytes = serde_json::to_vec(msg).map_err(|_| Errno::EINVAL)?;
+        let iov = [std::io::IoSlice::new(&bytes)];
+        let cmsg = [socket::ControlMessage::ScmRights(fds)];
+        let cmsgs: &[socket::ControlMessage] = if fds.is_empty() { &[] } else { &cmsg };
+        loop {
+            match socket::sendmsg::<()>(self.fd.as_raw_fd(), &iov, cmsgs, MsgFlags::MSG_NOSIGNAL, None) {
+                Err(Errno::EINTR) => continue,
+                Err(e) => return Err(e),
+                Ok(_) => return Ok(()),
+            }
+        }
+    }
+
+    /// Receive one message and the descriptors attached to it (close-on-exec); `Ok(None)`
+    /// on end-of-file. A message whose descriptors did not all arrive (`MSG_CTRUNC`) is an
+    /// error; those that did are closed.
+    pub fn recv_with_fds<T: DeserializeOwned>(&self) -> Result<Option<(T, Vec<OwnedFd>)>, String> {
+        let len = loop {
+            let mut probe = [0u8; 1];
+            match socket::recv(self.fd.as_raw_fd(), &mut probe, MsgFlags::MSG_PEEK | MsgFlags::MSG_TRUNC) {
+                Err(Errno::EINTR) => continue,
+                Err(e) => return Err(format!("recv: {}", e.desc())),
+                Ok(0) => return Ok(None),
+                Ok(n) => break n,
+            }
+        };
+        if len > MAX_MESSAGE {
+            return Err(format!("message of {len} bytes exceeds {MAX_MESSAGE}"));
+        }
+        let mut buf = vec![0u8; len];
+        let mut space = nix::cmsg_space!([RawFd; MAX_FDS]);
+        let (n, fds, truncated) = loop {
+            let mut iov = [std::io::IoSliceMut::new(&mut buf)];
+            match socket::recvmsg::<()>(self.fd.as_raw_fd(), &mut iov, Some(&mut space), MsgFlags::MSG_CMSG_CLOEXEC) {
+                Err(Errno::EINTR) => continue,
+                Err(e) => return Err(format!("recvmsg: {}", e.desc())),
+                Ok(msg) => {
+                    let mut fds = Vec::new();
+                    for c in msg.cmsgs().map_err(|e| format!("recvmsg: {}", e.desc()))? {
+                        if let socket::ControlMessageOwned::ScmRights(raw) = c {
+                            // SAFETY: the kernel just installed these descriptors in this
+                            // process for this message; nothing else owns them.
+                            fds.extend(raw.into_iter().map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }));
+                        }
+                    }
+                    break (msg.bytes, fds, msg.flags.contains(MsgFlags::MSG_CTRUNC));
+                }
+            }
+        };
+        if truncated {
+            return Err("a message's descriptors were cut off".into());
+        }
+        serde_json::from_slice(&buf[..n]).map(|m| Some((m, fds))).map_err(|e| format!("malformed message: {e}"))
     }
 
     /// Receive one message; `Ok(None)` on end-of-file.

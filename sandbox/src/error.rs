@@ -96,6 +96,9 @@ pub enum SandboxError {
     IdMap { what: &'static str, pid: i32, source: std::io::Error },
     #[error("namespace hook failed: {0}")]
     Hook(String),
+    /// No host uid could be leased for the sandbox ([`crate::host_uid`]).
+    #[error("host uid: {0}")]
+    HostUid(String),
     /// The zygote could not start the sandbox (it is gone or refused the request); nothing
     /// of the sandbox ran, so the caller may start it another way.
     #[error("zygote: {0}")]

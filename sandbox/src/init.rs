@@ -197,9 +197,9 @@ fn direct_until(chan: &Channel, end: PayloadEnd) -> Result<InitEnd, StepError> {
     let app = app_channel(&spec)?;
     // 4. (created by the zygote's `clone`)
     // 5.
-    let join = unshared_handshake(chan)?;
+    let handshake = unshared_handshake(chan)?;
     // 6. (this process is init; init's signals have been blocked since the `clone`)
-    init(chan, app, &spec, &join, end, true, None)
+    init(chan, app, &spec, handshake, end, true, None)
 }
 
 fn run_monitor_until(spec: Option<&SandboxSpec>, end: PayloadEnd, prepared_net: bool) -> Option<Handoff> {
@@ -288,7 +288,7 @@ fn monitor_until(
     }
     namespaces::unshare(&Namespaces { cgroup: false, net: spec.namespaces.net && !prepared_net, ..spec.namespaces })?;
     // 5.
-    let join = unshared_handshake(chan)?;
+    let mut handshake = Some(unshared_handshake(chan)?);
     // 6.
     // Block SIGCHLD before forking so its arrival is seen through the signalfd; and init's
     // signals, so that init starts with them blocked: PID 1 of a namespace ignores a signal
@@ -310,7 +310,8 @@ fn monitor_until(
         ForkResult::Child => {
             drop(sfd);
             drop(alive_w);
-            match init(chan, app, spec, &join, end, prepared_net, Some(alive_r)) {
+            let handshake = handshake.take().ok_or_else(|| protocol("the handshake was taken"))?;
+            match init(chan, app, spec, handshake, end, prepared_net, Some(alive_r)) {
                 Ok(InitEnd::Exit(code)) => exit(code),
                 Ok(InitEnd::Payload(handoff)) => return Ok(Some(handoff)),
                 Err(e) => {
@@ -323,8 +324,10 @@ fn monitor_until(
             // The monitor's own mask again, with SIGCHLD blocked.
             before.add(Signal::SIGCHLD);
             before.thread_set_mask().map_err(|e| StepError::errno(Stage::Fork, "restore the signal mask", e))?;
-            // Only init and the payload hold the application channel.
+            // Only init and the payload hold the application channel (and init the
+            // prepared binds).
             drop(app);
+            drop(handshake.take());
             drop(alive_r);
             child
         }
@@ -364,19 +367,40 @@ fn app_channel(spec: &SandboxSpec) -> Result<Option<Channel>, StepError> {
     Ok(None)
 }
 
+/// What step 5 brings from the parent.
+struct Handshake {
+    /// The cgroup files to join.
+    join: Vec<std::path::PathBuf>,
+    /// Detached mounts of declared paths the parent prepared ([`crate::idmap`]), by index
+    /// into `filesystem.paths`.
+    binds: Vec<(usize, std::os::fd::OwnedFd)>,
+}
+
 /// Step 5 once the namespaces exist: the cgroups to join arrive, "unshared" goes out (the
-/// parent writes the id maps and wires the namespaces), "proceed" comes back.
-fn unshared_handshake(chan: &Channel) -> Result<Vec<std::path::PathBuf>, StepError> {
+/// parent writes the id maps, prepares declared paths and wires the namespaces), the
+/// prepared paths and "proceed" come back.
+fn unshared_handshake(chan: &Channel) -> Result<Handshake, StepError> {
     let join = match chan.recv::<ToSandbox>().map_err(protocol)? {
         Some(ToSandbox::Cgroups { join }) => join,
         None => return Err(protocol("parent went away")),
         other => return Err(protocol(format!("expected the cgroups, got {other:?}"))),
     };
     chan.send(&FromSandbox::Unshared).map_err(|e| StepError::errno(Stage::Protocol, "send", e))?;
-    match chan.recv::<ToSandbox>().map_err(protocol)? {
-        Some(ToSandbox::Proceed) => Ok(join),
-        None => Err(protocol("parent went away")),
-        other => Err(protocol(format!("expected proceed, got {other:?}"))),
+    let mut binds = Vec::new();
+    loop {
+        match chan.recv_with_fds::<ToSandbox>().map_err(protocol)? {
+            Some((ToSandbox::Proceed, fds)) if fds.is_empty() => return Ok(Handshake { join, binds }),
+            Some((ToSandbox::Binds { paths }, fds)) if fds.len() == paths.len() => {
+                binds.extend(paths.into_iter().zip(fds));
+            }
+            None => return Err(protocol("parent went away")),
+            Some((other, fds)) => {
+                return Err(protocol(format!(
+                    "expected binds or proceed, got {other:?} with {} descriptors",
+                    fds.len()
+                )))
+            }
+        }
     }
 }
 
@@ -448,7 +472,7 @@ fn init(
     chan: &Channel,
     app: Option<Channel>,
     spec: &SandboxSpec,
-    cgroup_join: &[std::path::PathBuf],
+    handshake: Handshake,
     end: PayloadEnd,
     prepared_net: bool,
     // The read end of a pipe only the monitor writes to: readable or hung up once the monitor
@@ -461,7 +485,8 @@ fn init(
         die_with_parent()?;
     }
     // 2.
-    for file in cgroup_join {
+    let Handshake { join: cgroup_join, binds } = handshake;
+    for file in &cgroup_join {
         // Writing "0" to a v1 `tasks` file moves this (single-threaded) process without the
         // global threadgroup lock (see `cgroup::SandboxCgroup::join_files`).
         std::fs::write(file, "0").map_err(|e| StepError::io(Stage::Cgroup, format!("join {}", file.display()), e))?;
@@ -500,7 +525,7 @@ fn init(
     if let Ok((_, hard)) = nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE) {
         let _ = nix::sys::resource::setrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE, hard, hard);
     }
-    let mut view = mounts::build(&spec.filesystem, spec.namespaces.net, &spec.command.cwd)?;
+    let mut view = mounts::build(&spec.filesystem, spec.namespaces.net, &spec.command.cwd, binds)?;
     // 5.
     if spec.namespaces.uts {
         namespaces::set_hostname(&spec.hostname)?;

@@ -22,6 +22,8 @@
 pub mod cgroup;
 pub mod channel;
 pub mod error;
+pub mod host_uid;
+pub mod idmap;
 pub mod init;
 pub mod landlock;
 pub mod mountinfo;
@@ -46,5 +48,6 @@ pub use report::{
     ResourceUsage,
 };
 pub use spec::{
-    Access, FileId, Filesystem, Identity, Limits, Namespaces, PathRule, SandboxSpec, SeccompPolicy, SyntheticFile,
+    Access, FileId, Filesystem, HostUids, Identity, Limits, Namespaces, PathRule, SandboxSpec, SeccompPolicy,
+    SyntheticFile,
 };

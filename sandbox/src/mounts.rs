@@ -155,7 +155,27 @@ fn do_mount(
 
 /// Build the view and `pivot_root` into it. `net_ns`: a private network namespace exists
 /// (required for a fresh sysfs).
-pub fn build(fs_spec: &Filesystem, net_ns: bool, cwd: &Path) -> Result<ViewReport, StepError> {
+///
+/// `prepared`: detached mounts the parent made of declared paths, by index into
+/// `fs_spec.paths` ([`crate::idmap`]): attached in place of a bind of the host path.
+pub fn build(
+    fs_spec: &Filesystem,
+    net_ns: bool,
+    cwd: &Path,
+    prepared: Vec<(usize, OwnedFd)>,
+) -> Result<ViewReport, StepError> {
+    let mut prepared: Vec<Option<OwnedFd>> = {
+        let mut v: Vec<Option<OwnedFd>> = fs_spec.paths.iter().map(|_| None).collect();
+        for (i, fd) in prepared {
+            match v.get_mut(i) {
+                Some(slot) => *slot = Some(fd),
+                None => {
+                    return Err(StepError::new(Stage::Mounts, format!("a prepared bind for no declared path ({i})")))
+                }
+            }
+        }
+        v
+    };
     // Modes below are exact; the payload gets the usual 022 back before execve.
     nix::sys::stat::umask(nix::sys::stat::Mode::empty());
     // 1. Nothing we do propagates back to the host.
@@ -225,24 +245,28 @@ pub fn build(fs_spec: &Filesystem, net_ns: bool, cwd: &Path) -> Result<ViewRepor
         file: open_path(inaccessible).map_err(|e| fail(format!("open {INACCESSIBLE}"), e))?,
         dir: open_path(inaccessible_dir).map_err(|e| fail(format!("open {INACCESSIBLE_DIR}"), e))?,
     };
-    let mut steps: Vec<(&Path, Option<&PathRule>)> = fs_spec
+    let mut steps: Vec<(&Path, Option<(usize, &PathRule)>)> = fs_spec
         .masked
         .iter()
         .filter(|m| !fs_spec.paths.iter().any(|p| &p.path == *m))
         .map(|m| (m.as_path(), None))
-        .chain(fs_spec.paths.iter().map(|r| (r.path.as_path(), Some(r))))
+        .chain(fs_spec.paths.iter().enumerate().map(|(i, r)| (r.path.as_path(), Some((i, r)))))
         .collect();
     steps.sort_by_key(|(path, _)| path.components().count());
     for (path, declared) in steps {
         match declared {
-            Some(rule) if rule.path.starts_with("/tmp") && rule.access == Access::ReadWrite => {
+            Some((_, rule)) if !crate::idmap::bound_from_host(&rule.path, rule.access) => {
                 if !fs::metadata(&rule.path).is_ok_and(|m| m.is_dir()) {
                     ensure_parent(&rule.path, &owned)?;
                     create_in_owned(&rule.path, Kind::Dir(0o700), &owned)?;
                 }
             }
-            Some(rule) => {
-                if let Some(bound) = bind_host(&old_root, rule, false, &owned)? {
+            Some((i, rule)) => {
+                let bound = match prepared.get_mut(i).and_then(Option::take) {
+                    Some(mnt) => Some(attach_prepared(mnt, rule, &owned)?),
+                    None => bind_host(&old_root, rule, false, &owned)?,
+                };
+                if let Some(bound) = bound {
                     declared_bound.push((rule.path.clone(), bound));
                 }
             }
@@ -524,26 +548,45 @@ fn bind_host(old_root: &OwnedFd, rule: &PathRule, system: bool, owned: &Owned) -
         Err(e) => return Err(fail(format!("host path {}", host.display()), e)),
     };
     let st = nix::sys::stat::fstat(&src).map_err(|e| fail(format!("stat {}", rule.path.display()), e))?;
-    if let Some(want) = rule.identity {
-        // `st_dev` is the kernel's device number, the same in every user namespace.
-        if (st.st_dev, st.st_ino) != (want.dev, want.ino) {
-            return Err(StepError::new(
-                Stage::Mounts,
-                format!(
-                    "host path {}: not the file the caller checked (device {} inode {}, now device {} inode {}): replaced since",
-                    host.display(),
-                    want.dev,
-                    want.ino,
-                    st.st_dev,
-                    st.st_ino
-                ),
-            ));
-        }
-    }
+    check_identity(rule, &st)?;
     let is_dir = st.st_mode & libc::S_IFMT == libc::S_IFDIR;
     mount_point(&rule.path, is_dir, owned)?;
     let target = open_target(&rule.path, is_dir, owned)?;
     bind_sealed(&src, &target, &rule.path, rule.access == Access::Read, true).map(Some)
+}
+
+/// Attach `mnt`, a detached mount of `rule`'s host path the parent prepared (resolved,
+/// cloned and sealed there: [`crate::idmap`]), at `rule.path` — after the same identity
+/// check [`bind_host`] makes. Returns the attached mount's descriptor.
+fn attach_prepared(mnt: OwnedFd, rule: &PathRule, owned: &Owned) -> Result<OwnedFd, StepError> {
+    let st = nix::sys::stat::fstat(&mnt).map_err(|e| fail(format!("stat {}", rule.path.display()), e))?;
+    check_identity(rule, &st)?;
+    let is_dir = st.st_mode & libc::S_IFMT == libc::S_IFDIR;
+    mount_point(&rule.path, is_dir, owned)?;
+    let target = open_target(&rule.path, is_dir, owned)?;
+    move_mount_onto(&mnt, &target).map_err(|e| fail(format!("bind onto {}", rule.path.display()), e))?;
+    Ok(mnt)
+}
+
+/// The file `rule`'s caller checked (`rule.identity`) is the one opened (`st`).
+fn check_identity(rule: &PathRule, st: &libc::stat) -> Result<(), StepError> {
+    let Some(want) = rule.identity else { return Ok(()) };
+    // `st_dev` is the kernel's device number, the same in every user namespace.
+    if (st.st_dev, st.st_ino) != (want.dev, want.ino) {
+        let host = rule.source.as_deref().unwrap_or(&rule.path);
+        return Err(StepError::new(
+            Stage::Mounts,
+            format!(
+                "host path {}: not the file the caller checked (device {} inode {}, now device {} inode {}): replaced since",
+                host.display(),
+                want.dev,
+                want.ino,
+                st.st_dev,
+                st.st_ino
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Bind `src` (recursively: `recursive`) onto `target`, the opened mount point of `path` in the
@@ -812,7 +855,7 @@ fn remount_fallback(path: &Path, attrs: u64, recursive: bool) -> Result<(), Step
 
 /// Resolve `rel` beneath `root` as if `root` were `/` (symlinks cannot escape it);
 /// `no_symlinks`: any symlink in `rel` fails with `ELOOP`.
-fn open_in_root(root: &OwnedFd, rel: &Path, no_symlinks: bool) -> Result<OwnedFd, Errno> {
+pub(crate) fn open_in_root(root: &OwnedFd, rel: &Path, no_symlinks: bool) -> Result<OwnedFd, Errno> {
     let c = CString::new(rel.as_os_str().as_encoded_bytes()).map_err(|_| Errno::EINVAL)?;
     // SAFETY: open_how is plain old data; all-zero is valid (and required for unused fields).
     let mut how: libc::open_how = unsafe { std::mem::zeroed() };

@@ -361,6 +361,11 @@ pub struct Sandbox {
     /// A zygote started the sandbox directly ([`crate::init::run_direct`]): the "monitor"
     /// (pid, pidfd) is the sandbox's init, and there is no monitor process.
     direct: bool,
+    /// The host uid leased for this sandbox (`spec.host_uids`), held until the sandbox is
+    /// dropped — after every process of it is gone — unless its monitor was left behind.
+    host_uid: Option<crate::host_uid::Lease>,
+    /// Declared paths bound without the idmapping ([`crate::idmap::Prepared::not_idmapped`]).
+    not_idmapped: Vec<String>,
 }
 
 impl Sandbox {
@@ -449,6 +454,8 @@ impl Sandbox {
             zygote_fallback: false,
             teardown_in_background: false,
             direct,
+            host_uid: None,
+            not_idmapped: Vec::new(),
         };
         match sb.handshake(spec, !matches!(launcher, Launcher::Fork), hook) {
             Ok(()) => Ok(sb),
@@ -566,7 +573,36 @@ impl Sandbox {
             Some(other) => return Err(SandboxError::Channel(format!("unexpected {other:?}"))),
         }
         let proc_dir = self.monitor_proc_dir()?;
-        namespaces::write_id_maps(&proc_dir, self.monitor.as_raw(), &spec.identity)?;
+        let identity = match &spec.host_uids {
+            Some(range) => {
+                let lease = crate::host_uid::lease(range)?;
+                let identity = crate::spec::Identity { host_uid: lease.uid(), ..spec.identity };
+                self.host_uid = Some(lease);
+                identity
+            }
+            None => spec.identity,
+        };
+        namespaces::write_id_maps(&proc_dir, self.monitor.as_raw(), &identity)?;
+        if self.host_uid.is_some() {
+            // The namespace now maps the identity's uid to the leased one: the idmapping of
+            // the declared paths' binds.
+            let userns = MonitorProc { pid: self.monitor.as_raw(), dir: proc_dir.as_fd() }
+                .namespace("user")
+                .map_err(|e| SandboxError::io("open the sandbox's user namespace", e))?;
+            self.check_monitor_pid("opening its user namespace")?;
+            let prepared = crate::idmap::prepare(spec, userns.as_fd());
+            self.not_idmapped = prepared.not_idmapped;
+            let mut binds = prepared.binds;
+            while !binds.is_empty() {
+                let rest = binds.split_off(binds.len().min(crate::channel::MAX_FDS));
+                let paths: Vec<usize> = binds.iter().map(|(i, _)| *i).collect();
+                let fds: Vec<std::os::fd::RawFd> = binds.iter().map(|(_, fd)| fd.as_raw_fd()).collect();
+                self.chan
+                    .send_with_fds(&ToSandbox::Binds { paths }, &fds)
+                    .map_err(|e| SandboxError::Channel(format!("send the prepared binds: {}", e.desc())))?;
+                binds = rest;
+            }
+        }
         // Only for a zygote's sandboxes: their caller is a long-lived, multi-threaded program
         // (the agent, the bench) that gains from the background release. A cold caller is a
         // one-shot process whose exit would pay for the namespace instead of its monitor, or
@@ -975,6 +1011,8 @@ impl Sandbox {
         // The outcome is complete (the tree's usage is in, the output read to its end, every
         // process but init and the monitor, which only exit now, gone): what is left is
         // teardown, which a caller that asked for it gets done in the background.
+        let host_uid = self.host_uid.as_ref().map(crate::host_uid::Lease::uid);
+        let not_idmapped = std::mem::take(&mut self.not_idmapped);
         let deferred = self.teardown_in_background
             && tree.is_some()
             && report.is_some()
@@ -1072,6 +1110,8 @@ impl Sandbox {
             }),
             launch,
             payload_exited_at,
+            host_uid,
+            not_idmapped,
         })
     }
 
@@ -1217,7 +1257,10 @@ impl Sandbox {
         }
     }
 
-    fn left_behind(&self, waited: Duration) {
+    fn left_behind(&mut self, waited: Duration) {
+        // Its processes may outlive this: the uid stays theirs (leaked until this process
+        // ends) rather than go to another sandbox meanwhile.
+        std::mem::forget(self.host_uid.take());
         tracing::error!(
             monitor = self.monitor.as_raw(),
             waited_ms = waited.as_millis() as u64,

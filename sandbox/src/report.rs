@@ -177,6 +177,12 @@ pub struct Outcome {
     pub cgroup: CgroupReport,
     /// How the sandbox was started: `"exec"`, `"fork"` or `"zygote"`.
     pub launch: &'static str,
+    /// The host uid the sandbox ran as when it had one of its own ([`crate::host_uid`]);
+    /// `None`: the identity's, shared with every other sandbox of it.
+    pub host_uid: Option<u32>,
+    /// Declared paths bound without the sandbox's idmapping, each with the reason
+    /// ([`crate::idmap`]).
+    pub not_idmapped: Vec<String>,
     /// When this process learnt of the payload's exit (its init's report): where a run's
     /// time goes (`opservant bench`).
     pub payload_exited_at: Option<std::time::Instant>,

@@ -66,6 +66,11 @@ pub struct SandboxSpec {
     pub namespaces: Namespaces,
     /// The unprivileged identity the payload runs as.
     pub identity: Identity,
+    /// Run as a host uid of this range, one no other sandbox holds while this one lives,
+    /// instead of `identity.host_uid` (see [`crate::host_uid`]). `None`: every sandbox of
+    /// the identity shares its host uid.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_uids: Option<HostUids>,
     /// The filesystem view.
     #[serde(default)]
     pub filesystem: Filesystem,
@@ -174,6 +179,54 @@ pub struct Identity {
     pub host_gid: u32,
     pub inside_uid: u32,
     pub inside_gid: u32,
+}
+
+/// A range of host uids that sandboxes run as, one per sandbox alive at a time, and the
+/// lock file through which every process starting sandboxes on the host shares it out
+/// ([`crate::host_uid`]). No account may use these uids; they are leased by byte-range
+/// locks at their own offsets in `lock`, so ranges of several configurations that overlap
+/// still never hand one uid out twice.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct HostUids {
+    pub first: u32,
+    pub count: u32,
+    pub lock: PathBuf,
+}
+
+impl HostUids {
+    /// The last uid of the range (`count` ≥ 1 and no overflow, as [`SandboxSpec::validate`]
+    /// checks).
+    pub fn last(&self) -> u32 {
+        self.first.saturating_add(self.count.saturating_sub(1))
+    }
+
+    fn validate(&self, identity: &Identity) -> Result<(), SpecError> {
+        if self.count == 0 {
+            return Err(SpecError::new("host_uids.count", "must be at least 1"));
+        }
+        if self.first == 0 || u64::from(self.first) + u64::from(self.count) > u64::from(u32::MAX) {
+            return Err(SpecError::new(
+                "host_uids",
+                format!(
+                    "{}+{}: a range of host uids must lie within 1-4294967294 (not root, not -1)",
+                    self.first, self.count
+                ),
+            ));
+        }
+        if (self.first..=self.last()).contains(&identity.host_uid) {
+            return Err(SpecError::new(
+                "host_uids",
+                format!(
+                    "{}-{} holds the identity's own host uid {}: the range must be uids no account uses",
+                    self.first,
+                    self.last(),
+                    identity.host_uid
+                ),
+            ));
+        }
+        check_abs("host_uids.lock", &self.lock)
+    }
 }
 
 impl Identity {
@@ -451,6 +504,7 @@ impl SandboxSpec {
             },
             namespaces: Namespaces::default(),
             identity,
+            host_uids: None,
             filesystem: Filesystem::default(),
             landlock: LandlockPolicy::default(),
             seccomp: SeccompPolicy::Disabled,
@@ -505,6 +559,9 @@ impl SandboxSpec {
         }
         if id.host_uid == u32::MAX || id.host_gid == u32::MAX {
             return Err(SpecError::new("identity", "uid/gid 4294967295 is not a valid id"));
+        }
+        if let Some(range) = &self.host_uids {
+            range.validate(id)?;
         }
 
         let fs = &self.filesystem;

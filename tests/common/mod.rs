@@ -33,7 +33,10 @@ pub fn tests_state() -> PathBuf {
 
 /// The configuration `opservant` reads when a test gives it no `--config`
 /// (`OPSERVANT_CONFIG`): the defaults, but the audit log in [`tests_state`] — a test run
-/// appends nothing to the host's `/var/log/opservant`. Written once per test process.
+/// appends nothing to the host's `/var/log/opservant` — and a host uid per sandbox
+/// ([`TEST_HOST_UIDS`]: this host has no `opservant-executor` with a `/etc/subuid` range),
+/// so every suite runs its sandboxes as they run in production. Written once per test
+/// process.
 pub fn test_config() -> &'static Path {
     static CONFIG: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     CONFIG.get_or_init(|| {
@@ -61,11 +64,16 @@ pub fn test_config() -> &'static Path {
             .custom_flags(libc::O_NOFOLLOW)
             .open(&part)
             .expect("write the tests' configuration");
-        std::io::Write::write_all(&mut f, audit_section().as_bytes()).expect("write the tests' configuration");
+        let text = format!("{}sandbox:\n  host_uids: {TEST_HOST_UIDS}\n", audit_section());
+        std::io::Write::write_all(&mut f, text.as_bytes()).expect("write the tests' configuration");
         std::fs::rename(&part, &path).expect("put the tests' configuration in place");
         path
     })
 }
+
+/// The host uids of the tests' sandboxes (`sandbox.host_uids` of [`test_config`]; `tests/run`
+/// writes the same).
+pub const TEST_HOST_UIDS: &str = "{first: 1900000000, count: 65536}";
 
 /// The `audit:` section of [`test_config`], for a test's own configuration that has none.
 pub fn audit_section() -> String {
@@ -293,6 +301,22 @@ fn try_sandbox_with(manifest: Option<&Path>, argv: &[&str], mut cmd: Command) ->
         }
         Err(_) => Err((code, format!("{stderr}\nstdout: {stdout}"))),
     }
+}
+
+/// [`try_sandbox`] with the configuration `config` instead of [`test_config`].
+pub fn try_sandbox_configured(config: &Path, manifest: Option<&Path>, argv: &[&str]) -> Result<Run, (i32, String)> {
+    let mut cmd = command();
+    cmd.env("OPSERVANT_CONFIG", config);
+    try_sandbox_with(manifest, argv, cmd)
+}
+
+/// A configuration of the tests' own, [`test_config`]'s audit section and `extra` (YAML
+/// sections), written in [`tests_state`] as `NAME.yaml`.
+pub fn config_with(name: &str, extra: &str) -> PathBuf {
+    test_config();
+    let path = tests_state().join(format!("{name}.{}.yaml", std::process::id()));
+    std::fs::write(&path, format!("{}{extra}", audit_section())).expect("write a test configuration");
+    path
 }
 
 /// `/bin/sh -c script` in the sandbox.

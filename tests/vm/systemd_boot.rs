@@ -156,6 +156,7 @@ fn install(ctx: &Ctx) -> Result<(), String> {
          && install -D -m 0644 {r}/systemd/sysctl.d/60-opservant.conf /etc/sysctl.d/60-opservant.conf \
          && {{ ! mountpoint -q /etc/shadow || umount /etc/shadow; }} \
          && systemd-sysusers /etc/sysusers.d/opservant.conf \
+         && echo opservant-executor:1879048192:65536 >> /etc/subuid \
          && systemd-tmpfiles --create /etc/tmpfiles.d/opservant.conf \
          && /lib/systemd/systemd-sysctl /etc/sysctl.d/60-opservant.conf",
         place.replace("{b}", &bin.display().to_string()),
@@ -243,6 +244,10 @@ fn port_scan_fully_isolated(_: &Ctx) -> Result<(), String> {
     ensure!(sb["cgroup"] == "v2", "cgroup: {sb}");
     // The daemon's default: the sandbox came from its zygote, itself running under the unit.
     ensure!(sb["launch"] == "zygote", "launch: {sb}");
+    // A host uid of its own, from opservant-executor's /etc/subuid range (`host_uids: auto`),
+    // leased through the lock the unit may write.
+    let host_uid = sb["host_uid"].as_u64().unwrap_or(0);
+    ensure!(sb["host_uid_shared"] == false && (1879048192..1879048192 + 65536).contains(&host_uid), "host uid: {sb}");
     ensure!(
         ["enforced", "partially_enforced"].contains(&sb["landlock"]["status"].as_str().unwrap_or("")),
         "landlock: {sb}"

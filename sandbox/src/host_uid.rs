@@ -1,0 +1,150 @@
+//! A host uid per sandbox: leases out of a [`HostUids`] range.
+//!
+//! Some kernel allowances are counted per host uid, not per namespace: pipe buffer pages
+//! (`fs.pipe-user-pages-soft`), descriptors in flight over Unix sockets (`RLIMIT_NOFILE` of
+//! the sender), epoll watches. Sandboxes that share a host uid share them, so one can use
+//! them up for the others. A sandbox given a [`Lease`] runs as a host uid no other sandbox
+//! holds while the lease lives (the caller's [`crate::Sandbox`] holds it until every
+//! process of the sandbox is gone), mapped to the identity's uid inside.
+//!
+//! Guarantees:
+//! - A uid is leased by an open-file-description lock (`F_OFD_SETLK`) on the byte at the
+//!   uid's own offset in the range's lock file, through a descriptor of the lease's own: no
+//!   two leases alive at once — in this process or any other on the host using the same
+//!   lock file — hold one uid. The kernel drops the lock when the last copy of the
+//!   descriptor closes, so a caller that dies (even by SIGKILL) leaks no uid.
+//! - The lock file is a regular file owned by root, opened without following a symlink;
+//!   anything else is an error, never a lease.
+//! - A range with every uid taken is an error naming the range ([`SandboxError::HostUid`]):
+//!   never a fall back to a shared uid.
+//!
+//! What the leased uid does not cover — the files a sandbox writes where its declared paths
+//! are bound — is the bind's job: the parent binds declared paths with the sandbox's user
+//! namespace as their mount idmapping, so the identity's files on disk are the sandbox's
+//! inside, and what it creates is the identity's on disk (see [`crate::idmap`]).
+
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use nix::errno::Errno;
+use nix::fcntl::OFlag;
+use nix::sys::stat::Mode;
+
+use crate::error::SandboxError;
+use crate::spec::HostUids;
+
+/// A host uid held for one sandbox; released when dropped (or when the process ends).
+#[derive(Debug)]
+pub struct Lease {
+    uid: u32,
+    /// The descriptor whose open file description holds the lock.
+    _lock: OwnedFd,
+}
+
+impl Lease {
+    pub fn uid(&self) -> u32 {
+        self.uid
+    }
+}
+
+/// Where the next search starts, relative to the range's first uid: after the last uid
+/// leased, so a uid just released is the last to be leased again.
+static NEXT: AtomicU32 = AtomicU32::new(0);
+
+/// Lease a uid of `range` that no other sandbox holds.
+pub fn lease(range: &HostUids) -> Result<Lease, SandboxError> {
+    let err = |what: String| SandboxError::HostUid(format!("{}: {what}", range.lock.display()));
+    if let Some(dir) = range.lock.parent() {
+        if !dir.exists() {
+            use std::os::unix::fs::DirBuilderExt;
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o755)
+                .create(dir)
+                .map_err(|e| err(format!("create its directory: {e}")))?;
+        }
+    }
+    let fd = nix::fcntl::open(
+        &range.lock,
+        OFlag::O_RDWR | OFlag::O_CREAT | OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW,
+        Mode::from_bits_truncate(0o600),
+    )
+    .map_err(|e| err(format!("open: {}", e.desc())))?;
+    let st = nix::sys::stat::fstat(&fd).map_err(|e| err(format!("stat: {}", e.desc())))?;
+    if st.st_mode & libc::S_IFMT != libc::S_IFREG || st.st_uid != 0 {
+        return Err(err("not a regular file owned by root".into()));
+    }
+    let start = NEXT.load(Ordering::Relaxed) % range.count;
+    for i in 0..range.count {
+        let offset = (start + i) % range.count;
+        let uid = range.first + offset;
+        match try_lock(&fd, uid) {
+            Ok(()) => {
+                NEXT.store(offset.wrapping_add(1), Ordering::Relaxed);
+                return Ok(Lease { uid, _lock: fd });
+            }
+            Err(Errno::EAGAIN | Errno::EACCES) => continue,
+            Err(e) => return Err(err(format!("lock uid {uid}: {}", e.desc()))),
+        }
+    }
+    Err(SandboxError::HostUid(format!(
+        "every host uid of {}-{} is held by a running sandbox ({} at once at most: raise the range's count)",
+        range.first,
+        range.last(),
+        range.count
+    )))
+}
+
+/// Take the write lock on byte `uid` of the lock file, owned by `fd`'s open file
+/// description; `EAGAIN` (or `EACCES`) when another description holds it.
+fn try_lock(fd: &OwnedFd, uid: u32) -> Result<(), Errno> {
+    let lock = libc::flock {
+        l_type: libc::F_WRLCK as libc::c_short,
+        l_whence: libc::SEEK_SET as libc::c_short,
+        l_start: libc::off_t::from(uid),
+        l_len: 1,
+        // Must be 0 for OFD locks.
+        l_pid: 0,
+    };
+    // SAFETY: `fd` is open; F_OFD_SETLK reads the flock struct we own for the duration of
+    // the call.
+    let rc = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_OFD_SETLK, &lock as *const libc::flock) };
+    if rc != 0 {
+        return Err(Errno::last());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn range(dir: &std::path::Path, first: u32, count: u32) -> HostUids {
+        HostUids { first, count, lock: dir.join("uids.lock") }
+    }
+
+    #[test]
+    fn leases_are_distinct_until_released_and_a_full_range_is_an_error() {
+        let dir = std::env::temp_dir().join(format!("opservant-host-uid-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let r = range(&dir, 3_000_000_000, 3);
+        let a = lease(&r).unwrap();
+        let b = lease(&r).unwrap();
+        let c = lease(&r).unwrap();
+        let mut uids = [a.uid(), b.uid(), c.uid()];
+        uids.sort();
+        assert_eq!(uids, [3_000_000_000, 3_000_000_001, 3_000_000_002]);
+        let e = lease(&r).unwrap_err().to_string();
+        assert!(e.contains("every host uid of 3000000000-3000000002 is held"), "{e}");
+        // An overlapping range of another configuration sees the same leases.
+        let wider = range(&dir, 2_999_999_999, 3);
+        let d = lease(&wider).unwrap();
+        assert_eq!(d.uid(), 2_999_999_999);
+        assert!(lease(&wider).is_err());
+        let freed = b.uid();
+        drop(b);
+        assert_eq!(lease(&r).unwrap().uid(), freed);
+        drop((a, c, d));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
