@@ -218,6 +218,78 @@ fn a_path_that_cannot_be_idmapped_is_reported_and_grants_no_more() {
     assert!(!ram.join("new").exists());
 }
 
+/// The view's mounts never propagate to the host, nor the host's into the view, even where
+/// a declared path is on a shared mount (every mount of a systemd host is): a declared path
+/// beneath another is a mount made inside the first one's bind, and must not appear on the
+/// host (where each run would have copied all earlier ones: 1, 3, 7 … mounts); a mount the
+/// host makes beneath a declared path while the sandbox runs is not in its view.
+#[test]
+fn mounts_never_propagate_between_the_view_and_a_shared_host_mount() {
+    if !require_root() {
+        return;
+    }
+    let dir = HostDir::new();
+    let shared = dir.path.join("shared");
+    std::fs::create_dir(&shared).unwrap();
+    nix::mount::mount(Some("opsv-prop"), &shared, Some("tmpfs"), nix::mount::MsFlags::empty(), Some("size=1m"))
+        .unwrap();
+    struct Unmount(std::path::PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = nix::mount::umount2(&self.0, nix::mount::MntFlags::MNT_DETACH);
+        }
+    }
+    let _unmount = Unmount(shared.clone());
+    nix::mount::mount(None::<&str>, &shared, None::<&str>, nix::mount::MsFlags::MS_SHARED, None::<&str>).unwrap();
+    let (outer, inner, later) = (shared.join("a"), shared.join("a/b"), shared.join("a/later"));
+    for d in [&outer, &inner, &later] {
+        std::fs::create_dir_all(d).unwrap();
+    }
+    let (uid, gid) = executor_ids();
+    std::os::unix::fs::chown(&outer, Some(uid), Some(gid)).unwrap();
+    let m = manifest(
+        &dir,
+        &format!(r#"{{"filesystem": {{"write": ["{}"], "read": ["{}"]}}}}"#, outer.display(), inner.display()),
+        "{}",
+    );
+    let host_mounts = || {
+        std::fs::read_to_string("/proc/self/mountinfo")
+            .unwrap()
+            .lines()
+            .filter(|l| l.split(' ').nth(4).is_some_and(|p| p.starts_with(shared.to_str().unwrap())))
+            .count()
+    };
+    let before = host_mounts();
+    for _ in 0..3 {
+        let r = sh(Some(&m), "true");
+        assert_eq!(r.status(), "completed", "{}", r.err());
+    }
+    assert_eq!(host_mounts(), before, "the view's mounts reached the host");
+    // Inward: a mount the host makes beneath the declared path once the sandbox runs.
+    let ready = outer.join("ready");
+    let script = format!(
+        "touch {ready}; i=0; while [ ! -e {o}/go ] && [ $i -lt 600 ]; do sleep 0.05; i=$((i+1)); done; ls {l}",
+        ready = ready.display(),
+        o = outer.display(),
+        l = later.display()
+    );
+    let mm = m.clone();
+    let t = std::thread::spawn(move || sh(Some(&mm), &script));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !ready.exists() {
+        assert!(std::time::Instant::now() < deadline, "the sandbox never started");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    nix::mount::mount(Some("opsv-later"), &later, Some("tmpfs"), nix::mount::MsFlags::empty(), Some("size=1m"))
+        .unwrap();
+    std::fs::write(later.join("from-the-host"), "").unwrap();
+    std::fs::write(outer.join("go"), "").unwrap();
+    let r = t.join().unwrap();
+    let _ = nix::mount::umount2(&later, nix::mount::MntFlags::MNT_DETACH);
+    assert_eq!(r.status(), "completed", "{}", r.err());
+    assert!(!r.stdout().contains("from-the-host"), "a host mount appeared in the view: {}", r.stdout());
+}
+
 /// A sandbox's host uid is its own only while no other sandbox holds it: with every uid of
 /// the range held, a run is refused (no fall back to a shared uid), naming the range.
 #[test]

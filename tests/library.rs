@@ -1158,15 +1158,28 @@ fn a_sandbox_stuck_in_the_kernel_fails_its_run_instead_of_hanging_it() {
     let mut s = spec(&["/bin/sleep", "1000"]);
     s.limits.timeout_ms = Some(300);
     s.limits.kill_grace_ms = 100;
+    // A host uid of its own, the only one of its range: held while its processes live.
+    let range = sandbox::HostUids {
+        first: 1_900_400_000 + std::process::id() % 1000,
+        count: 1,
+        lock: common::tests_state().join(format!("stuck-uid-{}", std::process::id())).join("lock"),
+    };
+    s.host_uids = Some(range.clone());
     let sb = Sandbox::spawn(&s, &launcher(), None).unwrap();
     let (freezer, sandbox_dirs) = common::freezer::freeze_sandbox_below(sb.monitor_pid());
     let result = wait_elsewhere(sb).recv_timeout(Duration::from_secs(60));
+    // The run is over, its processes are not: their uid is not another sandbox's yet.
+    let held = sandbox::host_uid::lease(&range).map(|l| l.uid());
     let thawed = freezer.thaw();
     let err = result.expect("wait hung on a sandbox whose processes cannot exit").unwrap_err();
     assert!(err.contains("had not exited 5 s after SIGKILL"), "{err}");
     assert!(thawed, "the thawed sandbox processes never died");
-    // Left behind, and removed by the next sandbox.
+    let held = held.expect_err("the stuck sandbox's uid was leased again while its processes lived").to_string();
+    assert!(held.contains("is held by a running sandbox"), "{held}");
+    // Left behind, and removed by the next sandbox — and with them goes the uid.
     assert_removed_by_the_next_sandbox(&sandbox_dirs);
+    assert_eq!(sandbox::host_uid::lease(&range).map(|l| l.uid()).ok(), Some(range.first));
+    let _ = std::fs::remove_dir_all(range.lock.parent().unwrap());
 }
 
 /// A monitor that cannot exit (frozen here; in life, stuck in the kernel) does not hang its

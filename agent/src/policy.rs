@@ -219,9 +219,11 @@ const EXECUTOR_ACCOUNT: &str = "opservant-executor";
 
 /// `sandbox.host_uids` resolved: an explicit range, or with `auto` (the default) the first
 /// `/etc/subuid` range of [`EXECUTOR_ACCOUNT`] when sandboxes run as it; `None` when they
-/// share the identity's uid. A range holding a local account's uid (or the identity's) is
-/// an error naming it: its processes would share the sandbox's kernel allowances, and
-/// could signal it.
+/// share the identity's uid. A range holding a local account's uid (or the identity's), or
+/// another user's subordinate uids, is an error naming it: processes running as them would
+/// share the sandbox's kernel allowances, and could signal it. (Accounts of a directory
+/// service are not looked up: a range of tens of thousands of NSS lookups would stall every
+/// start; `/etc/subuid` ranges are where such ranges are registered.)
 pub fn host_uids(
     setting: Option<&crate::config::HostUidsSetting>,
     identity: &Identity,
@@ -256,19 +258,39 @@ pub fn host_uids(
         let mut f = line.split(':');
         let name = f.next()?;
         let uid: u32 = f.nth(1)?.parse().ok()?;
-        (first..=range.last()).contains(&uid).then(|| format!("{name} ({uid})"))
+        (first..=range.last()).contains(&uid).then(|| format!("the uid of {name} ({uid})"))
     });
-    if let Some(account) = taken.or_else(|| {
+    // Another user's subordinate uids: that user may map them into a namespace of its own
+    // (newuidmap) and run processes as them.
+    let delegated =
+        subuid_overlap(&std::fs::read_to_string("/etc/subuid").unwrap_or_default(), &range, identity.host_uid);
+    if let Some(account) = taken.or(delegated).or_else(|| {
         (first..=range.last())
             .contains(&identity.host_uid)
             .then(|| format!("the sandbox identity ({})", identity.host_uid))
     }) {
         return Err(format!(
-            "{origin}: {first}-{} holds the uid of {account}: sandboxes must run as uids no account uses",
+            "{origin}: {first}-{} holds {account}: sandboxes must run as uids no account and no other user's namespaces use",
             range.last()
         ));
     }
     Ok(Some(range))
+}
+
+/// Another user's subordinate uids (in the text of `/etc/subuid`) that `range` overlaps —
+/// not [`EXECUTOR_ACCOUNT`]'s (or the identity's, `uid`), which `auto` takes: that user may
+/// map them into a namespace of its own (`newuidmap`) and run processes as them.
+fn subuid_overlap(text: &str, range: &sandbox::HostUids, uid: u32) -> Option<String> {
+    text.lines().find_map(|line| {
+        let mut f = line.trim().split(':');
+        let who = f.next()?;
+        let (start, n): (u32, u32) = (f.next()?.parse().ok()?, f.next()?.parse().ok()?);
+        let mine = who == EXECUTOR_ACCOUNT || who.parse::<u32>().ok() == Some(uid);
+        let overlaps = n > 0
+            && u64::from(start) <= u64::from(range.last())
+            && u64::from(start) + u64::from(n) > u64::from(range.first);
+        (overlaps && !mine).then(|| format!("{who}'s subordinate uids in /etc/subuid ({start}+{n})"))
+    })
 }
 
 /// The first range of `name` (or of its uid, `uid`) in the text of `/etc/subuid`
@@ -1034,6 +1056,19 @@ mod tests {
         assert_eq!(subuid_range(subuid, "opservant-executor", 998), Some((300000, 1000)));
         assert_eq!(subuid_range(subuid, "opservant-executor", 997), Some((200000, 65536)));
         assert_eq!(subuid_range(subuid, "bob", 1001), None);
+        let r = |first, count| sandbox::HostUids { first, count, lock: HOST_UIDS_LOCK.into() };
+        assert_eq!(subuid_overlap(subuid, &r(165536, 10), 998), None);
+        assert_eq!(
+            subuid_overlap(subuid, &r(99990, 11), 998),
+            Some("alice's subordinate uids in /etc/subuid (100000+65536)".into())
+        );
+        assert_eq!(
+            subuid_overlap(subuid, &r(165535, 1), 998),
+            Some("alice's subordinate uids in /etc/subuid (100000+65536)".into())
+        );
+        // The executor's own range (what `auto` takes) is not another user's.
+        assert_eq!(subuid_overlap(subuid, &r(200000, 65536), 998), None);
+        assert_eq!(subuid_overlap(subuid, &r(300000, 1000), 998), None);
     }
 
     use super::*;

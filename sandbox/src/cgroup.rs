@@ -27,7 +27,7 @@ use std::fs;
 use std::io::{ErrorKind, Read};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use crate::error::CgroupError;
@@ -90,15 +90,18 @@ static SEQ: AtomicU64 = AtomicU64::new(0);
 /// How long teardown waits for a sandbox's cgroups to empty once what is left in them was
 /// killed.
 const REMOVE_PATIENCE: Duration = Duration::from_secs(5);
-/// Sandbox cgroups of this process whose removal timed out, tried again at every create.
-static LEFT_BEHIND: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+/// Sandbox cgroups of this process whose removal timed out, tried again at every create;
+/// each with the host uid lease of its sandbox, held until the cgroup is gone — its
+/// processes, stuck in the kernel, still run as that uid ([`SandboxCgroup::hold_until_removed`]).
+type LeftBehind = (PathBuf, Option<Arc<crate::host_uid::Lease>>);
+static LEFT_BEHIND: Mutex<Vec<LeftBehind>> = Mutex::new(Vec::new());
 
 /// Note a sandbox cgroup directory whose removal failed, to try again later.
-fn remember_left_behind(dir: PathBuf) {
+fn remember_left_behind(dir: PathBuf, hold: Option<Arc<crate::host_uid::Lease>>) {
     // A poisoned list is still a list of paths: nothing half-updated matters here.
     let mut left = LEFT_BEHIND.lock().unwrap_or_else(|e| e.into_inner());
-    if !left.contains(&dir) {
-        left.push(dir);
+    if !left.iter().any(|(d, _)| d == &dir) {
+        left.push((dir, hold));
     }
 }
 
@@ -106,7 +109,7 @@ fn remember_left_behind(dir: PathBuf) {
 /// them was killed when they were first removed).
 fn retry_left_behind() {
     let mut left = LEFT_BEHIND.lock().unwrap_or_else(|e| e.into_inner());
-    left.retain(|dir| match fs::remove_dir(dir) {
+    left.retain(|(dir, _)| match fs::remove_dir(dir) {
         Ok(()) => {
             tracing::info!(cgroup = %dir.display(), "sandbox cgroup left behind earlier removed");
             false
@@ -507,9 +510,18 @@ pub struct SandboxCgroup {
     /// kernel kills one victim and the rest runs on (a shell whose child was killed exits
     /// 0), where v2 kills the whole sandbox; the caller kills the rest when this fires.
     oom_event: Option<nix::sys::eventfd::EventFd>,
+    /// The sandbox's host uid lease, kept with any cgroup left behind (see [`LEFT_BEHIND`]).
+    hold: Option<Arc<crate::host_uid::Lease>>,
 }
 
 impl SandboxCgroup {
+    /// Keep `lease` until these cgroups are removed: a cgroup left behind holds it until a
+    /// later try removes it, so no other sandbox gets the uid while processes of this one
+    /// (stuck in the kernel) may still run as it.
+    pub fn hold_until_removed(&mut self, lease: Arc<crate::host_uid::Lease>) {
+        self.hold = Some(lease);
+    }
+
     /// Create the sandbox cgroup(s) and write the limits.
     pub fn create(limits: &Limits) -> Result<SandboxCgroup, CgroupError> {
         retry_left_behind();
@@ -535,6 +547,7 @@ impl SandboxCgroup {
             removed: false,
             cpu_pending: None,
             oom_event: None,
+            hold: None,
         };
         let (mut any_v1, mut any_v2) = (false, false);
         for c in Controller::ALL {
@@ -801,7 +814,7 @@ impl SandboxCgroup {
                 Err(e) if e.kind() == ErrorKind::NotFound => {}
                 Err(e) => {
                     tracing::error!(cgroup = %dir.display(), error = %e, "sandbox cgroup left behind");
-                    remember_left_behind(dir.clone());
+                    remember_left_behind(dir.clone(), self.hold.clone());
                 }
             }
         }
@@ -837,7 +850,7 @@ impl SandboxCgroup {
                 Instant::now() + REMOVE_PATIENCE
             });
             if let Err(e) = remove_when_empty(dir, until.saturating_duration_since(Instant::now())) {
-                remember_left_behind(dir.clone());
+                remember_left_behind(dir.clone(), self.hold.clone());
                 first_err.get_or_insert(e);
             }
         }

@@ -13,8 +13,14 @@
 //!   two leases alive at once — in this process or any other on the host using the same
 //!   lock file — hold one uid. The kernel drops the lock when the last copy of the
 //!   descriptor closes, so a caller that dies (even by SIGKILL) leaks no uid.
-//! - The lock file is a regular file owned by root, opened without following a symlink;
-//!   anything else is an error, never a lease.
+//! - The lock file is a regular file owned by root, mode 0600, opened without following a
+//!   symlink, in a directory of root's no one else may write; anything else is an error,
+//!   never a lease (anyone who could open it could lock uids out; anyone who could rename
+//!   it could split the leases between two files).
+//! - A lease outlives its sandbox's starter only through the kernel: a caller that holds
+//!   the sandbox's cgroups keeps the lease with any cgroup left behind until it is removed
+//!   ([`crate::cgroup::SandboxCgroup::hold_until_removed`]); a process that exits releases
+//!   every lease it holds.
 //! - A range with every uid taken is an error naming the range ([`SandboxError::HostUid`]):
 //!   never a fall back to a shared uid.
 //!
@@ -73,6 +79,24 @@ pub fn lease(range: &HostUids) -> Result<Lease, SandboxError> {
     let st = nix::sys::stat::fstat(&fd).map_err(|e| err(format!("stat: {}", e.desc())))?;
     if st.st_mode & libc::S_IFMT != libc::S_IFREG || st.st_uid != 0 {
         return Err(err("not a regular file owned by root".into()));
+    }
+    // Anyone who can open it can take a lock on it (a read lock over every byte blocks
+    // every lease); anyone who can write its directory can rename it away, and leases taken
+    // on the old file and on a new one would no longer exclude each other.
+    if st.st_mode & 0o077 != 0 {
+        return Err(err(format!(
+            "mode {:o}: open to others, who could lock uids out (must be 0600)",
+            st.st_mode & 0o7777
+        )));
+    }
+    if let Some(dir) = range.lock.parent() {
+        let d = nix::sys::stat::lstat(dir).map_err(|e| err(format!("stat its directory: {}", e.desc())))?;
+        if d.st_mode & libc::S_IFMT != libc::S_IFDIR || d.st_uid != 0 || d.st_mode & 0o022 != 0 {
+            return Err(err(format!(
+                "its directory {} must be a directory of root's that no one else may write",
+                dir.display()
+            )));
+        }
     }
     let start = NEXT.load(Ordering::Relaxed) % range.count;
     for i in 0..range.count {
@@ -136,6 +160,16 @@ mod tests {
         assert_eq!(uids, [3_000_000_000, 3_000_000_001, 3_000_000_002]);
         let e = lease(&r).unwrap_err().to_string();
         assert!(e.contains("every host uid of 3000000000-3000000002 is held"), "{e}");
+        // A lock file others could open is refused, not used.
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&r.lock, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let e = lease(&r).unwrap_err().to_string();
+        assert!(e.contains("mode 644: open to others"), "{e}");
+        std::fs::set_permissions(&r.lock, std::fs::Permissions::from_mode(0o600)).unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let e = lease(&r).unwrap_err().to_string();
+        assert!(e.contains("no one else may write"), "{e}");
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
         // An overlapping range of another configuration sees the same leases.
         let wider = range(&dir, 2_999_999_999, 3);
         let d = lease(&wider).unwrap();

@@ -20,8 +20,12 @@
 //!   Those credentials die with the thread. Init still checks the bound file against the
 //!   caller's identity check (device and inode), and seals nothing: each mount is already
 //!   nosuid, nodev (and read-only as declared) before it leaves the parent.
-//! - A path the parent cannot prepare is left to init, which resolves and binds it as
-//!   before, as the leased uid — so with the errors it always gave, never with more access.
+//! - A path the parent cannot open fails the run, with the error init gives (an optional
+//!   path absent on the host is left out); init never binds a declared path of a sandbox
+//!   with a leased uid itself — with the leased uid's rights, which are not the identity's.
+//! - Every prepared tree is made private (no propagation): a clone of a shared host mount
+//!   would otherwise stay in the host's peer group, and mounts made beneath it in the view
+//!   would appear on the host (and host mounts in the view).
 //! - A path whose filesystem (or a mount beneath it) cannot be idmapped is bound unmapped,
 //!   and listed in [`Prepared::not_idmapped`]: the sandbox then has only the rights any
 //!   other user has there — less access, reported, never more.
@@ -31,6 +35,7 @@ use std::path::Path;
 
 use nix::errno::Errno;
 
+use crate::error::{Stage, StepError};
 use crate::spec::{Access, SandboxSpec};
 
 /// The declared paths prepared for a sandbox.
@@ -49,33 +54,22 @@ pub(crate) fn bound_from_host(path: &Path, access: Access) -> bool {
 }
 
 /// Prepare `spec`'s declared paths with `userns` (the sandbox's user namespace) as their
-/// idmapping. Never fails: what cannot be prepared is left to init (see the module
-/// guarantees); a failure to take the identity's credentials leaves everything to it, and
-/// lists every path as not idmapped.
-pub fn prepare(spec: &SandboxSpec, userns: BorrowedFd<'_>) -> Prepared {
+/// idmapping: every path init binds from the host, or an error naming the path as init
+/// would (an optional path absent on the host is left out: init then binds nothing there).
+pub fn prepare(spec: &SandboxSpec, userns: BorrowedFd<'_>) -> Result<Prepared, StepError> {
     if !spec.filesystem.paths.iter().any(|r| bound_from_host(&r.path, r.access)) {
-        return Prepared::default();
+        return Ok(Prepared::default());
     }
     let (uid, gid) = (spec.identity.host_uid, spec.identity.host_gid);
-    let work = move || -> Prepared {
-        if let Err(e) = take_file_credentials(uid, gid) {
-            let not_idmapped = spec
-                .filesystem
-                .paths
-                .iter()
-                .filter(|r| bound_from_host(&r.path, r.access))
-                .map(|r| format!("{}: cannot take the identity's file credentials ({e})", r.path.display()))
-                .collect();
-            return Prepared { binds: Vec::new(), not_idmapped };
-        }
-        let root = match nix::fcntl::open(
+    let work = move || -> Result<Prepared, StepError> {
+        take_file_credentials(uid, gid)
+            .map_err(|e| StepError::new(Stage::Mounts, format!("cannot take the identity's file credentials: {e}")))?;
+        let root = nix::fcntl::open(
             "/",
             nix::fcntl::OFlag::O_PATH | nix::fcntl::OFlag::O_DIRECTORY | nix::fcntl::OFlag::O_CLOEXEC,
             nix::sys::stat::Mode::empty(),
-        ) {
-            Ok(fd) => fd,
-            Err(_) => return Prepared::default(),
-        };
+        )
+        .map_err(|e| StepError::errno(Stage::Mounts, "open /", e))?;
         let mut out = Prepared::default();
         for (i, rule) in spec.filesystem.paths.iter().enumerate() {
             if !bound_from_host(&rule.path, rule.access) {
@@ -84,8 +78,13 @@ pub fn prepare(spec: &SandboxSpec, userns: BorrowedFd<'_>) -> Prepared {
             let exact = rule.source.as_deref();
             let host = exact.unwrap_or(&rule.path);
             let rel = host.strip_prefix("/").unwrap_or(host);
-            let Ok(src) = crate::mounts::open_in_root(&root, rel, exact.is_some()) else { continue };
-            let Ok(tree) = clone_tree(&src) else { continue };
+            let src = match crate::mounts::open_in_root(&root, rel, exact.is_some()) {
+                Ok(fd) => fd,
+                Err(Errno::ENOENT) if rule.optional => continue,
+                Err(e) => return Err(crate::mounts::host_path_error(host, exact.is_some(), e)),
+            };
+            let tree = clone_tree(&src)
+                .map_err(|e| StepError::errno(Stage::Mounts, format!("clone {}", host.display()), e))?;
             let mut attrs = libc::MOUNT_ATTR_NOSUID | libc::MOUNT_ATTR_NODEV;
             if rule.access == Access::Read {
                 attrs |= libc::MOUNT_ATTR_RDONLY;
@@ -93,23 +92,22 @@ pub fn prepare(spec: &SandboxSpec, userns: BorrowedFd<'_>) -> Prepared {
             match setattr(&tree, attrs | libc::MOUNT_ATTR_IDMAP, Some(userns)) {
                 Ok(()) => out.binds.push((i, tree)),
                 Err(e) => {
-                    if setattr(&tree, attrs, None).is_ok() {
-                        out.not_idmapped.push(format!("{}: {}", rule.path.display(), reason(e)));
-                        out.binds.push((i, tree));
-                    }
+                    setattr(&tree, attrs, None)
+                        .map_err(|e| StepError::errno(Stage::Mounts, format!("seal {}", host.display()), e))?;
+                    out.not_idmapped.push(format!("{}: {}", rule.path.display(), reason(e)));
+                    out.binds.push((i, tree));
                 }
             }
         }
-        out
+        Ok(out)
     };
-    // A thread of its own: the credentials below are per thread and end with it.
+    // A thread of its own: the credentials above are per thread and end with it.
     std::thread::scope(|s| {
-        std::thread::Builder::new()
+        let thread = std::thread::Builder::new()
             .name("opservant-idmap".into())
             .spawn_scoped(s, work)
-            .ok()
-            .and_then(|t| t.join().ok())
-            .unwrap_or_default()
+            .map_err(|e| StepError::io(Stage::Mounts, "start the thread that prepares declared paths", e))?;
+        thread.join().map_err(|_| StepError::new(Stage::Mounts, "the thread that prepares declared paths panicked"))?
     })
 }
 
@@ -159,14 +157,18 @@ fn clone_tree(src: &OwnedFd) -> Result<OwnedFd, Errno> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }
 
-/// `mount_setattr(2)` on the whole detached tree `tree`: `attrs` set, and with
-/// `MOUNT_ATTR_IDMAP` the idmapping `userns`. All or nothing: the kernel checks every mount
+/// `mount_setattr(2)` on the whole detached tree `tree`: `attrs` set, private propagation,
+/// and with `MOUNT_ATTR_IDMAP` the idmapping `userns`. All or nothing: the kernel checks every mount
 /// of the tree before changing any.
 fn setattr(tree: &OwnedFd, attrs: u64, userns: Option<BorrowedFd<'_>>) -> Result<(), Errno> {
+    // Private: a clone of a shared host mount is in the host's peer group, and mounts made
+    // beneath it in the sandbox (a nested declared path) would propagate out to the host —
+    // and host mounts in — where init's own binds, cloned from its private old root, never
+    // were.
     let attr = libc::mount_attr {
         attr_set: attrs,
         attr_clr: 0,
-        propagation: 0,
+        propagation: libc::MS_PRIVATE,
         userns_fd: userns.map_or(0, |u| u.as_raw_fd() as u64),
     };
     // SAFETY: `tree` is open, the path empty and NUL-terminated, `attr` a mount_attr of the

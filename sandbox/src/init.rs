@@ -14,7 +14,10 @@
 //!   4. join the prepared network namespace if one was handed over (a zygote's stash, see
 //!      [`crate::netns_stash`]); unshare user, mount, pid, net (unless joined), ipc, uts —
 //!      meanwhile the parent creates the cgroups and then names the files to join them by
-//!   5. "unshared" → parent writes the uid/gid maps, wires the namespaces → "proceed"
+//!   5. "unshared" → parent writes the uid/gid maps (to a host uid leased for this sandbox
+//!      when the spec has a range, [`crate::host_uid`]), then makes the declared paths
+//!      detached mounts idmapped through this user namespace and sends them
+//!      ([`crate::idmap`]), wires the namespaces → "proceed"
 //!   6. fork the init (PID 1 of the new PID namespace) with init's signals blocked, so that a
 //!      stop sent while init builds the sandbox stays pending (PID 1 drops a signal it
 //!      neither handles nor blocks); report its host pid; close its own stdio (only sandbox
@@ -29,8 +32,9 @@
 //!      passes), then unshare the cgroup namespace, which is thereby rooted there
 //!   3. become the sandbox uid/gid, keeping capabilities in the user namespace; arm the
 //!      parent-death signal again (the id change cleared it) and check the monitor lives
-//!   4. build the filesystem view and pivot_root into it; its /proc is read-only, and the
-//!      old root's /proc is kept as a descriptor for the two writes below  (mounts)
+//!   4. build the filesystem view and pivot_root into it, attaching the parent's prepared
+//!      mounts where declared paths go; its /proc is read-only, and the old root's /proc is
+//!      kept as a descriptor for the two writes below                  (mounts)
 //!   5. hostname, loopback (a prepared namespace's is already up); the user namespace's
 //!      own limits: inotify instances and watches, no nested namespaces (namespaces,
 //!      through the old root's /proc)
@@ -525,7 +529,8 @@ fn init(
     if let Ok((_, hard)) = nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE) {
         let _ = nix::sys::resource::setrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE, hard, hard);
     }
-    let mut view = mounts::build(&spec.filesystem, spec.namespaces.net, &spec.command.cwd, binds)?;
+    let mut view =
+        mounts::build(&spec.filesystem, spec.namespaces.net, &spec.command.cwd, binds, spec.host_uids.is_some())?;
     // 5.
     if spec.namespaces.uts {
         namespaces::set_hostname(&spec.hostname)?;

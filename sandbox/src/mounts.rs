@@ -157,12 +157,15 @@ fn do_mount(
 /// (required for a fresh sysfs).
 ///
 /// `prepared`: detached mounts the parent made of declared paths, by index into
-/// `fs_spec.paths` ([`crate::idmap`]): attached in place of a bind of the host path.
+/// `fs_spec.paths` ([`crate::idmap`]): attached in place of a bind of the host path;
+/// `idmapped` (the sandbox runs as a leased host uid): every declared path the parent did
+/// not prepare is absent, never bound here.
 pub fn build(
     fs_spec: &Filesystem,
     net_ns: bool,
     cwd: &Path,
     prepared: Vec<(usize, OwnedFd)>,
+    idmapped: bool,
 ) -> Result<ViewReport, StepError> {
     let mut prepared: Vec<Option<OwnedFd>> = {
         let mut v: Vec<Option<OwnedFd>> = fs_spec.paths.iter().map(|_| None).collect();
@@ -264,6 +267,16 @@ pub fn build(
             Some((i, rule)) => {
                 let bound = match prepared.get_mut(i).and_then(Option::take) {
                     Some(mnt) => Some(attach_prepared(mnt, rule, &owned)?),
+                    // With a leased host uid the parent prepares every declared path (an
+                    // optional one absent on the host: none); this process, running as the
+                    // leased uid, never binds one with its own rights.
+                    None if idmapped && rule.optional => None,
+                    None if idmapped => {
+                        return Err(StepError::new(
+                            Stage::Mounts,
+                            format!("declared path {}: not prepared by the parent", rule.path.display()),
+                        ))
+                    }
                     None => bind_host(&old_root, rule, false, &owned)?,
                 };
                 if let Some(bound) = bound {
@@ -526,26 +539,7 @@ fn bind_host(old_root: &OwnedFd, rule: &PathRule, system: bool, owned: &Owned) -
     let src = match open_in_root(old_root, host_rel, exact.is_some()) {
         Ok(fd) => fd,
         Err(Errno::ENOENT) if rule.optional => return Ok(None),
-        Err(Errno::ELOOP) if exact.is_some() => {
-            return Err(StepError::new(
-                Stage::Mounts,
-                format!(
-                    "host path {}: a component is a symlink (a checked path is never bound through one)",
-                    host.display()
-                ),
-            ))
-        }
-        Err(Errno::EACCES) => {
-            return Err(StepError::new(
-                Stage::Mounts,
-                format!(
-                    "host path {}: permission denied to the sandbox's user, which is not root on the host: each \
-                     directory on the way must be searchable by it (o+x makes a directory searchable by all)",
-                    host.display()
-                ),
-            ))
-        }
-        Err(e) => return Err(fail(format!("host path {}", host.display()), e)),
+        Err(e) => return Err(host_path_error(host, exact.is_some(), e)),
     };
     let st = nix::sys::stat::fstat(&src).map_err(|e| fail(format!("stat {}", rule.path.display()), e))?;
     check_identity(rule, &st)?;
@@ -553,6 +547,28 @@ fn bind_host(old_root: &OwnedFd, rule: &PathRule, system: bool, owned: &Owned) -
     mount_point(&rule.path, is_dir, owned)?;
     let target = open_target(&rule.path, is_dir, owned)?;
     bind_sealed(&src, &target, &rule.path, rule.access == Access::Read, true).map(Some)
+}
+
+/// Why host path `host` (an exact source: `exact`) could not be opened to be bound.
+pub(crate) fn host_path_error(host: &Path, exact: bool, e: Errno) -> StepError {
+    match e {
+        Errno::ELOOP if exact => StepError::new(
+            Stage::Mounts,
+            format!(
+                "host path {}: a component is a symlink (a checked path is never bound through one)",
+                host.display()
+            ),
+        ),
+        Errno::EACCES => StepError::new(
+            Stage::Mounts,
+            format!(
+                "host path {}: permission denied to the sandbox's user, which is not root on the host: each \
+                 directory on the way must be searchable by it (o+x makes a directory searchable by all)",
+                host.display()
+            ),
+        ),
+        e => fail(format!("host path {}", host.display()), e),
+    }
 }
 
 /// Attach `mnt`, a detached mount of `rule`'s host path the parent prepared (resolved,

@@ -363,7 +363,7 @@ pub struct Sandbox {
     direct: bool,
     /// The host uid leased for this sandbox (`spec.host_uids`), held until the sandbox is
     /// dropped — after every process of it is gone — unless its monitor was left behind.
-    host_uid: Option<crate::host_uid::Lease>,
+    host_uid: Option<std::sync::Arc<crate::host_uid::Lease>>,
     /// Declared paths bound without the idmapping ([`crate::idmap::Prepared::not_idmapped`]).
     not_idmapped: Vec<String>,
 }
@@ -575,8 +575,13 @@ impl Sandbox {
         let proc_dir = self.monitor_proc_dir()?;
         let identity = match &spec.host_uids {
             Some(range) => {
-                let lease = crate::host_uid::lease(range)?;
+                let lease = std::sync::Arc::new(crate::host_uid::lease(range)?);
                 let identity = crate::spec::Identity { host_uid: lease.uid(), ..spec.identity };
+                // The sandbox's processes are in its cgroups: one left behind (processes
+                // stuck in the kernel) keeps the uid from the next sandbox.
+                if let Some(cg) = &mut self.cgroup {
+                    cg.hold_until_removed(lease.clone());
+                }
                 self.host_uid = Some(lease);
                 identity
             }
@@ -590,7 +595,7 @@ impl Sandbox {
                 .namespace("user")
                 .map_err(|e| SandboxError::io("open the sandbox's user namespace", e))?;
             self.check_monitor_pid("opening its user namespace")?;
-            let prepared = crate::idmap::prepare(spec, userns.as_fd());
+            let prepared = crate::idmap::prepare(spec, userns.as_fd())?;
             self.not_idmapped = prepared.not_idmapped;
             let mut binds = prepared.binds;
             while !binds.is_empty() {
@@ -1011,7 +1016,7 @@ impl Sandbox {
         // The outcome is complete (the tree's usage is in, the output read to its end, every
         // process but init and the monitor, which only exit now, gone): what is left is
         // teardown, which a caller that asked for it gets done in the background.
-        let host_uid = self.host_uid.as_ref().map(crate::host_uid::Lease::uid);
+        let host_uid = self.host_uid.as_ref().map(|l| l.uid());
         let not_idmapped = std::mem::take(&mut self.not_idmapped);
         let deferred = self.teardown_in_background
             && tree.is_some()
