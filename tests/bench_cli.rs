@@ -106,6 +106,12 @@ fn one_round_writes_a_complete_report_and_chart() {
     assert!(!stale.exists(), "a dead benchmark's scratch directory was left");
     let report: Value = serde_json::from_slice(&std::fs::read(&json_path).unwrap()).unwrap();
     assert_eq!(report["rounds"], 1);
+    // Measured as this host's configuration runs sandboxes (the tests' gives a host uid each).
+    assert_eq!(
+        report["host_uids"],
+        serde_json::json!({"per_sandbox": true, "first": 1_900_000_000u32, "count": 65536})
+    );
+    assert!(stdout.contains("sandboxes ran as a host uid of their own each"), "{stdout}");
     assert!(positive(&report["cpus"]) && report["kernel"].as_str().is_some_and(|k| !k.is_empty()));
     assert!(report["timestamp_utc"].as_str().is_some_and(|t| t.ends_with('Z')));
     assert_eq!(report["python"]["path"], "/usr/bin/python3");

@@ -66,13 +66,14 @@ impl BenchAgent {
             &config,
             &format!(
                 "agent:\n  platform_public_key: {}\n  state_dir: {}\n  socket: {}\n  max_concurrent: {}\n  \
-                 warm_pool: {warm_pool}\nexecutors:\n  dir: {}\naudit:\n  path: {}\n  journald: false\n",
+                 warm_pool: {warm_pool}\nexecutors:\n  dir: {}\naudit:\n  path: {}\n  journald: false\n{}",
                 a.join("keys/signing.pub").display(),
                 a.join("state").display(),
                 socket.display(),
                 clients.max(crate::daemon::DEFAULT_MAX_CONCURRENT),
                 a.join("executors").display(),
-                a.join("audit/audit.jsonl").display()
+                a.join("audit/audit.jsonl").display(),
+                super::sandbox_section()
             ),
         )?;
         if noop {

@@ -334,6 +334,32 @@ fn remove_stale_scratch() {
     }
 }
 
+/// The `sandbox:` section of every configuration the bench writes: the host uids this host's
+/// agent configuration gives sandboxes (`sandbox.host_uids`, resolved: `auto` as the agent
+/// resolves it), so the rows measure sandboxes as this host runs them. Set once per run.
+static SANDBOX_SECTION: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// What [`SANDBOX_SECTION`] says, for the report.
+fn host_uids_of_this_host() -> Result<(String, Value), BenchError> {
+    let config = crate::config::Config::load(None).map_err(|e| BenchError::Usage(e.to_string()))?;
+    let uids = crate::policy::host_uids(
+        config.sandbox.host_uids.as_ref(),
+        &crate::policy::AgentPolicy::from_config(&config).map_err(failed)?.identity,
+    )
+    .map_err(BenchError::Usage)?;
+    Ok(match uids {
+        Some(r) => (
+            format!("sandbox:\n  host_uids: {{first: {}, count: {}}}\n", r.first, r.count),
+            json!({"per_sandbox": true, "first": r.first, "count": r.count}),
+        ),
+        None => ("sandbox:\n  host_uids: shared\n".into(), json!({"per_sandbox": false})),
+    })
+}
+
+fn sandbox_section() -> &'static str {
+    SANDBOX_SECTION.get().map_or("", String::as_str)
+}
+
 fn make_scratch() -> Result<Scratch, BenchError> {
     remove_stale_scratch();
     let dir = PathBuf::from(format!("/var/tmp/opservant-bench-{}", std::process::id()));
@@ -358,8 +384,9 @@ fn make_scratch() -> Result<Scratch, BenchError> {
     write(
         &dir.join("config.yaml"),
         &format!(
-            "network:\n  egress:\n    dns_upstream: [\"192.0.2.53\"]\naudit:\n  path: {}\n  journald: false\n",
-            dir.join("audit/audit.jsonl").display()
+            "network:\n  egress:\n    dns_upstream: [\"192.0.2.53\"]\naudit:\n  path: {}\n  journald: false\n{}",
+            dir.join("audit/audit.jsonl").display(),
+            sandbox_section()
         ),
     )?;
     Ok(scratch)
@@ -641,6 +668,8 @@ pub fn run(opts: &Options, progress: &mut dyn FnMut(&str)) -> Result<Value, Benc
         return Err(BenchError::Usage("opservant bench needs root (cgroups, namespaces)".into()));
     }
     catch_stop_signals()?;
+    let (section, host_uids) = host_uids_of_this_host()?;
+    let _ = SANDBOX_SECTION.set(section);
     let mut scratch = make_scratch()?;
     let dir = scratch.dir.clone();
     let (op, runtime) = install(&dir)?;
@@ -872,6 +901,7 @@ pub fn run(opts: &Options, progress: &mut dyn FnMut(&str)) -> Result<Value, Benc
         "throughput_agent": throughput_agent,
         "memory": memory,
         "netns_stash": env.zygote.netns_stash().map(|s| s.status()),
+        "host_uids": host_uids,
     });
     let targets = targets(&report);
     report["targets"] = targets;
@@ -1122,6 +1152,15 @@ pub fn render_table(report: &Value) -> String {
             ratio,
             r["reference"].as_str().unwrap_or("")
         ));
+    }
+    let uids = &report["host_uids"];
+    if uids["per_sandbox"] == true {
+        s.push_str(&format!(
+            "sandboxes ran as a host uid of their own each (sandbox.host_uids: {} + {})\n",
+            uids["first"], uids["count"]
+        ));
+    } else if uids["per_sandbox"] == false {
+        s.push_str("sandboxes shared the identity's host uid (sandbox.host_uids: shared, or auto without a range)\n");
     }
     for sk in report["skipped"].as_array().into_iter().flatten() {
         s.push_str(&format!(
