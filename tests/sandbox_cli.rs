@@ -325,14 +325,30 @@ fn doctor_describes_this_host() {
         if j["findings"].as_array().unwrap().iter().any(|f| f["required"] == true && f["ok"] == false) { 1 } else { 0 }
     );
 
-    // The identity sandboxes run as: their own user, or — reported as a degradation — the
-    // host's shared nobody.
+    // The identity sandboxes run as: their own user, or — reported as a degradation unless
+    // each sandbox runs as a host uid of its own (the tests' configuration gives them one) —
+    // the host's shared nobody.
     let passwd = std::fs::read_to_string("/etc/passwd").unwrap();
     let own_user = passwd.lines().any(|l| l.starts_with("opservant-executor:"));
-    let identity = j["findings"].as_array().unwrap().iter().find(|f| f["feature"] == "identity").expect("identity");
+    let finding = |name: &str| j["findings"].as_array().unwrap().iter().find(|f| f["feature"] == name).cloned();
+    let identity = finding("identity").expect("identity");
     assert_eq!(identity["ok"], own_user, "{identity}");
+    let uids = finding("host uids").expect("host uids");
+    assert_eq!(uids["ok"], true, "the tests' configuration gives each sandbox a host uid: {uids}");
+    assert!(uids["detail"].as_str().unwrap().contains("from 1900000000-1900065535 (65536 at once)"), "{uids}");
     let shared = j["degraded"].as_array().unwrap().iter().any(|d| d.as_str().unwrap().contains("run as nobody"));
-    assert_eq!(shared, !own_user, "{j}");
+    assert!(!shared, "{j}");
+    if !own_user {
+        assert!(identity["detail"].as_str().unwrap().ends_with("each on a host uid of its own (sandbox.host_uids)"));
+    }
+    // Without a range, both are degradations.
+    let shared_config = common::config_with("doctor-shared", "sandbox:\n  host_uids: shared\n");
+    let (_, text, _) = run_cli(&["doctor", "--json", "--config", shared_config.to_str().unwrap()]);
+    let shared_report: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let degraded: Vec<&str> =
+        shared_report["degraded"].as_array().unwrap().iter().map(|d| d.as_str().unwrap()).collect();
+    assert!(degraded.iter().any(|d| d.starts_with("every sandbox runs as the identity's host uid")), "{degraded:?}");
+    assert_eq!(degraded.iter().any(|d| d.contains("run as nobody")), !own_user, "{degraded:?}");
 
     let (_, text, _) = run_cli(&["doctor"]);
     assert!(text.contains(&format!("ABI {}", abi.max(0))), "{text}");

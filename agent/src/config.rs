@@ -235,12 +235,44 @@ pub struct SandboxSection {
 
 /// `sandbox.host_uids`.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
-#[serde(untagged)]
+#[serde(try_from = "RawHostUids")]
 pub enum HostUidsSetting {
     /// `auto` or `shared`.
     Named(String),
     /// An explicit range.
     Range(HostUidRange),
+}
+
+/// `sandbox.host_uids` as written: a word, or a map whose missing keys are named in the
+/// error (an untagged enum of the two would only say that neither matched).
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum RawHostUids {
+    Named(String),
+    Range(RawHostUidRange),
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawHostUidRange {
+    first: Option<u32>,
+    count: Option<u32>,
+}
+
+impl TryFrom<RawHostUids> for HostUidsSetting {
+    type Error = String;
+    fn try_from(raw: RawHostUids) -> Result<Self, String> {
+        match raw {
+            RawHostUids::Named(n) => Ok(HostUidsSetting::Named(n)),
+            RawHostUids::Range(RawHostUidRange { first: Some(first), count: Some(count) }) => {
+                Ok(HostUidsSetting::Range(HostUidRange { first, count }))
+            }
+            RawHostUids::Range(RawHostUidRange { first, .. }) => Err(format!(
+                "a range needs `{}` (as {{first: UID, count: N}})",
+                if first.is_none() { "first" } else { "count" }
+            )),
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
@@ -1046,6 +1078,8 @@ mod tests {
         }
         let e = Config::parse("sandbox:\n  host_uids: {first: 100000, count: 10, last: 3}\n").unwrap_err();
         assert!(e.to_string().contains("host_uids"), "{e}");
+        let e = Config::parse("sandbox:\n  host_uids: {first: 100000}\n").unwrap_err();
+        assert!(e.to_string().contains("a range needs `count`"), "{e}");
     }
 
     #[test]

@@ -195,7 +195,7 @@ pub fn serve(pipeline: Pipeline, socket: &Path, platform: Option<crate::platform
         .map_err(|e| CannotRun(format!("signalfd: {e}")))?;
 
     let listener = bind(socket)?;
-    if let Some(w) = crate::doctor::identity_warning() {
+    if let Some(w) = crate::doctor::identity_warning(pipeline.policy.host_uids.as_ref()) {
         tracing::warn!(target: "opservant::daemon", "{w}");
     }
     if pipeline.policy.host_uids.is_none() {

@@ -178,9 +178,15 @@ pub fn examine(landlock_min_abi: u32, allow_degraded: bool, host_uids: Option<&s
             "missing: host paths resolved without RESOLVE_IN_ROOT".into()
         },
     });
-    let (identity, identity_detail) = identity_finding();
+    let (identity, mut identity_detail) = identity_finding();
     if identity == Some(false) {
-        degraded.push(format!("{identity_detail}: {SHARED_NOBODY}"));
+        if host_uids.is_some() {
+            // Each sandbox runs as a uid of its own on the host: nobody's processes are not
+            // its user, only the files of its declared paths are nobody's to it.
+            identity_detail.push_str(" inside, each on a host uid of its own (sandbox.host_uids)");
+        } else {
+            degraded.push(format!("{identity_detail}: {SHARED_NOBODY}"));
+        }
     }
     findings.push(Finding {
         feature: "identity",
@@ -210,9 +216,9 @@ pub const SHARED_NOBODY: &str = "the host's nobody, whose other processes can si
 
 /// A warning when sandboxes would run as the shared `nobody` (logged by the daemon at
 /// start), `None` otherwise.
-pub fn identity_warning() -> Option<String> {
+pub fn identity_warning(host_uids: Option<&sandbox::HostUids>) -> Option<String> {
     match identity_finding() {
-        (Some(false), detail) => Some(format!("{detail}: {SHARED_NOBODY}")),
+        (Some(false), detail) if host_uids.is_none() => Some(format!("{detail}: {SHARED_NOBODY}")),
         _ => None,
     }
 }
@@ -234,12 +240,30 @@ fn identity_finding() -> (Option<bool>, String) {
 
 /// Whether each sandbox runs as a host uid of its own (`sandbox.host_uids`).
 fn host_uids_finding(host_uids: Option<&sandbox::HostUids>) -> (bool, String) {
-    match host_uids {
-        Some(r) => {
-            (true, format!("a host uid of its own per sandbox, from {}-{} ({} at once)", r.first, r.last(), r.count))
+    use std::os::unix::fs::MetadataExt;
+    let Some(r) = host_uids else { return (false, SHARED_HOST_UID.into()) };
+    // What a lease refuses (sandbox::host_uid): checked here so that a bad mode shows before
+    // every run fails on it. Absent, both are made at the first lease.
+    if let Some(Ok(d)) = r.lock.parent().map(std::fs::symlink_metadata) {
+        if !d.is_dir() || d.uid() != 0 || d.mode() & 0o022 != 0 {
+            return (
+                false,
+                format!(
+                    "{}: its directory must be root's, writable by no one else: every run would fail",
+                    r.lock.display()
+                ),
+            );
         }
-        None => (false, SHARED_HOST_UID.into()),
     }
+    if let Ok(f) = std::fs::symlink_metadata(&r.lock) {
+        if !f.is_file() || f.uid() != 0 || f.mode() & 0o077 != 0 {
+            return (
+                false,
+                format!("{}: must be a regular file of root's, mode 0600: every run would fail", r.lock.display()),
+            );
+        }
+    }
+    (true, format!("a host uid of its own per sandbox, from {}-{} ({} at once)", r.first, r.last(), r.count))
 }
 
 /// What sandboxes sharing the identity's host uid means.

@@ -262,8 +262,10 @@ pub fn host_uids(
     });
     // Another user's subordinate uids: that user may map them into a namespace of its own
     // (newuidmap) and run processes as them.
-    let delegated =
-        subuid_overlap(&std::fs::read_to_string("/etc/subuid").unwrap_or_default(), &range, identity.host_uid);
+    // The executor account's own range is what `auto` takes — when sandboxes run as it.
+    let executor_uid =
+        Identity::local(EXECUTOR_ACCOUNT).ok().map(|e| e.host_uid).filter(|uid| *uid == identity.host_uid);
+    let delegated = subuid_overlap(&std::fs::read_to_string("/etc/subuid").unwrap_or_default(), &range, executor_uid);
     if let Some(account) = taken.or(delegated).or_else(|| {
         (first..=range.last())
             .contains(&identity.host_uid)
@@ -278,14 +280,15 @@ pub fn host_uids(
 }
 
 /// Another user's subordinate uids (in the text of `/etc/subuid`) that `range` overlaps —
-/// not [`EXECUTOR_ACCOUNT`]'s (or the identity's, `uid`), which `auto` takes: that user may
-/// map them into a namespace of its own (`newuidmap`) and run processes as them.
-fn subuid_overlap(text: &str, range: &sandbox::HostUids, uid: u32) -> Option<String> {
+/// not [`EXECUTOR_ACCOUNT`]'s (by name or by its uid, `executor_uid`) when sandboxes run as
+/// it, which `auto` takes: that user may map them into a namespace of its own
+/// (`newuidmap`) and run processes as them.
+fn subuid_overlap(text: &str, range: &sandbox::HostUids, executor_uid: Option<u32>) -> Option<String> {
     text.lines().find_map(|line| {
         let mut f = line.trim().split(':');
         let who = f.next()?;
         let (start, n): (u32, u32) = (f.next()?.parse().ok()?, f.next()?.parse().ok()?);
-        let mine = who == EXECUTOR_ACCOUNT || who.parse::<u32>().ok() == Some(uid);
+        let mine = executor_uid.is_some() && (who == EXECUTOR_ACCOUNT || who.parse::<u32>().ok() == executor_uid);
         let overlaps = n > 0
             && u64::from(start) <= u64::from(range.last())
             && u64::from(start) + u64::from(n) > u64::from(range.first);
@@ -1057,18 +1060,16 @@ mod tests {
         assert_eq!(subuid_range(subuid, "opservant-executor", 997), Some((200000, 65536)));
         assert_eq!(subuid_range(subuid, "bob", 1001), None);
         let r = |first, count| sandbox::HostUids { first, count, lock: HOST_UIDS_LOCK.into() };
-        assert_eq!(subuid_overlap(subuid, &r(165536, 10), 998), None);
-        assert_eq!(
-            subuid_overlap(subuid, &r(99990, 11), 998),
-            Some("alice's subordinate uids in /etc/subuid (100000+65536)".into())
-        );
-        assert_eq!(
-            subuid_overlap(subuid, &r(165535, 1), 998),
-            Some("alice's subordinate uids in /etc/subuid (100000+65536)".into())
-        );
-        // The executor's own range (what `auto` takes) is not another user's.
-        assert_eq!(subuid_overlap(subuid, &r(200000, 65536), 998), None);
-        assert_eq!(subuid_overlap(subuid, &r(300000, 1000), 998), None);
+        let alice = Some("alice's subordinate uids in /etc/subuid (100000+65536)".to_string());
+        assert_eq!(subuid_overlap(subuid, &r(165536, 10), Some(998)), None);
+        assert_eq!(subuid_overlap(subuid, &r(99990, 11), Some(998)), alice);
+        assert_eq!(subuid_overlap(subuid, &r(165535, 1), Some(998)), alice);
+        // The executor's own range (what `auto` takes) is not another user's — when sandboxes
+        // run as the executor account; otherwise it is, by name or by number alike.
+        assert_eq!(subuid_overlap(subuid, &r(200000, 65536), Some(998)), None);
+        assert_eq!(subuid_overlap(subuid, &r(300000, 1000), Some(998)), None);
+        assert!(subuid_overlap(subuid, &r(200000, 1), None).is_some_and(|w| w.starts_with("opservant-executor's")));
+        assert!(subuid_overlap(subuid, &r(300000, 1), None).is_some_and(|w| w.starts_with("998's")));
     }
 
     use super::*;

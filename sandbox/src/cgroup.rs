@@ -101,6 +101,11 @@ fn remember_left_behind(dir: PathBuf, hold: Option<Arc<crate::host_uid::Lease>>)
     // A poisoned list is still a list of paths: nothing half-updated matters here.
     let mut left = LEFT_BEHIND.lock().unwrap_or_else(|e| e.into_inner());
     if !left.iter().any(|(d, _)| d == &dir) {
+        // Also for other processes, and after this one ends: its uid is not leased while
+        // this cgroup exists.
+        if let Some(lease) = &hold {
+            lease.mark_abandoned(&dir);
+        }
         left.push((dir, hold));
     }
 }

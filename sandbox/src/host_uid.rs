@@ -17,10 +17,11 @@
 //!   symlink, in a directory of root's no one else may write; anything else is an error,
 //!   never a lease (anyone who could open it could lock uids out; anyone who could rename
 //!   it could split the leases between two files).
-//! - A lease outlives its sandbox's starter only through the kernel: a caller that holds
-//!   the sandbox's cgroups keeps the lease with any cgroup left behind until it is removed
-//!   ([`crate::cgroup::SandboxCgroup::hold_until_removed`]); a process that exits releases
-//!   every lease it holds.
+//! - A uid is not leased while processes of an abandoned sandbox may still run as it: the
+//!   caller keeps the lease with any cgroup left behind until it is removed
+//!   ([`crate::cgroup::SandboxCgroup::hold_until_removed`]), and marks it beside the lock
+//!   file (`abandoned-UID`, naming the cgroups, [`Lease::mark_abandoned`]), so no lease —
+//!   also after the caller has exited — takes the uid while one of those cgroups exists.
 //! - A range with every uid taken is an error naming the range ([`SandboxError::HostUid`]):
 //!   never a fall back to a shared uid.
 //!
@@ -30,7 +31,8 @@
 //! inside, and what it creates is the identity's on disk (see [`crate::idmap`]).
 
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
 use nix::errno::Errno;
 use nix::fcntl::OFlag;
@@ -45,33 +47,119 @@ pub struct Lease {
     uid: u32,
     /// The descriptor whose open file description holds the lock.
     _lock: OwnedFd,
+    /// The lock file's directory, where [`Lease::mark_abandoned`] leaves its marker.
+    dir: OwnedFd,
+    /// A marker was left (removed again on drop: the caller dropped its last hold only once
+    /// the sandbox's cgroups were gone).
+    marked: AtomicBool,
 }
 
 impl Lease {
     pub fn uid(&self) -> u32 {
         self.uid
     }
+
+    /// Note, beside the lock file, that the sandbox holding this uid was abandoned with
+    /// processes left in `cgroup` (stuck in the kernel): until that cgroup is gone no lease —
+    /// of any process, after this one has exited too — takes the uid. Best effort: a marker
+    /// that cannot be written is logged (the lease itself still holds the uid while this
+    /// process lives).
+    pub fn mark_abandoned(&self, cgroup: &Path) {
+        use std::io::Write;
+        let name = marker_name(self.uid);
+        let written = nix::fcntl::openat(
+            &self.dir,
+            name.as_str(),
+            OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_APPEND | OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW,
+            Mode::from_bits_truncate(0o600),
+        )
+        .map_err(std::io::Error::from)
+        .and_then(|fd| {
+            let mut line = cgroup.as_os_str().as_encoded_bytes().to_vec();
+            line.push(b'\n');
+            std::fs::File::from(fd).write_all(&line)
+        });
+        match written {
+            Ok(()) => self.marked.store(true, Ordering::Relaxed),
+            Err(e) => tracing::error!(uid = self.uid, error = %e, "cannot mark an abandoned sandbox's host uid"),
+        }
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        if self.marked.load(Ordering::Relaxed) {
+            let _ = nix::unistd::unlinkat(
+                &self.dir,
+                marker_name(self.uid).as_str(),
+                nix::unistd::UnlinkatFlags::NoRemoveDir,
+            );
+        }
+    }
+}
+
+fn marker_name(uid: u32) -> String {
+    format!("abandoned-{uid}")
+}
+
+/// Whether an abandoned sandbox's processes may still run as `uid`: its marker names a
+/// cgroup that still exists. A marker whose cgroups are all gone is removed.
+fn abandoned(dir: &OwnedFd, uid: u32) -> bool {
+    let name = marker_name(uid);
+    let fd = match nix::fcntl::openat(
+        dir,
+        name.as_str(),
+        OFlag::O_RDONLY | OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW,
+        Mode::empty(),
+    ) {
+        Ok(fd) => fd,
+        Err(Errno::ENOENT) => return false,
+        // Unreadable: cannot tell, so held.
+        Err(_) => return true,
+    };
+    let mut text = String::new();
+    if std::io::Read::read_to_string(&mut std::fs::File::from(fd), &mut text).is_err() {
+        return true;
+    }
+    if text.lines().any(|cgroup| Path::new(cgroup).exists()) {
+        return true;
+    }
+    let _ = nix::unistd::unlinkat(dir, name.as_str(), nix::unistd::UnlinkatFlags::NoRemoveDir);
+    false
 }
 
 /// Where the next search starts, relative to the range's first uid: after the last uid
-/// leased, so a uid just released is the last to be leased again.
-static NEXT: AtomicU32 = AtomicU32::new(0);
+/// leased, so a uid just released is the last to be leased again; each process starts at a
+/// place of its own (from its pid), so command-line runs do not all take the first uid.
+static NEXT: AtomicU32 = AtomicU32::new(u32::MAX);
 
 /// Lease a uid of `range` that no other sandbox holds.
 pub fn lease(range: &HostUids) -> Result<Lease, SandboxError> {
     let err = |what: String| SandboxError::HostUid(format!("{}: {what}", range.lock.display()));
-    if let Some(dir) = range.lock.parent() {
-        if !dir.exists() {
-            use std::os::unix::fs::DirBuilderExt;
-            std::fs::DirBuilder::new()
-                .recursive(true)
-                .mode(0o755)
-                .create(dir)
-                .map_err(|e| err(format!("create its directory: {e}")))?;
-        }
+    let (Some(dir_path), Some(file_name)) = (range.lock.parent(), range.lock.file_name()) else {
+        return Err(err("not a file in a directory".into()));
+    };
+    if !dir_path.exists() {
+        use std::os::unix::fs::DirBuilderExt;
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o755)
+            .create(dir_path)
+            .map_err(|e| err(format!("create its directory: {e}")))?;
     }
-    let fd = nix::fcntl::open(
-        &range.lock,
+    // The directory first, by descriptor: what is checked is where the file is opened.
+    let dir = nix::fcntl::open(dir_path, OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC, Mode::empty())
+        .map_err(|e| err(format!("open its directory: {}", e.desc())))?;
+    let d = nix::sys::stat::fstat(&dir).map_err(|e| err(format!("stat its directory: {}", e.desc())))?;
+    if d.st_uid != 0 || d.st_mode & 0o022 != 0 {
+        return Err(err(format!(
+            "its directory {} must be a directory of root's that no one else may write",
+            dir_path.display()
+        )));
+    }
+    let fd = nix::fcntl::openat(
+        &dir,
+        file_name,
         OFlag::O_RDWR | OFlag::O_CREAT | OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW,
         Mode::from_bits_truncate(0o600),
     )
@@ -89,30 +177,28 @@ pub fn lease(range: &HostUids) -> Result<Lease, SandboxError> {
             st.st_mode & 0o7777
         )));
     }
-    if let Some(dir) = range.lock.parent() {
-        let d = nix::sys::stat::lstat(dir).map_err(|e| err(format!("stat its directory: {}", e.desc())))?;
-        if d.st_mode & libc::S_IFMT != libc::S_IFDIR || d.st_uid != 0 || d.st_mode & 0o022 != 0 {
-            return Err(err(format!(
-                "its directory {} must be a directory of root's that no one else may write",
-                dir.display()
-            )));
-        }
+    let mut start = NEXT.load(Ordering::Relaxed);
+    if start == u32::MAX {
+        start = std::process::id().wrapping_mul(2_654_435_761);
     }
-    let start = NEXT.load(Ordering::Relaxed) % range.count;
+    let start = start % range.count;
     for i in 0..range.count {
         let offset = (start + i) % range.count;
         let uid = range.first + offset;
+        if abandoned(&dir, uid) {
+            continue;
+        }
         match try_lock(&fd, uid) {
             Ok(()) => {
-                NEXT.store(offset.wrapping_add(1), Ordering::Relaxed);
-                return Ok(Lease { uid, _lock: fd });
+                NEXT.store(offset.wrapping_add(1) % range.count, Ordering::Relaxed);
+                return Ok(Lease { uid, _lock: fd, dir, marked: AtomicBool::new(false) });
             }
             Err(Errno::EAGAIN | Errno::EACCES) => continue,
             Err(e) => return Err(err(format!("lock uid {uid}: {}", e.desc()))),
         }
     }
     Err(SandboxError::HostUid(format!(
-        "every host uid of {}-{} is held by a running sandbox ({} at once at most: raise the range's count)",
+        "every host uid of {}-{} is held by a running sandbox or a lock ({} at once at most: raise the range's count)",
         range.first,
         range.last(),
         range.count

@@ -26,9 +26,11 @@
 //! - Every prepared tree is made private (no propagation): a clone of a shared host mount
 //!   would otherwise stay in the host's peer group, and mounts made beneath it in the view
 //!   would appear on the host (and host mounts in the view).
-//! - A path whose filesystem (or a mount beneath it) cannot be idmapped is bound unmapped,
-//!   and listed in [`Prepared::not_idmapped`]: the sandbox then has only the rights any
-//!   other user has there — less access, reported, never more.
+//! - A read-only path whose filesystem (or a mount beneath it) cannot be idmapped is bound
+//!   unmapped, and listed in [`Prepared::not_idmapped`]: the sandbox then has only the
+//!   rights any other user has there — less access, reported, never more. A writable one
+//!   fails the run: files the sandbox made there would be its leased uid's on disk, and so
+//!   the next sandbox's that leases the uid.
 
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::path::Path;
@@ -78,7 +80,7 @@ pub fn prepare(spec: &SandboxSpec, userns: BorrowedFd<'_>) -> Result<Prepared, S
             let exact = rule.source.as_deref();
             let host = exact.unwrap_or(&rule.path);
             let rel = host.strip_prefix("/").unwrap_or(host);
-            let src = match crate::mounts::open_in_root(&root, rel, exact.is_some()) {
+            let src = match crate::mounts::open_in_root(&root, Path::new("/"), rel, exact.is_some()) {
                 Ok(fd) => fd,
                 Err(Errno::ENOENT) if rule.optional => continue,
                 Err(e) => return Err(crate::mounts::host_path_error(host, exact.is_some(), e)),
@@ -91,6 +93,20 @@ pub fn prepare(spec: &SandboxSpec, userns: BorrowedFd<'_>) -> Result<Prepared, S
             }
             match setattr(&tree, attrs | libc::MOUNT_ATTR_IDMAP, Some(userns)) {
                 Ok(()) => out.binds.push((i, tree)),
+                // Writable, unmapped: what the sandbox made there would be its leased uid's
+                // on disk — and the next sandbox's that leases the uid.
+                Err(e) if rule.access == Access::ReadWrite => {
+                    return Err(StepError::new(
+                        Stage::Mounts,
+                        format!(
+                            "declared path {}: {}; a writable path must be idmappable when each sandbox runs as a host \
+                             uid of its own (sandbox.host_uids), or what one sandbox writes there would belong to \
+                             the next one given its uid (declare it read-only, or use host_uids: shared)",
+                            rule.path.display(),
+                            reason(e)
+                        ),
+                    ))
+                }
                 Err(e) => {
                     setattr(&tree, attrs, None)
                         .map_err(|e| StepError::errno(Stage::Mounts, format!("seal {}", host.display()), e))?;

@@ -536,7 +536,7 @@ fn bind_host(old_root: &OwnedFd, rule: &PathRule, system: bool, owned: &Owned) -
     let exact = rule.source.as_deref().filter(|_| !system);
     let host = exact.unwrap_or(&rule.path);
     let host_rel = host.strip_prefix("/").unwrap_or(host);
-    let src = match open_in_root(old_root, host_rel, exact.is_some()) {
+    let src = match open_in_root(old_root, Path::new(OLD_ROOT), host_rel, exact.is_some()) {
         Ok(fd) => fd,
         Err(Errno::ENOENT) if rule.optional => return Ok(None),
         Err(e) => return Err(host_path_error(host, exact.is_some(), e)),
@@ -721,7 +721,7 @@ fn build_dev(old_root: &OwnedFd) -> Result<(), StepError> {
     for name in DEVICES {
         let dst = dev.join(name);
         create_file(&dst, 0o666, b"")?;
-        let src = open_in_root(old_root, &Path::new("dev").join(name), false)
+        let src = open_in_root(old_root, Path::new(OLD_ROOT), &Path::new("dev").join(name), false)
             .map_err(|e| fail(format!("host /dev/{name}"), e))?;
         let src_name = format!("/proc/self/fd/{}", src.as_raw_fd());
         // Device nodes need a mount without nodev (nosuid and noexec mean nothing for a
@@ -870,8 +870,11 @@ fn remount_fallback(path: &Path, attrs: u64, recursive: bool) -> Result<(), Step
 }
 
 /// Resolve `rel` beneath `root` as if `root` were `/` (symlinks cannot escape it);
-/// `no_symlinks`: any symlink in `rel` fails with `ELOOP`.
-pub(crate) fn open_in_root(root: &OwnedFd, rel: &Path, no_symlinks: bool) -> Result<OwnedFd, Errno> {
+/// `no_symlinks`: any symlink in `rel` fails with `ELOOP`. `base` is `root`'s path in this
+/// process's mount namespace, where a kernel (or a seccomp filter: a systemd unit's
+/// `SystemCallFilter=` answers `ENOSYS` for what it does not know) without `openat2`
+/// resolves `rel` instead — init's old root, or `/` in the parent.
+pub(crate) fn open_in_root(root: &OwnedFd, base: &Path, rel: &Path, no_symlinks: bool) -> Result<OwnedFd, Errno> {
     let c = CString::new(rel.as_os_str().as_encoded_bytes()).map_err(|_| Errno::EINVAL)?;
     // SAFETY: open_how is plain old data; all-zero is valid (and required for unused fields).
     let mut how: libc::open_how = unsafe { std::mem::zeroed() };
@@ -895,12 +898,48 @@ pub(crate) fn open_in_root(root: &OwnedFd, rel: &Path, no_symlinks: bool) -> Res
         return Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) });
     }
     match Errno::last() {
-        // Kernels before 5.6: resolve normally (absolute symlinks then resolve in the new
-        // root, which only ever holds what the sandbox may see anyway).
-        // (Not for `no_symlinks`: that has no race-free equivalent there; the error stands.)
-        Errno::ENOSYS if !no_symlinks => open_path(&Path::new(OLD_ROOT).join(rel)),
+        // Kernels before 5.6, or a systemd unit with `RestrictSUIDSGID=` (which answers
+        // `openat2` with ENOSYS: it cannot see the mode in its struct) — the shipped unit sets
+        // it: with `no_symlinks`, a walk of one `openat` per component that refuses a
+        // symlink at each, as race-free as `RESOLVE_NO_SYMLINKS`; otherwise resolve normally
+        // (absolute symlinks then resolve from `base`'s process root — init's new root,
+        // which only ever holds what the sandbox may see anyway, or the parent's `/`).
+        Errno::ENOSYS if no_symlinks => walk_no_symlinks(root, rel),
+        Errno::ENOSYS => open_path(&base.join(rel)),
         e => Err(e),
     }
+}
+
+/// Open `rel` beneath `root` one component at a time (`O_PATH | O_NOFOLLOW`), failing with
+/// `ELOOP` at a component that is a symlink (magic links included) and with `EINVAL` at a
+/// `..`: what `openat2`'s `RESOLVE_NO_SYMLINKS` gives, without it. Each step is made on the
+/// descriptor of the one before, so nothing swapped in meanwhile is followed.
+fn walk_no_symlinks(root: &OwnedFd, rel: &Path) -> Result<OwnedFd, Errno> {
+    use std::path::Component;
+    let mut cur = nix::fcntl::openat(
+        root,
+        ".",
+        nix::fcntl::OFlag::O_PATH | nix::fcntl::OFlag::O_CLOEXEC,
+        nix::sys::stat::Mode::empty(),
+    )?;
+    for comp in rel.components() {
+        let name = match comp {
+            Component::Normal(name) => name,
+            Component::CurDir | Component::RootDir => continue,
+            Component::ParentDir | Component::Prefix(_) => return Err(Errno::EINVAL),
+        };
+        let next = nix::fcntl::openat(
+            &cur,
+            name,
+            nix::fcntl::OFlag::O_PATH | nix::fcntl::OFlag::O_NOFOLLOW | nix::fcntl::OFlag::O_CLOEXEC,
+            nix::sys::stat::Mode::empty(),
+        )?;
+        if nix::sys::stat::fstat(&next)?.st_mode & libc::S_IFMT == libc::S_IFLNK {
+            return Err(Errno::ELOOP);
+        }
+        cur = next;
+    }
+    Ok(cur)
 }
 
 fn open_path(p: &Path) -> Result<OwnedFd, Errno> {
@@ -946,7 +985,7 @@ impl Owned {
     /// swapped in after the mount would otherwise name a host filesystem): a mask reached
     /// through a link is not added — nothing is then created beneath it.
     fn add_unless_linked(&mut self, path: &Path) -> Result<(), StepError> {
-        match open_in_root(&self.root, path.strip_prefix("/").unwrap_or(path), true) {
+        match open_in_root(&self.root, Path::new("/"), path.strip_prefix("/").unwrap_or(path), true) {
             Ok(fd) => {
                 let st = nix::sys::stat::fstat(&fd).map_err(|e| fail(format!("stat {}", path.display()), e))?;
                 if st.st_mode & libc::S_IFMT == libc::S_IFDIR && st.st_mode & 0o7777 == 0 {
@@ -1224,4 +1263,32 @@ fn create_file(path: &Path, mode: u32, content: &[u8]) -> Result<(), StepError> 
 fn cstr(p: &Path) -> Result<CString, StepError> {
     CString::new(p.as_os_str().as_encoded_bytes())
         .map_err(|_| StepError::new(Stage::Mounts, format!("{}: contains NUL", p.display())))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    #[test]
+    fn the_walk_without_openat2_refuses_symlinks_and_dotdot_as_resolve_no_symlinks_does() {
+        let dir = std::env::temp_dir().join(format!("opservant-walk-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("a/b")).unwrap();
+        std::fs::write(dir.join("a/b/f"), "x").unwrap();
+        std::os::unix::fs::symlink("b", dir.join("a/link")).unwrap();
+        std::os::unix::fs::symlink("b/f", dir.join("a/flink")).unwrap();
+        let root = super::open_path(&dir).unwrap();
+        let walked = super::walk_no_symlinks(&root, Path::new("a/b/f")).unwrap();
+        let ino = nix::sys::stat::fstat(&walked).unwrap().st_ino;
+        assert_eq!(ino, std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(dir.join("a/b/f")).unwrap()));
+        assert!(super::walk_no_symlinks(&root, Path::new("./a/./b")).is_ok());
+        for (rel, want) in [
+            ("a/link/f", nix::errno::Errno::ELOOP),
+            ("a/flink", nix::errno::Errno::ELOOP),
+            ("a/../a/b", nix::errno::Errno::EINVAL),
+            ("a/missing", nix::errno::Errno::ENOENT),
+        ] {
+            assert_eq!(super::walk_no_symlinks(&root, Path::new(rel)).unwrap_err(), want, "{rel}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

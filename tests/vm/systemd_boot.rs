@@ -66,11 +66,12 @@ struct Ctx {
 }
 
 fn in_vm() -> ExitCode {
-    let checks: [(&str, guest::Check<Ctx>); 9] = [
+    let checks: [(&str, guest::Check<Ctx>); 10] = [
         ("pid1_is_systemd", pid1_is_systemd),
         ("install", install),
         ("start_reaches_ready", start_reaches_ready),
         ("port_scan_fully_isolated", port_scan_fully_isolated),
+        ("declared_path_readable", declared_path_readable),
         ("egress_wired", egress_wired),
         ("oom_and_timeout_enforced", oom_and_timeout_enforced),
         ("watchdog_pinged", watchdog_pinged),
@@ -181,6 +182,24 @@ fn install(ctx: &Ctx) -> Result<(), String> {
         "        blocks = []\n        for _ in range(200):\n            blocks.append(bytearray(1 << 20))\n        \
          return ExecutorResult(status=\"completed\", output={\"allocated_mb\": len(blocks)})\n",
     )?;
+    // An executor declaring a read path (bound from the exact real path the agent checked:
+    // under the unit, whose RestrictSUIDSGID= answers openat2 with ENOSYS, resolved one
+    // component at a time — until the fifteenth session such a run failed there).
+    let data = ctx.dir.join("data");
+    std::fs::create_dir_all(&data).map_err(|e| e.to_string())?;
+    std::fs::write(data.join("hello.txt"), "hello from the host\n").map_err(|e| e.to_string())?;
+    run(&format!("chmod 0755 {d} {d}/.. && chmod 0644 {d}/hello.txt", d = data.display()))?;
+    let reader = executor(
+        ctx,
+        "reader",
+        json!({"filesystem": {"read": [data]}}),
+        json!({"timeout_seconds": 30}),
+        &format!(
+            "        with open({:?}) as f:\n            text = f.read()\n        \
+             return ExecutorResult(status=\"completed\", output={{\"text\": text}})\n",
+            data.join("hello.txt")
+        ),
+    )?;
     let net = executor(
         ctx,
         "egress-probe",
@@ -193,7 +212,7 @@ fn install(ctx: &Ctx) -> Result<(), String> {
     // A copy of the example (the checkout may be below /tmp, hidden from the unit).
     let scanner = ctx.dir.join("port-scanner");
     run(&format!("cp -r {REPO}/executors/port-scanner {}", scanner.display()))?;
-    let install: String = [scanner.as_path(), &slow, &hog, &net]
+    let install: String = [scanner.as_path(), &slow, &hog, &net, &reader]
         .iter()
         .map(|p| format!("  - {}\n", std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf()).display()))
         .collect();
@@ -224,6 +243,16 @@ fn start_reaches_ready(_: &Ctx) -> Result<(), String> {
     ensure!(prop("opservant.service", "Type")? == "notify", "Type is not notify");
     ensure!(prop("opservant.service", "NotifyAccess")? == "main", "NotifyAccess is not main");
     ensure!(Path::new("/run/opservant/agent.sock").exists(), "no /run/opservant/agent.sock");
+    Ok(())
+}
+
+/// An executor declaring a read path runs under the unit and reads it, through a bind
+/// idmapped for its host uid of its own.
+fn declared_path_readable(_: &Ctx) -> Result<(), String> {
+    let (code, r) = submit(&execute("boot-read-1", "reader", json!({})))?;
+    ensure!(code == 0 && r["status"] == "completed", "reader: exit {code}: {r}");
+    ensure!(r["output"]["text"] == "hello from the host\n", "reader output: {r}");
+    ensure!(r["sandbox"]["host_uid_shared"] == false, "host uid: {}", r["sandbox"]);
     Ok(())
 }
 
