@@ -198,6 +198,14 @@ pub fn serve(pipeline: Pipeline, socket: &Path, platform: Option<crate::platform
     if let Some(w) = crate::doctor::identity_warning(pipeline.policy.host_uids.as_ref()) {
         tracing::warn!(target: "opservant::daemon", "{w}");
     }
+    if !sandbox::probe::openat2_available() {
+        tracing::info!(
+            target: "opservant::daemon",
+            "openat2 answers ENOSYS in this process (a kernel before 5.6, or a seccomp filter: the unit's RestrictSUIDSGID=): \
+             declared host paths are resolved one component at a time without following a symlink, the view's system paths \
+             without RESOLVE_IN_ROOT"
+        );
+    }
     if pipeline.policy.host_uids.is_none() {
         tracing::warn!(target: "opservant::daemon", "{}", crate::doctor::SHARED_HOST_UID);
     }

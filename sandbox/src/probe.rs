@@ -94,6 +94,13 @@ fn syscall_exists(nr: libc::c_long) -> bool {
     !(rc < 0 && nix::errno::Errno::last() == nix::errno::Errno::ENOSYS)
 }
 
+/// Whether `openat2(2)` answers in this process — a kernel before 5.6 lacks it, and a
+/// seccomp filter may refuse it with `ENOSYS` (systemd's `RestrictSUIDSGID=` does: it cannot
+/// see the mode in its struct). Inherited filters make this the sandboxes' answer too.
+pub fn openat2_available() -> bool {
+    syscall_exists(libc::SYS_openat2)
+}
+
 pub fn probe() -> HostProbe {
     let uname = nix::sys::utsname::uname().ok();
     let kernel = uname
