@@ -17,6 +17,24 @@ fn fast() -> (HostDir, std::path::PathBuf) {
     common::limits_manifest(r#"{"max_cpu_percent": 50}"#)
 }
 
+/// Wait (at most a minute: a hang detector, not a timing) until a sandbox made `path`.
+fn wait_for_file(path: &std::path::Path, what: &str) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !path.exists() {
+        assert!(std::time::Instant::now() < deadline, "{what}");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+/// A mount the test made, detached when dropped.
+struct Unmount(std::path::PathBuf);
+
+impl Drop for Unmount {
+    fn drop(&mut self) {
+        let _ = nix::mount::umount2(&self.0, nix::mount::MntFlags::MNT_DETACH);
+    }
+}
+
 /// True when uid `uid` could read `path` on the host by plain DAC (no capabilities).
 fn host_readable_by(path: &std::path::Path, uid: u32) -> bool {
     let out = Command::new("setpriv")
@@ -153,11 +171,7 @@ print("probe", size, grown)
         };
         let config = (!per_sandbox).then(|| shared.clone());
         let hog = run(hog, m.clone(), config.clone());
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-        while !dir.path.join("ready").exists() {
-            assert!(std::time::Instant::now() < deadline, "the first sandbox never got its pipes");
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        }
+        wait_for_file(&dir.path.join("ready"), "the first sandbox never got its pipes");
         let probe = run(probe, m.clone(), config).join().unwrap();
         let hog = hog.join().unwrap();
         assert_eq!(hog.status(), "completed", "{}", hog.err());
@@ -195,12 +209,6 @@ fn a_path_that_cannot_be_idmapped_is_reported_and_grants_no_more() {
     let ram = dir.path.join("ram");
     std::fs::create_dir(&ram).unwrap();
     nix::mount::mount(Some("ramfs"), &ram, Some("ramfs"), nix::mount::MsFlags::empty(), None::<&str>).unwrap();
-    struct Unmount(std::path::PathBuf);
-    impl Drop for Unmount {
-        fn drop(&mut self) {
-            let _ = nix::mount::umount2(&self.0, nix::mount::MntFlags::MNT_DETACH);
-        }
-    }
     let _unmount = Unmount(ram.clone());
     let (uid, gid) = executor_ids();
     std::os::unix::fs::chown(&ram, Some(uid), Some(gid)).unwrap();
@@ -233,9 +241,13 @@ fn an_abandoned_sandboxs_uid_is_not_leased_while_its_processes_live() {
     }
     let first = 1_900_200_000 + std::process::id() % 1000;
     let one = common::config_with("abandoned-uid", &format!("sandbox:\n  host_uids: {{first: {first}, count: 1}}\n"));
-    let (_d, m) = common::limits_manifest(r#"{"timeout_seconds": 2}"#);
+    // Time for the freezer to find the sandbox asleep before the timeout (a zygote's start
+    // comes first through one).
+    let (_d, m) = common::limits_manifest(r#"{"timeout_seconds": 10}"#);
     let mut cmd = common::command();
-    cmd.env("OPSERVANT_CONFIG", &one).arg("sandbox").arg("--manifest").arg(&m).args(common::launch_args());
+    // Cold in every suite: the freezer finds a sandbox among the command's descendants, and
+    // what is tested — the lease outliving the command — is the same whatever started it.
+    cmd.env("OPSERVANT_CONFIG", &one).arg("sandbox").arg("--manifest").arg(&m).args(["--launch", "cold"]);
     cmd.args(["--json", "--", "/bin/sleep", "60"]);
     cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
     let child = cmd.spawn().unwrap();
@@ -258,6 +270,68 @@ fn an_abandoned_sandboxs_uid_is_not_leased_while_its_processes_live() {
     assert_eq!((again.status(), again.json["sandbox"]["host_uid"].as_u64()), ("completed", Some(u64::from(first))));
 }
 
+/// The view's mounts never propagate to the host, nor the host's into the view, even where
+/// a declared path is on a shared mount (every mount of a systemd host is): a declared path
+/// beneath another is a mount made inside the first one's bind, and must not appear on the
+/// host (where each run would have copied all earlier ones: 1, 3, 7 … mounts); a mount the
+/// host makes beneath a declared path while the sandbox runs is not in its view.
+#[test]
+fn mounts_never_propagate_between_the_view_and_a_shared_host_mount() {
+    if !require_root() {
+        return;
+    }
+    let dir = HostDir::new();
+    let shared = dir.path.join("shared");
+    std::fs::create_dir(&shared).unwrap();
+    nix::mount::mount(Some("opsv-prop"), &shared, Some("tmpfs"), nix::mount::MsFlags::empty(), Some("size=1m"))
+        .unwrap();
+    let _unmount = Unmount(shared.clone());
+    nix::mount::mount(None::<&str>, &shared, None::<&str>, nix::mount::MsFlags::MS_SHARED, None::<&str>).unwrap();
+    let (outer, inner, later) = (shared.join("a"), shared.join("a/b"), shared.join("a/later"));
+    for d in [&outer, &inner, &later] {
+        std::fs::create_dir_all(d).unwrap();
+    }
+    let (uid, gid) = executor_ids();
+    std::os::unix::fs::chown(&outer, Some(uid), Some(gid)).unwrap();
+    let m = manifest(
+        &dir,
+        &format!(r#"{{"filesystem": {{"write": ["{}"], "read": ["{}"]}}}}"#, outer.display(), inner.display()),
+        "{}",
+    );
+    let host_mounts = || {
+        std::fs::read_to_string("/proc/self/mountinfo")
+            .unwrap()
+            .lines()
+            .filter(|l| l.split(' ').nth(4).is_some_and(|p| p.starts_with(shared.to_str().unwrap())))
+            .count()
+    };
+    let before = host_mounts();
+    for _ in 0..3 {
+        let r = sh(Some(&m), "true");
+        assert_eq!(r.status(), "completed", "{}", r.err());
+    }
+    assert_eq!(host_mounts(), before, "the view's mounts reached the host");
+    // Inward: a mount the host makes beneath the declared path once the sandbox runs.
+    let ready = outer.join("ready");
+    let script = format!(
+        "touch {ready}; i=0; while [ ! -e {o}/go ] && [ $i -lt 600 ]; do sleep 0.05; i=$((i+1)); done; ls {l}",
+        ready = ready.display(),
+        o = outer.display(),
+        l = later.display()
+    );
+    let mm = m.clone();
+    let t = std::thread::spawn(move || sh(Some(&mm), &script));
+    wait_for_file(&ready, "the sandbox never started");
+    nix::mount::mount(Some("opsv-later"), &later, Some("tmpfs"), nix::mount::MsFlags::empty(), Some("size=1m"))
+        .unwrap();
+    std::fs::write(later.join("from-the-host"), "").unwrap();
+    std::fs::write(outer.join("go"), "").unwrap();
+    let r = t.join().unwrap();
+    let _ = nix::mount::umount2(&later, nix::mount::MntFlags::MNT_DETACH);
+    assert_eq!(r.status(), "completed", "{}", r.err());
+    assert!(!r.stdout().contains("from-the-host"), "a host mount appeared in the view: {}", r.stdout());
+}
+
 /// A sandbox's host uid is its own only while no other sandbox holds it: with every uid of
 /// the range held, a run is refused (no fall back to a shared uid), naming the range.
 #[test]
@@ -277,11 +351,7 @@ fn a_sandbox_never_runs_on_a_host_uid_another_holds() {
     );
     let (c, mm) = (one.clone(), m.clone());
     let holder = std::thread::spawn(move || common::try_sandbox_configured(&c, Some(&mm), &["/bin/sh", "-c", &script]));
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    while !ready.exists() {
-        assert!(std::time::Instant::now() < deadline, "the first sandbox never started");
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    wait_for_file(&ready, "the first sandbox never started");
     let refused = common::try_sandbox_configured(&one, Some(&m), &["/bin/true"]);
     std::fs::write(dir.path.join("done"), "").unwrap();
     let held = holder.join().unwrap().unwrap();

@@ -123,6 +123,23 @@ impl Channel {
         }
     }
 
+    /// The size of the next message (peeked, not taken); `None` at end-of-file.
+    fn next_len(&self) -> Result<Option<usize>, String> {
+        let len = loop {
+            let mut probe = [0u8; 1];
+            match socket::recv(self.fd.as_raw_fd(), &mut probe, MsgFlags::MSG_PEEK | MsgFlags::MSG_TRUNC) {
+                Err(Errno::EINTR) => continue,
+                Err(e) => return Err(format!("recv: {}", e.desc())),
+                Ok(0) => return Ok(None),
+                Ok(n) => break n,
+            }
+        };
+        if len > MAX_MESSAGE {
+            return Err(format!("message of {len} bytes exceeds {MAX_MESSAGE}"));
+        }
+        Ok(Some(len))
+    }
+
     /// Send one message with `fds` attached (`SCM_RIGHTS`; at most [`MAX_FDS`]).
     pub fn send_with_fds<T: Serialize>(&self, msg: &T, fds: &[RawFd]) -> Result<(), Errno> {
         if fds.len() > MAX_FDS {
@@ -145,18 +162,7 @@ impl Channel {
     /// on end-of-file. A message whose descriptors did not all arrive (`MSG_CTRUNC`) is an
     /// error; those that did are closed.
     pub fn recv_with_fds<T: DeserializeOwned>(&self) -> Result<Option<(T, Vec<OwnedFd>)>, String> {
-        let len = loop {
-            let mut probe = [0u8; 1];
-            match socket::recv(self.fd.as_raw_fd(), &mut probe, MsgFlags::MSG_PEEK | MsgFlags::MSG_TRUNC) {
-                Err(Errno::EINTR) => continue,
-                Err(e) => return Err(format!("recv: {}", e.desc())),
-                Ok(0) => return Ok(None),
-                Ok(n) => break n,
-            }
-        };
-        if len > MAX_MESSAGE {
-            return Err(format!("message of {len} bytes exceeds {MAX_MESSAGE}"));
-        }
+        let Some(len) = self.next_len()? else { return Ok(None) };
         let mut buf = vec![0u8; len];
         let mut space = nix::cmsg_space!([RawFd; MAX_FDS]);
         let (n, fds, truncated) = loop {
@@ -185,18 +191,7 @@ impl Channel {
 
     /// Receive one message; `Ok(None)` on end-of-file.
     pub fn recv<T: DeserializeOwned>(&self) -> Result<Option<T>, String> {
-        let len = loop {
-            let mut probe = [0u8; 1];
-            match socket::recv(self.fd.as_raw_fd(), &mut probe, MsgFlags::MSG_PEEK | MsgFlags::MSG_TRUNC) {
-                Err(Errno::EINTR) => continue,
-                Err(e) => return Err(format!("recv: {}", e.desc())),
-                Ok(0) => return Ok(None),
-                Ok(n) => break n,
-            }
-        };
-        if len > MAX_MESSAGE {
-            return Err(format!("message of {len} bytes exceeds {MAX_MESSAGE}"));
-        }
+        let Some(len) = self.next_len()? else { return Ok(None) };
         let mut buf = vec![0u8; len];
         let n = loop {
             match socket::recv(self.fd.as_raw_fd(), &mut buf, MsgFlags::empty()) {
