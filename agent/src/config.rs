@@ -804,16 +804,10 @@ impl Config {
                     &format!("{n:?} is neither `auto`, `shared` nor a range {{first: UID, count: N}}"),
                 ))
             }
-            Some(HostUidsSetting::Range(r))
-                if r.count == 0 || r.first == 0 || u64::from(r.first) + u64::from(r.count) > u64::from(u32::MAX) =>
-            {
-                return Err(err(
-                    "sandbox.host_uids",
-                    &format!(
-                        "first {} count {}: a range of at least one uid within 1-4294967294 (not root, not -1)",
-                        r.first, r.count
-                    ),
-                ))
+            Some(HostUidsSetting::Range(r)) => {
+                if let Some(e) = sandbox::HostUids::bounds_error(r.first, r.count) {
+                    return Err(err("sandbox.host_uids", &e));
+                }
             }
             _ => {}
         }

@@ -240,28 +240,10 @@ fn identity_finding() -> (Option<bool>, String) {
 
 /// Whether each sandbox runs as a host uid of its own (`sandbox.host_uids`).
 fn host_uids_finding(host_uids: Option<&sandbox::HostUids>) -> (bool, String) {
-    use std::os::unix::fs::MetadataExt;
     let Some(r) = host_uids else { return (false, SHARED_HOST_UID.into()) };
-    // What a lease refuses (sandbox::host_uid): checked here so that a bad mode shows before
-    // every run fails on it. Absent, both are made at the first lease.
-    if let Some(Ok(d)) = r.lock.parent().map(std::fs::symlink_metadata) {
-        if !d.is_dir() || d.uid() != 0 || d.mode() & 0o022 != 0 {
-            return (
-                false,
-                format!(
-                    "{}: its directory must be root's, writable by no one else: every run would fail",
-                    r.lock.display()
-                ),
-            );
-        }
-    }
-    if let Ok(f) = std::fs::symlink_metadata(&r.lock) {
-        if !f.is_file() || f.uid() != 0 || f.mode() & 0o077 != 0 {
-            return (
-                false,
-                format!("{}: must be a regular file of root's, mode 0600: every run would fail", r.lock.display()),
-            );
-        }
+    // What a lease refuses, checked before any run fails on it.
+    if let Some(problem) = sandbox::host_uid::lock_problem(r) {
+        return (false, format!("{problem}: every run would fail"));
     }
     (true, format!("a host uid of its own per sandbox, from {}-{} ({} at once)", r.first, r.last(), r.count))
 }

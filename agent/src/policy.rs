@@ -248,10 +248,10 @@ pub fn host_uids(
             }
         }
     };
-    let range = sandbox::HostUids { first, count, lock: HOST_UIDS_LOCK.into() };
-    if count == 0 || first == 0 || u64::from(first) + u64::from(count) > u64::from(u32::MAX) {
-        return Err(format!("{origin}: {first}+{count} is not a range of uids within 1-4294967294"));
+    if let Some(e) = sandbox::HostUids::bounds_error(first, count) {
+        return Err(format!("{origin}: {e}"));
     }
+    let range = sandbox::HostUids { first, count, lock: HOST_UIDS_LOCK.into() };
     let passwd =
         std::fs::read_to_string("/etc/passwd").map_err(|e| format!("{origin}: cannot read /etc/passwd: {e}"))?;
     let taken = passwd.lines().find_map(|line| {

@@ -128,6 +128,38 @@ fn abandoned(dir: &OwnedFd, uid: u32) -> bool {
     false
 }
 
+/// Why the lock file's directory (`d`, at `path`) is not one to lease through: anyone who
+/// can write it can rename the lock file away, and leases taken on the old file and on a
+/// new one would no longer exclude each other.
+fn dir_refused(d: &libc::stat, path: &Path) -> Option<String> {
+    (d.st_mode & libc::S_IFMT != libc::S_IFDIR || d.st_uid != 0 || d.st_mode & 0o022 != 0)
+        .then(|| format!("its directory {} must be a directory of root's that no one else may write", path.display()))
+}
+
+/// Why the lock file (`st`) is not one to lease through: anyone who can open it can take a
+/// lock on it (a read lock over every byte blocks every lease).
+fn file_refused(st: &libc::stat) -> Option<String> {
+    if st.st_mode & libc::S_IFMT != libc::S_IFREG || st.st_uid != 0 {
+        return Some("not a regular file owned by root".into());
+    }
+    (st.st_mode & 0o077 != 0)
+        .then(|| format!("mode {:o}: open to others, who could lock uids out (must be 0600)", st.st_mode & 0o7777))
+}
+
+/// What would make every lease of `range` fail on its lock file or directory as they are
+/// now (absent ones are made at the first lease): for a report before any run (`doctor`).
+pub fn lock_problem(range: &HostUids) -> Option<String> {
+    let in_lock = |why: String| format!("{}: {why}", range.lock.display());
+    if let Some(dir) = range.lock.parent() {
+        if let Ok(d) = nix::sys::stat::lstat(dir) {
+            if let Some(why) = dir_refused(&d, dir) {
+                return Some(in_lock(why));
+            }
+        }
+    }
+    nix::sys::stat::lstat(&range.lock).ok().and_then(|f| file_refused(&f)).map(in_lock)
+}
+
 /// Where the next search starts, relative to the range's first uid: after the last uid
 /// leased, so a uid just released is the last to be leased again; each process starts at a
 /// place of its own (from its pid), so command-line runs do not all take the first uid.
@@ -151,11 +183,8 @@ pub fn lease(range: &HostUids) -> Result<Lease, SandboxError> {
     let dir = nix::fcntl::open(dir_path, OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC, Mode::empty())
         .map_err(|e| err(format!("open its directory: {}", e.desc())))?;
     let d = nix::sys::stat::fstat(&dir).map_err(|e| err(format!("stat its directory: {}", e.desc())))?;
-    if d.st_uid != 0 || d.st_mode & 0o022 != 0 {
-        return Err(err(format!(
-            "its directory {} must be a directory of root's that no one else may write",
-            dir_path.display()
-        )));
+    if let Some(why) = dir_refused(&d, dir_path) {
+        return Err(err(why));
     }
     let fd = nix::fcntl::openat(
         &dir,
@@ -165,17 +194,8 @@ pub fn lease(range: &HostUids) -> Result<Lease, SandboxError> {
     )
     .map_err(|e| err(format!("open: {}", e.desc())))?;
     let st = nix::sys::stat::fstat(&fd).map_err(|e| err(format!("stat: {}", e.desc())))?;
-    if st.st_mode & libc::S_IFMT != libc::S_IFREG || st.st_uid != 0 {
-        return Err(err("not a regular file owned by root".into()));
-    }
-    // Anyone who can open it can take a lock on it (a read lock over every byte blocks
-    // every lease); anyone who can write its directory can rename it away, and leases taken
-    // on the old file and on a new one would no longer exclude each other.
-    if st.st_mode & 0o077 != 0 {
-        return Err(err(format!(
-            "mode {:o}: open to others, who could lock uids out (must be 0600)",
-            st.st_mode & 0o7777
-        )));
+    if let Some(why) = file_refused(&st) {
+        return Err(err(why));
     }
     let mut start = NEXT.load(Ordering::Relaxed);
     if start == u32::MAX {
@@ -251,11 +271,15 @@ mod tests {
         std::fs::set_permissions(&r.lock, std::fs::Permissions::from_mode(0o644)).unwrap();
         let e = lease(&r).unwrap_err().to_string();
         assert!(e.contains("mode 644: open to others"), "{e}");
+        // And what doctor reports before any run.
+        assert!(lock_problem(&r).is_some_and(|p| p.contains("mode 644: open to others")));
         std::fs::set_permissions(&r.lock, std::fs::Permissions::from_mode(0o600)).unwrap();
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
         let e = lease(&r).unwrap_err().to_string();
         assert!(e.contains("no one else may write"), "{e}");
+        assert!(lock_problem(&r).is_some_and(|p| p.contains("no one else may write")));
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+        assert_eq!(lock_problem(&r), None);
         // An overlapping range of another configuration sees the same leases.
         let wider = range(&dir, 2_999_999_999, 3);
         let d = lease(&wider).unwrap();

@@ -55,13 +55,15 @@ pub(crate) fn bound_from_host(path: &Path, access: Access) -> bool {
     !(path.starts_with("/tmp") && access == Access::ReadWrite)
 }
 
+/// Whether `spec` has a declared path [`prepare`] makes (one init would bind from the host).
+pub fn needed(spec: &SandboxSpec) -> bool {
+    spec.filesystem.paths.iter().any(|r| bound_from_host(&r.path, r.access))
+}
+
 /// Prepare `spec`'s declared paths with `userns` (the sandbox's user namespace) as their
 /// idmapping: every path init binds from the host, or an error naming the path as init
 /// would (an optional path absent on the host is left out: init then binds nothing there).
 pub fn prepare(spec: &SandboxSpec, userns: BorrowedFd<'_>) -> Result<Prepared, StepError> {
-    if !spec.filesystem.paths.iter().any(|r| bound_from_host(&r.path, r.access)) {
-        return Ok(Prepared::default());
-    }
     let (uid, gid) = (spec.identity.host_uid, spec.identity.host_gid);
     let work = move || -> Result<Prepared, StepError> {
         take_file_credentials(uid, gid)

@@ -588,7 +588,7 @@ impl Sandbox {
             None => spec.identity,
         };
         namespaces::write_id_maps(&proc_dir, self.monitor.as_raw(), &identity)?;
-        if self.host_uid.is_some() {
+        if self.host_uid.is_some() && crate::idmap::needed(spec) {
             // The namespace now maps the identity's uid to the leased one: the idmapping of
             // the declared paths' binds.
             let userns = MonitorProc { pid: self.monitor.as_raw(), dir: proc_dir.as_fd() }

@@ -201,18 +201,17 @@ impl HostUids {
         self.first.saturating_add(self.count.saturating_sub(1))
     }
 
+    /// Why `first` and `count` are not a range of host uids (at least one, none of them root
+    /// or -1); `None` when they are. The one check of a range, wherever it comes from.
+    pub fn bounds_error(first: u32, count: u32) -> Option<String> {
+        (count == 0 || first == 0 || u64::from(first) + u64::from(count) > u64::from(u32::MAX)).then(|| {
+            format!("first {first} count {count}: a range of at least one uid within 1-4294967294 (not root, not -1)")
+        })
+    }
+
     fn validate(&self, identity: &Identity) -> Result<(), SpecError> {
-        if self.count == 0 {
-            return Err(SpecError::new("host_uids.count", "must be at least 1"));
-        }
-        if self.first == 0 || u64::from(self.first) + u64::from(self.count) > u64::from(u32::MAX) {
-            return Err(SpecError::new(
-                "host_uids",
-                format!(
-                    "{}+{}: a range of host uids must lie within 1-4294967294 (not root, not -1)",
-                    self.first, self.count
-                ),
-            ));
+        if let Some(e) = Self::bounds_error(self.first, self.count) {
+            return Err(SpecError::new("host_uids", e));
         }
         if (self.first..=self.last()).contains(&identity.host_uid) {
             return Err(SpecError::new(
