@@ -263,10 +263,13 @@ impl Channel {
         loop {
             if let Some(deadline) = deadline {
                 let left = deadline.saturating_duration_since(std::time::Instant::now());
-                let ms = u16::try_from(left.as_millis()).unwrap_or(u16::MAX);
+                // Rounded up: poll's milliseconds, rounded down, woke it before the deadline,
+                // and a caller that then found time left took the message for broken rather
+                // than late (a session's stalled call reported as a protocol break).
+                let ms = u16::try_from(left.as_micros().div_ceil(1000)).unwrap_or(u16::MAX);
                 let mut pfd = [nix::poll::PollFd::new(self.fd.as_fd(), nix::poll::PollFlags::POLLIN)];
                 match nix::poll::poll(&mut pfd, nix::poll::PollTimeout::from(ms)) {
-                    Ok(0) if left.as_millis() <= u128::from(u16::MAX) => {
+                    Ok(0) if std::time::Instant::now() >= deadline => {
                         return Err("no complete message within the time limit".into())
                     }
                     Ok(0) | Err(Errno::EINTR) => continue,
