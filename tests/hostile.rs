@@ -270,6 +270,40 @@ fn an_abandoned_sandboxs_uid_is_not_leased_while_its_processes_live() {
     assert_eq!((again.status(), again.json["sandbox"]["host_uid"].as_u64()), ("completed", Some(u64::from(first))));
 }
 
+/// The same when the command holding the uid is killed outright (SIGKILL) while its
+/// sandbox's processes cannot die: nothing of the command is left to hold the lease, but the
+/// lease's marker names the sandbox's cgroups, and the uid is not leased while they hold a
+/// process.
+#[test]
+fn a_killed_commands_uid_is_not_leased_while_its_sandboxs_processes_live() {
+    if !require_root() || !common::freezer::available() {
+        return;
+    }
+    let first = 1_900_300_000 + std::process::id() % 1000;
+    let one = common::config_with("killed-uid", &format!("sandbox:\n  host_uids: {{first: {first}, count: 1}}\n"));
+    let (_d, m) = common::limits_manifest(r#"{"timeout_seconds": 60}"#);
+    let mut cmd = common::command();
+    cmd.env("OPSERVANT_CONFIG", &one).arg("sandbox").arg("--manifest").arg(&m).args(["--launch", "cold"]);
+    cmd.args(["--json", "--", "/bin/sleep", "60"]);
+    cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null());
+    let mut child = cmd.spawn().unwrap();
+    let (freezer, dirs) = common::freezer::freeze_sandbox_below_once_asleep(child.id() as i32);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let left: Vec<bool> = dirs.iter().map(|d| d.exists()).collect();
+    let refused = common::try_sandbox_configured(&one, None, &["/bin/true"]);
+    let thawed = freezer.thaw();
+    assert!(left.iter().all(|l| *l), "control: the sandbox's cgroups were gone: {dirs:?} {left:?}");
+    let err = match refused {
+        Err((_, err)) => err,
+        Ok(r) => panic!("a killed command's uid was leased again while its sandbox's processes lived: {}", r.json),
+    };
+    assert!(err.contains(&format!("every host uid of {first}-{first} is held")), "{err}");
+    assert!(thawed, "the thawed sandbox processes never died");
+    let again = common::try_sandbox_configured(&one, None, &["/bin/true"]).unwrap();
+    assert_eq!((again.status(), again.json["sandbox"]["host_uid"].as_u64()), ("completed", Some(u64::from(first))));
+}
+
 /// The view's mounts never propagate to the host, nor the host's into the view, even where
 /// a declared path is on a shared mount (every mount of a systemd host is): a declared path
 /// beneath another is a mount made inside the first one's bind, and must not appear on the

@@ -1169,7 +1169,7 @@ fn a_sandbox_stuck_in_the_kernel_fails_its_run_instead_of_hanging_it() {
     let (freezer, sandbox_dirs) = common::freezer::freeze_sandbox_below(sb.monitor_pid());
     let result = wait_elsewhere(sb).recv_timeout(Duration::from_secs(60));
     // The run is over, its processes are not: their uid is not another sandbox's yet.
-    let held = sandbox::host_uid::lease(&range).map(|l| l.uid());
+    let held = sandbox::host_uid::lease(&range, &[]).map(|l| l.uid());
     let thawed = freezer.thaw();
     let err = result.expect("wait hung on a sandbox whose processes cannot exit").unwrap_err();
     assert!(err.contains("had not exited 5 s after SIGKILL"), "{err}");
@@ -1178,7 +1178,7 @@ fn a_sandbox_stuck_in_the_kernel_fails_its_run_instead_of_hanging_it() {
     assert!(held.contains("is held by a running sandbox"), "{held}");
     // Left behind, and removed by the next sandbox — and with them goes the uid.
     assert_removed_by_the_next_sandbox(&sandbox_dirs);
-    assert_eq!(sandbox::host_uid::lease(&range).map(|l| l.uid()).ok(), Some(range.first));
+    assert_eq!(sandbox::host_uid::lease(&range, &[]).map(|l| l.uid()).ok(), Some(range.first));
     let _ = std::fs::remove_dir_all(range.lock.parent().unwrap());
 }
 

@@ -101,11 +101,8 @@ fn remember_left_behind(dir: PathBuf, hold: Option<Arc<crate::host_uid::Lease>>)
     // A poisoned list is still a list of paths: nothing half-updated matters here.
     let mut left = LEFT_BEHIND.lock().unwrap_or_else(|e| e.into_inner());
     if !left.iter().any(|(d, _)| d == &dir) {
-        // Also for other processes, and after this one ends: its uid is not leased while
-        // this cgroup exists.
-        if let Some(lease) = &hold {
-            lease.mark_abandoned(&dir);
-        }
+        // The lease's marker names this cgroup: after this process has ended too, its uid
+        // is not leased while the cgroup holds a process.
         left.push((dir, hold));
     }
 }
@@ -723,6 +720,17 @@ impl SandboxCgroup {
             }
         }
         files
+    }
+
+    /// The sandbox's cgroup directories, each once.
+    pub fn dirs(&self) -> Vec<&Path> {
+        let mut dirs: Vec<&Path> = Vec::new();
+        for dir in self.dirs.iter().flatten() {
+            if !dirs.contains(&dir.as_path()) {
+                dirs.push(dir);
+            }
+        }
+        dirs
     }
 
     pub fn report(&self) -> &CgroupReport {

@@ -17,11 +17,15 @@
 //!   symlink, in a directory of root's no one else may write; anything else is an error,
 //!   never a lease (anyone who could open it could lock uids out; anyone who could rename
 //!   it could split the leases between two files).
-//! - A uid is not leased while processes of an abandoned sandbox may still run as it: the
-//!   caller keeps the lease with any cgroup left behind until it is removed
-//!   ([`crate::cgroup::SandboxCgroup::hold_until_removed`]), and marks it beside the lock
-//!   file (`abandoned-UID`, naming the cgroups, [`Lease::mark_abandoned`]), so no lease —
-//!   also after the caller has exited — takes the uid while one of those cgroups exists.
+//! - A uid is not leased while processes of an earlier sandbox may still run as it, even
+//!   after the process that leased it for that sandbox has ended (abandoned it stuck in the
+//!   kernel and exited, or was killed outright): every lease writes, before it is handed
+//!   out, a marker beside the lock file (`cgroups-UID`) naming the cgroups its sandbox's
+//!   processes are in, removed when the lease is dropped — by the caller, which keeps a
+//!   lease with any cgroup left behind until that cgroup is removed
+//!   ([`crate::cgroup::SandboxCgroup::hold_until_removed`]). A uid whose lock is free but
+//!   whose marker remains is leased again only once none of the cgroups it names holds a
+//!   process; a marker that cannot be written is an error, never a lease.
 //! - A range with every uid taken is an error naming the range ([`SandboxError::HostUid`]):
 //!   never a fall back to a shared uid.
 //!
@@ -31,8 +35,9 @@
 //! inside, and what it creates is the identity's on disk (see [`crate::idmap`]).
 
 use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
 
 use nix::errno::Errno;
 use nix::fcntl::OFlag;
@@ -47,64 +52,55 @@ pub struct Lease {
     uid: u32,
     /// The descriptor whose open file description holds the lock.
     _lock: OwnedFd,
-    /// The lock file's directory, where [`Lease::mark_abandoned`] leaves its marker.
+    /// The lock file's directory, where the lease's marker is.
     dir: OwnedFd,
-    /// A marker was left (removed again on drop: the caller dropped its last hold only once
-    /// the sandbox's cgroups were gone).
-    marked: AtomicBool,
 }
 
 impl Lease {
     pub fn uid(&self) -> u32 {
         self.uid
     }
-
-    /// Note, beside the lock file, that the sandbox holding this uid was abandoned with
-    /// processes left in `cgroup` (stuck in the kernel): until that cgroup is gone no lease —
-    /// of any process, after this one has exited too — takes the uid. Best effort: a marker
-    /// that cannot be written is logged (the lease itself still holds the uid while this
-    /// process lives).
-    pub fn mark_abandoned(&self, cgroup: &Path) {
-        use std::io::Write;
-        let name = marker_name(self.uid);
-        let written = nix::fcntl::openat(
-            &self.dir,
-            name.as_str(),
-            OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_APPEND | OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW,
-            Mode::from_bits_truncate(0o600),
-        )
-        .map_err(std::io::Error::from)
-        .and_then(|fd| {
-            let mut line = cgroup.as_os_str().as_encoded_bytes().to_vec();
-            line.push(b'\n');
-            std::fs::File::from(fd).write_all(&line)
-        });
-        match written {
-            Ok(()) => self.marked.store(true, Ordering::Relaxed),
-            Err(e) => tracing::error!(uid = self.uid, error = %e, "cannot mark an abandoned sandbox's host uid"),
-        }
-    }
 }
 
 impl Drop for Lease {
     fn drop(&mut self) {
-        if self.marked.load(Ordering::Relaxed) {
-            let _ = nix::unistd::unlinkat(
-                &self.dir,
-                marker_name(self.uid).as_str(),
-                nix::unistd::UnlinkatFlags::NoRemoveDir,
-            );
+        // Before the lock goes with `_lock` (dropped after this body): no other lease takes
+        // the uid and writes its own marker in between.
+        if let Err(e) =
+            nix::unistd::unlinkat(&self.dir, marker_name(self.uid).as_str(), nix::unistd::UnlinkatFlags::NoRemoveDir)
+        {
+            // Left, it only holds the uid back until a lease finds its cgroups empty.
+            tracing::warn!(uid = self.uid, error = %e, "cannot remove a host uid's marker");
         }
     }
 }
 
 fn marker_name(uid: u32) -> String {
-    format!("abandoned-{uid}")
+    format!("cgroups-{uid}")
 }
 
-/// Whether an abandoned sandbox's processes may still run as `uid`: its marker names a
-/// cgroup that still exists. A marker whose cgroups are all gone is removed.
-fn abandoned(dir: &OwnedFd, uid: u32) -> bool {
+/// Write the marker of a lease of `uid`: the cgroups its sandbox's processes are in, one
+/// path per line.
+fn write_marker(dir: &OwnedFd, uid: u32, cgroups: &[&Path]) -> std::io::Result<()> {
+    use std::io::Write;
+    let fd = nix::fcntl::openat(
+        dir,
+        marker_name(uid).as_str(),
+        OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_TRUNC | OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW,
+        Mode::from_bits_truncate(0o600),
+    )?;
+    let mut text = Vec::new();
+    for cgroup in cgroups {
+        text.extend_from_slice(cgroup.as_os_str().as_encoded_bytes());
+        text.push(b'\n');
+    }
+    std::fs::File::from(fd).write_all(&text)
+}
+
+/// Whether processes of an earlier lease of `uid` may still run as it — its marker is there
+/// (its holder ended without removing it) and names a cgroup that still holds a process.
+/// A marker whose cgroups hold none is removed. Called with the uid's lock held.
+fn marked_in_use(dir: &OwnedFd, uid: u32) -> bool {
     let name = marker_name(uid);
     let fd = match nix::fcntl::openat(
         dir,
@@ -114,18 +110,36 @@ fn abandoned(dir: &OwnedFd, uid: u32) -> bool {
     ) {
         Ok(fd) => fd,
         Err(Errno::ENOENT) => return false,
-        // Unreadable: cannot tell, so held.
+        // Unreadable: cannot tell, so in use.
         Err(_) => return true,
     };
-    let mut text = String::new();
-    if std::io::Read::read_to_string(&mut std::fs::File::from(fd), &mut text).is_err() {
+    let mut text = Vec::new();
+    if std::io::Read::read_to_end(&mut std::fs::File::from(fd), &mut text).is_err() {
         return true;
     }
-    if text.lines().any(|cgroup| Path::new(cgroup).exists()) {
-        return true;
+    let in_use = text.split(|b| *b == b'\n').filter(|l| !l.is_empty()).any(|line| {
+        let cgroup = Path::new(std::ffi::OsStr::from_bytes(line));
+        cgroup_holds_processes(cgroup)
+    });
+    if !in_use {
+        let _ = nix::unistd::unlinkat(dir, name.as_str(), nix::unistd::UnlinkatFlags::NoRemoveDir);
     }
-    let _ = nix::unistd::unlinkat(dir, name.as_str(), nix::unistd::UnlinkatFlags::NoRemoveDir);
-    false
+    in_use
+}
+
+/// Whether the cgroup directory `cgroup` may hold a process: it exists, and lists a process
+/// or has a cgroup beneath it (or cannot be read).
+fn cgroup_holds_processes(cgroup: &Path) -> bool {
+    match std::fs::read(cgroup.join("cgroup.procs")) {
+        Ok(procs) if procs.iter().all(u8::is_ascii_whitespace) => {}
+        Ok(_) => return true,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound && !cgroup.exists() => return false,
+        Err(_) => return true,
+    }
+    match std::fs::read_dir(cgroup) {
+        Ok(entries) => entries.flatten().any(|e| e.file_type().is_ok_and(|t| t.is_dir())),
+        Err(e) => e.kind() != std::io::ErrorKind::NotFound,
+    }
 }
 
 /// Why the lock file's directory (`d`, at `path`) is not one to lease through: anyone who
@@ -165,8 +179,10 @@ pub fn lock_problem(range: &HostUids) -> Option<String> {
 /// place of its own (from its pid), so command-line runs do not all take the first uid.
 static NEXT: AtomicU32 = AtomicU32::new(u32::MAX);
 
-/// Lease a uid of `range` that no other sandbox holds.
-pub fn lease(range: &HostUids) -> Result<Lease, SandboxError> {
+/// Lease a uid of `range` that no other sandbox holds, for a sandbox whose processes are in
+/// `cgroups` (noted in the lease's marker before it is returned: create them first, and no
+/// process as the uid before the lease).
+pub fn lease(range: &HostUids, cgroups: &[&Path]) -> Result<Lease, SandboxError> {
     let err = |what: String| SandboxError::HostUid(format!("{}: {what}", range.lock.display()));
     let (Some(dir_path), Some(file_name)) = (range.lock.parent(), range.lock.file_name()) else {
         return Err(err("not a file in a directory".into()));
@@ -205,17 +221,21 @@ pub fn lease(range: &HostUids) -> Result<Lease, SandboxError> {
     for i in 0..range.count {
         let offset = (start + i) % range.count;
         let uid = range.first + offset;
-        if abandoned(&dir, uid) {
-            continue;
-        }
-        match try_lock(&fd, uid) {
-            Ok(()) => {
-                NEXT.store(offset.wrapping_add(1) % range.count, Ordering::Relaxed);
-                return Ok(Lease { uid, _lock: fd, dir, marked: AtomicBool::new(false) });
-            }
+        match try_lock(&fd, uid, libc::F_WRLCK) {
+            Ok(()) => {}
             Err(Errno::EAGAIN | Errno::EACCES) => continue,
             Err(e) => return Err(err(format!("lock uid {uid}: {}", e.desc()))),
         }
+        if marked_in_use(&dir, uid) {
+            try_lock(&fd, uid, libc::F_UNLCK).map_err(|e| err(format!("unlock uid {uid}: {}", e.desc())))?;
+            continue;
+        }
+        if let Err(e) = write_marker(&dir, uid, cgroups) {
+            let _ = nix::unistd::unlinkat(&dir, marker_name(uid).as_str(), nix::unistd::UnlinkatFlags::NoRemoveDir);
+            return Err(err(format!("write the marker of uid {uid}: {e}")));
+        }
+        NEXT.store(offset.wrapping_add(1) % range.count, Ordering::Relaxed);
+        return Ok(Lease { uid, _lock: fd, dir });
     }
     Err(SandboxError::HostUid(format!(
         "every host uid of {}-{} is held by a running sandbox or a lock ({} at once at most: raise the range's count)",
@@ -225,11 +245,12 @@ pub fn lease(range: &HostUids) -> Result<Lease, SandboxError> {
     )))
 }
 
-/// Take the write lock on byte `uid` of the lock file, owned by `fd`'s open file
-/// description; `EAGAIN` (or `EACCES`) when another description holds it.
-fn try_lock(fd: &OwnedFd, uid: u32) -> Result<(), Errno> {
+/// Take (`F_WRLCK`) or release (`F_UNLCK`) the write lock on byte `uid` of the lock file,
+/// owned by `fd`'s open file description; `EAGAIN` (or `EACCES`) when another description
+/// holds it.
+fn try_lock(fd: &OwnedFd, uid: u32, kind: libc::c_int) -> Result<(), Errno> {
     let lock = libc::flock {
-        l_type: libc::F_WRLCK as libc::c_short,
+        l_type: kind as libc::c_short,
         l_whence: libc::SEEK_SET as libc::c_short,
         l_start: libc::off_t::from(uid),
         l_len: 1,
@@ -258,37 +279,90 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("opservant-host-uid-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let r = range(&dir, 3_000_000_000, 3);
-        let a = lease(&r).unwrap();
-        let b = lease(&r).unwrap();
-        let c = lease(&r).unwrap();
+        let a = lease(&r, &[]).unwrap();
+        let b = lease(&r, &[]).unwrap();
+        let c = lease(&r, &[]).unwrap();
         let mut uids = [a.uid(), b.uid(), c.uid()];
         uids.sort();
         assert_eq!(uids, [3_000_000_000, 3_000_000_001, 3_000_000_002]);
-        let e = lease(&r).unwrap_err().to_string();
+        let e = lease(&r, &[]).unwrap_err().to_string();
         assert!(e.contains("every host uid of 3000000000-3000000002 is held"), "{e}");
         // A lock file others could open is refused, not used.
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(&r.lock, std::fs::Permissions::from_mode(0o644)).unwrap();
-        let e = lease(&r).unwrap_err().to_string();
+        let e = lease(&r, &[]).unwrap_err().to_string();
         assert!(e.contains("mode 644: open to others"), "{e}");
         // And what doctor reports before any run.
         assert!(lock_problem(&r).is_some_and(|p| p.contains("mode 644: open to others")));
         std::fs::set_permissions(&r.lock, std::fs::Permissions::from_mode(0o600)).unwrap();
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
-        let e = lease(&r).unwrap_err().to_string();
+        let e = lease(&r, &[]).unwrap_err().to_string();
         assert!(e.contains("no one else may write"), "{e}");
         assert!(lock_problem(&r).is_some_and(|p| p.contains("no one else may write")));
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
         assert_eq!(lock_problem(&r), None);
         // An overlapping range of another configuration sees the same leases.
         let wider = range(&dir, 2_999_999_999, 3);
-        let d = lease(&wider).unwrap();
+        let d = lease(&wider, &[]).unwrap();
         assert_eq!(d.uid(), 2_999_999_999);
-        assert!(lease(&wider).is_err());
+        assert!(lease(&wider, &[]).is_err());
         let freed = b.uid();
         drop(b);
-        assert_eq!(lease(&r).unwrap().uid(), freed);
+        assert_eq!(lease(&r, &[]).unwrap().uid(), freed);
         drop((a, c, d));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A lease's marker names its sandbox's cgroups while it lives and goes with it; one left
+    /// by a holder that ended without dropping its lease keeps the uid from every lease while
+    /// a cgroup it names holds a process (or a cgroup of its own), and is replaced after.
+    #[test]
+    fn a_uid_whose_holder_died_is_not_leased_while_its_cgroups_hold_processes() {
+        let dir = std::env::temp_dir().join(format!("opservant-host-uid-marker-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        // Stand-ins for a sandbox's cgroup directories (the files the kernel would show).
+        let (memory, pids) = (dir.join("cg/memory"), dir.join("cg/pids"));
+        for cg in [&memory, &pids] {
+            std::fs::create_dir_all(cg).unwrap();
+            std::fs::write(cg.join("cgroup.procs"), "").unwrap();
+        }
+        let r = range(&dir, 3_100_000_000, 1);
+        let marker = dir.join("cgroups-3100000000");
+        let a = lease(&r, &[&memory, &pids]).unwrap();
+        let listed = format!("{}\n{}\n", memory.display(), pids.display());
+        assert_eq!(std::fs::read_to_string(&marker).unwrap(), listed);
+        drop(a);
+        assert!(!marker.exists(), "a dropped lease leaves its marker");
+
+        // Its holder was killed: the lock is free, the marker stays.
+        std::fs::write(&marker, &listed).unwrap();
+        std::fs::write(pids.join("cgroup.procs"), "4242\n").unwrap();
+        let e = lease(&r, &[]).unwrap_err().to_string();
+        assert!(e.contains("is held by a running sandbox"), "{e}");
+        assert!(marker.exists());
+        std::fs::write(pids.join("cgroup.procs"), "").unwrap();
+        std::fs::create_dir(pids.join("child")).unwrap();
+        assert!(lease(&r, &[]).is_err(), "a cgroup beneath it may hold processes");
+        std::fs::remove_dir(pids.join("child")).unwrap();
+        // Empty, or gone: leased again, with a marker of its own.
+        std::fs::remove_dir_all(&memory).unwrap();
+        let b = lease(&r, &[&pids]).unwrap();
+        assert_eq!(
+            (b.uid(), std::fs::read_to_string(&marker).unwrap()),
+            (3_100_000_000, format!("{}\n", pids.display()))
+        );
+        assert!(lease(&r, &[]).is_err());
+        drop(b);
+
+        // A uid skipped for its marker is not kept locked by the lease that skipped it.
+        let two = range(&dir, 3_100_000_000, 2);
+        std::fs::write(&marker, &listed).unwrap();
+        std::fs::write(pids.join("cgroup.procs"), "4242\n").unwrap();
+        let c = lease(&two, &[]).unwrap();
+        assert_eq!(c.uid(), 3_100_000_001);
+        std::fs::write(pids.join("cgroup.procs"), "").unwrap();
+        assert_eq!(lease(&two, &[]).map(|l| l.uid()).ok(), Some(3_100_000_000));
+        drop(c);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

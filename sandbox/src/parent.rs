@@ -575,7 +575,10 @@ impl Sandbox {
         let proc_dir = self.monitor_proc_dir()?;
         let identity = match &spec.host_uids {
             Some(range) => {
-                let lease = std::sync::Arc::new(crate::host_uid::lease(range)?);
+                // Its marker names the cgroups (made above; nothing runs as the uid before
+                // the id maps below).
+                let cgroups = self.cgroup.as_ref().map(|cg| cg.dirs()).unwrap_or_default();
+                let lease = std::sync::Arc::new(crate::host_uid::lease(range, &cgroups)?);
                 let identity = crate::spec::Identity { host_uid: lease.uid(), ..spec.identity };
                 // The sandbox's processes are in its cgroups: one left behind (processes
                 // stuck in the kernel) keeps the uid from the next sandbox.

@@ -312,11 +312,39 @@ pub fn try_sandbox_configured(config: &Path, manifest: Option<&Path>, argv: &[&s
 
 /// A configuration of the tests' own, [`test_config`]'s audit section and `extra` (YAML
 /// sections), written in [`tests_state`] as `NAME.yaml`.
-pub fn config_with(name: &str, extra: &str) -> PathBuf {
+pub fn config_with(name: &str, extra: &str) -> TestConfig {
     test_config();
     let path = tests_state().join(format!("{name}.{}.yaml", std::process::id()));
     std::fs::write(&path, format!("{}{extra}", audit_section())).expect("write a test configuration");
-    path
+    TestConfig(path)
+}
+
+/// A test's own configuration file, removed when the test is done with it.
+pub struct TestConfig(PathBuf);
+
+impl std::ops::Deref for TestConfig {
+    type Target = PathBuf;
+    fn deref(&self) -> &PathBuf {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for TestConfig {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<std::ffi::OsStr> for TestConfig {
+    fn as_ref(&self) -> &std::ffi::OsStr {
+        self.0.as_os_str()
+    }
+}
+
+impl Drop for TestConfig {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
 }
 
 /// `/bin/sh -c script` in the sandbox.
