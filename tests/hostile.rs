@@ -667,7 +667,8 @@ print('proc mounts', [(p[4], p[5].split(',')[0]) for p in procs])
 
 /// Host-wide `/proc` entries a sandbox has no use for are masked (the sandbox's default
 /// masked paths): per-CPU interrupt and softirq counts (a side channel on other processes'
-/// activity), the kernel's keyrings, ACPI. Each is tried by its name and by ways around
+/// activity), the kernel's keyrings, every file lock on the host (`locks`: the other
+/// sandboxes' host uid leases, and a channel between sandboxes that share nothing), ACPI. Each is tried by its name and by ways around
 /// it through the same procfs (`/proc/self/..`, the process's `root` link); everything else
 /// of `/proc` stays readable. Control: each file is readable by the sandbox identity on the
 /// host, and at least two of them are (nothing passes because nothing was tried).
@@ -677,7 +678,7 @@ fn host_wide_proc_entries_are_masked() {
         return;
     }
     let (uid, _) = executor_ids();
-    let files: Vec<&str> = ["interrupts", "softirqs", "keys", "key-users"]
+    let files: Vec<&str> = ["interrupts", "softirqs", "keys", "key-users", "locks"]
         .into_iter()
         .filter(|f| host_readable_by(&std::path::Path::new("/proc").join(f), uid))
         .collect();

@@ -41,6 +41,7 @@ pub const DEFAULT_MASKED_PATHS: &[&str] = &[
     "/proc/keys",
     "/proc/key-users",
     "/proc/latency_stats",
+    "/proc/locks",
     "/proc/sched_debug",
     "/proc/scsi",
     "/proc/softirqs",
