@@ -230,6 +230,54 @@ fn a_path_that_cannot_be_idmapped_is_reported_and_grants_no_more() {
     assert!(err.contains(&format!("declared path {}", ram.display())) && err.contains("must be idmappable"), "{err}");
 }
 
+/// A path declared writable whose mount is read-only where the sandbox is built (under the
+/// shipped systemd unit, any path outside its `ReadWritePaths=`: `ProtectSystem=strict`) is
+/// refused, naming it — exit 2 — whether the agent prepares the bind (a host uid per
+/// sandbox) or the sandbox's init makes it (`shared`); it was bound read-only, and the run
+/// went on with its writes failing. Control: the same path, its mount writable, runs.
+#[test]
+fn a_write_grant_on_a_read_only_mount_is_refused_not_bound_read_only() {
+    if !require_root() {
+        return;
+    }
+    let dir = HostDir::new();
+    let data = dir.path.join("data");
+    std::fs::create_dir(&data).unwrap();
+    let (uid, gid) = executor_ids();
+    std::os::unix::fs::chown(&data, Some(uid), Some(gid)).unwrap();
+    let m = manifest(&dir, &format!(r#"{{"filesystem": {{"write": ["{}"]}}}}"#, data.display()), "{}");
+    let shared = common::config_with("ro-grant-shared", "sandbox:\n  host_uids: shared\n");
+    let write = ["/bin/sh", "-c", "echo x > \"$0\"/f && echo wrote", &data.join("").display().to_string()];
+    for config in [None, Some(&shared)] {
+        let r = match config {
+            None => common::try_sandbox(Some(&m), &write),
+            Some(c) => common::try_sandbox_configured(c, Some(&m), &write),
+        };
+        let r = r.unwrap_or_else(|(code, err)| panic!("control ({config:?}): exit {code}: {err}"));
+        assert!(r.stdout().contains("wrote"), "control ({config:?}): {} {}", r.stdout(), r.err());
+    }
+    let flags = nix::mount::MsFlags::MS_BIND;
+    nix::mount::mount(Some(&data), &data, None::<&str>, flags, None::<&str>).unwrap();
+    let _unmount = Unmount(data.clone());
+    let ro = flags | nix::mount::MsFlags::MS_REMOUNT | nix::mount::MsFlags::MS_RDONLY;
+    nix::mount::mount(None::<&str>, &data, None::<&str>, ro, None::<&str>).unwrap();
+    for config in [None, Some(&shared)] {
+        let refused = match config {
+            None => common::try_sandbox(Some(&m), &write),
+            Some(c) => common::try_sandbox_configured(c, Some(&m), &write),
+        };
+        let (code, err) = match refused {
+            Err(e) => e,
+            Ok(r) => panic!("a write grant on a read-only mount ran ({config:?}): {} {}", r.stdout(), r.err()),
+        };
+        assert_eq!(code, 2, "{err}");
+        assert!(
+            err.contains(&format!("declared path {} is writable in the manifest but read-only here", data.display())),
+            "{err}"
+        );
+    }
+}
+
 /// A sandbox abandoned with processes that cannot die (frozen here; in life stuck in the
 /// kernel) keeps its host uid after the command that started it has given up and exited:
 /// the next command is refused the range's only uid, and gets it once those processes are

@@ -87,6 +87,7 @@ pub fn prepare(spec: &SandboxSpec, userns: BorrowedFd<'_>) -> Result<Prepared, S
                 Err(Errno::ENOENT) if rule.optional => continue,
                 Err(e) => return Err(crate::mounts::host_path_error(host, exact.is_some(), e)),
             };
+            crate::mounts::refuse_read_only_write_grant(rule, &src)?;
             let tree = clone_tree(&src)
                 .map_err(|e| StepError::errno(Stage::Mounts, format!("clone {}", host.display()), e))?;
             let mut attrs = libc::MOUNT_ATTR_NOSUID | libc::MOUNT_ATTR_NODEV;

@@ -541,12 +541,39 @@ fn bind_host(old_root: &OwnedFd, rule: &PathRule, system: bool, owned: &Owned) -
         Err(Errno::ENOENT) if rule.optional => return Ok(None),
         Err(e) => return Err(host_path_error(host, exact.is_some(), e)),
     };
+    if !system {
+        refuse_read_only_write_grant(rule, &src)?;
+    }
     let st = nix::sys::stat::fstat(&src).map_err(|e| fail(format!("stat {}", rule.path.display()), e))?;
     check_identity(rule, &st)?;
     let is_dir = st.st_mode & libc::S_IFMT == libc::S_IFDIR;
     mount_point(&rule.path, is_dir, owned)?;
     let target = open_target(&rule.path, is_dir, owned)?;
     bind_sealed(&src, &target, &rule.path, rule.access == Access::Read, true).map(Some)
+}
+
+/// A path declared writable (`rule`) whose host source `src` is read-only where the sandbox
+/// is built — its mount or its filesystem — is an error naming it, never a bind the payload
+/// then finds read-only: under the shipped systemd unit every path outside the unit's
+/// `ReadWritePaths=` is (`ProtectSystem=strict`), which the command line does not see.
+pub(crate) fn refuse_read_only_write_grant(rule: &PathRule, src: &OwnedFd) -> Result<(), StepError> {
+    if rule.access != Access::ReadWrite {
+        return Ok(());
+    }
+    let flags =
+        nix::sys::statvfs::fstatvfs(src).map_err(|e| fail(format!("statvfs {}", rule.path.display()), e))?.flags();
+    if flags.contains(nix::sys::statvfs::FsFlags::ST_RDONLY) {
+        return Err(StepError::new(
+            Stage::Mounts,
+            format!(
+                "declared path {} is writable in the manifest but read-only here (its mount or its filesystem is; \
+                 under the shipped systemd unit every path outside the unit's ReadWritePaths= is read-only to the \
+                 agent: add it there with a drop-in, see systemd/README.md)",
+                rule.path.display()
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Why host path `host` (an exact source: `exact`) could not be opened to be bound.

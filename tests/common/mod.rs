@@ -320,6 +320,7 @@ pub fn config_with(name: &str, extra: &str) -> TestConfig {
 }
 
 /// A test's own configuration file, removed when the test is done with it.
+#[derive(Debug)]
 pub struct TestConfig(PathBuf);
 
 impl std::ops::Deref for TestConfig {
