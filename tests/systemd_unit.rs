@@ -29,7 +29,7 @@ fn unit_verifies_and_keeps_its_exposure() {
         .and_then(|rest| rest.split_whitespace().next())
         .and_then(|n| n.parse().ok())
         .unwrap_or_else(|| panic!("no exposure score in: {text}"));
-    assert!(score <= 4.0, "exposure {score} is above the documented 4.0:\n{text}");
+    assert!(score <= 4.2, "exposure {score} is above the documented 4.2:\n{text}");
 }
 
 /// The options the agent's contract with systemd rests on, and those that break every sandbox:
@@ -48,6 +48,7 @@ fn unit_keeps_what_the_agent_depends_on() {
         "KillMode=mixed",
         "LimitCORE=0",
         "ProtectControlGroups=yes",
+        "RuntimeDirectoryPreserve=yes",
         "ReadWritePaths=-/sys/fs/cgroup/system.slice/opservant.service -/sys/fs/cgroup/unified/system.slice/opservant.service",
     ] {
         assert!(lines.contains(&want), "{want} missing from the unit");
@@ -56,6 +57,7 @@ fn unit_keeps_what_the_agent_depends_on() {
         "ProtectKernelLogs",
         "ProtectKernelTunables",
         "ProtectHostname",
+        "RestrictSUIDSGID",
         "ProcSubset",
         "RestrictNamespaces",
         "PrivateUsers",

@@ -201,7 +201,7 @@ pub fn serve(pipeline: Pipeline, socket: &Path, platform: Option<crate::platform
     if !sandbox::probe::openat2_available() {
         tracing::info!(
             target: "opservant::daemon",
-            "openat2 answers ENOSYS in this process (a kernel before 5.6, or a seccomp filter: the unit's RestrictSUIDSGID=): \
+            "openat2 answers ENOSYS in this process (a kernel before 5.6, or a seccomp filter such as systemd's RestrictSUIDSGID=): \
              declared host paths are resolved one component at a time without following a symlink, the view's system paths \
              without RESOLVE_IN_ROOT"
         );

@@ -183,8 +183,10 @@ fn install(ctx: &Ctx) -> Result<(), String> {
          return ExecutorResult(status=\"completed\", output={\"allocated_mb\": len(blocks)})\n",
     )?;
     // An executor declaring a read path (bound from the exact real path the agent checked:
-    // under the unit, whose RestrictSUIDSGID= answers openat2 with ENOSYS, resolved one
-    // component at a time — until the fifteenth session such a run failed there).
+    // under the unit's former RestrictSUIDSGID=, which answered openat2 with ENOSYS, resolved
+    // one component at a time — until the fifteenth session such a run failed there), and
+    // making a set-group-ID directory in its scratch, which its profile allows (that filter
+    // refused it with EPERM here only).
     let data = ctx.dir.join("data");
     std::fs::create_dir_all(&data).map_err(|e| e.to_string())?;
     std::fs::write(data.join("hello.txt"), "hello from the host\n").map_err(|e| e.to_string())?;
@@ -196,7 +198,9 @@ fn install(ctx: &Ctx) -> Result<(), String> {
         json!({"timeout_seconds": 30}),
         &format!(
             "        with open({:?}) as f:\n            text = f.read()\n        \
-             return ExecutorResult(status=\"completed\", output={{\"text\": text}})\n",
+             import os\n        os.mkdir(\"/tmp/shared\", 0o2775)\n        os.chmod(\"/tmp/shared\", 0o2775)\n        \
+             setgid = bool(os.stat(\"/tmp/shared\").st_mode & 0o2000)\n        \
+             return ExecutorResult(status=\"completed\", output={{\"text\": text, \"setgid\": setgid}})\n",
             data.join("hello.txt")
         ),
     )?;
@@ -252,7 +256,11 @@ fn declared_path_readable(_: &Ctx) -> Result<(), String> {
     let (code, r) = submit(&execute("boot-read-1", "reader", json!({})))?;
     ensure!(code == 0 && r["status"] == "completed", "reader: exit {code}: {r}");
     ensure!(r["output"]["text"] == "hello from the host\n", "reader output: {r}");
+    ensure!(r["output"]["setgid"] == true, "a set-group-ID directory was refused under the unit: {r}");
     ensure!(r["sandbox"]["host_uid_shared"] == false, "host uid: {}", r["sandbox"]);
+    // The agent finds openat2 (it logs its absence at start).
+    let journal = sh("journalctl -u opservant --no-pager -o cat").1;
+    ensure!(!journal.contains("openat2 answers ENOSYS"), "openat2 is refused under the unit:\n{journal}");
     Ok(())
 }
 
@@ -376,6 +384,8 @@ fn stop_drains_and_exits_cleanly(_: &Ctx) -> Result<(), String> {
     );
     ensure!(prop("opservant.service", "ActiveState")? == "inactive", "not inactive after stop");
     ensure!(!Path::new("/run/opservant/agent.sock").exists(), "the socket outlived the agent");
+    // Kept (RuntimeDirectoryPreserve=): command-line sessions and egress runs share it.
+    ensure!(Path::new("/run/opservant").is_dir(), "/run/opservant was removed with the service");
     Ok(())
 }
 
@@ -393,6 +403,6 @@ fn audit_chain_verifies(_: &Ctx) -> Result<(), String> {
         .and_then(|rest| rest.split_whitespace().next())
         .and_then(|n| n.parse::<f64>().ok());
     println!("\n  online exposure: {score:?}");
-    ensure!(score.is_some_and(|s| s <= 4.0), "online exposure {score:?} above 4.0:\n{text}");
+    ensure!(score.is_some_and(|s| s <= 4.2), "online exposure {score:?} above 4.2:\n{text}");
     Ok(())
 }
