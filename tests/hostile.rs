@@ -234,7 +234,9 @@ fn a_path_that_cannot_be_idmapped_is_reported_and_grants_no_more() {
 /// shipped systemd unit, any path outside its `ReadWritePaths=`: `ProtectSystem=strict`) is
 /// refused, naming it — exit 2 — whether the agent prepares the bind (a host uid per
 /// sandbox) or the sandbox's init makes it (`shared`); it was bound read-only, and the run
-/// went on with its writes failing. Control: the same path, its mount writable, runs.
+/// went on with its writes failing. Control: the same path, its mount writable, runs. A
+/// socket granted for writing there is still connected to (a read-only mount does not stop
+/// that), so its grant runs.
 #[test]
 fn a_write_grant_on_a_read_only_mount_is_refused_not_bound_read_only() {
     if !require_root() {
@@ -256,6 +258,9 @@ fn a_write_grant_on_a_read_only_mount_is_refused_not_bound_read_only() {
         let r = r.unwrap_or_else(|(code, err)| panic!("control ({config:?}): exit {code}: {err}"));
         assert!(r.stdout().contains("wrote"), "control ({config:?}): {} {}", r.stdout(), r.err());
     }
+    let sock = data.join("sock");
+    let _listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+    std::os::unix::fs::chown(&sock, Some(uid), Some(gid)).unwrap();
     let flags = nix::mount::MsFlags::MS_BIND;
     nix::mount::mount(Some(&data), &data, None::<&str>, flags, None::<&str>).unwrap();
     let _unmount = Unmount(data.clone());
@@ -275,6 +280,19 @@ fn a_write_grant_on_a_read_only_mount_is_refused_not_bound_read_only() {
             err.contains(&format!("declared path {} is writable in the manifest but read-only here", data.display())),
             "{err}"
         );
+    }
+    let m = manifest(&dir, &format!(r#"{{"filesystem": {{"write": ["{}"]}}}}"#, sock.display()), "{}");
+    let code = format!("import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect({:?})\nprint('connected')", sock);
+    let connect = ["/usr/bin/python3", "-I", "-S", "-c", code.as_str()];
+    for config in [None, Some(&shared)] {
+        let r = match config {
+            None => common::try_sandbox(Some(&m), &connect),
+            Some(c) => common::try_sandbox_configured(c, Some(&m), &connect),
+        };
+        let r = r.unwrap_or_else(|(code, err)| {
+            panic!("a socket's grant on a read-only mount ({config:?}): exit {code}: {err}")
+        });
+        assert!(r.stdout().contains("connected"), "({config:?}): {} {}", r.stdout(), r.err());
     }
 }
 

@@ -199,7 +199,8 @@ pub fn serve(pipeline: Pipeline, socket: &Path, platform: Option<crate::platform
         tracing::warn!(target: "opservant::daemon", "{w}");
     }
     if !sandbox::probe::openat2_available() {
-        tracing::info!(
+        // A reported degradation of path resolution (as the shared host uid below).
+        tracing::warn!(
             target: "opservant::daemon",
             "openat2 answers ENOSYS in this process (a kernel before 5.6, or a seccomp filter such as systemd's RestrictSUIDSGID=): \
              declared host paths are resolved one component at a time without following a symlink, the view's system paths \

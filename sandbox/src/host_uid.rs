@@ -79,6 +79,12 @@ fn marker_name(uid: u32) -> String {
     format!("cgroups-{uid}")
 }
 
+/// The marker an earlier version left only for a sandbox it abandoned (same content): read
+/// by the same rule, so an upgrade does not lease such a sandbox's uid.
+fn legacy_marker_name(uid: u32) -> String {
+    format!("abandoned-{uid}")
+}
+
 /// Write the marker of a lease of `uid`: the cgroups its sandbox's processes are in, one
 /// path per line.
 fn write_marker(dir: &OwnedFd, uid: u32, cgroups: &[&Path]) -> std::io::Result<()> {
@@ -98,16 +104,17 @@ fn write_marker(dir: &OwnedFd, uid: u32, cgroups: &[&Path]) -> std::io::Result<(
 }
 
 /// Whether processes of an earlier lease of `uid` may still run as it — its marker is there
-/// (its holder ended without removing it) and names a cgroup that still holds a process.
-/// A marker whose cgroups hold none is removed. Called with the uid's lock held.
+/// (its holder ended without removing it) and names a cgroup that still holds a process, or
+/// names none (a sandbox without cgroups: nothing tells when its processes are gone, so the
+/// uid stays held until the marker is removed, at the latest at reboot). A marker whose
+/// cgroups hold none is removed. Called with the uid's lock held.
 fn marked_in_use(dir: &OwnedFd, uid: u32) -> bool {
-    let name = marker_name(uid);
-    let fd = match nix::fcntl::openat(
-        dir,
-        name.as_str(),
-        OFlag::O_RDONLY | OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW,
-        Mode::empty(),
-    ) {
+    marker_in_use(dir, &marker_name(uid)) || marker_in_use(dir, &legacy_marker_name(uid))
+}
+
+fn marker_in_use(dir: &OwnedFd, name: &str) -> bool {
+    let fd = match nix::fcntl::openat(dir, name, OFlag::O_RDONLY | OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW, Mode::empty())
+    {
         Ok(fd) => fd,
         Err(Errno::ENOENT) => return false,
         // Unreadable: cannot tell, so in use.
@@ -117,12 +124,13 @@ fn marked_in_use(dir: &OwnedFd, uid: u32) -> bool {
     if std::io::Read::read_to_end(&mut std::fs::File::from(fd), &mut text).is_err() {
         return true;
     }
-    let in_use = text.split(|b| *b == b'\n').filter(|l| !l.is_empty()).any(|line| {
-        let cgroup = Path::new(std::ffi::OsStr::from_bytes(line));
-        cgroup_holds_processes(cgroup)
-    });
+    let mut cgroups = text.split(|b| *b == b'\n').filter(|l| !l.is_empty()).peekable();
+    if cgroups.peek().is_none() {
+        return true;
+    }
+    let in_use = cgroups.any(|line| cgroup_holds_processes(Path::new(std::ffi::OsStr::from_bytes(line))));
     if !in_use {
-        let _ = nix::unistd::unlinkat(dir, name.as_str(), nix::unistd::UnlinkatFlags::NoRemoveDir);
+        let _ = nix::unistd::unlinkat(dir, name, nix::unistd::UnlinkatFlags::NoRemoveDir);
     }
     in_use
 }
@@ -232,7 +240,10 @@ pub fn lease(range: &HostUids, cgroups: &[&Path]) -> Result<Lease, SandboxError>
         }
         if let Err(e) = write_marker(&dir, uid, cgroups) {
             let _ = nix::unistd::unlinkat(&dir, marker_name(uid).as_str(), nix::unistd::UnlinkatFlags::NoRemoveDir);
-            return Err(err(format!("write the marker of uid {uid}: {e}")));
+            return Err(SandboxError::HostUid(format!(
+                "{}: write the marker of uid {uid}: {e}",
+                dir_path.join(marker_name(uid)).display()
+            )));
         }
         NEXT.store(offset.wrapping_add(1) % range.count, Ordering::Relaxed);
         return Ok(Lease { uid, _lock: fd, dir });
@@ -363,6 +374,19 @@ mod tests {
         std::fs::write(pids.join("cgroup.procs"), "").unwrap();
         assert_eq!(lease(&two, &[]).map(|l| l.uid()).ok(), Some(3_100_000_000));
         drop(c);
+
+        // An earlier version's marker of an abandoned sandbox counts the same way.
+        let legacy = dir.join("abandoned-3100000000");
+        std::fs::write(&legacy, format!("{}\n", pids.display())).unwrap();
+        std::fs::write(pids.join("cgroup.procs"), "4242\n").unwrap();
+        assert!(lease(&r, &[]).is_err(), "a legacy marker of a live sandbox was passed over");
+        std::fs::write(pids.join("cgroup.procs"), "").unwrap();
+        drop(lease(&r, &[]).unwrap());
+        assert!(!legacy.exists() && !marker.exists());
+        // A marker naming no cgroup (a sandbox without any) holds the uid: nothing tells
+        // when its processes are gone.
+        std::fs::write(&marker, "").unwrap();
+        assert!(lease(&r, &[]).is_err(), "a marker naming no cgroup was passed over");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -552,12 +552,21 @@ fn bind_host(old_root: &OwnedFd, rule: &PathRule, system: bool, owned: &Owned) -
     bind_sealed(&src, &target, &rule.path, rule.access == Access::Read, true).map(Some)
 }
 
-/// A path declared writable (`rule`) whose host source `src` is read-only where the sandbox
-/// is built — its mount or its filesystem — is an error naming it, never a bind the payload
-/// then finds read-only: under the shipped systemd unit every path outside the unit's
-/// `ReadWritePaths=` is (`ProtectSystem=strict`), which the command line does not see.
+/// A path declared writable (`rule`) whose host source `src` — a file or a directory — is
+/// read-only where the sandbox is built (its mount or its filesystem) is an error naming it,
+/// never a bind the payload then finds read-only: under the shipped systemd unit every path
+/// outside the unit's `ReadWritePaths=` is (`ProtectSystem=strict`), which the command line
+/// does not see. Only the declared path's own mount is checked, not mounts beneath it.
 pub(crate) fn refuse_read_only_write_grant(rule: &PathRule, src: &OwnedFd) -> Result<(), StepError> {
     if rule.access != Access::ReadWrite {
+        return Ok(());
+    }
+    // A read-only mount refuses writes to files and directories only: a socket is still
+    // connected to and a FIFO or device written through one (a write grant of a socket is
+    // what talking to it takes).
+    let kind = nix::sys::stat::fstat(src).map_err(|e| fail(format!("stat {}", rule.path.display()), e))?.st_mode
+        & libc::S_IFMT;
+    if kind != libc::S_IFREG && kind != libc::S_IFDIR {
         return Ok(());
     }
     let flags =
@@ -926,8 +935,8 @@ pub(crate) fn open_in_root(root: &OwnedFd, base: &Path, rel: &Path, no_symlinks:
     }
     match Errno::last() {
         // Kernels before 5.6, or a systemd unit with `RestrictSUIDSGID=` (which answers
-        // `openat2` with ENOSYS: it cannot see the mode in its struct) — the shipped unit sets
-        // it: with `no_symlinks`, a walk of one `openat` per component that refuses a
+        // `openat2` with ENOSYS: it cannot see the mode in its struct; the shipped unit no
+        // longer sets it): with `no_symlinks`, a walk of one `openat` per component that refuses a
         // symlink at each, as race-free as `RESOLVE_NO_SYMLINKS`; otherwise resolve normally
         // (absolute symlinks then resolve from `base`'s process root — init's new root,
         // which only ever holds what the sandbox may see anyway, or the parent's `/`).
