@@ -338,6 +338,18 @@ fn doctor_describes_this_host() {
     assert!(uids["detail"].as_str().unwrap().contains("from 1900000000-1900065535 (65536 at once)"), "{uids}");
     let shared = j["degraded"].as_array().unwrap().iter().any(|d| d.as_str().unwrap().contains("run as nobody"));
     assert!(!shared, "{j}");
+    // Root's inotify allowance, which every sandbox's instances also count against: the
+    // number of sandboxes at their cap of 16 that exhaust it, from this host's sysctl.
+    let host: u64 = std::fs::read_to_string("/proc/sys/fs/inotify/max_user_instances").unwrap().trim().parse().unwrap();
+    let inotify = finding("root's inotify headroom").expect("root's inotify headroom");
+    let detail = inotify["detail"].as_str().unwrap();
+    assert!(
+        detail.contains(&format!("({host} here): {} sandboxes at their cap of 16", host.div_ceil(16))),
+        "{inotify}"
+    );
+    assert_eq!(inotify["ok"], host >= 8192, "{inotify}");
+    let listed = j["degraded"].as_array().unwrap().iter().any(|d| d.as_str().unwrap() == detail);
+    assert_eq!(listed, host < 8192, "{j}");
     if !own_user {
         assert!(identity["detail"].as_str().unwrap().ends_with("each on a host uid of its own (sandbox.host_uids)"));
     }

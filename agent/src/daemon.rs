@@ -207,6 +207,9 @@ pub fn serve(pipeline: Pipeline, socket: &Path, platform: Option<crate::platform
              without RESOLVE_IN_ROOT"
         );
     }
+    if let Some(w) = crate::doctor::root_inotify_warning() {
+        tracing::warn!(target: "opservant::daemon", "{w}");
+    }
     if pipeline.policy.host_uids.is_none() {
         tracing::warn!(target: "opservant::daemon", "{}", crate::doctor::SHARED_HOST_UID);
     }

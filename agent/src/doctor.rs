@@ -201,6 +201,17 @@ pub fn examine(landlock_min_abi: u32, allow_degraded: bool, host_uids: Option<&s
     }
     findings.push(Finding { feature: "host uids", ok: uids_ok, required: false, detail: uids_detail });
 
+    let (inotify_ok, inotify_detail) = root_inotify_finding();
+    if !inotify_ok {
+        degraded.push(inotify_detail.clone());
+    }
+    findings.push(Finding {
+        feature: "root's inotify headroom",
+        ok: inotify_ok,
+        required: false,
+        detail: inotify_detail,
+    });
+
     let (egress_ok, egress_detail) = egress_readiness();
     if !egress_ok {
         degraded.push(format!("executors with outbound: true cannot run: {egress_detail}"));
@@ -246,6 +257,49 @@ fn host_uids_finding(host_uids: Option<&sandbox::HostUids>) -> (bool, String) {
         return (false, format!("{problem}: every run would fail"));
     }
     (true, format!("a host uid of its own per sandbox, from {}-{} ({} at once)", r.first, r.last(), r.count))
+}
+
+/// Sandboxes (each at most at its cap) below which root's host-wide inotify allowance counts
+/// as enough: 8192 instances at the default cap of 16, a common setting where many
+/// containers run.
+const ROOT_INOTIFY_SANDBOXES: u64 = 512;
+
+/// Whether root's host-wide inotify allowance outlasts the sandboxes': every sandbox's user
+/// namespace is root's, and the kernel charges the instances made in it to root's own
+/// `fs.inotify.max_user_instances` too, so sandboxes at their cap can leave none for root's
+/// processes (systemd, udev). Reported, with the number of sandboxes that takes, below
+/// [`ROOT_INOTIFY_SANDBOXES`] of them.
+fn root_inotify_finding() -> (bool, String) {
+    let cap = u64::from(sandbox::Limits::default().inotify_instances).max(1);
+    let Some(host) = std::fs::read_to_string("/proc/sys/fs/inotify/max_user_instances")
+        .ok()
+        .and_then(|s| s.trim().parse::<u64>().ok())
+    else {
+        return (true, "no inotify on this host".into());
+    };
+    let sandboxes = host.div_ceil(cap);
+    let detail = format!(
+        "sandboxes' inotify instances also count against root's host-wide fs.inotify.max_user_instances ({host} here): \
+         {sandboxes} sandboxes at their cap of {cap} leave none for root's own processes (systemd, udev)"
+    );
+    if sandboxes >= ROOT_INOTIFY_SANDBOXES {
+        (true, detail)
+    } else {
+        (
+            false,
+            format!(
+                "{detail}; raise it (sysctl fs.inotify.max_user_instances={}) where many sandboxes run at once",
+                cap * ROOT_INOTIFY_SANDBOXES
+            ),
+        )
+    }
+}
+
+/// [`root_inotify_finding`]'s warning when root's allowance is short (logged by the daemon at
+/// start), `None` otherwise.
+pub fn root_inotify_warning() -> Option<String> {
+    let (ok, detail) = root_inotify_finding();
+    (!ok).then_some(detail)
 }
 
 /// What sandboxes sharing the identity's host uid means.

@@ -251,6 +251,9 @@ fn start_reaches_ready(_: &Ctx) -> Result<(), String> {
     // RestrictSUIDSGID= answered it with ENOSYS).
     let journal = sh("journalctl -u opservant --no-pager -o cat").1;
     ensure!(!journal.contains("openat2 answers ENOSYS"), "openat2 is refused under the unit:\n{journal}");
+    // sysctl.d raised root's inotify allowance, which every sandbox's instances count against
+    // too (the agent warns below 8192).
+    ensure!(!journal.contains("leave none for root's own processes"), "root's inotify allowance is short:\n{journal}");
     Ok(())
 }
 
