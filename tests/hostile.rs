@@ -305,35 +305,12 @@ fn an_abandoned_sandboxs_uid_is_not_leased_while_its_processes_live() {
     if !require_root() || !common::freezer::available() {
         return;
     }
-    let first = 1_900_200_000 + std::process::id() % 1000;
-    let one = common::config_with("abandoned-uid", &format!("sandbox:\n  host_uids: {{first: {first}, count: 1}}\n"));
-    // Time for the freezer to find the sandbox asleep before the timeout (a zygote's start
-    // comes first through one).
-    let (_d, m) = common::limits_manifest(r#"{"timeout_seconds": 10}"#);
-    let mut cmd = common::command();
-    // Cold in every suite: the freezer finds a sandbox among the command's descendants, and
-    // what is tested — the lease outliving the command — is the same whatever started it.
-    cmd.env("OPSERVANT_CONFIG", &one).arg("sandbox").arg("--manifest").arg(&m).args(["--launch", "cold"]);
-    cmd.args(["--json", "--", "/bin/sleep", "60"]);
-    cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
-    let child = cmd.spawn().unwrap();
-    let (freezer, dirs) = common::freezer::freeze_sandbox_below_once_asleep(child.id() as i32);
-    let out = child.wait_with_output().unwrap();
-    let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    let left: Vec<bool> = dirs.iter().map(|d| d.exists()).collect();
-    let refused = common::try_sandbox_configured(&one, None, &["/bin/true"]);
-    let thawed = freezer.thaw();
+    // Time for the freezer to find the sandbox asleep before the timeout.
+    let said = stuck_sandboxs_uid_stays_held("abandoned-uid", 1_900_200_000, 10, |child| {
+        let out = child.wait_with_output().unwrap();
+        format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
+    });
     assert!(said.contains("had not exited 5 s after SIGKILL"), "{said}");
-    assert!(left.iter().all(|l| *l), "control: the cgroups were not left behind: {dirs:?} {left:?}");
-    let err = match refused {
-        Err((_, err)) => err,
-        Ok(r) => panic!("the abandoned sandbox's uid was leased again while its processes lived: {}", r.json),
-    };
-    assert!(err.contains(&format!("every host uid of {first}-{first} is held")), "{err}");
-    assert!(thawed, "the thawed sandbox processes never died");
-    // Gone now: the next command removes the cgroups its dead starter left, and the uid is free.
-    let again = common::try_sandbox_configured(&one, None, &["/bin/true"]).unwrap();
-    assert_eq!((again.status(), again.json["sandbox"]["host_uid"].as_u64()), ("completed", Some(u64::from(first))));
 }
 
 /// The same when the command holding the uid is killed outright (SIGKILL) while its
@@ -345,29 +322,50 @@ fn a_killed_commands_uid_is_not_leased_while_its_sandboxs_processes_live() {
     if !require_root() || !common::freezer::available() {
         return;
     }
-    let first = 1_900_300_000 + std::process::id() % 1000;
-    let one = common::config_with("killed-uid", &format!("sandbox:\n  host_uids: {{first: {first}, count: 1}}\n"));
-    let (_d, m) = common::limits_manifest(r#"{"timeout_seconds": 60}"#);
+    stuck_sandboxs_uid_stays_held("killed-uid", 1_900_300_000, 60, |mut child| {
+        child.kill().unwrap();
+        child.wait().unwrap();
+        String::new()
+    });
+}
+
+/// Start `opservant sandbox` (cold in every suite: the freezer finds a sandbox among the
+/// command's descendants, and what is tested — the lease outliving the command — is the
+/// same whatever started it) with a range of one uid from `base` and a timeout of
+/// `timeout_seconds`, freeze its sandbox once asleep, and let `end` end the command (its
+/// output returned). Then: the sandbox's cgroups are still there, the next command is
+/// refused the uid while the frozen processes live, and gets it once they are thawed and
+/// gone.
+fn stuck_sandboxs_uid_stays_held(
+    name: &str,
+    base: u32,
+    timeout_seconds: u32,
+    end: impl FnOnce(std::process::Child) -> String,
+) -> String {
+    let first = base + std::process::id() % 1000;
+    let one = common::config_with(name, &format!("sandbox:\n  host_uids: {{first: {first}, count: 1}}\n"));
+    let (_d, m) = common::limits_manifest(&format!(r#"{{"timeout_seconds": {timeout_seconds}}}"#));
     let mut cmd = common::command();
     cmd.env("OPSERVANT_CONFIG", &one).arg("sandbox").arg("--manifest").arg(&m).args(["--launch", "cold"]);
     cmd.args(["--json", "--", "/bin/sleep", "60"]);
-    cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null());
-    let mut child = cmd.spawn().unwrap();
+    cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let child = cmd.spawn().unwrap();
     let (freezer, dirs) = common::freezer::freeze_sandbox_below_once_asleep(child.id() as i32);
-    child.kill().unwrap();
-    child.wait().unwrap();
+    let said = end(child);
     let left: Vec<bool> = dirs.iter().map(|d| d.exists()).collect();
     let refused = common::try_sandbox_configured(&one, None, &["/bin/true"]);
     let thawed = freezer.thaw();
-    assert!(left.iter().all(|l| *l), "control: the sandbox's cgroups were gone: {dirs:?} {left:?}");
+    assert!(left.iter().all(|l| *l), "control: the cgroups were not left behind: {dirs:?} {left:?}\n{said}");
     let err = match refused {
         Err((_, err)) => err,
-        Ok(r) => panic!("a killed command's uid was leased again while its sandbox's processes lived: {}", r.json),
+        Ok(r) => panic!("the stuck sandbox's uid was leased again while its processes lived: {}\n{said}", r.json),
     };
     assert!(err.contains(&format!("every host uid of {first}-{first} is held")), "{err}");
     assert!(thawed, "the thawed sandbox processes never died");
+    // Gone now: the next command removes the cgroups its dead starter left, and the uid is free.
     let again = common::try_sandbox_configured(&one, None, &["/bin/true"]).unwrap();
     assert_eq!((again.status(), again.json["sandbox"]["host_uid"].as_u64()), ("completed", Some(u64::from(first))));
+    said
 }
 
 /// The view's mounts never propagate to the host, nor the host's into the view, even where
