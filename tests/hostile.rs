@@ -249,13 +249,17 @@ fn a_write_grant_on_a_read_only_mount_is_refused_not_bound_read_only() {
     std::os::unix::fs::chown(&data, Some(uid), Some(gid)).unwrap();
     let m = manifest(&dir, &format!(r#"{{"filesystem": {{"write": ["{}"]}}}}"#, data.display()), "{}");
     let shared = common::config_with("ro-grant-shared", "sandbox:\n  host_uids: shared\n");
+    // The tests' configuration (a host uid per sandbox: the agent prepares the bind), then
+    // `shared` (init binds it).
+    let configs = [None, Some(&shared)];
+    let run = |config: Option<&common::TestConfig>, m: &std::path::Path, argv: &[&str]| match config {
+        None => common::try_sandbox(Some(m), argv),
+        Some(c) => common::try_sandbox_configured(c, Some(m), argv),
+    };
     let write = ["/bin/sh", "-c", "echo x > \"$0\"/f && echo wrote", &data.join("").display().to_string()];
-    for config in [None, Some(&shared)] {
-        let r = match config {
-            None => common::try_sandbox(Some(&m), &write),
-            Some(c) => common::try_sandbox_configured(c, Some(&m), &write),
-        };
-        let r = r.unwrap_or_else(|(code, err)| panic!("control ({config:?}): exit {code}: {err}"));
+    for config in configs {
+        let r =
+            run(config, &m, &write).unwrap_or_else(|(code, err)| panic!("control ({config:?}): exit {code}: {err}"));
         assert!(r.stdout().contains("wrote"), "control ({config:?}): {} {}", r.stdout(), r.err());
     }
     let sock = data.join("sock");
@@ -266,12 +270,8 @@ fn a_write_grant_on_a_read_only_mount_is_refused_not_bound_read_only() {
     let _unmount = Unmount(data.clone());
     let ro = flags | nix::mount::MsFlags::MS_REMOUNT | nix::mount::MsFlags::MS_RDONLY;
     nix::mount::mount(None::<&str>, &data, None::<&str>, ro, None::<&str>).unwrap();
-    for config in [None, Some(&shared)] {
-        let refused = match config {
-            None => common::try_sandbox(Some(&m), &write),
-            Some(c) => common::try_sandbox_configured(c, Some(&m), &write),
-        };
-        let (code, err) = match refused {
+    for config in configs {
+        let (code, err) = match run(config, &m, &write) {
             Err(e) => e,
             Ok(r) => panic!("a write grant on a read-only mount ran ({config:?}): {} {}", r.stdout(), r.err()),
         };
@@ -284,12 +284,8 @@ fn a_write_grant_on_a_read_only_mount_is_refused_not_bound_read_only() {
     let m = manifest(&dir, &format!(r#"{{"filesystem": {{"write": ["{}"]}}}}"#, sock.display()), "{}");
     let code = format!("import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect({:?})\nprint('connected')", sock);
     let connect = ["/usr/bin/python3", "-I", "-S", "-c", code.as_str()];
-    for config in [None, Some(&shared)] {
-        let r = match config {
-            None => common::try_sandbox(Some(&m), &connect),
-            Some(c) => common::try_sandbox_configured(c, Some(&m), &connect),
-        };
-        let r = r.unwrap_or_else(|(code, err)| {
+    for config in configs {
+        let r = run(config, &m, &connect).unwrap_or_else(|(code, err)| {
             panic!("a socket's grant on a read-only mount ({config:?}): exit {code}: {err}")
         });
         assert!(r.stdout().contains("connected"), "({config:?}): {} {}", r.stdout(), r.err());
