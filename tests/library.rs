@@ -1397,7 +1397,11 @@ fn a_sandbox_started_directly_dies_with_its_caller() {
         return;
     }
     let marker = "41.3141592";
+    // Sharing the identity's host uid: a sandbox with a leased one is started by a monitor
+    // (its user namespace is made owned by that uid).
+    let shared = common::config_with("direct-caller", "sandbox:\n  host_uids: shared\n");
     let mut caller = common::command()
+        .env("OPSERVANT_CONFIG", &shared)
         .args(["sandbox", "--launch", "zygote", "--", "/bin/sh", "-c", &format!("sleep {marker}")])
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())
@@ -1432,4 +1436,84 @@ fn a_sandbox_started_directly_dies_with_its_caller() {
         assert!(Instant::now() < deadline, "the sandbox outlived its caller");
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// A sandbox with a host uid leased for it lives in a user namespace that uid owns, and the
+/// kernel charges what the namespace's processes use of the per-user allowances kept with
+/// user namespaces (here inotify instances) to the owner at the level above: to the leased
+/// uid, never to host root. Before, root owned every sandbox's namespace, and a sandbox
+/// allowed as many instances as the host allows one user took root's whole allowance —
+/// `inotify_init1` then failed for every root process of the host (systemd, udev). The
+/// payload (allowed 1024 in its namespace) makes instances until refused and stops itself;
+/// meanwhile its namespace's owner is read from the host (`NS_GET_OWNER_UID`) and root makes
+/// an instance. Through a cold monitor and a zygote's.
+#[test]
+fn a_leased_uid_owns_its_sandboxs_user_namespace_and_pays_for_its_inotify_instances() {
+    if !require_root() {
+        return;
+    }
+    let _view = common::host_view();
+    let host_max: usize =
+        std::fs::read_to_string("/proc/sys/fs/inotify/max_user_instances").unwrap().trim().parse().unwrap();
+    let zygote = std::sync::Arc::new(runtime_zygote());
+    let zygote_launcher = Launcher::Zygote { zygote, end: sandbox::PayloadEnd::Exec };
+    for (name, launcher) in [("exec", launcher()), ("zygote", zygote_launcher)] {
+        let marker = format!("opservant-owner-{name}-{}", std::process::id());
+        let range = sandbox::HostUids {
+            first: 1_900_500_000 + std::process::id() % 1000,
+            count: 1,
+            lock: common::tests_state().join(format!("owner-uid-{}", std::process::id())).join("lock"),
+        };
+        let code = "import ctypes, os, signal, sys\n\
+                    libc = ctypes.CDLL(None, use_errno=True)\n\
+                    fds = []\n\
+                    while len(fds) < 2000:\n fd = libc.inotify_init1(0)\n if fd < 0: break\n fds.append(fd)\n\
+                    err = ctypes.get_errno()\n\
+                    os.kill(os.getpid(), signal.SIGSTOP)\n\
+                    print(len(fds), err)\n";
+        let mut s = spec(&["/usr/bin/python3", "-I", "-S", "-c", code, &marker]);
+        s.host_uids = Some(range.clone());
+        s.limits.inotify_instances = 1024;
+        let sb = Sandbox::spawn(&s, &launcher, None).unwrap();
+        let (tx, result) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(sb.wait(OutputOptions::default()).map(|o| (o.success(), stdout(&o), format!("{o:?}"))));
+        });
+        // The payload, once it has stopped itself (kernel state, not time).
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let payload = loop {
+            let stopped = common::host_processes_with(&marker).into_iter().find(|pid| {
+                std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                    .is_ok_and(|st| st.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('T')))
+            });
+            if let Some(pid) = stopped {
+                break pid;
+            }
+            assert!(Instant::now() < deadline, "{name}: the payload did not stop itself");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let userns = std::fs::File::open(format!("/proc/{payload}/ns/user")).unwrap();
+        let mut owner: libc::uid_t = u32::MAX;
+        // SAFETY: NS_GET_OWNER_UID (_IO(0xb7, 4)) writes one uid_t to the address given.
+        let rc = unsafe {
+            libc::ioctl(std::os::fd::AsRawFd::as_raw_fd(&userns), 0xb704 as _, &mut owner as *mut libc::uid_t)
+        };
+        assert_eq!(rc, 0, "{name}: NS_GET_OWNER_UID: {}", std::io::Error::last_os_error());
+        // SAFETY: inotify_init1 returns a new descriptor or -1; closed right after.
+        let fd = unsafe { libc::inotify_init1(libc::IN_CLOEXEC) };
+        let root_err = std::io::Error::last_os_error();
+        if fd >= 0 {
+            // SAFETY: `fd` is ours.
+            unsafe { libc::close(fd) };
+        }
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(payload), nix::sys::signal::Signal::SIGCONT);
+        let (success, out, outcome) = result.recv_timeout(Duration::from_secs(60)).expect("the run hung").unwrap();
+        assert_eq!(owner, range.first, "{name}: the sandbox's user namespace is owned by uid {owner}");
+        assert!(fd >= 0, "{name}: host root's inotify_init1 while the sandbox held its instances: {root_err}");
+        // Every instance the leased uid may have, up to its namespace's own limit (root's
+        // own instances, the host's services', no longer count against the sandbox either).
+        assert!(success, "{name}: {outcome}");
+        assert_eq!(out, format!("{} 24\n", host_max.min(1024)), "{name}: {outcome}");
+    }
+    let _ = std::fs::remove_dir_all(common::tests_state().join(format!("owner-uid-{}", std::process::id())));
 }

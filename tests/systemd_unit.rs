@@ -29,7 +29,7 @@ fn unit_verifies_and_keeps_its_exposure() {
         .and_then(|rest| rest.split_whitespace().next())
         .and_then(|n| n.parse().ok())
         .unwrap_or_else(|| panic!("no exposure score in: {text}"));
-    assert!(score <= 4.2, "exposure {score} is above the documented 4.2:\n{text}");
+    assert!(score <= 4.3, "exposure {score} is above the documented 4.3:\n{text}");
 }
 
 /// The options the agent's contract with systemd rests on, and those that break every sandbox:

@@ -207,7 +207,7 @@ pub fn serve(pipeline: Pipeline, socket: &Path, platform: Option<crate::platform
              without RESOLVE_IN_ROOT"
         );
     }
-    if let Some(w) = crate::doctor::root_inotify_warning() {
+    if let Some(w) = crate::doctor::root_inotify_warning(pipeline.policy.host_uids.as_ref()) {
         tracing::warn!(target: "opservant::daemon", "{w}");
     }
     if pipeline.policy.host_uids.is_none() {

@@ -201,7 +201,7 @@ pub fn examine(landlock_min_abi: u32, allow_degraded: bool, host_uids: Option<&s
     }
     findings.push(Finding { feature: "host uids", ok: uids_ok, required: false, detail: uids_detail });
 
-    let (inotify_ok, inotify_detail) = root_inotify_finding();
+    let (inotify_ok, inotify_detail) = root_inotify_finding(host_uids);
     if !inotify_ok {
         degraded.push(inotify_detail.clone());
     }
@@ -264,12 +264,20 @@ fn host_uids_finding(host_uids: Option<&sandbox::HostUids>) -> (bool, String) {
 /// containers run.
 const ROOT_INOTIFY_SANDBOXES: u64 = 512;
 
-/// Whether root's host-wide inotify allowance outlasts the sandboxes': every sandbox's user
-/// namespace is root's, and the kernel charges the instances made in it to root's own
-/// `fs.inotify.max_user_instances` too, so sandboxes at their cap can leave none for root's
-/// processes (systemd, udev). Reported, with the number of sandboxes that takes, below
-/// [`ROOT_INOTIFY_SANDBOXES`] of them.
-fn root_inotify_finding() -> (bool, String) {
+/// Whether root's host-wide inotify allowance outlasts the sandboxes': the kernel charges the
+/// instances made in a user namespace to its owner too. With a host uid leased per sandbox,
+/// that uid owns the sandbox's namespace and root's allowance is not touched. Sharing the
+/// identity's uid, every sandbox's namespace is root's, and the instances count against
+/// root's own `fs.inotify.max_user_instances`, so sandboxes at their cap can leave none for
+/// root's processes (systemd, udev): reported, with the number of sandboxes that takes,
+/// below [`ROOT_INOTIFY_SANDBOXES`] of them.
+fn root_inotify_finding(host_uids: Option<&sandbox::HostUids>) -> (bool, String) {
+    if host_uids.is_some() {
+        return (
+            true,
+            "each sandbox's user namespace is owned by its leased host uid: its inotify instances count against that uid's allowance, not root's".into(),
+        );
+    }
     let cap = u64::from(sandbox::Limits::default().inotify_instances).max(1);
     let Some(host) = std::fs::read_to_string("/proc/sys/fs/inotify/max_user_instances")
         .ok()
@@ -297,8 +305,8 @@ fn root_inotify_finding() -> (bool, String) {
 
 /// [`root_inotify_finding`]'s warning when root's allowance is short (logged by the daemon at
 /// start), `None` otherwise.
-pub fn root_inotify_warning() -> Option<String> {
-    let (ok, detail) = root_inotify_finding();
+pub fn root_inotify_warning(host_uids: Option<&sandbox::HostUids>) -> Option<String> {
+    let (ok, detail) = root_inotify_finding(host_uids);
     (!ok).then_some(detail)
 }
 

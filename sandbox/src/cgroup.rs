@@ -495,6 +495,21 @@ pub struct CgroupUsage {
     pub cpu_throttled_ms: u64,
 }
 
+/// A sandbox cgroup's name and directories, chosen before it is created
+/// ([`SandboxCgroup::plan`]).
+#[derive(Debug)]
+pub struct CgroupPlan {
+    name: String,
+    dirs: Vec<PathBuf>,
+}
+
+impl CgroupPlan {
+    /// The directories the cgroup will have (each once).
+    pub fn dirs(&self) -> Vec<&Path> {
+        self.dirs.iter().map(PathBuf::as_path).collect()
+    }
+}
+
 /// The cgroup(s) of one sandbox. Dropping it kills what is left and removes the directories.
 #[derive(Debug)]
 pub struct SandboxCgroup {
@@ -526,12 +541,43 @@ impl SandboxCgroup {
 
     /// Create the sandbox cgroup(s) and write the limits.
     pub fn create(limits: &Limits) -> Result<SandboxCgroup, CgroupError> {
-        retry_left_behind();
-        Self::create_in(layout(), limits)
+        Self::create_planned(Self::plan(), limits)
     }
 
-    fn create_in(layout: &'static Layout, limits: &Limits) -> Result<SandboxCgroup, CgroupError> {
+    /// The name, and the directories, of a sandbox cgroup not created yet — what a host uid
+    /// lease taken before it names in its marker ([`crate::host_uid::lease`]). Created with
+    /// [`SandboxCgroup::create_planned`] in these directories, or in fewer of them (a
+    /// controller missing in degraded mode).
+    pub fn plan() -> CgroupPlan {
+        Self::plan_in(layout())
+    }
+
+    fn plan_in(layout: &'static Layout) -> CgroupPlan {
         let name = format!("{SANDBOX_PREFIX}{}-{}", creator_tag(), SEQ.fetch_add(1, Ordering::Relaxed));
+        let mut dirs: Vec<PathBuf> = Vec::new();
+        for c in Controller::ALL {
+            if let Place::V1(parent) | Place::V2(parent) = layout.place(c) {
+                let dir = parent.join(&name);
+                if !dirs.contains(&dir) {
+                    dirs.push(dir);
+                }
+            }
+        }
+        CgroupPlan { name, dirs }
+    }
+
+    /// Create the sandbox cgroup(s) of `plan` and write the limits.
+    pub fn create_planned(plan: CgroupPlan, limits: &Limits) -> Result<SandboxCgroup, CgroupError> {
+        retry_left_behind();
+        Self::create_named(layout(), plan.name, limits)
+    }
+
+    #[cfg(test)]
+    fn create_in(layout: &'static Layout, limits: &Limits) -> Result<SandboxCgroup, CgroupError> {
+        Self::create_named(layout, Self::plan_in(layout).name, limits)
+    }
+
+    fn create_named(layout: &'static Layout, name: String, limits: &Limits) -> Result<SandboxCgroup, CgroupError> {
         let requested = [limits.memory_bytes.is_some(), limits.cpu_percent.is_some(), limits.pids.is_some()];
         let mut cg = SandboxCgroup {
             layout,

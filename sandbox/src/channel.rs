@@ -33,6 +33,10 @@ const MAX_MESSAGE: usize = 4 * 1024 * 1024;
 pub enum ToSandbox {
     /// The sandbox to build (first message; a forked monitor already has it).
     Spec(Box<SandboxSpec>),
+    /// The host uid leased for the sandbox ([`crate::host_uid`]), sent right after the spec
+    /// when it has a range: the owner of the sandbox's user namespace, which the monitor
+    /// creates once it has this (see [`crate::namespaces::enter_user_namespace_owned_by`]).
+    Owner { uid: u32 },
     /// The cgroup files the monitor writes `0` to, joining the sandbox cgroups before it
     /// creates the cgroup namespace.
     Cgroups { join: Vec<PathBuf> },
@@ -46,11 +50,16 @@ pub enum ToSandbox {
     Proceed,
 }
 
+/// The namespaces a monitor hands over with [`FromSandbox::Unshared`] when its user
+/// namespace is owned by a leased host uid, in this order (`/proc/self/ns/NAME`).
+pub const UNSHARED_NAMESPACES: [&str; 3] = ["user", "mnt", "net"];
+
 /// Sandbox → parent.
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum FromSandbox {
-    /// Monitor: namespaces exist; write the id maps now.
+    /// Monitor: namespaces exist; write the id maps now. Carries the monitor's namespaces
+    /// ([`UNSHARED_NAMESPACES`]) when a leased host uid owns its user namespace.
     Unshared,
     /// Monitor: host pid of the sandbox init (PID 1 inside).
     InitForked { pid: i32 },

@@ -188,8 +188,9 @@ pub fn lock_problem(range: &HostUids) -> Option<String> {
 static NEXT: AtomicU32 = AtomicU32::new(u32::MAX);
 
 /// Lease a uid of `range` that no other sandbox holds, for a sandbox whose processes are in
-/// `cgroups` (noted in the lease's marker before it is returned: create them first, and no
-/// process as the uid before the lease).
+/// `cgroups` (noted in the lease's marker before it is returned; they may be created after
+/// the lease — one that does not exist holds no process — but nothing may run as the uid
+/// outside them).
 pub fn lease(range: &HostUids, cgroups: &[&Path]) -> Result<Lease, SandboxError> {
     let err = |what: String| SandboxError::HostUid(format!("{}: {what}", range.lock.display()));
     let (Some(dir_path), Some(file_name)) = (range.lock.parent(), range.lock.file_name()) else {

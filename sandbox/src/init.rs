@@ -12,7 +12,10 @@
 //!   2. read the spec
 //!   3. shield itself (and so init) from the OOM killer where allowed; clear supplementary groups
 //!   4. join the prepared network namespace if one was handed over (a zygote's stash, see
-//!      [`crate::netns_stash`]); unshare user, mount, pid, net (unless joined), ipc, uts —
+//!      [`crate::netns_stash`]); with a host uid range, receive the uid leased for the
+//!      sandbox and create the user namespace owned by it, then join it
+//!      ([`crate::namespaces::enter_user_namespace_owned_by`]: the monitor's own uid stays
+//!      root); unshare user (unless made so), mount, pid, net (unless joined), ipc, uts —
 //!      meanwhile the parent creates the cgroups and then names the files to join them by
 //!   5. "unshared" → parent writes the uid/gid maps (to a host uid leased for this sandbox
 //!      when the spec has a range, [`crate::host_uid`]), then makes the declared paths
@@ -104,10 +107,13 @@ pub(crate) const DIRECT_CLONE_FLAGS: libc::c_int =
     libc::CLONE_NEWUSER | libc::CLONE_NEWNS | libc::CLONE_NEWPID | libc::CLONE_NEWIPC | libc::CLONE_NEWUTS;
 
 /// Whether a zygote may start a sandbox of `spec` directly: it asks for exactly the
-/// namespaces [`DIRECT_CLONE_FLAGS`] creates, and a prepared network namespace.
+/// namespaces [`DIRECT_CLONE_FLAGS`] creates, and a prepared network namespace — and leases
+/// no host uid: the zygote's `clone` would make the zygote's effective uid the owner of
+/// the user namespace, and a user namespace owned by the leased uid
+/// ([`crate::namespaces::enter_user_namespace_owned_by`]) is made by a monitor.
 pub(crate) fn direct_fits(spec: &SandboxSpec) -> bool {
     let ns = &spec.namespaces;
-    ns.user && ns.mount && ns.pid && ns.ipc && ns.uts && spec.can_join_prepared_net()
+    ns.user && ns.mount && ns.pid && ns.ipc && ns.uts && spec.can_join_prepared_net() && spec.host_uids.is_none()
 }
 
 /// Entry point of the re-exec'd sandbox init (`opservant __sandbox-init`): the channel is
@@ -201,7 +207,7 @@ fn direct_until(chan: &Channel, end: PayloadEnd) -> Result<InitEnd, StepError> {
     let app = app_channel(&spec)?;
     // 4. (created by the zygote's `clone`)
     // 5.
-    let handshake = unshared_handshake(chan)?;
+    let handshake = unshared_handshake(chan, false)?;
     // 6. (this process is init; init's signals have been blocked since the `clone`)
     init(chan, app, &spec, handshake, end, true, None)
 }
@@ -290,9 +296,21 @@ fn monitor_until(
         // nothing else in this process owns that descriptor.
         namespaces::join_prepared_net(unsafe { std::os::fd::OwnedFd::from_raw_fd(NET_FD) })?;
     }
-    namespaces::unshare(&Namespaces { cgroup: false, net: spec.namespaces.net && !prepared_net, ..spec.namespaces })?;
+    let mut rest = Namespaces { cgroup: false, net: spec.namespaces.net && !prepared_net, ..spec.namespaces };
+    if spec.host_uids.is_some() {
+        // A leased host uid owns the user namespace (its allowances, not root's, pay for the
+        // sandbox's use of them).
+        let uid = match chan.recv::<ToSandbox>().map_err(protocol)? {
+            Some(ToSandbox::Owner { uid }) => uid,
+            None => return Err(protocol("parent went away")),
+            other => return Err(protocol(format!("expected the owner, got {other:?}"))),
+        };
+        namespaces::enter_user_namespace_owned_by(uid)?;
+        rest.user = false;
+    }
+    namespaces::unshare(&rest)?;
     // 5.
-    let mut handshake = Some(unshared_handshake(chan)?);
+    let mut handshake = Some(unshared_handshake(chan, spec.host_uids.is_some())?);
     // 6.
     // Block SIGCHLD before forking so its arrival is seen through the signalfd; and init's
     // signals, so that init starts with them blocked: PID 1 of a namespace ignores a signal
@@ -345,8 +363,15 @@ fn monitor_until(
         // parent takes one still open then as held by another process).
         unsafe { libc::close(fd) };
     }
-    chan.send(&FromSandbox::InitForked { pid: init_pid.as_raw() })
+    // With a pidfd of init, opened while init cannot have been reaped (only this process
+    // reaps it), so that it names init: the parent signals init through it, and could not
+    // open one itself once init runs as the sandbox's host uid under `hidepid` (a pidfd it
+    // could open needs init's `/proc/PID` to tell init from a process that took its pid).
+    let pidfd = crate::zygote::pidfd_open(init_pid).ok();
+    let fds: Vec<std::os::fd::RawFd> = pidfd.iter().map(std::os::fd::AsRawFd::as_raw_fd).collect();
+    chan.send_with_fds(&FromSandbox::InitForked { pid: init_pid.as_raw() }, &fds)
         .map_err(|e| StepError::errno(Stage::Protocol, "send", e))?;
+    drop(pidfd);
     // 7.
     let ru = wait_for_init(chan, &sfd, init_pid)?;
     let tv_ms = |t: libc::timeval| (t.tv_sec.max(0) as u64) * 1000 + (t.tv_usec.max(0) as u64) / 1000;
@@ -382,14 +407,31 @@ struct Handshake {
 
 /// Step 5 once the namespaces exist: the cgroups to join arrive, "unshared" goes out (the
 /// parent writes the id maps, prepares declared paths and wires the namespaces), the
-/// prepared paths and "proceed" come back.
-fn unshared_handshake(chan: &Channel) -> Result<Handshake, StepError> {
+/// prepared paths and "proceed" come back. With `hand_over` the message carries this
+/// process's user, mount and network namespaces ([`crate::channel::UNSHARED_NAMESPACES`]):
+/// a user namespace owned by a leased uid is not the parent's, and without `CAP_SYS_PTRACE`
+/// in it (the shipped unit withholds it) the parent cannot open them through `/proc/PID/ns`.
+fn unshared_handshake(chan: &Channel, hand_over: bool) -> Result<Handshake, StepError> {
     let join = match chan.recv::<ToSandbox>().map_err(protocol)? {
         Some(ToSandbox::Cgroups { join }) => join,
         None => return Err(protocol("parent went away")),
         other => return Err(protocol(format!("expected the cgroups, got {other:?}"))),
     };
-    chan.send(&FromSandbox::Unshared).map_err(|e| StepError::errno(Stage::Protocol, "send", e))?;
+    let mut namespaces = Vec::new();
+    if hand_over {
+        for name in crate::channel::UNSHARED_NAMESPACES {
+            let fd = nix::fcntl::open(
+                format!("/proc/self/ns/{name}").as_str(),
+                nix::fcntl::OFlag::O_RDONLY | nix::fcntl::OFlag::O_CLOEXEC,
+                nix::sys::stat::Mode::empty(),
+            )
+            .map_err(|e| StepError::errno(Stage::Unshare, format!("open /proc/self/ns/{name}"), e))?;
+            namespaces.push(fd);
+        }
+    }
+    let fds: Vec<std::os::fd::RawFd> = namespaces.iter().map(std::os::fd::AsRawFd::as_raw_fd).collect();
+    chan.send_with_fds(&FromSandbox::Unshared, &fds).map_err(|e| StepError::errno(Stage::Protocol, "send", e))?;
+    drop(namespaces);
     let mut binds = Vec::new();
     loop {
         match chan.recv_with_fds::<ToSandbox>().map_err(protocol)? {

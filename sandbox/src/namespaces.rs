@@ -38,6 +38,150 @@ pub fn unshare(ns: &Namespaces) -> Result<(), StepError> {
     })
 }
 
+/// Create a user namespace owned by host uid `owner`, and make it the calling process's
+/// own (`setns`), with every capability in it — what `unshare(CLONE_NEWUSER)` does, except
+/// for the owner: `unshare` makes the caller's effective uid (host root) the owner, and the
+/// kernel charges what every process of a namespace uses of the per-user allowances kept
+/// with user namespaces (inotify instances and watches, queued signals, POSIX message queue
+/// bytes, locked memory, processes) to its owner at each level up — one sandbox could use
+/// up host root's host-wide allowance (128 inotify instances by default) for every root
+/// process of the host. Owned by the sandbox's leased uid, it charges that uid's.
+///
+/// The owner is the creator's effective uid, so a helper creates the namespace: for the
+/// duration this process's effective uid is `owner` (its real and saved uids stay, and with
+/// them its permitted capabilities; its effective set is raised again, so creating the
+/// namespace never depends on unprivileged user namespaces being allowed), and the helper
+/// — `clone(CLONE_VM | CLONE_VFORK | CLONE_FILES | CLONE_NEWUSER)`, which suspends this
+/// process until it ends — only opens its `/proc/self/ns/user` into the shared descriptor
+/// table. Then the effective uid and capabilities are restored and this process joins the
+/// namespace — `setns` needs `CAP_SYS_ADMIN` over it, which it has in the initial
+/// namespace. Its own uids are then those it had (host root, unmapped inside until the id
+/// maps are written): only the owner changed.
+///
+/// Not dumpable on return, whatever `fs.suid_dumpable` says (the uid change and `setns`
+/// reset the flag to it): a process of the initial namespace running as `owner` holds every
+/// capability in the namespace, `CAP_SYS_PTRACE` included, and only a process that is not
+/// dumpable stays out of its reach (`ptrace`, `pidfd_getfd`) — this one is host root with
+/// the sandbox's channel. Its parent-death signal is cleared (by `setns`): callers set none.
+/// Single-threaded callers only.
+pub fn enter_user_namespace_owned_by(owner: u32) -> Result<(), StepError> {
+    let ns = user_namespace_owned_by(owner)?;
+    nix::sched::setns(&ns, CloneFlags::CLONE_NEWUSER)
+        .map_err(|e| StepError::errno(Stage::Unshare, "setns: join the user namespace made for the sandbox", e))?;
+    not_dumpable()
+}
+
+/// `PR_SET_DUMPABLE` 0 (see [`enter_user_namespace_owned_by`]).
+fn not_dumpable() -> Result<(), StepError> {
+    // SAFETY: PR_SET_DUMPABLE takes an integer.
+    if unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0 as libc::c_ulong, 0, 0, 0) } != 0 {
+        return Err(StepError::errno(Stage::Unshare, "prctl(PR_SET_DUMPABLE, 0)", nix::errno::Errno::last()));
+    }
+    Ok(())
+}
+
+fn user_namespace_owned_by(owner: u32) -> Result<std::os::fd::OwnedFd, StepError> {
+    use caps::CapSet;
+    let fail = |what: &str, e: nix::errno::Errno| StepError::errno(Stage::Unshare, what, e);
+    let caps_fail = |what: &str, e: caps::errors::CapsError| StepError::new(Stage::Unshare, format!("{what}: {e}"));
+    let ids = nix::unistd::getresuid().map_err(|e| fail("getresuid", e))?;
+    let effective = caps::read(None, CapSet::Effective).map_err(|e| caps_fail("read the effective capabilities", e))?;
+    nix::unistd::setresuid(ids.real, nix::unistd::Uid::from_raw(owner), ids.saved)
+        .map_err(|e| fail(&format!("set the effective uid to {owner}, the namespace's owner"), e))?;
+    // The helper shares this memory and runs in the namespace `owner` owns.
+    let made = not_dumpable()
+        .and_then(|()| {
+            caps::set(None, CapSet::Effective, &effective)
+                .map_err(|e| caps_fail("raise the effective capabilities again", e))
+        })
+        .and_then(|()| clone_user_namespace_helper());
+    // Restored whatever happened: on an error the caller ends the sandbox, and this process
+    // must not go on as anyone but itself meanwhile.
+    let restored = nix::unistd::setresuid(ids.real, ids.effective, ids.saved)
+        .map_err(|e| fail("restore the effective uid", e))
+        .and_then(|()| {
+            caps::set(None, CapSet::Effective, &effective)
+                .map_err(|e| caps_fail("restore the effective capabilities", e))
+        });
+    let ns = made?;
+    restored?;
+    Ok(ns)
+}
+
+/// The helper of [`user_namespace_owned_by`]: a process created in a new user namespace
+/// that shares this process's memory and descriptor table and only opens its own
+/// `/proc/self/ns/user` there. Returns that descriptor, once the helper has ended.
+fn clone_user_namespace_helper() -> Result<std::os::fd::OwnedFd, StepError> {
+    use std::os::fd::FromRawFd;
+    use std::sync::atomic::{AtomicI32, Ordering};
+    extern "C" fn helper(arg: *mut libc::c_void) -> libc::c_int {
+        // SAFETY: `arg` is the address of the `AtomicI32` below, which outlives this helper:
+        // its creator is suspended until the helper ends (CLONE_VFORK).
+        let slot = unsafe { &*(arg as *const AtomicI32) };
+        // Only a raw system call here: this process shares its creator's memory (and so its
+        // allocator's and the C library's state).
+        // SAFETY: openat with a NUL-terminated path and no other pointer.
+        let fd = unsafe {
+            libc::syscall(
+                libc::SYS_openat,
+                libc::AT_FDCWD,
+                c"/proc/self/ns/user".as_ptr(),
+                libc::O_RDONLY | libc::O_CLOEXEC,
+            )
+        };
+        let value = if fd < 0 { -nix::errno::Errno::last_raw() } else { fd as i32 };
+        slot.store(value, Ordering::SeqCst);
+        0
+    }
+    // i32::MIN: the helper never reported (it cannot have opened anything).
+    let slot = AtomicI32::new(i32::MIN);
+    let mut stack = vec![0u8; 64 * 1024];
+    // The stack grows down from its (16-byte aligned) top.
+    let top = (stack.as_mut_ptr() as usize + stack.len()) & !15;
+    // SAFETY: the helper runs on `stack` (alive until after the helper has ended: CLONE_VFORK
+    // suspends this process until then), touches only `slot` and makes one system call; the
+    // caller is single-threaded, so no lock is held by a thread the helper cannot see.
+    let pid = unsafe {
+        libc::clone(
+            helper,
+            top as *mut libc::c_void,
+            libc::CLONE_VM | libc::CLONE_VFORK | libc::CLONE_FILES | libc::CLONE_NEWUSER | libc::SIGCHLD,
+            &slot as *const AtomicI32 as *mut libc::c_void,
+        )
+    };
+    if pid < 0 {
+        let e = nix::errno::Errno::last();
+        let hint = if e == nix::errno::Errno::EPERM || e == nix::errno::Errno::ENOSPC {
+            " (user namespaces disabled, or the owner's allowance of them exhausted? see `opservant doctor`)"
+        } else {
+            ""
+        };
+        return Err(StepError::errno(Stage::Unshare, format!("clone(CLONE_NEWUSER){hint}"), e));
+    }
+    loop {
+        match nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(pid), None) {
+            Err(nix::errno::Errno::EINTR) => continue,
+            // Reaped already (SIGCHLD ignored by a caller): it has ended (CLONE_VFORK), and
+            // what it did is in `slot`.
+            Ok(nix::sys::wait::WaitStatus::Exited(_, 0)) | Err(nix::errno::Errno::ECHILD) => break,
+            Ok(other) => {
+                return Err(StepError::new(Stage::Unshare, format!("the user namespace helper ended with {other:?}")))
+            }
+            Err(e) => return Err(StepError::errno(Stage::Unshare, "wait for the user namespace helper", e)),
+        }
+    }
+    drop(stack);
+    match slot.load(Ordering::SeqCst) {
+        fd if fd >= 0 => {
+            // SAFETY: the helper opened `fd` in the descriptor table this process shares with
+            // it, and nothing else knows of it.
+            Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+        }
+        i32::MIN => Err(StepError::new(Stage::Unshare, "the user namespace helper never reported")),
+        e => Err(StepError::errno(Stage::Unshare, "open the new user namespace", nix::errno::Errno::from_raw(-e))),
+    }
+}
+
 /// Join a network namespace made beforehand ([`crate::netns_stash`]) instead of creating one;
 /// `setns` checks that `ns` is a network namespace. Call before unsharing the user namespace
 /// (joining needs `CAP_SYS_ADMIN` over the namespace's owner). The descriptor is closed.
@@ -126,9 +270,9 @@ pub fn available() -> Vec<(&'static str, bool)> {
 /// namespace before it drops its capabilities (`CAP_SYS_RESOURCE` there is what allows the
 /// write; the files show the opener's user namespace, whichever procfs they are read
 /// through). The kernel charges every count of these to the namespace's owner at each level
-/// up — host root, whose host-wide limits (128 inotify instances) one sandbox could
-/// otherwise take whole — but it also checks the namespace's own limit first, so these bound
-/// one sandbox. `max_user_namespaces` is 0: the seccomp profile refuses namespace creation
+/// up — the leased host uid ([`enter_user_namespace_owned_by`]), or host root, whose
+/// host-wide limits (128 inotify instances) one sandbox could otherwise take whole — but it
+/// also checks the namespace's own limit first, so these bound one sandbox. `max_user_namespaces` is 0: the seccomp profile refuses namespace creation
 /// anyway; this makes a nested user namespace (the one every other kind needs without
 /// privileges) fail without it. A value out of a sysctl's range fails its write (these
 /// handlers never accept and ignore one), so the writes are not read back (~3 µs each).

@@ -102,6 +102,9 @@ pub type NamespaceHook<'a> = &'a mut dyn FnMut(&MonitorProc<'_>) -> Result<(), S
 pub struct MonitorProc<'a> {
     pid: i32,
     dir: std::os::fd::BorrowedFd<'a>,
+    /// The namespaces the monitor handed over ([`crate::channel::UNSHARED_NAMESPACES`], in
+    /// that order), or none: then they are opened through `dir`.
+    handed_over: &'a [OwnedFd],
 }
 
 impl MonitorProc<'_> {
@@ -110,9 +113,19 @@ impl MonitorProc<'_> {
         self.pid
     }
 
-    /// The sandbox's namespace `name` (`net`, `mnt`, …), opened through the monitor's
-    /// `/proc/PID/ns`.
+    /// The sandbox's namespace `name` (`user`, `net`, `mnt`), handed over by the monitor or
+    /// opened through its `/proc/PID/ns`.
     pub fn namespace(&self, name: &str) -> std::io::Result<OwnedFd> {
+        if !self.handed_over.is_empty() {
+            let i = crate::channel::UNSHARED_NAMESPACES.iter().position(|n| *n == name);
+            return match i.and_then(|i| self.handed_over.get(i)) {
+                Some(fd) => fd.try_clone(),
+                None => Err(std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    format!("namespace {name} is not among those the monitor hands over"),
+                )),
+            };
+        }
         nix::fcntl::openat(
             self.dir,
             format!("ns/{name}").as_str(),
@@ -121,6 +134,14 @@ impl MonitorProc<'_> {
         )
         .map_err(std::io::Error::from)
     }
+}
+
+/// Whether `pidfd` is a pidfd of the process `pid` (its `/proc/self/fdinfo` says so; any
+/// other kind of descriptor has no `Pid:` there).
+fn pidfd_names(pidfd: &OwnedFd, pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/self/fdinfo/{}", pidfd.as_raw_fd())).is_ok_and(|info| {
+        info.lines().any(|l| l.strip_prefix("Pid:").is_some_and(|v| v.trim().parse::<i32>() == Ok(pid)))
+    })
 }
 
 /// Which stream a chunk of output came from.
@@ -544,9 +565,20 @@ impl Sandbox {
                 .send(&ToSandbox::Spec(Box::new(spec.clone())))
                 .map_err(|e| early(format!("send spec: {}", e.desc())))?;
         }
+        let plan = SandboxCgroup::plan();
+        if let Some(range) = &spec.host_uids {
+            // Leased before the monitor creates the namespaces: the user namespace is the
+            // leased uid's. Its marker names the cgroups, planned and created below (one
+            // not created yet holds no process: nothing runs as the uid before the id
+            // maps, below too).
+            let lease = crate::host_uid::lease(range, &plan.dirs())?;
+            let uid = lease.uid();
+            self.host_uid = Some(std::sync::Arc::new(lease));
+            self.chan.send(&ToSandbox::Owner { uid }).map_err(|e| early(format!("send the owner: {}", e.desc())))?;
+        }
         // The cgroups are created while the monitor creates the namespaces (the two are the
         // slowest setup steps and run on different CPUs).
-        let cgroup = SandboxCgroup::create(&spec.limits)?;
+        let cgroup = SandboxCgroup::create_planned(plan, &spec.limits)?;
         let writes = cgroup.cpu_writes();
         let join = cgroup.join_files();
         // Kept before the quota is written: a failure below removes it with `self`.
@@ -566,27 +598,30 @@ impl Sandbox {
         });
         self.chan.send(&ToSandbox::Cgroups { join }).map_err(|e| early(format!("send cgroups: {}", e.desc())))?;
         self.await_setup("the namespaces")?;
-        match self.chan.recv::<FromSandbox>().map_err(early)? {
-            Some(FromSandbox::Unshared) => {}
-            Some(FromSandbox::Failed(e)) => return Err(e.into()),
+        let handed_over = match self.chan.recv_with_fds::<FromSandbox>().map_err(early)? {
+            Some((FromSandbox::Unshared, fds)) => fds,
+            Some((FromSandbox::Failed(e), _)) => return Err(e.into()),
             None => return Err(early("sandbox init exited during setup".into())),
-            Some(other) => return Err(SandboxError::Channel(format!("unexpected {other:?}"))),
+            Some((other, _)) => return Err(SandboxError::Channel(format!("unexpected {other:?}"))),
+        };
+        // A monitor in a namespace a leased uid owns hands its namespaces over; the others
+        // are opened through its /proc/PID/ns.
+        let expected = if self.host_uid.is_some() { crate::channel::UNSHARED_NAMESPACES.len() } else { 0 };
+        if handed_over.len() != expected {
+            return Err(SandboxError::Channel(format!(
+                "the monitor handed over {} namespaces, not {expected}",
+                handed_over.len()
+            )));
         }
         let proc_dir = self.monitor_proc_dir()?;
-        let identity = match &spec.host_uids {
-            Some(range) => {
-                // Its marker names the cgroups (made above; nothing runs as the uid before
-                // the id maps below).
-                let cgroups = self.cgroup.as_ref().map(|cg| cg.dirs()).unwrap_or_default();
-                let lease = std::sync::Arc::new(crate::host_uid::lease(range, &cgroups)?);
-                let identity = crate::spec::Identity { host_uid: lease.uid(), ..spec.identity };
+        let identity = match &self.host_uid {
+            Some(lease) => {
                 // The sandbox's processes are in its cgroups: one left behind (processes
                 // stuck in the kernel) keeps the uid from the next sandbox.
                 if let Some(cg) = &mut self.cgroup {
                     cg.hold_until_removed(lease.clone());
                 }
-                self.host_uid = Some(lease);
-                identity
+                crate::spec::Identity { host_uid: lease.uid(), ..spec.identity }
             }
             None => spec.identity,
         };
@@ -594,7 +629,7 @@ impl Sandbox {
         if self.host_uid.is_some() && crate::idmap::needed(spec) {
             // The namespace now maps the identity's uid to the leased one: the idmapping of
             // the declared paths' binds.
-            let userns = MonitorProc { pid: self.monitor.as_raw(), dir: proc_dir.as_fd() }
+            let userns = MonitorProc { pid: self.monitor.as_raw(), dir: proc_dir.as_fd(), handed_over: &handed_over }
                 .namespace("user")
                 .map_err(|e| SandboxError::io("open the sandbox's user namespace", e))?;
             self.check_monitor_pid("opening its user namespace")?;
@@ -615,7 +650,7 @@ impl Sandbox {
         // (the agent, the bench) that gains from the background release. A cold caller is a
         // one-shot process whose exit would pay for the namespace instead of its monitor, or
         // a forking one that must stay single-threaded (`Launcher::Fork`).
-        let monitor = MonitorProc { pid: self.monitor.as_raw(), dir: proc_dir.as_fd() };
+        let monitor = MonitorProc { pid: self.monitor.as_raw(), dir: proc_dir.as_fd(), handed_over: &handed_over };
         if self.monitor_pidfd.is_some() && spec.namespaces.mount {
             // The monitor has unshared and waits for "proceed": this names its namespace.
             self.mount_ns = monitor
@@ -899,7 +934,7 @@ impl Sandbox {
             drop(pfds);
             for slot in ready {
                 match slot {
-                    0 => match self.chan.recv::<FromSandbox>() {
+                    0 => match self.chan.recv_with_fds::<FromSandbox>() {
                         Ok(None) => {
                             chan_open = false;
                             // The monitor is gone; whatever still holds the output pipes is
@@ -908,8 +943,16 @@ impl Sandbox {
                                 backstop_at.get_or_insert(Instant::now() + BACKSTOP);
                             }
                         }
-                        Ok(Some(msg)) => match msg {
-                            FromSandbox::InitForked { pid } => self.init = self.open_init(pid),
+                        Ok(Some((msg, mut fds))) => match msg {
+                            // Once, before the payload starts (a repeat is ignored): init
+                            // is what stops and timeouts signal.
+                            FromSandbox::InitForked { pid } if self.init.is_none() && report.is_none() => {
+                                self.init = match fds.pop() {
+                                    Some(pidfd) if fds.is_empty() && pidfd_names(&pidfd, pid) => Some(pidfd),
+                                    _ => self.open_init(pid),
+                                }
+                            }
+                            FromSandbox::InitForked { .. } => {}
                             FromSandbox::Started(r) => {
                                 report = Some(*r);
                                 // (A quota that is not deferred was written at creation.)
@@ -1196,8 +1239,10 @@ impl Sandbox {
         true
     }
 
-    /// A pidfd for the init the monitor reported as `pid` — `None` when that process is
-    /// gone, or is not the monitor's child (its pid reused: the monitor reaped init first).
+    /// A pidfd for the init the monitor reported as `pid` without one (it sends its own,
+    /// opened before it could reap init) — `None` when that process is gone, or is not the
+    /// monitor's child (its pid reused: the monitor reaped init first). Needs init's
+    /// `/proc/PID`, which `hidepid` hides once init runs as the sandbox's host uid.
     fn open_init(&self, pid: i32) -> Option<OwnedFd> {
         let pidfd = crate::zygote::pidfd_open(Pid::from_raw(pid)).ok()?;
         // Opened first, then checked: if the process at `pid` is still the monitor's child
@@ -1558,6 +1603,17 @@ fn spawn_monitor(
 mod tests {
     use super::*;
     use crate::spec::{Identity, SandboxSpec};
+
+    /// What the parent accepts as init's pidfd from the monitor: a pidfd of that pid only.
+    #[test]
+    fn only_a_pidfd_of_the_reported_pid_is_taken_for_init() {
+        let me = std::process::id() as i32;
+        let pidfd = crate::zygote::pidfd_open(Pid::from_raw(me)).unwrap();
+        assert!(pidfd_names(&pidfd, me));
+        assert!(!pidfd_names(&pidfd, me + 1), "a pidfd of another pid");
+        let file: OwnedFd = std::fs::File::open("/proc/self/status").unwrap().into();
+        assert!(!pidfd_names(&file, me), "not a pidfd");
+    }
 
     #[test]
     fn landlock_minimum_is_checked_before_anything_starts() {

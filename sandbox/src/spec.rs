@@ -441,9 +441,9 @@ pub struct Limits {
     #[serde(default = "default_sigpending")]
     pub sigpending: u64,
     /// `max_inotify_instances` of the sandbox's user namespace (written by its init before
-    /// it drops its capabilities): inotify instances are charged to the namespace's owner,
-    /// host root, whose host-wide `fs.inotify.max_user_instances` (128) one sandbox could
-    /// otherwise take whole.
+    /// it drops its capabilities): inotify instances are charged to the namespace's owner
+    /// too — the leased host uid with `host_uids`, else host root, whose host-wide
+    /// `fs.inotify.max_user_instances` (128) one sandbox could otherwise take whole.
     #[serde(default = "default_inotify_instances")]
     pub inotify_instances: u32,
     /// `max_inotify_watches` of the sandbox's user namespace (as above).

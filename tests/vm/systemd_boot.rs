@@ -171,7 +171,10 @@ fn install(ctx: &Ctx) -> Result<(), String> {
         "slow",
         json!({}),
         json!({"timeout_seconds": 30}),
-        "        import time\n        time.sleep(params.get(\"seconds\", 1))\n        \
+        // A stop or a timeout's SIGTERM is noted and the sleep goes on (to the SIGKILL).
+        "        import signal, sys, time\n        \
+         signal.signal(signal.SIGTERM, lambda *_: (sys.stderr.write(\"SIGTERM\\n\"), sys.stderr.flush()))\n        \
+         time.sleep(params.get(\"seconds\", 1))\n        \
          return ExecutorResult(status=\"completed\", output={\"slept\": params.get(\"seconds\", 1)})\n",
     )?;
     let hog = executor(
@@ -251,8 +254,11 @@ fn start_reaches_ready(_: &Ctx) -> Result<(), String> {
     // RestrictSUIDSGID= answered it with ENOSYS).
     let journal = sh("journalctl -u opservant --no-pager -o cat").1;
     ensure!(!journal.contains("openat2 answers ENOSYS"), "openat2 is refused under the unit:\n{journal}");
-    // sysctl.d raised root's inotify allowance, which every sandbox's instances count against
-    // too (the agent warns below 8192).
+    // sysctl.d raised root's inotify allowance, which a sandbox's instances count against
+    // when sandboxes share the identity's uid (the agent then warns below 8192; here each has
+    // a uid of its own, which owns its user namespace and pays for them).
+    let instances = std::fs::read_to_string("/proc/sys/fs/inotify/max_user_instances").map_err(|e| e.to_string())?;
+    ensure!(instances.trim() == "8192", "sysctl.d did not raise fs.inotify.max_user_instances: {instances}");
     ensure!(!journal.contains("leave none for root's own processes"), "root's inotify allowance is short:\n{journal}");
     Ok(())
 }
@@ -330,6 +336,11 @@ fn oom_and_timeout_enforced(_: &Ctx) -> Result<(), String> {
     let (_, r) = submit(&json!({"command_id": "boot-timeout-1", "action": "execute", "executor": "slow",
                                 "parameters": {"seconds": 20}, "resource_limits": {"timeout_seconds": 6}}))?;
     ensure!(r["status"] == "timeout" && r["killed_by"] == "timeout", "timeout: {r}");
+    // The timeout's SIGTERM reached the payload, through the sandbox's init: the agent signals
+    // init, which runs as the sandbox's leased host uid in a user namespace that uid owns —
+    // without CAP_KILL in the unit it cannot (the run still ends, by the backstop's SIGKILL of
+    // the monitor a second later, without the grace period or the tree's accounting).
+    ensure!(r["stderr"].as_str().is_some_and(|e| e.contains("SIGTERM")), "the timeout's SIGTERM never arrived: {r}");
     // Nothing of either is left in the unit's cgroup. The agent replies before a finished
     // run's teardown (init's exit, the cgroups' removal) is done in the background, which
     // may take up to its monitor's and its cgroups' patience (5 s each); slower under TCG.
@@ -407,6 +418,6 @@ fn audit_chain_verifies(_: &Ctx) -> Result<(), String> {
         .and_then(|rest| rest.split_whitespace().next())
         .and_then(|n| n.parse::<f64>().ok());
     println!("\n  online exposure: {score:?}");
-    ensure!(score.is_some_and(|s| s <= 4.2), "online exposure {score:?} above 4.2:\n{text}");
+    ensure!(score.is_some_and(|s| s <= 4.3), "online exposure {score:?} above 4.3:\n{text}");
     Ok(())
 }
