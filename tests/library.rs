@@ -1176,8 +1176,16 @@ fn a_sandbox_stuck_in_the_kernel_fails_its_run_instead_of_hanging_it() {
     assert!(thawed, "the thawed sandbox processes never died");
     let held = held.expect_err("the stuck sandbox's uid was leased again while its processes lived").to_string();
     assert!(held.contains("is held by a running sandbox"), "{held}");
-    // Left behind, and removed by the next sandbox — and with them goes the uid.
-    assert_removed_by_the_next_sandbox(&sandbox_dirs);
+    // Left behind, and removed by the next sandbox — and with them goes the uid: the next
+    // sandbox of the same one-uid range gets it (the left-behind cgroups are tried before
+    // its lease, which would otherwise find the uid still held by them).
+    let mut next = spec(&["/bin/true"]);
+    next.host_uids = Some(range.clone());
+    let o = sandbox::run(&next, &launcher(), OutputOptions::default()).expect("the next sandbox of the range");
+    assert!(o.success(), "{o:?}");
+    for d in &sandbox_dirs {
+        assert!(!d.exists(), "{} still left behind after a later sandbox was made", d.display());
+    }
     assert_eq!(sandbox::host_uid::lease(&range, &[]).map(|l| l.uid()).ok(), Some(range.first));
     let _ = std::fs::remove_dir_all(range.lock.parent().unwrap());
 }
@@ -1397,11 +1405,7 @@ fn a_sandbox_started_directly_dies_with_its_caller() {
         return;
     }
     let marker = "41.3141592";
-    // Sharing the identity's host uid: a sandbox with a leased one is started by a monitor
-    // (its user namespace is made owned by that uid).
-    let shared = common::config_with("direct-caller", "sandbox:\n  host_uids: shared\n");
     let mut caller = common::command()
-        .env("OPSERVANT_CONFIG", &shared)
         .args(["sandbox", "--launch", "zygote", "--", "/bin/sh", "-c", &format!("sleep {marker}")])
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())
@@ -1446,7 +1450,8 @@ fn a_sandbox_started_directly_dies_with_its_caller() {
 /// `inotify_init1` then failed for every root process of the host (systemd, udev). The
 /// payload (allowed 1024 in its namespace) makes instances until refused and stops itself;
 /// meanwhile its namespace's owner is read from the host (`NS_GET_OWNER_UID`) and root makes
-/// an instance. Through a cold monitor and a zygote's.
+/// an instance. Through a cold monitor, a zygote's, and a zygote's direct start (no monitor:
+/// the zygote's `clone` creates the namespace, and the parent puts init in its cgroups).
 #[test]
 fn a_leased_uid_owns_its_sandboxs_user_namespace_and_pays_for_its_inotify_instances() {
     if !require_root() {
@@ -1457,7 +1462,10 @@ fn a_leased_uid_owns_its_sandboxs_user_namespace_and_pays_for_its_inotify_instan
         std::fs::read_to_string("/proc/sys/fs/inotify/max_user_instances").unwrap().trim().parse().unwrap();
     let zygote = std::sync::Arc::new(runtime_zygote());
     let zygote_launcher = Launcher::Zygote { zygote, end: sandbox::PayloadEnd::Exec };
-    for (name, launcher) in [("exec", launcher()), ("zygote", zygote_launcher)] {
+    let stashing = std::sync::Arc::new(runtime_zygote().with_netns_stash(1));
+    stash_ready(&stashing);
+    let direct_launcher = Launcher::Zygote { zygote: stashing, end: sandbox::PayloadEnd::Exec };
+    for (name, launcher) in [("exec", launcher()), ("zygote", zygote_launcher), ("direct", direct_launcher)] {
         let marker = format!("opservant-owner-{name}-{}", std::process::id());
         let range = sandbox::HostUids {
             first: 1_900_500_000 + std::process::id() % 1000,
@@ -1475,6 +1483,9 @@ fn a_leased_uid_owns_its_sandboxs_user_namespace_and_pays_for_its_inotify_instan
         s.host_uids = Some(range.clone());
         s.limits.inotify_instances = 1024;
         let sb = Sandbox::spawn(&s, &launcher, None).unwrap();
+        // A sandbox started directly has no monitor: what started it is its init.
+        let direct = ns_pids(sb.monitor_pid()).len() == 2;
+        assert_eq!(direct, name == "direct", "{name}: started directly: {direct}");
         let (tx, result) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             let _ = tx.send(sb.wait(OutputOptions::default()).map(|o| (o.success(), stdout(&o), format!("{o:?}"))));

@@ -547,8 +547,10 @@ impl SandboxCgroup {
     /// The name, and the directories, of a sandbox cgroup not created yet — what a host uid
     /// lease taken before it names in its marker ([`crate::host_uid::lease`]). Created with
     /// [`SandboxCgroup::create_planned`] in these directories, or in fewer of them (a
-    /// controller missing in degraded mode).
+    /// controller missing in degraded mode). The cgroups left behind earlier are tried once
+    /// more first: their removal releases the host uids they hold, before the lease.
     pub fn plan() -> CgroupPlan {
+        retry_left_behind();
         Self::plan_in(layout())
     }
 
@@ -568,7 +570,6 @@ impl SandboxCgroup {
 
     /// Create the sandbox cgroup(s) of `plan` and write the limits.
     pub fn create_planned(plan: CgroupPlan, limits: &Limits) -> Result<SandboxCgroup, CgroupError> {
-        retry_left_behind();
         Self::create_named(layout(), plan.name, limits)
     }
 

@@ -71,7 +71,11 @@
 //! (at its step 3, and from step 8 on: a caller gone gets every process killed) — the
 //! zygote is only init's parent, and a zygote that dies takes none of its sandboxes with
 //! it. Init's report of the tree's usage (step 8) is the sandbox's last word. One fork of
-//! the zygote's interpreter and one process exit per sandbox fewer.
+//! the zygote's interpreter and one process exit per sandbox fewer. With a leased host uid
+//! the zygote takes it as its effective uid around the `clone`, so that the user namespace
+//! is that uid's ([`crate::namespaces::OwnerCreds`]); init then runs as that uid on the host
+//! from its start, so the parent writes it into the cgroups (init's step 2 joins none), and
+//! init hands its namespaces over with "unshared" as a monitor does.
 //!
 //! Every step either succeeds or reports a [`StepError`] over the channel and the sandbox is
 //! torn down; nothing continues past a failed step. The monitor/init/payload functions only
@@ -107,13 +111,12 @@ pub(crate) const DIRECT_CLONE_FLAGS: libc::c_int =
     libc::CLONE_NEWUSER | libc::CLONE_NEWNS | libc::CLONE_NEWPID | libc::CLONE_NEWIPC | libc::CLONE_NEWUTS;
 
 /// Whether a zygote may start a sandbox of `spec` directly: it asks for exactly the
-/// namespaces [`DIRECT_CLONE_FLAGS`] creates, and a prepared network namespace — and leases
-/// no host uid: the zygote's `clone` would make the zygote's effective uid the owner of
-/// the user namespace, and a user namespace owned by the leased uid
-/// ([`crate::namespaces::enter_user_namespace_owned_by`]) is made by a monitor.
+/// namespaces [`DIRECT_CLONE_FLAGS`] creates, and a prepared network namespace. With a
+/// leased host uid, the zygote takes it as its effective uid around the `clone`, so that
+/// the user namespace is that uid's ([`crate::namespaces::OwnerCreds`]).
 pub(crate) fn direct_fits(spec: &SandboxSpec) -> bool {
     let ns = &spec.namespaces;
-    ns.user && ns.mount && ns.pid && ns.ipc && ns.uts && spec.can_join_prepared_net() && spec.host_uids.is_none()
+    ns.user && ns.mount && ns.pid && ns.ipc && ns.uts && spec.can_join_prepared_net()
 }
 
 /// Entry point of the re-exec'd sandbox init (`opservant __sandbox-init`): the channel is
@@ -207,7 +210,7 @@ fn direct_until(chan: &Channel, end: PayloadEnd) -> Result<InitEnd, StepError> {
     let app = app_channel(&spec)?;
     // 4. (created by the zygote's `clone`)
     // 5.
-    let handshake = unshared_handshake(chan, false)?;
+    let handshake = unshared_handshake(chan, spec.host_uids.is_some())?;
     // 6. (this process is init; init's signals have been blocked since the `clone`)
     init(chan, app, &spec, handshake, end, true, None)
 }
@@ -409,8 +412,9 @@ struct Handshake {
 /// parent writes the id maps, prepares declared paths and wires the namespaces), the
 /// prepared paths and "proceed" come back. With `hand_over` the message carries this
 /// process's user, mount and network namespaces ([`crate::channel::UNSHARED_NAMESPACES`]):
-/// a user namespace owned by a leased uid is not the parent's, and without `CAP_SYS_PTRACE`
-/// in it (the shipped unit withholds it) the parent cannot open them through `/proc/PID/ns`.
+/// in a user namespace a leased uid owns this process is not dumpable (see
+/// [`crate::namespaces::enter_user_namespace_owned_by`]), and without `CAP_SYS_PTRACE` (the
+/// shipped unit withholds it) the parent cannot open them through `/proc/PID/ns`.
 fn unshared_handshake(chan: &Channel, hand_over: bool) -> Result<Handshake, StepError> {
     let join = match chan.recv::<ToSandbox>().map_err(protocol)? {
         Some(ToSandbox::Cgroups { join }) => join,

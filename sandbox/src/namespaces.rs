@@ -81,31 +81,70 @@ fn not_dumpable() -> Result<(), StepError> {
 }
 
 fn user_namespace_owned_by(owner: u32) -> Result<std::os::fd::OwnedFd, StepError> {
-    use caps::CapSet;
-    let fail = |what: &str, e: nix::errno::Errno| StepError::errno(Stage::Unshare, what, e);
-    let caps_fail = |what: &str, e: caps::errors::CapsError| StepError::new(Stage::Unshare, format!("{what}: {e}"));
-    let ids = nix::unistd::getresuid().map_err(|e| fail("getresuid", e))?;
-    let effective = caps::read(None, CapSet::Effective).map_err(|e| caps_fail("read the effective capabilities", e))?;
-    nix::unistd::setresuid(ids.real, nix::unistd::Uid::from_raw(owner), ids.saved)
-        .map_err(|e| fail(&format!("set the effective uid to {owner}, the namespace's owner"), e))?;
+    let creds = OwnerCreds::take(owner)?;
     // The helper shares this memory and runs in the namespace `owner` owns.
-    let made = not_dumpable()
-        .and_then(|()| {
-            caps::set(None, CapSet::Effective, &effective)
-                .map_err(|e| caps_fail("raise the effective capabilities again", e))
-        })
-        .and_then(|()| clone_user_namespace_helper());
+    let made = clone_user_namespace_helper();
     // Restored whatever happened: on an error the caller ends the sandbox, and this process
     // must not go on as anyone but itself meanwhile.
-    let restored = nix::unistd::setresuid(ids.real, ids.effective, ids.saved)
-        .map_err(|e| fail("restore the effective uid", e))
-        .and_then(|()| {
-            caps::set(None, CapSet::Effective, &effective)
-                .map_err(|e| caps_fail("restore the effective capabilities", e))
-        });
+    let restored = creds.restore();
     let ns = made?;
     restored?;
     Ok(ns)
+}
+
+/// The effective uid of a process of host root's that creates a user namespace for `owner`
+/// ([`OwnerCreds::take`]), and what [`OwnerCreds::restore`] puts back.
+pub(crate) struct OwnerCreds {
+    ids: nix::unistd::ResUid,
+    effective: caps::CapsHashSet,
+    dumpable: libc::c_int,
+}
+
+impl OwnerCreds {
+    /// Take `owner` as this process's effective uid — a user namespace it creates now is
+    /// `owner`'s — keeping the real and saved uids (and with them the permitted
+    /// capabilities), with the effective capabilities raised again (the uid change cleared
+    /// them), and not dumpable (the change set the flag to `fs.suid_dumpable`; what this
+    /// process creates in the namespace starts with a copy of it). Single-threaded callers.
+    pub(crate) fn take(owner: u32) -> Result<OwnerCreds, StepError> {
+        use caps::CapSet;
+        let ids = nix::unistd::getresuid().map_err(|e| StepError::errno(Stage::Unshare, "getresuid", e))?;
+        let effective = caps::read(None, CapSet::Effective)
+            .map_err(|e| StepError::new(Stage::Unshare, format!("read the effective capabilities: {e}")))?;
+        // SAFETY: PR_GET_DUMPABLE takes no argument; it returns 0, 1 or 2.
+        let dumpable = unsafe { libc::prctl(libc::PR_GET_DUMPABLE, 0, 0, 0, 0) };
+        nix::unistd::setresuid(ids.real, nix::unistd::Uid::from_raw(owner), ids.saved).map_err(|e| {
+            StepError::errno(Stage::Unshare, format!("set the effective uid to {owner}, the namespace's owner"), e)
+        })?;
+        let creds = OwnerCreds { ids, effective, dumpable };
+        let raised = not_dumpable().and_then(|()| {
+            caps::set(None, CapSet::Effective, &creds.effective)
+                .map_err(|e| StepError::new(Stage::Unshare, format!("raise the effective capabilities again: {e}")))
+        });
+        match raised {
+            Ok(()) => Ok(creds),
+            Err(e) => {
+                creds.restore()?;
+                Err(e)
+            }
+        }
+    }
+
+    /// Back to the effective uid, the effective capabilities and the dumpable flag this
+    /// process had before [`OwnerCreds::take`].
+    pub(crate) fn restore(self) -> Result<(), StepError> {
+        nix::unistd::setresuid(self.ids.real, self.ids.effective, self.ids.saved)
+            .map_err(|e| StepError::errno(Stage::Unshare, "restore the effective uid", e))?;
+        caps::set(None, caps::CapSet::Effective, &self.effective)
+            .map_err(|e| StepError::new(Stage::Unshare, format!("restore the effective capabilities: {e}")))?;
+        if self.dumpable == 0 || self.dumpable == 1 {
+            // SAFETY: PR_SET_DUMPABLE takes an integer (0 or 1; 2 is only ever the kernel's).
+            if unsafe { libc::prctl(libc::PR_SET_DUMPABLE, self.dumpable as libc::c_ulong, 0, 0, 0) } != 0 {
+                return Err(StepError::errno(Stage::Unshare, "restore the dumpable flag", nix::errno::Errno::last()));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// The helper of [`user_namespace_owned_by`]: a process created in a new user namespace

@@ -442,7 +442,18 @@ impl Sandbox {
             nix::sys::socket::SockFlag::SOCK_CLOEXEC | nix::sys::socket::SockFlag::SOCK_NONBLOCK,
         )
         .map_err(|e| SandboxError::io("socketpair", e.into()))?;
-        let (monitor, monitor_pidfd, zygote_pid, direct) = spawn_monitor(launcher, &fds, spec)?;
+        // Leased before anything of the sandbox exists: its user namespace is the leased
+        // uid's, created by the monitor (sent the uid in the handshake) or by a zygote
+        // starting the sandbox directly (sent it with the request). The marker names the
+        // cgroups, planned here and created in the handshake (one not created yet holds no
+        // process: nothing runs as the uid before the id maps, in the handshake too).
+        let plan = SandboxCgroup::plan();
+        let host_uid = match &spec.host_uids {
+            Some(range) => Some(std::sync::Arc::new(crate::host_uid::lease(range, &plan.dirs())?)),
+            None => None,
+        };
+        let owner = host_uid.as_ref().map(|l| l.uid());
+        let (monitor, monitor_pidfd, zygote_pid, direct) = spawn_monitor(launcher, &fds, spec, owner)?;
         drop(fds);
         let stop = StopHandle { wake: std::sync::Arc::new(stop_tx) };
         let mut sb = Sandbox {
@@ -475,10 +486,10 @@ impl Sandbox {
             zygote_fallback: false,
             teardown_in_background: false,
             direct,
-            host_uid: None,
+            host_uid,
             not_idmapped: Vec::new(),
         };
-        match sb.handshake(spec, !matches!(launcher, Launcher::Fork), hook) {
+        match sb.handshake(spec, !matches!(launcher, Launcher::Fork), hook, plan) {
             Ok(()) => Ok(sb),
             Err(e) => {
                 if let (SandboxError::Zygote(_), Launcher::Zygote { zygote, .. }, Some(pid)) =
@@ -548,6 +559,7 @@ impl Sandbox {
         spec: &SandboxSpec,
         send_spec: bool,
         hook: Option<NamespaceHook>,
+        plan: crate::cgroup::CgroupPlan,
     ) -> Result<(), SandboxError> {
         // Until the monitor has unshared, nothing of the sandbox exists: a zygote's child
         // that ends before then (a failed dup in a zygote out of descriptors, say) is the
@@ -565,16 +577,12 @@ impl Sandbox {
                 .send(&ToSandbox::Spec(Box::new(spec.clone())))
                 .map_err(|e| early(format!("send spec: {}", e.desc())))?;
         }
-        let plan = SandboxCgroup::plan();
-        if let Some(range) = &spec.host_uids {
-            // Leased before the monitor creates the namespaces: the user namespace is the
-            // leased uid's. Its marker names the cgroups, planned and created below (one
-            // not created yet holds no process: nothing runs as the uid before the id
-            // maps, below too).
-            let lease = crate::host_uid::lease(range, &plan.dirs())?;
-            let uid = lease.uid();
-            self.host_uid = Some(std::sync::Arc::new(lease));
-            self.chan.send(&ToSandbox::Owner { uid }).map_err(|e| early(format!("send the owner: {}", e.desc())))?;
+        // The monitor creates the user namespace, owned by the leased uid (a zygote's
+        // direct start made it already, see `spawn_monitor`).
+        if let (Some(lease), false) = (&self.host_uid, self.direct) {
+            self.chan
+                .send(&ToSandbox::Owner { uid: lease.uid() })
+                .map_err(|e| early(format!("send the owner: {}", e.desc())))?;
         }
         // The cgroups are created while the monitor creates the namespaces (the two are the
         // slowest setup steps and run on different CPUs).
@@ -596,6 +604,23 @@ impl Sandbox {
             state: std::sync::Mutex::new(CpuState { applied, error: None }),
             stop: Some(self.stop.clone()),
         });
+        let join = if self.direct && self.host_uid.is_some() {
+            // Init started directly in a namespace the leased uid owns runs as that uid on
+            // the host from its start: the cgroup files are closed to it, so it is placed in
+            // the cgroups here (before it unshares its cgroup namespace, after "cgroups").
+            // By pid: init holding it after the writes held it during them (pids are not
+            // reused while their process, or its zombie, exists) — and one that ended
+            // first could only have lost it to another process after the kernel's cyclic
+            // allocation went round every pid (`kernel.pid_max`) in between.
+            let pid = self.monitor.as_raw().to_string();
+            for file in &join {
+                SandboxCgroup::write_control(file, &pid)?;
+            }
+            self.check_monitor_pid("placing init in its cgroups")?;
+            Vec::new()
+        } else {
+            join
+        };
         self.chan.send(&ToSandbox::Cgroups { join }).map_err(|e| early(format!("send cgroups: {}", e.desc())))?;
         self.await_setup("the namespaces")?;
         let handed_over = match self.chan.recv_with_fds::<FromSandbox>().map_err(early)? {
@@ -944,9 +969,10 @@ impl Sandbox {
                             }
                         }
                         Ok(Some((msg, mut fds))) => match msg {
-                            // Once, before the payload starts (a repeat is ignored): init
-                            // is what stops and timeouts signal.
-                            FromSandbox::InitForked { pid } if self.init.is_none() && report.is_none() => {
+                            // Once (a repeat is ignored): init is what stops and timeouts
+                            // signal. (It may come after the payload's report: the monitor
+                            // sends it from another process than init.)
+                            FromSandbox::InitForked { pid } if self.init.is_none() => {
                                 self.init = match fds.pop() {
                                     Some(pidfd) if fds.is_empty() && pidfd_names(&pidfd, pid) => Some(pidfd),
                                     _ => self.open_init(pid),
@@ -1552,6 +1578,7 @@ fn spawn_monitor(
     launcher: &Launcher,
     fds: &[(OwnedFd, RawFd)],
     spec: &SandboxSpec,
+    owner: Option<u32>,
 ) -> Result<(Pid, Option<OwnedFd>, Option<i32>, bool), SandboxError> {
     use nix::spawn::{posix_spawn, PosixSpawnAttr, PosixSpawnFileActions, PosixSpawnFlags};
     let err = |e: Errno| SandboxError::Spawn { program: launcher.describe(), source: e.into() };
@@ -1559,7 +1586,7 @@ fn spawn_monitor(
         Launcher::Exec { program, args } => (program, args),
         Launcher::Zygote { zygote, end } => {
             return zygote
-                .spawn(fds, *end, spec.can_join_prepared_net(), crate::init::direct_fits(spec))
+                .spawn(fds, *end, spec.can_join_prepared_net(), crate::init::direct_fits(spec), owner)
                 .map(|(started, zygote_pid)| (started.pid, Some(started.pidfd), Some(zygote_pid), started.direct));
         }
         Launcher::Fork => {

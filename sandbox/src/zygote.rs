@@ -16,10 +16,13 @@
 //!   ([`crate::init::run_direct`]): it joins that namespace, `clone`s the child into new
 //!   user, mount, PID, IPC and UTS namespaces and returns to its own network namespace, and
 //!   the child is the sandbox's init, running the monitor's protocol steps and then init's,
-//!   with no monitor process (the reply says so; the pidfd is then init's).
+//!   with no monitor process (the reply says so; the pidfd is then init's). A request for a
+//!   direct start may name a host uid leased for the sandbox: the zygote takes it as its
+//!   effective uid for the `clone`, which makes that uid the owner of the new user
+//!   namespace, and restores its own credentials (or exits) right after.
 //!
-//! Guarantees: the zygote receives nothing but descriptors and a mode byte — no spec, no
-//! secrets, no executor code; the forked child reads its spec from the channel like a cold
+//! Guarantees: the zygote receives nothing but descriptors, a mode byte and a direct
+//! start's owner uid — no spec, no secrets, no executor code; the forked child reads its spec from the channel like a cold
 //! monitor. A child starts with default signal dispositions, an empty signal mask and only
 //! stdio, the channel and (optionally) the application channel and a fresh network
 //! namespace from the zygote's [`NetnsStash`] open (the monitor joins that namespace instead
@@ -142,7 +145,7 @@ pub fn serve() -> Result<Served, SandboxError> {
         if !request {
             continue;
         }
-        let (mode, received) = match receive(&control)? {
+        let (mode, owner, received) = match receive(&control)? {
             None => return Ok(Served::Shutdown),
             Some(r) => r,
         };
@@ -158,14 +161,16 @@ pub fn serve() -> Result<Served, SandboxError> {
                 continue;
             }
         };
-        if !(MIN_FDS..=MAX_FDS).contains(&received.len().saturating_sub(usize::from(net))) {
+        if !(MIN_FDS..=MAX_FDS).contains(&received.len().saturating_sub(usize::from(net)))
+            || (owner.is_some() && !wants_direct)
+        {
             reply_error(&control, "malformed request");
             continue;
         }
         // Without what a direct start needs (see `Direct::prepare`), through a monitor.
         let mut received = received;
         let direct_start = match (&direct, wants_direct) {
-            (Some(d), true) => Some(d.start(std::mem::take(&mut received))?),
+            (Some(d), true) => Some(d.start(std::mem::take(&mut received), owner)?),
             _ => None,
         };
         if let Some(started) = direct_start {
@@ -330,9 +335,13 @@ impl Direct {
     }
 
     /// Start a sandbox directly: `received` are its descriptors, the prepared network
-    /// namespace last. In the zygote an `Err` is fatal (it could not return to its own
-    /// network namespace, where every later child would start).
-    fn start(&self, mut received: Vec<OwnedFd>) -> Result<DirectStart, SandboxError> {
+    /// namespace last; with `owner`, its user namespace is that host uid's (the zygote takes
+    /// it as its effective uid around the `clone`, see
+    /// [`crate::namespaces::OwnerCreds`]: init then starts with that effective uid, and
+    /// the parent puts it in its cgroups). In the zygote an `Err` is fatal (it could not
+    /// return to its own network namespace, or to its own credentials, where every later
+    /// child would start).
+    fn start(&self, mut received: Vec<OwnedFd>, owner: Option<u32>) -> Result<DirectStart, SandboxError> {
         let Some(netns) = received.pop() else {
             return Ok(DirectStart::Refused("malformed request".into()));
         };
@@ -346,6 +355,15 @@ impl Direct {
             let _ = before.thread_set_mask();
             return Ok(DirectStart::Refused(format!("join the prepared network namespace: {}", e.desc())));
         }
+        let creds = match owner.map(crate::namespaces::OwnerCreds::take).transpose() {
+            Ok(c) => c,
+            Err(e) => {
+                let back = nix::sched::setns(&self.own_net, nix::sched::CloneFlags::CLONE_NEWNET);
+                let _ = before.thread_set_mask();
+                back.map_err(|e| zerr(format!("cannot return to its own network namespace: {}", e.desc())))?;
+                return Ok(DirectStart::Refused(format!("take the owner's uid: {e}")));
+            }
+        };
         let shielded = self.shield();
         // SAFETY: a `clone` without CLONE_VM or a new stack: like fork(2), both processes
         // return here, the child with a copy of this single-threaded process (the caller's
@@ -371,6 +389,14 @@ impl Direct {
         let clone_err = Errno::last();
         if shielded {
             self.unshield();
+        }
+        if let Some(creds) = creds {
+            if let Err(e) = creds.restore() {
+                if rc > 0 {
+                    let _ = nix::sys::signal::kill(Pid::from_raw(rc as i32), Signal::SIGKILL);
+                }
+                return Err(zerr(format!("cannot return to its own credentials: {e}")));
+            }
         }
         let back = nix::sched::setns(&self.own_net, nix::sched::CloneFlags::CLONE_NEWNET);
         let _ = before.thread_set_mask();
@@ -415,8 +441,14 @@ fn reap_children() {
     }
 }
 
-/// One request: the mode byte and the descriptors; `None` when the socket closed.
-fn receive(control: &OwnedFd) -> Result<Option<(u8, Vec<OwnedFd>)>, SandboxError> {
+/// A request as received: its mode byte, the owner of a direct start's user namespace, its
+/// descriptors.
+type Request = (u8, Option<u32>, Vec<OwnedFd>);
+
+/// One request: the mode byte, the owner of the sandbox's user namespace (a direct start's
+/// leased host uid: four more bytes, little-endian) and the descriptors; `None` when the
+/// socket closed. A malformed request has mode 0.
+fn receive(control: &OwnedFd) -> Result<Option<Request>, SandboxError> {
     let mut byte = [0u8; 16];
     let mut cmsg = nix::cmsg_space!([RawFd; MAX_FDS + 1]);
     loop {
@@ -437,8 +469,13 @@ fn receive(control: &OwnedFd) -> Result<Option<(u8, Vec<OwnedFd>)>, SandboxError
                 if msg.bytes == 0 && fds.is_empty() {
                     return Ok(None);
                 }
-                let mode = if truncated || msg.bytes != 1 { 0 } else { byte[0] };
-                return Ok(Some((mode, fds)));
+                let (mode, owner) = match msg.bytes {
+                    _ if truncated => (0, None),
+                    1 => (byte[0], None),
+                    5 => (byte[0], Some(u32::from_le_bytes([byte[1], byte[2], byte[3], byte[4]]))),
+                    _ => (0, None),
+                };
+                return Ok(Some((mode, owner, fds)));
             }
         }
     }
@@ -750,6 +787,7 @@ impl Zygote {
         end: PayloadEnd,
         prepared_net: bool,
         direct: bool,
+        owner: Option<u32>,
     ) -> Result<(Started, i32), SandboxError> {
         let mut guard = self.running.lock().unwrap_or_else(|e| e.into_inner());
         if guard.is_none() {
@@ -786,7 +824,7 @@ impl Zygote {
             }
         }
         running.serving = ready.is_ok();
-        match ready.and_then(|()| request(&running.control, fds, end, netns.as_ref(), direct)) {
+        match ready.and_then(|()| request(&running.control, fds, end, netns.as_ref(), direct, owner)) {
             Ok(started) => Ok((started, running.pid.as_raw())),
             Err(Failure::Refused(m)) => Err(zerr(m)),
             Err(Failure::Transport(m)) => {
@@ -812,6 +850,7 @@ fn request(
     end: PayloadEnd,
     netns: Option<&OwnedFd>,
     direct: bool,
+    owner: Option<u32>,
 ) -> Result<Started, Failure> {
     let mut ordered: Vec<&(OwnedFd, RawFd)> = fds.iter().collect();
     ordered.sort_by_key(|(_, t)| *t);
@@ -828,10 +867,15 @@ fn request(
         (PayloadEnd::Exec, true, true) => MODE_EXEC_DIRECT,
         (PayloadEnd::Return, true, true) => MODE_RETURN_DIRECT,
     }];
+    // The owner of a direct start's user namespace follows the mode byte.
+    let mut message = mode.to_vec();
+    if let (true, Some(uid)) = (netns.is_some() && direct, owner) {
+        message.extend_from_slice(&uid.to_le_bytes());
+    }
     loop {
         match sendmsg::<()>(
             control.as_raw_fd(),
-            &[IoSlice::new(&mode)],
+            &[IoSlice::new(&message)],
             &[ControlMessage::ScmRights(&raw)],
             MsgFlags::MSG_NOSIGNAL,
             None,
@@ -992,10 +1036,10 @@ mod tests {
         .with_start_limit(Duration::from_millis(300), Duration::from_secs(2));
         let fds = || (0..4).map(|i| (some_fd(), i)).collect::<Vec<_>>();
         let count = || std::fs::read_to_string(&starts).unwrap_or_default().lines().count();
-        let err = z.spawn(&fds(), PayloadEnd::Exec, false, false).expect_err("never serves");
+        let err = z.spawn(&fds(), PayloadEnd::Exec, false, false, None).expect_err("never serves");
         assert!(err.to_string().contains("not serving"), "{err}");
         for _ in 0..3 {
-            let err = z.spawn(&fds(), PayloadEnd::Exec, false, false).expect_err("paused");
+            let err = z.spawn(&fds(), PayloadEnd::Exec, false, false, None).expect_err("paused");
             assert!(err.to_string().contains("none is started for"), "{err}");
         }
         assert_eq!(count(), 1, "no zygote is started during the pause");
@@ -1003,7 +1047,7 @@ mod tests {
         assert!(!z.alive());
         assert!(z.paused_for().is_some());
         std::thread::sleep(Duration::from_millis(2100));
-        let err = z.spawn(&fds(), PayloadEnd::Exec, false, false).expect_err("still never serves");
+        let err = z.spawn(&fds(), PayloadEnd::Exec, false, false, None).expect_err("still never serves");
         assert!(err.to_string().contains("not serving"), "{err}");
         assert_eq!(count(), 2, "tried again after the pause");
         // The next pause is longer (doubled).
