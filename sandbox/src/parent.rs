@@ -639,6 +639,7 @@ impl Sandbox {
             )));
         }
         let proc_dir = self.monitor_proc_dir()?;
+        let monitor = MonitorProc { pid: self.monitor.as_raw(), dir: proc_dir.as_fd(), handed_over: &handed_over };
         let identity = match &self.host_uid {
             Some(lease) => {
                 // The sandbox's processes are in its cgroups: one left behind (processes
@@ -654,9 +655,8 @@ impl Sandbox {
         if self.host_uid.is_some() && crate::idmap::needed(spec) {
             // The namespace now maps the identity's uid to the leased one: the idmapping of
             // the declared paths' binds.
-            let userns = MonitorProc { pid: self.monitor.as_raw(), dir: proc_dir.as_fd(), handed_over: &handed_over }
-                .namespace("user")
-                .map_err(|e| SandboxError::io("open the sandbox's user namespace", e))?;
+            let userns =
+                monitor.namespace("user").map_err(|e| SandboxError::io("open the sandbox's user namespace", e))?;
             self.check_monitor_pid("opening its user namespace")?;
             let prepared = crate::idmap::prepare(spec, userns.as_fd())?;
             self.not_idmapped = prepared.not_idmapped;
@@ -675,7 +675,6 @@ impl Sandbox {
         // (the agent, the bench) that gains from the background release. A cold caller is a
         // one-shot process whose exit would pay for the namespace instead of its monitor, or
         // a forking one that must stay single-threaded (`Launcher::Fork`).
-        let monitor = MonitorProc { pid: self.monitor.as_raw(), dir: proc_dir.as_fd(), handed_over: &handed_over };
         if self.monitor_pidfd.is_some() && spec.namespaces.mount {
             // The monitor has unshared and waits for "proceed": this names its namespace.
             self.mount_ns = monitor
@@ -1268,7 +1267,7 @@ impl Sandbox {
     /// A pidfd for the init the monitor reported as `pid` without one (it sends its own,
     /// opened before it could reap init) — `None` when that process is gone, or is not the
     /// monitor's child (its pid reused: the monitor reaped init first). Needs init's
-    /// `/proc/PID`, which `hidepid` hides once init runs as the sandbox's host uid.
+    /// `/proc/PID`, which `hidepid` may hide once init runs as the sandbox's host uid.
     fn open_init(&self, pid: i32) -> Option<OwnedFd> {
         let pidfd = crate::zygote::pidfd_open(Pid::from_raw(pid)).ok()?;
         // Opened first, then checked: if the process at `pid` is still the monitor's child

@@ -22,13 +22,13 @@
 //!   namespace, and restores its own credentials (or exits) right after.
 //!
 //! Guarantees: the zygote receives nothing but descriptors, a mode byte and a direct
-//! start's owner uid — no spec, no secrets, no executor code; the forked child reads its spec from the channel like a cold
-//! monitor. A child starts with default signal dispositions, an empty signal mask and only
-//! stdio, the channel and (optionally) the application channel and a fresh network
-//! namespace from the zygote's [`NetnsStash`] open (the monitor joins that namespace instead
-//! of creating one). The zygote exits when its control socket closes — when the [`Zygote`]
-//! is dropped or its process dies, since
-//! only that process holds the other end (close-on-exec). Not `PR_SET_PDEATHSIG`: that
+//! start's owner uid — no spec, no secrets, no executor code; the forked child reads its
+//! spec from the channel like a cold monitor. A child starts with default signal
+//! dispositions, an empty signal mask and only stdio, the channel and (optionally) the
+//! application channel and a fresh network namespace from the zygote's [`NetnsStash`] open
+//! (the monitor joins that namespace instead of creating one). The zygote exits when its
+//! control socket closes — when the [`Zygote`] is dropped or its process dies, since only
+//! that process holds the other end (close-on-exec). Not `PR_SET_PDEATHSIG`: that
 //! follows the *thread* that spawned the zygote, and a multi-threaded agent starts it from
 //! whichever thread needs it first. A request the zygote cannot serve is an error
 //! ([`SandboxError::Zygote`]) before anything of the sandbox ran, so the caller may fall back
@@ -355,9 +355,14 @@ impl Direct {
             let _ = before.thread_set_mask();
             return Ok(DirectStart::Refused(format!("join the prepared network namespace: {}", e.desc())));
         }
+        let euid = nix::unistd::geteuid();
         let creds = match owner.map(crate::namespaces::OwnerCreds::take).transpose() {
             Ok(c) => c,
             Err(e) => {
+                if nix::unistd::geteuid() != euid {
+                    // It could not even put its own uid back: it serves no more.
+                    return Err(zerr(format!("cannot return to its own credentials: {e}")));
+                }
                 let back = nix::sched::setns(&self.own_net, nix::sched::CloneFlags::CLONE_NEWNET);
                 let _ = before.thread_set_mask();
                 back.map_err(|e| zerr(format!("cannot return to its own network namespace: {}", e.desc())))?;
