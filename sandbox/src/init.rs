@@ -367,9 +367,9 @@ fn monitor_until(
         unsafe { libc::close(fd) };
     }
     // With a pidfd of init, opened while init cannot have been reaped (only this process
-    // reaps it), so that it names init: the parent signals init through it, and could not
-    // open one itself once init runs as the sandbox's host uid under `hidepid` (a pidfd it
-    // could open needs init's `/proc/PID` to tell init from a process that took its pid).
+    // reaps it), so that it names init: the parent signals init through it. One the parent
+    // opened itself would need init's `/proc/PID` to tell init from a process that took its
+    // pid, which `hidepid` may hide once init runs as the sandbox's host uid.
     let pidfd = crate::zygote::pidfd_open(init_pid).ok();
     let fds: Vec<std::os::fd::RawFd> = pidfd.iter().map(std::os::fd::AsRawFd::as_raw_fd).collect();
     chan.send_with_fds(&FromSandbox::InitForked { pid: init_pid.as_raw() }, &fds)
@@ -550,10 +550,7 @@ fn init(
     // Non-dumpable whatever `fs.suid_dumpable` says (the id change applied it): init's /proc
     // files then belong to unmapped root, so no process of the sandbox (same uid) can reach
     // its descriptors — the old root's /proc among them until the payload is forked.
-    // SAFETY: PR_SET_DUMPABLE takes an integer.
-    if unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0 as libc::c_ulong, 0, 0, 0) } != 0 {
-        return Err(StepError::errno(Stage::Identity, "prctl(PR_SET_DUMPABLE, 0)", nix::errno::Errno::last()));
-    }
+    process::not_dumpable(Stage::Identity)?;
     // Changing the effective ids cleared the parent-death signal (`commit_creds`): armed
     // again, then the monitor checked — had it died in between, nothing would kill init.
     let direct = monitor_alive.is_none();

@@ -68,16 +68,7 @@ pub fn enter_user_namespace_owned_by(owner: u32) -> Result<(), StepError> {
     let ns = user_namespace_owned_by(owner)?;
     nix::sched::setns(&ns, CloneFlags::CLONE_NEWUSER)
         .map_err(|e| StepError::errno(Stage::Unshare, "setns: join the user namespace made for the sandbox", e))?;
-    not_dumpable()
-}
-
-/// `PR_SET_DUMPABLE` 0 (see [`enter_user_namespace_owned_by`]).
-fn not_dumpable() -> Result<(), StepError> {
-    // SAFETY: PR_SET_DUMPABLE takes an integer.
-    if unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0 as libc::c_ulong, 0, 0, 0) } != 0 {
-        return Err(StepError::errno(Stage::Unshare, "prctl(PR_SET_DUMPABLE, 0)", nix::errno::Errno::last()));
-    }
-    Ok(())
+    crate::process::not_dumpable(Stage::Unshare)
 }
 
 fn user_namespace_owned_by(owner: u32) -> Result<std::os::fd::OwnedFd, StepError> {
@@ -117,7 +108,7 @@ impl OwnerCreds {
             StepError::errno(Stage::Unshare, format!("set the effective uid to {owner}, the namespace's owner"), e)
         })?;
         let creds = OwnerCreds { ids, effective, dumpable };
-        let raised = not_dumpable().and_then(|()| {
+        let raised = crate::process::not_dumpable(Stage::Unshare).and_then(|()| {
             caps::set(None, CapSet::Effective, &creds.effective)
                 .map_err(|e| StepError::new(Stage::Unshare, format!("raise the effective capabilities again: {e}")))
         });

@@ -207,3 +207,15 @@ pub fn replace_environment(env: &[(String, String)]) -> Result<(), StepError> {
     }
     Ok(())
 }
+
+/// `PR_SET_DUMPABLE` 0: the process's `/proc` files belong to root and no process without
+/// `CAP_SYS_PTRACE` over its memory's namespace can trace it or take its descriptors —
+/// whatever `fs.suid_dumpable` set the flag to at the last credential change. A failure is
+/// reported as a failure of `stage`.
+pub(crate) fn not_dumpable(stage: Stage) -> Result<(), StepError> {
+    // SAFETY: PR_SET_DUMPABLE takes an integer.
+    if unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0 as libc::c_ulong, 0, 0, 0) } != 0 {
+        return Err(StepError::errno(stage, "prctl(PR_SET_DUMPABLE, 0)", Errno::last()));
+    }
+    Ok(())
+}
