@@ -80,7 +80,45 @@ fn user_namespace_owned_by(owner: u32) -> Result<std::os::fd::OwnedFd, StepError
     let restored = creds.restore();
     let ns = made?;
     restored?;
-    Ok(ns)
+    // Fail closed: a namespace someone else owns would charge them (or root) again.
+    match owner_uid(&ns) {
+        Ok(got) if got == owner => Ok(ns),
+        Ok(got) => Err(StepError::new(
+            Stage::Unshare,
+            format!("the user namespace made for the sandbox is owned by uid {got}, not by {owner}"),
+        )),
+        Err(e) => Err(StepError::io(Stage::Unshare, "read the owner of the sandbox's user namespace", e)),
+    }
+}
+
+/// The kind of namespace `ns` is (`NS_GET_NSTYPE`): one `CLONE_NEW*` flag.
+pub fn namespace_type(ns: std::os::fd::BorrowedFd<'_>) -> std::io::Result<CloneFlags> {
+    // SAFETY: NS_GET_NSTYPE takes no argument and returns the CLONE_NEW* flag of the
+    // namespace `ns` refers to (or fails: ENOTTY for any other descriptor).
+    let kind = unsafe { libc::ioctl(std::os::fd::AsRawFd::as_raw_fd(&ns), libc::NS_GET_NSTYPE) };
+    if kind < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(CloneFlags::from_bits_retain(kind))
+}
+
+/// The host uid that owns the user namespace `ns` (`NS_GET_OWNER_UID`, as seen from the
+/// caller's own user namespace).
+pub fn owner_uid(ns: impl std::os::fd::AsFd) -> std::io::Result<u32> {
+    let mut owner: libc::uid_t = 0;
+    // SAFETY: NS_GET_OWNER_UID writes one uid_t to the address given, which is `owner`'s;
+    // any descriptor but a user namespace's fails (EINVAL, ENOTTY) without writing.
+    let rc = unsafe {
+        libc::ioctl(
+            std::os::fd::AsRawFd::as_raw_fd(&ns.as_fd()),
+            libc::NS_GET_OWNER_UID,
+            &mut owner as *mut libc::uid_t,
+        )
+    };
+    if rc < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(owner)
 }
 
 /// The effective uid of a process of host root's that creates a user namespace for `owner`

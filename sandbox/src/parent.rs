@@ -136,6 +136,50 @@ impl MonitorProc<'_> {
     }
 }
 
+/// The namespaces a monitor handed over ([`crate::channel::UNSHARED_NAMESPACES`], in that
+/// order) are what they claim to be: each of its kind (`NS_GET_NSTYPE`), the user namespace
+/// owned by the leased uid `owner` (else the kernel would charge its use to someone else),
+/// and the mount and network namespaces the sandbox was to have of its own none of this
+/// process's — the hooks wire, bind and mount into them.
+fn check_handed_over(
+    handed_over: &[OwnedFd],
+    owner: u32,
+    namespaces: &crate::spec::Namespaces,
+) -> Result<(), SandboxError> {
+    use nix::sched::CloneFlags;
+    let bad = |what: String| SandboxError::Channel(format!("the monitor's handed-over namespaces: {what}"));
+    for (name, fd) in crate::channel::UNSHARED_NAMESPACES.iter().zip(handed_over) {
+        let (kind, own) = match *name {
+            "user" => (CloneFlags::CLONE_NEWUSER, namespaces.user),
+            "mnt" => (CloneFlags::CLONE_NEWNS, namespaces.mount),
+            "net" => (CloneFlags::CLONE_NEWNET, namespaces.net),
+            other => return Err(bad(format!("no check for namespace {other}"))),
+        };
+        match namespaces::namespace_type(fd.as_fd()) {
+            Ok(got) if got == kind => {}
+            Ok(got) => return Err(bad(format!("{name} is a namespace of kind {:#x}", got.bits()))),
+            Err(e) => return Err(bad(format!("{name} is not a namespace ({e})"))),
+        }
+        if kind == CloneFlags::CLONE_NEWUSER {
+            match namespaces::owner_uid(fd) {
+                Ok(got) if got == owner => {}
+                Ok(got) => {
+                    return Err(bad(format!("the user namespace is owned by uid {got}, not the leased {owner}")))
+                }
+                Err(e) => return Err(bad(format!("the user namespace's owner: {e}"))),
+            }
+        } else if own {
+            let theirs = nix::sys::stat::fstat(fd.as_fd()).map_err(|e| bad(format!("fstat {name}: {}", e.desc())))?;
+            let ours = nix::sys::stat::stat(format!("/proc/self/ns/{name}").as_str())
+                .map_err(|e| bad(format!("stat /proc/self/ns/{name}: {}", e.desc())))?;
+            if (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino) {
+                return Err(bad(format!("{name} is the agent's own namespace, not the sandbox's")));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Whether `pidfd` is a pidfd of the process `pid` (its `/proc/self/fdinfo` says so; any
 /// other kind of descriptor has no `Pid:` there).
 fn pidfd_names(pidfd: &OwnedFd, pid: i32) -> bool {
@@ -637,6 +681,9 @@ impl Sandbox {
                 "the monitor handed over {} namespaces, not {expected}",
                 handed_over.len()
             )));
+        }
+        if let Some(lease) = &self.host_uid {
+            check_handed_over(&handed_over, lease.uid(), &spec.namespaces)?;
         }
         let proc_dir = self.monitor_proc_dir()?;
         let monitor = MonitorProc { pid: self.monitor.as_raw(), dir: proc_dir.as_fd(), handed_over: &handed_over };
@@ -1639,6 +1686,53 @@ mod tests {
         assert!(!pidfd_names(&pidfd, me + 1), "a pidfd of another pid");
         let file: OwnedFd = std::fs::File::open("/proc/self/status").unwrap().into();
         assert!(!pidfd_names(&file, me), "not a pidfd");
+    }
+
+    /// What the parent accepts as the monitor's handed-over namespaces: user, mount and
+    /// network namespaces, in that order, the user namespace owned by the lease's uid, and
+    /// none of the agent's own where the sandbox was to have its own.
+    #[test]
+    fn handed_over_namespaces_are_checked_for_kind_owner_and_not_being_the_agents() {
+        // Namespaces of another process's (owned by root: its creator).
+        let mut child = std::process::Command::new("unshare")
+            .args(["--user", "--mount", "--net", "sleep", "60"])
+            .spawn()
+            .expect("run unshare");
+        let ns = |pid: &str, name: &str| -> OwnedFd {
+            std::fs::File::open(format!("/proc/{pid}/ns/{name}")).unwrap().into()
+        };
+        let same = |a: &OwnedFd, b: &OwnedFd| {
+            let (a, b) = (nix::sys::stat::fstat(a.as_fd()).unwrap(), nix::sys::stat::fstat(b.as_fd()).unwrap());
+            (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+        };
+        let pid = child.id().to_string();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while same(&ns(&pid, "net"), &ns("self", "net")) || same(&ns(&pid, "user"), &ns("self", "user")) {
+            assert!(Instant::now() < deadline, "unshare never made its namespaces");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let theirs: Vec<OwnedFd> = ["user", "mnt", "net"].iter().map(|n| ns(&pid, n)).collect();
+        let all = crate::spec::Namespaces::default();
+        let check = |fds: Vec<OwnedFd>, owner: u32| check_handed_over(&fds, owner, &all).map_err(|e| e.to_string());
+        let copy = |i: usize| theirs[i].try_clone().unwrap();
+
+        assert_eq!(check(vec![copy(0), copy(1), copy(2)], 0), Ok(()));
+        let err = check(vec![copy(0), copy(1), copy(2)], 4242).unwrap_err();
+        assert!(err.contains("owned by uid 0, not the leased 4242"), "{err}");
+        let err = check(vec![copy(1), copy(0), copy(2)], 0).unwrap_err();
+        assert!(err.contains("user is a namespace of kind"), "{err}");
+        let err = check(vec![copy(0), ns("self", "mnt"), copy(2)], 0).unwrap_err();
+        assert!(err.contains("mnt is the agent's own namespace"), "{err}");
+        let err = check(vec![copy(0), copy(1), ns("self", "net")], 0).unwrap_err();
+        assert!(err.contains("net is the agent's own namespace"), "{err}");
+        let file: OwnedFd = std::fs::File::open("/proc/self/status").unwrap().into();
+        let err = check(vec![copy(0), copy(1), file], 0).unwrap_err();
+        assert!(err.contains("net is not a namespace"), "{err}");
+        // A sandbox that shares the host's network namespace hands the host's over.
+        let shared_net = crate::spec::Namespaces { net: false, ..all };
+        assert!(check_handed_over(&[copy(0), copy(1), ns("self", "net")], 0, &shared_net).is_ok());
+        let _ = child.kill();
+        let _ = child.wait();
     }
 
     #[test]
