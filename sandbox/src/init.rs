@@ -367,9 +367,9 @@ fn monitor_until(
         unsafe { libc::close(fd) };
     }
     // With a pidfd of init, opened while init cannot have been reaped (only this process
-    // reaps it), so that it names init: the parent signals init through it. One the parent
-    // opened itself would need init's `/proc/PID` to tell init from a process that took its
-    // pid, which `hidepid` may hide once init runs as the sandbox's host uid.
+    // reaps it), so that it names init: the parent signals init through it, and ends the
+    // sandbox when none comes. One the parent opened itself would need init's `/proc/PID`
+    // to tell init from a process that took its pid.
     let pidfd = crate::zygote::pidfd_open(init_pid).ok();
     let fds: Vec<std::os::fd::RawFd> = pidfd.iter().map(std::os::fd::AsRawFd::as_raw_fd).collect();
     chan.send_with_fds(&FromSandbox::InitForked { pid: init_pid.as_raw() }, &fds)

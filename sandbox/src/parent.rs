@@ -181,11 +181,17 @@ fn check_handed_over(
 }
 
 /// Whether `pidfd` is a pidfd of the process `pid` (its `/proc/self/fdinfo` says so; any
-/// other kind of descriptor has no `Pid:` there).
-fn pidfd_names(pidfd: &OwnedFd, pid: i32) -> bool {
-    std::fs::read_to_string(format!("/proc/self/fdinfo/{}", pidfd.as_raw_fd())).is_ok_and(|info| {
-        info.lines().any(|l| l.strip_prefix("Pid:").is_some_and(|v| v.trim().parse::<i32>() == Ok(pid)))
-    })
+/// other kind of descriptor has no `Pid:` there): `Some(true)`, or `Some(false)` for a
+/// pidfd whose process has been reaped (`Pid: -1`: signals through it reach no one);
+/// `None` for anything else.
+fn pidfd_names(pidfd: &OwnedFd, pid: i32) -> Option<bool> {
+    let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", pidfd.as_raw_fd())).ok()?;
+    let named = info.lines().find_map(|l| l.strip_prefix("Pid:")?.trim().parse::<i32>().ok())?;
+    match named {
+        -1 => Some(false),
+        n if n == pid => Some(true),
+        _ => None,
+    }
 }
 
 /// Which stream a chunk of output came from.
@@ -1018,12 +1024,24 @@ impl Sandbox {
                             // Once (a repeat is ignored): init is what stops and timeouts
                             // signal. (It may come after the payload's report: the monitor
                             // sends it from another process than init.)
-                            FromSandbox::InitForked { pid } if self.init.is_none() => {
-                                self.init = match fds.pop() {
-                                    Some(pidfd) if fds.is_empty() && pidfd_names(&pidfd, pid) => Some(pidfd),
-                                    _ => self.open_init(pid),
+                            // Init's pidfd is the monitor's to send (opened before it could
+                            // reap init, it names init): without it, a stop or a timeout
+                            // could not reach init, so the sandbox ends here.
+                            FromSandbox::InitForked { pid } if self.init.is_none() => match fds.pop() {
+                                Some(pidfd) if fds.is_empty() && pidfd_names(&pidfd, pid) == Some(true) => {
+                                    self.init = Some(pidfd)
                                 }
-                            }
+                                // Init is over already (reaped by the monitor).
+                                Some(pidfd) if fds.is_empty() && pidfd_names(&pidfd, pid) == Some(false) => {}
+                                _ => {
+                                    failure.get_or_insert(StepError::new(
+                                        Stage::Protocol,
+                                        format!("the monitor reported init (pid {pid}) without a pidfd of it"),
+                                    ));
+                                    self.kill_everything();
+                                    backstop_at.get_or_insert(Instant::now() + BACKSTOP);
+                                }
+                            },
                             FromSandbox::InitForked { .. } => {}
                             FromSandbox::Started(r) => {
                                 report = Some(*r);
@@ -1309,19 +1327,6 @@ impl Sandbox {
             }
         }
         true
-    }
-
-    /// A pidfd for the init the monitor reported as `pid` without one (it sends its own,
-    /// opened before it could reap init) — `None` when that process is gone, or is not the
-    /// monitor's child (its pid reused: the monitor reaped init first). Needs init's
-    /// `/proc/PID`, which `hidepid` may hide once init runs as the sandbox's host uid.
-    fn open_init(&self, pid: i32) -> Option<OwnedFd> {
-        let pidfd = crate::zygote::pidfd_open(Pid::from_raw(pid)).ok()?;
-        // Opened first, then checked: if the process at `pid` is still the monitor's child
-        // now, the pidfd names it.
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-        let ppid = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<i32>().ok());
-        (ppid == Some(self.monitor.as_raw())).then_some(pidfd)
     }
 
     /// Read what the stop handles asked: `true` for a stop (or every handle gone, which
@@ -1682,10 +1687,16 @@ mod tests {
     fn only_a_pidfd_of_the_reported_pid_is_taken_for_init() {
         let me = std::process::id() as i32;
         let pidfd = crate::zygote::pidfd_open(Pid::from_raw(me)).unwrap();
-        assert!(pidfd_names(&pidfd, me));
-        assert!(!pidfd_names(&pidfd, me + 1), "a pidfd of another pid");
+        assert_eq!(pidfd_names(&pidfd, me), Some(true));
+        assert_eq!(pidfd_names(&pidfd, me + 1), None, "a pidfd of another pid");
         let file: OwnedFd = std::fs::File::open("/proc/self/status").unwrap().into();
-        assert!(!pidfd_names(&file, me), "not a pidfd");
+        assert_eq!(pidfd_names(&file, me), None, "not a pidfd");
+        // A pidfd of a process reaped since: it names no one any more.
+        let mut child = std::process::Command::new("/bin/true").spawn().unwrap();
+        let pid = child.id() as i32;
+        let pidfd = crate::zygote::pidfd_open(Pid::from_raw(pid)).unwrap();
+        child.wait().unwrap();
+        assert_eq!(pidfd_names(&pidfd, pid), Some(false));
     }
 
     /// What the parent accepts as the monitor's handed-over namespaces: user, mount and
