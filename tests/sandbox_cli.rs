@@ -392,6 +392,70 @@ fn doctor_describes_this_host() {
     assert!(stderr.contains("sandbox.landlock_min_abi"), "{stderr}");
 }
 
+/// An account that NSS gives but `/etc/passwd` does not hold (a directory service's) inside
+/// the configured range: the configuration check passes it (it reads `/etc/passwd` only),
+/// `doctor` names it. The account is a systemd user record (`nss-systemd` lists the records
+/// of `/run/userdb`), put there on a tmpfs of a private mount namespace that `doctor` runs
+/// in: no other process of the host sees it.
+#[test]
+fn doctor_names_a_directory_account_inside_the_host_uid_range() {
+    if !require_root() {
+        return;
+    }
+    let nsswitch = std::fs::read_to_string("/etc/nsswitch.conf").unwrap_or_default();
+    let passwd_line = nsswitch.lines().find(|l| l.trim_start().starts_with("passwd:")).unwrap_or_default();
+    assert!(
+        passwd_line.split_whitespace().any(|s| s == "systemd"),
+        "this test needs nss-systemd in /etc/nsswitch.conf's passwd line (Debian's default): {passwd_line:?}"
+    );
+    let (first, count) = (1_900_100_000u32, 16u32);
+    let config =
+        common::config_with("doctor-nss", &format!("sandbox:\n  host_uids: {{first: {first}, count: {count}}}\n"));
+    let made_dir = !std::path::Path::new("/run/userdb").exists();
+    if made_dir {
+        std::fs::create_dir("/run/userdb").unwrap();
+    }
+    let uid = first + 5;
+    let record = format!(r#"{{"userName":"opservant-nss-test","uid":{uid},"gid":{uid}}}"#);
+    let script = format!(
+        "mount -t tmpfs -o mode=0755 opservant-test /run/userdb && printf '%s' '{record}' > /run/userdb/opservant-nss-test.user \
+         && ln -s opservant-nss-test.user /run/userdb/{uid}.user && getent passwd {uid} >&2 && exec \"$0\" \"$@\""
+    );
+    let doctor = |with_account: bool| {
+        let mut cmd = if with_account {
+            let mut c = std::process::Command::new("unshare");
+            c.args(["--mount", "--propagation", "private", "sh", "-c", &script, common::opservant()]);
+            c
+        } else {
+            common::command()
+        };
+        cmd.args(["doctor", "--json", "--config", config.to_str().unwrap()]).stdin(Stdio::null());
+        let out = cmd.output().expect("run doctor");
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {stderr}"));
+        (j, stderr)
+    };
+    let (with, stderr) = doctor(true);
+    let (without, _) = doctor(false);
+    if made_dir {
+        let _ = std::fs::remove_dir("/run/userdb");
+    }
+    assert!(stderr.contains(&format!("opservant-nss-test:x:{uid}:")), "NSS never gave the account: {stderr}");
+    let uids = |j: &serde_json::Value| {
+        j["findings"].as_array().unwrap().iter().find(|f| f["feature"] == "host uids").cloned().expect("host uids")
+    };
+    let found = uids(&with);
+    assert_eq!(found["ok"], false, "{found}");
+    let detail = found["detail"].as_str().unwrap();
+    assert!(
+        detail.starts_with(&format!("1900100000-1900100015 holds the uid of opservant-nss-test ({uid})")),
+        "{detail}"
+    );
+    assert!(with["degraded"].as_array().unwrap().iter().any(|d| d == detail), "{with}");
+    // Without the record (the host as it is), the same range is fine.
+    assert_eq!(uids(&without)["ok"], true, "{without}");
+}
+
 /// A terminal signal to the command (Ctrl-C to its process group, or SIGTERM/SIGHUP to it
 /// alone) stops the sandbox: the payload and its cgroups are gone, the result says it was
 /// stopped, and the command exits 128 + the signal. (Killed outright, it left its cgroups.)

@@ -256,7 +256,95 @@ fn host_uids_finding(host_uids: Option<&sandbox::HostUids>) -> (bool, String) {
     if let Some(problem) = sandbox::host_uid::lock_problem(r) {
         return (false, format!("{problem}: every run would fail"));
     }
-    (true, format!("a host uid of its own per sandbox, from {}-{} ({} at once)", r.first, r.last(), r.count))
+    let accounts = accounts_in_range(r);
+    if let Some(problem) = accounts.problem {
+        return (false, format!("{}-{} holds {problem}: that account's processes would share a sandbox's kernel allowances and could signal it; choose another range", r.first, r.last()));
+    }
+    let mut detail = format!("a host uid of its own per sandbox, from {}-{} ({} at once)", r.first, r.last(), r.count);
+    if !accounts.unlisted_sources.is_empty() {
+        detail.push_str(&format!(
+            "; accounts from {} are checked only as far as they are listed (getpwent): keep the directory's uids out of this range",
+            accounts.unlisted_sources.join(", ")
+        ));
+    }
+    (true, detail)
+}
+
+/// What [`accounts_in_range`] found.
+#[derive(Debug, Default, PartialEq)]
+struct AccountsInRange {
+    /// An account inside the range, named.
+    problem: Option<String>,
+    /// `passwd` sources of `/etc/nsswitch.conf` that may not list all their accounts
+    /// (directory services: `sss`, `ldap`, `winbind`, …; enumeration is often off).
+    unlisted_sources: Vec<String>,
+}
+
+/// NSS `passwd` sources whose accounts are all listed by `getpwent`: the local file
+/// (`compat` too: its NIS entries as far as NIS lists them) and systemd's user records
+/// (the uid ranges it hands out are refused by the configuration check).
+const LISTED_SOURCES: [&str; 3] = ["files", "systemd", "compat"];
+
+/// The accounts of every NSS source (`getpwent`, so directory services too, as far as they
+/// list their accounts), checked against `range` — the
+/// configuration check ([`crate::policy::host_uids`]) reads `/etc/passwd` only: an NSS
+/// lookup per uid of a range would stall every start.
+fn accounts_in_range(range: &sandbox::HostUids) -> AccountsInRange {
+    let sources = std::fs::read_to_string("/etc/nsswitch.conf").map(|t| passwd_sources(&t)).unwrap_or_default();
+    check_accounts(range, &sources, every_account)
+}
+
+/// [`accounts_in_range`] with the `passwd` sources given, and `accounts` listing them.
+fn check_accounts(
+    range: &sandbox::HostUids,
+    sources: &[String],
+    accounts: impl FnOnce() -> Vec<(String, u32)>,
+) -> AccountsInRange {
+    let mut found = AccountsInRange {
+        unlisted_sources: sources.iter().filter(|s| !LISTED_SOURCES.contains(&s.as_str())).cloned().collect(),
+        ..Default::default()
+    };
+    let contains = |uid: u32| (range.first..=range.last()).contains(&uid);
+    found.problem =
+        accounts().into_iter().find(|(_, uid)| contains(*uid)).map(|(name, uid)| format!("the uid of {name} ({uid})"));
+    found
+}
+
+/// The sources of the `passwd:` line of an `nsswitch.conf` text, without `[…]` actions.
+fn passwd_sources(text: &str) -> Vec<String> {
+    text.lines()
+        .filter_map(|l| l.split('#').next()?.trim().strip_prefix("passwd:"))
+        .next_back()
+        .map(|rest| {
+            rest.split_whitespace().filter(|w| !w.starts_with('[') && !w.ends_with(']')).map(str::to_string).collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Every account NSS lists (`setpwent`/`getpwent`/`endpwent`), as (name, uid).
+fn every_account() -> Vec<(String, u32)> {
+    // getpwent's position is the C library's process-wide state: one walk at a time.
+    static WALK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _walk = WALK.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let mut accounts = Vec::new();
+    // SAFETY: setpwent/getpwent/endpwent are called only under WALK; each entry getpwent
+    // returns is valid until the next call, and is copied out before it.
+    unsafe {
+        libc::setpwent();
+        loop {
+            let entry = libc::getpwent();
+            if entry.is_null() {
+                break;
+            }
+            if (*entry).pw_name.is_null() {
+                continue;
+            }
+            let name = std::ffi::CStr::from_ptr((*entry).pw_name).to_string_lossy().into_owned();
+            accounts.push((name, (*entry).pw_uid));
+        }
+        libc::endpwent();
+    }
+    accounts
 }
 
 /// Sandboxes (each at most at its cap) below which root's host-wide inotify allowance counts
@@ -364,4 +452,41 @@ pub fn render(r: &DoctorReport) -> String {
         "\nEvery required feature is present.\n"
     });
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn range(first: u32, count: u32) -> sandbox::HostUids {
+        sandbox::HostUids { first, count, lock: "/nonexistent/lock".into() }
+    }
+
+    #[test]
+    fn the_passwd_sources_are_read_without_actions_or_comments() {
+        let text =
+            "# passwd: ignored\ngroup: files\npasswd:  files [NOTFOUND=return] sss  # directory\nshadow: files\n";
+        assert_eq!(passwd_sources(text), ["files", "sss"]);
+        assert!(passwd_sources("group: files\n").is_empty());
+    }
+
+    #[test]
+    fn an_account_in_the_range_is_named_and_directories_are_noted() {
+        let local: Vec<String> = vec!["files".into(), "systemd".into()];
+        let ldap: Vec<String> = vec!["files".into(), "ldap".into()];
+        let accounts = || vec![("root".to_string(), 0), ("alice".to_string(), 1_900_000_100)];
+        let found = check_accounts(&range(1_900_000_000, 65536), &ldap, accounts);
+        assert_eq!(found.problem.as_deref(), Some("the uid of alice (1900000100)"));
+        assert_eq!(found.unlisted_sources, ["ldap"]);
+        assert_eq!(check_accounts(&range(1_900_000_101, 10), &local, accounts), AccountsInRange::default());
+        assert_eq!(check_accounts(&range(1_900_000_101, 10), &ldap, accounts).problem, None);
+    }
+
+    #[test]
+    fn every_account_lists_this_hosts_accounts_through_nss() {
+        let accounts = every_account();
+        assert!(accounts.contains(&("root".to_string(), 0)), "{accounts:?}");
+        // Twice in a row: the walk starts from the beginning each time.
+        assert_eq!(every_account(), accounts);
+    }
 }

@@ -220,10 +220,12 @@ const EXECUTOR_ACCOUNT: &str = "opservant-executor";
 /// `sandbox.host_uids` resolved: an explicit range, or with `auto` (the default) the first
 /// `/etc/subuid` range of [`EXECUTOR_ACCOUNT`] when sandboxes run as it; `None` when they
 /// share the identity's uid. A range holding a local account's uid (or the identity's), or
-/// another user's subordinate uids, is an error naming it: processes running as them would
-/// share the sandbox's kernel allowances, and could signal it. (Accounts of a directory
-/// service are not looked up: a range of tens of thousands of NSS lookups would stall every
-/// start; `/etc/subuid` ranges are where such ranges are registered.)
+/// another user's subordinate uids, or uids systemd hands out ([`SYSTEMD_UID_RANGES`]), is
+/// an error naming it: processes running as them would share the sandbox's kernel
+/// allowances, and could signal it. (Accounts of a directory service are not looked up
+/// here: a range of tens of thousands of NSS lookups would stall every start; `opservant
+/// doctor` lists every NSS account against the range, and `/etc/subuid` ranges are where
+/// such ranges are registered.)
 pub fn host_uids(
     setting: Option<&crate::config::HostUidsSetting>,
     identity: &Identity,
@@ -266,7 +268,11 @@ pub fn host_uids(
     let executor_uid =
         Identity::local(EXECUTOR_ACCOUNT).ok().map(|e| e.host_uid).filter(|uid| *uid == identity.host_uid);
     let delegated = subuid_overlap(&std::fs::read_to_string("/etc/subuid").unwrap_or_default(), &range, executor_uid);
-    if let Some(account) = taken.or(delegated).or_else(|| {
+    let systemd = SYSTEMD_UID_RANGES
+        .iter()
+        .find(|(_, low, high)| *low <= range.last() && first <= *high)
+        .map(|(what, low, high)| format!("{what} uids ({low}-{high})"));
+    if let Some(account) = taken.or(delegated).or(systemd).or_else(|| {
         (first..=range.last())
             .contains(&identity.host_uid)
             .then(|| format!("the sandbox identity ({})", identity.host_uid))
@@ -278,6 +284,13 @@ pub fn host_uids(
     }
     Ok(Some(range))
 }
+
+/// The uid ranges systemd hands out on its own (its `docs/UIDS-GIDS.md`), to processes no
+/// `/etc/passwd` line names: a `systemd-homed` user's, a unit's with `DynamicUser=`. (Its
+/// containers' range, 524288–1879048191, is left out: `/etc/subuid` ranges commonly lie
+/// there, and containers with `--private-users=pick` are rare on hosts like these.)
+const SYSTEMD_UID_RANGES: [(&str, u32, u32); 2] =
+    [("systemd-homed's", 60001, 60513), ("systemd's DynamicUser=", 61184, 65519)];
 
 /// Another user's subordinate uids (in the text of `/etc/subuid`) that `range` overlaps —
 /// not [`EXECUTOR_ACCOUNT`]'s (by name or by its uid, `executor_uid`) when sandboxes run as
@@ -1050,6 +1063,11 @@ mod tests {
         assert!(e.contains("sandbox.host_uids") && e.contains("holds the uid of ") && e.contains("(1)"), "{e}");
         let e = host_uids(Some(&range(65530, 10)), &Identity::same_inside(65534, 65534)).unwrap_err();
         assert!(e.contains("(65534)"), "{e}");
+        // So are the uids systemd hands out to units with DynamicUser= and to homed users.
+        let e = host_uids(Some(&range(61200, 10)), &nobody).unwrap_err();
+        assert!(e.contains("holds systemd's DynamicUser= uids (61184-65519)"), "{e}");
+        let e = host_uids(Some(&range(60000, 2)), &nobody).unwrap_err();
+        assert!(e.contains("holds systemd-homed's uids (60001-60513)"), "{e}");
         // `auto` (or nothing) without an opservant-executor account: shared.
         if Identity::local(EXECUTOR_ACCOUNT).is_err() {
             assert_eq!(host_uids(None, &nobody), Ok(None));
