@@ -371,6 +371,12 @@ fn doctor_describes_this_host() {
     assert_eq!(inotify["ok"], host >= 8192, "{inotify}");
     assert_eq!(degraded.contains(&detail), host < 8192, "{degraded:?}");
 
+    // Credential changes and dumpability, from this host's sysctl.
+    let dumpable = std::fs::read_to_string("/proc/sys/fs/suid_dumpable").unwrap();
+    let finding_dumpable = finding("fs.suid_dumpable").expect("fs.suid_dumpable");
+    assert_eq!(finding_dumpable["ok"], dumpable.trim() != "1", "{finding_dumpable}");
+    assert!(finding_dumpable["detail"].as_str().unwrap().starts_with(&format!("{}: ", dumpable.trim())));
+
     let (_, text, _) = run_cli(&["doctor"]);
     assert!(text.contains(&format!("ABI {}", abi.max(0))), "{text}");
     if mode == "hybrid" {

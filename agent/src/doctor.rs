@@ -212,6 +212,14 @@ pub fn examine(landlock_min_abi: u32, allow_degraded: bool, host_uids: Option<&s
         detail: inotify_detail,
     });
 
+    let (dumpable_ok, dumpable_detail) = suid_dumpable_finding(
+        std::fs::read_to_string("/proc/sys/fs/suid_dumpable").ok().and_then(|s| s.trim().parse().ok()),
+    );
+    if !dumpable_ok {
+        degraded.push(dumpable_detail.clone());
+    }
+    findings.push(Finding { feature: "fs.suid_dumpable", ok: dumpable_ok, required: false, detail: dumpable_detail });
+
     let (egress_ok, egress_detail) = egress_readiness();
     if !egress_ok {
         degraded.push(format!("executors with outbound: true cannot run: {egress_detail}"));
@@ -391,6 +399,27 @@ fn root_inotify_finding(host_uids: Option<&sandbox::HostUids>) -> (bool, String)
     }
 }
 
+/// Whether a process that changes its credentials stays out of reach of the uid it changes
+/// to (`fs.suid_dumpable`, `value`): with 1 (a debugging setting) the kernel leaves it
+/// dumpable, so at each sandbox's start init (as it switches to the sandbox's uid) and a
+/// leased sandbox's monitor (as it joins the namespace that uid owns) are, until their next
+/// call makes them non-dumpable, open to `ptrace` and `pidfd_getfd` from a host process
+/// running as that uid.
+fn suid_dumpable_finding(value: Option<u32>) -> (bool, String) {
+    match value {
+        Some(0) => (true, "0: a process that changes its credentials is not dumpable".into()),
+        Some(2) => (true, "2: a process that changes its credentials is dumpable by root only".into()),
+        Some(1) => (
+            false,
+            "1: sandbox init and a leased sandbox's monitor stay dumpable for a moment at each start, as they change \
+             credentials: a host process running as the sandbox's uid could trace them then; set fs.suid_dumpable to 0 or 2"
+                .into(),
+        ),
+        Some(n) => (false, format!("{n}: not a value the kernel documents")),
+        None => (false, "cannot read /proc/sys/fs/suid_dumpable".into()),
+    }
+}
+
 /// [`root_inotify_finding`]'s warning when root's allowance is short (logged by the daemon at
 /// start), `None` otherwise.
 pub fn root_inotify_warning(host_uids: Option<&sandbox::HostUids>) -> Option<String> {
@@ -480,6 +509,15 @@ mod tests {
         assert_eq!(found.unlisted_sources, ["ldap"]);
         assert_eq!(check_accounts(&range(1_900_000_101, 10), &local, accounts), AccountsInRange::default());
         assert_eq!(check_accounts(&range(1_900_000_101, 10), &ldap, accounts).problem, None);
+    }
+
+    #[test]
+    fn only_a_suid_dumpable_of_1_leaves_credential_changes_dumpable() {
+        assert!(suid_dumpable_finding(Some(0)).0);
+        assert!(suid_dumpable_finding(Some(2)).0);
+        let (ok, detail) = suid_dumpable_finding(Some(1));
+        assert!(!ok && detail.contains("set fs.suid_dumpable to 0 or 2"), "{detail}");
+        assert!(!suid_dumpable_finding(None).0);
     }
 
     #[test]
