@@ -1008,31 +1008,69 @@ impl AuditLog {
         }
     }
 
-    /// The first seq of the oldest rotated file, as `verify` counts it: the first line's,
-    /// or — when the second line repairs the first (a torn line, [`verify`]'s rule: the
-    /// repair names exactly its bytes) — the second's. `Err` when it cannot be determined:
-    /// the rotation's continuation is then not written at all (the rotation stays cut
-    /// short, which verifies intact) rather than written without the claim, which would
-    /// leave `verify_all` nothing to check a removed rotated file against.
+    /// Where the kept history begins after a rotation (`continues.oldest`): the first seq
+    /// of the oldest kept rotated file ([`AuditLog::first_record_of`]) — unless rotated
+    /// files were removed other than by a rotation since the last claim. The file just
+    /// rotated (`.1`) begins with that claim (or is the genesis: the history began at 1);
+    /// when even the oldest rotated file there is begins after it, records the last
+    /// rotation kept are gone, and the claim stays where it was, so that `verify` goes on
+    /// reporting them removed — a new claim from the files left would hide the removal
+    /// from every later `verify`. (An operator who removes old files on purpose sets the
+    /// whole log aside: a new log starts a new genesis.) `Err` when it cannot be
+    /// determined: the rotation's continuation is then not written at all (the rotation
+    /// stays cut short, which verifies intact) rather than written without the claim,
+    /// which would leave `verify_all` nothing to check a removed rotated file against.
     fn oldest_kept_seq(&self) -> Result<u64, AuditError> {
-        use std::io::{BufRead, Read};
         let s = &self.settings;
-        let kept = self.kept().map_err(|e| AuditError::new(&s.path, format!("cannot list rotated files: {e}")))?;
+        let list_error = |e: std::io::Error| AuditError::new(&s.path, format!("cannot list rotated files: {e}"));
+        let kept = self.kept().map_err(list_error)?;
         // Called after a rotation or with `.1` present: there is a kept file.
-        let Some(&n) = kept.last() else {
+        let Some(&oldest_kept) = kept.last() else {
             return Err(AuditError::new(&s.path, "no rotated file to say where the kept history begins"));
         };
-        let oldest = s.rotated(n);
+        let kept_first = self.first_record_of(&s.rotated(oldest_kept))?.seq;
+        let Some(&newest) = kept.first() else { return Ok(kept_first) };
+        let newest_first = self.first_record_of(&s.rotated(newest))?;
+        let claimed = match (&newest_first.continues, newest_first.oldest_kept) {
+            (None, _) if newest_first.seq == 1 => 1,
+            (Some(_), Some(claim)) => claim,
+            // A continuation written before claims were recorded: nothing to hold to.
+            _ => return Ok(kept_first),
+        };
+        let oldest_present = self.numbered().map_err(list_error)?.into_iter().max().unwrap_or(oldest_kept);
+        let present_first = if oldest_present == oldest_kept {
+            kept_first
+        } else {
+            self.first_record_of(&s.rotated(oldest_present))?.seq
+        };
+        if present_first > claimed {
+            tracing::warn!(
+                path = %s.path.display(),
+                claimed,
+                oldest_present = present_first,
+                "audit: rotated files holding seq {claimed}..{} were removed other than by a rotation; the rotation keeps claiming {claimed} (`opservant audit verify` reports them)",
+                present_first - 1
+            );
+            return Ok(claimed);
+        }
+        Ok(kept_first)
+    }
+
+    /// The first record of the file at `path`, as `verify` counts it: the first line's, or —
+    /// when the second line repairs the first (a torn line, [`verify`]'s rule: the repair
+    /// names exactly its bytes) — the second's. `Err` (naming the file) when neither is one.
+    fn first_record_of(&self, path: &Path) -> Result<Record, AuditError> {
+        use std::io::{BufRead, Read};
         let fail = |m: &dyn std::fmt::Display| {
             AuditError::new(
-                &oldest,
+                path,
                 format!(
                     "{m}: cannot say where the kept history begins; nothing was appended (run `opservant audit \
                      verify`; set this file aside once its records are kept elsewhere, and appends go on)"
                 ),
             )
         };
-        let f = crate::bounded::open_regular_nofollow(&oldest, OpenOptions::new().read(true)).map_err(|e| fail(&e))?;
+        let f = crate::bounded::open_regular_nofollow(path, OpenOptions::new().read(true)).map_err(|e| fail(&e))?;
         let mut r = std::io::BufReader::new(f);
         // One complete line (with its `\n`) of at most MAX_RECORD_BYTES, else `None`.
         let mut next_line = || -> Result<Option<Vec<u8>>, AuditError> {
@@ -1044,11 +1082,11 @@ impl AuditLog {
         if let Some(second) = next_line()? {
             if let Ok(rec) = parse_record(&second) {
                 if rec.repaired.as_ref().is_some_and(|(n, h)| *n == first.len() as u64 && *h == sha256_hex(&first)) {
-                    return Ok(rec.seq);
+                    return Ok(rec);
                 }
             }
         }
-        parse_record(&first).map(|r| r.seq).map_err(|e| fail(&format!("its first record: {e}")))
+        parse_record(&first).map_err(|e| fail(&format!("its first record: {e}")))
     }
 
     /// Every rotated file `path.N` → `path.N+1`, newest last, then `path` → `path.1`.
@@ -1547,6 +1585,56 @@ mod tests {
         let r = parse_record(log.append("x", &Map::new()).unwrap().line.as_bytes()).unwrap();
         assert_eq!(r.continues.map(|c| c.1), Some(40));
         assert_eq!(r.seq, 41);
+    }
+
+    /// Rotated files removed other than by a rotation stay reported after the next rotation:
+    /// its continuation keeps the last claim of where the kept history begins, never one
+    /// made from the files left (which hid the removal from every later `verify`) — with
+    /// `keep` not yet used up (the genesis file among those removed) and with it full (the
+    /// oldest three removed, two of which the rotation would have kept).
+    #[test]
+    fn rotated_files_removed_outside_a_rotation_stay_reported_after_the_next_one() {
+        for (keep, rotations_before, removed) in [(8u32, 4u32, vec![4u32, 3]), (4, 6, vec![4, 3, 2])] {
+            let s = Scratch::new("removed-rotated");
+            let mut settings = AuditSettings::at(&s.log());
+            settings.max_bytes = 1024;
+            settings.keep = keep;
+            let log = AuditLog::open(settings.clone()).unwrap();
+            let rotations = |log: &AuditLog| {
+                let mut n = 0;
+                while n < 1 {
+                    n += u32::from(log.append("x", &Map::new()).unwrap().rotated);
+                }
+            };
+            for _ in 0..rotations_before {
+                rotations(&log);
+            }
+            let verify_all = || verify::verify_all(&verify::chain_files(&s.log()).unwrap()).unwrap();
+            assert!(verify_all().intact, "keep {keep}");
+            for n in &removed {
+                std::fs::remove_file(settings.rotated(*n)).unwrap();
+            }
+            let r = verify_all();
+            assert!(!r.intact, "keep {keep}: the removal is found");
+            let problem = format!("{:?}", r.problem);
+            // One rotation (and a record after it), then another: still found.
+            rotations(&log);
+            log.append("after", &Map::new()).unwrap();
+            let r = verify_all();
+            assert!(!r.intact, "keep {keep}: the removal is hidden after a rotation (before: {problem})");
+            rotations(&log);
+            assert!(!verify_all().intact, "keep {keep}: hidden after a second rotation");
+        }
+        // Files a rotation drops past `keep` are not a removal.
+        let s = Scratch::new("dropped-rotated");
+        let mut settings = AuditSettings::at(&s.log());
+        settings.max_bytes = 1024;
+        settings.keep = 2;
+        let log = AuditLog::open(settings.clone()).unwrap();
+        append(&log, 80);
+        assert!(!settings.rotated(3).exists());
+        let r = verify::verify_all(&verify::chain_files(&s.log()).unwrap()).unwrap();
+        assert!(r.intact, "{:?}", r.problem);
     }
 
     /// A rotation cut short at its last rename (the log append-only, `chattr +a`: it cannot
