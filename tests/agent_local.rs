@@ -1424,6 +1424,38 @@ fn the_watchdog_is_fed_while_draining() {
     assert!(after_stopping.len() >= 4, "watchdog pings while draining: {after_stopping:?}");
 }
 
+/// The agent logs at start what `opservant doctor` reports as it sees the host — under a
+/// unit's filters and capabilities, which a shell's `doctor` does not share: a summary, and
+/// each degradation. Here the agent and `doctor` run alike, so the lists are the same.
+#[test]
+fn the_agent_logs_doctors_view_of_the_host_at_start() {
+    if !common::require_root() {
+        return;
+    }
+    let mut a = Agent::new(1);
+    let log_path = a.config.with_file_name("agent.log");
+    a.start_logging_to(std::fs::File::create(&log_path).unwrap());
+    a.stop();
+    let log = std::fs::read_to_string(&log_path).unwrap();
+    let out = op(&["doctor", "--json", "--config", a.config.to_str().unwrap()]);
+    let report: Value = serde_json::from_slice(&out.stdout).expect("doctor --json");
+    let degraded: Vec<&str> = report["degraded"].as_array().unwrap().iter().map(|d| d.as_str().unwrap()).collect();
+    let missing =
+        report["findings"].as_array().unwrap().iter().filter(|f| f["required"] == true && f["ok"] == false).count();
+    // (A host where nothing is missing or degraded gets an info line, below the default level.)
+    assert!(
+        missing + degraded.len() == 0
+            || log.contains(&format!(
+                "doctor, as the service sees this host: {missing} required features missing, {} degradations",
+                degraded.len()
+            )),
+        "{log}"
+    );
+    for d in &degraded {
+        assert!(log.contains(&format!("degraded (as the service sees this host): {d}")), "{d}: {log}");
+    }
+}
+
 #[test]
 fn only_root_may_talk_to_the_agent_and_one_agent_per_socket() {
     if !common::require_root() {

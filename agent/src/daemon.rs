@@ -189,15 +189,38 @@ pub fn no_core_dumps() -> Result<(), CannotRun> {
     Ok(())
 }
 
+/// `opservant doctor` as the service sees the host — under its unit's capabilities, system
+/// call filters and `ProtectSystem=`, which `doctor` run from a shell does not share: a
+/// summary, an error for each missing required feature and a warning for each degradation
+/// (the sandboxes' shared `nobody` or host uid, root's inotify headroom, …), logged at start.
+/// The heartbeat reports the same list to the platform.
+fn log_service_view(pipeline: &Pipeline) {
+    let policy = &pipeline.policy;
+    let report = crate::doctor::examine(policy.landlock_min_abi, policy.allow_degraded, policy.host_uids.as_ref());
+    let missing: Vec<&crate::doctor::Finding> = report.findings.iter().filter(|f| f.required && !f.ok).collect();
+    let (count_missing, count_degraded) = (missing.len(), report.degraded.len());
+    if count_missing + count_degraded > 0 {
+        tracing::warn!(
+            target: "opservant::daemon",
+            "doctor, as the service sees this host: {count_missing} required features missing, {count_degraded} degradations"
+        );
+    } else {
+        tracing::info!(target: "opservant::daemon", "doctor, as the service sees this host: nothing missing or degraded");
+    }
+    for f in missing {
+        tracing::error!(target: "opservant::daemon", feature = f.feature, "missing (as the service sees this host): {}: {}", f.feature, f.detail);
+    }
+    for d in &report.degraded {
+        tracing::warn!(target: "opservant::daemon", "degraded (as the service sees this host): {d}");
+    }
+}
+
 pub fn serve(pipeline: Pipeline, socket: &Path, platform: Option<crate::platform::Platform>) -> Result<(), CannotRun> {
     let mask = block_stop_signals()?;
     let signals = nix::sys::signalfd::SignalFd::with_flags(&mask, nix::sys::signalfd::SfdFlags::SFD_CLOEXEC)
         .map_err(|e| CannotRun(format!("signalfd: {e}")))?;
 
     let listener = bind(socket)?;
-    if let Some(w) = crate::doctor::identity_warning(pipeline.policy.host_uids.as_ref()) {
-        tracing::warn!(target: "opservant::daemon", "{w}");
-    }
     if !sandbox::probe::openat2_available() {
         // A reported degradation of path resolution (as the shared host uid below).
         tracing::warn!(
@@ -207,12 +230,7 @@ pub fn serve(pipeline: Pipeline, socket: &Path, platform: Option<crate::platform
              without RESOLVE_IN_ROOT"
         );
     }
-    if let Some(w) = crate::doctor::root_inotify_warning(pipeline.policy.host_uids.as_ref()) {
-        tracing::warn!(target: "opservant::daemon", "{w}");
-    }
-    if pipeline.policy.host_uids.is_none() {
-        tracing::warn!(target: "opservant::daemon", "{}", crate::doctor::SHARED_HOST_UID);
-    }
+    log_service_view(&pipeline);
     let pipeline = Arc::new(pipeline);
     let mut workers: Vec<std::thread::JoinHandle<()>> = Vec::new();
     let refusals = Refusals::start(pipeline.clone())?;

@@ -230,17 +230,8 @@ pub fn examine(landlock_min_abi: u32, allow_degraded: bool, host_uids: Option<&s
 }
 
 /// What running sandboxes as the host's `nobody` means.
-pub const SHARED_NOBODY: &str = "the host's nobody, whose other processes can signal the sandboxes' payloads and, unless ptrace is restricted, trace them; \
+const SHARED_NOBODY: &str = "the host's nobody, whose other processes can signal the sandboxes' payloads and, unless ptrace is restricted, trace them; \
      install systemd/sysusers.d/opservant.conf (systemd-sysusers) to give them a uid of their own";
-
-/// A warning when sandboxes would run as the shared `nobody` (logged by the daemon at
-/// start), `None` otherwise.
-pub fn identity_warning(host_uids: Option<&sandbox::HostUids>) -> Option<String> {
-    match identity_finding() {
-        (Some(false), detail) if host_uids.is_none() => Some(format!("{detail}: {SHARED_NOBODY}")),
-        _ => None,
-    }
-}
 
 /// The uid sandboxes run as: `Some(true)` their own (`opservant-executor`), `Some(false)` the
 /// shared `nobody`, `None` neither exists (sandboxes cannot start).
@@ -420,15 +411,8 @@ fn suid_dumpable_finding(value: Option<u32>) -> (bool, String) {
     }
 }
 
-/// [`root_inotify_finding`]'s warning when root's allowance is short (logged by the daemon at
-/// start), `None` otherwise.
-pub fn root_inotify_warning(host_uids: Option<&sandbox::HostUids>) -> Option<String> {
-    let (ok, detail) = root_inotify_finding(host_uids);
-    (!ok).then_some(detail)
-}
-
 /// What sandboxes sharing the identity's host uid means.
-pub const SHARED_HOST_UID: &str = "every sandbox runs as the identity's host uid: kernel allowances counted per uid \
+const SHARED_HOST_UID: &str = "every sandbox runs as the identity's host uid: kernel allowances counted per uid \
      (pipe buffer pages, descriptors in flight over Unix sockets, epoll watches) are shared, so one sandbox can use them up \
      for the others while it lives; give opservant-executor a range in /etc/subuid (usermod --add-subuids) or set sandbox.host_uids";
 

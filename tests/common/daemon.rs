@@ -182,12 +182,21 @@ impl Agent {
         self.spawn(cmd);
     }
 
-    fn spawn(&mut self, mut cmd: std::process::Command) {
+    /// As [`Agent::start`], the agent's log (its stderr) written to `log`.
+    pub fn start_logging_to(&mut self, log: std::fs::File) {
+        self.spawn_with_stderr(common::command(), log.into());
+    }
+
+    fn spawn(&mut self, cmd: std::process::Command) {
+        self.spawn_with_stderr(cmd, Stdio::null());
+    }
+
+    fn spawn_with_stderr(&mut self, mut cmd: std::process::Command, stderr: Stdio) {
         let child = cmd
             .args(["agent", "--config", self.config.to_str().unwrap()])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(stderr)
             .spawn()
             .expect("start the agent");
         self.child = Some(child);

@@ -260,6 +260,16 @@ fn start_reaches_ready(_: &Ctx) -> Result<(), String> {
     let instances = std::fs::read_to_string("/proc/sys/fs/inotify/max_user_instances").map_err(|e| e.to_string())?;
     ensure!(instances.trim() == "8192", "sysctl.d did not raise fs.inotify.max_user_instances: {instances}");
     ensure!(!journal.contains("leave none for root's own processes"), "root's inotify allowance is short:\n{journal}");
+    // The agent logs doctor's view from inside the unit (a shell's doctor does not share
+    // the unit's filters and capabilities): nothing required is missing there.
+    ensure!(
+        journal.contains("doctor, as the service sees this host: 0 required features missing"),
+        "no doctor summary, or a required feature missing under the unit:\n{journal}"
+    );
+    ensure!(
+        !journal.contains("missing (as the service sees this host)"),
+        "a required feature is missing under the unit:\n{journal}"
+    );
     Ok(())
 }
 
