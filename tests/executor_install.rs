@@ -607,6 +607,12 @@ def versioned(header, version):
     b[148:156] = b" " * 8
     b[148:156] = ("%06o\0 " % sum(b[:512])).encode()
     return bytes(b)
+def patched(header, start, value):
+    b = bytearray(header)
+    b[start:start + len(value)] = value
+    b[148:156] = b" " * 8
+    b[148:156] = ("%06o\0 " % sum(b[:512])).encode()
+    return bytes(b)
 def package(root):
     out = b""
     for d, _, files in sorted(os.walk(root)):
@@ -683,6 +689,31 @@ fn an_archive_installs_as_tar_reads_it_or_not_at_all() {
         ("file-with-slash", "member('hello/hello/evil.py/', b'X = 1\\n')".into(), "a file entry whose name ends in '/'"),
         ("two-pax-sizes", "pax([('size', '6'), ('size', '0')]) + member('hello/x.py', b'X = 1\\n')".into(), "a PAX `size` record is refused"),
         ("gnu-sparse", "link('hello/sparse.py', '', tarfile.GNUTYPE_SPARSE)".into(), "a GNU sparse file is refused"),
+        // A directory whose header claims a size: GNU tar skips no data after it, this
+        // reader would skip the size — the next entry (here the hidden module) would be
+        // data to one and a file to the other.
+        (
+            "dir-with-size",
+            "patched(link('hello/docs/', '', tarfile.DIRTYPE), 124, b'00000001000\\0') + member('hello/hello/hidden.py', b'EVIL = 1\\n')".into(),
+            "hello/docs/: an entry without data (a directory, a link, a device) whose header claims 512 bytes is refused",
+        ),
+        // A size GNU tar reads as its obsolete base-64 (`+…`), the tar crate as octal.
+        (
+            "plus-size",
+            "patched(member('hello/hello/p.py', b'P = 1\\n'), 124, b'+0000000006\\0')".into(),
+            "hello/hello/p.py: a size field that is not plain octal digits is refused",
+        ),
+        ("plus-mode", "patched(member('hello/hello/p.py', b'P = 1\\n'), 100, b'+000644\\0')".into(), "a mode field that is not plain octal digits"),
+        // Deeper than any package needs: only there to exhaust (the directories it makes,
+        // the recursive walks over the installed tree, a command thread's stack).
+        ("deep", "member('hello/' + 'a/' * 64 + 'x.py', b'X = 1\\n')".into(), "more than 64 names deep"),
+        // The directories a file's path implies count as entries: 400 files, 56 new
+        // directories each, in a few hundred kilobytes.
+        (
+            "implied-directories",
+            "b''.join(member(f'hello/d{i}/' + 'a/' * 55 + 'f.py', b'') for i in range(400))".into(),
+            "the package has more than 20000 entries",
+        ),
         ("gnu-sparse-name", "pax([('GNU.sparse.name', 'hello/hello/main.py')]) + member('hello/x.py', b'X = 1\\n')".into(), "a GNU sparse PAX record"),
         ("loose-pyc", "member('hello/hello/sneaky.pyc', b'\\0' * 16)".into(), "hello/hello/sneaky.pyc: compiled bytecode outside __pycache__"),
         // In a bytecode cache too, which is otherwise skipped (the agent compiles its own).
@@ -702,6 +733,34 @@ fn an_archive_installs_as_tar_reads_it_or_not_at_all() {
         python(&format!(
             "{TAR_PIECES_PY}\nopen({archive:?}, 'wb').write(package({src:?}) + {entries} + bytes(1024))\n"
         ));
+        let out = env.op(&["executor", "install", &archive]);
+        assert_eq!(out.code, 2, "{name}: {} {}", out.stdout, out.stderr);
+        assert!(out.stderr.contains(needle), "{name}: {}", out.stderr);
+        assert_eq!(env.entries(), Vec::<String>::new(), "{name}: nothing left behind");
+    }
+
+    // A gzip stream is read to its end: a wrong checksum, or bytes after it that are not
+    // another member, are refused (`gzip -d`, and so `tar -xzf`, fails on both).
+    for (name, tail, needle) in [
+        (
+            "bad-crc",
+            "z = gzip.compress(body); z = z[:-8] + bytes(4) + z[-4:]",
+            "not a valid gzip stream after the archive's end",
+        ),
+        (
+            "trailing-garbage",
+            "z = gzip.compress(body) + b'garbage after the stream'",
+            "not a valid gzip stream after the archive's end",
+        ),
+    ] {
+        let archive = format!("{base}/{name}.tar.gz");
+        python(&format!(
+            "{TAR_PIECES_PY}\nimport gzip\nbody = package({src:?}) + bytes(1024)\n{tail}\nopen({archive:?}, 'wb').write(z)\n"
+        ));
+        assert!(
+            !Command::new("tar").args(["-tzf", &archive]).output().unwrap().status.success(),
+            "{name}: tar reads it"
+        );
         let out = env.op(&["executor", "install", &archive]);
         assert_eq!(out.code, 2, "{name}: {} {}", out.stdout, out.stderr);
         assert!(out.stderr.contains(needle), "{name}: {}", out.stderr);

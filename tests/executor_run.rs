@@ -1475,6 +1475,14 @@ fn lint_reports_ok_errors_and_warnings() {
     let j: Value = serde_json::from_str(&out.stdout).unwrap();
     assert_eq!(j["errors"].as_array().unwrap().len(), 1);
 
+    // Installed requirements are a directory of the package's own: a `.deps` that is a
+    // link (here to the host's root) is an error for lint as for run, never followed.
+    let linked = executor(json!({}), LIFECYCLE);
+    std::os::unix::fs::symlink("/", linked.path.join(".deps")).unwrap();
+    let out = lint(&linked.path, false);
+    assert_eq!(out.code, 1, "{out:?}");
+    assert!(out.stdout.contains(".deps: not a directory, or a symbolic link"), "{out:?}");
+
     // The seed executor lints clean.
     let out = lint(&port_scanner_dir(), false);
     assert_eq!(out.code, 0, "{out:?}");

@@ -78,6 +78,10 @@ pub const DEFAULT_ROOT: &str = "/var/lib/opservant/executors";
 pub const MAX_UNPACKED_BYTES: u64 = 256 * 1024 * 1024;
 /// Most entries an archive may hold.
 pub const MAX_ENTRIES: usize = 20_000;
+/// The most names deep a package's path may go (`a/b/c` is 3). Packages need far fewer; a
+/// deeper tree only exhausts — directories made for one deep file, and the walks over an
+/// installed tree, which recurse.
+pub const MAX_DEPTH: usize = 64;
 
 #[derive(Debug, Error)]
 pub enum InstallError {
@@ -1465,6 +1469,17 @@ struct Budget {
     entries: usize,
 }
 
+/// A path of more than [`MAX_DEPTH`] names is refused, naming it.
+fn check_depth(path: &Path, depth: usize) -> Result<(), InstallError> {
+    if depth > MAX_DEPTH {
+        return Err(InstallError::Invalid(format!(
+            "{}: more than {MAX_DEPTH} names deep (a package's paths are refused beyond)",
+            path.display()
+        )));
+    }
+    Ok(())
+}
+
 impl Budget {
     fn entry(&mut self) -> Result<(), InstallError> {
         check_stop()?;
@@ -1567,7 +1582,7 @@ fn capped_message() -> String {
 /// [`unpack_stream`] unpacks. Both read the decompressed stream through the same cap.
 fn unpack(file: &Path, kind: ArchiveKind, archive: &Path, dest: &Path) -> Result<(), InstallError> {
     let (reader, exceeded) = open_stream(file, kind)?;
-    check_headers(reader, archive).map_err(|e| capped(&exceeded, archive, e))?;
+    check_headers(reader, archive, kind == ArchiveKind::TarGz).map_err(|e| capped(&exceeded, archive, e))?;
     let (reader, exceeded) = open_stream(file, kind)?;
     mkdir(dest)?;
     unpack_stream(reader, archive, dest).map_err(|e| capped(&exceeded, archive, e))
@@ -1618,9 +1633,29 @@ const MAX_PAX_HEADER_BYTES: u64 = 1024 * 1024;
 /// differently: a PAX `size` record (which the reading pass applies to the next entry; no
 /// entry that fits the cap needs one, the header's own field holds up to 8 GiB) and a GNU
 /// sparse file (its extension headers follow its header).
-fn check_headers(reader: impl Read, archive: &Path) -> Result<(), InstallError> {
+///
+/// Refused as well, because GNU tar (what a reviewer lists the package with) frames the
+/// stream differently from this reader: a size or mode field that is not plain octal
+/// digits or base-256 (GNU tar reads a leading `+` as its obsolete base-64) and an entry
+/// that has no data (a directory, a link, a device) whose header claims a size (GNU tar
+/// skips no data after it, this reader skips the size: the bytes after it would be other
+/// entries to each). With `whole_stream` (a gzip stream) it is read to its end once the
+/// archive's end is reached: its checksum and length are checked, and bytes after it
+/// that are not another gzip member are refused, as `gzip -d` refuses them.
+fn check_headers(reader: impl Read, archive: &Path, whole_stream: bool) -> Result<(), InstallError> {
     let invalid = |what: &dyn std::fmt::Display| InstallError::Invalid(format!("{}: {what}", archive.display()));
     let mut tar = tar::Archive::new(reader);
+    check_entries(&mut tar, archive)?;
+    if whole_stream {
+        std::io::copy(&mut tar.into_inner(), &mut std::io::sink())
+            .map_err(|e| invalid(&format!("not a valid gzip stream after the archive's end: {e}")))?;
+    }
+    Ok(())
+}
+
+/// The entries of [`check_headers`]'s pass.
+fn check_entries<R: Read>(tar: &mut tar::Archive<R>, archive: &Path) -> Result<(), InstallError> {
+    let invalid = |what: &dyn std::fmt::Display| InstallError::Invalid(format!("{}: {what}", archive.display()));
     let entries = tar.entries().map_err(|e| io(archive, e))?.raw(true);
     // The name in the last header read, for a stream that ends or breaks after it.
     let mut last = String::from("its start");
@@ -1646,8 +1681,31 @@ fn check_headers(reader: impl Read, archive: &Path) -> Result<(), InstallError> 
                 "{last}: a name prefix in a header outside the ustar format is refused (tar programs disagree on its name)"
             )));
         }
+        for (field, range) in [("size", 124..136), ("mode", 100..108)] {
+            if !plain_number(&raw_header[range]) {
+                return Err(invalid(&format!(
+                    "{last}: a {field} field that is not plain octal digits is refused (tar programs disagree on its value)"
+                )));
+            }
+        }
         let kind = entry.header().entry_type();
         let size = entry.header().entry_size().map_err(|e| invalid(&format!("not a valid archive: {e}")))?;
+        let has_data = kind.is_file()
+            || matches!(
+                kind,
+                tar::EntryType::Continuous
+                    | tar::EntryType::GNULongName
+                    | tar::EntryType::GNULongLink
+                    | tar::EntryType::XHeader
+                    | tar::EntryType::XGlobalHeader
+                    | tar::EntryType::GNUSparse
+            );
+        if !has_data && size != 0 {
+            return Err(invalid(&format!(
+                "{last}: an entry without data (a directory, a link, a device) whose header claims {size} bytes is refused \
+                 (tar programs disagree on where the next entry begins)"
+            )));
+        }
         let (what, limit) = match kind {
             tar::EntryType::GNULongName => ("a GNU long name", MAX_LONG_NAME_BYTES),
             tar::EntryType::GNULongLink => ("a GNU long link", MAX_LONG_NAME_BYTES),
@@ -1677,12 +1735,35 @@ fn check_headers(reader: impl Read, archive: &Path) -> Result<(), InstallError> 
     Ok(())
 }
 
+/// Whether a numeric header field reads the same to every tar program: base-256 (its
+/// first byte's high bit set), or optional leading spaces, at least one octal digit, and
+/// then only NULs or spaces up to the field's end or its first NUL.
+fn plain_number(field: &[u8]) -> bool {
+    if field.first().is_some_and(|b| b & 0x80 != 0) {
+        return true;
+    }
+    let text = field.split(|b| *b == 0).next().unwrap_or_default();
+    let digits = text.iter().skip_while(|b| **b == b' ');
+    let mut seen_digit = false;
+    let mut trailing = false;
+    for b in digits {
+        match b {
+            b'0'..=b'7' if !trailing => seen_digit = true,
+            b' ' if seen_digit => trailing = true,
+            _ => return false,
+        }
+    }
+    seen_digit
+}
+
 fn unpack_stream(reader: impl Read, archive: &Path, dest: &Path) -> Result<(), InstallError> {
     let mut budget = Budget::default();
     // What the archive has put where so far: an entry given twice, or one beneath a file,
     // is refused naming the entry (not as the staging directory's "File exists").
     let mut files: std::collections::HashSet<PathBuf> = std::collections::HashSet::new();
     let mut dirs: std::collections::HashSet<PathBuf> = std::collections::HashSet::new();
+    // Every directory made, the ones an entry's path implies too: each counts as an entry.
+    let mut made: std::collections::HashSet<PathBuf> = std::collections::HashSet::new();
     let mut tar = tar::Archive::new(reader);
     let entries = tar.entries().map_err(|e| io(archive, e))?;
     for entry in entries {
@@ -1727,10 +1808,20 @@ fn unpack_stream(reader: impl Read, archive: &Path, dest: &Path) -> Result<(), I
         if rel.components().any(|c| c.as_os_str() == "__pycache__") {
             continue;
         }
+        check_depth(&rel, rel.components().count())?;
         let target = dest.join(&rel);
         let invalid = |why: &str| InstallError::Invalid(format!("{}: {why}", rel.display()));
         if let Some(file) = rel.ancestors().skip(1).find(|a| files.contains(*a)) {
             return Err(invalid(&format!("beneath {}, which the archive gave as a file", file.display())));
+        }
+        // The directories this entry's path implies, made below: counted like entries.
+        for ancestor in rel.ancestors().skip(1).filter(|a| !a.as_os_str().is_empty()) {
+            if made.insert(ancestor.to_path_buf()) {
+                budget.entry()?;
+            }
+        }
+        if kind.is_dir() {
+            made.insert(rel.clone());
         }
         if kind.is_dir() {
             if files.contains(&rel) {
@@ -1886,7 +1977,7 @@ fn copy_tree(src: &Path, dest: &Path, budget: &mut Budget) -> Result<(), Install
         nix::sys::stat::Mode::empty(),
     )
     .map_err(|e| io(src, e.into()))?;
-    copy_dir(dir, src, dest, budget, Copied::Package)
+    copy_dir(dir, src, dest, budget, Copied::Package, 0)
 }
 
 /// What [`copy_dir`] copies: a package (its build products and caches left out, compiled
@@ -1903,10 +1994,12 @@ fn copy_dir(
     dest: &Path,
     budget: &mut Budget,
     copied: Copied,
+    depth: usize,
 ) -> Result<(), InstallError> {
     use nix::fcntl::OFlag;
     use nix::sys::stat::{Mode, SFlag};
     use std::os::unix::ffi::OsStrExt;
+    check_depth(src, depth)?;
     mkdir(dest)?;
     // `try_clone` duplicates with F_DUPFD_CLOEXEC.
     let copy = dir.try_clone().map_err(|e| io(src, e))?;
@@ -1951,7 +2044,7 @@ fn copy_dir(
         if kind(stat.st_mode) == SFlag::S_IFDIR {
             let sub = nix::fcntl::openat(&dir, name.as_os_str(), nofollow | OFlag::O_DIRECTORY, Mode::empty())
                 .map_err(open_error)?;
-            copy_dir(sub, &path, &target, budget, copied)?;
+            copy_dir(sub, &path, &target, budget, copied, depth + 1)?;
         } else if kind(stat.st_mode) == SFlag::S_IFREG {
             let fd = nix::fcntl::openat(
                 &dir,
@@ -2202,7 +2295,7 @@ impl PipScratch {
         )
         .map_err(|e| io(deps, e.into()))?;
         // The copy's own bounds, the second wall (the same limits' errors, about requirements).
-        copy_dir(installed, Path::new("requirements.packages"), deps, &mut Budget::default(), Copied::Requirements)
+        copy_dir(installed, Path::new("requirements.packages"), deps, &mut Budget::default(), Copied::Requirements, 0)
             .map_err(|e| match e {
                 InstallError::Invalid(m)
                     if m.starts_with("the package has more than")

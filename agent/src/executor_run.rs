@@ -164,7 +164,17 @@ impl Executor {
                 Err(e) => return Err(CannotRun(format!("requirements.python: {e}"))),
             }
         }
-        let deps_held = openat_dir(&opened, ".deps");
+        let deps_held = openat_dir(&opened, ".deps").map_err(|e| {
+            CannotRun(format!(
+                "{}/.deps: {} (installed requirements are a directory of the package's own, never a link)",
+                dir.display(),
+                if e == nix::errno::Errno::ENOTDIR || e == nix::errno::Errno::ELOOP {
+                    "not a directory, or a symbolic link".to_string()
+                } else {
+                    e.desc().to_string()
+                }
+            ))
+        })?;
         let deps_id = deps_held.as_ref().map(|(_, m)| sandbox::FileId::of(m));
         let deps = deps_id.map(|_| dir.join(".deps"));
         if !manifest.requirements.packages.is_empty() && deps.is_none() {
@@ -219,19 +229,31 @@ fn hold_in_use(dir: &Path) -> Result<(std::fs::File, Option<nix::fcntl::Flock<st
     Ok((open, lock))
 }
 
-/// The directory `name` in the opened directory `dir`, opened `O_PATH`, and its metadata,
-/// when it is one (a link to one followed, as a bind of its path follows it).
-fn openat_dir(dir: &std::fs::File, name: &str) -> Option<(std::os::fd::OwnedFd, std::fs::Metadata)> {
+/// The directory `name` in the opened directory `dir`, opened `O_PATH` without following a
+/// link, and its metadata; `None` when there is none, `Err` when it is anything but a
+/// directory (`ENOTDIR`: a symbolic link or a file) or cannot be opened.
+#[allow(clippy::type_complexity)]
+fn openat_dir(
+    dir: &std::fs::File,
+    name: &str,
+) -> Result<Option<(std::os::fd::OwnedFd, std::fs::Metadata)>, nix::errno::Errno> {
     use nix::fcntl::OFlag;
-    let fd = nix::fcntl::openat(
+    let fd = match nix::fcntl::openat(
         dir,
         name,
-        OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+        OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
         nix::sys::stat::Mode::empty(),
+    ) {
+        Ok(fd) => fd,
+        Err(nix::errno::Errno::ENOENT) => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let meta = std::fs::File::from(
+        fd.try_clone().map_err(|e| nix::errno::Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO)))?,
     )
-    .ok()?;
-    let meta = std::fs::File::from(fd.try_clone().ok()?).metadata().ok()?;
-    Some((fd, meta))
+    .metadata()
+    .map_err(|e| nix::errno::Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO)))?;
+    Ok(Some((fd, meta)))
 }
 
 /// A request to run an executor.
