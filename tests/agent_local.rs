@@ -1509,6 +1509,67 @@ fn only_root_may_talk_to_the_agent_and_one_agent_per_socket() {
     assert!(a.stop().success());
 }
 
+/// The socket's name cannot be taken by another user: a socket directory anyone may write
+/// (here sticky and world-writable, as `/tmp`) is refused at start, and `opservant submit`
+/// sends nothing to a listener that is neither root's nor the submitter's — one another user
+/// bound first would have had the signed command and answered it "completed".
+#[test]
+fn the_socket_cannot_be_taken_by_another_user() {
+    if !common::require_root() {
+        return;
+    }
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    let a = Agent::new(1);
+    let shared = a.config.with_file_name("shared");
+    std::fs::create_dir(&shared).unwrap();
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let text = std::fs::read_to_string(&a.config).unwrap();
+    let config = a.config.with_file_name("shared.yaml");
+    let socket = shared.join("agent.sock");
+    std::fs::write(&config, text.replace(a.socket.to_str().unwrap(), socket.to_str().unwrap())).unwrap();
+    for args in [vec!["agent", "--check-config"], vec!["agent"]] {
+        let out = op(&[args.as_slice(), &["--config", config.to_str().unwrap()]].concat());
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains("the socket's directory must be the agent's alone"), "{args:?}: {stderr}");
+        assert!(stderr.contains("writable by group or others"), "{args:?}: {stderr}");
+    }
+    assert!(!socket.exists(), "nothing bound");
+
+    // A listener of nobody's, there first: it is sent nothing.
+    let mut squatter = Command::new("/usr/bin/python3");
+    squatter.args([
+        "-c",
+        &format!(
+            "import socket, sys\ns = socket.socket(socket.AF_UNIX)\ns.bind({:?})\ns.listen(1)\nprint('ready', flush=True)\n\
+             c, _ = s.accept()\ndata = b''\nwhile True:\n    b = c.recv(65536)\n    if not b: break\n    data += b\n\
+             print('got', len(data), flush=True)\ntry:\n    c.sendall(b'{{\"status\":\"completed\"}}')\nexcept OSError:\n    pass",
+            socket.to_str().unwrap()
+        ),
+    ]);
+    // SAFETY: setgid/setuid are async-signal-safe and affect only this child.
+    unsafe {
+        squatter.pre_exec(|| {
+            if libc::setgid(65534) != 0 || libc::setuid(65534) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut squatter = squatter.stdout(Stdio::piped()).spawn().unwrap();
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(squatter.stdout.take().unwrap()));
+    assert_eq!(lines.next().unwrap().unwrap(), "ready");
+    let signed = a.config.with_file_name("squat.json");
+    std::fs::write(&signed, a.sign(&json!({"command_id": "squat-1", "action": "ping"}))).unwrap();
+    let out = op(&["submit", signed.to_str().unwrap(), "--socket", socket.to_str().unwrap()]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("runs as uid 65534") && stderr.contains("not an agent; nothing was sent"), "{stderr}");
+    assert_eq!(lines.next().unwrap().unwrap(), "got 0", "the squatter was sent the command");
+    let _ = squatter.wait();
+}
+
 /// The agent's `network:` section for `platform`, with its TLS files (from `agent_pki` for
 /// the client certificate and `ca_pki` for the CA it trusts) in `dir`.
 fn platform_network(
@@ -2536,17 +2597,25 @@ fn the_agent_never_deletes_a_non_socket_nor_chmods_a_directory_it_did_not_create
     refused("a state dir another user owns", "owned by uid", &state);
     std::os::unix::fs::chown(&state, Some(0), Some(0)).unwrap();
 
-    // A socket in a directory that exists (shared, like /tmp): its mode is left alone.
+    // A socket in a directory that exists and others may write (shared, like /tmp):
+    // refused, and its mode left alone (`the_socket_cannot_be_taken_by_another_user`).
     let shared = a.dir.path.join("shared");
     std::fs::create_dir(&shared).unwrap();
     std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o1777)).unwrap();
-    a.socket = shared.join("agent.sock");
+    std::fs::write(&a.config, text.replace(&socket_line, &format!("socket: {}", shared.join("agent.sock").display())))
+        .unwrap();
+    refused("a shared socket directory", "writable by group or others", &shared);
+    assert_eq!(std::fs::metadata(&shared).unwrap().permissions().mode() & 0o7777, 0o1777);
+    // One that exists and is the agent's: used, its mode left alone.
+    let own = a.dir.path.join("own");
+    std::fs::create_dir(&own).unwrap();
+    std::fs::set_permissions(&own, std::fs::Permissions::from_mode(0o755)).unwrap();
+    a.socket = own.join("agent.sock");
     std::fs::write(&a.config, text.replace(&socket_line, &format!("socket: {}", a.socket.display()))).unwrap();
     a.start();
-    assert_eq!(std::fs::metadata(&shared).unwrap().permissions().mode() & 0o7777, 0o1777);
     assert_eq!(std::fs::metadata(&a.socket).unwrap().permissions().mode() & 0o777, 0o600);
     assert!(a.stop().success());
-    assert_eq!(std::fs::metadata(&shared).unwrap().permissions().mode() & 0o7777, 0o1777);
+    assert_eq!(std::fs::metadata(&own).unwrap().permissions().mode() & 0o7777, 0o755);
 
     // A directory the agent creates is 0700.
     a.socket = a.dir.path.join("fresh/run/agent.sock");

@@ -110,6 +110,21 @@ fn check_socket_path(path: &Path) -> Result<(), CannotRun> {
             path.display()
         )));
     }
+    // The socket's directory must be the agent's alone (a missing one is created 0700 by
+    // `bind`): whoever else could write it — a shared `/tmp` — could take the socket's name
+    // first, keep the agent from starting, and answer `opservant submit` in its place.
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        match std::fs::metadata(dir) {
+            Ok(m) => crate::config::check_agents_own_dir(dir, &m).map_err(|m| {
+                CannotRun(format!(
+                    "agent.socket: {m}; the socket's directory must be the agent's alone (whoever else can write it \
+                     could take the socket's name)"
+                ))
+            })?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(CannotRun(format!("agent.socket: {}: {e}", dir.display()))),
+        }
+    }
     match std::fs::symlink_metadata(path) {
         Ok(m) if m.file_type().is_socket() => Ok(()),
         Ok(_) => Err(CannotRun(format!(
@@ -127,8 +142,8 @@ fn check_socket_path(path: &Path) -> Result<(), CannotRun> {
 }
 
 /// Bind the socket: refuse if an agent answers on it or if the path is not a socket, replace
-/// a stale socket. The parent directory is created 0700 when missing; one that exists is
-/// left as it is (it may be shared, e.g. /tmp: the socket itself is 0600 and peers are checked).
+/// a stale socket. The parent directory is created 0700 when missing; one that exists must
+/// be the agent's alone ([`check_socket_path`]).
 fn bind(path: &Path) -> Result<UnixListener, CannotRun> {
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         if !dir.exists() {
@@ -539,14 +554,35 @@ fn serve_client(mut stream: UnixStream, pipeline: &Pipeline) {
 }
 
 /// `opservant submit`: send one signed command, return the reply.
+/// The most `submit` reads of a reply: a result's output is capped at 4 MiB of JSON, its
+/// captured streams and artifacts at less.
+const MAX_REPLY_BYTES: u64 = 64 * 1024 * 1024;
+
 pub fn submit(socket: &Path, command: &[u8]) -> Result<Value, CannotRun> {
     let mut stream = UnixStream::connect(socket)
         .map_err(|e| CannotRun(format!("{}: cannot reach the agent: {e}", socket.display())))?;
+    // Only an agent gets the signed command, and only its answer is believed: the process
+    // listening must be root's or this user's own (an agent runs as root; so does the user
+    // who may connect to its 0600 socket).
+    let peer = nix::sys::socket::getsockopt(&stream, nix::sys::socket::sockopt::PeerCredentials)
+        .map_err(|e| CannotRun(format!("{}: the listening process's credentials: {e}", socket.display())))?;
+    let me = nix::unistd::geteuid().as_raw();
+    if peer.uid() != 0 && peer.uid() != me {
+        return Err(CannotRun(format!(
+            "{}: the process listening there runs as uid {} (pid {}), not as root: not an agent; nothing was sent",
+            socket.display(),
+            peer.uid(),
+            peer.pid()
+        )));
+    }
     // An agent past its connection limit answers before reading and closes: the send then
     // fails, and the answer is still there to read.
     let sent = stream.write_all(command).and_then(|()| stream.shutdown(std::net::Shutdown::Write));
     let mut reply = String::new();
-    let read = stream.read_to_string(&mut reply);
+    let read = (&mut stream).take(MAX_REPLY_BYTES + 1).read_to_string(&mut reply);
+    if reply.len() as u64 > MAX_REPLY_BYTES {
+        return Err(CannotRun(format!("{}: the reply is over {MAX_REPLY_BYTES} bytes", socket.display())));
+    }
     if reply.trim().is_empty() {
         if let Err(e) = sent {
             return Err(CannotRun(format!("send: {e}")));
