@@ -1570,6 +1570,43 @@ fn the_socket_cannot_be_taken_by_another_user() {
     let _ = squatter.wait();
 }
 
+/// The configuration file is held to the rule of the files it names (the keys commands are
+/// checked with, …): whoever could write it could point the agent at a key, a socket or a
+/// Vault server of their own. Refused (exit 2, naming it) for the agent and every root
+/// command, when others may write it or another user owns it.
+#[test]
+fn a_configuration_file_others_could_change_is_refused() {
+    if !common::require_root() {
+        return;
+    }
+    use std::os::unix::fs::PermissionsExt;
+    let a = Agent::new(1);
+    let c = a.config.to_str().unwrap();
+    assert_eq!(op(&["agent", "--check-config", "--config", c]).status.code(), Some(0));
+    let (uid, _) = common::executor_ids();
+    for (what, change, needle) in [
+        ("writable by others", 0o666u32, "is writable by others (mode 0666; chmod o-w)"),
+        ("owned by another user", 0o644, &*format!("is owned by uid {uid}, not by root or the agent")),
+    ] {
+        std::fs::set_permissions(&a.config, std::fs::Permissions::from_mode(change)).unwrap();
+        if what == "owned by another user" {
+            std::os::unix::fs::chown(&a.config, Some(uid), None).unwrap();
+        }
+        for args in [vec!["agent", "--check-config", "--config", c], vec!["executor", "list", "--config", c]] {
+            let out = op(&args);
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{what}: {args:?}: {stderr}");
+            assert!(
+                stderr.contains(&format!("{c}: the configuration file: {c} {needle}")),
+                "{what}: {args:?}: {stderr}"
+            );
+        }
+        std::os::unix::fs::chown(&a.config, Some(0), None).unwrap();
+    }
+    std::fs::set_permissions(&a.config, std::fs::Permissions::from_mode(0o600)).unwrap();
+    assert_eq!(op(&["agent", "--check-config", "--config", c]).status.code(), Some(0));
+}
+
 /// The agent's `network:` section for `platform`, with its TLS files (from `agent_pki` for
 /// the client certificate and `ca_pki` for the CA it trusts) in `dir`.
 fn platform_network(

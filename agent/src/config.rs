@@ -579,6 +579,14 @@ impl Config {
             (None, None) => (PathBuf::from(DEFAULT_PATH), false),
         };
         let file_err = |message: String| ConfigError { path: path.display().to_string(), message };
+        // Root trusts the file for everything the agent trusts (the keys commands and
+        // packages are checked with, the socket, the Vault address, the Landlock floor): it
+        // is held to the same rule as those files — root's or the agent's, writable by no
+        // one else, and so is the way to it ([`check_trust_file`]).
+        // (A missing file is reported below, as unreadable or as the defaults.)
+        if nix::unistd::geteuid().is_root() && path.exists() {
+            check_trust_file("the configuration file", &path).map_err(file_err)?;
+        }
         // A regular file only (a FIFO would block the open), no more than the cap + 1 bytes.
         match crate::bounded::read_regular(&path, MAX_CONFIG_BYTES as u64) {
             Err(e) if e.kind() == std::io::ErrorKind::InvalidData => Err(file_err(too_large().message)),
