@@ -397,6 +397,30 @@ fn signed_commands_run_and_every_rejection_is_audited() {
     assert!(events.iter().any(|e| e["event"] == "executor_complete" && e["fields"]["command_id"] == "cmd-1"));
 }
 
+/// A command's receipt names its source — the socket, with its client's pid and uid — and
+/// the SHA-256 of the bytes as received: a local root submission is told from a platform
+/// command, and what ran from what was signed.
+#[test]
+fn a_receipt_names_the_commands_source_and_digest() {
+    if !common::require_root() {
+        return;
+    }
+    let mut a = Agent::new(1);
+    a.start();
+    let bytes = a.sign(&json!({"command_id": "receipt-1", "action": "ping"}));
+    let (code, r) = a.submit(&bytes);
+    assert_eq!(code, 0, "{r}");
+    assert!(a.stop().success());
+    let events = a.audit_events();
+    let received = events
+        .iter()
+        .find(|e| e["event"] == "command_received" && e["fields"]["command_id"] == "receipt-1")
+        .expect("the receipt");
+    let source = received["fields"]["source"].as_str().unwrap();
+    assert!(source.starts_with("socket (pid ") && source.ends_with(", uid 0)"), "{received}");
+    assert_eq!(received["fields"]["sha256"], sha256_hex(&bytes), "{received}");
+}
+
 #[test]
 fn the_daemon_writes_no_core_dump() {
     if !common::require_root() {
@@ -1922,6 +1946,9 @@ fn a_platform_connection_sending_commands_the_agent_refuses_is_polled_less_and_l
         "{received}"
     );
     assert!(received["fields"]["executor"].as_str().unwrap().ends_with("bytes cut]"), "{received}");
+    // The receipt says where it came from (what it says of itself is anyone's words).
+    assert_eq!(received["fields"]["source"], "platform", "{received}");
+    assert_eq!(received["fields"]["sha256"].as_str().unwrap().len(), 64, "{received}");
     let refusal = events
         .iter()
         .find(|e| e["event"] == "security_event" && e["fields"]["command_id"].as_str().unwrap().starts_with("f1-"))
@@ -2298,13 +2325,20 @@ fn executors_listed_in_the_config_are_installed_at_start_once() {
         std::fs::create_dir_all(&pkgs).unwrap();
         let signed = hello_archive(&pkgs, "1.0.0", "hello-1.0.0.tar.gz");
         sign_package(&dir.join("keys/signing.key"), &signed);
-        // A directory (cannot be signed) and a missing archive: both refused, audited, skipped.
+        // A directory (cannot be signed), a missing archive, and a signed archive others may
+        // write (they would choose what the agent installs at every start): each refused,
+        // audited, skipped.
         std::fs::create_dir_all(pkgs.join("plain")).unwrap();
+        let open = hello_archive(&pkgs, "1.1.0", "open-1.1.0.tar.gz");
+        sign_package(&dir.join("keys/signing.key"), &open);
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o666)).unwrap();
         format!(
-            "  require_signature: true\n  install:\n    - {}\n    - {}\n    - {}\n",
+            "  require_signature: true\n  install:\n    - {}\n    - {}\n    - {}\n    - {}\n",
             signed.display(),
             pkgs.join("plain").display(),
-            pkgs.join("absent.tar.gz").display()
+            pkgs.join("absent.tar.gz").display(),
+            open.display()
         )
     });
     let c = a.config.to_str().unwrap().to_string();
@@ -2314,6 +2348,7 @@ fn executors_listed_in_the_config_are_installed_at_start_once() {
     assert!(out.status.success(), "{stderr}");
     assert!(stderr.contains("executors.install[1]") && stderr.contains("a directory cannot be signed"), "{stderr}");
     assert!(stderr.contains("executors.install[2]"), "{stderr}");
+    assert!(stderr.contains("executors.install[3]") && stderr.contains("is writable by others (mode 0666"), "{stderr}");
     assert!(!stderr.contains("executors.install[0]"), "{stderr}");
 
     let count = |a: &Agent, event: &str| a.audit_events().iter().filter(|e| e["event"] == event).count();
@@ -2323,7 +2358,8 @@ fn executors_listed_in_the_config_are_installed_at_start_once() {
     assert!(pong["output"]["executors"].as_array().unwrap().iter().any(|e| e == "hello@1.0.0"), "{pong}");
     // The entries that failed are reported (in heartbeats too), not only logged and audited.
     let failures = pong["output"]["install_failures"].as_array().unwrap();
-    assert_eq!(failures.len(), 2, "{pong}");
+    assert_eq!(failures.len(), 3, "{pong}");
+    assert!(failures[2]["error"].as_str().unwrap().contains("is writable by others"), "{pong}");
     assert_eq!(
         (failures[0]["entry"].as_str(), failures[1]["entry"].as_str()),
         (Some("executors.install[1]"), Some("executors.install[2]"))
@@ -2331,9 +2367,10 @@ fn executors_listed_in_the_config_are_installed_at_start_once() {
     assert!(failures[0]["error"].as_str().unwrap().contains("a directory cannot be signed"), "{pong}");
     assert_eq!(count(&a, "executor_installed"), 3, "two by hand, one from the config");
     let failed: Vec<Value> = a.audit_events().into_iter().filter(|e| e["event"] == "executor_install_failed").collect();
-    assert_eq!(failed.len(), 2, "{failed:?}");
+    assert_eq!(failed.len(), 3, "{failed:?}");
     assert_eq!(failed[0]["fields"]["entry"], "executors.install[1]");
     assert_eq!(failed[1]["fields"]["entry"], "executors.install[2]");
+    assert_eq!(failed[2]["fields"]["entry"], "executors.install[3]");
     assert!(a.stop().success());
 
     // Installed with its bytecode; one installed by an older agent, without it, gets it at
@@ -2346,7 +2383,7 @@ fn executors_listed_in_the_config_are_installed_at_start_once() {
     assert!(a.stop().success());
     assert!(pyc.is_file(), "bytecode not precompiled at start");
     assert_eq!(count(&a, "executor_installed"), 3, "nothing reinstalled");
-    assert_eq!(count(&a, "executor_install_failed"), 4);
+    assert_eq!(count(&a, "executor_install_failed"), 6);
     let hello_dir = a.dir.path.join("executors/hello");
     let versions = || {
         let mut v: Vec<String> = std::fs::read_dir(&hello_dir)

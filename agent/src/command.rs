@@ -43,8 +43,8 @@ pub struct Place {
 impl Place {
     /// [`Pipeline::submit`] in the place already held (never `overloaded`), and whether the
     /// command passed the control plane's checks ([`Handled`]).
-    pub fn submit(self, bytes: &[u8]) -> Handled {
-        self.pipeline.handle_checked(bytes, signing::now())
+    pub fn submit(self, bytes: &[u8], source: &str) -> Handled {
+        self.pipeline.handle_checked(bytes, signing::now(), source)
     }
 }
 
@@ -354,7 +354,7 @@ impl Pipeline {
                 .and_then(|c| c.get("command_id").and_then(Value::as_str).map(str::to_string));
             self.overloaded(id.as_deref(), source, &format!("{} commands are running", self.max_concurrent))
         } else {
-            self.handle(bytes, signing::now())
+            self.handle(bytes, signing::now(), source)
         };
         self.running.fetch_sub(1, Ordering::SeqCst);
         reply
@@ -405,15 +405,16 @@ impl Pipeline {
         self.running.load(Ordering::SeqCst)
     }
 
-    /// Steps 1–10 for one command as received; the reply JSON, returned once every audit
-    /// record of the command is durable.
-    pub fn handle(&self, bytes: &[u8], now: i64) -> Value {
-        self.handle_checked(bytes, now).reply
+    /// Steps 1–10 for one command as received from `source` (`platform`, or the socket and
+    /// its client's pid and uid: recorded with the receipt); the reply JSON, returned once
+    /// every audit record of the command is durable.
+    pub fn handle(&self, bytes: &[u8], now: i64, source: &str) -> Value {
+        self.handle_checked(bytes, now, source).reply
     }
 
     /// [`Pipeline::handle`], and whether the command passed the checks of steps 1–6.
-    pub fn handle_checked(&self, bytes: &[u8], now: i64) -> Handled {
-        let handled = match self.checked(bytes, now) {
+    pub fn handle_checked(&self, bytes: &[u8], now: i64, source: &str) -> Handled {
+        let handled = match self.checked(bytes, now, source) {
             Ok((cmd, id)) => Handled { reply: self.dispatch(&id, &cmd), passed_checks: true },
             Err(reply) => Handled { reply, passed_checks: false },
         };
@@ -431,7 +432,9 @@ impl Pipeline {
     /// command and its id when it passed them, else the reply. What a command that has not
     /// passed them says of itself is anyone's words, recorded short (see
     /// [`CLAIMED_NAME_BYTES`]).
-    fn checked(&self, bytes: &[u8], now: i64) -> Result<(Map<String, Value>, String), Value> {
+    /// The receipt names where the command came from and the SHA-256 of its bytes as
+    /// received (what was signed, whatever it says of itself).
+    fn checked(&self, bytes: &[u8], now: i64, source: &str) -> Result<(Map<String, Value>, String), Value> {
         let (cmd, verdict, outcome) = match verify_command(bytes, &self.platform_key, now) {
             Verification::Unreadable(r) => return Err(refuse(r.command_id.as_deref(), r.reason, &r.message)),
             Verification::Checked { cmd, verdict, outcome } => (cmd, verdict, outcome),
@@ -454,6 +457,8 @@ impl Pipeline {
                         Err(e) => e.as_str(),
                     },
                 ),
+                ("source", source),
+                ("sha256", &audit::sha256_hex(bytes)),
             ],
         );
         let id = match outcome {

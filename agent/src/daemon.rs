@@ -537,6 +537,11 @@ fn serve_client(mut stream: UnixStream, pipeline: &Pipeline) {
     if !peer_is_root(&stream) {
         return;
     }
+    // Who sent it, for the receipt (the credentials of the client at its connect).
+    let source = match nix::sys::socket::getsockopt(&stream, nix::sys::socket::sockopt::PeerCredentials) {
+        Ok(c) => format!("socket (pid {}, uid {})", c.pid(), c.uid()),
+        Err(_) => "socket".to_string(),
+    };
     let limit = crate::signing::MAX_COMMAND_BYTES as u64 + 1;
     let Some(buf) = read_request(&mut stream, limit, READ_DEADLINE) else { return };
     if buf.is_empty() {
@@ -544,7 +549,7 @@ fn serve_client(mut stream: UnixStream, pipeline: &Pipeline) {
         // and no place in the concurrency limit.
         return;
     }
-    let reply = pipeline.submit(&buf, "socket");
+    let reply = pipeline.submit(&buf, &source);
     let mut line = reply.to_string();
     line.push('\n');
     // A client that never reads a reply larger than the socket's buffer must not hold this

@@ -1356,6 +1356,10 @@ pub fn check_configured(config: &crate::config::Config, trust: &Trust, identity:
                 continue;
             }
         };
+        if let Err(e) = configured_source_trusted(&format!("executors.install[{i}]"), p) {
+            problems.push(e.to_string());
+            continue;
+        }
         if meta.is_dir() {
             if trust.required {
                 problems.push(format!("{at}: a directory cannot be signed, and executors.require_signature is on"));
@@ -1389,6 +1393,25 @@ pub fn check_configured(config: &crate::config::Config, trust: &Trust, identity:
     problems
 }
 
+/// An `executors.install` entry is installed as root at every start, signed or not (unless
+/// `executors.require_signature`): like the files the agent trusts, an archive must be
+/// root's or the agent's and writable by no one else, a directory the agent's own and
+/// writable by no one else, and so the way to either ([`crate::config::check_trust_file`],
+/// [`crate::config::check_agents_own_dir`]) — whoever else could change it would choose
+/// what the agent installs. (What lies inside a directory is not checked file by file.)
+fn configured_source_trusted(entry: &str, p: &Path) -> Result<(), InstallError> {
+    match std::fs::metadata(p) {
+        Ok(m) if m.is_dir() => crate::config::check_agents_own_dir(p, &m).map_err(|e| {
+            InstallError::Invalid(format!(
+                "{entry}: {e}: whoever else could change it would choose what the agent installs"
+            ))
+        }),
+        Ok(_) => crate::config::check_trust_file(entry, p).map_err(InstallError::Invalid),
+        // Missing: reported as the install's own error.
+        Err(_) => Ok(()),
+    }
+}
+
 /// An `executors.install` entry that did not install at agent start (reported in heartbeats
 /// and `ping` replies until the agent restarts).
 #[derive(Debug, Clone, serde::Serialize)]
@@ -1409,7 +1432,7 @@ pub fn install_configured(config: &crate::config::Config, policy: &AgentPolicy, 
     for (i, p) in config.executors.install.iter().enumerate() {
         let entry = format!("executors.install[{i}]");
         let package = p.to_string_lossy();
-        let result = signature_for(p, None).and_then(|signature| {
+        let result = configured_source_trusted(&entry, p).and_then(|()| signature_for(p, None)).and_then(|signature| {
             let check = PackageCheck {
                 trust,
                 signature,

@@ -576,7 +576,7 @@ pub fn run(
                             }
                         }
                         let _done = Done(taken);
-                        let handled = place.submit(&bytes);
+                        let handled = place.submit(&bytes, "platform");
                         // Counted before the result is posted (and so before this command's
                         // place in `taken` is given back to the poll).
                         if handled.passed_checks {

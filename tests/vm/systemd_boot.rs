@@ -170,7 +170,10 @@ fn install(ctx: &Ctx) -> Result<(), String> {
         ctx,
         "slow",
         json!({}),
-        json!({"timeout_seconds": 30}),
+        // Not throttled to the default 10 % of a CPU: under TCG the runtime's start alone
+        // took up to ~1.4 s of CPU, so at 10 % the 6 s timeout could come before the handler
+        // below was installed (the check that the SIGTERM arrived then failed).
+        json!({"timeout_seconds": 30, "max_cpu_percent": 100}),
         // A stop or a timeout's SIGTERM is noted and the sleep goes on (to the SIGKILL).
         "        import signal, sys, time\n        \
          signal.signal(signal.SIGTERM, lambda *_: (sys.stderr.write(\"SIGTERM\\n\"), sys.stderr.flush()))\n        \
