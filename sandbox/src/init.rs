@@ -74,8 +74,12 @@
 //! the zygote's interpreter and one process exit per sandbox fewer. With a leased host uid
 //! the zygote takes it as its effective uid around the `clone`, so that the user namespace
 //! is that uid's ([`crate::namespaces::OwnerCreds`]); init then runs as that uid on the host
-//! from its start, so the parent writes it into the cgroups (init's step 2 joins none), and
-//! init hands its namespaces over with "unshared" as a monitor does.
+//! from its start, so the cgroup files are closed to it: the parent opens them and sends
+//! the descriptors with "cgroups", and init's step 2 writes "0" through them (on kernels
+//! before 5.16, which check the writer's credentials rather than the opener's, the parent
+//! writes init's pid itself, paying the global lock's RCU grace period per hierarchy that
+//! a process moving itself through a v1 `tasks` file skips); init hands its namespaces
+//! over with "unshared" as a monitor does.
 //!
 //! Every step either succeeds or reports a [`StepError`] over the channel and the sandbox is
 //! torn down; nothing continues past a failed step. The monitor/init/payload functions only
@@ -403,6 +407,9 @@ fn app_channel(spec: &SandboxSpec) -> Result<Option<Channel>, StepError> {
 struct Handshake {
     /// The cgroup files to join.
     join: Vec<std::path::PathBuf>,
+    /// Or descriptors of them the parent opened, for an init that cannot open them (a
+    /// sandbox started directly with a leased owner runs as that uid from its start).
+    join_fds: Vec<std::os::fd::OwnedFd>,
     /// Detached mounts of declared paths the parent prepared ([`crate::idmap`]), by index
     /// into `filesystem.paths`.
     binds: Vec<(usize, std::os::fd::OwnedFd)>,
@@ -416,10 +423,10 @@ struct Handshake {
 /// [`crate::namespaces::enter_user_namespace_owned_by`]), and without `CAP_SYS_PTRACE` (the
 /// shipped unit withholds it) the parent cannot open them through `/proc/PID/ns`.
 fn unshared_handshake(chan: &Channel, hand_over: bool) -> Result<Handshake, StepError> {
-    let join = match chan.recv::<ToSandbox>().map_err(protocol)? {
-        Some(ToSandbox::Cgroups { join }) => join,
+    let (join, join_fds) = match chan.recv_with_fds::<ToSandbox>().map_err(protocol)? {
+        Some((ToSandbox::Cgroups { join }, fds)) => (join, fds),
         None => return Err(protocol("parent went away")),
-        other => return Err(protocol(format!("expected the cgroups, got {other:?}"))),
+        Some((other, _)) => return Err(protocol(format!("expected the cgroups, got {other:?}"))),
     };
     let mut namespaces = Vec::new();
     if hand_over {
@@ -439,7 +446,7 @@ fn unshared_handshake(chan: &Channel, hand_over: bool) -> Result<Handshake, Step
     let mut binds = Vec::new();
     loop {
         match chan.recv_with_fds::<ToSandbox>().map_err(protocol)? {
-            Some((ToSandbox::Proceed, fds)) if fds.is_empty() => return Ok(Handshake { join, binds }),
+            Some((ToSandbox::Proceed, fds)) if fds.is_empty() => return Ok(Handshake { join, join_fds, binds }),
             Some((ToSandbox::Binds { paths }, fds)) if fds.len() == paths.len() => {
                 binds.extend(paths.into_iter().zip(fds));
             }
@@ -535,11 +542,24 @@ fn init(
         die_with_parent()?;
     }
     // 2.
-    let Handshake { join: cgroup_join, binds } = handshake;
+    let Handshake { join: cgroup_join, join_fds, binds } = handshake;
     for file in &cgroup_join {
         // Writing "0" to a v1 `tasks` file moves this (single-threaded) process without the
         // global threadgroup lock (see `cgroup::SandboxCgroup::join_files`).
         std::fs::write(file, "0").map_err(|e| StepError::io(Stage::Cgroup, format!("join {}", file.display()), e))?;
+    }
+    // The same through the parent's descriptors (each closed here: written through, such a
+    // descriptor moves any process of the sandbox with host root's credentials).
+    for fd in join_fds {
+        let written = nix::unistd::write(&fd, b"0");
+        if written != Ok(1) {
+            let e = written.err().unwrap_or(nix::errno::Errno::EIO);
+            return Err(StepError::errno(
+                Stage::Cgroup,
+                "join the sandbox's cgroups through the parent's descriptors",
+                e,
+            ));
+        }
     }
     if spec.namespaces.cgroup {
         nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWCGROUP)

@@ -654,24 +654,46 @@ impl Sandbox {
             state: std::sync::Mutex::new(CpuState { applied, error: None }),
             stop: Some(self.stop.clone()),
         });
+        let mut join_fds: Vec<OwnedFd> = Vec::new();
         let join = if self.direct && self.host_uid.is_some() {
             // Init started directly in a namespace the leased uid owns runs as that uid on
-            // the host from its start: the cgroup files are closed to it, so it is placed in
-            // the cgroups here (before it unshares its cgroup namespace, after "cgroups").
-            // By pid: init holding it after the writes held it during them (pids are not
-            // reused while their process, or its zombie, exists) — and one that ended
-            // first could only have lost it to another process after the kernel's cyclic
-            // allocation went round every pid (`kernel.pid_max`) in between.
-            let pid = self.monitor.as_raw().to_string();
-            for file in &join {
-                SandboxCgroup::write_control(file, &pid)?;
+            // the host from its start: the cgroup files are closed to it.
+            if crate::cgroup::open_time_credentials() {
+                // It writes "0" through descriptors opened here (the kernel checks the
+                // opener's credentials): a process moving itself through a v1 `tasks`
+                // file skips the global threadgroup lock, whose RCU grace period a write
+                // of its pid from here takes — 1–3 ms per hierarchy, on the start path.
+                for file in &join {
+                    let fd = nix::fcntl::open(
+                        file.as_path(),
+                        nix::fcntl::OFlag::O_WRONLY | nix::fcntl::OFlag::O_CLOEXEC,
+                        nix::sys::stat::Mode::empty(),
+                    )
+                    .map_err(|e| SandboxError::io(format!("open {}", file.display()), e.into()))?;
+                    join_fds.push(fd);
+                }
+            } else {
+                // Older kernels check the writer's: init is placed in them here (before it
+                // unshares its cgroup namespace, after "cgroups"). By pid: init holding it
+                // after the writes held it during them (pids are not reused while their
+                // process, or its zombie, exists) — and one that ended first could only have
+                // lost it to another process after the kernel's cyclic allocation went round
+                // every pid (`kernel.pid_max`) in between.
+                let pid = self.monitor.as_raw().to_string();
+                for file in &join {
+                    SandboxCgroup::write_control(file, &pid)?;
+                }
+                self.check_monitor_pid("placing init in its cgroups")?;
             }
-            self.check_monitor_pid("placing init in its cgroups")?;
             Vec::new()
         } else {
             join
         };
-        self.chan.send(&ToSandbox::Cgroups { join }).map_err(|e| early(format!("send cgroups: {}", e.desc())))?;
+        let raw: Vec<RawFd> = join_fds.iter().map(AsRawFd::as_raw_fd).collect();
+        self.chan
+            .send_with_fds(&ToSandbox::Cgroups { join }, &raw)
+            .map_err(|e| early(format!("send cgroups: {}", e.desc())))?;
+        drop(join_fds);
         self.await_setup("the namespaces")?;
         let handed_over = match self.chan.recv_with_fds::<FromSandbox>().map_err(early)? {
             Some((FromSandbox::Unshared, fds)) => fds,
