@@ -1041,7 +1041,16 @@ impl AuditLog {
         let present_first = if oldest_present == oldest_kept {
             kept_first
         } else {
-            self.first_record_of(&s.rotated(oldest_present))?.seq
+            // A file past `keep`, which this rotation drops: one that cannot be read does not
+            // stop the log (every append would fail on it until an operator came) — the
+            // claim stays, and `verify` reports what lay before the kept files.
+            match self.first_record_of(&s.rotated(oldest_present)) {
+                Ok(r) => r.seq,
+                Err(e) => {
+                    tracing::warn!(path = %s.rotated(oldest_present).display(), error = %e, "audit: a rotated file past audit.keep cannot be read; the rotation keeps the last claim of where the kept history begins");
+                    return Ok(claimed);
+                }
+            }
         };
         if present_first > claimed {
             tracing::warn!(

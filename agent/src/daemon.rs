@@ -209,8 +209,7 @@ pub fn no_core_dumps() -> Result<(), CannotRun> {
 /// summary, an error for each missing required feature and a warning for each degradation
 /// (the sandboxes' shared `nobody` or host uid, root's inotify headroom, …), logged at start.
 /// The heartbeat reports the same list to the platform.
-fn log_service_view(pipeline: &Pipeline) {
-    let policy = &pipeline.policy;
+fn log_service_view(policy: &crate::policy::AgentPolicy) {
     let report = crate::doctor::examine(policy.landlock_min_abi, policy.allow_degraded, policy.host_uids.as_ref());
     let missing: Vec<&crate::doctor::Finding> = report.findings.iter().filter(|f| f.required && !f.ok).collect();
     let (count_missing, count_degraded) = (missing.len(), report.degraded.len());
@@ -245,7 +244,9 @@ pub fn serve(pipeline: Pipeline, socket: &Path, platform: Option<crate::platform
              without RESOLVE_IN_ROOT"
         );
     }
-    log_service_view(&pipeline);
+    // Before readiness, as the identity's own lookup (NSS, which a directory service may
+    // answer slowly) is.
+    log_service_view(&pipeline.policy);
     let pipeline = Arc::new(pipeline);
     let mut workers: Vec<std::thread::JoinHandle<()>> = Vec::new();
     let refusals = Refusals::start(pipeline.clone())?;
@@ -558,11 +559,11 @@ fn serve_client(mut stream: UnixStream, pipeline: &Pipeline) {
     let _ = stream.write_all(line.as_bytes());
 }
 
-/// `opservant submit`: send one signed command, return the reply.
 /// The most `submit` reads of a reply: a result's output is capped at 4 MiB of JSON, its
 /// captured streams and artifacts at less.
 const MAX_REPLY_BYTES: u64 = 64 * 1024 * 1024;
 
+/// `opservant submit`: send one signed command, return the reply.
 pub fn submit(socket: &Path, command: &[u8]) -> Result<Value, CannotRun> {
     let mut stream = UnixStream::connect(socket)
         .map_err(|e| CannotRun(format!("{}: cannot reach the agent: {e}", socket.display())))?;
@@ -583,11 +584,12 @@ pub fn submit(socket: &Path, command: &[u8]) -> Result<Value, CannotRun> {
     // An agent past its connection limit answers before reading and closes: the send then
     // fails, and the answer is still there to read.
     let sent = stream.write_all(command).and_then(|()| stream.shutdown(std::net::Shutdown::Write));
-    let mut reply = String::new();
-    let read = (&mut stream).take(MAX_REPLY_BYTES + 1).read_to_string(&mut reply);
-    if reply.len() as u64 > MAX_REPLY_BYTES {
+    let mut bytes = Vec::new();
+    let read = (&mut stream).take(MAX_REPLY_BYTES + 1).read_to_end(&mut bytes);
+    if bytes.len() as u64 > MAX_REPLY_BYTES {
         return Err(CannotRun(format!("{}: the reply is over {MAX_REPLY_BYTES} bytes", socket.display())));
     }
+    let reply = String::from_utf8(bytes).map_err(|_| CannotRun("the reply is not UTF-8".into()))?;
     if reply.trim().is_empty() {
         if let Err(e) = sent {
             return Err(CannotRun(format!("send: {e}")));

@@ -290,7 +290,27 @@ const LISTED_SOURCES: [&str; 3] = ["files", "systemd", "compat"];
 /// lookup per uid of a range would stall every start.
 fn accounts_in_range(range: &sandbox::HostUids) -> AccountsInRange {
     let sources = std::fs::read_to_string("/etc/nsswitch.conf").map(|t| passwd_sources(&t)).unwrap_or_default();
-    check_accounts(range, &sources, every_account)
+    check_accounts(range, &sources, recent_accounts)
+}
+
+/// How long a listing of every account ([`every_account`]) is reused: the heartbeat
+/// examines the host every minute, and a directory service that lists its accounts would
+/// be walked whole each time.
+const ACCOUNTS_REUSED_FOR: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// [`every_account`], listed again at most every [`ACCOUNTS_REUSED_FOR`].
+fn recent_accounts() -> Vec<(String, u32)> {
+    type Listed = (std::time::Instant, Vec<(String, u32)>);
+    static RECENT: std::sync::Mutex<Option<Listed>> = std::sync::Mutex::new(None);
+    let mut recent = RECENT.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    match &*recent {
+        Some((at, accounts)) if at.elapsed() < ACCOUNTS_REUSED_FOR => accounts.clone(),
+        _ => {
+            let accounts = every_account();
+            *recent = Some((std::time::Instant::now(), accounts.clone()));
+            accounts
+        }
+    }
 }
 
 /// [`accounts_in_range`] with the `passwd` sources given, and `accounts` listing them.

@@ -1661,8 +1661,8 @@ const MAX_PAX_HEADER_BYTES: u64 = 1024 * 1024;
 /// stream differently from this reader: a size or mode field that is not plain octal
 /// digits or base-256 (GNU tar reads a leading `+` as its obsolete base-64) and an entry
 /// that has no data (a directory, a link, a device) whose header claims a size (GNU tar
-/// skips no data after it, this reader skips the size: the bytes after it would be other
-/// entries to each). With `whole_stream` (a gzip stream) it is read to its end once the
+/// skips no data after some of them — a directory, a hard link —, this reader skips the
+/// size: the bytes after it would be other entries to each). With `whole_stream` (a gzip stream) it is read to its end once the
 /// archive's end is reached: its checksum and length are checked, and bytes after it
 /// that are not another gzip member are refused, as `gzip -d` refuses them.
 fn check_headers(reader: impl Read, archive: &Path, whole_stream: bool) -> Result<(), InstallError> {
@@ -1758,12 +1758,13 @@ fn check_entries<R: Read>(tar: &mut tar::Archive<R>, archive: &Path) -> Result<(
     Ok(())
 }
 
-/// Whether a numeric header field reads the same to every tar program: base-256 (its
-/// first byte's high bit set), or optional leading spaces, at least one octal digit, and
-/// then only NULs or spaces up to the field's end or its first NUL.
+/// Whether a numeric header field reads the same to every tar program: positive base-256
+/// (first byte 0x80; in a 12-byte field the next three zero, which the `tar` crate skips
+/// and GNU tar reads), or optional leading spaces, at least one octal digit, and then only
+/// NULs or spaces up to the field's end or its first NUL.
 fn plain_number(field: &[u8]) -> bool {
     if field.first().is_some_and(|b| b & 0x80 != 0) {
-        return true;
+        return field[0] == 0x80 && (field.len() != 12 || field[1..4] == [0, 0, 0]);
     }
     let text = field.split(|b| *b == 0).next().unwrap_or_default();
     let digits = text.iter().skip_while(|b| **b == b' ');
@@ -2022,7 +2023,6 @@ fn copy_dir(
     use nix::fcntl::OFlag;
     use nix::sys::stat::{Mode, SFlag};
     use std::os::unix::ffi::OsStrExt;
-    check_depth(src, depth)?;
     mkdir(dest)?;
     // `try_clone` duplicates with F_DUPFD_CLOEXEC.
     let copy = dir.try_clone().map_err(|e| io(src, e))?;
@@ -2041,6 +2041,8 @@ fn copy_dir(
     for name in names {
         budget.entry()?;
         let path = src.join(&name);
+        // Counted as in an archive: this entry is `depth + 1` names below the top.
+        check_depth(&path, depth + 1)?;
         let name_str =
             name.to_str().ok_or_else(|| InstallError::Invalid(format!("{}: name is not UTF-8", path.display())))?;
         // Build products and caches are not part of a package.

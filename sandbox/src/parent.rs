@@ -181,17 +181,17 @@ fn check_handed_over(
 }
 
 /// Whether `pidfd` is a pidfd of the process `pid` (its `/proc/self/fdinfo` says so; any
-/// other kind of descriptor has no `Pid:` there): `Some(true)`, or `Some(false)` for a
-/// pidfd whose process has been reaped (`Pid: -1`: signals through it reach no one);
-/// `None` for anything else.
-fn pidfd_names(pidfd: &OwnedFd, pid: i32) -> Option<bool> {
-    let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", pidfd.as_raw_fd())).ok()?;
-    let named = info.lines().find_map(|l| l.strip_prefix("Pid:")?.trim().parse::<i32>().ok())?;
-    match named {
-        -1 => Some(false),
-        n if n == pid => Some(true),
+/// other kind of descriptor has no `Pid:` there): `Ok(Some(true))`, or `Ok(Some(false))`
+/// for a pidfd whose process has been reaped (`Pid: -1`: signals through it reach no one);
+/// `Ok(None)` for anything else, `Err` when the fdinfo cannot be read (why).
+fn pidfd_names(pidfd: &OwnedFd, pid: i32) -> Result<Option<bool>, String> {
+    let path = format!("/proc/self/fdinfo/{}", pidfd.as_raw_fd());
+    let info = std::fs::read_to_string(&path).map_err(|e| format!("read {path}: {e}"))?;
+    Ok(match info.lines().find_map(|l| l.strip_prefix("Pid:")?.trim().parse::<i32>().ok()) {
+        Some(-1) => Some(false),
+        Some(n) if n == pid => Some(true),
         _ => None,
-    }
+    })
 }
 
 /// Which stream a chunk of output came from.
@@ -1049,21 +1049,27 @@ impl Sandbox {
                             // Init's pidfd is the monitor's to send (opened before it could
                             // reap init, it names init): without it, a stop or a timeout
                             // could not reach init, so the sandbox ends here.
-                            FromSandbox::InitForked { pid } if self.init.is_none() => match fds.pop() {
-                                Some(pidfd) if fds.is_empty() && pidfd_names(&pidfd, pid) == Some(true) => {
-                                    self.init = Some(pidfd)
+                            FromSandbox::InitForked { pid } if self.init.is_none() => {
+                                let pidfd = fds.pop().filter(|_| fds.is_empty());
+                                let named = match &pidfd {
+                                    Some(p) => pidfd_names(p, pid),
+                                    None => Ok(None),
+                                };
+                                match (pidfd, named) {
+                                    (Some(pidfd), Ok(Some(true))) => self.init = Some(pidfd),
+                                    // Init is over already (reaped by the monitor).
+                                    (_, Ok(Some(false))) => {}
+                                    (_, named) => {
+                                        let why = named.err().unwrap_or_else(|| "no pidfd of it came with it".into());
+                                        failure.get_or_insert(StepError::new(
+                                            Stage::Protocol,
+                                            format!("the monitor reported init (pid {pid}): {why}"),
+                                        ));
+                                        self.kill_everything();
+                                        backstop_at.get_or_insert(Instant::now() + BACKSTOP);
+                                    }
                                 }
-                                // Init is over already (reaped by the monitor).
-                                Some(pidfd) if fds.is_empty() && pidfd_names(&pidfd, pid) == Some(false) => {}
-                                _ => {
-                                    failure.get_or_insert(StepError::new(
-                                        Stage::Protocol,
-                                        format!("the monitor reported init (pid {pid}) without a pidfd of it"),
-                                    ));
-                                    self.kill_everything();
-                                    backstop_at.get_or_insert(Instant::now() + BACKSTOP);
-                                }
-                            },
+                            }
                             FromSandbox::InitForked { .. } => {}
                             FromSandbox::Started(r) => {
                                 report = Some(*r);
@@ -1709,16 +1715,16 @@ mod tests {
     fn only_a_pidfd_of_the_reported_pid_is_taken_for_init() {
         let me = std::process::id() as i32;
         let pidfd = crate::zygote::pidfd_open(Pid::from_raw(me)).unwrap();
-        assert_eq!(pidfd_names(&pidfd, me), Some(true));
-        assert_eq!(pidfd_names(&pidfd, me + 1), None, "a pidfd of another pid");
+        assert_eq!(pidfd_names(&pidfd, me), Ok(Some(true)));
+        assert_eq!(pidfd_names(&pidfd, me + 1), Ok(None), "a pidfd of another pid");
         let file: OwnedFd = std::fs::File::open("/proc/self/status").unwrap().into();
-        assert_eq!(pidfd_names(&file, me), None, "not a pidfd");
+        assert_eq!(pidfd_names(&file, me), Ok(None), "not a pidfd");
         // A pidfd of a process reaped since: it names no one any more.
         let mut child = std::process::Command::new("/bin/true").spawn().unwrap();
         let pid = child.id() as i32;
         let pidfd = crate::zygote::pidfd_open(Pid::from_raw(pid)).unwrap();
         child.wait().unwrap();
-        assert_eq!(pidfd_names(&pidfd, pid), Some(false));
+        assert_eq!(pidfd_names(&pidfd, pid), Ok(Some(false)));
     }
 
     /// What the parent accepts as the monitor's handed-over namespaces: user, mount and
