@@ -1634,6 +1634,24 @@ mod tests {
             rotations(&log);
             assert!(!verify_all().intact, "keep {keep}: hidden after a second rotation");
         }
+        // A file past `keep` that cannot be read (its first line garbage) does not stop the
+        // log at the rotation that drops it.
+        let s = Scratch::new("unreadable-past-keep");
+        let mut settings = AuditSettings::at(&s.log());
+        settings.max_bytes = 1024;
+        settings.keep = 2;
+        let log = AuditLog::open(settings.clone()).unwrap();
+        while !settings.rotated(2).exists() {
+            log.append("x", &Map::new()).unwrap();
+        }
+        let oldest = settings.rotated(2);
+        let text = std::fs::read_to_string(&oldest).unwrap();
+        std::fs::write(&oldest, format!("garbage\n{}", text.split_once('\n').unwrap().1)).unwrap();
+        let mut rotated = false;
+        while !rotated {
+            rotated = log.append("x", &Map::new()).expect("appends go on").rotated;
+        }
+        assert!(!settings.rotated(3).exists(), "dropped past keep");
         // Files a rotation drops past `keep` are not a removal.
         let s = Scratch::new("dropped-rotated");
         let mut settings = AuditSettings::at(&s.log());
