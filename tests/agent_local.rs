@@ -2303,6 +2303,40 @@ fn install_executor_downloads_over_mutual_tls_and_checks_before_unpacking() {
     a.audit_verify();
 }
 
+/// A directory listed in `executors.install` is installed unattended at every start: each
+/// of its entries must be root's or the agent's and writable by no one else, or the entry
+/// fails (audited, reported) and the agent starts without it.
+#[test]
+fn a_configured_directory_another_user_could_change_is_not_installed() {
+    if !common::require_root() {
+        return;
+    }
+    use std::os::unix::fs::PermissionsExt;
+    let mut a = Agent::build(1, "", "", |dir| {
+        let pkgs = dir.join("pkgs");
+        std::fs::create_dir_all(&pkgs).unwrap();
+        hello_archive(&pkgs, "1.0.0", "ok.tar.gz");
+        hello_archive(&pkgs, "2.0.0", "open.tar.gz");
+        let open = pkgs.join("src-open.tar.gz/hello/hello/main.py");
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o666)).unwrap();
+        format!(
+            "  install:\n    - {}\n    - {}\n",
+            pkgs.join("src-ok.tar.gz/hello").display(),
+            pkgs.join("src-open.tar.gz/hello").display()
+        )
+    });
+    a.start();
+    let (code, pong) = a.submit(&a.sign(&json!({"command_id": "p1", "action": "ping"})));
+    assert!(a.stop().success());
+    assert_eq!(code, 0, "{pong}");
+    assert!(pong["output"]["executors"].as_array().unwrap().iter().any(|e| e == "hello@1.0.0"), "{pong}");
+    let failures = pong["output"]["install_failures"].as_array().unwrap();
+    assert_eq!(failures.len(), 1, "{pong}");
+    assert_eq!(failures[0]["entry"], "executors.install[1]", "{pong}");
+    let error = failures[0]["error"].as_str().unwrap();
+    assert!(error.contains("hello/main.py: owned by uid 0 with mode 0666: another user could change it"), "{pong}");
+}
+
 #[test]
 fn install_executor_without_a_platform_is_refused() {
     if !common::require_root() {

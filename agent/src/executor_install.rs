@@ -168,6 +168,11 @@ pub struct InstallOptions {
     /// Skip a version already installed with the same content (and refuse the same version
     /// with other content) instead of [`InstallError::AlreadyInstalled`].
     pub skip_identical: bool,
+    /// A directory package's every entry must be root's or the agent's and writable by no
+    /// one else (group-writable only by root's group): for what is installed unattended
+    /// at every start (`executors.install`), where whoever could change a file would
+    /// choose what the agent installs.
+    pub owned_tree: bool,
 }
 
 /// The two archive formats.
@@ -899,7 +904,7 @@ pub fn install(
     let unpacked = staging.path.join("pkg");
     let (sha256, signed_by) = match kind {
         None => {
-            let mut budget = Budget::default();
+            let mut budget = Budget { owned_only: opts.owned_tree, ..Budget::default() };
             copy_tree(src, &unpacked, &mut budget)?;
             (None, None)
         }
@@ -1398,7 +1403,8 @@ pub fn check_configured(config: &crate::config::Config, trust: &Trust, identity:
 /// root's or the agent's and writable by no one else, a directory the agent's own and
 /// writable by no one else, and so the way to either ([`crate::config::check_trust_file`],
 /// [`crate::config::check_agents_own_dir`]) — whoever else could change it would choose
-/// what the agent installs. (What lies inside a directory is not checked file by file.)
+/// what the agent installs. (What lies inside a directory is checked as it is copied:
+/// [`InstallOptions::owned_tree`].)
 fn configured_source_trusted(entry: &str, p: &Path) -> Result<(), InstallError> {
     match std::fs::metadata(p) {
         Ok(m) if m.is_dir() => crate::config::check_agents_own_dir(p, &m).map_err(|e| {
@@ -1427,7 +1433,7 @@ pub struct InstallFailure {
 /// (`executor_install_failed`) and that entry skipped. Returns the entries that failed.
 pub fn install_configured(config: &crate::config::Config, policy: &AgentPolicy, trust: &Trust) -> Vec<InstallFailure> {
     let root = config.executors.root();
-    let opts = InstallOptions { skip_identical: true, ..Default::default() };
+    let opts = InstallOptions { skip_identical: true, owned_tree: true, ..Default::default() };
     let mut failed = Vec::new();
     for (i, p) in config.executors.install.iter().enumerate() {
         let entry = format!("executors.install[{i}]");
@@ -1490,6 +1496,8 @@ fn unique(root: &Path, prefix: &str) -> Result<PathBuf, InstallError> {
 struct Budget {
     bytes: u64,
     entries: usize,
+    /// [`InstallOptions::owned_tree`]: [`copy_dir`] refuses an entry another user could change.
+    owned_only: bool,
 }
 
 /// A path of more than [`MAX_DEPTH`] names is refused, naming it.
@@ -2058,6 +2066,18 @@ fn copy_dir(
         let kind = |mode: u32| SFlag::from_bits_truncate(mode & SFlag::S_IFMT.bits());
         let stat = nix::sys::stat::fstatat(&dir, name.as_os_str(), nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW)
             .map_err(|e| io(&path, e.into()))?;
+        if budget.owned_only {
+            let euid = nix::unistd::geteuid().as_raw();
+            let others_write = stat.st_mode & 0o002 != 0 || (stat.st_mode & 0o020 != 0 && stat.st_gid != 0);
+            if (stat.st_uid != 0 && stat.st_uid != euid) || others_write {
+                return Err(InstallError::Invalid(format!(
+                    "{}: owned by uid {} with mode {:04o}: another user could change it, and so what the agent installs at every start (each entry must be root's or the agent's and writable by no one else)",
+                    path.display(),
+                    stat.st_uid,
+                    stat.st_mode & 0o7777
+                )));
+            }
+        }
         let target = dest.join(name_str);
         let nofollow = OFlag::O_RDONLY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
         // The entry changed type since it was looked at: a link (ELOOP) or a file where a

@@ -465,7 +465,13 @@ fn main() -> ExitCode {
         } => executor_install(
             &package,
             signature.as_deref(),
-            agent::executor_install::InstallOptions { force, find_links, index_url, skip_identical: false },
+            agent::executor_install::InstallOptions {
+                force,
+                find_links,
+                index_url,
+                skip_identical: false,
+                owned_tree: false,
+            },
             json,
             config,
         ),
