@@ -474,14 +474,7 @@ pub fn out_of_reach(root: &Path, identity: &sandbox::Identity) -> Option<String>
 /// Whether `syncfs(2)` reports the filesystem's write-back errors since its descriptor was
 /// opened: Linux 5.8 and later (a release that cannot be read counts as older).
 fn syncfs_reports_errors() -> bool {
-    nix::sys::utsname::uname().is_ok_and(|u| release_at_least(&u.release().to_string_lossy(), (5, 8)))
-}
-
-/// Whether a kernel release (`6.18.44-fc`, `4.18.0-553.el8_10.x86_64`) is at least
-/// `major.minor`; one that does not start with both counts as older.
-fn release_at_least(release: &str, (major, minor): (u32, u32)) -> bool {
-    let mut parts = release.split(|c: char| !c.is_ascii_digit()).map(|n| n.parse::<u32>().ok());
-    matches!((parts.next().flatten(), parts.next().flatten()), (Some(a), Some(b)) if (a, b) >= (major, minor))
+    sandbox::probe::kernel_at_least((5, 8))
 }
 
 impl Drop for Staging {
@@ -2612,24 +2605,6 @@ pub fn remove(root: &Path, name: &str, source: &str, command_id: Option<&str>) -
 
 #[cfg(test)]
 mod tests {
-    #[test]
-    fn kernel_releases_are_compared_by_major_and_minor() {
-        use super::release_at_least;
-        for (release, at_least_5_8) in [
-            ("6.18.44-fc-v1272", true),
-            ("6.1.0-57-amd64", true),
-            ("5.8.0", true),
-            ("5.10.0-32-amd64", true),
-            ("5.7.19", false),
-            ("4.18.0-553.el8_10.x86_64", false),
-            ("", false),
-            ("linux", false),
-            ("6", false),
-        ] {
-            assert_eq!(release_at_least(release, (5, 8)), at_least_5_8, "{release}");
-        }
-    }
-
     #[test]
     fn a_version_directorys_name_gives_its_version() {
         for (name, want) in [

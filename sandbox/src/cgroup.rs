@@ -354,7 +354,7 @@ fn stat_field(stat: &str, n: usize) -> Option<&str> {
 /// cgroup.kill exists in every non-root v2 cgroup since Linux 5.14. The root has none, so
 /// when this process sits at the root the kernel version has to tell.
 fn kernel_has_cgroup_kill() -> bool {
-    kernel_at_least((5, 14))
+    crate::probe::kernel_at_least((5, 14))
 }
 
 /// Whether a move into a cgroup through `cgroup.procs` or `tasks` is checked with the
@@ -362,14 +362,7 @@ fn kernel_has_cgroup_kill() -> bool {
 /// "cgroup: Use open-time credentials for process migraton perm checks"): then a process
 /// running as another uid moves itself with a descriptor host root opened.
 pub fn open_time_credentials() -> bool {
-    kernel_at_least((5, 16))
-}
-
-fn kernel_at_least(version: (u32, u32)) -> bool {
-    let release = fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
-    let mut nums = release.trim().split(|c: char| !c.is_ascii_digit()).map(|n| n.parse::<u32>().unwrap_or(0));
-    let (major, minor) = (nums.next().unwrap_or(0), nums.next().unwrap_or(0));
-    (major, minor) >= version
+    crate::probe::kernel_at_least((5, 16))
 }
 
 fn mkdir_ok_if_exists(p: &Path) -> std::io::Result<()> {

@@ -131,3 +131,37 @@ pub fn probe() -> HostProbe {
         openat2: syscall_exists(libc::SYS_openat2),
     }
 }
+
+/// Whether this kernel's release is at least `major.minor` (one that cannot be read counts
+/// as older).
+pub fn kernel_at_least(version: (u32, u32)) -> bool {
+    nix::sys::utsname::uname().is_ok_and(|u| release_at_least(&u.release().to_string_lossy(), version))
+}
+
+/// Whether a kernel release (`6.18.44-fc`, `4.18.0-553.el8_10.x86_64`) is at least
+/// `major.minor`; one that does not start with both counts as older.
+pub fn release_at_least(release: &str, (major, minor): (u32, u32)) -> bool {
+    let mut parts = release.split(|c: char| !c.is_ascii_digit()).map(|n| n.parse::<u32>().ok());
+    matches!((parts.next().flatten(), parts.next().flatten()), (Some(a), Some(b)) if (a, b) >= (major, minor))
+}
+
+#[cfg(test)]
+mod release_tests {
+    #[test]
+    fn kernel_releases_are_compared_by_major_and_minor() {
+        use super::release_at_least;
+        for (release, at_least_5_8) in [
+            ("6.18.44-fc-v1272", true),
+            ("6.1.0-57-amd64", true),
+            ("5.8.0", true),
+            ("5.10.0-32-amd64", true),
+            ("5.7.19", false),
+            ("4.18.0-553.el8_10.x86_64", false),
+            ("", false),
+            ("linux", false),
+            ("6", false),
+        ] {
+            assert_eq!(release_at_least(release, (5, 8)), at_least_5_8, "{release}");
+        }
+    }
+}
