@@ -1596,6 +1596,16 @@ mod tests {
         assert_eq!(r.seq, 41);
     }
 
+    /// A log in a scratch directory that rotates at 1 KiB and keeps `keep` rotated files.
+    fn rotating_log(name: &str, keep: u32) -> (Scratch, AuditSettings, AuditLog) {
+        let s = Scratch::new(name);
+        let mut settings = AuditSettings::at(&s.log());
+        settings.max_bytes = 1024;
+        settings.keep = keep;
+        let log = AuditLog::open(settings.clone()).unwrap();
+        (s, settings, log)
+    }
+
     /// Rotated files removed other than by a rotation stay reported after the next rotation:
     /// its continuation keeps the last claim of where the kept history begins, never one
     /// made from the files left (which hid the removal from every later `verify`) — with
@@ -1604,11 +1614,7 @@ mod tests {
     #[test]
     fn rotated_files_removed_outside_a_rotation_stay_reported_after_the_next_one() {
         for (keep, rotations_before, removed) in [(8u32, 4u32, vec![4u32, 3]), (4, 6, vec![4, 3, 2])] {
-            let s = Scratch::new("removed-rotated");
-            let mut settings = AuditSettings::at(&s.log());
-            settings.max_bytes = 1024;
-            settings.keep = keep;
-            let log = AuditLog::open(settings.clone()).unwrap();
+            let (s, settings, log) = rotating_log("removed-rotated", keep);
             let rotations = |log: &AuditLog| {
                 let mut n = 0;
                 while n < 1 {
@@ -1636,11 +1642,7 @@ mod tests {
         }
         // A file past `keep` that cannot be read (its first line garbage) does not stop the
         // log at the rotation that drops it.
-        let s = Scratch::new("unreadable-past-keep");
-        let mut settings = AuditSettings::at(&s.log());
-        settings.max_bytes = 1024;
-        settings.keep = 2;
-        let log = AuditLog::open(settings.clone()).unwrap();
+        let (_scratch, settings, log) = rotating_log("unreadable-past-keep", 2);
         while !settings.rotated(2).exists() {
             log.append("x", &Map::new()).unwrap();
         }
@@ -1653,11 +1655,7 @@ mod tests {
         }
         assert!(!settings.rotated(3).exists(), "dropped past keep");
         // Files a rotation drops past `keep` are not a removal.
-        let s = Scratch::new("dropped-rotated");
-        let mut settings = AuditSettings::at(&s.log());
-        settings.max_bytes = 1024;
-        settings.keep = 2;
-        let log = AuditLog::open(settings.clone()).unwrap();
+        let (s, settings, log) = rotating_log("dropped-rotated", 2);
         append(&log, 80);
         assert!(!settings.rotated(3).exists());
         let r = verify::verify_all(&verify::chain_files(&s.log()).unwrap()).unwrap();
@@ -1680,11 +1678,7 @@ mod tests {
             assert!(std::env::var_os("CI").is_none(), "CI runs the tests as root");
             return;
         }
-        let s = Scratch::new("cut-rotation");
-        let mut settings = AuditSettings::at(&s.log());
-        settings.max_bytes = 1024;
-        settings.keep = 2;
-        let log = AuditLog::open(settings.clone()).unwrap();
+        let (s, settings, log) = rotating_log("cut-rotation", 2);
         append(&log, 30);
         assert!(settings.rotated(2).exists(), "rotated twice at least");
         let verify_all = || verify::verify_all(&verify::chain_files(&s.log()).unwrap()).unwrap();
