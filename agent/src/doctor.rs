@@ -259,6 +259,11 @@ fn host_uids_finding(host_uids: Option<&sandbox::HostUids>) -> (bool, String) {
     if let Some(problem) = accounts.problem {
         return (false, format!("{}-{} holds {problem}: that account's processes would share a sandbox's kernel allowances and could signal it; choose another range", r.first, r.last()));
     }
+    let allocators: Vec<&str> =
+        SYSTEMD_UID_ALLOCATORS.iter().copied().filter(|p| std::path::Path::new(p).exists()).collect();
+    if let Some(problem) = container_range_overlap(r, &allocators) {
+        return (false, problem);
+    }
     let mut detail = format!("a host uid of its own per sandbox, from {}-{} ({} at once)", r.first, r.last(), r.count);
     if !accounts.unlisted_sources.is_empty() {
         detail.push_str(&format!(
@@ -267,6 +272,27 @@ fn host_uids_finding(host_uids: Option<&sandbox::HostUids>) -> (bool, String) {
         ));
     }
     (true, detail)
+}
+
+/// systemd's programs that hand containers and user namespaces uids from
+/// [`crate::policy::SYSTEMD_CONTAINER_UIDS`].
+const SYSTEMD_UID_ALLOCATORS: [&str; 2] = ["/usr/bin/systemd-nspawn", "/usr/lib/systemd/systemd-nsresourced"];
+
+/// What `range` overlapping systemd's container uids means where `installed` (of
+/// [`SYSTEMD_UID_ALLOCATORS`]) can allocate them: they check only that no account names the
+/// first uid of what they pick, and nothing names the sandboxes' uids.
+fn container_range_overlap(range: &sandbox::HostUids, installed: &[&str]) -> Option<String> {
+    let (low, high) = crate::policy::SYSTEMD_CONTAINER_UIDS;
+    if installed.is_empty() || range.last() < low || range.first > high {
+        return None;
+    }
+    Some(format!(
+        "{}-{} overlaps systemd's container uids ({low}-{high}), which {} can give a container or user namespace: \
+         its root would own the sandboxes' processes; choose a range outside it (e.g. 1879048192-2147352575)",
+        range.first,
+        range.last(),
+        installed.join(" and ")
+    ))
 }
 
 /// What [`accounts_in_range`] found.
@@ -513,6 +539,18 @@ mod tests {
         assert_eq!(found.unlisted_sources, ["ldap"]);
         assert_eq!(check_accounts(&range(1_900_000_101, 10), &local, accounts), AccountsInRange::default());
         assert_eq!(check_accounts(&range(1_900_000_101, 10), &ldap, accounts).problem, None);
+    }
+
+    #[test]
+    fn a_range_systemd_can_give_containers_is_reported_where_its_allocators_are_installed() {
+        let r = |first, count| sandbox::HostUids { first, count, lock: "/run/lock".into() };
+        let nspawn = ["/usr/bin/systemd-nspawn"];
+        let e = container_range_overlap(&r(524_288 - 10, 11), &nspawn).unwrap();
+        assert!(e.contains("overlaps systemd's container uids (524288-1879048191)") && e.contains("systemd-nspawn"), "{e}");
+        assert!(container_range_overlap(&r(1_879_048_191, 1), &nspawn).is_some());
+        assert_eq!(container_range_overlap(&r(524_288 - 10, 10), &nspawn), None);
+        assert_eq!(container_range_overlap(&r(1_879_048_192, 65536), &nspawn), None);
+        assert_eq!(container_range_overlap(&r(600_000, 65536), &[]), None);
     }
 
     #[test]

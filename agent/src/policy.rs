@@ -285,12 +285,22 @@ pub fn host_uids(
     Ok(Some(range))
 }
 
-/// The uid ranges systemd hands out on its own (its `docs/UIDS-GIDS.md`), to processes no
-/// `/etc/passwd` line names: a `systemd-homed` user's, a unit's with `DynamicUser=`. (Its
-/// containers' range, 524288–1879048191, is left out: `/etc/subuid` ranges commonly lie
-/// there, and containers with `--private-users=pick` are rare on hosts like these.)
-const SYSTEMD_UID_RANGES: [(&str, u32, u32); 2] =
-    [("systemd-homed's", 60001, 60513), ("systemd's DynamicUser=", 61184, 65519)];
+/// The uid ranges systemd hands out on its own (its `docs/UIDS-GIDS.md`), to processes and
+/// files no `/etc/passwd` line names: a `systemd-homed` user's, a unit's with `DynamicUser=`,
+/// and the "foreign" range (files of images `systemd-mountfsd` maps into other user
+/// namespaces). Its containers' range ([`SYSTEMD_CONTAINER_UIDS`]) is left out:
+/// `/etc/subuid` ranges commonly lie there; `doctor` reports an overlap where a systemd tool
+/// that allocates from it is installed.
+const SYSTEMD_UID_RANGES: [(&str, u32, u32); 3] = [
+    ("systemd-homed's", 60001, 60513),
+    ("systemd's DynamicUser=", 61184, 65519),
+    ("systemd's foreign", 2_147_352_576, 2_147_418_111),
+];
+
+/// The uids `systemd-nspawn --private-users=pick` and `systemd-nsresourced` allocate
+/// 65 536 at a time to containers and user namespaces (`docs/UIDS-GIDS.md`), checking only
+/// that no account names the first of them.
+pub const SYSTEMD_CONTAINER_UIDS: (u32, u32) = (524_288, 1_879_048_191);
 
 /// Another user's subordinate uids (in the text of `/etc/subuid`) that `range` overlaps —
 /// not [`EXECUTOR_ACCOUNT`]'s (by name or by its uid, `executor_uid`) when sandboxes run as
@@ -1068,6 +1078,9 @@ mod tests {
         assert!(e.contains("holds systemd's DynamicUser= uids (61184-65519)"), "{e}");
         let e = host_uids(Some(&range(60000, 2)), &nobody).unwrap_err();
         assert!(e.contains("holds systemd-homed's uids (60001-60513)"), "{e}");
+        let e = host_uids(Some(&range(2_147_418_111, 1)), &nobody).unwrap_err();
+        assert!(e.contains("holds systemd's foreign uids (2147352576-2147418111)"), "{e}");
+        assert!(host_uids(Some(&range(2_147_418_112, 65536)), &nobody).is_ok());
         // `auto` (or nothing) without an opservant-executor account: shared.
         if Identity::local(EXECUTOR_ACCOUNT).is_err() {
             assert_eq!(host_uids(None, &nobody), Ok(None));
