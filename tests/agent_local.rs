@@ -2117,6 +2117,202 @@ fn the_agent_refuses_a_server_certificate_from_another_ca() {
     assert!(detail.to_string().to_lowercase().contains("certificate"), "{detail}");
 }
 
+/// The agent's view of the platform with `network.agent_to_platform.crl` at `crl`.
+fn platform_network_with_crl(dir: &Path, p: &platform::TestPlatform, pki: &platform::Pki, crl: &Path) -> String {
+    platform_network(dir, p.addr, pki, pki) + &format!("    crl: {}\n", crl.display())
+}
+
+/// Waits for an audited `platform_error` whose text holds `what` (lowercase); its text.
+fn wait_for_platform_error(a: &Agent, what: &str) -> String {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(e) = a
+            .audit_events()
+            .into_iter()
+            .map(|e| e.to_string().to_lowercase())
+            .find(|e| e.contains("platform_error") && e.contains(what))
+        {
+            return e;
+        }
+        let seen: Vec<Value> = a.audit_events().into_iter().filter(|e| e["event"] == "platform_error").collect();
+        assert!(Instant::now() < deadline, "no platform_error saying {what:?}: {seen:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// With `network.agent_to_platform.crl`, a platform certificate its CA has revoked is
+/// refused, and the file is read again when it changes — a connection checked against the
+/// old file is not reused: the next poll after the platform's certificate is revoked fails
+/// its handshake, and no command reaches the agent from then on.
+#[test]
+fn a_revoked_platform_certificate_is_refused_and_a_new_revocation_list_is_read_without_a_restart() {
+    if !common::require_root() {
+        return;
+    }
+    let pki = platform::Pki::new("good");
+    let p = platform::TestPlatform::start(&pki, &pki);
+    let tls = HostDir::new();
+    let crl = tls.path.join("platform.crl");
+    // Current, revoking another certificate (the agent's own: not the server's concern here).
+    std::fs::write(&crl, pki.crl(&[platform::CLIENT_SERIAL], 2099)).unwrap();
+    // No heartbeats after the first: the polls alone, one at a time, reuse their connection.
+    let network =
+        platform_network_with_crl(&tls.path, &p, &pki, &crl).replace("heartbeat_seconds: 1", "heartbeat_seconds: 3600");
+    let mut a = Agent::with_network(2, &network);
+    p.state.lock().unwrap().keep_alive = true;
+    p.queue(serde_json::from_slice(&a.sign(&scan("crl-1"))).unwrap());
+    a.start();
+    p.wait_for(60, "the command's result", |s| !s.results.is_empty());
+    assert_eq!(p.state.lock().unwrap().results[0]["result"]["status"], "completed");
+    // Connections are kept alive and reused: the revoked certificate below is met only
+    // because a connection checked against the old file is not reused.
+    p.wait_for(20, "connections reused", |s| {
+        s.requests.len() > p.connections.load(std::sync::atomic::Ordering::SeqCst) + 3
+    });
+
+    // The CA revokes the platform's certificate; the file is replaced as a refresh would.
+    std::fs::write(tls.path.join("crl.new"), pki.crl(&[platform::CLIENT_SERIAL, platform::SERVER_SERIAL], 2099))
+        .unwrap();
+    std::fs::rename(tls.path.join("crl.new"), &crl).unwrap();
+    let e = wait_for_platform_error(&a, "is revoked by a revocation list of network.agent_to_platform.crl");
+    assert!(e.contains("certificate"), "{e}");
+    p.queue(serde_json::from_slice(&a.sign(&scan("crl-2"))).unwrap());
+    let requests = p.state.lock().unwrap().requests.len();
+    std::thread::sleep(Duration::from_secs(4));
+    assert!(a.stop().success());
+    let st = p.state.lock().unwrap();
+    assert_eq!((st.results.len(), st.queue.len()), (1, 1), "nothing more was taken from a revoked platform");
+    assert_eq!(st.requests.len(), requests, "no request reached a revoked platform: {:?}", st.requests);
+    drop(st);
+    a.audit_verify();
+}
+
+/// A revocation list past its next update, or one of another CA (so the platform's
+/// certificate's status is unknown), fails every connection; a file that is not a list, or
+/// that another user could change, is a configuration error naming the key (exit 2).
+#[test]
+fn a_stale_foreign_or_bad_revocation_list_is_refused() {
+    use std::os::unix::fs::PermissionsExt;
+    if !common::require_root() {
+        return;
+    }
+    let (pki, other) = (platform::Pki::new("good"), platform::Pki::new("other"));
+    let p = platform::TestPlatform::start(&pki, &pki);
+    for (name, list, says) in [
+        ("stale", pki.crl(&[], 2021), "revocation list is expired"),
+        ("another CA's", other.crl(&[], 2099), "chain is not covered"),
+    ] {
+        let tls = HostDir::new();
+        let crl = tls.path.join("platform.crl");
+        std::fs::write(&crl, list).unwrap();
+        let mut a = Agent::with_network(2, &platform_network_with_crl(&tls.path, &p, &pki, &crl));
+        a.start();
+        let e = wait_for_platform_error(&a, says);
+        assert!(a.stop().success(), "{name}");
+        assert!(e.contains("certificate"), "{name}: {e}");
+    }
+    assert!(p.state.lock().unwrap().requests.is_empty(), "{:?}", p.state.lock().unwrap().requests);
+
+    let dir = HostDir::new();
+    pki.write_agent_files(&dir.path);
+    assert!(op(&["keygen", "--out", dir.path.join("keys").to_str().unwrap()]).status.success());
+    let crl = dir.path.join("platform.crl");
+    let config = dir.path.join("config.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "agent:\n  platform_public_key: {0}/keys/signing.pub\n  state_dir: {0}/state\naudit:\n  path: {0}/audit.log\nnetwork:\n  agent_to_platform:\n    protocol: https\n    host: 127.0.0.1\n    port: 9\n    ca: {0}/ca.pem\n    cert: {0}/agent.crt\n    key: {0}/agent.key\n    crl: {1}\n",
+            dir.path.display(),
+            crl.display()
+        ),
+    )
+    .unwrap();
+    let check = || op(&["agent", "--check-config", "--config", config.to_str().unwrap()]);
+    std::fs::write(&crl, pki.crl(&[platform::SERVER_SERIAL], 2099)).unwrap();
+    let out = check();
+    assert!(out.status.success(), "a list: {}", String::from_utf8_lossy(&out.stderr));
+    let garbled = pki.crl(&[], 2099).replace("\nM", "\nX");
+    for (what, text, says) in [
+        ("missing", None, "No such file"),
+        ("a certificate", Some(pki.ca.clone()), "no certificate revocation list"),
+        ("garbled", Some(garbled), "network.agent_to_platform.crl"),
+    ] {
+        let _ = std::fs::remove_file(&crl);
+        if let Some(text) = text {
+            std::fs::write(&crl, text).unwrap();
+        }
+        let out = check();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{what}: {stderr}");
+        assert!(stderr.contains("network.agent_to_platform.crl") && stderr.contains(says), "{what}: {stderr}");
+    }
+    std::fs::write(&crl, pki.crl(&[], 2099)).unwrap();
+    std::fs::set_permissions(&crl, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let out = check();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("network.agent_to_platform.crl"), "writable by others: {stderr}");
+}
+
+/// `network.proxy.https` carries the platform connection (HTTP `CONNECT`), mutual TLS
+/// end to end through it.
+#[test]
+fn the_platform_is_reached_through_the_configured_proxy() {
+    use std::io::{BufRead, Write};
+    if !common::require_root() {
+        return;
+    }
+    let pki = platform::Pki::new("good");
+    let p = platform::TestPlatform::start(&pki, &pki);
+    let proxy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let proxy_port = proxy.local_addr().unwrap().port();
+    let connects = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let seen = connects.clone();
+    std::thread::spawn(move || {
+        for client in proxy.incoming().flatten() {
+            let seen = seen.clone();
+            std::thread::spawn(move || {
+                let mut reader = std::io::BufReader::new(client.try_clone().unwrap());
+                let mut line = String::new();
+                reader.read_line(&mut line).unwrap();
+                let target = line.split_whitespace().nth(1).unwrap_or_default().to_string();
+                seen.lock().unwrap().push(line.trim().to_string());
+                loop {
+                    let mut header = String::new();
+                    if reader.read_line(&mut header).unwrap_or(0) == 0 || header == "\r\n" {
+                        break;
+                    }
+                }
+                let Ok(upstream) = std::net::TcpStream::connect(&target) else { return };
+                let mut client = client;
+                client.write_all(b"HTTP/1.1 200 Connection established\r\n\r\n").unwrap();
+                let (mut up_read, mut up_write) = (upstream.try_clone().unwrap(), upstream);
+                let mut down = client.try_clone().unwrap();
+                std::thread::spawn(move || {
+                    let _ = std::io::copy(&mut up_read, &mut down);
+                    let _ = down.shutdown(std::net::Shutdown::Both);
+                });
+                // What the client sent after the CONNECT's headers (none: it waits for 200).
+                let _ = up_write.write_all(reader.buffer());
+                let _ = std::io::copy(&mut reader.into_inner(), &mut up_write);
+                let _ = up_write.shutdown(std::net::Shutdown::Both);
+            });
+        }
+    });
+    let tls = HostDir::new();
+    let network = platform_network(&tls.path, p.addr, &pki, &pki)
+        + &format!("  proxy:\n    https: http://127.0.0.1:{proxy_port}\n    no_proxy: [\"192.0.2.0/24\"]\n");
+    let mut a = Agent::with_network(2, &network);
+    p.queue(serde_json::from_slice(&a.sign(&scan("proxied-1"))).unwrap());
+    a.start();
+    p.wait_for(60, "the command's result", |s| !s.results.is_empty());
+    assert!(a.stop().success());
+    assert_eq!(p.state.lock().unwrap().results[0]["result"]["status"], "completed");
+    let connects = connects.lock().unwrap();
+    assert!(!connects.is_empty(), "nothing went through the proxy");
+    assert!(connects.iter().all(|c| c == &format!("CONNECT 127.0.0.1:{} HTTP/1.1", p.addr.port())), "{connects:?}");
+}
+
 const HELLO_PY: &str = r#"from opservant.executor import BaseExecutor, ExecutorResult
 
 

@@ -478,6 +478,37 @@ fn a_server_certificate_from_another_ca_is_refused() {
     assert!(v.with(|s| s.log.is_empty()), "no request got through: {:?}", v.with(|s| s.log.clone()));
 }
 
+/// With `secrets.vault_crl`, a Vault server whose certificate its CA revoked is refused
+/// before anything is sent (the secret_id included); a current list that does not name it
+/// lets the secret through.
+#[test]
+fn a_revoked_vault_certificate_is_refused() {
+    if !require_root() {
+        return;
+    }
+    let (pki, v) = vault_with_secrets(Duration::from_secs(600));
+    let dir = HostDir::new();
+    let crl = dir.path.join("conf/vault.crl");
+    let conf = config(&dir, &v.address(), &pki.ca, &secret_id(), &format!("  vault_crl: {}\n", crl.display()));
+    let pkg = executor(&dir.path, "vault-crl", &["api_key"]);
+    std::fs::write(&crl, pki.crl(&[platform::CLIENT_SERIAL], 2099)).unwrap();
+    let r = run(&pkg, &conf, json!({"names": ["api_key"]})).result();
+    assert_eq!(r["output"]["0:api_key"], sha256_hex(value().as_bytes()), "{r}");
+    let served = v.with(|s| s.log.len());
+
+    std::fs::write(&crl, pki.crl(&[platform::SERVER_SERIAL], 2099)).unwrap();
+    let out = run(&pkg, &conf, json!({"names": ["api_key"]}));
+    assert_eq!(
+        out.result()["output"]["0:api_key"],
+        "PermissionError: secret 'api_key' could not be read from the configured provider"
+    );
+    let denied = out.audit_lines("secret_denied");
+    assert_eq!(denied.len(), 1, "{}", out.stderr);
+    assert!(denied[0].contains("is revoked by a revocation list of secrets.vault_crl"), "{}", denied[0]);
+    assert!(!out.stderr.contains(&secret_id()), "the secret_id was never sent: {}", out.stderr);
+    assert_eq!(v.with(|s| s.log.len()), served, "no request got through: {:?}", v.with(|s| s.log.clone()));
+}
+
 #[test]
 fn bad_configurations_are_refused_naming_the_key() {
     if !require_root() {

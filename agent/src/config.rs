@@ -302,6 +302,9 @@ pub struct SecretsSection {
     pub vault_address: Option<String>,
     /// The CA (PEM) the Vault server's certificate must chain to (required).
     pub vault_ca: Option<PathBuf>,
+    /// Certificate revocation lists (PEM) the Vault server's chain is checked against, read
+    /// again when the file changes.
+    pub vault_crl: Option<PathBuf>,
     /// KV v2 `MOUNT/data/PREFIX` (e.g. `secret/data/opservant`).
     pub vault_path: Option<String>,
     /// `approle` (the only method, and the default).
@@ -647,8 +650,13 @@ impl Config {
         if let Some(p) = &s.vault_ca {
             add("secrets.vault_ca", p, Public);
         }
+        if let Some(p) = &s.vault_crl {
+            add("secrets.vault_crl", p, Public);
+        }
         if let Some(p) = &self.network.agent_to_platform {
-            for (key, path, kind) in [("ca", &p.ca, Public), ("cert", &p.cert, Public), ("key", &p.key, Credential)] {
+            for (key, path, kind) in
+                [("ca", &p.ca, Public), ("cert", &p.cert, Public), ("key", &p.key, Credential), ("crl", &p.crl, Public)]
+            {
                 if let Some(path) = path {
                     add(&format!("network.agent_to_platform.{key}"), path, kind);
                 }
@@ -795,9 +803,11 @@ impl Config {
             ("secrets.file", &self.secrets.file),
             ("secrets.secret_id_file", &self.secrets.secret_id_file),
             ("secrets.vault_ca", &self.secrets.vault_ca),
+            ("secrets.vault_crl", &self.secrets.vault_crl),
             ("network.agent_to_platform.ca", platform.map_or(&None, |p| &p.ca)),
             ("network.agent_to_platform.cert", platform.map_or(&None, |p| &p.cert)),
             ("network.agent_to_platform.key", platform.map_or(&None, |p| &p.key)),
+            ("network.agent_to_platform.crl", platform.map_or(&None, |p| &p.crl)),
         ] {
             // A relative path would name another file from another working directory — and
             // not the one the policy's never-readable list was built from.
@@ -1120,7 +1130,7 @@ mod tests {
         assert!(Config::parse("sandbox:\n  landlock_min_abi: 0\n").is_ok());
         let e = Config::parse("secrets:\n  provider: file\n  file: secrets.yaml\n").unwrap_err();
         assert_eq!(e.path, "secrets.file", "{e}");
-        for key in ["ca", "cert", "key"] {
+        for key in ["ca", "cert", "key", "crl"] {
             let text = format!("network:\n  agent_to_platform:\n    {key}: tls/{key}.pem\n");
             let e = Config::parse(&text).unwrap_err();
             assert_eq!(e.path, format!("network.agent_to_platform.{key}"), "{e}");

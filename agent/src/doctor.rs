@@ -546,7 +546,10 @@ mod tests {
         let r = |first, count| sandbox::HostUids { first, count, lock: "/run/lock".into() };
         let nspawn = ["/usr/bin/systemd-nspawn"];
         let e = container_range_overlap(&r(524_288 - 10, 11), &nspawn).unwrap();
-        assert!(e.contains("overlaps systemd's container uids (524288-1879048191)") && e.contains("systemd-nspawn"), "{e}");
+        assert!(
+            e.contains("overlaps systemd's container uids (524288-1879048191)") && e.contains("systemd-nspawn"),
+            "{e}"
+        );
         assert!(container_range_overlap(&r(1_879_048_191, 1), &nspawn).is_some());
         assert_eq!(container_range_overlap(&r(524_288 - 10, 10), &nspawn), None);
         assert_eq!(container_range_overlap(&r(1_879_048_192, 65536), &nspawn), None);

@@ -52,6 +52,9 @@ pub struct PlatformSection {
     /// This agent's client certificate chain (PEM) and private key (PEM, root-only).
     pub cert: Option<PathBuf>,
     pub key: Option<PathBuf>,
+    /// Certificate revocation lists (PEM) the platform's chain is checked against, read
+    /// again when the file changes.
+    pub crl: Option<PathBuf>,
     /// Long-poll wait the agent asks for (default 25 s).
     pub poll_seconds: Option<u64>,
     /// Heartbeat period (default 60 s).
@@ -118,20 +121,24 @@ impl Platform {
             return Err(format!("network.agent_to_platform.cert: {}: no certificate in it", cert.display()));
         }
         let key_pem = zeroize::Zeroizing::new(read(&key, "key")?);
-        let private = ureq::tls::PrivateKey::from_pem(&key_pem)
-            .map_err(|e| format!("network.agent_to_platform.key: {}: {e}", key.display()))?;
         crate::tls::check_client_key(&chain, &key_pem)
             .map_err(|e| format!("network.agent_to_platform.key: {}: {e} (cert: {})", key.display(), cert.display()))?;
-        // TLS 1.3 only, the platform CA only.
-        let tls = crate::tls::client_config(&roots, Some(ureq::tls::ClientCert::new_with_certs(&chain, private)));
+        // TLS 1.3 only, the platform CA only, its revocation lists when configured.
+        let crl = p.crl.as_deref().map(|path| ("network.agent_to_platform.crl", path));
+        let tls = crate::tls::ClientTls::new(&roots, Some((&chain, &key_pem)), crl).map_err(|e| {
+            if e.starts_with("network.") {
+                e
+            } else {
+                format!("network.agent_to_platform: {e}")
+            }
+        })?;
         let poll = Duration::from_secs(p.poll_seconds.unwrap_or(25).clamp(1, 300));
         let no_proxy = c.network.proxy.as_ref().is_some_and(|x| bypasses_proxy(&host, &x.no_proxy));
         let proxy = match c.network.proxy.as_ref().and_then(|x| x.https.clone()) {
             Some(url) if !no_proxy => Some(ureq::Proxy::new(&url).map_err(|e| format!("network.proxy.https: {e}"))?),
             _ => None,
         };
-        let http: ureq::Agent = ureq::Agent::config_builder()
-            .tls_config(tls)
+        let config = ureq::Agent::config_builder()
             .https_only(true)
             .proxy(proxy)
             // The platform's API does not move: a redirect would turn a POSTed result into a
@@ -140,8 +147,9 @@ impl Platform {
             .http_status_as_error(false)
             .timeout_connect(Some(Duration::from_secs(10)))
             .timeout_global(Some(poll + Duration::from_secs(15)))
-            .build()
-            .into();
+            .build();
+        let http =
+            ureq::Agent::with_parts(config, tls.connector(), ureq::unversioned::resolver::DefaultResolver::default());
         let base = format!("https://{}:{}", bracket(&host), p.port.unwrap_or(443));
         Ok(Some(Platform {
             base,

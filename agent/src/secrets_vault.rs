@@ -8,6 +8,7 @@
 //!   provider: vault
 //!   vault_address: https://vault.internal.example.com:8200   # https only
 //!   vault_ca: /etc/opservant/vault-ca.pem                    # the CA the server must chain to
+//!   vault_crl: /etc/opservant/vault-ca.crl                   # optional: its revocation lists
 //!   vault_path: secret/data/opservant                        # KV v2 mount, data/, a prefix
 //!   auth_method: approle                                     # the only method (the default)
 //!   role_id: "opservant-role"
@@ -92,6 +93,8 @@ pub struct VaultSettings {
     /// `https://HOST[:PORT]`, no trailing slash.
     pub address: String,
     pub ca: PathBuf,
+    /// Revocation lists the server's chain is checked against (`secrets.vault_crl`).
+    pub crl: Option<PathBuf>,
     /// KV v2 mount and prefix (segments joined by `/`; the prefix may be empty).
     pub mount: String,
     pub prefix: String,
@@ -168,7 +171,11 @@ impl VaultSettings {
         if role_id.is_empty() || role_id.len() > 256 || role_id.chars().any(char::is_control) {
             return Err(config_err("secrets.role_id", "must be 1-256 printable characters"));
         }
-        for (key, p) in [("secrets.vault_ca", Some(&ca)), ("secrets.secret_id_file", s.secret_id_file.as_ref())] {
+        for (key, p) in [
+            ("secrets.vault_ca", Some(&ca)),
+            ("secrets.vault_crl", s.vault_crl.as_ref()),
+            ("secrets.secret_id_file", s.secret_id_file.as_ref()),
+        ] {
             if p.is_some_and(|p| !p.is_absolute()) {
                 return Err(config_err(key, "must be an absolute path"));
             }
@@ -184,6 +191,7 @@ impl VaultSettings {
         Ok(VaultSettings {
             address,
             ca,
+            crl: s.vault_crl.clone(),
             mount,
             prefix,
             role_id,
@@ -243,7 +251,10 @@ impl VaultSettings {
 /// Check what can be checked without contacting Vault: the settings, the CA file, and that
 /// the secret_id is present and private.
 pub fn check(settings: &VaultSettings) -> Result<(), String> {
-    crate::tls::read_ca(&settings.ca, "secrets.vault_ca")?;
+    let roots = crate::tls::read_ca(&settings.ca, "secrets.vault_ca")?;
+    if let Some(crl) = &settings.crl {
+        crate::tls::ClientTls::new(&roots, None, Some(("secrets.vault_crl", crl)))?;
+    }
     settings.read_secret_id().map(drop)
 }
 
@@ -378,16 +389,24 @@ impl VaultClient {
     /// The TLS agent for `settings` (reads the CA; contacts nothing).
     pub fn new(settings: VaultSettings) -> Result<VaultClient, String> {
         let roots = crate::tls::read_ca(&settings.ca, "secrets.vault_ca")?;
-        let http: ureq::Agent = ureq::Agent::config_builder()
-            .tls_config(crate::tls::client_config(&roots, None))
+        let crl = settings.crl.as_deref().map(|path| ("secrets.vault_crl", path));
+        let tls = crate::tls::ClientTls::new(&roots, None, crl).map_err(|e| {
+            if e.starts_with("secrets.") {
+                e
+            } else {
+                format!("secrets.vault_ca: {e}")
+            }
+        })?;
+        let config = ureq::Agent::config_builder()
             .https_only(true)
             .proxy(None)
             .max_redirects(0)
             .http_status_as_error(false)
             .timeout_connect(Some(CONNECT_TIMEOUT))
             .timeout_global(Some(REQUEST_TIMEOUT))
-            .build()
-            .into();
+            .build();
+        let http =
+            ureq::Agent::with_parts(config, tls.connector(), ureq::unversioned::resolver::DefaultResolver::default());
         Ok(VaultClient { settings, http, token: Mutex::new(None) })
     }
 

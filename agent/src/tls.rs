@@ -3,12 +3,23 @@
 //!
 //! Guarantees: rustls with the ring provider offering TLS 1.3 cipher suites only (so nothing
 //! older can be negotiated), and the CA the configuration names as the only trust anchor —
-//! the system trust store is never consulted.
+//! the system trust store is never consulted. Where a certificate revocation list file is
+//! configured, every certificate of the server's chain below the CA must be named by one of
+//! its CRLs as not revoked, and those CRLs must be current (their `nextUpdate` not passed):
+//! a revoked certificate, a chain no CRL of the file covers, and a stale or unreadable file
+//! all fail the connection. The file is read again when it changes (checked at each
+//! connection and before a kept-alive connection is reused: one made under the old file is
+//! closed, not reused).
+//!
+//! The HTTPS client (ureq) builds its TLS from its own settings, which take no revocation
+//! list: [`ClientTls::connector`] is the TLS step of its connector chain instead.
 
-use std::path::Path;
-use std::sync::Arc;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
-use ureq::tls::{Certificate, ClientCert, PemItem, RootCerts, TlsConfig, TlsProvider};
+use rustls::pki_types::{CertificateDer, CertificateRevocationListDer, PrivateKeyDer};
+
+use ureq::tls::{Certificate, PemItem};
 
 /// The certificates in a PEM text (other items, and unparsable ones, are skipped).
 pub fn pem_certificates(pem: &[u8]) -> Vec<Certificate<'static>> {
@@ -60,12 +71,265 @@ pub fn check_client_key(chain: &[Certificate<'static>], key_pem: &[u8]) -> Resul
     })
 }
 
-/// TLS 1.3 only, `roots` as the only trust anchors, with an optional client certificate.
-pub fn client_config(roots: &[Certificate<'static>], client: Option<ClientCert>) -> TlsConfig {
-    TlsConfig::builder()
-        .provider(TlsProvider::Rustls)
-        .unversioned_rustls_crypto_provider(Arc::new(provider()))
-        .root_certs(RootCerts::new_with_certs(roots))
-        .client_cert(client)
-        .build()
+/// Largest revocation list file read (a CA's CRL lists ~40 bytes per revoked certificate).
+pub const MAX_CRL_FILE: u64 = 16 << 20;
+
+/// A client's TLS trust: the CA roots, an optional client certificate, and an optional file
+/// of certificate revocation lists (PEM `X509 CRL` blocks), read again when it changes.
+pub struct ClientTls {
+    roots: Arc<rustls::RootCertStore>,
+    client: Option<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>)>,
+    /// The configuration key and path of the revocation list file.
+    crl: Option<(String, PathBuf)>,
+    /// The rustls configuration in use, and the revocation list file it was built from.
+    current: Mutex<(Option<FileStamp>, Arc<rustls::ClientConfig>)>,
+}
+
+/// What tells one version of a file from another: device, inode, size, and the change time
+/// (any write or rename moves it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct FileStamp(u64, u64, u64, i64, i64);
+
+impl FileStamp {
+    fn of(meta: &std::fs::Metadata) -> FileStamp {
+        use std::os::unix::fs::MetadataExt;
+        FileStamp(meta.dev(), meta.ino(), meta.size(), meta.ctime(), meta.ctime_nsec())
+    }
+}
+
+impl ClientTls {
+    /// The trust of `roots`, presenting `client` (certificate chain and private key, PEM)
+    /// when given, checking revocation against the file `crl` names (configuration key,
+    /// path) when given — read here, so that a bad file is a configuration error.
+    pub fn new(
+        roots: &[Certificate<'static>],
+        client: Option<(&[Certificate<'static>], &[u8])>,
+        crl: Option<(&str, &Path)>,
+    ) -> Result<ClientTls, String> {
+        use rustls::pki_types::pem::PemObject;
+        let mut store = rustls::RootCertStore::empty();
+        for c in roots {
+            store.add(CertificateDer::from(c.der().to_vec())).map_err(|e| format!("a CA certificate: {e}"))?;
+        }
+        let client = match client {
+            Some((chain, key_pem)) => Some((
+                chain.iter().map(|c| CertificateDer::from(c.der().to_vec())).collect(),
+                PrivateKeyDer::from_pem_slice(key_pem).map_err(|e| format!("no private key: {e}"))?,
+            )),
+            None => None,
+        };
+        let crl = crl.map(|(key, path)| (key.to_string(), path.to_path_buf()));
+        let roots = Arc::new(store);
+        let (stamp, crls) = match &crl {
+            Some((key, path)) => read_crls(key, path).map(|(s, c)| (Some(s), c))?,
+            None => (None, Vec::new()),
+        };
+        let config = build(&roots, &client, crls, crl.as_ref().map(|(k, p)| (k.as_str(), p.as_path())))?;
+        Ok(ClientTls { roots, client, crl, current: Mutex::new((stamp, config)) })
+    }
+
+    /// The rustls configuration for a new connection, rebuilt first when the revocation
+    /// list file changed; an error when it cannot be read or used (the connection fails).
+    fn config(&self) -> Result<(Option<FileStamp>, Arc<rustls::ClientConfig>), String> {
+        // A poisoned lock: a panic while swapping the configuration; the pair is whole.
+        let mut current = self.current.lock().unwrap_or_else(|e| e.into_inner());
+        let Some((key, path)) = &self.crl else { return Ok(current.clone()) };
+        let now = std::fs::metadata(path).map(|m| FileStamp::of(&m)).ok();
+        if now.is_some() && now == current.0 {
+            return Ok(current.clone());
+        }
+        let (stamp, crls) = read_crls(key, path)?;
+        let config = build(&self.roots, &self.client, crls, Some((key, path)))?;
+        tracing::info!(key = %key, path = %path.display(), "certificate revocation lists read again");
+        *current = (Some(stamp), config);
+        Ok(current.clone())
+    }
+
+    /// Whether a connection made under `stamp` may be used again: the revocation list file
+    /// is the one it was checked against.
+    fn still_current(&self, stamp: &Option<FileStamp>) -> bool {
+        match &self.crl {
+            None => true,
+            Some((_, path)) => std::fs::metadata(path).is_ok_and(|m| Some(FileStamp::of(&m)) == *stamp),
+        }
+    }
+
+    /// A handshake's failure, in words an operator acts on where it is the revocation
+    /// check's (rustls names them by its error variants).
+    fn explain(&self, e: std::io::Error) -> ureq::Error {
+        use rustls::CertificateError::{
+            ExpiredRevocationList, ExpiredRevocationListContext, Revoked, UnknownRevocationStatus,
+        };
+        let Some((key, path)) = &self.crl else { return e.into() };
+        let Some(rustls::Error::InvalidCertificate(why)) = e.get_ref().and_then(|i| i.downcast_ref::<rustls::Error>())
+        else {
+            return e.into();
+        };
+        let text = match why {
+            Revoked => "the server's certificate, or one of its chain, is revoked by a revocation list of",
+            UnknownRevocationStatus => {
+                "the server's certificate chain is not covered (a certificate's issuer has no revocation list) by"
+            }
+            ExpiredRevocationList | ExpiredRevocationListContext { .. } => {
+                "the revocation list is expired (past its next update; replace it with a current one) in"
+            }
+            _ => return e.into(),
+        };
+        ureq::Error::Io(std::io::Error::other(format!("invalid peer certificate: {text} {key} ({})", path.display())))
+    }
+
+    /// The connector chain of an HTTPS client using this trust: TCP (through an HTTP
+    /// `CONNECT` proxy when the client's configuration names one), then TLS.
+    pub fn connector(self) -> impl ureq::unversioned::transport::Connector {
+        use ureq::unversioned::transport::{ConnectProxyConnector, Connector, TcpConnector};
+        ().chain(ConnectProxyConnector::default())
+            .chain(TcpConnector::default())
+            .chain(TlsConnector { tls: Arc::new(self) })
+    }
+}
+
+/// The CRLs of the PEM file at `path` (configuration `key`), with the file's stamp.
+fn read_crls(key: &str, path: &Path) -> Result<(FileStamp, Vec<CertificateRevocationListDer<'static>>), String> {
+    use rustls::pki_types::pem::PemObject;
+    let at = || format!("{key}: {}", path.display());
+    // Whoever could replace it could take a revocation back.
+    crate::config::check_trust_file(key, path)?;
+    let file = crate::bounded::open_regular(path).map_err(|e| format!("{}: {e}", at()))?;
+    let stamp = FileStamp::of(&file.metadata().map_err(|e| format!("{}: {e}", at()))?);
+    let pem = crate::bounded::read_capped(file, MAX_CRL_FILE).map_err(|e| format!("{}: {e}", at()))?;
+    let crls = CertificateRevocationListDer::pem_slice_iter(&pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("{}: not a PEM file of certificate revocation lists: {e}", at()))?;
+    if crls.is_empty() {
+        return Err(format!("{}: no certificate revocation list (-----BEGIN X509 CRL-----) in it", at()));
+    }
+    Ok((stamp, crls))
+}
+
+/// TLS 1.3 only, `roots` as the only trust anchors, revocation checked against `crls` (when
+/// `crl` names their file) for the whole chain, unknown status and stale lists refused.
+fn build(
+    roots: &Arc<rustls::RootCertStore>,
+    client: &Option<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>)>,
+    crls: Vec<CertificateRevocationListDer<'static>>,
+    crl: Option<(&str, &Path)>,
+) -> Result<Arc<rustls::ClientConfig>, String> {
+    let provider = Arc::new(provider());
+    let mut verifier = rustls::client::WebPkiServerVerifier::builder_with_provider(roots.clone(), provider.clone());
+    if crl.is_some() {
+        // Unknown status (a chain certificate no list covers) is refused: rustls' default.
+        verifier = verifier.with_crls(crls).enforce_revocation_expiration();
+    }
+    let verifier = verifier.build().map_err(|e| match crl {
+        Some((key, path)) => format!("{key}: {}: {e}", path.display()),
+        None => format!("the CA certificates: {e}"),
+    })?;
+    let builder = rustls::ClientConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(|e| format!("TLS 1.3: {e}"))?
+        .with_webpki_verifier(verifier);
+    let config = match client {
+        Some((chain, key)) => builder
+            .with_client_auth_cert(chain.clone(), key.clone_key())
+            .map_err(|e| format!("the client certificate and key: {e}"))?,
+        None => builder.with_no_client_auth(),
+    };
+    Ok(Arc::new(config))
+}
+
+/// The TLS step of [`ClientTls::connector`]'s chain.
+struct TlsConnector {
+    tls: Arc<ClientTls>,
+}
+
+impl std::fmt::Debug for TlsConnector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TlsConnector").finish()
+    }
+}
+
+impl<In: ureq::unversioned::transport::Transport> ureq::unversioned::transport::Connector<In> for TlsConnector {
+    type Out = ureq::unversioned::transport::Either<In, TlsTransport>;
+
+    fn connect(
+        &self,
+        details: &ureq::unversioned::transport::ConnectionDetails,
+        chained: Option<In>,
+    ) -> Result<Option<Self::Out>, ureq::Error> {
+        use ureq::unversioned::transport::{Either, LazyBuffers, TransportAdapter};
+        let Some(transport) = chained else { return Ok(None) };
+        if !details.needs_tls() || transport.is_tls() {
+            return Ok(Some(Either::A(transport)));
+        }
+        let (stamp, config) = self.tls.config().map_err(|e| ureq::Error::Io(std::io::Error::other(e)))?;
+        let host = details.uri.host().ok_or(ureq::Error::Tls("no host to check the certificate against"))?;
+        let name = rustls::pki_types::ServerName::try_from(host.trim_start_matches('[').trim_end_matches(']'))
+            .map_err(|_| ureq::Error::Tls("not a host name or address to check the certificate against"))?
+            .to_owned();
+        let mut conn = rustls::ClientConnection::new(config, name).map_err(ureq::Error::Rustls)?;
+        let mut sock = TransportAdapter::new(transport.boxed(), details.current_time.clone());
+        sock.set_timeout(details.timeout);
+        conn.complete_io(&mut sock).map_err(|e| self.tls.explain(e))?;
+        let buffers = LazyBuffers::new(details.config.input_buffer_size(), details.config.output_buffer_size());
+        Ok(Some(Either::B(TlsTransport {
+            buffers,
+            stream: rustls::StreamOwned { conn, sock },
+            stamp,
+            tls: self.tls.clone(),
+        })))
+    }
+}
+
+/// A TLS connection made by [`TlsConnector`].
+pub struct TlsTransport {
+    buffers: ureq::unversioned::transport::LazyBuffers,
+    stream: rustls::StreamOwned<rustls::ClientConnection, ureq::unversioned::transport::TransportAdapter>,
+    /// The revocation list file the server's chain was checked against.
+    stamp: Option<FileStamp>,
+    tls: Arc<ClientTls>,
+}
+
+impl std::fmt::Debug for TlsTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TlsTransport").finish()
+    }
+}
+
+impl ureq::unversioned::transport::Transport for TlsTransport {
+    fn buffers(&mut self) -> &mut dyn ureq::unversioned::transport::Buffers {
+        &mut self.buffers
+    }
+
+    fn transmit_output(
+        &mut self,
+        amount: usize,
+        timeout: ureq::unversioned::transport::NextTimeout,
+    ) -> Result<(), ureq::Error> {
+        use std::io::Write;
+        use ureq::unversioned::transport::Buffers;
+        self.stream.get_mut().set_timeout(timeout);
+        let output = &self.buffers.output()[..amount];
+        self.stream.write_all(output)?;
+        Ok(())
+    }
+
+    fn await_input(&mut self, timeout: ureq::unversioned::transport::NextTimeout) -> Result<bool, ureq::Error> {
+        use std::io::Read;
+        use ureq::unversioned::transport::Buffers;
+        self.stream.get_mut().set_timeout(timeout);
+        let input = self.buffers.input_append_buf();
+        let amount = self.stream.read(input)?;
+        self.buffers.input_appended(amount);
+        Ok(amount > 0)
+    }
+
+    fn is_open(&mut self) -> bool {
+        // Checked before a kept-alive connection is reused: not one checked against a
+        // revocation list file that has changed since.
+        self.tls.still_current(&self.stamp) && self.stream.get_mut().get_mut().is_open()
+    }
+
+    fn is_tls(&self) -> bool {
+        true
+    }
 }

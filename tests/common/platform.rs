@@ -24,7 +24,13 @@ pub struct Pki {
     pub server_key: String,
     pub client_cert: String,
     pub client_key: String,
+    /// The CA, to sign revocation lists with ([`Pki::crl`]).
+    issuer: rcgen::Issuer<'static, rcgen::KeyPair>,
 }
+
+/// The serial numbers of [`Pki`]'s server and client certificates.
+pub const SERVER_SERIAL: u64 = 0x5e1;
+pub const CLIENT_SERIAL: u64 = 0xc11;
 
 impl Pki {
     pub fn new(name: &str) -> Pki {
@@ -35,17 +41,41 @@ impl Pki {
         ca_params.distinguished_name.push(DnType::CommonName, format!("{name} test CA"));
         let ca = ca_params.self_signed(&ca_key).expect("CA certificate");
         let issuer = Issuer::new(ca_params, ca_key);
-        let leaf = |cn: &str, san: Option<SanType>| {
+        let leaf = |cn: &str, san: Option<SanType>, serial: u64| {
             let key = KeyPair::generate().expect("key");
             let mut p = CertificateParams::new(Vec::<String>::new()).expect("params");
+            p.serial_number = Some(serial.into());
             p.distinguished_name.push(DnType::CommonName, cn);
             p.subject_alt_names = san.into_iter().collect();
             let cert = p.signed_by(&key, &issuer).expect("certificate");
             (cert.pem(), key.serialize_pem())
         };
-        let (server_cert, server_key) = leaf("platform", Some(SanType::IpAddress("127.0.0.1".parse().unwrap())));
-        let (client_cert, client_key) = leaf("agent", None);
-        Pki { ca: ca.pem(), server_cert, server_key, client_cert, client_key }
+        let (server_cert, server_key) =
+            leaf("platform", Some(SanType::IpAddress("127.0.0.1".parse().unwrap())), SERVER_SERIAL);
+        let (client_cert, client_key) = leaf("agent", None, CLIENT_SERIAL);
+        Pki { ca: ca.pem(), server_cert, server_key, client_cert, client_key, issuer }
+    }
+
+    /// A revocation list (PEM) signed by this CA, revoking the certificates with `revoked`
+    /// serial numbers, issued in 2020 with its next update in `next_update_year`.
+    pub fn crl(&self, revoked: &[u64], next_update_year: i32) -> String {
+        let params = rcgen::CertificateRevocationListParams {
+            this_update: rcgen::date_time_ymd(2020, 1, 1),
+            next_update: rcgen::date_time_ymd(next_update_year, 1, 1),
+            crl_number: 1u64.into(),
+            issuing_distribution_point: None,
+            revoked_certs: revoked
+                .iter()
+                .map(|serial| rcgen::RevokedCertParams {
+                    serial_number: (*serial).into(),
+                    revocation_time: rcgen::date_time_ymd(2020, 1, 1),
+                    reason_code: Some(rcgen::RevocationReason::KeyCompromise),
+                    invalidity_date: None,
+                })
+                .collect(),
+            key_identifier_method: rcgen::KeyIdMethod::Sha256,
+        };
+        params.signed_by(&self.issuer).expect("CRL").pem().expect("CRL PEM")
     }
 
     /// Write the agent's side (CA, client certificate, client key 0600) into `dir`.
@@ -84,6 +114,8 @@ pub struct State {
     pub polls_at: Vec<Instant>,
     /// When each result (in `results`) arrived.
     pub results_at: Vec<Instant>,
+    /// Keep connections open for further requests (`Connection: keep-alive`).
+    pub keep_alive: bool,
 }
 
 pub struct TestPlatform {
@@ -91,6 +123,8 @@ pub struct TestPlatform {
     pub state: Arc<Mutex<State>>,
     /// Connections whose TLS handshake failed (no or wrong client certificate, …).
     pub handshake_failures: Arc<AtomicUsize>,
+    /// Connections that brought a request (each one handshake).
+    pub connections: Arc<AtomicUsize>,
     /// Stops accepting when dropped.
     _server: https::Server,
 }
@@ -127,6 +161,7 @@ impl TestPlatform {
             addr: server.addr,
             state,
             handshake_failures: server.handshake_failures.clone(),
+            connections: server.connections.clone(),
             _server: server,
         }
     }
@@ -154,6 +189,12 @@ impl TestPlatform {
 }
 
 fn handle(req: https::Request, state: &Mutex<State>) -> https::Response {
+    let mut r = answer(req, state);
+    r.keep_alive = state.lock().unwrap().keep_alive;
+    r
+}
+
+fn answer(req: https::Request, state: &Mutex<State>) -> https::Response {
     let (method, path) = (req.method.as_str(), req.path());
     state.lock().unwrap().requests.push(format!("{method} {path}"));
     if let (Some(name), "GET") = (path.split("/packages/").nth(1), method) {
@@ -169,6 +210,7 @@ fn handle(req: https::Request, state: &Mutex<State>) -> https::Response {
             body,
             length,
             location: None,
+            keep_alive: false,
         };
     }
     if let (Some(to), "POST") = (state.lock().unwrap().redirect_posts.clone(), method) {
@@ -192,6 +234,7 @@ fn handle(req: https::Request, state: &Mutex<State>) -> https::Response {
                 body: body.into_bytes(),
                 length: true,
                 location: None,
+                keep_alive: false,
             };
         }
         ("GET", "commands") => {
