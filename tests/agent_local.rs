@@ -2232,8 +2232,11 @@ fn a_stale_foreign_or_bad_revocation_list_is_refused() {
     let out = check();
     assert!(out.status.success(), "a list: {}", String::from_utf8_lossy(&out.stderr));
     let garbled = pki.crl(&[], 2099).replace("\nM", "\nX");
+    // An older list left before a newer one (appended): the checker would use the first.
+    let appended = pki.crl(&[], 2099) + &pki.crl(&[platform::SERVER_SERIAL], 2099);
     for (what, text, says) in [
         ("missing", None, "No such file"),
+        ("two of one issuer", Some(appended), "revocation lists 1 and 2 are of the same issuer and scope"),
         ("a certificate", Some(pki.ca.clone()), "no certificate revocation list"),
         ("garbled", Some(garbled), "network.agent_to_platform.crl"),
     ] {
@@ -2252,6 +2255,47 @@ fn a_stale_foreign_or_bad_revocation_list_is_refused() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("network.agent_to_platform.crl"), "writable by others: {stderr}");
+}
+
+/// Revocation is checked for the whole chain below the CA: with the platform's certificate
+/// signed by an intermediate CA, the root's list must cover (and not revoke) the
+/// intermediate, and the intermediate's list the platform's certificate.
+#[test]
+fn revocation_is_checked_for_every_certificate_of_the_chain() {
+    if !common::require_root() {
+        return;
+    }
+    let pki = platform::Pki::with_intermediate("chain");
+    let p = platform::TestPlatform::start(&pki, &pki);
+    let both = pki.crl(&[], 2099) + &pki.intermediate_crl(&[], 2099);
+    let intermediate_revoked = pki.crl(&[platform::INTERMEDIATE_SERIAL], 2099) + &pki.intermediate_crl(&[], 2099);
+    for (what, list, says) in [
+        ("the intermediate revoked", intermediate_revoked, Some("is revoked by a revocation list")),
+        // The platform's certificate is covered, the intermediate is not: an end-entity-only
+        // check would pass.
+        ("no list of the root", pki.intermediate_crl(&[], 2099), Some("chain is not covered")),
+        ("both lists, nothing revoked", both, None),
+    ] {
+        let tls = HostDir::new();
+        let crl = tls.path.join("platform.crl");
+        std::fs::write(&crl, list).unwrap();
+        let mut a = Agent::with_network(2, &platform_network_with_crl(&tls.path, &p, &pki, &crl));
+        match says {
+            Some(says) => {
+                a.start();
+                wait_for_platform_error(&a, says);
+                assert!(a.stop().success(), "{what}");
+                assert!(p.state.lock().unwrap().requests.is_empty(), "{what}: {:?}", p.state.lock().unwrap().requests);
+            }
+            None => {
+                p.queue(serde_json::from_slice(&a.sign(&scan("chain-1"))).unwrap());
+                a.start();
+                p.wait_for(60, "the command's result", |s| !s.results.is_empty());
+                assert!(a.stop().success(), "{what}");
+                assert_eq!(p.state.lock().unwrap().results[0]["result"]["status"], "completed", "{what}");
+            }
+        }
+    }
 }
 
 /// `network.proxy.https` carries the platform connection (HTTP `CONNECT`), mutual TLS

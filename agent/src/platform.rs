@@ -125,13 +125,12 @@ impl Platform {
             .map_err(|e| format!("network.agent_to_platform.key: {}: {e} (cert: {})", key.display(), cert.display()))?;
         // TLS 1.3 only, the platform CA only, its revocation lists when configured.
         let crl = p.crl.as_deref().map(|path| ("network.agent_to_platform.crl", path));
-        let tls = crate::tls::ClientTls::new(&roots, Some((&chain, &key_pem)), crl).map_err(|e| {
-            if e.starts_with("network.") {
-                e
-            } else {
-                format!("network.agent_to_platform: {e}")
-            }
-        })?;
+        let tls = crate::tls::ClientTls::new(
+            ("network.agent_to_platform.ca", &ca, &roots),
+            Some(("network.agent_to_platform.key", &chain, &key_pem)),
+            crl,
+        )
+        .map_err(|e| if e.starts_with("network.") { e } else { format!("network.agent_to_platform: {e}") })?;
         let poll = Duration::from_secs(p.poll_seconds.unwrap_or(25).clamp(1, 300));
         let no_proxy = c.network.proxy.as_ref().is_some_and(|x| bypasses_proxy(&host, &x.no_proxy));
         let proxy = match c.network.proxy.as_ref().and_then(|x| x.https.clone()) {

@@ -252,9 +252,14 @@ impl VaultSettings {
 /// the secret_id is present and private.
 pub fn check(settings: &VaultSettings) -> Result<(), String> {
     let roots = crate::tls::read_ca(&settings.ca, "secrets.vault_ca")?;
-    if let Some(crl) = &settings.crl {
-        crate::tls::ClientTls::new(&roots, None, Some(("secrets.vault_crl", crl)))?;
-    }
+    let crl = settings.crl.as_deref().map(|path| ("secrets.vault_crl", path));
+    crate::tls::ClientTls::new(("secrets.vault_ca", &settings.ca, &roots), None, crl).map_err(|e| {
+        if e.starts_with("secrets.") {
+            e
+        } else {
+            format!("secrets.vault_ca: {e}")
+        }
+    })?;
     settings.read_secret_id().map(drop)
 }
 
@@ -390,7 +395,7 @@ impl VaultClient {
     pub fn new(settings: VaultSettings) -> Result<VaultClient, String> {
         let roots = crate::tls::read_ca(&settings.ca, "secrets.vault_ca")?;
         let crl = settings.crl.as_deref().map(|path| ("secrets.vault_crl", path));
-        let tls = crate::tls::ClientTls::new(&roots, None, crl).map_err(|e| {
+        let tls = crate::tls::ClientTls::new(("secrets.vault_ca", &settings.ca, &roots), None, crl).map_err(|e| {
             if e.starts_with("secrets.") {
                 e
             } else {

@@ -9,7 +9,10 @@
 //! a revoked certificate, a chain no CRL of the file covers, and a stale or unreadable file
 //! all fail the connection. The file is read again when it changes (checked at each
 //! connection and before a kept-alive connection is reused: one made under the old file is
-//! closed, not reused).
+//! closed, not reused, and none is used for longer than five minutes nor resumed — each
+//! connection is a full handshake, so a list that went stale in place fails the next one).
+//! Two lists of one issuer and scope in the file are refused (the checker would use only the
+//! first).
 //!
 //! The HTTPS client (ureq) builds its TLS from its own settings, which take no revocation
 //! list: [`ClientTls::connector`] is the TLS step of its connector chain instead.
@@ -57,9 +60,8 @@ fn provider() -> rustls::crypto::CryptoProvider {
 }
 
 /// Whether the first private key in `key_pem` is one the TLS provider can sign with and
-/// belongs to the first certificate of `chain`, as the HTTPS client checks it (rustls'
-/// `CertifiedKey::from_der`). Checked when the configuration is read: the client builds its
-/// TLS context only at its first connection, and there a mismatch is a panic, not an error.
+/// belongs to the first certificate of `chain`, as rustls checks it
+/// (`CertifiedKey::from_der`), in words an operator acts on.
 pub fn check_client_key(chain: &[Certificate<'static>], key_pem: &[u8]) -> Result<(), String> {
     use rustls::pki_types::pem::PemObject;
     use rustls::pki_types::{CertificateDer, PrivateKeyDer};
@@ -101,20 +103,24 @@ impl ClientTls {
     /// The trust of `roots`, presenting `client` (certificate chain and private key, PEM)
     /// when given, checking revocation against the file `crl` names (configuration key,
     /// path) when given — read here, so that a bad file is a configuration error.
+    /// Errors name the configuration key of the file at fault: `ca` (key, path) for the
+    /// roots, `client_key` for the client certificate's key.
     pub fn new(
-        roots: &[Certificate<'static>],
-        client: Option<(&[Certificate<'static>], &[u8])>,
+        (ca_key, ca_path, roots): (&str, &Path, &[Certificate<'static>]),
+        client: Option<(&str, &[Certificate<'static>], &[u8])>,
         crl: Option<(&str, &Path)>,
     ) -> Result<ClientTls, String> {
         use rustls::pki_types::pem::PemObject;
         let mut store = rustls::RootCertStore::empty();
-        for c in roots {
-            store.add(CertificateDer::from(c.der().to_vec())).map_err(|e| format!("a CA certificate: {e}"))?;
+        for (n, c) in roots.iter().enumerate() {
+            store.add(CertificateDer::from(c.der().to_vec())).map_err(|e| {
+                format!("{ca_key}: {}: certificate {} is not one a CA can be: {e}", ca_path.display(), n + 1)
+            })?;
         }
         let client = match client {
-            Some((chain, key_pem)) => Some((
+            Some((key, chain, key_pem)) => Some((
                 chain.iter().map(|c| CertificateDer::from(c.der().to_vec())).collect(),
-                PrivateKeyDer::from_pem_slice(key_pem).map_err(|e| format!("no private key: {e}"))?,
+                PrivateKeyDer::from_pem_slice(key_pem).map_err(|e| format!("{key}: no private key: {e}"))?,
             )),
             None => None,
         };
@@ -134,6 +140,9 @@ impl ClientTls {
         // A poisoned lock: a panic while swapping the configuration; the pair is whole.
         let mut current = self.current.lock().unwrap_or_else(|e| e.into_inner());
         let Some((key, path)) = &self.crl else { return Ok(current.clone()) };
+        // The trust rule again (a directory on the way may have changed hands, which the
+        // file's stamp does not show).
+        crate::config::check_trust_file(key, path)?;
         let now = std::fs::metadata(path).map(|m| FileStamp::of(&m)).ok();
         if now.is_some() && now == current.0 {
             return Ok(current.clone());
@@ -161,9 +170,16 @@ impl ClientTls {
             ExpiredRevocationList, ExpiredRevocationListContext, Revoked, UnknownRevocationStatus,
         };
         let Some((key, path)) = &self.crl else { return e.into() };
-        let Some(rustls::Error::InvalidCertificate(why)) = e.get_ref().and_then(|i| i.downcast_ref::<rustls::Error>())
-        else {
-            return e.into();
+        let why = match e.get_ref().and_then(|i| i.downcast_ref::<rustls::Error>()) {
+            Some(rustls::Error::InvalidCertificate(why)) => why,
+            Some(rustls::Error::InvalidCertRevocationList(why)) => {
+                return ureq::Error::Io(std::io::Error::other(format!(
+                    "invalid peer certificate: a revocation list of {key} ({}) that covers the server's chain cannot be used \
+                     ({why:?}): is it signed with the current key of the CA that issued the certificate?",
+                    path.display()
+                )))
+            }
+            _ => return e.into(),
         };
         let text = match why {
             Revoked => "the server's certificate, or one of its chain, is revoked by a revocation list of",
@@ -203,6 +219,26 @@ fn read_crls(key: &str, path: &Path) -> Result<(FileStamp, Vec<CertificateRevoca
     if crls.is_empty() {
         return Err(format!("{}: no certificate revocation list (-----BEGIN X509 CRL-----) in it", at()));
     }
+    // The checker takes the first list of a certificate's issuer (and scope) and ignores the
+    // rest: an older list left before a newer one (appended, not replaced) would hide every
+    // revocation since.
+    let mut scopes = Vec::new();
+    for (n, der) in crls.iter().enumerate() {
+        let list = webpki::BorrowedCertRevocationList::from_der(der)
+            .map(webpki::CertRevocationList::from)
+            .map_err(|e| format!("{}: revocation list {} cannot be read: {e:?}", at(), n + 1))?;
+        let scope = (list.issuer().to_vec(), list.issuing_distribution_point().map(<[u8]>::to_vec));
+        if let Some(first) = scopes.iter().position(|s| *s == scope) {
+            return Err(format!(
+                "{}: revocation lists {} and {} are of the same issuer and scope: only the first would be used; \
+                 keep only the current one (replace the file, do not append to it)",
+                at(),
+                first + 1,
+                n + 1
+            ));
+        }
+        scopes.push(scope);
+    }
     Ok((stamp, crls))
 }
 
@@ -228,12 +264,18 @@ fn build(
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(|e| format!("TLS 1.3: {e}"))?
         .with_webpki_verifier(verifier);
-    let config = match client {
+    let mut config = match client {
         Some((chain, key)) => builder
             .with_client_auth_cert(chain.clone(), key.clone_key())
-            .map_err(|e| format!("the client certificate and key: {e}"))?,
+            .map_err(|e| format!("the client certificate and key do not go together: {e}"))?,
         None => builder.with_no_client_auth(),
     };
+    if crl.is_some() {
+        // A resumed session skips the certificate check, and so the lists: every
+        // connection is a full handshake. (A configuration is built anew for each version
+        // of the file, with an empty session cache.)
+        config.resumption = rustls::client::Resumption::disabled();
+    }
     Ok(Arc::new(config))
 }
 
@@ -268,17 +310,39 @@ impl<In: ureq::unversioned::transport::Transport> ureq::unversioned::transport::
             .to_owned();
         let mut conn = rustls::ClientConnection::new(config, name).map_err(ureq::Error::Rustls)?;
         let mut sock = TransportAdapter::new(transport.boxed(), details.current_time.clone());
-        sock.set_timeout(details.timeout);
+        // What is left of the connection's budget (the TCP connection and a proxy's CONNECT
+        // took their part of it), as ureq's own TLS step measures it.
+        sock.set_timeout(remaining(details.timeout, details.now, (details.current_time)()));
         conn.complete_io(&mut sock).map_err(|e| self.tls.explain(e))?;
         let buffers = LazyBuffers::new(details.config.input_buffer_size(), details.config.output_buffer_size());
         Ok(Some(Either::B(TlsTransport {
             buffers,
             stream: rustls::StreamOwned { conn, sock },
             stamp,
+            made: std::time::Instant::now(),
             tls: self.tls.clone(),
         })))
     }
 }
+
+/// `timeout` less the time since `started`.
+fn remaining(
+    timeout: ureq::unversioned::transport::NextTimeout,
+    started: ureq::unversioned::transport::time::Instant,
+    now: ureq::unversioned::transport::time::Instant,
+) -> ureq::unversioned::transport::NextTimeout {
+    use ureq::unversioned::transport::time::{Duration, Instant};
+    let mut left = timeout;
+    if let (Duration::Exact(limit), Instant::Exact(started), Instant::Exact(now)) = (timeout.after, started, now) {
+        left.after = Duration::Exact(limit.saturating_sub(now.saturating_duration_since(started)));
+    }
+    left
+}
+
+/// How long a connection checked against revocation lists is used: a list that passes its
+/// next update while the file stays as it is fails the next connection, so a kept-alive
+/// one must end too.
+const CHECKED_CONNECTION_LIFETIME: std::time::Duration = std::time::Duration::from_secs(300);
 
 /// A TLS connection made by [`TlsConnector`].
 pub struct TlsTransport {
@@ -286,6 +350,7 @@ pub struct TlsTransport {
     stream: rustls::StreamOwned<rustls::ClientConnection, ureq::unversioned::transport::TransportAdapter>,
     /// The revocation list file the server's chain was checked against.
     stamp: Option<FileStamp>,
+    made: std::time::Instant,
     tls: Arc<ClientTls>,
 }
 
@@ -325,11 +390,34 @@ impl ureq::unversioned::transport::Transport for TlsTransport {
 
     fn is_open(&mut self) -> bool {
         // Checked before a kept-alive connection is reused: not one checked against a
-        // revocation list file that has changed since.
-        self.tls.still_current(&self.stamp) && self.stream.get_mut().get_mut().is_open()
+        // revocation list file that has changed since, nor one checked longer ago than
+        // `CHECKED_CONNECTION_LIFETIME`.
+        let checked_recently = self.stamp.is_none() || self.made.elapsed() < CHECKED_CONNECTION_LIFETIME;
+        checked_recently && self.tls.still_current(&self.stamp) && self.stream.get_mut().get_mut().is_open()
     }
 
     fn is_tls(&self) -> bool {
         true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_handshake_gets_what_is_left_of_the_connections_budget() {
+        use ureq::unversioned::transport::time::{Duration, Instant};
+        use ureq::unversioned::transport::NextTimeout;
+        let budget = NextTimeout { after: Duration::from_secs(10), ..NextTimeout::default() };
+        let now = std::time::Instant::now();
+        let started = Instant::Exact(now - std::time::Duration::from_secs(3));
+        let left = remaining(budget, started, Instant::Exact(now));
+        assert_eq!(left.after, Duration::from_secs(7));
+        assert_eq!(left.reason, budget.reason);
+        let spent = Instant::Exact(now - std::time::Duration::from_secs(30));
+        assert_eq!(remaining(budget, spent, Instant::Exact(now)).after, Duration::from_secs(0));
+        let endless = NextTimeout { after: Duration::NotHappening, ..NextTimeout::default() };
+        assert_eq!(remaining(endless, started, Instant::Exact(now)).after, Duration::NotHappening);
     }
 }

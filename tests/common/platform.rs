@@ -26,7 +26,13 @@ pub struct Pki {
     pub client_key: String,
     /// The CA, to sign revocation lists with ([`Pki::crl`]).
     issuer: rcgen::Issuer<'static, rcgen::KeyPair>,
+    /// With [`Pki::with_intermediate`]: the intermediate CA that signed the server's
+    /// certificate.
+    intermediate: Option<rcgen::Issuer<'static, rcgen::KeyPair>>,
 }
+
+/// The serial number of [`Pki::with_intermediate`]'s intermediate CA.
+pub const INTERMEDIATE_SERIAL: u64 = 0x1a7;
 
 /// The serial numbers of [`Pki`]'s server and client certificates.
 pub const SERVER_SERIAL: u64 = 0x5e1;
@@ -53,29 +59,42 @@ impl Pki {
         let (server_cert, server_key) =
             leaf("platform", Some(SanType::IpAddress("127.0.0.1".parse().unwrap())), SERVER_SERIAL);
         let (client_cert, client_key) = leaf("agent", None, CLIENT_SERIAL);
-        Pki { ca: ca.pem(), server_cert, server_key, client_cert, client_key, issuer }
+        Pki { ca: ca.pem(), server_cert, server_key, client_cert, client_key, issuer, intermediate: None }
+    }
+
+    /// As [`Pki::new`], but the server's certificate is signed by an intermediate CA the
+    /// root signed (the server sends both); the client's is the root's.
+    pub fn with_intermediate(name: &str) -> Pki {
+        use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, SanType};
+        let mut pki = Pki::new(name);
+        let key = KeyPair::generate().expect("intermediate key");
+        let mut params = CertificateParams::new(Vec::<String>::new()).expect("intermediate params");
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.serial_number = Some(INTERMEDIATE_SERIAL.into());
+        params.distinguished_name.push(DnType::CommonName, format!("{name} intermediate CA"));
+        let cert = params.signed_by(&key, &pki.issuer).expect("intermediate certificate");
+        let intermediate = Issuer::new(params, key);
+        let leaf_key = KeyPair::generate().expect("key");
+        let mut leaf = CertificateParams::new(Vec::<String>::new()).expect("params");
+        leaf.serial_number = Some(SERVER_SERIAL.into());
+        leaf.distinguished_name.push(DnType::CommonName, "platform");
+        leaf.subject_alt_names = vec![SanType::IpAddress("127.0.0.1".parse().unwrap())];
+        let leaf = leaf.signed_by(&leaf_key, &intermediate).expect("certificate");
+        pki.server_cert = format!("{}{}", leaf.pem(), cert.pem());
+        pki.server_key = leaf_key.serialize_pem();
+        pki.intermediate = Some(intermediate);
+        pki
+    }
+
+    /// As [`Pki::crl`], signed by the intermediate CA of [`Pki::with_intermediate`].
+    pub fn intermediate_crl(&self, revoked: &[u64], next_update_year: i32) -> String {
+        crl_by(self.intermediate.as_ref().expect("an intermediate CA"), revoked, next_update_year)
     }
 
     /// A revocation list (PEM) signed by this CA, revoking the certificates with `revoked`
     /// serial numbers, issued in 2020 with its next update in `next_update_year`.
     pub fn crl(&self, revoked: &[u64], next_update_year: i32) -> String {
-        let params = rcgen::CertificateRevocationListParams {
-            this_update: rcgen::date_time_ymd(2020, 1, 1),
-            next_update: rcgen::date_time_ymd(next_update_year, 1, 1),
-            crl_number: 1u64.into(),
-            issuing_distribution_point: None,
-            revoked_certs: revoked
-                .iter()
-                .map(|serial| rcgen::RevokedCertParams {
-                    serial_number: (*serial).into(),
-                    revocation_time: rcgen::date_time_ymd(2020, 1, 1),
-                    reason_code: Some(rcgen::RevocationReason::KeyCompromise),
-                    invalidity_date: None,
-                })
-                .collect(),
-            key_identifier_method: rcgen::KeyIdMethod::Sha256,
-        };
-        params.signed_by(&self.issuer).expect("CRL").pem().expect("CRL PEM")
+        crl_by(&self.issuer, revoked, next_update_year)
     }
 
     /// Write the agent's side (CA, client certificate, client key 0600) into `dir`.
@@ -87,6 +106,28 @@ impl Pki {
         std::fs::write(dir.join("agent.key"), &self.client_key).unwrap();
         std::fs::set_permissions(dir.join("agent.key"), std::fs::Permissions::from_mode(0o600)).unwrap();
     }
+}
+
+/// A revocation list (PEM) signed by `issuer`, revoking `revoked` serial numbers, issued in
+/// 2020 with its next update in `next_update_year`.
+fn crl_by(issuer: &rcgen::Issuer<'static, rcgen::KeyPair>, revoked: &[u64], next_update_year: i32) -> String {
+    let params = rcgen::CertificateRevocationListParams {
+        this_update: rcgen::date_time_ymd(2020, 1, 1),
+        next_update: rcgen::date_time_ymd(next_update_year, 1, 1),
+        crl_number: 1u64.into(),
+        issuing_distribution_point: None,
+        revoked_certs: revoked
+            .iter()
+            .map(|serial| rcgen::RevokedCertParams {
+                serial_number: (*serial).into(),
+                revocation_time: rcgen::date_time_ymd(2020, 1, 1),
+                reason_code: Some(rcgen::RevocationReason::KeyCompromise),
+                invalidity_date: None,
+            })
+            .collect(),
+        key_identifier_method: rcgen::KeyIdMethod::Sha256,
+    };
+    params.signed_by(issuer).expect("CRL").pem().expect("CRL PEM")
 }
 
 #[derive(Default)]
