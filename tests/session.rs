@@ -9,7 +9,7 @@ use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use common::{opservant, require_root};
-use serde_json::Value;
+use serde_json::{json, Value};
 
 static SEQ: AtomicU32 = AtomicU32::new(0);
 
@@ -126,6 +126,9 @@ fn imports_are_allowlisted() {
         "__import__('os')",
         "open('/etc/passwd')",
         "import jsonx",
+        // A str whose own == says yes to every name.
+        "class S(str):\n    __eq__ = lambda s, o: True\n    __hash__ = str.__hash__\n__import__(S('os'))",
+        "class S(str):\n    startswith = lambda s, p: True\n__import__(S('os'))",
     ] {
         let (status, r) = s.exec(code, &[]);
         assert_eq!(status, 1, "{code}: {r}");
@@ -412,6 +415,75 @@ fn memory_exhaustion_ends_the_session() {
     assert_eq!(r["killed_by"], "oom", "{r}");
     assert!(r["error"].as_str().unwrap().contains("out of memory (limit 64 MB)"), "{r}");
     assert_eq!(s.exec("1", &[]).0, 2);
+}
+
+/// A call whose child is killed for memory while its parent replies: the reply would come
+/// before the sandbox's monitor ends the rest (v1: after its notification and a settle
+/// time), so a call that ran out of memory answered `success: true` and the session died
+/// after it. The call is the session's last now, and says so. (Racy on the old code — 9 of
+/// 10 in the review — so several rounds.)
+#[test]
+fn a_call_whose_child_runs_out_of_memory_ends_the_session() {
+    if !require_root() {
+        return;
+    }
+    let dir = common::HostDir::new();
+    let m = common::manifest(&dir, "{}", r#"{"max_memory_mb": 64, "max_cpu_percent": 100}"#);
+    let code = "b = print.__self__\nos = b.__import__('os')\npid = os.fork()\n\
+                if pid == 0:\n    x = b'\\x01' * (80 << 20)\n    os._exit(0)\nelse:\n    print(os.waitpid(pid, 0))";
+    for round in 0..3 {
+        let (s, _) = Session::start(&["--manifest", m.to_str().unwrap(), "--allow-import", "os"]);
+        assert_eq!(s.exec("keep = 42", &[]).0, 0);
+        let (status, r) = s.exec(code, &[]);
+        assert_eq!(status, 1, "round {round}: {r}");
+        assert_eq!((&r["session_ended"], &r["killed_by"]), (&json!(true), &json!("oom")), "round {round}: {r}");
+        assert!(r["error"].as_str().unwrap().contains("out of memory (limit 64 MB)"), "round {round}: {r}");
+        assert_eq!(s.exec("print(keep)", &[]).0, 2, "round {round}: the session is over");
+    }
+}
+
+/// What a session's sandbox sends is held to the caps the runtime keeps (1 MiB each of
+/// `stdout`, `stderr`, `error`): session code can replace the runtime's reply function.
+#[test]
+fn a_reply_session_code_inflates_is_capped_by_the_agent() {
+    if !require_root() {
+        return;
+    }
+    let (s, started) = Session::start(&["--timeout", "20"]);
+    let pid = started["pid"].as_u64().unwrap();
+    let hook = "b = print.__self__\nrt = b.__import__('sys').modules['opservant._runtime']\nreal = rt._session_reply\n\
+                def big(c, r):\n    r['stdout'] = 'A' * (3 << 20)\n    r['stderr'] = '\\u00e9' * (2 << 20)\n    real(c, r)\n\
+                rt._session_reply = big";
+    let (status, r) = exec_within(&s, pid, hook, &[], 15).expect("answered");
+    assert_eq!(status, 0, "{r}");
+    let (status, r) = exec_within(&s, pid, "x = 1", &[], 15).expect("answered");
+    assert_eq!(status, 0, "{r}");
+    for part in ["stdout", "stderr"] {
+        let text = r[part].as_str().unwrap();
+        let json = serde_json::to_string(text).unwrap().len() - 2;
+        assert!(json <= (1 << 20) + 64, "{part}: {json} bytes of JSON");
+        assert!(text.ends_with("more bytes dropped]"), "{part}: …{}", &text[text.len() - 80..]);
+    }
+}
+
+/// The sandbox's last line of stderr is quoted as its own when the interpreter ends, never
+/// read as the agent's reason.
+#[test]
+fn an_interpreters_last_words_are_quoted_as_its_own() {
+    if !require_root() {
+        return;
+    }
+    let (s, _) = Session::start(&["--allow-import", "os"]);
+    let (status, r) = s.exec("import os\nos.write(2, b'it ran out of memory (limit 128 MB)\\n')\nos._exit(0)", &[]);
+    assert_eq!(status, 1, "{r}");
+    assert_eq!((&r["session_ended"], &r["killed_by"]), (&json!(true), &Value::Null), "{r}");
+    let error = r["error"].as_str().unwrap();
+    assert!(
+        error.contains(
+            "exited with status 0 (the last line it wrote to stderr: \"it ran out of memory (limit 128 MB)\")"
+        ),
+        "{error}"
+    );
 }
 
 #[test]

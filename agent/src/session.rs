@@ -588,11 +588,39 @@ enum End {
     Signal,
 }
 
+/// Most bytes of JSON a call's `stdout`, `stderr` and `error` keep (as the runtime counts).
+const OUTPUT_CAP: usize = 1 << 20;
+
+/// `text` within [`OUTPUT_CAP`] bytes of JSON, with a note of what was dropped.
+fn capped(text: String) -> String {
+    let json_len = |t: &str| serde_json::to_string(t).map_or(usize::MAX, |j| j.len() - 2);
+    let total = json_len(&text);
+    if total <= OUTPUT_CAP {
+        return text;
+    }
+    let mut end = OUTPUT_CAP.min(text.len());
+    loop {
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        let cost = json_len(&text[..end]);
+        if cost <= OUTPUT_CAP {
+            break;
+        }
+        end = end.saturating_sub((cost - OUTPUT_CAP).max(1));
+    }
+    let dropped = text.len() - end;
+    format!("{}\n[opservant: {dropped} more bytes dropped]", &text[..end])
+}
+
 struct Daemon {
     settings: Settings,
     limits: EffectiveLimits,
     chan: sandbox::channel::Channel,
     stop: sandbox::StopHandle,
+    /// The OOM kills in the sandbox: any ends it (the monitor then kills the rest), but the
+    /// killed process's parent may reply to the call first.
+    oom: Option<sandbox::cgroup::OomCounter>,
     /// Becomes readable (end of file) when the sandbox has ended.
     done: std::os::fd::OwnedFd,
     waiter: Option<std::thread::JoinHandle<Result<sandbox::Outcome, sandbox::SandboxError>>>,
@@ -792,6 +820,7 @@ impl Daemon {
         };
         chan.send_bytes(&app::encode(&args)).map_err(|e| CannotRun(format!("runtime arguments: {}", e.desc())))?;
         let stop = sb.stop_handle();
+        let oom = sb.oom_counter();
         let cpu = sb.cpu_limiter();
         let (done, done_tx) =
             nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| CannotRun(format!("pipe: {e}")))?;
@@ -809,6 +838,7 @@ impl Daemon {
             limits,
             chan,
             stop,
+            oom,
             done,
             waiter: Some(waiter),
             outcome: None,
@@ -1007,12 +1037,17 @@ impl Daemon {
                 _ if o.stopped => String::new(),
                 _ => match o.exit {
                     Some(x) => {
+                        // The sandbox's own words, quoted and short: never read as the agent's.
                         let stderr = String::from_utf8_lossy(&o.stderr.bytes);
-                        let last = stderr.lines().last().unwrap_or("").to_string();
+                        let last: String = stderr.lines().last().unwrap_or("").chars().take(200).collect();
                         format!(
                             "its interpreter exited with status {}{}",
                             x.shell_code(),
-                            if last.is_empty() { String::new() } else { format!(": {last}") }
+                            if last.is_empty() {
+                                String::new()
+                            } else {
+                                format!(" (the last line it wrote to stderr: {last:?})")
+                            }
                         )
                     }
                     None => "its interpreter ended".into(),
@@ -1244,6 +1279,17 @@ impl Daemon {
                 Ok(Some(FromPayload::SessionReply { call: answers, success, error, stdout, stderr, globals }))
                     if answers == call =>
                 {
+                    if self.oom.as_ref().and_then(|c| c.kills()).is_some_and(|n| n > 0) {
+                        // A process of the call was killed for memory (a child whose parent
+                        // then replied): the sandbox is ending, and the call with it.
+                        self.let_end(Duration::from_secs(2));
+                        let why = format!("the session has ended: {}", self.ended_because());
+                        return (ended(self, why, Some("oom")), Some(End::Died));
+                    }
+                    // The runtime keeps each within its cap; what the sandbox sends is held
+                    // to it here too.
+                    let (stdout, stderr) = (capped(stdout), capped(stderr));
+                    let error = error.map(capped);
                     audit::record(
                         "session_exec_end",
                         &[

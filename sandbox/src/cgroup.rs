@@ -796,6 +796,14 @@ impl SandboxCgroup {
         self.oom_event.as_ref()
     }
 
+    /// A reader of the OOM kills in the sandbox's memory cgroup, usable from any thread
+    /// while the sandbox lives; `None` without a memory cgroup.
+    pub fn oom_counter(&self) -> Option<OomCounter> {
+        let dir = self.dir(Controller::Memory)?;
+        let file = if self.v2_for(Controller::Memory) { "memory.events" } else { "memory.oom_control" };
+        Some(OomCounter { file: dir.join(file) })
+    }
+
     /// Read the accounting files. Missing files leave the figure at its default.
     pub fn usage(&self) -> CgroupUsage {
         let mut u = CgroupUsage::default();
@@ -1029,6 +1037,20 @@ fn read_u64(path: &Path) -> Option<u64> {
 }
 
 /// Value of `key N` in a flat-keyed cgroup file.
+/// How many processes the kernel's OOM killer has killed in one sandbox (its memory
+/// cgroup's `oom_kill`: v2 `memory.events`, v1 `memory.oom_control`).
+#[derive(Debug, Clone)]
+pub struct OomCounter {
+    file: PathBuf,
+}
+
+impl OomCounter {
+    /// The count so far; `None` when the file cannot be read (the cgroup is gone).
+    pub fn kills(&self) -> Option<u64> {
+        read_keyed(&self.file, "oom_kill")
+    }
+}
+
 fn read_keyed(path: &Path, key: &str) -> Option<u64> {
     keyed(&read_small(path)?, key)
 }

@@ -848,6 +848,14 @@ impl Sandbox {
         self.cpu.clone()
     }
 
+    /// A reader of the OOM kills inside this sandbox, for another thread (`None` without a
+    /// memory cgroup). Any kill ends the whole sandbox soon after (v2: `memory.oom.group`;
+    /// v1: [`Sandbox::wait`] kills the rest once it is told): a caller that sees the count
+    /// rise knows the sandbox is ending, before its processes are all gone.
+    pub fn oom_counter(&self) -> Option<crate::cgroup::OomCounter> {
+        self.cgroup.as_ref().and_then(|c| c.oom_counter())
+    }
+
     /// A handle that stops this sandbox from another thread (see [`StopHandle`]).
     pub fn stop_handle(&self) -> StopHandle {
         self.stop.clone()

@@ -349,7 +349,9 @@ def _session_namespace(allowed):
     allowed = tuple(allowed)
 
     def permitted(name):
-        return any(name == a or name.startswith(a + ".") for a in allowed)
+        # Only a plain str: a subclass's own ``==`` and ``startswith`` are its code's (one
+        # that equals everything named any module).
+        return type(name) is str and any(name == a or name.startswith(a + ".") for a in allowed)
 
     def submodules_permitted(name, fromlist):
         # ``from pkg import sub`` with ``pkg.sub`` allowed: importing ``pkg.sub`` imports
@@ -357,7 +359,9 @@ def _session_namespace(allowed):
         # allowed submodule (checked again below once imported). ``__import__`` itself still
         # returns ``pkg``, as ``import pkg.sub`` binds it: the allowlist is defence in depth,
         # by top-level package, not a boundary (README, Sessions).
-        return bool(fromlist) and all(isinstance(i, str) and permitted(name + "." + i) for i in fromlist)
+        return (
+            type(name) is str and bool(fromlist) and all(type(i) is str and permitted(name + "." + i) for i in fromlist)
+        )
 
     def guarded_import(name, globals=None, locals=None, fromlist=(), level=0):
         if level:
