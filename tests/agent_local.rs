@@ -72,6 +72,18 @@ fn hostile_configs_are_refused_cleanly_by_check_config() {
         assert_eq!(stderr.lines().count(), 1, "{stderr}");
         assert!(stderr.contains(needle) && stderr.contains("config.yaml"), "{needle}: {stderr}");
     }
+    // A pipe (`<(…)`) is not a regular file, said so — not a missing `/proc/…/pipe:[…]`
+    // its /dev/fd link names.
+    let path = dir.path.join("config.yaml");
+    std::fs::write(&path, "agent:\n  id: a\n").unwrap();
+    let out = std::process::Command::new("bash")
+        .arg("-c")
+        .arg(format!("exec {} agent --check-config --config <(cat {})", common::opservant(), path.display()))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("/dev/fd/") && stderr.contains("not a regular file"), "{stderr}");
 }
 
 /// `agent --check-config` refuses (exit 2, one line naming the key) what the agent itself

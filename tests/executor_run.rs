@@ -1483,6 +1483,14 @@ fn lint_reports_ok_errors_and_warnings() {
     assert_eq!(out.code, 1, "{out:?}");
     assert!(out.stdout.contains(".deps: not a directory, or a symbolic link"), "{out:?}");
 
+    // Seed 000's layout has a requirements.txt; nothing reads it, and lint says so.
+    let reqs = executor(json!({}), LIFECYCLE);
+    std::fs::write(reqs.path.join("requirements.txt"), "requests\n").unwrap();
+    let out = lint(&reqs.path, false);
+    assert_eq!(out.code, 0, "{out:?}");
+    assert!(out.stdout.contains("warning: requirements.txt: not read"), "{out:?}");
+    assert!(out.stdout.ends_with("ok (1 warning)\n"), "{out:?}");
+
     // The seed executor lints clean.
     let out = lint(&port_scanner_dir(), false);
     assert_eq!(out.code, 0, "{out:?}");

@@ -254,8 +254,15 @@ fn bad_input_exits_2_with_one_line_naming_the_problem() {
 
     let (code, _, stderr) = run_cli(&["sandbox", "--"]);
     assert_eq!(code, 2, "{stderr}");
-    let (code, _, _) = run_cli(&["sandbox", "--no-such-flag", "--", "/bin/true"]);
+    let (code, stdout, stderr) = run_cli(&["sandbox", "--no-such-flag", "--", "/bin/true"]);
+    assert_eq!((code, stdout.as_str()), (2, ""));
+    // The argument parser's errors too: one line (not its usage block), naming what is wrong.
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    assert!(stderr.contains("unexpected argument '--no-such-flag'"), "{stderr}");
+    let (code, _, stderr) = run_cli(&["run"]);
     assert_eq!(code, 2);
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    assert!(stderr.contains("required arguments were not provided: <DIR>"), "{stderr}");
 }
 
 #[test]

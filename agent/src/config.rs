@@ -338,11 +338,13 @@ pub fn check_agents_own_dir(dir: &Path, meta: &std::fs::Metadata) -> Result<(), 
 /// [`check_ancestors`]. `Err` names `field`, the path and the rule it breaks.
 pub fn check_trust_file(field: &str, path: &Path) -> Result<(), String> {
     use std::os::unix::fs::MetadataExt;
-    check_ancestors(path).map_err(|m| format!("{field}: {m}"))?;
+    // What it is first: a pipe (`<(…)`, whose /dev/fd link names no path) is not a regular
+    // file, whatever the way to it.
     let meta = std::fs::metadata(path).map_err(|e| format!("{field}: {}: {e}", path.display()))?;
     if !meta.is_file() {
         return Err(format!("{field}: {}: not a regular file", path.display()));
     }
+    check_ancestors(path).map_err(|m| format!("{field}: {m}"))?;
     let euid = nix::unistd::geteuid().as_raw();
     let mode = meta.mode() & 0o7777;
     if meta.uid() != 0 && meta.uid() != euid {

@@ -25,9 +25,20 @@ pub fn lint(dir: &Path, policy: &AgentPolicy) -> Result<LintReport, ManifestErro
     // Every manifest rule broken, not only the first `run` would stop on.
     let text = crate::manifest::read(&dir.join("manifest.json"))?;
     let (_, errors, warnings) = Manifest::check(&text);
+    // Seed 000's layout has one; nothing reads it (a package's requirements are the
+    // manifest's, installed from wheels into `.deps`): said, so that no one thinks them in.
+    if std::fs::symlink_metadata(dir.join("requirements.txt")).is_ok() {
+        r.warnings.push(
+            "requirements.txt: not read — list the packages in the manifest's requirements.packages \
+             (`executor install` installs them from wheels into .deps)"
+                .into(),
+        );
+    }
     if !errors.is_empty() {
         r.errors.extend(errors.iter().map(|e| e.to_string()));
         r.warnings.extend(warnings.iter().map(|w| w.to_string()));
+        // The entry point, the installed requirements and the sandbox policy are checked
+        // once the manifest's own rules hold (they need a manifest to read).
         return Ok(r);
     }
     match Executor::load(dir) {

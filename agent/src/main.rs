@@ -177,8 +177,8 @@ enum Command {
         #[arg(long)]
         config: Option<PathBuf>,
     },
-    /// Sandbox overhead report: bare, unshare, bubblewrap, opservant cold and zygote rows,
-    /// interleaved in one process; median/p90/p99 and ratios against bubblewrap, throughput,
+    /// Sandbox overhead report: bare programs (`true`, `python3`), `unshare`, bubblewrap,
+    /// opservant's cold, zygote and pool rows, interleaved in one process; median/p90/p99 and ratios against bubblewrap, throughput,
     /// memory, the issue-6 targets. Needs root.
     Bench {
         /// Measured rounds (each runs every row once).
@@ -187,7 +187,9 @@ enum Command {
         /// Warm-up rounds, discarded.
         #[arg(long, default_value_t = 5)]
         warmup: usize,
-        /// Only these rows (comma-separated; see the table for names).
+        /// Only these rows (comma-separated): true, python3, unshare, bwrap-true, bwrap-python3,
+        /// sandbox-cold, sandbox-zygote, run-cold, run-zygote, run-pool, run-agent,
+        /// run-agent-pool, run-cold-egress, run-zygote-egress, run-pool-egress.
         #[arg(long, value_delimiter = ',', value_name = "ROW,...")]
         only: Option<Vec<String>>,
         /// Threads of the throughput test (default: the agent's default `agent.max_concurrent`,
@@ -389,12 +391,41 @@ fn quiet_http_clients(filter: tracing_subscriber::EnvFilter) -> tracing_subscrib
     })
 }
 
+/// A command-line error of clap's in one line: its message and the lines that complete it
+/// (the arguments it names), without the usage block and tips that follow.
+fn usage_error_line(e: &clap::Error) -> String {
+    let text = e.render().to_string();
+    let words: Vec<&str> = text
+        .lines()
+        .take_while(|l| !l.starts_with("Usage:"))
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with("tip:"))
+        .collect();
+    one_terminal_line(words.join(" ").trim_start_matches("error: "))
+}
+
 fn main() -> ExitCode {
     // The sandbox init must run before anything else (no threads, no logging setup).
     if std::env::args_os().nth(1).is_some_and(|a| a == SANDBOX_INIT) {
         sandbox::init::main();
     }
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            use clap::error::ErrorKind;
+            if matches!(
+                e.kind(),
+                ErrorKind::DisplayHelp
+                    | ErrorKind::DisplayVersion
+                    | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+            ) {
+                e.exit();
+            }
+            // DESIGN.md §5: a one-line reason (clap's message, without its usage block).
+            errln!("opservant: {} (see --help)", usage_error_line(&e));
+            return ExitCode::from(2);
+        }
+    };
     let log = tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
