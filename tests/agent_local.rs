@@ -245,6 +245,36 @@ fn executors_installed_beneath_the_state_directory_the_agent_made_run() {
     assert!(a.stop().success());
 }
 
+/// A valid configuration this host cannot meet (a Landlock ABI no kernel has) is still
+/// valid — `configuration ok`, exit 0 — but `--check-config` says every run would be refused.
+#[test]
+fn check_config_says_when_the_host_cannot_meet_the_configuration() {
+    let dir = common::HostDir::new();
+    assert!(op(&["keygen", "--out", dir.path.join("keys").to_str().unwrap()]).status.success());
+    let config = dir.path.join("config.yaml");
+    let text = |abi: u32| {
+        format!(
+            "agent:\n  platform_public_key: {0}/keys/signing.pub\n  state_dir: {0}/state\n  socket: {0}/run/agent.sock\naudit:\n  path: {0}/audit.log\nsandbox:\n  landlock_min_abi: {abi}\n",
+            dir.path.display()
+        )
+    };
+    std::fs::write(&config, text(64)).unwrap();
+    let out = op(&["agent", "--check-config", "--config", config.to_str().unwrap()]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        (out.status.code(), String::from_utf8_lossy(&out.stdout).trim()),
+        (Some(0), "configuration ok"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("this host lacks what the configuration requires") && stderr.contains("landlock"),
+        "{stderr}"
+    );
+    std::fs::write(&config, text(1)).unwrap();
+    let out = op(&["agent", "--check-config", "--config", config.to_str().unwrap()]);
+    assert!(!String::from_utf8_lossy(&out.stderr).contains("lacks"), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
 /// A client key that is not the certificate's, or that the TLS provider cannot sign with
 /// (P-521), is a configuration error `--check-config` names — not a panic of the HTTPS
 /// client at the agent's first connection to the platform, which builds its TLS context

@@ -235,7 +235,7 @@ pub struct SandboxSection {
 
 /// `sandbox.host_uids`.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
-#[serde(try_from = "RawHostUids")]
+#[serde(try_from = "RawHostUids", untagged)]
 pub enum HostUidsSetting {
     /// `auto` or `shared`.
     Named(String),
@@ -1022,6 +1022,17 @@ pub fn yaml_options() -> serde_saphyr::Options {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn host_uids_are_shown_as_written() {
+        // An executor's `context["config"]` is this serialisation: the operator's form, not
+        // the enum's (`{"Range": …}`).
+        let c = Config::parse("sandbox:\n  host_uids: {first: 1900000000, count: 16}\n").unwrap();
+        let v = serde_json::to_value(&c.sandbox.host_uids).unwrap();
+        assert_eq!(v, serde_json::json!({"first": 1900000000u32, "count": 16}));
+        let c = Config::parse("sandbox:\n  host_uids: auto\n").unwrap();
+        assert_eq!(serde_json::to_value(&c.sandbox.host_uids).unwrap(), serde_json::json!("auto"));
+    }
 
     #[test]
     fn empty_documents_and_sections_are_empty_and_yaml_errors_are_one_clean_line() {

@@ -898,6 +898,16 @@ fn agent_daemon(config: Option<PathBuf>, check_only: bool) -> Result<ExitCode, C
                 k.label
             );
         }
+        // The configuration is valid; whether this host can meet it is `doctor`'s, but what
+        // it requires and the host lacks means every run would be refused: said here too.
+        let host = agent::doctor::examine(policy.landlock_min_abi, policy.allow_degraded, policy.host_uids.as_ref());
+        for f in host.findings.iter().filter(|f| f.required && !f.ok) {
+            errln!(
+                "opservant: warning: this host lacks what the configuration requires, so every run would be refused: {}: {}",
+                f.feature,
+                one_terminal_line(&f.detail)
+            );
+        }
         outln!("configuration ok");
         return Ok(ExitCode::SUCCESS);
     }
