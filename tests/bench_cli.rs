@@ -219,6 +219,9 @@ fn bad_options_exit_2() {
         &["--threads", "0"],
         &["--threads", "257"],
         &["--frobnicate"],
+        // Their sum wrapped to no rounds at all (a report of nothing, exit 0).
+        &["--rounds", "18446744073709551615", "--warmup", "1"],
+        &["--rounds", "1", "--warmup", "18446744073709551615"],
     ] {
         let out = bench(args);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
@@ -230,7 +233,15 @@ fn bad_options_exit_2() {
     let fifo = dir.path.join("report.fifo");
     nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
     let missing = dir.path.join("no/such/dir/report.json");
-    for (flag, path) in [("--json", missing.as_path()), ("--svg", Path::new("/dev/full")), ("--json", fifo.as_path())] {
+    // A link (root writing through a link another user planted in /tmp): not followed.
+    let link = dir.path.join("report.json");
+    std::os::unix::fs::symlink(dir.path.join("victim"), &link).unwrap();
+    for (flag, path) in [
+        ("--json", missing.as_path()),
+        ("--svg", Path::new("/dev/full")),
+        ("--json", fifo.as_path()),
+        ("--svg", link.as_path()),
+    ] {
         let args = ["--only", "true", "--rounds", "1", flag, path.to_str().unwrap()];
         let out = bench(&args);
         let stderr = String::from_utf8_lossy(&out.stderr);

@@ -37,6 +37,7 @@ pub mod signing;
 pub mod stdout;
 pub mod tls;
 pub mod warm_pool;
+pub mod whole_file;
 
 /// A message as one line that cannot drive a terminal: it often quotes what the user or a
 /// package gave (archive member names, manifest values, paths), so newlines become spaces

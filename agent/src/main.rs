@@ -1056,7 +1056,8 @@ fn bench(
     out!("{}", bench::render_table(&report));
     if let Some(path) = &json {
         let text = serde_json::to_string_pretty(&report)? + "\n";
-        std::fs::write(path, text).map_err(|e| CannotRun(format!("--json {}: {e}", path.display())))?;
+        agent::whole_file::replace(path, text.as_bytes(), 0o644)
+            .map_err(|e| CannotRun(format!("--json {}: {e}", path.display())))?;
         outln!("wrote {}", path.display());
     }
     if let Some(path) = &svg {
@@ -1070,8 +1071,11 @@ fn bench(
 /// there (a FIFO would block the write, a device swallow it).
 fn report_destination(flag: &str, path: &std::path::Path) -> Result<(), CannotRun> {
     let fail = |why: String| Err(CannotRun(format!("{flag} {}: {why}", path.display())));
-    match std::fs::metadata(path) {
+    // Checked before the measuring, to save a wasted run; the write itself replaces
+    // whatever is there then, never following or opening it (`whole_file::replace`).
+    match std::fs::symlink_metadata(path) {
         Ok(m) if m.is_file() => return Ok(()),
+        Ok(m) if m.is_symlink() => return fail("a symbolic link (not followed)".into()),
         Ok(_) => return fail("not a regular file".into()),
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => return fail(e.to_string()),
         Err(_) => {}
@@ -1121,30 +1125,10 @@ fn sign_package(
     let explicit = out.is_some();
     let out = out.unwrap_or_else(|| package_signing::sig_path(package));
     check_signature_out(&out, explicit, &[("the package", package), ("the signing key", key_path)])?;
-    // Written beside, then renamed over: never a half-written signature file.
-    let mut tmp = out.clone().into_os_string();
-    tmp.push(format!(".tmp-{}", std::process::id()));
-    let tmp = PathBuf::from(tmp);
-    let written = (|| {
-        use std::os::unix::fs::OpenOptionsExt;
-        // create_new: a file (or a planted symlink) at the temporary name is never followed.
-        let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o644).open(&tmp)?;
-        f.write_all(format!("{}\n", package_signing::encode(&sig)).as_bytes())?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, &out)
-    })();
-    if let Err(e) = written {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(CannotRun(format!("{}: {e}", out.display())));
-    }
-    // The rename on the disk before success is reported.
-    let dir = out.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
-    std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(|e| {
-        CannotRun(format!(
-            "{}: written, but its directory could not be synced ({e}): a crash may lose it",
-            out.display()
-        ))
-    })?;
+    // Written beside, then renamed over: never a half-written signature file, and the
+    // rename on the disk before success is reported.
+    agent::whole_file::replace(&out, format!("{}\n", package_signing::encode(&sig)).as_bytes(), 0o644)
+        .map_err(|e| CannotRun(format!("{}: {e}", out.display())))?;
     outln!("{}", out.display());
     Ok(ExitCode::SUCCESS)
 }

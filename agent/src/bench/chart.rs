@@ -2,8 +2,6 @@
 //! logarithmic millisecond axis — SVG, rendered with `plotters` (no font or system
 //! libraries: text is left to the SVG viewer).
 
-use std::path::Path;
-
 use plotters::prelude::*;
 
 use super::BenchError;
@@ -23,9 +21,9 @@ pub struct Mark<'a> {
     pub label: &'a str,
 }
 
-/// Write the chart to `path`.
-pub fn render(path: &Path, title: &str, bars: &[Bar], marks: &[Mark]) -> Result<(), BenchError> {
-    let err = |e: &dyn std::fmt::Display| BenchError::Failed(format!("chart {}: {e}", path.display()));
+/// The chart, as SVG text (written by the caller, whole: see [`crate::whole_file`]).
+pub fn render(title: &str, bars: &[Bar], marks: &[Mark]) -> Result<String, BenchError> {
+    let err = |e: &dyn std::fmt::Display| BenchError::Failed(format!("chart: {e}"));
     if bars.is_empty() {
         return Err(err(&"no rows to draw"));
     }
@@ -38,7 +36,8 @@ pub fn render(path: &Path, title: &str, bars: &[Bar], marks: &[Mark]) -> Result<
     // Whole decades around the data.
     let (x0, x1) = (10f64.powf(lo.log10().floor()), 10f64.powf(hi.log10().ceil()).max(lo * 10.0));
     let height = 120 + 34 * bars.len() as u32;
-    let root = SVGBackend::new(path, (900, height)).into_drawing_area();
+    let mut svg = String::new();
+    let root = SVGBackend::with_string(&mut svg, (900, height)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(&e))?;
     let n = bars.len();
     let mut chart = ChartBuilder::on(&root)
@@ -110,7 +109,9 @@ pub fn render(path: &Path, title: &str, bars: &[Bar], marks: &[Mark]) -> Result<
             .map_err(|e| err(&e))?;
     }
     root.present().map_err(|e| err(&e))?;
-    Ok(())
+    drop(chart);
+    drop(root);
+    Ok(svg)
 }
 
 #[cfg(test)]
@@ -119,26 +120,20 @@ mod tests {
 
     #[test]
     fn renders_well_formed_svg() {
-        let dir = std::env::temp_dir().join(format!("opservant-chart-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("c.svg");
         let bars = [
             Bar { name: "true", median_ms: 0.7, p90_ms: 0.9, reference: false },
             Bar { name: "bwrap-true", median_ms: 3.9, p90_ms: 4.5, reference: true },
             Bar { name: "run-cold", median_ms: 21.0, p90_ms: 30.0, reference: false },
         ];
-        render(&path, "t", &bars, &[Mark { ms: 2.0, label: "target" }]).unwrap();
-        let text = std::fs::read_to_string(&path).unwrap();
-        std::fs::remove_dir_all(&dir).unwrap();
+        let text = render("t", &bars, &[Mark { ms: 2.0, label: "target" }]).unwrap();
         assert!(text.trim_start().starts_with("<svg") && text.trim_end().ends_with("</svg>"));
         assert!(text.contains("bwrap-true") && text.contains("run-cold"));
     }
 
     #[test]
     fn refuses_nothing_to_draw() {
-        let path = std::env::temp_dir().join("never-written.svg");
-        assert!(render(&path, "t", &[], &[]).is_err());
+        assert!(render("t", &[], &[]).is_err());
         let bars = [Bar { name: "x", median_ms: 0.0, p90_ms: 0.0, reference: false }];
-        assert!(render(&path, "t", &bars, &[]).is_err());
+        assert!(render("t", &bars, &[]).is_err());
     }
 }

@@ -196,8 +196,14 @@ impl Options {
     /// The selected rows, in table order; an unknown name or an empty selection is a usage
     /// error.
     pub fn rows(&self) -> Result<Vec<&'static str>, BenchError> {
-        if self.rounds == 0 {
-            return Err(BenchError::Usage("--rounds: must be at least 1".into()));
+        const MAX_ROUNDS: usize = 1_000_000;
+        // A million rounds of the fastest row take minutes; more is a mistake (and their sum
+        // must not wrap: it once did, to a report of no samples).
+        if self.rounds == 0 || self.rounds > MAX_ROUNDS {
+            return Err(BenchError::Usage(format!("--rounds: must be 1-{MAX_ROUNDS}")));
+        }
+        if self.warmup > MAX_ROUNDS {
+            return Err(BenchError::Usage(format!("--warmup: must be 0-{MAX_ROUNDS}")));
         }
         if self.threads == 0 || self.threads > 256 {
             // The throughput through an agent runs as many commands at once: its
@@ -1282,7 +1288,8 @@ pub fn render_svg(report: &Value, path: &Path) -> Result<(), BenchError> {
         report["timestamp_utc"].as_str().unwrap_or("")
     );
     let marks = [chart::Mark { ms: TARGET_ZYGOTE_MS, label: "target: zygote run <= 2 ms" }];
-    chart::render(path, &title, &bars, &marks)
+    let svg = chart::render(&title, &bars, &marks)?;
+    crate::whole_file::replace(path, svg.as_bytes(), 0o644).map_err(|e| failed(format!("{}: {e}", path.display())))
 }
 
 /// A seed for the rows' order: the kernel's random bytes (the time, should they fail).
