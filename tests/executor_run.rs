@@ -1483,6 +1483,19 @@ fn lint_reports_ok_errors_and_warnings() {
     assert_eq!(out.code, 1, "{out:?}");
     assert!(out.stdout.contains(".deps: not a directory, or a symbolic link"), "{out:?}");
 
+    // A package's manifest is a file of its own: a link out of the package (to a root-only
+    // file, whose values lint quoted) is refused, never followed — by lint and run alike.
+    let outside = executor(json!({}), LIFECYCLE);
+    let linked = executor(json!({}), LIFECYCLE);
+    std::fs::remove_file(linked.path.join("manifest.json")).unwrap();
+    std::os::unix::fs::symlink(outside.path.join("manifest.json"), linked.path.join("manifest.json")).unwrap();
+    let out = lint(&linked.path, false);
+    assert_eq!(out.code, 2, "{out:?}");
+    assert!(out.stderr.contains("manifest.json: a symbolic link"), "{out:?}");
+    let out = run(&linked.path, &[]);
+    assert_eq!(out.code, 2, "{out:?}");
+    assert!(out.stderr.contains("manifest.json: a symbolic link"), "{out:?}");
+
     // Seed 000's layout has a requirements.txt; nothing reads it, and lint says so.
     let reqs = executor(json!({}), LIFECYCLE);
     std::fs::write(reqs.path.join("requirements.txt"), "requests\n").unwrap();

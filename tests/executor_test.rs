@@ -169,6 +169,17 @@ def test_skipped():
     assert!(out.json["error"].as_str().unwrap().contains("1 failed"), "{}", out.json);
     assert!(out.stderr.contains("FAILED") && out.stderr.contains("fixture broke"), "{}", out.stderr);
 
+    // A suite that stops itself with a zero status has not passed: the tests after never ran.
+    let bail = package(
+        &dir.path,
+        "bails",
+        Some("import pytest\n\ndef test_bails():\n    pytest.exit('bye', returncode=0)\n\ndef test_never_runs():\n    assert False\n"),
+    );
+    let out = executor_test(&bail, &[]);
+    assert_eq!(out.code, 1, "{}\n{}", out.stdout, out.stderr);
+    assert_eq!(out.json["status"], "failed", "{}", out.json);
+    assert!(out.json["error"].as_str().unwrap().contains("interrupted"), "{}", out.json);
+
     // Extra pytest arguments reach pytest: only the passing test selected.
     let out = executor_test(&pkg, &["--", "-k", "passes"]);
     assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
@@ -277,6 +288,27 @@ fn the_sessions_output_reaches_a_terminal_without_its_control_characters() {
     let seen = String::from_utf8_lossy(&out.stdout);
     assert!(seen.contains("before\\x1b]2;owned\\x07\\x0dafter"), "{seen}");
     assert!(!seen.contains("\u{1b}]2;owned") && !seen.contains("owned\u{7}"), "{seen}");
+}
+
+/// What the session prints reaches stderr up to 16 MiB, then a note of what was left out
+/// (a suite printing without end had filled a CI log's disk at 300 MB a second).
+#[test]
+fn the_sessions_output_shown_is_bounded() {
+    if !ready() {
+        return;
+    }
+    let dir = HostDir::new();
+    let pkg = package(
+        &dir.path,
+        "chatty",
+        Some("import os\n\ndef test_chatty():\n    for _ in range(24):\n        os.write(2, b'x' * (1 << 20))\n"),
+    );
+    // `-s`: pytest's capture off, so the test's writes reach the session's stderr.
+    let out = executor_test(&pkg, &["--", "-s"]);
+    assert_eq!(out.code, 0, "{}", out.stdout);
+    assert!(out.stderr.len() < (16 << 20) + (64 << 10), "{} bytes shown", out.stderr.len());
+    assert!(out.stderr.contains("output past 16 MiB is not shown"), "{}", &out.stderr[out.stderr.len() - 300..]);
+    assert_eq!(out.json["stderr_truncated"], true, "{}", out.json);
 }
 
 #[test]

@@ -913,7 +913,7 @@ pub fn install(
     };
     check_stop()?;
     let pkg = package_root(&unpacked)?;
-    let text = crate::manifest::read(&pkg.join("manifest.json"))
+    let text = crate::manifest::read_in_package(&pkg)
         .map_err(|e| InstallError::Invalid(format!("manifest.json: {}", e.message)))?;
     let (manifest, errors, _) = crate::manifest::Manifest::check(&text);
     let Some(manifest) = manifest.filter(|_| errors.is_empty()) else {

@@ -23,7 +23,7 @@ pub struct LintReport {
 pub fn lint(dir: &Path, policy: &AgentPolicy) -> Result<LintReport, ManifestError> {
     let mut r = LintReport::default();
     // Every manifest rule broken, not only the first `run` would stop on.
-    let text = crate::manifest::read(&dir.join("manifest.json"))?;
+    let text = crate::manifest::read_in_package(dir)?;
     let (_, errors, warnings) = Manifest::check(&text);
     // Seed 000's layout has one; nothing reads it (a package's requirements are the
     // manifest's, installed from wheels into `.deps`): said, so that no one thinks them in.

@@ -461,6 +461,10 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     }
+    // An install a stop reached after its record completes (a rename and a link): its exit
+    // status is the install's, not the signal's — a script that read 143 would try again and
+    // be told the version is installed.
+    let install = matches!(cli.command, Command::Executor { command: ExecutorCommand::Install { .. } });
     let result = match cli.command {
         Command::Sandbox { manifest, json, launch, config, argv } => run_sandbox(manifest, json, launch, config, argv),
         Command::Run { dir, params, action, config, launch } => run_executor(dir, params, action, config, launch),
@@ -546,6 +550,11 @@ fn main() -> ExitCode {
     // Stopped by a signal: the shell's convention, once everything is reported and cleaned up.
     match CAUGHT_SIGNAL.load(std::sync::atomic::Ordering::SeqCst) {
         0 => code,
+        sig if install && code == ExitCode::SUCCESS => {
+            let name = nix::sys::signal::Signal::try_from(sig).map_or("a signal", |s| s.as_str());
+            errln!("opservant: {name} came after the install was recorded: it completed");
+            code
+        }
         sig => {
             let name = nix::sys::signal::Signal::try_from(sig).map_or("a signal", |s| s.as_str());
             errln!("opservant: stopped by {name}");
@@ -831,7 +840,14 @@ fn executor_test(
     // tab are shown escaped (`\x1b`), never sent (no escape sequences).
     let terminal = std::io::IsTerminal::is_terminal(&stderr);
     let mut escaper = agent::stdout::TerminalEscaper::default();
+    // Shown up to a bound (a suite can print without end, and a CI log fills a disk): the
+    // rest is counted, and the result's own copy is capped at 1 MiB regardless.
+    let (mut shown, mut dropped) = (0usize, 0usize);
     let mut tee = |_: sandbox::Stream, data: &[u8]| {
+        let take = data.len().min(TEST_OUTPUT_SHOWN.saturating_sub(shown));
+        shown += take;
+        dropped += data.len() - take;
+        let data = &data[..take];
         let _ = if terminal { stderr.lock().write_all(&escaper.escape(data)) } else { stderr.lock().write_all(data) };
     };
     let result = agent::executor_test::run(
@@ -847,6 +863,12 @@ fn executor_test(
     )
     .map_err(|e| CannotRun(e.0));
     let _ = stderr.lock().write_all(&escaper.finish());
+    if dropped > 0 {
+        errln!(
+            "\n[opservant: the test session's output past {} MiB is not shown: {dropped} more bytes]",
+            TEST_OUTPUT_SHOWN >> 20
+        );
+    }
     let result = result?;
     outln!("{}", serde_json::to_string(&result)?);
     Ok(if result.status == Status::Completed { ExitCode::SUCCESS } else { ExitCode::from(1) })
@@ -864,6 +886,9 @@ fn read_input(path: &std::path::Path) -> Result<Vec<u8>, CannotRun> {
     read.map_err(|e| CannotRun(format!("{}: {e}", path.display())))?;
     Ok(buf)
 }
+
+/// Most of a test session's output `executor test` copies to stderr.
+const TEST_OUTPUT_SHOWN: usize = 16 << 20;
 
 fn agent_daemon(config: Option<PathBuf>, check_only: bool) -> Result<ExitCode, CannotRun> {
     // `--check-config` too: it loads the secrets store's key.

@@ -268,6 +268,20 @@ pub fn read(path: &Path) -> Result<String, ManifestError> {
     String::from_utf8(bytes).map_err(|e| file_err(format!("not UTF-8: {e}")))
 }
 
+/// The text of a package's `manifest.json` in `dir`: a file of the package's own, never a
+/// link (one out of the package had `lint` — run by root — read a root-only file and quote
+/// its values), otherwise as [`read`].
+pub fn read_in_package(dir: &Path) -> Result<String, ManifestError> {
+    let path = dir.join("manifest.json");
+    if std::fs::symlink_metadata(&path).is_ok_and(|m| m.is_symlink()) {
+        return Err(ManifestError::new(path.display().to_string(), SYMLINKED));
+    }
+    read(&path)
+}
+
+/// Why a package's `manifest.json` that is a link is refused.
+const SYMLINKED: &str = "a symbolic link: a package's manifest must be a file of its own (not followed)";
+
 impl Manifest {
     /// Read, parse and validate `path`.
     pub fn load(path: &Path) -> Result<(Manifest, Vec<Warning>), ManifestError> {
@@ -280,8 +294,11 @@ impl Manifest {
         let path = shown.join("manifest.json");
         let file_err = |message: String| ManifestError::new(path.display().to_string(), message);
         // Checked before it is opened (opening a device can act), and again on what was.
-        let st = nix::sys::stat::fstatat(dir, "manifest.json", nix::fcntl::AtFlags::empty())
+        let st = nix::sys::stat::fstatat(dir, "manifest.json", nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW)
             .map_err(|e| file_err(format!("cannot read: {}", std::io::Error::from(e))))?;
+        if st.st_mode & libc::S_IFMT == libc::S_IFLNK {
+            return Err(file_err(SYMLINKED.into()));
+        }
         if st.st_mode & libc::S_IFMT != libc::S_IFREG {
             return Err(file_err("not a regular file".into()));
         }
@@ -289,6 +306,7 @@ impl Manifest {
             dir,
             "manifest.json",
             nix::fcntl::OFlag::O_RDONLY
+                | nix::fcntl::OFlag::O_NOFOLLOW
                 | nix::fcntl::OFlag::O_NONBLOCK
                 | nix::fcntl::OFlag::O_NOCTTY
                 | nix::fcntl::OFlag::O_CLOEXEC,

@@ -600,6 +600,7 @@ fn assemble(
             )));
         }
     }
+    let interrupted = report.as_ref().is_ok_and(|r| r.interrupted);
     let (tests, report_error) = match report {
         Ok(r) => (r.counts.filter(|(_, status)| Some(*status) == exit || killed).map(|(c, _)| c), None),
         Err(e) => (None, Some(e)),
@@ -614,6 +615,14 @@ fn assemble(
         status = Status::Failed;
         Some(format!(
             "the test session ended without a pytest report (exit status {}); see its output above",
+            exit.map(|c| c.to_string()).unwrap_or_else(|| "unknown".into())
+        ))
+    } else if interrupted && exit != Some(2) {
+        // `pytest.exit(returncode=0)` (or a KeyboardInterrupt a hook turned into another
+        // status): the suite stopped before every test ran — not a pass.
+        status = Status::Failed;
+        Some(format!(
+            "the test session was interrupted (pytest.exit() or a KeyboardInterrupt) before every test ran (exit status {})",
             exit.map(|c| c.to_string()).unwrap_or_else(|| "unknown".into())
         ))
     } else {
