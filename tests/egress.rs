@@ -198,6 +198,7 @@ impl Conf {
 /// - `["download", host, port, seconds]`: bytes received in `seconds` from the first byte on
 /// - `["read", path]`: `{"ok": true, "text"}`
 /// - `["ifaces"]`: `{"ok": true, "if_nameindex": [...], "proc_net_dev": [...]}`
+/// - `["netlink", PROTOCOL]`: `{"ok": true}` when a netlink socket of it opens, else `{"ok": false, "errno": N}`
 /// - `["env", [names]]`: `{"ok": true, "env": {name: value or null}}`
 /// - hostile probes (tests at the end): `udp`, `udp_gw`, `udp_gw6`, `sock`, `ping`,
 ///   `dns_raw`, `multi_download`, `sleep`, `dns_tcp_abuse`, `hold`, `flow` — see `_step_extra`
@@ -701,6 +702,12 @@ def _step(step):
                 return {"ok": True, "text": f.read()}
         except Exception as e:
             return _fail(e, t0)
+    if op == "netlink":
+        try:
+            socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, args[0]).close()
+            return {"ok": True}
+        except OSError as e:
+            return {"ok": False, "errno": e.errno}
     if op == "ifaces":
         try:
             names = [n for _, n in socket.if_nameindex()]
@@ -1143,10 +1150,14 @@ fn allowed_host_and_port_are_reachable() {
             ["connect", "198.51.100.10", 80],
             ["read", "/etc/resolv.conf"],
             ["read", "/proc/net/route"],
-            ["ifaces"]
+            ["ifaces"],
+            ["netlink", 15]
         ]),
     );
     assert_connected(p.step(0), "198.51.100.10:80");
+    // With egress the default profile's netlink rules apply as they are: NETLINK_ROUTE
+    // (the interfaces above), and uevents refused (EPERM).
+    assert_eq!((&p.step(4)["ok"], &p.step(4)["errno"]), (&json!(false), &json!(1)), "{}", p.step(4));
     assert_eq!(srv.accepted(), 1);
     assert_masqueraded(&srv);
 
@@ -2137,7 +2148,10 @@ fn outbound_false_has_only_loopback() {
         limits(),
         json!([["ifaces"], ["connect", "198.51.100.10", 80], ["resolve", "allowed.test"]]),
     );
-    assert_eq!(p.step(0)["if_nameindex"], json!(["lo"]), "{}", p.step(0));
+    // No netlink without egress (what it queues is charged to no memory cgroup): the
+    // interfaces are still listed in /proc/net/dev.
+    let names = p.step(0)["if_nameindex"].to_string();
+    assert!(names.contains("Errno 97") || names.contains("Address family not supported"), "{}", p.step(0));
     assert_eq!(p.step(0)["proc_net_dev"], json!(["lo"]), "{}", p.step(0));
     assert_eq!(p.step(1)["ok"], false, "{}", p.step(1));
     assert!(p.step(1)["ms"].as_f64().unwrap() < FAST_FAIL_MS, "{}", p.step(1));

@@ -40,6 +40,28 @@ pub fn compile(name: &str, json: &str) -> Result<SeccompPolicy, String> {
 // (None when cross-compiling: the build host's syscall numbers would be wrong).
 include!(concat!(env!("OUT_DIR"), "/default_seccomp.rs"));
 
+/// The filter stacked on a profile in sandboxes without network egress
+/// (`policies/seccomp/no-netlink.json`): netlink sockets refused.
+pub const NO_NETLINK_PROFILE_JSON: &str = include_str!("../../../policies/seccomp/no-netlink.json");
+
+/// `policy` with netlink sockets refused as well (`EAFNOSUPPORT`), by one more filter: what
+/// the kernel queues on a netlink socket is charged to no memory cgroup, and a sandbox
+/// without network egress has no use for one. A disabled policy stays disabled.
+pub fn refusing_netlink(policy: &SeccompPolicy) -> Result<SeccompPolicy, String> {
+    let SeccompPolicy::Enforced { profile, filters } = policy else { return Ok(policy.clone()) };
+    let extra: Vec<Vec<u64>> = match NO_NETLINK_FILTERS {
+        Some(f) => f.iter().map(|f| f.to_vec()).collect(),
+        None => compiler::compile_profile(NO_NETLINK_PROFILE_JSON)
+            .map_err(|e| format!("seccomp profile 'no-netlink': {e}"))?
+            .into_iter()
+            .map(|(_, f)| f)
+            .collect(),
+    };
+    let mut filters = filters.clone();
+    filters.extend(extra);
+    Ok(SeccompPolicy::Enforced { profile: format!("{profile}+no-netlink"), filters })
+}
+
 /// The default profile, compiled (ahead of time when possible).
 pub fn default_policy() -> Result<SeccompPolicy, String> {
     match DEFAULT_FILTERS {
