@@ -542,6 +542,11 @@ class TestExecutor(BaseExecutor):
             print("stdout %s=%s" % (name, value))
             sys.stderr.write("stderr %s=%s\n" % (name, value))
             log.info("log %s=%s" % (name, value), value=value)
+            # As Python shows it: repr() (tracebacks, printed containers), its bytes, a log
+            # field the runtime can only send as its repr().
+            out[name + ".repr"] = repr(value)
+            out[name + ".bytes"] = repr(value.encode())
+            log.info("as bytes", token=value.encode())
         # Credentials the run did not get from the vault: redacted by pattern.
         out["pem"] = PEM
         out["aws"] = {"id": "AKIAIOSFODNN7EXAMPLE", "aws_secret_access_key": "aws_secret_access_key=wJalrXUtnFEMIK7MDENG"}
@@ -589,7 +594,9 @@ fn executor_gets_declared_secrets_from_the_store_redacted() {
         return;
     }
     let s = Setup::new("agent:\n  id: ag-store\n");
-    let (value, other) = (unique("store-s3cr3t"), unique("other-s3cr3t"));
+    // A backslash, both quotes and a letter outside ASCII: its repr() and bytes differ from it.
+    let core = unique("store-s3cr3t");
+    let (value, other) = (format!("{core}\\\"'ü"), unique("other-s3cr3t"));
     s.set("api_key", &value);
     s.set("other_key", &other);
     let d = executor(&["api_key", "missing_key"]);
@@ -607,6 +614,9 @@ fn executor_gets_declared_secrets_from_the_store_redacted() {
     assert!(r["stderr"].as_str().unwrap().contains("stderr api_key=[REDACTED]\n"), "{r}");
     let rec = r["logs"].as_array().unwrap().iter().find(|l| l["msg"] == "log api_key=[REDACTED]").expect("log record");
     assert_eq!(rec["fields"], json!({"value": "[REDACTED]"}));
+    assert_eq!((&o["api_key.repr"], &o["api_key.bytes"]), (&json!("'[REDACTED]'"), &json!("b'[REDACTED]'")), "{r}");
+    let rec = r["logs"].as_array().unwrap().iter().find(|l| l["msg"] == "as bytes").expect("log record");
+    assert_eq!(rec["fields"], json!({"token": "b'[REDACTED]'"}));
     // Only declared names, only what the store has.
     assert_eq!(o["other_key"], "PermissionError: secret 'other_key' is not declared in permissions.secrets");
     assert_eq!(o["missing_key"], "PermissionError: secret 'missing_key' is not available from the configured provider");
@@ -621,6 +631,7 @@ fn executor_gets_declared_secrets_from_the_store_redacted() {
     // Nothing of it leaves the agent: not in the result, not in its own log.
     for leak in [
         &value[..],
+        &core,
         &other,
         "MIIEpAIBAAKCAQEAzZq9",
         "AKIAIOSFODNN7EXAMPLE",
@@ -746,6 +757,11 @@ fn a_key_made_for_a_store_that_could_not_be_written_does_not_stay() {
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("No space left on device"), "{stderr}");
     assert!(!s.key().exists(), "the key made for the store stayed: {stderr}");
+    // The audit's record of the change to be made is followed by one that it was not.
+    let audit = s.audit();
+    let failed = audit.iter().find(|r| r["event"] == "secret_store_failed").unwrap_or_else(|| panic!("{audit:?}"));
+    assert_eq!((&failed["fields"]["secret"], &failed["fields"]["op"]), (&json!("api_key"), &json!("set")), "{failed}");
+    assert!(failed["fields"]["error"].as_str().unwrap().contains("No space left"), "{failed}");
     // The next `set` makes a key again, and says so.
     std::fs::remove_dir(&store_dir).unwrap();
     let out = s.secrets(&["set", "api_key"], Some(b"value"));

@@ -210,6 +210,63 @@ fn json_escaped(s: &str, ascii: bool) -> Zeroizing<String> {
     out
 }
 
+/// Whether Python's `str.isprintable()` holds for `c` (so `repr()` shows it as it is), for
+/// the characters a secret may hold: ASCII 0x20-0x7e, and outside ASCII all but the C1
+/// controls, separators and format characters (an approximation of Unicode's categories
+/// Cc, Cf, Zl, Zp and Zs, which `repr()` escapes).
+fn python_printable(c: char) -> bool {
+    match c as u32 {
+        0x20..=0x7e => true,
+        0..=0x1f | 0x7f..=0xa0 | 0xad | 0x1680 | 0x2000..=0x200f | 0x2028..=0x202f | 0x205f..=0x206f => false,
+        0x3000 | 0xfeff | 0xfff9..=0xfffb => false,
+        _ => true,
+    }
+}
+
+/// The inside of Python's `repr(s)` (without its quotes): backslash and the quote it
+/// chose escaped, `\t \n \r`, other unprintable characters as `\xhh`, `\uhhhh` or
+/// `\Uhhhhhhhh`; with `ascii`, every character outside ASCII so too (`ascii(s)`). Python
+/// quotes with `'` unless the text holds `'` and no `"`.
+fn python_repr(s: &str, ascii: bool) -> Zeroizing<String> {
+    use std::fmt::Write;
+    let quote = if s.contains('\'') && !s.contains('"') { '"' } else { '\'' };
+    let mut out = Zeroizing::new(String::with_capacity(s.len() * 10));
+    for c in s.chars() {
+        let _ = match c {
+            '\\' => out.write_str("\\\\"),
+            '\t' => out.write_str("\\t"),
+            '\n' => out.write_str("\\n"),
+            '\r' => out.write_str("\\r"),
+            c if c == quote => write!(out, "\\{c}"),
+            c if python_printable(c) && !(ascii && !c.is_ascii()) => out.write_char(c),
+            c if (c as u32) < 0x100 => write!(out, "\\x{:02x}", c as u32),
+            c if (c as u32) < 0x10000 => write!(out, "\\u{:04x}", c as u32),
+            c => write!(out, "\\U{:08x}", c as u32),
+        };
+    }
+    out
+}
+
+/// The inside of Python's `repr(s.encode())` (`b'…'` without `b` and quotes): printable
+/// ASCII as it is (backslash and the quote escaped), `\t \n \r`, every other byte `\xhh`.
+fn python_bytes_repr(s: &str) -> Zeroizing<String> {
+    use std::fmt::Write;
+    let quote = if s.contains('\'') && !s.contains('"') { b'"' } else { b'\'' };
+    let mut out = Zeroizing::new(String::with_capacity(s.len() * 4));
+    for &b in s.as_bytes() {
+        let _ = match b {
+            b'\\' => out.write_str("\\\\"),
+            b'\t' => out.write_str("\\t"),
+            b'\n' => out.write_str("\\n"),
+            b'\r' => out.write_str("\\r"),
+            b if b == quote => write!(out, "\\{}", b as char),
+            0x20..=0x7e => out.write_char(b as char),
+            b => write!(out, "\\x{b:02x}"),
+        };
+    }
+    out
+}
+
 /// `s` percent-encoded as Python's `urllib.parse.quote(s, safe)` does (`quote_plus` with
 /// `plus`: spaces as `+`, `/` encoded); hex digits upper- or lower-case.
 fn percent_encoded(s: &str, safe: &str, plus: bool, upper: bool) -> Zeroizing<String> {
@@ -243,6 +300,11 @@ impl Redactor {
             forms.push(Zeroizing::new(base.to_string()));
             forms.push(json_escaped(base, false));
             forms.push(json_escaped(base, true));
+            // How Python shows it: repr() (tracebacks, printed containers, %r, a log
+            // field the runtime could not send as JSON), ascii(), and its UTF-8 bytes.
+            forms.push(python_repr(base, false));
+            forms.push(python_repr(base, true));
+            forms.push(python_bytes_repr(base));
             for (safe, plus) in [("/", false), ("", false), ("", true)] {
                 for upper in [true, false] {
                     forms.push(percent_encoded(base, safe, plus, upper));
@@ -282,12 +344,39 @@ impl Redactor {
 
     /// `s` with every delivered value, then every recognised credential pattern, redacted.
     pub fn text(&self, s: &str) -> String {
-        let mut out = s.to_string();
+        // Every place any value (or form) occurs in the text as it is, merged where they
+        // overlap, each replaced once: two values that overlap leave no part of either
+        // (replacing one value at a time, the second was no longer whole), and the
+        // replacement's own letters are never matched (a one-letter value in `[REDACTED]`
+        // had the text grow with every value: 1729 times for the letters of `[REDACTED]`;
+        // now at most `[REDACTED]`'s length per byte).
+        let mut spans: Vec<(usize, usize)> = Vec::new();
         for v in &self.values {
-            if out.contains(v.as_str()) {
-                out = out.replace(v.as_str(), REDACTED);
-            }
+            spans.extend(s.match_indices(v.as_str()).map(|(at, m)| (at, at + m.len())));
         }
+        if spans.is_empty() {
+            return match crate::redact::credentials(s) {
+                std::borrow::Cow::Borrowed(_) => s.to_string(),
+                std::borrow::Cow::Owned(o) => o,
+            };
+        }
+        spans.sort_unstable();
+        let mut out = String::with_capacity(s.len());
+        let mut at = 0;
+        let mut iter = spans.into_iter().peekable();
+        while let Some((start, mut end)) = iter.next() {
+            while let Some(&(next, next_end)) = iter.peek() {
+                if next >= end {
+                    break;
+                }
+                end = end.max(next_end);
+                iter.next();
+            }
+            out.push_str(&s[at..start]);
+            out.push_str(REDACTED);
+            at = end;
+        }
+        out.push_str(&s[at..]);
         match crate::redact::credentials(&out) {
             std::borrow::Cow::Borrowed(_) => out,
             std::borrow::Cow::Owned(o) => o,
@@ -505,6 +594,51 @@ mod tests {
             "https://x/?token=Ab%2bcd%2fEf%3dgh+9XYZ&a=1",
         ] {
             assert_eq!(r.text(url), "https://x/?token=[REDACTED]&a=1", "{url}");
+        }
+    }
+
+    #[test]
+    fn overlapping_values_leave_no_part_and_short_values_do_not_compound() {
+        let mut r = Redactor::default();
+        r.add("abcdef1234");
+        r.add("1234wxyz");
+        assert_eq!(r.text("x abcdef1234wxyz y"), "x [REDACTED] y");
+        assert_eq!(r.text("1234wxyz and abcdef1234"), "[REDACTED] and [REDACTED]");
+        // One-letter values, some of them letters of the replacement: one replacement per
+        // run, never applied to the replacement itself.
+        let mut r = Redactor::default();
+        r.add("E");
+        r.add("D");
+        assert_eq!(r.text("EE-DE-x"), "[REDACTED][REDACTED]-[REDACTED][REDACTED]-x");
+        let text = "E".repeat(1 << 16);
+        assert_eq!(r.text(&text).len(), REDACTED.len() << 16);
+    }
+
+    #[test]
+    fn pythons_repr_ascii_and_bytes_forms_are_redacted_too() {
+        // (value, repr() inside its quotes, ascii(), repr(value.encode())), as Python 3.11
+        // prints them.
+        let cases = [
+            (r#"p"a\s$^.*(x)"#, r#"p"a\\s$^.*(x)"#, r#"p"a\\s$^.*(x)"#, r#"p"a\\s$^.*(x)"#),
+            (
+                "pässwörd-ﬁx-Å",
+                "pässwörd-ﬁx-Å",
+                r"p\xe4ssw\xf6rd-\ufb01x-\xc5",
+                r"p\xc3\xa4ssw\xc3\xb6rd-\xef\xac\x81x-\xc3\x85",
+            ),
+            ("tab\there\u{1}", r"tab\there\x01", r"tab\there\x01", r"tab\there\x01"),
+            (r#"both'"q"#, r#"both\'"q"#, r#"both\'"q"#, r#"both\'"q"#),
+            ("emoji😀\u{200b}", r"emoji😀\u200b", r"emoji\U0001f600\u200b", r"emoji\xf0\x9f\x98\x80\xe2\x80\x8b"),
+        ];
+        for (value, repr, ascii, bytes) in cases {
+            assert_eq!(python_repr(value, false).as_str(), repr, "{value:?}");
+            assert_eq!(python_repr(value, true).as_str(), ascii, "{value:?}");
+            assert_eq!(python_bytes_repr(value).as_str(), bytes, "{value:?}");
+            let mut r = Redactor::default();
+            r.add(value);
+            for form in [repr, ascii, bytes] {
+                assert_eq!(r.text(&format!("KeyError: '{form}'")), "KeyError: '[REDACTED]'", "{value:?}: {form}");
+            }
         }
     }
 

@@ -131,6 +131,11 @@ pub fn run(cmd: SecretsCommand) -> Result<u8, SecretsCliError> {
                 return Err(e.into());
             }
             if let Err(e) = store.save() {
+                // The record above said a change was to be made: this one says it was not.
+                audit::record(
+                    "secret_store_failed",
+                    &[("secret", &name), ("store", &store_path), ("op", "set"), ("error", &e.to_string())],
+                );
                 // A key made for a store that was not written goes with it (the next `set`
                 // makes one and says so); one whose store was put in place (a failure after
                 // the rename) is the store's key now, and announced.
@@ -197,8 +202,15 @@ pub fn run(cmd: SecretsCommand) -> Result<u8, SecretsCliError> {
             if !store.remove(&name) {
                 return Ok(not_found(&name, &loc.store));
             }
-            audit::try_record("secret_store_rm", &[("secret", &name), ("store", &store.path().display().to_string())])?;
-            store.save()?;
+            let store_path = store.path().display().to_string();
+            audit::try_record("secret_store_rm", &[("secret", &name), ("store", &store_path)])?;
+            if let Err(e) = store.save() {
+                audit::record(
+                    "secret_store_failed",
+                    &[("secret", &name), ("store", &store_path), ("op", "rm"), ("error", &e.to_string())],
+                );
+                return Err(e.into());
+            }
             Ok(0)
         }
     }
