@@ -238,7 +238,7 @@ fn python_repr(s: &str, ascii: bool) -> Zeroizing<String> {
             '\n' => out.write_str("\\n"),
             '\r' => out.write_str("\\r"),
             c if c == quote => write!(out, "\\{c}"),
-            c if python_printable(c) && !(ascii && !c.is_ascii()) => out.write_char(c),
+            c if (c.is_ascii() || !ascii) && python_printable(c) => out.write_char(c),
             c if (c as u32) < 0x100 => write!(out, "\\x{:02x}", c as u32),
             c if (c as u32) < 0x10000 => write!(out, "\\u{:04x}", c as u32),
             c => write!(out, "\\U{:08x}", c as u32),
