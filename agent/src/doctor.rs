@@ -220,6 +220,12 @@ pub fn examine(landlock_min_abi: u32, allow_degraded: bool, host_uids: Option<&s
     }
     findings.push(Finding { feature: "fs.suid_dumpable", ok: dumpable_ok, required: false, detail: dumpable_detail });
 
+    let (core_ok, core_detail) = core_pattern_finding(std::fs::read_to_string("/proc/sys/kernel/core_pattern").ok());
+    if !core_ok {
+        degraded.push(core_detail.clone());
+    }
+    findings.push(Finding { feature: "kernel.core_pattern", ok: core_ok, required: false, detail: core_detail });
+
     let (egress_ok, egress_detail) = egress_readiness();
     if !egress_ok {
         degraded.push(format!("executors with outbound: true cannot run: {egress_detail}"));
@@ -436,6 +442,26 @@ fn root_inotify_finding(host_uids: Option<&sandbox::HostUids>) -> (bool, String)
     }
 }
 
+/// What a crashing sandboxed process leaves, by the host's `kernel.core_pattern` (its text):
+/// a file pattern is held off by the sandbox's `RLIMIT_CORE` 0, but the kernel ignores core
+/// limits for a pipe (`|…`): its helper (systemd-coredump, apport) runs as root outside the
+/// sandbox and takes the process's memory — a delivered secret included — to its own store.
+fn core_pattern_finding(pattern: Option<String>) -> (bool, String) {
+    match pattern.as_deref().map(str::trim) {
+        Some(p) if p.starts_with('|') => {
+            let helper = p.trim_start_matches('|').split_whitespace().next().unwrap_or("");
+            (
+                false,
+                format!(
+                    "kernel.core_pattern pipes core dumps to {helper}: a crashing sandboxed process is dumped by it, outside the sandbox                      and its limits, with its memory (a delivered secret included) — RLIMIT_CORE does not apply to a pipe;                      for sandboxes to leave no dump, disable it for them (e.g. systemd-coredump's Storage=none) or set a file pattern"
+                ),
+            )
+        }
+        Some(p) => (true, format!("core dumps go to files ({p:?}), which the sandboxes' RLIMIT_CORE 0 prevents")),
+        None => (false, "cannot read /proc/sys/kernel/core_pattern".into()),
+    }
+}
+
 /// Whether a process that changes its credentials stays out of reach of the uid it changes
 /// to (`fs.suid_dumpable`, `value`): with 1 (a debugging setting) the kernel leaves it
 /// dumpable, so at each sandbox's start init (as it switches to the sandbox's uid) and a
@@ -554,6 +580,19 @@ mod tests {
         assert_eq!(container_range_overlap(&r(524_288 - 10, 10), &nspawn), None);
         assert_eq!(container_range_overlap(&r(1_879_048_192, 65536), &nspawn), None);
         assert_eq!(container_range_overlap(&r(600_000, 65536), &[]), None);
+    }
+
+    #[test]
+    fn a_core_pattern_that_pipes_is_a_degradation() {
+        assert!(core_pattern_finding(Some("core\n".into())).0);
+        assert!(core_pattern_finding(Some("/var/crash/core.%p".into())).0);
+        let (ok, detail) =
+            core_pattern_finding(Some("|/usr/lib/systemd/systemd-coredump %P %u %g %s %t %c %h\n".into()));
+        assert!(
+            !ok && detail.contains("/usr/lib/systemd/systemd-coredump") && detail.contains("RLIMIT_CORE"),
+            "{detail}"
+        );
+        assert!(!core_pattern_finding(None).0);
     }
 
     #[test]

@@ -295,8 +295,10 @@ impl Redactor {
     /// a token in a query string reaches an error message whole.
     pub fn add(&mut self, value: &str) {
         let trimmed = value.trim();
+        // Python's `str.strip()` also takes the information separators \x1c-\x1f.
+        let stripped = value.trim_matches(|c: char| c.is_whitespace() || ('\u{1c}'..='\u{1f}').contains(&c));
         let mut forms = vec![Zeroizing::new(value.to_string())];
-        for base in [value, trimmed] {
+        for base in [value, trimmed, stripped] {
             forms.push(Zeroizing::new(base.to_string()));
             forms.push(json_escaped(base, false));
             forms.push(json_escaped(base, true));
@@ -579,6 +581,10 @@ mod tests {
         r.add("wörd\tand\u{1}🔑");
         assert_eq!(r.text(r#""w\u00f6rd\tand\u0001\ud83d\udd11""#), r#""[REDACTED]""#);
         assert_eq!(r.text(&serde_json::json!("wörd\tand\u{1}🔑").to_string()), r#""[REDACTED]""#);
+        // Python's strip() also removes \x1c-\x1f, which Rust's trim() keeps.
+        let mut r = Redactor::default();
+        r.add("s3cr3t-value\u{1f}");
+        assert_eq!(r.text("token=s3cr3t-value;"), "token=[REDACTED];");
         // A value whose trimmed form is too short to redact alone.
         let mut r = Redactor::default();
         r.add(" ab ");
