@@ -245,20 +245,37 @@ fn executors_installed_beneath_the_state_directory_the_agent_made_run() {
     assert!(a.stop().success());
 }
 
+/// A configuration for `agent --check-config` in `dir`: a new command key there, state and
+/// audit log beneath it, and `extra` (YAML of its own sections); its path.
+fn check_config_file(dir: &Path, extra: &str) -> PathBuf {
+    assert!(op(&["keygen", "--out", dir.join("keys").to_str().unwrap()]).status.success());
+    let config = dir.join("config.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "agent:\n  platform_public_key: {0}/keys/signing.pub\n  state_dir: {0}/state\naudit:\n  path: {0}/audit.log\n{extra}",
+            dir.display()
+        ),
+    )
+    .unwrap();
+    config
+}
+
+/// `network.agent_to_platform` for [`check_config_file`], with the TLS files of
+/// [`platform::Pki::write_agent_files`] in `dir` (port 9: nothing is contacted).
+fn platform_section(dir: &Path) -> String {
+    format!(
+        "network:\n  agent_to_platform:\n    protocol: https\n    host: 127.0.0.1\n    port: 9\n    ca: {0}/ca.pem\n    cert: {0}/agent.crt\n    key: {0}/agent.key\n",
+        dir.display()
+    )
+}
+
 /// A valid configuration this host cannot meet (a Landlock ABI no kernel has) is still
 /// valid — `configuration ok`, exit 0 — but `--check-config` says every run would be refused.
 #[test]
 fn check_config_says_when_the_host_cannot_meet_the_configuration() {
     let dir = common::HostDir::new();
-    assert!(op(&["keygen", "--out", dir.path.join("keys").to_str().unwrap()]).status.success());
-    let config = dir.path.join("config.yaml");
-    let text = |abi: u32| {
-        format!(
-            "agent:\n  platform_public_key: {0}/keys/signing.pub\n  state_dir: {0}/state\n  socket: {0}/run/agent.sock\naudit:\n  path: {0}/audit.log\nsandbox:\n  landlock_min_abi: {abi}\n",
-            dir.path.display()
-        )
-    };
-    std::fs::write(&config, text(64)).unwrap();
+    let config = check_config_file(&dir.path, "sandbox:\n  landlock_min_abi: 64\n");
     let out = op(&["agent", "--check-config", "--config", config.to_str().unwrap()]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(
@@ -270,7 +287,8 @@ fn check_config_says_when_the_host_cannot_meet_the_configuration() {
         stderr.contains("this host lacks what the configuration requires") && stderr.contains("landlock"),
         "{stderr}"
     );
-    std::fs::write(&config, text(1)).unwrap();
+    let text = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(&config, text.replace("landlock_min_abi: 64", "landlock_min_abi: 1")).unwrap();
     let out = op(&["agent", "--check-config", "--config", config.to_str().unwrap()]);
     assert!(!String::from_utf8_lossy(&out.stderr).contains("lacks"), "{}", String::from_utf8_lossy(&out.stderr));
 }
@@ -285,16 +303,7 @@ fn a_client_key_the_tls_client_cannot_use_is_refused_by_check_config() {
     let dir = common::HostDir::new();
     let (good, other) = (platform::Pki::new("good"), platform::Pki::new("other"));
     good.write_agent_files(&dir.path);
-    assert!(op(&["keygen", "--out", dir.path.join("keys").to_str().unwrap()]).status.success());
-    let config = dir.path.join("config.yaml");
-    std::fs::write(
-        &config,
-        format!(
-            "agent:\n  platform_public_key: {0}/keys/signing.pub\n  state_dir: {0}/state\naudit:\n  path: {0}/audit.log\nnetwork:\n  agent_to_platform:\n    protocol: https\n    host: 127.0.0.1\n    port: 9\n    ca: {0}/ca.pem\n    cert: {0}/agent.crt\n    key: {0}/agent.key\n",
-            dir.path.display()
-        ),
-    )
-    .unwrap();
+    let config = check_config_file(&dir.path, &platform_section(&dir.path));
     let check = || op(&["agent", "--check-config", "--config", config.to_str().unwrap()]);
     let out = check();
     assert!(out.status.success(), "the matching pair: {}", String::from_utf8_lossy(&out.stderr));
@@ -2257,18 +2266,9 @@ fn a_stale_foreign_or_bad_revocation_list_is_refused() {
 
     let dir = HostDir::new();
     pki.write_agent_files(&dir.path);
-    assert!(op(&["keygen", "--out", dir.path.join("keys").to_str().unwrap()]).status.success());
     let crl = dir.path.join("platform.crl");
-    let config = dir.path.join("config.yaml");
-    std::fs::write(
-        &config,
-        format!(
-            "agent:\n  platform_public_key: {0}/keys/signing.pub\n  state_dir: {0}/state\naudit:\n  path: {0}/audit.log\nnetwork:\n  agent_to_platform:\n    protocol: https\n    host: 127.0.0.1\n    port: 9\n    ca: {0}/ca.pem\n    cert: {0}/agent.crt\n    key: {0}/agent.key\n    crl: {1}\n",
-            dir.path.display(),
-            crl.display()
-        ),
-    )
-    .unwrap();
+    let config =
+        check_config_file(&dir.path, &(platform_section(&dir.path) + &format!("    crl: {}\n", crl.display())));
     let check = || op(&["agent", "--check-config", "--config", config.to_str().unwrap()]);
     std::fs::write(&crl, pki.crl(&[platform::SERVER_SERIAL], 2099)).unwrap();
     let out = check();
