@@ -410,20 +410,39 @@ fn network_info() -> Value {
     use std::collections::BTreeMap;
     let mut ifaces: BTreeMap<String, Vec<String>> = BTreeMap::new();
     let mut local: Option<(std::net::Ipv4Addr, u32)> = None;
-    if let Ok(addrs) = nix::ifaddrs::getifaddrs() {
-        for a in addrs {
-            let entry = ifaces.entry(a.interface_name.clone()).or_default();
-            let Some(addr) = a.address else { continue };
-            if let Some(v4) = addr.as_sockaddr_in() {
-                let ip = v4.ip();
-                let prefix =
-                    a.netmask.and_then(|m| m.as_sockaddr_in().map(|m| u32::from(m.ip()).count_ones())).unwrap_or(32);
-                entry.push(format!("{ip}/{prefix}"));
-                if !ip.is_loopback() && local.is_none() {
-                    local = Some((ip, prefix));
+    let mut v4 = |ifaces: &mut BTreeMap<String, Vec<String>>, name: &str, ip: std::net::Ipv4Addr, prefix: u32| {
+        ifaces.entry(name.to_string()).or_default().push(format!("{ip}/{prefix}"));
+        if !ip.is_loopback() && local.is_none() {
+            local = Some((ip, prefix));
+        }
+    };
+    match nix::ifaddrs::getifaddrs() {
+        Ok(addrs) => {
+            for a in addrs {
+                let entry = ifaces.entry(a.interface_name.clone()).or_default();
+                let Some(addr) = a.address else { continue };
+                if let Some(sin) = addr.as_sockaddr_in() {
+                    let prefix = a
+                        .netmask
+                        .and_then(|m| m.as_sockaddr_in().map(|m| u32::from(m.ip()).count_ones()))
+                        .unwrap_or(32);
+                    v4(&mut ifaces, &a.interface_name, sin.ip(), prefix);
+                } else if let Some(v6) = addr.as_sockaddr_in6() {
+                    entry.push(v6.ip().to_string());
                 }
-            } else if let Some(v6) = addr.as_sockaddr_in6() {
-                entry.push(v6.ip().to_string());
+            }
+        }
+        // No netlink (refused in a sandbox without network egress): the same facts from
+        // /proc and the IPv4 ioctls.
+        Err(_) => {
+            for name in proc_interface_names() {
+                ifaces.entry(name).or_default();
+            }
+            for (name, ip, prefix) in ipv4_addresses_by_ioctl() {
+                v4(&mut ifaces, &name, ip, prefix);
+            }
+            for (name, ip) in proc_ipv6_addresses() {
+                ifaces.entry(name).or_default().push(ip.to_string());
             }
         }
     }
@@ -435,6 +454,72 @@ fn network_info() -> Value {
         "subnet": format!("{subnet}/{prefix}"),
         "interfaces": ifaces.iter().map(|(name, addrs)| serde_json::json!({"name": name, "addresses": addrs})).collect::<Vec<_>>(),
     })
+}
+
+/// The interface names `/proc/net/dev` lists (the namespace's).
+fn proc_interface_names() -> Vec<String> {
+    let text = std::fs::read_to_string("/proc/net/dev").unwrap_or_default();
+    text.lines().skip(2).filter_map(|l| l.split_once(':')).map(|(name, _)| name.trim().to_string()).collect()
+}
+
+/// The IPv6 addresses of `/proc/net/if_inet6` (address in hex, index, prefix, scope, flags,
+/// name), by interface.
+fn proc_ipv6_addresses() -> Vec<(String, std::net::Ipv6Addr)> {
+    let text = std::fs::read_to_string("/proc/net/if_inet6").unwrap_or_default();
+    text.lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let (hex, name) = (f.first()?, f.get(5)?);
+            Some((name.to_string(), std::net::Ipv6Addr::from(u128::from_str_radix(hex, 16).ok()?)))
+        })
+        .collect()
+}
+
+/// Each interface's IPv4 address and prefix length, as `SIOCGIFCONF` and `SIOCGIFNETMASK`
+/// give them on a UDP socket (what `ifconfig` reads; no netlink).
+fn ipv4_addresses_by_ioctl() -> Vec<(String, std::net::Ipv4Addr, u32)> {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    // SAFETY: socket(2) takes integers; a non-negative result is a descriptor we own.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Vec::new();
+    }
+    // SAFETY: `fd` is a fresh descriptor owned by nothing else.
+    let sock = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: `ifreq` is plain data (names, a union of addresses and integers): all zeroes
+    // is a valid value.
+    let mut reqs: Vec<libc::ifreq> = vec![unsafe { std::mem::zeroed() }; 64];
+    let mut conf = libc::ifconf {
+        ifc_len: (reqs.len() * std::mem::size_of::<libc::ifreq>()) as libc::c_int,
+        ifc_ifcu: libc::__c_anonymous_ifc_ifcu { ifcu_req: reqs.as_mut_ptr() },
+    };
+    // SAFETY: `conf` describes `reqs`, a writable buffer of `ifc_len` bytes that outlives the
+    // call; the kernel writes at most that many and sets `ifc_len` to what it wrote.
+    if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFCONF, &mut conf) } < 0 {
+        return Vec::new();
+    }
+    let n = (conf.ifc_len.max(0) as usize / std::mem::size_of::<libc::ifreq>()).min(reqs.len());
+    let mut out = Vec::new();
+    for req in &mut reqs[..n] {
+        let name: String = req.ifr_name.iter().take_while(|c| **c != 0).map(|c| *c as u8 as char).collect();
+        // SAFETY: for SIOCGIFCONF the kernel filled the union's address member with an
+        // AF_INET `sockaddr_in` (only IPv4 addresses are listed), which fits in a `sockaddr`.
+        let sin: libc::sockaddr_in =
+            unsafe { std::ptr::read_unaligned(std::ptr::addr_of!(req.ifr_ifru.ifru_addr).cast()) };
+        let ip = std::net::Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr));
+        // SAFETY: `req` holds the interface's name; SIOCGIFNETMASK writes its netmask into
+        // the same `ifreq`, which is ours and writable.
+        let prefix = if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFNETMASK, req as *mut libc::ifreq) } == 0 {
+            // SAFETY: as above: an AF_INET `sockaddr_in` in the union's netmask member.
+            let mask: libc::sockaddr_in =
+                unsafe { std::ptr::read_unaligned(std::ptr::addr_of!(req.ifr_ifru.ifru_netmask).cast()) };
+            u32::from_be(mask.sin_addr.s_addr).count_ones()
+        } else {
+            32
+        };
+        out.push((name, ip, prefix));
+    }
+    out
 }
 
 /// Open `rel` beneath `dir` one component at a time, refusing symlinks anywhere.
