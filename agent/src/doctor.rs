@@ -444,16 +444,28 @@ fn root_inotify_finding(host_uids: Option<&sandbox::HostUids>) -> (bool, String)
 
 /// What a crashing sandboxed process leaves, by the host's `kernel.core_pattern` (its text):
 /// a file pattern is held off by the sandbox's `RLIMIT_CORE` 0, but the kernel ignores core
-/// limits for a pipe (`|…`): its helper (systemd-coredump, apport) runs as root outside the
-/// sandbox and takes the process's memory — a delivered secret included — to its own store.
+/// limits for a pipe (`|…`): its helper runs as root outside the sandbox and takes the
+/// process's memory — a delivered secret included — unless it honours the limit itself, as
+/// systemd-coredump does when the pattern passes it (`%c`: "Resource limits disable core
+/// dumping").
 fn core_pattern_finding(pattern: Option<String>) -> (bool, String) {
     match pattern.as_deref().map(str::trim) {
         Some(p) if p.starts_with('|') => {
-            let helper = p.trim_start_matches('|').split_whitespace().next().unwrap_or("");
+            let mut words = p.trim_start_matches('|').split_whitespace();
+            let helper = words.next().unwrap_or("");
+            let honours_limit = helper.ends_with("/systemd-coredump") && words.any(|w| w == "%c");
+            if honours_limit {
+                return (
+                    true,
+                    format!("core dumps go to {helper}, which is given the core limit (%c) and stores nothing for the sandboxes' RLIMIT_CORE 0"),
+                );
+            }
             (
                 false,
                 format!(
-                    "kernel.core_pattern pipes core dumps to {helper}: a crashing sandboxed process is dumped by it, outside the sandbox                      and its limits, with its memory (a delivered secret included) — RLIMIT_CORE does not apply to a pipe;                      for sandboxes to leave no dump, disable it for them (e.g. systemd-coredump's Storage=none) or set a file pattern"
+                    "kernel.core_pattern pipes core dumps to {helper}: a crashing sandboxed process is dumped by it, outside the sandbox \
+                     and its limits, with its memory (a delivered secret included) — the kernel ignores RLIMIT_CORE for a pipe; \
+                     for sandboxes to leave no dump, have the helper honour the core limit (systemd-coredump with %c) or set a file pattern"
                 ),
             )
         }
@@ -586,12 +598,13 @@ mod tests {
     fn a_core_pattern_that_pipes_is_a_degradation() {
         assert!(core_pattern_finding(Some("core\n".into())).0);
         assert!(core_pattern_finding(Some("/var/crash/core.%p".into())).0);
-        let (ok, detail) =
-            core_pattern_finding(Some("|/usr/lib/systemd/systemd-coredump %P %u %g %s %t %c %h\n".into()));
-        assert!(
-            !ok && detail.contains("/usr/lib/systemd/systemd-coredump") && detail.contains("RLIMIT_CORE"),
-            "{detail}"
-        );
+        // systemd's own pattern passes the limit (%c), which systemd-coredump honours.
+        assert!(core_pattern_finding(Some("|/usr/lib/systemd/systemd-coredump %P %u %g %s %t %c %h\n".into())).0);
+        let (ok, detail) = core_pattern_finding(Some("|/usr/lib/systemd/systemd-coredump %P %u %g %s %t %h".into()));
+        assert!(!ok && detail.contains("systemd-coredump") && detail.contains("RLIMIT_CORE"), "{detail}");
+        assert!(!detail.contains("  "), "{detail}");
+        let (ok, detail) = core_pattern_finding(Some("|/usr/share/apport/apport -p%p -s%s -c%c -d%d".into()));
+        assert!(!ok && detail.contains("/usr/share/apport/apport"), "{detail}");
         assert!(!core_pattern_finding(None).0);
     }
 

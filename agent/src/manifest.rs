@@ -273,10 +273,27 @@ pub fn read(path: &Path) -> Result<String, ManifestError> {
 /// its values), otherwise as [`read`].
 pub fn read_in_package(dir: &Path) -> Result<String, ManifestError> {
     let path = dir.join("manifest.json");
+    let file_err = |message: String| ManifestError::new(path.display().to_string(), message);
     if std::fs::symlink_metadata(&path).is_ok_and(|m| m.is_symlink()) {
-        return Err(ManifestError::new(path.display().to_string(), SYMLINKED));
+        return Err(file_err(SYMLINKED.into()));
     }
-    read(&path)
+    // Opened without following a link (one swapped in since the check fails with ELOOP).
+    let file =
+        crate::bounded::open_regular_nofollow(&path, std::fs::OpenOptions::new().read(true)).map_err(|e| {
+            match e.kind() {
+                std::io::ErrorKind::InvalidInput => file_err("not a regular file".into()),
+                _ if e.raw_os_error() == Some(libc::ELOOP) => file_err(SYMLINKED.into()),
+                _ => file_err(format!("cannot read: {e}")),
+            }
+        })?;
+    let bytes = crate::bounded::read_capped(file, MAX_MANIFEST_BYTES as u64).map_err(|e| match e.kind() {
+        std::io::ErrorKind::InvalidData => {
+            file_err(format!("larger than the {MAX_MANIFEST_BYTES} bytes a manifest may have"))
+        }
+        _ => file_err(format!("cannot read: {e}")),
+    })?;
+    text_of(&bytes).map_err(|e| file_err(e.message))?;
+    String::from_utf8(bytes).map_err(|e| file_err(format!("not UTF-8: {e}")))
 }
 
 /// Why a package's `manifest.json` that is a link is refused.

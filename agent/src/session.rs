@@ -1234,6 +1234,8 @@ impl Daemon {
             return (json!({"refused": format!("the call could not be audited: {e}")}), None);
         }
         self.calls += 1;
+        // The OOM kills so far: one during this call ends the session with it.
+        let oom_before = self.oom.as_ref().and_then(|c| c.kills());
         let deadline = started + Duration::from_secs(timeout_s);
         let call = self.calls;
         let msg = ToPayload::SessionExec { call, interrupts: self.interrupts, code, globals, r#return: names };
@@ -1279,12 +1281,19 @@ impl Daemon {
                 Ok(Some(FromPayload::SessionReply { call: answers, success, error, stdout, stderr, globals }))
                     if answers == call =>
                 {
-                    if self.oom.as_ref().and_then(|c| c.kills()).is_some_and(|n| n > 0) {
+                    if self.oom.as_ref().and_then(|c| c.kills()).is_some_and(|n| Some(n) > oom_before.or(Some(0))) {
                         // A process of the call was killed for memory (a child whose parent
                         // then replied): the sandbox is ending, and the call with it.
                         self.let_end(Duration::from_secs(2));
-                        let why = format!("the session has ended: {}", self.ended_because());
-                        return (ended(self, why, Some("oom")), Some(End::Died));
+                        let why = match self.ended_because() {
+                            // Stopped by `let_end` before the monitor ended it: the kill is
+                            // still the reason.
+                            why if why.is_empty() => {
+                                format!("it ran out of memory (limit {} MB)", self.limits.max_memory_mb)
+                            }
+                            why => why,
+                        };
+                        return (ended(self, format!("the session has ended: {why}"), Some("oom")), Some(End::Died));
                     }
                     // The runtime keeps each within its cap; what the sandbox sends is held
                     // to it here too.

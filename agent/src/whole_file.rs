@@ -40,7 +40,12 @@ pub fn replace(path: &Path, bytes: &[u8], mode: u32) -> std::io::Result<()> {
         let _ = std::fs::remove_file(&tmp);
         return Err(e);
     }
-    std::fs::File::open(parent(path))?.sync_all()
+    std::fs::File::open(parent(path)).and_then(|d| d.sync_all()).map_err(|e| {
+        std::io::Error::new(
+            e.kind(),
+            format!("written, but its directory could not be synced ({e}): a crash may lose it"),
+        )
+    })
 }
 
 #[cfg(test)]

@@ -144,6 +144,40 @@ mod tests {
     fn precompiled_default_equals_runtime_compilation() {
         assert!(DEFAULT_FILTERS.is_some(), "the build script precompiles for native builds");
         assert_eq!(default_policy().unwrap(), compile("default", DEFAULT_PROFILE_JSON).unwrap());
+        let SeccompPolicy::Enforced { filters: plain, .. } = default_policy().unwrap() else { panic!() };
+        let SeccompPolicy::Enforced { filters, profile } = refusing_netlink(&default_policy().unwrap()).unwrap() else {
+            panic!()
+        };
+        let SeccompPolicy::Enforced { filters: extra, .. } = compile("no-netlink", NO_NETLINK_PROFILE_JSON).unwrap()
+        else {
+            panic!()
+        };
+        assert_eq!(profile, "default+no-netlink");
+        assert_eq!(
+            filters,
+            [plain, extra].concat(),
+            "the profile's filters, then the no-netlink one, as compiled at run time"
+        );
+        assert_eq!(refusing_netlink(&SeccompPolicy::Disabled).unwrap(), SeccompPolicy::Disabled);
+    }
+
+    #[test]
+    fn the_no_netlink_filter_refuses_netlink_sockets_only() {
+        let (ours, reference) = programs(NO_NETLINK_PROFILE_JSON);
+        assert_eq!(ours.len(), 1);
+        let socket = libc::SYS_socket as u32;
+        // AF_NETLINK (16), whatever the protocol, and with high bits the kernel drops.
+        for family in [16u64, 1 << 32 | 16] {
+            assert_eq!(run(&ours[0], AUDIT_ARCH, socket, [family, 3, 0, 0, 0, 0]), libc::SECCOMP_RET_ERRNO | 97);
+        }
+        for (nr, args) in [(socket, [2u64, 1, 0, 0, 0, 0]), (socket, [1, 1, 0, 0, 0, 0]), (0, [16, 0, 0, 0, 0, 0])] {
+            assert_eq!(run(&ours[0], AUDIT_ARCH, nr, args), libc::SECCOMP_RET_ALLOW, "nr {nr} args {args:?}");
+        }
+        for nr in 0..=450u32 {
+            for args in arg_cases() {
+                assert_eq!(run(&ours[0], AUDIT_ARCH, nr, args), run(&reference[0], AUDIT_ARCH, nr, args), "nr {nr}");
+            }
+        }
     }
 
     fn arg_cases() -> Vec<[u64; 6]> {
