@@ -591,11 +591,16 @@ enum End {
 /// Most bytes of JSON a call's `stdout`, `stderr` and `error` keep (as the runtime counts).
 const OUTPUT_CAP: usize = 1 << 20;
 
-/// `text` within [`OUTPUT_CAP`] bytes of JSON, with a note of what was dropped.
+/// Room past [`OUTPUT_CAP`] for the note the runtime appends to what it cut
+/// (`[opservant: N more characters dropped]`), kept as it is.
+const OUTPUT_NOTE_ROOM: usize = 256;
+
+/// `text` within [`OUTPUT_CAP`] bytes of JSON (and the runtime's note of what it cut), or
+/// cut to it with a note of what was dropped.
 fn capped(text: String) -> String {
     let json_len = |t: &str| serde_json::to_string(t).map_or(usize::MAX, |j| j.len() - 2);
     let total = json_len(&text);
-    if total <= OUTPUT_CAP {
+    if total <= OUTPUT_CAP + OUTPUT_NOTE_ROOM {
         return text;
     }
     let mut end = OUTPUT_CAP.min(text.len());
