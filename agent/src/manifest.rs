@@ -256,16 +256,29 @@ pub fn text_of(bytes: &[u8]) -> Result<&str, ManifestError> {
 /// Read a manifest file's text ([`text_of`]'s rules): a regular file only, never more than
 /// [`MAX_MANIFEST_BYTES`] + 1 bytes of it ([`crate::bounded`]). The error's path is the file.
 pub fn read(path: &Path) -> Result<String, ManifestError> {
-    let file_err = |message: String| ManifestError::new(path.display().to_string(), message);
-    let bytes = crate::bounded::read_regular(path, MAX_MANIFEST_BYTES as u64).map_err(|e| match e.kind() {
-        std::io::ErrorKind::InvalidData => {
-            file_err(format!("larger than the {MAX_MANIFEST_BYTES} bytes a manifest may have"))
-        }
-        std::io::ErrorKind::InvalidInput => file_err("not a regular file".into()),
-        _ => file_err(format!("cannot read: {e}")),
+    let file = crate::bounded::open_regular(path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::InvalidInput => file_error(path, "not a regular file".into()),
+        _ => file_error(path, format!("cannot read: {e}")),
     })?;
-    text_of(&bytes).map_err(|e| file_err(e.message))?;
-    String::from_utf8(bytes).map_err(|e| file_err(format!("not UTF-8: {e}")))
+    text_in(file, path)
+}
+
+/// An error about the manifest file at `path` as a whole.
+fn file_error(path: &Path, message: String) -> ManifestError {
+    ManifestError::new(path.display().to_string(), message)
+}
+
+/// The text of the opened manifest `file` (named `path` in errors): no more than
+/// [`MAX_MANIFEST_BYTES`] of it, by [`text_of`]'s rules, UTF-8.
+fn text_in(file: std::fs::File, path: &Path) -> Result<String, ManifestError> {
+    let bytes = crate::bounded::read_capped(file, MAX_MANIFEST_BYTES as u64).map_err(|e| match e.kind() {
+        std::io::ErrorKind::InvalidData => {
+            file_error(path, format!("larger than the {MAX_MANIFEST_BYTES} bytes a manifest may have"))
+        }
+        _ => file_error(path, format!("cannot read: {e}")),
+    })?;
+    text_of(&bytes).map_err(|e| file_error(path, e.message))?;
+    String::from_utf8(bytes).map_err(|e| file_error(path, format!("not UTF-8: {e}")))
 }
 
 /// The text of a package's `manifest.json` in `dir`: a file of the package's own, never a
@@ -286,14 +299,7 @@ pub fn read_in_package(dir: &Path) -> Result<String, ManifestError> {
                 _ => file_err(format!("cannot read: {e}")),
             }
         })?;
-    let bytes = crate::bounded::read_capped(file, MAX_MANIFEST_BYTES as u64).map_err(|e| match e.kind() {
-        std::io::ErrorKind::InvalidData => {
-            file_err(format!("larger than the {MAX_MANIFEST_BYTES} bytes a manifest may have"))
-        }
-        _ => file_err(format!("cannot read: {e}")),
-    })?;
-    text_of(&bytes).map_err(|e| file_err(e.message))?;
-    String::from_utf8(bytes).map_err(|e| file_err(format!("not UTF-8: {e}")))
+    text_in(file, &path)
 }
 
 /// Why a package's `manifest.json` that is a link is refused.
@@ -334,14 +340,7 @@ impl Manifest {
         if !file.metadata().map_err(|e| file_err(format!("cannot read: {e}")))?.is_file() {
             return Err(file_err("not a regular file".into()));
         }
-        let bytes = crate::bounded::read_capped(file, MAX_MANIFEST_BYTES as u64).map_err(|e| match e.kind() {
-            std::io::ErrorKind::InvalidData => {
-                file_err(format!("larger than the {MAX_MANIFEST_BYTES} bytes a manifest may have"))
-            }
-            _ => file_err(format!("cannot read: {e}")),
-        })?;
-        text_of(&bytes).map_err(|e| file_err(e.message))?;
-        let text = String::from_utf8(bytes).map_err(|e| file_err(format!("not UTF-8: {e}")))?;
+        let text = text_in(file, &path)?;
         // What concerns the whole file (not JSON, not an object) names it, as a read error does.
         Self::parse(&text).map_err(|e| if e.path == "manifest" { file_err(e.message) } else { e })
     }
