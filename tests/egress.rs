@@ -1151,13 +1151,16 @@ fn allowed_host_and_port_are_reachable() {
             ["read", "/etc/resolv.conf"],
             ["read", "/proc/net/route"],
             ["ifaces"],
-            ["netlink", 15]
+            ["netlink", 15],
+            ["netlink", 0]
         ]),
     );
     assert_connected(p.step(0), "198.51.100.10:80");
-    // With egress the default profile's netlink rules apply as they are: NETLINK_ROUTE
-    // (the interfaces above), and uevents refused (EPERM).
-    assert_eq!((&p.step(4)["ok"], &p.step(4)["errno"]), (&json!(false), &json!(1)), "{}", p.step(4));
+    // No netlink with egress either (what a netlink socket queues is charged to no memory
+    // cgroup): uevents and NETLINK_ROUTE alike are refused (EAFNOSUPPORT).
+    for step in [4, 5] {
+        assert_eq!((&p.step(step)["ok"], &p.step(step)["errno"]), (&json!(false), &json!(97)), "{}", p.step(step));
+    }
     assert_eq!(srv.accepted(), 1);
     assert_masqueraded(&srv);
 
@@ -1166,8 +1169,15 @@ fn allowed_host_and_port_are_reachable() {
     assert!(local_ip.starts_with(POOL_PREFIXES[0]), "local_ip {local_ip} from pool 10.213.0.0/16: {net}");
     assert_eq!(p.step(0)["local"], local_ip, "connections leave from eth0's address: {}", p.step(0));
     let ifaces = &p.step(3);
-    let names: Vec<&str> = ifaces["if_nameindex"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
+    let names: Vec<&str> = ifaces["proc_net_dev"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
     assert!(names.contains(&"eth0") && names.contains(&"lo"), "{ifaces}");
+    assert!(
+        ifaces["if_nameindex"].to_string().contains("OSError(97"),
+        "glibc's if_nameindex asks over netlink: {ifaces}"
+    );
+    let in_context: Vec<&str> =
+        net["interfaces"].as_array().unwrap().iter().map(|i| i["name"].as_str().unwrap()).collect();
+    assert_eq!(in_context, ["eth0", "lo"], "context network.interfaces, read without netlink: {net}");
 
     let route = p.step(2)["text"].as_str().unwrap_or_else(|| panic!("/proc/net/route: {}", p.step(2)));
     let gw = route
@@ -2148,8 +2158,8 @@ fn outbound_false_has_only_loopback() {
         limits(),
         json!([["ifaces"], ["connect", "198.51.100.10", 80], ["resolve", "allowed.test"]]),
     );
-    // No netlink without egress (what it queues is charged to no memory cgroup): the
-    // interfaces are still listed in /proc/net/dev.
+    // No netlink (what it queues is charged to no memory cgroup): the interfaces are still
+    // listed in /proc/net/dev.
     let names = p.step(0)["if_nameindex"].to_string();
     assert!(names.contains("Errno 97") || names.contains("Address family not supported"), "{}", p.step(0));
     assert_eq!(p.step(0)["proc_net_dev"], json!(["lo"]), "{}", p.step(0));

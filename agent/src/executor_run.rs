@@ -515,12 +515,7 @@ fn run_steps(req: RunRequest, may_have_run: &mut bool) -> Result<RunResult, Cann
     let live_redactor = crate::secrets::LiveRedactor::default();
     let mut net = match &net_policy {
         None => None,
-        Some(np) => {
-            // Egress: netlink as the profile has it (routes and addresses: getifaddrs,
-            // getaddrinfo's AI_ADDRCONFIG) — its queues' memory is then outside the limit.
-            spec.seccomp = req.policy.seccomp.clone();
-            Some(crate::egress::EgressRun::prepare(np, req.config, &mut spec, live_redactor.clone())?)
-        }
+        Some(np) => Some(crate::egress::EgressRun::prepare(np, req.config, &mut spec, live_redactor.clone())?),
     };
     let mut hook = |monitor: &sandbox::MonitorProc<'_>| -> Result<(), String> {
         match net.as_mut() {

@@ -458,8 +458,9 @@ impl AgentPolicy {
         let limits = self.limits.resolve(requested);
         let mut spec = SandboxSpec::new(program, args, self.identity);
         spec.host_uids = self.host_uids.clone();
-        // No netlink without network egress (a run with egress gets the profile as it is:
-        // `executor_run`); what a netlink socket queues is charged to no memory cgroup.
+        // No netlink in any sandbox, egress or not: what a netlink socket queues is charged to
+        // no memory cgroup (up to `net.core.rmem_max` ×2 on each descriptor). Interfaces are
+        // in /proc/net; glibc's getaddrinfo assumes both address families when it cannot ask.
         spec.seccomp = sandbox::seccomp::refusing_netlink(&self.seccomp).map_err(|e| PolicyError::new("seccomp", e))?;
         spec.landlock.min_abi = self.landlock_min_abi;
         // Resolved limits are at most the ceilings, which the configuration bounds by

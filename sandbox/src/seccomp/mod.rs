@@ -40,13 +40,13 @@ pub fn compile(name: &str, json: &str) -> Result<SeccompPolicy, String> {
 // (None when cross-compiling: the build host's syscall numbers would be wrong).
 include!(concat!(env!("OUT_DIR"), "/default_seccomp.rs"));
 
-/// The filter stacked on a profile in sandboxes without network egress
+/// The filter the agent stacks on a profile in every sandbox
 /// (`policies/seccomp/no-netlink.json`): netlink sockets refused.
 pub const NO_NETLINK_PROFILE_JSON: &str = include_str!("../../../policies/seccomp/no-netlink.json");
 
 /// `policy` with netlink sockets refused as well (`EAFNOSUPPORT`), by one more filter: what
-/// the kernel queues on a netlink socket is charged to no memory cgroup, and a sandbox
-/// without network egress has no use for one. A disabled policy stays disabled.
+/// the kernel queues on a netlink socket is charged to no memory cgroup, so a sandbox that
+/// may open them holds host kernel memory past its limit. A disabled policy stays disabled.
 pub fn refusing_netlink(policy: &SeccompPolicy) -> Result<SeccompPolicy, String> {
     let SeccompPolicy::Enforced { profile, filters } = policy else { return Ok(policy.clone()) };
     let extra: Vec<Vec<u64>> = match NO_NETLINK_FILTERS {
