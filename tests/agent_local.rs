@@ -2257,10 +2257,18 @@ fn a_stale_foreign_or_bad_revocation_list_is_refused() {
         let crl = tls.path.join("platform.crl");
         std::fs::write(&crl, list).unwrap();
         let mut a = Agent::with_network(2, &platform_network_with_crl(&tls.path, &p, &pki, &crl));
-        a.start();
+        let log = tls.path.join("agent.log");
+        a.start_logging_to(std::fs::File::create(&log).unwrap());
         let e = wait_for_platform_error(&a, says);
         assert!(a.stop().success(), "{name}");
         assert!(e.contains("certificate"), "{name}: {e}");
+        // The stale list is in the agent's log from its start, not only in each failure.
+        let log = std::fs::read_to_string(&log).unwrap();
+        assert_eq!(
+            log.contains("a certificate revocation list is stale or nearly so"),
+            name == "stale",
+            "{name}: {log}"
+        );
     }
     assert!(p.state.lock().unwrap().requests.is_empty(), "{:?}", p.state.lock().unwrap().requests);
 
@@ -2273,6 +2281,28 @@ fn a_stale_foreign_or_bad_revocation_list_is_refused() {
     std::fs::write(&crl, pki.crl(&[platform::SERVER_SERIAL], 2099)).unwrap();
     let out = check();
     assert!(out.status.success(), "a list: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(!String::from_utf8_lossy(&out.stderr).contains("crl"), "{}", String::from_utf8_lossy(&out.stderr));
+    // A list past its nextUpdate, or within a day of it, is a valid configuration that will
+    // fail (or soon fail) every connection: said, exit 0.
+    let (y, m, d) = agent::rfc3339::civil_from_days(agent::rfc3339::now().div_euclid(86_400) + 1);
+    let tomorrow = format!("{y}-{m:02}-{d:02}T00:00:00Z");
+    for (what, list, says) in [
+        ("stale", pki.crl(&[], 2021), "revocation list was due to be replaced at 2021-01-01T00:00:00Z".to_string()),
+        (
+            "due tomorrow",
+            pki.crl_until((y as i32, m as u8, d as u8)),
+            format!("revocation list is due to be replaced at {tomorrow}"),
+        ),
+    ] {
+        std::fs::write(&crl, list).unwrap();
+        let out = check();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{what}: {stderr}");
+        assert!(
+            stderr.contains("warning: network.agent_to_platform.crl") && stderr.contains(&says),
+            "{what}: {stderr}"
+        );
+    }
     let garbled = pki.crl(&[], 2099).replace("\nM", "\nX");
     // An older list left before a newer one (appended): the checker would use the first.
     let appended = pki.crl(&[], 2099) + &pki.crl(&[platform::SERVER_SERIAL], 2099);

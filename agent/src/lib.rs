@@ -22,6 +22,7 @@ pub mod manifest;
 pub mod package_signing;
 pub mod platform;
 pub mod policy;
+mod python_printable;
 pub mod random;
 pub mod redact;
 pub mod replay;

@@ -887,6 +887,20 @@ fn read_input(path: &std::path::Path) -> Result<Vec<u8>, CannotRun> {
     Ok(buf)
 }
 
+/// Revocation lists of the configuration that are past their `nextUpdate` or near it: the
+/// connections they guard fail once they are stale. (An unreadable file is the connection's
+/// error, and `--check-config`'s before this.)
+fn revocation_list_warnings(cfg: &agent::config::Config) -> Vec<String> {
+    let platform = cfg.network.agent_to_platform.as_ref().and_then(|p| p.crl.as_deref());
+    let lists = [("network.agent_to_platform.crl", platform), ("secrets.vault_crl", cfg.secrets.vault_crl.as_deref())];
+    let now = agent::rfc3339::now();
+    lists
+        .into_iter()
+        .filter_map(|(key, path)| Some((key, path?)))
+        .flat_map(|(key, path)| agent::tls::crl_warnings(key, path, now).unwrap_or_else(|e| vec![e]))
+        .collect()
+}
+
 /// Most of a test session's output `executor test` copies to stderr.
 const TEST_OUTPUT_SHOWN: usize = 16 << 20;
 
@@ -923,6 +937,9 @@ fn agent_daemon(config: Option<PathBuf>, check_only: bool) -> Result<ExitCode, C
                 k.label
             );
         }
+        for w in revocation_list_warnings(&cfg) {
+            errln!("opservant: warning: {}", one_terminal_line(&w));
+        }
         // The configuration is valid; whether this host can meet it is `doctor`'s, but what
         // it requires and the host lacks means every run would be refused: said here too.
         let host = agent::doctor::examine(policy.landlock_min_abi, policy.allow_degraded, policy.host_uids.as_ref());
@@ -940,6 +957,9 @@ fn agent_daemon(config: Option<PathBuf>, check_only: bool) -> Result<ExitCode, C
     // else made meanwhile in a parent they can write would otherwise be taken as ours.
     agent::daemon::prepare_state_dir(&settings.state_dir).map_err(|e| CannotRun(e.0))?;
     agent::audit::init(&cfg)?;
+    for w in revocation_list_warnings(&cfg) {
+        tracing::warn!(warning = %w, "a certificate revocation list is stale or nearly so");
+    }
     // Before any thread starts (see the function).
     agent::daemon::block_stop_signals().map_err(|e| CannotRun(e.0))?;
     // The cgroup layout now, before the zygote or any sandbox exists: sandbox cgroups a

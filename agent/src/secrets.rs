@@ -210,19 +210,6 @@ fn json_escaped(s: &str, ascii: bool) -> Zeroizing<String> {
     out
 }
 
-/// Whether Python's `str.isprintable()` holds for `c` (so `repr()` shows it as it is), for
-/// the characters a secret may hold: ASCII 0x20-0x7e, and outside ASCII all but the C1
-/// controls, separators and format characters (an approximation of Unicode's categories
-/// Cc, Cf, Zl, Zp and Zs, which `repr()` escapes).
-fn python_printable(c: char) -> bool {
-    match c as u32 {
-        0x20..=0x7e => true,
-        0..=0x1f | 0x7f..=0xa0 | 0xad | 0x1680 | 0x2000..=0x200f | 0x2028..=0x202f | 0x205f..=0x206f => false,
-        0x3000 | 0xfeff | 0xfff9..=0xfffb => false,
-        _ => true,
-    }
-}
-
 /// The inside of Python's `repr(s)` (without its quotes): backslash and the quote it
 /// chose escaped, `\t \n \r`, other unprintable characters as `\xhh`, `\uhhhh` or
 /// `\Uhhhhhhhh`; with `ascii`, every character outside ASCII so too (`ascii(s)`). Python
@@ -238,7 +225,7 @@ fn python_repr(s: &str, ascii: bool) -> Zeroizing<String> {
             '\n' => out.write_str("\\n"),
             '\r' => out.write_str("\\r"),
             c if c == quote => write!(out, "\\{c}"),
-            c if (c.is_ascii() || !ascii) && python_printable(c) => out.write_char(c),
+            c if (c.is_ascii() || !ascii) && crate::python_printable::is_printable(c) => out.write_char(c),
             c if (c as u32) < 0x100 => write!(out, "\\x{:02x}", c as u32),
             c if (c as u32) < 0x10000 => write!(out, "\\u{:04x}", c as u32),
             c => write!(out, "\\U{:08x}", c as u32),
@@ -643,6 +630,53 @@ mod tests {
             let mut r = Redactor::default();
             r.add(value);
             for form in [repr, ascii, bytes] {
+                assert_eq!(r.text(&format!("KeyError: '{form}'")), "KeyError: '[REDACTED]'", "{value:?}: {form}");
+            }
+        }
+    }
+
+    /// The three forms as Debian's `/usr/bin/python3` (the interpreter the runtime embeds)
+    /// prints them, for values with characters of every category `repr()` escapes: private
+    /// use (Co), unassigned (Cn), format (Cf) beyond the common ones, separators.
+    #[test]
+    fn pythons_forms_are_the_embedded_interpreters() {
+        let values = [
+            "pua\u{e000}x",
+            "unassigned\u{378}\u{40000}",
+            "arabic\u{600}\u{61c}\u{6dd}mongolian\u{180e}tag\u{e0001}\u{e007f}",
+            "nbsp\u{a0}ideographic\u{3000}line\u{2028}para\u{2029}soft\u{ad}",
+            "plain-ascii 'q'",
+            "mixed\u{1f600}é\u{fb01}\u{10ffff}",
+        ];
+        let script = "import json, sys\n\
+                      for v in json.load(sys.stdin):\n \
+                      print(json.dumps([repr(v)[1:-1], ascii(v)[1:-1], repr(v.encode())[2:-1]]))";
+        let mut child = std::process::Command::new("/usr/bin/python3")
+            .args(["-I", "-S", "-c", script])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        {
+            use std::io::Write;
+            let mut stdin = child.stdin.take().unwrap();
+            stdin.write_all(serde_json::to_string(&values).unwrap().as_bytes()).unwrap();
+        }
+        let out = child.wait_with_output().unwrap();
+        assert!(out.status.success());
+        let lines: Vec<Vec<String>> =
+            String::from_utf8(out.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        assert_eq!(lines.len(), values.len());
+        for (value, theirs) in values.iter().zip(&lines) {
+            let ours = [
+                python_repr(value, false).to_string(),
+                python_repr(value, true).to_string(),
+                python_bytes_repr(value).to_string(),
+            ];
+            assert_eq!(ours.as_slice(), theirs.as_slice(), "{value:?}");
+            let mut r = Redactor::default();
+            r.add(value);
+            for form in theirs {
                 assert_eq!(r.text(&format!("KeyError: '{form}'")), "KeyError: '[REDACTED]'", "{value:?}: {form}");
             }
         }

@@ -242,6 +242,101 @@ fn read_crls(key: &str, path: &Path) -> Result<(FileStamp, Vec<CertificateRevoca
     Ok((stamp, crls))
 }
 
+/// A revocation list's `nextUpdate` within this many seconds is said to be near.
+pub const CRL_NEAR_SECONDS: i64 = 24 * 3600;
+
+/// What an operator should hear of the revocation lists in `path` (configuration `key`) at
+/// `now` (seconds since the epoch): a list past its `nextUpdate` (every connection is refused
+/// until the file is replaced) or within [`CRL_NEAR_SECONDS`] of it. An unreadable file is
+/// an error, as it is at connection time.
+pub fn crl_warnings(key: &str, path: &Path, now: i64) -> Result<Vec<String>, String> {
+    let (_, crls) = read_crls(key, path)?;
+    let count = crls.len();
+    let mut warnings = Vec::new();
+    for (n, der) in crls.iter().enumerate() {
+        let which = if count == 1 {
+            "its revocation list".to_string()
+        } else {
+            format!("revocation list {} of {count}", n + 1)
+        };
+        let at = format!("{key}: {}: {which}", path.display());
+        let Some(next) = crl_next_update(der) else {
+            warnings.push(format!("{at}: its nextUpdate cannot be read"));
+            continue;
+        };
+        let when = crate::rfc3339::format(next);
+        if next <= now {
+            warnings.push(format!(
+                "{at} was due to be replaced at {when} (its nextUpdate): every connection is refused until the file holds a current list"
+            ));
+        } else if next - now <= CRL_NEAR_SECONDS {
+            warnings.push(format!(
+                "{at} is due to be replaced at {when} (its nextUpdate, in {} min): after that every connection is refused until the file holds a current list",
+                (next - now) / 60
+            ));
+        }
+    }
+    Ok(warnings)
+}
+
+/// The `nextUpdate` of a DER certificate revocation list (RFC 5280 §5.1), in seconds since
+/// the epoch; `None` when it has none or the encoding is not what RFC 5280 describes.
+/// (rustls-webpki checks it but does not expose it.)
+fn crl_next_update(der: &[u8]) -> Option<i64> {
+    /// One DER element at the start of `input`: its tag, contents and what follows.
+    fn element(input: &[u8]) -> Option<(u8, &[u8], &[u8])> {
+        let (&tag, rest) = input.split_first()?;
+        let (&first, rest) = rest.split_first()?;
+        let (len, rest) = if first < 0x80 {
+            (usize::from(first), rest)
+        } else {
+            let n = usize::from(first & 0x7f);
+            if n == 0 || n > 4 || rest.len() < n {
+                return None;
+            }
+            (rest[..n].iter().fold(0usize, |acc, b| (acc << 8) | usize::from(*b)), &rest[n..])
+        };
+        (rest.len() >= len).then(|| (tag, &rest[..len], &rest[len..]))
+    }
+    const SEQUENCE: u8 = 0x30;
+    const INTEGER: u8 = 0x02;
+    const UTC_TIME: u8 = 0x17;
+    const GENERALIZED_TIME: u8 = 0x18;
+    let (SEQUENCE, list, _) = element(der)? else { return None };
+    let (SEQUENCE, tbs, _) = element(list)? else { return None };
+    // version (optional), signature algorithm, issuer, thisUpdate, nextUpdate (optional).
+    let (mut tag, _, mut rest) = element(tbs)?;
+    if tag == INTEGER {
+        (tag, _, rest) = element(rest)?;
+    }
+    let (SEQUENCE, (SEQUENCE, _, rest)) = (tag, element(rest)?) else { return None };
+    let (this_tag, _, rest) = element(rest)?;
+    if !matches!(this_tag, UTC_TIME | GENERALIZED_TIME) {
+        return None;
+    }
+    let (tag, time, _) = element(rest)?;
+    let text = std::str::from_utf8(time).ok()?;
+    let (year, rest) = match tag {
+        // YYMMDDHHMMSSZ: 50–99 are 1950–1999 (RFC 5280 §4.1.2.5.1).
+        UTC_TIME => {
+            let yy: i64 = text.get(..2)?.parse().ok()?;
+            (if yy >= 50 { 1900 + yy } else { 2000 + yy }, text.get(2..)?)
+        }
+        GENERALIZED_TIME => (text.get(..4)?.parse().ok()?, text.get(4..)?),
+        _ => return None,
+    };
+    let b = rest.as_bytes();
+    if b.len() != 11 || b[10] != b'Z' || !b[..10].iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    let num = |i: usize| i64::from(b[i] - b'0') * 10 + i64::from(b[i + 1] - b'0');
+    let (month, day, hour, minute, second) = (num(0), num(2), num(4), num(6), num(8));
+    if !(1..=12).contains(&month) || !(1..=31).contains(&day) || hour > 23 || minute > 59 || second > 59 {
+        return None;
+    }
+    Some(crate::rfc3339::days_from_civil(year, month, day) * 86_400 + hour * 3600 + minute * 60 + second)
+}
+
 /// TLS 1.3 only, `roots` as the only trust anchors, revocation checked against `crls` (when
 /// `crl` names their file) for the whole chain, unknown status and stale lists refused.
 fn build(
@@ -404,6 +499,41 @@ impl ureq::unversioned::transport::Transport for TlsTransport {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A DER revocation list of a fresh CA with its `nextUpdate` at midnight of `y-m-d`.
+    fn crl_until(y: i32, m: u8, d: u8) -> Vec<u8> {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut ca = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        ca.key_usages = vec![rcgen::KeyUsagePurpose::CrlSign, rcgen::KeyUsagePurpose::KeyCertSign];
+        let issuer = rcgen::Issuer::new(ca, key);
+        let params = rcgen::CertificateRevocationListParams {
+            this_update: rcgen::date_time_ymd(2020, 1, 1),
+            next_update: rcgen::date_time_ymd(y, m, d),
+            crl_number: 1u64.into(),
+            issuing_distribution_point: None,
+            revoked_certs: Vec::new(),
+            key_identifier_method: rcgen::KeyIdMethod::Sha256,
+        };
+        params.signed_by(&issuer).unwrap().der().to_vec()
+    }
+
+    #[test]
+    fn a_revocation_lists_next_update_is_read_in_both_time_encodings() {
+        let at = |y: i64, m: i64, d: i64| crate::rfc3339::days_from_civil(y, m, d) * 86_400;
+        // UTCTime up to 2049, GeneralizedTime from 2050 (RFC 5280 §5.1.2.5).
+        for (y, m, d) in [(2026, 12, 8), (2049, 12, 31), (2050, 1, 1), (2099, 6, 30)] {
+            let der = crl_until(y, m, d);
+            assert_eq!(crl_next_update(&der), Some(at(y.into(), m.into(), d.into())), "{y}-{m}-{d}");
+            // Every shorter prefix is refused, never read past its end.
+            for cut in 0..der.len() {
+                let _ = crl_next_update(&der[..cut]);
+            }
+        }
+        assert_eq!(crl_next_update(b""), None);
+        assert_eq!(crl_next_update(&[0x30, 0x84, 0xff, 0xff, 0xff, 0xff]), None);
+        assert_eq!(crl_next_update(&[0x02, 0x01, 0x00]), None, "not a SEQUENCE");
+    }
 
     #[test]
     fn the_handshake_gets_what_is_left_of_the_connections_budget() {

@@ -88,13 +88,19 @@ impl Pki {
 
     /// As [`Pki::crl`], signed by the intermediate CA of [`Pki::with_intermediate`].
     pub fn intermediate_crl(&self, revoked: &[u64], next_update_year: i32) -> String {
-        crl_by(self.intermediate.as_ref().expect("an intermediate CA"), revoked, next_update_year)
+        crl_by(self.intermediate.as_ref().expect("an intermediate CA"), revoked, (next_update_year, 1, 1))
     }
 
     /// A revocation list (PEM) signed by this CA, revoking the certificates with `revoked`
     /// serial numbers, issued in 2020 with its next update in `next_update_year`.
     pub fn crl(&self, revoked: &[u64], next_update_year: i32) -> String {
-        crl_by(&self.issuer, revoked, next_update_year)
+        crl_by(&self.issuer, revoked, (next_update_year, 1, 1))
+    }
+
+    /// A revocation list (PEM) of this CA revoking nothing, its next update at midnight of
+    /// `(year, month, day)`.
+    pub fn crl_until(&self, next_update: (i32, u8, u8)) -> String {
+        crl_by(&self.issuer, &[], next_update)
     }
 
     /// Write the agent's side (CA, client certificate, client key 0600) into `dir`.
@@ -109,11 +115,11 @@ impl Pki {
 }
 
 /// A revocation list (PEM) signed by `issuer`, revoking `revoked` serial numbers, issued in
-/// 2020 with its next update in `next_update_year`.
-fn crl_by(issuer: &rcgen::Issuer<'static, rcgen::KeyPair>, revoked: &[u64], next_update_year: i32) -> String {
+/// 2020 with its next update at midnight of `next_update` (year, month, day).
+fn crl_by(issuer: &rcgen::Issuer<'static, rcgen::KeyPair>, revoked: &[u64], next_update: (i32, u8, u8)) -> String {
     let params = rcgen::CertificateRevocationListParams {
         this_update: rcgen::date_time_ymd(2020, 1, 1),
-        next_update: rcgen::date_time_ymd(next_update_year, 1, 1),
+        next_update: rcgen::date_time_ymd(next_update.0, next_update.1, next_update.2),
         crl_number: 1u64.into(),
         issuing_distribution_point: None,
         revoked_certs: revoked
