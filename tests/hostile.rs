@@ -900,6 +900,7 @@ fn inherited_descriptors_are_closed() {
     }
     let out = cmd.stdin(Stdio::null()).output().unwrap();
     let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    common::assert_launch(&j);
     let stdout = j["stdout"].as_str().unwrap();
     assert!(!stdout.contains("TOPSECRET"), "{stdout}");
     // `ls -l` lines end in "N -> target"; the sandbox's own channel (a socket) must not be
@@ -1063,6 +1064,7 @@ fn environment_is_an_explicit_allowlist() {
         .output()
         .unwrap();
     let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    common::assert_launch(&j);
     let mut keys: Vec<&str> = j["stdout"].as_str().unwrap().lines().map(|l| l.split('=').next().unwrap()).collect();
     keys.sort();
     assert_eq!(keys, ["HOME", "LANG", "PATH", "TMPDIR"]);
@@ -1111,6 +1113,8 @@ fn ipc_objects_of_the_host_are_invisible() {
     assert!(String::from_utf8_lossy(&host.stdout).contains(&format!(" {qid} ")), "control: the queue exists");
     let r = sh(None, "ipcs -q");
     let _ = Command::new("ipcrm").args(["-q", &qid]).output();
+    assert_eq!(r.status(), "completed", "{} {}", r.stdout(), r.err());
+    assert!(r.stdout().contains("------ Message Queues"), "ipcs ran: {}", r.stdout());
     assert!(!r.stdout().contains(&format!(" {qid} ")), "{}", r.stdout());
 }
 
@@ -1119,8 +1123,11 @@ fn scratch_is_private_per_run_and_destroyed() {
     if !require_root() {
         return;
     }
-    let r = sh(None, "echo leftover > /tmp/opservant/scratch/file; echo shm > /dev/shm/x; pwd; echo $HOME");
-    assert_eq!(r.stdout(), "/tmp/opservant/scratch\n/tmp/opservant/scratch\n");
+    let r = sh(
+        None,
+        "echo leftover > /tmp/opservant/scratch/file && echo wrote-scratch; echo shm > /dev/shm/x && echo wrote-shm; pwd; echo $HOME",
+    );
+    assert_eq!(r.stdout(), "wrote-scratch\nwrote-shm\n/tmp/opservant/scratch\n/tmp/opservant/scratch\n", "{}", r.err());
     let r = sh(None, "ls -A /tmp/opservant/scratch /dev/shm");
     assert_eq!(r.stdout(), "/dev/shm:\n\n/tmp/opservant/scratch:\n", "nothing survives between runs");
 }
@@ -1134,7 +1141,7 @@ fn stdin_is_empty_and_no_terminal_is_reachable() {
     let mut child = common::command()
         .arg("sandbox")
         .args(common::launch_args())
-        .args(["--json", "--", "/bin/sh", "-c", "cat; ls /dev/tty /dev/pts 2>&1 | head -2"])
+        .args(["--json", "--", "/bin/sh", "-c", "cat; ls -d /dev/tty 2>&1; ls -d /dev/pts 2>&1"])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()
@@ -1144,9 +1151,10 @@ fn stdin_is_empty_and_no_terminal_is_reachable() {
     child.stdout.take().unwrap().read_to_string(&mut out).unwrap();
     child.wait().unwrap();
     let j: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    common::assert_launch(&j);
     let s = j["stdout"].as_str().unwrap();
     assert!(!s.contains("SHOULD-NOT-ARRIVE"), "{s}");
-    assert!(s.contains("No such file"), "{s}");
+    assert_eq!(s.lines().filter(|l| l.contains("No such file")).count(), 2, "neither /dev/tty nor /dev/pts: {s}");
 }
 
 /// What the kernel queues on a netlink socket — a route dump's replies, up to the receive

@@ -47,8 +47,16 @@ class Bomb(BaseExecutor):
             n += 1
 "#;
 
+/// `name`'s number, to shorten a local run; under CI the full `default` always runs.
 fn env_number(name: &str, default: u64) -> u64 {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+    match std::env::var(name).ok().and_then(|v| v.parse().ok()) {
+        Some(n) if !common::in_ci() => n,
+        Some(_) => {
+            eprintln!("CI=true: {name} ignored, using {default}");
+            default
+        }
+        None => default,
+    }
 }
 
 /// Signs in this process (the load must not be the cost of spawning `opservant sign`) and
@@ -275,6 +283,12 @@ fn load_and_soak_leave_nothing_behind() {
         "soak: {runs} sequential executions ({ooms} memory bombs, {fork_bombs} fork bombs) in {elapsed:.1} s = {:.1}/s",
         runs as f64 / elapsed
     );
+    // Every 50 runs one of each bomb: the full soak has 20 of each, a shortened local one
+    // what its count reaches.
+    assert_eq!((ooms, fork_bombs), (runs.saturating_add(39) / 50, runs.saturating_add(14) / 50), "bombs mixed in");
+    if common::in_ci() {
+        assert_eq!((loaded > 0, ooms, fork_bombs), (true, 20, 20), "the full load and soak under CI");
+    }
     let after = settle_footprint(&before);
     assert!(after == before, "after the soak:\n{}", changes(&before, &after));
     let (end_agent, end_zygote) = (rss_kb(agent), rss_kb(zygote));

@@ -667,3 +667,75 @@ fn stale_sandbox_cgroups_are_reaped_by_creator_pid_and_start_time() {
     assert!(remaining_stale.is_empty(), "stale cgroups left: {remaining_stale:?}");
     assert_eq!(remaining_live, live_dirs, "cgroups of a live creator were removed");
 }
+
+/// A Landlock ruleset that applies less than the kernel's ABI promises fails the run. The
+/// `landlock` crate asks the kernel for its ABI again when it builds the ruleset; a failed
+/// query made it build an empty ruleset that "applied" nothing, and the run completed with
+/// `landlock.status: not_enforced` although `sandbox.landlock_min_abi` (1 by default) had
+/// been checked (a review reproduced it). `strace` fails init's second
+/// `landlock_create_ruleset` — the crate's query; the first is the sandbox's own measurement,
+/// the third the ruleset itself (failing that one fails the run with the kernel's error,
+/// which the message below tells apart).
+#[test]
+fn a_landlock_ruleset_that_does_not_apply_fails_the_run() {
+    if !require_root() {
+        return;
+    }
+    let fail_call = |n: &str| {
+        common::under_strace(
+            &[],
+            &[
+                "-f",
+                "-o",
+                "/dev/null",
+                "-e",
+                "trace=landlock_create_ruleset",
+                "-e",
+                &format!("inject=landlock_create_ruleset:error=ENOSYS:when={n}"),
+            ],
+            &["sandbox", "--launch", "cold", "--json", "--", "/bin/true"],
+        )
+    };
+    let Some(out) = fail_call("2") else { return };
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    // The sandbox could not be built: exit 2, the reason on stderr, no result.
+    assert_eq!(out.status.code(), Some(2), "{stdout} {stderr}");
+    assert!(stdout.is_empty(), "{stdout}");
+    assert!(
+        stderr.contains(
+            "sandbox setup failed at landlock: the ruleset was not_enforced although the kernel's Landlock ABI"
+        ),
+        "{stderr}"
+    );
+    // Control: the ruleset's own creation failing is the kernel's error, not this check's.
+    let out = fail_call("3").unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("sandbox setup failed at landlock") && !stderr.contains("although"), "{stderr}");
+}
+
+/// A `sandbox.host_uids` range is checked against other users' subordinate uids in
+/// `/etc/subuid`; a file that cannot be read is an error naming it, not an empty file (a
+/// review saw the range taken unchecked).
+#[test]
+fn an_unreadable_subuid_file_fails_the_host_uid_range_check() {
+    if !require_root() {
+        return;
+    }
+    let Some(out) = common::under_strace(
+        &[],
+        &["-f", "-o", "/dev/null", "-P", "/etc/subuid", "-e", "inject=openat:error=EIO"],
+        &["sandbox", "--json", "--", "/bin/true"],
+    ) else {
+        return;
+    };
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(out.stdout.is_empty(), "{}", String::from_utf8_lossy(&out.stdout));
+    assert!(
+        stderr.contains("sandbox.host_uids")
+            && stderr.contains("cannot read /etc/subuid")
+            && stderr.contains("Input/output error"),
+        "{stderr}"
+    );
+}

@@ -5,7 +5,7 @@
 mod common;
 
 use std::io::Write;
-use std::process::Command;
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use common::{opservant, require_root};
@@ -1160,4 +1160,71 @@ fn a_call_whose_client_goes_while_it_runs_is_interrupted_and_the_session_goes_on
     let log = read_log();
     assert_eq!(log.matches("session_exec_interrupted").count(), 2, "{log}");
     assert!(log.contains("client_gone"), "{log}");
+}
+
+/// A session says which limits hold and which degraded mode let go, as a run's result does
+/// (`limits.enforced`, `limits.degraded`): in its start report and in `session list`, and the
+/// `session_start` record names what was let go. Before, a session whose limits degraded
+/// mode had let go reported `max_memory_mb: 128` everywhere and then used 400 MB (a review).
+/// Degraded here: `strace` fails every open of `/proc/self/cgroup`, so no controller is found.
+#[test]
+fn a_sessions_report_says_which_limits_hold_and_which_were_let_go() {
+    use std::io::BufRead;
+    if !require_root() {
+        return;
+    }
+    let (s, started) = Session::start(&[]);
+    let all = serde_json::json!({"memory": true, "cpu": true, "pids": true, "disk": true, "timeout": true});
+    assert_eq!(
+        (&started["limits"]["enforced"], &started["limits"]["degraded"]),
+        (&all, &serde_json::json!([])),
+        "{started}"
+    );
+    let out = common::command().args(["session", "list"]).output().unwrap();
+    let listed: Value =
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stdout)));
+    let mine = listed["sessions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["session"] == s.name.as_str())
+        .unwrap_or_else(|| panic!("{listed}"));
+    assert_eq!(mine["limits"]["enforced"], all, "{mine}");
+    drop(s);
+
+    let Some(_) = common::under_strace(&[], &["-V"], &[]) else { return };
+    let config = common::config_with("session-degraded", "sandbox:\n  allow_degraded: true\n");
+    let name = fresh_name();
+    let mut child = Command::new("strace")
+        .args(["-qq", "-f", "-o", "/dev/null", "-P", "/proc/self/cgroup", "-e", "inject=openat:error=EACCES"])
+        .arg(common::opservant())
+        .args(["session", "start", &name])
+        .env("OPSERVANT_CONFIG", &*config)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let s = Session { name };
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let started: Value = serde_json::from_str(line.trim()).unwrap_or_else(|e| panic!("{e}: {line}"));
+    let enforced = &started["limits"]["enforced"];
+    assert_eq!(
+        (&enforced["memory"], &enforced["pids"]),
+        (&serde_json::json!(false), &serde_json::json!(false)),
+        "{started}"
+    );
+    let degraded = started["limits"]["degraded"].to_string();
+    assert!(degraded.contains("memory"), "{started}");
+    // The tests' audit log (every configuration of theirs names it).
+    let log = std::fs::read_to_string(common::tests_state().join("audit/audit.jsonl")).unwrap();
+    let record: Value = log
+        .lines()
+        .rev()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .find(|e| e["event"] == "session_start" && e["fields"]["session"] == s.name.as_str())
+        .unwrap_or_else(|| panic!("no session_start record of {}", s.name));
+    assert!(record["fields"]["degraded"].as_str().unwrap_or_default().contains("memory"), "{record}");
+    drop(s);
+    child.wait().unwrap();
 }

@@ -267,7 +267,13 @@ pub fn host_uids(
     // The executor account's own range is what `auto` takes — when sandboxes run as it.
     let executor_uid =
         Identity::local(EXECUTOR_ACCOUNT).ok().map(|e| e.host_uid).filter(|uid| *uid == identity.host_uid);
-    let delegated = subuid_overlap(&std::fs::read_to_string("/etc/subuid").unwrap_or_default(), &range, executor_uid);
+    // No file is no delegation; one that cannot be read is not known to hold none.
+    let subuid = match std::fs::read_to_string("/etc/subuid") {
+        Ok(s) => s,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+        Err(e) => return Err(format!("{origin}: cannot read /etc/subuid to check the range against it: {e}")),
+    };
+    let delegated = subuid_overlap(&subuid, &range, executor_uid);
     let systemd = SYSTEMD_UID_RANGES
         .iter()
         .find(|(_, low, high)| *low <= range.last() && first <= *high)

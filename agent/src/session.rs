@@ -621,6 +621,11 @@ fn capped(text: String) -> String {
 struct Daemon {
     settings: Settings,
     limits: EffectiveLimits,
+    /// The cgroup limits in force, and those degraded mode let go, as a run's result says
+    /// them (`limits.enforced`, `limits.degraded`).
+    cgroup: Option<sandbox::CgroupReport>,
+    /// The CPU quota, written when the runtime is ready (in force from then on).
+    cpu: std::sync::Arc<sandbox::CpuLimiter>,
     chan: sandbox::channel::Channel,
     stop: sandbox::StopHandle,
     /// The OOM kills in the sandbox: any ends it (the monitor then kills the rest), but the
@@ -663,11 +668,17 @@ pub fn serve(launcher: sandbox::Launcher, runtime: PathBuf) -> i32 {
 }
 
 /// The limits as reported: bandwidth is not enforced (sessions have no network), so null,
-/// as in a run's result.
-fn limits_json(limits: &EffectiveLimits) -> Value {
+/// as in a run's result; which are in force (`enforced`) and which degraded mode let go
+/// (`degraded`, with the reason), as a run's result says them.
+fn limits_json(limits: &EffectiveLimits, cgroup: Option<&sandbox::CgroupReport>, cpu: &sandbox::CpuLimiter) -> Value {
     let mut v = serde_json::to_value(limits).unwrap_or(Value::Null);
     if let Some(o) = v.as_object_mut() {
         o.insert("max_bandwidth_mbps".into(), Value::Null);
+        // A deferred quota is in force once written (the report was taken before).
+        let (memory, pids) = cgroup.map_or((false, false), |c| (c.memory, c.pids));
+        let cpu = cgroup.is_some_and(|c| c.cpu) || cpu.enforced();
+        o.insert("enforced".into(), json!({"memory": memory, "cpu": cpu, "pids": pids, "disk": true, "timeout": true}));
+        o.insert("degraded".into(), json!(cgroup.map_or(&[][..], |c| &c.degraded[..])));
     }
     v
 }
@@ -826,6 +837,7 @@ impl Daemon {
         chan.send_bytes(&app::encode(&args)).map_err(|e| CannotRun(format!("runtime arguments: {}", e.desc())))?;
         let stop = sb.stop_handle();
         let oom = sb.oom_counter();
+        let cgroup = sb.cgroup_report().cloned();
         let cpu = sb.cpu_limiter();
         let (done, done_tx) =
             nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| CannotRun(format!("pipe: {e}")))?;
@@ -841,6 +853,8 @@ impl Daemon {
         let mut daemon = Daemon {
             settings,
             limits,
+            cgroup,
+            cpu: cpu.clone(),
             chan,
             stop,
             oom,
@@ -899,12 +913,17 @@ impl Daemon {
         let listener = listener.and_then(|l| {
             let (name, pid) = (&daemon.settings.name, std::process::id().to_string());
             let imports = daemon.settings.allow_imports.join(",");
-            audit::try_record("session_start", &[("session", name), ("allow_imports", &imports), ("pid", &pid)])
-                .map(|()| {
-                    daemon.limits.audit_clamps(("session", name));
-                    l
-                })
-                .map_err(|e| e.to_string())
+            // What degraded mode let go, in the record of the start (empty: every limit holds).
+            let degraded = daemon.cgroup.as_ref().map_or_else(String::new, |c| c.degraded.join("; "));
+            audit::try_record(
+                "session_start",
+                &[("session", name), ("allow_imports", &imports), ("pid", &pid), ("degraded", &degraded)],
+            )
+            .map(|()| {
+                daemon.limits.audit_clamps(("session", name));
+                l
+            })
+            .map_err(|e| e.to_string())
         });
         let listener = match listener {
             Ok(l) => l,
@@ -936,7 +955,7 @@ impl Daemon {
             "call_timeout_seconds": daemon.settings.call_timeout_s,
             "idle_timeout_seconds": daemon.settings.idle_timeout_s,
             "max_lifetime_seconds": daemon.settings.max_lifetime_s,
-            "limits": limits_json(&daemon.limits),
+            "limits": limits_json(&daemon.limits, daemon.cgroup.as_ref(), &daemon.cpu),
             "warnings": warnings,
         });
         // Whoever started the session may be gone (Ctrl-C, a `timeout`): the session runs on
@@ -1206,7 +1225,7 @@ impl Daemon {
             "allow_imports": self.settings.allow_imports,
             "call_timeout_seconds": self.settings.call_timeout_s,
             "idle_timeout_seconds": self.settings.idle_timeout_s,
-            "limits": limits_json(&self.limits),
+            "limits": limits_json(&self.limits, self.cgroup.as_ref(), &self.cpu),
         })
     }
 

@@ -670,7 +670,13 @@ impl SandboxCgroup {
                 }
                 // Kill the whole payload tree on OOM (processes with oom_score_adj -1000 are
                 // exempt, which the monitor and init get where the host allows).
-                write_optional(&dir.join("memory.oom.group"), "1")?;
+                if !write_optional(&dir.join("memory.oom.group"), "1")? {
+                    self.degrade(
+                        limits,
+                        "memory: an OOM kill ends only its victim, not the sandbox (memory.oom.group is missing)"
+                            .into(),
+                    )?;
+                }
             } else {
                 write(&dir.join("memory.limit_in_bytes"), &bytes.to_string())?;
                 match oom_eventfd(&dir) {

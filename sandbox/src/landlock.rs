@@ -155,30 +155,34 @@ fn report_for(abi: u32) -> LandlockReport {
     }
 }
 
-/// Enforce on the calling thread. The report is cross-checked with the crate's verdict so a
-/// ruleset that silently did not apply cannot be reported as enforced.
+/// Enforce on the calling thread. The report is cross-checked with the crate's verdict: a
+/// ruleset that applied less than the kernel's ABI (measured by [`prepare`]) promises is an
+/// error, never a weaker report — the minimum ABI was checked against that measurement, and
+/// the crate, which asks the kernel again, can conclude otherwise (a failed query makes it
+/// build an empty ruleset that "applies" nothing).
 pub fn enforce(prepared: Prepared) -> Result<LandlockReport, StepError> {
-    let Prepared { ruleset, mut report } = prepared;
+    let Prepared { ruleset, report } = prepared;
     let status = ruleset.restrict_self().map_err(|e| StepError::new(Stage::Landlock, e.to_string()))?;
     let actual = match status.ruleset {
         RulesetStatus::FullyEnforced => LandlockStatus::FullyEnforced,
         RulesetStatus::PartiallyEnforced => LandlockStatus::PartiallyEnforced,
         RulesetStatus::NotEnforced => LandlockStatus::NotEnforced,
     };
-    if actual != report.status {
-        // Trust the weaker of the two.
-        let weaker = |s: LandlockStatus| match s {
-            LandlockStatus::NotEnforced => 0,
-            LandlockStatus::PartiallyEnforced => 1,
-            LandlockStatus::FullyEnforced => 2,
-        };
-        if weaker(actual) < weaker(report.status) {
-            report.status = actual;
-            if actual == LandlockStatus::NotEnforced {
-                report.fs_unsupported.append(&mut report.fs_enforced);
-                report.scopes_unsupported.append(&mut report.scopes_enforced);
-            }
-        }
+    let strength = |s: LandlockStatus| match s {
+        LandlockStatus::NotEnforced => 0,
+        LandlockStatus::PartiallyEnforced => 1,
+        LandlockStatus::FullyEnforced => 2,
+    };
+    if strength(actual) < strength(report.status) {
+        return Err(StepError::new(
+            Stage::Landlock,
+            format!(
+                "the ruleset was {} although the kernel's Landlock ABI {} enforces it {}",
+                actual.as_str(),
+                report.abi,
+                report.status.as_str()
+            ),
+        ));
     }
     Ok(report)
 }

@@ -848,6 +848,12 @@ impl Sandbox {
         self.cpu.clone()
     }
 
+    /// Which cgroup limits are in force and which were let go (degraded mode), as the
+    /// outcome will report them; `None` without a cgroup.
+    pub fn cgroup_report(&self) -> Option<&crate::report::CgroupReport> {
+        self.cgroup.as_ref().map(|c| c.report())
+    }
+
     /// A reader of the OOM kills inside this sandbox, for another thread (`None` without a
     /// memory cgroup). Any kill ends the whole sandbox soon after (v2: `memory.oom.group`;
     /// v1: [`Sandbox::wait`] kills the rest once it is told): a caller that sees the count

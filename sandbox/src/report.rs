@@ -42,6 +42,17 @@ pub enum LandlockStatus {
     NotEnforced,
 }
 
+impl LandlockStatus {
+    /// The name the report serializes it as.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LandlockStatus::FullyEnforced => "fully_enforced",
+            LandlockStatus::PartiallyEnforced => "partially_enforced",
+            LandlockStatus::NotEnforced => "not_enforced",
+        }
+    }
+}
+
 /// Exactly which Landlock rights and scopes the kernel enforced.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct LandlockReport {
