@@ -636,6 +636,59 @@ fn the_interpreter_sees_the_signal_dispositions_the_process_has() {
     }
 }
 
+const MEMORY_SCAN: &str = r#"
+import re
+from opservant.executor import BaseExecutor, ExecutorResult
+
+# The sandbox spec's JSON as the channel carries it: a key and its colon, which the
+# binaries' serde tables (bare names) do not hold. A character class keeps each pattern's
+# own text from matching itself.
+PATTERNS = [rb'"memory_byte[s]":', rb'"cpu_deferre[d]":', rb'"seccom[p]":\{', rb'"synthet[i]c":']
+
+
+class TestExecutor(BaseExecutor):
+    def validate(self, params):
+        return True
+
+    def execute(self, params, context):
+        found, scanned = [], 0
+        mem = open("/proc/self/mem", "rb", 0)
+        with open("/proc/self/maps") as f:
+            maps = f.read().splitlines()
+        for line in maps:
+            fields = line.split(None, 5)
+            if "r" not in fields[1] or (len(fields) > 5 and fields[5].startswith("[v")):
+                continue
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            try:
+                mem.seek(start)
+                data = mem.read(end - start)
+            except OSError:
+                continue
+            scanned += len(data)
+            for p in PATTERNS:
+                for m in re.finditer(p, data):
+                    found.append(data[max(0, m.start() - 40):m.end() + 40].decode("latin1"))
+        return ExecutorResult(status="completed", output={"found": found, "scanned": scanned})
+"#;
+
+/// A payload started through a zygote is a fork of the sandbox's init, which read the sandbox
+/// spec from its channel: without an `execve` in between, what init's memory held is the
+/// payload's. The channel's buffers are wiped when dropped, so the spec's JSON — its limits,
+/// seccomp filters, masked paths, synthetic files — is not there to find (a review found it
+/// whole in zygote and pool runs, never in cold ones).
+#[test]
+fn the_sandbox_spec_is_not_left_in_the_payloads_memory() {
+    if !require_root() {
+        return;
+    }
+    let d = executor(json!({}), MEMORY_SCAN);
+    let r = run(&d.path, &[]).result();
+    assert_eq!(r["status"], "completed", "{r}");
+    assert!(r["output"]["scanned"].as_u64().unwrap() > 1 << 20, "the scan read the process's memory: {r}");
+    assert_eq!(r["output"]["found"], json!([]), "{r}");
+}
+
 /// An executor directory the sandbox's user cannot reach (a directory on the way searchable
 /// by root alone): the sandbox's set-up fails before its runtime is told to proceed, so the
 /// run could not run — exit 2, one line saying why — not a `failed` result. (The tests'

@@ -5,6 +5,7 @@
 
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::path::PathBuf;
+use zeroize::Zeroizing;
 
 use nix::errno::Errno;
 use nix::sys::socket::{self, AddressFamily, MsgFlags, SockFlag, SockType};
@@ -122,7 +123,7 @@ impl Channel {
     }
 
     pub fn send<T: Serialize>(&self, msg: &T) -> Result<(), Errno> {
-        let bytes = serde_json::to_vec(msg).map_err(|_| Errno::EINVAL)?;
+        let bytes = Zeroizing::new(serde_json::to_vec(msg).map_err(|_| Errno::EINVAL)?);
         loop {
             match socket::send(self.fd.as_raw_fd(), &bytes, MsgFlags::MSG_NOSIGNAL) {
                 Err(Errno::EINTR) => continue,
@@ -154,7 +155,7 @@ impl Channel {
         if fds.len() > MAX_FDS {
             return Err(Errno::E2BIG);
         }
-        let bytes = serde_json::to_vec(msg).map_err(|_| Errno::EINVAL)?;
+        let bytes = Zeroizing::new(serde_json::to_vec(msg).map_err(|_| Errno::EINVAL)?);
         let iov = [std::io::IoSlice::new(&bytes)];
         let cmsg = [socket::ControlMessage::ScmRights(fds)];
         let cmsgs: &[socket::ControlMessage] = if fds.is_empty() { &[] } else { &cmsg };
@@ -172,7 +173,7 @@ impl Channel {
     /// error; those that did are closed.
     pub fn recv_with_fds<T: DeserializeOwned>(&self) -> Result<Option<(T, Vec<OwnedFd>)>, String> {
         let Some(len) = self.next_len()? else { return Ok(None) };
-        let mut buf = vec![0u8; len];
+        let mut buf = Zeroizing::new(vec![0u8; len]);
         let mut space = nix::cmsg_space!([RawFd; MAX_FDS]);
         let (n, fds, truncated) = loop {
             let mut iov = [std::io::IoSliceMut::new(&mut buf)];
@@ -201,7 +202,7 @@ impl Channel {
     /// Receive one message; `Ok(None)` on end-of-file.
     pub fn recv<T: DeserializeOwned>(&self) -> Result<Option<T>, String> {
         let Some(len) = self.next_len()? else { return Ok(None) };
-        let mut buf = vec![0u8; len];
+        let mut buf = Zeroizing::new(vec![0u8; len]);
         let n = loop {
             match socket::recv(self.fd.as_raw_fd(), &mut buf, MsgFlags::empty()) {
                 Err(Errno::EINTR) => continue,
