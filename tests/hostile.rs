@@ -874,6 +874,94 @@ fn host_unix_sockets_are_unreachable() {
     assert_eq!(r.stdout().matches("refused").count(), 3, "{} {}", r.stdout(), r.err());
 }
 
+/// Landlock's abstract-socket scope, where nothing else stops the connection: the test binds
+/// an abstract socket *inside the sandbox's own network namespace* (abstract names are per
+/// network namespace, so one on the host is out of reach anyway) and the payload connects
+/// to it — refused (`EPERM`) because the listener is outside its Landlock domain. Control: a
+/// process outside Landlock in the same namespace connects.
+#[test]
+fn landlock_alone_refuses_an_abstract_socket_in_the_sandboxs_own_namespace() {
+    if !require_root() {
+        return;
+    }
+    let marker = format!("opservant-llabs-{}", std::process::id());
+    let name = format!("opservant-llabs-{}", std::process::id());
+    let (_d, m) = fast();
+    let code = format!(
+        r#"# {marker}
+import signal, socket
+signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR2])
+print("waited", signal.sigtimedwait([signal.SIGUSR2], 60) is not None, flush=True)
+s = socket.socket(socket.AF_UNIX)
+try:
+    s.connect("\0{name}"); print("CONNECTED")
+except OSError as e:
+    print("refused", e.errno)
+"#
+    );
+    let held = std::thread::spawn(move || python(Some(&m), &code));
+    let waiting = |pid: i32| {
+        std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == "python3")
+            && std::fs::read_to_string(format!("/proc/{pid}/syscall"))
+                .is_ok_and(|s| s.split_whitespace().next() == Some(&libc::SYS_rt_sigtimedwait.to_string()))
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let payload = loop {
+        if let Some(pid) = common::host_processes_with(&marker).into_iter().find(|p| waiting(*p)) {
+            break pid;
+        }
+        assert!(std::time::Instant::now() < deadline && !held.is_finished(), "the payload never waited");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    // A listener in the sandbox's network namespace (root, no Landlock), and a control client
+    // there; the listener accepts until it is told to stop.
+    let netns = format!("--net=/proc/{payload}/ns/net");
+    let listener = format!(
+        "import socket, sys\ns = socket.socket(socket.AF_UNIX); s.bind('\\0{name}'); s.listen(8)\n\
+         print('listening', flush=True)\nwhile True:\n c, _ = s.accept(); c.close()"
+    );
+    let mut server = Command::new("nsenter")
+        .args([netns.as_str(), "/usr/bin/python3", "-I", "-S", "-c", &listener])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(server.stdout.take().unwrap()), &mut first).unwrap();
+    assert_eq!(first, "listening\n");
+    let control = Command::new("nsenter")
+        .args([
+            netns.as_str(),
+            "/usr/bin/python3",
+            "-I",
+            "-S",
+            "-c",
+            &format!("import socket\ns = socket.socket(socket.AF_UNIX); s.connect('\\0{name}'); print('control-ok')"),
+        ])
+        .output()
+        .unwrap();
+    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(payload), nix::sys::signal::Signal::SIGUSR2);
+    let r = held.join().unwrap();
+    let _ = server.kill();
+    let _ = server.wait();
+    assert_eq!(
+        String::from_utf8_lossy(&control.stdout),
+        "control-ok\n",
+        "{}",
+        String::from_utf8_lossy(&control.stderr)
+    );
+    assert_eq!(r.status(), "completed", "{} {}", r.stdout(), r.err());
+    assert_eq!(r.stdout(), "waited True\nrefused 1\n", "Landlock's abstract-socket scope: {}", r.json);
+    assert!(
+        r.json["sandbox"]["landlock"]["scopes_enforced"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|s| s == "abstract_unix_socket"),
+        "{}",
+        r.json
+    );
+}
+
 #[test]
 fn inherited_descriptors_are_closed() {
     if !require_root() {
@@ -1096,9 +1184,59 @@ fn landlock_refuses_what_the_mount_view_alone_would_allow() {
     // refused it with EACCES while that mount was read-write. Signalling the sandbox's init
     // stays Landlock's alone (its signal scope): nothing else in the view stops it.
     assert_eq!(r.stdout().lines().next(), Some("comm 30"), "EROFS from the /proc mount: {}", r.stdout());
-    if ll["scopes_enforced"].as_array().unwrap().iter().any(|s| s == "signal") {
-        assert_eq!(r.stdout().lines().nth(1), Some("init 1"), "signal scoping: EPERM on the sandbox init");
+    // Without the signal scope (Landlock ABI < 6) the result must say so, and then nothing
+    // else in the view stops the signal.
+    let scoped = ll["scopes_enforced"].as_array().unwrap().iter().any(|s| s == "signal");
+    let expected = if scoped { "init 1" } else { "SIGNALLED" };
+    assert_eq!(r.stdout().lines().nth(1), Some(expected), "signal scoping ({ll})");
+    assert_eq!(scoped, sandbox::landlock::probe().abi >= 6, "the scope is enforced wherever the kernel has it: {ll}");
+}
+
+/// The privileges and process rows' promises, from inside: the securebits that keep root
+/// from regaining capabilities are set and locked (`PR_GET_SECUREBITS`: 0xef — NOROOT,
+/// NO_SETUID_FIXUP and NO_CAP_AMBIENT_RAISE with their locks, KEEP_CAPS off and locked);
+/// `RLIMIT_MEMLOCK` is 0, so `mlock`, `mlockall` and `MAP_LOCKED` fail; the payload leads a
+/// session of its own, with no controlling terminal. Control: the same probe on the host
+/// (root) sees no securebits and locks memory.
+#[test]
+fn securebits_memory_locks_and_the_session_hold_from_inside() {
+    if !require_root() {
+        return;
     }
+    let probe = r#"import ctypes, mmap, os
+libc = ctypes.CDLL(None, use_errno=True)
+print('securebits', hex(libc.prctl(27, 0, 0, 0, 0)))
+buf = ctypes.create_string_buffer(4096)
+print('mlock', libc.mlock(buf, 4096), ctypes.get_errno())
+print('mlockall', libc.mlockall(1), ctypes.get_errno())
+libc.munlockall()
+libc.mmap.restype = ctypes.c_void_p
+p = libc.mmap(None, 4096, 3, 0x22 | 0x2000, -1, 0)
+print('map_locked', p == ctypes.c_void_p(-1).value, ctypes.get_errno())
+print('leader', os.getsid(0) == os.getpid())
+try:
+    open('/dev/tty'); print('tty open')
+except OSError as e:
+    print('tty', e.errno)
+"#;
+    let host = Command::new("/usr/bin/python3").args(["-I", "-S", "-c", probe]).stdin(Stdio::null()).output().unwrap();
+    let (host, host_err) = (String::from_utf8_lossy(&host.stdout), String::from_utf8_lossy(&host.stderr));
+    assert!(
+        host.starts_with("securebits 0x0\nmlock 0 0\nmlockall 0 0\nmap_locked False"),
+        "control: {host} {host_err}"
+    );
+    let (_d, m) = fast();
+    let r = python(Some(&m), probe);
+    assert_eq!(r.status(), "completed", "{} {}", r.stdout(), r.err());
+    // EPERM (1) or ENOMEM (12) for a zero RLIMIT_MEMLOCK, by call; EAGAIN (11) for MAP_LOCKED.
+    let out = r.stdout();
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines[0], "securebits 0xef", "{out}");
+    assert!(matches!(lines[1], "mlock -1 1" | "mlock -1 12"), "{out}");
+    assert!(matches!(lines[2], "mlockall -1 1" | "mlockall -1 12"), "{out}");
+    assert!(matches!(lines[3], "map_locked True 11" | "map_locked True 1"), "{out}");
+    assert_eq!(lines[4], "leader True", "{out}");
+    assert!(lines[5] == "tty 6" || lines[5] == "tty 2", "no controlling terminal: {out}");
 }
 
 #[test]

@@ -739,3 +739,53 @@ fn an_unreadable_subuid_file_fails_the_host_uid_range_check() {
         "{stderr}"
     );
 }
+
+/// A read grant is bound as the file the policy checked: its device and inode are taken with
+/// its type check, and the bind compares them. A review swapped a granted file for a Unix
+/// socket between the check and the bind (with `host_uids: shared`, where the socket was
+/// then reachable) and the sandbox talked to the host's listener. `strace` delays the first
+/// `openat2` of each process by 1.5 s (the view's binds open their sources with it); the file
+/// is replaced by a socket meanwhile, and the run fails at the bind naming the replacement.
+#[test]
+fn a_read_grant_replaced_after_its_check_is_not_bound() {
+    if !require_root() {
+        return;
+    }
+    let dir = HostDir::new();
+    let data = dir.path.join("data");
+    std::fs::write(&data, "checked file\n").unwrap();
+    let m = manifest(&dir, &format!(r#"{{"filesystem": {{"read": ["{}"]}}}}"#, data.display()), "{}");
+    let shared = common::config_with("swap-shared", "sandbox:\n  host_uids: shared\n");
+    let swapper = {
+        let data = data.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(700));
+            std::fs::rename(&data, data.with_extension("old")).unwrap();
+            std::os::unix::net::UnixListener::bind(&data).unwrap()
+        })
+    };
+    let config = shared.to_str().unwrap().to_string();
+    let Some(out) = common::under_strace(
+        &[],
+        &["-f", "-o", "/dev/null", "-e", "trace=openat2", "-e", "inject=openat2:delay_enter=1500000:when=1"],
+        &[
+            "sandbox",
+            "--config",
+            &config,
+            "--launch",
+            "cold",
+            "--manifest",
+            m.to_str().unwrap(),
+            "--json",
+            "--",
+            "/bin/cat",
+            data.to_str().unwrap(),
+        ],
+    ) else {
+        return;
+    };
+    let _listener = swapper.join().unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.status.code(), Some(2), "{stdout} {stderr}");
+    assert!(stderr.contains("not the file the caller checked") && stderr.contains("replaced since"), "{stderr}");
+}

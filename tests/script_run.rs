@@ -303,13 +303,18 @@ fn no_network_and_scratch_only_without_a_manifest() {
         return;
     }
     let d = HostDir::new();
+    // Control: a listener on the host's loopback, which the host reaches.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::net::TcpStream::connect(("127.0.0.1", port)).expect("control: the host reaches its listener");
     let code = r#"
 import socket, os
-try:
-    socket.create_connection(("1.1.1.1", 53), timeout=2)
-    print("NET-OK")
-except OSError as e:
-    print("net:", e.errno)
+for addr in [("127.0.0.1", PORT), ("192.0.2.1", 53)]:
+    try:
+        socket.create_connection(addr, timeout=2)
+        print("NET-OK")
+    except OSError as e:
+        print("net:", e.errno)
 open("/tmp/opservant/scratch/x", "w").write("fine")
 print("scratch ok")
 for p in ("/usr/x", "/etc/x", "/x"):
@@ -319,10 +324,13 @@ for p in ("/usr/x", "/etc/x", "/x"):
     except OSError:
         pass
 print("home" if os.path.exists("/home") and os.listdir("/home") else "no-home")
-"#;
-    let r = script("python", &write(&d, "net.py", code), &[]);
+"#
+    .replace("PORT", &port.to_string());
+    let r = script("python", &write(&d, "net.py", &code), &[]);
     let out = r.json["stdout"].as_str().unwrap();
     assert!(!out.contains("NET-OK"), "{out}");
+    // Its own loopback has no listener (ECONNREFUSED); nothing else is routed (ENETUNREACH).
+    assert!(out.starts_with("net: 111\nnet: 101\n"), "{out}");
     assert!(out.contains("scratch ok"), "{out}");
     assert!(!out.contains("WROTE"), "{out}");
     assert!(out.contains("no-home"), "{out}");

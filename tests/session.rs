@@ -535,25 +535,36 @@ fn the_sandbox_holds_inside_a_session() {
     // cannot see host files, reach the network or write outside its scratch.
     let (s, started) = Session::start(&["--allow-import", "os,socket"]);
     assert!(!started["warnings"].as_array().unwrap().is_empty(), "allowing os is warned about: {started}");
+    // Control: a listener on the host's loopback, which the host reaches.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::net::TcpStream::connect(("127.0.0.1", port)).expect("control: the host reaches its listener");
     let code = r#"
 import os, socket
-res = {"uid": os.getuid(), "root": os.path.exists("/root/.bashrc"), "home": os.listdir("/home") if os.path.exists("/home") else []}
-try:
-    socket.create_connection(("1.1.1.1", 53), timeout=2); res["net"] = True
-except OSError:
-    res["net"] = False
+res = {"uid": os.getuid(), "root": os.path.exists("/root"), "home": os.listdir("/home") if os.path.exists("/home") else []}
+res["net"] = []
+for addr in [("127.0.0.1", {port}), ("192.0.2.1", 53)]:
+    try:
+        socket.create_connection(addr, timeout=2); res["net"].append("CONNECTED")
+    except OSError as e:
+        res["net"].append(e.errno)
+res["ifaces"] = [l.split(":")[0].strip() for l in os.read(os.open("/proc/net/dev", os.O_RDONLY), 1 << 16).decode().splitlines()[2:]]
 try:
     os.open("/usr/x", os.O_CREAT | os.O_WRONLY); res["usr_write"] = True
 except OSError:
     res["usr_write"] = False
-"#;
-    let (status, r) = s.exec(code, &["--return", "res"]);
+"#
+    .replace("{port}", &port.to_string());
+    let (status, r) = s.exec(&code, &["--return", "res"]);
     assert_eq!(status, 0, "{r}");
     let res = &r["globals"]["res"];
     assert_ne!(res["uid"], 0);
     assert_eq!(res["root"], false);
     assert_eq!(res["home"], serde_json::json!([]));
-    assert_eq!(res["net"], false);
+    // Its own loopback has no listener (ECONNREFUSED); nothing else is routed (ENETUNREACH,
+    // 192.0.2.1 being a documentation address that nothing would answer anyway).
+    assert_eq!(res["net"], serde_json::json!([111, 101]), "{r}");
+    assert_eq!(res["ifaces"], serde_json::json!(["lo"]), "{r}");
     assert_eq!(res["usr_write"], false);
 }
 

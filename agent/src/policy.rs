@@ -505,12 +505,18 @@ impl AgentPolicy {
             for (i, p) in m.permissions.filesystem.read.iter().enumerate() {
                 let field = format!("permissions.filesystem.read[{i}]");
                 let real = self.check_read_in(&field, p, &masked, &mounts)?;
+                // The file checked is the file bound: its identity now, taken with its type
+                // checked once more (a socket or FIFO put in its place after the checks above
+                // is refused here, or fails the bind as another file).
+                let meta = std::fs::metadata(&real)
+                    .map_err(|e| PolicyError::new(&field, format!("{}: {e}", real.display())))?;
+                refuse_ipc_endpoint_kind(&field, p, &real, &meta.file_type())?;
                 spec.filesystem.paths.push(PathRule {
                     source: Some(real),
                     path: p.clone(),
                     access: Access::Read,
                     optional: false,
-                    identity: None,
+                    identity: Some(sandbox::FileId::of(&meta)),
                 });
             }
             for (i, p) in m.permissions.filesystem.write.iter().enumerate() {
@@ -868,8 +874,16 @@ fn refuse_shared_mounts_beneath(field: &str, p: &Path, real: &Path, mounts: &Mou
 /// write grant (`permissions.filesystem.write`), which `/run` never gets. (A socket made
 /// later inside another declared directory is not seen here: see README, Not done yet.)
 fn refuse_ipc_endpoints(field: &str, p: &Path, real: &Path) -> Result<(), PolicyError> {
+    match std::fs::metadata(real) {
+        Ok(meta) => refuse_ipc_endpoint_kind(field, p, real, &meta.file_type()),
+        Err(_) => Ok(()),
+    }
+}
+
+/// [`refuse_ipc_endpoints`] for a file type already read.
+fn refuse_ipc_endpoint_kind(field: &str, p: &Path, real: &Path, kind: &std::fs::FileType) -> Result<(), PolicyError> {
     use std::os::unix::fs::FileTypeExt;
-    let kind = std::fs::metadata(real).map(|m| m.file_type()).ok();
+    let kind = Some(kind);
     let why = match kind {
         Some(t) if t.is_socket() => "is a Unix socket",
         Some(t) if t.is_fifo() => "is a FIFO",

@@ -137,9 +137,8 @@ struct CgroupMount {
     super_opts: Vec<String>,
 }
 
-fn cgroup_mounts() -> Vec<CgroupMount> {
-    crate::mountinfo::read()
-        .unwrap_or_default()
+fn cgroup_mounts() -> std::io::Result<Vec<CgroupMount>> {
+    Ok(crate::mountinfo::read()?
         .into_iter()
         .filter(|m| m.fstype == "cgroup" || m.fstype == "cgroup2")
         .map(|m| CgroupMount {
@@ -148,7 +147,7 @@ fn cgroup_mounts() -> Vec<CgroupMount> {
             fstype: m.fstype,
             super_opts: m.super_opts,
         })
-        .collect()
+        .collect())
 }
 
 /// Resolve `own` (a path from /proc/self/cgroup) inside a mount of that hierarchy.
@@ -161,13 +160,14 @@ fn dir_in_mount(m: &CgroupMount, own: &str) -> Option<PathBuf> {
 /// process may move into its leaf and controllers get enabled); without, nothing is changed
 /// and the answer says what preparing would give.
 fn discover(prepare: bool) -> Layout {
-    let mut places = [
-        Place::Missing("no cgroup hierarchy offers it".into()),
-        Place::Missing("no cgroup hierarchy offers it".into()),
-        Place::Missing("no cgroup hierarchy offers it".into()),
-    ];
-    let own_text = fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
-    let mounts = cgroup_mounts();
+    // What this process could not read is the reason, not "no hierarchy" (the layout is
+    // discovered once per process: a restart reads again).
+    let (own_text, mounts, why) = match (fs::read_to_string("/proc/self/cgroup"), cgroup_mounts()) {
+        (Ok(own), Ok(mounts)) => (own, mounts, "no cgroup hierarchy offers it".to_string()),
+        (Err(e), _) => (String::new(), Vec::new(), format!("cannot read /proc/self/cgroup: {e}")),
+        (_, Err(e)) => (String::new(), Vec::new(), format!("cannot read /proc/self/mountinfo: {e}")),
+    };
+    let mut places = [Place::Missing(why.clone()), Place::Missing(why.clone()), Place::Missing(why)];
     let mut v2_own: Option<String> = None;
 
     for line in own_text.lines() {

@@ -27,7 +27,7 @@ def require_opservant_bin():
     if os.environ.get("OPSERVANT_SANDBOXED_SKIP"):
         pytest.skip(os.environ["OPSERVANT_SANDBOXED_SKIP"])
     if not os.environ.get("OPSERVANT_BIN"):
-        if os.environ.get("CI") == "true":
+        if os.environ.get("CI") in ("true", "1"):
             pytest.fail("CI=true but OPSERVANT_BIN is not set (e.g. OPSERVANT_BIN=target/release/opservant)")
         pytest.skip("set OPSERVANT_BIN=/path/to/opservant to run the sandboxed test")
 
