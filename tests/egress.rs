@@ -1690,8 +1690,9 @@ fn dns_allowed_default_comes_from_the_agent_config() {
     assert_host_clean(&lab);
 }
 
-/// (6) DNS rebinding: names answering with loopback addresses are refused, whether the name
-/// is explicitly allowed or any host is.
+/// (6) DNS rebinding: names answering with loopback, private (RFC 1918, ULA) or link-local
+/// (the metadata service) addresses are refused, whether the name is explicitly allowed or
+/// any host is.
 #[test]
 fn dns_rebinding_to_loopback_is_refused() {
     if !prerequisites() {
@@ -1699,19 +1700,28 @@ fn dns_rebinding_to_loopback_is_refused() {
     }
     let lab = Lab::new();
     let conf = Conf::new("");
+    let private = ["private10.test", "private192.test", "ula.test", "metadata.test"];
     let steps = json!([
         ["resolve", "rebind.test"],
         ["resolve", "rebind6.test"],
         ["resolve", "allowed.test"],
-        ["resolve", "wireserver.test"]
+        ["resolve", "wireserver.test"],
+        ["resolve", private[0]],
+        ["resolve", private[1]],
+        ["resolve", private[2]],
+        ["resolve", private[3]]
     ]);
     let p = probe(
         &lab,
         &conf,
-        json!({"outbound": true, "allowed_hosts": ["rebind.test", "rebind6.test", "allowed.test", "wireserver.test"]}),
+        json!({"outbound": true, "allowed_hosts": ["rebind.test", "rebind6.test", "allowed.test", "wireserver.test",
+            private[0], private[1], private[2], private[3]]}),
         limits(),
         steps.clone(),
     );
+    for (i, name) in private.iter().enumerate() {
+        assert_unresolved(p.step(4 + i), name);
+    }
     assert_unresolved(p.step(0), "rebind.test (-> 127.0.0.1)");
     assert_unresolved(p.step(1), "rebind6.test (-> ::1)");
     assert_resolved(p.step(2), "allowed.test", &["198.51.100.10"]);
@@ -1722,6 +1732,11 @@ fn dns_rebinding_to_loopback_is_refused() {
     assert_unresolved(p.step(1), "rebind6.test (-> ::1), any host allowed");
     assert_resolved(p.step(2), "allowed.test", &["198.51.100.10"]);
     assert_unresolved(p.step(3), "wireserver.test (-> 168.63.129.16), any host allowed");
+    for (i, name) in private.iter().enumerate() {
+        assert_unresolved(p.step(4 + i), &format!("{name}, any host allowed"));
+    }
+    let refused = p.r["sandbox"]["egress"]["dns"]["refused_names"].to_string();
+    assert!(private.iter().all(|n| refused.contains(n)) && refused.contains("rebinding"), "{refused}");
     assert_host_clean(&lab);
 }
 

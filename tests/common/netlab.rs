@@ -55,6 +55,10 @@ pub const DEFAULT_ZONE: &[(&str, &[&str])] = &[
     ("rebind.test", &["127.0.0.1"]),
     ("rebind6.test", &["::1"]),
     ("wireserver.test", &["168.63.129.16"]),
+    ("private10.test", &["10.1.2.3"]),
+    ("private192.test", &["192.168.1.1"]),
+    ("ula.test", &["fd00::1"]),
+    ("metadata.test", &["169.254.169.254"]),
     ("v6.test", &["2001:db8:2::10"]),
     ("dual.test", &["198.51.100.10", "2001:db8:2::10"]),
 ];
