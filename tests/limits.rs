@@ -181,15 +181,23 @@ fn timeout_kills_a_tree_that_ignores_sigterm() {
     }
     let marker = format!("opservant-daemon-{}", std::process::id());
     let (_d, m) = limits_manifest(r#"{"timeout_seconds": 3}"#);
+    // The daemon is a shell that ignores SIGTERM and waits on a sleep; its `$0` is the marker
+    // (`sleep MARKER` would be an invalid interval: the old test's daemon exited at once).
     let script = format!(
-        "trap '' TERM; (setsid sh -c 'trap \"\" TERM; exec sleep 1000 {marker}' &); \
+        "trap '' TERM; (setsid sh -c 'trap \"\" TERM; sleep 1000; :' {marker} &); \
          sh -c 'trap \"\" TERM; sleep 1000' & sleep 1000"
     );
     let run = std::thread::spawn(move || sh(Some(&m), &script));
-    // Control: the double-forked daemon did start (seen on the host before the timeout).
+    // Control: the double-forked daemon did start (seen on the host before the timeout) — the
+    // process whose last argument is the marker: the opservant and outer shell command lines
+    // hold it too, inside the script.
+    let daemon = |pid: &i32| {
+        std::fs::read(format!("/proc/{pid}/cmdline"))
+            .is_ok_and(|c| c.split(|b| *b == 0).filter(|a| !a.is_empty()).last() == Some(marker.as_bytes()))
+    };
     let mut started = false;
     while !run.is_finished() && !started {
-        started = !common::host_processes_with(&marker).is_empty();
+        started = common::host_processes_with(&marker).iter().any(daemon);
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
     let r = run.join().unwrap();

@@ -743,12 +743,16 @@ fn an_unreadable_subuid_file_fails_the_host_uid_range_check() {
 /// A read grant is bound as the file the policy checked: its device and inode are taken with
 /// its type check, and the bind compares them. A review swapped a granted file for a Unix
 /// socket between the check and the bind (with `host_uids: shared`, where the socket was
-/// then reachable) and the sandbox talked to the host's listener. `strace` delays the first
-/// `openat2` of each process by 1.5 s (the view's binds open their sources with it); the file
-/// is replaced by a socket meanwhile, and the run fails at the bind naming the replacement.
+/// then reachable) and the sandbox talked to the host's listener. `strace` holds the first
+/// `openat2` of each process for 3 s (the view's binds open their sources with it); once a
+/// process of the run is held there — after the policy's checks — the file is replaced by a
+/// socket, and the run fails at the bind naming the replacement.
 #[test]
 fn a_read_grant_replaced_after_its_check_is_not_bound() {
     if !require_root() {
+        return;
+    }
+    if !common::require("strace (holds the bind's openat2)", Command::new("strace").arg("-V").output().is_ok()) {
         return;
     }
     let dir = HostDir::new();
@@ -756,35 +760,57 @@ fn a_read_grant_replaced_after_its_check_is_not_bound() {
     std::fs::write(&data, "checked file\n").unwrap();
     let m = manifest(&dir, &format!(r#"{{"filesystem": {{"read": ["{}"]}}}}"#, data.display()), "{}");
     let shared = common::config_with("swap-shared", "sandbox:\n  host_uids: shared\n");
-    let swapper = {
-        let data = data.clone();
-        std::thread::spawn(move || {
-            std::thread::sleep(std::time::Duration::from_millis(700));
-            std::fs::rename(&data, data.with_extension("old")).unwrap();
-            std::os::unix::net::UnixListener::bind(&data).unwrap()
+    let child = Command::new("strace")
+        .args([
+            "-qq",
+            "-f",
+            "-o",
+            "/dev/null",
+            "-e",
+            "trace=openat2",
+            "-e",
+            "inject=openat2:delay_enter=3000000:when=1",
+        ])
+        .arg(common::opservant())
+        .args(["sandbox", "--config", shared.to_str().unwrap(), "--launch", "cold", "--manifest"])
+        .arg(&m)
+        .args(["--json", "--", "/bin/cat"])
+        .arg(&data)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // A process the run started (below strace's child, the opservant command, which checks
+    // the policy before it starts any) held at its first openat2.
+    let held = |root: u32| {
+        let mut tree = vec![(root as i32, 0)];
+        let mut i = 0;
+        while i < tree.len() {
+            let (parent, depth) = tree[i];
+            for e in std::fs::read_dir("/proc").unwrap().flatten() {
+                let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else { continue };
+                let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+                let ppid = stat.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().nth(1)?.parse::<i32>().ok());
+                if ppid == Some(parent) && !tree.iter().any(|(p, _)| *p == pid) {
+                    tree.push((pid, depth + 1));
+                }
+            }
+            i += 1;
+        }
+        tree.iter().filter(|(_, depth)| *depth >= 2).any(|(pid, _)| {
+            std::fs::read_to_string(format!("/proc/{pid}/syscall"))
+                .is_ok_and(|s| s.split_whitespace().next() == Some(&libc::SYS_openat2.to_string()))
         })
     };
-    let config = shared.to_str().unwrap().to_string();
-    let Some(out) = common::under_strace(
-        &[],
-        &["-f", "-o", "/dev/null", "-e", "trace=openat2", "-e", "inject=openat2:delay_enter=1500000:when=1"],
-        &[
-            "sandbox",
-            "--config",
-            &config,
-            "--launch",
-            "cold",
-            "--manifest",
-            m.to_str().unwrap(),
-            "--json",
-            "--",
-            "/bin/cat",
-            data.to_str().unwrap(),
-        ],
-    ) else {
-        return;
-    };
-    let _listener = swapper.join().unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !held(child.id()) {
+        assert!(std::time::Instant::now() < deadline, "no process of the run reached openat2");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    std::fs::rename(&data, data.with_extension("old")).unwrap();
+    let _listener = std::os::unix::net::UnixListener::bind(&data).unwrap();
+    let out = child.wait_with_output().unwrap();
     let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert_eq!(out.status.code(), Some(2), "{stdout} {stderr}");
     assert!(stderr.contains("not the file the caller checked") && stderr.contains("replaced since"), "{stderr}");

@@ -958,7 +958,7 @@ fn agent_daemon(config: Option<PathBuf>, check_only: bool) -> Result<ExitCode, C
     agent::daemon::prepare_state_dir(&settings.state_dir).map_err(|e| CannotRun(e.0))?;
     agent::audit::init(&cfg)?;
     for w in revocation_list_warnings(&cfg) {
-        tracing::warn!(warning = %w, "a certificate revocation list is stale or nearly so");
+        tracing::warn!(warning = %w, "a certificate revocation list is stale, nearly so, or unreadable");
     }
     // Before any thread starts (see the function).
     agent::daemon::block_stop_signals().map_err(|e| CannotRun(e.0))?;
