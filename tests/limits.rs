@@ -193,7 +193,7 @@ fn timeout_kills_a_tree_that_ignores_sigterm() {
     // hold it too, inside the script.
     let daemon = |pid: &i32| {
         std::fs::read(format!("/proc/{pid}/cmdline"))
-            .is_ok_and(|c| c.split(|b| *b == 0).filter(|a| !a.is_empty()).last() == Some(marker.as_bytes()))
+            .is_ok_and(|c| c.split(|b| *b == 0).rfind(|a| !a.is_empty()) == Some(marker.as_bytes()))
     };
     let mut started = false;
     while !run.is_finished() && !started {
