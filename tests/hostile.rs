@@ -904,18 +904,8 @@ except OSError as e:
 "#
     );
     let held = std::thread::spawn(move || python(Some(&m), &code));
-    let waiting = |pid: i32| {
-        std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == "python3")
-            && std::fs::read_to_string(format!("/proc/{pid}/syscall"))
-                .is_ok_and(|s| s.split_whitespace().next() == Some(&libc::SYS_rt_sigtimedwait.to_string()))
-    };
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    let payload = loop {
-        if let Some(pid) = common::host_processes_with(&marker).into_iter().find(|p| waiting(*p)) {
-            break pid;
-        }
-        assert!(std::time::Instant::now() < deadline && !held.is_finished(), "the payload never waited");
-        std::thread::sleep(std::time::Duration::from_millis(50));
+    let Some(payload) = common::payload_waiting_for_a_signal(&marker, &held) else {
+        panic!("the payload never waited: {:?}", held.join().map(|r| r.json));
     };
     // A listener in the sandbox's network namespace (root, no Landlock), and a control client
     // there; the listener accepts until it is told to stop.

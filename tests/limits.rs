@@ -488,23 +488,8 @@ print("released", signal.sigtimedwait([signal.SIGUSR2], 60) is not None)
     );
     let held = std::thread::spawn(move || python(Some(&m), &code));
     // Wait (kernel state, not time) until the payload waits for SIGUSR2 with its data parked.
-    // (SigBlk is no help: the kernel unblocks the awaited signal for the wait itself.)
-    // (The sandbox's own processes may carry the marker too — a forking launcher — and its
-    // init waits in rt_sigtimedwait as well: the payload is the one running python3.)
-    let waiting = |pid: i32| {
-        std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == "python3")
-            && std::fs::read_to_string(format!("/proc/{pid}/syscall"))
-                .is_ok_and(|s| s.split_whitespace().next() == Some(&libc::SYS_rt_sigtimedwait.to_string()))
-    };
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    let payload = loop {
-        if let Some(pid) = common::host_processes_with(&marker).into_iter().find(|p| waiting(*p)) {
-            break pid;
-        }
-        if std::time::Instant::now() > deadline || held.is_finished() {
-            panic!("the payload never parked its data: {:?}", held.join().map(|r| r.json));
-        }
-        std::thread::sleep(std::time::Duration::from_millis(50));
+    let Some(payload) = common::payload_waiting_for_a_signal(&marker, &held) else {
+        panic!("the payload never parked its data: {:?}", held.join().map(|r| r.json));
     };
     // The sandbox's v1 memory cgroup (the one whose procs hold the payload), if any.
     let tcp_peak = common::sandbox_cgroups()

@@ -480,6 +480,29 @@ pub fn cgroups_of(pid: u32) -> Vec<PathBuf> {
 }
 
 /// Host processes whose command line contains `marker`.
+/// The sandbox payload — the `python3` whose command line holds `marker` — once it waits in
+/// `rt_sigtimedwait` (kernel state, not time: SigBlk is no help, the kernel unblocks the
+/// awaited signal for the wait itself; the sandbox's own processes may carry the marker too —
+/// a forking launcher — and its init waits in rt_sigtimedwait as well). `None` when `held`,
+/// the thread running the sandbox, ended first or a minute passed.
+pub fn payload_waiting_for_a_signal<T>(marker: &str, held: &std::thread::JoinHandle<T>) -> Option<i32> {
+    let waiting = |pid: i32| {
+        std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == "python3")
+            && std::fs::read_to_string(format!("/proc/{pid}/syscall"))
+                .is_ok_and(|s| s.split_whitespace().next() == Some(&libc::SYS_rt_sigtimedwait.to_string()))
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        if let Some(pid) = host_processes_with(marker).into_iter().find(|p| waiting(*p)) {
+            return Some(pid);
+        }
+        if std::time::Instant::now() > deadline || held.is_finished() {
+            return None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
 pub fn host_processes_with(marker: &str) -> Vec<i32> {
     let mut pids = Vec::new();
     for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
