@@ -55,7 +55,7 @@ fn main() -> ExitCode {
 
 fn run() -> Result<(), String> {
     let smoke = !std::env::args().any(|a| a == "--bench");
-    let (warmup, rounds) = if smoke { (0, 1) } else { (WARMUP_ROUNDS, rounds()?) };
+    let (warmup, rounds) = if smoke { (0, 1) } else { (WARMUP_ROUNDS, common::rounds(DEFAULT_ROUNDS)?) };
     let opservant = std::env::var_os("OPSERVANT_BIN").map_or_else(|| PathBuf::from(OPSERVANT), PathBuf::from);
     let runtime = opservant.with_file_name("opservant-runtime");
     if !opservant.is_file() || !runtime.is_file() {
@@ -209,14 +209,4 @@ fn summarize(samples: &[Duration]) -> (f64, f64, f64) {
     ms.sort_unstable_by(f64::total_cmp);
     let at = |p: usize| percentile(&ms, p).unwrap_or(f64::NAN);
     (at(50), at(90), at(99))
-}
-
-fn rounds() -> Result<usize, String> {
-    match std::env::var("OPSERVANT_BENCH_ROUNDS") {
-        Err(_) => Ok(DEFAULT_ROUNDS),
-        Ok(v) => match v.trim().parse::<usize>() {
-            Ok(n) if n > 0 => Ok(n),
-            _ => Err(format!("OPSERVANT_BENCH_ROUNDS must be a positive integer, got {v:?}")),
-        },
-    }
 }

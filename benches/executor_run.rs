@@ -110,7 +110,7 @@ fn main() -> ExitCode {
 fn run() -> Result<(), String> {
     // `cargo bench` passes `--bench`; `cargo test --benches` does not (and builds unoptimised).
     let smoke = !std::env::args().any(|a| a == "--bench");
-    let (warmup, rounds) = if smoke { (0, 1) } else { (WARMUP_ROUNDS, rounds()?) };
+    let (warmup, rounds) = if smoke { (0, 1) } else { (WARMUP_ROUNDS, common::rounds(DEFAULT_ROUNDS)?) };
 
     let opservant = std::env::var_os("OPSERVANT_BIN").map_or_else(|| PathBuf::from(OPSERVANT), PathBuf::from);
     if !opservant.is_file() {
@@ -402,16 +402,6 @@ fn summarize(samples: &[Duration]) -> Summary {
 /// an observed value; the median is the lower of the two middle values when n is even).
 fn percentile<T: Copy>(sorted: &[T], p: usize) -> T {
     common::percentile(sorted, p).expect("percentile of no samples (rounds are at least 1)")
-}
-
-fn rounds() -> Result<usize, String> {
-    match std::env::var("OPSERVANT_BENCH_ROUNDS") {
-        Err(_) => Ok(DEFAULT_ROUNDS),
-        Ok(v) => match v.trim().parse::<usize>() {
-            Ok(n) if n > 0 => Ok(n),
-            _ => Err(format!("OPSERVANT_BENCH_ROUNDS must be a positive integer, got {v:?}")),
-        },
-    }
 }
 
 fn python_version() -> Result<String, String> {

@@ -54,7 +54,7 @@ fn main() -> ExitCode {
 fn run() -> Result<(), String> {
     // `cargo bench` passes `--bench`; `cargo test --benches` does not (and builds unoptimised).
     let smoke = !std::env::args().any(|a| a == "--bench");
-    let (warmup, rounds) = if smoke { (0, 1) } else { (WARMUP_ROUNDS, rounds()?) };
+    let (warmup, rounds) = if smoke { (0, 1) } else { (WARMUP_ROUNDS, common::rounds(DEFAULT_ROUNDS)?) };
 
     let mut benches = vec![bench("true", &["/bin/true"])];
     let mut skipped = Vec::new();
@@ -207,16 +207,6 @@ fn summarize(samples: &mut [Duration]) -> Summary {
 /// 198th smallest sample, so it is above all but two samples.
 fn percentile(sorted: &[Duration], p: usize) -> Duration {
     common::percentile(sorted, p).expect("percentile of no samples (rounds are at least 1)")
-}
-
-fn rounds() -> Result<usize, String> {
-    match std::env::var("OPSERVANT_BENCH_ROUNDS") {
-        Err(_) => Ok(DEFAULT_ROUNDS),
-        Ok(v) => match v.trim().parse::<usize>() {
-            Ok(n) if n > 0 => Ok(n),
-            _ => Err(format!("OPSERVANT_BENCH_ROUNDS must be a positive integer, got {v:?}")),
-        },
-    }
 }
 
 /// A copy of the binary under test in a fresh directory, removed on drop (or the binary

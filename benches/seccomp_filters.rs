@@ -46,20 +46,10 @@ fn main() -> ExitCode {
     }
 }
 
-fn rounds() -> Result<usize, String> {
-    match std::env::var("OPSERVANT_BENCH_ROUNDS") {
-        Ok(v) => v
-            .parse::<usize>()
-            .ok()
-            .filter(|n| *n > 0)
-            .ok_or_else(|| format!("OPSERVANT_BENCH_ROUNDS: {v:?} is not a positive number")),
-        Err(_) => Ok(DEFAULT_ROUNDS),
-    }
-}
-
 fn run() -> Result<(), String> {
     let smoke = !std::env::args().any(|a| a == "--bench");
-    let (warmup, rounds, calls) = if smoke { (0, 1, SMOKE_CALLS) } else { (WARMUP_ROUNDS, rounds()?, CALLS) };
+    let (warmup, rounds, calls) =
+        if smoke { (0, 1, SMOKE_CALLS) } else { (WARMUP_ROUNDS, common::rounds(DEFAULT_ROUNDS)?, CALLS) };
     let default = default_policy()?;
     let stacked = refusing_netlink(&default)?;
     let configs: [(&str, SeccompPolicy); 3] =
