@@ -2478,6 +2478,158 @@ fn udp_icmp_raw_respect_ports_and_protocols() {
     assert_host_clean(&lab);
 }
 
+/// The sandbox's ruleset is the second wall against a forged source: the kernel does not
+/// route one an unprivileged socket binds (steps 11 and 12 above are refused there first,
+/// `ENETUNREACH`), so this test goes past that wall. Host root enters the running sandbox's
+/// network namespace and sends raw IPv4 datagrams (`IPPROTO_RAW`, the header as given) to
+/// the allowed host and port: with the sandbox's own address as the source (the control) the
+/// datagram leaves the sandbox; with another address, or a neighbouring sandbox's pool
+/// address, it must not — a datagram with a foreign source would leave the host
+/// unmasqueraded — and neither may anything quoting it: the ruleset used to reject these,
+/// and the reject's ICMP error, addressed to the forged source and related to the datagram,
+/// left the sandbox through the established/related rule with the datagram's first bytes
+/// (the host table's invalid-state rule dropped it there). IPv4 and IPv6; failed on the old
+/// ruleset for all four forged datagrams.
+#[test]
+fn a_forged_source_is_stopped_by_the_sandboxs_ruleset() {
+    if !prerequisites() {
+        return;
+    }
+    let lab = Lab::new();
+    let sniff = Sniffer::start(&lab);
+    let conf = Conf::new("");
+    std::thread::scope(|scope| {
+        let run = scope.spawn(|| {
+            probe(
+                &lab,
+                &conf,
+                json!({"outbound": true, "allowed_hosts": ["198.51.100.10", "2001:db8:2::10"], "allowed_ports": [80]}),
+                limits(),
+                json!([["sleep", 10]]),
+            )
+        });
+        // The host end of the run's veth: its index and the gateway address on it (the
+        // sandbox's address is the next one of the /30).
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let (host_ifindex, gateway) = loop {
+            let addrs = lab.host.output("ip", &["-4", "-o", "addr", "show"]);
+            let found = addrs.lines().filter(|l| l.contains(" opsv")).find_map(|l| {
+                let index = l.split(':').next()?.trim().to_string();
+                let cidr = l.split_whitespace().skip_while(|w| *w != "inet").nth(1)?;
+                Some((index, cidr.split('/').next()?.parse::<Ipv4Addr>().ok()?))
+            });
+            if let Some(f) = found {
+                break f;
+            }
+            assert!(Instant::now() < deadline && !run.is_finished(), "the run's veth never appeared in HOST");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let own = Ipv4Addr::from(u32::from(gateway) + 1);
+        let neighbour = Ipv4Addr::from(u32::from(own) ^ 4);
+        // The sandbox's network namespace: a process of this test's whose namespace has an
+        // `eth0` that is the peer of that veth and carries the sandbox's address.
+        let ns_path = loop {
+            if let Some(p) = sandbox_netns_of(&host_ifindex, own) {
+                break p;
+            }
+            assert!(Instant::now() < deadline && !run.is_finished(), "the sandbox's network namespace was not found");
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let dst = std::net::SocketAddrV4::new(Ipv4Addr::new(198, 51, 100, 10), 80);
+        let dst6 = std::net::SocketAddrV6::new("2001:db8:2::10".parse().unwrap(), 80, 0, 0);
+        let sent = std::thread::spawn(move || {
+            let ns = std::fs::File::open(&ns_path).expect("open the sandbox's netns");
+            // SAFETY: setns(2) of this thread only, to a namespace descriptor we hold open.
+            let rc = unsafe { libc::setns(std::os::fd::AsRawFd::as_raw_fd(&ns), libc::CLONE_NEWNET) };
+            assert_eq!(rc, 0, "setns into {ns_path}: {}", std::io::Error::last_os_error());
+            // The sandbox's own global IPv6 address, and its neighbour's in the pool.
+            let addrs = std::process::Command::new("ip")
+                .args(["-o", "-6", "addr", "show", "dev", "eth0", "scope", "global"])
+                .output()
+                .expect("ip in the sandbox's netns");
+            let own6: std::net::Ipv6Addr = String::from_utf8_lossy(&addrs.stdout)
+                .split_whitespace()
+                .skip_while(|w| *w != "inet6")
+                .nth(1)
+                .and_then(|c| c.split('/').next()?.parse().ok())
+                .unwrap_or_else(|| panic!("no global IPv6 address on the sandbox's eth0: {addrs:?}"));
+            let neighbour6 = std::net::Ipv6Addr::from(u128::from(own6) ^ 4);
+            let v4 = [(own, 41u8), (Ipv4Addr::new(192, 0, 2, 77), 42), (neighbour, 43)].map(|(src, mark)| {
+                let payload = format!("OSVTM{mark:02}X forged-source probe");
+                netlab::send_spoofed_udp(std::net::SocketAddrV4::new(src, 40000), dst, payload.as_bytes())
+            });
+            let v6 = [(own6, 44u8), ("2001:db8:77::1".parse().unwrap(), 45), (neighbour6, 46)].map(|(src, mark)| {
+                let payload = format!("OSVTM{mark:02}X forged-source probe");
+                netlab::send_spoofed_udp6(std::net::SocketAddrV6::new(src, 40000, 0, 0), dst6, payload.as_bytes())
+            });
+            [v4, v6]
+        })
+        .join()
+        .expect("the sending thread");
+        for (family, results) in ["IPv4", "IPv6"].iter().zip(&sent) {
+            assert!(results[0].is_ok(), "control: the raw {family} datagram could not be sent: {sent:?}");
+            // A datagram the output hook drops fails its `sendto` with EPERM; the sniffer decides.
+            for r in &results[1..] {
+                assert!(
+                    r.as_ref().is_ok() || r.as_ref().is_err_and(|e| e.raw_os_error() == Some(libc::EPERM)),
+                    "raw {family} datagram: {sent:?}"
+                );
+            }
+        }
+        let p = run.join().expect("the run");
+        let seen = sniff.seen();
+        for (mark, family) in [(41, "IPv4"), (44, "IPv6")] {
+            assert!(
+                seen.contains(&mark),
+                "control: a raw {family} datagram with the sandbox's own source must leave: {seen:?}"
+            );
+        }
+        let problems = leaked(
+            &seen,
+            &[
+                (42, "UDP with a forged source (192.0.2.77)"),
+                (43, "UDP with a neighbouring sandbox's pool address as its source"),
+                (45, "UDP over IPv6 with a forged source (2001:db8:77::1)"),
+                (46, "UDP over IPv6 with a neighbouring sandbox's pool address as its source"),
+            ],
+        );
+        assert!(problems.is_empty(), "{}", problems.join("\n"));
+        let blocked = p.r["sandbox"]["egress"]["blocked"].as_u64().unwrap_or(0);
+        assert!(blocked >= 4, "the four forged datagrams must be counted as blocked: {}", p.r["sandbox"]["egress"]);
+    });
+    drop(sniff);
+    assert_host_clean(&lab);
+}
+
+/// The network namespace (as a `/proc/PID/ns/net` path) of a descendant of this process
+/// whose `eth0` is the peer of HOST's interface `host_ifindex` and carries `address`.
+fn sandbox_netns_of(host_ifindex: &str, address: Ipv4Addr) -> Option<String> {
+    use std::os::unix::fs::MetadataExt;
+    let own_ns = std::fs::metadata("/proc/self/ns/net").ok()?.ino();
+    let mut tried = std::collections::BTreeSet::new();
+    for pid in common::procs::descendants(std::process::id() as i32) {
+        let path = format!("/proc/{pid}/ns/net");
+        let Ok(ino) = std::fs::metadata(&path).map(|m| m.ino()) else { continue };
+        if ino == own_ns || !tried.insert(ino) {
+            continue;
+        }
+        let ip_in = |args: &[&str]| -> String {
+            std::process::Command::new("nsenter")
+                .arg(format!("--net={path}"))
+                .arg("ip")
+                .args(args)
+                .output()
+                .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+                .unwrap_or_default()
+        };
+        let peer_of_ours = ip_in(&["-o", "link", "show", "dev", "eth0"]).contains(&format!("eth0@if{host_ifindex}:"));
+        if peer_of_ours && ip_in(&["-o", "-4", "addr", "show", "dev", "eth0"]).contains(&format!("inet {address}/")) {
+            return Some(path);
+        }
+    }
+    None
+}
+
 /// An IPv6 routing header — a type 4 segment routing header, which any unprivileged socket
 /// may set — names its real destination in its segment list, past the first hop its
 /// destination address shows: through an allowed first hop it reached hosts neither allowed

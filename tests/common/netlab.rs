@@ -543,6 +543,57 @@ pub fn send_spoofed_udp(
     Ok(())
 }
 
+/// Send one UDP datagram over IPv6 from `src` to `dst` with a forged source address (a raw
+/// `IPPROTO_RAW` socket: the header as given; the UDP checksum is left zero, so a receiver
+/// drops it, but it crosses the links on its way).
+pub fn send_spoofed_udp6(
+    src: std::net::SocketAddrV6,
+    dst: std::net::SocketAddrV6,
+    payload: &[u8],
+) -> std::io::Result<()> {
+    let udp_len = 8 + payload.len();
+    let mut p = Vec::with_capacity(40 + udp_len);
+    p.extend_from_slice(&[0x60, 0, 0, 0]); // version 6, no class or flow label
+    p.extend_from_slice(&(udp_len as u16).to_be_bytes());
+    p.extend_from_slice(&[17, 64]); // UDP, hop limit
+    p.extend_from_slice(&src.ip().octets());
+    p.extend_from_slice(&dst.ip().octets());
+    p.extend_from_slice(&src.port().to_be_bytes());
+    p.extend_from_slice(&dst.port().to_be_bytes());
+    p.extend_from_slice(&(udp_len as u16).to_be_bytes());
+    p.extend_from_slice(&[0, 0]);
+    p.extend_from_slice(payload);
+    // SAFETY: plain socket calls on a descriptor this function owns; the address and the
+    // buffer outlive the calls.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET6, libc::SOCK_RAW, libc::IPPROTO_RAW);
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let sa = libc::sockaddr_in6 {
+            sin6_family: libc::AF_INET6 as libc::sa_family_t,
+            sin6_port: 0,
+            sin6_flowinfo: 0,
+            sin6_addr: libc::in6_addr { s6_addr: dst.ip().octets() },
+            sin6_scope_id: 0,
+        };
+        let n = libc::sendto(
+            fd,
+            p.as_ptr().cast(),
+            p.len(),
+            0,
+            (&sa as *const libc::sockaddr_in6).cast(),
+            std::mem::size_of::<libc::sockaddr_in6>() as libc::socklen_t,
+        );
+        let err = std::io::Error::last_os_error();
+        libc::close(fd);
+        if n < 0 {
+            return Err(err);
+        }
+    }
+    Ok(())
+}
+
 /// (lower-case name without the root dot, qtype, end offset of the question section).
 fn parse_question(q: &[u8]) -> Option<(String, u16, usize)> {
     if q.len() < 12 || q[2] & 0x80 != 0 || u16::from_be_bytes([q[4], q[5]]) < 1 {

@@ -452,9 +452,17 @@ fn join(parts: Vec<Vec<Expr>>) -> Vec<Expr> {
 
 /// `ip saddr` / `ip6 saddr` is not exactly `addr`.
 fn source_is_not(addr: IpAddr) -> Vec<Expr> {
-    let mut v = addr_in(&IpNet::host(addr), true);
+    source_outside(&IpNet::host(addr))
+}
+
+/// `fe80::/10`.
+const IPV6_LINK_LOCAL: IpNet = IpNet { addr: IpAddr::V6(Ipv6Addr::new(0xfe80, 0, 0, 0, 0, 0, 0, 0)), prefix: 10 };
+
+/// `ip6 saddr` (or `ip saddr`) is outside `net`.
+fn source_outside(net: &IpNet) -> Vec<Expr> {
+    let mut v = addr_in(net, true);
     if let Some(last) = v.last_mut() {
-        *last = cmp(Operator::NotEqual, IpNet::host(addr).network_bytes());
+        *last = cmp(Operator::NotEqual, net.network_bytes());
     }
     v
 }
@@ -610,6 +618,24 @@ pub(crate) fn load_sandbox_ruleset(
     b.rule("ports", vec![goto("blocked")]);
 
     b.rule("blocked", vec![counter()]);
+    // A packet whose source is not the sandbox's own is dropped, never rejected: the reject's
+    // ICMP error or TCP reset would go to that source, and being related to the packet it
+    // passes the established/related rule above — a packet out of the sandbox, to an address
+    // nothing allowed, quoting the forged one (the host table's invalid-state rule stopped it
+    // there; `egress::a_forged_source_is_stopped_by_the_sandboxs_ruleset`). IPv6 link-local
+    // sources stay rejected: their answer stays on the link, with the host.
+    b.rule("blocked", join(vec![nfproto(NFPROTO_IPV4), source_is_not(IpAddr::V4(address4)), vec![drop_()]]));
+    if let Some((address6, _)) = v6_addrs {
+        b.rule(
+            "blocked",
+            join(vec![
+                nfproto(NFPROTO_IPV6),
+                source_is_not(IpAddr::V6(address6)),
+                source_outside(&IPV6_LINK_LOCAL),
+                vec![drop_()],
+            ]),
+        );
+    }
     b.rule("blocked", join(vec![l4proto(IPPROTO_TCP), vec![reject(true)]]));
     b.rule("blocked", vec![reject(false)]);
     b.commit(nl, "load sandbox ruleset")
