@@ -372,6 +372,29 @@ fn rotation_carries_the_chain_across_files() {
     assert!(out.stdout.contains("note:") && out.stdout.contains("continues seq"), "{}", out.stdout);
     // Out of chain order: reported.
     assert_eq!(log.verify(&[&r1, &r2]).code, 1);
+    // A copy named `audit.jsonl.01` is no rotated file (the writer never names one so, nor
+    // reads it as one): verify leaves it out too — it had taken it for a second `.1` and
+    // reported the chain reordered, naming the wrong file.
+    std::fs::copy(&r1, log.path.with_file_name("audit.jsonl.01")).unwrap();
+    let out = log.verify(&[]);
+    assert_eq!(out.code, 0, "{out:?}");
+    std::fs::remove_file(log.path.with_file_name("audit.jsonl.01")).unwrap();
+    // What a record names is shown escaped: a continuation whose file name carries terminal
+    // control sequences (set a title, clear the screen, print a fake verdict) cannot drive
+    // the terminal of whoever verifies the log (the note had printed them raw).
+    let mut first_of_1: Value = serde_json::from_str(&read_lines(&r1)[0]).unwrap();
+    first_of_1["continues"]["file"] = json!("x\u{1b}]0;PWNED\u{7}\u{1b}[2J\u{1b}[32mchain intact\u{1b}[0m\u{9b}8m");
+    let forged = log.path.with_file_name("forged.jsonl");
+    write_lines(&forged, &[first_of_1.to_string()]);
+    let out = log.verify(&[&forged]);
+    assert_eq!(out.code, 0, "{out:?}");
+    assert!(out.stdout.contains("continues seq"), "{}", out.stdout);
+    assert!(
+        !out.stdout.chars().any(|c| c.is_control() && c != '\n'),
+        "control characters reached the terminal: {:?}",
+        out.stdout
+    );
+    assert!(out.stdout.contains("x\\u{1b}]0;PWNED\\u{7}"), "{}", out.stdout);
 
     // A smaller `keep`: the next rotation drops the files numbered past it too (kept, they
     // would lie beyond a gap, reported as a removed file).
@@ -530,7 +553,10 @@ fn a_record_that_cannot_be_written_whole_is_not_left_half_written() {
     // A short write (here a file-size limit, as a full disk or a quota would) fails the
     // run at its first record and leaves the log as it was: twice in a row, then the next
     // run appends to an intact chain. Before, the torn line stayed, its repair tore too,
-    // and two lines no writer may guess at stopped every later append.
+    // and two lines no writer may guess at stopped every later append. The limit is met
+    // with SIGXFSZ at its default (it kills): opservant ignores it itself, so that the write
+    // fails with EFBIG and is cut back — before the twenty-first session this test ignored
+    // it for opservant, and an agent under `LimitFSIZE=` died at the limit, a torn line left.
     let exec = executor();
     let log = Log::new("");
     log.run(&exec);
@@ -538,7 +564,7 @@ fn a_record_that_cannot_be_written_whole_is_not_left_half_written() {
     for _ in 0..2 {
         let limit = before.len() + 40;
         let out = Command::new("bash")
-            .args(["-c", r#"trap '' XFSZ; exec prlimit --fsize="$1" -- "$2" run "$3" --config "$4""#, "bash"])
+            .args(["-c", r#"trap - XFSZ; exec prlimit --fsize="$1" -- "$2" run "$3" --config "$4""#, "bash"])
             .args([&limit.to_string(), common::opservant(), exec.str(), log.conf()])
             .env_remove("OPSERVANT_LOG")
             .stdin(Stdio::null())

@@ -1134,16 +1134,8 @@ impl AuditLog {
         let s = &self.settings;
         let mut out = Vec::new();
         if let (Some(dir), Some(base)) = (s.path.parent(), s.path.file_name()) {
-            let prefix = format!("{}.", base.to_string_lossy());
             for entry in std::fs::read_dir(dir)?.flatten() {
-                let name = entry.file_name();
-                let n = name
-                    .to_str()
-                    .and_then(|n| n.strip_prefix(&prefix))
-                    .filter(|d| d.bytes().all(|b| b.is_ascii_digit()) && !d.starts_with('0'))
-                    .and_then(|d| d.parse::<u32>().ok())
-                    .filter(|&n| n <= MAX_ROTATED_NUMBER);
-                out.extend(n);
+                out.extend(rotated_number(base, &entry.file_name()));
             }
         }
         Ok(out)
@@ -1437,6 +1429,20 @@ fn trace(event: &str, fields: &Map<String, Value>, appended: &Result<Option<Appe
         Ok(Some(a)) => tracing::info!(target: "opservant::audit", event, seq = a.seq, fields = %shown, "audit"),
         _ => tracing::info!(target: "opservant::audit", event, fields = %shown, "audit"),
     }
+}
+
+/// The number of a rotated file of the log named `log_name` (`NAME.<n>`, `n` from 1 to
+/// [`MAX_ROTATED_NUMBER`], written without leading zeros, as a rotation names them), or
+/// `None` for any other name. The writer and `verify` both read the set of files with it: a
+/// copy named `NAME.01` is neither's.
+pub(crate) fn rotated_number(log_name: &std::ffi::OsStr, file_name: &std::ffi::OsStr) -> Option<u32> {
+    let prefix = format!("{}.", log_name.to_str()?);
+    file_name
+        .to_str()?
+        .strip_prefix(&prefix)
+        .filter(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()) && !d.starts_with('0'))
+        .and_then(|d| d.parse::<u32>().ok())
+        .filter(|&n| n <= MAX_ROTATED_NUMBER)
 }
 
 #[cfg(test)]

@@ -409,6 +409,11 @@ fn main() -> ExitCode {
     if std::env::args_os().nth(1).is_some_and(|a| a == SANDBOX_INIT) {
         sandbox::init::main();
     }
+    // A file-size limit (`LimitFSIZE=`, an inherited `ulimit -f`) must fail a write with
+    // EFBIG, which the audit log cuts back and reports, not kill the agent with a record
+    // half-written. Every sandbox resets its dispositions before its payload runs.
+    // SAFETY: installing SIG_IGN is always sound; no handler runs.
+    unsafe { libc::signal(libc::SIGXFSZ, libc::SIG_IGN) };
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => {

@@ -92,8 +92,12 @@ pub struct VerifyReport {
 }
 
 impl VerifyReport {
-    /// The text `opservant audit verify` prints: the problem first when there is one.
+    /// The text `opservant audit verify` prints: the problem first when there is one. What a
+    /// record or a file name supplies (a continuation's file name, a detail quoting a line)
+    /// is shown with its control characters escaped: a tampered log cannot drive the
+    /// terminal of whoever verifies it (print "chain intact" over a problem, clear the screen).
     pub fn render(&self) -> String {
+        let shown = crate::one_terminal_line;
         let mut out = String::new();
         let range = match (self.first_seq, self.last_seq) {
             (Some(a), Some(b)) => format!(" (seq {a}..{b})"),
@@ -102,7 +106,13 @@ impl VerifyReport {
         match &self.problem {
             Some(p) => {
                 let seq = p.seq.map(|s| format!(" (seq {s})")).unwrap_or_default();
-                out.push_str(&format!("{}:{}: {}{seq}: {}\n", p.file, p.line, p.kind.as_str(), p.detail));
+                out.push_str(&format!(
+                    "{}:{}: {}{seq}: {}\n",
+                    shown(&p.file),
+                    p.line,
+                    p.kind.as_str(),
+                    shown(&p.detail)
+                ));
                 out.push_str(&format!("chain BROKEN; {} verified before it{range}\n", records(self.records)));
             }
             None => {
@@ -116,13 +126,13 @@ impl VerifyReport {
                 (Some(a), Some(b)) => format!("seq {a}..{b}"),
                 _ => "no records".into(),
             };
-            out.push_str(&format!("  {}: {}, {seqs}\n", f.path, records(f.records)));
+            out.push_str(&format!("  {}: {}, {seqs}\n", shown(&f.path), records(f.records)));
         }
         for n in &self.notes {
-            out.push_str(&format!("note: {}:{}: {}\n", n.file, n.line, n.message));
+            out.push_str(&format!("note: {}:{}: {}\n", shown(&n.file), n.line, shown(&n.message)));
         }
         if let Some(h) = &self.head {
-            out.push_str(&format!("head: {h}\n"));
+            out.push_str(&format!("head: {}\n", shown(h)));
         }
         out
     }
@@ -132,27 +142,21 @@ fn records(n: u64) -> String {
     format!("{n} record{}", if n == 1 { "" } else { "s" })
 }
 
-/// The configured log and its rotated files, oldest first: every `NAME.<digits>` beside it
-/// up to [`super::MAX_ROTATED_NUMBER`] (a missing number in between is left for the chain
+/// The configured log and its rotated files, oldest first: every `NAME.<n>` beside it
+/// ([`super::rotated_number`]: no leading zeros, up to [`super::MAX_ROTATED_NUMBER`]) (a missing number in between is left for the chain
 /// check to report), then the log.
 pub fn chain_files(path: &Path) -> Result<Vec<PathBuf>, AuditError> {
     let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let name = path.file_name().unwrap_or_default();
     let mut numbered: Vec<u32> = Vec::new();
     let rd = match std::fs::read_dir(dir) {
         Ok(rd) => rd,
         Err(e) => return Err(AuditError::new(path, format!("cannot list {}: {e}", dir.display()))),
     };
     for e in rd.flatten() {
-        let f = e.file_name().to_string_lossy().into_owned();
-        if let Some(n) = f.strip_prefix(&name).and_then(|r| r.strip_prefix('.')) {
-            if !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()) {
-                // Numbered past any rotation's: not the log's (see `super::MAX_ROTATED_NUMBER`).
-                if let Some(n) = n.parse::<u32>().ok().filter(|&n| n <= super::MAX_ROTATED_NUMBER) {
-                    numbered.push(n);
-                }
-            }
-        }
+        // The writer's own reading of the names (no leading zeros, nothing numbered past
+        // any rotation's): a copy named `NAME.01` is not taken for `NAME.1`.
+        numbered.extend(super::rotated_number(name, &e.file_name()));
     }
     numbered.sort_unstable_by(|a, b| b.cmp(a));
     let mut files: Vec<PathBuf> = numbered.into_iter().map(|n| rotated_path(path, n)).collect();
@@ -278,6 +282,8 @@ fn verify_with<'a, E>(
         problem: None,
     };
     let mut last: Option<Last> = None;
+    // The head before the last record's (an edited last record is not verified).
+    let mut head_before: Option<String> = None;
     // The newest rotation's claim of where the kept history begins: (seq, file, line).
     let mut oldest_kept: Option<(u64, String, usize)> = None;
     for (fi, name) in names.iter().enumerate() {
@@ -429,6 +435,10 @@ fn verify_with<'a, E>(
                             kind: Kind::Edited,
                             detail: d,
                         };
+                        // The edited record was counted when it was read: it is the problem,
+                        // not one of the records verified before it.
+                        uncount_last(&mut report, &mut summary, p.file == name);
+                        report.head = head_before.take();
                         return Ok(fail(report, summary, edited));
                     }
                 }
@@ -446,7 +456,7 @@ fn verify_with<'a, E>(
             summary.first_seq.get_or_insert(rec.seq);
             summary.last_seq = Some(rec.seq);
             let hash = sha256_hex(line);
-            report.head = Some(hash.clone());
+            head_before = report.head.replace(hash.clone());
             last = Some(Last { seq: rec.seq, hash, file: name.clone(), line: ln });
             i += 1;
         }
@@ -469,6 +479,25 @@ fn verify_with<'a, E>(
         }
     }
     Ok(report)
+}
+
+/// Take the last record counted back out of the report's counts (and out of `summary`'s when
+/// it is in that file): seqs go up by exactly one across what was counted.
+fn uncount_last(report: &mut VerifyReport, summary: &mut FileSummary, in_summary: bool) {
+    let back = |records: &mut u64, first: &mut Option<u64>, last: &mut Option<u64>| {
+        *records = records.saturating_sub(1);
+        if *records == 0 {
+            (*first, *last) = (None, None);
+        } else {
+            *last = last.and_then(|s| s.checked_sub(1));
+        }
+    };
+    back(&mut report.records, &mut report.first_seq, &mut report.last_seq);
+    if in_summary {
+        back(&mut summary.records, &mut summary.first_seq, &mut summary.last_seq);
+    } else if let Some(f) = report.files.last_mut() {
+        back(&mut f.records, &mut f.first_seq, &mut f.last_seq);
+    }
 }
 
 fn fail(mut report: VerifyReport, summary: FileSummary, problem: Problem) -> VerifyReport {
@@ -617,6 +646,21 @@ mod tests {
         write(&p, &l);
         let pr = problem(&p);
         assert_eq!((pr.kind, pr.line, pr.seq), (Kind::Edited, 3, Some(3)), "{pr:?}");
+        // What was verified before it: records 1 and 2, the head is record 2's (the edited
+        // record had been counted among them, "3 records verified before it (seq 1..3)").
+        let r = verify(std::slice::from_ref(&p)).unwrap();
+        assert_eq!((r.records, r.first_seq, r.last_seq), (2, Some(1), Some(2)), "{}", r.render());
+        assert_eq!((r.files[0].records, r.files[0].last_seq), (2, Some(2)));
+        assert_eq!(r.head.as_deref(), Some(sha256_hex(l[1].as_bytes()).as_str()));
+        assert!(r.render().contains("chain BROKEN; 2 records verified before it (seq 1..2)"), "{}", r.render());
+        // The first record edited: none verified before it.
+        let mut l = lines(&p);
+        l[2] = l[2].replace("\"i\":\"9\"", "\"i\":\"2\"");
+        l[0] = l[0].replace("\"i\":\"0\"", "\"i\":\"7\"");
+        write(&p, &l);
+        let r = verify(std::slice::from_ref(&p)).unwrap();
+        assert_eq!(r.problem.as_ref().map(|p| (p.kind, p.line)), Some((Kind::Edited, 1)), "{}", r.render());
+        assert_eq!((r.records, r.first_seq, r.last_seq, r.head.as_deref()), (0, None, None, None), "{}", r.render());
     }
 
     #[test]
