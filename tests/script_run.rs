@@ -124,6 +124,48 @@ fn python_exit_status_and_exception() {
     assert!(!stderr.contains("_runtime.py"), "the runtime's own frames are not shown: {stderr}");
 }
 
+/// A Python script runs as `python3 -I FILE` would (the README's word): `exit()`/`quit()`
+/// exist, the system's site-packages directories are on `sys.path` as the host's
+/// `python3 -I` has them, an uncaught `KeyboardInterrupt` is 130 and unflushable output at
+/// the end is 120. The runtime's interpreter skips `site`: before, `exit(0)` failed with a
+/// NameError, a Debian-packaged module was not found, Ctrl-C was 1 and lost output was 0.
+#[test]
+fn python_scripts_run_as_python3_dash_i_would() {
+    if !require_root() {
+        return;
+    }
+    let d = HostDir::new();
+    let r = script("python", &write(&d, "exit0.py", "print('done')\nexit(0)\nprint('not reached')\n"), &[]);
+    assert_eq!(
+        (r.code, r.json["exit_code"].clone(), r.json["stdout"].clone()),
+        (0, 0.into(), "done\n".into()),
+        "{}",
+        r.json
+    );
+    let r = script("python", &write(&d, "quit3.py", "quit(3)\n"), &[]);
+    assert_eq!(r.json["exit_code"], 3, "{}", r.json);
+    let r = script("python", &write(&d, "ki.py", "raise KeyboardInterrupt\n"), &[]);
+    assert_eq!(r.json["exit_code"], 130, "{}", r.json);
+    assert!(r.json["stderr"].as_str().unwrap().contains("KeyboardInterrupt"), "{}", r.json);
+    let full = "import os\nos.dup2(os.open('/dev/full', os.O_WRONLY), 1)\nprint('lost output')\n";
+    let r = script("python", &write(&d, "full.py", full), &[]);
+    assert_eq!(r.json["exit_code"], 120, "{}", r.json);
+    assert_eq!(r.json["success"], false, "{}", r.json);
+
+    // The site-packages directories: those the host's `python3 -I` (the interpreter the
+    // runtime embeds) puts on sys.path after its standard library.
+    let host = std::process::Command::new("/usr/bin/python3.11")
+        .args(["-I", "-c", "import sys, json; print(json.dumps([p for p in sys.path if 'packages' in p]))"])
+        .output()
+        .expect("run the host's python3.11");
+    let want: Value = serde_json::from_slice(&host.stdout).expect("host sys.path");
+    assert!(!want.as_array().unwrap().is_empty(), "the host's python3 -I has site-packages: {want}");
+    let probe = "import sys, json\nprint(json.dumps([p for p in sys.path if 'packages' in p]))\n";
+    let r = script("python", &write(&d, "path.py", probe), &[]);
+    let got: Value = serde_json::from_str(r.json["stdout"].as_str().unwrap().trim()).expect("script's sys.path");
+    assert_eq!(got, want, "site-packages on sys.path: {}", r.json);
+}
+
 #[test]
 fn python_validation_runs_nothing() {
     if !require_root() {
@@ -359,6 +401,44 @@ fn manifest_shapes_the_sandbox() {
     let r = script("bash", &f, &[]);
     assert_eq!(r.json["success"], false);
     assert!(r.json["stderr"].as_str().unwrap().contains("No such file"), "{:?}", r.json);
+}
+
+/// A manifest that declares what a script cannot get — secrets (its channel to the agent is
+/// closed before it starts), installed packages, a Python the runtime does not embed — is
+/// refused with exit 2 naming the field, as network egress already was; before, the script
+/// ran without them and said nothing. A Bash script's manifest may name a Python version.
+#[test]
+fn a_manifest_declaring_what_a_script_cannot_get_is_refused() {
+    if !require_root() {
+        return;
+    }
+    let d = HostDir::new();
+    let f = write(&d, "x.py", "print('ran')\n");
+    let sh = write(&d, "x.sh", "echo ran\n");
+    let manifest = |name: &str, permissions: &str, requirements: &str| -> String {
+        let text = format!(
+            r#"{{"name":"script-test","version":"1.0.0","description":"t","supported_actions":["act-t"],
+                "entry_point":"t.T","permissions":{permissions},"requirements":{requirements}}}"#
+        );
+        let p = d.path.join(name);
+        std::fs::write(&p, text).unwrap();
+        p.to_str().unwrap().to_string()
+    };
+    for (m, file, field) in [
+        (manifest("secrets.json", r#"{"secrets":["db_password"]}"#, "{}"), &f, "permissions.secrets"),
+        (manifest("packages.json", "{}", r#"{"packages":["requests==2.31.0"]}"#), &f, "requirements.packages"),
+        (manifest("python.json", "{}", r#"{"python":">=3.99"}"#), &f, "requirements.python"),
+    ] {
+        let r = script("python", file, &["--manifest", &m]);
+        assert_eq!(r.code, 2, "{m}: {}", r.stderr);
+        assert!(r.stderr.contains(field), "{m}: {}", r.stderr);
+        assert_eq!(r.stderr.trim_end().lines().count(), 1, "one line: {}", r.stderr);
+    }
+    // Controls: a Python requirement the runtime meets, and a Bash script (no Python).
+    let r = script("python", &f, &["--manifest", &manifest("met.json", "{}", r#"{"python":">=3.9"}"#)]);
+    assert_eq!((r.code, r.json["stdout"].clone()), (0, "ran\n".into()), "{}", r.stderr);
+    let r = script("bash", &sh, &["--manifest", &d.path.join("python.json").to_string_lossy()]);
+    assert_eq!((r.code, r.json["stdout"].clone()), (0, "ran\n".into()), "{}", r.stderr);
 }
 
 #[test]

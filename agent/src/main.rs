@@ -621,7 +621,7 @@ fn run_sandbox(
     let manifest = manifest.as_deref().map(load_manifest).transpose()?;
     let policy = AgentPolicy::from_config(&agent::config::Config::load(config.as_deref())?)?;
     let (program, args) = argv.split_first().ok_or_else(|| CannotRun("no program given".into()))?;
-    agent::policy::refuse_egress(manifest.as_ref(), "opservant sandbox")?;
+    agent::policy::refuse_unmet(manifest.as_ref(), "opservant sandbox", false)?;
     let (spec, limits) = policy.spec_for(manifest.as_ref(), program, args.to_vec())?;
 
     let stdout = std::io::stdout();
@@ -1369,7 +1369,7 @@ fn session(command: SessionCommand) -> Result<ExitCode, CannotRun> {
             agent::audit::init(&cfg)?;
             if let Some(m) = &manifest {
                 let m = load_manifest(m)?;
-                agent::policy::refuse_egress(Some(&m), "a session")?;
+                agent::policy::refuse_unmet(Some(&m), "a session", true)?;
                 policy.spec_for(Some(&m), "/bin/true", vec![])?;
             }
             agent::executor_run::runtime_binary().map_err(|e| CannotRun(e.0))?;

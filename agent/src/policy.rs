@@ -207,6 +207,45 @@ pub fn refuse_egress(manifest: Option<&Manifest>, command: &str) -> Result<(), P
     }
 }
 
+/// What a manifest declares that only `opservant run` (and the agent's `execute`) provides:
+/// network egress, secrets (the runtime's channel to the agent is closed before a script
+/// starts, and a session or a bare program has no vault), installed packages (`.deps`); and
+/// for a Python payload (`python`) the interpreter version it requires. A manifest that
+/// declares any of them is refused, naming the field: run without what it declared, the
+/// payload would fail later, or worse, half-way (before the twenty-first session `script
+/// --manifest` accepted `permissions.secrets`, `requirements.packages` and an unmet
+/// `requirements.python` without a word).
+pub fn refuse_unmet(manifest: Option<&Manifest>, command: &str, python: bool) -> Result<(), PolicyError> {
+    refuse_egress(manifest, command)?;
+    let Some(m) = manifest else { return Ok(()) };
+    if !m.permissions.secrets.is_empty() {
+        return Err(PolicyError::new(
+            "permissions.secrets",
+            format!("{command} gets no secrets; refusing to run rather than run without the declared secrets (executors get them through `opservant run`)"),
+        ));
+    }
+    if !m.requirements.packages.is_empty() {
+        return Err(PolicyError::new(
+            "requirements.packages",
+            format!("{command} gets no installed packages; refusing to run rather than run without them (an executor package gets them from `executor install`)"),
+        ));
+    }
+    if let (true, Some(req)) = (python, &m.requirements.python) {
+        let v = crate::executor_run::embedded_python();
+        match crate::executor_run::python_requirement_ok(req, v) {
+            Ok(true) => {}
+            Ok(false) => {
+                return Err(PolicyError::new(
+                    "requirements.python",
+                    format!("'{req}' is not satisfied by the embedded Python {}.{}.{}", v.0, v.1, v.2),
+                ))
+            }
+            Err(e) => return Err(PolicyError::new("requirements.python", e)),
+        }
+    }
+    Ok(())
+}
+
 /// The lock file through which every opservant process on the host — the service and
 /// command-line runs alike — shares out the host uids of sandboxes ([`sandbox::host_uid`]).
 /// Not in `/run/opservant`, which systemd removes when the service stops (a command-line

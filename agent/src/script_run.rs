@@ -128,7 +128,7 @@ pub fn run(req: ScriptRequest) -> Result<ScriptResult, CannotRun> {
     }
     let bytes = read_script(req.file)?;
     let runtime = req.runtime.to_string_lossy().into_owned();
-    crate::policy::refuse_egress(req.manifest, "opservant script")?;
+    crate::policy::refuse_unmet(req.manifest, "opservant script", req.language == Language::Python)?;
     let (mut spec, mut limits) = req.policy.spec_for(req.manifest, &runtime, vec![])?;
 
     let manifest_timeout = req.manifest.and_then(|m| m.resource_limits.timeout_seconds);

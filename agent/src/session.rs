@@ -785,7 +785,7 @@ impl Daemon {
             None => None,
         };
         let runtime_str = runtime.to_string_lossy().into_owned();
-        crate::policy::refuse_egress(manifest.as_ref(), "a session")?;
+        crate::policy::refuse_unmet(manifest.as_ref(), "a session", true)?;
         let (mut spec, mut limits) = policy.spec_for(manifest.as_ref(), &runtime_str, vec![])?;
         crate::policy::runtime_payload(&mut spec, &runtime);
         crate::policy::interpreter_view(&mut spec);

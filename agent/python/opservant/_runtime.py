@@ -197,6 +197,7 @@ def run_script():
     main.__builtins__ = builtins
     sys.modules["__main__"] = main
     sys.argv[:] = [path]
+    _as_site_would()
     try:
         exec(code, main.__dict__)
         status = 0
@@ -208,7 +209,8 @@ def run_script():
             print(_format_user_exception(e), file=sys.stderr)
         except Exception:
             pass
-        status = 1
+        # An uncaught Ctrl-C ends `python3` by SIGINT, which a shell reports as 130.
+        status = 130 if isinstance(e, KeyboardInterrupt) else 1
     # As the interpreter's finalisation does: wait for non-daemon threads, then atexit.
     threading = sys.modules.get("threading")
     if threading is not None:
@@ -222,7 +224,37 @@ def run_script():
         atexit._run_exitfuncs()
     except BaseException:
         pass
+    # As the interpreter's finalisation does: output that cannot be flushed at the end is an
+    # error, exit status 120 (the script's output was lost; `python3` says so, and so do we).
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name, None)
+        try:
+            if stream is not None:
+                stream.flush()
+        except Exception as e:
+            try:
+                print(f"Exception ignored on flushing sys.{name}: {type(e).__name__}: {e}", file=sys.__stderr__)
+            except Exception:
+                pass
+            status = 120
     return status
+
+
+def _as_site_would():
+    """What ``python3 -I`` has from its ``site`` step, which the runtime's interpreter skips:
+    the system's site-packages directories on ``sys.path`` (their ``.pth`` files read) and
+    ``exit``/``quit``, ``help``, ``copyright``, ``credits`` and ``license`` in builtins, so a
+    script ending with ``exit(0)`` or importing a Debian-packaged module runs as it would
+    there. (No ``sitecustomize``: Debian's installs apport's crash hook, of no use here.)"""
+    import os
+    import site
+
+    for directory in site.getsitepackages():
+        if os.path.isdir(directory):
+            site.addsitedir(directory)
+    site.setquit()
+    site.setcopyright()
+    site.sethelper()
 
 
 # Session output kept per stream and call, and of an error's text: bytes of its JSON
