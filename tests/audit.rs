@@ -167,6 +167,8 @@ fn a_run_appends_chained_start_and_complete_records() {
     assert_eq!(recs[1]["seq"], 2);
     assert_eq!(recs[1]["prev"], sha256_hex(lines[0].as_bytes()), "prev = SHA-256 of the previous line");
     assert_eq!(recs[0]["fields"]["executor"], "audit-test");
+    // Which package ran (a copy elsewhere under the same manifest name is told apart).
+    assert_eq!(recs[0]["fields"]["package"], exec.str(), "{}", recs[0]);
     assert_eq!(recs[1]["fields"]["status"], "completed");
     let host = nix::unistd::gethostname().unwrap().into_string().unwrap();
     assert_eq!(recs[0]["host"], host.as_str());
@@ -216,6 +218,10 @@ fn script_and_session_are_audited_in_the_same_chain() {
         events,
         ["script_start", "script_end", "session_start", "session_exec", "session_exec_end", "session_end"]
     );
+    // What ran: the script's absolute path and the SHA-256 of its text.
+    let start = &log.records()[0];
+    assert_eq!(start["fields"]["path"], script.to_str().unwrap(), "{start}");
+    assert_eq!(start["fields"]["sha256"], sha256_hex(b"print('hi')\n"), "{start}");
     assert_eq!(log.verify(&[]).code, 0);
 }
 

@@ -1354,6 +1354,9 @@ fn refused_dns_names_cannot_flood_the_audit_log() {
     let records = audit_records(&log, "dns_refused");
     assert_eq!(records.len(), 21, "20 names and one record saying the rest are counted only");
     assert_eq!(records.iter().filter(|r| r["fields"]["further_names_counted_only_after"] == "20").count(), 1);
+    // Each names its run's command (empty for a command-line run): concurrent runs of one
+    // executor are told apart.
+    assert!(records.iter().all(|r| r["fields"]["command_id"] == ""), "{records:?}");
     assert_host_clean(&lab);
 }
 

@@ -1747,6 +1747,8 @@ fn undeclared_secret_is_denied_inside_and_audited() {
     assert_eq!(denied.len(), 2, "{}", out.stderr);
     assert!(denied[0].contains("\"secret\":\"other_key\"") && denied[0].contains("not declared"), "{}", denied[0]);
     assert!(denied[0].contains("\"executor\":\"test-executor\""), "{}", denied[0]);
+    // With the run's command id (empty from the command line), whatever the reason.
+    assert!(denied.iter().all(|d| d.contains("\"command_id\":\"\"")), "{denied:?}");
     assert!(denied[1].contains("\"secret\":\"not_in_store\""), "{}", denied[1]);
     let granted: Vec<&str> = out.stderr.lines().filter(|l| l.contains("event=\"secret_access\"")).collect();
     assert_eq!(granted.len(), 1, "{}", out.stderr);

@@ -54,6 +54,8 @@ pub struct RefusedName {
 /// before they are counted, reported or audited.
 pub struct Querier {
     pub executor: String,
+    /// The run's command id (empty for a command-line run), in its audit records.
+    pub command_id: String,
     pub redactor: crate::secrets::LiveRedactor,
 }
 
@@ -240,7 +242,7 @@ const TCP_CONNECTION: Duration = Duration::from_secs(5);
 /// when this name and reason were audited now (first seen).
 fn refuse(report: &mut DnsReport, who: &Querier, name: &str, reason: &str) -> bool {
     let redacted = who.redactor.dns_name(name);
-    let (executor, name) = (who.executor.as_str(), redacted.as_str());
+    let (executor, name, command_id) = (who.executor.as_str(), redacted.as_str(), who.command_id.as_str());
     report.refused += 1;
     if let Some(r) = report.refused_names.iter_mut().find(|r| r.name == name && r.reason == reason) {
         r.count += 1;
@@ -248,7 +250,10 @@ fn refuse(report: &mut DnsReport, who: &Querier, name: &str, reason: &str) -> bo
     }
     if report.refused_names.len() < MAX_REPORTED_NAMES {
         report.refused_names.push(RefusedName { name: name.into(), reason: reason.into(), count: 1 });
-        crate::audit::record("dns_refused", &[("executor", executor), ("name", name), ("reason", reason)]);
+        crate::audit::record(
+            "dns_refused",
+            &[("executor", executor), ("name", name), ("reason", reason), ("command_id", command_id)],
+        );
         return true;
     }
     if !report.unlisted_audited {
@@ -256,7 +261,13 @@ fn refuse(report: &mut DnsReport, who: &Querier, name: &str, reason: &str) -> bo
         let cap = MAX_REPORTED_NAMES.to_string();
         crate::audit::record(
             "dns_refused",
-            &[("executor", executor), ("name", name), ("reason", reason), ("further_names_counted_only_after", &cap)],
+            &[
+                ("executor", executor),
+                ("name", name),
+                ("reason", reason),
+                ("command_id", command_id),
+                ("further_names_counted_only_after", &cap),
+            ],
         );
     }
     false

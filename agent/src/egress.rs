@@ -638,7 +638,12 @@ impl EgressRun {
         })
     }
 
-    pub(crate) fn attach(&mut self, monitor: &sandbox::MonitorProc<'_>, executor: &str) -> Result<(), String> {
+    pub(crate) fn attach(
+        &mut self,
+        monitor: &sandbox::MonitorProc<'_>,
+        executor: &str,
+        command_id: &str,
+    ) -> Result<(), String> {
         let r = self.reservation.take().ok_or("network egress: attached twice")?;
         let (gateway, client) = (r.gateway4, r.address4);
         let egress = r.attach(monitor).map_err(|e| format!("network egress: {e}"))?;
@@ -651,7 +656,11 @@ impl EgressRun {
                 self.policy.clone(),
                 self.upstreams.clone(),
                 allow,
-                crate::dns::Querier { executor: executor.to_string(), redactor: self.redactor.clone() },
+                crate::dns::Querier {
+                    executor: executor.to_string(),
+                    command_id: command_id.to_string(),
+                    redactor: self.redactor.clone(),
+                },
             )
             .map_err(|e| format!("network egress: DNS forwarder on {gateway}:53: {e}"))?;
             self.forwarder = Some(fwd);

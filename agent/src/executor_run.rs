@@ -392,12 +392,13 @@ struct SecretsAudit {
 }
 
 impl SecretsAudit {
-    /// Audit a refusal of `name` for `reason` (with `extra` fields), within the cap.
-    fn denied(&mut self, executor: &str, name: &str, reason: &'static str, extra: &[(&str, &str)]) {
+    /// Audit a refusal of `name` for `reason` (with `extra` fields), within the cap; with the
+    /// run's `command_id`, so that concurrent runs of one executor are told apart.
+    fn denied(&mut self, executor: &str, command_id: &str, name: &str, reason: &'static str, extra: &[(&str, &str)]) {
         if self.denied.iter().any(|(n, r)| n == name && *r == reason) {
             return;
         }
-        let mut fields = vec![("executor", executor), ("secret", name), ("reason", reason)];
+        let mut fields = vec![("executor", executor), ("secret", name), ("reason", reason), ("command_id", command_id)];
         fields.extend_from_slice(extra);
         let cap = MAX_AUDITED_SECRET_DENIALS.to_string();
         if self.denied.len() < MAX_AUDITED_SECRET_DENIALS {
@@ -519,7 +520,7 @@ fn run_steps(req: RunRequest, may_have_run: &mut bool) -> Result<RunResult, Cann
     };
     let mut hook = |monitor: &sandbox::MonitorProc<'_>| -> Result<(), String> {
         match net.as_mut() {
-            Some(n) => n.attach(monitor, &m.name),
+            Some(n) => n.attach(monitor, &m.name, req.command_id.as_deref().unwrap_or("")),
             None => Ok(()),
         }
     };
@@ -556,6 +557,9 @@ fn run_steps(req: RunRequest, may_have_run: &mut bool) -> Result<RunResult, Cann
     // Audited only now: a run refused before this point (exit status 2) never started.
     limits.audit_clamps(("executor", &m.name));
     let command_id = req.command_id.clone().unwrap_or_default();
+    // The package directory too: a name and version alone do not tell an installed
+    // executor from a copy of it run from elsewhere under the same manifest name.
+    let package = std::path::absolute(&req.executor.dir).unwrap_or_else(|_| req.executor.dir.clone());
     audit::try_record(
         "executor_start",
         &[
@@ -563,6 +567,7 @@ fn run_steps(req: RunRequest, may_have_run: &mut bool) -> Result<RunResult, Cann
             ("version", &m.version),
             ("action", req.action.as_deref().unwrap_or("")),
             ("command_id", &command_id),
+            ("package", &package.to_string_lossy()),
         ],
     )?;
     mark("start_audited", Some(std::time::Instant::now()));
@@ -820,12 +825,12 @@ fn serve(
                 let mut reply = if !declared.iter().any(|d| d == &name) {
                     // The name is the payload's text: a value it obtained, passed as a name by
                     // mistake or on purpose, must not reach the audit log.
-                    out.secrets_audit.denied(executor, &out.redactor.text(&name), "not declared", &[]);
+                    out.secrets_audit.denied(executor, command_id, &out.redactor.text(&name), "not declared", &[]);
                     ToPayload::SecretDenied {
                         reason: format!("secret '{name}' is not declared in permissions.secrets"),
                     }
                 } else if !answered.contains_key(&name) && provider_calls >= MAX_SECRET_REQUESTS {
-                    out.secrets_audit.denied(executor, &name, "request cap", &[]);
+                    out.secrets_audit.denied(executor, command_id, &name, "request cap", &[]);
                     ToPayload::SecretDenied {
                         reason: format!(
                             "secret '{name}' refused: {MAX_SECRET_REQUESTS} provider requests made in this run"
@@ -834,7 +839,7 @@ fn serve(
                 } else if !answered.contains_key(&name)
                     && errors.get(&name).is_some_and(|n| *n >= MAX_PROVIDER_ERRORS_PER_NAME)
                 {
-                    out.secrets_audit.denied(executor, &name, "provider error", &[("command_id", command_id)]);
+                    out.secrets_audit.denied(executor, command_id, &name, "provider error", &[]);
                     ToPayload::SecretDenied {
                         reason: format!(
                             "secret '{name}' could not be read from the configured provider ({MAX_PROVIDER_ERRORS_PER_NAME} tries in this run)"
@@ -885,7 +890,7 @@ fn serve(
                             }
                         }
                         Ok(None) => {
-                            out.secrets_audit.denied(executor, &name, "unknown", &[]);
+                            out.secrets_audit.denied(executor, command_id, &name, "unknown", &[]);
                             ToPayload::SecretDenied {
                                 reason: format!("secret '{name}' is not available from the configured provider"),
                             }
@@ -893,12 +898,7 @@ fn serve(
                         Err(e) => {
                             // Provider errors never carry values, tokens or credentials.
                             tracing::error!(executor, secret = %name, "{e}");
-                            out.secrets_audit.denied(
-                                executor,
-                                &name,
-                                "provider error",
-                                &[("detail", &e), ("command_id", command_id)],
-                            );
+                            out.secrets_audit.denied(executor, command_id, &name, "provider error", &[("detail", &e)]);
                             ToPayload::SecretDenied {
                                 reason: format!("secret '{name}' could not be read from the configured provider"),
                             }

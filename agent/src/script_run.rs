@@ -152,6 +152,7 @@ pub fn run(req: ScriptRequest) -> Result<ScriptResult, CannotRun> {
             e.utf8_error().valid_up_to()
         ))
     })?;
+    let source_sha256 = audit::sha256_hex(source.as_bytes());
     spec.filesystem.synthetic.push(sandbox::SyntheticFile { path: inside.clone(), content: source });
     crate::policy::runtime_payload(&mut spec, &req.runtime);
     spec.validate()?;
@@ -162,8 +163,19 @@ pub fn run(req: ScriptRequest) -> Result<ScriptResult, CannotRun> {
         proceed: true,
     };
     let script = req.file.display().to_string();
+    // What ran, not only the name it was given: the absolute path (links not resolved, as
+    // the file was read) and the SHA-256 of the text that went into the sandbox.
+    let path = std::path::absolute(req.file).unwrap_or_else(|_| req.file.to_path_buf());
     // Fail closed: a script whose start cannot be audited does not start.
-    audit::try_record("script_start", &[("language", req.language.as_str()), ("script", &script)])?;
+    audit::try_record(
+        "script_start",
+        &[
+            ("language", req.language.as_str()),
+            ("script", &script),
+            ("path", &path.to_string_lossy()),
+            ("sha256", &source_sha256),
+        ],
+    )?;
     limits.audit_clamps(("script", &script));
     // From here on, a script that cannot finish is audited as ended: every start has an end.
     let run = || -> Result<ScriptResult, CannotRun> {
