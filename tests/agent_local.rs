@@ -290,7 +290,19 @@ fn check_config_says_when_the_host_cannot_meet_the_configuration() {
     let text = std::fs::read_to_string(&config).unwrap();
     std::fs::write(&config, text.replace("landlock_min_abi: 64", "landlock_min_abi: 1")).unwrap();
     let out = op(&["agent", "--check-config", "--config", config.to_str().unwrap()]);
-    assert!(!String::from_utf8_lossy(&out.stderr).contains("lacks"), "{}", String::from_utf8_lossy(&out.stderr));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("lacks"), "{stderr}");
+    // The journald mirror is on by default: without journald's socket the log has no copy
+    // off its own file, and `--check-config` says so (this host has none; one with journald
+    // gets no warning); with `audit.journald: false` the configuration says it, no warning.
+    let journald = Path::new("/run/systemd/journal/socket").exists();
+    assert_eq!(stderr.contains("audit.journald is on but"), !journald, "journald {journald}: {stderr}");
+    let dir = common::HostDir::new();
+    let config = check_config_file(&dir.path, "  journald: false\n");
+    let out = op(&["agent", "--check-config", "--config", config.to_str().unwrap()]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(!stderr.contains("audit.journald"), "{stderr}");
 }
 
 /// A client key that is not the certificate's, or that the TLS provider cannot sign with
@@ -461,6 +473,25 @@ fn a_receipt_names_the_commands_source_and_digest() {
     let bytes = a.sign(&json!({"command_id": "receipt-1", "action": "ping"}));
     let (code, r) = a.submit(&bytes);
     assert_eq!(code, 0, "{r}");
+    // A ping (as every heartbeat) carries the newest record the agent made durable, an
+    // anchor off the host: its seq and the SHA-256 of its line as the log holds it.
+    let (code, pong) = a.submit(&a.sign(&json!({"command_id": "receipt-2", "action": "ping"})));
+    assert_eq!(code, 0, "{pong}");
+    let head = &pong["output"]["audit"]["head"];
+    let seq = head["seq"].as_u64().unwrap_or_else(|| panic!("audit.head in a ping: {pong}"));
+    let text = std::fs::read_to_string(a.dir.path.join("audit/audit.jsonl")).unwrap();
+    let line = text
+        .lines()
+        .find(|l| serde_json::from_str::<Value>(l).is_ok_and(|r| r["seq"] == seq))
+        .unwrap_or_else(|| panic!("no record {seq} in the log"));
+    assert_eq!(head["sha256"], sha256_hex(line.as_bytes()), "{head} against {line}");
+    // It was the receipt of the ping that carries it, or a later record.
+    let receipt: Value = text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .find(|r| r["event"] == "command_received" && r["fields"]["command_id"] == "receipt-2")
+        .expect("the second ping's receipt");
+    assert!(seq >= receipt["seq"].as_u64().unwrap(), "{head} {receipt}");
     assert!(a.stop().success());
     let events = a.audit_events();
     let received = events
@@ -503,14 +534,36 @@ fn an_agent_sweeps_left_over_sandbox_cgroups_as_it_starts() {
         return;
     }
     let Some(home) = common::MemoryCgroup::new("sweep") else { return };
+    if !common::freezer::available() {
+        return;
+    }
     // Named as sandbox cgroups are; its creator's pid is above any `pid_max`.
     let stale = home.0.join("opservant-sb-4000000000-1-0");
     std::fs::create_dir(&stale).unwrap();
+    // A second one whose process is stuck (frozen: SIGKILL takes effect only once thawed):
+    // it cannot be removed at start, and is not waited for there — its removal is tried
+    // again at every sandbox start, not left for the agent's whole life (before the
+    // twenty-first session a busy stale cgroup was swept only at the next agent's start).
+    let busy = home.0.join("opservant-sb-4000000000-2-0");
+    std::fs::create_dir(&busy).unwrap();
+    let mut stuck = std::process::Command::new("sleep").arg("600").spawn().unwrap();
+    std::fs::write(busy.join("cgroup.procs"), stuck.id().to_string()).unwrap();
+    let freezer = common::freezer::Freezer::new("sweep");
+    freezer.freeze(&[stuck.id() as i32]);
     let mut a = Agent::new(2);
     a.start_in_cgroup(&home.procs());
     let left = stale.exists();
+    let busy_at_start = busy.exists();
+    // Released (killed at start, it dies once thawed): the next sandbox start removes it.
+    assert!(freezer.thaw(), "the stuck process died once thawed");
+    let _ = stuck.wait();
+    let (code, r) = a.submit(&a.sign(&scan("after-thaw")));
+    assert_eq!(code, 0, "{r}");
+    let busy_after = busy.exists();
     assert!(a.stop().success());
     assert!(!left, "{} was still there once the agent listened", stale.display());
+    assert!(busy_at_start, "control: a cgroup whose process is frozen cannot be removed");
+    assert!(!busy_after, "{} was still there after a sandbox start, its process gone", busy.display());
 }
 
 #[test]
@@ -763,7 +816,7 @@ fn the_warm_pool_serves_repeat_runs_and_leaves_nothing_behind() {
         let status = std::fs::read_to_string(task.path().join("status")).unwrap_or_default();
         let Some(blocked) = status.lines().find_map(|l| l.strip_prefix("SigBlk:")) else { continue };
         let blocked = u64::from_str_radix(blocked.trim(), 16).unwrap();
-        for sig in [libc::SIGTERM, libc::SIGINT] {
+        for sig in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
             assert_ne!(
                 blocked & (1 << (sig - 1)),
                 0,
@@ -1071,6 +1124,14 @@ fn overload_is_rejected_and_sigterm_lets_running_commands_finish() {
     let (code, r) = a.submit(&a.sign(&scan("while-busy")));
     assert_eq!(code, 1);
     assert_eq!((r["status"].clone(), r["reason"].clone()), (json!("rejected"), json!("overloaded")), "{r}");
+    // SIGHUP is no stop (there is no reload): logged and ignored — the running command goes
+    // on, and the agent still answers. At its default it had killed the agent unaudited.
+    let pid = a.child.as_ref().unwrap().id() as i32;
+    // SAFETY: kill(2) of the agent this test started, not yet reaped.
+    unsafe { libc::kill(pid, libc::SIGHUP) };
+    std::thread::sleep(Duration::from_millis(300));
+    let (code, r) = a.submit(&a.sign(&scan("after-sighup")));
+    assert_eq!((code, r["reason"].clone()), (1, json!("overloaded")), "the agent answers after SIGHUP: {r}");
     // SIGTERM now: the running command still completes and gets its reply.
     let status = a.stop();
     let r = first.join().unwrap();
@@ -1531,6 +1592,72 @@ fn the_agent_logs_doctors_view_of_the_host_at_start() {
     }
 }
 
+/// A state directory the agent cannot write (here on a file system mounted read-only) stops
+/// it at start, exit 2 naming it — before the twenty-first session the agent started and
+/// then refused every command (`replay store: … Read-only file system`), nothing at start
+/// saying why.
+#[test]
+fn a_state_directory_that_cannot_be_written_stops_the_agent_at_start() {
+    if !common::require_root() {
+        return;
+    }
+    let dir = common::HostDir::new();
+    let mnt = dir.path.join("ro");
+    std::fs::create_dir(&mnt).unwrap();
+    let mount = |args: &[&str]| {
+        let st = Command::new("mount").args(args).status().expect("mount");
+        assert!(st.success(), "mount {args:?}");
+    };
+    mount(&["-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", mnt.to_str().unwrap()]);
+    struct Unmount(PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = Command::new("umount").arg(&self.0).status();
+        }
+    }
+    let _unmount = Unmount(mnt.clone());
+    let state = mnt.join("state");
+    std::fs::create_dir(&state).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o711)).unwrap();
+    mount(&["-o", "remount,ro", mnt.to_str().unwrap()]);
+    assert!(op(&["keygen", "--out", dir.path.join("keys").to_str().unwrap()]).status.success());
+    let config = dir.path.join("config.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "agent:\n  platform_public_key: {0}/keys/signing.pub\n  state_dir: {1}\n  socket: {0}/run/agent.sock\n\
+             executors:\n  dir: {0}/executors\naudit:\n  path: {0}/audit/audit.jsonl\n",
+            dir.path.display(),
+            state.display()
+        ),
+    )
+    .unwrap();
+    // The agent must not start: it is killed (and the test fails) if it is still running.
+    let mut child = common::command()
+        .args(["agent", "--config", config.to_str().unwrap()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the agent started with a state directory it cannot write");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert_eq!(status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("cannot be written") && stderr.contains(state.to_str().unwrap()), "{stderr}");
+}
+
 #[test]
 fn only_root_may_talk_to_the_agent_and_one_agent_per_socket() {
     if !common::require_root() {
@@ -1538,8 +1665,26 @@ fn only_root_may_talk_to_the_agent_and_one_agent_per_socket() {
     }
     let mut a = Agent::new(2);
     a.start();
-    // A second agent on the same socket is refused.
+    // A second agent with the same configuration is refused first thing, by the state
+    // directory's lock, naming its holder — before it installs, compiles or starts anything.
+    // (Two started at once had both found the socket stale; the second replaced the
+    // first's socket, and stopping it took the socket from the agent that went on running.)
     let out = op(&["agent", "--config", a.config.to_str().unwrap()]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    let pid = a.child.as_ref().unwrap().id();
+    assert!(
+        stderr.contains("another agent runs with this state directory") && stderr.contains(&format!("pid {pid} ")),
+        "{stderr}"
+    );
+    // One on the same socket with a state directory of its own: refused, the socket's agent
+    // answering.
+    let text = std::fs::read_to_string(&a.config).unwrap();
+    let state = a.dir.path.join("state");
+    let other = a.dir.path.join("other.yaml");
+    let other_state = a.dir.path.join("other-state");
+    std::fs::write(&other, text.replace(state.to_str().unwrap(), other_state.to_str().unwrap())).unwrap();
+    let out = op(&["agent", "--config", other.to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(String::from_utf8_lossy(&out.stderr).contains("already listening"));
     // The socket is root-only.
@@ -1866,10 +2011,17 @@ fn commands_pulled_from_the_platform_over_mutual_tls() {
     assert_eq!(hb["version"], env!("CARGO_PKG_VERSION"));
     assert!(hb["executors"].as_array().unwrap().iter().any(|e| e == "port-scanner@1.0.0"), "{hb}");
     assert_eq!(hb["install_failures"], json!([]), "{hb}");
+    let head = hb["audit"]["head"].clone();
     assert_eq!(
         hb["audit"],
-        json!({"ok": true, "error": null, "since": null, "flush_failed": null}),
+        json!({"ok": true, "error": null, "since": null, "flush_failed": null, "head": head}),
         "the audit log's health: {hb}"
+    );
+    // The heartbeat carries the log's newest durable record as the agent made it (seq and
+    // the SHA-256 of its line): the platform's copy of it is the log's anchor off the host.
+    assert!(
+        head["seq"].as_u64().is_some_and(|s| s >= 1) && head["sha256"].as_str().is_some_and(|h| h.len() == 64),
+        "{hb}"
     );
     let sb = &hb["sandboxes"];
     assert_eq!(

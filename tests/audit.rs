@@ -639,6 +639,37 @@ fn the_logs_directory_must_be_the_agents_alone() {
     assert_eq!(out.code, 0, "{out:?}");
     assert!(std::fs::read_to_string(logs.join("audit.jsonl")).unwrap().contains("executor_complete"));
 
+    // The log file (and its lock) must be the agent's alone too: owned by it, writable by
+    // no one else, one name. Each was appended to before the twenty-first session. The
+    // log is left as it was by each refusal.
+    let log_file = logs.join("audit.jsonl");
+    let before = std::fs::read(&log_file).unwrap();
+    let refused_file = |needle: &str| {
+        let out = opservant(&["run", exec.str(), "--config", conf]);
+        assert_eq!(out.code, 2, "{out:?}");
+        assert!(out.stderr.contains(needle) && out.stderr.contains("audit.jsonl"), "{needle}: {out:?}");
+        assert_eq!(std::fs::read(&log_file).unwrap(), before, "nothing appended");
+    };
+    std::fs::set_permissions(&log_file, std::fs::Permissions::from_mode(0o666)).unwrap();
+    refused_file("writable by group or others (mode 0666");
+    std::fs::set_permissions(&log_file, std::fs::Permissions::from_mode(0o620)).unwrap();
+    refused_file("writable by group or others");
+    std::fs::set_permissions(&log_file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    std::os::unix::fs::chown(&log_file, Some(65534), None).unwrap();
+    refused_file("owned by uid 65534");
+    std::os::unix::fs::chown(&log_file, Some(0), None).unwrap();
+    let second_name = dir.path.join("copy-of-the-log");
+    std::fs::hard_link(&log_file, &second_name).unwrap();
+    refused_file("has 2 names");
+    std::fs::remove_file(&second_name).unwrap();
+    std::fs::set_permissions(logs.join("audit.jsonl.lock"), std::fs::Permissions::from_mode(0o646)).unwrap();
+    refused_file("audit.jsonl.lock: writable by group or others");
+    std::fs::set_permissions(logs.join("audit.jsonl.lock"), std::fs::Permissions::from_mode(0o600)).unwrap();
+    // Readable by a group (a log shipper's): the operator's choice.
+    std::fs::set_permissions(&log_file, std::fs::Permissions::from_mode(0o640)).unwrap();
+    let out = opservant(&["run", exec.str(), "--config", conf]);
+    assert_eq!(out.code, 0, "{out:?}");
+
     // So must every directory above it be: whoever can write one could rename the log's
     // directory away and put one of their own in its place (a sticky one, `/tmp`, is fine).
     let above = dir.path.join("above");

@@ -775,10 +775,32 @@ impl AuditLog {
         // The log and its lock, where they are already: regular files (not links to one), as
         // the append opens them.
         for file in [path.clone(), settings.lock_path()] {
-            if std::fs::symlink_metadata(&file).is_ok_and(|m| !m.is_file()) {
+            let Ok(meta) = std::fs::symlink_metadata(&file) else { continue };
+            if !meta.is_file() {
                 return Err(AuditError::new(
                     path,
                     format!("{}: not a regular file; the audit log and its lock must be ones", file.display()),
+                ));
+            }
+            // The agent's own, as it creates them (0600): another owner, or a group or others
+            // who may write it, could write records in the chain's place, and a second name
+            // (a hard link, which survives the rotation's rename) is a copy someone else
+            // holds open. Readable by a group is the operator's choice (a log shipper).
+            use std::os::unix::fs::MetadataExt;
+            let euid = nix::unistd::geteuid().as_raw();
+            let wrong = if meta.uid() != euid {
+                Some(format!("owned by uid {}, not the agent's ({euid})", meta.uid()))
+            } else if meta.mode() & 0o022 != 0 {
+                Some(format!("writable by group or others (mode {:04o}; chmod 600)", meta.mode() & 0o7777))
+            } else if meta.nlink() > 1 {
+                Some(format!("has {} names (hard links); it must have one", meta.nlink()))
+            } else {
+                None
+            };
+            if let Some(wrong) = wrong {
+                return Err(AuditError::new(
+                    path,
+                    format!("{}: {wrong}; the audit log and its lock are the agent's alone", file.display()),
                 ));
             }
         }
@@ -863,6 +885,9 @@ impl AuditLog {
         let (appended, ticket) = self.append_unflushed(event, fields)?;
         if let Some(ticket) = ticket.filter(|_| wait) {
             self.flush.wait_durable(ticket).map_err(|e| AuditError::new(&self.settings.path, e))?;
+        }
+        if wait {
+            note_head(&appended);
         }
         if self.journal.is_some() {
             self.mirror(&journal_datagram(event, fields, &appended));
@@ -1211,6 +1236,32 @@ pub fn init(config: &Config) -> Result<(), AuditError> {
     init_with(AuditSettings::from_config(config))
 }
 
+/// What an operator should hear when the journald mirror is on (the default) but journald's
+/// socket is missing: the log then has no copy off its own file, so a cut end, a forged
+/// tail or a whole-set rollback verifies intact and shows nowhere (the heartbeat's and a
+/// ping's `audit.head` are then the only record of it elsewhere). `None` when the mirror is
+/// off by the configuration's word, or journald listens.
+pub fn journald_warning(settings: &AuditSettings) -> Option<String> {
+    (settings.journald && !settings.journal_socket.exists()).then(|| {
+        format!(
+            "audit.journald is on but {} is missing: the audit log has no copy off its own file, so a cut or \
+             rewritten end, or the whole set rolled back, verifies intact and shows nowhere but against the \
+             platform's record of the heads heartbeats carry; run journald, or set audit.journald: false to say so",
+            settings.journal_socket.display()
+        )
+    })
+}
+
+/// The newest record this process made durable: `(seq, sha256)`.
+static HEAD: Mutex<Option<(u64, String)>> = Mutex::new(None);
+
+fn note_head(appended: &Appended) {
+    let mut head = HEAD.lock().unwrap_or_else(PoisonError::into_inner);
+    if head.as_ref().is_none_or(|(seq, _)| appended.seq > *seq) {
+        *head = Some((appended.seq, appended.sha256.clone()));
+    }
+}
+
 pub fn init_with(settings: AuditSettings) -> Result<(), AuditError> {
     let log = AuditLog::open(settings)?;
     *SINK.lock().unwrap_or_else(PoisonError::into_inner) = Some(Arc::new(log));
@@ -1314,11 +1365,15 @@ pub fn health() -> Value {
             retry_in_background(error, since);
         }
     }
+    let head = HEAD.lock().unwrap_or_else(PoisonError::into_inner).clone();
     serde_json::json!({
         "ok": failing.is_none(),
         "error": failing.as_ref().map(|(e, _, _)| e),
         "since": failing.as_ref().map(|(_, since, _)| since),
         "flush_failed": flush_failed,
+        // An anchor off the host: the platform that keeps these can tell a log cut back,
+        // rolled back or rewritten past one of them (that seq missing, or another hash).
+        "head": head.map(|(seq, sha256)| serde_json::json!({"seq": seq, "sha256": sha256})),
     })
 }
 

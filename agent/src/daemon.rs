@@ -18,6 +18,7 @@
 //!   are closed unanswered and counted in one record before `agent_stop`);
 //! - a client has [`READ_DEADLINE`] in all to send its command (not per read: a client
 //!   trickling bytes cannot hold its thread), then the connection is closed unanswered;
+//! - SIGHUP is logged and ignored (there is no reload: a restart applies a new configuration);
 //! - SIGTERM or SIGINT: the socket is closed and removed (no new work), the commands already
 //!   running finish (their limits bound how long) and get their replies, then the process
 //!   exits 0; systemd is told `READY=1`, `STOPPING=1` and, with `WatchdogSec`, `WATCHDOG=1`
@@ -141,6 +142,12 @@ fn check_socket_path(path: &Path) -> Result<(), CannotRun> {
     }
 }
 
+/// The device and inode of the file at `path` (not followed).
+fn socket_identity(path: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::symlink_metadata(path).ok().map(|m| (m.dev(), m.ino()))
+}
+
 /// Bind the socket: refuse if an agent answers on it or if the path is not a socket, replace
 /// a stale socket. The parent directory is created 0700 when missing; one that exists must
 /// be the agent's alone ([`check_socket_path`]).
@@ -173,7 +180,7 @@ fn bind(path: &Path) -> Result<UnixListener, CannotRun> {
     listener.map_err(|e| CannotRun(format!("{}: {e}", path.display())))
 }
 
-/// Block the stop signals (SIGTERM, SIGINT) in the calling thread and so in every thread it
+/// Block the stop signals (SIGTERM, SIGINT), and SIGHUP, in the calling thread and so in every thread it
 /// starts afterwards; [`serve`] reads them from a signalfd. Call before the daemon starts
 /// any thread (the zygote's network namespace stash, the warm pool's pre-warm): a thread
 /// that leaves them unblocked would take a stop signal with its default action, killing the
@@ -184,6 +191,10 @@ pub fn block_stop_signals() -> Result<nix::sys::signal::SigSet, CannotRun> {
     let mut mask = SigSet::empty();
     mask.add(Signal::SIGTERM);
     mask.add(Signal::SIGINT);
+    // Not a stop signal, read from the same signalfd: at its default a SIGHUP (the usual
+    // "reload") killed the agent mid-command, unaudited — and systemd counts a death by
+    // SIGHUP as a clean exit, so `Restart=on-failure` left the host without an agent.
+    mask.add(Signal::SIGHUP);
     mask.thread_block().map_err(|e| CannotRun(format!("block signals: {e}")))?;
     Ok(mask)
 }
@@ -235,6 +246,9 @@ pub fn serve(pipeline: Pipeline, socket: &Path, platform: Option<crate::platform
         .map_err(|e| CannotRun(format!("signalfd: {e}")))?;
 
     let listener = bind(socket)?;
+    // The socket file this agent bound: only that one is removed at the stop (another's,
+    // bound at the same path since, is left alone).
+    let bound = socket_identity(socket);
     if !sandbox::probe::openat2_available() {
         // A reported degradation of path resolution (as the shared host uid below).
         tracing::warn!(
@@ -304,7 +318,16 @@ pub fn serve(pipeline: Pipeline, socket: &Path, platform: Option<crate::platform
             watchdog_ping();
         }
         if fds[1].revents().is_some_and(|r| !r.is_empty()) {
-            break;
+            match signals.read_signal() {
+                Ok(Some(info)) if info.ssi_signo == libc::SIGHUP as u32 => {
+                    tracing::warn!(
+                        sender_pid = info.ssi_pid,
+                        "SIGHUP ignored: the agent has no reload; restart it to apply a new configuration"
+                    );
+                    continue;
+                }
+                _ => break,
+            }
         }
         let Ok((stream, _)) = listener.accept() else { continue };
         if workers.len() >= pipeline.max_concurrent() + CONNECTION_HEADROOM {
@@ -340,7 +363,9 @@ pub fn serve(pipeline: Pipeline, socket: &Path, platform: Option<crate::platform
     // and that record — and the record comes before `agent_stop`.
     let refusing = refusals.close();
     drop(listener);
-    let _ = std::fs::remove_file(socket);
+    if bound.is_some() && socket_identity(socket) == bound {
+        let _ = std::fs::remove_file(socket);
+    }
     // Everything below waits feeding the watchdog: systemd keeps it armed while the unit
     // stops, and a drain may last as long as the longest wall-time ceiling.
     let mut pinged = std::time::Instant::now();
@@ -615,14 +640,20 @@ fn check_state_dir(dir: &Path) -> Result<(), CannotRun> {
         .map_err(|m| CannotRun(format!("agent.state_dir: {m}; the replay index must be the agent's alone")))
 }
 
+/// The agent's hold on its state directory ([`prepare_state_dir`]): an exclusive `flock` on
+/// `agent.lock` in it, kept for the process's life.
+pub struct StateDirLock(#[allow(dead_code)] nix::fcntl::Flock<std::fs::File>);
+
 /// Create `agent.state_dir` when missing (0711, its parents as the umask has them), then
 /// check it as [`DaemonSettings::from_config`] does: it must exist now and be the agent's.
 /// Searchable by all but listable by the agent alone, as systemd's `StateDirectoryMode=0711`
 /// makes it: the default executors root is beneath it, and sandboxes reach the installed
 /// executors as an unprivileged user (under 0700 every run failed at its set-up). What the
-/// agent keeps in it is its own by its files' modes (the replay store's are 0600).
-pub fn prepare_state_dir(dir: &Path) -> Result<(), CannotRun> {
-    use std::os::unix::fs::DirBuilderExt;
+/// agent keeps in it is its own by its files' modes (the replay store's are 0600). It must be
+/// writable (a file written and flushed), and no other agent may hold it: the returned lock
+/// is held for the agent's life.
+pub fn prepare_state_dir(dir: &Path) -> Result<StateDirLock, CannotRun> {
+    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
     let fail = |e: std::io::Error| CannotRun(format!("agent.state_dir: {}: {e}", dir.display()));
     if let Some(up) = dir.parent() {
         std::fs::create_dir_all(up).map_err(fail)?;
@@ -640,7 +671,53 @@ pub fn prepare_state_dir(dir: &Path) -> Result<(), CannotRun> {
         }
     }
     check_state_dir(dir)?;
-    std::fs::metadata(dir).map(drop).map_err(fail)
+    std::fs::metadata(dir).map(drop).map_err(fail)?;
+    // Writable now, not at the first command: a read-only or broken file system here made
+    // the agent start, then refuse every command ("replay store: … Read-only file system")
+    // with nothing at start to say why.
+    let probe = dir.join(".write-check");
+    let written = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(&probe)
+        .and_then(|mut f| {
+            std::io::Write::write_all(&mut f, b"ok\n")?;
+            f.sync_data()
+        });
+    let _ = std::fs::remove_file(&probe);
+    written.map_err(|e| {
+        CannotRun(format!(
+            "agent.state_dir: {}: cannot be written ({e}); the replay store keeps every command id there",
+            dir.display()
+        ))
+    })?;
+    // One agent per state directory, decided before the agent does anything else: two
+    // started at once both found the socket stale, and the second replaced the first's (which went on running unreachable,
+    // and took the socket with it when stopped); a second start also installed executors,
+    // compiled bytecode and started a zygote and sandboxes before it was refused.
+    let lock_path = dir.join("agent.lock");
+    let file = crate::bounded::open_regular_nofollow(
+        &lock_path,
+        std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).mode(0o600),
+    )
+    .map_err(|e| CannotRun(format!("agent.state_dir: {}: {e}", lock_path.display())))?;
+    let held = match nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock) {
+        Ok(held) => held,
+        Err((_, nix::errno::Errno::EWOULDBLOCK)) => {
+            let by = crate::audit::lock::holders(&lock_path).unwrap_or_else(|| "another process".into());
+            return Err(CannotRun(format!(
+                "agent.state_dir: {}: another agent runs with this state directory ({} holds {})",
+                dir.display(),
+                by,
+                lock_path.display()
+            )));
+        }
+        Err((_, e)) => return Err(CannotRun(format!("agent.state_dir: {}: flock: {e}", lock_path.display()))),
+    };
+    Ok(StateDirLock(held))
 }
 
 /// Paths and limits of the daemon from the configuration.

@@ -945,6 +945,9 @@ fn agent_daemon(config: Option<PathBuf>, check_only: bool) -> Result<ExitCode, C
         for w in revocation_list_warnings(&cfg) {
             errln!("opservant: warning: {}", one_terminal_line(&w));
         }
+        if let Some(w) = agent::audit::journald_warning(&agent::audit::AuditSettings::from_config(&cfg)) {
+            errln!("opservant: warning: {}", one_terminal_line(&w));
+        }
         // The configuration is valid; whether this host can meet it is `doctor`'s, but what
         // it requires and the host lacks means every run would be refused: said here too.
         let host = agent::doctor::examine(policy.landlock_min_abi, policy.allow_degraded, policy.host_uids.as_ref());
@@ -960,10 +963,14 @@ fn agent_daemon(config: Option<PathBuf>, check_only: bool) -> Result<ExitCode, C
     }
     // Created now (0700) and checked again, not at the first command: a directory someone
     // else made meanwhile in a parent they can write would otherwise be taken as ours.
-    agent::daemon::prepare_state_dir(&settings.state_dir).map_err(|e| CannotRun(e.0))?;
+    // Held until the agent exits: one agent per state directory.
+    let _state_lock = agent::daemon::prepare_state_dir(&settings.state_dir).map_err(|e| CannotRun(e.0))?;
     agent::audit::init(&cfg)?;
     for w in revocation_list_warnings(&cfg) {
         tracing::warn!(warning = %w, "a certificate revocation list is stale, nearly so, or unreadable");
+    }
+    if let Some(w) = agent::audit::journald_warning(&agent::audit::AuditSettings::from_config(&cfg)) {
+        tracing::warn!(warning = %w, "the audit log has no journald copy");
     }
     // Before any thread starts (see the function).
     agent::daemon::block_stop_signals().map_err(|e| CannotRun(e.0))?;

@@ -430,6 +430,7 @@ fn creator_alive(rest: &str) -> bool {
 /// Remove sandbox cgroups whose creating process no longer exists.
 fn reap_stale(layout: &Layout) {
     let mut seen = Vec::new();
+    let mut stale: Vec<PathBuf> = Vec::new();
     for p in &layout.places {
         let base = match p {
             Place::V1(d) | Place::V2(d) => d,
@@ -447,9 +448,38 @@ fn reap_stale(layout: &Layout) {
                 continue;
             }
             tracing::warn!(cgroup = %e.path().display(), "removing stale sandbox cgroup");
-            kill_sweep(&e.path());
-            let _ = remove_when_empty(&e.path(), Duration::from_millis(500));
+            stale.push(e.path());
         }
+    }
+    if stale.is_empty() {
+        return;
+    }
+    // All of them at once — their processes killed together, then one wait for them all. One
+    // at a time, each cgroup of a sandbox stuck in the kernel (a hung file system) cost about
+    // a second before the agent served: 17 s for six sandboxes at a review, and some ninety
+    // would outlast systemd's start timeout, a restart loop just when the host is in trouble.
+    kill_sweep_all(&stale);
+    let deadline = Instant::now() + Duration::from_millis(500);
+    let mut pause = Duration::from_micros(200);
+    loop {
+        stale.retain(|dir| match fs::remove_dir(dir) {
+            Ok(()) => false,
+            Err(e) => e.kind() != ErrorKind::NotFound,
+        });
+        if stale.is_empty() || Instant::now() >= deadline {
+            break;
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_millis(20));
+    }
+    // Still busy (what is in them is stuck in the kernel): tried again at every sandbox
+    // start, as this process's own are — not left for the next process's start.
+    for dir in stale {
+        tracing::warn!(
+            cgroup = %dir.display(),
+            "stale sandbox cgroup still busy (processes stuck in the kernel?): its removal is tried again at every sandbox start"
+        );
+        remember_left_behind(dir, None);
     }
 }
 
@@ -946,25 +976,38 @@ impl Drop for SandboxCgroup {
 }
 
 fn kill_sweep(dir: &Path) {
-    let listed = || listed_pids(&dir.join("cgroup.procs"));
+    kill_sweep_all(&[dir.to_path_buf()]);
+}
+
+/// SIGKILL every process listed in the cgroups `dirs`, again and again (what forked meanwhile
+/// too) until none lists one or 200 rounds of 2 ms have passed — for all of them together.
+fn kill_sweep_all(dirs: &[PathBuf]) {
     for _ in 0..200 {
-        let Some(pids) = listed() else { return };
-        if pids.is_empty() {
-            return;
-        }
-        // A pidfd names the process that has the pid when it is opened; the pids still
-        // listed afterwards are therefore those processes (a pid cannot be reused while its
-        // process lives), and only they are signalled — never a process that took over the
-        // number of one that exited in between.
-        let opened: Vec<(i32, std::os::fd::OwnedFd)> = pids
-            .into_iter()
-            .filter_map(|pid| crate::zygote::pidfd_open(nix::unistd::Pid::from_raw(pid)).ok().map(|fd| (pid, fd)))
-            .collect();
-        let Some(still) = listed() else { return };
-        for (pid, fd) in &opened {
-            if still.contains(pid) {
-                crate::zygote::pidfd_signal(fd, nix::sys::signal::Signal::SIGKILL);
+        let mut any = false;
+        for dir in dirs {
+            let listed = || listed_pids(&dir.join("cgroup.procs"));
+            let Some(pids) = listed() else { continue };
+            if pids.is_empty() {
+                continue;
             }
+            any = true;
+            // A pidfd names the process that has the pid when it is opened; the pids still
+            // listed afterwards are therefore those processes (a pid cannot be reused while
+            // its process lives), and only they are signalled — never a process that took
+            // over the number of one that exited in between.
+            let opened: Vec<(i32, std::os::fd::OwnedFd)> = pids
+                .into_iter()
+                .filter_map(|pid| crate::zygote::pidfd_open(nix::unistd::Pid::from_raw(pid)).ok().map(|fd| (pid, fd)))
+                .collect();
+            let Some(still) = listed() else { continue };
+            for (pid, fd) in &opened {
+                if still.contains(pid) {
+                    crate::zygote::pidfd_signal(fd, nix::sys::signal::Signal::SIGKILL);
+                }
+            }
+        }
+        if !any {
+            return;
         }
         std::thread::sleep(Duration::from_millis(2));
     }

@@ -87,7 +87,7 @@ fn take(
 
 /// Who holds an `flock` on the file at `path`, from `/proc/locks`: "pid N (comm)" for each
 /// holder (waiters, shown with `->`, are left out); `None` when the table names none.
-fn holders(path: &Path) -> Option<String> {
+pub fn holders(path: &Path) -> Option<String> {
     let meta = std::fs::metadata(path).ok()?;
     let (major, minor) = (libc::major(meta.dev()), libc::minor(meta.dev()));
     let wanted = format!("{major:02x}:{minor:02x}:{}", meta.ino());
