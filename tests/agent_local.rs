@@ -779,8 +779,19 @@ fn a_stopped_audit_lock_holder_fails_runs_instead_of_stalling_the_agent() {
     holder.wait().unwrap();
     let (code, r) = a.submit_within(&a.sign(&scan("lock-3")), Duration::from_secs(60));
     assert_eq!((code, r["status"].clone()), (0, json!("completed")), "runs go on once it lets go: {r}");
+    // The log says it was failing, and since when, though a command's own records ended the
+    // failures (before, only the idle retry of a ping wrote this: a command first, no trace).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !a.audit_events().iter().any(|e| e["event"] == "audit_resumed") {
+        assert!(Instant::now() < deadline, "no audit_resumed after the log took records again");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let resumed = a.audit_events().into_iter().find(|e| e["event"] == "audit_resumed").unwrap();
+    assert!(resumed["fields"]["last_error"].as_str().unwrap().contains("held by pid"), "{resumed}");
     assert!(a.stop().success());
     a.audit_verify();
+    let resumed = a.audit_events().iter().filter(|e| e["event"] == "audit_resumed").count();
+    assert_eq!(resumed, 1, "once");
 }
 
 #[test]
@@ -1140,6 +1151,72 @@ fn overload_is_rejected_and_sigterm_lets_running_commands_finish() {
     assert!(status.success(), "{status:?}");
     assert!(a.audit_events().iter().any(|e| e["event"] == "security_event" && e["fields"]["reason"] == "overloaded"));
     a.audit_verify();
+}
+
+/// A command running when the agent is killed (SIGKILL: no drain) is not lost: the next
+/// agent audits it as failed, `interrupted`, naming the dead agent's pid, and answers its id
+/// sent again with that outcome — `failed`, `interrupted` — rather than refusing it as a
+/// replay (a security event), which is all it got before the twenty-first session, its
+/// start left without an end.
+#[test]
+fn a_command_running_when_the_agent_died_is_reported_interrupted() {
+    if !common::require_root() {
+        return;
+    }
+    let mut a = Agent::new(2);
+    a.start();
+    let slow = a
+        .sign(&json!({"command_id": "died-1", "action": "execute", "executor": "slow", "parameters": {"seconds": 30}}));
+    let first_pid = a.child.as_ref().unwrap().id();
+    std::thread::scope(|scope| {
+        let first = scope.spawn(|| a.submit_within(&slow, Duration::from_secs(60)));
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !a.audit_events().iter().any(|e| e["event"] == "executor_start" && e["fields"]["command_id"] == "died-1")
+        {
+            assert!(Instant::now() < deadline, "the slow command did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        // SAFETY: kill(2) of the agent this test started, not yet reaped.
+        unsafe { libc::kill(first_pid as i32, libc::SIGKILL) };
+        let (code, _) = first.join().unwrap();
+        assert_eq!(code, 2, "the client got no reply");
+    });
+    let _ = a.child.take().unwrap().wait();
+    a.start();
+    let events = a.audit_events();
+    let fail = events
+        .iter()
+        .find(|e| e["event"] == "executor_fail" && e["fields"]["command_id"] == "died-1")
+        .unwrap_or_else(|| panic!("no executor_fail for the interrupted command: {events:?}"));
+    assert_eq!(fail["fields"]["reason"], "interrupted", "{fail}");
+    assert_eq!(fail["fields"]["agent_pid"], first_pid.to_string(), "{fail}");
+    assert_eq!(fail["fields"]["executor"], "slow", "{fail}");
+    // Recorded before the new agent took anything: before its agent_start.
+    let at = |pred: &dyn Fn(&Value) -> bool| events.iter().rposition(pred).unwrap();
+    assert!(at(&|e| e == fail) < at(&|e| e["event"] == "agent_start"), "{events:?}");
+    // Its id sent again: what became of it, not a replay refusal.
+    let (code, r) = a.submit(&slow);
+    assert_eq!(code, 1, "{r}");
+    assert_eq!((r["status"].clone(), r["reason"].clone()), (json!("failed"), json!("interrupted")), "{r}");
+    assert!(r["error"].as_str().unwrap().contains(&format!("pid {first_pid}")), "{r}");
+    let events = a.audit_events();
+    assert!(
+        !events.iter().any(|e| e["event"] == "security_event" && e["fields"]["command_id"] == "died-1"),
+        "{events:?}"
+    );
+    // Nothing is left to report at the next start.
+    assert!(a.stop().success());
+    a.start();
+    let fails = a
+        .audit_events()
+        .iter()
+        .filter(|e| e["event"] == "executor_fail" && e["fields"]["command_id"] == "died-1")
+        .count();
+    assert_eq!(fails, 1, "reported once");
+    // A command that ends normally leaves nothing behind.
+    let running = a.dir.path.join("state/running");
+    assert_eq!(std::fs::read_dir(&running).unwrap().count(), 0, "{}", running.display());
+    assert!(a.stop().success());
 }
 
 /// Connections cannot exhaust the agent: with `max_concurrent` 1 it serves 1 + 64

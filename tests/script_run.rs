@@ -56,6 +56,13 @@ fn python_runs_with_seed_fields() {
     assert_eq!(j["sandbox"]["network"], "none");
     assert_eq!(j["sandbox"]["seccomp"], "enforced");
     assert_eq!(j["limits"]["timeout_seconds"], 60, "the default timeout is 60 s");
+    // DESIGN.md §4's keys too, after the seed's: a consumer reading every run's result the
+    // same way finds its status (a review found them missing).
+    assert_eq!(j["status"], "completed");
+    assert_eq!((j["output"].clone(), j["artifacts"].clone()), (Value::Null, serde_json::json!([])));
+    for key in ["executor", "action", "command_id"] {
+        assert_eq!(j.get(key), Some(&Value::Null), "{key}: {j}");
+    }
 }
 
 #[test]
@@ -114,6 +121,7 @@ fn python_exit_status_and_exception() {
     let d = HostDir::new();
     let r = script("python", &write(&d, "exit.py", "import sys\nsys.exit(7)\n"), &[]);
     assert_eq!((r.code, r.json["success"].clone(), r.json["exit_code"].clone()), (1, Value::Bool(false), 7.into()));
+    assert_eq!(r.json["status"], "failed");
     assert_eq!(r.json["validation_error"], Value::Null);
 
     let r = script("python", &write(&d, "boom.py", "def f():\n    raise RuntimeError('boom')\nf()\n"), &[]);
@@ -182,6 +190,7 @@ fn python_validation_runs_nothing() {
     assert!(v.contains("SyntaxError") && v.contains("line 2"), "{v}");
     assert_eq!(j["stdout"], "", "nothing ran");
     assert_eq!(j["exit_code"], Value::Null);
+    assert_eq!(j["status"], "rejected", "nothing ran: {j}");
 }
 
 #[test]
@@ -266,6 +275,7 @@ fn timeout_default_clamp_and_enforcement() {
     assert_eq!(j["timeout"], true);
     assert_eq!(j["success"], false);
     assert_eq!(j["killed_by"], "timeout");
+    assert_eq!(j["status"], "timeout");
     assert_eq!(j["stdout"], "start\n");
     assert!(j["duration_ms"].as_u64().unwrap() < 20_000);
 

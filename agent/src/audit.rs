@@ -1325,14 +1325,30 @@ static FAILING: Mutex<Option<(String, String, std::time::Instant)>> = Mutex::new
 /// a later append's failure).
 fn note(outcome: Result<(), &AuditError>, began: std::time::Instant) {
     let mut failing = FAILING.lock().unwrap_or_else(PoisonError::into_inner);
-    *failing = match outcome {
+    let ended = match outcome {
         Ok(()) if failing.as_ref().is_some_and(|(_, _, latest)| *latest > began) => return,
-        Ok(()) => None,
+        Ok(()) => failing.take(),
         Err(e) => {
             let since = failing.take().map_or_else(|| timestamp(SystemTime::now()), |(_, since, _)| since);
-            Some((e.to_string(), since, std::time::Instant::now()))
+            *failing = Some((e.to_string(), since, std::time::Instant::now()));
+            None
         }
     };
+    drop(failing);
+    // A run of failures ended by whatever record got through first (a command's receipt,
+    // say), not by the retry's own `audit_resumed`: the log says it was failing all the
+    // same — the retry's record follows. (Before the twenty-first session an outage ended
+    // by a command left no trace of itself, nor of the commands it refused.)
+    if let Some((error, since, _)) = ended {
+        if !RESUMING.with(std::cell::Cell::get) {
+            retry_in_background(&error, &since);
+        }
+    }
+}
+
+thread_local! {
+    /// This thread is appending `audit_resumed` ([`retry_in_background`]).
+    static RESUMING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 /// The log as this process has found it, for `ping` and heartbeats: `ok` unless its latest
@@ -1397,6 +1413,7 @@ fn retry_in_background(error: &str, since: &str) {
             }
         }
         let _done = Done;
+        RESUMING.with(|r| r.set(true));
         if try_record("audit_resumed", &[("failing_since", &since), ("last_error", &error)]).is_ok() {
             tracing::info!(target: "opservant::audit", failing_since = %since, "the audit log takes records again");
         }

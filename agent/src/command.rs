@@ -86,6 +86,12 @@ pub struct Pipeline {
     pub trust: crate::package_signing::Trust,
     /// `executors.install` entries that failed at start (heartbeats and `ping` report them).
     pub install_failures: Vec<crate::executor_install::InstallFailure>,
+    /// The commands running now, on disk, and those a dead predecessor left
+    /// ([`crate::inflight`]); `None`: not kept (a pipeline without a state directory).
+    pub inflight: Option<crate::inflight::InFlight>,
+    /// Interrupted commands from the platform whose answer is still to be posted to it
+    /// (taken by the platform connection as it starts).
+    pub interrupted_for_platform: std::sync::Mutex<Vec<crate::inflight::Entry>>,
 }
 
 /// Why a command was rejected: the stable reason codes the platform sees (`reason`).
@@ -120,11 +126,14 @@ pub enum Reason {
     VersionConflict,
     /// The command names another agent, or none where `agent.require_agent_id` asks for it.
     WrongAgent,
+    /// The command was running when the agent stopped (its id sent again): it did not finish
+    /// and is not run again under that id ([`crate::inflight`]).
+    Interrupted,
 }
 
 impl Reason {
     /// Every reason code, for checks that a reply carries one of them.
-    pub const ALL: [Reason; 21] = [
+    pub const ALL: [Reason; 22] = [
         Reason::TooLarge,
         Reason::Malformed,
         Reason::Unsigned,
@@ -146,6 +155,7 @@ impl Reason {
         Reason::AlreadyInstalled,
         Reason::VersionConflict,
         Reason::WrongAgent,
+        Reason::Interrupted,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -171,6 +181,7 @@ impl Reason {
             Reason::AlreadyInstalled => "already_installed",
             Reason::VersionConflict => "version_conflict",
             Reason::WrongAgent => "wrong_agent",
+            Reason::Interrupted => "interrupted",
         }
     }
 
@@ -415,7 +426,7 @@ impl Pipeline {
     /// [`Pipeline::handle`], and whether the command passed the checks of steps 1–6.
     pub fn handle_checked(&self, bytes: &[u8], now: i64, source: &str) -> Handled {
         let handled = match self.checked(bytes, now, source) {
-            Ok((cmd, id)) => Handled { reply: self.dispatch(&id, &cmd), passed_checks: true },
+            Ok((cmd, id)) => Handled { reply: self.dispatch(&id, &cmd, source), passed_checks: true },
             Err(reply) => Handled { reply, passed_checks: false },
         };
         // An `execute` command's receipt and permission are recorded before its gate without
@@ -470,7 +481,22 @@ impl Pipeline {
         }
         match self.seen.check_and_insert(&id, now) {
             Ok(Seen::New) => Ok((cmd, id)),
-            Ok(Seen::Replayed) => Err(refuse(Some(&id), Reason::Replay, "command_id was already received")),
+            Ok(Seen::Replayed) => match self.inflight.as_ref().and_then(|f| f.interrupted(&id)) {
+                // Sent again after the agent's stop interrupted it (a client that lost its
+                // reply with the agent): what became of it, not a replay refusal.
+                Some(entry) => {
+                    audit::record(
+                        "command_rejected",
+                        &[
+                            ("command_id", &id),
+                            ("reason", Reason::Interrupted.as_str()),
+                            ("detail", "sent again after the agent's stop interrupted it"),
+                        ],
+                    );
+                    Err(crate::inflight::reply(&entry))
+                }
+                None => Err(refuse(Some(&id), Reason::Replay, "command_id was already received")),
+            },
             Ok(Seen::Forgotten) => {
                 let why = "the clock is back within the window of command ids the replay store has dropped: \
                            this command_id cannot be told from a replay (send it with a new one)";
@@ -482,11 +508,11 @@ impl Pipeline {
     }
 
     /// Steps 7–10 for a command that passed the checks.
-    fn dispatch(&self, id: &str, cmd: &Map<String, Value>) -> Value {
+    fn dispatch(&self, id: &str, cmd: &Map<String, Value>, source: &str) -> Value {
         let action = cmd.get("action").and_then(Value::as_str).unwrap_or("");
         match action {
             "ping" => self.ping(id),
-            "execute" => self.execute(id, cmd),
+            "execute" => self.execute(id, cmd, source),
             "install_executor" => self.install(id, cmd),
             "remove_executor" => self.remove(id, cmd),
             other => reject(Some(id), Reason::UnknownAction, &format!("unknown action {other:?}")),
@@ -557,7 +583,7 @@ impl Pipeline {
         }
     }
 
-    fn execute(&self, id: &str, cmd: &Map<String, Value>) -> Value {
+    fn execute(&self, id: &str, cmd: &Map<String, Value>, source: &str) -> Value {
         let (mut executor, action_id) = match self.lookup(cmd) {
             Ok(x) => x,
             Err((reason, e)) => return reject(Some(id), reason, &e),
@@ -598,6 +624,16 @@ impl Pipeline {
             background_teardown: true,
             timeline: None,
         };
+        // On disk while it runs: an agent that dies meanwhile says so at its next start.
+        let _running = self.inflight.as_ref().and_then(|f| {
+            f.begin(&crate::inflight::Entry {
+                command_id: id.to_string(),
+                executor: name.clone(),
+                source: source.to_string(),
+                pid: std::process::id(),
+                started: crate::rfc3339::format(crate::rfc3339::now()),
+            })
+        });
         match crate::executor_run::run(req) {
             Ok(result) => {
                 serde_json::to_value(&result).unwrap_or_else(|e| json!({"status": "failed", "error": e.to_string()}))

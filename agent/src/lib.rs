@@ -15,6 +15,7 @@ pub mod egress;
 pub mod executor_install;
 pub mod executor_run;
 pub mod executor_test;
+pub mod inflight;
 pub mod launch;
 pub mod limits;
 pub mod lint;

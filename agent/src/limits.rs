@@ -143,13 +143,17 @@ impl LimitPolicy {
         let max_pids = pick("max_pids", req.max_pids, d.max_pids, c.max_pids);
         // The scratch tmpfs lives in RAM and its pages are charged to the sandbox's memory
         // cgroup: a scratch larger than the memory limit would turn "disk full" into an OOM kill.
+        // Reported only when asked for: the default (100 MB) shrinking to a smaller memory
+        // limit is no request clamped (every run under 100 MB listed one that nobody made).
         if max_disk_mb > max_memory_mb {
-            clamped.push(Clamp {
-                field: "max_disk_mb",
-                requested: max_disk_mb,
-                applied: max_memory_mb,
-                reason: "scratch is RAM-backed and counts against max_memory_mb".into(),
-            });
+            if req.max_disk_mb.is_some() {
+                clamped.push(Clamp {
+                    field: "max_disk_mb",
+                    requested: max_disk_mb,
+                    applied: max_memory_mb,
+                    reason: "scratch is RAM-backed and counts against max_memory_mb".into(),
+                });
+            }
             max_disk_mb = max_memory_mb;
         }
         EffectiveLimits {
@@ -196,8 +200,14 @@ mod tests {
     #[test]
     fn scratch_never_exceeds_memory() {
         let p = LimitPolicy::builtin();
+        // The default scratch (100 MB) fits itself to the memory limit: no clamp reported,
+        // nothing was asked for.
         let e = p.resolve(&ResourceLimits { max_memory_mb: Some(64), ..Default::default() });
         assert_eq!(e.max_disk_mb, 64);
-        assert_eq!(e.clamped[0].field, "max_disk_mb");
+        assert!(e.clamped.is_empty(), "{:?}", e.clamped);
+        // Asked for: clamped, and reported.
+        let e = p.resolve(&ResourceLimits { max_memory_mb: Some(64), max_disk_mb: Some(80), ..Default::default() });
+        assert_eq!(e.max_disk_mb, 64);
+        assert_eq!((e.clamped[0].field, e.clamped[0].requested), ("max_disk_mb", 80));
     }
 }

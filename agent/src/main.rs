@@ -1016,7 +1016,16 @@ fn agent_daemon(config: Option<PathBuf>, check_only: bool) -> Result<ExitCode, C
         .then(|| agent::warm_pool::WarmPool::new(settings.warm_pool, settings.warm_pool_idle, launcher.clone()))
         .transpose()
         .map_err(|e| CannotRun(format!("warm pool: {e}")))?;
+    // Commands a dead predecessor left running: audited as interrupted before any command
+    // is taken (their ids are answered so when sent again; the platform's are posted to it).
+    let inflight =
+        agent::inflight::InFlight::open(&settings.state_dir).map_err(|e| CannotRun(format!("agent.state_dir: {e}")))?;
+    let interrupted = inflight.recover();
     let pipeline = agent::command::Pipeline {
+        inflight: Some(inflight),
+        interrupted_for_platform: std::sync::Mutex::new(
+            interrupted.into_iter().filter(|e| e.source == "platform").collect(),
+        ),
         seen: agent::replay::SeenCommands::new(&settings.state_dir.join("commands-seen")),
         executors: cfg.executors.root(),
         config: cfg,

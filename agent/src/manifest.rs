@@ -419,6 +419,11 @@ impl Manifest {
                     format!("supported_actions[{i}]"),
                     "must be a non-empty id without spaces",
                 ));
+            } else if let Some(first) = self.supported_actions[..i].iter().position(|b| b == a) {
+                errors.push(ManifestError::new(
+                    format!("supported_actions[{i}]"),
+                    format!("'{a}' is listed twice (also supported_actions[{first}])"),
+                ));
             }
         }
         let ident = |s: &str| {
@@ -431,6 +436,17 @@ impl Manifest {
             errors.push(ManifestError::new(
                 "entry_point",
                 format!("'{}' is not of the form module.Class", self.entry_point),
+            ));
+        } else if ["opservant", "s4e_agent"].contains(&parts[0]) {
+            // The runtime's own packages, which the sandbox's interpreter has loaded already:
+            // an executor module of that name would never be imported (the run failed late,
+            // at its load, after lint had said ok).
+            errors.push(ManifestError::new(
+                "entry_point",
+                format!(
+                    "'{}': the top-level module '{}' is the runtime's own; name the executor's package otherwise",
+                    self.entry_point, parts[0]
+                ),
             ));
         }
         if let Some(req) = &self.requirements.python {
@@ -634,6 +650,11 @@ mod tests {
             ("\"/tmp/opservant/\"", "\"/tmp/a\\u0000b\"", "permissions.filesystem.write[0]"),
             ("\"/tmp/opservant/\"", "\"/tmp/a\\u001b[31m\"", "permissions.filesystem.write[0]"),
             ("\"max_memory_mb\": 256", "\"max_memory_mb\": \"lots\"", "resource_limits.max_memory_mb"),
+            // The same action twice; an entry point in the runtime's own packages (it would
+            // never load: found by a review, lint said ok and the run failed).
+            ("\"act-service-discovery\"", "\"act-port-scan\"", "supported_actions[1]"),
+            ("\"port_scanner.PortScanExecutor\"", "\"opservant.PortScanExecutor\"", "entry_point"),
+            ("\"port_scanner.PortScanExecutor\"", "\"s4e_agent.x.E\"", "entry_point"),
         ] {
             let e = Manifest::parse(&SEED.replace(from, to)).unwrap_err();
             assert_eq!(e.path, path, "{from} -> {to}: {e}");

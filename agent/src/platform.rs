@@ -440,6 +440,29 @@ pub fn run(
     let platform = Arc::new(platform);
     let refused_in_a_row = Arc::new(std::sync::atomic::AtomicU32::new(0));
     let mut threads = Vec::new();
+    // The answers for the platform's commands a dead predecessor left running: what became
+    // of them (`failed`, `interrupted`), posted as their results would have been.
+    let interrupted: Vec<_> = std::mem::take(
+        &mut *pipeline.interrupted_for_platform.lock().unwrap_or_else(std::sync::PoisonError::into_inner),
+    );
+    if !interrupted.is_empty() {
+        let platform = platform.clone();
+        threads.push(std::thread::spawn(move || {
+            for entry in interrupted {
+                let reply = crate::inflight::reply(&entry);
+                let body = json!({"agent_id": platform.agent_id, "command_id": entry.command_id, "result": reply});
+                for attempt in 0..5 {
+                    match platform.post("results", &body) {
+                        Ok(()) => break,
+                        Err(e) => {
+                            tracing::warn!(error = %e, attempt, "posting an interrupted command's result failed");
+                            std::thread::sleep(backoff(attempt));
+                        }
+                    }
+                }
+            }
+        }));
+    }
     {
         let (platform, stop) = (platform.clone(), stop.clone());
         let pipeline = pipeline.clone();

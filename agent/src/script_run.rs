@@ -80,6 +80,16 @@ pub struct ScriptResult {
     pub limits: LimitsReport,
     pub usage: sandbox::ResourceUsage,
     pub sandbox: SandboxSummary,
+    /// DESIGN.md §4's keys, after seed 003's, so that a consumer reading every run's result
+    /// the same way finds them: `completed` (exit 0), `failed`, `timeout`, or `rejected`
+    /// (validation failed: nothing ran); a script has no output object, artifacts, executor,
+    /// action or command id.
+    pub status: &'static str,
+    pub output: Option<serde_json::Value>,
+    pub artifacts: [(); 0],
+    pub executor: Option<()>,
+    pub action: Option<()>,
+    pub command_id: Option<()>,
 }
 
 /// The timeout a script gets: `--timeout`, else the manifest's, else the default (60 s, or
@@ -308,6 +318,20 @@ fn assemble(
         limits: base.limits,
         usage: base.usage,
         sandbox: base.sandbox,
+        status: if !validated {
+            "rejected"
+        } else if timeout {
+            "timeout"
+        } else if success {
+            "completed"
+        } else {
+            "failed"
+        },
+        output: None,
+        artifacts: [],
+        executor: None,
+        action: None,
+        command_id: None,
     }
 }
 

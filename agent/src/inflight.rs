@@ -1,0 +1,242 @@
+//! Commands an agent is running, kept as one small file each in `agent.state_dir/running`
+//! from just before an `execute` command's run until its reply — so that an agent that died
+//! mid-command (SIGKILL, the OOM killer, a crash) says so at its next start instead of
+//! leaving the command's start without an end and its id a "replay" forever.
+//!
+//! Guarantees:
+//! - at start ([`InFlight::recover`]) every file left is audited as `executor_fail` with
+//!   `status: failed`, `reason: interrupted` and the pid of the agent it ran in, then removed;
+//! - such a command's id, sent again while this agent runs, is answered `failed` with reason
+//!   `interrupted` ([`InFlight::interrupted`]), not refused as a replay (a security event):
+//!   it ran, or began to, and is never run again under that id;
+//! - a command that came from the platform has that answer posted to it too
+//!   ([`InFlight::recover`] returns them), so the platform learns the outcome;
+//! - the files are written without `fdatasync` (a page-cache write, ~20 µs on the command
+//!   path): an agent process that dies leaves them, a host that loses power may not — then
+//!   the audit log alone shows a start without an end.
+//!
+//! A file's name is the SHA-256 of the command id (ids may hold any character); its text is
+//! the [`Entry`] as JSON. At most `agent.max_concurrent` exist at once.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use serde::{Deserialize, Serialize};
+
+/// What is kept of a running command.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Entry {
+    pub command_id: String,
+    pub executor: String,
+    /// Where the command came from: `platform`, or the socket and its client.
+    pub source: String,
+    /// The agent process it ran in.
+    pub pid: u32,
+    /// When its run began (RFC 3339, UTC).
+    pub started: String,
+}
+
+/// The directory of running commands, and the ones a dead predecessor left.
+pub struct InFlight {
+    dir: PathBuf,
+    interrupted: Mutex<HashMap<String, Entry>>,
+}
+
+/// A running command's file, removed when this is dropped (the command answered).
+pub struct Running {
+    path: PathBuf,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Err(e) = std::fs::remove_file(&self.path) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!(path = %self.path.display(), error = %e, "a running command's record could not be removed");
+            }
+        }
+    }
+}
+
+/// Most bytes read of one file (an entry is a few hundred): anything larger is not ours.
+const MAX_ENTRY_BYTES: u64 = 64 * 1024;
+
+impl InFlight {
+    /// `state_dir/running`, created (0700) when missing.
+    pub fn open(state_dir: &Path) -> Result<InFlight, String> {
+        use std::os::unix::fs::DirBuilderExt;
+        let dir = state_dir.join("running");
+        match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(format!("{}: {e}", dir.display())),
+        }
+        let meta = std::fs::symlink_metadata(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        if !meta.is_dir() {
+            return Err(format!("{}: not a directory", dir.display()));
+        }
+        crate::config::check_agents_own_dir(&dir, &meta)
+            .map_err(|m| format!("{m}; the record of running commands must be the agent's alone"))?;
+        Ok(InFlight { dir, interrupted: Mutex::new(HashMap::new()) })
+    }
+
+    fn path_of(&self, command_id: &str) -> PathBuf {
+        self.dir.join(crate::audit::sha256_hex(command_id.as_bytes()))
+    }
+
+    /// Note `entry` as running; its file goes when the returned guard is dropped. A file
+    /// that cannot be written is logged, and the command goes on (what it would have told
+    /// is the audit log's start without an end).
+    pub fn begin(&self, entry: &Entry) -> Option<Running> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let path = self.path_of(&entry.command_id);
+        let text = serde_json::to_vec(entry).unwrap_or_default();
+        let written = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&path)
+            .and_then(|mut f| std::io::Write::write_all(&mut f, &text));
+        match written {
+            Ok(()) => Some(Running { path }),
+            Err(e) => {
+                tracing::error!(path = %path.display(), error = %e, "a running command could not be recorded");
+                let _ = std::fs::remove_file(&path);
+                None
+            }
+        }
+    }
+
+    /// At start, before any command: audit each command a dead predecessor left running as
+    /// `executor_fail` (`interrupted`), remember it for [`InFlight::interrupted`], remove its
+    /// file (once its record is durable), and return them. A file that is not an entry is
+    /// logged and removed.
+    pub fn recover(&self) -> Vec<Entry> {
+        let Ok(list) = std::fs::read_dir(&self.dir) else { return vec![] };
+        let mut found = Vec::new();
+        for e in list.flatten() {
+            let path = e.path();
+            let entry = crate::bounded::open_regular_nofollow(&path, std::fs::OpenOptions::new().read(true))
+                .ok()
+                .and_then(|f| {
+                    let mut text = Vec::new();
+                    std::io::Read::read_to_end(&mut std::io::Read::take(f, MAX_ENTRY_BYTES), &mut text).ok()?;
+                    serde_json::from_slice::<Entry>(&text).ok()
+                });
+            let Some(entry) = entry else {
+                tracing::warn!(path = %path.display(), "not a running command's record; removed");
+                let _ = std::fs::remove_file(&path);
+                continue;
+            };
+            let pid = entry.pid.to_string();
+            let recorded = crate::audit::try_record(
+                "executor_fail",
+                &[
+                    ("command_id", &entry.command_id),
+                    ("executor", &entry.executor),
+                    ("status", "failed"),
+                    ("reason", "interrupted"),
+                    ("killed_by", ""),
+                    ("agent_pid", &pid),
+                    ("started", &entry.started),
+                    ("source", &entry.source),
+                ],
+            );
+            match recorded {
+                Ok(()) => {
+                    let _ = std::fs::remove_file(&path);
+                }
+                // Kept for the next start to try again; answered `interrupted` meanwhile.
+                Err(e) => tracing::error!(error = %e, "an interrupted command could not be audited"),
+            }
+            tracing::warn!(
+                command_id = %entry.command_id,
+                executor = %entry.executor,
+                agent_pid = entry.pid,
+                "a command was running when the agent stopped; it did not finish"
+            );
+            found.push(entry);
+        }
+        let mut map = self.interrupted.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        for e in &found {
+            map.insert(e.command_id.clone(), e.clone());
+        }
+        found
+    }
+
+    /// A command interrupted by the agent's last stop, by id.
+    pub fn interrupted(&self, command_id: &str) -> Option<Entry> {
+        self.interrupted.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get(command_id).cloned()
+    }
+}
+
+/// The reply for an interrupted command (to the platform at start, or to its id sent again).
+pub fn reply(entry: &Entry) -> serde_json::Value {
+    serde_json::json!({
+        "status": "failed",
+        "command_id": entry.command_id,
+        "reason": "interrupted",
+        "error": format!(
+            "the agent (pid {}) stopped while this command ran (started {}); it did not finish and is not run \
+             again under this command_id",
+            entry.pid, entry.started
+        ),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scratch(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("opservant-inflight-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::set_permissions(&d, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+        d
+    }
+
+    fn entry(id: &str) -> Entry {
+        Entry {
+            command_id: id.into(),
+            executor: "x".into(),
+            source: "platform".into(),
+            pid: 42,
+            started: "2026-12-07T10:00:00Z".into(),
+        }
+    }
+
+    #[test]
+    fn a_running_command_is_recorded_until_its_guard_goes() {
+        let d = scratch("guard");
+        let f = InFlight::open(&d).unwrap();
+        let g = f.begin(&entry("a/b\n")).unwrap();
+        assert_eq!(std::fs::read_dir(d.join("running")).unwrap().count(), 1);
+        drop(g);
+        assert_eq!(std::fs::read_dir(d.join("running")).unwrap().count(), 0);
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn what_a_dead_agent_left_is_recovered_once_and_answered_interrupted() {
+        let d = scratch("recover");
+        let f = InFlight::open(&d).unwrap();
+        std::mem::forget(f.begin(&entry("left-1")).unwrap());
+        std::fs::write(d.join("running/junk"), b"not an entry").unwrap();
+        let next = InFlight::open(&d).unwrap();
+        assert!(next.interrupted("left-1").is_none(), "nothing known before recovery");
+        let found = next.recover();
+        assert_eq!(found, vec![entry("left-1")]);
+        assert_eq!(next.interrupted("left-1"), Some(entry("left-1")));
+        assert!(next.interrupted("other").is_none());
+        // Recorded (no audit log is configured in this test: nothing to write to), removed.
+        assert_eq!(std::fs::read_dir(d.join("running")).unwrap().count(), 0);
+        assert!(next.recover().is_empty(), "recovered once");
+        assert_eq!(next.interrupted("left-1"), Some(entry("left-1")), "still answered");
+        let r = reply(&entry("left-1"));
+        assert_eq!((r["status"].as_str(), r["reason"].as_str()), (Some("failed"), Some("interrupted")));
+        let _ = std::fs::remove_dir_all(&d);
+    }
+}
