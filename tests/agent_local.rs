@@ -1183,6 +1183,11 @@ fn a_command_running_when_the_agent_died_is_reported_interrupted() {
     });
     let _ = a.child.take().unwrap().wait();
     a.start();
+    // Its id sent again: what became of it, not a replay refusal.
+    let (code, r) = a.submit(&slow);
+    assert_eq!(code, 1, "{r}");
+    assert_eq!((r["status"].clone(), r["reason"].clone()), (json!("failed"), json!("interrupted")), "{r}");
+    assert!(r["error"].as_str().unwrap().contains(&format!("pid {first_pid}")), "{r}");
     let events = a.audit_events();
     let fail = events
         .iter()
@@ -1194,12 +1199,6 @@ fn a_command_running_when_the_agent_died_is_reported_interrupted() {
     // Recorded before the new agent took anything: before its agent_start.
     let at = |pred: &dyn Fn(&Value) -> bool| events.iter().rposition(pred).unwrap();
     assert!(at(&|e| e == fail) < at(&|e| e["event"] == "agent_start"), "{events:?}");
-    // Its id sent again: what became of it, not a replay refusal.
-    let (code, r) = a.submit(&slow);
-    assert_eq!(code, 1, "{r}");
-    assert_eq!((r["status"].clone(), r["reason"].clone()), (json!("failed"), json!("interrupted")), "{r}");
-    assert!(r["error"].as_str().unwrap().contains(&format!("pid {first_pid}")), "{r}");
-    let events = a.audit_events();
     assert!(
         !events.iter().any(|e| e["event"] == "security_event" && e["fields"]["command_id"] == "died-1"),
         "{events:?}"

@@ -832,10 +832,15 @@ fn entry_point_module_must_be_in_the_package() {
     run_patched(json!({"entry_point": "nothere.Executor"}))
         .cannot_run(&["entry_point:", "module 'nothere' is not in the executor package"]);
     // Standard-library modules are never looked up: the package directory is the only place.
-    for ep in ["os.system", "json.JSONDecoder", "subprocess.Popen", "opservant.executor.BaseExecutor"] {
+    for ep in ["os.system", "json.JSONDecoder", "subprocess.Popen"] {
         let module = ep.rsplit_once('.').unwrap().0;
         run_patched(json!({"entry_point": ep}))
             .cannot_run(&["entry_point:", &format!("module '{module}' is not in the executor package")]);
+    }
+    // The runtime's own packages: refused by the manifest's rules, whatever the package holds
+    // (a package directory named `opservant` would never be imported: the runtime's is).
+    for ep in ["opservant.executor.BaseExecutor", "s4e_agent.E"] {
+        run_patched(json!({"entry_point": ep})).cannot_run(&["entry_point:", "is the runtime's own"]);
     }
     // A module file inside the package that is a symlink to the standard library.
     let d = executor(json!({"entry_point": "shadow.JSONDecoder"}), LIFECYCLE);

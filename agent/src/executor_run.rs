@@ -474,7 +474,11 @@ fn run_steps(req: RunRequest, may_have_run: &mut bool) -> Result<RunResult, Cann
         if !m.supported_actions.iter().any(|s| s == a) {
             return Err(CannotRun(format!(
                 "--action {a}: not in the executor's supported_actions ({})",
-                m.supported_actions.join(", ")
+                // At most the first ten: a manifest may list thousands (a 789 KB line).
+                match m.supported_actions.len() {
+                    n if n > 10 => format!("{}, … {} more", m.supported_actions[..10].join(", "), n - 10),
+                    _ => m.supported_actions.join(", "),
+                }
             )));
         }
     }

@@ -379,7 +379,15 @@ impl Manifest {
                 crate::signing::SigningError::Parse(why) => why,
                 other => other.to_string(),
             };
-            ManifestError::new("manifest", format!("not valid JSON: {why}"))
+            // The two a hand-edited file most often holds, said plainly.
+            let hint = if text.starts_with('\u{feff}') {
+                " (the file starts with a UTF-8 byte-order mark: save it without one)"
+            } else if ["NaN", "Infinity"].iter().any(|w| text.contains(w)) {
+                " (NaN and Infinity are not JSON numbers)"
+            } else {
+                ""
+            };
+            ManifestError::new("manifest", format!("not valid JSON: {why}{hint}"))
         })?;
         let obj = value.as_object().ok_or_else(|| ManifestError::new("manifest", "must be a JSON object"))?;
         let warnings: Vec<Warning> = obj
@@ -659,6 +667,15 @@ mod tests {
             let e = Manifest::parse(&SEED.replace(from, to)).unwrap_err();
             assert_eq!(e.path, path, "{from} -> {to}: {e}");
         }
+    }
+
+    /// A byte-order mark and NaN are named, not left as "expected value at column 1".
+    #[test]
+    fn a_byte_order_mark_and_nan_are_named() {
+        let e = Manifest::parse(&format!("\u{feff}{SEED}")).unwrap_err();
+        assert!(e.message.contains("byte-order mark"), "{e}");
+        let e = Manifest::parse(&SEED.replace("\"max_memory_mb\": 256", "\"max_memory_mb\": NaN")).unwrap_err();
+        assert!(e.message.contains("NaN and Infinity are not JSON numbers"), "{e}");
     }
 
     #[test]

@@ -402,22 +402,26 @@ impl HostLease {
             None => nft::host_table(host)?,
         };
         if let Some(tag) = found.filter(|t| *t != want) {
-            // A table made for other pools would not masquerade this sandbox's traffic: refuse.
-            if !nft::serves_pools(&tag, &pool.v4, pool.v6.as_ref()) {
-                return Err(NetError::Unavailable(format!(
-                    "the host table `inet {}` in use here serves other pools ({tag}); this configuration needs {want}",
-                    nft::TABLE
-                )));
-            }
-            // Made by another version of opservant, with other rules: replaced, once no run
-            // holds it (no lease but this one: the exclusive lock keeps newcomers out until
-            // the new table is there).
+            // Made for other pools (it would not masquerade this sandbox's traffic), or by
+            // another version of opservant, with other rules: replaced, once no run holds it
+            // (no lease but this one: the exclusive lock keeps newcomers out until the new
+            // table is there). One for other pools was refused even unused, and one left by
+            // an agent killed together with its collector then refused every egress run of
+            // an agent configured with new pools until a clean stop of the old.
             if flock(&lock, libc::LOCK_EX | libc::LOCK_NB).is_err() {
-                return Err(NetError::Unavailable(format!(
-                    "the host table `inet {}` was made by another version of opservant ({tag}; this one needs \
-                     {want}) and runs still use it; it is replaced once they end",
-                    nft::TABLE
-                )));
+                return Err(NetError::Unavailable(if nft::serves_pools(&tag, &pool.v4, pool.v6.as_ref()) {
+                    format!(
+                        "the host table `inet {}` was made by another version of opservant ({tag}; this one needs \
+                         {want}) and runs still use it; it is replaced once they end",
+                        nft::TABLE
+                    )
+                } else {
+                    format!(
+                        "the host table `inet {}` serves other pools ({tag}) and runs still use it; this \
+                         configuration needs {want}: it is replaced once they end",
+                        nft::TABLE
+                    )
+                }));
             }
             nft::delete_host_table(host)?;
             nft::create_host_table(host, &pool.v4, pool.v6.as_ref())?;
@@ -437,7 +441,7 @@ impl HostLease {
                     }
                 }
             }
-            tracing::info!(old = %tag, new = %want, "host table of another version replaced");
+            tracing::info!(old = %tag, new = %want, "host table of another version or other pools, unused, replaced");
         }
         Ok(Self { lock, release, lock_dir_for_gc: pool.lock_dir.clone() })
     }
@@ -823,8 +827,8 @@ mod tests {
         .unwrap();
     }
 
-    /// A host table an earlier version made (its tag without the rules' version) is replaced
-    /// when no run holds it, refused while one does; one for other pools is refused.
+    /// A host table an earlier version made (its tag without the rules' version), or one for
+    /// other pools, is replaced when no run holds it, refused while one does.
     #[test]
     fn a_host_table_of_another_version_is_replaced_once_unused() {
         let _serial = COLLECTOR_TESTS.lock().unwrap_or_else(|e| e.into_inner());
@@ -849,11 +853,19 @@ mod tests {
             assert!(want.ends_with(&format!(" rules {}", nft::HOST_RULES_VERSION)), "{want}");
             drop(lease);
 
-            // Other pools: refused, never replaced.
+            // Other pools: refused while a run holds the table, replaced once none does
+            // (a table an agent left when it was killed with its collector had refused every
+            // egress run of an agent with new pools).
             let other = Pool { v4: "10.214.0.0/16".parse().unwrap(), v6: None, lock_dir: dir.clone() };
-            let err = HostLease::acquire(&other, HostTableRelease::Keep, &mut nl).err().expect("other pools");
+            let holder = open_lock(&host_lock_path(&dir).unwrap()).unwrap();
+            flock(&holder, libc::LOCK_SH).unwrap();
+            let err = HostLease::acquire(&other, HostTableRelease::Keep, &mut nl).err().expect("other pools, held");
             assert!(err.to_string().contains("serves other pools"), "{err}");
             assert_eq!(nft::host_table(&mut nl).unwrap(), Some(want));
+            drop(holder);
+            let lease = HostLease::acquire(&other, HostTableRelease::Keep, &mut nl).expect("replaced once unused");
+            assert_eq!(nft::host_table(&mut nl).unwrap(), Some(nft::host_table_tag(&other.v4, None)));
+            drop(lease);
         });
     }
 
