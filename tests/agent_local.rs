@@ -1933,6 +1933,55 @@ fn platform_agent(max_concurrent: usize) -> (platform::TestPlatform, HostDir, Ag
     (p, tls, a)
 }
 
+/// A platform command whose run finished but whose result could not be posted before the
+/// agent was killed (the platform answering 503, the agent retrying) is not lost either:
+/// the next agent audits `result_undelivered` with the run's status and posts the platform
+/// that status with reason `result_lost` — the record of the running command is kept until
+/// its result is delivered, not only until its run ends (a review of the first version).
+#[test]
+fn a_platform_commands_result_lost_with_the_agent_is_reported() {
+    if !common::require_root() {
+        return;
+    }
+    let (p, _tls, mut a) = platform_agent(2);
+    p.state.lock().unwrap().refuse_results = true;
+    p.queue(serde_json::from_slice(&a.sign(&scan("lost-result-1"))).unwrap());
+    a.start();
+    p.wait_for(60, "a refused result post", |s| s.results_refused >= 1);
+    assert!(
+        a.audit_events()
+            .iter()
+            .any(|e| e["event"] == "executor_complete" && e["fields"]["command_id"] == "lost-result-1"),
+        "the run ended before its result was posted"
+    );
+    let first_pid = a.child.as_ref().unwrap().id();
+    // SAFETY: kill(2) of the agent this test started, not yet reaped.
+    unsafe { libc::kill(first_pid as i32, libc::SIGKILL) };
+    let _ = a.child.take().unwrap().wait();
+    p.state.lock().unwrap().refuse_results = false;
+    a.start();
+    p.wait_for(60, "the lost result's report", |s| s.results.iter().any(|r| r["command_id"] == "lost-result-1"));
+    assert!(a.stop().success());
+    let st = p.state.lock().unwrap();
+    let r = st.results.iter().find(|r| r["command_id"] == "lost-result-1").unwrap();
+    assert_eq!(
+        (r["result"]["status"].clone(), r["result"]["reason"].clone()),
+        (json!("completed"), json!("result_lost")),
+        "{r}"
+    );
+    let events = a.audit_events();
+    let undelivered = events
+        .iter()
+        .find(|e| e["event"] == "result_undelivered" && e["fields"]["command_id"] == "lost-result-1")
+        .unwrap_or_else(|| panic!("no result_undelivered: {events:?}"));
+    assert_eq!(undelivered["fields"]["status"], "completed", "{undelivered}");
+    assert_eq!(undelivered["fields"]["agent_pid"], first_pid.to_string(), "{undelivered}");
+    assert!(
+        !events.iter().any(|e| e["event"] == "executor_fail" && e["fields"]["command_id"] == "lost-result-1"),
+        "a run that finished is not reported as failed: {events:?}"
+    );
+}
+
 /// A platform host `network.proxy.no_proxy` names is reached directly, not through
 /// `network.proxy.https` (here a port nothing listens on: through it, every poll would fail).
 #[test]

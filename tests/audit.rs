@@ -513,6 +513,32 @@ fn verify_during_appends_and_rotations_reports_no_false_problem() {
     assert!(rotated_under_us > 0, "the log rotated while verify ran");
 }
 
+/// A run refused before it starts — its manifest asks to write a system directory, which is
+/// never granted — is audited `executor_refused`, naming the executor, its package and why:
+/// a check that said no is an event (it left no record before the twenty-first session).
+#[test]
+fn a_run_refused_before_it_starts_is_audited() {
+    if !require_root() {
+        return;
+    }
+    let log = Log::new("");
+    let exec = executor();
+    let manifest = exec.path.join("manifest.json");
+    let mut m: Value = serde_json::from_str(&std::fs::read_to_string(&manifest).unwrap()).unwrap();
+    m["permissions"] = json!({"filesystem": {"write": ["/etc/opservant-test"]}});
+    std::fs::write(&manifest, m.to_string()).unwrap();
+    let out = opservant(&["run", exec.str(), "--config", log.conf()]);
+    assert_eq!(out.code, 2, "{out:?}");
+    let recs = log.records();
+    let refused: Vec<&Value> = recs.iter().filter(|r| r["event"] == "executor_refused").collect();
+    assert_eq!(refused.len(), 1, "{recs:?}");
+    let f = &refused[0]["fields"];
+    assert_eq!((f["executor"].as_str(), f["package"].as_str()), (Some("audit-test"), Some(exec.str())), "{f}");
+    assert!(f["reason"].as_str().unwrap().contains("/etc"), "{f}");
+    assert!(!recs.iter().any(|r| r["event"] == "executor_start"), "it never started: {recs:?}");
+    assert_eq!(log.verify(&[]).code, 0);
+}
+
 #[test]
 fn an_unwritable_log_stops_the_run_before_it_starts() {
     if !require_root() {
@@ -569,13 +595,24 @@ fn a_record_that_cannot_be_written_whole_is_not_left_half_written() {
     let before = std::fs::read_to_string(&log.path).unwrap();
     for _ in 0..2 {
         let limit = before.len() + 40;
-        let out = Command::new("bash")
-            .args(["-c", r#"trap - XFSZ; exec prlimit --fsize="$1" -- "$2" run "$3" --config "$4""#, "bash"])
-            .args([&limit.to_string(), common::opservant(), exec.str(), log.conf()])
+        let mut cmd = Command::new("prlimit");
+        cmd.arg(format!("--fsize={limit}"))
+            .arg("--")
+            .arg(common::opservant())
+            .args(["run", exec.str(), "--config", log.conf()])
             .env_remove("OPSERVANT_LOG")
-            .stdin(Stdio::null())
-            .output()
-            .unwrap();
+            .stdin(Stdio::null());
+        // SIGXFSZ at its default (it kills) whatever this test process inherited — a shell's
+        // `trap -` cannot undo a disposition ignored when it started — so that only
+        // opservant's own ignoring of it keeps it alive.
+        // SAFETY: signal(2) with SIG_DFL is async-signal-safe and touches no memory.
+        unsafe {
+            std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
+                libc::signal(libc::SIGXFSZ, libc::SIG_DFL);
+                Ok(())
+            });
+        }
+        let out = cmd.output().unwrap();
         assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
         assert!(String::from_utf8_lossy(&out.stderr).contains("audit log"), "{}", String::from_utf8_lossy(&out.stderr));
         assert_eq!(std::fs::read_to_string(&log.path).unwrap(), before, "the log was left as it was");

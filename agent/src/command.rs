@@ -56,6 +56,9 @@ impl Place {
 pub struct Handled {
     pub reply: Value,
     pub passed_checks: bool,
+    /// An `execute` command's record in `agent.state_dir/running` ([`crate::inflight`]):
+    /// drop it once the reply is delivered (written to the client, posted to the platform).
+    pub delivery: Option<crate::inflight::Running>,
 }
 
 impl Drop for Place {
@@ -129,11 +132,14 @@ pub enum Reason {
     /// The command was running when the agent stopped (its id sent again): it did not finish
     /// and is not run again under that id ([`crate::inflight`]).
     Interrupted,
+    /// The command finished, but the agent stopped before its reply was delivered (its id
+    /// sent again): the result is lost, and it is not run again under that id.
+    ResultLost,
 }
 
 impl Reason {
     /// Every reason code, for checks that a reply carries one of them.
-    pub const ALL: [Reason; 22] = [
+    pub const ALL: [Reason; 23] = [
         Reason::TooLarge,
         Reason::Malformed,
         Reason::Unsigned,
@@ -156,6 +162,7 @@ impl Reason {
         Reason::VersionConflict,
         Reason::WrongAgent,
         Reason::Interrupted,
+        Reason::ResultLost,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -182,6 +189,7 @@ impl Reason {
             Reason::VersionConflict => "version_conflict",
             Reason::WrongAgent => "wrong_agent",
             Reason::Interrupted => "interrupted",
+            Reason::ResultLost => "result_lost",
         }
     }
 
@@ -358,17 +366,19 @@ impl Pipeline {
     /// [`Pipeline::handle`] under the concurrency limit, for every source of commands (the
     /// socket, the platform): one more than `max_concurrent` is rejected as `overloaded` at
     /// once (audited), never queued.
-    pub fn submit(&self, bytes: &[u8], source: &str) -> Value {
-        let reply = if self.running.fetch_add(1, Ordering::SeqCst) >= self.max_concurrent {
+    pub fn submit(&self, bytes: &[u8], source: &str) -> Handled {
+        let handled = if self.running.fetch_add(1, Ordering::SeqCst) >= self.max_concurrent {
             let id = signing::parse_command(bytes)
                 .ok()
                 .and_then(|c| c.get("command_id").and_then(Value::as_str).map(str::to_string));
-            self.overloaded(id.as_deref(), source, &format!("{} commands are running", self.max_concurrent))
+            let reply =
+                self.overloaded(id.as_deref(), source, &format!("{} commands are running", self.max_concurrent));
+            Handled { reply, passed_checks: false, delivery: None }
         } else {
-            self.handle(bytes, signing::now(), source)
+            self.handle_checked(bytes, signing::now(), source)
         };
         self.running.fetch_sub(1, Ordering::SeqCst);
-        reply
+        handled
     }
 
     /// Take one of the `max_concurrent` places ahead of a command (the platform's, before its
@@ -426,8 +436,19 @@ impl Pipeline {
     /// [`Pipeline::handle`], and whether the command passed the checks of steps 1–6.
     pub fn handle_checked(&self, bytes: &[u8], now: i64, source: &str) -> Handled {
         let handled = match self.checked(bytes, now, source) {
-            Ok((cmd, id)) => Handled { reply: self.dispatch(&id, &cmd, source), passed_checks: true },
-            Err(reply) => Handled { reply, passed_checks: false },
+            Ok((cmd, id)) => {
+                let (reply, delivery) = self.dispatch(&id, &cmd, source);
+                Handled { reply, passed_checks: true, delivery }
+            }
+            Err(reply) => {
+                // What became of a command interrupted by the agent's stop, sent again: it
+                // passed every check but the replay store's (it is no refused command, which
+                // a platform connection sending many of is polled less for).
+                let reason = reply["reason"].as_str();
+                let passed_checks =
+                    reason == Some(Reason::Interrupted.as_str()) || reason == Some(Reason::ResultLost.as_str());
+                Handled { reply, passed_checks, delivery: None }
+            }
         };
         // An `execute` command's receipt and permission are recorded before its gate without
         // a flush of their own (`audit::record_before_gate`); one that ended before the gate
@@ -508,14 +529,14 @@ impl Pipeline {
     }
 
     /// Steps 7–10 for a command that passed the checks.
-    fn dispatch(&self, id: &str, cmd: &Map<String, Value>, source: &str) -> Value {
+    fn dispatch(&self, id: &str, cmd: &Map<String, Value>, source: &str) -> (Value, Option<crate::inflight::Running>) {
         let action = cmd.get("action").and_then(Value::as_str).unwrap_or("");
         match action {
-            "ping" => self.ping(id),
+            "ping" => (self.ping(id), None),
             "execute" => self.execute(id, cmd, source),
-            "install_executor" => self.install(id, cmd),
-            "remove_executor" => self.remove(id, cmd),
-            other => reject(Some(id), Reason::UnknownAction, &format!("unknown action {other:?}")),
+            "install_executor" => (self.install(id, cmd), None),
+            "remove_executor" => (self.remove(id, cmd), None),
+            other => (reject(Some(id), Reason::UnknownAction, &format!("unknown action {other:?}")), None),
         }
     }
 
@@ -583,7 +604,24 @@ impl Pipeline {
         }
     }
 
-    fn execute(&self, id: &str, cmd: &Map<String, Value>, source: &str) -> Value {
+    /// Step 7 on for an `execute` command: its reply, and its record in `running/` — marked
+    /// finished with the reply's status — to be dropped once the reply is delivered.
+    fn execute(&self, id: &str, cmd: &Map<String, Value>, source: &str) -> (Value, Option<crate::inflight::Running>) {
+        let mut running = None;
+        let reply = self.execute_in(id, cmd, source, &mut running);
+        if let Some(r) = running.as_mut() {
+            r.finish(reply["status"].as_str().unwrap_or("failed"));
+        }
+        (reply, running)
+    }
+
+    fn execute_in(
+        &self,
+        id: &str,
+        cmd: &Map<String, Value>,
+        source: &str,
+        running: &mut Option<crate::inflight::Running>,
+    ) -> Value {
         let (mut executor, action_id) = match self.lookup(cmd) {
             Ok(x) => x,
             Err((reason, e)) => return reject(Some(id), reason, &e),
@@ -624,14 +662,16 @@ impl Pipeline {
             background_teardown: true,
             timeline: None,
         };
-        // On disk while it runs: an agent that dies meanwhile says so at its next start.
-        let _running = self.inflight.as_ref().and_then(|f| {
+        // On disk while it runs (and until its reply is delivered): an agent that dies
+        // meanwhile says so at its next start.
+        *running = self.inflight.as_ref().and_then(|f| {
             f.begin(&crate::inflight::Entry {
                 command_id: id.to_string(),
                 executor: name.clone(),
                 source: source.to_string(),
                 pid: std::process::id(),
                 started: crate::rfc3339::format(crate::rfc3339::now()),
+                finished: None,
             })
         });
         match crate::executor_run::run(req) {

@@ -575,13 +575,15 @@ fn serve_client(mut stream: UnixStream, pipeline: &Pipeline) {
         // and no place in the concurrency limit.
         return;
     }
-    let reply = pipeline.submit(&buf, &source);
-    let mut line = reply.to_string();
+    let handled = pipeline.submit(&buf, &source);
+    let mut line = handled.reply.to_string();
     line.push('\n');
     // A client that never reads a reply larger than the socket's buffer must not hold this
     // thread (and with it the agent's shutdown, which waits for its workers) for ever.
     let _ = stream.set_write_timeout(Some(READ_DEADLINE));
     let _ = stream.write_all(line.as_bytes());
+    // Delivered (or given up on): the command's record in `running/` goes only now.
+    drop(handled.delivery);
 }
 
 /// The most `submit` reads of a reply: a result's output is capped at 4 MiB of JSON, its
@@ -672,28 +674,6 @@ pub fn prepare_state_dir(dir: &Path) -> Result<StateDirLock, CannotRun> {
     }
     check_state_dir(dir)?;
     std::fs::metadata(dir).map(drop).map_err(fail)?;
-    // Writable now, not at the first command: a read-only or broken file system here made
-    // the agent start, then refuse every command ("replay store: … Read-only file system")
-    // with nothing at start to say why.
-    let probe = dir.join(".write-check");
-    let written = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .custom_flags(libc::O_NOFOLLOW)
-        .open(&probe)
-        .and_then(|mut f| {
-            std::io::Write::write_all(&mut f, b"ok\n")?;
-            f.sync_data()
-        });
-    let _ = std::fs::remove_file(&probe);
-    written.map_err(|e| {
-        CannotRun(format!(
-            "agent.state_dir: {}: cannot be written ({e}); the replay store keeps every command id there",
-            dir.display()
-        ))
-    })?;
     // One agent per state directory, decided before the agent does anything else: two
     // started at once both found the socket stale, and the second replaced the first's (which went on running unreachable,
     // and took the socket with it when stopped); a second start also installed executors,
@@ -703,7 +683,13 @@ pub fn prepare_state_dir(dir: &Path) -> Result<StateDirLock, CannotRun> {
         &lock_path,
         std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).mode(0o600),
     )
-    .map_err(|e| CannotRun(format!("agent.state_dir: {}: {e}", lock_path.display())))?;
+    .map_err(|e| {
+        CannotRun(format!(
+            "agent.state_dir: {}: cannot be written ({}: {e}); the replay store keeps every command id there",
+            dir.display(),
+            lock_path.display()
+        ))
+    })?;
     let held = match nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock) {
         Ok(held) => held,
         Err((_, nix::errno::Errno::EWOULDBLOCK)) => {
@@ -717,6 +703,29 @@ pub fn prepare_state_dir(dir: &Path) -> Result<StateDirLock, CannotRun> {
         }
         Err((_, e)) => return Err(CannotRun(format!("agent.state_dir: {}: flock: {e}", lock_path.display()))),
     };
+    // Writable now, not at the first command: a read-only or broken file system here made
+    // the agent start, then refuse every command ("replay store: … Read-only file system")
+    // with nothing at start to say why.
+    let probe = dir.join(".write-check");
+    let written = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        // A FIFO planted at the name must not hang the start (root-only directory).
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(&probe)
+        .and_then(|mut f| {
+            std::io::Write::write_all(&mut f, b"ok\n")?;
+            f.sync_data()
+        });
+    let _ = std::fs::remove_file(&probe);
+    written.map_err(|e| {
+        CannotRun(format!(
+            "agent.state_dir: {}: cannot be written ({e}); the replay store keeps every command id there",
+            dir.display()
+        ))
+    })?;
     Ok(StateDirLock(held))
 }
 

@@ -1,14 +1,17 @@
-//! Commands an agent is running, kept as one small file each in `agent.state_dir/running`
-//! from just before an `execute` command's run until its reply — so that an agent that died
+//! `execute` commands an agent is running, kept as one small file each in
+//! `agent.state_dir/running` from just before the run until its reply is delivered — so that an agent that died
 //! mid-command (SIGKILL, the OOM killer, a crash) says so at its next start instead of
 //! leaving the command's start without an end and its id a "replay" forever.
 //!
 //! Guarantees:
 //! - at start ([`InFlight::recover`]) every file left is audited as `executor_fail` with
-//!   `status: failed`, `reason: interrupted` and the pid of the agent it ran in, then removed;
+//!   `status: failed`, `reason: interrupted` and the pid of the agent it ran in — or, for a
+//!   run that had ended and whose reply was not yet delivered, as `result_undelivered` —,
+//!   then removed;
 //! - such a command's id, sent again while this agent runs, is answered `failed` with reason
-//!   `interrupted` ([`InFlight::interrupted`]), not refused as a replay (a security event):
-//!   it ran, or began to, and is never run again under that id;
+//!   `interrupted` (or its status with `result_lost`) ([`InFlight::interrupted`]), not
+//!   refused as a replay (a security event): it ran, or began to, and is never run again
+//!   under that id — for this agent's life (after one more restart the id is a `replay`);
 //! - a command that came from the platform has that answer posted to it too
 //!   ([`InFlight::recover`] returns them), so the platform learns the outcome;
 //! - the files are written without `fdatasync` (a page-cache write, ~20 µs on the command
@@ -35,6 +38,10 @@ pub struct Entry {
     pub pid: u32,
     /// When its run began (RFC 3339, UTC).
     pub started: String,
+    /// Its run ended with this status, its reply not yet delivered (the socket's client not
+    /// yet written to, the platform not yet posted to): the agent died between the two.
+    #[serde(default)]
+    pub finished: Option<String>,
 }
 
 /// The directory of running commands, and the ones a dead predecessor left.
@@ -43,9 +50,39 @@ pub struct InFlight {
     interrupted: Mutex<HashMap<String, Entry>>,
 }
 
-/// A running command's file, removed when this is dropped (the command answered).
+/// A running command's file, removed when this is dropped — once its reply is delivered
+/// (written to the socket's client, posted to the platform), not when its run ends.
 pub struct Running {
     path: PathBuf,
+    entry: Entry,
+}
+
+impl Running {
+    /// The run ended with `status`: only its reply is still to be delivered. Rewritten whole
+    /// (a new file renamed over the old), so a crash leaves one or the other.
+    pub fn finish(&mut self, status: &str) {
+        self.entry.finished = Some(status.to_string());
+        let tmp = self.path.with_extension("new");
+        let written = write_entry(&tmp, &self.entry).and_then(|()| std::fs::rename(&tmp, &self.path));
+        if let Err(e) = written {
+            let _ = std::fs::remove_file(&tmp);
+            tracing::warn!(path = %self.path.display(), error = %e, "a finished command's record could not be updated");
+        }
+    }
+}
+
+fn write_entry(path: &Path, entry: &Entry) -> std::io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let text = serde_json::to_vec(entry).unwrap_or_default();
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        // A FIFO or a link planted at the name is never opened through (root-only directory).
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)?;
+    std::io::Write::write_all(&mut f, &text)
 }
 
 impl Drop for Running {
@@ -88,19 +125,9 @@ impl InFlight {
     /// that cannot be written is logged, and the command goes on (what it would have told
     /// is the audit log's start without an end).
     pub fn begin(&self, entry: &Entry) -> Option<Running> {
-        use std::os::unix::fs::OpenOptionsExt;
         let path = self.path_of(&entry.command_id);
-        let text = serde_json::to_vec(entry).unwrap_or_default();
-        let written = std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(&path)
-            .and_then(|mut f| std::io::Write::write_all(&mut f, &text));
-        match written {
-            Ok(()) => Some(Running { path }),
+        match write_entry(&path, entry) {
+            Ok(()) => Some(Running { path, entry: entry.clone() }),
             Err(e) => {
                 tracing::error!(path = %path.display(), error = %e, "a running command could not be recorded");
                 let _ = std::fs::remove_file(&path);
@@ -110,9 +137,11 @@ impl InFlight {
     }
 
     /// At start, before any command: audit each command a dead predecessor left running as
-    /// `executor_fail` (`interrupted`), remember it for [`InFlight::interrupted`], remove its
-    /// file (once its record is durable), and return them. A file that is not an entry is
-    /// logged and removed.
+    /// `executor_fail` (`interrupted`) — or, one whose run had ended and only its reply was
+    /// undelivered, as `result_undelivered` (its end is in the log already) —, remember it
+    /// for [`InFlight::interrupted`], remove its file (once its record is durable), and
+    /// return them. A file that is not such an entry (its name not the SHA-256 of its id,
+    /// an id longer than a command's may be, an unknown source) is logged and removed.
     pub fn recover(&self) -> Vec<Entry> {
         let Ok(list) = std::fs::read_dir(&self.dir) else { return vec![] };
         let mut found = Vec::new();
@@ -124,38 +153,58 @@ impl InFlight {
                     let mut text = Vec::new();
                     std::io::Read::read_to_end(&mut std::io::Read::take(f, MAX_ENTRY_BYTES), &mut text).ok()?;
                     serde_json::from_slice::<Entry>(&text).ok()
+                })
+                .filter(|entry| {
+                    entry.command_id.len() <= crate::replay::MAX_ID_BYTES
+                        && e.file_name().to_str() == Some(&crate::audit::sha256_hex(entry.command_id.as_bytes()))
+                        && (entry.source == "platform" || entry.source.starts_with("socket"))
                 });
             let Some(entry) = entry else {
                 tracing::warn!(path = %path.display(), "not a running command's record; removed");
-                let _ = std::fs::remove_file(&path);
+                if std::fs::remove_file(&path).is_err() {
+                    let _ = std::fs::remove_dir(&path);
+                }
                 continue;
             };
             let pid = entry.pid.to_string();
-            let recorded = crate::audit::try_record(
-                "executor_fail",
-                &[
-                    ("command_id", &entry.command_id),
-                    ("executor", &entry.executor),
-                    ("status", "failed"),
-                    ("reason", "interrupted"),
-                    ("killed_by", ""),
-                    ("agent_pid", &pid),
-                    ("started", &entry.started),
-                    ("source", &entry.source),
-                ],
-            );
+            let recorded = match &entry.finished {
+                None => crate::audit::try_record(
+                    "executor_fail",
+                    &[
+                        ("command_id", &entry.command_id),
+                        ("executor", &entry.executor),
+                        ("status", "failed"),
+                        ("reason", "interrupted"),
+                        ("killed_by", ""),
+                        ("agent_pid", &pid),
+                        ("started", &entry.started),
+                        ("source", &entry.source),
+                    ],
+                ),
+                Some(status) => crate::audit::try_record(
+                    "result_undelivered",
+                    &[
+                        ("command_id", &entry.command_id),
+                        ("executor", &entry.executor),
+                        ("status", status),
+                        ("agent_pid", &pid),
+                        ("source", &entry.source),
+                    ],
+                ),
+            };
             match recorded {
                 Ok(()) => {
                     let _ = std::fs::remove_file(&path);
                 }
-                // Kept for the next start to try again; answered `interrupted` meanwhile.
+                // Kept for the next start to try again; answered meanwhile.
                 Err(e) => tracing::error!(error = %e, "an interrupted command could not be audited"),
             }
             tracing::warn!(
-                command_id = %entry.command_id,
-                executor = %entry.executor,
+                command_id = %crate::one_terminal_line(&entry.command_id),
+                executor = %crate::one_terminal_line(&entry.executor),
                 agent_pid = entry.pid,
-                "a command was running when the agent stopped; it did not finish"
+                finished = entry.finished.as_deref().unwrap_or(""),
+                "a command was running when the agent stopped: it did not finish, or its reply was not delivered"
             );
             found.push(entry);
         }
@@ -172,18 +221,32 @@ impl InFlight {
     }
 }
 
-/// The reply for an interrupted command (to the platform at start, or to its id sent again).
+/// The reply for an interrupted command (to the platform at start, or to its id sent again):
+/// `failed`/`interrupted` for a run that did not finish; for one that finished and whose
+/// reply was lost with the agent, its status and `result_lost` (the result itself is gone).
 pub fn reply(entry: &Entry) -> serde_json::Value {
-    serde_json::json!({
-        "status": "failed",
-        "command_id": entry.command_id,
-        "reason": "interrupted",
-        "error": format!(
-            "the agent (pid {}) stopped while this command ran (started {}); it did not finish and is not run \
-             again under this command_id",
-            entry.pid, entry.started
-        ),
-    })
+    match &entry.finished {
+        None => serde_json::json!({
+            "status": "failed",
+            "command_id": entry.command_id,
+            "reason": "interrupted",
+            "error": format!(
+                "the agent (pid {}) stopped while this command ran (started {}), or as it was about to begin: it did \
+                 not finish and is not run again under this command_id",
+                entry.pid, entry.started
+            ),
+        }),
+        Some(status) => serde_json::json!({
+            "status": status,
+            "command_id": entry.command_id,
+            "reason": "result_lost",
+            "error": format!(
+                "the command finished ({status}), but the agent (pid {}) stopped before its result was delivered: \
+                 the result itself is lost (the audit log holds the run's end); it is not run again under this command_id",
+                entry.pid
+            ),
+        }),
+    }
 }
 
 #[cfg(test)]
@@ -205,6 +268,7 @@ mod tests {
             source: "platform".into(),
             pid: 42,
             started: "2026-12-07T10:00:00Z".into(),
+            finished: None,
         }
     }
 
@@ -237,6 +301,45 @@ mod tests {
         assert_eq!(next.interrupted("left-1"), Some(entry("left-1")), "still answered");
         let r = reply(&entry("left-1"));
         assert_eq!((r["status"].as_str(), r["reason"].as_str()), (Some("failed"), Some("interrupted")));
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    /// A run that ended, its reply undelivered when the agent died: answered with its status
+    /// and `result_lost`, not as interrupted.
+    #[test]
+    fn a_finished_run_whose_reply_was_lost_is_told_apart() {
+        let d = scratch("finished");
+        let f = InFlight::open(&d).unwrap();
+        let mut g = f.begin(&entry("done-1")).unwrap();
+        g.finish("completed");
+        std::mem::forget(g);
+        let next = InFlight::open(&d).unwrap();
+        let found = next.recover();
+        assert_eq!(found.len(), 1);
+        assert_eq!(found[0].finished.as_deref(), Some("completed"));
+        let r = reply(&found[0]);
+        assert_eq!((r["status"].as_str(), r["reason"].as_str()), (Some("completed"), Some("result_lost")));
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    /// Files that are not a running command's own record are removed, never taken: a name
+    /// that is not the SHA-256 of its id, an id longer than a command's, an unknown source.
+    #[test]
+    fn records_that_are_not_ours_are_removed_not_taken() {
+        let d = scratch("foreign");
+        let f = InFlight::open(&d).unwrap();
+        let put = |name: &str, e: &Entry| {
+            std::fs::write(d.join("running").join(name), serde_json::to_vec(e).unwrap()).unwrap()
+        };
+        put("not-the-hash", &entry("x-1"));
+        let long = entry(&"i".repeat(crate::replay::MAX_ID_BYTES + 1));
+        put(&crate::audit::sha256_hex(long.command_id.as_bytes()), &long);
+        let mut odd = entry("x-2");
+        odd.source = "anywhere".into();
+        put(&crate::audit::sha256_hex(b"x-2"), &odd);
+        std::fs::create_dir(d.join("running/a-directory")).unwrap();
+        assert!(f.recover().is_empty());
+        assert_eq!(std::fs::read_dir(d.join("running")).unwrap().count(), 0, "all removed");
         let _ = std::fs::remove_dir_all(&d);
     }
 }

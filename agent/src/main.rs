@@ -768,7 +768,21 @@ fn run_executor(
                 outln!("{reply}");
                 return Ok(ExitCode::from(1));
             }
-            None => return Err(CannotRun(e.message().to_string())),
+            None => {
+                // Refused before it started (its permissions, its sandbox's set-up): audited
+                // as the agent audits a command's refusal — a check that said no is an event.
+                let m = &executor_ref.manifest;
+                agent::audit::record(
+                    "executor_refused",
+                    &[
+                        ("executor", &m.name),
+                        ("version", &m.version),
+                        ("package", &executor_ref.dir.to_string_lossy()),
+                        ("reason", e.message()),
+                    ],
+                );
+                return Err(CannotRun(e.message().to_string()));
+            }
         },
     };
     outln!("{}", serde_json::to_string(&result)?);

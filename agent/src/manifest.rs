@@ -445,7 +445,7 @@ impl Manifest {
                 "entry_point",
                 format!("'{}' is not of the form module.Class", self.entry_point),
             ));
-        } else if ["opservant", "s4e_agent"].contains(&parts[0]) {
+        } else if ["opservant", "s4e_agent", "_opservant"].contains(&parts[0]) {
             // The runtime's own packages, which the sandbox's interpreter has loaded already:
             // an executor module of that name would never be imported (the run failed late,
             // at its load, after lint had said ok).
@@ -663,6 +663,7 @@ mod tests {
             ("\"act-service-discovery\"", "\"act-port-scan\"", "supported_actions[1]"),
             ("\"port_scanner.PortScanExecutor\"", "\"opservant.PortScanExecutor\"", "entry_point"),
             ("\"port_scanner.PortScanExecutor\"", "\"s4e_agent.x.E\"", "entry_point"),
+            ("\"port_scanner.PortScanExecutor\"", "\"_opservant.main.E\"", "entry_point"),
         ] {
             let e = Manifest::parse(&SEED.replace(from, to)).unwrap_err();
             assert_eq!(e.path, path, "{from} -> {to}: {e}");

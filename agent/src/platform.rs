@@ -606,15 +606,15 @@ pub fn run(
                             }
                         }
                         let _done = Done(taken);
-                        let handled = place.submit(&bytes, "platform");
+                        let crate::command::Handled { reply, passed_checks, delivery } =
+                            place.submit(&bytes, "platform");
                         // Counted before the result is posted (and so before this command's
                         // place in `taken` is given back to the poll).
-                        if handled.passed_checks {
+                        if passed_checks {
                             refused.store(0, Ordering::SeqCst);
                         } else {
                             refused.fetch_add(1, Ordering::SeqCst);
                         }
-                        let reply = handled.reply;
                         let body =
                             json!({"agent_id": platform.agent_id, "command_id": reply["command_id"], "result": reply});
                         // Results are retried a few times; the audit log holds them regardless.
@@ -627,6 +627,9 @@ pub fn run(
                                 }
                             }
                         }
+                        // Posted (or given up on): the command's record in `running/` goes
+                        // only now — an agent that dies while posting says so at its start.
+                        drop(delivery);
                     });
                     if let Err(e) = spawned {
                         // Never taken (not seen: the platform sends it again): counted out; its

@@ -163,6 +163,9 @@ pub struct State {
     pub results_at: Vec<Instant>,
     /// Keep connections open for further requests (`Connection: keep-alive`).
     pub keep_alive: bool,
+    /// Answer `POST results` with `503` (counted in `results_refused`), keeping none.
+    pub refuse_results: bool,
+    pub results_refused: usize,
 }
 
 pub struct TestPlatform {
@@ -298,6 +301,10 @@ fn answer(req: https::Request, state: &Mutex<State>) -> https::Response {
         }
         ("POST", "results") => {
             let mut st = state.lock().unwrap();
+            if st.refuse_results {
+                st.results_refused += 1;
+                return https::Response::json("503 Service Unavailable", &json!({"error": "try later"}));
+            }
             st.results.push(serde_json::from_slice(&req.body).unwrap_or(Value::Null));
             st.results_at.push(Instant::now());
             json!({"ok": true})

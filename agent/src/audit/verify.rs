@@ -437,7 +437,7 @@ fn verify_with<'a, E>(
                         };
                         // The edited record was counted when it was read: it is the problem,
                         // not one of the records verified before it.
-                        uncount_last(&mut report, &mut summary, p.file == name);
+                        uncount_last(&mut report, &mut summary, &p.file, p.file == name);
                         report.head = head_before.take();
                         return Ok(fail(report, summary, edited));
                     }
@@ -481,9 +481,10 @@ fn verify_with<'a, E>(
     Ok(report)
 }
 
-/// Take the last record counted back out of the report's counts (and out of `summary`'s when
-/// it is in that file): seqs go up by exactly one across what was counted.
-fn uncount_last(report: &mut VerifyReport, summary: &mut FileSummary, in_summary: bool) {
+/// Take the last record counted — in `file` — back out of the report's counts, and out of
+/// that file's summary (`summary` when `in_summary`): seqs go up by exactly one across what
+/// was counted.
+fn uncount_last(report: &mut VerifyReport, summary: &mut FileSummary, file: &str, in_summary: bool) {
     let back = |records: &mut u64, first: &mut Option<u64>, last: &mut Option<u64>| {
         *records = records.saturating_sub(1);
         if *records == 0 {
@@ -495,7 +496,8 @@ fn uncount_last(report: &mut VerifyReport, summary: &mut FileSummary, in_summary
     back(&mut report.records, &mut report.first_seq, &mut report.last_seq);
     if in_summary {
         back(&mut summary.records, &mut summary.first_seq, &mut summary.last_seq);
-    } else if let Some(f) = report.files.last_mut() {
+    } else if let Some(f) = report.files.iter_mut().rev().find(|f| f.path == file) {
+        // The file that holds it (an empty file may lie between it and this one).
         back(&mut f.records, &mut f.first_seq, &mut f.last_seq);
     }
 }
