@@ -514,7 +514,8 @@ fn verify_during_appends_and_rotations_reports_no_false_problem() {
 }
 
 /// A run refused before it starts — its manifest asks to write a system directory, which is
-/// never granted — is audited `executor_refused`, naming the executor, its package and why:
+/// never granted — is audited `executor_refused` (a script, `script_refused`), naming the
+/// executor, its package and why:
 /// a check that said no is an event (it left no record before the twenty-first session).
 #[test]
 fn a_run_refused_before_it_starts_is_audited() {
@@ -536,6 +537,24 @@ fn a_run_refused_before_it_starts_is_audited() {
     assert_eq!((f["executor"].as_str(), f["package"].as_str()), (Some("audit-test"), Some(exec.str())), "{f}");
     assert!(f["reason"].as_str().unwrap().contains("/etc"), "{f}");
     assert!(!recs.iter().any(|r| r["event"] == "executor_start"), "it never started: {recs:?}");
+    // A script under the same manifest: `script_refused`.
+    let dir = HostDir::new();
+    let script = put(&dir.path, "s.py", "print(1)\n");
+    let out = opservant(&[
+        "script",
+        "python",
+        script.to_str().unwrap(),
+        "--manifest",
+        manifest.to_str().unwrap(),
+        "--config",
+        log.conf(),
+    ]);
+    assert_eq!(out.code, 2, "{out:?}");
+    let recs = log.records();
+    let refused: Vec<&Value> = recs.iter().filter(|r| r["event"] == "script_refused").collect();
+    assert_eq!(refused.len(), 1, "{recs:?}");
+    assert!(refused[0]["fields"]["reason"].as_str().unwrap().contains("/etc"), "{}", refused[0]);
+    assert!(!recs.iter().any(|r| r["event"] == "script_start"), "it never started: {recs:?}");
     assert_eq!(log.verify(&[]).code, 0);
 }
 

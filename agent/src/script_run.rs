@@ -138,8 +138,18 @@ pub fn run(req: ScriptRequest) -> Result<ScriptResult, CannotRun> {
     }
     let bytes = read_script(req.file)?;
     let runtime = req.runtime.to_string_lossy().into_owned();
-    crate::policy::refuse_unmet(req.manifest, "opservant script", req.language == Language::Python)?;
-    let (mut spec, mut limits) = req.policy.spec_for(req.manifest, &runtime, vec![])?;
+    // What the manifest asks that is refused (a network it cannot have, a path never
+    // granted) is a check that said no: audited, as a run's refusal is.
+    let refused = |e: CannotRun| {
+        audit::record(
+            "script_refused",
+            &[("language", req.language.as_str()), ("script", &req.file.display().to_string()), ("reason", &e.0)],
+        );
+        e
+    };
+    crate::policy::refuse_unmet(req.manifest, "opservant script", req.language == Language::Python)
+        .map_err(|e| refused(e.into()))?;
+    let (mut spec, mut limits) = req.policy.spec_for(req.manifest, &runtime, vec![]).map_err(|e| refused(e.into()))?;
 
     let manifest_timeout = req.manifest.and_then(|m| m.resource_limits.timeout_seconds);
     let limit_policy = &req.policy.limits;
