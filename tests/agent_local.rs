@@ -1213,7 +1213,7 @@ fn a_command_running_when_the_agent_died_is_reported_interrupted() {
         .count();
     assert_eq!(fails, 1, "reported once");
     // A command that ends normally leaves nothing behind.
-    let running = a.dir.path.join("state/running");
+    let running = a.socket.parent().unwrap().join("running");
     assert_eq!(std::fs::read_dir(&running).unwrap().count(), 0, "{}", running.display());
     assert!(a.stop().success());
 }

@@ -56,7 +56,7 @@ impl Place {
 pub struct Handled {
     pub reply: Value,
     pub passed_checks: bool,
-    /// An `execute` command's record in `agent.state_dir/running` ([`crate::inflight`]):
+    /// An `execute` command's record in the runtime directory's `running` ([`crate::inflight`]):
     /// drop it once the reply is delivered (written to the client, posted to the platform).
     pub delivery: Option<crate::inflight::Running>,
 }

@@ -1032,8 +1032,8 @@ fn agent_daemon(config: Option<PathBuf>, check_only: bool) -> Result<ExitCode, C
         .map_err(|e| CannotRun(format!("warm pool: {e}")))?;
     // Commands a dead predecessor left running: audited as interrupted before any command
     // is taken (their ids are answered so when sent again; the platform's are posted to it).
-    let inflight =
-        agent::inflight::InFlight::open(&settings.state_dir).map_err(|e| CannotRun(format!("agent.state_dir: {e}")))?;
+    let inflight = agent::inflight::InFlight::open(settings.socket.parent().unwrap_or(std::path::Path::new(".")))
+        .map_err(|e| CannotRun(format!("agent.socket's directory: {e}")))?;
     let interrupted = inflight.recover();
     let pipeline = agent::command::Pipeline {
         inflight: Some(inflight),
