@@ -1212,9 +1212,14 @@ fn a_command_running_when_the_agent_died_is_reported_interrupted() {
         .filter(|e| e["event"] == "executor_fail" && e["fields"]["command_id"] == "died-1")
         .count();
     assert_eq!(fails, 1, "reported once");
-    // A command that ends normally leaves nothing behind.
-    let running = a.socket.parent().unwrap().join("running");
-    assert_eq!(std::fs::read_dir(&running).unwrap().count(), 0, "{}", running.display());
+    // A command that ends normally leaves nothing behind (its record goes once its reply is
+    // written); nor did the recovered one.
+    let (code, r) = a.submit(&a.sign(&scan("after-recovery")));
+    assert_eq!((code, r["status"].clone()), (0, json!("completed")), "{r}");
+    let running = PathBuf::from(format!("{}.running", a.socket.display()));
+    let records: Vec<_> =
+        std::fs::read_dir(&running).unwrap().flatten().filter(|e| e.file_name() != "lock").map(|e| e.path()).collect();
+    assert!(records.is_empty(), "{records:?}");
     assert!(a.stop().success());
 }
 
@@ -1753,16 +1758,21 @@ fn only_root_may_talk_to_the_agent_and_one_agent_per_socket() {
         stderr.contains("another agent runs with this state directory") && stderr.contains(&format!("pid {pid} ")),
         "{stderr}"
     );
-    // One on the same socket with a state directory of its own: refused, the socket's agent
-    // answering.
+    // One on the same socket with a state directory of its own: refused too, by the lock on
+    // the socket's record of running commands, before it reads any (it would have taken the
+    // running agent's commands for ones a dead agent left).
     let text = std::fs::read_to_string(&a.config).unwrap();
     let state = a.dir.path.join("state");
     let other = a.dir.path.join("other.yaml");
     let other_state = a.dir.path.join("other-state");
     std::fs::write(&other, text.replace(state.to_str().unwrap(), other_state.to_str().unwrap())).unwrap();
     let out = op(&["agent", "--config", other.to_str().unwrap()]);
-    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("already listening"));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("another agent runs on this socket") && stderr.contains(&format!("pid {pid} ")),
+        "{stderr}"
+    );
     // The socket is root-only.
     use std::os::unix::fs::PermissionsExt;
     assert_eq!(std::fs::metadata(&a.socket).unwrap().permissions().mode() & 0o777, 0o600);

@@ -624,10 +624,16 @@ fn a_record_that_cannot_be_written_whole_is_not_left_half_written() {
         // SIGXFSZ at its default (it kills) whatever this test process inherited — a shell's
         // `trap -` cannot undo a disposition ignored when it started — so that only
         // opservant's own ignoring of it keeps it alive.
-        // SAFETY: signal(2) with SIG_DFL is async-signal-safe and touches no memory.
+        // SAFETY: signal(2) with SIG_DFL and sigprocmask(2) are async-signal-safe; the set
+        // is a local the calls only read.
         unsafe {
             std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
                 libc::signal(libc::SIGXFSZ, libc::SIG_DFL);
+                // Nor blocked (a blocked signal would let the test pass as an ignored one).
+                let mut set: libc::sigset_t = std::mem::zeroed();
+                libc::sigemptyset(&mut set);
+                libc::sigaddset(&mut set, libc::SIGXFSZ);
+                libc::sigprocmask(libc::SIG_UNBLOCK, &set, std::ptr::null_mut());
                 Ok(())
             });
         }

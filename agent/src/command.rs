@@ -90,7 +90,7 @@ pub struct Pipeline {
     /// `executors.install` entries that failed at start (heartbeats and `ping` report them).
     pub install_failures: Vec<crate::executor_install::InstallFailure>,
     /// The commands running now, on disk, and those a dead predecessor left
-    /// ([`crate::inflight`]); `None`: not kept (a pipeline without a state directory).
+    /// ([`crate::inflight`]); `None`: not kept (a pipeline without a socket of its own).
     pub inflight: Option<crate::inflight::InFlight>,
     /// Interrupted commands from the platform whose answer is still to be posted to it
     /// (taken by the platform connection as it starts).
@@ -506,13 +506,13 @@ impl Pipeline {
                 // Sent again after the agent's stop interrupted it (a client that lost its
                 // reply with the agent): what became of it, not a replay refusal.
                 Some(entry) => {
+                    let (reason, detail) = match entry.finished {
+                        None => (Reason::Interrupted, "sent again after the agent's stop interrupted it"),
+                        Some(_) => (Reason::ResultLost, "sent again after its result was lost with the agent's stop"),
+                    };
                     audit::record(
                         "command_rejected",
-                        &[
-                            ("command_id", &id),
-                            ("reason", Reason::Interrupted.as_str()),
-                            ("detail", "sent again after the agent's stop interrupted it"),
-                        ],
+                        &[("command_id", &id), ("reason", reason.as_str()), ("detail", detail)],
                     );
                     Err(crate::inflight::reply(&entry))
                 }
@@ -672,6 +672,7 @@ impl Pipeline {
                 pid: std::process::id(),
                 started: crate::rfc3339::format(crate::rfc3339::now()),
                 finished: None,
+                audited: false,
             })
         });
         match crate::executor_run::run(req) {

@@ -1,6 +1,6 @@
-//! `execute` commands an agent is running, kept as one small file each in the runtime
-//! directory's `running` (beside the agent's socket: `/run/opservant/running`) from just
-//! before the run until its reply is delivered — so that an agent that died
+//! `execute` commands an agent is running, kept as one small file each in `<socket>.running`
+//! beside the agent's socket (`/run/opservant/agent.sock.running`) from just before the run
+//! until its reply is delivered — so that an agent that died
 //! mid-command (SIGKILL, the OOM killer, a crash) says so at its next start instead of
 //! leaving the command's start without an end and its id a "replay" forever.
 //!
@@ -8,7 +8,8 @@
 //! - at start ([`InFlight::recover`]) every file left is audited as `executor_fail` with
 //!   `status: failed`, `reason: interrupted` and the pid of the agent it ran in — or, for a
 //!   run that had ended and whose reply was not yet delivered, as `result_undelivered` —,
-//!   then removed;
+//!   then removed (a platform's command once its outcome is posted to it: a start that
+//!   cannot post it leaves the record, marked audited, for the next);
 //! - such a command's id, sent again while this agent runs, is answered `failed` with reason
 //!   `interrupted` (or its status with `result_lost`) ([`InFlight::interrupted`]), not
 //!   refused as a replay (a security event): it ran, or began to, and is never run again
@@ -20,7 +21,8 @@
 //!   does not — then the audit log alone shows a start without an end.
 //!
 //! A file's name is the SHA-256 of the command id (ids may hold any character); its text is
-//! the [`Entry`] as JSON. At most `agent.max_concurrent` exist at once.
+//! the [`Entry`] as JSON. `install_executor` and `remove_executor` commands are not kept: a
+//! re-sent id of one an agent died running is a `replay` (heartbeats show what is installed).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -43,13 +45,26 @@ pub struct Entry {
     /// yet written to, the platform not yet posted to): the agent died between the two.
     #[serde(default)]
     pub finished: Option<String>,
+    /// A start recovered it and audited its end; a platform's command keeps its record until
+    /// its outcome is posted ([`InFlight::posted`]), across later starts too.
+    #[serde(default)]
+    pub audited: bool,
 }
 
 /// The directory of running commands, and the ones a dead predecessor left.
 pub struct InFlight {
     dir: PathBuf,
     interrupted: Mutex<HashMap<String, Entry>>,
+    /// Held for the agent's life ([`InFlight::open`]).
+    _lock: nix::fcntl::Flock<std::fs::File>,
 }
+
+/// The lock file in the directory (not a record).
+const LOCK: &str = "lock";
+/// At most this many records are taken at a start (each costs a durable audit record before
+/// the agent serves; the agent itself leaves at most one per concurrent command); the rest
+/// are removed, counted in one record.
+const MAX_RECOVERED: usize = 1024;
 
 /// A running command's file, removed when this is dropped — once its reply is delivered
 /// (written to the socket's client, posted to the platform), not when its run ends.
@@ -100,21 +115,35 @@ impl Drop for Running {
 const MAX_ENTRY_BYTES: u64 = 64 * 1024;
 
 impl InFlight {
-    /// `runtime_dir/running` (the agent socket's directory, `/run/opservant` — a tmpfs under
-    /// systemd, kept across restarts by `RuntimeDirectoryPreserve=yes`), created (0700) when
-    /// missing. Not the state directory: there, on this host's ext4, a command's create,
-    /// rename and unlink cost 0.5–2 ms under load (a tmpfs: ~40 µs).
-    pub fn open(runtime_dir: &Path) -> Result<InFlight, String> {
-        use std::os::unix::fs::DirBuilderExt;
-        // The socket's directory, when the agent has not made it yet: 0700, as it would.
-        if !runtime_dir.exists() {
+    /// `<socket>.running` beside the agent's socket (`/run/opservant/agent.sock.running`: the
+    /// runtime directory, a tmpfs under systemd kept across restarts by
+    /// `RuntimeDirectoryPreserve=yes`), created (0700) when missing, and held — an exclusive
+    /// `flock` on its `lock`, kept for the agent's life — before anything in it is read: two
+    /// agents never take each other's records (one on the same socket is refused here, naming
+    /// the holder). Its directory must be the agent's alone, as the socket's. Not the state
+    /// directory: there, on this host's ext4, a command's create, rename and unlink cost
+    /// 0.5–2 ms under load (a tmpfs: ~40 µs).
+    pub fn open(socket: &Path) -> Result<InFlight, String> {
+        use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+        let parent = socket
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .ok_or_else(|| format!("{}: the agent's socket must be named by an absolute path", socket.display()))?;
+        // The socket's directory, when the agent has not made it yet: 0700, as `bind` would;
+        // then checked as the socket's is (the agent's alone), before anything is made in it.
+        if !parent.exists() {
             std::fs::DirBuilder::new()
                 .recursive(true)
                 .mode(0o700)
-                .create(runtime_dir)
-                .map_err(|e| format!("{}: {e}", runtime_dir.display()))?;
+                .create(parent)
+                .map_err(|e| format!("{}: {e}", parent.display()))?;
         }
-        let dir = runtime_dir.join("running");
+        let meta = std::fs::metadata(parent).map_err(|e| format!("{}: {e}", parent.display()))?;
+        crate::config::check_agents_own_dir(parent, &meta)
+            .map_err(|m| format!("{m}; the agent socket's directory must be the agent's alone"))?;
+        let mut name = socket.file_name().unwrap_or_default().to_os_string();
+        name.push(".running");
+        let dir = parent.join(name);
         match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
@@ -126,7 +155,27 @@ impl InFlight {
         }
         crate::config::check_agents_own_dir(&dir, &meta)
             .map_err(|m| format!("{m}; the record of running commands must be the agent's alone"))?;
-        Ok(InFlight { dir, interrupted: Mutex::new(HashMap::new()) })
+        let lock_path = dir.join(LOCK);
+        let file = crate::bounded::open_regular_nofollow(
+            &lock_path,
+            std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).mode(0o600),
+        )
+        .map_err(|e| format!("{}: {e}", lock_path.display()))?;
+        let lock = match nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock) {
+            Ok(held) => held,
+            Err((_, nix::errno::Errno::EWOULDBLOCK)) => {
+                let by = crate::audit::lock::holders(&lock_path).unwrap_or_else(|| "another process".into());
+                return Err(format!("{}: another agent runs on this socket ({by} holds it)", socket.display()));
+            }
+            Err((_, e)) => return Err(format!("{}: flock: {e}", lock_path.display())),
+        };
+        Ok(InFlight { dir, interrupted: Mutex::new(HashMap::new()), _lock: lock })
+    }
+
+    /// The platform has the outcome of a command recovered at start ([`InFlight::recover`]):
+    /// its record goes.
+    pub fn posted(&self, command_id: &str) {
+        let _ = std::fs::remove_file(self.path_of(command_id));
     }
 
     fn path_of(&self, command_id: &str) -> PathBuf {
@@ -155,10 +204,25 @@ impl InFlight {
     /// return them. A file that is not such an entry (its name not the SHA-256 of its id,
     /// an id longer than a command's may be, an unknown source) is logged and removed.
     pub fn recover(&self) -> Vec<Entry> {
-        let Ok(list) = std::fs::read_dir(&self.dir) else { return vec![] };
+        let list = match std::fs::read_dir(&self.dir) {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::error!(dir = %self.dir.display(), error = %e, "the records of running commands cannot be read");
+                return vec![];
+            }
+        };
         let mut found = Vec::new();
+        let mut dropped = 0u64;
         for e in list.flatten() {
             let path = e.path();
+            if e.file_name() == LOCK {
+                continue;
+            }
+            if found.len() >= MAX_RECOVERED {
+                let _ = std::fs::remove_file(&path);
+                dropped += 1;
+                continue;
+            }
             let entry = crate::bounded::open_regular_nofollow(&path, std::fs::OpenOptions::new().read(true))
                 .ok()
                 .and_then(|f| {
@@ -180,6 +244,8 @@ impl InFlight {
             };
             let pid = entry.pid.to_string();
             let recorded = match &entry.finished {
+                // Audited by an earlier start; its outcome still to be posted to the platform.
+                _ if entry.audited => Ok(()),
                 None => crate::audit::try_record(
                     "executor_fail",
                     &[
@@ -205,6 +271,17 @@ impl InFlight {
                 ),
             };
             match recorded {
+                // The platform's keeps its record, marked audited, until its outcome is
+                // posted (the platform may be unreachable now, or the agent stop again).
+                Ok(()) if entry.source == "platform" => {
+                    if !entry.audited {
+                        let marked = Entry { audited: true, ..entry.clone() };
+                        let tmp = path.with_extension("new");
+                        if write_entry(&tmp, &marked).and_then(|()| std::fs::rename(&tmp, &path)).is_err() {
+                            let _ = std::fs::remove_file(&tmp);
+                        }
+                    }
+                }
                 Ok(()) => {
                     let _ = std::fs::remove_file(&path);
                 }
@@ -219,6 +296,12 @@ impl InFlight {
                 "a command was running when the agent stopped: it did not finish, or its reply was not delivered"
             );
             found.push(entry);
+        }
+        if dropped > 0 {
+            crate::audit::record(
+                "running_records_dropped",
+                &[("count", &dropped.to_string()), ("kept", &MAX_RECOVERED.to_string())],
+            );
         }
         let mut map = self.interrupted.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         for e in &found {
@@ -273,42 +356,52 @@ mod tests {
         d
     }
 
+    /// The records in the directory (its lock aside).
+    fn records(d: &Path) -> usize {
+        std::fs::read_dir(d.join("agent.sock.running")).unwrap().flatten().filter(|e| e.file_name() != LOCK).count()
+    }
+
     fn entry(id: &str) -> Entry {
         Entry {
             command_id: id.into(),
             executor: "x".into(),
-            source: "platform".into(),
+            source: "socket (pid 7, uid 0)".into(),
             pid: 42,
             started: "2026-12-07T10:00:00Z".into(),
             finished: None,
+            audited: false,
         }
     }
 
     #[test]
     fn a_running_command_is_recorded_until_its_guard_goes() {
         let d = scratch("guard");
-        let f = InFlight::open(&d).unwrap();
+        let f = InFlight::open(&d.join("agent.sock")).unwrap();
         let g = f.begin(&entry("a/b\n")).unwrap();
-        assert_eq!(std::fs::read_dir(d.join("running")).unwrap().count(), 1);
+        assert_eq!(records(&d), 1);
         drop(g);
-        assert_eq!(std::fs::read_dir(d.join("running")).unwrap().count(), 0);
+        assert_eq!(records(&d), 0);
         let _ = std::fs::remove_dir_all(&d);
     }
 
     #[test]
     fn what_a_dead_agent_left_is_recovered_once_and_answered_interrupted() {
         let d = scratch("recover");
-        let f = InFlight::open(&d).unwrap();
+        let f = InFlight::open(&d.join("agent.sock")).unwrap();
         std::mem::forget(f.begin(&entry("left-1")).unwrap());
-        std::fs::write(d.join("running/junk"), b"not an entry").unwrap();
-        let next = InFlight::open(&d).unwrap();
+        std::fs::write(d.join("agent.sock.running/junk"), b"not an entry").unwrap();
+        // Held by its agent: a second on the same socket is refused, and reads nothing.
+        let err = InFlight::open(&d.join("agent.sock")).err().expect("refused while held");
+        assert!(err.contains("another agent runs on this socket"), "{err}");
+        drop(f);
+        let next = InFlight::open(&d.join("agent.sock")).unwrap();
         assert!(next.interrupted("left-1").is_none(), "nothing known before recovery");
         let found = next.recover();
         assert_eq!(found, vec![entry("left-1")]);
         assert_eq!(next.interrupted("left-1"), Some(entry("left-1")));
         assert!(next.interrupted("other").is_none());
         // Recorded (no audit log is configured in this test: nothing to write to), removed.
-        assert_eq!(std::fs::read_dir(d.join("running")).unwrap().count(), 0);
+        assert_eq!(records(&d), 0);
         assert!(next.recover().is_empty(), "recovered once");
         assert_eq!(next.interrupted("left-1"), Some(entry("left-1")), "still answered");
         let r = reply(&entry("left-1"));
@@ -321,11 +414,12 @@ mod tests {
     #[test]
     fn a_finished_run_whose_reply_was_lost_is_told_apart() {
         let d = scratch("finished");
-        let f = InFlight::open(&d).unwrap();
+        let f = InFlight::open(&d.join("agent.sock")).unwrap();
         let mut g = f.begin(&entry("done-1")).unwrap();
         g.finish("completed");
         std::mem::forget(g);
-        let next = InFlight::open(&d).unwrap();
+        drop(f);
+        let next = InFlight::open(&d.join("agent.sock")).unwrap();
         let found = next.recover();
         assert_eq!(found.len(), 1);
         assert_eq!(found[0].finished.as_deref(), Some("completed"));
@@ -339,9 +433,9 @@ mod tests {
     #[test]
     fn records_that_are_not_ours_are_removed_not_taken() {
         let d = scratch("foreign");
-        let f = InFlight::open(&d).unwrap();
+        let f = InFlight::open(&d.join("agent.sock")).unwrap();
         let put = |name: &str, e: &Entry| {
-            std::fs::write(d.join("running").join(name), serde_json::to_vec(e).unwrap()).unwrap()
+            std::fs::write(d.join("agent.sock.running").join(name), serde_json::to_vec(e).unwrap()).unwrap()
         };
         put("not-the-hash", &entry("x-1"));
         let long = entry(&"i".repeat(crate::replay::MAX_ID_BYTES + 1));
@@ -349,9 +443,33 @@ mod tests {
         let mut odd = entry("x-2");
         odd.source = "anywhere".into();
         put(&crate::audit::sha256_hex(b"x-2"), &odd);
-        std::fs::create_dir(d.join("running/a-directory")).unwrap();
+        std::fs::create_dir(d.join("agent.sock.running/a-directory")).unwrap();
         assert!(f.recover().is_empty());
-        assert_eq!(std::fs::read_dir(d.join("running")).unwrap().count(), 0, "all removed");
+        assert_eq!(records(&d), 0, "all removed");
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    /// A platform's command keeps its record, marked audited, until its outcome is posted:
+    /// a start that cannot post it (the platform unreachable, the agent stopped again) leaves
+    /// it to the next, which posts it without auditing it twice.
+    #[test]
+    fn a_platforms_record_stays_until_its_outcome_is_posted() {
+        let d = scratch("platform");
+        let mut e = entry("plat-1");
+        e.source = "platform".into();
+        let f = InFlight::open(&d.join("agent.sock")).unwrap();
+        std::mem::forget(f.begin(&e).unwrap());
+        drop(f);
+        let next = InFlight::open(&d.join("agent.sock")).unwrap();
+        assert_eq!(next.recover(), vec![e.clone()]);
+        assert_eq!(records(&d), 1, "kept until posted");
+        drop(next);
+        let again = InFlight::open(&d.join("agent.sock")).unwrap();
+        let found = again.recover();
+        assert_eq!(found.len(), 1);
+        assert!(found[0].audited, "audited once, by the first start");
+        again.posted("plat-1");
+        assert_eq!(records(&d), 0);
         let _ = std::fs::remove_dir_all(&d);
     }
 }

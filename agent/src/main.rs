@@ -777,7 +777,12 @@ fn run_executor(
                     &[
                         ("executor", &m.name),
                         ("version", &m.version),
-                        ("package", &executor_ref.dir.to_string_lossy()),
+                        (
+                            "package",
+                            &std::path::absolute(&executor_ref.dir)
+                                .unwrap_or_else(|_| executor_ref.dir.clone())
+                                .to_string_lossy(),
+                        ),
                         ("reason", e.message()),
                     ],
                 );
@@ -1032,8 +1037,8 @@ fn agent_daemon(config: Option<PathBuf>, check_only: bool) -> Result<ExitCode, C
         .map_err(|e| CannotRun(format!("warm pool: {e}")))?;
     // Commands a dead predecessor left running: audited as interrupted before any command
     // is taken (their ids are answered so when sent again; the platform's are posted to it).
-    let inflight = agent::inflight::InFlight::open(settings.socket.parent().unwrap_or(std::path::Path::new(".")))
-        .map_err(|e| CannotRun(format!("agent.socket's directory: {e}")))?;
+    let inflight =
+        agent::inflight::InFlight::open(&settings.socket).map_err(|e| CannotRun(format!("agent.socket: {e}")))?;
     let interrupted = inflight.recover();
     let pipeline = agent::command::Pipeline {
         inflight: Some(inflight),
@@ -1082,7 +1087,10 @@ fn submit(signed: &std::path::Path, socket: Option<PathBuf>, config: Option<Path
     }
     let reply = agent::daemon::submit(&socket, &command).map_err(|e| CannotRun(e.0))?;
     outln!("{reply}");
-    Ok(if reply["status"] == "completed" { ExitCode::SUCCESS } else { ExitCode::from(1) })
+    // A command whose result was lost with the agent answers its run's status, `completed`
+    // perhaps, without the result: not a success for whoever wanted the result (exit 1).
+    let result_lost = reply["reason"] == "result_lost";
+    Ok(if reply["status"] == "completed" && !result_lost { ExitCode::SUCCESS } else { ExitCode::from(1) })
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -446,14 +446,20 @@ pub fn run(
         &mut *pipeline.interrupted_for_platform.lock().unwrap_or_else(std::sync::PoisonError::into_inner),
     );
     if !interrupted.is_empty() {
-        let platform = platform.clone();
+        let (platform, pipeline) = (platform.clone(), pipeline.clone());
         threads.push(std::thread::spawn(move || {
             for entry in interrupted {
                 let reply = crate::inflight::reply(&entry);
                 let body = json!({"agent_id": platform.agent_id, "command_id": entry.command_id, "result": reply});
                 for attempt in 0..5 {
                     match platform.post("results", &body) {
-                        Ok(()) => break,
+                        Ok(()) => {
+                            // Posted: its record goes (until then the next start posts it).
+                            if let Some(f) = &pipeline.inflight {
+                                f.posted(&entry.command_id);
+                            }
+                            break;
+                        }
                         Err(e) => {
                             tracing::warn!(error = %e, attempt, "posting an interrupted command's result failed");
                             std::thread::sleep(backoff(attempt));

@@ -248,8 +248,9 @@ pub fn refuse_unmet(manifest: Option<&Manifest>, command: &str, python: bool) ->
 
 /// The lock file through which every opservant process on the host — the service and
 /// command-line runs alike — shares out the host uids of sandboxes ([`sandbox::host_uid`]).
-/// Not in `/run/opservant`, which systemd removes when the service stops (a command-line
-/// run's lease would then be on a file no later lease sees); the unit makes this directory
+/// Not in `/run/opservant`, which systemd removed when the service stopped before the unit
+/// kept it (`RuntimeDirectoryPreserve=yes`), and which an operator's unit may still remove
+/// (a command-line run's lease would then be on a file no later lease sees); the unit makes this directory
 /// writable (`ReadWritePaths=`) and `systemd/tmpfiles.d` creates it at boot.
 pub const HOST_UIDS_LOCK: &str = "/run/opservant-host-uids/lock";
 
