@@ -90,6 +90,18 @@ pub fn runtime_binary() -> Result<PathBuf, CannotRun> {
 #[derive(Debug)]
 pub struct CannotRun(pub String);
 
+/// The runtime's arguments could not be sent: its end of the channel is gone, most likely
+/// because its sandbox's set-up failed — whose reason, not the broken pipe, is what the run
+/// reports (a race: "runtime arguments: Broken pipe" had hidden "sandbox setup failed at
+/// mounts: … not searchable" on a loaded host). The sandbox is stopped and its outcome read.
+pub(crate) fn arguments_not_taken(sb: sandbox::Sandbox, e: nix::errno::Errno) -> CannotRun {
+    sb.stop_handle().stop();
+    match sb.wait(sandbox::OutputOptions::default()) {
+        Err(setup) => CannotRun(setup.to_string()),
+        Ok(_) => CannotRun(format!("runtime arguments: {}", e.desc())),
+    }
+}
+
 impl<E: std::fmt::Display> From<E> for CannotRun {
     fn from(e: E) -> Self {
         CannotRun(e.to_string())
@@ -556,7 +568,9 @@ fn run_steps(req: RunRequest, may_have_run: &mut bool) -> Result<RunResult, Cann
     // start is audited: a run whose start cannot be audited never runs executor code
     // (dropping `sb` kills the sandbox, its payload still waiting for `proceed`).
     let app_chan = sb.take_app_channel().ok_or_else(|| CannotRun("no application channel".into()))?;
-    app_chan.send_bytes(&args).map_err(|e| CannotRun(format!("runtime arguments: {}", e.desc())))?;
+    if let Err(e) = app_chan.send_bytes(&args) {
+        return Err(arguments_not_taken(sb, e));
+    }
     let provider = Provider::from_config(req.config).map_err(CannotRun)?;
     // Audited only now: a run refused before this point (exit status 2) never started.
     limits.audit_clamps(("executor", &m.name));

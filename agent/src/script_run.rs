@@ -201,7 +201,9 @@ pub fn run(req: ScriptRequest) -> Result<ScriptResult, CannotRun> {
     let run = || -> Result<ScriptResult, CannotRun> {
         let mut sb = sandbox::Sandbox::spawn(&spec, &req.launcher, None)?;
         let chan = sb.take_app_channel().ok_or_else(|| CannotRun("no application channel".into()))?;
-        chan.send_bytes(&app::encode(&args)).map_err(|e| CannotRun(format!("runtime arguments: {}", e.desc())))?;
+        if let Err(e) = chan.send_bytes(&app::encode(&args)) {
+            return Err(crate::executor_run::arguments_not_taken(sb, e));
+        }
         let cpu = sb.cpu_limiter();
         let unblock = chan.shutdown_handle().map_err(|e| CannotRun(format!("application channel: {}", e.desc())))?;
         let server = thread::spawn(move || serve(chan, &cpu));
