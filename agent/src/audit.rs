@@ -1305,11 +1305,35 @@ fn try_record_to(sink: Option<Arc<AuditLog>>, event: &str, fields: &[(&str, &str
 
 /// Append with its flush, and the record's `tracing` line.
 fn append_to(sink: Option<Arc<AuditLog>>, event: &str, fields: &[(&str, &str)]) -> Result<(), AuditError> {
+    append_traced(sink, event, fields, false)
+}
+
+/// [`record`] with its line on stderr at `debug`, not `info`: for a command-line run's
+/// refusal, whose reason the run prints as its one line (DESIGN.md §5: exit 2 with a
+/// one-line reason).
+pub fn record_quietly(event: &str, fields: &[(&str, &str)]) {
+    if let Err(e) = append_traced(sink(), event, fields, true) {
+        tracing::error!(target: "opservant::audit", event, error = %e, "audit log append failed: this event is only on stderr");
+    }
+}
+
+fn append_traced(
+    sink: Option<Arc<AuditLog>>,
+    event: &str,
+    fields: &[(&str, &str)],
+    quiet: bool,
+) -> Result<(), AuditError> {
     let fields = fields_object(fields);
     let configured = sink.is_some();
     let began = std::time::Instant::now();
     let appended = sink.map(|log| log.append(event, &fields)).transpose();
-    trace(event, &fields, &appended);
+    if quiet {
+        let seq = appended.as_ref().ok().and_then(|a| a.as_ref().map(|a| a.seq));
+        let shown = Value::Object(fields.clone());
+        tracing::debug!(target: "opservant::audit", event, seq, fields = %shown, "audit");
+    } else {
+        trace(event, &fields, &appended);
+    }
     if configured {
         note(appended.as_ref().map(|_| ()), began);
     }

@@ -772,7 +772,7 @@ fn run_executor(
                 // Refused before it started (its permissions, its sandbox's set-up): audited
                 // as the agent audits a command's refusal — a check that said no is an event.
                 let m = &executor_ref.manifest;
-                agent::audit::record(
+                agent::audit::record_quietly(
                     "executor_refused",
                     &[
                         ("executor", &m.name),

@@ -141,7 +141,7 @@ pub fn run(req: ScriptRequest) -> Result<ScriptResult, CannotRun> {
     // What the manifest asks that is refused (a network it cannot have, a path never
     // granted) is a check that said no: audited, as a run's refusal is.
     let refused = |e: CannotRun| {
-        audit::record(
+        audit::record_quietly(
             "script_refused",
             &[("language", req.language.as_str()), ("script", &req.file.display().to_string()), ("reason", &e.0)],
         );
