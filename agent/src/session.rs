@@ -834,7 +834,9 @@ impl Daemon {
             paths: settings.python_paths.iter().map(|p| p.to_string_lossy().into_owned()).collect(),
             proceed: true,
         };
-        chan.send_bytes(&app::encode(&args)).map_err(|e| CannotRun(format!("runtime arguments: {}", e.desc())))?;
+        if let Err(e) = chan.send_bytes(&app::encode(&args)) {
+            return Err(crate::executor_run::arguments_not_taken(sb, e));
+        }
         let stop = sb.stop_handle();
         let oom = sb.oom_counter();
         let cgroup = sb.cgroup_report().cloned();
