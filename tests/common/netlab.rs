@@ -493,46 +493,34 @@ fn truncate_for_udp(r: Vec<u8>, q: &[u8]) -> Vec<u8> {
     t
 }
 
-/// Send one UDP datagram from `src` to `dst` with a forged source address (a raw socket:
-/// the caller's namespace must route `dst`).
-pub fn send_spoofed_udp(
-    src: std::net::SocketAddrV4,
-    dst: std::net::SocketAddrV4,
-    payload: &[u8],
-) -> std::io::Result<()> {
-    let udp_len = 8 + payload.len();
-    let total = 20 + udp_len;
-    let mut p = Vec::with_capacity(total);
-    p.extend_from_slice(&[0x45, 0]);
-    p.extend_from_slice(&(total as u16).to_be_bytes());
-    p.extend_from_slice(&[0, 0, 0x40, 0, 64, 17, 0, 0]); // id (kernel), DF, TTL, UDP, checksum (kernel)
-    p.extend_from_slice(&src.ip().octets());
-    p.extend_from_slice(&dst.ip().octets());
-    p.extend_from_slice(&src.port().to_be_bytes());
-    p.extend_from_slice(&dst.port().to_be_bytes());
-    p.extend_from_slice(&(udp_len as u16).to_be_bytes());
-    p.extend_from_slice(&[0, 0]); // no UDP checksum (optional in IPv4)
-    p.extend_from_slice(payload);
-    // SAFETY: plain socket calls on a descriptor this function owns; the address and the
-    // buffer outlive the calls.
+/// A UDP header (checksum left zero) and `payload`.
+fn udp_datagram(src_port: u16, dst_port: u16, payload: &[u8]) -> Vec<u8> {
+    let mut d = Vec::with_capacity(8 + payload.len());
+    d.extend_from_slice(&src_port.to_be_bytes());
+    d.extend_from_slice(&dst_port.to_be_bytes());
+    d.extend_from_slice(&((8 + payload.len()) as u16).to_be_bytes());
+    d.extend_from_slice(&[0, 0]);
+    d.extend_from_slice(payload);
+    d
+}
+
+/// Send `packet`, its IP header included, on a raw `IPPROTO_RAW` socket of `family` to the
+/// socket address `to` (a `sockaddr_in` or `sockaddr_in6`).
+fn send_raw<A>(family: i32, to: &A, packet: &[u8]) -> std::io::Result<()> {
+    // SAFETY: plain socket calls on a descriptor this function owns; `to` is a socket
+    // address of `size_of::<A>()` bytes and, with the buffer, outlives the calls.
     unsafe {
-        let fd = libc::socket(libc::AF_INET, libc::SOCK_RAW, libc::IPPROTO_RAW);
+        let fd = libc::socket(family, libc::SOCK_RAW, libc::IPPROTO_RAW);
         if fd < 0 {
             return Err(std::io::Error::last_os_error());
         }
-        let sa = libc::sockaddr_in {
-            sin_family: libc::AF_INET as libc::sa_family_t,
-            sin_port: 0,
-            sin_addr: libc::in_addr { s_addr: u32::from_ne_bytes(dst.ip().octets()) },
-            sin_zero: [0; 8],
-        };
         let n = libc::sendto(
             fd,
-            p.as_ptr().cast(),
-            p.len(),
+            packet.as_ptr().cast(),
+            packet.len(),
             0,
-            (&sa as *const libc::sockaddr_in).cast(),
-            std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
+            (to as *const A).cast(),
+            std::mem::size_of::<A>() as libc::socklen_t,
         );
         let err = std::io::Error::last_os_error();
         libc::close(fd);
@@ -543,6 +531,30 @@ pub fn send_spoofed_udp(
     Ok(())
 }
 
+/// Send one UDP datagram from `src` to `dst` with a forged source address (a raw socket:
+/// the caller's namespace must route `dst`).
+pub fn send_spoofed_udp(
+    src: std::net::SocketAddrV4,
+    dst: std::net::SocketAddrV4,
+    payload: &[u8],
+) -> std::io::Result<()> {
+    let udp = udp_datagram(src.port(), dst.port(), payload); // no UDP checksum (optional in IPv4)
+    let mut p = Vec::with_capacity(20 + udp.len());
+    p.extend_from_slice(&[0x45, 0]);
+    p.extend_from_slice(&((20 + udp.len()) as u16).to_be_bytes());
+    p.extend_from_slice(&[0, 0, 0x40, 0, 64, 17, 0, 0]); // id (kernel), DF, TTL, UDP, checksum (kernel)
+    p.extend_from_slice(&src.ip().octets());
+    p.extend_from_slice(&dst.ip().octets());
+    p.extend_from_slice(&udp);
+    let to = libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: 0,
+        sin_addr: libc::in_addr { s_addr: u32::from_ne_bytes(dst.ip().octets()) },
+        sin_zero: [0; 8],
+    };
+    send_raw(libc::AF_INET, &to, &p)
+}
+
 /// Send one UDP datagram over IPv6 from `src` to `dst` with a forged source address (a raw
 /// `IPPROTO_RAW` socket: the header as given; the UDP checksum is left zero, so a receiver
 /// drops it, but it crosses the links on its way).
@@ -551,47 +563,22 @@ pub fn send_spoofed_udp6(
     dst: std::net::SocketAddrV6,
     payload: &[u8],
 ) -> std::io::Result<()> {
-    let udp_len = 8 + payload.len();
-    let mut p = Vec::with_capacity(40 + udp_len);
+    let udp = udp_datagram(src.port(), dst.port(), payload);
+    let mut p = Vec::with_capacity(40 + udp.len());
     p.extend_from_slice(&[0x60, 0, 0, 0]); // version 6, no class or flow label
-    p.extend_from_slice(&(udp_len as u16).to_be_bytes());
+    p.extend_from_slice(&(udp.len() as u16).to_be_bytes());
     p.extend_from_slice(&[17, 64]); // UDP, hop limit
     p.extend_from_slice(&src.ip().octets());
     p.extend_from_slice(&dst.ip().octets());
-    p.extend_from_slice(&src.port().to_be_bytes());
-    p.extend_from_slice(&dst.port().to_be_bytes());
-    p.extend_from_slice(&(udp_len as u16).to_be_bytes());
-    p.extend_from_slice(&[0, 0]);
-    p.extend_from_slice(payload);
-    // SAFETY: plain socket calls on a descriptor this function owns; the address and the
-    // buffer outlive the calls.
-    unsafe {
-        let fd = libc::socket(libc::AF_INET6, libc::SOCK_RAW, libc::IPPROTO_RAW);
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        let sa = libc::sockaddr_in6 {
-            sin6_family: libc::AF_INET6 as libc::sa_family_t,
-            sin6_port: 0,
-            sin6_flowinfo: 0,
-            sin6_addr: libc::in6_addr { s6_addr: dst.ip().octets() },
-            sin6_scope_id: 0,
-        };
-        let n = libc::sendto(
-            fd,
-            p.as_ptr().cast(),
-            p.len(),
-            0,
-            (&sa as *const libc::sockaddr_in6).cast(),
-            std::mem::size_of::<libc::sockaddr_in6>() as libc::socklen_t,
-        );
-        let err = std::io::Error::last_os_error();
-        libc::close(fd);
-        if n < 0 {
-            return Err(err);
-        }
-    }
-    Ok(())
+    p.extend_from_slice(&udp);
+    let to = libc::sockaddr_in6 {
+        sin6_family: libc::AF_INET6 as libc::sa_family_t,
+        sin6_port: 0,
+        sin6_flowinfo: 0,
+        sin6_addr: libc::in6_addr { s6_addr: dst.ip().octets() },
+        sin6_scope_id: 0,
+    };
+    send_raw(libc::AF_INET6, &to, &p)
 }
 
 /// (lower-case name without the root dot, qtype, end offset of the question section).
