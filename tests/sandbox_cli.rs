@@ -815,3 +815,69 @@ fn a_read_grant_replaced_after_its_check_is_not_bound() {
     assert_eq!(out.status.code(), Some(2), "{stdout} {stderr}");
     assert!(stderr.contains("not the file the caller checked") && stderr.contains("replaced since"), "{stderr}");
 }
+
+/// A sandbox ended from outside — its init (PID 1 of its namespace) or its monitor killed by
+/// someone on the host while the payload runs — is reported as such: `failed`, with the
+/// process and the signal named in `error` and `killed_by: "signal:9"` where the signal is
+/// known (cold start: the monitor reaps init, the command reaps the monitor). A zygote's
+/// direct start leaves init's status with no one who can report it: the error still says
+/// init ended, and `killed_by` stays null rather than guess. (It said "ended without an
+/// exit status", `killed_by: null`, in every case.)
+#[test]
+fn a_sandbox_killed_from_outside_says_which_process_and_signal_ended_it() {
+    if !require_root() {
+        return;
+    }
+    let ppid = |pid: i32| -> i32 {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+        stat.rsplit_once(')').unwrap().1.split_whitespace().nth(1).unwrap().parse().unwrap()
+    };
+    for (launch, victim, expected_error, killed_by) in [
+        ("cold", "init", "the sandbox's init was killed by signal 9 before its payload's exit", Some("signal:9")),
+        ("cold", "monitor", "the sandbox's monitor was killed by signal 9 before its payload's exit", Some("signal:9")),
+        ("zygote", "init", "the sandbox's init ended before its payload's exit was reported", None),
+    ] {
+        let marker = format!("61.{}{}", std::process::id(), victim.len() + launch.len());
+        let child = common::command()
+            .args(["sandbox", "--json", "--launch", launch, "--", "/bin/sleep", &marker])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        let payload = loop {
+            let found = std::fs::read_dir("/proc").unwrap().flatten().find_map(|e| {
+                let pid = e.file_name().to_str()?.parse::<i32>().ok()?;
+                let cmdline = std::fs::read(e.path().join("cmdline")).ok()?;
+                (cmdline == format!("/bin/sleep\0{marker}\0").as_bytes()).then_some(pid)
+            });
+            if let Some(pid) = found {
+                break pid;
+            }
+            assert!(std::time::Instant::now() < deadline, "{launch}: the payload never started");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        };
+        let command = child.id();
+        let init = ppid(payload);
+        let target = if victim == "init" { init } else { ppid(init) };
+        if launch == "cold" {
+            // The chain is the one the test means: command → monitor → init → payload.
+            let monitor = ppid(init);
+            assert_eq!(ppid(monitor), command as i32, "{launch}: not the command's monitor");
+        }
+        // SAFETY: signalling a process of the sandbox this test started (checked above).
+        assert_eq!(unsafe { libc::kill(target, libc::SIGKILL) }, 0);
+        let out = child.wait_with_output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(out.status.code(), Some(1), "{launch} {victim}: {stdout} {}", String::from_utf8_lossy(&out.stderr));
+        let r: serde_json::Value = serde_json::from_str(stdout.trim()).expect("the result");
+        assert_eq!(r["status"], "failed", "{launch} {victim}: {r}");
+        assert_eq!(r["sandbox"]["launch"], launch, "{r}");
+        assert!(r["error"].as_str().unwrap().contains(expected_error), "{launch} {victim}: {r}");
+        assert_eq!(r["killed_by"].as_str(), killed_by, "{launch} {victim}: {r}");
+        assert_eq!(r["exit_code"], serde_json::Value::Null, "{r}");
+        assert_eq!(common::cgroups_of(command), Vec::<std::path::PathBuf>::new(), "{launch} {victim}: cgroups left");
+        assert!(std::fs::metadata(format!("/proc/{payload}")).is_err(), "{launch} {victim}: the payload survived");
+    }
+}

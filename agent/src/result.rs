@@ -116,6 +116,9 @@ impl RunResult {
             _ if outcome.stopped && !outcome.timed_out && outcome.killed_by != Some(sandbox::KilledBy::Oom) => {
                 Some("stopped before it finished (its caller stopped the sandbox)".into())
             }
+            (_, None | Some(sandbox::KilledBy::Signal(_)), _) if outcome.ended_from_outside.is_some() => {
+                outcome.ended_from_outside.map(|e| e.to_string())
+            }
             (_, Some(k), _) => Some(match k {
                 sandbox::KilledBy::Oom if outcome.oom_at_limit == Some(false) => format!(
                     "killed: out of memory (the host or a parent cgroup ran out; the sandbox's limit of {} MB was not reached)",

@@ -1059,6 +1059,9 @@ impl Daemon {
                     format!("it reached its maximum lifetime ({} s)", self.settings.max_lifetime_s)
                 }
                 Some(sandbox::KilledBy::Pids) => format!("it hit the process limit ({})", self.limits.max_pids),
+                _ if !o.stopped && o.ended_from_outside.is_some() => {
+                    o.ended_from_outside.map(|e| e.to_string()).unwrap_or_default()
+                }
                 Some(sandbox::KilledBy::Signal(n)) if !o.stopped => format!("its interpreter was killed by signal {n}"),
                 _ if o.stopped => String::new(),
                 _ => match o.exit {

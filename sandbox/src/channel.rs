@@ -76,8 +76,10 @@ pub enum FromSandbox {
     /// what follows is teardown.
     TreeUsage { cpu_ms: u64, peak_rss_bytes: u64 },
     /// Monitor: init has been reaped (every sandbox process is gone); resource usage of the
-    /// whole tree. The monitor exits right after (tearing down the namespaces).
-    InitExited { cpu_ms: u64, peak_rss_bytes: u64 },
+    /// whole tree, and how init itself ended (a signal there, before the payload's exit was
+    /// reported, is what ended the sandbox from outside). The monitor exits right after
+    /// (tearing down the namespaces).
+    InitExited { cpu_ms: u64, peak_rss_bytes: u64, init_exit: ExitInfo },
 }
 
 /// One end of the channel.

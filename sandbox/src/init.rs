@@ -380,11 +380,12 @@ fn monitor_until(
         .map_err(|e| StepError::errno(Stage::Protocol, "send", e))?;
     drop(pidfd);
     // 7.
-    let ru = wait_for_init(chan, &sfd, init_pid)?;
+    let (ru, status) = wait_for_init(chan, &sfd, init_pid)?;
     let tv_ms = |t: libc::timeval| (t.tv_sec.max(0) as u64) * 1000 + (t.tv_usec.max(0) as u64) / 1000;
     let _ = chan.send(&FromSandbox::InitExited {
         cpu_ms: tv_ms(ru.ru_utime) + tv_ms(ru.ru_stime),
         peak_rss_bytes: ru.ru_maxrss.max(0) as u64 * 1024,
+        init_exit: ExitInfo::from_wait_status(status),
     });
     Ok(None)
 }
@@ -484,8 +485,9 @@ enum InitEnd {
 }
 
 /// Wait for init to end and return the resource usage of the tree (init waited for every
-/// process of the namespace); if the parent goes away (channel readable or hung up), kill it.
-fn wait_for_init(chan: &Channel, sfd: &SignalFd, init: Pid) -> Result<libc::rusage, StepError> {
+/// process of the namespace) and init's wait status; if the parent goes away (channel
+/// readable or hung up), kill it.
+fn wait_for_init(chan: &Channel, sfd: &SignalFd, init: Pid) -> Result<(libc::rusage, i32), StepError> {
     loop {
         // SAFETY: rusage is plain old data; all-zero is valid.
         let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
@@ -493,7 +495,7 @@ fn wait_for_init(chan: &Channel, sfd: &SignalFd, init: Pid) -> Result<libc::rusa
         // SAFETY: wait4 writes into the status and rusage we own.
         match unsafe { libc::wait4(init.as_raw(), &mut status, libc::WNOHANG, &mut ru) } {
             0 => {}
-            pid if pid == init.as_raw() => return Ok(ru),
+            pid if pid == init.as_raw() => return Ok((ru, status)),
             _ => match nix::errno::Errno::last() {
                 nix::errno::Errno::EINTR => continue,
                 e => return Err(StepError::errno(Stage::Fork, "wait for init", e)),

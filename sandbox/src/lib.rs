@@ -44,8 +44,8 @@ pub use error::{CgroupError, SandboxError, SpecError, Stage, StepError};
 pub use init::{Handoff, PayloadEnd};
 pub use parent::{run, CpuLimiter, Launcher, MonitorProc, NamespaceHook, OutputOptions, Sandbox, StopHandle, Stream};
 pub use report::{
-    Captured, CgroupReport, EnforcementReport, ExitInfo, KilledBy, LandlockReport, LandlockStatus, Outcome,
-    ResourceUsage,
+    Captured, CgroupReport, EndedFromOutside, EnforcementReport, ExitInfo, KilledBy, LandlockReport, LandlockStatus,
+    Outcome, ResourceUsage,
 };
 pub use spec::{
     Access, FileId, Filesystem, HostUids, Identity, Limits, Namespaces, PathRule, SandboxSpec, SeccompPolicy,

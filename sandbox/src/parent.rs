@@ -27,7 +27,7 @@ use crate::cgroup::SandboxCgroup;
 use crate::channel::{Channel, FromSandbox, ToSandbox, APP_FD, CHILD_FD, GO};
 use crate::error::{SandboxError, Stage, StepError};
 use crate::init::PayloadEnd;
-use crate::report::{Captured, EnforcementReport, ExitInfo, KilledBy, Outcome, ResourceUsage};
+use crate::report::{Captured, EndedFromOutside, EnforcementReport, ExitInfo, KilledBy, Outcome, ResourceUsage};
 use crate::spec::SandboxSpec;
 use crate::{landlock, namespaces};
 
@@ -412,6 +412,8 @@ pub struct Sandbox {
     setup_from: Instant,
     grace: Duration,
     reaped: bool,
+    /// How the monitor ended, when this process reaped it (it is our child).
+    monitor_exit: Option<ExitInfo>,
     /// The parent's end of the application channel, if the spec asks for one, or of the
     /// hold channel of a held sandbox until [`Sandbox::start_pooled`] releases it.
     app: Option<Channel>,
@@ -525,6 +527,7 @@ impl Sandbox {
             setup_from: Instant::now(),
             grace: Duration::from_millis(spec.limits.kill_grace_ms),
             reaped: false,
+            monitor_exit: None,
             app,
             app_requested: spec.command.app_channel,
             held: spec.command.held,
@@ -883,6 +886,8 @@ impl Sandbox {
         let mut chan_open = true;
         // (cpu ms, peak rss bytes) of the tree, from the monitor once init is reaped.
         let mut tree: Option<(u64, u64)> = None;
+        // How init ended, from the monitor that reaped it.
+        let mut init_exit: Option<ExitInfo> = None;
         let deadline = self.timeout.map(|t| self.started + t);
         let mut kill_at: Option<Instant> = None;
         let mut backstop_at: Option<Instant> = None;
@@ -1111,9 +1116,10 @@ impl Sandbox {
                                     tree = Some((cpu_ms, peak_rss_bytes));
                                 }
                             }
-                            FromSandbox::InitExited { cpu_ms, peak_rss_bytes } => {
+                            FromSandbox::InitExited { cpu_ms, peak_rss_bytes, init_exit: x } => {
                                 self.init = None;
                                 tree = Some((cpu_ms, peak_rss_bytes));
+                                init_exit = Some(x);
                             }
                             FromSandbox::Unshared => {}
                         },
@@ -1202,9 +1208,10 @@ impl Sandbox {
             && failure.is_none()
             && !abandoned
             && background::admit();
-        let (removed, monitor) = if deferred {
+        let direct = self.direct;
+        let (removed, monitor, monitor_exit) = if deferred {
             background::submit(cgroup, self);
-            (Ok(()), None)
+            (Ok(()), None, None)
         } else {
             if let (true, false, Some(init)) = (self.direct, abandoned, &self.init) {
                 // A sandbox started directly reported its outcome from init as it ended: its
@@ -1220,7 +1227,8 @@ impl Sandbox {
                 Some(cg) => cg.remove(),
                 None => Ok(()),
             };
-            (removed, self.reap(if abandoned { Duration::ZERO } else { MONITOR_EXIT }))
+            let ru = self.reap(if abandoned { Duration::ZERO } else { MONITOR_EXIT });
+            (removed, ru, self.monitor_exit)
         };
         if let Err(e) = removed {
             // A failure of the run is what its caller needs to hear; the cgroups are logged.
@@ -1262,12 +1270,28 @@ impl Sandbox {
             cpu_throttled_ms: cg_usage.cpu_throttled_ms,
         };
         let exited_cleanly = payload_exit.is_some_and(|e| e.code == Some(0));
+        // Init (PID 1 of the sandbox's namespace) ended while the payload ran, and nothing
+        // here ended it: someone outside killed init or the monitor (whose death kills init,
+        // its parent-death signal) — and the kernel kills every process of the namespace.
+        let ended_from_outside =
+            (payload_exit.is_none() && !timed_out && !stopped && usage.oom_kills == 0).then(|| {
+                let monitor_signal = monitor_exit.and_then(|e| e.signal);
+                match init_exit {
+                    Some(x) if x.signal.is_some() => EndedFromOutside { process: "init", signal: x.signal },
+                    Some(_) => EndedFromOutside { process: "init", signal: None },
+                    // No report of init from the monitor: the monitor went first.
+                    None if !direct => EndedFromOutside { process: "monitor", signal: monitor_signal },
+                    None => EndedFromOutside { process: "init", signal: None },
+                }
+            });
         // A sandbox out of memory ends as a whole (v2 kills every process, and so does the
         // loop above on v1), whatever its payload made of its victim's death.
         let killed_by = if usage.oom_kills > 0 && (!exited_cleanly || oom_noticed) {
             Some(KilledBy::Oom)
         } else if timed_out {
             Some(KilledBy::Timeout)
+        } else if let Some(n) = ended_from_outside.and_then(|e| e.signal) {
+            Some(KilledBy::Signal(n))
         } else if usage.pids_limit_hits > 0 && !exited_cleanly {
             Some(KilledBy::Pids)
         } else {
@@ -1295,6 +1319,7 @@ impl Sandbox {
             payload_exited_at,
             host_uid,
             not_idmapped,
+            ended_from_outside,
         })
     }
 
@@ -1483,6 +1508,7 @@ impl Sandbox {
             // SAFETY: wait4 writes into the status and rusage we own.
             let rc = unsafe { libc::wait4(self.monitor.as_raw(), &mut status, 0, &mut ru) };
             if rc >= 0 {
+                self.monitor_exit = Some(ExitInfo::from_wait_status(status));
                 return Some(ru);
             }
             if Errno::last() != Errno::EINTR {

@@ -197,6 +197,34 @@ pub struct Outcome {
     /// When this process learnt of the payload's exit (its init's report): where a run's
     /// time goes (`opservant bench`).
     pub payload_exited_at: Option<std::time::Instant>,
+    /// The sandbox was ended from outside: its init (or monitor) ended while the payload ran,
+    /// without a timeout, a stop or an out-of-memory kill of this process's making — the
+    /// kernel then kills every process of the PID namespace, the payload with it. `None`
+    /// whenever the payload's own exit was reported.
+    pub ended_from_outside: Option<EndedFromOutside>,
+}
+
+/// Which process of a sandbox ended it from outside ([`Outcome::ended_from_outside`]), and by
+/// which signal when that is known: init's wait status comes from its monitor, the monitor's
+/// from this process when it is its child; a sandbox a zygote started directly (no monitor),
+/// or a monitor that is the zygote's child, leaves it unknown.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EndedFromOutside {
+    /// `"init"` or `"monitor"`.
+    pub process: &'static str,
+    pub signal: Option<i32>,
+}
+
+impl std::fmt::Display for EndedFromOutside {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.signal {
+            Some(n) => write!(f, "the sandbox's {} was killed by signal {n}", self.process),
+            None => write!(f, "the sandbox's {} ended", self.process),
+        }?;
+        f.write_str(
+            " before its payload's exit was reported (ended from outside the sandbox; the payload went with it)",
+        )
+    }
 }
 
 impl Outcome {
