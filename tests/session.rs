@@ -69,10 +69,25 @@ fn state_persists_between_calls() {
     let (s, started) = Session::start(&["--allow-import", "json", "--default-import", "m=math"]);
     assert_eq!(started["status"], "started");
     assert_eq!(started["allow_imports"], serde_json::json!(["json", "math"]));
+    // What the session's sandbox enforces, as a run's result reports it (DESIGN.md §4).
+    let sb = &started["sandbox"];
+    assert_eq!(
+        sb["namespaces"],
+        serde_json::json!(["user", "mount", "pid", "net", "ipc", "uts", "cgroup"]),
+        "{started}"
+    );
+    assert_eq!(sb["seccomp"], "enforced", "{started}");
+    assert!(sb["landlock"]["abi"].as_u64().is_some_and(|a| a > 0), "{started}");
+    assert_eq!(sb["capabilities"], "none", "{started}");
+    assert_eq!(sb["no_new_privs"], true, "{started}");
+    assert_eq!(sb["launch"], "cold", "{started}");
+    assert_eq!(sb["uid"], 65534, "{started}");
+    assert!(!sb["cgroup_paths"].as_array().unwrap().is_empty(), "{started}");
 
     let (code, r) = s.exec("counter = 1\ndef bump(n):\n    return n + 1\nclass Box:\n    pass\nprint('first')", &[]);
     assert_eq!(code, 0, "{r}");
     assert_eq!((r["success"].clone(), r["stdout"].clone()), (Value::Bool(true), "first\n".into()));
+    assert_eq!(r["status"], "completed", "{r}");
 
     let (code, r) = s.exec(
         "counter = bump(counter) + offset\nimport json\nout = json.dumps({'c': counter})\nroot = m.sqrt(81)",
@@ -90,6 +105,7 @@ fn state_persists_between_calls() {
     let (code, r) = s.exec("counter += 1\n1/0", &[]);
     assert_eq!(code, 1);
     assert!(r["error"].as_str().unwrap().contains("ZeroDivisionError"), "{r}");
+    assert_eq!(r["status"], "failed", "{r}");
     assert_eq!(r["session_ended"], false);
     let (_, r) = s.exec("pass", &["--return", "counter"]);
     assert_eq!(r["globals"]["counter"], 43);
@@ -220,6 +236,7 @@ fn a_call_that_times_out_ends_the_session() {
     assert_eq!(r["success"], false);
     assert_eq!(r["session_ended"], true);
     assert_eq!(r["killed_by"], "timeout");
+    assert_eq!(r["status"], "timeout", "{r}");
     assert!(r["error"].as_str().unwrap().contains("timed out after 2 s"), "{r}");
     // The session is gone: its socket, its processes and its cgroups.
     let (code, _) = s.exec("x", &[]);
@@ -1238,4 +1255,43 @@ fn a_sessions_report_says_which_limits_hold_and_which_were_let_go() {
     assert!(record["fields"]["degraded"].as_str().unwrap_or_default().contains("memory"), "{record}");
     drop(s);
     child.wait().unwrap();
+}
+
+/// A session whose sandbox is ended from outside — its init killed on the host between
+/// two calls — ends at once, and its `session_end` record names init and the signal (it
+/// said "the interpreter ended").
+#[test]
+fn a_session_killed_from_outside_says_which_process_and_signal_ended_it() {
+    if !require_root() {
+        return;
+    }
+    let (s, started) = Session::start(&[]);
+    let daemon = started["pid"].as_i64().unwrap() as i32;
+    let (_, r) = s.exec("x = 1", &[]);
+    assert_eq!(r["status"], "completed", "{r}");
+    // The daemon → the monitor → init (PID 1 of the session's namespace).
+    let init = common::procs::at_depth(daemon, 2);
+    assert_eq!(init.len(), 1, "the session's init: {init:?}");
+    let nspid = std::fs::read_to_string(format!("/proc/{}/status", init[0])).unwrap();
+    assert!(
+        nspid.lines().any(|l| l.starts_with("NSpid:") && l.split_whitespace().last() == Some("1")),
+        "not PID 1 of a namespace: {nspid}"
+    );
+    // SAFETY: signalling the init of the session this test started (checked above).
+    assert_eq!(unsafe { libc::kill(init[0], libc::SIGKILL) }, 0);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while std::fs::metadata(format!("/proc/{daemon}")).is_ok() {
+        assert!(std::time::Instant::now() < deadline, "the session's daemon outlived its sandbox");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let log = std::fs::read_to_string(common::tests_state().join("audit/audit.jsonl")).unwrap();
+    let end: Value = log
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .rfind(|r| r["event"] == "session_end" && r["fields"]["session"] == s.name.as_str())
+        .expect("the session's end is audited");
+    let reason = end["fields"]["reason"].as_str().unwrap();
+    assert!(reason.starts_with("the sandbox's init was killed by signal 9"), "{end}");
+    let (code, _) = s.exec("x", &[]);
+    assert_eq!(code, 2, "the session is gone");
 }

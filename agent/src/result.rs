@@ -78,6 +78,48 @@ pub struct SandboxSummary {
     pub launch: &'static str,
 }
 
+impl SandboxSummary {
+    /// What a sandbox enforces, from its payload's report (`e`) and its cgroups' (`cg`); the
+    /// rest as its [`sandbox::Outcome`] (or the running [`sandbox::Sandbox`]) says.
+    pub fn new(
+        e: &sandbox::EnforcementReport,
+        cg: &sandbox::CgroupReport,
+        launch: &str,
+        host_uid: Option<u32>,
+        not_idmapped: &[String],
+    ) -> SandboxSummary {
+        let has_net = e.namespaces.iter().any(|n| n == "net");
+        SandboxSummary {
+            namespaces: e.namespaces.clone(),
+            landlock: e.landlock.clone(),
+            seccomp: e.seccomp.status.clone(),
+            seccomp_profile: e.seccomp.profile.clone(),
+            cgroup: cg.version.clone(),
+            cgroup_paths: cg.paths.clone(),
+            network: if has_net { "none".into() } else { "host".into() },
+            netns: match (has_net, e.net_prepared) {
+                (false, _) => "host",
+                (true, false) => "created",
+                (true, true) => "prepared",
+            },
+            egress: None,
+            capabilities: if e.capabilities_dropped { "none".into() } else { "retained".into() },
+            no_new_privs: e.no_new_privs,
+            sysfs: e.sysfs.clone(),
+            uid: e.uid,
+            gid: e.gid,
+            host_uid: host_uid.unwrap_or(e.uid),
+            host_uid_shared: host_uid.is_none(),
+            not_idmapped: not_idmapped.to_vec(),
+            launch: match launch {
+                "zygote" => "zygote",
+                "pool" => "pool",
+                _ => "cold",
+            },
+        }
+    }
+}
+
 #[derive(Debug, Clone, Serialize)]
 pub struct RunResult {
     pub status: Status,
@@ -161,34 +203,7 @@ impl RunResult {
                 degraded: cg.degraded.clone(),
             },
             usage: outcome.usage,
-            sandbox: SandboxSummary {
-                namespaces: e.namespaces.clone(),
-                landlock: e.landlock.clone(),
-                seccomp: e.seccomp.status.clone(),
-                seccomp_profile: e.seccomp.profile.clone(),
-                cgroup: cg.version.clone(),
-                cgroup_paths: cg.paths.clone(),
-                network: if e.namespaces.iter().any(|n| n == "net") { "none".into() } else { "host".into() },
-                netns: match (e.namespaces.iter().any(|n| n == "net"), e.net_prepared) {
-                    (false, _) => "host",
-                    (true, false) => "created",
-                    (true, true) => "prepared",
-                },
-                egress: None,
-                capabilities: if e.capabilities_dropped { "none".into() } else { "retained".into() },
-                no_new_privs: e.no_new_privs,
-                sysfs: e.sysfs.clone(),
-                uid: e.uid,
-                gid: e.gid,
-                host_uid: outcome.host_uid.unwrap_or(e.uid),
-                host_uid_shared: outcome.host_uid.is_none(),
-                not_idmapped: outcome.not_idmapped.clone(),
-                launch: match outcome.launch {
-                    "zygote" => "zygote",
-                    "pool" => "pool",
-                    _ => "cold",
-                },
-            },
+            sandbox: SandboxSummary::new(e, cg, outcome.launch, outcome.host_uid, &outcome.not_idmapped),
         }
     }
 }

@@ -841,6 +841,10 @@ impl Daemon {
         let oom = sb.oom_counter();
         let cgroup = sb.cgroup_report().cloned();
         let cpu = sb.cpu_limiter();
+        // What the sandbox enforces, for the start's report (DESIGN.md §4's `sandbox`): the
+        // payload's own report comes through the waiter.
+        let started_report = sb.started_report();
+        let (launch, host_uid, not_idmapped) = (sb.launch(), sb.host_uid(), sb.not_idmapped().to_vec());
         let (done, done_tx) =
             nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| CannotRun(format!("pipe: {e}")))?;
         let waiter = std::thread::spawn(move || {
@@ -904,7 +908,30 @@ impl Daemon {
                 Err(e) => break Err(e.to_string()),
             }
         };
-        let listener = started.and_then(|()| {
+        // Sent before the payload's `execve`, so before `ready`: here by now, or on its way
+        // through the waiter.
+        let enforced = started.and_then(|()| {
+            let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_secs(1));
+            started_report.recv_timeout(left).map_err(|_| "the sandbox's enforcement report never came".to_string())
+        });
+        let summary = enforced.as_ref().ok().map(|e| {
+            let none = sandbox::CgroupReport {
+                version: "none".into(),
+                paths: vec![],
+                memory: false,
+                cpu: false,
+                pids: false,
+                degraded: vec![],
+            };
+            crate::result::SandboxSummary::new(
+                e,
+                daemon.cgroup.as_ref().unwrap_or(&none),
+                launch,
+                host_uid,
+                &not_idmapped,
+            )
+        });
+        let listener = enforced.and_then(|_| {
             let listener = UnixListener::bind(&path).map_err(|e| format!("{}: {e}", path.display()))?;
             std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
                 .and_then(|()| listener.set_nonblocking(true))
@@ -958,6 +985,7 @@ impl Daemon {
             "idle_timeout_seconds": daemon.settings.idle_timeout_s,
             "max_lifetime_seconds": daemon.settings.max_lifetime_s,
             "limits": limits_json(&daemon.limits, daemon.cgroup.as_ref(), &daemon.cpu),
+            "sandbox": summary,
             "warnings": warnings,
         });
         // Whoever started the session may be gone (Ctrl-C, a `timeout`): the session runs on
@@ -1250,6 +1278,7 @@ impl Daemon {
             self.stop.stop();
             let _ = self.ended_because();
             let reply = json!({
+                "status": "failed",
                 "success": false, "error": "the session has ended: its daemon was signalled",
                 "stdout": "", "stderr": "", "globals": {}, "session_ended": true, "killed_by": null,
                 "duration_ms": 0,
@@ -1273,6 +1302,8 @@ impl Daemon {
         let sent = self.chan.send_bytes_by(&app::encode(&msg), Some(deadline));
         let ended = |d: &Daemon, why: String, killed_by: Option<&str>| -> Value {
             let reply = json!({
+                // DESIGN.md §4's status: the call's own time limit, or the session's lifetime.
+                "status": if killed_by == Some("timeout") { "timeout" } else { "failed" },
                 "success": false,
                 "error": why,
                 "stdout": "", "stderr": "", "globals": {},
@@ -1337,6 +1368,7 @@ impl Daemon {
                         ],
                     );
                     let reply = json!({
+                        "status": if success { "completed" } else { "failed" },
                         "success": success, "error": error, "stdout": stdout, "stderr": stderr, "globals": globals,
                         "session_ended": false,
                         "duration_ms": started.elapsed().as_millis() as u64,
@@ -1395,13 +1427,17 @@ impl Daemon {
                         }
                     };
                     let why = self.ended_because();
-                    let killed_by = match self.outcome.as_ref().and_then(|o| o.as_ref().ok()).and_then(|o| o.killed_by)
-                    {
-                        Some(sandbox::KilledBy::Oom) => Some("oom"),
-                        Some(sandbox::KilledBy::Timeout) => Some("timeout"),
-                        Some(sandbox::KilledBy::Pids) => Some("pids"),
-                        _ => None,
-                    };
+                    let killed_by = self
+                        .outcome
+                        .as_ref()
+                        .and_then(|o| o.as_ref().ok())
+                        .and_then(|o| match o.killed_by {
+                            // Our own stop's signal is not what ended it.
+                            Some(sandbox::KilledBy::Signal(_)) if o.stopped => None,
+                            k => k,
+                        })
+                        .map(|k| k.to_string());
+                    let killed_by = killed_by.as_deref();
                     let why = match broken {
                         Some(e) => format!("the session has ended: its interpreter broke the protocol: {e}"),
                         None if why.is_empty() => "the session has ended: its interpreter ended".to_string(),

@@ -414,6 +414,9 @@ pub struct Sandbox {
     reaped: bool,
     /// How the monitor ended, when this process reaped it (it is our child).
     monitor_exit: Option<ExitInfo>,
+    /// Where [`Sandbox::wait`] sends the payload's enforcement report as it arrives
+    /// ([`Sandbox::started_report`]).
+    started_tx: Option<std::sync::mpsc::SyncSender<EnforcementReport>>,
     /// The parent's end of the application channel, if the spec asks for one, or of the
     /// hold channel of a held sandbox until [`Sandbox::start_pooled`] releases it.
     app: Option<Channel>,
@@ -528,6 +531,7 @@ impl Sandbox {
             grace: Duration::from_millis(spec.limits.kill_grace_ms),
             reaped: false,
             monitor_exit: None,
+            started_tx: None,
             app,
             app_requested: spec.command.app_channel,
             held: spec.command.held,
@@ -875,6 +879,33 @@ impl Sandbox {
         self.monitor.as_raw()
     }
 
+    /// How the sandbox was started, as its [`Outcome::launch`] will say.
+    pub fn launch(&self) -> &'static str {
+        self.launch
+    }
+
+    /// The host uid the sandbox runs as when it has one of its own, as its
+    /// [`Outcome::host_uid`] will say.
+    pub fn host_uid(&self) -> Option<u32> {
+        self.host_uid.as_ref().map(|l| l.uid())
+    }
+
+    /// Declared paths bound without the sandbox's idmapping, as its
+    /// [`Outcome::not_idmapped`] will say.
+    pub fn not_idmapped(&self) -> &[String] {
+        &self.not_idmapped
+    }
+
+    /// The payload's enforcement report as soon as [`Sandbox::wait`] (on another thread)
+    /// reads it, before the outcome: for a caller that reports what a long-lived sandbox
+    /// enforces while it runs (a session). Sent once; the channel closes without it when
+    /// the sandbox ends before its payload started. A second call replaces the first.
+    pub fn started_report(&mut self) -> std::sync::mpsc::Receiver<EnforcementReport> {
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        self.started_tx = Some(tx);
+        rx
+    }
+
     /// Supervise to the end and tear everything down.
     pub fn wait(mut self, mut out: OutputOptions) -> Result<Outcome, SandboxError> {
         let mut stdout = Captured::default();
@@ -1091,6 +1122,10 @@ impl Sandbox {
                             }
                             FromSandbox::InitForked { .. } => {}
                             FromSandbox::Started(r) => {
+                                if let Some(tx) = self.started_tx.take() {
+                                    // (The receiver may be gone: nobody waits any more.)
+                                    let _ = tx.try_send((*r).clone());
+                                }
                                 report = Some(*r);
                                 // (A quota that is not deferred was written at creation.)
                                 if self.cpu_deferred {
