@@ -222,7 +222,7 @@ fn install_list_run_upgrade_and_remove() {
     assert_eq!(std::fs::read_link(env.root.join("hello/current")).unwrap(), PathBuf::from("1.2.0"));
 
     // A bare name is the installed executor, even beside a directory of that name (one
-    // planted where root runs the command); `./hello` names the directory.
+    // planted where root runs the command), with a warning; `./hello` names the directory.
     let cwd = env.dir.path.join("cwd");
     std::fs::create_dir_all(&cwd).unwrap();
     let planted = package(&cwd, "9.9.9", false);
@@ -234,12 +234,14 @@ fn install_list_run_upgrade_and_remove() {
             .stdin(Stdio::null())
             .output()
             .unwrap();
-        assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert_eq!(out.status.code(), Some(0), "{stderr}");
         let r: Value = serde_json::from_slice(&out.stdout).unwrap();
-        r["output"]["version"].clone()
+        (r["output"]["version"].clone(), stderr.contains("not the directory hello here (`./hello` runs the directory)"))
     };
-    assert_eq!(run_in_cwd("hello"), "1.2.0");
-    assert_eq!(run_in_cwd("./hello"), "9.9.9");
+    // Not silently: the command warns that the directory here is not what runs.
+    assert_eq!(run_in_cwd("hello"), ("1.2.0".into(), true));
+    assert_eq!(run_in_cwd("./hello"), ("9.9.9".into(), false));
 
     assert_eq!(env.op(&["executor", "remove", "hello"]).code, 0);
     assert_eq!(env.entries(), Vec::<String>::new(), "nothing left after remove");

@@ -797,13 +797,21 @@ fn run_executor(
 /// A directory, or the name of an installed executor.
 /// `dir` names an executor directory, or — a bare name — an installed executor, which wins
 /// over a directory of that name in the current directory (one planted where root happens to
-/// be must not shadow it; `./NAME` names the directory).
+/// be must not shadow it; `./NAME` names the directory) — with a warning saying so.
 fn executor_dir(dir: PathBuf, config: &agent::config::Config) -> Result<PathBuf, CannotRun> {
     let name = dir.to_string_lossy();
     let bare = !name.contains('/');
     if bare {
         match installed(config, &name) {
-            Ok(Some(installed)) => return Ok(installed),
+            Ok(Some(installed)) => {
+                if dir.is_dir() {
+                    // Said, not silent: whoever meant the directory learns how to name it.
+                    errln!(
+                        "opservant: warning: running the installed executor {name}, not the directory {name} here (`./{name}` runs the directory)"
+                    );
+                }
+                return Ok(installed);
+            }
             Ok(None) => {}
             // The installed lookup comes first (a directory planted here must not shadow an
             // executor), so a root it cannot trust is an error — saying how to run the
