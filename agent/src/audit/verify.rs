@@ -806,6 +806,43 @@ mod tests {
         assert!(matches!(pr.kind, Kind::Reordered | Kind::Removed), "{pr:?}");
     }
 
+    /// The last record of a rotated file edited, found at the next non-empty file's first
+    /// line, with an empty file given between them: the edited record is taken out of its own
+    /// file's count (the empty file's summary, the last one pushed, holds nothing to take).
+    #[test]
+    fn an_edited_last_record_is_uncounted_from_its_own_file_across_an_empty_one() {
+        let s = Scratch::new("rotedit");
+        let mut settings = AuditSettings::at(&s.log());
+        settings.max_bytes = 1024;
+        settings.keep = 10;
+        let log = AuditLog::open(settings.clone()).unwrap();
+        append(&log, 30);
+        let files = chain_files(&s.log()).unwrap();
+        assert!(files.len() >= 3, "{files:?}");
+        let intact = verify(&files).unwrap();
+        let in_oldest = intact.files[0].records;
+        assert!(in_oldest >= 2, "{}", intact.render());
+        let mut l = lines(&files[0]);
+        let last = l.len() - 1;
+        l[last] = l[last].replacen("\"i\":\"", "\"i\":\"9", 1);
+        assert_ne!(l[last], lines(&files[0])[last], "the record was edited");
+        write(&files[0], &l);
+        let empty = s.log().with_file_name("empty.jsonl");
+        std::fs::write(&empty, b"").unwrap();
+        let given = [files[0].clone(), empty.clone(), files[1].clone()];
+        let r = verify(&given).unwrap();
+        let pr = r.problem.as_ref().unwrap();
+        assert_eq!(
+            (pr.kind, pr.file.as_str(), pr.line),
+            (Kind::Edited, files[0].display().to_string().as_str(), last + 1),
+            "{}",
+            r.render()
+        );
+        assert_eq!(r.records, in_oldest - 1, "{}", r.render());
+        assert_eq!((r.files[0].records, r.files[1].records), (in_oldest - 1, 0), "{}", r.render());
+        assert_eq!(r.files[0].last_seq, intact.files[0].last_seq.map(|s| s - 1), "{}", r.render());
+    }
+
     #[test]
     fn bytes_and_files_verify_alike() {
         let (_s, p) = log_with(4);
