@@ -2610,6 +2610,108 @@ class TestExecutor(BaseExecutor):
     }
 }
 
+/// A sandbox abandoned after its executor's result came — here a child the executor left
+/// running is frozen (in life, stuck in the kernel) before the executor returns, so the
+/// sandbox cannot end — keeps that result: `completed` with the executor's output, the
+/// abandon in `sandbox.abandoned`, a log record and a `sandbox_abandoned` audit record. (The
+/// result was lost: `failed`, "had not exited 5 s after SIGKILL", no output.)
+#[test]
+fn a_result_that_came_before_the_sandbox_was_abandoned_stands() {
+    if !require_root() || !common::freezer::available() {
+        return;
+    }
+    let code = r#"
+import os
+import time
+from opservant.executor import BaseExecutor, ExecutorResult
+
+class TestExecutor(BaseExecutor):
+    def validate(self, params):
+        return True
+
+    def execute(self, params, context):
+        if os.fork() == 0:
+            time.sleep(120)
+            os._exit(0)
+        while not os.path.exists(params["flag"]):
+            time.sleep(0.02)
+        return ExecutorResult(output={"done": True})
+"#;
+    let flags = HostDir::new();
+    let d = executor(json!({"permissions": {"filesystem": {"read": [flags.path]}}}), code);
+    let flag = flags.path.join("go");
+    let params = json!({"flag": flag}).to_string();
+    let view = common::host_view();
+    let launch = common::launch_args();
+    let mut args: Vec<&std::ffi::OsStr> =
+        vec!["run".as_ref(), d.path.as_os_str(), "--params".as_ref(), params.as_ref()];
+    args.extend(launch.iter().map(std::ffi::OsStr::new));
+    let mut child = opservant_command(&args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let ppid = |pid: i32| -> Option<i32> {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let sleeper = loop {
+        // The sandbox's processes (its pids cgroup, named by the command's pid): init, the
+        // payload, and the payload's child — the one two generations below another member.
+        let members: Vec<i32> = common::cgroups_of(child.id())
+            .iter()
+            .filter(|d| d.to_string_lossy().contains("/pids/"))
+            .flat_map(|d| {
+                std::fs::read_to_string(d.join("cgroup.procs"))
+                    .unwrap_or_default()
+                    .lines()
+                    .map(str::to_string)
+                    .collect::<Vec<_>>()
+            })
+            .filter_map(|l| l.parse().ok())
+            .collect();
+        let found = members.iter().copied().find(|&m| {
+            ppid(m).is_some_and(|p| members.contains(&p) && ppid(p).is_some_and(|pp| members.contains(&pp)))
+        });
+        if let Some(pid) = found {
+            break pid;
+        }
+        assert!(std::time::Instant::now() < deadline, "the executor's child never started");
+        assert!(child.try_wait().unwrap().is_none(), "the run ended before its child started");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let dirs = common::freezer::sandbox_cgroups_of_process(sleeper);
+    assert!(!dirs.is_empty(), "the child is in the sandbox's cgroups");
+    let freezer = common::freezer::Freezer::new("abandoned-after-result");
+    freezer.freeze(&[sleeper]);
+    std::fs::write(&flag, b"").unwrap();
+    // A hang detector, not a timing assertion: the sandbox gives up 5 s after its SIGKILL.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(90);
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("the run never ended");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    drop(freezer);
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    let r: Value = serde_json::from_str(stdout.trim()).expect("a result on stdout");
+    common::assert_launch(&r);
+    assert_eq!(r["status"], "completed", "{r}");
+    assert_eq!(r["output"], json!({"done": true}), "{r}");
+    let why = r["sandbox"]["abandoned"].as_str().unwrap_or("");
+    assert!(why.contains("had not exited 5 s after SIGKILL"), "{r}");
+    assert!(log_msgs(&r).iter().any(|m| m.starts_with("the sandbox was abandoned after the executor's result")), "{r}");
+    assert!(stderr.contains("event=\"sandbox_abandoned\""), "{stderr}");
+    // Left behind by a process that is gone: the next opservant process reaps them.
+    drop(view);
+    let r = common::sandbox(None, &["/bin/true"]);
+    assert_eq!(r.status(), "completed", "{}", r.err());
+    for d in &dirs {
+        assert!(!d.exists(), "{} still there after a later opservant process started", d.display());
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // Context
 // ---------------------------------------------------------------------------------------

@@ -477,3 +477,87 @@ fn bad_input_is_exit_2() {
     assert_eq!(r.code, 2);
     assert!(r.stderr.contains("UTF-8"), "{}", r.stderr);
 }
+
+/// A script that ended while a process it left cannot die (frozen here; in life, stuck in
+/// the kernel) keeps its result — `success`, its output — with the abandon in
+/// `sandbox.abandoned` and a `sandbox_abandoned` audit record. (It failed with "had not
+/// exited 5 s after SIGKILL" once its whole time limit had passed.)
+#[test]
+fn a_script_that_ended_keeps_its_result_when_what_it_left_is_abandoned() {
+    if !require_root() || !common::freezer::available() {
+        return;
+    }
+    let d = HostDir::new();
+    let flag = d.path.join("go");
+    let manifest = write(
+        &d,
+        "manifest.json",
+        &format!(
+            r#"{{"name":"t","version":"1.0.0","description":"d","supported_actions":["a"],"entry_point":"m.C",
+                "permissions":{{"filesystem":{{"read":["{}"]}}}}}}"#,
+            d.path.display()
+        ),
+    );
+    let marker = format!("64.{}", std::process::id());
+    let f = write(
+        &d,
+        "leaves.sh",
+        &format!("sleep {marker} &\nwhile [ ! -e {} ]; do sleep 0.02; done\necho ended\n", flag.display()),
+    );
+    let mut child = common::command()
+        .args(["script", "bash"])
+        .arg(&f)
+        .arg("--manifest")
+        .arg(&manifest)
+        .args(["--timeout", "60"])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let sleeper = loop {
+        let found = std::fs::read_dir("/proc").unwrap().flatten().find_map(|e| {
+            let pid = e.file_name().to_str()?.parse::<i32>().ok()?;
+            let cmdline = std::fs::read(e.path().join("cmdline")).ok()?;
+            (cmdline == format!("sleep\0{marker}\0").as_bytes()).then_some(pid)
+        });
+        if let Some(pid) = found {
+            break pid;
+        }
+        assert!(std::time::Instant::now() < deadline, "the script's child never started");
+        assert!(child.try_wait().unwrap().is_none(), "the script ended before its child started");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let dirs = common::freezer::sandbox_cgroups_of_process(sleeper);
+    assert!(!dirs.is_empty(), "the child is in the sandbox's cgroups");
+    let freezer = common::freezer::Freezer::new("script-abandoned");
+    freezer.freeze(&[sleeper]);
+    std::fs::write(&flag, b"").unwrap();
+    // A hang detector, not a timing assertion (the script's time limit is 60 s).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(50);
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("the script's run waited for its time limit");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    drop(freezer);
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    let r: Value = serde_json::from_str(stdout.trim()).expect("the result");
+    assert_eq!(
+        (&r["success"], &r["status"], &r["stdout"]),
+        (&Value::Bool(true), &"completed".into(), &"ended\n".into()),
+        "{r}"
+    );
+    assert!(r["sandbox"]["abandoned"].as_str().unwrap_or("").contains("had not exited 5 s after SIGKILL"), "{r}");
+    assert!(stderr.contains("event=\"sandbox_abandoned\""), "{stderr}");
+    let r = script("python", &write(&d, "ok.py", "print('ok')\n"), &[]);
+    assert_eq!(r.code, 0, "{:?} {}", r.json, r.stderr);
+    for dir in &dirs {
+        assert!(!dir.exists(), "{} still there after a later opservant process", dir.display());
+    }
+}

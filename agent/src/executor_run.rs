@@ -624,7 +624,17 @@ fn run_steps(req: RunRequest, may_have_run: &mut bool) -> Result<RunResult, Cann
                 "secret requests refused past the audit cap (counted only)"
             );
         }
-        let outcome = outcome?;
+        // A sandbox abandoned with processes stuck in the kernel after the executor's result
+        // came: the result stands (the executor's work is done), the abandon said beside it.
+        // Without a result the run fails with the reason, as before.
+        let mut abandoned = None;
+        let outcome = match outcome {
+            Err(sandbox::SandboxError::Abandoned { reason, outcome }) if app.result.is_some() => {
+                abandoned = Some(reason);
+                *outcome
+            }
+            other => other?,
+        };
         mark("ready", app.ready_at);
         mark("result", app.result_at);
         mark("payload_exited", outcome.payload_exited_at);
@@ -632,6 +642,15 @@ fn run_steps(req: RunRequest, may_have_run: &mut bool) -> Result<RunResult, Cann
         // For what is added to the result after it was assembled (and redacted).
         let redactor = app.redactor.clone();
         let mut result = assemble(&outcome, &limits, app, req.executor, req.action.clone(), req.command_id.clone());
+        if let Some(why) = abandoned {
+            audit::record("sandbox_abandoned", &[("executor", &m.name), ("command_id", &command_id), ("reason", &why)]);
+            result.logs.push(serde_json::json!({
+                "level": "error",
+                "msg": format!("the sandbox was abandoned after the executor's result: {why}"),
+                "fields": {},
+            }));
+            result.sandbox.abandoned = Some(why);
+        }
         // A deferred quota is applied by the channel server on the payload's `ready`, before it
         // answers `proceed`; or by the sandbox a second after the start, should `ready` never
         // come. Either way it is counted as enforced.

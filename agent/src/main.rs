@@ -672,10 +672,16 @@ fn run_sandbox(
             pool.take(&spec).ok_or_else(|| CannotRun("--launch pool: the pooled sandbox could not be taken".into()))?
         }
     };
-    let outcome = sb.wait(out)?;
+    // The program ended, but processes it left cannot die (stuck in the kernel): its result
+    // stands, the abandon said beside it (`sandbox.abandoned`).
+    let (outcome, abandoned) = match sb.wait(out) {
+        Err(sandbox::SandboxError::Abandoned { reason, outcome }) if outcome.exit.is_some() => (*outcome, Some(reason)),
+        other => (other?, None),
+    };
     let _ = stdout.lock().write_all(&out_escaper.finish());
     let _ = stderr.lock().write_all(&err_escaper.finish());
-    let result = RunResult::for_program(&outcome, &limits);
+    let mut result = RunResult::for_program(&outcome, &limits);
+    result.sandbox.abandoned = abandoned;
     let text = serde_json::to_string(&result)?;
     let sep = if !json_only && last_stdout_byte != b'\n' { "\n" } else { "" };
     out!("{sep}{text}\n");

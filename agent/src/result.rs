@@ -76,6 +76,10 @@ pub struct SandboxSummary {
     pub not_idmapped: Vec<String>,
     /// `cold` (a fresh process) or `zygote` (a fork of the pre-initialised runtime).
     pub launch: &'static str,
+    /// Why the sandbox was abandoned — processes of it outlived SIGKILL (stuck in the kernel)
+    /// and were left behind — after the run's result came (an executor's result stands).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub abandoned: Option<String>,
 }
 
 impl SandboxSummary {
@@ -116,6 +120,7 @@ impl SandboxSummary {
                 "pool" => "pool",
                 _ => "cold",
             },
+            abandoned: None,
         }
     }
 }

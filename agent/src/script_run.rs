@@ -212,8 +212,20 @@ pub fn run(req: ScriptRequest) -> Result<ScriptResult, CannotRun> {
         // and then end of file, whoever else holds the other end (see `executor_run`).
         unblock.shutdown();
         let served = server.join().map_err(|_| CannotRun("application channel server panicked".into()))?;
-        let outcome = outcome?;
-        Ok(assemble(&outcome, &limits, served, &req))
+        // The script ended, but processes it left cannot die (stuck in the kernel): its
+        // result stands, the abandon said beside it (`sandbox.abandoned`, audited).
+        let (outcome, abandoned) = match outcome {
+            Err(sandbox::SandboxError::Abandoned { reason, outcome }) if outcome.exit.is_some() => {
+                (*outcome, Some(reason))
+            }
+            other => (other?, None),
+        };
+        let mut result = assemble(&outcome, &limits, served, &req);
+        if let Some(why) = abandoned {
+            audit::record("sandbox_abandoned", &[("script", &script), ("reason", &why)]);
+            result.sandbox.abandoned = Some(why);
+        }
+        Ok(result)
     };
     let result = match run() {
         Ok(r) => r,

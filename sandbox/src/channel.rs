@@ -68,7 +68,11 @@ pub enum FromSandbox {
     Started(Box<EnforcementReport>),
     /// Any process: a step failed; the sandbox is being torn down.
     Failed(StepError),
-    /// Init: the payload ended.
+    /// Init: the payload ended; init now kills and reaps every other process of the
+    /// sandbox, and `PayloadExited` follows once they are gone — unless one is stuck in the
+    /// kernel, which the parent then learns of by the wait, not by the payload's run time.
+    PayloadEnded(ExitInfo),
+    /// Init: the payload ended, and every other process of the sandbox is reaped.
     PayloadExited(ExitInfo),
     /// Init, after `PayloadExited`: every other process of the sandbox is reaped and init
     /// holds no output pipe any more; resource usage of the whole tree (init's own and that

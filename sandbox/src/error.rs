@@ -105,6 +105,11 @@ pub enum SandboxError {
     Zygote(String),
     #[error("{context}: {source}")]
     Io { context: String, source: std::io::Error },
+    /// The payload started, but processes of the sandbox outlived SIGKILL (stuck in the
+    /// kernel) and were left behind ([`crate::Sandbox::wait`]): the outcome up to then, for a
+    /// caller that already holds what the payload produced (an executor's result).
+    #[error("sandbox abandoned: {reason}")]
+    Abandoned { reason: String, outcome: Box<crate::report::Outcome> },
 }
 
 impl SandboxError {

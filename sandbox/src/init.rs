@@ -652,6 +652,10 @@ fn init(
         }
     };
     let status = reap_until(payload_pid, &signals, chan);
+    // Said before the rest is killed and reaped: a process stuck in the kernel would hold
+    // that wait, and the parent bounds it from here (its backstop, then abandon).
+    let _ = chan.send(&FromSandbox::PayloadEnded(status));
+    kill_and_reap_all();
     // Every other process is reaped: once init lets go of the output pipes they reach end of
     // file, and the run's outcome is complete before init and the monitor have exited.
     for fd in 0..=2 {
@@ -712,8 +716,8 @@ fn caller_gone(chan: &Channel) -> bool {
 }
 
 /// Reap every child; forward termination signals to the whole namespace; on [`KILL_ALL`]
-/// kill everything. When the payload ends, nothing else may outlive it: kill and reap the
-/// rest, then return the payload's status. Should the caller go away meanwhile (the
+/// kill everything. When the payload ends, return its status (nothing else may outlive it:
+/// the caller kills and reaps the rest). Should the caller go away meanwhile (the
 /// channel readable: it sends nothing after "proceed"), everything is killed too — what
 /// the monitor does for a sandbox that has one, and the only watch over a sandbox a zygote
 /// started directly, whose init outlives the zygote.
@@ -768,7 +772,6 @@ fn reap_until(payload: Pid, signals: &SignalFd, chan: &Channel) -> ExitInfo {
             }
         }
     };
-    kill_and_reap_all();
     status
 }
 

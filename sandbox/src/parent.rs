@@ -912,6 +912,9 @@ impl Sandbox {
         let mut stderr = Captured::default();
         let mut report: Option<EnforcementReport> = None;
         let mut failure: Option<StepError> = None;
+        // The payload's status once init reaped it (`payload_ended`), and once init reaped every
+        // other process too (`payload_exit`: the sandbox's processes are all gone).
+        let mut payload_ended: Option<ExitInfo> = None;
         let mut payload_exit: Option<ExitInfo> = None;
         let mut payload_exited_at: Option<Instant> = None;
         let mut chan_open = true;
@@ -925,6 +928,9 @@ impl Sandbox {
         // When to stop waiting for processes that survived the backstop's SIGKILL.
         let mut abandon_at: Option<Instant> = None;
         let mut abandoned = false;
+        // Why, when the payload had started and nothing else had failed: the outcome is then
+        // returned with it (`SandboxError::Abandoned`).
+        let mut abandoned_why: Option<String> = None;
         // When a deferred CPU quota is applied at the latest.
         let mut cpu_at: Option<Instant> = None;
         let mut timed_out = false;
@@ -974,14 +980,16 @@ impl Sandbox {
                     "sandbox processes still there {} s after SIGKILL; abandoned",
                     ABANDON.as_secs()
                 );
-                failure.get_or_insert(StepError::new(
-                    Stage::Protocol,
-                    format!(
-                        "the sandbox's processes had not exited {} s after SIGKILL (stuck in the kernel?); \
-                         abandoned, with their output",
-                        ABANDON.as_secs()
-                    ),
-                ));
+                let why = format!(
+                    "the sandbox's processes had not exited {} s after SIGKILL (stuck in the kernel?); abandoned, \
+                     with their output",
+                    ABANDON.as_secs()
+                );
+                if failure.is_none() && report.is_some() {
+                    abandoned_why = Some(why);
+                } else {
+                    failure.get_or_insert(StepError::new(Stage::Protocol, why));
+                }
                 // Our ends of the output pipes close; the processes die whenever the kernel
                 // lets them, and their cgroups go then (left behind below, retried later).
                 self.stdout = None;
@@ -1135,11 +1143,16 @@ impl Sandbox {
                             FromSandbox::Failed(e) => {
                                 failure.get_or_insert(e);
                             }
-                            FromSandbox::PayloadExited(x) => {
-                                payload_exit = Some(x);
+                            FromSandbox::PayloadEnded(x) => {
+                                payload_ended = Some(x);
                                 payload_exited_at.get_or_insert_with(Instant::now);
                                 // Init now kills and reaps the rest; a process stuck in the
                                 // kernel must not keep the sandbox alive.
+                                backstop_at.get_or_insert(Instant::now() + BACKSTOP);
+                            }
+                            FromSandbox::PayloadExited(x) => {
+                                payload_exit = Some(x);
+                                payload_exited_at.get_or_insert_with(Instant::now);
                                 backstop_at.get_or_insert(Instant::now() + BACKSTOP);
                             }
                             // From init as it ends: the outcome is complete. A caller
@@ -1304,12 +1317,14 @@ impl Sandbox {
             cpu_throttled_periods: cg_usage.cpu_throttled_periods,
             cpu_throttled_ms: cg_usage.cpu_throttled_ms,
         };
+        // Reported once init reaped it, even when the rest could not be reaped after it.
+        let payload_exit = payload_exit.or(payload_ended);
         let exited_cleanly = payload_exit.is_some_and(|e| e.code == Some(0));
         // Init (PID 1 of the sandbox's namespace) ended while the payload ran, and nothing
         // here ended it: someone outside killed init or the monitor (whose death kills init,
         // its parent-death signal) — and the kernel kills every process of the namespace.
         let ended_from_outside =
-            (payload_exit.is_none() && !timed_out && !stopped && usage.oom_kills == 0).then(|| {
+            (payload_exit.is_none() && !timed_out && !stopped && !abandoned && usage.oom_kills == 0).then(|| {
                 let monitor_signal = monitor_exit.and_then(|e| e.signal);
                 match init_exit {
                     Some(x) if x.signal.is_some() => EndedFromOutside { process: "init", signal: x.signal },
@@ -1332,7 +1347,7 @@ impl Sandbox {
         } else {
             payload_exit.and_then(|e| e.signal).map(KilledBy::Signal)
         };
-        Ok(Outcome {
+        let outcome = Outcome {
             exit: payload_exit,
             timed_out,
             stopped,
@@ -1355,7 +1370,11 @@ impl Sandbox {
             host_uid,
             not_idmapped,
             ended_from_outside,
-        })
+        };
+        match abandoned_why {
+            Some(reason) => Err(SandboxError::Abandoned { reason, outcome: Box::new(outcome) }),
+            None => Ok(outcome),
+        }
     }
 
     /// Read what is there on one output pipe; data read puts off `abandon_at` (progress).
