@@ -2712,6 +2712,90 @@ class TestExecutor(BaseExecutor):
     }
 }
 
+/// An executor whose sandbox is ended from outside — its init killed on the host while the
+/// executor runs — fails with that said: `failed`, output `{}`, the error naming init (and
+/// the signal, with `killed_by`, where it is known: not for a zygote's direct start). (The
+/// error said "the executor runtime ended without a result", and a zygote's sandbox killed
+/// after its result came kept that result.)
+#[test]
+fn an_executor_whose_sandbox_is_killed_from_outside_fails_saying_so() {
+    if !require_root() {
+        return;
+    }
+    let code = r#"
+import time
+from opservant.executor import BaseExecutor, ExecutorResult
+
+class TestExecutor(BaseExecutor):
+    def validate(self, params):
+        return True
+
+    def execute(self, params, context):
+        time.sleep(120)
+        return ExecutorResult(output={"woke": True})
+"#;
+    let d = executor(json!({}), code);
+    let view = common::host_view();
+    let launch = common::launch_args();
+    let mut args: Vec<&std::ffi::OsStr> = vec!["run".as_ref(), d.path.as_os_str()];
+    args.extend(launch.iter().map(std::ffi::OsStr::new));
+    let mut child = opservant_command(&args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let ppid = |pid: i32| -> Option<i32> {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let init = loop {
+        // The sandbox's processes (its pids cgroup, named by the command's pid): init is the
+        // one whose parent is not among them, once the payload (its child) is there.
+        let members: Vec<i32> = common::cgroups_of(child.id())
+            .iter()
+            .filter(|d| d.to_string_lossy().contains("/pids/"))
+            .flat_map(|d| {
+                std::fs::read_to_string(d.join("cgroup.procs"))
+                    .unwrap_or_default()
+                    .lines()
+                    .map(str::to_string)
+                    .collect::<Vec<_>>()
+            })
+            .filter_map(|l| l.parse().ok())
+            .collect();
+        let init = members.iter().copied().find(|&m| ppid(m).is_some_and(|p| !members.contains(&p)));
+        let asleep = members.iter().any(|&m| {
+            let call = std::fs::read_to_string(format!("/proc/{m}/syscall")).unwrap_or_default();
+            let nr = call.split_whitespace().next().and_then(|n| n.parse::<libc::c_long>().ok());
+            nr.is_some_and(|nr| nr == libc::SYS_clock_nanosleep || nr == libc::SYS_nanosleep)
+        });
+        if let (Some(init), true) = (init, asleep) {
+            break init;
+        }
+        assert!(std::time::Instant::now() < deadline, "the executor never slept");
+        assert!(child.try_wait().unwrap().is_none(), "the run ended before its executor slept");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let nspid = std::fs::read_to_string(format!("/proc/{init}/status")).unwrap();
+    assert!(
+        nspid.lines().any(|l| l.starts_with("NSpid:") && l.split_whitespace().last() == Some("1")),
+        "not PID 1 of a namespace: {nspid}"
+    );
+    // SAFETY: signalling the init of the sandbox this test started (checked above).
+    assert_eq!(unsafe { libc::kill(init, libc::SIGKILL) }, 0);
+    let out = child.wait_with_output().unwrap();
+    drop(view);
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.status.code(), Some(1), "{stdout}\n{stderr}");
+    let r: Value = serde_json::from_str(stdout.trim()).expect("a result on stdout");
+    common::assert_launch(&r);
+    assert_eq!(r["status"], "failed", "{r}");
+    assert_eq!(r["output"], json!({}), "{r}");
+    let error = r["error"].as_str().unwrap_or("");
+    match r["killed_by"].as_str() {
+        Some("signal:9") => assert!(error.starts_with("the sandbox's init was killed by signal 9"), "{r}"),
+        None => assert!(error.starts_with("the sandbox's init ended before its payload's exit"), "{r}"),
+        Some(other) => panic!("killed_by {other}: {r}"),
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // Context
 // ---------------------------------------------------------------------------------------

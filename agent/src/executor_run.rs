@@ -1005,7 +1005,12 @@ fn assemble(
     // (see `serve`) is not: the broken protocol is.
     let stopped_for_protocol =
         app.protocol_error.is_some() && outcome.stopped && !matches!(outcome.killed_by, Some(sandbox::KilledBy::Oom));
-    if outcome.timed_out || (outcome.killed_by.is_some() && !stopped_for_protocol) {
+    // (A sandbox ended from outside is a kill too, whether or not its signal is known; it is
+    // never one this process stopped.)
+    if outcome.timed_out
+        || (outcome.killed_by.is_some() && !stopped_for_protocol)
+        || outcome.ended_from_outside.is_some()
+    {
         r.output = Value::Object(Default::default());
     } else if let Some(e) = &app.protocol_error {
         // A channel that broke the protocol, before or after a result (a second result, a

@@ -83,7 +83,13 @@ pub enum FromSandbox {
     /// whole tree, and how init itself ended (a signal there, before the payload's exit was
     /// reported, is what ended the sandbox from outside). The monitor exits right after
     /// (tearing down the namespaces).
-    InitExited { cpu_ms: u64, peak_rss_bytes: u64, init_exit: ExitInfo },
+    InitExited {
+        cpu_ms: u64,
+        peak_rss_bytes: u64,
+        /// (Unknown — both fields `None` — from a monitor that does not send it.)
+        #[serde(default)]
+        init_exit: ExitInfo,
+    },
 }
 
 /// One end of the channel.

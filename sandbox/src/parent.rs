@@ -326,6 +326,12 @@ pub const SETUP_LIMIT: Duration = Duration::from_secs(30);
 /// before it and everything in the cgroup are killed too.
 const BACKSTOP: Duration = Duration::from_secs(1);
 
+/// How long init may take, once the payload has ended, to kill and reap the rest of the
+/// sandbox before the backstop kills everything (and [`ABANDON`] runs from there): killed
+/// processes release even a large tree's memory in well under a second; longer means one is
+/// stuck in the kernel, which must not hold the run until its time limit.
+const REAP_PATIENCE: Duration = Duration::from_secs(5);
+
 /// How long after a v1 OOM notification the sandbox's own OOM kill counter is read: the
 /// kernel notifies before it picks and kills its victim (see [`Sandbox::wait`]).
 const OOM_SETTLE: Duration = Duration::from_millis(20);
@@ -931,6 +937,7 @@ impl Sandbox {
         // Why, when the payload had started and nothing else had failed: the outcome is then
         // returned with it (`SandboxError::Abandoned`).
         let mut abandoned_why: Option<String> = None;
+        let mut stopped_after_end = false;
         // When a deferred CPU quota is applied at the latest.
         let mut cpu_at: Option<Instant> = None;
         let mut timed_out = false;
@@ -953,7 +960,9 @@ impl Sandbox {
         // monitor's own exit (namespace teardown) overlaps with the cleanup below.
         while (chan_open && tree.is_none()) || self.stdout.is_some() || self.stderr.is_some() {
             let now = Instant::now();
-            if let Some(d) = deadline {
+            // (Once the payload has ended its time limit is moot: the rest is being reaped,
+            // bounded by the backstop and the abandon.)
+            if let Some(d) = deadline.filter(|_| payload_ended.is_none()) {
                 if !timed_out && now >= d {
                     timed_out = true;
                     self.terminate();
@@ -1035,7 +1044,7 @@ impl Sandbox {
                 }
             }
             let wake = [
-                if timed_out { None } else { deadline },
+                if timed_out || payload_ended.is_some() { None } else { deadline },
                 kill_at,
                 backstop_at,
                 abandon_at,
@@ -1148,12 +1157,15 @@ impl Sandbox {
                                 payload_exited_at.get_or_insert_with(Instant::now);
                                 // Init now kills and reaps the rest; a process stuck in the
                                 // kernel must not keep the sandbox alive.
-                                backstop_at.get_or_insert(Instant::now() + BACKSTOP);
+                                backstop_at.get_or_insert(Instant::now() + REAP_PATIENCE);
                             }
                             FromSandbox::PayloadExited(x) => {
                                 payload_exit = Some(x);
                                 payload_exited_at.get_or_insert_with(Instant::now);
-                                backstop_at.get_or_insert(Instant::now() + BACKSTOP);
+                                // Every process but init is gone: init and the monitor only
+                                // exit now.
+                                let soon = Instant::now() + BACKSTOP;
+                                backstop_at = Some(backstop_at.map_or(soon, |b| b.min(soon)));
                             }
                             // From init as it ends: the outcome is complete. A caller
                             // that tears down in the background is done here; the others
@@ -1191,6 +1203,9 @@ impl Sandbox {
                     3 | 4 if slot == 4 && !self.stop_requested(report.is_some()) => {}
                     3 | 4 => {
                         stopped = true;
+                        // A stop after the payload's end ends nothing of it: the run is not
+                        // "stopped before it finished".
+                        stopped_after_end = payload_ended.is_some();
                         self.kill();
                         backstop_at.get_or_insert(Instant::now() + BACKSTOP);
                     }
@@ -1235,6 +1250,7 @@ impl Sandbox {
                 }
             }
         }
+        let stopped = stopped && !stopped_after_end;
         let wall = self.started.elapsed();
         let launch = self.launch;
         let mut cgroup = self.cgroup.take();
@@ -1284,6 +1300,18 @@ impl Sandbox {
                 Some(f) => {
                     tracing::error!(error = %e, "sandbox cgroup left behind");
                     return Err(f.into());
+                }
+                // The payload ended and the rest could not be reaped nor removed (a process
+                // stuck in the kernel that let go of the output pipes): abandoned, as the
+                // loop would have said, with the outcome.
+                None if report.is_some() && payload_ended.is_some() => {
+                    abandoned = true;
+                    abandoned_why.get_or_insert_with(|| {
+                        format!(
+                            "the sandbox's cgroups could not be removed after its payload ended ({e}): processes \
+                             stuck in the kernel?; left behind"
+                        )
+                    });
                 }
                 None => return Err(e.into()),
             }
