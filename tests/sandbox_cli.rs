@@ -895,7 +895,8 @@ fn a_sandbox_killed_from_outside_says_which_process_and_signal_ended_it() {
 /// `sandbox.abandoned`; its cgroups are left for a later opservant process. Twice: the
 /// leftover holding the output pipes (the sandbox is given up on 5 s after its SIGKILL),
 /// and with them closed (its cgroups cannot be removed). The time limit passes while the
-/// rest is reaped, and is moot: the program had ended. (The command failed with "had not
+/// rest is reaped, and is moot: the program had ended; so is a Ctrl-C then (the command
+/// says it came after the run ended, and exits 0). (The command failed with "had not
 /// exited 5 s after SIGKILL" only once the program's whole time limit had passed — init
 /// waited for that process before reporting the program's exit — and the review of the
 /// first fix found the time limit still overriding the result, and a cgroup error instead
@@ -943,6 +944,13 @@ fn a_program_that_ended_keeps_its_result_when_what_it_left_is_abandoned() {
         let freezer = common::freezer::Freezer::new(format!("program-abandoned-{}", redirect.len()));
         freezer.freeze(&[sleeper]);
         std::fs::write(&flag, b"").unwrap();
+        if redirect.is_empty() {
+            // Ctrl-C while the rest is reaped (at least 5 s from the program's end, which
+            // follows the flag within milliseconds): it ends nothing of the program.
+            std::thread::sleep(std::time::Duration::from_secs(1));
+            // SAFETY: signalling the command this test started.
+            assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
+        }
         // A hang detector, not a timing assertion.
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(50);
         while child.try_wait().unwrap().is_none() {
@@ -956,6 +964,9 @@ fn a_program_that_ended_keeps_its_result_when_what_it_left_is_abandoned() {
         drop(freezer);
         let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
         assert_eq!(out.status.code(), Some(0), "{variant}: {stdout}\n{stderr}");
+        if redirect.is_empty() {
+            assert!(stderr.contains("SIGINT came after the run ended: it completed"), "{variant}: {stderr}");
+        }
         let r: serde_json::Value = serde_json::from_str(stdout.trim()).expect("the result");
         assert_eq!(r["status"], "completed", "{variant}: {r}");
         assert_eq!(r["stdout"], "ended\n", "{variant}: {r}");

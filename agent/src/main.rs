@@ -560,6 +560,14 @@ fn main() -> ExitCode {
             errln!("opservant: {name} came after the install was recorded: it completed");
             code
         }
+        // A run completes despite a stop only when the stop came after its payload ended
+        // (the sandbox was then being reaped): its result says `completed`, and so does the
+        // exit status.
+        sig if code == ExitCode::SUCCESS => {
+            let name = nix::sys::signal::Signal::try_from(sig).map_or("a signal", |s| s.as_str());
+            errln!("opservant: {name} came after the run ended: it completed");
+            code
+        }
         sig => {
             let name = nix::sys::signal::Signal::try_from(sig).map_or("a signal", |s| s.as_str());
             errln!("opservant: stopped by {name}");

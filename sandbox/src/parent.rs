@@ -994,7 +994,9 @@ impl Sandbox {
                      with their output",
                     ABANDON.as_secs()
                 );
-                if failure.is_none() && report.is_some() {
+                // Only a payload that ended has an outcome worth keeping: one abandoned while
+                // it ran (stuck, or stopped) fails, as before.
+                if failure.is_none() && report.is_some() && payload_ended.is_some() {
                     abandoned_why = Some(why);
                 } else {
                     failure.get_or_insert(StepError::new(Stage::Protocol, why));
@@ -1277,7 +1279,11 @@ impl Sandbox {
             background::submit(cgroup, self);
             (Ok(()), None, None)
         } else {
-            if let (true, false, Some(init)) = (self.direct, abandoned, &self.init) {
+            // The payload ended and init never reported the rest reaped: init is waiting for a
+            // process stuck in the kernel (the backstop killed it, and a PID 1 exits only once
+            // its namespace is empty), so its exit is not waited for.
+            let stuck_after_end = payload_ended.is_some() && payload_exit.is_none() && tree.is_none();
+            if let (true, false, false, Some(init)) = (self.direct, abandoned, stuck_after_end, &self.init) {
                 // A sandbox started directly reported its outcome from init as it ended: its
                 // exit empties the cgroups.
                 crate::zygote::pidfd_wait(init, MONITOR_EXIT);
@@ -1291,7 +1297,9 @@ impl Sandbox {
                 Some(cg) => cg.remove(),
                 None => Ok(()),
             };
-            let ru = self.reap(if abandoned { Duration::ZERO } else { MONITOR_EXIT });
+            // (A monitor whose init is stuck cannot exit either: no patience for it then.)
+            let hopeless = abandoned || (stuck_after_end && removed.is_err());
+            let ru = self.reap(if hopeless { Duration::ZERO } else { MONITOR_EXIT });
             (removed, ru, self.monitor_exit)
         };
         if let Err(e) = removed {
