@@ -2647,51 +2647,24 @@ class TestExecutor(BaseExecutor):
         vec!["run".as_ref(), d.path.as_os_str(), "--params".as_ref(), params.as_ref()];
     args.extend(launch.iter().map(std::ffi::OsStr::new));
     let mut child = opservant_command(&args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
-    let ppid = |pid: i32| -> Option<i32> {
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-        stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()
-    };
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    let sleeper = loop {
-        // The sandbox's processes (its pids cgroup, named by the command's pid): init, the
-        // payload, and the payload's child — the one two generations below another member.
-        let members: Vec<i32> = common::cgroups_of(child.id())
-            .iter()
-            .filter(|d| d.to_string_lossy().contains("/pids/"))
-            .flat_map(|d| {
-                std::fs::read_to_string(d.join("cgroup.procs"))
-                    .unwrap_or_default()
-                    .lines()
-                    .map(str::to_string)
-                    .collect::<Vec<_>>()
+    use common::procs::ppid;
+    let id = child.id();
+    let sleeper =
+        common::procs::wait_for(&mut child, std::time::Duration::from_secs(60), "the executor's child started", || {
+            // The sandbox's processes: init, the payload, and the payload's child — the one two
+            // generations below another of them.
+            let members = common::sandbox_members(id);
+            members.iter().copied().find(|&m| {
+                ppid(m).is_some_and(|p| members.contains(&p) && ppid(p).is_some_and(|pp| members.contains(&pp)))
             })
-            .filter_map(|l| l.parse().ok())
-            .collect();
-        let found = members.iter().copied().find(|&m| {
-            ppid(m).is_some_and(|p| members.contains(&p) && ppid(p).is_some_and(|pp| members.contains(&pp)))
         });
-        if let Some(pid) = found {
-            break pid;
-        }
-        assert!(std::time::Instant::now() < deadline, "the executor's child never started");
-        assert!(child.try_wait().unwrap().is_none(), "the run ended before its child started");
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    };
     let dirs = common::freezer::sandbox_cgroups_of_process(sleeper);
     assert!(!dirs.is_empty(), "the child is in the sandbox's cgroups");
     let freezer = common::freezer::Freezer::new("abandoned-after-result");
     freezer.freeze(&[sleeper]);
     std::fs::write(&flag, b"").unwrap();
     // A hang detector, not a timing assertion: the sandbox gives up 5 s after its SIGKILL.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(90);
-    while child.try_wait().unwrap().is_none() {
-        if std::time::Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("the run never ended");
-        }
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
-    let out = child.wait_with_output().unwrap();
+    let out = common::procs::end_within(child, std::time::Duration::from_secs(90), "the run");
     drop(freezer);
     let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
@@ -2740,39 +2713,19 @@ class TestExecutor(BaseExecutor):
     let mut args: Vec<&std::ffi::OsStr> = vec!["run".as_ref(), d.path.as_os_str()];
     args.extend(launch.iter().map(std::ffi::OsStr::new));
     let mut child = opservant_command(&args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
-    let ppid = |pid: i32| -> Option<i32> {
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-        stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()
-    };
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    let init = loop {
-        // The sandbox's processes (its pids cgroup, named by the command's pid): init is the
-        // one whose parent is not among them, once the payload (its child) is there.
-        let members: Vec<i32> = common::cgroups_of(child.id())
-            .iter()
-            .filter(|d| d.to_string_lossy().contains("/pids/"))
-            .flat_map(|d| {
-                std::fs::read_to_string(d.join("cgroup.procs"))
-                    .unwrap_or_default()
-                    .lines()
-                    .map(str::to_string)
-                    .collect::<Vec<_>>()
-            })
-            .filter_map(|l| l.parse().ok())
-            .collect();
-        let init = members.iter().copied().find(|&m| ppid(m).is_some_and(|p| !members.contains(&p)));
+    use common::procs::ppid;
+    let id = child.id();
+    let init = common::procs::wait_for(&mut child, std::time::Duration::from_secs(60), "the executor slept", || {
+        // The sandbox's processes: init is the one whose parent is not among them, once the
+        // payload (its child) sleeps.
+        let members = common::sandbox_members(id);
         let asleep = members.iter().any(|&m| {
             let call = std::fs::read_to_string(format!("/proc/{m}/syscall")).unwrap_or_default();
             let nr = call.split_whitespace().next().and_then(|n| n.parse::<libc::c_long>().ok());
             nr.is_some_and(|nr| nr == libc::SYS_clock_nanosleep || nr == libc::SYS_nanosleep)
         });
-        if let (Some(init), true) = (init, asleep) {
-            break init;
-        }
-        assert!(std::time::Instant::now() < deadline, "the executor never slept");
-        assert!(child.try_wait().unwrap().is_none(), "the run ended before its executor slept");
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    };
+        members.iter().copied().find(|&m| ppid(m).is_some_and(|p| !members.contains(&p))).filter(|_| asleep)
+    });
     let nspid = std::fs::read_to_string(format!("/proc/{init}/status")).unwrap();
     assert!(
         nspid.lines().any(|l| l.starts_with("NSpid:") && l.split_whitespace().last() == Some("1")),

@@ -828,36 +828,25 @@ fn a_sandbox_killed_from_outside_says_which_process_and_signal_ended_it() {
     if !require_root() {
         return;
     }
-    let ppid = |pid: i32| -> i32 {
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
-        stat.rsplit_once(')').unwrap().1.split_whitespace().nth(1).unwrap().parse().unwrap()
-    };
+    let ppid = |pid: i32| common::procs::ppid(pid).expect("a process of the sandbox");
     for (launch, victim, expected_error, killed_by) in [
         ("cold", "init", "the sandbox's init was killed by signal 9 before its payload's exit", Some("signal:9")),
         ("cold", "monitor", "the sandbox's monitor was killed by signal 9 before its payload's exit", Some("signal:9")),
         ("zygote", "init", "the sandbox's init ended before its payload's exit was reported", None),
     ] {
         let marker = format!("61.{}{}", std::process::id(), victim.len() + launch.len());
-        let child = common::command()
+        let mut child = common::command()
             .args(["sandbox", "--json", "--launch", launch, "--", "/bin/sleep", &marker])
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-        let payload = loop {
-            let found = std::fs::read_dir("/proc").unwrap().flatten().find_map(|e| {
-                let pid = e.file_name().to_str()?.parse::<i32>().ok()?;
-                let cmdline = std::fs::read(e.path().join("cmdline")).ok()?;
-                (cmdline == format!("/bin/sleep\0{marker}\0").as_bytes()).then_some(pid)
+        let cmdline = format!("/bin/sleep\0{marker}\0");
+        let payload =
+            common::procs::wait_for(&mut child, std::time::Duration::from_secs(30), "the payload started", || {
+                common::procs::by_cmdline(cmdline.as_bytes())
             });
-            if let Some(pid) = found {
-                break pid;
-            }
-            assert!(std::time::Instant::now() < deadline, "{launch}: the payload never started");
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        };
         let command = child.id();
         let init = ppid(payload);
         let target = if victim == "init" { init } else { ppid(init) };
@@ -925,20 +914,13 @@ fn a_program_that_ended_keeps_its_result_when_what_it_left_is_abandoned() {
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-        let sleeper = loop {
-            let found = std::fs::read_dir("/proc").unwrap().flatten().find_map(|e| {
-                let pid = e.file_name().to_str()?.parse::<i32>().ok()?;
-                let cmdline = std::fs::read(e.path().join("cmdline")).ok()?;
-                (cmdline == format!("sleep\0{marker}\0").as_bytes()).then_some(pid)
-            });
-            if let Some(pid) = found {
-                break pid;
-            }
-            assert!(std::time::Instant::now() < deadline, "{variant}: the program's child never started");
-            assert!(child.try_wait().unwrap().is_none(), "{variant}: the program ended before its child started");
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        };
+        let cmdline = format!("sleep\0{marker}\0");
+        let sleeper = common::procs::wait_for(
+            &mut child,
+            std::time::Duration::from_secs(30),
+            &format!("{variant}: the program's child started"),
+            || common::procs::by_cmdline(cmdline.as_bytes()),
+        );
         let dirs = common::freezer::sandbox_cgroups_of_process(sleeper);
         assert!(!dirs.is_empty(), "{variant}: the child is in the sandbox's cgroups");
         let freezer = common::freezer::Freezer::new(format!("program-abandoned-{}", redirect.len()));
@@ -952,15 +934,7 @@ fn a_program_that_ended_keeps_its_result_when_what_it_left_is_abandoned() {
             assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
         }
         // A hang detector, not a timing assertion.
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(50);
-        while child.try_wait().unwrap().is_none() {
-            if std::time::Instant::now() > deadline {
-                let _ = child.kill();
-                panic!("{variant}: the command never ended");
-            }
-            std::thread::sleep(std::time::Duration::from_millis(50));
-        }
-        let out = child.wait_with_output().unwrap();
+        let out = common::procs::end_within(child, std::time::Duration::from_secs(50), variant);
         drop(freezer);
         let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
         assert_eq!(out.status.code(), Some(0), "{variant}: {stdout}\n{stderr}");

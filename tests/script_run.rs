@@ -515,35 +515,18 @@ fn a_script_that_ended_keeps_its_result_when_what_it_left_is_abandoned() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    let sleeper = loop {
-        let found = std::fs::read_dir("/proc").unwrap().flatten().find_map(|e| {
-            let pid = e.file_name().to_str()?.parse::<i32>().ok()?;
-            let cmdline = std::fs::read(e.path().join("cmdline")).ok()?;
-            (cmdline == format!("sleep\0{marker}\0").as_bytes()).then_some(pid)
+    let cmdline = format!("sleep\0{marker}\0");
+    let sleeper =
+        common::procs::wait_for(&mut child, std::time::Duration::from_secs(30), "the script's child started", || {
+            common::procs::by_cmdline(cmdline.as_bytes())
         });
-        if let Some(pid) = found {
-            break pid;
-        }
-        assert!(std::time::Instant::now() < deadline, "the script's child never started");
-        assert!(child.try_wait().unwrap().is_none(), "the script ended before its child started");
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    };
     let dirs = common::freezer::sandbox_cgroups_of_process(sleeper);
     assert!(!dirs.is_empty(), "the child is in the sandbox's cgroups");
     let freezer = common::freezer::Freezer::new("script-abandoned");
     freezer.freeze(&[sleeper]);
     std::fs::write(&flag, b"").unwrap();
     // A hang detector, not a timing assertion (the script's time limit is 60 s).
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(50);
-    while child.try_wait().unwrap().is_none() {
-        if std::time::Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("the script's run waited for its time limit");
-        }
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
-    let out = child.wait_with_output().unwrap();
+    let out = common::procs::end_within(child, std::time::Duration::from_secs(50), "the script's run");
     drop(freezer);
     let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");

@@ -915,14 +915,7 @@ impl Daemon {
             started_report.recv_timeout(left).map_err(|_| "the sandbox's enforcement report never came".to_string())
         });
         let summary = enforced.as_ref().ok().map(|e| {
-            let none = sandbox::CgroupReport {
-                version: "none".into(),
-                paths: vec![],
-                memory: false,
-                cpu: false,
-                pids: false,
-                degraded: vec![],
-            };
+            let none = sandbox::CgroupReport::none();
             crate::result::SandboxSummary::new(
                 e,
                 daemon.cgroup.as_ref().unwrap_or(&none),

@@ -127,6 +127,13 @@ pub struct CgroupReport {
     pub degraded: Vec<String>,
 }
 
+impl CgroupReport {
+    /// The report of a sandbox without cgroups (degraded mode only).
+    pub fn none() -> CgroupReport {
+        CgroupReport { version: "none".into(), paths: vec![], memory: false, cpu: false, pids: false, degraded: vec![] }
+    }
+}
+
 /// Why the payload was stopped by the sandbox (as opposed to exiting on its own).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KilledBy {

@@ -472,6 +472,22 @@ pub fn sandbox_cgroups() -> Vec<PathBuf> {
 }
 
 /// Sandbox cgroups created by a given opservant process (pid in the name).
+/// The processes of the sandbox that command `pid` started: those in its pids cgroup (the
+/// cgroups are named by the command's pid whatever the launch mode).
+pub fn sandbox_members(pid: u32) -> Vec<i32> {
+    cgroups_of(pid)
+        .iter()
+        .filter(|d| d.to_string_lossy().contains("/pids/"))
+        .flat_map(|d| {
+            std::fs::read_to_string(d.join("cgroup.procs"))
+                .unwrap_or_default()
+                .lines()
+                .filter_map(|l| l.parse().ok())
+                .collect::<Vec<i32>>()
+        })
+        .collect()
+}
+
 pub fn cgroups_of(pid: u32) -> Vec<PathBuf> {
     sandbox_cgroups()
         .into_iter()

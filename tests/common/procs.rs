@@ -73,3 +73,53 @@ pub fn shared_writable_kib(pid: i32) -> Option<u64> {
     }
     Some(kib)
 }
+
+/// The parent of `pid` (`None` once it is gone).
+pub fn ppid(pid: i32) -> Option<i32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The fields after the last ')' (the command name may hold anything): state, ppid, ...
+    stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// The process whose command line is exactly `cmdline` (its arguments, each ended by NUL),
+/// if one runs now.
+pub fn by_cmdline(cmdline: &[u8]) -> Option<i32> {
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid = e.file_name().to_str()?.parse::<i32>().ok()?;
+        (std::fs::read(e.path().join("cmdline")).ok()? == cmdline).then_some(pid)
+    })
+}
+
+/// Wait (polling) until `found` gives a value; panics after `within`, or once `child` (the
+/// command that should make it appear) has ended, naming `what`.
+pub fn wait_for<T>(
+    child: &mut std::process::Child,
+    within: std::time::Duration,
+    what: &str,
+    mut found: impl FnMut() -> Option<T>,
+) -> T {
+    let deadline = std::time::Instant::now() + within;
+    loop {
+        if let Some(v) = found() {
+            return v;
+        }
+        assert!(std::time::Instant::now() < deadline, "{what} within {within:?}");
+        assert!(child.try_wait().unwrap().is_none(), "the command ended before {what}");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+/// Wait for `child` to end, at most `within` (a hang detector, not a timing assertion):
+/// killed and a panic naming `what` after that.
+pub fn end_within(child: std::process::Child, within: std::time::Duration, what: &str) -> std::process::Output {
+    let mut child = child;
+    let deadline = std::time::Instant::now() + within;
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("{what} did not end within {within:?}");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    child.wait_with_output().unwrap()
+}

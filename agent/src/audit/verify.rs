@@ -774,15 +774,22 @@ mod tests {
         assert_eq!((pr.kind, pr.line), (Kind::Edited, 3), "{pr:?}");
     }
 
-    #[test]
-    fn rotated_files_verify_together_and_alone_with_a_note() {
-        let s = Scratch::new("rot");
+    /// 30 records in a log rotated at 1 KiB (several files, 10 kept): the scratch, the
+    /// settings and the chain's files, oldest first.
+    fn rotated_log(name: &str) -> (Scratch, AuditSettings, Vec<PathBuf>) {
+        let s = Scratch::new(name);
         let mut settings = AuditSettings::at(&s.log());
         settings.max_bytes = 1024;
         settings.keep = 10;
         let log = AuditLog::open(settings.clone()).unwrap();
         append(&log, 30);
         let files = chain_files(&s.log()).unwrap();
+        (s, settings, files)
+    }
+
+    #[test]
+    fn rotated_files_verify_together_and_alone_with_a_note() {
+        let (s, settings, files) = rotated_log("rot");
         assert!(files.len() >= 4, "{files:?}");
         assert_eq!(files.last(), Some(&s.log()));
         let r = verify(&files).unwrap();
@@ -811,13 +818,7 @@ mod tests {
     /// file's count (the empty file's summary, the last one pushed, holds nothing to take).
     #[test]
     fn an_edited_last_record_is_uncounted_from_its_own_file_across_an_empty_one() {
-        let s = Scratch::new("rotedit");
-        let mut settings = AuditSettings::at(&s.log());
-        settings.max_bytes = 1024;
-        settings.keep = 10;
-        let log = AuditLog::open(settings.clone()).unwrap();
-        append(&log, 30);
-        let files = chain_files(&s.log()).unwrap();
+        let (s, _, files) = rotated_log("rotedit");
         assert!(files.len() >= 3, "{files:?}");
         let intact = verify(&files).unwrap();
         let in_oldest = intact.files[0].records;
