@@ -1,6 +1,7 @@
 //! Records the version of the Python interpreter pyo3 links (PYO3_PYTHON, pinned in
 //! .cargo/config.toml) so manifests' `requirements.python` can be checked against it,
-//! precompiles the embedded Python package, and sets the link flags of opservant-runtime.
+//! precompiles the embedded Python package, sets the link flags of opservant-runtime, and
+//! gives both binaries their build identity (`OPSERVANT_BUILD`, see [`build_identity`]).
 
 /// The opservant Python package embedded in `opservant-runtime`: module, file, is-package.
 const EMBEDDED: &[(&str, &str, bool)] = &[
@@ -38,7 +39,91 @@ fn marshal(python: &str, file: &str, name: &str, target: &std::path::Path) {
     assert!(status.success(), "compiling {file} failed");
 }
 
+/// What the two binaries are built from, relative to the workspace: every file under these
+/// (a missing one is left out, e.g. a crate packaged alone).
+const BUILD_INPUTS: &[&str] = &[
+    "Cargo.toml",
+    "Cargo.lock",
+    ".cargo/config.toml",
+    ".cargo/pyo3-static.config",
+    "policies",
+    "sandbox/Cargo.toml",
+    "sandbox/build.rs",
+    "sandbox/src",
+    "agent/Cargo.toml",
+    "agent/build.rs",
+    "agent/src",
+    "agent/python",
+];
+
+/// `VERSION+HASH`: the package version and a 64-bit hash (std's `DefaultHasher`, fixed keys) of the
+/// relative path and contents of every file of [`BUILD_INPUTS`], in path order. `opservant`
+/// and `opservant-runtime` are built by this one script run, so they carry the same identity,
+/// and a build from other sources carries another: the agent and its runtime check each
+/// other's before they speak (`agent::app::BUILD`), so an upgraded binary beside a running
+/// agent is named as such instead of failing as a malformed message. Not a security
+/// measure: whoever can replace either binary owns the host.
+fn build_identity(workspace: &std::path::Path) -> String {
+    use std::hash::Hasher;
+    fn walk(dir: &std::path::Path, files: &mut Vec<std::path::PathBuf>) {
+        let Ok(entries) = std::fs::read_dir(dir) else { return };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            let name = entry.file_name();
+            // Caches, packaging output and editors' files are not sources.
+            let name = name.to_string_lossy();
+            if name.starts_with('.')
+                || name == "__pycache__"
+                || name.ends_with(".egg-info")
+                || name.ends_with(".pyc")
+                || ["build", "dist"].contains(&name.as_ref())
+            {
+                continue;
+            }
+            match entry.file_type() {
+                Ok(t) if t.is_dir() => walk(&path, files),
+                Ok(t) if t.is_file() => files.push(path),
+                _ => {}
+            }
+        }
+    }
+    let mut files = Vec::new();
+    for input in BUILD_INPUTS {
+        let path = workspace.join(input);
+        if path.is_dir() {
+            walk(&path, &mut files);
+        } else if path.is_file() {
+            files.push(path);
+        }
+    }
+    if files.is_empty() {
+        println!("cargo:warning=none of the build's sources found beside agent/: its build identity covers nothing");
+    }
+    files.sort();
+    // Each file hashed, not its directory: a cache written beside the sources (`__pycache__`
+    // by a test's Python) reruns nothing. A new source file comes with an edit to one of
+    // these (its `mod`, `include_str!` or EMBEDDED entry).
+    for file in &files {
+        println!("cargo:rerun-if-changed={}", file.display());
+    }
+    // Fixed keys: the same sources give the same hash (with the same toolchain).
+    let mut hash = std::hash::DefaultHasher::new();
+    for file in &files {
+        let relative = file.strip_prefix(workspace).unwrap_or(file);
+        let contents = std::fs::read(file).unwrap_or_else(|e| panic!("cannot read {}: {e}", file.display()));
+        hash.write(relative.to_string_lossy().as_bytes());
+        hash.write_u8(0);
+        hash.write_u64(contents.len() as u64);
+        hash.write(&contents);
+    }
+    format!("{}+{:016x}", std::env::var("CARGO_PKG_VERSION").unwrap_or_default(), hash.finish())
+}
+
 fn main() {
+    let manifest_dir =
+        std::path::PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
+    let workspace = manifest_dir.parent().unwrap_or(&manifest_dir);
+    println!("cargo:rustc-env=OPSERVANT_BUILD={}", build_identity(workspace));
     println!("cargo:rerun-if-env-changed=PYO3_PYTHON");
     let python = std::env::var("PYO3_PYTHON").unwrap_or_else(|_| "python3".into());
     let out = std::process::Command::new(&python)

@@ -2144,6 +2144,7 @@ fn commands_pulled_from_the_platform_over_mutual_tls() {
     );
     let hb = &st.heartbeats[0];
     assert_eq!(hb["version"], env!("CARGO_PKG_VERSION"));
+    assert_eq!(hb["build"], agent::app::BUILD, "{hb}");
     assert!(hb["executors"].as_array().unwrap().iter().any(|e| e == "port-scanner@1.0.0"), "{hb}");
     assert_eq!(hb["install_failures"], json!([]), "{hb}");
     let head = hb["audit"]["head"].clone();
@@ -2661,47 +2662,12 @@ fn revocation_is_checked_for_every_certificate_of_the_chain() {
 /// end to end through it.
 #[test]
 fn the_platform_is_reached_through_the_configured_proxy() {
-    use std::io::{BufRead, Write};
     if !common::require_root() {
         return;
     }
     let pki = platform::Pki::new("good");
     let p = platform::TestPlatform::start(&pki, &pki);
-    let proxy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let proxy_port = proxy.local_addr().unwrap().port();
-    let connects = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
-    let seen = connects.clone();
-    std::thread::spawn(move || {
-        for client in proxy.incoming().flatten() {
-            let seen = seen.clone();
-            std::thread::spawn(move || {
-                let mut reader = std::io::BufReader::new(client.try_clone().unwrap());
-                let mut line = String::new();
-                reader.read_line(&mut line).unwrap();
-                let target = line.split_whitespace().nth(1).unwrap_or_default().to_string();
-                seen.lock().unwrap().push(line.trim().to_string());
-                loop {
-                    let mut header = String::new();
-                    if reader.read_line(&mut header).unwrap_or(0) == 0 || header == "\r\n" {
-                        break;
-                    }
-                }
-                let Ok(upstream) = std::net::TcpStream::connect(&target) else { return };
-                let mut client = client;
-                client.write_all(b"HTTP/1.1 200 Connection established\r\n\r\n").unwrap();
-                let (mut up_read, mut up_write) = (upstream.try_clone().unwrap(), upstream);
-                let mut down = client.try_clone().unwrap();
-                std::thread::spawn(move || {
-                    let _ = std::io::copy(&mut up_read, &mut down);
-                    let _ = down.shutdown(std::net::Shutdown::Both);
-                });
-                // What the client sent after the CONNECT's headers (none: it waits for 200).
-                let _ = up_write.write_all(reader.buffer());
-                let _ = std::io::copy(&mut reader.into_inner(), &mut up_write);
-                let _ = up_write.shutdown(std::net::Shutdown::Both);
-            });
-        }
-    });
+    let (proxy_port, connects) = common::connect_proxy();
     let tls = HostDir::new();
     let network = platform_network(&tls.path, p.addr, &pki, &pki)
         + &format!("  proxy:\n    https: http://127.0.0.1:{proxy_port}\n    no_proxy: [\"192.0.2.0/24\"]\n");

@@ -3126,6 +3126,35 @@ class TestExecutor(BaseExecutor):
     assert_eq!(r["output"], Value::Null, "{r}");
 }
 
+/// Executor code that answers like a runtime of another build (`wrong_build`) breaks the
+/// protocol like any other late message: the run does not read as an upgrade that never
+/// happened.
+#[test]
+fn a_wrong_build_from_executor_code_is_a_protocol_break() {
+    if !require_root() {
+        return;
+    }
+    let code = r#"
+import os
+from opservant.executor import BaseExecutor, ExecutorResult
+
+class TestExecutor(BaseExecutor):
+    def validate(self, params):
+        return True
+
+    def execute(self, params, context):
+        os.write(4, b'\x00{"type": "wrong_build", "build": "0.0.1+0000000000000000"}')
+        return ExecutorResult(status="completed", output={})
+"#;
+    let d = executor(json!({"resource_limits": {"timeout_seconds": 20}}), code);
+    let r = run_params(&d.path, &json!({})).result();
+    assert_eq!(r["status"], "failed", "{r}");
+    assert_eq!(
+        r["error"], "the executor runtime misbehaved: unexpected wrong_build message for an executor run",
+        "{r}"
+    );
+}
+
 /// A payload that breaks the protocol and then carries on (here: a second `ready`, then a
 /// long sleep) is stopped at once, and its run fails naming the break — not a timeout 30 s
 /// later that would hide why. (The wall-time bound is a hang detector, not a benchmark.)
@@ -3178,6 +3207,11 @@ fn runtime_on_channel() -> (sandbox::channel::Channel, std::process::Child) {
     (agent_end, child)
 }
 
+/// A message of arguments as this build's agent sends it (`agent::app::encode_args`).
+fn args_message(args: &Value) -> Vec<u8> {
+    serde_json::to_vec(&json!({"build": agent::app::BUILD, "args": args})).unwrap()
+}
+
 /// The runtime keeps log records past the agent's caps back and counts them — only for an
 /// agent that says it takes the count (`log_caps`): it says so once (`logs_held`) and gives
 /// the count with the result. An agent from before gets every record, as it did then (it
@@ -3204,7 +3238,7 @@ fn the_runtime_keeps_log_records_back_only_for_an_agent_that_takes_the_count() {
         if let Some(c) = log_caps {
             a["log_caps"] = json!(c);
         }
-        serde_json::to_vec(&a).unwrap()
+        args_message(&a)
     };
     for log_caps in [Some(true), None] {
         let (agent_end, child) = runtime_on_channel();
@@ -3267,9 +3301,9 @@ fn the_runtime_runs_no_executor_code_before_the_agent_confirms_the_cpu_quota() {
     let old_args = {
         let mut a = args.clone();
         a.as_object_mut().unwrap().remove("proceed");
-        serde_json::to_vec(&a).unwrap()
+        args_message(&a)
     };
-    let args = serde_json::to_vec(&args.take()).unwrap();
+    let args = args_message(&args.take());
     let ready = |chan: &sandbox::channel::Channel| -> Value {
         serde_json::from_slice(&chan.recv_bytes(1 << 20).unwrap().expect("a message")).unwrap()
     };
@@ -3317,7 +3351,7 @@ fn the_runtime_runs_no_executor_code_before_the_agent_confirms_the_cpu_quota() {
 #[test]
 fn the_runtime_warms_up_once_and_only_before_its_arguments() {
     let (agent_end, child) = runtime_on_channel();
-    let warm = serde_json::to_vec(&json!({"mode": "warm"})).unwrap();
+    let warm = args_message(&json!({"mode": "warm"}));
     agent_end.send_bytes(&warm).unwrap();
     let reply: Value = serde_json::from_slice(&agent_end.recv_bytes(1 << 20).unwrap().unwrap()).unwrap();
     assert_eq!(reply["type"], "warmed", "{reply}");
@@ -3329,4 +3363,177 @@ fn the_runtime_warms_up_once_and_only_before_its_arguments() {
     let out = child.wait_with_output().unwrap();
     assert_eq!(out.status.code(), Some(70), "{out:?}");
     assert!(String::from_utf8_lossy(&out.stderr).contains("a second warm-up request"), "{out:?}");
+}
+
+/// The runtime reads arguments only from an agent of its own build: arguments of an older
+/// agent (no build, the format before the check) or of another build are answered with
+/// `wrong_build` naming the runtime's own build, nothing of them is run, and the runtime
+/// exits 70 saying which builds met. Driven directly, outside a sandbox, over the channel.
+#[test]
+fn the_runtime_reads_no_arguments_from_an_agent_of_another_build() {
+    let d = HostDir::new();
+    let marker = PathBuf::from(d.str()).join("imported");
+    let package = PathBuf::from(d.str()).join("pkg");
+    std::fs::create_dir(&package).unwrap();
+    std::fs::write(
+        package.join("probe.py"),
+        format!(
+            "from opservant.executor import BaseExecutor, ExecutorResult\n\
+             open({:?}, 'w').close()\n\
+             class Probe(BaseExecutor):\n    def validate(self, params):\n        return True\n\
+             \n    def execute(self, params, context):\n        return ExecutorResult(status='completed', output={{}})\n",
+            marker.to_str().unwrap()
+        ),
+    )
+    .unwrap();
+    let args = json!({
+        "mode": "executor", "package_dir": package, "entry_point": "probe.Probe", "paths": [],
+        "params": {}, "agent_id": "test", "action": null, "command_id": null, "config": {},
+        "proceed": true
+    });
+    let other = "0.0.1+00000000000000ff";
+    assert_ne!(other, agent::app::BUILD);
+    let cases = [
+        (serde_json::to_vec(&args).unwrap(), "started by an older opservant".to_string()),
+        (
+            serde_json::to_vec(&json!({"build": other, "args": args})).unwrap(),
+            format!("started by an opservant of build {other}"),
+        ),
+        // Not even a warm-up is served.
+        (serde_json::to_vec(&json!({"build": other, "args": {"mode": "warm"}})).unwrap(), format!("build {other}")),
+    ];
+    for (message, said) in cases {
+        let (agent_end, child) = runtime_on_channel();
+        agent_end.send_bytes(&message).unwrap();
+        let reply: Value = serde_json::from_slice(&agent_end.recv_bytes(1 << 20).unwrap().expect("a reply")).unwrap();
+        assert_eq!(reply, json!({"type": "wrong_build", "build": agent::app::BUILD}));
+        assert_eq!(agent_end.recv_bytes(1 << 20).unwrap(), None, "the runtime ends");
+        let out = child.wait_with_output().unwrap();
+        assert_eq!(out.status.code(), Some(70), "{out:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(&format!("opservant-runtime is build {}", agent::app::BUILD)), "{stderr}");
+        assert!(stderr.contains(&said) && stderr.contains("restart the agent"), "{stderr}");
+        assert!(!marker.exists(), "executor code ran on arguments of another build");
+    }
+    // The same arguments from this build run.
+    let (agent_end, child) = runtime_on_channel();
+    agent_end.send_bytes(&args_message(&args)).unwrap();
+    let reply: Value = serde_json::from_slice(&agent_end.recv_bytes(1 << 20).unwrap().unwrap()).unwrap();
+    assert_eq!(reply["type"], "ready", "{reply}");
+    agent_end.send_bytes(br#"{"type":"proceed"}"#).unwrap();
+    let reply: Value = serde_json::from_slice(&agent_end.recv_bytes(1 << 20).unwrap().unwrap()).unwrap();
+    assert_eq!(reply["status"], "completed", "{reply}");
+    drop(agent_end);
+    assert!(child.wait_with_output().unwrap().status.success());
+    assert!(marker.exists());
+}
+
+/// `opservant` and `opservant-runtime` copied into `dir`, the runtime's copy made another
+/// build: every copy of this build's identity in it rewritten (same length, another hash) —
+/// what an upgrade that replaced the runtime beside a running agent leaves. Returns the
+/// copied `opservant` and the runtime's build.
+fn binaries_of_two_builds(dir: &Path) -> (PathBuf, String) {
+    let opservant = dir.join("opservant");
+    let runtime = dir.join("opservant-runtime");
+    std::fs::copy(common::opservant(), &opservant).unwrap();
+    let build = agent::app::BUILD;
+    let (version, hash) = build.split_once('+').expect("VERSION+HASH");
+    let other_hash: String = hash.chars().map(|c| if c == 'f' { '0' } else { 'f' }).collect();
+    let other = format!("{version}+{other_hash}");
+    let mut bytes = std::fs::read(env!("CARGO_BIN_EXE_opservant-runtime")).unwrap();
+    let mut replaced = 0;
+    let mut at = 0;
+    while let Some(i) = bytes[at..].windows(build.len()).position(|w| w == build.as_bytes()) {
+        bytes[at + i..at + i + build.len()].copy_from_slice(other.as_bytes());
+        at += i + build.len();
+        replaced += 1;
+    }
+    assert!(replaced > 0, "the runtime binary carries its build");
+    std::fs::write(&runtime, bytes).unwrap();
+    std::fs::set_permissions(&runtime, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let version_out = Command::new(&runtime).arg("--version").output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&version_out.stdout), format!("opservant-runtime {other}\n"));
+    (opservant, other)
+}
+
+/// An `opservant` whose `opservant-runtime` is another build (replaced by an upgrade while
+/// an agent ran) runs nothing of an executor, and says why: cold, the runtime answers its
+/// arguments with its build and the run fails naming both builds; through a zygote, the
+/// zygote's ready message names its build, so no zygote serves (audited `zygote_fallback`
+/// with both builds) and the run starts cold — to the same end.
+#[test]
+fn a_runtime_of_another_build_runs_nothing_and_says_so() {
+    if !require_root() {
+        return;
+    }
+    let bin = HostDir::new();
+    let (opservant, other) = binaries_of_two_builds(&bin.path);
+    // Imported, the executor's module says so on stdout.
+    let d = executor(
+        json!({}),
+        "from opservant.executor import BaseExecutor, ExecutorResult\n\
+         print('imported', flush=True)\n\
+         class TestExecutor(BaseExecutor):\n    def validate(self, params):\n        return True\n\
+         \n    def execute(self, params, context):\n        return ExecutorResult(status='completed', output={})\n",
+    );
+    let wrong = format!("opservant-runtime is build {other}, not this opservant's build {}", agent::app::BUILD);
+    for launch in ["cold", "zygote"] {
+        let out = output_of(
+            Command::new(&opservant)
+                .args(["run".as_ref(), d.path.as_os_str(), "--launch".as_ref(), launch.as_ref()])
+                .env("OPSERVANT_CONFIG", common::test_config())
+                .env_remove("OPSERVANT_LOG")
+                .stdin(Stdio::null()),
+        );
+        let r = out.json();
+        assert_eq!(out.code, 1, "{out:?}");
+        assert_eq!(r["status"], "failed", "{r}");
+        let error = r["error"].as_str().unwrap();
+        assert!(error.starts_with(&wrong) && error.ends_with("restart the agent"), "{launch}: {error}");
+        assert_eq!(r["sandbox"]["launch"], "cold", "{r}");
+        if launch == "zygote" {
+            let zygote = format!(
+                "the zygote {} is build {other}, not build {}",
+                bin.path.join("opservant-runtime").display(),
+                agent::app::BUILD
+            );
+            assert!(out.stderr.lines().any(|l| l.contains("zygote_fallback") && l.contains(&zygote)), "{}", out.stderr);
+        }
+        assert!(!r["stdout"].as_str().unwrap().contains("imported"), "{launch}: executor code ran: {r}");
+    }
+    // `doctor` (and so the agent's heartbeat) names the two builds.
+    let runtime_finding = || {
+        let out = output_of(Command::new(&opservant).args(["doctor", "--json"]).stdin(Stdio::null()));
+        let report: Value =
+            serde_json::from_str(&out.stdout).unwrap_or_else(|e| panic!("doctor --json ({e}): {out:?}"));
+        let finding = report["findings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|f| f["feature"] == "executor runtime")
+            .cloned()
+            .unwrap_or_else(|| panic!("no executor runtime finding: {report}"));
+        (out.code, finding)
+    };
+    let (code, finding) = runtime_finding();
+    let detail = finding["detail"].as_str().unwrap();
+    assert_eq!((code, &finding["ok"], &finding["required"]), (1, &json!(false), &json!(true)), "{finding}");
+    assert!(detail.contains(&format!("is build {other}, this opservant is build {}", agent::app::BUILD)), "{detail}");
+    // The same copies, the runtime this build again (put in place as a package does: a new
+    // file renamed over the old): the executor runs.
+    let new = bin.path.join("opservant-runtime.new");
+    std::fs::copy(env!("CARGO_BIN_EXE_opservant-runtime"), &new).unwrap();
+    std::fs::rename(&new, bin.path.join("opservant-runtime")).unwrap();
+    let out = output_of(
+        Command::new(&opservant)
+            .args(["run".as_ref(), d.path.as_os_str(), "--launch".as_ref(), "zygote".as_ref()])
+            .env("OPSERVANT_CONFIG", common::test_config())
+            .env_remove("OPSERVANT_LOG")
+            .stdin(Stdio::null()),
+    );
+    let r = out.json();
+    assert_eq!((out.code, &r["status"], &r["sandbox"]["launch"]), (0, &json!("completed"), &json!("zygote")), "{r}");
+    assert!(r["stdout"].as_str().unwrap().contains("imported"), "{r}");
+    let (_, finding) = runtime_finding();
+    assert_eq!(finding["ok"], true, "{finding}");
 }

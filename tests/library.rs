@@ -24,6 +24,7 @@ fn runtime_zygote() -> sandbox::zygote::Zygote {
         std::ffi::CString::new(runtime.as_os_str().as_encoded_bytes()).unwrap(),
         vec![std::ffi::CString::new("--zygote").unwrap()],
     )
+    .expecting(agent::app::BUILD.as_bytes().to_vec())
 }
 
 /// `sb.wait()` on a thread of its own: the test waits for the outcome (`Debug` text, or the
@@ -964,10 +965,13 @@ fn a_start_report_waiting_for_a_late_caller_is_not_overdue() {
 fn zygote_after(prelude: &str) -> std::sync::Arc<sandbox::zygote::Zygote> {
     let runtime = std::path::Path::new(common::opservant()).with_file_name("opservant-runtime");
     let script = format!("{prelude}; exec {} --zygote", runtime.display());
-    std::sync::Arc::new(sandbox::zygote::Zygote::new(
-        std::ffi::CString::new("/bin/sh").unwrap(),
-        vec![std::ffi::CString::new("-c").unwrap(), std::ffi::CString::new(script).unwrap()],
-    ))
+    std::sync::Arc::new(
+        sandbox::zygote::Zygote::new(
+            std::ffi::CString::new("/bin/sh").unwrap(),
+            vec![std::ffi::CString::new("-c").unwrap(), std::ffi::CString::new(script).unwrap()],
+        )
+        .expecting(agent::app::BUILD.as_bytes().to_vec()),
+    )
 }
 
 #[test]

@@ -271,6 +271,49 @@ fn declared_secret_comes_from_vault_and_is_redacted() {
     }
 }
 
+/// `network.proxy.https` carries Vault's traffic too (HTTP `CONNECT`, TLS to Vault end to
+/// end through it), as the platform's; `no_proxy` naming Vault's host sends it directly —
+/// here past a proxy address nothing listens on.
+#[test]
+fn vault_is_reached_through_the_configured_proxy_unless_no_proxy_names_it() {
+    if !require_root() {
+        return;
+    }
+    let (pki, v) = vault_with_secrets(Duration::from_secs(600));
+    let port = v.address().rsplit_once(':').map(|(_, p)| p.to_string()).unwrap();
+    let (proxy_port, connects) = common::connect_proxy();
+    let dir = HostDir::new();
+    let pkg = executor(&dir.path, "vault-proxied", &["api_key"]);
+    let conf = config(
+        &dir,
+        &v.address(),
+        &pki.ca,
+        &secret_id(),
+        &format!("network:\n  proxy:\n    https: http://127.0.0.1:{proxy_port}\n    no_proxy: [\"192.0.2.0/24\"]\n"),
+    );
+    let r = run(&pkg, &conf, json!({"names": ["api_key"]})).result();
+    assert_eq!(r["output"]["0:api_key"], sha256_hex(value().as_bytes()), "{r}");
+    {
+        let connects = connects.lock().unwrap();
+        assert!(!connects.is_empty(), "nothing went through the proxy");
+        assert!(connects.iter().all(|c| c == &format!("CONNECT 127.0.0.1:{port} HTTP/1.1")), "{connects:?}");
+    }
+    v.with(|s| assert_eq!(s.count("GET", "/v1/secret/data/opservant/api_key"), 1, "{:?}", s.log));
+
+    // Named by no_proxy: directly, the proxy (a port nothing listens on) never tried.
+    let dir = HostDir::new();
+    let pkg = executor(&dir.path, "vault-direct", &["api_key"]);
+    let conf = config(
+        &dir,
+        &v.address(),
+        &pki.ca,
+        &secret_id(),
+        "network:\n  proxy:\n    https: http://127.0.0.1:9\n    no_proxy: [\"127.0.0.0/8\"]\n",
+    );
+    let r = run(&pkg, &conf, json!({"names": ["api_key"]})).result();
+    assert_eq!(r["output"]["0:api_key"], sha256_hex(value().as_bytes()), "{r}");
+}
+
 #[test]
 fn undeclared_names_never_reach_vault() {
     if !require_root() {

@@ -100,6 +100,106 @@ fn parsed_cost_up_to(bytes: &[u8], limit: usize) -> usize {
     cost
 }
 
+/// This build's identity, `VERSION+HASH` (build.rs: a hash of every source file of the two
+/// binaries), the same in `opservant` and the `opservant-runtime` built with it. The agent
+/// sends it with every message of arguments ([`encode_args`]) and expects it in a zygote's
+/// ready message (`sandbox::zygote::Zygote::expecting`); a runtime of another build answers
+/// with [`wrong_build`] before it reads anything else. Either binary replaced (an upgrade)
+/// while an agent runs is thus named as such — the agent keeps the copy it started from,
+/// the runtime is started anew from its file — instead of failing later as a malformed
+/// message, or passing while the two disagree on a message's meaning.
+pub const BUILD: &str = env!("OPSERVANT_BUILD");
+
+/// A build identity as an error names it: at most 64 characters, escaped (a runtime's
+/// reply is the payload's to write).
+fn shown_build(build: &str) -> String {
+    build.chars().take(64).collect::<String>().escape_debug().to_string()
+}
+
+/// How [`wrong_build_error`] begins (no other protocol error does: they name a malformed,
+/// refused or unexpected message).
+const WRONG_BUILD: &str = "opservant-runtime is build ";
+
+/// The error of a run whose runtime broke the protocol (`what`: "executor", "script"): `e`
+/// prefixed with that — unless `e` says the runtime is another build, which is no
+/// misbehaviour and is told as it is.
+pub fn misbehaved(what: &str, e: &str) -> String {
+    if e.starts_with(WRONG_BUILD) {
+        e.to_string()
+    } else {
+        format!("the {what} runtime misbehaved: {e}")
+    }
+}
+
+/// Every message of arguments ([`RuntimeArgs`]) as the agent sends it: `{"build": BUILD,
+/// "args": …}`.
+#[derive(Serialize)]
+struct ArgsOut<'a> {
+    build: &'a str,
+    args: &'a RuntimeArgs,
+}
+
+/// Encode `args` for the runtime, with this build's identity ([`BUILD`]).
+pub fn encode_args(args: &RuntimeArgs) -> Vec<u8> {
+    encode(&ArgsOut { build: BUILD, args })
+}
+
+/// A message of arguments as the runtime reads it: the sender's build first, the arguments
+/// parsed only once that is this build's.
+#[derive(Deserialize)]
+pub struct ArgsIn<'a> {
+    /// Absent from an agent older than the check (its arguments were the message itself).
+    #[serde(default, borrow)]
+    build: Option<std::borrow::Cow<'a, str>>,
+    #[serde(default, borrow)]
+    args: Option<&'a serde_json::value::RawValue>,
+}
+
+/// The runtime's side of [`encode_args`]: the arguments, or — from an agent of another build
+/// — the reason, with the reply to send the agent before exiting ([`wrong_build`]).
+pub fn decode_args(bytes: &[u8]) -> Result<RuntimeArgs, DecodeArgsError> {
+    let envelope: ArgsIn = serde_json::from_slice(bytes).map_err(|e| DecodeArgsError::Malformed(e.to_string()))?;
+    match envelope.build.as_deref() {
+        Some(BUILD) => match envelope.args {
+            Some(args) => serde_json::from_str(args.get()).map_err(|e| DecodeArgsError::Malformed(e.to_string())),
+            None => Err(DecodeArgsError::Malformed("no `args`".into())),
+        },
+        other => Err(DecodeArgsError::WrongBuild(match other {
+            Some(b) => format!(
+                "opservant-runtime is build {BUILD}, started by an opservant of build {}: one of them was replaced (an upgrade?) while the other ran; restart the agent",
+                shown_build(b)
+            ),
+            None => format!(
+                "opservant-runtime is build {BUILD}, started by an older opservant (its arguments name no build): opservant-runtime was replaced (an upgrade?) while the agent ran; restart the agent"
+            ),
+        })),
+    }
+}
+
+/// Why [`decode_args`] refused a message.
+#[derive(Debug)]
+pub enum DecodeArgsError {
+    Malformed(String),
+    /// From an agent of another build (the text names both).
+    WrongBuild(String),
+}
+
+/// The runtime's answer to arguments from an agent of another build, naming its own
+/// ([`FromPayload::WrongBuild`]): the run goes no further.
+pub fn wrong_build() -> Vec<u8> {
+    encode(&FromPayload::WrongBuild { build: BUILD.to_string() })
+}
+
+/// The error of a run whose runtime answered [`FromPayload::WrongBuild`] — as its first
+/// message only: before `ready` no code of the run has had the channel, so the message is
+/// the runtime's own (later it is executor code's, a protocol break like any other).
+pub fn wrong_build_error(build: &str) -> String {
+    format!(
+        "{WRONG_BUILD}{}, not this opservant's build {BUILD}: one of them was replaced (an upgrade?) while the other ran; restart the agent",
+        shown_build(build)
+    )
+}
+
 /// Payload → agent.
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
@@ -166,6 +266,10 @@ pub enum FromPayload {
         #[serde(default)]
         error: Option<String>,
     },
+    /// The runtime's first and only answer to arguments from an agent of another build
+    /// (see [`BUILD`]): its own build. Taken as that only before `ready`
+    /// ([`wrong_build_error`]).
+    WrongBuild { build: String },
 }
 
 fn is_zero(n: &u64) -> bool {
@@ -186,6 +290,7 @@ impl FromPayload {
             FromPayload::Ready => "ready",
             FromPayload::Warmed { .. } => "warmed",
             FromPayload::Compiled { .. } => "compiled",
+            FromPayload::WrongBuild { .. } => "wrong_build",
         }
     }
 }
@@ -335,6 +440,10 @@ pub fn parse(bytes: &[u8]) -> Result<FromPayload, String> {
         serde_json::from_slice(bytes).map_err(|e| format!("malformed message from the runtime: {e}"))
     }
     Ok(match kind.as_ref() {
+        "wrong_build" => {
+            let wire::WrongBuild { build, .. } = read(bytes)?;
+            FromPayload::WrongBuild { build }
+        }
         "log" => {
             let wire::Log { level, msg, fields, .. } = read(bytes)?;
             FromPayload::Log { level, msg, fields }
@@ -460,6 +569,14 @@ mod wire {
     pub struct Ready {
         #[serde(rename = "type")]
         _kind: IgnoredAny,
+    }
+
+    /// Lenient (unknown fields ignored): a runtime of any later build must be understood.
+    #[derive(Deserialize)]
+    pub struct WrongBuild {
+        #[serde(rename = "type")]
+        _kind: IgnoredAny,
+        pub build: String,
     }
 
     #[derive(Deserialize)]

@@ -128,7 +128,7 @@ fn compile_batch(pkg: &Path, sources: &[PathBuf], policy: &AgentPolicy) -> Resul
     let mut sb = sandbox::Sandbox::spawn(&spec, &crate::launch::cold(), None).map_err(|e| e.to_string())?;
     let chan = sb.take_app_channel().ok_or("no application channel")?;
     let files: Vec<String> = sources.iter().map(|p| p.to_string_lossy().into_owned()).collect();
-    chan.send_bytes(&app::encode(&RuntimeArgs::Compile { files }))
+    chan.send_bytes(&app::encode_args(&RuntimeArgs::Compile { files }))
         .map_err(|e| format!("runtime arguments: {}", e.desc()))?;
     let (owned, root) = (sources.to_vec(), pkg.to_path_buf());
     let unblock = chan.shutdown_handle().map_err(|e| format!("application channel: {}", e.desc()))?;
@@ -220,6 +220,11 @@ fn receive(chan: sandbox::channel::Channel, pkg: &Path, sources: Vec<PathBuf>) -
     for (i, source) in sources.iter().enumerate() {
         let (path, pyc, error) = match app::recv(&chan) {
             Ok(Some(FromPayload::Compiled { path, pyc_base64, error })) => (path, pyc_base64, error),
+            // Its first message, before any file was compiled (see `app::BUILD`).
+            Ok(Some(FromPayload::WrongBuild { build })) if i == 0 => {
+                r.protocol = Some(app::wrong_build_error(&build));
+                return r;
+            }
             Ok(Some(_)) => {
                 r.protocol = Some("unexpected message from the compiler".into());
                 return r;

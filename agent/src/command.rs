@@ -567,7 +567,7 @@ impl Pipeline {
             .map(|l| l.into_iter().map(|e| format!("{}@{}", e.name, e.version)).collect())
             .unwrap_or_default();
         json!({"status": "completed", "command_id": id, "output": {
-            "pong": true, "agent_id": self.config.agent_id(), "version": env!("CARGO_PKG_VERSION"), "executors": executors,
+            "pong": true, "agent_id": self.config.agent_id(), "version": env!("CARGO_PKG_VERSION"), "build": crate::app::BUILD, "executors": executors,
             "install_failures": self.install_failures,
             "sandboxes": self.launch_status(),
             "audit": crate::audit::health(),

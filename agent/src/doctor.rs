@@ -232,6 +232,12 @@ pub fn examine(landlock_min_abi: u32, allow_degraded: bool, host_uids: Option<&s
     }
     findings.push(Finding { feature: "network egress", ok: egress_ok, required: false, detail: egress_detail });
 
+    let (runtime_ok, runtime_detail) = runtime_finding();
+    if !runtime_ok {
+        degraded.push(format!("executors, scripts and sessions cannot run: {runtime_detail}"));
+    }
+    findings.push(Finding { feature: "executor runtime", ok: runtime_ok, required: true, detail: runtime_detail });
+
     DoctorReport { kernel: p.kernel.clone(), findings, degraded, probe: p }
 }
 
@@ -500,6 +506,105 @@ const SHARED_HOST_UID: &str = "every sandbox runs as the identity's host uid: ke
      (pipe buffer pages, descriptors in flight over Unix sockets, epoll watches) are shared, so one sandbox can use them up \
      for the others while it lives; give opservant-executor a range in /etc/subuid (usermod --add-subuids) or set sandbox.host_uids";
 
+/// Whether the executor runtime this process would start is there and of this build
+/// (`opservant-runtime --version`, which starts no interpreter): one replaced by an upgrade
+/// while an agent runs fails every executor run of that agent until it is restarted — the
+/// heartbeat's `doctor` says so to the platform. The file is run again only when it changed
+/// (device, inode, size, change times); one that does not answer within
+/// [`RUNTIME_VERSION_LIMIT`] is killed and reported.
+fn runtime_finding() -> (bool, String) {
+    use std::os::unix::fs::MetadataExt;
+    type Key = (std::path::PathBuf, u64, u64, u64, i64, i64, i64, i64);
+    static LAST: std::sync::Mutex<Option<(Key, (bool, String))>> = std::sync::Mutex::new(None);
+    let path = match crate::executor_run::runtime_binary() {
+        Ok(p) => p,
+        Err(e) => return (false, e.0),
+    };
+    let key = match std::fs::metadata(&path) {
+        Ok(m) => (path.clone(), m.dev(), m.ino(), m.len(), m.mtime(), m.mtime_nsec(), m.ctime(), m.ctime_nsec()),
+        Err(e) => return (false, format!("{}: {e}", path.display())),
+    };
+    let mut last = LAST.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Some((k, finding)) = &*last {
+        if *k == key {
+            return finding.clone();
+        }
+    }
+    let (finding, settled) = run_runtime_version(&path);
+    *last = settled.then(|| (key, finding.clone()));
+    finding
+}
+
+/// How long `opservant-runtime --version` may take (it prints a constant and exits).
+const RUNTIME_VERSION_LIMIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// [`runtime_finding`]'s check of the file at `path`; false with it when the answer is not
+/// one to keep (the program could not be run, or did not answer in time).
+fn run_runtime_version(path: &std::path::Path) -> ((bool, String), bool) {
+    use std::io::Read;
+    let mut child = match std::process::Command::new(path)
+        .arg("--version")
+        .env_clear()
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+    {
+        Ok(c) => c,
+        Err(e) => return ((false, format!("{}: cannot run it: {e}", path.display())), false),
+    };
+    let deadline = std::time::Instant::now() + RUNTIME_VERSION_LIMIT;
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(status)) => break status,
+            Ok(None) if std::time::Instant::now() < deadline => std::thread::sleep(std::time::Duration::from_millis(5)),
+            Ok(None) | Err(_) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return (
+                    (
+                        false,
+                        format!(
+                            "{} --version did not answer within {} s: not opservant's runtime, or stuck",
+                            path.display(),
+                            RUNTIME_VERSION_LIMIT.as_secs()
+                        ),
+                    ),
+                    false,
+                );
+            }
+        }
+    };
+    let mut text = String::new();
+    if let Some(out) = child.stdout.take() {
+        let _ = out.take(4096).read_to_string(&mut text);
+    }
+    let build = text.trim_end().strip_prefix("opservant-runtime ").unwrap_or("");
+    let finding = if status.success() && build == crate::app::BUILD {
+        (true, format!("{}, build {build} (this opservant's)", path.display()))
+    } else if status.success() && !build.is_empty() {
+        (
+            false,
+            format!(
+                "{} is build {}, this opservant is build {}: they come from different installs (an upgrade replaced one, perhaps while this agent ran); install both from one build and restart the agent",
+                path.display(),
+                build.chars().take(64).collect::<String>().escape_debug(),
+                crate::app::BUILD
+            ),
+        )
+    } else {
+        (
+            false,
+            format!(
+                "{} did not name its build ({status}): an older build than this opservant's {}, or not opservant's; install both from one build and restart the agent",
+                path.display(),
+                crate::app::BUILD
+            ),
+        )
+    };
+    (finding, true)
+}
+
 /// Whether `outbound: true` can be honoured here (read-only: nothing is created).
 fn egress_readiness() -> (bool, String) {
     let read = |p: &str| std::fs::read_to_string(p).ok().map(|s| s.trim().to_string());
@@ -544,7 +649,7 @@ pub fn render(r: &DoctorReport) -> String {
         }
     }
     s.push_str(if r.failed() {
-        "\nA required feature is missing: sandboxes will not start on this host.\n"
+        "\nA required feature is missing: sandboxes (or, without their runtime, executor runs) will not start on this host.\n"
     } else {
         "\nEvery required feature is present.\n"
     });

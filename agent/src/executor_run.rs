@@ -512,7 +512,7 @@ fn run_steps(req: RunRequest, may_have_run: &mut bool) -> Result<RunResult, Cann
         log_caps: true,
     };
     spec.validate()?;
-    let args = serde_json::to_vec(&args)?;
+    let args = crate::app::encode_args(&args);
     if args.len() > crate::app::MAX_MESSAGE {
         return Err(CannotRun(format!(
             "parameters: the run's arguments take {} bytes, more than the {} a run accepts",
@@ -968,6 +968,8 @@ fn serve(
                     return out;
                 }
             }
+            // Its first message, before any executor code had the channel (see `app::BUILD`).
+            FromPayload::WrongBuild { build } if !ready => return broken(out, app::wrong_build_error(&build)),
             FromPayload::Result { .. } if out.result.is_some() => return broken(out, "a second result".into()),
             FromPayload::LogsHeld => out.logs_held = true,
             FromPayload::Result { status, output, error, artifacts, logs_dropped } => {
@@ -1022,7 +1024,7 @@ fn assemble(
         }
         r.status = Status::Failed;
         r.output = Value::Null;
-        r.error = Some(format!("the executor runtime misbehaved: {e}"));
+        r.error = Some(app::misbehaved("executor", e));
     } else if let Some((status, output, error, artifacts)) = app.result {
         let status = match status.as_str() {
             "completed" => Status::Completed,
@@ -1077,7 +1079,7 @@ fn assemble(
         r.status = Status::Failed;
         r.output = Value::Null;
         r.error = Some(match (&app.protocol_error, outcome.exit) {
-            (Some(e), _) => format!("the executor runtime misbehaved: {e}"),
+            (Some(e), _) => app::misbehaved("executor", e),
             (None, Some(x)) if x.code == Some(70) => format!(
                 "the executor runtime could not start: {}",
                 String::from_utf8_lossy(&outcome.stderr.bytes).lines().last().unwrap_or("see stderr")

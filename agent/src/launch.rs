@@ -42,7 +42,11 @@ pub fn zygote(runtime: &Path, netns_stash: usize) -> Arc<Zygote> {
     // every run then falls back to the cold path.
     let program = CString::new(runtime.as_os_str().as_bytes()).unwrap_or_default();
     let flag = CString::from(c"--zygote");
-    Arc::new(Zygote::new(program, vec![flag]).with_netns_stash(netns_stash))
+    // Only the runtime of this very build serves (its file replaced by an upgrade while this
+    // process runs starts no zygote: runs start cold, and say why — `app::BUILD`).
+    Arc::new(
+        Zygote::new(program, vec![flag]).expecting(crate::app::BUILD.as_bytes().to_vec()).with_netns_stash(netns_stash),
+    )
 }
 
 /// A zygote for one command-line run, with one prepared network namespace, ready before

@@ -15,7 +15,7 @@ use agent::result::{RunResult, Status};
 use agent::launch::{LaunchMode, SANDBOX_INIT};
 
 #[derive(Parser)]
-#[command(name = "opservant", version, about = "Runs executor plugins inside a native Linux sandbox")]
+#[command(name = "opservant", version = agent::app::BUILD, about = "Runs executor plugins inside a native Linux sandbox")]
 struct Cli {
     #[command(subcommand)]
     command: Command,

@@ -293,11 +293,11 @@ pub enum PackageError {
     TooLarge(String),
 }
 
-/// Whether `network.proxy.no_proxy` names `host` (the platform's): `*`; the host itself; a
+/// Whether `network.proxy.no_proxy` names `host` (the platform's, Vault's): `*`; the host itself; a
 /// domain it is in (`example.com` or `.example.com` for `api.example.com`); or, for an
 /// address, a network containing it (`10.0.0.0/8`) or the address. Case-insensitive; a
 /// port in an entry is ignored.
-fn bypasses_proxy(host: &str, no_proxy: &[String]) -> bool {
+pub(crate) fn bypasses_proxy(host: &str, no_proxy: &[String]) -> bool {
     let host = host.trim_start_matches('[').trim_end_matches(']').trim_end_matches('.').to_ascii_lowercase();
     let addr = host.parse::<std::net::IpAddr>().ok();
     no_proxy.iter().any(|entry| {
@@ -662,6 +662,7 @@ pub fn run(
                 let body = json!({
                     "agent_id": platform.agent_id,
                     "version": env!("CARGO_PKG_VERSION"),
+                    "build": crate::app::BUILD,
                     "time": crate::rfc3339::format(crate::signing::now()),
                     "executors": executors,
                     "running": pipeline.running(),

@@ -201,7 +201,7 @@ pub fn run(req: ScriptRequest) -> Result<ScriptResult, CannotRun> {
     let run = || -> Result<ScriptResult, CannotRun> {
         let mut sb = sandbox::Sandbox::spawn(&spec, &req.launcher, None)?;
         let chan = sb.take_app_channel().ok_or_else(|| CannotRun("no application channel".into()))?;
-        if let Err(e) = chan.send_bytes(&app::encode(&args)) {
+        if let Err(e) = chan.send_bytes(&app::encode_args(&args)) {
             return Err(crate::executor_run::arguments_not_taken(sb, e));
         }
         let cpu = sb.cpu_limiter();
@@ -291,6 +291,11 @@ fn serve(chan: sandbox::channel::Channel, cpu: &sandbox::CpuLimiter) -> Served {
             Ok(Some(FromPayload::ValidationError { error })) => {
                 out.validation_error.get_or_insert(error);
             }
+            // Its first message, before any script had the channel (see `app::BUILD`).
+            Ok(Some(FromPayload::WrongBuild { build })) if !out.ready => {
+                out.protocol_error.get_or_insert(app::wrong_build_error(&build));
+                return out;
+            }
             Ok(Some(other)) => {
                 out.protocol_error.get_or_insert(format!("unexpected {} message for a script", other.kind()));
             }
@@ -318,7 +323,7 @@ fn assemble(
     } else if let Some(v) = &validation_error {
         Some(format!("validation failed, nothing was run: {v}"))
     } else if let Some(p) = &served.protocol_error {
-        Some(format!("the script runtime misbehaved: {p}"))
+        Some(app::misbehaved("script", p))
     } else if !served.ready && !timeout && outcome.killed_by.is_none() {
         let stderr = String::from_utf8_lossy(&outcome.stderr.bytes);
         Some(format!("the script runtime could not start: {}", stderr.lines().last().unwrap_or("")))

@@ -53,7 +53,7 @@ impl Provider {
                 .map(Provider::Builtin)
                 .map_err(|e| format!("secrets.provider builtin: {e}")),
             (Some("vault"), _) => {
-                let settings = VaultSettings::from_config(&config.secrets).map_err(|e| e.to_string())?;
+                let settings = VaultSettings::for_config(config).map_err(|e| e.to_string())?;
                 crate::secrets_vault::shared(&settings).map(Provider::Vault)
             }
             _ => Ok(Provider::None),
@@ -68,7 +68,7 @@ impl Provider {
             (Some("file"), Some(path)) => Self::check_file(path),
             (Some("builtin"), _) => Self::from_config(config).map(drop),
             (Some("vault"), _) => {
-                let settings = VaultSettings::from_config(&config.secrets).map_err(|e| e.to_string())?;
+                let settings = VaultSettings::for_config(config).map_err(|e| e.to_string())?;
                 crate::secrets_vault::check(&settings)
             }
             _ => Ok(()),

@@ -25,8 +25,9 @@
 //!   file owned by root (or the running user) with no group or other access. It is read at each
 //!   login (so a rotated secret_id is picked up), one trailing newline ignored.
 //! - The system trust store is never used: the server certificate must chain to `vault_ca`
-//!   (TLS 1.3 only, see [`crate::tls`]). Vault traffic goes directly to `vault_address`, never
-//!   through `network.proxy`, and redirects are not followed (a standby node's redirect is an
+//!   (TLS 1.3 only, see [`crate::tls`]). Vault traffic goes through `network.proxy.https` (an
+//!   HTTP `CONNECT` proxy, TLS end to end) unless `network.proxy.no_proxy` names Vault's host,
+//!   as the platform's does, and redirects are not followed (a standby node's redirect is an
 //!   error: point `vault_address` at the active node or the load balancer).
 //!
 //! # Protocol
@@ -101,6 +102,9 @@ pub struct VaultSettings {
     pub role_id: String,
     pub secret_id_file: Option<PathBuf>,
     pub namespace: Option<String>,
+    /// The HTTP `CONNECT` proxy Vault is reached through (`network.proxy.https`, unless
+    /// `network.proxy.no_proxy` names Vault's host — as for the platform); `None`: directly.
+    pub proxy: Option<String>,
 }
 
 /// One path segment Vault sees as such: `[A-Za-z0-9_.-]`, not `.` or `..`.
@@ -126,6 +130,18 @@ fn parse_address(a: &str) -> Result<String, String> {
         return Err("must be https://HOST[:PORT], without a path, query or user info".into());
     }
     Ok(format!("https://{authority}"))
+}
+
+/// The host of a checked address (`https://HOST[:PORT]`; an IPv6 address in its brackets).
+fn address_host(address: &str) -> &str {
+    let authority = address.strip_prefix("https://").unwrap_or(address);
+    if authority.starts_with('[') {
+        return authority.split_inclusive(']').next().unwrap_or(authority);
+    }
+    authority
+        .rsplit_once(':')
+        .filter(|(_, port)| port.bytes().all(|b| b.is_ascii_digit()))
+        .map_or(authority, |(h, _)| h)
 }
 
 /// `MOUNT/data/PREFIX` (or `MOUNT/PREFIX`) → (mount, prefix).
@@ -197,7 +213,21 @@ impl VaultSettings {
             role_id,
             secret_id_file: s.secret_id_file.clone(),
             namespace: s.vault_namespace.as_ref().map(|n| n.trim_matches('/').to_string()),
+            proxy: None,
         })
+    }
+
+    /// [`VaultSettings::from_config`] of `config.secrets`, reached through `config`'s
+    /// `network.proxy` as the platform is ([`VaultSettings::proxy`]).
+    pub fn for_config(config: &crate::config::Config) -> Result<VaultSettings, ConfigError> {
+        let mut settings = VaultSettings::from_config(&config.secrets)?;
+        settings.proxy = config
+            .network
+            .proxy
+            .as_ref()
+            .filter(|p| !crate::platform::bypasses_proxy(address_host(&settings.address), &p.no_proxy))
+            .and_then(|p| p.https.clone());
+        Ok(settings)
     }
 
     /// The KV v2 API path of secret `name` (below `/v1/`).
@@ -260,6 +290,9 @@ pub fn check(settings: &VaultSettings) -> Result<(), String> {
             format!("secrets.vault_ca: {e}")
         }
     })?;
+    if let Some(url) = &settings.proxy {
+        ureq::Proxy::new(url).map_err(|e| format!("network.proxy.https: {e}"))?;
+    }
     settings.read_secret_id().map(drop)
 }
 
@@ -402,9 +435,13 @@ impl VaultClient {
                 format!("secrets.vault_ca: {e}")
             }
         })?;
+        let proxy = match &settings.proxy {
+            Some(url) => Some(ureq::Proxy::new(url).map_err(|e| format!("network.proxy.https: {e}"))?),
+            None => None,
+        };
         let config = ureq::Agent::config_builder()
             .https_only(true)
-            .proxy(None)
+            .proxy(proxy)
             .max_redirects(0)
             .http_status_as_error(false)
             .timeout_connect(Some(CONNECT_TIMEOUT))
@@ -601,6 +638,29 @@ mod tests {
                         vault_ca: /etc/opservant/vault-ca.pem\nvault_path: secret/data/opservant\n\
                         auth_method: approle\nrole_id: opservant-role\n\
                         secret_id_file: /etc/opservant/vault-secret-id\n";
+
+    #[test]
+    fn vault_goes_through_the_proxy_unless_no_proxy_names_its_host() {
+        assert_eq!(address_host("https://vault.example.com:8200"), "vault.example.com");
+        assert_eq!(address_host("https://vault.example.com"), "vault.example.com");
+        assert_eq!(address_host("https://[fd00::1]:8200"), "[fd00::1]");
+        assert_eq!(address_host("https://10.1.2.3"), "10.1.2.3");
+        let settings = |address: &str, network: &str| {
+            let secrets: String = GOOD.lines().map(|l| format!("  {l}\n")).collect();
+            let text =
+                format!("secrets:\n{secrets}network:\n{network}").replace("https://vault.example.com:8200", address);
+            VaultSettings::for_config(&crate::config::Config::parse(&text).unwrap()).unwrap().proxy
+        };
+        let proxy =
+            "  proxy:\n    https: http://proxy.example.com:3128\n    no_proxy: [\"10.0.0.0/8\", \".internal\"]\n";
+        let via = Some("http://proxy.example.com:3128".to_string());
+        assert_eq!(settings("https://vault.example.com:8200", proxy), via);
+        assert_eq!(settings("https://10.1.2.3:8200", proxy), None);
+        assert_eq!(settings("https://vault.internal:8200", proxy), None);
+        assert_eq!(settings("https://[fd00::1]:8200", proxy), via);
+        assert_eq!(settings("https://vault.example.com:8200", "  proxy:\n    http: http://p:3128\n"), None);
+        assert_eq!(settings("https://vault.example.com:8200", "  executor_defaults: {outbound: false}\n"), None);
+    }
 
     fn err_of(yaml: &str) -> ConfigError {
         VaultSettings::from_config(&section(yaml)).unwrap_err()

@@ -834,7 +834,7 @@ impl Daemon {
             paths: settings.python_paths.iter().map(|p| p.to_string_lossy().into_owned()).collect(),
             proceed: true,
         };
-        if let Err(e) = chan.send_bytes(&app::encode(&args)) {
+        if let Err(e) = chan.send_bytes(&app::encode_args(&args)) {
             return Err(crate::executor_run::arguments_not_taken(sb, e));
         }
         let stop = sb.stop_handle();
@@ -898,6 +898,8 @@ impl Daemon {
                 Ok(Some(FromPayload::SessionReply { .. })) if !ready => {
                     break Err("the runtime reported its start before it was ready".into())
                 }
+                // Its first message, before any session code (see `app::BUILD`).
+                Ok(Some(FromPayload::WrongBuild { build })) if !ready => break Err(app::wrong_build_error(&build)),
                 // The start's reply is call 0 (session code cannot run before it).
                 Ok(Some(FromPayload::SessionReply { call: 0, success: true, .. })) => break Ok(()),
                 Ok(Some(FromPayload::SessionReply { call: 0, error, .. })) => {

@@ -477,7 +477,7 @@ fn warm_up(sandbox: &Sandbox, stopping: &std::os::fd::OwnedFd) -> Result<u64, St
     use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
     use std::os::fd::AsFd;
     let chan = sandbox.app_channel().ok_or("no application channel")?;
-    chan.send_bytes(&app::encode(&RuntimeArgs::Warm)).map_err(|e| format!("send: {}", e.desc()))?;
+    chan.send_bytes(&app::encode_args(&RuntimeArgs::Warm)).map_err(|e| format!("send: {}", e.desc()))?;
     let deadline = Instant::now() + WARM_LIMIT;
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
@@ -495,6 +495,7 @@ fn warm_up(sandbox: &Sandbox, stopping: &std::os::fd::OwnedFd) -> Result<u64, St
     let reply = app::recv_by(chan, Some(deadline));
     match reply? {
         Some(FromPayload::Warmed { prefaulted_kib }) => Ok(prefaulted_kib),
+        Some(FromPayload::WrongBuild { build }) => Err(app::wrong_build_error(&build)),
         // Untrusted and up to 16 MiB: named, not printed.
         Some(other) => Err(format!("unexpected reply {}", other.kind())),
         None => Err("the runtime ended".into()),

@@ -111,9 +111,14 @@ fn zerr(msg: impl Into<String>) -> SandboxError {
 }
 
 /// The zygote's loop, on the control socket at [`CONTROL_FD`]. Call from a single-threaded
-/// process. Returns in the zygote when its control socket closes, and in every payload
-/// process started with [`PayloadEnd::Return`]; other processes of a sandbox exit inside.
-pub fn serve() -> Result<Served, SandboxError> {
+/// process. `identity` (at most [`MAX_IDENTITY`] bytes) goes with the ready message: the
+/// build the program is, which the parent checks ([`Zygote::expecting`]). Returns in the
+/// zygote when its control socket closes, and in every payload process started with
+/// [`PayloadEnd::Return`]; other processes of a sandbox exit inside.
+pub fn serve(identity: &[u8]) -> Result<Served, SandboxError> {
+    if identity.len() > MAX_IDENTITY {
+        return Err(zerr(format!("identity of {} bytes (at most {MAX_IDENTITY})", identity.len())));
+    }
     // SAFETY: the zygote's parent placed the control socket at CONTROL_FD; nothing else in
     // this process owns it.
     let control = unsafe { OwnedFd::from_raw_fd(CONTROL_FD) };
@@ -128,8 +133,14 @@ pub fn serve() -> Result<Served, SandboxError> {
     let direct = Direct::prepare();
     // Serving from now on: the parent times its requests' replies from here, not from the
     // start-up.
-    sendmsg::<()>(control.as_raw_fd(), &[IoSlice::new(&[REPLY_READY])], &[], MsgFlags::MSG_NOSIGNAL, None)
-        .map_err(|e| zerr(format!("send ready: {}", e.desc())))?;
+    sendmsg::<()>(
+        control.as_raw_fd(),
+        &[IoSlice::new(&[REPLY_READY]), IoSlice::new(identity)],
+        &[],
+        MsgFlags::MSG_NOSIGNAL,
+        None,
+    )
+    .map_err(|e| zerr(format!("send ready: {}", e.desc())))?;
     loop {
         let mut fds = [PollFd::new(control.as_fd(), PollFlags::POLLIN), PollFd::new(sfd.as_fd(), PollFlags::POLLIN)];
         match poll(&mut fds, PollTimeout::NONE) {
@@ -495,6 +506,8 @@ const REPLY_STARTED_INIT: u8 = b'#';
 const REPLY_REFUSED: u8 = b'!';
 /// Sent once, before the first request is read: the zygote serves.
 const REPLY_READY: u8 = b'*';
+/// Longest identity a ready message carries (see [`serve`]).
+pub const MAX_IDENTITY: usize = 256;
 
 fn started_body(pid: Pid, tag: u8) -> [u8; 5] {
     let [a, b, c, d] = pid.as_raw().to_le_bytes();
@@ -603,6 +616,8 @@ pub(crate) fn pidfd_wait(pidfd: &OwnedFd, patience: Duration) -> bool {
 pub struct Zygote {
     program: CString,
     args: Vec<CString>,
+    /// What its ready message must say it is ([`Zygote::expecting`]); `None`: not checked.
+    identity: Option<Vec<u8>>,
     running: Mutex<Option<Running>>,
     netns: Option<NetnsStash>,
     /// How long a new zygote may take to serve ([`START_LIMIT`]).
@@ -667,11 +682,22 @@ impl Zygote {
         Zygote {
             program,
             args,
+            identity: None,
             running: Mutex::new(None),
             netns: None,
             start_limit: START_LIMIT,
             backoff: Mutex::new(Backoff::new(Backoff::FIRST)),
         }
+    }
+
+    /// Serve only as the program whose ready message carries `identity` (the build it is,
+    /// see [`serve`]). A zygote that says another — its program file replaced since this
+    /// process started, by an upgrade — is stopped before any request, as one that did not
+    /// start serving (its runs start cold), and the error names both. An identity longer
+    /// than [`MAX_IDENTITY`] matches no zygote.
+    pub fn expecting(mut self, identity: Vec<u8>) -> Zygote {
+        self.identity = Some(identity);
+        self
     }
 
     /// Another start limit than [`START_LIMIT`], and the first pause after a zygote that did
@@ -814,15 +840,20 @@ impl Zygote {
         let netns = self.netns.as_ref().filter(|_| prepared_net).and_then(NetnsStash::take);
         tracing::debug!(prepared_net = netns.is_some(), "zygote request");
         let running = guard.as_mut().ok_or_else(|| zerr("not running"))?;
-        let ready = if running.serving { Ok(()) } else { await_ready(&running.control, self.start_limit) };
+        let ready = if running.serving {
+            Ok(())
+        } else {
+            await_ready(&running.control, self.start_limit, self.identity.as_deref(), &self.program)
+        };
         if !running.serving {
             let mut backoff = self.backoff.lock().unwrap_or_else(|e| e.into_inner());
             match &ready {
                 Ok(()) => backoff.served(),
-                Err(_) => {
+                Err(Failure::Refused(e) | Failure::Transport(e)) => {
                     backoff.failed();
                     tracing::warn!(
                         pause_s = backoff.left().map_or(0, |d| d.as_secs()),
+                        error = %e,
                         "zygote did not start serving; runs start cold meanwhile"
                     );
                 }
@@ -934,16 +965,37 @@ fn wait_readable(control: &OwnedFd, limit: Duration, what: &str) -> Result<(), F
     }
 }
 
-/// Read a new zygote's ready message (see [`serve`]), waiting at most `limit`.
-fn await_ready(control: &OwnedFd, limit: Duration) -> Result<(), Failure> {
+/// Read a new zygote's ready message (see [`serve`]), waiting at most `limit`; it must carry
+/// `identity`, when given (`program` names the zygote in the error).
+fn await_ready(control: &OwnedFd, limit: Duration, identity: Option<&[u8]>, program: &CString) -> Result<(), Failure> {
     wait_readable(control, limit, "not serving")?;
-    let mut byte = [0u8; 1];
+    // One byte more than the longest identity: a longer message is cut (SOCK_SEQPACKET) and
+    // then differs from any identity expected.
+    let mut body = [0u8; 1 + MAX_IDENTITY + 1];
     loop {
-        match nix::sys::socket::recv(control.as_raw_fd(), &mut byte, MsgFlags::empty()) {
+        match nix::sys::socket::recv(control.as_raw_fd(), &mut body, MsgFlags::empty()) {
             Err(Errno::EINTR) => continue,
             Err(e) => return Err(Failure::Transport(format!("receive ready: {}", e.desc()))),
             Ok(0) => return Err(Failure::Transport("the zygote exited".into())),
-            Ok(_) if byte[0] == REPLY_READY => return Ok(()),
+            Ok(_) if body[0] == REPLY_READY && identity.is_none() => return Ok(()),
+            // (A message of MAX_IDENTITY + 1 bytes after the marker was cut, or too long:
+            // it matches nothing.)
+            Ok(n) if body[0] == REPLY_READY && n <= 1 + MAX_IDENTITY && Some(&body[1..n]) == identity => return Ok(()),
+            Ok(n) if body[0] == REPLY_READY => {
+                let shown = |b: &[u8]| {
+                    if b.is_empty() {
+                        "no build (an older one)".to_string()
+                    } else {
+                        format!("build {}", String::from_utf8_lossy(b).escape_debug())
+                    }
+                };
+                return Err(Failure::Transport(format!(
+                    "the zygote {} is {}, not {}: its file was replaced (an upgrade?) since this process started; restart it",
+                    program.to_string_lossy(),
+                    shown(&body[1..n]),
+                    shown(identity.unwrap_or_default())
+                )));
+            }
             Ok(_) => return Err(Failure::Transport("malformed ready message".into())),
         }
     }
@@ -1024,6 +1076,41 @@ mod tests {
                 assert_eq!((started.pid.as_raw(), started.direct), (raw, tag == REPLY_STARTED_INIT));
             }
         }
+    }
+
+    /// A ready message serves only with the identity expected (none expected: any), and an
+    /// over-long one, cut by the socket, matches nothing.
+    #[test]
+    fn a_ready_message_must_carry_the_identity_expected() {
+        use nix::sys::socket::{socketpair, AddressFamily, SockFlag, SockType};
+        let program = CString::new("/usr/lib/opservant/opservant-runtime").unwrap();
+        let ready = |message: &[u8], expected: Option<&[u8]>| {
+            let (parent, zygote) =
+                socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC).unwrap();
+            nix::sys::socket::send(zygote.as_raw_fd(), message, MsgFlags::empty()).unwrap();
+            match await_ready(&parent, Duration::from_secs(5), expected, &program) {
+                Ok(()) => Ok(()),
+                Err(Failure::Refused(e) | Failure::Transport(e)) => Err(e),
+            }
+        };
+        assert_eq!(ready(b"*0.1.0+ab", Some(b"0.1.0+ab")), Ok(()));
+        assert_eq!(ready(b"*0.1.0+ab", None), Ok(()));
+        assert_eq!(ready(b"*", None), Ok(()));
+        let e = ready(b"*0.1.0+cd", Some(b"0.1.0+ab")).unwrap_err();
+        assert!(e.contains("opservant-runtime is build 0.1.0+cd, not build 0.1.0+ab"), "{e}");
+        let e = ready(b"*", Some(b"0.1.0+ab")).unwrap_err();
+        assert!(e.contains("is no build (an older one), not build 0.1.0+ab"), "{e}");
+        assert!(ready(b"?0.1.0+ab", Some(b"0.1.0+ab")).unwrap_err().contains("malformed"));
+        // Longer than any identity: cut to MAX_IDENTITY + 1 bytes, and refused even when
+        // that much is what was expected.
+        let long = [b'x'; MAX_IDENTITY + 40];
+        let mut message = vec![REPLY_READY];
+        message.extend_from_slice(&long);
+        assert!(ready(&message, Some(&long[..MAX_IDENTITY + 1])).is_err());
+        assert!(ready(&message, Some(&long)).is_err());
+        let mut exact = vec![REPLY_READY];
+        exact.extend_from_slice(&long[..MAX_IDENTITY]);
+        assert_eq!(ready(&exact, Some(&long[..MAX_IDENTITY])), Ok(()));
     }
 
     /// A zygote that never serves costs one start limit; requests during the pause that

@@ -582,3 +582,46 @@ impl Drop for MemoryCgroup {
         }
     }
 }
+
+/// A minimal HTTP `CONNECT` proxy on 127.0.0.1 (a thread per client, for the test process's
+/// life): it records each request line (`CONNECT HOST:PORT HTTP/1.1`) and relays bytes both
+/// ways. Returns its port and the request lines seen.
+pub fn connect_proxy() -> (u16, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
+    use std::io::{BufRead, Write};
+    let proxy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = proxy.local_addr().unwrap().port();
+    let connects = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let seen = connects.clone();
+    std::thread::spawn(move || {
+        for client in proxy.incoming().flatten() {
+            let seen = seen.clone();
+            std::thread::spawn(move || {
+                let mut reader = std::io::BufReader::new(client.try_clone().unwrap());
+                let mut line = String::new();
+                reader.read_line(&mut line).unwrap();
+                let target = line.split_whitespace().nth(1).unwrap_or_default().to_string();
+                seen.lock().unwrap().push(line.trim().to_string());
+                loop {
+                    let mut header = String::new();
+                    if reader.read_line(&mut header).unwrap_or(0) == 0 || header == "\r\n" {
+                        break;
+                    }
+                }
+                let Ok(upstream) = std::net::TcpStream::connect(&target) else { return };
+                let mut client = client;
+                client.write_all(b"HTTP/1.1 200 Connection established\r\n\r\n").unwrap();
+                let (mut up_read, mut up_write) = (upstream.try_clone().unwrap(), upstream);
+                let mut down = client.try_clone().unwrap();
+                std::thread::spawn(move || {
+                    let _ = std::io::copy(&mut up_read, &mut down);
+                    let _ = down.shutdown(std::net::Shutdown::Both);
+                });
+                // What the client sent after the CONNECT's headers (none: it waits for 200).
+                let _ = up_write.write_all(reader.buffer());
+                let _ = std::io::copy(&mut reader.into_inner(), &mut up_write);
+                let _ = up_write.shutdown(std::net::Shutdown::Both);
+            });
+        }
+    });
+    (port, connects)
+}

@@ -55,6 +55,13 @@ fn main() -> ExitCode {
 static ZYGOTE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 fn run() -> Result<u8, String> {
+    if std::env::args_os().nth(1).is_some_and(|a| a == "--version") {
+        // The build an agent must be to use this runtime (`agent::app::BUILD`).
+        return match agent::stdout::print(&format!("opservant-runtime {}\n", app::BUILD)) {
+            Ok(()) => Ok(0),
+            Err(e) => Err(format!("stdout: {e}")),
+        };
+    }
     if std::env::args_os().nth(1).is_some_and(|a| a == "--zygote") {
         ZYGOTE.store(true, std::sync::atomic::Ordering::Relaxed);
         start_interpreter()?;

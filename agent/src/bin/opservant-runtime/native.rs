@@ -122,7 +122,7 @@ pub mod _opservant {
     #[pyfunction]
     fn zygote_serve<'py>(py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
         use sandbox::zygote::Served;
-        let handoff = match sandbox::zygote::serve() {
+        let handoff = match sandbox::zygote::serve(agent::app::BUILD.as_bytes()) {
             Err(e) => return Err(PyRuntimeError::new_err(e.to_string())),
             Ok(Served::Shutdown) => return Ok(None),
             Ok(Served::Payload(h)) => h,

@@ -1,4 +1,5 @@
-//! The runtime's first messages: an optional warm-up, then the run's arguments.
+//! The runtime's first messages: an optional warm-up, then the run's arguments — each read
+//! only once it comes from an agent of this build (`agent::app::decode_args`).
 //!
 //! A warm pool's sandbox waits for its run with the payload blocked on its arguments. A
 //! payload forked from the zygote shares the zygote's memory copy-on-write, so once the run
@@ -26,7 +27,15 @@ pub(crate) fn read_args(chan: &Channel) -> Result<RuntimeArgs, String> {
     loop {
         let bytes =
             chan.recv_bytes(app::MAX_MESSAGE)?.ok_or("the agent closed the channel before sending arguments")?;
-        let args: RuntimeArgs = serde_json::from_slice(&bytes).map_err(|e| format!("malformed arguments: {e}"))?;
+        let args = match app::decode_args(&bytes) {
+            Ok(args) => args,
+            Err(app::DecodeArgsError::Malformed(e)) => return Err(format!("malformed arguments: {e}")),
+            Err(app::DecodeArgsError::WrongBuild(e)) => {
+                // Told before anything of the arguments is read: the agent names both builds.
+                let _ = chan.send_bytes(&app::wrong_build());
+                return Err(e);
+            }
+        };
         match args {
             RuntimeArgs::Warm if warmed => return Err("a second warm-up request".into()),
             RuntimeArgs::Warm => {
