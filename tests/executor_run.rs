@@ -3428,6 +3428,50 @@ fn the_runtime_reads_no_arguments_from_an_agent_of_another_build() {
     assert!(marker.exists());
 }
 
+/// `doctor`'s runtime check ends, and leaves nothing running, whatever sits where the
+/// runtime should be: a program that never answers, or one that answers and leaves a process
+/// holding its output (which had kept the check — and so the heartbeat — waiting for it).
+#[test]
+fn doctor_gives_up_on_a_runtime_that_does_not_answer_and_leaves_nothing_behind() {
+    if !require_root() {
+        return;
+    }
+    let bin = HostDir::new();
+    let opservant = bin.path.join("opservant");
+    std::fs::copy(common::opservant(), &opservant).unwrap();
+    // A sleep long enough to outlive the test, named by its argument.
+    let secs = 3000 + std::process::id() % 1000;
+    let cases = [
+        (format!("#!/bin/sh\nexec sleep {secs}.1\n"), format!("sleep\0{secs}.1\0")),
+        (
+            format!("#!/bin/sh\nsleep {secs}.2 &\necho opservant-runtime {}\n", agent::app::BUILD),
+            format!("sleep\0{secs}.2\0"),
+        ),
+    ];
+    for (script, left) in cases {
+        let new = bin.path.join("opservant-runtime.new");
+        std::fs::write(&new, &script).unwrap();
+        std::fs::set_permissions(&new, std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::rename(&new, bin.path.join("opservant-runtime")).unwrap();
+        let child = Command::new(&opservant)
+            .args(["doctor", "--json"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = common::procs::end_within(child, std::time::Duration::from_secs(60), "opservant doctor");
+        let report: Value =
+            serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("doctor --json ({e}): {out:?}"));
+        let finding =
+            report["findings"].as_array().unwrap().iter().find(|f| f["feature"] == "executor runtime").unwrap();
+        assert_eq!(finding["ok"], false, "{script}: {finding}");
+        assert!(finding["detail"].as_str().unwrap().contains("--version did not answer within 2 s"), "{finding}");
+        assert_eq!(out.status.code(), Some(1), "{out:?}");
+        assert!(common::procs::by_cmdline(left.as_bytes()).is_none(), "{script}: its process was left running");
+    }
+}
+
 /// `opservant` and `opservant-runtime` copied into `dir`, the runtime's copy made another
 /// build: every copy of this build's identity in it rewritten (same length, another hash) —
 /// what an upgrade that replaced the runtime beside a running agent leaves. Returns the

@@ -131,6 +131,19 @@ pub fn misbehaved(what: &str, e: &str) -> String {
     }
 }
 
+/// The error of a run whose runtime could not start (exit status 70 before `ready`; `what`:
+/// "executor", "script"), from the last line it wrote on stderr — with a hint when that line
+/// is how a runtime from before the build check refuses this build's arguments (this build's
+/// runtime never finds them malformed).
+pub fn could_not_start(what: &str, stderr_line: &str) -> String {
+    let hint = if stderr_line.contains("malformed arguments") {
+        " (an opservant-runtime of an older build than this opservant's? the two must be one build: restart the agent after an upgrade)"
+    } else {
+        ""
+    };
+    format!("the {what} runtime could not start: {stderr_line}{hint}")
+}
+
 /// Every message of arguments ([`RuntimeArgs`]) as the agent sends it: `{"build": BUILD,
 /// "args": …}`.
 #[derive(Serialize)]

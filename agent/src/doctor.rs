@@ -539,46 +539,62 @@ fn runtime_finding() -> (bool, String) {
 const RUNTIME_VERSION_LIMIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// [`runtime_finding`]'s check of the file at `path`; false with it when the answer is not
-/// one to keep (the program could not be run, or did not answer in time).
+/// one to keep (the program could not be run, or did not answer in time). The program runs
+/// in a process group of its own, killed whole at the deadline: its output is read on a
+/// thread, so a process it left holding the pipe delays nothing.
 fn run_runtime_version(path: &std::path::Path) -> ((bool, String), bool) {
     use std::io::Read;
+    use std::os::unix::process::CommandExt;
     let mut child = match std::process::Command::new(path)
         .arg("--version")
         .env_clear()
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::null())
+        .process_group(0)
         .spawn()
     {
         Ok(c) => c,
         Err(e) => return ((false, format!("{}: cannot run it: {e}", path.display())), false),
     };
+    let (tx, rx) = std::sync::mpsc::channel();
+    if let Some(out) = child.stdout.take() {
+        std::thread::spawn(move || {
+            let mut text = String::new();
+            let _ = out.take(4096).read_to_string(&mut text);
+            let _ = tx.send(text);
+        });
+    }
     let deadline = std::time::Instant::now() + RUNTIME_VERSION_LIMIT;
-    let status = loop {
+    let answer = loop {
         match child.try_wait() {
-            Ok(Some(status)) => break status,
-            Ok(None) if std::time::Instant::now() < deadline => std::thread::sleep(std::time::Duration::from_millis(5)),
-            Ok(None) | Err(_) => {
-                let _ = child.kill();
-                let _ = child.wait();
-                return (
-                    (
-                        false,
-                        format!(
-                            "{} --version did not answer within {} s: not opservant's runtime, or stuck",
-                            path.display(),
-                            RUNTIME_VERSION_LIMIT.as_secs()
-                        ),
-                    ),
-                    false,
-                );
+            Ok(Some(status)) => {
+                break rx
+                    .recv_timeout(deadline.saturating_duration_since(std::time::Instant::now()))
+                    .ok()
+                    .map(|t| (status, t))
             }
+            Ok(None) if std::time::Instant::now() < deadline => std::thread::sleep(std::time::Duration::from_millis(5)),
+            Ok(None) | Err(_) => break None,
         }
     };
-    let mut text = String::new();
-    if let Some(out) = child.stdout.take() {
-        let _ = out.take(4096).read_to_string(&mut text);
-    }
+    let Some((status, text)) = answer else {
+        // The whole group: the program and anything it left holding the pipe.
+        // SAFETY: kill has no memory preconditions; the group is the child's own (pid = pgid).
+        unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) };
+        let _ = child.wait();
+        return (
+            (
+                false,
+                format!(
+                    "{} --version did not answer within {} s: not opservant's runtime, or stuck",
+                    path.display(),
+                    RUNTIME_VERSION_LIMIT.as_secs()
+                ),
+            ),
+            false,
+        );
+    };
     let build = text.trim_end().strip_prefix("opservant-runtime ").unwrap_or("");
     let finding = if status.success() && build == crate::app::BUILD {
         (true, format!("{}, build {build} (this opservant's)", path.display()))

@@ -1080,6 +1080,10 @@ fn assemble(
         r.output = Value::Null;
         r.error = Some(match (&app.protocol_error, outcome.exit) {
             (Some(e), _) => app::misbehaved("executor", e),
+            (None, Some(x)) if x.code == Some(70) && app.ready_at.is_none() => app::could_not_start(
+                "executor",
+                String::from_utf8_lossy(&outcome.stderr.bytes).lines().last().unwrap_or("see stderr"),
+            ),
             (None, Some(x)) if x.code == Some(70) => format!(
                 "the executor runtime could not start: {}",
                 String::from_utf8_lossy(&outcome.stderr.bytes).lines().last().unwrap_or("see stderr")

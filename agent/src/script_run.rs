@@ -326,7 +326,7 @@ fn assemble(
         Some(app::misbehaved("script", p))
     } else if !served.ready && !timeout && outcome.killed_by.is_none() {
         let stderr = String::from_utf8_lossy(&outcome.stderr.bytes);
-        Some(format!("the script runtime could not start: {}", stderr.lines().last().unwrap_or("")))
+        Some(app::could_not_start("script", stderr.lines().last().unwrap_or("")))
     } else {
         base.error.clone()
     };

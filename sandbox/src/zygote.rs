@@ -984,7 +984,7 @@ fn await_ready(control: &OwnedFd, limit: Duration, identity: Option<&[u8]>, prog
             Ok(n) if body[0] == REPLY_READY => {
                 let shown = |b: &[u8]| {
                     if b.is_empty() {
-                        "no build (an older one)".to_string()
+                        "an older build (it names none)".to_string()
                     } else {
                         format!("build {}", String::from_utf8_lossy(b).escape_debug())
                     }
@@ -1099,7 +1099,7 @@ mod tests {
         let e = ready(b"*0.1.0+cd", Some(b"0.1.0+ab")).unwrap_err();
         assert!(e.contains("opservant-runtime is build 0.1.0+cd, not build 0.1.0+ab"), "{e}");
         let e = ready(b"*", Some(b"0.1.0+ab")).unwrap_err();
-        assert!(e.contains("is no build (an older one), not build 0.1.0+ab"), "{e}");
+        assert!(e.contains("is an older build (it names none), not build 0.1.0+ab"), "{e}");
         assert!(ready(b"?0.1.0+ab", Some(b"0.1.0+ab")).unwrap_err().contains("malformed"));
         // Longer than any identity: cut to MAX_IDENTITY + 1 bytes, and refused even when
         // that much is what was expected.
