@@ -3270,15 +3270,9 @@ fn the_runtime_keeps_log_records_back_only_for_an_agent_that_takes_the_count() {
     }
 }
 
-/// The runtime reports `ready` (the agent then writes the deferred CPU quota) and — when the
-/// arguments say the agent answers — waits for the agent's `proceed` before any executor
-/// code runs: an executor whose module writes a
-/// marker as it is imported leaves none when the agent answers `ready` by closing the
-/// channel (the quota was never confirmed), and one — with a result — after `proceed`.
-/// Driven directly, outside a sandbox, over the application channel on fd 4.
-#[test]
-fn the_runtime_runs_no_executor_code_before_the_agent_confirms_the_cpu_quota() {
-    let d = HostDir::new();
+/// An executor package in `d` whose module, as it is imported, creates the file returned
+/// (executor code ran), and the runtime's arguments for it (an agent that answers `ready`).
+fn probe_package(d: &HostDir) -> (PathBuf, Value) {
     let marker = PathBuf::from(d.str()).join("imported");
     let package = PathBuf::from(d.str()).join("pkg");
     std::fs::create_dir(&package).unwrap();
@@ -3293,11 +3287,24 @@ fn the_runtime_runs_no_executor_code_before_the_agent_confirms_the_cpu_quota() {
         ),
     )
     .unwrap();
-    let mut args = json!({
+    let args = json!({
         "mode": "executor", "package_dir": package, "entry_point": "probe.Probe", "paths": [],
         "params": {}, "agent_id": "test", "action": null, "command_id": null, "config": {},
         "proceed": true
     });
+    (marker, args)
+}
+
+/// The runtime reports `ready` (the agent then writes the deferred CPU quota) and — when the
+/// arguments say the agent answers — waits for the agent's `proceed` before any executor
+/// code runs: an executor whose module writes a
+/// marker as it is imported leaves none when the agent answers `ready` by closing the
+/// channel (the quota was never confirmed), and one — with a result — after `proceed`.
+/// Driven directly, outside a sandbox, over the application channel on fd 4.
+#[test]
+fn the_runtime_runs_no_executor_code_before_the_agent_confirms_the_cpu_quota() {
+    let d = HostDir::new();
+    let (marker, mut args) = probe_package(&d);
     let old_args = {
         let mut a = args.clone();
         a.as_object_mut().unwrap().remove("proceed");
@@ -3372,25 +3379,7 @@ fn the_runtime_warms_up_once_and_only_before_its_arguments() {
 #[test]
 fn the_runtime_reads_no_arguments_from_an_agent_of_another_build() {
     let d = HostDir::new();
-    let marker = PathBuf::from(d.str()).join("imported");
-    let package = PathBuf::from(d.str()).join("pkg");
-    std::fs::create_dir(&package).unwrap();
-    std::fs::write(
-        package.join("probe.py"),
-        format!(
-            "from opservant.executor import BaseExecutor, ExecutorResult\n\
-             open({:?}, 'w').close()\n\
-             class Probe(BaseExecutor):\n    def validate(self, params):\n        return True\n\
-             \n    def execute(self, params, context):\n        return ExecutorResult(status='completed', output={{}})\n",
-            marker.to_str().unwrap()
-        ),
-    )
-    .unwrap();
-    let args = json!({
-        "mode": "executor", "package_dir": package, "entry_point": "probe.Probe", "paths": [],
-        "params": {}, "agent_id": "test", "action": null, "command_id": null, "config": {},
-        "proceed": true
-    });
+    let (marker, args) = probe_package(&d);
     let other = "0.0.1+00000000000000ff";
     assert_ne!(other, agent::app::BUILD);
     let cases = [
