@@ -112,7 +112,7 @@ pub const BUILD: &str = env!("OPSERVANT_BUILD");
 
 /// A build identity as an error names it: at most 64 characters, escaped (a runtime's
 /// reply is the payload's to write).
-fn shown_build(build: &str) -> String {
+pub(crate) fn shown_build(build: &str) -> String {
     build.chars().take(64).collect::<String>().escape_debug().to_string()
 }
 

@@ -604,7 +604,7 @@ fn run_runtime_version(path: &std::path::Path) -> ((bool, String), bool) {
             format!(
                 "{} is build {}, this opservant is build {}: they come from different installs (an upgrade replaced one, perhaps while this agent ran); install both from one build and restart the agent",
                 path.display(),
-                build.chars().take(64).collect::<String>().escape_debug(),
+                crate::app::shown_build(build),
                 crate::app::BUILD
             ),
         )

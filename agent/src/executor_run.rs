@@ -1080,14 +1080,16 @@ fn assemble(
         r.output = Value::Null;
         r.error = Some(match (&app.protocol_error, outcome.exit) {
             (Some(e), _) => app::misbehaved("executor", e),
-            (None, Some(x)) if x.code == Some(70) && app.ready_at.is_none() => app::could_not_start(
-                "executor",
-                String::from_utf8_lossy(&outcome.stderr.bytes).lines().last().unwrap_or("see stderr"),
-            ),
-            (None, Some(x)) if x.code == Some(70) => format!(
-                "the executor runtime could not start: {}",
-                String::from_utf8_lossy(&outcome.stderr.bytes).lines().last().unwrap_or("see stderr")
-            ),
+            (None, Some(x)) if x.code == Some(70) => {
+                let stderr = String::from_utf8_lossy(&outcome.stderr.bytes);
+                let line = stderr.lines().last().unwrap_or("see stderr");
+                // Before `ready` only the runtime's own code wrote that line (see
+                // `app::could_not_start`); after it, executor code may have.
+                match app.ready_at {
+                    None => app::could_not_start("executor", line),
+                    Some(_) => format!("the executor runtime could not start: {line}"),
+                }
+            }
             (None, Some(x)) => format!("the executor runtime ended without a result (exit status {})", x.shell_code()),
             (None, None) => "the executor runtime ended without a result".to_string(),
         });
