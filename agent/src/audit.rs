@@ -139,6 +139,7 @@
 
 pub mod cli;
 pub mod lock;
+mod outage;
 pub mod verify;
 
 use std::fs::{File, OpenOptions};
@@ -572,6 +573,8 @@ pub struct AuditLog {
     journal: Option<UnixDatagram>,
     /// This process's unflushed lines (see "Group commit" in the module documentation).
     flush: GroupCommit,
+    /// This process's runs of failed appends, and their `audit_resumed` records.
+    outages: outage::Outages,
 }
 
 /// Group commit of one process's appends: tickets for written, unflushed lines, one flusher
@@ -759,6 +762,7 @@ impl AuditLog {
             },
             settings,
             flush: GroupCommit::default(),
+            outages: outage::Outages::default(),
         };
         let _lock = log.lock()?;
         log.open_file(&log.settings.path)?;
@@ -1324,9 +1328,8 @@ fn append_traced(
     quiet: bool,
 ) -> Result<(), AuditError> {
     let fields = fields_object(fields);
-    let configured = sink.is_some();
     let began = std::time::Instant::now();
-    let appended = sink.map(|log| log.append(event, &fields)).transpose();
+    let appended = sink.as_ref().map(|log| log.append(event, &fields)).transpose();
     if quiet {
         let seq = appended.as_ref().ok().and_then(|a| a.as_ref().map(|a| a.seq));
         let shown = Value::Object(fields.clone());
@@ -1334,64 +1337,31 @@ fn append_traced(
     } else {
         trace(event, &fields, &appended);
     }
-    if configured {
-        note(appended.as_ref().map(|_| ()), began);
+    if let Some(log) = &sink {
+        outage::note(log, appended.as_ref().map(|_| ()), began);
     }
     appended.map(|_| ())
-}
-
-/// The failures of this process's appends since the last one that was durable: the latest
-/// error, the time of the first, and when the latest was ([`health`]).
-static FAILING: Mutex<Option<(String, String, std::time::Instant)>> = Mutex::new(None);
-
-/// An append's outcome for [`health`]: a durable one ends a run of failures — unless a
-/// failure was noted after it `began` (a slow success, its flush waited for, must not hide
-/// a later append's failure).
-fn note(outcome: Result<(), &AuditError>, began: std::time::Instant) {
-    let mut failing = FAILING.lock().unwrap_or_else(PoisonError::into_inner);
-    let ended = match outcome {
-        Ok(()) if failing.as_ref().is_some_and(|(_, _, latest)| *latest > began) => return,
-        Ok(()) => failing.take(),
-        Err(e) => {
-            let since = failing.take().map_or_else(|| timestamp(SystemTime::now()), |(_, since, _)| since);
-            *failing = Some((e.to_string(), since, std::time::Instant::now()));
-            None
-        }
-    };
-    drop(failing);
-    // A run of failures ended by whatever record got through first (a command's receipt,
-    // say), not by the retry's own `audit_resumed`: the log says it was failing all the
-    // same — the retry's record follows. (Before the twenty-first session an outage ended
-    // by a command left no trace of itself, nor of the commands it refused.)
-    if let Some((error, since, _)) = ended {
-        if !RESUMING.with(std::cell::Cell::get) {
-            retry_in_background(&error, &since);
-        }
-    }
-}
-
-thread_local! {
-    /// This thread is appending `audit_resumed` ([`retry_in_background`]).
-    static RESUMING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 /// The log as this process has found it, for `ping` and heartbeats: `ok` unless its latest
 /// append failed — `error`, the latest failure, and `since`, the first of the run of them;
 /// every run whose start cannot be recorded is refused meanwhile. When nothing has tried
-/// the log for [`RETRY_AFTER`], a call has a record of the outage tried in the background
-/// ([`retry_in_background`]): once the log takes records again, an idle agent's later call
-/// says `ok` without waiting for a command's record. `flush_failed`: the first flush of this process that
-/// failed, if one did — the lines it covered may not be on the disk even once appends
-/// succeed again (`audit verify` after the next restart tells).
+/// the log for [`outage::RETRY_AFTER`], a call has a record of the run tried in the
+/// background ([`outage::retry_if_idle`]): once the log takes records again, an idle
+/// agent's later call says `ok` without waiting for a command's record. `flush_failed`:
+/// the first flush of this process that failed, if one did — the lines it covered may not
+/// be on the disk even once appends succeed again (`audit verify` after the next restart
+/// tells).
 ///
 /// Never waits for a flush: the group commit's state is held across `fdatasync`, which a
 /// hung disk can make last for ever, so while it is busy the last `flush_failed` read is
 /// reported (a heartbeat or `ping` goes on answering).
 pub fn health() -> Value {
     static LAST_FLUSH_FAILED: Mutex<Option<String>> = Mutex::new(None);
-    let failing = FAILING.lock().unwrap_or_else(PoisonError::into_inner).clone();
+    let log = sink();
+    let failing = log.as_deref().and_then(outage::failing);
     let mut last = LAST_FLUSH_FAILED.lock().unwrap_or_else(PoisonError::into_inner);
-    if let Some(log) = sink() {
+    if let Some(log) = &log {
         match log.flush.state.try_lock() {
             Ok(st) => last.clone_from(&st.failed),
             Err(std::sync::TryLockError::Poisoned(p)) => last.clone_from(&p.into_inner().failed),
@@ -1400,56 +1370,20 @@ pub fn health() -> Value {
     }
     let flush_failed = last.clone();
     drop(last);
-    if let Some((error, since, latest)) = &failing {
-        if latest.elapsed() >= RETRY_AFTER {
-            retry_in_background(error, since);
-        }
+    if let (Some(log), Some(run)) = (&log, &failing) {
+        outage::retry_if_idle(log, run);
     }
     let head = HEAD.lock().unwrap_or_else(PoisonError::into_inner).clone();
     serde_json::json!({
         "ok": failing.is_none(),
-        "error": failing.as_ref().map(|(e, _, _)| e),
-        "since": failing.as_ref().map(|(_, since, _)| since),
+        "error": failing.as_ref().map(|f| &f.error),
+        "since": failing.as_ref().map(|f| &f.since),
         "flush_failed": flush_failed,
         // An anchor off the host: the platform that keeps these can tell a log cut back,
         // rolled back or rewritten past one of them (that seq missing, or another hash).
         "head": head.map(|(seq, sha256)| serde_json::json!({"seq": seq, "sha256": sha256})),
     })
 }
-
-/// Tries, on a thread of its own, to append `audit_resumed` (`failing_since`, `last_error`):
-/// durable, it ends the run of failures ([`note`]), and the log itself says since when it
-/// was failing and why; failing, it is the run's latest failure, so the next try waits
-/// [`RETRY_AFTER`] again. One try at a time: a hung disk holds one thread, not one per call.
-fn retry_in_background(error: &str, since: &str) {
-    use std::sync::atomic::{AtomicBool, Ordering};
-    static RETRYING: AtomicBool = AtomicBool::new(false);
-    if RETRYING.swap(true, Ordering::AcqRel) {
-        return;
-    }
-    let (error, since) = (error.to_string(), since.to_string());
-    let spawned = std::thread::Builder::new().name("audit-retry".into()).spawn(move || {
-        // Let go however the try ends (a panic unwinds in test builds).
-        struct Done;
-        impl Drop for Done {
-            fn drop(&mut self) {
-                RETRYING.store(false, Ordering::Release);
-            }
-        }
-        let _done = Done;
-        RESUMING.with(|r| r.set(true));
-        if try_record("audit_resumed", &[("failing_since", &since), ("last_error", &error)]).is_ok() {
-            tracing::info!(target: "opservant::audit", failing_since = %since, "the audit log takes records again");
-        }
-    });
-    if spawned.is_err() {
-        RETRYING.store(false, Ordering::Release);
-    }
-}
-
-/// How long the log's latest failure must be past before [`health`] tries it again: while
-/// commands come, their own records try it.
-const RETRY_AFTER: Duration = Duration::from_secs(10);
 
 thread_local! {
     /// The records this thread made before a gate and has not settled yet, with the log
@@ -1473,6 +1407,7 @@ pub fn record_before_gate(event: &str, fields: &[(&str, &str)]) {
 fn record_before_gate_to(sink: Option<Arc<AuditLog>>, event: &str, fields: &[(&str, &str)]) {
     let fields = fields_object(fields);
     let appended = sink
+        .as_ref()
         .map(|log| {
             log.append_deferred(event, &fields).map(|(appended, deferred)| {
                 BEFORE_GATE.with(|b| b.borrow_mut().push((log.clone(), deferred)));
@@ -1481,8 +1416,8 @@ fn record_before_gate_to(sink: Option<Arc<AuditLog>>, event: &str, fields: &[(&s
         })
         .transpose();
     trace(event, &fields, &appended);
-    if let Err(e) = appended {
-        note(Err(&e), std::time::Instant::now());
+    if let (Err(e), Some(log)) = (appended, &sink) {
+        outage::note(log, Err(&e), std::time::Instant::now());
         tracing::error!(target: "opservant::audit", event, error = %e, "audit log append failed: this event is only on stderr");
         let lost = AuditError {
             message: format!("a record made before a gate ({event}) could not be written: {}", e.message),
@@ -1511,7 +1446,7 @@ pub fn settle() -> Result<(), AuditError> {
             same.push(d);
         }
         if let Err(e) = log.settle(same) {
-            note(Err(&e), std::time::Instant::now());
+            outage::note(&log, Err(&e), std::time::Instant::now());
             result = result.and(Err(e));
         }
     }
