@@ -906,9 +906,14 @@ fn a_program_that_ended_keeps_its_result_when_what_it_left_is_abandoned() {
         let marker = format!("63.{}{}", std::process::id(), redirect.len());
         let script =
             format!("sleep {marker}{redirect} & while [ ! -e {} ]; do sleep 0.02; done; echo ended", flag.display());
+        // A log of its own: the abandon is on record beside the run's end.
+        let log = flags.path.join("audit/audit.jsonl");
+        let config = flags.path.join("config.yaml");
+        std::fs::write(&config, format!("audit:\n  path: {}\n  journald: false\n", log.display())).unwrap();
         let view = common::host_view();
         let mut child = common::command()
-            .args(["sandbox", "--json", "--manifest", m.to_str().unwrap(), "--", "/bin/sh", "-c", &script])
+            .args(["sandbox", "--json", "--config", config.to_str().unwrap(), "--manifest", m.to_str().unwrap()])
+            .args(["--", "/bin/sh", "-c", &script])
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -946,6 +951,12 @@ fn a_program_that_ended_keeps_its_result_when_what_it_left_is_abandoned() {
         assert_eq!(r["stdout"], "ended\n", "{variant}: {r}");
         let why = r["sandbox"]["abandoned"].as_str().unwrap_or("");
         assert!(why.contains("stuck in the kernel"), "{variant}: {r}");
+        let records: Vec<serde_json::Value> =
+            std::fs::read_to_string(&log).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        let events: Vec<&str> = records.iter().map(|r| r["event"].as_str().unwrap()).collect();
+        assert_eq!(events, ["sandbox_start", "sandbox_abandoned", "sandbox_end"], "{variant}: {records:?}");
+        assert_eq!(records[1]["fields"]["reason"].as_str(), Some(why), "{variant}");
+        assert_eq!(records[2]["fields"]["status"], "completed", "{variant}");
         drop(view);
         let r = sandbox(None, &["/bin/true"]);
         assert_eq!(r.status(), "completed", "{}", r.err());
@@ -953,4 +964,91 @@ fn a_program_that_ended_keeps_its_result_when_what_it_left_is_abandoned() {
             assert!(!d.exists(), "{variant}: {} still there after a later opservant process started", d.display());
         }
     }
+}
+
+/// `opservant sandbox` keeps the audit trail `run` and `script` keep: a refusal, the start
+/// (what ran, with which manifest, how it was launched) before the program runs, clamps,
+/// limits enforced and the end, each with its outcome; none of it on stderr, which is the
+/// program's. A start that cannot be recorded runs nothing (exit 2).
+#[test]
+fn a_sandbox_run_is_audited_from_start_to_end() {
+    if !require_root() {
+        return;
+    }
+    let d = HostDir::new();
+    let log = d.path.join("audit/audit.jsonl");
+    let config = d.path.join("config.yaml");
+    std::fs::write(&config, format!("audit:\n  path: {}\n  journald: false\n  lock_wait_seconds: 1\n", log.display()))
+        .unwrap();
+    let config = config.to_str().unwrap();
+    let records = || -> Vec<serde_json::Value> {
+        std::fs::read_to_string(&log).unwrap_or_default().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+    };
+    let fields = |r: &serde_json::Value| (r["event"].as_str().unwrap().to_string(), r["fields"].clone());
+
+    // A program that fails, under a manifest whose memory request is clamped.
+    let m = manifest(&d, "{}", r#"{"max_memory_mb": 1000000, "timeout_seconds": 20}"#);
+    let m_abs = m.to_str().unwrap();
+    let (code, out, err) =
+        run_cli(&["sandbox", "--config", config, "--manifest", m_abs, "--", "/bin/sh", "-c", "echo out; exit 3"]);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(!err.contains("sandbox_start"), "the audit lines are not on the program's stderr: {err}");
+    let got: Vec<_> = records().iter().map(fields).collect();
+    let events: Vec<&str> = got.iter().map(|(e, _)| e.as_str()).collect();
+    assert_eq!(events, ["sandbox_start", "limit_clamped", "sandbox_end"], "{got:?}");
+    assert_eq!(
+        got[0].1,
+        serde_json::json!({"program": "/bin/sh", "args": r#"["-c","echo out; exit 3"]"#, "manifest": m_abs, "launch": "cold"})
+    );
+    assert_eq!((got[1].1["program"].as_str(), got[1].1["field"].as_str()), (Some("/bin/sh"), Some("max_memory_mb")));
+    assert_eq!(
+        got[2].1,
+        serde_json::json!({"program": "/bin/sh", "status": "failed", "exit_code": "3", "killed_by": "",
+                           "error": "exited with status 3"})
+    );
+
+    // A time limit enforced, through a zygote.
+    let m = manifest(&d, "{}", r#"{"timeout_seconds": 1}"#);
+    let (code, out, err) = run_cli(&[
+        "sandbox",
+        "--config",
+        config,
+        "--launch",
+        "zygote",
+        "--manifest",
+        m.to_str().unwrap(),
+        "--json",
+        "--",
+        "/bin/sleep",
+        "30",
+    ]);
+    assert_eq!(code, 1, "{out}{err}");
+    let got: Vec<_> = records().iter().skip(3).map(fields).collect();
+    let events: Vec<&str> = got.iter().map(|(e, _)| e.as_str()).collect();
+    assert_eq!(events, ["sandbox_start", "limit_enforced", "sandbox_end"], "{got:?}");
+    assert_eq!(got[0].1["launch"], "zygote", "{got:?}");
+    assert_eq!(got[1].1, serde_json::json!({"program": "/bin/sleep", "limit": "timeout"}));
+    assert_eq!((got[2].1["status"].as_str(), got[2].1["killed_by"].as_str()), (Some("timeout"), Some("timeout")));
+
+    // A manifest the sandbox refuses: the refusal is on record, no start.
+    let m = manifest(&d, r#"{"network": {"outbound": true}}"#, "{}");
+    let (code, _, err) =
+        run_cli(&["sandbox", "--config", config, "--manifest", m.to_str().unwrap(), "--", "/bin/true"]);
+    assert_eq!(code, 2, "{err}");
+    let got: Vec<_> = records().iter().skip(6).map(fields).collect();
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert_eq!(got[0].0, "sandbox_refused");
+    assert_eq!(got[0].1["program"], "/bin/true");
+    assert!(got[0].1["reason"].as_str().unwrap().contains("permissions.network.outbound"), "{got:?}");
+
+    // The log's lock held by another process past its wait: nothing runs.
+    let lock = std::fs::File::options().read(true).write(true).open(d.path.join("audit/audit.jsonl.lock")).unwrap();
+    let held = nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusiveNonblock).unwrap();
+    let (code, out, err) = run_cli(&["sandbox", "--config", config, "--", "/bin/sh", "-c", "echo ran"]);
+    drop(held);
+    assert_eq!((code, out.as_str()), (2, ""), "{err}");
+    assert!(err.contains("audit log") && err.contains("lock"), "{err}");
+    assert_eq!(records().len(), 7, "nothing recorded, nothing run");
+    let (code, _, err) = run_cli(&["audit", "verify", "--config", config]);
+    assert_eq!(code, 0, "{err}");
 }

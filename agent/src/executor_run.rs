@@ -677,7 +677,7 @@ fn run_steps(req: RunRequest, may_have_run: &mut bool) -> Result<RunResult, Cann
             },
             &[
                 ("executor", &m.name),
-                ("status", status_str(result.status)),
+                ("status", result.status.as_str()),
                 ("killed_by", killed_by),
                 ("command_id", &command_id),
             ],
@@ -752,16 +752,6 @@ fn pooled_spec<'a>(
     let (spec, _) = executor_spec(req)?;
     spec.validate()?;
     Ok(Some((pool, spec)))
-}
-
-fn status_str(s: Status) -> &'static str {
-    match s {
-        Status::Completed => "completed",
-        Status::Failed => "failed",
-        Status::Partial => "partial",
-        Status::Timeout => "timeout",
-        Status::Rejected => "rejected",
-    }
 }
 
 /// Provider errors on one name within a run before it is no longer asked (each a request,

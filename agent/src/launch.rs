@@ -34,6 +34,17 @@ pub enum LaunchMode {
     Pool,
 }
 
+impl LaunchMode {
+    /// As `--launch` and the result's `sandbox.launch` spell it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LaunchMode::Cold => "cold",
+            LaunchMode::Zygote => "zygote",
+            LaunchMode::Pool => "pool",
+        }
+    }
+}
+
 /// A zygote running `runtime --zygote` (started on first use), with up to `netns_stash`
 /// fresh network namespaces made ahead of time for its sandboxes (`sandbox::netns_stash`;
 /// 0: each sandbox creates its own).
@@ -93,5 +104,18 @@ pub fn spawn_with_fallback(
             Ok(sb)
         }
         other => other,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::LaunchMode;
+
+    #[test]
+    fn launch_names_are_the_command_lines_and_the_results() {
+        for m in [LaunchMode::Cold, LaunchMode::Zygote, LaunchMode::Pool] {
+            assert_eq!(serde_json::to_value(m).unwrap(), m.as_str());
+            assert_eq!(clap::ValueEnum::to_possible_value(&m).unwrap().get_name(), m.as_str());
+        }
     }
 }

@@ -436,8 +436,9 @@ fn main() -> ExitCode {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     match tracing_subscriber::EnvFilter::try_from_env("OPSERVANT_LOG") {
         Ok(filter) => log.with_env_filter(quiet_http_clients(filter)).init(),
-        // `bench` runs thousands of executions whose audit events go to its own scratch log.
-        Err(_) if matches!(cli.command, Command::Bench { .. }) => {
+        // `bench` runs thousands of executions whose audit events go to its own scratch log;
+        // `sandbox`'s stderr is its program's (its records are in the log all the same).
+        Err(_) if matches!(cli.command, Command::Bench { .. } | Command::Sandbox { .. }) => {
             log.with_env_filter(tracing_subscriber::EnvFilter::new("warn")).init()
         }
         // Without OPSERVANT_LOG: warnings, and the audit events (always).
@@ -626,12 +627,67 @@ fn run_sandbox(
     config: Option<PathBuf>,
     argv: Vec<String>,
 ) -> Result<ExitCode, CannotRun> {
+    let manifest_path = manifest.as_deref().map(|p| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf()));
     let manifest = manifest.as_deref().map(load_manifest).transpose()?;
-    let policy = AgentPolicy::from_config(&agent::config::Config::load(config.as_deref())?)?;
+    let config = agent::config::Config::load(config.as_deref())?;
+    let policy = AgentPolicy::from_config(&config)?;
     let (program, args) = argv.split_first().ok_or_else(|| CannotRun("no program given".into()))?;
-    agent::policy::refuse_unmet(manifest.as_ref(), "opservant sandbox", false)?;
-    let (spec, limits) = policy.spec_for(manifest.as_ref(), program, args.to_vec())?;
+    agent::audit::init(&config)?;
+    // What the manifest asks that is refused is a check that said no: audited, as a run's
+    // refusal is.
+    let refused = |e: CannotRun| {
+        agent::audit::record_quietly("sandbox_refused", &[("program", program), ("reason", &e.0)]);
+        e
+    };
+    agent::policy::refuse_unmet(manifest.as_ref(), "opservant sandbox", false).map_err(|e| refused(e.into()))?;
+    let (spec, limits) = policy.spec_for(manifest.as_ref(), program, args.to_vec()).map_err(|e| refused(e.into()))?;
+    // Fail closed: a program whose start cannot be audited does not start. The arguments as
+    // given (a JSON array), the manifest by its absolute path.
+    let manifest_shown = manifest_path.as_deref().map(|p| p.to_string_lossy().into_owned()).unwrap_or_default();
+    agent::audit::try_record(
+        "sandbox_start",
+        &[
+            ("program", program),
+            ("args", &serde_json::to_string(args)?),
+            ("manifest", &manifest_shown),
+            ("launch", launch.as_str()),
+        ],
+    )?;
+    limits.audit_clamps(("program", program));
+    // From here on, a program that cannot finish is audited as ended: every start has an end.
+    let ended = |status: &str, exit_code: Option<i32>, killed_by: &str, error: &str| {
+        let exit_code = exit_code.map(|c| c.to_string()).unwrap_or_default();
+        let mut fields = vec![("program", program.as_str()), ("status", status), ("exit_code", &exit_code)];
+        fields.extend([("killed_by", killed_by), ("error", error)]);
+        agent::audit::record("sandbox_end", &fields);
+    };
+    let result = sandboxed(&spec, &limits, json_only, launch);
+    let result = match result {
+        Ok(r) => r,
+        Err(e) => {
+            ended("error", None, "", &e.0);
+            return Err(e);
+        }
+    };
+    if let Some(why) = &result.sandbox.abandoned {
+        agent::audit::record("sandbox_abandoned", &[("program", program), ("reason", why)]);
+    }
+    let killed_by = result.killed_by.as_deref().unwrap_or("");
+    if matches!(killed_by, "oom" | "timeout" | "pids") {
+        agent::audit::record("limit_enforced", &[("program", program), ("limit", killed_by)]);
+    }
+    ended(result.status.as_str(), result.exit_code, killed_by, result.error.as_deref().unwrap_or(""));
+    Ok(if result.status == Status::Completed { ExitCode::SUCCESS } else { ExitCode::from(1) })
+}
 
+/// Start the sandbox of `opservant sandbox`, pass its program's output on (unless
+/// `json_only`) and print its result JSON as stdout's last line.
+fn sandboxed(
+    spec: &sandbox::SandboxSpec,
+    limits: &agent::limits::EffectiveLimits,
+    json_only: bool,
+    launch: LaunchMode,
+) -> Result<RunResult, CannotRun> {
     let stdout = std::io::stdout();
     let stderr = std::io::stderr();
     // The program is the sandbox's: to a terminal its output goes with control characters
@@ -666,9 +722,9 @@ fn run_sandbox(
     };
     let sb = match launch {
         LaunchMode::Cold => {
-            agent::launch::spawn_with_fallback(&spec, &sandbox::Launcher::fork_or_reexec(SANDBOX_INIT), None)?
+            agent::launch::spawn_with_fallback(spec, &sandbox::Launcher::fork_or_reexec(SANDBOX_INIT), None)?
         }
-        LaunchMode::Zygote => agent::launch::spawn_with_fallback(&spec, &zygote()?, None)?,
+        LaunchMode::Zygote => agent::launch::spawn_with_fallback(spec, &zygote()?, None)?,
         // As a warm pool does it: the sandbox is started through the zygote, held (its payload
         // waits, every restriction in place, for the go) and then taken, which releases it.
         LaunchMode::Pool => {
@@ -688,12 +744,12 @@ fn run_sandbox(
     };
     let _ = stdout.lock().write_all(&out_escaper.finish());
     let _ = stderr.lock().write_all(&err_escaper.finish());
-    let mut result = RunResult::for_program(&outcome, &limits);
+    let mut result = RunResult::for_program(&outcome, limits);
     result.sandbox.abandoned = abandoned;
     let text = serde_json::to_string(&result)?;
     let sep = if !json_only && last_stdout_byte != b'\n' { "\n" } else { "" };
     out!("{sep}{text}\n");
-    Ok(if result.status == Status::Completed { ExitCode::SUCCESS } else { ExitCode::from(1) })
+    Ok(result)
 }
 
 /// `--params`: inline JSON or `@FILE` (at most what a run accepts, read no further),

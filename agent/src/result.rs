@@ -14,6 +14,19 @@ pub enum Status {
     Rejected,
 }
 
+impl Status {
+    /// As the result JSON spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Status::Completed => "completed",
+            Status::Failed => "failed",
+            Status::Partial => "partial",
+            Status::Timeout => "timeout",
+            Status::Rejected => "rejected",
+        }
+    }
+}
+
 #[derive(Debug, Clone, Serialize)]
 pub struct ExecutorRef {
     pub name: String,
@@ -209,6 +222,18 @@ impl RunResult {
             },
             usage: outcome.usage,
             sandbox: SandboxSummary::new(e, cg, outcome.launch, outcome.host_uid, &outcome.not_idmapped),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Status;
+
+    #[test]
+    fn status_names_are_the_result_jsons() {
+        for s in [Status::Completed, Status::Failed, Status::Partial, Status::Timeout, Status::Rejected] {
+            assert_eq!(serde_json::to_value(s).unwrap(), s.as_str());
         }
     }
 }

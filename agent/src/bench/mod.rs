@@ -782,7 +782,9 @@ pub fn run(opts: &Options, progress: &mut dyn FnMut(&str)) -> Result<Value, Benc
                 }
             },
             "sandbox-cold" => Kind::Command {
-                argv: strings(&[&op_s, "sandbox", "--json", "--", "/bin/true"]),
+                // The benchmark's configuration, as the run rows': its audit log is the
+                // scratch one (a sandbox's start and end are records too).
+                argv: strings(&[&op_s, "sandbox", "--json", "--config", &cfg, "--", "/bin/true"]),
                 expect_completed: true,
             },
             "sandbox-zygote" => Kind::SandboxZygote,
