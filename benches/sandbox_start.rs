@@ -25,6 +25,30 @@ const DEFAULT_ROUNDS: usize = 200;
 const TARGET_RATIO: f64 = 1.50;
 const OPSERVANT: &str = env!("CARGO_BIN_EXE_opservant");
 
+/// A scratch directory with a configuration whose audit log is in it; removed on drop.
+struct AuditScratch {
+    dir: PathBuf,
+    config: PathBuf,
+}
+
+impl AuditScratch {
+    fn new() -> Result<AuditScratch, String> {
+        let dir = PathBuf::from(format!("/var/tmp/opservant-bench-sandbox-start-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+        let scratch = AuditScratch { config: dir.join("config.yaml"), dir };
+        let text = format!("audit:\n  path: {}\n  journald: false\n", scratch.dir.join("audit/audit.jsonl").display());
+        std::fs::write(&scratch.config, text).map_err(|e| format!("writing {}: {e}", scratch.config.display()))?;
+        Ok(scratch)
+    }
+}
+
+impl Drop for AuditScratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
 /// One command under measurement.
 struct Bench {
     name: &'static str,
@@ -86,7 +110,11 @@ fn run() -> Result<(), String> {
     // benches/README.md ("Installed copies").
     let installed = Installed::new(Path::new(OPSERVANT))?;
     let op = installed.path().to_string_lossy().into_owned();
-    benches.push(bench("opservant", &[&op, "sandbox", "--json", "--", "/bin/true"]));
+    // A configuration of its own: `opservant sandbox` records its start and end (each
+    // flushed, as a run's), in a scratch audit log rather than the host's.
+    let config = AuditScratch::new()?;
+    let config_arg = config.config.to_string_lossy().into_owned();
+    benches.push(bench("opservant", &[&op, "sandbox", "--json", "--config", &config_arg, "--", "/bin/true"]));
 
     let n = benches.len();
     for round in 0..warmup + rounds {

@@ -966,6 +966,11 @@ fn a_program_that_ended_keeps_its_result_when_what_it_left_is_abandoned() {
     }
 }
 
+fn sha256_hex(data: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(data).iter().map(|b| format!("{b:02x}")).collect()
+}
+
 /// `opservant sandbox` keeps the audit trail `run` and `script` keep: a refusal, the start
 /// (what ran, with which manifest, how it was launched) before the program runs, clamps,
 /// limits enforced and the end, each with its outcome; none of it on stderr, which is the
@@ -986,19 +991,30 @@ fn a_sandbox_run_is_audited_from_start_to_end() {
     };
     let fields = |r: &serde_json::Value| (r["event"].as_str().unwrap().to_string(), r["fields"].clone());
 
-    // A program that fails, under a manifest whose memory request is clamped.
+    // A program that fails, under a manifest whose memory request is clamped, named by a
+    // path relative to the working directory.
     let m = manifest(&d, "{}", r#"{"max_memory_mb": 1000000, "timeout_seconds": 20}"#);
     let m_abs = m.to_str().unwrap();
+    let out = common::command()
+        .current_dir(&d.path)
+        .args(["sandbox", "--config", config, "--manifest", "manifest.json", "--"])
+        .args(["/bin/sh", "-c", "echo out; exit 3"])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
     let (code, out, err) =
-        run_cli(&["sandbox", "--config", config, "--manifest", m_abs, "--", "/bin/sh", "-c", "echo out; exit 3"]);
-    assert_eq!(code, 1, "{out}{err}");
+        (out.status.code(), String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert_eq!(code, Some(1), "{out}{err}");
+    assert!(out.starts_with("out\n{"), "the program's output, then the result: {out}");
     assert!(!err.contains("sandbox_start"), "the audit lines are not on the program's stderr: {err}");
     let got: Vec<_> = records().iter().map(fields).collect();
     let events: Vec<&str> = got.iter().map(|(e, _)| e.as_str()).collect();
     assert_eq!(events, ["sandbox_start", "limit_clamped", "sandbox_end"], "{got:?}");
+    let args = r#"["-c","echo out; exit 3"]"#;
     assert_eq!(
         got[0].1,
-        serde_json::json!({"program": "/bin/sh", "args": r#"["-c","echo out; exit 3"]"#, "manifest": m_abs, "launch": "cold"})
+        serde_json::json!({"program": "/bin/sh", "args": args, "args_sha256": sha256_hex(args.as_bytes()),
+                           "manifest": m_abs, "launch": "cold"})
     );
     assert_eq!((got[1].1["program"].as_str(), got[1].1["field"].as_str()), (Some("/bin/sh"), Some("max_memory_mb")));
     assert_eq!(
@@ -1041,13 +1057,30 @@ fn a_sandbox_run_is_audited_from_start_to_end() {
     assert_eq!(got[0].1["program"], "/bin/true");
     assert!(got[0].1["reason"].as_str().unwrap().contains("permissions.network.outbound"), "{got:?}");
 
-    // The log's lock held by another process past its wait: nothing runs.
+    // The log's lock held by another process past its wait: the log cannot even be opened,
+    // nothing runs.
     let lock = std::fs::File::options().read(true).write(true).open(d.path.join("audit/audit.jsonl.lock")).unwrap();
     let held = nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusiveNonblock).unwrap();
     let (code, out, err) = run_cli(&["sandbox", "--config", config, "--", "/bin/sh", "-c", "echo ran"]);
     drop(held);
     assert_eq!((code, out.as_str()), (2, ""), "{err}");
     assert!(err.contains("audit log") && err.contains("lock"), "{err}");
+    assert_eq!(records().len(), 7, "nothing recorded, nothing run");
+
+    // The log opens but the start's record cannot be written (a file-size limit, as a full
+    // disk): the gate holds, the program never starts — its output would be on stdout.
+    let size = std::fs::metadata(&log).unwrap().len();
+    let out = Command::new("prlimit")
+        .arg(format!("--fsize={}", size + 40))
+        .arg("--")
+        .arg(common::opservant())
+        .args(["sandbox", "--config", config, "--", "/bin/sh", "-c", "echo ran"])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!((out.status.code(), out.stdout.as_slice()), (Some(2), &b""[..]), "{err}");
+    assert!(err.contains("audit log") && err.contains("File too large"), "{err}");
     assert_eq!(records().len(), 7, "nothing recorded, nothing run");
     let (code, _, err) = run_cli(&["audit", "verify", "--config", config]);
     assert_eq!(code, 0, "{err}");

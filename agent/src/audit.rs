@@ -1282,8 +1282,15 @@ fn sink() -> Option<Arc<AuditLog>> {
 /// [`settle`] checks them.
 pub fn record(event: &str, fields: &[(&str, &str)]) {
     if let Err(e) = append_to(sink(), event, fields) {
-        tracing::error!(target: "opservant::audit", event, error = %e, "audit log append failed: this event is only on stderr");
+        not_appended(event, &fields_object(fields), &e);
     }
+}
+
+/// A record that could not be appended: on stderr, whole, at `error` (the filter of a
+/// command whose stderr is its program's still shows it; its `info` line may not be).
+fn not_appended(event: &str, fields: &Map<String, Value>, e: &AuditError) {
+    let shown = Value::Object(fields.clone());
+    tracing::error!(target: "opservant::audit", event, fields = %shown, error = %e, "audit log append failed: this event is only on stderr");
 }
 
 /// Record an event; `Err` when a log is configured and the record could not be appended —
@@ -1317,7 +1324,7 @@ fn append_to(sink: Option<Arc<AuditLog>>, event: &str, fields: &[(&str, &str)]) 
 /// one-line reason).
 pub fn record_quietly(event: &str, fields: &[(&str, &str)]) {
     if let Err(e) = append_traced(sink(), event, fields, true) {
-        tracing::error!(target: "opservant::audit", event, error = %e, "audit log append failed: this event is only on stderr");
+        not_appended(event, &fields_object(fields), &e);
     }
 }
 
@@ -1347,7 +1354,7 @@ fn append_traced(
 /// append failed — `error`, the latest failure, and `since`, the first of the run of them;
 /// every run whose start cannot be recorded is refused meanwhile. When nothing has tried
 /// the log for [`outage::RETRY_AFTER`], a call has a record of the run tried in the
-/// background ([`outage::retry_if_idle`]): once the log takes records again, an idle
+/// background ([`outage::at_heartbeat`]): once the log takes records again, an idle
 /// agent's later call says `ok` without waiting for a command's record. `flush_failed`:
 /// the first flush of this process that failed, if one did — the lines it covered may not
 /// be on the disk even once appends succeed again (`audit verify` after the next restart
@@ -1370,8 +1377,8 @@ pub fn health() -> Value {
     }
     let flush_failed = last.clone();
     drop(last);
-    if let (Some(log), Some(run)) = (&log, &failing) {
-        outage::retry_if_idle(log, run);
+    if let Some(log) = &log {
+        outage::at_heartbeat(log);
     }
     let head = HEAD.lock().unwrap_or_else(PoisonError::into_inner).clone();
     serde_json::json!({
@@ -1383,6 +1390,14 @@ pub fn health() -> Value {
         // rolled back or rewritten past one of them (that seq missing, or another hash).
         "head": head.map(|(seq, sha256)| serde_json::json!({"seq": seq, "sha256": sha256})),
     })
+}
+
+/// Wait, at most `max`, for the `audit_resumed` records in line to be appended (or to fail):
+/// a command's process calls it before it exits.
+pub fn drain(max: Duration) {
+    if let Some(log) = sink() {
+        outage::drain(&log, max);
+    }
 }
 
 thread_local! {
@@ -1418,7 +1433,7 @@ fn record_before_gate_to(sink: Option<Arc<AuditLog>>, event: &str, fields: &[(&s
     trace(event, &fields, &appended);
     if let (Err(e), Some(log)) = (appended, &sink) {
         outage::note(log, Err(&e), std::time::Instant::now());
-        tracing::error!(target: "opservant::audit", event, error = %e, "audit log append failed: this event is only on stderr");
+        not_appended(event, &fields, &e);
         let lost = AuditError {
             message: format!("a record made before a gate ({event}) could not be written: {}", e.message),
             path: e.path,

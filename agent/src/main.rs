@@ -21,6 +21,9 @@ struct Cli {
     command: Command,
 }
 
+/// The longest a command waits at its exit for the `audit_resumed` records in line.
+const AUDIT_DRAIN: std::time::Duration = std::time::Duration::from_secs(5);
+
 #[derive(Subcommand)]
 enum Command {
     /// Run any program inside the sandbox built from a manifest's permissions and limits
@@ -553,6 +556,9 @@ fn main() -> ExitCode {
             ExitCode::from(2)
         }
     };
+    // A run of audit failures this command ended has its record appended on a thread of its
+    // own: waited for (bounded), not lost with the process.
+    agent::audit::drain(AUDIT_DRAIN);
     // Stopped by a signal: the shell's convention, once everything is reported and cleaned up.
     match CAUGHT_SIGNAL.load(std::sync::atomic::Ordering::SeqCst) {
         0 => code,
@@ -642,13 +648,16 @@ fn run_sandbox(
     agent::policy::refuse_unmet(manifest.as_ref(), "opservant sandbox", false).map_err(|e| refused(e.into()))?;
     let (spec, limits) = policy.spec_for(manifest.as_ref(), program, args.to_vec()).map_err(|e| refused(e.into()))?;
     // Fail closed: a program whose start cannot be audited does not start. The arguments as
-    // given (a JSON array), the manifest by its absolute path.
+    // given (a JSON array, and its SHA-256: a long one is cut in the record), the manifest by
+    // its absolute path.
     let manifest_shown = manifest_path.as_deref().map(|p| p.to_string_lossy().into_owned()).unwrap_or_default();
+    let args_json = serde_json::to_string(args)?;
     agent::audit::try_record(
         "sandbox_start",
         &[
             ("program", program),
-            ("args", &serde_json::to_string(args)?),
+            ("args", &args_json),
+            ("args_sha256", &agent::audit::sha256_hex(args_json.as_bytes())),
             ("manifest", &manifest_shown),
             ("launch", launch.as_str()),
         ],
@@ -662,7 +671,7 @@ fn run_sandbox(
         agent::audit::record("sandbox_end", &fields);
     };
     let result = sandboxed(&spec, &limits, json_only, launch);
-    let result = match result {
+    let (result, newline_first) = match result {
         Ok(r) => r,
         Err(e) => {
             ended("error", None, "", &e.0);
@@ -677,17 +686,23 @@ fn run_sandbox(
         agent::audit::record("limit_enforced", &[("program", program), ("limit", killed_by)]);
     }
     ended(result.status.as_str(), result.exit_code, killed_by, result.error.as_deref().unwrap_or(""));
+    // Printed once its end is on record: a caller that reads the result and stops this
+    // process finds the record there (and a result that cannot be written, exit 2, ended
+    // all the same).
+    let text = serde_json::to_string(&result)?;
+    out!("{}{text}\n", if newline_first { "\n" } else { "" });
     Ok(if result.status == Status::Completed { ExitCode::SUCCESS } else { ExitCode::from(1) })
 }
 
-/// Start the sandbox of `opservant sandbox`, pass its program's output on (unless
-/// `json_only`) and print its result JSON as stdout's last line.
+/// Start the sandbox of `opservant sandbox` and pass its program's output on (unless
+/// `json_only`): its result, and whether the program's output left stdout without its last
+/// newline (the result line then begins with one).
 fn sandboxed(
     spec: &sandbox::SandboxSpec,
     limits: &agent::limits::EffectiveLimits,
     json_only: bool,
     launch: LaunchMode,
-) -> Result<RunResult, CannotRun> {
+) -> Result<(RunResult, bool), CannotRun> {
     let stdout = std::io::stdout();
     let stderr = std::io::stderr();
     // The program is the sandbox's: to a terminal its output goes with control characters
@@ -746,10 +761,7 @@ fn sandboxed(
     let _ = stderr.lock().write_all(&err_escaper.finish());
     let mut result = RunResult::for_program(&outcome, limits);
     result.sandbox.abandoned = abandoned;
-    let text = serde_json::to_string(&result)?;
-    let sep = if !json_only && last_stdout_byte != b'\n' { "\n" } else { "" };
-    out!("{sep}{text}\n");
-    Ok(result)
+    Ok((result, !json_only && last_stdout_byte != b'\n'))
 }
 
 /// `--params`: inline JSON or `@FILE` (at most what a run accepts, read no further),

@@ -117,7 +117,7 @@ pub const ROWS: &[(&str, Family, &str)] = &[
         Family::Python,
         "bwrap --unshare-all --die-with-parent --ro-bind / / python3 -I -S -c pass (reference)",
     ),
-    ("sandbox-cold", Family::True, "opservant sandbox --json -- /bin/true (subprocess)"),
+    ("sandbox-cold", Family::True, "opservant sandbox --json --config CONFIG -- /bin/true (subprocess)"),
     (
         "sandbox-zygote",
         Family::True,
