@@ -411,6 +411,17 @@ fn signed_commands_run_and_every_rejection_is_audited() {
         c["timestamp"] = json!(ts(off));
         rejected(&a, a.sign(&c), "clock_skew");
     }
+    // The refusal says when this host's own clock is the likelier culprit.
+    let mut c = scan("cmd-6a");
+    c["timestamp"] = json!(ts(-360));
+    let (_, r) = a.submit(&a.sign(&c));
+    let error = r["error"].as_str().unwrap();
+    assert!(error.contains("behind the agent's clock"), "{r}");
+    assert_eq!(
+        error.contains("this host's clock is not synchronised"),
+        common::clock_unsynchronised(),
+        "the hint is there exactly when the kernel says the clock is not synchronised: {r}"
+    );
     // Replay of an accepted command.
     rejected(&a, a.sign(&scan("cmd-1")), "replay");
     // Unknown executor; request beyond the manifest; malformed and duplicate keys.

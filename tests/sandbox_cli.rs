@@ -338,6 +338,11 @@ fn doctor_describes_this_host() {
     let passwd = std::fs::read_to_string("/etc/passwd").unwrap();
     let own_user = passwd.lines().any(|l| l.starts_with("opservant-executor:"));
     let finding = |name: &str| j["findings"].as_array().unwrap().iter().find(|f| f["feature"] == name).cloned();
+    // The clock: a degradation exactly when the kernel says no time service keeps it.
+    let clock = finding("clock").expect("clock");
+    assert_eq!(clock["ok"], !common::clock_unsynchronised(), "{clock}");
+    let clock_degraded = j["degraded"].as_array().unwrap().iter().any(|d| d == &clock["detail"]);
+    assert_eq!(clock_degraded, common::clock_unsynchronised(), "{j}");
     let identity = finding("identity").expect("identity");
     assert_eq!(identity["ok"], own_user, "{identity}");
     let uids = finding("host uids").expect("host uids");

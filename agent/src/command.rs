@@ -253,7 +253,7 @@ pub fn verify_command(bytes: &[u8], key: &VerifyingKey, now: i64) -> Verificatio
     let outcome = if let Err(e) = &verdict.signature {
         reject(if e == "missing signature" { Reason::Unsigned } else { Reason::BadSignature }, e)
     } else if let Err(e) = &verdict.timestamp {
-        reject(Reason::ClockSkew, e)
+        reject(Reason::ClockSkew, &format!("{e}{}", crate::doctor::clock_skew_hint().unwrap_or("")))
     } else {
         match id.as_deref().filter(|i| !i.is_empty() && i.len() <= crate::replay::MAX_ID_BYTES) {
             Some(i) => Ok(i.to_string()),

@@ -232,6 +232,12 @@ pub fn examine(landlock_min_abi: u32, allow_degraded: bool, host_uids: Option<&s
     }
     findings.push(Finding { feature: "network egress", ok: egress_ok, required: false, detail: egress_detail });
 
+    let (clock_ok, clock_detail) = clock_finding(kernel_clock());
+    if !clock_ok {
+        degraded.push(clock_detail.clone());
+    }
+    findings.push(Finding { feature: "clock", ok: clock_ok, required: false, detail: clock_detail });
+
     let (runtime_ok, runtime_detail) = runtime_finding();
     if !runtime_ok {
         degraded.push(format!("executors, scripts and sessions cannot run: {runtime_detail}"));
@@ -621,6 +627,46 @@ fn run_runtime_version(path: &std::path::Path) -> ((bool, String), bool) {
     (finding, true)
 }
 
+/// What the kernel says of the system clock: `ntp_adjtime`'s state (`TIME_ERROR` while no
+/// time service has synchronised it) and its maximum error in µs; `Err` the call's error.
+pub fn kernel_clock() -> Result<(i32, i64), std::io::Error> {
+    // SAFETY: `timex` is plain data, valid all zeros; with `modes` 0 the call only reads the
+    // kernel's clock state into the structure, which lives across the call.
+    let mut t: libc::timex = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; `t` is a valid, exclusive pointer for the call's duration.
+    let state = unsafe { libc::ntp_adjtime(&mut t) };
+    if state < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok((state, t.maxerror))
+}
+
+/// Whether the system clock is kept synchronised (seed 001's checklist: "NTP synchronized",
+/// required): signed commands more than [`crate::signing::MAX_SKEW_S`] from this clock are
+/// refused as `clock_skew`, so an unsynchronised clock is a degradation — reported, not a
+/// refusal of sandboxes (it keeps nothing from running that a command did not bring).
+fn clock_finding(kernel: Result<(i32, i64), std::io::Error>) -> (bool, String) {
+    match kernel {
+        Ok((libc::TIME_ERROR, _)) => (
+            false,
+            format!(
+                "the system clock is not synchronised (the kernel's clock state is TIME_ERROR: no time service such as \
+                 chrony or systemd-timesyncd keeps it): signed commands whose timestamp is more than {} s from it are \
+                 rejected as clock_skew",
+                crate::signing::MAX_SKEW_S
+            ),
+        ),
+        Ok((_, maxerror)) => (true, format!("synchronised (maximum error {} ms)", maxerror / 1000)),
+        Err(e) => (false, format!("the clock's synchronisation cannot be read (ntp_adjtime: {e})")),
+    }
+}
+
+/// A note for a command refused as `clock_skew` when this host's clock is not synchronised.
+pub fn clock_skew_hint() -> Option<&'static str> {
+    matches!(kernel_clock(), Ok((libc::TIME_ERROR, _)))
+        .then_some("; this host's clock is not synchronised (no time service keeps it: see opservant doctor)")
+}
+
 /// Whether `outbound: true` can be honoured here (read-only: nothing is created).
 fn egress_readiness() -> (bool, String) {
     let read = |p: &str| std::fs::read_to_string(p).ok().map(|s| s.trim().to_string());
@@ -675,6 +721,17 @@ pub fn render(r: &DoctorReport) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_unsynchronised_clock_is_a_degradation_named_with_its_consequence() {
+        let (ok, detail) = clock_finding(Ok((libc::TIME_ERROR, 16_000_000)));
+        assert!(!ok);
+        assert!(detail.contains("not synchronised") && detail.contains("clock_skew"), "{detail}");
+        assert_eq!(clock_finding(Ok((libc::TIME_OK, 12_500))), (true, "synchronised (maximum error 12 ms)".into()));
+        assert!(clock_finding(Ok((libc::TIME_INS, 0))).0, "a leap second pending is still synchronised");
+        let (ok, detail) = clock_finding(Err(std::io::Error::from_raw_os_error(libc::EPERM)));
+        assert!(!ok && detail.contains("ntp_adjtime"), "{detail}");
+    }
 
     fn range(first: u32, count: u32) -> sandbox::HostUids {
         sandbox::HostUids { first, count, lock: "/nonexistent/lock".into() }
