@@ -200,6 +200,7 @@ impl Conf {
 /// - `["ifaces"]`: `{"ok": true, "if_nameindex": [...], "proc_net_dev": [...]}`
 /// - `["netlink", PROTOCOL]`: `{"ok": true}` when a netlink socket of it opens, else `{"ok": false, "errno": N}`
 /// - `["env", [names]]`: `{"ok": true, "env": {name: value or null}}`
+/// - `["env_password", name]`: the password of the URL in `name`, percent-decoded: `{"ok": true, "password"}`
 /// - hostile probes (tests at the end): `udp`, `udp_gw`, `udp_gw6`, `sock`, `ping`,
 ///   `dns_raw`, `multi_download`, `sleep`, `dns_tcp_abuse`, `hold`, `flow` — see `_step_extra`
 const PROBE: &str = r#"
@@ -721,6 +722,10 @@ def _step(step):
         return {"ok": True, "if_nameindex": names, "proc_net_dev": dev}
     if op == "env":
         return {"ok": True, "env": {k: os.environ.get(k) for k in args[0]}}
+    if op == "env_password":
+        import urllib.parse
+        password = urllib.parse.urlsplit(os.environ.get(args[0], "")).password
+        return {"ok": True, "password": urllib.parse.unquote(password) if password else None}
     return {"ok": False, "error": "unknown op " + repr(op)}
 
 
@@ -2242,7 +2247,9 @@ fn sandbox_cannot_reach_the_agent_host() {
 }
 
 /// Proxy settings from the agent config reach the executor's environment, and the proxy is
-/// reachable though it is not in the executor's allow list (only the proxy's port).
+/// reachable though it is not in the executor's allow list (only the proxy's port). The
+/// proxy's password, which the environment carries, is a secret the run can reach: nothing
+/// that leaves the agent shows it.
 #[test]
 fn proxy_settings_reach_the_executor() {
     if !prerequisites() {
@@ -2251,7 +2258,7 @@ fn proxy_settings_reach_the_executor() {
     let lab = Lab::new();
     let s = lab.banners(&["198.51.100.10:80", "198.51.100.11:3128", "198.51.100.11:80"]);
     let conf = Conf::new(
-        "  proxy:\n    http: \"http://198.51.100.11:3128\"\n    https: \"http://198.51.100.11:3128\"\n    no_proxy: [\"10.0.0.0/8\"]\n",
+        "  proxy:\n    http: \"http://198.51.100.11:3128\"\n    https: \"http://agent:pr0xy%2Fs3cret@198.51.100.11:3128\"\n    no_proxy: [\"10.0.0.0/8\"]\n",
     );
     let names = ["HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy"];
     let p = probe(
@@ -2263,13 +2270,21 @@ fn proxy_settings_reach_the_executor() {
             ["env", names],
             ["connect", "198.51.100.11", 3128],
             ["connect", "198.51.100.10", 80],
-            ["connect", "198.51.100.11", 80]
+            ["connect", "198.51.100.11", 80],
+            ["env_password", "HTTPS_PROXY"]
         ]),
     );
+    // Decoded, as a client sends it: no pattern knows it, the value itself is redacted.
+    assert_eq!(p.step(4)["password"], "[REDACTED]", "{}", p.r);
     let env = &p.step(0)["env"];
-    for n in ["HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"] {
+    for n in ["HTTP_PROXY", "http_proxy"] {
         assert_eq!(env[n], "http://198.51.100.11:3128", "{n}: {env}");
     }
+    for n in ["HTTPS_PROXY", "https_proxy"] {
+        assert_eq!(env[n], "http://agent:[REDACTED]@198.51.100.11:3128", "{n}: {env}");
+    }
+    let whole = p.r.to_string();
+    assert!(!whole.contains("pr0xy") && !whole.contains("s3cret"), "{whole}");
     for n in ["NO_PROXY", "no_proxy"] {
         let v = env[n].as_str().unwrap_or_else(|| panic!("{n} unset: {env}"));
         assert!(v.split(',').any(|e| e.trim() == "10.0.0.0/8"), "{n}={v}");

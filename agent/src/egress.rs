@@ -490,6 +490,40 @@ fn parse_proxy_url(url: &str) -> Result<(String, u16), String> {
     Ok((host.to_ascii_lowercase(), port))
 }
 
+/// The password of a proxy URL's user information (`http://user:PASSWORD@host:port`), if
+/// it has one.
+fn proxy_password(url: &str) -> Option<&str> {
+    let (_, rest) = url.split_once("://")?;
+    let authority = rest.split(['/', '?', '#']).next()?;
+    let (userinfo, _) = authority.rsplit_once('@')?;
+    let (_, password) = userinfo.split_once(':')?;
+    (!password.is_empty()).then_some(password)
+}
+
+/// `text` with its `%XX` escapes decoded, when it has any and they decode to UTF-8.
+fn percent_decoded(text: &str) -> Option<String> {
+    if !text.contains('%') {
+        return None;
+    }
+    let b = text.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let hex = |c: u8| (c as char).to_digit(16);
+        match (b[i], b.get(i + 1).and_then(|&c| hex(c)), b.get(i + 2).and_then(|&c| hex(c))) {
+            (b'%', Some(h), Some(l)) => {
+                out.push((h * 16 + l) as u8);
+                i += 3;
+            }
+            (c, _, _) => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
 /// How long an idle host table outlives the last `opservant run` that used it.
 pub const HOST_TABLE_LINGER_MS: u64 = 2000;
 
@@ -628,6 +662,14 @@ impl EgressRun {
             content: format!("nameserver {}\noptions timeout:2 attempts:2\n", reservation.gateway4),
         });
         spec.command.env.extend(settings.proxy.env.iter().cloned());
+        // A proxy's credentials reach the payload with its URL: a secret the run can reach,
+        // redacted from all that leaves the agent as a delivered secret is (DESIGN.md §4).
+        for password in settings.proxy.env.iter().filter_map(|(_, url)| proxy_password(url)) {
+            redactor.add(password);
+            if let Some(decoded) = percent_decoded(password) {
+                redactor.add(&decoded);
+            }
+        }
         Ok(EgressRun {
             policy: std::sync::Arc::new(policy.clone()),
             upstreams,
@@ -859,6 +901,19 @@ mod tests {
             assert_eq!(e.path, "network.egress.nat64_prefixes[1]", "{bad}");
             assert!(e.message.contains(says), "{bad}: {}", e.message);
         }
+    }
+
+    #[test]
+    fn proxy_passwords_and_their_decoded_form() {
+        assert_eq!(proxy_password("http://agent:s3cret@proxy:3128"), Some("s3cret"));
+        assert_eq!(proxy_password("http://agent:p%40ss:w@[2001:db8::1]:8080/x@y"), Some("p%40ss:w"));
+        for none in ["http://proxy:3128", "http://agent@proxy:3128", "http://agent:@proxy", "10.0.0.0/8,.internal"] {
+            assert_eq!(proxy_password(none), None, "{none}");
+        }
+        assert_eq!(percent_decoded("p%40ss%3aw"), Some("p@ss:w".into()));
+        assert_eq!(percent_decoded("plain"), None);
+        assert_eq!(percent_decoded("100%"), Some("100%".into()));
+        assert_eq!(percent_decoded("%ff"), None, "not UTF-8");
     }
 
     #[test]

@@ -778,7 +778,9 @@ fn serve(
         stop.stop();
         out
     };
-    let mut out = AppOutcome::default();
+    // What the run can reach before any secret is delivered (a proxy's credentials in its
+    // environment) is redacted from the start.
+    let mut out = AppOutcome { redactor: live.snapshot(), ..AppOutcome::default() };
     let mut ready = false;
     // What the provider answered this run, per declared name: a value delivered (wiped at
     // the run's end), or that it has none. A loop on a name asks the provider once; only its

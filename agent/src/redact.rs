@@ -13,7 +13,10 @@
 //! - AWS access key ids (`AKIA`/`ASIA` and 16 of `[A-Z0-9]`, as a whole word);
 //! - the value after `aws_secret_access_key`, `SecretAccessKey`, `aws_session_token` or
 //!   `SessionToken` and `=` or `:` (any case, optional quotes), as in credentials files,
-//!   environment variables and STS JSON.
+//!   environment variables and STS JSON;
+//! - the password of a URL's user information, `scheme://user:PASSWORD@host` (a proxy's, a
+//!   database's), the user name kept: up to [`MAX_USERINFO`] bytes after `://`, without
+//!   white space, quotes, `<`, `>`, `\`, `/`, `?` or `#`.
 //!
 //! Guarantees: only the matched spans change (the rest of the text, including non-ASCII, is
 //! kept byte for byte); applying it twice gives the same text as once; no regular-expression
@@ -33,6 +36,7 @@ pub fn credentials(text: &str) -> Cow<'_, str> {
     authorization_fields(b, &mut spans);
     aws_access_key_ids(b, &mut spans);
     aws_secret_values(b, &mut spans);
+    url_passwords(b, &mut spans);
     if spans.is_empty() {
         return Cow::Borrowed(text);
     }
@@ -212,9 +216,61 @@ fn aws_secret_values(b: &[u8], spans: &mut Vec<(usize, usize)>) {
     }
 }
 
+/// The most of a URL's user information looked at for a password (user name, `:`,
+/// password): a longer one is not taken for one, and the scan stays linear.
+pub const MAX_USERINFO: usize = 512;
+
+fn url_passwords(b: &[u8], spans: &mut Vec<(usize, usize)>) {
+    let mut i = 0;
+    while let Some(p) = find(b, b"://", i) {
+        i = p + 3;
+        // A scheme ends right before (`http`, `postgres+psycopg`, …).
+        if p == 0 || !(b[p - 1].is_ascii_alphanumeric() || b"+.-".contains(&b[p - 1])) {
+            continue;
+        }
+        let limit = (i + MAX_USERINFO).min(b.len());
+        let end = skip_while(&b[..limit], i, |c| c > b' ' && c != 0x7f && !b"@/?#\"'<>\\".contains(&c));
+        if b.get(end) != Some(&b'@') {
+            continue;
+        }
+        if let Some(colon) = b[i..end].iter().position(|&c| c == b':') {
+            let v = i + colon + 1;
+            if end > v {
+                spans.push((v, end));
+            }
+        }
+        i = end + 1;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn url_passwords_keep_the_user_and_host() {
+        assert_eq!(r("HTTPS_PROXY=http://agent:s3cret@proxy:3128"), "HTTPS_PROXY=http://agent:[REDACTED]@proxy:3128");
+        assert_eq!(r(r#"{"dsn": "postgres+psycopg://app:p%40ss@db/x"}"#), r#"{"dsn": "postgres+psycopg://app:[REDACTED]@db/x"}"#);
+        assert_eq!(r("a http://u:1@h b https://v:2@i"), "a http://u:[REDACTED]@h b https://v:[REDACTED]@i");
+        for keep in [
+            "http://proxy:3128/path@x",
+            "http://user@host",
+            "http://user:@host",
+            "mailto:someone@example.com",
+            "see ://x:y@z",
+            "http://a b:c@d",
+            "http://host/?q=a:b@c",
+        ] {
+            assert_eq!(r(keep), keep);
+        }
+        let long = format!("http://u:{}@h", "p".repeat(MAX_USERINFO));
+        assert_eq!(r(&long), long, "past the bound: not taken for user information");
+        let once = r("http://u:pw@h");
+        assert_eq!(r(&once), once);
+        // Many schemes without an `@`: each scan stops at its bound.
+        let many = "x://".repeat(10_000);
+        assert_eq!(r(&many), many);
+    }
 
     fn r(s: &str) -> String {
         credentials(s).into_owned()

@@ -162,6 +162,11 @@ impl LiveRedactor {
         self.lock().dns_name(name)
     }
 
+    /// The values added so far, as a redactor of its own.
+    pub fn snapshot(&self) -> Redactor {
+        self.lock().clone()
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Redactor> {
         // A panic while holding it cannot leave the list half-changed in a way that matters:
         // a value is pushed whole, or not at all.
