@@ -2127,6 +2127,18 @@ class TestExecutor(BaseExecutor):
                     f.write(b"a" * (mib << 20))
                 names.append(p)
             return ExecutorResult(output={}, artifacts=names)
+        if mode == "data":
+            blob = bytes(range(256)) + b"\x00end"
+            return ExecutorResult(output={}, artifacts=[
+                blob,
+                {"path": "reports/summary.txt", "data": "résumé\n"},
+                {"name": "raw.bin", "data": bytearray(b"\x01\x02")},
+                {"path": "../escape.bin", "data": b"x"},
+                {"path": "big.bin", "data": bytearray(5 << 20)},
+                {"name": "no data", "data": 7},
+            ])
+        if mode == "data_total":
+            return ExecutorResult(output={}, artifacts=[b"a" * (3 << 20), {"data": "x" * (3 << 20)}, bytearray(3 << 20)])
         if mode == "undecodable":
             # A file name that is not UTF-8, as os.listdir gives it (surrogate escapes).
             with open(os.fsdecode(SCRATCH.encode() + b"/bad\xff.txt"), "w") as f:
@@ -2159,6 +2171,48 @@ fn artifacts_come_back_with_sha256_and_content() {
         assert_eq!(a["sha256"], sha256_hex(b"hello artifacts\n"));
         assert_eq!(b64(a["content_base64"].as_str().unwrap()), b"hello artifacts\n");
     }
+}
+
+/// Seed 000: artifacts are "file paths or binary data". Bytes come back named `data-INDEX`,
+/// a dict's `data` under its `path` or `name`, held to a file's name rules and caps.
+#[test]
+fn binary_data_comes_back_as_artifacts() {
+    if !require_root() {
+        return;
+    }
+    let d = executor(json!({}), ARTIFACTS);
+    let r = run_params(&d.path, &json!({"mode": "data"})).result();
+    assert_eq!(r["status"], "completed", "{r}");
+    let arts = r["artifacts"].as_array().unwrap();
+    assert_eq!(arts.len(), 6, "{}", r["artifacts"]);
+    let mut blob: Vec<u8> = (0..=255u8).collect();
+    blob.extend_from_slice(b"\x00end");
+    let summary = "résumé\n".as_bytes();
+    for (a, path, content) in [
+        (&arts[0], "data-0", &blob[..]),
+        (&arts[1], "reports/summary.txt", summary),
+        (&arts[2], "raw.bin", &b"\x01\x02"[..]),
+    ] {
+        assert_eq!(a["path"], path, "{a}");
+        assert_eq!(a["size"], content.len(), "{a}");
+        assert_eq!(a["sha256"], sha256_hex(content), "{a}");
+        assert_eq!(b64(a["content_base64"].as_str().unwrap()), content, "{a}");
+    }
+    assert_eq!(arts[3]["content_base64"], Value::Null, "{}", arts[3]);
+    assert!(arts[3]["error"].as_str().unwrap().contains("without '..'"), "{}", arts[3]);
+    assert_eq!(arts[4]["path"], "big.bin");
+    // The runtime's refusal (the agent's own names no artifact first), before any copy.
+    assert!(arts[4]["error"].as_str().unwrap().starts_with("big.bin: 5242880 bytes, over the"), "{}", arts[4]);
+    assert_eq!(arts[5]["path"], "no data");
+    assert!(arts[5]["error"].as_str().unwrap().contains("'data' must be bytes or str"), "{}", arts[5]);
+
+    // Data counts against the run's total as files do: the third 3 MiB piece is refused.
+    let r = run_params(&d.path, &json!({"mode": "data_total"})).result();
+    assert_eq!(r["status"], "completed", "{r}");
+    let arts = r["artifacts"].as_array().unwrap();
+    assert_eq!((arts[0]["size"].as_u64(), arts[1]["size"].as_u64()), (Some(3 << 20), Some(3 << 20)), "{r}");
+    assert_eq!(arts[1]["path"], "data-1");
+    assert!(arts[2]["error"].as_str().unwrap().starts_with("data-2: the run's artifacts exceed"), "{}", arts[2]);
 }
 
 #[test]

@@ -232,8 +232,8 @@ pub fn examine(landlock_min_abi: u32, allow_degraded: bool, host_uids: Option<&s
     }
     findings.push(Finding { feature: "network egress", ok: egress_ok, required: false, detail: egress_detail });
 
-    let (clock_ok, clock_detail) = clock_finding(kernel_clock());
-    if !clock_ok {
+    let (clock_ok, clock_degraded, clock_detail) = clock_finding(kernel_clock());
+    if clock_degraded {
         degraded.push(clock_detail.clone());
     }
     findings.push(Finding { feature: "clock", ok: clock_ok, required: false, detail: clock_detail });
@@ -627,8 +627,10 @@ fn run_runtime_version(path: &std::path::Path) -> ((bool, String), bool) {
     (finding, true)
 }
 
-/// What the kernel says of the system clock: `ntp_adjtime`'s state (`TIME_ERROR` while no
-/// time service has synchronised it) and its maximum error in µs; `Err` the call's error.
+/// What the kernel says of the system clock: `ntp_adjtime`'s state and its maximum error in
+/// µs (16 s, [`UNSYNCHRONISED_MAXERROR_US`], once no time service disciplines it); `Err` the
+/// call's error (`EPERM` under a system call filter such as systemd's `ProtectClock=`, which
+/// refuses the call even to read).
 pub fn kernel_clock() -> Result<(i32, i64), std::io::Error> {
     // SAFETY: `timex` is plain data, valid all zeros; with `modes` 0 the call only reads the
     // kernel's clock state into the structure, which lives across the call.
@@ -641,29 +643,46 @@ pub fn kernel_clock() -> Result<(i32, i64), std::io::Error> {
     Ok((state, t.maxerror))
 }
 
+/// The maximum error the kernel reports for a clock no time service disciplines (its
+/// `NTP_PHASE_LIMIT`): systemd's `ntp_synced()` criterion. `STA_UNSYNC` is not one — chrony
+/// without `rtcsync` leaves it set on a synchronised clock (to keep the kernel off the RTC).
+pub const UNSYNCHRONISED_MAXERROR_US: i64 = 16_000_000;
+
 /// Whether the system clock is kept synchronised (seed 001's checklist: "NTP synchronized",
-/// required): signed commands more than [`crate::signing::MAX_SKEW_S`] from this clock are
-/// refused as `clock_skew`, so an unsynchronised clock is a degradation — reported, not a
-/// refusal of sandboxes (it keeps nothing from running that a command did not bring).
-fn clock_finding(kernel: Result<(i32, i64), std::io::Error>) -> (bool, String) {
+/// required), and whether a failure is a degradation: signed commands more than
+/// [`crate::signing::MAX_SKEW_S`] from this clock are refused as `clock_skew`, so an
+/// unsynchronised clock is one — reported, not a refusal of sandboxes (it keeps nothing from
+/// running that a command did not bring). A state that cannot be read (a system call filter)
+/// is said so, not counted as a degradation: nothing is known.
+fn clock_finding(kernel: Result<(i32, i64), std::io::Error>) -> (bool, bool, String) {
     match kernel {
-        Ok((libc::TIME_ERROR, _)) => (
+        Ok((_, maxerror)) if maxerror >= UNSYNCHRONISED_MAXERROR_US => (
             false,
+            true,
             format!(
-                "the system clock is not synchronised (the kernel's clock state is TIME_ERROR: no time service such as \
-                 chrony or systemd-timesyncd keeps it): signed commands whose timestamp is more than {} s from it are \
-                 rejected as clock_skew",
+                "the system clock is not synchronised (the kernel's maximum error has reached {} s: no time \
+                 service such as chrony or systemd-timesyncd keeps it): signed commands whose timestamp is more \
+                 than {} s from it are rejected as clock_skew",
+                UNSYNCHRONISED_MAXERROR_US / 1_000_000,
                 crate::signing::MAX_SKEW_S
             ),
         ),
-        Ok((_, maxerror)) => (true, format!("synchronised (maximum error {} ms)", maxerror / 1000)),
-        Err(e) => (false, format!("the clock's synchronisation cannot be read (ntp_adjtime: {e})")),
+        Ok((_, maxerror)) => (true, false, format!("synchronised (maximum error {} ms)", maxerror / 1000)),
+        Err(e) if e.raw_os_error() == Some(libc::EPERM) => (
+            false,
+            false,
+            "unknown here: a system call filter refuses adjtimex even to read the clock's state (systemd's \
+             ProtectClock=, which the opservant unit sets); run opservant doctor from a shell"
+                .into(),
+        ),
+        Err(e) => (false, false, format!("the clock's synchronisation cannot be read (ntp_adjtime: {e})")),
     }
 }
 
-/// A note for a command refused as `clock_skew` when this host's clock is not synchronised.
+/// A note for a command refused as `clock_skew` when this host's clock is known not to be
+/// synchronised.
 pub fn clock_skew_hint() -> Option<&'static str> {
-    matches!(kernel_clock(), Ok((libc::TIME_ERROR, _)))
+    matches!(kernel_clock(), Ok((_, maxerror)) if maxerror >= UNSYNCHRONISED_MAXERROR_US)
         .then_some("; this host's clock is not synchronised (no time service keeps it: see opservant doctor)")
 }
 
@@ -724,13 +743,21 @@ mod tests {
 
     #[test]
     fn an_unsynchronised_clock_is_a_degradation_named_with_its_consequence() {
-        let (ok, detail) = clock_finding(Ok((libc::TIME_ERROR, 16_000_000)));
-        assert!(!ok);
+        let (ok, degraded, detail) = clock_finding(Ok((libc::TIME_ERROR, 16_000_000)));
+        assert!(!ok && degraded);
         assert!(detail.contains("not synchronised") && detail.contains("clock_skew"), "{detail}");
-        assert_eq!(clock_finding(Ok((libc::TIME_OK, 12_500))), (true, "synchronised (maximum error 12 ms)".into()));
+        assert_eq!(
+            clock_finding(Ok((libc::TIME_OK, 12_500))),
+            (true, false, "synchronised (maximum error 12 ms)".into())
+        );
         assert!(clock_finding(Ok((libc::TIME_INS, 0))).0, "a leap second pending is still synchronised");
-        let (ok, detail) = clock_finding(Err(std::io::Error::from_raw_os_error(libc::EPERM)));
-        assert!(!ok && detail.contains("ntp_adjtime"), "{detail}");
+        // chrony without rtcsync leaves STA_UNSYNC (TIME_ERROR) on a disciplined clock.
+        assert!(clock_finding(Ok((libc::TIME_ERROR, 250_000))).0, "judged by the maximum error, not the state");
+        // Under systemd's ProtectClock=: unknown, not a degradation.
+        let (ok, degraded, detail) = clock_finding(Err(std::io::Error::from_raw_os_error(libc::EPERM)));
+        assert!(!ok && !degraded && detail.contains("ProtectClock"), "{detail}");
+        let (ok, degraded, detail) = clock_finding(Err(std::io::Error::from_raw_os_error(libc::EINVAL)));
+        assert!(!ok && !degraded && detail.contains("ntp_adjtime"), "{detail}");
     }
 
     fn range(first: u32, count: u32) -> sandbox::HostUids {

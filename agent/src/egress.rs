@@ -491,14 +491,20 @@ fn parse_proxy_url(url: &str) -> Result<(String, u16), String> {
 }
 
 /// The password of a proxy URL's user information (`http://user:PASSWORD@host:port`), if
-/// it has one.
+/// it has one — its authority read as [`parse_proxy_url`] reads it (to the first `/`, the
+/// host after the last `@`), so a `?` or `#` left unencoded in the password is part of it.
 fn proxy_password(url: &str) -> Option<&str> {
     let (_, rest) = url.split_once("://")?;
-    let authority = rest.split(['/', '?', '#']).next()?;
+    let authority = rest.split('/').next()?;
     let (userinfo, _) = authority.rsplit_once('@')?;
     let (_, password) = userinfo.split_once(':')?;
     (!password.is_empty()).then_some(password)
 }
+
+/// The shortest proxy password redacted as a value wherever it shows: a shorter one (or a
+/// number such as `8080`) would take that text out of every egress run's result. In a URL's
+/// user information any password is redacted ([`crate::redact`]).
+pub const MIN_REDACTED_PROXY_PASSWORD: usize = 8;
 
 /// `text` with its `%XX` escapes decoded, when it has any and they decode to UTF-8.
 fn percent_decoded(text: &str) -> Option<String> {
@@ -665,9 +671,11 @@ impl EgressRun {
         // A proxy's credentials reach the payload with its URL: a secret the run can reach,
         // redacted from all that leaves the agent as a delivered secret is (DESIGN.md §4).
         for password in settings.proxy.env.iter().filter_map(|(_, url)| proxy_password(url)) {
-            redactor.add(password);
-            if let Some(decoded) = percent_decoded(password) {
-                redactor.add(&decoded);
+            let decoded = percent_decoded(password);
+            for value in [Some(password), decoded.as_deref()].into_iter().flatten() {
+                if value.chars().count() >= MIN_REDACTED_PROXY_PASSWORD {
+                    redactor.add(value);
+                }
             }
         }
         Ok(EgressRun {
@@ -907,6 +915,10 @@ mod tests {
     fn proxy_passwords_and_their_decoded_form() {
         assert_eq!(proxy_password("http://agent:s3cret@proxy:3128"), Some("s3cret"));
         assert_eq!(proxy_password("http://agent:p%40ss:w@[2001:db8::1]:8080/x@y"), Some("p%40ss:w"));
+        // As parse_proxy_url reads the authority: the host after the last @, before the first /.
+        assert_eq!(proxy_password("http://u:p?x#y@proxy:3128"), Some("p?x#y"));
+        assert_eq!(parse_proxy_url("http://u:p?x#y@proxy:3128").unwrap(), ("proxy".into(), 3128));
+        assert_eq!(proxy_password("http://u:p@ss@proxy:3128"), Some("p@ss"));
         for none in ["http://proxy:3128", "http://agent@proxy:3128", "http://agent:@proxy", "10.0.0.0/8,.internal"] {
             assert_eq!(proxy_password(none), None, "{none}");
         }

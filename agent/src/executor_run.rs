@@ -1114,7 +1114,7 @@ fn checked_artifacts(reported: Vec<Value>, redactor: &Redactor) -> Vec<Value> {
             out.push(refused(Some(path), &redactor.text_capped(&e, MAX_TEXT)));
             continue;
         }
-        if path.starts_with('/') || path.split('/').any(|c| c == "..") {
+        if path.is_empty() || path.contains('\0') || path.starts_with('/') || path.split('/').any(|c| c == "..") {
             out.push(refused(Some(path), "refused: not a path beneath the scratch directory"));
             continue;
         }

@@ -15,8 +15,10 @@
 //!   `SessionToken` and `=` or `:` (any case, optional quotes), as in credentials files,
 //!   environment variables and STS JSON;
 //! - the password of a URL's user information, `scheme://user:PASSWORD@host` (a proxy's, a
-//!   database's), the user name kept: up to [`MAX_USERINFO`] bytes after `://`, without
-//!   white space, quotes, `<`, `>`, `\`, `/`, `?` or `#`.
+//!   database's), the user name kept: the authority is read up to [`MAX_USERINFO`] bytes
+//!   after `://`, to white space, a quote, `<`, `>`, `\`, `/`, `?` or `#`; its user
+//!   information ends at its last `@` (as Python's `urlsplit` reads it: `p@ss` in
+//!   `app:p@ss@db`).
 //!
 //! Guarantees: only the matched spans change (the rest of the text, including non-ASCII, is
 //! kept byte for byte); applying it twice gives the same text as once; no regular-expression
@@ -228,18 +230,22 @@ fn url_passwords(b: &[u8], spans: &mut Vec<(usize, usize)>) {
         if p == 0 || !(b[p - 1].is_ascii_alphanumeric() || b"+.-".contains(&b[p - 1])) {
             continue;
         }
+        let in_authority = |c: u8| c > b' ' && c != 0x7f && !b"/?#\"'<>\\".contains(&c);
         let limit = (i + MAX_USERINFO).min(b.len());
-        let end = skip_while(&b[..limit], i, |c| c > b' ' && c != 0x7f && !b"@/?#\"'<>\\".contains(&c));
-        if b.get(end) != Some(&b'@') {
-            continue;
+        let authority_end = skip_while(&b[..limit], i, in_authority);
+        if authority_end == limit && b.get(limit).is_some_and(|&c| in_authority(c)) {
+            continue; // longer than the bound: not taken for an authority
         }
-        if let Some(colon) = b[i..end].iter().position(|&c| c == b':') {
+        let Some(at) = b[i..authority_end].iter().rposition(|&c| c == b'@').map(|p| i + p) else {
+            continue;
+        };
+        if let Some(colon) = b[i..at].iter().position(|&c| c == b':') {
             let v = i + colon + 1;
-            if end > v {
-                spans.push((v, end));
+            if at > v {
+                spans.push((v, at));
             }
         }
-        i = end + 1;
+        i = at + 1;
     }
 }
 
@@ -250,8 +256,13 @@ mod tests {
     #[test]
     fn url_passwords_keep_the_user_and_host() {
         assert_eq!(r("HTTPS_PROXY=http://agent:s3cret@proxy:3128"), "HTTPS_PROXY=http://agent:[REDACTED]@proxy:3128");
-        assert_eq!(r(r#"{"dsn": "postgres+psycopg://app:p%40ss@db/x"}"#), r#"{"dsn": "postgres+psycopg://app:[REDACTED]@db/x"}"#);
+        assert_eq!(
+            r(r#"{"dsn": "postgres+psycopg://app:p%40ss@db/x"}"#),
+            r#"{"dsn": "postgres+psycopg://app:[REDACTED]@db/x"}"#
+        );
         assert_eq!(r("a http://u:1@h b https://v:2@i"), "a http://u:[REDACTED]@h b https://v:[REDACTED]@i");
+        // The user information ends at the authority's last @.
+        assert_eq!(r("postgres://app:p@ss@db/x"), "postgres://app:[REDACTED]@db/x");
         for keep in [
             "http://proxy:3128/path@x",
             "http://user@host",

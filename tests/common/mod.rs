@@ -626,13 +626,14 @@ pub fn connect_proxy() -> (u16, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
     (port, connects)
 }
 
-/// The kernel's word that the system clock is not synchronised (`ntp_adjtime` answering
-/// `TIME_ERROR`: no time service keeps it), asked here without the code under test.
+/// The kernel's word that the system clock is not synchronised (`adjtimex`'s maximum error at
+/// 16 s, where the kernel puts it once no time service disciplines the clock — systemd's
+/// `ntp_synced()` criterion), asked here without the code under test.
 pub fn clock_unsynchronised() -> bool {
     // SAFETY: `timex` is plain data, valid all zeros; with `modes` 0 the call only reads.
     let mut t: libc::timex = unsafe { std::mem::zeroed() };
     // SAFETY: `t` is a valid, exclusive pointer for the call's duration.
-    let state = unsafe { libc::ntp_adjtime(&mut t) };
-    assert!(state >= 0, "ntp_adjtime: {}", std::io::Error::last_os_error());
-    state == libc::TIME_ERROR
+    let state = unsafe { libc::adjtimex(&mut t) };
+    assert!(state >= 0, "adjtimex: {}", std::io::Error::last_os_error());
+    t.maxerror >= 16_000_000
 }

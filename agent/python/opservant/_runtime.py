@@ -74,20 +74,40 @@ def _traceback():
     return traceback.format_exc()
 
 
+_BINARY = (bytes, bytearray, memoryview)
+
+
 def _collect_artifacts(items):
     out = []
-    for item in items or []:
+    for index, item in enumerate(items or []):
         try:
-            out.append(_artifact(item))
+            out.append(_artifact(item, index))
         except Exception as e:  # one artifact's failure is reported with it: the result stands
-            out.append({"path": _artifact_name(item), "error": _safe_text("%s: %s" % (type(e).__name__, e))})
+            out.append(
+                {"path": _artifact_name(item, index), "error": _safe_text("%s: %s" % (type(e).__name__, e))}
+            )
     return out
 
 
-def _artifact(item):
+def _artifact(item, index):
+    # Binary data (seed 000: "file paths or binary data"): bytes, named data-INDEX, or a dict
+    # with "data" (bytes, or str as UTF-8) named by its "path" or "name".
+    if isinstance(item, _BINARY):
+        return _data_artifact("data-%d" % index, item)
+    if isinstance(item, dict) and "data" in item:
+        name = item.get("path", item.get("name", "data-%d" % index))
+        data = item["data"]
+        if not isinstance(name, str):
+            return {"path": _artifact_name(item, index), "error": "an artifact's 'path' or 'name' must be a str"}
+        if not isinstance(data, (str,) + _BINARY):
+            return {"path": _safe_text(name), "error": "an artifact's 'data' must be bytes or str"}
+        return _data_artifact(name, data)
     path = item if isinstance(item, str) else (item.get("path") if isinstance(item, dict) else None)
     if not isinstance(path, str):
-        return {"path": _artifact_name(item), "error": "an artifact is a path string or a dict with 'path'"}
+        return {
+            "path": _artifact_name(item, index),
+            "error": "an artifact is a path string, bytes, or a dict with 'path' or 'data'",
+        }
     try:
         str.encode(path, "utf-8")
     except UnicodeEncodeError:
@@ -98,11 +118,35 @@ def _artifact(item):
         return {"path": path, "error": _safe_text(str(e))}
 
 
-def _artifact_name(item):
-    """How an artifact entry is named in its error: its path, else its ``repr()``."""
+def _data_artifact(name, data):
     try:
-        if isinstance(item, dict) and isinstance(item.get("path"), str):
-            item = item["path"]
+        str.encode(name, "utf-8")
+    except UnicodeEncodeError:
+        return {"path": _safe_text(name), "error": "the name is not valid UTF-8 (it has undecodable bytes)"}
+    # Measured before anything is copied: an over-sized buffer is one refused entry, not a
+    # copy that could take the run's memory.
+    size = len(data) if isinstance(data, str) else memoryview(data).nbytes
+    cap = _opservant.artifact_cap()
+    if size > cap:
+        return {"path": name, "error": "%s: %d bytes, over the %d byte cap per artifact" % (name, size, cap)}
+    if isinstance(data, str):
+        data = data.encode("utf-8")
+    try:
+        return _opservant.data_artifact(name, data if isinstance(data, bytes) else bytes(data))
+    except OSError as e:
+        return {"path": name, "error": _safe_text(str(e))}
+
+
+def _artifact_name(item, index):
+    """How an artifact entry is named in its error: its path or name, data-INDEX for binary
+    data, else its ``repr()``."""
+    try:
+        if isinstance(item, _BINARY):
+            return "data-%d" % index
+        if isinstance(item, dict):
+            for key in ("path", "name"):
+                if isinstance(item.get(key), str):
+                    return _safe_text(item[key])
         return _safe_text(item if isinstance(item, str) else repr(item))
     except Exception:
         return "<unrepresentable %s>" % type(item).__name__

@@ -29,13 +29,15 @@ def _check(status, output, error, artifacts):
         raise TypeError("ExecutorResult artifacts must be a list, not %s" % type(artifacts).__name__)
     out = []
     for i, item in enumerate(artifacts):
-        if not isinstance(item, (str, dict)):
+        if isinstance(item, (bytes, bytearray, memoryview)):
+            item = bytes(item)  # binary data, copied: later changes to a buffer do not count
+        elif not isinstance(item, (str, dict)):
             fspath = getattr(type(item), "__fspath__", None)
             if fspath is not None:
                 item = fspath(item)
             if not isinstance(item, (str, dict)):
                 raise TypeError(
-                    "ExecutorResult artifacts[%d] must be a str path or a dict, not %s"
+                    "ExecutorResult artifacts[%d] must be a str path, bytes or a dict, not %s"
                     % (i, type(item).__name__)
                 )
         out.append(item)
@@ -48,8 +50,8 @@ class ExecutorResult:
     ``status``    "completed", "failed" or "partial" (anything else raises ValueError);
     ``output``    a dict of structured, JSON-serialisable output (default ``{}``; TypeError if not a dict);
     ``error``     an error message, or None;
-    ``artifacts`` a list of file paths (str; ``os.PathLike`` objects are converted) or dicts
-                  (default ``[]``).
+    ``artifacts`` a list of file paths (str; ``os.PathLike`` objects are converted), binary
+                  data (bytes, bytearray, memoryview: copied as bytes), or dicts (default ``[]``).
     """
 
     __slots__ = ("status", "output", "error", "artifacts")

@@ -50,10 +50,16 @@ def test_artifacts():
     assert r.artifacts == ["/tmp/a.txt", {"name": "report", "data": "…"}]
     with pytest.raises(TypeError, match="artifacts must be a list"):
         ExecutorResult(artifacts=("/tmp/a",))
-    with pytest.raises(TypeError, match=r"artifacts\[1\] must be a str path or a dict"):
+    with pytest.raises(TypeError, match=r"artifacts\[1\] must be a str path, bytes or a dict"):
         ExecutorResult(artifacts=["/tmp/a", 3])
-    with pytest.raises(TypeError, match=r"artifacts\[0\]"):
-        ExecutorResult(artifacts=[b"/tmp/a"])
+
+
+def test_binary_artifacts_are_copied_as_bytes():
+    buf = bytearray(b"\x00\x01")
+    r = ExecutorResult(artifacts=[b"raw", buf, memoryview(b"mv")])
+    buf[0] = 0xFF
+    assert r.artifacts == [b"raw", b"\x00\x01", b"mv"]
+    assert all(type(a) is bytes for a in r.artifacts)
 
 
 def test_pathlike_artifacts_become_str():

@@ -347,6 +347,25 @@ pub mod _opservant {
         Ok(pythonize::pythonize(py, &value)?)
     }
 
+    /// An artifact the executor gave as binary data (seed 000: "file paths or binary data"),
+    /// named `name` (a relative path), within the same caps as a file's; returns `{path,
+    /// size, sha256, content_base64}`.
+    /// The most bytes one artifact may hold.
+    #[pyfunction]
+    fn artifact_cap() -> u64 {
+        app::MAX_ARTIFACT
+    }
+
+    #[pyfunction]
+    fn data_artifact<'py>(
+        py: Python<'py>,
+        name: String,
+        data: &Bound<'py, pyo3::types::PyBytes>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let value = super::data_artifact(&name, data.as_bytes()).map_err(PyOSError::new_err)?;
+        Ok(pythonize::pythonize(py, &value)?)
+    }
+
     /// The files to compile (`compile` mode).
     #[pyfunction]
     fn compile_files() -> PyResult<Vec<String>> {
@@ -547,7 +566,6 @@ fn open_beneath(dir: &OwnedFd, rel: &str) -> Result<OwnedFd, String> {
 }
 
 fn read_artifact(path: &str) -> Result<Value, String> {
-    use sha2::Digest;
     use std::io::Read;
     let rel = match path.strip_prefix(SCRATCH) {
         Some(r) if r.is_empty() || r.starts_with('/') => r.trim_start_matches('/').to_string(),
@@ -580,13 +598,41 @@ fn read_artifact(path: &str) -> Result<Value, String> {
     if content.len() as u64 > app::MAX_ARTIFACT {
         return Err(format!("{rel}: grew over the per-artifact cap while being read"));
     }
-    let digest = sha2::Sha256::digest(&content);
-    let sha256: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+    Ok(artifact_entry(&rel, &content))
+}
+
+/// An artifact given as data: `name` must read as a path beneath the scratch directory
+/// would (relative, no `..`), and the content is held to a file's caps.
+fn data_artifact(name: &str, content: &[u8]) -> Result<Value, String> {
+    if name.is_empty() || name.starts_with('/') || name.split('/').any(|c| c == "..") || name.contains('\0') {
+        return Err(format!("{name:?}: an artifact's name must be a relative path without '..'"));
+    }
+    if name.len() > MAX_ARTIFACT_NAME {
+        return Err(format!("an artifact's name of {} bytes, over {MAX_ARTIFACT_NAME}", name.len()));
+    }
+    let size = content.len() as u64;
+    if size > app::MAX_ARTIFACT {
+        return Err(format!("{name}: {size} bytes, over the {} byte cap per artifact", app::MAX_ARTIFACT));
+    }
+    let total = ARTIFACT_BYTES.fetch_add(size, Ordering::Relaxed) + size;
+    if total > app::MAX_ARTIFACTS_TOTAL {
+        return Err(format!("{name}: the run's artifacts exceed {} bytes", app::MAX_ARTIFACTS_TOTAL));
+    }
+    Ok(artifact_entry(name, content))
+}
+
+/// The longest name of an artifact given as data (a path's length on Linux).
+const MAX_ARTIFACT_NAME: usize = 4096;
+
+/// `{path, size, sha256, content_base64}`.
+fn artifact_entry(path: &str, content: &[u8]) -> Value {
     use base64::Engine;
-    Ok(serde_json::json!({
-        "path": rel,
+    use sha2::Digest;
+    let sha256: String = sha2::Sha256::digest(content).iter().map(|b| format!("{b:02x}")).collect();
+    serde_json::json!({
+        "path": path,
         "size": content.len(),
         "sha256": sha256,
-        "content_base64": base64::engine::general_purpose::STANDARD.encode(&content),
-    }))
+        "content_base64": base64::engine::general_purpose::STANDARD.encode(content),
+    })
 }
