@@ -15,6 +15,8 @@
 //! `executors.install` installed at start, once, with failing entries skipped and audited.
 
 mod common;
+
+use common::sha256_hex;
 #[path = "common/daemon.rs"]
 mod daemon;
 #[path = "common/platform.rs"]
@@ -2731,11 +2733,6 @@ fn hello_archive(parent: &Path, version: &str, name: &str) -> PathBuf {
 fn sign_package(key: &Path, pkg: &Path) {
     let out = op(&["sign", "--key", key.to_str().unwrap(), "--package", pkg.to_str().unwrap()]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-}
-
-fn sha256_hex(bytes: &[u8]) -> String {
-    use sha2::Digest;
-    sha2::Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
 }
 
 fn install_cmd(id: &str, parameters: Value) -> Value {

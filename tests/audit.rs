@@ -10,6 +10,8 @@
 
 mod common;
 
+use common::sha256_hex;
+
 use std::io::{BufRead, BufReader};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -132,11 +134,6 @@ fn read_lines(p: &Path) -> Vec<String> {
 
 fn write_lines(p: &Path, lines: &[String]) {
     std::fs::write(p, lines.iter().map(|l| format!("{l}\n")).collect::<String>()).unwrap();
-}
-
-fn sha256_hex(data: &[u8]) -> String {
-    use sha2::Digest;
-    sha2::Sha256::digest(data).iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// `audit verify` found a problem: exit 1, its first line `FILE:LINE: KIND …`.

@@ -10,6 +10,8 @@
 
 mod common;
 
+use common::sha256_hex;
+
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -179,11 +181,6 @@ fn executor_text(manifest: &str, code: &str) -> HostDir {
     put(&d.path, "manifest.json", manifest.as_bytes());
     put(&d.path, "test_executor/__init__.py", code.as_bytes());
     d
-}
-
-fn sha256_hex(data: &[u8]) -> String {
-    use sha2::Digest;
-    sha2::Sha256::digest(data).iter().map(|b| format!("{b:02x}")).collect()
 }
 
 fn b64(data: &str) -> Vec<u8> {

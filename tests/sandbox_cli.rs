@@ -3,6 +3,8 @@
 
 mod common;
 
+use common::sha256_hex;
+
 use std::process::{Command, Stdio};
 
 use common::{manifest, require_root, sandbox, sh, try_sandbox, HostDir};
@@ -969,11 +971,6 @@ fn a_program_that_ended_keeps_its_result_when_what_it_left_is_abandoned() {
             assert!(!d.exists(), "{variant}: {} still there after a later opservant process started", d.display());
         }
     }
-}
-
-fn sha256_hex(data: &[u8]) -> String {
-    use sha2::Digest;
-    sha2::Sha256::digest(data).iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// `opservant sandbox` keeps the audit trail `run` and `script` keep: a refusal, the start

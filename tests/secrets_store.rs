@@ -8,6 +8,8 @@
 
 mod common;
 
+use common::sha256_hex;
+
 use std::io::{Read, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -581,11 +583,6 @@ fn executor(declared: &[&str]) -> HostDir {
     put(&d.path, "manifest.json", manifest.to_string().as_bytes());
     put(&d.path, "test_executor/__init__.py", EXECUTOR.as_bytes());
     d
-}
-
-fn sha256_hex(data: &[u8]) -> String {
-    use sha2::Digest;
-    sha2::Sha256::digest(data).iter().map(|b| format!("{b:02x}")).collect()
 }
 
 #[test]

@@ -8,6 +8,8 @@
 //! configurations refused with exit status 2 naming the key. No timed assertions.
 
 mod common;
+
+use common::sha256_hex;
 #[path = "common/platform.rs"]
 mod platform;
 #[path = "common/vault.rs"]
@@ -63,11 +65,6 @@ class TestExecutor(BaseExecutor):
                 out["%d:%s" % (i, name)] = "PermissionError: %s" % e
         return ExecutorResult(output=out)
 "#;
-
-fn sha256_hex(data: &[u8]) -> String {
-    use sha2::Digest;
-    sha2::Sha256::digest(data).iter().map(|b| format!("{b:02x}")).collect()
-}
 
 fn put(root: &Path, rel: &str, content: &str, mode: u32) -> PathBuf {
     let p = root.join(rel);

@@ -666,9 +666,16 @@ fn run_sandbox(
     // From here on, a program that cannot finish is audited as ended: every start has an end.
     let ended = |status: &str, exit_code: Option<i32>, killed_by: &str, error: &str| {
         let exit_code = exit_code.map(|c| c.to_string()).unwrap_or_default();
-        let mut fields = vec![("program", program.as_str()), ("status", status), ("exit_code", &exit_code)];
-        fields.extend([("killed_by", killed_by), ("error", error)]);
-        agent::audit::record("sandbox_end", &fields);
+        agent::audit::record(
+            "sandbox_end",
+            &[
+                ("program", program.as_str()),
+                ("status", status),
+                ("exit_code", &exit_code),
+                ("killed_by", killed_by),
+                ("error", error),
+            ],
+        );
     };
     let result = sandboxed(&spec, &limits, json_only, launch);
     let (result, newline_first) = match result {

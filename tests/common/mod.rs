@@ -637,3 +637,9 @@ pub fn clock_unsynchronised() -> bool {
     assert!(state >= 0, "adjtimex: {}", std::io::Error::last_os_error());
     t.maxerror >= 16_000_000
 }
+
+/// Lowercase hex SHA-256 of `data` (computed here, not by the code under test).
+pub fn sha256_hex(data: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(data).iter().map(|b| format!("{b:02x}")).collect()
+}
