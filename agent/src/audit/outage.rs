@@ -237,13 +237,13 @@ mod tests {
 
     /// The log, and its lock held the way another process holds it (flock on another open
     /// file description).
-    fn log_and_lock(s: &Scratch, wait: Duration) -> (Arc<AuditLog>, impl FnMut() -> Option<nix::fcntl::Flock<File>>) {
+    fn log_and_lock(s: &Scratch, wait: Duration) -> (Arc<AuditLog>, impl Fn() -> nix::fcntl::Flock<File>) {
         let mut settings = AuditSettings::at(&s.log());
         settings.lock_wait = wait;
         let log = Arc::new(AuditLog::open(settings.clone()).unwrap());
         let hold = move || {
             let f = File::options().read(true).write(true).open(settings.lock_path()).unwrap();
-            Some(nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusiveNonblock).unwrap())
+            nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusiveNonblock).unwrap()
         };
         (log, hold)
     }
@@ -290,7 +290,7 @@ mod tests {
     #[test]
     fn a_run_that_ends_while_another_is_recorded_gets_its_own_record() {
         let s = Scratch::new("outage-two-runs");
-        let (log, mut hold) = log_and_lock(&s, Duration::from_secs(30));
+        let (log, hold) = log_and_lock(&s, Duration::from_secs(30));
         let first = fail(&log, "disk full");
         let held = hold();
         note(&log, Ok(()), Instant::now());
@@ -315,7 +315,7 @@ mod tests {
     #[test]
     fn a_record_that_could_not_be_appended_is_tried_again_first() {
         let s = Scratch::new("outage-retried");
-        let (log, mut hold) = log_and_lock(&s, Duration::from_millis(100));
+        let (log, hold) = log_and_lock(&s, Duration::from_millis(100));
         let first = fail(&log, "disk full");
         let held = hold();
         note(&log, Ok(()), Instant::now());
@@ -358,7 +358,7 @@ mod tests {
     #[test]
     fn a_run_whose_record_is_under_way_is_not_put_in_line_again() {
         let s = Scratch::new("outage-in-flight");
-        let (log, mut hold) = log_and_lock(&s, Duration::from_secs(30));
+        let (log, hold) = log_and_lock(&s, Duration::from_secs(30));
         let since = fail(&log, "disk full");
         let mut past = failing(&log).unwrap();
         past.latest = Instant::now() - RETRY_AFTER;

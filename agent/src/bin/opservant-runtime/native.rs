@@ -584,13 +584,7 @@ fn read_artifact(path: &str) -> Result<Value, String> {
         return Err(format!("{rel}: not a regular file"));
     }
     let size = st.st_size.max(0) as u64;
-    if size > app::MAX_ARTIFACT {
-        return Err(format!("{rel}: {size} bytes, over the {} byte cap per artifact", app::MAX_ARTIFACT));
-    }
-    let total = ARTIFACT_BYTES.fetch_add(size, Ordering::Relaxed) + size;
-    if total > app::MAX_ARTIFACTS_TOTAL {
-        return Err(format!("{rel}: the run's artifacts exceed {} bytes", app::MAX_ARTIFACTS_TOTAL));
-    }
+    charge_artifact(&rel, size)?;
     // SAFETY: `fd` is an open descriptor we own; File takes it over.
     let mut file = unsafe { std::fs::File::from_raw_fd(std::os::fd::IntoRawFd::into_raw_fd(fd)) };
     let mut content = Vec::with_capacity(size as usize);
@@ -610,7 +604,13 @@ fn data_artifact(name: &str, content: &[u8]) -> Result<Value, String> {
     if name.len() > MAX_ARTIFACT_NAME {
         return Err(format!("an artifact's name of {} bytes, over {MAX_ARTIFACT_NAME}", name.len()));
     }
-    let size = content.len() as u64;
+    charge_artifact(name, content.len() as u64)?;
+    Ok(artifact_entry(name, content))
+}
+
+/// Hold an artifact of `size` bytes to the per-artifact cap and charge it to the run's total
+/// (a file's or a piece of data's alike).
+fn charge_artifact(name: &str, size: u64) -> Result<(), String> {
     if size > app::MAX_ARTIFACT {
         return Err(format!("{name}: {size} bytes, over the {} byte cap per artifact", app::MAX_ARTIFACT));
     }
@@ -618,7 +618,7 @@ fn data_artifact(name: &str, content: &[u8]) -> Result<Value, String> {
     if total > app::MAX_ARTIFACTS_TOTAL {
         return Err(format!("{name}: the run's artifacts exceed {} bytes", app::MAX_ARTIFACTS_TOTAL));
     }
-    Ok(artifact_entry(name, content))
+    Ok(())
 }
 
 /// The longest name of an artifact given as data (a path's length on Linux).
