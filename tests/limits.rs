@@ -105,7 +105,8 @@ fn shell_fork_bomb_is_contained_and_cleaned_up() {
     // pids limit before the right one is forked ("Cannot fork", exit 2 before the timeout) —
     // and then spins in a builtin loop (`sleep 100` would need a fork as well).
     let r = sh(Some(&m), "bomb() { bomb | bomb & }; (bomb) & while :; do :; done");
-    assert_eq!(r.status(), "timeout", "{}", r.json);
+    // DESIGN.md §4: a plain program's status is `completed` or `failed`; `killed_by` says why.
+    assert_eq!(r.status(), "failed", "{}", r.json);
     assert_eq!(r.killed_by(), Some("timeout"));
     assert!(r.usage("pids_limit_hits") > 0, "{}", r.json);
     assert_cgroups_gone(&r);
@@ -202,7 +203,7 @@ fn timeout_kills_a_tree_that_ignores_sigterm() {
     }
     let r = run.join().unwrap();
     assert!(started, "control: the double-forked daemon never ran: {}", r.json);
-    assert_eq!(r.status(), "timeout", "{}", r.json);
+    assert_eq!(r.status(), "failed", "{}", r.json);
     assert_eq!(r.killed_by(), Some("timeout"));
     assert_eq!(r.code, 1);
     assert!(r.usage("wall_ms") >= 3000);
@@ -223,7 +224,7 @@ fn timeout_sends_sigterm_first() {
         "import signal, sys, time\ndef bye(*_):\n print('got SIGTERM', flush=True); sys.exit(3)\n\
          signal.signal(signal.SIGTERM, bye)\ntime.sleep(100)",
     );
-    assert_eq!(r.status(), "timeout");
+    assert_eq!((r.status(), r.killed_by()), ("failed", Some("timeout")), "{}", r.json);
     assert_eq!(r.stdout(), "got SIGTERM\n", "the payload could clean up: {}", r.err());
     assert_eq!(r.exit_code(), Some(3));
 }

@@ -1041,12 +1041,14 @@ fn a_sandbox_run_is_audited_from_start_to_end() {
         "30",
     ]);
     assert_eq!(code, 1, "{out}{err}");
+    let result: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!((result["status"].as_str(), result["killed_by"].as_str()), (Some("failed"), Some("timeout")), "{out}");
     let got: Vec<_> = records().iter().skip(3).map(fields).collect();
     let events: Vec<&str> = got.iter().map(|(e, _)| e.as_str()).collect();
     assert_eq!(events, ["sandbox_start", "limit_enforced", "sandbox_end"], "{got:?}");
     assert_eq!(got[0].1["launch"], "zygote", "{got:?}");
     assert_eq!(got[1].1, serde_json::json!({"program": "/bin/sleep", "limit": "timeout"}));
-    assert_eq!((got[2].1["status"].as_str(), got[2].1["killed_by"].as_str()), (Some("timeout"), Some("timeout")));
+    assert_eq!((got[2].1["status"].as_str(), got[2].1["killed_by"].as_str()), (Some("failed"), Some("timeout")));
 
     // A manifest the sandbox refuses: the refusal is on record, no start.
     let m = manifest(&d, r#"{"network": {"outbound": true}}"#, "{}");

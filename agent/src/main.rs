@@ -766,7 +766,7 @@ fn sandboxed(
     };
     let _ = stdout.lock().write_all(&out_escaper.finish());
     let _ = stderr.lock().write_all(&err_escaper.finish());
-    let mut result = RunResult::for_program(&outcome, limits);
+    let mut result = RunResult::for_plain_program(&outcome, limits);
     result.sandbox.abandoned = abandoned;
     Ok((result, !json_only && last_stdout_byte != b'\n'))
 }

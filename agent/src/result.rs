@@ -161,8 +161,20 @@ pub struct RunResult {
 }
 
 impl RunResult {
-    /// The result of running a plain program (`opservant sandbox`): `completed` when it exits
-    /// 0, `timeout` when the wall-clock limit fired, `failed` otherwise.
+    /// The result of running a plain program with `opservant sandbox` (DESIGN.md §4):
+    /// `completed` when it exits 0, `failed` otherwise — a program the wall-clock limit
+    /// stopped too, its `killed_by` (`timeout`) and `error` saying so.
+    pub fn for_plain_program(outcome: &sandbox::Outcome, limits: &EffectiveLimits) -> RunResult {
+        let mut result = RunResult::for_program(outcome, limits);
+        if result.status == Status::Timeout {
+            result.status = Status::Failed;
+        }
+        result
+    }
+
+    /// The base every run's result starts from: `completed` when the sandbox's program
+    /// exits 0, `timeout` when the wall-clock limit fired (the status of an executor run, a
+    /// script or a session call so stopped, DESIGN.md §3), `failed` otherwise.
     pub fn for_program(outcome: &sandbox::Outcome, limits: &EffectiveLimits) -> RunResult {
         let status = if outcome.timed_out {
             Status::Timeout

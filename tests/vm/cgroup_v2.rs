@@ -385,7 +385,8 @@ fn cgroup_kill_daemon(ctx: &Ctx) -> Result<(), String> {
     let out = output_within(child, "daemon run")?;
     let r = parse_run(out, "daemon run")?;
     ensure!(!seen.is_empty(), "the daemon was never seen running; the check proves nothing\n{}", r.dump());
-    ensure!(r.str("status")? == "timeout", "status is not timeout\n{}", r.dump());
+    // DESIGN.md §4: a plain program's status is `completed` or `failed`; `killed_by` says why.
+    ensure!(r.str("status")? == "failed", "status is not failed\n{}", r.dump());
     ensure!(r.code == 1, "exit code is not 1\n{}", r.dump());
     ensure!(r.get("killed_by")? == "timeout", "killed_by is not timeout\n{}", r.dump());
     let left = processes_with(&marker);
