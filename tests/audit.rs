@@ -591,6 +591,25 @@ fn an_unwritable_log_stops_the_run_before_it_starts() {
     cannot_run(&opservant(&["script", "python", script.to_str().unwrap(), "--config", log.conf()]), "audit log");
     assert_eq!(std::fs::read(&log.path).unwrap(), before, "nothing appended to a damaged log");
     assert_problem(&log.verify(&[]), &log.path, 3, "not_json");
+
+    // The operator does what the error says and moves the damaged file aside: runs go on,
+    // and the log says which records went with it — the next record is numbered after them
+    // (none reused) and names the last one's hash — so `verify` reports them (exit 1) rather
+    // than "intact", as it did before the twenty-fifth session.
+    let last_written = sha256_hex(read_lines(&log.path)[1].as_bytes());
+    std::fs::rename(&log.path, log.path.with_file_name("audit.jsonl.damaged")).unwrap();
+    log.run(&exec);
+    let records = log.records();
+    let seqs: Vec<_> = records.iter().map(|r| r["seq"].as_u64().unwrap()).collect();
+    assert_eq!(seqs, [3, 4], "{records:?}");
+    assert_eq!(records[0]["gap"], json!({"from": 1, "to": 2, "sha256": last_written}));
+    let out = log.verify(&[]);
+    assert_problem(&out, &log.path, 1, "removed (seq 3): seq 1..2 missing");
+    assert!(out.stdout.contains("(a recorded gap: NOT INTACT): 2 records"), "{}", out.stdout);
+    let out = opservant(&["audit", "verify", "--json", "--config", log.conf()]);
+    assert_eq!(out.code, 1, "{out:?}");
+    let j: Value = serde_json::from_str(out.stdout.trim()).unwrap();
+    assert_eq!((&j["intact"], &j["problem"], &j["gaps"][0]["kind"]), (&json!(false), &Value::Null, &json!("removed")));
 }
 
 #[test]

@@ -15,7 +15,7 @@
 //! ```text
 //! {"seq":42,"ts":"2026-11-22T13:45:01.123456Z","host":"web-1","pid":4242,"event":"executor_start",
 //!  "fields":{"executor":"port-scanner",…},["continues":{"file":"audit.jsonl.1","seq":41},]
-//!  ["repaired":{"bytes":37,"sha256":"…"},]"prev":"<64 hex>"}
+//!  ["gap":{"from":42,"to":57,"sha256":"…"},]["repaired":{"bytes":37,"sha256":"…"},]"prev":"<64 hex>"}
 //! ```
 //!
 //! Chain rules, which `opservant audit verify` ([`verify`]) checks:
@@ -52,7 +52,18 @@
 //!   file can be cut off in any case (below). A tail the writer cannot interpret (its last two
 //!   lines are not records) is never guessed at: appends fail, and so do gated actions, until
 //!   an operator moves the damaged file aside (the next append then continues from `.1`, or
-//!   starts a new genesis).
+//!   from the genesis, and says which records went with the file: below).
+//! - A gap the log records itself: when the newest file holds no complete record (missing or
+//!   empty) but the log's high-water mark ([`high_water`], in the lock file) says records
+//!   past the head were written, those records went with the file — set aside, removed or
+//!   emptied. The next record says so, `"gap":{"from","to","sha256"}` (the seqs missing, and
+//!   the hash of the last of them as written), and its seq is `to + 1`: no seq is reused,
+//!   so a copy of the set-aside file, journald's mirror and the platform's heads still agree
+//!   with the log on every seq. Only a file's first record has one; `verify` reports every
+//!   gap as `removed` (the log is not intact) and checks the chain on past it. Before the
+//!   twenty-fifth session the next append reused the missing records' seqs, and `verify`
+//!   said the log was intact. A log set aside whole starts a new genesis only with its lock
+//!   file set aside too.
 //!
 //! What the chain does not show by itself: records cut off the *end* of the newest file, or a
 //! wholesale rewrite with recomputed hashes by someone holding root. The journald mirror
@@ -138,6 +149,7 @@
 //! before it starts anything.
 
 pub mod cli;
+mod high_water;
 pub mod lock;
 mod outage;
 pub mod verify;
@@ -348,6 +360,21 @@ pub struct Record {
     /// records written before it was recorded).
     pub oldest_kept: Option<u64>,
     pub repaired: Option<(u64, String)>,
+    /// `gap`: the records this one follows are missing from the log (see [`Gap`]).
+    pub gap: Option<Gap>,
+}
+
+/// Records missing from the log, as the record after them says (`"gap":{"from","to",
+/// "sha256"}`): the newest file held no complete record when it was appended, though the
+/// log's high-water mark ([`high_water`]) said records up to `to` had been written — the file
+/// was set aside, removed or emptied. The record's seq is `to + 1`; `from` follows the last
+/// record still in the log (1 when none is); `sha256` is the hash of record `to` as it was
+/// written, to find it by in a copy (the set-aside file, journald's mirror).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Gap {
+    pub from: u64,
+    pub to: u64,
+    pub sha256: String,
 }
 
 /// Parse one stored line (without its `\n`); `Err` says why it is not a record.
@@ -379,6 +406,21 @@ pub fn parse_record(line: &[u8]) -> Result<Record, String> {
             _ => return Err("'repaired' is not {bytes, sha256}".into()),
         }),
     };
+    let gap = match o.get("gap") {
+        None => None,
+        Some(g) => Some(
+            match (
+                g.get("from").and_then(Value::as_u64),
+                g.get("to").and_then(Value::as_u64),
+                g.get("sha256").and_then(Value::as_str),
+            ) {
+                (Some(from), Some(to), Some(h)) if from >= 1 && from <= to && is_hex64(h) => {
+                    Gap { from, to, sha256: h.to_string() }
+                }
+                _ => return Err("'gap' is not {from, to, sha256} with 1 <= from <= to".into()),
+            },
+        ),
+    };
     Ok(Record {
         seq,
         prev: prev.to_string(),
@@ -387,6 +429,7 @@ pub fn parse_record(line: &[u8]) -> Result<Record, String> {
         continues,
         oldest_kept,
         repaired,
+        gap,
     })
 }
 
@@ -485,11 +528,17 @@ struct Head {
     continues: Option<(String, u64)>,
     /// With `continues`, after a rotation: the first seq of the oldest rotated file kept.
     oldest_kept: Option<u64>,
+    /// Records written after this head are missing (the newest file held none of them).
+    gap: Option<Gap>,
 }
 
 impl Head {
     fn genesis() -> Head {
-        Head { line: None, seq: 0, continues: None, oldest_kept: None }
+        Head { line: None, seq: 0, continues: None, oldest_kept: None, gap: None }
+    }
+    /// The seq the next record follows: the head's, or past the records missing after it.
+    fn follows(&self) -> u64 {
+        self.gap.as_ref().map_or(self.seq, |g| g.to)
     }
     fn prev(&self) -> String {
         self.line.as_deref().map(sha256_hex).unwrap_or_else(|| GENESIS_PREV.to_string())
@@ -557,6 +606,9 @@ fn format_line(
     if let Some((file, cseq)) = &head.continues {
         let oldest = head.oldest_kept.map(|n| format!(",\"oldest\":{n}")).unwrap_or_default();
         line.push_str(&format!(",\"continues\":{{\"file\":{},\"seq\":{cseq}{oldest}}}", js(file)));
+    }
+    if let Some(g) = &head.gap {
+        line.push_str(&format!(",\"gap\":{{\"from\":{},\"to\":{},\"sha256\":\"{}\"}}", g.from, g.to, g.sha256));
     }
     if let Some(torn) = repaired {
         line.push_str(&format!(",\"repaired\":{{\"bytes\":{},\"sha256\":\"{}\"}}", torn.len(), sha256_hex(torn)));
@@ -906,7 +958,7 @@ impl AuditLog {
         fields: &Map<String, Value>,
     ) -> Result<(Appended, Option<u64>), AuditError> {
         let lock = self.lock()?;
-        let (appended, unflushed) = self.append_locked(event, fields)?;
+        let (appended, unflushed) = self.append_locked(&lock, event, fields)?;
         let ticket = unflushed
             .map(|file| self.flush.issue(file))
             .transpose()
@@ -925,7 +977,12 @@ impl AuditLog {
     /// Append under the log's lock; the file is returned when the line still needs its
     /// flush ([`GroupCommit`]), `None` when it was flushed here (a rotation, a repair, a
     /// file's first record: what comes next relies on it being durable now).
-    fn append_locked(&self, event: &str, fields: &Map<String, Value>) -> Result<(Appended, Option<File>), AuditError> {
+    fn append_locked(
+        &self,
+        lock: &File,
+        event: &str,
+        fields: &Map<String, Value>,
+    ) -> Result<(Appended, Option<File>), AuditError> {
         let path = &self.settings.path;
         let io = |e: std::io::Error| AuditError::new(path, e);
         let mut file = self.open_file(path)?;
@@ -933,15 +990,32 @@ impl AuditLog {
         let tail = read_tail(&file, len).map_err(io)?;
         let plan = plan(&tail).map_err(|m| AuditError::new(path, m))?;
         let mut head = match &plan.head {
-            Some((line, seq)) => Head { line: Some(line.clone()), seq: *seq, continues: None, oldest_kept: None },
-            None => self.head_from_rotated()?,
+            Some((line, seq)) => Head { line: Some(line.clone()), seq: *seq, ..Head::genesis() },
+            None => {
+                // The newest file holds no complete record: a rotation cut short after its
+                // rename — or the file was set aside, removed or emptied, which the
+                // high-water mark tells (it is past the head then): the record says so.
+                let mut head = self.head_from_rotated()?;
+                if let Some(mark) = high_water::read(lock).filter(|m| m.seq > head.seq) {
+                    tracing::warn!(
+                        path = %path.display(),
+                        from = head.seq + 1,
+                        to = mark.seq,
+                        "audit: the newest file held no complete record, but records up to seq {} were written: \
+                         they are missing (the file set aside, removed or emptied); the next record says so",
+                        mark.seq
+                    );
+                    head.gap = Some(Gap { from: head.seq + 1, to: mark.seq, sha256: mark.sha256 });
+                }
+                head
+            }
         };
-        // The last record's seq is what the file says, so it may be any u64: one past the
-        // largest is refused, never wrapped to 0 (nothing is written).
-        let seq = head.seq.checked_add(1).ok_or_else(|| {
+        // The last record's seq is what the file (or the mark) says, so it may be any u64:
+        // one past the largest is refused, never wrapped to 0 (nothing is written).
+        let seq = head.follows().checked_add(1).ok_or_else(|| {
             AuditError::new(
                 path,
-                format!("the last record has seq {}, the largest there is: no record can follow it; run `opservant audit verify`", head.seq),
+                format!("the last record has seq {}, the largest there is: no record can follow it; run `opservant audit verify`", head.follows()),
             )
         })?;
         let ts = timestamp(SystemTime::now());
@@ -1009,6 +1083,11 @@ impl AuditLog {
         }
         let appended =
             Appended { seq, sha256: sha256_hex(line.as_bytes()), line, rotated, repaired: plan.torn.is_some() };
+        // After the line (and its flush and the directory's, when made here): see
+        // [`high_water`]'s guarantees.
+        if let Err(e) = high_water::write(lock, &high_water::HighWater { seq, sha256: appended.sha256.clone() }) {
+            tracing::warn!(path = %self.settings.lock_path().display(), error = %e, "audit: cannot write the log's high-water mark; a newest file set aside before the next append would go unrecorded");
+        }
         Ok((appended, (!flush_now).then_some(file)))
     }
 
@@ -1029,6 +1108,7 @@ impl AuditLog {
                 seq: r.seq,
                 continues: Some((file_name(&r1), r.seq)),
                 oldest_kept: Some(self.oldest_kept_seq()?),
+                gap: None,
             }),
             _ => Err(AuditError::new(
                 &r1,
@@ -1645,7 +1725,69 @@ mod tests {
         std::fs::rename(s.log(), settings.rotated(1)).unwrap();
         let r = parse_record(log.append("x", &Map::new()).unwrap().line.as_bytes()).unwrap();
         assert_eq!(r.continues.map(|c| c.1), Some(40));
-        assert_eq!(r.seq, 41);
+        assert_eq!((r.seq, r.gap), (41, None), "a rotation cut short is no gap");
+    }
+
+    /// The newest file set aside (what an append's error says to do with a damaged tail),
+    /// removed or emptied: the next record says which seqs are missing, is numbered after
+    /// them (none reused), and `verify` reports them. A rotation cut short after its rename
+    /// is no gap; a log set aside whole, its lock file with it, starts a new genesis.
+    #[test]
+    fn records_missing_with_the_newest_file_are_recorded_as_a_gap() {
+        let verify_all = |s: &Scratch| verify::verify_all(&verify::chain_files(&s.log()).unwrap()).unwrap();
+        // A log never rotated: its only file set aside.
+        let s = Scratch::new("gap-only-file");
+        let log = AuditLog::open(AuditSettings::at(&s.log())).unwrap();
+        let before = append(&log, 5);
+        std::fs::rename(s.log(), s.0.join("audit.jsonl.set-aside")).unwrap();
+        let r = parse_record(log.append("after", &Map::new()).unwrap().line.as_bytes()).unwrap();
+        assert_eq!((r.seq, r.prev.as_str(), r.continues), (6, GENESIS_PREV, None));
+        assert_eq!(r.gap, Some(Gap { from: 1, to: 5, sha256: before[4].sha256.clone() }));
+        append(&log, 2);
+        let v = verify_all(&s);
+        assert!(!v.intact && v.problem.is_none(), "{v:?}");
+        assert_eq!((v.gaps.len(), v.first_seq, v.last_seq), (1, Some(6), Some(8)), "{v:?}");
+
+        // A rotated log: the newest file removed, then (after more records) emptied.
+        let (s, settings, log) = rotating_log("gap-rotated", 4);
+        while !settings.rotated(1).exists() || lines(&s.log()).len() < 3 {
+            log.append("x", &Map::new()).unwrap();
+        }
+        let last_of_1 = parse_record(lines(&settings.rotated(1)).pop().unwrap().as_bytes()).unwrap().seq;
+        let newest = log.append("x", &Map::new()).unwrap();
+        std::fs::remove_file(s.log()).unwrap();
+        let r = parse_record(log.append("after", &Map::new()).unwrap().line.as_bytes()).unwrap();
+        assert_eq!(r.continues.as_ref().map(|c| c.1), Some(last_of_1));
+        assert_eq!(r.gap, Some(Gap { from: last_of_1 + 1, to: newest.seq, sha256: newest.sha256.clone() }));
+        assert_eq!(r.seq, newest.seq + 1);
+        let newest = log.append("y", &Map::new()).unwrap();
+        File::create(s.log()).unwrap();
+        let r = parse_record(log.append("after", &Map::new()).unwrap().line.as_bytes()).unwrap();
+        assert_eq!(r.gap.map(|g| (g.from, g.to)), Some((last_of_1 + 1, newest.seq)), "emptied");
+        let v = verify_all(&s);
+        assert!(!v.intact && v.problem.is_none(), "{v:?}");
+        assert_eq!(v.gaps.len(), 1, "the file emptied held the first gap's record: {v:?}");
+
+        // A rotation cut short after its rename: no gap, the log intact.
+        let (s, settings, log) = rotating_log("gap-cut-rotation", 4);
+        append(&log, 6);
+        log.rotate().unwrap();
+        assert!(!s.log().exists() && settings.rotated(1).exists());
+        let r = parse_record(log.append("after", &Map::new()).unwrap().line.as_bytes()).unwrap();
+        assert_eq!((r.seq, r.gap), (7, None));
+        assert!(verify_all(&s).intact);
+
+        // The whole log set aside with its lock file: a new genesis.
+        let (s, settings, log) = rotating_log("gap-whole-log", 4);
+        append(&log, 30);
+        let aside = s.0.join("aside");
+        std::fs::create_dir(&aside).unwrap();
+        for f in verify::chain_files(&s.log()).unwrap().into_iter().chain([settings.lock_path()]) {
+            std::fs::rename(&f, aside.join(f.file_name().unwrap())).unwrap();
+        }
+        let r = parse_record(log.append("fresh", &Map::new()).unwrap().line.as_bytes()).unwrap();
+        assert_eq!((r.seq, r.gap, r.continues), (1, None, None));
+        assert!(verify_all(&s).intact);
     }
 
     /// A log in a scratch directory that rotates at 1 KiB and keeps `keep` rotated files.

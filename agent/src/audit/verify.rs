@@ -6,8 +6,11 @@
 //! each `prev` equal to the SHA-256 of the previous record's stored line, a file's first
 //! record is the genesis or a continuation, a non-record line is accepted only as a torn line
 //! the next record repairs, exactly); nothing is skipped silently — continuations of files not
-//! given and repairs are notes in the report. Files are read one at a time, so memory is
-//! bounded by the largest file, not the whole log.
+//! given and repairs are notes in the report. Records the log itself says are missing (a
+//! file's first record with a `gap`: the newest file was set aside, removed or emptied) are
+//! reported as `removed` in `gaps`, every one, and the log is not intact — but the check goes
+//! on past them, so a recorded gap never hides a later problem. Files are read one at a time,
+//! so memory is bounded by the largest file, not the whole log.
 
 use std::path::{Path, PathBuf};
 
@@ -88,6 +91,9 @@ pub struct VerifyReport {
     pub head: Option<String>,
     pub files: Vec<FileSummary>,
     pub notes: Vec<Note>,
+    /// Records the log says are missing (`removed`, at the record that says so), oldest
+    /// first: the log is not intact, but the chain was checked on past them.
+    pub gaps: Vec<Problem>,
     pub problem: Option<Problem>,
 }
 
@@ -103,22 +109,27 @@ impl VerifyReport {
             (Some(a), Some(b)) => format!(" (seq {a}..{b})"),
             _ => String::new(),
         };
+        let problem_line = |p: &Problem| {
+            let seq = p.seq.map(|s| format!(" (seq {s})")).unwrap_or_default();
+            format!("{}:{}: {}{seq}: {}\n", shown(&p.file), p.line, p.kind.as_str(), shown(&p.detail))
+        };
+        for g in &self.gaps {
+            out.push_str(&problem_line(g));
+        }
         match &self.problem {
             Some(p) => {
-                let seq = p.seq.map(|s| format!(" (seq {s})")).unwrap_or_default();
-                out.push_str(&format!(
-                    "{}:{}: {}{seq}: {}\n",
-                    shown(&p.file),
-                    p.line,
-                    p.kind.as_str(),
-                    shown(&p.detail)
-                ));
+                out.push_str(&problem_line(p));
                 out.push_str(&format!("chain BROKEN; {} verified before it{range}\n", records(self.records)));
             }
             None => {
                 let files = self.files.len();
                 let s = if files == 1 { "" } else { "s" };
-                out.push_str(&format!("chain intact: {} in {files} file{s}{range}\n", records(self.records)));
+                let but = match self.gaps.len() {
+                    0 => String::new(),
+                    1 => " but for the records missing above (a recorded gap: NOT INTACT)".to_string(),
+                    n => format!(" but for the records missing above ({n} recorded gaps: NOT INTACT)"),
+                };
+                out.push_str(&format!("chain intact{but}: {} in {files} file{s}{range}\n", records(self.records)));
             }
         }
         for f in &self.files {
@@ -279,6 +290,7 @@ fn verify_with<'a, E>(
         head: None,
         files: vec![],
         notes: vec![],
+        gaps: vec![],
         problem: None,
     };
     let mut last: Option<Last> = None;
@@ -365,12 +377,29 @@ fn verify_with<'a, E>(
                     }
                 }
             }
+            // A recorded gap: only a file's first record has one (the writer records it when
+            // the newest file held no complete record), numbered past the records missing.
+            if let Some(g) = &rec.gap {
+                let wrong = if !first_in_file {
+                    Some("only a file's first record can say records are missing before it".to_string())
+                } else if g.to.checked_add(1) != Some(rec.seq) {
+                    Some(format!("says seq {}..{} are missing before it, yet is seq {}", g.from, g.to, rec.seq))
+                } else {
+                    None
+                };
+                if let Some(d) = wrong {
+                    return Ok(fail(report, summary, problem(Kind::Edited, seq, d)));
+                }
+            }
+            // The seq this record follows in the log: its own minus one, or — after a
+            // recorded gap — the one before the records missing.
+            let follows = rec.gap.as_ref().map_or(rec.seq - 1, |g| g.from - 1);
             match &last {
                 None => {
-                    let genesis = rec.seq == 1 && rec.prev == GENESIS_PREV && rec.continues.is_none();
+                    let genesis = follows == 0 && rec.prev == GENESIS_PREV && rec.continues.is_none();
                     match &rec.continues {
                         _ if genesis => {}
-                        Some((file, cseq)) if cseq.checked_add(1) == Some(rec.seq) => report.notes.push(Note {
+                        Some((file, cseq)) if *cseq == follows => report.notes.push(Note {
                             file: name.clone(),
                             line: ln,
                             message: format!(
@@ -400,11 +429,18 @@ fn verify_with<'a, E>(
                 }
                 Some(p) => {
                     let at = format!("{}:{}", p.file, p.line);
-                    if rec.seq <= p.seq {
+                    if let Some(g) = rec.gap.as_ref().filter(|g| p.seq.checked_add(1) != Some(g.from)) {
+                        let d = format!(
+                            "says seq {}..{} are missing before it, but the record before it ({at}) is seq {}",
+                            g.from, g.to, p.seq
+                        );
+                        return Ok(fail(report, summary, problem(Kind::Edited, seq, d)));
+                    }
+                    if follows < p.seq {
                         let d = format!("seq {} comes after seq {} ({at}): seq must go up by 1", rec.seq, p.seq);
                         return Ok(fail(report, summary, problem(Kind::Reordered, seq, d)));
                     }
-                    if rec.seq > p.seq + 1 {
+                    if follows > p.seq {
                         let (lo, hi) = (p.seq + 1, rec.seq - 1);
                         let gap = if lo == hi { format!("seq {lo}") } else { format!("seq {lo}..{hi}") };
                         let (kind, d) = match seq_later(lines.clone(), fi + 1..names.len(), &read, lo, hi) {
@@ -442,6 +478,20 @@ fn verify_with<'a, E>(
                         return Ok(fail(report, summary, edited));
                     }
                 }
+            }
+            if let Some(g) = &rec.gap {
+                let span = if g.from == g.to { format!("seq {}", g.from) } else { format!("seq {}..{}", g.from, g.to) };
+                report.gaps.push(problem(
+                    Kind::Removed,
+                    seq,
+                    format!(
+                        "{span} missing: when this record was appended, records up to seq {} had been written (the \
+                         last with sha256 {}), but the newest file held none of them — it was set aside, removed or \
+                         emptied",
+                        g.to, g.sha256
+                    ),
+                ));
+                report.intact = false;
             }
             // Each rotation's claim replaces the one before; one that makes none (written
             // by an older agent, or the oldest file was unreadable) clears it.
@@ -628,6 +678,62 @@ mod tests {
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert!(out.status.success(), "{:?}: {stdout}{}", out.status, String::from_utf8_lossy(&out.stderr));
         assert!(stdout.contains("1 passed"), "the child ran this test: {stdout}");
+    }
+
+    /// A recorded gap (the writer's, [`super::super::Gap`]) makes the log not intact, is
+    /// reported where it is recorded, and the check goes on past it: a problem after it is
+    /// still found. A gap record the writer could not have written is a problem itself.
+    #[test]
+    fn a_recorded_gap_is_reported_and_the_chain_is_checked_past_it() {
+        let s = Scratch::new("verify-gap");
+        let log = AuditLog::open(AuditSettings::at(&s.log())).unwrap();
+        let before = append(&log, 3);
+        std::fs::rename(s.log(), s.0.join("set-aside")).unwrap();
+        append(&log, 4);
+        let p = s.log();
+        let r = verify(std::slice::from_ref(&p)).unwrap();
+        assert!(!r.intact && r.problem.is_none(), "{r:?}");
+        assert_eq!((r.records, r.first_seq, r.last_seq), (4, Some(4), Some(7)));
+        assert_eq!(r.gaps.len(), 1, "{r:?}");
+        let g = &r.gaps[0];
+        assert_eq!((g.kind, g.line, g.seq), (Kind::Removed, 1, Some(4)), "{g:?}");
+        assert!(g.detail.starts_with("seq 1..3 missing"), "{}", g.detail);
+        assert!(g.detail.contains(&before[2].sha256), "{}", g.detail);
+        let text = r.render();
+        assert!(text.starts_with(&format!("{}:1: removed (seq 4): seq 1..3 missing", p.display())), "{text}");
+        assert!(
+            text.contains("chain intact but for the records missing above (a recorded gap: NOT INTACT): 4 records"),
+            "{text}"
+        );
+        // An edit after the gap is found, with the gap still reported.
+        let good = lines(&p);
+        let mut l = good.clone();
+        l[2] = l[2].replace("\"i\":\"2\"", "\"i\":\"9\"");
+        assert_ne!(l[2], good[2]);
+        write(&p, &l);
+        let r = verify(std::slice::from_ref(&p)).unwrap();
+        let pr = r.problem.clone().expect("the edit after the gap");
+        assert_eq!((pr.kind, pr.line, r.gaps.len()), (Kind::Edited, 3, 1), "{r:?}");
+        // Forged gaps: on a record that is not its file's first; numbered other than after
+        // the records it says are missing; not following the record before it.
+        let forge = |line: usize, gap: serde_json::Value| {
+            let mut l = good.clone();
+            let mut rec: serde_json::Value = serde_json::from_str(&l[line]).unwrap();
+            rec["gap"] = gap;
+            l[line] = rec.to_string();
+            verify_bytes(&[("audit.jsonl", l.iter().map(|x| format!("{x}\n")).collect::<String>().as_bytes())])
+        };
+        let h = "ab".repeat(32);
+        for (line, gap, want) in [
+            (1, serde_json::json!({"from": 5, "to": 4, "sha256": h}), "'gap' is not"),
+            (1, serde_json::json!({"from": 4, "to": 4, "sha256": h}), "only a file's first record"),
+            (0, serde_json::json!({"from": 1, "to": 2, "sha256": h}), "yet is seq 4"),
+            (0, serde_json::json!({"from": 2, "to": 3, "sha256": h}), "neither the genesis"),
+        ] {
+            let r = forge(line, gap.clone());
+            let pr = r.problem.unwrap_or_else(|| panic!("{gap}: {:?}", r.gaps));
+            assert!(pr.detail.contains(want), "{gap}: {pr:?}");
+        }
     }
 
     #[test]
