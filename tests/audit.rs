@@ -311,23 +311,38 @@ fn tampering_is_reported_at_the_first_broken_record() {
     write_lines(&copy, &l);
     assert_problem(&log.verify(&[&copy]), &copy, 5, "not_json");
 
-    // The last line truncated (a crash mid-write): reported, exit 1 ...
+    // A torn last line (a crash mid-write: the start of a record that was never
+    // acknowledged): reported, exit 1 ...
     let text = std::fs::read_to_string(&log.path).unwrap();
-    std::fs::write(&log.path, &text[..text.len() - 30]).unwrap();
-    assert_problem(&log.verify(&[]), &log.path, 6, "truncated");
+    let torn = &text[text.len() - 120..text.len() - 30];
+    std::fs::write(&log.path, format!("{text}{torn}")).unwrap();
+    assert_problem(&log.verify(&[]), &log.path, 7, "truncated");
     // ... and the next append repairs it: the chain continues from the last complete
-    // record with the same seq, the torn line stays, bound by its hash, and verify notes it.
+    // record with the next seq, the torn line stays, bound by its hash, and verify notes it.
     log.run(&exec);
     let l = log.lines();
-    assert_eq!(l.len(), 8);
-    let repair: Value = serde_json::from_str(&l[6]).unwrap();
-    assert_eq!(repair["seq"], 6);
-    assert_eq!(repair["prev"], sha256_hex(l[4].as_bytes()));
-    assert_eq!(repair["repaired"]["bytes"], l[5].len());
-    assert_eq!(repair["repaired"]["sha256"], sha256_hex(l[5].as_bytes()));
+    assert_eq!(l.len(), 9);
+    let repair: Value = serde_json::from_str(&l[7]).unwrap();
+    assert_eq!(repair["seq"], 7);
+    assert_eq!(repair["prev"], sha256_hex(l[5].as_bytes()));
+    assert_eq!(repair["repaired"]["bytes"], l[6].len());
+    assert_eq!(repair["repaired"]["sha256"], sha256_hex(l[6].as_bytes()));
+    assert_eq!(repair.get("gap"), None, "{repair}");
     let out = log.verify(&[]);
     assert_eq!(out.code, 0, "{out:?}");
-    assert!(out.stdout.contains(&format!("note: {}:6: torn line", log.path.display())), "{}", out.stdout);
+    assert!(out.stdout.contains(&format!("note: {}:7: torn line", log.path.display())), "{}", out.stdout);
+
+    // A record that was durable cut into a "torn" line (its end cut off): the repair alone
+    // would hide it — the log's durable mark is past it, so the next record says it is
+    // missing (since the twenty-fifth session), and verify reports it.
+    let text = std::fs::read_to_string(&log.path).unwrap();
+    std::fs::write(&log.path, &text[..text.len() - 30]).unwrap();
+    log.run(&exec);
+    let l = log.lines();
+    let next: Value = serde_json::from_str(&l[9]).unwrap();
+    assert_eq!((&next["seq"], &next["gap"]["from"], &next["gap"]["to"]), (&json!(9), &json!(8), &json!(8)), "{next}");
+    assert_eq!(next["repaired"]["sha256"], sha256_hex(l[8].as_bytes()));
+    assert_problem(&log.verify(&[]), &log.path, 10, "removed (seq 9): seq 8 missing");
 
     // Unreadable input and bad arguments: exit 2 with one line.
     let out = opservant(&["audit", "verify", "/nonexistent/audit.jsonl"]);

@@ -53,20 +53,22 @@
 //!   lines are not records) is never guessed at: appends fail, and so do gated actions, until
 //!   an operator moves the damaged file aside (the next append then continues from `.1`, or
 //!   from the genesis, and says which records went with the file: below).
-//! - A gap the log records itself: when the newest file holds no complete record (missing or
-//!   empty) but the log's high-water mark ([`high_water`], in the lock file) says records
-//!   past the head were written, those records went with the file — set aside, removed or
-//!   emptied. The next record says so, `"gap":{"from","to","sha256"}` (the seqs missing, and
-//!   the hash of the last of them as written), and its seq is `to + 1`: no seq is reused,
-//!   so a copy of the set-aside file, journald's mirror and the platform's heads still agree
-//!   with the log on every seq. Only a file's first record has one; `verify` reports every
-//!   gap as `removed` (the log is not intact) and checks the chain on past it. Before the
-//!   twenty-fifth session the next append reused the missing records' seqs, and `verify`
-//!   said the log was intact. A log set aside whole starts a new genesis only with its lock
-//!   file set aside too.
+//! - A gap the log records itself ([`high_water`]: marks in the lock file of the newest record
+//!   written and the newest durable): when the newest file holds no complete record (missing
+//!   or empty) but records past the head were written, they went with the file — set aside,
+//!   removed or emptied; when it does hold records but one past its last was durable, they
+//!   were cut off its end, or the log was put back to an older copy. The next record says
+//!   so, `"gap":{"from","to","sha256"}` (the seqs missing, and the hash of the last of them
+//!   as written), and its seq is `to + 1`: no seq is reused, so a copy of the set-aside
+//!   file, journald's mirror and the platform's heads still agree with the log on every seq.
+//!   `verify` reports every gap as `removed` (the log is not intact) and checks the chain on
+//!   past it. Before the twenty-fifth session the next append reused the missing records'
+//!   seqs, and `verify` said the log was intact. A log set aside whole starts a new genesis
+//!   only with its lock file set aside too.
 //!
-//! What the chain does not show by itself: records cut off the *end* of the newest file, or a
-//! wholesale rewrite with recomputed hashes by someone holding root. The journald mirror
+//! What the chain does not show by itself: records cut off the *end* of the newest file (the
+//! durable mark shows them, in the next record: above — unless the lock file was rewritten
+//! too), or a wholesale rewrite with recomputed hashes by someone holding root. The journald mirror
 //! carries each record's seq and SHA-256 (`OPSERVANT_AUDIT_SEQ`, `OPSERVANT_AUDIT_SHA256`)
 //! as an independent anchor, and `verify` prints the chain head to compare with it. Once a
 //! record was appended after a cut, the head matches journald's newest again: the cut then
@@ -641,6 +643,10 @@ struct GroupCommit {
 struct FlushState {
     /// The last ticket issued, with the file its line was written to.
     newest: Option<(u64, Unflushed)>,
+    /// The last ticket's record, to mark durable ([`high_water`]) once its flush succeeded.
+    newest_mark: Option<high_water::HighWater>,
+    /// The log's lock file as the last ticket's append opened it, where durable marks go.
+    marks_file: Option<Arc<File>>,
     /// Every ticket up to this one is durable.
     durable: u64,
     /// A flush failed (the error): every ticket not durable by then fails, `durable` never
@@ -672,6 +678,29 @@ fn file_id(f: &File) -> std::io::Result<(u64, u64)> {
     f.metadata().map(|m| (m.dev(), m.ino()))
 }
 
+impl FlushState {
+    /// Every ticket up to `upto` is durable, and so `mark`'s record (`upto`'s), which the
+    /// lock file's durable mark then names ([`high_water`]) — unless a later ticket was
+    /// already durable (a mark never goes back by this process's doing).
+    fn made_durable(&mut self, upto: u64, mark: Option<high_water::HighWater>) {
+        if upto <= self.durable {
+            return;
+        }
+        self.durable = upto;
+        if let (Some(f), Some(m)) = (&self.marks_file, mark) {
+            if let Err(e) = high_water::write_durable(f, &m) {
+                warn_mark_unwritten(&e);
+            }
+        }
+    }
+}
+
+/// A high-water mark could not be written: the log goes on (the mark is an aid, never a
+/// gate), said once per failure.
+fn warn_mark_unwritten(e: &std::io::Error) {
+    tracing::warn!(error = %e, "audit: cannot write the log's high-water mark in its lock file; records lost with the newest file before the next append could go unrecorded");
+}
+
 impl GroupCommit {
     /// A ticket for a line just written to `file`, not yet flushed. Called under the log's
     /// lock, right after the write, so tickets follow the order of the lines in the log. When
@@ -679,8 +708,11 @@ impl GroupCommit {
     /// meanwhile — by a writer that flushed the old file first, or by an older agent that
     /// did not), those are flushed here, so that no unflushed line is ever left behind in an
     /// older file.
-    fn issue(&self, file: File) -> Result<u64, String> {
+    fn issue(&self, file: File, mark: high_water::HighWater, lock: &File) -> Result<u64, String> {
         let id = file_id(&file).map_err(|e| format!("fstat: {e}"))?;
+        // The lock file, for the durable mark (a second descriptor of the description the
+        // lock is held on: the lock's guard unlocks it explicitly, this one keeps no lock).
+        let marks_file = lock.try_clone().map(Arc::new).inspect_err(warn_mark_unwritten).ok();
         // A flush under way of the same file does not hold this writer (nor the log's lock
         // it holds): the flush covers the tickets issued before it began, this one gets the
         // next.
@@ -691,6 +723,8 @@ impl GroupCommit {
             st.flush_via = Some(file.clone());
         }
         st.newest = Some((ticket, file));
+        st.newest_mark = Some(mark);
+        st.marks_file = marks_file;
         Ok(ticket)
     }
 
@@ -707,7 +741,10 @@ impl GroupCommit {
             return;
         }
         match st.flush_via.as_ref().filter(|via| via.id == id).map(|via| via.file.sync_data()) {
-            Some(Ok(())) => st.durable = upto,
+            Some(Ok(())) => {
+                let mark = st.newest_mark.clone();
+                st.made_durable(upto, mark)
+            }
             Some(Err(e)) => st.failed = Some(format!("fdatasync: {e}")),
             // The unflushed lines were settled with their own file above.
             None => {}
@@ -734,7 +771,10 @@ impl GroupCommit {
         if st.failed.is_none() && !st.flushing && other_file(&st) {
             let upto = st.newest.as_ref().map_or(st.durable, |(t, _)| *t);
             match st.flush_via.as_ref().map(|via| via.file.sync_data()) {
-                Some(Ok(())) => st.durable = upto,
+                Some(Ok(())) => {
+                    let mark = st.newest_mark.clone();
+                    st.made_durable(upto, mark)
+                }
                 Some(Err(e)) => st.failed = Some(format!("fdatasync: {e}")),
                 None => st.failed = Some("unflushed lines without their file".into()),
             }
@@ -768,6 +808,7 @@ impl GroupCommit {
             let Some(upto) = st.newest.as_ref().map(|(t, _)| *t) else {
                 return Ok(());
             };
+            let mark = st.newest_mark.clone();
             let Some(via) = st.flush_via.clone() else {
                 return Err("unflushed lines without their file".into());
             };
@@ -777,7 +818,7 @@ impl GroupCommit {
             st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
             st.flushing = false;
             match result {
-                Ok(()) if st.failed.is_none() => st.durable = st.durable.max(upto),
+                Ok(()) if st.failed.is_none() => st.made_durable(upto, mark),
                 Ok(()) => {}
                 Err(e) => {
                     st.failed.get_or_insert(format!("fdatasync: {e}"));
@@ -960,7 +1001,7 @@ impl AuditLog {
         let lock = self.lock()?;
         let (appended, unflushed) = self.append_locked(&lock, event, fields)?;
         let ticket = unflushed
-            .map(|file| self.flush.issue(file))
+            .map(|(file, mark)| self.flush.issue(file, mark, &lock))
             .transpose()
             .map_err(|e| AuditError::new(&self.settings.path, e))?;
         drop(lock);
@@ -974,42 +1015,48 @@ impl AuditLog {
         }
     }
 
-    /// Append under the log's lock; the file is returned when the line still needs its
-    /// flush ([`GroupCommit`]), `None` when it was flushed here (a rotation, a repair, a
-    /// file's first record: what comes next relies on it being durable now).
+    /// Append under the log's lock; the file (and the line's mark) is returned when the line
+    /// still needs its flush ([`GroupCommit`]), `None` when it was flushed here (a rotation,
+    /// a repair, a file's first record: what comes next relies on it being durable now).
     fn append_locked(
         &self,
         lock: &File,
         event: &str,
         fields: &Map<String, Value>,
-    ) -> Result<(Appended, Option<File>), AuditError> {
+    ) -> Result<(Appended, Option<(File, high_water::HighWater)>), AuditError> {
         let path = &self.settings.path;
         let io = |e: std::io::Error| AuditError::new(path, e);
         let mut file = self.open_file(path)?;
         let len = file.metadata().map_err(io)?.len();
         let tail = read_tail(&file, len).map_err(io)?;
         let plan = plan(&tail).map_err(|m| AuditError::new(path, m))?;
+        let marks = high_water::read(lock);
         let mut head = match &plan.head {
             Some((line, seq)) => Head { line: Some(line.clone()), seq: *seq, ..Head::genesis() },
-            None => {
-                // The newest file holds no complete record: a rotation cut short after its
-                // rename — or the file was set aside, removed or emptied, which the
-                // high-water mark tells (it is past the head then): the record says so.
-                let mut head = self.head_from_rotated()?;
-                if let Some(mark) = high_water::read(lock).filter(|m| m.seq > head.seq) {
-                    tracing::warn!(
-                        path = %path.display(),
-                        from = head.seq + 1,
-                        to = mark.seq,
-                        "audit: the newest file held no complete record, but records up to seq {} were written: \
-                         they are missing (the file set aside, removed or emptied); the next record says so",
-                        mark.seq
-                    );
-                    head.gap = Some(Gap { from: head.seq + 1, to: mark.seq, sha256: mark.sha256 });
-                }
-                head
-            }
+            None => self.head_from_rotated()?,
         };
+        // Records missing past the head ([`high_water`]): with a newest file that holds no
+        // complete record, any written past the head (a rotation cut short after its rename
+        // leaves the written mark at `.1`'s last record: the file was set aside, removed or
+        // emptied); with one that does, any made durable past its last (they were cut off its
+        // end, or the log was put back to an older copy — a crash loses only lines not yet
+        // durable). The record says which, numbered after them.
+        let missing = match plan.head {
+            Some(_) => marks.durable.as_ref().is_some_and(|d| d.seq > head.seq),
+            None => marks.newest().is_some_and(|m| m.seq > head.seq),
+        };
+        if let Some(last) = marks.newest().filter(|_| missing) {
+            let from = head.seq + 1;
+            tracing::warn!(
+                path = %path.display(),
+                from,
+                to = last.seq,
+                "audit: records seq {from}..{} were written but are not in the log (its newest file set aside, \
+                 removed, emptied or cut short); the next record says so",
+                last.seq
+            );
+            head.gap = Some(Gap { from, to: last.seq, sha256: last.sha256.clone() });
+        }
         // The last record's seq is what the file (or the mark) says, so it may be any u64:
         // one past the largest is refused, never wrapped to 0 (nothing is written).
         let seq = head.follows().checked_add(1).ok_or_else(|| {
@@ -1084,11 +1131,12 @@ impl AuditLog {
         let appended =
             Appended { seq, sha256: sha256_hex(line.as_bytes()), line, rotated, repaired: plan.torn.is_some() };
         // After the line (and its flush and the directory's, when made here): see
-        // [`high_water`]'s guarantees.
-        if let Err(e) = high_water::write(lock, &high_water::HighWater { seq, sha256: appended.sha256.clone() }) {
-            tracing::warn!(path = %self.settings.lock_path().display(), error = %e, "audit: cannot write the log's high-water mark; a newest file set aside before the next append would go unrecorded");
+        // [`high_water`]'s guarantees. A line flushed later is marked durable by its flush.
+        let mark = high_water::HighWater { seq, sha256: appended.sha256.clone() };
+        if let Err(e) = high_water::write(lock, &mark, flush_now) {
+            warn_mark_unwritten(&e);
         }
-        Ok((appended, (!flush_now).then_some(file)))
+        Ok((appended, (!flush_now).then_some((file, mark))))
     }
 
     /// The current file holds no complete record: chain from the newest rotated file (a
@@ -1728,6 +1776,40 @@ mod tests {
         assert_eq!((r.seq, r.gap), (41, None), "a rotation cut short is no gap");
     }
 
+    /// Records cut off the end of the newest file, or the log put back to an older copy:
+    /// the durable mark is past the file's last record, and the next record says which
+    /// are missing. Lines a crash lost before their flush (written, never durable) are not
+    /// missing records: their seqs are used again, as before.
+    #[test]
+    fn records_cut_off_the_end_are_a_gap_but_lines_never_durable_are_not() {
+        let s = Scratch::new("gap-cut");
+        let settings = AuditSettings::at(&s.log());
+        let log = AuditLog::open(settings.clone()).unwrap();
+        let a = append(&log, 6);
+        let kept = lines(&s.log())[..3].iter().map(|l| format!("{l}\n")).collect::<String>();
+        std::fs::write(s.log(), &kept).unwrap();
+        let r = parse_record(log.append("after", &Map::new()).unwrap().line.as_bytes()).unwrap();
+        assert_eq!(r.gap, Some(Gap { from: 4, to: 6, sha256: a[5].sha256.clone() }));
+        assert_eq!((r.seq, r.prev.clone()), (7, a[2].sha256.clone()));
+        let v = verify::verify(&[s.log()]).unwrap();
+        assert!(!v.intact && v.problem.is_none(), "{v:?}");
+        assert_eq!((v.gaps.len(), v.gaps[0].line, v.records), (1, 4, 4), "{v:?}");
+
+        // A line written but not flushed when the host crashed: the written mark is past
+        // the file, the durable mark is not — the next record takes the lost line's seq.
+        let s = Scratch::new("gap-crash");
+        let settings = AuditSettings::at(&s.log());
+        let log = AuditLog::open(settings.clone()).unwrap();
+        let a = append(&log, 3);
+        let lock = File::options().read(true).write(true).open(settings.lock_path()).unwrap();
+        let marks = high_water::read(&lock);
+        assert_eq!(marks.durable.as_ref().map(|m| m.seq), Some(3), "a command's appends are durable when they return");
+        high_water::write(&lock, &high_water::HighWater { seq: 4, sha256: "ab".repeat(32) }, false).unwrap();
+        let r = parse_record(log.append("after", &Map::new()).unwrap().line.as_bytes()).unwrap();
+        assert_eq!((r.seq, r.gap, r.prev), (4, None, a[2].sha256.clone()));
+        assert!(verify::verify(&[s.log()]).unwrap().intact);
+    }
+
     /// The newest file set aside (what an append's error says to do with a damaged tail),
     /// removed or emptied: the next record says which seqs are missing, is numbered after
     /// them (none reused), and `verify` reports them. A rotation cut short after its rename
@@ -2006,25 +2088,31 @@ mod tests {
         let s = Scratch::new("group");
         let gc = GroupCommit::default();
         let durable = |gc: &GroupCommit| gc.state.lock().unwrap().durable;
+        // Each ticket's record, and the lock file its durable mark goes to.
+        let lock = File::options().read(true).write(true).create(true).truncate(false).open(s.0.join("lock")).unwrap();
+        let mark = |seq: u64| high_water::HighWater { seq, sha256: format!("{seq:064x}") };
+        let marked = || high_water::read(&lock).durable.map(|m| m.seq);
         let a = File::create(s.0.join("a")).unwrap();
-        let t1 = gc.issue(a.try_clone().unwrap()).unwrap();
-        let t2 = gc.issue(a.try_clone().unwrap()).unwrap();
-        assert_eq!((t1, t2, durable(&gc)), (1, 2, 0));
+        let t1 = gc.issue(a.try_clone().unwrap(), mark(11), &lock).unwrap();
+        let t2 = gc.issue(a.try_clone().unwrap(), mark(12), &lock).unwrap();
+        assert_eq!((t1, t2, durable(&gc), marked()), (1, 2, 0, None));
         gc.wait_durable(t1).unwrap();
         assert_eq!(durable(&gc), 2, "the flush for ticket 1 covered ticket 2, written before it");
-        let t3 = gc.issue(a.try_clone().unwrap()).unwrap();
-        let t4 = gc.issue(File::create(s.0.join("b")).unwrap()).unwrap();
+        assert_eq!(marked(), Some(12), "the durable mark names the newest record the flush covered");
+        let t3 = gc.issue(a.try_clone().unwrap(), mark(13), &lock).unwrap();
+        let t4 = gc.issue(File::create(s.0.join("b")).unwrap(), mark(14), &lock).unwrap();
         assert_eq!(durable(&gc), t3, "a line in another file: the older file's lines were flushed first");
         // fdatasync on a pipe fails (EINVAL), as a failing disk's would.
         let (r, _w) = nix::unistd::pipe().unwrap();
         let pipe = File::from(r);
-        let t5 = gc.issue(pipe.try_clone().unwrap()).unwrap();
-        let t6 = gc.issue(pipe).unwrap();
-        assert_eq!(durable(&gc), t4);
+        let t5 = gc.issue(pipe.try_clone().unwrap(), mark(15), &lock).unwrap();
+        let t6 = gc.issue(pipe, mark(16), &lock).unwrap();
+        assert_eq!((durable(&gc), marked()), (t4, Some(14)));
         assert!(gc.grouping());
         assert!(gc.wait_durable(t5).unwrap_err().starts_with("fdatasync"));
         assert!(gc.wait_durable(t6).is_err(), "not durable when the flush failed: failed too");
         assert!(gc.wait_durable(t4).is_ok(), "durable before the failure");
+        assert_eq!(marked(), Some(14), "no record whose flush failed is marked durable");
         assert!(!gc.grouping(), "after a failed flush every line is flushed by its writer");
     }
 
@@ -2040,11 +2128,13 @@ mod tests {
         File::create(&path).unwrap();
         let first = || OpenOptions::new().read(true).custom_flags(libc::O_PATH).open(&path).unwrap();
         let later = || OpenOptions::new().append(true).open(&path).unwrap();
+        let lock = File::create(s.0.join("lock")).unwrap();
+        let mark = || high_water::HighWater { seq: 1, sha256: "ab".repeat(32) };
 
         // A group flush.
         let gc = GroupCommit::default();
-        let t1 = gc.issue(first()).unwrap();
-        let t2 = gc.issue(later()).unwrap();
+        let t1 = gc.issue(first(), mark(), &lock).unwrap();
+        let t2 = gc.issue(later(), mark(), &lock).unwrap();
         assert!(gc.wait_durable(t2).unwrap_err().contains("Bad file descriptor"), "flushed through the newest");
         assert!(gc.wait_durable(t1).is_err());
         assert!(!gc.grouping());
@@ -2052,7 +2142,7 @@ mod tests {
         // A writer that flushed its own line under the lock: the others' lines are only
         // durable once flushed through their first descriptor.
         let gc = GroupCommit::default();
-        let t1 = gc.issue(first()).unwrap();
+        let t1 = gc.issue(first(), mark(), &lock).unwrap();
         let own = later();
         own.sync_data().unwrap();
         gc.all_durable(&own);
@@ -2060,10 +2150,10 @@ mod tests {
 
         // The other file's lines, settled when a line lands in a new file.
         let gc = GroupCommit::default();
-        let t1 = gc.issue(first()).unwrap();
-        let _t2 = gc.issue(later()).unwrap();
+        let t1 = gc.issue(first(), mark(), &lock).unwrap();
+        let _t2 = gc.issue(later(), mark(), &lock).unwrap();
         let b = File::create(s.0.join("b")).unwrap();
-        assert!(gc.issue(b).is_ok());
+        assert!(gc.issue(b, mark(), &lock).is_ok());
         assert!(gc.wait_durable(t1).is_err(), "settled through the newest descriptor of the old file");
 
         // A failed flush under the log's lock ends grouping too.
@@ -2173,20 +2263,22 @@ mod tests {
         let s = Scratch::new("flush-wait");
         let gc = Arc::new(GroupCommit::default());
         let a = File::create(s.0.join("a")).unwrap();
-        let t1 = gc.issue(a.try_clone().unwrap()).unwrap();
+        let lock = File::create(s.0.join("lock")).unwrap();
+        let mark = || high_water::HighWater { seq: 1, sha256: "ab".repeat(32) };
+        let t1 = gc.issue(a.try_clone().unwrap(), mark(), &lock).unwrap();
         // Another writer's flush, under way.
         gc.state.lock().unwrap().flushing = true;
         let (tx, rx) = std::sync::mpsc::channel();
         {
-            let (gc, a) = (gc.clone(), a.try_clone().unwrap());
-            std::thread::spawn(move || tx.send(gc.issue(a)).unwrap());
+            let (gc, a, lock) = (gc.clone(), a.try_clone().unwrap(), lock.try_clone().unwrap());
+            std::thread::spawn(move || tx.send(gc.issue(a, mark(), &lock)).unwrap());
         }
         let t2 = rx.recv_timeout(Duration::from_secs(30)).expect("waited for the flush of its own file").unwrap();
         assert_eq!((t1, t2), (1, 2));
         let (tx, rx) = std::sync::mpsc::channel();
         {
-            let (gc, b) = (gc.clone(), File::create(s.0.join("b")).unwrap());
-            std::thread::spawn(move || tx.send(gc.issue(b)).unwrap());
+            let (gc, b, lock) = (gc.clone(), File::create(s.0.join("b")).unwrap(), lock.try_clone().unwrap());
+            std::thread::spawn(move || tx.send(gc.issue(b, mark(), &lock)).unwrap());
         }
         assert!(rx.recv_timeout(Duration::from_millis(200)).is_err(), "did not wait for the flush under way");
         {

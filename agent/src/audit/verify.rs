@@ -7,7 +7,7 @@
 //! record is the genesis or a continuation, a non-record line is accepted only as a torn line
 //! the next record repairs, exactly); nothing is skipped silently — continuations of files not
 //! given and repairs are notes in the report. Records the log itself says are missing (a
-//! file's first record with a `gap`: the newest file was set aside, removed or emptied) are
+//! record with a `gap`: the newest file was set aside, removed, emptied or cut short) are
 //! reported as `removed` in `gaps`, every one, and the log is not intact — but the check goes
 //! on past them, so a recorded gap never hides a later problem. Files are read one at a time,
 //! so memory is bounded by the largest file, not the whole log.
@@ -377,19 +377,10 @@ fn verify_with<'a, E>(
                     }
                 }
             }
-            // A recorded gap: only a file's first record has one (the writer records it when
-            // the newest file held no complete record), numbered past the records missing.
-            if let Some(g) = &rec.gap {
-                let wrong = if !first_in_file {
-                    Some("only a file's first record can say records are missing before it".to_string())
-                } else if g.to.checked_add(1) != Some(rec.seq) {
-                    Some(format!("says seq {}..{} are missing before it, yet is seq {}", g.from, g.to, rec.seq))
-                } else {
-                    None
-                };
-                if let Some(d) = wrong {
-                    return Ok(fail(report, summary, problem(Kind::Edited, seq, d)));
-                }
+            // A recorded gap is numbered past the records missing.
+            if let Some(g) = rec.gap.as_ref().filter(|g| g.to.checked_add(1) != Some(rec.seq)) {
+                let d = format!("says seq {}..{} are missing before it, yet is seq {}", g.from, g.to, rec.seq);
+                return Ok(fail(report, summary, problem(Kind::Edited, seq, d)));
             }
             // The seq this record follows in the log: its own minus one, or — after a
             // recorded gap — the one before the records missing.
@@ -714,8 +705,8 @@ mod tests {
         let r = verify(std::slice::from_ref(&p)).unwrap();
         let pr = r.problem.clone().expect("the edit after the gap");
         assert_eq!((pr.kind, pr.line, r.gaps.len()), (Kind::Edited, 3, 1), "{r:?}");
-        // Forged gaps: on a record that is not its file's first; numbered other than after
-        // the records it says are missing; not following the record before it.
+        // Forged gaps: numbered other than after the records they say are missing; not
+        // following the record before them.
         let forge = |line: usize, gap: serde_json::Value| {
             let mut l = good.clone();
             let mut rec: serde_json::Value = serde_json::from_str(&l[line]).unwrap();
@@ -726,7 +717,8 @@ mod tests {
         let h = "ab".repeat(32);
         for (line, gap, want) in [
             (1, serde_json::json!({"from": 5, "to": 4, "sha256": h}), "'gap' is not"),
-            (1, serde_json::json!({"from": 4, "to": 4, "sha256": h}), "only a file's first record"),
+            (1, serde_json::json!({"from": 5, "to": 5, "sha256": h}), "yet is seq 5"),
+            (1, serde_json::json!({"from": 4, "to": 4, "sha256": h}), "the record before it"),
             (0, serde_json::json!({"from": 1, "to": 2, "sha256": h}), "yet is seq 4"),
             (0, serde_json::json!({"from": 2, "to": 3, "sha256": h}), "neither the genesis"),
         ] {
