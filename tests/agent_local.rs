@@ -516,6 +516,44 @@ fn a_receipt_names_the_commands_source_and_digest() {
     assert_eq!(received["fields"]["sha256"], sha256_hex(&bytes), "{received}");
 }
 
+/// The log's newest file set aside under a running agent (what an append's error says to
+/// do with a damaged tail): its next record says which records went with it, numbered
+/// after them, and every ping and heartbeat then reports the gap — the platform hears of it
+/// without reading the log.
+#[test]
+fn a_newest_file_set_aside_under_a_running_agent_is_recorded_and_reported() {
+    if !common::require_root() {
+        return;
+    }
+    let mut a = Agent::new(1);
+    a.start();
+    let log = a.dir.path.join("audit/audit.jsonl");
+    let (code, pong) = a.submit(&a.sign(&json!({"command_id": "aside-1", "action": "ping"})));
+    assert_eq!((code, &pong["output"]["audit"]["gap"]), (0, &Value::Null), "{pong}");
+    let last = |text: &str| -> Value { serde_json::from_str(text.lines().last().unwrap()).unwrap() };
+    let before = last(&std::fs::read_to_string(&log).unwrap());
+    std::fs::rename(&log, log.with_file_name("audit.jsonl.aside")).unwrap();
+    let (code, pong) = a.submit(&a.sign(&json!({"command_id": "aside-2", "action": "ping"})));
+    assert_eq!(code, 0, "{pong}");
+    let to = before["seq"].as_u64().unwrap();
+    // Whatever the agent appended meanwhile (a heartbeat's records, the ping's) follows the
+    // set-aside records; the log's first record now says they are missing.
+    let text = std::fs::read_to_string(&log).unwrap();
+    let first: Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
+    assert_eq!((first["gap"]["from"].as_u64(), first["seq"].as_u64()), (Some(1), Some(to + 1)), "{first}");
+    assert!(first["gap"]["to"].as_u64() >= Some(to), "{first}");
+    let gap = &pong["output"]["audit"]["gap"];
+    assert_eq!((&gap["from"], &gap["to"], &gap["seq"]), (&json!(1), &first["gap"]["to"], &first["seq"]), "{pong}");
+    assert!(a.stop().success());
+    let out = Command::new(env!("CARGO_BIN_EXE_opservant"))
+        .args(["audit", "verify", log.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{stdout}");
+    assert!(stdout.contains(&format!("{}:1: removed", log.display())), "{stdout}");
+}
+
 #[test]
 fn the_daemon_writes_no_core_dump() {
     if !common::require_root() {
@@ -2163,7 +2201,7 @@ fn commands_pulled_from_the_platform_over_mutual_tls() {
     let head = hb["audit"]["head"].clone();
     assert_eq!(
         hb["audit"],
-        json!({"ok": true, "error": null, "since": null, "flush_failed": null, "head": head}),
+        json!({"ok": true, "error": null, "since": null, "flush_failed": null, "head": head, "gap": null}),
         "the audit log's health: {hb}"
     );
     // The heartbeat carries the log's newest durable record as the agent made it (seq and

@@ -625,6 +625,9 @@ fn an_unwritable_log_stops_the_run_before_it_starts() {
     assert_eq!(out.code, 1, "{out:?}");
     let j: Value = serde_json::from_str(out.stdout.trim()).unwrap();
     assert_eq!((&j["intact"], &j["problem"], &j["gaps"][0]["kind"]), (&json!(false), &Value::Null, &json!("removed")));
+    let out = opservant(&["audit", "tail", "-n", "2", "--config", log.conf()]);
+    let first = out.stdout.lines().next().unwrap_or_default();
+    assert!(first.contains("#3  executor_start") && first.ends_with("[RECORDS MISSING before it: #1..#2]"), "{out:?}");
 }
 
 #[test]

@@ -348,6 +348,8 @@ pub struct Appended {
     pub rotated: bool,
     /// This append repaired a torn last line.
     pub repaired: bool,
+    /// The seqs this record says are missing before it (`gap`), if any.
+    pub gap: Option<(u64, u64)>,
 }
 
 /// A record as parsed back from a line: what chaining and verification need.
@@ -1000,6 +1002,9 @@ impl AuditLog {
     ) -> Result<(Appended, Option<u64>), AuditError> {
         let lock = self.lock()?;
         let (appended, unflushed) = self.append_locked(&lock, event, fields)?;
+        if let Some((from, to)) = appended.gap {
+            *LAST_GAP.lock().unwrap_or_else(PoisonError::into_inner) = Some((from, to, appended.seq));
+        }
         let ticket = unflushed
             .map(|(file, mark)| self.flush.issue(file, mark, &lock))
             .transpose()
@@ -1128,8 +1133,14 @@ impl AuditLog {
         if head.continues.is_some() {
             self.drop_past_keep();
         }
-        let appended =
-            Appended { seq, sha256: sha256_hex(line.as_bytes()), line, rotated, repaired: plan.torn.is_some() };
+        let appended = Appended {
+            seq,
+            sha256: sha256_hex(line.as_bytes()),
+            line,
+            rotated,
+            repaired: plan.torn.is_some(),
+            gap: head.gap.as_ref().map(|g| (g.from, g.to)),
+        };
         // After the line (and its flush and the directory's, when made here): see
         // [`high_water`]'s guarantees. A line flushed later is marked durable by its flush.
         let mark = high_water::HighWater { seq, sha256: appended.sha256.clone() };
@@ -1387,6 +1398,9 @@ pub fn journald_warning(settings: &AuditSettings) -> Option<String> {
 /// The newest record this process made durable: `(seq, sha256)`.
 static HEAD: Mutex<Option<(u64, String)>> = Mutex::new(None);
 
+/// The latest gap this process recorded: `(from, to, seq of the record that says it)`.
+static LAST_GAP: Mutex<Option<(u64, u64, u64)>> = Mutex::new(None);
+
 fn note_head(appended: &Appended) {
     let mut head = HEAD.lock().unwrap_or_else(PoisonError::into_inner);
     if head.as_ref().is_none_or(|(seq, _)| appended.seq > *seq) {
@@ -1509,6 +1523,7 @@ pub fn health() -> Value {
         outage::at_heartbeat(log);
     }
     let head = HEAD.lock().unwrap_or_else(PoisonError::into_inner).clone();
+    let gap = *LAST_GAP.lock().unwrap_or_else(PoisonError::into_inner);
     serde_json::json!({
         "ok": failing.is_none(),
         "error": failing.as_ref().map(|f| &f.error),
@@ -1517,6 +1532,9 @@ pub fn health() -> Value {
         // An anchor off the host: the platform that keeps these can tell a log cut back,
         // rolled back or rewritten past one of them (that seq missing, or another hash).
         "head": head.map(|(seq, sha256)| serde_json::json!({"seq": seq, "sha256": sha256})),
+        // Records this agent found missing from the log (the newest file set aside, removed,
+        // emptied or cut short) and recorded as a gap: the latest such.
+        "gap": gap.map(|(from, to, seq)| serde_json::json!({"from": from, "to": to, "seq": seq})),
     })
 }
 

@@ -148,6 +148,9 @@ fn render(line: &[u8], json: bool) -> String {
     if let (Some(f), Some(n)) = (v["continues"]["file"].as_str(), v["continues"]["seq"].as_u64()) {
         s.push_str(&format!("  [continues {f} #{n}]"));
     }
+    if let (Some(from), Some(to)) = (v["gap"]["from"].as_u64(), v["gap"]["to"].as_u64()) {
+        s.push_str(&format!("  [RECORDS MISSING before it: #{from}..#{to}]"));
+    }
     if let Some(n) = v["repaired"]["bytes"].as_u64() {
         s.push_str(&format!("  [repaired a torn line of {n} bytes]"));
     }
