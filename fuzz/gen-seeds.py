@@ -41,13 +41,15 @@ put("command", "big-int.json", canon(signed({**ping, "n": 9007199254740993})))
 # Found by the fuzzer: an exact double whose canonical form has rounded digits.
 put("command", "rounded-big-int.json", b'{"a":[33333336303333208]}')
 
-def chain(n, first_seq=1, prev="0" * 64, continues=None):
+def chain(n, first_seq=1, prev="0" * 64, continues=None, gap=None):
     lines = []
     for i in range(n):
         rec = {"seq": first_seq + i, "ts": "2026-04-28T12:00:0%d.000000Z" % i, "host": "h", "pid": 1,
                "event": "executor_start", "fields": {"executor": "x", "i": str(i)}}
         if continues and i == 0:
             rec["continues"] = continues
+        if gap and i == 0:
+            rec["gap"] = gap
         rec["prev"] = prev
         line = json.dumps(rec, separators=(",", ":")).encode()
         prev = hashlib.sha256(line).hexdigest()
@@ -62,3 +64,9 @@ put("audit_verify", "reordered.jsonl", b"\n".join([good[0], good[2], good[1]]) +
 put("audit_verify", "torn.jsonl", b"\n".join(good) + b"\n" + b'{"seq":4,"ts')
 cont = chain(2, first_seq=7, prev="ab" * 32, continues={"file": "audit.jsonl.1", "seq": 6})
 put("audit_verify", "continuation.jsonl", b"\n".join(cont) + b"\n")
+# Recorded gaps (the log's high-water marks): a newest file set aside in a log never
+# rotated, and records cut off a file's end.
+put("audit_verify", "gap-genesis.jsonl",
+    b"\n".join(chain(2, first_seq=4, gap={"from": 1, "to": 3, "sha256": "cd" * 32})) + b"\n")
+after = chain(2, first_seq=7, prev=hashlib.sha256(good[-1]).hexdigest(), gap={"from": 4, "to": 6, "sha256": "cd" * 32})
+put("audit_verify", "gap-after-cut.jsonl", b"\n".join(good + after) + b"\n")

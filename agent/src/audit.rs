@@ -59,8 +59,9 @@
 //!   removed or emptied; when it does hold records but one past its last was durable, they
 //!   were cut off its end, or the log was put back to an older copy. The next record says
 //!   so, `"gap":{"from","to","sha256"}` (the seqs missing, and the hash of the last of them
-//!   as written), and its seq is `to + 1`: no seq is reused, so a copy of the set-aside
-//!   file, journald's mirror and the platform's heads still agree with the log on every seq.
+//!   as written), and its seq is `to + 1`: no seq the marks name is reused, so a copy of the
+//!   set-aside file, journald's mirror and the platform's heads agree with the log on those
+//!   seqs (the marks are not flushed: after a power loss they may lag, [`high_water`]).
 //!   `verify` reports every gap as `removed` (the log is not intact) and checks the chain on
 //!   past it. Before the twenty-fifth session the next append reused the missing records'
 //!   seqs, and `verify` said the log was intact. A log set aside whole starts a new genesis

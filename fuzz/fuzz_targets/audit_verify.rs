@@ -1,6 +1,7 @@
 //! Audit log verification (`opservant audit verify`) of arbitrary file contents, as one file
 //! and split into a rotated file and the live one: never a panic; a report is consistent
-//! (intact exactly when there is no problem, the problem's line inside its file); and a file
+//! (intact exactly when there is no problem and no recorded gap, every line it names inside
+//! its file, the gaps' records counted); and a file
 //! that verifies in memory verifies the same when written out and read back by path.
 #![no_main]
 
@@ -8,12 +9,14 @@ use agent::audit::verify::{verify, verify_bytes, VerifyReport};
 use libfuzzer_sys::fuzz_target;
 
 fn consistent(report: &VerifyReport, files: &[(&str, &[u8])]) {
-    assert_eq!(report.intact, report.problem.is_none());
-    if let Some(p) = &report.problem {
+    assert_eq!(report.intact, report.problem.is_none() && report.gaps.is_empty());
+    for p in report.problem.iter().chain(&report.gaps) {
         let (_, bytes) = files.iter().find(|(n, _)| *n == p.file).expect("the problem names a given file");
         let lines = bytes.split(|b| *b == b'\n').count();
         assert!(p.line >= 1 && p.line <= lines, "{p:?}");
     }
+    // Each gap is reported at a record that was verified (counted).
+    assert!(report.gaps.len() as u64 <= report.records, "{report:?}");
     let total_lines: usize = files.iter().map(|(_, b)| b.split(|c| *c == b'\n').count()).sum();
     assert!(report.records as usize <= total_lines);
     let _ = report.render();

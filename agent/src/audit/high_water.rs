@@ -33,9 +33,21 @@
 //!   one this module wrote — is `None`: the append behaves as before the marks existed. A
 //!   mark never makes an append fail; one that cannot be written is a warning.
 //!
-//! What they do not do: resist whoever can rewrite the lock file too (root: the journald
-//! mirror and the platform's heads are the anchors off the host), or name records cut off
-//! the end when no append follows (`verify` reads no marks: the next append records the gap).
+//! What they do not do:
+//! - Survive a power loss whole: they are not flushed (that would double an append's
+//!   cost), so after a crash of the host either may lag the log by up to the kernel's
+//!   write-back interval (~30 s) — and so may they when an append failed after its line was
+//!   durable (the directory's flush) or an older build appended meanwhile. A lagging mark
+//!   records a gap short, or not at all (as before the marks: seqs reused); it never
+//!   records one where no record went missing.
+//! - Resist whoever can remove or rewrite the lock file too (root: the journald mirror and
+//!   the platform's heads are the anchors off the host). A lock file removed with the
+//!   newest file leaves a silent continuation, as before the marks.
+//! - Name records cut off the end when no append follows (`verify` reads no marks: the
+//!   next append records the gap).
+//! - Chain a gap from the right file when the newest rotated file (`.1`) is missing too:
+//!   the record then starts from the genesis, and `verify` reports it (as `edited`, the
+//!   seqs it says are missing overlapping records still there).
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;

@@ -208,6 +208,10 @@ pub(super) fn lines_of(bytes: &[u8]) -> Lines<'_> {
 /// The last record accepted.
 struct Last {
     seq: u64,
+    /// The seq of the record before it in the log (`seq - 1`, or before its recorded gap).
+    follows: u64,
+    /// Its recorded gap is the last one in the report's `gaps`.
+    gap: bool,
     hash: String,
     file: String,
     line: usize,
@@ -463,8 +467,11 @@ fn verify_with<'a, E>(
                             detail: d,
                         };
                         // The edited record was counted when it was read: it is the problem,
-                        // not one of the records verified before it.
-                        uncount_last(&mut report, &mut summary, &p.file, p.file == name);
+                        // not one of the records verified before it (nor is a gap it records).
+                        uncount_last(&mut report, &mut summary, &p.file, p.file == name, p.follows);
+                        if p.gap {
+                            report.gaps.pop();
+                        }
                         report.head = head_before.take();
                         return Ok(fail(report, summary, edited));
                     }
@@ -498,7 +505,7 @@ fn verify_with<'a, E>(
             summary.last_seq = Some(rec.seq);
             let hash = sha256_hex(line);
             head_before = report.head.replace(hash.clone());
-            last = Some(Last { seq: rec.seq, hash, file: name.clone(), line: ln });
+            last = Some(Last { seq: rec.seq, follows, gap: rec.gap.is_some(), hash, file: name.clone(), line: ln });
             i += 1;
         }
         report.files.push(summary);
@@ -523,15 +530,15 @@ fn verify_with<'a, E>(
 }
 
 /// Take the last record counted — in `file` — back out of the report's counts, and out of
-/// that file's summary (`summary` when `in_summary`): seqs go up by exactly one across what
-/// was counted.
-fn uncount_last(report: &mut VerifyReport, summary: &mut FileSummary, file: &str, in_summary: bool) {
+/// that file's summary (`summary` when `in_summary`): the record counted before it is seq
+/// `follows` (seqs go up by one across what was counted, but for a recorded gap).
+fn uncount_last(report: &mut VerifyReport, summary: &mut FileSummary, file: &str, in_summary: bool, follows: u64) {
     let back = |records: &mut u64, first: &mut Option<u64>, last: &mut Option<u64>| {
         *records = records.saturating_sub(1);
         if *records == 0 {
             (*first, *last) = (None, None);
         } else {
-            *last = last.and_then(|s| s.checked_sub(1));
+            *last = Some(follows);
         }
     };
     back(&mut report.records, &mut report.first_seq, &mut report.last_seq);
@@ -726,6 +733,30 @@ mod tests {
             let pr = r.problem.unwrap_or_else(|| panic!("{gap}: {:?}", r.gaps));
             assert!(pr.detail.contains(want), "{gap}: {pr:?}");
         }
+    }
+
+    /// An edited record that recorded a gap: the problem is the edit, the gap it claims is
+    /// not reported, and the records verified before it end at the one before the gap.
+    #[test]
+    fn an_edited_gap_record_is_uncounted_with_its_gap() {
+        let s = Scratch::new("verify-edited-gap");
+        let log = AuditLog::open(AuditSettings::at(&s.log())).unwrap();
+        append(&log, 6);
+        let p = s.log();
+        write(&p, &lines(&p)[..3]);
+        append(&log, 3);
+        let good = lines(&p);
+        assert!(good[3].contains("\"gap\":{\"from\":4,\"to\":6,"), "{}", good[3]);
+        let mut l = good.clone();
+        l[3] = l[3].replace("\"i\":\"0\"", "\"i\":\"9\"");
+        assert_ne!(l[3], good[3]);
+        write(&p, &l);
+        let r = verify(std::slice::from_ref(&p)).unwrap();
+        let pr = r.problem.clone().expect("the edit");
+        assert_eq!((pr.kind, pr.line, pr.seq), (Kind::Edited, 4, Some(7)), "{r:?}");
+        assert!(r.gaps.is_empty(), "{r:?}");
+        assert_eq!((r.records, r.first_seq, r.last_seq), (3, Some(1), Some(3)), "{r:?}");
+        assert_eq!((r.files[0].records, r.files[0].last_seq), (3, Some(3)), "{r:?}");
     }
 
     #[test]
