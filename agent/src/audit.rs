@@ -335,6 +335,8 @@ pub struct Deferred {
     ticket: Option<u64>,
     /// Its journald message, sent once it is durable.
     journal: Option<Vec<u8>>,
+    /// The record as appended: its gap, if any, is reported once it is durable.
+    appended: Appended,
 }
 
 /// What one append wrote.
@@ -444,9 +446,14 @@ fn is_hex64(s: &str) -> bool {
 
 /// Lowercase hex SHA-256.
 pub fn sha256_hex(data: &[u8]) -> String {
+    hex(&sha2::Sha256::digest(data))
+}
+
+/// Lowercase hex of `bytes`.
+pub fn hex(bytes: &[u8]) -> String {
     use std::fmt::Write as _;
-    let mut s = String::with_capacity(64);
-    for b in sha2::Sha256::digest(data).iter() {
+    let mut s = String::with_capacity(2 * bytes.len());
+    for b in bytes {
         let _ = write!(s, "{b:02x}");
     }
     s
@@ -962,7 +969,7 @@ impl AuditLog {
     ) -> Result<(Appended, Deferred), AuditError> {
         let (appended, ticket) = self.append_unflushed(event, fields)?;
         let journal = self.journal.as_ref().map(|_| journal_datagram(event, fields, &appended));
-        Ok((appended, Deferred { ticket, journal }))
+        Ok((appended.clone(), Deferred { ticket, journal, appended }))
     }
 
     /// Return once the `deferred` records are durable — flushed by a flush that began after
@@ -975,8 +982,11 @@ impl AuditLog {
                 AuditError::new(&self.settings.path, format!("a record made before a gate is not durable: {e}"))
             })?;
         }
-        for datagram in deferred.into_iter().filter_map(|d| d.journal) {
-            self.mirror(&datagram);
+        for d in deferred {
+            note_gap(&d.appended);
+            if let Some(datagram) = d.journal {
+                self.mirror(&datagram);
+            }
         }
         Ok(())
     }
@@ -988,6 +998,7 @@ impl AuditLog {
         }
         if wait {
             note_head(&appended);
+            note_gap(&appended);
         }
         if self.journal.is_some() {
             self.mirror(&journal_datagram(event, fields, &appended));
@@ -1003,9 +1014,6 @@ impl AuditLog {
     ) -> Result<(Appended, Option<u64>), AuditError> {
         let lock = self.lock()?;
         let (appended, unflushed) = self.append_locked(&lock, event, fields)?;
-        if let Some((from, to)) = appended.gap {
-            *LAST_GAP.lock().unwrap_or_else(PoisonError::into_inner) = Some((from, to, appended.seq));
-        }
         let ticket = unflushed
             .map(|(file, mark)| self.flush.issue(file, mark, &lock))
             .transpose()
@@ -1399,8 +1407,18 @@ pub fn journald_warning(settings: &AuditSettings) -> Option<String> {
 /// The newest record this process made durable: `(seq, sha256)`.
 static HEAD: Mutex<Option<(u64, String)>> = Mutex::new(None);
 
-/// The latest gap this process recorded: `(from, to, seq of the record that says it)`.
+/// The latest gap this process recorded, once its record was durable: `(from, to, seq of
+/// the record that says it)`.
 static LAST_GAP: Mutex<Option<(u64, u64, u64)>> = Mutex::new(None);
+
+fn note_gap(appended: &Appended) {
+    if let Some((from, to)) = appended.gap {
+        let mut last = LAST_GAP.lock().unwrap_or_else(PoisonError::into_inner);
+        if last.is_none_or(|(_, _, seq)| appended.seq > seq) {
+            *last = Some((from, to, appended.seq));
+        }
+    }
+}
 
 fn note_head(appended: &Appended) {
     let mut head = HEAD.lock().unwrap_or_else(PoisonError::into_inner);
@@ -2111,6 +2129,8 @@ mod tests {
         let lock = File::options().read(true).write(true).create(true).truncate(false).open(s.0.join("lock")).unwrap();
         let mark = |seq: u64| high_water::HighWater { seq, sha256: format!("{seq:064x}") };
         let marked = || high_water::read(&lock).durable.map(|m| m.seq);
+        // The lines' written mark (appends write it under the log's lock, before their flush).
+        high_water::write(&lock, &mark(16), false).unwrap();
         let a = File::create(s.0.join("a")).unwrap();
         let t1 = gc.issue(a.try_clone().unwrap(), mark(11), &lock).unwrap();
         let t2 = gc.issue(a.try_clone().unwrap(), mark(12), &lock).unwrap();

@@ -1,6 +1,7 @@
 //! The log's high-water marks: the seq and SHA-256 of the newest record *written*, and of
 //! the newest record known *durable*, kept in the log's lock file (`<log>.lock`, which no
-//! rotation renames and no set-aside of a log file moves), one 128-byte slot each.
+//! rotation renames and no set-aside of a log file moves), one 192-byte slot each, each
+//! stored with a check digest of itself.
 //!
 //! What they are for: telling records lost to a crash from records taken out of the log.
 //! - When the newest file holds no complete record — missing, or empty — the next append
@@ -28,7 +29,10 @@
 //!   ([`super::GroupCommit`]), by the process that flushed; a later flush of another
 //!   process may write an older one over it (a mark may lag, never lead).
 //! - Each is one `pwrite` (no flush of its own; ~1 µs beside an append's ~200 µs); reading
-//!   both is one `pread`, once an append.
+//!   both is one `pread`, once an append. The durable mark's write holds no lock, so a read
+//!   can see the start of one mark and the end of another: each carries a check digest of
+//!   itself, and a mixed read is no mark (it lags); so is a durable mark past the written
+//!   one.
 //! - A mark that cannot be read — none yet (an older build's lock file is empty), or not
 //!   one this module wrote — is `None`: the append behaves as before the marks existed. A
 //!   mark never makes an append fail; one that cannot be written is a warning.
@@ -55,18 +59,37 @@ use std::os::unix::fs::FileExt;
 use serde::{Deserialize, Serialize};
 
 /// One mark's size on disk: its JSON, padded with spaces, and a newline.
-pub const BYTES: usize = 128;
+pub const BYTES: usize = 192;
 
 /// Where each mark is in the lock file.
 const WRITTEN_AT: u64 = 0;
 const DURABLE_AT: u64 = BYTES as u64;
 
 /// A record of the log: its seq and the SHA-256 of its line as stored (lowercase hex).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HighWater {
     pub seq: u64,
     pub sha256: String,
+}
+
+/// A mark as stored: with `check`, the first 16 hex digits of the SHA-256 of `SEQ:SHA256`.
+/// The durable mark is written without the log's lock (by a flush, after the lock was let
+/// go) while an append may read it: a read can then return the start of one mark and the
+/// end of another — on ext4, at 16-byte boundaries here, and where a copy splits at 8 bytes
+/// `{"seq":9` + `0,…` would read as seq 90, a mark past the log. A mixed read fails its
+/// check and is no mark.
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Stored {
+    seq: u64,
+    sha256: String,
+    check: String,
+}
+
+fn check(seq: u64, sha256: &str) -> String {
+    let mut c = super::sha256_hex(format!("{seq}:{sha256}").as_bytes());
+    c.truncate(16);
+    c
 }
 
 /// The two marks as read.
@@ -85,22 +108,30 @@ impl Marks {
     }
 }
 
-/// The marks in `lock` (one `pread`), each `None` unless this module wrote it.
+/// The marks in `lock` (one `pread`), each `None` unless this module wrote it whole — and
+/// the durable one `None` too when it is past the written one (the written mark is always
+/// written before its record's durable one, under the lock: a durable mark past it is not
+/// one this log's appends left).
 pub fn read(lock: &File) -> Marks {
     let mut buf = [0u8; 2 * BYTES];
     let n = lock.read_at(&mut buf, 0).unwrap_or(0);
     let slot = |at: usize| -> Option<HighWater> {
         let bytes = buf.get(at..(at + BYTES).min(n))?;
-        let mark: HighWater = serde_json::from_slice(bytes.trim_ascii()).ok()?;
-        (mark.seq >= 1 && super::is_hex64(&mark.sha256)).then_some(mark)
+        let s: Stored = serde_json::from_slice(bytes.trim_ascii()).ok()?;
+        (s.seq >= 1 && super::is_hex64(&s.sha256) && s.check == check(s.seq, &s.sha256))
+            .then_some(HighWater { seq: s.seq, sha256: s.sha256 })
     };
-    Marks { written: slot(WRITTEN_AT as usize), durable: slot(DURABLE_AT as usize) }
+    let written = slot(WRITTEN_AT as usize);
+    let durable = slot(DURABLE_AT as usize).filter(|d| written.as_ref().is_some_and(|w| d.seq <= w.seq));
+    Marks { written, durable }
 }
 
 /// One mark's bytes: always [`BYTES`], so a shorter mark leaves nothing of a longer one.
 fn slot(mark: &HighWater) -> std::io::Result<Vec<u8>> {
-    let mut bytes = serde_json::to_vec(mark).map_err(std::io::Error::other)?;
-    // `{"seq":` + 20 digits + `,"sha256":"` + 64 + `"}` is 104 bytes: it always fits.
+    let stored = Stored { seq: mark.seq, sha256: mark.sha256.clone(), check: check(mark.seq, &mark.sha256) };
+    let mut bytes = serde_json::to_vec(&stored).map_err(std::io::Error::other)?;
+    // `{"seq":` + 20 digits + `,"sha256":"` + 64 + `","check":"` + 16 + `"}` is 131 bytes:
+    // it always fits.
     if bytes.len() >= BYTES {
         return Err(std::io::Error::other("a high-water mark does not fit its slot"));
     }
@@ -148,16 +179,44 @@ mod tests {
         assert_eq!(read(&f), Marks { written: Some(long.clone()), durable: Some(long.clone()) });
         assert_eq!(f.metadata().unwrap().len(), 2 * BYTES as u64);
         let short = HighWater { seq: 7, sha256: "0f".repeat(32) };
+        let shorter = HighWater { seq: 6, sha256: "0e".repeat(32) };
+        write(&f, &short, true).unwrap();
+        write(&f, &shorter, false).unwrap();
+        assert_eq!(read(&f), Marks { written: Some(shorter.clone()), durable: None }, "durable past written: none");
         write(&f, &short, false).unwrap();
-        assert_eq!(read(&f), Marks { written: Some(short.clone()), durable: Some(long.clone()) });
-        write_durable(&f, &short).unwrap();
         assert_eq!(read(&f), Marks { written: Some(short.clone()), durable: Some(short.clone()) });
+        write_durable(&f, &shorter).unwrap();
+        assert_eq!(read(&f), Marks { written: Some(short.clone()), durable: Some(shorter.clone()) });
+        assert_eq!(read(&f).newest(), Some(&short));
         assert_eq!(f.metadata().unwrap().len(), 2 * BYTES as u64);
         // Written alone into a fresh lock file: no durable mark.
         let (_s, f) = scratch_file("hw-written-only");
         write(&f, &short, false).unwrap();
         assert_eq!(read(&f), Marks { written: Some(short.clone()), durable: None });
-        assert_eq!(read(&f).newest(), Some(&short));
+    }
+
+    /// A read that sees the start of one durable mark and the end of the next (the durable
+    /// mark is written without the log's lock) is no mark, wherever the two meet — at 8
+    /// bytes, `{"seq":9` + `0,…` would otherwise read as seq 90.
+    #[test]
+    fn a_mixed_read_of_two_marks_is_no_mark() {
+        let (_s, f) = scratch_file("hw-mixed");
+        let nine = slot(&HighWater { seq: 9, sha256: "ab".repeat(32) }).unwrap();
+        let ten = slot(&HighWater { seq: 10, sha256: "cd".repeat(32) }).unwrap();
+        let (w99, w100) = (
+            slot(&HighWater { seq: 99, sha256: "ab".repeat(32) }).unwrap(),
+            slot(&HighWater { seq: 100, sha256: "ab".repeat(32) }).unwrap(),
+        );
+        let written = slot(&HighWater { seq: 1000, sha256: "ef".repeat(32) }).unwrap();
+        for (old, new) in [(&nine, &ten), (&w99, &w100)] {
+            for cut in 1..BYTES {
+                let mixed = [&old[..cut], &new[cut..]].concat();
+                f.write_all_at(&[&written[..], &mixed[..]].concat(), 0).unwrap();
+                if mixed != *old && mixed != *new {
+                    assert_eq!(read(&f).durable, None, "cut {cut}: {}", String::from_utf8_lossy(&mixed));
+                }
+            }
+        }
     }
 
     #[test]

@@ -484,8 +484,8 @@ fn verify_with<'a, E>(
                     seq,
                     format!(
                         "{span} missing: when this record was appended, records up to seq {} had been written (the \
-                         last with sha256 {}), but the newest file held none of them — it was set aside, removed or \
-                         emptied",
+                         last with sha256 {}), but the log no longer held them — its newest file set aside, removed, \
+                         emptied or cut short, or the log put back to an older copy",
                         g.to, g.sha256
                     ),
                 ));
