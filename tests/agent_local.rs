@@ -554,6 +554,50 @@ fn a_newest_file_set_aside_under_a_running_agent_is_recorded_and_reported() {
     assert!(stdout.contains(&format!("{}:1: removed", log.display())), "{stdout}");
 }
 
+/// Seed 001's "agent binary integrity verification": the agent hashes the binary it runs
+/// from and the runtime it starts sandboxes with — off its start path —, records the
+/// digests in the audit log (`agent_binaries`) and reports them in every ping, for a
+/// platform that holds the shipped builds' digests to compare.
+#[test]
+fn the_agents_binaries_are_hashed_recorded_and_reported() {
+    if !common::require_root() {
+        return;
+    }
+    let exe = Path::new(common::opservant()).to_path_buf();
+    let runtime = exe.with_file_name("opservant-runtime");
+    let want = |p: &Path| sha256_hex(&std::fs::read(p).unwrap());
+    let (exe_sha, runtime_sha) = (want(&exe), want(&runtime));
+    let mut a = Agent::new(1);
+    a.start();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let binaries = (1..)
+        .map(|n| {
+            let (code, pong) = a.submit(&a.sign(&json!({"command_id": format!("bin-{n}"), "action": "ping"})));
+            assert_eq!(code, 0, "{pong}");
+            assert!(Instant::now() < deadline, "still pending: {pong}");
+            std::thread::sleep(Duration::from_millis(100));
+            pong["output"]["binaries"].clone()
+        })
+        .find(|b| b.get("pending").is_none())
+        .unwrap();
+    assert_eq!(binaries["opservant"]["sha256"], exe_sha, "{binaries}");
+    assert_eq!(binaries["opservant_runtime"]["sha256"], runtime_sha, "{binaries}");
+    assert_eq!(binaries["opservant_runtime"]["path"], runtime.to_str().unwrap(), "{binaries}");
+    assert_eq!(
+        (&binaries["opservant"]["replaced_since"], &binaries["opservant_runtime"]["replaced_since"]),
+        (&json!(false), &json!(false)),
+        "{binaries}"
+    );
+    assert!(a.stop().success());
+    let events = a.audit_events();
+    let recorded = events.iter().find(|e| e["event"] == "agent_binaries").expect("agent_binaries recorded");
+    assert_eq!(
+        (&recorded["fields"]["opservant_sha256"], &recorded["fields"]["runtime_sha256"], &recorded["fields"]["build"]),
+        (&json!(exe_sha), &json!(runtime_sha), &json!(agent::app::BUILD)),
+        "{recorded}"
+    );
+}
+
 #[test]
 fn the_daemon_writes_no_core_dump() {
     if !common::require_root() {

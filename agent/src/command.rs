@@ -571,6 +571,7 @@ impl Pipeline {
             "install_failures": self.install_failures,
             "sandboxes": self.launch_status(),
             "audit": crate::audit::health(),
+            "binaries": crate::integrity::report(),
         }})
     }
 

@@ -268,6 +268,9 @@ pub fn serve(pipeline: Pipeline, socket: &Path, platform: Option<crate::platform
         "agent_start",
         &[("socket", &socket.to_string_lossy()), ("pid", &std::process::id().to_string())],
     );
+    // The binaries' digests, off the start path: `agent_binaries` in the log, `binaries` in
+    // pings and heartbeats.
+    crate::integrity::start();
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     // Commands from the platform taken but not yet answered (the drain waits for them).
     let platform_commands = Arc::new(std::sync::atomic::AtomicUsize::new(0));

@@ -16,6 +16,7 @@ pub mod executor_install;
 pub mod executor_run;
 pub mod executor_test;
 pub mod inflight;
+pub mod integrity;
 pub mod launch;
 pub mod limits;
 pub mod lint;

@@ -669,6 +669,7 @@ pub fn run(
                     "install_failures": pipeline.install_failures,
                     "sandboxes": pipeline.launch_status(),
                     "audit": crate::audit::health(),
+                    "binaries": crate::integrity::report(),
                     "doctor": {"ok": !doctor.failed(), "degraded": doctor.degraded},
                 });
                 if let Err(e) = platform.post("heartbeat", &body) {

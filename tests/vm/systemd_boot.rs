@@ -66,10 +66,11 @@ struct Ctx {
 }
 
 fn in_vm() -> ExitCode {
-    let checks: [(&str, guest::Check<Ctx>); 10] = [
+    let checks: [(&str, guest::Check<Ctx>); 11] = [
         ("pid1_is_systemd", pid1_is_systemd),
         ("install", install),
         ("start_reaches_ready", start_reaches_ready),
+        ("binaries_hashed_under_the_unit", binaries_hashed_under_the_unit),
         ("port_scan_fully_isolated", port_scan_fully_isolated),
         ("declared_path_readable", declared_path_readable),
         ("egress_wired", egress_wired),
@@ -242,6 +243,35 @@ fn install(ctx: &Ctx) -> Result<(), String> {
     )
     .map_err(|e| e.to_string())?;
     run("systemctl daemon-reload")?;
+    Ok(())
+}
+
+/// The agent hashes its binaries under the unit's restrictions (`/proc/self/exe`, the
+/// runtime beside it): pings carry the digests `sha256sum` gives, and the log records them.
+fn binaries_hashed_under_the_unit(_: &Ctx) -> Result<(), String> {
+    let digest = |p: &str| -> Result<String, String> {
+        Ok(run(&format!("sha256sum {p}"))?.split_whitespace().next().unwrap_or_default().to_string())
+    };
+    let (opservant, runtime) = (digest("/usr/bin/opservant")?, digest("/usr/bin/opservant-runtime")?);
+    // Hashing ~300 MB of debug binaries under TCG takes a while: pings say `pending` meanwhile.
+    let deadline = Instant::now() + Duration::from_secs(240);
+    let mut n = 0;
+    let binaries = loop {
+        n += 1;
+        let (code, r) = submit(&json!({"command_id": format!("boot-binaries-{n}"), "action": "ping"}))?;
+        ensure!(code == 0, "ping: exit {code}: {r}");
+        let b = r["output"]["binaries"].clone();
+        if b.get("pending").is_none() {
+            break b;
+        }
+        ensure!(Instant::now() < deadline, "binaries still pending after 240 s: {r}");
+        std::thread::sleep(Duration::from_secs(2));
+    };
+    ensure!(binaries["opservant"]["sha256"] == opservant.as_str(), "opservant: {binaries} (sha256sum: {opservant})");
+    ensure!(
+        binaries["opservant_runtime"]["sha256"] == runtime.as_str(),
+        "opservant-runtime: {binaries} (sha256sum: {runtime})"
+    );
     Ok(())
 }
 
