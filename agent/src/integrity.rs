@@ -8,10 +8,12 @@
 //!   (the running inode, even once an upgrade replaced or removed the path).
 //! - The runtime's digest is of the file at [`crate::executor_run::runtime_binary`] when it
 //!   was hashed; a report says `replaced_since: true` once the file there is no longer that
-//!   one (another inode, size or modification time), as after an upgrade under a running
+//!   one (another inode, size, or change time — which no one can set back), as after an upgrade under a running
 //!   agent (which [`crate::app::BUILD`]'s check then refuses to use, until a restart).
-//! - Both are computed once, off the agent's start path (a thread of `SCHED_IDLE` priority:
-//!   ~20 MB of release binaries, ~45 ms here), recorded in the audit log as `agent_binaries` and carried by every ping and
+//! - Both are computed once, off the agent's start path (a thread: ~20 MB of release
+//!   binaries, ~45 ms of one CPU here; at normal priority — the unit's system-call filter
+//!   refuses `sched_setscheduler` and `setpriority`, and a thread at idle priority that
+//!   then appends the audit record would hold the log's lock and flush for others), recorded in the audit log as `agent_binaries` and carried by every ping and
 //!   heartbeat (`binaries`); until then a report says `pending`. A file that cannot be read
 //!   is reported with its error, never as a digest.
 //!
@@ -32,7 +34,7 @@ use sha2::Digest as _;
 pub struct Hashed {
     pub path: PathBuf,
     pub sha256: Result<String, String>,
-    /// `(st_dev, st_ino, size, mtime ns)` of what was hashed, to tell a replacement by.
+    /// `(st_dev, st_ino, size, ctime ns)` of what was hashed, to tell a replacement by.
     identity: Option<(u64, u64, u64, i128)>,
 }
 
@@ -46,7 +48,7 @@ pub struct Binaries {
 static BINARIES: OnceLock<Binaries> = OnceLock::new();
 
 fn identity(m: &std::fs::Metadata) -> (u64, u64, u64, i128) {
-    (m.dev(), m.ino(), m.size(), i128::from(m.mtime()) * 1_000_000_000 + i128::from(m.mtime_nsec()))
+    (m.dev(), m.ino(), m.size(), i128::from(m.ctime()) * 1_000_000_000 + i128::from(m.ctime_nsec()))
 }
 
 /// SHA-256 (lowercase hex) of the file at `path`, streamed; with the identity of what was
@@ -71,11 +73,15 @@ pub fn hash_file(path: &Path) -> Hashed {
     }
 }
 
-/// Hash the agent's binaries, once (a later call does nothing).
-pub fn hash_binaries() -> &'static Binaries {
+/// Hash the agent's binaries, once (a later call waits for the first, then does nothing):
+/// only [`start`]'s thread calls it, so a ping never waits for it.
+fn hash_binaries() -> &'static Binaries {
     BINARIES.get_or_init(|| {
+        // The path first: once an upgrade replaced the file, `current_exe` names it
+        // `… (deleted)` (and the report then says `replaced_since`).
+        let exe = std::env::current_exe();
         let mut opservant = hash_file(Path::new("/proc/self/exe"));
-        if let Ok(exe) = std::env::current_exe() {
+        if let Ok(exe) = exe {
             opservant.path = exe;
         }
         let runtime = crate::executor_run::runtime_binary().ok().map(|p| hash_file(&p));
@@ -87,7 +93,6 @@ pub fn hash_binaries() -> &'static Binaries {
 /// (`agent_binaries`): the daemon calls it as it starts.
 pub fn start() {
     let spawned = std::thread::Builder::new().name("integrity".into()).spawn(|| {
-        idle_priority();
         let b = hash_binaries();
         let digest = |h: &Hashed| match &h.sha256 {
             Ok(d) => d.clone(),
@@ -115,19 +120,6 @@ pub fn start() {
     }
 }
 
-/// Run the calling thread only when a CPU would otherwise idle (`SCHED_IDLE`): hashing must
-/// not take CPU from sandboxes or commands (a debug build's ~300 MB take ~0.35 s here, far
-/// longer in an emulated VM). Lowering one's own policy needs no privilege; if it fails, the
-/// thread runs at its normal priority, which is logged.
-fn idle_priority() {
-    let param = libc::sched_param { sched_priority: 0 };
-    // SAFETY: sched_setscheduler on pid 0 changes the calling thread's policy only; `param`
-    // is a valid sched_param that outlives the call.
-    if unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) } != 0 {
-        tracing::debug!(error = %std::io::Error::last_os_error(), "integrity: SCHED_IDLE refused; hashing at normal priority");
-    }
-}
-
 /// What pings and heartbeats carry (`binaries`).
 pub fn report() -> Value {
     let Some(b) = BINARIES.get() else { return json!({"pending": true}) };
@@ -151,6 +143,7 @@ pub fn report() -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::FileExt;
 
     #[test]
     fn a_files_digest_and_its_replacement_are_told() {
@@ -162,6 +155,15 @@ mod tests {
         // SHA-256("abc"), FIPS 180-2's example.
         assert_eq!(h.sha256.as_deref(), Ok("ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"));
         assert_eq!(h.identity, Some(identity(&std::fs::metadata(&p).unwrap())));
+        // Rewritten in place, same size, its modification time put back: the change time
+        // (which no one can set back) tells it.
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let mtime = std::fs::metadata(&p).unwrap().modified().unwrap();
+        std::fs::OpenOptions::new().write(true).open(&p).unwrap().write_all_at(b"abd", 0).unwrap();
+        std::fs::File::options().write(true).open(&p).unwrap().set_modified(mtime).unwrap();
+        assert_eq!(std::fs::metadata(&p).unwrap().modified().unwrap(), mtime);
+        assert_ne!(h.identity, Some(identity(&std::fs::metadata(&p).unwrap())), "rewritten in place");
+        std::fs::write(&p, b"abc").unwrap();
         // Replaced by a rename (an upgrade): another inode.
         std::fs::write(dir.join("new"), b"abc").unwrap();
         std::fs::rename(dir.join("new"), &p).unwrap();
