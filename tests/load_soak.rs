@@ -189,6 +189,11 @@ fn load_and_soak_leave_nothing_behind() {
         zygote.is_some()
     });
     let zygote = zygote.expect("the agent runs a zygote");
+    // The agent hashes its binaries on a thread as it starts (its files open meanwhile):
+    // done, and recorded, before the baseline is taken.
+    let hashed = || a.audit_events().iter().any(|e| e["event"] == "agent_binaries");
+    settle(hashed);
+    assert!(hashed(), "the agent's binaries were not hashed and recorded within 10 s");
 
     // Warm up, concurrently like the load, so allocator arenas and thread stacks exist.
     std::thread::scope(|s| {
