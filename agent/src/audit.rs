@@ -335,8 +335,8 @@ pub struct Deferred {
     ticket: Option<u64>,
     /// Its journald message, sent once it is durable.
     journal: Option<Vec<u8>>,
-    /// The record as appended: its gap, if any, is reported once it is durable.
-    appended: Appended,
+    /// Its gap, if any (`from`, `to`, its seq): reported once it is durable.
+    gap: Option<(u64, u64, u64)>,
 }
 
 /// What one append wrote.
@@ -372,9 +372,10 @@ pub struct Record {
 }
 
 /// Records missing from the log, as the record after them says (`"gap":{"from","to",
-/// "sha256"}`): the newest file held no complete record when it was appended, though the
-/// log's high-water mark ([`high_water`]) said records up to `to` had been written — the file
-/// was set aside, removed or emptied. The record's seq is `to + 1`; `from` follows the last
+/// "sha256"}`): when it was appended, the log's high-water marks ([`high_water`]) said
+/// records up to `to` had been written, but the log no longer held them — its newest file set
+/// aside, removed, emptied or cut short, or the log put back to an older copy. The record's
+/// seq is `to + 1`; `from` follows the last
 /// record still in the log (1 when none is); `sha256` is the hash of record `to` as it was
 /// written, to find it by in a copy (the set-aside file, journald's mirror).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -540,7 +541,7 @@ struct Head {
     continues: Option<(String, u64)>,
     /// With `continues`, after a rotation: the first seq of the oldest rotated file kept.
     oldest_kept: Option<u64>,
-    /// Records written after this head are missing (the newest file held none of them).
+    /// Records written after this head that the log no longer holds.
     gap: Option<Gap>,
 }
 
@@ -969,7 +970,8 @@ impl AuditLog {
     ) -> Result<(Appended, Deferred), AuditError> {
         let (appended, ticket) = self.append_unflushed(event, fields)?;
         let journal = self.journal.as_ref().map(|_| journal_datagram(event, fields, &appended));
-        Ok((appended.clone(), Deferred { ticket, journal, appended }))
+        let gap = appended.gap.map(|(from, to)| (from, to, appended.seq));
+        Ok((appended, Deferred { ticket, journal, gap }))
     }
 
     /// Return once the `deferred` records are durable — flushed by a flush that began after
@@ -983,7 +985,7 @@ impl AuditLog {
             })?;
         }
         for d in deferred {
-            note_gap(&d.appended);
+            note_gap(d.gap);
             if let Some(datagram) = d.journal {
                 self.mirror(&datagram);
             }
@@ -998,7 +1000,7 @@ impl AuditLog {
         }
         if wait {
             note_head(&appended);
-            note_gap(&appended);
+            note_gap(appended.gap.map(|(from, to)| (from, to, appended.seq)));
         }
         if self.journal.is_some() {
             self.mirror(&journal_datagram(event, fields, &appended));
@@ -1411,11 +1413,11 @@ static HEAD: Mutex<Option<(u64, String)>> = Mutex::new(None);
 /// the record that says it)`.
 static LAST_GAP: Mutex<Option<(u64, u64, u64)>> = Mutex::new(None);
 
-fn note_gap(appended: &Appended) {
-    if let Some((from, to)) = appended.gap {
+fn note_gap(gap: Option<(u64, u64, u64)>) {
+    if let Some(gap) = gap {
         let mut last = LAST_GAP.lock().unwrap_or_else(PoisonError::into_inner);
-        if last.is_none_or(|(_, _, seq)| appended.seq > seq) {
-            *last = Some((from, to, appended.seq));
+        if last.is_none_or(|(_, _, seq)| gap.2 > seq) {
+            *last = Some(gap);
         }
     }
 }

@@ -7,10 +7,11 @@
 //! record is the genesis or a continuation, a non-record line is accepted only as a torn line
 //! the next record repairs, exactly); nothing is skipped silently — continuations of files not
 //! given and repairs are notes in the report. Records the log itself says are missing (a
-//! record with a `gap`: the newest file was set aside, removed, emptied or cut short) are
-//! reported as `removed` in `gaps`, every one, and the log is not intact — but the check goes
-//! on past them, so a recorded gap never hides a later problem. Files are read one at a time,
-//! so memory is bounded by the largest file, not the whole log.
+//! record with a `gap`: the newest file set aside, removed, emptied or cut short, or the log
+//! put back to an older copy) are reported as `removed` in `gaps`, every one, and the log is
+//! not intact — but the check goes on past them, so a recorded gap never hides a later
+//! problem. Files are read one at a time, so memory is bounded by the largest file, not the
+//! whole log.
 
 use std::path::{Path, PathBuf};
 
