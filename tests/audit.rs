@@ -354,6 +354,29 @@ fn tampering_is_reported_at_the_first_broken_record() {
     assert_eq!(opservant(&["audit", "verify", "--bogus"]).code, 2);
 }
 
+/// Whole records cut off the end of the log: the chain alone cannot show it (the file given
+/// by name verifies), but `verify` of the configured log checks its end against the lock
+/// file's durable mark and reports it at once; the next append records the gap, numbered
+/// after the records cut off.
+#[test]
+fn records_cut_off_the_end_are_reported_at_once_and_recorded_by_the_next_append() {
+    if !require_root() {
+        return;
+    }
+    let (log, exec) = log_with_runs(3);
+    let l = log.lines();
+    write_lines(&log.path, &l[..4]);
+    assert_eq!(log.verify(&[&log.path]).code, 0, "a cut tail is a valid chain");
+    let out = log.verify(&[]);
+    assert_problem(&out, &log.path, 4, "removed: seq 5..6 missing at the end of the log");
+    assert!(out.stdout.contains("durable"), "{}", out.stdout);
+    log.run(&exec);
+    let r = log.records();
+    assert_eq!((&r[4]["seq"], &r[4]["gap"]["from"], &r[4]["gap"]["to"]), (&json!(7), &json!(5), &json!(6)), "{r:?}");
+    assert_eq!(r[4]["gap"]["sha256"], sha256_hex(l[5].as_bytes()));
+    assert_problem(&log.verify(&[]), &log.path, 5, "removed (seq 7): seq 5..6 missing");
+}
+
 #[test]
 fn rotation_carries_the_chain_across_files() {
     if !require_root() {

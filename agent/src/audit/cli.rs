@@ -5,7 +5,9 @@
 //! `--config` (default `$OPSERVANT_CONFIG`, else `/etc/opservant/config.yaml` when it exists)
 //! says where the log is.
 //!
-//! Guarantees: `verify` exits 0 only when every given file verifies as one chain, 1 with the
+//! Guarantees: `verify` exits 0 only when every given file verifies as one chain — and, for
+//! the configured log, when its end is where its lock file's high-water marks say
+//! ([`super::verify::against_marks`]) —, 1 with the
 //! first problem as `FILE:LINE: KIND …` on stdout's first line (or in the JSON's `problem`),
 //! and 2 (an error returned to the caller) when a file cannot be read. `tail` prints only
 //! complete lines; an unfinished last line waits for its `\n` under `--follow`. Memory is
@@ -22,7 +24,7 @@ use std::time::Duration;
 use serde_json::Value;
 use thiserror::Error;
 
-use super::verify::{chain_files, lines_of, too_large, verify, verify_all, MAX_FILE_BYTES};
+use super::verify::{against_marks, chain_files, lines_of, too_large, verify, verify_all, MAX_FILE_BYTES};
 use super::{summary, AuditError, AuditSettings};
 use crate::config::{Config, ConfigError};
 
@@ -85,7 +87,14 @@ pub fn main(command: AuditCommand) -> Result<ExitCode, CliError> {
             };
             // The configured log is checked whole (its oldest file must begin where the
             // last rotation said); files given by name may be any consecutive part of it.
-            let check = |f: &[PathBuf]| if configured.is_some() { verify_all(f) } else { verify(f) };
+            // Its end is checked against the lock file's high-water marks too.
+            let check = |f: &[PathBuf]| match &configured {
+                Some(path) => verify_all(f).map(|mut r| {
+                    against_marks(&mut r, path);
+                    r
+                }),
+                None => verify(f),
+            };
             let first = list(&configured).and_then(|f| check(&f));
             // Verification takes no lock, so an append or a rotation running meanwhile can
             // look like a torn line, a missing record or a vanished file. A problem is

@@ -47,8 +47,9 @@
 //! - Resist whoever can remove or rewrite the lock file too (root: the journald mirror and
 //!   the platform's heads are the anchors off the host). A lock file removed with the
 //!   newest file leaves a silent continuation, as before the marks.
-//! - Name records cut off the end when no append follows (`verify` reads no marks: the
-//!   next append records the gap).
+//! - Tell an append about records missing before it reads the log: the next append records
+//!   the gap; until then `verify` of the configured log reports it
+//!   ([`super::verify::against_marks`]), `verify` of files given by name does not.
 //! - Chain a gap from the right file when the newest rotated file (`.1`) is missing too:
 //!   the record then starts from the genesis, and `verify` reports it (as `edited`, the
 //!   seqs it says are missing overlapping records still there).

@@ -530,6 +530,51 @@ fn verify_with<'a, E>(
     Ok(report)
 }
 
+/// Check the end of the configured log (`path`, whose files `report` verified whole) against
+/// its lock file's high-water marks ([`super::high_water`]): records a mark names past the
+/// log's last are missing from its end — cut off, the newest file set aside, removed or
+/// emptied, or the log put back to an older copy — before any append has recorded the gap.
+/// Reported like a recorded gap (`removed`, in `gaps`; not intact), at the newest file's
+/// last line. The mark is the durable one while the newest file holds records (a crash
+/// can leave the written one past lines never flushed), either one when it holds none
+/// (where a rotation cut short leaves the written mark at `.1`'s last record). Only on a
+/// chain otherwise intact: a problem's report stops before the log's end. Read without the
+/// log's lock, a mark may name a record appended since the files were read: the caller
+/// confirms a problem under the shared lock, as it does any other.
+pub fn against_marks(report: &mut VerifyReport, path: &Path) {
+    if report.problem.is_some() {
+        return;
+    }
+    let lock = super::lock_path(path);
+    let Ok(f) = crate::bounded::open_regular_nofollow(&lock, std::fs::OpenOptions::new().read(true)) else {
+        return;
+    };
+    let marks = super::high_water::read(&f);
+    let name = path.display().to_string();
+    let newest = report.files.last().filter(|s| s.path == name);
+    let (mark, kind) = match newest.filter(|s| s.records > 0) {
+        Some(_) => (marks.durable.as_ref(), "durable"),
+        None => (marks.newest(), "written"),
+    };
+    let last = report.last_seq.unwrap_or(0);
+    let Some(m) = mark.filter(|m| m.seq > last) else { return };
+    let from = last + 1;
+    let span = if from == m.seq { format!("seq {from}") } else { format!("seq {from}..{}", m.seq) };
+    report.gaps.push(Problem {
+        file: name,
+        line: newest.map_or(0, |s| s.lines),
+        seq: None,
+        kind: Kind::Removed,
+        detail: format!(
+            "{span} missing at the end of the log: its lock file's high-water mark says records up to seq {} were \
+             {kind} (the last with sha256 {}), but the log ends at seq {last} — cut off its end, its newest file set \
+             aside, removed or emptied, or the log put back to an older copy (the next append records the gap)",
+            m.seq, m.sha256
+        ),
+    });
+    report.intact = false;
+}
+
 /// Take the last record counted — in `file` — back out of the report's counts, and out of
 /// that file's summary (`summary` when `in_summary`): the record counted before it is seq
 /// `follows` (seqs go up by one across what was counted, but for a recorded gap).
@@ -758,6 +803,52 @@ mod tests {
         assert!(r.gaps.is_empty(), "{r:?}");
         assert_eq!((r.records, r.first_seq, r.last_seq), (3, Some(1), Some(3)), "{r:?}");
         assert_eq!((r.files[0].records, r.files[0].last_seq), (3, Some(3)), "{r:?}");
+    }
+
+    /// The configured log's end against its lock file's marks: records cut off its end, or
+    /// its newest file set aside, are missing before any append records the gap; an intact
+    /// log, and a rotation cut short, are not.
+    #[test]
+    fn the_logs_end_is_checked_against_its_marks() {
+        let whole = |p: &Path| {
+            let mut r = verify_all(&chain_files(p).unwrap()).unwrap();
+            against_marks(&mut r, p);
+            r
+        };
+        let (s, p) = log_with(5);
+        let r = whole(&p);
+        assert!(r.intact && r.gaps.is_empty(), "{r:?}");
+        write(&p, &lines(&p)[..3]);
+        assert!(verify(std::slice::from_ref(&p)).unwrap().intact, "the chain alone does not show the cut");
+        let r = whole(&p);
+        assert!(!r.intact && r.problem.is_none(), "{r:?}");
+        let g = &r.gaps[0];
+        assert_eq!((g.kind, g.line, &g.file), (Kind::Removed, 3, &p.display().to_string()), "{g:?}");
+        assert!(
+            g.detail.starts_with("seq 4..5 missing at the end of the log") && g.detail.contains("durable"),
+            "{g:?}"
+        );
+        drop(s);
+
+        // A rotated log: its newest file set aside; then a rotation cut short (no gap).
+        let s = Scratch::new("marks-rotated");
+        let mut settings = AuditSettings::at(&s.log());
+        (settings.max_bytes, settings.keep) = (1024, 4);
+        let log = AuditLog::open(settings.clone()).unwrap();
+        while !settings.rotated(1).exists() || lines(&s.log()).len() < 2 {
+            append(&log, 1);
+        }
+        let aside = s.0.join("aside");
+        std::fs::rename(s.log(), &aside).unwrap();
+        let r = whole(&s.log());
+        assert_eq!(r.gaps.len(), 1, "{r:?}");
+        assert!(r.gaps[0].detail.contains("missing at the end of the log") && r.gaps[0].detail.contains("written"));
+        std::fs::rename(&aside, s.log()).unwrap();
+        assert!(whole(&s.log()).intact);
+        log.rotate().unwrap();
+        assert!(!s.log().exists());
+        let r = whole(&s.log());
+        assert!(r.intact, "a rotation cut short after its rename: {r:?}");
     }
 
     #[test]
