@@ -643,7 +643,7 @@ fn an_unwritable_log_stops_the_run_before_it_starts() {
     assert_eq!(records[0]["gap"], json!({"from": 1, "to": 2, "sha256": last_written}));
     let out = log.verify(&[]);
     assert_problem(&out, &log.path, 1, "removed (seq 3): seq 1..2 missing");
-    assert!(out.stdout.contains("(a recorded gap: NOT INTACT): 2 records"), "{}", out.stdout);
+    assert!(out.stdout.contains("(a gap: NOT INTACT): 2 records"), "{}", out.stdout);
     let out = opservant(&["audit", "verify", "--json", "--config", log.conf()]);
     assert_eq!(out.code, 1, "{out:?}");
     let j: Value = serde_json::from_str(out.stdout.trim()).unwrap();

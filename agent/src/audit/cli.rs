@@ -7,8 +7,9 @@
 //!
 //! Guarantees: `verify` exits 0 only when every given file verifies as one chain — and, for
 //! the configured log, when its end is where its lock file's high-water marks say
-//! ([`super::verify::against_marks`]) —, 1 with the
-//! first problem as `FILE:LINE: KIND …` on stdout's first line (or in the JSON's `problem`),
+//! ([`super::verify::against_marks`]; a lock file it cannot read is a note) —, 1 with the
+//! first problem as `FILE:LINE: KIND …` on stdout's first line (or in the JSON's `problem`,
+//! or `gaps` for records missing),
 //! and 2 (an error returned to the caller) when a file cannot be read. `tail` prints only
 //! complete lines; an unfinished last line waits for its `\n` under `--follow`. Memory is
 //! bounded on any log: both refuse a file larger than [`MAX_FILE_BYTES`] before reading it
@@ -24,7 +25,7 @@ use std::time::Duration;
 use serde_json::Value;
 use thiserror::Error;
 
-use super::verify::{against_marks, chain_files, lines_of, too_large, verify, verify_all, MAX_FILE_BYTES};
+use super::verify::{against_marks, chain_files, lines_of, marks_of, too_large, verify, verify_all, MAX_FILE_BYTES};
 use super::{summary, AuditError, AuditSettings};
 use crate::config::{Config, ConfigError};
 
@@ -81,21 +82,22 @@ pub fn main(command: AuditCommand) -> Result<ExitCode, CliError> {
                 .as_ref()
                 .map_or(std::time::Duration::from_secs(super::DEFAULT_LOCK_WAIT_SECONDS), |s| s.lock_wait);
             let configured = configured_settings.map(|s| s.path);
-            let list = |c: &Option<PathBuf>| match c {
-                Some(path) => chain_files(path),
-                None => Ok(files.clone()),
-            };
             // The configured log is checked whole (its oldest file must begin where the
             // last rotation said); files given by name may be any consecutive part of it.
-            // Its end is checked against the lock file's high-water marks too.
-            let check = |f: &[PathBuf]| match &configured {
-                Some(path) => verify_all(f).map(|mut r| {
-                    against_marks(&mut r, path);
-                    r
-                }),
-                None => verify(f),
+            // Its end is checked against the lock file's high-water marks too, read before
+            // the files are listed: a mark then names only records already in them (an
+            // append landing while the files are read would otherwise send every verify of
+            // a busy log to the locked pass below).
+            let check = || match &configured {
+                Some(path) => {
+                    let marks = marks_of(path);
+                    let mut r = verify_all(&chain_files(path)?)?;
+                    against_marks(&mut r, path, marks);
+                    Ok(r)
+                }
+                None => verify(&files),
             };
-            let first = list(&configured).and_then(|f| check(&f));
+            let first = check();
             // Verification takes no lock, so an append or a rotation running meanwhile can
             // look like a torn line, a missing record or a vanished file. A problem is
             // therefore confirmed by a second pass under a shared lock (appenders wait for
@@ -112,7 +114,7 @@ pub fn main(command: AuditCommand) -> Result<ExitCode, CliError> {
                     let _shared = super::lock::shared(f, &lock, lock_wait).map_err(|e| {
                         AuditError::new(&lock, format!("{e}; the problem found could not be confirmed"))
                     })?;
-                    check(&list(&configured)?)?
+                    check()?
                 }
             };
             let text = if json {

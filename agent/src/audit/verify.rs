@@ -127,8 +127,8 @@ impl VerifyReport {
                 let s = if files == 1 { "" } else { "s" };
                 let but = match self.gaps.len() {
                     0 => String::new(),
-                    1 => " but for the records missing above (a recorded gap: NOT INTACT)".to_string(),
-                    n => format!(" but for the records missing above ({n} recorded gaps: NOT INTACT)"),
+                    1 => " but for the records missing above (a gap: NOT INTACT)".to_string(),
+                    n => format!(" but for the records missing above ({n} gaps: NOT INTACT)"),
                 };
                 out.push_str(&format!("chain intact{but}: {} in {files} file{s}{range}\n", records(self.records)));
             }
@@ -530,46 +530,64 @@ fn verify_with<'a, E>(
     Ok(report)
 }
 
+/// The high-water marks in the lock file of the log at `path` ([`super::high_water`]), or
+/// why they cannot be read.
+pub fn marks_of(path: &Path) -> Result<super::high_water::Marks, String> {
+    let lock = super::lock_path(path);
+    crate::bounded::open_regular_nofollow(&lock, std::fs::OpenOptions::new().read(true))
+        .map(|f| super::high_water::read(&f))
+        .map_err(|e| format!("{}: {e}", lock.display()))
+}
+
 /// Check the end of the configured log (`path`, whose files `report` verified whole) against
-/// its lock file's high-water marks ([`super::high_water`]): records a mark names past the
-/// log's last are missing from its end — cut off, the newest file set aside, removed or
-/// emptied, or the log put back to an older copy — before any append has recorded the gap.
-/// Reported like a recorded gap (`removed`, in `gaps`; not intact), at the newest file's
-/// last line. The mark is the durable one while the newest file holds records (a crash
-/// can leave the written one past lines never flushed), either one when it holds none
-/// (where a rotation cut short leaves the written mark at `.1`'s last record). Only on a
-/// chain otherwise intact: a problem's report stops before the log's end. Read without the
-/// log's lock, a mark may name a record appended since the files were read: the caller
-/// confirms a problem under the shared lock, as it does any other.
-pub fn against_marks(report: &mut VerifyReport, path: &Path) {
+/// its lock file's high-water `marks`, read before its files were listed (so that they name
+/// only records already written to them): records a mark names past the log's last are
+/// missing from its end — cut off, the newest file set aside, removed or emptied, or the log
+/// put back to an older copy — before any append has recorded the gap. Reported as the
+/// append will record it (`removed`, in `gaps`; not intact), at the last line of the newest
+/// file verified: missing when the newest file holds records and the durable mark is past
+/// its last (a crash can leave the written mark past lines never flushed), or when it holds
+/// none and either mark is past the log's last (a rotation cut short leaves the written mark
+/// at `.1`'s last record); the range up to the newer mark. Only on a chain otherwise intact:
+/// a problem's report stops before the log's end. Marks that cannot be read are a note.
+pub fn against_marks(report: &mut VerifyReport, path: &Path, marks: Result<super::high_water::Marks, String>) {
     if report.problem.is_some() {
         return;
     }
-    let lock = super::lock_path(path);
-    let Ok(f) = crate::bounded::open_regular_nofollow(&lock, std::fs::OpenOptions::new().read(true)) else {
-        return;
+    let (file, lines) = report.files.last().map_or((String::new(), 0), |s| (s.path.clone(), s.lines));
+    let marks = match marks {
+        Ok(m) => m,
+        Err(e) => {
+            return report.notes.push(Note {
+                file,
+                line: lines,
+                message: format!("the log's end was not checked against its high-water marks: {e}"),
+            })
+        }
     };
-    let marks = super::high_water::read(&f);
-    let name = path.display().to_string();
-    let newest = report.files.last().filter(|s| s.path == name);
-    let (mark, kind) = match newest.filter(|s| s.records > 0) {
-        Some(_) => (marks.durable.as_ref(), "durable"),
-        None => (marks.newest(), "written"),
-    };
+    let newest_holds_records =
+        report.files.last().is_some_and(|s| s.path == path.display().to_string() && s.records > 0);
     let last = report.last_seq.unwrap_or(0);
-    let Some(m) = mark.filter(|m| m.seq > last) else { return };
+    let missing = match newest_holds_records {
+        true => marks.durable.as_ref().is_some_and(|d| d.seq > last),
+        false => marks.newest().is_some_and(|m| m.seq > last),
+    };
+    let Some(m) = marks.newest().filter(|_| missing) else { return };
     let from = last + 1;
     let span = if from == m.seq { format!("seq {from}") } else { format!("seq {from}..{}", m.seq) };
     report.gaps.push(Problem {
-        file: name,
-        line: newest.map_or(0, |s| s.lines),
+        file,
+        line: lines,
         seq: None,
         kind: Kind::Removed,
         detail: format!(
-            "{span} missing at the end of the log: its lock file's high-water mark says records up to seq {} were \
-             {kind} (the last with sha256 {}), but the log ends at seq {last} — cut off its end, its newest file set \
-             aside, removed or emptied, or the log put back to an older copy (the next append records the gap)",
-            m.seq, m.sha256
+            "{span} missing at the end of the log: its lock file's high-water marks say records up to seq {} were \
+             written (the last with sha256 {}{}), but the log ends at seq {last} — cut off its end, its newest file \
+             ({}) set aside, removed or emptied, or the log put back to an older copy; the next append records the gap",
+            m.seq,
+            m.sha256,
+            marks.durable.as_ref().map(|d| format!("; up to seq {} durable", d.seq)).unwrap_or_default(),
+            path.display()
         ),
     });
     report.intact = false;
@@ -746,7 +764,7 @@ mod tests {
         let text = r.render();
         assert!(text.starts_with(&format!("{}:1: removed (seq 4): seq 1..3 missing", p.display())), "{text}");
         assert!(
-            text.contains("chain intact but for the records missing above (a recorded gap: NOT INTACT): 4 records"),
+            text.contains("chain intact but for the records missing above (a gap: NOT INTACT): 4 records"),
             "{text}"
         );
         // An edit after the gap is found, with the gap still reported.
@@ -811,13 +829,26 @@ mod tests {
     #[test]
     fn the_logs_end_is_checked_against_its_marks() {
         let whole = |p: &Path| {
+            let marks = marks_of(p);
             let mut r = verify_all(&chain_files(p).unwrap()).unwrap();
-            against_marks(&mut r, p);
+            against_marks(&mut r, p, marks);
             r
         };
         let (s, p) = log_with(5);
         let r = whole(&p);
         assert!(r.intact && r.gaps.is_empty(), "{r:?}");
+        // Marks read before the files name only records in them: an append in between (a
+        // busy log) is no gap.
+        let log = AuditLog::open(AuditSettings::at(&p)).unwrap();
+        let marks = marks_of(&p);
+        append(&log, 1);
+        let mut r = verify_all(&chain_files(&p).unwrap()).unwrap();
+        against_marks(&mut r, &p, marks);
+        assert!(r.intact, "{r:?}");
+        // Marks that cannot be read: a note, and the chain's verdict stands.
+        let mut r = verify_all(&chain_files(&p).unwrap()).unwrap();
+        against_marks(&mut r, &p, Err("no lock file".into()));
+        assert!(r.intact && r.notes.iter().any(|n| n.message.contains("not checked against its high-water marks")));
         write(&p, &lines(&p)[..3]);
         assert!(verify(std::slice::from_ref(&p)).unwrap().intact, "the chain alone does not show the cut");
         let r = whole(&p);
@@ -825,7 +856,7 @@ mod tests {
         let g = &r.gaps[0];
         assert_eq!((g.kind, g.line, &g.file), (Kind::Removed, 3, &p.display().to_string()), "{g:?}");
         assert!(
-            g.detail.starts_with("seq 4..5 missing at the end of the log") && g.detail.contains("durable"),
+            g.detail.starts_with("seq 4..6 missing at the end of the log") && g.detail.contains("durable"),
             "{g:?}"
         );
         drop(s);
