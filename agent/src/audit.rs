@@ -1051,17 +1051,10 @@ impl AuditLog {
             Some((line, seq)) => Head { line: Some(line.clone()), seq: *seq, ..Head::genesis() },
             None => self.head_from_rotated()?,
         };
-        // Records missing past the head ([`high_water`]): with a newest file that holds no
-        // complete record, any written past the head (a rotation cut short after its rename
-        // leaves the written mark at `.1`'s last record: the file was set aside, removed or
-        // emptied); with one that does, any made durable past its last (they were cut off its
-        // end, or the log was put back to an older copy — a crash loses only lines not yet
-        // durable). The record says which, numbered after them.
-        let missing = match plan.head {
-            Some(_) => marks.durable.as_ref().is_some_and(|d| d.seq > head.seq),
-            None => marks.newest().is_some_and(|m| m.seq > head.seq),
-        };
-        if let Some(last) = marks.newest().filter(|_| missing) {
+        // Records missing past the head ([`high_water::Marks::missing_after`]: the newest
+        // file set aside, removed, emptied or cut short, or the log put back to an older
+        // copy): the record says which, numbered after them.
+        if let Some(last) = marks.missing_after(head.seq, plan.head.is_some()) {
             let from = head.seq + 1;
             tracing::warn!(
                 path = %path.display(),

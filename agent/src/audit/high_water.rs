@@ -111,6 +111,21 @@ impl Marks {
     pub fn newest(&self) -> Option<&HighWater> {
         [&self.written, &self.durable].into_iter().flatten().max_by_key(|m| m.seq)
     }
+
+    /// The last of the records the log no longer holds, if the marks say some are missing
+    /// after `last` — the seq the log ends at — the one rule the appender (which records the
+    /// gap) and `verify` (which reports it first) share: while the newest file holds
+    /// records (`newest_file_holds_records`), a durable mark past `last` (a crash can leave
+    /// the written one past lines never flushed); while it holds none, either mark past
+    /// `last` (a rotation cut short leaves the written mark at `.1`'s last record). The
+    /// range runs to the newer mark.
+    pub fn missing_after(&self, last: u64, newest_file_holds_records: bool) -> Option<&HighWater> {
+        let missing = match newest_file_holds_records {
+            true => self.durable.as_ref().is_some_and(|d| d.seq > last),
+            false => self.newest().is_some_and(|m| m.seq > last),
+        };
+        self.newest().filter(|_| missing)
+    }
 }
 
 /// The marks in `lock` (one `pread`), each `None` unless this module wrote it whole — and

@@ -543,12 +543,10 @@ pub fn marks_of(path: &Path) -> Result<super::high_water::Marks, String> {
 /// its lock file's high-water `marks`, read before its files were listed (so that they name
 /// only records already written to them): records a mark names past the log's last are
 /// missing from its end — cut off, the newest file set aside, removed or emptied, or the log
-/// put back to an older copy — before any append has recorded the gap. Reported as the
-/// append will record it (`removed`, in `gaps`; not intact), at the last line of the newest
-/// file verified: missing when the newest file holds records and the durable mark is past
-/// its last (a crash can leave the written mark past lines never flushed), or when it holds
-/// none and either mark is past the log's last (a rotation cut short leaves the written mark
-/// at `.1`'s last record); the range up to the newer mark. Only on a chain otherwise intact:
+/// put back to an older copy — before any append has recorded the gap. Judged by the rule
+/// the appender records it by ([`super::high_water::Marks::missing_after`]) and reported as
+/// it will record it (`removed`, in `gaps`; not intact), at the last line of the newest file
+/// verified. Only on a chain otherwise intact:
 /// a problem's report stops before the log's end. Marks that cannot be read are a note.
 pub fn against_marks(report: &mut VerifyReport, path: &Path, marks: Result<super::high_water::Marks, String>) {
     if report.problem.is_some() {
@@ -568,11 +566,7 @@ pub fn against_marks(report: &mut VerifyReport, path: &Path, marks: Result<super
     let newest_holds_records =
         report.files.last().is_some_and(|s| s.path == path.display().to_string() && s.records > 0);
     let last = report.last_seq.unwrap_or(0);
-    let missing = match newest_holds_records {
-        true => marks.durable.as_ref().is_some_and(|d| d.seq > last),
-        false => marks.newest().is_some_and(|m| m.seq > last),
-    };
-    let Some(m) = marks.newest().filter(|_| missing) else { return };
+    let Some(m) = marks.missing_after(last, newest_holds_records) else { return };
     let from = last + 1;
     let span = if from == m.seq { format!("seq {from}") } else { format!("seq {from}..{}", m.seq) };
     report.gaps.push(Problem {
