@@ -201,6 +201,8 @@ impl Conf {
 /// - `["netlink", PROTOCOL]`: `{"ok": true}` when a netlink socket of it opens, else `{"ok": false, "errno": N}`
 /// - `["env", [names]]`: `{"ok": true, "env": {name: value or null}}`
 /// - `["env_password", name]`: the password of the URL in `name`, percent-decoded: `{"ok": true, "password"}`
+/// - `["proxy", env_name, request, tunnel?]`: `request` to the proxy the variable names; with
+///   `tunnel` and a 200, those bytes through and back: `{"ok": true, "status", "head", "body", "echo"}`
 /// - hostile probes (tests at the end): `udp`, `udp_gw`, `udp_gw6`, `sock`, `ping`,
 ///   `dns_raw`, `multi_download`, `sleep`, `dns_tcp_abuse`, `hold`, `flow` — see `_step_extra`
 const PROBE: &str = r#"
@@ -679,6 +681,51 @@ def _step_extra(op, args):
     return None
 
 
+def _proxy(env_name, request, tunnel=None):
+    """`request` (text) to the proxy `env_name` names; with `tunnel` and a 200, those bytes
+    through the tunnel and as many read back; then everything to the end."""
+    import urllib.parse
+    t0 = time.monotonic()
+    url = urllib.parse.urlsplit(os.environ.get(env_name, ""))
+    try:
+        s = socket.create_connection((url.hostname, url.port), timeout=5)
+    except Exception as e:
+        return _fail(e, t0, url=os.environ.get(env_name))
+    try:
+        s.sendall(request.encode())
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        head = head.decode("utf-8", "replace")
+        status = int(head.split(" ")[1]) if head.startswith("HTTP/") else None
+        echo = None
+        if tunnel is not None and status == 200:
+            s.sendall(tunnel.encode())
+            got = body
+            while len(got) < len(tunnel):
+                chunk = s.recv(4096)
+                if not chunk:
+                    break
+                got += chunk
+            echo, body = got.decode("utf-8", "replace"), b""
+            s.shutdown(socket.SHUT_WR)
+        while True:
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            body += chunk
+        return {"ok": True, "status": status, "head": head, "body": body.decode("utf-8", "replace"),
+                "echo": echo, "ms": _ms(t0)}
+    except Exception as e:
+        return _fail(e, t0)
+    finally:
+        s.close()
+
+
 def _step(step):
     op, args = step[0], step[1:]
     t0 = time.monotonic()
@@ -722,6 +769,8 @@ def _step(step):
         return {"ok": True, "if_nameindex": names, "proc_net_dev": dev}
     if op == "env":
         return {"ok": True, "env": {k: os.environ.get(k) for k in args[0]}}
+    if op == "proxy":
+        return _proxy(*args)
     if op == "env_password":
         import urllib.parse
         password = urllib.parse.urlsplit(os.environ.get(args[0], "")).password
@@ -2246,53 +2295,115 @@ fn sandbox_cannot_reach_the_agent_host() {
     assert_host_clean(&lab);
 }
 
-/// Proxy settings from the agent config reach the executor's environment, and the proxy is
-/// reachable though it is not in the executor's allow list (only the proxy's port). The
-/// proxy's password, which the environment carries, is a secret the run can reach: nothing
-/// that leaves the agent shows it.
+/// With `network.proxy`, the executor's proxy is the agent's own, on its gateway: it passes
+/// to the configured proxy only what the executor's network policy allows, and adds the
+/// proxy's credentials itself. Its environment names the agent's proxy, without the password;
+/// the configured proxy is not reachable directly. Tried and refused: a name the allow list
+/// does not hold, a denied name below an allowed wildcard, a port not allowed, the metadata
+/// address, a `Host` header and a second request pipelined behind an allowed plain request
+/// (never forwarded), and the client's own `Proxy-Authorization` (dropped).
 #[test]
-fn proxy_settings_reach_the_executor() {
+fn the_proxy_passes_only_what_the_policy_allows() {
     if !prerequisites() {
         return;
     }
     let lab = Lab::new();
-    let s = lab.banners(&["198.51.100.10:80", "198.51.100.11:3128", "198.51.100.11:80"]);
-    let conf = Conf::new(
-        "  proxy:\n    http: \"http://198.51.100.11:3128\"\n    https: \"http://agent:pr0xy%2Fs3cret@198.51.100.11:3128\"\n    no_proxy: [\"10.0.0.0/8\"]\n",
-    );
+    let upstream = lab.proxy("198.51.100.11:3128");
+    let direct = lab.banners(&["198.51.100.10:80"]);
+    let log_dir = HostDir::new();
+    let log = log_dir.path.join("audit.jsonl");
+    let conf = Conf::new(&format!(
+        "  proxy:\n    http: \"http://198.51.100.11:3128\"\n    https: \"http://agent:pr0xy%2Fs3cret@198.51.100.11:3128\"\n    no_proxy: [\"10.0.0.0/8\"]\naudit:\n  path: {}\n  journald: false\n",
+        log.display()
+    ));
     let names = ["HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy"];
+    let connect = |target: &str| format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n");
     let p = probe(
         &lab,
         &conf,
-        json!({"outbound": true, "allowed_hosts": ["198.51.100.10"]}),
+        json!({"outbound": true, "allowed_hosts": ["*.allowed.test", "198.51.100.10"],
+               "denied_hosts": ["bad.allowed.test"], "allowed_ports": [80, 443, 8080]}),
         limits(),
         json!([
             ["env", names],
+            ["proxy", "HTTPS_PROXY", connect("api.allowed.test:443"), "ping through the tunnel"],
+            ["proxy", "HTTPS_PROXY", connect("example.test:443")],
+            ["proxy", "HTTPS_PROXY", connect("bad.allowed.test:443")],
+            ["proxy", "HTTPS_PROXY", connect("api.allowed.test:22")],
+            ["proxy", "HTTPS_PROXY", connect("169.254.169.254:80")],
+            ["proxy", "HTTP_PROXY", "GET http://www.allowed.test/a HTTP/1.1\r\nHost: evil.test\r\nProxy-Authorization: Basic Zm9vOmJhcg==\r\n\r\nGET http://evil.test/ HTTP/1.1\r\nHost: evil.test\r\n\r\n"],
             ["connect", "198.51.100.11", 3128],
             ["connect", "198.51.100.10", 80],
-            ["connect", "198.51.100.11", 80],
-            ["env_password", "HTTPS_PROXY"]
+            ["proxy", "HTTPS_PROXY", "CONNECT evil.test:443@api.allowed.test:443 HTTP/1.1\r\n\r\n"]
         ]),
     );
-    // Decoded, as a client sends it: no pattern knows it, the value itself is redacted.
-    assert_eq!(p.step(4)["password"], "[REDACTED]", "{}", p.r);
+    let gateway = p.egress()["gateway"].as_str().unwrap_or_else(|| panic!("no gateway: {}", p.r)).to_string();
+    let ours = format!("http://{gateway}:13128");
     let env = &p.step(0)["env"];
-    for n in ["HTTP_PROXY", "http_proxy"] {
-        assert_eq!(env[n], "http://198.51.100.11:3128", "{n}: {env}");
+    for n in ["HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy"] {
+        assert_eq!(env[n], ours.as_str(), "{n}: {env}");
     }
-    for n in ["HTTPS_PROXY", "https_proxy"] {
-        assert_eq!(env[n], "http://agent:[REDACTED]@198.51.100.11:3128", "{n}: {env}");
-    }
-    let whole = p.r.to_string();
-    assert!(!whole.contains("pr0xy") && !whole.contains("s3cret"), "{whole}");
     for n in ["NO_PROXY", "no_proxy"] {
         let v = env[n].as_str().unwrap_or_else(|| panic!("{n} unset: {env}"));
         assert!(v.split(',').any(|e| e.trim() == "10.0.0.0/8"), "{n}={v}");
     }
-    assert_connected(p.step(1), "198.51.100.11:3128");
-    assert_connected(p.step(2), "198.51.100.10:80");
-    assert_blocked(p.step(3), "198.51.100.11:80 (the proxy host, but not the proxy port)");
-    assert_eq!(s[2].accepted(), 0);
+    let tunnel = p.step(1);
+    assert_eq!(
+        (tunnel["status"].as_u64(), tunnel["echo"].as_str()),
+        (Some(200), Some("ping through the tunnel")),
+        "{tunnel}"
+    );
+    for (i, reason) in [(2, "not_allowed"), (3, "denied"), (4, "port_not_allowed"), (5, "unreachable")] {
+        let s = p.step(i);
+        assert_eq!(s["status"], 403, "step {i}: {s}");
+        assert!(s["body"].as_str().unwrap_or_default().contains(reason), "step {i}: {s}");
+    }
+    let plain = p.step(6);
+    assert_eq!(plain["status"], 200, "{plain}");
+    assert_eq!(plain["body"], "proxied GET http://www.allowed.test/a HTTP/1.1", "{plain}");
+    assert_blocked(p.step(7), "198.51.100.11:3128 (the configured proxy, directly)");
+    assert_connected(p.step(8), "198.51.100.10:80");
+    assert_eq!(p.step(9)["status"], 400, "a target with user information: {}", p.step(9));
+    assert_eq!(direct[0].accepted(), 1);
+
+    // What the configured proxy saw: the two allowed requests, written anew.
+    let seen: Vec<String> = upstream.lock().unwrap().iter().map(|b| String::from_utf8_lossy(b).to_string()).collect();
+    assert_eq!(seen.len(), 2, "{seen:#?}");
+    let (tunnelled, plain) = if seen[0].starts_with("CONNECT") { (&seen[0], &seen[1]) } else { (&seen[1], &seen[0]) };
+    // base64("agent:pr0xy/s3cret"): the URL's password, decoded.
+    let credentials = "Proxy-Authorization: Basic YWdlbnQ6cHIweHkvczNjcmV0\r\n";
+    assert!(
+        tunnelled.starts_with("CONNECT api.allowed.test:443 HTTP/1.1\r\nHost: api.allowed.test:443\r\n"),
+        "{tunnelled}"
+    );
+    assert!(tunnelled.contains(credentials), "{tunnelled}");
+    assert!(tunnelled.ends_with("\r\n\r\nping through the tunnel"), "{tunnelled}");
+    assert!(plain.starts_with("GET http://www.allowed.test/a HTTP/1.1\r\nHost: www.allowed.test\r\n"), "{plain}");
+    assert!(plain.contains("Connection: close\r\n"), "{plain}");
+    assert!(!plain.contains("evil") && !plain.contains("Zm9v") && !plain.contains("Authorization"), "{plain}");
+
+    let report = &p.egress()["proxy"];
+    assert_eq!((report["forwarded"].as_u64(), report["refused"].as_u64()), (Some(2), Some(5)), "{report}");
+    let refused: Vec<(String, String)> = report["refused_targets"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{report}"))
+        .iter()
+        .map(|r| {
+            (r["target"].as_str().unwrap_or_default().to_string(), r["reason"].as_str().unwrap_or_default().to_string())
+        })
+        .collect();
+    for want in [
+        ("example.test:443", "not_allowed"),
+        ("bad.allowed.test:443", "denied"),
+        ("api.allowed.test:22", "port_not_allowed"),
+        ("169.254.169.254:80", "unreachable"),
+    ] {
+        assert!(refused.contains(&(want.0.to_string(), want.1.to_string())), "{want:?} in {refused:?}");
+    }
+    let audited = audit_records(&log, "proxy_refused");
+    assert_eq!(audited.len(), 5, "{audited:?}");
+    let whole = p.r.to_string() + &std::fs::read_to_string(&log).unwrap();
+    assert!(!whole.contains("pr0xy") && !whole.contains("s3cret"), "{whole}");
     assert_host_clean(&lab);
 }
 

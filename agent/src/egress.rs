@@ -105,7 +105,7 @@ fn ipv4_if_mapped(net: IpNet) -> IpNet {
     }
 }
 
-fn valid_hostname(name: &str) -> Result<(), &'static str> {
+pub(crate) fn valid_hostname(name: &str) -> Result<(), &'static str> {
     if name.is_empty() || name.len() > 253 {
         return Err("not a hostname (1-253 characters)");
     }
@@ -192,6 +192,11 @@ impl NetworkPolicy {
             Some(list) if list.iter().any(|p| p.matches_name(name)) => NameVerdict::Allowed,
             Some(_) => NameVerdict::NotAllowed,
         }
+    }
+
+    /// An `allowed_hosts` name or wildcard matches `name` (an allow list names it).
+    pub fn names_explicitly(&self, name: &str) -> bool {
+        self.allow.iter().flatten().any(|p| p.matches_name(name))
     }
 
     /// An `allowed_hosts` network covers `addr`.
@@ -355,12 +360,86 @@ fn unreachable_ranges(pool: &Pool, nat64: &[IpNet]) -> Vec<IpNet> {
     with_nat64(&v, nat64)
 }
 
-/// The proxy of seed 001, resolved: environment for the sandbox and endpoints to allow.
+/// One proxy URL of `network.proxy`.
+#[derive(Debug, Clone)]
+pub struct ProxyUrl {
+    pub url: String,
+    pub scheme: String,
+    pub host: String,
+    pub port: u16,
+}
+
+/// The proxy of seed 001: executors reach it through the agent's own proxy
+/// ([`crate::egress_proxy`]), which judges each request by their network policy.
 #[derive(Debug, Clone, Default)]
 pub struct ProxySettings {
-    pub env: Vec<(String, String)>,
-    /// (host, port) of each proxy URL.
-    pub endpoints: Vec<(String, u16)>,
+    pub http: Option<ProxyUrl>,
+    pub https: Option<ProxyUrl>,
+    pub no_proxy: Vec<String>,
+}
+
+impl ProxySettings {
+    pub fn is_configured(&self) -> bool {
+        self.http.is_some() || self.https.is_some()
+    }
+
+    /// The sandbox's environment: the agent's proxy on `gateway` for each configured scheme
+    /// (upper- and lower-case names), and `NO_PROXY`.
+    pub fn env(&self, gateway: Ipv4Addr) -> Vec<(String, String)> {
+        let mut env = Vec::new();
+        let ours = format!("http://{gateway}:{}", sandbox::net::PROXY_PORT);
+        for (key, url) in [("http", &self.http), ("https", &self.https)] {
+            if url.is_some() {
+                env.push((format!("{}_PROXY", key.to_uppercase()), ours.clone()));
+                env.push((format!("{key}_proxy"), ours.clone()));
+            }
+        }
+        if !self.no_proxy.is_empty() {
+            let list = self.no_proxy.join(",");
+            env.push(("NO_PROXY".into(), list.clone()));
+            env.push(("no_proxy".into(), list));
+        }
+        env
+    }
+
+    /// The configured proxies, resolved through `resolvers` (as before the sandbox's start:
+    /// a proxy that cannot be resolved refuses the run), with their credentials.
+    pub fn upstreams(&self, resolvers: &[SocketAddr]) -> Result<crate::egress_proxy::Upstreams, String> {
+        let resolve = |key: &str, p: &ProxyUrl| -> Result<crate::egress_proxy::Upstream, String> {
+            if p.scheme != "http" {
+                return Err(format!(
+                    "network.proxy.{key}: executors reach the proxy through the agent's own, which speaks plain HTTP to it: an {}:// proxy URL is not supported for runs with egress",
+                    p.scheme
+                ));
+            }
+            let addrs = match p.host.parse::<IpAddr>() {
+                Ok(a) => vec![a],
+                Err(_) => crate::dns::resolve(&p.host, resolvers)
+                    .map_err(|e| format!("network.proxy: cannot resolve {}: {e}", p.host))?,
+            };
+            if addrs.is_empty() {
+                return Err(format!("network.proxy: {} has no address", p.host));
+            }
+            let authorization = proxy_credentials(&p.url).map(|(user, password)| {
+                use base64::Engine as _;
+                let plain = format!(
+                    "{}:{}",
+                    percent_decoded(user).unwrap_or_else(|| user.to_string()),
+                    percent_decoded(password).unwrap_or_else(|| password.to_string())
+                );
+                format!("Basic {}", base64::engine::general_purpose::STANDARD.encode(plain))
+            });
+            Ok(crate::egress_proxy::Upstream {
+                label: format!("{}:{}", p.host, p.port),
+                addrs: addrs.into_iter().map(|a| SocketAddr::new(a, p.port)).collect(),
+                authorization,
+            })
+        };
+        Ok(crate::egress_proxy::Upstreams {
+            http: self.http.as_ref().map(|p| resolve("http", p)).transpose()?,
+            https: self.https.as_ref().map(|p| resolve("https", p)).transpose()?,
+        })
+    }
 }
 
 /// The agent-wide egress settings (`network.egress`, `network.proxy`).
@@ -396,21 +475,13 @@ impl EgressSettings {
         }
         let mut proxy = ProxySettings::default();
         if let Some(p) = &c.network.proxy {
-            for (key, url) in [("http", &p.http), ("https", &p.https)] {
+            for (key, url, slot) in [("http", &p.http, &mut proxy.http), ("https", &p.https, &mut proxy.https)] {
                 let Some(url) = url else { continue };
                 let (host, port) = parse_proxy_url(url).map_err(|m| err(&format!("network.proxy.{key}"), m))?;
-                if !proxy.endpoints.contains(&(host.clone(), port)) {
-                    proxy.endpoints.push((host, port));
-                }
-                for var in [format!("{}_PROXY", key.to_uppercase()), format!("{key}_proxy")] {
-                    proxy.env.push((var, url.clone()));
-                }
+                let scheme = url.split_once("://").map(|(s, _)| s.to_string()).unwrap_or_default();
+                *slot = Some(ProxyUrl { url: url.clone(), scheme, host, port });
             }
-            if !p.no_proxy.is_empty() {
-                let list = p.no_proxy.join(",");
-                proxy.env.push(("NO_PROXY".into(), list.clone()));
-                proxy.env.push(("no_proxy".into(), list));
-            }
+            proxy.no_proxy = p.no_proxy.clone();
         }
         // A per-sandbox limit: its default when absent, else within `1..=max`.
         let limit = |value: Option<u32>, default: u32, max: u32, path: &str| match value {
@@ -490,15 +561,19 @@ fn parse_proxy_url(url: &str) -> Result<(String, u16), String> {
     Ok((host.to_ascii_lowercase(), port))
 }
 
-/// The password of a proxy URL's user information (`http://user:PASSWORD@host:port`), if
-/// it has one — its authority read as [`parse_proxy_url`] reads it (to the first `/`, the
+/// The user and password of a proxy URL's user information (`http://USER:PASSWORD@host`),
+/// if it has one — its authority read as [`parse_proxy_url`] reads it (to the first `/`, the
 /// host after the last `@`), so a `?` or `#` left unencoded in the password is part of it.
-fn proxy_password(url: &str) -> Option<&str> {
+fn proxy_credentials(url: &str) -> Option<(&str, &str)> {
     let (_, rest) = url.split_once("://")?;
     let authority = rest.split('/').next()?;
     let (userinfo, _) = authority.rsplit_once('@')?;
-    let (_, password) = userinfo.split_once(':')?;
-    (!password.is_empty()).then_some(password)
+    Some(userinfo.split_once(':').unwrap_or((userinfo, "")))
+}
+
+/// The password of a proxy URL's user information, if it has one ([`proxy_credentials`]).
+fn proxy_password(url: &str) -> Option<&str> {
+    proxy_credentials(url).map(|(_, p)| p).filter(|p| !p.is_empty())
 }
 
 /// The shortest proxy password redacted as a value wherever it shows: a shorter one (or a
@@ -566,8 +641,8 @@ pub fn collect_host_table(delay_ms: u64) -> Result<bool, String> {
         .map_err(|e| e.to_string())
 }
 
-/// Build the egress plan for `policy`: resolves the proxy host and literal denied names
-/// through the upstream resolvers (only when there are any).
+/// Build the egress plan for `policy`: resolves literal denied names through the upstream
+/// resolvers.
 pub fn plan(policy: &NetworkPolicy, settings: &EgressSettings) -> Result<EgressPlan, String> {
     let mut allow = Vec::new();
     let mut deny = Vec::new();
@@ -595,18 +670,6 @@ pub fn plan(policy: &NetworkPolicy, settings: &EgressSettings) -> Result<EgressP
     // are: behind a NAT64 gateway `64:ff9b::a.b.c.d` is `a.b.c.d`, and an allowed name's
     // DNS64 answer may be one.
     let deny = with_nat64(&deny, &settings.nat64);
-    let mut endpoints = Vec::new();
-    for (host, port) in &settings.proxy.endpoints {
-        let addrs = match host.trim_matches(['[', ']']).parse::<IpAddr>() {
-            Ok(a) => vec![a],
-            Err(_) => crate::dns::resolve(host, &upstreams)
-                .map_err(|e| format!("network.proxy: cannot resolve {host}: {e}"))?,
-        };
-        if addrs.is_empty() {
-            return Err(format!("network.proxy: {host} has no address"));
-        }
-        endpoints.extend(addrs.into_iter().map(|a| (a, *port)));
-    }
     let always_denied: Vec<IpNet> = unreachable_ranges(&settings.pool, &settings.nat64)
         .into_iter()
         .filter(|r| !allow.iter().any(|a| a.covers(r)))
@@ -621,7 +684,7 @@ pub fn plan(policy: &NetworkPolicy, settings: &EgressSettings) -> Result<EgressP
             always_denied,
             allow_any: policy.allow.is_none(),
             ports: policy.ports.clone(),
-            endpoints,
+            proxy: settings.proxy.is_configured(),
             max_connections: settings.max_connections,
             max_new_per_second: settings.max_new_connections_per_second,
         },
@@ -639,6 +702,10 @@ pub struct EgressRun {
     reservation: Option<sandbox::net::Reservation>,
     egress: Option<sandbox::net::Egress>,
     forwarder: Option<crate::dns::Forwarder>,
+    /// With `network.proxy`: the proxies the agent's own passes allowed requests to, and the
+    /// address rules it judges targets written as addresses by.
+    proxy_upstreams: Option<(crate::egress_proxy::Upstreams, crate::egress_proxy::AddressRules)>,
+    proxy: Option<crate::egress_proxy::ProxyFilter>,
     /// The run's secret values as they are delivered (for the forwarder's records).
     redactor: crate::secrets::LiveRedactor,
 }
@@ -661,16 +728,24 @@ impl EgressRun {
             ));
         }
         let plan = crate::egress::plan(policy, &settings).map_err(crate::executor_run::CannotRun)?;
+        let proxy_upstreams = if settings.proxy.is_configured() {
+            let upstreams = settings.proxy.upstreams(&upstreams).map_err(crate::executor_run::CannotRun)?;
+            Some((upstreams, crate::egress_proxy::AddressRules::of(&plan.firewall)))
+        } else {
+            None
+        };
         let reservation =
             sandbox::net::reserve(&plan).map_err(|e| crate::executor_run::CannotRun(format!("network egress: {e}")))?;
         spec.filesystem.synthetic.push(sandbox::SyntheticFile {
             path: "/etc/resolv.conf".into(),
             content: format!("nameserver {}\noptions timeout:2 attempts:2\n", reservation.gateway4),
         });
-        spec.command.env.extend(settings.proxy.env.iter().cloned());
-        // A proxy's credentials reach the payload with its URL: a secret the run can reach,
-        // redacted from all that leaves the agent as a delivered secret is (DESIGN.md §4).
-        for password in settings.proxy.env.iter().filter_map(|(_, url)| proxy_password(url)) {
+        spec.command.env.extend(settings.proxy.env(reservation.gateway4));
+        // The proxy's credentials stay with the agent (its proxy adds them upstream); they
+        // are still redacted from all that leaves the agent, as a delivered secret is
+        // (DESIGN.md §4), should they show anywhere.
+        let urls = [&settings.proxy.http, &settings.proxy.https];
+        for password in urls.into_iter().flatten().filter_map(|p| proxy_password(&p.url)) {
             let decoded = percent_decoded(password);
             for value in [Some(password), decoded.as_deref()].into_iter().flatten() {
                 if value.chars().count() >= MIN_REDACTED_PROXY_PASSWORD {
@@ -684,6 +759,8 @@ impl EgressRun {
             reservation: Some(reservation),
             egress: None,
             forwarder: None,
+            proxy_upstreams,
+            proxy: None,
             redactor,
         })
     }
@@ -715,6 +792,24 @@ impl EgressRun {
             .map_err(|e| format!("network egress: DNS forwarder on {gateway}:53: {e}"))?;
             self.forwarder = Some(fwd);
         }
+        if let Some((upstreams, rules)) = self.proxy_upstreams.take() {
+            let port = sandbox::net::PROXY_PORT;
+            let proxy = crate::egress_proxy::ProxyFilter::spawn(
+                std::net::SocketAddr::new(gateway.into(), port),
+                &egress.host_if,
+                client.into(),
+                self.policy.clone(),
+                rules,
+                upstreams,
+                crate::dns::Querier {
+                    executor: executor.to_string(),
+                    command_id: command_id.to_string(),
+                    redactor: self.redactor.clone(),
+                },
+            )
+            .map_err(|e| format!("network egress: the agent's proxy on {gateway}:{port}: {e}"))?;
+            self.proxy = Some(proxy);
+        }
         self.egress = Some(egress);
         Ok(())
     }
@@ -731,6 +826,10 @@ impl EgressRun {
         let mut dns = self.forwarder.take().map(|f| f.stop()).unwrap_or_default();
         for r in &mut dns.refused_names {
             r.name = redactor.dns_name(&r.name);
+        }
+        let mut proxy = self.proxy.take().map(|p| p.stop());
+        for r in proxy.iter_mut().flat_map(|p| p.refused_targets.iter_mut()) {
+            r.target = redactor.dns_name(&r.target);
         }
         let Some(egress) = self.egress.take() else { return };
         let blocked = egress.blocked();
@@ -752,6 +851,7 @@ impl EgressRun {
             "blocked": blocked.as_ref().ok(),
             "blocked_error": blocked.as_ref().err().map(|e| e.to_string()),
             "dns": dns,
+            "proxy": proxy,
         }));
         drop(egress);
     }
@@ -764,6 +864,9 @@ impl Drop for EgressRun {
     fn drop(&mut self) {
         if let Some(f) = self.forwarder.take() {
             f.stop();
+        }
+        if let Some(p) = self.proxy.take() {
+            p.stop();
         }
     }
 }

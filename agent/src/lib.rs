@@ -12,6 +12,7 @@ pub mod daemon;
 pub mod dns;
 pub mod doctor;
 pub mod egress;
+pub mod egress_proxy;
 pub mod executor_install;
 pub mod executor_run;
 pub mod executor_test;

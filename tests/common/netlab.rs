@@ -852,6 +852,69 @@ impl Lab {
         stats
     }
 
+    /// An upstream HTTP proxy at `addr`: a `CONNECT` is answered 200 and its tunnel echoes
+    /// what it receives; a plain request is answered 200 with `proxied <request line>`, its
+    /// connection read on for a moment to see what else arrives. Every byte each connection
+    /// brought is kept, in order of arrival.
+    pub fn proxy(&self, addr: &str) -> Arc<Mutex<Vec<Vec<u8>>>> {
+        let (l, sa) = self.listen(addr);
+        let seen: Arc<Mutex<Vec<Vec<u8>>>> = Arc::new(Mutex::new(Vec::new()));
+        let (log, stop, threads) = (seen.clone(), self.stop.clone(), self.threads.clone());
+        self.spawn(&format!("proxy {sa}"), move || {
+            accept_loop(l, stop, |mut s, _peer| {
+                let log = log.clone();
+                let h = std::thread::spawn(move || {
+                    let index = {
+                        let mut all = log.lock().unwrap();
+                        all.push(Vec::new());
+                        all.len() - 1
+                    };
+                    let keep = |b: &[u8]| log.lock().unwrap()[index].extend_from_slice(b);
+                    let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+                    let mut head = Vec::new();
+                    let mut buf = [0u8; 4096];
+                    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                        match s.read(&mut buf) {
+                            Ok(n) if n > 0 => {
+                                keep(&buf[..n]);
+                                head.extend_from_slice(&buf[..n]);
+                            }
+                            _ => return,
+                        }
+                    }
+                    let text = String::from_utf8_lossy(&head).to_string();
+                    let line = text.split("\r\n").next().unwrap_or_default().to_string();
+                    if line.starts_with("CONNECT ") {
+                        let _ = s.write_all(b"HTTP/1.1 200 Connection established\r\n\r\n");
+                        loop {
+                            match s.read(&mut buf) {
+                                Ok(n) if n > 0 => {
+                                    keep(&buf[..n]);
+                                    let _ = s.write_all(&buf[..n]);
+                                }
+                                _ => break,
+                            }
+                        }
+                    } else {
+                        let body = format!("proxied {line}");
+                        let reply = format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{body}", body.len());
+                        let _ = s.write_all(reply.as_bytes());
+                        let _ = s.set_read_timeout(Some(Duration::from_millis(300)));
+                        while let Ok(n) = s.read(&mut buf) {
+                            if n == 0 {
+                                break;
+                            }
+                            keep(&buf[..n]);
+                        }
+                    }
+                    let _ = s.shutdown(std::net::Shutdown::Both);
+                });
+                threads.lock().unwrap().push(h);
+            })
+        });
+        seen
+    }
+
     fn start_dns(&self) {
         let sa: SocketAddr = DNS_SERVER.parse().unwrap();
         let udp = self.outside.run(|| UdpSocket::bind(sa)).unwrap_or_else(|e| panic!("bind udp {sa}: {e}"));

@@ -41,6 +41,13 @@ use thiserror::Error;
 
 use netlink::Netlink;
 
+/// The TCP port of the agent's forward proxy on each sandbox link's IPv4 gateway (with
+/// `network.proxy`): the sandbox's ruleset and the host table let a sandbox reach it, and
+/// nothing else of the host but DNS. Fixed, because the host table, shared by every run,
+/// names it; outside the ephemeral range and away from the usual proxy ports, so that a
+/// proxy on the host itself (3128, 8080) does not hold it.
+pub const PROXY_PORT: u16 = 13128;
+
 /// A network failure, naming the operation and the kernel's answer.
 #[derive(Debug, Error)]
 pub enum NetError {
@@ -184,8 +191,9 @@ pub struct Firewall {
     pub allow_any: bool,
     /// Allowed destination port ranges for TCP and UDP; empty means every port.
     pub ports: Vec<(u16, u16)>,
-    /// Extra TCP endpoints reachable regardless of the allow list and ports (a proxy).
-    pub endpoints: Vec<(IpAddr, u16)>,
+    /// The agent's forward proxy ([`PROXY_PORT`] on the IPv4 gateway, TCP) is reachable,
+    /// whatever the allow list and ports say: it judges each request by them itself.
+    pub proxy: bool,
     /// New connections (anything but loopback) are blocked while the sandbox has this many
     /// tracked: each is also an entry in the host's conntrack table, shared by the host.
     pub max_connections: u32,

@@ -21,7 +21,7 @@
 //!     daddr in a denied net                         goto blocked   (deny always wins)
 //!     (v6) ICMPv6 neighbour discovery, MLD          accept
 //!     daddr == gateway, udp|tcp dport 53            accept         (dns_allowed only)
-//!     daddr == endpoint, tcp dport == its port      accept         (the configured proxy)
+//!     daddr == gateway, tcp dport PROXY_PORT        accept         (the agent's proxy, with network.proxy)
 //!     daddr == gateway                              goto blocked   (never the host)
 //!     udp|tcp dport 53                              goto blocked   (no other resolver)
 //!     daddr in an allowed net                       goto ports
@@ -37,8 +37,9 @@
 //! traffic, drops what sandboxes send that conntrack calls invalid (it would leave
 //! unmasqueraded) or that carries an IPv6 routing or destination-options header, rejects
 //! sandbox-to-sandbox forwarding, drops unsolicited traffic towards
-//! sandboxes, and lets sandboxes reach the host itself only for DNS on port 53 (anything
-//! else is rejected, so it fails at once).
+//! sandboxes, and lets sandboxes reach the host itself only for DNS on port 53 and the
+//! agent's forward proxy on [`super::PROXY_PORT`] (anything else is rejected, so it fails at
+//! once).
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
@@ -574,13 +575,15 @@ pub(crate) fn load_sandbox_ruleset(
                     );
                 }
             }
-            for (addr, port) in fw.endpoints.iter().filter(|(a, _)| a.is_ipv6() == v6) {
+            // The agent's forward proxy, on the IPv4 gateway as the forwarder is (the
+            // sandbox's proxy environment names it), which judges each request itself.
+            if fw.proxy && !v6 {
                 b.rule(
                     chain,
                     join(vec![
-                        addr_in(&IpNet::host(*addr), false),
+                        addr_in(&gw_net, false),
                         l4proto(IPPROTO_TCP),
-                        dport_range(*port, *port),
+                        dport_range(super::PROXY_PORT, super::PROXY_PORT),
                         vec![accept()],
                     ]),
                 );
@@ -643,7 +646,7 @@ pub(crate) fn load_sandbox_ruleset(
 
 /// The version of the host table's rules ([`create_host_table`]): raise it with every change
 /// to them, so that a table an earlier version made is replaced rather than reused.
-pub(crate) const HOST_RULES_VERSION: u32 = 3;
+pub(crate) const HOST_RULES_VERSION: u32 = 4;
 
 /// What the host table records about the pools it serves and its rules' version (its user
 /// data). Tables of versions before 2 record only the pools.
@@ -731,6 +734,18 @@ pub(crate) fn create_host_table_tagged(
             ]),
         );
     }
+    // The agent's forward proxy (`network.proxy`), on the same gateway addresses.
+    b.rule(
+        "input",
+        join(vec![
+            ifname_prefix(false),
+            nfproto(NFPROTO_IPV4),
+            addr_in(pool4, false),
+            l4proto(IPPROTO_TCP),
+            dport_range(super::PROXY_PORT, super::PROXY_PORT),
+            vec![accept()],
+        ]),
+    );
     // ICMPv6 neighbour discovery towards the host end.
     b.rule(
         "input",

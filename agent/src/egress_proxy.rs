@@ -1,0 +1,809 @@
+//! The sandbox's forward proxy (`network.proxy`): the sandbox's `HTTP_PROXY`/`HTTPS_PROXY`
+//! name this proxy, on the sandbox link's IPv4 gateway ([`sandbox::net::PROXY_PORT`]), and it
+//! passes what the executor's network policy allows to the configured proxy. Without it the
+//! sandbox reached the configured proxy directly, and through it whatever the proxy let
+//! through: the allow and deny lists, enforced at the sandbox's firewall, saw only the
+//! connection to the proxy.
+//!
+//! Guarantees, per connection (one request; a thread each, at most [`MAX_ACTIVE`] at once):
+//! - served only for the sandbox's own address, arriving on its link (as the DNS forwarder);
+//! - the request is judged before anything reaches the upstream proxy: a `CONNECT
+//!   host:port`, or an absolute-form `http://` request. The host by name — the deny list
+//!   first, then the allow list, as the forwarder judges a query — or, written as an address,
+//!   by the firewall's address rules (denied networks, the allowed ones, the always-denied
+//!   ranges, allow-any); the port by `allowed_ports`. A refusal is answered `403` (or `400`
+//!   for a request it cannot read) and counted in the run's report; the first
+//!   [`MAX_REPORTED_TARGETS`] targets are audited (`proxy_refused`), as refused DNS names are;
+//! - what reaches the upstream proxy is what was judged: the request line and `Host` are
+//!   written anew from the parsed target (never the client's text); a plain request carries
+//!   `Connection: close` and its body by `Content-Length` only (a chunked body is refused),
+//!   and nothing the client sends after that body is forwarded — a second request on the
+//!   connection would otherwise pass unjudged;
+//! - the upstream proxy's credentials are added here (`Proxy-Authorization`) and never reach
+//!   the sandbox; a client's own `Proxy-Authorization` is dropped;
+//! - names are judged as names: the upstream proxy resolves them, and where they lead from
+//!   there is its to judge (a name is never resolved here). Names that are addresses in
+//!   another form (`0x7f.1`, `2130706433`), which a resolver would read as one, are refused,
+//!   and so is `localhost` (and names below it) unless the allow list names it.
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use serde::Serialize;
+
+use crate::dns::Querier;
+use crate::egress::{NameVerdict, NetworkPolicy};
+use sandbox::net::IpNet;
+
+/// Connections served at once; one more is answered `503`.
+pub const MAX_ACTIVE: usize = 64;
+/// Targets kept in the report and audited (the counts are complete).
+pub const MAX_REPORTED_TARGETS: usize = 20;
+/// The request head: at most this long, read within [`HEAD_TIMEOUT`].
+const MAX_HEAD: usize = 16 * 1024;
+const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
+const UPSTREAM_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// One configured proxy, resolved.
+#[derive(Debug, Clone)]
+pub struct Upstream {
+    /// `host:port` as configured (for messages).
+    pub label: String,
+    pub addrs: Vec<SocketAddr>,
+    /// `Basic …`, from the URL's user information.
+    pub authorization: Option<String>,
+}
+
+/// `network.proxy.http` and `.https`: plain requests go to the first, `CONNECT` to the
+/// second — each to the other when only one is configured.
+#[derive(Debug, Clone, Default)]
+pub struct Upstreams {
+    pub http: Option<Upstream>,
+    pub https: Option<Upstream>,
+}
+
+impl Upstreams {
+    pub fn is_empty(&self) -> bool {
+        self.http.is_none() && self.https.is_none()
+    }
+}
+
+/// The firewall's address rules ([`sandbox::net::Firewall`]), for targets written as
+/// addresses.
+#[derive(Debug, Clone, Default)]
+pub struct AddressRules {
+    pub deny: Vec<IpNet>,
+    pub allow: Vec<IpNet>,
+    pub always_denied: Vec<IpNet>,
+    pub allow_any: bool,
+}
+
+impl AddressRules {
+    pub fn of(fw: &sandbox::net::Firewall) -> AddressRules {
+        AddressRules {
+            deny: fw.deny.clone(),
+            allow: fw.allow.clone(),
+            always_denied: fw.always_denied.clone(),
+            allow_any: fw.allow_any,
+        }
+    }
+}
+
+/// What the proxy did, for the result.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ProxyReport {
+    pub requests: u64,
+    pub forwarded: u64,
+    pub refused: u64,
+    /// Allowed, but the upstream proxy could not be reached.
+    pub upstream_failed: u64,
+    /// Refused targets (`host:port`): reason (`denied`, `not_allowed`, `unreachable`,
+    /// `port_not_allowed`, `malformed`) and how often.
+    pub refused_targets: Vec<RefusedTarget>,
+    #[serde(skip)]
+    unlisted_audited: bool,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct RefusedTarget {
+    pub target: String,
+    pub reason: String,
+    pub count: u64,
+}
+
+/// The host of a target.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Host {
+    /// Lower-case, without a trailing dot.
+    Name(String),
+    Addr(IpAddr),
+}
+
+impl std::fmt::Display for Host {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Host::Name(n) => f.write_str(n),
+            Host::Addr(IpAddr::V6(a)) => write!(f, "[{a}]"),
+            Host::Addr(a) => write!(f, "{a}"),
+        }
+    }
+}
+
+/// A request as judged and as it is passed on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Request {
+    pub method: String,
+    pub host: Host,
+    pub port: u16,
+    /// `None` for `CONNECT`; the path and query of a plain request.
+    pub path: Option<String>,
+    pub version: String,
+    /// Headers passed on (hop-by-hop and proxy headers, `Host` and the body's framing
+    /// removed).
+    pub headers: Vec<(String, String)>,
+    /// A plain request's body length.
+    pub content_length: u64,
+}
+
+/// Why a request is answered without being passed on: status and reason.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    pub status: u16,
+    pub reason: &'static str,
+    pub detail: String,
+}
+
+fn malformed(detail: impl Into<String>) -> Refusal {
+    Refusal { status: 400, reason: "malformed", detail: detail.into() }
+}
+
+impl Request {
+    /// Parse a request head (without its final empty line's `\r\n\r\n`).
+    pub fn parse(head: &[u8]) -> Result<Request, Refusal> {
+        let text = std::str::from_utf8(head).map_err(|_| malformed("the request head is not UTF-8"))?;
+        let mut lines = text.split("\r\n");
+        let line = lines.next().unwrap_or_default();
+        if text.contains(['\0']) || lines.clone().chain([line]).any(|l| l.contains(['\r', '\n'])) {
+            return Err(malformed("a bare CR or LF, or a NUL, in the request head"));
+        }
+        let parts: Vec<&str> = line.split(' ').collect();
+        let [method, target, version] = parts[..] else {
+            return Err(malformed("the request line is not METHOD TARGET VERSION"));
+        };
+        if method.is_empty() || !method.bytes().all(|b| b.is_ascii_uppercase()) {
+            return Err(malformed("the method is not an upper-case token"));
+        }
+        if version != "HTTP/1.1" && version != "HTTP/1.0" {
+            return Err(malformed("not HTTP/1.0 or HTTP/1.1"));
+        }
+        let (host, port, path) = if method == "CONNECT" {
+            let (host, port) = authority(target, None)?;
+            (host, port, None)
+        } else {
+            let scheme_len = "http://".len();
+            if target.len() < scheme_len || !target[..scheme_len].eq_ignore_ascii_case("http://") {
+                return Err(malformed(
+                    "a plain request's target must be an absolute http:// URL (use CONNECT for anything else)",
+                ));
+            }
+            let rest = &target[scheme_len..];
+            let end = rest.find(['/', '?']).unwrap_or(rest.len());
+            let (auth, tail) = rest.split_at(end);
+            if tail.contains('#') {
+                return Err(malformed("a fragment in the request target"));
+            }
+            let (host, port) = authority(auth, Some(80))?;
+            let path = if tail.starts_with('/') { tail.to_string() } else { format!("/{tail}") };
+            (host, port, Some(path))
+        };
+        let mut headers = Vec::new();
+        let mut content_length: Option<u64> = None;
+        for l in lines {
+            if l.is_empty() {
+                continue;
+            }
+            if l.starts_with([' ', '\t']) {
+                return Err(malformed("a folded header line"));
+            }
+            let (name, value) = l.split_once(':').ok_or_else(|| malformed("a header line without ':'"))?;
+            if name.is_empty() || !name.bytes().all(is_token_byte) {
+                return Err(malformed("a header name that is not a token"));
+            }
+            let value = value.trim_matches([' ', '\t']);
+            match name.to_ascii_lowercase().as_str() {
+                "host"
+                | "proxy-authorization"
+                | "proxy-connection"
+                | "connection"
+                | "keep-alive"
+                | "te"
+                | "trailer"
+                | "upgrade" => {}
+                "transfer-encoding" if path.is_some() => {
+                    return Err(Refusal {
+                        status: 501,
+                        reason: "malformed",
+                        detail: "a request body in chunks (Transfer-Encoding) is not passed on; send Content-Length"
+                            .into(),
+                    })
+                }
+                "transfer-encoding" => {}
+                "content-length" => {
+                    let n = (!value.is_empty() && value.bytes().all(|b| b.is_ascii_digit()))
+                        .then(|| value.parse::<u64>().ok())
+                        .flatten()
+                        .ok_or_else(|| malformed("Content-Length is not a number"))?;
+                    if content_length.is_some_and(|m| m != n) {
+                        return Err(malformed("two different Content-Lengths"));
+                    }
+                    content_length = Some(n);
+                }
+                _ => headers.push((name.to_string(), value.to_string())),
+            }
+        }
+        Ok(Request {
+            method: method.to_string(),
+            host,
+            port,
+            content_length: if path.is_some() { content_length.unwrap_or(0) } else { 0 },
+            path,
+            version: version.to_string(),
+            headers,
+        })
+    }
+
+    /// `host:port`.
+    pub fn target(&self) -> String {
+        format!("{}:{}", self.host, self.port)
+    }
+
+    /// The head passed to the upstream proxy, written from what was judged.
+    pub fn head_for_upstream(&self, authorization: Option<&str>) -> Vec<u8> {
+        let mut out = match &self.path {
+            None => format!("CONNECT {} {}\r\nHost: {}\r\n", self.target(), self.version, self.target()),
+            Some(path) => {
+                let authority =
+                    if self.port == 80 { self.host.to_string() } else { format!("{}:{}", self.host, self.port) };
+                let mut h =
+                    format!("{} http://{authority}{path} {}\r\nHost: {authority}\r\n", self.method, self.version);
+                for (name, value) in &self.headers {
+                    h.push_str(&format!("{name}: {value}\r\n"));
+                }
+                if self.content_length > 0 || matches!(self.method.as_str(), "POST" | "PUT" | "PATCH") {
+                    h.push_str(&format!("Content-Length: {}\r\n", self.content_length));
+                }
+                h.push_str("Connection: close\r\n");
+                h
+            }
+        };
+        if self.path.is_none() {
+            for (name, value) in &self.headers {
+                out.push_str(&format!("{name}: {value}\r\n"));
+            }
+        }
+        if let Some(a) = authorization {
+            out.push_str(&format!("Proxy-Authorization: {a}\r\n"));
+        }
+        out.push_str("\r\n");
+        out.into_bytes()
+    }
+}
+
+fn is_token_byte(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
+}
+
+/// `host:port` (`[v6]:port`); the port may be left out only where `default` is given.
+fn authority(text: &str, default: Option<u16>) -> Result<(Host, u16), Refusal> {
+    if text.contains('@') {
+        return Err(malformed("user information in the request target"));
+    }
+    let (host, port) = if let Some(v6) = text.strip_prefix('[') {
+        let (h, after) = v6.split_once(']').ok_or_else(|| malformed("an unclosed [ in the target"))?;
+        let a: std::net::Ipv6Addr = h.parse().map_err(|_| malformed("not an IPv6 address between [ and ]"))?;
+        let port = match after.strip_prefix(':') {
+            Some(p) => Some(p),
+            None if after.is_empty() => None,
+            None => return Err(malformed("text after ] that is not :port")),
+        };
+        (Host::Addr(IpAddr::V6(a)), port)
+    } else {
+        let (h, p) = match text.rsplit_once(':') {
+            Some((h, p)) => (h, Some(p)),
+            None => (text, None),
+        };
+        (host_of(h)?, p)
+    };
+    let port = match (port, default) {
+        (Some(p), _) if !p.is_empty() && p.len() <= 5 && p.bytes().all(|b| b.is_ascii_digit()) => {
+            p.parse::<u16>().ok().filter(|&n| n != 0).ok_or_else(|| malformed("a port outside 1-65535"))?
+        }
+        (Some(_), _) => return Err(malformed("a port that is not a number")),
+        (None, Some(d)) => d,
+        (None, None) => return Err(malformed("CONNECT needs host:port")),
+    };
+    Ok((host, port))
+}
+
+/// A host written as a name or an IPv4 address: dotted-decimal only, and a name that a
+/// resolver would read as an address (every label digits, or `0x` and hex digits) refused.
+fn host_of(text: &str) -> Result<Host, Refusal> {
+    if text.is_empty() {
+        return Err(malformed("no host in the target"));
+    }
+    if let Ok(a) = text.parse::<std::net::Ipv4Addr>() {
+        return Ok(Host::Addr(IpAddr::V4(a)));
+    }
+    let name = text.strip_suffix('.').unwrap_or(text).to_ascii_lowercase();
+    let numeric = |l: &str| {
+        l.bytes().all(|b| b.is_ascii_digit())
+            || l.strip_prefix("0x").is_some_and(|h| h.bytes().all(|b| b.is_ascii_hexdigit()))
+    };
+    if name.split('.').all(numeric) {
+        return Err(malformed("an address written other than as dotted-decimal IPv4 or [IPv6]"));
+    }
+    crate::egress::valid_hostname(&name).map_err(malformed)?;
+    Ok(Host::Name(name))
+}
+
+/// Judge a target as the firewall and the DNS forwarder would: `Err(reason)` to refuse.
+pub fn judge(policy: &NetworkPolicy, rules: &AddressRules, host: &Host, port: u16) -> Result<(), &'static str> {
+    if !policy.ports.is_empty() && !policy.ports.iter().any(|(lo, hi)| (*lo..=*hi).contains(&port)) {
+        return Err("port_not_allowed");
+    }
+    match host {
+        Host::Name(name) => match policy.name_verdict(name) {
+            NameVerdict::Denied => Err("denied"),
+            NameVerdict::NotAllowed => Err("not_allowed"),
+            // The resolver's own names (RFC 6761): the upstream proxy's loopback.
+            NameVerdict::Allowed
+                if (name == "localhost" || name.ends_with(".localhost")) && !policy.names_explicitly(name) =>
+            {
+                Err("unreachable")
+            }
+            NameVerdict::Allowed => Ok(()),
+        },
+        Host::Addr(a) => {
+            let a = match a {
+                IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(*a, IpAddr::V4),
+                IpAddr::V4(_) => *a,
+            };
+            if rules.deny.iter().any(|n| n.contains(a)) {
+                Err("denied")
+            } else if rules.allow.iter().any(|n| n.contains(a)) {
+                Ok(())
+            } else if rules.always_denied.iter().any(|n| n.contains(a)) {
+                Err("unreachable")
+            } else if rules.allow_any {
+                Ok(())
+            } else {
+                Err("not_allowed")
+            }
+        }
+    }
+}
+
+/// Everything a connection's thread needs.
+struct Context {
+    policy: Arc<NetworkPolicy>,
+    rules: AddressRules,
+    upstreams: Upstreams,
+    who: Querier,
+    report: Mutex<ProxyReport>,
+    /// Live connections' sockets, shut down at the stop.
+    live: Mutex<HashMap<u64, Vec<TcpStream>>>,
+    next_id: AtomicU64,
+    active: AtomicUsize,
+    stopping: AtomicBool,
+}
+
+impl Context {
+    fn report(&self) -> std::sync::MutexGuard<'_, ProxyReport> {
+        // A panicking connection thread leaves counters, never a half-changed list entry.
+        self.report.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn live(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Vec<TcpStream>>> {
+        self.live.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Keep a clone of `s` to shut down at the stop (`false`: stopping already).
+    fn track(&self, id: u64, s: &TcpStream) -> bool {
+        let Ok(clone) = s.try_clone() else { return false };
+        let mut live = self.live();
+        if self.stopping.load(Ordering::SeqCst) {
+            return false;
+        }
+        live.entry(id).or_default().push(clone);
+        true
+    }
+
+    /// Count and (for the first targets) audit a refusal.
+    fn refuse(&self, target: &str, reason: &str) {
+        let target = self.who.redactor.dns_name(target);
+        let (executor, command_id) = (self.who.executor.as_str(), self.who.command_id.as_str());
+        let mut report = self.report();
+        report.refused += 1;
+        if let Some(r) = report.refused_targets.iter_mut().find(|r| r.target == target && r.reason == reason) {
+            r.count += 1;
+            return;
+        }
+        if report.refused_targets.len() < MAX_REPORTED_TARGETS {
+            report.refused_targets.push(RefusedTarget { target: target.clone(), reason: reason.into(), count: 1 });
+            crate::audit::record(
+                "proxy_refused",
+                &[("executor", executor), ("target", &target), ("reason", reason), ("command_id", command_id)],
+            );
+        } else if !report.unlisted_audited {
+            report.unlisted_audited = true;
+            let cap = MAX_REPORTED_TARGETS.to_string();
+            crate::audit::record(
+                "proxy_refused",
+                &[
+                    ("executor", executor),
+                    ("target", &target),
+                    ("reason", reason),
+                    ("command_id", command_id),
+                    ("further_targets_counted_only_after", &cap),
+                ],
+            );
+        }
+    }
+}
+
+/// A running proxy; [`ProxyFilter::stop`] ends it and returns its report.
+pub struct ProxyFilter {
+    stop_tx: OwnedFd,
+    thread: Option<JoinHandle<()>>,
+    context: Arc<Context>,
+}
+
+impl ProxyFilter {
+    /// Listen on `listen` (the gateway, [`sandbox::net::PROXY_PORT`]) on the sandbox link's
+    /// host end `device`, and serve `client` (the sandbox's address) until stopped.
+    pub fn spawn(
+        listen: SocketAddr,
+        device: &str,
+        client: IpAddr,
+        policy: Arc<NetworkPolicy>,
+        rules: AddressRules,
+        upstreams: Upstreams,
+        who: Querier,
+    ) -> std::io::Result<ProxyFilter> {
+        use nix::sys::socket::{setsockopt, sockopt::BindToDevice};
+        let listener = TcpListener::bind(listen)?;
+        setsockopt(&listener, BindToDevice, &std::ffi::OsString::from(device))?;
+        listener.set_nonblocking(true)?;
+        let (stop_rx, stop_tx) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(std::io::Error::from)?;
+        let context = Arc::new(Context {
+            policy,
+            rules,
+            upstreams,
+            who,
+            report: Mutex::new(ProxyReport::default()),
+            live: Mutex::new(HashMap::new()),
+            next_id: AtomicU64::new(0),
+            active: AtomicUsize::new(0),
+            stopping: AtomicBool::new(false),
+        });
+        let ctx = context.clone();
+        let thread = std::thread::Builder::new().name("egress-proxy".into()).spawn(move || loop {
+            let mut fds = [
+                nix::poll::PollFd::new(listener.as_fd(), nix::poll::PollFlags::POLLIN),
+                nix::poll::PollFd::new(stop_rx.as_fd(), nix::poll::PollFlags::POLLIN),
+            ];
+            match nix::poll::poll(&mut fds, nix::poll::PollTimeout::NONE) {
+                Ok(_) => {}
+                Err(nix::errno::Errno::EINTR) => continue,
+                Err(_) => return,
+            }
+            if fds[1].revents().is_some_and(|r| !r.is_empty()) {
+                return;
+            }
+            let Ok((stream, peer)) = listener.accept() else { continue };
+            // Not the sandbox: closed at once.
+            if peer.ip() != client || stream.set_nonblocking(false).is_err() {
+                continue;
+            }
+            if ctx.active.fetch_add(1, Ordering::SeqCst) >= MAX_ACTIVE {
+                ctx.active.fetch_sub(1, Ordering::SeqCst);
+                let _ = stream.set_write_timeout(Some(Duration::from_secs(1)));
+                answer(&stream, 503, "too many connections through the proxy at once");
+                continue;
+            }
+            let c = ctx.clone();
+            let spawned = std::thread::Builder::new().name("egress-proxy-conn".into()).spawn(move || {
+                let id = c.next_id.fetch_add(1, Ordering::SeqCst);
+                serve(stream, &c, id);
+                c.live().remove(&id);
+                c.active.fetch_sub(1, Ordering::SeqCst);
+            });
+            if spawned.is_err() {
+                ctx.active.fetch_sub(1, Ordering::SeqCst);
+            }
+        })?;
+        Ok(ProxyFilter { stop_tx, thread: Some(thread), context })
+    }
+
+    /// Stop accepting, cut every live connection, and report.
+    pub fn stop(mut self) -> ProxyReport {
+        self.halt();
+        let report = self.context.report().clone();
+        report
+    }
+
+    fn halt(&mut self) {
+        let _ = nix::unistd::write(&self.stop_tx, b"x");
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        let live = {
+            let mut live = self.context.live();
+            self.context.stopping.store(true, Ordering::SeqCst);
+            std::mem::take(&mut *live)
+        };
+        for s in live.values().flatten() {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+impl Drop for ProxyFilter {
+    fn drop(&mut self) {
+        self.halt();
+    }
+}
+
+/// A short answer of the proxy's own, then the end of the connection.
+fn answer(mut stream: &TcpStream, status: u16, text: &str) {
+    let phrase = match status {
+        400 => "Bad Request",
+        403 => "Forbidden",
+        431 => "Request Header Fields Too Large",
+        501 => "Not Implemented",
+        502 => "Bad Gateway",
+        _ => "Service Unavailable",
+    };
+    let body = format!("opservant: {text}\n");
+    let head = format!(
+        "HTTP/1.1 {status} {phrase}\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    let _ = stream.write_all(head.as_bytes());
+    let _ = stream.write_all(body.as_bytes());
+    let _ = stream.shutdown(Shutdown::Write);
+}
+
+/// Read up to the end of the head: `(head without "\r\n\r\n", what followed it)`.
+fn read_head(stream: &mut TcpStream) -> Result<(Vec<u8>, Vec<u8>), Option<Refusal>> {
+    let mut buf = Vec::with_capacity(1024);
+    let mut chunk = [0u8; 4096];
+    loop {
+        let n = stream.read(&mut chunk).map_err(|_| None)?;
+        if n == 0 {
+            return Err(None);
+        }
+        let searched_from = buf.len().saturating_sub(3);
+        buf.extend_from_slice(&chunk[..n]);
+        if let Some(i) = buf[searched_from..].windows(4).position(|w| w == b"\r\n\r\n") {
+            let end = searched_from + i;
+            let rest = buf[end + 4..].to_vec();
+            buf.truncate(end);
+            return Ok((buf, rest));
+        }
+        if buf.len() > MAX_HEAD {
+            return Err(Some(Refusal {
+                status: 431,
+                reason: "malformed",
+                detail: format!("a request head over {MAX_HEAD} bytes"),
+            }));
+        }
+    }
+}
+
+fn serve(mut client: TcpStream, ctx: &Context, id: u64) {
+    if !ctx.track(id, &client) {
+        return;
+    }
+    let _ = client.set_read_timeout(Some(HEAD_TIMEOUT));
+    let _ = client.set_write_timeout(Some(HEAD_TIMEOUT));
+    let (head, rest) = match read_head(&mut client) {
+        Ok(v) => v,
+        Err(None) => return,
+        Err(Some(r)) => {
+            ctx.report().requests += 1;
+            ctx.refuse("(unreadable request)", r.reason);
+            answer(&client, r.status, &r.detail);
+            return;
+        }
+    };
+    ctx.report().requests += 1;
+    let request = match Request::parse(&head) {
+        Ok(r) => r,
+        Err(r) => {
+            ctx.refuse("(unreadable request)", r.reason);
+            answer(&client, r.status, &r.detail);
+            return;
+        }
+    };
+    let target = request.target();
+    if let Err(reason) = judge(&ctx.policy, &ctx.rules, &request.host, request.port) {
+        ctx.refuse(&target, reason);
+        let shown = ctx.who.redactor.dns_name(&target);
+        answer(&client, 403, &format!("{shown} is refused by the executor's network policy ({reason})"));
+        return;
+    }
+    let connect = request.path.is_none();
+    let upstream = if connect {
+        ctx.upstreams.https.as_ref().or(ctx.upstreams.http.as_ref())
+    } else {
+        ctx.upstreams.http.as_ref().or(ctx.upstreams.https.as_ref())
+    };
+    let Some(upstream) = upstream else {
+        answer(&client, 502, "no upstream proxy is configured");
+        return;
+    };
+    let Some(mut up) = upstream.addrs.iter().find_map(|a| TcpStream::connect_timeout(a, UPSTREAM_CONNECT_TIMEOUT).ok())
+    else {
+        ctx.report().upstream_failed += 1;
+        answer(&client, 502, &format!("the upstream proxy {} cannot be reached", upstream.label));
+        return;
+    };
+    if !ctx.track(id, &up) {
+        return;
+    }
+    ctx.report().forwarded += 1;
+    let _ = client.set_read_timeout(None);
+    let _ = client.set_write_timeout(None);
+    if up.write_all(&request.head_for_upstream(upstream.authorization.as_deref())).is_err() {
+        return;
+    }
+    // Client to upstream: a tunnel's bytes, or exactly the plain request's body.
+    let body_left = request.content_length;
+    let (Ok(mut from_client), Ok(mut to_up)) = (client.try_clone(), up.try_clone()) else { return };
+    let upward = std::thread::Builder::new().name("egress-proxy-up".into()).spawn(move || {
+        if connect {
+            let _ = to_up.write_all(&rest);
+            let _ = std::io::copy(&mut from_client, &mut to_up);
+        } else {
+            let first = rest.len().min(usize::try_from(body_left).unwrap_or(usize::MAX));
+            let _ = to_up.write_all(&rest[..first]);
+            let _ = std::io::copy(&mut (&mut from_client).take(body_left - first as u64), &mut to_up);
+            // Nothing after the body: the client's further bytes stay unread.
+            return;
+        }
+        let _ = to_up.shutdown(Shutdown::Write);
+    });
+    let _ = std::io::copy(&mut up, &mut client);
+    let _ = client.shutdown(Shutdown::Write);
+    if !connect {
+        // The response is complete (the upstream closed): the request's upload is over too.
+        let _ = up.shutdown(Shutdown::Both);
+        let _ = client.shutdown(Shutdown::Read);
+    }
+    if let Ok(t) = upward {
+        let _ = t.join();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::egress::HostPattern;
+
+    fn policy(allow: Option<&[&str]>, deny: &[&str], ports: &[(u16, u16)]) -> NetworkPolicy {
+        NetworkPolicy {
+            allow: allow.map(|l| l.iter().map(|p| HostPattern::parse(p).unwrap()).collect()),
+            deny: deny.iter().map(|p| HostPattern::parse(p).unwrap()).collect(),
+            ports: ports.to_vec(),
+            dns: true,
+            bandwidth_mbps: 10,
+            nat64: vec![],
+        }
+    }
+
+    fn parse(head: &str) -> Result<Request, Refusal> {
+        Request::parse(head.as_bytes())
+    }
+
+    #[test]
+    fn requests_are_parsed_strictly_and_written_anew() {
+        let r = parse("CONNECT API.Example.test.:443 HTTP/1.1\r\nHost: evil.test:443\r\nProxy-Authorization: Basic eA==\r\nUser-Agent: x").unwrap();
+        assert_eq!((r.host.clone(), r.port, r.path.clone()), (Host::Name("api.example.test".into()), 443, None));
+        let up = String::from_utf8(r.head_for_upstream(Some("Basic dTpw"))).unwrap();
+        assert_eq!(
+            up,
+            "CONNECT api.example.test:443 HTTP/1.1\r\nHost: api.example.test:443\r\nUser-Agent: x\r\nProxy-Authorization: Basic dTpw\r\n\r\n"
+        );
+
+        let r =
+            parse("GET http://[2001:db8::1]:8080?q=1 HTTP/1.0\r\nConnection: keep-alive\r\nContent-Length: 3").unwrap();
+        assert_eq!(
+            (r.host.clone(), r.port, r.path.as_deref()),
+            (Host::Addr("2001:db8::1".parse().unwrap()), 8080, Some("/?q=1"))
+        );
+        assert_eq!(r.content_length, 3);
+        let up = String::from_utf8(r.head_for_upstream(None)).unwrap();
+        assert_eq!(
+            up,
+            "GET http://[2001:db8::1]:8080/?q=1 HTTP/1.0\r\nHost: [2001:db8::1]:8080\r\nContent-Length: 3\r\nConnection: close\r\n\r\n"
+        );
+        let r = parse("GET HTTP://a.test/x HTTP/1.1").unwrap();
+        assert_eq!(
+            String::from_utf8(r.head_for_upstream(None)).unwrap(),
+            "GET http://a.test/x HTTP/1.1\r\nHost: a.test\r\nConnection: close\r\n\r\n"
+        );
+
+        for bad in [
+            "CONNECT a.test HTTP/1.1",
+            "CONNECT a.test:0 HTTP/1.1",
+            "CONNECT a.test:65536 HTTP/1.1",
+            "CONNECT a.test:+443 HTTP/1.1",
+            "CONNECT evil.test:443@a.test:443 HTTP/1.1",
+            "CONNECT a.test:443  HTTP/1.1",
+            "CONNECT a.test:443 HTTP/2",
+            "connect a.test:443 HTTP/1.1",
+            "GET /local HTTP/1.1",
+            "GET https://a.test/ HTTP/1.1",
+            "GET http://u:p@a.test/ HTTP/1.1",
+            "GET http://a.test/#f HTTP/1.1",
+            "GET http://a test/ HTTP/1.1",
+            "GET http://a.test/ HTTP/1.1\r\n folded: x",
+            "GET http://a.test/ HTTP/1.1\r\nBad Name: x",
+            "GET http://a.test/ HTTP/1.1\r\nX: a\nY: b",
+            "GET http://a.test/ HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2",
+            "GET http://a.test/ HTTP/1.1\r\nContent-Length: -1",
+            "POST http://a.test/ HTTP/1.1\r\nTransfer-Encoding: chunked",
+            "CONNECT 2130706433:443 HTTP/1.1",
+            "CONNECT 0x7f.1:443 HTTP/1.1",
+            "CONNECT 127.0.0.01:443 HTTP/1.1",
+            "CONNECT [::1:443 HTTP/1.1",
+        ] {
+            assert!(parse(bad).is_err(), "{bad:?} parsed: {:?}", parse(bad));
+        }
+        assert_eq!(parse("POST http://a.test/ HTTP/1.1\r\nTransfer-Encoding: chunked").unwrap_err().status, 501);
+    }
+
+    #[test]
+    fn targets_are_judged_as_the_firewall_and_the_forwarder_judge_them() {
+        let rules = AddressRules {
+            deny: vec!["203.0.113.99/32".parse().unwrap()],
+            allow: vec!["203.0.113.0/24".parse().unwrap()],
+            always_denied: vec!["169.254.0.0/16".parse().unwrap(), "127.0.0.0/8".parse().unwrap()],
+            allow_any: false,
+        };
+        let p = policy(Some(&["api.example.test", "*.cdn.test", "203.0.113.0/24"]), &["bad.cdn.test"], &[(443, 443)]);
+        let name = |n: &str| Host::Name(n.into());
+        let addr = |a: &str| Host::Addr(a.parse().unwrap());
+        assert_eq!(judge(&p, &rules, &name("api.example.test"), 443), Ok(()));
+        assert_eq!(judge(&p, &rules, &name("x.cdn.test"), 443), Ok(()));
+        assert_eq!(judge(&p, &rules, &name("bad.cdn.test"), 443), Err("denied"));
+        assert_eq!(judge(&p, &rules, &name("example.test"), 443), Err("not_allowed"));
+        assert_eq!(judge(&p, &rules, &name("api.example.test"), 80), Err("port_not_allowed"));
+        assert_eq!(judge(&p, &rules, &addr("203.0.113.5"), 443), Ok(()));
+        assert_eq!(judge(&p, &rules, &addr("::ffff:203.0.113.5"), 443), Ok(()));
+        assert_eq!(judge(&p, &rules, &addr("203.0.113.99"), 443), Err("denied"));
+        assert_eq!(judge(&p, &rules, &addr("198.51.100.1"), 443), Err("not_allowed"));
+        assert_eq!(judge(&p, &rules, &addr("169.254.169.254"), 443), Err("unreachable"));
+
+        // Allow-any: anything but the denied, the always-denied and localhost.
+        let any = policy(None, &["*.bad.test"], &[]);
+        let rules = AddressRules { allow_any: true, allow: vec![], ..rules };
+        assert_eq!(judge(&any, &rules, &name("example.test"), 22), Ok(()));
+        assert_eq!(judge(&any, &rules, &name("x.bad.test"), 443), Err("denied"));
+        assert_eq!(judge(&any, &rules, &name("localhost"), 443), Err("unreachable"));
+        assert_eq!(judge(&any, &rules, &name("a.localhost"), 443), Err("unreachable"));
+        assert_eq!(judge(&any, &rules, &addr("198.51.100.1"), 443), Ok(()));
+        assert_eq!(judge(&any, &rules, &addr("127.0.0.1"), 443), Err("unreachable"));
+        assert_eq!(judge(&any, &rules, &addr("::ffff:127.0.0.1"), 443), Err("unreachable"));
+        // Named in the allow list, localhost is the operator's choice.
+        let named = policy(Some(&["localhost"]), &[], &[]);
+        assert_eq!(judge(&named, &rules, &name("localhost"), 443), Ok(()));
+    }
+}
