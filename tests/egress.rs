@@ -2179,6 +2179,71 @@ fn the_dns_forwarder_answers_only_its_sandbox() {
     assert_host_clean(&lab);
 }
 
+/// The agent's proxy, like the DNS forwarder, serves only its sandbox: OUTSIDE, routing to the
+/// gateway address (the host's own), gets no answer from it while the run uses it — the
+/// proxy's socket is bound to the sandbox's link — and the configured proxy sees only the
+/// sandbox's request.
+#[test]
+fn the_agents_proxy_serves_only_its_sandbox() {
+    if !prerequisites() {
+        return;
+    }
+    let lab = Lab::new();
+    lab.outside.ip(&["route", "add", "10.213.0.0/16", "via", HOST_V4]);
+    for conf in ["all", "default", netlab::HOST_IF] {
+        netlab::sysctl_in(&lab.host.name, &format!("net.ipv4.conf.{conf}.rp_filter"), "0");
+    }
+    let upstream = lab.proxy("198.51.100.11:3128");
+    let conf = Conf::new("  proxy:\n    https: \"http://198.51.100.11:3128\"\n");
+    let gateway_of_the_run = || -> Option<String> {
+        let addrs = lab.host.output("ip", &["-4", "-o", "addr", "show"]);
+        addrs.lines().filter(|l| l.contains(" opsv")).find_map(|l| {
+            let cidr = l.split_whitespace().skip_while(|w| *w != "inet").nth(1)?;
+            Some(cidr.split('/').next()?.to_string())
+        })
+    };
+    let request = "CONNECT api.allowed.test:443 HTTP/1.1\r\n\r\n";
+    std::thread::scope(|scope| {
+        let run = scope.spawn(|| {
+            probe(
+                &lab,
+                &conf,
+                json!({"outbound": true, "allowed_hosts": ["*.allowed.test"]}),
+                limits(),
+                json!([["sleep", 2], ["proxy", "HTTPS_PROXY", request, "x"], ["sleep", 4]]),
+            )
+        });
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let gateway = loop {
+            if let Some(g) = gateway_of_the_run() {
+                break g;
+            }
+            assert!(Instant::now() < deadline && !run.is_finished(), "the run's veth never appeared in HOST");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let answer = lab.outside.run(|| {
+            // The run's proxy listens by the time its sandbox uses it, 2 s in.
+            std::thread::sleep(Duration::from_millis(2500));
+            let addr = format!("{gateway}:13128").parse().unwrap();
+            let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
+            s.set_read_timeout(Some(Duration::from_secs(2)))?;
+            std::io::Write::write_all(&mut s, request.as_bytes())?;
+            let mut got = Vec::new();
+            std::io::Read::read_to_end(&mut s, &mut got)?;
+            Ok::<_, std::io::Error>(got)
+        });
+        let p = run.join().unwrap();
+        assert_eq!((p.step(1)["status"].as_u64(), p.step(1)["echo"].as_str()), (Some(200), Some("x")), "{}", p.r);
+        assert!(
+            answer.as_ref().map_or(true, |got| got.is_empty()),
+            "OUTSIDE was answered by the agent's proxy on {gateway}:13128: {:?}",
+            answer.map(|g| String::from_utf8_lossy(&g).to_string())
+        );
+        assert_eq!(upstream.lock().unwrap().len(), 1, "the configured proxy saw more than the sandbox's request");
+    });
+    assert_host_clean(&lab);
+}
+
 /// (9) The seed's port scanner with a real allow list: only allowed ports that listen are open.
 #[test]
 fn seed_port_scanner_reports_only_allowed_open_ports() {
