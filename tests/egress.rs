@@ -202,7 +202,7 @@ impl Conf {
 /// - `["env", [names]]`: `{"ok": true, "env": {name: value or null}}`
 /// - `["env_password", name]`: the password of the URL in `name`, percent-decoded: `{"ok": true, "password"}`
 /// - `["proxy", env_name, request, tunnel?]`: `request` to the proxy the variable names; with
-///   `tunnel` and a 200, those bytes through and back: `{"ok": true, "status", "head", "body", "echo"}`
+///   `tunnel` and a 200, those bytes through and back: `{"ok": true, "status", "head", "body", "stars", "echo"}`
 /// - hostile probes (tests at the end): `udp`, `udp_gw`, `udp_gw6`, `sock`, `ping`,
 ///   `dns_raw`, `multi_download`, `sleep`, `dns_tcp_abuse`, `hold`, `flow` — see `_step_extra`
 const PROBE: &str = r#"
@@ -719,7 +719,7 @@ def _proxy(env_name, request, tunnel=None):
                 break
             body += chunk
         return {"ok": True, "status": status, "head": head, "body": body.decode("utf-8", "replace"),
-                "echo": echo, "ms": _ms(t0)}
+                "stars": body.count(b"*"), "echo": echo, "ms": _ms(t0)}
     except Exception as e:
         return _fail(e, t0)
     finally:
@@ -2182,7 +2182,8 @@ fn the_dns_forwarder_answers_only_its_sandbox() {
 /// The agent's proxy, like the DNS forwarder, serves only its sandbox: OUTSIDE, routing to the
 /// gateway address (the host's own), gets no answer from it while the run uses it — the
 /// proxy's socket is bound to the sandbox's link — and the configured proxy sees only the
-/// sandbox's request.
+/// sandbox's request. In allow-any mode, the configured proxy itself and the proxy port of
+/// other addresses stay unreachable.
 #[test]
 fn the_agents_proxy_serves_only_its_sandbox() {
     if !prerequisites() {
@@ -2208,9 +2209,15 @@ fn the_agents_proxy_serves_only_its_sandbox() {
             probe(
                 &lab,
                 &conf,
-                json!({"outbound": true, "allowed_hosts": ["*.allowed.test"]}),
+                json!({"outbound": true}),
                 limits(),
-                json!([["sleep", 2], ["proxy", "HTTPS_PROXY", request, "x"], ["sleep", 4]]),
+                json!([
+                    ["sleep", 2],
+                    ["proxy", "HTTPS_PROXY", request, "x"],
+                    ["sleep", 4],
+                    ["connect", "198.51.100.11", 3128],
+                    ["connect", "198.51.100.10", 13128]
+                ]),
             )
         });
         let deadline = Instant::now() + Duration::from_secs(30);
@@ -2240,6 +2247,10 @@ fn the_agents_proxy_serves_only_its_sandbox() {
             answer.map(|g| String::from_utf8_lossy(&g).to_string())
         );
         assert_eq!(upstream.lock().unwrap().len(), 1, "the configured proxy saw more than the sandbox's request");
+        // Allow-any reaches every other address, but not the configured proxy's, nor the
+        // proxy port anywhere but its own gateway's.
+        assert_blocked(p.step(3), "198.51.100.11:3128 (the configured proxy, directly, in allow-any mode)");
+        assert_blocked(p.step(4), "198.51.100.10:13128 (the proxy port elsewhere)");
     });
     assert_host_clean(&lab);
 }
@@ -2378,7 +2389,7 @@ fn the_proxy_passes_only_what_the_policy_allows() {
     let log_dir = HostDir::new();
     let log = log_dir.path.join("audit.jsonl");
     let conf = Conf::new(&format!(
-        "  proxy:\n    http: \"http://198.51.100.11:3128\"\n    https: \"http://agent:pr0xy%2Fs3cret@198.51.100.11:3128\"\n    no_proxy: [\"10.0.0.0/8\"]\naudit:\n  path: {}\n  journald: false\n",
+        "  proxy:\n    http: \"http://agent:pr0xy%2Fs3cret@198.51.100.11:3128\"\n    https: \"http://agent:pr0xy%2Fs3cret@198.51.100.11:3128\"\n    no_proxy: [\"10.0.0.0/8\"]\naudit:\n  path: {}\n  journald: false\n",
         log.display()
     ));
     let names = ["HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy"];
@@ -2399,7 +2410,10 @@ fn the_proxy_passes_only_what_the_policy_allows() {
             ["proxy", "HTTP_PROXY", "GET http://www.allowed.test/a HTTP/1.1\r\nHost: evil.test\r\nProxy-Authorization: Basic Zm9vOmJhcg==\r\n\r\nGET http://evil.test/ HTTP/1.1\r\nHost: evil.test\r\n\r\n"],
             ["connect", "198.51.100.11", 3128],
             ["connect", "198.51.100.10", 80],
-            ["proxy", "HTTPS_PROXY", "CONNECT evil.test:443@api.allowed.test:443 HTTP/1.1\r\n\r\n"]
+            ["proxy", "HTTPS_PROXY", "CONNECT evil.test:443@api.allowed.test:443 HTTP/1.1\r\n\r\n"],
+            ["proxy", "HTTPS_PROXY", "CONNECT refused.allowed.test:443 HTTP/1.1\r\n\r\nGET http://evil.test/ HTTP/1.1\r\nHost: evil.test\r\n\r\n"],
+            ["proxy", "HTTP_PROXY", "GET http://www.allowed.test/echo-headers HTTP/1.1\r\n\r\n"],
+            ["proxy", "HTTP_PROXY", "TRACE http://www.allowed.test/ HTTP/1.1\r\nMax-Forwards: 0\r\n\r\n"]
         ]),
     );
     let gateway = p.egress()["gateway"].as_str().unwrap_or_else(|| panic!("no gateway: {}", p.r)).to_string();
@@ -2429,12 +2443,27 @@ fn the_proxy_passes_only_what_the_policy_allows() {
     assert_blocked(p.step(7), "198.51.100.11:3128 (the configured proxy, directly)");
     assert_connected(p.step(8), "198.51.100.10:80");
     assert_eq!(p.step(9)["status"], 400, "a target with user information: {}", p.step(9));
+    // A CONNECT the upstream refuses: its status, not its page (which quotes the request).
+    let refused_upstream = p.step(10);
+    assert_eq!(refused_upstream["status"], 502, "{refused_upstream}");
+    assert!(refused_upstream["body"].as_str().unwrap_or_default().contains("with 403"), "{refused_upstream}");
+    // A page quoting the request's headers: the credentials overwritten, the framing kept.
+    let echoed = p.step(11);
+    assert_eq!(echoed["status"], 200, "{echoed}");
+    // (The result's own redaction would hide the token too: the payload counts the stars.)
+    assert_eq!(echoed["stars"], 24, "the 24 characters of the token overwritten: {echoed}");
+    assert!(echoed["body"].as_str().unwrap_or_default().ends_with("\r\n\r\n"), "{echoed}");
+    assert_eq!(p.step(12)["status"], 405, "TRACE: {}", p.step(12));
     assert_eq!(direct[0].accepted(), 1);
 
     // What the configured proxy saw: the two allowed requests, written anew.
     let seen: Vec<String> = upstream.lock().unwrap().iter().map(|b| String::from_utf8_lossy(b).to_string()).collect();
-    assert_eq!(seen.len(), 2, "{seen:#?}");
-    let (tunnelled, plain) = if seen[0].starts_with("CONNECT") { (&seen[0], &seen[1]) } else { (&seen[1], &seen[0]) };
+    assert_eq!(seen.len(), 4, "{seen:#?}");
+    let find =
+        |start: &str| seen.iter().find(|c| c.starts_with(start)).unwrap_or_else(|| panic!("no {start:?} in {seen:#?}"));
+    let (tunnelled, plain) = (find("CONNECT api."), find("GET http://www.allowed.test/a "));
+    // Nothing of what followed the refused CONNECT reached the upstream.
+    assert!(find("CONNECT refused.").ends_with("\r\n\r\n") && !find("CONNECT refused.").contains("evil"), "{seen:#?}");
     // base64("agent:pr0xy/s3cret"): the URL's password, decoded.
     let credentials = "Proxy-Authorization: Basic YWdlbnQ6cHIweHkvczNjcmV0\r\n";
     assert!(
@@ -2445,10 +2474,12 @@ fn the_proxy_passes_only_what_the_policy_allows() {
     assert!(tunnelled.ends_with("\r\n\r\nping through the tunnel"), "{tunnelled}");
     assert!(plain.starts_with("GET http://www.allowed.test/a HTTP/1.1\r\nHost: www.allowed.test\r\n"), "{plain}");
     assert!(plain.contains("Connection: close\r\n"), "{plain}");
-    assert!(!plain.contains("evil") && !plain.contains("Zm9v") && !plain.contains("Authorization"), "{plain}");
+    assert!(plain.contains(credentials), "{plain}");
+    assert!(!plain.contains("evil") && !plain.contains("Zm9v"), "{plain}");
 
     let report = &p.egress()["proxy"];
-    assert_eq!((report["forwarded"].as_u64(), report["refused"].as_u64()), (Some(2), Some(5)), "{report}");
+    let counts = ["forwarded", "refused", "upstream_failed"].map(|k| report[k].as_u64());
+    assert_eq!(counts, [Some(3), Some(6), Some(1)], "{report}");
     let refused: Vec<(String, String)> = report["refused_targets"]
         .as_array()
         .unwrap_or_else(|| panic!("{report}"))
@@ -2466,9 +2497,9 @@ fn the_proxy_passes_only_what_the_policy_allows() {
         assert!(refused.contains(&(want.0.to_string(), want.1.to_string())), "{want:?} in {refused:?}");
     }
     let audited = audit_records(&log, "proxy_refused");
-    assert_eq!(audited.len(), 5, "{audited:?}");
+    assert_eq!(audited.len(), 6, "{audited:?}");
     let whole = p.r.to_string() + &std::fs::read_to_string(&log).unwrap();
-    assert!(!whole.contains("pr0xy") && !whole.contains("s3cret"), "{whole}");
+    assert!(!whole.contains("pr0xy") && !whole.contains("s3cret") && !whole.contains("YWdlbnQ6"), "{whole}");
     assert_host_clean(&lab);
 }
 

@@ -420,20 +420,15 @@ impl ProxySettings {
             if addrs.is_empty() {
                 return Err(format!("network.proxy: {} has no address", p.host));
             }
-            let authorization = proxy_credentials(&p.url).map(|(user, password)| {
-                use base64::Engine as _;
-                let plain = format!(
-                    "{}:{}",
-                    percent_decoded(user).unwrap_or_else(|| user.to_string()),
-                    percent_decoded(password).unwrap_or_else(|| password.to_string())
-                );
-                format!("Basic {}", base64::engine::general_purpose::STANDARD.encode(plain))
+            let credentials = proxy_credentials(&p.url).map(|(user, password)| {
+                let decoded = |t: &str| percent_decoded(t).unwrap_or_else(|| t.to_string());
+                (decoded(user), decoded(password))
             });
-            Ok(crate::egress_proxy::Upstream {
-                label: format!("{}:{}", p.host, p.port),
-                addrs: addrs.into_iter().map(|a| SocketAddr::new(a, p.port)).collect(),
-                authorization,
-            })
+            Ok(crate::egress_proxy::Upstream::with_credentials(
+                format!("{}:{}", p.host, p.port),
+                addrs.into_iter().map(|a| SocketAddr::new(a, p.port)).collect(),
+                credentials,
+            ))
         };
         Ok(crate::egress_proxy::Upstreams {
             http: self.http.as_ref().map(|p| resolve("http", p)).transpose()?,
@@ -643,7 +638,9 @@ pub fn collect_host_table(delay_ms: u64) -> Result<bool, String> {
 
 /// Build the egress plan for `policy`: resolves literal denied names through the upstream
 /// resolvers.
-pub fn plan(policy: &NetworkPolicy, settings: &EgressSettings) -> Result<EgressPlan, String> {
+/// `also_deny`: addresses the sandbox may not reach whatever its policy says (the configured
+/// proxy's: the agent's own proxy reaches it for the sandbox).
+pub fn plan(policy: &NetworkPolicy, settings: &EgressSettings, also_deny: &[IpAddr]) -> Result<EgressPlan, String> {
     let mut allow = Vec::new();
     let mut deny = Vec::new();
     for p in policy.allow.iter().flatten() {
@@ -666,6 +663,7 @@ pub fn plan(policy: &NetworkPolicy, settings: &EgressSettings) -> Result<EgressP
         })?;
         deny.extend(addrs.into_iter().map(IpNet::host));
     }
+    deny.extend(also_deny.iter().map(|a| IpNet::host(*a)));
     // A denied IPv4 network is denied through the NAT64 prefixes too, as the special ranges
     // are: behind a NAT64 gateway `64:ff9b::a.b.c.d` is `a.b.c.d`, and an allowed name's
     // DNS64 answer may be one.
@@ -727,13 +725,19 @@ impl EgressRun {
                 "network: dns_allowed needs an upstream resolver (network.egress.dns_upstream or a nameserver in /etc/resolv.conf)".into(),
             ));
         }
-        let plan = crate::egress::plan(policy, &settings).map_err(crate::executor_run::CannotRun)?;
-        let proxy_upstreams = if settings.proxy.is_configured() {
-            let upstreams = settings.proxy.upstreams(&upstreams).map_err(crate::executor_run::CannotRun)?;
-            Some((upstreams, crate::egress_proxy::AddressRules::of(&plan.firewall)))
-        } else {
-            None
+        let proxies = match settings.proxy.is_configured() {
+            true => Some(settings.proxy.upstreams(&upstreams).map_err(crate::executor_run::CannotRun)?),
+            false => None,
         };
+        // The configured proxy is the agent's proxy's to reach: directly (allow-any, an
+        // allowed network or name covering it), the sandbox could ask it for anything.
+        let proxy_addrs: Vec<IpAddr> = proxies
+            .iter()
+            .flat_map(|p| p.http.iter().chain(p.https.iter()))
+            .flat_map(|u| u.addrs.iter().map(SocketAddr::ip))
+            .collect();
+        let plan = crate::egress::plan(policy, &settings, &proxy_addrs).map_err(crate::executor_run::CannotRun)?;
+        let proxy_upstreams = proxies.map(|p| (p, crate::egress_proxy::AddressRules::of(&plan.firewall)));
         let reservation =
             sandbox::net::reserve(&plan).map_err(|e| crate::executor_run::CannotRun(format!("network egress: {e}")))?;
         spec.filesystem.synthetic.push(sandbox::SyntheticFile {
@@ -744,6 +748,13 @@ impl EgressRun {
         // The proxy's credentials stay with the agent (its proxy adds them upstream); they
         // are still redacted from all that leaves the agent, as a delivered secret is
         // (DESIGN.md §4), should they show anywhere.
+        for upstream in proxy_upstreams.iter().flat_map(|(p, _)| p.http.iter().chain(p.https.iter())) {
+            if let Some(token) = upstream.authorization.as_deref().and_then(|a| a.strip_prefix("Basic ")) {
+                if token.len() >= MIN_REDACTED_PROXY_PASSWORD {
+                    redactor.add(token);
+                }
+            }
+        }
         let urls = [&settings.proxy.http, &settings.proxy.https];
         for password in urls.into_iter().flatten().filter_map(|p| proxy_password(&p.url)) {
             let decoded = percent_decoded(password);
@@ -932,7 +943,7 @@ mod tests {
             bandwidth_mbps: 10,
             nat64: nat64_prefixes(&Config::default()).unwrap(),
         };
-        let plan = plan(&policy, &EgressSettings::from_config(&Config::default()).unwrap()).unwrap();
+        let plan = plan(&policy, &EgressSettings::from_config(&Config::default()).unwrap(), &[]).unwrap();
         for net in ["198.51.100.11/32", "64:ff9b::c633:640b/128", "203.0.113.0/24", "64:ff9b::cb00:7100/120"] {
             let net: IpNet = net.parse().unwrap();
             assert!(plan.firewall.deny.contains(&net), "{net:?} not denied: {:?}", plan.firewall.deny);
@@ -977,7 +988,7 @@ mod tests {
             ..Default::default()
         };
         let policy = NetworkPolicy::from_manifest(&net, &c, 10).unwrap().unwrap();
-        let plan = plan(&policy, &settings).unwrap();
+        let plan = plan(&policy, &settings, &[]).unwrap();
         for denied in
             ["198.51.100.11/32", "64:ff9b::c633:640b/128", "2001:db8:64::c633:640b/128", "64:ff9b:1:2::c633:640b/128"]
         {

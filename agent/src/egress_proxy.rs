@@ -5,35 +5,50 @@
 //! through: the allow and deny lists, enforced at the sandbox's firewall, saw only the
 //! connection to the proxy.
 //!
-//! Guarantees, per connection (one request; a thread each, at most [`MAX_ACTIVE`] at once):
-//! - served only for the sandbox's own address, arriving on its link (as the DNS forwarder);
+//! Guarantees, per connection (one request; a thread each, at most [`MAX_ACTIVE`] per
+//! sandbox and [`MAX_ACTIVE_TOTAL`] in the process at once, `503` past them; the head read
+//! whole within [`HEAD_TIMEOUT`]):
+//! - served only for the sandbox's own address, arriving on its link (the listening socket
+//!   is bound to the link before it listens; as the DNS forwarder);
 //! - the request is judged before anything reaches the upstream proxy: a `CONNECT
-//!   host:port`, or an absolute-form `http://` request. The host by name — the deny list
-//!   first, then the allow list, as the forwarder judges a query — or, written as an address,
-//!   by the firewall's address rules (denied networks, the allowed ones, the always-denied
-//!   ranges, allow-any); the port by `allowed_ports`. A refusal is answered `403` (or `400`
-//!   for a request it cannot read) and counted in the run's report; the first
-//!   [`MAX_REPORTED_TARGETS`] targets are audited (`proxy_refused`), as refused DNS names are;
+//!   host:port`, or an absolute-form `http://` request of [`PLAIN_METHODS`] (not `TRACE`).
+//!   The host by name — the deny list first, then the allow list, as the forwarder judges
+//!   a query — or, written as an address, by the firewall's address rules (denied networks,
+//!   the allowed ones, the always-denied ranges, allow-any); the port by `allowed_ports`. A
+//!   refusal is answered `403` (`400`/`405`/`431`/`501` for a request it does not pass on
+//!   as written) and counted in the run's report; the first [`MAX_REPORTED_TARGETS`]
+//!   targets are audited (`proxy_refused`), as refused DNS names are;
 //! - what reaches the upstream proxy is what was judged: the request line and `Host` are
-//!   written anew from the parsed target (never the client's text); a plain request carries
-//!   `Connection: close` and its body by `Content-Length` only (a chunked body is refused),
-//!   and nothing the client sends after that body is forwarded — a second request on the
-//!   connection would otherwise pass unjudged;
-//! - the upstream proxy's credentials are added here (`Proxy-Authorization`) and never reach
-//!   the sandbox; a client's own `Proxy-Authorization` is dropped;
+//!   written anew from the parsed target (never the client's text), `Max-Forwards` is
+//!   dropped (with `0` a proxy answers `TRACE`/`OPTIONS` itself, quoting the headers); a
+//!   plain request carries `Connection: close` and its body by `Content-Length` only (a
+//!   chunked body is refused), and nothing the client sends after that body is forwarded —
+//!   a second request on the connection would otherwise pass unjudged; nothing the client
+//!   sends behind a `CONNECT` is forwarded before the upstream accepted it (a refusing
+//!   upstream that keeps the connection open would read it as a request of its own);
+//! - the upstream proxy's credentials are added here (`Proxy-Authorization`) and do not
+//!   reach the sandbox: a client's own `Proxy-Authorization` is dropped, the upstream's
+//!   answer to a `CONNECT` is not passed on (a 2xx becomes the tunnel, anything else a `502`
+//!   naming its status), and in its answers to plain requests every form of the
+//!   credentials (the token, `user:password`, the password, each also percent-encoded;
+//!   8 characters or more) is overwritten with as many `*` ([`Scrubber`]) — a proxy's
+//!   error page can quote the request's headers;
 //! - names are judged as names: the upstream proxy resolves them, and where they lead from
-//!   there is its to judge (a name is never resolved here). Names that are addresses in
-//!   another form (`0x7f.1`, `2130706433`), which a resolver would read as one, are refused,
-//!   and so is `localhost` (and names below it) unless the allow list names it.
+//!   there is its to judge (a name is never resolved here: one inside a denied network, or
+//!   pointing at a metadata address, passes unless a name rule refuses it). Names that are
+//!   addresses in another form (`0x7f.1`, `2130706433`), which a resolver would read as one,
+//!   are refused, and so is `localhost` (and names below it) unless the allow list names it.
+//! - the upstream proxy's own addresses are denied to the sandbox (`egress::plan`): it is
+//!   reached only through here.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
@@ -41,13 +56,21 @@ use crate::dns::Querier;
 use crate::egress::{NameVerdict, NetworkPolicy};
 use sandbox::net::IpNet;
 
-/// Connections served at once; one more is answered `503`.
-pub const MAX_ACTIVE: usize = 64;
+/// Connections one sandbox's proxy serves at once, and all of the process's proxies
+/// together (each costs two threads and six descriptors); one more is answered `503`.
+pub const MAX_ACTIVE: usize = 16;
+pub const MAX_ACTIVE_TOTAL: usize = 128;
+static ACTIVE_TOTAL: AtomicUsize = AtomicUsize::new(0);
+/// The methods of plain requests passed on: not `TRACE`, which a proxy answers itself with
+/// the request's headers.
+pub const PLAIN_METHODS: [&str; 7] = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"];
+/// How long the upstream proxy has to answer a `CONNECT`.
+const UPSTREAM_ANSWER_TIMEOUT: Duration = Duration::from_secs(30);
 /// Targets kept in the report and audited (the counts are complete).
 pub const MAX_REPORTED_TARGETS: usize = 20;
 /// The request head: at most this long, read within [`HEAD_TIMEOUT`].
 const MAX_HEAD: usize = 16 * 1024;
-const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
+pub const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
 const UPSTREAM_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// One configured proxy, resolved.
@@ -58,6 +81,96 @@ pub struct Upstream {
     pub addrs: Vec<SocketAddr>,
     /// `Basic …`, from the URL's user information.
     pub authorization: Option<String>,
+    /// The credentials' forms (the token, `user:password`, the password; each also
+    /// percent-encoded) overwritten in what the upstream answers a plain request
+    /// ([`Scrubber`]): a proxy's error page can quote the request's headers.
+    pub scrub: Vec<Vec<u8>>,
+}
+
+impl Upstream {
+    /// `user`/`password` (decoded) as this upstream's credentials.
+    pub fn with_credentials(label: String, addrs: Vec<SocketAddr>, credentials: Option<(String, String)>) -> Upstream {
+        let Some((user, password)) = credentials else {
+            return Upstream { label, addrs, authorization: None, scrub: Vec::new() };
+        };
+        use base64::Engine as _;
+        let pair = format!("{user}:{password}");
+        let token = base64::engine::general_purpose::STANDARD.encode(&pair);
+        let mut scrub = Vec::new();
+        for form in [token.as_str(), pair.as_str(), password.as_str()] {
+            // Short ones would overwrite ordinary text (see MIN_REDACTED_PROXY_PASSWORD).
+            if form.len() < crate::egress::MIN_REDACTED_PROXY_PASSWORD {
+                continue;
+            }
+            for f in [form.as_bytes().to_vec(), percent_encoded(form, true), percent_encoded(form, false)] {
+                if !scrub.contains(&f) {
+                    scrub.push(f);
+                }
+            }
+        }
+        Upstream { label, addrs, authorization: Some(format!("Basic {token}")), scrub }
+    }
+}
+
+/// Every byte outside RFC 3986's unreserved set as `%XX`.
+fn percent_encoded(text: &str, upper: bool) -> Vec<u8> {
+    let mut out = Vec::with_capacity(text.len() * 3);
+    for &b in text.as_bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+            out.push(b);
+        } else if upper {
+            out.extend_from_slice(format!("%{b:02X}").as_bytes());
+        } else {
+            out.extend_from_slice(format!("%{b:02x}").as_bytes());
+        }
+    }
+    out
+}
+
+/// Overwrites each of its forms, wherever they occur in a stream, with as many `*` (the
+/// response's framing is kept), holding back the last few bytes of each chunk until the
+/// next shows whether a form spans the two.
+pub struct Scrubber {
+    forms: Vec<Vec<u8>>,
+    held: Vec<u8>,
+}
+
+impl Scrubber {
+    pub fn new(forms: Vec<Vec<u8>>) -> Scrubber {
+        Scrubber { forms, held: Vec::new() }
+    }
+
+    /// What can be passed on of `chunk` now.
+    pub fn feed(&mut self, chunk: &[u8]) -> Vec<u8> {
+        self.held.extend_from_slice(chunk);
+        let Some(longest) = self.forms.iter().map(Vec::len).max() else {
+            return std::mem::take(&mut self.held);
+        };
+        self.overwrite();
+        let keep = longest.saturating_sub(1).min(self.held.len());
+        let rest = self.held.split_off(self.held.len() - keep);
+        std::mem::replace(&mut self.held, rest)
+    }
+
+    /// The rest, at the end of the stream.
+    pub fn finish(&mut self) -> Vec<u8> {
+        self.overwrite();
+        std::mem::take(&mut self.held)
+    }
+
+    fn overwrite(&mut self) {
+        for form in self.forms.iter().filter(|f| !f.is_empty()) {
+            let mut i = 0;
+            while i + form.len() <= self.held.len() {
+                if self.held[i..i + form.len()] == form[..] {
+                    self.held[i..i + form.len()].fill(b'*');
+                    i += form.len();
+                } else {
+                    i += 1;
+                }
+            }
+        }
+    }
 }
 
 /// `network.proxy.http` and `.https`: plain requests go to the first, `CONNECT` to the
@@ -101,10 +214,10 @@ pub struct ProxyReport {
     pub requests: u64,
     pub forwarded: u64,
     pub refused: u64,
-    /// Allowed, but the upstream proxy could not be reached.
+    /// Allowed, but the upstream proxy could not be reached, or did not accept a `CONNECT`.
     pub upstream_failed: u64,
     /// Refused targets (`host:port`): reason (`denied`, `not_allowed`, `unreachable`,
-    /// `port_not_allowed`, `malformed`) and how often.
+    /// `port_not_allowed`, `method_not_allowed`, `malformed`) and how often.
     pub refused_targets: Vec<RefusedTarget>,
     #[serde(skip)]
     unlisted_audited: bool,
@@ -186,13 +299,24 @@ impl Request {
             let (host, port) = authority(target, None)?;
             (host, port, None)
         } else {
-            let scheme_len = "http://".len();
-            if target.len() < scheme_len || !target[..scheme_len].eq_ignore_ascii_case("http://") {
+            if !PLAIN_METHODS.contains(&method) {
+                return Err(Refusal {
+                    status: 405,
+                    reason: "method_not_allowed",
+                    detail: format!("{method} is not passed on (one of {})", PLAIN_METHODS.join(", ")),
+                });
+            }
+            // By bytes: the target is UTF-8, and its 7th byte need not end a character.
+            let Some(rest) = target
+                .as_bytes()
+                .get(..7)
+                .filter(|scheme| scheme.eq_ignore_ascii_case(b"http://"))
+                .and_then(|_| target.get(7..))
+            else {
                 return Err(malformed(
                     "a plain request's target must be an absolute http:// URL (use CONNECT for anything else)",
                 ));
-            }
-            let rest = &target[scheme_len..];
+            };
             let end = rest.find(['/', '?']).unwrap_or(rest.len());
             let (auth, tail) = rest.split_at(end);
             if tail.contains('#') {
@@ -224,7 +348,10 @@ impl Request {
                 | "keep-alive"
                 | "te"
                 | "trailer"
-                | "upgrade" => {}
+                | "upgrade"
+                // Max-Forwards: 0 would have the proxy answer itself (TRACE and OPTIONS echo
+                // the request's headers, the credentials added here among them).
+                | "max-forwards" => {}
                 "transfer-encoding" if path.is_some() => {
                     return Err(Refusal {
                         status: 501,
@@ -476,10 +603,7 @@ impl ProxyFilter {
         upstreams: Upstreams,
         who: Querier,
     ) -> std::io::Result<ProxyFilter> {
-        use nix::sys::socket::{setsockopt, sockopt::BindToDevice};
-        let listener = TcpListener::bind(listen)?;
-        setsockopt(&listener, BindToDevice, &std::ffi::OsString::from(device))?;
-        listener.set_nonblocking(true)?;
+        let listener = listen_on_device(listen, device)?;
         let (stop_rx, stop_tx) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(std::io::Error::from)?;
         let context = Arc::new(Context {
             policy,
@@ -506,34 +630,42 @@ impl ProxyFilter {
             if fds[1].revents().is_some_and(|r| !r.is_empty()) {
                 return;
             }
-            let Ok((stream, peer)) = listener.accept() else { continue };
+            let (stream, peer) = match listener.accept() {
+                Ok(accepted) => accepted,
+                // Out of descriptors (or another passing failure): the connection stays
+                // queued, and polling again at once would spin.
+                Err(_) => {
+                    std::thread::sleep(Duration::from_millis(50));
+                    continue;
+                }
+            };
             // Not the sandbox: closed at once.
             if peer.ip() != client || stream.set_nonblocking(false).is_err() {
                 continue;
             }
-            if ctx.active.fetch_add(1, Ordering::SeqCst) >= MAX_ACTIVE {
-                ctx.active.fetch_sub(1, Ordering::SeqCst);
+            let Some(slot) = Slot::take(&ctx) else {
                 let _ = stream.set_write_timeout(Some(Duration::from_secs(1)));
                 answer(&stream, 503, "too many connections through the proxy at once");
                 continue;
-            }
-            let c = ctx.clone();
+            };
             let spawned = std::thread::Builder::new().name("egress-proxy-conn".into()).spawn(move || {
-                let id = c.next_id.fetch_add(1, Ordering::SeqCst);
-                serve(stream, &c, id);
-                c.live().remove(&id);
-                c.active.fetch_sub(1, Ordering::SeqCst);
+                serve(stream, &slot);
             });
-            if spawned.is_err() {
-                ctx.active.fetch_sub(1, Ordering::SeqCst);
-            }
+            // A thread that could not start dropped its slot with its closure.
+            drop(spawned);
         })?;
         Ok(ProxyFilter { stop_tx, thread: Some(thread), context })
     }
 
-    /// Stop accepting, cut every live connection, and report.
+    /// Stop accepting, cut every live connection, and report (once the connections' threads
+    /// are done, or after [`STOP_WAIT`]: a thread still connecting upstream forwards nothing
+    /// once stopped).
     pub fn stop(mut self) -> ProxyReport {
         self.halt();
+        let deadline = std::time::Instant::now() + STOP_WAIT;
+        while self.context.active.load(Ordering::SeqCst) > 0 && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
         let report = self.context.report().clone();
         report
     }
@@ -560,6 +692,54 @@ impl Drop for ProxyFilter {
     }
 }
 
+/// How long [`ProxyFilter::stop`] waits for the connections' threads.
+const STOP_WAIT: Duration = Duration::from_millis(500);
+
+/// A listening socket on `listen`, bound to `device` before it listens: nothing arriving on
+/// another interface is ever queued on it.
+fn listen_on_device(listen: SocketAddr, device: &str) -> std::io::Result<TcpListener> {
+    use nix::sys::socket::{bind, listen as listen_on, setsockopt, socket, sockopt, AddressFamily, Backlog};
+    use nix::sys::socket::{SockFlag, SockType, SockaddrStorage};
+    let family = if listen.is_ipv4() { AddressFamily::Inet } else { AddressFamily::Inet6 };
+    let fd = socket(family, SockType::Stream, SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK, None)?;
+    setsockopt(&fd, sockopt::BindToDevice, &std::ffi::OsString::from(device))?;
+    bind(fd.as_raw_fd(), &SockaddrStorage::from(listen))?;
+    let backlog = Backlog::new(32).map_err(std::io::Error::from)?;
+    listen_on(&fd, backlog)?;
+    Ok(TcpListener::from(fd))
+}
+
+/// A connection's place among the [`MAX_ACTIVE`] of its proxy and the [`MAX_ACTIVE_TOTAL`]
+/// of the process; given back, with the connection's sockets forgotten, when dropped —
+/// however its thread ends.
+struct Slot {
+    ctx: Arc<Context>,
+    id: u64,
+}
+
+impl Slot {
+    fn take(ctx: &Arc<Context>) -> Option<Slot> {
+        if ctx.active.fetch_add(1, Ordering::SeqCst) >= MAX_ACTIVE {
+            ctx.active.fetch_sub(1, Ordering::SeqCst);
+            return None;
+        }
+        if ACTIVE_TOTAL.fetch_add(1, Ordering::SeqCst) >= MAX_ACTIVE_TOTAL {
+            ACTIVE_TOTAL.fetch_sub(1, Ordering::SeqCst);
+            ctx.active.fetch_sub(1, Ordering::SeqCst);
+            return None;
+        }
+        Some(Slot { ctx: ctx.clone(), id: ctx.next_id.fetch_add(1, Ordering::SeqCst) })
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.ctx.live().remove(&self.id);
+        ACTIVE_TOTAL.fetch_sub(1, Ordering::SeqCst);
+        self.ctx.active.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 /// A short answer of the proxy's own, then the end of the connection.
 fn answer(mut stream: &TcpStream, status: u16, text: &str) {
     let phrase = match status {
@@ -580,11 +760,16 @@ fn answer(mut stream: &TcpStream, status: u16, text: &str) {
     let _ = stream.shutdown(Shutdown::Write);
 }
 
-/// Read up to the end of the head: `(head without "\r\n\r\n", what followed it)`.
-fn read_head(stream: &mut TcpStream) -> Result<(Vec<u8>, Vec<u8>), Option<Refusal>> {
+/// Read up to the end of a head by `deadline`: `(head without "\r\n\r\n", what followed
+/// it)`; `Err(None)` when the peer closed, failed or ran out of time.
+fn read_head(stream: &mut TcpStream, deadline: Instant) -> Result<(Vec<u8>, Vec<u8>), Option<Refusal>> {
     let mut buf = Vec::with_capacity(1024);
     let mut chunk = [0u8; 4096];
     loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() || stream.set_read_timeout(Some(left)).is_err() {
+            return Err(None);
+        }
         let n = stream.read(&mut chunk).map_err(|_| None)?;
         if n == 0 {
             return Err(None);
@@ -607,13 +792,47 @@ fn read_head(stream: &mut TcpStream) -> Result<(Vec<u8>, Vec<u8>), Option<Refusa
     }
 }
 
-fn serve(mut client: TcpStream, ctx: &Context, id: u64) {
+/// The status code of a response head (`HTTP/1.x NNN …`), 0 when it has none.
+fn status_of(head: &[u8]) -> u16 {
+    let line = head.split(|&b| b == b'\r').next().unwrap_or_default();
+    let mut parts = line.split(|&b| b == b' ');
+    match (parts.next(), parts.next()) {
+        (Some(v), Some(code)) if v.starts_with(b"HTTP/1.") && code.len() == 3 => {
+            std::str::from_utf8(code).ok().and_then(|c| c.parse().ok()).unwrap_or(0)
+        }
+        _ => 0,
+    }
+}
+
+/// `from` to `to` through a [`Scrubber`] of `forms`, to the end of `from`. Bytes held back
+/// for a form that may span two reads are passed on after a second without more.
+fn copy_scrubbed(from: &mut TcpStream, to: &mut TcpStream, forms: &[Vec<u8>]) {
+    let mut scrubber = Scrubber::new(forms.to_vec());
+    let _ = from.set_read_timeout(Some(Duration::from_secs(1)));
+    let mut buf = [0u8; 16 * 1024];
+    loop {
+        let out = match from.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => scrubber.feed(&buf[..n]),
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                scrubber.finish()
+            }
+            Err(_) => break,
+        };
+        if to.write_all(&out).is_err() {
+            return;
+        }
+    }
+    let _ = to.write_all(&scrubber.finish());
+}
+
+fn serve(mut client: TcpStream, slot: &Slot) {
+    let (ctx, id) = (&*slot.ctx, slot.id);
     if !ctx.track(id, &client) {
         return;
     }
-    let _ = client.set_read_timeout(Some(HEAD_TIMEOUT));
     let _ = client.set_write_timeout(Some(HEAD_TIMEOUT));
-    let (head, rest) = match read_head(&mut client) {
+    let (head, rest) = match read_head(&mut client, Instant::now() + HEAD_TIMEOUT) {
         Ok(v) => v,
         Err(None) => return,
         Err(Some(r)) => {
@@ -658,11 +877,44 @@ fn serve(mut client: TcpStream, ctx: &Context, id: u64) {
     if !ctx.track(id, &up) {
         return;
     }
-    ctx.report().forwarded += 1;
-    let _ = client.set_read_timeout(None);
-    let _ = client.set_write_timeout(None);
+    let _ = up.set_write_timeout(Some(UPSTREAM_ANSWER_TIMEOUT));
     if up.write_all(&request.head_for_upstream(upstream.authorization.as_deref())).is_err() {
+        ctx.report().upstream_failed += 1;
+        answer(&client, 502, &format!("the upstream proxy {} closed the connection", upstream.label));
         return;
+    }
+    if connect {
+        // The upstream's answer before anything more of the client's: bytes sent behind a
+        // CONNECT the upstream refuses (and keeps the connection open after, as HTTP
+        // allows) would be read as a request of their own, never judged. Its answer is
+        // not passed on (a proxy's page can quote the request's headers, the credentials
+        // among them): a 2xx becomes the tunnel, anything else a 502 naming its status.
+        let (status, early) = match read_head(&mut up, Instant::now() + UPSTREAM_ANSWER_TIMEOUT) {
+            // What followed the head is the tunnel's (a server that speaks first).
+            Ok((answer_head, early)) if (200..300).contains(&status_of(&answer_head)) => {
+                (status_of(&answer_head), early)
+            }
+            Ok((answer_head, _)) => {
+                ctx.report().upstream_failed += 1;
+                let status = status_of(&answer_head);
+                answer(&client, 502, &format!("the upstream proxy answered the CONNECT to {target} with {status}"));
+                return;
+            }
+            Err(_) => {
+                ctx.report().upstream_failed += 1;
+                answer(&client, 502, &format!("the upstream proxy did not answer the CONNECT to {target}"));
+                return;
+            }
+        };
+        let established = format!("HTTP/1.1 {status} Connection established\r\n\r\n");
+        if client.write_all(established.as_bytes()).is_err() || client.write_all(&early).is_err() {
+            return;
+        }
+    }
+    ctx.report().forwarded += 1;
+    for s in [&client, &up] {
+        let _ = s.set_read_timeout(None);
+        let _ = s.set_write_timeout(None);
     }
     // Client to upstream: a tunnel's bytes, or exactly the plain request's body.
     let body_left = request.content_length;
@@ -671,16 +923,19 @@ fn serve(mut client: TcpStream, ctx: &Context, id: u64) {
         if connect {
             let _ = to_up.write_all(&rest);
             let _ = std::io::copy(&mut from_client, &mut to_up);
+            let _ = to_up.shutdown(Shutdown::Write);
         } else {
             let first = rest.len().min(usize::try_from(body_left).unwrap_or(usize::MAX));
             let _ = to_up.write_all(&rest[..first]);
             let _ = std::io::copy(&mut (&mut from_client).take(body_left - first as u64), &mut to_up);
             // Nothing after the body: the client's further bytes stay unread.
-            return;
         }
-        let _ = to_up.shutdown(Shutdown::Write);
     });
-    let _ = std::io::copy(&mut up, &mut client);
+    if connect {
+        let _ = std::io::copy(&mut up, &mut client);
+    } else {
+        copy_scrubbed(&mut up, &mut client, &upstream.scrub);
+    }
     let _ = client.shutdown(Shutdown::Write);
     if !connect {
         // The response is complete (the upstream closed): the request's upload is over too.
@@ -768,6 +1023,53 @@ mod tests {
             assert!(parse(bad).is_err(), "{bad:?} parsed: {:?}", parse(bad));
         }
         assert_eq!(parse("POST http://a.test/ HTTP/1.1\r\nTransfer-Encoding: chunked").unwrap_err().status, 501);
+    }
+
+    #[test]
+    fn no_request_text_panics_and_proxies_answer_nothing_themselves() {
+        // The 7th byte inside a character (a slice there would abort the agent).
+        for head in ["GET http:/\u{e9}x HTTP/1.1", "GET http:\u{e9} HTTP/1.1", "GET \u{e9}\u{e9}\u{e9}\u{e9} HTTP/1.1"]
+        {
+            assert!(parse(head).is_err(), "{head:?}");
+        }
+        assert_eq!(parse("TRACE http://a.test/ HTTP/1.1").unwrap_err().status, 405);
+        assert_eq!(parse("PROPFIND http://a.test/ HTTP/1.1").unwrap_err().reason, "method_not_allowed");
+        let r = parse("OPTIONS http://a.test/ HTTP/1.1\r\nMax-Forwards: 0\r\nAccept: */*").unwrap();
+        assert_eq!(r.headers, vec![("Accept".to_string(), "*/*".to_string())]);
+        assert_eq!(status_of(b"HTTP/1.1 200 Connection established"), 200);
+        assert_eq!(status_of(b"HTTP/1.0 407 Proxy Authentication Required\r\nX: y"), 407);
+        for junk in [&b""[..], b"HTTP/1.1", b"HTTP/1.1 20", b"SSH-2.0-x 200", b"HTTP/1.1 2x0"] {
+            assert_eq!(status_of(junk), 0, "{junk:?}");
+        }
+    }
+
+    #[test]
+    fn credentials_are_overwritten_wherever_the_stream_splits_them() {
+        let up = Upstream::with_credentials(
+            "p:3128".into(),
+            vec![],
+            Some(("agent".to_string(), "pr0xy/s3cret".to_string())),
+        );
+        assert_eq!(up.authorization.as_deref(), Some("Basic YWdlbnQ6cHIweHkvczNjcmV0"));
+        let page = "<a href=\"mailto:x?body=Proxy-Authorization%3A%20Basic%20YWdlbnQ6cHIweHkvczNjcmV0%0D%0A\">\
+            agent:pr0xy/s3cret pr0xy%2fs3cret pr0xy%2Fs3cret YWdlbnQ6cHIweHkvczNjcmV0</a>";
+        for split in 0..page.len() {
+            let mut s = Scrubber::new(up.scrub.clone());
+            let mut out = s.feed(&page.as_bytes()[..split]);
+            out.extend(s.feed(&page.as_bytes()[split..]));
+            out.extend(s.finish());
+            let out = String::from_utf8(out).unwrap();
+            assert_eq!(out.len(), page.len(), "the framing is kept");
+            for gone in ["YWdlbnQ6", "s3cret", "pr0xy"] {
+                assert!(!out.contains(gone), "split at {split}: {out}");
+            }
+            assert!(out.starts_with("<a href=\"mailto:x?body=Proxy-Authorization%3A%20Basic%20*"), "{out}");
+        }
+        // Short credentials are passed on (overwriting them would take ordinary text out).
+        let short = Upstream::with_credentials("p:1".into(), vec![], Some(("u".into(), "p".into())));
+        assert!(short.scrub.is_empty() && short.authorization.is_some());
+        let mut none = Scrubber::new(vec![]);
+        assert_eq!(none.feed(b"abc"), b"abc");
     }
 
     #[test]

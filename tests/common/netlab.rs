@@ -853,8 +853,10 @@ impl Lab {
     }
 
     /// An upstream HTTP proxy at `addr`: a `CONNECT` is answered 200 and its tunnel echoes
-    /// what it receives; a plain request is answered 200 with `proxied <request line>`, its
-    /// connection read on for a moment to see what else arrives. Every byte each connection
+    /// what it receives — one to a host `refused.*` is answered 403 quoting the request, and
+    /// its connection read on; a plain request is answered 200 with `proxied <request line>`
+    /// (to a path `/echo-headers`: the request head), its connection read on for a moment to
+    /// see what else arrives. Every byte each connection
     /// brought is kept, in order of arrival.
     pub fn proxy(&self, addr: &str) -> Arc<Mutex<Vec<Vec<u8>>>> {
         let (l, sa) = self.listen(addr);
@@ -884,7 +886,18 @@ impl Lab {
                     }
                     let text = String::from_utf8_lossy(&head).to_string();
                     let line = text.split("\r\n").next().unwrap_or_default().to_string();
-                    if line.starts_with("CONNECT ") {
+                    if line.starts_with("CONNECT refused.") {
+                        // A refusal quoting the request, the connection kept open after it.
+                        let reply = format!("HTTP/1.1 403 Forbidden\r\nContent-Length: {}\r\n\r\n{text}", text.len());
+                        let _ = s.write_all(reply.as_bytes());
+                        let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
+                        while let Ok(n) = s.read(&mut buf) {
+                            if n == 0 {
+                                break;
+                            }
+                            keep(&buf[..n]);
+                        }
+                    } else if line.starts_with("CONNECT ") {
                         let _ = s.write_all(b"HTTP/1.1 200 Connection established\r\n\r\n");
                         loop {
                             match s.read(&mut buf) {
@@ -896,7 +909,9 @@ impl Lab {
                             }
                         }
                     } else {
-                        let body = format!("proxied {line}");
+                        // `/echo-headers`: the request head quoted back, as a proxy's page can.
+                        let body =
+                            if line.contains("/echo-headers") { text.clone() } else { format!("proxied {line}") };
                         let reply = format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{body}", body.len());
                         let _ = s.write_all(reply.as_bytes());
                         let _ = s.set_read_timeout(Some(Duration::from_millis(300)));

@@ -24,6 +24,7 @@
 //!     daddr == gateway, tcp dport PROXY_PORT        accept         (the agent's proxy, with network.proxy)
 //!     daddr == gateway                              goto blocked   (never the host)
 //!     udp|tcp dport 53                              goto blocked   (no other resolver)
+//!     tcp dport PROXY_PORT                          goto blocked   (no other gateway's proxy port)
 //!     daddr in an allowed net                       goto ports
 //!     daddr @dyn4 / @dyn6 (from allowed names)      goto ports
 //!     daddr in an always-denied range               goto blocked
@@ -590,10 +591,17 @@ pub(crate) fn load_sandbox_ruleset(
             }
             b.rule(chain, join(vec![addr_in(&gw_net, false), vec![goto("blocked")]]));
         }
-        // DNS goes to the agent's forwarder only, never straight to another resolver.
+        // DNS goes to the agent's forwarder only, never straight to another resolver; and
+        // the proxy port to the agent's proxy only (the host table accepts it on every
+        // gateway: another link's, where an allow list covers the pool, could be a listener
+        // of the host's own).
         for proto in [IPPROTO_UDP, IPPROTO_TCP] {
             b.rule(chain, join(vec![l4proto(proto), dport_range(53, 53), vec![goto("blocked")]]));
         }
+        b.rule(
+            chain,
+            join(vec![l4proto(IPPROTO_TCP), dport_range(super::PROXY_PORT, super::PROXY_PORT), vec![goto("blocked")]]),
+        );
         for net in fw.allow.iter().filter(family) {
             b.rule(chain, join(vec![addr_in(net, false), vec![goto("ports")]]));
         }
