@@ -51,8 +51,9 @@
 //!   after that — only the very last record could be hidden this way, and the tail of a
 //!   file can be cut off in any case (below). A tail the writer cannot interpret (its last two
 //!   lines are not records) is never guessed at: appends fail, and so do gated actions, until
-//!   an operator moves the damaged file aside (the next append then continues from `.1`, or
-//!   from the genesis, and says which records went with the file: below).
+//!   an operator moves the damaged file aside (the next append then continues from the
+//!   newest rotated file, or from the genesis, and says which records went with the file:
+//!   below).
 //! - A gap the log records itself ([`high_water`]: marks in the lock file of the newest record
 //!   written and the newest durable): when the newest file holds no complete record (missing
 //!   or empty) but records past the head were written, they went with the file — set aside,
@@ -64,8 +65,10 @@
 //!   seqs (the marks are not flushed: after a power loss they may lag, [`high_water`]).
 //!   `verify` reports every gap as `removed` (the log is not intact) and checks the chain on
 //!   past it. Before the twenty-fifth session the next append reused the missing records'
-//!   seqs, and `verify` said the log was intact. A log set aside whole starts a new genesis
-//!   only with its lock file set aside too.
+//!   seqs, and `verify` said the log was intact. With `.1` gone too, the record chains to
+//!   the newest rotated file left, and the gap runs from past it (before the twenty-sixth
+//!   session it started from the genesis, claiming seqs older files still held). A log set
+//!   aside whole starts a new genesis only with its lock file set aside too.
 //!
 //! What the chain does not show by itself: records cut off the *end* of the newest file (the
 //! durable mark shows them, in the next record: above — unless the lock file was rewritten
@@ -1049,7 +1052,7 @@ impl AuditLog {
         let marks = high_water::read(lock);
         let mut head = match &plan.head {
             Some((line, seq)) => Head { line: Some(line.clone()), seq: *seq, ..Head::genesis() },
-            None => self.head_from_rotated()?,
+            None => self.head_from_rotated(marks.newest().is_some())?,
         };
         // Records missing past the head ([`high_water::Marks::missing_after`]: the newest
         // file set aside, removed, emptied or cut short, or the log put back to an older
@@ -1155,9 +1158,26 @@ impl AuditLog {
     }
 
     /// The current file holds no complete record: chain from the newest rotated file (a
-    /// rotation was interrupted after the rename) or start the genesis.
-    fn head_from_rotated(&self) -> Result<Head, AuditError> {
-        let r1 = self.settings.rotated(1);
+    /// rotation was interrupted after the rename) or start the genesis. `marked`: the lock
+    /// file holds a high-water mark — the log's records are known to have been written —
+    /// so when `.1` is missing too (set aside or removed with the newest file), the newest
+    /// rotated file there is, not the genesis, is what the log still holds last: the record
+    /// then chains to it, and the gap it records starts after it (from the genesis, it
+    /// claimed seqs the older files still hold, which `verify` could only call an edit).
+    /// Without a mark, a missing `.1` is a log set aside whole with its lock file: a new
+    /// genesis.
+    fn head_from_rotated(&self, marked: bool) -> Result<Head, AuditError> {
+        let mut number = 1;
+        if marked && !self.settings.rotated(1).exists() {
+            let numbered = self
+                .numbered()
+                .map_err(|e| AuditError::new(&self.settings.path, format!("cannot list rotated files: {e}")))?;
+            match numbered.into_iter().min() {
+                Some(n) => number = n,
+                None => return Ok(Head::genesis()),
+            }
+        }
+        let r1 = self.settings.rotated(number);
         let f = match crate::bounded::open_regular_nofollow(&r1, OpenOptions::new().read(true)) {
             Ok(f) => f,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Head::genesis()),
@@ -1881,6 +1901,31 @@ mod tests {
         let v = verify_all(&s);
         assert!(!v.intact && v.problem.is_none(), "{v:?}");
         assert_eq!(v.gaps.len(), 1, "the file emptied held the first gap's record: {v:?}");
+
+        // The newest file and `.1` both set aside: the record chains to the newest rotated
+        // file left (`.2`), the gap runs from past it.
+        let (s, settings, log) = rotating_log("gap-newest-two", 4);
+        while !settings.rotated(2).exists() || lines(&s.log()).len() < 3 {
+            log.append("x", &Map::new()).unwrap();
+        }
+        let last_of_2 = parse_record(lines(&settings.rotated(2)).pop().unwrap().as_bytes()).unwrap().seq;
+        let newest = log.append("x", &Map::new()).unwrap();
+        std::fs::remove_file(s.log()).unwrap();
+        std::fs::remove_file(settings.rotated(1)).unwrap();
+        let r = parse_record(log.append("after", &Map::new()).unwrap().line.as_bytes()).unwrap();
+        assert_eq!(r.continues, Some(("audit.jsonl.2".to_string(), last_of_2)));
+        assert_eq!(r.gap, Some(Gap { from: last_of_2 + 1, to: newest.seq, sha256: newest.sha256.clone() }));
+        append(&log, 2);
+        let v = verify_all(&s);
+        assert!(!v.intact && v.problem.is_none(), "a gap, not an edit: {v:?}");
+        assert_eq!(v.gaps.len(), 1, "{v:?}");
+        // And on through the next rotation (which renames `.2` to `.3`, the gap's file to `.1`).
+        while !settings.rotated(1).exists() || !lines(&settings.rotated(1)).iter().any(|l| l.contains("\"gap\"")) {
+            log.append("x", &Map::new()).unwrap();
+        }
+        append(&log, 2);
+        let v = verify_all(&s);
+        assert!(!v.intact && v.problem.is_none() && v.gaps.len() == 1, "{v:?}");
 
         // A rotation cut short after its rename: no gap, the log intact.
         let (s, settings, log) = rotating_log("gap-cut-rotation", 4);
