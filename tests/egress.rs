@@ -2182,8 +2182,10 @@ fn the_dns_forwarder_answers_only_its_sandbox() {
 /// The agent's proxy, like the DNS forwarder, serves only its sandbox: OUTSIDE, routing to the
 /// gateway address (the host's own), gets no answer from it while the run uses it — the
 /// proxy's socket is bound to the sandbox's link — and the configured proxy sees only the
-/// sandbox's request. In allow-any mode, the configured proxy itself and the proxy port of
-/// other addresses stay unreachable.
+/// sandbox's request. In allow-any mode, the configured proxy itself (configured by name) and
+/// the proxy port of other addresses stay unreachable, directly and through the agent's
+/// proxy, and so does the agent's host; a denied network covering the address pool leaves
+/// the sandbox its DNS and its proxy.
 #[test]
 fn the_agents_proxy_serves_only_its_sandbox() {
     if !prerequisites() {
@@ -2195,7 +2197,8 @@ fn the_agents_proxy_serves_only_its_sandbox() {
         netlab::sysctl_in(&lab.host.name, &format!("net.ipv4.conf.{conf}.rp_filter"), "0");
     }
     let upstream = lab.proxy("198.51.100.11:3128");
-    let conf = Conf::new("  proxy:\n    https: \"http://198.51.100.11:3128\"\n");
+    lab.dns.set("proxy.lab.test", &["198.51.100.11"]);
+    let conf = Conf::new("  proxy:\n    https: \"http://proxy.lab.test:3128\"\n");
     let gateway_of_the_run = || -> Option<String> {
         let addrs = lab.host.output("ip", &["-4", "-o", "addr", "show"]);
         addrs.lines().filter(|l| l.contains(" opsv")).find_map(|l| {
@@ -2209,14 +2212,21 @@ fn the_agents_proxy_serves_only_its_sandbox() {
             probe(
                 &lab,
                 &conf,
-                json!({"outbound": true}),
+                // Allow-any, with a denied network covering the address pool (its gateway:
+                // the agent's DNS and proxy are reached all the same).
+                json!({"outbound": true, "denied_hosts": ["10.0.0.0/8"]}),
                 limits(),
                 json!([
                     ["sleep", 2],
                     ["proxy", "HTTPS_PROXY", request, "x"],
                     ["sleep", 4],
                     ["connect", "198.51.100.11", 3128],
-                    ["connect", "198.51.100.10", 13128]
+                    ["connect", "198.51.100.10", 13128],
+                    ["resolve", "allowed.test"],
+                    ["proxy", "HTTPS_PROXY", "CONNECT proxy.lab.test:3128 HTTP/1.1\r\n\r\n"],
+                    ["proxy", "HTTPS_PROXY", "CONNECT 198.51.100.11:3128 HTTP/1.1\r\n\r\n"],
+                    ["proxy", "HTTPS_PROXY", format!("CONNECT {HOST_V4}:22 HTTP/1.1\r\n\r\n")],
+                    ["connect", "10.1.2.3", 80]
                 ]),
             )
         });
@@ -2251,6 +2261,15 @@ fn the_agents_proxy_serves_only_its_sandbox() {
         // proxy port anywhere but its own gateway's.
         assert_blocked(p.step(3), "198.51.100.11:3128 (the configured proxy, directly, in allow-any mode)");
         assert_blocked(p.step(4), "198.51.100.10:13128 (the proxy port elsewhere)");
+        assert_resolved(p.step(5), "allowed.test", &["198.51.100.10"]);
+        // Through the agent's proxy: the configured proxy (by name, by address) and the
+        // agent's host are no targets either.
+        for (i, reason) in [(6, "unreachable"), (7, "denied"), (8, "unreachable")] {
+            let s = p.step(i);
+            assert_eq!(s["status"], 403, "step {i}: {s}");
+            assert!(s["body"].as_str().unwrap_or_default().contains(reason), "step {i}: {s}");
+        }
+        assert_blocked(p.step(9), "10.1.2.3:80 (a denied network)");
     });
     assert_host_clean(&lab);
 }

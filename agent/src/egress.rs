@@ -414,7 +414,9 @@ impl ProxySettings {
             }
             let addrs = match p.host.parse::<IpAddr>() {
                 Ok(a) => vec![a],
-                Err(_) => crate::dns::resolve(&p.host, resolvers)
+                // Every address (A and AAAA answered in full), or no run: the sandbox is
+                // denied the proxy's addresses, and one a partial answer missed stays open.
+                Err(_) => crate::dns::resolve_every(&p.host, resolvers)
                     .map_err(|e| format!("network.proxy: cannot resolve {}: {e}", p.host))?,
             };
             if addrs.is_empty() {
@@ -430,9 +432,16 @@ impl ProxySettings {
                 credentials,
             ))
         };
+        let names = [&self.http, &self.https]
+            .into_iter()
+            .flatten()
+            .filter(|p| p.host.parse::<IpAddr>().is_err())
+            .map(|p| p.host.trim_end_matches('.').to_ascii_lowercase())
+            .collect();
         Ok(crate::egress_proxy::Upstreams {
             http: self.http.as_ref().map(|p| resolve("http", p)).transpose()?,
             https: self.https.as_ref().map(|p| resolve("https", p)).transpose()?,
+            names,
         })
     }
 }
@@ -683,6 +692,7 @@ pub fn plan(policy: &NetworkPolicy, settings: &EgressSettings, also_deny: &[IpAd
             allow_any: policy.allow.is_none(),
             ports: policy.ports.clone(),
             proxy: settings.proxy.is_configured(),
+            pool: std::iter::once(settings.pool.v4).chain(settings.pool.v6).collect(),
             max_connections: settings.max_connections,
             max_new_per_second: settings.max_new_connections_per_second,
         },
@@ -737,7 +747,15 @@ impl EgressRun {
             .flat_map(|u| u.addrs.iter().map(SocketAddr::ip))
             .collect();
         let plan = crate::egress::plan(policy, &settings, &proxy_addrs).map_err(crate::executor_run::CannotRun)?;
-        let proxy_upstreams = proxies.map(|p| (p, crate::egress_proxy::AddressRules::of(&plan.firewall)));
+        let proxy_upstreams = match proxies {
+            Some(p) => {
+                let rules = crate::egress_proxy::AddressRules::of(&plan.firewall)
+                    .with_host_and(&p)
+                    .map_err(|e| crate::executor_run::CannotRun(format!("network egress: {e}")))?;
+                Some((p, rules))
+            }
+            None => None,
+        };
         let reservation =
             sandbox::net::reserve(&plan).map_err(|e| crate::executor_run::CannotRun(format!("network egress: {e}")))?;
         spec.filesystem.synthetic.push(sandbox::SyntheticFile {

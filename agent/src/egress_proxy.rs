@@ -29,17 +29,22 @@
 //! - the upstream proxy's credentials are added here (`Proxy-Authorization`) and do not
 //!   reach the sandbox: a client's own `Proxy-Authorization` is dropped, the upstream's
 //!   answer to a `CONNECT` is not passed on (a 2xx becomes the tunnel, anything else a `502`
-//!   naming its status), and in its answers to plain requests every form of the
-//!   credentials (the token, `user:password`, the password, each also percent-encoded;
-//!   8 characters or more) is overwritten with as many `*` ([`Scrubber`]) — a proxy's
-//!   error page can quote the request's headers;
+//!   naming its status), and in its answers to plain requests the credentials (the token,
+//!   `user:password`, the password; 8 characters or more), as written or percent-encoded
+//!   any way, are overwritten with as many `*` ([`Scrubber`]) — a proxy's error page can
+//!   quote the request's headers (an answer compressed, chunked across a form or in HTML
+//!   entities is not recognised);
 //! - names are judged as names: the upstream proxy resolves them, and where they lead from
 //!   there is its to judge (a name is never resolved here: one inside a denied network, or
 //!   pointing at a metadata address, passes unless a name rule refuses it). Names that are
 //!   addresses in another form (`0x7f.1`, `2130706433`), which a resolver would read as one,
-//!   are refused, and so is `localhost` (and names below it) unless the allow list names it.
-//! - the upstream proxy's own addresses are denied to the sandbox (`egress::plan`): it is
-//!   reached only through here.
+//!   are refused, and so is `localhost` (and names below it) unless the allow list names it;
+//! - never a target: the agent host's own addresses (the host table refuses the sandbox the
+//!   host; through the proxy it would be reached from outside) and the configured proxies,
+//!   by name or address — asked for itself, a proxy would carry requests unjudged. Their
+//!   addresses (every A and AAAA at the run's start) are denied to the sandbox too
+//!   (`egress::plan`): a proxy is reached only through here (another name of it, or an
+//!   address it takes later, is not known).
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -99,57 +104,75 @@ impl Upstream {
         let mut scrub = Vec::new();
         for form in [token.as_str(), pair.as_str(), password.as_str()] {
             // Short ones would overwrite ordinary text (see MIN_REDACTED_PROXY_PASSWORD).
-            if form.len() < crate::egress::MIN_REDACTED_PROXY_PASSWORD {
-                continue;
-            }
-            for f in [form.as_bytes().to_vec(), percent_encoded(form, true), percent_encoded(form, false)] {
-                if !scrub.contains(&f) {
-                    scrub.push(f);
-                }
+            if form.len() >= crate::egress::MIN_REDACTED_PROXY_PASSWORD && !scrub.contains(&form.as_bytes().to_vec()) {
+                scrub.push(form.as_bytes().to_vec());
             }
         }
         Upstream { label, addrs, authorization: Some(format!("Basic {token}")), scrub }
     }
 }
 
-/// Every byte outside RFC 3986's unreserved set as `%XX`.
-fn percent_encoded(text: &str, upper: bool) -> Vec<u8> {
-    let mut out = Vec::with_capacity(text.len() * 3);
-    for &b in text.as_bytes() {
-        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
-            out.push(b);
-        } else if upper {
-            out.extend_from_slice(format!("%{b:02X}").as_bytes());
-        } else {
-            out.extend_from_slice(format!("%{b:02x}").as_bytes());
-        }
-    }
-    out
-}
-
-/// Overwrites each of its forms, wherever they occur in a stream, with as many `*` (the
-/// response's framing is kept), holding back the last few bytes of each chunk until the
-/// next shows whether a form spans the two.
+/// Overwrites each of its forms, wherever they occur in a stream — each byte as itself or
+/// percent-encoded (`%2F`, `%2f`: an encoder's choice of which bytes to encode, and its
+/// case, makes no difference) — with as many `*` (the response's framing is kept), holding
+/// back the tail of what it has seen while it may begin a form.
 pub struct Scrubber {
     forms: Vec<Vec<u8>>,
     held: Vec<u8>,
 }
 
+/// The byte `%XX` at `b[0..3]` encodes.
+fn percent_byte(b: &[u8]) -> Option<u8> {
+    match b {
+        [b'%', h, l, ..] => {
+            let hex = |c: u8| (c as char).to_digit(16);
+            Some((hex(*h)? * 16 + hex(*l)?) as u8)
+        }
+        _ => None,
+    }
+}
+
+/// How `form` matches `buf` from `at`.
+enum Match {
+    /// Whole, ending before this index.
+    Whole(usize),
+    /// Matching so far, up to the end of `buf`.
+    Partial,
+    No,
+}
+
+fn match_at(buf: &[u8], at: usize, form: &[u8]) -> Match {
+    let mut p = at;
+    for &want in form {
+        match buf.get(p) {
+            None => return Match::Partial,
+            Some(&c) if c == want => p += 1,
+            Some(b'%') => match (buf.len() - p < 3, percent_byte(&buf[p..])) {
+                (true, _) if buf[p + 1..].iter().all(u8::is_ascii_hexdigit) => return Match::Partial,
+                (false, Some(c)) if c == want => p += 3,
+                _ => return Match::No,
+            },
+            Some(_) => return Match::No,
+        }
+    }
+    Match::Whole(p)
+}
+
 impl Scrubber {
     pub fn new(forms: Vec<Vec<u8>>) -> Scrubber {
-        Scrubber { forms, held: Vec::new() }
+        Scrubber { forms: forms.into_iter().filter(|f| !f.is_empty()).collect(), held: Vec::new() }
     }
 
-    /// What can be passed on of `chunk` now.
+    /// What can be passed on now of what has come, `chunk` last.
     pub fn feed(&mut self, chunk: &[u8]) -> Vec<u8> {
         self.held.extend_from_slice(chunk);
-        let Some(longest) = self.forms.iter().map(Vec::len).max() else {
-            return std::mem::take(&mut self.held);
-        };
-        self.overwrite();
-        let keep = longest.saturating_sub(1).min(self.held.len());
-        let rest = self.held.split_off(self.held.len() - keep);
-        std::mem::replace(&mut self.held, rest)
+        self.pass_on()
+    }
+
+    /// At a pause: all but a tail that may begin a form (passing that on would let the
+    /// rest of the form through unmatched when it comes).
+    pub fn pause(&mut self) -> Vec<u8> {
+        self.pass_on()
     }
 
     /// The rest, at the end of the stream.
@@ -158,18 +181,34 @@ impl Scrubber {
         std::mem::take(&mut self.held)
     }
 
-    fn overwrite(&mut self) {
-        for form in self.forms.iter().filter(|f| !f.is_empty()) {
-            let mut i = 0;
-            while i + form.len() <= self.held.len() {
-                if self.held[i..i + form.len()] == form[..] {
-                    self.held[i..i + form.len()].fill(b'*');
-                    i += form.len();
-                } else {
-                    i += 1;
+    /// Overwrite every whole form, then give up to the first position where a form may
+    /// still begin.
+    fn pass_on(&mut self) -> Vec<u8> {
+        let keep_from = self.overwrite();
+        let rest = self.held.split_off(keep_from);
+        std::mem::replace(&mut self.held, rest)
+    }
+
+    /// Overwrite the whole forms in `held`; the first position where one matches partly,
+    /// up to its end (`held.len()` when none does).
+    fn overwrite(&mut self) -> usize {
+        let mut first_partial = self.held.len();
+        let mut i = 0;
+        while i < self.held.len() {
+            let mut next = i + 1;
+            for form in &self.forms {
+                match match_at(&self.held, i, form) {
+                    Match::Whole(end) => {
+                        self.held[i..end].fill(b'*');
+                        next = next.max(end);
+                    }
+                    Match::Partial => first_partial = first_partial.min(i),
+                    Match::No => {}
                 }
             }
+            i = next;
         }
+        first_partial
     }
 }
 
@@ -179,6 +218,9 @@ impl Scrubber {
 pub struct Upstreams {
     pub http: Option<Upstream>,
     pub https: Option<Upstream>,
+    /// The configured proxies' host names (lower-case): a target naming one is refused —
+    /// asked for itself, the proxy would carry the sandbox's requests unjudged.
+    pub names: Vec<String>,
 }
 
 impl Upstreams {
@@ -195,6 +237,11 @@ pub struct AddressRules {
     pub allow: Vec<IpNet>,
     pub always_denied: Vec<IpNet>,
     pub allow_any: bool,
+    /// The agent host's own addresses: never a target, as the host table refuses the
+    /// sandbox the host (through the proxy, the host would be reached from outside).
+    pub host: Vec<IpAddr>,
+    /// Names never a target: the configured proxies' ([`Upstreams::names`]).
+    pub names: Vec<String>,
 }
 
 impl AddressRules {
@@ -204,7 +251,26 @@ impl AddressRules {
             allow: fw.allow.clone(),
             always_denied: fw.always_denied.clone(),
             allow_any: fw.allow_any,
+            host: Vec::new(),
+            names: Vec::new(),
         }
+    }
+
+    /// With the host's own addresses (every interface's) and the configured proxies' names.
+    pub fn with_host_and(mut self, upstreams: &Upstreams) -> Result<AddressRules, String> {
+        let addrs = nix::ifaddrs::getifaddrs().map_err(|e| format!("cannot list the host's addresses: {e}"))?;
+        for a in addrs.filter_map(|i| i.address) {
+            let ip = match (a.as_sockaddr_in(), a.as_sockaddr_in6()) {
+                (Some(v4), _) => IpAddr::V4(v4.ip()),
+                (_, Some(v6)) => IpAddr::V6(v6.ip()),
+                _ => continue,
+            };
+            if !self.host.contains(&ip) {
+                self.host.push(ip);
+            }
+        }
+        self.names = upstreams.names.clone();
+        Ok(self)
     }
 }
 
@@ -485,6 +551,7 @@ pub fn judge(policy: &NetworkPolicy, rules: &AddressRules, host: &Host, port: u1
         return Err("port_not_allowed");
     }
     match host {
+        Host::Name(name) if rules.names.iter().any(|n| n == name) => Err("unreachable"),
         Host::Name(name) => match policy.name_verdict(name) {
             NameVerdict::Denied => Err("denied"),
             NameVerdict::NotAllowed => Err("not_allowed"),
@@ -503,6 +570,8 @@ pub fn judge(policy: &NetworkPolicy, rules: &AddressRules, host: &Host, port: u1
             };
             if rules.deny.iter().any(|n| n.contains(a)) {
                 Err("denied")
+            } else if rules.host.contains(&a) {
+                Err("unreachable")
             } else if rules.allow.iter().any(|n| n.contains(a)) {
                 Ok(())
             } else if rules.always_denied.iter().any(|n| n.contains(a)) {
@@ -745,10 +814,12 @@ fn answer(mut stream: &TcpStream, status: u16, text: &str) {
     let phrase = match status {
         400 => "Bad Request",
         403 => "Forbidden",
+        405 => "Method Not Allowed",
         431 => "Request Header Fields Too Large",
         501 => "Not Implemented",
         502 => "Bad Gateway",
-        _ => "Service Unavailable",
+        503 => "Service Unavailable",
+        _ => "Error",
     };
     let body = format!("opservant: {text}\n");
     let head = format!(
@@ -758,6 +829,24 @@ fn answer(mut stream: &TcpStream, status: u16, text: &str) {
     let _ = stream.write_all(head.as_bytes());
     let _ = stream.write_all(body.as_bytes());
     let _ = stream.shutdown(Shutdown::Write);
+    drain(stream);
+}
+
+/// Read what the client still sends, briefly, before the socket is closed: closed with
+/// unread bytes (a request body, a request pipelined behind) it would send a reset, and
+/// the client could lose the answer written just before.
+fn drain(mut stream: &TcpStream) {
+    let _ = stream.set_read_timeout(Some(Duration::from_millis(200)));
+    let mut sink = [0u8; 4096];
+    let mut left = 64 * 1024;
+    while left > 0 {
+        match stream.read(&mut sink) {
+            Ok(0) => return,
+            Ok(n) => left -= n.min(left),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(_) => return,
+        }
+    }
 }
 
 /// Read up to the end of a head by `deadline`: `(head without "\r\n\r\n", what followed
@@ -770,10 +859,12 @@ fn read_head(stream: &mut TcpStream, deadline: Instant) -> Result<(Vec<u8>, Vec<
         if left.is_zero() || stream.set_read_timeout(Some(left)).is_err() {
             return Err(None);
         }
-        let n = stream.read(&mut chunk).map_err(|_| None)?;
-        if n == 0 {
-            return Err(None);
-        }
+        let n = match stream.read(&mut chunk) {
+            Ok(0) => return Err(None),
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(_) => return Err(None),
+        };
         let searched_from = buf.len().saturating_sub(3);
         buf.extend_from_slice(&chunk[..n]);
         if let Some(i) = buf[searched_from..].windows(4).position(|w| w == b"\r\n\r\n") {
@@ -804,8 +895,8 @@ fn status_of(head: &[u8]) -> u16 {
     }
 }
 
-/// `from` to `to` through a [`Scrubber`] of `forms`, to the end of `from`. Bytes held back
-/// for a form that may span two reads are passed on after a second without more.
+/// `from` to `to` through a [`Scrubber`] of `forms`, to the end of `from`. After a second
+/// without more, what is held back is passed on but for a tail that may begin a form.
 fn copy_scrubbed(from: &mut TcpStream, to: &mut TcpStream, forms: &[Vec<u8>]) {
     let mut scrubber = Scrubber::new(forms.to_vec());
     let _ = from.set_read_timeout(Some(Duration::from_secs(1)));
@@ -815,8 +906,9 @@ fn copy_scrubbed(from: &mut TcpStream, to: &mut TcpStream, forms: &[Vec<u8>]) {
             Ok(0) => break,
             Ok(n) => scrubber.feed(&buf[..n]),
             Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
-                scrubber.finish()
+                scrubber.pause()
             }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(_) => break,
         };
         if to.write_all(&out).is_err() {
@@ -938,12 +1030,18 @@ fn serve(mut client: TcpStream, slot: &Slot) {
     }
     let _ = client.shutdown(Shutdown::Write);
     if !connect {
-        // The response is complete (the upstream closed): the request's upload is over too.
+        // The response is complete (the upstream closed): the request's upload is over too
+        // (a body still coming is cut: its reader is woken by the end of reading).
         let _ = up.shutdown(Shutdown::Both);
-        let _ = client.shutdown(Shutdown::Read);
+        if upward.as_ref().is_ok_and(|t| !t.is_finished()) {
+            let _ = client.shutdown(Shutdown::Read);
+        }
     }
     if let Ok(t) = upward {
         let _ = t.join();
+    }
+    if !connect {
+        drain(&client);
     }
 }
 
@@ -1044,32 +1142,52 @@ mod tests {
     }
 
     #[test]
-    fn credentials_are_overwritten_wherever_the_stream_splits_them() {
+    fn credentials_are_overwritten_wherever_the_stream_splits_or_pauses_them() {
         let up = Upstream::with_credentials(
             "p:3128".into(),
             vec![],
             Some(("agent".to_string(), "pr0xy/s3cret".to_string())),
         );
         assert_eq!(up.authorization.as_deref(), Some("Basic YWdlbnQ6cHIweHkvczNjcmV0"));
+        // As written, and percent-encoded any way (all, some, upper or lower case).
         let page = "<a href=\"mailto:x?body=Proxy-Authorization%3A%20Basic%20YWdlbnQ6cHIweHkvczNjcmV0%0D%0A\">\
-            agent:pr0xy/s3cret pr0xy%2fs3cret pr0xy%2Fs3cret YWdlbnQ6cHIweHkvczNjcmV0</a>";
-        for split in 0..page.len() {
-            let mut s = Scrubber::new(up.scrub.clone());
-            let mut out = s.feed(&page.as_bytes()[..split]);
-            out.extend(s.feed(&page.as_bytes()[split..]));
-            out.extend(s.finish());
+            agent:pr0xy/s3cret pr0xy%2fs3cret pr0xy%2Fs3cret agent%3Apr0xy%2Fs3cret %59%57dlbnQ6cHIweHkvczNjcmV0 \
+            YWdlbnQ6cHIweHkvczNjcmV0</a>";
+        let check = |out: Vec<u8>, how: &str| {
             let out = String::from_utf8(out).unwrap();
-            assert_eq!(out.len(), page.len(), "the framing is kept");
-            for gone in ["YWdlbnQ6", "s3cret", "pr0xy"] {
-                assert!(!out.contains(gone), "split at {split}: {out}");
+            assert_eq!(out.len(), page.len(), "{how}: the framing is kept");
+            for gone in ["YWdlbnQ6", "dlbnQ6", "s3cret", "pr0xy"] {
+                assert!(!out.contains(gone), "{how}: {out}");
             }
-            assert!(out.starts_with("<a href=\"mailto:x?body=Proxy-Authorization%3A%20Basic%20*"), "{out}");
+            assert!(out.starts_with("<a href=\"mailto:x?body=Proxy-Authorization%3A%20Basic%20*"), "{how}: {out}");
+            assert!(out.ends_with("*</a>"), "{how}: {out}");
+        };
+        for split in 0..page.len() {
+            let (a, b) = page.as_bytes().split_at(split);
+            let mut s = Scrubber::new(up.scrub.clone());
+            let mut out = s.feed(a);
+            out.extend(s.feed(b));
+            out.extend(s.finish());
+            check(out, &format!("split at {split}"));
+            // A pause between the two halves (the upstream idle for a second).
+            let mut s = Scrubber::new(up.scrub.clone());
+            let mut out = s.feed(a);
+            out.extend(s.pause());
+            out.extend(s.feed(b));
+            out.extend(s.finish());
+            check(out, &format!("pause at {split}"));
         }
+        // Nothing is held back that cannot begin a form.
+        let mut s = Scrubber::new(up.scrub.clone());
+        assert_eq!(s.feed(b"plain text, no credentials"), b"plain text, no credentials");
+        assert_eq!(s.feed(b"ends with YWdl"), b"ends with ");
+        assert_eq!(s.pause(), b"", "a tail that may begin the token waits");
+        assert_eq!(s.finish(), b"YWdl");
         // Short credentials are passed on (overwriting them would take ordinary text out).
         let short = Upstream::with_credentials("p:1".into(), vec![], Some(("u".into(), "p".into())));
         assert!(short.scrub.is_empty() && short.authorization.is_some());
         let mut none = Scrubber::new(vec![]);
-        assert_eq!(none.feed(b"abc"), b"abc");
+        assert_eq!(none.feed(b"abc%"), b"abc%");
     }
 
     #[test]
@@ -1079,6 +1197,8 @@ mod tests {
             allow: vec!["203.0.113.0/24".parse().unwrap()],
             always_denied: vec!["169.254.0.0/16".parse().unwrap(), "127.0.0.0/8".parse().unwrap()],
             allow_any: false,
+            host: vec![],
+            names: vec![],
         };
         let p = policy(Some(&["api.example.test", "*.cdn.test", "203.0.113.0/24"]), &["bad.cdn.test"], &[(443, 443)]);
         let name = |n: &str| Host::Name(n.into());
@@ -1107,5 +1227,12 @@ mod tests {
         // Named in the allow list, localhost is the operator's choice.
         let named = policy(Some(&["localhost"]), &[], &[]);
         assert_eq!(judge(&named, &rules, &name("localhost"), 443), Ok(()));
+        // The host's own addresses, and the configured proxy by name: never.
+        let rules =
+            AddressRules { host: vec!["192.0.2.1".parse().unwrap()], names: vec!["proxy.corp.test".into()], ..rules };
+        assert_eq!(judge(&any, &rules, &addr("192.0.2.1"), 22), Err("unreachable"));
+        assert_eq!(judge(&any, &rules, &addr("::ffff:192.0.2.1"), 22), Err("unreachable"));
+        assert_eq!(judge(&any, &rules, &name("proxy.corp.test"), 3128), Err("unreachable"));
+        assert_eq!(judge(&any, &rules, &name("www.corp.test"), 443), Ok(()));
     }
 }

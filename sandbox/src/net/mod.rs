@@ -194,6 +194,9 @@ pub struct Firewall {
     /// The agent's forward proxy ([`PROXY_PORT`] on the IPv4 gateway, TCP) is reachable,
     /// whatever the allow list and ports say: it judges each request by them itself.
     pub proxy: bool,
+    /// The address pools: never reachable (the other links' gateways are the host's), but
+    /// for the sandbox's own gateway's DNS and proxy.
+    pub pool: Vec<IpNet>,
     /// New connections (anything but loopback) are blocked while the sandbox has this many
     /// tracked: each is also an entry in the host's conntrack table, shared by the host.
     pub max_connections: u32,

@@ -18,13 +18,13 @@
 //!     ct state new ct count over max_connections    goto blocked
 //!     meta nfproto ipv4 goto out4 · meta nfproto ipv6 goto out6 · goto blocked
 //! chain out4 / out6 — first match wins
-//!     daddr in a denied net                         goto blocked   (deny always wins)
-//!     (v6) ICMPv6 neighbour discovery, MLD          accept
-//!     daddr == gateway, udp|tcp dport 53            accept         (dns_allowed only)
-//!     daddr == gateway, tcp dport PROXY_PORT        accept         (the agent's proxy, with network.proxy)
-//!     daddr == gateway                              goto blocked   (never the host)
+//!     (v4) saddr != the sandbox's                   goto blocked
+//!     (v4) daddr == gateway, udp|tcp dport 53       accept         (dns_allowed only)
+//!     (v4) daddr == gateway, tcp dport PROXY_PORT   accept         (the agent's proxy, with network.proxy)
+//!     daddr in a denied net                         goto blocked   (deny wins over everything else)
+//!     (v6) ICMPv6 neighbour discovery, MLD          accept · saddr != the sandbox's goto blocked
+//!     daddr == gateway, daddr in the pool           goto blocked   (never the host, nor another link)
 //!     udp|tcp dport 53                              goto blocked   (no other resolver)
-//!     tcp dport PROXY_PORT                          goto blocked   (no other gateway's proxy port)
 //!     daddr in an allowed net                       goto ports
 //!     daddr @dyn4 / @dyn6 (from allowed names)      goto ports
 //!     daddr in an always-denied range               goto blocked
@@ -532,6 +532,32 @@ pub(crate) fn load_sandbox_ruleset(
         let family = |n: &&IpNet| n.addr.is_ipv6() == v6;
         if !v6 {
             b.rule(chain, join(vec![source_is_not(IpAddr::V4(address4)), vec![goto("blocked")]]));
+            // The agent's own services on the IPv4 gateway, before the deny list (a denied
+            // network covering the pool — `10.0.0.0/8` — would otherwise cut them off while
+            // resolv.conf and the proxy environment name them; both judge every query and
+            // request by the policy themselves): DNS to the forwarder (the sandbox's
+            // resolv.conf names it; port 53 of the IPv6 gateway could be a host resolver
+            // that answers for any name), and the forward proxy (its environment names it).
+            let gw_net = IpNet::host(IpAddr::V4(gateway4));
+            if fw.dns {
+                for proto in [IPPROTO_UDP, IPPROTO_TCP] {
+                    b.rule(
+                        chain,
+                        join(vec![addr_in(&gw_net, false), l4proto(proto), dport_range(53, 53), vec![accept()]]),
+                    );
+                }
+            }
+            if fw.proxy {
+                b.rule(
+                    chain,
+                    join(vec![
+                        addr_in(&gw_net, false),
+                        l4proto(IPPROTO_TCP),
+                        dport_range(super::PROXY_PORT, super::PROXY_PORT),
+                        vec![accept()],
+                    ]),
+                );
+            }
         }
         for net in fw.deny.iter().filter(family) {
             b.rule(chain, join(vec![addr_in(net, false), vec![goto("blocked")]]));
@@ -562,46 +588,22 @@ pub(crate) fn load_sandbox_ruleset(
                 None => b.rule(chain, vec![goto("blocked")]),
             }
         }
+        // Never the host (its gateway address), nor any other address of the pool: the
+        // other links' gateways are the host's too, where the host table lets DNS and the
+        // proxy port through (to another link's agent services, which would not answer, or
+        // to a listener of the host's own on every address), and the other sandboxes are
+        // never reachable. Whatever an allow list covers.
         let gateway: Option<IpAddr> = if v6 { gateway6.map(IpAddr::V6) } else { Some(IpAddr::V4(gateway4)) };
         if let Some(gw) = gateway {
-            let gw_net = IpNet::host(gw);
-            // DNS to the forwarder, which listens on the IPv4 gateway only (the sandbox's
-            // resolv.conf names it): port 53 of the IPv6 gateway could be a host resolver
-            // that answers for any name.
-            if fw.dns && !v6 {
-                for proto in [IPPROTO_UDP, IPPROTO_TCP] {
-                    b.rule(
-                        chain,
-                        join(vec![addr_in(&gw_net, false), l4proto(proto), dport_range(53, 53), vec![accept()]]),
-                    );
-                }
-            }
-            // The agent's forward proxy, on the IPv4 gateway as the forwarder is (the
-            // sandbox's proxy environment names it), which judges each request itself.
-            if fw.proxy && !v6 {
-                b.rule(
-                    chain,
-                    join(vec![
-                        addr_in(&gw_net, false),
-                        l4proto(IPPROTO_TCP),
-                        dport_range(super::PROXY_PORT, super::PROXY_PORT),
-                        vec![accept()],
-                    ]),
-                );
-            }
-            b.rule(chain, join(vec![addr_in(&gw_net, false), vec![goto("blocked")]]));
+            b.rule(chain, join(vec![addr_in(&IpNet::host(gw), false), vec![goto("blocked")]]));
         }
-        // DNS goes to the agent's forwarder only, never straight to another resolver; and
-        // the proxy port to the agent's proxy only (the host table accepts it on every
-        // gateway: another link's, where an allow list covers the pool, could be a listener
-        // of the host's own).
+        for net in fw.pool.iter().filter(family) {
+            b.rule(chain, join(vec![addr_in(net, false), vec![goto("blocked")]]));
+        }
+        // DNS goes to the agent's forwarder only, never straight to another resolver.
         for proto in [IPPROTO_UDP, IPPROTO_TCP] {
             b.rule(chain, join(vec![l4proto(proto), dport_range(53, 53), vec![goto("blocked")]]));
         }
-        b.rule(
-            chain,
-            join(vec![l4proto(IPPROTO_TCP), dport_range(super::PROXY_PORT, super::PROXY_PORT), vec![goto("blocked")]]),
-        );
         for net in fw.allow.iter().filter(family) {
             b.rule(chain, join(vec![addr_in(net, false), vec![goto("ports")]]));
         }
