@@ -749,9 +749,13 @@ impl EgressRun {
         let plan = crate::egress::plan(policy, &settings, &proxy_addrs).map_err(crate::executor_run::CannotRun)?;
         let proxy_upstreams = match proxies {
             Some(p) => {
-                let rules = crate::egress_proxy::AddressRules::of(&plan.firewall)
-                    .with_host_and(&p)
+                let host = crate::egress_proxy::host_addresses()
                     .map_err(|e| crate::executor_run::CannotRun(format!("network egress: {e}")))?;
+                let mut never: Vec<IpNet> = host.into_iter().map(IpNet::host).collect();
+                never.push(settings.pool.v4);
+                never.extend(settings.pool.v6);
+                let rules = crate::egress_proxy::AddressRules::of(&plan.firewall)
+                    .with_never(with_nat64(&never, &settings.nat64), p.names.clone());
                 Some((p, rules))
             }
             None => None,

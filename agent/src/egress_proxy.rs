@@ -30,17 +30,18 @@
 //!   reach the sandbox: a client's own `Proxy-Authorization` is dropped, the upstream's
 //!   answer to a `CONNECT` is not passed on (a 2xx becomes the tunnel, anything else a `502`
 //!   naming its status), and in its answers to plain requests the credentials (the token,
-//!   `user:password`, the password; 8 characters or more), as written or percent-encoded
-//!   any way, are overwritten with as many `*` ([`Scrubber`]) — a proxy's error page can
-//!   quote the request's headers (an answer compressed, chunked across a form or in HTML
-//!   entities is not recognised);
+//!   `user:password`, the password; 8 characters or more), as written, percent-encoded any
+//!   way or with `/` JSON-escaped, are overwritten with as many `*` ([`Scrubber`]) — a
+//!   proxy's error page can quote the request's headers (an answer compressed, chunked
+//!   across a form or in HTML entities is not recognised);
 //! - names are judged as names: the upstream proxy resolves them, and where they lead from
 //!   there is its to judge (a name is never resolved here: one inside a denied network, or
 //!   pointing at a metadata address, passes unless a name rule refuses it). Names that are
 //!   addresses in another form (`0x7f.1`, `2130706433`), which a resolver would read as one,
 //!   are refused, and so is `localhost` (and names below it) unless the allow list names it;
 //! - never a target: the agent host's own addresses (the host table refuses the sandbox the
-//!   host; through the proxy it would be reached from outside) and the configured proxies,
+//!   host; through the proxy it would be reached from outside), the address pools (other
+//!   sandboxes, other links' gateways), whatever an allow list covers, and the configured proxies,
 //!   by name or address — asked for itself, a proxy would carry requests unjudged. Their
 //!   addresses (every A and AAAA at the run's start) are denied to the sandbox too
 //!   (`egress::plan`): a proxy is reached only through here (another name of it, or an
@@ -141,21 +142,42 @@ enum Match {
     No,
 }
 
+/// How `form` matches `buf` from `at`: each of its bytes as itself, percent-encoded
+/// (`%2F`, `%2f`) or, for `/`, JSON-escaped (`\/`). Where a byte could be read two ways
+/// (a form's `%`: itself, or the start of `%25`) both are tried; the best answer wins.
 fn match_at(buf: &[u8], at: usize, form: &[u8]) -> Match {
-    let mut p = at;
-    for &want in form {
-        match buf.get(p) {
-            None => return Match::Partial,
-            Some(&c) if c == want => p += 1,
-            Some(b'%') => match (buf.len() - p < 3, percent_byte(&buf[p..])) {
-                (true, _) if buf[p + 1..].iter().all(u8::is_ascii_hexdigit) => return Match::Partial,
-                (false, Some(c)) if c == want => p += 3,
-                _ => return Match::No,
-            },
-            Some(_) => return Match::No,
+    let Some((&want, rest)) = form.split_first() else { return Match::Whole(at) };
+    let Some(&c) = buf.get(at) else { return Match::Partial };
+    let mut best = Match::No;
+    let mut consider = |m: Match| {
+        best = match (&best, m) {
+            (Match::Whole(_), _) => return,
+            (_, m @ Match::Whole(_)) => m,
+            (Match::No, m) => m,
+            (_, _) => Match::Partial,
+        }
+    };
+    if c == want {
+        consider(match_at(buf, at + 1, rest));
+    }
+    if c == b'%' {
+        let tail = &buf[at + 1..];
+        match percent_byte(&buf[at..]) {
+            Some(decoded) if decoded == want => consider(match_at(buf, at + 3, rest)),
+            Some(_) => {}
+            // `%` or `%X` at the end: it may yet be this byte.
+            None if tail.len() < 2 && tail.iter().all(u8::is_ascii_hexdigit) => consider(Match::Partial),
+            None => {}
         }
     }
-    Match::Whole(p)
+    if c == b'\\' && want == b'/' {
+        match buf.get(at + 1) {
+            Some(b'/') => consider(match_at(buf, at + 2, rest)),
+            None => consider(Match::Partial),
+            Some(_) => {}
+        }
+    }
+    best
 }
 
 impl Scrubber {
@@ -237,9 +259,11 @@ pub struct AddressRules {
     pub allow: Vec<IpNet>,
     pub always_denied: Vec<IpNet>,
     pub allow_any: bool,
-    /// The agent host's own addresses: never a target, as the host table refuses the
-    /// sandbox the host (through the proxy, the host would be reached from outside).
-    pub host: Vec<IpAddr>,
+    /// Never a target, whatever the allow list says: the agent host's own addresses (the
+    /// host table refuses the sandbox the host; through the proxy it would be reached from
+    /// outside) and the address pools (other sandboxes, other links' gateways) — with
+    /// their NAT64 and 6to4 forms.
+    pub never: Vec<IpNet>,
     /// Names never a target: the configured proxies' ([`Upstreams::names`]).
     pub names: Vec<String>,
 }
@@ -251,27 +275,35 @@ impl AddressRules {
             allow: fw.allow.clone(),
             always_denied: fw.always_denied.clone(),
             allow_any: fw.allow_any,
-            host: Vec::new(),
+            never: Vec::new(),
             names: Vec::new(),
         }
     }
 
-    /// With the host's own addresses (every interface's) and the configured proxies' names.
-    pub fn with_host_and(mut self, upstreams: &Upstreams) -> Result<AddressRules, String> {
-        let addrs = nix::ifaddrs::getifaddrs().map_err(|e| format!("cannot list the host's addresses: {e}"))?;
-        for a in addrs.filter_map(|i| i.address) {
-            let ip = match (a.as_sockaddr_in(), a.as_sockaddr_in6()) {
-                (Some(v4), _) => IpAddr::V4(v4.ip()),
-                (_, Some(v6)) => IpAddr::V6(v6.ip()),
-                _ => continue,
-            };
-            if !self.host.contains(&ip) {
-                self.host.push(ip);
-            }
-        }
-        self.names = upstreams.names.clone();
-        Ok(self)
+    /// With the addresses never a target ([`AddressRules::never`]) and the names
+    /// ([`AddressRules::names`]).
+    pub fn with_never(mut self, never: Vec<IpNet>, names: Vec<String>) -> AddressRules {
+        self.never = never;
+        self.names = names;
+        self
     }
+}
+
+/// The agent host's own addresses, every interface's.
+pub fn host_addresses() -> Result<Vec<IpAddr>, String> {
+    let addrs = nix::ifaddrs::getifaddrs().map_err(|e| format!("cannot list the host's addresses: {e}"))?;
+    let mut out = Vec::new();
+    for a in addrs.filter_map(|i| i.address) {
+        let ip = match (a.as_sockaddr_in(), a.as_sockaddr_in6()) {
+            (Some(v4), _) => IpAddr::V4(v4.ip()),
+            (_, Some(v6)) => IpAddr::V6(v6.ip()),
+            _ => continue,
+        };
+        if !out.contains(&ip) {
+            out.push(ip);
+        }
+    }
+    Ok(out)
 }
 
 /// What the proxy did, for the result.
@@ -570,7 +602,7 @@ pub fn judge(policy: &NetworkPolicy, rules: &AddressRules, host: &Host, port: u1
             };
             if rules.deny.iter().any(|n| n.contains(a)) {
                 Err("denied")
-            } else if rules.host.contains(&a) {
+            } else if rules.never.iter().any(|n| n.contains(a)) {
                 Err("unreachable")
             } else if rules.allow.iter().any(|n| n.contains(a)) {
                 Ok(())
@@ -829,17 +861,31 @@ fn answer(mut stream: &TcpStream, status: u16, text: &str) {
     let _ = stream.write_all(head.as_bytes());
     let _ = stream.write_all(body.as_bytes());
     let _ = stream.shutdown(Shutdown::Write);
+}
+
+/// [`answer`], then [`drain`]: on a connection's own thread only (never the listener's).
+fn answer_and_drain(stream: &TcpStream, status: u16, text: &str) {
+    answer(stream, status, text);
     drain(stream);
 }
 
-/// Read what the client still sends, briefly, before the socket is closed: closed with
-/// unread bytes (a request body, a request pipelined behind) it would send a reset, and
-/// the client could lose the answer written just before.
+/// How long [`drain`] reads at most, and how much.
+const DRAIN_FOR: Duration = Duration::from_millis(500);
+const DRAIN_BYTES: usize = 64 * 1024;
+
+/// Read what the client still sends, briefly ([`DRAIN_FOR`], [`DRAIN_BYTES`] at most),
+/// before the socket is closed: closed with unread bytes (a request body, a request
+/// pipelined behind) it would send a reset, and the client could lose the answer written
+/// just before.
 fn drain(mut stream: &TcpStream) {
-    let _ = stream.set_read_timeout(Some(Duration::from_millis(200)));
+    let deadline = Instant::now() + DRAIN_FOR;
     let mut sink = [0u8; 4096];
-    let mut left = 64 * 1024;
+    let mut left = DRAIN_BYTES;
     while left > 0 {
+        let time = deadline.saturating_duration_since(Instant::now());
+        if time.is_zero() || stream.set_read_timeout(Some(time)).is_err() {
+            return;
+        }
         match stream.read(&mut sink) {
             Ok(0) => return,
             Ok(n) => left -= n.min(left),
@@ -930,7 +976,7 @@ fn serve(mut client: TcpStream, slot: &Slot) {
         Err(Some(r)) => {
             ctx.report().requests += 1;
             ctx.refuse("(unreadable request)", r.reason);
-            answer(&client, r.status, &r.detail);
+            answer_and_drain(&client, r.status, &r.detail);
             return;
         }
     };
@@ -939,7 +985,7 @@ fn serve(mut client: TcpStream, slot: &Slot) {
         Ok(r) => r,
         Err(r) => {
             ctx.refuse("(unreadable request)", r.reason);
-            answer(&client, r.status, &r.detail);
+            answer_and_drain(&client, r.status, &r.detail);
             return;
         }
     };
@@ -947,7 +993,7 @@ fn serve(mut client: TcpStream, slot: &Slot) {
     if let Err(reason) = judge(&ctx.policy, &ctx.rules, &request.host, request.port) {
         ctx.refuse(&target, reason);
         let shown = ctx.who.redactor.dns_name(&target);
-        answer(&client, 403, &format!("{shown} is refused by the executor's network policy ({reason})"));
+        answer_and_drain(&client, 403, &format!("{shown} is refused by the executor's network policy ({reason})"));
         return;
     }
     let connect = request.path.is_none();
@@ -957,13 +1003,13 @@ fn serve(mut client: TcpStream, slot: &Slot) {
         ctx.upstreams.http.as_ref().or(ctx.upstreams.https.as_ref())
     };
     let Some(upstream) = upstream else {
-        answer(&client, 502, "no upstream proxy is configured");
+        answer_and_drain(&client, 502, "no upstream proxy is configured");
         return;
     };
     let Some(mut up) = upstream.addrs.iter().find_map(|a| TcpStream::connect_timeout(a, UPSTREAM_CONNECT_TIMEOUT).ok())
     else {
         ctx.report().upstream_failed += 1;
-        answer(&client, 502, &format!("the upstream proxy {} cannot be reached", upstream.label));
+        answer_and_drain(&client, 502, &format!("the upstream proxy {} cannot be reached", upstream.label));
         return;
     };
     if !ctx.track(id, &up) {
@@ -972,7 +1018,7 @@ fn serve(mut client: TcpStream, slot: &Slot) {
     let _ = up.set_write_timeout(Some(UPSTREAM_ANSWER_TIMEOUT));
     if up.write_all(&request.head_for_upstream(upstream.authorization.as_deref())).is_err() {
         ctx.report().upstream_failed += 1;
-        answer(&client, 502, &format!("the upstream proxy {} closed the connection", upstream.label));
+        answer_and_drain(&client, 502, &format!("the upstream proxy {} closed the connection", upstream.label));
         return;
     }
     if connect {
@@ -989,12 +1035,16 @@ fn serve(mut client: TcpStream, slot: &Slot) {
             Ok((answer_head, _)) => {
                 ctx.report().upstream_failed += 1;
                 let status = status_of(&answer_head);
-                answer(&client, 502, &format!("the upstream proxy answered the CONNECT to {target} with {status}"));
+                answer_and_drain(
+                    &client,
+                    502,
+                    &format!("the upstream proxy answered the CONNECT to {target} with {status}"),
+                );
                 return;
             }
             Err(_) => {
                 ctx.report().upstream_failed += 1;
-                answer(&client, 502, &format!("the upstream proxy did not answer the CONNECT to {target}"));
+                answer_and_drain(&client, 502, &format!("the upstream proxy did not answer the CONNECT to {target}"));
                 return;
             }
         };
@@ -1177,6 +1227,18 @@ mod tests {
             out.extend(s.finish());
             check(out, &format!("pause at {split}"));
         }
+        // A `%` of the credentials' own, written as `%25`, and a `/` JSON-escaped.
+        let pct = Upstream::with_credentials("p:1".into(), vec![], Some(("agent".into(), "pa%ss1234/x".into())));
+        let text = b"pa%25ss1234%2Fx agent%3Apa%25ss1234/x pa%ss1234/x pa%ss1234\\/x pa%25ss1234\\/x".to_vec();
+        for split in 0..text.len() {
+            let mut s = Scrubber::new(pct.scrub.clone());
+            let mut out = s.feed(&text[..split]);
+            out.extend(s.pause());
+            out.extend(s.feed(&text[split..]));
+            out.extend(s.finish());
+            assert_eq!(out.len(), text.len());
+            assert!(out.iter().all(|&b| b == b'*' || b == b' '), "split at {split}: {}", String::from_utf8_lossy(&out));
+        }
         // Nothing is held back that cannot begin a form.
         let mut s = Scrubber::new(up.scrub.clone());
         assert_eq!(s.feed(b"plain text, no credentials"), b"plain text, no credentials");
@@ -1197,7 +1259,7 @@ mod tests {
             allow: vec!["203.0.113.0/24".parse().unwrap()],
             always_denied: vec!["169.254.0.0/16".parse().unwrap(), "127.0.0.0/8".parse().unwrap()],
             allow_any: false,
-            host: vec![],
+            never: vec![],
             names: vec![],
         };
         let p = policy(Some(&["api.example.test", "*.cdn.test", "203.0.113.0/24"]), &["bad.cdn.test"], &[(443, 443)]);
@@ -1228,11 +1290,19 @@ mod tests {
         let named = policy(Some(&["localhost"]), &[], &[]);
         assert_eq!(judge(&named, &rules, &name("localhost"), 443), Ok(()));
         // The host's own addresses, and the configured proxy by name: never.
-        let rules =
-            AddressRules { host: vec!["192.0.2.1".parse().unwrap()], names: vec!["proxy.corp.test".into()], ..rules };
+        let rules = AddressRules {
+            never: vec!["192.0.2.1/32".parse().unwrap(), "10.213.0.0/16".parse().unwrap()],
+            names: vec!["proxy.corp.test".into()],
+            ..rules
+        };
         assert_eq!(judge(&any, &rules, &addr("192.0.2.1"), 22), Err("unreachable"));
         assert_eq!(judge(&any, &rules, &addr("::ffff:192.0.2.1"), 22), Err("unreachable"));
         assert_eq!(judge(&any, &rules, &name("proxy.corp.test"), 3128), Err("unreachable"));
         assert_eq!(judge(&any, &rules, &name("www.corp.test"), 443), Ok(()));
+        // The pools, whatever the allow list covers.
+        let wide = policy(Some(&["10.0.0.0/8"]), &[], &[]);
+        let wide_rules = AddressRules { allow: vec!["10.0.0.0/8".parse().unwrap()], allow_any: false, ..rules };
+        assert_eq!(judge(&wide, &wide_rules, &addr("10.213.0.6"), 80), Err("unreachable"));
+        assert_eq!(judge(&wide, &wide_rules, &addr("10.1.0.6"), 80), Ok(()));
     }
 }
