@@ -2094,6 +2094,33 @@ fn manage_forwarding_never_switches_on_ipv6_forwarding() {
     assert_host_clean(&lab);
 }
 
+/// OUTSIDE routes the address pool through HOST, whose `rp_filter` is loose: a neighbour
+/// that reaches the sandboxes' gateway addresses (the host's own) from another interface.
+fn route_outside_to_the_pool(lab: &Lab) {
+    lab.outside.ip(&["route", "add", "10.213.0.0/16", "via", HOST_V4]);
+    for conf in ["all", "default", netlab::HOST_IF] {
+        netlab::sysctl_in(&lab.host.name, &format!("net.ipv4.conf.{conf}.rp_filter"), "0");
+    }
+}
+
+/// The gateway address of the run under way in HOST, once its link is there (30 s at most,
+/// and never after the run ended).
+fn gateway_of_the_run<T>(lab: &Lab, run: &std::thread::ScopedJoinHandle<'_, T>) -> String {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let addrs = lab.host.output("ip", &["-4", "-o", "addr", "show"]);
+        let gateway = addrs.lines().filter(|l| l.contains(" opsv")).find_map(|l| {
+            let cidr = l.split_whitespace().skip_while(|w| *w != "inet").nth(1)?;
+            Some(cidr.split('/').next()?.to_string())
+        });
+        if let Some(g) = gateway {
+            return g;
+        }
+        assert!(Instant::now() < deadline && !run.is_finished(), "the run's veth never appeared in HOST");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// The DNS forwarder answers its sandbox only. It listens on the gateway's address, which is
 /// the host's own: a neighbour that routes to it through another interface (here OUTSIDE,
 /// given a route to the pool via HOST) reaches that address — the control, another port of
@@ -2108,20 +2135,10 @@ fn the_dns_forwarder_answers_only_its_sandbox() {
         return;
     }
     let lab = Lab::new();
-    lab.outside.ip(&["route", "add", "10.213.0.0/16", "via", HOST_V4]);
-    for conf in ["all", "default", netlab::HOST_IF] {
-        netlab::sysctl_in(&lab.host.name, &format!("net.ipv4.conf.{conf}.rp_filter"), "0");
-    }
+    route_outside_to_the_pool(&lab);
     // The control: a listener of HOST's own on every address, the gateway's included.
     let control = lab.host.run(|| std::net::TcpListener::bind("0.0.0.0:5300")).expect("control listener");
     let conf = Conf::new("");
-    let gateway_of_the_run = || -> Option<String> {
-        let addrs = lab.host.output("ip", &["-4", "-o", "addr", "show"]);
-        addrs.lines().filter(|l| l.contains(" opsv")).find_map(|l| {
-            let cidr = l.split_whitespace().skip_while(|w| *w != "inet").nth(1)?;
-            Some(cidr.split('/').next()?.to_string())
-        })
-    };
     std::thread::scope(|scope| {
         let run = scope.spawn(|| {
             probe(
@@ -2132,14 +2149,7 @@ fn the_dns_forwarder_answers_only_its_sandbox() {
                 json!([["sleep", 2], ["resolve", "allowed.test"], ["sleep", 6]]),
             )
         });
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let gateway = loop {
-            if let Some(g) = gateway_of_the_run() {
-                break g;
-            }
-            assert!(Instant::now() < deadline && !run.is_finished(), "the run's veth never appeared in HOST");
-            std::thread::sleep(Duration::from_millis(20));
-        };
+        let gateway = gateway_of_the_run(&lab, &run);
         let server = format!("{gateway}:53");
         let gw: Ipv4Addr = gateway.parse().unwrap();
         let client = Ipv4Addr::from(u32::from(gw) + 1);
@@ -2192,20 +2202,10 @@ fn the_agents_proxy_serves_only_its_sandbox() {
         return;
     }
     let lab = Lab::new();
-    lab.outside.ip(&["route", "add", "10.213.0.0/16", "via", HOST_V4]);
-    for conf in ["all", "default", netlab::HOST_IF] {
-        netlab::sysctl_in(&lab.host.name, &format!("net.ipv4.conf.{conf}.rp_filter"), "0");
-    }
+    route_outside_to_the_pool(&lab);
     let upstream = lab.proxy("198.51.100.11:3128");
     lab.dns.set("proxy.lab.test", &["198.51.100.11"]);
     let conf = Conf::new("  proxy:\n    https: \"http://proxy.lab.test:3128\"\n");
-    let gateway_of_the_run = || -> Option<String> {
-        let addrs = lab.host.output("ip", &["-4", "-o", "addr", "show"]);
-        addrs.lines().filter(|l| l.contains(" opsv")).find_map(|l| {
-            let cidr = l.split_whitespace().skip_while(|w| *w != "inet").nth(1)?;
-            Some(cidr.split('/').next()?.to_string())
-        })
-    };
     let request = "CONNECT api.allowed.test:443 HTTP/1.1\r\n\r\n";
     std::thread::scope(|scope| {
         let run = scope.spawn(|| {
@@ -2230,14 +2230,7 @@ fn the_agents_proxy_serves_only_its_sandbox() {
                 ]),
             )
         });
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let gateway = loop {
-            if let Some(g) = gateway_of_the_run() {
-                break g;
-            }
-            assert!(Instant::now() < deadline && !run.is_finished(), "the run's veth never appeared in HOST");
-            std::thread::sleep(Duration::from_millis(20));
-        };
+        let gateway = gateway_of_the_run(&lab, &run);
         let answer = lab.outside.run(|| {
             // The run's proxy listens by the time its sandbox uses it, 2 s in.
             std::thread::sleep(Duration::from_millis(2500));

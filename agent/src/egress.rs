@@ -807,6 +807,11 @@ impl EgressRun {
         let r = self.reservation.take().ok_or("network egress: attached twice")?;
         let (gateway, client) = (r.gateway4, r.address4);
         let egress = r.attach(monitor).map_err(|e| format!("network egress: {e}"))?;
+        let querier = || crate::dns::Querier {
+            executor: executor.to_string(),
+            command_id: command_id.to_string(),
+            redactor: self.redactor.clone(),
+        };
         if self.policy.dns {
             let allow = self.policy.has_allowed_names().then(|| egress.dynamic_allow());
             let fwd = crate::dns::Forwarder::spawn(
@@ -816,11 +821,7 @@ impl EgressRun {
                 self.policy.clone(),
                 self.upstreams.clone(),
                 allow,
-                crate::dns::Querier {
-                    executor: executor.to_string(),
-                    command_id: command_id.to_string(),
-                    redactor: self.redactor.clone(),
-                },
+                querier(),
             )
             .map_err(|e| format!("network egress: DNS forwarder on {gateway}:53: {e}"))?;
             self.forwarder = Some(fwd);
@@ -834,11 +835,7 @@ impl EgressRun {
                 self.policy.clone(),
                 rules,
                 upstreams,
-                crate::dns::Querier {
-                    executor: executor.to_string(),
-                    command_id: command_id.to_string(),
-                    redactor: self.redactor.clone(),
-                },
+                querier(),
             )
             .map_err(|e| format!("network egress: the agent's proxy on {gateway}:{port}: {e}"))?;
             self.proxy = Some(proxy);

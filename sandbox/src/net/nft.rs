@@ -727,11 +727,12 @@ pub(crate) fn create_host_table_tagged(
     // Towards sandboxes only replies; nothing unsolicited.
     b.rule("forward", join(vec![ifname_prefix(true), ct_established(), vec![accept()]]));
     b.rule("forward", join(vec![ifname_prefix(true), vec![drop_()]]));
-    // The host itself: replies, and DNS to the agent's forwarder (on a sandbox link's IPv4
-    // gateway, an address of `pool4`); nothing else — not port 53 of the host's other
-    // addresses, where a resolver of the host's own may answer.
+    // The host itself: replies, DNS to the agent's forwarder and TCP to its forward proxy
+    // (`network.proxy`), on a sandbox link's IPv4 gateway (an address of `pool4`); nothing
+    // else — not port 53 of the host's other addresses, where a resolver of the host's own
+    // may answer.
     b.rule("input", join(vec![ifname_prefix(false), ct_established(), vec![accept()]]));
-    for proto in [IPPROTO_UDP, IPPROTO_TCP] {
+    for (proto, port) in [(IPPROTO_UDP, 53), (IPPROTO_TCP, 53), (IPPROTO_TCP, super::PROXY_PORT)] {
         b.rule(
             "input",
             join(vec![
@@ -739,23 +740,11 @@ pub(crate) fn create_host_table_tagged(
                 nfproto(NFPROTO_IPV4),
                 addr_in(pool4, false),
                 l4proto(proto),
-                dport_range(53, 53),
+                dport_range(port, port),
                 vec![accept()],
             ]),
         );
     }
-    // The agent's forward proxy (`network.proxy`), on the same gateway addresses.
-    b.rule(
-        "input",
-        join(vec![
-            ifname_prefix(false),
-            nfproto(NFPROTO_IPV4),
-            addr_in(pool4, false),
-            l4proto(IPPROTO_TCP),
-            dport_range(super::PROXY_PORT, super::PROXY_PORT),
-            vec![accept()],
-        ]),
-    );
     // ICMPv6 neighbour discovery towards the host end.
     b.rule(
         "input",
