@@ -245,12 +245,6 @@ pub struct Upstreams {
     pub names: Vec<String>,
 }
 
-impl Upstreams {
-    pub fn is_empty(&self) -> bool {
-        self.http.is_none() && self.https.is_none()
-    }
-}
-
 /// The firewall's address rules ([`sandbox::net::Firewall`]), for targets written as
 /// addresses.
 #[derive(Debug, Clone, Default)]

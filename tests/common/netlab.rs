@@ -884,19 +884,23 @@ impl Lab {
                             _ => return,
                         }
                     }
+                    // After an answer: what else arrives within `ms`, kept.
+                    let read_on = |s: &mut TcpStream, buf: &mut [u8], ms: u64| {
+                        let _ = s.set_read_timeout(Some(Duration::from_millis(ms)));
+                        while let Ok(n) = s.read(buf) {
+                            if n == 0 {
+                                break;
+                            }
+                            keep(&buf[..n]);
+                        }
+                    };
                     let text = String::from_utf8_lossy(&head).to_string();
                     let line = text.split("\r\n").next().unwrap_or_default().to_string();
                     if line.starts_with("CONNECT refused.") {
                         // A refusal quoting the request, the connection kept open after it.
                         let reply = format!("HTTP/1.1 403 Forbidden\r\nContent-Length: {}\r\n\r\n{text}", text.len());
                         let _ = s.write_all(reply.as_bytes());
-                        let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
-                        while let Ok(n) = s.read(&mut buf) {
-                            if n == 0 {
-                                break;
-                            }
-                            keep(&buf[..n]);
-                        }
+                        read_on(&mut s, &mut buf, 500);
                     } else if line.starts_with("CONNECT ") {
                         let _ = s.write_all(b"HTTP/1.1 200 Connection established\r\n\r\n");
                         loop {
@@ -914,13 +918,7 @@ impl Lab {
                             if line.contains("/echo-headers") { text.clone() } else { format!("proxied {line}") };
                         let reply = format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{body}", body.len());
                         let _ = s.write_all(reply.as_bytes());
-                        let _ = s.set_read_timeout(Some(Duration::from_millis(300)));
-                        while let Ok(n) = s.read(&mut buf) {
-                            if n == 0 {
-                                break;
-                            }
-                            keep(&buf[..n]);
-                        }
+                        read_on(&mut s, &mut buf, 300);
                     }
                     let _ = s.shutdown(std::net::Shutdown::Both);
                 });
